@@ -1,0 +1,125 @@
+"""Synchronous HTTP client of the pool service, for the magics, the CLI and
+the kernel provisioner.
+
+It speaks the REST API of ``docs/api.md`` and turns every failure into a
+:class:`~gpupool.errors.GPUPoolError` whose message a person can act on.
+Blocking by design: the magics run in the kernel's main thread and must stay
+interruptible, so each call has a timeout and no event loop is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from .errors import GPUPoolError
+from .schema import Lease, LeaseRequest
+
+ENV_URL = "GPUPOOL_URL"
+ENV_TOKEN = "GPUPOOL_TOKEN"
+
+
+class ServiceClient:
+    """Client of ``{url}/api/v1``.
+
+    ``url`` is the service's base URL (``http://127.0.0.1:8765`` standalone,
+    ``http://hub:8000/services/gpupool`` behind JupyterHub); ``token`` is sent
+    as ``Authorization: token ...``; ``timeout`` is seconds per call (long
+    polls add their wait to it).
+    """
+
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "ServiceClient":
+        """Build from ``GPUPOOL_URL`` and ``GPUPOOL_TOKEN`` (falling back to
+        ``JUPYTERHUB_API_TOKEN``, which kernels under JupyterHub inherit).
+
+        Raises GPUPoolError ``not_configured`` when no URL is set.
+        """
+        env = os.environ if environ is None else environ
+        url = env.get(ENV_URL)
+        if not url:
+            raise GPUPoolError("not_configured", f"no gpupool service configured: set {ENV_URL} "
+                               "(the gpupool kernelspec sets it for you; see `gpupool kernelspec install --help`)", 503)
+        return cls(url, env.get(ENV_TOKEN) or env.get("JUPYTERHUB_API_TOKEN"))
+
+    def request(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
+                timeout: float | None = None) -> Any:
+        """One call; returns the decoded JSON body. Raises GPUPoolError."""
+        url = f"{self.url}/api/v1{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"token {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise self._error_from(exc, url) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise GPUPoolError("service_unavailable", f"cannot reach the gpupool service at {self.url} ({reason}); "
+                               f"is it running? Check {ENV_URL}.", 503) from None
+        return json.loads(raw) if raw else None
+
+    @staticmethod
+    def _error_from(exc: urllib.error.HTTPError, url: str) -> GPUPoolError:
+        try:
+            body = json.loads(exc.read() or b"{}")
+        except ValueError:
+            body = {}
+        if isinstance(body, dict) and "message" in body:
+            return GPUPoolError.from_json(exc.code, body)
+        if exc.code in (401, 403):
+            return GPUPoolError("unauthorized", f"the gpupool service refused the token (HTTP {exc.code}); "
+                                f"check {ENV_TOKEN}", exc.code)
+        return GPUPoolError("http_error", f"the gpupool service answered HTTP {exc.code} {exc.reason} for {url}", exc.code)
+
+    # -- leases ---------------------------------------------------------------
+
+    def create_lease(self, request: LeaseRequest) -> Lease:
+        """``POST /leases``: returns the new lease (state ``starting``)."""
+        return Lease.from_json(self.request("POST", "/leases", request.to_json()))
+
+    def get_lease(self, lease_id: str, *, wait: float | None = None, state: str | None = None) -> Lease:
+        """``GET /leases/{id}``; with ``wait`` seconds and ``state``, long-polls
+        until the lease leaves ``state`` or the wait ends."""
+        params = {"wait": wait, "state": state} if wait else None
+        timeout = self.timeout + (wait or 0)
+        return Lease.from_json(self.request("GET", f"/leases/{_quote(lease_id)}", params=params, timeout=timeout))
+
+    def list_leases(self, *, kernel_id: str | None = None, active: bool = True) -> list[Lease]:
+        """``GET /leases``: the caller's own leases (only those holding capacity
+        unless ``active=False``)."""
+        body = self.request("GET", "/leases", params={"kernel_id": kernel_id, "active": int(active)})
+        return [Lease.from_json(item) for item in body["leases"]]
+
+    def heartbeat(self, lease_id: str) -> Lease:
+        """``POST /leases/{id}/heartbeat``: renews the lease, returns it."""
+        return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/heartbeat", {}))
+
+    def release(self, lease_id: str, reason: str | None = None) -> Lease:
+        """``DELETE /leases/{id}``: stops the worker, records usage; idempotent
+        for a lease that already ended."""
+        return Lease.from_json(self.request("DELETE", f"/leases/{_quote(lease_id)}", params={"reason": reason}))
+
+    def pool(self) -> dict[str, Any]:
+        """``GET /pool``: nodes, GPUs and their allocation."""
+        return self.request("GET", "/pool")
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")

@@ -1,0 +1,245 @@
+"""The wire schema shared by the service, the agent and the client.
+
+Units on the wire: fractions as numbers, memory in bytes, durations in
+seconds, times as ISO 8601 UTC strings. See ``docs/api.md`` for every
+endpoint; this module holds the shapes and their validation, in one place so
+the service and its clients cannot disagree.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import bad_request
+
+
+class LeaseState(str, enum.Enum):
+    """Lease life cycle: ``queued -> starting -> active -> releasing -> released``,
+    with ``failed`` and ``reclaimed`` as other ends (DESIGN.md, Contracts)."""
+
+    queued = "queued"
+    starting = "starting"
+    active = "active"
+    releasing = "releasing"
+    released = "released"
+    failed = "failed"
+    reclaimed = "reclaimed"
+
+    @property
+    def ended(self) -> bool:
+        """True for the three final states."""
+        return self in (LeaseState.released, LeaseState.failed, LeaseState.reclaimed)
+
+    @property
+    def holds_capacity(self) -> bool:
+        """True while the lease's slice is reserved on its GPU(s)."""
+        return self in (LeaseState.starting, LeaseState.active, LeaseState.releasing)
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now in UTC (the one clock of the wire format)."""
+    return datetime.now(timezone.utc)
+
+
+def isoformat(moment: datetime | None) -> str | None:
+    """ISO 8601 UTC with a ``Z`` suffix, or None."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """Inverse of :func:`isoformat`."""
+    if text is None:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _number(body: dict[str, Any], key: str, *, required: bool = False) -> float | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise bad_request(f"'{key}' is required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise bad_request(f"'{key}' must be a non-empty string of at most {max_len} characters")
+    return value
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """What a client asks for with ``POST /api/v1/leases``.
+
+    ``fraction`` in (0, 1] of one GPU, or ``gpu_count`` N >= 2 whole GPUs on one
+    node (then ``fraction`` is 1). ``memory`` in bytes (None: the fraction's
+    share of the GPU's usable memory), ``model`` a substring of the GPU name
+    (``"A100"``), ``idle_timeout`` seconds (None: the pool's default),
+    ``kernel_id`` the notebook kernel that holds the lease (used to release
+    its leases when the kernel stops).
+    """
+
+    fraction: float = 1.0
+    gpu_count: int = 1
+    memory: int | None = None
+    model: str | None = None
+    idle_timeout: float | None = None
+    kernel_id: str | None = None
+
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id")
+
+    @classmethod
+    def from_json(cls, body: Any) -> "LeaseRequest":
+        """Validate a request body. Raises a 400 GPUPoolError naming the field."""
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        unknown = sorted(set(body) - set(cls.KEYS))
+        if unknown:
+            raise bad_request(f"unknown field(s): {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+        fraction = _number(body, "fraction")
+        count = _number(body, "gpu_count")
+        if count is not None and (count != int(count) or count < 1 or count > 64):
+            raise bad_request(f"'gpu_count' must be a whole number from 1 to 64, got {body['gpu_count']!r}")
+        count = int(count or 1)
+        if fraction is None:
+            fraction = 1.0
+        if not 0 < fraction <= 1:
+            raise bad_request(f"'fraction' must be in (0, 1], got {body['fraction']!r}; ask for whole GPUs with 'gpu_count'")
+        if count > 1 and fraction != 1:
+            raise bad_request("a request for several GPUs takes whole GPUs: leave 'fraction' out or set it to 1")
+        memory = _number(body, "memory")
+        if memory is not None and (memory < 1 or memory != int(memory) or memory > 2**50):
+            raise bad_request(f"'memory' must be a whole number of bytes from 1 to 2**50, got {body['memory']!r}")
+        idle = _number(body, "idle_timeout")
+        if idle is not None and not 0 < idle <= 366 * 86400:
+            raise bad_request(f"'idle_timeout' must be seconds in (0, 31622400], got {body['idle_timeout']!r}")
+        return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
+                   model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The request body, without unset fields."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """One GPU as an agent reports it at registration.
+
+    ``memory_total`` and ``memory_reserved`` (driver-reserved) in bytes;
+    ``compute_capability`` like ``"8.0"`` or None when unknown.
+    """
+
+    uuid: str
+    name: str
+    index: int
+    memory_total: int
+    memory_reserved: int = 0
+    compute_capability: str | None = None
+
+    @classmethod
+    def from_json(cls, body: Any) -> "GPUInfo":
+        """Validate one GPU entry of a node registration (400 on bad input)."""
+        if not isinstance(body, dict):
+            raise bad_request("each GPU must be a JSON object")
+        uuid, name = _text(body, "uuid"), _text(body, "name")
+        if not uuid or not name:
+            raise bad_request("each GPU needs 'uuid' and 'name'")
+        index = _number(body, "index", required=True)
+        total = _number(body, "memory_total", required=True)
+        reserved = _number(body, "memory_reserved") or 0
+        if total <= 0 or reserved < 0 or reserved >= total:
+            raise bad_request(f"GPU {uuid}: memory_total must be > 0 and memory_reserved in [0, total)")
+        return cls(uuid=uuid, name=name, index=int(index), memory_total=int(total),
+                   memory_reserved=int(reserved), compute_capability=_text(body, "compute_capability"))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class WorkerReport:
+    """One worker as the agent reports it in a node heartbeat.
+
+    ``execution_state`` is the kernel's last IOPub status (``starting``,
+    ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
+    cell ended (None while busy); ``exit_code`` once dead (negative: signal).
+    """
+
+    lease_id: str
+    pid: int | None
+    execution_state: str
+    idle_since: str | None = None
+    exit_code: int | None = None
+    memory_used: int | None = None
+
+    STATES = ("starting", "idle", "busy", "dead")
+
+    @classmethod
+    def from_json(cls, body: Any) -> "WorkerReport":
+        """Validate one worker entry of a heartbeat (400 on bad input)."""
+        if not isinstance(body, dict) or not isinstance(body.get("lease_id"), str):
+            raise bad_request("each worker report needs a 'lease_id'")
+        state = body.get("execution_state")
+        if state not in cls.STATES:
+            raise bad_request(f"execution_state must be one of {', '.join(cls.STATES)}")
+        pid = body.get("pid")
+        exit_code = body.get("exit_code")
+        memory = body.get("memory_used")
+        return cls(lease_id=body["lease_id"], pid=pid if isinstance(pid, int) else None,
+                   execution_state=state, idle_since=body.get("idle_since"),
+                   exit_code=exit_code if isinstance(exit_code, int) else None,
+                   memory_used=memory if isinstance(memory, int) else None)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Lease:
+    """A lease as the client sees it (``GET /api/v1/leases/{id}``).
+
+    Read-only view over the JSON; ``connection`` (Jupyter connection info,
+    with the HMAC ``key``) is present only for the owner and only while active.
+    """
+
+    id: str
+    owner: str
+    state: LeaseState
+    fraction: float
+    gpu_count: int
+    memory: int
+    node: str | None = None
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    reason: str | None = None
+    idle_timeout: float | None = None
+    heartbeat_ttl: float | None = None
+    kernel_id: str | None = None
+    created_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    idle_since: str | None = None
+    worker: dict[str, Any] | None = None
+    connection: dict[str, Any] | None = None
+    usage_gpu_seconds: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "Lease":
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in body.items() if k in known}
+        values["state"] = LeaseState(values["state"])
+        return cls(**values)

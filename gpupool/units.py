@@ -1,0 +1,117 @@
+"""Human units at the edges: sizes, durations, GPU amounts.
+
+On the wire everything is plain numbers (bytes, seconds, fractions); these
+parsers are the one place where ``20GiB``, ``30m`` or ``0.5`` written by a
+person are turned into numbers, and where numbers are turned back into words.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+_DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse a memory size such as ``20GiB``, ``512MB`` or ``1073741824``.
+
+    Binary suffixes (KiB, MiB, GiB, TiB, also ``Gi``) are powers of 1024,
+    decimal ones (KB, MB, GB, TB, also ``G``) powers of 1000, as in
+    Kubernetes quantities. Returns whole bytes (> 0).
+
+    Raises ValueError with a message naming the accepted forms.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"memory size must be a number of bytes or a string like '20GiB', not {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER_UNIT.match(str(text))
+        if not match or match.group(2).lower() not in _BYTE_UNITS:
+            raise ValueError(f"cannot read {text!r} as a memory size; write it like '20GiB', '512MiB' or '16GB'")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    size = value * _BYTE_UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise ValueError(f"memory size must be at least 1 byte, got {text!r}")
+    return int(size)
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Parse a duration such as ``30m``, ``90s``, ``1.5h``, ``2d`` or ``45``.
+
+    A bare number is seconds. Returns seconds (> 0, finite).
+
+    Raises ValueError naming the accepted forms.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"duration must be seconds or a string like '30m', not {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER_UNIT.match(str(text))
+        if not match or match.group(2).lower() not in _DURATION_UNITS:
+            raise ValueError(f"cannot read {text!r} as a duration; write it like '90s', '30m', '2h' or '1d'")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    seconds = value * _DURATION_UNITS[unit]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"duration must be more than 0 seconds, got {text!r}")
+    return seconds
+
+
+def parse_gpu_amount(text: str | int | float) -> tuple[float, int]:
+    """Parse how much GPU a request asks for.
+
+    Returns ``(fraction, count)``: a fraction in (0, 1] of one GPU with count 1,
+    or ``(1.0, N)`` for N whole GPUs on one node (N >= 1 integer).
+    ``0.5`` -> (0.5, 1); ``1`` -> (1.0, 1); ``2`` -> (1.0, 2).
+
+    Raises ValueError for zero, negatives, non-numbers and amounts above 1
+    that are not whole (``1.5``: ask for 1 or 2).
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"GPU amount must be a number, not {text!r}")
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"cannot read {text!r} as a GPU amount; write a fraction like 0.5 or a whole count like 2") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"GPU amount must be more than 0, got {text!r}")
+    if value <= 1:
+        return value, 1
+    if value != int(value):
+        raise ValueError(f"GPU amount {text!r} is above 1 but not whole: ask for a fraction of one GPU (<= 1) or whole GPUs (2, 3, ...)")
+    return 1.0, int(value)
+
+
+def format_bytes(size: int | float | None) -> str:
+    """``85899345920`` -> ``'80.0 GiB'``; None -> ``'unknown'``."""
+    if size is None:
+        return "unknown"
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(size) >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{int(size)} B"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; None -> ``'unknown'``."""
+    if seconds is None:
+        return "unknown"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    parts = []
+    for unit, factor in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        amount, seconds = divmod(seconds, factor)
+        if amount:
+            parts.append(f"{amount}{unit}")
+    return " ".join(parts[:2])
