@@ -1,0 +1,28 @@
+# gpupool: `make demo` and `make test` each set themselves up from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch for the example notebook; on a GPU host set
+# TORCH_SPEC to the build for your CUDA version (e.g. TORCH_SPEC=torch).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean gpu-check bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[all]"
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/gpupool demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .state build *.egg-info

@@ -1,0 +1,61 @@
+"""Tables for ``%gpu status``, ``%gpu pool`` and ``gpupool status``, as text and HTML.
+
+Pure functions: lease or pool JSON in, ``(text, html)`` out, so the same
+table serves a notebook (HTML) and a terminal or the ``gpupool status``
+command (text).
+"""
+
+from __future__ import annotations
+
+import html
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from .schema import Lease, parse_time
+from .units import format_bytes, format_duration
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, str]:
+    """``(aligned text, HTML <table>)`` of ``rows`` under ``headers``."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
+    text = "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in cells)
+    return text, f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
+    """Time left before idle reclaim: ``'busy'`` while a cell runs, else e.g. ``'29m 12s'``."""
+    worker = lease.worker or {}
+    if worker.get("execution_state") == "busy":
+        return "busy (never reclaimed while a cell runs)"
+    since = parse_time(lease.idle_since)
+    if since is None or lease.idle_timeout is None:
+        return "unknown"
+    now = now or datetime.now(timezone.utc)
+    return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
+
+
+def lease_table(leases: Sequence[Lease]) -> tuple[str, str]:
+    """One row per lease: id, state, node, GPU, fraction, memory limit, worker, idle countdown."""
+    rows = []
+    for lease in leases:
+        gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
+        share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
+        worker = (lease.worker or {}).get("execution_state", "-")
+        rows.append([lease.id, lease.state.value, lease.node or "-", gpus, share, format_bytes(lease.memory),
+                     worker, idle_countdown(lease) if lease.state.value == "active" else "-"])
+    return table(["lease", "state", "node", "GPU", "share", "memory limit", "worker", "idle release in"], rows)
+
+
+def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
+    """One row per GPU of ``GET /pool``: node, state, GPU, memory, allocated share, leases."""
+    rows = []
+    for node in pool.get("nodes", []):
+        for gpu in node.get("gpus", []):
+            rows.append([node["name"], node.get("state", "?"), f"{gpu['index']}: {gpu['name']}",
+                         format_bytes(gpu.get("memory_total")), f"{gpu.get('allocated_fraction', 0):.2f}",
+                         gpu.get("leases", 0)])
+    return table(["node", "state", "GPU", "memory", "allocated", "leases"], rows)

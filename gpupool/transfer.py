@@ -1,0 +1,86 @@
+"""Moving Python values between the notebook kernel and a worker.
+
+Values are pickled one by one with cloudpickle (so functions and classes
+defined in a notebook travel by value) using pickle protocol 5 with
+out-of-band buffers, so a NumPy array's memory goes onto the wire as its own
+ZeroMQ frame without an extra copy (PEP 574). One value that cannot be
+pickled (a lock, a generator, an open file) is reported by name and type and
+does not stop the others.
+
+Wire shape (inside a Jupyter comm message): a JSON header
+``{"items": [{"name", "type", "nbytes", "nbuffers"}], "errors": {name: why}}``
+and a flat list of buffers; item *i* owns the next ``nbuffers`` buffers, the
+first being the pickle stream and the rest its out-of-band buffers.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Iterable
+
+import cloudpickle
+
+PROTOCOL = 5
+
+
+def dump_values(values: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview | bytes]]:
+    """Pickle ``values`` (name -> object) into ``(header, buffers)``.
+
+    Never raises for a value that cannot be pickled: it is listed in
+    ``header["errors"]`` as ``"TypeName: reason"`` instead.
+    """
+    items: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    buffers: list[memoryview | bytes] = []
+    for name, value in values.items():
+        out_of_band: list[pickle.PickleBuffer] = []
+        try:
+            stream = cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=out_of_band.append)
+        except Exception as exc:  # any failure of one value is that value's alone
+            errors[name] = f"{type(value).__name__} cannot be sent: {_first_line(exc)}"
+            continue
+        raws = [buf.raw() for buf in out_of_band]
+        items.append({"name": name, "type": _type_name(value), "nbuffers": 1 + len(raws),
+                      "nbytes": len(stream) + sum(r.nbytes for r in raws)})
+        buffers.append(stream)
+        buffers.extend(raws)
+    return {"items": items, "errors": errors}, buffers
+
+
+def load_values(header: dict[str, Any], buffers: Iterable[memoryview | bytes]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Inverse of :func:`dump_values`: returns ``(values, errors)``.
+
+    A value whose unpickling fails (a module missing on this side, say) is
+    reported in ``errors`` by name with the reason; the others still load.
+    """
+    queue = list(buffers)
+    values: dict[str, Any] = {}
+    errors: dict[str, str] = dict(header.get("errors", {}))
+    position = 0
+    for item in header.get("items", []):
+        count = int(item["nbuffers"])
+        stream, extra = queue[position], queue[position + 1:position + count]
+        position += count
+        try:
+            values[item["name"]] = pickle.loads(stream, buffers=extra)
+        except Exception as exc:
+            errors[item["name"]] = f"{item.get('type', 'value')} cannot be loaded here: {_first_line(exc)}"
+    return values, errors
+
+
+def describe(items: list[dict[str, Any]]) -> str:
+    """``"x (ndarray, 1.0 MiB), y (int, 5 B)"`` for a one-line note."""
+    from .units import format_bytes
+
+    return ", ".join(f"{i['name']} ({i['type']}, {format_bytes(i['nbytes'])})" for i in items)
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    module = kind.__module__
+    return kind.__qualname__ if module in ("builtins", "__main__") else f"{module.split('.')[0]}.{kind.__qualname__}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,96 @@
+"""Replays a worker's IOPub messages as outputs of the local cell.
+
+Each message kind maps to what the local kernel would have produced itself:
+``stream`` to ``sys.stdout``/``sys.stderr`` (so carriage-return progress bars
+work), ``display_data``/``update_display_data`` through the display publisher
+(display handles keep their ids), ``execute_result`` through the displayhook
+(so it is the cell's ``Out[n]``), ``clear_output`` as itself, and ``error``
+kept to be raised as :class:`RemoteError` when the cell ends. Streams are
+flushed before any other output so the order is the worker's order.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+from IPython.core.getipython import get_ipython
+from IPython.display import clear_output, publish_display_data
+
+_IGNORED = {"execute_input", "comm_open", "comm_msg", "comm_close", "shutdown_reply", "debug_event"}
+
+
+class RemoteError(Exception):
+    """An exception raised by a cell on the worker.
+
+    IPython shows ``_render_traceback_()`` instead of a local traceback (as
+    ipyparallel's ``RemoteError`` does), so the user sees the worker's
+    traceback only. :func:`remote_error` builds a subclass named after the
+    remote exception, so the cell's error says ``ZeroDivisionError``.
+    """
+
+    def __init__(self, ename: str, evalue: str, traceback: list[str]) -> None:
+        super().__init__(evalue)
+        self.ename, self.evalue, self.traceback = ename, evalue, traceback
+
+    def _render_traceback_(self) -> list[str]:
+        return self.traceback or [f"{self.ename}: {self.evalue}"]
+
+    def __str__(self) -> str:
+        return self.evalue
+
+
+def remote_error(content: dict[str, Any]) -> RemoteError:
+    """A RemoteError subclass named like the remote exception, from an
+    ``error`` message's content (``ename``, ``evalue``, ``traceback``)."""
+    ename = str(content.get("ename", "RemoteError"))
+    name = ename if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", ename) else "RemoteError"
+    kind = type(name, (RemoteError,), {"__module__": "gpupool.remote"})
+    return kind(ename, str(content.get("evalue", "")), list(content.get("traceback", [])))
+
+
+class OutputRelay:
+    """Callable for :meth:`RemoteKernel.execute`: one IOPub message in, the
+    same output out in the current cell. ``error`` holds the remote error's
+    content after the cell, if any."""
+
+    def __init__(self) -> None:
+        self.error: dict[str, Any] | None = None
+
+    def __call__(self, msg: dict[str, Any]) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            stream = sys.stderr if content.get("name") == "stderr" else sys.stdout
+            stream.write(content.get("text", ""))
+            return
+        if kind in _IGNORED:
+            return
+        _flush()
+        if kind in ("display_data", "update_display_data"):
+            publish_display_data(content.get("data", {}), content.get("metadata", {}),
+                                 transient=content.get("transient") or None,
+                                 update=kind == "update_display_data")
+        elif kind == "execute_result":
+            _show_result(content.get("data", {}), content.get("metadata", {}))
+        elif kind == "clear_output":
+            clear_output(wait=bool(content.get("wait")))
+        elif kind == "error":
+            self.error = content
+
+
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _show_result(data: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Emit the remote result as this cell's ``execute_result`` (``Out[n]``)."""
+    hook = getattr(get_ipython(), "displayhook", None)
+    if hook is None:
+        publish_display_data(data, metadata)
+        return
+    hook.start_displayhook()
+    hook.write_output_prompt()
+    hook.write_format_data(data, metadata)
+    hook.finish_displayhook()

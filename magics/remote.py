@@ -1,0 +1,164 @@
+"""A blocking connection to one worker kernel over the Jupyter protocol.
+
+Why not ``jupyter_client.BlockingKernelClient``: the magics run inside a
+cell, in the kernel's main thread, while ipykernel's own asyncio loop is
+running; the blocking client's sync wrappers need a loop of their own. This
+class uses the same building blocks (``jupyter_client.session.Session`` for
+signing and framing, pyzmq sockets) with plain polling, so every wait is
+bounded and Ctrl-C (SIGINT in the main thread) interrupts it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable
+
+import zmq
+from jupyter_client.session import Session
+
+from gpupool.errors import GPUPoolError
+
+POLL_MS = 50
+
+
+class RemoteKernel:
+    """Shell, IOPub, stdin and control sockets to a worker.
+
+    ``connection`` is the lease's Jupyter connection info (``ip``,
+    ``transport``, ``*_port``, ``key`` as str, ``signature_scheme``).
+    """
+
+    def __init__(self, connection: dict[str, Any]) -> None:
+        self.connection = connection
+        key = connection["key"]
+        self.session = Session(key=key.encode() if isinstance(key, str) else key,
+                               signature_scheme=connection.get("signature_scheme", "hmac-sha256"),
+                               username="gpupool")
+        self.context = zmq.Context()
+        ident = uuid.uuid4().hex.encode()
+        self.shell = self._socket(zmq.DEALER, "shell_port", ident)
+        self.stdin = self._socket(zmq.DEALER, "stdin_port", ident)
+        self.control = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
+        self.iopub = self._socket(zmq.SUB, "iopub_port")
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.poller = zmq.Poller()
+        for sock in (self.shell, self.iopub, self.stdin):
+            self.poller.register(sock, zmq.POLLIN)
+
+    def _socket(self, kind: int, port_key: str, ident: bytes | None = None) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.linger = 0
+        if ident is not None:
+            sock.identity = ident
+        info = self.connection
+        sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[port_key]}")
+        return sock
+
+    def close(self) -> None:
+        """Close the sockets; the worker itself is the agent's to stop."""
+        self.context.destroy(linger=0)
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Send ``kernel_info_request`` until IOPub delivers its status (the SUB
+        socket has joined) and the reply arrives; returns the reply content.
+
+        Raises GPUPoolError ``worker_unreachable`` after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self.session.send(self.shell, "kernel_info_request", {})
+            reply, saw_iopub = None, False
+            until = min(deadline, time.monotonic() + 1.0)
+            while time.monotonic() < until and not (reply and saw_iopub):
+                for sock, _ in self.poller.poll(POLL_MS):
+                    got = self._recv(sock)
+                    if got and got["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                        saw_iopub |= sock is self.iopub
+                        reply = got["content"] if sock is self.shell else reply
+            if reply and saw_iopub:
+                return reply
+        raise GPUPoolError("worker_unreachable", f"the worker at {self.connection['ip']} did not answer "
+                           f"within {timeout:.0f}s", 504)
+
+    def _recv(self, sock: zmq.Socket) -> dict[str, Any] | None:
+        _, parts = self.session.feed_identities(sock.recv_multipart(copy=False), copy=False)
+        return self.session.deserialize(parts, content=True, copy=False)
+
+    def execute(self, code: str, handler: Callable[[dict[str, Any]], None],
+                stdin_handler: Callable[[dict[str, Any]], str] | None = None,
+                check: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run ``code`` on the worker; returns the ``execute_reply`` content once
+        the worker is idle again and the reply has arrived.
+
+        Every IOPub message of this request goes to ``handler`` in order;
+        ``input_request`` goes to ``stdin_handler`` whose return value is sent
+        back; ``check`` runs between polls and may raise to abandon the cell
+        (the lease was lost). KeyboardInterrupt interrupts the worker, waits for
+        it to settle, and is raised again.
+        """
+        msg = self.session.send(self.shell, "execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": stdin_handler is not None, "stop_on_error": True})
+        return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)
+
+    def comm_request(self, target: str, data: dict[str, Any], buffers: list | None = None,
+                     timeout: float = 600.0) -> tuple[dict[str, Any], list]:
+        """Open a comm to ``target`` with ``data`` and ``buffers``; return the
+        first ``comm_msg`` it sends back as ``(data, buffers)``."""
+        comm_id = uuid.uuid4().hex
+        msg = self.session.send(self.shell, "comm_open", {"comm_id": comm_id, "target_name": target, "data": data},
+                                buffers=buffers or [])
+        answer: list[tuple[dict[str, Any], list]] = []
+
+        def collect(reply: dict[str, Any]) -> None:
+            if reply["header"]["msg_type"] == "comm_msg" and not answer:
+                answer.append((reply["content"]["data"], reply.get("buffers", [])))
+
+        self._until_idle(msg["header"]["msg_id"], collect, None, None, timeout=timeout, want_reply=False)
+        if not answer:
+            raise GPUPoolError("transfer_failed", f"the worker did not answer the {data.get('op')} request; "
+                               "is gpupool installed on the GPU node?", 502)
+        return answer[0]
+
+    def interrupt(self) -> None:
+        """Send ``interrupt_request`` on the control channel (the worker is
+        remote: a signal cannot reach it)."""
+        self.session.send(self.control, "interrupt_request", {})
+
+    def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
+                    want_reply: bool = True) -> dict[str, Any]:
+        reply: dict[str, Any] | None = None
+        idle = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interrupted_at: float | None = None
+        while not (idle and (reply is not None or not want_reply)):
+            try:
+                for sock, _ in self.poller.poll(POLL_MS):
+                    got = self._recv(sock)
+                    if got is None or got["parent_header"].get("msg_id") != msg_id:
+                        continue
+                    kind = got["header"]["msg_type"]
+                    if sock is self.shell:
+                        reply = got["content"]
+                    elif sock is self.stdin and kind == "input_request":
+                        value = stdin_handler(got["content"]) if stdin_handler else ""
+                        self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
+                    elif kind == "status":
+                        idle = got["content"]["execution_state"] == "idle"
+                    else:
+                        handler(got)
+                if check is not None:
+                    check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise GPUPoolError("worker_timeout", f"the worker did not finish within {timeout:.0f}s", 504)
+                if interrupted_at is not None and time.monotonic() - interrupted_at > 10:
+                    raise GPUPoolError("worker_unresponsive", "the worker did not stop within 10s of the interrupt; "
+                                       "it may be stuck in native code. %gpu release frees the slice.", 504)
+            except KeyboardInterrupt:
+                if interrupted_at is None:
+                    self.interrupt()
+                    interrupted_at = time.monotonic()
+        if interrupted_at is not None:
+            raise KeyboardInterrupt
+        return reply or {}

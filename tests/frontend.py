@@ -1,0 +1,105 @@
+"""Drive a kernel the way a notebook front end does, with jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+
+
+@dataclass
+class Cell:
+    """What one executed cell produced: IOPub outputs in order, and the reply."""
+
+    outputs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    reply: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.reply.get("status") == "ok"
+
+    @property
+    def stdout(self) -> str:
+        return "".join(c["text"] for kind, c in self.outputs if kind == "stream" and c["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(c["text"] for kind, c in self.outputs if kind == "stream" and c["name"] == "stderr")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [kind for kind, _ in self.outputs]
+
+    def text(self) -> str:
+        """Everything a person would read: streams, text/plain of results, error tracebacks."""
+        parts = []
+        for kind, content in self.outputs:
+            if kind == "stream":
+                parts.append(content["text"])
+            elif kind in ("display_data", "execute_result"):
+                parts.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                parts.append("\n".join(content["traceback"]))
+        return "\n".join(parts)
+
+
+def run(kc, code: str, timeout: float = 60, stdin: list[str] | None = None) -> Cell:
+    """Execute ``code`` and collect its outputs until the kernel is idle again.
+
+    ``stdin``: answers for ``input()`` prompts, in order.
+    """
+    answers = list(stdin or [])
+    msg_id = kc.execute(code, allow_stdin=bool(answers))
+    cell = Cell()
+    idle = False
+    while not idle:
+        if answers:
+            try:
+                request = kc.get_stdin_msg(timeout=0.05)
+                kc.input(answers.pop(0))
+                cell.outputs.append(("input_request", request["content"]))
+            except Exception:  # queue.Empty: no prompt yet
+                pass
+        try:
+            msg = kc.get_iopub_msg(timeout=timeout if not answers else 0.05)
+        except Exception:
+            if answers:
+                continue
+            raise
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind = msg["msg_type"]
+        if kind == "status":
+            idle = msg["content"]["execution_state"] == "idle"
+        elif kind != "execute_input":
+            cell.outputs.append((kind, msg["content"]))
+    cell.reply = kc.get_shell_msg(timeout=timeout)["content"]
+    return cell
+
+
+def install_kernelspec(prefix: Path, service_url: str, token: str) -> Path:
+    """``gpupool kernelspec install`` into ``prefix``; returns the kernels dir."""
+    token_file = prefix / "token"
+    prefix.mkdir(parents=True, exist_ok=True)
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    subprocess.run([sys.executable, "-m", "gpupool.cli", "kernelspec", "install", f"--prefix={prefix}",
+                    f"--url={service_url}", f"--token-file={token_file}"], check=True, capture_output=True)
+    return prefix / "share" / "jupyter" / "kernels"
+
+
+def start_gpupool_kernel(kernels_dir: Path, cwd: Path):
+    """Start a kernel from the installed ``gpupool`` spec; returns ``(km, kc)``."""
+    ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
+    km = KernelManager(kernel_name="gpupool", kernel_spec_manager=ksm)
+    km.start_kernel(cwd=str(cwd), env={**os.environ})
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return km, kc

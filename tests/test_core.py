@@ -1,0 +1,103 @@
+"""The shared core: units, request validation, transfer, tables."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import Lease, LeaseRequest, LeaseState
+from gpupool.tables import idle_countdown, lease_table, table
+from gpupool.transfer import describe, dump_values, load_values
+from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("20GiB", 20 * 1024**3), ("512MiB", 512 * 1024**2), ("16GB", 16 * 10**9), ("1.5Gi", int(1.5 * 1024**3)),
+    ("1024", 1024), (4096, 4096), ("2 tib", 2 * 1024**4),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1GiB", "0", "20 parsecs", "GiB", True, "nan", "1e400GiB"])
+def test_parse_bytes_refuses_with_the_accepted_forms(text):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text, expected", [("30m", 1800), ("90s", 90), ("1.5h", 5400), ("2d", 172800), ("45", 45), (3, 3)])
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-5m", "soon", "5 fortnights", False])
+def test_parse_duration_refuses(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("text, expected", [("0.5", (0.5, 1)), ("1", (1.0, 1)), ("2", (1.0, 2)), (0.25, (0.25, 1))])
+def test_parse_gpu_amount(text, expected):
+    assert parse_gpu_amount(text) == expected
+
+
+@pytest.mark.parametrize("text, words", [("0", "more than 0"), ("-1", "more than 0"), ("1.5", "not whole"),
+                                         ("half", "cannot read"), ("inf", "more than 0")])
+def test_parse_gpu_amount_refuses(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_gpu_amount(text)
+
+
+def test_formatting():
+    assert format_bytes(80 * 1024**3) == "80.0 GiB" and format_bytes(None) == "unknown"
+    assert format_duration(1830) == "30m 30s" and format_duration(7200) == "2h" and format_duration(5) == "5s"
+
+
+def test_lease_request_round_trip():
+    body = {"fraction": 0.5, "memory": 1024, "model": "A100", "idle_timeout": 600, "kernel_id": "k"}
+    assert LeaseRequest.from_json(body).to_json() == {**body, "fraction": 0.5, "gpu_count": 1}
+    assert LeaseRequest.from_json({"gpu_count": 2}).fraction == 1.0
+
+
+@pytest.mark.parametrize("body, words", [
+    ([], "JSON object"), ({"fraction": 0}, "in \\(0, 1\\]"), ({"fraction": 1.5}, "gpu_count"),
+    ({"fraction": "half"}, "must be a number"), ({"fraction": True}, "must be a number"),
+    ({"gpu_count": 2.5}, "whole number"), ({"gpu_count": 2, "fraction": 0.5}, "whole GPUs"),
+    ({"memory": -1}, "bytes"), ({"memory": 2**60}, "bytes"), ({"idle_timeout": 0}, "idle_timeout"),
+    ({"model": ""}, "non-empty"), ({"colour": "red"}, "unknown field"),
+])
+def test_lease_request_refusals_name_the_field(body, words):
+    with pytest.raises(GPUPoolError, match=words) as caught:
+        LeaseRequest.from_json(body)
+    assert caught.value.status == 400 and caught.value.code == "bad_request"
+
+
+def test_lease_states():
+    assert [s.value for s in LeaseState if s.ended] == ["released", "failed", "reclaimed"]
+    assert [s.value for s in LeaseState if s.holds_capacity] == ["starting", "active", "releasing"]
+
+
+def test_transfer_round_trip_is_zero_copy_for_arrays_and_isolates_bad_values():
+    array = np.arange(1_000_000, dtype=np.float32)
+    values = {"array": array, "square": lambda x: x * x, "lock": threading.Lock(), "text": "hi"}
+    header, buffers = dump_values(values)
+    assert [i["name"] for i in header["items"]] == ["array", "square", "text"]
+    assert "lock" in header["errors"] and "cannot be sent" in header["errors"]["lock"]
+    assert any(isinstance(b, memoryview) and b.nbytes == array.nbytes for b in buffers), "array sent out of band"
+    loaded, errors = load_values(header, [bytes(b) for b in buffers])
+    assert np.array_equal(loaded["array"], array) and loaded["square"](3) == 9 and loaded["text"] == "hi"
+    assert set(errors) == {"lock"}
+    assert "array (numpy.ndarray, 3.8 MiB)" in describe(header["items"])
+
+
+def test_tables_text_and_html():
+    text, html = table(["a", "b"], [["1", "<x>"]])
+    assert text.splitlines()[0].startswith("a") and "&lt;x&gt;" in html
+    lease = Lease.from_json({"id": "L-1", "owner": "u", "state": "active", "fraction": 0.5, "gpu_count": 1,
+                             "memory": 1024**3, "gpus": [{"index": 0, "name": "GPU"}], "idle_timeout": 60,
+                             "idle_since": "2026-01-01T00:00:00Z", "worker": {"execution_state": "busy"}})
+    assert "busy" in idle_countdown(lease)
+    assert "L-1" in lease_table([lease])[0] and "1.0 GiB" in lease_table([lease])[0]

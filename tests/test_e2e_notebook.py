@@ -1,0 +1,192 @@
+"""End to end: a real notebook kernel (gpupool kernelspec and provisioner)
+attaches to a real worker through a real service and agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from frontend import install_kernelspec, run, start_gpupool_kernel
+from gpupool.errors import GPUPoolError
+from gpupool.schema import LeaseRequest
+from procs import start_agent, start_service, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def e2e_pool(tmp_path_factory):
+    """Service (heartbeat TTL 3 s) and one agent with 2 simulated A100s, shared by this module."""
+    root = tmp_path_factory.mktemp("e2e")
+    service = start_service(root, config={"heartbeat_ttl": 3.0})
+    agent = start_agent(root, service)
+    kernels = install_kernelspec(root / "prefix", service.url, service.user_token)
+    yield service, agent, kernels
+    agent.stop()
+    service.stop()
+
+
+@pytest.fixture
+def kernel(e2e_pool, tmp_path):
+    """A notebook kernel on the gpupool kernelspec: ``(km, kc)``; shut down after."""
+    km, kc = start_gpupool_kernel(e2e_pool[2], tmp_path)
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=False)
+
+
+def _active_leases(service) -> list:
+    return service.client().list_leases(active=True)
+
+
+def _remote(kc, expression: str):
+    cell = run(kc, expression)
+    assert cell.ok, cell.text()
+    return eval(cell.outputs[-1][1]["data"]["text/plain"])  # noqa: S307 - a repr the test itself asked for
+
+
+def test_cells_run_on_the_worker_and_outputs_arrive_in_order(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    local_pid, local_lease = _remote(kc, "import os; (os.getpid(), os.environ.get('GPUPOOL_LEASE_ID'))")
+    attach = run(kc, "%gpu acquire 0.5")
+    assert attach.ok, attach.text()
+    assert "attached L-" in attach.stdout and "NVIDIA A100-SXM4-80GB" in attach.stdout
+
+    cell = run(kc, "import os, sys\nprint('one')\nfrom IPython.display import HTML, display\n"
+                   "display(HTML('<b>two</b>'))\nprint('three', file=sys.stderr)\n"
+                   "(os.getpid(), os.environ['GPUPOOL_LEASE_ID'])")
+    assert cell.ok, cell.text()
+    assert cell.kinds == ["stream", "display_data", "stream", "execute_result"]
+    assert cell.outputs[0][1] == {"name": "stdout", "text": "one\n"}
+    assert cell.outputs[1][1]["data"]["text/html"] == "<b>two</b>"
+    assert cell.outputs[2][1] == {"name": "stderr", "text": "three\n"}
+    result = cell.outputs[3][1]
+    assert result["execution_count"] == cell.reply["execution_count"]
+    worker_pid, lease_id = eval(result["data"]["text/plain"])  # noqa: S307
+    assert worker_pid != local_pid and lease_id.startswith("L-") and local_lease is None
+    assert [lease.id for lease in _active_leases(service)] == [lease_id]
+
+    failing = run(kc, "def train():\n    raise ValueError('boom from the worker')\ntrain()")
+    assert not failing.ok and failing.reply["ename"] == "ValueError"
+    (kind, error), = failing.outputs
+    assert kind == "error" and error["ename"] == "ValueError"
+    traceback = "\n".join(error["traceback"])
+    assert "boom from the worker" in traceback and "train()" in traceback
+    assert _remote(kc, "os.getpid()") == worker_pid, "the worker survives a failed cell"
+
+    released = run(kc, "%gpu release")
+    assert released.ok, released.text()
+    assert f"released {lease_id}" in released.stdout and "worker_pid" not in released.stdout
+    wait_for(lambda: not psutil.pid_exists(worker_pid), 10, "worker stopped after release")
+    assert _remote(kc, "os.getpid()") == local_pid, "after release cells run locally again"
+    assert _active_leases(service) == []
+
+
+def test_release_brings_variables_back_and_push_pull_move_them(kernel):
+    _, kc = kernel
+    assert run(kc, "import threading\nlocal_list = [1, 2, 3]\n%gpu acquire 0.25").ok
+    pushed = run(kc, "%gpu push local_list")
+    assert pushed.ok and "pushed 1 variable: local_list (list" in pushed.stdout
+    assert _remote(kc, "local_list + [4]") == [1, 2, 3, 4]
+    assert run(kc, "squares = {i: i * i for i in range(5)}\nlock = threading.Lock()").ok
+    pulled = run(kc, "%gpu pull squares")
+    assert pulled.ok and "pulled 1 variable" in pulled.stdout
+    released = run(kc, "%gpu release")
+    assert released.ok
+    assert "lock (_thread.lock cannot be sent" in released.stdout, released.stdout
+    assert _remote(kc, "squares[4], local_list, 'lock' in dir()") == (16, [1, 2, 3], False)
+
+
+def test_kernel_shutdown_releases_its_lease(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.5").ok
+    worker_pid = _remote(kc, "__import__('os').getpid()")
+    lease, = _active_leases(service)
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+    ended = service.client().get_lease(lease.id)
+    assert ended.state.value == "released"
+    assert not psutil.pid_exists(worker_pid)
+
+
+def test_a_killed_kernels_lease_is_reclaimed_after_the_heartbeat_ttl(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.5").ok
+    lease, = _active_leases(service)
+    os.kill(km.provisioner.pid, signal.SIGKILL)
+    client = service.client()
+    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 15, "heartbeat reclaim")
+    assert ended.state.value == "reclaimed" and "heartbeat" in ended.reason
+
+
+def test_idle_lease_is_released_and_the_notebook_says_so(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s").ok
+    lease, = _active_leases(service)
+    client = service.client()
+    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 15, "idle reclaim")
+    assert ended.state.value == "reclaimed" and "idle" in ended.reason
+    time.sleep(1.5)  # one client heartbeat sees it
+    cell = run(kc, "1 + 1")
+    assert not cell.ok
+    assert f"lease {lease.id} was reclaimed: idle" in cell.text() and "did not run" in cell.text()
+    assert _remote(kc, "1 + 1") == 2, "the next cell runs locally"
+
+
+def test_a_long_quiet_cell_is_not_reclaimed(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s").ok
+    cell = run(kc, "import time\ntime.sleep(5)\n'still attached'")
+    assert cell.ok and cell.outputs[-1][1]["data"]["text/plain"] == "'still attached'"
+    lease, = _active_leases(service)
+    assert lease.state.value == "active"
+
+
+def test_two_halves_share_a_gpu_the_third_goes_to_the_other_and_the_fifth_is_refused(e2e_pool):
+    service, _, _ = e2e_pool
+    client = service.client()
+    leases = []
+    try:
+        for _ in range(4):
+            lease = client.create_lease(LeaseRequest(fraction=0.5))
+            leases.append(client.get_lease(lease.id, wait=30, state="starting"))
+        assert all(lease.state.value == "active" for lease in leases)
+        gpus = [lease.gpus[0]["uuid"] for lease in leases]
+        assert gpus[0] == gpus[1] and gpus[2] == gpus[3] and gpus[0] != gpus[2]
+        with pytest.raises(GPUPoolError) as refused:
+            client.create_lease(LeaseRequest(fraction=0.5))
+        assert refused.value.code == "pool_full" and refused.value.status == 409
+        assert "0.50" in refused.value.message
+        assert len(_active_leases(service)) == 4, "the refusal changed nothing"
+    finally:
+        pids = [lease.worker["pid"] for lease in leases if lease.worker]
+        for lease in leases:
+            client.release(lease.id)
+    assert _active_leases(service) == []
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_quickstart_notebook_runs_headless(e2e_pool, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("JUPYTER_PATH", str(e2e_pool[2].parent))
+    nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="gpupool", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the matplotlib figure reached the notebook"
+    result = nb.cells[-1].outputs[-1]["data"]["application/json"]
+    assert result["accuracy"] > 0.9 and result["local_accuracy"] == pytest.approx(result["accuracy"])
+    assert _active_leases(e2e_pool[0]) == []
