@@ -1,0 +1,69 @@
+"""Bad input to the magics: one clear line, no traceback, nothing changed.
+
+Driven through a real IPython shell, as ipyparallel's magics tests do; the
+service URL points at a port where nothing listens, so any call that got
+past validation would fail with "cannot reach" instead of the message
+asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+
+from procs import free_port
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "gpupool.magics")
+    yield ip
+    ip.run_line_magic("unload_ext", "gpupool.magics")
+
+
+@pytest.fixture(autouse=True)
+def unreachable_service(monkeypatch):
+    monkeypatch.setenv("GPUPOOL_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("GPUPOOL_TOKEN", "t")
+
+
+@pytest.mark.parametrize("line, words", [
+    ("", "unknown %gpu command ''"),
+    ("frobnicate", "unknown %gpu command 'frobnicate'"),
+    ("acquire", "the following arguments are required: amount"),
+    ("acquire 0", "more than 0"),
+    ("acquire -0.5", "more than 0"),
+    ("acquire 1.5", "not whole"),
+    ("acquire half", "cannot read 'half'"),
+    ("acquire 0.5 --memory lots", "cannot read 'lots' as a memory size"),
+    ("acquire 0.5 --idle-timeout forever", "cannot read 'forever' as a duration"),
+    ("acquire 0.5 --colour red", "unrecognized arguments"),
+    ("release", "not attached"),
+    ("push", "needs variable names"),
+    ("push nothing_by_this_name", "not defined here: nothing_by_this_name"),
+    ("pull x", "not attached"),
+    ("status extra", "takes no arguments"),
+])
+def test_bad_input_is_one_usage_error(shell, line, words):
+    with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        shell.run_line_magic("gpu", line)
+    assert shell.magics_manager.registry["GPUMagics"].attachment is None
+
+
+def test_service_down_is_one_clear_line(shell):
+    with pytest.raises(UsageError, match="cannot reach the gpupool service at http://127.0.0.1:"):
+        shell.run_line_magic("gpu", "acquire 0.5")
+
+
+def test_missing_configuration_names_the_variable(shell, monkeypatch):
+    monkeypatch.delenv("GPUPOOL_URL")
+    shell.magics_manager.registry["GPUMagics"]._client = None
+    with pytest.raises(UsageError, match="set GPUPOOL_URL"):
+        shell.run_line_magic("gpu", "pool")
+
+
+def test_cells_are_not_routed_while_detached(shell):
+    magics = shell.magics_manager.registry["GPUMagics"]
+    assert magics.route(["x = 1\n"]) == ["x = 1\n"]
