@@ -136,8 +136,9 @@ def start_service(state_dir: Path, *, config_file: Path | None = None, ip: str =
     args = [*GPUPOOL, "service", f"--ip={ip}", f"--port={port or free_port(ip)}", f"--state-dir={state_dir}"]
     if config_file is not None:
         args.append(f"--config={config_file}")
-    proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
     wait_for(info_file.exists, timeout, "gpupool service", proc, log)
     return ServiceProcess(proc, json.loads(info_file.read_text())["url"], state_dir, log)
 
@@ -155,7 +156,8 @@ def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1
             f"--name={name}", f"--ip={ip}", f"--port={port}", f"--state-dir={state_dir}", *(extra_args or [])]
     if simulate:
         args.append(f"--simulate={simulate}")
-    proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     client = client or service.client()
 
     def registered() -> bool:

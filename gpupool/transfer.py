@@ -37,7 +37,7 @@ def dump_values(values: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview
         try:
             stream = cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=out_of_band.append)
         except Exception as exc:  # any failure of one value is that value's alone
-            errors[name] = f"{type(value).__name__} cannot be sent: {_first_line(exc)}"
+            errors[name] = f"{_type_name(value)} cannot be sent: {_first_line(exc)}"
             continue
         raws = [buf.raw() for buf in out_of_band]
         items.append({"name": name, "type": _type_name(value), "nbuffers": 1 + len(raws),

@@ -1,7 +1,7 @@
 """IPython extension loaded into every worker kernel on a GPU node.
 
-The agent starts each worker with ``--IPKernelApp.extensions`` naming this
-module. It gives the worker two things the notebook's client relies on:
+The agent starts each worker with ``--IPKernelApp.extra_extensions`` naming
+this module. It gives the worker two things the notebook's client relies on:
 
 - the ``gpupool.transfer`` comm target, through which the client pushes
   variables into the worker and pulls them back (see :mod:`gpupool.transfer`

@@ -91,11 +91,11 @@ def test_cells_run_on_the_worker_and_outputs_arrive_in_order(e2e_pool, kernel):
 
 def test_release_brings_variables_back_and_push_pull_move_them(kernel):
     _, kc = kernel
-    assert run(kc, "import threading\nlocal_list = [1, 2, 3]\n%gpu acquire 0.25").ok
+    assert run(kc, "local_list = [1, 2, 3]\n%gpu acquire 0.25").ok
     pushed = run(kc, "%gpu push local_list")
     assert pushed.ok and "pushed 1 variable: local_list (list" in pushed.stdout
     assert _remote(kc, "local_list + [4]") == [1, 2, 3, 4]
-    assert run(kc, "squares = {i: i * i for i in range(5)}\nlock = threading.Lock()").ok
+    assert run(kc, "import threading\nsquares = {i: i * i for i in range(5)}\nlock = threading.Lock()").ok
     pulled = run(kc, "%gpu pull squares")
     assert pulled.ok and "pulled 1 variable" in pulled.stdout
     released = run(kc, "%gpu release")

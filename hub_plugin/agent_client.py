@@ -1,0 +1,78 @@
+"""The service's calls to node agents (docs/api.md, "Agent").
+
+Every failure becomes a GPUPoolError naming the agent URL that was tried,
+so a log line or a lease's reason tells an admin where to look.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+from gpupool.errors import GPUPoolError
+
+
+class AgentClient:
+    """Async HTTP client of the agents, sending ``agent_token``.
+
+    One client serves all agents; ``max_clients`` bounds concurrent calls
+    (worker starts can take a while, so tornado's default of 10 is too few).
+    """
+
+    def __init__(self, agent_token: str, max_clients: int = 100) -> None:
+        self._token = agent_token
+        self._http = AsyncHTTPClient(force_instance=True, max_clients=max_clients)
+
+    async def start_worker(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """``POST {url}/workers``; returns ``{"pid", "connection"}``.
+
+        ``timeout`` seconds for the whole start. Raises GPUPoolError
+        ``worker_start_failed`` (with the agent's reason) or ``agent_unreachable``.
+        """
+        status, reply = await self._call("POST", f"{url}/workers", body, timeout)
+        if status != 201 or not isinstance(reply.get("connection"), dict):
+            raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
+        return reply
+
+    async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
+        """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,
+        or None when the agent did not know it (404: already gone).
+        Raises GPUPoolError ``agent_unreachable`` or ``worker_stop_failed``."""
+        status, reply = await self._call("DELETE", f"{url}/workers/{lease_id}", None, timeout)
+        if status == 404:
+            return None
+        if status != 200:
+            raise GPUPoolError("worker_stop_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
+        code = reply.get("exit_code")
+        return code if isinstance(code, int) else None
+
+    async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
+        request = HTTPRequest(
+            url, method=method, body=None if body is None else json.dumps(body),
+            headers={"Authorization": f"token {self._token}", "Content-Type": "application/json"},
+            connect_timeout=min(timeout, 10.0), request_timeout=timeout)
+        try:
+            response = await self._http.fetch(request, raise_error=False)
+        except (OSError, HTTPClientError) as exc:
+            raise _unreachable(url, exc) from None
+        if response.code == 599:  # tornado's code for "no HTTP answer" (timeout, refused)
+            raise _unreachable(url, response.error)
+        try:
+            reply = json.loads(response.body or b"{}")
+        except ValueError:
+            reply = {}
+        return response.code, reply if isinstance(reply, dict) else {}
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _reason(reply: dict[str, Any], fallback: str) -> str:
+    message = reply.get("message")
+    return message if isinstance(message, str) and message else fallback
+
+
+def _unreachable(url: str, exc: BaseException | None) -> GPUPoolError:
+    return GPUPoolError("agent_unreachable", f"the node agent at {url} did not answer ({exc})", 502)

@@ -1,0 +1,240 @@
+"""``gpupool service``: the pool service as a traitlets application.
+
+    gpupool service [--ip=127.0.0.1] [--port=8765] [--state-dir=.state/service]
+                    [--config=gpupool_config.py] [--GPUPool.idle_timeout=10m ...]
+
+Start-up: read the config file, prepare the state directory (tokens, SQLite
+file), bring the store to the latest migration, listen, write
+``STATE_DIR/service.json`` (``{"url", "pid"}``, atomically: tests and tools
+wait for it), resume leases a previous run left starting or releasing, and
+run the reclaim loop. SIGTERM or SIGINT stop it cleanly (exit 0); leases are
+kept as they are, and the next start continues with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from sqlalchemy.exc import SQLAlchemyError
+from tornado import web
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
+from traitlets import Integer, TraitError, Unicode, default
+from traitlets.config import Application
+
+from gpupool import __version__
+from gpupool.errors import GPUPoolError
+
+from .agent_client import AgentClient
+from .auth import TokenAuthenticator
+from .config import GPUPool
+from .db import Store
+from .handlers import health, leases as lease_handlers, metrics as metric_handlers, nodes as node_handlers
+from .handlers import openapi as openapi_handlers, pool as pool_handlers
+from .handlers.base import NotFoundHandler, ServiceContext
+from .leases import LeaseBook
+from .metrics import Metrics
+from .nodes import NodeBook
+from .reclaim import Reclaimer
+
+log = logging.getLogger("gpupool.service")
+
+ROUTES = (lease_handlers.routes + node_handlers.routes + pool_handlers.routes + health.routes
+          + openapi_handlers.routes + metric_handlers.routes)
+
+
+class ServiceApp(Application):
+    """The pool service: REST API, scheduler, idle reclaim, SQL store."""
+
+    name = "gpupool-service"
+    version = __version__
+    description = "The gpupool pool service: hands out slices of pooled GPUs to notebook kernels."
+    classes = [GPUPool]
+    # A broken config file stops the service instead of being skipped.
+    raise_config_file_errors = True
+    aliases = {
+        "ip": "ServiceApp.ip",
+        "port": "ServiceApp.port",
+        "state-dir": "ServiceApp.state_dir",
+        "config": "ServiceApp.config_file",
+        "log-level": "Application.log_level",
+    }
+
+    ip = Unicode("127.0.0.1", help="Address to listen on. Default: 127.0.0.1.").tag(config=True)
+    port = Integer(8765, help="Port to listen on (0: any free port). Default: 8765.").tag(config=True)
+    state_dir = Unicode(
+        ".state/service",
+        help="""Directory for the SQLite store, the token files and service.json;
+        created if missing. Default: ``.state/service``.""").tag(config=True)
+    config_file = Unicode(
+        "", help="""Python config file (``gpupool_config.py`` or ``jupyterhub_config.py``)
+        setting ``c.GPUPool.*``. Default: none.""").tag(config=True)
+
+    @default("log_level")
+    def _log_level_default(self) -> int:
+        return logging.INFO
+
+    def initialize(self, argv: list[str] | None = None) -> None:
+        super().initialize(argv)
+        if self.config_file:
+            path = Path(self.config_file).expanduser().resolve()
+            if not path.is_file():
+                raise GPUPoolError("not_configured", f"config file {path} not found (--config)")
+            # load_config_file keeps the command line above the file.
+            self.load_config_file(path.name, path=str(path.parent))
+        _setup_logging(self.log_level)
+        self.settings = _settings(self)
+
+    def start(self) -> int:
+        """Run until SIGTERM/SIGINT; returns the exit code."""
+        return asyncio.run(self._serve())
+
+    async def _serve(self) -> int:
+        state = Path(self.state_dir).expanduser().resolve()
+        state.mkdir(parents=True, exist_ok=True)
+        info_file = state / "service.json"
+        info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
+        settings = self.settings
+        agent_token = _secret_file(state / "agent_token", settings.agent_token)
+        user_tokens = dict(settings.api_tokens)
+        if not user_tokens:
+            user = getpass.getuser()
+            user_tokens = {_secret_file(state / "user_token", ""): user}
+            log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
+
+        store = Store(settings.db_url.replace("{state_dir}", str(state)))
+        log.info("store: %s", store.describe())
+        try:
+            store.migrate()
+        except (SQLAlchemyError, GPUPoolError) as exc:
+            reason = getattr(exc, "orig", None) or exc
+            raise GPUPoolError("store_unavailable", f"cannot open the store at {store.describe()} ({reason}); "
+                               "check c.GPUPool.db_url") from None
+        metrics = Metrics(store, settings.context_overhead)
+        agents = AgentClient(agent_token)
+        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused)
+        ctx = ServiceContext(settings=settings, leases=leases, metrics=metrics,
+                             authenticator=TokenAuthenticator(user_tokens, settings.admin_users, agent_token),
+                             nodes=NodeBook(leases, settings.node_heartbeat_interval))
+        app = make_web_app(ctx)
+
+        try:
+            sockets = bind_sockets(self.port, self.ip)
+        except OSError as exc:
+            log.error("cannot listen on %s:%s (%s); choose another --port", self.ip, self.port, exc)
+            return 1
+        server = HTTPServer(app, max_body_size=8 * 1024 * 1024)
+        server.add_sockets(sockets)
+        url = _url(self.ip, sockets[0].getsockname()[1])
+        _write_atomically(info_file, json.dumps({"url": url, "pid": os.getpid()}))
+        log.info("gpupool service %s listening on %s (state in %s)", __version__, url, state)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        leases.resume()
+        reclaimer = Reclaimer(leases, settings.reclaim_interval, settings.node_ttl)
+        reclaimer.start()
+        await stop.wait()
+
+        log.info("stopping; leases are kept and resumed at the next start")
+        server.stop()  # no new connections
+        await reclaimer.stop()
+        await leases.shutdown()
+        await asyncio.sleep(0.1)  # let woken long polls write their answers
+        await server.close_all_connections()
+        agents.close()
+        store.close()
+        info_file.unlink(missing_ok=True)
+        return 0
+
+
+def _settings(app: ServiceApp) -> GPUPool:
+    """The ``c.GPUPool`` settings; a bad value is a GPUPoolError naming it
+    (``gpupool`` prints it and exits 1), not a traceback."""
+    where = app.config_file or "the command line"
+    try:
+        settings = GPUPool(parent=app)
+    except TraitError as exc:
+        raise GPUPoolError("not_configured", f"{exc} (set in {where})") from None
+    if settings.idle_timeout > settings.max_idle_timeout:
+        raise GPUPoolError("not_configured", f"c.GPUPool.idle_timeout ({settings.idle_timeout:g}s) is above "
+                           f"c.GPUPool.max_idle_timeout ({settings.max_idle_timeout:g}s) in {where}")
+    return settings
+
+
+def make_web_app(ctx: ServiceContext) -> web.Application:
+    """The tornado application with every route under ``base_url``."""
+    prefix = ctx.settings.base_url
+    routes = [(prefix + path.lstrip("/"), handler) for path, handler in ROUTES]
+    return web.Application(routes, gpupool=ctx, default_handler_class=NotFoundHandler,
+                           log_function=_log_request)
+
+
+def _log_request(handler: web.RequestHandler) -> None:
+    """Access log: errors loud, routine calls (heartbeats, polls) at debug."""
+    status = handler.get_status()
+    request = handler.request
+    if status >= 500:
+        level = logging.ERROR
+    elif status >= 400 or (request.method != "GET" and not request.path.endswith("/heartbeat")):
+        level = logging.INFO
+    else:
+        level = logging.DEBUG
+    logging.getLogger("gpupool.service.access").log(
+        level, "%d %s %s %.1fms", status, request.method, request.path, 1000 * request.request_time())
+
+
+def _secret_file(path: Path, configured: str) -> str:
+    """The token to use: ``configured`` if set, else the one in ``path``, else
+    a new one; always (re)written to ``path`` with mode 0600."""
+    token = configured
+    if not token and path.exists():
+        token = path.read_text().strip()
+    token = token or secrets.token_hex(32)
+    _write_atomically(path, token + "\n", mode=0o600)
+    return token
+
+
+def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _url(ip: str, port: int) -> str:
+    host = "127.0.0.1" if ip in ("", "0.0.0.0") else "[::1]" if ip == "::" else ip
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _setup_logging(level: int | str) -> None:
+    """Log lines for an admin on stderr: ``[I 2026-11-29 17:00:00 gpupool.service.leases] ...``."""
+    logger = logging.getLogger("gpupool")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(levelname)1.1s %(asctime)s %(name)s] %(message)s",
+                                               "%Y-%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``gpupool service``; returns the exit code."""
+    app = ServiceApp()
+    app.initialize(argv)
+    return app.start()

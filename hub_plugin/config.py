@@ -1,0 +1,126 @@
+"""The pool service's settings: ``c.GPUPool.*`` in ``gpupool_config.py`` or
+``jupyterhub_config.py``.
+
+Each setting is a trait whose help gives the unit, the default and an
+example. Durations and sizes accept human units (``"30m"``, ``"512MiB"``)
+through :mod:`gpupool.traits`; the value stored is seconds or bytes.
+"""
+
+from __future__ import annotations
+
+from traitlets import Bool, Dict, Set, Unicode, validate
+from traitlets.config import Configurable
+
+from gpupool.traits import ByteSize, Duration
+
+
+class GPUPool(Configurable):
+    """Settings of the pool service (scheduler, reclaim, store, tokens)."""
+
+    db_url = Unicode(
+        "sqlite:///{state_dir}/gpupool.sqlite",
+        help="""SQLAlchemy URL of the store. ``{state_dir}`` is replaced by the
+        service's state directory. Default: ``sqlite:///{state_dir}/gpupool.sqlite``.
+        PostgreSQL (production) through psycopg 3:
+        ``c.GPUPool.db_url = "postgresql+psycopg://gpupool@db/gpupool"``.""",
+    ).tag(config=True)
+
+    api_tokens = Dict(
+        key_trait=Unicode(), value_trait=Unicode(),
+        help="""Standalone user tokens, token -> user name. Default: empty, in
+        which case the service creates one token for the OS user running it
+        and writes it to ``STATE_DIR/user_token`` (mode 0600).
+        ``c.GPUPool.api_tokens = {"3f9a...": "ann"}``.""",
+    ).tag(config=True)
+
+    admin_users = Set(
+        Unicode(),
+        help="""User names with admin scope: they may release anyone's lease.
+        Default: none. ``c.GPUPool.admin_users = {"ann"}``.""",
+    ).tag(config=True)
+
+    agent_token = Unicode(
+        "",
+        help="""Token the node agents send (``Authorization: token ...``). Default:
+        empty, meaning the token kept in ``STATE_DIR/agent_token`` is used, or a
+        new one is generated there. The file is always (re)written, mode 0600,
+        so agents on this host can read it with ``--token-file``.
+        ``c.GPUPool.agent_token = open("/etc/gpupool/agent_token").read().strip()``.""",
+    ).tag(config=True)
+
+    idle_timeout = Duration(
+        30 * 60.0,
+        help="""Seconds an attached worker may sit idle (no cell running) before
+        its lease is reclaimed, when the request names none. Default: 30 minutes.
+        ``c.GPUPool.idle_timeout = "1h"``.""",
+    ).tag(config=True)
+
+    max_idle_timeout = Duration(
+        24 * 3600.0,
+        help="""Largest idle timeout a request may ask for, in seconds; a larger
+        one is refused with 400. Default: 24 hours. ``c.GPUPool.max_idle_timeout = "8h"``.""",
+    ).tag(config=True)
+
+    heartbeat_ttl = Duration(
+        60.0,
+        help="""Seconds a lease lives without a heartbeat from its notebook kernel
+        (while no cell runs) before it is reclaimed. Default: 60 seconds.
+        ``c.GPUPool.heartbeat_ttl = "2m"``.""",
+    ).tag(config=True)
+
+    reclaim_interval = Duration(
+        5.0,
+        help="""Seconds between two reclaim sweeps (idle leases, missing
+        heartbeats, lost nodes). Default: 5 seconds. ``c.GPUPool.reclaim_interval = 10``.""",
+    ).tag(config=True)
+
+    node_heartbeat_interval = Duration(
+        5.0,
+        help="""Seconds between two heartbeats of each agent; returned to agents at
+        registration. Default: 5 seconds. ``c.GPUPool.node_heartbeat_interval = 10``.""",
+    ).tag(config=True)
+
+    node_ttl = Duration(
+        30.0,
+        help="""Seconds without a heartbeat after which a node is ``lost``: nothing
+        new is placed there until it is heard from again. Default: 30 seconds;
+        keep it several times ``node_heartbeat_interval``. ``c.GPUPool.node_ttl = "1m"``.""",
+    ).tag(config=True)
+
+    worker_start_timeout = Duration(
+        60.0,
+        help="""Seconds the service waits for an agent to start a worker before
+        the lease fails. Default: 60 seconds. ``c.GPUPool.worker_start_timeout = "2m"``.""",
+    ).tag(config=True)
+
+    worker_stop_timeout = Duration(
+        30.0,
+        help="""Seconds the service waits for an agent to stop a worker on
+        release; after that the lease still ends, and the agent is told to stop
+        the worker with its next heartbeat. Default: 30 seconds.
+        ``c.GPUPool.worker_stop_timeout = 60``.""",
+    ).tag(config=True)
+
+    context_overhead = ByteSize(
+        512 * 1024**2,
+        help="""Bytes of GPU memory a CUDA context costs, subtracted from each
+        GPU's memory before it is shared out. Default: 512 MiB.
+        ``c.GPUPool.context_overhead = "1GiB"``.""",
+    ).tag(config=True)
+
+    authenticate_prometheus = Bool(
+        True,
+        help="""Whether ``/metrics`` needs a token (any user or agent token).
+        Default: True. ``c.GPUPool.authenticate_prometheus = False``.""",
+    ).tag(config=True)
+
+    base_url = Unicode(
+        "/",
+        help="""URL prefix the service is served under; under JupyterHub this is
+        the service prefix. Default: ``/``. ``c.GPUPool.base_url = "/services/gpupool/"``.""",
+    ).tag(config=True)
+
+    @validate("base_url")
+    def _slashes(self, proposal):
+        return "/" + proposal["value"].strip("/") + "/" if proposal["value"].strip("/") else "/"
+

@@ -1,0 +1,1 @@
+"""REST handlers, one module per resource, each ending in its ``routes`` list."""

@@ -1,0 +1,151 @@
+"""The base of every REST handler: auth, JSON in and out, errors as JSON.
+
+Every exception becomes the one error shape ``{"error", "message", ...}``:
+a :class:`GPUPoolError` as it is, a tornado ``HTTPError`` by its status, and
+anything unexpected as a 500 with a generic message (the traceback goes to
+the log only). Store sessions are opened per operation by :mod:`..leases`
+and :mod:`..nodes` as context managers, which roll back on any exception,
+so a failed request never leaves a half-written change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from http.client import responses
+from typing import Any
+
+from tornado import web
+
+from gpupool.errors import GPUPoolError, bad_request
+
+from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
+from ..config import GPUPool
+from ..leases import LeaseBook
+from ..metrics import Metrics
+from ..nodes import NodeBook
+
+log = logging.getLogger("gpupool.service.api")
+
+#: Largest request body accepted, in bytes (a registration of 64 GPUs is a few KiB).
+MAX_BODY = 1024 * 1024
+
+
+@dataclass
+class ServiceContext:
+    """What handlers reach, passed in the tornado settings as ``gpupool``."""
+
+    settings: GPUPool
+    authenticator: Authenticator
+    leases: LeaseBook
+    nodes: NodeBook
+    metrics: Metrics
+
+
+class APIHandler(web.RequestHandler):
+    """JSON API base. Subclasses set ``auth_required = False`` to skip auth,
+    and call :meth:`require_user` or :meth:`require_agent` in their methods."""
+
+    auth_required = True
+    identity: Identity | None = None
+
+    @property
+    def ctx(self) -> ServiceContext:
+        return self.settings["gpupool"]
+
+    async def prepare(self) -> None:
+        if self.auth_required:
+            token = token_from_header(self.request.headers.get("Authorization"))
+            identity = await self.ctx.authenticator.authenticate(token) if token else None
+            if identity is None:
+                raise unauthorized()
+            self.identity = identity
+
+    def require_user(self) -> Identity:
+        """The calling user; 403 for an agent token."""
+        if self.identity is None or self.identity.agent:
+            raise forbidden("an agent token cannot call this endpoint; use a user's token")
+        return self.identity
+
+    def require_agent(self) -> Identity:
+        """The calling agent; 403 for a user token."""
+        if self.identity is None or not self.identity.agent:
+            raise forbidden("only node agents (with the agent token) may call /nodes")
+        return self.identity
+
+    def json_body(self, *, optional: bool = False) -> Any:
+        """The request body as JSON; 400 when it is not JSON (or missing,
+        unless ``optional``, which gives ``{}`` for an empty body)."""
+        raw = self.request.body
+        if not raw.strip():
+            if optional:
+                return {}
+            raise bad_request("the request needs a JSON body")
+        if len(raw) > MAX_BODY:
+            raise bad_request(f"the request body is larger than {MAX_BODY} bytes")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON ({exc})") from None
+
+    def float_argument(self, name: str, default: float | None = None) -> float | None:
+        """A query argument as a finite number >= 0; 400 otherwise."""
+        text = self.get_query_argument(name, None)
+        if text is None or text == "":
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0 or value == float("inf"):
+            raise bad_request(f"'{name}' must be a number of seconds >= 0, got {text!r}")
+        return value
+
+    def write_json(self, body: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(body))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GPUPoolError):
+            error = exc
+        elif isinstance(exc, web.HTTPError) or exc is None:
+            code = exc.status_code if isinstance(exc, web.HTTPError) else status_code
+            error = GPUPoolError(_http_code(code), (getattr(exc, "log_message", None) or
+                                                   responses.get(code, "error")).lower(), code)
+        else:
+            error = GPUPoolError("internal_error", "the gpupool service hit an unexpected error; "
+                                 "an admin can find the details in its log", 500)
+        self.set_status(error.status)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(error.to_json()))
+
+    def log_exception(self, typ, value, tb) -> None:
+        if isinstance(value, GPUPoolError):
+            # Expected: one line, no traceback. 5xx ones are worth a warning.
+            level = logging.WARNING if value.status >= 500 else logging.DEBUG
+            log.log(level, "%s %s -> %d %s: %s", self.request.method, self.request.path,
+                    value.status, value.code, value.log_message)
+        else:
+            super().log_exception(typ, value, tb)
+
+    def check_xsrf_cookie(self) -> None:
+        """Token auth only, no cookies: XSRF does not apply."""
+
+
+class NotFoundHandler(APIHandler):
+    """JSON 404 for every path no route matches."""
+
+    auth_required = False
+
+    def prepare(self) -> None:
+        raise GPUPoolError("not_found", f"no such endpoint: {self.request.path}", 404)
+
+
+def _http_code(status: int) -> str:
+    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+            405: "method_not_allowed"}.get(status, "http_error")

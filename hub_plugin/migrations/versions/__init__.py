@@ -1,0 +1,1 @@
+"""Alembic revisions, oldest first (see ``down_revision`` in each)."""

@@ -1,0 +1,151 @@
+"""The store's tables (SQLAlchemy 2 declarative). Schema changes go through
+an Alembic revision in :mod:`.migrations`.
+
+Times are stored as UTC (naive in the database, since SQLite has no time
+zones) and read back as timezone-aware UTC datetimes. Memory is bytes
+(BigInteger), fractions are floats, durations seconds.
+
+Capacity is never stored as a counter: what a GPU has allocated is always
+the sum over the leases that hold capacity (``LeaseState.holds_capacity``)
+and their ``LeaseGPU`` rows, so nothing can leak when a release half-fails.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+class UTCDateTime(TypeDecorator):
+    """A datetime stored as naive UTC and returned as aware UTC."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def new_lease_id() -> str:
+    """``L-`` and 12 random hex digits (docs/api.md)."""
+    return "L-" + secrets.token_hex(6)
+
+
+class Node(Base):
+    """A GPU host with an agent. ``state`` is ``up`` or ``lost`` (no heartbeat
+    for ``GPUPool.node_ttl``: nothing new is placed there)."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    url: Mapped[str] = mapped_column(String(500))
+    inventory: Mapped[str] = mapped_column(String(20))
+    enforcement: Mapped[str | None] = mapped_column(String(50))
+    state: Mapped[str] = mapped_column(String(10), default="up")
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    gpus: Mapped[list[GPU]] = relationship(back_populates="node", order_by="GPU.index",
+                                           cascade="all, delete-orphan")
+
+
+class GPU(Base):
+    """One device of a node, as the agent reported it. ``memory_*`` in bytes;
+    ``memory_used`` and ``utilization`` (percent) are the latest NVML readings."""
+
+    __tablename__ = "gpus"
+
+    uuid: Mapped[str] = mapped_column(String(200), primary_key=True)
+    node_name: Mapped[str] = mapped_column(ForeignKey("nodes.name", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    index: Mapped[int] = mapped_column(Integer)
+    memory_total: Mapped[int] = mapped_column(BigInteger)
+    memory_reserved: Mapped[int] = mapped_column(BigInteger, default=0)
+    compute_capability: Mapped[str | None] = mapped_column(String(20))
+    memory_used: Mapped[int | None] = mapped_column(BigInteger)
+    utilization: Mapped[float | None] = mapped_column(Float)
+    healthy: Mapped[bool] = mapped_column(Boolean, default=True)
+
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class Lease(Base):
+    """One grant of GPU capacity to one owner; see ``gpupool.schema.LeaseState``.
+
+    ``memory`` is the slice's limit per GPU in bytes; ``idle_timeout`` and
+    ``heartbeat_ttl`` seconds; ``connection`` the worker's Jupyter connection
+    info (with its HMAC key), kept only while the lease is active.
+    """
+
+    __tablename__ = "leases"
+
+    id: Mapped[str] = mapped_column(String(20), primary_key=True, default=new_lease_id)
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    state: Mapped[str] = mapped_column(String(12), index=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+    # The final state a ``releasing`` lease will reach (released, reclaimed,
+    # failed), kept so a release interrupted by a restart ends the same way.
+    end_state: Mapped[str | None] = mapped_column(String(12))
+    fraction: Mapped[float] = mapped_column(Float)
+    gpu_count: Mapped[int] = mapped_column(Integer, default=1)
+    memory: Mapped[int] = mapped_column(BigInteger)
+    node_name: Mapped[str | None] = mapped_column(ForeignKey("nodes.name"), index=True)
+    kernel_id: Mapped[str | None] = mapped_column(String(200), index=True)
+    idle_timeout: Mapped[float] = mapped_column(Float)
+    heartbeat_ttl: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    idle_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    worker_pid: Mapped[int | None] = mapped_column(Integer)
+    worker_state: Mapped[str | None] = mapped_column(String(10))
+    connection: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    usage_gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+
+    gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
+                                                cascade="all, delete-orphan")
+    events: Mapped[list[LeaseEvent]] = relationship(back_populates="lease", order_by="LeaseEvent.id",
+                                                    cascade="all, delete-orphan")
+
+
+class LeaseGPU(Base):
+    """A GPU a lease holds. Name and index are copied from the GPU so a
+    lease's history survives the GPU leaving the pool (no foreign key)."""
+
+    __tablename__ = "lease_gpus"
+
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), primary_key=True)
+    gpu_uuid: Mapped[str] = mapped_column(String(200), primary_key=True, index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    index: Mapped[int] = mapped_column(Integer)
+
+    lease: Mapped[Lease] = relationship(back_populates="gpus")
+
+
+class LeaseEvent(Base):
+    """One state transition of a lease, with its time and reason."""
+
+    __tablename__ = "lease_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), index=True)
+    state: Mapped[str] = mapped_column(String(12))
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    reason: Mapped[str | None] = mapped_column(Text)
+
+    lease: Mapped[Lease] = relationship(back_populates="events")

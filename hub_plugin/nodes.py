@@ -1,0 +1,225 @@
+"""Agents registering and heartbeating (``/api/v1/nodes``, agent token only).
+
+A registration upserts the node and its GPUs; a heartbeat renews the node
+and carries worker reports and GPU readings. Worker reports update the
+lease's worker state and idle time; a worker reported ``dead`` ends its
+lease ``failed`` through the one release path; and every reported worker
+whose lease does not hold capacity on this node comes back in ``stop``, so
+no worker outlives its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import urllib.parse
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.errors import bad_request, not_found
+from gpupool.schema import GPUInfo, LeaseState, WorkerReport, parse_time
+
+from .leases import LeaseBook
+from .models import GPU, Lease, Node
+
+log = logging.getLogger("gpupool.service.nodes")
+
+INVENTORIES = ("simulated", "nvml")
+
+
+class NodeBook:
+    """Node registration and heartbeats; ends leases through ``leases``."""
+
+    def __init__(self, leases: LeaseBook, heartbeat_interval: float) -> None:
+        self.leases = leases
+        self.heartbeat_interval = heartbeat_interval
+
+    def register(self, body: Any) -> dict[str, Any]:
+        """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
+        Raises 400 for a bad body (and changes nothing)."""
+        if not isinstance(body, dict):
+            raise bad_request("the registration body must be a JSON object")
+        name = _name(body.get("name"))
+        url = _url(body.get("url"))
+        inventory = body.get("inventory")
+        if inventory not in INVENTORIES:
+            raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r}")
+        enforcement = body.get("enforcement")
+        if enforcement is not None and (not isinstance(enforcement, str) or not 0 < len(enforcement) <= 50):
+            raise bad_request("'enforcement' must be a string of at most 50 characters")
+        gpus = _list(body, "gpus", required=True)
+        infos = [GPUInfo.from_json(g) for g in gpus]
+        if len({i.uuid for i in infos}) != len(infos):
+            raise bad_request("each GPU 'uuid' must appear once")
+        healthy = {g["uuid"]: g.get("healthy") is not False for g in gpus}
+        reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
+        now = self.leases.now()
+        with self.leases.writing() as session:
+            node = session.get(Node, name)
+            if node is None:
+                node = Node(name=name)
+                session.add(node)
+            node.url, node.inventory, node.enforcement = url, inventory, enforcement
+            node.state, node.registered_at, node.last_heartbeat_at = "up", now, now
+            self._upsert_gpus(session, node, infos, healthy)
+            stop, dead = self._apply_reports(session, node, reports, now)
+            dead += self._lost_workers(session, node, reports)
+        log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
+        self._end_dead(dead)
+        return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
+
+    def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
+        """``POST /nodes/{name}/heartbeat``: returns ``{"stop": [lease ids]}``.
+        404 for an unknown node (the agent registers again)."""
+        if not isinstance(body, dict):
+            raise bad_request("the heartbeat body must be a JSON object")
+        reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
+        readings = [_reading(g) for g in _list(body, "gpus")]
+        now = self.leases.now()
+        with self.leases.writing() as session:
+            node = session.get(Node, name)
+            if node is None:
+                raise not_found(f"node {name}")
+            if node.state != "up":
+                log.info("node %s is back", name)
+            node.state, node.last_heartbeat_at = "up", now
+            gpus = {g.uuid: g for g in node.gpus}
+            # In UUID order, the order lease creation locks GPU rows in (no deadlock).
+            for uuid, used, utilization, healthy in sorted(readings, key=lambda r: r[0]):
+                if uuid in gpus:
+                    gpus[uuid].memory_used, gpus[uuid].utilization = used, utilization
+                    if healthy is not None:
+                        gpus[uuid].healthy = healthy
+            stop, dead = self._apply_reports(session, node, reports, now)
+        self._end_dead(dead)
+        return {"stop": stop}
+
+    @staticmethod
+    def _upsert_gpus(session: Session, node: Node, infos: list[GPUInfo], healthy: dict[str, bool]) -> None:
+        for info in sorted(infos, key=lambda i: i.uuid):  # lock order, as in lease creation
+            gpu = session.get(GPU, info.uuid)
+            if gpu is None:
+                gpu = GPU(uuid=info.uuid)
+                session.add(gpu)
+            elif gpu.node_name != node.name:
+                log.warning("GPU %s moves from node %s to node %s", info.uuid, gpu.node_name, node.name)
+            gpu.node_name, gpu.name, gpu.index = node.name, info.name, info.index
+            gpu.memory_total, gpu.memory_reserved = info.memory_total, info.memory_reserved
+            gpu.compute_capability, gpu.healthy = info.compute_capability, healthy[info.uuid]
+        session.flush()
+        known = {info.uuid for info in infos}
+        for gpu in session.scalars(select(GPU).where(GPU.node_name == node.name)):
+            if gpu.uuid not in known:
+                # Leases keep a copy of the GPU's name and index, so it can go.
+                log.warning("GPU %s (%s) is no longer reported by node %s", gpu.uuid, gpu.name, node.name)
+                session.delete(gpu)
+
+    @staticmethod
+    def _apply_reports(session: Session, node: Node, reports: list[WorkerReport],
+                       now: datetime) -> tuple[list[str], list[tuple[str, str]]]:
+        """Update leases from worker reports. Returns (lease ids whose workers
+        must stop, (lease id, reason) of workers that died)."""
+        stop: list[str] = []
+        dead: list[tuple[str, str]] = []
+        for report in reports:
+            lease = session.get(Lease, report.lease_id)
+            if lease is None or lease.node_name != node.name or not LeaseState(lease.state).holds_capacity:
+                stop.append(report.lease_id)
+            elif report.execution_state == "dead":
+                if lease.state != LeaseState.releasing.value:
+                    dead.append((lease.id, death_reason(report.exit_code)))
+            elif lease.state == LeaseState.active.value:
+                _update_worker(lease, report, now)
+        return stop, dead
+
+    @staticmethod
+    def _lost_workers(session: Session, node: Node, reports: list[WorkerReport]) -> list[tuple[str, str]]:
+        """At registration: active leases on this node whose worker the
+        (re)started agent does not report are gone with the old agent."""
+        reported = {r.lease_id for r in reports}
+        active = session.scalars(select(Lease.id).where(Lease.node_name == node.name,
+                                                        Lease.state == LeaseState.active.value))
+        return [(lease_id, f"the worker was lost: the agent on {node.name} restarted without it")
+                for lease_id in active if lease_id not in reported]
+
+    def _end_dead(self, dead: list[tuple[str, str]]) -> None:
+        # In the background: the release path calls back into the very agent
+        # that is waiting for this response.
+        for lease_id, reason in dead:
+            log.info("lease %s: %s", lease_id, reason)
+            self.leases.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
+
+
+def death_reason(exit_code: int | None) -> str:
+    """Words for a worker's end: exit code, or signal when negative."""
+    if exit_code is None:
+        return "the worker process died"
+    if exit_code < 0:
+        try:
+            name = f" ({signal.Signals(-exit_code).name})"
+        except ValueError:
+            name = ""
+        return f"the worker process was killed by signal {-exit_code}{name}"
+    return f"the worker process exited with code {exit_code}"
+
+
+def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
+    """Copy a live worker's report onto its lease. ``idle_since`` comes from the
+    agent when given (kept between the lease's start and now, against clock
+    skew), else it starts now when the worker turns idle."""
+    was = lease.worker_state
+    if report.pid is not None:
+        lease.worker_pid = report.pid
+    lease.worker_state = report.execution_state
+    if report.execution_state == "busy":
+        lease.idle_since = None
+    elif report.execution_state == "idle":
+        try:
+            since = parse_time(report.idle_since)
+        except (TypeError, ValueError, AttributeError):
+            since = None
+        if since is not None and since.tzinfo is None:
+            since = since.replace(tzinfo=timezone.utc)  # the wire format is UTC
+        if since is not None:
+            lease.idle_since = min(max(since, lease.started_at or since), now)
+        elif was != "idle" or lease.idle_since is None:
+            lease.idle_since = now
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 200 or "/" in value or value != value.strip():
+        raise bad_request("'name' must be a node name of 1 to 200 characters without '/' or surrounding spaces")
+    return value
+
+
+def _url(value: Any) -> str:
+    parsed = urllib.parse.urlparse(value) if isinstance(value, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc or len(value) > 500:
+        raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r}")
+    return value.rstrip("/")
+
+
+def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:
+    value = body.get(key)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list):
+        raise bad_request(f"'{key}' must be a list")
+    return value
+
+
+def _reading(value: Any) -> tuple[str, int | None, float | None, bool | None]:
+    """One GPU reading of a heartbeat: (uuid, memory_used bytes, utilization %, healthy)."""
+    if not isinstance(value, dict) or not isinstance(value.get("uuid"), str):
+        raise bad_request("each GPU reading needs a 'uuid'")
+    used, util, healthy = value.get("memory_used"), value.get("utilization"), value.get("healthy")
+    if used is not None and (isinstance(used, bool) or not isinstance(used, int) or used < 0):
+        raise bad_request("'memory_used' must be a whole number of bytes")
+    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100):
+        raise bad_request("'utilization' must be a percentage from 0 to 100")
+    if healthy is not None and not isinstance(healthy, bool):
+        raise bad_request("'healthy' must be true or false")
+    return value["uuid"], used, None if util is None else float(util), healthy

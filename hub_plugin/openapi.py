@@ -1,0 +1,163 @@
+"""The OpenAPI 3.1 document of ``/api/v1`` (served at ``/api/v1/openapi.json``).
+
+Hand-written to mirror docs/api.md; a test checks that every route the
+service serves under ``/api/v1`` appears here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpupool.schema import LeaseState
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    words = {400: "bad input; nothing changed", 401: "missing or unknown token",
+             403: "this token may not call this endpoint", 404: "not found (or not yours)",
+             409: "the pool cannot take the request now", 503: "the store is busy or down; retry"}
+    return {str(code): _json(_ref("Error"), words[code]) for code in codes}
+
+
+def _op(summary: str, ok: dict[str, Any], *, body: dict[str, Any] | None = None, errors=(401,),
+        params: list[dict[str, Any]] | None = None, ok_code: int = 200, security: bool = True) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {str(ok_code): ok, **_errors(*errors)}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    if params:
+        op["parameters"] = params
+    if not security:
+        op["security"] = []
+    return op
+
+
+def _param(name: str, where: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": where == "path", "schema": schema, "description": description}
+
+
+_LEASE_ID = _param("id", "path", {"type": "string", "pattern": "^L-[0-9a-f]{12}$"}, "lease id")
+_NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error", "message"], "properties": {
+        "error": {"type": "string", "description": "machine reason, e.g. pool_full"},
+        "message": {"type": "string", "description": "words for a person"}}},
+    "LeaseRequest": {"type": "object", "additionalProperties": False, "properties": {
+        "fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+        "gpu_count": {"type": "integer", "minimum": 1, "maximum": 64, "default": 1},
+        "memory": {"type": "integer", "minimum": 1, "description": "bytes per GPU"},
+        "model": {"type": "string", "description": "substring of the GPU name, e.g. A100"},
+        "idle_timeout": {"type": "number", "description": "seconds"},
+        "kernel_id": {"type": "string"}}},
+    "Lease": {"type": "object", "required": ["id", "owner", "state", "fraction", "gpu_count", "memory"], "properties": {
+        "id": {"type": "string"}, "owner": {"type": "string"},
+        "state": {"enum": [s.value for s in LeaseState]}, "reason": {"type": ["string", "null"]},
+        "fraction": {"type": "number"}, "gpu_count": {"type": "integer"},
+        "memory": {"type": "integer", "description": "bytes per GPU"}, "node": {"type": ["string", "null"]},
+        "gpus": {"type": "array", "items": {"type": "object", "properties": {
+            "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}},
+        "idle_timeout": {"type": "number"}, "heartbeat_ttl": {"type": "number"},
+        "kernel_id": {"type": ["string", "null"]}, "created_at": _NULLABLE_TIME, "started_at": _NULLABLE_TIME,
+        "ended_at": _NULLABLE_TIME, "idle_since": _NULLABLE_TIME,
+        "worker": {"type": ["object", "null"], "properties": {
+            "pid": {"type": ["integer", "null"]}, "execution_state": {"type": ["string", "null"]}}},
+        "connection": {"type": ["object", "null"], "description": "Jupyter connection info; owner only, while active"},
+        "usage_gpu_seconds": {"type": "number"},
+        "events": {"type": "array", "items": {"type": "object", "properties": {
+            "state": {"type": "string"}, "at": {"type": "string", "format": "date-time"},
+            "reason": {"type": ["string", "null"]}}}}}},
+    "GPUInfo": {"type": "object", "required": ["uuid", "name", "index", "memory_total"], "properties": {
+        "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"},
+        "memory_total": {"type": "integer"}, "memory_reserved": {"type": "integer"},
+        "compute_capability": {"type": ["string", "null"]}, "healthy": {"type": "boolean"}}},
+    "WorkerReport": {"type": "object", "required": ["lease_id", "execution_state"], "properties": {
+        "lease_id": {"type": "string"}, "pid": {"type": ["integer", "null"]},
+        "execution_state": {"enum": ["starting", "idle", "busy", "dead"]},
+        "idle_since": _NULLABLE_TIME, "exit_code": {"type": ["integer", "null"]},
+        "memory_used": {"type": ["integer", "null"]}}},
+    "Stop": {"type": "array", "items": {"type": "string"}, "description": "lease ids whose workers must stop"},
+}
+
+_PATHS: dict[str, Any] = {
+    "/leases": {
+        "post": _op("Ask for a slice or whole GPUs; the capacity is reserved in the same transaction",
+                    _json(_ref("Lease"), "the new lease, state starting"), body=_ref("LeaseRequest"),
+                    errors=(400, 401, 403, 409, 503), ok_code=201),
+        "get": _op("Your own leases", _json({"type": "object", "properties": {
+            "leases": {"type": "array", "items": _ref("Lease")}}}, "your leases, oldest first"),
+            errors=(400, 401, 403), params=[
+                _param("active", "query", {"type": "integer", "enum": [0, 1], "default": 1},
+                       "1: only leases holding capacity"),
+                _param("kernel_id", "query", {"type": "string"}, "only this kernel's leases")]),
+    },
+    "/leases/{id}": {
+        "get": _op("One of your leases; long-polls with wait and state", _json(_ref("Lease"), "the lease"),
+                   errors=(400, 401, 403, 404), params=[
+                       _LEASE_ID,
+                       _param("wait", "query", {"type": "number", "minimum": 0, "maximum": 60},
+                              "seconds to wait for the lease to leave `state`"),
+                       _param("state", "query", {"enum": [s.value for s in LeaseState]},
+                              "the state to wait out (default: the current one)")]),
+        "delete": _op("Release: stop the worker, record usage, free the slice (idempotent)",
+                      _json(_ref("Lease"), "the ended lease"), errors=(400, 401, 403, 404), params=[
+                          _LEASE_ID, _param("reason", "query", {"type": "string", "maxLength": 200},
+                                            "words kept with the release")]),
+    },
+    "/leases/{id}/heartbeat": {
+        "post": _op("Renew the notebook kernel's liveness", _json(_ref("Lease"), "the lease, also once ended"),
+                    errors=(401, 403, 404), params=[_LEASE_ID]),
+    },
+    "/pool": {
+        "get": _op("Nodes, GPUs and their allocation", _json({"type": "object", "properties": {
+            "nodes": {"type": "array", "items": {"type": "object"}},
+            "totals": {"type": "object", "properties": {
+                "gpus": {"type": "integer"}, "allocated": {"type": "number"}, "free": {"type": "number"}}}}},
+            "the pool"), errors=(401,)),
+    },
+    "/nodes": {
+        "post": _op("Agent registration", _json({"type": "object", "properties": {
+            "name": {"type": "string"}, "heartbeat_interval": {"type": "number"}, "stop": _ref("Stop")}},
+            "registered"), body={"type": "object", "required": ["name", "url", "inventory", "gpus"], "properties": {
+                "name": {"type": "string"}, "url": {"type": "string", "format": "uri"},
+                "inventory": {"enum": ["simulated", "nvml"]}, "enforcement": {"type": "string"},
+                "gpus": {"type": "array", "items": _ref("GPUInfo")},
+                "workers": {"type": "array", "items": _ref("WorkerReport")}}},
+            errors=(400, 401, 403, 503)),
+    },
+    "/nodes/{name}/heartbeat": {
+        "post": _op("Agent heartbeat: worker reports and GPU readings", _json({"type": "object", "properties": {
+            "stop": _ref("Stop")}}, "workers to stop"), body={"type": "object", "properties": {
+                "workers": {"type": "array", "items": _ref("WorkerReport")},
+                "gpus": {"type": "array", "items": {"type": "object", "required": ["uuid"], "properties": {
+                    "uuid": {"type": "string"}, "memory_used": {"type": "integer"},
+                    "utilization": {"type": "number"}, "healthy": {"type": "boolean"}}}}}},
+            errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),
+    },
+    "/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), errors=(),
+                                 security=False)},
+    "/health": {"get": _op("Liveness", _json({"type": "object", "properties": {"status": {"const": "ok"}}}, "ok"),
+                           errors=(), security=False)},
+}
+
+
+def document(base_url: str = "/") -> dict[str, Any]:
+    """The OpenAPI document, with the server URL under ``base_url``."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gpupool service", "version": "1",
+                 "description": "GPU pooling for Jupyter: leases of GPU slices, the pool, node agents. "
+                                "Units: fractions, bytes, seconds, ISO 8601 UTC times."},
+        "servers": [{"url": f"{base_url.rstrip('/')}/api/v1"}],
+        "components": {"schemas": _SCHEMAS, "securitySchemes": {
+            "token": {"type": "apiKey", "in": "header", "name": "Authorization",
+                      "description": "'token TOKEN': a user token, or the agent token for /nodes"}}},
+        "security": [{"token": []}],
+        "paths": _PATHS,
+    }

@@ -1,0 +1,145 @@
+"""Idle reclaim: which active leases to take back, and which nodes are lost.
+
+:func:`decide` and :func:`lost_nodes` are pure (rows and ``now`` in,
+decisions out), so tests move time by passing a different ``now``. The
+:class:`Reclaimer` loop runs them every ``GPUPool.reclaim_interval`` seconds
+and hands each decision to the one release path in :mod:`.leases`.
+
+Rules (docs/api.md, "Reclaim"):
+
+- heartbeat: no heartbeat from the notebook kernel for ``heartbeat_ttl``
+  while no cell runs -> ``reclaimed``;
+- idle: the agent reports the worker ``idle`` and ``now - idle_since >=
+  idle_timeout`` -> ``reclaimed``;
+- a worker that is ``busy`` (a cell is running) is never reclaimed by either.
+
+A worker that died is handled when its agent reports it (:mod:`.nodes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable
+
+from sqlalchemy import select
+
+from gpupool.schema import LeaseState
+from gpupool.units import format_duration
+
+from .models import Lease, Node
+
+log = logging.getLogger("gpupool.service.reclaim")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """End ``lease_id`` in ``state`` (a final state) for ``reason`` (words)."""
+
+    lease_id: str
+    state: LeaseState
+    reason: str
+
+
+def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
+    """Decisions for ``leases``: objects with the attributes of
+    :class:`~.models.Lease` (``id``, ``state``, ``worker_state``,
+    ``idle_since``, ``idle_timeout``, ``last_heartbeat_at``, ``started_at``,
+    ``heartbeat_ttl``). Only ``active`` leases are considered."""
+    decisions = []
+    for lease in leases:
+        if lease.state != LeaseState.active.value or lease.worker_state == "busy":
+            continue
+        reason = heartbeat_expired(lease, now) or idle_expired(lease, now)
+        if reason:
+            decisions.append(Decision(lease.id, LeaseState.reclaimed, reason))
+    return decisions
+
+
+def heartbeat_expired(lease: Any, now: datetime) -> str | None:
+    """The reason if the notebook kernel's heartbeats stopped, else None."""
+    last = lease.last_heartbeat_at or lease.started_at
+    if last is None:
+        return None
+    silent = (now - last).total_seconds()
+    if silent < lease.heartbeat_ttl:
+        return None
+    return (f"the notebook kernel stopped sending heartbeats for {format_duration(silent)} "
+            f"(heartbeat TTL {format_duration(lease.heartbeat_ttl)})")
+
+
+def idle_expired(lease: Any, now: datetime) -> str | None:
+    """The reason if the worker reported idle for its idle timeout, else None."""
+    if lease.worker_state != "idle" or lease.idle_since is None:
+        return None
+    idle = (now - lease.idle_since).total_seconds()
+    if idle < lease.idle_timeout:
+        return None
+    return f"idle for {format_duration(idle)} (idle timeout {format_duration(lease.idle_timeout)})"
+
+
+def still_due(lease: Any, now: datetime) -> bool:
+    """Whether ``lease`` is still to be reclaimed at ``now``: the release path
+    re-checks this under the write lock, since a busy report or a heartbeat
+    may have arrived after the sweep read the lease."""
+    return bool(decide([lease], now))
+
+
+def lost_nodes(nodes: Iterable[Any], now: datetime, node_ttl: float) -> list[str]:
+    """Names of ``up`` nodes (objects with ``name``, ``state``,
+    ``last_heartbeat_at``) not heard from for ``node_ttl`` seconds."""
+    return [node.name for node in nodes
+            if node.state == "up" and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
+
+
+class Reclaimer:
+    """The periodic sweep. ``leases`` is the :class:`~.leases.LeaseBook`
+    whose store, settings, clock and release path it uses."""
+
+    def __init__(self, leases, interval: float, node_ttl: float) -> None:
+        self.leases = leases
+        self.interval = interval
+        self.node_ttl = node_ttl
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:  # one bad sweep must not end reclaim for good
+                log.exception("reclaim sweep failed; retrying in %ss", self.interval)
+            await asyncio.sleep(self.interval)
+
+    def sweep(self) -> list[Decision]:
+        """One pass: mark lost nodes, start releasing what must be reclaimed."""
+        now: datetime = self.leases.now()
+        store = self.leases.store
+        with store.read() as session:
+            lost = lost_nodes(session.scalars(select(Node).where(Node.state == "up")), now, self.node_ttl)
+            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
+            decisions = decide(active, now)
+        if lost:
+            self._mark_lost(lost, now)
+        for decision in decisions:
+            self.leases.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
+                                                  only_if=still_due))
+        return decisions
+
+    def _mark_lost(self, names: list[str], now: datetime) -> None:
+        with self.leases.store.write() as session:
+            # Re-check under the write lock: a heartbeat may have come in since.
+            for node in session.scalars(select(Node).where(Node.name.in_(names))):
+                if lost_nodes([node], now, self.node_ttl):
+                    node.state = "lost"
+                    log.warning("node %s lost: no heartbeat for %s; nothing new is placed there",
+                                node.name, format_duration(self.node_ttl))

@@ -1,0 +1,78 @@
+"""The JSON the API returns for leases and the pool (docs/api.md).
+
+``gpupool.schema.Lease.from_json`` must parse :func:`lease_json`; the
+connection info (with the worker's HMAC key) goes only to the lease's owner
+and only while the lease is active.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from gpupool.schema import isoformat
+
+from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
+from .models import Lease
+
+
+def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
+    """One lease; ``for_owner`` is whether the caller owns it."""
+    worker = None
+    if lease.worker_pid is not None or lease.worker_state is not None:
+        worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state}
+    show_connection = for_owner and lease.state == "active" and lease.connection
+    return {
+        "id": lease.id,
+        "owner": lease.owner,
+        "state": lease.state,
+        "reason": lease.reason,
+        "fraction": lease.fraction,
+        "gpu_count": lease.gpu_count,
+        "memory": lease.memory,
+        "node": lease.node_name,
+        "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
+        "idle_timeout": lease.idle_timeout,
+        "heartbeat_ttl": lease.heartbeat_ttl,
+        "kernel_id": lease.kernel_id,
+        "created_at": isoformat(lease.created_at),
+        "started_at": isoformat(lease.started_at),
+        "ended_at": isoformat(lease.ended_at),
+        "idle_since": isoformat(lease.idle_since),
+        "worker": worker,
+        "connection": dict(lease.connection) if show_connection else None,
+        "usage_gpu_seconds": lease.usage_gpu_seconds,
+        "events": [{"state": e.state, "at": isoformat(e.at), "reason": e.reason} for e in lease.events],
+    }
+
+
+def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
+    """``GET /pool``: nodes, their GPUs and what is allocated.
+
+    Per GPU, ``leases`` is a count (whose leases they are is not shown).
+    ``totals``: ``gpus`` counts all GPUs, ``allocated`` sums allocated
+    fractions, ``free`` sums the free fractions of GPUs that can take work
+    (healthy, on an ``up`` node).
+    """
+    alloc = allocations(session)
+    nodes, total, allocated, free = [], 0, 0.0, 0.0
+    for node in nodes_with_gpus(session):
+        gpus = []
+        for gpu in node.gpus:
+            taken = alloc.get(gpu.uuid, Allocation())
+            total += 1
+            allocated += taken.fraction
+            if gpu.healthy and node.state == "up":
+                free += max(0.0, 1.0 - taken.fraction)
+            gpus.append({
+                "uuid": gpu.uuid, "name": gpu.name, "index": gpu.index,
+                "memory_total": gpu.memory_total, "memory_usable": usable_memory(gpu, context_overhead),
+                "allocated_fraction": round(taken.fraction, 9), "allocated_memory": taken.memory,
+                "leases": taken.leases, "healthy": gpu.healthy,
+                "memory_used": gpu.memory_used, "utilization": gpu.utilization,
+            })
+        nodes.append({"name": node.name, "state": node.state, "inventory": node.inventory,
+                      "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
+                      "gpus": gpus})
+    return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}

@@ -1,0 +1,43 @@
+"""The GPU side of gpupool: inventory, enforcement, node agent and workers,
+and the kernel provisioner of notebook kernels.
+
+This module only re-exports. It does so lazily (PEP 562 ``__getattr__``)
+because the parts have different dependencies: a CPU notebook host imports
+:mod:`gpupool.provisioner.kernel_provisioner` through jupyter_client's entry
+point and has neither ``psutil`` nor ``pynvml`` (``gpupool[agent]`` extras)
+installed, so importing this package must not pull in the agent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Inventory": "inventory",
+    "InventoryError": "inventory",
+    "select_inventory": "inventory",
+    "SimulatedInventory": "simulated",
+    "NVMLInventory": "nvml",
+    "slice_environment": "enforcement",
+    "enforcement_mode": "enforcement",
+    "WorkerActivity": "activity",
+    "WorkerManager": "workers",
+    "WorkerSpec": "workers",
+    "WorkerStartError": "workers",
+    "NodeAgent": "agent",
+    "GPUPoolProvisioner": "kernel_provisioner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

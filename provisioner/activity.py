@@ -1,0 +1,119 @@
+"""Whether a worker is running a cell, read from its IOPub ``status`` messages.
+
+The service reclaims a lease for idleness only when the agent reports its
+worker ``idle`` for the lease's idle timeout, and never while a cell runs
+(DESIGN.md, Promises). ipykernel publishes ``status: busy`` before and
+``status: idle`` after every request it handles, on shell and control alike,
+each with the request as parent. :class:`WorkerActivity` turns that stream
+into ``execution_state`` and ``idle_since``; :func:`watch_iopub` feeds it
+from a SUB socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+from jupyter_client.session import Session
+
+from gpupool.schema import isoformat
+
+
+class WorkerActivity:
+    """Execution state of one worker.
+
+    ``execution_state`` is ``"starting"`` until :meth:`mark_ready`, then
+    ``"busy"`` while any request is in flight, else ``"idle"``. Requests are
+    tracked by parent message id rather than by the last status alone, because
+    ipykernel answers control requests (interrupt, debug) while a shell
+    request runs, and their ``idle`` must not hide the running cell.
+
+    ``idle_since`` (epoch seconds) is when the last cell (``execute_request``)
+    ended, or when the worker became ready if no cell ran yet; None while
+    busy. Other requests (``kernel_info``, completion) change the state while
+    they run but do not count as use. ``clock`` is the time seam for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._ready = False
+        self._in_flight: dict[str, str] = {}  # parent msg_id -> msg_type
+        self._idle_since: float | None = None
+        self.last_message_at: float | None = None
+
+    def mark_ready(self) -> None:
+        """The worker answered ``kernel_info``: from now on it is idle or busy."""
+        if not self._ready:
+            self._ready = True
+            self._idle_since = self._clock()
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        """Account for one deserialized IOPub message (others than ``status``
+        are ignored)."""
+        if msg.get("msg_type") != "status":
+            return
+        parent = msg.get("parent_header") or {}
+        msg_id = parent.get("msg_id")
+        if not msg_id:  # "starting" has no parent
+            return
+        self.last_message_at = self._clock()
+        state = msg.get("content", {}).get("execution_state")
+        if state == "busy":
+            self._in_flight[msg_id] = parent.get("msg_type", "")
+        elif state == "idle":
+            msg_type = self._in_flight.pop(msg_id, parent.get("msg_type", ""))
+            if msg_type == "execute_request" and self._ready:
+                self._idle_since = self._clock()
+
+    @property
+    def execution_state(self) -> str:
+        if not self._ready:
+            return "starting"
+        return "busy" if self._in_flight else "idle"
+
+    @property
+    def idle_since(self) -> float | None:
+        """Epoch seconds, or None while busy or starting."""
+        return self._idle_since if self.execution_state == "idle" else None
+
+    def idle_since_iso(self) -> str | None:
+        """:attr:`idle_since` as the wire's ISO 8601 UTC string."""
+        since = self.idle_since
+        return None if since is None else isoformat(datetime.fromtimestamp(since, timezone.utc))
+
+
+async def watch_iopub(activity: WorkerActivity, connection: dict[str, Any], context: zmq.asyncio.Context,
+                      log: logging.Logger, ready: asyncio.Event | None = None) -> None:
+    """Feed ``activity`` from the worker's IOPub until cancelled.
+
+    ``connection`` is the worker's connection info (``key`` as bytes). Only
+    ``kernel.*`` topics are subscribed (status, execute_input, shutdown): a
+    cell that prints megabytes never reaches the agent, so a slow agent cannot
+    make the kernel's IOPub drop a ``status`` message at its high-water mark.
+    ``ready`` is set once the subscription is confirmed by ipykernel's
+    ``iopub_welcome`` (ipykernel >= 7) or the first message.
+    """
+    session = Session(key=connection["key"], signature_scheme=connection["signature_scheme"])
+    socket = context.socket(zmq.SUB)
+    socket.linger = 0
+    socket.setsockopt(zmq.SUBSCRIBE, b"kernel.")
+    socket.connect(f"{connection['transport']}://{connection['ip']}:{connection['iopub_port']}")
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            if ready is not None:
+                ready.set()
+            try:
+                _idents, parts = session.feed_identities(frames)
+                msg = session.deserialize(parts, content=True)
+            except Exception as exc:  # a bad frame must not end the watch
+                log.debug("ignoring an unreadable IOPub message: %s", exc)
+                continue
+            activity.on_message(msg)
+    finally:
+        socket.close(linger=0)

@@ -1,0 +1,515 @@
+"""The node agent: ``gpupool agent``.
+
+One per GPU node. It discovers the node's GPUs (NVML, or ``--simulate``),
+registers them with the pool service, serves the service's calls to start and
+stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
+metrics. On SIGTERM or SIGINT it stops every worker, verifies they are gone,
+and exits 0.
+
+    gpupool agent --service-url=http://pool:8765 --token-file=/etc/gpupool/agent_token
+    gpupool agent --service-url=http://127.0.0.1:8765 --simulate=2xA100-80GB --port=0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from tornado import web
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
+from traitlets import Integer, Unicode, default
+from traitlets.config import Application
+
+from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.schema import GPUInfo, WorkerReport
+from gpupool.traits import Duration
+
+from .enforcement import enforcement_mode, mps_daemon_running
+from .inventory import Inventory, select_inventory
+from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
+
+TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
+
+
+# -- request parsing (pure) ----------------------------------------------------------------------------------
+
+def parse_worker_request(body: Any, gpus: dict[str, GPUInfo]) -> WorkerSpec:
+    """Validate a ``POST /workers`` body against this node's ``gpus`` (uuid ->
+    GPUInfo). ``memory`` may be omitted: then the fraction's share of the
+    smallest GPU's usable memory. Raises a 400 GPUPoolError naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    lease_id, owner = body.get("lease_id"), body.get("owner")
+    if not isinstance(lease_id, str) or not isinstance(owner, str) or not owner or len(owner) > 200:
+        raise bad_request("'lease_id' and 'owner' must be non-empty strings")
+    uuids = body.get("gpus")
+    if not isinstance(uuids, list) or not uuids or not all(isinstance(u, str) for u in uuids):
+        raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")
+    unknown = [u for u in uuids if u not in gpus]
+    if unknown or len(set(uuids)) != len(uuids):
+        raise bad_request(f"'gpus' must name distinct GPUs of this node; unknown: {', '.join(unknown) or 'none'}; "
+                          f"this node has: {', '.join(gpus)}")
+    chosen = tuple(gpus[u] for u in uuids)
+    fraction = body.get("fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise bad_request(f"'fraction' must be a number in (0, 1], got {fraction!r}")
+    smallest = min(chosen, key=lambda g: g.memory_total)
+    memory = body.get("memory")
+    if memory is None:
+        memory = int((smallest.memory_total - smallest.memory_reserved) * fraction)
+    if isinstance(memory, bool) or not isinstance(memory, int) or not 2**20 <= memory <= smallest.memory_total:
+        raise bad_request(f"'memory' must be whole bytes from 1 MiB to the GPU's {smallest.memory_total}, got {memory!r}")
+    try:
+        return WorkerSpec(lease_id, owner, chosen, float(fraction), memory)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+# -- HTTP handlers ---------------------------------------------------------------------------------------------
+
+class AgentHandler(web.RequestHandler):
+    """Base of the agent's handlers: agent-token auth, JSON in and out, every
+    error as ``GPUPoolError.to_json()``."""
+
+    auth_required = True
+
+    @property
+    def agent(self) -> "NodeAgent":
+        return self.settings["agent"]
+
+    def prepare(self) -> None:
+        if self.auth_required and not self.agent.token_matches(self.request.headers.get("Authorization", "")):
+            raise GPUPoolError("unauthorized", "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
+                               401)
+
+    def json_body(self) -> Any:
+        try:
+            return json.loads(self.request.body or b"null")
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+
+    def write_json(self, body: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GPUPoolError):
+            error = exc
+        elif isinstance(exc, web.HTTPError):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            error = GPUPoolError(code, exc.log_message or self._reason, exc.status_code)
+        else:
+            error = GPUPoolError("internal_error", f"the agent failed: {exc or self._reason}", status_code)
+        self.set_status(error.status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(error.to_json()))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
+            level = logging.WARNING if value.status >= 500 else logging.DEBUG
+            self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
+                               value.log_message)
+        else:
+            super().log_exception(typ, value, tb)
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        super().send_error(exc.status if isinstance(exc, GPUPoolError) else status_code, **kwargs)
+
+
+class WorkersHandler(AgentHandler):
+    """``GET /workers`` and ``POST /workers``."""
+
+    async def get(self) -> None:
+        self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
+
+    async def post(self) -> None:
+        spec = parse_worker_request(self.json_body(), self.agent.gpus)
+        try:
+            worker = await self.agent.workers.start(spec)
+        except WorkerStartError as exc:
+            raise GPUPoolError("worker_start_failed", str(exc), 502) from None
+        self.write_json({"pid": worker.pid, "connection": worker.connection()}, 201)
+
+
+class WorkerHandler(AgentHandler):
+    """``DELETE /workers/{lease_id}``."""
+
+    async def delete(self, lease_id: str) -> None:
+        try:
+            code = await self.agent.workers.stop(lease_id)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        except WorkerStopError as exc:
+            raise GPUPoolError("worker_stop_failed", str(exc), 500) from None
+        self.write_json({"lease_id": lease_id, "exit_code": code})
+
+
+class HealthHandler(AgentHandler):
+    """``GET /health``: no token needed."""
+
+    auth_required = False
+
+    def get(self) -> None:
+        self.write_json({"status": "ok", "node": self.agent.node_name})
+
+
+class NotFoundHandler(AgentHandler):
+    auth_required = False
+
+    def prepare(self) -> None:
+        raise not_found(f"{self.request.path} on this agent")
+
+
+def agent_routes() -> list[tuple[str, type]]:
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler)]
+
+
+# -- the application -------------------------------------------------------------------------------------------
+
+class NodeAgent(Application):
+    """``gpupool agent``: the per-node daemon."""
+
+    name = "gpupool-agent"
+    description = """The gpupool node agent: registers this node's GPUs with the pool service,
+    starts and stops one Jupyter kernel (worker) per lease, and reports worker
+    activity and GPU metrics."""
+
+    aliases = {
+        "service-url": "NodeAgent.service_url",
+        "token-file": "NodeAgent.token_file",
+        "simulate": "NodeAgent.simulate",
+        "name": "NodeAgent.node_name",
+        "ip": "NodeAgent.ip",
+        "port": "NodeAgent.port",
+        "state-dir": "NodeAgent.state_dir",
+        "config": "NodeAgent.config_file",
+        "log-level": "Application.log_level",
+    }
+
+    service_url = Unicode(
+        "", help="""Base URL of the pool service, e.g. ``http://pool:8765`` (standalone) or
+        ``http://hub:8000/services/gpupool``. Required. ``c.NodeAgent.service_url = "http://pool:8765"``.""",
+    ).tag(config=True)
+
+    token_file = Unicode(
+        "", help="""File holding the agent token (the service writes one to
+        ``STATE_DIR/agent_token``). Without it the token is read from the
+        GPUPOOL_AGENT_TOKEN environment variable. ``c.NodeAgent.token_file = "/etc/gpupool/agent_token"``.""",
+    ).tag(config=True)
+
+    simulate = Unicode(
+        "", help="""Declare simulated GPUs instead of reading NVML, e.g. ``2xA100-80GB`` or
+        ``1xH100-80GB,2xL4-24GB``. Empty (default): real GPUs through NVML.
+        ``c.NodeAgent.simulate = "2xA100-80GB"``.""",
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="""This node's name in the pool. Default: the host name. ``c.NodeAgent.node_name = "gpu-07"``.""",
+    ).tag(config=True)
+
+    @default("node_name")
+    def _node_name_default(self) -> str:
+        return socket.gethostname()
+
+    ip = Unicode(
+        "127.0.0.1", help="""Address the agent's HTTP server and its workers listen on, and that the
+        service and notebook kernels connect to. Default: 127.0.0.1. ``c.NodeAgent.ip = "10.0.0.7"``.""",
+    ).tag(config=True)
+
+    port = Integer(
+        8766, help="""Port of the agent's HTTP server; 0 picks a free one. Default: 8766.
+        ``c.NodeAgent.port = 8766``.""",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        help="""Directory for worker connection files and logs and ``agent.json``.
+        Default: ``$XDG_STATE_HOME/gpupool/agent`` (``~/.local/state/gpupool/agent``).
+        ``c.NodeAgent.state_dir = "/var/lib/gpupool/agent"``.""",
+    ).tag(config=True)
+
+    @default("state_dir")
+    def _state_dir_default(self) -> str:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        return os.path.join(base, "gpupool", "agent")
+
+    config_file = Unicode(
+        "", help="""A config file (``gpupool_config.py``) setting ``c.NodeAgent.*``; the command line wins.""",
+    ).tag(config=True)
+
+    worker_start_timeout = Duration(
+        60.0, help="""Seconds a worker may take to answer its first ``kernel_info`` before its
+        start fails. Default: 60. ``c.NodeAgent.worker_start_timeout = "2m"``.""",
+    ).tag(config=True)
+
+    worker_stop_timeout = Duration(
+        10.0, help="""Seconds a worker gets to shut down cleanly before SIGTERM, then SIGKILL.
+        Default: 10. ``c.NodeAgent.worker_stop_timeout = 20``.""",
+    ).tag(config=True)
+
+    service_timeout = Duration(
+        10.0, help="""Seconds per call to the service (registration, heartbeat). Default: 10.
+        ``c.NodeAgent.service_timeout = 30``.""",
+    ).tag(config=True)
+
+    retry_max = Duration(
+        30.0, help="""Longest wait between two registration attempts while the service is
+        unreachable (the wait doubles from 0.5 s up to this). Default: 30 seconds.
+        ``c.NodeAgent.retry_max = "1m"``.""",
+    ).tag(config=True)
+
+    @default("log_level")
+    def _log_level_default(self) -> int:
+        return logging.INFO
+
+    @default("log_format")
+    def _log_format_default(self) -> str:
+        return "[%(name)s %(levelname)s %(asctime)s] %(message)s"
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    def initialize(self, argv: list[str] | None = None) -> None:
+        """Read the command line and config file, the token and the GPUs.
+        Raises GPUPoolError (printed by ``gpupool``) for a bad setup."""
+        self.parse_command_line(argv)
+        if self.config_file:
+            path = Path(self.config_file)
+            if not path.is_file():
+                raise GPUPoolError("not_configured", f"config file {path} does not exist (--config)")
+            self.load_config_file(path.name, path=str(path.parent.resolve()))
+        if not self.service_url:
+            raise GPUPoolError("not_configured", "no service URL: pass --service-url=http://HOST:PORT of the pool service")
+        self.service_url = self.service_url.rstrip("/")
+        self.token = self.read_token()
+        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name)
+        self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
+        self.enforcement = enforcement_mode(self.inventory.kind,
+                                            self.inventory.kind != "simulated" and mps_daemon_running())
+        self.url = ""
+        self._background: set[asyncio.Task] = set()
+        self._stopping: set[str] = set()
+
+    def read_token(self) -> str:
+        """The agent token, from ``token_file`` or GPUPOOL_AGENT_TOKEN. Read
+        again before each registration, so a rotated token is picked up."""
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise GPUPoolError("not_configured", f"cannot read the agent token file {self.token_file}: "
+                                   f"{exc.strerror} (--token-file)") from None
+        else:
+            token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise GPUPoolError("not_configured", "no agent token: pass --token-file=FILE (the service writes "
+                               f"STATE_DIR/agent_token) or set {TOKEN_ENV}")
+        return token
+
+    def token_matches(self, header: str) -> bool:
+        """True when an ``Authorization: token ...`` header carries the agent token."""
+        scheme, _, value = header.partition(" ")
+        return scheme.lower() in ("token", "bearer") and hmac.compare_digest(value.strip().encode(), self.token.encode())
+
+    def worker_reports(self) -> list:
+        return self.workers.reports(self.inventory.process_memory())
+
+    # -- run --------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        asyncio.run(self.run())
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then stop every worker."""
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        state_dir = Path(self.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
+                                     start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
+                                     log=self.log)
+        try:
+            sockets = bind_sockets(self.port, self.ip)
+        except OSError as exc:
+            raise GPUPoolError("not_configured", f"cannot listen on {self.ip}:{self.port}: {exc.strerror} "
+                               "(--ip, --port; --port=0 picks a free port)") from None
+        server = HTTPServer(web.Application(agent_routes(), agent=self, default_handler_class=NotFoundHandler,
+                                            log_function=self._log_request))
+        server.add_sockets(sockets)
+        self.url = f"http://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"
+        self.http = AsyncHTTPClient(force_instance=True)
+        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
+                      self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement,
+                      self.service_url)
+        service_task = asyncio.create_task(self.service_loop())
+        await stopping.wait()
+        self.log.info("stopping: shutting down %d worker(s)", len(self.workers.lease_ids()))
+        service_task.cancel()
+        await asyncio.gather(service_task, return_exceptions=True)
+        server.stop()
+        codes = await self.workers.stop_all()
+        await self._final_heartbeat(codes)
+        await server.close_all_connections()
+        self.http.close()
+        self.workers.close()
+        self.inventory.close()
+        self.log.info("agent %s stopped", self.node_name)
+
+    def _log_request(self, handler: web.RequestHandler) -> None:
+        status = handler.get_status()
+        level = logging.INFO if status < 400 else logging.WARNING
+        if handler.request.path == "/health" and status == 200:
+            level = logging.DEBUG
+        self.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
+                     1000 * handler.request.request_time())
+
+    # -- talking to the service -------------------------------------------------------------------------------
+
+    async def service_loop(self) -> None:
+        """Register, then heartbeat every ``heartbeat_interval``; register
+        again when the service forgets the node (404)."""
+        while True:
+            interval = await self.register()
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    status, reply = await self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
+                                                    self.heartbeat_body())
+                except Exception as exc:  # keep beating: the service may come back
+                    self.log.warning("heartbeat to %s failed (%s); retrying in %.1fs", self.service_url, exc, interval)
+                    continue
+                if status == 404:
+                    self.log.warning("the service does not know node %s any more; registering again", self.node_name)
+                    break
+                if status != 200:
+                    self.log.warning("heartbeat refused by %s: HTTP %s %s", self.service_url, status,
+                                     reply.get("message", ""))
+                    if status == 401:
+                        break  # re-read the token file while registering again
+                    continue
+                self.stop_workers(reply.get("stop"))
+
+    async def register(self) -> float:
+        """``POST /nodes`` until it succeeds, backing off while the service is
+        down or refuses; writes ``agent.json``; returns the heartbeat interval."""
+        delay = 0.5
+        while True:
+            try:
+                self.token = self.read_token()
+                status, reply = await self.call("POST", "/nodes", self.registration_body())
+            except GPUPoolError as exc:
+                status, reply, problem = 0, {}, exc.message
+            except Exception as exc:  # unreachable, or a bad --service-url
+                status, reply, problem = 0, {}, f"cannot reach it ({exc})"
+            else:
+                problem = f"HTTP {status}: {reply.get('message') or 'no message'}"
+                if status == 401:
+                    problem += f" (check --token-file {self.token_file or '(unset)'} / {TOKEN_ENV})"
+            if status == 200:
+                break
+            self.log.warning("registration with %s failed: %s; retrying in %.1fs", self.service_url, problem, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.retry_max)
+        interval = reply.get("heartbeat_interval")
+        interval = float(interval) if isinstance(interval, (int, float)) and interval > 0 else 5.0
+        self.write_agent_json()
+        self.log.info("registered with %s as %s (heartbeat every %gs)", self.service_url, self.node_name, interval)
+        self.stop_workers(reply.get("stop"))
+        return interval
+
+    def registration_body(self) -> dict[str, Any]:
+        return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
+                "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
+                "workers": [r.to_json() for r in self.worker_reports()]}
+
+    def heartbeat_body(self) -> dict[str, Any]:
+        return {"workers": [r.to_json() for r in self.worker_reports()], "gpus": self.inventory.metrics()}
+
+    def stop_workers(self, lease_ids: Any) -> None:
+        """Stop, in the background, the workers the service says no lease holds."""
+        for lease_id in lease_ids or ():
+            if isinstance(lease_id, str) and lease_id in self.workers.lease_ids() and lease_id not in self._stopping:
+                self.log.info("no lease holds the worker of %s any more: stopping it", lease_id)
+                self._stopping.add(lease_id)
+                task = asyncio.create_task(self._stop_quietly(lease_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _stop_quietly(self, lease_id: str) -> None:
+        try:
+            await self.workers.stop(lease_id)
+        except KeyError:
+            pass
+        except Exception as exc:
+            self.log.error("could not stop the worker of lease %s: %s", lease_id, exc)
+        finally:
+            self._stopping.discard(lease_id)
+
+    async def call(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """One call to ``{service_url}/api/v1{path}``; returns (status, JSON
+        reply). Raises OSError when the service cannot be reached."""
+        request = HTTPRequest(f"{self.service_url}/api/v1{path}", method=method, body=json.dumps(body),
+                              headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+                              connect_timeout=self.service_timeout, request_timeout=self.service_timeout)
+        response = await self.http.fetch(request, raise_error=False)
+        if response.code == 599:  # tornado: no HTTP answer (refused, timeout)
+            raise OSError(str(response.error))
+        try:
+            reply = json.loads(response.body or b"{}")
+        except ValueError:
+            reply = {}
+        return response.code, reply if isinstance(reply, dict) else {}
+
+    async def _final_heartbeat(self, exit_codes: dict[str, int | None]) -> None:
+        """Tell the service, best effort, that the workers are gone (``dead``
+        with their exit codes), so their leases end now rather than when the
+        node's TTL runs out."""
+        workers = [WorkerReport(lease, None, "dead", exit_code=code).to_json() for lease, code in exit_codes.items()]
+        try:
+            await asyncio.wait_for(self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
+                                             {"workers": workers, "gpus": self.inventory.metrics()}), 2.0)
+        except Exception:  # the service may be down too; its node TTL covers it
+            pass
+
+    def write_agent_json(self) -> None:
+        """``STATE_DIR/agent.json``: who this agent is, for scripts and tests."""
+        path = Path(self.state_dir) / "agent.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
+        tmp.replace(path)
+
+
+def _advertised_ip(ip: str) -> str:
+    """The address others use to reach what listens on ``ip``: a wildcard
+    bind is advertised as this host's own address."""
+    if ip in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return ip
+
+
+def _url_host(ip: str) -> str:
+    """The host part of the URL the service uses to reach this agent."""
+    host = _advertised_ip(ip)
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``gpupool agent [options]``; returns the exit code (0 after SIGTERM)."""
+    app = NodeAgent()
+    app.initialize(sys.argv[1:] if argv is None else argv)
+    app.start()
+    return 0

@@ -1,0 +1,86 @@
+"""GPU inventory of a node: which GPUs it has, and how busy they are.
+
+:class:`Inventory` is the contract; :mod:`.simulated` (declared GPUs, for
+hosts without one) and :mod:`.nvml` (real GPUs through NVML) implement it;
+:func:`select_inventory` is the lookup the agent uses to pick one.
+"""
+
+from __future__ import annotations
+
+import abc
+import socket
+from typing import Any
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import GPUInfo
+
+
+class InventoryError(GPUPoolError):
+    """No usable inventory on this node (no NVML, no GPUs, bad ``--simulate``).
+
+    A :class:`GPUPoolError` so that ``gpupool agent`` prints the message, not a
+    traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("no_inventory", message, 503)
+
+
+class Inventory(abc.ABC):
+    """The GPUs of one node.
+
+    ``kind`` is what the agent reports at registration (``"simulated"`` or
+    ``"nvml"``). Implementations are cheap to query repeatedly: the agent calls
+    :meth:`metrics` once per heartbeat.
+    """
+
+    kind: str = ""
+
+    @abc.abstractmethod
+    def discover(self) -> list[GPUInfo]:
+        """Every GPU of the node, ordered by index. Called once at start-up and
+        at each (re-)registration. Raises :class:`InventoryError` when the GPUs
+        cannot be listed at all."""
+
+    @abc.abstractmethod
+    def metrics(self) -> list[dict[str, Any]]:
+        """One ``{"uuid", "memory_used", "utilization"}`` per GPU for a heartbeat.
+
+        ``memory_used`` is bytes and ``utilization`` percent (0-100). ``None``
+        means unknown (not supported, or no GPU at all) and never stands for 0.
+        """
+
+    def process_memory(self) -> dict[int, int]:
+        """GPU memory used per process id, in bytes, summed over all GPUs.
+
+        Processes that NVML cannot attribute are absent. The default knows of
+        no process (the simulated inventory has none on any GPU).
+        """
+        return {}
+
+    def close(self) -> None:
+        """Release the inventory's handles (NVML). Idempotent."""
+
+
+def select_inventory(simulate: str | None, node_name: str | None = None) -> Inventory:
+    """The inventory the agent should use.
+
+    ``simulate`` is a ``--simulate`` spec such as ``"2xA100-80GB"``: when given,
+    a :class:`~.simulated.SimulatedInventory` whose UUIDs are derived from
+    ``node_name`` (default: this host's name). Without it, NVML.
+
+    Raises :class:`InventoryError` when the spec is bad, or when NVML is not
+    available (no driver, no ``nvidia-ml-py``) or finds no GPU; the message
+    says to pass ``--simulate``.
+    """
+    node_name = node_name or socket.gethostname()
+    if simulate:
+        from .simulated import SimulatedInventory
+
+        try:
+            return SimulatedInventory(simulate, node_name)
+        except ValueError as exc:
+            raise InventoryError(f"bad --simulate value: {exc}") from None
+    from .nvml import NVMLInventory
+
+    return NVMLInventory()

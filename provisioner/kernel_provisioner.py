@@ -1,0 +1,157 @@
+"""The ``gpupool`` kernel provisioner for notebook kernels (CPU side).
+
+A kernelspec picks it with ``metadata.kernel_provisioner = {"provisioner_name":
+"gpupool", "config": {"service_url": ..., "token_file": ...}}`` (``gpupool
+kernelspec install`` writes one). The kernel itself runs locally as with
+jupyter_client's ``LocalProvisioner``; this subclass
+
+- gives it ``GPUPOOL_URL``, ``GPUPOOL_TOKEN`` and ``GPUPOOL_KERNEL_ID`` and
+  loads the ``gpupool.magics`` extension, so ``%gpu`` works at once;
+- releases every lease of the kernel when it shuts down, restarts or dies,
+  so that no slice outlives the notebook kernel that asked for it.
+
+jupyter_client sends SIGINT before every shutdown and restart (and on each
+interrupt), so a signal is never taken to mean "release"; only
+``shutdown_requested`` and ``cleanup`` are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.provisioning import LocalProvisioner
+from traitlets import Float, Unicode, default
+
+from gpupool.api import ENV_TOKEN, ENV_URL, ServiceClient
+from gpupool.errors import GPUPoolError
+
+ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
+MAGICS_EXTENSION = "gpupool.magics"
+
+
+class GPUPoolProvisioner(LocalProvisioner):
+    """A local kernel that knows its gpupool service and gives its leases back.
+
+    Entry point ``gpupool`` in group ``jupyter_client.kernel_provisioners``.
+    Its traits come from the kernelspec's provisioner ``config`` (which beats
+    the config file, as for any provisioner).
+    """
+
+    service_url = Unicode(
+        help="""Base URL of the pool service, e.g. ``http://127.0.0.1:8765``. Default: the
+        GPUPOOL_URL environment variable of the Jupyter server. In a kernelspec:
+        ``"config": {"service_url": "http://pool:8765"}``.""",
+    ).tag(config=True)
+
+    @default("service_url")
+    def _service_url_default(self) -> str:
+        return os.environ.get(ENV_URL, "")
+
+    token_file = Unicode(
+        "", help="""File holding the user's API token for the service, read at each kernel
+        launch (the token itself never goes into the kernelspec). Empty: the kernel
+        uses GPUPOOL_TOKEN or, under JupyterHub, JUPYTERHUB_API_TOKEN from the server's
+        environment. In a kernelspec: ``"config": {"token_file": "~/.gpupool/token"}``.""",
+    ).tag(config=True)
+
+    release_timeout = Float(
+        5.0, help="""Seconds the kernel's shutdown waits for its leases to be released; after
+        that the service's heartbeat TTL reclaims them. Default: 5.""",
+    ).tag(config=True)
+
+    _token: str | None = None
+    _shutdown_requested = False
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Add the magics extension to the kernel's command line and the
+        ``GPUPOOL_*`` variables to its environment (called on each start and
+        restart by ``KernelManager.pre_start_kernel``)."""
+        self._shutdown_requested = False
+        extra = list(kwargs.pop("extra_arguments", None) or [])
+        argv = [*(self.kernel_spec.argv if self.kernel_spec else []), *extra]
+        if not any(MAGICS_EXTENSION in arg for arg in argv):
+            # extra_extensions adds to the user's own c.InteractiveShellApp.extensions
+            # instead of replacing them as --IPKernelApp.extensions would.
+            extra.append(f"--IPKernelApp.extra_extensions={MAGICS_EXTENSION}")
+        kwargs = await super().pre_launch(extra_arguments=extra, **kwargs)
+        env = kwargs["env"]
+        self._token = self._read_token()
+        if self.service_url:
+            env[ENV_URL] = self.service_url
+        if self._token:
+            env[ENV_TOKEN] = self._token
+        if self.kernel_id:
+            env[ENV_KERNEL_ID] = self.kernel_id
+        return kwargs
+
+    def _read_token(self) -> str | None:
+        """The token from ``token_file``, else GPUPOOL_TOKEN of the server (the
+        kernel falls back to JUPYTERHUB_API_TOKEN by itself). A missing file is
+        logged, not raised: the kernel still starts and ``%gpu`` explains."""
+        if self.token_file:
+            path = Path(self.token_file).expanduser()
+            try:
+                return path.read_text().strip() or None
+            except OSError as exc:
+                self.log.error("gpupool: cannot read the token file %s (%s); %%gpu will not be authorized",
+                               path, exc.strerror)
+                return None
+        return os.environ.get(ENV_TOKEN) or None
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        """The kernel is asked to shut down (or restart): release its leases
+        now, while it is still alive to notice."""
+        await super().shutdown_requested(restart=restart)
+        self._shutdown_requested = True
+        await self.release_leases("the notebook kernel restarted" if restart else "the notebook kernel shut down")
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """The kernel is gone. Also reached without ``shutdown_requested`` when
+        it died on its own (the restarter's ``restart_kernel(now=True)``) or was
+        killed with ``shutdown_kernel(now=True)``."""
+        await super().cleanup(restart=restart)
+        if self._shutdown_requested:
+            reason = "the notebook kernel restarted" if restart else "the notebook kernel shut down"
+        else:
+            reason = "the notebook kernel died" if restart else "the notebook kernel was stopped"
+        await self.release_leases(reason)
+
+    async def release_leases(self, reason: str) -> None:
+        """Release every lease whose ``kernel_id`` is this kernel's.
+
+        Runs the blocking HTTP client in a thread, bounded by
+        ``release_timeout``; every failure is logged and none is raised (the
+        service's heartbeat TTL reclaims what is left).
+        """
+        if not self.service_url or not self.kernel_id:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._release_all, reason), self.release_timeout)
+        except asyncio.TimeoutError:
+            self.log.warning("gpupool: releasing the leases of kernel %s took over %gs; the service will reclaim "
+                             "them", self.kernel_id, self.release_timeout)
+        except Exception as exc:  # never let a release break the kernel's shutdown
+            self.log.warning("gpupool: could not release the leases of kernel %s: %s", self.kernel_id, exc)
+
+    def _release_all(self, reason: str) -> list[str]:
+        # The same token the kernel uses: under JupyterHub, the server's API token.
+        token = self._token or self._read_token() or os.environ.get("JUPYTERHUB_API_TOKEN")
+        client = ServiceClient(self.service_url, token, timeout=self.release_timeout)
+        try:
+            leases = client.list_leases(kernel_id=self.kernel_id)
+        except GPUPoolError as exc:
+            self.log.warning("gpupool: cannot list the leases of kernel %s: %s", self.kernel_id, exc.message)
+            return []
+        released = []
+        for lease in leases:
+            try:
+                client.release(lease.id, reason=reason)
+            except GPUPoolError as exc:  # one failure must not keep the others
+                self.log.warning("gpupool: could not release lease %s: %s", lease.id, exc.message)
+            else:
+                released.append(lease.id)
+                self.log.info("gpupool: released lease %s of kernel %s (%s)", lease.id, self.kernel_id, reason)
+        return released

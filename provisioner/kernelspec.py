@@ -1,0 +1,114 @@
+"""``gpupool kernelspec install``: the "Python 3 (gpupool)" Jupyter kernel.
+
+The kernelspec runs this interpreter's ipykernel under the ``gpupool``
+kernel provisioner (:mod:`.kernel_provisioner`), which points the kernel at
+the pool service and loads the ``%gpu`` magics. The token is never written
+into the kernelspec: only the path of a file holding it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager
+
+from gpupool.errors import GPUPoolError
+
+DEFAULT_NAME = "gpupool"
+DEFAULT_DISPLAY_NAME = "Python 3 (gpupool)"
+
+
+def kernel_json(display_name: str, service_url: str | None, token_file: str | None,
+                python: str = sys.executable) -> dict[str, Any]:
+    """The ``kernel.json`` of a gpupool kernel (pure)."""
+    config = {}
+    if service_url:
+        config["service_url"] = service_url
+    if token_file:
+        config["token_file"] = token_file
+    return {
+        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": display_name,
+        "language": "python",
+        "metadata": {"debugger": True,
+                     "kernel_provisioner": {"provisioner_name": "gpupool", "config": config}},
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpupool kernelspec",
+        description="Install the Jupyter kernelspec whose kernels can attach to pooled GPUs with %gpu. "
+                    "It runs this Python's ipykernel under the 'gpupool' kernel provisioner, which tells the "
+                    "kernel where the pool service is and releases the kernel's GPU leases when it stops.")
+    commands = parser.add_subparsers(dest="command", metavar="install")
+    install = commands.add_parser(
+        "install", help="install (or replace) the kernelspec",
+        description="Install (or replace) the gpupool kernelspec. By default it goes into this Python's "
+                    f"prefix ({sys.prefix}), so only this environment's Jupyter sees it.")
+    install.add_argument("--name", default=DEFAULT_NAME, help=f"kernelspec name (default: {DEFAULT_NAME})")
+    install.add_argument("--display-name", default=DEFAULT_DISPLAY_NAME,
+                         help=f"name shown in Jupyter's launcher (default: {DEFAULT_DISPLAY_NAME!r})")
+    install.add_argument("--url", help="the pool service's base URL (default: GPUPOOL_URL of the Jupyter server)")
+    install.add_argument("--token-file", help="file holding the user's service token, read at each kernel start "
+                                              "(default: GPUPOOL_TOKEN or JUPYTERHUB_API_TOKEN of the server)")
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for the current user (~/.local/share/jupyter)")
+    where.add_argument("--sys-prefix", action="store_true", help=f"install into sys.prefix ({sys.prefix}); the default")
+    where.add_argument("--prefix", help="install into PREFIX/share/jupyter/kernels")
+    return parser
+
+
+def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, service_url: str | None = None,
+            token_file: str | None = None, *, user: bool = False, prefix: str | None = None) -> str:
+    """Write the kernelspec and return the directory it was installed in.
+
+    ``prefix`` None and ``user`` False: ``sys.prefix``. Raises GPUPoolError for
+    a bad name or an unwritable destination.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise GPUPoolError("bad_request", f"kernelspec name {name!r} may only hold letters, digits, '.', '_' and '-'")
+    if token_file:
+        token_file = str(Path(token_file).expanduser().resolve())
+    if not user and prefix is None:
+        prefix = sys.prefix
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(display_name, service_url, token_file), indent=1))
+        _copy_logos(Path(tmp))
+        try:
+            return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix, replace=None)
+        except OSError as exc:
+            raise GPUPoolError("install_failed", f"cannot install the kernelspec: {exc} "
+                               "(try --user or --prefix)") from None
+
+
+def _copy_logos(dest: Path) -> None:
+    # ipykernel's own Python logos, so the launcher shows a familiar icon.
+    try:
+        from ipykernel.kernelspec import RESOURCES
+    except ImportError:
+        return
+    for logo in Path(RESOURCES).glob("logo-*"):
+        shutil.copy(logo, dest / logo.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``gpupool kernelspec install [...]``; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command != "install":
+        parser.print_help()
+        return 2
+    where = install(args.name, args.display_name, args.url, args.token_file, user=args.user, prefix=args.prefix)
+    print(f"Installed kernelspec {args.name} ({args.display_name!r}) in {where}")
+    if not args.url and not os.environ.get("GPUPOOL_URL"):
+        print("note: no --url given; kernels will use GPUPOOL_URL from the Jupyter server's environment")
+    return 0

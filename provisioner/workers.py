@@ -1,0 +1,468 @@
+"""Workers: one ipykernel per lease, confined to the lease's slice.
+
+The agent's HTTP handlers call :class:`WorkerManager`; it starts each worker
+with jupyter_client's ``AsyncKernelManager`` (so ports, HMAC key, connection
+file and signals are Jupyter's own), watches its IOPub for activity, notices
+when it dies, and stops it so that no process outlives its lease (DESIGN.md,
+Promises).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import psutil
+import zmq.asyncio
+from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+from gpupool.schema import GPUInfo, WorkerReport
+
+from .activity import WorkerActivity, watch_iopub
+from .enforcement import slice_environment
+
+# The IPython extension every worker loads (variable transfer, PyTorch cap).
+WORKER_EXTENSION = "gpupool.provisioner.worker"
+
+# Lease ids become file names under the state dir.
+_LEASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+# Agent-side secrets a worker must never see: user code runs there.
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY", re.IGNORECASE)
+_PRIVATE_PREFIXES = ("GPUPOOL_", "JUPYTERHUB_", "JPY_API_")
+
+_CONNECTION_KEYS = ("ip", "transport", "shell_port", "iopub_port", "stdin_port", "control_port", "hb_port",
+                    "signature_scheme")
+
+
+class WorkerStartError(Exception):
+    """A worker did not come up; the message says why (exit code, the tail of
+    its log). The agent answers 502 ``worker_start_failed`` with it."""
+
+
+class WorkerStopError(Exception):
+    """A worker's processes survived SIGKILL (e.g. stuck in the GPU driver)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the service asks for with ``POST /workers``: the lease, its owner,
+    its GPUs (in the order the worker sees them), the compute ``fraction`` in
+    (0, 1] and the ``memory`` limit in bytes per GPU."""
+
+    lease_id: str
+    owner: str
+    gpus: tuple[GPUInfo, ...]
+    fraction: float
+    memory: int
+
+    def __post_init__(self) -> None:
+        if not _LEASE_ID.match(self.lease_id):
+            raise ValueError(f"lease id {self.lease_id!r} must be 1-100 letters, digits, '.', '_' or '-'")
+
+
+def worker_environment(environ: Mapping[str, str], slice_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a worker: ``environ`` (the agent's) without its
+    secrets, plus ``slice_env`` (:func:`~.enforcement.slice_environment`).
+
+    Dropped: every ``GPUPOOL_*`` (the agent token, and the agent's own
+    settings, which the slice's values replace), ``JUPYTERHUB_*``, and any
+    name that looks like a credential (``TOKEN``, ``SECRET``, ``PASSWORD``,
+    ``API_KEY``...). Kept: ``PATH``, ``HOME``, ``CUDA_MPS_PIPE_DIRECTORY`` and
+    the rest, which user code and CUDA need.
+    """
+    env = {name: value for name, value in environ.items()
+           if not name.startswith(_PRIVATE_PREFIXES) and not _SECRET_NAME.search(name)}
+    env.update(slice_env)
+    return env
+
+
+def kernel_arguments(extensions: Sequence[str]) -> list[str]:
+    """ipykernel command-line options that load ``extensions`` and make the
+    kernel exit when one fails to load.
+
+    ``extra_extensions`` is IPython's option for extensions named on the
+    command line; unlike ``extensions`` it adds to, rather than replaces, a
+    ``c.InteractiveShellApp.extensions`` list from the user's profile. Without
+    ``reraise_ipython_extension_failures`` IPython only logs a failing
+    extension, and a worker without its extension would look healthy.
+    """
+    args = [f"--IPKernelApp.extra_extensions={name}" for name in extensions]
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True"]
+
+
+class Worker:
+    """One running (or dead) worker: its kernel manager, process, connection
+    info and activity. Created and owned by :class:`WorkerManager`."""
+
+    def __init__(self, spec: WorkerSpec, manager: AsyncKernelManager, process: subprocess.Popen,
+                 log_path: Path, advertise_ip: str) -> None:
+        self.spec = spec
+        self.advertise_ip = advertise_ip
+        self.manager = manager
+        self.process = process
+        self.log_path = log_path
+        self.activity = WorkerActivity()
+        self.started_at = time.time()
+        self.exit_code: int | None = None
+        self.watcher: asyncio.Task | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def dead(self) -> bool:
+        return self.exit_code is not None
+
+    def connection(self) -> dict[str, Any]:
+        """The Jupyter connection info for ``POST /workers`` (``key`` as str)."""
+        info = self.manager.get_connection_info()
+        wire = {name: info[name] for name in _CONNECTION_KEYS}
+        wire["ip"] = self.advertise_ip
+        key = info["key"]
+        wire["key"] = key.decode() if isinstance(key, bytes) else key
+        return wire
+
+    def report(self, memory_used: int | None = None) -> WorkerReport:
+        """This worker as a heartbeat's WorkerReport."""
+        if self.dead:
+            return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code)
+        return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
+                            idle_since=self.activity.idle_since_iso(), memory_used=memory_used)
+
+    def log_tail(self, lines: int = 8) -> str:
+        """The last lines the worker wrote to stdout/stderr (empty if none)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def descendants(self) -> list[psutil.Process]:
+        """Processes the worker started (dataloaders, compilers...), now.
+        Empty once the worker was reaped: its pid may belong to another
+        process then."""
+        if self.process.returncode is not None:
+            return []
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+
+class WorkerManager:
+    """Starts, tracks and stops the workers of one node.
+
+    ``state_dir``: the agent's state directory; connection files and worker
+    logs go under ``state_dir/workers`` (so every worker's command line names
+    the state dir). ``ip``: where workers listen, the address clients reach
+    them at, unless ``advertise_ip`` (for a wildcard ``ip``) says otherwise. ``node``: the node's name (``GPUPOOL_NODE``). ``start_timeout``
+    and ``stop_timeout``: seconds. ``extensions``: IPython extensions each
+    worker loads. ``environ``: the environment workers inherit, minus secrets
+    (default ``os.environ``). ``cwd``: the workers' working directory (default
+    the home directory).
+
+    All methods run on the agent's event loop; calls for the same lease are
+    serialized, calls for different leases run concurrently.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike, *, ip: str = "127.0.0.1", advertise_ip: str | None = None,
+                 node: str,
+                 start_timeout: float = 60.0, stop_timeout: float = 10.0,
+                 extensions: Sequence[str] = (WORKER_EXTENSION,), environ: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike | None = None, log: logging.Logger | None = None) -> None:
+        self.workers_dir = Path(state_dir) / "workers"
+        self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.ip = ip
+        self.advertise_ip = advertise_ip or ip
+        self.node = node
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.extensions = tuple(extensions)
+        self.environ = dict(os.environ if environ is None else environ)
+        self.cwd = str(cwd or Path.home())
+        self.log = log or logging.getLogger("gpupool.agent")
+        self._context = zmq.asyncio.Context()
+        # No kernel dirs: always the native ipykernel of this interpreter, never
+        # a "python3" kernelspec that a user installed elsewhere on the node.
+        self._kernel_specs = KernelSpecManager(kernel_dirs=[])
+        self._workers: dict[str, Worker] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._closing = False
+
+    # -- queries ----------------------------------------------------------------
+
+    def get(self, lease_id: str) -> Worker:
+        """The worker of ``lease_id``; KeyError when there is none."""
+        return self._workers[lease_id]
+
+    def lease_ids(self) -> list[str]:
+        return list(self._workers)
+
+    def poll(self) -> list[Worker]:
+        """Notice workers that exited by themselves; returns the newly dead.
+
+        A dead worker stays listed (reported ``dead`` with its exit code) until
+        :meth:`stop` is called for its lease. Its process group is killed on
+        the spot, so processes it started do not keep GPU memory.
+        """
+        newly_dead = []
+        for worker in self._workers.values():
+            if worker.dead or not _exited(worker.process):
+                continue
+            # The leader is a zombie until reaped below, so its process group id
+            # cannot have been reused yet: the kill reaches only its own group.
+            _kill_group(worker.pid)
+            worker.exit_code = worker.process.wait()
+            if worker.watcher is not None:
+                worker.watcher.cancel()
+            self.log.warning("the worker (pid %s) of lease %s died with exit code %s; its last output:\n%s",
+                             worker.pid, worker.spec.lease_id, worker.exit_code, worker.log_tail() or "(none)")
+            newly_dead.append(worker)
+        return newly_dead
+
+    def reports(self, process_memory: Mapping[int, int] | None = None) -> list[WorkerReport]:
+        """A WorkerReport per worker, after :meth:`poll`. ``process_memory``
+        (pid -> GPU bytes, from the inventory) gives each worker's
+        ``memory_used``, summed over its process tree; None when unknown."""
+        self.poll()
+        result = []
+        for worker in self._workers.values():
+            memory = None
+            if process_memory and not worker.dead:
+                pids = [worker.pid, *(p.pid for p in worker.descendants())]
+                if any(pid in process_memory for pid in pids):
+                    memory = sum(process_memory.get(pid, 0) for pid in pids)
+            result.append(worker.report(memory))
+        return result
+
+    # -- start ------------------------------------------------------------------
+
+    async def start(self, spec: WorkerSpec) -> Worker:
+        """Start the worker of ``spec.lease_id`` and wait until it answers
+        ``kernel_info``; return it.
+
+        Idempotent: a live worker of the same lease is returned as it is (a
+        dead one is replaced). Raises :class:`WorkerStartError` with the reason
+        when the kernel does not come up within ``start_timeout``; nothing is
+        left running then.
+        """
+        if self._closing:
+            raise WorkerStartError("the agent is shutting down")
+        async with self._lock(spec.lease_id):
+            if self._closing:
+                raise WorkerStartError("the agent is shutting down")
+            existing = self._workers.get(spec.lease_id)
+            if existing is not None:
+                self.poll()
+                if not existing.dead:
+                    if existing.spec != spec:
+                        self.log.warning("lease %s already has a worker with other limits; keeping it",
+                                         spec.lease_id)
+                    return existing
+                await self._terminate(self._workers.pop(spec.lease_id))
+            worker = await self._launch(spec)
+            self._workers[spec.lease_id] = worker
+            self.log.info("worker for lease %s of %s started: pid %s, GPUs %s, fraction %g, memory %s bytes",
+                          spec.lease_id, spec.owner, worker.pid, ",".join(g.uuid for g in spec.gpus),
+                          spec.fraction, spec.memory)
+            return worker
+
+    async def _launch(self, spec: WorkerSpec) -> Worker:
+        lease = spec.lease_id
+        log_path = self.workers_dir / f"{lease}.log"
+        manager = AsyncKernelManager(
+            kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self._context,
+            connection_file=str(self.workers_dir / f"kernel-{lease}.json"), ip=self.ip,
+            shutdown_wait_time=self.stop_timeout, log=self.log)
+        env = worker_environment(self.environ, slice_environment(
+            spec.gpus, spec.fraction, spec.memory, lease, spec.owner, self.node))
+        try:
+            # The child keeps its own copy of the descriptor; ours can close.
+            with open(log_path, "ab") as out:
+                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.extensions),
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd)
+        except Exception as exc:
+            process = getattr(manager.provisioner, "process", None)
+            if process is not None:  # launched, then something after it failed
+                await asyncio.to_thread(_kill_and_wait, process, (), 5.0)
+            await _quietly(manager.cleanup_resources())
+            raise WorkerStartError(f"could not launch the worker for lease {lease}: {exc}") from None
+        worker = Worker(spec, manager, manager.provisioner.process, log_path, self.advertise_ip)
+        # Subscribe before the kernel_info round trip, so the first cell's
+        # status messages cannot be missed.
+        worker.watcher = asyncio.create_task(
+            watch_iopub(worker.activity, manager.get_connection_info(), self._context, self.log))
+        client = manager.client()
+        client.start_channels()
+        try:
+            await client.wait_for_ready(timeout=self.start_timeout)
+        except Exception as exc:
+            client.stop_channels()
+            reason = _start_failure(exc, worker)
+            await _quietly(self._terminate(worker))
+            raise WorkerStartError(reason) from None
+        client.stop_channels()
+        worker.activity.mark_ready()
+        return worker
+
+    # -- stop -------------------------------------------------------------------
+
+    async def stop(self, lease_id: str) -> int | None:
+        """Stop the worker of ``lease_id`` and verify that its processes are
+        gone; returns its exit code (negative: killed by that signal).
+
+        Graceful first (interrupt, ``shutdown_request``), SIGTERM and SIGKILL
+        after ``stop_timeout``. Raises KeyError for an unknown lease and
+        :class:`WorkerStopError` when a process survives SIGKILL.
+        """
+        lock = self._lock(lease_id)
+        async with lock:
+            worker = self._workers.get(lease_id)
+            if worker is None:
+                self._locks.pop(lease_id, None)
+                raise KeyError(lease_id)
+            try:
+                code = await self._terminate(worker)
+            finally:
+                self._workers.pop(lease_id, None)
+        self._locks.pop(lease_id, None)
+        self.log.info("worker for lease %s stopped (exit code %s)", lease_id, code)
+        return code
+
+    async def stop_all(self) -> dict[str, int | None]:
+        """Stop every worker concurrently, including those still starting,
+        and refuse new starts; returns lease id -> exit code. A worker that
+        could not be stopped is logged and maps to None."""
+        self._closing = True
+        leases = sorted(set(self._workers) | set(self._locks))
+        results = await asyncio.gather(*(self.stop(lease) for lease in leases), return_exceptions=True)
+        codes: dict[str, int | None] = {}
+        for lease, result in zip(leases, results):
+            if isinstance(result, KeyError):  # its start failed meanwhile
+                continue
+            if isinstance(result, BaseException):
+                self.log.error("could not stop the worker of lease %s: %s", lease, result)
+                codes[lease] = None
+            else:
+                codes[lease] = result
+        return codes
+
+    async def _terminate(self, worker: Worker) -> int | None:
+        if worker.watcher is not None:
+            worker.watcher.cancel()
+            await asyncio.gather(worker.watcher, return_exceptions=True)
+        children = worker.descendants()
+        try:
+            if worker.process.poll() is None:
+                await asyncio.wait_for(worker.manager.shutdown_kernel(), self.stop_timeout + 5)
+            else:
+                # Dead and reaped already: only release the manager's pipes and
+                # files. Not shutdown_kernel(now=True): it would signal a process
+                # group id that may belong to someone else by now.
+                await asyncio.wait_for(worker.manager.provisioner.wait(), 5)
+                await worker.manager.cleanup_resources()
+        except Exception as exc:
+            self.log.warning("worker of lease %s did not shut down cleanly (%s); killing it",
+                             worker.spec.lease_id, exc or type(exc).__name__)
+        survivors = await asyncio.to_thread(_kill_and_wait, worker.process, children, 10.0)
+        worker.exit_code = worker.process.returncode
+        _remove(Path(worker.manager.connection_file), worker.log_path)
+        if survivors:
+            raise WorkerStopError(f"processes {survivors} of the worker of lease {worker.spec.lease_id} "
+                                  "survived SIGKILL")
+        return worker.exit_code
+
+    def _lock(self, lease_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(lease_id, asyncio.Lock())
+
+    def close(self) -> None:
+        """Release the ZMQ context; call after :meth:`stop_all`."""
+        self._context.destroy(linger=0)
+
+
+def _exited(process: subprocess.Popen) -> bool:
+    """True when the child has exited, without reaping it (WNOWAIT keeps the
+    zombie, and with it the process group id, until ``wait``)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return process.poll() is not None
+
+
+def _kill_group(pgid: int) -> None:
+    # Workers lead their own session (jupyter_client's launcher uses
+    # start_new_session), so their pid is their process group id.
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process], timeout: float) -> list[int]:
+    """SIGKILL what is left of a worker and wait; returns the pids still alive."""
+    if process.returncode is None:  # not reaped: the group id is still this worker's
+        _kill_group(process.pid)
+    if process.returncode is None:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    children = list(children)
+    for child in children:
+        try:
+            child.kill()  # psutil checks the create time: never a reused pid
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + timeout
+    alive = [child for child in children if _running(child)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [child for child in alive if _running(child)]
+    survivors = [child.pid for child in alive]
+    if process.returncode is None:
+        survivors.insert(0, process.pid)
+    return survivors
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _start_failure(exc: BaseException, worker: Worker) -> str:
+    code = worker.process.poll()
+    why = f"it exited with code {code}" if code is not None else f"{exc or type(exc).__name__}"
+    tail = worker.log_tail()
+    return f"the worker for lease {worker.spec.lease_id} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def _quietly(awaitable: Any) -> None:
+    """Await, swallowing errors: for cleanup paths that must not hide the
+    error being reported."""
+    try:
+        await awaitable
+    except Exception:  # noqa: BLE001 - cleanup only
+        pass

@@ -1,0 +1,182 @@
+"""The pure decisions of the service, table-driven: placement (which GPU)
+and reclaim (which lease, when). Literal states in, literal decisions out."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+
+from gpupool.hub_plugin.nodes import death_reason
+from gpupool.hub_plugin.reclaim import decide, lost_nodes
+from gpupool.schema import LeaseState
+
+from gpupool.hub_plugin.scheduler import (
+    FEW_ON_NODE, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY,
+    Demand, GPUState, Placement, Refusal, place)
+
+GiB = 1024**3
+A100 = "NVIDIA A100-SXM4-80GB"
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpu(node: str, index: int, *, name: str = A100, usable: int = 80 * GiB, fraction: float = 0.0,
+        memory: int | None = None, healthy: bool = True, up: bool = True) -> GPUState:
+    """A GPU with ``fraction`` allocated (and that share of memory unless ``memory`` is given)."""
+    taken = int(fraction * usable) if memory is None else memory
+    return GPUState(uuid=f"GPU-{node}-{index}", node=node, name=name, index=index, memory_total=usable + GiB,
+                    memory_usable=usable, allocated_fraction=fraction, allocated_memory=taken,
+                    healthy=healthy, node_up=up)
+
+
+PLACED = [
+    pytest.param(Demand(0.5), [gpu("n1", 0), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-0",), 0.5, 40 * GiB), id="empty pool: first GPU by node, index"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, fraction=0.5), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-0",), 0.5, 40 * GiB), id="second 0.5 fills the same GPU"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, fraction=1.0), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-1",), 0.5, 40 * GiB), id="third 0.5 goes to the other GPU"),
+    pytest.param(Demand(0.25), [gpu("n1", 0, fraction=0.25), gpu("n1", 1, fraction=0.5)],
+                 Placement("n1", ("GPU-n1-1",), 0.25, 20 * GiB), id="best fit: least free left"),
+    pytest.param(Demand(0.3), [gpu("n2", 0, fraction=0.5), gpu("n1", 1, fraction=0.5)],
+                 Placement("n1", ("GPU-n1-1",), 0.3, int(0.3 * 80 * GiB)), id="tie: node name first"),
+    pytest.param(Demand(0.7), [gpu("n1", 0, fraction=0.1 + 0.2)],
+                 Placement("n1", ("GPU-n1-0",), 0.7, int(0.7 * 80 * GiB)), id="float sums use an epsilon"),
+    pytest.param(Demand(0.25, memory=60 * GiB), [gpu("n1", 0, fraction=0.5), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-1",), 0.25, 60 * GiB), id="explicit memory must fit"),
+    pytest.param(Demand(0.5, model="h100"), [gpu("n1", 0), gpu("n2", 0, name=H100)],
+                 Placement("n2", ("GPU-n2-0",), 0.5, 40 * GiB), id="model: case-insensitive substring"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, up=False), gpu("n2", 0, healthy=False), gpu("n3", 0)],
+                 Placement("n3", ("GPU-n3-0",), 0.5, 40 * GiB), id="lost node and unhealthy GPU skipped"),
+    pytest.param(Demand(1.0), [gpu("n1", 0, fraction=0.25), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-1",), 1.0, 80 * GiB), id="one whole GPU"),
+    pytest.param(Demand(1.0, 2), [gpu("n1", 0), gpu("n1", 1), gpu("n1", 2), gpu("n2", 0), gpu("n2", 1)],
+                 Placement("n2", ("GPU-n2-0", "GPU-n2-1"), 1.0, 80 * GiB), id="whole GPUs: fewest free node"),
+    pytest.param(Demand(1.0, 2), [gpu("n1", 0, fraction=0.1), gpu("n1", 1), gpu("n1", 2), gpu("n2", 0)],
+                 Placement("n1", ("GPU-n1-1", "GPU-n1-2"), 1.0, 80 * GiB), id="whole GPUs: only free ones"),
+    pytest.param(Demand(1.0, 2), [gpu("n1", 0, usable=40 * GiB), gpu("n1", 1)],
+                 Placement("n1", ("GPU-n1-0", "GPU-n1-1"), 1.0, 40 * GiB), id="whole GPUs: smallest usable"),
+]
+
+
+@pytest.mark.parametrize("demand, gpus, expected", PLACED)
+def test_place(demand, gpus, expected):
+    assert place(demand, gpus) == expected
+
+
+REFUSED = [
+    pytest.param(Demand(0.5), [gpu("node-1", 0, fraction=0.75), gpu("node-1", 1, fraction=0.75)],
+                 {NO_FRACTION: 2}, id="no free fraction"),
+    pytest.param(Demand(0.5, model="H100"), [gpu("n1", 0), gpu("n1", 1, fraction=1.0)],
+                 {MODEL_MISMATCH: 2}, id="model mismatch"),
+    pytest.param(Demand(0.25, memory=50 * GiB), [gpu("n1", 0, fraction=0.5), gpu("n1", 1, fraction=0.5)],
+                 {NO_MEMORY: 2}, id="not enough memory"),
+    pytest.param(Demand(0.25), [gpu("n1", 0, fraction=0.25, memory=70 * GiB)],
+                 {NO_MEMORY: 1}, id="share does not fit in what memory is left"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, up=False), gpu("n2", 0, healthy=False), gpu("n3", 0, fraction=1)],
+                 {NODE_LOST: 1, UNHEALTHY: 1, NO_FRACTION: 1}, id="one reason per GPU"),
+    pytest.param(Demand(1.0, 2), [gpu("n1", 0), gpu("n2", 0), gpu("n2", 1, fraction=0.5)],
+                 {NO_FRACTION: 1, FEW_ON_NODE: 2}, id="whole GPUs spread over nodes"),
+    pytest.param(Demand(1.0, 2, memory=100 * GiB), [gpu("n1", 0), gpu("n1", 1)],
+                 {NO_MEMORY: 2}, id="whole GPUs too small"),
+]
+
+
+@pytest.mark.parametrize("demand, gpus, reasons", REFUSED)
+def test_refuse(demand, gpus, reasons):
+    refusal = place(demand, gpus)
+    assert isinstance(refusal, Refusal)
+    assert refusal.reasons == reasons
+    for reason, count in reasons.items():
+        assert f"{reason} on {count}" in refusal.message
+
+
+def test_refusal_message_says_what_is_free():
+    refusal = place(Demand(0.5), [gpu("node-1", 0, fraction=1.0), gpu("node-1", 1, fraction=0.75)])
+    assert refusal.message == ("no GPU can take 0.50 now: 2 GPUs in the pool, the most free is 0.25 "
+                               f"(node-1 GPU 1, {A100}); not enough free fraction on 2")
+
+
+def test_refusal_message_names_memory_when_memory_was_short():
+    refusal = place(Demand(0.25, memory=50 * GiB), [gpu("node-1", 0, fraction=0.5)])
+    assert refusal.message == ("no GPU can take 0.25 with 50.0 GiB now: 1 GPU in the pool, the most free is "
+                               f"0.50 and 40.0 GiB (node-1 GPU 0, {A100}); not enough free memory on 1")
+
+
+def test_refusal_of_whole_gpus_and_empty_pool():
+    assert place(Demand(1.0, 3), [gpu("n1", 0)]).message.startswith("no node has 3 whole GPUs free now: 1 GPU in")
+    empty = place(Demand(0.5), [])
+    assert isinstance(empty, Refusal) and "the pool has no GPUs" in empty.message
+
+
+def test_nothing_usable():
+    refusal = place(Demand(0.5), [gpu("n1", 0, up=False)])
+    assert "none is usable now" in refusal.message and refusal.reasons == {NODE_LOST: 1}
+
+
+def test_packing_fills_gpus_exactly():
+    """Eight 0.25 slices fill two GPUs; the ninth is refused."""
+    gpus = [gpu("n1", 0), gpu("n1", 1)]
+    for _ in range(8):
+        placed = place(Demand(0.25), gpus)
+        assert isinstance(placed, Placement)
+        gpus = [g if g.uuid not in placed.gpus else GPUState(**{
+            **g.__dict__, "allocated_fraction": g.allocated_fraction + 0.25,
+            "allocated_memory": g.allocated_memory + placed.memory}) for g in gpus]
+    assert [g.allocated_fraction for g in gpus] == [1.0, 1.0]
+    assert isinstance(place(Demand(0.25), gpus), Refusal)
+
+
+# -- reclaim decisions: pure too, so time is moved by passing another ``now`` --------------------------------------
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def lease(worker_state: str = "idle", *, state: str = "active", idle_for: float = 0.0, silent_for: float = 0.0,
+          idle_timeout: float = 1800.0, heartbeat_ttl: float = 60.0) -> SimpleNamespace:
+    """An active lease as the reclaim rules see it, at T0."""
+    return SimpleNamespace(id="L-000000000001", state=state, worker_state=worker_state,
+                           idle_since=T0 - timedelta(seconds=idle_for) if worker_state == "idle" else None,
+                           idle_timeout=idle_timeout, heartbeat_ttl=heartbeat_ttl, started_at=T0 - timedelta(hours=1),
+                           last_heartbeat_at=T0 - timedelta(seconds=silent_for))
+
+
+RECLAIM = [
+    pytest.param(lease(idle_for=1799), [], id="idle just under the timeout"),
+    pytest.param(lease(idle_for=1800), [(LeaseState.reclaimed, "idle for 30m (idle timeout 30m)")], id="idle"),
+    pytest.param(lease("busy", idle_for=99999, silent_for=99999), [], id="a running cell is never reclaimed"),
+    pytest.param(lease(silent_for=59), [], id="heartbeat just in time"),
+    pytest.param(lease(silent_for=60), [(LeaseState.reclaimed, "the notebook kernel stopped sending heartbeats "
+                                                                "for 1m (heartbeat TTL 1m)")], id="heartbeat lost"),
+    pytest.param(lease("starting", silent_for=10), [], id="kernel still starting"),
+    pytest.param(lease(state="starting", silent_for=999, idle_for=9999), [], id="only active leases"),
+    pytest.param(lease(state="releasing", silent_for=999, idle_for=9999), [], id="already releasing"),
+]
+
+
+@pytest.mark.parametrize("row, expected", RECLAIM)
+def test_reclaim_decisions(row, expected):
+    assert [(d.state, d.reason) for d in decide([row], T0)] == expected
+
+
+def test_moving_time_forward_reclaims():
+    row = lease(idle_for=0, idle_timeout=600, heartbeat_ttl=3600)
+    assert decide([row], T0 + timedelta(minutes=9)) == []
+    assert [d.reason for d in decide([row], T0 + timedelta(minutes=10, seconds=30))] == [
+        "idle for 10m 30s (idle timeout 10m)"]
+
+
+def test_lost_nodes():
+    nodes = [SimpleNamespace(name="a", state="up", last_heartbeat_at=T0 - timedelta(seconds=29)),
+             SimpleNamespace(name="b", state="up", last_heartbeat_at=T0 - timedelta(seconds=30)),
+             SimpleNamespace(name="c", state="lost", last_heartbeat_at=T0 - timedelta(hours=1))]
+    assert lost_nodes(nodes, T0, node_ttl=30) == ["b"]
+
+
+@pytest.mark.parametrize("code, reason", [
+    (0, "the worker process exited with code 0"), (3, "the worker process exited with code 3"),
+    (-9, "the worker process was killed by signal 9 (SIGKILL)"), (None, "the worker process died"),
+])
+def test_death_reasons(code, reason):
+    assert death_reason(code) == reason

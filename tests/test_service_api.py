@@ -1,0 +1,673 @@
+"""The pool service over HTTP: a real ``gpupool service`` subprocess, real
+SQLite (and PostgreSQL when ``GPUPOOL_TEST_POSTGRES_URL`` is set), real
+agents with simulated GPUs and real ipykernel workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+from procs import start_agent, start_service, wait_for
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import Lease, LeaseRequest, LeaseState
+
+GiB = 1024**3
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+
+def http(svc, method: str, path: str, body: Any = None, *, token: str | None = "user", raw: bytes | None = None,
+         prefix: str = "/api/v1") -> tuple[int, Any]:
+    """One raw call; ``token`` "user" (the default user's), "agent", None, or a token.
+    Returns (status, decoded JSON or text)."""
+    token = {"user": svc.user_token, "agent": svc.agent_token}.get(token, token)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(svc.url + prefix + path, data=data, method=method)
+    if token:
+        request.add_header("Authorization", f"token {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            status, text = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def assert_error(reply: tuple[int, Any], status: int, code: str) -> dict[str, Any]:
+    got_status, body = reply
+    assert (got_status, body.get("error")) == (status, code), body
+    assert isinstance(body["message"], str) and body["message"]
+    return body
+
+
+def all_leases(svc) -> list[dict[str, Any]]:
+    status, body = http(svc, "GET", "/leases?active=0")
+    assert status == 200
+    return body["leases"]
+
+
+def register(svc, name: str = "node-x", gpus: int = 2, url: str | None = None) -> dict[str, Any]:
+    """Register a node through the API (as an agent would), with ``gpus`` A100s.
+    Its agent URL is ``svc.silent_url`` unless given (see the ``service`` fixture here)."""
+    url = url or svc.silent_url
+    body = {"name": name, "url": url, "inventory": "simulated", "enforcement": "none",
+            "gpus": [{"uuid": f"GPU-{name}-{i}", "name": "NVIDIA A100-SXM4-80GB", "index": i,
+                      "memory_total": 80 * GiB, "memory_reserved": 0} for i in range(gpus)], "workers": []}
+    status, reply = http(svc, "POST", "/nodes", body, token="agent")
+    assert status == 200, reply
+    return reply
+
+
+def wait_state(svc, lease_id: str, leave: str, user: str | None = None, timeout: float = 60) -> Lease:
+    """Long-poll until the lease leaves ``leave``."""
+    client = svc.client(user)
+    deadline = time.monotonic() + timeout
+    lease = client.get_lease(lease_id)
+    while lease.state.value == leave and time.monotonic() < deadline:
+        lease = client.get_lease(lease_id, wait=min(30, deadline - time.monotonic()), state=leave)
+    return lease
+
+
+def wait_ended(svc, lease_id: str, timeout: float = 60) -> Lease:
+    """Long-poll until the lease has ended (released, reclaimed or failed)."""
+    deadline = time.monotonic() + timeout
+    lease = svc.client().get_lease(lease_id)
+    while not lease.state.ended and time.monotonic() < deadline:
+        lease = wait_state(svc, lease_id, lease.state.value, timeout=deadline - time.monotonic())
+    return lease
+
+
+def acquire(svc, fraction: float = 0.5, **kwargs: Any) -> Lease:
+    """A lease that is active (fails the test otherwise)."""
+    lease = svc.client().create_lease(LeaseRequest(fraction=fraction, **kwargs))
+    assert lease.state is LeaseState.starting
+    lease = wait_state(svc, lease.id, "starting")
+    assert lease.state is LeaseState.active, lease.reason
+    return lease
+
+
+def gpu_allocations(svc) -> list[float]:
+    return [gpu["allocated_fraction"] for node in svc.client().pool()["nodes"] for gpu in node["gpus"]]
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------------
+
+def _silent_listener() -> socket.socket:
+    """A socket that accepts connections and never answers: an agent address
+    whose worker starts hang, so leases placed there stay ``starting``
+    (holding capacity) for the whole test."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(128)
+    return silent
+
+
+@pytest.fixture
+def service(service):
+    """The conftest service, plus ``silent_url`` (see :func:`_silent_listener`)."""
+    with _silent_listener() as silent:
+        service.silent_url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        yield service
+
+
+@pytest.fixture(scope="module")
+def shared_service(tmp_path_factory):
+    """One service for the tests that must change nothing, with node-x
+    registered (two GPUs, a silent agent)."""
+    svc = start_service(tmp_path_factory.mktemp("shared"), config={"node_ttl": 3600})
+    with _silent_listener() as silent:
+        svc.silent_url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        register(svc)
+        yield svc
+    svc.stop()
+
+
+def snapshot(svc) -> tuple:
+    """Everything a bad request must leave as it was."""
+    return all_leases(svc), svc.client().pool()["nodes"]
+
+
+@pytest.fixture
+def users(tmp_path):
+    """A service with users ann (admin) and bob besides the default tester."""
+    svc = start_service(tmp_path, tokens={"ann": "ann-" + uuid.uuid4().hex, "bob": "bob-" + uuid.uuid4().hex},
+                        config={"admin_users": {"ann"}})
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def postgres_url():
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    base = os.environ.get("GPUPOOL_TEST_POSTGRES_URL")
+    required = os.environ.get("GPUPOOL_REQUIRE_POSTGRES") == "1"
+    if not base:
+        if required:
+            pytest.fail("GPUPOOL_REQUIRE_POSTGRES=1 but GPUPOOL_TEST_POSTGRES_URL is not set")
+        pytest.skip("PostgreSQL tests need GPUPOOL_TEST_POSTGRES_URL "
+                    "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)")
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(base)
+    admin = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = "gpupool_test_" + uuid.uuid4().hex[:12]
+    try:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        if required:
+            raise
+        pytest.skip(f"PostgreSQL at {url.render_as_string(hide_password=True)} is unreachable: {exc}")
+    yield url.set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# -- no agent needed --------------------------------------------------------------------------------------------
+
+def test_health_needs_no_token(service):
+    assert http(service, "GET", "/health", token=None, prefix="") == (200, {"status": "ok"})
+    assert http(service, "GET", "/health", token=None) == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("token", [None, "not-a-token"])
+@pytest.mark.parametrize("method, path", [("GET", "/leases"), ("POST", "/leases"), ("GET", "/leases/L-000000000000"),
+                                          ("DELETE", "/leases/L-000000000000"), ("GET", "/pool"),
+                                          ("POST", "/nodes"), ("POST", "/nodes/node-1/heartbeat")])
+def test_calls_without_a_valid_token_get_401(shared_service, token, method, path):
+    before = snapshot(shared_service)
+    reply = http(shared_service, method, path, {"fraction": 0.5} if method == "POST" else None, token=token)
+    assert_error(reply, 401, "unauthorized")
+    assert snapshot(shared_service) == before
+
+
+def test_without_configured_tokens_the_service_writes_them(tmp_path):
+    """Standalone: a token for the user running the service, and the agent's, each mode 0600."""
+    import getpass
+    import stat
+
+    from gpupool import localpool
+
+    svc = localpool.start_service(tmp_path / "bare")
+    try:
+        for name in ("user_token", "agent_token"):
+            assert stat.S_IMODE((svc.state_dir / name).stat().st_mode) == 0o600
+        client = svc.client()  # the token in STATE_DIR/user_token
+        assert client.list_leases() == []
+        assert client.pool()["nodes"] == []
+        assert getpass.getuser() in svc.log.read_text()
+        assert (svc.state_dir / "user_token").read_text().strip() not in svc.log.read_text()
+    finally:
+        svc.stop()
+
+
+def test_agent_token_cannot_use_leases(service):
+    register(service)
+    assert_error(http(service, "POST", "/leases", {"fraction": 0.5}, token="agent"), 403, "forbidden")
+    assert_error(http(service, "GET", "/leases", token="agent"), 403, "forbidden")
+    assert all_leases(service) == []
+
+
+def test_user_token_cannot_register_nodes(service):
+    body = {"name": "rogue", "url": "http://127.0.0.1:9", "inventory": "simulated", "gpus": []}
+    assert_error(http(service, "POST", "/nodes", body), 403, "forbidden")
+    assert_error(http(service, "POST", "/nodes/rogue/heartbeat", {}), 403, "forbidden")
+    assert service.client().pool()["nodes"] == []
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"{not json", "not valid JSON"),
+    (b"", "needs a JSON body"),
+    (b"[0.5]", "JSON object"),
+    (b'{"fraction": 0.5, "colour": "red"}', "unknown field"),
+    (b'{"fraction": 0}', "'fraction' must be in (0, 1]"),
+    (b'{"fraction": 1.5}', "'fraction' must be in (0, 1]"),
+    (b'{"fraction": "half"}', "'fraction' must be a number"),
+    (b'{"fraction": true}', "'fraction' must be a number"),
+    (b'{"fraction": 0.5, "gpu_count": 2}', "whole GPUs"),
+    (b'{"gpu_count": 1.5}', "'gpu_count'"),
+    (b'{"memory": 0}', "'memory'"),
+    (b'{"idle_timeout": -1}', "'idle_timeout'"),
+    (b'{"idle_timeout": 172800}', "above this pool's maximum of 1d"),
+    (b'{"model": ""}', "'model'"),
+])
+def test_bad_lease_requests_get_400_and_change_nothing(shared_service, raw, message):
+    before = snapshot(shared_service)
+    body = assert_error(http(shared_service, "POST", "/leases", raw=raw), 400, "bad_request")
+    assert message in body["message"]
+    assert snapshot(shared_service) == before
+    assert before[0] == [] and gpu_allocations(shared_service) == [0.0, 0.0]
+
+
+def test_bad_query_arguments_get_400(service):
+    assert_error(http(service, "GET", "/leases?active=maybe"), 400, "bad_request")
+    register(service)
+    lease = service.client().create_lease(LeaseRequest(fraction=0.25))
+    assert_error(http(service, "GET", f"/leases/{lease.id}?wait=soon"), 400, "bad_request")
+    assert_error(http(service, "GET", f"/leases/{lease.id}?wait=1&state=sleeping"), 400, "bad_request")
+    assert_error(http(service, "DELETE", f"/leases/{lease.id}?reason=" + "x" * 300), 400, "bad_request")
+    assert_error(http(service, "POST", f"/leases/{lease.id}/heartbeat", raw=b"{oops"), 400, "bad_request")
+
+
+def test_unknown_paths_and_leases_are_json_404(service):
+    assert_error(http(service, "GET", "/nowhere"), 404, "not_found")
+    assert_error(http(service, "GET", "/leases/L-000000000000"), 404, "not_found")
+    assert_error(http(service, "DELETE", "/leases/L-000000000000"), 404, "not_found")
+    assert_error(http(service, "POST", "/leases/L-000000000000/heartbeat", {}), 404, "not_found")
+    assert_error(http(service, "PUT", "/leases", {}), 405, "method_not_allowed")
+
+
+def test_openapi_document_lists_every_path(service):
+    from gpupool.hub_plugin.app import ROUTES
+
+    status, doc = http(service, "GET", "/openapi.json", token=None)
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    served = {re.sub(r"\([^)]*\)", "{}", path.removeprefix("/api/v1")) for path, _ in ROUTES
+              if path.startswith("/api/v1/")}
+    documented = {re.sub(r"\{[^}]*\}", "{}", path) for path in doc["paths"]}
+    assert served == documented
+    assert set(doc["components"]["schemas"]["LeaseRequest"]["properties"]) == set(LeaseRequest.KEYS)
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            assert op["responses"] and op["summary"], (path, method)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"name": ""}, "'name'"),
+    ({"name": "a/b"}, "'name'"),
+    ({"url": "ftp://x"}, "'url'"),
+    ({"url": None}, "'url'"),
+    ({"inventory": "imaginary"}, "'inventory'"),
+    ({"gpus": "two"}, "'gpus' must be a list"),
+    ({"gpus": None}, "'gpus' must be a list"),
+    ({"gpus": [{"uuid": "G-1", "name": "A100", "index": 0}]}, "'memory_total' is required"),
+    ({"gpus": [{"uuid": "G-1", "name": "A100", "index": 0, "memory_total": 10, "memory_reserved": 10}]},
+     "memory_reserved"),
+    ({"gpus": [{"uuid": "G-1", "name": "A100", "index": 0, "memory_total": 10}] * 2}, "once"),
+    ({"workers": [{"lease_id": "L-1", "execution_state": "dreaming"}]}, "execution_state"),
+])
+def test_node_registration_validation(shared_service, change, message):
+    before = snapshot(shared_service)
+    body = {"name": "node-v", "url": shared_service.silent_url, "inventory": "simulated",
+            "gpus": [{"uuid": "G-0", "name": "NVIDIA L4", "index": 0, "memory_total": 24 * GiB}], **change}
+    reply = assert_error(http(shared_service, "POST", "/nodes", body, token="agent"), 400, "bad_request")
+    assert message in reply["message"]
+    assert snapshot(shared_service) == before
+
+
+def test_node_registration_and_heartbeat(service):
+    reply = register(service, "node-r", gpus=2)
+    assert reply == {"name": "node-r", "heartbeat_interval": 0.2, "stop": []}
+    (node,) = service.client().pool()["nodes"]
+    assert (node["name"], node["state"], len(node["gpus"])) == ("node-r", "up", 2)
+    # A heartbeat: GPU readings are stored, workers of unknown leases must stop.
+    status, reply = http(service, "POST", "/nodes/node-r/heartbeat", token="agent", body={
+        "workers": [{"lease_id": "L-0123456789ab", "pid": 1, "execution_state": "idle"}],
+        "gpus": [{"uuid": "GPU-node-r-0", "memory_used": 5 * GiB, "utilization": 42.0}]})
+    assert (status, reply) == (200, {"stop": ["L-0123456789ab"]})
+    gpu0 = service.client().pool()["nodes"][0]["gpus"][0]
+    assert (gpu0["memory_used"], gpu0["utilization"]) == (5 * GiB, 42.0)
+    assert_error(http(service, "POST", "/nodes/node-r/heartbeat", {"gpus": [{"uuid": 1}]}, token="agent"),
+                 400, "bad_request")
+    # The service forgot nothing, but an unknown node must register again.
+    assert_error(http(service, "POST", "/nodes/node-zz/heartbeat", {}, token="agent"), 404, "not_found")
+    # Registering again with one GPU fewer drops the missing one.
+    register(service, "node-r", gpus=1)
+    assert [len(n["gpus"]) for n in service.client().pool()["nodes"]] == [1]
+
+
+def test_pool_full_says_why(service):
+    register(service, "node-1", gpus=2)
+    with pytest.raises(GPUPoolError) as refused:
+        service.client().create_lease(LeaseRequest(fraction=0.5, model="H100"))
+    assert (refused.value.status, refused.value.code) == (409, "pool_full")
+    assert refused.value.message == ("no GPU can take 0.50 of model H100 now: 2 GPUs in the pool, the most free "
+                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); model mismatch on 2")
+    assert refused.value.extra["reasons"] == {"model mismatch": 2}
+    assert all_leases(service) == []
+
+
+def test_metrics(service):
+    assert_error(http(service, "GET", "/metrics", token=None, prefix=""), 401, "unauthorized")
+    register(service, "node-m", gpus=1)
+    service.client().create_lease(LeaseRequest(fraction=0.25))
+    with pytest.raises(GPUPoolError):
+        service.client().create_lease(LeaseRequest(fraction=1.0))
+    status, text = http(service, "GET", "/metrics", prefix="")
+    assert status == 200
+    assert re.search(r'gpupool_gpu_allocated_fraction\{[^}]*node="node-m"[^}]*\} 0\.25', text)
+    assert re.search(r'gpupool_gpu_allocated_memory_bytes\{[^}]*node="node-m"[^}]*\} [1-9]', text)
+    assert 'gpupool_leases{state="starting"} 1.0' in text or 'gpupool_leases{state="failed"} 1.0' in text
+    assert 'gpupool_lease_refusals_total{reason="not enough free fraction"} 1.0' in text
+    assert 'gpupool_nodes{node="node-m",state="up"} 1.0' in text
+
+
+def test_lost_node_takes_no_new_leases(tmp_path):
+    svc = start_service(tmp_path, config={"node_ttl": 0.5})
+    try:
+        register(svc, "node-l", gpus=1, url="http://127.0.0.1:9")
+        wait_for(lambda: svc.client().pool()["nodes"][0]["state"] == "lost", 10, "node marked lost")
+        with pytest.raises(GPUPoolError, match="node lost on 1"):
+            svc.client().create_lease(LeaseRequest(fraction=0.5))
+        assert http(svc, "POST", "/nodes/node-l/heartbeat", {}, token="agent")[0] == 200
+        assert svc.client().pool()["nodes"][0]["state"] == "up"
+    finally:
+        svc.stop()
+
+
+# -- with a real agent and workers ------------------------------------------------------------------------------
+
+def test_lease_lifecycle(pool):
+    svc, agent = pool
+    lease = svc.client().create_lease(LeaseRequest(fraction=0.5, kernel_id="k-1"))
+    assert (lease.state, lease.node, lease.fraction, lease.owner) == (LeaseState.starting, "node-1", 0.5, "tester")
+    assert re.fullmatch(r"L-[0-9a-f]{12}", lease.id) and lease.connection is None
+    lease = wait_state(svc, lease.id, "starting")
+    assert lease.state is LeaseState.active, lease.reason
+    assert lease.worker["pid"] > 0 and lease.connection["key"] and lease.connection["shell_port"]
+    gpu0 = svc.client().pool()["nodes"][0]["gpus"][0]
+    assert gpu0["memory_usable"] <= gpu0["memory_total"] - 512 * 1024**2  # the context overhead is kept back
+    assert lease.memory == int(0.5 * gpu0["memory_usable"])
+    assert gpu_allocations(svc) == [0.5, 0.0]
+    # Listing: own leases, by kernel.
+    client = svc.client()
+    assert [x.id for x in client.list_leases()] == [lease.id]
+    assert [x.id for x in client.list_leases(kernel_id="k-1")] == [lease.id]
+    assert client.list_leases(kernel_id="k-2") == []
+    assert client.heartbeat(lease.id).state is LeaseState.active
+    # Release: usage recorded, every transition kept, capacity freed; idempotent.
+    time.sleep(0.5)
+    ended = client.release(lease.id, reason="done for today")
+    assert (ended.state, ended.reason) == (LeaseState.released, "released by its owner: done for today")
+    assert ended.usage_gpu_seconds > 0.2 and ended.ended_at and ended.connection is None
+    assert [e["state"] for e in ended.events] == ["starting", "active", "releasing", "released"]
+    assert gpu_allocations(svc) == [0.0, 0.0]
+    again = client.release(lease.id)
+    assert (again.state, again.usage_gpu_seconds, again.ended_at) == (ended.state, ended.usage_gpu_seconds,
+                                                                     ended.ended_at)
+    assert client.heartbeat(lease.id).state is LeaseState.released
+    assert client.list_leases() == [] and [x.id for x in client.list_leases(active=False)] == [lease.id]
+    wait_for(lambda: not _agent_workers(svc, agent), 10, "worker gone from the agent")
+
+
+def _agent_workers(svc, agent) -> list[dict[str, Any]]:
+    request = urllib.request.Request(agent.url + "/workers")
+    request.add_header("Authorization", f"token {svc.agent_token}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["workers"]
+
+
+def test_users_see_only_their_own_leases(tmp_path, users):
+    agent = start_agent(tmp_path, users)
+    try:
+        lease = acquire(users, 0.25)
+        for user in ("bob",):
+            client = users.client(user)
+            for call in (lambda: client.get_lease(lease.id), lambda: client.heartbeat(lease.id),
+                         lambda: client.release(lease.id)):
+                with pytest.raises(GPUPoolError) as denied:
+                    call()
+                assert (denied.value.status, denied.value.code) == (404, "not_found")
+            assert client.list_leases(active=False) == []
+        # An admin may look and release, but never gets the connection key.
+        seen = users.client("ann").get_lease(lease.id)
+        assert seen.state is LeaseState.active and seen.connection is None
+        assert users.client().get_lease(lease.id).connection is not None
+        ended = users.client("ann").release(lease.id)
+        assert (ended.state, ended.reason) == (LeaseState.released, "released by admin ann")
+    finally:
+        agent.stop()
+
+
+def test_release_while_starting_leaves_no_worker(pool):
+    svc, agent = pool
+    lease = svc.client().create_lease(LeaseRequest(fraction=0.5))
+    ended = svc.client().release(lease.id)
+    assert ended.state is LeaseState.released and ended.usage_gpu_seconds == 0
+    assert gpu_allocations(svc) == [0.0, 0.0]
+    time.sleep(3)  # long enough for the worker start to finish and be undone
+    wait_for(lambda: not _agent_workers(svc, agent), 20, "the late worker stopped")
+    assert svc.client().get_lease(lease.id).state is LeaseState.released
+
+
+def test_whole_gpus(pool):
+    svc, _ = pool
+    lease = svc.client().create_lease(LeaseRequest(gpu_count=2))
+    assert len(lease.gpus) == 2 and lease.fraction == 1.0
+    lease = wait_state(svc, lease.id, "starting")
+    assert lease.state is LeaseState.active, lease.reason
+    with pytest.raises(GPUPoolError, match="not enough free fraction on 2"):
+        svc.client().create_lease(LeaseRequest(fraction=0.1))
+    ended = svc.client().release(lease.id)
+    assert ended.usage_gpu_seconds > 0
+
+
+def test_idle_lease_is_reclaimed(pool):
+    svc, _ = pool
+    lease = acquire(svc, 0.5, idle_timeout=1)
+    lease = wait_ended(svc, lease.id, timeout=30)
+    assert lease.state is LeaseState.reclaimed
+    assert re.fullmatch(r"idle for \d+s \(idle timeout 1s\)", lease.reason), lease.reason
+    assert gpu_allocations(svc) == [0.0, 0.0]
+
+
+def test_lease_without_heartbeats_is_reclaimed(tmp_path):
+    svc = start_service(tmp_path, config={"heartbeat_ttl": 1})
+    agent = start_agent(tmp_path, svc)
+    try:
+        lease = acquire(svc, 0.5)
+        assert lease.heartbeat_ttl == 1
+        lease = wait_ended(svc, lease.id, timeout=30)
+        assert lease.state is LeaseState.reclaimed
+        assert lease.reason.startswith("the notebook kernel stopped sending heartbeats for "), lease.reason
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+def test_running_cell_is_never_reclaimed(tmp_path):
+    from jupyter_client import BlockingKernelClient
+
+    svc = start_service(tmp_path, config={"heartbeat_ttl": 1})
+    agent = start_agent(tmp_path, svc)
+    try:
+        lease = acquire(svc, 0.5, idle_timeout=1)
+        kernel = BlockingKernelClient()
+        kernel.load_connection_info(lease.connection)
+        kernel.start_channels()
+        try:
+            kernel.execute("import time; time.sleep(6)")
+            wait_for(lambda: (svc.client().get_lease(lease.id).worker or {}).get("execution_state") == "busy",
+                     10, "the worker reported busy")
+            time.sleep(3)  # well past both the idle timeout and the heartbeat TTL
+            assert svc.client().get_lease(lease.id).state is LeaseState.active
+            lease = wait_ended(svc, lease.id, timeout=30)
+            assert lease.state is LeaseState.reclaimed
+        finally:
+            kernel.stop_channels()
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+def test_dead_worker_fails_its_lease(pool):
+    svc, _ = pool
+    lease = acquire(svc, 0.5)
+    os.kill(lease.worker["pid"], signal.SIGKILL)
+    lease = wait_ended(svc, lease.id, timeout=30)
+    assert lease.state is LeaseState.failed
+    assert lease.reason == "the worker process was killed by signal 9 (SIGKILL)"
+    assert gpu_allocations(svc) == [0.0, 0.0]
+
+
+def test_leases_survive_a_service_restart(tmp_path):
+    svc = start_service(tmp_path)
+    agent = start_agent(tmp_path, svc)
+    try:
+        lease = acquire(svc, 0.5)
+        assert svc.stop() == 0
+        svc = start_service(tmp_path)
+        kept = svc.client().get_lease(lease.id)
+        assert kept.state is LeaseState.active and kept.connection == lease.connection
+        assert gpu_allocations(svc) == [0.5, 0.0]
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+# -- concurrency ---------------------------------------------------------------------------------------------------
+
+def race(services, n: int = 100, fraction: float = 0.25) -> Counter:
+    """``n`` threads ask for ``fraction`` at the same moment, spread over
+    ``services`` (one or several sharing a store); counts outcomes."""
+    barrier = threading.Barrier(n)
+    outcomes: Counter = Counter()
+    lock = threading.Lock()
+
+    def ask(svc) -> None:
+        client = svc.client()
+        barrier.wait()
+        try:
+            client.create_lease(LeaseRequest(fraction=fraction))
+            outcome = "granted"
+        except GPUPoolError as exc:
+            outcome = exc.code
+        with lock:
+            outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=ask, args=(services[i % len(services)],)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return outcomes
+
+
+def assert_exactly_full(svc, outcomes: Counter) -> None:
+    """Two GPUs take eight 0.25 slices: eight granted, the rest refused, none over."""
+    assert outcomes == Counter({"granted": 8, "pool_full": 92})
+    assert gpu_allocations(svc) == [1.0, 1.0]
+    leases = svc.client().list_leases()
+    assert len(leases) == 8
+    per_gpu = Counter(lease.gpus[0]["uuid"] for lease in leases)
+    assert sorted(per_gpu.values()) == [4, 4]
+
+
+def test_concurrent_requests_never_overallocate(pool):
+    svc, _ = pool
+    assert_exactly_full(svc, race([svc]))
+
+
+def test_concurrent_requests_never_overallocate_on_postgresql(tmp_path, postgres_url):
+    svc = start_service(tmp_path, config={"db_url": postgres_url})
+    agent = start_agent(tmp_path, svc)
+    try:
+        assert_exactly_full(svc, race([svc]))
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_store(request, tmp_path):
+    """A store URL that two services share."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/shared.sqlite"
+    return request.getfixturevalue("postgres_url")
+
+
+def test_two_services_sharing_a_store_never_overallocate(tmp_path, shared_store):
+    """The capacity check is serialized by the store, not by one process."""
+    config = {"db_url": shared_store, "agent_token": "agent-" + uuid.uuid4().hex}
+    first = start_service(tmp_path / "a", config=config)
+    second = start_service(tmp_path / "b", config=config)
+    agent = start_agent(tmp_path, first)
+    try:
+        assert_exactly_full(first, race([first, second]))
+        assert gpu_allocations(second) == [1.0, 1.0]
+    finally:
+        agent.stop()
+        second.stop()
+        first.stop()
+
+
+# -- the store itself ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """A migrated :class:`~gpupool.hub_plugin.db.Store` with one node and one GPU."""
+    from datetime import datetime, timezone
+
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import GPU, Node
+
+    url = f"sqlite:///{tmp_path}/store.sqlite" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    store = Store(url)
+    store.migrate()
+    now = datetime.now(timezone.utc)
+    with store.write() as session:
+        session.add(Node(name="n", url="http://127.0.0.1:9", inventory="simulated", state="up",
+                         registered_at=now, last_heartbeat_at=now,
+                         gpus=[GPU(uuid="G-0", name="L4", index=0, memory_total=GiB, memory_reserved=0, healthy=True)]))
+    yield store
+    store.close()
+
+
+def test_migrations_match_the_models(store):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from gpupool.hub_plugin.models import Base
+
+    store.migrate()  # again: a no-op
+    with store.engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+
+
+def test_capacity_decisions_are_serialized(store):
+    """A second capacity decision waits until the first has committed, in
+    another connection as in another process."""
+    from sqlalchemy import select
+
+    from gpupool.hub_plugin.models import GPU
+
+    holding = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        with store.write() as session:
+            store.lock_capacity(session)
+            session.execute(select(GPU)).all()
+            holding.set()
+            time.sleep(0.5)
+            order.append("first committed")
+
+    def second() -> None:
+        holding.wait(10)
+        with store.write() as session:
+            store.lock_capacity(session)
+            order.append("second decided")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert order == ["first committed", "second decided"]
