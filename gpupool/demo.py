@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 when every step worked."""
     args = _parser().parse_args(argv)
+    if not args.notebook.exists():
+        _say(f"FAILED: no notebook at {args.notebook}; pass --notebook PATH (the quickstart is in the "
+             "source tree's examples/)")
+        return 1
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="gpupool-demo-"))
     output = args.output or args.notebook.with_suffix(".executed.ipynb")
     started: list[Any] = []
@@ -93,7 +97,7 @@ def _run(args, state: Path, output: Path, started: list[Any]) -> dict[str, Any]:
     phases["start pool"] = time.monotonic() - clock
     phases.update(_execute(args.notebook, output, args.timeout))
     client = service.client()
-    leases = client.list_leases(active=False)
+    leases = sorted(client.list_leases(active=False), key=lambda lease: lease.created_at or "")
     still_held = [lease.id for lease in client.list_leases(active=True)]
     if still_held:
         raise GPUPoolError("leak", f"leases still held after the notebook's kernel stopped: {still_held}", 500)
@@ -115,9 +119,9 @@ def _execute(notebook: Path, output: Path, timeout: float) -> dict[str, float]:
 
     def on_start(cell, cell_index, **_):
         starts[cell_index] = time.monotonic()
-        first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
-        position = code_cells.index(cell) + 1 if cell in code_cells else "?"
-        _say(f"cell {position}/{len(code_cells)}: {first[:70]}")
+        if cell.cell_type == "code":
+            first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
+            _say(f"cell {code_cells.index(cell) + 1}/{len(code_cells)}: {first[:70]}")
 
     def on_done(cell, cell_index, **_):
         tag = (cell.metadata.get("tags") or ["other"])[0]

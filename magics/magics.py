@@ -184,7 +184,7 @@ class GPUMagics(Magics):
             values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
             self.shell.user_ns.update(values)
             note = _transfer_note("brought back", items, errors)
-        lease = attachment.release(reason="released by the user")
+        lease = attachment.release(reason="%gpu release")
         self.attachment = None
         used = lease.usage_gpu_seconds / 3600
         held = _held_seconds(lease)
