@@ -21,6 +21,20 @@ _DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def _number_with_unit(text: str | int | float, units: dict[str, int], what: str, example: str) -> float:
+    """``text`` read as a number times one of ``units`` (a bare number has unit 1)."""
+    if isinstance(text, bool):
+        raise ValueError(f"{what} must be a number or a string like {example}, not {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER_UNIT.match(str(text))
+        if not match or match.group(2).lower() not in units:
+            raise ValueError(f"cannot read {text!r} as a {what}; write it like {example}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    return value * units[unit]
+
+
 def parse_bytes(text: str | int | float) -> int:
     """Parse a memory size such as ``20GiB``, ``512MB`` or ``1073741824``.
 
@@ -30,16 +44,7 @@ def parse_bytes(text: str | int | float) -> int:
 
     Raises ValueError with a message naming the accepted forms.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"memory size must be a number of bytes or a string like '20GiB', not {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = _NUMBER_UNIT.match(str(text))
-        if not match or match.group(2).lower() not in _BYTE_UNITS:
-            raise ValueError(f"cannot read {text!r} as a memory size; write it like '20GiB', '512MiB' or '16GB'")
-        value, unit = float(match.group(1)), match.group(2).lower()
-    size = value * _BYTE_UNITS[unit]
+    size = _number_with_unit(text, _BYTE_UNITS, "memory size", "'20GiB', '512MiB' or '16GB'")
     if not math.isfinite(size) or size < 1:
         raise ValueError(f"memory size must be at least 1 byte, got {text!r}")
     return int(size)
@@ -52,16 +57,7 @@ def parse_duration(text: str | int | float) -> float:
 
     Raises ValueError naming the accepted forms.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"duration must be seconds or a string like '30m', not {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = _NUMBER_UNIT.match(str(text))
-        if not match or match.group(2).lower() not in _DURATION_UNITS:
-            raise ValueError(f"cannot read {text!r} as a duration; write it like '90s', '30m', '2h' or '1d'")
-        value, unit = float(match.group(1)), match.group(2).lower()
-    seconds = value * _DURATION_UNITS[unit]
+    seconds = _number_with_unit(text, _DURATION_UNITS, "duration", "'90s', '30m', '2h' or '1d'")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"duration must be more than 0 seconds, got {text!r}")
     return seconds

@@ -103,3 +103,24 @@ def start_gpupool_kernel(kernels_dir: Path, cwd: Path):
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     return km, kc
+
+
+async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
+    """Execute ``code`` on a worker like a notebook client; return its stdout.
+    Raises AssertionError with the error when the cell fails."""
+    from jupyter_client import AsyncKernelClient
+
+    client = AsyncKernelClient()
+    client.load_connection_info({**connection, "key": connection["key"].encode()})
+    client.start_channels()
+    out: list[str] = []
+    try:
+        await client.wait_for_ready(timeout=timeout)
+        reply = await client.execute_interactive(
+            code, timeout=timeout,
+            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
+    finally:
+        client.stop_channels()
+        client.context.destroy(linger=0)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(out)

@@ -21,10 +21,10 @@ from typing import Any
 
 import psutil
 import pytest
-from jupyter_client.asynchronous import AsyncKernelClient
 
 from gpupool.provisioner.simulated import simulated_uuid
 from procs import free_port, processes_mentioning, stop_process, wait_for
+from frontend import run_worker_cell
 
 GiB = 1024**3
 TOKEN = "agent-token-for-tests"
@@ -44,23 +44,6 @@ def call(url: str, method: str = "GET", body: Any = None, token: str | None = TO
         with exc:
             return exc.code, json.loads(exc.read() or b"null")
 
-
-async def run_cell(connection: dict, code: str, timeout: float = 30) -> str:
-    """Execute ``code`` on a worker like a notebook client; return its stdout."""
-    client = AsyncKernelClient()
-    client.load_connection_info({**connection, "key": connection["key"].encode()})
-    client.start_channels()
-    out: list[str] = []
-    try:
-        await client.wait_for_ready(timeout=timeout)
-        reply = await client.execute_interactive(
-            code, timeout=timeout,
-            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
-    finally:
-        client.stop_channels()
-        client.context.destroy(linger=0)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    return "".join(out)
 
 
 class LoneAgent:
@@ -144,7 +127,7 @@ def test_start_use_and_stop_a_worker_over_http(lone_agent):
     assert status == 201, started
     connection = started["connection"]
     assert connection["ip"] == "127.0.0.1" and connection["key"]
-    env = json.loads(asyncio.run(run_cell(connection, "import os, json; print(json.dumps(dict(os.environ)))")))
+    env = json.loads(asyncio.run(run_worker_cell(connection, "import os, json; print(json.dumps(dict(os.environ)))")))
     assert env["GPUPOOL_LEASE_ID"] == "L-0000000000aa"
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join(lone_agent.gpus)
     assert env["GPUPOOL_NODE"] == "lone"

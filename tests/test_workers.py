@@ -11,37 +11,19 @@ from datetime import datetime
 
 import psutil
 import pytest
-from jupyter_client.asynchronous import AsyncKernelClient
 
 from gpupool.provisioner.activity import WorkerActivity
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSpec, WorkerStartError,
                                          kernel_arguments, worker_environment)
 from procs import processes_mentioning
+from frontend import run_worker_cell
 
 GiB = 1024**3
 GPUS = SimulatedInventory("2xA100-80GB", "node-1").discover()
 SECRETS = {"GPUPOOL_AGENT_TOKEN": "agent-secret", "JUPYTERHUB_API_TOKEN": "hub-secret",
            "AWS_SECRET_ACCESS_KEY": "aws-secret", "MY_API_KEY": "k"}
 
-
-async def run_cell(connection: dict, code: str, timeout: float = 30) -> str:
-    """Execute ``code`` on the worker like a notebook client; return its stdout.
-    Raises AssertionError with the error when the cell fails."""
-    client = AsyncKernelClient()
-    client.load_connection_info({**connection, "key": connection["key"].encode()})
-    client.start_channels()
-    out: list[str] = []
-    try:
-        await client.wait_for_ready(timeout=timeout)
-        reply = await client.execute_interactive(
-            code, timeout=timeout,
-            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
-    finally:
-        client.stop_channels()
-        client.context.destroy(linger=0)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    return "".join(out)
 
 
 def manager(tmp_path, **kwargs) -> WorkerManager:
@@ -80,7 +62,7 @@ def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
             code = ("import json, os\n"
                     "print(json.dumps({'env': dict(os.environ), "
                     f"'loaded': {WORKER_EXTENSION!r} in get_ipython().extension_manager.loaded}}))")
-            seen = json.loads(await run_cell(conn, code))
+            seen = json.loads(await run_worker_cell(conn, code))
             env = seen["env"]
             assert seen["loaded"]
             assert env["GPUPOOL_LEASE_ID"] == "L-000000000001"
@@ -95,7 +77,7 @@ def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
             assert (await workers.start(half_slice())).pid == worker.pid
 
             # busy while a cell runs, idle_since = when it ended
-            cell = asyncio.create_task(run_cell(conn, "import time; time.sleep(1)"))
+            cell = asyncio.create_task(run_worker_cell(conn, "import time; time.sleep(1)"))
             states = set()
             while not cell.done():
                 [report] = workers.reports()
@@ -127,12 +109,12 @@ def test_killed_worker_is_reported_dead_and_its_children_go_too(tmp_path):
         try:
             worker = await workers.start(half_slice("L-killed"))
             # a process of the user's own, in a session of its own (killpg misses it)
-            child = int(await run_cell(worker.connection(),
+            child = int(await run_worker_cell(worker.connection(),
                                                 "import subprocess\n"
                                                 "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
                                                 "print(p.pid)"))
             second = await workers.start(half_slice("L-stopped"))
-            grandchild = int(await run_cell(second.connection(),
+            grandchild = int(await run_worker_cell(second.connection(),
                                                      "import subprocess\n"
                                                      "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
                                                      "print(p.pid)"))
