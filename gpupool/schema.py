@@ -176,7 +176,8 @@ class WorkerReport:
 
     ``execution_state`` is the kernel's last IOPub status (``starting``,
     ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
-    cell ended (None while busy); ``exit_code`` once dead (negative: signal).
+    cell ended (None while busy); ``exit_code`` once dead (negative: signal);
+    ``reason`` the agent's words for a death it caused (e.g. it was stopped).
     """
 
     lease_id: str
@@ -185,6 +186,7 @@ class WorkerReport:
     idle_since: str | None = None
     exit_code: int | None = None
     memory_used: int | None = None
+    reason: str | None = None
 
     STATES = ("starting", "idle", "busy", "dead")
 
@@ -199,10 +201,12 @@ class WorkerReport:
         pid = body.get("pid")
         exit_code = body.get("exit_code")
         memory = body.get("memory_used")
+        reason = body.get("reason")
         return cls(lease_id=body["lease_id"], pid=pid if isinstance(pid, int) else None,
                    execution_state=state, idle_since=body.get("idle_since"),
                    exit_code=exit_code if isinstance(exit_code, int) else None,
-                   memory_used=memory if isinstance(memory, int) else None)
+                   memory_used=memory if isinstance(memory, int) else None,
+                   reason=reason[:200] if isinstance(reason, str) and reason else None)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

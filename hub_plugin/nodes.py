@@ -130,7 +130,7 @@ class NodeBook:
                 stop.append(report.lease_id)
             elif report.execution_state == "dead":
                 if lease.state != LeaseState.releasing.value:
-                    dead.append((lease.id, death_reason(report.exit_code)))
+                    dead.append((lease.id, report.reason or death_reason(report.exit_code)))
             elif lease.state == LeaseState.active.value:
                 _update_worker(lease, report, now)
         return stop, dead

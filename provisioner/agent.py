@@ -478,7 +478,9 @@ class NodeAgent(Application):
         """Tell the service, best effort, that the workers are gone (``dead``
         with their exit codes), so their leases end now rather than when the
         node's TTL runs out."""
-        workers = [WorkerReport(lease, None, "dead", exit_code=code).to_json() for lease, code in exit_codes.items()]
+        why = f"the node agent on {self.node_name} was stopped"
+        workers = [WorkerReport(lease, None, "dead", exit_code=code, reason=why).to_json()
+                   for lease, code in exit_codes.items()]
         try:
             await asyncio.wait_for(self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
                                              {"workers": workers, "gpus": self.inventory.metrics()}), 2.0)

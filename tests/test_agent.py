@@ -237,4 +237,5 @@ def test_sigterm_with_a_leased_worker_leaves_nothing(tmp_path, service):
     assert not psutil.pid_exists(pid)
     # the agent's last heartbeat said the worker is dead: the lease ends now,
     # not when the node's TTL runs out
-    assert client.get_lease(lease.id, wait=10, state="active").state.ended
+    ended = client.get_lease(lease.id, wait=10, state="active")
+    assert ended.state.value == "failed" and ended.reason == "the node agent on node-9 was stopped"
