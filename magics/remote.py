@@ -94,8 +94,10 @@ class RemoteKernel:
         Every IOPub message of this request goes to ``handler`` in order;
         ``input_request`` goes to ``stdin_handler`` whose return value is sent
         back; ``check`` runs between polls and may raise to abandon the cell
-        (the lease was lost). KeyboardInterrupt interrupts the worker, waits for
-        it to settle, and is raised again.
+        (the lease was lost). KeyboardInterrupt interrupts the worker and waits
+        for it to settle: the worker's own ``KeyboardInterrupt`` error then
+        reaches ``handler`` like any other; GPUPoolError ``worker_unresponsive``
+        when the worker has not settled 10 s after the interrupt.
         """
         msg = self.session.send(self.shell, "execute_request", {
             "code": code, "silent": False, "store_history": True, "user_expressions": {},
@@ -159,6 +161,4 @@ class RemoteKernel:
                 if interrupted_at is None:
                     self.interrupt()
                     interrupted_at = time.monotonic()
-        if interrupted_at is not None:
-            raise KeyboardInterrupt
         return reply or {}

@@ -190,3 +190,31 @@ def test_quickstart_notebook_runs_headless(e2e_pool, tmp_path, monkeypatch):
     result = nb.cells[-1].outputs[-1]["data"]["application/json"]
     assert result["accuracy"] > 0.9 and result["local_accuracy"] == pytest.approx(result["accuracy"])
     assert _active_leases(e2e_pool[0]) == []
+
+
+def test_input_and_interrupt_reach_the_worker(e2e_pool, kernel):
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    worker_pid = _remote(kc, "import os; os.getpid()")
+    asked = run(kc, "name = input('your name? ')\nprint('hello', name, os.getpid())", stdin=["ann"])
+    assert asked.ok, asked.text()
+    assert asked.outputs[0] == ("input_request", {"prompt": "your name? ", "password": False})
+    assert asked.stdout == f"hello ann {worker_pid}\n"
+
+    msg_id = kc.execute("while True:\n    pass")
+    wait_for(lambda: _busy_seen(kc, msg_id), 10, "the tight loop started")
+    time.sleep(0.5)
+    interrupted_at = time.monotonic()
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=10)["content"]
+    assert time.monotonic() - interrupted_at < 2.0
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert _remote(kc, "os.getpid()") == worker_pid, "the slice stays attached after an interrupt"
+
+
+def _busy_seen(kc, msg_id: str) -> bool:
+    try:
+        msg = kc.get_iopub_msg(timeout=0.1)
+    except Exception:  # queue.Empty
+        return False
+    return msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
