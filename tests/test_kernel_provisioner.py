@@ -94,7 +94,7 @@ def test_kernel_gets_its_id_url_token_and_magics(tmp_path, kernel_manager):
     km = kernel_manager(install(tmp_path, url, "user-token-1"))
     assert isinstance(km.provisioner, GPUPoolProvisioner)
     seen = json.loads(run(km, "import os, json\n"
-                              "print(json.dumps({'env': {k: v for k, v in os.environ.items() if k.startswith('GPUPOOL_')},"
+                              "print(json.dumps({'env': {k: os.environ.get(k) for k in ('GPUPOOL_URL', 'GPUPOOL_TOKEN', 'GPUPOOL_KERNEL_ID')},"
                               " 'loaded': sorted(get_ipython().extension_manager.loaded)}))"))
     assert seen["env"] == {"GPUPOOL_URL": url, "GPUPOOL_TOKEN": "user-token-1", "GPUPOOL_KERNEL_ID": km.kernel_id}
     assert "gpupool.magics" in seen["loaded"]
