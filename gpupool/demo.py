@@ -45,7 +45,9 @@ def gpu_present() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpupool demo", description=__doc__.split("\n\n")[0] + ".")
+    parser = argparse.ArgumentParser(prog="gpupool demo", description=(
+        "Start a pool on this machine (service, one agent with NVML or simulated GPUs), install the "
+        "gpupool kernelspec, run a notebook on it headless, print a summary and stop everything."))
     parser.add_argument("--notebook", type=Path, default=DEFAULT_NOTEBOOK, help="notebook to run (default: %(default)s)")
     parser.add_argument("--output", type=Path, help="where to write the executed notebook "
                         "(default: NOTEBOOK with .executed.ipynb)")

@@ -12,7 +12,7 @@ from .tables import lease_table, pool_table
 
 def main(argv: list[str] | None = None) -> int:
     """Print the pool table and the caller's leases; returns 0."""
-    parser = argparse.ArgumentParser(prog="gpupool status", description=__doc__.split(":", 1)[1].strip())
+    parser = argparse.ArgumentParser(prog="gpupool status", description="Show the pool's nodes and GPUs, and your leases, as tables.")
     parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
     parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
     parser.add_argument("--token-file", type=Path, help="read the API token from this file")
