@@ -207,7 +207,7 @@ def test_input_and_interrupt_reach_the_worker(e2e_pool, kernel):
     interrupted_at = time.monotonic()
     km.interrupt_kernel()
     reply = kc.get_shell_msg(timeout=10)["content"]
-    assert time.monotonic() - interrupted_at < 2.0
+    assert time.monotonic() - interrupted_at < 5.0  # a bound on "stops", not a speed measurement
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert _remote(kc, "os.getpid()") == worker_pid, "the slice stays attached after an interrupt"
 
