@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean gpu-check bench
+.PHONY: demo test install clean gpu-check
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# On a host with an NVIDIA GPU: NVML inventory, two 0.5 leases, the 0.25 memory cap,
+# MPS, slice overhead; writes gpu-check.json/.md to $(OUT) or a temporary directory.
+# Without a GPU it reports "no GPU found" and exits 0.
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) .state build *.egg-info

@@ -24,6 +24,7 @@ _COMMANDS = {
     "kernelspec": "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)",
     "demo": "start a pool on this machine and run examples/quickstart.ipynb end to end",
     "status": "show the pool's nodes, GPUs and your leases as a table",
+    "simulate": "replay a workload trace against the scheduler and reclaim rules (capacity planning)",
 }
 
 
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(rest) or 0
+        if command == "simulate":
+            from .hub_plugin.simulator import main as simulate_main
+
+            return simulate_main(rest) or 0
         if command == "status":
             from .status import main as status_main
 

@@ -51,11 +51,11 @@ def lease_table(leases: Sequence[Lease]) -> tuple[str, str]:
 
 
 def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
-    """One row per GPU of ``GET /pool``: node, state, GPU, memory, allocated share, leases."""
+    """One row per GPU of ``GET /pool``: node, state, enforcement, GPU, memory, allocated share, leases."""
     rows = []
     for node in pool.get("nodes", []):
         for gpu in node.get("gpus", []):
-            rows.append([node["name"], node.get("state", "?"), f"{gpu['index']}: {gpu['name']}",
-                         format_bytes(gpu.get("memory_total")), f"{gpu.get('allocated_fraction', 0):.2f}",
-                         gpu.get("leases", 0)])
-    return table(["node", "state", "GPU", "memory", "allocated", "leases"], rows)
+            rows.append([node["name"], node.get("state", "?"), node.get("enforcement") or "-",
+                         f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
+                         f"{gpu.get('allocated_fraction', 0):.2f}", gpu.get("leases", 0)])
+    return table(["node", "state", "enforcement", "GPU", "memory", "allocated", "leases"], rows)

@@ -20,6 +20,8 @@ from .models import GPU, Lease, LeaseGPU, Node
 from .scheduler import GPUState
 
 HOLDING = tuple(state.value for state in LeaseState if state.holds_capacity)
+#: Node enforcement modes that hand out whole GPUs only (docs/enforcement.md).
+WHOLE_GPU_MODES = ("mig", "exclusive")
 
 
 @dataclass
@@ -67,5 +69,7 @@ def gpu_states(session: Session, context_overhead: int) -> list[GPUState]:
                 uuid=gpu.uuid, node=node.name, name=gpu.name, index=gpu.index,
                 memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
                 allocated_fraction=taken.fraction, allocated_memory=taken.memory,
-                observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state == "up"))
+                observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state == "up",
+                memory_unattributed=gpu.memory_unattributed or 0,
+                whole_only=node.enforcement in WHOLE_GPU_MODES))
     return states

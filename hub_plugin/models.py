@@ -78,6 +78,8 @@ class GPU(Base):
     compute_capability: Mapped[str | None] = mapped_column(String(20))
     memory_used: Mapped[int | None] = mapped_column(BigInteger)
     utilization: Mapped[float | None] = mapped_column(Float)
+    #: Bytes used by processes of no worker (NVML's readings); placement counts them as taken.
+    memory_unattributed: Mapped[int | None] = mapped_column(BigInteger)
     healthy: Mapped[bool] = mapped_column(Boolean, default=True)
 
     node: Mapped[Node] = relationship(back_populates="gpus")

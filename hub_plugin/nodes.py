@@ -88,9 +88,10 @@ class NodeBook:
             node.state, node.last_heartbeat_at = "up", now
             gpus = {g.uuid: g for g in node.gpus}
             # In UUID order, the order lease creation locks GPU rows in (no deadlock).
-            for uuid, used, utilization, healthy in sorted(readings, key=lambda r: r[0]):
+            for uuid, used, utilization, healthy, unattributed in sorted(readings, key=lambda r: r[0]):
                 if uuid in gpus:
                     gpus[uuid].memory_used, gpus[uuid].utilization = used, utilization
+                    gpus[uuid].memory_unattributed = unattributed
                     if healthy is not None:
                         gpus[uuid].healthy = healthy
             stop, dead = self._apply_reports(session, node, reports, now)
@@ -211,15 +212,18 @@ def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any
     return value
 
 
-def _reading(value: Any) -> tuple[str, int | None, float | None, bool | None]:
-    """One GPU reading of a heartbeat: (uuid, memory_used bytes, utilization %, healthy)."""
+def _reading(value: Any) -> tuple[str, int | None, float | None, bool | None, int | None]:
+    """One GPU reading of a heartbeat: (uuid, memory_used bytes, utilization %,
+    healthy, memory_unattributed bytes: used by processes of no worker)."""
     if not isinstance(value, dict) or not isinstance(value.get("uuid"), str):
         raise bad_request("each GPU reading needs a 'uuid'")
     used, util, healthy = value.get("memory_used"), value.get("utilization"), value.get("healthy")
-    if used is not None and (isinstance(used, bool) or not isinstance(used, int) or used < 0):
-        raise bad_request("'memory_used' must be a whole number of bytes")
+    unattributed = value.get("memory_unattributed")
+    for key, number in (("memory_used", used), ("memory_unattributed", unattributed)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
+            raise bad_request(f"'{key}' must be a whole number of bytes")
     if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100):
         raise bad_request("'utilization' must be a percentage from 0 to 100")
     if healthy is not None and not isinstance(healthy, bool):
         raise bad_request("'healthy' must be true or false")
-    return value["uuid"], used, None if util is None else float(util), healthy
+    return value["uuid"], used, None if util is None else float(util), healthy, unattributed

@@ -81,7 +81,7 @@ _SCHEMAS: dict[str, Any] = {
         "lease_id": {"type": "string"}, "pid": {"type": ["integer", "null"]},
         "execution_state": {"enum": ["starting", "idle", "busy", "dead"]},
         "idle_since": _NULLABLE_TIME, "exit_code": {"type": ["integer", "null"]},
-        "memory_used": {"type": ["integer", "null"]}}},
+        "memory_used": {"type": ["integer", "null"]}, "reason": {"type": ["string", "null"]}}},
     "Stop": {"type": "array", "items": {"type": "string"}, "description": "lease ids whose workers must stop"},
 }
 
@@ -136,8 +136,9 @@ _PATHS: dict[str, Any] = {
             "stop": _ref("Stop")}}, "workers to stop"), body={"type": "object", "properties": {
                 "workers": {"type": "array", "items": _ref("WorkerReport")},
                 "gpus": {"type": "array", "items": {"type": "object", "required": ["uuid"], "properties": {
-                    "uuid": {"type": "string"}, "memory_used": {"type": "integer"},
-                    "utilization": {"type": "number"}, "healthy": {"type": "boolean"}}}}}},
+                    "uuid": {"type": "string"}, "memory_used": {"type": ["integer", "null"]},
+                    "memory_unattributed": {"type": ["integer", "null"]},
+                    "utilization": {"type": ["number", "null"]}, "healthy": {"type": "boolean"}}}}}},
             errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),
     },
     "/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), errors=(),

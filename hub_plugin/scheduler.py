@@ -41,7 +41,8 @@ MODEL_MISMATCH = "model mismatch"
 NO_FRACTION = "not enough free fraction"
 NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
-REASONS = (NODE_LOST, UNHEALTHY, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, FEW_ON_NODE)
+WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
+REASONS = (NODE_LOST, UNHEALTHY, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY, FEW_ON_NODE)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class GPUState:
     it. ``observed_memory_used`` is NVML's latest reading, shown in messages
     only: it includes driver and context memory that the reservations already
     account for, so placing by it would refuse requests that fit.
+    ``memory_unattributed`` is memory NVML sees used by processes of no
+    worker: it is taken, whoever holds it. ``whole_only`` marks GPUs of a
+    node whose enforcement (``mig``, ``exclusive``) gives out whole GPUs only.
     """
 
     uuid: str
@@ -67,6 +71,8 @@ class GPUState:
     observed_memory_used: int | None = None
     healthy: bool = True
     node_up: bool = True
+    memory_unattributed: int = 0
+    whole_only: bool = False
 
     @property
     def free_fraction(self) -> float:
@@ -76,7 +82,7 @@ class GPUState:
     @property
     def free_memory(self) -> int:
         """Usable bytes no lease holds (>= 0)."""
-        return max(0, self.memory_usable - self.allocated_memory)
+        return max(0, self.memory_usable - self.allocated_memory - self.memory_unattributed)
 
     @property
     def is_idle(self) -> bool:
@@ -144,6 +150,8 @@ def _ineligible(demand: Demand, gpu: GPUState) -> str | None:
         return UNHEALTHY
     if demand.model and demand.model.lower() not in gpu.name.lower():
         return MODEL_MISMATCH
+    if gpu.whole_only and demand.fraction < 1.0 - EPSILON:
+        return WHOLE_ONLY
     return None
 
 

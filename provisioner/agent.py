@@ -28,14 +28,15 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
-from traitlets import Integer, Unicode, default
+from traitlets import Enum, Integer, Unicode, default
 from traitlets.config import Application
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.traits import Duration
 
-from .enforcement import enforcement_mode, mps_daemon_running
+from .attribution import add_unattributed, attribute, read_parents
+from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
@@ -139,6 +140,10 @@ class WorkersHandler(AgentHandler):
     async def post(self) -> None:
         spec = parse_worker_request(self.json_body(), self.agent.gpus)
         try:
+            check_slice(self.agent.enforcement, spec.fraction)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        try:
             worker = await self.agent.workers.start(spec)
         except WorkerStartError as exc:
             raise GPUPoolError("worker_start_failed", str(exc), 502) from None
@@ -197,6 +202,7 @@ class NodeAgent(Application):
         "port": "NodeAgent.port",
         "state-dir": "NodeAgent.state_dir",
         "config": "NodeAgent.config_file",
+        "enforcement": "NodeAgent.enforcement_mode",
         "log-level": "Application.log_level",
     }
 
@@ -271,6 +277,25 @@ class NodeAgent(Application):
         ``c.NodeAgent.retry_max = "1m"``.""",
     ).tag(config=True)
 
+    enforcement_mode = Enum(
+        ["auto", "mps", "mig", "timeslice", "exclusive"], "auto",
+        help="""How this node confines workers to their slices (docs/enforcement.md):
+        ``mps`` (the agent starts or joins the CUDA MPS control daemon; compute
+        share and memory limit per worker), ``mig`` (whole MIG instances),
+        ``timeslice`` (framework memory caps plus the agent's memory watchdog),
+        ``exclusive`` (whole GPUs only). ``auto`` (default): ``mig`` when the
+        GPUs are MIG instances, ``mps`` when an MPS daemon runs, else
+        ``timeslice``. Simulated nodes report ``none``.
+        ``c.NodeAgent.enforcement_mode = "mps"``.""",
+    ).tag(config=True)
+
+    host_proc = Unicode(
+        "", help="""Where the host's /proc is mounted when the agent runs in a container
+        without the host PID namespace (NVML reports host PIDs; this maps them
+        to the agent's). Empty (default): the agent runs in the host PID
+        namespace. ``c.NodeAgent.host_proc = "/host/proc"``.""",
+    ).tag(config=True)
+
     @default("log_level")
     def _log_level_default(self) -> int:
         return logging.INFO
@@ -294,10 +319,21 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", "no service URL: pass --service-url=http://HOST:PORT of the pool service")
         self.service_url = self.service_url.rstrip("/")
         self.token = self.read_token()
-        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name)
+        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.enforcement = enforcement_mode(self.inventory.kind,
-                                            self.inventory.kind != "simulated" and mps_daemon_running())
+                                            self.inventory.kind != "simulated" and mps_daemon_running(),
+                                            self.enforcement_mode, any(u.startswith("MIG-") for u in self.gpus))
+        self.watchdog = MemoryWatchdog()
+        self.mps: MPSControl | None = None
+        if self.enforcement == "mps":
+            self.mps = MPSControl(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"),
+                                  os.environ.get("CUDA_MPS_LOG_DIRECTORY", os.path.join(self.state_dir, "mps-log")))
+            try:
+                self.log.info("MPS control daemon %s (pipe directory %s)", self.mps.start(), self.mps.pipe_dir)
+            except RuntimeError as exc:
+                raise GPUPoolError("not_configured", f"{exc} (--enforcement=timeslice runs without MPS)") from None
+            os.environ.update(self.mps.environment())  # workers inherit them
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -367,6 +403,11 @@ class NodeAgent(Application):
         self.http.close()
         self.workers.close()
         self.inventory.close()
+        if self.mps is not None:
+            try:
+                self.mps.stop()  # only a daemon this agent started
+            except RuntimeError as exc:
+                self.log.warning("%s", exc)
         self.log.info("agent %s stopped", self.node_name)
 
     def _log_request(self, handler: web.RequestHandler) -> None:
@@ -437,7 +478,25 @@ class NodeAgent(Application):
                 "workers": [r.to_json() for r in self.worker_reports()]}
 
     def heartbeat_body(self) -> dict[str, Any]:
-        return {"workers": [r.to_json() for r in self.worker_reports()], "gpus": self.inventory.metrics()}
+        return {"workers": [r.to_json() for r in self.worker_reports()], "gpus": self.gpu_metrics()}
+
+    def gpu_metrics(self) -> list[dict[str, Any]]:
+        """The inventory's GPU readings plus ``memory_unattributed`` (bytes of
+        processes that belong to no worker); stops, through the memory
+        watchdog, workers over their slice (not in ``mig``/``exclusive`` mode,
+        where the hardware or whole GPUs confine them)."""
+        metrics = self.inventory.metrics()
+        usage = self.inventory.process_usage()
+        if not usage:
+            return metrics
+        live = {lease: self.workers.get(lease) for lease in self.workers.lease_ids()}
+        live = {lease: worker for lease, worker in live.items() if not worker.dead}
+        result = attribute(usage, {lease: w.pid for lease, w in live.items()}, read_parents())
+        if self.enforcement in ("mps", "timeslice"):
+            for lease, reason in self.watchdog.check(result.memory, {l: w.spec.memory for l, w in live.items()}):
+                self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
+                self.stop_workers([lease])
+        return add_unattributed(metrics, result, self.inventory.process_known())
 
     def stop_workers(self, lease_ids: Any) -> None:
         """Stop, in the background, the workers the service says no lease holds."""

@@ -24,6 +24,11 @@ The MPS variables bind only when an MPS control daemon runs on the node
 bind in any case. PyTorch has no such variable; the worker extension
 (:mod:`gpupool.provisioner.worker`) caps its allocator from
 ``GPUPOOL_MEMORY_LIMIT``.
+
+The node's mode (:data:`MODES`: ``mps``, ``mig``, ``timeslice``,
+``exclusive``; :func:`enforcement_mode`), the MPS control daemon
+(:class:`MPSControl`) and the memory watchdog (:class:`MemoryWatchdog`) live
+here too; docs/enforcement.md says what each mode guarantees and what not.
 """
 
 from __future__ import annotations
@@ -79,17 +84,41 @@ def slice_environment(gpus: Sequence[GPUInfo | str], fraction: float, memory: in
     }
 
 
-def enforcement_mode(inventory_kind: str, mps_daemon: bool) -> str:
-    """What the agent reports as ``enforcement`` at registration.
+# The modes an agent can enforce slices with, chosen per node
+# (``c.NodeAgent.enforcement_mode``); docs/enforcement.md says what each
+# guarantees. "none" is reported by simulated nodes, where nothing runs on a GPU.
+MODES = ("mps", "mig", "timeslice", "exclusive")
 
-    ``"none"``: simulated GPUs, nothing to enforce; ``"mps"``: an MPS control
-    daemon runs, so the compute and memory limits are enforced by CUDA;
-    ``"env"``: real GPUs without MPS, the limits are advisory (frameworks
-    that read the variables honour them, raw CUDA does not).
+
+def enforcement_mode(inventory_kind: str, mps_daemon: bool, requested: str = "auto", mig: bool = False) -> str:
+    """The mode the agent enforces slices with, reported as ``enforcement`` at
+    registration and shown by ``gpupool status``.
+
+    ``inventory_kind``: ``"simulated"`` gives ``"none"`` whatever was asked.
+    ``requested``: one of :data:`MODES`, or ``"auto"``: ``"mig"`` when the
+    node's GPUs are MIG instances (``mig``), ``"mps"`` when an MPS control
+    daemon runs (``mps_daemon``), else ``"timeslice"``. Raises ValueError for
+    an unknown mode.
     """
+    if requested != "auto" and requested not in MODES:
+        raise ValueError(f"unknown enforcement mode {requested!r}; choose one of auto, {', '.join(MODES)}")
     if inventory_kind == "simulated":
         return "none"
-    return "mps" if mps_daemon else "env"
+    if requested != "auto":
+        return requested
+    if mig:
+        return "mig"
+    return "mps" if mps_daemon else "timeslice"
+
+
+def check_slice(mode: str, fraction: float) -> None:
+    """Refuse what ``mode`` cannot enforce: ``mig`` hands out whole MIG
+    instances and ``exclusive`` whole GPUs, so ``fraction`` must be 1 there.
+    Raises ValueError naming the node's mode."""
+    if mode in ("mig", "exclusive") and fraction < 1:
+        unit = "MIG instances" if mode == "mig" else "GPUs"
+        raise ValueError(f"this node enforces slices with {mode!r}: it hands out whole {unit} only, "
+                         f"not a fraction of {fraction:g}")
 
 
 def mps_daemon_running() -> bool:
@@ -100,3 +129,123 @@ def mps_daemon_running() -> bool:
         if proc.info["name"] == "nvidia-cuda-mps-control":
             return True
     return False
+
+
+def mps_default_commands(active_thread_percentage: int | None, pinned_limits: dict[int, int] | None) -> list[str]:
+    """Control-daemon commands that set the MPS server defaults, which no
+    client can exceed (MPS guide, "nvidia-cuda-mps-control":
+    ``set_default_active_thread_percentage``, and
+    ``set_default_device_pinned_mem_limit <dev> <value>``, value like
+    ``"40960M"``). ``pinned_limits``: device ordinal (as the daemon sees
+    devices) -> bytes, rounded down to whole MiB. Pure."""
+    commands = []
+    if active_thread_percentage is not None:
+        if not 1 <= active_thread_percentage <= 100:
+            raise ValueError(f"active thread percentage must be 1-100, got {active_thread_percentage}")
+        commands.append(f"set_default_active_thread_percentage {active_thread_percentage}")
+    for device, limit in sorted((pinned_limits or {}).items()):
+        commands.append(f"set_default_device_pinned_mem_limit {device} {limit // MiB}M")
+    return commands
+
+
+class MPSControl:
+    """The CUDA MPS control daemon the agent starts or joins.
+
+    ``pipe_dir``: ``CUDA_MPS_PIPE_DIRECTORY`` (where the daemon's ``control``
+    socket lives; workers get the same value), ``log_dir``:
+    ``CUDA_MPS_LOG_DIRECTORY``. ``executable``: the control program.
+
+    :meth:`start` joins a daemon already listening on ``pipe_dir`` or starts
+    one with ``-d``; :meth:`command` sends one control command and returns
+    its answer. Both raise RuntimeError with the daemon's words on failure
+    (e.g. no ``nvidia-cuda-mps-control`` on PATH: install the driver's
+    utilities).
+    """
+
+    def __init__(self, pipe_dir: str, log_dir: str, executable: str = "nvidia-cuda-mps-control") -> None:
+        self.pipe_dir, self.log_dir, self.executable = pipe_dir, log_dir, executable
+        self.started = False
+
+    def environment(self) -> dict[str, str]:
+        """The variables that point a client (a worker) at this daemon."""
+        return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir}
+
+    def listening(self) -> bool:
+        """True when a daemon's control socket exists in ``pipe_dir``."""
+        import os
+
+        return os.path.exists(os.path.join(self.pipe_dir, "control"))
+
+    def start(self) -> str:
+        """Join or start the daemon; returns ``"joined"`` or ``"started"``."""
+        import os
+        import subprocess
+
+        if self.listening():
+            return "joined"
+        os.makedirs(self.pipe_dir, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            done = subprocess.run([self.executable, "-d"], env={**os.environ, **self.environment()},
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"cannot start the MPS control daemon ({self.executable} -d): {exc}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.executable} -d failed ({done.returncode}): {done.stderr.strip()}")
+        self.started = True
+        return "started"
+
+    def command(self, text: str) -> str:
+        """Send ``text`` (e.g. ``get_server_list``) to the daemon; its answer."""
+        import os
+        import subprocess
+
+        try:
+            done = subprocess.run([self.executable], input=text + "\n", env={**os.environ, **self.environment()},
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"the MPS control daemon did not answer {text!r}: {exc}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"the MPS control daemon refused {text!r}: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout.strip()
+
+    def stop(self) -> None:
+        """Stop the daemon if this object started it (``quit``); a joined one stays."""
+        if self.started:
+            self.command("quit")
+            self.started = False
+
+
+class MemoryWatchdog:
+    """The agent's memory watchdog: stops a worker whose process tree uses
+    more GPU memory than its slice, as NVML measures it.
+
+    NVML counts a process's CUDA context (a few hundred MiB) that framework
+    caps do not, so a worker is over when it uses more than ``limit +
+    allowance`` bytes on one GPU (``allowance`` in bytes), for ``strikes``
+    readings in a row (a one-off peak while a framework frees memory is
+    forgiven). Pure: readings in, verdicts out.
+    """
+
+    def __init__(self, allowance: int = 1024 * MiB, strikes: int = 2) -> None:
+        self.allowance, self.strikes = allowance, strikes
+        self._over: dict[str, int] = {}
+
+    def check(self, usage: dict[str, dict[str, int]], limits: dict[str, int]) -> list[tuple[str, str]]:
+        """``usage``: lease -> GPU UUID -> bytes; ``limits``: lease -> bytes per
+        GPU. Returns ``(lease, reason)`` for each worker to stop now."""
+        verdicts = []
+        for lease in list(self._over):
+            if lease not in limits:
+                del self._over[lease]
+        for lease, limit in limits.items():
+            worst = max(usage.get(lease, {}).items(), key=lambda item: item[1], default=None)
+            if worst is None or worst[1] <= limit + self.allowance:
+                self._over.pop(lease, None)
+                continue
+            self._over[lease] = self._over.get(lease, 0) + 1
+            if self._over[lease] >= self.strikes:
+                del self._over[lease]
+                verdicts.append((lease, f"it used {worst[1] // MiB} MiB on GPU {worst[0]}, more than its slice's "
+                                        f"{limit // MiB} MiB (+{self.allowance // MiB} MiB for the CUDA context)"))
+        return verdicts

@@ -58,16 +58,40 @@ class Inventory(abc.ABC):
         """
         return {}
 
+    def process_usage(self) -> list:
+        """Every process on every GPU as :class:`~.attribution.GPUProcess`
+        records (NVML pid, the agent's pid, bytes, SM %). The default knows of
+        none."""
+        return []
+
+    def process_known(self) -> set[str]:
+        """UUIDs of the GPUs whose process list the last :meth:`process_usage`
+        could read; on the others, per-process usage is unknown."""
+        return set()
+
+    def versions(self) -> dict[str, str | None]:
+        """``{"driver", "cuda"}`` version strings; None where unknown (the
+        default: a node without a driver)."""
+        return {"driver": None, "cuda": None}
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """GPU UUID -> ``{"healthy": bool, "reason": str | None, "xids": [int]}``.
+        The default: every GPU healthy (nothing can fail on a simulated one)."""
+        return {gpu.uuid: {"healthy": True, "reason": None, "xids": []} for gpu in self.discover()}
+
     def close(self) -> None:
         """Release the inventory's handles (NVML). Idempotent."""
 
 
-def select_inventory(simulate: str | None, node_name: str | None = None) -> Inventory:
+def select_inventory(simulate: str | None, node_name: str | None = None, host_proc: str | None = None) -> Inventory:
     """The inventory the agent should use.
 
     ``simulate`` is a ``--simulate`` spec such as ``"2xA100-80GB"``: when given,
     a :class:`~.simulated.SimulatedInventory` whose UUIDs are derived from
     ``node_name`` (default: this host's name). Without it, NVML.
+
+    ``host_proc``: where the host's /proc is mounted when the agent runs in a
+    container (see :class:`~.attribution.PidMapper`); NVML only.
 
     Raises :class:`InventoryError` when the spec is bad, or when NVML is not
     available (no driver, no ``nvidia-ml-py``) or finds no GPU; the message
@@ -83,4 +107,4 @@ def select_inventory(simulate: str | None, node_name: str | None = None) -> Inve
             raise InventoryError(f"bad --simulate value: {exc}") from None
     from .nvml import NVMLInventory
 
-    return NVMLInventory()
+    return NVMLInventory(host_proc=host_proc)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpupool.provisioner.enforcement import enforcement_mode, slice_environment
+from gpupool.provisioner.enforcement import (MODES, MemoryWatchdog, MPSControl, check_slice, enforcement_mode,
+                                             mps_default_commands, slice_environment)
 from gpupool.schema import GPUInfo
 
 GiB = 1024**3
@@ -68,7 +69,67 @@ def test_bad_slices_are_refused(gpus, fraction, memory, words):
         slice_environment(gpus, fraction, memory, "L-1", "ann", "n")
 
 
-@pytest.mark.parametrize("kind, mps, mode", [
-    ("simulated", False, "none"), ("simulated", True, "none"), ("nvml", True, "mps"), ("nvml", False, "env")])
-def test_enforcement_mode(kind, mps, mode):
-    assert enforcement_mode(kind, mps) == mode
+@pytest.mark.parametrize("kind, mps, requested, mig, mode", [
+    ("simulated", False, "auto", False, "none"), ("simulated", True, "mps", False, "none"),
+    ("nvml", True, "auto", False, "mps"), ("nvml", False, "auto", False, "timeslice"),
+    ("nvml", True, "auto", True, "mig"), ("nvml", False, "mps", False, "mps"),
+    ("nvml", True, "exclusive", False, "exclusive"), ("nvml", True, "timeslice", True, "timeslice")])
+def test_enforcement_mode(kind, mps, requested, mig, mode):
+    assert enforcement_mode(kind, mps, requested, mig) == mode
+
+
+def test_unknown_mode_is_refused():
+    assert MODES == ("mps", "mig", "timeslice", "exclusive")
+    with pytest.raises(ValueError, match="unknown enforcement mode 'vgpu'; choose one of auto, mps, mig"):
+        enforcement_mode("nvml", False, "vgpu")
+
+
+@pytest.mark.parametrize("mode, fraction, ok", [
+    ("mps", 0.25, True), ("timeslice", 0.5, True), ("mig", 1.0, True), ("exclusive", 1.0, True),
+    ("mig", 0.5, False), ("exclusive", 0.99, False)])
+def test_whole_devices_only_in_mig_and_exclusive(mode, fraction, ok):
+    if ok:
+        check_slice(mode, fraction)
+    else:
+        with pytest.raises(ValueError, match=f"enforces slices with '{mode}': it hands out whole"):
+            check_slice(mode, fraction)
+
+
+def test_mps_default_commands():
+    assert mps_default_commands(50, {0: 40 * GiB + 123, 1: 10 * MiB}) == [
+        "set_default_active_thread_percentage 50",
+        "set_default_device_pinned_mem_limit 0 40960M",
+        "set_default_device_pinned_mem_limit 1 10M"]
+    assert mps_default_commands(None, None) == []
+    with pytest.raises(ValueError, match="1-100"):
+        mps_default_commands(0, None)
+
+
+def test_mps_control_starts_or_joins_and_sends_commands(tmp_path):
+    # A stand-in for nvidia-cuda-mps-control: "-d" creates the control socket
+    # path, a command on stdin is echoed back with the pipe directory it saw.
+    program = tmp_path / "mps-control"
+    program.write_text('#!/bin/sh\nif [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi\n'
+                       'read line; echo "$line @ $CUDA_MPS_PIPE_DIRECTORY"\n')
+    program.chmod(0o755)
+    control = MPSControl(str(tmp_path / "pipe"), str(tmp_path / "log"), str(program))
+    assert not control.listening()
+    assert control.start() == "started" and control.listening()
+    assert control.command("get_server_list") == f"get_server_list @ {tmp_path / 'pipe'}"
+    assert MPSControl(str(tmp_path / "pipe"), str(tmp_path / "log"), str(program)).start() == "joined"
+    assert control.environment() == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
+                                     "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log")}
+    with pytest.raises(RuntimeError, match="cannot start the MPS control daemon"):
+        MPSControl(str(tmp_path / "p2"), str(tmp_path / "l2"), str(tmp_path / "missing")).start()
+
+
+def test_watchdog_stops_a_worker_over_its_slice_twice_in_a_row():
+    dog = MemoryWatchdog(allowance=512 * MiB, strikes=2)
+    limits = {"L-a": 20 * GiB, "L-b": 20 * GiB}
+    over = {"L-a": {"GPU-0": 21 * GiB}, "L-b": {"GPU-0": 20 * GiB + 500 * MiB}}
+    assert dog.check(over, limits) == []  # first strike
+    assert dog.check({"L-a": {"GPU-0": 10 * GiB}}, limits) == []  # back under: forgiven
+    assert dog.check(over, limits) == []
+    (verdict,) = dog.check(over, limits)
+    assert verdict[0] == "L-a" and "21504 MiB on GPU GPU-0, more than its slice's 20480 MiB" in verdict[1]
+    assert dog.check({}, {}) == [] and dog._over == {}

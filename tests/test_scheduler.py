@@ -13,7 +13,7 @@ from gpupool.hub_plugin.reclaim import decide, lost_nodes
 from gpupool.schema import LeaseState
 
 from gpupool.hub_plugin.scheduler import (
-    FEW_ON_NODE, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY,
+    FEW_ON_NODE, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
     Demand, GPUState, Placement, Refusal, place)
 
 GiB = 1024**3
@@ -22,12 +22,13 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def gpu(node: str, index: int, *, name: str = A100, usable: int = 80 * GiB, fraction: float = 0.0,
-        memory: int | None = None, healthy: bool = True, up: bool = True) -> GPUState:
+        memory: int | None = None, healthy: bool = True, up: bool = True, unattributed: int = 0,
+        whole_only: bool = False) -> GPUState:
     """A GPU with ``fraction`` allocated (and that share of memory unless ``memory`` is given)."""
     taken = int(fraction * usable) if memory is None else memory
     return GPUState(uuid=f"GPU-{node}-{index}", node=node, name=name, index=index, memory_total=usable + GiB,
                     memory_usable=usable, allocated_fraction=fraction, allocated_memory=taken,
-                    healthy=healthy, node_up=up)
+                    healthy=healthy, node_up=up, memory_unattributed=unattributed, whole_only=whole_only)
 
 
 PLACED = [
@@ -57,6 +58,12 @@ PLACED = [
                  Placement("n1", ("GPU-n1-1", "GPU-n1-2"), 1.0, 80 * GiB), id="whole GPUs: only free ones"),
     pytest.param(Demand(1.0, 2), [gpu("n1", 0, usable=40 * GiB), gpu("n1", 1)],
                  Placement("n1", ("GPU-n1-0", "GPU-n1-1"), 1.0, 40 * GiB), id="whole GPUs: smallest usable"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, unattributed=50 * GiB), gpu("n1", 1, fraction=0.25)],
+                 Placement("n1", ("GPU-n1-1",), 0.5, 40 * GiB), id="memory of no worker counts as taken"),
+    pytest.param(Demand(0.5), [gpu("mig", 0, whole_only=True), gpu("n1", 0, fraction=0.25)],
+                 Placement("n1", ("GPU-n1-0",), 0.5, 40 * GiB), id="slices skip whole-GPU-only nodes"),
+    pytest.param(Demand(1.0), [gpu("mig", 0, whole_only=True, usable=10 * GiB)],
+                 Placement("mig", ("GPU-mig-0",), 1.0, 10 * GiB), id="a whole MIG instance is a GPU"),
 ]
 
 
@@ -80,6 +87,9 @@ REFUSED = [
                  {NO_FRACTION: 1, FEW_ON_NODE: 2}, id="whole GPUs spread over nodes"),
     pytest.param(Demand(1.0, 2, memory=100 * GiB), [gpu("n1", 0), gpu("n1", 1)],
                  {NO_MEMORY: 2}, id="whole GPUs too small"),
+    pytest.param(Demand(0.25), [gpu("n1", 0, unattributed=70 * GiB)],
+                 {NO_MEMORY: 1}, id="unattributed memory leaves too little"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, whole_only=True)], {WHOLE_ONLY: 1}, id="whole GPUs only"),
 ]
 
 

@@ -62,11 +62,12 @@ def all_leases(svc) -> list[dict[str, Any]]:
     return body["leases"]
 
 
-def register(svc, name: str = "node-x", gpus: int = 2, url: str | None = None) -> dict[str, Any]:
+def register(svc, name: str = "node-x", gpus: int = 2, url: str | None = None,
+             enforcement: str = "none") -> dict[str, Any]:
     """Register a node through the API (as an agent would), with ``gpus`` A100s.
     Its agent URL is ``svc.silent_url`` unless given (see the ``service`` fixture here)."""
     url = url or svc.silent_url
-    body = {"name": name, "url": url, "inventory": "simulated", "enforcement": "none",
+    body = {"name": name, "url": url, "inventory": "simulated", "enforcement": enforcement,
             "gpus": [{"uuid": f"GPU-{name}-{i}", "name": "NVIDIA A100-SXM4-80GB", "index": i,
                       "memory_total": 80 * GiB, "memory_reserved": 0} for i in range(gpus)], "workers": []}
     status, reply = http(svc, "POST", "/nodes", body, token="agent")
@@ -331,6 +332,19 @@ def test_node_registration_and_heartbeat(service):
     # Registering again with one GPU fewer drops the missing one.
     register(service, "node-r", gpus=1)
     assert [len(n["gpus"]) for n in service.client().pool()["nodes"]] == [1]
+
+
+def test_memory_of_no_worker_and_whole_gpu_nodes_shape_placement(service):
+    register(service, "node-u", gpus=1)
+    register(service, "node-mig", gpus=1, enforcement="mig")
+    status, _ = http(service, "POST", "/nodes/node-u/heartbeat", token="agent", body={
+        "gpus": [{"uuid": "GPU-node-u-0", "memory_used": 75 * GiB, "memory_unattributed": 75 * GiB}]})
+    assert status == 200
+    with pytest.raises(GPUPoolError) as refused:
+        service.client().create_lease(LeaseRequest(fraction=0.25))
+    assert refused.value.extra["reasons"] == {"not enough free memory": 1,
+                                              "whole GPUs only on its node (mig or exclusive enforcement)": 1}
+    assert all_leases(service) == []
 
 
 def test_pool_full_says_why(service):

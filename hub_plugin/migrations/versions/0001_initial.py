@@ -41,6 +41,7 @@ def upgrade() -> None:
         sa.Column("compute_capability", sa.String(20), nullable=True),
         sa.Column("memory_used", sa.BigInteger(), nullable=True),
         sa.Column("utilization", sa.Float(), nullable=True),
+        sa.Column("memory_unattributed", sa.BigInteger(), nullable=True),
         sa.Column("healthy", sa.Boolean(), nullable=False),
     )
     op.create_index("ix_gpus_node_name", "gpus", ["node_name"])
