@@ -23,8 +23,9 @@ TRANSFER_TARGET = "gpupool.transfer"
 
 def ended_message(lease: Lease) -> str:
     """Words for a lease that ended without us asking, e.g. ``lease L-1 was
-    reclaimed: idle for 30m (idle timeout 30m)``."""
-    return f"lease {lease.id} was {lease.state.value}: {lease.reason or 'no reason given'}"
+    reclaimed: idle for 30m (idle timeout 30m)`` or ``lease L-1 failed: ...``."""
+    verb = "failed" if lease.state.value == "failed" else f"was {lease.state.value}"
+    return f"lease {lease.id} {verb}: {lease.reason or 'no reason given'}"
 
 
 class Attachment:
@@ -69,7 +70,11 @@ class Attachment:
         """
         self._check_alive()
         relay = OutputRelay()
-        self.remote.execute(code, relay, _ask_stdin, self._check_alive)
+        self.heartbeat.running(True)
+        try:
+            self.remote.execute(code, relay, _ask_stdin, self._check_alive)
+        finally:
+            self.heartbeat.running(False)
         if relay.error is not None:
             raise remote_error(relay.error)
 

@@ -2,9 +2,11 @@
 
 The service reclaims a lease whose client stops heartbeating (its kernel
 was killed, its host went away) after ``heartbeat_ttl``; this thread renews
-it every third of that. When a heartbeat answers that the lease has ended
-(idle reclaim, admin release, worker death), ``ended`` holds the lease so the
-client can tell the user in words at the next cell, or end a running cell.
+it every third of that, and every ``busy_interval`` seconds while a cell
+runs on the worker, so a lease lost mid-cell (worker died, node gone, admin
+release) ends that cell within seconds. When a heartbeat answers that the
+lease has ended, ``ended`` holds the lease so the client can tell the user
+in words.
 """
 
 from __future__ import annotations
@@ -20,17 +22,25 @@ log = logging.getLogger("gpupool.magics")
 
 
 class Heartbeat(threading.Thread):
-    """Daemon thread renewing ``lease_id`` every ``interval`` seconds until
-    :meth:`stop` or until the lease is seen ended (then ``ended`` is set)."""
+    """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
+    ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
+    the lease is seen ended (then ``ended`` is set)."""
 
-    def __init__(self, client: ServiceClient, lease_id: str, interval: float) -> None:
+    def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
         super().__init__(name=f"gpupool-heartbeat-{lease_id}", daemon=True)
-        self.client, self.lease_id, self.interval = client, lease_id, interval
+        self.client, self.lease_id = client, lease_id
+        self.interval, self.busy_interval = interval, min(busy_interval, interval)
         self.ended: Lease | None = None
-        self._stop_event = threading.Event()
+        self.cell_running = False
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.interval):
+        while not self._stopped.is_set():
+            self._wake.wait(self.busy_interval if self.cell_running else self.interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
             try:
                 lease = self.client.heartbeat(self.lease_id)
             except GPUPoolError as exc:  # service down for a moment: try again next beat
@@ -40,6 +50,13 @@ class Heartbeat(threading.Thread):
                 self.ended = lease
                 return
 
+    def running(self, flag: bool) -> None:
+        """Say whether a cell is running on the worker (beats faster while one is)."""
+        self.cell_running = flag
+        if flag:
+            self._wake.set()
+
     def stop(self) -> None:
         """Stop beating (the lease is being released by us)."""
-        self._stop_event.set()
+        self._stopped.set()
+        self._wake.set()

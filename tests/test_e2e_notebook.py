@@ -218,3 +218,19 @@ def _busy_seen(kc, msg_id: str) -> bool:
     except Exception:  # queue.Empty
         return False
     return msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
+
+
+def test_a_worker_killed_mid_cell_ends_the_cell_with_words(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    worker_pid = _remote(kc, "import os; os.getpid()")
+    lease, = _active_leases(service)
+    msg_id = kc.execute("import time\ntime.sleep(120)")
+    wait_for(lambda: _busy_seen(kc, msg_id), 10, "the long cell started")
+    os.kill(worker_pid, signal.SIGKILL)
+    reply = kc.get_shell_msg(timeout=30)["content"]
+    assert reply["status"] == "error"
+    assert f"lease {lease.id} failed: the worker process was killed by signal 9" in reply["evalue"]
+    assert _active_leases(service) == []
+    assert _remote(kc, "__import__('os').getpid()") != worker_pid, "detached: cells run locally again"
