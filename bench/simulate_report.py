@@ -109,8 +109,8 @@ def sensei_part(data: Path, seed: int, log) -> tuple[str, dict]:
         f"reservation's GPU-hours ({gp.held_gpu_hours:,.0f} vs {res.held_gpu_hours:,.0f}). No policy can do "
         f"better than the busy GPU-hours, which are already {bound:.0%} of reservation's held: "
         "the month's GPU time is dominated by long 4- and 8-GPU cells (busy 155 k GPU-h, of which 1-GPU cells "
-        "are about 2 %), which need whole GPUs under any policy, and a 30-minute cull after each burst adds only "
-        "about a third on top. A ⅓ ratio would need reservation to hold GPUs at ≤ 33 % utilization, e.g. for whole "
+        "are about 2 %), which need whole GPUs under any policy, and reservation's 30-minute cull after each burst adds "
+        f"only {res.held_gpu_hours / res.busy_gpu_hours - 1:.0%} on top. A ⅓ ratio would need reservation to hold GPUs at ≤ 33 % utilization, e.g. for whole "
         f"working days: the variant that holds a notebook's GPUs for its 8-h life uses {day.held_gpu_hours:,.0f} "
         f"GPU-h (gpupool/that = {gp.held_gpu_hours / day.held_gpu_hours:.2f}; sensitivity table below), which is "
         "not the baseline asked for."
@@ -128,8 +128,8 @@ def sensei_part(data: Path, seed: int, log) -> tuple[str, dict]:
         "",
         f"![GPU-hours held]({plots[1]})",
         "",
-        f"**Sensitivity** (pool of {AMPLE} GPUs, where nothing waits): gpupool's idle timeout, a reservation "
-        "that is never culled during the working day, and the number of synthetic users.",
+        f"**Sensitivity** (pool of {AMPLE} GPUs, where neither reservation nor gpupool waits): gpupool's idle timeout, a reservation "
+        "that is never culled during the working day (it does wait on 640 GPUs), and the number of synthetic users.",
         "",
         md_table(NOTEBOOK_HEADERS, notebook_rows([*timeouts, day])),
         "",
@@ -258,8 +258,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr)  # noqa: E731
-    sensei_text, sensei_data = sensei_part(args.data, args.seed, log)
-    openb_text, openb_data = openb_part(args.data, log)
+    sensei_text, _ = sensei_part(args.data, args.seed, log)
+    openb_text, _ = openb_part(args.data, log)
     sizes = ",".join(map(str, SIZES))
     body = "\n".join([
         SECTION,

@@ -5,6 +5,7 @@
     gpupool kernelspec install [--name gpupool] [--url URL] [--token-file F]
     gpupool demo [--keep-state]
     gpupool status [--url URL] [--token T]
+    gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
 every setting, and a config file (``gpupool_config.py`` or the hub's
