@@ -16,6 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[all]"
+	# The JupyterHub tests need configurable-http-proxy (npm, into $(VENV)/chp) and the page
+	# tests Debian's chromium (apt, as root); where either cannot be had they skip, saying why.
+	command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix $(VENV)/chp configurable-http-proxy@4 \
+		|| echo "make: configurable-http-proxy not installed (npm missing or failed): JupyterHub tests will skip"
+	test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "make: chromium not installed (needs root and apt-get): the page tests will skip"
 	touch $(STAMP)
 
 demo: install

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         inventory.close()
         return finish(report, out)
 
-    from gpupool.localpool import start_agent, start_service
+    from gpupool.localpool import run_worker_cell, start_agent, start_service
     from gpupool.schema import LeaseRequest
 
     state = Path(tempfile.mkdtemp(prefix="gpupool-gpu-check-state-"))
@@ -269,13 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         halves = report.step("two 0.5 leases", lambda: [acquire(0.5), acquire(0.5)])
         if halves:
             async def both() -> list[float]:
-                cells = [run_cell(lease.connection, MATMUL.format(seconds=15), 120) for lease in halves]
+                cells = [run_worker_cell(lease.connection, MATMUL.format(seconds=15), 120) for lease in halves]
                 return [float(value(text, "MATMUL")) for text in await asyncio.gather(*cells)]
 
             report.step("matmul loop in both 0.5 leases at once (matmuls/s each)", lambda: asyncio.run(both()))
             if bare is not None:
                 def slice_time() -> dict[str, float]:
-                    seconds = float(value(asyncio.run(run_cell(halves[0].connection, TRAIN, 180)), "STEP"))
+                    seconds = float(value(asyncio.run(run_worker_cell(halves[0].connection, TRAIN, 180)), "STEP"))
                     return {"slice_s_per_step": seconds, "bare_s_per_step": bare,
                             "overhead_percent": round(100 * (seconds - bare) / bare, 2)}
 
@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             beyond = small.memory + 2 * GiB
 
             def cap() -> dict[str, Any]:
-                mine = value(asyncio.run(run_cell(small.connection, ALLOCATE.format(nbytes=beyond), 120)), "ALLOC")
-                theirs = value(asyncio.run(run_cell(neighbour.connection, ALLOCATE.format(nbytes=beyond), 120)),
+                mine = value(asyncio.run(run_worker_cell(small.connection, ALLOCATE.format(nbytes=beyond), 120)), "ALLOC")
+                theirs = value(asyncio.run(run_worker_cell(neighbour.connection, ALLOCATE.format(nbytes=beyond), 120)),
                                "ALLOC")
                 result = {"slice_memory": small.memory, "allocation": beyond, "in_0.25_slice": mine,
                           "in_0.5_neighbour": theirs}
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report.step("memory cap of the 0.25 slice", cap)
             report.step("widening the limit from a child of the 0.25 worker (MPS: should fail)", lambda: value(
-                asyncio.run(run_cell(small.connection, WIDEN.format(code=ALLOCATE.format(nbytes=beyond)), 180)),
+                asyncio.run(run_worker_cell(small.connection, WIDEN.format(code=ALLOCATE.format(nbytes=beyond)), 180)),
                 "WIDEN"))
             report.step("node readings after the checks", lambda: client.pool()["nodes"])
     finally:
@@ -315,27 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         inventory.close()
     return finish(report, out)
 
-
-async def run_cell(connection: dict, code: str, timeout: float) -> str:
-    """Execute ``code`` on a worker like a notebook client; its stdout. Raises
-    RuntimeError with the error when the cell fails."""
-    from jupyter_client import AsyncKernelClient
-
-    client = AsyncKernelClient()
-    client.load_connection_info({**connection, "key": connection["key"].encode()})
-    client.start_channels()
-    out: list[str] = []
-    try:
-        await client.wait_for_ready(timeout=timeout)
-        reply = await client.execute_interactive(
-            code, timeout=timeout,
-            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
-    finally:
-        client.stop_channels()
-        client.context.destroy(linger=0)
-    if reply["content"]["status"] != "ok":
-        raise RuntimeError(f"{reply['content'].get('ename')}: {reply['content'].get('evalue')}")
-    return "".join(out)
 
 
 def finish(report: Report, out: Path) -> int:

@@ -58,7 +58,11 @@ class ServiceClient:
         if params:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method)
+        try:
+            req = urllib.request.Request(url, data=data, method=method)
+        except ValueError:
+            raise GPUPoolError("not_configured", f"{self.url!r} is not a service URL; it should look like "
+                               f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
         req.add_header("Accept", "application/json")
         if data is not None:
             req.add_header("Content-Type", "application/json")
@@ -119,6 +123,28 @@ class ServiceClient:
     def pool(self) -> dict[str, Any]:
         """``GET /pool``: nodes, GPUs and their allocation."""
         return self.request("GET", "/pool")
+
+    # -- quotas and usage -----------------------------------------------------------
+
+    def quota(self) -> dict[str, Any]:
+        """``GET /quota``: the caller's limits and usage."""
+        return self.request("GET", "/quota")
+
+    def admin_quotas(self) -> dict[str, Any]:
+        """``GET /admin/quotas`` (admins): configured, overrides, effective."""
+        return self.request("GET", "/admin/quotas")
+
+    def set_quota(self, scope: str, limits: dict[str, Any]) -> dict[str, Any]:
+        """``PUT /admin/quotas/{scope}`` (admins): merge ``limits`` into the scope's override."""
+        return self.request("PUT", f"/admin/quotas/{_quote(scope)}", limits)
+
+    def clear_quota(self, scope: str) -> dict[str, Any]:
+        """``DELETE /admin/quotas/{scope}`` (admins): back to the configured limits."""
+        return self.request("DELETE", f"/admin/quotas/{_quote(scope)}")
+
+    def admin_usage(self, days: int = 7) -> dict[str, Any]:
+        """``GET /admin/usage`` (admins): GPU-hours per user and group."""
+        return self.request("GET", "/admin/usage", params={"days": days})
 
 
 def _quote(part: str) -> str:

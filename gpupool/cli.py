@@ -5,6 +5,7 @@
     gpupool kernelspec install [--name gpupool] [--url URL] [--token-file F]
     gpupool demo [--keep-state]
     gpupool status [--url URL] [--token T]
+    gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage]
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
@@ -15,23 +16,29 @@ and parse their arguments here.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from .errors import GPUPoolError
 
+#: command -> (module that has its ``main(argv)``, one line for the usage). Imported
+#: only when run, so a notebook host never imports the service or the agent.
 _COMMANDS = {
-    "service": "run the pool service (REST API, scheduler, SQL store)",
-    "agent": "run the node agent: GPU inventory, workers, heartbeats",
-    "kernelspec": "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)",
-    "demo": "start a pool on this machine and run examples/quickstart.ipynb end to end",
-    "status": "show the pool's nodes, GPUs and your leases as a table",
-    "simulate": "replay a workload trace against the scheduler and reclaim rules (capacity planning)",
+    "service": ("gpupool.hub_plugin.app", "run the pool service (REST API, scheduler, SQL store)"),
+    "agent": ("gpupool.provisioner.agent", "run the node agent: GPU inventory, workers, heartbeats"),
+    "kernelspec": ("gpupool.provisioner.kernelspec",
+                   "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)"),
+    "demo": ("gpupool.demo", "start a pool on this machine and run examples/quickstart.ipynb end to end"),
+    "status": ("gpupool.status", "show the pool's nodes, GPUs and your leases as a table"),
+    "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides"),
+    "simulate": ("gpupool.hub_plugin.simulator",
+                 "replay a workload trace against the scheduler and reclaim rules (capacity planning)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: gpupool COMMAND [options]", "", "GPU pooling for Jupyter.", "", "commands:"]
-    lines += [f"  {name:<11} {text}" for name, text in _COMMANDS.items()]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in _COMMANDS.items()]
     lines += ["", "Run 'gpupool COMMAND --help' for a command's options."]
     return "\n".join(lines)
 
@@ -41,40 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
-        return 0
+        return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"gpupool: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
     try:
-        if command == "service":
-            from .hub_plugin.app import main as service_main
-
-            return service_main(rest) or 0
-        if command == "agent":
-            from .provisioner.agent import main as agent_main
-
-            return agent_main(rest) or 0
-        if command == "kernelspec":
-            from .provisioner.kernelspec import main as kernelspec_main
-
-            return kernelspec_main(rest) or 0
-        if command == "demo":
-            from .demo import main as demo_main
-
-            return demo_main(rest) or 0
-        if command == "simulate":
-            from .hub_plugin.simulator import main as simulate_main
-
-            return simulate_main(rest) or 0
-        if command == "status":
-            from .status import main as status_main
-
-            return status_main(rest) or 0
+        return importlib.import_module(_COMMANDS[command][0]).main(rest) or 0
     except GPUPoolError as exc:
         print(f"gpupool {command}: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    print(f"gpupool: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    except BrokenPipeError:  # `gpupool status | head`: the reader left; nothing to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from .errors import GPUPoolError
 from .units import format_bytes
 
 DEFAULT_NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
+#: The demo's own kernelspec, so a user's ``gpupool`` kernelspec is never overwritten; removed at the end.
+KERNEL_NAME = "gpupool-demo"
 
 
 def _say(text: str) -> None:
@@ -94,8 +96,10 @@ def _run(args, state: Path, output: Path, started: list[Any]) -> dict[str, Any]:
     agent = localpool.start_agent(state / "agent-node-1", service, simulate=simulate)
     started.insert(0, agent)
     _say(f"agent node-1 up with {'NVML' if simulate is None else 'simulated ' + simulate} GPUs")
-    subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--url={service.url}",
+    subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--name={KERNEL_NAME}",
+                    "--display-name=Python 3 (gpupool demo)", f"--url={service.url}",
                     f"--token-file={service.state_dir / 'user_token'}"], check=True)
+    started.append(_KernelSpec(KERNEL_NAME))
     phases["start pool"] = time.monotonic() - clock
     phases.update(_execute(args.notebook, output, args.timeout))
     client = service.client()
@@ -129,7 +133,7 @@ def _execute(notebook: Path, output: Path, timeout: float) -> dict[str, float]:
         tag = (cell.metadata.get("tags") or ["other"])[0]
         phases[tag] = phases.get(tag, 0.0) + time.monotonic() - starts.get(cell_index, time.monotonic())
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="gpupool", resources={"metadata": {"path": str(notebook.parent)}},
+    client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL_NAME, resources={"metadata": {"path": str(notebook.parent)}},
                             on_cell_start=on_start, on_cell_executed=on_done)
     try:
         client.execute()
@@ -172,13 +176,26 @@ def _print_summary(summary: dict[str, Any], output: Path) -> None:
     print("\n".join(lines), flush=True)
 
 
+class _KernelSpec:
+    """The demo's kernelspec, as something :func:`_stop_all` removes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def stop(self) -> str:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        KernelSpecManager().remove_kernel_spec(self.name)
+        return "removed"
+
+
 def _stop_all(started: list[Any]) -> bool:
     """Stop agents, then the service; True when nothing was left behind."""
     clean = True
     for process in started:
         try:
             code = process.stop()
-            _say(f"stopped {type(process).__name__.replace('Process', '').lower()} (exit {code})")
+            _say(f"stopped {type(process).__name__.strip('_').replace('Process', '').lower()} ({code})")
         except GPUPoolError as exc:
             _say(f"FAILED: {exc.message}")
             clean = False

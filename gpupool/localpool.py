@@ -165,3 +165,29 @@ def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1
 
     wait_for(registered, timeout, f"gpupool agent {name}", proc, log)
     return AgentProcess(proc, name, f"http://{ip}:{port}", state_dir, log)
+
+
+async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
+    """Execute ``code`` on a worker, given a lease's ``connection`` info, the
+    way a notebook client would; returns its stdout.
+
+    For checks and tests that talk to a worker without a notebook kernel.
+    Raises RuntimeError naming the remote error when the cell fails.
+    """
+    from jupyter_client import AsyncKernelClient
+
+    client = AsyncKernelClient()
+    client.load_connection_info({**connection, "key": connection["key"].encode()})
+    client.start_channels()
+    out: list[str] = []
+    try:
+        await client.wait_for_ready(timeout=timeout)
+        reply = await client.execute_interactive(
+            code, timeout=timeout,
+            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
+    finally:
+        client.stop_channels()
+        client.context.destroy(linger=0)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"{reply['content'].get('ename')}: {reply['content'].get('evalue')}")
+    return "".join(out)

@@ -17,6 +17,12 @@ from typing import Any
 from .errors import bad_request
 
 
+#: The smallest slice: 1% of a GPU (CUDA MPS active-thread percentages are whole percents).
+MIN_FRACTION = 0.01
+#: The smallest memory limit a request may name (the agent works in whole MiB).
+MIN_MEMORY = 1024**2
+
+
 class LeaseState(str, enum.Enum):
     """Lease life cycle: ``queued -> starting -> active -> releasing -> released``,
     with ``failed`` and ``reclaimed`` as other ends (DESIGN.md, Contracts)."""
@@ -90,7 +96,8 @@ class LeaseRequest:
     share of the GPU's usable memory), ``model`` a substring of the GPU name
     (``"A100"``), ``idle_timeout`` seconds (None: the pool's default),
     ``kernel_id`` the notebook kernel that holds the lease (used to release
-    its leases when the kernel stops).
+    its leases when the kernel stops). ``wait`` seconds: when nothing fits
+    now, queue that long (None or 0: refuse at once with 409).
     """
 
     fraction: float = 1.0
@@ -99,8 +106,9 @@ class LeaseRequest:
     model: str | None = None
     idle_timeout: float | None = None
     kernel_id: str | None = None
+    wait: float | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -119,16 +127,24 @@ class LeaseRequest:
             fraction = 1.0
         if not 0 < fraction <= 1:
             raise bad_request(f"'fraction' must be in (0, 1], got {body['fraction']!r}; ask for whole GPUs with 'gpu_count'")
+        if fraction < MIN_FRACTION:
+            raise bad_request(f"'fraction' must be at least {MIN_FRACTION} (1% of a GPU, the smallest CUDA MPS "
+                              f"share), got {body['fraction']!r}")
         if count > 1 and fraction != 1:
             raise bad_request("a request for several GPUs takes whole GPUs: leave 'fraction' out or set it to 1")
         memory = _number(body, "memory")
-        if memory is not None and (memory < 1 or memory != int(memory) or memory > 2**50):
-            raise bad_request(f"'memory' must be a whole number of bytes from 1 to 2**50, got {body['memory']!r}")
+        if memory is not None and (memory < MIN_MEMORY or memory != int(memory) or memory > 2**50):
+            raise bad_request(f"'memory' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50, "
+                              f"got {body['memory']!r}")
         idle = _number(body, "idle_timeout")
         if idle is not None and not 0 < idle <= 366 * 86400:
             raise bad_request(f"'idle_timeout' must be seconds in (0, 31622400], got {body['idle_timeout']!r}")
+        wait = _number(body, "wait")
+        if wait is not None and not 0 <= wait <= 366 * 86400:
+            raise bad_request(f"'wait' must be seconds in [0, 31622400], got {body['wait']!r}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
-                   model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"))
+                   model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
+                   wait=wait or None)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -240,6 +256,11 @@ class Lease:
     connection: dict[str, Any] | None = None
     usage_gpu_seconds: float = 0.0
     events: list[dict[str, Any]] = field(default_factory=list)
+    #: While ``queued``: 1-based place in the queue, a rough wait in seconds
+    #: (None when unknown), and when the request gives up (ISO UTC).
+    queue_position: int | None = None
+    queue_estimate_s: float | None = None
+    wait_until: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":

@@ -20,10 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.url:
         parser.error(f"no service URL: pass --url or set {ENV_URL}")
-    token = args.token_file.read_text().strip() if args.token_file else args.token
+    token = _read_token(args.token_file, parser) if args.token_file else args.token
     client = ServiceClient(args.url, token)
     print(pool_table(client.pool())[0])
     leases = client.list_leases(active=not args.all)
     print()
     print(lease_table(leases)[0] if leases else "no leases")
     return 0
+
+
+def _read_token(path: Path, parser: argparse.ArgumentParser) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        parser.error(f"cannot read the token file {path}: {exc.strerror}")

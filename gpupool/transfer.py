@@ -72,7 +72,11 @@ def describe(items: list[dict[str, Any]]) -> str:
     """``"x (ndarray, 1.0 MiB), y (int, 5 B)"`` for a one-line note."""
     from .units import format_bytes
 
-    return ", ".join(f"{i['name']} ({i['type']}, {format_bytes(i['nbytes'])})" for i in items)
+    return ", ".join(f"{i['name']} ({i['type']}, {format_bytes(i['nbytes'])}{_was_on(i)})" for i in items)
+
+
+def _was_on(item: dict[str, Any]) -> str:
+    return f", was on {item['device']}" if item.get("device") else ""
 
 
 def _type_name(value: Any) -> str:
@@ -84,3 +88,44 @@ def _type_name(value: Any) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+# Packages whose versions decide whether a pickled value loads on the other side.
+KEY_PACKAGES = ("cloudpickle", "numpy", "torch", "pandas", "cupy", "jax")
+
+
+def package_versions() -> dict[str, str]:
+    """``{"python": "3.11.9", "numpy": "2.4.6", ...}`` for this process: the
+    installed version of each of KEY_PACKAGES that is installed (by
+    distribution metadata; nothing is imported)."""
+    import platform
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for name in KEY_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def version_mismatches(here: dict[str, str], there: dict[str, str]) -> list[str]:
+    """Differences that can break moving values, as ``"numpy 2.4.6 here, 1.26.4
+    on the worker"``: Python and packages by major.minor, cloudpickle exactly
+    (it does not promise compatibility across versions). Packages installed
+    on one side only are not listed (a value of them cannot exist on the
+    other side to be sent)."""
+    out = []
+    for name in ("python", *KEY_PACKAGES):
+        mine, theirs = here.get(name), there.get(name)
+        if mine is None or theirs is None:
+            continue
+        same = mine == theirs if name == "cloudpickle" else _minor(mine) == _minor(theirs)
+        if not same:
+            out.append(f"{name} {mine} here, {theirs} on the worker")
+    return out
+
+
+def _minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])

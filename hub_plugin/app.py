@@ -22,6 +22,7 @@ import secrets
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
@@ -39,6 +40,9 @@ from .config import GPUPool
 from .db import Store
 from .handlers import health, leases as lease_handlers, metrics as metric_handlers, nodes as node_handlers
 from .handlers import openapi as openapi_handlers, pool as pool_handlers
+from .handlers import admin_page, hub_events
+from . import hub_service
+from .handlers import admin as admin_handlers, quota as quota_handlers
 from .handlers.base import NotFoundHandler, ServiceContext
 from .leases import LeaseBook
 from .metrics import Metrics
@@ -47,8 +51,8 @@ from .reclaim import Reclaimer
 
 log = logging.getLogger("gpupool.service")
 
-ROUTES = (lease_handlers.routes + node_handlers.routes + pool_handlers.routes + health.routes
-          + openapi_handlers.routes + metric_handlers.routes)
+ROUTES = (hub_events.routes + lease_handlers.routes + node_handlers.routes + pool_handlers.routes + health.routes
+          + openapi_handlers.routes + metric_handlers.routes + quota_handlers.routes + admin_handlers.routes)
 
 
 class ServiceApp(Application):
@@ -105,10 +109,15 @@ class ServiceApp(Application):
         settings = self.settings
         agent_token = _secret_file(state / "agent_token", settings.agent_token)
         user_tokens = dict(settings.api_tokens)
-        if not user_tokens:
-            user = getpass.getuser()
-            user_tokens = {_secret_file(state / "user_token", ""): user}
-            log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
+        web_settings: dict = {}
+        if hub_service.in_jupyterhub(os.environ):
+            authenticator, web_settings = hub_service.authentication(agent_token, settings.base_url)
+        else:
+            if not user_tokens:
+                user = getpass.getuser()
+                user_tokens = {_secret_file(state / "user_token", ""): user}
+                log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
+            authenticator = TokenAuthenticator(user_tokens, settings.admin_users, agent_token)
 
         store = Store(settings.db_url.replace("{state_dir}", str(state)))
         log.info("store: %s", store.describe())
@@ -122,9 +131,9 @@ class ServiceApp(Application):
         agents = AgentClient(agent_token)
         leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused)
         ctx = ServiceContext(settings=settings, leases=leases, metrics=metrics,
-                             authenticator=TokenAuthenticator(user_tokens, settings.admin_users, agent_token),
+                             authenticator=authenticator,
                              nodes=NodeBook(leases, settings.node_heartbeat_interval))
-        app = make_web_app(ctx)
+        app = make_web_app(ctx, **web_settings)
 
         try:
             sockets = bind_sockets(self.port, self.ip)
@@ -172,12 +181,14 @@ def _settings(app: ServiceApp) -> GPUPool:
     return settings
 
 
-def make_web_app(ctx: ServiceContext) -> web.Application:
+def make_web_app(ctx: ServiceContext, **extra: Any) -> web.Application:
     """The tornado application with every route under ``base_url``."""
     prefix = ctx.settings.base_url
-    routes = [(prefix + path.lstrip("/"), handler) for path, handler in ROUTES]
+    # The admin page (and its OAuth callback) exist only under JupyterHub (``hub_auth`` in ``extra``).
+    page = admin_page.routes_for(extra.get("hub_auth"))
+    routes = [(prefix + path.lstrip("/"), handler) for path, handler in [*ROUTES, *page]]
     return web.Application(routes, gpupool=ctx, default_handler_class=NotFoundHandler,
-                           log_function=_log_request)
+                           log_function=_log_request, **extra)
 
 
 def _log_request(handler: web.RequestHandler) -> None:

@@ -2,9 +2,11 @@
 
 The seam: handlers only call ``Authenticator.authenticate(token)`` and look
 at the :class:`Identity`. Standalone mode uses :class:`TokenAuthenticator`
-(``c.GPUPool.api_tokens`` and the agent token); a JupyterHub implementation
-(asking the hub about a user's API token) can subclass
-:class:`Authenticator` without any handler changing.
+(``c.GPUPool.api_tokens`` and the agent token); under JupyterHub
+:class:`HubAuthenticator` asks the hub about a user's API token
+(``HubAuth.user_for_token``) and judges it by its filtered scopes
+(``custom:gpupool:use!user=NAME``), with the user's hub groups. jupyterhub is
+imported only there, so a standalone service does not need it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ AGENT = "agent"
 
 @dataclass(frozen=True)
 class Identity:
-    """A caller: a user (``admin`` or not) or a node agent (``agent``)."""
+    """A caller: a user (``admin`` or not) or a node agent (``agent``).
+
+    ``groups`` are the user's group names (JupyterHub groups under the hub;
+    empty standalone), read by quota resolution.
+    """
 
     name: str
     admin: bool = False
     agent: bool = False
+    groups: tuple[str, ...] = ()
 
 
 class Authenticator:
@@ -81,3 +88,82 @@ def unauthorized() -> GPUPoolError:
 
 def forbidden(message: str) -> GPUPoolError:
     return GPUPoolError("forbidden", message, 403)
+
+
+#: The custom JupyterHub scopes (see :mod:`.hub`): using the pool, and administering it.
+USE_SCOPE = "custom:gpupool:use"
+ADMIN_SCOPE = "custom:gpupool:admin"
+
+
+def identity_from_hub_model(model: dict) -> Identity:
+    """An :class:`Identity` from a JupyterHub user model (``GET /hub/api/user``
+    with the caller's token), judged by the scopes that token holds.
+
+    The token must hold ``custom:gpupool:use!user=NAME`` (the filtered form a
+    single-user server token gets), ``custom:gpupool:use`` or
+    ``custom:gpupool:admin``; else 403 naming the scope. Admin means the
+    unfiltered ``custom:gpupool:admin``. Groups come from the model (the hub
+    always includes them on this "identify" endpoint). Raises GPUPoolError
+    403 for a model that is not a user's (a service token).
+    """
+    from jupyterhub.services.auth import check_scopes
+
+    if model.get("kind", "user") != "user":
+        raise forbidden(f"JupyterHub {model.get('kind')} {model.get('name')!r} is not a user; "
+                        "only users' tokens may call the gpupool service")
+    name = model["name"]
+    scopes = set(model.get("scopes") or ())
+    admin = bool(check_scopes({ADMIN_SCOPE}, scopes))
+    if not admin and not check_scopes({f"{USE_SCOPE}!user={name}"}, scopes):
+        raise forbidden(f"this token of {name} lacks the scope {USE_SCOPE}!user={name}; an admin grants it "
+                        "with gpupool.hub_plugin.hub.configure(c, ...) in jupyterhub_config.py (and the "
+                        "server must be restarted to get a new token)")
+    return Identity(name, admin=admin, groups=tuple(sorted(model.get("groups") or ())))
+
+
+class HubAuthenticator(Authenticator):
+    """Users as JupyterHub knows them (the service runs as a hub service).
+
+    ``hub_auth`` is a ``jupyterhub.services.auth.HubAuth`` (its API URL and
+    token come from the ``JUPYTERHUB_*`` environment the hub gives a managed
+    service); user tokens are resolved with ``user_for_token`` (cached by
+    HubAuth for ``cache_max_age`` seconds). ``agent_token`` is still the node
+    agents' own token. ``hub_token`` is the service's own hub API token, which
+    only the hub's ``post_stop_hook`` sends: it is no user, so
+    :meth:`authenticate` gives None for it and :meth:`is_hub` tells it apart.
+    Raises GPUPoolError 503 when the hub cannot be asked.
+    """
+
+    def __init__(self, hub_auth, agent_token: str) -> None:
+        if not agent_token:
+            raise ValueError("an agent token is required")
+        self.hub_auth = hub_auth
+        self._agent_token = agent_token
+
+    def is_hub(self, token: str) -> bool:
+        """Whether ``token`` is this service's own hub API token (constant time)."""
+        own = self.hub_auth.api_token or ""
+        return bool(own) and hmac.compare_digest(token.encode(), own.encode())
+
+    async def authenticate(self, token: str) -> Identity | None:
+        if hmac.compare_digest(token.encode(), self._agent_token.encode()):
+            return Identity(AGENT, agent=True)
+        if self.is_hub(token):
+            return None
+        from tornado.web import HTTPError
+
+        try:
+            model = await self.hub_auth.user_for_token(token, sync=False)
+        except HTTPError as exc:  # HubAuth's own failures: hub down, or it refused our token
+            raise GPUPoolError("hub_unavailable", f"cannot check the token with JupyterHub at "
+                               f"{self.hub_auth.api_url} ({exc.log_message}); try again shortly", 503) from None
+        if not model:
+            return None
+        return identity_from_hub_model(model)
+
+
+def in_jupyterhub(environ: dict[str, str]) -> bool:
+    """Whether the service runs as a JupyterHub service: the hub gave it an API
+    URL and token, and a service name (which a single-user server's terminal,
+    where someone may start a standalone pool, does not have)."""
+    return all(environ.get(key) for key in ("JUPYTERHUB_API_TOKEN", "JUPYTERHUB_API_URL", "JUPYTERHUB_SERVICE_NAME"))

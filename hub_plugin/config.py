@@ -8,7 +8,7 @@ through :mod:`gpupool.traits`; the value stored is seconds or bytes.
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Set, Unicode, validate
+from traitlets import Bool, Dict, List, Set, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -118,6 +118,60 @@ class GPUPool(Configurable):
         "/",
         help="""URL prefix the service is served under; under JupyterHub this is
         the service prefix. Default: ``/``. ``c.GPUPool.base_url = "/services/gpupool/"``.""",
+    ).tag(config=True)
+
+    quotas = Dict(
+        help="""Limits per user, per group and a default; see ``gpupool/hub_plugin/quotas.py``
+        and docs/api.md ("Quotas"). Keys are ``"*"``, ``"group:NAME"`` and ``"user:NAME"``;
+        values dicts of ``max_gpus`` (GPUs held at once, sum of fractions), ``max_lease_gpus``
+        (size of one lease), ``gpu_hours_per_day``, ``gpu_hours_per_week`` (hours, or
+        ``"90m"``), ``max_idle_timeout`` (seconds or ``"2h"``); ``None`` means unlimited.
+        A user's own entry beats their groups', the most generous group beats the
+        default. Admins may override entries at run time (``gpupool quota set``).
+        Default: no limits.
+        ``c.GPUPool.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8},
+        "group:quants": {"max_gpus": 4}, "user:ann": {"max_idle_timeout": "4h"}}``.""",
+    ).tag(config=True)
+
+    @validate("quotas")
+    def _read_quotas(self, proposal):
+        from .quotas import parse_table
+
+        try:
+            return parse_table(proposal["value"])
+        except ValueError as exc:
+            raise TraitError(f"c.GPUPool.quotas: {exc}") from None
+
+    groups = Dict(
+        key_trait=Unicode(), value_trait=List(Unicode()),
+        help="""Standalone group membership, group name -> user names, for quotas.
+        Under JupyterHub the hub's groups are used, and these are added to them.
+        Default: none. ``c.GPUPool.groups = {"quants": ["ann", "bob"]}``.""",
+    ).tag(config=True)
+
+    usage_timezone = Unicode(
+        "UTC",
+        help="""IANA time zone in which usage days and weeks (Monday first) are counted
+        for ``gpu_hours_per_day`` / ``gpu_hours_per_week``; times are stored as UTC.
+        Default: ``UTC``. ``c.GPUPool.usage_timezone = "Europe/Berlin"``.""",
+    ).tag(config=True)
+
+    @validate("usage_timezone")
+    def _known_zone(self, proposal):
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(proposal["value"])
+        except (ZoneInfoNotFoundError, ValueError):
+            raise TraitError(f"c.GPUPool.usage_timezone: unknown time zone {proposal['value']!r}; "
+                             "use an IANA name such as 'UTC' or 'Europe/Berlin'") from None
+        return proposal["value"]
+
+    max_wait = Duration(
+        3600.0,
+        help="""Longest ``wait`` (seconds) a lease request may ask for: a request that
+        does not fit waits in the queue that long, then ends ``failed``. A longer wait is
+        refused with 400. Default: 1 hour. ``c.GPUPool.max_wait = "4h"``.""",
     ).tag(config=True)
 
     @validate("base_url")

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import create_engine, event, select, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,6 +34,8 @@ from gpupool.errors import GPUPoolError
 from .models import GPU
 
 log = logging.getLogger("gpupool.service.db")
+#: Key of the PostgreSQL advisory lock that serializes capacity decisions ("gpupool" in ASCII).
+CAPACITY_LOCK_KEY = 0x677075706F6F6C
 
 #: Seconds a transaction waits for another one's lock before giving up with 503.
 #: Short on purpose: the service runs its SQL on the event loop thread.
@@ -81,6 +83,10 @@ class Store:
             # Begin now: BEGIN IMMEDIATE takes the database's write lock.
             session.connection()
         else:
+            # One transaction-scoped advisory lock serializes every capacity and
+            # quota decision, also when there are no GPU rows to lock (a queued
+            # request in an empty pool); the row locks keep heartbeats' GPU updates ordered.
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CAPACITY_LOCK_KEY})
             session.execute(select(GPU.uuid).order_by(GPU.uuid).with_for_update()).all()
 
     def migrate(self) -> None:

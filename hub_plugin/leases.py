@@ -25,23 +25,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Callable, Coroutine, Iterator
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import LeaseRequest, LeaseState, utcnow
+from gpupool.schema import LeaseRequest, LeaseState, isoformat, utcnow
 from gpupool.units import format_duration
 
+from . import queue as wait_queue, usage
 from .agent_client import AgentClient
 from .auth import Identity
 from .capacity import HOLDING, gpu_states
 from .config import GPUPool
 from .db import Store
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
-from .scheduler import Demand, Refusal, place
+from .quota_book import QuotaBook
+from .scheduler import Demand, Placement, Refusal, place
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -51,6 +53,9 @@ log = logging.getLogger("gpupool.service.leases")
 MAX_WAIT_S = 60.0
 #: Most leases ``GET /leases`` returns (the newest).
 LIST_LIMIT = 500
+#: Ended leases whose lengths feed the queue's wait estimate.
+ESTIMATE_SAMPLE = 50
+QUEUED = LeaseState.queued.value
 
 
 class LeaseBook:
@@ -71,13 +76,15 @@ class LeaseBook:
         self.watch = LeaseWatch()
         self._on_refusal = on_refusal
         self._tasks: set[asyncio.Task] = set()
+        # A lambda, so a clock replaced on this book is the quotas' clock too.
+        self.quotas = QuotaBook(settings, lambda: self.now())
 
     # -- reading ---------------------------------------------------------------
 
     def get(self, who: Identity, lease_id: str) -> dict[str, Any]:
         """The lease as ``who`` may see it. 404 when it is someone else's."""
         with self.store.read() as session:
-            return self._json(self._visible(session, who, lease_id), who)
+            return self._json(self._visible(session, who, lease_id), who, session)
 
     async def wait(self, who: Identity, lease_id: str, state: str | None, seconds: float) -> dict[str, Any]:
         """Long poll: the lease once it is no longer in ``state`` (default: the
@@ -99,59 +106,99 @@ class LeaseBook:
 
     def list(self, who: Identity, *, active: bool = True, kernel_id: str | None = None) -> list[dict[str, Any]]:
         """``who``'s own leases, oldest first (at most the newest 500);
-        ``active``: only those holding capacity; ``kernel_id``: only that kernel's."""
+        ``active``: only those holding capacity or queued; ``kernel_id``: only that kernel's."""
         query = select(Lease).where(Lease.owner == who.name)
         if active:
-            query = query.where(Lease.state.in_(HOLDING))
+            query = query.where(Lease.state.in_((*HOLDING, QUEUED)))
         if kernel_id:
             query = query.where(Lease.kernel_id == kernel_id)
         query = query.options(selectinload(Lease.gpus), selectinload(Lease.events))
         with self.store.read() as session:
             rows = session.scalars(query.order_by(Lease.created_at.desc()).limit(LIST_LIMIT)).all()
-            return [self._json(lease, who) for lease in reversed(rows)]
+            return [self._json(lease, who, session) for lease in reversed(rows)]
 
     # -- creating --------------------------------------------------------------
 
     def create(self, who: Identity, body: Any) -> dict[str, Any]:
-        """Validate ``body`` (a ``LeaseRequest``), place it and reserve the
-        capacity in one transaction, and start the worker in the background.
+        """Validate ``body`` (a ``LeaseRequest``), check the quota, place it and
+        reserve the capacity in one transaction, and start the worker in the background.
 
-        Returns the lease JSON (state ``starting``). Raises 400 ``bad_request``
-        for bad input and 409 ``pool_full`` (with ``reasons``) when nothing fits.
+        Returns the lease JSON: state ``starting``, or ``queued`` when nothing
+        fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
+        input, 429 ``quota_exceeded`` (with ``limit``) over a quota, and 409
+        ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
         request = LeaseRequest.from_json(body)
-        idle_timeout = self._idle_timeout(request.idle_timeout)
+        wait = self._wait(request.wait)
         demand = Demand(request.fraction, request.gpu_count, request.memory, request.model)
+        groups = self.quotas.groups_of(who)
         now = self.now()
         with self.writing() as session:
+            # The lock comes first: the quota check and the placement below
+            # then see every lease committed before, and no other decision interleaves.
             self.store.lock_capacity(session)
+            limits = self.quotas.limits(session, who.name, groups)
+            idle_timeout = self._idle_timeout(request.idle_timeout, limits.max_idle_timeout)
+            try:
+                self.quotas.enforce(session, who.name, limits, request.fraction * request.gpu_count, now)
+            except GPUPoolError as exc:
+                if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
+                    self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
+                raise
             decision = place(demand, gpu_states(session, self.settings.context_overhead))
-            if isinstance(decision, Refusal):
+            if isinstance(decision, Refusal) and not wait:
                 self._refused(who, decision)
-            gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
-            lease = Lease(id=new_lease_id(), owner=who.name, fraction=decision.fraction, gpu_count=request.gpu_count,
-                          memory=decision.memory, node_name=decision.node, kernel_id=request.kernel_id,
+            lease = Lease(id=new_lease_id(), owner=who.name, fraction=request.fraction,
+                          gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
-                          created_at=now, usage_gpu_seconds=0.0)
-            lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
-            where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
-            _transition(session, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
-            session.add(lease)
+                          created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
+                          requested_memory=request.memory)
+            if isinstance(decision, Placement):
+                where = self._assign(session, lease, decision, now)
+            else:
+                lease.wait_until = now + timedelta(seconds=wait)
+                where = "the queue"
+                _transition(session, lease, LeaseState.queued,
+                            f"waiting up to {format_duration(wait)}: {decision.message}", now)
+                if self._on_refusal is not None:
+                    self._on_refusal(decision.reasons)
+            session.add(lease)  # only now: _assign's query would flush a lease without a state
             session.flush()
-            result = self._json(lease, who)
-        log.info("lease %s created for %s: %s on %s %s", lease.id, who.name, demand.describe(),
-                 decision.node, where)
-        self.spawn(self._start(lease.id))
+            result = self._json(lease, who, session)
+        log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
+        if isinstance(decision, Placement):
+            self.spawn(self._start(lease.id))
         return result
 
-    def _idle_timeout(self, asked: float | None) -> float:
+    def _assign(self, session: Session, lease: Lease, decision: Placement, now: datetime) -> str:
+        """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
+        gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
+        lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
+        lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
+        where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
+        _transition(session, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
+        return f"{decision.node} {where}"
+
+    def _wait(self, asked: float | None) -> float:
+        """Seconds a request may queue (0: not at all); 400 above ``c.GPUPool.max_wait``."""
+        if not asked:
+            return 0.0
+        if asked > self.settings.max_wait:
+            raise bad_request(f"wait {format_duration(asked)} is above this pool's maximum of "
+                              f"{format_duration(self.settings.max_wait)}; ask for less "
+                              "(an admin can raise c.GPUPool.max_wait)", max_wait=self.settings.max_wait)
+        return asked
+
+    def _idle_timeout(self, asked: float | None, most: float | None) -> float:
+        """The lease's idle timeout: ``asked``, or the pool's default capped at
+        ``most`` (the user's quota, by default ``c.GPUPool.max_idle_timeout``)."""
         if asked is None:
-            return self.settings.idle_timeout
-        if asked > self.settings.max_idle_timeout:
+            return self.settings.idle_timeout if most is None else min(self.settings.idle_timeout, most)
+        if most is not None and asked > most:
             raise bad_request(f"idle_timeout {format_duration(asked)} is above this pool's maximum of "
-                              f"{format_duration(self.settings.max_idle_timeout)}; ask for less "
-                              "(an admin can raise c.GPUPool.max_idle_timeout)",
-                              max_idle_timeout=self.settings.max_idle_timeout)
+                              f"{format_duration(most)}; ask for less (an admin can raise "
+                              "c.GPUPool.max_idle_timeout, or max_idle_timeout in your quota)",
+                              max_idle_timeout=most)
         return asked
 
     def _refused(self, who: Identity, refusal: Refusal) -> None:
@@ -254,21 +301,90 @@ class LeaseBook:
         self._finish(lease_id)
 
     def _finish(self, lease_id: str) -> None:
-        """``releasing`` -> its final state; records ``ended_at`` and usage once."""
+        """``releasing`` -> its final state; records ``ended_at`` and usage
+        (the ledger record) once, and places queued requests on what it freed,
+        all in one transaction."""
         now = self.now()
         with self.writing() as session:
+            self.store.lock_capacity(session)  # the queue is drained below
             lease = session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.releasing.value:
                 return
             final = LeaseState(lease.end_state or LeaseState.released.value)
             lease.ended_at = now
             held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
-            lease.usage_gpu_seconds = lease.fraction * lease.gpu_count * max(0.0, held)
+            lease.usage_gpu_seconds = usage.close(session, lease, now)
             lease.connection = None  # the worker and its key are gone
             _transition(session, lease, final, lease.reason, now)
-            usage = lease.usage_gpu_seconds
+            used = lease.usage_gpu_seconds
+            placed = self._drain(session, now)
         log.info("lease %s %s after %s (%.1f GPU-seconds): %s", lease_id, final.value,
-                 format_duration(held), usage, lease.reason)
+                 format_duration(held), used, lease.reason)
+        self._start_all(placed)
+
+    # -- the queue -------------------------------------------------------------------------
+
+    def drain_queue(self) -> list[str]:
+        """Place queued requests that fit now (the reclaim sweep and node
+        registrations call this; releases drain in their own transaction).
+        Returns the ids placed."""
+        with self.store.read() as session:
+            if session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is None:
+                return []
+        with self.writing() as session:
+            self.store.lock_capacity(session)
+            placed = self._drain(session, self.now())
+        self._start_all(placed)
+        return placed
+
+    def _drain(self, session: Session, now: datetime) -> list[str]:
+        """Within a write transaction holding the capacity lock: place what
+        :func:`.queue.drain` picks (its docstring has the fairness rule)."""
+        rows = {lease.id: lease for lease in session.scalars(
+            select(Lease).where(Lease.state == QUEUED).options(selectinload(Lease.gpus), selectinload(Lease.events)))
+            if lease.wait_until is None or lease.wait_until > now}
+        if not rows:
+            return []
+        waiting = [_waiting(lease) for lease in rows.values()]
+        last = usage.last_used(session, [w.owner for w in waiting], now)
+        placed = []
+        for item, decision in wait_queue.drain(waiting, gpu_states(session, self.settings.context_overhead),
+                                               last, now):
+            where = self._assign(session, rows[item.lease_id], decision, now)
+            log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
+            placed.append(item.lease_id)
+        return placed
+
+    def _start_all(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            self.spawn(self._start(lease_id))
+
+    def expire_queue(self) -> list[str]:
+        """End ``failed`` every queued request whose ``wait`` has passed; returns their ids."""
+        now = self.now()
+        with self.store.read() as session:
+            due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
+            reasons = {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
+                                  f"queue for {_waiting(lease).demand.describe()} and nothing fitting became free "
+                                  "(ask again, or with a longer --wait)") for lease in due}
+        for lease_id, reason in reasons.items():
+            self.spawn(self.release(lease_id, LeaseState.failed, reason, only_if=_still_queued))
+        return list(reasons)
+
+    def _queue_info(self, session: Session, lease: Lease) -> tuple[int | None, float | None]:
+        """``(queue_position, queue_estimate_s)`` of a queued lease."""
+        queued = session.scalars(select(Lease).where(Lease.state == QUEUED)).all()
+        waiting = [_waiting(x) for x in queued]
+        place_in_line = wait_queue.position(lease.id, waiting,
+                                            usage.last_used(session, [w.owner for w in waiting], self.now()))
+        if place_in_line is None:
+            return None, None
+        recent = session.execute(select(Lease.started_at, Lease.ended_at)
+                                 .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
+                                 .order_by(Lease.ended_at.desc()).limit(ESTIMATE_SAMPLE)).all()
+        holding = session.scalar(select(func.count()).select_from(Lease).where(Lease.state.in_(HOLDING))) or 0
+        lengths = [(end - start).total_seconds() for start, end in recent]
+        return place_in_line, wait_queue.estimate(place_in_line, lengths, holding)
 
     async def _stop_worker(self, url: str, lease_id: str) -> None:
         try:
@@ -296,7 +412,13 @@ class LeaseBook:
     def resume(self) -> None:
         """Pick up what a previous run left half-done: start the workers of
         ``starting`` leases (agents start idempotently per lease) and finish
-        ``releasing`` ones."""
+        ``releasing`` ones. Clients and agents could not reach a stopped
+        service, so their heartbeat clocks restart now: an outage longer than
+        the heartbeat TTL must not reclaim every healthy lease."""
+        now = self.now()
+        with self.writing() as session:
+            session.execute(update(Lease).where(Lease.state == LeaseState.active.value).values(last_heartbeat_at=now))
+            session.execute(update(Node).where(Node.state == "up").values(last_heartbeat_at=now))
         unfinished = [LeaseState.starting.value, LeaseState.releasing.value]
         with self.store.read() as session:
             rows = session.execute(select(Lease.id, Lease.state).where(Lease.state.in_(unfinished))).all()
@@ -354,9 +476,26 @@ class LeaseBook:
             raise not_found(f"lease {lease_id}")
         return lease
 
-    @staticmethod
-    def _json(lease: Lease, who: Identity) -> dict[str, Any]:
-        return lease_json(lease, for_owner=lease.owner == who.name)
+    def _json(self, lease: Lease, who: Identity, session: Session | None = None) -> dict[str, Any]:
+        """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
+        queued (needs ``session``) and ``wait_until``."""
+        body = lease_json(lease, for_owner=lease.owner == who.name)
+        body["queue_position"] = body["queue_estimate_s"] = None
+        body["wait_until"] = isoformat(lease.wait_until)
+        if lease.state == QUEUED and session is not None:
+            body["queue_position"], body["queue_estimate_s"] = self._queue_info(session, lease)
+        return body
+
+
+def _waiting(lease: Lease) -> wait_queue.Waiting:
+    return wait_queue.Waiting(lease.id, lease.owner,
+                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model),
+                              lease.created_at)
+
+
+def _still_queued(lease: Lease, now: datetime) -> bool:
+    # Re-checked under the write lock: the request may have been placed since the sweep read it.
+    return lease.state == QUEUED and lease.wait_until is not None and lease.wait_until <= now
 
 
 def _transition(session: Session, lease: Lease, state: LeaseState, reason: str | None, at: datetime) -> None:

@@ -118,6 +118,14 @@ class Lease(Base):
     worker_state: Mapped[str | None] = mapped_column(String(10))
     connection: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     usage_gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    # Added by revision 0002 (quotas, usage and the queue):
+    #: The owner's groups when the lease was asked for (usage per group).
+    groups: Mapped[list[str] | None] = mapped_column(JSON)
+    #: What a queued request asked for, kept until it is placed.
+    model: Mapped[str | None] = mapped_column(String(200))
+    requested_memory: Mapped[int | None] = mapped_column(BigInteger)
+    #: A queued request that is still queued at this time ends ``failed``.
+    wait_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")
@@ -151,3 +159,34 @@ class LeaseEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
 
     lease: Mapped[Lease] = relationship(back_populates="events")
+
+
+class UsageRecord(Base):
+    """The usage ledger: one row per lease, written once when it ends
+    (:mod:`.usage`). ``gpus`` is fraction x GPU count; ``gpu_seconds`` is
+    ``gpus`` x seconds from ``started_at`` to ``ended_at``; ``groups`` the
+    owner's groups when the lease was asked for."""
+
+    __tablename__ = "usage_ledger"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[str] = mapped_column(String(20), unique=True)
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    groups: Mapped[list[str] | None] = mapped_column(JSON)
+    gpus: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+
+
+class QuotaOverride(Base):
+    """A quota set at run time (admin API, ``gpupool quota set``) for one
+    scope (``*``, ``group:NAME``, ``user:NAME``): ``limits`` are merged over
+    ``c.GPUPool.quotas[scope]``, limit by limit (:mod:`.quotas`)."""
+
+    __tablename__ = "quota_overrides"
+
+    scope: Mapped[str] = mapped_column(String(210), primary_key=True)
+    limits: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_by: Mapped[str] = mapped_column(String(200))

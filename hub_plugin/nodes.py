@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import bad_request, not_found
+from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import GPUInfo, LeaseState, WorkerReport, parse_time
 
 from .leases import LeaseBook
@@ -62,6 +62,8 @@ class NodeBook:
             if node is None:
                 node = Node(name=name)
                 session.add(node)
+            else:
+                _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
             node.url, node.inventory, node.enforcement = url, inventory, enforcement
             node.state, node.registered_at, node.last_heartbeat_at = "up", now, now
             self._upsert_gpus(session, node, infos, healthy)
@@ -152,6 +154,16 @@ class NodeBook:
         for lease_id, reason in dead:
             log.info("lease %s: %s", lease_id, reason)
             self.leases.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
+
+
+def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -> None:
+    """409 when another agent, at another URL, still heartbeats under this name:
+    a second agent must not take over a live node's name (and its GPUs)."""
+    last = node.last_heartbeat_at
+    if node.state == "up" and node.url != url and last is not None and (now - last).total_seconds() < node_ttl:
+        raise GPUPoolError("node_name_taken", f"node name {node.name!r} belongs to the live agent at {node.url}; "
+                           "give this agent another --name (or stop that agent and wait "
+                           f"{node_ttl:.0f}s, c.GPUPool.node_ttl)", 409)
 
 
 def death_reason(exit_code: int | None) -> str:

@@ -22,7 +22,8 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     words = {400: "bad input; nothing changed", 401: "missing or unknown token",
              403: "this token may not call this endpoint", 404: "not found (or not yours)",
-             409: "the pool cannot take the request now", 503: "the store is busy or down; retry"}
+             409: "the pool cannot take the request now",
+             429: "over your quota (quota_exceeded; `limit` names which)", 503: "the store is busy or down; retry"}
     return {str(code): _json(_ref("Error"), words[code]) for code in codes}
 
 
@@ -55,7 +56,9 @@ _SCHEMAS: dict[str, Any] = {
         "memory": {"type": "integer", "minimum": 1, "description": "bytes per GPU"},
         "model": {"type": "string", "description": "substring of the GPU name, e.g. A100"},
         "idle_timeout": {"type": "number", "description": "seconds"},
-        "kernel_id": {"type": "string"}}},
+        "kernel_id": {"type": "string"},
+        "wait": {"type": "number", "minimum": 0, "description": "seconds to queue when nothing fits "
+                 "(at most c.GPUPool.max_wait); 0 or absent: 409 at once"}}},
     "Lease": {"type": "object", "required": ["id", "owner", "state", "fraction", "gpu_count", "memory"], "properties": {
         "id": {"type": "string"}, "owner": {"type": "string"},
         "state": {"enum": [s.value for s in LeaseState]}, "reason": {"type": ["string", "null"]},
@@ -72,7 +75,15 @@ _SCHEMAS: dict[str, Any] = {
         "usage_gpu_seconds": {"type": "number"},
         "events": {"type": "array", "items": {"type": "object", "properties": {
             "state": {"type": "string"}, "at": {"type": "string", "format": "date-time"},
-            "reason": {"type": ["string", "null"]}}}}}},
+            "reason": {"type": ["string", "null"]}}}},
+        "queue_position": {"type": ["integer", "null"], "description": "while queued: 1-based place in line"},
+        "queue_estimate_s": {"type": ["number", "null"], "description": "while queued: rough wait, seconds"},
+        "wait_until": _NULLABLE_TIME}},
+    "Limits": {"type": "object", "description": "null: unlimited", "properties": {
+        "max_gpus": {"type": ["number", "null"], "description": "GPUs held or queued at once (sum of fractions)"},
+        "max_lease_gpus": {"type": ["number", "null"], "description": "fraction x count of one lease"},
+        "gpu_hours_per_day": {"type": ["number", "null"]}, "gpu_hours_per_week": {"type": ["number", "null"]},
+        "max_idle_timeout": {"type": ["number", "null"], "description": "seconds"}}},
     "GPUInfo": {"type": "object", "required": ["uuid", "name", "index", "memory_total"], "properties": {
         "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"},
         "memory_total": {"type": "integer"}, "memory_reserved": {"type": "integer"},
@@ -89,7 +100,7 @@ _PATHS: dict[str, Any] = {
     "/leases": {
         "post": _op("Ask for a slice or whole GPUs; the capacity is reserved in the same transaction",
                     _json(_ref("Lease"), "the new lease, state starting"), body=_ref("LeaseRequest"),
-                    errors=(400, 401, 403, 409, 503), ok_code=201),
+                    errors=(400, 401, 403, 409, 429, 503), ok_code=201),
         "get": _op("Your own leases", _json({"type": "object", "properties": {
             "leases": {"type": "array", "items": _ref("Lease")}}}, "your leases, oldest first"),
             errors=(400, 401, 403), params=[
@@ -140,6 +151,34 @@ _PATHS: dict[str, Any] = {
                     "memory_unattributed": {"type": ["integer", "null"]},
                     "utilization": {"type": ["number", "null"]}, "healthy": {"type": "boolean"}}}}}},
             errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),
+    },
+    "/quota": {
+        "get": _op("Your limits and usage", _json({"type": "object", "properties": {
+            "user": {"type": "string"}, "groups": {"type": "array", "items": {"type": "string"}},
+            "limits": _ref("Limits"), "usage": {"type": "object", "properties": {
+                "holding_gpus": {"type": "number"}, "today_gpu_hours": {"type": "number"},
+                "week_gpu_hours": {"type": "number"}, "day_resets_at": {"type": "string", "format": "date-time"},
+                "week_resets_at": {"type": "string", "format": "date-time"}, "timezone": {"type": "string"}}}}},
+            "limits and usage"), errors=(401, 403)),
+    },
+    "/admin/quotas": {
+        "get": _op("Quota tables: configured, overrides, effective (admins)", _json({"type": "object", "properties": {
+            "configured": {"type": "object"}, "overrides": {"type": "object"}, "effective": {"type": "object"}}},
+            "the tables"), errors=(401, 403)),
+    },
+    "/admin/quotas/{scope}": {
+        "put": _op("Set limits of a scope at run time (merged into its override; kept in SQL)",
+                   _json({"type": "object"}, "the scope's override"), body=_ref("Limits"),
+                   errors=(400, 401, 403, 503), params=[_param("scope", "path", {"type": "string"},
+                                                               "'*', 'group:NAME' or 'user:NAME'")]),
+        "delete": _op("Remove a scope's override", _json({"type": "object"}, "removed"), errors=(401, 403, 404),
+                      params=[_param("scope", "path", {"type": "string"}, "'*', 'group:NAME' or 'user:NAME'")]),
+    },
+    "/admin/usage": {
+        "get": _op("GPU-hours per user and group: today, this week, per day (admins)",
+                   _json({"type": "object"}, "usage"), errors=(400, 401, 403), params=[
+                       _param("days", "query", {"type": "integer", "minimum": 1, "maximum": 92, "default": 7},
+                              "days of daily_gpu_hours")]),
     },
     "/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), errors=(),
                                  security=False)},

@@ -133,6 +133,10 @@ class Reclaimer:
         for decision in decisions:
             self.leases.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
                                                   only_if=still_due))
+        # The queue: give up on requests whose wait has passed, and place what
+        # fits (capacity may have come from a node, not only from a release).
+        self.leases.expire_queue()
+        self.leases.drain_queue()
         return decisions
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:

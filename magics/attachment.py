@@ -7,7 +7,9 @@ magics hold at most one; everything that talks to the worker goes through it.
 from __future__ import annotations
 
 import getpass
-from typing import Any
+import logging
+import threading
+from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
@@ -15,10 +17,12 @@ from gpupool.schema import Lease
 from gpupool.transfer import dump_values, load_values
 
 from .heartbeat import Heartbeat
+from .park import Parked, park, park_due
 from .relay import OutputRelay, remote_error
 from .remote import RemoteKernel
 
 TRANSFER_TARGET = "gpupool.transfer"
+log = logging.getLogger("gpupool.magics")
 
 
 def ended_message(lease: Lease) -> str:
@@ -34,6 +38,32 @@ class Attachment:
 
     def __init__(self, client: ServiceClient, lease: Lease, remote: RemoteKernel, heartbeat: Heartbeat) -> None:
         self.client, self.lease, self.remote, self.heartbeat = client, lease, remote, heartbeat
+        # Held by the main thread while it talks to the worker; the heartbeat thread
+        # parks only when it can take it without waiting.
+        self.lock = threading.Lock()
+        self.parked: Parked | None = None
+
+    def park_when_idle(self, ahead: float, max_bytes: int | None,
+                       take: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
+        """Park (see :mod:`gpupool.magics.park`) ``ahead`` seconds before the
+        service would reclaim this lease for idleness; ``take(values, items)``
+        receives the variables (called on the heartbeat thread)."""
+        def on_beat(lease: Lease) -> bool:
+            if not park_due(lease, ahead, self.heartbeat.interval) or not self.lock.acquire(blocking=False):
+                return False
+            try:
+                self.parked = park(self.lease, max_bytes, take, self._release_lease, TRANSFER_TARGET)
+            except GPUPoolError as exc:
+                log.warning("could not park %s: %s", self.lease.id, exc.message)
+                return False
+            finally:
+                self.lock.release()
+            return True
+
+        self.heartbeat.on_beat = on_beat
+
+    def _release_lease(self, lease_id: str, reason: str) -> Lease:
+        return self.client.release(lease_id, reason=reason)
 
     @classmethod
     def connect(cls, client: ServiceClient, lease: Lease, timeout: float = 30.0) -> "Attachment":
@@ -60,43 +90,73 @@ class Attachment:
     def _check_alive(self) -> None:
         if self.heartbeat.ended is not None:
             raise GPUPoolError("lease_lost", ended_message(self.heartbeat.ended), 410)
+        if self.parked is not None:  # parked between the magic's check and now: rare, say it plainly
+            raise GPUPoolError("lease_lost", f"lease {self.lease.id} was just parked after idle; "
+                               "run the cell again to resume on a new slice", 410)
 
-    def run_cell(self, code: str) -> None:
+    def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:
         """Run ``code`` on the worker with its outputs in the current cell.
 
         Raises a :class:`~gpupool.magics.relay.RemoteError` subclass when the
         remote cell failed, GPUPoolError ``lease_lost`` when the lease ended
         while the cell ran, KeyboardInterrupt when interrupted.
         """
-        self._check_alive()
-        relay = OutputRelay()
-        self.heartbeat.running(True)
-        try:
-            self.remote.execute(code, relay, _ask_stdin, self._check_alive)
-        finally:
-            self.heartbeat.running(False)
+        relay = OutputRelay(max_output_bytes)
+        with self.lock:
+            self._check_alive()
+            self.heartbeat.running(True)
+            try:
+                self.remote.execute(code, relay, _ask_stdin, self._check_alive)
+            finally:
+                self.heartbeat.running(False)
+                relay.finish()
         if relay.error is not None:
             raise remote_error(relay.error)
 
-    def push(self, values: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """Send ``values`` into the worker's namespace; returns ``(items sent,
-        errors by name)``."""
-        self._check_alive()
+    def push(self, values: dict[str, Any], devices: dict[str, str] | None = None
+             ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Send ``values`` into the worker's namespace; ``devices`` (name ->
+        ``"cuda:0"``) says where the worker puts each one (what a pull
+        recorded; a value whose device is missing there stays on the CPU and
+        is listed in the errors). Returns ``(items sent, errors by name)``."""
         header, buffers = dump_values(values)
-        answer, _ = self.remote.comm_request(TRANSFER_TARGET, {"op": "push", "header": header}, buffers)
-        _raise_unless_ok(answer)
+        request = {"op": "push", "header": header, "devices": devices or {}}
+        answer, _ = self._comm(request, buffers)
         errors = {**header["errors"], **answer.get("errors", {})}
         return [i for i in header["items"] if i["name"] in answer.get("loaded", [])], errors
 
     def pull(self, names: list[str] | None, max_bytes: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
         """Fetch ``names`` (None: all user variables) from the worker; GPU
         tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
-        self._check_alive()
         request = {"op": "pull", "names": names} if names is not None else {"op": "pull_all", "max_bytes": max_bytes}
-        answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request)
-        _raise_unless_ok(answer)
+        answer, buffers = self._comm(request)
         values, errors = load_values(answer["header"], buffers)
         return values, [i for i in answer["header"]["items"] if i["name"] in values], errors
+
+    def have(self, names: list[str]) -> set[str]:
+        """Which of ``names`` the worker's namespace holds (one comm round trip)."""
+        answer, _ = self._comm({"op": "have", "names": names})
+        return set(answer.get("have", []))
+
+    def versions(self) -> dict[str, str]:
+        """The worker's Python and key package versions (see gpupool.transfer.package_versions)."""
+        answer, _ = self._comm({"op": "versions"}, timeout=30)
+        return dict(answer.get("versions", {}))
+
+    def _comm(self, request: dict[str, Any], buffers: list | None = None,
+              timeout: float = 600.0) -> tuple[dict[str, Any], list]:
+        """One transfer request, guarded like a cell: it ends as soon as the
+        lease is seen ended or the worker stops answering its heartbeat."""
+        with self.lock:
+            self._check_alive()
+            self.heartbeat.running(True)
+            try:
+                answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=timeout,
+                                                           check=self._check_alive)
+            finally:
+                self.heartbeat.running(False)
+        _raise_unless_ok(answer)
+        return answer, buffers
 
     def release(self, reason: str | None = None) -> Lease:
         """Stop heartbeating, close the connection and release the lease."""

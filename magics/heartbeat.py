@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
@@ -32,8 +34,12 @@ class Heartbeat(threading.Thread):
         self.interval, self.busy_interval = interval, min(busy_interval, interval)
         self.ended: Lease | None = None
         self.cell_running = False
+        # Called with the lease after each beat while no cell runs; True means the
+        # lease was given back (parked) and beating stops.
+        self.on_beat: Callable[[Lease], bool] | None = None
         self._stopped = threading.Event()
         self._wake = threading.Event()
+        self._last_beat = time.monotonic()
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -41,6 +47,7 @@ class Heartbeat(threading.Thread):
             self._wake.clear()
             if self._stopped.is_set():
                 return
+            self._last_beat = time.monotonic()
             try:
                 lease = self.client.heartbeat(self.lease_id)
             except GPUPoolError as exc:  # service down for a moment: try again next beat
@@ -49,11 +56,22 @@ class Heartbeat(threading.Thread):
             if lease.state.ended:
                 self.ended = lease
                 return
+            if self.on_beat is not None and not self.cell_running and self._beat_hook(lease):
+                return
+
+    def _beat_hook(self, lease: Lease) -> bool:
+        try:
+            return bool(self.on_beat(lease))
+        except Exception:  # a failed park must not stop the heartbeat; the service's reclaim is the fallback
+            log.warning("idle check for %s failed", self.lease_id, exc_info=True)
+            return False
 
     def running(self, flag: bool) -> None:
         """Say whether a cell is running on the worker (beats faster while one is)."""
         self.cell_running = flag
-        if flag:
+        # Beat at once when a cell starts after a quiet spell, so a lease lost meanwhile
+        # shows quickly; not on every cell, which would cost a request per cell.
+        if flag and time.monotonic() - self._last_beat > self.busy_interval:
             self._wake.set()
 
     def stop(self) -> None:

@@ -11,6 +11,15 @@ A session::
     In [4]: %gpu release
     gpupool: released L-3f2a9c1e07b4 after 1m 2s (0.01 GPU-hours); brought back 1 variable: os (module)
 
+While attached, a routed cell first sends along the local variables it reads
+that the worker lacks (``gpupool: sent along x (ndarray, 8.0 MiB)``); an idle
+lease is parked shortly before the service would reclaim it (its variables
+come here) and the next routed cell resumes on a slice of the same size::
+
+    In [5]: loss
+    gpupool: L-3f2a9c1e07b4 was parked after idle; brought back 2 variables: ...; acquiring 0.50 of a GPU again
+    gpupool: resumed on L-77c0e1d2a9f3; restored 2 variables: ...
+
 While attached, an input transformer prefixes ``%%gpu`` to every cell that
 does not start with ``%gpu``, ``%%gpu`` or ``%%local``, so ordinary cells run
 on the worker (ipyparallel's ``%autopx`` swaps ``run_cell`` instead; the
@@ -28,16 +37,18 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Float
+from traitlets import Float, Unicode
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseRequest, LeaseState
-from gpupool.traits import ByteSize
-from gpupool.transfer import describe
+from gpupool.traits import ByteSize, Duration
+from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
+from .quota import progress_words, quota_report
+from .namespace import local_candidates
 from gpupool.tables import lease_table, pool_table
 
 ROUTED_PREFIXES = ("%gpu", "%%gpu", "%%local")
@@ -58,11 +69,32 @@ class GPUMagics(Magics):
     ).tag(config=True)
     start_timeout = Float(
         300.0, help="Seconds `%gpu acquire` waits for the worker to start (default 300).").tag(config=True)
+    max_output_bytes = ByteSize(
+        16 * 1024**2,
+        help="""Most output one routed cell relays into the notebook (stream text and display
+        data), default 16MiB; the rest is cut with a note. Example: c.GPUMagics.max_output_bytes = "64MiB".""",
+    ).tag(config=True)
+    cell_lease = Unicode(
+        "0.25",
+        help="""What `%%gpu` acquires for one cell when not attached: a fraction of one GPU ("0.25")
+        or a count of whole GPUs ("1"), default "0.25". Example: c.GPUMagics.cell_lease = "0.5".""",
+    ).tag(config=True)
+
+    park_ahead = Duration(
+        30.0,
+        help="""Seconds before the service would reclaim an idle lease that the client parks it
+        (pulls its variables here and gives the GPU back; the next cell resumes on a new slice),
+        default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
+    ).tag(config=True)
 
     def __init__(self, shell, **kwargs) -> None:
         super().__init__(shell, **kwargs)
         self.attachment: Attachment | None = None
         self._client: ServiceClient | None = None
+        self._in_local = False  # inside %%local: cells are not routed, but %gpu magics still reach the worker
+        # name -> (id of the local value, device it was on): values pulled off a GPU
+        # go back to that device when they are next sent (issue 6, "release keeps state").
+        self.devices: dict[str, tuple[int, str]] = {}
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -74,7 +106,7 @@ class GPUMagics(Magics):
 
     def route(self, lines: list[str]) -> list[str]:
         """Input transformer: send the cell to the worker while attached."""
-        if self.attachment is None:
+        if self.attachment is None or self._in_local:
             return lines
         first = next((line.lstrip() for line in lines if line.strip()), "")
         if not first or first.startswith(ROUTED_PREFIXES):
@@ -84,6 +116,11 @@ class GPUMagics(Magics):
     def _attached(self) -> Attachment:
         if self.attachment is None:
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
+        if self.attachment.parked is not None:
+            try:
+                return self._resume()
+            except GPUPoolError as exc:
+                raise UsageError(f"could not resume the parked lease: {exc.message}") from None
         ended = self.attachment.ended
         if ended is not None:
             self._drop()
@@ -106,16 +143,27 @@ class GPUMagics(Magics):
         %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
+        %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
         %gpu status                  lease, GPU, memory, idle countdown
         %gpu pool                    nodes and GPUs of the pool
+        %gpu quota                   your limits and GPU-hours used
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
         """
         command, _, rest = line.strip().partition(" ")
+        if command in ("", "help", "-h", "--help"):
+            print(_dedent(self.gpu.__doc__))
+            return None
         handlers = {"acquire": self._acquire, "release": self._release, "status": self._status,
-                    "pool": self._pool, "push": self._push, "pull": self._pull}
+                    "pool": self._pool, "push": self._push, "pull": self._pull,
+                    "restart": self._restart, "quota": self._quota}
         if command not in handlers:
-            raise UsageError(f"unknown %gpu command {command!r}; use one of: {', '.join(handlers)}")
+            raise UsageError(f"unknown %gpu command {command!r}; use one of: {', '.join(handlers)} "
+                             "(%gpu help shows what each does)")
+        if {"-h", "--help"} & set(rest.split()):
+            parser = getattr(handlers[command], "parser", None)
+            print(parser.format_help() if parser else _dedent(self.gpu.__doc__))
+            return None
         try:
             return handlers[command](rest)
         except GPUPoolError as exc:
@@ -126,6 +174,9 @@ class GPUMagics(Magics):
     @argument("--memory", help="GPU memory for the slice, e.g. 20GiB (default: the fraction's share)")
     @argument("--model", help="only GPUs whose name contains this, e.g. A100")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
+    @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
+    @argument("--on-idle", choices=("park", "release"), default="park",
+              help="when idle: park (variables come back, the next cell resumes; default) or just release")
     def _acquire(self, rest: str) -> None:
         args = _parse(self._acquire, rest)
         if self.attachment is not None and self.attachment.ended is None:
@@ -137,30 +188,78 @@ class GPUMagics(Magics):
                 fraction=fraction, gpu_count=count,
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
-                kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+                kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        started = time.monotonic()
+        self.attachment = self._attach(request)
+        if args.on_idle == "park":
+            self._arm_parking(self.attachment)
+        lease = self.attachment.lease
+        gpu = lease.gpus[0] if lease.gpus else {}
+        share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+        indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
+        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
+             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
+             f"[{time.monotonic() - started:.1f}s]. Cells now run on the worker; %gpu release detaches.")
+
+    def _attach(self, request: LeaseRequest) -> Attachment:
+        """Create a lease for ``request``, wait for its worker (with progress),
+        connect and warn about version mismatches. Cancels the lease on any
+        failure or interrupt."""
         started = time.monotonic()
         lease = self.client.create_lease(request)
         try:
             lease = self._wait_started(lease, started)
-            self.attachment = Attachment.connect(self.client, lease)
+            attachment = Attachment.connect(self.client, lease)
         except BaseException:  # interrupted or failed: never leave the slice held
             self._cancel(lease.id)
             raise
-        gpu = lease.gpus[0] if lease.gpus else {}
-        share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
-        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {gpu.get('index', '?')}) on {lease.node}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
-             f"[{time.monotonic() - started:.1f}s]. Cells now run on the worker; %gpu release detaches.")
+        self._warn_versions(attachment)
+        return attachment
+
+    def _arm_parking(self, attachment: Attachment) -> None:
+        attachment.park_when_idle(self.park_ahead, self.release_state_cap, self._take)
+
+    def _resume(self) -> Attachment:
+        """The lease was parked: acquire a slice of the same size again (with
+        progress) and push the parked variables back before the cell runs."""
+        parked = self.attachment.parked
+        self._drop()
+        old = parked.lease
+        share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
+        _say(f"{old.id} was parked after idle{_transfer_note('brought back', parked.items, parked.errors)}; "
+             f"acquiring {share} again")
+        request = LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
+                               idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        attachment = self._attach(request)
+        self._arm_parking(attachment)
+        self.attachment = attachment
+        names = [n for n in parked.names if n in self.shell.user_ns]
+        items, errors = self._send(attachment, names) if names else ([], {})
+        _say(f"resumed on {attachment.lease.id}{_transfer_note('restored', items, errors)}")
+        return attachment
+
+    def _warn_versions(self, attachment: Attachment) -> None:
+        try:
+            mismatches = version_mismatches(package_versions(), attachment.versions())
+        except GPUPoolError as exc:
+            print(f"gpupool: could not compare package versions with the worker: {exc.message}", file=sys.stderr)
+            return
+        if mismatches:
+            print("gpupool: warning: versions differ, values of these may fail to move between this kernel and "
+                  "the worker: " + "; ".join(mismatches), file=sys.stderr, flush=True)
 
     def _wait_started(self, lease, started: float):
         """Long-poll until the lease leaves ``starting``, showing progress."""
+        since = started
         while lease.state in (LeaseState.queued, LeaseState.starting):
-            if time.monotonic() - started > self.start_timeout:
+            if lease.state is LeaseState.queued:
+                since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
+            if time.monotonic() - since > self.start_timeout:
                 raise GPUPoolError("start_timeout", f"no worker started within {self.start_timeout:.0f}s "
                                    "(c.GPUMagics.start_timeout); the request was cancelled", 504)
-            print(f"\rgpupool: {lease.id} {lease.state.value} on {lease.node or 'the pool'}... "
+            print(f"\rgpupool: {lease.id} {progress_words(lease)}... "
                   f"{time.monotonic() - started:.0f}s", end="", flush=True)
             lease = self.client.get_lease(lease.id, wait=2, state=lease.state.value)
         print("\r", end="", flush=True)
@@ -178,21 +277,56 @@ class GPUMagics(Magics):
     @argument("--discard", action="store_true", help="do not bring the worker's variables back")
     def _release(self, rest: str) -> None:
         args = _parse(self._release, rest)
+        if self.attachment is not None and self.attachment.parked is not None:
+            lease = self.attachment.parked.lease
+            self._drop()
+            _say(f"released {lease.id}: it was parked after idle and its variables are already here")
+            return
         attachment = self._attached()
         note = ""
         if not args.discard:
-            values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
-            self.shell.user_ns.update(values)
-            note = _transfer_note("brought back", items, errors)
-        lease = attachment.release(reason="%gpu release")
-        self.attachment = None
-        used = lease.usage_gpu_seconds / 3600
-        held = _held_seconds(lease)
-        _say(f"released {lease.id} after {format_duration(held)} ({used:.2f} GPU-hours){note}")
+            try:
+                values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
+                self._take(values, items)
+                note = _transfer_note("brought back", items, errors)
+            except GPUPoolError as exc:  # the worker died or is unreachable: the slice is still freed
+                note = f"; the worker's variables could not come back: {exc.message}"
+        self.attachment = None  # from here on this kernel is detached, whatever happens
+        try:
+            lease = attachment.release(reason="%gpu release")
+        except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
+            lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
+        _say(f"released {lease.id} after {format_duration(_held_seconds(lease))} "
+             f"({_usage_words(lease.usage_gpu_seconds)}){note}")
+
+    def _restart(self, rest: str) -> None:
+        """Release the lease without its variables (the worker may be stuck)
+        and attach to a fresh one of the same size."""
+        if rest.strip():
+            raise UsageError("%gpu restart takes no arguments")
+        if self.attachment is None:
+            raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
+        old = self.attachment.parked.lease if self.attachment.parked else self.attachment.lease
+        parks = self.attachment.heartbeat.on_beat is not None
+        self._drop()
+        try:
+            self.client.release(old.id, reason="%gpu restart")
+        except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
+            print(f"gpupool: {old.id}: {exc.message}", file=sys.stderr)
+        request = LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
+                               idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        self.attachment = self._attach(request)
+        if parks:
+            self._arm_parking(self.attachment)
+        _say(f"restarted: released {old.id} (its variables are lost), attached {self.attachment.lease.id}")
 
     def _status(self, rest: str) -> None:
         if rest.strip():
             raise UsageError("%gpu status takes no arguments")
+        if self.attachment is not None and self.attachment.parked is not None:
+            _say(f"parked: {self.attachment.parked.lease.id} was given back after idle and its variables are "
+                 "here; the next cell resumes on a slice of the same size (%gpu release detaches)")
+            return
         if self.attachment is None:
             leases = self.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
             if not leases:
@@ -202,6 +336,10 @@ class GPUMagics(Magics):
             leases = [self.attachment.refresh()]
         text, html = lease_table(leases)
         display({"text/plain": text, "text/html": html}, raw=True)
+
+    def _quota(self, rest: str) -> None:
+        """``%gpu quota``: your limits beside today's and this week's usage."""
+        print(quota_report(self.client))
 
     def _pool(self, rest: str) -> None:
 
@@ -215,7 +353,7 @@ class GPUMagics(Magics):
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"not defined here: {', '.join(missing)}; nothing was sent")
-        items, errors = self._attached().push({n: self.shell.user_ns[n] for n in names})
+        items, errors = self._send(self._attached(), names)
         _say(_transfer_note("pushed", items, errors).lstrip("; "))
 
     def _pull(self, rest: str) -> None:
@@ -223,27 +361,97 @@ class GPUMagics(Magics):
         if not names:
             raise UsageError("%gpu pull needs variable names: %gpu pull model history")
         values, items, errors = self._attached().pull(names)
-        self.shell.user_ns.update(values)
+        self._take(values, items)
         _say(_transfer_note("pulled", items, errors).lstrip("; "))
 
     # -- %%gpu and %%local --------------------------------------------------------
 
+    def _take(self, values: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        """Put pulled ``values`` into the user's namespace, remembering the
+        device of each that came off an accelerator."""
+        self.shell.user_ns.update(values)
+        for item in items:
+            name = item["name"]
+            if item.get("device") and name in values:
+                self.devices[name] = (id(values[name]), item["device"])
+            else:
+                self.devices.pop(name, None)
+
+    def _send(self, attachment: Attachment, names: list[str]):
+        """Push local ``names`` with the devices remembered for them (only while
+        the local value is still the one that was pulled)."""
+        values = {n: self.shell.user_ns[n] for n in names}
+        devices = {n: self.devices[n][1] for n in names if n in self.devices and self.devices[n][0] == id(values[n])}
+        return attachment.push(values, devices)
+
+    def _follow(self, attachment: Attachment, cell: str) -> None:
+        """Send along the local names ``cell`` reads that the worker lacks, with
+        a one-line note; one line per value that cannot be sent."""
+        candidates = local_candidates(cell, self.shell.user_ns, self.shell.user_ns_hidden)
+        if not candidates:
+            return
+        have = attachment.have(candidates)
+        missing = [n for n in candidates if n not in have]
+        if not missing:
+            return
+        items, errors = self._send(attachment, missing)
+        if items:
+            _say(f"sent along {describe(items)}")
+        for name, why in errors.items():
+            print(f"gpupool: could not send {name}: {why}", file=sys.stderr, flush=True)
+
     @cell_magic("gpu")
     def gpu_cell(self, line: str, cell: str) -> None:
-        """Run this cell on the attached worker (what every cell does while attached).
+        """Run this cell on the worker: the attached one (what every cell does
+        while attached), or, when not attached, on a lease of its own of
+        ``AMOUNT`` (default c.GPUMagics.cell_lease) that is released after the
+        cell, its variables coming back here.
 
-        %%gpu
-        import torch; torch.cuda.is_available()
+        %%gpu 0.5
+        import torch; x = torch.ones(3); torch.cuda.is_available()
         """
+        if self.attachment is None:
+            self._run_on_temporary_lease(line.strip() or self.cell_lease, cell)
+            return
         if line.strip():
-            raise UsageError("%%gpu takes no arguments")
+            raise UsageError("%%gpu takes an amount only when not attached; this kernel is attached")
         attachment = self._attached()
         try:
-            attachment.run_cell(cell)
+            self._follow(attachment, cell)
+            attachment.run_cell(cell, self.max_output_bytes)
         except GPUPoolError as exc:
             if exc.code == "lease_lost":
                 self._drop()
             raise UsageError(exc.message) from None
+
+    def _run_on_temporary_lease(self, amount: str, cell: str) -> None:
+        try:
+            fraction, count = parse_gpu_amount(amount)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        try:
+            attachment = self._attach(request)
+        except GPUPoolError as exc:
+            raise UsageError(exc.message) from None
+        try:
+            self._follow(attachment, cell)
+            attachment.run_cell(cell, self.max_output_bytes)
+        except GPUPoolError as exc:
+            raise UsageError(exc.message) from None
+        finally:
+            self._bring_back_and_release(attachment, "%%gpu cell finished")
+
+    def _bring_back_and_release(self, attachment: Attachment, reason: str) -> None:
+        note = ""
+        try:
+            if attachment.ended is None:
+                values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
+                self._take(values, items)
+                note = _transfer_note("brought back", items, errors)
+        finally:
+            lease = attachment.release(reason=reason)
+        _say(f"released {lease.id}{note}")
 
     @cell_magic
     def local(self, line: str, cell: str) -> None:
@@ -252,11 +460,33 @@ class GPUMagics(Magics):
         %%local
         df.describe()
         """
-        saved, self.attachment = self.attachment, None
+        saved, self._in_local = self._in_local, True
         try:
-            self.shell.run_cell(cell, store_history=False)
+            result = self.shell.run_cell(cell, store_history=False)
         finally:
-            self.attachment = saved
+            self._in_local = saved
+        if not result.success:  # already shown by run_cell: fail the cell without a second traceback
+            raise _shown_error(result.error_in_exec or result.error_before_exec)
+
+
+def _dedent(text: str | None) -> str:
+    import textwrap
+
+    head, _, body = (text or "").partition("\n")
+    return head + "\n" + textwrap.dedent(body)
+
+
+def _usage_words(gpu_seconds: float) -> str:
+    """``'42.0 GPU-seconds'`` below six minutes, else ``'1.25 GPU-hours'``."""
+    return f"{gpu_seconds:.1f} GPU-seconds" if gpu_seconds < 360 else f"{gpu_seconds / 3600:.2f} GPU-hours"
+
+
+def _shown_error(error: BaseException | None) -> Exception:
+    """An exception of the same name as ``error`` that IPython prints as
+    nothing: the cell fails (Run All stops) and the traceback is not shown twice."""
+    name = type(error).__name__ if error is not None else "Error"
+    kind = type(name, (Exception,), {"_render_traceback_": lambda self: []})
+    return kind(str(error) if error is not None else "")
 
 
 def _parse(method, rest: str):

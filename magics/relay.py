@@ -11,12 +11,15 @@ flushed before any other output so the order is the worker's order.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from typing import Any
 
 from IPython.core.getipython import get_ipython
 from IPython.display import clear_output, publish_display_data
+
+from gpupool.units import format_bytes
 
 _IGNORED = {"execute_input", "comm_open", "comm_msg", "comm_close", "shutdown_reply", "debug_event"}
 
@@ -53,20 +56,36 @@ def remote_error(content: dict[str, Any]) -> RemoteError:
 class OutputRelay:
     """Callable for :meth:`RemoteKernel.execute`: one IOPub message in, the
     same output out in the current cell. ``error`` holds the remote error's
-    content after the cell, if any."""
+    content after the cell, if any.
 
-    def __init__(self) -> None:
+    ``max_bytes`` bounds what one cell relays (stream text and display data,
+    counted in characters of their payloads; a ``clear_output`` starts the
+    count again, since the front end drops what it cleared). What goes over
+    it is dropped, with one note when the cut starts and :meth:`finish`
+    saying how much was cut. ``execute_result`` and ``error`` always pass.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
         self.error: dict[str, Any] | None = None
+        self.max_bytes = max_bytes
+        self.shown = 0
+        self.cut = 0
 
     def __call__(self, msg: dict[str, Any]) -> None:
         kind, content = msg["header"]["msg_type"], msg["content"]
         if kind == "stream":
             stream = sys.stderr if content.get("name") == "stderr" else sys.stdout
-            stream.write(content.get("text", ""))
+            text = self._admit(content.get("text", ""))
+            if text:
+                stream.write(text)
             return
         if kind in _IGNORED:
             return
+        if kind in ("display_data", "update_display_data") and not self._admit_whole(content.get("data", {})):
+            return
         _flush()
+        if kind == "clear_output":
+            self.shown = 0
         if kind in ("display_data", "update_display_data"):
             publish_display_data(content.get("data", {}), content.get("metadata", {}),
                                  transient=content.get("transient") or None,
@@ -77,6 +96,40 @@ class OutputRelay:
             clear_output(wait=bool(content.get("wait")))
         elif kind == "error":
             self.error = content
+
+
+    def _admit(self, text: str) -> str:
+        """The part of ``text`` that fits under the cap (all of it without one)."""
+        if self.max_bytes is None:
+            return text
+        room = max(0, self.max_bytes - self.shown)
+        if len(text) > room:
+            self._start_cut()
+            self.cut += len(text) - room
+            text = text[:room]
+        self.shown += len(text)
+        return text
+
+    def _admit_whole(self, data: dict[str, Any]) -> bool:
+        size = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in data.values())
+        if self.max_bytes is not None and self.shown + size > self.max_bytes:
+            self._start_cut()
+            self.cut += size
+            return False
+        self.shown += size
+        return True
+
+    def _start_cut(self) -> None:
+        if not self.cut:
+            _flush()
+            print(f"\ngpupool: this cell's output passed {format_bytes(self.max_bytes)}; the rest is cut "
+                  "(c.GPUMagics.max_output_bytes)", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        """After the cell: say how much output was cut, if any."""
+        _flush()
+        if self.cut:
+            print(f"gpupool: {format_bytes(self.cut)} of output not shown", file=sys.stderr, flush=True)
 
 
 def _flush() -> None:

@@ -20,6 +20,11 @@ from jupyter_client.session import Session
 from gpupool.errors import GPUPoolError
 
 POLL_MS = 50
+#: Seconds between pings of the worker's heartbeat channel while waiting on it.
+HB_INTERVAL = 1.0
+#: Seconds without a heartbeat echo after which the worker counts as unreachable.
+#: ipykernel echoes from a thread of its own, so a busy cell still answers.
+HB_TIMEOUT = 10.0
 
 
 class RemoteKernel:
@@ -42,6 +47,9 @@ class RemoteKernel:
         self.control = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
         self.iopub = self._socket(zmq.SUB, "iopub_port")
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.hb = self._socket(zmq.REQ, "hb_port")
+        self._hb_sent: float | None = None
+        self._hb_ok = 0.0
         self.poller = zmq.Poller()
         for sock in (self.shell, self.iopub, self.stdin):
             self.poller.register(sock, zmq.POLLIN)
@@ -66,16 +74,20 @@ class RemoteKernel:
         Raises GPUPoolError ``worker_unreachable`` after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
+        saw_iopub = False  # any IOPub message at all: the SUB socket has joined
         while time.monotonic() < deadline:
             msg = self.session.send(self.shell, "kernel_info_request", {})
-            reply, saw_iopub = None, False
+            reply = None
             until = min(deadline, time.monotonic() + 1.0)
             while time.monotonic() < until and not (reply and saw_iopub):
                 for sock, _ in self.poller.poll(POLL_MS):
                     got = self._recv(sock)
-                    if got and got["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
-                        saw_iopub |= sock is self.iopub
-                        reply = got["content"] if sock is self.shell else reply
+                    saw_iopub |= sock is self.iopub and got is not None
+                    if sock is self.shell and got and got["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                        reply = got["content"]
+                        # The reply came before IOPub joined: ask again soon rather
+                        # than waiting out the round (its status then proves the join).
+                        until = min(until, time.monotonic() + 0.05)
             if reply and saw_iopub:
                 return reply
         raise GPUPoolError("worker_unreachable", f"the worker at {self.connection['ip']} did not answer "
@@ -104,8 +116,29 @@ class RemoteKernel:
             "allow_stdin": stdin_handler is not None, "stop_on_error": True})
         return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)
 
+    def check_heartbeat(self) -> None:
+        """Ping the worker's heartbeat channel every HB_INTERVAL seconds; raise
+        GPUPoolError ``worker_unreachable`` when no echo came for HB_TIMEOUT
+        (the worker's node or network is gone: no message would ever come)."""
+        now = time.monotonic()
+        if self._hb_sent is None:
+            if now - self._hb_ok >= HB_INTERVAL:
+                self.hb.send(b"ping")
+                self._hb_sent = now
+            return
+        if self.hb.poll(0):
+            self.hb.recv()
+            self._hb_sent, self._hb_ok = None, now
+        elif now - self._hb_sent > HB_TIMEOUT:
+            self.hb.close()  # a REQ socket without its reply cannot send again
+            self.hb = self._socket(zmq.REQ, "hb_port")
+            self._hb_sent = None
+            raise GPUPoolError("worker_unreachable", f"the worker at {self.connection['ip']} stopped answering for "
+                               f"{HB_TIMEOUT:.0f}s: its node or the network may be down. %gpu release frees the "
+                               "slice.", 504)
+
     def comm_request(self, target: str, data: dict[str, Any], buffers: list | None = None,
-                     timeout: float = 600.0) -> tuple[dict[str, Any], list]:
+                     timeout: float = 600.0, check: Callable[[], None] | None = None) -> tuple[dict[str, Any], list]:
         """Open a comm to ``target`` with ``data`` and ``buffers``; return the
         first ``comm_msg`` it sends back as ``(data, buffers)``."""
         comm_id = uuid.uuid4().hex
@@ -117,7 +150,7 @@ class RemoteKernel:
             if reply["header"]["msg_type"] == "comm_msg" and not answer:
                 answer.append((reply["content"]["data"], reply.get("buffers", [])))
 
-        self._until_idle(msg["header"]["msg_id"], collect, None, None, timeout=timeout, want_reply=False)
+        self._until_idle(msg["header"]["msg_id"], collect, None, check, timeout=timeout, want_reply=False)
         if not answer:
             raise GPUPoolError("transfer_failed", f"the worker did not answer the {data.get('op')} request; "
                                "is gpupool installed on the GPU node?", 502)
@@ -152,11 +185,13 @@ class RemoteKernel:
                         handler(got)
                 if check is not None:
                     check()
+                self.check_heartbeat()
                 if deadline is not None and time.monotonic() > deadline:
                     raise GPUPoolError("worker_timeout", f"the worker did not finish within {timeout:.0f}s", 504)
                 if interrupted_at is not None and time.monotonic() - interrupted_at > 10:
                     raise GPUPoolError("worker_unresponsive", "the worker did not stop within 10s of the interrupt; "
-                                       "it may be stuck in native code. %gpu release frees the slice.", 504)
+                                       "it may be stuck in native code. %gpu restart gives you a fresh worker "
+                                       "on a new slice (its variables are lost); %gpu release frees the slice.", 504)
             except KeyboardInterrupt:
                 if interrupted_at is None:
                     self.interrupt()

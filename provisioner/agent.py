@@ -28,7 +28,7 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
-from traitlets import Enum, Integer, Unicode, default
+from traitlets import Enum, Integer, List, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
@@ -38,7 +38,7 @@ from gpupool.traits import Duration
 from .attribution import add_unattributed, attribute, read_parents
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
-from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
+from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
 
@@ -203,6 +203,7 @@ class NodeAgent(Application):
         "state-dir": "NodeAgent.state_dir",
         "config": "NodeAgent.config_file",
         "enforcement": "NodeAgent.enforcement_mode",
+        "warm-workers": "NodeAgent.warm_workers",
         "log-level": "Application.log_level",
     }
 
@@ -237,8 +238,8 @@ class NodeAgent(Application):
     ).tag(config=True)
 
     port = Integer(
-        8766, help="""Port of the agent's HTTP server; 0 picks a free one. Default: 8766.
-        ``c.NodeAgent.port = 8766``.""",
+        8766, min=0, max=65535, help="""Port of the agent's HTTP server (0 to 65535); 0 picks a free one.
+        Default: 8766. ``c.NodeAgent.port = 8766``.""",
     ).tag(config=True)
 
     state_dir = Unicode(
@@ -265,6 +266,38 @@ class NodeAgent(Application):
         10.0, help="""Seconds a worker gets to shut down cleanly before SIGTERM, then SIGKILL.
         Default: 10. ``c.NodeAgent.worker_stop_timeout = 20``.""",
     ).tag(config=True)
+
+    warm_workers = Integer(
+        1, help="""Workers kept started ahead of any lease, bound to a lease's GPUs when one
+        takes them: a lease then attaches in milliseconds instead of waiting for a kernel
+        to start (docs/enforcement.md, "Binding a worker to its GPUs"). Each is handed out
+        once; 0 starts every worker when its lease asks. Default: 1. ``c.NodeAgent.warm_workers = 2``.""",
+    ).tag(config=True)
+
+    @validate("warm_workers")
+    def _warm_workers_valid(self, proposal: Any) -> int:
+        if proposal["value"] < 0:
+            raise ValueError(f"warm_workers must be 0 or more, got {proposal['value']}")
+        return proposal["value"]
+
+    preload_modules = List(
+        Unicode(), help="""Modules each warm worker imports before a lease takes it, so the
+        user's first ``import`` is instant, e.g. ``["torch"]``. They must not initialise
+        CUDA (importing ``torch`` does not): a worker where CUDA is initialised cannot be
+        bound and is replaced by a cold start. Default: none.
+        ``c.NodeAgent.preload_modules = ["torch", "numpy"]``.""",
+    ).tag(config=True)
+
+    warm_worker_max_age = Duration(
+        1800.0, help="""Seconds a warm worker may wait for a lease before it is stopped and
+        replaced by a fresh one. Default: 30 minutes. ``c.NodeAgent.warm_worker_max_age = "1h"``.""",
+    ).tag(config=True)
+
+    @validate("warm_worker_max_age")
+    def _warm_worker_max_age_valid(self, proposal: Any) -> float:
+        if proposal["value"] <= 0:
+            raise ValueError(f"warm_worker_max_age must be positive, got {proposal['value']}")
+        return proposal["value"]
 
     service_timeout = Duration(
         10.0, help="""Seconds per call to the service (registration, heartbeat). Default: 10.
@@ -377,7 +410,8 @@ class NodeAgent(Application):
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-                                     log=self.log)
+                                     log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
+                                                                     self.warm_worker_max_age))
         try:
             sockets = bind_sockets(self.port, self.ip)
         except OSError as exc:
@@ -392,6 +426,7 @@ class NodeAgent(Application):
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement,
                       self.service_url)
         service_task = asyncio.create_task(self.service_loop())
+        self.workers.start_warm_pool()
         await stopping.wait()
         self.log.info("stopping: shutting down %d worker(s)", len(self.workers.lease_ids()))
         service_task.cancel()
@@ -458,8 +493,9 @@ class NodeAgent(Application):
                 status, reply, problem = 0, {}, f"cannot reach it ({exc})"
             else:
                 problem = f"HTTP {status}: {reply.get('message') or 'no message'}"
-                if status == 401:
-                    problem += f" (check --token-file {self.token_file or '(unset)'} / {TOKEN_ENV})"
+                if status in (401, 403):
+                    problem += (f" (check --token-file {self.token_file or '(unset)'} / {TOKEN_ENV}: it must hold "
+                                "the service's agent token, STATE_DIR/agent_token, not a user token)")
             if status == 200:
                 break
             self.log.warning("registration with %s failed: %s; retrying in %.1fs", self.service_url, problem, delay)

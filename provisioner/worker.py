@@ -5,7 +5,10 @@ this module. It gives the worker two things the notebook's client relies on:
 
 - the ``gpupool.transfer`` comm target, through which the client pushes
   variables into the worker and pulls them back (see :mod:`gpupool.transfer`
-  for the wire shape); GPU tensors are moved to the CPU before they travel;
+  for the wire shape); GPU tensors are moved to the CPU before they travel,
+  with the device they were on, and a push can ask for them to be put back
+  on it; the ``have`` and ``versions`` ops let the client send along only the
+  names a cell needs and warn about package mismatches (docs/api.md);
 - the PyTorch memory cap of the slice: when the user's code imports
   ``torch`` and CUDA is available, ``torch.cuda.set_per_process_memory_fraction``
   is set from ``GPUPOOL_MEMORY_LIMIT`` (PyTorch has no environment variable
@@ -15,13 +18,14 @@ this module. It gives the worker two things the notebook's client relies on:
 from __future__ import annotations
 
 import importlib.abc
+import itertools
 import logging
 import os
 import sys
 import types
 from typing import Any
 
-from gpupool.transfer import dump_values, load_values
+from gpupool.transfer import dump_values, load_values, package_versions
 
 TARGET = "gpupool.transfer"
 log = logging.getLogger("gpupool.worker")
@@ -49,11 +53,14 @@ def _serve(ip, comm, msg) -> None:
     try:
         if op == "push":
             values, errors = load_values(data["header"], msg.get("buffers") or [])
+            errors.update(place_on_devices(values, data.get("devices") or {}))
             ip.user_ns.update(values)
             comm.send({"ok": True, "loaded": sorted(values), "errors": errors})
         elif op in ("pull", "pull_all"):
             header, buffers = _pull(ip, data)
             comm.send({"ok": True, "header": header}, buffers=buffers)
+        elif op in REMOTING_OPS:
+            comm.send(REMOTING_OPS[op](ip, data))
         else:
             comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
     except Exception as exc:  # the client shows this; the worker stays up
@@ -71,7 +78,10 @@ def _pull(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
         missing = {n: "not defined on the worker" for n in names if n not in ip.user_ns}
     else:
         values = user_variables(ip)
-    header, buffers = dump_values({name: to_cpu(value) for name, value in values.items()})
+    moved = {name: to_cpu_with_device(value) for name, value in values.items()}
+    header, buffers = dump_values({name: value for name, (value, _) in moved.items()})
+    for item in header["items"]:  # the client remembers it, so the next attach moves it back
+        item["device"] = moved[item["name"]][1]
     header["errors"].update(missing)
     limit = data.get("max_bytes")
     if limit:
@@ -97,14 +107,129 @@ def _cap(header: dict[str, Any], buffers: list, limit: int) -> tuple[dict[str, A
 
 def to_cpu(value: Any) -> Any:
     """A PyTorch tensor or module on a GPU, moved to the CPU; anything else as is."""
+    return to_cpu_with_device(value)[0]
+
+
+# -- remoting ops: device memory, namespace and version checks (issue 6) ------------
+
+
+def device_of(value: Any) -> str | None:
+    """The accelerator ``value`` lives on (``"cuda:0"``), or None for CPU
+    values and everything without a device: a PyTorch tensor's or module's
+    (first parameter's) device, else any object with a ``device`` attribute
+    and a ``to(device)`` method (the duck type tests use without a GPU)."""
+    torch = sys.modules.get("torch")
+    device: Any = None
+    if torch is not None and isinstance(value, torch.nn.Module):
+        first = next(itertools.chain(value.parameters(), value.buffers()), None)
+        device = None if first is None else first.device
+    elif callable(getattr(value, "to", None)) and not isinstance(value, type):
+        device = getattr(value, "device", None)
+    if device is None:
+        return None
+    text = str(device)
+    return None if text == "cpu" or text.startswith("cpu:") else text
+
+
+def to_cpu_with_device(value: Any) -> tuple[Any, str | None]:
+    """``(value on the CPU, device it was on or None)``; values not on an
+    accelerator come back as they are."""
+    device = device_of(value)
+    if device is None:
+        return value, None
+    return value.to("cpu"), device
+
+
+def place_on_devices(values: dict[str, Any], devices: dict[str, str]) -> dict[str, str]:
+    """Move ``values[name]`` to ``devices[name]`` in place in ``values`` (what
+    a pull recorded); returns ``{name: why}`` for each that stays where it is
+    (no such device here, say). Values without a device entry are untouched."""
+    errors: dict[str, str] = {}
+    for name, device in devices.items():
+        if name not in values or not device:
+            continue
+        try:
+            values[name] = values[name].to(device)  # PyTorch raises itself when CUDA is missing
+        except Exception as exc:  # one value's failure is its own; it still arrives, on the CPU
+            errors[name] = f"stays on the CPU: {device} not usable on the worker ({type(exc).__name__}: {exc})"
+    return errors
+
+
+def _have(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``have``: which of ``data["names"]`` the worker's namespace holds."""
+    return {"ok": True, "have": [n for n in data.get("names", []) if n in ip.user_ns]}
+
+
+def _versions(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``versions``: Python and key package versions (see package_versions)."""
+    return {"ok": True, "versions": package_versions()}
+
+
+REMOTING_OPS = {"have": _have, "versions": _versions}
+
+
+# -- binding a warm worker to its lease (docs/enforcement.md, "Binding a worker to its GPUs") --
+
+#: cuDeviceGetCount's answer before cuInit (CUDA driver API, CUresult).
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def bind(env: dict[str, str]) -> None:
+    """Bind this worker, started warm (no GPU visible), to a lease's slice.
+
+    Called once by the agent, through a silent ``execute_request``, before the
+    lease's owner gets the connection. ``env``: the slice's variables
+    (:func:`gpupool.provisioner.enforcement.slice_environment`), put into
+    ``os.environ``; CUDA reads ``CUDA_VISIBLE_DEVICES`` and the MPS limits
+    when it initialises, so they bind as if the process had started with
+    them. The PyTorch memory cap is armed as for a cold worker: on import, or
+    at CUDA's lazy initialisation when ``torch`` was preloaded.
+
+    Raises RuntimeError, changing nothing, when the worker is already bound
+    (a warm worker serves one lease) or when CUDA is already initialised in
+    this process (the variables would no longer hold).
+    """
+    bound = os.environ.get("GPUPOOL_LEASE_ID")
+    if bound:
+        raise RuntimeError(f"this worker is already bound to lease {bound}")
+    if cuda_initialised():
+        raise RuntimeError("CUDA is already initialised in this worker: it can no longer be bound to a GPU")
+    os.environ.update(env)
+    if not env.get("GPUPOOL_MEMORY_LIMIT"):
+        return
     torch = sys.modules.get("torch")
     if torch is None:
-        return value
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.cpu()
-    if isinstance(value, torch.nn.Module):
-        return value.to("cpu")
-    return value
+        sys.meta_path.insert(0, _AfterImport("torch", _cap_torch_memory))
+    else:
+        _cap_torch_at_cuda_init(torch)
+
+
+def cuda_initialised() -> bool:
+    """True when CUDA was initialised in this process: PyTorch says so, or
+    the CUDA driver library is loaded and answers anything but
+    CUDA_ERROR_NOT_INITIALIZED (covers JAX, CuPy, TensorFlow alike)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    import ctypes
+
+    try:  # RTLD_NOLOAD: only a library this process loaded already; never loads it
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+def _cap_torch_at_cuda_init(torch) -> None:
+    """Set the cap when PyTorch initialises CUDA, not now: initialising it at
+    bind time would cost every lease a CUDA context, used or not.
+    ``torch.cuda._lazy_call`` (private, used by ``torch.cuda.manual_seed``)
+    queues the call for ``torch.cuda._lazy_init``."""
+    try:
+        torch.cuda._lazy_call(lambda: _cap_torch_memory(torch))
+    except Exception:  # an older or newer PyTorch without it: no cap, as for raw CUDA
+        log.warning("could not arm the PyTorch memory cap", exc_info=True)
 
 
 def _cap_torch_memory(torch) -> None:

@@ -5,6 +5,13 @@ with jupyter_client's ``AsyncKernelManager`` (so ports, HMAC key, connection
 file and signals are Jupyter's own), watches its IOPub for activity, notices
 when it dies, and stops it so that no process outlives its lease (DESIGN.md,
 Promises).
+
+With ``warm_workers`` > 0 it also keeps that many workers started ahead of
+any lease (:mod:`.warmpool`): a lease then takes one and the agent *binds* it
+to the slice (the slice's variables put into the worker's ``os.environ`` by
+:func:`gpupool.provisioner.worker.bind`, before CUDA initialises there)
+instead of booting a kernel. docs/enforcement.md, "Binding a worker to its
+GPUs", says why that holds the worker to its GPUs as a cold start does.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from gpupool.schema import GPUInfo, WorkerReport
 
 from .activity import WorkerActivity, watch_iopub
 from .enforcement import slice_environment
+from .warmpool import WarmPool
 
 # The IPython extension every worker loads (variable transfer, PyTorch cap).
 WORKER_EXTENSION = "gpupool.provisioner.worker"
@@ -51,6 +59,30 @@ class WorkerStartError(Exception):
 
 class WorkerStopError(Exception):
     """A worker's processes survived SIGKILL (e.g. stuck in the GPU driver)."""
+
+
+class WorkerBindError(Exception):
+    """A warm worker refused or failed its binding (e.g. CUDA was already
+    initialised in it); it is stopped and the lease's worker starts cold."""
+
+
+#: Seconds a warm worker gets to answer its binding.
+BIND_TIMEOUT_S = 10.0
+
+#: The environment of a warm worker before it is bound: no GPU visible, so
+#: nothing that initialises CUDA early can use a GPU no lease holds.
+UNBOUND_ENVIRONMENT = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@dataclass(frozen=True)
+class WarmSettings:
+    """The warm pool of one node (``c.NodeAgent.warm_workers`` and friends):
+    ``size`` workers kept started (0: none), each with the modules ``preload``
+    imported, replaced after waiting ``max_age`` seconds."""
+
+    size: int = 0
+    preload: tuple[str, ...] = ()
+    max_age: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +118,22 @@ def worker_environment(environ: Mapping[str, str], slice_env: Mapping[str, str])
     return env
 
 
+def bind_code(slice_env: Mapping[str, str]) -> str:
+    """The code the agent runs in a warm worker (a silent ``execute_request``)
+    to bind it to ``slice_env``: a call of
+    :func:`gpupool.provisioner.worker.bind`. Only string names and values, so
+    ``repr`` is an exact Python literal."""
+    env = {str(name): str(value) for name, value in slice_env.items()}
+    return f"__import__('gpupool.provisioner.worker', fromlist=['bind']).bind({env!r})"
+
+
+def preload_code(modules: Sequence[str]) -> str:
+    """The code that imports ``modules`` in a warm worker without binding a
+    name in the user's namespace; it fails (ImportError) on the first module
+    that cannot be imported, which fails the warm start."""
+    return "".join(f"__import__({name!r})\n" for name in modules)
+
+
 def kernel_arguments(extensions: Sequence[str]) -> list[str]:
     """ipykernel command-line options that load ``extensions`` and make the
     kernel exit when one fails to load.
@@ -102,11 +150,18 @@ def kernel_arguments(extensions: Sequence[str]) -> list[str]:
 
 class Worker:
     """One running (or dead) worker: its kernel manager, process, connection
-    info and activity. Created and owned by :class:`WorkerManager`."""
+    info and activity. Created and owned by :class:`WorkerManager`.
 
-    def __init__(self, spec: WorkerSpec, manager: AsyncKernelManager, process: subprocess.Popen,
-                 log_path: Path, advertise_ip: str) -> None:
+    ``spec`` is None while the worker is warm (started ahead, bound to no
+    lease); ``name`` is its lease id, or ``warm-N`` until it is bound.
+    ``activity`` may be replaced (a warm worker's history is not its lease's):
+    the IOPub watcher always feeds the current one.
+    """
+
+    def __init__(self, spec: WorkerSpec | None, manager: AsyncKernelManager, process: subprocess.Popen,
+                 log_path: Path, advertise_ip: str, name: str | None = None) -> None:
         self.spec = spec
+        self.name = name or (spec.lease_id if spec is not None else "warm")
         self.advertise_ip = advertise_ip
         self.manager = manager
         self.process = process
@@ -119,6 +174,10 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        """IOPub messages from :func:`~.activity.watch_iopub` go to the current activity."""
+        self.activity.on_message(msg)
 
     @property
     def dead(self) -> bool:
@@ -172,6 +231,10 @@ class WorkerManager:
     (default ``os.environ``). ``cwd``: the workers' working directory (default
     the home directory).
 
+    ``warm``: the warm pool's settings (:class:`WarmSettings`); None or size
+    0 (the default): every worker starts cold. The pool starts filling on
+    :meth:`start_warm_pool`.
+
     All methods run on the agent's event loop; calls for the same lease are
     serialized, calls for different leases run concurrently.
     """
@@ -180,7 +243,8 @@ class WorkerManager:
                  node: str,
                  start_timeout: float = 60.0, stop_timeout: float = 10.0,
                  extensions: Sequence[str] = (WORKER_EXTENSION,), environ: Mapping[str, str] | None = None,
-                 cwd: str | os.PathLike | None = None, log: logging.Logger | None = None) -> None:
+                 cwd: str | os.PathLike | None = None, log: logging.Logger | None = None,
+                 warm: WarmSettings | None = None) -> None:
         self.workers_dir = Path(state_dir) / "workers"
         self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.ip = ip
@@ -199,6 +263,11 @@ class WorkerManager:
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
+        self.warm = warm or WarmSettings()
+        self._warm_count = 0
+        self.pool: WarmPool[Worker] = WarmPool(self.warm.size, self.warm.max_age, launch=self._launch_unbound,
+                                               discard=self._terminate, alive=lambda w: not _exited(w.process),
+                                               log=self.log)
 
     # -- queries ----------------------------------------------------------------
 
@@ -271,22 +340,111 @@ class WorkerManager:
                                          spec.lease_id)
                     return existing
                 await self._terminate(self._workers.pop(spec.lease_id))
-            worker = await self._launch(spec)
+            began = time.monotonic()
+            worker = await self._from_pool(spec)
+            how = "warm" if worker is not None else "cold"
+            if worker is None:
+                worker = await self._launch(spec)
             self._workers[spec.lease_id] = worker
-            self.log.info("worker for lease %s of %s started: pid %s, GPUs %s, fraction %g, memory %s bytes",
-                          spec.lease_id, spec.owner, worker.pid, ",".join(g.uuid for g in spec.gpus),
-                          spec.fraction, spec.memory)
+            self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
+                          "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
+                          worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
             return worker
 
+    def start_warm_pool(self) -> None:
+        """Start filling the warm pool in the background (no-op for size 0).
+        Call once, on the agent's event loop."""
+        self.pool.start()
+
+    async def _from_pool(self, spec: WorkerSpec) -> Worker | None:
+        """A warm worker bound to ``spec``, or None (pool empty, or the
+        binding failed: that worker is stopped, never offered again)."""
+        worker = self.pool.take()
+        if worker is None:
+            return None
+        try:
+            await self._bind(worker, spec)
+        except WorkerBindError as exc:
+            self.log.warning("warm worker %s (pid %s) could not be bound to lease %s (%s); stopping it and "
+                             "starting a cold one", worker.name, worker.pid, spec.lease_id, exc)
+            await _quietly(self._terminate(worker))
+            return None
+        return worker
+
+    async def _bind(self, worker: Worker, spec: WorkerSpec) -> None:
+        """Bind a warm worker to ``spec``: put the slice's variables in its
+        ``os.environ`` (:func:`~gpupool.provisioner.worker.bind` refuses when
+        CUDA is initialised there already). From then on it is ``spec``'s
+        worker, idle since now, as a cold worker is idle since it answered."""
+        env = slice_environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node)
+        # A fresh activity, not ready until bound: what the warm worker did
+        # before (its start, the preload) is not the lease's.
+        worker.activity = WorkerActivity()
+        try:
+            # A healthy worker answers in milliseconds; one that does not is
+            # replaced by a cold start well within the service's start timeout.
+            reply = await self._execute(worker, bind_code(env), min(BIND_TIMEOUT_S, self.start_timeout))
+        except Exception as exc:  # noqa: BLE001 - died, timed out: the caller falls back to a cold start
+            raise WorkerBindError(f"it did not answer the binding: {exc or type(exc).__name__}") from None
+        if reply.get("status") != "ok":
+            raise WorkerBindError(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}")
+        worker.spec, worker.name = spec, spec.lease_id
+        worker.activity.mark_ready()
+        # ipykernel publishes the binding's "idle" status just after its reply:
+        # wait for it (a few ms), so the lease's first report says idle, as a
+        # cold worker's does.
+        for _ in range(250):
+            if worker.activity.execution_state == "idle":
+                break
+            await asyncio.sleep(0.004)
+
+    async def _execute(self, worker: Worker, code: str, timeout: float) -> dict[str, Any]:
+        """Run ``code`` silently (no history, no execution count) on the
+        worker; returns the ``execute_reply`` content; TimeoutError after
+        ``timeout`` seconds. The agent alone holds a warm worker's key, so no
+        one else can send it code meanwhile."""
+        client = worker.manager.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        try:
+            reply = await client.execute(code, silent=True, store_history=False, allow_stdin=False,
+                                         reply=True, timeout=timeout)
+        finally:
+            client.stop_channels()
+        return reply["content"]
+
+    async def _launch_unbound(self) -> Worker:
+        """Start one warm worker: no GPU visible, ``warm.preload`` imported.
+        Raises WorkerStartError (nothing is left running then)."""
+        self._warm_count += 1
+        name = f"warm-{self._warm_count}"
+        worker = await self._launch_kernel(name, worker_environment(self.environ, UNBOUND_ENVIRONMENT))
+        if self.warm.preload:
+            try:
+                reply = await self._execute(worker, preload_code(self.warm.preload), self.start_timeout)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed warm start
+                reply = {"ename": type(exc).__name__, "evalue": str(exc)}
+            if reply.get("status") != "ok":
+                await _quietly(self._terminate(worker))
+                raise WorkerStartError(f"preloading {', '.join(self.warm.preload)} failed: "
+                                       f"{reply.get('ename')}: {reply.get('evalue')} (c.NodeAgent.preload_modules)")
+        self.log.info("warm worker %s ready: pid %s", name, worker.pid)
+        return worker
+
     async def _launch(self, spec: WorkerSpec) -> Worker:
-        lease = spec.lease_id
-        log_path = self.workers_dir / f"{lease}.log"
+        env = worker_environment(self.environ, slice_environment(
+            spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node))
+        worker = await self._launch_kernel(spec.lease_id, env)
+        worker.spec = spec
+        return worker
+
+    async def _launch_kernel(self, name: str, env: dict[str, str]) -> Worker:
+        """Start one ipykernel with ``env``, files named after ``name``, and
+        wait until it answers ``kernel_info``. Raises WorkerStartError."""
+        log_path = self.workers_dir / f"{name}.log"
         manager = AsyncKernelManager(
             kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self._context,
-            connection_file=str(self.workers_dir / f"kernel-{lease}.json"), ip=self.ip,
+            connection_file=str(self.workers_dir / f"kernel-{name}.json"), ip=self.ip,
             shutdown_wait_time=self.stop_timeout, log=self.log)
-        env = worker_environment(self.environ, slice_environment(
-            spec.gpus, spec.fraction, spec.memory, lease, spec.owner, self.node))
         try:
             # The child keeps its own copy of the descriptor; ours can close.
             with open(log_path, "ab") as out:
@@ -297,12 +455,12 @@ class WorkerManager:
             if process is not None:  # launched, then something after it failed
                 await asyncio.to_thread(_kill_and_wait, process, (), 5.0)
             await _quietly(manager.cleanup_resources())
-            raise WorkerStartError(f"could not launch the worker for lease {lease}: {exc}") from None
-        worker = Worker(spec, manager, manager.provisioner.process, log_path, self.advertise_ip)
+            raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
+        worker = Worker(None, manager, manager.provisioner.process, log_path, self.advertise_ip, name)
         # Subscribe before the kernel_info round trip, so the first cell's
         # status messages cannot be missed.
         worker.watcher = asyncio.create_task(
-            watch_iopub(worker.activity, manager.get_connection_info(), self._context, self.log))
+            watch_iopub(worker, manager.get_connection_info(), self._context, self.log))
         client = manager.client()
         client.start_channels()
         try:
@@ -346,7 +504,10 @@ class WorkerManager:
         could not be stopped is logged and maps to None."""
         self._closing = True
         leases = sorted(set(self._workers) | set(self._locks))
-        results = await asyncio.gather(*(self.stop(lease) for lease in leases), return_exceptions=True)
+        *results, pooled = await asyncio.gather(*(self.stop(lease) for lease in leases), self.pool.close(),
+                                                return_exceptions=True)
+        if isinstance(pooled, BaseException):
+            self.log.error("could not stop the warm workers: %s", pooled)
         codes: dict[str, int | None] = {}
         for lease, result in zip(leases, results):
             if isinstance(result, KeyError):  # its start failed meanwhile
@@ -373,14 +534,13 @@ class WorkerManager:
                 await asyncio.wait_for(worker.manager.provisioner.wait(), 5)
                 await worker.manager.cleanup_resources()
         except Exception as exc:
-            self.log.warning("worker of lease %s did not shut down cleanly (%s); killing it",
-                             worker.spec.lease_id, exc or type(exc).__name__)
+            self.log.warning("worker %s did not shut down cleanly (%s); killing it",
+                             worker.name, exc or type(exc).__name__)
         survivors = await asyncio.to_thread(_kill_and_wait, worker.process, children, 10.0)
         worker.exit_code = worker.process.returncode
         _remove(Path(worker.manager.connection_file), worker.log_path)
         if survivors:
-            raise WorkerStopError(f"processes {survivors} of the worker of lease {worker.spec.lease_id} "
-                                  "survived SIGKILL")
+            raise WorkerStopError(f"processes {survivors} of the worker {worker.name} survived SIGKILL")
         return worker.exit_code
 
     def _lock(self, lease_id: str) -> asyncio.Lock:
@@ -448,7 +608,7 @@ def _start_failure(exc: BaseException, worker: Worker) -> str:
     code = worker.process.poll()
     why = f"it exited with code {code}" if code is not None else f"{exc or type(exc).__name__}"
     tail = worker.log_tail()
-    return f"the worker for lease {worker.spec.lease_id} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")
+    return f"the worker for {worker.name} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")
 
 
 def _remove(*paths: Path) -> None:

@@ -27,3 +27,19 @@ def agent(tmp_path, service):
 def pool(service, agent):
     """A ready pool: ``(service, agent)``."""
     return service, agent
+
+
+@pytest.fixture(scope="session")
+def jupyterhub(tmp_path_factory):
+    """A real JupyterHub running deploy/jupyterhub/jupyterhub_config.py (proxy, pool
+    service and agent as managed services), shared by the hub tests, with the
+    servers of ann and bob starting (``hub.wait_server(user)``); skipped with
+    the reason when jupyterhub or configurable-http-proxy is missing."""
+    import hubprocs
+
+    why = hubprocs.missing()
+    if why:
+        pytest.skip(why)
+    hub = hubprocs.start_hub(tmp_path_factory.mktemp("jupyterhub"), servers=("ann", "bob"))
+    yield hub
+    hub.stop()

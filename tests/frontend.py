@@ -13,6 +13,7 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
 
+
 @dataclass
 class Cell:
     """What one executed cell produced: IOPub outputs in order, and the reply."""
@@ -79,7 +80,12 @@ def run(kc, code: str, timeout: float = 60, stdin: list[str] | None = None) -> C
             idle = msg["content"]["execution_state"] == "idle"
         elif kind != "execute_input":
             cell.outputs.append((kind, msg["content"]))
-    cell.reply = kc.get_shell_msg(timeout=timeout)["content"]
+    # Skip replies to earlier requests: wait_for_ready may leave extra
+    # kernel_info replies queued when the kernel was slow to start.
+    reply = kc.get_shell_msg(timeout=timeout)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=timeout)
+    cell.reply = reply["content"]
     return cell
 
 
@@ -104,23 +110,3 @@ def start_gpupool_kernel(kernels_dir: Path, cwd: Path):
     kc.wait_for_ready(timeout=60)
     return km, kc
 
-
-async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
-    """Execute ``code`` on a worker like a notebook client; return its stdout.
-    Raises AssertionError with the error when the cell fails."""
-    from jupyter_client import AsyncKernelClient
-
-    client = AsyncKernelClient()
-    client.load_connection_info({**connection, "key": connection["key"].encode()})
-    client.start_channels()
-    out: list[str] = []
-    try:
-        await client.wait_for_ready(timeout=timeout)
-        reply = await client.execute_interactive(
-            code, timeout=timeout,
-            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
-    finally:
-        client.stop_channels()
-        client.context.destroy(linger=0)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    return "".join(out)

@@ -57,7 +57,7 @@ def test_formatting():
 
 
 def test_lease_request_round_trip():
-    body = {"fraction": 0.5, "memory": 1024, "model": "A100", "idle_timeout": 600, "kernel_id": "k"}
+    body = {"fraction": 0.5, "memory": 2**30, "model": "A100", "idle_timeout": 600, "kernel_id": "k"}
     assert LeaseRequest.from_json(body).to_json() == {**body, "fraction": 0.5, "gpu_count": 1}
     assert LeaseRequest.from_json({"gpu_count": 2}).fraction == 1.0
 
@@ -66,7 +66,8 @@ def test_lease_request_round_trip():
     ([], "JSON object"), ({"fraction": 0}, "in \\(0, 1\\]"), ({"fraction": 1.5}, "gpu_count"),
     ({"fraction": "half"}, "must be a number"), ({"fraction": True}, "must be a number"),
     ({"gpu_count": 2.5}, "whole number"), ({"gpu_count": 2, "fraction": 0.5}, "whole GPUs"),
-    ({"memory": -1}, "bytes"), ({"memory": 2**60}, "bytes"), ({"idle_timeout": 0}, "idle_timeout"),
+    ({"memory": -1}, "bytes"), ({"memory": 2**60}, "bytes"), ({"memory": 1024}, "1 MiB"),
+    ({"fraction": 1e-9}, "at least 0.01"), ({"idle_timeout": 0}, "idle_timeout"),
     ({"model": ""}, "non-empty"), ({"colour": "red"}, "unknown field"),
 ])
 def test_lease_request_refusals_name_the_field(body, words):

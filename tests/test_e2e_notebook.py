@@ -131,7 +131,7 @@ def test_a_killed_kernels_lease_is_reclaimed_after_the_heartbeat_ttl(e2e_pool, k
 def test_idle_lease_is_released_and_the_notebook_says_so(e2e_pool, kernel):
     service, _, _ = e2e_pool
     _, kc = kernel
-    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s").ok
+    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s --on-idle release").ok
     lease, = _active_leases(service)
     client = service.client()
     ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 15, "idle reclaim")
@@ -146,15 +146,17 @@ def test_idle_lease_is_released_and_the_notebook_says_so(e2e_pool, kernel):
 def test_a_long_quiet_cell_is_not_reclaimed(e2e_pool, kernel):
     service, _, _ = e2e_pool
     _, kc = kernel
-    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s").ok
+    assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s --on-idle release").ok
     cell = run(kc, "import time\ntime.sleep(5)\n'still attached'")
     assert cell.ok and cell.outputs[-1][1]["data"]["text/plain"] == "'still attached'"
     lease, = _active_leases(service)
     assert lease.state.value == "active"
 
 
-def test_two_halves_share_a_gpu_the_third_goes_to_the_other_and_the_fifth_is_refused(e2e_pool):
-    service, _, _ = e2e_pool
+def test_two_halves_share_a_gpu_the_third_goes_to_the_other_and_the_fifth_is_refused(pool):
+    # Its own pool: leases made through the API send no heartbeats, and the
+    # module's pool reclaims those after 3 s, which could free a GPU mid-test.
+    service, _ = pool
     client = service.client()
     leases = []
     try:

@@ -30,7 +30,6 @@ def unreachable_service(monkeypatch):
 
 
 @pytest.mark.parametrize("line, words", [
-    ("", "unknown %gpu command ''"),
     ("frobnicate", "unknown %gpu command 'frobnicate'"),
     ("acquire", "the following arguments are required: amount"),
     ("acquire 0", "more than 0"),
@@ -50,6 +49,13 @@ def test_bad_input_is_one_usage_error(shell, line, words):
     with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
         shell.run_line_magic("gpu", line)
     assert shell.magics_manager.registry["GPUMagics"].attachment is None
+
+
+@pytest.mark.parametrize("line, words", [("", "%gpu acquire 0.5"), ("help", "%gpu release [--discard]"),
+                                         ("acquire --help", "--idle-timeout"), ("push --help", "%gpu push NAME")])
+def test_help(shell, capsys, line, words):
+    shell.run_line_magic("gpu", line)
+    assert words in capsys.readouterr().out
 
 
 def test_service_down_is_one_clear_line(shell):

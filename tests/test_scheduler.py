@@ -190,3 +190,59 @@ def test_lost_nodes():
 ])
 def test_death_reasons(code, reason):
     assert death_reason(code) == reason
+
+
+# -- the placement index gives place()'s answer ------------------------------------------------------------------
+
+def random_pool(rng) -> list[GPUState]:
+    """Nodes of 1-8 GPUs, two models, some lost/unhealthy/whole-only/foreign memory, float-noisy allocations."""
+    gpus = []
+    for n in range(rng.randint(1, 12)):
+        node, up, whole_only = f"n{n:02d}", rng.random() > 0.1, rng.random() < 0.1
+        name = rng.choice([A100, H100])
+        for i in range(rng.randint(1, 8)):
+            fraction = rng.choice([0.0, 0.0, 0.1 + 0.2, 0.25, 0.5, 0.7, 0.75, 1.0])
+            gpus.append(gpu(node, i, name=name, fraction=fraction, up=up, healthy=rng.random() > 0.05,
+                            unattributed=rng.choice([0, 0, 0, 30 * GiB]), whole_only=whole_only))
+    return gpus
+
+
+def random_demand(rng) -> Demand:
+    if rng.random() < 0.2:
+        return Demand(1.0, rng.randint(2, 4), model=rng.choice([None, None, "h100"]))
+    return Demand(rng.choice([0.1, 0.2, 0.25, 0.3, 0.5, 0.7, 1.0]), 1, model=rng.choice([None, None, None, "a100"]),
+                  memory=rng.choice([None, None, None, 20 * GiB, 60 * GiB]))
+
+
+def test_placement_index_gives_the_same_answer_under_churn():
+    import dataclasses
+    import random
+
+    from gpupool.hub_plugin.placement_index import PlacementIndex
+
+    rng = random.Random(3)
+    decisions = placed = 0
+    for _ in range(60):
+        gpus = random_pool(rng)
+        index = PlacementIndex(gpus)
+        held: list[Placement] = []
+        for _ in range(60):
+            if held and rng.random() < 0.35:  # a lease ends
+                gone = held.pop(rng.randrange(len(held)))
+                for uuid in gone.gpus:
+                    g = index.states[uuid]
+                    index.update(dataclasses.replace(g, allocated_fraction=g.allocated_fraction - gone.fraction,
+                                                     allocated_memory=g.allocated_memory - gone.memory))
+                continue
+            demand = random_demand(rng)
+            expected = place(demand, index.all())
+            assert index.place(demand) == expected, demand
+            decisions += 1
+            if isinstance(expected, Placement):
+                placed += 1
+                held.append(expected)
+                for uuid in expected.gpus:
+                    g = index.states[uuid]
+                    index.update(dataclasses.replace(g, allocated_fraction=g.allocated_fraction + expected.fraction,
+                                                     allocated_memory=g.allocated_memory + expected.memory))
+    assert decisions > 1000 and placed > 300  # both outcomes were exercised

@@ -313,6 +313,15 @@ def test_node_registration_validation(shared_service, change, message):
     assert snapshot(shared_service) == before
 
 
+def test_a_second_agent_cannot_take_a_live_nodes_name(service):
+    register(service, "node-t", gpus=2)
+    body = {"name": "node-t", "url": "http://127.0.0.1:9/", "inventory": "simulated", "gpus": []}
+    status, reply = http(service, "POST", "/nodes", body, token="agent")
+    assert (status, reply["error"]) == (409, "node_name_taken") and "--name" in reply["message"]
+    assert [len(n["gpus"]) for n in service.client().pool()["nodes"]] == [2], "nothing changed"
+    register(service, "node-t", gpus=1)  # the same agent (same URL) registering again is fine
+
+
 def test_node_registration_and_heartbeat(service):
     reply = register(service, "node-r", gpus=2)
     assert reply == {"name": "node-r", "heartbeat_interval": 0.2, "stop": []}
@@ -541,6 +550,22 @@ def test_leases_survive_a_service_restart(tmp_path):
         kept = svc.client().get_lease(lease.id)
         assert kept.state is LeaseState.active and kept.connection == lease.connection
         assert gpu_allocations(svc) == [0.5, 0.0]
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+def test_an_outage_longer_than_the_heartbeat_ttl_reclaims_nothing(tmp_path):
+    svc = start_service(tmp_path, config={"heartbeat_ttl": 3.0})
+    agent = start_agent(tmp_path, svc)
+    try:
+        lease = acquire(svc, 0.5)
+        svc.client().heartbeat(lease.id)
+        assert svc.stop() == 0
+        time.sleep(4)  # longer than the TTL: no client could have reached the service
+        svc = start_service(tmp_path, config={"heartbeat_ttl": 3.0})
+        time.sleep(1)  # a few reclaim sweeps
+        assert svc.client().heartbeat(lease.id).state is LeaseState.active
     finally:
         agent.stop()
         svc.stop()

@@ -1,0 +1,243 @@
+"""Attach latency: ``%gpu acquire`` to the first remote cell finished, cold and warm.
+
+Starts a real ``gpupool service`` and a real ``gpupool agent`` (simulated
+GPUs) on this machine, then acquires a 0.5 slice N times per mode, each time
+the way ``%gpu acquire`` does (``gpupool.api.ServiceClient.create_lease``,
+long polls ``GET /leases/{id}?wait=2&state=...`` until active, then
+``gpupool.magics.attachment.Attachment.connect``: a
+``gpupool.magics.remote.RemoteKernel`` that waits for ``kernel_info`` and a
+heartbeat thread), runs one cell (``x = 1``) on the worker, and releases.
+It drives these classes directly rather than a notebook kernel: the magic
+adds only argument parsing and printing around them.
+
+Modes: ``cold`` (``--warm-workers=0``: every lease boots a kernel) and
+``warm`` (``--warm-workers=W``). Before each warm acquire the bench waits
+until the agent has W warm workers ready again (the agent logs each one), as
+a user's think time would; what it waited is not part of the attach time.
+
+Where the time goes, per acquire:
+
+- ``create``: ``POST /leases`` round trip: auth, quota, placement and the
+  SQL write of the reservation (placement is not timed on its own);
+- ``agent``: the agent's ``POST /workers`` work (bind a warm worker, or boot
+  a cold one), from the agent's log line ``started warm|cold in N ms``;
+- ``service``: the rest of the time between the lease's ``created_at`` and
+  ``started_at`` (the service's call to the agent, writing ``active``);
+- ``wake``: from ``started_at`` until the client's long poll returned;
+- ``connect``: ``Attachment.connect`` (kernel_info round trip, heartbeat);
+- ``cell``: the first cell, sent to finished.
+
+    .venv/bin/python bench/attach_bench.py --n 50 --out bench
+
+writes ``OUT/attach_results.json`` (every acquire) and ``OUT/attach_latency.png``
+and prints the report section's tables as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from gpupool import localpool
+from gpupool.magics.attachment import Attachment
+from gpupool.schema import LeaseRequest, LeaseState
+
+PHASES = ("create", "service", "agent", "wake", "connect", "cell")
+_STARTED = re.compile(r"worker for lease (\S+) of \S+ started (warm|cold) in (\d+) ms")
+
+
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def acquire_once(client, agent_log: Path) -> dict[str, float | str]:
+    """One acquire -> first cell -> release; returns seconds per phase, the
+    total, and whether the agent served it warm or cold."""
+    t0_wall, t0 = time.time(), time.monotonic()
+    lease = client.create_lease(LeaseRequest(fraction=0.5))
+    t1 = time.monotonic()
+    while lease.state in (LeaseState.queued, LeaseState.starting):
+        lease = client.get_lease(lease.id, wait=2, state=lease.state.value)
+    t2_wall, t2 = time.time(), time.monotonic()
+    if lease.state is not LeaseState.active:
+        raise RuntimeError(f"lease {lease.id} ended {lease.state.value}: {lease.reason}")
+    attachment = Attachment.connect(client, lease)
+    t3 = time.monotonic()
+    try:
+        reply = attachment.remote.execute("x = 1", lambda msg: None)
+        t4 = time.monotonic()
+        assert reply.get("status") == "ok", reply
+    finally:
+        attachment.release(reason="bench")
+    how, agent_ms = _agent_line(agent_log, lease.id)
+    held = _epoch(lease.started_at) - _epoch(lease.created_at)
+    return {"lease": lease.id, "how": how, "total": t4 - t0, "create": t1 - t0,
+            "agent": agent_ms / 1000, "service": max(0.0, held - agent_ms / 1000),
+            "wake": max(0.0, t2_wall - _epoch(lease.started_at)), "connect": t3 - t2, "cell": t4 - t3,
+            "t0_wall": t0_wall}
+
+
+def _agent_line(log: Path, lease_id: str) -> tuple[str, float]:
+    for _ in range(100):
+        for line in log.read_text(errors="replace").splitlines():
+            found = _STARTED.search(line)
+            if found and found.group(1) == lease_id:
+                return found.group(2), float(found.group(3))
+        time.sleep(0.02)
+    return "unknown", float("nan")
+
+
+def _warm_ready(log: Path) -> int:
+    return sum(1 for line in log.read_text(errors="replace").splitlines()
+               if "warm worker warm-" in line and " ready:" in line)
+
+
+def run_mode(state: Path, service, mode: str, n: int, warm: int, preload: list[str]) -> list[dict]:
+    """Start an agent for ``mode``, run ``n`` acquires, stop the agent."""
+    args = [f"--warm-workers={warm if mode == 'warm' else 0}"]
+    if preload and mode == "warm":
+        args.append("--NodeAgent.preload_modules=" + json.dumps(preload))
+    # One node name for both modes, so no lease is placed on the stopped agent.
+    agent = localpool.start_agent(state / f"agent-{mode}", service, name="node-bench", extra_args=args,
+                                  client=service.client(), timeout=60)
+    # The node keeps its name across modes: wait until the service has this
+    # agent's address, not the stopped one's.
+    localpool.wait_for(lambda: "registered with" in agent.log.read_text(errors="replace"), 60,
+                       "agent registration", agent.proc, agent.log)
+    client = service.client()
+    results = []
+    try:
+        for i in range(n):
+            if mode == "warm":  # think time: until the pool is full again
+                localpool.wait_for(lambda: _warm_ready(agent.log) >= i + warm, 120, "warm workers", agent.proc,
+                                   agent.log)
+            else:
+                time.sleep(0.2)
+            results.append(acquire_once(client, agent.log))
+            print(f"{mode} {i + 1}/{n}: {results[-1]['total'] * 1000:.0f} ms ({results[-1]['how']})",
+                  file=sys.stderr, flush=True)
+    finally:
+        agent.stop()
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest rank."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def summarize(results: dict[str, list[dict]]) -> dict:
+    summary = {}
+    for mode, rows in results.items():
+        totals = [r["total"] for r in rows]
+        summary[mode] = {
+            "n": len(rows), "served": {how: sum(r["how"] == how for r in rows) for how in ("warm", "cold", "unknown")},
+            "p50_ms": 1000 * percentile(totals, 50), "p99_ms": 1000 * percentile(totals, 99),
+            "phases_p50_ms": {p: 1000 * statistics.median(r[p] for r in rows) for p in PHASES},
+        }
+    return summary
+
+
+def markdown(summary: dict, command: str, warm: int, preload: list[str]) -> str:
+    targets = {"warm": 300.0, "cold": 3000.0}
+    lines = ["## Attach latency", "",
+             "`%gpu acquire 0.5` to the first remote cell finished, through a real service and agent "
+             "(simulated GPUs) on this machine (2 shared CPU cores), driven with `gpupool.api.ServiceClient` "
+             "and `gpupool.magics.attachment.Attachment` (the classes the magic uses), not a notebook kernel. "
+             f"Warm: `--warm-workers={warm}`" + (f", preloading {', '.join(preload)}" if preload else ", no preload")
+             + "; before each warm acquire the bench waits until the pool is full again (think time, not counted). "
+             "Cold: `--warm-workers=0`, no heavy imports.", "",
+             f"Reproduce: `{command}`", "",
+             "| mode | acquires | served warm / cold | p50 | p99 | target (p50) | met |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for mode in ("cold", "warm"):
+        s = summary[mode]
+        met = "yes" if s["p50_ms"] <= targets[mode] else "**no**"
+        lines.append(f"| {mode} | {s['n']} | {s['served']['warm']} / {s['served']['cold']} | {s['p50_ms']:.0f} ms | "
+                     f"{s['p99_ms']:.0f} ms | ≤ {targets[mode]:.0f} ms | {met} |")
+    lines += ["", "Where the time goes (median per phase, ms):", "",
+              "| mode | " + " | ".join(PHASES) + " |", "| --- |" + " --- |" * len(PHASES)]
+    for mode in ("cold", "warm"):
+        phases = summary[mode]["phases_p50_ms"]
+        lines.append(f"| {mode} | " + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |")
+    lines += ["", "Phases: `create` = `POST /leases` round trip (auth, quota, placement, SQL write; placement is "
+              "not timed separately); `service` = lease `created_at` to `started_at` minus the agent's part "
+              "(the service's background task, its HTTP call to the agent, the `active` write); `agent` = the "
+              "agent's own `POST /workers` time (binding a warm worker, or booting a kernel); `wake` = `started_at` "
+              "to the client's long poll returning; `connect` = `kernel_info` round trip and heartbeat start; "
+              "`cell` = `x = 1` sent to finished.", "",
+              "![attach latency](attach_latency.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict]], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, color in (("cold", "tab:blue"), ("warm", "tab:orange")):
+        totals = sorted(1000 * r["total"] for r in results[mode])
+        left.plot(totals, [(i + 1) / len(totals) for i in range(len(totals))], label=mode, color=color)
+    left.set_xscale("log")
+    left.set_xlabel("acquire -> first cell finished (ms, log)")
+    left.set_ylabel("share of acquires")
+    left.axvline(300, color="tab:orange", linestyle=":", label="warm target")
+    left.axvline(3000, color="tab:blue", linestyle=":", label="cold target")
+    left.legend()
+    positions = range(len(PHASES))
+    for offset, (mode, color) in zip((-0.2, 0.2), (("cold", "tab:blue"), ("warm", "tab:orange"))):
+        right.bar([p + offset for p in positions], [summary[mode]["phases_p50_ms"][p] for p in PHASES], 0.4,
+                  label=mode, color=color)
+    right.set_xticks(list(positions), PHASES)
+    right.set_yscale("log")
+    right.set_ylabel("median ms per phase (log)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=50, help="acquires per mode (default 50)")
+    parser.add_argument("--warm-workers", type=int, default=1, help="warm pool size for the warm mode (default 1)")
+    parser.add_argument("--preload", action="append", default=[], help="module the warm workers preload (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="where results go (default bench/)")
+    parser.add_argument("--modes", default="cold,warm")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from OUT/attach_results.json")
+    args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((args.out / "attach_results.json").read_text())
+        plot(saved["results"], saved["summary"], args.out / "attach_latency.png")
+        return 0
+    state = Path(tempfile.mkdtemp(prefix="gpupool-attach-"))
+    service = localpool.start_service(state / "service")
+    results: dict[str, list[dict]] = {}
+    try:
+        for mode in args.modes.split(","):
+            results[mode] = run_mode(state, service, mode, args.n, args.warm_workers, args.preload)
+    finally:
+        service.stop()
+    summary = summarize(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attach_results.json").write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    command = "python bench/attach_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if set(results) == {"cold", "warm"}:
+        plot(results, summary, args.out / "attach_latency.png")
+        print(markdown(summary, command.strip(), args.warm_workers, args.preload))  # for bench/REPORT.md
+    print(json.dumps(summary, indent=1), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``gpupool quota``: your limits and usage; for admins, run-time quota overrides.
+
+    gpupool quota [show]                      your limits and today's / this week's usage
+    gpupool quota list                        admins: configured, overridden and effective quotas
+    gpupool quota set SCOPE LIMIT=VALUE ...   admins: e.g. set user:ann max_gpus=2 gpu_hours_per_day=8h
+    gpupool quota unset SCOPE                 admins: drop the override, the configured quota applies
+    gpupool quota usage [--days 7]            admins: GPU-hours per user and group
+
+SCOPE is ``*``, ``group:NAME`` or ``user:NAME``; VALUE ``none`` means
+unlimited. Overrides are kept in the service's SQL store and survive restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .api import ENV_TOKEN, ENV_URL, ServiceClient
+from .errors import GPUPoolError
+from .tables import table
+from .units import format_duration
+
+LIMITS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout")
+
+
+def limit_words(key: str, value: Any) -> str:
+    """``('max_idle_timeout', 7200)`` -> ``'2h'``; None -> ``'unlimited'``."""
+    if value is None:
+        return "unlimited"
+    if key == "max_idle_timeout":
+        return format_duration(value)
+    if key.startswith("gpu_hours"):
+        return f"{value:.1f} GPU-hours"
+    return f"{value:.2f} GPU"
+
+
+def quota_text(body: dict[str, Any]) -> str:
+    """``GET /quota`` as text: the limits beside the usage."""
+    used = body["usage"]
+    limits = body["limits"]
+    rows = [("GPUs held (or queued)", f"{used['holding_gpus']:.2f}", limit_words("max_gpus", limits["max_gpus"])),
+            ("one lease", "", limit_words("max_lease_gpus", body["limits"]["max_lease_gpus"])),
+            ("GPU-hours today", f"{used['today_gpu_hours']:.2f}",
+             limit_words("gpu_hours_per_day", body["limits"]["gpu_hours_per_day"])),
+            ("GPU-hours this week", f"{used['week_gpu_hours']:.2f}",
+             limit_words("gpu_hours_per_week", body["limits"]["gpu_hours_per_week"])),
+            ("idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"]))]
+    groups = ", ".join(body["groups"]) or "none"
+    head = f"user {body['user']} (groups: {groups}); days and weeks in {used['timezone']}"
+    return head + "\n" + table(["", "used", "limit"], rows)[0]
+
+
+def _value(text: str) -> Any:
+    if text.lower() in ("none", "null", "unlimited"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text  # human units ("8h", "30m") are read by the service
+
+
+def _limits(pairs: list[str]) -> dict[str, Any]:
+    limits = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in LIMITS:
+            raise GPUPoolError("bad_request", f"cannot read {pair!r}: write LIMIT=VALUE with LIMIT one of "
+                               f"{', '.join(LIMITS)}")
+        limits[key] = _value(value)
+    return limits
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``gpupool quota``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="gpupool quota", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("action", nargs="?", default="show", choices=("show", "list", "set", "unset", "usage"))
+    parser.add_argument("scope", nargs="?", help="'*', 'group:NAME' or 'user:NAME' (set, unset)")
+    parser.add_argument("limits", nargs="*", help="LIMIT=VALUE (set)")
+    parser.add_argument("--days", type=int, default=7, help="days of daily usage (usage; default 7)")
+    parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
+    parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
+    parser.add_argument("--token-file", type=Path, help="read the API token from this file")
+    args = parser.parse_args(argv)
+    if not args.url:
+        parser.error(f"no service URL: pass --url or set {ENV_URL}")
+    if args.action in ("set", "unset") and not args.scope:
+        parser.error(f"'{args.action}' needs a SCOPE ('*', 'group:NAME' or 'user:NAME')")
+    if args.action == "set" and not args.limits:
+        parser.error("'set' needs at least one LIMIT=VALUE")
+    token = args.token_file.read_text().strip() if args.token_file else args.token
+    client = ServiceClient(args.url, token)
+    if args.action == "show":
+        print(quota_text(client.quota()))
+    elif args.action == "list":
+        print(json.dumps(client.admin_quotas(), indent=2, sort_keys=True))
+    elif args.action == "set":
+        reply = client.set_quota(args.scope, _limits(args.limits))
+        print(f"{reply['scope']}: " + ", ".join(f"{k} {limit_words(k, v)}" for k, v in reply["limits"].items()))
+    elif args.action == "unset":
+        client.clear_quota(args.scope)
+        print(f"{args.scope}: override removed; the configured quota applies")
+    else:
+        print(json.dumps(client.admin_usage(args.days), indent=2, sort_keys=True))
+    return 0

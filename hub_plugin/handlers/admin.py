@@ -1,0 +1,92 @@
+"""``/api/v1/admin``: quota overrides and usage of everyone (admins only:
+``c.GPUPool.admin_users``, or the hub's admin scope under JupyterHub)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from datetime import timedelta
+
+from gpupool.errors import bad_request
+from gpupool.schema import isoformat
+
+from .. import usage
+from ..auth import Identity, forbidden
+from .base import APIHandler
+
+#: Most days ``GET /admin/usage?days=`` reports.
+MAX_DAYS = 92
+
+
+class AdminHandler(APIHandler):
+    """Base: :meth:`require_admin` gives the calling admin, else 403."""
+
+    def require_admin(self) -> Identity:
+        who = self.require_user()
+        if not who.admin:
+            raise forbidden("only pool admins may call /admin (c.GPUPool.admin_users)")
+        return who
+
+
+class QuotaListHandler(AdminHandler):
+    """``GET /admin/quotas``: configured, overridden and effective quota tables."""
+
+    def get(self) -> None:
+        self.require_admin()
+        with self.ctx.leases.store.read() as session:
+            body = self.ctx.leases.quotas.listing(session)
+        self.write_json(body)
+
+
+class QuotaOverrideHandler(AdminHandler):
+    """``PUT /admin/quotas/{scope}`` merges limits into the scope's override;
+    ``DELETE`` removes the override (the configured limits apply again)."""
+
+    def put(self, scope: str) -> None:
+        who = self.require_admin()
+        body = self.json_body()
+        with self.ctx.leases.store.write() as session:
+            limits = self.ctx.leases.quotas.set_override(session, urllib.parse.unquote(scope), body, who.name)
+        self.write_json({"scope": urllib.parse.unquote(scope), "limits": limits})
+
+    def delete(self, scope: str) -> None:
+        who = self.require_admin()
+        with self.ctx.leases.store.write() as session:
+            self.ctx.leases.quotas.clear_override(session, urllib.parse.unquote(scope), who.name)
+        self.write_json({"scope": urllib.parse.unquote(scope), "limits": None})
+
+
+class UsageHandler(AdminHandler):
+    """``GET /admin/usage?days=7``: GPU-hours per user and group for today,
+    this week, and per user per day over the last ``days`` days."""
+
+    def get(self) -> None:
+        self.require_admin()
+        days = self.float_argument("days", 7.0)
+        if days != int(days) or not 1 <= days <= MAX_DAYS:
+            raise bad_request(f"'days' must be a whole number from 1 to {MAX_DAYS}")
+        book = self.ctx.leases.quotas
+        now = book.now()
+        tz = book.tz
+        day_lo, day_hi = usage.period(now, tz, usage.DAY)
+        week_lo, week_hi = usage.period(now, tz, usage.WEEK)
+        first = now.astimezone(tz).date() - timedelta(days=int(days) - 1)
+        lo = usage.period(now - timedelta(days=int(days) - 1), tz, usage.DAY)[0]
+        with self.ctx.leases.store.read() as session:
+            today = usage.summary(session, day_lo, day_hi, now)
+            week = usage.summary(session, week_lo, week_hi, now)
+            rows = usage.intervals(session, min(lo, week_lo), day_hi, now)
+        per_user: dict[str, dict[str, float]] = {}
+        for owner in sorted({r.owner for r in rows}):
+            mine = [r for r in rows if r.owner == owner]
+            per_user[owner] = {d.isoformat(): s / 3600.0 for d, s in usage.daily(mine, tz, first, int(days)).items()}
+        hours = lambda sums: {k: {n: s / 3600.0 for n, s in v.items()} for k, v in sums.items()}  # noqa: E731
+        self.write_json({"timezone": self.ctx.settings.usage_timezone, "now": isoformat(now),
+                         "today_gpu_hours": hours(today), "week_gpu_hours": hours(week),
+                         "daily_gpu_hours": per_user})
+
+
+routes = [
+    (r"/api/v1/admin/quotas", QuotaListHandler),
+    (r"/api/v1/admin/quotas/([^/]+)", QuotaOverrideHandler),
+    (r"/api/v1/admin/usage", UsageHandler),
+]

@@ -1,0 +1,209 @@
+"""One call in ``jupyterhub_config.py`` runs gpupool as a JupyterHub service.
+
+    from gpupool.hub_plugin.hub import configure
+    configure(c, admin_group="gpu-admins",
+              quotas={"*": {"max_gpus": 1, "gpu_hours_per_day": 8}, "group:physics": {"max_gpus": 2}})
+
+It wires, on the hub's config ``c``:
+
+- the managed service ``gpupool``: the hub starts ``gpupool service`` with
+  ``--config`` pointing at this very file, so every ``c.GPUPool.*`` setting
+  here (quotas included) reaches the service; it is proxied at
+  ``/services/gpupool/`` and its own hub API token is kept in
+  ``STATE_DIR/hub_service_token`` (mode 0600);
+- the custom scopes ``custom:gpupool:use`` (hold leases) and
+  ``custom:gpupool:admin`` (see and end everyone's, set quotas);
+- roles: every user (or the members of ``user_groups``) gets
+  ``custom:gpupool:use!user`` and access to the service's page; the members of
+  ``admin_group`` and ``admin_users`` get ``custom:gpupool:admin``;
+- ``c.Spawner.server_token_scopes`` extended with ``custom:gpupool:use!user``,
+  so a single-user server's ``JUPYTERHUB_API_TOKEN``, which its kernels
+  inherit, may call the service (the hub grants only what the user holds);
+- ``GPUPOOL_URL`` in the single-user servers' environment;
+- a ``c.Spawner.post_stop_hook`` (chained after one set before) that asks
+  the service to release the leases of a user whose server stopped.
+
+Call it after any ``c.JupyterHub.load_roles`` / ``services`` /
+``c.Spawner.server_token_scopes`` of your own (it extends them); it runs in
+the hub and again in the service when the service reads this file, and
+imports nothing of the service (no SQLAlchemy in the hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+USE_SCOPE = "custom:gpupool:use"
+ADMIN_SCOPE = "custom:gpupool:admin"
+#: The hub's own default scopes of a server token (the "server" role), kept when extending.
+SERVER_ROLE_SCOPES = ["users:activity!user", "access:servers!server"]
+
+
+def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int = 8765,
+              state_dir: str | os.PathLike | None = None, config_file: str | os.PathLike | None = None,
+              quotas: dict | None = None, user_groups: Iterable[str] | None = None,
+              admin_group: str | None = None, admin_users: Iterable[str] = (),
+              environment: dict[str, str] | None = None) -> dict[str, Any]:
+    """Wire the gpupool service into the hub config ``c``; returns the service entry.
+
+    ``ip``/``port``: where the service listens (the proxy and kernels reach it
+    there). ``state_dir``: its SQLite store and token files (default
+    ``gpupool-state`` beside the config file). ``config_file``: the file the
+    service reads (default: the file calling this, i.e. ``jupyterhub_config.py``).
+    ``quotas``: sets ``c.GPUPool.quotas``. ``user_groups``: only these groups'
+    members may use the pool (default None: every hub user). ``admin_group`` /
+    ``admin_users``: pool admins. ``environment``: more variables for the
+    service process (every ``GPUPOOL_*`` variable of the hub is passed on, and
+    its working directory is the hub's). Raises ValueError for a bad name or a missing config file.
+    """
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"service name {name!r} may only hold letters, digits, '-' and '_'")
+    config_path = Path(config_file or _caller_file()).resolve()
+    if not config_path.is_file():
+        raise ValueError(f"config file {config_path} not found; pass configure(c, config_file=__file__)")
+    state = Path(state_dir or config_path.parent / "gpupool-state").resolve()
+    prefix = f"/services/{name}/"
+    host = "127.0.0.1" if ip in ("", "0.0.0.0") else ip
+    url = f"http://{host}:{port}"
+    token = _service_token(state)
+
+    c.GPUPool.base_url = prefix
+    if quotas is not None:
+        c.GPUPool.quotas = quotas
+    service = {
+        "name": name,
+        "url": url,
+        "api_token": token,
+        "command": [sys.executable, "-m", "gpupool.cli", "service", f"--config={config_path}",
+                    f"--ip={ip}", f"--port={port}", f"--state-dir={state}"],
+        # The service reads this same file in its own process, where the hub passes only a few
+        # variables: forward GPUPOOL_* so the file computes the same paths and ports there.
+        "environment": {**{k: v for k, v in os.environ.items() if k.startswith("GPUPOOL_")}, **(environment or {})},
+        "cwd": os.getcwd(),
+        "oauth_client_allowed_scopes": [USE_SCOPE, ADMIN_SCOPE],
+        "oauth_no_confirm": True,
+        "display": True,
+        "info": {"description": "GPU pool: nodes, leases, usage and quotas"},
+    }
+    c.JupyterHub.services.append(service)
+    c.JupyterHub.custom_scopes.update(custom_scopes())
+    c.JupyterHub.load_roles.extend(roles(name, user_groups=user_groups, admin_group=admin_group,
+                                         admin_users=admin_users))
+    _extend_server_token_scopes(c)
+    c.Spawner.environment.update({"GPUPOOL_URL": url + prefix.rstrip("/")})
+    c.Spawner.post_stop_hook = release_on_stop(url + prefix, token, previous=_previous_hook(c))
+    return service
+
+
+def custom_scopes() -> dict[str, dict[str, str]]:
+    """The two scopes, as ``c.JupyterHub.custom_scopes`` wants them."""
+    return {
+        USE_SCOPE: {"description": "Hold GPU leases from the gpupool service."},
+        ADMIN_SCOPE: {"description": "Administer the gpupool service: all leases, usage and quotas.",
+                      "subscopes": [USE_SCOPE]},
+    }
+
+
+def roles(name: str, *, user_groups: Iterable[str] | None, admin_group: str | None,
+          admin_users: Iterable[str]) -> list[dict[str, Any]]:
+    """The roles (pure). ``user_groups`` None: the hub's default ``user`` role
+    (every user) is extended; else a ``gpupool-users`` role for those groups."""
+    access = f"access:services!service={name}"
+    use = [f"{USE_SCOPE}!user", access]
+    result = []
+    if user_groups is None:
+        result.append({"name": "user", "description": "Standard user privileges, and the GPU pool",
+                       "scopes": ["self", *use]})
+    else:
+        result.append({"name": f"{name}-users", "description": "May hold GPU leases", "scopes": use,
+                       "groups": sorted(user_groups)})
+    admins = {"name": f"{name}-admin", "description": "Administers the GPU pool",
+              "scopes": [ADMIN_SCOPE, USE_SCOPE, access], "users": sorted(admin_users)}
+    if admin_group:
+        admins["groups"] = [admin_group]
+    result.append(admins)
+    return result
+
+
+def release_on_stop(service_url: str, token: str, *, previous=None, timeout: float = 10.0):
+    """A ``post_stop_hook``: ``POST {service_url}hub/server-stopped``
+    for the user whose server stopped. Failures are logged, never raised (the
+    leases' heartbeat TTL still ends them). ``previous`` (a hook set before)
+    runs first."""
+
+    async def hook(spawner) -> None:
+        if previous is not None:
+            result = previous(spawner)
+            if hasattr(result, "__await__"):
+                await result
+        from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+        user = spawner.user
+        others = any(s is not spawner and s.active for s in user.spawners.values())
+        body = {"user": user.name, "server": spawner.name, "other_servers_running": others}
+        try:
+            reply = await AsyncHTTPClient().fetch(
+                service_url + "hub/server-stopped", method="POST", body=json.dumps(body),
+                headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+                request_timeout=timeout)
+            released = json.loads(reply.body).get("released", [])
+            spawner.log.info("gpupool: released %d lease(s) of %s whose server stopped", len(released), user.name)
+        except (HTTPClientError, OSError, ValueError) as exc:
+            spawner.log.warning("gpupool: could not tell the service at %s that %s's server stopped (%s); "
+                                "the leases end by their heartbeat TTL", service_url, user.name, exc)
+
+    return hook
+
+
+def _extend_server_token_scopes(c: Any) -> None:
+    current = c.Spawner.server_token_scopes if "server_token_scopes" in c.Spawner else None
+    if callable(current):
+        raise ValueError("c.Spawner.server_token_scopes is a callable; add 'custom:gpupool:use!user' to what "
+                         "it returns and call configure() before setting it")
+    scopes = list(current) if isinstance(current, (list, tuple)) else list(SERVER_ROLE_SCOPES)
+    if f"{USE_SCOPE}!user" not in scopes:
+        scopes.append(f"{USE_SCOPE}!user")
+    c.Spawner.server_token_scopes = scopes
+
+
+def _previous_hook(c: Any):
+    hook = c.Spawner.post_stop_hook if "post_stop_hook" in c.Spawner else None
+    return hook if callable(hook) else None
+
+
+def _service_token(state: Path) -> str:
+    """The service's hub API token, kept in ``STATE_DIR/hub_service_token`` so
+    that the hub and the service, which both read the config, agree on it and it
+    stays the same across restarts (the hub keeps every token it was given)."""
+    return shared_secret(state / "hub_service_token")
+
+
+def shared_secret(path: str | os.PathLike) -> str:
+    """The secret in ``path``, created (random, mode 0600, parent folders
+    too) when missing or empty. For secrets that several processes reading
+    the same config file must agree on, e.g. ``c.GPUPool.agent_token``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def _caller_file() -> str:
+    # The config file that called configure(): traitlets runs it with __file__ set.
+    frame = sys._getframe(2)
+    path = frame.f_globals.get("__file__")
+    if not path:
+        raise ValueError("cannot tell which config file called configure(); pass config_file=__file__")
+    return path

@@ -1,0 +1,97 @@
+"""The wait queue: in which order queued requests get capacity. Pure: queued
+requests, GPU states and time in, placements out.
+
+A request with ``wait`` that does not fit now is stored ``queued``
+(:mod:`.leases`); whenever capacity frees (a lease ends, a node registers,
+every reclaim sweep) :func:`drain` decides which queued requests to place.
+
+The fairness rule: **who used the pool least recently goes first.** A
+user's "last use" is now while they hold any capacity, else the end of
+their latest lease, else never; never comes first. Ties go to the older
+request (then the lease id). After a request is placed its owner counts as
+using the pool now, so one user's many requests take turns with everyone
+else's rather than all going first. A request that does not fit is passed
+over for later ones that do (backfill): a big request may wait while small
+ones are placed, until enough frees up at once.
+
+A new request that fits right away is placed without queueing: capacity
+that is free at that moment is capacity no queued request could use, since
+the queue is drained as soon as anything frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable, Mapping, Sequence
+
+from .scheduler import Demand, GPUState, Placement, place
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A queued request: its lease id, owner, demand and when it was asked."""
+
+    lease_id: str
+    owner: str
+    demand: Demand
+    created_at: datetime
+
+
+def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
+    """``waiting`` in the order they get capacity (module docstring)."""
+    def key(item: Waiting):
+        used = last_used.get(item.owner)
+        return (used is not None, used or item.created_at, item.created_at, item.lease_id)
+
+    return sorted(waiting, key=key)
+
+
+def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
+    """1-based place of ``lease_id`` in the queue, or None when it is not queued."""
+    for number, item in enumerate(order(waiting, last_used), start=1):
+        if item.lease_id == lease_id:
+            return number
+    return None
+
+
+def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState], last_used: Mapping[str, datetime | None],
+          now: datetime) -> list[tuple[Waiting, Placement]]:
+    """Queued requests to place on ``gpus`` now, in the order placed; each
+    placement sees the capacity the earlier ones took."""
+    gpus = list(gpus)
+    last = dict(last_used)
+    left = list(waiting)
+    placed: list[tuple[Waiting, Placement]] = []
+    while left:
+        for item in order(left, last):
+            decision = place(item.demand, gpus)
+            if isinstance(decision, Placement):
+                gpus = take(gpus, decision)
+                last[item.owner] = now
+                left.remove(item)
+                placed.append((item, decision))
+                break
+        else:
+            break
+    return placed
+
+
+def take(gpus: Sequence[GPUState], placement: Placement) -> list[GPUState]:
+    """``gpus`` with ``placement``'s fraction and memory added to the GPUs it chose."""
+    chosen = set(placement.gpus)
+    return [dataclasses.replace(g, allocated_fraction=g.allocated_fraction + placement.fraction,
+                                allocated_memory=g.allocated_memory + placement.memory)
+            if g.uuid in chosen else g for g in gpus]
+
+
+def estimate(queue_position: int, recent_hold_seconds: Sequence[float], holding: int) -> float | None:
+    """A rough wait in seconds for the request at ``queue_position``:
+    ``position x median length of recent leases / leases holding capacity now``
+    (leases end one after another, each freeing room for about one request).
+    None without any ended lease to learn from."""
+    if not recent_hold_seconds:
+        return None
+    return round(queue_position * statistics.median(recent_hold_seconds) / max(1, holding), 1)

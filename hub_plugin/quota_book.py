@@ -1,0 +1,126 @@
+"""Quotas in the service: the configured table plus the run-time overrides
+kept in SQL, resolved for a user and enforced inside the transaction that
+reserves capacity (the rules themselves are pure, in :mod:`.quotas`).
+
+Refusals are HTTP 429 ``quota_exceeded`` with ``limit`` naming the limit
+(docs/api.md, "Quotas"): the request is well-formed and the pool may even
+have room, but this user may not take more now.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any, Callable
+from zoneinfo import ZoneInfo
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.schema import isoformat
+
+from . import quotas, usage
+from .auth import Identity
+from .config import GPUPool
+from .models import QuotaOverride
+
+log = logging.getLogger("gpupool.service.quotas")
+
+
+class QuotaBook:
+    """Limits and usage per user. ``settings`` are ``c.GPUPool``; ``now`` the
+    service's one clock."""
+
+    def __init__(self, settings: GPUPool, now: Callable[[], datetime]) -> None:
+        self.settings = settings
+        self.now = now
+        self.tz = ZoneInfo(settings.usage_timezone)
+
+    def groups_of(self, who: Identity) -> tuple[str, ...]:
+        """``who``'s groups: the authenticator's (JupyterHub's) and ``c.GPUPool.groups``."""
+        configured = {group for group, members in self.settings.groups.items() if who.name in members}
+        return tuple(sorted(set(getattr(who, "groups", ()) or ()) | configured))
+
+    # -- limits ----------------------------------------------------------------------------------
+
+    def overrides(self, session: Session) -> dict[str, dict[str, float | None]]:
+        """The run-time overrides, scope -> limits."""
+        return {row.scope: dict(row.limits) for row in session.scalars(select(QuotaOverride))}
+
+    def table(self, session: Session) -> dict[str, dict[str, float | None]]:
+        """The effective table: configuration with the overrides merged over it."""
+        return quotas.merge(self.settings.quotas, self.overrides(session))
+
+    def limits(self, session: Session, user: str, groups: tuple[str, ...]) -> quotas.Limits:
+        return quotas.resolve(user, groups, self.table(session), max_idle_timeout=self.settings.max_idle_timeout)
+
+    def enforce(self, session: Session, user: str, limits: quotas.Limits, requested: float, now: datetime) -> None:
+        """Raise 429 ``quota_exceeded`` when ``user`` may not take ``requested``
+        more GPUs now. Call after ``Store.lock_capacity``, in the transaction
+        that then writes the lease, so concurrent requests cannot both pass."""
+        today, week = usage.used(session, user, now, self.tz) if _counts_hours(limits) else (0.0, 0.0)
+        refusal = quotas.check(limits, holding=usage.holding(session, user), requested=requested,
+                               used_today_s=today, used_week_s=week,
+                               day_resets=usage.resets_words(self.tz, usage.DAY),
+                               week_resets=usage.resets_words(self.tz, usage.WEEK))
+        if refusal is not None:
+            log.info("lease for %s refused by quota %s: %s", user, refusal.limit, refusal.message)
+            raise GPUPoolError("quota_exceeded", refusal.message, 429, limit=refusal.limit)
+
+    # -- what GET /quota shows ---------------------------------------------------------------------
+
+    def mine(self, session: Session, who: Identity) -> dict[str, Any]:
+        """``GET /api/v1/quota``: ``who``'s limits and usage (docs/api.md)."""
+        now = self.now()
+        groups = self.groups_of(who)
+        today, week = usage.used(session, who.name, now, self.tz)
+        return {
+            "user": who.name, "groups": list(groups),
+            "limits": self.limits(session, who.name, groups).to_json(),
+            "usage": {"holding_gpus": round(usage.holding(session, who.name), 9),
+                      "today_gpu_hours": today / 3600.0, "week_gpu_hours": week / 3600.0,
+                      "day_resets_at": isoformat(usage.period(now, self.tz, usage.DAY)[1]),
+                      "week_resets_at": isoformat(usage.period(now, self.tz, usage.WEEK)[1]),
+                      "timezone": self.settings.usage_timezone},
+        }
+
+    # -- admin: overrides --------------------------------------------------------------------------
+
+    def listing(self, session: Session) -> dict[str, Any]:
+        """``GET /admin/quotas``: configured, overrides (with who and when) and effective tables."""
+        rows = list(session.scalars(select(QuotaOverride).order_by(QuotaOverride.scope)))
+        return {"configured": self.settings.quotas,
+                "overrides": {r.scope: {"limits": dict(r.limits), "updated_at": isoformat(r.updated_at),
+                                        "updated_by": r.updated_by} for r in rows},
+                "effective": self.table(session)}
+
+    def set_override(self, session: Session, scope: str, body: Any, by: str) -> dict[str, float | None]:
+        """``PUT /admin/quotas/{scope}``: merge ``body`` (limits, human units
+        allowed, ``null`` unlimited) into the scope's override. 400 on bad input."""
+        try:
+            scope = quotas.check_scope(scope)
+            limits = quotas.parse_entry(body, scope)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        row = session.get(QuotaOverride, scope)
+        if row is None:
+            row = QuotaOverride(scope=scope, limits={})
+            session.add(row)
+        row.limits = {**row.limits, **limits}  # a new dict, so the JSON column sees the change
+        row.updated_at, row.updated_by = self.now(), by
+        log.info("quota override for %s set by %s: %s", scope, by, row.limits)
+        return dict(row.limits)
+
+    def clear_override(self, session: Session, scope: str, by: str) -> None:
+        """``DELETE /admin/quotas/{scope}``: back to the configured limits; 404 when none."""
+        row = session.get(QuotaOverride, scope)
+        if row is None:
+            raise not_found(f"quota override for {scope}")
+        session.delete(row)
+        log.info("quota override for %s removed by %s", scope, by)
+
+
+def _counts_hours(limits: quotas.Limits) -> bool:
+    # The ledger is read only when a GPU-hour limit applies: most requests skip the query.
+    return limits.gpu_hours_per_day is not None or limits.gpu_hours_per_week is not None

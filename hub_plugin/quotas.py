@@ -1,0 +1,183 @@
+"""Quotas: who may hold how much. Pure: quota tables and usage in, limits and refusals out.
+
+A quota table maps a scope to a partial set of limits::
+
+    c.GPUPool.quotas = {
+        "*":             {"max_gpus": 1, "max_lease_gpus": 1, "gpu_hours_per_day": 8,
+                          "gpu_hours_per_week": "40h", "max_idle_timeout": "2h"},
+        "group:quants":  {"max_gpus": 4, "gpu_hours_per_day": None},   # None: unlimited
+        "user:ann":      {"max_gpus": 0.5},
+    }
+
+The limits (:data:`LIMIT_KEYS`):
+
+- ``max_gpus``: GPUs a user may hold (or wait for) at once, as the sum of
+  ``fraction x gpu_count`` over their leases that hold capacity or are queued;
+- ``max_lease_gpus``: the size of one lease (``fraction x gpu_count``);
+- ``gpu_hours_per_day`` / ``gpu_hours_per_week``: GPU-hours (fraction x hours
+  held) a user may use per day / week (weeks start Monday) in
+  ``c.GPUPool.usage_timezone``; a number is hours, a string may carry a unit
+  (``"90m"``, ``"8h"``);
+- ``max_idle_timeout``: the longest idle timeout a request may ask for,
+  seconds or ``"2h"``.
+
+Resolution, one limit at a time: the user's own entry (``user:NAME``) if it
+sets the limit; else the most generous of the user's groups that set it
+(``None``, unlimited, beats any number); else the default (``"*"``); else
+unlimited (``max_idle_timeout``: ``c.GPUPool.max_idle_timeout``).
+Run-time overrides (admin API, ``gpupool quota set``) are merged over the
+configured entry of the same scope, limit by limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping
+
+from gpupool.units import parse_duration
+
+#: Limit names, in the order they are shown.
+LIMIT_KEYS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout")
+DEFAULT_SCOPE = "*"
+#: Tolerance for sums of fractions (as the scheduler's).
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A user's resolved limits; None means unlimited. GPUs are sums of
+    fractions, GPU-hours hours, ``max_idle_timeout`` seconds."""
+
+    max_gpus: float | None = None
+    max_lease_gpus: float | None = None
+    gpu_hours_per_day: float | None = None
+    gpu_hours_per_week: float | None = None
+    max_idle_timeout: float | None = None
+
+    def to_json(self) -> dict[str, float | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class QuotaRefusal:
+    """Why a request exceeds a quota: ``limit`` (a :data:`LIMIT_KEYS` name),
+    ``message`` (words for the user)."""
+
+    limit: str
+    message: str
+
+
+def check_scope(scope: Any) -> str:
+    """``"*"``, ``"group:NAME"`` or ``"user:NAME"``; raises ValueError otherwise."""
+    if scope == DEFAULT_SCOPE:
+        return scope
+    if isinstance(scope, str) and len(scope) <= 210:
+        kind, _, name = scope.partition(":")
+        if kind in ("user", "group") and name and name == name.strip():
+            return scope
+    raise ValueError(f"quota scope {scope!r} must be '*', 'group:NAME' or 'user:NAME'")
+
+
+def parse_entry(entry: Any, scope: str = "?") -> dict[str, float | None]:
+    """One scope's limits with human units read: ``{"max_gpus": 1.0, ...}``.
+    Only the limits given appear (None: unlimited). Raises ValueError naming
+    the scope and the limit."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"quota {scope!r} must be a dict of limits, got {entry!r}")
+    unknown = sorted(set(entry) - set(LIMIT_KEYS))
+    if unknown:
+        raise ValueError(f"quota {scope!r}: unknown limit(s) {', '.join(map(str, unknown))}; "
+                         f"known: {', '.join(LIMIT_KEYS)}")
+    return {key: _parse_limit(key, value, scope) for key, value in entry.items()}
+
+
+def parse_table(table: Any) -> dict[str, dict[str, float | None]]:
+    """A whole ``c.GPUPool.quotas`` table, read (see :func:`parse_entry`)."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"quotas must be a dict of scope -> limits, got {table!r}")
+    return {check_scope(scope): parse_entry(entry, scope) for scope, entry in table.items()}
+
+
+def _parse_limit(key: str, value: Any, scope: str) -> float | None:
+    if value is None:
+        return None
+    where = f"quota {scope!r}: {key}"
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    try:
+        if key == "max_idle_timeout":
+            return parse_duration(value)
+        if key.startswith("gpu_hours"):
+            number = float(value) if isinstance(value, (int, float)) else _hours(value)
+        else:
+            number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{where} must be a number >= 0, got {value!r}")
+    return number
+
+
+def _hours(text: str) -> float:
+    """``"8"`` -> 8 hours; ``"90m"`` -> 1.5 hours."""
+    try:
+        return float(text)
+    except ValueError:
+        return parse_duration(text) / 3600.0
+
+
+def merge(configured: Mapping[str, Mapping[str, float | None]],
+          overrides: Mapping[str, Mapping[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    """The effective table: each override merged over the configured entry of its scope."""
+    table = {scope: dict(entry) for scope, entry in configured.items()}
+    for scope, entry in overrides.items():
+        table.setdefault(scope, {}).update(entry)
+    return table
+
+
+def resolve(user: str, groups: Iterable[str], table: Mapping[str, Mapping[str, float | None]], *,
+            max_idle_timeout: float | None = None) -> Limits:
+    """``user``'s limits from ``table`` (read, see :func:`parse_table`): user
+    over group over default, the most generous group winning (module docstring)."""
+    own = table.get(f"user:{user}", {})
+    group_entries = [table[f"group:{g}"] for g in sorted(set(groups)) if f"group:{g}" in table]
+    default = table.get(DEFAULT_SCOPE, {})
+    values: dict[str, float | None] = {}
+    for key in LIMIT_KEYS:
+        if key in own:
+            values[key] = own[key]
+        elif any(key in entry for entry in group_entries):
+            values[key] = _most_generous(entry[key] for entry in group_entries if key in entry)
+        elif key in default:
+            values[key] = default[key]
+        else:
+            values[key] = max_idle_timeout if key == "max_idle_timeout" else None
+    return Limits(**values)
+
+
+def _most_generous(values: Iterable[float | None]) -> float | None:
+    values = list(values)
+    return None if any(v is None for v in values) else max(values)
+
+
+def check(limits: Limits, *, holding: float, requested: float, used_today_s: float, used_week_s: float,
+          day_resets: str, week_resets: str) -> QuotaRefusal | None:
+    """Whether a request for ``requested`` GPUs (fraction x count) fits
+    ``limits`` for a user who holds (or waits for) ``holding`` GPUs and has
+    used ``used_today_s`` / ``used_week_s`` GPU-seconds; ``day_resets`` /
+    ``week_resets`` are words like ``"00:00 UTC"``. None when it fits."""
+    if limits.max_lease_gpus is not None and requested > limits.max_lease_gpus + EPSILON:
+        return QuotaRefusal("max_lease_gpus", f"lease too large: at most {limits.max_lease_gpus:.2f} GPU per lease; "
+                            f"requested {requested:.2f}")
+    if limits.max_gpus is not None and holding + requested > limits.max_gpus + EPSILON:
+        return QuotaRefusal("max_gpus", f"quota exceeded: you hold {holding:.2f} of {limits.max_gpus:.2f} GPU; "
+                            f"requested {requested:.2f}")
+    for limit, word, used, resets in (("gpu_hours_per_day", "daily", used_today_s, day_resets),
+                                      ("gpu_hours_per_week", "weekly", used_week_s, week_resets)):
+        allowed = getattr(limits, limit)
+        if allowed is not None and used / 3600.0 >= allowed - EPSILON:
+            return QuotaRefusal(limit, f"{word} GPU-hours used up ({min(used / 3600.0, allowed):.1f} of "
+                                f"{allowed:.1f}); resets {resets}")
+    return None
+

@@ -1,0 +1,81 @@
+"""Park and resume: an idle lease gives its GPU back without losing state.
+
+The service reclaims a lease after ``idle_timeout`` without a running cell.
+Just before that (``ahead`` seconds plus one heartbeat interval), the
+heartbeat thread parks it: over a connection of its own (ZeroMQ sockets are
+not thread-safe, and the main thread's may be in use by a ``%%local`` cell's
+magics) it pulls the worker's variables into the local namespace, exactly as
+``%gpu release`` would, and releases the lease with the reason "parked after
+idle". The next routed cell re-acquires a slice of the same size and pushes
+those variables back before it runs (see ``GPUMagics._resume``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import Lease, parse_time
+from gpupool.transfer import load_values
+
+from .remote import RemoteKernel
+
+log = logging.getLogger("gpupool.magics")
+PARK_REASON = "parked after idle"
+
+
+@dataclass
+class Parked:
+    """What parking did: the lease as released, the names brought back (to be
+    pushed on resume), their transfer items, and what could not come."""
+
+    lease: Lease
+    names: list[str] = field(default_factory=list)
+    items: list[dict[str, Any]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def seconds_to_reclaim(lease: Lease, now: datetime | None = None) -> float | None:
+    """Seconds until the service would reclaim ``lease`` for idleness (may
+    be negative), or None while a cell runs or when the lease has no idle
+    information."""
+    since = parse_time(lease.idle_since) if lease.idle_since else None
+    if since is None or not lease.idle_timeout:
+        return None
+    if since.tzinfo is None:
+        since = since.replace(tzinfo=timezone.utc)
+    now = now or datetime.now(timezone.utc)
+    return lease.idle_timeout - (now - since).total_seconds()
+
+
+def park_due(lease: Lease, ahead: float, interval: float, now: datetime | None = None) -> bool:
+    """Whether to park now: the next heartbeat (``interval`` s away) would
+    come later than ``ahead`` seconds before the reclaim."""
+    left = seconds_to_reclaim(lease, now)
+    return left is not None and left <= ahead + interval
+
+
+def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], list[dict[str, Any]]], None],
+         release: Callable[[str, str], Lease], target: str, timeout: float = 600.0) -> Parked:
+    """Pull all of ``lease``'s worker variables over a new connection, hand
+    them to ``take(values, items)``, then ``release(lease_id, reason)``.
+
+    Raises GPUPoolError when the worker cannot be reached or the pull fails;
+    the lease is then left alone (the service's reclaim is the fallback).
+    """
+    remote = RemoteKernel(lease.connection or {})
+    try:
+        remote.wait_ready(30.0)
+        answer, buffers = remote.comm_request(target, {"op": "pull_all", "max_bytes": max_bytes}, timeout=timeout)
+    finally:
+        remote.close()
+    if not answer.get("ok"):
+        raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}", 502)
+    values, errors = load_values(answer["header"], buffers)
+    items = [i for i in answer["header"]["items"] if i["name"] in values]
+    take(values, items)
+    ended = release(lease.id, PARK_REASON)
+    return Parked(lease=ended, names=sorted(values), items=items, errors=errors)

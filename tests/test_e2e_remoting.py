@@ -1,0 +1,244 @@
+"""The remoting client through a real notebook kernel (issue 6): every output
+kind, bounded output, the namespace following the user, devices remembered
+across release, ``%%gpu`` on a lease of its own, version checks.
+
+The pool fixtures come from test_e2e_notebook (a service with a 3 s heartbeat
+TTL and one agent with two simulated A100s, shared by this module).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend import run
+from gpupool.magics.namespace import local_candidates, names_read
+from gpupool.transfer import version_mismatches
+from procs import wait_for
+from test_e2e_notebook import _active_leases, _busy_seen, _remote, e2e_pool, kernel  # noqa: F401 - fixtures
+
+# -- pure parts ------------------------------------------------------------------
+
+
+def test_names_read_finds_globals_a_cell_uses_and_skips_locals_and_builtins():
+    cell = ("y = x + 1\ndef f(a):\n    return a + z\nprint(f(y))\nclass C:\n    k = m\n"
+            "[i * n for i in r]\n%time q\n")
+    assert set(names_read(cell)) == {"x", "y", "f", "z", "m", "n", "r"}
+    assert set(names_read("%%time\nk + 1")) == {"k"}, "a cell magic's body is read too"
+    assert names_read("def broken(:") == []
+
+
+def test_local_candidates_leave_out_private_hidden_and_shell_names():
+    user_ns = {"x": 1, "_y": 2, "In": [], "get_ipython": print, "hid": 3}
+    assert local_candidates("x + _y + In[0] + hid + nowhere\nget_ipython()", user_ns, {"hid": 3}) == ["x"]
+
+
+def test_version_mismatches_name_what_differs_and_ignore_patch_levels():
+    here = {"python": "3.11.9", "numpy": "2.4.6", "cloudpickle": "3.1.1", "torch": "2.13.0", "pandas": "2.2.0"}
+    there = {"python": "3.11.2", "numpy": "1.26.4", "cloudpickle": "3.1.0", "torch": "2.13.1+cu124"}
+    assert version_mismatches(here, there) == ["cloudpickle 3.1.1 here, 3.1.0 on the worker",
+                                               "numpy 2.4.6 here, 1.26.4 on the worker"]
+    assert version_mismatches(here, here) == []
+
+
+def test_park_is_due_one_heartbeat_before_the_reclaim_margin():
+    from datetime import datetime, timedelta, timezone
+
+    from gpupool.magics.park import park_due, seconds_to_reclaim
+    from gpupool.schema import Lease, LeaseState, isoformat
+
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+    lease = Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=0.5, gpu_count=1, memory=1,
+                  idle_timeout=600.0, idle_since=isoformat(now - timedelta(seconds=500)))
+    assert seconds_to_reclaim(lease, now) == 100.0
+    assert not park_due(lease, ahead=30, interval=15, now=now)
+    assert park_due(lease, ahead=30, interval=15, now=now + timedelta(seconds=56))
+    busy = Lease(id="L-2", owner="ann", state=LeaseState.active, fraction=0.5, gpu_count=1, memory=1,
+                 idle_timeout=600.0, idle_since=None)
+    assert seconds_to_reclaim(busy, now) is None and not park_due(busy, 30, 15, now)
+
+
+# -- through a real kernel ---------------------------------------------------------
+
+
+OUTPUT_KINDS = """\
+import sys
+from IPython.display import HTML, Markdown, clear_output, display
+print('first')
+handle = display(HTML('<i>v1</i>'), display_id=True)
+handle.update(HTML('<i>v2</i>'))
+sys.stdout.write('step 1\\rstep 2\\r'); sys.stdout.flush()
+clear_output(wait=True)
+print('after clear', file=sys.stderr)
+Markdown('**done**')
+"""
+
+
+def test_each_output_kind_arrives_in_order_with_display_handles(kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    cell = run(kc, OUTPUT_KINDS)
+    assert cell.ok, cell.text()
+    assert cell.kinds == ["stream", "display_data", "update_display_data", "stream", "clear_output", "stream",
+                          "execute_result"], cell.outputs
+    shown, updated = cell.outputs[1][1], cell.outputs[2][1]
+    assert shown["data"]["text/html"] == "<i>v1</i>" and updated["data"]["text/html"] == "<i>v2</i>"
+    assert shown["transient"]["display_id"] == updated["transient"]["display_id"]
+    assert cell.outputs[3][1] == {"name": "stdout", "text": "step 1\rstep 2\r"}
+    assert cell.outputs[4][1] == {"wait": True}
+    assert cell.outputs[5][1] == {"name": "stderr", "text": "after clear\n"}
+    assert cell.outputs[6][1]["data"]["text/markdown"] == "**done**"
+
+
+def test_matplotlib_figure_and_pandas_table_show_as_they_would_locally(kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    figure = run(kc, "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
+    assert figure.ok, figure.text()
+    pictures = [c for kind, c in figure.outputs if kind == "display_data" and "image/png" in c["data"]]
+    assert len(pictures) == 1 and pictures[0]["data"]["text/plain"].startswith("<Figure")
+    pandas = run(kc, "import importlib.util; importlib.util.find_spec('pandas') is not None")
+    if pandas.outputs[-1][1]["data"]["text/plain"] != "True":
+        pytest.skip("pandas is not installed")
+    table = run(kc, "import pandas as pd\npd.DataFrame({'a': [1, 2]})")
+    assert table.ok and "<table" in table.outputs[-1][1]["data"]["text/html"]
+
+
+def test_huge_output_is_cut_visibly(kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, "%%local\n%config GPUMagics.max_output_bytes = 65536").ok
+    cell = run(kc, "print('x' * 200_000)\nfor i in range(1000):\n    print(i)\n'end'")
+    assert cell.ok, cell.text()
+    assert len(cell.stdout) <= 65536
+    assert "passed 64.0 KiB; the rest is cut (c.GPUMagics.max_output_bytes)" in cell.stderr
+    assert "of output not shown" in cell.stderr
+    result, = [c for kind, c in cell.outputs if kind == "execute_result"]
+    assert result["data"]["text/plain"] == "'end'", "the result still arrives"
+
+
+def test_names_only_the_local_kernel_has_are_sent_along(kernel):
+    _, kc = kernel
+    assert run(kc, "import threading\nbase = list(range(10))\nscale = 3\nlock = threading.Lock()").ok
+    assert run(kc, "%gpu acquire 0.25").ok
+    uses = "print(sum(base) * scale)\ntry:\n    lock\nexcept NameError:\n    print('no lock here')"
+    first = run(kc, uses)
+    assert first.ok, first.text()
+    note, *rest = first.stdout.splitlines()
+    assert note.startswith("gpupool: sent along base (list, ") and ", scale (int, " in note
+    assert rest == ["135", "no lock here"]
+    assert first.stderr.startswith("gpupool: could not send lock: _thread.lock cannot be sent"), first.stderr
+    assert first.stderr.count("\n") == 1, "one line per value that cannot be sent"
+    again = run(kc, uses)
+    assert "sent along" not in again.stdout, "the worker has them now"
+    assert run(kc, "%%local\nscale = 100").ok
+    assert _remote(kc, "scale") == 3, "a name the worker has is not overwritten"
+
+
+STAND_IN = """\
+class FakeGPUArray:
+    '''Stands in for a GPU array where no GPU exists: a device and a .to().'''
+    def __init__(self, data, device):
+        self.data, self.device = data, device
+    def to(self, device):
+        return FakeGPUArray(self.data, device)
+
+on_gpu = FakeGPUArray([1, 2], 'cuda:0')
+import torch
+weights = torch.arange(4.0)
+model = torch.nn.Linear(2, 1)
+"""
+
+
+def test_release_keeps_state_and_the_next_attach_puts_it_back_on_its_device(kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, STAND_IN).ok
+    released = run(kc, "%gpu release")
+    assert released.ok, released.text()
+    assert "on_gpu (FakeGPUArray, " in released.stdout and "was on cuda:0)" in released.stdout
+    assert "weights (torch.Tensor, " in released.stdout and "model (torch.Linear" in released.stdout
+    assert _remote(kc, "on_gpu.device, on_gpu.data, weights.tolist(), type(model).__name__") == (
+        "cpu", [1, 2], [0.0, 1.0, 2.0, 3.0], "Linear")
+    assert run(kc, "%gpu acquire 0.25").ok
+    back = run(kc, "import os\n(on_gpu.device, on_gpu.data, weights.device.type, float(weights.sum()), "
+                   "os.environ['GPUPOOL_LEASE_ID'][:2])")
+    assert back.ok, back.text()
+    assert "sent along on_gpu (FakeGPUArray" in back.stdout
+    assert eval(back.outputs[-1][1]["data"]["text/plain"]) == ("cuda:0", [1, 2], "cpu", 6.0, "L-")  # noqa: S307
+
+
+def test_gpu_cell_runs_on_a_lease_of_its_own_and_brings_variables_back(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    local_pid = _remote(kc, "import os; seed = 21; os.getpid()")
+    cell = run(kc, "%%gpu 0.5\nimport os\nworker_pid = os.getpid()\nresult = seed * 2\nprint('on', os.environ['GPUPOOL_LEASE_ID'][:2])")
+    assert cell.ok, cell.text()
+    assert "gpupool: sent along seed (int" in cell.stdout and "on L-" in cell.stdout
+    assert "gpupool: released L-" in cell.stdout and "brought back" in cell.stdout
+    worker_pid, result, pid = _remote(kc, "worker_pid, result, os.getpid()")
+    assert result == 42 and worker_pid != local_pid and pid == local_pid
+    assert _active_leases(service) == []
+
+
+def test_attach_compares_versions_and_is_quiet_when_they_match(kernel):
+    _, kc = kernel
+    attach = run(kc, "%gpu acquire 0.25")
+    assert attach.ok and "versions differ" not in attach.stderr and "could not compare" not in attach.stderr
+
+
+def test_an_idle_lease_is_parked_and_the_next_cell_resumes_with_its_state(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%config GPUMagics.park_ahead = 1.0").ok
+    assert run(kc, "%gpu acquire 0.25 --idle-timeout 4s").ok
+    parked_id = _remote(kc, "import os\nkept = [1, 2, 3]\nos.environ['GPUPOOL_LEASE_ID']")
+    client = service.client()
+    ended = wait_for(lambda: (l := client.get_lease(parked_id)).state.ended and l, 30, "the lease parked")
+    assert ended.state.value == "released" and ended.reason.endswith("parked after idle"), ended
+    assert _active_leases(service) == []
+    assert _remote(kc, "%%local\nkept") == [1, 2, 3], "parked state is in the local kernel"
+    assert f"parked: {parked_id} was given back after idle" in run(kc, "%gpu status").stdout
+    cell = run(kc, "import os\nkept + [4], os.environ['GPUPOOL_LEASE_ID']")
+    assert cell.ok, cell.text()
+    assert f"gpupool: {parked_id} was parked after idle; brought back 1 variable: kept (list" in cell.stdout
+    assert "acquiring 0.25 of a GPU again" in cell.stdout and "restored 1 variable: kept (list" in cell.stdout
+    value, resumed_id = eval(cell.outputs[-1][1]["data"]["text/plain"])  # noqa: S307
+    assert value == [1, 2, 3, 4] and resumed_id != parked_id
+    assert [lease.id for lease in _active_leases(service)] == [resumed_id]
+
+
+def test_on_idle_release_opts_out_of_parking(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%config GPUMagics.park_ahead = 1.0").ok
+    assert run(kc, "%gpu acquire 0.25 --idle-timeout 2s --on-idle release").ok
+    lease, = _active_leases(service)
+    client = service.client()
+    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 30, "idle reclaim")
+    assert ended.state.value == "reclaimed" and "idle" in ended.reason
+
+
+def test_a_worker_deaf_to_interrupts_is_named_and_restart_gives_a_fresh_one(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    old_pid = _remote(kc, "import os; os.getpid()")
+    msg_id = kc.execute("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)")
+    wait_for(lambda: _busy_seen(kc, msg_id), 10, "the deaf cell started")
+    km.interrupt_kernel()
+    reply = _reply_to(kc, msg_id, 60)
+    assert reply["status"] == "error" and "did not stop within 10s" in reply["evalue"], reply
+    assert "%gpu restart gives you a fresh worker" in reply["evalue"]
+    restarted = run(kc, "%gpu restart")
+    assert restarted.ok, restarted.text()
+    assert "restarted: released L-" in restarted.stdout
+    assert _remote(kc, "import os; os.getpid()") != old_pid
+    assert len(_active_leases(service)) == 1
+
+
+def _reply_to(kc, msg_id: str, timeout: float) -> dict:
+    """The shell reply to ``msg_id`` (skipping replies to earlier requests)."""
+    while True:
+        msg = kc.get_shell_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg["content"]
