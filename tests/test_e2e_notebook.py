@@ -236,3 +236,26 @@ def test_a_worker_killed_mid_cell_ends_the_cell_with_words(e2e_pool, kernel):
     assert f"lease {lease.id} failed: the worker process was killed by signal 9" in reply["evalue"]
     assert _active_leases(service) == []
     assert _remote(kc, "__import__('os').getpid()") != worker_pid, "detached: cells run locally again"
+
+
+def test_release_after_the_worker_died_frees_the_slice_without_hanging(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25 --on-idle release").ok
+    worker_pid = _remote(kc, "import os; os.getpid()")
+    os.kill(worker_pid, signal.SIGKILL)
+    released = run(kc, "%gpu release", timeout=40)
+    # Either the heartbeat already saw the lease fail (one UsageError line) or the
+    # pull found the worker gone; both leave the kernel detached and the slice free.
+    assert "failed: the worker process was killed by signal 9" in released.text() or \
+        "could not come back" in released.stdout, released.text()
+    wait_for(lambda: _active_leases(service) == [], 15, "the slice freed")
+    assert _remote(kc, "__import__('os').getpid()") != worker_pid
+
+
+def test_an_error_in_a_local_cell_fails_the_cell_once(kernel):
+    _, kc = kernel
+    cell = run(kc, "%%local\n1 / 0")
+    assert not cell.ok and cell.reply["ename"] == "ZeroDivisionError"
+    errors = [content for kind, content in cell.outputs if kind == "error"]
+    assert sum("ZeroDivisionError" in "\n".join(e["traceback"]) for e in errors) == 1, "the traceback shows once"
