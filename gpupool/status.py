@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .api import ENV_TOKEN, ENV_URL, ServiceClient
-from .tables import lease_table, pool_table
+from .tables import gpu_utilization, lease_table, pool_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,10 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no service URL: pass --url or set {ENV_URL}")
     token = _read_token(args.token_file, parser) if args.token_file else args.token
     client = ServiceClient(args.url, token)
-    print(pool_table(client.pool())[0])
+    pool = client.pool()
+    print(pool_table(pool)[0])
     leases = client.list_leases(active=not args.all)
     print()
-    print(lease_table(leases)[0] if leases else "no leases")
+    print(lease_table(leases, gpu_utilization(pool))[0] if leases else "no leases")
     return 0
 
 

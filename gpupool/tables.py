@@ -38,16 +38,30 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
     return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
 
 
-def lease_table(leases: Sequence[Lease]) -> tuple[str, str]:
-    """One row per lease: id, state, node, GPU, fraction, memory limit, worker, idle countdown."""
+def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
+    """One row per lease: id, state, node, GPU, share, memory used / limit, GPU
+    utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
+    the whole GPU's, shared by its leases), worker state, idle countdown, and
+    the reason once it ended. Unknown readings say ``unknown``, never 0."""
     rows = []
     for lease in leases:
         gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
         share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
-        worker = (lease.worker or {}).get("execution_state", "-")
-        rows.append([lease.id, lease.state.value, lease.node or "-", gpus, share, format_bytes(lease.memory),
-                     worker, idle_countdown(lease) if lease.state.value == "active" else "-"])
-    return table(["lease", "state", "node", "GPU", "share", "memory limit", "worker", "idle release in"], rows)
+        live = lease.state.value == "active"
+        worker = lease.worker or {}
+        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
+        utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
+        util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
+        rows.append([lease.id, lease.state.value, lease.node or "-", gpus, share, memory, util,
+                     worker.get("execution_state", "-") if live else "-",
+                     idle_countdown(lease) if live else (lease.reason or "-")])
+    return table(["lease", "state", "node", "GPU", "share", "memory used / limit", "GPU util", "worker",
+                  "idle release in / reason"], rows)
+
+
+def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:
+    """GPU UUID -> utilization percent (None when unknown) from ``GET /pool``."""
+    return {gpu["uuid"]: gpu.get("utilization") for node in pool.get("nodes", []) for gpu in node.get("gpus", [])}
 
 
 def pool_table(pool: dict[str, Any]) -> tuple[str, str]:

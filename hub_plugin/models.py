@@ -116,6 +116,8 @@ class Lease(Base):
     idle_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
     worker_pid: Mapped[int | None] = mapped_column(Integer)
     worker_state: Mapped[str | None] = mapped_column(String(10))
+    #: GPU bytes the worker's process tree uses (NVML, via the agent); None when unknown.
+    worker_memory_used: Mapped[int | None] = mapped_column(BigInteger)
     connection: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     usage_gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     # Added by revision 0002 (quotas, usage and the queue):

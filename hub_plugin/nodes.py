@@ -187,6 +187,7 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
     if report.pid is not None:
         lease.worker_pid = report.pid
     lease.worker_state = report.execution_state
+    lease.worker_memory_used = report.memory_used
     if report.execution_state == "busy":
         lease.idle_since = None
     elif report.execution_state == "idle":

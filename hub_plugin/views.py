@@ -21,7 +21,8 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
     """One lease; ``for_owner`` is whether the caller owns it."""
     worker = None
     if lease.worker_pid is not None or lease.worker_state is not None:
-        worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state}
+        worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state,
+                  "memory_used": lease.worker_memory_used}
     show_connection = for_owner and lease.state == "active" and lease.connection
     return {
         "id": lease.id,

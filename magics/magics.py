@@ -49,7 +49,7 @@ from gpupool.units import format_bytes, format_duration, parse_bytes, parse_dura
 from .attachment import Attachment, ended_message
 from .quota import progress_words, quota_report
 from .namespace import local_candidates
-from gpupool.tables import lease_table, pool_table
+from gpupool.tables import gpu_utilization, lease_table, pool_table
 
 ROUTED_PREFIXES = ("%gpu", "%%gpu", "%%local")
 
@@ -334,7 +334,7 @@ class GPUMagics(Magics):
                 return
         else:
             leases = [self.attachment.refresh()]
-        text, html = lease_table(leases)
+        text, html = lease_table(leases, gpu_utilization(self.client.pool()))
         display({"text/plain": text, "text/html": html}, raw=True)
 
     def _quota(self, rest: str) -> None:

@@ -113,11 +113,22 @@ def to_cpu(value: Any) -> Any:
 # -- remoting ops: device memory, namespace and version checks (issue 6) ------------
 
 
+def _framework(value: Any) -> str:
+    return type(value).__module__.split(".")[0]
+
+
 def device_of(value: Any) -> str | None:
-    """The accelerator ``value`` lives on (``"cuda:0"``), or None for CPU
-    values and everything without a device: a PyTorch tensor's or module's
-    (first parameter's) device, else any object with a ``device`` attribute
-    and a ``to(device)`` method (the duck type tests use without a GPU)."""
+    """The accelerator ``value`` lives on, or None for CPU values and
+    everything without a device: ``"cuda:0"`` for a PyTorch tensor or module
+    (its first parameter's device) and for any object with a ``device``
+    attribute and a ``to(device)`` method (the duck type tests use without a
+    GPU); ``"cupy:cuda:N"`` for a CuPy array; ``"jax:PLATFORM:N"`` for a JAX
+    array on an accelerator. The prefix says which library puts it back."""
+    if _framework(value) == "cupy" and hasattr(value, "get"):
+        return f"cupy:cuda:{value.device.id}"
+    if _framework(value) in ("jax", "jaxlib") and callable(getattr(value, "devices", None)):
+        first = next(iter(value.devices()))
+        return None if first.platform == "cpu" else f"jax:{first.platform}:{first.id}"
     torch = sys.modules.get("torch")
     device: Any = None
     if torch is not None and isinstance(value, torch.nn.Module):
@@ -137,6 +148,12 @@ def to_cpu_with_device(value: Any) -> tuple[Any, str | None]:
     device = device_of(value)
     if device is None:
         return value, None
+    if device.startswith("cupy:"):
+        return value.get(), device  # a NumPy array in host memory
+    if device.startswith("jax:"):
+        import numpy
+
+        return numpy.asarray(value), device
     return value.to("cpu"), device
 
 
@@ -149,10 +166,27 @@ def place_on_devices(values: dict[str, Any], devices: dict[str, str]) -> dict[st
         if name not in values or not device:
             continue
         try:
-            values[name] = values[name].to(device)  # PyTorch raises itself when CUDA is missing
+            values[name] = _to_device(values[name], device)
         except Exception as exc:  # one value's failure is its own; it still arrives, on the CPU
             errors[name] = f"stays on the CPU: {device} not usable on the worker ({type(exc).__name__}: {exc})"
     return errors
+
+
+def _to_device(value: Any, device: str) -> Any:
+    """Put a CPU value back where :func:`device_of` said it was; raises when
+    that device (or its library) is not usable here."""
+    library, _, where = device.partition(":")
+    if library == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(int(where.rpartition(":")[2])):
+            return cupy.asarray(value)
+    if library == "jax":
+        import jax
+
+        platform, _, index = where.partition(":")
+        return jax.device_put(value, next(d for d in jax.devices(platform) if d.id == int(index)))
+    return value.to(device)  # PyTorch raises itself when CUDA is missing
 
 
 def _have(ip, data: dict[str, Any]) -> dict[str, Any]:

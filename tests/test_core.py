@@ -101,4 +101,7 @@ def test_tables_text_and_html():
                              "memory": 1024**3, "gpus": [{"index": 0, "name": "GPU"}], "idle_timeout": 60,
                              "idle_since": "2026-01-01T00:00:00Z", "worker": {"execution_state": "busy"}})
     assert "busy" in idle_countdown(lease)
-    assert "L-1" in lease_table([lease])[0] and "1.0 GiB" in lease_table([lease])[0]
+    text = lease_table([lease], {"GPU-x": 40.0})[0]
+    assert "L-1" in text and "unknown / 1.0 GiB" in text and "busy" in text
+    lease.gpus[0]["uuid"] = "GPU-x"
+    assert "40%" in lease_table([lease], {"GPU-x": 40.0})[0]

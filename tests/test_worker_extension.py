@@ -43,3 +43,65 @@ def test_to_cpu_leaves_cpu_tensors_and_other_values_alone():
     assert to_cpu(tensor) is tensor and to_cpu("text") == "text"
     model = torch.nn.Linear(2, 2)
     assert to_cpu(model) is model and next(model.parameters()).device.type == "cpu"
+
+
+class _Device:
+    def __init__(self, platform: str, index: int) -> None:
+        self.platform, self.id = platform, index
+
+
+class _CupyArray:
+    """Stands in for a CuPy array on GPU 1 (CuPy needs a GPU; the names are CuPy's)."""
+
+    __module__ = "cupy"
+
+    def __init__(self, data) -> None:
+        self.data, self.device = data, _Device("cuda", 1)
+
+    def get(self):
+        import numpy
+
+        return numpy.asarray(self.data)
+
+
+class _JaxArray:
+    """Stands in for a JAX array on a GPU (the method names are JAX's)."""
+
+    __module__ = "jaxlib.xla_extension"
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def devices(self):
+        return {_Device("gpu", 0)}
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy
+
+        return numpy.asarray(self.data, dtype=dtype)
+
+
+def test_cupy_and_jax_arrays_come_to_the_cpu_and_go_back_to_their_device(monkeypatch):
+    import contextlib
+
+    import numpy
+
+    from gpupool.provisioner.worker import place_on_devices, to_cpu_with_device
+
+    placed = []
+    cupy = types.SimpleNamespace(
+        asarray=lambda arr: ("cupy", placed[-1], list(arr)),
+        cuda=types.SimpleNamespace(Device=lambda index: (placed.append(index), contextlib.nullcontext())[1]))
+    jax = types.SimpleNamespace(devices=lambda platform: [_Device(platform, 0)],
+                                device_put=lambda arr, device: ("jax", device.platform, list(arr)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "jax", jax)
+
+    host, device = to_cpu_with_device(_CupyArray([1, 2]))
+    assert isinstance(host, numpy.ndarray) and device == "cupy:cuda:1"
+    jhost, jdevice = to_cpu_with_device(_JaxArray([3.0]))
+    assert isinstance(jhost, numpy.ndarray) and jdevice == "jax:gpu:0"
+
+    values = {"c": host, "j": jhost}
+    assert place_on_devices(values, {"c": device, "j": jdevice}) == {}
+    assert values == {"c": ("cupy", 1, [1, 2]), "j": ("jax", "gpu", [3.0])}

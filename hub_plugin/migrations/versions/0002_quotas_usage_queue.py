@@ -24,6 +24,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("model", sa.String(200), nullable=True))
         batch.add_column(sa.Column("requested_memory", sa.BigInteger(), nullable=True))
         batch.add_column(sa.Column("wait_until", sa.DateTime(), nullable=True))
+        batch.add_column(sa.Column("worker_memory_used", sa.BigInteger(), nullable=True))
     op.create_table(
         "usage_ledger",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
