@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from frontend import install_kernelspec, start_gpupool_kernel
 from procs import start_agent, start_service
 
 
@@ -43,3 +44,26 @@ def jupyterhub(tmp_path_factory):
     hub = hubprocs.start_hub(tmp_path_factory.mktemp("jupyterhub"), servers=("ann", "bob"))
     yield hub
     hub.stop()
+
+
+@pytest.fixture(scope="module")
+def e2e_pool(tmp_path_factory):
+    """Service (heartbeat TTL 3 s), one agent with 2 simulated A100s and the gpupool
+    kernelspec installed for it: ``(service, agent, kernels dir)``, shared by a test module."""
+    root = tmp_path_factory.mktemp("e2e")
+    service = start_service(root, config={"heartbeat_ttl": 3.0})
+    agent = start_agent(root, service)
+    kernels = install_kernelspec(root / "prefix", service.url, service.user_token)
+    yield service, agent, kernels
+    agent.stop()
+    service.stop()
+
+
+@pytest.fixture
+def kernel(e2e_pool, tmp_path):
+    """A notebook kernel on the gpupool kernelspec: ``(km, kc)``; shut down after."""
+    km, kc = start_gpupool_kernel(e2e_pool[2], tmp_path)
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=False)

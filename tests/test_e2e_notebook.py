@@ -11,34 +11,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from frontend import install_kernelspec, run, start_gpupool_kernel
+from frontend import run
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseRequest
-from procs import start_agent, start_service, wait_for
+from procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def e2e_pool(tmp_path_factory):
-    """Service (heartbeat TTL 3 s) and one agent with 2 simulated A100s, shared by this module."""
-    root = tmp_path_factory.mktemp("e2e")
-    service = start_service(root, config={"heartbeat_ttl": 3.0})
-    agent = start_agent(root, service)
-    kernels = install_kernelspec(root / "prefix", service.url, service.user_token)
-    yield service, agent, kernels
-    agent.stop()
-    service.stop()
-
-
-@pytest.fixture
-def kernel(e2e_pool, tmp_path):
-    """A notebook kernel on the gpupool kernelspec: ``(km, kc)``; shut down after."""
-    km, kc = start_gpupool_kernel(e2e_pool[2], tmp_path)
-    yield km, kc
-    kc.stop_channels()
-    if km.is_alive():
-        km.shutdown_kernel(now=False)
+def _ended(service, lease_id: str, timeout: float, what: str):
+    """The lease once it has ended (long-polled through the service's API)."""
+    client = service.client()
+    return wait_for(lambda: (lease := client.get_lease(lease_id)).state.ended and lease, timeout, what)
 
 
 def _active_leases(service) -> list:
@@ -123,8 +107,7 @@ def test_a_killed_kernels_lease_is_reclaimed_after_the_heartbeat_ttl(e2e_pool, k
     assert run(kc, "%gpu acquire 0.5").ok
     lease, = _active_leases(service)
     os.kill(km.provisioner.pid, signal.SIGKILL)
-    client = service.client()
-    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 15, "heartbeat reclaim")
+    ended = _ended(service, lease.id, 15, "heartbeat reclaim")
     assert ended.state.value == "reclaimed" and "heartbeat" in ended.reason
 
 
@@ -133,8 +116,7 @@ def test_idle_lease_is_released_and_the_notebook_says_so(e2e_pool, kernel):
     _, kc = kernel
     assert run(kc, "%gpu acquire 0.5 --idle-timeout 2s --on-idle release").ok
     lease, = _active_leases(service)
-    client = service.client()
-    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 15, "idle reclaim")
+    ended = _ended(service, lease.id, 15, "idle reclaim")
     assert ended.state.value == "reclaimed" and "idle" in ended.reason
     time.sleep(1.5)  # one client heartbeat sees it
     cell = run(kc, "1 + 1")

@@ -14,7 +14,7 @@ from frontend import run
 from gpupool.magics.namespace import local_candidates, names_read
 from gpupool.transfer import version_mismatches
 from procs import wait_for
-from test_e2e_notebook import _active_leases, _busy_seen, _remote, e2e_pool, kernel  # noqa: F401 - fixtures
+from test_e2e_notebook import _active_leases, _busy_seen, _ended, _remote
 
 # -- pure parts ------------------------------------------------------------------
 
@@ -192,8 +192,7 @@ def test_an_idle_lease_is_parked_and_the_next_cell_resumes_with_its_state(e2e_po
     assert run(kc, "%config GPUMagics.park_ahead = 1.0").ok
     assert run(kc, "%gpu acquire 0.25 --idle-timeout 4s").ok
     parked_id = _remote(kc, "import os\nkept = [1, 2, 3]\nos.environ['GPUPOOL_LEASE_ID']")
-    client = service.client()
-    ended = wait_for(lambda: (l := client.get_lease(parked_id)).state.ended and l, 30, "the lease parked")
+    ended = _ended(service, parked_id, 30, "the lease parked")
     assert ended.state.value == "released" and ended.reason.endswith("parked after idle"), ended
     assert _active_leases(service) == []
     assert _remote(kc, "%%local\nkept") == [1, 2, 3], "parked state is in the local kernel"
@@ -213,8 +212,7 @@ def test_on_idle_release_opts_out_of_parking(e2e_pool, kernel):
     assert run(kc, "%config GPUMagics.park_ahead = 1.0").ok
     assert run(kc, "%gpu acquire 0.25 --idle-timeout 2s --on-idle release").ok
     lease, = _active_leases(service)
-    client = service.client()
-    ended = wait_for(lambda: (l := client.get_lease(lease.id)).state.ended and l, 30, "idle reclaim")
+    ended = _ended(service, lease.id, 30, "idle reclaim")
     assert ended.state.value == "reclaimed" and "idle" in ended.reason
 
 
