@@ -14,10 +14,13 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import GPUPoolError
 from .schema import Lease, LeaseRequest
+
+if TYPE_CHECKING:
+    import argparse
 
 ENV_URL = "GPUPOOL_URL"
 ENV_TOKEN = "GPUPOOL_TOKEN"
@@ -95,7 +98,8 @@ class ServiceClient:
     # -- leases ---------------------------------------------------------------
 
     def create_lease(self, request: LeaseRequest) -> Lease:
-        """``POST /leases``: returns the new lease (state ``starting``)."""
+        """``POST /leases``: returns the new lease (state ``starting``, or
+        ``queued`` when nothing fits and the request has a ``wait``)."""
         return Lease.from_json(self.request("POST", "/leases", request.to_json()))
 
     def get_lease(self, lease_id: str, *, wait: float | None = None, state: str | None = None) -> Lease:
@@ -107,7 +111,7 @@ class ServiceClient:
 
     def list_leases(self, *, kernel_id: str | None = None, active: bool = True) -> list[Lease]:
         """``GET /leases``: the caller's own leases (only those holding capacity
-        unless ``active=False``)."""
+        or queued, unless ``active=False``)."""
         body = self.request("GET", "/leases", params={"kernel_id": kernel_id, "active": int(active)})
         return [Lease.from_json(item) for item in body["leases"]]
 
@@ -149,3 +153,25 @@ class ServiceClient:
 
 def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
+
+
+def add_client_arguments(parser: "argparse.ArgumentParser") -> None:
+    """``--url``, ``--token`` and ``--token-file`` for a command that calls the service."""
+    parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
+    parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
+    parser.add_argument("--token-file", help="read the API token from this file")
+
+
+def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Namespace") -> ServiceClient:
+    """The client those arguments name; a missing URL or an unreadable token
+    file ends the command with one line (``parser.error``)."""
+    if not args.url:
+        parser.error(f"no service URL: pass --url or set {ENV_URL}")
+    token = args.token
+    if args.token_file:
+        try:
+            with open(args.token_file) as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            parser.error(f"cannot read the token file {args.token_file}: {exc.strerror}")
+    return ServiceClient(args.url, token)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 from typing import Any
 
-from .api import ENV_TOKEN, ENV_URL, ServiceClient
+from .api import add_client_arguments, client_from_arguments
 from .errors import GPUPoolError
 from .tables import table
 from .units import format_duration
@@ -82,18 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scope", nargs="?", help="'*', 'group:NAME' or 'user:NAME' (set, unset)")
     parser.add_argument("limits", nargs="*", help="LIMIT=VALUE (set)")
     parser.add_argument("--days", type=int, default=7, help="days of daily usage (usage; default 7)")
-    parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
-    parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
-    parser.add_argument("--token-file", type=Path, help="read the API token from this file")
+    add_client_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.url:
-        parser.error(f"no service URL: pass --url or set {ENV_URL}")
     if args.action in ("set", "unset") and not args.scope:
         parser.error(f"'{args.action}' needs a SCOPE ('*', 'group:NAME' or 'user:NAME')")
     if args.action == "set" and not args.limits:
         parser.error("'set' needs at least one LIMIT=VALUE")
-    token = args.token_file.read_text().strip() if args.token_file else args.token
-    client = ServiceClient(args.url, token)
+    client = client_from_arguments(parser, args)
     if args.action == "show":
         print(quota_text(client.quota()))
     elif args.action == "list":

@@ -61,10 +61,13 @@ def isoformat(moment: datetime | None) -> str | None:
 
 
 def parse_time(text: str | None) -> datetime | None:
-    """Inverse of :func:`isoformat`."""
+    """Inverse of :func:`isoformat`: an aware UTC datetime (a time without an
+    offset is taken as UTC, the wire format's zone). Raises ValueError for text
+    that is not ISO 8601."""
     if text is None:
         return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def _number(body: dict[str, Any], key: str, *, required: bool = False) -> float | None:

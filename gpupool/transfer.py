@@ -15,6 +15,7 @@ first being the pickle stream and the rest its out-of-band buffers.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from typing import Any, Iterable
 
@@ -94,6 +95,7 @@ def _first_line(exc: BaseException) -> str:
 KEY_PACKAGES = ("cloudpickle", "numpy", "torch", "pandas", "cupy", "jax")
 
 
+@functools.cache
 def package_versions() -> dict[str, str]:
     """``{"python": "3.11.9", "numpy": "2.4.6", ...}`` for this process: the
     installed version of each of KEY_PACKAGES that is installed (by

@@ -325,8 +325,9 @@ class LeaseBook:
     # -- the queue -------------------------------------------------------------------------
 
     def drain_queue(self) -> list[str]:
-        """Place queued requests that fit now (the reclaim sweep and node
-        registrations call this; releases drain in their own transaction).
+        """Place queued requests that fit now (the reclaim sweep, node
+        registrations and nodes coming back call this; releases drain in their
+        own transaction).
         Returns the ids placed."""
         with self.store.read() as session:
             if session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is None:

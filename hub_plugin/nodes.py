@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -71,6 +71,7 @@ class NodeBook:
             dead += self._lost_workers(session, node, reports)
         log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
         self._end_dead(dead)
+        self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
 
     def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
@@ -85,7 +86,8 @@ class NodeBook:
             node = session.get(Node, name)
             if node is None:
                 raise not_found(f"node {name}")
-            if node.state != "up":
+            came_back = node.state != "up"
+            if came_back:
                 log.info("node %s is back", name)
             node.state, node.last_heartbeat_at = "up", now
             gpus = {g.uuid: g for g in node.gpus}
@@ -98,6 +100,8 @@ class NodeBook:
                         gpus[uuid].healthy = healthy
             stop, dead = self._apply_reports(session, node, reports, now)
         self._end_dead(dead)
+        if came_back:
+            self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return {"stop": stop}
 
     @staticmethod
@@ -195,8 +199,6 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
             since = parse_time(report.idle_since)
         except (TypeError, ValueError, AttributeError):
             since = None
-        if since is not None and since.tzinfo is None:
-            since = since.replace(tzinfo=timezone.utc)  # the wire format is UTC
         if since is not None:
             lease.idle_since = min(max(since, lease.started_at or since), now)
         elif was != "idle" or lease.idle_since is None:

@@ -1,6 +1,6 @@
 """An index over GPU states that gives :func:`.scheduler.place`'s answer
 without scanning every GPU. Pure, in memory; for big pools (the simulator,
-bench/scheduler_bench.py). ``tests/test_placement_index.py`` checks it
+bench/scheduler_bench.py). ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn`` checks it
 against ``place()`` on random pools under churn.
 
 Why it is the same answer:

@@ -20,11 +20,15 @@ from IPython.core.inputtransformer2 import TransformerManager
 _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "display"}
 
 
+#: IPython syntax to Python, without the shell's own transformers (whose routing would wrap the cell).
+_TRANSLATOR = TransformerManager()
+
+
 def names_read(cell: str) -> list[str]:
     """Global names ``cell`` reads: referenced at top level, or free in its
     functions, classes and comprehensions (parameters and locals are left
     out), in a stable order, without Python builtins. IPython syntax
-    (``%magic``, ``!cmd``) is translated first with a fresh TransformerManager
+    (``%magic``, ``!cmd``) is translated first with a TransformerManager of its own
     (not the shell's, whose routing transformer would wrap the cell); the body
     of a cell magic (``%%time``) is read too. A cell that does not parse reads
     nothing: it fails on the worker with the worker's SyntaxError, as it would
@@ -33,7 +37,7 @@ def names_read(cell: str) -> list[str]:
     if cell.lstrip().startswith("%%"):
         found.update(dict.fromkeys(names_read(cell.lstrip().partition("\n")[2])))
     try:
-        table = symtable.symtable(TransformerManager().transform_cell(cell), "<cell>", "exec")
+        table = symtable.symtable(_TRANSLATOR.transform_cell(cell), "<cell>", "exec")
     except (SyntaxError, ValueError):
         return list(found)
     _collect(table, found, top=True)

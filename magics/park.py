@@ -45,8 +45,6 @@ def seconds_to_reclaim(lease: Lease, now: datetime | None = None) -> float | Non
     since = parse_time(lease.idle_since) if lease.idle_since else None
     if since is None or not lease.idle_timeout:
         return None
-    if since.tzinfo is None:
-        since = since.replace(tzinfo=timezone.utc)
     now = now or datetime.now(timezone.utc)
     return lease.idle_timeout - (now - since).total_seconds()
 

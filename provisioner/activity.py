@@ -44,7 +44,6 @@ class WorkerActivity:
         self._ready = False
         self._in_flight: dict[str, str] = {}  # parent msg_id -> msg_type
         self._idle_since: float | None = None
-        self.last_message_at: float | None = None
 
     def mark_ready(self) -> None:
         """The worker answered ``kernel_info``: from now on it is idle or busy."""
@@ -61,7 +60,6 @@ class WorkerActivity:
         msg_id = parent.get("msg_id")
         if not msg_id:  # "starting" has no parent
             return
-        self.last_message_at = self._clock()
         state = msg.get("content", {}).get("execution_state")
         if state == "busy":
             self._in_flight[msg_id] = parent.get("msg_type", "")

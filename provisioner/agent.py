@@ -35,7 +35,7 @@ from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.traits import Duration
 
-from .attribution import add_unattributed, attribute, read_parents
+from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
@@ -514,15 +514,17 @@ class NodeAgent(Application):
                 "workers": [r.to_json() for r in self.worker_reports()]}
 
     def heartbeat_body(self) -> dict[str, Any]:
-        return {"workers": [r.to_json() for r in self.worker_reports()], "gpus": self.gpu_metrics()}
+        usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
+        reports = self.workers.reports(memory_by_pid(usage))
+        return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage)}
 
-    def gpu_metrics(self) -> list[dict[str, Any]]:
+    def gpu_metrics(self, usage: list) -> list[dict[str, Any]]:
         """The inventory's GPU readings plus ``memory_unattributed`` (bytes of
-        processes that belong to no worker); stops, through the memory
-        watchdog, workers over their slice (not in ``mig``/``exclusive`` mode,
-        where the hardware or whole GPUs confine them)."""
+        processes that belong to no worker), from this heartbeat's process
+        listing ``usage``; stops, through the memory watchdog, workers over
+        their slice (not in ``mig``/``exclusive`` mode, where the hardware or
+        whole GPUs confine them)."""
         metrics = self.inventory.metrics()
-        usage = self.inventory.process_usage()
         if not usage:
             return metrics
         live = {lease: self.workers.get(lease) for lease in self.workers.lease_ids()}

@@ -207,6 +207,16 @@ class Attribution:
         return total
 
 
+def memory_by_pid(processes: Iterable[GPUProcess]) -> dict[int, int]:
+    """GPU bytes per *local* pid (the agent's namespace), summed over all GPUs;
+    processes that map to no local pid or whose memory is unknown are absent."""
+    used: dict[int, int] = {}
+    for proc in processes:
+        if proc.local_pid is not None and proc.memory is not None:
+            used[proc.local_pid] = used.get(proc.local_pid, 0) + proc.memory
+    return used
+
+
 def attribute(processes: Sequence[GPUProcess], roots: Mapping[str, int], parents: Mapping[int, int]) -> Attribution:
     """Assign each GPU process to the worker whose process tree holds it.
 

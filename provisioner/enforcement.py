@@ -131,21 +131,6 @@ def mps_daemon_running() -> bool:
     return False
 
 
-def mps_default_commands(active_thread_percentage: int | None, pinned_limits: dict[int, int] | None) -> list[str]:
-    """Control-daemon commands that set the MPS server defaults, which no
-    client can exceed (MPS guide, "nvidia-cuda-mps-control":
-    ``set_default_active_thread_percentage``, and
-    ``set_default_device_pinned_mem_limit <dev> <value>``, value like
-    ``"40960M"``). ``pinned_limits``: device ordinal (as the daemon sees
-    devices) -> bytes, rounded down to whole MiB. Pure."""
-    commands = []
-    if active_thread_percentage is not None:
-        if not 1 <= active_thread_percentage <= 100:
-            raise ValueError(f"active thread percentage must be 1-100, got {active_thread_percentage}")
-        commands.append(f"set_default_active_thread_percentage {active_thread_percentage}")
-    for device, limit in sorted((pinned_limits or {}).items()):
-        commands.append(f"set_default_device_pinned_mem_limit {device} {limit // MiB}M")
-    return commands
 
 
 class MPSControl:

@@ -36,7 +36,7 @@ from typing import Any
 
 from gpupool.schema import GPUInfo
 
-from .attribution import GPUProcess, PidMapper
+from .attribution import GPUProcess, PidMapper, memory_by_pid
 from .inventory import Inventory, InventoryError
 
 log = logging.getLogger("gpupool.agent")
@@ -325,11 +325,7 @@ class NVMLInventory(Inventory):
         """GPU bytes per *local* pid (the agent's namespace), summed over all
         GPUs; processes that map to no local pid or whose memory NVML cannot
         attribute are absent."""
-        used: dict[int, int] = {}
-        for proc in self.process_usage():
-            if proc.local_pid is not None and proc.memory is not None:
-                used[proc.local_pid] = used.get(proc.local_pid, 0) + proc.memory
-        return used
+        return memory_by_pid(self.process_usage())
 
     # -- Xid events --------------------------------------------------------------------------------------------
 

@@ -78,15 +78,44 @@ def _pull(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
         missing = {n: "not defined on the worker" for n in names if n not in ip.user_ns}
     else:
         values = user_variables(ip)
+    limit = data.get("max_bytes")
+    if limit:  # leave what surely exceeds the cap before copying it to host memory
+        values, missing = _within(values, int(limit), missing)
     moved = {name: to_cpu_with_device(value) for name, value in values.items()}
     header, buffers = dump_values({name: value for name, (value, _) in moved.items()})
     for item in header["items"]:  # the client remembers it, so the next attach moves it back
         item["device"] = moved[item["name"]][1]
     header["errors"].update(missing)
-    limit = data.get("max_bytes")
     if limit:
         header, buffers = _cap(header, buffers, int(limit))
     return header, buffers
+
+
+def _within(values: dict[str, Any], limit: int, errors: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``values`` whose known sizes fit ``limit`` in order (unknown sizes pass:
+    :func:`_cap` checks them after pickling); the rest go to ``errors``."""
+    kept, total, errors = {}, 0, dict(errors)
+    for name, value in values.items():
+        size = known_nbytes(value)
+        if size is not None and total + size > limit:
+            errors[name] = f"{type(value).__name__} left on the worker: over the transfer size cap"
+            continue
+        kept[name] = value
+        total += size or 0
+    return kept, errors
+
+
+def known_nbytes(value: Any) -> int | None:
+    """Bytes of an array-like's data without copying it (NumPy and CuPy
+    ``nbytes``; PyTorch tensors, and modules as the sum of their parameters and
+    buffers), or None when not known up front."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return sum(t.element_size() * t.nelement() for t in itertools.chain(value.parameters(), value.buffers()))
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.element_size() * value.nelement()
+    size = getattr(value, "nbytes", None)
+    return size if isinstance(size, int) else None
 
 
 def _cap(header: dict[str, Any], buffers: list, limit: int) -> tuple[dict[str, Any], list]:
@@ -103,11 +132,6 @@ def _cap(header: dict[str, Any], buffers: list, limit: int) -> tuple[dict[str, A
             header["errors"][item["name"]] = f"{item['type']} left on the worker: over the transfer size cap"
         position += count
     return {"items": kept, "errors": header["errors"]}, kept_buffers
-
-
-def to_cpu(value: Any) -> Any:
-    """A PyTorch tensor or module on a GPU, moved to the CPU; anything else as is."""
-    return to_cpu_with_device(value)[0]
 
 
 # -- remoting ops: device memory, namespace and version checks (issue 6) ------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpupool.provisioner.enforcement import (MODES, MemoryWatchdog, MPSControl, check_slice, enforcement_mode,
-                                             mps_default_commands, slice_environment)
+                                             slice_environment)
 from gpupool.schema import GPUInfo
 
 GiB = 1024**3
@@ -95,14 +95,6 @@ def test_whole_devices_only_in_mig_and_exclusive(mode, fraction, ok):
             check_slice(mode, fraction)
 
 
-def test_mps_default_commands():
-    assert mps_default_commands(50, {0: 40 * GiB + 123, 1: 10 * MiB}) == [
-        "set_default_active_thread_percentage 50",
-        "set_default_device_pinned_mem_limit 0 40960M",
-        "set_default_device_pinned_mem_limit 1 10M"]
-    assert mps_default_commands(None, None) == []
-    with pytest.raises(ValueError, match="1-100"):
-        mps_default_commands(0, None)
 
 
 def test_mps_control_starts_or_joins_and_sends_commands(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import types
 
-from gpupool.provisioner.worker import _AfterImport, _cap, to_cpu, user_variables
+from gpupool.provisioner.worker import _AfterImport, _cap, to_cpu_with_device, user_variables
 from gpupool.transfer import dump_values
 
 
@@ -40,9 +40,9 @@ def test_to_cpu_leaves_cpu_tensors_and_other_values_alone():
     import torch
 
     tensor = torch.ones(3)
-    assert to_cpu(tensor) is tensor and to_cpu("text") == "text"
+    assert to_cpu_with_device(tensor) == (tensor, None) and to_cpu_with_device("text") == ("text", None)
     model = torch.nn.Linear(2, 2)
-    assert to_cpu(model) is model and next(model.parameters()).device.type == "cpu"
+    assert to_cpu_with_device(model)[0] is model and next(model.parameters()).device.type == "cpu"
 
 
 class _Device:
@@ -105,3 +105,17 @@ def test_cupy_and_jax_arrays_come_to_the_cpu_and_go_back_to_their_device(monkeyp
     values = {"c": host, "j": jhost}
     assert place_on_devices(values, {"c": device, "j": jdevice}) == {}
     assert values == {"c": ("cupy", 1, [1, 2]), "j": ("jax", "gpu", [3.0])}
+
+
+def test_values_surely_over_the_cap_are_left_before_they_are_copied():
+    import numpy
+    import torch
+
+    from gpupool.provisioner.worker import _within, known_nbytes
+
+    big, small = numpy.zeros(1000, dtype=numpy.float64), torch.zeros(10)
+    assert known_nbytes(big) == 8000 and known_nbytes(small) == 40 and known_nbytes("text") is None
+    assert known_nbytes(torch.nn.Linear(2, 2)) == 6 * 4
+    kept, errors = _within({"small": small, "big": big, "text": "t"}, 1000, {"gone": "not defined"})
+    assert list(kept) == ["small", "text"]
+    assert "over the transfer size cap" in errors["big"] and errors["gone"] == "not defined"
