@@ -241,3 +241,16 @@ def test_an_error_in_a_local_cell_fails_the_cell_once(kernel):
     assert not cell.ok and cell.reply["ename"] == "ZeroDivisionError"
     errors = [content for kind, content in cell.outputs if kind == "error"]
     assert sum("ZeroDivisionError" in "\n".join(e["traceback"]) for e in errors) == 1, "the traceback shows once"
+
+
+def test_a_cell_on_a_worker_that_stopped_answering_ends_with_words(e2e_pool, kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25 --on-idle release").ok
+    worker_pid = _remote(kc, "import os; os.getpid()")
+    os.kill(worker_pid, signal.SIGSTOP)  # as if its node or network vanished: no message, no heartbeat echo
+    try:
+        cell = run(kc, "1 + 1", timeout=60)
+    finally:
+        os.kill(worker_pid, signal.SIGCONT)
+    assert not cell.ok and "stopped answering for 10s" in cell.text(), cell.text()
+    assert run(kc, "%gpu release --discard").ok
