@@ -240,3 +240,13 @@ def _reply_to(kc, msg_id: str, timeout: float) -> dict:
         msg = kc.get_shell_msg(timeout=timeout)
         if msg["parent_header"].get("msg_id") == msg_id:
             return msg["content"]
+
+
+def test_shell_commands_and_line_magics_in_routed_cells_run_on_the_worker(e2e_pool, kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25 --on-idle release").ok
+    lease_id = _remote(kc, "import os; os.environ['GPUPOOL_LEASE_ID']")
+    shell = run(kc, "!printenv GPUPOOL_LEASE_ID CUDA_VISIBLE_DEVICES")
+    assert shell.ok and shell.stdout.split()[0] == lease_id and shell.stdout.split()[1].startswith("GPU-")
+    assert _remote(kc, "%env GPUPOOL_LEASE_ID") == lease_id
+    assert run(kc, "%gpu release --discard").ok
