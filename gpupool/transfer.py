@@ -69,6 +69,13 @@ def load_values(header: dict[str, Any], buffers: Iterable[memoryview | bytes]) -
     return values, errors
 
 
+def load_pulled(header: dict[str, Any], buffers: Iterable[memoryview | bytes]
+                ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """A pull's answer unpacked: ``(values, items that loaded, errors by name)``."""
+    values, errors = load_values(header, buffers)
+    return values, [i for i in header.get("items", []) if i["name"] in values], errors
+
+
 def describe(items: list[dict[str, Any]]) -> str:
     """``"x (ndarray, 1.0 MiB), y (int, 5 B)"`` for a one-line note."""
     from .units import format_bytes

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease
-from gpupool.transfer import dump_values, load_values
+from gpupool.transfer import dump_values, load_pulled
 
 from .heartbeat import Heartbeat
 from .park import Parked, park, park_due
@@ -130,8 +130,7 @@ class Attachment:
         tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
         request = {"op": "pull", "names": names} if names is not None else {"op": "pull_all", "max_bytes": max_bytes}
         answer, buffers = self._comm(request)
-        values, errors = load_values(answer["header"], buffers)
-        return values, [i for i in answer["header"]["items"] if i["name"] in values], errors
+        return load_pulled(answer["header"], buffers)
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""

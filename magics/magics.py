@@ -230,9 +230,7 @@ class GPUMagics(Magics):
         share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
         _say(f"{old.id} was parked after idle{_transfer_note('brought back', parked.items, parked.errors)}; "
              f"acquiring {share} again")
-        request = LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
-                               idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
-        attachment = self._attach(request)
+        attachment = self._attach(_same_size(old))
         self._arm_parking(attachment)
         self.attachment = attachment
         names = [n for n in parked.names if n in self.shell.user_ns]
@@ -313,9 +311,7 @@ class GPUMagics(Magics):
             self.client.release(old.id, reason="%gpu restart")
         except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
             print(f"gpupool: {old.id}: {exc.message}", file=sys.stderr)
-        request = LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
-                               idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
-        self.attachment = self._attach(request)
+        self.attachment = self._attach(_same_size(old))
         if parks:
             self._arm_parking(self.attachment)
         _say(f"restarted: released {old.id} (its variables are lost), attached {self.attachment.lease.id}")
@@ -467,6 +463,12 @@ class GPUMagics(Magics):
             self._in_local = saved
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
+
+
+def _same_size(old) -> LeaseRequest:
+    """A request for a slice like lease ``old`` (resume after parking, restart)."""
+    return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
+                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
 
 
 def _dedent(text: str | None) -> str:

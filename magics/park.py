@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease, parse_time
-from gpupool.transfer import load_values
+from gpupool.transfer import load_pulled
 
 from .remote import RemoteKernel
 
@@ -72,8 +72,7 @@ def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], li
         remote.close()
     if not answer.get("ok"):
         raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}", 502)
-    values, errors = load_values(answer["header"], buffers)
-    items = [i for i in answer["header"]["items"] if i["name"] in values]
+    values, items, errors = load_pulled(answer["header"], buffers)
     take(values, items)
     ended = release(lease.id, PARK_REASON)
     return Parked(lease=ended, names=sorted(values), items=items, errors=errors)
