@@ -11,8 +11,17 @@ alone with ``time.perf_counter_ns``:
 - ``index``: :class:`gpupool.hub_plugin.placement_index.PlacementIndex`,
   which returns ``scheduler.place()``'s exact answer (tests/test_scheduler.py
   checks it) without scanning every GPU;
-- ``full scan``: ``scheduler.place(demand, all GPUs)``, what the service
-  calls per request today (fewer decisions: it is slow).
+- ``full scan``: ``scheduler.place(demand, all GPUs)`` (fewer decisions: it is slow);
+- ``service``: the service's own path on a SQLite store, one write
+  transaction per decision as ``LeaseBook.create`` runs it: the capacity
+  lock, :class:`gpupool.hub_plugin.capacity.CapacityIndex` (re-reads the
+  GPUs changed since the last decision), the index's decision, the check of
+  the chosen GPUs against the store, the lease's rows, the commit. Leases
+  that end are committed as their own transactions, not timed;
+- ``service, full scan``: the same, but the GPU list read from SQL and
+  ``place()`` run on all of it (what the service did before the index).
+
+Placement is fragmentation-aware (``scheduler.DEFAULT_WORKLOAD`` as the expected mix).
 
 Refusals are decisions too (the request is dropped). Writes the
 "Scheduler" section of bench/REPORT.md unless ``--no-report``.
@@ -21,7 +30,8 @@ Refusals are decisions too (the request is dropped). Writes the
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import tempfile
+from datetime import datetime, timezone
 import platform
 import random
 import statistics
@@ -61,30 +71,86 @@ def run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[str, floa
     latencies: list[int] = []
     placed = 0
 
-    def change(p: Placement, sign: int) -> None:
-        for uuid in p.gpus:
-            g = index.states[uuid]
-            index.update(dataclasses.replace(g, allocated_fraction=max(0.0, g.allocated_fraction + sign * p.fraction),
-                                             allocated_memory=g.allocated_memory + sign * p.memory))
-
     while len(latencies) < decisions:
         if held and (allocated > TARGET_ALLOCATED * size or rng.random() < 0.3):
             gone = held.pop(rng.randrange(len(held)))
-            change(gone, -1)
+            index.give(gone)
             allocated -= gone.fraction * len(gone.gpus)
             continue
         ask = demand(rng)
         start = time.perf_counter_ns()
-        decision = place(ask, index.all()) if full_scan else index.place(ask)
+        decision = place(ask, index.all(), index.workload) if full_scan else index.place(ask)
         latencies.append(time.perf_counter_ns() - start)
         if isinstance(decision, Placement):
             placed += 1
             held.append(decision)
-            change(decision, +1)
+            index.take(decision)
             allocated += decision.fraction * len(decision.gpus)
-    total_s = sum(latencies) / 1e9
+    return _figures(size, latencies, placed)
+
+
+def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[str, float]:
+    """The churn of :func:`run` through the service's store and capacity index (module docstring)."""
+    from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, mark_gpus
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node, new_lease_id
+    from gpupool.hub_plugin.scheduler import DEFAULT_WORKLOAD
+
+    rng, now = random.Random(seed), datetime.now(timezone.utc)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(f"sqlite:///{tmp}/bench.sqlite")
+        store.migrate()
+        with store.write() as session:
+            for n in range(size // 8):
+                name = f"node-{n:04d}"
+                session.add(Node(name=name, url="http://127.0.0.1:9", inventory="simulated", state="up",
+                                 registered_at=now, last_heartbeat_at=now,
+                                 gpus=[GPU(uuid=f"GPU-{n * 8 + i}", name="NVIDIA A100-SXM4-80GB", index=i,
+                                           memory_total=MEMORY, memory_reserved=0, healthy=True)
+                                       for i in range(8)]))
+        capacity = CapacityIndex(context_overhead=0)
+        held: list[tuple[str, Placement]] = []
+        allocated, placed, latencies = 0.0, 0, []
+        while len(latencies) < decisions:
+            if held and (allocated > TARGET_ALLOCATED * size or rng.random() < 0.3):
+                lease_id, gone = held.pop(rng.randrange(len(held)))
+                with store.write() as session:
+                    session.get(Lease, lease_id).state = "released"
+                    mark_gpus(session, gone.gpus)
+                capacity.changed(session.info)
+                allocated -= gone.fraction * len(gone.gpus)
+                continue
+            ask = demand(rng)
+            start = time.perf_counter_ns()
+            with store.write() as session:
+                store.lock_capacity(session)
+                if full_scan:
+                    decision = place(ask, gpu_states(session, 0), DEFAULT_WORKLOAD)
+                else:
+                    decision = capacity.get(session, DEFAULT_WORKLOAD).place(ask)
+                    if isinstance(decision, Placement) and not capacity.verify(session, decision):
+                        raise AssertionError("the index disagreed with the store")
+                if isinstance(decision, Placement):
+                    lease_id = new_lease_id()
+                    session.add(Lease(id=lease_id, owner="bench", state="active", fraction=decision.fraction,
+                                      gpu_count=len(decision.gpus), memory=decision.memory, node_name=decision.node,
+                                      idle_timeout=1800, heartbeat_ttl=60, created_at=now, usage_gpu_seconds=0.0,
+                                      groups=[], gpus=[LeaseGPU(gpu_uuid=u, name="A100", index=0)
+                                                       for u in decision.gpus]))
+                    mark_gpus(session, decision.gpus)
+            capacity.changed(session.info)
+            latencies.append(time.perf_counter_ns() - start)
+            if isinstance(decision, Placement):
+                placed += 1
+                held.append((lease_id, decision))
+                allocated += decision.fraction * len(decision.gpus)
+        store.close()
+    return _figures(size, latencies, placed)
+
+
+def _figures(size: int, latencies: list[int], placed: int) -> dict[str, float]:
     cuts = statistics.quantiles(latencies, n=100)
-    return {"gpus": size, "decisions": len(latencies), "per_s": len(latencies) / total_s,
+    return {"gpus": size, "decisions": len(latencies), "per_s": len(latencies) / (sum(latencies) / 1e9),
             "p50_ms": cuts[49] / 1e6, "p99_ms": cuts[98] / 1e6, "max_ms": max(latencies) / 1e6,
             "placed": placed / len(latencies)}
 
@@ -111,9 +177,10 @@ def report(rows: list[tuple[str, dict[str, float]]], command: str) -> str:
               "is where the slow tail (max) comes from: at 1,000 GPUs the 1 % of requests refused set the p99; "
               "a run at 10,000 GPUs with 1 % or more refusals would have a p99 near the full-scan p50, so the "
               "target holds for placements, not for refusals. decisions/s is decisions over the time spent "
-              "deciding (the churn's bookkeeping is not counted). The service itself still builds the GPU list "
-              "from SQL per request and calls `place()` on all of it (the full-scan rows); the index serves this "
-              "benchmark (the simulator keeps its own candidate subset, hub_plugin/simulator_pool.py).", ""]
+              "deciding (the churn's bookkeeping is not counted). The service rows include a SQLite commit "
+              "per decision, which bounds them whatever the pool's size; the service path is the one "
+              "`LeaseBook.create` runs (index kept by `capacity.CapacityIndex`, each decision checked against "
+              "the store before it is written). The simulator decides through the same index.", ""]
     return "\n".join(lines)
 
 
@@ -134,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decisions", type=int, default=20000, help="decisions per pool with the index")
     parser.add_argument("--full-scan-decisions", type=int, default=300, help="decisions per pool, full scan")
+    parser.add_argument("--service-decisions", type=int, default=2000, help="decisions per pool, service path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-report", action="store_true", help="print only; leave bench/REPORT.md alone")
     args = parser.parse_args(argv)
@@ -141,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     for size in (1_000, 10_000):
         rows.append(("index", run(size, args.decisions, args.seed, full_scan=False)))
         rows.append(("full scan", run(size, args.full_scan_decisions, args.seed, full_scan=True)))
-        for name, r in rows[-2:]:
-            print(f"{name:9} {size:6,} GPUs: {r['per_s']:9,.0f} decisions/s  p50 {r['p50_ms']:.3f} ms  "
+        rows.append(("service", service_run(size, args.service_decisions, args.seed, full_scan=False)))
+        rows.append(("service, full scan", service_run(size, args.full_scan_decisions // 10, args.seed,
+                                                       full_scan=True)))
+        for name, r in rows[-4:]:
+            print(f"{name:18} {size:6,} GPUs: {r['per_s']:9,.0f} decisions/s  p50 {r['p50_ms']:.3f} ms  "
                   f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.2f} ms  placed {r['placed']:.0%}", flush=True)
     command = ".venv/bin/python bench/scheduler_bench.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-report")

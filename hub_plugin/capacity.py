@@ -3,13 +3,19 @@ pool view and the metrics.
 
 Allocation is always summed from the leases that hold capacity
 (``LeaseState.holds_capacity``) at the moment of reading, never kept in a
-counter, so a crashed release cannot leak a slice.
+counter, so a crashed release cannot leak a slice. The service's
+:class:`CapacityIndex` keeps the scheduler's view in memory between
+requests, re-reading only the GPUs that writers marked as changed, and
+checks every decision against the store before it is written.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
@@ -17,7 +23,10 @@ from sqlalchemy.orm import Session, selectinload
 from gpupool.schema import LeaseState
 
 from .models import GPU, Lease, LeaseGPU, Node
-from .scheduler import GPUState
+from .placement_index import PlacementIndex
+from .scheduler import GPUState, Placement, Workload
+
+log = logging.getLogger(__name__)
 
 HOLDING = tuple(state.value for state in LeaseState if state.holds_capacity)
 #: Node enforcement modes that hand out whole GPUs only (docs/enforcement.md).
@@ -33,12 +42,13 @@ class Allocation:
     leases: int = 0
 
 
-def allocations(session: Session) -> dict[str, Allocation]:
-    """GPU UUID -> what the leases holding capacity take of it."""
-    rows = session.execute(
-        select(LeaseGPU.gpu_uuid, Lease.fraction, Lease.memory)
-        .join(Lease, Lease.id == LeaseGPU.lease_id)
-        .where(Lease.state.in_(HOLDING))).all()
+def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[str, Allocation]:
+    """GPU UUID -> what the leases holding capacity take of it (of ``uuids`` only, when given)."""
+    query = (select(LeaseGPU.gpu_uuid, Lease.fraction, Lease.memory)
+             .join(Lease, Lease.id == LeaseGPU.lease_id).where(Lease.state.in_(HOLDING)))
+    if uuids is not None:
+        query = query.where(LeaseGPU.gpu_uuid.in_(uuids))
+    rows = session.execute(query).all()
     totals: dict[str, Allocation] = defaultdict(Allocation)
     for uuid, fraction, memory in rows:
         alloc = totals[uuid]
@@ -58,18 +68,117 @@ def nodes_with_gpus(session: Session) -> list[Node]:
     return list(session.scalars(select(Node).options(selectinload(Node.gpus)).order_by(Node.name)))
 
 
-def gpu_states(session: Session, context_overhead: int) -> list[GPUState]:
-    """The scheduler's view of every GPU in the pool."""
-    alloc = allocations(session)
+def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] | None = None) -> list[GPUState]:
+    """The scheduler's view of every GPU in the pool (of ``uuids`` only, when given), by node name."""
+    alloc = allocations(session, uuids)
+    query = select(GPU, Node).join(Node, Node.name == GPU.node_name).order_by(Node.name, GPU.index)
+    if uuids is not None:
+        query = query.where(GPU.uuid.in_(uuids))
     states = []
-    for node in nodes_with_gpus(session):
-        for gpu in node.gpus:
-            taken = alloc.get(gpu.uuid, Allocation())
-            states.append(GPUState(
-                uuid=gpu.uuid, node=node.name, name=gpu.name, index=gpu.index,
-                memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
-                allocated_fraction=taken.fraction, allocated_memory=taken.memory,
-                observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state == "up",
-                memory_unattributed=gpu.memory_unattributed or 0,
-                whole_only=node.enforcement in WHOLE_GPU_MODES))
+    for gpu, node in session.execute(query):
+        taken = alloc.get(gpu.uuid, Allocation())
+        states.append(GPUState(
+            uuid=gpu.uuid, node=node.name, name=gpu.name, index=gpu.index,
+            memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
+            allocated_fraction=taken.fraction, allocated_memory=taken.memory,
+            observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state != "lost",
+            node_degraded=node.state == "degraded",
+            memory_unattributed=gpu.memory_unattributed or 0,
+            whole_only=node.enforcement in WHOLE_GPU_MODES))
     return states
+
+
+# -- marks that writers leave in their transaction (session.info), read by LeaseBook.writing --------------------
+
+def mark_gpus(session: Session, uuids: Collection[str]) -> None:
+    """Record that this transaction changes the capacity of ``uuids``."""
+    session.info.setdefault("capacity_gpus", set()).update(uuids)
+
+
+def mark_node(session: Session, name: str) -> None:
+    """Record that this transaction changes every GPU of node ``name`` (its state, say)."""
+    session.info.setdefault("capacity_nodes", set()).add(name)
+
+
+def mark_all(session: Session) -> None:
+    """Record that this transaction changes which GPUs the pool has."""
+    session.info["capacity_all"] = True
+
+
+class CapacityIndex:
+    """The service's :class:`.placement_index.PlacementIndex`, kept equal to the store.
+
+    Writers mark what they change in their transaction (:func:`mark_gpus`,
+    :func:`mark_node`, :func:`mark_all`); once it commits, :meth:`changed`
+    records the marks, and the next :meth:`get` (inside the placing
+    transaction, which holds the capacity lock) re-reads just those GPUs.
+    So a decision at 10,000 GPUs reads a handful of rows, not every GPU.
+    :meth:`verify` re-reads the chosen GPUs before the decision is written:
+    a change nobody marked (another service process, a missed mark) costs a
+    rebuild and a new decision, never an over-allocation.
+    """
+
+    def __init__(self, context_overhead: int) -> None:
+        self.context_overhead = context_overhead
+        self._index: PlacementIndex | None = None
+        self._gpus: set[str] = set()
+        self._nodes: set[str] = set()
+
+    def invalidate(self) -> None:
+        """Forget everything: the next :meth:`get` reads every GPU."""
+        self._index = None
+
+    def changed(self, info: dict[str, Any]) -> None:
+        """Take the marks of a committed transaction's ``session.info``."""
+        if info.get("capacity_all"):
+            self.invalidate()
+        self._gpus.update(info.get("capacity_gpus", ()))
+        self._nodes.update(info.get("capacity_nodes", ()))
+
+    def get(self, session: Session, workload: Workload) -> PlacementIndex:
+        """The index, up to date with the store as ``session`` sees it, deciding for ``workload``."""
+        if self._index is not None and (self._gpus or self._nodes):
+            self._refresh(session)
+        if self._index is None:
+            self._index = PlacementIndex(gpu_states(session, self.context_overhead), workload)
+        self._gpus.clear()
+        self._nodes.clear()
+        self._index.workload = workload
+        return self._index
+
+    def _refresh(self, session: Session) -> None:
+        index = self._index
+        uuids = set(self._gpus)
+        for node in self._nodes:
+            uuids.update(index.node_gpus(node))
+        fresh = gpu_states(session, self.context_overhead, uuids)
+        if {s.uuid for s in fresh} != uuids & index.states.keys() or any(
+                s.uuid not in index.states or index.states[s.uuid].node != s.node for s in fresh):
+            self._index = None  # GPUs came, went or moved: read them all
+            return
+        for state in fresh:
+            index.update(state)
+
+    def verify(self, session: Session, placement: Placement) -> bool:
+        """True when the store agrees with the index on ``placement``'s GPUs;
+        otherwise logs it, forgets the index and returns False (decide again).
+        On PostgreSQL the GPUs' rows stay locked until the lease is written
+        (in UUID order, as heartbeats update them: no deadlock)."""
+        session.execute(select(GPU.uuid).where(GPU.uuid.in_(placement.gpus)).order_by(GPU.uuid)
+                        .with_for_update()).all()
+        fresh = gpu_states(session, self.context_overhead, placement.gpus)
+        states = self._index.states if self._index is not None else {}
+        if len(fresh) == len(placement.gpus) and all(_same_capacity(s, states.get(s.uuid)) for s in fresh):
+            return True
+        log.warning("the in-memory pool view disagreed with the store on %s; reading every GPU again",
+                    ", ".join(placement.gpus))
+        self.invalidate()
+        return False
+
+
+def _same_capacity(a: GPUState, b: GPUState | None) -> bool:
+    """Equal in everything placement depends on (not NVML's latest reading, shown in messages only)."""
+    fields = ("node", "memory_usable", "allocated_memory", "memory_unattributed", "healthy", "node_up",
+              "node_degraded", "whole_only")
+    return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and all(
+        getattr(a, f) == getattr(b, f) for f in fields)

@@ -9,9 +9,10 @@ both see a GPU free and both take it.
 - SQLite: every write transaction starts with ``BEGIN IMMEDIATE``, which takes
   the database's write lock up front (a plain ``BEGIN`` would take it only at
   the first write, after the capacity was read). WAL lets readers go on.
-- PostgreSQL: :meth:`Store.lock_capacity` takes ``SELECT ... FOR UPDATE`` on
-  every GPU row, in a fixed order, before capacity is read; in READ COMMITTED
-  each later statement then sees every lease committed before the lock.
+- PostgreSQL: :meth:`Store.lock_capacity` takes a transaction-scoped
+  advisory lock before capacity is read; in READ COMMITTED each later
+  statement then sees every lease committed before the lock. The rows of
+  the GPUs a decision chose are locked ``FOR UPDATE`` when it is checked.
 
 A store that stays locked (another process holding the lock longer than
 ``BUSY_TIMEOUT_S``) or unreachable gives a 503 the client may retry.
@@ -24,14 +25,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import create_engine, event, select, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpupool.errors import GPUPoolError
-
-from .models import GPU
 
 log = logging.getLogger("gpupool.service.db")
 #: Key of the PostgreSQL advisory lock that serializes capacity decisions ("gpupool" in ASCII).
@@ -85,9 +84,9 @@ class Store:
         else:
             # One transaction-scoped advisory lock serializes every capacity and
             # quota decision, also when there are no GPU rows to lock (a queued
-            # request in an empty pool); the row locks keep heartbeats' GPU updates ordered.
+            # request in an empty pool). The chosen GPUs' rows are locked when the
+            # decision is checked (capacity.CapacityIndex.verify), not every GPU's.
             session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CAPACITY_LOCK_KEY})
-            session.execute(select(GPU.uuid).order_by(GPU.uuid).with_for_update()).all()
 
     def migrate(self) -> None:
         """Bring the schema to the latest Alembic revision."""
@@ -104,7 +103,7 @@ def _make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            _owner_only(Path(parsed.database))
         engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
         event.listen(engine, "connect", _sqlite_connect)
         event.listen(engine, "begin", _sqlite_begin)
@@ -114,6 +113,17 @@ def _make_engine(url: str) -> Engine:
         return create_engine(url, pool_pre_ping=True,
                              connect_args={"options": f"-c lock_timeout={timeout_ms}", "connect_timeout": 10})
     return create_engine(url, pool_pre_ping=True)
+
+
+def _owner_only(database: Path) -> None:
+    """Create the SQLite file (and its directory) readable by the service's
+    user only, and make an existing one so: it holds every active worker's
+    connection key. SQLite gives its -wal and -shm files the database's mode."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    database.touch(mode=0o600, exist_ok=True)
+    for path in (database, *(database.with_name(database.name + s) for s in ("-wal", "-shm", "-journal"))):
+        if path.exists():
+            path.chmod(0o600)
 
 
 def _sqlite_connect(dbapi_connection, _record) -> None:

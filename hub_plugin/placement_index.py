@@ -1,111 +1,166 @@
 """An index over GPU states that gives :func:`.scheduler.place`'s answer
-without scanning every GPU. Pure, in memory; for big pools (the simulator,
-bench/scheduler_bench.py). ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn`` checks it
-against ``place()`` on random pools under churn.
+without scanning every GPU. Pure, in memory; the service keeps one
+(:class:`.capacity.CapacityIndex`), as do the simulator and
+bench/scheduler_bench.py. ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
+checks it against ``place()`` on random pools under churn.
 
 Why it is the same answer:
 
 - A slice: ``place()`` picks, among the GPUs that fit, the least
-  ``(round(free - f, 9), node, index)``. GPUs are kept sorted by ``(free
-  fraction, node, index)``. A GPU that fits has ``free >= f - 1e-9``, so the
-  search starts at ``f - WINDOW``. GPUs with the same free fraction leave the
-  same remainder, so within such a class only the first that fits (least
-  node, index) can win. A GPU whose free fraction is more than ``WINDOW``
-  above the first fitting one leaves a remainder larger by more than the
-  rounding, so it cannot win either. ``place()`` is then called on those
-  class winners: it decides by its own rule.
-- N whole GPUs: ``place()`` picks the node with the least ``(eligible idle
-  GPUs, name)`` among nodes with at least N. When every GPU is usable (node
-  up, healthy) and the request names no model and no memory, every idle GPU
-  is eligible, so that node is the first of the nodes kept sorted by ``(idle
-  GPUs, name)`` with at least N; ``place()`` is then called on its GPUs.
+  ``(fragmentation growth, free left, node, index)``
+  (:func:`.scheduler.slice_key`). On a GPU that is not wholly free the
+  growth depends only on its free fraction; on a wholly free one, only on
+  how many wholly free GPUs its node has (:func:`.scheduler.slice_delta`).
+  So GPUs fall into classes — partly taken GPUs by free fraction, wholly
+  free ones by their node's idle count — whose members differ only in
+  ``(node, index)``, and only the least member of each class that fits can
+  win. Partly taken GPUs are kept sorted by ``(free, node, index)`` and
+  nodes by ``(idle GPUs, name)``; the index finds each class's first fitting
+  member and calls ``place()`` on those, with the nodes' idle counts.
+- N whole GPUs: ``place()`` picks the least ``(fragmentation growth, idle
+  GPUs, name)`` among nodes with at least N eligible idle GPUs, and the
+  growth depends only on the node's idle count. When every GPU is usable
+  (node up, healthy) and the request names no model and no memory, every
+  idle GPU is eligible, so the winner is the first node of one of the idle
+  counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
   Otherwise ``place()`` scans every GPU.
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
-  tally of reasons covers every GPU.
+  tally of reasons covers every GPU (unless the caller asks for no
+  explanation: the queue only needs to know).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from typing import Iterable
 
-from .scheduler import EPSILON, Demand, GPUState, Placement, Refusal, _ineligible, _slice_memory, place
+from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
+                        place, slice_misfit)
 
-#: Width of the free-fraction window searched past the first fit (>> the 1e-9 rounding of ``place()``).
+#: How far below the asked fraction the search for partly taken GPUs starts (>> float noise).
 WINDOW = 1e-8
 
 
 class PlacementIndex:
-    """GPU states by UUID, sorted by free fraction, and nodes by idle GPUs.
-    Call :meth:`update` with a GPU's new state whenever its allocation changes."""
+    """GPU states by UUID; partly taken GPUs sorted by free fraction; nodes
+    sorted by wholly free GPUs. ``workload`` is the scheduler's expected
+    mix (assign :attr:`workload` to change it). Call :meth:`update` (or
+    :meth:`take` / :meth:`give`) whenever a GPU's state changes."""
 
-    def __init__(self, gpus: Iterable[GPUState]) -> None:
+    def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD) -> None:
+        self.workload = workload
         self.states: dict[str, GPUState] = {}
-        self._keys: list[tuple[float, str, int, str]] = []
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
-        self._nodes: list[tuple[int, str]] = []
         self._unusable = 0  # GPUs on lost nodes or unhealthy
         for gpu in gpus:
-            self._unusable += not (gpu.node_up and gpu.healthy)
+            self._unusable += _unusable(gpu)
             self.states[gpu.uuid] = gpu
             self._node_gpus.setdefault(gpu.node, []).append(gpu.uuid)
-            self._idle[gpu.node] = self._idle.get(gpu.node, 0) + gpu.is_idle
-        self._keys = sorted(_key(g) for g in self.states.values())
+            self._idle[gpu.node] = self._idle.get(gpu.node, 0) + _whole_free(gpu)
+        for uuids in self._node_gpus.values():
+            uuids.sort(key=lambda u: self.states[u].index)
+        self._partial = sorted(_key(g) for g in self.states.values() if not _whole_free(g))
         self._nodes = sorted((idle, node) for node, idle in self._idle.items())
 
     def all(self) -> list[GPUState]:
+        """Every GPU state, in no set order."""
         return list(self.states.values())
 
+    def node_gpus(self, node: str) -> list[str]:
+        """UUIDs of ``node``'s GPUs by index (empty for a node not indexed)."""
+        return list(self._node_gpus.get(node, ()))
+
     def update(self, gpu: GPUState) -> None:
-        """Replace the state of ``gpu.uuid`` (same node)."""
+        """Replace the state of ``gpu.uuid`` (a GPU already indexed, on the same node)."""
         old = self.states[gpu.uuid]
-        del self._keys[bisect.bisect_left(self._keys, _key(old))]
-        bisect.insort(self._keys, _key(gpu))
+        if not _whole_free(old):
+            del self._partial[bisect.bisect_left(self._partial, _key(old))]
+        if not _whole_free(gpu):
+            bisect.insort(self._partial, _key(gpu))
         self.states[gpu.uuid] = gpu
-        self._unusable += (not (gpu.node_up and gpu.healthy)) - (not (old.node_up and old.healthy))
-        if old.is_idle != gpu.is_idle:
+        self._unusable += _unusable(gpu) - _unusable(old)
+        if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
-            after = before + (1 if gpu.is_idle else -1)
+            after = before + (1 if _whole_free(gpu) else -1)
             del self._nodes[bisect.bisect_left(self._nodes, (before, gpu.node))]
             bisect.insort(self._nodes, (after, gpu.node))
             self._idle[gpu.node] = after
 
-    def place(self, demand: Demand) -> Placement | Refusal:
-        """``place(demand, self.all())``, found faster (module docstring)."""
-        candidates = self._whole(demand) if demand.gpu_count > 1 else self._slice(demand)
-        return place(demand, candidates if candidates else self.all())
+    def take(self, placement: Placement) -> None:
+        """Add what ``placement`` grants to its GPUs' allocation."""
+        self._add(placement, 1)
+
+    def give(self, placement: Placement) -> None:
+        """Remove what ``placement`` granted from its GPUs' allocation."""
+        self._add(placement, -1)
+
+    def _add(self, placement: Placement, sign: int) -> None:
+        for uuid in placement.gpus:
+            g = self.states[uuid]
+            fraction = g.allocated_fraction + sign * placement.fraction
+            self.update(dataclasses.replace(g, allocated_fraction=0.0 if abs(fraction) <= EPSILON else fraction,
+                                            allocated_memory=g.allocated_memory + sign * placement.memory))
+
+    def place(self, demand: Demand, *, explain: bool = True) -> Placement | Refusal:
+        """``place(demand, self.all(), self.workload)``, found faster (module
+        docstring). ``explain=False`` returns a refusal without its reasons
+        and message when the index alone knows nothing fits (no scan of every
+        GPU; for callers that only need the decision, like the queue)."""
+        if demand.gpu_count > 1:
+            candidates = self._whole(demand)
+            if candidates:
+                return place(demand, candidates, self.workload)
+        else:
+            candidates = self._slice(demand)
+            if candidates:
+                return place(demand, candidates, self.workload, idle=self._idle)
+        if candidates is not None and not explain:
+            return Refusal()
+        return place(demand, self.all(), self.workload)
 
     def _slice(self, demand: Demand) -> list[GPUState]:
-        keys, found, best = self._keys, [], None
-        i = bisect.bisect_left(keys, (demand.fraction - WINDOW,))
+        found = []
+        keys, i = self._partial, bisect.bisect_left(self._partial, (demand.fraction - WINDOW,))
         while i < len(keys):
             free = keys[i][0]
-            if best is not None and free > best + WINDOW:
-                break
             gpu = self.states[keys[i][3]]
-            if _fits(demand, gpu):
-                best = free if best is None else best
+            if slice_misfit(demand, gpu) is None:
                 found.append(gpu)
-                # The rest of this class leaves the same remainder and comes later by (node, index).
+                # The rest of this class differs only by (node, index), and comes later.
                 i = bisect.bisect_left(keys, (math.nextafter(free, math.inf),))
             else:
                 i += 1
+        nodes, j = self._nodes, bisect.bisect_left(self._nodes, (1, ""))
+        while j < len(nodes):
+            idle, node = nodes[j]
+            gpu = next((g for g in map(self.states.get, self._node_gpus[node])
+                        if _whole_free(g) and slice_misfit(demand, g) is None), None)
+            if gpu is None:
+                j += 1
+            else:
+                found.append(gpu)
+                j = bisect.bisect_left(nodes, (idle + 1, ""))
         return found
 
-    def _whole(self, demand: Demand) -> list[GPUState]:
+    def _whole(self, demand: Demand) -> list[GPUState] | None:
+        """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
         if self._unusable or demand.model or demand.memory is not None:
-            return []  # idle is not the same as eligible here: scan everything
-        i = bisect.bisect_left(self._nodes, (demand.gpu_count, ""))
-        return [] if i == len(self._nodes) else [self.states[u] for u in self._node_gpus[self._nodes[i][1]]]
+            return None  # idle is not the same as eligible here: scan everything
+        found, nodes = [], self._nodes
+        j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
+        while j < len(nodes):
+            idle, node = nodes[j]
+            found.extend(self.states[u] for u in self._node_gpus[node])
+            j = bisect.bisect_left(nodes, (idle + 1, ""))
+        return found
 
 
 def _key(gpu: GPUState) -> tuple[float, str, int, str]:
     return (gpu.free_fraction, gpu.node, gpu.index, gpu.uuid)
 
 
-def _fits(demand: Demand, gpu: GPUState) -> bool:
-    """``place()``'s test for a slice on one GPU."""
-    return (_ineligible(demand, gpu) is None and gpu.allocated_fraction + demand.fraction <= 1.0 + EPSILON
-            and _slice_memory(demand, gpu) <= gpu.free_memory)
+def _unusable(gpu: GPUState) -> bool:
+    return not (gpu.node_up and gpu.healthy) or gpu.node_degraded

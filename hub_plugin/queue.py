@@ -21,13 +21,13 @@ the queue is drained as soon as anything frees.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-from .scheduler import Demand, GPUState, Placement, place
+from .placement_index import PlacementIndex
+from .scheduler import Demand, GPUState, Placement
 
 
 @dataclass(frozen=True)
@@ -57,19 +57,25 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
     return None
 
 
-def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState], last_used: Mapping[str, datetime | None],
-          now: datetime) -> list[tuple[Waiting, Placement]]:
-    """Queued requests to place on ``gpus`` now, in the order placed; each
-    placement sees the capacity the earlier ones took."""
-    gpus = list(gpus)
+def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
+          last_used: Mapping[str, datetime | None], now: datetime, *,
+          accept: Callable[[Waiting, Placement], bool] | None = None) -> list[tuple[Waiting, Placement]]:
+    """Queued requests to place on ``gpus`` (GPU states, or an index that is
+    then updated with what is placed) now, in the order placed; each
+    placement sees the capacity the earlier ones took. ``accept(item,
+    placement)``, when given, is asked before each placement is taken; False
+    stops the drain there (the service checks the decision against the store)."""
+    index = gpus if isinstance(gpus, PlacementIndex) else PlacementIndex(gpus)
     last = dict(last_used)
     left = list(waiting)
     placed: list[tuple[Waiting, Placement]] = []
     while left:
         for item in order(left, last):
-            decision = place(item.demand, gpus)
+            decision = index.place(item.demand, explain=False)
             if isinstance(decision, Placement):
-                gpus = take(gpus, decision)
+                if accept is not None and not accept(item, decision):
+                    return placed
+                index.take(decision)
                 last[item.owner] = now
                 left.remove(item)
                 placed.append((item, decision))
@@ -77,14 +83,6 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState], last_used: Mappi
         else:
             break
     return placed
-
-
-def take(gpus: Sequence[GPUState], placement: Placement) -> list[GPUState]:
-    """``gpus`` with ``placement``'s fraction and memory added to the GPUs it chose."""
-    chosen = set(placement.gpus)
-    return [dataclasses.replace(g, allocated_fraction=g.allocated_fraction + placement.fraction,
-                                allocated_memory=g.allocated_memory + placement.memory)
-            if g.uuid in chosen else g for g in gpus]
 
 
 def estimate(queue_position: int, recent_hold_seconds: Sequence[float], holding: int) -> float | None:

@@ -8,16 +8,23 @@ the reservation cannot drift apart.
 
 Rules:
 
-- A slice (``gpu_count == 1``) goes to the GPU that is left with the least
-  free fraction after placing it (best fit), ties broken by node name, then
-  GPU index. Packing slices tightly keeps whole GPUs free for whole-GPU asks.
+- Placement is fragmentation-aware best fit: among the GPUs (or nodes) that
+  can take the request, the one whose **fragmentation grows least** wins
+  (:func:`fragmentation_delta`), then the one left with the least free
+  fraction (best fit), then node name, then GPU index. Fragmentation is the
+  measure of Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
+  Workloads with Fragmentation Gradient Descent" (USENIX ATC '23, section
+  4): the free GPU capacity that the expected workload (a
+  :data:`Workload`: request shapes with their popularity) could not use,
+  weighted by popularity. A 0.25 slice thus goes where it fills a gap, not
+  onto an idle GPU a whole-GPU request could have taken.
 - ``N`` whole GPUs (``gpu_count >= 2``) need ``N`` completely free GPUs on one
-  node; the node with the fewest free GPUs that still fits is chosen (best fit
-  again), ties by node name; on it, the lowest indices.
+  node; on the chosen node, the lowest indices.
 - Memory of a slice is ``fraction x usable memory`` unless the request names
   an amount; either must fit in the GPU's free memory (usable minus what
   leases hold). Usable memory is total minus driver-reserved minus the CUDA
-  context overhead, computed by the caller.
+  context overhead, computed by the caller. Fragmentation is measured on
+  the GPU fraction only (memory follows the fraction unless asked for).
 - ``model`` is a case-insensitive substring of the GPU name (``"a100"``).
 - Every GPU that is not chosen is counted under one reason, and the refusal
   message is built from these counts, so a user learns why (HAMi's
@@ -36,13 +43,14 @@ EPSILON = 1e-9
 
 # Rejection reasons, in the order they are checked; a GPU counts under the first that applies.
 NODE_LOST = "node lost"
+NODE_DEGRADED = "node cannot read its GPUs (NVML)"
 UNHEALTHY = "unhealthy"
 MODEL_MISMATCH = "model mismatch"
 NO_FRACTION = "not enough free fraction"
 NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
 WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
-REASONS = (NODE_LOST, UNHEALTHY, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY, FEW_ON_NODE)
+REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY, FEW_ON_NODE)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class GPUState:
     ``memory_unattributed`` is memory NVML sees used by processes of no
     worker: it is taken, whoever holds it. ``whole_only`` marks GPUs of a
     node whose enforcement (``mig``, ``exclusive``) gives out whole GPUs only.
+    ``node_degraded`` marks GPUs of a node whose agent is alive but cannot
+    read its GPUs (NVML failed): its leases go on, nothing new goes there.
     """
 
     uuid: str
@@ -73,6 +83,7 @@ class GPUState:
     node_up: bool = True
     memory_unattributed: int = 0
     whole_only: bool = False
+    node_degraded: bool = False
 
     @property
     def free_fraction(self) -> float:
@@ -135,17 +146,116 @@ class Refusal:
     message: str = ""
 
 
-def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...]) -> Placement | Refusal:
-    """Choose GPU(s) for ``demand`` among ``gpus``; see the module docstring."""
+@dataclass(frozen=True)
+class Shape:
+    """One kind of request in the expected workload: ``fraction`` of one GPU
+    (``gpu_count == 1``; 1.0 is one whole GPU) or ``gpu_count`` whole GPUs,
+    asked for by a ``weight`` share of requests (a workload's weights sum to 1)."""
+
+    fraction: float
+    gpu_count: int = 1
+    weight: float = 1.0
+
+
+#: The expected workload: request shapes and how popular each is.
+Workload = tuple[Shape, ...]
+
+
+def workload_of(demands) -> Workload:
+    """The workload that ``demands`` (an iterable of :class:`Demand`) show:
+    one :class:`Shape` per distinct ``(fraction to 3 places, gpu_count)``,
+    weighted by how often it occurs; empty when ``demands`` is."""
+    counts: Counter[tuple[float, int]] = Counter(
+        (1.0, d.gpu_count) if d.gpu_count > 1 else (round(d.fraction, 3), 1) for d in demands)
+    total = sum(counts.values())
+    return tuple(Shape(fraction, count, n / total) for (fraction, count), n in sorted(counts.items()))
+
+
+#: Used until a pool has seen requests of its own (a guess at notebook use:
+#: mostly quarter and half GPUs, some whole ones, a few 2- and 4-GPU jobs).
+DEFAULT_WORKLOAD: Workload = (Shape(0.25, 1, 0.3), Shape(0.5, 1, 0.3), Shape(1.0, 1, 0.25),
+                              Shape(1.0, 2, 0.1), Shape(1.0, 4, 0.05))
+
+
+def slice_delta(free: float, whole_free: bool, idle: int, fraction: float, workload: Workload) -> float:
+    """How much a node's fragmentation grows when a ``fraction`` slice goes on
+    one of its GPUs, which has ``free`` fraction free (``whole_free``: no lease
+    on it at all) on a node with ``idle`` wholly free GPUs (this one included).
+
+    Fragmentation of a node for a request shape is the free capacity that
+    shape cannot use there: on GPUs with less free than a slice shape needs,
+    or that are partly taken for a whole-GPU shape; all of the node's free
+    capacity when the shape cannot be placed on the node at all (Weng et al.,
+    ATC '23, eq. 1-2). Summed over the workload by weight. Placing a slice
+    changes one GPU and, for whole-GPU shapes, maybe whether the node still
+    has enough free GPUs, so the growth depends only on these arguments
+    (derivation per case in the comments). Units: GPUs (fractions)."""
+    left = free - fraction
+    delta = 0.0
+    for shape in workload:
+        if shape.gpu_count == 1:
+            # This GPU's free capacity is a fragment for the shape when below its size; when this
+            # GPU was the node's last that fits, the others were fragments already: same growth.
+            need = shape.fraction - EPSILON
+            change = (left if left < need else 0.0) - (free if free < need else 0.0)
+        elif not whole_free:
+            change = -fraction  # a taken GPU was a fragment already; it shrinks by the slice
+        elif idle - 1 >= shape.gpu_count:
+            change = left  # the node still fits the shape; this GPU becomes a fragment
+        elif idle >= shape.gpu_count:
+            change = idle - fraction  # the node no longer fits it: all its free capacity is fragment
+        else:
+            change = -fraction  # it did not fit before either: all free was fragment, less now
+        delta += shape.weight * change
+    return delta
+
+
+def whole_delta(idle: int, count: int, workload: Workload) -> float:
+    """Growth of a node's fragmentation (see :func:`slice_delta`) when
+    ``count`` of its ``idle`` wholly free GPUs are taken whole. Slice shapes
+    do not change (the node keeps a GPU that fits them or had none); a
+    whole-GPU shape the node stops fitting makes its partly free GPUs and
+    the idle ones left fragments."""
+    delta = 0.0
+    for shape in workload:
+        if shape.gpu_count == 1 or idle - count >= shape.gpu_count:
+            continue
+        delta += shape.weight * ((idle - count) if idle >= shape.gpu_count else -count)
+    return delta
+
+
+def idle_counts(gpus) -> dict[str, int]:
+    """Node -> how many of its GPUs are wholly free and healthy."""
+    idle: Counter[str] = Counter()
+    for gpu in gpus:
+        idle[gpu.node] += _whole_free(gpu)
+    return dict(idle)
+
+
+def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload: Workload = DEFAULT_WORKLOAD,
+          *, idle: dict[str, int] | None = None) -> Placement | Refusal:
+    """Choose GPU(s) for ``demand`` among ``gpus``; see the module docstring.
+
+    ``workload`` is the expected mix of requests the fragmentation measure
+    weighs (an empty one leaves plain best fit). ``idle`` maps each node to
+    its wholly free healthy GPUs (:func:`idle_counts`); it defaults to the
+    count over ``gpus`` and is passed by callers that give a subset
+    (:mod:`.placement_index`)."""
     if demand.gpu_count > 1:
-        return _place_whole(demand, gpus)
-    return _place_slice(demand, gpus)
+        return _place_whole(demand, gpus, workload)
+    return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle)
+
+
+def _whole_free(gpu: GPUState) -> bool:
+    return gpu.is_idle and gpu.healthy
 
 
 def _ineligible(demand: Demand, gpu: GPUState) -> str | None:
     """The reason ``gpu`` cannot serve ``demand`` whatever its load, or None."""
     if not gpu.node_up:
         return NODE_LOST
+    if gpu.node_degraded:
+        return NODE_DEGRADED
     if not gpu.healthy:
         return UNHEALTHY
     if demand.model and demand.model.lower() not in gpu.name.lower():
@@ -159,30 +269,44 @@ def _slice_memory(demand: Demand, gpu: GPUState) -> int:
     return demand.memory if demand.memory is not None else gpu.share(demand.fraction)
 
 
-def _place_slice(demand: Demand, gpus) -> Placement | Refusal:
+def slice_misfit(demand: Demand, gpu: GPUState) -> str | None:
+    """Why ``gpu`` cannot take the slice ``demand`` now (a reason), or None when it can."""
+    reason = _ineligible(demand, gpu)
+    if reason is None and gpu.allocated_fraction + demand.fraction > 1.0 + EPSILON:
+        reason = NO_FRACTION
+    if reason is None and _slice_memory(demand, gpu) > gpu.free_memory:
+        reason = NO_MEMORY
+    return reason
+
+
+def slice_key(demand: Demand, gpu: GPUState, idle: int, workload: Workload) -> tuple[float, float, str, int]:
+    """What a slice placement minimises over the GPUs that fit: (fragmentation
+    growth, free fraction left, node, index); rounded so float noise
+    (0.30000000000000004) does not break ties."""
+    delta = slice_delta(gpu.free_fraction, _whole_free(gpu), idle, demand.fraction, workload)
+    return (round(delta, 9), round(gpu.free_fraction - demand.fraction, 9), gpu.node, gpu.index)
+
+
+def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int]) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
-    fits: list[tuple[float, str, int, GPUState]] = []
+    best, best_key = None, None
     for gpu in gpus:
-        reason = _ineligible(demand, gpu)
-        if reason is None and gpu.allocated_fraction + demand.fraction > 1.0 + EPSILON:
-            reason = NO_FRACTION
-        if reason is None and _slice_memory(demand, gpu) > gpu.free_memory:
-            reason = NO_MEMORY
+        reason = slice_misfit(demand, gpu)
         if reason is not None:
             reasons[reason] += 1
             continue
-        # Round so float noise (0.30000000000000004) does not break ties.
-        left = round(gpu.free_fraction - demand.fraction, 9)
-        fits.append((left, gpu.node, gpu.index, gpu))
-    if not fits:
+        key = slice_key(demand, gpu, idle.get(gpu.node, 0), workload)
+        if best_key is None or key < best_key:
+            best, best_key = gpu, key
+    if best is None:
         return _refusal(demand, gpus, reasons)
-    gpu = min(fits, key=lambda item: item[:3])[3]
-    return Placement(gpu.node, (gpu.uuid,), demand.fraction, _slice_memory(demand, gpu))
+    return Placement(best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best))
 
 
-def _place_whole(demand: Demand, gpus) -> Placement | Refusal:
+def _place_whole(demand: Demand, gpus, workload: Workload) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     free_by_node: dict[str, list[GPUState]] = {}
+    idle = idle_counts(gpus)
     for gpu in gpus:
         reason = _ineligible(demand, gpu)
         if reason is None and not gpu.is_idle:
@@ -193,11 +317,12 @@ def _place_whole(demand: Demand, gpus) -> Placement | Refusal:
             reasons[reason] += 1
             continue
         free_by_node.setdefault(gpu.node, []).append(gpu)
-    fitting = [(len(free), node) for node, free in free_by_node.items() if len(free) >= demand.gpu_count]
+    fitting = [(round(whole_delta(idle[node], demand.gpu_count, workload), 9), len(free), node)
+               for node, free in free_by_node.items() if len(free) >= demand.gpu_count]
     if not fitting:
         reasons[FEW_ON_NODE] += sum(len(free) for free in free_by_node.values())
         return _refusal(demand, gpus, reasons)
-    node = min(fitting)[1]
+    node = min(fitting)[2]
     chosen = sorted(free_by_node[node], key=lambda g: g.index)[: demand.gpu_count]
     memory = demand.memory if demand.memory is not None else min(g.memory_usable for g in chosen)
     return Placement(node, tuple(g.uuid for g in chosen), 1.0, memory)
@@ -210,7 +335,7 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str]) -> Refusal:
         else f"no GPU can take {demand.describe()} now"
     if not gpus:
         return Refusal({"no GPUs": 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
-    usable = [g for g in gpus if g.node_up and g.healthy]
+    usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded]
     noun = "GPU" if len(gpus) == 1 else "GPUs"
     if usable:
         best = min(usable, key=lambda g: (-g.free_fraction, -g.free_memory, g.node, g.index))

@@ -15,8 +15,9 @@ comparable). GPU models are ignored (``gpu_spec`` is empty in every row).
 
 Policies (:data:`OPENB_POLICIES`):
 
-- ``gpupool``: :func:`.scheduler.place` (GPU-level best fit for slices, the
-  node with the fewest free GPUs for whole GPUs), through :class:`.simulator_pool.Pool`;
+- ``gpupool``: :func:`.scheduler.place` (fragmentation-aware best fit, with
+  the sampled tasks' mix as the expected workload, as Weng et al.'s FGD
+  uses the target workload), through :class:`.simulator_pool.Pool`;
 - ``firstfit``: the first GPU by (node, index) that fits; whole GPUs: the first node with enough free GPUs;
 - ``bestfit``: the node left with the least free GPU capacity, then the
   tightest GPU on it (Weng et al.'s BestFit, on the GPU dimension);
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scheduler import Placement
-from .simulator_pool import FULL, GPUSpec, Pool
+from .scheduler import Placement, workload_of
+from .simulator_pool import FULL, GPUSpec, Pool, demand_of
 from .simulator_workload import OpenbNode
 
 OPENB_POLICIES = ("gpupool", "firstfit", "bestfit", "random")
@@ -110,7 +111,9 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
     """Place tasks ``(num[i], milli[i])`` in order under ``policy``; no task leaves."""
     wall = time.perf_counter()
     capacity = len(specs) * FULL
-    pool = Pool(specs) if policy == "gpupool" else None
+    pool = None
+    if policy == "gpupool":
+        pool = Pool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
     arrays = _ArrayPool(specs, seed=0) if pool is None else None
     allocated = arrived = failed = 0
     points, unalloc, fails = [], [], []

@@ -14,7 +14,7 @@ from gpupool.schema import LeaseState
 
 from gpupool.hub_plugin.scheduler import (
     FEW_ON_NODE, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
-    Demand, GPUState, Placement, Refusal, place)
+    DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Shape, place, slice_delta, whole_delta, workload_of)
 
 GiB = 1024**3
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -23,12 +23,13 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 def gpu(node: str, index: int, *, name: str = A100, usable: int = 80 * GiB, fraction: float = 0.0,
         memory: int | None = None, healthy: bool = True, up: bool = True, unattributed: int = 0,
-        whole_only: bool = False) -> GPUState:
+        whole_only: bool = False, degraded: bool = False) -> GPUState:
     """A GPU with ``fraction`` allocated (and that share of memory unless ``memory`` is given)."""
     taken = int(fraction * usable) if memory is None else memory
     return GPUState(uuid=f"GPU-{node}-{index}", node=node, name=name, index=index, memory_total=usable + GiB,
                     memory_usable=usable, allocated_fraction=fraction, allocated_memory=taken,
-                    healthy=healthy, node_up=up, memory_unattributed=unattributed, whole_only=whole_only)
+                    healthy=healthy, node_up=up, memory_unattributed=unattributed, whole_only=whole_only,
+                    node_degraded=degraded)
 
 
 PLACED = [
@@ -39,7 +40,9 @@ PLACED = [
     pytest.param(Demand(0.5), [gpu("n1", 0, fraction=1.0), gpu("n1", 1)],
                  Placement("n1", ("GPU-n1-1",), 0.5, 40 * GiB), id="third 0.5 goes to the other GPU"),
     pytest.param(Demand(0.25), [gpu("n1", 0, fraction=0.25), gpu("n1", 1, fraction=0.5)],
-                 Placement("n1", ("GPU-n1-1",), 0.25, 20 * GiB), id="best fit: least free left"),
+                 Placement("n1", ("GPU-n1-0",), 0.25, 20 * GiB), id="fragmentation: keep a 0.5 gap for 0.5s"),
+    pytest.param(Demand(0.25), [gpu("n1", 0, fraction=0.5), gpu("n1", 1, fraction=0.75)],
+                 Placement("n1", ("GPU-n1-1",), 0.25, 20 * GiB), id="fragmentation: fill a gap exactly"),
     pytest.param(Demand(0.3), [gpu("n2", 0, fraction=0.5), gpu("n1", 1, fraction=0.5)],
                  Placement("n1", ("GPU-n1-1",), 0.3, int(0.3 * 80 * GiB)), id="tie: node name first"),
     pytest.param(Demand(0.7), [gpu("n1", 0, fraction=0.1 + 0.2)],
@@ -50,6 +53,8 @@ PLACED = [
                  Placement("n2", ("GPU-n2-0",), 0.5, 40 * GiB), id="model: case-insensitive substring"),
     pytest.param(Demand(0.5), [gpu("n1", 0, up=False), gpu("n2", 0, healthy=False), gpu("n3", 0)],
                  Placement("n3", ("GPU-n3-0",), 0.5, 40 * GiB), id="lost node and unhealthy GPU skipped"),
+    pytest.param(Demand(0.5), [gpu("n1", 0, degraded=True), gpu("n2", 0, fraction=0.5)],
+                 Placement("n2", ("GPU-n2-0",), 0.5, 40 * GiB), id="a node that cannot read its GPUs is skipped"),
     pytest.param(Demand(1.0), [gpu("n1", 0, fraction=0.25), gpu("n1", 1)],
                  Placement("n1", ("GPU-n1-1",), 1.0, 80 * GiB), id="one whole GPU"),
     pytest.param(Demand(1.0, 2), [gpu("n1", 0), gpu("n1", 1), gpu("n1", 2), gpu("n2", 0), gpu("n2", 1)],
@@ -138,6 +143,53 @@ def test_packing_fills_gpus_exactly():
     assert isinstance(place(Demand(0.25), gpus), Refusal)
 
 
+# -- fragmentation (Weng et al., ATC '23): worked examples of the measure and what it changes ----------------------
+
+HALVES = (Shape(0.5, 1, 1.0),)
+QUARTERS_AND_PAIRS = (Shape(0.25, 1, 0.5), Shape(1.0, 2, 0.5))
+
+
+@pytest.mark.parametrize("free, whole_free, idle, fraction, workload, expected", [
+    # A 0.25 on a GPU with 0.5 free leaves 0.25, which no 0.5 can use: +0.25 of fragment.
+    (0.5, False, 0, 0.25, HALVES, 0.25),
+    # Filling a 0.5 gap exactly removes nothing usable: no growth.
+    (0.5, False, 0, 0.5, HALVES, 0.0),
+    # A 0.25 on a 0.25 gap (a fragment for 0.5s already) removes that fragment.
+    (0.25, False, 0, 0.25, HALVES, -0.25),
+    # Breaking one of a node's two idle GPUs: the node no longer fits a pair, so all its free capacity
+    # (0.75 + 1) becomes fragment for pairs: 0.5 x 1.75; the quarter shape loses nothing.
+    (1.0, True, 2, 0.25, QUARTERS_AND_PAIRS, 0.5 * 1.75),
+    # With three idle GPUs the node still fits a pair: only the new 0.75 partial is a pair fragment.
+    (1.0, True, 3, 0.25, QUARTERS_AND_PAIRS, 0.5 * 0.75),
+    # On a partly taken GPU the pair fragment only shrinks by the slice.
+    (0.5, False, 3, 0.25, QUARTERS_AND_PAIRS, 0.5 * -0.25),
+])
+def test_slice_delta(free, whole_free, idle, fraction, workload, expected):
+    assert slice_delta(free, whole_free, idle, fraction, workload) == pytest.approx(expected)
+
+
+def test_whole_delta():
+    pairs = (Shape(1.0, 2, 1.0),)
+    assert whole_delta(idle=4, count=2, workload=pairs) == 0  # still fits a pair
+    assert whole_delta(idle=3, count=2, workload=pairs) == 1  # the last idle GPU is a fragment now
+    assert whole_delta(idle=1, count=1, workload=(Shape(1.0, 4, 1.0),)) == -1  # never fitted: less free
+    assert whole_delta(idle=8, count=2, workload=(Shape(0.5, 1, 1.0),)) == 0  # slices do not care
+
+
+def test_slices_go_where_they_keep_whole_gpus_for_pairs():
+    """Best fit alone would break node n1's second idle GPU (a tie with n2's by free fraction, won by
+    name); fragmentation-aware, the slice goes to n2, whose single idle GPU can host no pair anyway."""
+    gpus = [gpu("n1", 0), gpu("n1", 1), gpu("n2", 0), gpu("n2", 1, fraction=1.0)]
+    assert place(Demand(0.25), gpus, workload=()).gpus == ("GPU-n1-0",)
+    assert place(Demand(0.25), gpus, workload=QUARTERS_AND_PAIRS).gpus == ("GPU-n2-0",)
+
+
+def test_workload_of_counts_shapes():
+    shapes = workload_of([Demand(0.25), Demand(0.25), Demand(0.5), Demand(1.0, 2)])
+    assert shapes == (Shape(0.25, 1, 0.5), Shape(0.5, 1, 0.25), Shape(1.0, 2, 0.25))
+    assert workload_of([]) == ()
+
+
 # -- reclaim decisions: pure too, so time is moved by passing another ``now`` --------------------------------------
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -198,12 +250,13 @@ def random_pool(rng) -> list[GPUState]:
     """Nodes of 1-8 GPUs, two models, some lost/unhealthy/whole-only/foreign memory, float-noisy allocations."""
     gpus = []
     for n in range(rng.randint(1, 12)):
-        node, up, whole_only = f"n{n:02d}", rng.random() > 0.1, rng.random() < 0.1
+        node, up, whole_only, degraded = f"n{n:02d}", rng.random() > 0.1, rng.random() < 0.1, rng.random() < 0.05
         name = rng.choice([A100, H100])
         for i in range(rng.randint(1, 8)):
             fraction = rng.choice([0.0, 0.0, 0.1 + 0.2, 0.25, 0.5, 0.7, 0.75, 1.0])
             gpus.append(gpu(node, i, name=name, fraction=fraction, up=up, healthy=rng.random() > 0.05,
-                            unattributed=rng.choice([0, 0, 0, 30 * GiB]), whole_only=whole_only))
+                            unattributed=rng.choice([0, 0, 0, 30 * GiB]), whole_only=whole_only,
+                            degraded=degraded))
     return gpus
 
 
@@ -214,8 +267,17 @@ def random_demand(rng) -> Demand:
                   memory=rng.choice([None, None, None, 20 * GiB, 60 * GiB]))
 
 
+def random_workload(rng):
+    """A default, an empty (plain best fit) or a random mix of slice and whole-GPU shapes."""
+    pick = rng.random()
+    if pick < 0.3:
+        return DEFAULT_WORKLOAD
+    if pick < 0.4:
+        return ()
+    return workload_of(random_demand(rng) for _ in range(rng.randint(1, 12)))
+
+
 def test_placement_index_gives_the_same_answer_under_churn():
-    import dataclasses
     import random
 
     from gpupool.hub_plugin.placement_index import PlacementIndex
@@ -224,25 +286,19 @@ def test_placement_index_gives_the_same_answer_under_churn():
     decisions = placed = 0
     for _ in range(60):
         gpus = random_pool(rng)
-        index = PlacementIndex(gpus)
+        index = PlacementIndex(gpus, random_workload(rng))
         held: list[Placement] = []
         for _ in range(60):
             if held and rng.random() < 0.35:  # a lease ends
-                gone = held.pop(rng.randrange(len(held)))
-                for uuid in gone.gpus:
-                    g = index.states[uuid]
-                    index.update(dataclasses.replace(g, allocated_fraction=g.allocated_fraction - gone.fraction,
-                                                     allocated_memory=g.allocated_memory - gone.memory))
+                index.give(held.pop(rng.randrange(len(held))))
                 continue
             demand = random_demand(rng)
-            expected = place(demand, index.all())
+            expected = place(demand, index.all(), index.workload)
             assert index.place(demand) == expected, demand
+            assert isinstance(index.place(demand, explain=False), type(expected)), demand
             decisions += 1
             if isinstance(expected, Placement):
                 placed += 1
                 held.append(expected)
-                for uuid in expected.gpus:
-                    g = index.states[uuid]
-                    index.update(dataclasses.replace(g, allocated_fraction=g.allocated_fraction + expected.fraction,
-                                                     allocated_memory=g.allocated_memory + expected.memory))
+                index.take(expected)
     assert decisions > 1000 and placed > 300  # both outcomes were exercised

@@ -113,8 +113,8 @@ def irregular_specs() -> list[GPUSpec]:
     return [GPUSpec(node, i, "T4", 16 * 10**9) for node, count in sizes.items() for i in range(count)]
 
 
-def test_candidate_subset_places_like_the_full_list():
-    """The indexed pool hands place() a subset; every decision equals place() on all GPUs."""
+def test_indexed_pool_places_like_the_full_list():
+    """The pool decides through the placement index; every decision equals place() on all GPUs."""
     rng = random.Random(7)
     fast, full = Pool(irregular_specs()), Pool(irregular_specs(), full_scan=True)
     held = []
