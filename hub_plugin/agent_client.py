@@ -12,6 +12,8 @@ from typing import Any
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from gpupool.errors import GPUPoolError
+from gpupool.tls import client_context, untrusted, untrusted_message
+from gpupool.units import format_duration
 
 
 class AgentClient:
@@ -19,10 +21,14 @@ class AgentClient:
 
     One client serves all agents; ``max_clients`` bounds concurrent calls
     (worker starts can take a while, so tornado's default of 10 is too few).
+    Agents that serve HTTPS are verified against the system's CAs plus
+    ``ca_file`` (default: ``$GPUPOOL_CA_FILE``; GPUPoolError
+    ``not_configured`` when it cannot be read).
     """
 
-    def __init__(self, agent_token: str, max_clients: int = 100) -> None:
+    def __init__(self, agent_token: str, max_clients: int = 100, ca_file: str | None = None) -> None:
         self._token = agent_token
+        self._tls = client_context(ca_file)
         self._http = AsyncHTTPClient(force_instance=True, max_clients=max_clients)
 
     async def start_worker(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -52,13 +58,13 @@ class AgentClient:
         request = HTTPRequest(
             url, method=method, body=None if body is None else json.dumps(body),
             headers={"Authorization": f"token {self._token}", "Content-Type": "application/json"},
-            connect_timeout=min(timeout, 10.0), request_timeout=timeout)
+            connect_timeout=min(timeout, 10.0), request_timeout=timeout, ssl_options=self._tls)
         try:
             response = await self._http.fetch(request, raise_error=False)
         except (OSError, HTTPClientError) as exc:
-            raise _unreachable(url, exc) from None
+            raise _unreachable(url, exc, timeout) from None
         if response.code == 599:  # tornado's code for "no HTTP answer" (timeout, refused)
-            raise _unreachable(url, response.error)
+            raise _unreachable(url, response.error, timeout)
         try:
             reply = json.loads(response.body or b"{}")
         except ValueError:
@@ -74,5 +80,9 @@ def _reason(reply: dict[str, Any], fallback: str) -> str:
     return message if isinstance(message, str) and message else fallback
 
 
-def _unreachable(url: str, exc: BaseException | None) -> GPUPoolError:
-    return GPUPoolError("agent_unreachable", f"the node agent at {url} did not answer ({exc})", 502)
+def _unreachable(url: str, exc: BaseException | None, timeout: float) -> GPUPoolError:
+    why = untrusted(exc)
+    if why:
+        return GPUPoolError("agent_unreachable", untrusted_message(f"the node agent at {url}", why), 502)
+    return GPUPoolError("agent_unreachable",
+                        f"the node agent at {url} did not answer within {format_duration(timeout)} ({exc})", 502)

@@ -2,6 +2,7 @@
 
     gpupool service [--ip=127.0.0.1] [--port=8765] [--state-dir=.state/service]
                     [--config=gpupool_config.py] [--GPUPool.idle_timeout=10m ...]
+                    [--ssl-cert=tls.crt --ssl-key=tls.key] [--ca-file=ca.crt]
 
 Start-up: read the config file, prepare the state directory (tokens, SQLite
 file), bring the store to the latest migration, listen, write
@@ -33,6 +34,7 @@ from traitlets.config import Application
 
 from gpupool import __version__
 from gpupool.errors import GPUPoolError
+from gpupool.tls import server_context
 
 from .agent_client import AgentClient
 from .auth import TokenAuthenticator
@@ -69,6 +71,9 @@ class ServiceApp(Application):
         "port": "ServiceApp.port",
         "state-dir": "ServiceApp.state_dir",
         "config": "ServiceApp.config_file",
+        "ssl-cert": "GPUPool.ssl_cert",
+        "ssl-key": "GPUPool.ssl_key",
+        "ca-file": "GPUPool.ca_file",
         "log-level": "Application.log_level",
     }
 
@@ -102,6 +107,8 @@ class ServiceApp(Application):
         return asyncio.run(self._serve())
 
     async def _serve(self) -> int:
+        # A bad certificate stops the start before anything is written.
+        tls = server_context(self.settings.ssl_cert, self.settings.ssl_key, "--ssl-cert / --ssl-key")
         state = Path(self.state_dir).expanduser().resolve()
         state.mkdir(parents=True, exist_ok=True)
         info_file = state / "service.json"
@@ -128,8 +135,8 @@ class ServiceApp(Application):
             raise GPUPoolError("store_unavailable", f"cannot open the store at {store.describe()} ({reason}); "
                                "check c.GPUPool.db_url") from None
         metrics = Metrics(store, settings.context_overhead)
-        agents = AgentClient(agent_token)
-        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused)
+        agents = AgentClient(agent_token, ca_file=settings.ca_file)
+        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued)
         ctx = ServiceContext(settings=settings, leases=leases, metrics=metrics,
                              authenticator=authenticator,
                              nodes=NodeBook(leases, settings.node_heartbeat_interval))
@@ -140,9 +147,9 @@ class ServiceApp(Application):
         except OSError as exc:
             log.error("cannot listen on %s:%s (%s); choose another --port", self.ip, self.port, exc)
             return 1
-        server = HTTPServer(app, max_body_size=8 * 1024 * 1024)
+        server = HTTPServer(app, max_body_size=8 * 1024 * 1024, ssl_options=tls)
         server.add_sockets(sockets)
-        url = _url(self.ip, sockets[0].getsockname()[1])
+        url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
         _write_atomically(info_file, json.dumps({"url": url, "pid": os.getpid()}))
         log.info("gpupool service %s listening on %s (state in %s)", __version__, url, state)
 
@@ -225,11 +232,11 @@ def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def _url(ip: str, port: int) -> str:
+def _url(ip: str, port: int, scheme: str = "http") -> str:
     host = "127.0.0.1" if ip in ("", "0.0.0.0") else "[::1]" if ip == "::" else ip
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def _setup_logging(level: int | str) -> None:

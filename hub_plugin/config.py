@@ -8,7 +8,7 @@ through :mod:`gpupool.traits`; the value stored is seconds or bytes.
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, List, Set, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, List, Set, TraitError, Union, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -48,11 +48,40 @@ class GPUPool(Configurable):
         ``c.GPUPool.agent_token = open("/etc/gpupool/agent_token").read().strip()``.""",
     ).tag(config=True)
 
+    ssl_cert = Unicode(
+        "",
+        help="""TLS certificate (PEM, with its chain) the service serves HTTPS with;
+        set with ``ssl_key``. Default: empty (plain HTTP). Clients verify it: give them
+        ``GPUPOOL_CA_FILE`` when your own CA signed it. ``gpupool service --ssl-cert=F``,
+        ``c.GPUPool.ssl_cert = "/etc/gpupool/tls.crt"``.""",
+    ).tag(config=True)
+
+    ssl_key = Unicode(
+        "",
+        help="""Private key (PEM, unencrypted) of ``ssl_cert``. Default: empty.
+        ``gpupool service --ssl-key=F``, ``c.GPUPool.ssl_key = "/etc/gpupool/tls.key"``.""",
+    ).tag(config=True)
+
+    ca_file = Unicode(
+        "",
+        help="""CA bundle (PEM) the service trusts, besides the system's CAs, when it
+        calls agents that serve HTTPS. Default: empty, or ``$GPUPOOL_CA_FILE``.
+        ``gpupool service --ca-file=F``, ``c.GPUPool.ca_file = "/etc/gpupool/ca.crt"``.""",
+    ).tag(config=True)
+
     idle_timeout = Duration(
         30 * 60.0,
         help="""Seconds an attached worker may sit idle (no cell running) before
         its lease is reclaimed, when the request names none. Default: 30 minutes.
         ``c.GPUPool.idle_timeout = "1h"``.""",
+    ).tag(config=True)
+
+    idle_warning = Union(
+        [Duration(), Enum([0])], default_value=60.0,
+        help="""Seconds before an idle lease is reclaimed (or parked by its notebook)
+        that the notebook prints a warning under its last cell, once per idle
+        period; the lease JSON carries it with ``idle_deadline``. 0 turns the
+        warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
     ).tag(config=True)
 
     max_idle_timeout = Duration(

@@ -21,7 +21,9 @@ It wires, on the hub's config ``c``:
   inherit, may call the service (the hub grants only what the user holds);
 - ``GPUPOOL_URL`` in the single-user servers' environment;
 - a ``c.Spawner.post_stop_hook`` (chained after one set before) that asks
-  the service to release the leases of a user whose server stopped.
+  the service to release the leases of a server that stopped (leases record
+  the ``JUPYTERHUB_SERVER_NAME`` of the kernel that asked, so with named
+  servers the user's other servers keep theirs).
 
 Call it after any ``c.JupyterHub.load_roles`` / ``services`` /
 ``c.Spawner.server_token_scopes`` of your own (it extends them); it runs in
@@ -131,10 +133,12 @@ def roles(name: str, *, user_groups: Iterable[str] | None, admin_group: str | No
 
 
 def release_on_stop(service_url: str, token: str, *, previous=None, timeout: float = 10.0):
-    """A ``post_stop_hook``: ``POST {service_url}hub/server-stopped``
-    for the user whose server stopped. Failures are logged, never raised (the
-    leases' heartbeat TTL still ends them). ``previous`` (a hook set before)
-    runs first."""
+    """A ``post_stop_hook``: ``POST {service_url}hub/server-stopped`` with
+    ``{"user", "server", "other_servers_running"}`` for the server that
+    stopped; the service releases that server's leases, and all the user's
+    when no other server of theirs runs (``handlers/hub_events.py``).
+    Failures are logged, never raised (the leases' heartbeat TTL still ends
+    them). ``previous`` (a hook set before) runs first."""
 
     async def hook(spawner) -> None:
         if previous is not None:
@@ -152,7 +156,8 @@ def release_on_stop(service_url: str, token: str, *, previous=None, timeout: flo
                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
                 request_timeout=timeout)
             released = json.loads(reply.body).get("released", [])
-            spawner.log.info("gpupool: released %d lease(s) of %s whose server stopped", len(released), user.name)
+            spawner.log.info("gpupool: released %d lease(s) of %s whose server %r stopped", len(released),
+                             user.name, spawner.name)
         except (HTTPClientError, OSError, ValueError) as exc:
             spawner.log.warning("gpupool: could not tell the service at %s that %s's server stopped (%s); "
                                 "the leases end by their heartbeat TTL", service_url, user.name, exc)

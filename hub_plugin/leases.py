@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Callable, Coroutine, Iterator
@@ -38,12 +39,13 @@ from gpupool.units import format_duration
 from . import queue as wait_queue, usage
 from .agent_client import AgentClient
 from .auth import Identity
-from .capacity import HOLDING, gpu_states
+from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .quota_book import QuotaBook
-from .scheduler import Demand, Placement, Refusal, place
+from .reclaim import idle_deadline
+from .scheduler import DEFAULT_WORKLOAD, Demand, Placement, Refusal, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -55,6 +57,10 @@ MAX_WAIT_S = 60.0
 LIST_LIMIT = 500
 #: Ended leases whose lengths feed the queue's wait estimate.
 ESTIMATE_SAMPLE = 50
+#: The scheduler's expected workload is the mix of the last this many requests ...
+WORKLOAD_WINDOW = 1000
+#: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
+WORKLOAD_MIN = 50
 QUEUED = LeaseState.queued.value
 
 
@@ -63,19 +69,25 @@ class LeaseBook:
 
     ``settings`` are the service's ``c.GPUPool``; ``now`` is the one clock
     (UTC-aware datetimes), replaceable so time can be moved in tests;
-    ``on_refusal(reasons)`` is told every refusal (for metrics).
+    ``on_refusal(reasons)`` is told every refusal and ``on_dequeued(seconds)``
+    how long each queued request waited when it is placed (for metrics).
     """
 
     def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
                  now: Callable[[], datetime] = utcnow,
-                 on_refusal: Callable[[dict[str, int]], None] | None = None) -> None:
+                 on_refusal: Callable[[dict[str, int]], None] | None = None,
+                 on_dequeued: Callable[[float], None] = lambda seconds: None) -> None:
         self.settings = settings
         self.store = store
         self.agents = agents
         self.now = now
         self.watch = LeaseWatch()
         self._on_refusal = on_refusal
+        self._on_dequeued = on_dequeued
         self._tasks: set[asyncio.Task] = set()
+        self.capacity = CapacityIndex(settings.context_overhead)
+        self._recent: deque[Demand] | None = None  # recent requests, read from the store at first use
+        self._shapes: Workload | None = None
         # A lambda, so a clock replaced on this book is the quotas' clock too.
         self.quotas = QuotaBook(settings, lambda: self.now())
 
@@ -145,14 +157,14 @@ class LeaseBook:
                 if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
                     self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
                 raise
-            decision = place(demand, gpu_states(session, self.settings.context_overhead))
+            decision = self._place(session, demand)
             if isinstance(decision, Refusal) and not wait:
                 self._refused(who, decision)
             lease = Lease(id=new_lease_id(), owner=who.name, fraction=request.fraction,
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
-                          requested_memory=request.memory)
+                          requested_memory=request.memory, server_name=request.server_name)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
             else:
@@ -169,6 +181,31 @@ class LeaseBook:
         if isinstance(decision, Placement):
             self.spawn(self._start(lease.id))
         return result
+
+    def _place(self, session: Session, demand: Demand) -> Placement | Refusal:
+        """The scheduler's decision for ``demand`` on the pool as ``session``
+        sees it (the capacity lock is held), through the in-memory index."""
+        workload = self._workload(session, demand)
+        decision = self.capacity.get(session, workload).place(demand)
+        if isinstance(decision, Placement) and not self.capacity.verify(session, decision):
+            decision = self.capacity.get(session, workload).place(demand)  # rebuilt from the store
+        return decision
+
+    def _workload(self, session: Session, new: Demand | None = None) -> Workload:
+        """The expected mix of requests the scheduler weighs: the last
+        :data:`WORKLOAD_WINDOW` requests (``new`` included), or the scheduler's
+        default while the pool has seen fewer than :data:`WORKLOAD_MIN`."""
+        if self._recent is None:
+            rows = session.execute(select(Lease.fraction, Lease.gpu_count)
+                                   .order_by(Lease.created_at.desc()).limit(WORKLOAD_WINDOW)).all()
+            self._recent = deque((Demand(f, c) for f, c in reversed(rows)), maxlen=WORKLOAD_WINDOW)
+        if new is not None:
+            self._recent.append(new)
+            if len(self._recent) % WORKLOAD_MIN == 0:
+                self._shapes = None
+        if self._shapes is None:
+            self._shapes = workload_of(self._recent) if len(self._recent) >= WORKLOAD_MIN else DEFAULT_WORKLOAD
+        return self._shapes
 
     def _assign(self, session: Session, lease: Lease, decision: Placement, now: datetime) -> str:
         """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
@@ -253,7 +290,7 @@ class LeaseBook:
             lease = self._visible(session, who, lease_id, owner_only=True)
             if LeaseState(lease.state).holds_capacity:
                 lease.last_heartbeat_at = self.now()
-            return self._json(lease, who)
+            return self._json(lease, who, session)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -317,10 +354,10 @@ class LeaseBook:
             lease.connection = None  # the worker and its key are gone
             _transition(session, lease, final, lease.reason, now)
             used = lease.usage_gpu_seconds
-            placed = self._drain(session, now)
+            placed, over = self._drain(session, now)
         log.info("lease %s %s after %s (%.1f GPU-seconds): %s", lease_id, final.value,
                  format_duration(held), used, lease.reason)
-        self._start_all(placed)
+        self._after_drain(placed, over)
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -334,27 +371,54 @@ class LeaseBook:
                 return []
         with self.writing() as session:
             self.store.lock_capacity(session)
-            placed = self._drain(session, self.now())
-        self._start_all(placed)
+            placed, over = self._drain(session, self.now())
+        self._after_drain(placed, over)
         return placed
 
-    def _drain(self, session: Session, now: datetime) -> list[str]:
+    def _drain(self, session: Session, now: datetime) -> tuple[list[str], dict[str, str]]:
         """Within a write transaction holding the capacity lock: place what
-        :func:`.queue.drain` picks (its docstring has the fairness rule)."""
+        :func:`.queue.drain` picks (its docstring has the fairness rule).
+        Returns the ids placed, and ``{id: why}`` of requests whose owner's
+        quota no longer allows them (to end ``failed`` after the commit)."""
         rows = {lease.id: lease for lease in session.scalars(
             select(Lease).where(Lease.state == QUEUED).options(selectinload(Lease.gpus), selectinload(Lease.events)))
             if lease.wait_until is None or lease.wait_until > now}
         if not rows:
-            return []
-        waiting = [_waiting(lease) for lease in rows.values()]
+            return [], {}
+        over = self._over_quota(session, rows.values(), now)
+        waiting = [_waiting(lease) for lease in rows.values() if lease.id not in over]
         last = usage.last_used(session, [w.owner for w in waiting], now)
         placed = []
-        for item, decision in wait_queue.drain(waiting, gpu_states(session, self.settings.context_overhead),
-                                               last, now):
+
+        def accept(item: wait_queue.Waiting, decision: Placement) -> bool:
+            if not self.capacity.verify(session, decision):
+                return False  # the index was stale: stop; the next drain decides on a fresh one
             where = self._assign(session, rows[item.lease_id], decision, now)
+            self._on_dequeued((now - item.created_at).total_seconds())
             log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
             placed.append(item.lease_id)
-        return placed
+            return True
+
+        session.info["capacity_index_changed"] = True  # drain takes capacity in the index as it goes
+        wait_queue.drain(waiting, self.capacity.get(session, self._workload(session)), last, now, accept=accept)
+        return placed, over
+
+    def _over_quota(self, session: Session, leases, now: datetime) -> dict[str, str]:
+        """Queued leases whose owner may not take them any more (GPU-hours used
+        up while they waited, or an admin lowered a limit): ``{id: why}``."""
+        over: dict[str, str] = {}
+        for owner, groups in {lease.owner: tuple(lease.groups or ()) for lease in leases}.items():
+            try:
+                # Their own queued requests already count in what they hold: nothing more is asked.
+                self.quotas.enforce(session, owner, self.quotas.limits(session, owner, groups), 0.0, now)
+            except GPUPoolError as exc:
+                over.update({lease.id: f"while queued: {exc.message}" for lease in leases if lease.owner == owner})
+        return over
+
+    def _after_drain(self, placed: list[str], over: dict[str, str]) -> None:
+        self._start_all(placed)
+        for lease_id, why in over.items():
+            self.spawn(self.release(lease_id, LeaseState.failed, why, only_if=_is_queued))
 
     def _start_all(self, lease_ids: list[str]) -> None:
         for lease_id in lease_ids:
@@ -419,7 +483,7 @@ class LeaseBook:
         now = self.now()
         with self.writing() as session:
             session.execute(update(Lease).where(Lease.state == LeaseState.active.value).values(last_heartbeat_at=now))
-            session.execute(update(Node).where(Node.state == "up").values(last_heartbeat_at=now))
+            session.execute(update(Node).where(Node.state.in_(("up", "degraded"))).values(last_heartbeat_at=now))
         unfinished = [LeaseState.starting.value, LeaseState.releasing.value]
         with self.store.read() as session:
             rows = session.execute(select(Lease.id, Lease.state).where(Lease.state.in_(unfinished))).all()
@@ -462,12 +526,18 @@ class LeaseBook:
 
     @contextmanager
     def writing(self) -> Iterator[Session]:
-        """A write transaction that wakes long polls of the leases it changed,
-        once committed."""
-        with self.store.write() as session:
-            yield session
-            changed = set(session.info.get("changed_leases", ()))
-        self.watch.notify(changed)
+        """A write transaction that, once committed, wakes long polls of the
+        leases it changed and tells the capacity index which GPUs changed."""
+        session = None
+        try:
+            with self.store.write() as session:
+                yield session
+        except BaseException:
+            if session is not None and session.info.get("capacity_index_changed"):
+                self.capacity.invalidate()  # the drain took capacity there that the rollback gave back
+            raise
+        self.capacity.changed(session.info)
+        self.watch.notify(set(session.info.get("changed_leases", ())))
 
     def _visible(self, session: Session, who: Identity, lease_id: str, *, owner_only: bool = False) -> Lease:
         """The lease if ``who`` may see it (its owner, or an admin unless
@@ -479,10 +549,16 @@ class LeaseBook:
 
     def _json(self, lease: Lease, who: Identity, session: Session | None = None) -> dict[str, Any]:
         """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
-        queued (needs ``session``) and ``wait_until``."""
+        queued and ``node_state`` (both need ``session``), ``wait_until``, and
+        ``idle_deadline`` with ``idle_warning`` (for the notebook's warning
+        before idle reclaim)."""
         body = lease_json(lease, for_owner=lease.owner == who.name)
         body["queue_position"] = body["queue_estimate_s"] = None
         body["wait_until"] = isoformat(lease.wait_until)
+        body["idle_deadline"] = isoformat(idle_deadline(lease))
+        body["idle_warning"] = self.settings.idle_warning
+        node = session.get(Node, lease.node_name) if session is not None and lease.node_name else None
+        body["node_state"] = node.state if node is not None else None
         if lease.state == QUEUED and session is not None:
             body["queue_position"], body["queue_estimate_s"] = self._queue_info(session, lease)
         return body
@@ -494,6 +570,10 @@ def _waiting(lease: Lease) -> wait_queue.Waiting:
                               lease.created_at)
 
 
+def _is_queued(lease: Lease, now: datetime) -> bool:
+    return lease.state == QUEUED
+
+
 def _still_queued(lease: Lease, now: datetime) -> bool:
     # Re-checked under the write lock: the request may have been placed since the sweep read it.
     return lease.state == QUEUED and lease.wait_until is not None and lease.wait_until <= now
@@ -501,6 +581,8 @@ def _still_queued(lease: Lease, now: datetime) -> bool:
 
 def _transition(session: Session, lease: Lease, state: LeaseState, reason: str | None, at: datetime) -> None:
     """Set ``lease.state`` and store the event; the commit wakes long polls."""
+    if lease.state is None or LeaseState(lease.state).holds_capacity != state.holds_capacity:
+        mark_gpus(session, [g.gpu_uuid for g in lease.gpus])
     lease.state = state.value
     lease.events.append(LeaseEvent(state=state.value, at=at, reason=reason))
     session.info.setdefault("changed_leases", set()).add(lease.id)

@@ -1,48 +1,74 @@
 """Prometheus metrics at ``/metrics``, on a registry of this service's own.
 
-Gauges are read from the store at scrape time (allocation is always summed
-from the leases that hold capacity, so the metrics cannot drift from the
-scheduler's view); refusals are counted as they happen.
+Read from the store at scrape time, so they cannot drift from the
+scheduler's view and survive restarts (allocation is always summed from the
+leases that hold capacity):
+
+- ``gpupool_gpu_*{node,index,uuid,model}``: per GPU allocated fraction and
+  memory, usable memory, memory in use; ``gpupool_nodes{node,state}``;
+- ``gpupool_leases{state}`` and ``gpupool_queue_length`` (queued requests);
+- ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
+  seconds) each user has used: ended leases from the usage ledger plus
+  running ones up to the scrape, so ``rate()`` shows GPUs in use per user.
+  One series per user who ever had a lease (JupyterHub user names: a
+  bounded set); groups are left to the admin API (``/admin/usage``), since a
+  user in several groups would count in each.
+
+Counted by this process as they happen (they start at 0 when it starts):
+``gpupool_lease_refusals_total{reason}`` and the histogram
+``gpupool_queue_wait_seconds``: how long each queued request waited until it
+was placed (requests that gave up or were cancelled are not observed).
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, utcnow
 
-from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
+from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
-from .models import Lease
+from .models import Lease, UsageRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Upper bounds (seconds) of the queue wait histogram: from a release that frees
+#: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
+QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
 
 
 class Metrics:
     """The service's registry. ``refused(reasons)`` counts one refusal under
-    each reason the scheduler gave."""
+    each reason the scheduler gave; ``dequeued(seconds)`` observes one queued
+    request's wait as it is placed."""
 
     def __init__(self, store: Store, context_overhead: int) -> None:
         self.registry = CollectorRegistry()
         self.refusals = Counter("gpupool_lease_refusals", "Lease requests refused, by scheduler reason",
                                 ["reason"], registry=self.registry)
+        self.queue_wait = Histogram("gpupool_queue_wait_seconds",
+                                    "Seconds a queued lease request waited until it was placed",
+                                    buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(store, context_overhead))
 
     def refused(self, reasons: dict[str, int]) -> None:
         for reason in reasons:
             self.refusals.labels(reason=reason).inc()
 
+    def dequeued(self, seconds: float) -> None:
+        self.queue_wait.observe(max(0.0, seconds))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _PoolCollector(Collector):
-    """Per-GPU allocation and leases/nodes by state, read at scrape time."""
+    """Per-GPU allocation, leases/nodes by state, the queue and usage, read at scrape time."""
 
     def __init__(self, store: Store, context_overhead: int) -> None:
         self.store = store
@@ -53,7 +79,7 @@ class _PoolCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        fraction, memory, usable, used, nodes, leases = self._families()
+        fraction, memory, usable, used, nodes, leases, queue, usage = self._families()
         with self.store.read() as session:
             alloc = allocations(session)
             for node in nodes_with_gpus(session):
@@ -67,12 +93,15 @@ class _PoolCollector(Collector):
                     if gpu.memory_used is not None:
                         used.add_metric(labels, gpu.memory_used)
             counts = dict(session.execute(select(Lease.state, func.count()).group_by(Lease.state)).all())
+            for user, seconds in sorted(_usage_by_user(session).items()):
+                usage.add_metric([user], seconds)
         for state in LeaseState:
             leases.add_metric([state.value], counts.get(state.value, 0))
-        yield from (fraction, memory, usable, used, nodes, leases)
+        queue.add_metric([], counts.get(LeaseState.queued.value, 0))
+        yield from (fraction, memory, usable, used, nodes, leases, queue, usage)
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, ...]:
+    def _families() -> tuple[Metric, ...]:
         gpu = ["node", "index", "uuid", "model"]
         return (
             GaugeMetricFamily("gpupool_gpu_allocated_fraction", "Fraction of the GPU held by leases", labels=gpu),
@@ -83,4 +112,22 @@ class _PoolCollector(Collector):
                               labels=gpu),
             GaugeMetricFamily("gpupool_nodes", "Nodes by state (1 per node)", labels=["node", "state"]),
             GaugeMetricFamily("gpupool_leases", "Leases by state", labels=["state"]),
+            GaugeMetricFamily("gpupool_queue_length", "Lease requests waiting in the queue"),
+            CounterMetricFamily("gpupool_usage_gpu_seconds",
+                                "GPU-seconds (fraction x GPUs x seconds held) used, by user; running leases "
+                                "count up to now", labels=["user"]),
         )
+
+
+def _usage_by_user(session: Session) -> dict[str, float]:
+    """GPU-seconds per user: the ledger's ended leases, plus the leases holding
+    capacity now counted up to now (a lease that ends moves from the second
+    sum to the first at its final value, so each user's total never goes down)."""
+    totals: dict[str, float] = dict(session.execute(
+        select(UsageRecord.owner, func.sum(UsageRecord.gpu_seconds)).group_by(UsageRecord.owner)).all())
+    now = utcnow()
+    running = session.execute(select(Lease.owner, Lease.fraction, Lease.gpu_count, Lease.started_at)
+                              .where(Lease.state.in_(HOLDING), Lease.started_at.is_not(None)))
+    for owner, fraction, count, started in running:
+        totals[owner] = totals.get(owner, 0.0) + fraction * count * max(0.0, (now - started).total_seconds())
+    return totals

@@ -46,8 +46,11 @@ def new_lease_id() -> str:
 
 
 class Node(Base):
-    """A GPU host with an agent. ``state`` is ``up`` or ``lost`` (no heartbeat
-    for ``GPUPool.node_ttl``: nothing new is placed there)."""
+    """A GPU host with an agent. ``state`` is ``up``, ``degraded`` (its agent
+    heartbeats but cannot read its GPUs, NVML failed: its leases go on,
+    nothing new is placed there) or ``lost`` (no heartbeat for
+    ``GPUPool.node_ttl``: nothing new is placed there); ``state_reason`` says
+    why in words when it is not ``up``."""
 
     __tablename__ = "nodes"
 
@@ -56,6 +59,8 @@ class Node(Base):
     inventory: Mapped[str] = mapped_column(String(20))
     enforcement: Mapped[str | None] = mapped_column(String(50))
     state: Mapped[str] = mapped_column(String(10), default="up")
+    #: Revision 0004: why the node is degraded or lost (None while up).
+    state_reason: Mapped[str | None] = mapped_column(String(500))
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -128,6 +133,9 @@ class Lease(Base):
     requested_memory: Mapped[int | None] = mapped_column(BigInteger)
     #: A queued request that is still queued at this time ends ``failed``.
     wait_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: Revision 0003: the JupyterHub server the lease came from ("" the default
+    #: one; None: unknown), so a stopped server's leases are released alone.
+    server_name: Mapped[str | None] = mapped_column(String(255))
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

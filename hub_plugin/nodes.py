@@ -1,8 +1,12 @@
 """Agents registering and heartbeating (``/api/v1/nodes``, agent token only).
 
 A registration upserts the node and its GPUs; a heartbeat renews the node
-and carries worker reports and GPU readings. Worker reports update the
-lease's worker state and idle time; a worker reported ``dead`` ends its
+and carries worker reports and GPU readings. An agent that cannot read its
+GPUs (NVML failed) says why in ``inventory_error``: its node is then
+``degraded``, with the words in ``state_reason``; its GPU rows stay as last
+known (with unknown readings), its leases go on, and nothing new is placed
+there until a registration or heartbeat without the error. Worker reports
+update the lease's worker state and idle time; a worker reported ``dead`` ends its
 lease ``failed`` through the one release path; and every reported worker
 whose lease does not hold capacity on this node comes back in ``stop``, so
 no worker outlives its lease.
@@ -20,8 +24,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import GPUInfo, LeaseState, WorkerReport, parse_time
+from gpupool.schema import GPUInfo, LeaseState, WorkerReport, has_control_characters, parse_time
 
+from .capacity import mark_all, mark_gpus, mark_node
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
 
@@ -56,6 +61,7 @@ class NodeBook:
             raise bad_request("each GPU 'uuid' must appear once")
         healthy = {g["uuid"]: g.get("healthy") is not False for g in gpus}
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
+        error = _inventory_error(body)
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
@@ -65,11 +71,17 @@ class NodeBook:
             else:
                 _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
             node.url, node.inventory, node.enforcement = url, inventory, enforcement
-            node.state, node.registered_at, node.last_heartbeat_at = "up", now, now
-            self._upsert_gpus(session, node, infos, healthy)
+            node.registered_at, node.last_heartbeat_at = now, now
+            _set_state(node, error)
+            if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
+                self._upsert_gpus(session, node, infos, healthy)
+            mark_all(session)  # GPUs may have come, gone or changed: the scheduler reads them all again
             stop, dead = self._apply_reports(session, node, reports, now)
             dead += self._lost_workers(session, node, reports)
-        log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
+        if error is None:
+            log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
+        else:
+            log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", name, error)
         self._end_dead(dead)
         self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
@@ -81,23 +93,32 @@ class NodeBook:
             raise bad_request("the heartbeat body must be a JSON object")
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         readings = [_reading(g) for g in _list(body, "gpus")]
+        error = _inventory_error(body)
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
             if node is None:
                 raise not_found(f"node {name}")
-            came_back = node.state != "up"
-            if came_back:
-                log.info("node %s is back", name)
-            node.state, node.last_heartbeat_at = "up", now
+            was = _set_state(node, error)
+            came_back = was != "up" and node.state == "up"
+            if node.state != was:
+                if error is not None:
+                    log.warning("node %s is degraded: %s; its leases go on, nothing new is placed there", name, error)
+                else:
+                    log.info("node %s is back", name)
+                mark_node(session, name)
+            node.last_heartbeat_at = now
             gpus = {g.uuid: g for g in node.gpus}
             # In UUID order, the order lease creation locks GPU rows in (no deadlock).
             for uuid, used, utilization, healthy, unattributed in sorted(readings, key=lambda r: r[0]):
                 if uuid in gpus:
-                    gpus[uuid].memory_used, gpus[uuid].utilization = used, utilization
-                    gpus[uuid].memory_unattributed = unattributed
+                    gpu = gpus[uuid]
+                    gpu.memory_used, gpu.utilization = used, utilization
+                    if (gpu.memory_unattributed or 0) != (unattributed or 0) or healthy not in (None, gpu.healthy):
+                        mark_gpus(session, [uuid])  # placement depends on these two
+                    gpu.memory_unattributed = unattributed
                     if healthy is not None:
-                        gpus[uuid].healthy = healthy
+                        gpu.healthy = healthy
             stop, dead = self._apply_reports(session, node, reports, now)
         self._end_dead(dead)
         if came_back:
@@ -164,10 +185,23 @@ def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -
     """409 when another agent, at another URL, still heartbeats under this name:
     a second agent must not take over a live node's name (and its GPUs)."""
     last = node.last_heartbeat_at
-    if node.state == "up" and node.url != url and last is not None and (now - last).total_seconds() < node_ttl:
+    alive = node.state in ("up", "degraded")
+    if alive and node.url != url and last is not None and (now - last).total_seconds() < node_ttl:
         raise GPUPoolError("node_name_taken", f"node name {node.name!r} belongs to the live agent at {node.url}; "
                            "give this agent another --name (or stop that agent and wait "
                            f"{node_ttl:.0f}s, c.GPUPool.node_ttl)", 409)
+
+
+def _set_state(node: Node, error: str | None) -> str:
+    """Set ``node``'s state from its agent's ``inventory_error``: ``up``, or
+    ``degraded`` with the words in ``state_reason`` and its GPUs' readings
+    unknown. Returns the state it had."""
+    was = node.state
+    node.state, node.state_reason = ("up", None) if error is None else ("degraded", error)
+    if error is not None:
+        for gpu in node.gpus:
+            gpu.memory_used = gpu.utilization = None
+    return was
 
 
 def death_reason(exit_code: int | None) -> str:
@@ -216,6 +250,15 @@ def _url(value: Any) -> str:
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc or len(value) > 500:
         raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r}")
     return value.rstrip("/")
+
+
+def _inventory_error(body: dict[str, Any]) -> str | None:
+    """The optional ``inventory_error``: why the agent cannot read its GPUs (null: it can)."""
+    value = body.get("inventory_error")
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 500 or not value.strip()
+                              or has_control_characters(value)):
+        raise bad_request("'inventory_error' must be null or words of 1 to 500 characters without control characters")
+    return value
 
 
 def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping
 
+from gpupool.schema import has_control_characters
 from gpupool.units import parse_duration
 
 #: Limit names, in the order they are shown.
@@ -74,9 +75,10 @@ def check_scope(scope: Any) -> str:
         return scope
     if isinstance(scope, str) and len(scope) <= 210:
         kind, _, name = scope.partition(":")
-        if kind in ("user", "group") and name and name == name.strip():
+        if kind in ("user", "group") and name and name == name.strip() and not has_control_characters(name):
             return scope
-    raise ValueError(f"quota scope {scope!r} must be '*', 'group:NAME' or 'user:NAME'")
+    raise ValueError(f"quota scope {scope!r:.80} must be '*', 'group:NAME' or 'user:NAME' (NAME without "
+                     "control characters or spaces around it, at most 210 characters in all)")
 
 
 def parse_entry(entry: Any, scope: str = "?") -> dict[str, float | None]:
@@ -111,12 +113,20 @@ def _parse_limit(key: str, value: Any, scope: str) -> float | None:
         if key.startswith("gpu_hours"):
             number = float(value) if isinstance(value, (int, float)) else _hours(value)
         else:
-            number = float(value)
+            number = _gpus(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{where} must be a number >= 0, got {value!r}")
     return number
+
+
+def _gpus(value: Any) -> float:
+    """``1``, ``0.5`` or ``"0.5"`` -> GPUs; ValueError in words otherwise."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a number of GPUs (e.g. 1.5) or null for unlimited, got {value!r:.80}") from None
 
 
 def _hours(text: str) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Iterable
 
 from sqlalchemy import select
@@ -29,6 +29,7 @@ from sqlalchemy import select
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
+from .capacity import mark_node
 from .models import Lease, Node
 
 log = logging.getLogger("gpupool.service.reclaim")
@@ -70,13 +71,22 @@ def heartbeat_expired(lease: Any, now: datetime) -> str | None:
             f"(heartbeat TTL {format_duration(lease.heartbeat_ttl)})")
 
 
+def idle_deadline(lease: Any) -> datetime | None:
+    """When ``lease`` is reclaimed for idleness if its worker stays idle
+    (``idle_since + idle_timeout``); None unless it is active and its worker
+    reported idle. Sent to the client (``idle_deadline``), which warns
+    ``c.GPUPool.idle_warning`` seconds ahead."""
+    if lease.state != LeaseState.active.value or lease.worker_state != "idle" or lease.idle_since is None:
+        return None
+    return lease.idle_since + timedelta(seconds=lease.idle_timeout)
+
+
 def idle_expired(lease: Any, now: datetime) -> str | None:
     """The reason if the worker reported idle for its idle timeout, else None."""
-    if lease.worker_state != "idle" or lease.idle_since is None:
+    deadline = idle_deadline(lease)
+    if deadline is None or now < deadline:
         return None
     idle = (now - lease.idle_since).total_seconds()
-    if idle < lease.idle_timeout:
-        return None
     return f"idle for {format_duration(idle)} (idle timeout {format_duration(lease.idle_timeout)})"
 
 
@@ -87,11 +97,15 @@ def still_due(lease: Any, now: datetime) -> bool:
     return bool(decide([lease], now))
 
 
+#: Node states whose agent heartbeats: a ``degraded`` one (NVML failed) is alive too.
+ALIVE = ("up", "degraded")
+
+
 def lost_nodes(nodes: Iterable[Any], now: datetime, node_ttl: float) -> list[str]:
-    """Names of ``up`` nodes (objects with ``name``, ``state``,
+    """Names of ``up`` or ``degraded`` nodes (objects with ``name``, ``state``,
     ``last_heartbeat_at``) not heard from for ``node_ttl`` seconds."""
     return [node.name for node in nodes
-            if node.state == "up" and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
+            if node.state in ALIVE and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
 
 
 class Reclaimer:
@@ -125,7 +139,7 @@ class Reclaimer:
         now: datetime = self.leases.now()
         store = self.leases.store
         with store.read() as session:
-            lost = lost_nodes(session.scalars(select(Node).where(Node.state == "up")), now, self.node_ttl)
+            lost = lost_nodes(session.scalars(select(Node).where(Node.state.in_(ALIVE))), now, self.node_ttl)
             active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
             decisions = decide(active, now)
         if lost:
@@ -140,10 +154,12 @@ class Reclaimer:
         return decisions
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:
-        with self.leases.store.write() as session:
+        with self.leases.writing() as session:
             # Re-check under the write lock: a heartbeat may have come in since.
             for node in session.scalars(select(Node).where(Node.name.in_(names))):
                 if lost_nodes([node], now, self.node_ttl):
                     node.state = "lost"
+                    node.state_reason = f"no heartbeat from its agent for {format_duration(self.node_ttl)}"
+                    mark_node(session, node.name)
                     log.warning("node %s lost: no heartbeat for %s; nothing new is placed there",
                                 node.name, format_duration(self.node_ttl))

@@ -37,6 +37,7 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
         "idle_timeout": lease.idle_timeout,
         "heartbeat_ttl": lease.heartbeat_ttl,
         "kernel_id": lease.kernel_id,
+        "server_name": lease.server_name,
         "created_at": isoformat(lease.created_at),
         "started_at": isoformat(lease.started_at),
         "ended_at": isoformat(lease.ended_at),
@@ -51,7 +52,9 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
     """``GET /pool``: nodes, their GPUs and what is allocated.
 
-    Per GPU, ``leases`` is a count (whose leases they are is not shown).
+    Per node, ``state`` (``up``, ``degraded``: its agent cannot read its
+    GPUs, or ``lost``) and ``state_reason`` (words, null while up). Per GPU,
+    ``leases`` is a count (whose leases they are is not shown).
     ``totals``: ``gpus`` counts all GPUs, ``allocated`` sums allocated
     fractions, ``free`` sums the free fractions of GPUs that can take work
     (healthy, on an ``up`` node).
@@ -73,7 +76,8 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
                 "leases": taken.leases, "healthy": gpu.healthy,
                 "memory_used": gpu.memory_used, "utilization": gpu.utilization,
             })
-        nodes.append({"name": node.name, "state": node.state, "inventory": node.inventory,
+        nodes.append({"name": node.name, "state": node.state, "state_reason": node.state_reason,
+                      "inventory": node.inventory,
                       "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
                       "gpus": gpus})
     return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from frontend import install_kernelspec, start_gpupool_kernel
 from procs import start_agent, start_service
+
+from gpupool.schema import LeaseRequest, LeaseState
 
 
 @pytest.fixture
@@ -28,6 +32,23 @@ def agent(tmp_path, service):
 def pool(service, agent):
     """A ready pool: ``(service, agent)``."""
     return service, agent
+
+
+@pytest.fixture
+def busy_pool(tmp_path):
+    """A service (users tester and ann; requests may queue 10 min) and an agent whose
+    two GPUs tester holds whole: ``(service, [the two active leases])``."""
+    svc = start_service(tmp_path, tokens={"ann": "ann-" + uuid.uuid4().hex}, config={"max_wait": "10m"})
+    agent = start_agent(tmp_path, svc)
+    try:
+        client = svc.client()
+        holders = [client.create_lease(LeaseRequest(fraction=1.0)) for _ in range(2)]
+        holders = [client.get_lease(lease.id, wait=60, state="starting") for lease in holders]
+        assert [lease.state for lease in holders] == [LeaseState.active] * 2
+        yield svc, holders
+    finally:
+        agent.stop()
+        svc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,10 @@
 
 The hub runs the example config as it is (configurable-http-proxy, the
 ``gpupool`` and ``gpupool-agent`` managed services, real single-user
-servers), on free ports, with one addition: a ``test-driver`` service whose
+servers), on free ports, with two additions: a ``test-driver`` service whose
 token may start and stop servers and make tokens for users, standing in for
-the people who would click in a browser.
+the people who would click in a browser; and named servers allowed, so a
+user may run several.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def start_hub(root: Path, timeout: float = 90, servers: tuple[str, ...] = ()) ->
     overlay.write_text(
         f"c = get_config()\n"
         f"load_subconfig({str(DEPLOY_CONFIG)!r})\n"
+        f"c.JupyterHub.allow_named_servers = True\n"
         f"c.JupyterHub.services.append({{'name': 'test-driver', 'api_token': {driver_token!r}}})\n"
         f"c.JupyterHub.load_roles.append({{'name': 'test-driver', 'services': ['test-driver'], 'scopes': "
         f"['admin:users', 'admin:servers', 'tokens', 'list:users', 'read:users']}})\n")

@@ -33,9 +33,11 @@ def try_lease(fraction):
 """
 
 
-def open_kernel(hub, user, token):
-    """A gpupool kernel started by ``user``'s server (through the proxy), and a client of it."""
-    status, kernel = http("POST", f"{hub.url}/user/{user}/api/kernels", {"name": "gpupool"}, token)
+def open_kernel(hub, user, token, server: str = ""):
+    """A gpupool kernel started by ``user``'s server (``server``: a named one; through
+    the proxy), and a client of it."""
+    prefix = f"{hub.url}/user/{user}/{server}/" if server else f"{hub.url}/user/{user}/"
+    status, kernel = http("POST", prefix + "api/kernels", {"name": "gpupool"}, token)
     assert status == 201, (status, kernel)
     kc = BlockingKernelClient()
     kc.load_connection_file(str(hub.connection_file(user, kernel["id"])))

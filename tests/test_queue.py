@@ -8,7 +8,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from procs import start_agent, start_service
+from procs import start_service
 from test_scheduler import gpu
 from test_service_api import gpu_allocations, wait_state
 
@@ -81,21 +81,6 @@ def test_estimate(place_in_line, lengths, holding, expected):
 
 
 # -- through the service --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def busy_pool(tmp_path):
-    """A service (users tester, ann) and an agent with two GPUs, both held whole by tester."""
-    svc = start_service(tmp_path, tokens={"ann": "ann-" + uuid.uuid4().hex}, config={"max_wait": "10m"})
-    agent = start_agent(tmp_path, svc)
-    try:
-        holders = [svc.client().create_lease(LeaseRequest(fraction=1.0)) for _ in range(2)]
-        holders = [wait_state(svc, lease.id, "starting") for lease in holders]
-        assert [lease.state for lease in holders] == [LeaseState.active] * 2
-        yield svc, holders
-    finally:
-        agent.stop()
-        svc.stop()
-
 
 def test_a_queued_lease_starts_when_another_is_released(busy_pool):
     svc, holders = busy_pool

@@ -166,6 +166,28 @@ def test_daily_gpu_hours_refusal(quota_service):
     assert mine["limits"]["gpu_hours_per_day"] == 8.0
 
 
+def test_queued_request_fails_when_gpu_hours_run_out_while_it_waits(quota_service):
+    """The quota is checked again when a queued request would be placed: GPU-hours used
+    up meanwhile end it ``failed`` with the quota's words (here at the next reclaim sweep)."""
+    from gpupool.hub_plugin import usage
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import UsageRecord
+
+    client = quota_service.client()
+    queued = client.create_lease(LeaseRequest(fraction=0.5, model="H100", wait=600))  # no H100: it waits
+    assert queued.state == "queued"
+    store = Store(f"sqlite:///{quota_service.state_dir}/gpupool.sqlite")
+    now = datetime.now(timezone.utc)
+    midnight = usage.period(now, timezone.utc, usage.DAY)[0]
+    with store.write() as session:
+        session.add(UsageRecord(lease_id="L-0000000000ab", owner="tester", groups=[], gpus=1.0,
+                                started_at=midnight, ended_at=now, gpu_seconds=8 * 3600.0))
+    store.close()
+    ended = client.get_lease(queued.id, wait=30, state="queued")
+    assert ended.state == "failed"
+    assert ended.reason.startswith("while queued: daily GPU-hours used up (8.0 of 8.0)"), ended.reason
+
+
 def test_idle_timeout_above_the_quota_is_refused(quota_service):
     error = refused(quota_service.client(), fraction=0.25, idle_timeout=7200)
     assert (error.status, error.code) == (400, "bad_request")

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from procs import start_agent, start_service, wait_for
 
+from gpupool.localpool import processes_mentioning
+
 from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease, LeaseRequest, LeaseState
 
@@ -35,6 +37,7 @@ def http(svc, method: str, path: str, body: Any = None, *, token: str | None = "
     token = {"user": svc.user_token, "agent": svc.agent_token}.get(token, token)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(svc.url + prefix + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")  # else urllib sends a form type, which gets 415
     if token:
         request.add_header("Authorization", f"token {token}")
     try:
@@ -356,6 +359,33 @@ def test_memory_of_no_worker_and_whole_gpu_nodes_shape_placement(service):
     assert all_leases(service) == []
 
 
+def test_a_lease_written_behind_the_services_back_is_not_overbooked(service):
+    """The service decides on an in-memory view of the pool; a lease another
+    writer put in the store meanwhile is seen when the decision is checked
+    against the store, and the request goes elsewhere (the log says so)."""
+    from datetime import datetime, timezone
+
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import Lease, LeaseGPU
+
+    register(service, "node-s", gpus=2)
+    first = service.client().create_lease(LeaseRequest(fraction=0.25))  # the view now exists
+    assert first.gpus[0]["uuid"] == "GPU-node-s-0"
+    store, now = Store(f"sqlite:///{service.state_dir}/gpupool.sqlite"), datetime.now(timezone.utc)
+    with store.write() as session:
+        session.add(Lease(id="L-0000000000cc", owner="other", state="active", fraction=1.0, gpu_count=1,
+                          memory=70 * GiB, node_name="node-s", idle_timeout=1800, heartbeat_ttl=60,
+                          created_at=now, started_at=now, usage_gpu_seconds=0.0, groups=[],
+                          gpus=[LeaseGPU(gpu_uuid="GPU-node-s-1", name="A100", index=1)]))
+    store.close()
+    # GPU 1 still looks idle to the view: the one place a whole GPU fits.
+    with pytest.raises(GPUPoolError) as refused:
+        service.client().create_lease(LeaseRequest(fraction=1.0))
+    assert refused.value.code == "pool_full"
+    assert "disagreed with the store on GPU-node-s-1" in service.log.read_text()
+    assert [lease["id"] for lease in all_leases(service)] == [first.id]  # ours; "other" is not ours to see
+
+
 def test_pool_full_says_why(service):
     register(service, "node-1", gpus=2)
     with pytest.raises(GPUPoolError) as refused:
@@ -470,6 +500,28 @@ def test_release_while_starting_leaves_no_worker(pool):
     assert svc.client().get_lease(lease.id).state is LeaseState.released
 
 
+def test_a_worker_that_starts_too_slowly_fails_its_lease_and_is_stopped(tmp_path):
+    """The service waits ``worker_start_timeout`` for a worker (a cold one takes
+    seconds): past it the lease ends ``failed`` with the bound in its words, no
+    usage is charged, the capacity comes back, and the late worker is stopped."""
+    svc = start_service(tmp_path, config={"worker_start_timeout": 0.2})
+    agent = start_agent(tmp_path, svc, extra_args=["--warm-workers=0"])
+    try:
+        lease = svc.client().create_lease(LeaseRequest(fraction=0.5))
+        ended = wait_ended(svc, lease.id, timeout=30)
+        assert ended.state is LeaseState.failed
+        assert ended.reason.startswith("the worker could not start on node-1"), ended.reason
+        assert "did not answer within 0.2s" in ended.reason, ended.reason  # the bound, named
+        assert ended.usage_gpu_seconds == 0 and ended.started_at is None
+        assert gpu_allocations(svc) == [0.0, 0.0]
+        wait_for(lambda: not _agent_workers(svc, agent), 30, "the late worker stopped")
+        wait_for(lambda: processes_mentioning(str(agent.state_dir)) == [agent.proc.pid], 30,
+                 "no worker process left beside the agent")
+    finally:
+        agent.stop()
+        svc.stop()
+
+
 def test_whole_gpus(pool):
     svc, _ = pool
     lease = svc.client().create_lease(LeaseRequest(gpu_count=2))
@@ -506,25 +558,27 @@ def test_lease_without_heartbeats_is_reclaimed(tmp_path):
 
 
 def test_running_cell_is_never_reclaimed(tmp_path):
-    from jupyter_client import BlockingKernelClient
+    from gpupool.magics.remote import RemoteKernel
 
     svc = start_service(tmp_path, config={"heartbeat_ttl": 1})
     agent = start_agent(tmp_path, svc)
     try:
         lease = acquire(svc, 0.5, idle_timeout=1)
-        kernel = BlockingKernelClient()
-        kernel.load_connection_info(lease.connection)
-        kernel.start_channels()
+        # The notebook's own client (a CurveZMQ client of an encrypting worker); the cell is sent, not awaited.
+        kernel = RemoteKernel(lease.connection)
         try:
-            kernel.execute("import time; time.sleep(6)")
-            wait_for(lambda: (svc.client().get_lease(lease.id).worker or {}).get("execution_state") == "busy",
-                     10, "the worker reported busy")
+            kernel.session.send(kernel.shell, "execute_request", {
+                "code": "import time; time.sleep(6)", "silent": False, "store_history": True,
+                "user_expressions": {}, "allow_stdin": False})
+            # The notebook's heartbeat keeps the lease until the agent reports the cell; then it stops.
+            wait_for(lambda: (svc.client().heartbeat(lease.id).worker or {}).get("execution_state") == "busy",
+                     30, "the worker reported busy")
             time.sleep(3)  # well past both the idle timeout and the heartbeat TTL
             assert svc.client().get_lease(lease.id).state is LeaseState.active
             lease = wait_ended(svc, lease.id, timeout=30)
             assert lease.state is LeaseState.reclaimed
         finally:
-            kernel.stop_channels()
+            kernel.close()
     finally:
         agent.stop()
         svc.stop()

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import urllib.parse
+import re
 from datetime import timedelta
 
 from gpupool.errors import bad_request
 from gpupool.schema import isoformat
 
-from .. import usage
+from .. import quotas, usage
 from ..auth import Identity, forbidden
 from .base import APIHandler
 
@@ -39,20 +39,25 @@ class QuotaListHandler(AdminHandler):
 
 class QuotaOverrideHandler(AdminHandler):
     """``PUT /admin/quotas/{scope}`` merges limits into the scope's override;
-    ``DELETE`` removes the override (the configured limits apply again)."""
+    ``DELETE`` removes the override (the configured limits apply again).
+    ``scope`` arrives percent-decoded by tornado's router."""
 
     def put(self, scope: str) -> None:
         who = self.require_admin()
         body = self.json_body()
         with self.ctx.leases.store.write() as session:
-            limits = self.ctx.leases.quotas.set_override(session, urllib.parse.unquote(scope), body, who.name)
-        self.write_json({"scope": urllib.parse.unquote(scope), "limits": limits})
+            limits = self.ctx.leases.quotas.set_override(session, scope, body, who.name)
+        self.write_json({"scope": scope, "limits": limits})
 
     def delete(self, scope: str) -> None:
         who = self.require_admin()
+        try:
+            quotas.check_scope(scope)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
         with self.ctx.leases.store.write() as session:
-            self.ctx.leases.quotas.clear_override(session, urllib.parse.unquote(scope), who.name)
-        self.write_json({"scope": urllib.parse.unquote(scope), "limits": None})
+            self.ctx.leases.quotas.clear_override(session, scope, who.name)
+        self.write_json({"scope": scope, "limits": None})
 
 
 class UsageHandler(AdminHandler):
@@ -61,16 +66,17 @@ class UsageHandler(AdminHandler):
 
     def get(self) -> None:
         self.require_admin()
-        days = self.float_argument("days", 7.0)
-        if days != int(days) or not 1 <= days <= MAX_DAYS:
-            raise bad_request(f"'days' must be a whole number from 1 to {MAX_DAYS}")
+        text = self.get_query_argument("days", "7")
+        if not re.fullmatch(r"[0-9]{1,3}", text) or not 1 <= int(text) <= MAX_DAYS:
+            raise bad_request(f"'days' must be a whole number from 1 to {MAX_DAYS}, got {text!r:.40}")
+        days = int(text)
         book = self.ctx.leases.quotas
         now = book.now()
         tz = book.tz
         day_lo, day_hi = usage.period(now, tz, usage.DAY)
         week_lo, week_hi = usage.period(now, tz, usage.WEEK)
-        first = now.astimezone(tz).date() - timedelta(days=int(days) - 1)
-        lo = usage.period(now - timedelta(days=int(days) - 1), tz, usage.DAY)[0]
+        first = now.astimezone(tz).date() - timedelta(days=days - 1)
+        lo = usage.period(now - timedelta(days=days - 1), tz, usage.DAY)[0]
         with self.ctx.leases.store.read() as session:
             today = usage.summary(session, day_lo, day_hi, now)
             week = usage.summary(session, week_lo, week_hi, now)
@@ -78,7 +84,7 @@ class UsageHandler(AdminHandler):
         per_user: dict[str, dict[str, float]] = {}
         for owner in sorted({r.owner for r in rows}):
             mine = [r for r in rows if r.owner == owner]
-            per_user[owner] = {d.isoformat(): s / 3600.0 for d, s in usage.daily(mine, tz, first, int(days)).items()}
+            per_user[owner] = {d.isoformat(): s / 3600.0 for d, s in usage.daily(mine, tz, first, days).items()}
         hours = lambda sums: {k: {n: s / 3600.0 for n, s in v.items()} for k, v in sums.items()}  # noqa: E731
         self.write_json({"timezone": self.ctx.settings.usage_timezone, "now": isoformat(now),
                          "today_gpu_hours": hours(today), "week_gpu_hours": hours(week),

@@ -76,30 +76,41 @@ class APIHandler(web.RequestHandler):
 
     def json_body(self, *, optional: bool = False) -> Any:
         """The request body as JSON; 400 when it is not JSON (or missing,
-        unless ``optional``, which gives ``{}`` for an empty body)."""
+        unless ``optional``, which gives ``{}`` for an empty body), 415 when
+        its ``Content-Type`` names another format (no header: read as JSON).
+        ``NaN`` and ``Infinity`` are not JSON and are refused too."""
         raw = self.request.body
         if not raw.strip():
             if optional:
                 return {}
             raise bad_request("the request needs a JSON body")
+        _check_json_media_type(self.request.headers.get("Content-Type"))
         if len(raw) > MAX_BODY:
             raise bad_request(f"the request body is larger than {MAX_BODY} bytes")
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_not_json)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the request body is not valid JSON ({exc})") from None
 
+    def json_object_body(self, *, optional: bool = False) -> dict[str, Any]:
+        """:meth:`json_body` that must be a JSON object; 400 otherwise."""
+        body = self.json_body(optional=optional)
+        if not isinstance(body, dict):
+            raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
     def float_argument(self, name: str, default: float | None = None) -> float | None:
-        """A query argument as a finite number >= 0; 400 otherwise."""
+        """A query argument as a finite number of seconds >= 0 (``default``
+        when absent); 400 otherwise, also for an empty one."""
         text = self.get_query_argument(name, None)
-        if text is None or text == "":
+        if text is None:
             return default
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
         if not value >= 0 or value == float("inf"):
-            raise bad_request(f"'{name}' must be a number of seconds >= 0, got {text!r}")
+            raise bad_request(f"'{name}' must be a number of seconds >= 0, got {text!r:.80}")
         return value
 
     def write_json(self, body: Any, status: int = 200) -> None:
@@ -120,9 +131,16 @@ class APIHandler(web.RequestHandler):
             error = GPUPoolError("internal_error", "the gpupool service hit an unexpected error; "
                                  "an admin can find the details in its log", 500)
         self.set_status(error.status)
+        if error.status == 405:  # RFC 9110: a 405 lists what the resource does allow
+            self.set_header("Allow", ", ".join(self.allowed_methods()))
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(error.to_json()))
+
+    def allowed_methods(self) -> list[str]:
+        """The HTTP methods this handler implements, e.g. ``["GET", "DELETE"]``."""
+        return [m for m in self.SUPPORTED_METHODS
+                if getattr(type(self), m.lower(), None) is not getattr(web.RequestHandler, m.lower(), None)]
 
     def log_exception(self, typ, value, tb) -> None:
         if isinstance(value, GPUPoolError):
@@ -149,3 +167,17 @@ class NotFoundHandler(APIHandler):
 def _http_code(status: int) -> str:
     return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
             405: "method_not_allowed"}.get(status, "http_error")
+
+
+def _check_json_media_type(header: str | None) -> None:
+    """415 unless ``header`` (a request's Content-Type) is absent or names JSON."""
+    if header is None:
+        return
+    media = header.partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise GPUPoolError("unsupported_media_type", f"the request body must be JSON sent with "
+                           f"'Content-Type: application/json', not {header[:80]!r}", 415)
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON number")

@@ -4,11 +4,14 @@ user's server stopped (sent by the ``post_stop_hook`` that
 
 It is an internal callback of the hub, not part of the public ``/api/v1``
 (so not in the OpenAPI document). Only the hub may call it, with this service's own hub API token (which the
-hub set in the service entry). Every lease of the user that still holds or
-waits for capacity is released with the reason "the Jupyter server stopped",
-unless ``other_servers_running`` is true: leases do not record which of a
-user's named servers they came from, so then the kernels' own shutdown and
-the heartbeat TTL are left to end them. Answers ``{"released": [ids]}``.
+hub set in the service entry). Body ``{"user", "server", "other_servers_running"}``
+(``server``: the stopped server's name, ``""`` for the default one).
+
+The user's leases that still hold or wait for capacity are released with the
+reason "the Jupyter server stopped": those whose ``server_name`` is
+``server``; and, when ``other_servers_running`` is false, all the others too
+(those of no known server, from clients that did not say, and any a server
+that stopped earlier left behind). Answers ``{"released": [ids]}``.
 """
 
 from __future__ import annotations
@@ -40,17 +43,22 @@ class ServerStoppedHandler(APIHandler):
         user = body.get("user") if isinstance(body, dict) else None
         if not isinstance(user, str) or not user:
             raise bad_request("'user' must be the JupyterHub user name whose server stopped")
-        released: list[str] = []
-        if not body.get("other_servers_running"):
-            released = await self._release_all(user)
-        self.write_json({"released": released})
+        server = body.get("server", "")
+        if not isinstance(server, str) or len(server) > 255:
+            raise bad_request("'server' must be the name of the server that stopped (\"\" for the default one)")
+        self.write_json({"released": await self._release(user, server, bool(body.get("other_servers_running")))})
 
-    async def _release_all(self, user: str) -> list[str]:
+    async def _release(self, user: str, server: str, others: bool) -> list[str]:
+        """Release ``user``'s leases from ``server``, or all of them when no
+        other server of theirs runs; returns their ids."""
         from sqlalchemy import select
 
         waiting = (*HOLDING, LeaseState.queued.value)
+        query = select(Lease.id).where(Lease.owner == user, Lease.state.in_(waiting))
+        if others:
+            query = query.where(Lease.server_name == server)
         with self.ctx.leases.store.read() as session:
-            ids = list(session.scalars(select(Lease.id).where(Lease.owner == user, Lease.state.in_(waiting))))
+            ids = list(session.scalars(query))
         for lease_id in ids:
             await self.ctx.leases.release(lease_id, LeaseState.released, REASON)
         return ids

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from gpupool.errors import bad_request
+import re
+
+from gpupool.errors import bad_request, not_found
+from gpupool.schema import LeaseState, has_control_characters
 
 from .base import APIHandler
+
+#: What ``models.new_lease_id`` makes. Any other id is answered 404 before the
+#: store is asked, so odd bytes (NUL, which PostgreSQL refuses) never reach it.
+LEASE_ID = re.compile(r"L-[0-9a-f]{12}")
+
+
+def _lease_id(text: str) -> str:
+    """``text`` if it has the form of a lease id; else 404, as for an unknown one."""
+    if not LEASE_ID.fullmatch(text):
+        raise not_found(f"lease {text[:40]!r}")
+    return text
 
 
 class LeaseListHandler(APIHandler):
@@ -18,7 +32,7 @@ class LeaseListHandler(APIHandler):
         who = self.require_user()
         active = self.get_query_argument("active", "1")
         if active not in ("0", "1", "true", "false"):
-            raise bad_request(f"'active' must be 1 or 0, got {active!r}")
+            raise bad_request(f"'active' must be 1, 0, true or false, got {active!r:.40}")
         kernel_id = self.get_query_argument("kernel_id", None) or None
         leases = self.ctx.leases.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
         self.write_json({"leases": leases})
@@ -29,16 +43,22 @@ class LeaseHandler(APIHandler):
 
     async def get(self, lease_id: str) -> None:
         who = self.require_user()
+        lease_id = _lease_id(lease_id)
         wait = self.float_argument("wait")
+        state = self.get_query_argument("state", None)
+        if state is not None and state not in LeaseState.__members__:
+            raise bad_request(f"'state' must be one of {', '.join(LeaseState.__members__)}, got {state!r:.40}")
         if wait:
-            state = self.get_query_argument("state", None) or None
             self.write_json(await self.ctx.leases.wait(who, lease_id, state, wait))
         else:
             self.write_json(self.ctx.leases.get(who, lease_id))
 
     async def delete(self, lease_id: str) -> None:
         who = self.require_user()
+        lease_id = _lease_id(lease_id)
         reason = self.get_query_argument("reason", None)
+        if reason is not None and has_control_characters(reason):
+            raise bad_request("'reason' must be words without control characters")
         self.write_json(await self.ctx.leases.release_by(who, lease_id, reason))
 
 
@@ -47,8 +67,8 @@ class LeaseHeartbeatHandler(APIHandler):
 
     def post(self, lease_id: str) -> None:
         who = self.require_user()
-        self.json_body(optional=True)  # no fields yet, but it must be JSON if sent
-        self.write_json(self.ctx.leases.heartbeat(who, lease_id))
+        self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
+        self.write_json(self.ctx.leases.heartbeat(who, _lease_id(lease_id)))
 
 
 routes = [

@@ -10,7 +10,9 @@ class OpenAPIHandler(APIHandler):
     auth_required = False
 
     def get(self) -> None:
-        self.write_json(document(self.ctx.settings.base_url))
+        settings = self.ctx.settings
+        self.write_json(document(settings.base_url, max_wait=settings.max_wait,
+                                 max_idle_timeout=settings.max_idle_timeout))
 
 
 routes = [
