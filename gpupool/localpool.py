@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from .api import ServiceClient
 from .errors import GPUPoolError
@@ -127,13 +127,18 @@ class AgentProcess:
 
 
 def start_service(state_dir: Path, *, config_file: Path | None = None, ip: str = "127.0.0.1",
-                  port: int | None = None, env: dict[str, str] | None = None, timeout: float = 30) -> ServiceProcess:
-    """Start ``gpupool service`` with its state (SQLite, tokens) in ``state_dir``."""
+                  port: int | None = None, env: dict[str, str] | None = None, timeout: float = 30,
+                  launcher: Sequence[str] = ()) -> ServiceProcess:
+    """Start ``gpupool service`` with its state (SQLite, tokens) in ``state_dir``.
+
+    ``launcher``: words put before the command, e.g. ``["ip", "netns", "exec", "ns-a"]``
+    to run it in a network namespace (then pass a ``port``: a free one is looked for here).
+    """
     state_dir.mkdir(parents=True, exist_ok=True)
     info_file = state_dir / "service.json"
     info_file.unlink(missing_ok=True)
     log = state_dir / "service.log"
-    args = [*GPUPOOL, "service", f"--ip={ip}", f"--port={port or free_port(ip)}", f"--state-dir={state_dir}"]
+    args = [*launcher, *GPUPOOL, "service", f"--ip={ip}", f"--port={port or free_port(ip)}", f"--state-dir={state_dir}"]
     if config_file is not None:
         args.append(f"--config={config_file}")
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
@@ -145,14 +150,16 @@ def start_service(state_dir: Path, *, config_file: Path | None = None, ip: str =
 
 def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1", simulate: str | None = "2xA100-80GB",
                 ip: str = "127.0.0.1", port: int | None = None, extra_args: list[str] | None = None,
-                client: ServiceClient | None = None, timeout: float = 30) -> AgentProcess:
+                client: ServiceClient | None = None, timeout: float = 30,
+                launcher: Sequence[str] = ()) -> AgentProcess:
     """Start ``gpupool agent`` (simulated GPUs unless ``simulate`` is None:
     then NVML) and wait until the service lists the node as up (asked with
-    ``client``, by default one with the generated user token)."""
+    ``client``, by default one with the generated user token). ``launcher``:
+    as for :func:`start_service`."""
     state_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(ip)
     log = state_dir / "agent.log"
-    args = [*GPUPOOL, "agent", f"--service-url={service.url}", f"--token-file={service.agent_token_file}",
+    args = [*launcher, *GPUPOOL, "agent", f"--service-url={service.url}", f"--token-file={service.agent_token_file}",
             f"--name={name}", f"--ip={ip}", f"--port={port}", f"--state-dir={state_dir}", *(extra_args or [])]
     if simulate:
         args.append(f"--simulate={simulate}")
@@ -164,30 +171,69 @@ def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1
         return any(n["name"] == name and n["state"] == "up" for n in client.pool()["nodes"])
 
     wait_for(registered, timeout, f"gpupool agent {name}", proc, log)
-    return AgentProcess(proc, name, f"http://{ip}:{port}", state_dir, log)
+    scheme = "https" if any(arg.startswith("--ssl-cert=") for arg in extra_args or ()) else "http"
+    return AgentProcess(proc, name, f"{scheme}://{ip}:{port}", state_dir, log)
 
 
 async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
     """Execute ``code`` on a worker, given a lease's ``connection`` info, the
-    way a notebook client would; returns its stdout.
+    way a notebook client would (a CurveZMQ client with a key pair of its own
+    when the worker encrypts, :mod:`gpupool.curve`); returns its stdout.
 
     For checks and tests that talk to a worker without a notebook kernel.
-    Raises RuntimeError naming the remote error when the cell fails.
+    Raises RuntimeError naming the remote error when the cell fails, and
+    TimeoutError after ``timeout`` seconds.
     """
-    from jupyter_client import AsyncKernelClient
+    import asyncio
 
-    client = AsyncKernelClient()
-    client.load_connection_info({**connection, "key": connection["key"].encode()})
-    client.start_channels()
-    out: list[str] = []
+    import zmq
+    import zmq.asyncio
+    from jupyter_client.session import Session
+
+    from .curve import secure
+
+    session = Session(key=connection["key"].encode(), signature_scheme=connection.get("signature_scheme",
+                                                                                      "hmac-sha256"))
+    context = zmq.asyncio.Context()
+
+    def connect(kind: int, port: str) -> zmq.asyncio.Socket:
+        sock = secure(context.socket(kind), connection)
+        sock.linger = 0
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(f"{connection.get('transport', 'tcp')}://{connection['ip']}:{connection[port]}")
+        return sock
+
+    async def execute(shell: zmq.asyncio.Socket, iopub: zmq.asyncio.Socket) -> tuple[dict, str]:
+        # Ask until IOPub delivers anything (a status): subscribed, so no output can be missed.
+        session.send(shell, "kernel_info_request", {})
+        while not await iopub.poll(1000):
+            session.send(shell, "kernel_info_request", {})
+        msg_id = session.send(shell, "execute_request", {"code": code, "silent": False, "store_history": True,
+                                                         "user_expressions": {}, "allow_stdin": False})["header"]["msg_id"]
+        reply, idle, out = None, False, []
+        poller = zmq.asyncio.Poller()
+        poller.register(shell, zmq.POLLIN)
+        poller.register(iopub, zmq.POLLIN)
+        while reply is None or not idle:
+            for sock, _ in await poller.poll():
+                got = session.deserialize(session.feed_identities(await sock.recv_multipart())[1])
+                if got["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind = got["header"]["msg_type"]
+                if sock is shell:
+                    reply = got["content"]
+                elif kind == "stream":
+                    out.append(got["content"]["text"])
+                elif kind == "status":
+                    idle = got["content"]["execution_state"] == "idle"
+        return reply, "".join(out)
+
     try:
-        await client.wait_for_ready(timeout=timeout)
-        reply = await client.execute_interactive(
-            code, timeout=timeout,
-            output_hook=lambda msg: out.append(msg["content"]["text"]) if msg["msg_type"] == "stream" else None)
+        reply, out = await asyncio.wait_for(execute(connect(zmq.DEALER, "shell_port"),
+                                                    connect(zmq.SUB, "iopub_port")), timeout)
     finally:
-        client.stop_channels()
-        client.context.destroy(linger=0)
-    if reply["content"]["status"] != "ok":
-        raise RuntimeError(f"{reply['content'].get('ename')}: {reply['content'].get('evalue')}")
-    return "".join(out)
+        context.destroy(linger=0)
+    if reply.get("status") != "ok":
+        raise RuntimeError(f"{reply.get('ename')}: {reply.get('evalue')}")
+    return out

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import Session
 
+from gpupool.curve import secure
 from gpupool.schema import isoformat
 
 
@@ -100,6 +101,7 @@ async def watch_iopub(activity: WorkerActivity, connection: dict[str, Any], cont
     socket = context.socket(zmq.SUB)
     socket.linger = 0
     socket.setsockopt(zmq.SUBSCRIBE, b"kernel.")
+    secure(socket, connection)  # a CurveZMQ client when the worker encrypts
     socket.connect(f"{connection['transport']}://{connection['ip']}:{connection['iopub_port']}")
     try:
         while True:

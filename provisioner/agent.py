@@ -4,7 +4,9 @@ One per GPU node. It discovers the node's GPUs (NVML, or ``--simulate``),
 registers them with the pool service, serves the service's calls to start and
 stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
 metrics. On SIGTERM or SIGINT it stops every worker, verifies they are gone,
-and exits 0.
+and exits 0. Killed or crashed instead, it leaves the workers running; when
+it starts again it re-adopts the lease workers that still run and stops
+every other process it had started (:mod:`.adoption`).
 
     gpupool agent --service-url=http://pool:8765 --token-file=/etc/gpupool/agent_token
     gpupool agent --service-url=http://127.0.0.1:8765 --simulate=2xA100-80GB --port=0
@@ -13,6 +15,7 @@ and exits 0.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hmac
 import json
 import logging
@@ -28,16 +31,19 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
-from traitlets import Enum, Integer, List, Unicode, default, validate
+import zmq
+from traitlets import Enum, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.tls import client_context, server_context, untrusted, untrusted_message
 from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.traits import Duration
 
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
+from .worker_user import WorkerUser
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
@@ -138,6 +144,9 @@ class WorkersHandler(AgentHandler):
         self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
 
     async def post(self) -> None:
+        if self.agent.inventory.error:
+            raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
+                               f"{self.agent.inventory.error}", 503)
         spec = parse_worker_request(self.json_body(), self.agent.gpus)
         try:
             check_slice(self.agent.enforcement, spec.fraction)
@@ -204,6 +213,11 @@ class NodeAgent(Application):
         "config": "NodeAgent.config_file",
         "enforcement": "NodeAgent.enforcement_mode",
         "warm-workers": "NodeAgent.warm_workers",
+        "worker-user": "NodeAgent.worker_user",
+        "transport-encryption": "NodeAgent.transport_encryption",
+        "ssl-cert": "NodeAgent.ssl_cert",
+        "ssl-key": "NodeAgent.ssl_key",
+        "ca-file": "NodeAgent.ca_file",
         "log-level": "Application.log_level",
     }
 
@@ -310,6 +324,18 @@ class NodeAgent(Application):
         ``c.NodeAgent.retry_max = "1m"``.""",
     ).tag(config=True)
 
+    nvml_retry_min = Duration(
+        5.0, help="""Seconds before NVML is opened again after it failed to start (driver not
+        loaded, driver/library version mismatch) or stopped answering; the node is ``degraded``
+        meanwhile (its leases go on, nothing new is placed there), and the wait doubles after
+        each failure up to ``nvml_retry_max``. Default: 5. ``c.NodeAgent.nvml_retry_min = 10``.""",
+    ).tag(config=True)
+
+    nvml_retry_max = Duration(
+        300.0, help="""Longest wait between two attempts to open NVML again (see
+        ``nvml_retry_min``). Default: 300 (5 minutes). ``c.NodeAgent.nvml_retry_max = "10m"``.""",
+    ).tag(config=True)
+
     enforcement_mode = Enum(
         ["auto", "mps", "mig", "timeslice", "exclusive"], "auto",
         help="""How this node confines workers to their slices (docs/enforcement.md):
@@ -320,6 +346,55 @@ class NodeAgent(Application):
         GPUs are MIG instances, ``mps`` when an MPS daemon runs, else
         ``timeslice``. Simulated nodes report ``none``.
         ``c.NodeAgent.enforcement_mode = "mps"``.""",
+    ).tag(config=True)
+
+    transport_encryption = Enum(
+        ["curve", "none"],
+        help="""Whether the traffic between notebook kernels and this node's workers is
+        encrypted. ``curve``: every worker binds its ZeroMQ sockets as CurveZMQ servers with a
+        key pair of its own (jupyter_client's ``transport_encryption``); its owner gets the
+        public key, and the secret key never leaves the node. ``none``: plain ZeroMQ, signed
+        but readable by anyone on the network path. Default: ``curve`` when libzmq has CURVE
+        (``zmq.has("curve")``), else ``none``. ``c.NodeAgent.transport_encryption = "curve"``.""",
+    ).tag(config=True)
+
+    @default("transport_encryption")
+    def _transport_encryption_default(self) -> str:
+        return "curve" if zmq.has("curve") else "none"
+
+    @validate("transport_encryption")
+    def _transport_encryption_valid(self, proposal: Any) -> str:
+        if proposal["value"] == "curve" and not zmq.has("curve"):
+            raise TraitError("transport_encryption='curve' needs a libzmq built with CURVE (libsodium); this "
+                             "pyzmq's has none: install the pyzmq wheel, or set --transport-encryption=none")
+        return proposal["value"]
+
+    ssl_cert = Unicode(
+        "", help="""TLS certificate (PEM, with its chain) the agent's HTTP server serves; set with
+        ``ssl_key``. The agent then registers an ``https://`` URL, which the service verifies
+        (``c.GPUPool.ca_file`` for your own CA). Default: empty (plain HTTP).
+        ``c.NodeAgent.ssl_cert = "/etc/gpupool/node.crt"``.""",
+    ).tag(config=True)
+
+    ssl_key = Unicode(
+        "", help="""Private key (PEM, unencrypted) of ``ssl_cert``. Default: empty.
+        ``c.NodeAgent.ssl_key = "/etc/gpupool/node.key"``.""",
+    ).tag(config=True)
+
+    ca_file = Unicode(
+        "", help="""CA bundle (PEM) the agent trusts, besides the system's CAs, when the service
+        URL is ``https://``. Default: empty, or ``$GPUPOOL_CA_FILE``.
+        ``c.NodeAgent.ca_file = "/etc/gpupool/ca.crt"``.""",
+    ).tag(config=True)
+
+    worker_user = Unicode(
+        None, allow_none=True, help="""Linux user every worker (and so every user's code) runs
+        as, instead of the agent's own user: it can then read neither the agent's token file
+        nor its state. The agent must run as root for this; the state directory must be
+        reachable (``x``) by that user, who gets its own connection file there and works in
+        its home directory (or ``STATE_DIR/worker-home`` when it has none). None (default):
+        workers run as the agent's user. ``c.NodeAgent.worker_user = "gpupool-worker"``
+        (create it with ``useradd --system --no-create-home gpupool-worker``).""",
     ).tag(config=True)
 
     host_proc = Unicode(
@@ -337,6 +412,15 @@ class NodeAgent(Application):
     def _log_format_default(self) -> str:
         return "[%(name)s %(levelname)s %(asctime)s] %(message)s"
 
+    def get_default_logging_config(self) -> dict[str, Any]:
+        """Traitlets' logging setup, with the module loggers under ``gpupool``
+        (``gpupool.agent``: NVML, attribution) writing through the agent's own
+        handler, format and ``log_level`` instead of Python's bare fallback."""
+        config = super().get_default_logging_config()
+        if "loggers" in config:
+            config["loggers"]["gpupool"] = {**config["loggers"][self.__class__.__name__], "propagate": False}
+        return config
+
     # -- setup ------------------------------------------------------------------------------------------------
 
     def initialize(self, argv: list[str] | None = None) -> None:
@@ -351,8 +435,12 @@ class NodeAgent(Application):
         if not self.service_url:
             raise GPUPoolError("not_configured", "no service URL: pass --service-url=http://HOST:PORT of the pool service")
         self.service_url = self.service_url.rstrip("/")
+        self.tls = server_context(self.ssl_cert, self.ssl_key, "--ssl-cert / --ssl-key")
+        self.service_tls = client_context(self.ca_file)
         self.token = self.read_token()
-        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None)
+        self.user = self.worker_account()
+        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
+                                                     retry=(self.nvml_retry_min, self.nvml_retry_max))
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.enforcement = enforcement_mode(self.inventory.kind,
                                             self.inventory.kind != "simulated" and mps_daemon_running(),
@@ -370,6 +458,32 @@ class NodeAgent(Application):
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
+
+    def worker_account(self) -> WorkerUser | None:
+        """The ``worker_user`` account, checked: it exists, this agent may
+        start processes as it, and it can reach the state directory. Raises
+        GPUPoolError ``not_configured`` naming what is wrong."""
+        if not self.worker_user:
+            return None
+        try:
+            user = WorkerUser.lookup(self.worker_user)
+            user.check_can_switch()
+        except ValueError as exc:
+            raise GPUPoolError("not_configured", f"{exc} (--worker-user)") from None
+        state_dir = Path(self.state_dir).resolve()
+        python = Path(sys.executable).absolute()  # what workers run
+        blocked = user.blocked_at(python) or user.blocked_at(python.resolve())
+        if blocked is not None:
+            raise GPUPoolError("not_configured", f"worker user {user.name!r} cannot run this Python ({python}): "
+                               f"it may not enter or execute {blocked}; install gpupool where that user can "
+                               "(e.g. a virtual environment under /opt) or pick another --worker-user")
+        # The state dir itself is opened to it (0711) when the agent starts.
+        blocked = user.blocked_at(next(folder for folder in state_dir.parents if folder.exists()))
+        if blocked is not None:
+            raise GPUPoolError("not_configured", f"worker user {user.name!r} cannot enter {blocked} on the way to "
+                               f"the state directory {state_dir} (--state-dir), where its connection files are: "
+                               f"allow it (chmod o+x {blocked}) or choose another state directory")
+        return user
 
     def read_token(self) -> str:
         """The agent token, from ``token_file`` or GPUPOOL_AGENT_TOKEN. Read
@@ -408,19 +522,28 @@ class NodeAgent(Application):
             loop.add_signal_handler(signum, stopping.set)
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_fd = _lock_state_dir(state_dir)
+        if self.user is not None:
+            state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
-                                                                     self.warm_worker_max_age))
+                                                                     self.warm_worker_max_age), user=self.user,
+                                     encryption=self.transport_encryption)
+        adopted = await self.workers.recover()  # before the first report names the workers
+        if adopted:
+            self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
+                          ", ".join(w.spec.lease_id for w in adopted))
         try:
             sockets = bind_sockets(self.port, self.ip)
         except OSError as exc:
             raise GPUPoolError("not_configured", f"cannot listen on {self.ip}:{self.port}: {exc.strerror} "
                                "(--ip, --port; --port=0 picks a free port)") from None
         server = HTTPServer(web.Application(agent_routes(), agent=self, default_handler_class=NotFoundHandler,
-                                            log_function=self._log_request))
+                                            log_function=self._log_request), ssl_options=self.tls)
         server.add_sockets(sockets)
-        self.url = f"http://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"
         self.http = AsyncHTTPClient(force_instance=True)
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement,
@@ -462,6 +585,8 @@ class NodeAgent(Application):
             interval = await self.register()
             while True:
                 await asyncio.sleep(interval)
+                if self.refresh_inventory():
+                    break  # NVML is back: register its GPUs
                 try:
                     status, reply = await self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
                                                     self.heartbeat_body())
@@ -511,12 +636,24 @@ class NodeAgent(Application):
     def registration_body(self) -> dict[str, Any]:
         return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
                 "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
-                "workers": [r.to_json() for r in self.worker_reports()]}
+                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error}
 
     def heartbeat_body(self) -> dict[str, Any]:
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
-        return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage)}
+        return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage),
+                "inventory_error": self.inventory.error}
+
+    def refresh_inventory(self) -> bool:
+        """Once per heartbeat: check NVML, or open it again when it failed and
+        its backoff has passed (:class:`~.inventory_retry.RetryingInventory`).
+        True when it just came back, with ``gpus`` read again."""
+        if not self.inventory.refresh():
+            return False
+        self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
+        if self.enforcement_mode == "auto" and any(u.startswith("MIG-") for u in self.gpus):
+            self.enforcement = "mig"  # unknown while NVML was down when the agent started
+        return True
 
     def gpu_metrics(self, usage: list) -> list[dict[str, Any]]:
         """The inventory's GPU readings plus ``memory_unattributed`` (bytes of
@@ -561,9 +698,16 @@ class NodeAgent(Application):
         reply). Raises OSError when the service cannot be reached."""
         request = HTTPRequest(f"{self.service_url}/api/v1{path}", method=method, body=json.dumps(body),
                               headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-                              connect_timeout=self.service_timeout, request_timeout=self.service_timeout)
-        response = await self.http.fetch(request, raise_error=False)
-        if response.code == 599:  # tornado: no HTTP answer (refused, timeout)
+                              connect_timeout=self.service_timeout, request_timeout=self.service_timeout,
+                              ssl_options=self.service_tls)
+        try:
+            response = await self.http.fetch(request, raise_error=False)
+        except OSError as exc:  # tornado raises what is no HTTP answer: refused, a certificate not trusted
+            why = untrusted(exc)
+            if why:
+                raise OSError(untrusted_message(f"the pool service at {self.service_url}", why)) from None
+            raise
+        if response.code == 599:  # tornado: no HTTP answer (timeout)
             raise OSError(str(response.error))
         try:
             reply = json.loads(response.body or b"{}")
@@ -580,7 +724,8 @@ class NodeAgent(Application):
                    for lease, code in exit_codes.items()]
         try:
             await asyncio.wait_for(self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
-                                             {"workers": workers, "gpus": self.inventory.metrics()}), 2.0)
+                                             {"workers": workers, "gpus": self.inventory.metrics(),
+                                              "inventory_error": self.inventory.error}), 2.0)
         except Exception:  # the service may be down too; its node TTL covers it
             pass
 
@@ -590,6 +735,22 @@ class NodeAgent(Application):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
+
+
+def _lock_state_dir(state_dir: Path) -> int:
+    """Hold ``STATE_DIR/agent.lock`` for the agent's life; returns its
+    descriptor. A restarted agent takes over (or kills) every worker under
+    its state dir, so two agents must never share one. The kernel drops the
+    lock when the process ends, kill -9 included; workers do not inherit it.
+    Raises GPUPoolError when another live agent holds it."""
+    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise GPUPoolError("not_configured", f"another agent is running with the state directory {state_dir}; "
+                           "give each agent its own --state-dir") from None
+    return fd
 
 
 def _advertised_ip(ip: str) -> str:

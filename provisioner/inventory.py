@@ -19,11 +19,16 @@ class InventoryError(GPUPoolError):
     """No usable inventory on this node (no NVML, no GPUs, bad ``--simulate``).
 
     A :class:`GPUPoolError` so that ``gpupool agent`` prints the message, not a
-    traceback.
+    traceback. ``reason``: the same without advice, for the service and the
+    pool view (default: ``message``). ``retryable``: the driver may come back
+    by itself (not loaded yet, a version mismatch after an upgrade), so an
+    agent should keep running and try again rather than exit.
     """
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, retryable: bool = False) -> None:
         super().__init__("no_inventory", message, 503)
+        self.reason = reason or message
+        self.retryable = retryable
 
 
 class Inventory(abc.ABC):
@@ -35,6 +40,9 @@ class Inventory(abc.ABC):
     """
 
     kind: str = ""
+    #: Why the GPUs cannot be read now (e.g. ``"NVML could not start (...)"``);
+    #: None while they can. Only an NVML inventory ever has this state.
+    error: str | None = None
 
     @abc.abstractmethod
     def discover(self) -> list[GPUInfo]:
@@ -79,23 +87,39 @@ class Inventory(abc.ABC):
         The default: every GPU healthy (nothing can fail on a simulated one)."""
         return {gpu.uuid: {"healthy": True, "reason": None, "xids": []} for gpu in self.discover()}
 
+    def check(self) -> None:
+        """Raise :class:`InventoryError` when the GPUs cannot be read any more.
+        The default never fails."""
+
+    def refresh(self) -> bool:
+        """Check, once per heartbeat, that the GPUs can still be read, and try
+        again when they could not (see :attr:`error`). True when they just came
+        back: the caller registers :meth:`discover`'s GPUs again. The default
+        never fails."""
+        return False
+
     def close(self) -> None:
         """Release the inventory's handles (NVML). Idempotent."""
 
 
-def select_inventory(simulate: str | None, node_name: str | None = None, host_proc: str | None = None) -> Inventory:
+def select_inventory(simulate: str | None, node_name: str | None = None, host_proc: str | None = None, *,
+                     retry: tuple[float, float] = (5.0, 300.0)) -> Inventory:
     """The inventory the agent should use.
 
     ``simulate`` is a ``--simulate`` spec such as ``"2xA100-80GB"``: when given,
     a :class:`~.simulated.SimulatedInventory` whose UUIDs are derived from
-    ``node_name`` (default: this host's name). Without it, NVML.
+    ``node_name`` (default: this host's name). Without it, NVML, through a
+    :class:`~.inventory_retry.RetryingInventory`: when NVML fails to start
+    (driver not loaded, driver/library version mismatch) or stops working,
+    its :attr:`~Inventory.error` says why and it is opened again after
+    ``retry`` = (first, longest) seconds, doubling in between.
 
     ``host_proc``: where the host's /proc is mounted when the agent runs in a
     container (see :class:`~.attribution.PidMapper`); NVML only.
 
-    Raises :class:`InventoryError` when the spec is bad, or when NVML is not
-    available (no driver, no ``nvidia-ml-py``) or finds no GPU; the message
-    says to pass ``--simulate``.
+    Raises :class:`InventoryError` when the spec is bad, or when NVML cannot
+    be there at all (no driver library, no ``nvidia-ml-py``) or finds no GPU;
+    the message says to pass ``--simulate``.
     """
     node_name = node_name or socket.gethostname()
     if simulate:
@@ -105,6 +129,7 @@ def select_inventory(simulate: str | None, node_name: str | None = None, host_pr
             return SimulatedInventory(simulate, node_name)
         except ValueError as exc:
             raise InventoryError(f"bad --simulate value: {exc}") from None
+    from .inventory_retry import RetryingInventory
     from .nvml import NVMLInventory
 
-    return NVMLInventory(host_proc=host_proc)
+    return RetryingInventory(lambda: NVMLInventory(host_proc=host_proc), first=retry[0], longest=retry[1])

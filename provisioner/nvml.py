@@ -74,7 +74,9 @@ class NVMLInventory(Inventory):
     Initialises NVML on construction. Raises :class:`InventoryError` (telling
     to pass ``--simulate``, with NVML's own error text) when ``pynvml`` is not
     installed, the driver's library cannot be loaded, NVML does not start, or
-    it finds no GPU.
+    it finds no GPU; ``retryable`` when NVML failed to start or to list the
+    GPUs for another reason than a missing library (see
+    :class:`~.inventory_retry.RetryingInventory`).
     """
 
     kind = "nvml"
@@ -96,14 +98,20 @@ class NVMLInventory(Inventory):
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
-            raise InventoryError(f"NVML could not start ({exc}): is the NVIDIA driver installed? Or {_HINT}") from None
+            # Without the driver's library this host has no NVIDIA driver at all;
+            # any other failure (not loaded yet, a version mismatch after an
+            # upgrade) may heal, so the agent keeps running and tries again.
+            raise InventoryError(f"NVML could not start ({exc}): is the NVIDIA driver installed? Or {_HINT}",
+                                 reason=f"NVML could not start ({exc})",
+                                 retryable=not isinstance(exc, nvml.NVMLError_LibraryNotFound)) from None
         self._open = True
         try:
             count = nvml.nvmlDeviceGetCount()
             self._physical = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         except nvml.NVMLError as exc:
             self.close()
-            raise InventoryError(f"NVML could not list the GPUs ({exc}); {_HINT}") from None
+            raise InventoryError(f"NVML could not list the GPUs ({exc}); {_HINT}",
+                                 reason=f"NVML could not list the GPUs ({exc})", retryable=True) from None
         try:
             self._devices = self._enumerate()
         except InventoryError:
@@ -226,6 +234,16 @@ class NVMLInventory(Inventory):
         InventoryError when a GPU's UUID or memory cannot be read."""
         self._devices = self._enumerate()
         return [device.info for device in self._devices]
+
+    def check(self) -> None:
+        """Raise a retryable :class:`InventoryError` when NVML stopped answering
+        (its device count fails, as when the driver was unloaded or replaced
+        under the running agent); per-GPU failures do not count (see
+        :meth:`_call`)."""
+        try:
+            self._nvml.nvmlDeviceGetCount()
+        except self._nvml.NVMLError as exc:
+            raise InventoryError(f"NVML stopped working ({exc})", retryable=True) from None
 
     def versions(self) -> dict[str, str | None]:
         """``{"driver": "550.54.15", "cuda": "12.4"}``: the driver's version and
@@ -368,12 +386,20 @@ class NVMLInventory(Inventory):
                 self._xids.setdefault(device.info.uuid, []).append(xid)
 
     def close(self) -> None:
+        """Free the Xid event set and shut NVML down. Idempotent; quiet when
+        NVML already stopped answering (what :meth:`check` found)."""
         if getattr(self, "_open", False):
             self._open = False
             if self._events is not None:
-                self._call("system", "Xid events", "nvmlEventSetFree", self._events)
+                self._quietly("nvmlEventSetFree", self._events)
                 self._events = None
-            self._call("system", "shutdown", "nvmlShutdown")
+            self._quietly("nvmlShutdown")
+
+    def _quietly(self, function: str, *args: Any) -> None:
+        try:
+            getattr(self._nvml, function)(*args)
+        except self._nvml.NVMLError:
+            pass  # closing a session the driver already dropped: nothing left to free
 
 
 def _text(value: str | bytes) -> str:

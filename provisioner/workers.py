@@ -12,6 +12,11 @@ to the slice (the slice's variables put into the worker's ``os.environ`` by
 :func:`gpupool.provisioner.worker.bind`, before CUDA initialises there)
 instead of booting a kernel. docs/enforcement.md, "Binding a worker to its
 GPUs", says why that holds the worker to its GPUs as a cold start does.
+
+Workers do not die with the agent: a restarted agent re-adopts the lease
+workers that still run and stops every other process it started before
+(:mod:`.adoption`, :meth:`WorkerManager.recover`). With a worker user
+(:mod:`.worker_user`) every worker runs as that account, not the agent's.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ from jupyter_client.manager import AsyncKernelManager
 from gpupool.schema import GPUInfo, WorkerReport
 
 from .activity import WorkerActivity, watch_iopub
+from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left_behind, read_records, record_path,
+                       stray_workers)
 from .enforcement import slice_environment
 from .warmpool import WarmPool
+from .worker_user import WorkerUser
 
 # The IPython extension every worker loads (variable transfer, PyTorch cap).
 WORKER_EXTENSION = "gpupool.provisioner.worker"
@@ -68,6 +76,13 @@ class WorkerBindError(Exception):
 
 #: Seconds a warm worker gets to answer its binding.
 BIND_TIMEOUT_S = 10.0
+
+#: Seconds a worker left by an earlier run of the agent gets to answer on its
+#: control channel (which answers while a cell runs) before it is stopped.
+ADOPT_TIMEOUT_S = 10.0
+
+# Numbers in warm workers' names (``warm-N``), which name their files.
+_WARM_NAME = re.compile(r"warm-(\d+)")
 
 #: The environment of a warm worker before it is bound: no GPU visible, so
 #: nothing that initialises CUDA early can use a GPU no lease holds.
@@ -169,7 +184,9 @@ class Worker:
         self.activity = WorkerActivity()
         self.started_at = time.time()
         self.exit_code: int | None = None
-        self.watcher: asyncio.Task | None = None
+        self.ended = False  # its process is gone (a re-adopted one's exit code stays unknown)
+        self.stopping = False  # the agent is stopping it: its exit is no death to report
+        self.watcher: asyncio.Future | None = None
 
     @property
     def pid(self) -> int:
@@ -181,7 +198,7 @@ class Worker:
 
     @property
     def dead(self) -> bool:
-        return self.exit_code is not None
+        return self.ended
 
     def connection(self) -> dict[str, Any]:
         """The Jupyter connection info for ``POST /workers`` (``key`` as str)."""
@@ -190,12 +207,24 @@ class Worker:
         wire["ip"] = self.advertise_ip
         key = info["key"]
         wire["key"] = key.decode() if isinstance(key, bytes) else key
+        if info.get("curve_publickey"):  # the public half only: the secret key stays with the worker
+            wire["curve_publickey"] = info["curve_publickey"]
         return wire
+
+    def record(self) -> WorkerRecord:
+        """What a restarted agent needs to re-adopt this (bound) worker."""
+        spec = self.spec
+        started = self.started_at if isinstance(self.process, AdoptedProcess) else create_time(self.pid)
+        return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid, started,
+                            str(self.manager.connection_file), str(self.log_path))
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
         """This worker as a heartbeat's WorkerReport."""
         if self.dead:
-            return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code)
+            why = None
+            if isinstance(self.process, AdoptedProcess):
+                why = "the worker process ended (its exit code is unknown: it was re-adopted after an agent restart)"
+            return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code, reason=why)
         return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
                             idle_since=self.activity.idle_since_iso(), memory_used=memory_used)
 
@@ -211,6 +240,8 @@ class Worker:
         """Processes the worker started (dataloaders, compilers...), now.
         Empty once the worker was reaped: its pid may belong to another
         process then."""
+        if isinstance(self.process, AdoptedProcess):
+            return self.process.children()
         if self.process.returncode is not None:
             return []
         try:
@@ -235,6 +266,16 @@ class WorkerManager:
     0 (the default): every worker starts cold. The pool starts filling on
     :meth:`start_warm_pool`.
 
+    ``encryption``: ``"curve"`` (each worker binds its sockets as CurveZMQ
+    servers with a fresh key pair, jupyter_client's ``transport_encryption =
+    "required"``; its connection info carries the public key) or ``"none"``.
+
+    ``user``: the account workers run as (:class:`~.worker_user.WorkerUser`;
+    None: the agent's own). Their connection files are then handed to it,
+    ``workers_dir`` may be entered (not listed) by others, and the working
+    directory defaults to its home, or to ``state_dir/worker-home`` (made
+    for it) when it has none.
+
     All methods run on the agent's event loop; calls for the same lease are
     serialized, calls for different leases run concurrently.
     """
@@ -244,17 +285,22 @@ class WorkerManager:
                  start_timeout: float = 60.0, stop_timeout: float = 10.0,
                  extensions: Sequence[str] = (WORKER_EXTENSION,), environ: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike | None = None, log: logging.Logger | None = None,
-                 warm: WarmSettings | None = None) -> None:
+                 warm: WarmSettings | None = None, user: WorkerUser | None = None,
+                 encryption: str = "none") -> None:
         self.workers_dir = Path(state_dir) / "workers"
         self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.user = user
+        if user is not None:
+            self.workers_dir.chmod(0o711)  # the worker user reads its own connection file there
         self.ip = ip
+        self.encryption = encryption
         self.advertise_ip = advertise_ip or ip
         self.node = node
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.extensions = tuple(extensions)
         self.environ = dict(os.environ if environ is None else environ)
-        self.cwd = str(cwd or Path.home())
+        self.cwd = str(cwd or (_user_home(user, Path(state_dir)) if user is not None else Path.home()))
         self.log = log or logging.getLogger("gpupool.agent")
         self._context = zmq.asyncio.Context()
         # No kernel dirs: always the native ipykernel of this interpreter, never
@@ -287,12 +333,16 @@ class WorkerManager:
         """
         newly_dead = []
         for worker in self._workers.values():
-            if worker.dead or not _exited(worker.process):
+            if worker.dead or worker.stopping or not _exited(worker.process):
                 continue
-            # The leader is a zombie until reaped below, so its process group id
-            # cannot have been reused yet: the kill reaches only its own group.
-            _kill_group(worker.pid)
-            worker.exit_code = worker.process.wait()
+            if isinstance(worker.process, AdoptedProcess):
+                # Not our child: init reaped it, so find its group by start time.
+                kill_all(left_behind(worker.pid, worker.started_at))
+            else:
+                # The leader is a zombie until reaped below, so its process group id
+                # cannot have been reused yet: the kill reaches only its own group.
+                _kill_group(worker.pid)
+            worker.exit_code, worker.ended = worker.process.wait(), True
             if worker.watcher is not None:
                 worker.watcher.cancel()
             self.log.warning("the worker (pid %s) of lease %s died with exit code %s; its last output:\n%s",
@@ -346,6 +396,7 @@ class WorkerManager:
             if worker is None:
                 worker = await self._launch(spec)
             self._workers[spec.lease_id] = worker
+            worker.record().write(self.workers_dir)
             self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
                           "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
                           worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
@@ -441,15 +492,20 @@ class WorkerManager:
         """Start one ipykernel with ``env``, files named after ``name``, and
         wait until it answers ``kernel_info``. Raises WorkerStartError."""
         log_path = self.workers_dir / f"{name}.log"
-        manager = AsyncKernelManager(
-            kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self._context,
-            connection_file=str(self.workers_dir / f"kernel-{name}.json"), ip=self.ip,
-            shutdown_wait_time=self.stop_timeout, log=self.log)
+        manager = self._manager(self.workers_dir / f"kernel-{name}.json")
+        manager.owner = (self.user.uid, self.user.gid) if self.user is not None else None
+        as_user = {}
+        if self.user is not None:
+            as_user = self.user.popen_kwargs()
+            env = {**env, **self.user.environment(self.cwd)}
         try:
             # The child keeps its own copy of the descriptor; ours can close.
-            with open(log_path, "ab") as out:
+            # Independent: no ipykernel parent poller, so a worker outlives a
+            # crashed agent and the restarted one re-adopts it (recover()).
+            with open(log_path, "ab", opener=_private) as out:
                 await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.extensions),
-                                           stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd)
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, independent=True,
+                                           **as_user)
         except Exception as exc:
             process = getattr(manager.provisioner, "process", None)
             if process is not None:  # launched, then something after it failed
@@ -471,7 +527,88 @@ class WorkerManager:
             await _quietly(self._terminate(worker))
             raise WorkerStartError(reason) from None
         client.stop_channels()
+        if manager.owner is not None:
+            # Read: take the key back from the worker user, whom every worker shares.
+            os.chown(manager.connection_file, os.getuid(), os.getgid())
         worker.activity.mark_ready()
+        return worker
+
+    def _manager(self, connection_file: Path) -> "_WorkerKernelManager":
+        return _WorkerKernelManager(
+            kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self._context,
+            connection_file=str(connection_file), ip=self.ip, shutdown_wait_time=self.stop_timeout, log=self.log,
+            transport_encryption="required" if self.encryption == "curve" else "disabled")
+
+    # -- after an agent restart -------------------------------------------------
+
+    async def recover(self) -> list[Worker]:
+        """Take over what an earlier run of the agent left in ``workers_dir``;
+        returns the workers re-adopted. Call once, before anything else.
+
+        A lease's worker that still runs and answers on its control channel
+        within :data:`ADOPT_TIMEOUT_S` is re-adopted as it is (variables, a
+        running cell); the next report names it, and the service keeps its
+        lease or says to stop it. Everything else that earlier run started is
+        killed, with what it started: warm workers, workers that do not
+        answer or have no record, and what the cells of dead workers left
+        behind. Their files are removed.
+        """
+        records, problems = read_records(self.workers_dir)
+        for problem in problems:
+            self.log.warning("ignoring %s", problem)
+        adopted = [worker for worker in [await self._adopt(record) for record in records] if worker is not None]
+        for worker in adopted:
+            self._workers[worker.spec.lease_id] = worker
+        keep = {worker.pid for worker in adopted}
+        strays = stray_workers(self.workers_dir, keep)
+        for record in records:
+            if record.pid not in keep:
+                strays += left_behind(record.pid, record.create_time)
+        if strays:
+            self.log.warning("stopping %d process(es) an earlier run of the agent left: pids %s", len(strays),
+                             ", ".join(str(p.pid) for p in strays))
+            survivors = await asyncio.to_thread(kill_all, strays)
+            if survivors:
+                self.log.error("processes %s survived SIGKILL", survivors)
+        files = {Path(path) for worker in adopted for path in
+                 (worker.manager.connection_file, worker.log_path, record_path(self.workers_dir, worker.spec.lease_id))}
+        for path in self.workers_dir.iterdir():
+            if path.is_file() and path not in files:
+                _remove(path)
+        self._warm_count = max([int(m.group(1)) for path in files if (m := _WARM_NAME.search(path.name))] or [0])
+        return adopted
+
+    async def _adopt(self, record: WorkerRecord) -> Worker | None:
+        """Re-adopt the worker of ``record``, or None (gone, or it does not answer: then it is stopped)."""
+        try:
+            spec = WorkerSpec(record.lease_id, record.owner, record.gpus, record.fraction, record.memory)
+        except ValueError as exc:
+            self.log.warning("ignoring the worker record of %r: %s", record.lease_id, exc)
+            return None
+        proc = record.process()
+        if proc is None:
+            self.log.warning("the worker (pid %s) of lease %s ended while the agent was away", record.pid,
+                             record.lease_id)
+            return None
+        manager = self._manager(Path(record.connection_file))
+        try:
+            manager.load_connection_file()
+        except (OSError, ValueError) as exc:
+            self.log.warning("cannot re-adopt the worker of lease %s: its connection file: %s", record.lease_id, exc)
+            return None  # it is a stray now, and stopped as one
+        worker = Worker(spec, manager, AdoptedProcess(proc), Path(record.log_path), self.advertise_ip)
+        worker.started_at = record.create_time
+        watcher = asyncio.ensure_future(watch_iopub(worker, manager.get_connection_info(), self._context, self.log))
+        try:
+            await _control_kernel_info(worker, ADOPT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - timed out, refused: not a usable worker
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            self.log.warning("the worker (pid %s) of lease %s did not answer after the agent restarted (%s); "
+                             "stopping it", record.pid, record.lease_id, str(exc) or type(exc).__name__)
+            return None
+        worker.watcher = asyncio.gather(watcher, _track_running_cell(worker, self.log))
+        self.log.info("re-adopted the worker (pid %s) of lease %s of %s", record.pid, record.lease_id, record.owner)
         return worker
 
     # -- stop -------------------------------------------------------------------
@@ -520,12 +657,16 @@ class WorkerManager:
         return codes
 
     async def _terminate(self, worker: Worker) -> int | None:
+        worker.stopping = True
         if worker.watcher is not None:
             worker.watcher.cancel()
             await asyncio.gather(worker.watcher, return_exceptions=True)
         children = worker.descendants()
         try:
-            if worker.process.poll() is None:
+            if isinstance(worker.process, AdoptedProcess):
+                await asyncio.wait_for(_shutdown_adopted(worker, self.stop_timeout), self.stop_timeout + 5)
+                await worker.manager.cleanup_resources()
+            elif worker.process.poll() is None:
                 await asyncio.wait_for(worker.manager.shutdown_kernel(), self.stop_timeout + 5)
             else:
                 # Dead and reaped already: only release the manager's pipes and
@@ -537,8 +678,9 @@ class WorkerManager:
             self.log.warning("worker %s did not shut down cleanly (%s); killing it",
                              worker.name, exc or type(exc).__name__)
         survivors = await asyncio.to_thread(_kill_and_wait, worker.process, children, 10.0)
-        worker.exit_code = worker.process.returncode
-        _remove(Path(worker.manager.connection_file), worker.log_path)
+        worker.exit_code, worker.ended = worker.process.returncode, True
+        _remove(Path(worker.manager.connection_file), worker.log_path,
+                record_path(self.workers_dir, worker.spec.lease_id if worker.spec else worker.name))
         if survivors:
             raise WorkerStopError(f"processes {survivors} of the worker {worker.name} survived SIGKILL")
         return worker.exit_code
@@ -554,6 +696,8 @@ class WorkerManager:
 def _exited(process: subprocess.Popen) -> bool:
     """True when the child has exited, without reaping it (WNOWAIT keeps the
     zombie, and with it the process group id, until ``wait``)."""
+    if isinstance(process, AdoptedProcess):
+        return process.gone
     if process.returncode is not None:
         return True
     try:
@@ -573,6 +717,8 @@ def _kill_group(pgid: int) -> None:
 
 def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process], timeout: float) -> list[int]:
     """SIGKILL what is left of a worker and wait; returns the pids still alive."""
+    if isinstance(process, AdoptedProcess):
+        return kill_all([process.proc, *children], timeout)
     if process.returncode is None:  # not reaped: the group id is still this worker's
         _kill_group(process.pid)
     if process.returncode is None:
@@ -595,6 +741,94 @@ def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process]
     if process.returncode is None:
         survivors.insert(0, process.pid)
     return survivors
+
+
+class _WorkerKernelManager(AsyncKernelManager):
+    """jupyter_client's kernel manager; ``owner`` (uid, gid), when set, gets
+    the connection file as soon as it is written, before the kernel starts."""
+
+    owner: tuple[int, int] | None = None
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        super().write_connection_file(**kwargs)
+        if self.owner is not None:
+            os.chown(self.connection_file, *self.owner)
+
+
+def _private(path: str, flags: int) -> int:
+    """``open`` opener: a new file readable by the agent's user only (a
+    worker's output is its user's business)."""
+    return os.open(path, flags, 0o600)
+
+
+def _user_home(user: WorkerUser, state_dir: Path) -> Path:
+    """The worker user's working directory: its home when that is its own
+    directory, else ``state_dir/worker-home`` made for it."""
+    home = Path(user.home)
+    if home.is_dir() and home.stat().st_uid == user.uid:
+        return home
+    made = state_dir / "worker-home"
+    made.mkdir(mode=0o700, exist_ok=True)
+    os.chown(made, user.uid, user.gid)
+    return made
+
+
+async def _control_kernel_info(worker: Worker, timeout: float) -> None:
+    """Ask the worker for ``kernel_info`` on its control channel (answered
+    even while a cell runs); TimeoutError after ``timeout`` seconds."""
+    client = worker.manager.client()
+    client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    msg = client.session.msg("kernel_info_request")
+
+    async def answer() -> None:
+        while (await client.control_channel.get_msg())["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            pass
+
+    try:
+        client.control_channel.send(msg)
+        await asyncio.wait_for(answer(), timeout)
+    finally:
+        client.stop_channels()
+
+
+async def _track_running_cell(worker: Worker, log: logging.Logger) -> None:
+    """Learn whether a re-adopted worker is running a cell: its shell channel
+    answers ``kernel_info`` only once no cell runs. Until the answer, the
+    worker counts as busy (never reclaimed for idleness); the running cell's
+    own end, seen on IOPub, then counts as the end of the last cell."""
+    client = worker.manager.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+
+    def status(msg_id: str, state: str) -> dict[str, Any]:
+        return {"msg_type": "status", "parent_header": {"msg_id": msg_id, "msg_type": "kernel_info_request"},
+                "content": {"execution_state": state}}
+
+    msg_id = client.kernel_info()
+    worker.activity.on_message(status(msg_id, "busy"))
+    worker.activity.mark_ready()
+    try:
+        while (await client.get_shell_msg())["parent_header"].get("msg_id") != msg_id:
+            pass
+    except Exception as exc:  # noqa: BLE001 - its death is noticed by poll()
+        log.debug("no kernel_info answer from the worker of %s: %s", worker.name, exc)
+    finally:
+        worker.activity.on_message(status(msg_id, "idle"))
+        client.stop_channels()
+
+
+async def _shutdown_adopted(worker: Worker, grace: float) -> None:
+    """Ask a re-adopted worker to shut down (``shutdown_request`` on control)
+    and wait up to ``grace`` seconds for it to exit; what is left is killed
+    by the caller."""
+    client = worker.manager.client()
+    client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    try:
+        client.shutdown()
+        await asyncio.to_thread(worker.process.wait, grace)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        client.stop_channels()
 
 
 def _running(proc: psutil.Process) -> bool:

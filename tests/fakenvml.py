@@ -10,7 +10,11 @@ drift from nvidia-ml-py silently.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import types
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,3 +221,56 @@ class FakeNVML(types.ModuleType):
 def fake_functions() -> list[str]:
     """The NVML function names the fake provides."""
     return [name for name in vars(FakeNVML) if name.startswith("nvml")]
+
+
+# -- a fake that another process drives: a real ``gpupool agent`` on fake GPUs -----------------------------------
+
+#: The GPUs of an agent started by :func:`run_agent`.
+AGENT_GPUS = ("GPU-aaaaaaaa-1111-2222-3333-444444444444", "GPU-bbbbbbbb-1111-2222-3333-444444444444")
+
+
+class ControlledNVML(FakeNVML):
+    """A :class:`FakeNVML` driven through the JSON file ``control`` (re-read at
+    every call, so a test can drive an agent in another process):
+    ``{"error": "LIB_RM_VERSION_MISMATCH"}`` makes every NVML function,
+    ``nvmlInit`` included, raise the real binding's error for
+    NVML_ERROR_<that name>, as when the driver is missing, unloaded or
+    replaced under a running process; ``{"error": null}`` (or no file) heals it.
+    Write the file with :func:`set_error`."""
+
+    def __init__(self, gpus: list[FakeGPU], control: Path, **kwargs: Any) -> None:
+        super().__init__(gpus, **kwargs)
+        self.control = Path(control)
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name.startswith("nvml") and callable(value):
+            control = super().__getattribute__("control")
+            error = json.loads(control.read_text()).get("error") if control.exists() else None
+            if error:
+                def failing(*args: Any, **kwargs: Any) -> Any:
+                    raise nvml_error(error)
+                return failing
+        return value
+
+
+def set_error(control: Path, error: str | None) -> None:
+    """Make the :class:`ControlledNVML` reading ``control`` fail with
+    NVML_ERROR_<error> (None: work), atomically (the agent may be reading it)."""
+    tmp = control.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"error": error}))
+    os.replace(tmp, control)
+
+
+def run_agent(control: str, argv: list[str]) -> int:
+    """``gpupool agent ARGV`` (no ``--simulate``: NVML) with ``pynvml`` replaced
+    by a :class:`ControlledNVML` over two A100s (:data:`AGENT_GPUS`) driven by
+    the file ``control``. Run as ``python tests/fakenvml.py CONTROL ARGV...``."""
+    sys.modules["pynvml"] = ControlledNVML([FakeGPU(uuid) for uuid in AGENT_GPUS], Path(control))
+    from gpupool.cli import main
+
+    return main(["agent", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(sys.argv[1], sys.argv[2:]))

@@ -10,7 +10,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from gpupool import localpool
 from gpupool.api import ServiceClient
@@ -60,11 +60,13 @@ class ServiceProc:
 
 
 def start_service(root: Path, *, tokens: dict[str, str] | None = None, config: dict[str, Any] | None = None,
-                  env: dict[str, str] | None = None) -> ServiceProc:
+                  env: dict[str, str] | None = None, ip: str = "127.0.0.1", port: int | None = None,
+                  launcher: Sequence[str] = ()) -> ServiceProc:
     """Start ``gpupool service`` under ``root/service``.
 
     ``tokens`` maps user name -> token (``tester`` is always there);
-    ``config`` holds more ``c.GPUPool`` settings, over fast test defaults.
+    ``config`` holds more ``c.GPUPool`` settings, over fast test defaults;
+    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.localpool.start_service`.
     """
     state = root / "service"
     state.mkdir(parents=True, exist_ok=True)
@@ -74,11 +76,14 @@ def start_service(root: Path, *, tokens: dict[str, str] | None = None, config: d
     lines.append(f"c.GPUPool.api_tokens = {({token: user for user, token in users.items()})!r}")
     config_file = state / "gpupool_config.py"
     config_file.write_text("\n".join(lines) + "\n")
-    return ServiceProc(localpool.start_service(state, config_file=config_file, env=env), users)
+    return ServiceProc(localpool.start_service(state, config_file=config_file, env=env, ip=ip, port=port,
+                                               launcher=launcher), users)
 
 
 def start_agent(root: Path, service: ServiceProc, *, name: str = "node-1", simulate: str = "2xA100-80GB",
-                extra_args: list[str] | None = None) -> AgentProcess:
-    """Start ``gpupool agent --simulate SPEC`` under ``root/agent-NAME``; ready once the service lists it."""
+                extra_args: list[str] | None = None, ip: str = "127.0.0.1", port: int | None = None,
+                launcher: Sequence[str] = ()) -> AgentProcess:
+    """Start ``gpupool agent --simulate SPEC`` under ``root/agent-NAME``; ready once the service lists it.
+    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.localpool.start_agent`."""
     return localpool.start_agent(root / f"agent-{name}", service.process, name=name, simulate=simulate,
-                                 extra_args=extra_args, client=service.client())
+                                 extra_args=extra_args, client=service.client(), ip=ip, port=port, launcher=launcher)

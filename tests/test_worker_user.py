@@ -1,0 +1,170 @@
+"""Workers run as an unprivileged user the admin configures
+(``c.NodeAgent.worker_user``), not as the agent's user, and cannot read the
+agent's credentials (issue 4, "Security").
+
+The end-to-end test needs root (the agent switches user when it starts a
+worker) and creates the system user ``gpupool-test-worker`` when it is
+missing; elsewhere it is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpupool.localpool import run_worker_cell
+from gpupool.provisioner.worker_user import WorkerUser
+from gpupool.schema import LeaseRequest, LeaseState
+from procs import processes_mentioning, start_agent, start_service, wait_for
+
+USER = "gpupool-test-worker"
+
+PROBE = """\
+import json, os
+def attempt(action):
+    try:
+        action()
+        return "allowed"
+    except OSError as exc:
+        return type(exc).__name__
+print(json.dumps({
+    "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
+    "home": os.environ.get("HOME"), "cwd": os.getcwd(),
+    "token_file": attempt(lambda: open(TOKEN_FILE).read()),
+    "state_dir": attempt(lambda: os.listdir(STATE_DIR)),
+    "agent_env": attempt(lambda: open(f"/proc/{AGENT_PID}/environ", "rb").read()),
+    "workers_dir": attempt(lambda: os.listdir(WORKERS_DIR)),
+}))
+"""
+
+
+def worker_account() -> pwd.struct_passwd:
+    """The test's worker user, created (``useradd --system``) when missing."""
+    try:
+        return pwd.getpwnam(USER)
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not available to create the worker user")
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True,
+                   capture_output=True)
+    return pwd.getpwnam(USER)
+
+
+@pytest.fixture
+def shared_root():
+    """A directory others may enter (0711) but not list: a worker user must
+    reach its connection file under the agent's state dir, and pytest's
+    tmp_path (under a 0700 directory) does not allow that."""
+    root = Path(tempfile.mkdtemp(prefix="gpupool-worker-user-"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def python_reachable():
+    """Let the worker user run this Python: where a folder on its path is closed
+    to others (CI's Python lives under /root, mode 0700), add only the others'
+    search bit (enter, not list) for the test's length, and put it back."""
+    user, python = WorkerUser.lookup(worker_account().pw_name), Path(sys.executable).resolve()
+    opened: list[tuple[Path, int]] = []
+    try:
+        while (blocked := user.blocked_at(python)) is not None and len(opened) < 10:
+            mode = blocked.stat().st_mode & 0o7777
+            if mode & 0o001:
+                break  # not a search bit that is missing: leave it as it is
+            opened.append((blocked, mode))
+            blocked.chmod(mode | 0o001)
+        if blocked is not None:
+            pytest.skip(f"{USER} cannot run this Python ({python}): {blocked} is closed to it")
+        yield
+    finally:
+        for folder, mode in reversed(opened):
+            folder.chmod(mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting workers as another user needs an agent running as root")
+def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_root, python_reachable):
+    account = worker_account()
+    service = start_service(shared_root)
+    agent = start_agent(shared_root, service, extra_args=[f"--worker-user={USER}"])
+    try:
+        token_file = service.process.agent_token_file
+        assert token_file.stat().st_uid == os.getuid() and token_file.stat().st_mode & 0o777 == 0o600
+        # The lease takes the warm worker (started as the worker user too); another is started.
+        wait_for(lambda: "warm worker warm-1 ready" in agent.log.read_text(), 60, "a warm worker")
+        lease = service.client().create_lease(LeaseRequest(fraction=0.5))
+        lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
+                         and got, 60, "the lease's worker")
+        assert lease.state is LeaseState.active, lease.reason
+        assert psutil.Process(lease.worker["pid"]).uids().real == account.pw_uid
+
+        code = (f"TOKEN_FILE = {str(token_file)!r}\nSTATE_DIR = {str(agent.state_dir)!r}\n"
+                f"WORKERS_DIR = {str(agent.state_dir / 'workers')!r}\nAGENT_PID = {agent.proc.pid}\n{PROBE}")
+        seen = json.loads(asyncio.run(run_worker_cell(lease.connection, code)))
+        assert (seen["uid"], seen["euid"], seen["gid"]) == (account.pw_uid, account.pw_uid, account.pw_gid)
+        assert 0 not in seen["groups"], "none of root's groups"
+        assert seen["token_file"] == "PermissionError"
+        assert seen["state_dir"] == seen["workers_dir"] == "PermissionError", "it may enter, not list"
+        assert seen["agent_env"] == "PermissionError"
+        assert seen["home"] == seen["cwd"] and Path(seen["cwd"]).stat().st_uid == account.pw_uid
+
+        wait_for(lambda: "warm worker warm-2 ready" in agent.log.read_text(), 60, "the next warm worker")
+        workers = processes_mentioning(f"{agent.state_dir / 'workers'}{os.sep}kernel-")
+        assert len(workers) == 2 and all(psutil.Process(pid).uids().real == account.pw_uid for pid in workers)
+        # Once read, the connection files (the keys) and the logs are the agent's again:
+        # workers share the worker user, so none may read another's.
+        for path in (agent.state_dir / "workers").iterdir():
+            assert path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077 == 0, path
+        assert {p.name for p in (agent.state_dir / "workers").iterdir()} >= {f"{lease.id}.lease.json"}
+
+        released = service.client().release(lease.id)
+        assert released.state is LeaseState.released
+        assert not psutil.pid_exists(lease.worker["pid"]) or \
+            psutil.Process(lease.worker["pid"]).status() == psutil.STATUS_ZOMBIE
+    finally:
+        agent.stop()  # raises if a worker process is left
+        service.stop()
+
+
+def agent_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpupool.cli", "agent", "--service-url=http://127.0.0.1:1",
+                           *args], capture_output=True, text=True, timeout=60, env={**os.environ,
+                                                                                     "GPUPOOL_AGENT_TOKEN": "t"})
+
+
+def test_an_unknown_worker_user_is_one_clear_line(tmp_path):
+    result = agent_command("--worker-user=no-such-user-gpupool", f"--state-dir={tmp_path / 'agent'}",
+                           "--simulate=1xA100-80GB")
+    assert result.returncode != 0
+    assert "there is no user 'no-such-user-gpupool' on this node" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "agent").exists(), "nothing was started or written"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an agent switches to another user only when it runs as root")
+def test_a_setup_the_worker_user_cannot_use_is_refused_naming_the_closed_folder(tmp_path):
+    """Its Python, or its state dir (here: inside a 0700 folder), must be
+    reachable by the worker user; the agent refuses to start otherwise."""
+    worker_account()
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    state_dir = closed / "agent"
+    result = agent_command(f"--worker-user={USER}", f"--state-dir={state_dir}", "--simulate=1xA100-80GB")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"worker user '{USER}' cannot" in result.stderr, result.stderr
+    named = [folder for folder in [*Path(sys.executable).resolve().parents, *state_dir.parents]
+             if f" {folder}" in result.stderr and folder != Path("/")]
+    assert named, f"the message names the closed folder: {result.stderr}"
+    assert not state_dir.exists(), "nothing was written"
