@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import GPUPoolError
 from .schema import Lease, LeaseRequest
+from .tls import ENV_CA_FILE, client_context, untrusted, untrusted_message
 
 if TYPE_CHECKING:
     import argparse
@@ -32,13 +33,17 @@ class ServiceClient:
     ``url`` is the service's base URL (``http://127.0.0.1:8765`` standalone,
     ``http://hub:8000/services/gpupool`` behind JupyterHub); ``token`` is sent
     as ``Authorization: token ...``; ``timeout`` is seconds per call (long
-    polls add their wait to it).
+    polls add their wait to it). An ``https://`` service's certificate is
+    verified against the system's CAs plus ``ca_file`` (default:
+    ``$GPUPOOL_CA_FILE``); GPUPoolError ``not_configured`` when that file
+    cannot be read.
     """
 
-    def __init__(self, url: str, token: str | None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0, ca_file: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self._tls = client_context(ca_file) if self.url.lower().startswith("https:") else None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ServiceClient":
@@ -72,11 +77,15 @@ class ServiceClient:
         if self.token:
             req.add_header("Authorization", f"token {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout, context=self._tls) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             raise self._error_from(exc, url) from None
         except (urllib.error.URLError, OSError) as exc:
+            why = untrusted(exc)
+            if why:
+                raise GPUPoolError("untrusted_certificate", untrusted_message(f"the gpupool service at {self.url}",
+                                                                              why), 503) from None
             reason = getattr(exc, "reason", exc)
             raise GPUPoolError("service_unavailable", f"cannot reach the gpupool service at {self.url} ({reason}); "
                                f"is it running? Check {ENV_URL}.", 503) from None
@@ -156,8 +165,10 @@ def _quote(part: str) -> str:
 
 
 def add_client_arguments(parser: "argparse.ArgumentParser") -> None:
-    """``--url``, ``--token`` and ``--token-file`` for a command that calls the service."""
+    """``--url``, ``--token``, ``--token-file`` and ``--ca-file`` for a command that calls the service."""
     parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
+    parser.add_argument("--ca-file", default=os.environ.get(ENV_CA_FILE),
+                        help=f"CA bundle (PEM) that signed an https service's certificate (default: ${ENV_CA_FILE})")
     parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
     parser.add_argument("--token-file", help="read the API token from this file")
 
@@ -174,4 +185,4 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
                 token = handle.read().strip()
         except OSError as exc:
             parser.error(f"cannot read the token file {args.token_file}: {exc.strerror}")
-    return ServiceClient(args.url, token)
+    return ServiceClient(args.url, token, ca_file=args.ca_file)

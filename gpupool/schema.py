@@ -81,12 +81,19 @@ def _number(body: dict[str, Any], key: str, *, required: bool = False) -> float 
     return float(value)
 
 
+def has_control_characters(text: str) -> bool:
+    """Whether ``text`` holds an ASCII control character (``\\x00``-``\\x1f``, ``\\x7f``):
+    no name or reason needs one, NUL is refused by PostgreSQL, and newlines would forge log lines."""
+    return any(ch < " " or ch == "\x7f" for ch in text)
+
+
 def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > max_len:
-        raise bad_request(f"'{key}' must be a non-empty string of at most {max_len} characters")
+    if not isinstance(value, str) or not value or len(value) > max_len or has_control_characters(value):
+        raise bad_request(f"'{key}' must be a non-empty string of at most {max_len} characters, "
+                          "without control characters")
     return value
 
 
@@ -101,6 +108,9 @@ class LeaseRequest:
     ``kernel_id`` the notebook kernel that holds the lease (used to release
     its leases when the kernel stops). ``wait`` seconds: when nothing fits
     now, queue that long (None or 0: refuse at once with 409).
+    ``server_name``: the JupyterHub single-user server the kernel runs in
+    (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
+    255 characters), so that stopping one server releases only its leases.
     """
 
     fraction: float = 1.0
@@ -110,8 +120,9 @@ class LeaseRequest:
     idle_timeout: float | None = None
     kernel_id: str | None = None
     wait: float | None = None
+    server_name: str | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -145,9 +156,14 @@ class LeaseRequest:
         wait = _number(body, "wait")
         if wait is not None and not 0 <= wait <= 366 * 86400:
             raise bad_request(f"'wait' must be seconds in [0, 31622400], got {body['wait']!r}")
+        server = body.get("server_name")
+        if server is not None and (not isinstance(server, str) or len(server) > 255
+                                   or any(ch < " " or ch == "\x7f" for ch in server)):
+            raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
+                              f"control characters, \"\" for the default server), got {server!r:.80}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None)
+                   wait=wait or None, server_name=server)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -255,6 +271,15 @@ class Lease:
     started_at: str | None = None
     ended_at: str | None = None
     idle_since: str | None = None
+    #: When the service reclaims the lease if it stays idle (ISO UTC; None while
+    #: a cell runs or when not active), and how many seconds before that the
+    #: notebook warns (``c.GPUPool.idle_warning``; 0: no warning).
+    idle_deadline: str | None = None
+    idle_warning: float = 0.0
+    #: ``"up"``, ``"degraded"`` (its agent cannot read its GPUs: the lease goes on, nothing
+    #: new is placed there) or ``"lost"`` (no heartbeat from its agent for ``c.GPUPool.node_ttl``:
+    #: the worker is unreachable until the node returns); None without a node.
+    node_state: str | None = None
     worker: dict[str, Any] | None = None
     connection: dict[str, Any] | None = None
     usage_gpu_seconds: float = 0.0

@@ -65,11 +65,34 @@ def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:
 
 
 def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
-    """One row per GPU of ``GET /pool``: node, state, enforcement, GPU, memory, allocated share, leases."""
-    rows = []
+    """One row per GPU of ``GET /pool`` (a node that lists none gets one row
+    with GPU ``-``): node, state, enforcement, GPU, memory, allocated share,
+    leases; then, for each node that is not ``up``, a line saying why
+    (its ``state_reason``) and what that means for leases."""
+    rows, notes = [], []
     for node in pool.get("nodes", []):
-        for gpu in node.get("gpus", []):
-            rows.append([node["name"], node.get("state", "?"), node.get("enforcement") or "-",
-                         f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
-                         f"{gpu.get('allocated_fraction', 0):.2f}", gpu.get("leases", 0)])
-    return table(["node", "state", "enforcement", "GPU", "memory", "allocated", "leases"], rows)
+        state = node.get("state", "?")
+        if state != "up":
+            notes.append(node_note(node["name"], state, node.get("state_reason")))
+        for gpu in node.get("gpus") or [None]:
+            cells = ["-", "-", "0.00", 0] if gpu is None else [
+                f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
+                f"{gpu.get('allocated_fraction', 0):.2f}", gpu.get("leases", 0)]
+            rows.append([node["name"], state, node.get("enforcement") or "-", *cells])
+    text, markup = table(["node", "state", "enforcement", "GPU", "memory", "allocated", "leases"], rows)
+    if notes:
+        text += "\n\n" + "\n".join(notes)
+        markup += "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+    return text, markup
+
+
+def node_note(name: str, state: str, reason: str | None) -> str:
+    """Words for a node that is not ``up``, e.g. ``'node-1 is degraded: NVML could
+    not start (...); its leases go on, nothing new is placed there'``."""
+    if state == "degraded":
+        return (f"{name} is degraded: {reason or 'its agent cannot read its GPUs'}; "
+                "its leases go on, nothing new is placed there")
+    if state == "lost":
+        return (f"{name} is lost: {reason or 'no heartbeat from its agent'}; nothing new is placed there, "
+                "and cells of its leases may not answer until it is back")
+    return f"{name} is {state}: {reason or 'no reason given'}"

@@ -99,9 +99,11 @@ def format_bytes(size: int | float | None) -> str:
 
 
 def format_duration(seconds: float | None) -> str:
-    """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; None -> ``'unknown'``."""
+    """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; ``0.25`` -> ``'0.25s'``; None -> ``'unknown'``."""
     if seconds is None:
         return "unknown"
+    if 0 < seconds < 0.995:
+        return f"{seconds:.2g}s"  # a sub-second bound must not read "0s"
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds}s"

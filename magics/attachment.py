@@ -16,20 +16,13 @@ from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease
 from gpupool.transfer import dump_values, load_pulled
 
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, ended_message
 from .park import Parked, park, park_due
 from .relay import OutputRelay, remote_error
 from .remote import RemoteKernel
 
 TRANSFER_TARGET = "gpupool.transfer"
 log = logging.getLogger("gpupool.magics")
-
-
-def ended_message(lease: Lease) -> str:
-    """Words for a lease that ended without us asking, e.g. ``lease L-1 was
-    reclaimed: idle for 30m (idle timeout 30m)`` or ``lease L-1 failed: ...``."""
-    verb = "failed" if lease.state.value == "failed" else f"was {lease.state.value}"
-    return f"lease {lease.id} {verb}: {lease.reason or 'no reason given'}"
 
 
 class Attachment:
@@ -58,9 +51,13 @@ class Attachment:
                 return False
             finally:
                 self.lock.release()
+            count = len(self.parked.names)
+            self.heartbeat.say(f"lease {self.lease.id} was parked after idle: {count} variable{'s' * (count != 1)} "
+                               "came back to this kernel; the next cell resumes on a slice of the same size")
             return True
 
         self.heartbeat.on_beat = on_beat
+        self.heartbeat.park_ahead = ahead
 
     def _release_lease(self, lease_id: str, reason: str) -> Lease:
         return self.client.release(lease_id, reason=reason)

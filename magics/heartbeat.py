@@ -6,27 +6,78 @@ it every third of that, and every ``busy_interval`` seconds while a cell
 runs on the worker, so a lease lost mid-cell (worker died, node gone, admin
 release) ends that cell within seconds. When a heartbeat answers that the
 lease has ended, ``ended`` holds the lease so the client can tell the user
-in words.
+in words, and a line saying so is printed at once.
+
+Each beat's answer carries ``idle_deadline`` (when the service reclaims the
+lease if it stays idle) and ``idle_warning`` (how long before that the user
+is warned, ``c.GPUPool.idle_warning``): once per idle period the thread
+prints a warning (:func:`idle_warning_text`) to the kernel's stderr, which
+the notebook shows under the last cell that ran on the worker.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from typing import Callable
+from datetime import datetime, timezone
+from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.schema import Lease
+from gpupool.schema import Lease, parse_time
+from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")
+
+
+def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: datetime | None = None) -> str | None:
+    """The warning to print now for idle ``lease``, or None when none is due.
+
+    ``ahead``: seconds before ``idle_deadline`` that the client itself gives
+    the lease back (parks it; None: it does not park, the service reclaims
+    it at the deadline); ``interval``: seconds to the next heartbeat. Due
+    once the time left until the lease is given back is at most
+    ``idle_warning + interval``, so the warning comes at least
+    ``idle_warning`` seconds early although it is only checked at beats.
+    None while a cell runs (no deadline) or when ``idle_warning`` is 0.
+    """
+    deadline = parse_time(lease.idle_deadline)
+    since = parse_time(lease.idle_since)
+    if deadline is None or since is None or not lease.idle_warning:
+        return None
+    now = now or datetime.now(timezone.utc)
+    left = (deadline - now).total_seconds() - (ahead or 0.0)
+    if left > lease.idle_warning + interval:
+        return None
+    then = "your variables parked on this kernel" if ahead is not None else "the worker's variables lost"
+    return (f"lease {lease.id} has been idle {format_duration((now - since).total_seconds())}; it will be "
+            f"released within {format_duration(max(left, 0.0))} and {then} (run a cell to keep it)")
+
+
+def ended_message(lease: Lease) -> str:
+    """Words for a lease that ended without us asking, e.g. ``lease L-1 was
+    reclaimed: idle for 30m (idle timeout 30m)`` or ``lease L-1 failed: ...``."""
+    verb = "failed" if lease.state.value == "failed" else f"was {lease.state.value}"
+    return f"lease {lease.id} {verb}: {lease.reason or 'no reason given'}"
+
+
+def _output_parent() -> dict[str, Any] | None:
+    """The header of the request the calling thread's output belongs to
+    (ipykernel's ``OutStream.parent_header``), None outside a kernel."""
+    return getattr(sys.stderr, "parent_header", None) or None
 
 
 class Heartbeat(threading.Thread):
     """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
     ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
-    the lease is seen ended (then ``ended`` is set)."""
+    the lease is seen ended (then ``ended`` is set).
+
+    Create it on the kernel's main thread during a cell: its notices go under
+    that cell, and later under each cell that ran on the worker
+    (:meth:`running`), like output of the cell itself.
+    """
 
     def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
         super().__init__(name=f"gpupool-heartbeat-{lease_id}", daemon=True)
@@ -37,9 +88,14 @@ class Heartbeat(threading.Thread):
         # Called with the lease after each beat while no cell runs; True means the
         # lease was given back (parked) and beating stops.
         self.on_beat: Callable[[Lease], bool] | None = None
+        # Seconds before the idle deadline at which on_beat parks the lease; None: no parking.
+        self.park_ahead: float | None = None
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._last_beat = time.monotonic()
+        self._parent = _output_parent()
+        self._warned_for: str | None = None  # idle_since of the idle period already warned about
+        self._node_lost = False  # told the user that the lease's node is lost
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -54,10 +110,42 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat for %s failed: %s", self.lease_id, exc.message)
                 continue
             if lease.state.ended:
-                self.ended = lease
+                self._end(lease)
                 return
-            if self.on_beat is not None and not self.cell_running and self._beat_hook(lease):
+            self._tell_node_state(lease)
+            if self.cell_running:
+                continue
+            self._warn_if_idle(lease)
+            if self.on_beat is not None and self._beat_hook(lease):
                 return
+
+    def _end(self, lease: Lease) -> None:
+        self.ended = lease
+        # stop() comes before our own release, so a stopped thread saw that release.
+        # A running cell says it itself (it fails with these words).
+        if not self._stopped.is_set() and not self.cell_running:
+            self.say(ended_message(lease))
+
+    def _tell_node_state(self, lease: Lease) -> None:
+        """Say once when the lease's node is lost, and once when it is back."""
+        lost = lease.node_state == "lost"
+        if lost == self._node_lost:
+            return
+        self._node_lost = lost
+        if lost:
+            self.say(f"the pool lost contact with node {lease.node} (no heartbeat from its agent): lease "
+                     f"{lease.id} is kept and its worker's variables wait there, but cells on it may not "
+                     "answer until the node is back; %gpu release --discard gives it up")
+        else:
+            self.say(f"node {lease.node} is back: lease {lease.id} works again")
+
+    def _warn_if_idle(self, lease: Lease) -> None:
+        if lease.idle_since is None or lease.idle_since == self._warned_for:
+            return
+        text = idle_warning_text(lease, self.park_ahead, self.interval)
+        if text is not None:
+            self._warned_for = lease.idle_since
+            self.say(text)
 
     def _beat_hook(self, lease: Lease) -> bool:
         try:
@@ -66,8 +154,25 @@ class Heartbeat(threading.Thread):
             log.warning("idle check for %s failed", self.lease_id, exc_info=True)
             return False
 
+    def say(self, text: str) -> None:
+        """Print ``gpupool: TEXT`` to the kernel's stderr, under the last cell
+        that ran on the worker (callable from any thread)."""
+        stream = sys.stderr
+        pin = getattr(stream, "set_thread_parent", None) if self._parent else None
+        # ipykernel routes other threads' output by a context variable; pin ours
+        # to that cell (docs: NOTES-jupyter.md, "Output from other threads").
+        token = pin(self._parent) if pin else None
+        try:
+            print(f"gpupool: {text}", file=stream, flush=True)
+        finally:
+            if token is not None:
+                stream.reset_thread_parent(token)
+
     def running(self, flag: bool) -> None:
-        """Say whether a cell is running on the worker (beats faster while one is)."""
+        """Say whether a cell is running on the worker (beats faster while one
+        is). Call on the kernel's main thread: notices go under that cell."""
+        if flag:
+            self._parent = _output_parent() or self._parent
         self.cell_running = flag
         # Beat at once when a cell starts after a quiet spell, so a lease lost meanwhile
         # shows quickly; not on every cell, which would cost a request per cell.

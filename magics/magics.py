@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -206,9 +207,10 @@ class GPUMagics(Magics):
     def _attach(self, request: LeaseRequest) -> Attachment:
         """Create a lease for ``request``, wait for its worker (with progress),
         connect and warn about version mismatches. Cancels the lease on any
-        failure or interrupt."""
+        failure or interrupt. The lease names the JupyterHub server this kernel
+        runs in, so stopping that server releases it."""
         started = time.monotonic()
-        lease = self.client.create_lease(request)
+        lease = self.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
         try:
             lease = self._wait_started(lease, started)
             attachment = Attachment.connect(self.client, lease)

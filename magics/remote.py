@@ -17,6 +17,7 @@ from typing import Any, Callable
 import zmq
 from jupyter_client.session import Session
 
+from gpupool.curve import secure
 from gpupool.errors import GPUPoolError
 
 POLL_MS = 50
@@ -31,7 +32,10 @@ class RemoteKernel:
     """Shell, IOPub, stdin and control sockets to a worker.
 
     ``connection`` is the lease's Jupyter connection info (``ip``,
-    ``transport``, ``*_port``, ``key`` as str, ``signature_scheme``).
+    ``transport``, ``*_port``, ``key`` as str, ``signature_scheme``, and
+    ``curve_publickey`` when the worker encrypts its traffic: every socket,
+    the heartbeat's included, is then a CurveZMQ client with a key pair of
+    its own, :mod:`gpupool.curve`).
     """
 
     def __init__(self, connection: dict[str, Any]) -> None:
@@ -60,6 +64,7 @@ class RemoteKernel:
         if ident is not None:
             sock.identity = ident
         info = self.connection
+        secure(sock, info)
         sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[port_key]}")
         return sock
 

@@ -54,6 +54,7 @@ def test_parse_gpu_amount_refuses(text, words):
 def test_formatting():
     assert format_bytes(80 * 1024**3) == "80.0 GiB" and format_bytes(None) == "unknown"
     assert format_duration(1830) == "30m 30s" and format_duration(7200) == "2h" and format_duration(5) == "5s"
+    assert format_duration(0.25) == "0.25s"  # a sub-second bound is not "0s"
 
 
 def test_lease_request_round_trip():

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
+from IPython.testing import globalipapp
 
 from procs import free_port
 
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = get_ipython()
+    ip = globalipapp.get_ipython()  # looked up now: after a first call (another module's) it is the shell's
     ip.run_line_magic("load_ext", "gpupool.magics")
     yield ip
     ip.run_line_magic("unload_ext", "gpupool.magics")

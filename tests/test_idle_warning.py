@@ -1,0 +1,200 @@
+"""The warning before idle reclaim reaches the notebook (issue 4, "Idle reclaim").
+
+The service sends ``idle_deadline`` and ``idle_warning`` with each lease; the
+notebook kernel's heartbeat thread prints one warning per idle period under
+the last cell that ran on the worker, then a notice when the lease is parked
+or reclaimed. Through a real service, agent and gpupool notebook kernel; the
+whole IOPub stream is read (every parent), as a notebook front end sees it.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+from traitlets import TraitError
+
+from frontend import install_kernelspec, start_gpupool_kernel
+from gpupool.hub_plugin.config import GPUPool
+from gpupool.hub_plugin.reclaim import idle_deadline
+from gpupool.magics.heartbeat import idle_warning_text
+from gpupool.schema import Lease, LeaseState, isoformat, parse_time
+from procs import start_agent, start_service, wait_for
+
+WARNING = re.compile(r"gpupool: lease (L-[0-9a-f]{12}) has been idle \d+s; it will be released within \d+s and "
+                     r"(your variables parked on this kernel|the worker's variables lost) \(run a cell to keep it\)")
+#: Seconds: the service's warning lead, long so that a slow machine still runs a
+#: cell between the warning and the park. The client beats every second (TTL 3 s).
+LEAD = 20.0
+
+# -- pure parts -------------------------------------------------------------------
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def lease_at(idle_for: float | None, idle_timeout: float = 600.0, warning: float = 60.0) -> Lease:
+    """An active lease idle for ``idle_for`` seconds at T0 (None: a cell runs)."""
+    since = None if idle_for is None else T0 - timedelta(seconds=idle_for)
+    deadline = None if since is None else since + timedelta(seconds=idle_timeout)
+    return Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=0.5, gpu_count=1, memory=1,
+                 idle_timeout=idle_timeout, idle_since=isoformat(since), idle_deadline=isoformat(deadline),
+                 idle_warning=warning)
+
+
+@pytest.mark.parametrize("lease, ahead, expected", [
+    # parked 30 s before the deadline, beats every 15 s: due once <= 60 + 15 s are left before the park
+    (lease_at(494), 30.0, None),
+    (lease_at(495), 30.0, "lease L-1 has been idle 8m 15s; it will be released within 1m 15s and your "
+                          "variables parked on this kernel (run a cell to keep it)"),
+    (lease_at(590), 30.0, "lease L-1 has been idle 9m 50s; it will be released within 0s and your "
+                          "variables parked on this kernel (run a cell to keep it)"),
+    # not parked: the service reclaims at the deadline itself
+    (lease_at(525), None, "lease L-1 has been idle 8m 45s; it will be released within 1m 15s and the "
+                          "worker's variables lost (run a cell to keep it)"),
+    (lease_at(524), None, None),
+    (lease_at(None), 30.0, None),  # a cell runs: no deadline
+    (lease_at(599, warning=0), 30.0, None),  # warnings turned off
+])
+def test_the_warning_is_due_one_beat_before_its_lead_and_says_when_and_what(lease, ahead, expected):
+    assert idle_warning_text(lease, ahead, interval=15.0, now=T0) == expected
+
+
+def test_the_idle_deadline_exists_only_for_an_active_lease_with_an_idle_worker():
+    row = SimpleNamespace(state="active", worker_state="idle", idle_since=T0, idle_timeout=90.0)
+    assert idle_deadline(row) == T0 + timedelta(seconds=90)
+    assert idle_deadline(SimpleNamespace(**{**vars(row), "worker_state": "busy"})) is None
+    assert idle_deadline(SimpleNamespace(**{**vars(row), "idle_since": None})) is None
+    assert idle_deadline(SimpleNamespace(**{**vars(row), "state": "released"})) is None
+
+
+@pytest.mark.parametrize("value, expected", [("2m", 120.0), (30, 30.0), (0, 0)])
+def test_idle_warning_setting_reads_durations_and_zero_turns_it_off(value, expected):
+    assert GPUPool(idle_warning=value).idle_warning == expected
+    assert GPUPool().idle_warning == 60.0
+
+
+@pytest.mark.parametrize("value", ["soon", -5])
+def test_a_bad_idle_warning_setting_is_refused(value):
+    with pytest.raises(TraitError, match="idle_warning"):
+        GPUPool(idle_warning=value)
+
+
+# -- through a real notebook kernel ----------------------------------------------------
+
+
+class Transcript:
+    """Every IOPub stream text of one kernel, in arrival order, with the id of
+    the request it belongs to (a notebook shows it under that cell)."""
+
+    def __init__(self, kc) -> None:
+        self.kc = kc
+        self.streams: list[tuple[str | None, str]] = []  # (parent msg_id, text)
+        self._idle: set[str] = set()
+
+    def pump(self) -> None:
+        """Read what has arrived (up to 0.2 s of waiting)."""
+        try:
+            while True:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+                parent = msg["parent_header"].get("msg_id")
+                if msg["msg_type"] == "stream":
+                    self.streams.append((parent, msg["content"]["text"]))
+                elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    self._idle.add(parent)
+        except queue.Empty:
+            pass
+
+    def execute(self, code: str, timeout: float = 60) -> tuple[str, dict]:
+        """Run a cell; returns ``(msg_id, reply content)`` once the kernel is idle after it."""
+        msg_id = self.kc.execute(code)
+        wait_for(lambda: self.pump() or msg_id in self._idle, timeout, f"the cell {code!r}")
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=timeout)
+        assert reply["content"]["status"] == "ok", (code, reply["content"], self.text())
+        return msg_id, reply["content"]
+
+    def text(self) -> str:
+        return "".join(text for _, text in self.streams)
+
+    def lines(self, pattern: re.Pattern | str) -> list[tuple[int, str | None, str]]:
+        """``(position, parent, line)`` of each line matching ``pattern``."""
+        return [(i, parent, line) for i, (parent, text) in enumerate(self.streams)
+                for line in text.splitlines() if re.search(pattern, line)]
+
+    def wait_for_line(self, pattern: str, timeout: float, what: str) -> None:
+        wait_for(lambda: self.pump() or self.lines(pattern), timeout, what)
+
+
+@pytest.fixture(scope="module")
+def warning_pool(tmp_path_factory):
+    """Service (heartbeat TTL 3 s, idle warning LEAD), one agent, the kernelspec:
+    ``(service, kernels dir)``."""
+    root = tmp_path_factory.mktemp("idle-warning")
+    service = start_service(root, config={"heartbeat_ttl": 3.0, "idle_warning": LEAD})
+    agent = start_agent(root, service)
+    kernels = install_kernelspec(root / "prefix", service.url, service.user_token)
+    yield service, kernels
+    agent.stop()
+    service.stop()
+
+
+@pytest.fixture
+def notebook(warning_pool, tmp_path):
+    """A gpupool notebook kernel read through a :class:`Transcript`."""
+    km, kc = start_gpupool_kernel(warning_pool[1], tmp_path)
+    yield Transcript(kc)
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+
+
+def test_one_warning_per_idle_period_under_the_last_cell_then_the_park_notice(warning_pool, notebook):
+    service, _ = warning_pool
+    client = service.client()
+    notebook.execute("%config GPUMagics.park_ahead = 1.0")
+    notebook.execute("%gpu acquire 0.25 --idle-timeout 24s")
+    lease_id, = [lease.id for lease in client.list_leases(active=True)]
+    first_cell, _ = notebook.execute("kept = [1, 2, 3]")
+
+    # First idle period: warned at about 2 s idle (24 - park_ahead 1 - LEAD - one beat); parked at about 22 s.
+    notebook.wait_for_line(WARNING, 30, "the first idle warning")
+    (_, parent, line), = notebook.lines(WARNING)
+    assert parent == first_cell, "the warning goes under the last cell that ran on the worker"
+    assert WARNING.search(line)[1] == lease_id and "your variables parked on this kernel" in line
+    lease = client.get_lease(lease_id)
+    assert lease.state is LeaseState.active and lease.idle_warning == LEAD
+    if lease.idle_deadline is not None:  # null only if the worker reported busy meanwhile
+        assert parse_time(lease.idle_deadline) == parse_time(lease.idle_since) + timedelta(seconds=24)
+
+    # A cell on the worker keeps the lease and starts a new idle period.
+    second_cell, _ = notebook.execute("import os\nkept.append(4)\nprint(os.environ['GPUPOOL_LEASE_ID'])")
+    assert notebook.lines(lease_id)[-1][1] == second_cell, "the cell ran on the same lease, not a resumed one"
+    assert "was parked after idle" not in notebook.text()
+
+    notebook.wait_for_line("was parked after idle", 60, "the park notice")
+    warnings = notebook.lines(WARNING)
+    assert len(warnings) == 2, f"one warning per idle period: {notebook.text()}"
+    (at, parent, _), = [w for w in warnings if w[1] == second_cell]
+    (park_at, park_parent, notice), = notebook.lines("was parked after idle")
+    assert at < park_at and park_parent == second_cell
+    assert re.fullmatch(rf"gpupool: lease {lease_id} was parked after idle: \d+ variables? came back to this "
+                        r"kernel; the next cell resumes on a slice of the same size", notice), notice
+    ended = client.get_lease(lease_id)
+    assert ended.state is LeaseState.released and ended.reason.endswith("parked after idle")
+    assert ended.idle_deadline is None
+
+
+def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_told(warning_pool, notebook):
+    service, _ = warning_pool
+    acquire_cell, _ = notebook.execute("%gpu acquire 0.25 --idle-timeout 5s --on-idle release")
+    lease_id, = [lease.id for lease in service.client().list_leases(active=True)]
+
+    notebook.wait_for_line(f"lease {lease_id} was reclaimed: idle", 30, "the reclaim notice")
+    (at, parent, line), = notebook.lines(WARNING)
+    (reclaim_at, reclaim_parent, _), = notebook.lines("was reclaimed")
+    assert at < reclaim_at and parent == reclaim_parent == acquire_cell
+    assert "the worker's variables lost" in line
+    assert service.client().get_lease(lease_id).state is LeaseState.reclaimed
