@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-mib", type=int, default=256, help="largest array in MiB (default 256; 1024 = 1 GiB)")
     parser.add_argument("--repeats", type=int, default=3, help="transfers per size and direction; best is kept")
     parser.add_argument("--out", type=Path, default=ROOT / "bench", help="where the JSON and PNG go")
+    parser.add_argument("--transport-encryption", choices=("curve", "none"), default="curve",
+                        help="the agent's kernel-worker transport (default curve, the agent's own default)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite bench/REPORT.md")
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: rewrite the section and the PNG from OUT/remoting.json")
@@ -188,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= args.max_mib]
     results: dict = {"cells": args.cells, "compute_runs": args.compute_runs, "sizes_mib": sizes,
-                     "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}"}
+                     "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}",
+                     "transport_encryption": args.transport_encryption}
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         root = Path(tmp)
         service = localpool.start_service(root / "service")
-        agent = localpool.start_agent(root / "agent", service, simulate="2xA100-80GB")
+        agent = localpool.start_agent(root / "agent", service, simulate="2xA100-80GB",
+                                      extra_args=[f"--transport-encryption={args.transport_encryption}"])
         started = []
         try:
             subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
@@ -317,7 +321,9 @@ def report(results: dict, command: str) -> str:
         "to a worker (local service + agent with simulated GPUs, so the remoting path and not CUDA is measured), "
         "and in a plain kernel running `%%px` on one ipyparallel engine; a 1-second compute cell; NumPy array "
         f"transfers. One run on one machine ({results['machine']}; the CPUs are shared with other work, so "
-        "absolute numbers are noisy; the ratios are within the same run).", "",
+        "absolute numbers are noisy; the ratios are within the same run). Kernel-worker transport: "
+        f"`{results.get('transport_encryption', 'none')}` (the agent's `transport_encryption`; CurveZMQ costs "
+        "transfers most, see docs/security.md, \"What encryption costs\").", "",
         "Reproduce (from the repository root; about five minutes):", "",
         "```", f".venv/bin/python {command}".rstrip(), "```", "",
         f"![remoting overhead](remoting_overhead.png)", "",
