@@ -48,7 +48,8 @@ KINDS = ["service", "agent", "worker", "kernel", "agent-lease-ended-meanwhile"]
 HEARTBEAT_TTL = 3.0
 CONFIG = {"heartbeat_ttl": HEARTBEAT_TTL, "node_ttl": 5.0, "admin_users": {"tester"}}
 # A cell that runs until the test creates its gate file.
-GATED_CELL = "import os, time\nwhile not os.path.exists({gate!r}):\n    time.sleep(0.05)\nx += 1\nprint('done', x)"
+GATED_CELL = ("import os, pathlib, time\npathlib.Path({started!r}).touch()\n"
+              "while not os.path.exists({gate!r}):\n    time.sleep(0.05)\nx += 1\nprint('done', x)")
 
 
 class Pool:
@@ -120,7 +121,8 @@ def cell_value(kc, code: str):
 def start_gated_cell(pool: Pool, lease_id: str) -> str:
     """Start GATED_CELL and return its msg id once it runs on the worker."""
     kc = pool.kc
-    msg_id = kc.execute(GATED_CELL.format(gate=str(pool.gate)))
+    started_file = pool.root / "gated-cell-started"
+    msg_id = kc.execute(GATED_CELL.format(gate=str(pool.gate), started=str(started_file)))
 
     def started() -> bool:
         try:
@@ -130,6 +132,8 @@ def start_gated_cell(pool: Pool, lease_id: str) -> str:
         return msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input"
 
     wait_for(started, 30, "the gated cell started")
+    # The cell itself runs on the worker (not only the notebook's name check before it), and the agent saw it.
+    wait_for(started_file.exists, 30, "the gated cell running on the worker")
     wait_for(lambda: pool.agent_reports().get(lease_id) == "busy", 30, "the worker running the gated cell")
     return msg_id
 
