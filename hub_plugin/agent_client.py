@@ -84,5 +84,6 @@ def _unreachable(url: str, exc: BaseException | None, timeout: float) -> GPUPool
     why = untrusted(exc)
     if why:
         return GPUPoolError("agent_unreachable", untrusted_message(f"the node agent at {url}", why), 502)
-    return GPUPoolError("agent_unreachable",
-                        f"the node agent at {url} did not answer within {format_duration(timeout)} ({exc})", 502)
+    words = (f"did not answer within {format_duration(timeout)}" if "timeout" in str(exc).lower()
+             else "could not be reached")  # refused, no route: said at once, not after the bound
+    return GPUPoolError("agent_unreachable", f"the node agent at {url} {words} ({exc})", 502)

@@ -34,6 +34,7 @@ from traitlets.config import Application
 
 from gpupool import __version__
 from gpupool.errors import GPUPoolError
+from gpupool.statedir import lock_state_dir
 from gpupool.tls import server_context
 
 from .agent_client import AgentClient
@@ -78,7 +79,8 @@ class ServiceApp(Application):
     }
 
     ip = Unicode("127.0.0.1", help="Address to listen on. Default: 127.0.0.1.").tag(config=True)
-    port = Integer(8765, help="Port to listen on (0: any free port). Default: 8765.").tag(config=True)
+    port = Integer(8765, min=0, max=65535,
+                   help="Port to listen on (0: any free port). Default: 8765.").tag(config=True)
     state_dir = Unicode(
         ".state/service",
         help="""Directory for the SQLite store, the token files and service.json;
@@ -111,6 +113,7 @@ class ServiceApp(Application):
         tls = server_context(self.settings.ssl_cert, self.settings.ssl_key, "--ssl-cert / --ssl-key")
         state = Path(self.state_dir).expanduser().resolve()
         state.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_state_dir(state, "service")  # one service per state dir: it decides in memory
         info_file = state / "service.json"
         info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
         settings = self.settings

@@ -15,7 +15,6 @@ every other process it had started (:mod:`.adoption`).
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hmac
 import json
 import logging
@@ -38,6 +37,7 @@ from traitlets.config import Application
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.tls import client_context, server_context, untrusted, untrusted_message
 from gpupool.schema import GPUInfo, WorkerReport
+from gpupool.statedir import lock_state_dir
 from gpupool.traits import Duration
 
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
@@ -522,7 +522,7 @@ class NodeAgent(Application):
             loop.add_signal_handler(signum, stopping.set)
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock_fd = _lock_state_dir(state_dir)
+        self._lock_fd = lock_state_dir(state_dir, "agent")
         if self.user is not None:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
@@ -735,22 +735,6 @@ class NodeAgent(Application):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
-
-
-def _lock_state_dir(state_dir: Path) -> int:
-    """Hold ``STATE_DIR/agent.lock`` for the agent's life; returns its
-    descriptor. A restarted agent takes over (or kills) every worker under
-    its state dir, so two agents must never share one. The kernel drops the
-    lock when the process ends, kill -9 included; workers do not inherit it.
-    Raises GPUPoolError when another live agent holds it."""
-    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise GPUPoolError("not_configured", f"another agent is running with the state directory {state_dir}; "
-                           "give each agent its own --state-dir") from None
-    return fd
 
 
 def _advertised_ip(ip: str) -> str:

@@ -111,4 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Installed kernelspec {args.name} ({args.display_name!r}) in {where}")
     if not args.url and not os.environ.get("GPUPOOL_URL"):
         print("note: no --url given; kernels will use GPUPOOL_URL from the Jupyter server's environment")
+    if args.token_file and not os.access(Path(args.token_file).expanduser(), os.R_OK):
+        # Read at each kernel start, so it may come later; but say so now, not at the first %gpu acquire.
+        print(f"warning: the token file {args.token_file} cannot be read now; kernels read it when they "
+              "start, and %gpu will be refused until it can")
     return 0

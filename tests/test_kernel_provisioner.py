@@ -66,7 +66,8 @@ def kernel_manager():
 
 def test_kernelspec_install_writes_provisioner_config_not_the_token(tmp_path, capsys):
     install(tmp_path, "http://pool:8765", "secret-user-token")
-    assert "Installed kernelspec gpupool" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Installed kernelspec gpupool" in out and "warning" not in out
     spec_file = tmp_path / "prefix" / "share" / "jupyter" / "kernels" / "gpupool" / "kernel.json"
     text = spec_file.read_text()
     assert "secret-user-token" not in text
@@ -76,6 +77,13 @@ def test_kernelspec_install_writes_provisioner_config_not_the_token(tmp_path, ca
     assert spec["metadata"]["kernel_provisioner"] == {
         "provisioner_name": "gpupool",
         "config": {"service_url": "http://pool:8765", "token_file": str((tmp_path / "token").resolve())}}
+
+
+def test_kernelspec_install_warns_of_a_token_file_it_cannot_read(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "token"
+    assert kernelspec_main(["install", "--prefix", str(tmp_path / "prefix"), "--url", "http://pool:8765",
+                            "--token-file", str(missing)]) == 0  # it may come later: kernels read it at start
+    assert f"warning: the token file {missing} cannot be read now" in capsys.readouterr().out
 
 
 def test_kernelspec_help_and_bad_name(tmp_path, capsys):

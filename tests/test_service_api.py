@@ -222,6 +222,25 @@ def test_without_configured_tokens_the_service_writes_them(tmp_path):
         svc.stop()
 
 
+def test_one_service_per_state_dir_and_ports_in_range(service):
+    """A second service on a live one's state dir would decide on its own
+    in-memory view of the same store: refused in one line, as is a port out of range."""
+    import subprocess
+    import sys
+
+    def run_service(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpupool.cli", "service", *args], capture_output=True,
+                              text=True, timeout=60)
+
+    second = run_service("--port=0", f"--state-dir={service.state_dir}")
+    assert second.returncode == 1
+    assert f"another service is running with the state directory {service.state_dir}" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert http(service, "GET", "/health", token=None)[0] == 200  # the first one is untouched
+    wrapped = run_service("--port=99999", f"--state-dir={service.state_dir}-other")
+    assert wrapped.returncode != 0 and "should not be greater than 65535" in wrapped.stderr, wrapped.stderr
+
+
 def test_agent_token_cannot_use_leases(service):
     register(service)
     assert_error(http(service, "POST", "/leases", {"fraction": 0.5}, token="agent"), 403, "forbidden")
