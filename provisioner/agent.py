@@ -43,10 +43,13 @@ from gpupool.traits import Duration
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
+from .inventory_retry import backoff_delay
 from .worker_user import WorkerUser
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
+#: Seconds before the first registration retry; each failure doubles it, up to ``retry_max``.
+REGISTRATION_RETRY_FIRST_S = 0.5
 
 
 # -- request parsing (pure) ----------------------------------------------------------------------------------
@@ -607,7 +610,7 @@ class NodeAgent(Application):
     async def register(self) -> float:
         """``POST /nodes`` until it succeeds, backing off while the service is
         down or refuses; writes ``agent.json``; returns the heartbeat interval."""
-        delay = 0.5
+        failures = 0
         while True:
             try:
                 self.token = self.read_token()
@@ -623,9 +626,10 @@ class NodeAgent(Application):
                                 "the service's agent token, STATE_DIR/agent_token, not a user token)")
             if status == 200:
                 break
+            failures += 1
+            delay = backoff_delay(failures, REGISTRATION_RETRY_FIRST_S, self.retry_max)
             self.log.warning("registration with %s failed: %s; retrying in %.1fs", self.service_url, problem, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
         interval = reply.get("heartbeat_interval")
         interval = float(interval) if isinstance(interval, (int, float)) and interval > 0 else 5.0
         self.write_agent_json()
