@@ -42,6 +42,19 @@ from .relay import OutputBudget
 OWN_TARGET_PREFIX = "gpupool."
 #: The kernel class the provisioner names on the kernel's command line.
 KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
+#: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
+REQUEST_TIMEOUT = 10.0
+
+
+def _malformed(content: dict[str, Any], fields: tuple[str, ...]) -> str:
+    """Words for what is wrong with a request's ``fields`` ("" when nothing):
+    ``code`` must be a string, ``cursor_pos`` a whole number."""
+    for name in fields:
+        value = content.get(name)
+        kind = str if name == "code" else int
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} must be {'a string' if kind is str else 'a whole number'}, not {value!r}"
+    return ""
 
 
 class GPUPoolKernel(IPythonKernel):
@@ -59,6 +72,20 @@ class GPUPoolKernel(IPythonKernel):
         self.shell.register_magics(self.gpu)
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = getattr(self, f"_{msg_type}")
+
+    @property
+    def kernel_info(self) -> dict[str, Any]:
+        """ipykernel's, without "kernel subshells": a subshell's requests would
+        run on a thread of their own, and the worker's sockets belong to the
+        main thread (the debugger's to the control thread)."""
+        info = dict(super().kernel_info)
+        info["supported_features"] = [f for f in info.get("supported_features", []) if f != "kernel subshells"]
+        return info
+
+    async def create_subshell_request(self, socket, ident, parent) -> None:
+        self.session.send(socket, "create_subshell_reply", {
+            "status": "error", "ename": "NotImplementedError", "traceback": [],
+            "evalue": "the gpupool kernel has no subshells (its cells may run on a remote worker)"}, parent, ident)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -192,22 +219,30 @@ class GPUPoolKernel(IPythonKernel):
     # -- requests with a reply ----------------------------------------------------------
 
     async def complete_request(self, stream, ident, parent) -> None:
-        await self._forward_or_local(stream, ident, parent, super().complete_request)
+        await self._forward_or_local(stream, ident, parent, super().complete_request, ("code", "cursor_pos"))
 
     async def inspect_request(self, stream, ident, parent) -> None:
-        await self._forward_or_local(stream, ident, parent, super().inspect_request)
+        await self._forward_or_local(stream, ident, parent, super().inspect_request, ("code", "cursor_pos"))
 
     async def is_complete_request(self, stream, ident, parent) -> None:
-        await self._forward_or_local(stream, ident, parent, super().is_complete_request)
+        await self._forward_or_local(stream, ident, parent, super().is_complete_request, ("code",))
 
-    async def _forward_or_local(self, stream, ident, parent, local) -> None:
+    async def _forward_or_local(self, stream, ident, parent, local, fields: tuple[str, ...]) -> None:
         """Relay the worker's reply to ``parent`` while attached; answer here
-        when detached or when the worker cannot answer (a completion is
-        better late and local than an error)."""
+        when detached or when the worker cannot answer in REQUEST_TIMEOUT (a
+        completion is better local than none). A request whose ``fields``
+        are missing or of the wrong type gets an error reply, the protocol's
+        shape for a failed request, instead of silence."""
+        wrong = _malformed(parent.get("content", {}), fields)
+        if wrong:
+            reply_type = parent["header"]["msg_type"].replace("_request", "_reply")
+            self.session.send(stream, reply_type, {"status": "error", "ename": "ValueError", "evalue": wrong,
+                                                   "traceback": []}, parent, ident=ident)
+            return
         remote = self._remote()
         if remote is not None:
             try:
-                reply = remote.forward(parent, wait_idle=False)
+                reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
             except GPUPoolError as exc:
                 self.log.warning("gpupool: the worker did not answer %s (%s); answered here",
                                  parent["header"]["msg_type"], exc.message)
@@ -228,7 +263,7 @@ class GPUPoolKernel(IPythonKernel):
         remote = self._remote()
         if remote is not None:
             try:
-                reply = remote.forward(parent, wait_idle=False)
+                reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
                 comms.update(reply["content"].get("comms", {}))
             except GPUPoolError as exc:
                 self.log.warning("gpupool: the worker's comms are unknown: %s", exc.message)

@@ -145,16 +145,18 @@ class RemoteKernel:
         return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)["content"]
 
     def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
-                check: Callable[[], None] | None = None, wait_idle: bool = True) -> dict[str, Any]:
+                check: Callable[[], None] | None = None, wait_idle: bool = True,
+                timeout: float | None = None) -> dict[str, Any]:
         """Send a front end's shell request ``msg`` (a deserialized message,
         header and ``msg_id`` kept, so the worker's IOPub is already parented
         to the front end's request) and return the worker's reply message.
         ``wait_idle``: also wait for the worker's idle status of it (every
         IOPub message of the request has then been relayed). Interrupts and
-        errors as for :meth:`execute`."""
+        errors as for :meth:`execute`; GPUPoolError ``worker_timeout`` after
+        ``timeout`` seconds (None: no bound, a cell may run for days)."""
         self.session.send(self.shell, msg)
         return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
-                                want_idle=wait_idle)
+                                timeout=timeout, want_idle=wait_idle)
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send a front end's shell message that has no reply (``comm_msg``,
