@@ -312,6 +312,9 @@ def enter_workdir(path: str | None, user: str) -> tuple[str, bool]:
     import tempfile
 
     root = os.environ.get("GPUPOOL_SCRATCH_DIR") or os.path.join(tempfile.gettempdir(), "gpupool-scratch")
+    if not os.path.isdir(root):  # shared by every worker account of the node, like /tmp (sticky)
+        os.makedirs(root, exist_ok=True)
+        os.chmod(root, 0o1777)
     scratch = os.path.join(root, re.sub(r"[^A-Za-z0-9._-]", "_", user) or "user")
     os.makedirs(scratch, mode=0o700, exist_ok=True)
     os.chdir(scratch)
