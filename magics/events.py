@@ -4,7 +4,8 @@ sent to front ends that listen.
 Notices that come while no cell runs (the idle warning, "parked", "node
 lost", "node back", "resumed", a lease ended behind the user's back) must
 not be written into an old cell's saved output. The kernel keeps them and
-says each once at the top of the next cell's output; a front end (the
+says each once at the top of the next cell's output (one that comes while a
+forwarded cell runs is said in that cell at once); a front end (the
 JupyterLab extension) that opens a comm to target ``gpupool.status`` gets
 each at once as ``{"event": KIND, "message": WORDS}``.
 """
@@ -38,10 +39,12 @@ class Events:
         with self._lock:
             self._comms.pop(comm_id, None)
 
-    def notify(self, kind: str, message: str) -> None:
-        """Keep ``message`` for the next cell and send it to the listening front ends."""
+    def notify(self, kind: str, message: str, keep: bool = True) -> None:
+        """Send ``message`` to the listening front ends and, with ``keep``,
+        keep it for the top of the next cell."""
         with self._lock:
-            self._pending.append(message)
+            if keep:
+                self._pending.append(message)
             comms = list(self._comms.values())
         for comm in comms:
             try:

@@ -153,6 +153,7 @@ class GPUPoolKernel(IPythonKernel):
         self.budget.reset(self.gpu.max_output_bytes)
         with attachment.lock:
             attachment.heartbeat.running(True)
+            self._running = parent["header"]
             try:
                 return attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive)
             except GPUPoolError as exc:
@@ -161,6 +162,7 @@ class GPUPoolKernel(IPythonKernel):
                     self.gpu.drop()
                 return None
             finally:
+                self._running = None
                 attachment.heartbeat.running(False)
                 if self.budget.cut:
                     self._publish_note(parent["header"], self.budget.finish_words())
@@ -321,6 +323,15 @@ class GPUPoolKernel(IPythonKernel):
 
     # -- notices ------------------------------------------------------------------------
 
+    def notify(self, kind: str, message: str) -> None:
+        """A lease notice from the heartbeat thread: an event for listening
+        front ends, and words in the cell that runs on the worker now, or
+        else at the top of the next cell (never under an old one)."""
+        running = self._running
+        if running is not None:
+            self._publish_note(running, f"gpupool: {message}\n")
+        self.events.notify(kind, message, keep=running is None)
+
     def _say_notices(self) -> None:
         """Say the notices that came since the last cell at the top of this one."""
         pending = self.events.take_pending()
@@ -330,3 +341,4 @@ class GPUPoolKernel(IPythonKernel):
             sys.stderr.flush()
 
     _lost_words = ""
+    _running: dict[str, Any] | None = None  # header of the forwarded cell running now

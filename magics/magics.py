@@ -219,14 +219,18 @@ class GPUMagics(Magics):
         ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
         started = time.monotonic()
         lease = self.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+        attachment = None
         try:
             lease = self._wait_started(lease, started)
             attachment = Attachment.connect(self.client, lease)
+            if self.kernel is not None and forward:
+                self._start_forwarding(attachment)
         except BaseException:  # interrupted or failed: never leave the slice held
+            if attachment is not None:
+                attachment.heartbeat.stop()
+                attachment.remote.close()
             self._cancel(lease.id)
             raise
-        if self.kernel is not None and forward:
-            self._start_forwarding(attachment)
         self._warn_versions(attachment)
         return attachment
 
@@ -234,7 +238,7 @@ class GPUMagics(Magics):
         """Hand the worker's IOPub to the kernel's relay, tell the worker this
         notebook's execution count and folder, and send notices as events."""
         attachment.remote.relay_iopub(self.kernel.publish_relayed)
-        attachment.heartbeat.notify = self.kernel.events.notify
+        attachment.heartbeat.notify = self.kernel.notify
         user = attachment.lease.owner
         answer, _ = attachment.request({"op": "attach", "execution_count": self.shell.execution_count,
                                         "cwd": os.getcwd(), "user": user})

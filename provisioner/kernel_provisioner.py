@@ -31,6 +31,7 @@ from gpupool.errors import GPUPoolError
 
 ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
 KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
+OUTSTREAM_CLASS = "gpupool.magics.outstream.QuietOutStream"
 
 
 class GPUPoolProvisioner(LocalProvisioner):
@@ -75,6 +76,8 @@ class GPUPoolProvisioner(LocalProvisioner):
         argv = [*(self.kernel_spec.argv if self.kernel_spec else []), *extra]
         if not any("kernel_class" in arg for arg in argv):
             extra.append(f"--IPKernelApp.kernel_class={KERNEL_CLASS}")
+        if not any("outstream_class" in arg for arg in argv):
+            extra.append(f"--IPKernelApp.outstream_class={OUTSTREAM_CLASS}")
         kwargs = await super().pre_launch(extra_arguments=extra, **kwargs)
         env = kwargs["env"]
         self._token = self._read_token()

@@ -68,8 +68,3 @@ def test_missing_configuration_names_the_variable(shell, monkeypatch):
     shell.magics_manager.registry["GPUMagics"]._client = None
     with pytest.raises(UsageError, match="set GPUPOOL_URL"):
         shell.run_line_magic("gpu", "pool")
-
-
-def test_cells_are_not_routed_while_detached(shell):
-    magics = shell.magics_manager.registry["GPUMagics"]
-    assert magics.route(["x = 1\n"]) == ["x = 1\n"]
