@@ -19,6 +19,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pynvml as real
 
 MiB = 1024**2
@@ -285,6 +286,17 @@ def _hang_while(control: Path, function: str) -> None:
 def hanging_marker(control: Path) -> Path:
     """The file naming the pid an NVML call hangs in now (see :class:`ControlledNVML`)."""
     return Path(control).with_suffix(".hanging")
+
+
+def hanging_pid(control: Path) -> int | None:
+    """The pid of the live process an NVML call of the fake hangs in now
+    (a killed one not yet reaped is not live); None when none."""
+    try:
+        pid = int(hanging_marker(control).read_text())
+        alive = psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (FileNotFoundError, ValueError, psutil.NoSuchProcess):
+        return None
+    return pid if alive else None
 
 
 def _write(path: Path, text: str) -> None:

@@ -45,10 +45,12 @@ REFUSED_FOR_NVML = "node cannot read its GPUs (NVML) on 2"
 
 # -- helpers -------------------------------------------------------------------------------------------------
 
-def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None = None) -> AgentProcess:
+def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None = None,
+                     extra: tuple[str, ...] = ()) -> AgentProcess:
     """``gpupool agent`` in NVML mode on the fake driven by ``control``, retrying
     NVML after 0.2 s, then every 0.4 s; it logs at DEBUG (each failed retry).
-    Restart one on its ``port``: the same URL is the same agent to the service."""
+    Restart one on its ``port``: the same URL is the same agent to the service.
+    ``extra``: more command-line options."""
     state_dir = root / f"agent-{NODE}"
     state_dir.mkdir(exist_ok=True)
     port = port or free_port("127.0.0.1")
@@ -56,7 +58,7 @@ def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None =
     args = [sys.executable, str(FAKENVML), str(control), f"--service-url={service.url}",
             f"--token-file={service.process.agent_token_file}", f"--name={NODE}", "--ip=127.0.0.1",
             f"--port={port}", f"--state-dir={state_dir}", "--warm-workers=0", "--log-level=DEBUG",
-            "--NodeAgent.nvml_retry_min=0.2", "--NodeAgent.nvml_retry_max=0.4"]
+            "--NodeAgent.nvml_retry_min=0.2", "--NodeAgent.nvml_retry_max=0.4", *extra]
     with log.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return AgentProcess(proc, NODE, f"http://127.0.0.1:{port}", state_dir, log)

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from fakenvml import AGENT_GPUS, hanging_marker, helper_command, set_error, set_hang
+from fakenvml import AGENT_GPUS, hanging_pid, helper_command, set_error, set_hang
 from gpupool.provisioner.nvml_watch import WatchedInventory
 
 STOPPED_ANSWERING = "the GPU driver stopped answering: NVML did not answer within 1s"
@@ -49,15 +49,6 @@ def ended(pid: int) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-def hanging_in(control, pid: int) -> bool:
-    """True while an NVML call of the fake hangs in process ``pid``."""
-    marker = hanging_marker(control)
-    try:
-        return marker.read_text() == str(pid) and not gone(pid)
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture
@@ -125,7 +116,7 @@ def test_update_waits_off_the_event_loop_while_a_call_hangs(watched):
         set_hang(control, ["nvmlDeviceGetComputeRunningProcesses"])
         update = asyncio.ensure_future(inv.update())
         # this loop goes on running while the helper hangs in the driver call
-        while not hanging_in(control, helper):
+        while hanging_pid(control) != helper:
             await asyncio.sleep(0.01)
         assert not update.done()
         return await update
