@@ -338,8 +338,9 @@ class LeaseBook:
     def _finish(self, lease_id: str, note: str | None = None) -> None:
         """``releasing`` -> its final state; records ``ended_at`` and usage
         (the ledger record) once, and places queued requests on what it freed,
-        all in one transaction. ``note``: words added to the reason (the
-        worker's stop was not confirmed)."""
+        all in one transaction. ``note``: words added to the reason of a
+        released or reclaimed lease (the worker's stop was not confirmed; a
+        failed lease's worker is dead or never started, so no news there)."""
         now = self.now()
         with self.writing() as session:
             self.store.lock_capacity(session)  # the queue is drained below
@@ -347,7 +348,7 @@ class LeaseBook:
             if lease is None or lease.state != LeaseState.releasing.value:
                 return
             final = LeaseState(lease.end_state or LeaseState.released.value)
-            if note:
+            if note and final is not LeaseState.failed:
                 lease.reason = f"{lease.reason}; {note}"
             lease.ended_at = now
             held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
