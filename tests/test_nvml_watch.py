@@ -108,21 +108,26 @@ def test_a_hung_helper_is_killed_and_replaced_and_works_again_once_the_driver_an
     assert warnings[1].startswith("the GPU driver answers again")
 
 
-def test_update_waits_off_the_event_loop_while_a_call_hangs(watched):
-    inv, control, _clock = watched
+def test_update_waits_off_the_event_loop_while_a_call_hangs(tmp_path):
+    control = tmp_path / "nvml.json"
+    inv = WatchedInventory(command=helper_command(control), timeout=2.0)
     helper = inv.helper_pid
 
     async def scenario() -> bool:
         set_hang(control, ["nvmlDeviceGetComputeRunningProcesses"])
         update = asyncio.ensure_future(inv.update())
         # this loop goes on running while the helper hangs in the driver call
-        while hanging_pid(control) != helper:
+        while hanging_pid(control) != helper and not update.done():
             await asyncio.sleep(0.01)
-        assert not update.done()
+        assert not update.done(), "the loop did not run while the helper hung"
         return await update
 
-    assert asyncio.run(scenario()) is False
-    assert inv.error == STOPPED_ANSWERING and ended(helper)
+    try:
+        assert asyncio.run(scenario()) is False
+        assert inv.error == "the GPU driver stopped answering: NVML did not answer within 2s" and ended(helper)
+    finally:
+        set_hang(control, False)
+        inv.close()
 
 
 def test_a_helper_that_dies_is_replaced(watched):
