@@ -21,8 +21,10 @@ retried here, with the same backoff as before. Requests, one at a time:
 - ``("close", None)``: shut NVML down; answers ``("closed",)`` and exits.
 
 Before an answer the helper may send ``("log", levelno, logger, message)``
-records, which the agent logs as its own. It exits when the agent's end of
-the socket closes.
+records, which the agent logs as its own, and ``("slow", function,
+seconds)`` once an NVML function has not returned for ``slow_after``
+seconds (an option of ``open``), so that the agent can name the call that
+hung. It exits when the agent's end of the socket closes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import logging
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -38,10 +42,73 @@ from typing import Any, Callable
 from .inventory import Inventory, InventoryError
 
 
+class Channel:
+    """The helper's end of the socket; sends from several threads (the
+    requests', the log relay's, the call watch's) one whole message at a time."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+
+class CallWatch:
+    """Which NVML function runs now; a thread tells the agent, once per call,
+    when one has run for ``after`` seconds (NVML's calls release the GIL, so
+    the thread runs while one hangs in the driver)."""
+
+    def __init__(self, channel: Channel, after: float = 2.5) -> None:
+        self.channel, self.after = channel, after
+        self._call: tuple[str, float] | None = None
+        self._told: tuple[str, float] | None = None
+        threading.Thread(target=self._watch, name="nvml-call-watch", daemon=True).start()
+
+    def run(self, name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._call = (name, time.monotonic())
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self._call = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(0.1, self.after / 4))
+            call = self._call
+            if call is not None and call is not self._told and time.monotonic() - call[1] >= self.after:
+                self._told = call
+                try:
+                    self.channel.send(("slow", call[0], time.monotonic() - call[1]))
+                except OSError:
+                    return  # the agent is gone
+
+
+class WatchedBinding:
+    """The ``pynvml`` module with each ``nvml*`` function run through a
+    :class:`CallWatch`; everything else (error classes, constants) as it is."""
+
+    def __init__(self, module: Any, watch: CallWatch) -> None:
+        self._module, self._watch = module, watch
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if not (name.startswith("nvml") and callable(value)):
+            return value
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            return self._watch.run(name, value, *args, **kwargs)
+        return watched
+
+
 class _Relay(logging.Handler):
     """Sends each log record to the agent, which logs it with its own handler."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Channel) -> None:
         super().__init__()
         self.conn = conn
 
@@ -63,19 +130,28 @@ def snapshot(inventory: Inventory, came_back: bool = False) -> tuple[str, dict[s
                   "health": inventory.health(), "versions": inventory.versions()}
 
 
-def open_nvml(options: dict[str, Any]) -> Inventory:
-    """The inventory the helper serves: NVML, retried when it fails (raises
-    :class:`InventoryError` as :class:`~.inventory_retry.RetryingInventory` does)."""
+def open_nvml(options: dict[str, Any], watch: CallWatch) -> Inventory:
+    """The inventory the helper serves: NVML (its calls watched by ``watch``),
+    retried when it fails (raises :class:`InventoryError` as
+    :class:`~.inventory_retry.RetryingInventory` does)."""
     from .inventory_retry import RetryingInventory
     from .nvml import NVMLInventory
 
+    try:
+        import pynvml
+    except ImportError:
+        binding = None  # NVMLInventory says to install nvidia-ml-py
+    else:
+        binding = WatchedBinding(pynvml, watch)
     host_proc = options.get("host_proc")
-    return RetryingInventory(lambda: NVMLInventory(host_proc=host_proc), first=options.get("first", 5.0),
+    return RetryingInventory(lambda: NVMLInventory(binding, host_proc=host_proc), first=options.get("first", 5.0),
                              longest=options.get("longest", 300.0))
 
 
-def serve(conn: Connection, open_inventory: Callable[[dict[str, Any]], Inventory] = open_nvml) -> None:
+def serve(conn: Connection, open_inventory: Callable[[dict[str, Any], CallWatch], Inventory] = open_nvml) -> None:
     """Answer the agent's requests on ``conn`` until it closes or says ``close``."""
+    conn = Channel(conn) if isinstance(conn, Connection) else conn
+    watch = CallWatch(conn)
     inventory: Inventory | None = None
     while True:
         try:
@@ -85,8 +161,9 @@ def serve(conn: Connection, open_inventory: Callable[[dict[str, Any]], Inventory
         try:
             if kind == "open":
                 logging.getLogger("gpupool").setLevel(args.get("log_level", logging.INFO))
+                watch.after = args.get("slow_after", watch.after)
                 try:
-                    inventory = open_inventory(args)
+                    inventory = open_inventory(args, watch)
                 except InventoryError as exc:
                     conn.send(("error", exc.message, exc.reason, exc.retryable))
                     continue
@@ -114,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # itself decides when its helper ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
-    conn = Connection(sock.detach())
+    conn = Channel(Connection(sock.detach()))
     root = logging.getLogger("gpupool")
     root.addHandler(_Relay(conn))
     root.propagate = False

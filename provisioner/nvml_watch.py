@@ -84,18 +84,23 @@ class Helper:
         Log records it sends meanwhile are logged here. Raises
         :class:`HelperLost` when the time passes or the helper is gone."""
         deadline = time.monotonic() + timeout
+        slow = None  # the NVML function the helper says has not returned yet
         try:
             self.conn.send(request)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.conn.poll(left):
-                    raise HelperLost(f"the GPU driver stopped answering: NVML did not answer within "
-                                     f"{format_duration(timeout)}")
+                    what = "NVML did not answer" if slow is None else f"{slow} did not return"
+                    raise HelperLost(f"the GPU driver stopped answering: {what} within {format_duration(timeout)}")
                 answer = self.conn.recv()
-                if answer[0] != "log":
+                if answer[0] == "slow":
+                    slow = answer[1]
+                    log.debug("NVML helper pid %d: %s has not returned after %.1fs", self.pid, slow, answer[2])
+                elif answer[0] == "log":
+                    _kind, level, name, message = answer
+                    logging.getLogger(name).log(level, "%s", message)
+                else:
                     return answer
-                _kind, level, name, message = answer
-                logging.getLogger(name).log(level, "%s", message)
         except (EOFError, OSError):
             try:
                 code = self.proc.wait(1.0)
@@ -141,7 +146,7 @@ class WatchedInventory(Inventory):
         self.timeout = timeout
         self.open_timeout = OPEN_FACTOR * timeout if open_timeout is None else open_timeout
         self.first, self.longest = first, longest
-        self._options = {"host_proc": host_proc, "first": first, "longest": longest,
+        self._options = {"host_proc": host_proc, "first": first, "longest": longest, "slow_after": timeout / 2,
                          "log_level": logging.getLogger("gpupool").getEffectiveLevel()}
         self._command = list(command) if command else helper_command()
         self._clock = clock

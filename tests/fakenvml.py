@@ -252,12 +252,14 @@ class ControlledNVML(FakeNVML):
         value = super().__getattribute__(name)
         if name.startswith("nvml") and callable(value):
             control = super().__getattribute__("control")
-            _hang_while(control, name)
-            error = read_control(control).get("error")
-            if error:
-                def failing(*args: Any, **kwargs: Any) -> Any:
+
+            def controlled(*args: Any, **kwargs: Any) -> Any:  # in the call, as the real binding's
+                _hang_while(control, name)
+                error = read_control(control).get("error")
+                if error:
                     raise nvml_error(error)
-                return failing
+                return value(*args, **kwargs)
+            return controlled
         return value
 
 

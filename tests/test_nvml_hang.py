@@ -25,9 +25,6 @@ from procs import start_service
 from test_nvml_degraded import REFUSED_FOR_NVML, active, node_in_state, refused_for_nvml, start_nvml_agent
 from test_service_api import _silent_listener, register
 
-STOPPED_ANSWERING = "the GPU driver stopped answering: NVML did not answer within 1s"
-
-
 def get(url: str, token: str | None = None) -> tuple[int, dict]:
     """``GET url``, with ``Authorization: token TOKEN`` when given; (status, JSON body)."""
     headers = {"Authorization": f"token {token}"} if token else {}
@@ -60,7 +57,7 @@ def test_a_hung_driver_call_leaves_the_agent_answering_the_node_degraded_and_rel
         set_hang(control, True)  # the driver hangs: every NVML call blocks from now on
         answers_while_a_call_hangs(agent, control, service.agent_token, lease.id)
         node = node_in_state(client, agent, "degraded")
-        assert node["state_reason"].startswith("the GPU driver stopped answering: NVML did not answer within")
+        assert node["state_reason"].startswith("the GPU driver stopped answering: "), node["state_reason"]
         assert [g["uuid"] for g in node["gpus"]] and all(g["memory_used"] is None for g in node["gpus"])
         message = refused_for_nvml(client)  # nothing new is placed on it
         assert REFUSED_FOR_NVML in message, message

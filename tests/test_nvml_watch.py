@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 
@@ -21,7 +22,9 @@ import pytest
 from fakenvml import AGENT_GPUS, hanging_pid, helper_command, set_error, set_hang
 from gpupool.provisioner.nvml_watch import WatchedInventory
 
-STOPPED_ANSWERING = "the GPU driver stopped answering: NVML did not answer within 1s"
+#: The helper names the call that hung when it could tell in time (half the timeout), as it does on an idle machine.
+STOPPED_ANSWERING = re.compile(r"the GPU driver stopped answering: (nvmlDeviceGetCount did not return|NVML did not "
+                               r"answer) within 1s")
 
 
 class Clock:
@@ -84,7 +87,7 @@ def test_a_hung_helper_is_killed_and_replaced_and_works_again_once_the_driver_an
     set_hang(control, True)
     with caplog.at_level(logging.INFO, "gpupool.agent"):
         assert inv.refresh() is False
-        assert inv.error == STOPPED_ANSWERING and inv.helper_pid is None
+        assert STOPPED_ANSWERING.fullmatch(inv.error) and inv.helper_pid is None
         assert ended(first)
         # last known GPUs, no readings (unknown, never stale)
         assert [g.uuid for g in inv.discover()] == list(AGENT_GPUS)
@@ -95,7 +98,8 @@ def test_a_hung_helper_is_killed_and_replaced_and_works_again_once_the_driver_an
         # a new one still hangs (in nvmlInit): killed too; the next wait is twice as long
         clock.now = 5.0
         assert inv.refresh() is False and inv.failures == 2 and inv.next_attempt == 5.0 + 10.0
-        assert inv.error == "the GPU driver stopped answering: NVML did not answer within 2s"
+        assert re.fullmatch(r"the GPU driver stopped answering: (nvmlInit did not return|NVML did not answer) "
+                            r"within 2s", inv.error)
         set_hang(control, False)
         clock.now = 15.0
         assert inv.refresh() is True  # came back: the agent registers the GPUs again
@@ -104,7 +108,7 @@ def test_a_hung_helper_is_killed_and_replaced_and_works_again_once_the_driver_an
     assert inv.refresh() is False
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings  # stopped answering, answers again: not one per attempt
-    assert warnings[0].startswith(STOPPED_ANSWERING) and "dmesg" in warnings[0]
+    assert STOPPED_ANSWERING.match(warnings[0]) and "dmesg" in warnings[0]
     assert warnings[1].startswith("the GPU driver answers again")
 
 
@@ -124,7 +128,9 @@ def test_update_waits_off_the_event_loop_while_a_call_hangs(tmp_path):
 
     try:
         assert asyncio.run(scenario()) is False
-        assert inv.error == "the GPU driver stopped answering: NVML did not answer within 2s" and ended(helper)
+        # the helper said which call had not returned (after 1 s), and the words name it
+        assert inv.error == ("the GPU driver stopped answering: nvmlDeviceGetComputeRunningProcesses did not return "
+                             "within 2s") and ended(helper)
     finally:
         set_hang(control, False)
         inv.close()
