@@ -123,11 +123,14 @@ class GPUPool(Configurable):
     ).tag(config=True)
 
     worker_stop_timeout = Duration(
-        30.0,
+        20.0,
         help="""Seconds the service waits for an agent to stop a worker on
-        release; after that the lease still ends, and the agent is told to stop
-        the worker with its next heartbeat. Default: 30 seconds.
-        ``c.GPUPool.worker_stop_timeout = 60``.""",
+        release; after that the lease still ends (its reason says the stop was
+        not confirmed), and the agent is told to stop the worker with its next
+        heartbeat. Keep it above the agents' ``c.NodeAgent.worker_stop_timeout``
+        (10 s) and below the clients' 30 s timeout, so that a release answers
+        before ``%gpu release`` gives up. Default: 20 seconds.
+        ``c.GPUPool.worker_stop_timeout = 25``.""",
     ).tag(config=True)
 
     context_overhead = ByteSize(

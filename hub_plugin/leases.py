@@ -333,14 +333,14 @@ class LeaseBook:
             await self._wait_left(lease_id, LeaseState.releasing.value, self.settings.worker_stop_timeout + 5)
             return
         log.info("lease %s releasing (%s): %s", lease_id, final.value, reason)
-        if url:
-            await self._stop_worker(url, lease_id)
-        self._finish(lease_id)
+        self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
 
-    def _finish(self, lease_id: str) -> None:
+    def _finish(self, lease_id: str, note: str | None = None) -> None:
         """``releasing`` -> its final state; records ``ended_at`` and usage
         (the ledger record) once, and places queued requests on what it freed,
-        all in one transaction."""
+        all in one transaction. ``note``: words added to the reason of a
+        released or reclaimed lease (the worker's stop was not confirmed; a
+        failed lease's worker is dead or never started, so no news there)."""
         now = self.now()
         with self.writing() as session:
             self.store.lock_capacity(session)  # the queue is drained below
@@ -348,6 +348,8 @@ class LeaseBook:
             if lease is None or lease.state != LeaseState.releasing.value:
                 return
             final = LeaseState(lease.end_state or LeaseState.released.value)
+            if note and final is not LeaseState.failed:
+                lease.reason = f"{lease.reason}; {note}"
             lease.ended_at = now
             held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
             lease.usage_gpu_seconds = usage.close(session, lease, now)
@@ -451,14 +453,19 @@ class LeaseBook:
         lengths = [(end - start).total_seconds() for start, end in recent]
         return place_in_line, wait_queue.estimate(place_in_line, lengths, holding)
 
-    async def _stop_worker(self, url: str, lease_id: str) -> None:
+    async def _stop_worker(self, url: str, lease_id: str) -> str | None:
+        """Ask the agent to stop the lease's worker, waiting at most
+        ``worker_stop_timeout``; None once stopped, else words for the
+        lease's reason (the release goes on regardless)."""
         try:
             code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
                         "with its next heartbeat", lease_id, exc.log_message)
-            return
+            return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
+                    "its next heartbeat")
         log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)
+        return None
 
     async def _wait_left(self, lease_id: str, state: str, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -498,9 +505,7 @@ class LeaseBook:
         with self.store.read() as session:
             lease = session.get(Lease, lease_id)
             url = session.get(Node, lease.node_name).url if lease and lease.node_name else None
-        if url:
-            await self._stop_worker(url, lease_id)
-        self._finish(lease_id)
+        self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` in the background; its failure is logged, not lost."""

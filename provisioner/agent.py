@@ -339,6 +339,21 @@ class NodeAgent(Application):
         ``nvml_retry_min``). Default: 300 (5 minutes). ``c.NodeAgent.nvml_retry_max = "10m"``.""",
     ).tag(config=True)
 
+    nvml_timeout = Duration(
+        5.0, help="""Seconds one round of NVML readings (one heartbeat's) may take. NVML runs in
+        a helper process; one that passes this (a call hung in the GPU driver) is killed, the
+        node is ``degraded`` ("the GPU driver stopped answering"; its leases go on, nothing new
+        is placed there) and a new helper starts on the ``nvml_retry_min``/``nvml_retry_max``
+        schedule. Starting NVML in a helper may take 6 times this. Keep it well under the
+        service's ``node_ttl``. Default: 5. ``c.NodeAgent.nvml_timeout = 10``.""",
+    ).tag(config=True)
+
+    @validate("nvml_timeout")
+    def _nvml_timeout_valid(self, proposal: Any) -> float:
+        if proposal["value"] <= 0:
+            raise ValueError(f"nvml_timeout must be positive, got {proposal['value']}")
+        return proposal["value"]
+
     enforcement_mode = Enum(
         ["auto", "mps", "mig", "timeslice", "exclusive"], "auto",
         help="""How this node confines workers to their slices (docs/enforcement.md):
@@ -443,7 +458,8 @@ class NodeAgent(Application):
         self.token = self.read_token()
         self.user = self.worker_account()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
-                                                     retry=(self.nvml_retry_min, self.nvml_retry_max))
+                                                     retry=(self.nvml_retry_min, self.nvml_retry_max),
+                                                     timeout=self.nvml_timeout)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.enforcement = enforcement_mode(self.inventory.kind,
                                             self.inventory.kind != "simulated" and mps_daemon_running(),
@@ -588,7 +604,7 @@ class NodeAgent(Application):
             interval = await self.register()
             while True:
                 await asyncio.sleep(interval)
-                if self.refresh_inventory():
+                if await self.refresh_inventory():
                     break  # NVML is back: register its GPUs
                 try:
                     status, reply = await self.call("POST", f"/nodes/{quote(self.node_name, safe='')}/heartbeat",
@@ -648,11 +664,12 @@ class NodeAgent(Application):
         return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage),
                 "inventory_error": self.inventory.error}
 
-    def refresh_inventory(self) -> bool:
-        """Once per heartbeat: check NVML, or open it again when it failed and
-        its backoff has passed (:class:`~.inventory_retry.RetryingInventory`).
-        True when it just came back, with ``gpus`` read again."""
-        if not self.inventory.refresh():
+    async def refresh_inventory(self) -> bool:
+        """Once per heartbeat: read NVML (in its helper process, off this
+        loop: :class:`~.nvml_watch.WatchedInventory`), or open it again when it
+        failed and its backoff has passed. True when it just came back, with
+        ``gpus`` read again."""
+        if not await self.inventory.update():
             return False
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         if self.enforcement_mode == "auto" and any(u.startswith("MIG-") for u in self.gpus):

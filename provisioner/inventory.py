@@ -2,14 +2,16 @@
 
 :class:`Inventory` is the contract; :mod:`.simulated` (declared GPUs, for
 hosts without one) and :mod:`.nvml` (real GPUs through NVML) implement it;
-:func:`select_inventory` is the lookup the agent uses to pick one.
+the agent reads NVML through :mod:`.nvml_watch` (NVML in a helper process
+that is replaced when a driver call hangs); :func:`select_inventory` is the
+lookup the agent uses to pick one.
 """
 
 from __future__ import annotations
 
 import abc
 import socket
-from typing import Any
+from typing import Any, Sequence
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import GPUInfo
@@ -98,21 +100,32 @@ class Inventory(abc.ABC):
         never fails."""
         return False
 
+    async def update(self) -> bool:
+        """:meth:`refresh`, for the agent's event loop: an inventory whose
+        reads may block (NVML) does them elsewhere and waits without blocking
+        the loop. Once per heartbeat, before the readings are taken. The
+        default calls :meth:`refresh` (a simulated inventory never blocks)."""
+        return self.refresh()
+
     def close(self) -> None:
         """Release the inventory's handles (NVML). Idempotent."""
 
 
 def select_inventory(simulate: str | None, node_name: str | None = None, host_proc: str | None = None, *,
-                     retry: tuple[float, float] = (5.0, 300.0)) -> Inventory:
+                     retry: tuple[float, float] = (5.0, 300.0), timeout: float = 5.0,
+                     helper: Sequence[str] | None = None) -> Inventory:
     """The inventory the agent should use.
 
     ``simulate`` is a ``--simulate`` spec such as ``"2xA100-80GB"``: when given,
     a :class:`~.simulated.SimulatedInventory` whose UUIDs are derived from
-    ``node_name`` (default: this host's name). Without it, NVML, through a
-    :class:`~.inventory_retry.RetryingInventory`: when NVML fails to start
-    (driver not loaded, driver/library version mismatch) or stops working,
-    its :attr:`~Inventory.error` says why and it is opened again after
-    ``retry`` = (first, longest) seconds, doubling in between.
+    ``node_name`` (default: this host's name). Without it, NVML, read by a
+    helper process through a :class:`~.nvml_watch.WatchedInventory`: when
+    NVML fails to start (driver not loaded, driver/library version mismatch)
+    or stops working, its :attr:`~Inventory.error` says why and it is opened
+    again after ``retry`` = (first, longest) seconds, doubling in between;
+    when a round of NVML readings takes longer than ``timeout`` seconds the
+    helper is killed and replaced on the same schedule. ``helper``: the
+    helper's program (default :func:`~.nvml_watch.helper_command`).
 
     ``host_proc``: where the host's /proc is mounted when the agent runs in a
     container (see :class:`~.attribution.PidMapper`); NVML only.
@@ -129,7 +142,6 @@ def select_inventory(simulate: str | None, node_name: str | None = None, host_pr
             return SimulatedInventory(simulate, node_name)
         except ValueError as exc:
             raise InventoryError(f"bad --simulate value: {exc}") from None
-    from .inventory_retry import RetryingInventory
-    from .nvml import NVMLInventory
+    from .nvml_watch import WatchedInventory
 
-    return RetryingInventory(lambda: NVMLInventory(host_proc=host_proc), first=retry[0], longest=retry[1])
+    return WatchedInventory(host_proc=host_proc, timeout=timeout, first=retry[0], longest=retry[1], command=helper)

@@ -9,6 +9,10 @@ nothing new is placed there), reads no GPU, and opens NVML again after a
 delay that doubles from ``first`` to ``longest`` seconds (default 5 s to
 5 min, :func:`backoff_delay`); a success resets it. It logs one line per
 change of state, not one per attempt.
+
+The agent runs it inside its NVML helper process (:mod:`.nvml_helper`);
+:mod:`.nvml_watch` replaces the helper itself, on the same schedule, when a
+call hangs.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pynvml as real
 
 MiB = 1024**2
@@ -231,12 +233,16 @@ AGENT_GPUS = ("GPU-aaaaaaaa-1111-2222-3333-444444444444", "GPU-bbbbbbbb-1111-222
 
 class ControlledNVML(FakeNVML):
     """A :class:`FakeNVML` driven through the JSON file ``control`` (re-read at
-    every call, so a test can drive an agent in another process):
+    every call, so a test can drive an agent or NVML helper in another process):
     ``{"error": "LIB_RM_VERSION_MISMATCH"}`` makes every NVML function,
     ``nvmlInit`` included, raise the real binding's error for
     NVML_ERROR_<that name>, as when the driver is missing, unloaded or
     replaced under a running process; ``{"error": null}`` (or no file) heals it.
-    Write the file with :func:`set_error`."""
+    ``{"hang": true}`` makes every NVML function block, as a call stuck in a
+    hung driver does, until the file says otherwise (a list of function names
+    hangs only those); while a call hangs, the file ``CONTROL.hanging`` holds
+    the pid of the process it hangs in. Write the file with :func:`set_error`
+    and :func:`set_hang`."""
 
     def __init__(self, gpus: list[FakeGPU], control: Path, **kwargs: Any) -> None:
         super().__init__(gpus, **kwargs)
@@ -246,31 +252,104 @@ class ControlledNVML(FakeNVML):
         value = super().__getattribute__(name)
         if name.startswith("nvml") and callable(value):
             control = super().__getattribute__("control")
-            error = json.loads(control.read_text()).get("error") if control.exists() else None
-            if error:
-                def failing(*args: Any, **kwargs: Any) -> Any:
+
+            def controlled(*args: Any, **kwargs: Any) -> Any:  # in the call, as the real binding's
+                _hang_while(control, name)
+                error = read_control(control).get("error")
+                if error:
                     raise nvml_error(error)
-                return failing
+                return value(*args, **kwargs)
+            return controlled
         return value
+
+
+def read_control(control: Path) -> dict[str, Any]:
+    """What the control file says (``{}`` without one)."""
+    return json.loads(control.read_text()) if control.exists() else {}
+
+
+def _hangs(control: Path, function: str) -> bool:
+    hang = read_control(control).get("hang")
+    return hang is True or (isinstance(hang, list) and function in hang)
+
+
+def _hang_while(control: Path, function: str) -> None:
+    """Block while the control file says ``function`` hangs."""
+    if not _hangs(control, function):
+        return
+    marker = hanging_marker(control)
+    _write(marker, str(os.getpid()))
+    while _hangs(control, function):
+        time.sleep(0.02)
+    if marker.exists() and marker.read_text() == str(os.getpid()):
+        marker.unlink(missing_ok=True)
+
+
+def hanging_marker(control: Path) -> Path:
+    """The file naming the pid an NVML call hangs in now (see :class:`ControlledNVML`)."""
+    return Path(control).with_suffix(".hanging")
+
+
+def hanging_pid(control: Path) -> int | None:
+    """The pid of the live process an NVML call of the fake hangs in now
+    (a killed one not yet reaped is not live); None when none."""
+    try:
+        pid = int(hanging_marker(control).read_text())
+        alive = psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (FileNotFoundError, ValueError, psutil.NoSuchProcess):
+        return None
+    return pid if alive else None
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _set(control: Path, **values: Any) -> None:
+    _write(Path(control), json.dumps({**read_control(Path(control)), **values}))
 
 
 def set_error(control: Path, error: str | None) -> None:
     """Make the :class:`ControlledNVML` reading ``control`` fail with
     NVML_ERROR_<error> (None: work), atomically (the agent may be reading it)."""
-    tmp = control.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"error": error}))
-    os.replace(tmp, control)
+    _set(control, error=error)
+
+
+def set_hang(control: Path, hang: bool | list[str]) -> None:
+    """Make the :class:`ControlledNVML` reading ``control`` hang in every
+    NVML call (True), in the ones named, or not at all (False)."""
+    _set(control, hang=hang)
+
+
+def helper_command(control: Path, gpus: tuple[str, ...] = AGENT_GPUS) -> list[str]:
+    """An NVML helper program (:mod:`gpupool.provisioner.nvml_helper`) on a
+    :class:`ControlledNVML` over ``gpus`` (UUIDs; none: NVML finds no GPU)
+    driven by ``control``, for :class:`~gpupool.provisioner.nvml_watch.WatchedInventory`."""
+    return [sys.executable, str(Path(__file__).resolve()), "helper", str(control), ",".join(gpus)]
+
+
+def run_helper(control: str, gpus: str, fd: str) -> int:
+    """The NVML helper with ``pynvml`` replaced (see :func:`helper_command`)."""
+    sys.modules["pynvml"] = ControlledNVML([FakeGPU(uuid) for uuid in gpus.split(",") if uuid], Path(control))
+    from gpupool.provisioner import nvml_helper
+
+    return nvml_helper.main([fd])
 
 
 def run_agent(control: str, argv: list[str]) -> int:
-    """``gpupool agent ARGV`` (no ``--simulate``: NVML) with ``pynvml`` replaced
-    by a :class:`ControlledNVML` over two A100s (:data:`AGENT_GPUS`) driven by
-    the file ``control``. Run as ``python tests/fakenvml.py CONTROL ARGV...``."""
-    sys.modules["pynvml"] = ControlledNVML([FakeGPU(uuid) for uuid in AGENT_GPUS], Path(control))
+    """``gpupool agent ARGV`` (no ``--simulate``: NVML) whose NVML helper
+    runs a :class:`ControlledNVML` over two A100s (:data:`AGENT_GPUS`) driven
+    by the file ``control``. Run as ``python tests/fakenvml.py CONTROL ARGV...``."""
     from gpupool.cli import main
+    from gpupool.provisioner import nvml_watch
 
+    nvml_watch.helper_command = lambda: helper_command(Path(control))
     return main(["agent", *argv])
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "helper":
+        sys.exit(run_helper(*sys.argv[2:]))
     sys.exit(run_agent(sys.argv[1], sys.argv[2:]))

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 
+import psutil
 import pynvml
 import pytest
 
-from fakenvml import FakeEvent, FakeGPU, FakeNVML, FakeProcess, FakeSample, fake_functions
+from fakenvml import FakeEvent, FakeGPU, FakeNVML, FakeProcess, FakeSample, fake_functions, helper_command
 from gpupool.provisioner.attribution import PidMapper
 from gpupool.provisioner.inventory import InventoryError, select_inventory
 from gpupool.provisioner.nvml import NVMLInventory
+from gpupool.provisioner.nvml_watch import WatchedInventory
 from gpupool.schema import GPUInfo
 
 MiB = 1024**2
@@ -212,12 +215,13 @@ def test_no_gpu_and_unreadable_uuid_are_refused():
     assert not fake.initialised  # shut down again
 
 
-def test_select_inventory_uses_the_real_pynvml_module(monkeypatch):
-    fake = FakeNVML([FakeGPU(U0)])
-    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    inv = select_inventory(None, "node-1")
+def test_select_inventory_reads_the_pynvml_module_in_a_helper_process(tmp_path):
+    inv = select_inventory(None, "node-1", helper=helper_command(tmp_path / "nvml.json", (U0,)))
+    assert isinstance(inv, WatchedInventory) and inv.helper_pid != os.getpid()
     assert inv.kind == "nvml" and inv.error is None and [g.uuid for g in inv.discover()] == [U0]
+    helper = inv.helper_pid
     inv.close()
+    assert inv.helper_pid is None and not psutil.pid_exists(helper)
 
 
 def test_processes_in_another_pid_namespace_map_through_the_mapper():

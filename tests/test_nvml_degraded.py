@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from fakenvml import AGENT_GPUS, ControlledNVML, FakeGPU, FakeNVML, set_error
+from fakenvml import AGENT_GPUS, ControlledNVML, FakeGPU, FakeNVML, helper_command, set_error
 from gpupool.errors import GPUPoolError
 from gpupool.hub_plugin.reclaim import lost_nodes
 from gpupool.localpool import AgentProcess, free_port, run_worker_cell, wait_for
@@ -45,10 +45,12 @@ REFUSED_FOR_NVML = "node cannot read its GPUs (NVML) on 2"
 
 # -- helpers -------------------------------------------------------------------------------------------------
 
-def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None = None) -> AgentProcess:
+def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None = None,
+                     extra: tuple[str, ...] = ()) -> AgentProcess:
     """``gpupool agent`` in NVML mode on the fake driven by ``control``, retrying
     NVML after 0.2 s, then every 0.4 s; it logs at DEBUG (each failed retry).
-    Restart one on its ``port``: the same URL is the same agent to the service."""
+    Restart one on its ``port``: the same URL is the same agent to the service.
+    ``extra``: more command-line options."""
     state_dir = root / f"agent-{NODE}"
     state_dir.mkdir(exist_ok=True)
     port = port or free_port("127.0.0.1")
@@ -56,7 +58,7 @@ def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None =
     args = [sys.executable, str(FAKENVML), str(control), f"--service-url={service.url}",
             f"--token-file={service.process.agent_token_file}", f"--name={NODE}", "--ip=127.0.0.1",
             f"--port={port}", f"--state-dir={state_dir}", "--warm-workers=0", "--log-level=DEBUG",
-            "--NodeAgent.nvml_retry_min=0.2", "--NodeAgent.nvml_retry_max=0.4"]
+            "--NodeAgent.nvml_retry_min=0.2", "--NodeAgent.nvml_retry_max=0.4", *extra]
     with log.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return AgentProcess(proc, NODE, f"http://127.0.0.1:{port}", state_dir, log)
@@ -284,16 +286,18 @@ def test_nvml_that_starts_but_cannot_read_a_gpu_is_still_failed_and_shut_down_ag
     assert not fake.initialised
 
 
-def test_select_inventory_runs_degraded_where_nvml_may_heal_and_exits_where_it_cannot(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([], init_error="DRIVER_NOT_LOADED"))
-    inv = select_inventory(None, "node-1")
+def test_select_inventory_runs_degraded_where_nvml_may_heal_and_exits_where_it_cannot(tmp_path):
+    control = tmp_path / "nvml.json"
+    set_error(control, "DRIVER_NOT_LOADED")
+    inv = select_inventory(None, "node-1", helper=helper_command(control))
     assert inv.kind == "nvml" and inv.error == "NVML could not start (Driver Not Loaded)" and inv.discover() == []
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([], init_error="LIBRARY_NOT_FOUND"))
+    inv.close()
+    set_error(control, "LIBRARY_NOT_FOUND")
     with pytest.raises(InventoryError, match="--simulate"):  # no driver at all: pass --simulate
-        select_inventory(None, "node-1")
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([]))
+        select_inventory(None, "node-1", helper=helper_command(control))
+    set_error(control, None)
     with pytest.raises(InventoryError, match="NVML found no GPU"):
-        select_inventory(None, "node-1")
+        select_inventory(None, "node-1", helper=helper_command(control, ()))
     simulated = select_inventory("1xA100-80GB", "node-1")
     assert simulated.error is None and simulated.refresh() is False
 
