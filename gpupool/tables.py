@@ -96,3 +96,21 @@ def node_note(name: str, state: str, reason: str | None) -> str:
         return (f"{name} is lost: {reason or 'no heartbeat from its agent'}; nothing new is placed there, "
                 "and cells of its leases may not answer until it is back")
     return f"{name} is {state}: {reason or 'no reason given'}"
+
+
+def environment_table(pool: dict[str, Any]) -> tuple[str, str]:
+    """One row per worker environment of each node of ``GET /pool`` (a node's
+    ``environments``: ``[{"name", "python", "default", "usable", "problem"}]``, as
+    its agent reported them at registration): node, name, default or not, the
+    Python, and whether leases may name it (else why not). ``("", "")`` when no
+    node reports any (agents before environments, or a service that does not pass
+    them on)."""
+    rows = []
+    for node in pool.get("nodes", []):
+        for env in node.get("environments") or []:
+            usable = "yes" if env.get("usable") else f"no: {env.get('problem') or 'unknown'}"
+            rows.append([node["name"], env.get("name", "?"), "default" if env.get("default") else "",
+                         env.get("python", "?"), usable])
+    if not rows:
+        return "", ""
+    return table(["node", "environment", "", "python", "usable"], rows)

@@ -40,6 +40,7 @@ from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.statedir import lock_state_dir
 from gpupool.traits import Duration
 
+from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
@@ -184,6 +185,21 @@ class HealthHandler(AgentHandler):
         self.write_json({"status": "ok", "node": self.agent.node_name})
 
 
+class MetricsHandler(AgentHandler):
+    """``GET /metrics``: Prometheus text (:mod:`.agent_metrics`), for the metrics
+    token (``--metrics-token-file``) or the agent token."""
+
+    def prepare(self) -> None:
+        header = self.request.headers.get("Authorization", "")
+        if not (self.agent.token_matches(header) or self.agent.metrics_token_matches(header)):
+            raise GPUPoolError("unauthorized", "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
+                               "(the file of --metrics-token-file)", 401)
+
+    def get(self) -> None:
+        self.set_header("Content-Type", METRICS_CONTENT_TYPE)
+        self.finish(self.agent.metrics.render())
+
+
 class NotFoundHandler(AgentHandler):
     auth_required = False
 
@@ -192,7 +208,8 @@ class NotFoundHandler(AgentHandler):
 
 
 def agent_routes() -> list[tuple[str, type]]:
-    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler)]
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
+            (r"/metrics", MetricsHandler)]
 
 
 # -- the application -------------------------------------------------------------------------------------------
@@ -221,6 +238,7 @@ class NodeAgent(Application):
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
         "ca-file": "NodeAgent.ca_file",
+        "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
 
@@ -400,6 +418,13 @@ class NodeAgent(Application):
         (create it with ``useradd --system --no-create-home gpupool-worker``).""",
     ).tag(config=True)
 
+    metrics_token_file = Unicode(
+        "", help="""File holding the token Prometheus sends to ``GET /metrics``
+        (``Authorization: Bearer TOKEN``); the agent token is accepted there too.
+        Default: empty (the agent token only). Read at start.
+        ``c.NodeAgent.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
+    ).tag(config=True)
+
     host_proc = Unicode(
         "", help="""Where the host's /proc is mounted when the agent runs in a container
         without the host PID namespace (NVML reports host PIDs; this maps them
@@ -441,10 +466,13 @@ class NodeAgent(Application):
         self.tls = server_context(self.ssl_cert, self.ssl_key, "--ssl-cert / --ssl-key")
         self.service_tls = client_context(self.ca_file)
         self.token = self.read_token()
+        self.metrics_token = self._read_metrics_token()
+        self.metrics = AgentMetrics(self.node_name)
         self.user = self.worker_account()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max))
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
+        self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
         self.enforcement = enforcement_mode(self.inventory.kind,
                                             self.inventory.kind != "simulated" and mps_daemon_running(),
                                             self.enforcement_mode, any(u.startswith("MIG-") for u in self.gpus))
@@ -503,6 +531,21 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", "no agent token: pass --token-file=FILE (the service writes "
                                f"STATE_DIR/agent_token) or set {TOKEN_ENV}")
         return token
+
+    def _read_metrics_token(self) -> str:
+        if not self.metrics_token_file:
+            return ""
+        try:
+            return Path(self.metrics_token_file).read_text().strip()
+        except OSError as exc:
+            raise GPUPoolError("not_configured", f"cannot read the metrics token file {self.metrics_token_file}: "
+                               f"{exc.strerror} (--metrics-token-file)") from None
+
+    def metrics_token_matches(self, header: str) -> bool:
+        """True when the header carries the metrics token (never when none is set)."""
+        scheme, _, value = header.partition(" ")
+        return bool(self.metrics_token) and scheme.lower() in ("token", "bearer") and hmac.compare_digest(
+            value.strip().encode(), self.metrics_token.encode())
 
     def token_matches(self, header: str) -> bool:
         """True when an ``Authorization: token ...`` header carries the agent token."""
@@ -645,8 +688,18 @@ class NodeAgent(Application):
     def heartbeat_body(self) -> dict[str, Any]:
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
-        return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage),
-                "inventory_error": self.inventory.error}
+        gpus = self.gpu_metrics(usage)
+        self.metrics.update(self.gpus.values(), gpus, self._workers_by_gpu(), self.inventory.error, reports)
+        return {"workers": [r.to_json() for r in reports], "gpus": gpus, "inventory_error": self.inventory.error}
+
+    def _workers_by_gpu(self) -> dict[str, int]:
+        """GPU UUID -> lease workers bound to it, for ``/metrics``."""
+        counts: dict[str, int] = {}
+        for lease in self.workers.lease_ids():
+            spec = self.workers.get(lease).spec
+            for gpu in spec.gpus if spec is not None else ():
+                counts[gpu.uuid] = counts.get(gpu.uuid, 0) + 1
+        return counts
 
     def refresh_inventory(self) -> bool:
         """Once per heartbeat: check NVML, or open it again when it failed and
