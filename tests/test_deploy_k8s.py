@@ -353,6 +353,15 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
     result = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and they fire: a node lost for 3 minutes, a pool 100% allocated and refusing.
+    alerts = {r["alert"]: r for g in rule_groups(rendered["evaluation"])["groups"] for r in g["rules"]}
+
+    def annotations(alert: str, labels: dict, value: str = "") -> dict:
+        def fill(text: str) -> str:
+            text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
+            return text.replace("{{ $value | humanizePercentage }}", value)
+        return {k: fill(v) for k, v in alerts[alert]["annotations"].items()}
+
+    lost = {"node": "gpu-1", "state": "lost"}
     tests = tmp_path / "tests.yaml"
     tests.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
@@ -364,8 +373,11 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
         "alert_rule_test": [
             {"eval_time": "1m", "alertname": "GPUPoolNodeLost", "exp_alerts": []},
             {"eval_time": "5m", "alertname": "GPUPoolNodeLost",
-             "exp_alerts": [{"exp_labels": {"severity": "warning", "node": "gpu-1", "state": "lost"}}]},
-            {"eval_time": "35m", "alertname": "GPUPoolFull", "exp_alerts": [{"exp_labels": {"severity": "info"}}]},
+             "exp_alerts": [{"exp_labels": {"severity": "warning", **lost},
+                             "exp_annotations": annotations("GPUPoolNodeLost", lost)}]},
+            {"eval_time": "35m", "alertname": "GPUPoolFull",
+             "exp_alerts": [{"exp_labels": {"severity": "info"},
+                             "exp_annotations": annotations("GPUPoolFull", {}, "100%")}]},
         ]}]}))
     result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
