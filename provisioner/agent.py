@@ -15,6 +15,7 @@ every other process it had started (:mod:`.adoption`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,7 +32,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 import zmq
-from traitlets import Enum, Integer, List, TraitError, Unicode, default, validate
+from traitlets import Dict, Enum, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
@@ -42,6 +43,7 @@ from gpupool.traits import Duration
 
 from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
+from . import environments as worker_envs
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
@@ -151,7 +153,9 @@ class WorkersHandler(AgentHandler):
         if self.agent.inventory.error:
             raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
                                f"{self.agent.inventory.error}", 503)
-        spec = parse_worker_request(self.json_body(), self.agent.gpus)
+        body = self.json_body()
+        spec = parse_worker_request(body, self.agent.gpus)
+        spec = dataclasses.replace(spec, python=self.agent.python_for(body.get("env")))
         try:
             check_slice(self.agent.enforcement, spec.fraction)
         except ValueError as exc:
@@ -418,6 +422,21 @@ class NodeAgent(Application):
         (create it with ``useradd --system --no-create-home gpupool-worker``).""",
     ).tag(config=True)
 
+    environments = Dict(
+        key_trait=Unicode(), value_trait=Unicode(),
+        help="""Worker environments a lease may name: name -> a Python interpreter, or a
+        conda/venv prefix (``PREFIX/bin/python``). Each needs ipykernel and gpupool's
+        worker part (``pip install 'gpupool[worker]'`` in it); the agent checks each
+        at start and reports which are usable (``gpupool pool``). The agent's own
+        Python is there too, as ``default``. Default: none besides it.
+        ``c.NodeAgent.environments = {"torch": "/opt/conda/envs/torch", "py311": "/usr/bin/python3.11"}``.""",
+    ).tag(config=True)
+
+    default_environment = Unicode(
+        "", help="""The environment of a lease that names none. Default: empty, meaning
+        ``default`` (the agent's own Python). ``c.NodeAgent.default_environment = "torch"``.""",
+    ).tag(config=True)
+
     metrics_token_file = Unicode(
         "", help="""File holding the token Prometheus sends to ``GET /metrics``
         (``Authorization: Bearer TOKEN``); the agent token is accepted there too.
@@ -468,6 +487,7 @@ class NodeAgent(Application):
         self.token = self.read_token()
         self.metrics_token = self._read_metrics_token()
         self.metrics = AgentMetrics(self.node_name)
+        self.worker_environments = self.check_environments()
         self.user = self.worker_account()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max))
@@ -531,6 +551,32 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", "no agent token: pass --token-file=FILE (the service writes "
                                f"STATE_DIR/agent_token) or set {TOKEN_ENV}")
         return token
+
+    def check_environments(self) -> list[worker_envs.Environment]:
+        """Check every worker environment once (:func:`.environments.check_all`);
+        unusable ones are logged and reported, not fatal."""
+        try:
+            found = worker_envs.check_all(self.environments, self.default_environment)
+        except ValueError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
+        for env in found:
+            if not env.usable:
+                self.log.warning("worker environment %r is not usable: %s", env.name, env.problem)
+        if not any(env.default and env.usable for env in found):
+            raise GPUPoolError("not_configured", "the default worker environment cannot run workers: "
+                               f"{next(e.problem for e in found if e.default)} (c.NodeAgent.default_environment)")
+        return found
+
+    def python_for(self, name: Any) -> str | None:
+        """The interpreter of the environment a ``POST /workers`` names (None: the
+        agent's own). Raises a 400 GPUPoolError for an unknown or unusable one."""
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"'env' must be the name of a worker environment, got {name!r}")
+        try:
+            env = worker_envs.choose(self.worker_environments, name)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return None if env.python == sys.executable else env.python
 
     def _read_metrics_token(self) -> str:
         if not self.metrics_token_file:
@@ -683,7 +729,8 @@ class NodeAgent(Application):
     def registration_body(self) -> dict[str, Any]:
         return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
                 "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
-                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error}
+                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error,
+                "environments": [env.to_json() for env in self.worker_environments]}
 
     def heartbeat_body(self) -> dict[str, Any]:
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat

@@ -1,0 +1,83 @@
+"""Worker environments (``c.NodeAgent.environments``) of a real agent: checked at start (an
+unusable one logged with the reason); a ``POST /workers`` naming one
+starts the worker with that interpreter; an unknown or unusable one is a 400 in words."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from procs import free_port, stop_process, wait_for
+from test_agent import GiB, TOKEN, call
+
+from gpupool.provisioner import environments
+from gpupool.provisioner.simulated import simulated_uuid
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def test_check_reports_what_is_missing(tmp_path):
+    assert environments.check("here", sys.executable).usable
+    prefix = Path(sys.executable).parent.parent  # a prefix, not the interpreter: PREFIX/bin/python
+    env = environments.check("venv", str(prefix))
+    assert env.usable and env.python == str(prefix / "bin" / "python")
+    missing = environments.check("nowhere", str(tmp_path / "none"))
+    assert not missing.usable and "does not exist" in missing.problem
+    if Path(SYSTEM_PYTHON).is_file() and subprocess.run([SYSTEM_PYTHON, "-c", "import ipykernel"],
+                                                        capture_output=True).returncode != 0:
+        bare = environments.check("system", SYSTEM_PYTHON)
+        assert not bare.usable and "gpupool[worker]" in bare.problem
+    with pytest.raises(ValueError, match="has no environment 'gone'"):
+        environments.choose([env], "gone")
+    with pytest.raises(ValueError, match="cannot run workers"):
+        environments.choose([missing], "nowhere")
+
+
+@pytest.fixture
+def agent_with_envs(tmp_path):
+    state = tmp_path / "agent"
+    state.mkdir()
+    config = tmp_path / "agent_config.py"
+    prefix = Path(sys.executable).parent.parent
+    config.write_text(f"c.NodeAgent.environments = {{'venv': {str(prefix)!r}, 'gone': {str(tmp_path / 'gone')!r}}}\n")
+    port = free_port()
+    log = state / "agent.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpupool.cli", "agent", f"--service-url=http://127.0.0.1:{free_port()}",
+             "--simulate=1xA100-80GB", "--name=envs", "--ip=127.0.0.1", f"--port={port}", f"--state-dir={state}",
+             f"--config={config}", "--warm-workers=0"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "GPUPOOL_AGENT_TOKEN": TOKEN})
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return call(f"{url}/health", token=None)[0] == 200
+        except OSError:
+            return False
+
+    wait_for(healthy, 30, "agent", proc, log)
+    yield url, prefix, log
+    stop_process(proc)
+
+
+def test_a_worker_runs_in_the_environment_its_request_names(agent_with_envs):
+    url, prefix, log = agent_with_envs
+    assert "worker environment 'gone' is not usable" in log.read_text()
+    gpu = simulated_uuid("envs", 0)
+    body = {"lease_id": "L-env", "owner": "ann", "gpus": [gpu], "fraction": 0.5, "memory": 10 * GiB}
+    status, reply = call(f"{url}/workers", "POST", {**body, "env": "gone"})
+    assert status == 400 and "cannot run workers" in reply["message"]
+    status, reply = call(f"{url}/workers", "POST", {**body, "env": "torch"})
+    assert status == 400 and "has no environment 'torch'" in reply["message"]
+    status, reply = call(f"{url}/workers", "POST", {**body, "env": "venv"})
+    assert status == 201, reply
+    import psutil
+
+    assert psutil.Process(reply["pid"]).cmdline()[0] == str(prefix / "bin" / "python")
+    assert call(f"{url}/workers/L-env", "DELETE")[0] == 200
