@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -155,7 +156,8 @@ class WorkersHandler(AgentHandler):
                                f"{self.agent.inventory.error}", 503)
         body = self.json_body()
         spec = parse_worker_request(body, self.agent.gpus)
-        spec = dataclasses.replace(spec, python=self.agent.python_for(body.get("env")))
+        spec = dataclasses.replace(spec, python=self.agent.python_for(body.get("env")),
+                                   user=self.agent.account_for(spec.owner))
         try:
             check_slice(self.agent.enforcement, spec.fraction)
         except ValueError as exc:
@@ -419,7 +421,11 @@ class NodeAgent(Application):
         reachable (``x``) by that user, who gets its own connection file there and works in
         its home directory (or ``STATE_DIR/worker-home`` when it has none). None (default):
         workers run as the agent's user. ``c.NodeAgent.worker_user = "gpupool-worker"``
-        (create it with ``useradd --system --no-create-home gpupool-worker``).""",
+        (create it with ``useradd --system --no-create-home gpupool-worker``).
+        A template with ``{username}`` names an account per lease from its owner:
+        ``"{username}"`` runs each worker as the notebook user's own account, where
+        the node knows the users (LDAP/NSS) and shares their homes; a lease whose
+        owner has no account here is refused.""",
     ).tag(config=True)
 
     environments = Dict(
@@ -516,6 +522,9 @@ class NodeAgent(Application):
         GPUPoolError ``not_configured`` naming what is wrong."""
         if not self.worker_user:
             return None
+        if is_user_template(self.worker_user):  # an account per lease, looked up when the lease asks
+            expand_worker_user(self.worker_user, "probe")  # a bad template stops the start
+            return None
         try:
             user = WorkerUser.lookup(self.worker_user)
             user.check_can_switch()
@@ -534,6 +543,24 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", f"worker user {user.name!r} cannot enter {blocked} on the way to "
                                f"the state directory {state_dir} (--state-dir), where its connection files are: "
                                f"allow it (chmod o+x {blocked}) or choose another state directory")
+        return user
+
+    def account_for(self, owner: str) -> WorkerUser | None:
+        """The account of ``owner``'s worker when ``worker_user`` is a template
+        (None otherwise: the one fixed account). Raises a 400 GPUPoolError when
+        the owner has no account on this node, or it may not be switched to."""
+        if not is_user_template(self.worker_user or ""):
+            return None
+        name = expand_worker_user(self.worker_user, owner)
+        try:
+            user = WorkerUser.lookup(name)
+            user.check_can_switch()
+        except ValueError as exc:
+            raise GPUPoolError("worker_user_unknown", f"cannot start the worker of {owner!r} on node "
+                               f"{self.node_name}: {exc} (c.NodeAgent.worker_user = {self.worker_user!r})",
+                               400) from None
+        if user.uid == 0:
+            raise bad_request(f"refusing to run {owner!r}'s worker as root (c.NodeAgent.worker_user)")
         return user
 
     def read_token(self) -> str:
@@ -615,13 +642,15 @@ class NodeAgent(Application):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
-        if self.user is not None:
+        if self.user is not None or is_user_template(self.worker_user or ""):
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
                                      encryption=self.transport_encryption)
+        if is_user_template(self.worker_user or ""):
+            self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
         if adopted:
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
@@ -839,6 +868,26 @@ class NodeAgent(Application):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
+
+
+def is_user_template(worker_user: str) -> bool:
+    """Whether ``c.NodeAgent.worker_user`` names an account per lease (``"{username}"``)."""
+    return "{" in worker_user
+
+
+def expand_worker_user(template: str, owner: str) -> str:
+    """The account name ``template`` gives for the lease owner ``owner`` (pure):
+    ``"{username}"`` -> ``"ann"``, ``"jupyter-{username}"`` -> ``"jupyter-ann"``.
+    Raises a 400 GPUPoolError for an owner that is no POSIX account name, and
+    GPUPoolError ``not_configured`` for a template with other fields."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}", owner):
+        raise bad_request(f"lease owner {owner!r} is no account name of this node (c.NodeAgent.worker_user "
+                          f"{template!r}): lower-case letters, digits, '_', '.', '-', at most 32")
+    try:
+        return template.format(username=owner)
+    except (KeyError, IndexError, ValueError):
+        raise GPUPoolError("not_configured", f"c.NodeAgent.worker_user {template!r}: the only field a "
+                           "template may hold is {username}") from None
 
 
 def _advertised_ip(ip: str) -> str:
