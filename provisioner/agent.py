@@ -156,8 +156,9 @@ class WorkersHandler(AgentHandler):
                                f"{self.agent.inventory.error}", 503)
         body = self.json_body()
         spec = parse_worker_request(body, self.agent.gpus)
-        spec = dataclasses.replace(spec, python=self.agent.python_for(body.get("env")),
-                                   user=self.agent.account_for(spec.owner))
+        python = self.agent.python_for(body.get("env"))
+        user = await asyncio.to_thread(self.agent.account_for, spec.owner)  # NSS may ask LDAP: off the loop
+        spec = dataclasses.replace(spec, python=python, user=user)
         try:
             check_slice(self.agent.enforcement, spec.fraction)
         except ValueError as exc:

@@ -81,3 +81,37 @@ def test_a_worker_runs_in_the_environment_its_request_names(agent_with_envs):
 
     assert psutil.Process(reply["pid"]).cmdline()[0] == str(prefix / "bin" / "python")
     assert call(f"{url}/workers/L-env", "DELETE")[0] == 200
+
+
+def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
+    """Through the service: the agent's environments are listed by GET /pool (and ``gpupool
+    pool``), a lease naming one gets a worker on that interpreter, and one the node does not
+    offer ends ``failed`` with the agent's words."""
+    from procs import start_agent
+
+    from gpupool.schema import LeaseRequest, LeaseState
+    from gpupool.tables import environment_table
+
+    prefix = Path(sys.executable).parent.parent
+    config = tmp_path / "agent_config.py"
+    config.write_text(f"c.NodeAgent.environments = {{'venv': {str(prefix)!r}}}\n")
+    node = start_agent(tmp_path, service, extra_args=[f"--config={config}"])
+    try:
+        pool = service.client().pool()
+        envs = {e["name"]: e for e in pool["nodes"][0]["environments"]}
+        assert set(envs) == {"default", "venv"} and envs["default"]["default"] and envs["venv"]["usable"]
+        assert "venv" in environment_table(pool)[0]
+        lease = service.client().create_lease(LeaseRequest(fraction=0.5, env="venv"))
+        lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
+                         and got, 60, "the lease's worker")
+        assert lease.state is LeaseState.active, lease.reason
+        import psutil
+
+        assert psutil.Process(lease.worker["pid"]).cmdline()[0] == str(prefix / "bin" / "python")
+        service.client().release(lease.id)
+        other = service.client().create_lease(LeaseRequest(fraction=0.5, env="torch"))
+        other = wait_for(lambda: (got := service.client().get_lease(other.id)).state.value in ("failed", "released")
+                         and got, 60, "the refused lease to end")
+        assert other.state is LeaseState.failed and "has no environment 'torch'" in other.reason
+    finally:
+        node.stop()
