@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     pool = client.pool()
     leases = client.list_leases(active=not args.all)
     if args.json:
-        _print_json({"pool": pool, "leases": [{**asdict(lease), "state": lease.state.value} for lease in leases]})
+        # Without "connection": its HMAC key is for the notebook kernel, not for a script's output.
+        _print_json({"pool": pool, "leases": [{**{k: v for k, v in asdict(lease).items() if k != "connection"},
+                                                "state": lease.state.value} for lease in leases]})
         return 0
     print(pool_table(pool)[0])
     print()

@@ -54,6 +54,7 @@ def test_json_output_of_status_pool_and_quota(pool):
     status = json.loads(gpupool("status", "--json", *common).stdout)
     assert [l["id"] for l in status["leases"]] == [lease.id]
     assert status["leases"][0]["state"] in ("starting", "active") and status["leases"][0]["owner"] == "tester"
+    assert "connection" not in status["leases"][0]  # the worker's key stays out of scripts' output
     assert [n["name"] for n in status["pool"]["nodes"]] == [agent.name]
     pool_json = json.loads(gpupool("pool", "--json", *common).stdout)
     assert pool_json["totals"]["gpus"] == 2
