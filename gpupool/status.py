@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .api import add_client_arguments, client_from_arguments
-from .tables import environment_table, gpu_utilization, lease_table, pool_table
+from .tables import gpu_utilization, lease_table, pool_table
 
 
 def _print_json(body: Any) -> None:
@@ -52,9 +52,5 @@ def pool_main(argv: list[str] | None = None) -> int:
     if args.json:
         _print_json(pool)
         return 0
-    print(pool_table(pool)[0])
-    environments = environment_table(pool)[0]
-    if environments:
-        print()
-        print(environments)
+    print(pool_table(pool)[0])  # with the nodes' worker environments when they offer a choice
     return 0

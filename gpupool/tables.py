@@ -68,7 +68,8 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per GPU of ``GET /pool`` (a node that lists none gets one row
     with GPU ``-``): node, state, enforcement, GPU, memory, allocated share,
     leases; then, for each node that is not ``up``, a line saying why
-    (its ``state_reason``) and what that means for leases."""
+    (its ``state_reason``) and what that means for leases; then, when some
+    node offers a choice of worker environments, :func:`environment_table`."""
     rows, notes = [], []
     for node in pool.get("nodes", []):
         state = node.get("state", "?")
@@ -83,7 +84,16 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     if notes:
         text += "\n\n" + "\n".join(notes)
         markup += "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+    if _offers_a_choice(pool):  # then %gpu pool and gpupool pool list the environments a lease may name
+        env_text, env_markup = environment_table(pool)
+        text, markup = f"{text}\n\n{env_text}", markup + env_markup
     return text, markup
+
+
+def _offers_a_choice(pool: dict[str, Any]) -> bool:
+    """Whether a node reports more than its one default environment, or one it cannot use."""
+    return any(len(envs) > 1 or not all(e.get("usable") for e in envs)
+               for envs in (node.get("environments") or [] for node in pool.get("nodes", [])) if envs)
 
 
 def node_note(name: str, state: str, reason: str | None) -> str:

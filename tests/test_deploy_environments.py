@@ -90,7 +90,7 @@ def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
     from procs import start_agent
 
     from gpupool.schema import LeaseRequest, LeaseState
-    from gpupool.tables import environment_table
+    from gpupool.tables import environment_table, pool_table
 
     prefix = Path(sys.executable).parent.parent
     config = tmp_path / "agent_config.py"
@@ -101,6 +101,7 @@ def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
         envs = {e["name"]: e for e in pool["nodes"][0]["environments"]}
         assert set(envs) == {"default", "venv"} and envs["default"]["default"] and envs["venv"]["usable"]
         assert "venv" in environment_table(pool)[0]
+        assert "venv" in pool_table(pool)[0] and "venv" in pool_table(pool)[1]  # what %gpu pool shows
         lease = service.client().create_lease(LeaseRequest(fraction=0.5, env="venv"))
         lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
                          and got, 60, "the lease's worker")
