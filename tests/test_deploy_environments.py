@@ -4,7 +4,6 @@ starts the worker with that interpreter; an unknown or unusable one is a 400 in 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
