@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "make: chromium not installed (needs root and apt-get): the page tests will skip"
+	# The alert rules are checked with promtool (Debian's prometheus package, as root); without it that test skips.
+	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+		|| echo "make: promtool not installed (needs root and apt-get): the alert rule test will skip"
 	touch $(STAMP)
 
 demo: install

@@ -1,17 +1,24 @@
 """The ``gpupool`` command line.
 
-    gpupool service [--ip IP] [--port N] [--state-dir DIR] [--config FILE]
-    gpupool agent --service-url URL [--simulate 2xA100-80GB] [--name NODE] ...
+    gpupool --version
+    gpupool service [--ip IP] [--port N] [--state-dir DIR] [--config FILE] | --generate-config
+    gpupool agent --service-url URL [--simulate 2xA100-80GB] [--name NODE] ... | --generate-config
     gpupool kernelspec install [--name gpupool] [--url URL] [--token-file F]
     gpupool demo [--keep-state]
-    gpupool status [--url URL] [--token T]
-    gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage]
+    gpupool status [--url URL] [--token T] [--json]
+    gpupool pool [--url URL] [--token T] [--json]
+    gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage] [--json]
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
-every setting, and a config file (``gpupool_config.py`` or the hub's
+every setting, ``--generate-config`` prints a config file with every setting
+commented out, and a config file (``gpupool_config.py`` or the hub's
 ``jupyterhub_config.py``) sets the same traits. The other commands are small
 and parse their arguments here.
+
+Each role installs its own extra (``gpupool[hub]``, ``gpupool[agent]``,
+``gpupool[kernel]``); a command whose packages are missing says which extra to
+install instead of printing a ModuleNotFoundError.
 """
 
 from __future__ import annotations
@@ -19,28 +26,61 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import __version__
 from .errors import GPUPoolError
 
-#: command -> (module that has its ``main(argv)``, one line for the usage). Imported
-#: only when run, so a notebook host never imports the service or the agent.
-_COMMANDS = {
-    "service": ("gpupool.hub_plugin.app", "run the pool service (REST API, scheduler, SQL store)"),
-    "agent": ("gpupool.provisioner.agent", "run the node agent: GPU inventory, workers, heartbeats"),
+#: command -> (module that has its ``main(argv)``, one line for the usage, the extra it needs).
+#: Imported only when run, so a notebook host never imports the service or the agent.
+COMMANDS = {
+    "service": ("gpupool.hub_plugin.app", "run the pool service (REST API, scheduler, SQL store)", "hub"),
+    "agent": ("gpupool.provisioner.agent", "run the node agent: GPU inventory, workers, heartbeats", "agent"),
     "kernelspec": ("gpupool.provisioner.kernelspec",
-                   "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)"),
-    "demo": ("gpupool.demo", "start a pool on this machine and run examples/quickstart.ipynb end to end"),
-    "status": ("gpupool.status", "show the pool's nodes, GPUs and your leases as a table"),
-    "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides"),
+                   "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)", "kernel"),
+    "demo": ("gpupool.demo", "start a pool on this machine and run examples/quickstart.ipynb end to end", "all"),
+    "status": ("gpupool.status", "show the pool's nodes, GPUs and your leases as a table", None),
+    "pool": ("gpupool.status", "show the pool's nodes, GPUs and environments as a table", None),
+    "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides", None),
     "simulate": ("gpupool.hub_plugin.simulator",
-                 "replay a workload trace against the scheduler and reclaim rules (capacity planning)"),
+                 "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "hub"),
 }
+
+#: Top-level modules of each extra's packages (pyproject.toml [project.optional-dependencies]).
+EXTRA_MODULES = {
+    "hub": {"sqlalchemy", "alembic", "psycopg", "prometheus_client", "jupyterhub"},
+    "agent": {"ipykernel", "IPython", "pynvml", "psutil"},
+    "kernel": {"ipykernel", "IPython"},
+}
+
+#: Commands that are traitlets applications: ``--generate-config`` prints their config file.
+_APPS = {"service": ("gpupool.hub_plugin.app", "ServiceApp"), "agent": ("gpupool.provisioner.agent", "NodeAgent")}
 
 
 def _usage() -> str:
-    lines = ["usage: gpupool COMMAND [options]", "", "GPU pooling for Jupyter.", "", "commands:"]
-    lines += [f"  {name:<11} {text}" for name, (_, text) in _COMMANDS.items()]
+    lines = ["usage: gpupool COMMAND [options]", "       gpupool --version", "", "GPU pooling for Jupyter.", "",
+             "commands:"]
+    lines += [f"  {name:<11} {text}" for name, (_, text, _) in COMMANDS.items()]
     lines += ["", "Run 'gpupool COMMAND --help' for a command's options."]
     return "\n".join(lines)
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """Words naming the extra to install when ``exc`` is a package of one
+    (``"gpupool service needs the 'hub' extra: pip install 'gpupool[hub]' (missing: sqlalchemy)"``),
+    or None when the missing module belongs to no extra (a real bug: re-raise it)."""
+    top = (exc.name or "").partition(".")[0]
+    extra = COMMANDS[command][2]
+    owners = [name for name, modules in EXTRA_MODULES.items() if top in modules]
+    if not owners:
+        return None
+    if extra is None or (extra != "all" and extra not in owners):
+        extra = owners[0]
+    return f"gpupool {command} needs the '{extra}' extra: pip install 'gpupool[{extra}]' (missing module: {top})"
+
+
+def generate_config(command: str) -> str:
+    """The config file of ``command`` (``service``/``agent``): every setting, commented out, with its help."""
+    module, name = _APPS[command]
+    return getattr(importlib.import_module(module), name)().generate_config_file()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,14 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(f"gpupool {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
-    if command not in _COMMANDS:
+    if command not in COMMANDS:
         print(f"gpupool: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
-        return importlib.import_module(_COMMANDS[command][0]).main(rest) or 0
+        if command in _APPS and "--generate-config" in rest:
+            print(generate_config(command))
+            return 0
+        module = importlib.import_module(COMMANDS[command][0])
+        if command == "pool":
+            return module.pool_main(rest) or 0
+        return module.main(rest) or 0
     except GPUPoolError as exc:
         print(f"gpupool {command}: {exc.message}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:
+        words = missing_extra(command, exc)
+        if words is None:
+            raise
+        print(words, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -67,4 +122,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

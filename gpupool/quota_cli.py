@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scope", nargs="?", help="'*', 'group:NAME' or 'user:NAME' (set, unset)")
     parser.add_argument("limits", nargs="*", help="LIMIT=VALUE (set)")
     parser.add_argument("--days", type=int, default=7, help="days of daily usage (usage; default 7)")
+    parser.add_argument("--json", action="store_true", help="show: print the service's JSON (list and usage always do)")
     add_client_arguments(parser)
     args = parser.parse_args(argv)
     if args.action in ("set", "unset") and not args.scope:
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("'set' needs at least one LIMIT=VALUE")
     client = client_from_arguments(parser, args)
     if args.action == "show":
-        print(quota_text(client.quota()))
+        body = client.quota()
+        print(json.dumps(body, indent=2, sort_keys=True) if args.json else quota_text(body))
     elif args.action == "list":
         print(json.dumps(client.admin_quotas(), indent=2, sort_keys=True))
     elif args.action == "set":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -111,6 +112,8 @@ class LeaseRequest:
     ``server_name``: the JupyterHub single-user server the kernel runs in
     (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
     255 characters), so that stopping one server releases only its leases.
+    ``env``: the worker environment on the node (``c.NodeAgent.environments``,
+    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default).
     """
 
     fraction: float = 1.0
@@ -121,8 +124,9 @@ class LeaseRequest:
     kernel_id: str | None = None
     wait: float | None = None
     server_name: str | None = None
+    env: str | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -161,9 +165,13 @@ class LeaseRequest:
                                    or any(ch < " " or ch == "\x7f" for ch in server)):
             raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
                               f"control characters, \"\" for the default server), got {server!r:.80}")
+        env = body.get("env")
+        if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", env)):
+            raise bad_request(f"'env' must name a worker environment (letters, digits, '.', '_', '-'; "
+                              f"at most 100), got {env!r:.80}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None, server_name=server)
+                   wait=wait or None, server_name=server, env=env)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""

@@ -1,11 +1,23 @@
-"""``gpupool status``: the pool's nodes and GPUs, and your leases, as tables."""
+"""``gpupool status`` and ``gpupool pool``: the pool's nodes and GPUs, and your
+leases, as tables; with ``--json`` the service's JSON as it is, for scripts:
+
+    gpupool status --json   # {"pool": GET /pool, "leases": [GET /leases ...]}
+    gpupool pool --json     # GET /pool
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import asdict
+from typing import Any
 
 from .api import add_client_arguments, client_from_arguments
 from .tables import gpu_utilization, lease_table, pool_table
+
+
+def _print_json(body: Any) -> None:
+    print(json.dumps(body, indent=2, sort_keys=True, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,12 +25,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpupool status", description="Show the pool's nodes and GPUs, and your leases, as tables.")
     add_client_arguments(parser)
     parser.add_argument("--all", action="store_true", help="also list leases that have ended")
+    parser.add_argument("--json", action="store_true", help="print the service's JSON instead of tables")
     args = parser.parse_args(argv)
     client = client_from_arguments(parser, args)
     pool = client.pool()
-    print(pool_table(pool)[0])
     leases = client.list_leases(active=not args.all)
+    if args.json:
+        # Without "connection": its HMAC key is for the notebook kernel, not for a script's output.
+        _print_json({"pool": pool, "leases": [{**{k: v for k, v in asdict(lease).items() if k != "connection"},
+                                                "state": lease.state.value} for lease in leases]})
+        return 0
+    print(pool_table(pool)[0])
     print()
     print(lease_table(leases, gpu_utilization(pool))[0] if leases else "no leases")
     return 0
 
+
+def pool_main(argv: list[str] | None = None) -> int:
+    """``gpupool pool``: the pool table and each node's worker environments; returns 0."""
+    parser = argparse.ArgumentParser(prog="gpupool pool",
+                                     description="Show the pool's nodes, GPUs and worker environments.")
+    add_client_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print GET /pool's JSON instead of tables")
+    args = parser.parse_args(argv)
+    pool = client_from_arguments(parser, args).pool()
+    if args.json:
+        _print_json(pool)
+        return 0
+    print(pool_table(pool)[0])  # with the nodes' worker environments when they offer a choice
+    return 0

@@ -68,7 +68,8 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per GPU of ``GET /pool`` (a node that lists none gets one row
     with GPU ``-``): node, state, enforcement, GPU, memory, allocated share,
     leases; then, for each node that is not ``up``, a line saying why
-    (its ``state_reason``) and what that means for leases."""
+    (its ``state_reason``) and what that means for leases; then, when some
+    node offers a choice of worker environments, :func:`environment_table`."""
     rows, notes = [], []
     for node in pool.get("nodes", []):
         state = node.get("state", "?")
@@ -83,7 +84,16 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     if notes:
         text += "\n\n" + "\n".join(notes)
         markup += "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+    if _offers_a_choice(pool):  # then %gpu pool and gpupool pool list the environments a lease may name
+        env_text, env_markup = environment_table(pool)
+        text, markup = f"{text}\n\n{env_text}", markup + env_markup
     return text, markup
+
+
+def _offers_a_choice(pool: dict[str, Any]) -> bool:
+    """Whether a node reports more than its one default environment, or one it cannot use."""
+    return any(len(envs) > 1 or not all(e.get("usable") for e in envs)
+               for envs in (node.get("environments") or [] for node in pool.get("nodes", [])) if envs)
 
 
 def node_note(name: str, state: str, reason: str | None) -> str:
@@ -96,3 +106,21 @@ def node_note(name: str, state: str, reason: str | None) -> str:
         return (f"{name} is lost: {reason or 'no heartbeat from its agent'}; nothing new is placed there, "
                 "and cells of its leases may not answer until it is back")
     return f"{name} is {state}: {reason or 'no reason given'}"
+
+
+def environment_table(pool: dict[str, Any]) -> tuple[str, str]:
+    """One row per worker environment of each node of ``GET /pool`` (a node's
+    ``environments``: ``[{"name", "python", "default", "usable", "problem"}]``, as
+    its agent reported them at registration): node, name, default or not, the
+    Python, and whether leases may name it (else why not). ``("", "")`` when no
+    node reports any (agents before environments, or a service that does not pass
+    them on)."""
+    rows = []
+    for node in pool.get("nodes", []):
+        for env in node.get("environments") or []:
+            usable = "yes" if env.get("usable") else f"no: {env.get('problem') or 'unknown'}"
+            rows.append([node["name"], env.get("name", "?"), "default" if env.get("default") else "",
+                         env.get("python", "?"), usable])
+    if not rows:
+        return "", ""
+    return table(["node", "environment", "", "python", "usable"], rows)

@@ -24,6 +24,7 @@ import signal
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
@@ -153,8 +154,14 @@ class ServiceApp(Application):
         server = HTTPServer(app, max_body_size=8 * 1024 * 1024, ssl_options=tls)
         server.add_sockets(sockets)
         url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
-        _write_atomically(info_file, json.dumps({"url": url, "pid": os.getpid()}))
-        log.info("gpupool service %s listening on %s (state in %s)", __version__, url, state)
+        public = settings.public_url or url.rstrip("/") + settings.base_url  # what kernels and agents use
+        _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
+        log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, url,
+                 state, public)
+        if public.startswith("http://") and urlsplit(public).hostname not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("kernels and agents reach this service over plain HTTP at %s: tokens cross the network "
+                        "unencrypted; serve HTTPS (--ssl-cert/--ssl-key) and make c.GPUPool.public_url https://",
+                        public)
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -146,6 +146,27 @@ class GPUPool(Configurable):
         Default: True. ``c.GPUPool.authenticate_prometheus = False``.""",
     ).tag(config=True)
 
+    public_url = Unicode(
+        "",
+        help="""The URL notebook kernels and node agents use to reach the service,
+        with ``base_url`` as its path, when it is not the address the service binds
+        (``--ip``, ``--port``): a host name, a load balancer, a Kubernetes Service.
+        Across hosts make it ``https://`` (serve ``ssl_cert``/``ssl_key``; give clients
+        ``GPUPOOL_CA_FILE`` for your own CA): tokens travel in every request.
+        Default: empty, meaning the bound address (``http://127.0.0.1:8765/`` for a
+        wildcard bind). Written to ``STATE_DIR/service.json`` as ``public_url``.
+        ``c.GPUPool.public_url = "https://pool.example.org:8765/"``.""",
+    ).tag(config=True)
+
+    @validate("public_url")
+    def _public_url_valid(self, proposal):
+        from urllib.parse import urlsplit
+
+        url = proposal["value"]
+        if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise TraitError(f"c.GPUPool.public_url must be an http:// or https:// URL with a host, got {url!r}")
+        return url.rstrip("/") + "/" if url else url
+
     base_url = Unicode(
         "/",
         help="""URL prefix the service is served under; under JupyterHub this is

@@ -19,7 +19,9 @@ It wires, on the hub's config ``c``:
 - ``c.Spawner.server_token_scopes`` extended with ``custom:gpupool:use!user``,
   so a single-user server's ``JUPYTERHUB_API_TOKEN``, which its kernels
   inherit, may call the service (the hub grants only what the user holds);
-- ``GPUPOOL_URL`` in the single-user servers' environment;
+- ``GPUPOOL_URL`` in the single-user servers' environment: ``public_url``
+  (what kernels on other hosts or in pods use) when given, else the address
+  the service binds;
 - a ``c.Spawner.post_stop_hook`` (chained after one set before) that asks
   the service to release the leases of a server that stopped (leases record
   the ``JUPYTERHUB_SERVER_NAME`` of the kernel that asked, so with named
@@ -46,15 +48,20 @@ ADMIN_SCOPE = "custom:gpupool:admin"
 SERVER_ROLE_SCOPES = ["users:activity!user", "access:servers!server"]
 
 
-def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int = 8765,
+def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int = 8765, public_url: str | None = None,
               state_dir: str | os.PathLike | None = None, config_file: str | os.PathLike | None = None,
               quotas: dict | None = None, user_groups: Iterable[str] | None = None,
               admin_group: str | None = None, admin_users: Iterable[str] = (),
               environment: dict[str, str] | None = None) -> dict[str, Any]:
     """Wire the gpupool service into the hub config ``c``; returns the service entry.
 
-    ``ip``/``port``: where the service listens (the proxy and kernels reach it
-    there). ``state_dir``: its SQLite store and token files (default
+    ``ip``/``port``: where the service listens. ``public_url``: the URL kernels
+    and agents use to reach it when that is not ``ip:port`` (a bind to
+    ``0.0.0.0`` is reached by name): e.g. ``"https://hub.example.org:8765"``, without
+    the service prefix; across hosts make it ``https://`` and set
+    ``c.GPUPool.ssl_cert``/``ssl_key`` (docs/security.md, "Transport"). It is
+    also the URL the proxy forwards ``/services/NAME/`` to. Default: the bound
+    address (``127.0.0.1`` for a wildcard). ``state_dir``: its SQLite store and token files (default
     ``gpupool-state`` beside the config file). ``config_file``: the file the
     service reads (default: the file calling this, i.e. ``jupyterhub_config.py``).
     ``quotas``: sets ``c.GPUPool.quotas``. ``user_groups``: only these groups'
@@ -70,11 +77,11 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
         raise ValueError(f"config file {config_path} not found; pass configure(c, config_file=__file__)")
     state = Path(state_dir or config_path.parent / "gpupool-state").resolve()
     prefix = f"/services/{name}/"
-    host = "127.0.0.1" if ip in ("", "0.0.0.0") else ip
-    url = f"http://{host}:{port}"
+    url = service_url(ip, port, public_url)
     token = _service_token(state)
 
     c.GPUPool.base_url = prefix
+    c.GPUPool.public_url = url + prefix
     if quotas is not None:
         c.GPUPool.quotas = quotas
     service = {
@@ -100,6 +107,22 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
     c.Spawner.environment.update({"GPUPOOL_URL": url + prefix.rstrip("/")})
     c.Spawner.post_stop_hook = release_on_stop(url + prefix, token, previous=_previous_hook(c))
     return service
+
+
+def service_url(ip: str, port: int, public_url: str | None = None) -> str:
+    """The service's URL without its prefix (pure): ``public_url`` when given
+    (its path dropped: the prefix is added by the caller), else
+    ``http://IP:PORT`` with a wildcard ``ip`` read as ``127.0.0.1``. Raises
+    ValueError for a ``public_url`` that is not http(s) with a host."""
+    if public_url:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(public_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"public_url must be an http:// or https:// URL with a host, got {public_url!r}")
+        return f"{parts.scheme}://{parts.netloc}"
+    host = "127.0.0.1" if ip in ("", "0.0.0.0") else ip
+    return f"http://{host}:{port}"
 
 
 def custom_scopes() -> dict[str, dict[str, str]]:

@@ -164,7 +164,7 @@ class LeaseBook:
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
-                          requested_memory=request.memory, server_name=request.server_name)
+                          requested_memory=request.memory, server_name=request.server_name, env=request.env)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
             else:
@@ -255,6 +255,8 @@ class LeaseBook:
             url, node_name = node.url, node.name
             body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
                     "fraction": lease.fraction, "memory": lease.memory}
+            if lease.env is not None:
+                body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
         try:
             reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
         except GPUPoolError as exc:

@@ -4,9 +4,17 @@ Read from the store at scrape time, so they cannot drift from the
 scheduler's view and survive restarts (allocation is always summed from the
 leases that hold capacity):
 
-- ``gpupool_gpu_*{node,index,uuid,model}``: per GPU allocated fraction and
-  memory, usable memory, memory in use; ``gpupool_nodes{node,state}``;
-- ``gpupool_leases{state}`` and ``gpupool_queue_length`` (queued requests);
+- ``gpupool_gpu_*{node,gpu,UUID,modelName,Hostname}`` (the labels of NVIDIA's
+  DCGM exporter, so dashboards can join the two on ``UUID``): per GPU the
+  allocated share (``..._allocated_ratio``, 0 to 1) and memory, usable memory,
+  memory in use; ``gpupool_nodes{node,state}``;
+- ``gpupool_leases{state}``: leases now in each live state (queued, starting,
+  active, releasing); ``gpupool_leases_ended_total{state}``: leases that ended
+  released, reclaimed or failed (the store keeps every lease, so it never goes
+  down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
+  ``heartbeat``; :data:`RECLAIM_CODES`);
+- ``gpupool_queue_length`` (queued requests) and ``gpupool_queue_oldest_wait_seconds``
+  (how long the longest-waiting one has waited; 0 when none);
 - ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
   seconds) each user has used: ended leases from the usage ledger plus
   running ones up to the scrape, so ``rate()`` shows GPUs in use per user.
@@ -15,23 +23,26 @@ leases that hold capacity):
   user in several groups would count in each.
 
 Counted by this process as they happen (they start at 0 when it starts):
-``gpupool_lease_refusals_total{reason}`` and the histogram
+``gpupool_lease_refusals_total{reason}`` (reason codes such as ``no_fraction``,
+``quota_max_gpus``: :func:`reason_code`; the words stay in the API's answers) and the histogram
 ``gpupool_queue_wait_seconds``: how long each queued request waited until it
 was placed (requests that gave up or were cancelled are not observed).
 """
 
 from __future__ import annotations
 
+from datetime import timezone
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LeaseState, utcnow
 
+from . import scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
@@ -40,6 +51,31 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Upper bounds (seconds) of the queue wait histogram: from a release that frees
 #: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
 QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
+#: The scheduler's refusal reasons (words for people) -> label values for Prometheus.
+REFUSAL_CODES = {
+    scheduler.NODE_LOST: "node_lost",
+    scheduler.NODE_DEGRADED: "node_degraded",
+    scheduler.UNHEALTHY: "gpu_unhealthy",
+    scheduler.MODEL_MISMATCH: "model_mismatch",
+    scheduler.WHOLE_ONLY: "whole_gpus_only",
+    scheduler.NO_FRACTION: "no_fraction",
+    scheduler.NO_MEMORY: "no_memory",
+    scheduler.FEW_ON_NODE: "few_on_node",
+}
+#: How each reclaim reason of :mod:`.reclaim` begins -> its code (matched in SQL at scrape time).
+RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat"}
+ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
+
+
+def reason_code(reason: str) -> str:
+    """The label value for a refusal ``reason``: the scheduler's code, or for a quota
+    refusal (``"quota max_gpus"``) ``quota_max_gpus``; anything else ``other``."""
+    if reason in REFUSAL_CODES:
+        return REFUSAL_CODES[reason]
+    if reason.startswith("quota "):
+        limit = reason[len("quota "):]
+        return "quota_" + limit if limit.replace("_", "").isalnum() else "quota"
+    return "other"
 
 
 class Metrics:
@@ -49,7 +85,7 @@ class Metrics:
 
     def __init__(self, store: Store, context_overhead: int) -> None:
         self.registry = CollectorRegistry()
-        self.refusals = Counter("gpupool_lease_refusals", "Lease requests refused, by scheduler reason",
+        self.refusals = Counter("gpupool_lease_refusals", "Lease requests refused, by reason code",
                                 ["reason"], registry=self.registry)
         self.queue_wait = Histogram("gpupool_queue_wait_seconds",
                                     "Seconds a queued lease request waited until it was placed",
@@ -58,7 +94,7 @@ class Metrics:
 
     def refused(self, reasons: dict[str, int]) -> None:
         for reason in reasons:
-            self.refusals.labels(reason=reason).inc()
+            self.refusals.labels(reason=reason_code(reason)).inc()
 
     def dequeued(self, seconds: float) -> None:
         self.queue_wait.observe(max(0.0, seconds))
@@ -79,13 +115,13 @@ class _PoolCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        fraction, memory, usable, used, nodes, leases, queue, usage = self._families()
+        fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims = self._families()
         with self.store.read() as session:
             alloc = allocations(session)
             for node in nodes_with_gpus(session):
                 nodes.add_metric([node.name, node.state], 1)
                 for gpu in node.gpus:
-                    labels = [node.name, str(gpu.index), gpu.uuid, gpu.name]
+                    labels = [node.name, str(gpu.index), gpu.uuid, gpu.name, node.name]
                     taken = alloc.get(gpu.uuid, Allocation())
                     fraction.add_metric(labels, taken.fraction)
                     memory.add_metric(labels, taken.memory)
@@ -93,29 +129,46 @@ class _PoolCollector(Collector):
                     if gpu.memory_used is not None:
                         used.add_metric(labels, gpu.memory_used)
             counts = dict(session.execute(select(Lease.state, func.count()).group_by(Lease.state)).all())
+            first_queued = session.execute(select(func.min(Lease.created_at))
+                                           .where(Lease.state == LeaseState.queued.value)).scalar()
+            code = case(*((Lease.reason.like(prefix + "%"), code) for prefix, code in RECLAIM_CODES.items()),
+                        else_="other")
+            reclaimed = dict(session.execute(select(code, func.count()).where(
+                Lease.state == LeaseState.reclaimed.value).group_by(code)).all())
             for user, seconds in sorted(_usage_by_user(session).items()):
                 usage.add_metric([user], seconds)
         for state in LeaseState:
-            leases.add_metric([state.value], counts.get(state.value, 0))
+            family = ended if state in ENDED else leases
+            family.add_metric([state.value], counts.get(state.value, 0))
         queue.add_metric([], counts.get(LeaseState.queued.value, 0))
-        yield from (fraction, memory, usable, used, nodes, leases, queue, usage)
+        if first_queued is not None:
+            first_queued = first_queued if first_queued.tzinfo else first_queued.replace(tzinfo=timezone.utc)
+        oldest.add_metric([], 0.0 if first_queued is None else max(0.0, (utcnow() - first_queued).total_seconds()))
+        for reason in sorted({*RECLAIM_CODES.values(), *reclaimed}):
+            reclaims.add_metric([reason], reclaimed.get(reason, 0))
+        yield from (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims)
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
-        gpu = ["node", "index", "uuid", "model"]
+        gpu = ["node", "gpu", "UUID", "modelName", "Hostname"]
         return (
-            GaugeMetricFamily("gpupool_gpu_allocated_fraction", "Fraction of the GPU held by leases", labels=gpu),
+            GaugeMetricFamily("gpupool_gpu_allocated_ratio", "Share of the GPU held by leases, 0 to 1", labels=gpu),
             GaugeMetricFamily("gpupool_gpu_allocated_memory_bytes", "GPU memory held by leases", labels=gpu),
             GaugeMetricFamily("gpupool_gpu_usable_memory_bytes",
                               "GPU memory leases may share (total - reserved - context overhead)", labels=gpu),
             GaugeMetricFamily("gpupool_gpu_memory_used_bytes", "GPU memory in use as last reported by NVML",
                               labels=gpu),
             GaugeMetricFamily("gpupool_nodes", "Nodes by state (1 per node)", labels=["node", "state"]),
-            GaugeMetricFamily("gpupool_leases", "Leases by state", labels=["state"]),
+            GaugeMetricFamily("gpupool_leases", "Leases now in each live state", labels=["state"]),
             GaugeMetricFamily("gpupool_queue_length", "Lease requests waiting in the queue"),
+            GaugeMetricFamily("gpupool_queue_oldest_wait_seconds",
+                              "Seconds the longest-waiting queued request has waited (0: none waits)"),
             CounterMetricFamily("gpupool_usage_gpu_seconds",
                                 "GPU-seconds (fraction x GPUs x seconds held) used, by user; running leases "
                                 "count up to now", labels=["user"]),
+            CounterMetricFamily("gpupool_leases_ended", "Leases that ended, by final state", labels=["state"]),
+            CounterMetricFamily("gpupool_reclaims", "Leases the service reclaimed, by reason code",
+                                labels=["reason"]),
         )
 
 

@@ -61,6 +61,8 @@ class Node(Base):
     state: Mapped[str] = mapped_column(String(10), default="up")
     #: Revision 0004: why the node is degraded or lost (None while up).
     state_reason: Mapped[str | None] = mapped_column(String(500))
+    #: Revision 0005: the worker environments its agent offers, as it reported them.
+    environments: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -136,6 +138,8 @@ class Lease(Base):
     #: Revision 0003: the JupyterHub server the lease came from ("" the default
     #: one; None: unknown), so a stopped server's leases are released alone.
     server_name: Mapped[str | None] = mapped_column(String(255))
+    #: Revision 0005: the worker environment the request named (None: the node's default).
+    env: Mapped[str | None] = mapped_column(String(100))
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

@@ -62,6 +62,7 @@ class NodeBook:
         healthy = {g["uuid"]: g.get("healthy") is not False for g in gpus}
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         error = _inventory_error(body)
+        environments = _environments(body)
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
@@ -71,6 +72,7 @@ class NodeBook:
             else:
                 _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
             node.url, node.inventory, node.enforcement = url, inventory, enforcement
+            node.environments = environments
             node.registered_at, node.last_heartbeat_at = now, now
             _set_state(node, error)
             if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
@@ -259,6 +261,26 @@ def _inventory_error(body: dict[str, Any]) -> str | None:
                               or has_control_characters(value)):
         raise bad_request("'inventory_error' must be null or words of 1 to 500 characters without control characters")
     return value
+
+
+def _environments(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The optional ``environments`` of a registration (None: not reported):
+    at most 100 of ``{"name", "python", "default", "usable", "problem"}``."""
+    value = body.get("environments")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > 100:
+        raise bad_request("'environments' must be a list of at most 100 worker environments")
+    result = []
+    for env in value:
+        if not isinstance(env, dict) or not isinstance(env.get("name"), str) or not isinstance(env.get("python"), str):
+            raise bad_request("each environment needs 'name' and 'python' (strings)")
+        problem = env.get("problem")
+        if problem is not None and not isinstance(problem, str):
+            raise bad_request("an environment's 'problem' must be words or null")
+        result.append({"name": env["name"][:100], "python": env["python"][:500], "default": env.get("default") is True,
+                       "usable": env.get("usable") is True, "problem": None if problem is None else problem[:500]})
+    return result
 
 
 def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:

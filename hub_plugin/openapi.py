@@ -88,7 +88,10 @@ _SCHEMAS: dict[str, Any] = {
                  "0 or absent: 409 at once"},
         "server_name": {"type": ["string", "null"], "maxLength": 255, "pattern": "^[^\\x00-\\x1f\\x7f]*$",
                         "description": "the JupyterHub server the kernel runs in (JUPYTERHUB_SERVER_NAME, "
-                        "\"\" the default one): stopping that server releases the lease"}},
+                        "\"\" the default one): stopping that server releases the lease"},
+        "env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
+                "description": "the worker environment on the node (c.NodeAgent.environments); "
+                "absent: the node's default"}},
         # Several GPUs are whole GPUs.
         "if": {"required": ["gpu_count"], "properties": {"gpu_count": {"type": "integer", "minimum": 2}}},
         "then": {"properties": {"fraction": {"enum": [1, None]}}}},

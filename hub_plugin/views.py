@@ -79,5 +79,5 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
         nodes.append({"name": node.name, "state": node.state, "state_reason": node.state_reason,
                       "inventory": node.inventory,
                       "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
-                      "gpus": gpus})
+                      "environments": node.environments or [], "gpus": gpus})
     return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}

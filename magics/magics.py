@@ -175,6 +175,7 @@ class GPUMagics(Magics):
     @argument("--model", help="only GPUs whose name contains this, e.g. A100")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
     @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
+    @argument("--env", help="the worker environment on the GPU node, e.g. torch (default: the node's; %%gpu pool lists them)")
     @argument("--on-idle", choices=("park", "release"), default="park",
               help="when idle: park (variables come back, the next cell resumes; default) or just release")
     def _acquire(self, rest: str) -> None:
@@ -188,7 +189,8 @@ class GPUMagics(Magics):
                 fraction=fraction, gpu_count=count,
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
-                kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None)
+                kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
+                env=args.env)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:

@@ -15,10 +15,12 @@ every other process it had started (:mod:`.adoption`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,7 +33,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 import zmq
-from traitlets import Enum, Integer, List, TraitError, Unicode, default, validate
+from traitlets import Dict, Enum, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
@@ -40,7 +42,9 @@ from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.statedir import lock_state_dir
 from gpupool.traits import Duration
 
+from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
+from . import environments as worker_envs
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
@@ -150,7 +154,11 @@ class WorkersHandler(AgentHandler):
         if self.agent.inventory.error:
             raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
                                f"{self.agent.inventory.error}", 503)
-        spec = parse_worker_request(self.json_body(), self.agent.gpus)
+        body = self.json_body()
+        spec = parse_worker_request(body, self.agent.gpus)
+        python = self.agent.python_for(body.get("env"))
+        user = await asyncio.to_thread(self.agent.account_for, spec.owner)  # NSS may ask LDAP: off the loop
+        spec = dataclasses.replace(spec, python=python, user=user)
         try:
             check_slice(self.agent.enforcement, spec.fraction)
         except ValueError as exc:
@@ -184,6 +192,21 @@ class HealthHandler(AgentHandler):
         self.write_json({"status": "ok", "node": self.agent.node_name})
 
 
+class MetricsHandler(AgentHandler):
+    """``GET /metrics``: Prometheus text (:mod:`.agent_metrics`), for the metrics
+    token (``--metrics-token-file``) or the agent token."""
+
+    def prepare(self) -> None:
+        header = self.request.headers.get("Authorization", "")
+        if not (self.agent.token_matches(header) or self.agent.metrics_token_matches(header)):
+            raise GPUPoolError("unauthorized", "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
+                               "(the file of --metrics-token-file)", 401)
+
+    def get(self) -> None:
+        self.set_header("Content-Type", METRICS_CONTENT_TYPE)
+        self.finish(self.agent.metrics.render())
+
+
 class NotFoundHandler(AgentHandler):
     auth_required = False
 
@@ -192,7 +215,8 @@ class NotFoundHandler(AgentHandler):
 
 
 def agent_routes() -> list[tuple[str, type]]:
-    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler)]
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
+            (r"/metrics", MetricsHandler)]
 
 
 # -- the application -------------------------------------------------------------------------------------------
@@ -221,6 +245,7 @@ class NodeAgent(Application):
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
         "ca-file": "NodeAgent.ca_file",
+        "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
 
@@ -412,7 +437,33 @@ class NodeAgent(Application):
         reachable (``x``) by that user, who gets its own connection file there and works in
         its home directory (or ``STATE_DIR/worker-home`` when it has none). None (default):
         workers run as the agent's user. ``c.NodeAgent.worker_user = "gpupool-worker"``
-        (create it with ``useradd --system --no-create-home gpupool-worker``).""",
+        (create it with ``useradd --system --no-create-home gpupool-worker``).
+        A template with ``{username}`` names an account per lease from its owner:
+        ``"{username}"`` runs each worker as the notebook user's own account, where
+        the node knows the users (LDAP/NSS) and shares their homes; a lease whose
+        owner has no account here is refused.""",
+    ).tag(config=True)
+
+    environments = Dict(
+        key_trait=Unicode(), value_trait=Unicode(),
+        help="""Worker environments a lease may name: name -> a Python interpreter, or a
+        conda/venv prefix (``PREFIX/bin/python``). Each needs ipykernel and gpupool's
+        worker part (``pip install 'gpupool[worker]'`` in it); the agent checks each
+        at start and reports which are usable (``gpupool pool``). The agent's own
+        Python is there too, as ``default``. Default: none besides it.
+        ``c.NodeAgent.environments = {"torch": "/opt/conda/envs/torch", "py311": "/usr/bin/python3.11"}``.""",
+    ).tag(config=True)
+
+    default_environment = Unicode(
+        "", help="""The environment of a lease that names none. Default: empty, meaning
+        ``default`` (the agent's own Python). ``c.NodeAgent.default_environment = "torch"``.""",
+    ).tag(config=True)
+
+    metrics_token_file = Unicode(
+        "", help="""File holding the token Prometheus sends to ``GET /metrics``
+        (``Authorization: Bearer TOKEN``); the agent token is accepted there too.
+        Default: empty (the agent token only). Read at start.
+        ``c.NodeAgent.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
     ).tag(config=True)
 
     host_proc = Unicode(
@@ -456,11 +507,15 @@ class NodeAgent(Application):
         self.tls = server_context(self.ssl_cert, self.ssl_key, "--ssl-cert / --ssl-key")
         self.service_tls = client_context(self.ca_file)
         self.token = self.read_token()
+        self.metrics_token = self._read_metrics_token()
+        self.metrics = AgentMetrics(self.node_name)
+        self.worker_environments = self.check_environments()
         self.user = self.worker_account()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
                                                      timeout=self.nvml_timeout)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
+        self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
         self.enforcement = enforcement_mode(self.inventory.kind,
                                             self.inventory.kind != "simulated" and mps_daemon_running(),
                                             self.enforcement_mode, any(u.startswith("MIG-") for u in self.gpus))
@@ -484,6 +539,9 @@ class NodeAgent(Application):
         GPUPoolError ``not_configured`` naming what is wrong."""
         if not self.worker_user:
             return None
+        if is_user_template(self.worker_user):  # an account per lease, looked up when the lease asks
+            expand_worker_user(self.worker_user, "probe")  # a bad template stops the start
+            return None
         try:
             user = WorkerUser.lookup(self.worker_user)
             user.check_can_switch()
@@ -504,6 +562,24 @@ class NodeAgent(Application):
                                f"allow it (chmod o+x {blocked}) or choose another state directory")
         return user
 
+    def account_for(self, owner: str) -> WorkerUser | None:
+        """The account of ``owner``'s worker when ``worker_user`` is a template
+        (None otherwise: the one fixed account). Raises a 400 GPUPoolError when
+        the owner has no account on this node, or it may not be switched to."""
+        if not is_user_template(self.worker_user or ""):
+            return None
+        name = expand_worker_user(self.worker_user, owner)
+        try:
+            user = WorkerUser.lookup(name)
+            user.check_can_switch()
+        except ValueError as exc:
+            raise GPUPoolError("worker_user_unknown", f"cannot start the worker of {owner!r} on node "
+                               f"{self.node_name}: {exc} (c.NodeAgent.worker_user = {self.worker_user!r})",
+                               400) from None
+        if user.uid == 0:
+            raise bad_request(f"refusing to run {owner!r}'s worker as root (c.NodeAgent.worker_user)")
+        return user
+
     def read_token(self) -> str:
         """The agent token, from ``token_file`` or GPUPOOL_AGENT_TOKEN. Read
         again before each registration, so a rotated token is picked up."""
@@ -519,6 +595,47 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", "no agent token: pass --token-file=FILE (the service writes "
                                f"STATE_DIR/agent_token) or set {TOKEN_ENV}")
         return token
+
+    def check_environments(self) -> list[worker_envs.Environment]:
+        """Check every worker environment once (:func:`.environments.check_all`);
+        unusable ones are logged and reported, not fatal."""
+        try:
+            found = worker_envs.check_all(self.environments, self.default_environment)
+        except ValueError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
+        for env in found:
+            if not env.usable:
+                self.log.warning("worker environment %r is not usable: %s", env.name, env.problem)
+        if not any(env.default and env.usable for env in found):
+            raise GPUPoolError("not_configured", "the default worker environment cannot run workers: "
+                               f"{next(e.problem for e in found if e.default)} (c.NodeAgent.default_environment)")
+        return found
+
+    def python_for(self, name: Any) -> str | None:
+        """The interpreter of the environment a ``POST /workers`` names (None: the
+        agent's own). Raises a 400 GPUPoolError for an unknown or unusable one."""
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"'env' must be the name of a worker environment, got {name!r}")
+        try:
+            env = worker_envs.choose(self.worker_environments, name)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return None if env.python == sys.executable else env.python
+
+    def _read_metrics_token(self) -> str:
+        if not self.metrics_token_file:
+            return ""
+        try:
+            return Path(self.metrics_token_file).read_text().strip()
+        except OSError as exc:
+            raise GPUPoolError("not_configured", f"cannot read the metrics token file {self.metrics_token_file}: "
+                               f"{exc.strerror} (--metrics-token-file)") from None
+
+    def metrics_token_matches(self, header: str) -> bool:
+        """True when the header carries the metrics token (never when none is set)."""
+        scheme, _, value = header.partition(" ")
+        return bool(self.metrics_token) and scheme.lower() in ("token", "bearer") and hmac.compare_digest(
+            value.strip().encode(), self.metrics_token.encode())
 
     def token_matches(self, header: str) -> bool:
         """True when an ``Authorization: token ...`` header carries the agent token."""
@@ -542,13 +659,15 @@ class NodeAgent(Application):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
-        if self.user is not None:
+        if self.user is not None or is_user_template(self.worker_user or ""):
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
                                      encryption=self.transport_encryption)
+        if is_user_template(self.worker_user or ""):
+            self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
         if adopted:
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
@@ -656,13 +775,24 @@ class NodeAgent(Application):
     def registration_body(self) -> dict[str, Any]:
         return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
                 "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
-                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error}
+                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error,
+                "environments": [env.to_json() for env in self.worker_environments]}
 
     def heartbeat_body(self) -> dict[str, Any]:
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
-        return {"workers": [r.to_json() for r in reports], "gpus": self.gpu_metrics(usage),
-                "inventory_error": self.inventory.error}
+        gpus = self.gpu_metrics(usage)
+        self.metrics.update(self.gpus.values(), gpus, self._workers_by_gpu(), self.inventory.error, reports)
+        return {"workers": [r.to_json() for r in reports], "gpus": gpus, "inventory_error": self.inventory.error}
+
+    def _workers_by_gpu(self) -> dict[str, int]:
+        """GPU UUID -> lease workers bound to it, for ``/metrics``."""
+        counts: dict[str, int] = {}
+        for lease in self.workers.lease_ids():
+            spec = self.workers.get(lease).spec
+            for gpu in spec.gpus if spec is not None else ():
+                counts[gpu.uuid] = counts.get(gpu.uuid, 0) + 1
+        return counts
 
     async def refresh_inventory(self) -> bool:
         """Once per heartbeat: read NVML (in its helper process, off this
@@ -756,6 +886,26 @@ class NodeAgent(Application):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
+
+
+def is_user_template(worker_user: str) -> bool:
+    """Whether ``c.NodeAgent.worker_user`` names an account per lease (``"{username}"``)."""
+    return "{" in worker_user
+
+
+def expand_worker_user(template: str, owner: str) -> str:
+    """The account name ``template`` gives for the lease owner ``owner`` (pure):
+    ``"{username}"`` -> ``"ann"``, ``"jupyter-{username}"`` -> ``"jupyter-ann"``.
+    Raises a 400 GPUPoolError for an owner that is no POSIX account name, and
+    GPUPoolError ``not_configured`` for a template with other fields."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}", owner):
+        raise bad_request(f"lease owner {owner!r} is no account name of this node (c.NodeAgent.worker_user "
+                          f"{template!r}): lower-case letters, digits, '_', '.', '-', at most 32")
+    try:
+        return template.format(username=owner)
+    except (KeyError, IndexError, ValueError):
+        raise GPUPoolError("not_configured", f"c.NodeAgent.worker_user {template!r}: the only field a "
+                           "template may hold is {username}") from None
 
 
 def _advertised_ip(ip: str) -> str:

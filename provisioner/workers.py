@@ -104,13 +104,19 @@ class WarmSettings:
 class WorkerSpec:
     """What the service asks for with ``POST /workers``: the lease, its owner,
     its GPUs (in the order the worker sees them), the compute ``fraction`` in
-    (0, 1] and the ``memory`` limit in bytes per GPU."""
+    (0, 1] and the ``memory`` limit in bytes per GPU. ``python``: the
+    interpreter of the environment the lease names (:mod:`.environments`;
+    None: the agent's own, and a warm worker may serve it). ``user``: the
+    account of this lease's worker when ``c.NodeAgent.worker_user`` is a
+    template such as ``"{username}"`` (None: the manager's ``user``)."""
 
     lease_id: str
     owner: str
     gpus: tuple[GPUInfo, ...]
     fraction: float
     memory: int
+    python: str | None = None
+    user: WorkerUser | None = None
 
     def __post_init__(self) -> None:
         if not _LEASE_ID.match(self.lease_id):
@@ -391,7 +397,8 @@ class WorkerManager:
                     return existing
                 await self._terminate(self._workers.pop(spec.lease_id))
             began = time.monotonic()
-            worker = await self._from_pool(spec)
+            # Warm workers run the agent's Python as the manager's user.
+            worker = await self._from_pool(spec) if spec.python is None and spec.user is None else None
             how = "warm" if worker is not None else "cold"
             if worker is None:
                 worker = await self._launch(spec)
@@ -484,27 +491,31 @@ class WorkerManager:
     async def _launch(self, spec: WorkerSpec) -> Worker:
         env = worker_environment(self.environ, slice_environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node))
-        worker = await self._launch_kernel(spec.lease_id, env)
+        worker = await self._launch_kernel(spec.lease_id, env, python=spec.python, user=spec.user)
         worker.spec = spec
         return worker
 
-    async def _launch_kernel(self, name: str, env: dict[str, str]) -> Worker:
+    async def _launch_kernel(self, name: str, env: dict[str, str], python: str | None = None,
+                             user: WorkerUser | None = None) -> Worker:
         """Start one ipykernel with ``env``, files named after ``name``, and
         wait until it answers ``kernel_info``. Raises WorkerStartError."""
         log_path = self.workers_dir / f"{name}.log"
         manager = self._manager(self.workers_dir / f"kernel-{name}.json")
-        manager.owner = (self.user.uid, self.user.gid) if self.user is not None else None
+        cwd = self.cwd if user is None else str(_user_home(user, self.workers_dir.parent))
+        user = user or self.user
+        manager.owner = (user.uid, user.gid) if user is not None else None
+        manager.python = python
         as_user = {}
-        if self.user is not None:
-            as_user = self.user.popen_kwargs()
-            env = {**env, **self.user.environment(self.cwd)}
+        if user is not None:
+            as_user = user.popen_kwargs()
+            env = {**env, **user.environment(cwd)}
         try:
             # The child keeps its own copy of the descriptor; ours can close.
             # Independent: no ipykernel parent poller, so a worker outlives a
             # crashed agent and the restarted one re-adopts it (recover()).
             with open(log_path, "ab", opener=_private) as out:
                 await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.extensions),
-                                           stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, independent=True,
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
                                            **as_user)
         except Exception as exc:
             process = getattr(manager.provisioner, "process", None)
@@ -748,6 +759,12 @@ class _WorkerKernelManager(AsyncKernelManager):
     the connection file as soon as it is written, before the kernel starts."""
 
     owner: tuple[int, int] | None = None
+    #: The worker environment's interpreter (None: this one, as jupyter_client picks it).
+    python: str | None = None
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        return [self.python, *cmd[1:]] if self.python else cmd
 
     def write_connection_file(self, **kwargs: Any) -> None:
         super().write_connection_file(**kwargs)

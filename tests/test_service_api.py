@@ -424,10 +424,10 @@ def test_metrics(service):
         service.client().create_lease(LeaseRequest(fraction=1.0))
     status, text = http(service, "GET", "/metrics", prefix="")
     assert status == 200
-    assert re.search(r'gpupool_gpu_allocated_fraction\{[^}]*node="node-m"[^}]*\} 0\.25', text)
+    assert re.search(r'gpupool_gpu_allocated_ratio\{[^}]*node="node-m"[^}]*\} 0\.25', text)
     assert re.search(r'gpupool_gpu_allocated_memory_bytes\{[^}]*node="node-m"[^}]*\} [1-9]', text)
-    assert 'gpupool_leases{state="starting"} 1.0' in text or 'gpupool_leases{state="failed"} 1.0' in text
-    assert 'gpupool_lease_refusals_total{reason="not enough free fraction"} 1.0' in text
+    assert 'gpupool_leases{state="starting"} 1.0' in text or 'gpupool_leases_ended_total{state="failed"} 1.0' in text
+    assert 'gpupool_lease_refusals_total{reason="no_fraction"} 1.0' in text  # a code, not the words
     assert 'gpupool_nodes{node="node-m",state="up"} 1.0' in text
 
 

@@ -1,0 +1,128 @@
+"""Checks that deployment files (Kubernetes manifests, systemd units, Dockerfiles) name
+command lines and settings the real ``gpupool`` accepts. Used by tests/test_deploy_*.py.
+
+``check_command(argv)`` parses a ``gpupool ...`` command line with the real parsers and
+runs nothing: the traitlets applications (``service``, ``agent``) through their
+``parse_command_line``, whose unknown options only warn, so every option must land on a
+known trait; the argparse commands through their own parser, stopped right after parsing.
+``config_assignments(text)`` lists the ``c.Class.trait`` a config file sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import re
+import shlex
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Parsed(Exception):
+    """Raised instead of running a command once its arguments parsed."""
+
+
+@contextmanager
+def _stop_after_parse() -> Iterator[None]:
+    real = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        real(self, args, namespace)  # SystemExit(2) on a bad command line
+        raise _Parsed
+
+    argparse.ArgumentParser.parse_args = parse
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = real
+
+
+def _traitlets_app(command: str):
+    if command == "service":
+        from gpupool.hub_plugin.app import ServiceApp
+
+        return ServiceApp()
+    from gpupool.provisioner.agent import NodeAgent
+
+    return NodeAgent()
+
+
+def check_command(argv: list[str]) -> None:
+    """Fail the test unless ``argv`` (``["gpupool", COMMAND, ...]``) parses."""
+    from gpupool import cli
+
+    assert argv and Path(argv[0]).name == "gpupool", f"not a gpupool command: {argv}"
+    if argv[1:] in (["--version"], ["--help"]):
+        return
+    command, rest = argv[1], argv[2:]
+    assert command in cli.COMMANDS, f"{argv}: unknown command {command!r}"
+    if "--generate-config" in rest:
+        assert rest == ["--generate-config"], f"{argv}: --generate-config takes nothing else"
+        return
+    if command in ("service", "agent"):
+        app = _traitlets_app(command)
+        app.parse_command_line(rest)  # a bad value: SystemExit
+        assert not app.extra_args, f"{argv}: stray arguments {app.extra_args}"
+        check_config_sections(app, {section: list(values) for section, values in app.config.items()}, argv)
+        return
+    module = importlib.import_module(cli.COMMANDS[command][0])
+    with _stop_after_parse(), pytest.raises(_Parsed):
+        try:
+            (module.pool_main if command == "pool" else module.main)(rest)
+        except SystemExit as exc:
+            pytest.fail(f"{argv} does not parse (exit {exc.code})")
+
+
+def check_config_sections(app, sections: dict[str, list[str]], where) -> None:
+    """Every ``{Class: [trait, ...]}`` names a configurable trait of ``app``'s classes."""
+    classes = {cls.__name__: cls for cls in app._classes_inc_parents()}
+    for section, names in sections.items():
+        assert section in classes, f"{where}: {section} is no class of gpupool {app.name} ({', '.join(classes)})"
+        traits = classes[section].class_traits(config=True)
+        for name in names:
+            assert name in traits, f"{where}: {section}.{name} is no setting of gpupool {app.name}"
+
+
+def config_assignments(text: str) -> dict[str, list[str]]:
+    """``{Class: [trait, ...]}`` for each ``c.Class.trait = ...`` in a config file."""
+    found: dict[str, list[str]] = {}
+    for node in ast.walk(ast.parse(text)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign) else []
+        for target in targets:
+            if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)
+                    and isinstance(target.value.value, ast.Name) and target.value.value.id == "c"):
+                found.setdefault(target.value.attr, []).append(target.attr)
+    return found
+
+
+def gpupool_commands(shell: str) -> list[list[str]]:
+    """The ``gpupool ...`` command lines in a shell snippet (split on ``&&``, ``;``, ``||``, ``|``)."""
+    commands = []
+    for part in re.split(r"&&|\|\||;|\|", shell):
+        words = shlex.split(part)
+        if words and Path(words[0]).name == "gpupool":
+            commands.append(words)
+    return commands
+
+
+def environment_names_read() -> set[str]:
+    """Environment variables gpupool (or JupyterHub's service auth, which it uses) reads:
+    every upper-case string literal of their sources that is an environment variable name."""
+    import jupyterhub.services.auth
+
+    names: set[str] = set()
+    sources = [*ROOT.glob("gpupool/*.py"), *ROOT.glob("provisioner/*.py"), *ROOT.glob("hub_plugin/**/*.py"),
+               *ROOT.glob("magics/*.py"), Path(jupyterhub.services.auth.__file__)]
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"(GPUPOOL|JUPYTERHUB|CUDA)_[A-Z0-9_]+", node.value):
+                names.add(node.value)
+    return names

@@ -1,0 +1,115 @@
+"""deploy/systemd: the units pass ``systemd-analyze verify`` (where it runs), their command
+lines and config file parse with the real gpupool, they are hardened as the README says,
+and the addresses line up (the agents reach the service's port over TLS)."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from deploy_parse import ROOT, check_command, check_config_sections, config_assignments, environment_names_read
+
+SYSTEMD = ROOT / "deploy" / "systemd"
+UNITS = ("gpupool-service.service", "gpupool-agent.service")
+PENDING = {("GPUPool", "metrics_token_file")}  # as in test_deploy_k8s.py
+
+
+def unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """``{section: {key: [values...]}}`` of a unit file (keys may repeat)."""
+    result: dict[str, dict[str, list[str]]] = {}
+    section = None
+    for line in (SYSTEMD / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = result.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        section.setdefault(key.strip(), []).append(value.strip())
+    return result
+
+
+def exec_start(name: str) -> list[str]:
+    words = shlex.split(unit(name)["Service"]["ExecStart"][0])
+    assert words[0] == "/opt/gpupool/bin/gpupool"  # the README's install location
+    return ["gpupool", *words[1:]]
+
+
+def option(argv: list[str], name: str) -> str:
+    values = [w.split("=", 1)[1] for w in argv if w.startswith(f"--{name}=")]
+    assert len(values) == 1, f"{argv}: expected one --{name}="
+    return values[0]
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    gpupool = Path(sys.executable).with_name("gpupool")
+    for name in UNITS:  # the same unit, with the gpupool this test runs instead of /opt/gpupool's
+        (tmp_path / name).write_text((SYSTEMD / name).read_text().replace("/opt/gpupool/bin/gpupool", str(gpupool)))
+    result = subprocess.run([analyze, "verify", *(str(tmp_path / n) for n in UNITS)], capture_output=True, text=True)
+    if result.returncode != 0 and "Failed to" in result.stderr and "bus" in result.stderr.lower():
+        pytest.skip(f"systemd-analyze cannot run here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert not [line for line in result.stderr.splitlines() if "gpupool" in line], result.stderr
+    (tmp_path / "broken.service").write_text("[Service]\nExecStart=/no/such/gpupool service\nRestart=sometimes\n")
+    broken = subprocess.run([analyze, "verify", str(tmp_path / "broken.service")], capture_output=True, text=True)
+    assert broken.returncode != 0  # it does check
+
+
+def test_unit_commands_and_config_parse_with_the_real_cli():
+    from gpupool.hub_plugin.app import ServiceApp
+    from gpupool.provisioner.agent import NodeAgent
+
+    for name in UNITS:
+        check_command(exec_start(name))
+    settings = config_assignments((SYSTEMD / "gpupool_config.py").read_text())
+    for app in (ServiceApp(), NodeAgent()):
+        classes = {c.__name__: c for c in app._classes_inc_parents()}
+        mine = {cls: [t for t in traits if (cls, t) not in PENDING] for cls, traits in settings.items() if cls in classes}
+        assert mine
+        check_config_sections(app, mine, "deploy/systemd/gpupool_config.py")
+    assert set(settings) == {"GPUPool", "NodeAgent"}
+
+
+def test_units_are_hardened_and_keep_state():
+    service, agent = unit(UNITS[0])["Service"], unit(UNITS[1])["Service"]
+    for section in (service, agent):
+        assert section["Restart"] == ["on-failure"] and section["StateDirectory"][0].startswith("gpupool/")
+        assert section["ProtectSystem"][0] in ("strict", "full") and section["PrivateTmp"] == ["yes"]
+    assert service["NoNewPrivileges"] == ["yes"] and service["User"] == ["gpupool"]
+    assert service["CapabilityBoundingSet"] == [""]  # no capability at all
+    # The agent makes a cgroup per lease in its own subtree and re-adopts workers after a crash.
+    assert agent["Delegate"] == ["yes"] and agent["KillMode"] == ["process"]
+    argv = exec_start(UNITS[1])
+    assert option(argv, "state-dir") == "/var/lib/" + agent["StateDirectory"][0]
+    assert option(exec_start(UNITS[0]), "state-dir") == "/var/lib/" + service["StateDirectory"][0]
+    for section in (service, agent):
+        for assignment in section.get("Environment", []):
+            assert assignment.partition("=")[0] in environment_names_read()
+
+
+def test_addresses_line_up_over_tls():
+    service_argv, agent_argv = exec_start(UNITS[0]), exec_start(UNITS[1])
+    text = (SYSTEMD / "gpupool_config.py").read_text()
+    public = [line.split('"')[1] for line in text.splitlines() if line.startswith("c.GPUPool.public_url")][0]
+    target = urlsplit(option(agent_argv, "service-url"))
+    assert target.scheme == urlsplit(public).scheme == "https"  # TLS is the default across hosts
+    assert (target.hostname, target.port) == (urlsplit(public).hostname, urlsplit(public).port)
+    assert target.port == int(option(service_argv, "port")) and option(service_argv, "ip") == "0.0.0.0"
+    for argv in (service_argv, agent_argv):
+        assert option(argv, "ssl-cert") and option(argv, "ssl-key")
+
+
+def test_readme_walks_through_three_gpu_hosts_and_a_hub():
+    text = (SYSTEMD / "README.md").read_text()
+    assert "## Three GPU hosts and a hub" in text
+    for name in (*UNITS, "gpupool_config.py"):
+        assert name in text
