@@ -44,6 +44,7 @@ from .attribution import add_unattributed, attribute, memory_by_pid, read_parent
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
+from .cgroups import MODES as CGROUP_MODES, CgroupError, Containment, containment
 from .worker_user import WorkerUser
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
@@ -217,6 +218,7 @@ class NodeAgent(Application):
         "enforcement": "NodeAgent.enforcement_mode",
         "warm-workers": "NodeAgent.warm_workers",
         "worker-user": "NodeAgent.worker_user",
+        "cgroup-mode": "NodeAgent.cgroup_mode",
         "transport-encryption": "NodeAgent.transport_encryption",
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
@@ -400,6 +402,26 @@ class NodeAgent(Application):
         (create it with ``useradd --system --no-create-home gpupool-worker``).""",
     ).tag(config=True)
 
+    cgroup_mode = Enum(
+        list(CGROUP_MODES), "auto", help="""How the agent holds each worker's processes together, so
+        that none outlives its lease (docs/security.md, "Containment"): ``v2`` (a cgroup per
+        worker in the unified hierarchy, killed with ``cgroup.kill``), ``v1`` (the freezer,
+        memory, pids and cpu hierarchies: freeze, kill, thaw), ``none`` (the worker's process
+        group and process tree only: a double-forked daemon escapes; a loud warning), or
+        ``auto`` (default: v2, else v1, else none with the reasons). ``v2`` and ``v1`` refuse to
+        start the agent when they cannot be had. ``c.NodeAgent.cgroup_mode = "v2"``.""",
+    ).tag(config=True)
+
+    cgroup_root = Unicode(
+        "", help="""The cgroup subtree the workers' cgroups are made in: a path from the
+        hierarchy's root (``/system.slice/gpupool-agent.service/workers``) or relative to the
+        agent's own cgroup (``/proc/self/cgroup``). It must be the agent's alone: a restarted
+        agent kills every cgroup there that it does not re-adopt. Empty (default):
+        ``gpupool/agent-HASH`` under the agent's own cgroup, HASH from the state directory,
+        which under systemd is the subtree ``Delegate=yes`` gives the unit.
+        ``c.NodeAgent.cgroup_root = "gpupool"``.""",
+    ).tag(config=True)
+
     host_proc = Unicode(
         "", help="""Where the host's /proc is mounted when the agent runs in a container
         without the host PID namespace (NVML reports host PIDs; this maps them
@@ -488,6 +510,14 @@ class NodeAgent(Application):
                                f"allow it (chmod o+x {blocked}) or choose another state directory")
         return user
 
+    def containment(self, state_dir: Path) -> Containment:
+        """The workers' cgroups (``cgroup_mode``, ``cgroup_root``); GPUPoolError
+        ``not_configured`` when the mode asked for cannot be had."""
+        try:
+            return containment(self.cgroup_mode, self.cgroup_root, state_dir, log=self.log)
+        except CgroupError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
+
     def read_token(self) -> str:
         """The agent token, from ``token_file`` or GPUPOOL_AGENT_TOKEN. Read
         again before each registration, so a rotated token is picked up."""
@@ -532,7 +562,7 @@ class NodeAgent(Application):
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
-                                     encryption=self.transport_encryption)
+                                     encryption=self.transport_encryption, cgroups=self.containment(state_dir))
         adopted = await self.workers.recover()  # before the first report names the workers
         if adopted:
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),

@@ -48,6 +48,11 @@ print(json.dumps({
 """
 
 
+def warm_ready(agent) -> int:
+    """How many warm workers the agent has said are ready (``warm worker warm-HEX ready``)."""
+    return sum(" warm worker warm-" in line and " ready: pid " in line for line in agent.log.read_text().splitlines())
+
+
 def worker_account() -> pwd.struct_passwd:
     """The test's worker user, created (``useradd --system``) when missing."""
     try:
@@ -103,7 +108,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         token_file = service.process.agent_token_file
         assert token_file.stat().st_uid == os.getuid() and token_file.stat().st_mode & 0o777 == 0o600
         # The lease takes the warm worker (started as the worker user too); another is started.
-        wait_for(lambda: "warm worker warm-1 ready" in agent.log.read_text(), 60, "a warm worker")
+        wait_for(lambda: warm_ready(agent) >= 1, 60, "a warm worker")
         lease = service.client().create_lease(LeaseRequest(fraction=0.5))
         lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
                          and got, 60, "the lease's worker")
@@ -120,7 +125,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         assert seen["agent_env"] == "PermissionError"
         assert seen["home"] == seen["cwd"] and Path(seen["cwd"]).stat().st_uid == account.pw_uid
 
-        wait_for(lambda: "warm worker warm-2 ready" in agent.log.read_text(), 60, "the next warm worker")
+        wait_for(lambda: warm_ready(agent) >= 2, 60, "the next warm worker")
         workers = processes_mentioning(f"{agent.state_dir / 'workers'}{os.sep}kernel-")
         assert len(workers) == 2 and all(psutil.Process(pid).uids().real == account.pw_uid for pid in workers)
         # Once read, the connection files (the keys) and the logs are the agent's again:
