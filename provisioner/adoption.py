@@ -46,7 +46,8 @@ class WorkerRecord:
     (``lease_id``, ``owner``, ``gpus``, ``fraction``, ``memory`` bytes), the
     process (``pid`` and ``create_time``, psutil's epoch seconds) and its files
     (``connection_file``, ``log_path``) and its ``cgroup``'s name under the
-    agent's subtree (empty: it has none)."""
+    agent's subtree (empty: it has none) and the ``user`` it runs as, when
+    it is one of a pool's (empty: not)."""
 
     lease_id: str
     owner: str
@@ -58,6 +59,7 @@ class WorkerRecord:
     connection_file: str
     log_path: str
     cgroup: str = ""
+    user: str = ""
 
     def write(self, workers_dir: Path) -> None:
         """Write the record atomically, readable by the agent's user only."""
@@ -78,7 +80,8 @@ class WorkerRecord:
             return cls(lease_id=str(body["lease_id"]), owner=str(body["owner"]), gpus=gpus,
                        fraction=float(body["fraction"]), memory=int(body["memory"]), pid=int(body["pid"]),
                        create_time=float(body["create_time"]), connection_file=str(body["connection_file"]),
-                       log_path=str(body["log_path"]), cgroup=_cgroup_name(body.get("cgroup", "")))
+                       log_path=str(body["log_path"]), cgroup=_cgroup_name(body.get("cgroup", "")),
+                       user=str(body.get("user", "")))
         except Exception as exc:  # KeyError, TypeError, GPUPoolError: all mean "not a record"
             raise ValueError(f"{path} is not a worker record: {exc}") from None
 

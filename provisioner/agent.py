@@ -45,7 +45,7 @@ from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mo
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
 from .cgroups import MODES as CGROUP_MODES, CgroupError, Containment, containment
-from .worker_user import WorkerUser
+from .worker_user import WorkerUser, WorkerUserPool
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
@@ -402,6 +402,18 @@ class NodeAgent(Application):
         (create it with ``useradd --system --no-create-home gpupool-worker``).""",
     ).tag(config=True)
 
+    worker_users = List(
+        Unicode(), help="""A pool of Linux users for workers, instead of one ``worker_user``:
+        every worker (warm ones included) runs as an account that no other live worker has,
+        so two users' workers on one node cannot read each other's files, environment or
+        memory; an account is used again only once no process runs as it, after its files in
+        /tmp, /var/tmp, /dev/shm and its work directory are removed (docs/security.md,
+        "Containment"). Needs root and accounts of their own (never a person's): as many as
+        leases may run on the node at once, plus ``warm_workers``; a start fails, naming this
+        setting, when all are in use. Default: empty.
+        ``c.NodeAgent.worker_users = [f"gpupool-w{i}" for i in range(8)]``.""",
+    ).tag(config=True)
+
     cgroup_mode = Enum(
         list(CGROUP_MODES), "auto", help="""How the agent holds each worker's processes together, so
         that none outlives its lease (docs/security.md, "Containment"): ``v2`` (a cgroup per
@@ -464,6 +476,7 @@ class NodeAgent(Application):
         self.service_tls = client_context(self.ca_file)
         self.token = self.read_token()
         self.user = self.worker_account()
+        self.users = self.worker_pool()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max))
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
@@ -484,17 +497,31 @@ class NodeAgent(Application):
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
 
-    def worker_account(self) -> WorkerUser | None:
-        """The ``worker_user`` account, checked: it exists, this agent may
-        start processes as it, and it can reach the state directory. Raises
-        GPUPoolError ``not_configured`` naming what is wrong."""
-        if not self.worker_user:
+    def worker_pool(self) -> WorkerUserPool | None:
+        """The ``worker_users`` pool, each account checked as ``worker_user``'s."""
+        if not self.worker_users:
+            return None
+        if self.worker_user:
+            raise GPUPoolError("not_configured", "set c.NodeAgent.worker_user or c.NodeAgent.worker_users, not both")
+        try:
+            return WorkerUserPool([self.worker_account(name) for name in self.worker_users], log=self.log)
+        except ValueError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
+
+    def worker_account(self, name: str | None = None) -> WorkerUser | None:
+        """The ``worker_user`` account (or the account ``name``), checked:
+        it exists, this agent may start processes as it, and it can reach the
+        state directory. Raises GPUPoolError ``not_configured`` naming what
+        is wrong."""
+        option = "--worker-user" if name is None else "c.NodeAgent.worker_users"
+        name = name or self.worker_user
+        if not name:
             return None
         try:
-            user = WorkerUser.lookup(self.worker_user)
+            user = WorkerUser.lookup(name)
             user.check_can_switch()
         except ValueError as exc:
-            raise GPUPoolError("not_configured", f"{exc} (--worker-user)") from None
+            raise GPUPoolError("not_configured", f"{exc} ({option})") from None
         state_dir = Path(self.state_dir).resolve()
         python = Path(sys.executable).absolute()  # what workers run
         blocked = user.blocked_at(python) or user.blocked_at(python.resolve())
@@ -556,13 +583,14 @@ class NodeAgent(Application):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
-        if self.user is not None:
+        if self.user is not None or self.users is not None:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
-                                     encryption=self.transport_encryption, cgroups=self.containment(state_dir))
+                                     encryption=self.transport_encryption, cgroups=self.containment(state_dir),
+                                     users=self.users)
         adopted = await self.workers.recover()  # before the first report names the workers
         if adopted:
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),

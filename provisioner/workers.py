@@ -58,7 +58,7 @@ from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left
 from .cgroups import CgroupError, Containment, GroupOnly, LeaseCgroup, containment
 from .enforcement import slice_environment
 from .warmpool import WarmPool
-from .worker_user import WorkerUser
+from .worker_user import NoFreeWorkerUser, WorkerUser, WorkerUserPool
 
 # The IPython extension every worker loads (variable transfer, PyTorch cap).
 WORKER_EXTENSION = "gpupool.provisioner.worker"
@@ -199,6 +199,7 @@ class Worker:
             cgroup = GroupOnly(self.name)
             cgroup.add(process.pid)
         self.cgroup = cgroup
+        self.user: WorkerUser | None = None  # the account it runs as, when not the agent's
         self.advertise_ip = advertise_ip
         self.manager = manager
         self.process = process
@@ -239,7 +240,8 @@ class Worker:
         started = self.started_at if isinstance(self.process, AdoptedProcess) else create_time(self.pid)
         return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid, started,
                             str(self.manager.connection_file), str(self.log_path),
-                            self.cgroup.name if self.cgroup.kind != "none" else "")
+                            self.cgroup.name if self.cgroup.kind != "none" else "",
+                            self.user.name if self.user is not None else "")
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
         """This worker as a heartbeat's WorkerReport."""
@@ -302,6 +304,12 @@ class WorkerManager:
     directory defaults to its home, or to ``state_dir/worker-home`` (made
     for it) when it has none.
 
+    ``users``: a pool of accounts (:class:`~.worker_user.WorkerUserPool`),
+    instead of ``user``: each worker, warm ones too, runs as an account no
+    other live worker has, and works in ``state_dir/worker-homes/NAME``
+    (emptied when the account goes back to the pool). A start fails with
+    WorkerStartError when every account is in use.
+
     ``cgroups``: where workers' cgroups are made (:mod:`.cgroups`; default
     ``containment("auto", "", state_dir)``: the best this host offers).
 
@@ -315,13 +323,18 @@ class WorkerManager:
                  extensions: Sequence[str] = (WORKER_EXTENSION,), environ: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike | None = None, log: logging.Logger | None = None,
                  warm: WarmSettings | None = None, user: WorkerUser | None = None,
-                 encryption: str = "none", cgroups: Containment | None = None) -> None:
+                 encryption: str = "none", cgroups: Containment | None = None,
+                 users: WorkerUserPool | None = None) -> None:
+        if user is not None and users is not None:
+            raise ValueError("workers run as one worker user or as a pool of them, not both")
         self.workers_dir = Path(state_dir) / "workers"
         self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.user = user
-        # Not listable by anyone but the agent; with a worker user, enterable:
-        # it reads its own connection file there while it starts.
-        self.workers_dir.chmod(0o711 if user is not None else 0o700)
+        self.users = users
+        self.homes_dir = Path(state_dir) / "worker-homes"
+        # Not listable by anyone but the agent; with worker users, enterable:
+        # each reads its own connection file there while it starts.
+        self.workers_dir.chmod(0o711 if user is not None or users is not None else 0o700)
         self.ip = ip
         self.encryption = encryption
         self.advertise_ip = advertise_ip or ip
@@ -532,24 +545,30 @@ class WorkerManager:
         log_path = self.workers_dir / f"{name}.log"
         # A random name: the cgroup and the log name the lease, the key's file does not.
         manager = self._manager(self.workers_dir / f"kernel-{secrets.token_hex(16)}.json")
-        manager.owner = (self.user.uid, self.user.gid) if self.user is not None else None
+        try:
+            account = self.users.take() if self.users is not None else self.user
+        except NoFreeWorkerUser as exc:
+            raise WorkerStartError(f"could not start the worker for {name}: {exc}") from None
+        manager.owner = (account.uid, account.gid) if account is not None else None
         try:
             cgroup = await asyncio.to_thread(self.cgroups.create, cgroup_name)
         except CgroupError as exc:
+            await self._give_back(account)
             raise WorkerStartError(f"could not make the cgroup of the worker for {name}: {exc}") from None
         if cgroup.kind != "none":
             manager.cgroup = cgroup
-        as_user = {}
-        if self.user is not None:
-            as_user = self.user.popen_kwargs()
-            env = {**env, **self.user.environment(self.cwd)}
+        as_user, cwd = {}, self.cwd
+        if account is not None:
+            cwd = self._workdir(account)
+            as_user = account.popen_kwargs()
+            env = {**env, **account.environment(cwd)}
         try:
             # The child keeps its own copy of the descriptor; ours can close.
             # Independent: no ipykernel parent poller, so a worker outlives a
             # crashed agent and the restarted one re-adopts it (recover()).
             with open(log_path, "ab", opener=_private) as out:
                 await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.extensions),
-                                           stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, independent=True,
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
                                            **as_user)
         except Exception as exc:
             process = getattr(manager.provisioner, "process", None)
@@ -557,10 +576,12 @@ class WorkerManager:
                 await asyncio.to_thread(_kill_and_wait, process, (), 5.0)
             await _quietly(asyncio.to_thread(_kill_and_remove, cgroup, 5.0))
             await _quietly(manager.cleanup_resources())
+            await self._give_back(account)
             raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
         if cgroup.kind == "none":
             cgroup.add(manager.provisioner.process.pid)
         worker = Worker(None, manager, manager.provisioner.process, log_path, self.advertise_ip, name, cgroup)
+        worker.user = account
         # Subscribe before the kernel_info round trip, so the first cell's
         # status messages cannot be missed.
         worker.watcher = asyncio.create_task(
@@ -580,6 +601,22 @@ class WorkerManager:
             os.chown(manager.connection_file, os.getuid(), os.getgid())
         worker.activity.mark_ready()
         return worker
+
+    def _workdir(self, account: WorkerUser) -> str:
+        """The working directory of a worker running as ``account``: with a
+        pool, ``worker-homes/NAME`` (made for it, 0700); else :attr:`cwd`."""
+        if self.users is None:
+            return self.cwd
+        folder = self.homes_dir / account.name
+        self.homes_dir.mkdir(mode=0o711, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chown(folder, account.uid, account.gid)
+        return str(folder)
+
+    async def _give_back(self, account: WorkerUser | None) -> None:
+        """Return a pool account once its worker's processes are gone."""
+        if self.users is not None and account is not None:
+            await asyncio.to_thread(self.users.give_back, account, self.homes_dir / account.name)
 
     def _manager(self, connection_file: Path) -> "_WorkerKernelManager":
         return _WorkerKernelManager(
@@ -631,6 +668,9 @@ class WorkerManager:
         for path in self.workers_dir.iterdir():
             if path.is_file() and path not in files:
                 _remove(path)
+        if self.users is not None:  # what the killed workers' accounts left
+            for account in self.users.free:
+                await self._give_back(account)
         return adopted
 
     async def _kill_stray_cgroups(self, keep: set[str]) -> None:
@@ -673,6 +713,9 @@ class WorkerManager:
         worker = Worker(spec, manager, AdoptedProcess(proc), Path(record.log_path), self.advertise_ip,
                         cgroup=cgroup)
         worker.started_at = record.create_time
+        worker.user = self.user
+        if self.users is not None and record.user:
+            worker.user = self.users.claim(record.user)
         watcher = asyncio.ensure_future(watch_iopub(worker, manager.get_connection_info(), self._context, self.log))
         try:
             await _control_kernel_info(worker, ADOPT_TIMEOUT_S)
@@ -766,6 +809,8 @@ class WorkerManager:
         worker.exit_code, worker.ended = worker.process.returncode, True
         _remove(Path(worker.manager.connection_file), worker.log_path,
                 record_path(self.workers_dir, worker.spec.lease_id if worker.spec else worker.name))
+        if not survivors:
+            await self._give_back(worker.user)
         if survivors:
             raise WorkerStopError(f"processes {sorted(set(survivors))} of the worker {worker.name} survived SIGKILL")
         return worker.exit_code
