@@ -149,9 +149,14 @@ def test_a_restarted_agent_finds_the_leases_processes_by_cgroup(mode, cgroup_roo
     asyncio.run(scenario())
 
 
-def test_a_daemon_dies_at_release_and_at_agent_stop(mode, cgroup_root, tmp_path, service):
-    agent = start_agent(tmp_path, service, name="node-c", extra_args=[
-        "--warm-workers=1", f"--cgroup-mode={mode}", f"--NodeAgent.cgroup_root={cgroup_root}"])
+def test_a_daemon_dies_at_release_survives_an_agent_kill9_with_its_lease_and_dies_at_agent_stop(
+        mode, cgroup_root, tmp_path, service):
+    """Through the service and a real agent: lease 1's daemon dies at
+    release; the agent is killed with -9 and started again on its state dir
+    and port, re-adopts lease 2's worker by its cgroup (the daemon, outside
+    its tree, is still the lease's), and its stop kills the daemon."""
+    args = ["--warm-workers=1", f"--cgroup-mode={mode}", f"--NodeAgent.cgroup_root={cgroup_root}"]
+    agent = start_agent(tmp_path, service, name="node-c", extra_args=args)
     client = service.client()
     daemons = []
     try:
@@ -163,6 +168,14 @@ def test_a_daemon_dies_at_release_and_at_agent_stop(mode, cgroup_root, tmp_path,
             if len(daemons) == 1:
                 assert client.release(lease.id).state.value == "released"
                 wait_for(lambda: not alive(daemons[0]), 10, "the daemon to die with its lease")
+        agent.proc.kill()
+        agent.proc.wait()
+        assert alive(daemons[1]) and alive(lease.worker["pid"]), "workers outlive a killed agent"
+        agent = start_agent(tmp_path, service, name="node-c", extra_args=args, port=int(agent.url.rsplit(":", 1)[1]))
+        wait_for(lambda: f"re-adopted the worker (pid {lease.worker['pid']}) of lease {lease.id}" in
+                 agent.log.read_text(), 30, "the re-adoption", agent.proc, agent.log)
+        assert client.get_lease(lease.id).state.value == "active"
+        assert asyncio.run(run_worker_cell(lease.connection, "print(6 * 7)")) == "42\n"
         assert alive(daemons[1])
     finally:
         assert agent.stop() == 0
