@@ -274,8 +274,10 @@ class V2Cgroup(LeaseCgroup):
         # Frozen, nothing can fork; SIGKILL reaches frozen tasks in v2.
         _write(self.path / "cgroup.freeze", "1")
         try:
-            while (pids := self.pids()) and time.monotonic() < deadline:
+            while pids := self.pids():  # one round at least, whatever the deadline
                 _sigkill(pids)
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(_POLL_S)
         finally:
             if self.path.exists():
@@ -355,13 +357,14 @@ class V1Cgroup(LeaseCgroup):
             return []
         deadline = time.monotonic() + timeout
         try:
-            while (pids := self.pids()) and time.monotonic() < deadline:
+            while self.pids():  # one round at least, whatever the deadline
                 # Frozen, nothing forks between the listing and the kill; the
                 # SIGKILLs are delivered at the thaw.
                 self._freeze(deadline)
                 _sigkill(_procs(self.freezer, "tasks"))
                 _write(self.freezer / "freezer.state", "THAWED")
-                if _wait_empty(self.pids, min(deadline, time.monotonic() + 0.5)) == []:
+                if not _wait_empty(self.pids, min(deadline, time.monotonic() + 0.5)) or \
+                        time.monotonic() >= deadline:
                     break
         finally:
             if self.freezer.exists():

@@ -219,3 +219,13 @@ def test_the_root_is_under_the_agents_cgroup_and_cannot_leave_the_mount(tmp_path
     with pytest.raises(CgroupError, match=f"{mount}/workers has neither"):
         containment("v2", "/workers", tmp_path, mounts=mounts, self_cgroup=own)
     assert cgroups.default_root(tmp_path) == cgroups.default_root(f"{tmp_path}/./")
+
+
+def test_a_kill_without_waiting_still_kills(tree, tmp_path):
+    """``kill(timeout=0)`` (a worker found dead, on the event loop) sends the
+    kill and returns; the processes die without anyone waiting."""
+    group = tree.create("lease-L-now")
+    shell, daemon = start_daemonizer(tmp_path, group)
+    group.kill(timeout=0.0)
+    wait_until(lambda: not alive(daemon) and shell.poll() is not None, "the kill to land")
+    group.remove()
