@@ -304,3 +304,38 @@ def test_two_users_workers_on_one_node_run_as_accounts_of_their_own_and_cannot_r
         service.stop()
         if daemon is not None and alive(daemon):
             os.kill(daemon, signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making files and processes of other users needs root")
+def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_path):
+    from gpupool.provisioner.worker_user import NoFreeWorkerUser, WorkerUserPool
+
+    users = [WorkerUser.lookup(account.pw_name) for account in pool_accounts()]
+    scratch, workdir = tmp_path / "scratch", tmp_path / "home"
+    scratch.mkdir()
+    workdir.mkdir()
+    pool = WorkerUserPool(users, scratch=[scratch])
+    taken = [pool.take() for _ in users]
+    assert sorted(u.uid for u in taken) == sorted(u.uid for u in users), "each account once"
+    with pytest.raises(NoFreeWorkerUser, match="all 3 worker users are in use .*c.NodeAgent.worker_users"):
+        pool.take()
+    first = taken[0]
+    left = scratch / "left-by-the-lease"
+    left.mkdir()
+    (left / "data").write_text("x")
+    os.chown(left, first.uid, first.gid)
+    kept = scratch / "someone-elses"
+    kept.write_text("y")
+    (workdir / "notebook-output").write_text("z")
+    runner = subprocess.Popen(["sleep", "60"], **first.popen_kwargs())
+    try:
+        assert not pool.give_back(first, workdir), "a process still runs as it"
+        assert left.exists() and first not in pool.free
+    finally:
+        runner.kill()
+        runner.wait()
+    assert pool.give_back(first, workdir)
+    assert not left.exists() and kept.exists() and list(workdir.iterdir()) == []
+    assert pool.free == [first] and pool.take() == first
+    with pytest.raises(ValueError, match="one uid twice"):
+        WorkerUserPool([first, first])
