@@ -184,3 +184,16 @@ def test_a_daemon_dies_at_release_survives_an_agent_kill9_with_its_lease_and_die
                 os.kill(pid, signal.SIGKILL)
     assert not alive(daemons[1]), "the daemon outlived the agent's stop"
     assert f"worker cgroups: {mode} under " in agent.log.read_text()
+
+
+def test_a_cgroup_mode_that_cannot_be_had_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "gpupool.cli", "agent", "--service-url=http://127.0.0.1:1",
+                             f"--state-dir={tmp_path / 'agent'}", "--simulate=1xA100-80GB", "--cgroup-mode=v2",
+                             "--NodeAgent.cgroup_root=/../../../../.."], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "GPUPOOL_AGENT_TOKEN": "t"})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "cgroup v2 containment is not available" in result.stderr, result.stderr
+    assert "cgroup_mode = 'auto'" in result.stderr, "it names the way out"
