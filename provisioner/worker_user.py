@@ -33,6 +33,11 @@ import psutil
 #: (besides its work directory): the world-writable places of a node.
 SHARED_SCRATCH = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 
+#: How many levels below each of those the sweep looks: deep enough for a
+#: folder per owner in a shared one (``/tmp/gpupool-scratch/OWNER``, the
+#: workers' scratch folders), shallow enough to stay quick on a big /tmp.
+SWEEP_DEPTH = 3
+
 
 @dataclass(frozen=True)
 class WorkerUser:
@@ -160,16 +165,7 @@ class WorkerUserPool:
             for entry in os.scandir(workdir):
                 _remove_entry(entry)
         for folder in self.scratch:
-            try:
-                entries = list(os.scandir(folder))
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    if entry.stat(follow_symlinks=False).st_uid == user.uid:
-                        _remove_entry(entry)
-                except OSError:
-                    continue
+            _sweep(folder, user.uid, SWEEP_DEPTH)
         self._taken.discard(user.name)
         return True
 
@@ -182,6 +178,34 @@ def _running_uids() -> set[int]:
         if info.get("uids") is not None and info.get("status") != psutil.STATUS_ZOMBIE:
             uids.update((info["uids"].real, info["uids"].effective))
     return uids
+
+
+def _sweep(folder: Path, uid: int, depth: int) -> None:
+    """Remove what ``uid`` owns in ``folder``, looking ``depth`` levels
+    down. A directory of ``uid``'s that holds something of another's (a
+    shared root another worker made its own folder in) keeps that, and
+    itself; one at the last level goes whole. Links are never followed."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        is_dir = stat.S_ISDIR(info.st_mode)
+        if is_dir and depth > 0:
+            _sweep(Path(entry.path), uid, depth - 1)
+        if info.st_uid != uid:
+            continue
+        if is_dir and depth > 0:
+            try:
+                os.rmdir(entry.path)  # only once empty: what is left is someone else's
+            except OSError:
+                pass
+        else:
+            _remove_entry(entry)
 
 
 def _remove_entry(entry: os.DirEntry) -> None:

@@ -40,6 +40,7 @@ import re
 import secrets
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,6 +346,8 @@ class WorkerManager:
         self.environ = dict(os.environ if environ is None else environ)
         self.cwd = str(cwd or (_user_home(user, Path(state_dir)) if user is not None else Path.home()))
         self.log = log or logging.getLogger("gpupool.agent")
+        if users is not None:
+            _shared_scratch_root(self.log)
         self.cgroups = cgroups if cgroups is not None else containment("auto", "", state_dir, log=self.log)
         self.log.info("worker cgroups: %s under %s", self.cgroups.mode, self.cgroups.where)
         self._context = zmq.asyncio.Context()
@@ -873,6 +876,23 @@ def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process]
     if process.returncode is None:
         survivors.insert(0, process.pid)
     return survivors
+
+
+def _shared_scratch_root(log: logging.Logger) -> None:
+    """Make the workers' scratch root (:func:`gpupool.provisioner.worker.enter_workdir`:
+    ``TMP/gpupool-scratch``) root's and sticky, as /tmp is, so that each pool
+    account can make its owner's folder there; made by the first worker, it
+    would be that account's alone."""
+    root = Path(tempfile.gettempdir()) / "gpupool-scratch"
+    try:
+        root.mkdir(exist_ok=True)
+        if root.stat().st_uid == os.getuid():
+            root.chmod(0o1777)
+        else:
+            log.warning("%s belongs to uid %s: workers of the other worker users cannot make their scratch folders "
+                        "there; remove it (it is made again for all)", root, root.stat().st_uid)
+    except OSError as exc:
+        log.warning("cannot prepare the workers' scratch folder %s: %s", root, exc)
 
 
 def _kill_and_remove(cgroup: LeaseCgroup, timeout: float) -> None:

@@ -324,8 +324,22 @@ def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_p
     left.mkdir()
     (left / "data").write_text("x")
     os.chown(left, first.uid, first.gid)
+    os.chown(left / "data", first.uid, first.gid)
     kept = scratch / "someone-elses"
     kept.write_text("y")
+    # A shared root the account made, in which another account has its folder,
+    # and a folder of its own inside a root's (the workers' scratch folders).
+    shared = scratch / "made-by-it"
+    (shared / "other-owner").mkdir(parents=True)
+    (shared / "its-owner").mkdir()
+    os.chown(shared, first.uid, first.gid)
+    os.chown(shared / "its-owner", first.uid, first.gid)
+    os.chown(shared / "other-owner", taken[1].uid, taken[1].gid)
+    nested = scratch / "gpupool-scratch" / "ann"
+    nested.mkdir(parents=True)
+    (nested / "secret").write_text("ann's")
+    os.chown(nested, first.uid, first.gid)
+    os.chown(nested / "secret", first.uid, first.gid)
     (workdir / "notebook-output").write_text("z")
     runner = subprocess.Popen(["sleep", "60"], **first.popen_kwargs())
     try:
@@ -336,6 +350,8 @@ def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_p
         runner.wait()
     assert pool.give_back(first, workdir)
     assert not left.exists() and kept.exists() and list(workdir.iterdir()) == []
+    assert not nested.exists() and (scratch / "gpupool-scratch").exists(), "its folder in root's goes"
+    assert sorted(p.name for p in shared.iterdir()) == ["other-owner"], "another account's folder stays"
     assert pool.free == [first] and pool.take() == first
     with pytest.raises(ValueError, match="one uid twice"):
         WorkerUserPool([first, first])
