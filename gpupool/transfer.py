@@ -16,6 +16,7 @@ first being the pickle stream and the rest its out-of-band buffers.
 from __future__ import annotations
 
 import functools
+import importlib
 import pickle
 from typing import Any, Iterable
 
@@ -71,9 +72,20 @@ def load_values(header: dict[str, Any], buffers: Iterable[memoryview | bytes]) -
 
 def load_pulled(header: dict[str, Any], buffers: Iterable[memoryview | bytes]
                 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
-    """A pull's answer unpacked: ``(values, items that loaded, errors by name)``."""
+    """A pull's answer unpacked: ``(values, items that loaded, errors by name)``.
+    The modules the worker's namespace held (``header["modules"]``, name ->
+    module name) are imported here and come back as the same names, with
+    items of type ``module``; one that is not installed here is an error."""
     values, errors = load_values(header, buffers)
-    return values, [i for i in header.get("items", []) if i["name"] in values], errors
+    items = [i for i in header.get("items", []) if i["name"] in values]
+    for name, module in header.get("modules", {}).items():
+        try:
+            values[name] = importlib.import_module(module)
+        except Exception as exc:  # not installed in this kernel's environment
+            errors[name] = f"module {module} cannot be imported here: {_first_line(exc)}"
+            continue
+        items.append({"name": name, "type": "module", "module": module, "nbytes": 0})
+    return values, items, errors
 
 
 def describe(items: list[dict[str, Any]]) -> str:

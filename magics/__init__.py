@@ -1,8 +1,10 @@
 """The IPython extension of gpupool: ``%load_ext gpupool.magics``.
 
 Adds ``%gpu``, ``%%gpu`` and ``%%local`` (see :mod:`gpupool.magics.magics`)
-and the input transformer that routes cells to the worker while attached.
-The gpupool kernelspec loads it for you.
+to any IPython. The gpupool kernel (:mod:`gpupool.magics.kernel`, which the
+gpupool kernelspec starts) has them built in and forwards an attached
+notebook's cells to the worker; elsewhere cells stay local and ``%%gpu``
+runs one on the worker.
 """
 
 from __future__ import annotations
@@ -17,23 +19,21 @@ _STATE: dict[int, GPUMagics] = {}
 
 
 def load_ipython_extension(ip) -> None:
-    """Register the magics and the routing transformer on shell ``ip``."""
+    """Register the magics on shell ``ip`` (nothing to do in the gpupool kernel)."""
+    if getattr(getattr(ip, "kernel", None), "gpu", None) is not None:
+        return
     magics = GPUMagics(ip)
     ip.register_magics(magics)
-    ip.input_transformers_cleanup.append(magics.route)
     _STATE[id(ip)] = magics
     # A kernel stopped without the gpupool provisioner still gives its slice back.
     atexit.register(_release_on_exit, magics)
 
 
 def unload_ipython_extension(ip) -> None:
-    """Detach (discarding the worker's state) and remove the transformer."""
+    """Detach (discarding the worker's state)."""
     magics = _STATE.pop(id(ip), None)
-    if magics is None:
-        return
-    if magics.route in ip.input_transformers_cleanup:
-        ip.input_transformers_cleanup.remove(magics.route)
-    _release_on_exit(magics)
+    if magics is not None:
+        _release_on_exit(magics)
 
 
 def _release_on_exit(magics: GPUMagics) -> None:

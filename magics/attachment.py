@@ -35,6 +35,8 @@ class Attachment:
         # parks only when it can take it without waiting.
         self.lock = threading.Lock()
         self.parked: Parked | None = None
+        # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
+        self.workdir: str | None = None
 
     def park_when_idle(self, ahead: float, max_bytes: int | None,
                        take: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
@@ -52,8 +54,9 @@ class Attachment:
             finally:
                 self.lock.release()
             count = len(self.parked.names)
-            self.heartbeat.say(f"lease {self.lease.id} was parked after idle: {count} variable{'s' * (count != 1)} "
-                               "came back to this kernel; the next cell resumes on a slice of the same size")
+            self.heartbeat.say(f"lease {self.lease.id} was parked after idle: {count} name{'s' * (count != 1)} "
+                               "came back to this kernel; the next cell resumes on a slice of the same size",
+                               kind="parked")
             return True
 
         self.heartbeat.on_beat = on_beat
@@ -84,7 +87,7 @@ class Attachment:
         """The lease as last seen if it ended behind our back, else None."""
         return self.heartbeat.ended
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
             raise GPUPoolError("lease_lost", ended_message(self.heartbeat.ended), 410)
         if self.parked is not None:  # parked between the magic's check and now: rare, say it plainly
@@ -100,10 +103,10 @@ class Attachment:
         """
         relay = OutputRelay(max_output_bytes)
         with self.lock:
-            self._check_alive()
+            self.check_alive()
             self.heartbeat.running(True)
             try:
-                self.remote.execute(code, relay, _ask_stdin, self._check_alive)
+                self.remote.execute(code, relay, _ask_stdin, self.check_alive)
             finally:
                 self.heartbeat.running(False)
                 relay.finish()
@@ -139,16 +142,22 @@ class Attachment:
         answer, _ = self._comm({"op": "versions"}, timeout=30)
         return dict(answer.get("versions", {}))
 
+    def request(self, data: dict[str, Any], timeout: float = 30.0) -> tuple[dict[str, Any], list]:
+        """One op of the worker's transfer comm (``{"op": ...}``, see
+        gpupool.provisioner.worker.REMOTING_OPS); raises GPUPoolError
+        ``transfer_failed`` when the worker answers not ok."""
+        return self._comm(data, timeout=timeout)
+
     def _comm(self, request: dict[str, Any], buffers: list | None = None,
               timeout: float = 600.0) -> tuple[dict[str, Any], list]:
         """One transfer request, guarded like a cell: it ends as soon as the
         lease is seen ended or the worker stops answering its heartbeat."""
         with self.lock:
-            self._check_alive()
+            self.check_alive()
             self.heartbeat.running(True)
             try:
                 answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=timeout,
-                                                           check=self._check_alive)
+                                                           check=self.check_alive)
             finally:
                 self.heartbeat.running(False)
         _raise_unless_ok(answer)

@@ -95,11 +95,13 @@ class Heartbeat(threading.Thread):
         self._last_beat = time.monotonic()
         self._parent = _output_parent()
         self._warned_for: str | None = None  # idle_since of the idle period already warned about
+        self.notify: Callable[[str, str], None] | None = None
+        self._next_wait: float | None = None  # seconds to the next beat when the idle deadline is nearer
         self._node_lost = False  # told the user that the lease's node is lost
 
     def run(self) -> None:
         while not self._stopped.is_set():
-            self._wake.wait(self.busy_interval if self.cell_running else self.interval)
+            self._wake.wait(self._wait_seconds())
             self._wake.clear()
             if self._stopped.is_set():
                 return
@@ -118,13 +120,35 @@ class Heartbeat(threading.Thread):
             self._warn_if_idle(lease)
             if self.on_beat is not None and self._beat_hook(lease):
                 return
+            self._next_wait = self._until_due(lease)
+
+    def _wait_seconds(self) -> float:
+        """The regular interval, shortened so that the beat that parks (or
+        warns) comes in time whatever the idle timeout: parking follows the
+        service's ``idle_deadline``, not the beat rhythm (issue 12)."""
+        if self.cell_running:
+            return self.busy_interval
+        return self.interval if self._next_wait is None else max(0.05, min(self.interval, self._next_wait))
+
+    def _until_due(self, lease: Lease) -> float | None:
+        """Seconds until the idle deadline less the park lead and the warning
+        lead (the next moment a beat must act), None without a deadline."""
+        deadline = parse_time(lease.idle_deadline)
+        if deadline is None:
+            return None
+        from .park import park_lead
+
+        lead = park_lead(self.park_ahead, lease.idle_timeout) if self.park_ahead is not None else 0.0
+        left = (deadline - datetime.now(timezone.utc)).total_seconds() - lead
+        warn = left - (lease.idle_warning or 0.0)
+        return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
 
     def _end(self, lease: Lease) -> None:
         self.ended = lease
         # stop() comes before our own release, so a stopped thread saw that release.
         # A running cell says it itself (it fails with these words).
         if not self._stopped.is_set() and not self.cell_running:
-            self.say(ended_message(lease))
+            self.say(ended_message(lease), kind="ended")
 
     def _tell_node_state(self, lease: Lease) -> None:
         """Say once when the lease's node is lost, and once when it is back."""
@@ -135,17 +159,20 @@ class Heartbeat(threading.Thread):
         if lost:
             self.say(f"the pool lost contact with node {lease.node} (no heartbeat from its agent): lease "
                      f"{lease.id} is kept and its worker's variables wait there, but cells on it may not "
-                     "answer until the node is back; %gpu release --discard gives it up")
+                     "answer until the node is back; %gpu release --discard gives it up", kind="node_lost")
         else:
-            self.say(f"node {lease.node} is back: lease {lease.id} works again")
+            self.say(f"node {lease.node} is back: lease {lease.id} works again", kind="node_back")
 
     def _warn_if_idle(self, lease: Lease) -> None:
         if lease.idle_since is None or lease.idle_since == self._warned_for:
             return
-        text = idle_warning_text(lease, self.park_ahead, self.interval)
+        from .park import park_lead
+
+        ahead = park_lead(self.park_ahead, lease.idle_timeout) if self.park_ahead is not None else None
+        text = idle_warning_text(lease, ahead, self.interval)
         if text is not None:
             self._warned_for = lease.idle_since
-            self.say(text)
+            self.say(text, kind="idle_warning")
 
     def _beat_hook(self, lease: Lease) -> bool:
         try:
@@ -154,9 +181,15 @@ class Heartbeat(threading.Thread):
             log.warning("idle check for %s failed", self.lease_id, exc_info=True)
             return False
 
-    def say(self, text: str) -> None:
-        """Print ``gpupool: TEXT`` to the kernel's stderr, under the last cell
-        that ran on the worker (callable from any thread)."""
+    def say(self, text: str, kind: str = "notice") -> None:
+        """Tell the user ``text`` (callable from any thread): through
+        ``notify(kind, text)`` when set (the gpupool kernel says it at the top
+        of the next cell and sends it as an event), else printed as
+        ``gpupool: TEXT`` to the kernel's stderr, under the last cell that ran
+        on the worker."""
+        if self.notify is not None:
+            self.notify(kind, text)
+            return
         stream = sys.stderr
         pin = getattr(stream, "set_thread_parent", None) if self._parent else None
         # ipykernel routes other threads' output by a context variable; pin ours

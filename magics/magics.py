@@ -20,10 +20,12 @@ come here) and the next routed cell resumes on a slice of the same size::
     gpupool: L-3f2a9c1e07b4 was parked after idle; brought back 2 variables: ...; acquiring 0.50 of a GPU again
     gpupool: resumed on L-77c0e1d2a9f3; restored 2 variables: ...
 
-While attached, an input transformer prefixes ``%%gpu`` to every cell that
-does not start with ``%gpu``, ``%%gpu`` or ``%%local``, so ordinary cells run
-on the worker (ipyparallel's ``%autopx`` swaps ``run_cell`` instead; the
-transformer keeps IPython's own cell handling intact).
+In the gpupool kernel (:mod:`gpupool.magics.kernel`) an attached notebook's
+cells are forwarded to the worker by the kernel itself. Loaded into any other
+IPython (``%load_ext gpupool.magics``) the magics still acquire, move
+variables and release, but cells stay local: ``%%gpu`` runs one cell on the
+worker, its output replayed through this kernel (no widgets, completion or
+debugger there; docs/api.md, "Plain IPython kernels").
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
+from .park import MIN_IDLE_TIMEOUT
+from .summary import summarize
 from .quota import progress_words, quota_report
 from .namespace import local_candidates
 from gpupool.tables import gpu_utilization, lease_table, pool_table
 
-ROUTED_PREFIXES = ("%gpu", "%%gpu", "%%local")
+#: %gpu commands that a cell running on the worker may not call mid-cell.
+NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "restart": "%gpu restart",
+                "push": "%gpu push", "pull": "%gpu pull"}
 
 
 def _say(text: str) -> None:
@@ -88,11 +94,12 @@ class GPUMagics(Magics):
         default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
     ).tag(config=True)
 
-    def __init__(self, shell, **kwargs) -> None:
+    def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
+        # The gpupool kernel forwarding this notebook's cells, None in any other IPython.
+        self.kernel = kernel
         self.attachment: Attachment | None = None
         self._client: ServiceClient | None = None
-        self._in_local = False  # inside %%local: cells are not routed, but %gpu magics still reach the worker
         # name -> (id of the local value, device it was on): values pulled off a GPU
         # go back to that device when they are next sent (issue 6, "release keeps state").
         self.devices: dict[str, tuple[int, str]] = {}
@@ -105,15 +112,6 @@ class GPUMagics(Magics):
             self._client = ServiceClient.from_env()
         return self._client
 
-    def route(self, lines: list[str]) -> list[str]:
-        """Input transformer: send the cell to the worker while attached."""
-        if self.attachment is None or self._in_local:
-            return lines
-        first = next((line.lstrip() for line in lines if line.strip()), "")
-        if not first or first.startswith(ROUTED_PREFIXES):
-            return lines
-        return ["%%gpu\n", *lines]
-
     def _attached(self) -> Attachment:
         if self.attachment is None:
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
@@ -124,12 +122,13 @@ class GPUMagics(Magics):
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
         ended = self.attachment.ended
         if ended is not None:
-            self._drop()
+            self.drop()
             raise UsageError(f"{ended_message(ended)}. The worker and its variables are gone; "
                              "this cell did not run. Run %gpu acquire to attach again.")
         return self.attachment
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Forget the attachment without releasing (the lease has ended)."""
         if self.attachment is not None:
             self.attachment.heartbeat.stop()
             self.attachment.remote.close()
@@ -182,7 +181,7 @@ class GPUMagics(Magics):
         args = _parse(self._acquire, rest)
         if self.attachment is not None and self.attachment.ended is None:
             raise UsageError(f"already attached to {self.attachment.lease.id}; run %gpu release first")
-        self._drop()
+        self.drop()
         try:
             fraction, count = parse_gpu_amount(args.amount)
             request = LeaseRequest(
@@ -192,6 +191,9 @@ class GPUMagics(Magics):
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
+            raise UsageError(f"--idle-timeout {args.idle_timeout} is too short to park the variables safely before "
+                             f"the pool reclaims the slice; use at least {MIN_IDLE_TIMEOUT:.0f}s (or --on-idle release)")
         started = time.monotonic()
         self.attachment = self._attach(request)
         if args.on_idle == "park":
@@ -200,15 +202,21 @@ class GPUMagics(Magics):
         gpu = lease.gpus[0] if lease.gpus else {}
         share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
         indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
+        where = ("Cells now run on the worker; %gpu release detaches." if self.kernel is not None else
+                 "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
+                 "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
              f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
-             f"[{time.monotonic() - started:.1f}s]. Cells now run on the worker; %gpu release detaches.")
+             f"[{time.monotonic() - started:.1f}s]. {where}")
+        if self.attachment.workdir:
+            _say(self.attachment.workdir)
 
-    def _attach(self, request: LeaseRequest) -> Attachment:
+    def _attach(self, request: LeaseRequest, forward: bool = True) -> Attachment:
         """Create a lease for ``request``, wait for its worker (with progress),
         connect and warn about version mismatches. Cancels the lease on any
         failure or interrupt. The lease names the JupyterHub server this kernel
-        runs in, so stopping that server releases it."""
+        runs in, so stopping that server releases it. In the gpupool kernel,
+        ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
         started = time.monotonic()
         lease = self.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
         try:
@@ -217,8 +225,56 @@ class GPUMagics(Magics):
         except BaseException:  # interrupted or failed: never leave the slice held
             self._cancel(lease.id)
             raise
+        if self.kernel is not None and forward:
+            self._start_forwarding(attachment)
         self._warn_versions(attachment)
         return attachment
+
+    def _start_forwarding(self, attachment: Attachment) -> None:
+        """Hand the worker's IOPub to the kernel's relay, tell the worker this
+        notebook's execution count and folder, and send notices as events."""
+        attachment.remote.relay_iopub(self.kernel.publish_relayed)
+        attachment.heartbeat.notify = self.kernel.events.notify
+        user = attachment.lease.owner
+        answer, _ = attachment.request({"op": "attach", "execution_count": self.shell.execution_count,
+                                        "cwd": os.getcwd(), "user": user})
+        cwd = answer.get("cwd")
+        attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
+                              f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "
+                              f"in a scratch folder of yours there, {cwd}: copy the files it needs with %gpu push "
+                              "or a shared folder")
+
+    def prepare_forward(self, code: str) -> Attachment:
+        """Before the gpupool kernel forwards cell ``code``: resume a parked
+        lease, send along the local values the cell reads that the worker
+        lacks. Raises UsageError with words when the cell cannot run there."""
+        attachment = self._attached()
+        try:
+            self._follow(attachment, code)
+        except GPUPoolError as exc:
+            if exc.code == "lease_lost":
+                self.drop()
+            raise UsageError(exc.message) from None
+        return attachment
+
+    def run_for_worker(self, line: str) -> dict[str, Any]:
+        """A ``%gpu LINE`` from a cell running on the worker: run it here (its
+        output goes to that cell) unless it would detach or talk to the busy
+        worker; ``{"ok": bool, "message": words}`` goes back to the worker."""
+        command = line.strip().partition(" ")[0]
+        if command in NOT_MID_CELL:
+            return {"ok": False, "message": f"{NOT_MID_CELL[command]} cannot run inside a cell that runs on the "
+                                            "worker; put it in a cell of its own"}
+        try:
+            self.gpu(line)
+        except UsageError as exc:
+            return {"ok": False, "message": str(exc)}
+        except Exception as exc:  # the cell on the worker shows it; this kernel goes on
+            return {"ok": False, "message": f"{type(exc).__name__}: {exc}"}
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return {"ok": True, "message": ""}
 
     def _arm_parking(self, attachment: Attachment) -> None:
         attachment.park_when_idle(self.park_ahead, self.release_state_cap, self._take)
@@ -227,17 +283,17 @@ class GPUMagics(Magics):
         """The lease was parked: acquire a slice of the same size again (with
         progress) and push the parked variables back before the cell runs."""
         parked = self.attachment.parked
-        self._drop()
+        self.drop()
         old = parked.lease
         share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-        _say(f"{old.id} was parked after idle{_transfer_note('brought back', parked.items, parked.errors)}; "
+        _say(f"{old.id} was parked after idle{summarize('brought back', parked.items, parked.errors)}; "
              f"acquiring {share} again")
         attachment = self._attach(_same_size(old))
         self._arm_parking(attachment)
         self.attachment = attachment
         names = [n for n in parked.names if n in self.shell.user_ns]
         items, errors = self._send(attachment, names) if names else ([], {})
-        _say(f"resumed on {attachment.lease.id}{_transfer_note('restored', items, errors)}")
+        _say(f"resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
         return attachment
 
     def _warn_versions(self, attachment: Attachment) -> None:
@@ -279,7 +335,7 @@ class GPUMagics(Magics):
         args = _parse(self._release, rest)
         if self.attachment is not None and self.attachment.parked is not None:
             lease = self.attachment.parked.lease
-            self._drop()
+            self.drop()
             _say(f"released {lease.id}: it was parked after idle and its variables are already here")
             return
         attachment = self._attached()
@@ -288,7 +344,7 @@ class GPUMagics(Magics):
             try:
                 values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
                 self._take(values, items)
-                note = _transfer_note("brought back", items, errors)
+                note = summarize("brought back", items, errors)
             except GPUPoolError as exc:  # the worker died or is unreachable: the slice is still freed
                 note = f"; the worker's variables could not come back: {exc.message}"
         self.attachment = None  # from here on this kernel is detached, whatever happens
@@ -308,7 +364,7 @@ class GPUMagics(Magics):
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
         old = self.attachment.parked.lease if self.attachment.parked else self.attachment.lease
         parks = self.attachment.heartbeat.on_beat is not None
-        self._drop()
+        self.drop()
         try:
             self.client.release(old.id, reason="%gpu restart")
         except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
@@ -419,7 +475,7 @@ class GPUMagics(Magics):
             attachment.run_cell(cell, self.max_output_bytes)
         except GPUPoolError as exc:
             if exc.code == "lease_lost":
-                self._drop()
+                self.drop()
             raise UsageError(exc.message) from None
 
     def _run_on_temporary_lease(self, amount: str, cell: str) -> None:
@@ -429,7 +485,7 @@ class GPUMagics(Magics):
             raise UsageError(str(exc)) from None
         request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
         try:
-            attachment = self._attach(request)
+            attachment = self._attach(request, forward=False)
         except GPUPoolError as exc:
             raise UsageError(exc.message) from None
         try:
@@ -446,7 +502,7 @@ class GPUMagics(Magics):
             if attachment.ended is None:
                 values, items, errors = attachment.pull(None, max_bytes=self.release_state_cap)
                 self._take(values, items)
-                note = _transfer_note("brought back", items, errors)
+                note = summarize("brought back", items, errors)
         finally:
             lease = attachment.release(reason=reason)
         _say(f"released {lease.id}{note}")
@@ -458,11 +514,7 @@ class GPUMagics(Magics):
         %%local
         df.describe()
         """
-        saved, self._in_local = self._in_local, True
-        try:
-            result = self.shell.run_cell(cell, store_history=False)
-        finally:
-            self._in_local = saved
+        result = self.shell.run_cell(cell, store_history=False)
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
 

@@ -49,11 +49,22 @@ def seconds_to_reclaim(lease: Lease, now: datetime | None = None) -> float | Non
     return lease.idle_timeout - (now - since).total_seconds()
 
 
+#: The shortest idle timeout the client can still park before (seconds): a
+#: heartbeat and a pull of the variables must fit in it.
+MIN_IDLE_TIMEOUT = 3.0
+
+
+def park_lead(ahead: float, idle_timeout: float | None) -> float:
+    """Seconds before the reclaim at which to park: ``ahead``, but at most a
+    third of a short idle timeout (a 6 s timeout parks after about 4 s idle)."""
+    return min(ahead, idle_timeout / 3) if idle_timeout else ahead
+
+
 def park_due(lease: Lease, ahead: float, interval: float, now: datetime | None = None) -> bool:
     """Whether to park now: the next heartbeat (``interval`` s away) would
-    come later than ``ahead`` seconds before the reclaim."""
+    come later than :func:`park_lead` seconds before the reclaim."""
     left = seconds_to_reclaim(lease, now)
-    return left is not None and left <= ahead + interval
+    return left is not None and left <= park_lead(ahead, lease.idle_timeout) + interval
 
 
 def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], list[dict[str, Any]]], None],

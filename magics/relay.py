@@ -147,3 +147,44 @@ def _show_result(data: dict[str, Any], metadata: dict[str, Any]) -> None:
     hook.write_output_prompt()
     hook.write_format_data(data, metadata)
     hook.finish_displayhook()
+
+
+class OutputBudget:
+    """The output cap of forwarded cells (``c.GPUMagics.max_output_bytes``),
+    counted on the relay thread in bytes of each message's content and
+    buffers, whole messages at a time (the relay does not decode them).
+    ``stream``, ``display_data`` and ``update_display_data`` count;
+    ``clear_output`` starts the count again (the front end drops what it
+    cleared); everything else (results, errors, comms, widgets' state) passes."""
+
+    COUNTED = ("stream", "display_data", "update_display_data")
+
+    def __init__(self) -> None:
+        self.reset(None)
+
+    def reset(self, max_bytes: int | None) -> None:
+        """A new cell starts with ``max_bytes`` (None: no cap)."""
+        self.max_bytes, self.shown, self.cut, self._told = max_bytes, 0, 0, False
+
+    def admit(self, msg_type: str, size: int) -> bool:
+        if msg_type == "clear_output":
+            self.shown = 0
+        if self.max_bytes is None or msg_type not in self.COUNTED:
+            return True
+        if self.shown + size > self.max_bytes:
+            self.cut += size
+            return False
+        self.shown += size
+        return True
+
+    def cut_started(self) -> bool:
+        """True once, at the first message cut in this cell."""
+        told, self._told = self._told, True
+        return not told
+
+    def cut_words(self) -> str:
+        return (f"\ngpupool: this cell's output passed {format_bytes(self.max_bytes)}; the rest is cut "
+                "(c.GPUMagics.max_output_bytes)\n")
+
+    def finish_words(self) -> str:
+        return f"gpupool: {format_bytes(self.cut)} of output not shown\n"

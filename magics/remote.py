@@ -10,6 +10,7 @@ bounded and Ctrl-C (SIGINT in the main thread) interrupts it.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -54,6 +55,8 @@ class RemoteKernel:
         self.hb = self._socket(zmq.REQ, "hb_port")
         self._hb_sent: float | None = None
         self._hb_ok = 0.0
+        self._relay: IOPubRelay | None = None
+        self._debug: zmq.Socket | None = None  # the control socket of the kernel's control thread
         self.poller = zmq.Poller()
         for sock in (self.shell, self.iopub, self.stdin):
             self.poller.register(sock, zmq.POLLIN)
@@ -70,7 +73,27 @@ class RemoteKernel:
 
     def close(self) -> None:
         """Close the sockets; the worker itself is the agent's to stop."""
+        if self._relay is not None:
+            self._relay.stop()
         self.context.destroy(linger=0)
+
+    def relay_iopub(self, publish: Callable[[list, list, dict], None]) -> None:
+        """Hand the worker's IOPub to a thread that passes every message of a
+        request this client did not send itself (the front end's, forwarded
+        with their own headers) to ``publish(idents, frames, msg)`` as signed
+        frames plus the message with its content undecoded. Messages of this client's own
+        requests, and ``status`` messages of all requests (so that a forwarded
+        request's end can be awaited), still reach this object's waits."""
+        inner = self.context.socket(zmq.PAIR)
+        address = f"inproc://gpupool-relay-{uuid.uuid4().hex}"
+        inner.bind(address)
+        outer = self.context.socket(zmq.PAIR)
+        outer.connect(address)
+        self._relay = IOPubRelay(self.iopub, outer, self.session, publish)
+        self.poller.unregister(self.iopub)
+        self.iopub = inner
+        self.poller.register(inner, zmq.POLLIN)
+        self._relay.start()
 
     def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
         """Send ``kernel_info_request`` until IOPub delivers its status (the SUB
@@ -119,7 +142,43 @@ class RemoteKernel:
         msg = self.session.send(self.shell, "execute_request", {
             "code": code, "silent": False, "store_history": True, "user_expressions": {},
             "allow_stdin": stdin_handler is not None, "stop_on_error": True})
-        return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)
+        return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)["content"]
+
+    def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
+                check: Callable[[], None] | None = None, wait_idle: bool = True,
+                timeout: float | None = None) -> dict[str, Any]:
+        """Send a front end's shell request ``msg`` (a deserialized message,
+        header and ``msg_id`` kept, so the worker's IOPub is already parented
+        to the front end's request) and return the worker's reply message.
+        ``wait_idle``: also wait for the worker's idle status of it (every
+        IOPub message of the request has then been relayed). Interrupts and
+        errors as for :meth:`execute`; GPUPoolError ``worker_timeout`` after
+        ``timeout`` seconds (None: no bound, a cell may run for days)."""
+        self.session.send(self.shell, msg)
+        return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
+                                timeout=timeout, want_idle=wait_idle)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send a front end's shell message that has no reply (``comm_msg``,
+        ``comm_close``), header kept."""
+        self.session.send(self.shell, msg)
+
+    def control_request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Send a front end's control request ``msg`` (``debug_request``) and
+        return the worker's reply message. Called on the notebook kernel's
+        control thread only, which gets a control socket of its own (ZeroMQ
+        sockets belong to one thread). Raises GPUPoolError ``worker_timeout``."""
+        if self._debug is None:
+            self._debug = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
+        self.session.send(self._debug, msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._debug.poll(POLL_MS):
+                got = self._recv(self._debug)
+                if got is not None and got["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                    return got
+        raise GPUPoolError("worker_timeout", f"the worker did not answer the {msg['header']['msg_type']} "
+                           f"within {timeout:.0f}s", 504)
 
     def check_heartbeat(self) -> None:
         """Ping the worker's heartbeat channel every HB_INTERVAL seconds; raise
@@ -167,9 +226,12 @@ class RemoteKernel:
         self.session.send(self.control, "interrupt_request", {})
 
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
-                    want_reply: bool = True) -> dict[str, Any]:
+                    want_reply: bool = True, want_idle: bool = True) -> dict[str, Any]:
+        """Wait for the reply to ``msg_id`` (if ``want_reply``) and the worker's
+        idle status of it (if ``want_idle``); returns the reply message (``{}``
+        when none was wanted)."""
         reply: dict[str, Any] | None = None
-        idle = False
+        idle = not want_idle
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted_at: float | None = None
         while not (idle and (reply is not None or not want_reply)):
@@ -180,12 +242,12 @@ class RemoteKernel:
                         continue
                     kind = got["header"]["msg_type"]
                     if sock is self.shell:
-                        reply = got["content"]
+                        reply = got
                     elif sock is self.stdin and kind == "input_request":
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
                     elif kind == "status":
-                        idle = got["content"]["execution_state"] == "idle"
+                        idle = idle or got["content"]["execution_state"] == "idle"
                     else:
                         handler(got)
                 if check is not None:
@@ -202,3 +264,47 @@ class RemoteKernel:
                     self.interrupt()
                     interrupted_at = time.monotonic()
         return reply or {}
+
+
+class IOPubRelay(threading.Thread):
+    """Reads a worker's IOPub on a thread of its own and re-signs the
+    front end's messages for the notebook kernel's IOPub (the bare
+    forwarding hop: only header and parent are decoded, content and buffers
+    pass as they came). What the notebook kernel itself asked for
+    (transfers, version checks: parented to ``session``'s own session id)
+    and every ``status`` go to ``inner`` instead, where
+    :meth:`RemoteKernel._until_idle` waits for them. A message whose
+    signature does not verify is dropped (Session.deserialize raises)."""
+
+    def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
+                 publish: Callable[[list, list, dict], None]) -> None:
+        super().__init__(name="gpupool-iopub-relay", daemon=True)
+        self.iopub, self.inner, self.session, self.publish = iopub, inner, session, publish
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            if not self.iopub.poll(POLL_MS):
+                continue
+            try:
+                frames = self.iopub.recv_multipart(copy=False)
+                self._pass(frames)
+            except zmq.ZMQError:  # the context is being destroyed
+                return
+            except Exception:  # one bad message must not stop the relay
+                import logging
+
+                logging.getLogger("gpupool.magics").warning("dropped a worker message", exc_info=True)
+
+    def _pass(self, frames: list) -> None:
+        idents, parts = self.session.feed_identities(frames, copy=False)
+        msg = self.session.deserialize(parts, content=False, copy=False)
+        own = msg["parent_header"].get("session") == self.session.session
+        if own or msg["header"]["msg_type"] == "status":
+            self.inner.send_multipart(frames, copy=False)
+            return
+        self.publish(idents, [part.buffer if hasattr(part, "buffer") else part for part in parts], msg)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=1.0)

@@ -6,7 +6,8 @@ kernelspec install`` writes one). The kernel itself runs locally as with
 jupyter_client's ``LocalProvisioner``; this subclass
 
 - gives it ``GPUPOOL_URL``, ``GPUPOOL_TOKEN`` and ``GPUPOOL_KERNEL_ID`` and
-  loads the ``gpupool.magics`` extension, so ``%gpu`` works at once;
+  runs it as the gpupool kernel (:mod:`gpupool.magics.kernel`: the ``%gpu``
+  magics built in, cells forwarded to the worker while attached);
 - releases every lease of the kernel when it shuts down, restarts or dies,
   so that no slice outlives the notebook kernel that asked for it.
 
@@ -29,7 +30,7 @@ from gpupool.api import ENV_TOKEN, ENV_URL, ServiceClient
 from gpupool.errors import GPUPoolError
 
 ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
-MAGICS_EXTENSION = "gpupool.magics"
+KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
 
 
 class GPUPoolProvisioner(LocalProvisioner):
@@ -66,16 +67,14 @@ class GPUPoolProvisioner(LocalProvisioner):
     _shutdown_requested = False
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        """Add the magics extension to the kernel's command line and the
-        ``GPUPOOL_*`` variables to its environment (called on each start and
-        restart by ``KernelManager.pre_start_kernel``)."""
+        """Name the gpupool kernel class on the kernel's command line and add
+        the ``GPUPOOL_*`` variables to its environment (called on each start
+        and restart by ``KernelManager.pre_start_kernel``)."""
         self._shutdown_requested = False
         extra = list(kwargs.pop("extra_arguments", None) or [])
         argv = [*(self.kernel_spec.argv if self.kernel_spec else []), *extra]
-        if not any(MAGICS_EXTENSION in arg for arg in argv):
-            # extra_extensions adds to the user's own c.InteractiveShellApp.extensions
-            # instead of replacing them as --IPKernelApp.extensions would.
-            extra.append(f"--IPKernelApp.extra_extensions={MAGICS_EXTENSION}")
+        if not any("kernel_class" in arg for arg in argv):
+            extra.append(f"--IPKernelApp.kernel_class={KERNEL_CLASS}")
         kwargs = await super().pre_launch(extra_arguments=extra, **kwargs)
         env = kwargs["env"]
         self._token = self._read_token()

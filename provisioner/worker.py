@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.abc
 import itertools
+import json
 import logging
 import os
 import sys
@@ -32,10 +33,53 @@ log = logging.getLogger("gpupool.worker")
 
 
 def load_ipython_extension(ip) -> None:
-    """Register the transfer comm target and the PyTorch cap hook."""
+    """Register the transfer comm target, the ``%gpu`` line magic that asks
+    the notebook kernel (:func:`notebook_magic`), the front end's stdin rule
+    and the PyTorch cap hook."""
     ip.kernel.comm_manager.register_target(TARGET, lambda comm, msg: _serve(ip, comm, msg))
+    ip.register_magic_function(lambda line: notebook_magic(ip, line), "line", "gpu")
+    ip.events.register("pre_run_cell", lambda info: _front_end_stdin(ip))
     if os.environ.get("GPUPOOL_MEMORY_LIMIT") and "torch" not in sys.modules:
         sys.meta_path.insert(0, _AfterImport("torch", _cap_torch_memory))
+
+
+#: The prompt of an ``input_request`` that asks the notebook kernel to run a
+#: ``%gpu`` line (followed by JSON ``{"line": ...}``); the gpupool kernel
+#: answers it itself with JSON ``{"ok": bool, "message": str}`` and never
+#: shows it to the user (docs/api.md, "Worker magics").
+MAGIC_PROMPT = "\x00gpupool-magic:"
+#: Metadata key of a forwarded ``execute_request``: the front end's own
+#: ``allow_stdin`` (the request itself always allows stdin, for MAGIC_PROMPT).
+STDIN_KEY = "gpupool_allow_stdin"
+
+
+def notebook_magic(ip, line: str) -> None:
+    """``%gpu LINE`` in a cell on the worker: the notebook kernel runs it (its
+    output shows in the cell, in order) and says whether it worked; raises
+    UsageError with its words when not. It travels as an ``input_request``
+    because the worker's shell channel is busy with this very cell."""
+    from IPython.core.error import UsageError
+
+    kernel = ip.kernel
+    saved, kernel._allow_stdin = kernel._allow_stdin, True
+    try:
+        answer = kernel.raw_input(MAGIC_PROMPT + json.dumps({"line": line}))
+    finally:
+        kernel._allow_stdin = saved
+    try:
+        result = json.loads(answer)
+    except ValueError:
+        raise UsageError("%gpu on the worker needs the notebook's gpupool kernel to answer it") from None
+    if not result.get("ok"):
+        raise UsageError(result.get("message") or "%gpu failed")
+
+
+def _front_end_stdin(ip) -> None:
+    """Before a forwarded cell: ``input()`` is allowed only if the front end
+    allowed it (a forwarded request always allows stdin, see STDIN_KEY)."""
+    metadata = (ip.kernel.get_parent("shell") or {}).get("metadata") or {}
+    if STDIN_KEY in metadata:
+        ip.kernel._allow_stdin = bool(metadata[STDIN_KEY])
 
 
 def user_variables(ip) -> dict[str, Any]:
@@ -44,6 +88,15 @@ def user_variables(ip) -> dict[str, Any]:
     hidden = ip.user_ns_hidden
     return {name: value for name, value in ip.user_ns.items()
             if not name.startswith("_") and name not in hidden and not isinstance(value, types.ModuleType)}
+
+
+def user_modules(ip) -> dict[str, str]:
+    """The modules the user imported into the worker's namespace, as
+    ``{name: module name}`` (``{"np": "numpy"}``), so that they come back as
+    imports, not as values."""
+    hidden = ip.user_ns_hidden
+    return {name: value.__name__ for name, value in ip.user_ns.items()
+            if isinstance(value, types.ModuleType) and not name.startswith("_") and name not in hidden}
 
 
 def _serve(ip, comm, msg) -> None:
@@ -78,6 +131,9 @@ def _pull(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
         missing = {n: "not defined on the worker" for n in names if n not in ip.user_ns}
     else:
         values = user_variables(ip)
+        widgets = [name for name, value in values.items() if _is_widget(value)]
+        missing.update({name: "widget: stays on the worker" for name in widgets})
+        values = {name: value for name, value in values.items() if name not in widgets}
     limit = data.get("max_bytes")
     if limit:  # leave what surely exceeds the cap before copying it to host memory
         values, missing = _within(values, int(limit), missing)
@@ -88,7 +144,15 @@ def _pull(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
     header["errors"].update(missing)
     if limit:
         header, buffers = _cap(header, buffers, int(limit))
+    if data["op"] == "pull_all":
+        header["modules"] = user_modules(ip)
     return header, buffers
+
+
+def _is_widget(value: Any) -> bool:
+    """An ipywidgets widget: its state lives in the front end, it cannot move."""
+    widgets = sys.modules.get("ipywidgets")
+    return widgets is not None and isinstance(value, widgets.Widget)
 
 
 def _within(values: dict[str, Any], limit: int, errors: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -223,7 +287,41 @@ def _versions(ip, data: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "versions": package_versions()}
 
 
-REMOTING_OPS = {"have": _have, "versions": _versions}
+def _attach(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``attach``, sent once by the gpupool kernel when it attaches: take
+    the notebook's execution count (so prompts, ``Out[n]`` and tracebacks'
+    ``Cell In[n]`` agree) and its working directory (:func:`enter_workdir`).
+    Answers ``{"ok", "cwd", "notebook_dir": bool}``."""
+    if isinstance(data.get("execution_count"), int):
+        ip.execution_count = data["execution_count"]
+    cwd, followed = enter_workdir(data.get("cwd"), data.get("user") or "user")
+    return {"ok": True, "cwd": cwd, "notebook_dir": followed}
+
+
+def enter_workdir(path: str | None, user: str) -> tuple[str, bool]:
+    """Change into the notebook's folder ``path`` when this node sees it and
+    this worker's account may enter and read it (shared home); else into a
+    scratch folder of ``user``'s own under ``GPUPOOL_SCRATCH_DIR`` (default:
+    the system temp dir's ``gpupool-scratch``), made 0700. Tried as the
+    worker's own account, so the permission check is the kernel's own.
+    Returns ``(folder now current, whether it is the notebook's)``."""
+    if path and os.path.isdir(path) and os.access(path, os.R_OK | os.X_OK):
+        os.chdir(path)
+        return path, True
+    import re
+    import tempfile
+
+    root = os.environ.get("GPUPOOL_SCRATCH_DIR") or os.path.join(tempfile.gettempdir(), "gpupool-scratch")
+    if not os.path.isdir(root):  # shared by every worker account of the node, like /tmp (sticky)
+        os.makedirs(root, exist_ok=True)
+        os.chmod(root, 0o1777)
+    scratch = os.path.join(root, re.sub(r"[^A-Za-z0-9._-]", "_", user) or "user")
+    os.makedirs(scratch, mode=0o700, exist_ok=True)
+    os.chdir(scratch)
+    return scratch, False
+
+
+REMOTING_OPS = {"have": _have, "versions": _versions, "attach": _attach}
 
 
 # -- binding a warm worker to its lease (docs/enforcement.md, "Binding a worker to its GPUs") --

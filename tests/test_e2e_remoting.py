@@ -155,8 +155,8 @@ def test_release_keeps_state_and_the_next_attach_puts_it_back_on_its_device(kern
     assert run(kc, STAND_IN).ok
     released = run(kc, "%gpu release")
     assert released.ok, released.text()
-    assert "on_gpu (FakeGPUArray, " in released.stdout and "was on cuda:0)" in released.stdout
-    assert "weights (torch.Tensor, " in released.stdout and "model (torch.Linear" in released.stdout
+    assert "brought back 3 variables (on_gpu, weights, model; " in released.stdout
+    assert "; on_gpu was on cuda:0), 1 module (torch), 1 class (FakeGPUArray)" in released.stdout
     assert _remote(kc, "on_gpu.device, on_gpu.data, weights.tolist(), type(model).__name__") == (
         "cpu", [1, 2], [0.0, 1.0, 2.0, 3.0], "Linear")
     assert run(kc, "%gpu acquire 0.25").ok
@@ -195,12 +195,16 @@ def test_an_idle_lease_is_parked_and_the_next_cell_resumes_with_its_state(e2e_po
     ended = _ended(service, parked_id, 30, "the lease parked")
     assert ended.state.value == "released" and ended.reason.endswith("parked after idle"), ended
     assert _active_leases(service) == []
-    assert _remote(kc, "%%local\nkept") == [1, 2, 3], "parked state is in the local kernel"
-    assert f"parked: {parked_id} was given back after idle" in run(kc, "%gpu status").stdout
+    local = run(kc, "%%local\nkept")
+    assert f"gpupool: lease {parked_id} was parked after idle" in local.stderr, \
+        "the notice is said at the top of the next cell, not written into an old one"
+    assert local.outputs[-1][1]["data"]["text/plain"] == "[1, 2, 3]", "parked state is in the local kernel"
+    status = run(kc, "%gpu status")
+    assert f"parked: {parked_id} was given back after idle" in status.stdout and not status.stderr
     cell = run(kc, "import os\nkept + [4], os.environ['GPUPOOL_LEASE_ID']")
     assert cell.ok, cell.text()
-    assert f"gpupool: {parked_id} was parked after idle; brought back 1 variable: kept (list" in cell.stdout
-    assert "acquiring 0.25 of a GPU again" in cell.stdout and "restored 1 variable: kept (list" in cell.stdout
+    assert f"gpupool: {parked_id} was parked after idle; brought back 1 variable (kept; " in cell.stdout
+    assert "acquiring 0.25 of a GPU again" in cell.stdout and "restored 1 variable (kept; " in cell.stdout
     value, resumed_id = eval(cell.outputs[-1][1]["data"]["text/plain"])  # noqa: S307
     assert value == [1, 2, 3, 4] and resumed_id != parked_id
     assert [lease.id for lease in _active_leases(service)] == [resumed_id]

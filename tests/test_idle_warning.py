@@ -1,9 +1,11 @@
 """The warning before idle reclaim reaches the notebook (issue 4, "Idle reclaim").
 
 The service sends ``idle_deadline`` and ``idle_warning`` with each lease; the
-notebook kernel's heartbeat thread prints one warning per idle period under
-the last cell that ran on the worker, then a notice when the lease is parked
-or reclaimed. Through a real service, agent and gpupool notebook kernel; the
+notebook kernel's heartbeat thread raises one warning per idle period, then a
+notice when the lease is parked or reclaimed. The gpupool kernel sends each
+at once as an event on the ``gpupool.status`` comm and says it at the top of
+the next cell: never under an old cell (issue 11, "Notices land where the
+user looks"). Through a real service, agent and gpupool notebook kernel; the
 whole IOPub stream is read (every parent), as a notebook front end sees it.
 """
 
@@ -92,7 +94,13 @@ class Transcript:
     def __init__(self, kc) -> None:
         self.kc = kc
         self.streams: list[tuple[str | None, str]] = []  # (parent msg_id, text)
+        self.events: list[dict] = []  # what the gpupool.status comm sent
         self._idle: set[str] = set()
+
+    def listen(self) -> None:
+        """Open a comm to the kernel's ``gpupool.status`` target, as the JupyterLab extension does."""
+        msg = self.kc.session.msg("comm_open", {"comm_id": "status-1", "target_name": "gpupool.status", "data": {}})
+        self.kc.shell_channel.send(msg)
 
     def pump(self) -> None:
         """Read what has arrived (up to 0.2 s of waiting)."""
@@ -102,6 +110,8 @@ class Transcript:
                 parent = msg["parent_header"].get("msg_id")
                 if msg["msg_type"] == "stream":
                     self.streams.append((parent, msg["content"]["text"]))
+                elif msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == "status-1":
+                    self.events.append(msg["content"]["data"])
                 elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                     self._idle.add(parent)
         except queue.Empty:
@@ -128,6 +138,10 @@ class Transcript:
     def wait_for_line(self, pattern: str, timeout: float, what: str) -> None:
         wait_for(lambda: self.pump() or self.lines(pattern), timeout, what)
 
+    def wait_for_event(self, kind: str, timeout: float, what: str) -> dict:
+        return wait_for(lambda: self.pump() or next((e for e in self.events if e["event"] == kind), None),
+                        timeout, what)
+
 
 @pytest.fixture(scope="module")
 def warning_pool(tmp_path_factory):
@@ -151,37 +165,41 @@ def notebook(warning_pool, tmp_path):
     km.shutdown_kernel(now=False)
 
 
-def test_one_warning_per_idle_period_under_the_last_cell_then_the_park_notice(warning_pool, notebook):
+def test_one_warning_per_idle_period_as_an_event_then_the_park_notice_tops_the_next_cell(warning_pool, notebook):
     service, _ = warning_pool
     client = service.client()
+    notebook.listen()
     notebook.execute("%config GPUMagics.park_ahead = 1.0")
     notebook.execute("%gpu acquire 0.25 --idle-timeout 24s")
     lease_id, = [lease.id for lease in client.list_leases(active=True)]
-    first_cell, _ = notebook.execute("kept = [1, 2, 3]")
+    notebook.execute("kept = [1, 2, 3]")
 
     # First idle period: warned at about 2 s idle (24 - park_ahead 1 - LEAD - one beat); parked at about 22 s.
-    notebook.wait_for_line(WARNING, 30, "the first idle warning")
-    (_, parent, line), = notebook.lines(WARNING)
-    assert parent == first_cell, "the warning goes under the last cell that ran on the worker"
-    assert WARNING.search(line)[1] == lease_id and "your variables parked on this kernel" in line
+    first = notebook.wait_for_event("idle_warning", 30, "the first idle warning")
+    assert WARNING.fullmatch("gpupool: " + first["message"])[1] == lease_id
+    assert "your variables parked on this kernel" in first["message"]
+    assert not notebook.lines(WARNING), "nothing is written under an old cell"
     lease = client.get_lease(lease_id)
     assert lease.state is LeaseState.active and lease.idle_warning == LEAD
     if lease.idle_deadline is not None:  # null only if the worker reported busy meanwhile
         assert parse_time(lease.idle_deadline) == parse_time(lease.idle_since) + timedelta(seconds=24)
 
-    # A cell on the worker keeps the lease and starts a new idle period.
+    # The next cell says the warning at its top, runs on the same lease and starts a new idle period.
     second_cell, _ = notebook.execute("import os\nkept.append(4)\nprint(os.environ['GPUPOOL_LEASE_ID'])")
+    (_, parent, _), = notebook.lines(WARNING)
+    assert parent == second_cell
     assert notebook.lines(lease_id)[-1][1] == second_cell, "the cell ran on the same lease, not a resumed one"
-    assert "was parked after idle" not in notebook.text()
 
-    notebook.wait_for_line("was parked after idle", 60, "the park notice")
-    warnings = notebook.lines(WARNING)
-    assert len(warnings) == 2, f"one warning per idle period: {notebook.text()}"
-    (at, parent, _), = [w for w in warnings if w[1] == second_cell]
-    (park_at, park_parent, notice), = notebook.lines("was parked after idle")
-    assert at < park_at and park_parent == second_cell
-    assert re.fullmatch(rf"gpupool: lease {lease_id} was parked after idle: \d+ variables? came back to this "
-                        r"kernel; the next cell resumes on a slice of the same size", notice), notice
+    parked = notebook.wait_for_event("parked", 60, "the park notice")
+    warnings = [e for e in notebook.events if e["event"] == "idle_warning"]
+    assert len(warnings) == 2, f"one warning per idle period: {notebook.events}"
+    assert notebook.events.index(warnings[1]) < notebook.events.index(parked)
+    assert re.fullmatch(rf"lease {lease_id} was parked after idle: \d+ names? came back to this "
+                        r"kernel; the next cell resumes on a slice of the same size", parked["message"]), parked
+    assert not notebook.lines("was parked after idle"), "not written under the last cell"
+    third_cell, _ = notebook.execute("%%local\nkept")
+    (_, parent, _), = notebook.lines("was parked after idle")
+    assert parent == third_cell
     ended = client.get_lease(lease_id)
     assert ended.state is LeaseState.released and ended.reason.endswith("parked after idle")
     assert ended.idle_deadline is None
@@ -189,12 +207,16 @@ def test_one_warning_per_idle_period_under_the_last_cell_then_the_park_notice(wa
 
 def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_told(warning_pool, notebook):
     service, _ = warning_pool
-    acquire_cell, _ = notebook.execute("%gpu acquire 0.25 --idle-timeout 5s --on-idle release")
+    notebook.listen()
+    notebook.execute("%gpu acquire 0.25 --idle-timeout 5s --on-idle release")
     lease_id, = [lease.id for lease in service.client().list_leases(active=True)]
 
-    notebook.wait_for_line(f"lease {lease_id} was reclaimed: idle", 30, "the reclaim notice")
-    (at, parent, line), = notebook.lines(WARNING)
-    (reclaim_at, reclaim_parent, _), = notebook.lines("was reclaimed")
-    assert at < reclaim_at and parent == reclaim_parent == acquire_cell
-    assert "the worker's variables lost" in line
+    reclaimed = notebook.wait_for_event("ended", 30, "the reclaim notice")
+    assert reclaimed["message"].startswith(f"lease {lease_id} was reclaimed: idle")
+    warning, = [e for e in notebook.events if e["event"] == "idle_warning"]
+    assert notebook.events.index(warning) < notebook.events.index(reclaimed)
+    assert "the worker's variables lost" in warning["message"]
+    next_cell, _ = notebook.execute("%%local\n1 + 1")
+    said = [parent for parent, text in notebook.streams if "gpupool: lease" in text]
+    assert said and set(said) == {next_cell}, "both notices top the next cell"
     assert service.client().get_lease(lease_id).state is LeaseState.reclaimed

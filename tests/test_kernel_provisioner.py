@@ -103,9 +103,10 @@ def test_kernel_gets_its_id_url_token_and_magics(tmp_path, kernel_manager):
     assert isinstance(km.provisioner, GPUPoolProvisioner)
     seen = json.loads(run(km, "import os, json\n"
                               "print(json.dumps({'env': {k: os.environ.get(k) for k in ('GPUPOOL_URL', 'GPUPOOL_TOKEN', 'GPUPOOL_KERNEL_ID')},"
-                              " 'loaded': sorted(get_ipython().extension_manager.loaded)}))"))
+                              " 'kernel': type(get_ipython().kernel).__name__,"
+                              " 'magics': 'gpu' in get_ipython().magics_manager.magics['line']}))"))
     assert seen["env"] == {"GPUPOOL_URL": url, "GPUPOOL_TOKEN": "user-token-1", "GPUPOOL_KERNEL_ID": km.kernel_id}
-    assert "gpupool.magics" in seen["loaded"]
+    assert seen["kernel"] == "GPUPoolKernel" and seen["magics"]
     started = time.monotonic()
     km.shutdown_kernel()
     assert time.monotonic() - started < 5

@@ -125,6 +125,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         assert seen["state_dir"] == seen["workers_dir"] == "PermissionError", "it may enter, not list"
         assert seen["agent_env"] == "PermissionError"
         assert seen["home"] == seen["cwd"] and Path(seen["cwd"]).stat().st_uid == account.pw_uid
+        _check_workdir_rule(shared_root, lease.connection, account)
 
         wait_for(lambda: warm_ready(agent) >= 2, 60, "the next warm worker", log=agent.log)
         workers = processes_mentioning(f"{agent.state_dir / 'workers'}{os.sep}kernel-")
@@ -142,6 +143,30 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
     finally:
         agent.stop()  # raises if a worker process is left
         service.stop()
+
+
+WORKDIR_PROBE = """\
+import json
+from gpupool.provisioner.worker import enter_workdir
+print(json.dumps([enter_workdir(OPEN, "ann"), enter_workdir(CLOSED, "ann")]))
+"""
+
+
+def _check_workdir_rule(root: Path, connection: dict, account) -> None:
+    """The notebook's folder is used when the worker's account may enter it;
+    a folder it may not enter gives the owner's scratch folder (issue 11)."""
+    open_dir, closed_dir = root / "notebooks-shared", root / "notebooks-private"
+    open_dir.mkdir(mode=0o755)
+    closed_dir.mkdir(mode=0o700)
+    scratch = root / "scratch"  # the node's scratch root: shared by worker accounts, like /tmp
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    code = (f"import os\nos.environ['GPUPOOL_SCRATCH_DIR'] = {str(scratch)!r}\n"
+            f"OPEN, CLOSED = {str(open_dir)!r}, {str(closed_dir)!r}\n{WORKDIR_PROBE}")
+    (opened, followed), (fallback, followed_closed) = json.loads(asyncio.run(run_worker_cell(connection, code)))
+    assert (opened, followed) == (str(open_dir), True)
+    assert (fallback, followed_closed) == (str(scratch / "ann"), False)
+    assert (scratch / "ann").stat().st_uid == account.pw_uid and (scratch / "ann").stat().st_mode & 0o777 == 0o700
 
 
 def agent_command(*args: str) -> subprocess.CompletedProcess:

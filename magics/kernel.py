@@ -1,0 +1,332 @@
+"""The gpupool kernel: an IPython kernel that forwards to its worker while attached.
+
+Detached, :class:`GPUPoolKernel` is a plain ipykernel ``IPythonKernel`` with
+the ``%gpu`` magics. Attached (``%gpu acquire``), it forwards the front end's
+requests to the lease's worker as Jupyter messages, headers kept, and relays
+the worker's IOPub back re-signed (:class:`~gpupool.magics.remote.IOPubRelay`),
+so every output, widget, completion, tooltip and debugger reply is the
+worker's own, parented to the front end's request; each cell runs once, on
+the worker. What stays here:
+
+- cells made only of ``%gpu`` lines, and ``%%local`` cells;
+- ``%gpu`` lines inside a forwarded cell: the worker's ``%gpu`` asks this
+  kernel over its stdin channel (:data:`gpupool.provisioner.worker.MAGIC_PROMPT`);
+- comms of gpupool's own targets (``gpupool.*``); all other comms go to the worker;
+- ``kernel_info``, history (forwarded cells are stored here too), shutdown.
+
+Idle warnings and "parked", "node lost", "resumed" are events
+(:mod:`gpupool.magics.events`) and are said once at the top of the next cell.
+
+Started by the gpupool kernelspec (the provisioner passes
+``--IPKernelApp.kernel_class=gpupool.magics.kernel.GPUPoolKernel``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from ipykernel.ipkernel import IPythonKernel
+from IPython.core.error import UsageError
+from jupyter_client.session import DELIM
+from traitlets import Float
+
+from gpupool.errors import GPUPoolError
+
+from .events import Events
+from .magics import GPUMagics
+from .relay import OutputBudget
+
+#: Comm targets of the notebook kernel itself; every other comm is the worker's.
+OWN_TARGET_PREFIX = "gpupool."
+#: The kernel class the provisioner names on the kernel's command line.
+KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
+#: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
+REQUEST_TIMEOUT = 10.0
+
+
+def _malformed(content: dict[str, Any], fields: tuple[str, ...]) -> str:
+    """Words for what is wrong with a request's ``fields`` ("" when nothing):
+    ``code`` must be a string, ``cursor_pos`` a whole number."""
+    for name in fields:
+        value = content.get(name)
+        kind = str if name == "code" else int
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} must be {'a string' if kind is str else 'a whole number'}, not {value!r}"
+    return ""
+
+
+class GPUPoolKernel(IPythonKernel):
+    """IPythonKernel that forwards the front end's messages to the attached worker."""
+
+    # Forwarded cells skip ipykernel's execute_request, and with it this sleep;
+    # a local cell's output is flushed before its reply anyway.
+    _execute_sleep = Float(0.0).tag(config=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.events = Events(self.comm_manager)
+        self.budget = OutputBudget()
+        self.gpu = GPUMagics(self.shell, kernel=self)
+        self.shell.register_magics(self.gpu)
+        for msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self.shell_handlers[msg_type] = getattr(self, f"_{msg_type}")
+
+    @property
+    def kernel_info(self) -> dict[str, Any]:
+        """ipykernel's, without "kernel subshells": a subshell's requests would
+        run on a thread of their own, and the worker's sockets belong to the
+        main thread (the debugger's to the control thread)."""
+        info = dict(super().kernel_info)
+        info["supported_features"] = [f for f in info.get("supported_features", []) if f != "kernel subshells"]
+        return info
+
+    async def create_subshell_request(self, socket, ident, parent) -> None:
+        self.session.send(socket, "create_subshell_reply", {
+            "status": "error", "ename": "NotImplementedError", "traceback": [],
+            "evalue": "the gpupool kernel has no subshells (its cells may run on a remote worker)"}, parent, ident)
+
+    # -- routing ------------------------------------------------------------------------
+
+    def _remote(self):
+        """The attached worker's connection, or None while detached or parked."""
+        attachment = self.gpu.attachment
+        if attachment is None or attachment.parked is not None or attachment.ended is not None:
+            return None
+        return attachment.remote
+
+    def forwarded_code(self, code: str) -> str | None:
+        """The code to run on the worker for cell ``code``, or None when the
+        cell runs here: detached, a ``%%local`` cell, or only ``%gpu`` lines
+        (and blanks and comments). A ``%%gpu`` cell while attached runs its
+        body there."""
+        if self.gpu.attachment is None:
+            return None
+        lines = [line.strip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
+        if not lines or lines[0].startswith("%%local"):
+            return None
+        if lines[0] == "%%gpu":
+            return code.lstrip().partition("\n")[2]
+        if lines[0].startswith("%%gpu"):  # %%gpu AMOUNT while attached: the magic says why not
+            return None
+        if all(line == "%gpu" or line.startswith("%gpu ") for line in lines):
+            return None
+        return code
+
+    # -- execute ------------------------------------------------------------------------
+
+    async def execute_request(self, stream, ident, parent) -> None:
+        """Run the cell on the worker while attached (see :meth:`forwarded_code`),
+        else here; notices come first either way."""
+        self._say_notices()
+        content = parent.get("content", {})
+        code = self.forwarded_code(str(content.get("code", "")))
+        if code is None:
+            await super().execute_request(stream, ident, parent)
+            return
+        try:
+            attachment = self.gpu.prepare_forward(code)
+        except UsageError as exc:
+            self._refuse_cell(stream, ident, parent, str(exc))
+            return
+        reply = self._forward_execute(attachment, parent, code)
+        if reply is None:
+            return self._refuse_cell(stream, ident, parent, self._lost_words)
+        self.session.send(stream, "execute_reply", reply["content"], parent, metadata=reply.get("metadata") or {},
+                          ident=ident)
+        self._after_forwarded(reply["content"], content, code)
+        if reply["content"].get("status") == "error" and content.get("stop_on_error", True):
+            self._abort_queues(parent["header"].get("subshell_id"))
+
+    def _forward_execute(self, attachment, parent: dict[str, Any], code: str) -> dict[str, Any] | None:
+        """Send the front end's execute_request to the worker (stdin always
+        allowed there, for the worker's ``%gpu``; the front end's own choice
+        rides in the metadata) and return the worker's reply message, or None
+        with ``_lost_words`` set when the lease or worker was lost meanwhile."""
+        from gpupool.provisioner.worker import STDIN_KEY
+
+        content = dict(parent["content"], code=code, allow_stdin=True)
+        self._allow_stdin = bool(parent["content"].get("allow_stdin"))
+        msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
+                                                          STDIN_KEY: self._allow_stdin}}
+        self.budget.reset(self.gpu.max_output_bytes)
+        with attachment.lock:
+            attachment.heartbeat.running(True)
+            try:
+                return attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive)
+            except GPUPoolError as exc:
+                self._lost_words = exc.message
+                if exc.code == "lease_lost":
+                    self.gpu.drop()
+                return None
+            finally:
+                attachment.heartbeat.running(False)
+                if self.budget.cut:
+                    self._publish_note(parent["header"], self.budget.finish_words())
+
+    def _after_forwarded(self, reply: dict[str, Any], request: dict[str, Any], code: str) -> None:
+        """Keep this kernel's execution count and history with the worker's,
+        so numbering goes on after a release."""
+        count = reply.get("execution_count")
+        if isinstance(count, int) and not request.get("silent"):
+            self.shell.execution_count = count + 1
+            if request.get("store_history", True):
+                self.shell.history_manager.store_inputs(count, code)
+
+    def _refuse_cell(self, stream, ident, parent, words: str) -> None:
+        """End a cell that could not be forwarded as IPython ends a cell whose
+        magic raised UsageError: the words on stderr, an error reply."""
+        self.execution_count += 1
+        count = self.execution_count
+        self._publish_execute_input(parent["content"].get("code", ""), parent, count)
+        self.shell.execution_count = count + 1
+        print(f"UsageError: {words}", file=sys.stderr, flush=True)
+        self.session.send(stream, "execute_reply", {"status": "error", "ename": "UsageError", "evalue": words,
+                                                    "traceback": [], "execution_count": count}, parent, ident=ident)
+        self._abort_queues(parent["header"].get("subshell_id"))
+
+    def _answer_stdin(self, request: dict[str, Any]) -> str:
+        """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
+        the user's ``input()``, asked of the front end as a local one would be."""
+        from gpupool.provisioner.worker import MAGIC_PROMPT
+
+        prompt = str(request.get("prompt", ""))
+        if prompt.startswith(MAGIC_PROMPT):
+            line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")
+            return json.dumps(self.gpu.run_for_worker(line))
+        if not self._allow_stdin:  # the worker checks this itself; a stray request gets EOF
+            return "\x04"
+        ask = self.getpass if request.get("password") else self.raw_input
+        return ask(prompt)
+
+    def publish_relayed(self, idents: list, parts: list, msg: dict[str, Any]) -> None:
+        """Publish one worker IOPub message (``parts``: signature, header,
+        parent, metadata, content, buffers) re-signed with this kernel's key,
+        unless the cell's output budget is spent (called on the relay thread;
+        the IOPub socket is ipykernel's thread-safe background socket)."""
+        size = sum(len(part) for part in parts[4:])
+        if not self.budget.admit(msg["header"]["msg_type"], size):
+            if self.budget.cut_started():
+                self._publish_note(msg["parent_header"], self.budget.cut_words())
+            return
+        signature = self.session.sign(parts[1:5])
+        self.iopub_socket.send_multipart([bytes(i) for i in idents] + [DELIM, signature, *parts[1:]])
+
+    def _publish_note(self, parent: dict[str, Any], text: str) -> None:
+        self.session.send(self.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)
+
+    # -- requests with a reply ----------------------------------------------------------
+
+    async def complete_request(self, stream, ident, parent) -> None:
+        await self._forward_or_local(stream, ident, parent, super().complete_request, ("code", "cursor_pos"))
+
+    async def inspect_request(self, stream, ident, parent) -> None:
+        await self._forward_or_local(stream, ident, parent, super().inspect_request, ("code", "cursor_pos"))
+
+    async def is_complete_request(self, stream, ident, parent) -> None:
+        await self._forward_or_local(stream, ident, parent, super().is_complete_request, ("code",))
+
+    async def _forward_or_local(self, stream, ident, parent, local, fields: tuple[str, ...]) -> None:
+        """Relay the worker's reply to ``parent`` while attached; answer here
+        when detached or when the worker cannot answer in REQUEST_TIMEOUT (a
+        completion is better local than none). A request whose ``fields``
+        are missing or of the wrong type gets an error reply, the protocol's
+        shape for a failed request, instead of silence."""
+        wrong = _malformed(parent.get("content", {}), fields)
+        if wrong:
+            reply_type = parent["header"]["msg_type"].replace("_request", "_reply")
+            self.session.send(stream, reply_type, {"status": "error", "ename": "ValueError", "evalue": wrong,
+                                                   "traceback": []}, parent, ident=ident)
+            return
+        remote = self._remote()
+        if remote is not None:
+            try:
+                reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
+            except GPUPoolError as exc:
+                self.log.warning("gpupool: the worker did not answer %s (%s); answered here",
+                                 parent["header"]["msg_type"], exc.message)
+            else:
+                self._send_reply(stream, ident, parent, reply)
+                return
+        result = local(stream, ident, parent)
+        if result is not None:
+            await result
+
+    def _send_reply(self, stream, ident, parent, reply: dict[str, Any]) -> None:
+        self.session.send(stream, reply["header"]["msg_type"], reply["content"], parent,
+                          metadata=reply.get("metadata") or {}, ident=ident, buffers=reply.get("buffers"))
+
+    async def comm_info_request(self, stream, ident, parent) -> None:
+        """Both sides' comms: this kernel's own and, while attached, the worker's."""
+        comms = {cid: {"target_name": comm.target_name} for cid, comm in self.comm_manager.comms.items()}
+        remote = self._remote()
+        if remote is not None:
+            try:
+                reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
+                comms.update(reply["content"].get("comms", {}))
+            except GPUPoolError as exc:
+                self.log.warning("gpupool: the worker's comms are unknown: %s", exc.message)
+        target = parent["content"].get("target_name")
+        if target:
+            comms = {cid: info for cid, info in comms.items() if info["target_name"] == target}
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
+
+    # -- comms --------------------------------------------------------------------------
+
+    def _comm_open(self, stream, ident, parent) -> None:
+        target = str(parent["content"].get("target_name", ""))
+        remote = self._remote()
+        if remote is None or target.startswith(OWN_TARGET_PREFIX):
+            self.comm_manager.comm_open(stream, ident, parent)
+        else:
+            remote.send(parent)
+
+    def _comm_msg(self, stream, ident, parent) -> None:
+        self._comm_route(stream, ident, parent, self.comm_manager.comm_msg)
+
+    def _comm_close(self, stream, ident, parent) -> None:
+        self._comm_route(stream, ident, parent, self.comm_manager.comm_close)
+
+    def _comm_route(self, stream, ident, parent, local) -> None:
+        """A comm of this kernel's is handled here; any other goes to the
+        worker while attached (the worker logs unknown ids, as ipykernel does)."""
+        remote = self._remote()
+        if remote is None or parent["content"].get("comm_id") in self.comm_manager.comms:
+            local(stream, ident, parent)
+        else:
+            remote.send(parent)
+
+    # -- control: the debugger ----------------------------------------------------------
+
+    async def debug_request(self, stream, ident, parent) -> None:
+        """JupyterLab's debugger, against the worker while attached. When the
+        worker does not answer, the reply is a DAP error response that says
+        why (never this kernel's state)."""
+        remote = self._remote()
+        if remote is None:
+            await super().debug_request(stream, ident, parent)
+            return
+        try:
+            reply = remote.control_request(parent)
+        except GPUPoolError as exc:
+            request = parent.get("content", {})
+            self.session.send(stream, "debug_reply", {
+                "type": "response", "request_seq": request.get("seq"), "success": False,
+                "command": request.get("command"), "seq": 0,
+                "message": f"gpupool: the debugger runs on the worker, which did not answer: {exc.message}"},
+                parent, ident=ident)
+            return
+        self._send_reply(stream, ident, parent, reply)
+
+    # -- notices ------------------------------------------------------------------------
+
+    def _say_notices(self) -> None:
+        """Say the notices that came since the last cell at the top of this one."""
+        pending = self.events.take_pending()
+        for text in pending:
+            print(f"gpupool: {text}", file=sys.stderr)
+        if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
+            sys.stderr.flush()
+
+    _lost_words = ""

@@ -1,0 +1,220 @@
+"""The gpupool kernel forwards the front end's messages to the worker (issue 11).
+
+Message by message through jupyter_client, as a notebook front end speaks:
+execute (one execution, on the worker; counts that agree), complete, inspect,
+is_complete, comms both ways and comm_info, stdin, the debugger on the
+control channel, ``%gpu`` lines inside forwarded cells, and bad messages
+(an error reply where the protocol has one, else a logged warning; the
+kernel keeps working). The pool fixtures come from conftest (``e2e_pool``).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+
+import pytest
+
+from frontend import run
+from gpupool.magics.kernel import GPUPoolKernel
+from test_e2e_notebook import _remote
+
+WORKER_ONLY = "worker_only_name_4821"
+
+
+def request(kc, channel: str, msg_type: str, content: dict, timeout: float = 30) -> dict:
+    """Send ``msg_type`` on ``channel`` ("shell" or "control") and return its reply message."""
+    msg = kc.session.msg(msg_type, content)
+    getattr(kc, f"{channel}_channel").send(msg)
+    get = kc.get_shell_msg if channel == "shell" else kc.get_control_msg
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = get(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            return reply
+    raise AssertionError(f"no reply to {msg_type}")
+
+
+def iopub_until(kc, predicate, timeout: float = 30) -> list[dict]:
+    """IOPub messages until one satisfies ``predicate`` (that one included)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.5)
+        except queue.Empty:
+            continue
+        seen.append(msg)
+        if predicate(msg):
+            return seen
+    raise AssertionError(f"not seen on IOPub: {[m['msg_type'] for m in seen]}")
+
+
+@pytest.fixture
+def attached(kernel):
+    """A gpupool notebook kernel attached to a quarter GPU, with a name only the worker has."""
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    cell = run(kc, f"{WORKER_ONLY} = 42\ndef documented():\n    '''Says hello from the worker.'''\n")
+    assert cell.ok, cell.text()
+    return km, kc
+
+
+def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
+    _, kc = attached
+    local_pid = _remote(kc, "%%local\nimport os; os.getpid()")
+    msg_id = kc.execute("import os\nos.getpid()")
+    seen = iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                       and m["parent_header"].get("msg_id") == msg_id)
+    mine = [m for m in seen if m["parent_header"].get("msg_id") == msg_id]
+    kinds = [m["msg_type"] for m in mine]
+    assert kinds == ["status", "execute_input", "execute_result", "status"], kinds
+    reply = kc.get_shell_msg(timeout=10)
+    count = reply["content"]["execution_count"]
+    inputs, result = mine[1], mine[2]
+    assert inputs["content"]["execution_count"] == count == result["content"]["execution_count"]
+    assert int(result["content"]["data"]["text/plain"]) != local_pid, "it ran on the worker"
+    failed = run(kc, "1 / 0")
+    traceback = "\n".join(c for kind, content in failed.outputs if kind == "error" for c in content["traceback"])
+    assert f"Cell In[{failed.reply['execution_count']}]" in re.sub(r"\x1b\[[0-9;]*m", "", traceback)
+    after = run(kc, "%%local\n1")
+    assert after.reply["execution_count"] == failed.reply["execution_count"] + 1, "local numbering goes on"
+
+
+def test_completion_inspection_and_is_complete_are_the_workers(attached):
+    _, kc = attached
+    code = WORKER_ONLY[:12]
+    completion = request(kc, "shell", "complete_request", {"code": code, "cursor_pos": len(code)})
+    assert WORKER_ONLY in completion["content"]["matches"]
+    inspected = request(kc, "shell", "inspect_request", {"code": "documented", "cursor_pos": 10, "detail_level": 0})
+    assert inspected["content"]["found"] and "Says hello from the worker" in inspected["content"]["data"]["text/plain"]
+    value = request(kc, "shell", "inspect_request", {"code": WORKER_ONLY, "cursor_pos": 3, "detail_level": 0})
+    assert "42" in value["content"]["data"]["text/plain"]
+    assert request(kc, "shell", "is_complete_request", {"code": "for i in x:"})["content"]["status"] == "incomplete"
+    question = run(kc, f"{WORKER_ONLY}?")
+    page, = question.reply["payload"]
+    assert question.ok and page["source"] == "page" and "42" in page["data"]["text/plain"]
+
+
+def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
+    _, kc = attached
+    setup = run(kc, "seen = []\n"
+                    "def opened(comm, msg):\n"
+                    "    comm.on_msg(lambda m: (seen.append(m['content']['data']), comm.send({'echo': m['content']['data']})))\n"
+                    "get_ipython().kernel.comm_manager.register_target('echo', opened)\n"
+                    "from comm import create_comm\n"
+                    "from_worker = create_comm(target_name='from-worker', data={'hello': 1})")
+    assert setup.ok, setup.text()
+    opened = [c for kind, c in setup.outputs if kind == "comm_open"]
+    assert opened and opened[0]["target_name"] == "from-worker", "the worker's comm_open reaches the front end"
+    open_msg = kc.session.msg("comm_open", {"comm_id": "c-echo", "target_name": "echo", "data": {}})
+    kc.shell_channel.send(open_msg)
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": "c-echo", "data": {"n": 7}}))
+    echoed = iopub_until(kc, lambda m: m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == "c-echo")
+    assert echoed[-1]["content"]["data"] == {"echo": {"n": 7}}
+    assert _remote(kc, "seen") == [{"n": 7}]
+    # The notebook kernel's own comm target stays here.
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": "c-status", "target_name": "gpupool.status",
+                                                       "data": {}}))
+    info = request(kc, "shell", "comm_info_request", {})["content"]["comms"]
+    assert info["c-echo"]["target_name"] == "echo" and info["c-status"]["target_name"] == "gpupool.status"
+    assert any(v["target_name"] == "from-worker" for v in info.values())
+    only = request(kc, "shell", "comm_info_request", {"target_name": "echo"})["content"]["comms"]
+    assert list(only) == ["c-echo"]
+    kc.shell_channel.send(kc.session.msg("comm_close", {"comm_id": "c-echo", "data": {}}))
+    assert wait_until(lambda: "c-echo" not in request(kc, "shell", "comm_info_request", {})["content"]["comms"])
+
+
+def wait_until(predicate, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_bad_messages_get_an_error_or_a_warning_and_the_kernel_goes_on(attached):
+    _, kc = attached
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": "no-such-comm", "data": {}}))
+    malformed = request(kc, "shell", "complete_request", {"code": 5})
+    assert malformed["content"]["status"] == "error" and "code must be a string" in malformed["content"]["evalue"]
+    debug = request(kc, "control", "debug_request", {"type": "request", "seq": 1, "command": "noSuchCommand",
+                                                     "arguments": {}})
+    assert debug["msg_type"] == "debug_reply"
+    assert _remote(kc, f"{WORKER_ONLY} + 1") == 43, "still working"
+
+
+def test_gpu_lines_inside_a_forwarded_cell_run_in_the_notebook_kernel(attached):
+    _, kc = attached
+    both = run(kc, "x = 1\n%gpu status")
+    assert both.ok, both.text()
+    assert "L-" in both.text() and _remote(kc, "x") == 1
+    loop = run(kc, "for i in range(2):\n    %gpu status\nprint('done', i)")
+    assert loop.ok, loop.text()
+    assert loop.text().count("active") >= 2 and "done 1" in loop.stdout
+    refused = run(kc, "y = 2\n%gpu release")
+    assert not refused.ok and "cannot run inside a cell that runs on the worker" in refused.text()
+    assert _remote(kc, "y") == 2, "the cell ran up to the refused line; the lease is kept"
+    assert run(kc, "%gpu status").ok
+
+
+def test_input_from_a_forwarded_cell_goes_to_the_front_end_only_if_it_allows_stdin(attached):
+    _, kc = attached
+    cell = run(kc, "name = input('who? ')\nname.upper()", stdin=["ann"])
+    assert cell.ok and cell.outputs[-1][1]["data"]["text/plain"] == "'ANN'"
+    refused = run(kc, "input('who? ')")
+    assert not refused.ok and refused.reply["ename"] == "StdinNotImplementedError"
+
+
+def test_the_debugger_answers_from_the_worker(attached):
+    _, kc = attached
+    features = request(kc, "shell", "kernel_info_request", {})["content"]["supported_features"]
+    assert "debugger" in features and "kernel subshells" not in features
+    init = request(kc, "control", "debug_request", {
+        "type": "request", "seq": 1, "command": "initialize",
+        "arguments": {"clientID": "test", "adapterID": "python", "linesStartAt1": True, "columnsStartAt1": True,
+                      "pathFormat": "path"}})
+    assert init["content"].get("success"), init["content"]
+    attach = request(kc, "control", "debug_request", {"type": "request", "seq": 2, "command": "attach",
+                                                      "arguments": {}})
+    assert attach["content"].get("success"), attach["content"]
+    info = request(kc, "control", "debug_request", {"type": "request", "seq": 3, "command": "debugInfo",
+                                                    "arguments": {}})
+    assert info["content"]["success"]
+    variables = request(kc, "control", "debug_request", {"type": "request", "seq": 4, "command": "inspectVariables",
+                                                         "arguments": {}})
+    names = [v["name"] for v in variables["content"]["body"]["variables"]]
+    assert WORKER_ONLY in names, "the Variables panel lists the worker's names"
+    request(kc, "control", "debug_request", {"type": "request", "seq": 5, "command": "disconnect",
+                                             "arguments": {"restart": False, "terminateDebuggee": False}})
+
+
+def test_the_worker_starts_in_the_notebooks_folder(kernel, tmp_path):
+    _, kc = kernel
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    acquired = run(kc, "%gpu acquire 0.25")
+    assert acquired.ok and f"the worker runs in this notebook's folder, {tmp_path}" in acquired.stdout
+    assert _remote(kc, "open('data.csv').read()") == "a,b\n1,2\n"
+    assert _remote(kc, "import os; os.getcwd()") == str(tmp_path)
+
+
+def test_release_brings_imports_back_as_imports(kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, "import json as js\ndef twice(v):\n    return 2 * v\nclass Box:\n    pass").ok
+    released = run(kc, "%gpu release")
+    assert "1 module (js), 1 function (twice), 1 class (Box)" in released.stdout, released.stdout
+    assert _remote(kc, "js.dumps(twice(2)), type(Box()).__name__") == ("4", "Box")
+
+
+def test_kernel_class_forwards_only_while_attached():
+    kernel = GPUPoolKernel.__new__(GPUPoolKernel)
+    kernel.gpu = type("G", (), {"attachment": None})()
+    assert kernel.forwarded_code("x = 1") is None, "detached: everything runs here"
+    kernel.gpu.attachment = object()
+    assert kernel.forwarded_code("x = 1\n%gpu status") == "x = 1\n%gpu status"
+    assert kernel.forwarded_code("%gpu status\n# comment\n%gpu pool") is None
+    assert kernel.forwarded_code("%%local\nx") is None
+    assert kernel.forwarded_code("%%gpu\nx = 1\n") == "x = 1\n"
+    assert kernel.forwarded_code("%%gpu 0.5\nx") is None, "the magic refuses an amount while attached"
