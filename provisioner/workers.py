@@ -775,6 +775,7 @@ class WorkerManager:
                 codes[lease] = None
             else:
                 codes[lease] = result
+        self.cgroups.close()  # the agent's subtree, now empty (close() tries again)
         return codes
 
     async def _terminate(self, worker: Worker) -> int | None:
