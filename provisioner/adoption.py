@@ -4,11 +4,15 @@ Workers are started independent of the agent (no ipykernel parent poller),
 so a crashed or killed agent does not take the users' variables with it.
 For each lease's worker the agent keeps a :class:`WorkerRecord` next to the
 worker's connection file (``STATE_DIR/workers/LEASE.lease.json``: lease,
-slice, pid and the process's start time). A restarted agent reads them
-(:meth:`~.workers.WorkerManager.recover`): a worker still running is
-re-adopted and reported to the service, which keeps its lease or tells the
-agent to stop it; every other process a previous run started (warm workers,
-workers of no record, what a dead worker's cells left behind) is killed.
+slice, pid, the process's start time and its cgroup). A restarted agent
+reads them (:meth:`~.workers.WorkerManager.recover`): a worker still running
+is re-adopted and reported to the service, which keeps its lease or tells
+the agent to stop it; every other process a previous run started (warm
+workers, workers of no record, what a dead worker's cells left behind) is
+killed. With cgroups (:mod:`.cgroups`) the worker is looked for in the
+cgroup its record names, and "every other process" is every other cgroup of
+the agent's subtree; the command-line and process-group searches below are
+for processes in no cgroup (an agent run with ``cgroup_mode = "none"``).
 
 A re-adopted worker is not this process's child: :class:`AdoptedProcess`
 watches it through psutil, which compares the process's start time, so a
@@ -41,7 +45,9 @@ class WorkerRecord:
     """What a restarted agent needs to re-adopt a lease's worker: the slice
     (``lease_id``, ``owner``, ``gpus``, ``fraction``, ``memory`` bytes), the
     process (``pid`` and ``create_time``, psutil's epoch seconds) and its files
-    (``connection_file``, ``log_path``)."""
+    (``connection_file``, ``log_path``) and its ``cgroup``'s name under the
+    agent's subtree (empty: it has none) and the ``user`` it runs as, when
+    it is one of a pool's (empty: not)."""
 
     lease_id: str
     owner: str
@@ -52,6 +58,8 @@ class WorkerRecord:
     create_time: float
     connection_file: str
     log_path: str
+    cgroup: str = ""
+    user: str = ""
 
     def write(self, workers_dir: Path) -> None:
         """Write the record atomically, readable by the agent's user only."""
@@ -72,20 +80,35 @@ class WorkerRecord:
             return cls(lease_id=str(body["lease_id"]), owner=str(body["owner"]), gpus=gpus,
                        fraction=float(body["fraction"]), memory=int(body["memory"]), pid=int(body["pid"]),
                        create_time=float(body["create_time"]), connection_file=str(body["connection_file"]),
-                       log_path=str(body["log_path"]))
+                       log_path=str(body["log_path"]), cgroup=_cgroup_name(body.get("cgroup", "")),
+                       user=str(body.get("user", "")))
         except Exception as exc:  # KeyError, TypeError, GPUPoolError: all mean "not a record"
             raise ValueError(f"{path} is not a worker record: {exc}") from None
 
-    def process(self) -> psutil.Process | None:
+    def process(self, cgroup_pids: set[int] | None = None) -> psutil.Process | None:
         """The recorded worker process if it still runs (same pid, same start
-        time, and its command line names its connection file), else None."""
+        time) where it should: in ``cgroup_pids`` (the pids of its cgroup),
+        or, without a cgroup (None), with its connection file on its command
+        line. Else None."""
+        if cgroup_pids is not None and self.pid not in cgroup_pids:
+            return None
         try:
             proc = psutil.Process(self.pid)
             if abs(proc.create_time() - self.create_time) > 0.01 or not _running(proc):
                 return None
+            if cgroup_pids is not None:
+                return proc
             return proc if any(self.connection_file in arg for arg in proc.cmdline()) else None
         except psutil.Error:
             return None
+
+
+def _cgroup_name(value: object) -> str:
+    """A record's cgroup name: one directory name, never a path."""
+    name = str(value)
+    if name in (".", "..") or "/" in name or "\0" in name:
+        raise ValueError(f"{name!r} is not a cgroup name")
+    return name
 
 
 def record_path(workers_dir: Path, lease_id: str) -> Path:

@@ -48,7 +48,8 @@ from . import environments as worker_envs
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
-from .worker_user import WorkerUser
+from .cgroups import MODES as CGROUP_MODES, CgroupError, Containment, containment
+from .worker_user import WorkerUser, WorkerUserPool
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
@@ -241,6 +242,7 @@ class NodeAgent(Application):
         "enforcement": "NodeAgent.enforcement_mode",
         "warm-workers": "NodeAgent.warm_workers",
         "worker-user": "NodeAgent.worker_user",
+        "cgroup-mode": "NodeAgent.cgroup_mode",
         "transport-encryption": "NodeAgent.transport_encryption",
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
@@ -466,6 +468,38 @@ class NodeAgent(Application):
         ``c.NodeAgent.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
     ).tag(config=True)
 
+    worker_users = List(
+        Unicode(), help="""A pool of Linux users for workers, instead of one ``worker_user``:
+        every worker (warm ones included) runs as an account that no other live worker has,
+        so two users' workers on one node cannot read each other's files, environment or
+        memory; an account is used again only once no process runs as it, after its files in
+        /tmp, /var/tmp, /dev/shm and its work directory are removed (docs/security.md,
+        "Containment"). Needs root and accounts of their own (never a person's): as many as
+        leases may run on the node at once, plus ``warm_workers``; a start fails, naming this
+        setting, when all are in use. Default: empty.
+        ``c.NodeAgent.worker_users = [f"gpupool-w{i}" for i in range(8)]``.""",
+    ).tag(config=True)
+
+    cgroup_mode = Enum(
+        list(CGROUP_MODES), "auto", help="""How the agent holds each worker's processes together, so
+        that none outlives its lease (docs/security.md, "Containment"): ``v2`` (a cgroup per
+        worker in the unified hierarchy, killed with ``cgroup.kill``), ``v1`` (the freezer,
+        memory, pids and cpu hierarchies: freeze, kill, thaw), ``none`` (the worker's process
+        group and process tree only: a double-forked daemon escapes; a loud warning), or
+        ``auto`` (default: v2, else v1, else none with the reasons). ``v2`` and ``v1`` refuse to
+        start the agent when they cannot be had. ``c.NodeAgent.cgroup_mode = "v2"``.""",
+    ).tag(config=True)
+
+    cgroup_root = Unicode(
+        "", help="""The cgroup subtree the workers' cgroups are made in: a path from the
+        hierarchy's root (``/system.slice/gpupool-agent.service/workers``) or relative to the
+        agent's own cgroup (``/proc/self/cgroup``). It must be the agent's alone: a restarted
+        agent kills every cgroup there that it does not re-adopt. Empty (default):
+        ``gpupool/agent-HASH`` under the agent's own cgroup, HASH from the state directory,
+        which under systemd is the subtree ``Delegate=yes`` gives the unit.
+        ``c.NodeAgent.cgroup_root = "gpupool"``.""",
+    ).tag(config=True)
+
     host_proc = Unicode(
         "", help="""Where the host's /proc is mounted when the agent runs in a container
         without the host PID namespace (NVML reports host PIDs; this maps them
@@ -511,6 +545,7 @@ class NodeAgent(Application):
         self.metrics = AgentMetrics(self.node_name)
         self.worker_environments = self.check_environments()
         self.user = self.worker_account()
+        self.users = self.worker_pool()
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
                                                      timeout=self.nvml_timeout)
@@ -533,20 +568,34 @@ class NodeAgent(Application):
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
 
-    def worker_account(self) -> WorkerUser | None:
-        """The ``worker_user`` account, checked: it exists, this agent may
-        start processes as it, and it can reach the state directory. Raises
-        GPUPoolError ``not_configured`` naming what is wrong."""
-        if not self.worker_user:
+    def worker_pool(self) -> WorkerUserPool | None:
+        """The ``worker_users`` pool, each account checked as ``worker_user``'s."""
+        if not self.worker_users:
+            return None
+        if self.worker_user:
+            raise GPUPoolError("not_configured", "set c.NodeAgent.worker_user or c.NodeAgent.worker_users, not both")
+        try:
+            return WorkerUserPool([self.worker_account(name) for name in self.worker_users], log=self.log)
+        except ValueError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
+
+    def worker_account(self, name: str | None = None) -> WorkerUser | None:
+        """The ``worker_user`` account (or the account ``name``), checked:
+        it exists, this agent may start processes as it, and it can reach the
+        state directory. Raises GPUPoolError ``not_configured`` naming what
+        is wrong."""
+        option = "--worker-user" if name is None else "c.NodeAgent.worker_users"
+        name = name or self.worker_user
+        if not name:
             return None
         if is_user_template(self.worker_user):  # an account per lease, looked up when the lease asks
             expand_worker_user(self.worker_user, "probe")  # a bad template stops the start
             return None
         try:
-            user = WorkerUser.lookup(self.worker_user)
+            user = WorkerUser.lookup(name)
             user.check_can_switch()
         except ValueError as exc:
-            raise GPUPoolError("not_configured", f"{exc} (--worker-user)") from None
+            raise GPUPoolError("not_configured", f"{exc} ({option})") from None
         state_dir = Path(self.state_dir).resolve()
         python = Path(sys.executable).absolute()  # what workers run
         blocked = user.blocked_at(python) or user.blocked_at(python.resolve())
@@ -579,6 +628,14 @@ class NodeAgent(Application):
         if user.uid == 0:
             raise bad_request(f"refusing to run {owner!r}'s worker as root (c.NodeAgent.worker_user)")
         return user
+
+    def containment(self, state_dir: Path) -> Containment:
+        """The workers' cgroups (``cgroup_mode``, ``cgroup_root``); GPUPoolError
+        ``not_configured`` when the mode asked for cannot be had."""
+        try:
+            return containment(self.cgroup_mode, self.cgroup_root, state_dir, log=self.log)
+        except CgroupError as exc:
+            raise GPUPoolError("not_configured", str(exc)) from None
 
     def read_token(self) -> str:
         """The agent token, from ``token_file`` or GPUPOOL_AGENT_TOKEN. Read
@@ -659,13 +716,14 @@ class NodeAgent(Application):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
-        if self.user is not None or is_user_template(self.worker_user or ""):
+        if self.user is not None or self.users is not None or is_user_template(self.worker_user or ""):
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
                                      start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
-                                     encryption=self.transport_encryption)
+                                     encryption=self.transport_encryption, cgroups=self.containment(state_dir),
+                                     users=self.users)
         if is_user_template(self.worker_user or ""):
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers

@@ -6,16 +6,37 @@ gid and groups (``subprocess.Popen``'s ``user``, ``group``,
 ``extra_groups``), so it can read neither the agent's token file nor
 anything else that is the agent user's alone. The agent must run as root
 (or with CAP_SETUID/CAP_SETGID) for that.
+
+One shared account keeps the agent's secrets from user code, not one user's
+worker from another's: processes of one uid may read each other's
+``/proc/PID/environ``, files and, without Yama, memory (ptrace). A pool of
+accounts (``c.NodeAgent.worker_users``, :class:`WorkerUserPool`) gives
+every live worker, warm ones included, an account of its own; an account
+goes back to the pool only once no process runs as it any more, with the
+files it left in its work directory, ``/tmp`` and ``/dev/shm`` removed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
+
+import psutil
+
+#: Where a pool account's leftovers are removed when it is given back
+#: (besides its work directory): the world-writable places of a node.
+SHARED_SCRATCH = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+#: How many levels below each of those the sweep looks: deep enough for a
+#: folder per owner in a shared one (``/tmp/gpupool-scratch/OWNER``, the
+#: workers' scratch folders), shallow enough to stay quick on a big /tmp.
+SWEEP_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -77,3 +98,122 @@ class WorkerUser:
         if info.st_gid in self.groups:
             return bool(info.st_mode & stat.S_IXGRP)
         return bool(info.st_mode & stat.S_IXOTH)
+
+
+class NoFreeWorkerUser(Exception):
+    """Every account of the pool is in use; the message names the setting."""
+
+
+class WorkerUserPool:
+    """Worker accounts, one per live worker (``c.NodeAgent.worker_users``).
+
+    ``users``: the accounts (distinct uids, none of them root). ``scratch``:
+    the shared directories swept of an account's files when it is given back
+    (:data:`SHARED_SCRATCH`). Not thread-safe: call from the agent's event
+    loop (:meth:`give_back`'s sweep may go to a thread).
+    """
+
+    def __init__(self, users: Sequence[WorkerUser], *, scratch: Iterable[Path] = SHARED_SCRATCH,
+                 log: logging.Logger | None = None) -> None:
+        uids = [user.uid for user in users]
+        if len(set(uids)) != len(uids):
+            raise ValueError("c.NodeAgent.worker_users names one uid twice: every account must be its own")
+        if 0 in uids:
+            raise ValueError("root cannot be a worker user (c.NodeAgent.worker_users)")
+        self.users = tuple(users)
+        self.scratch = tuple(scratch)
+        self.log = log or logging.getLogger("gpupool.agent")
+        self._taken: set[str] = set()
+
+    @property
+    def free(self) -> list[WorkerUser]:
+        """The accounts no worker holds, in configuration order."""
+        return [user for user in self.users if user.name not in self._taken]
+
+    def take(self) -> WorkerUser:
+        """A free account, marked taken; one that still runs a process (left
+        by an earlier agent, or by hand) is skipped. NoFreeWorkerUser when
+        there is none."""
+        busy = _running_uids()
+        for user in self.free:
+            if user.uid not in busy:
+                self._taken.add(user.name)
+                return user
+        raise NoFreeWorkerUser(
+            f"all {len(self.users)} worker users are in use ({len(self._taken)} by workers, "
+            f"{len(self.free)} running other processes): add accounts to c.NodeAgent.worker_users "
+            f"(one per lease this node may run at once, plus c.NodeAgent.warm_workers)")
+
+    def claim(self, name: str) -> WorkerUser | None:
+        """Mark the account ``name`` taken (a re-adopted worker's); None when
+        it is not in the pool."""
+        user = next((user for user in self.users if user.name == name), None)
+        if user is not None:
+            self._taken.add(name)
+        return user
+
+    def give_back(self, user: WorkerUser, workdir: Path | None = None) -> bool:
+        """Return ``user`` to the pool once no process runs as it: first its
+        files in ``workdir`` (emptied, kept) and the scratch directories are
+        removed. Returns False (and keeps it out of the pool) while a
+        process of it still runs. Blocking (a directory walk)."""
+        if user.uid in _running_uids():
+            self.log.error("worker user %s still runs processes after its worker stopped: kept out of the pool",
+                           user.name)
+            return False
+        if workdir is not None and workdir.is_dir():
+            for entry in os.scandir(workdir):
+                _remove_entry(entry)
+        for folder in self.scratch:
+            _sweep(folder, user.uid, SWEEP_DEPTH)
+        self._taken.discard(user.name)
+        return True
+
+
+def _running_uids() -> set[int]:
+    """The real uids of every live process (zombies hold nothing)."""
+    uids = set()
+    for proc in psutil.process_iter(["uids", "status"]):
+        info = proc.info
+        if info.get("uids") is not None and info.get("status") != psutil.STATUS_ZOMBIE:
+            uids.update((info["uids"].real, info["uids"].effective))
+    return uids
+
+
+def _sweep(folder: Path, uid: int, depth: int) -> None:
+    """Remove what ``uid`` owns in ``folder``, looking ``depth`` levels
+    down. A directory of ``uid``'s that holds something of another's (a
+    shared root another worker made its own folder in) keeps that, and
+    itself; one at the last level goes whole. Links are never followed."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        is_dir = stat.S_ISDIR(info.st_mode)
+        if is_dir and depth > 0:
+            _sweep(Path(entry.path), uid, depth - 1)
+        if info.st_uid != uid:
+            continue
+        if is_dir and depth > 0:
+            try:
+                os.rmdir(entry.path)  # only once empty: what is left is someone else's
+            except OSError:
+                pass
+        else:
+            _remove_entry(entry)
+
+
+def _remove_entry(entry: os.DirEntry) -> None:
+    # Never follows a link: rmtree refuses links and walks with file descriptors.
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+    except OSError:
+        pass

@@ -17,6 +17,18 @@ Workers do not die with the agent: a restarted agent re-adopts the lease
 workers that still run and stops every other process it started before
 (:mod:`.adoption`, :meth:`WorkerManager.recover`). With a worker user
 (:mod:`.worker_user`) every worker runs as that account, not the agent's.
+
+Every worker lives in a cgroup of its own (:mod:`.cgroups`): ``lease-ID``
+for a cold start, ``warm-HEX`` for a warm one (kept when it is bound; the
+lease's record names it). Its first process joins it before it runs a line
+of Python: the kernel command is prefixed with a shell *start gate* that
+waits on its stdin until the agent has put its pid into the cgroup, then
+execs the kernel (same pid). So nothing the worker starts, not even
+during ipykernel's own start, can be outside the cgroup; a ``preexec_fn``
+would do the same but is unsafe in a process with threads (the agent has
+ZMQ's and asyncio's), and runs after the switch to the worker user, who may
+not move processes between cgroups. Release, a worker's death and agent
+stop kill the whole cgroup.
 """
 
 from __future__ import annotations
@@ -25,8 +37,10 @@ import asyncio
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +56,10 @@ from gpupool.schema import GPUInfo, WorkerReport
 from .activity import WorkerActivity, watch_iopub
 from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left_behind, read_records, record_path,
                        stray_workers)
+from .cgroups import CgroupError, Containment, GroupOnly, LeaseCgroup, containment
 from .enforcement import slice_environment
 from .warmpool import WarmPool
-from .worker_user import WorkerUser
+from .worker_user import NoFreeWorkerUser, WorkerUser, WorkerUserPool
 
 # The IPython extension every worker loads (variable transfer, PyTorch cap).
 WORKER_EXTENSION = "gpupool.provisioner.worker"
@@ -81,8 +96,10 @@ BIND_TIMEOUT_S = 10.0
 #: control channel (which answers while a cell runs) before it is stopped.
 ADOPT_TIMEOUT_S = 10.0
 
-# Numbers in warm workers' names (``warm-N``), which name their files.
-_WARM_NAME = re.compile(r"warm-(\d+)")
+#: The start gate (see the module's docstring): the kernel command follows
+#: it; it runs the kernel only once the agent wrote ``go`` to its stdin,
+#: which it then replaces with /dev/null.
+START_GATE = ["/bin/sh", "-c", 'IFS= read -r go && [ "$go" = go ] && exec "$@" </dev/null', "gpupool-start-gate"]
 
 #: The environment of a warm worker before it is bound: no GPU visible, so
 #: nothing that initialises CUDA early can use a GPU no lease holds.
@@ -176,13 +193,20 @@ class Worker:
     ``spec`` is None while the worker is warm (started ahead, bound to no
     lease); ``name`` is its lease id, or ``warm-N`` until it is bound.
     ``activity`` may be replaced (a warm worker's history is not its lease's):
-    the IOPub watcher always feeds the current one.
+    the IOPub watcher always feeds the current one. ``cgroup``: where all of
+    its processes live (default: no cgroup, its process tree only).
     """
 
     def __init__(self, spec: WorkerSpec | None, manager: AsyncKernelManager, process: subprocess.Popen,
-                 log_path: Path, advertise_ip: str, name: str | None = None) -> None:
+                 log_path: Path, advertise_ip: str, name: str | None = None,
+                 cgroup: LeaseCgroup | None = None) -> None:
         self.spec = spec
         self.name = name or (spec.lease_id if spec is not None else "warm")
+        if cgroup is None:
+            cgroup = GroupOnly(self.name)
+            cgroup.add(process.pid)
+        self.cgroup = cgroup
+        self.user: WorkerUser | None = None  # the account it runs as, when not the agent's
         self.advertise_ip = advertise_ip
         self.manager = manager
         self.process = process
@@ -222,7 +246,9 @@ class Worker:
         spec = self.spec
         started = self.started_at if isinstance(self.process, AdoptedProcess) else create_time(self.pid)
         return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid, started,
-                            str(self.manager.connection_file), str(self.log_path))
+                            str(self.manager.connection_file), str(self.log_path),
+                            self.cgroup.name if self.cgroup.kind != "none" else "",
+                            self.user.name if self.user is not None else "")
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
         """This worker as a heartbeat's WorkerReport."""
@@ -243,9 +269,12 @@ class Worker:
         return "\n".join(text.strip().splitlines()[-lines:])
 
     def descendants(self) -> list[psutil.Process]:
-        """Processes the worker started (dataloaders, compilers...), now.
-        Empty once the worker was reaped: its pid may belong to another
-        process then."""
+        """Processes the worker started (dataloaders, compilers...), now:
+        with a cgroup, every other process in it (a double-forked daemon
+        too); else its process tree. Empty once the worker was reaped
+        without a cgroup: its pid may belong to another process then."""
+        if self.cgroup.kind != "none":
+            return _processes(self.cgroup.pids() - {self.pid})
         if isinstance(self.process, AdoptedProcess):
             return self.process.children()
         if self.process.returncode is not None:
@@ -282,6 +311,15 @@ class WorkerManager:
     directory defaults to its home, or to ``state_dir/worker-home`` (made
     for it) when it has none.
 
+    ``users``: a pool of accounts (:class:`~.worker_user.WorkerUserPool`),
+    instead of ``user``: each worker, warm ones too, runs as an account no
+    other live worker has, and works in ``state_dir/worker-homes/NAME``
+    (emptied when the account goes back to the pool). A start fails with
+    WorkerStartError when every account is in use.
+
+    ``cgroups``: where workers' cgroups are made (:mod:`.cgroups`; default
+    ``containment("auto", "", state_dir)``: the best this host offers).
+
     All methods run on the agent's event loop; calls for the same lease are
     serialized, calls for different leases run concurrently.
     """
@@ -292,12 +330,18 @@ class WorkerManager:
                  extensions: Sequence[str] = (WORKER_EXTENSION,), environ: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike | None = None, log: logging.Logger | None = None,
                  warm: WarmSettings | None = None, user: WorkerUser | None = None,
-                 encryption: str = "none") -> None:
+                 encryption: str = "none", cgroups: Containment | None = None,
+                 users: WorkerUserPool | None = None) -> None:
+        if user is not None and users is not None:
+            raise ValueError("workers run as one worker user or as a pool of them, not both")
         self.workers_dir = Path(state_dir) / "workers"
         self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.user = user
-        if user is not None:
-            self.workers_dir.chmod(0o711)  # the worker user reads its own connection file there
+        self.users = users
+        self.homes_dir = Path(state_dir) / "worker-homes"
+        # Not listable by anyone but the agent; with worker users, enterable:
+        # each reads its own connection file there while it starts.
+        self.workers_dir.chmod(0o711 if user is not None or users is not None else 0o700)
         self.ip = ip
         self.encryption = encryption
         self.advertise_ip = advertise_ip or ip
@@ -308,6 +352,10 @@ class WorkerManager:
         self.environ = dict(os.environ if environ is None else environ)
         self.cwd = str(cwd or (_user_home(user, Path(state_dir)) if user is not None else Path.home()))
         self.log = log or logging.getLogger("gpupool.agent")
+        if users is not None:
+            _shared_scratch_root(self.log)
+        self.cgroups = cgroups if cgroups is not None else containment("auto", "", state_dir, log=self.log)
+        self.log.info("worker cgroups: %s under %s", self.cgroups.mode, self.cgroups.where)
         self._context = zmq.asyncio.Context()
         # No kernel dirs: always the native ipykernel of this interpreter, never
         # a "python3" kernelspec that a user installed elsewhere on the node.
@@ -316,7 +364,6 @@ class WorkerManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
         self.warm = warm or WarmSettings()
-        self._warm_count = 0
         self.pool: WarmPool[Worker] = WarmPool(self.warm.size, self.warm.max_age, launch=self._launch_unbound,
                                                discard=self._terminate, alive=lambda w: not _exited(w.process),
                                                log=self.log)
@@ -334,17 +381,23 @@ class WorkerManager:
         """Notice workers that exited by themselves; returns the newly dead.
 
         A dead worker stays listed (reported ``dead`` with its exit code) until
-        :meth:`stop` is called for its lease. Its process group is killed on
-        the spot, so processes it started do not keep GPU memory.
+        :meth:`stop` is called for its lease. Its cgroup (without one: its
+        process group) is killed on the spot, so processes it started do not
+        keep GPU memory.
         """
         newly_dead = []
         for worker in self._workers.values():
             if worker.dead or worker.stopping or not _exited(worker.process):
                 continue
-            if isinstance(worker.process, AdoptedProcess):
+            if worker.cgroup.kind != "none":
+                try:
+                    worker.cgroup.kill(timeout=0.0)  # what its cells started goes with it; waited for at stop
+                except CgroupError as exc:
+                    self.log.error("could not kill what the dead worker of lease %s left: %s", worker.name, exc)
+            elif isinstance(worker.process, AdoptedProcess):
                 # Not our child: init reaped it, so find its group by start time.
                 kill_all(left_behind(worker.pid, worker.started_at))
-            else:
+            if not isinstance(worker.process, AdoptedProcess):
                 # The leader is a zombie until reaped below, so its process group id
                 # cannot have been reused yet: the kill reaches only its own group.
                 _kill_group(worker.pid)
@@ -473,9 +526,9 @@ class WorkerManager:
     async def _launch_unbound(self) -> Worker:
         """Start one warm worker: no GPU visible, ``warm.preload`` imported.
         Raises WorkerStartError (nothing is left running then)."""
-        self._warm_count += 1
-        name = f"warm-{self._warm_count}"
-        worker = await self._launch_kernel(name, worker_environment(self.environ, UNBOUND_ENVIRONMENT))
+        # Unguessable: no one may find a warm worker's files (or cgroup) by counting.
+        name = f"warm-{secrets.token_hex(8)}"
+        worker = await self._launch_kernel(name, worker_environment(self.environ, UNBOUND_ENVIRONMENT), name)
         if self.warm.preload:
             try:
                 reply = await self._execute(worker, preload_code(self.warm.preload), self.start_timeout)
@@ -491,24 +544,42 @@ class WorkerManager:
     async def _launch(self, spec: WorkerSpec) -> Worker:
         env = worker_environment(self.environ, slice_environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node))
-        worker = await self._launch_kernel(spec.lease_id, env, python=spec.python, user=spec.user)
+        worker = await self._launch_kernel(spec.lease_id, env, f"lease-{spec.lease_id}", python=spec.python,
+                                           user=spec.user)
         worker.spec = spec
         return worker
 
-    async def _launch_kernel(self, name: str, env: dict[str, str], python: str | None = None,
+    async def _launch_kernel(self, name: str, env: dict[str, str], cgroup_name: str, python: str | None = None,
                              user: WorkerUser | None = None) -> Worker:
-        """Start one ipykernel with ``env``, files named after ``name``, and
-        wait until it answers ``kernel_info``. Raises WorkerStartError."""
+        """Start one ipykernel with ``env`` in a new cgroup ``cgroup_name``,
+        its log named after ``name``, and wait until it answers
+        ``kernel_info``. ``python``: the environment's interpreter (None: the
+        agent's); ``user``: the lease owner's own account (a ``worker_user``
+        template), else one of the pool's, else the one worker user. Raises
+        WorkerStartError."""
         log_path = self.workers_dir / f"{name}.log"
-        manager = self._manager(self.workers_dir / f"kernel-{name}.json")
-        cwd = self.cwd if user is None else str(_user_home(user, self.workers_dir.parent))
-        user = user or self.user
-        manager.owner = (user.uid, user.gid) if user is not None else None
+        # A random name: the cgroup and the log name the lease, the key's file does not.
+        manager = self._manager(self.workers_dir / f"kernel-{secrets.token_hex(16)}.json")
         manager.python = python
-        as_user = {}
-        if user is not None:
-            as_user = user.popen_kwargs()
-            env = {**env, **user.environment(cwd)}
+        try:
+            account = user or (self.users.take() if self.users is not None else self.user)
+        except NoFreeWorkerUser as exc:
+            raise WorkerStartError(f"could not start the worker for {name}: {exc}") from None
+        pooled = user is None and self.users is not None
+        manager.owner = (account.uid, account.gid) if account is not None else None
+        try:
+            cgroup = await asyncio.to_thread(self.cgroups.create, cgroup_name)
+        except CgroupError as exc:
+            if pooled:
+                await self._give_back(account)
+            raise WorkerStartError(f"could not make the cgroup of the worker for {name}: {exc}") from None
+        if cgroup.kind != "none":
+            manager.cgroup = cgroup
+        as_user, cwd = {}, self.cwd
+        if account is not None:
+            cwd = str(_user_home(user, self.workers_dir.parent)) if user is not None else self._workdir(account)
+            as_user = account.popen_kwargs()
+            env = {**env, **account.environment(cwd)}
         try:
             # The child keeps its own copy of the descriptor; ours can close.
             # Independent: no ipykernel parent poller, so a worker outlives a
@@ -521,9 +592,14 @@ class WorkerManager:
             process = getattr(manager.provisioner, "process", None)
             if process is not None:  # launched, then something after it failed
                 await asyncio.to_thread(_kill_and_wait, process, (), 5.0)
+            await _quietly(asyncio.to_thread(_kill_and_remove, cgroup, 5.0))
             await _quietly(manager.cleanup_resources())
+            await self._give_back(account)
             raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
-        worker = Worker(None, manager, manager.provisioner.process, log_path, self.advertise_ip, name)
+        if cgroup.kind == "none":
+            cgroup.add(manager.provisioner.process.pid)
+        worker = Worker(None, manager, manager.provisioner.process, log_path, self.advertise_ip, name, cgroup)
+        worker.user = account
         # Subscribe before the kernel_info round trip, so the first cell's
         # status messages cannot be missed.
         worker.watcher = asyncio.create_task(
@@ -544,6 +620,22 @@ class WorkerManager:
         worker.activity.mark_ready()
         return worker
 
+    def _workdir(self, account: WorkerUser) -> str:
+        """The working directory of a worker running as ``account``: with a
+        pool, ``worker-homes/NAME`` (made for it, 0700); else :attr:`cwd`."""
+        if self.users is None:
+            return self.cwd
+        folder = self.homes_dir / account.name
+        self.homes_dir.mkdir(mode=0o711, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chown(folder, account.uid, account.gid)
+        return str(folder)
+
+    async def _give_back(self, account: WorkerUser | None) -> None:
+        """Return a pool account once its worker's processes are gone."""
+        if self.users is not None and account is not None:
+            await asyncio.to_thread(self.users.give_back, account, self.homes_dir / account.name)
+
     def _manager(self, connection_file: Path) -> "_WorkerKernelManager":
         return _WorkerKernelManager(
             kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self._context,
@@ -563,6 +655,13 @@ class WorkerManager:
         killed, with what it started: warm workers, workers that do not
         answer or have no record, and what the cells of dead workers left
         behind. Their files are removed.
+
+        With cgroups, a record's worker is found in the cgroup the record
+        names (its pid there, with the recorded start time), and every other
+        cgroup of the agent's subtree is killed and removed: whatever its
+        processes call themselves. Processes outside any cgroup (a run without
+        cgroups before) are found as before, by their command line and
+        process group.
         """
         records, problems = read_records(self.workers_dir)
         for problem in problems:
@@ -570,10 +669,11 @@ class WorkerManager:
         adopted = [worker for worker in [await self._adopt(record) for record in records] if worker is not None]
         for worker in adopted:
             self._workers[worker.spec.lease_id] = worker
+        await self._kill_stray_cgroups({worker.cgroup.name for worker in adopted})
         keep = {worker.pid for worker in adopted}
         strays = stray_workers(self.workers_dir, keep)
         for record in records:
-            if record.pid not in keep:
+            if record.pid not in keep and not record.cgroup:
                 strays += left_behind(record.pid, record.create_time)
         if strays:
             self.log.warning("stopping %d process(es) an earlier run of the agent left: pids %s", len(strays),
@@ -586,8 +686,24 @@ class WorkerManager:
         for path in self.workers_dir.iterdir():
             if path.is_file() and path not in files:
                 _remove(path)
-        self._warm_count = max([int(m.group(1)) for path in files if (m := _WARM_NAME.search(path.name))] or [0])
+        if self.users is not None:  # what the killed workers' accounts left
+            for account in self.users.free:
+                await self._give_back(account)
         return adopted
+
+    async def _kill_stray_cgroups(self, keep: set[str]) -> None:
+        """Kill and remove every cgroup of the agent's subtree not in ``keep``."""
+        for name in self.cgroups.names():
+            if name in keep or (cgroup := self.cgroups.find(name)) is None:
+                continue
+            pids = sorted(cgroup.pids())
+            if pids:
+                self.log.warning("killing cgroup %s an earlier run of the agent left: pids %s", name,
+                                 ", ".join(map(str, pids)))
+            try:
+                await asyncio.to_thread(_kill_and_remove, cgroup, 10.0)
+            except CgroupError as exc:
+                self.log.error("%s", exc)
 
     async def _adopt(self, record: WorkerRecord) -> Worker | None:
         """Re-adopt the worker of ``record``, or None (gone, or it does not answer: then it is stopped)."""
@@ -596,7 +712,12 @@ class WorkerManager:
         except ValueError as exc:
             self.log.warning("ignoring the worker record of %r: %s", record.lease_id, exc)
             return None
-        proc = record.process()
+        cgroup = self.cgroups.find(record.cgroup) if record.cgroup else None
+        if record.cgroup and cgroup is None:
+            self.log.warning("the cgroup %s of lease %s's worker is gone (c.NodeAgent.cgroup_root or cgroup_mode "
+                             "changed?)", record.cgroup, record.lease_id)
+            return None
+        proc = record.process(cgroup.pids() if cgroup is not None else None)
         if proc is None:
             self.log.warning("the worker (pid %s) of lease %s ended while the agent was away", record.pid,
                              record.lease_id)
@@ -607,8 +728,12 @@ class WorkerManager:
         except (OSError, ValueError) as exc:
             self.log.warning("cannot re-adopt the worker of lease %s: its connection file: %s", record.lease_id, exc)
             return None  # it is a stray now, and stopped as one
-        worker = Worker(spec, manager, AdoptedProcess(proc), Path(record.log_path), self.advertise_ip)
+        worker = Worker(spec, manager, AdoptedProcess(proc), Path(record.log_path), self.advertise_ip,
+                        cgroup=cgroup)
         worker.started_at = record.create_time
+        worker.user = self.user
+        if self.users is not None and record.user:
+            worker.user = self.users.claim(record.user)
         watcher = asyncio.ensure_future(watch_iopub(worker, manager.get_connection_info(), self._context, self.log))
         try:
             await _control_kernel_info(worker, ADOPT_TIMEOUT_S)
@@ -665,6 +790,7 @@ class WorkerManager:
                 codes[lease] = None
             else:
                 codes[lease] = result
+        self.cgroups.close()  # the agent's subtree, now empty (close() tries again)
         return codes
 
     async def _terminate(self, worker: Worker) -> int | None:
@@ -688,20 +814,34 @@ class WorkerManager:
         except Exception as exc:
             self.log.warning("worker %s did not shut down cleanly (%s); killing it",
                              worker.name, exc or type(exc).__name__)
-        survivors = await asyncio.to_thread(_kill_and_wait, worker.process, children, 10.0)
+        try:
+            # The cgroup first: a daemon that left the process tree goes too.
+            survivors = await asyncio.to_thread(worker.cgroup.kill, 10.0)
+        except CgroupError as exc:
+            self.log.error("could not kill the cgroup of worker %s: %s", worker.name, exc)
+            survivors = []
+        survivors += await asyncio.to_thread(_kill_and_wait, worker.process, children, 10.0)
+        try:
+            await asyncio.to_thread(worker.cgroup.remove)
+        except CgroupError as exc:
+            self.log.error("%s", exc)
         worker.exit_code, worker.ended = worker.process.returncode, True
         _remove(Path(worker.manager.connection_file), worker.log_path,
                 record_path(self.workers_dir, worker.spec.lease_id if worker.spec else worker.name))
+        if not survivors:
+            await self._give_back(worker.user)
         if survivors:
-            raise WorkerStopError(f"processes {survivors} of the worker {worker.name} survived SIGKILL")
+            raise WorkerStopError(f"processes {sorted(set(survivors))} of the worker {worker.name} survived SIGKILL")
         return worker.exit_code
 
     def _lock(self, lease_id: str) -> asyncio.Lock:
         return self._locks.setdefault(lease_id, asyncio.Lock())
 
     def close(self) -> None:
-        """Release the ZMQ context; call after :meth:`stop_all`."""
+        """Release the ZMQ context and the agent's empty cgroup subtree;
+        call after :meth:`stop_all`."""
         self._context.destroy(linger=0)
+        self.cgroups.close()
 
 
 def _exited(process: subprocess.Popen) -> bool:
@@ -754,17 +894,71 @@ def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process]
     return survivors
 
 
+def _shared_scratch_root(log: logging.Logger) -> None:
+    """Make the workers' scratch root (:func:`gpupool.provisioner.worker.enter_workdir`:
+    ``TMP/gpupool-scratch``) root's and sticky, as /tmp is, so that each pool
+    account can make its owner's folder there; made by the first worker, it
+    would be that account's alone."""
+    root = Path(tempfile.gettempdir()) / "gpupool-scratch"
+    try:
+        root.mkdir(exist_ok=True)
+        if root.stat().st_uid == os.getuid():
+            root.chmod(0o1777)
+        else:
+            log.warning("%s belongs to uid %s: workers of the other worker users cannot make their scratch folders "
+                        "there; remove it (it is made again for all)", root, root.stat().st_uid)
+    except OSError as exc:
+        log.warning("cannot prepare the workers' scratch folder %s: %s", root, exc)
+
+
+def _kill_and_remove(cgroup: LeaseCgroup, timeout: float) -> None:
+    """Kill ``cgroup`` and remove it; CgroupError when it cannot be."""
+    cgroup.kill(timeout)
+    cgroup.remove()
+
+
+def _processes(pids: Iterable[int]) -> list[psutil.Process]:
+    found = []
+    for pid in sorted(pids):
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return found
+
+
 class _WorkerKernelManager(AsyncKernelManager):
     """jupyter_client's kernel manager; ``owner`` (uid, gid), when set, gets
-    the connection file as soon as it is written, before the kernel starts."""
+    the connection file as soon as it is written, before the kernel starts.
+    ``cgroup``, when set, is joined through the :data:`START_GATE` before
+    the kernel runs."""
 
     owner: tuple[int, int] | None = None
     #: The worker environment's interpreter (None: this one, as jupyter_client picks it).
     python: str | None = None
+    cgroup: LeaseCgroup | None = None
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
-        return [self.python, *cmd[1:]] if self.python else cmd
+        if self.python:
+            cmd = [self.python, *cmd[1:]]
+        return [*START_GATE, *cmd] if self.cgroup is not None else cmd
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        if self.cgroup is None:
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            return
+        gate, opener = os.pipe()
+        try:
+            try:
+                await super()._async_launch_kernel(kernel_cmd, stdin=gate, **kw)
+            finally:
+                os.close(gate)
+            # The gate waits on its stdin: nothing of the worker runs yet.
+            self.cgroup.add(self.provisioner.process.pid)
+            os.write(opener, b"go\n")
+        finally:
+            os.close(opener)  # without "go", the gate exits (code 1) and the start fails
 
     def write_connection_file(self, **kwargs: Any) -> None:
         super().write_connection_file(**kwargs)

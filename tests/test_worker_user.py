@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,11 @@ print(json.dumps({
     "workers_dir": attempt(lambda: os.listdir(WORKERS_DIR)),
 }))
 """
+
+
+def warm_ready(agent) -> int:
+    """How many warm workers the agent has said are ready (``warm worker warm-HEX ready``)."""
+    return sum(" warm worker warm-" in line and " ready: pid " in line for line in agent.log.read_text().splitlines())
 
 
 def worker_account() -> pwd.struct_passwd:
@@ -103,7 +109,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         token_file = service.process.agent_token_file
         assert token_file.stat().st_uid == os.getuid() and token_file.stat().st_mode & 0o777 == 0o600
         # The lease takes the warm worker (started as the worker user too); another is started.
-        wait_for(lambda: "warm worker warm-1 ready" in agent.log.read_text(), 60, "a warm worker")
+        wait_for(lambda: warm_ready(agent) >= 1, 60, "a warm worker", log=agent.log)
         lease = service.client().create_lease(LeaseRequest(fraction=0.5))
         lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
                          and got, 60, "the lease's worker")
@@ -121,7 +127,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         assert seen["home"] == seen["cwd"] and Path(seen["cwd"]).stat().st_uid == account.pw_uid
         _check_workdir_rule(shared_root, lease.connection, account)
 
-        wait_for(lambda: "warm worker warm-2 ready" in agent.log.read_text(), 60, "the next warm worker")
+        wait_for(lambda: warm_ready(agent) >= 2, 60, "the next warm worker", log=agent.log)
         workers = processes_mentioning(f"{agent.state_dir / 'workers'}{os.sep}kernel-")
         assert len(workers) == 2 and all(psutil.Process(pid).uids().real == account.pw_uid for pid in workers)
         # Once read, the connection files (the keys) and the logs are the agent's again:
@@ -193,3 +199,184 @@ def test_a_setup_the_worker_user_cannot_use_is_refused_naming_the_closed_folder(
              if f" {folder}" in result.stderr and folder != Path("/")]
     assert named, f"the message names the closed folder: {result.stderr}"
     assert not state_dir.exists(), "nothing was written"
+
+
+# -- a pool of worker users (c.NodeAgent.worker_users) ---------------------------------------------------------
+
+POOL = [f"gpupool-test-w{i}" for i in range(3)]
+
+# Run in lease A's worker: a daemon (double fork, setsid) that for 30 s looks
+# for every worker's connection file on every command line (the names are
+# not guessable, but /proc/PID/cmdline shows them) and tries to read it, and
+# tries lease B's files and environment; it writes what it saw to PROBE_LOG.
+SNOOPER = r'''
+import os, subprocess, sys
+code = """
+import glob, json, os, sys, time
+if os.fork(): sys.exit(0)
+os.setsid()
+if os.fork(): sys.exit(0)
+print(os.getpid(), flush=True)
+os.close(1)
+seen = {}
+def attempt(path):
+    try:
+        with open(path, "rb") as f:
+            f.read()
+        return "allowed"
+    except OSError as exc:
+        return type(exc).__name__
+end = time.time() + 30
+while time.time() < end:
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            args = open(cmdline, "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        for i, arg in enumerate(args[:-1]):
+            if arg == b"-f" and args[i + 1].endswith(b".json"):
+                path = args[i + 1].decode()
+                if path != MINE:
+                    seen[path] = attempt(path)
+    for path in [OTHER_HOME + "/secret.txt", f"/proc/{OTHER_PID}/environ"]:
+        seen[path] = attempt(path)
+    with open(PROBE_LOG + ".tmp", "w") as out:
+        json.dump(seen, out)
+    os.replace(PROBE_LOG + ".tmp", PROBE_LOG)
+    time.sleep(0.02)
+"""
+out = subprocess.run([sys.executable, "-c", PREAMBLE + code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.DEVNULL, check=True).stdout
+print(int(out))
+'''
+
+
+def pool_accounts() -> list[pwd.struct_passwd]:
+    accounts = []
+    for name in POOL:
+        try:
+            accounts.append(pwd.getpwnam(name))
+        except KeyError:
+            if shutil.which("useradd") is None:
+                pytest.skip("useradd is not available to create the worker users")
+            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                           check=True, capture_output=True)
+            accounts.append(pwd.getpwnam(name))
+    return accounts
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting workers as other users needs an agent running as root")
+def test_two_users_workers_on_one_node_run_as_accounts_of_their_own_and_cannot_reach_each_other(
+        shared_root, python_reachable):
+    accounts = {account.pw_uid: account.pw_name for account in pool_accounts()}
+    service = start_service(shared_root, tokens={"bob": "bob-token-" + os.urandom(8).hex()})
+    agent = start_agent(shared_root, service, extra_args=[
+        "--warm-workers=1", *(f"--NodeAgent.worker_users={name}" for name in POOL)])
+    daemon = None
+    try:
+        first = service.client().create_lease(LeaseRequest(fraction=0.25))
+        ann = wait_for(lambda: (got := service.client().get_lease(first.id)).state is not LeaseState.starting
+                       and got, 60, "ann's worker")
+        assert ann.state is LeaseState.active, ann.reason
+        second = service.client("bob").create_lease(LeaseRequest(fraction=0.25))
+        bob = wait_for(lambda: (got := service.client("bob").get_lease(second.id)).state is not LeaseState.starting
+                       and got, 60, "bob's worker")
+        assert bob.state is LeaseState.active, bob.reason
+        ann_uid = psutil.Process(ann.worker["pid"]).uids().real
+        bob_uid = psutil.Process(bob.worker["pid"]).uids().real
+        assert ann_uid in accounts and bob_uid in accounts and ann_uid != bob_uid
+
+        bob_home = asyncio.run(run_worker_cell(bob.connection, "import os\nopen('secret.txt', 'w').write('bob')\n"
+                                                              "print(os.getcwd())")).strip()
+        ann_home = asyncio.run(run_worker_cell(ann.connection, "import os\nprint(os.getcwd())")).strip()
+        probe_log = Path(ann_home) / "probe.json"
+        mine = next(arg for arg in psutil.Process(ann.worker["pid"]).cmdline() if arg.endswith(".json"))
+        preamble = (f"MINE = {mine!r}\nOTHER_HOME = {bob_home!r}\nOTHER_PID = {bob.worker['pid']}\n"
+                    f"PROBE_LOG = {str(probe_log)!r}\n")
+        daemon = int(asyncio.run(run_worker_cell(ann.connection, f"PREAMBLE = {preamble!r}\n{SNOOPER}")))
+        assert os.getsid(daemon) != os.getsid(ann.worker["pid"])
+        # Bob's worker, the warm worker that replaced ann's, and a fresh warm one
+        # started while the daemon watches (its file is its own account's then).
+        third = service.client("bob").create_lease(LeaseRequest(fraction=0.25))
+        wait_for(lambda: service.client("bob").get_lease(third.id).state is not LeaseState.starting, 60,
+                 "the third lease")
+
+        def seen_enough():
+            try:
+                seen = json.loads(probe_log.read_text())
+            except (OSError, ValueError):
+                return None
+            return seen if sum(path.endswith(".json") for path in seen) >= 2 else None
+
+        seen = wait_for(seen_enough, 30, "the daemon to find other workers' connection files")
+        assert seen, "the daemon saw other workers"
+        assert all(result != "allowed" for result in seen.values()), seen
+        assert seen[f"{bob_home}/secret.txt"] == "PermissionError"
+        assert seen[f"/proc/{bob.worker['pid']}/environ"] == "PermissionError"
+
+        assert service.client().release(ann.id).state is LeaseState.released
+        wait_for(lambda: not alive(daemon), 10, "the daemon to die with ann's lease")
+        assert not probe_log.exists(), "the account's work directory is emptied before it is used again"
+    finally:
+        agent.stop()
+        service.stop()
+        if daemon is not None and alive(daemon):
+            os.kill(daemon, signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making files and processes of other users needs root")
+def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_path):
+    from gpupool.provisioner.worker_user import NoFreeWorkerUser, WorkerUserPool
+
+    users = [WorkerUser.lookup(account.pw_name) for account in pool_accounts()]
+    scratch, workdir = tmp_path / "scratch", tmp_path / "home"
+    scratch.mkdir()
+    workdir.mkdir()
+    pool = WorkerUserPool(users, scratch=[scratch])
+    taken = [pool.take() for _ in users]
+    assert sorted(u.uid for u in taken) == sorted(u.uid for u in users), "each account once"
+    with pytest.raises(NoFreeWorkerUser, match="all 3 worker users are in use .*c.NodeAgent.worker_users"):
+        pool.take()
+    first = taken[0]
+    left = scratch / "left-by-the-lease"
+    left.mkdir()
+    (left / "data").write_text("x")
+    os.chown(left, first.uid, first.gid)
+    os.chown(left / "data", first.uid, first.gid)
+    kept = scratch / "someone-elses"
+    kept.write_text("y")
+    # A shared root the account made, in which another account has its folder,
+    # and a folder of its own inside a root's (the workers' scratch folders).
+    shared = scratch / "made-by-it"
+    (shared / "other-owner").mkdir(parents=True)
+    (shared / "its-owner").mkdir()
+    os.chown(shared, first.uid, first.gid)
+    os.chown(shared / "its-owner", first.uid, first.gid)
+    os.chown(shared / "other-owner", taken[1].uid, taken[1].gid)
+    nested = scratch / "gpupool-scratch" / "ann"
+    nested.mkdir(parents=True)
+    (nested / "secret").write_text("ann's")
+    os.chown(nested, first.uid, first.gid)
+    os.chown(nested / "secret", first.uid, first.gid)
+    (workdir / "notebook-output").write_text("z")
+    runner = subprocess.Popen(["sleep", "60"], **first.popen_kwargs())
+    try:
+        assert not pool.give_back(first, workdir), "a process still runs as it"
+        assert left.exists() and first not in pool.free
+    finally:
+        runner.kill()
+        runner.wait()
+    assert pool.give_back(first, workdir)
+    assert not left.exists() and kept.exists() and list(workdir.iterdir()) == []
+    assert not nested.exists() and (scratch / "gpupool-scratch").exists(), "its folder in root's goes"
+    assert sorted(p.name for p in shared.iterdir()) == ["other-owner"], "another account's folder stays"
+    assert pool.free == [first] and pool.take() == first
+    with pytest.raises(ValueError, match="one uid twice"):
+        WorkerUserPool([first, first])

@@ -1,0 +1,231 @@
+"""Lease cgroups (:mod:`gpupool.provisioner.cgroups`) on this host's real
+cgroup file systems: v2 (``cgroup.kill``, and the freeze-and-kill fallback)
+and v1 (freezer, memory, pids, cpu), and the "none" mode's warning and its
+weaker process-group kill.
+
+The v2 and v1 tests need root and the hierarchy mounted; elsewhere they are
+skipped with the reason. Each test works in a subtree of its own
+(``gpupool/test-HEX`` under the test process's cgroup) and removes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpupool.provisioner import cgroups
+from gpupool.provisioner.cgroups import CgroupError, NoContainment, containment, own_cgroups, read_mounts
+
+# A process that, once told on its stdin, leaves a daemon behind: a double
+# fork with setsid (a new session, reparented to init), which writes its pid.
+DAEMONIZE = ("read -r _; (setsid sh -c 'echo $$ > \"$0.tmp\" && mv \"$0.tmp\" \"$0\"; exec sleep 600' \"$1\" "
+             "</dev/null >/dev/null 2>&1 &); exec sleep 600")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def subtree(mode: str, tmp_path: Path) -> cgroups.Containment:
+    """A containment of ``mode`` in a subtree of its own, or skip saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("making cgroups needs root")
+    try:
+        return containment(mode, f"gpupool/test-{secrets.token_hex(4)}", tmp_path)
+    except CgroupError as exc:
+        pytest.skip(f"no cgroup {mode} here: {exc}")
+
+
+@pytest.fixture(params=["v2", "v1"])
+def tree(request, tmp_path):
+    made = subtree(request.param, tmp_path)
+    yield made
+    for name in made.names():
+        group = made.find(name)
+        group.kill()
+        group.remove()
+    made.close()
+
+
+def start_daemonizer(tmp_path: Path, group: cgroups.LeaseCgroup) -> tuple[subprocess.Popen, int]:
+    """A shell in ``group`` that leaves a setsid daemon; returns (shell, daemon pid)."""
+    pidfile = tmp_path / f"daemon-{group.name}.pid"
+    shell = subprocess.Popen(["sh", "-c", DAEMONIZE, str(pidfile), str(pidfile)], stdin=subprocess.PIPE,
+                             start_new_session=True)
+    group.add(shell.pid)
+    shell.stdin.write(b"go\n")
+    shell.stdin.close()
+    daemon = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), "the daemon's pid"))
+    assert os.getsid(daemon) != os.getsid(shell.pid), "the daemon left the shell's session"
+    assert daemon not in {child.pid for child in psutil.Process(shell.pid).children(recursive=True)}
+    return shell, daemon
+
+
+def test_kill_reaches_a_double_forked_daemon_and_remove_leaves_nothing(tree, tmp_path):
+    group = tree.create("lease-L-1")
+    assert tree.names() == ["lease-L-1"] and tree.find("lease-L-1") is not None
+    shell, daemon = start_daemonizer(tmp_path, group)
+    assert group.pids() == {shell.pid, daemon}
+    assert group.kill() == []
+    assert not alive(daemon) and shell.wait(5) == -signal.SIGKILL
+    group.remove()
+    assert tree.names() == [] and tree.find("lease-L-1") is None
+    group.remove()  # gone already: no error
+
+
+def test_remove_refuses_while_processes_remain(tree, tmp_path):
+    group = tree.create("lease-L-2")
+    shell, daemon = start_daemonizer(tmp_path, group)
+    with pytest.raises(CgroupError, match="still in it"):
+        group.remove()
+    group.kill()
+    shell.wait(5)
+    group.remove()
+
+
+def test_create_kills_a_stale_cgroup_of_the_same_name(tree, tmp_path):
+    shell, daemon = start_daemonizer(tmp_path, tree.create("warm-stale"))
+    fresh = tree.create("warm-stale")
+    assert fresh.pids() == set() and not alive(daemon)
+    shell.wait(5)
+
+
+def test_v2_without_cgroup_kill_freezes_and_kills(tmp_path, monkeypatch):
+    tree = subtree("v2", tmp_path)
+    try:
+        group = tree.create("lease-L-old-kernel")
+        shell, daemon = start_daemonizer(tmp_path, group)
+        real_exists = Path.exists
+        monkeypatch.setattr(Path, "exists", lambda self: self.name != "cgroup.kill" and real_exists(self))
+        assert group.kill() == []
+        monkeypatch.undo()
+        assert not alive(daemon) and shell.wait(5) == -signal.SIGKILL
+        assert (group.path / "cgroup.freeze").read_text().strip() == "0", "thawed again"
+        group.remove()
+    finally:
+        tree.close()
+
+
+def test_limits_are_written_where_the_controllers_are(tmp_path):
+    tree = subtree("v1", tmp_path)
+    try:
+        group = tree.create("lease-L-limits")
+        group.set_limits(cpu=1.5, memory=512 * 2**20)
+        assert int((group.paths["memory"] / "memory.limit_in_bytes").read_text()) == 512 * 2**20
+        assert (group.paths["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "150000"
+        group.remove()
+    finally:
+        tree.close()
+    v2 = subtree("v2", tmp_path)
+    try:
+        group = v2.create("lease-L-limits")
+        if "memory" not in (group.path / "cgroup.controllers").read_text().split():
+            with pytest.raises(CgroupError, match="memory controller is not enabled .*Delegate=yes"):
+                group.set_limits(memory=2**30)
+        group.remove()
+    finally:
+        v2.close()
+
+
+def test_auto_picks_v2_then_v1_then_none_with_the_reasons(tmp_path, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("making cgroups needs root")
+    mounts = read_mounts()
+    expected = "v2" if any(m.fstype == "cgroup2" for m in mounts) else "v1"
+    made = containment("auto", f"gpupool/test-{secrets.token_hex(4)}", tmp_path)
+    assert made.mode == expected
+    made.close()
+    fake = tmp_path / "mounts"
+    fake.write_text("proc /proc proc rw 0 0\n")
+    with caplog.at_level(logging.WARNING, "gpupool.agent"):
+        none = containment("auto", "", tmp_path, mounts=fake)
+    assert isinstance(none, NoContainment)
+    [record] = [r for r in caplog.records if "NO CGROUP CONTAINMENT" in r.getMessage()]
+    assert "v2: no cgroup2 file system is mounted" in record.getMessage()
+    assert "v1: the v1 freezer controller is not mounted" in record.getMessage()
+    with pytest.raises(CgroupError, match="cgroup v2 containment is not available: no cgroup2"):
+        containment("v2", "", tmp_path, mounts=fake)
+
+
+def test_mode_none_warns_once_and_misses_a_daemon_in_a_session_of_its_own(tmp_path, caplog):
+    """The documented weaker mode: the process group and tree die, a daemon
+    that left both does not."""
+    with caplog.at_level(logging.WARNING, "gpupool.agent"):
+        none = containment("none", "", tmp_path)
+        group = none.create("lease-L-none")
+        shell, daemon = start_daemonizer(tmp_path, group)
+        assert group.pids() == {shell.pid}, "the daemon is out of its sight"
+        assert group.kill() == []
+        none.create("lease-L-other")
+    try:
+        assert shell.wait(5) == -signal.SIGKILL
+        assert alive(daemon), "without a cgroup, a double-forked daemon outlives the kill"
+        warnings = [r for r in caplog.records if "NO CGROUP CONTAINMENT" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert "cgroup_mode = 'none'" in warnings[0].getMessage()
+    finally:
+        os.kill(daemon, signal.SIGKILL)
+    with pytest.raises(CgroupError, match="cgroup_mode = 'none'"):
+        group.set_limits(memory=2**30)
+
+
+def test_mounts_and_own_cgroups_are_parsed(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup2 /sys/fs/cgroup/uni\\040fied cgroup2 rw,nsdelegate 0 0\n"
+                      "cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,cpu,cpuacct 0 0\n"
+                      "tmpfs /run tmpfs rw 0 0\n")
+    found = read_mounts(mounts)
+    assert [(str(m.path), m.fstype) for m in found] == [("/sys/fs/cgroup/uni fied", "cgroup2"),
+                                                       ("/sys/fs/cgroup/cpu,cpuacct", "cgroup")]
+    assert "cpuacct" in found[1].options
+    own = tmp_path / "cgroup"
+    own.write_text("4:memory:/a/b\n2:cpu,cpuacct:/\n1:name=systemd:/s\n0::/system.slice/x.service\n")
+    assert own_cgroups(own) == {"memory": "/a/b", "cpu": "/", "cpuacct": "/", "name=systemd": "/s",
+                                "": "/system.slice/x.service"}
+
+
+def test_the_root_is_under_the_agents_cgroup_and_cannot_leave_the_mount(tmp_path):
+    mount = tmp_path / "cg"  # not a cgroup file system: the error names the path it made
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"cgroup2 {mount} cgroup2 rw 0 0\n")
+    own = tmp_path / "cgroup"
+    own.write_text("0::/system.slice/agent.service\n")
+    with pytest.raises(CgroupError, match=f"leads out of {mount}"):
+        containment("v2", "../../..", tmp_path, mounts=mounts, self_cgroup=own)
+    # Relative: under the agent's own cgroup; with the default, a subtree of this state dir.
+    with pytest.raises(CgroupError, match=f"{mount}/system.slice/agent.service/gpupool/agent-[0-9a-f]{{12}} has "
+                                          "neither cgroup.kill nor cgroup.freeze"):
+        containment("v2", "", tmp_path, mounts=mounts, self_cgroup=own)
+    with pytest.raises(CgroupError, match=f"{mount}/workers has neither"):
+        containment("v2", "/workers", tmp_path, mounts=mounts, self_cgroup=own)
+    assert cgroups.default_root(tmp_path) == cgroups.default_root(f"{tmp_path}/./")
+
+
+def test_a_kill_without_waiting_still_kills(tree, tmp_path):
+    """``kill(timeout=0)`` (a worker found dead, on the event loop) sends the
+    kill and returns; the processes die without anyone waiting."""
+    group = tree.create("lease-L-now")
+    shell, daemon = start_daemonizer(tmp_path, group)
+    group.kill(timeout=0.0)
+    wait_until(lambda: not alive(daemon) and shell.poll() is not None, "the kill to land")
+    group.remove()
