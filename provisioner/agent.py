@@ -588,7 +588,7 @@ class NodeAgent(Application):
         name = name or self.worker_user
         if not name:
             return None
-        if is_user_template(self.worker_user):  # an account per lease, looked up when the lease asks
+        if is_user_template(self.worker_user or ""):  # an account per lease, looked up when the lease asks
             expand_worker_user(self.worker_user, "probe")  # a bad template stops the start
             return None
         try:

@@ -136,9 +136,10 @@ def test_start_use_and_stop_a_worker_over_http(lone_agent):
 
     again_status, again = lone_agent.start_worker("L-0000000000aa")  # idempotent
     assert (again_status, again["pid"]) == (201, started["pid"])
-    status, listed = call(f"{lone_agent.url}/workers")
-    assert [(w["lease_id"], w["pid"], w["execution_state"]) for w in listed["workers"]] == [
-        ("L-0000000000aa", started["pid"], "idle")]
+    # The agent hears the worker go idle after the cell's reply reached us: wait for it, under load too.
+    states = lambda: [(w["lease_id"], w["pid"], w["execution_state"])  # noqa: E731
+                      for w in call(f"{lone_agent.url}/workers")[1]["workers"]]
+    wait_for(lambda: states() == [("L-0000000000aa", started["pid"], "idle")], 10, "the worker idle in the listing")
 
     assert call(f"{lone_agent.url}/workers/L-0000000000aa", "DELETE") == (
         200, {"lease_id": "L-0000000000aa", "exit_code": 0})
