@@ -63,11 +63,6 @@ CELLS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Known failures on the gpupool kernel, each reported to the forwarding kernel's author.
-INTERACT_OUTPUT = ("issue 11: the notebook kernel sends its own idle for a forwarded comm_msg before the worker "
-                   "ran the callback, so JupyterLab drops the callback's output (the Output widget's capture)")
-
-
 def _cells(gpupool: bool) -> dict[str, str]:
     return {name: spec[0] for name, spec in CELLS.items() if gpupool or GPUPOOL not in spec}
 
@@ -159,7 +154,7 @@ def _walk(lab, browser, tmp_path, kernel: str, display_name: str, gpupool: bool)
             nb.run(at["interact"])
             nb.wait_widget(at["interact"], ".widget-slider .noUi-handle")
             nb.wait_output(at["interact"], "k is 5")
-        with steps("@interact's function runs again when its slider moves", known=INTERACT_OUTPUT if gpupool else None):
+        with steps("@interact's function runs again when its slider moves"):
             nb.cell(at["interact"]).locator(".widget-slider .noUi-handle").click()
             page.keyboard.press("ArrowRight")
             expect(nb.cell(at["interact"]).locator(".widget-readout")).to_have_text("6")
