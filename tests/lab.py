@@ -148,6 +148,9 @@ class Notebook:
 
     def __init__(self, page) -> None:
         self.page = page
+        #: What the page logged ("error: ..."), for the report when a step fails.
+        self.console: list[str] = []
+        page.on("console", lambda message: self.console.append(f"{message.type}: {message.text}"))
 
     def wait_ready(self, display_name: str, timeout_ms: float = 60_000) -> None:
         """Until the notebook shows its cells and its kernel (by display name) is idle."""
@@ -249,8 +252,9 @@ class Steps:
     raised instead, so that the mark is taken off once fixed.
     """
 
-    def __init__(self, page, shots: Path, lab: LabServer) -> None:
+    def __init__(self, page, shots: Path, lab: LabServer, console: list[str] | None = None) -> None:
         self.page, self.shots, self.lab = page, shots, lab
+        self.console = console if console is not None else []
         self.failures: list[str] = []
         self.passed: list[str] = []
         self.known: list[str] = []
@@ -299,6 +303,9 @@ class Steps:
         for words in self.known:
             print("known failure:", words, flush=True)
         if self.failures:
+            console = self.shots / "console.log"
+            console.write_text("\n".join(self.console) + "\n")
             raise AssertionError(f"{len(self.failures)} of {len(self.failures) + len(self.passed)} checks failed "
-                                 f"(jupyter lab log: {self.lab.log}):\n- " + "\n- ".join(self.failures))
+                                 f"(jupyter lab log: {self.lab.log}; the page's console: {console}):\n- "
+                                 + "\n- ".join(self.failures))
 

@@ -38,7 +38,10 @@ GPUPOOL = "gpupool-only"
 
 # name -> source; cells marked GPUPOOL are left out of the python3 notebook.
 CELLS: dict[str, tuple[str, ...]] = {
-    "local": ('import os\nthing = "local stale value"\nprint("local pid", os.getpid())',),
+    # The page's first widget is drawn here, before attaching: JupyterLab loads the widget
+    # manager and controls lazily, and under load that once raced the worker's first widget.
+    "local": ('import os\nimport ipywidgets\nthing = "local stale value"\nprint("local pid", os.getpid())\n'
+              'ipywidgets.Label("widgets ready")',),
     "acquire": ("%gpu acquire 0.5", GPUPOOL),
     "where": ('import os\nimport numpy as np\nprint("pid", os.getpid(), "lease", os.environ.get("GPUPOOL_LEASE_ID"))\n'
               'print(open("data.csv").read())',),
@@ -117,11 +120,12 @@ def _walk(lab, browser, tmp_path, kernel: str, display_name: str, gpupool: bool)
     from playwright.sync_api import expect
 
     page, nb, at = _open(lab, browser, tmp_path, kernel, display_name, gpupool)
-    steps = labmod.Steps(page, tmp_path, lab)
+    steps = labmod.Steps(page, tmp_path, lab, nb.console)
     facts: dict[str, str] = {}
     try:
         with steps("local cell"):
             facts["local_pid"] = re.search(r"local pid (\d+)", nb.run(at["local"], 60_000)).group(1)
+            expect(nb.wait_widget(at["local"], ".widget-label")).to_have_text("widgets ready")
         if gpupool:
             with steps("%gpu acquire 0.5"):
                 out = nb.run(at["acquire"], 120_000)
