@@ -198,7 +198,6 @@ def _walk(lab, browser, tmp_path, kernel: str, display_name: str, gpupool: bool)
             with steps("%gpu status inside a for loop"):
                 out = nb.run(at["loop"])
                 assert "round 1" in out and out.count(facts.get("lease", "?")) >= 2, out
-        if gpupool:
             with steps("%gpu release"):
                 out = nb.run(at["release"], 60_000)
                 assert "released" in out, out
@@ -231,6 +230,7 @@ def _debug(page, nb, index: int) -> None:
         bug.click()
         expect(bug).to_have_attribute("aria-pressed", "false")
     nb.wait_output(index, "after 3")
+
 
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not os.environ.get("GPUPOOL_LAB_BASELINE"),
