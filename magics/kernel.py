@@ -277,12 +277,7 @@ class GPUPoolKernel(IPythonKernel):
     # -- comms --------------------------------------------------------------------------
 
     def _comm_open(self, stream, ident, parent) -> None:
-        target = str(parent["content"].get("target_name", ""))
-        remote = self._remote()
-        if remote is None or target.startswith(OWN_TARGET_PREFIX):
-            self.comm_manager.comm_open(stream, ident, parent)
-        else:
-            remote.send(parent)
+        self._comm_route(stream, ident, parent, self.comm_manager.comm_open)
 
     def _comm_msg(self, stream, ident, parent) -> None:
         self._comm_route(stream, ident, parent, self.comm_manager.comm_msg)
@@ -294,10 +289,30 @@ class GPUPoolKernel(IPythonKernel):
         """A comm of this kernel's is handled here; any other goes to the
         worker while attached (the worker logs unknown ids, as ipykernel does)."""
         remote = self._remote()
-        if remote is None or parent["content"].get("comm_id") in self.comm_manager.comms:
-            local(stream, ident, parent)
-        else:
+        if remote is not None and self._comm_for_worker(parent):
             remote.send(parent)
+        else:
+            local(stream, ident, parent)
+
+    def _comm_for_worker(self, msg: dict[str, Any]) -> bool:
+        """Whether the front end's comm message ``msg`` is the worker's (while
+        attached): a ``comm_open`` of a target not gpupool's own, a
+        ``comm_msg``/``comm_close`` of a comm this kernel does not have."""
+        msg_type = (msg.get("header") or {}).get("msg_type")
+        content = msg.get("content") or {}
+        if msg_type == "comm_open":
+            return not str(content.get("target_name", "")).startswith(OWN_TARGET_PREFIX)
+        return msg_type in ("comm_msg", "comm_close") and content.get("comm_id") not in self.comm_manager.comms
+
+    def _publish_status(self, status, channel, parent=None) -> None:
+        """ipykernel's busy/idle, but none for a comm message that goes to the
+        worker: the relay passes the worker's own, so the front end hears idle
+        only after the worker ran the comm's callbacks (JupyterLab shows a
+        comm message's output, e.g. an ``@interact`` function's, until then)."""
+        msg = parent or self.get_parent(channel)
+        if channel == "shell" and self._remote() is not None and self._comm_for_worker(msg or {}):
+            return
+        super()._publish_status(status, channel, parent)
 
     # -- control: the debugger ----------------------------------------------------------
 

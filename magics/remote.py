@@ -266,6 +266,10 @@ class RemoteKernel:
         return reply or {}
 
 
+#: The front end's comm messages, forwarded without a reply.
+COMM_MSG_TYPES = ("comm_open", "comm_msg", "comm_close")
+
+
 class IOPubRelay(threading.Thread):
     """Reads a worker's IOPub on a thread of its own and re-signs the
     front end's messages for the notebook kernel's IOPub (the bare
@@ -300,7 +304,11 @@ class IOPubRelay(threading.Thread):
         idents, parts = self.session.feed_identities(frames, copy=False)
         msg = self.session.deserialize(parts, content=False, copy=False)
         own = msg["parent_header"].get("session") == self.session.session
-        if own or msg["header"]["msg_type"] == "status":
+        # A front end's comm message gets the worker's busy/idle (the notebook kernel sends
+        # none of its own for it): JupyterLab listens for a comm message's output only until
+        # its idle, and an @interact callback prints after the notebook kernel's idle.
+        comm_status = msg["parent_header"].get("msg_type") in COMM_MSG_TYPES
+        if own or (msg["header"]["msg_type"] == "status" and not comm_status):
             self.inner.send_multipart(frames, copy=False)
             return
         self.publish(idents, [part.buffer if hasattr(part, "buffer") else part for part in parts], msg)
