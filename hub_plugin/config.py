@@ -8,7 +8,7 @@ through :mod:`gpupool.traits`; the value stored is seconds or bytes.
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Enum, List, Set, TraitError, Union, Unicode, validate
+from traitlets import Bool, Dict, Enum, Integer, List, Set, TraitError, Union, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -141,6 +141,33 @@ class GPUPool(Configurable):
         True,
         help="""Whether ``/metrics`` needs a token (any user or agent token).
         Default: True. ``c.GPUPool.authenticate_prometheus = False``.""",
+    ).tag(config=True)
+
+    metrics_token_file = Unicode(
+        "",
+        help="""File holding the token (one line) with which Prometheus reads all of
+        ``/metrics``, per-user series included (``gpupool_usage_gpu_seconds_total{user}``);
+        give Prometheus the same file as ``authorization: credentials_file``. Other callers
+        (any user or agent token, or no token when ``authenticate_prometheus`` is False) get
+        the pool-wide series only; admins get all. Default: empty (no metrics token).
+        ``c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
+    ).tag(config=True)
+
+    max_queued_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most requests one user may have waiting in the queue (``wait``) at once;
+        one more is refused with 429 ``quota_exceeded`` (``limit``: ``max_queued_per_user``).
+        It keeps one user from filling the queue that everyone's placement reads. ``None``:
+        no cap. Default: 10. ``c.GPUPool.max_queued_per_user = 50``.""",
+    ).tag(config=True)
+
+    max_active_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most leases one user may hold at once (``starting`` or ``active``), whatever
+        their size (the GPU amounts are the quotas' business, ``max_gpus``); one more is
+        refused with 429 ``quota_exceeded`` (``limit``: ``max_active_per_user``), and a queued
+        request of a user at the cap waits until one of theirs ends. ``None``: no cap.
+        Default: 10. ``c.GPUPool.max_active_per_user = 20``.""",
     ).tag(config=True)
 
     base_url = Unicode(

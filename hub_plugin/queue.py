@@ -59,27 +59,41 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
 
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           last_used: Mapping[str, datetime | None], now: datetime, *,
-          accept: Callable[[Waiting, Placement], bool] | None = None) -> list[tuple[Waiting, Placement]]:
+          accept: Callable[[Waiting, Placement], bool] | None = None,
+          room: Mapping[str, int] | None = None) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
     placement)``, when given, is asked before each placement is taken; False
-    stops the drain there (the service checks the decision against the store)."""
+    stops the drain there (the service checks the decision against the store).
+    ``room``, when given, is how many more requests each owner may have placed
+    (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
+
+    Capacity only shrinks during a drain, so a demand that did not fit once is
+    not tried again: a thousand equal requests that do not fit cost one try."""
     index = gpus if isinstance(gpus, PlacementIndex) else PlacementIndex(gpus)
     last = dict(last_used)
     left = list(waiting)
+    rooms = dict(room) if room is not None else None
+    unfit: set[Demand] = set()
     placed: list[tuple[Waiting, Placement]] = []
     while left:
         for item in order(left, last):
+            if item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
+                continue
             decision = index.place(item.demand, explain=False)
-            if isinstance(decision, Placement):
-                if accept is not None and not accept(item, decision):
-                    return placed
-                index.take(decision)
-                last[item.owner] = now
-                left.remove(item)
-                placed.append((item, decision))
-                break
+            if not isinstance(decision, Placement):
+                unfit.add(item.demand)
+                continue
+            if accept is not None and not accept(item, decision):
+                return placed
+            index.take(decision)
+            last[item.owner] = now
+            if rooms is not None:
+                rooms[item.owner] = rooms.get(item.owner, 0) - 1
+            left.remove(item)
+            placed.append((item, decision))
+            break
         else:
             break
     return placed
