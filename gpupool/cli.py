@@ -4,7 +4,7 @@
     gpupool agent --service-url URL [--simulate 2xA100-80GB] [--name NODE] ...
     gpupool kernelspec install [--name gpupool] [--url URL] [--token-file F]
     gpupool demo [--keep-state]
-    gpupool status [--url URL] [--token T]
+    gpupool status [--url URL] [--token-file F]
     gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage]
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 

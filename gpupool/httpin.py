@@ -41,10 +41,11 @@ HEADER_TIMEOUT = 60.0
 BODY_TIMEOUT = 30.0
 
 
-def server_options() -> dict[str, Any]:
-    """Keyword arguments for ``HTTPServer``: the limits of the module docstring."""
+def server_options(header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> dict[str, Any]:
+    """Keyword arguments for ``HTTPServer``: the limits of the module docstring
+    (timeouts in seconds; tornado applies each to the whole of the headers or the body)."""
     return {"max_body_size": MAX_BODY, "max_buffer_size": 2 * MAX_BODY,
-            "idle_connection_timeout": HEADER_TIMEOUT, "body_timeout": BODY_TIMEOUT}
+            "idle_connection_timeout": header_timeout, "body_timeout": body_timeout}
 
 
 class TooLarge(ValueError):

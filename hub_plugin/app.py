@@ -157,7 +157,8 @@ class ServiceApp(Application):
             log.error("cannot listen on %s:%s (%s); choose another --port", self.ip, self.port, exc)
             return 1
         # Bodies of at most 1 MiB, read only once the token was checked; stalled connections closed (httpin).
-        server = HTTPServer(app, ssl_options=tls, **httpin.server_options())
+        server = HTTPServer(app, ssl_options=tls, **httpin.server_options(settings.request_header_timeout,
+                                                                           settings.request_body_timeout))
         server.add_sockets(sockets)
         url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
         with _state_dir_errors(state):

@@ -153,6 +153,19 @@ class GPUPool(Configurable):
         ``c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
     ).tag(config=True)
 
+    request_header_timeout = Duration(
+        60.0,
+        help="""Seconds a connection may take to send a request's headers, and may stay
+        open idle between requests; then it is closed (slow or stalled clients hold no
+        memory). Default: 60 seconds. ``c.GPUPool.request_header_timeout = "2m"``.""",
+    ).tag(config=True)
+
+    request_body_timeout = Duration(
+        30.0,
+        help="""Seconds a request may take to send its body (at most 1 MiB); then its
+        connection is closed. Default: 30 seconds. ``c.GPUPool.request_body_timeout = 60``.""",
+    ).tag(config=True)
+
     max_queued_per_user = Integer(
         10, allow_none=True, min=1,
         help="""Most requests one user may have waiting in the queue (``wait``) at once;

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ log = logging.getLogger("gpupool.service.leases")
 MAX_WAIT_S = 60.0
 #: Most leases ``GET /leases`` returns (the newest).
 LIST_LIMIT = 500
+#: Seconds after which the reclaim sweep drains the queue even when no capacity changed here.
+FULL_DRAIN_S = 30.0
 #: Ended leases whose lengths feed the queue's wait estimate.
 ESTIMATE_SAMPLE = 50
 #: The scheduler's expected workload is the mix of the last this many requests ...
@@ -100,6 +103,8 @@ class LeaseBook:
         self._tasks: set[asyncio.Task] = set()
         # The writer thread's alone (storework): the capacity index and the recent requests.
         self.capacity = CapacityIndex(settings.context_overhead)
+        self._capacity_epoch = 0  # commits that changed capacity, and how many the last drain had seen
+        self._drained_epoch, self._drained_at = -1, 0.0
         self._recent: deque[Demand] | None = None  # recent requests, read from the store at first use
         self._shapes: Workload | None = None
         # A lambda, so a clock replaced on this book is the quotas' clock too.
@@ -219,7 +224,7 @@ class LeaseBook:
                     self._on_refusal(decision.reasons)
             session.add(lease)  # only now: _assign's query would flush a lease without a state
             session.flush()
-            result = self._json(lease, who, session, self._queue_view(session, [lease]))
+            result = self._json(lease, who, session, self._newest_view(session, lease))
         log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
         return result, isinstance(decision, Placement)
 
@@ -464,12 +469,20 @@ class LeaseBook:
 
     # -- the queue -------------------------------------------------------------------------
 
-    async def drain_queue(self) -> list[str]:
+    async def drain_queue(self, *, sweep: bool = False) -> list[str]:
         """Place queued requests that fit now (the reclaim sweep, node
         registrations and nodes coming back call this; releases drain in their
-        own transaction).
-        Returns the ids placed."""
+        own transaction). Returns the ids placed.
+
+        ``sweep``: the periodic call. Then, when no committed transaction
+        changed capacity since the last drain (and that was less than
+        :data:`FULL_DRAIN_S` ago, which also catches changes another service
+        on the same store made), only the quotas of the queued are checked
+        again: a thousand queued requests are not placed anew five times a second."""
         if not await self.work.read(self._any_queued):
+            return []
+        if sweep and self._drained_epoch == self._capacity_epoch and time.monotonic() - self._drained_at < FULL_DRAIN_S:
+            self._after_drain([], await self.work.read(self._over_quota_now))
             return []
         placed, over = await self.work.write(self._drain_now)
         self._after_drain(placed, over)
@@ -479,7 +492,23 @@ class LeaseBook:
         with self.store.read() as session:
             return session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is not None
 
+    def _over_quota_now(self) -> dict[str, str]:
+        """:meth:`_over_quota` of the queue, reading one lease per owner (their groups)
+        and the ids only of owners who are over."""
+        now = self.now()
+        with self.store.read() as session:
+            firsts = session.execute(select(func.min(Lease.id)).where(Lease.state == QUEUED)
+                                     .group_by(Lease.owner)).scalars().all()
+            sample = session.execute(select(Lease.id, Lease.owner, Lease.groups).where(Lease.id.in_(firsts))).all()
+            over = self._over_quota(session, sample, now)
+            owners = {row.owner: over[row.id] for row in sample if row.id in over}
+            if not owners:
+                return {}
+            return {lease_id: owners[owner] for lease_id, owner in session.execute(
+                select(Lease.id, Lease.owner).where(Lease.state == QUEUED, Lease.owner.in_(sorted(owners))))}
+
     def _drain_now(self) -> tuple[list[str], dict[str, str]]:
+        self._drained_epoch, self._drained_at = self._capacity_epoch, time.monotonic()
         with self.writing() as session:
             self.store.lock_capacity(session)
             return self._drain(session, self.now())
@@ -489,13 +518,18 @@ class LeaseBook:
         :func:`.queue.drain` picks (its docstring has the fairness rule).
         Returns the ids placed, and ``{id: why}`` of requests whose owner's
         quota no longer allows them (to end ``failed`` after the commit).
-        The queued leases are read without their events: only those placed load them."""
-        rows = {lease.id: lease for lease in session.scalars(select(Lease).where(Lease.state == QUEUED))
-                if lease.wait_until is None or lease.wait_until > now}
+        The queue is read as plain columns; only the leases placed are loaded
+        whole, so a thousand queued requests cost one light query."""
+        rows = [row for row in session.execute(
+            select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
+                   Lease.created_at, Lease.wait_until, Lease.groups).where(Lease.state == QUEUED))
+            if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
-        over = self._over_quota(session, rows.values(), now)
-        waiting = [_waiting(lease) for lease in rows.values() if lease.id not in over]
+        over = self._over_quota(session, rows, now)
+        waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
+                                                                row.model), row.created_at)
+                   for row in rows if row.id not in over]
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
         placed = []
@@ -503,7 +537,7 @@ class LeaseBook:
         def accept(item: wait_queue.Waiting, decision: Placement) -> bool:
             if not self.capacity.verify(session, decision):
                 return False  # the index was stale: stop; the next drain decides on a fresh one
-            where = self._assign(session, rows[item.lease_id], decision, now)
+            where = self._assign(session, session.get(Lease, item.lease_id), decision, now)
             self._on_dequeued((now - item.created_at).total_seconds())
             log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
             placed.append(item.lease_id)
@@ -557,23 +591,33 @@ class LeaseBook:
                                f"queue for {_waiting(lease).demand.describe()} and nothing fitting became free "
                                "(ask again, or with a longer --wait)") for lease in due}
 
-    def _queue_view(self, session: Session, leases) -> "QueueView | None":
-        """What the queued ones of ``leases`` need for ``queue_position`` and
-        ``queue_estimate_s``: the queue's order, read once (a fixed number of
-        queries, however many leases are shown); None when none is queued."""
-        if not any(lease.state == QUEUED for lease in leases):
+    def _newest_view(self, session: Session, lease: Lease) -> "QueueView | None":
+        """:meth:`_queue_view` of a request just queued, from per-owner counts (no row per queued request)."""
+        if lease.state != QUEUED:
             return None
-        queued = [wait_queue.Waiting(lease_id, owner, Demand(fraction, count, memory, model), created)
-                  for lease_id, owner, fraction, count, memory, model, created in session.execute(
-                      select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory,
-                             Lease.model, Lease.created_at).where(Lease.state == QUEUED))]
-        last = usage.last_used(session, [w.owner for w in queued], self.now())
-        positions = {item.lease_id: place for place, item in enumerate(wait_queue.order(queued, last), start=1)}
+        counts = dict(session.execute(select(Lease.owner, func.count()).where(Lease.state == QUEUED)
+                                      .group_by(Lease.owner)).all())
+        place = wait_queue.newest_position(lease.owner, counts, usage.last_used(session, counts, self.now()))
+        return self._estimates(session, {lease.id: place})
+
+    def _estimates(self, session: Session, positions: dict[str, int]) -> "QueueView":
         recent = session.execute(select(Lease.started_at, Lease.ended_at)
                                  .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
                                  .order_by(Lease.ended_at.desc()).limit(ESTIMATE_SAMPLE)).all()
         holding = session.scalar(select(func.count()).select_from(Lease).where(Lease.state.in_(HOLDING))) or 0
         return QueueView(positions, [(end - start).total_seconds() for start, end in recent], holding)
+
+    def _queue_view(self, session: Session, leases) -> "QueueView | None":
+        """What the queued ones of ``leases`` need for ``queue_position`` and
+        ``queue_estimate_s``: the queue's order, read once as three columns and
+        sorted once (a fixed number of queries, however many leases are shown;
+        the queue itself is at most users x ``c.GPUPool.max_queued_per_user``);
+        None when none of ``leases`` is queued."""
+        if not any(lease.state == QUEUED for lease in leases):
+            return None
+        queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at).where(Lease.state == QUEUED)).all()
+        last = usage.last_used(session, {owner for _, owner, _ in queued}, self.now())
+        return self._estimates(session, wait_queue.positions(queued, last))
 
     async def _stop_worker(self, url: str, lease_id: str) -> None:
         try:
@@ -676,6 +720,8 @@ class LeaseBook:
                 self.capacity.invalidate()  # the drain took capacity there that the rollback gave back
             raise
         self.capacity.changed(session.info)
+        if any(session.info.get(mark) for mark in ("capacity_all", "capacity_gpus", "capacity_nodes")):
+            self._capacity_epoch += 1  # the next sweep drains the queue again
         self.watch.notify(set(session.info.get("changed_leases", ())))
 
     def _visible(self, session: Session, who: Identity, lease_id: str, *, owner_only: bool = False) -> Lease:

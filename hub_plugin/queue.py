@@ -40,13 +40,14 @@ class Waiting:
     created_at: datetime
 
 
+def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None]) -> tuple:
+    used = last_used.get(owner)
+    return (used is not None, used or created_at, created_at, lease_id)
+
+
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
-    def key(item: Waiting):
-        used = last_used.get(item.owner)
-        return (used is not None, used or item.created_at, item.created_at, item.lease_id)
-
-    return sorted(waiting, key=key)
+    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used))
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
@@ -55,6 +56,27 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
         if item.lease_id == lease_id:
             return number
     return None
+
+
+def positions(queued: Iterable[tuple[str, str, datetime]], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
+    """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at)``
+    rows, in :func:`order`'s order: one sort, however many places are asked for."""
+    keyed = sorted((_key(owner, created, lease_id, last_used), lease_id) for lease_id, owner, created in queued)
+    return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
+
+
+def newest_position(owner: str, queued: Mapping[str, int], last_used: Mapping[str, datetime | None]) -> int:
+    """The place of a request ``owner`` has just queued, from how many requests each
+    owner has queued (``queued``, the new one included) and when each last used the
+    pool: it is the newest, so every queued request whose owner comes before or with
+    its owner in :func:`order` is ahead of it. Needs no row per request."""
+    mine = last_used.get(owner)
+    ahead = 0
+    for other, count in queued.items():
+        used = last_used.get(other)
+        if used is None or (mine is not None and used <= mine):
+            ahead += count
+    return ahead  # the new one is among those counted: its own place
 
 
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,

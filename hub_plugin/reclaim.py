@@ -147,7 +147,7 @@ class Reclaimer:
         # The queue: give up on requests whose wait has passed, and place what
         # fits (capacity may have come from a node, not only from a release).
         await self.leases.expire_queue()
-        await self.leases.drain_queue()
+        await self.leases.drain_queue(sweep=True)
         return decisions
 
     def _due_now(self, now: datetime) -> tuple[list[str], list[Decision]]:

@@ -12,7 +12,8 @@ a PostgreSQL lock wait or a SQLite file locked by another process (up to
   :mod:`.leases`) single-threaded, exactly as the store's own serialization
   (``BEGIN IMMEDIATE``, the advisory lock) orders the transactions.
 - Reads run on a few threads (``readers``); SQLite's WAL and PostgreSQL's MVCC
-  let them run beside the writer.
+  let them run beside the writer. One caller runs on one reader at a time,
+  so the others stay free for everyone else.
 - **Turns.** Waiting calls are queued per caller (the user name; the base
   handler sets :data:`CALLER` once it knows who calls; background work is
   ``"service"``) and taken round-robin: a user with a thousand calls waiting
@@ -45,15 +46,18 @@ READERS = 4
 
 class FairQueue:
     """Blocking calls run on ``threads`` threads of their own, at most that
-    many at once; waiting ones are taken round-robin between callers (FIFO
-    for one caller). Lives on the event loop thread (not thread-safe itself).
+    many at once and at most ``per_caller`` (default: all) of one caller's;
+    waiting ones are taken round-robin between callers (FIFO for one caller).
+    Lives on the event loop thread (not thread-safe itself).
     """
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, per_caller: int | None = None) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._free = threads
+        self._per_caller = per_caller or threads
         # caller -> their waiting calls; dict order is the order turns go round.
         self._waiting: dict[str, deque[tuple[Callable[[], Any], asyncio.Future]]] = {}
+        self._running: dict[str, int] = {}
 
     def waiting(self) -> int:
         """How many calls wait for a thread."""
@@ -68,8 +72,11 @@ class FairQueue:
         return await fut
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
-        while self._free and self._waiting:
-            caller = next(iter(self._waiting))
+        while self._free:
+            # The first caller in turn with room (fewer than ``per_caller`` of theirs running).
+            caller = next((c for c in self._waiting if self._running.get(c, 0) < self._per_caller), None)
+            if caller is None:
+                return
             calls = self._waiting.pop(caller)
             call, fut = calls.popleft()
             if calls:
@@ -77,11 +84,15 @@ class FairQueue:
             if fut.cancelled():  # its caller gave up (shutdown): do not start it
                 continue
             self._free -= 1
+            self._running[caller] = self._running.get(caller, 0) + 1
             job = loop.run_in_executor(self._pool, call)
-            job.add_done_callback(functools.partial(self._done, loop, fut))
+            job.add_done_callback(functools.partial(self._done, loop, caller, fut))
 
-    def _done(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, job: asyncio.Future) -> None:
+    def _done(self, loop: asyncio.AbstractEventLoop, caller: str, fut: asyncio.Future, job: asyncio.Future) -> None:
         self._free += 1
+        self._running[caller] -= 1
+        if not self._running[caller]:
+            del self._running[caller]
         if not fut.cancelled():
             if job.exception() is not None:
                 fut.set_exception(job.exception())
@@ -100,7 +111,9 @@ class StoreWork:
 
     def __init__(self, readers: int = READERS) -> None:
         self._writer = FairQueue(1, "gpupool-store-write")
-        self._readers = FairQueue(readers, "gpupool-store-read")
+        # One reader per caller at a time: however many calls one user has waiting,
+        # the other readers stay free for everyone else.
+        self._readers = FairQueue(readers, "gpupool-store-read", per_caller=1)
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` (which writes to the store) on the writer thread."""

@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 
 from ..auth import token_from_header
 from ..metrics import CONTENT_TYPE
+from ..storework import CALLER
 from .base import APIHandler
 
 
@@ -24,6 +25,7 @@ class MetricsHandler(APIHandler):
         own = self.ctx.metrics_token
         self.full = bool(own) and hmac.compare_digest(token.encode(), own.encode())
         if self.full:
+            CALLER.set("metrics")  # its store work takes turns like a user's (storework)
             return self.start_body()
         if self.ctx.settings.authenticate_prometheus or token:
             await super().prepare()
