@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -170,7 +169,7 @@ def add_client_arguments(parser: "argparse.ArgumentParser") -> None:
 
     The token comes from a file or from ``$GPUPOOL_TOKEN``, never from the command
     line, where every user of the host can read it (``ps``). ``--token`` is still
-    accepted for old scripts, hidden from the help, with a warning."""
+    accepted for old scripts, but hidden from the help."""
     import argparse
 
     parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
@@ -185,11 +184,7 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
     file ends the command with one line (``parser.error``)."""
     if not args.url:
         parser.error(f"no service URL: pass --url or set {ENV_URL}")
-    token = os.environ.get(ENV_TOKEN)
-    if args.token:
-        print(f"warning: --token is visible to every user of this host (ps); use --token-file or ${ENV_TOKEN}",
-              file=sys.stderr)
-        token = args.token
+    token = args.token or os.environ.get(ENV_TOKEN)
     if args.token_file:
         try:
             with open(args.token_file) as handle:
