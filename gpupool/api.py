@@ -165,12 +165,18 @@ def _quote(part: str) -> str:
 
 
 def add_client_arguments(parser: "argparse.ArgumentParser") -> None:
-    """``--url``, ``--token``, ``--token-file`` and ``--ca-file`` for a command that calls the service."""
+    """``--url``, ``--token-file`` and ``--ca-file`` for a command that calls the service.
+
+    The token comes from a file or from ``$GPUPOOL_TOKEN``, never from the command
+    line, where every user of the host can read it (``ps``). ``--token`` is still
+    accepted for old scripts, but hidden from the help."""
+    import argparse
+
     parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
     parser.add_argument("--ca-file", default=os.environ.get(ENV_CA_FILE),
                         help=f"CA bundle (PEM) that signed an https service's certificate (default: ${ENV_CA_FILE})")
-    parser.add_argument("--token", default=os.environ.get(ENV_TOKEN), help=f"API token (default: ${ENV_TOKEN})")
-    parser.add_argument("--token-file", help="read the API token from this file")
+    parser.add_argument("--token-file", help=f"read the API token from this file (default: the token in ${ENV_TOKEN})")
+    parser.add_argument("--token", help=argparse.SUPPRESS)
 
 
 def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Namespace") -> ServiceClient:
@@ -178,7 +184,7 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
     file ends the command with one line (``parser.error``)."""
     if not args.url:
         parser.error(f"no service URL: pass --url or set {ENV_URL}")
-    token = args.token
+    token = args.token or os.environ.get(ENV_TOKEN)
     if args.token_file:
         try:
             with open(args.token_file) as handle:

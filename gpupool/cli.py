@@ -5,8 +5,8 @@
     gpupool agent --service-url URL [--simulate 2xA100-80GB] [--name NODE] ... | --generate-config
     gpupool kernelspec install [--name gpupool] [--url URL] [--token-file F]
     gpupool demo [--keep-state]
-    gpupool status [--url URL] [--token T] [--json]
-    gpupool pool [--url URL] [--token T] [--json]
+    gpupool status [--url URL] [--token-file F] [--json]
+    gpupool pool [--url URL] [--token-file F] [--json]
     gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage] [--json]
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 

@@ -22,6 +22,10 @@ from .errors import bad_request
 MIN_FRACTION = 0.01
 #: The smallest memory limit a request may name (the agent works in whole MiB).
 MIN_MEMORY = 1024**2
+#: The largest byte count on the wire (1 PiB): a GPU's memory, a limit, a reading.
+MAX_BYTES = 2**50
+#: The largest process id or exit code on the wire (they are C ints).
+MAX_INT32 = 2**31 - 1
 
 
 class LeaseState(str, enum.Enum):
@@ -72,14 +76,44 @@ def parse_time(text: str | None) -> datetime | None:
 
 
 def _number(body: dict[str, Any], key: str, *, required: bool = False) -> float | None:
+    """``body[key]`` as a finite float (None when absent); 400 naming ``key``
+    otherwise, also for an integer too large for a float (``10**400``)."""
     value = body.get(key)
     if value is None:
         if required:
             raise bad_request(f"'{key}' is required")
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"'{key}' must be a number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{key}' must be a number, got {value!r:.80}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad_request(f"'{key}' must be a number, got {'inf' if isinstance(value, int) else value!r:.80}"
+                          + (" (it is too large)" if isinstance(value, int) else ""))
+    return number
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8: no lone surrogate (``"\\ud800"``,
+    which JSON can spell and neither SQLite nor PostgreSQL can store)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _words(text: str) -> str:
+    """``text`` with control characters as spaces and lone surrogates as U+FFFD: storable, one log line."""
+    text = "".join(" " if ch < " " or ch == "\x7f" else ch for ch in text)
+    return text if is_unicode(text) else text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _whole(value: Any, lo: int, hi: int) -> int | None:
+    """``value`` when it is an int (not a bool) within ``[lo, hi]``, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi else None
 
 
 def has_control_characters(text: str) -> bool:
@@ -92,7 +126,8 @@ def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > max_len or has_control_characters(value):
+    if (not isinstance(value, str) or not value or len(value) > max_len or has_control_characters(value)
+            or not is_unicode(value)):
         raise bad_request(f"'{key}' must be a non-empty string of at most {max_len} characters, "
                           "without control characters")
     return value
@@ -162,7 +197,7 @@ class LeaseRequest:
             raise bad_request(f"'wait' must be seconds in [0, 31622400], got {body['wait']!r}")
         server = body.get("server_name")
         if server is not None and (not isinstance(server, str) or len(server) > 255
-                                   or any(ch < " " or ch == "\x7f" for ch in server)):
+                                   or has_control_characters(server) or not is_unicode(server)):
             raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
                               f"control characters, \"\" for the default server), got {server!r:.80}")
         env = body.get("env")
@@ -202,10 +237,13 @@ class GPUInfo:
         if not uuid or not name:
             raise bad_request("each GPU needs 'uuid' and 'name'")
         index = _number(body, "index", required=True)
+        if index != int(index) or not 0 <= index <= 1023:
+            raise bad_request(f"GPU {uuid}: 'index' must be a whole number from 0 to 1023")
         total = _number(body, "memory_total", required=True)
         reserved = _number(body, "memory_reserved") or 0
-        if total <= 0 or reserved < 0 or reserved >= total:
-            raise bad_request(f"GPU {uuid}: memory_total must be > 0 and memory_reserved in [0, total)")
+        if not 0 < total <= MAX_BYTES or reserved < 0 or reserved >= total:
+            raise bad_request(f"GPU {uuid}: memory_total must be bytes in (0, 2**50] and memory_reserved in "
+                              "[0, memory_total)")
         return cls(uuid=uuid, name=name, index=int(index), memory_total=int(total),
                    memory_reserved=int(reserved), compute_capability=_text(body, "compute_capability"))
 
@@ -236,20 +274,20 @@ class WorkerReport:
     @classmethod
     def from_json(cls, body: Any) -> "WorkerReport":
         """Validate one worker entry of a heartbeat (400 on bad input)."""
-        if not isinstance(body, dict) or not isinstance(body.get("lease_id"), str):
-            raise bad_request("each worker report needs a 'lease_id'")
+        lease_id = body.get("lease_id") if isinstance(body, dict) else None
+        if (not isinstance(lease_id, str) or not 0 < len(lease_id) <= 40 or has_control_characters(lease_id)
+                or not is_unicode(lease_id)):
+            raise bad_request("each worker report needs a 'lease_id' (at most 40 characters)")
         state = body.get("execution_state")
         if state not in cls.STATES:
             raise bad_request(f"execution_state must be one of {', '.join(cls.STATES)}")
-        pid = body.get("pid")
-        exit_code = body.get("exit_code")
-        memory = body.get("memory_used")
+        idle_since = body.get("idle_since")
         reason = body.get("reason")
-        return cls(lease_id=body["lease_id"], pid=pid if isinstance(pid, int) else None,
-                   execution_state=state, idle_since=body.get("idle_since"),
-                   exit_code=exit_code if isinstance(exit_code, int) else None,
-                   memory_used=memory if isinstance(memory, int) else None,
-                   reason=reason[:200] if isinstance(reason, str) and reason else None)
+        return cls(lease_id=lease_id, pid=_whole(body.get("pid"), 0, MAX_INT32),
+                   execution_state=state, idle_since=idle_since if isinstance(idle_since, str) else None,
+                   exit_code=_whole(body.get("exit_code"), -MAX_INT32, MAX_INT32),
+                   memory_used=_whole(body.get("memory_used"), 0, MAX_BYTES),
+                   reason=_words(reason[:200]) if isinstance(reason, str) and reason.strip() else None)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

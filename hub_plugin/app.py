@@ -22,8 +22,9 @@ import os
 import secrets
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -33,7 +34,7 @@ from tornado.netutil import bind_sockets
 from traitlets import Integer, TraitError, Unicode, default
 from traitlets.config import Application
 
-from gpupool import __version__
+from gpupool import __version__, httpin
 from gpupool.errors import GPUPoolError
 from gpupool.statedir import lock_state_dir
 from gpupool.tls import server_context
@@ -52,6 +53,7 @@ from .leases import LeaseBook
 from .metrics import Metrics
 from .nodes import NodeBook
 from .reclaim import Reclaimer
+from .storework import StoreWork
 
 log = logging.getLogger("gpupool.service")
 
@@ -113,24 +115,26 @@ class ServiceApp(Application):
         # A bad certificate stops the start before anything is written.
         tls = server_context(self.settings.ssl_cert, self.settings.ssl_key, "--ssl-cert / --ssl-key")
         state = Path(self.state_dir).expanduser().resolve()
-        state.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = lock_state_dir(state, "service")  # one service per state dir: it decides in memory
-        info_file = state / "service.json"
-        info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
         settings = self.settings
-        agent_token = _secret_file(state / "agent_token", settings.agent_token)
-        user_tokens = dict(settings.api_tokens)
+        with _state_dir_errors(state):
+            state.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = lock_state_dir(state, "service")  # one service per state dir: it decides in memory
+            info_file = state / "service.json"
+            info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
+            agent_token = _secret_file(state / "agent_token", settings.agent_token)
+            user_tokens = dict(settings.api_tokens)
+            if not user_tokens and not hub_service.in_jupyterhub(os.environ):
+                user = getpass.getuser()
+                user_tokens = {_secret_file(state / "user_token", ""): user}
+                log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
+            store = Store(settings.db_url.replace("{state_dir}", str(state)))
+        metrics_token = _read_token_file(settings.metrics_token_file, "c.GPUPool.metrics_token_file")
         web_settings: dict = {}
         if hub_service.in_jupyterhub(os.environ):
             authenticator, web_settings = hub_service.authentication(agent_token, settings.base_url)
         else:
-            if not user_tokens:
-                user = getpass.getuser()
-                user_tokens = {_secret_file(state / "user_token", ""): user}
-                log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
             authenticator = TokenAuthenticator(user_tokens, settings.admin_users, agent_token)
 
-        store = Store(settings.db_url.replace("{state_dir}", str(state)))
         log.info("store: %s", store.describe())
         try:
             store.migrate()
@@ -140,9 +144,11 @@ class ServiceApp(Application):
                                "check c.GPUPool.db_url") from None
         metrics = Metrics(store, settings.context_overhead)
         agents = AgentClient(agent_token, ca_file=settings.ca_file)
-        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued)
+        work = StoreWork()  # every SQL statement from here on runs on its threads, none on the event loop
+        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued,
+                           work=work)
         ctx = ServiceContext(settings=settings, leases=leases, metrics=metrics,
-                             authenticator=authenticator,
+                             authenticator=authenticator, metrics_token=metrics_token,
                              nodes=NodeBook(leases, settings.node_heartbeat_interval))
         app = make_web_app(ctx, **web_settings)
 
@@ -151,11 +157,14 @@ class ServiceApp(Application):
         except OSError as exc:
             log.error("cannot listen on %s:%s (%s); choose another --port", self.ip, self.port, exc)
             return 1
-        server = HTTPServer(app, max_body_size=8 * 1024 * 1024, ssl_options=tls)
+        # Bodies of at most 1 MiB, read only once the token was checked; stalled connections closed (httpin).
+        server = HTTPServer(app, ssl_options=tls, **httpin.server_options(settings.request_header_timeout,
+                                                                           settings.request_body_timeout))
         server.add_sockets(sockets)
         url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
         public = settings.public_url or url.rstrip("/") + settings.base_url  # what kernels and agents use
-        _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
+        with _state_dir_errors(state):
+            _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
         log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, url,
                  state, public)
         if public.startswith("http://") and urlsplit(public).hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -167,7 +176,7 @@ class ServiceApp(Application):
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        leases.resume()
+        await leases.resume()
         reclaimer = Reclaimer(leases, settings.reclaim_interval, settings.node_ttl)
         reclaimer.start()
         await stop.wait()
@@ -179,6 +188,7 @@ class ServiceApp(Application):
         await asyncio.sleep(0.1)  # let woken long polls write their answers
         await server.close_all_connections()
         agents.close()
+        work.close()
         store.close()
         info_file.unlink(missing_ok=True)
         return 0
@@ -234,12 +244,47 @@ def _secret_file(path: Path, configured: str) -> str:
 
 
 def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``path`` through a temporary file beside it; on any failure the
+    temporary file is removed (and the OSError raised)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk shows here, not after the rename
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def _state_dir_errors(state: Path) -> Iterator[None]:
+    """An OSError preparing the state directory (read-only, full, not ours)
+    becomes a GPUPoolError naming the path and the fix (printed in one line)."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or state
+        raise GPUPoolError("not_configured", f"cannot write the state directory {state} ({exc.strerror or exc} at "
+                           f"{where}); make it writable by user {getpass.getuser()} with free space, or "
+                           "choose another with --state-dir") from None
+
+
+def _read_token_file(path: str, setting: str) -> str:
+    """The token in ``path`` ("" when ``path`` is ""); GPUPoolError naming ``setting`` when it cannot be read."""
+    if not path:
+        return ""
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise GPUPoolError("not_configured", f"cannot read {setting} {path} ({exc.strerror}); create it with one "
+                           "token in it (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)") from None
+    if not token:
+        raise GPUPoolError("not_configured", f"{setting} {path} is empty; put one token in it")
+    return token
 
 
 def _url(ip: str, port: int, scheme: str = "http") -> str:

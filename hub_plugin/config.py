@@ -8,7 +8,7 @@ through :mod:`gpupool.traits`; the value stored is seconds or bytes.
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Enum, List, Set, TraitError, Union, Unicode, validate
+from traitlets import Bool, Dict, Enum, Integer, List, Set, TraitError, Union, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -166,6 +166,46 @@ class GPUPool(Configurable):
         if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
             raise TraitError(f"c.GPUPool.public_url must be an http:// or https:// URL with a host, got {url!r}")
         return url.rstrip("/") + "/" if url else url
+
+    metrics_token_file = Unicode(
+        "",
+        help="""File holding the token (one line) with which Prometheus reads all of
+        ``/metrics``, per-user series included (``gpupool_usage_gpu_seconds_total{user}``);
+        give Prometheus the same file as ``authorization: credentials_file``. Other callers
+        (any user or agent token, or no token when ``authenticate_prometheus`` is False) get
+        the pool-wide series only; admins get all. Default: empty (no metrics token).
+        ``c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
+    ).tag(config=True)
+
+    request_header_timeout = Duration(
+        60.0,
+        help="""Seconds a connection may take to send a request's headers, and may stay
+        open idle between requests; then it is closed (slow or stalled clients hold no
+        memory). Default: 60 seconds. ``c.GPUPool.request_header_timeout = "2m"``.""",
+    ).tag(config=True)
+
+    request_body_timeout = Duration(
+        30.0,
+        help="""Seconds a request may take to send its body (at most 1 MiB); then its
+        connection is closed. Default: 30 seconds. ``c.GPUPool.request_body_timeout = 60``.""",
+    ).tag(config=True)
+
+    max_queued_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most requests one user may have waiting in the queue (``wait``) at once;
+        one more is refused with 429 ``quota_exceeded`` (``limit``: ``max_queued_per_user``).
+        It keeps one user from filling the queue that everyone's placement reads. ``None``:
+        no cap. Default: 10. ``c.GPUPool.max_queued_per_user = 50``.""",
+    ).tag(config=True)
+
+    max_active_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most leases one user may hold at once (``starting`` or ``active``), whatever
+        their size (the GPU amounts are the quotas' business, ``max_gpus``); one more is
+        refused with 429 ``quota_exceeded`` (``limit``: ``max_active_per_user``), and a queued
+        request of a user at the cap waits until one of theirs ends. ``None``: no cap.
+        Default: 10. ``c.GPUPool.max_active_per_user = 20``.""",
+    ).tag(config=True)
 
     base_url = Unicode(
         "/",

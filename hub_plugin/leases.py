@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Coroutine, Iterator
 
@@ -45,6 +47,7 @@ from .db import Store
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .quota_book import QuotaBook
 from .reclaim import idle_deadline
+from .storework import StoreWork
 from .scheduler import DEFAULT_WORKLOAD, Demand, Placement, Refusal, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
@@ -55,6 +58,8 @@ log = logging.getLogger("gpupool.service.leases")
 MAX_WAIT_S = 60.0
 #: Most leases ``GET /leases`` returns (the newest).
 LIST_LIMIT = 500
+#: Seconds after which the reclaim sweep drains the queue even when no capacity changed here.
+FULL_DRAIN_S = 30.0
 #: Ended leases whose lengths feed the queue's wait estimate.
 ESTIMATE_SAMPLE = 50
 #: The scheduler's expected workload is the mix of the last this many requests ...
@@ -62,6 +67,8 @@ WORKLOAD_WINDOW = 1000
 #: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 QUEUED = LeaseState.queued.value
+#: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.
+CAPPED = (LeaseState.starting.value, LeaseState.active.value)
 
 
 class LeaseBook:
@@ -70,22 +77,34 @@ class LeaseBook:
     ``settings`` are the service's ``c.GPUPool``; ``now`` is the one clock
     (UTC-aware datetimes), replaceable so time can be moved in tests;
     ``on_refusal(reasons)`` is told every refusal and ``on_dequeued(seconds)``
-    how long each queued request waited when it is placed (for metrics).
+    how long each queued request waited when it is placed (for metrics);
+    ``work`` runs the store calls off the event loop (:mod:`.storework`; a
+    new one by default).
+
+    The public methods are coroutines for the event loop. Each runs its SQL
+    through ``work`` in functions named ``_..._now``, which run on a store
+    thread and must not touch the loop: what they decide to start in the
+    background (workers, releases) they return, and the coroutine spawns it.
     """
 
     def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
                  now: Callable[[], datetime] = utcnow,
                  on_refusal: Callable[[dict[str, int]], None] | None = None,
-                 on_dequeued: Callable[[float], None] = lambda seconds: None) -> None:
+                 on_dequeued: Callable[[float], None] = lambda seconds: None,
+                 work: StoreWork | None = None) -> None:
         self.settings = settings
         self.store = store
         self.agents = agents
         self.now = now
+        self.work = work or StoreWork()
         self.watch = LeaseWatch()
         self._on_refusal = on_refusal
         self._on_dequeued = on_dequeued
         self._tasks: set[asyncio.Task] = set()
+        # The writer thread's alone (storework): the capacity index and the recent requests.
         self.capacity = CapacityIndex(settings.context_overhead)
+        self._capacity_epoch = 0  # commits that changed capacity, and how many the last drain had seen
+        self._drained_epoch, self._drained_at = -1, 0.0
         self._recent: deque[Demand] | None = None  # recent requests, read from the store at first use
         self._shapes: Workload | None = None
         # A lambda, so a clock replaced on this book is the quotas' clock too.
@@ -93,10 +112,14 @@ class LeaseBook:
 
     # -- reading ---------------------------------------------------------------
 
-    def get(self, who: Identity, lease_id: str) -> dict[str, Any]:
+    async def get(self, who: Identity, lease_id: str) -> dict[str, Any]:
         """The lease as ``who`` may see it. 404 when it is someone else's."""
+        return await self.work.read(self._get_now, who, lease_id)
+
+    def _get_now(self, who: Identity, lease_id: str) -> dict[str, Any]:
         with self.store.read() as session:
-            return self._json(self._visible(session, who, lease_id), who, session)
+            lease = self._visible(session, who, lease_id)
+            return self._json(lease, who, session, self._queue_view(session, [lease]))
 
     async def wait(self, who: Identity, lease_id: str, state: str | None, seconds: float) -> dict[str, Any]:
         """Long poll: the lease once it is no longer in ``state`` (default: the
@@ -108,7 +131,11 @@ class LeaseBook:
         deadline = loop.time() + seconds
         while True:
             fut = self.watch.future(lease_id)  # before reading, so no change slips between
-            lease = self.get(who, lease_id)
+            try:
+                lease = await self.get(who, lease_id)
+            except BaseException:
+                fut.cancel()
+                raise
             state = state or lease["state"]
             left = deadline - loop.time()
             if lease["state"] != state or left <= 0 or self.watch.closed:
@@ -116,9 +143,13 @@ class LeaseBook:
                 return lease
             await self.watch.changed(fut, left)
 
-    def list(self, who: Identity, *, active: bool = True, kernel_id: str | None = None) -> list[dict[str, Any]]:
+    async def list(self, who: Identity, *, active: bool = True, kernel_id: str | None = None) -> list[dict[str, Any]]:
         """``who``'s own leases, oldest first (at most the newest 500);
-        ``active``: only those holding capacity or queued; ``kernel_id``: only that kernel's."""
+        ``active``: only those holding capacity or queued; ``kernel_id``: only that kernel's.
+        Takes a fixed number of queries, whatever the number of leases or of queued requests."""
+        return await self.work.read(self._list_now, who, active, kernel_id)
+
+    def _list_now(self, who: Identity, active: bool, kernel_id: str | None) -> list[dict[str, Any]]:
         query = select(Lease).where(Lease.owner == who.name)
         if active:
             query = query.where(Lease.state.in_((*HOLDING, QUEUED)))
@@ -127,21 +158,31 @@ class LeaseBook:
         query = query.options(selectinload(Lease.gpus), selectinload(Lease.events))
         with self.store.read() as session:
             rows = session.scalars(query.order_by(Lease.created_at.desc()).limit(LIST_LIMIT)).all()
-            return [self._json(lease, who, session) for lease in reversed(rows)]
+            queue = self._queue_view(session, rows)
+            nodes = self._node_states(session, rows)
+            return [self._json(lease, who, session, queue, nodes) for lease in reversed(rows)]
 
     # -- creating --------------------------------------------------------------
 
-    def create(self, who: Identity, body: Any) -> dict[str, Any]:
-        """Validate ``body`` (a ``LeaseRequest``), check the quota, place it and
-        reserve the capacity in one transaction, and start the worker in the background.
+    async def create(self, who: Identity, body: Any) -> dict[str, Any]:
+        """Validate ``body`` (a ``LeaseRequest``), check the quota and the
+        per-user caps, place it and reserve the capacity in one transaction,
+        and start the worker in the background.
 
         Returns the lease JSON: state ``starting``, or ``queued`` when nothing
         fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
-        input, 429 ``quota_exceeded`` (with ``limit``) over a quota, and 409
+        input, 429 ``quota_exceeded`` (with ``limit``) over a quota or over
+        ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
         ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
         request = LeaseRequest.from_json(body)
         wait = self._wait(request.wait)
+        result, placed = await self.work.write(self._create_now, who, request, wait)
+        if placed:
+            self.spawn(self._start(result["id"]))
+        return result
+
+    def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
         demand = Demand(request.fraction, request.gpu_count, request.memory, request.model)
         groups = self.quotas.groups_of(who)
         now = self.now()
@@ -153,13 +194,20 @@ class LeaseBook:
             idle_timeout = self._idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             try:
                 self.quotas.enforce(session, who.name, limits, request.fraction * request.gpu_count, now)
+                held, queued = self._counts(session, who.name)
+                self._check_cap("max_active_per_user", held)
             except GPUPoolError as exc:
-                if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
-                    self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
+                self._refused_by_limit(exc)
                 raise
             decision = self._place(session, demand)
             if isinstance(decision, Refusal) and not wait:
                 self._refused(who, decision)
+            if isinstance(decision, Refusal):
+                try:
+                    self._check_cap("max_queued_per_user", queued)
+                except GPUPoolError as exc:
+                    self._refused_by_limit(exc)
+                    raise
             lease = Lease(id=new_lease_id(), owner=who.name, fraction=request.fraction,
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
@@ -176,11 +224,35 @@ class LeaseBook:
                     self._on_refusal(decision.reasons)
             session.add(lease)  # only now: _assign's query would flush a lease without a state
             session.flush()
-            result = self._json(lease, who, session)
+            result = self._json(lease, who, session, self._newest_view(session, lease))
         log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
-        if isinstance(decision, Placement):
-            self.spawn(self._start(lease.id))
-        return result
+        return result, isinstance(decision, Placement)
+
+    @staticmethod
+    def _counts(session: Session, owner: str) -> tuple[int, int]:
+        """``owner``'s leases ``(holding: starting or active, queued)``, for the per-user caps."""
+        rows = dict(session.execute(select(Lease.state, func.count()).where(
+            Lease.owner == owner, Lease.state.in_(CAPPED + (QUEUED,))).group_by(Lease.state)).all())
+        return sum(rows.get(state, 0) for state in CAPPED), rows.get(QUEUED, 0)
+
+    def _check_cap(self, name: str, have: int) -> None:
+        """429 ``quota_exceeded`` when ``have`` leases already reach ``c.GPUPool.<name>``."""
+        cap = getattr(self.settings, name)
+        if cap is None or have < cap:
+            return
+        if name == "max_active_per_user":
+            words = (f"you hold {have} leases (starting or active), the most one user may hold at once "
+                     f"(c.GPUPool.max_active_per_user = {cap}); release one first (%gpu release)")
+        else:
+            words = (f"you have {have} requests waiting in the queue, the most one user may have "
+                     f"(c.GPUPool.max_queued_per_user = {cap}); cancel one (DELETE /api/v1/leases/ID) "
+                     "or wait until one is placed")
+        raise GPUPoolError("quota_exceeded", f"too many requests: {words}; an admin can raise "
+                           f"c.GPUPool.{name}", 429, limit=name, cap=cap)
+
+    def _refused_by_limit(self, exc: GPUPoolError) -> None:
+        if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
+            self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
 
     def _place(self, session: Session, demand: Demand) -> Placement | Refusal:
         """The scheduler's decision for ``demand`` on the pool as ``session``
@@ -247,16 +319,10 @@ class LeaseBook:
     async def _start(self, lease_id: str) -> None:
         """Ask the agent for the worker; ``active`` on success, else the
         release path ends the lease ``failed`` with the agent's reason."""
-        with self.store.read() as session:
-            lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
-            if lease is None or lease.state != LeaseState.starting.value:
-                return
-            node = session.get(Node, lease.node_name)
-            url, node_name = node.url, node.name
-            body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
-                    "fraction": lease.fraction, "memory": lease.memory}
-            if lease.env is not None:
-                body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
+        job = await self.work.read(self._start_job, lease_id)
+        if job is None:
+            return
+        url, node_name, body = job
         try:
             reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
         except GPUPoolError as exc:
@@ -264,18 +330,8 @@ class LeaseBook:
             await self.release(lease_id, LeaseState.failed,
                                f"the worker could not start on {node_name}: {exc.message}")
             return
-        now = self.now()
         pid = reply.get("pid") if isinstance(reply.get("pid"), int) else None
-        with self.writing() as session:
-            lease = session.get(Lease, lease_id)
-            started = lease is not None and lease.state == LeaseState.starting.value
-            if started:
-                lease.connection = reply["connection"]
-                lease.worker_pid = pid
-                lease.worker_state = "idle"  # the kernel answered, no cell has run yet
-                lease.started_at = lease.last_heartbeat_at = lease.idle_since = now
-                _transition(session, lease, LeaseState.active, f"the worker started on {node_name} (pid {pid})", now)
-        if started:
+        if await self.work.write(self._started_now, lease_id, reply, pid, node_name):
             log.info("lease %s active: worker pid %s on %s", lease_id, pid, node_name)
             return
         # Released while the worker was starting: the release path may have
@@ -283,16 +339,46 @@ class LeaseBook:
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, node_name)
         await self._stop_worker(url, lease_id)
 
+    def _start_job(self, lease_id: str) -> tuple[str, str, dict[str, Any]] | None:
+        """``(agent url, node name, POST /workers body)`` of a ``starting`` lease, else None."""
+        with self.store.read() as session:
+            lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
+            if lease is None or lease.state != LeaseState.starting.value:
+                return None
+            node = session.get(Node, lease.node_name)
+            body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
+                    "fraction": lease.fraction, "memory": lease.memory}
+            if lease.env is not None:
+                body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
+            return node.url, node.name, body
+
+    def _started_now(self, lease_id: str, reply: dict[str, Any], pid: int | None, node_name: str) -> bool:
+        """``starting`` -> ``active`` with the worker's connection; False when the lease left ``starting``."""
+        now = self.now()
+        with self.writing() as session:
+            lease = session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value:
+                return False
+            lease.connection = reply["connection"]
+            lease.worker_pid = pid
+            lease.worker_state = "idle"  # the kernel answered, no cell has run yet
+            lease.started_at = lease.last_heartbeat_at = lease.idle_since = now
+            _transition(session, lease, LeaseState.active, f"the worker started on {node_name} (pid {pid})", now)
+            return True
+
     # -- heartbeats --------------------------------------------------------------
 
-    def heartbeat(self, who: Identity, lease_id: str) -> dict[str, Any]:
+    async def heartbeat(self, who: Identity, lease_id: str) -> dict[str, Any]:
         """The client's liveness: renew ``last_heartbeat_at`` while the lease
         holds capacity. Returns the lease (ended ones too, so the client learns why)."""
+        return await self.work.write(self._heartbeat_now, who, lease_id)
+
+    def _heartbeat_now(self, who: Identity, lease_id: str) -> dict[str, Any]:
         with self.writing() as session:
             lease = self._visible(session, who, lease_id, owner_only=True)
             if LeaseState(lease.state).holds_capacity:
                 lease.last_heartbeat_at = self.now()
-            return self._json(lease, who, session)
+            return self._json(lease, who, session, self._queue_view(session, [lease]))
 
     # -- ending ----------------------------------------------------------------------
 
@@ -301,13 +387,15 @@ class LeaseBook:
         ended lease is returned as it is."""
         if words is not None and (not words.strip() or len(words) > 200):
             raise bad_request("'reason' must be 1 to 200 characters")
-        with self.store.read() as session:
-            lease = self._visible(session, who, lease_id)
-            owner = lease.owner
+        owner = await self.work.read(self._owner_now, who, lease_id)
         by = "its owner" if owner == who.name else f"admin {who.name}"
         reason = f"released by {by}" + (f": {words.strip()}" if words else "")
         await self.release(lease_id, LeaseState.released, reason)
-        return self.get(who, lease_id)
+        return await self.get(who, lease_id)
+
+    def _owner_now(self, who: Identity, lease_id: str) -> str:
+        with self.store.read() as session:
+            return self._visible(session, who, lease_id).owner
 
     async def release(self, lease_id: str, final: LeaseState, reason: str, *,
                       only_if: Callable[[Lease, datetime], bool] | None = None) -> None:
@@ -319,93 +407,160 @@ class LeaseBook:
         is already releasing is waited for; an ended one is left alone. An
         unreachable agent does not stop the release.
         """
-        now = self.now()
-        with self.writing() as session:
-            lease = session.get(Lease, lease_id)
-            if lease is None or LeaseState(lease.state).ended:
-                return
-            mine = lease.state != LeaseState.releasing.value
-            if mine and only_if is not None and not only_if(lease, now):
-                return
-            if mine:
-                lease.end_state, lease.reason = final.value, reason
-                _transition(session, lease, LeaseState.releasing, reason, now)
-                url = session.get(Node, lease.node_name).url if lease.node_name else None
+        begun = await self.work.write(self._begin_release, lease_id, final, reason, only_if)
+        if begun is None:
+            return
+        mine, url = begun
         if not mine:  # someone else is releasing it: wait for them
             await self._wait_left(lease_id, LeaseState.releasing.value, self.settings.worker_stop_timeout + 5)
             return
         log.info("lease %s releasing (%s): %s", lease_id, final.value, reason)
-        self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
+        await self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
 
-    def _finish(self, lease_id: str, note: str | None = None) -> None:
+    def _begin_release(self, lease_id: str, final: LeaseState, reason: str,
+                       only_if: Callable[[Lease, datetime], bool] | None) -> tuple[bool, str | None] | None:
+        """Make the lease ``releasing``: ``(True, agent url or None)``; ``(False, None)``
+        when someone else is releasing it; None when there is nothing to do."""
+        now = self.now()
+        with self.writing() as session:
+            lease = session.get(Lease, lease_id)
+            if lease is None or LeaseState(lease.state).ended:
+                return None
+            if lease.state == LeaseState.releasing.value:
+                return False, None
+            if only_if is not None and not only_if(lease, now):
+                return None
+            lease.end_state, lease.reason = final.value, reason
+            _transition(session, lease, LeaseState.releasing, reason, now)
+            if lease.node_name is None:
+                # Never placed (queued): no worker to stop, no capacity to free, so it
+                # ends here, and a long poll wakes to its final state, not to releasing.
+                self._end(session, lease, now)
+                return None
+            return True, session.get(Node, lease.node_name).url
+
+    async def _finish(self, lease_id: str, note: str | None = None) -> None:
+        self._after_drain(*await self.work.write(self._finish_now, lease_id, note))
+
+    def _finish_now(self, lease_id: str, note: str | None = None) -> tuple[list[str], dict[str, str]]:
         """``releasing`` -> its final state; records ``ended_at`` and usage
         (the ledger record) once, and places queued requests on what it freed,
         all in one transaction. ``note``: words added to the reason of a
         released or reclaimed lease (the worker's stop was not confirmed; a
-        failed lease's worker is dead or never started, so no news there)."""
+        failed lease's worker is dead or never started, so no news there).
+        Returns what the drain placed and failed."""
         now = self.now()
         with self.writing() as session:
             self.store.lock_capacity(session)  # the queue is drained below
             lease = session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.releasing.value:
-                return
-            final = LeaseState(lease.end_state or LeaseState.released.value)
-            if note and final is not LeaseState.failed:
-                lease.reason = f"{lease.reason}; {note}"
-            lease.ended_at = now
-            held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
-            lease.usage_gpu_seconds = usage.close(session, lease, now)
-            lease.connection = None  # the worker and its key are gone
-            _transition(session, lease, final, lease.reason, now)
-            used = lease.usage_gpu_seconds
-            placed, over = self._drain(session, now)
-        log.info("lease %s %s after %s (%.1f GPU-seconds): %s", lease_id, final.value,
-                 format_duration(held), used, lease.reason)
-        self._after_drain(placed, over)
+                return [], {}
+            self._end(session, lease, now, note)
+            return self._drain(session, now)
+
+    @staticmethod
+    def _end(session: Session, lease: Lease, now: datetime, note: str | None = None) -> None:
+        """A ``releasing`` lease to its final state, with ``ended_at`` and its usage (the ledger record)."""
+        final = LeaseState(lease.end_state or LeaseState.released.value)
+        if note and final is not LeaseState.failed:
+            lease.reason = f"{lease.reason}; {note}"
+        lease.ended_at = now
+        held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
+        lease.usage_gpu_seconds = usage.close(session, lease, now)
+        lease.connection = None  # the worker and its key are gone
+        _transition(session, lease, final, lease.reason, now)
+        log.info("lease %s %s after %s (%.1f GPU-seconds): %s", lease.id, final.value,
+                 format_duration(held), lease.usage_gpu_seconds, lease.reason)
 
     # -- the queue -------------------------------------------------------------------------
 
-    def drain_queue(self) -> list[str]:
+    async def drain_queue(self, *, sweep: bool = False) -> list[str]:
         """Place queued requests that fit now (the reclaim sweep, node
         registrations and nodes coming back call this; releases drain in their
-        own transaction).
-        Returns the ids placed."""
-        with self.store.read() as session:
-            if session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is None:
-                return []
-        with self.writing() as session:
-            self.store.lock_capacity(session)
-            placed, over = self._drain(session, self.now())
+        own transaction). Returns the ids placed.
+
+        ``sweep``: the periodic call. Then, when no committed transaction
+        changed capacity since the last drain (and that was less than
+        :data:`FULL_DRAIN_S` ago, which also catches changes another service
+        on the same store made), only the quotas of the queued are checked
+        again: a thousand queued requests are not placed anew five times a second."""
+        if not await self.work.read(self._any_queued):
+            return []
+        if sweep and self._drained_epoch == self._capacity_epoch and time.monotonic() - self._drained_at < FULL_DRAIN_S:
+            self._after_drain([], await self.work.read(self._over_quota_now))
+            return []
+        placed, over = await self.work.write(self._drain_now)
         self._after_drain(placed, over)
         return placed
+
+    def _any_queued(self) -> bool:
+        with self.store.read() as session:
+            return session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is not None
+
+    def _over_quota_now(self) -> dict[str, str]:
+        """:meth:`_over_quota` of the queue, reading one lease per owner (their groups)
+        and the ids only of owners who are over."""
+        now = self.now()
+        with self.store.read() as session:
+            firsts = session.execute(select(func.min(Lease.id)).where(Lease.state == QUEUED)
+                                     .group_by(Lease.owner)).scalars().all()
+            sample = session.execute(select(Lease.id, Lease.owner, Lease.groups).where(Lease.id.in_(firsts))).all()
+            over = self._over_quota(session, sample, now)
+            owners = {row.owner: over[row.id] for row in sample if row.id in over}
+            if not owners:
+                return {}
+            return {lease_id: owners[owner] for lease_id, owner in session.execute(
+                select(Lease.id, Lease.owner).where(Lease.state == QUEUED, Lease.owner.in_(sorted(owners))))}
+
+    def _drain_now(self) -> tuple[list[str], dict[str, str]]:
+        self._drained_epoch, self._drained_at = self._capacity_epoch, time.monotonic()
+        with self.writing() as session:
+            self.store.lock_capacity(session)
+            return self._drain(session, self.now())
 
     def _drain(self, session: Session, now: datetime) -> tuple[list[str], dict[str, str]]:
         """Within a write transaction holding the capacity lock: place what
         :func:`.queue.drain` picks (its docstring has the fairness rule).
         Returns the ids placed, and ``{id: why}`` of requests whose owner's
-        quota no longer allows them (to end ``failed`` after the commit)."""
-        rows = {lease.id: lease for lease in session.scalars(
-            select(Lease).where(Lease.state == QUEUED).options(selectinload(Lease.gpus), selectinload(Lease.events)))
-            if lease.wait_until is None or lease.wait_until > now}
+        quota no longer allows them (to end ``failed`` after the commit).
+        The queue is read as plain columns; only the leases placed are loaded
+        whole, so a thousand queued requests cost one light query."""
+        rows = [row for row in session.execute(
+            select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
+                   Lease.created_at, Lease.wait_until, Lease.groups).where(Lease.state == QUEUED))
+            if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
-        over = self._over_quota(session, rows.values(), now)
-        waiting = [_waiting(lease) for lease in rows.values() if lease.id not in over]
-        last = usage.last_used(session, [w.owner for w in waiting], now)
+        over = self._over_quota(session, rows, now)
+        waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
+                                                                row.model), row.created_at)
+                   for row in rows if row.id not in over]
+        owners = {w.owner for w in waiting}
+        last = usage.last_used(session, owners, now)
         placed = []
 
         def accept(item: wait_queue.Waiting, decision: Placement) -> bool:
             if not self.capacity.verify(session, decision):
                 return False  # the index was stale: stop; the next drain decides on a fresh one
-            where = self._assign(session, rows[item.lease_id], decision, now)
+            where = self._assign(session, session.get(Lease, item.lease_id), decision, now)
             self._on_dequeued((now - item.created_at).total_seconds())
             log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
             placed.append(item.lease_id)
             return True
 
         session.info["capacity_index_changed"] = True  # drain takes capacity in the index as it goes
-        wait_queue.drain(waiting, self.capacity.get(session, self._workload(session)), last, now, accept=accept)
+        wait_queue.drain(waiting, self.capacity.get(session, self._workload(session)), last, now, accept=accept,
+                         room=self._room(session, owners))
         return placed, over
+
+    def _room(self, session: Session, owners: set[str]) -> dict[str, int] | None:
+        """How many more leases each of ``owners`` may hold (``c.GPUPool.max_active_per_user``; None: no cap)."""
+        cap = self.settings.max_active_per_user
+        if cap is None:
+            return None
+        held = dict(session.execute(select(Lease.owner, func.count()).where(
+            Lease.owner.in_(sorted(owners)), Lease.state.in_(CAPPED)).group_by(Lease.owner)).all())
+        return {owner: max(0, cap - held.get(owner, 0)) for owner in owners}
 
     def _over_quota(self, session: Session, leases, now: datetime) -> dict[str, str]:
         """Queued leases whose owner may not take them any more (GPU-hours used
@@ -420,40 +575,54 @@ class LeaseBook:
         return over
 
     def _after_drain(self, placed: list[str], over: dict[str, str]) -> None:
-        self._start_all(placed)
+        """On the loop, after a drain committed: start what it placed, fail what it must."""
+        for lease_id in placed:
+            self.spawn(self._start(lease_id))
         for lease_id, why in over.items():
             self.spawn(self.release(lease_id, LeaseState.failed, why, only_if=_is_queued))
 
-    def _start_all(self, lease_ids: list[str]) -> None:
-        for lease_id in lease_ids:
-            self.spawn(self._start(lease_id))
-
-    def expire_queue(self) -> list[str]:
+    async def expire_queue(self) -> list[str]:
         """End ``failed`` every queued request whose ``wait`` has passed; returns their ids."""
-        now = self.now()
-        with self.store.read() as session:
-            due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
-            reasons = {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
-                                  f"queue for {_waiting(lease).demand.describe()} and nothing fitting became free "
-                                  "(ask again, or with a longer --wait)") for lease in due}
+        reasons = await self.work.read(self._expired_now)
         for lease_id, reason in reasons.items():
             self.spawn(self.release(lease_id, LeaseState.failed, reason, only_if=_still_queued))
         return list(reasons)
 
-    def _queue_info(self, session: Session, lease: Lease) -> tuple[int | None, float | None]:
-        """``(queue_position, queue_estimate_s)`` of a queued lease."""
-        queued = session.scalars(select(Lease).where(Lease.state == QUEUED)).all()
-        waiting = [_waiting(x) for x in queued]
-        place_in_line = wait_queue.position(lease.id, waiting,
-                                            usage.last_used(session, [w.owner for w in waiting], self.now()))
-        if place_in_line is None:
-            return None, None
+    def _expired_now(self) -> dict[str, str]:
+        now = self.now()
+        with self.store.read() as session:
+            due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
+            return {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
+                               f"queue for {_waiting(lease).demand.describe()} and nothing fitting became free "
+                               "(ask again, or with a longer --wait)") for lease in due}
+
+    def _newest_view(self, session: Session, lease: Lease) -> "QueueView | None":
+        """:meth:`_queue_view` of a request just queued, from per-owner counts (no row per queued request)."""
+        if lease.state != QUEUED:
+            return None
+        counts = dict(session.execute(select(Lease.owner, func.count()).where(Lease.state == QUEUED)
+                                      .group_by(Lease.owner)).all())
+        place = wait_queue.newest_position(lease.owner, counts, usage.last_used(session, counts, self.now()))
+        return self._estimates(session, {lease.id: place})
+
+    def _estimates(self, session: Session, positions: dict[str, int]) -> "QueueView":
         recent = session.execute(select(Lease.started_at, Lease.ended_at)
                                  .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
                                  .order_by(Lease.ended_at.desc()).limit(ESTIMATE_SAMPLE)).all()
         holding = session.scalar(select(func.count()).select_from(Lease).where(Lease.state.in_(HOLDING))) or 0
-        lengths = [(end - start).total_seconds() for start, end in recent]
-        return place_in_line, wait_queue.estimate(place_in_line, lengths, holding)
+        return QueueView(positions, [(end - start).total_seconds() for start, end in recent], holding)
+
+    def _queue_view(self, session: Session, leases) -> "QueueView | None":
+        """What the queued ones of ``leases`` need for ``queue_position`` and
+        ``queue_estimate_s``: the queue's order, read once as three columns and
+        sorted once (a fixed number of queries, however many leases are shown;
+        the queue itself is at most users x ``c.GPUPool.max_queued_per_user``);
+        None when none of ``leases`` is queued."""
+        if not any(lease.state == QUEUED for lease in leases):
+            return None
+        queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at).where(Lease.state == QUEUED)).all()
+        last = usage.last_used(session, {owner for _, owner, _ in queued}, self.now())
+        return self._estimates(session, wait_queue.positions(queued, last))
 
     async def _stop_worker(self, url: str, lease_id: str) -> str | None:
         """Ask the agent to stop the lease's worker, waiting at most
@@ -474,43 +643,56 @@ class LeaseBook:
         deadline = loop.time() + seconds
         while loop.time() < deadline and not self.watch.closed:
             fut = self.watch.future(lease_id)
-            with self.store.read() as session:
-                lease = session.get(Lease, lease_id)
-                if lease is None or lease.state != state:
-                    fut.cancel()
-                    return
+            try:
+                now_in = await self.work.read(self._state_now, lease_id)
+            except BaseException:
+                fut.cancel()
+                raise
+            if now_in != state:
+                fut.cancel()
+                return
             await self.watch.changed(fut, deadline - loop.time())
+
+    def _state_now(self, lease_id: str) -> str | None:
+        with self.store.read() as session:
+            return session.scalar(select(Lease.state).where(Lease.id == lease_id))
 
     # -- after a restart, and background tasks ----------------------------------------------
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
         """Pick up what a previous run left half-done: start the workers of
         ``starting`` leases (agents start idempotently per lease) and finish
         ``releasing`` ones. Clients and agents could not reach a stopped
         service, so their heartbeat clocks restart now: an outage longer than
         the heartbeat TTL must not reclaim every healthy lease."""
-        now = self.now()
-        with self.writing() as session:
-            session.execute(update(Lease).where(Lease.state == LeaseState.active.value).values(last_heartbeat_at=now))
-            session.execute(update(Node).where(Node.state.in_(("up", "degraded"))).values(last_heartbeat_at=now))
-        unfinished = [LeaseState.starting.value, LeaseState.releasing.value]
-        with self.store.read() as session:
-            rows = session.execute(select(Lease.id, Lease.state).where(Lease.state.in_(unfinished))).all()
-        for lease_id, state in rows:
+        for lease_id, state in await self.work.write(self._resume_now):
             log.info("lease %s was %s when the service stopped; resuming", lease_id, state)
             if state == LeaseState.starting.value:
                 self.spawn(self._start(lease_id))
             else:
                 self.spawn(self._resume_release(lease_id))
 
+    def _resume_now(self) -> list[tuple[str, str]]:
+        now = self.now()
+        with self.writing() as session:
+            session.execute(update(Lease).where(Lease.state == LeaseState.active.value).values(last_heartbeat_at=now))
+            session.execute(update(Node).where(Node.state.in_(("up", "degraded"))).values(last_heartbeat_at=now))
+        unfinished = [LeaseState.starting.value, LeaseState.releasing.value]
+        with self.store.read() as session:
+            return [tuple(row) for row in session.execute(
+                select(Lease.id, Lease.state).where(Lease.state.in_(unfinished))).all()]
+
     async def _resume_release(self, lease_id: str) -> None:
+        url = await self.work.read(self._node_url_now, lease_id)
+        await self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
+
+    def _node_url_now(self, lease_id: str) -> str | None:
         with self.store.read() as session:
             lease = session.get(Lease, lease_id)
-            url = session.get(Node, lease.node_name).url if lease and lease.node_name else None
-        self._finish(lease_id, await self._stop_worker(url, lease_id) if url else None)
+            return session.get(Node, lease.node_name).url if lease and lease.node_name else None
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        """Run ``coro`` in the background; its failure is logged, not lost."""
+        """Run ``coro`` in the background; its failure is logged, not lost. On the loop only."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -523,7 +705,8 @@ class LeaseBook:
 
     async def shutdown(self) -> None:
         """Answer long polls, cancel background work; leases stay as they are
-        and :meth:`resume` continues them at the next start."""
+        and :meth:`resume` continues them at the next start. The store threads
+        are left to whoever closes the store (``work.close()``)."""
         self.watch.close()
         for task in list(self._tasks):
             task.cancel()
@@ -534,7 +717,8 @@ class LeaseBook:
     @contextmanager
     def writing(self) -> Iterator[Session]:
         """A write transaction that, once committed, wakes long polls of the
-        leases it changed and tells the capacity index which GPUs changed."""
+        leases it changed and tells the capacity index which GPUs changed.
+        On the writer thread only (:mod:`.storework`)."""
         session = None
         try:
             with self.store.write() as session:
@@ -544,31 +728,60 @@ class LeaseBook:
                 self.capacity.invalidate()  # the drain took capacity there that the rollback gave back
             raise
         self.capacity.changed(session.info)
+        if any(session.info.get(mark) for mark in ("capacity_all", "capacity_gpus", "capacity_nodes")):
+            self._capacity_epoch += 1  # the next sweep drains the queue again
         self.watch.notify(set(session.info.get("changed_leases", ())))
 
     def _visible(self, session: Session, who: Identity, lease_id: str, *, owner_only: bool = False) -> Lease:
         """The lease if ``who`` may see it (its owner, or an admin unless
-        ``owner_only``); else 404, so its existence is not revealed."""
-        lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus), selectinload(Lease.events)])
-        if lease is None or not (lease.owner == who.name or (who.admin and not owner_only)):
+        ``owner_only``); else 404, so its existence is not revealed. A lease
+        that does not exist and one of someone else take the same one query
+        (the owner is part of it), so the answer's time does not tell them apart."""
+        query = select(Lease).where(Lease.id == lease_id)
+        if owner_only or not who.admin:
+            query = query.where(Lease.owner == who.name)
+        lease = session.scalars(query.options(selectinload(Lease.gpus), selectinload(Lease.events))).first()
+        if lease is None:
             raise not_found(f"lease {lease_id}")
         return lease
 
-    def _json(self, lease: Lease, who: Identity, session: Session | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _node_states(session: Session, leases) -> dict[str, str]:
+        names = sorted({lease.node_name for lease in leases if lease.node_name})
+        if not names:
+            return {}
+        return dict(session.execute(select(Node.name, Node.state).where(Node.name.in_(names))).all())
+
+    def _json(self, lease: Lease, who: Identity, session: Session, queue: "QueueView | None" = None,
+              nodes: dict[str, str] | None = None) -> dict[str, Any]:
         """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
-        queued and ``node_state`` (both need ``session``), ``wait_until``, and
-        ``idle_deadline`` with ``idle_warning`` (for the notebook's warning
-        before idle reclaim)."""
+        queued (from ``queue``, see :meth:`_queue_view`) and ``node_state``
+        (from ``nodes``, else read), ``wait_until``, and ``idle_deadline`` with
+        ``idle_warning`` (for the notebook's warning before idle reclaim)."""
         body = lease_json(lease, for_owner=lease.owner == who.name)
         body["queue_position"] = body["queue_estimate_s"] = None
         body["wait_until"] = isoformat(lease.wait_until)
         body["idle_deadline"] = isoformat(idle_deadline(lease))
         body["idle_warning"] = self.settings.idle_warning
-        node = session.get(Node, lease.node_name) if session is not None and lease.node_name else None
-        body["node_state"] = node.state if node is not None else None
-        if lease.state == QUEUED and session is not None:
-            body["queue_position"], body["queue_estimate_s"] = self._queue_info(session, lease)
+        if nodes is None:
+            nodes = self._node_states(session, [lease])
+        body["node_state"] = nodes.get(lease.node_name) if lease.node_name else None
+        if lease.state == QUEUED and queue is not None:
+            place = queue.positions.get(lease.id)
+            if place is not None:
+                body["queue_position"] = place
+                body["queue_estimate_s"] = wait_queue.estimate(place, queue.lengths, queue.holding)
         return body
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """The queue as one read saw it: lease id -> 1-based place, the lengths
+    (seconds) of recently ended leases, and how many leases hold capacity."""
+
+    positions: dict[str, int]
+    lengths: list[float]
+    holding: int
 
 
 def _waiting(lease: Lease) -> wait_queue.Waiting:

@@ -24,7 +24,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import GPUInfo, LeaseState, WorkerReport, has_control_characters, parse_time
+from gpupool.schema import (MAX_BYTES, GPUInfo, LeaseState, WorkerReport, has_control_characters, is_unicode,
+                            parse_time)
 
 from .capacity import mark_all, mark_gpus, mark_node
 from .leases import LeaseBook
@@ -42,7 +43,7 @@ class NodeBook:
         self.leases = leases
         self.heartbeat_interval = heartbeat_interval
 
-    def register(self, body: Any) -> dict[str, Any]:
+    async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
         Raises 400 for a bad body (and changes nothing)."""
         if not isinstance(body, dict):
@@ -51,9 +52,10 @@ class NodeBook:
         url = _url(body.get("url"))
         inventory = body.get("inventory")
         if inventory not in INVENTORIES:
-            raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r}")
+            raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r:.80}")
         enforcement = body.get("enforcement")
-        if enforcement is not None and (not isinstance(enforcement, str) or not 0 < len(enforcement) <= 50):
+        if enforcement is not None and (not isinstance(enforcement, str) or not 0 < len(enforcement) <= 50
+                                        or has_control_characters(enforcement)):
             raise bad_request("'enforcement' must be a string of at most 50 characters")
         gpus = _list(body, "gpus", required=True)
         infos = [GPUInfo.from_json(g) for g in gpus]
@@ -63,6 +65,17 @@ class NodeBook:
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         error = _inventory_error(body)
         environments = _environments(body)
+        stop, dead = await self.leases.work.write(self._register_now, name, url, inventory, enforcement, infos,
+                                                  healthy, reports, error, environments)
+        if error is None:
+            log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
+        else:
+            log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", name, error)
+        self._end_dead(dead)
+        await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
+        return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
+
+    def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments):
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
@@ -80,22 +93,25 @@ class NodeBook:
             mark_all(session)  # GPUs may have come, gone or changed: the scheduler reads them all again
             stop, dead = self._apply_reports(session, node, reports, now)
             dead += self._lost_workers(session, node, reports)
-        if error is None:
-            log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
-        else:
-            log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", name, error)
-        self._end_dead(dead)
-        self.leases.drain_queue()  # its GPUs may fit requests that are waiting
-        return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
+        return stop, dead
 
-    def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
+    async def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
         """``POST /nodes/{name}/heartbeat``: returns ``{"stop": [lease ids]}``.
         404 for an unknown node (the agent registers again)."""
         if not isinstance(body, dict):
             raise bad_request("the heartbeat body must be a JSON object")
+        if not _is_name(name):
+            raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         readings = [_reading(g) for g in _list(body, "gpus")]
         error = _inventory_error(body)
+        stop, dead, came_back = await self.leases.work.write(self._heartbeat_now, name, reports, readings, error)
+        self._end_dead(dead)
+        if came_back:
+            await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
+        return {"stop": stop}
+
+    def _heartbeat_now(self, name, reports, readings, error):
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
@@ -122,10 +138,7 @@ class NodeBook:
                     if healthy is not None:
                         gpu.healthy = healthy
             stop, dead = self._apply_reports(session, node, reports, now)
-        self._end_dead(dead)
-        if came_back:
-            self.leases.drain_queue()  # its GPUs may fit requests that are waiting
-        return {"stop": stop}
+        return stop, dead, came_back
 
     @staticmethod
     def _upsert_gpus(session: Session, node: Node, infos: list[GPUInfo], healthy: dict[str, bool]) -> None:
@@ -241,16 +254,25 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
             lease.idle_since = now
 
 
+def _is_name(value: Any) -> bool:
+    return (isinstance(value, str) and 0 < len(value) <= 200 and "/" not in value and value == value.strip()
+            and not has_control_characters(value) and is_unicode(value))
+
+
 def _name(value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= 200 or "/" in value or value != value.strip():
-        raise bad_request("'name' must be a node name of 1 to 200 characters without '/' or surrounding spaces")
+    if not _is_name(value):
+        raise bad_request("'name' must be a node name of 1 to 200 characters without '/', control characters "
+                          "or surrounding spaces")
     return value
 
 
 def _url(value: Any) -> str:
-    parsed = urllib.parse.urlparse(value) if isinstance(value, str) else None
+    try:
+        parsed = urllib.parse.urlparse(value) if isinstance(value, str) and not has_control_characters(value) else None
+    except ValueError:  # e.g. "http://[::1" (an unclosed IPv6 address)
+        parsed = None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc or len(value) > 500:
-        raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r}")
+        raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r:.80}")
     return value.rstrip("/")
 
 
@@ -300,8 +322,9 @@ def _reading(value: Any) -> tuple[str, int | None, float | None, bool | None, in
     used, util, healthy = value.get("memory_used"), value.get("utilization"), value.get("healthy")
     unattributed = value.get("memory_unattributed")
     for key, number in (("memory_used", used), ("memory_unattributed", unattributed)):
-        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
-            raise bad_request(f"'{key}' must be a whole number of bytes")
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int)
+                                   or not 0 <= number <= MAX_BYTES):
+            raise bad_request(f"'{key}' must be a whole number of bytes from 0 to 2**50")
     if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100):
         raise bad_request("'utilization' must be a percentage from 0 to 100")
     if healthy is not None and not isinstance(healthy, bool):

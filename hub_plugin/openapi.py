@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gpupool.schema import MIN_FRACTION, MIN_MEMORY, LeaseState
+from gpupool.schema import MAX_BYTES, MIN_FRACTION, MIN_MEMORY, LeaseState
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -47,6 +47,8 @@ def _param(name: str, where: str, schema: dict[str, Any], description: str) -> d
     return {"name": name, "in": where, "required": where == "path", "schema": schema, "description": description}
 
 
+#: A byte count on the wire (``gpupool.schema.MAX_BYTES``).
+_BYTES = {"type": "integer", "minimum": 0, "maximum": MAX_BYTES}
 _LEASE_ID = _param("id", "path", {"type": "string", "pattern": "^L-[0-9a-f]{12}$"}, "lease id")
 #: Text without ASCII control characters (``gpupool.schema.has_control_characters``).
 _TEXT = "[^\\x00-\\x1f\\x7f]"
@@ -133,14 +135,16 @@ _SCHEMAS: dict[str, Any] = {
         "gpu_hours_per_week": {"type": ["number", "null"], "minimum": 0},
         "max_idle_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "seconds"}}},
     "GPUInfo": {"type": "object", "required": ["uuid", "name", "index", "memory_total"], "properties": {
-        "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"},
-        "memory_total": {"type": "integer"}, "memory_reserved": {"type": "integer"},
+        "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer", "minimum": 0, "maximum": 1023},
+        "memory_total": _BYTES | {"minimum": 1}, "memory_reserved": _BYTES,
         "compute_capability": {"type": ["string", "null"]}, "healthy": {"type": "boolean"}}},
     "WorkerReport": {"type": "object", "required": ["lease_id", "execution_state"], "properties": {
-        "lease_id": {"type": "string"}, "pid": {"type": ["integer", "null"]},
+        "lease_id": {"type": "string", "minLength": 1, "maxLength": 40, "pattern": f"^{_TEXT}+$"},
+        "pid": {"type": ["integer", "null"], "description": "ignored unless 0 to 2**31-1"},
         "execution_state": {"enum": ["starting", "idle", "busy", "dead"]},
         "idle_since": _NULLABLE_TIME, "exit_code": {"type": ["integer", "null"]},
-        "memory_used": {"type": ["integer", "null"]}, "reason": {"type": ["string", "null"]}}},
+        "memory_used": {"type": ["integer", "null"], "description": "bytes; ignored unless 0 to 2**50"},
+        "reason": {"type": ["string", "null"]}}},
     "Stop": {"type": "array", "items": {"type": "string"}, "description": "lease ids whose workers must stop"},
 }
 
@@ -198,8 +202,8 @@ _PATHS: dict[str, Any] = {
             "stop": _ref("Stop")}}, "workers to stop"), body={"type": "object", "properties": {
                 "workers": {"type": "array", "items": _ref("WorkerReport")},
                 "gpus": {"type": "array", "items": {"type": "object", "required": ["uuid"], "properties": {
-                    "uuid": {"type": "string"}, "memory_used": {"type": ["integer", "null"]},
-                    "memory_unattributed": {"type": ["integer", "null"]},
+                    "uuid": {"type": "string"}, "memory_used": _BYTES | {"type": ["integer", "null"]},
+                    "memory_unattributed": _BYTES | {"type": ["integer", "null"]},
                     "utilization": {"type": ["number", "null"]}, "healthy": {"type": "boolean"}}}},
                 "inventory_error": _INVENTORY_ERROR}},
             errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),

@@ -40,13 +40,14 @@ class Waiting:
     created_at: datetime
 
 
+def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None]) -> tuple:
+    used = last_used.get(owner)
+    return (used is not None, used or created_at, created_at, lease_id)
+
+
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
-    def key(item: Waiting):
-        used = last_used.get(item.owner)
-        return (used is not None, used or item.created_at, item.created_at, item.lease_id)
-
-    return sorted(waiting, key=key)
+    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used))
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
@@ -57,29 +58,64 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
     return None
 
 
+def positions(queued: Iterable[tuple[str, str, datetime]], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
+    """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at)``
+    rows, in :func:`order`'s order: one sort, however many places are asked for."""
+    keyed = sorted((_key(owner, created, lease_id, last_used), lease_id) for lease_id, owner, created in queued)
+    return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
+
+
+def newest_position(owner: str, queued: Mapping[str, int], last_used: Mapping[str, datetime | None]) -> int:
+    """The place of a request ``owner`` has just queued, from how many requests each
+    owner has queued (``queued``, the new one included) and when each last used the
+    pool: it is the newest, so every queued request whose owner comes before or with
+    its owner in :func:`order` is ahead of it. Needs no row per request."""
+    mine = last_used.get(owner)
+    ahead = 0
+    for other, count in queued.items():
+        used = last_used.get(other)
+        if used is None or (mine is not None and used <= mine):
+            ahead += count
+    return ahead  # the new one is among those counted: its own place
+
+
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           last_used: Mapping[str, datetime | None], now: datetime, *,
-          accept: Callable[[Waiting, Placement], bool] | None = None) -> list[tuple[Waiting, Placement]]:
+          accept: Callable[[Waiting, Placement], bool] | None = None,
+          room: Mapping[str, int] | None = None) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
     placement)``, when given, is asked before each placement is taken; False
-    stops the drain there (the service checks the decision against the store)."""
+    stops the drain there (the service checks the decision against the store).
+    ``room``, when given, is how many more requests each owner may have placed
+    (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
+
+    Capacity only shrinks during a drain, so a demand that did not fit once is
+    not tried again: a thousand equal requests that do not fit cost one try."""
     index = gpus if isinstance(gpus, PlacementIndex) else PlacementIndex(gpus)
     last = dict(last_used)
     left = list(waiting)
+    rooms = dict(room) if room is not None else None
+    unfit: set[Demand] = set()
     placed: list[tuple[Waiting, Placement]] = []
     while left:
         for item in order(left, last):
+            if item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
+                continue
             decision = index.place(item.demand, explain=False)
-            if isinstance(decision, Placement):
-                if accept is not None and not accept(item, decision):
-                    return placed
-                index.take(decision)
-                last[item.owner] = now
-                left.remove(item)
-                placed.append((item, decision))
-                break
+            if not isinstance(decision, Placement):
+                unfit.add(item.demand)
+                continue
+            if accept is not None and not accept(item, decision):
+                return placed
+            index.take(decision)
+            last[item.owner] = now
+            if rooms is not None:
+                rooms[item.owner] = rooms.get(item.owner, 0) - 1
+            left.remove(item)
+            placed.append((item, decision))
+            break
         else:
             break
     return placed

@@ -129,29 +129,32 @@ class Reclaimer:
     async def _run(self) -> None:
         while True:
             try:
-                self.sweep()
+                await self.sweep()
             except Exception:  # one bad sweep must not end reclaim for good
                 log.exception("reclaim sweep failed; retrying in %ss", self.interval)
             await asyncio.sleep(self.interval)
 
-    def sweep(self) -> list[Decision]:
-        """One pass: mark lost nodes, start releasing what must be reclaimed."""
+    async def sweep(self) -> list[Decision]:
+        """One pass: mark lost nodes, start releasing what must be reclaimed.
+        Its store work runs on the store threads (``leases.work``)."""
         now: datetime = self.leases.now()
-        store = self.leases.store
-        with store.read() as session:
-            lost = lost_nodes(session.scalars(select(Node).where(Node.state.in_(ALIVE))), now, self.node_ttl)
-            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
-            decisions = decide(active, now)
+        lost, decisions = await self.leases.work.read(self._due_now, now)
         if lost:
-            self._mark_lost(lost, now)
+            await self.leases.work.write(self._mark_lost, lost, now)
         for decision in decisions:
             self.leases.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
                                                   only_if=still_due))
         # The queue: give up on requests whose wait has passed, and place what
         # fits (capacity may have come from a node, not only from a release).
-        self.leases.expire_queue()
-        self.leases.drain_queue()
+        await self.leases.expire_queue()
+        await self.leases.drain_queue(sweep=True)
         return decisions
+
+    def _due_now(self, now: datetime) -> tuple[list[str], list[Decision]]:
+        with self.leases.store.read() as session:
+            lost = lost_nodes(session.scalars(select(Node).where(Node.state.in_(ALIVE))), now, self.node_ttl)
+            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
+            return lost, decide(active, now)
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:
         with self.leases.writing() as session:

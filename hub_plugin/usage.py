@@ -124,9 +124,9 @@ def holding(session: Session, owner: str) -> float:
     """GPUs (fraction x count) ``owner`` holds or waits for: leases holding
     capacity and queued ones (a queued request counts against ``max_gpus``)."""
     states = (*HOLDING, "queued")
-    rows = session.execute(select(Lease.fraction, Lease.gpu_count)
-                           .where(Lease.owner == owner, Lease.state.in_(states))).all()
-    return sum(fraction * count for fraction, count in rows)
+    total = session.scalar(select(func.sum(Lease.fraction * Lease.gpu_count))  # one row, however many leases
+                           .where(Lease.owner == owner, Lease.state.in_(states)))
+    return float(total or 0.0)
 
 
 def last_used(session: Session, owners: Iterable[str], now: datetime) -> dict[str, datetime | None]:

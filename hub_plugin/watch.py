@@ -14,10 +14,13 @@ from typing import Iterable
 
 
 class LeaseWatch:
-    """Per-lease wake-ups. Lives on the event loop thread; not thread-safe."""
+    """Per-lease wake-ups. Waiters live on the event loop; :meth:`notify` may
+    be called from any thread (the store's writer thread calls it after each
+    commit) and wakes them on the loop."""
 
     def __init__(self) -> None:
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
 
     def close(self) -> None:
@@ -29,14 +32,29 @@ class LeaseWatch:
     def future(self, lease_id: str) -> asyncio.Future[None]:
         """A future resolved at the next change of ``lease_id``. Take it
         *before* reading the lease, so a change in between is not missed."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = self._loop.create_future()
         self._waiters.setdefault(lease_id, set()).add(fut)
         fut.add_done_callback(lambda f: self._forget(lease_id, f))
         return fut
 
     def notify(self, lease_ids: Iterable[str]) -> None:
-        """Wake everyone waiting on any of ``lease_ids``."""
-        for lease_id in set(lease_ids):
+        """Wake everyone waiting on any of ``lease_ids`` (from any thread)."""
+        lease_ids = set(lease_ids)
+        loop = self._loop
+        if not lease_ids or loop is None:
+            return  # nobody has ever waited
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wake(lease_ids)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, lease_ids)
+
+    def _wake(self, lease_ids: set[str]) -> None:
+        for lease_id in lease_ids:
             for fut in list(self._waiters.get(lease_id, ())):
                 if not fut.done():
                     fut.set_result(None)

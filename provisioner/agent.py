@@ -36,6 +36,7 @@ import zmq
 from traitlets import Dict, Enum, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
+from gpupool import httpin
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.tls import client_context, server_context, untrusted, untrusted_message
 from gpupool.schema import GPUInfo, WorkerReport
@@ -93,9 +94,11 @@ def parse_worker_request(body: Any, gpus: dict[str, GPUInfo]) -> WorkerSpec:
 
 # -- HTTP handlers ---------------------------------------------------------------------------------------------
 
-class AgentHandler(web.RequestHandler):
+@web.stream_request_body
+class AgentHandler(httpin.BoundedBody, web.RequestHandler):
     """Base of the agent's handlers: agent-token auth, JSON in and out, every
-    error as ``GPUPoolError.to_json()``."""
+    error as ``GPUPoolError.to_json()``. The token is checked before the body
+    is read, and bodies are bounded (:mod:`gpupool.httpin`)."""
 
     auth_required = True
 
@@ -107,12 +110,16 @@ class AgentHandler(web.RequestHandler):
         if self.auth_required and not self.agent.token_matches(self.request.headers.get("Authorization", "")):
             raise GPUPoolError("unauthorized", "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
                                401)
+        try:
+            self.start_body()
+        except httpin.TooLarge as exc:
+            raise bad_request(str(exc)) from None
 
     def json_body(self) -> Any:
         try:
-            return json.loads(self.request.body or b"null")
-        except ValueError:
-            raise bad_request("the request body is not valid JSON") from None
+            return httpin.loads(self.body() or b"null")
+        except ValueError as exc:  # TooLarge is one
+            raise bad_request(f"the request body is not valid JSON ({str(exc):.200})") from None
 
     def write_json(self, body: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -736,7 +743,8 @@ class NodeAgent(Application):
             raise GPUPoolError("not_configured", f"cannot listen on {self.ip}:{self.port}: {exc.strerror} "
                                "(--ip, --port; --port=0 picks a free port)") from None
         server = HTTPServer(web.Application(agent_routes(), agent=self, default_handler_class=NotFoundHandler,
-                                            log_function=self._log_request), ssl_options=self.tls)
+                                            log_function=self._log_request), ssl_options=self.tls,
+                            **httpin.server_options())
         server.add_sockets(sockets)
         scheme = "https" if self.tls else "http"
         self.url = f"{scheme}://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"

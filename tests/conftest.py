@@ -36,9 +36,14 @@ def pool(service, agent):
 
 @pytest.fixture
 def busy_pool(tmp_path):
-    """A service (users tester and ann; requests may queue 10 min) and an agent whose
-    two GPUs tester holds whole: ``(service, [the two active leases])``."""
-    svc = start_service(tmp_path, tokens={"ann": "ann-" + uuid.uuid4().hex}, config={"max_wait": "10m"})
+    """A service (users tester and ann; requests may queue 10 min; Prometheus's token,
+    ``service.metrics_token``, in a file) and an agent whose two GPUs tester holds
+    whole: ``(service, [the two active leases])``."""
+    metrics_token = tmp_path / "metrics_token"
+    metrics_token.write_text(uuid.uuid4().hex + "\n")
+    svc = start_service(tmp_path, tokens={"ann": "ann-" + uuid.uuid4().hex},
+                        config={"max_wait": "10m", "metrics_token_file": str(metrics_token)})
+    svc.metrics_token = metrics_token.read_text().strip()
     agent = start_agent(tmp_path, svc)
     try:
         client = svc.client()

@@ -18,10 +18,11 @@ WAIT = "gpupool_queue_wait_seconds"
 USAGE = "gpupool_usage_gpu_seconds_total"
 
 
-def scrape(svc) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` of one scrape of ``/metrics``."""
+def scrape(svc, token: str | None = None) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` of one scrape of ``/metrics`` with
+    ``token`` (default: the metrics token, which sees the per-user series)."""
     req = urllib.request.Request(f"{svc.url.rstrip('/')}/metrics",
-                                 headers={"Authorization": f"token {svc.user_token}"})
+                                 headers={"Authorization": f"token {token or svc.metrics_token}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = resp.read().decode()
@@ -46,6 +47,9 @@ def test_queue_wait_and_usage_per_user(busy_pool):
     assert before[(WAIT + "_count", ())] == 0 and before[("gpupool_queue_length", ())] == 0
     assert usage_of(before, "ann") is None  # no series for who never held a lease
     assert usage_of(before, "tester") >= 0  # running leases count before they end
+    # A user's scrape shows the pool, not what each user uses (docs/security.md, "Metrics").
+    mine = scrape(svc, svc.user_token)
+    assert ("gpupool_queue_length", ()) in mine and not any(dict(labels).get("user") for _, labels in mine)
 
     queued = ann.create_lease(LeaseRequest(fraction=0.5, wait=300))
     assert queued.state is LeaseState.queued

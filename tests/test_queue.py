@@ -202,3 +202,23 @@ def test_the_queue_survives_a_restart(tmp_path):
             assert gpu_allocations(svc) == [0.5]
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize("owner, expected", [
+    ("new", 3),     # never used: after the two of never-used "old" (asked earlier), before everyone who used
+    ("bob", 6),     # used at 10:00: behind the never-used, "ann" (9:00) and his own earlier one
+    ("holder", 9),  # holds capacity now: behind everyone
+])
+def test_the_newest_request_is_placed_as_order_would(owner, expected):
+    from gpupool.hub_plugin.queue import newest_position, order
+
+    t = lambda hour: datetime(2026, 1, 1, hour, tzinfo=timezone.utc)  # noqa: E731
+    last = {"old": None, "new": None, "ann": t(9), "bob": t(10), "holder": t(23)}
+    queued = [Waiting(f"L-{i}", who, Demand(0.5), t(11)) for i, who in
+              enumerate(["old", "old", "ann", "ann", "bob", "holder", "holder", "holder"])]
+    newest = Waiting("L-new", owner, Demand(0.5), t(12))
+    place = [item.lease_id for item in order([*queued, newest], last)].index("L-new") + 1
+    counts = {}
+    for item in [*queued, newest]:
+        counts[item.owner] = counts.get(item.owner, 0) + 1
+    assert newest_position(owner, counts, last) == place == expected

@@ -222,7 +222,12 @@ def test_only_admins_reach_the_admin_api(quota_service):
 def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
     from gpupool.quota_cli import main as quota_main
 
-    ann = ["--url", quota_service.url, "--token", quota_service.extra_tokens["ann"]]
+    def token_file(user: str, service) -> str:
+        path = tmp_path / f"{user}.token"
+        path.write_text(service.extra_tokens[user] + "\n")
+        return str(path)
+
+    ann = ["--url", quota_service.url, "--token-file", token_file("ann", quota_service)]
     assert quota_main(["set", "user:bob", "max_gpus=0.25", "gpu_hours_per_week=90m", *ann]) == 0
     assert "user:bob: max_gpus 0.25 GPU, gpu_hours_per_week 1.5 GPU-hours" in capsys.readouterr().out
     assert quota_main(["set", "group:quants", "max_idle_timeout=2h", *ann]) == 0
@@ -240,10 +245,10 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
         listing = svc.client("ann").admin_quotas()
         assert listing["overrides"]["user:bob"]["updated_by"] == "ann"
         assert listing["effective"]["group:quants"] == {"max_gpus": 2.0, "max_idle_timeout": 7200.0}
-        ann = ["--url", svc.url, "--token", svc.extra_tokens["ann"]]
+        ann = ["--url", svc.url, "--token-file", token_file("ann", svc)]
         assert quota_main(["unset", "user:bob", *ann]) == 0
         assert bob.quota()["limits"]["max_gpus"] == 2.0
-        assert quota_main(["--url", svc.url, "--token", svc.extra_tokens["bob"]]) == 0
+        assert quota_main(["--url", svc.url, "--token-file", token_file("bob", svc)]) == 0
         out = capsys.readouterr().out
         assert "user bob (groups: quants)" in out and "2.00 GPU" in out
     finally:

@@ -30,11 +30,13 @@ class AdminHandler(APIHandler):
 class QuotaListHandler(AdminHandler):
     """``GET /admin/quotas``: configured, overridden and effective quota tables."""
 
-    def get(self) -> None:
+    async def get(self) -> None:
         self.require_admin()
+        self.write_json(await self.ctx.work.read(self._listing_now))
+
+    def _listing_now(self) -> dict:
         with self.ctx.leases.store.read() as session:
-            body = self.ctx.leases.quotas.listing(session)
-        self.write_json(body)
+            return self.ctx.leases.quotas.listing(session)
 
 
 class QuotaOverrideHandler(AdminHandler):
@@ -42,29 +44,34 @@ class QuotaOverrideHandler(AdminHandler):
     ``DELETE`` removes the override (the configured limits apply again).
     ``scope`` arrives percent-decoded by tornado's router."""
 
-    def put(self, scope: str) -> None:
+    async def put(self, scope: str) -> None:
         who = self.require_admin()
-        body = self.json_body()
-        with self.ctx.leases.store.write() as session:
-            limits = self.ctx.leases.quotas.set_override(session, scope, body, who.name)
+        limits = await self.ctx.work.write(self._set_now, scope, self.json_body(), who.name)
         self.write_json({"scope": scope, "limits": limits})
 
-    def delete(self, scope: str) -> None:
+    def _set_now(self, scope: str, body, by: str):
+        with self.ctx.leases.store.write() as session:
+            return self.ctx.leases.quotas.set_override(session, scope, body, by)
+
+    async def delete(self, scope: str) -> None:
         who = self.require_admin()
         try:
             quotas.check_scope(scope)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        with self.ctx.leases.store.write() as session:
-            self.ctx.leases.quotas.clear_override(session, scope, who.name)
+        await self.ctx.work.write(self._clear_now, scope, who.name)
         self.write_json({"scope": scope, "limits": None})
+
+    def _clear_now(self, scope: str, by: str) -> None:
+        with self.ctx.leases.store.write() as session:
+            self.ctx.leases.quotas.clear_override(session, scope, by)
 
 
 class UsageHandler(AdminHandler):
     """``GET /admin/usage?days=7``: GPU-hours per user and group for today,
     this week, and per user per day over the last ``days`` days."""
 
-    def get(self) -> None:
+    async def get(self) -> None:
         self.require_admin()
         text = self.get_query_argument("days", "7")
         if not re.fullmatch(r"[0-9]{1,3}", text) or not 1 <= int(text) <= MAX_DAYS:
@@ -77,10 +84,8 @@ class UsageHandler(AdminHandler):
         week_lo, week_hi = usage.period(now, tz, usage.WEEK)
         first = now.astimezone(tz).date() - timedelta(days=days - 1)
         lo = usage.period(now - timedelta(days=days - 1), tz, usage.DAY)[0]
-        with self.ctx.leases.store.read() as session:
-            today = usage.summary(session, day_lo, day_hi, now)
-            week = usage.summary(session, week_lo, week_hi, now)
-            rows = usage.intervals(session, min(lo, week_lo), day_hi, now)
+        today, week, rows = await self.ctx.work.read(self._usage_now, (day_lo, day_hi), (week_lo, week_hi),
+                                                     min(lo, week_lo), now)
         per_user: dict[str, dict[str, float]] = {}
         for owner in sorted({r.owner for r in rows}):
             mine = [r for r in rows if r.owner == owner]
@@ -89,6 +94,13 @@ class UsageHandler(AdminHandler):
         self.write_json({"timezone": self.ctx.settings.usage_timezone, "now": isoformat(now),
                          "today_gpu_hours": hours(today), "week_gpu_hours": hours(week),
                          "daily_gpu_hours": per_user})
+
+
+    def _usage_now(self, day: tuple, week: tuple, since, now):
+        """(today's sums, this week's sums, intervals from ``since`` to the end of today)."""
+        with self.ctx.leases.store.read() as session:
+            return (usage.summary(session, *day, now), usage.summary(session, *week, now),
+                    usage.intervals(session, since, day[1], now))
 
 
 routes = [

@@ -73,13 +73,17 @@ def make_handlers() -> list[tuple[str, type]]:
             self._hub_auth_user_cache = self.check_hub_user(model) if model else None
 
         @web.authenticated
-        def get(self) -> None:
+        async def get(self) -> None:
             who = identity_from_hub_model(self.current_user)
             ctx = self.settings["gpupool"]
             now = ctx.leases.now()
-            with ctx.leases.store.read() as session:
-                data = dashboard(session, who, context_overhead=ctx.settings.context_overhead, now=now,
-                                 quota_book=getattr(ctx.leases, "quotas", None))
+
+            def read() -> dict:  # on a store thread (storework)
+                with ctx.leases.store.read() as session:
+                    return dashboard(session, who, context_overhead=ctx.settings.context_overhead, now=now,
+                                     quota_book=getattr(ctx.leases, "quotas", None))
+
+            data = await ctx.leases.work.read(read)
             colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(data["usage"]["users"])}
             self.set_header("Cache-Control", "no-store")
             self.finish(_loader.load("admin.html").generate(

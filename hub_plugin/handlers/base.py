@@ -1,5 +1,11 @@
 """The base of every REST handler: auth, JSON in and out, errors as JSON.
 
+Bodies are streamed (``stream_request_body``): ``prepare`` checks the token
+as soon as the headers are in, so an unauthenticated request is answered 401
+and its connection closed before a byte of its body is read, and no body over
+1 MiB is ever buffered (:mod:`gpupool.httpin`). Store work runs off the event
+loop, in the caller's turn (:mod:`..storework`).
+
 Every exception becomes the one error shape ``{"error", "message", ...}``:
 a :class:`GPUPoolError` as it is, a tornado ``HTTPError`` by its status, and
 anything unexpected as a 500 with a generic message (the traceback goes to
@@ -18,6 +24,7 @@ from typing import Any
 
 from tornado import web
 
+from gpupool import httpin
 from gpupool.errors import GPUPoolError, bad_request
 
 from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
@@ -25,11 +32,12 @@ from ..config import GPUPool
 from ..leases import LeaseBook
 from ..metrics import Metrics
 from ..nodes import NodeBook
+from ..storework import CALLER, StoreWork
 
 log = logging.getLogger("gpupool.service.api")
 
 #: Largest request body accepted, in bytes (a registration of 64 GPUs is a few KiB).
-MAX_BODY = 1024 * 1024
+MAX_BODY = httpin.MAX_BODY
 
 
 @dataclass
@@ -41,11 +49,21 @@ class ServiceContext:
     leases: LeaseBook
     nodes: NodeBook
     metrics: Metrics
+    #: The token that may read ``/metrics`` with its per-user series (``c.GPUPool.metrics_token_file``); "" for none.
+    metrics_token: str = ""
+
+    @property
+    def work(self) -> StoreWork:
+        """The store threads (:mod:`..storework`): ``await ctx.work.read(fn, ...)``."""
+        return self.leases.work
 
 
-class APIHandler(web.RequestHandler):
+@web.stream_request_body
+class APIHandler(httpin.BoundedBody, web.RequestHandler):
     """JSON API base. Subclasses set ``auth_required = False`` to skip auth,
-    and call :meth:`require_user` or :meth:`require_agent` in their methods."""
+    and call :meth:`require_user` or :meth:`require_agent` in their methods.
+    Subclasses that override ``prepare`` call :meth:`start_body` at its end
+    (after their own token check) before reading :meth:`json_body`."""
 
     auth_required = True
     identity: Identity | None = None
@@ -61,6 +79,15 @@ class APIHandler(web.RequestHandler):
             if identity is None:
                 raise unauthorized()
             self.identity = identity
+            # Store work of this request takes turns with other callers' (storework).
+            CALLER.set(f"agent {self.request.remote_ip}" if identity.agent else f"user {identity.name}")
+        self.start_body()
+
+    def start_body(self) -> None:
+        try:
+            super().start_body()
+        except httpin.TooLarge as exc:
+            raise bad_request(str(exc)) from None
 
     def require_user(self) -> Identity:
         """The calling user; 403 for an agent token."""
@@ -79,18 +106,19 @@ class APIHandler(web.RequestHandler):
         unless ``optional``, which gives ``{}`` for an empty body), 415 when
         its ``Content-Type`` names another format (no header: read as JSON).
         ``NaN`` and ``Infinity`` are not JSON and are refused too."""
-        raw = self.request.body
+        try:
+            raw = self.body()
+        except httpin.TooLarge as exc:
+            raise bad_request(str(exc)) from None
         if not raw.strip():
             if optional:
                 return {}
             raise bad_request("the request needs a JSON body")
         _check_json_media_type(self.request.headers.get("Content-Type"))
-        if len(raw) > MAX_BODY:
-            raise bad_request(f"the request body is larger than {MAX_BODY} bytes")
         try:
-            return json.loads(raw, parse_constant=_not_json)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON ({exc})") from None
+            return httpin.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError is one
+            raise bad_request(f"the request body is not valid JSON ({str(exc):.200})") from None
 
     def json_object_body(self, *, optional: bool = False) -> dict[str, Any]:
         """:meth:`json_body` that must be a JSON object; 400 otherwise."""
@@ -178,6 +206,3 @@ def _check_json_media_type(header: str | None) -> None:
         raise GPUPoolError("unsupported_media_type", f"the request body must be JSON sent with "
                            f"'Content-Type: application/json', not {header[:80]!r}", 415)
 
-
-def _not_json(constant: str) -> None:
-    raise ValueError(f"{constant} is not a JSON number")

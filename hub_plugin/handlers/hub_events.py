@@ -37,6 +37,7 @@ class ServerStoppedHandler(APIHandler):
         is_hub = getattr(self.ctx.authenticator, "is_hub", None)
         if is_hub is None or not is_hub(token):
             raise forbidden("only JupyterHub (with this service's own API token) may report stopped servers")
+        self.start_body()
 
     async def post(self) -> None:
         body = self.json_body()
@@ -57,11 +58,15 @@ class ServerStoppedHandler(APIHandler):
         query = select(Lease.id).where(Lease.owner == user, Lease.state.in_(waiting))
         if others:
             query = query.where(Lease.server_name == server)
-        with self.ctx.leases.store.read() as session:
-            ids = list(session.scalars(query))
+        ids = await self.ctx.work.read(self._ids_now, query)
         for lease_id in ids:
             await self.ctx.leases.release(lease_id, LeaseState.released, REASON)
         return ids
+
+
+    def _ids_now(self, query) -> list[str]:
+        with self.ctx.leases.store.read() as session:
+            return list(session.scalars(query))
 
 
 routes = [

@@ -24,17 +24,17 @@ def _lease_id(text: str) -> str:
 class LeaseListHandler(APIHandler):
     """``POST /leases`` (create) and ``GET /leases`` (own leases)."""
 
-    def post(self) -> None:
+    async def post(self) -> None:
         who = self.require_user()
-        self.write_json(self.ctx.leases.create(who, self.json_body()), status=201)
+        self.write_json(await self.ctx.leases.create(who, self.json_body()), status=201)
 
-    def get(self) -> None:
+    async def get(self) -> None:
         who = self.require_user()
         active = self.get_query_argument("active", "1")
         if active not in ("0", "1", "true", "false"):
             raise bad_request(f"'active' must be 1, 0, true or false, got {active!r:.40}")
         kernel_id = self.get_query_argument("kernel_id", None) or None
-        leases = self.ctx.leases.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
+        leases = await self.ctx.leases.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
         self.write_json({"leases": leases})
 
 
@@ -51,7 +51,7 @@ class LeaseHandler(APIHandler):
         if wait:
             self.write_json(await self.ctx.leases.wait(who, lease_id, state, wait))
         else:
-            self.write_json(self.ctx.leases.get(who, lease_id))
+            self.write_json(await self.ctx.leases.get(who, lease_id))
 
     async def delete(self, lease_id: str) -> None:
         who = self.require_user()
@@ -65,10 +65,10 @@ class LeaseHandler(APIHandler):
 class LeaseHeartbeatHandler(APIHandler):
     """``POST /leases/{id}/heartbeat``."""
 
-    def post(self, lease_id: str) -> None:
+    async def post(self, lease_id: str) -> None:
         who = self.require_user()
         self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
-        self.write_json(self.ctx.leases.heartbeat(who, _lease_id(lease_id)))
+        self.write_json(await self.ctx.leases.heartbeat(who, _lease_id(lease_id)))
 
 
 routes = [

@@ -8,17 +8,17 @@ from .base import APIHandler
 class NodeListHandler(APIHandler):
     """``POST /nodes``: register (or re-register) a node and its GPUs."""
 
-    def post(self) -> None:
+    async def post(self) -> None:
         self.require_agent()
-        self.write_json(self.ctx.nodes.register(self.json_body()))
+        self.write_json(await self.ctx.nodes.register(self.json_body()))
 
 
 class NodeHeartbeatHandler(APIHandler):
     """``POST /nodes/{name}/heartbeat``: worker reports and GPU readings."""
 
-    def post(self, name: str) -> None:
+    async def post(self, name: str) -> None:
         self.require_agent()
-        self.write_json(self.ctx.nodes.heartbeat(name, self.json_body(optional=True)))
+        self.write_json(await self.ctx.nodes.heartbeat(name, self.json_body(optional=True)))
 
 
 routes = [

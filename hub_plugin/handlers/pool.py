@@ -9,10 +9,12 @@ from .base import APIHandler
 class PoolHandler(APIHandler):
     """``GET /pool``: any user, or an agent."""
 
-    def get(self) -> None:
+    async def get(self) -> None:
+        self.write_json(await self.ctx.work.read(self._pool_now))
+
+    def _pool_now(self) -> dict:
         with self.ctx.leases.store.read() as session:
-            body = pool_json(session, self.ctx.settings.context_overhead)
-        self.write_json(body)
+            return pool_json(session, self.ctx.settings.context_overhead)
 
 
 routes = [

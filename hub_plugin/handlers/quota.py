@@ -8,12 +8,12 @@ from .base import APIHandler
 class QuotaHandler(APIHandler):
     """``GET /quota``: ``{"user", "groups", "limits", "usage"}`` (docs/api.md, "Quotas")."""
 
-    def get(self) -> None:
-        who = self.require_user()
-        quotas = self.ctx.leases.quotas
+    async def get(self) -> None:
+        self.write_json(await self.ctx.work.read(self._mine_now, self.require_user()))
+
+    def _mine_now(self, who) -> dict:
         with self.ctx.leases.store.read() as session:
-            body = quotas.mine(session, who)
-        self.write_json(body)
+            return self.ctx.leases.quotas.mine(session, who)
 
 
 routes = [
