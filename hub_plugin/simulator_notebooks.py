@@ -81,7 +81,9 @@ class NotebookPolicy:
     ``preempt_grace``: batch leases (all preemptible here) are stopped, after
     this many seconds, to make room for a waiting interactive request (None:
     never); ``headroom_nodes``: batch is not placed on an idle node while
-    only this many nodes are idle (room kept for interactive arrivals)."""
+    only this many nodes are idle (room kept for interactive arrivals);
+    ``resume_preempted``: a preempted batch job keeps its progress (it was
+    parked with its variables and its loop resumes) instead of restarting."""
 
     name: str
     slices: bool
@@ -91,6 +93,7 @@ class NotebookPolicy:
     classes: bool = False
     preempt_grace: float | None = None
     headroom_nodes: int = 0
+    resume_preempted: bool = False
 
 
 def policies(gpupool_idle_timeout: float = 300.0,
@@ -203,6 +206,7 @@ class _Replay:
         self.waits = [math.nan] * len(workload.cells)
         self.batch_waits: list[float] = []
         self.started = 0  # interactive cells that started
+        self.waiting_interactive: set[int] = set()
         self.events: list = []
         self.seq = 0
         self.fifo: deque = deque()
@@ -287,7 +291,7 @@ class _Replay:
             else:
                 self.pressure(now)
         elif kind == self.PREEMPT:
-            self.stop_batch(arg, now)
+            self.stop_batch(*arg, now)
 
     # -- a session's cells ------------------------------------------------------
 
@@ -323,6 +327,8 @@ class _Replay:
         self.waiting_count += 1
         self.queued_at[session.pending[0]] = now
         (queue.appendleft if front else queue.append)((now, sid))
+        if session.klass == INTERACTIVE:
+            self.waiting_interactive.add(sid)
 
     def start(self, sid: int, now: float) -> None:
         session = self.sessions[sid]
@@ -349,10 +355,7 @@ class _Replay:
         sid = self.cell_session[cell]
         session = self.sessions[sid]
         session.running = False
-        work = self.need[sid] * self.duration[cell]
-        self.busy += work
-        self.busy_in_period += self.need[sid] * max(0.0, min(now, self.period) - session.run_start)
-        self.busy_by_class[session.klass] = self.busy_by_class.get(session.klass, 0.0) + work
+        self.count_busy(sid, self.duration[cell], now)
         self.recent[session.klass].append(self.duration[cell])
         timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
         if timeout is None or (now >= session.closes and not session.pending):
@@ -369,6 +372,14 @@ class _Replay:
         self.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
         if self.policy.pressure_grace is not None and self.policy.pressure_grace < timeout:
             self.push(math.ceil((now + self.policy.pressure_grace) / SWEEP_S) * SWEEP_S, self.PRESSURE, sid)
+
+    def count_busy(self, sid: int, seconds: float, now: float) -> None:
+        """``sid`` ran ``seconds`` of useful work up to ``now``."""
+        session = self.sessions[sid]
+        work = self.need[sid] * seconds
+        self.busy += work
+        self.busy_in_period += self.need[sid] * max(0.0, min(now, self.period) - session.run_start)
+        self.busy_by_class[session.klass] = self.busy_by_class.get(session.klass, 0.0) + work
 
     # -- pressure and preemption ----------------------------------------------------
 
@@ -413,8 +424,8 @@ class _Replay:
         for victim in victims:
             self.sessions[victim].doomed = sid
             self.unpin_batch(victim)
-            self.preemptions += 1
-            self.push(now + self.policy.preempt_grace, self.PREEMPT, victim)
+        self.preemptions += len(victims)
+        self.push(now + self.policy.preempt_grace, self.PREEMPT, (sid, sorted(victims)))
 
     def pin_batch(self, sid: int, now: float) -> None:
         session = self.sessions[sid]
@@ -438,21 +449,33 @@ class _Replay:
             self.batch_need[g] -= self.need[sid]
             self.batch_need_start[g] -= self.need[sid] * started
 
-    def stop_batch(self, sid: int, now: float) -> None:
-        """The preemption grace is over: the job's cell is interrupted and queued again (its work is lost)."""
-        session = self.sessions[sid]
-        requester, session.doomed = session.doomed, None
-        if session.running:
-            self.lost += self.need[sid] * (now - session.run_start)
+    def stop_batch(self, requester: int, victims: list[int], now: float) -> None:
+        """The preemption grace is over: the victims' cells are interrupted and
+        queued again (their work is lost), all at once, then capacity is
+        retried (interactive first), so batch cannot refill the gap one
+        victim leaves before the next one stops."""
+        for sid in victims:
+            session = self.sessions[sid]
+            session.doomed = None
+            if not session.running:
+                continue  # it ended during the grace
+            ran = now - session.run_start
+            cell = self.batch_cell[sid]
+            if self.policy.resume_preempted:
+                self.count_busy(sid, ran, now)
+                self.duration[cell] -= ran
+            else:
+                self.lost += self.need[sid] * ran
             session.running = False
             session.token += 1
             session.pending.appendleft(self.batch_cell[sid])
             self.enqueue(sid, now, self.queue_of(sid), front=True)
-            self.release(sid, now)
+            self.release(sid, now, retry=False)
         asker = self.sessions[requester]
-        asker.preempting = max(0, asker.preempting - 1)
-        if asker.waiting and not asker.preempting:
-            self.preempt_for(requester, now)  # what was freed went elsewhere: try again
+        asker.preempting = 0
+        self.retry(now)
+        if asker.waiting:
+            self.preempt_for(requester, now)  # what was freed went to an earlier request: try again
 
     # -- leases -------------------------------------------------------------------
 
@@ -477,11 +500,12 @@ class _Replay:
             session.waiting = False
             self.waiting_gpus -= self.need[sid]
             self.waiting_count -= 1
+            self.waiting_interactive.discard(sid)
         session.preempting = 0
         self.start(sid, now)
         return True
 
-    def release(self, sid: int, now: float) -> None:
+    def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
         lease = session.lease
         if lease is None:
@@ -495,11 +519,20 @@ class _Replay:
         self.held_by_group[session.group] = self.held_by_group.get(session.group, 0.0) + held
         self.pool.give(lease.placement)
         self.idle_nodes += self.node_idle(lease.placement.node)
-        self.retry(now)
+        if retry:
+            self.retry(now)
 
     def retry(self, now: float) -> None:
         """Capacity was freed: retry waiting requests, interactive first (with
-        classes), oldest first within a class; strict FIFO for ``fifo``."""
+        classes), oldest first within a class; strict FIFO for ``fifo``. Then
+        interactive requests still waiting, and not already waiting for
+        victims, try preemption again (what was pinned may have moved)."""
+        self._retry(now)
+        if self.policy.preempt_grace is not None and self.running_batch:
+            for sid in [s for s in self.waiting_interactive if not self.sessions[s].preempting]:
+                self.preempt_for(sid, now)
+
+    def _retry(self, now: float) -> None:
         self.top_up(now)
         if self.policy.fifo:
             while self.fifo and self.acquire(self.fifo[0][1], now):

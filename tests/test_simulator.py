@@ -346,3 +346,50 @@ def test_fgd_prefers_the_gpu_a_slice_fills():
     cluster = MultiCluster([node("a", 2, 16, 64)], types)
     cluster.take(0, np.array([0]), 1000, 1024, 500)
     assert cluster.choose("fgd", 1000, 1024, 1, 500)[1].tolist() == [0]
+
+
+# -- a pool's own history ------------------------------------------------------------------------------------
+
+def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
+    """Two leases of one kernel (the first reclaimed after 600 s idle, the second released) and one of
+    another user's that never started: two cells of one session; the never-started one is left out."""
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import GPU, Lease, Node, UsageRecord
+    from gpupool.hub_plugin.simulator_store import load_store
+
+    url = f"sqlite:///{tmp_path}/pool.sqlite"
+    store = Store(url)
+    store.migrate()
+    t0 = datetime(2026, 3, 1, 9, tzinfo=timezone.utc)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    with store.write() as db:
+        db.add(Node(name="n", url="http://127.0.0.1:9", inventory="simulated", state="up", registered_at=t0,
+                    last_heartbeat_at=t0, gpus=[GPU(uuid=f"G-{i}", name="L4", index=i, memory_total=24 * 10**9,
+                                                    memory_reserved=0, healthy=True) for i in range(2)]))
+        rows = [("L-000000000001", "ann", "k1", 0.5, "reclaimed", "idle for 10m (idle timeout 10m)", 0, 10, 1810),
+                ("L-000000000002", "ann", "k1", 0.5, "released", "released by its owner", 3600, 3600, 4200),
+                ("L-000000000003", "bob", "k2", 1.0, "failed", "waited too long", 100, None, None)]
+        for lease_id, owner, kernel, fraction, state, reason, created, started, ended in rows:
+            db.add(Lease(id=lease_id, owner=owner, state=state, reason=reason, fraction=fraction, gpu_count=1,
+                         memory=10**9, kernel_id=kernel, idle_timeout=600, heartbeat_ttl=60, created_at=at(created),
+                         started_at=None if started is None else at(started),
+                         ended_at=None if ended is None else at(ended), usage_gpu_seconds=0.0, groups=["quants"]))
+            if ended is not None:
+                db.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
+                                   started_at=at(started), ended_at=at(ended),
+                                   gpu_seconds=fraction * (ended - started)))
+    store.close()
+    history = load_store(url)
+    assert (history.leases, history.skipped, history.pool_gpus) == (2, 1, 2)
+    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600)
+    cells = history.workload.cells
+    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 600.0)]
+    assert [(s.gpus, s.milli, s.closes) for s in history.workload.sessions] == [(1, 500, 4200.0)]
+    assert cli_main(["simulate", "--from-store", url, "--pool-size", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ended leases (1 never started" in out and "cell activity" in out and "dedicated: 1 GPUs" in out
+
+
+def test_from_store_names_the_fix_for_a_bad_url(tmp_path):
+    with pytest.raises(SystemExit, match="c.GPUPool.db_url"):
+        cli_main(["simulate", "--from-store", f"sqlite:///{tmp_path}/none/x.sqlite"])
