@@ -207,9 +207,9 @@ def backlog_part(workload, data, seed, size, log) -> tuple[str, list]:
         "first (`simulator_rules.class_order`), batch fills what is left; while anyone waits, idle interactive "
         "leases are parked after 2 min. A waiting interactive request **preempts** the batch leases that lose "
         f"the least work (`simulator_rules.preemption_plan`), after a {PREEMPT_GRACE_S:g} s notice; a preempted "
-        "job loses its progress and is queued again in front (work lost is not counted busy); with **jobs resume**, it
-keeps its progress (parked with its variables, its loop resumes where the KeyboardInterrupt stopped it; an
-assumption about the job, not something gpupool can ensure). **headroom**: batch "
+        "job loses its progress and is queued again in front (work lost is not counted busy); with **jobs resume**, it "
+        "keeps its progress (parked with its variables, its loop resumes where the KeyboardInterrupt stopped it; "
+        "an assumption about the job, not something gpupool can ensure). **headroom**: batch "
         "is not placed on an idle node while only 2 nodes are idle. **reservation (no classes)**: today's "
         "service, whole GPUs, 30 min cull, one queue oldest first, no preemption.",
         "",
