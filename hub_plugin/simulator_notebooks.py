@@ -17,11 +17,21 @@ What is real and what is modelled:
   is alive while its session is open, so ``last_heartbeat_at`` is ``now``.
 - A session runs its cells one after another; a cell that arrives while the
   previous one runs waits for it (as in Jupyter).
-- When nothing fits, the request waits. The service itself answers
-  ``pool_full`` and the client retries (``--wait``); the simulator retries
-  waiting requests, oldest first, whenever capacity is freed, and a request
-  that does not fit does not hold back a smaller one behind it — except in
-  the first-come ``batch`` policy, where the queue is strict FIFO.
+- When nothing fits, the request waits. The simulator retries waiting
+  requests whenever capacity is freed: interactive before batch when the
+  policy has classes (:func:`.simulator_rules.class_order`), oldest first
+  within a class, and a request that does not fit does not hold back a
+  smaller one behind it — except in the first-come ``batch`` policy, where
+  the queue is strict FIFO.
+- While anyone waits, idle leases are parked after ``pressure_grace``
+  (:func:`.simulator_rules.pressure_parks`), checked at the sweep tick after
+  the grace and whenever an interactive request starts waiting.
+- With a :class:`BatchSource` backlog, batch jobs (one cell each, released
+  when it ends) are queued whenever held plus queued demand falls under
+  its load x the pool, until the trace's period is over. A waiting
+  interactive request stops batch leases (:func:`.simulator_rules.preemption_plan`)
+  after ``preempt_grace``; a stopped job is queued again in front, losing
+  its progress (or keeping it, ``resume_preempted``).
 - The wait of a cell is its start minus its trace submit time, in seconds.
   Starting a worker and moving variables (park/resume) take no time here;
   the share of cells that had to acquire a lease is reported instead.
@@ -32,8 +42,9 @@ Policies (:data:`POLICIES`):
   its first cell until it has been idle 30 minutes (the same reclaim rule with
   ``idle_timeout = 1800``) or its kernel shuts down; the next cell re-acquires.
 - ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
-  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, parked, and
-  resumed (re-acquired) on the next cell.
+  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, or after
+  the 2-minute pressure grace while others wait, parked, and resumed
+  (re-acquired) on the next cell; interactive first; batch preempted after 5 s.
 - ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
   GPUs only while it runs; strict FIFO queue.
 """

@@ -393,3 +393,31 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
 def test_from_store_names_the_fix_for_a_bad_url(tmp_path):
     with pytest.raises(SystemExit, match="c.GPUPool.db_url"):
         cli_main(["simulate", "--from-store", f"sqlite:///{tmp_path}/none/x.sqlite"])
+
+
+def test_cli_runs_on_generated_traces_without_data(capsys):
+    """From the wheel there are no public traces: the command generates a cluster and its tasks."""
+    assert cli_main(["simulate", "--workload", "openb", "--dimensions", "all", "--max-load", "0.6",
+                     "--policy", "firstfit,fgd"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks (CPU, memory and GPU asks) drawn" in out and "fgd" in out and "firstfit" in out
+
+
+def test_generated_notebook_month_has_the_trace_form():
+    from gpupool.hub_plugin.simulator_synthetic import sensei_rows
+
+    rows = sensei_rows(0, days=2)
+    assert rows == sorted(rows, key=lambda r: (r[2], r[0]))
+    assert {r[1] for r in rows} == {1, 4, 8} and all(r[3] >= 60 and r[3] % 60 == 0 for r in rows)
+    assert 1500 < len(rows) < 2600  # about 43 an hour
+
+
+def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
+    """test_gpupool_by_hand's pool (no pressure parks). At 120 C (2 GPUs) waits: A and B run, no cell has
+    ended yet, so both are expected to end now and free at the 300 s idle deadline (420): ETA 300 s; the
+    old estimate has no ended lease to learn from. It waited 780. At 1200 A waits for C (started 900):
+    cells so far ran 600 and 120 s (median 360), so C is expected free at 900 + 360 + 300 = 1560: ETA
+    360 s; old estimate: 1 x median lease (420, 900 -> 660) / 1 lease held. It waited 600."""
+    chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=None)
+    result = simulate_notebooks(tiny_workload(), chosen["gpupool"], 2, per_node=2, with_eta=True)
+    assert result.eta_errors == ((300.0, None, 780.0), (360.0, 660.0, 600.0))
