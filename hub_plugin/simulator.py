@@ -80,7 +80,8 @@ def run_sensei(args) -> list[dict]:
     if "dedicated" in names:
         owned = dedicated_gpus(workload)
         busy = workload.busy_gpu_hours()
-        held = sum(owned.values()) * max(86400.0, max(c.submit for c in workload.cells)) / 3600
+        days = max(1, -(-max(c.submit for c in workload.cells) // 86400))  # the trace's whole days
+        held = sum(owned.values()) * days * 24
         print(f"dedicated: {sum(owned.values())} GPUs ({len(owned)} users, each owning the most GPUs they run at "
               f"once), {held:,.0f} GPU-h held, {busy / held:.1%} utilization, no waits")
         out.append({"policy": "dedicated", "pool_size": sum(owned.values()), "held_gpu_hours": round(held, 1),
