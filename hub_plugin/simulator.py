@@ -1,15 +1,19 @@
 """``gpupool simulate``: trace-driven replay against the real scheduler and reclaim rules.
 
-    gpupool simulate --workload sensei [--policy reservation,gpupool,batch] --pool-size 384,448
-                     [--idle-timeout 5m] [--users 100] [--seed 0] [--data ../shared/data] [--out DIR]
-    gpupool simulate --workload openb [--policy gpupool,firstfit,bestfit,random] [--max-load 1.3]
+    gpupool simulate [--workload sensei] [--data DIR | --from-store URL] [--pool-size 352,384]
+                     [--policy dedicated,reservation,gpupool,batch] [--backlog] [--users 100] [--out DIR]
+    gpupool simulate --workload openb [--data DIR] [--dimensions gpu|all] [--max-load 1.3]
 
-Prints one table row per (policy, pool size) for sensei, and the unallocated
-GPU share per arrived load for openb; ``--out DIR`` also writes the rows as
-JSON (``simulate-<workload>.json``). The models and their assumptions are in
-:mod:`.simulator_workload`, :mod:`.simulator_notebooks` and
-:mod:`.simulator_openb`; ``bench/simulate_report.py`` runs the comparisons of
-``bench/REPORT.md``. Needs numpy (and the ``hub`` extra, for the reclaim rules).
+Without ``--data`` and ``--from-store`` it replays traces it generates
+(:mod:`.simulator_synthetic`, seeded), so it runs from the wheel; ``--data
+DIR`` reads the public traces (``sensei_june_60sec.csv``,
+``openb_*.csv``), ``--from-store URL`` a pool's own recorded leases
+(:mod:`.simulator_store`; what the history lacks is printed). ``--backlog``
+adds openb's GPU pods as preemptible batch jobs, enough to keep demand at
+120 % of the pool. One table row per (policy, pool size); ``--out DIR``
+also writes the rows as JSON. ``bench/simulate_report.py`` runs the
+comparisons of ``bench/REPORT.md``. Needs numpy: ``pip install
+gpupool[simulate]`` (or the ``hub`` extra).
 """
 
 from __future__ import annotations
@@ -21,51 +25,100 @@ from pathlib import Path
 from gpupool.tables import table
 from gpupool.units import parse_duration
 
-from .simulator_workload import DEFAULT_DATA
 
-NOTEBOOK_HEADERS = ("policy", "GPUs", "GPU-h held", "GPU-h busy", "util", "p50 wait s", "p95 wait s",
-                    "waited", "acquired", "peak held")
+def sensei_workload_for(args):
+    """The notebook workload the arguments name, and what to say about it."""
+    from .simulator_workload import build_sessions, openb_slice_millis, read_sensei
+
+    if args.from_store:
+        from .simulator_store import MISSING, load_store
+
+        history = load_store(args.from_store)
+        notes = [f"store: {history.leases} ended leases ({history.skipped} never started or still open, left "
+                 f"out), {history.pool_gpus} GPUs now, {history.recorded_gpu_hours:,.1f} GPU-h held on record",
+                 "not in the history (assumed instead):"] + [f"  - {m}" for m in MISSING]
+        return history.workload, notes, history.pool_gpus
+    if args.data is not None:
+        return build_sessions(read_sensei(args.data), openb_slice_millis(args.data), users=args.users,
+                              seed=args.seed), [], None
+    from .simulator_synthetic import sensei_rows, slice_millis
+
+    return (build_sessions(sensei_rows(args.seed), slice_millis(args.seed), users=args.users, seed=args.seed),
+            ["no --data: a generated notebook month (gpupool.hub_plugin.simulator_synthetic, seeded)"], None)
 
 
-def notebook_rows(results) -> list[list]:
-    """Table rows for :class:`.simulator_notebooks.NotebookResult` s."""
-    return [[r.policy, r.pool_size, f"{r.held_gpu_hours:,.0f}", f"{r.busy_gpu_hours:,.0f}",
-             f"{r.utilization:.1%}", f"{r.wait_percentile(50):g}", f"{r.wait_percentile(95):g}",
-             f"{r.waited_share:.2%}", f"{r.acquisitions / len(r.waits):.1%}", f"{r.peak_held_gpus:.0f}"]
-            for r in results]
+def openb_tables_for(args):
+    from .simulator_synthetic import openb_tables
+    from .simulator_workload import read_openb_tasks
+
+    if args.data is not None and (args.data / "openb_pod_list_default.csv").exists():
+        return read_openb_tasks(args.data)
+    return openb_tables(args.seed)
 
 
 def run_sensei(args) -> list[dict]:
-    from .simulator_notebooks import policies, simulate_notebooks
-    from .simulator_workload import sensei_workload
+    from .simulator_notebooks import BatchSource, dedicated_gpus, policies, simulate_notebooks
+    from .simulator_results import HEADERS, rows
 
-    workload = sensei_workload(args.data, seed=args.seed, users=args.users)
-    chosen = policies(args.idle_timeout)
-    names = args.policy or list(chosen)
-    unknown = [n for n in names if n not in chosen]
+    workload, notes, store_gpus = sensei_workload_for(args)
+    chosen = policies(args.idle_timeout, args.pressure_grace)
+    names = args.policy or ["dedicated", *chosen]
+    unknown = [n for n in names if n not in chosen and n != "dedicated"]
     if unknown:
-        raise SystemExit(f"gpupool simulate: unknown policy {unknown[0]!r} for sensei; choose from {', '.join(chosen)}")
-    print(f"sensei: {len(workload.cells)} cells in {len(workload.sessions)} sessions; rule: {workload.rule}")
-    results = [simulate_notebooks(workload, chosen[name], size) for size in args.pool_size for name in names]
-    print(table(NOTEBOOK_HEADERS, notebook_rows(results))[0])
-    return [r.row() for r in results]
+        raise SystemExit(f"gpupool simulate: unknown policy {unknown[0]!r} for sensei; "
+                         f"choose from dedicated, {', '.join(chosen)}")
+    print(f"{len(workload.cells)} cells in {len(workload.sessions)} sessions; rule: {workload.rule}")
+    for note in notes:
+        print(note)
+    sizes = args.pool_size or [store_gpus or 448]
+    backlog = None
+    if args.backlog:
+        _, tasks = openb_tables_for(args)
+        gpu = tasks.gpu_pods()
+        backlog = (gpu.milli, gpu.num, gpu.lifetime)
+    out = []
+    if "dedicated" in names:
+        owned = dedicated_gpus(workload)
+        busy = workload.busy_gpu_hours()
+        days = max(1, -(-max(c.submit for c in workload.cells) // 86400))  # the trace's whole days
+        held = sum(owned.values()) * days * 24
+        print(f"dedicated: {sum(owned.values())} GPUs ({len(owned)} users, each owning the most GPUs they run at "
+              f"once), {held:,.0f} GPU-h held, {busy / held:.1%} utilization, no waits")
+        out.append({"policy": "dedicated", "pool_size": sum(owned.values()), "held_gpu_hours": round(held, 1),
+                    "busy_gpu_hours": round(busy, 1)})
+    results = [simulate_notebooks(workload, chosen[name], size, per_node=args.per_node,
+                                  backlog=BatchSource(*backlog, users=args.users, seed=args.seed) if backlog else None)
+               for size in sizes for name in names if name != "dedicated"]
+    print(table(HEADERS, rows(results))[0])
+    return out + [r.row() for r in results]
 
 
 def run_openb(args) -> list[dict]:
     from .simulator_openb import OPENB_POLICIES, fill, openb_specs, sample_tasks
-    from .simulator_workload import read_openb
 
-    nodes, num, milli = read_openb(args.data)
-    specs = openb_specs(nodes)
-    names = args.policy or list(OPENB_POLICIES)
-    unknown = [n for n in names if n not in OPENB_POLICIES]
+    nodes, tasks = openb_tables_for(args)
+    if args.dimensions == "all":
+        from . import simulator_multidim as multi
+
+        choices, gpus = multi.POLICIES, sum(n.gpus for n in nodes)
+        drawn = multi.sample(tasks, gpus, args.max_load, args.seed)
+        run = lambda name: multi.fill(nodes, drawn, name, seed=args.seed)  # noqa: E731
+        what = f"{len(drawn.num)} tasks (CPU, memory and GPU asks) drawn"
+    else:
+        choices, specs = OPENB_POLICIES, openb_specs(nodes)
+        gpu = tasks.gpu_pods()
+        drawn = sample_tasks(gpu.num, gpu.milli, len(specs), args.max_load, args.seed)
+        gpus = len(specs)
+        run = lambda name: fill(specs, *drawn, name)  # noqa: E731
+        what = f"{len(drawn[0])} GPU tasks drawn (GPU dimension only)"
+    names = args.policy or list(choices)
+    unknown = [n for n in names if n not in choices]
     if unknown:
-        raise SystemExit(f"gpupool simulate: unknown policy {unknown[0]!r} for openb; "
-                         f"choose from {', '.join(OPENB_POLICIES)}")
-    tasks = sample_tasks(num, milli, len(specs), args.max_load, args.seed)
-    results = [fill(specs, *tasks, name) for name in names]
+        raise SystemExit(f"gpupool simulate: unknown policy {unknown[0]!r} for openb --dimensions "
+                         f"{args.dimensions}; choose from {', '.join(choices)}")
+    results = [run(name) for name in names]
     loads = [x / 10 for x in range(5, int(args.max_load * 10) + 1)]
-    print(f"openb: {len(nodes)} nodes, {len(specs)} GPUs, {len(tasks[0])} tasks drawn (seed {args.seed})")
+    print(f"openb: {len(nodes)} nodes, {gpus} GPUs, {what} (seed {args.seed})")
     rows = [[r.policy] + [f"{r.at(load):.1%}" for load in loads] + [f"{r.failed[-1]:.1%}", f"{r.seconds:.1f}"]
             for r in results]
     print("unallocated GPU share by arrived load (GPU demand / capacity):")
@@ -76,19 +129,30 @@ def run_openb(args) -> list[dict]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupool simulate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("sensei", "openb"), default="sensei")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--workload", choices=("sensei", "openb"), default="sensei",
+                   help="sensei: notebooks (a trace, a generated month or --from-store); openb: fill a cluster")
     p.add_argument("--policy", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated policies (default: all of the workload's)")
-    p.add_argument("--pool-size", type=lambda s: [int(x) for x in s.split(",")], default=[448],
-                   help="sensei: comma-separated pool sizes in GPUs, on nodes of 8 (default 448)")
+    p.add_argument("--pool-size", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="sensei: comma-separated pool sizes in GPUs (default 448, or the store's GPU count)")
+    p.add_argument("--per-node", type=int, default=8, help="sensei: GPUs per node of the simulated pool (default 8)")
     p.add_argument("--idle-timeout", type=parse_duration, default=300.0,
                    help="sensei: gpupool's idle timeout (default 5m); reservation always uses 30m")
+    p.add_argument("--pressure-grace", type=parse_duration, default=120.0,
+                   help="sensei: gpupool parks an idle lease after this long while others wait (default 2m)")
+    p.add_argument("--backlog", action="store_true",
+                   help="sensei: add openb's GPU pods as preemptible batch jobs (demand >= 120%% of the pool)")
     p.add_argument("--users", type=int, default=100, help="sensei: synthetic users (default 100)")
+    p.add_argument("--dimensions", choices=("gpu", "all"), default="gpu",
+                   help="openb: place on GPUs only, or on GPUs, CPU and memory (fgd, bestfit, firstfit, random)")
     p.add_argument("--max-load", type=float, default=1.3,
                    help="openb: stop when arrived GPU demand reaches this multiple of capacity (default 1.3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder of the traces (default ../shared/data)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="folder of the public traces (default: generate traces)")
+    p.add_argument("--from-store", metavar="URL", default=None,
+                   help="sensei: replay the leases recorded in a pool's store (its c.GPUPool.db_url)")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON into this folder")
     return p
 
@@ -96,11 +160,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpupool simulate``; returns the exit code."""
     args = parser().parse_args(argv)
-    # sensei also reads openb's pod list (the slice fractions of 1-GPU notebooks).
-    needed = ["openb_pod_list_default.csv"]
-    needed.append("sensei_june_60sec.csv" if args.workload == "sensei" else "openb_node_list_gpu_node.csv")
-    if not all((args.data / name).exists() for name in needed):
-        raise SystemExit(f"gpupool simulate: no traces in {args.data}; pass --data DIR (see ../shared/data/README.md)")
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise SystemExit("gpupool simulate needs numpy: pip install 'gpupool[simulate]'") from None
+    if args.data is not None:
+        needed = ["openb_pod_list_default.csv"]
+        needed.append("sensei_june_60sec.csv" if args.workload == "sensei" else "openb_node_list_gpu_node.csv")
+        missing = [name for name in needed if not (args.data / name).exists()]
+        if missing:
+            raise SystemExit(f"gpupool simulate: no {missing[0]} in {args.data}; pass --data DIR with the traces "
+                             "(see ../shared/data/README.md), or leave --data out to generate them")
     rows = run_sensei(args) if args.workload == "sensei" else run_openb(args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

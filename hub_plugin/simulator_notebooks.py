@@ -17,11 +17,21 @@ What is real and what is modelled:
   is alive while its session is open, so ``last_heartbeat_at`` is ``now``.
 - A session runs its cells one after another; a cell that arrives while the
   previous one runs waits for it (as in Jupyter).
-- When nothing fits, the request waits. The service itself answers
-  ``pool_full`` and the client retries (``--wait``); the simulator retries
-  waiting requests, oldest first, whenever capacity is freed, and a request
-  that does not fit does not hold back a smaller one behind it — except in
-  the first-come ``batch`` policy, where the queue is strict FIFO.
+- When nothing fits, the request waits. The simulator retries waiting
+  requests whenever capacity is freed: interactive before batch when the
+  policy has classes (:func:`.simulator_rules.class_order`), oldest first
+  within a class, and a request that does not fit does not hold back a
+  smaller one behind it — except in the first-come ``batch`` policy, where
+  the queue is strict FIFO.
+- While anyone waits, idle leases are parked after ``pressure_grace``
+  (:func:`.simulator_rules.pressure_parks`), checked at the sweep tick after
+  the grace and whenever an interactive request starts waiting.
+- With a :class:`BatchSource` backlog, batch jobs (one cell each, released
+  when it ends) are queued whenever held plus queued demand falls under
+  its load x the pool, until the trace's period is over. A waiting
+  interactive request stops batch leases (:func:`.simulator_rules.preemption_plan`)
+  after ``preempt_grace``; a stopped job is queued again in front, losing
+  its progress (or keeping it, ``resume_preempted``).
 - The wait of a cell is its start minus its trace submit time, in seconds.
   Starting a worker and moving variables (park/resume) take no time here;
   the share of cells that had to acquire a lease is reported instead.
@@ -32,8 +42,9 @@ Policies (:data:`POLICIES`):
   its first cell until it has been idle 30 minutes (the same reclaim rule with
   ``idle_timeout = 1800``) or its kernel shuts down; the next cell re-acquires.
 - ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
-  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, parked, and
-  resumed (re-acquired) on the next cell.
+  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, or after
+  the 2-minute pressure grace while others wait, parked, and resumed
+  (re-acquired) on the next cell; interactive first; batch preempted after 5 s.
 - ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
   GPUs only while it runs; strict FIFO queue.
 """
@@ -42,6 +53,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -50,9 +63,13 @@ import numpy as np
 
 from gpupool.schema import LeaseState
 
+from .queue import estimate
 from .reclaim import decide
 from .scheduler import Placement
 from .simulator_pool import FULL, Pool, uniform_pool
+from .simulator_results import NotebookResult
+from .simulator_rules import (BATCH, INTERACTIVE, PRESSURE_GRACE_S, IdleLease, class_order, eta, preemption_plan,
+                              pressure_parks, victims_on)
 from .simulator_workload import NotebookWorkload
 
 #: The virtual clock's origin (the sensei trace starts on June 1, 2021).
@@ -60,28 +77,60 @@ T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
 #: The service's defaults (``GPUPool.reclaim_interval``, ``heartbeat_ttl``), seconds.
 SWEEP_S = 5.0
 HEARTBEAT_TTL_S = 60.0
+#: Seconds between the notice to a preemptible batch lease and its stop (modelled; see the report).
+PREEMPT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
 class NotebookPolicy:
     """``slices``: a 1-GPU session asks for its slice, else a whole GPU;
     ``idle_timeout``: seconds a lease outlives its last cell (None: released
-    when the cell ends); ``fifo``: a waiting request blocks those behind it."""
+    when the cell ends); ``fifo``: one strict first-come queue for everyone;
+    ``pressure_grace``: seconds after which an idle lease is parked while
+    others wait (None: only the idle timeout); ``classes``: interactive
+    requests go before batch ones (False: one queue, oldest first);
+    ``preempt_grace``: batch leases (all preemptible here) are stopped, after
+    this many seconds, to make room for a waiting interactive request (None:
+    never); ``headroom_nodes``: batch is not placed on an idle node while
+    only this many nodes are idle (room kept for interactive arrivals);
+    ``resume_preempted``: a preempted batch job keeps its progress (it was
+    parked with its variables and its loop resumes) instead of restarting."""
 
     name: str
     slices: bool
     idle_timeout: float | None
     fifo: bool = False
+    pressure_grace: float | None = None
+    classes: bool = False
+    preempt_grace: float | None = None
+    headroom_nodes: int = 0
+    resume_preempted: bool = False
 
 
-def policies(gpupool_idle_timeout: float = 300.0) -> dict[str, NotebookPolicy]:
-    """The compared policies, by name; ``gpupool_idle_timeout`` in seconds."""
+def policies(gpupool_idle_timeout: float = 300.0,
+             pressure_grace: float | None = PRESSURE_GRACE_S) -> dict[str, NotebookPolicy]:
+    """The compared policies, by name; times in seconds. ``dedicated`` is
+    not a replay (:func:`dedicated_gpus`)."""
     return {"reservation": NotebookPolicy("reservation", slices=False, idle_timeout=1800.0),
-            "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout),
+            "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout,
+                                      pressure_grace=pressure_grace, classes=True, preempt_grace=PREEMPT_GRACE_S),
             "batch": NotebookPolicy("batch", slices=False, idle_timeout=None, fifo=True)}
 
 
 POLICIES = tuple(policies())
+
+
+def dedicated_gpus(workload: NotebookWorkload) -> dict[int, int]:
+    """The dedicated baseline: per user, the most whole GPUs their cells run
+    at once over the trace (a slice is a card of its own). Each user owns
+    that many cards for the whole period; nobody waits."""
+    from .simulator_rules import peak_concurrent
+
+    by_user: dict[int, list] = {}
+    for cell in workload.cells:
+        session = workload.sessions[cell.session]
+        by_user.setdefault(session.user, []).append((cell.submit, cell.submit + cell.duration, session.gpus))
+    return {user: int(peak_concurrent(spans)) for user, spans in sorted(by_user.items())}
 
 
 @dataclass(eq=False, slots=True)
@@ -106,117 +155,163 @@ class _Session:
     gpus: int
     group: int
     closes: float
+    klass: str = INTERACTIVE
     pending: deque = field(default_factory=deque)
     running: bool = False
     waiting: bool = False
     lease: SimLease | None = None
+    run_start: float = 0.0
+    token: int = 0
+    preempting: int = 0  # an interactive request: how many of its victims are still being stopped
+    doomed: int | None = None  # a batch job being preempted: for which session
 
 
-@dataclass(frozen=True)
-class NotebookResult:
-    """One replay. GPU-hours: ``held`` = sum of fraction x GPUs x hours leased;
-    ``busy`` = what running cells need (slice or whole GPUs) x hours run.
-    ``waits``: seconds each cell waited before starting (trace order)."""
+class BatchSource:
+    """Batch jobs drawn (seeded, with replacement) from ``(milli, gpus,
+    seconds)`` arrays, added whenever held plus queued demand falls under
+    ``load`` x the pool (a backlog that never runs dry)."""
 
-    policy: str
-    pool_size: int
-    held_gpu_hours: float
-    busy_gpu_hours: float
-    waits: np.ndarray
-    acquisitions: int
-    peak_held_gpus: float
-    held_by_group: dict[int, float]
-    seconds: float
+    def __init__(self, milli: np.ndarray, gpus: np.ndarray, seconds: np.ndarray, *, load: float = 1.2,
+                 users: int = 100, seed: int = 0) -> None:
+        from .simulator_workload import zipf_weights
 
-    @property
-    def utilization(self) -> float:
-        return self.busy_gpu_hours / self.held_gpu_hours if self.held_gpu_hours else 0.0
+        self.milli, self.gpus, self.seconds, self.load = milli, gpus, seconds, load
+        self.rng = np.random.default_rng(seed + 3)
+        self.users, self.weights = users, zipf_weights(users, 1.0)
+        self.picks: list[int] = []
 
-    def wait_percentile(self, q: float) -> float:
-        return float(np.percentile(self.waits, q)) if len(self.waits) else 0.0
-
-    @property
-    def waited_share(self) -> float:
-        return float(np.mean(self.waits > 0)) if len(self.waits) else 0.0
-
-    def row(self) -> dict:
-        """Plain numbers for tables and JSON."""
-        return {"policy": self.policy, "pool_size": self.pool_size,
-                "held_gpu_hours": round(self.held_gpu_hours, 1), "busy_gpu_hours": round(self.busy_gpu_hours, 1),
-                "utilization": round(self.utilization, 4), "p50_wait_s": self.wait_percentile(50),
-                "p95_wait_s": self.wait_percentile(95), "p99_wait_s": self.wait_percentile(99),
-                "waited_share": round(self.waited_share, 4),
-                "acquired_share": round(self.acquisitions / max(1, len(self.waits)), 4),
-                "peak_held_gpus": round(self.peak_held_gpus, 2), "sim_seconds": round(self.seconds, 2)}
+    def draw(self) -> tuple[int, int, float, int]:
+        """``(milli, gpus, seconds, user)`` of the next job."""
+        if not self.picks:
+            self.picks = self.rng.integers(len(self.milli), size=4096).tolist()[::-1]
+        i = self.picks.pop()
+        return int(self.milli[i]), int(self.gpus[i]), float(self.seconds[i]), int(self.rng.integers(self.users))
 
 
 def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_size: int, *,
-                       per_node: int = 8, pool: Pool | None = None) -> NotebookResult:
-    """Replay ``workload`` under ``policy`` on ``pool_size`` GPUs (nodes of ``per_node``)."""
-    import time
-
+                       per_node: int = 8, pool: Pool | None = None, backlog: BatchSource | None = None,
+                       with_eta: bool = False, users: int | None = None) -> NotebookResult:
+    """Replay ``workload`` under ``policy`` on ``pool_size`` GPUs (nodes of
+    ``per_node``), with ``backlog`` batch jobs if given; ``with_eta`` records
+    the ETA of every interactive request that waits (:func:`.simulator_rules.eta`)
+    next to the queue's old estimate and the wait it had."""
     wall = time.perf_counter()
-    return _Replay(workload, policy, pool or uniform_pool(pool_size, per_node=per_node)).run(pool_size, wall)
+    replay = _Replay(workload, policy, pool or uniform_pool(pool_size, per_node=per_node), backlog, with_eta)
+    return replay.run(pool_size, wall, users or len({s.user for s in workload.sessions}) or 1)
 
 
 class _Replay:
-    ARRIVE, END, TICK, CLOSE = 0, 1, 2, 3
+    ARRIVE, END, TICK, CLOSE, PRESSURE, PREEMPT = range(6)
 
-    def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool) -> None:
-        self.workload, self.policy, self.pool = workload, policy, pool
+    def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
+                 backlog: BatchSource | None, with_eta: bool) -> None:
+        self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
         self.sessions = [_Session(s.milli if policy.slices else FULL, s.gpus, s.group, s.closes)
                          for s in workload.sessions]
         self.need = [s.gpus * s.milli / FULL for s in workload.sessions]  # GPUs a cell needs
+        self.submit = [c.submit for c in workload.cells]
+        self.duration = [c.duration for c in workload.cells]
+        self.cell_session = [c.session for c in workload.cells]
+        self.queued_at = list(self.submit)
+        self.interactive_cells = len(workload.cells)
+        self.waits = [math.nan] * len(workload.cells)
+        self.batch_waits: list[float] = []
+        self.started = 0  # interactive cells that started
+        self.waiting_interactive: set[int] = set()
         self.events: list = []
         self.seq = 0
-        self.waits = np.full(len(workload.cells), np.nan)
         self.fifo: deque = deque()
-        self.by_shape: dict[tuple[int, int], deque] = {}
-        self.held = 0.0
-        self.busy = 0.0
+        self.queues: dict[tuple[str, int, int], deque] = {}
+        self.waiting_gpus = 0.0
+        self.waiting_count = 0
+        self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
+        self.running_batch: dict[int, float] = {}  # batch sessions running -> run start
+        self.batch_milli = [0] * pool.capacity  # per GPU: milli held by running batch leases,
+        self.batch_on: list[set[int]] = [set() for _ in range(pool.capacity)]  # which ones,
+        self.batch_need = [0.0] * pool.capacity  # the GPUs they need and
+        self.batch_need_start = [0.0] * pool.capacity  # GPUs x start: lost work = now x need - this
+        self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
+        names: dict[str, int] = {}
+        self.node_of = [names.setdefault(spec.node, len(names)) for spec in pool.specs]
+        self.node_gpus: dict[str, list[int]] = {}
+        for g, spec in enumerate(pool.specs):
+            self.node_gpus.setdefault(spec.node, []).append(g)
+        self.idle_nodes = sum(self.node_idle(name) for name in self.node_gpus)
+        self.held = self.busy = self.lost = self.busy_in_period = 0.0
+        #: The period cluster utilization is measured over: the trace's whole days.
+        self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
+        self.busy_by_class: dict[str, float] = {}
         self.held_by_group: dict[int, float] = {}
-        self.acquisitions = 0
-        self.peak = 0
-        self.leases = 0
+        self.acquisitions = self.peak = self.leases = self.parks = self.early_parks = self.preemptions = 0
+        self.recent: dict[str, deque] = {INTERACTIVE: deque(maxlen=200), BATCH: deque(maxlen=200)}
+        self.recent_holds: deque = deque(maxlen=200)
+        self.eta_pending: dict[int, tuple[float | None, float | None]] = {}
+        self.eta_errors: list[tuple[float | None, float | None, float]] = []
 
     def push(self, when: float, kind: int, arg) -> None:
         self.seq += 1
         heapq.heappush(self.events, (when, kind, self.seq, arg))
 
-    def run(self, pool_size: int, wall: float) -> NotebookResult:
-        import time
-
+    def run(self, pool_size: int, wall: float, users: int) -> NotebookResult:
         for i, cell in enumerate(self.workload.cells):
             self.push(cell.submit, self.ARRIVE, i)
         for sid, session in enumerate(self.sessions):
             self.push(session.closes, self.CLOSE, sid)
+        period = self.period
+        if self.backlog is not None:
+            self.push(0.0, self.PRESSURE, None)  # starts the backlog
         while self.events:
             now, kind, _, arg = heapq.heappop(self.events)
-            if kind == self.ARRIVE:
-                sid = self.workload.cells[arg].session
-                self.sessions[sid].pending.append(arg)
-                self.dispatch(sid, now)
-            elif kind == self.END:
-                self.cell_ended(arg, now)
-            elif kind == self.TICK:
-                sid, lease = arg
-                session = self.sessions[sid]
-                if session.lease is lease:
-                    lease.last_heartbeat_at = T0 + timedelta(seconds=now)
-                    if decide([lease], T0 + timedelta(seconds=now)):
-                        self.release(sid, now)
-            elif kind == self.CLOSE:
-                session = self.sessions[arg]
-                if session.lease is not None and not session.running and not session.pending:
-                    self.release(arg, now)
-        if np.isnan(self.waits).any():
+            if self.backlog is not None and now > period and self.started == self.interactive_cells:
+                self.backlog = None  # the period is over and every cell started: no more batch jobs
+            self.handle(kind, arg, now)
+        if any(math.isnan(w) for w in self.waits):
             raise AssertionError("a cell never started")
-        return NotebookResult(self.policy.name, pool_size, self.held / 3600, self.busy / 3600, self.waits,
-                              self.acquisitions, self.peak / FULL,
+        return NotebookResult(self.policy.name, pool_size, self.held / 3600, self.busy / 3600, np.array(self.waits),
+                              self.acquisitions - len(self.batch_waits), self.peak / FULL,
                               {g: h / 3600 for g, h in sorted(self.held_by_group.items())},
-                              time.perf_counter() - wall)
+                              time.perf_counter() - wall, period, users, np.array(self.batch_waits),
+                              {k: v / 3600 for k, v in self.busy_by_class.items()}, self.lost / 3600,
+                              self.parks, self.early_parks, self.preemptions, tuple(self.eta_errors),
+                              self.busy_in_period / 3600)
+
+    def handle(self, kind: int, arg, now: float) -> None:
+        if kind == self.ARRIVE:
+            sid = self.cell_session[arg]
+            self.sessions[sid].pending.append(arg)
+            self.dispatch(sid, now)
+        elif kind == self.END:
+            cell, token = arg
+            if self.sessions[self.cell_session[cell]].token == token:
+                self.cell_ended(cell, now)
+        elif kind == self.TICK:
+            sid, lease = arg
+            session = self.sessions[sid]
+            if session.lease is lease:
+                lease.last_heartbeat_at = T0 + timedelta(seconds=now)
+                if decide([lease], T0 + timedelta(seconds=now)):
+                    self.parks += now < session.closes
+                    self.release(sid, now)
+        elif kind == self.CLOSE:
+            session = self.sessions[arg]
+            if session.lease is not None and not session.running and not session.pending:
+                self.release(arg, now)
+        elif kind == self.PRESSURE:
+            if arg is None:
+                self.retry(now)
+            else:
+                self.pressure(now)
+        elif kind == self.PREEMPT:
+            self.stop_batch(*arg, now)
 
     # -- a session's cells ------------------------------------------------------
+
+    def queue_of(self, sid: int) -> deque:
+        session = self.sessions[sid]
+        if self.policy.fifo:
+            return self.fifo
+        klass = session.klass if self.policy.classes else INTERACTIVE
+        return self.queues.setdefault((klass, session.milli, session.gpus), deque())
 
     def dispatch(self, sid: int, now: float) -> None:
         """Start the session's next cell, or ask for a lease for it."""
@@ -226,28 +321,54 @@ class _Replay:
         if session.lease is not None:
             self.start(sid, now)
             return
-        shape = (session.milli, session.gpus)
-        queue = self.fifo if self.policy.fifo else self.by_shape.setdefault(shape, deque())
+        queue = self.queue_of(sid)
         if not queue and self.acquire(sid, now):
             return
+        self.enqueue(sid, now, queue)
+        if session.klass == INTERACTIVE:
+            if self.with_eta:
+                self.record_eta(sid, now)
+            self.pressure(now)
+            self.preempt_for(sid, now)
+
+    def enqueue(self, sid: int, now: float, queue: deque, front: bool = False) -> None:
+        session = self.sessions[sid]
         session.waiting = True
-        queue.append((now, sid))
+        self.waiting_gpus += self.need[sid]
+        self.waiting_count += 1
+        self.queued_at[session.pending[0]] = now
+        (queue.appendleft if front else queue.append)((now, sid))
+        if session.klass == INTERACTIVE:
+            self.waiting_interactive.add(sid)
 
     def start(self, sid: int, now: float) -> None:
         session = self.sessions[sid]
         cell = session.pending.popleft()
-        self.waits[cell] = now - self.workload.cells[cell].submit
+        wait = now - self.queued_at[cell]
+        if cell < self.interactive_cells:
+            self.started += math.isnan(self.waits[cell])
+            self.waits[cell] = now - self.submit[cell]
+            if cell in self.eta_pending:
+                self.eta_errors.append((*self.eta_pending.pop(cell), wait))
+        else:
+            self.batch_waits.append(wait)
         session.running = True
+        session.run_start = now
+        session.token += 1
         session.lease.worker_state = "busy"
         session.lease.idle_since = None
-        self.push(now + self.workload.cells[cell].duration, self.END, cell)
+        self.idle.pop(sid, None)
+        if session.klass == BATCH:
+            self.pin_batch(sid, now)
+        self.push(now + self.duration[cell], self.END, (cell, session.token))
 
     def cell_ended(self, cell: int, now: float) -> None:
-        sid = self.workload.cells[cell].session
+        sid = self.cell_session[cell]
         session = self.sessions[sid]
         session.running = False
-        self.busy += self.need[sid] * self.workload.cells[cell].duration
-        timeout = self.policy.idle_timeout
+        self.count_busy(sid, self.duration[cell], now)
+        self.recent[session.klass].append(self.duration[cell])
+        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
         if timeout is None or (now >= session.closes and not session.pending):
             self.release(sid, now)  # batch job done, or the kernel shut down
             self.dispatch(sid, now)
@@ -258,7 +379,114 @@ class _Replay:
         lease = session.lease
         lease.worker_state = "idle"
         lease.idle_since = T0 + timedelta(seconds=now)
+        self.idle[sid] = now
         self.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
+        if self.policy.pressure_grace is not None and self.policy.pressure_grace < timeout:
+            self.push(math.ceil((now + self.policy.pressure_grace) / SWEEP_S) * SWEEP_S, self.PRESSURE, sid)
+
+    def count_busy(self, sid: int, seconds: float, now: float) -> None:
+        """``sid`` ran ``seconds`` of useful work up to ``now``."""
+        session = self.sessions[sid]
+        work = self.need[sid] * seconds
+        self.busy += work
+        self.busy_in_period += self.need[sid] * max(0.0, min(now, self.period) - session.run_start)
+        self.busy_by_class[session.klass] = self.busy_by_class.get(session.klass, 0.0) + work
+
+    # -- pressure and preemption ----------------------------------------------------
+
+    def pressure(self, now: float) -> None:
+        """Park idle leases early while requests wait (:func:`.simulator_rules.pressure_parks`)."""
+        if self.policy.pressure_grace is None or self.waiting_count == 0 or not self.idle:
+            return
+        leases = [IdleLease(str(sid), now - since, self.held_gpus(sid)) for sid, since in self.idle.items()]
+        for park in pressure_parks(leases, self.waiting_count, self.waiting_gpus, self.policy.pressure_grace):
+            sid = int(park.lease_id)
+            self.early_parks += 1
+            self.parks += now < self.sessions[sid].closes
+            self.release(sid, now)
+
+    def node_idle(self, node: str) -> bool:
+        return not any(self.pool.milli[g] for g in self.node_gpus[node])
+
+    def held_gpus(self, sid: int) -> float:
+        placement = self.sessions[sid].lease.placement
+        return placement.fraction * len(placement.gpus)
+
+    def preempt_for(self, sid: int, now: float) -> None:
+        """Stop batch leases (after the grace) so waiting interactive ``sid`` fits
+        (:func:`.simulator_rules.preemption_plan`)."""
+        session = self.sessions[sid]
+        if self.policy.preempt_grace is None or not self.running_batch or session.preempting:
+            return
+        free = [FULL - m for m in self.pool.milli]
+        pinned = [m - b for m, b in zip(self.pool.milli, self.batch_milli)]
+        cost = [now * a - b for a, b in zip(self.batch_need, self.batch_need_start)]
+        plan = preemption_plan(session.milli, session.gpus, free, pinned, cost, self.node_of)
+        if not plan:
+            return
+        whole = session.gpus > 1 or session.milli >= FULL
+        victims: set[int] = set()
+        for g in plan:
+            held = [(self.need[b] * (now - self.sessions[b].run_start), self.sessions[b].milli, str(b))
+                    for b in self.batch_on[g]]
+            victims.update(int(h[2]) for h in held) if whole else victims.update(
+                map(int, victims_on(free[g], session.milli, held)))
+        session.preempting = len(victims)
+        for victim in victims:
+            self.sessions[victim].doomed = sid
+            self.unpin_batch(victim)
+        self.preemptions += len(victims)
+        self.push(now + self.policy.preempt_grace, self.PREEMPT, (sid, sorted(victims)))
+
+    def pin_batch(self, sid: int, now: float) -> None:
+        session = self.sessions[sid]
+        self.running_batch[sid] = now
+        for u in session.lease.placement.gpus:
+            g = self.pool.uuid_index[u]
+            self.batch_milli[g] += session.milli
+            self.batch_on[g].add(sid)
+            self.batch_need[g] += self.need[sid]
+            self.batch_need_start[g] += self.need[sid] * now
+
+    def unpin_batch(self, sid: int) -> None:
+        started = self.running_batch.pop(sid, None)
+        if started is None:
+            return
+        session = self.sessions[sid]
+        for u in session.lease.placement.gpus:
+            g = self.pool.uuid_index[u]
+            self.batch_milli[g] -= session.milli
+            self.batch_on[g].discard(sid)
+            self.batch_need[g] -= self.need[sid]
+            self.batch_need_start[g] -= self.need[sid] * started
+
+    def stop_batch(self, requester: int, victims: list[int], now: float) -> None:
+        """The preemption grace is over: the victims' cells are interrupted and
+        queued again (their work is lost), all at once, then capacity is
+        retried (interactive first), so batch cannot refill the gap one
+        victim leaves before the next one stops."""
+        for sid in victims:
+            session = self.sessions[sid]
+            session.doomed = None
+            if not session.running:
+                continue  # it ended during the grace
+            ran = now - session.run_start
+            cell = self.batch_cell[sid]
+            if self.policy.resume_preempted:
+                self.count_busy(sid, ran, now)
+                self.duration[cell] -= ran
+            else:
+                self.lost += self.need[sid] * ran
+            session.running = False
+            session.token += 1
+            session.pending.appendleft(self.batch_cell[sid])
+            self.enqueue(sid, now, self.queue_of(sid), front=True)
+            self.release(sid, now, retry=False)
+        asker = self.sessions[requester]
+        asker.preempting = 0
+        self.retry(now)
+        if asker.waiting:
+            self.preempt_for(requester, now)  # what was freed went to an earlier request: try again
 
     # -- leases -------------------------------------------------------------------
 
@@ -268,42 +496,67 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
+        was_idle = self.node_idle(placement.node)
+        if session.klass == BATCH and was_idle and self.idle_nodes <= self.policy.headroom_nodes:
+            return False
         self.pool.take(placement)
+        self.idle_nodes -= was_idle
         self.peak = max(self.peak, self.pool.allocated_milli)
         self.leases += 1
         self.acquisitions += 1
         started = T0 + timedelta(seconds=now)
         session.lease = SimLease(f"L-{self.leases:012d}", started, self.policy.idle_timeout or 0.0, placement, now,
                                  last_heartbeat_at=started)
-        session.waiting = False
+        if session.waiting:
+            session.waiting = False
+            self.waiting_gpus -= self.need[sid]
+            self.waiting_count -= 1
+            self.waiting_interactive.discard(sid)
+        session.preempting = 0
         self.start(sid, now)
         return True
 
-    def release(self, sid: int, now: float) -> None:
+    def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
         lease = session.lease
         if lease is None:
             return
+        self.unpin_batch(sid)
+        self.idle.pop(sid, None)
         session.lease = None
         held = lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted)
         self.held += held
+        self.recent_holds.append(now - lease.granted)
         self.held_by_group[session.group] = self.held_by_group.get(session.group, 0.0) + held
         self.pool.give(lease.placement)
-        self.retry(now)
+        self.idle_nodes += self.node_idle(lease.placement.node)
+        if retry:
+            self.retry(now)
 
     def retry(self, now: float) -> None:
-        """Capacity was freed: retry waiting requests, oldest first."""
+        """Capacity was freed: retry waiting requests, interactive first (with
+        classes), oldest first within a class; strict FIFO for ``fifo``. Then
+        interactive requests still waiting, and not already waiting for
+        victims, try preemption again (what was pinned may have moved)."""
+        self._retry(now)
+        if self.policy.preempt_grace is not None and self.running_batch:
+            for sid in [s for s in self.waiting_interactive if not self.sessions[s].preempting]:
+                self.preempt_for(sid, now)
+
+    def _retry(self, now: float) -> None:
+        self.top_up(now)
         if self.policy.fifo:
             while self.fifo and self.acquire(self.fifo[0][1], now):
                 self.fifo.popleft()
             return
-        heads = sorted((queue[0][0], shape) for shape, queue in self.by_shape.items() if queue)
+        heads = [(queue[0][0], key) for key, queue in self.queues.items() if queue]
+        heads = class_order(sorted(heads), lambda head: head[1][0])
         failed_milli, failed_gpus = FULL + 1, 10**9  # smallest slice / whole-GPU count refused in this pass
-        for _, shape in heads:
-            milli, gpus = shape
+        for _, key in heads:
+            _, milli, gpus = key
             if (gpus == 1 and milli >= failed_milli) or (gpus > 1 and gpus >= failed_gpus):
                 continue
-            queue = self.by_shape[shape]
+            queue = self.queues[key]
             while queue and self.acquire(queue[0][1], now):
                 queue.popleft()
             if queue:
@@ -313,3 +566,63 @@ class _Replay:
                         failed_gpus = 2  # no idle GPU left
                 else:
                     failed_gpus = gpus
+
+    # -- the batch backlog --------------------------------------------------------
+
+    def top_up(self, now: float) -> None:
+        """Queue batch jobs until held plus queued demand is the backlog's load x the pool."""
+        if self.backlog is None:
+            return
+        target = self.backlog.load * self.pool.capacity
+        while self.pool.allocated_milli / FULL + self.waiting_gpus < target:
+            milli, gpus, seconds, user = self.backlog.draw()
+            sid, cell = len(self.sessions), len(self.submit)
+            milli = milli if self.policy.slices or gpus > 1 else FULL
+            self.sessions.append(_Session(milli, gpus, user % 4, math.inf, BATCH))
+            self.need.append(gpus * milli / FULL)
+            self.submit.append(now)
+            self.duration.append(seconds)
+            self.cell_session.append(sid)
+            self.queued_at.append(now)
+            self.batch_cell[sid] = cell
+            self.sessions[sid].pending.append(cell)
+            self.enqueue(sid, now, self.queue_of(sid))
+
+    # -- the ETA --------------------------------------------------------------------
+
+    def record_eta(self, sid: int, now: float) -> None:
+        """The new ETA and the queue's old estimate for waiting ``sid``, kept until it starts."""
+        session = self.sessions[sid]
+        ahead = [(self.sessions[s].milli, self.sessions[s].gpus) for s, _ in self.waiting_before(sid)]
+        frees = []
+        pressure = self.policy.pressure_grace
+        for other, s in enumerate(self.sessions):
+            if s.lease is None:
+                continue
+            gpus = [self.pool.uuid_index[u] for u in s.lease.placement.gpus]
+            frees.append((self.expected_end(other, now, pressure), gpus, s.milli))
+        free = [FULL - m for m in self.pool.milli]
+        predicted = eta(session.milli, session.gpus, ahead, free, self.node_of, frees, now)
+        holding = sum(1 for s in self.sessions if s.lease is not None)
+        old = estimate(len(ahead) + 1, list(self.recent_holds), holding)
+        self.eta_pending[session.pending[0]] = (predicted, old)
+
+    def waiting_before(self, sid: int) -> list[tuple[int, float]]:
+        items = [(s, at) for q in ([self.fifo] if self.policy.fifo else self.queues.values()) for at, s in q
+                 if s != sid]
+        mine = self.queued_at[self.sessions[sid].pending[0]]
+        return [(s, at) for s, at in items if at <= mine and self.sessions[s].klass == INTERACTIVE]
+
+    def expected_end(self, sid: int, now: float, pressure: float | None) -> float:
+        """When ``sid``'s lease is expected to free its capacity, from what the service knows."""
+        session = self.sessions[sid]
+        if session.klass == BATCH:
+            history = self.recent[BATCH]
+            return max(now, session.run_start + (statistics.median(history) if history else 0.0))
+        timeout = self.policy.idle_timeout or 0.0
+        after = min(timeout, pressure) if pressure is not None else timeout
+        if sid in self.idle:
+            return max(now, math.ceil((self.idle[sid] + after) / SWEEP_S) * SWEEP_S)
+        history = self.recent[INTERACTIVE]
+        ends = max(now, session.run_start + (statistics.median(history) if history else 0.0))
+        return math.ceil((ends + after) / SWEEP_S) * SWEEP_S

@@ -43,7 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-#: Default location of the traces, relative to the repository root.
+#: Where ``bench/simulate_report.py`` looks for the public traces (relative to the
+#: repository root). ``gpupool simulate`` has no default folder: without ``--data``
+#: it generates traces (:mod:`.simulator_synthetic`).
 DEFAULT_DATA = Path("../shared/data")
 SENSEI = "sensei_june_60sec.csv"
 OPENB_PODS = "openb_pod_list_default.csv"
@@ -160,22 +162,55 @@ def sensei_workload(data: Path = DEFAULT_DATA, *, seed: int = 0, **rule) -> Note
 
 @dataclass(frozen=True)
 class OpenbNode:
-    """One openb GPU node: ``name`` (sn), ``gpus`` count, ``model``, ``memory`` bytes per GPU."""
+    """One openb GPU node: ``name`` (sn), ``gpus`` count, ``model``, ``memory``
+    bytes per GPU, ``cpu_milli`` cores x 1000 and ``memory_mib`` host RAM (0: not modelled)."""
 
     name: str
     gpus: int
     model: str
     memory: int
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True)
+class OpenbTasks:
+    """Every openb pod (CPU-only ones too), as arrays of one length: CPU ask
+    (milli-cores), host memory ask (MiB), ``num`` GPUs (0-8), per-GPU ``milli``
+    (the fraction for ``num == 1``, 1000 for several, 0 for none) and
+    ``lifetime`` seconds (deletion - scheduled, at least 1)."""
+
+    cpu: np.ndarray
+    memory: np.ndarray
+    num: np.ndarray
+    milli: np.ndarray
+    lifetime: np.ndarray
+
+    def gpu_pods(self) -> "OpenbTasks":
+        """Only the pods that ask for a GPU."""
+        keep = self.num >= 1
+        return OpenbTasks(self.cpu[keep], self.memory[keep], self.num[keep], self.milli[keep], self.lifetime[keep])
 
 
 def read_openb(data: Path = DEFAULT_DATA) -> tuple[list[OpenbNode], np.ndarray, np.ndarray]:
     """``(nodes, num_gpu, gpu_milli)`` of openb: nodes in file order; for the GPU pods
     (``num_gpu >= 1``) their GPU count and their per-GPU milli (1000 for whole GPUs)."""
+    nodes, tasks = read_openb_tasks(data)
+    gpu = tasks.gpu_pods()
+    return nodes, gpu.num, gpu.milli
+
+
+def read_openb_tasks(data: Path = DEFAULT_DATA) -> tuple[list[OpenbNode], OpenbTasks]:
+    """openb's nodes (with cores and RAM) and all its pods (:class:`OpenbTasks`)."""
     with open(Path(data) / OPENB_NODES, newline="") as fh:
-        nodes = [OpenbNode(r["sn"], int(r["gpu"]), r["model"], OPENB_MODEL_MEMORY.get(r["model"], 32) * GB)
-                 for r in csv.DictReader(fh)]
+        nodes = [OpenbNode(r["sn"], int(r["gpu"]), r["model"], OPENB_MODEL_MEMORY.get(r["model"], 32) * GB,
+                           int(r["cpu_milli"]), int(r["memory_mib"])) for r in csv.DictReader(fh)]
     with open(Path(data) / OPENB_PODS, newline="") as fh:
-        pods = [(int(r["num_gpu"]), int(r["gpu_milli"])) for r in csv.DictReader(fh)]
-    num = np.array([n for n, _ in pods if n >= 1], dtype=np.int64)
-    milli = np.array([m if n == 1 else 1000 for n, m in pods if n >= 1], dtype=np.int64)
-    return nodes, num, milli
+        pods = list(csv.DictReader(fh))
+    num = np.array([int(r["num_gpu"]) for r in pods], dtype=np.int64)
+    milli = np.array([int(r["gpu_milli"]) if n == 1 else (1000 if n > 1 else 0) for r, n in zip(pods, num)],
+                     dtype=np.int64)
+    life = np.array([max(1.0, float(r["deletion_time"] or 0) - float(r["scheduled_time"] or r["creation_time"] or 0))
+                     for r in pods])
+    return nodes, OpenbTasks(np.array([int(r["cpu_milli"]) for r in pods], dtype=np.int64),
+                             np.array([int(r["memory_mib"]) for r in pods], dtype=np.int64), num, milli, life)

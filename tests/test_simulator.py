@@ -29,8 +29,9 @@ def tiny_workload() -> NotebookWorkload:
     return NotebookWorkload(cells, sessions, "hand-made")
 
 
-def run(name: str):
-    return simulate_notebooks(tiny_workload(), policies(gpupool_idle_timeout=300.0)[name], 2, per_node=2)
+def run(name: str, pressure_grace=None):
+    chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=pressure_grace)
+    return simulate_notebooks(tiny_workload(), chosen[name], 2, per_node=2)
 
 
 def test_gpupool_by_hand():
@@ -92,7 +93,7 @@ def test_fifo_blocks_smaller_requests_but_gpupool_does_not():
     sessions = (Session(0, 0, 0, 1, 750, 0.0, FAR, (0,)), Session(1, 1, 0, 2, 1000, 60.0, FAR, (1,)),
                 Session(2, 2, 0, 1, 250, 120.0, FAR, (2,)))
     workload = NotebookWorkload(cells, sessions, "hand-made")
-    slices = simulate_notebooks(workload, policies(300.0)["gpupool"], 2, per_node=2)
+    slices = simulate_notebooks(workload, policies(300.0, pressure_grace=None)["gpupool"], 2, per_node=2)
     assert slices.waits.tolist() == [0, 840, 0]
     batch = simulate_notebooks(workload, policies()["batch"], 2, per_node=2)
     assert batch.waits.tolist() == [0, 540, 540]
@@ -175,3 +176,248 @@ def test_cli_on_tiny_traces(tmp_path, capsys):
     assert "3 cells" in out and out.count("gpupool") >= 2 and (tmp_path / "simulate-sensei.json").exists()
     assert cli_main(["simulate", "--workload", "openb", "--data", str(tmp_path), "--max-load", "1.0"]) == 0
     assert "bestfit" in capsys.readouterr().out
+
+
+# -- issue 16: the pure rules of the class-aware replay, as tables ------------------------------------------
+
+from datetime import datetime, timedelta, timezone  # noqa: E402
+
+from gpupool.hub_plugin.simulator_rules import (BATCH, INTERACTIVE, IdleLease, class_order, eta,  # noqa: E402
+                                                peak_concurrent, preemption_plan, pressure_parks, victims_on)
+
+
+@pytest.mark.parametrize("classes, expected", [
+    ([BATCH, INTERACTIVE, BATCH, INTERACTIVE], [1, 3, 0, 2]),  # interactive first, order kept within a class
+    ([INTERACTIVE, INTERACTIVE], [0, 1]),
+    ([BATCH, BATCH], [0, 1]),
+    ([], []),
+])
+def test_class_order(classes, expected):
+    items = list(enumerate(classes))
+    assert [i for i, _ in class_order(items, lambda item: item[1])] == expected
+
+
+def test_class_order_refuses_an_unknown_class():
+    with pytest.raises(KeyError):
+        class_order([(0, "urgent")], lambda item: item[1])
+
+
+IDLE = [IdleLease("a", 300.0, 1.0), IdleLease("b", 130.0, 0.5), IdleLease("c", 60.0, 1.0),
+        IdleLease("d", None, 1.0), IdleLease("e", 200.0, 0.5, BATCH), IdleLease("f", 125.0, 0.25, over_quota=True)]
+
+
+@pytest.mark.parametrize("waiting, wanted, grace, expected", [
+    (0, 1.0, 120.0, []),  # nobody waits: nothing is parked early
+    (1, 0.25, 120.0, ["f"]),  # over quota first; enough freed
+    (1, 0.5, 120.0, ["f", "e"]),  # then batch
+    (2, 10.0, 120.0, ["f", "e", "a", "b"]),  # then the longest idle; c is inside its grace, d runs a cell
+    (1, 10.0, 250.0, ["a"]),
+    (3, 10.0, 1000.0, []),
+])
+def test_pressure_parks(waiting, wanted, grace, expected):
+    parks = pressure_parks(IDLE, waiting, wanted, grace)
+    assert [p.lease_id for p in parks] == expected
+    if parks:
+        people = "1 person is" if waiting == 1 else f"{waiting} people are"
+        assert parks[0].reason == f"parked early: {people} waiting for a GPU"
+
+
+# Four GPUs on two nodes (0, 0, 1, 1).
+NODES = [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("milli, count, free, pinned, cost, expected", [
+    (500, 1, [600, 0, 0, 0], [0] * 4, [0] * 4, []),  # fits already
+    (500, 1, [0, 0, 0, 0], [0, 0, 0, 0], [9, 3, 5, 7], [1]),  # the cheapest GPU to clear
+    (500, 1, [0, 0, 0, 0], [600, 0, 1000, 0], [1, 3, 1, 7], [1]),  # GPUs pinned by others cannot make room
+    (500, 1, [0, 0, 0, 0], [1000] * 4, [1] * 4, None),  # nothing preemptible makes room
+    (1000, 2, [1000, 0, 0, 0], [0, 0, 0, 0], [0, 8, 2, 3], [2, 3]),  # node 1 loses 2 + 3, node 0 0 + 8
+])
+def test_preemption_plan(milli, count, free, pinned, cost, expected):
+    assert preemption_plan(milli, count, free, pinned, cost, NODES) == expected
+
+
+def test_preemption_plan_whole_gpus():
+    assert preemption_plan(1000, 2, [1000, 1000, 0, 0], [0] * 4, [0, 0, 1, 1], NODES) == []
+    assert preemption_plan(1000, 2, [0, 0, 0, 0], [0, 100, 0, 0], [1, 1, 9, 9], NODES) == [2, 3]
+    assert preemption_plan(1000, 2, [0, 0, 0, 0], [0, 100, 100, 0], [1, 1, 9, 9], NODES) is None
+
+
+@pytest.mark.parametrize("room, milli, holders, expected", [
+    (0, 500, [(10.0, 250, "x"), (1.0, 250, "y"), (5.0, 500, "z")], ["y", "z"]),  # least lost work first
+    (300, 500, [(10.0, 250, "x"), (1.0, 250, "y")], ["y"]),
+    (600, 500, [(1.0, 250, "y")], []),
+])
+def test_victims_on_one_gpu(room, milli, holders, expected):
+    assert victims_on(room, milli, holders) == expected
+
+
+@pytest.mark.parametrize("milli, count, ahead, free, frees, expected", [
+    (500, 1, [], [500, 0, 0, 0], [], 0.0),  # fits now
+    (500, 1, [], [0, 0, 0, 0], [(130.0, [1], 500)], 30.0),  # the next lease to free makes room
+    (500, 1, [(500, 1)], [0, 0, 0, 0], [(130.0, [1], 500), (400.0, [3], 1000)], 300.0),  # one ahead takes the first
+    (1000, 2, [], [1000, 0, 1000, 0], [(150.0, [1], 1000), (120.0, [3], 1000)], 20.0),  # two idle on one node
+    (1000, 2, [], [0, 0, 0, 0], [(150.0, [1], 1000)], None),  # never, from what is known
+])
+def test_eta(milli, count, ahead, free, frees, expected):
+    assert eta(milli, count, ahead, free, NODES, frees, now=100.0) == expected
+
+
+def test_peak_concurrent_and_the_dedicated_baseline():
+    assert peak_concurrent([(0, 10, 1), (5, 15, 4), (10, 20, 8)]) == 12  # 10 ends before 10 starts
+    workload = tiny_workload()
+    from gpupool.hub_plugin.simulator_notebooks import dedicated_gpus
+    # users 0 (A: 1 card), 1 (B: 1 card), 2 (C: 2 cards); none runs two cells at once.
+    assert dedicated_gpus(workload) == {0: 1, 1: 1, 2: 2}
+
+
+def test_gpupool_with_pressure_parks_by_hand():
+    """As test_gpupool_by_hand, but idle leases are parked 120 s after their cell while C or A waits.
+
+    120   C waits (pressure); B idle since 180 -> parked at 300; A's cell ends 600, parked at 720
+    720   C starts (waited 600); 1200 A waits; C ends 1320, parked 1440 -> A starts (waited 240).
+    """
+    result = run("gpupool", pressure_grace=120.0)
+    assert result.waits.tolist() == [0, 0, 600, 240]
+    assert result.early_parks == 3 and result.parks == 4
+
+
+def test_batch_backlog_is_preempted_for_an_interactive_request():
+    """2 GPUs, one node; a backlog of 1-GPU batch jobs of 1000 s keeps both GPUs busy.
+
+    At 60 an interactive notebook asks for a whole GPU: nothing is free, so the
+    cheapest batch job (both started at 0: the first GPU) is told to stop and
+    stops after the 5 s grace; the cell starts at 65 and the stopped job is
+    queued again, in front. Batch work lost: 1 GPU x 65 s."""
+    from gpupool.hub_plugin.simulator_notebooks import BatchSource
+
+    cells = (Cell(0, 0, 60.0, 100.0),)
+    sessions = (Session(0, 0, 0, 1, 1000, 60.0, 200.0, (0,)),)
+    workload = NotebookWorkload(cells, sessions, "hand-made")
+    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([1000.0]), load=1.0, users=1)
+    result = simulate_notebooks(workload, policies(300.0)["gpupool"], 2, per_node=2, backlog=backlog)
+    assert result.waits.tolist() == [5.0]
+    assert result.preemptions == 1
+    assert result.lost_gpu_hours * 3600 == pytest.approx(65.0)
+    assert result.wait_percentile(50, BATCH) == 0.0
+    # Without preemption the notebook waits for a batch job to end (1000 s).
+    no_preempt = policies(300.0)["gpupool"].__class__(**{**policies(300.0)["gpupool"].__dict__,
+                                                         "preempt_grace": None})
+    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([1000.0]), load=1.0, users=1)
+    assert simulate_notebooks(workload, no_preempt, 2, per_node=2, backlog=backlog).waits.tolist() == [940.0]
+
+
+# -- openb with CPU and memory ------------------------------------------------------------------------------
+
+from gpupool.hub_plugin.simulator_multidim import MultiCluster, node_fragmentation, task_types  # noqa: E402
+from gpupool.hub_plugin.simulator_workload import OpenbNode  # noqa: E402
+
+
+def test_fragmentation_counts_every_dimension():
+    """One node, 2 GPUs free 600 and 1000; workload: half 500-milli slices needing 4 cores, half 2 whole GPUs.
+
+    With 8 cores free: the slice fits, no GPU is too small for it (0); 2 whole GPUs do not fit (600 + 1000).
+    With 2 cores free: the slice does not fit either: all 1600 free milli count for it too."""
+    types = task_types([4000, 1000], [1024, 1024], [1, 2], [500, 1000])
+    gpu = np.array([[600, 1000]])
+    assert node_fragmentation(np.array([8000]), np.array([4096]), gpu, types).tolist() == [0.5 * 0 + 0.5 * 1600]
+    assert node_fragmentation(np.array([2000]), np.array([4096]), gpu, types).tolist() == [1600.0]
+
+
+def node(name, gpus, cores, gib):
+    return OpenbNode(name, gpus, "T4", 16 * 10**9, cores * 1000, gib * 1024)
+
+
+@pytest.mark.parametrize("policy", ["fgd", "bestfit", "firstfit", "random"])
+def test_a_task_goes_only_where_cpu_and_memory_fit(policy):
+    """Node a has a GPU but only 2 cores left after a first task; node b has cores.
+    A 4-core, 0.5-GPU task can only go to b; a 1-core one also fits on a."""
+    types = task_types([4000, 1000], [1024, 1024], [1, 1], [500, 500])
+    cluster = MultiCluster([node("a", 1, 4, 64), node("b", 2, 16, 64)], types)
+    cluster.take(0, np.array([0]), 2000, 1024, 250)
+    assert cluster.choose(policy, 4000, 1024, 1, 500)[0] == 1
+    assert cluster.choose("firstfit", 1000, 1024, 1, 500)[0] == 0
+    assert cluster.choose(policy, 64000, 1024, 1, 500) is None  # more cores than any node
+
+
+def test_fgd_prefers_the_gpu_a_slice_fills():
+    """Two GPUs free 500 and 1000 on one node; a 500 slice goes where it leaves no sliver."""
+    types = task_types([1000], [1024], [1], [500])
+    cluster = MultiCluster([node("a", 2, 16, 64)], types)
+    cluster.take(0, np.array([0]), 1000, 1024, 500)
+    assert cluster.choose("fgd", 1000, 1024, 1, 500)[1].tolist() == [0]
+
+
+# -- a pool's own history ------------------------------------------------------------------------------------
+
+def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
+    """Two leases of one kernel (the first reclaimed after 600 s idle, the second released) and one of
+    another user's that never started: two cells of one session; the never-started one is left out."""
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import GPU, Lease, Node, UsageRecord
+    from gpupool.hub_plugin.simulator_store import load_store
+
+    url = f"sqlite:///{tmp_path}/pool.sqlite"
+    store = Store(url)
+    store.migrate()
+    t0 = datetime(2026, 3, 1, 9, tzinfo=timezone.utc)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    with store.write() as db:
+        db.add(Node(name="n", url="http://127.0.0.1:9", inventory="simulated", state="up", registered_at=t0,
+                    last_heartbeat_at=t0, gpus=[GPU(uuid=f"G-{i}", name="L4", index=i, memory_total=24 * 10**9,
+                                                    memory_reserved=0, healthy=True) for i in range(2)]))
+        rows = [("L-000000000001", "ann", "k1", 0.5, "reclaimed", "idle for 10m (idle timeout 10m)", 0, 10, 1810),
+                ("L-000000000002", "ann", "k1", 0.5, "released", "released by its owner", 3600, 3600, 4200),
+                ("L-000000000003", "bob", "k2", 1.0, "failed", "waited too long", 100, None, None)]
+        for lease_id, owner, kernel, fraction, state, reason, created, started, ended in rows:
+            db.add(Lease(id=lease_id, owner=owner, state=state, reason=reason, fraction=fraction, gpu_count=1,
+                         memory=10**9, kernel_id=kernel, idle_timeout=600, heartbeat_ttl=60, created_at=at(created),
+                         started_at=None if started is None else at(started),
+                         ended_at=None if ended is None else at(ended), usage_gpu_seconds=0.0, groups=["quants"]))
+            if ended is not None:
+                db.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
+                                   started_at=at(started), ended_at=at(ended),
+                                   gpu_seconds=fraction * (ended - started)))
+    store.close()
+    history = load_store(url)
+    assert (history.leases, history.skipped, history.pool_gpus) == (2, 1, 2)
+    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600)
+    cells = history.workload.cells
+    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 600.0)]
+    assert [(s.gpus, s.milli, s.closes) for s in history.workload.sessions] == [(1, 500, 4200.0)]
+    assert cli_main(["simulate", "--from-store", url, "--pool-size", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ended leases (1 never started" in out and "cell activity" in out and "dedicated: 1 GPUs" in out
+
+
+def test_from_store_names_the_fix_for_a_bad_url(tmp_path):
+    with pytest.raises(SystemExit, match="c.GPUPool.db_url"):
+        cli_main(["simulate", "--from-store", f"sqlite:///{tmp_path}/none/x.sqlite"])
+
+
+def test_cli_runs_on_generated_traces_without_data(capsys):
+    """From the wheel there are no public traces: the command generates a cluster and its tasks."""
+    assert cli_main(["simulate", "--workload", "openb", "--dimensions", "all", "--max-load", "0.6",
+                     "--policy", "firstfit,fgd"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks (CPU, memory and GPU asks) drawn" in out and "fgd" in out and "firstfit" in out
+
+
+def test_generated_notebook_month_has_the_trace_form():
+    from gpupool.hub_plugin.simulator_synthetic import sensei_rows
+
+    rows = sensei_rows(0, days=2)
+    assert rows == sorted(rows, key=lambda r: (r[2], r[0]))
+    assert {r[1] for r in rows} == {1, 4, 8} and all(r[3] >= 60 and r[3] % 60 == 0 for r in rows)
+    assert 1500 < len(rows) < 2600  # about 43 an hour
+
+
+def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
+    """test_gpupool_by_hand's pool (no pressure parks). At 120 C (2 GPUs) waits: A and B run, no cell has
+    ended yet, so both are expected to end now and free at the 300 s idle deadline (420): ETA 300 s; the
+    old estimate has no ended lease to learn from. It waited 780. At 1200 A waits for C (started 900):
+    cells so far ran 600 and 120 s (median 360), so C is expected free at 900 + 360 + 300 = 1560: ETA
+    360 s; old estimate: 1 x median lease (420, 900 -> 660) / 1 lease held. It waited 600."""
+    chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=None)
+    result = simulate_notebooks(tiny_workload(), chosen["gpupool"], 2, per_node=2, with_eta=True)
+    assert result.eta_errors == ((300.0, None, 780.0), (360.0, 660.0, 600.0))
