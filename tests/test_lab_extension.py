@@ -9,7 +9,8 @@ installed from the wheel). In the browser: the status bar says "detached";
 in the dialog and changes nothing; with a good one the status bar shows the
 share and GPU; "Release" in the status popup detaches; a 4 s idle timeout
 brings the idle warning and "parked" as notifications and the status "parked";
-the next cell resumes and the status follows. Screenshots on failure under the
+the next cell resumes and the status follows; "Release GPU" from the palette
+detaches, as ``%gpu status`` then says. Screenshots on failure under the
 test's tmp_path.
 
 The JupyterLab helpers are the minimum of tests/lab.py (issue 11's browser test).
@@ -209,7 +210,7 @@ class Page:
 def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    _notebook(lab.root / "gpu.ipynb", ["%config GPUMagics.park_ahead = 1.0", "x = 41", "x + 1"])
+    _notebook(lab.root / "gpu.ipynb", ["%config GPUMagics.park_ahead = 1.0", "x = 41", "x + 1", "%gpu status"])
     with sync_playwright() as playwright:
         expect.set_options(timeout=STEP_MS)
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -258,9 +259,11 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             assert "42" in out and "resumed on" in out, out
             expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}")
 
-            step = "Release in the status popup detaches again"
-            nb.release_from_popup()
+            step = "Release GPU from the palette detaches"
+            nb.command("Release GPU")
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+            out = nb.run(3)
+            assert "not attached" in out, out
         except Exception as exc:
             shot = tmp_path / "failure.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -216,3 +216,27 @@ def test_idle_warning_and_park_come_as_events_and_the_next_cell_resumes(status):
     assert resumed["lease"] != lease
     assert comm.run("%gpu release").ok
     comm.state("detached")
+
+
+def test_a_queued_request_shows_its_place_then_admitted_then_attached(e2e_pool, status):
+    from gpupool.schema import LeaseRequest
+    from gpupool.units import parse_gpu_amount
+
+    service = e2e_pool[0]
+    kc, comm = status
+    comm.state("detached")
+    client = service.client()
+    fraction, count = parse_gpu_amount("2")
+    hog = client.create_lease(LeaseRequest(fraction=fraction, gpu_count=count))  # the whole pool
+    try:
+        comm.send({"request": "acquire", "text": "0.5 --wait 2m", "id": "queued-1"})
+        queued = comm.state("queued")
+        assert queued["queue_position"] == 1 and queued["share"] == "0.50 of a GPU" and queued["lease"], queued
+    finally:
+        client.release(hog.id, reason="test: make room")
+    admitted = comm.event("admitted", timeout=60)
+    assert queued["lease"] in admitted["message"] and "left the queue" in admitted["message"]
+    reply = comm.next(lambda d: d.get("id") == "queued-1", timeout=60)
+    assert reply["ok"], reply
+    assert comm.last_state()["phase"] == "attached" and comm.last_state()["lease"] == queued["lease"]
+    assert comm.ask({"request": "release"})["ok"]
