@@ -7,7 +7,8 @@ carries it (checked without a browser: ``jupyter labextension list`` finds it
 installed from the wheel). In the browser: the status bar says "detached";
 "Acquire GPU…" from the palette with a bad size shows the magic's refusal words
 in the dialog and changes nothing; with a good one the status bar shows the
-share and GPU; "Release" in the status popup detaches; a 4 s idle timeout
+share and GPU; a kernel restart shows the new kernel detached; "Release" in the status
+popup detaches; a 4 s idle timeout
 brings the idle warning and "parked" as notifications and the status "parked";
 the next cell resumes and the status follows; "Release GPU" from the palette
 detaches, as ``%gpu status`` then says. Screenshots on failure under the
@@ -242,7 +243,16 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             out = nb.run(1)
             assert "Traceback" not in out, out
 
+            step = "a restarted kernel is a new one: detached"
+            nb.command("Restart Kernel…")
+            nb.dialog.locator(".jp-Dialog-footer button", has_text="Restart").click()
+            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+            assert "park_ahead" not in nb.run(0)
+
             step = "Release in the status popup detaches"
+            nb.acquire("0.5")
+            expect(nb.dialog).to_have_count(0, timeout=60_000)
+            expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
             details = nb.release_from_popup()
             assert MODEL in details and "L-" in details, details
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)

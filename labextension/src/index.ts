@@ -284,7 +284,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.commands.addCommand(CMD.acquire, {
       label: 'Acquire GPU…',
       caption: 'Attach a share of a pooled GPU to this notebook (%gpu acquire)',
-      isEnabled: () => !!ready() && ['detached', 'parked'].includes(ready()!.state!.phase),
+      isEnabled: () => !!ready() && ready()!.state!.phase === 'detached',
       execute: async () => {
         const channel = ready();
         if (!channel) {
