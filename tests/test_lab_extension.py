@@ -248,6 +248,8 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             nb.dialog.locator(".jp-Dialog-footer button", has_text="Restart").click()
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
             assert "park_ahead" not in nb.run(0)
+            expect(page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".jp-InputPrompt")).to_have_text("[1]:")
+            assert "Traceback" not in nb.run(1)  # x = 41 again, in the new kernel
 
             step = "Release in the status popup detaches"
             nb.acquire("0.5")
