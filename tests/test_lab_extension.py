@@ -282,3 +282,32 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
+def test_other_kernels_get_no_comm_and_no_status_item(lab, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    path = lab.root / "plain.ipynb"
+    _notebook(path, ["print('plain', 6 * 7)"])
+    spec = json.loads(path.read_text())
+    spec["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    path.write_text(json.dumps(spec))
+    with sync_playwright() as playwright:
+        expect.set_options(timeout=STEP_MS)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        nb = Page(page)
+        try:
+            page.goto(f"{lab.url}/lab/tree/plain.ipynb?token={lab.token}&reset")
+            expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (ipykernel)", timeout=60_000)
+            assert "plain 42" in nb.run(0)
+            expect(nb.status).to_be_hidden()
+        except Exception as exc:
+            shot = tmp_path / "failure.png"
+            page.screenshot(path=str(shot), full_page=True)
+            raise AssertionError(f"{exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
+        finally:
+            browser.close()
+    assert "gpupool.status" not in lab.log.read_text(errors="replace"), "a comm was opened to a python3 kernel"

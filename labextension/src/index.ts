@@ -12,7 +12,8 @@ import {
 import { Dialog, ICommandPalette, showDialog } from '@jupyterlab/apputils';
 import { IMainMenu } from '@jupyterlab/mainmenu';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { Kernel } from '@jupyterlab/services';
+import { Kernel, KernelSpec } from '@jupyterlab/services';
+import { ISignal, Signal } from '@lumino/signaling';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
@@ -32,10 +33,21 @@ const CMD = {
   status: 'gpupool:status'
 };
 
-/** The lease channel of each notebook panel's current kernel. */
+/** Whether a kernelspec is gpupool's (its provisioner; `gpupool kernelspec install` writes it). */
+function isGpupool(spec: KernelSpec.ISpecModel | undefined): boolean {
+  const provisioner = (spec?.metadata as any)?.kernel_provisioner;
+  return !!provisioner && provisioner.provisioner_name === 'gpupool';
+}
+
+/** The lease channel of each notebook panel's current kernel (gpupool kernels only). */
 class Channels {
   constructor(tracker: INotebookTracker) {
     this._tracker = tracker;
+  }
+
+  /** Emitted when a kernel's spec has been read (a channel may exist now). */
+  get changed(): ISignal<this, void> {
+    return this._changed;
   }
 
   /** The current notebook's channel, opening one for its kernel when needed. */
@@ -53,6 +65,18 @@ class Channels {
     // is not asked again until it restarts (_watch forgets it then).
     let channel = this._byKernel.get(kernel.id);
     if (!channel) {
+      const known = this._gpupool.get(kernel.id);
+      if (known === undefined) {
+        this._gpupool.set(kernel.id, false);
+        void kernel.spec.then(spec => {
+          this._gpupool.set(kernel.id, isGpupool(spec));
+          this._changed.emit();
+        });
+        return null;
+      }
+      if (!known) {
+        return null; // another kernel: no comm, no status item
+      }
       channel = new LeaseChannel(kernel);
       this._byKernel.set(kernel.id, channel);
       this._watch(kernel);
@@ -75,6 +99,8 @@ class Channels {
 
   private _tracker: INotebookTracker;
   private _byKernel = new Map<string, LeaseChannel>();
+  private _gpupool = new Map<string, boolean>();
+  private _changed = new Signal<this, void>(this);
 }
 
 /** The status-bar item: the lease in words, a countdown while idle; click for details. */
@@ -351,6 +377,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         app.commands.notifyCommandChanged();
       };
       tracker.currentChanged.connect(follow);
+      channels.changed.connect(follow);
       tracker.widgetAdded.connect((_, panel) => {
         panel.sessionContext.kernelChanged.connect(follow);
         panel.sessionContext.statusChanged.connect(follow);
