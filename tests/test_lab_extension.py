@@ -4,15 +4,15 @@ and one agent with two simulated A100s).
 
 The extension is the committed build, ``labextension/prebuilt``; the wheel
 carries it (checked without a browser: ``jupyter labextension list`` finds it
-installed from the wheel). In the browser: the status bar says "detached";
-"Acquire GPU…" from the palette with a bad size shows the magic's refusal words
-in the dialog and changes nothing; with a good one the status bar shows the
-share and GPU; a kernel restart shows the new kernel detached; "Release" in the status
-popup detaches; a 4 s idle timeout
+installed from the wheel). In the browser: the status bar says "detached"; the
+Kernel menu has the commands; "Acquire GPU…" from the palette with a bad size
+shows the magic's refusal words in the dialog and changes nothing; with a good
+one the status bar shows the share and GPU; a kernel restart shows the new
+kernel detached; "Release" in the status popup detaches; a 4 s idle timeout
 brings the idle warning and "parked" as notifications and the status "parked";
 the next cell resumes and the status follows; "Release GPU" from the palette
-detaches, as ``%gpu status`` then says. Screenshots on failure under the
-test's tmp_path.
+detaches, as ``%gpu status`` then says. A python3 notebook gets no comm and no
+GPU item. Screenshots on failure under the test's tmp_path.
 
 The JupyterLab helpers are the minimum of tests/lab.py (issue 11's browser test).
 """
@@ -226,6 +226,13 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             step = "status bar says detached"
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
             assert "park_ahead" not in nb.run(0)
+
+            step = "the Kernel menu has the commands"
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
+            menu = page.locator(".lm-Menu")
+            for label in ("Acquire GPU…", "Release GPU", "GPU status"):
+                expect(menu.locator(".lm-Menu-itemLabel", has_text=label)).to_be_visible()
+            page.keyboard.press("Escape")
 
             step = "a bad size shows the magic's words in the dialog and changes nothing"
             nb.acquire("1.5")
