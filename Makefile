@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean gpu-check
+.PHONY: demo test install clean gpu-check labextension
 
 install: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[all]"
+	# An editable install leaves out the wheel's data files: link the committed prebuilt
+	# JupyterLab extension in, as `jupyter labextension develop` would (a wheel installs it itself).
+	mkdir -p $(VENV)/share/jupyter/labextensions
+	ln -sfn "$(CURDIR)/labextension/prebuilt" $(VENV)/share/jupyter/labextensions/gpupool-lab
 	# The JupyterHub tests need configurable-http-proxy (npm, into $(VENV)/chp) and the page
 	# tests Debian's chromium (apt, as root); where either cannot be had they skip, saying why.
 	command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix $(VENV)/chp configurable-http-proxy@4 \
@@ -40,6 +44,11 @@ test: install
 # Without a GPU it reports "no GPU found" and exits 0.
 gpu-check: install
 	$(BIN)/python bench/gpu_check.py $(if $(OUT),--out $(OUT))
+
+# Rebuild the JupyterLab extension (labextension/src/*.ts) into labextension/prebuilt/, which is
+# committed (so `make install` needs no npm): needs node 18+ and npm, and JupyterLab from `make install`.
+labextension: install
+	cd labextension && npm ci --no-audit --no-fund && PATH="$(CURDIR)/$(BIN):$$PATH" npm run build
 
 clean:
 	rm -rf $(VENV) .state build *.egg-info

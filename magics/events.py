@@ -2,58 +2,274 @@
 sent to front ends that listen.
 
 Notices that come while no cell runs (the idle warning, "parked", "node
-lost", "node back", "resumed", a lease ended behind the user's back) must
-not be written into an old cell's saved output. The kernel keeps them and
-says each once at the top of the next cell's output (one that comes while a
-forwarded cell runs is said in that cell at once); a front end (the
-JupyterLab extension) that opens a comm to target ``gpupool.status`` gets
-each at once as ``{"event": KIND, "message": WORDS}``.
+lost", "node back", a lease ended behind the user's back) must not be
+written into an old cell's saved output. The kernel keeps them and says each
+once at the top of the next cell's output (one that comes while a forwarded
+cell runs is said in that cell at once); a front end (the JupyterLab
+extension, ``labextension/``) that opens a comm to target ``gpupool.status``
+gets, on that comm (docs/api.md, "The status comm"):
+
+- ``{"event": KIND, "message": WORDS}`` for each notice at once, and for
+  what a cell says anyway (``attached``, ``released``, ``resumed``,
+  ``admitted`` from the queue, ``refused`` acquires) without keeping those;
+- ``{"state": {...}}`` (:func:`lease_state`) when the comm opens and on every
+  change: attach, release, park, resume, each heartbeat that changes a fact
+  (memory used, idle deadline, node state), each step of a queued request;
+- ``{"reply": KIND, "id": ..., "ok": bool, "message": WORDS, ...}`` for each
+  ``{"request": KIND, "id": ...}`` it sends (:class:`Requests`): ``acquire``
+  (``"text"``: what follows ``%gpu acquire``, parsed by the magic itself),
+  ``release``, ``status``, ``defaults``.
+
+The comm never reaches the worker: :mod:`gpupool.magics.kernel` keeps every
+``gpupool.*`` target in the notebook kernel.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
+
+from gpupool.schema import Lease, LeaseState
 
 TARGET = "gpupool.status"
+#: What ``state["phase"]`` can be.
+PHASES = ("detached", "queued", "starting", "attached", "parked")
+#: What a front end may ask on the comm.
+REQUESTS = ("acquire", "release", "status", "defaults")
+#: The share the Acquire dialog offers first.
+DIALOG_AMOUNT = "0.5"
 log = logging.getLogger("gpupool.magics")
 
 
+def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
+    """The snapshot a front end shows, for ``lease`` in ``phase`` (one of PHASES).
+
+    Keys (always all present; None where not known or not applicable):
+    ``phase``; ``lease`` (id); ``share`` (words: ``"0.50 of a GPU"``,
+    ``"2 GPUs"``), ``fraction`` and ``gpu_count``; ``gpu_model``, ``gpu_indices``
+    (list of int), ``node``, ``node_state`` (``up|degraded|lost``);
+    ``memory_used`` and ``memory_limit`` (bytes; used as the agent last saw the
+    worker); ``idle_timeout`` (s), ``idle_deadline`` (ISO UTC: when the pool
+    reclaims the lease if it stays idle; None while a cell runs),
+    ``idle_warning`` (s before that the notebook is warned); ``queue_position``
+    (1-based) and ``eta`` (s, rough) while queued; ``reason`` (words) for a
+    parked lease.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
+    state: dict[str, Any] = dict.fromkeys(
+        ("lease", "share", "fraction", "gpu_count", "gpu_model", "gpu_indices", "node", "node_state", "memory_used",
+         "memory_limit", "idle_timeout", "idle_deadline", "idle_warning", "queue_position", "eta", "reason"))
+    state["phase"] = phase
+    if lease is None:
+        return state
+    gpus = lease.gpus or []
+    state.update(
+        lease=lease.id, fraction=lease.fraction, gpu_count=lease.gpu_count,
+        share=f"{lease.fraction:.2f} of a GPU" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs",
+        gpu_model=gpus[0].get("name") if gpus else None,
+        gpu_indices=[g.get("index") for g in gpus] if gpus else None,
+        node=lease.node, node_state=lease.node_state, memory_limit=lease.memory, idle_timeout=lease.idle_timeout)
+    if phase == "attached":
+        used = (lease.worker or {}).get("memory_used")
+        state.update(memory_used=used if isinstance(used, int) else None, idle_deadline=lease.idle_deadline,
+                     idle_warning=lease.idle_warning)
+    elif phase == "queued":
+        state.update(queue_position=lease.queue_position, eta=lease.queue_estimate_s)
+    elif phase == "parked":
+        state.update(reason=lease.reason)
+    return state
+
+
+def progress_phase(lease: Lease) -> str:
+    """``"queued"`` or ``"starting"`` for a lease that is being waited for."""
+    return "queued" if lease.state is LeaseState.queued else "starting"
+
+
 class Events:
-    """Pending notices plus the open ``gpupool.status`` comms. ``notify`` may
-    be called from any thread (the heartbeat's)."""
+    """Pending notices, the open ``gpupool.status`` comms and what they were
+    last told. ``notify``, ``emit`` and ``changed`` may be called from any
+    thread (the heartbeat's).
+
+    ``snapshot`` (set by the kernel): a callable returning the current
+    :func:`lease_state`; ``answer`` (set by the kernel): a callable that
+    answers one request's data with the reply's content (on the kernel's
+    main thread, between cells: comm messages are shell messages).
+    """
 
     def __init__(self, comm_manager: Any) -> None:
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._comms: dict[str, Any] = {}
+        self._state: dict[str, Any] | None = None
+        self.snapshot: Callable[[], dict[str, Any]] = lambda: lease_state("detached")
+        self.answer: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         comm_manager.register_target(TARGET, self._opened)
 
     def _opened(self, comm: Any, msg: dict[str, Any]) -> None:
         with self._lock:
             self._comms[comm.comm_id] = comm
         comm.on_close(lambda msg: self._closed(comm.comm_id))
+        comm.on_msg(lambda msg: self._request(comm, msg))
+        state = self._current()
+        with self._lock:
+            self._state = state
+        self._send([comm], {"state": state})
 
     def _closed(self, comm_id: str) -> None:
         with self._lock:
             self._comms.pop(comm_id, None)
 
+    def _request(self, comm: Any, msg: dict[str, Any]) -> None:
+        data = msg.get("content", {}).get("data")
+        if not isinstance(data, dict) or "request" not in data:
+            self._send([comm], {"reply": None, "ok": False, "message": "a gpupool.status message must be "
+                                f"{{\"request\": KIND}} with KIND one of {', '.join(REQUESTS)}, not {data!r}"})
+            return
+        if self.answer is None:
+            reply = {"ok": False, "message": "this kernel answers no requests"}
+        else:
+            reply = self.answer(data)
+        self._send([comm], {"reply": data.get("request"), "id": data.get("id"), **reply})
+        self.changed()
+
+    def _send(self, comms: list[Any], data: dict[str, Any]) -> None:
+        for comm in comms:
+            try:
+                comm.send(data)
+            except Exception:  # a closed front end must not lose the message for the others
+                log.warning("could not send to gpupool.status comm %s", comm.comm_id, exc_info=True)
+
+    def _current(self) -> dict[str, Any]:
+        try:
+            return self.snapshot()
+        except Exception:  # a state that cannot be read must not break the heartbeat or a cell
+            log.warning("could not read the gpupool state", exc_info=True)
+            return lease_state("detached")
+
     def notify(self, kind: str, message: str, keep: bool = True) -> None:
-        """Send ``message`` to the listening front ends and, with ``keep``,
-        keep it for the top of the next cell."""
+        """Send ``message`` to the listening front ends as an event (then the
+        state, which such a notice usually changes) and, with ``keep``, keep it
+        for the top of the next cell."""
         with self._lock:
             if keep:
                 self._pending.append(message)
+        self.emit(kind, message)
+        self.changed()
+
+    def emit(self, kind: str, message: str, **extra: Any) -> None:
+        """Send event ``kind`` to the listening front ends only (for what the
+        running cell says itself); ``extra`` keys go along (``code``)."""
+        with self._lock:
             comms = list(self._comms.values())
-        for comm in comms:
-            try:
-                comm.send({"event": kind, "message": message})
-            except Exception:  # a closed front end must not lose the notice for the others
-                log.warning("could not send a gpupool event to comm %s", comm.comm_id, exc_info=True)
+        self._send(comms, {"event": kind, "message": message, **extra})
+
+    def changed(self, state: dict[str, Any] | None = None) -> None:
+        """Push ``state`` (default: ``snapshot()``) to the front ends if it
+        differs from what they were last told."""
+        state = state if state is not None else self._current()
+        with self._lock:
+            if state == self._state:
+                return
+            self._state = state
+            comms = list(self._comms.values())
+        self._send(comms, {"state": state})
 
     def take_pending(self) -> list[str]:
         """The notices since the last call, oldest first (and forget them)."""
         with self._lock:
             pending, self._pending = self._pending, []
         return pending
+
+
+class Requests:
+    """Answers the front end's requests with the ``%gpu`` magics themselves
+    (one parser, one set of words): ``gpu`` is the kernel's
+    :class:`~gpupool.magics.magics.GPUMagics`.
+
+    What the magic prints or displays meanwhile is captured and sent in the
+    reply (``output``), never into a cell's output. An acquire blocks the
+    kernel's main thread until attached or refused, as the cell would (a
+    queued ``--wait`` too): cells run after it.
+    """
+
+    def __init__(self, gpu: Any) -> None:
+        self.gpu = gpu
+
+    def __call__(self, data: dict[str, Any]) -> dict[str, Any]:
+        kind = data.get("request")
+        if kind == "defaults":
+            return {"ok": True, "message": "", "defaults": self.defaults()}
+        if kind == "acquire":
+            text = data.get("text")
+            if not isinstance(text, str) or not text.strip():
+                return {"ok": False, "message": "say what to acquire: a fraction of one GPU (0.5) or a count of "
+                                                "whole GPUs (2), e.g. {\"request\": \"acquire\", \"text\": \"0.5\"}"}
+            line = f"acquire {text.strip()}"
+        elif kind == "release":
+            line = "release --discard" if data.get("discard") else "release"
+        elif kind == "status":
+            line = "status"
+        else:
+            return {"ok": False, "message": f"unknown request {kind!r}; use one of: {', '.join(REQUESTS)}"}
+        return self._run(line)
+
+    def _run(self, line: str) -> dict[str, Any]:
+        from IPython.core.error import UsageError
+        from IPython.utils.capture import capture_output
+
+        ok, message = True, ""
+        with capture_output() as captured:
+            try:
+                self.gpu.gpu(line)
+            except UsageError as exc:
+                ok, message = False, str(exc)
+            except Exception as exc:  # the dialog shows it; the kernel goes on
+                ok, message = False, f"{type(exc).__name__}: {exc}"
+        output = _text(captured)
+        return {"ok": ok, "message": message if not ok else output, "output": output}
+
+    def defaults(self) -> dict[str, Any]:
+        """What the Acquire dialog starts from: ``amount`` (DIALOG_AMOUNT), the pool's
+        limits for this user (``max_idle_timeout`` s, ``max_lease_gpus``; None:
+        unlimited or the service did not say) and the GPU models of the pool."""
+        from gpupool.errors import GPUPoolError
+
+        found: dict[str, Any] = {"amount": DIALOG_AMOUNT, "max_idle_timeout": None,
+                                 "max_lease_gpus": None, "models": []}
+        try:
+            limits = self.gpu.client.quota().get("limits", {})
+            found.update(max_idle_timeout=limits.get("max_idle_timeout"), max_lease_gpus=limits.get("max_lease_gpus"))
+            pool = self.gpu.client.pool()
+            found["models"] = sorted({gpu.get("name") for node in pool.get("nodes", [])
+                                      for gpu in node.get("gpus", []) if gpu.get("name")})
+        except GPUPoolError as exc:
+            found["error"] = exc.message
+        return found
+
+
+def _text(captured: Any) -> str:
+    """The words of captured output: stdout and stderr (a progress line's
+    carriage returns keep only its last state), then each display's text."""
+    parts = []
+    for stream in (captured.stdout, captured.stderr):
+        lines = [line.rsplit("\r", 1)[-1] for line in stream.split("\n")]
+        parts.extend(line for line in lines if line.strip())
+    for output in captured.outputs:
+        text = output.data.get("text/plain") if isinstance(output.data, dict) else None
+        if text:
+            parts.append(text)
+    return "\n".join(parts)
+
+
+def kernel_state(gpu: Any) -> dict[str, Any]:
+    """The :func:`lease_state` of the magics ``gpu`` now: its attachment's
+    lease as the heartbeat last saw it (attached), the parked lease (parked),
+    or detached (also once the lease ended behind the user's back)."""
+    attachment = gpu.attachment
+    if attachment is None or (attachment.parked is None and attachment.ended is not None):
+        return lease_state("detached")
+    if attachment.parked is not None:
+        return lease_state("parked", attachment.parked.lease)
+    return lease_state("attached", attachment.heartbeat.last or attachment.lease)

@@ -98,6 +98,10 @@ class Heartbeat(threading.Thread):
         self.notify: Callable[[str, str], None] | None = None
         self._next_wait: float | None = None  # seconds to the next beat when the idle deadline is nearer
         self._node_lost = False  # told the user that the lease's node is lost
+        # The lease as the last beat saw it, and a callable told of each such lease
+        # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
+        self.last: Lease | None = None
+        self.on_lease: Callable[[Lease], None] | None = None
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -115,6 +119,7 @@ class Heartbeat(threading.Thread):
                 self._end(lease)
                 return
             self._tell_node_state(lease)
+            self._seen(lease)
             if self.cell_running:
                 continue
             self._warn_if_idle(lease)
@@ -142,6 +147,14 @@ class Heartbeat(threading.Thread):
         left = (deadline - datetime.now(timezone.utc)).total_seconds() - lead
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
+
+    def _seen(self, lease: Lease) -> None:
+        self.last = lease
+        if self.on_lease is not None:
+            try:
+                self.on_lease(lease)
+            except Exception:  # the front end's view must never stop the heartbeat
+                log.warning("could not pass on the lease of %s", self.lease_id, exc_info=True)
 
     def _end(self, lease: Lease) -> None:
         self.ended = lease

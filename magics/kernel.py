@@ -34,7 +34,7 @@ from traitlets import Float
 
 from gpupool.errors import GPUPoolError
 
-from .events import Events
+from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
 from .relay import OutputBudget
 
@@ -70,6 +70,9 @@ class GPUPoolKernel(IPythonKernel):
         self.budget = OutputBudget()
         self.gpu = GPUMagics(self.shell, kernel=self)
         self.shell.register_magics(self.gpu)
+        # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
+        self.events.snapshot = lambda: kernel_state(self.gpu)
+        self.events.answer = Requests(self.gpu)
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = getattr(self, f"_{msg_type}")
 

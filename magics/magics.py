@@ -133,6 +133,7 @@ class GPUMagics(Magics):
             self.attachment.heartbeat.stop()
             self.attachment.remote.close()
             self.attachment = None
+            self._tell()
 
     # -- %gpu ---------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class GPUMagics(Magics):
         try:
             return handlers[command](rest)
         except GPUPoolError as exc:
+            if command == "acquire":  # quota, pool full, bad size: the front end says so too
+                self._tell("refused", exc.message, code=exc.code)
             raise UsageError(exc.message) from None
 
     @magic_arguments()
@@ -212,6 +215,7 @@ class GPUMagics(Magics):
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
+        self._tell("attached", f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} on {lease.node}")
 
     def _attach(self, request: LeaseRequest, forward: bool = True) -> Attachment:
         """Create a lease for ``request``, wait for its worker (with progress),
@@ -232,8 +236,11 @@ class GPUMagics(Magics):
                 attachment.heartbeat.stop()
                 attachment.remote.close()
             self._cancel(lease.id)
+            self._tell()
             raise
         self._warn_versions(attachment)
+        if not forward:  # a %%gpu cell's own lease: the notebook stays detached
+            self._tell()
         return attachment
 
     def _start_forwarding(self, attachment: Attachment) -> None:
@@ -241,6 +248,7 @@ class GPUMagics(Magics):
         notebook's execution count and folder, and send notices as events."""
         attachment.remote.relay_iopub(self.kernel.publish_relayed)
         attachment.heartbeat.notify = self.kernel.notify
+        attachment.heartbeat.on_lease = lambda lease: self._tell()
         user = attachment.lease.owner
         answer, _ = attachment.request({"op": "attach", "execution_count": self.shell.execution_count,
                                         "cwd": os.getcwd(), "user": user})
@@ -300,6 +308,7 @@ class GPUMagics(Magics):
         names = [n for n in parked.names if n in self.shell.user_ns]
         items, errors = self._send(attachment, names) if names else ([], {})
         _say(f"resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
+        self._tell("resumed", f"{old.id} resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
         return attachment
 
     def _warn_versions(self, attachment: Attachment) -> None:
@@ -315,19 +324,52 @@ class GPUMagics(Magics):
     def _wait_started(self, lease, started: float):
         """Long-poll until the lease leaves ``starting``, showing progress."""
         since = started
+        queued = False
+        shown = 0  # length of the progress line, blanked when it is done
         while lease.state in (LeaseState.queued, LeaseState.starting):
             if lease.state is LeaseState.queued:
                 since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
+            self._tell_progress(lease, queued, started)
+            queued = lease.state is LeaseState.queued
             if time.monotonic() - since > self.start_timeout:
                 raise GPUPoolError("start_timeout", f"no worker started within {self.start_timeout:.0f}s "
                                    "(c.GPUMagics.start_timeout); the request was cancelled", 504)
-            print(f"\rgpupool: {lease.id} {progress_words(lease)}... "
-                  f"{time.monotonic() - started:.0f}s", end="", flush=True)
+            line = f"gpupool: {lease.id} {progress_words(lease)}... {time.monotonic() - started:.0f}s"
+            print(f"\r{line:<{shown}}", end="", flush=True)
+            shown = max(shown, len(line))
             lease = self.client.get_lease(lease.id, wait=2, state=lease.state.value)
-        print("\r", end="", flush=True)
+        if shown:  # front ends that overwrite after "\r" character by character keep no tail of it
+            print("\r" + " " * shown + "\r", end="", flush=True)
+        if queued:
+            self._tell_progress(lease, queued, started)
         if lease.state is not LeaseState.active:
             raise GPUPoolError("lease_failed", f"the lease could not start: {ended_message(lease)}", 502)
         return lease
+
+    # -- the front end's view (gpupool kernel only; gpupool.magics.events) ---------
+
+    def _tell(self, kind: str | None = None, message: str = "", **extra: Any) -> None:
+        """Send event ``kind`` (what this cell says anyway) and the new state to
+        the front ends listening on ``gpupool.status``; nothing outside the gpupool kernel."""
+        events = getattr(self.kernel, "events", None)
+        if events is None:
+            return
+        if kind:
+            events.emit(kind, message, **extra)
+        events.changed()
+
+    def _tell_progress(self, lease, was_queued: bool, started: float) -> None:
+        """A waited-for ``lease``: its queued/starting state, and "admitted"
+        once it leaves the queue."""
+        events = getattr(self.kernel, "events", None)
+        if events is None:
+            return
+        from .events import lease_state, progress_phase
+
+        if was_queued and lease.state is not LeaseState.queued:
+            events.emit("admitted", f"{lease.id} left the queue after {time.monotonic() - started:.0f}s; "
+                                    f"starting on {lease.node or 'the pool'}")
+        events.changed(lease_state(progress_phase(lease), lease))
 
     def _cancel(self, lease_id: str) -> None:
         try:
@@ -343,6 +385,7 @@ class GPUMagics(Magics):
             lease = self.attachment.parked.lease
             self.drop()
             _say(f"released {lease.id}: it was parked after idle and its variables are already here")
+            self._tell("released", f"released {lease.id} (it was parked)")
             return
         attachment = self._attached()
         note = ""
@@ -360,6 +403,7 @@ class GPUMagics(Magics):
             lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
         _say(f"released {lease.id} after {format_duration(_held_seconds(lease))} "
              f"({_usage_words(lease.usage_gpu_seconds)}){note}")
+        self._tell("released", f"released {lease.id} after {format_duration(_held_seconds(lease))}")
 
     def _restart(self, rest: str) -> None:
         """Release the lease without its variables (the worker may be stuck)
@@ -379,6 +423,7 @@ class GPUMagics(Magics):
         if parks:
             self._arm_parking(self.attachment)
         _say(f"restarted: released {old.id} (its variables are lost), attached {self.attachment.lease.id}")
+        self._tell("attached", f"restarted: attached {self.attachment.lease.id}")
 
     def _status(self, rest: str) -> None:
         if rest.strip():

@@ -111,7 +111,8 @@ class Transcript:
                 if msg["msg_type"] == "stream":
                     self.streams.append((parent, msg["content"]["text"]))
                 elif msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == "status-1":
-                    self.events.append(msg["content"]["data"])
+                    if "event" in msg["content"]["data"]:  # not the state snapshots (issue 17)
+                        self.events.append(msg["content"]["data"])
                 elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                     self._idle.add(parent)
         except queue.Empty:

@@ -1,0 +1,396 @@
+/**
+ * gpupool in JupyterLab: the current notebook's GPU lease in the status bar,
+ * "Acquire GPU…", "Release GPU" and "GPU status" in the palette and the Kernel
+ * menu, and the lease's events as notifications. All of it comes from the
+ * notebook's own gpupool kernel (./status.ts); the `%gpu` magics stay the
+ * reference interface, and work the same without this extension.
+ */
+import {
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { Dialog, ICommandPalette, showDialog } from '@jupyterlab/apputils';
+import { IMainMenu } from '@jupyterlab/mainmenu';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { Kernel, KernelSpec } from '@jupyterlab/services';
+import { ISignal, Signal } from '@lumino/signaling';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { Widget } from '@lumino/widgets';
+
+import {
+  IDefaults,
+  ILeaseState,
+  LeaseChannel,
+  formatBytes,
+  formatSeconds,
+  idleLeft,
+  summary
+} from './status';
+
+const CMD = {
+  acquire: 'gpupool:acquire',
+  release: 'gpupool:release',
+  status: 'gpupool:status'
+};
+
+/** Whether a kernelspec is gpupool's (its provisioner; `gpupool kernelspec install` writes it). */
+function isGpupool(spec: KernelSpec.ISpecModel | undefined): boolean {
+  const provisioner = (spec?.metadata as any)?.kernel_provisioner;
+  return !!provisioner && provisioner.provisioner_name === 'gpupool';
+}
+
+/** The lease channel of each notebook panel's current kernel (gpupool kernels only). */
+class Channels {
+  constructor(tracker: INotebookTracker) {
+    this._tracker = tracker;
+  }
+
+  /** Emitted when a kernel's spec has been read (a channel may exist now). */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** The current notebook's channel, opening one for its kernel when needed. */
+  current(): LeaseChannel | null {
+    const panel = this._tracker.currentWidget;
+    return panel ? this.of(panel) : null;
+  }
+
+  of(panel: NotebookPanel): LeaseChannel | null {
+    const kernel = panel.sessionContext.session?.kernel;
+    if (!kernel) {
+      return null;
+    }
+    // One comm per kernel process: a kernel that refused it (not a gpupool kernel)
+    // is not asked again until it restarts (_watch forgets it then).
+    let channel = this._byKernel.get(kernel.id);
+    if (!channel) {
+      const known = this._gpupool.get(kernel.id);
+      if (known === undefined) {
+        this._gpupool.set(kernel.id, false);
+        void kernel.spec.then(spec => {
+          this._gpupool.set(kernel.id, isGpupool(spec));
+          this._changed.emit();
+        });
+        return null;
+      }
+      if (!known) {
+        return null; // another kernel: no comm, no status item
+      }
+      channel = new LeaseChannel(kernel);
+      this._byKernel.set(kernel.id, channel);
+      this._watch(kernel);
+    }
+    return channel;
+  }
+
+  private _watch(kernel: Kernel.IKernelConnection): void {
+    kernel.statusChanged.connect((_, status) => {
+      if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+        this._byKernel.get(kernel.id)?.dispose();
+        this._byKernel.delete(kernel.id);
+      }
+    });
+    kernel.disposed.connect(() => {
+      this._byKernel.get(kernel.id)?.dispose();
+      this._byKernel.delete(kernel.id);
+    });
+  }
+
+  private _tracker: INotebookTracker;
+  private _byKernel = new Map<string, LeaseChannel>();
+  private _gpupool = new Map<string, boolean>();
+  private _changed = new Signal<this, void>(this);
+}
+
+/** The status-bar item: the lease in words, a countdown while idle; click for details. */
+class LeaseItem extends Widget {
+  constructor(onClick: () => void) {
+    super();
+    this.addClass('jp-gpupool-status');
+    this.node.title = 'GPU lease of this notebook (click for details)';
+    this.node.addEventListener('click', onClick);
+    this._timer = window.setInterval(() => this.render(), 1000);
+  }
+
+  follow(channel: LeaseChannel | null): void {
+    if (channel === this._channel) {
+      return;
+    }
+    this._channel?.stateChanged.disconnect(this._changed, this);
+    this._channel = channel;
+    channel?.stateChanged.connect(this._changed, this);
+    this.render();
+  }
+
+  render(): void {
+    const state = this._channel?.state;
+    this.node.textContent = state ? summary(state) : '';
+    this.node.dataset.phase = state ? state.phase : 'none';
+    this.setHidden(!state);
+  }
+
+  dispose(): void {
+    window.clearInterval(this._timer);
+    super.dispose();
+  }
+
+  private _changed(): void {
+    this.render();
+  }
+
+  private _channel: LeaseChannel | null = null;
+  private _timer: number;
+}
+
+/** The facts of a state as rows (the same as `%gpu status` says). */
+function facts(state: ILeaseState): [string, string][] {
+  const rows: [string, string][] = [['state', state.phase]];
+  const add = (name: string, value: any) => {
+    if (value !== null && value !== undefined && value !== '') {
+      rows.push([name, String(value)]);
+    }
+  };
+  add('lease', state.lease);
+  add('share', state.share);
+  add('GPU', state.gpu_model && `${state.gpu_model} (GPU ${(state.gpu_indices || []).join(', ')})`);
+  add('node', state.node && `${state.node}${state.node_state && state.node_state !== 'up' ? ' (' + state.node_state + ')' : ''}`);
+  if (state.memory_limit !== null) {
+    add('memory', `${state.memory_used !== null ? formatBytes(state.memory_used) + ' used of ' : ''}${formatBytes(state.memory_limit)}`);
+  }
+  add('idle timeout', state.idle_timeout !== null ? formatSeconds(state.idle_timeout) : null);
+  const left = idleLeft(state);
+  add('released if idle in', left !== null ? formatSeconds(left) : null);
+  add('place in queue', state.queue_position);
+  add('wait', state.eta !== null ? `about ${formatSeconds(state.eta)}` : null);
+  add('why', state.reason);
+  return rows;
+}
+
+function detailsBody(state: ILeaseState, status: string): Widget {
+  const body = new Widget();
+  body.addClass('jp-gpupool-details');
+  const table = document.createElement('table');
+  for (const [name, value] of facts(state)) {
+    const row = table.insertRow();
+    row.insertCell().textContent = name;
+    row.insertCell().textContent = value;
+  }
+  body.node.appendChild(table);
+  if (status) {
+    const pre = document.createElement('pre');
+    pre.textContent = status;
+    body.node.appendChild(pre);
+  }
+  return body;
+}
+
+/** The Acquire dialog's form; `text()` is what follows `%gpu acquire`. */
+class AcquireForm extends Widget {
+  constructor(defaults: IDefaults | undefined) {
+    super();
+    this.addClass('jp-gpupool-acquire');
+    const field = (name: string, label: string, hint: string, value = '') => {
+      const row = document.createElement('label');
+      row.textContent = label;
+      const input = document.createElement('input');
+      input.name = name;
+      input.value = value;
+      input.placeholder = hint;
+      row.appendChild(input);
+      this.node.appendChild(row);
+      return input;
+    };
+    this.amount = field('amount', 'Share or count', '0.5 of one GPU, or 2 whole GPUs', defaults?.amount || '0.5');
+    this.memory = field('memory', 'Memory', "e.g. 20GiB (default: the share's)");
+    const models = defaults?.models || [];
+    this.model = field('model', 'Model', models.length ? `any; the pool has ${models.join(', ')}` : 'any');
+    const limit = defaults?.max_idle_timeout;
+    this.idle = field('idle-timeout', 'Idle timeout', `e.g. 30m${limit ? '; at most ' + formatSeconds(limit) : ''} (default: the pool's)`);
+    this.error = document.createElement('div');
+    this.error.className = 'jp-gpupool-error';
+    this.node.appendChild(this.error);
+  }
+
+  text(): string {
+    const parts = [this.amount.value.trim()];
+    const add = (flag: string, input: HTMLInputElement) => {
+      const value = input.value.trim();
+      if (value) {
+        parts.push(flag, value.includes(' ') ? JSON.stringify(value) : value);
+      }
+    };
+    add('--memory', this.memory);
+    add('--model', this.model);
+    add('--idle-timeout', this.idle);
+    return parts.join(' ');
+  }
+
+  say(words: string): void {
+    this.error.textContent = words;
+  }
+
+  readonly amount: HTMLInputElement;
+  readonly memory: HTMLInputElement;
+  readonly model: HTMLInputElement;
+  readonly idle: HTMLInputElement;
+  readonly error: HTMLDivElement;
+}
+
+/** A dialog that stays open with the kernel's words when the acquire is refused. */
+class AcquireDialog extends Dialog<string> {
+  constructor(channel: LeaseChannel, form: AcquireForm) {
+    super({
+      title: 'Acquire GPU',
+      body: form,
+      buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Acquire' })],
+      focusNodeSelector: 'input'
+    });
+    this._channel = channel;
+    this._form = form;
+  }
+
+  resolve(index?: number): void {
+    const accept = index === undefined ? true : index === 1;
+    if (!accept || this._done) {
+      super.resolve(index);
+      return;
+    }
+    if (this._busy) {
+      return;
+    }
+    this._busy = true;
+    this.addClass('jp-gpupool-busy');
+    this._form.say('acquiring…');
+    void this._channel.request('acquire', { text: this._form.text() }).then(reply => {
+      this._busy = false;
+      this.removeClass('jp-gpupool-busy');
+      if (reply.ok) {
+        this._done = true;
+        super.resolve(index);
+      } else {
+        this._form.say(reply.message);
+      }
+    });
+  }
+
+  private _channel: LeaseChannel;
+  private _form: AcquireForm;
+  private _busy = false;
+  private _done = false;
+}
+
+function noKernel(): void {
+  void showDialog({
+    title: 'GPU',
+    body: 'The current notebook has no gpupool kernel: pick "Python 3 (gpupool)" as its kernel (or use %gpu in the notebook).',
+    buttons: [Dialog.okButton()]
+  });
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'gpupool-lab:plugin',
+  description: 'The notebook GPU lease of gpupool: status bar, commands and notifications.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [IStatusBar, ICommandPalette, IMainMenu],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null,
+    mainMenu: IMainMenu | null
+  ) => {
+    const channels = new Channels(tracker);
+    const ready = (): LeaseChannel | null => {
+      const channel = channels.current();
+      return channel && channel.state ? channel : null;
+    };
+
+    app.commands.addCommand(CMD.acquire, {
+      label: 'Acquire GPU…',
+      caption: 'Attach a share of a pooled GPU to this notebook (%gpu acquire)',
+      isEnabled: () => !!ready() && ready()!.state!.phase === 'detached',
+      execute: async () => {
+        const channel = ready();
+        if (!channel) {
+          return noKernel();
+        }
+        const defaults = await channel.request('defaults');
+        await new AcquireDialog(channel, new AcquireForm(defaults.defaults)).launch();
+      }
+    });
+    app.commands.addCommand(CMD.release, {
+      label: 'Release GPU',
+      caption: "Give this notebook's GPU back; its variables come here (%gpu release)",
+      isEnabled: () => !!ready() && ['attached', 'parked'].includes(ready()!.state!.phase),
+      execute: async () => {
+        const channel = ready();
+        if (!channel) {
+          return noKernel();
+        }
+        const reply = await channel.request('release');
+        if (!reply.ok) {
+          await showDialog({ title: 'Release GPU', body: reply.message, buttons: [Dialog.okButton()] });
+        }
+      }
+    });
+    app.commands.addCommand(CMD.status, {
+      label: 'GPU status',
+      caption: "This notebook's GPU lease (%gpu status)",
+      execute: async () => {
+        const channel = ready();
+        if (!channel) {
+          return noKernel();
+        }
+        const reply = await channel.request('status');
+        const state = channel.state!;
+        const attached = ['attached', 'parked'].includes(state.phase);
+        const result = await showDialog({
+          title: 'GPU status',
+          body: detailsBody(state, reply.ok ? reply.message : reply.message),
+          buttons: [
+            Dialog.cancelButton({ label: 'Close' }),
+            attached
+              ? Dialog.warnButton({ label: 'Release' })
+              : Dialog.okButton({ label: 'Acquire…' })
+          ]
+        });
+        if (result.button.accept) {
+          await app.commands.execute(attached ? CMD.release : CMD.acquire);
+        }
+      }
+    });
+
+    for (const command of Object.values(CMD)) {
+      palette?.addItem({ command, category: 'GPU' });
+    }
+    mainMenu?.kernelMenu.addGroup(
+      Object.values(CMD).map(command => ({ command })),
+      100
+    );
+
+    if (statusBar) {
+      const item = new LeaseItem(() => void app.commands.execute(CMD.status));
+      const follow = () => {
+        item.follow(channels.current());
+        app.commands.notifyCommandChanged();
+      };
+      tracker.currentChanged.connect(follow);
+      channels.changed.connect(follow);
+      tracker.widgetAdded.connect((_, panel) => {
+        panel.sessionContext.kernelChanged.connect(follow);
+        panel.sessionContext.statusChanged.connect(follow);
+      });
+      statusBar.registerStatusItem('gpupool-lab:status', {
+        item,
+        align: 'left',
+        rank: 4,
+        isActive: () => !!tracker.currentWidget && tracker.currentWidget === app.shell.currentWidget
+      });
+      follow();
+    }
+  }
+};
+
+export default plugin;

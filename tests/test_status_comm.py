@@ -1,0 +1,242 @@
+"""The ``gpupool.status`` comm message by message (issue 17), as the JupyterLab
+extension uses it: a real gpupool kernel on a real pool (``e2e_pool``, heartbeat
+TTL 3 s), driven with jupyter_client.
+
+The comm gets the state on open and on every change, events for what happens
+between cells and for what a cell says anyway, and answers requests with the
+``%gpu`` magic's own parser and words; what the magic prints meanwhile comes in
+the reply, never as a cell's output.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from gpupool.schema import Lease, LeaseState
+from gpupool.magics.events import PHASES, lease_state
+from frontend import Cell
+
+GIB = 1024**3
+MODEL = "NVIDIA A100-SXM4-80GB"
+
+
+class StatusComm:
+    """A front end's comm to ``gpupool.status`` on kernel client ``kc``: every
+    message the kernel sends on it, in order, in ``seen``; every other IOPub
+    message in ``other``."""
+
+    def __init__(self, kc) -> None:
+        self.kc, self.comm_id = kc, uuid.uuid4().hex
+        self.seen: list[dict[str, Any]] = []
+        self.other: list[dict[str, Any]] = []
+        self.asked: list[str] = []  # msg_ids of our requests
+        self._read = 0
+        kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": self.comm_id, "target_name": "gpupool.status",
+                                                           "data": {}}))
+
+    def _pump(self, timeout: float) -> dict[str, Any] | None:
+        """Read one IOPub message (up to ``timeout`` s) into ``seen`` or ``other``."""
+        try:
+            msg = self.kc.get_iopub_msg(timeout=max(0.05, timeout))
+        except queue.Empty:
+            return None
+        if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == self.comm_id:
+            self.seen.append(msg["content"]["data"])
+        else:
+            self.other.append(msg)
+        return msg
+
+    def run(self, code: str, timeout: float = 60) -> Cell:
+        """Execute ``code`` as a cell, keeping our comm's messages meanwhile."""
+        msg_id = self.kc.execute(code)
+        start = len(self.other)
+        deadline = time.monotonic() + timeout
+        while not any(m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "status"
+                      and m["content"]["execution_state"] == "idle" for m in self.other[start:]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cell did not finish in {timeout}s: {code!r}")
+            self._pump(deadline - time.monotonic())
+        cell = Cell(outputs=[(m["msg_type"], m["content"]) for m in self.other[start:]
+                             if m["parent_header"].get("msg_id") == msg_id
+                             and m["msg_type"] not in ("status", "execute_input")])
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=timeout)
+        cell.reply = reply["content"]
+        return cell
+
+    def next(self, predicate, timeout: float = 30) -> dict[str, Any]:
+        """The first message after the last one read that ``predicate`` accepts
+        (raises AssertionError with what came when none does within ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while self._read < len(self.seen):
+                data = self.seen[self._read]
+                self._read += 1
+                if predicate(data):
+                    return data
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no such message within {timeout}s; got {self.seen}")
+            self._pump(deadline - time.monotonic())
+
+    def state(self, phase: str, timeout: float = 30) -> dict[str, Any]:
+        return self.next(lambda d: d.get("state", {}).get("phase") == phase, timeout)["state"]
+
+    def last_state(self) -> dict[str, Any]:
+        """The state the kernel sent last (it sends a request's new state before its reply)."""
+        return [d["state"] for d in self.seen if "state" in d][-1]
+
+    def event(self, kind: str, timeout: float = 30) -> dict[str, Any]:
+        return self.next(lambda d: d.get("event") == kind, timeout)
+
+    def send(self, data: Any) -> str:
+        msg = self.kc.session.msg("comm_msg", {"comm_id": self.comm_id, "data": data})
+        self.asked.append(msg["header"]["msg_id"])
+        self.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
+
+    def ask(self, data: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        """Send request ``data`` (with an id) and return its reply."""
+        ident = uuid.uuid4().hex
+        self.send({**data, "id": ident})
+        return self.next(lambda d: "reply" in d and d.get("id") == ident, timeout)
+
+    def outputs_of_requests(self) -> list[dict[str, Any]]:
+        """Output messages the kernel parented to one of our requests (there must be none)."""
+        while self._pump(0.5) is not None:
+            pass
+        return [m for m in self.other if m["parent_header"].get("msg_id") in self.asked
+                and m["msg_type"] in ("stream", "display_data", "execute_result", "error")]
+
+
+@pytest.fixture
+def status(kernel):
+    _, kc = kernel
+    return kc, StatusComm(kc)
+
+
+def test_lease_state_has_every_key_in_every_phase():
+    lease = Lease(id="L-1", owner="ann", state=LeaseState.queued, fraction=0.5, gpu_count=1, memory=40 * GIB,
+                  queue_position=2, queue_estimate_s=30.0)
+    keys = set(lease_state("detached"))
+    for phase in PHASES:
+        assert set(lease_state(phase, lease)) == keys and lease_state(phase, lease)["phase"] == phase
+    queued = lease_state("queued", lease)
+    assert (queued["queue_position"], queued["eta"], queued["share"]) == (2, 30.0, "0.50 of a GPU")
+    assert lease_state("attached", lease)["queue_position"] is None
+    with pytest.raises(ValueError, match="phase must be one of"):
+        lease_state("busy")
+
+
+def test_state_on_open_then_on_attach_and_release_from_cells(status):
+    kc, comm = status
+    first = comm.next(lambda d: True)
+    assert first["state"]["phase"] == "detached" and first["state"]["lease"] is None, first
+    cell = comm.run("%gpu acquire 0.25")
+    assert cell.ok, cell.text()
+    attached = comm.event("attached")
+    assert MODEL in attached["message"]
+    state = comm.state("attached")
+    assert state["share"] == "0.25 of a GPU" and state["gpu_model"] == MODEL and state["node"]
+    assert state["lease"].startswith("L-") and isinstance(state["memory_limit"], int) and state["memory_limit"] > 10 * GIB and state["gpu_indices"]
+    cell = comm.run("%gpu release")
+    assert cell.ok, cell.text()
+    assert state["lease"] in comm.event("released")["message"]
+    assert comm.state("detached")["lease"] is None
+
+
+def test_requests_run_the_magic_and_keep_its_output_out_of_cells(status):
+    kc, comm = status
+    comm.state("detached")
+    reply = comm.ask({"request": "acquire", "text": "0.5 --memory 20GiB"})
+    assert reply["reply"] == "acquire" and reply["ok"], reply
+    assert "attached" in reply["output"] and MODEL in reply["output"]
+    state = comm.last_state()
+    assert state["phase"] == "attached", state
+    assert state["fraction"] == 0.5 and state["memory_limit"] == 20 * GIB
+    where = comm.run("import os; print(os.environ.get('GPUPOOL_LEASE_ID'))")
+    assert where.stdout.strip() == state["lease"], "the next cell runs on the lease the dialog acquired"
+    shown = comm.ask({"request": "status"})
+    assert shown["ok"] and state["lease"] in shown["message"], shown
+    again = comm.ask({"request": "acquire", "text": "0.25"})
+    assert not again["ok"] and again["message"] == f"already attached to {state['lease']}; run %gpu release first"
+    released = comm.ask({"request": "release"})
+    assert released["ok"] and f"released {state['lease']}" in released["output"], released
+    assert comm.last_state()["phase"] == "detached" and comm.last_state()["lease"] is None
+    assert comm.outputs_of_requests() == [], "a request's output must not reach any cell"
+
+
+def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
+    kc, comm = status
+    comm.state("detached")
+    cell = comm.run("%gpu acquire 1.5")
+    assert not cell.ok
+    bad = comm.ask({"request": "acquire", "text": "1.5"})
+    assert not bad["ok"] and bad["message"] == cell.reply["evalue"], (bad, cell.reply)
+    huge = comm.ask({"request": "acquire", "text": "0.5 --memory 500GiB"})
+    assert not huge["ok"] and "500" in huge["message"], huge
+    refused = [d for d in comm.seen if d.get("event") == "refused"][-1]  # sent before the reply
+    assert refused["message"] == huge["message"] and refused["code"]
+    for data, words in (({"request": "acquire"}, "say what to acquire"),
+                        ({"request": "fly"}, "unknown request 'fly'"),
+                        ({"nothing": 1}, "must be {\"request\": KIND}")):
+        comm.send(data)
+        answer = comm.next(lambda d: "reply" in d)
+        assert not answer["ok"] and words in answer["message"], answer
+    assert all(d["state"]["phase"] == "detached" for d in comm.seen if "state" in d), comm.seen
+    assert comm.run("%gpu status").stdout.startswith("gpupool: not attached")
+
+
+def test_defaults_name_the_pools_models(status):
+    _, comm = status
+    reply = comm.ask({"request": "defaults"})
+    assert reply["ok"] and reply["defaults"]["amount"] == "0.5" and reply["defaults"]["models"] == [MODEL], reply
+
+
+def test_idle_warning_and_park_come_as_events_and_the_next_cell_resumes(status):
+    kc, comm = status
+    assert comm.run("%config GPUMagics.park_ahead = 1.0").ok
+    cell = comm.run("%gpu acquire 0.25 --idle-timeout 4s")
+    assert cell.ok, cell.text()
+    lease = comm.state("attached")["lease"]
+    warning = comm.event("idle_warning")
+    assert lease in warning["message"] and "parked" in warning["message"]
+    assert lease in comm.event("parked")["message"]
+    parked = comm.state("parked")
+    assert parked["lease"] == lease and parked["share"] == "0.25 of a GPU"
+    cell = comm.run("x = 1")
+    assert cell.ok, cell.text()
+    assert lease in comm.event("resumed")["message"]
+    resumed = comm.state("attached")
+    assert resumed["lease"] != lease
+    assert comm.run("%gpu release").ok
+    comm.state("detached")
+
+
+def test_a_queued_request_shows_its_place_then_admitted_then_attached(e2e_pool, status):
+    from gpupool.schema import LeaseRequest
+    from gpupool.units import parse_gpu_amount
+
+    service = e2e_pool[0]
+    kc, comm = status
+    comm.state("detached")
+    client = service.client()
+    fraction, count = parse_gpu_amount("2")
+    hog = client.create_lease(LeaseRequest(fraction=fraction, gpu_count=count))  # the whole pool
+    try:
+        comm.send({"request": "acquire", "text": "0.5 --wait 2m", "id": "queued-1"})
+        queued = comm.state("queued")
+        assert queued["queue_position"] == 1 and queued["share"] == "0.50 of a GPU" and queued["lease"], queued
+    finally:
+        client.release(hog.id, reason="test: make room")
+    admitted = comm.event("admitted", timeout=60)
+    assert queued["lease"] in admitted["message"] and "left the queue" in admitted["message"]
+    reply = comm.next(lambda d: d.get("id") == "queued-1", timeout=60)
+    assert reply["ok"], reply
+    assert comm.last_state()["phase"] == "attached" and comm.last_state()["lease"] == queued["lease"]
+    assert comm.ask({"request": "release"})["ok"]
