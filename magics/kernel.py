@@ -149,7 +149,10 @@ class GPUPoolKernel(IPythonKernel):
         with ``_lost_words`` set when the lease or worker was lost meanwhile."""
         from gpupool.provisioner.worker import STDIN_KEY
 
-        content = dict(parent["content"], code=code, allow_stdin=True)
+        # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
+        # only ever has this one request, and aborting there would abort the next cell forwarded
+        # right after an error while its own abort window is still open.
+        content = dict(parent["content"], code=code, allow_stdin=True, stop_on_error=False)
         self._allow_stdin = bool(parent["content"].get("allow_stdin"))
         msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
                                                           STDIN_KEY: self._allow_stdin}}
