@@ -34,6 +34,7 @@ from unittest import mock
 
 from gpupool.provisioner.cgroups import CgroupError, containment
 from gpupool.provisioner.workers import START_GATE
+from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Containment"
@@ -149,18 +150,6 @@ def markdown(gate: dict, kills: dict[str, dict | None], runs: int, procs: int, c
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of REPORT.md (or append it), leaving the others alone."""
-    text = path.read_text() if path.exists() else "# gpupool benchmarks\n"
-    start = text.find(SECTION)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1:] if end != -1 else "")
-    path.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=30, help="runs per measurement (default 30)")
@@ -179,7 +168,7 @@ def main() -> int:
     section = markdown(gate, kills, args.runs, args.procs, command)
     print(section)
     if not args.no_report:
-        write_section(ROOT / "bench" / "REPORT.md", section)
+        write_section(SECTION, section)
     return 0
 
 

@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1024**3
@@ -182,19 +183,6 @@ def report(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) the "## Flood" section of bench/REPORT.md, leaving the rest as it is."""
-    path = ROOT / "bench" / "REPORT.md"
-    old = path.read_text()
-    start = old.find("\n## Flood\n")
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + 1)
-        new = old[:start + 1] + text + ("" if end == -1 else "\n" + old[end + 1:])
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=400, help="calls of the other user per phase (at least)")
@@ -207,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(result, " ".join(["bench/flood_bench.py", *(argv if argv is not None else sys.argv[1:])]))
     print(text)
     if not args.no_report:
-        write_section(text)
+        write_section("## Flood", text)
     return 0
 
 

@@ -41,6 +41,7 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
 from gpupool import localpool
+from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024**2
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         results = json.loads((args.out / "remoting.json").read_text())
         plot(results, args.out / "remoting_overhead.png")
-        write_section(ROOT / "bench" / "REPORT.md", report(results, results.get("command", "bench/remoting_bench.py")))
+        write_section(SECTION, report(results, results.get("command", "bench/remoting_bench.py")))
         return 0
     sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= args.max_mib]
     results: dict = {"cells": args.cells, "compute_runs": args.compute_runs, "sizes_mib": sizes,
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     section = report(results, results["command"])
     print(section)
     if not args.no_report:
-        write_section(ROOT / "bench" / "REPORT.md", section)
+        write_section(SECTION, section)
     return 0
 
 
@@ -420,18 +421,6 @@ def report(results: dict, command: str) -> str:
         f"own); at 64 MiB and above gpupool moves {min(vs_ipp):.1f}-{max(vs_ipp):.1f}x what ipyparallel does.", "",
     ]
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of REPORT.md (or append it), leaving the others alone."""
-    text = path.read_text() if path.exists() else "# gpupool benchmarks\n"
-    start = text.find(SECTION)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1:] if end != -1 else "")
-    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from gpupool.hub_plugin.placement_index import PlacementIndex  # noqa: E402
 from gpupool.hub_plugin.scheduler import Demand, GPUState, Placement, place  # noqa: E402
+from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 SLICES = ((0.1, 0.2), (0.25, 0.3), (0.5, 0.3), (1.0, 0.2))  # (fraction, weight)
 WHOLE = (2, 4, 8)
@@ -184,19 +185,6 @@ def report(rows: list[tuple[str, dict[str, float]]], command: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) the "## Scheduler" section of bench/REPORT.md, leaving the rest as it is."""
-    path = ROOT / "bench" / "REPORT.md"
-    old = path.read_text()
-    start = old.find("\n## Scheduler\n")
-    if start == -1:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + 1)
-        new = old[:start + 1] + text + ("" if end == -1 else "\n" + old[end + 1:])
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decisions", type=int, default=20000, help="decisions per pool with the index")
@@ -218,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ".venv/bin/python bench/scheduler_bench.py" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-report")
     if not args.no_report:
-        write_section(report(rows, command))
+        write_section("## Scheduler", report(rows, command))
     return 0
 
 
