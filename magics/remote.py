@@ -154,6 +154,8 @@ class RemoteKernel:
         IOPub message of the request has then been relayed). Interrupts and
         errors as for :meth:`execute`; GPUPoolError ``worker_timeout`` after
         ``timeout`` seconds (None: no bound, a cell may run for days)."""
+        if self._relay is not None and wait_idle:
+            self._relay.awaited = msg["header"]["msg_id"]  # before the send: its idle may come at once
         self.session.send(self.shell, msg)
         return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
                                 timeout=timeout, want_idle=wait_idle)
@@ -274,17 +276,22 @@ class IOPubRelay(threading.Thread):
     """Reads a worker's IOPub on a thread of its own and re-signs the
     front end's messages for the notebook kernel's IOPub (the bare
     forwarding hop: only header and parent are decoded, content and buffers
-    pass as they came). What the notebook kernel itself asked for
+    pass as they came). The busy and idle of the forwarded cell ``awaited``
+    are passed too (the front end hears the worker's own), and its idle also
+    goes to ``inner``, where :meth:`RemoteKernel._until_idle` waits for the
+    cell's end; other ``status`` messages are dropped (the notebook kernel
+    says busy and idle itself). What the notebook kernel itself asked for
     (transfers, version checks: parented to ``session``'s own session id)
-    and every ``status`` go to ``inner`` instead, where
-    :meth:`RemoteKernel._until_idle` waits for them. A message whose
-    signature does not verify is dropped (Session.deserialize raises)."""
+    goes to ``inner`` only. A message whose signature does not verify is
+    dropped (Session.deserialize raises)."""
 
     def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
                  publish: Callable[[list, list, dict], None]) -> None:
         super().__init__(name="gpupool-iopub-relay", daemon=True)
         self.iopub, self.inner, self.session, self.publish = iopub, inner, session, publish
         self._halt = threading.Event()
+        #: msg_id of the forwarded request whose idle status RemoteKernel waits for.
+        self.awaited: str | None = None
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -303,15 +310,24 @@ class IOPubRelay(threading.Thread):
     def _pass(self, frames: list) -> None:
         idents, parts = self.session.feed_identities(frames, copy=False)
         msg = self.session.deserialize(parts, content=False, copy=False)
-        own = msg["parent_header"].get("session") == self.session.session
+        parent = msg["parent_header"]
+        if parent.get("session") == self.session.session:
+            self.inner.send_multipart(frames, copy=False)
+            return
         # A front end's comm message gets the worker's busy/idle (the notebook kernel sends
         # none of its own for it): JupyterLab listens for a comm message's output only until
         # its idle, and an @interact callback prints after the notebook kernel's idle.
-        comm_status = msg["parent_header"].get("msg_type") in COMM_MSG_TYPES
-        if own or (msg["header"]["msg_type"] == "status" and not comm_status):
-            self.inner.send_multipart(frames, copy=False)
+        status = msg["header"]["msg_type"] == "status" and parent.get("msg_type") not in COMM_MSG_TYPES
+        awaited = parent.get("msg_id") == self.awaited
+        if status and not awaited:
             return
         self.publish(idents, [part.buffer if hasattr(part, "buffer") else part for part in parts], msg)
+        if status and self._state(parts[4]) == "idle":
+            self.inner.send_multipart(frames, copy=False)
+
+    def _state(self, content: Any) -> str | None:
+        """The execution_state of a status message's content frame."""
+        return self.session.unpack(content.bytes if hasattr(content, "bytes") else content).get("execution_state")
 
     def stop(self) -> None:
         self._halt.set()

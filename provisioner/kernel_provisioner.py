@@ -28,10 +28,23 @@ from traitlets import Float, Unicode, default
 
 from gpupool.api import ENV_TOKEN, ENV_URL, ServiceClient
 from gpupool.errors import GPUPoolError
+from gpupool.kernelcmd import NOTEBOOK_KERNEL_APP, with_launcher
 
 ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
 KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
 OUTSTREAM_CLASS = "gpupool.magics.outstream.QuietOutStream"
+def gpupool_command(cmd: list[str]) -> list[str]:
+    """A kernel command line that runs the gpupool kernel (pure): ``-m
+    ipykernel_launcher`` (or ``-m ipykernel``) becomes ``-m`` NOTEBOOK_KERNEL_APP;
+    any other launcher gets ``--IPKernelApp.kernel_class`` and
+    ``--IPKernelApp.outstream_class`` unless it names them itself."""
+    swapped = with_launcher(cmd, NOTEBOOK_KERNEL_APP)
+    if swapped is not None:
+        return swapped
+    extra = [f"--IPKernelApp.{name}={value}" for name, value in
+             (("kernel_class", KERNEL_CLASS), ("outstream_class", OUTSTREAM_CLASS))
+             if not any(name in arg for arg in cmd)]
+    return [*cmd, *extra]
 
 
 class GPUPoolProvisioner(LocalProvisioner):
@@ -68,17 +81,15 @@ class GPUPoolProvisioner(LocalProvisioner):
     _shutdown_requested = False
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        """Name the gpupool kernel class on the kernel's command line and add
-        the ``GPUPOOL_*`` variables to its environment (called on each start
-        and restart by ``KernelManager.pre_start_kernel``)."""
+        """Run the gpupool kernel's application (:mod:`gpupool.magics.kernelapp`)
+        in place of ``ipykernel_launcher`` and add the ``GPUPOOL_*`` variables
+        to its environment (called on each start and restart by
+        ``KernelManager.pre_start_kernel``). A kernelspec that launches the
+        kernel some other way gets the kernel and output stream classes on its
+        command line instead (ipykernel's shell-channel thread then stays)."""
         self._shutdown_requested = False
-        extra = list(kwargs.pop("extra_arguments", None) or [])
-        argv = [*(self.kernel_spec.argv if self.kernel_spec else []), *extra]
-        if not any("kernel_class" in arg for arg in argv):
-            extra.append(f"--IPKernelApp.kernel_class={KERNEL_CLASS}")
-        if not any("outstream_class" in arg for arg in argv):
-            extra.append(f"--IPKernelApp.outstream_class={OUTSTREAM_CLASS}")
-        kwargs = await super().pre_launch(extra_arguments=extra, **kwargs)
+        kwargs = await super().pre_launch(**kwargs)
+        kwargs["cmd"] = gpupool_command(kwargs["cmd"])
         env = kwargs["env"]
         self._token = self._read_token()
         if self.service_url:
