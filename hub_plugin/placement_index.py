@@ -23,7 +23,13 @@ Why it is the same answer:
   (node up, healthy) and the request names no model and no memory, every
   idle GPU is eligible, so the winner is the first node of one of the idle
   counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
-  Otherwise ``place()`` scans every GPU.
+  A worker environment (``demand.env``) is a node filter: every GPU of a
+  node offers the same ones, so the winner is the first node of each idle
+  count that offers it. Otherwise ``place()`` scans every GPU.
+- Either way ``place()`` gives the GPUs of nodes lacking ``demand.env``
+  reason ``NO_ENVIRONMENT``; the index skips them as it looks for each
+  class's first fitting member. :meth:`PlacementIndex.offers` says whether
+  any GPU's node offers an environment at all (kept as a count per name).
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
   tally of reasons covers every GPU (unless the caller asks for no
   explanation: the queue only needs to know).
@@ -34,6 +40,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections import Counter
 from typing import Iterable
 
 from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
@@ -55,8 +62,10 @@ class PlacementIndex:
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
         self._unusable = 0  # GPUs on lost nodes or unhealthy
+        self._env_gpus: Counter[str] = Counter()  # environment name -> GPUs whose node offers it
         for gpu in gpus:
             self._unusable += _unusable(gpu)
+            self._env_gpus.update(gpu.environments)
             self.states[gpu.uuid] = gpu
             self._node_gpus.setdefault(gpu.node, []).append(gpu.uuid)
             self._idle[gpu.node] = self._idle.get(gpu.node, 0) + _whole_free(gpu)
@@ -68,6 +77,14 @@ class PlacementIndex:
     def all(self) -> list[GPUState]:
         """Every GPU state, in no set order."""
         return list(self.states.values())
+
+    def offers(self, env: str) -> bool:
+        """Whether some GPU's node reports worker environment ``env`` usable (whatever its load or state)."""
+        return self._env_gpus[env] > 0
+
+    def environments(self) -> list[str]:
+        """The worker environments some GPU's node reports usable, by name."""
+        return sorted(name for name, count in self._env_gpus.items() if count > 0)
 
     def node_gpus(self, node: str) -> list[str]:
         """UUIDs of ``node``'s GPUs by index (empty for a node not indexed)."""
@@ -82,6 +99,9 @@ class PlacementIndex:
             bisect.insort(self._partial, _key(gpu))
         self.states[gpu.uuid] = gpu
         self._unusable += _unusable(gpu) - _unusable(old)
+        if gpu.environments is not old.environments:
+            self._env_gpus.subtract(old.environments)
+            self._env_gpus.update(gpu.environments)
         if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
             after = before + (1 if _whole_free(gpu) else -1)
@@ -153,7 +173,11 @@ class PlacementIndex:
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
-            found.extend(self.states[u] for u in self._node_gpus[node])
+            gpus = [self.states[u] for u in self._node_gpus[node]]
+            if demand.env is not None and demand.env not in gpus[0].environments:
+                j += 1  # the next node of this idle count may offer it
+                continue
+            found.extend(gpus)
             j = bisect.bisect_left(nodes, (idle + 1, ""))
         return found
 
