@@ -342,6 +342,7 @@ def random_workload(rng):
 
 
 def test_placement_index_gives_the_same_answer_under_churn():
+    import dataclasses
     import random
 
     from gpupool.hub_plugin.placement_index import PlacementIndex
@@ -356,6 +357,10 @@ def test_placement_index_gives_the_same_answer_under_churn():
             if held and rng.random() < 0.35:  # a lease ends
                 index.give(held.pop(rng.randrange(len(held))))
                 continue
+            if rng.random() < 0.03:  # a node's agent registers again, offering other environments
+                node, envs = rng.choice(index.all()).node, frozenset(rng.choice([(), ("default",), ("torch",)]))
+                for uuid in index.node_gpus(node):
+                    index.update(dataclasses.replace(index.states[uuid], environments=envs))
             demand = random_demand(rng)
             expected = place(demand, index.all(), index.workload)
             assert index.place(demand) == expected, demand
