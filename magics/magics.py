@@ -141,12 +141,12 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
-        %gpu status                  lease, GPU, memory, idle countdown
-        %gpu pool                    nodes and GPUs of the pool
+        %gpu status                  lease, environment, GPU, memory, idle countdown
+        %gpu pool                    nodes, GPUs and worker environments of the pool
         %gpu quota                   your limits and GPU-hours used
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
