@@ -177,7 +177,7 @@ class LeaseRequest:
     ``env``: the worker environment on the node (``c.NodeAgent.environments``,
     a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default);
     the lease is placed only on a node that offers it, and refused at once
-    (400 ``unknown_environment``) when no node does. ``prefer_env``: used when
+    (409 ``unknown_environment``) when no node does. ``prefer_env``: used when
     ``env`` is None, the environment to run in when some node offers it, else
     the node's default, never a refusal (the magic sends the notebook kernel's
     :func:`kernel_environment`).

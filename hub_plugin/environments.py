@@ -10,7 +10,8 @@ node that will never come:
 
 - ``env`` given (``%gpu acquire 0.5 --env torch``): it must be usable on some
   registered node with GPUs (whatever that node's load or state: a full or
-  lost node's request queues as usual); otherwise 400 ``unknown_environment``.
+  lost node's request queues as usual); otherwise 409 ``unknown_environment``
+  (a valid request that this pool cannot serve, as ``pool_full`` is).
 - ``prefer_env`` given instead (the notebook kernel's name, see
   :func:`gpupool.schema.kernel_environment`): that environment when some node
   offers it, else none, i.e. the node's default. Never a refusal.
@@ -40,7 +41,7 @@ def lease_environment(env: str | None, prefer: str | None, offered: Collection[s
 
 
 def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, str]) -> GPUPoolError:
-    """The 400 for a request naming ``env`` that no node offers. ``unusable``: node ->
+    """The 409 for a request naming ``env`` that no node offers. ``unusable``: node ->
     why ``env`` cannot run workers there, for nodes that have it configured."""
     names = ", ".join(sorted(offered)) or "none (no agent with GPUs has registered)"
     words = f"no node offers the worker environment {env!r}; the pool offers: {names}"
@@ -48,7 +49,7 @@ def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, 
         words += "; " + "; ".join(f"on {node} it cannot run workers: {why}" for node, why in sorted(unusable.items()))
     words += (" (%gpu pool lists them per node; leave --env out for the node's default, or ask an admin "
               "to add it in c.NodeAgent.environments)")
-    return GPUPoolError("unknown_environment", words, 400, env=env, environments=sorted(offered))
+    return GPUPoolError("unknown_environment", words, 409, env=env, environments=sorted(offered))
 
 
 def unusable_on(session: Session, env: str) -> dict[str, str]:

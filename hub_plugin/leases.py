@@ -172,7 +172,7 @@ class LeaseBook:
 
         Returns the lease JSON: state ``starting``, or ``queued`` when nothing
         fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
-        input, 400 ``unknown_environment`` (with ``environments``, the names
+        input, 409 ``unknown_environment`` (with ``environments``, the names
         offered) when ``env`` names a worker environment no node offers, 429
         ``quota_exceeded`` (with ``limit``) over a quota or over
         ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
@@ -260,7 +260,7 @@ class LeaseBook:
 
     def _environment(self, session: Session, request: LeaseRequest) -> str | None:
         """The worker environment the lease asks for (:func:`.environments.lease_environment`);
-        400 ``unknown_environment`` when ``env`` names one that no node offers."""
+        409 ``unknown_environment`` when ``env`` names one that no node offers."""
         if request.env is None and request.prefer_env is None:
             return None
         offered = self.capacity.get(session, self._workload(session)).environments()

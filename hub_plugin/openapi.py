@@ -93,7 +93,7 @@ _SCHEMAS: dict[str, Any] = {
                         "\"\" the default one): stopping that server releases the lease"},
         "env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
                 "description": "the worker environment on the node (c.NodeAgent.environments): the lease "
-                "goes only to a node that reports it usable; 400 unknown_environment when none does. "
+                "goes only to a node that reports it usable; 409 unknown_environment when none does. "
                 "Absent: the node's default"},
         "prefer_env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
                        "description": "when env is absent: this environment if some node offers it, else "

@@ -170,7 +170,7 @@ def test_placement_follows_the_environment(two_nodes):
     before = client.pool()["totals"], len(client.list_leases())
     with pytest.raises(GPUPoolError) as refused:
         client.create_lease(LeaseRequest(fraction=0.25, env="jax", wait=600))
-    assert refused.value.status == 400 and refused.value.code == "unknown_environment"
+    assert refused.value.status == 409 and refused.value.code == "unknown_environment"
     assert refused.value.message.startswith("no node offers the worker environment 'jax'; the pool offers: "
                                             "default, torch")
     assert (client.pool()["totals"], len(client.list_leases())) == before
