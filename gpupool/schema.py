@@ -133,6 +133,33 @@ def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
     return value
 
 
+#: What a worker environment's name may hold (``c.NodeAgent.environments`` keys a lease can name).
+ENV_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+#: The prefix :func:`kernel_environment` drops from a kernel's name.
+KERNEL_PREFIX = "gpupool-"
+#: Set by the kernel provisioner to the notebook kernel's kernelspec name.
+ENV_KERNEL_NAME = "GPUPOOL_KERNEL_NAME"
+
+
+def _env_name(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or not ENV_NAME.fullmatch(value)):
+        raise bad_request(f"'{key}' must name a worker environment (letters, digits, '.', '_', '-'; "
+                          f"at most 100), got {value!r:.80}")
+    return value
+
+
+def kernel_environment(kernel_name: str | None) -> str | None:
+    """The worker environment a notebook kernel prefers when ``%gpu acquire`` names
+    none: its kernelspec name without a leading ``gpupool-`` (``torch`` ->
+    ``torch``, ``gpupool-torch`` -> ``torch``); None for no name, or one that
+    cannot name an environment. Pure."""
+    name = (kernel_name or "").strip()
+    if name.startswith(KERNEL_PREFIX):
+        name = name[len(KERNEL_PREFIX):]
+    return name if ENV_NAME.fullmatch(name) else None
+
+
 @dataclass(frozen=True)
 class LeaseRequest:
     """What a client asks for with ``POST /api/v1/leases``.
@@ -148,7 +175,12 @@ class LeaseRequest:
     (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
     255 characters), so that stopping one server releases only its leases.
     ``env``: the worker environment on the node (``c.NodeAgent.environments``,
-    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default).
+    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default);
+    the lease is placed only on a node that offers it, and refused at once
+    (409 ``unknown_environment``) when no node does. ``prefer_env``: used when
+    ``env`` is None, the environment to run in when some node offers it, else
+    the node's default, never a refusal (the magic sends the notebook kernel's
+    :func:`kernel_environment`).
     """
 
     fraction: float = 1.0
@@ -160,8 +192,10 @@ class LeaseRequest:
     wait: float | None = None
     server_name: str | None = None
     env: str | None = None
+    prefer_env: str | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
+            "prefer_env")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -200,13 +234,10 @@ class LeaseRequest:
                                    or has_control_characters(server) or not is_unicode(server)):
             raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
                               f"control characters, \"\" for the default server), got {server!r:.80}")
-        env = body.get("env")
-        if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", env)):
-            raise bad_request(f"'env' must name a worker environment (letters, digits, '.', '_', '-'; "
-                              f"at most 100), got {env!r:.80}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None, server_name=server, env=env)
+                   wait=wait or None, server_name=server, env=_env_name(body, "env"),
+                   prefer_env=_env_name(body, "prefer_env"))
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -309,6 +340,10 @@ class Lease:
     memory: int
     node: str | None = None
     gpus: list[dict[str, Any]] = field(default_factory=list)
+    #: The worker environment: the one asked for, and once placed the one the
+    #: worker runs in (the node's default when none was asked for; None when
+    #: the node reports no environments).
+    env: str | None = None
     reason: str | None = None
     idle_timeout: float | None = None
     heartbeat_ttl: float | None = None

@@ -48,7 +48,8 @@ from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .quota_book import QuotaBook
 from .reclaim import idle_deadline
 from .storework import StoreWork
-from .scheduler import DEFAULT_WORKLOAD, Demand, Placement, Refusal, Workload, workload_of
+from .environments import lease_environment, unknown_environment, unusable_on
+from .scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -171,7 +172,9 @@ class LeaseBook:
 
         Returns the lease JSON: state ``starting``, or ``queued`` when nothing
         fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
-        input, 429 ``quota_exceeded`` (with ``limit``) over a quota or over
+        input, 409 ``unknown_environment`` (with ``environments``, the names
+        offered) when ``env`` names a worker environment no node offers, 429
+        ``quota_exceeded`` (with ``limit``) over a quota or over
         ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
         ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
@@ -183,13 +186,14 @@ class LeaseBook:
         return result
 
     def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
-        demand = Demand(request.fraction, request.gpu_count, request.memory, request.model)
         groups = self.quotas.groups_of(who)
         now = self.now()
         with self.writing() as session:
             # The lock comes first: the quota check and the placement below
             # then see every lease committed before, and no other decision interleaves.
             self.store.lock_capacity(session)
+            env = self._environment(session, request)
+            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env)
             limits = self.quotas.limits(session, who.name, groups)
             idle_timeout = self._idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             try:
@@ -212,7 +216,7 @@ class LeaseBook:
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
-                          requested_memory=request.memory, server_name=request.server_name, env=request.env)
+                          requested_memory=request.memory, server_name=request.server_name, env=env)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
             else:
@@ -254,6 +258,19 @@ class LeaseBook:
         if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
             self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
 
+    def _environment(self, session: Session, request: LeaseRequest) -> str | None:
+        """The worker environment the lease asks for (:func:`.environments.lease_environment`);
+        409 ``unknown_environment`` when ``env`` names one that no node offers."""
+        if request.env is None and request.prefer_env is None:
+            return None
+        offered = self.capacity.get(session, self._workload(session)).environments()
+        try:
+            return lease_environment(request.env, request.prefer_env, offered)
+        except ValueError:
+            if self._on_refusal is not None:
+                self._on_refusal({NO_ENVIRONMENT: 1})
+            raise unknown_environment(request.env, offered, unusable_on(session, request.env)) from None
+
     def _place(self, session: Session, demand: Demand) -> Placement | Refusal:
         """The scheduler's decision for ``demand`` on the pool as ``session``
         sees it (the capacity lock is held), through the in-memory index."""
@@ -283,6 +300,7 @@ class LeaseBook:
         """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
         gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
         lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
+        lease.env = decision.env  # the node's default when the request named none: %gpu status shows it
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
         where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
         _transition(session, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
@@ -349,7 +367,8 @@ class LeaseBook:
             body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
                     "fraction": lease.fraction, "memory": lease.memory}
             if lease.env is not None:
-                body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
+                # Placed where the agent reported it usable; one restarted since without it refuses, in words.
+                body["env"] = lease.env
             return node.url, node.name, body
 
     def _started_now(self, lease_id: str, reply: dict[str, Any], pid: int | None, node_name: str) -> bool:
@@ -527,13 +546,13 @@ class LeaseBook:
         whole, so a thousand queued requests cost one light query."""
         rows = [row for row in session.execute(
             select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
-                   Lease.created_at, Lease.wait_until, Lease.groups).where(Lease.state == QUEUED))
+                   Lease.env, Lease.created_at, Lease.wait_until, Lease.groups).where(Lease.state == QUEUED))
             if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
         over = self._over_quota(session, rows, now)
         waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
-                                                                row.model), row.created_at)
+                                                                row.model, row.env), row.created_at)
                    for row in rows if row.id not in over]
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
@@ -786,7 +805,7 @@ class QueueView:
 
 def _waiting(lease: Lease) -> wait_queue.Waiting:
     return wait_queue.Waiting(lease.id, lease.owner,
-                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model),
+                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env),
                               lease.created_at)
 
 

@@ -56,6 +56,7 @@ REFUSAL_CODES = {
     scheduler.NODE_LOST: "node_lost",
     scheduler.NODE_DEGRADED: "node_degraded",
     scheduler.UNHEALTHY: "gpu_unhealthy",
+    scheduler.NO_ENVIRONMENT: "no_environment",
     scheduler.MODEL_MISMATCH: "model_mismatch",
     scheduler.WHOLE_ONLY: "whole_gpus_only",
     scheduler.NO_FRACTION: "no_fraction",

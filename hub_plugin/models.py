@@ -138,7 +138,8 @@ class Lease(Base):
     #: Revision 0003: the JupyterHub server the lease came from ("" the default
     #: one; None: unknown), so a stopped server's leases are released alone.
     server_name: Mapped[str | None] = mapped_column(String(255))
-    #: Revision 0005: the worker environment the request named (None: the node's default).
+    #: Revision 0005: the worker environment the request named (None: the node's default);
+    #: once placed, the one the worker runs in (the node's default, by name, when the node reports one).
     env: Mapped[str | None] = mapped_column(String(100))
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",

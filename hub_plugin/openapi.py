@@ -92,8 +92,12 @@ _SCHEMAS: dict[str, Any] = {
                         "description": "the JupyterHub server the kernel runs in (JUPYTERHUB_SERVER_NAME, "
                         "\"\" the default one): stopping that server releases the lease"},
         "env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
-                "description": "the worker environment on the node (c.NodeAgent.environments); "
-                "absent: the node's default"}},
+                "description": "the worker environment on the node (c.NodeAgent.environments): the lease "
+                "goes only to a node that reports it usable; 409 unknown_environment when none does. "
+                "Absent: the node's default"},
+        "prefer_env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
+                       "description": "when env is absent: this environment if some node offers it, else "
+                       "the node's default (never refused); the magic sends the notebook kernel's name"}},
         # Several GPUs are whole GPUs.
         "if": {"required": ["gpu_count"], "properties": {"gpu_count": {"type": "integer", "minimum": 2}}},
         "then": {"properties": {"fraction": {"enum": [1, None]}}}},
@@ -104,6 +108,8 @@ _SCHEMAS: dict[str, Any] = {
         "memory": {"type": "integer", "description": "bytes per GPU"}, "node": {"type": ["string", "null"]},
         "gpus": {"type": "array", "items": {"type": "object", "properties": {
             "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}},
+        "env": {"type": ["string", "null"], "description": "the worker environment asked for; once placed, "
+                "the one the worker runs in (the node's default when none was asked for)"},
         "idle_timeout": {"type": "number"}, "heartbeat_ttl": {"type": "number"},
         "kernel_id": {"type": ["string", "null"]}, "server_name": {"type": ["string", "null"]},
         "created_at": _NULLABLE_TIME, "started_at": _NULLABLE_TIME,

@@ -24,6 +24,14 @@ Why it is the same answer:
   idle GPU is eligible, so the winner is the first node of one of the idle
   counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
   Otherwise ``place()`` scans every GPU.
+- A worker environment (``demand.env``) is a node filter (``place()`` rules
+  out the GPUs of nodes lacking it). For each environment that only some
+  nodes offer, the index keeps the same two sorted lists over just those
+  nodes' GPUs, and searches them instead: the classes are then the same,
+  and a request for a rare environment does not wade through the GPUs of
+  nodes without it. An environment every node offers filters nothing and
+  uses the main lists. :meth:`PlacementIndex.offers` says whether any GPU's
+  node offers an environment at all.
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
   tally of reasons covers every GPU (unless the caller asks for no
   explanation: the queue only needs to know).
@@ -34,6 +42,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections import Counter
 from typing import Iterable
 
 from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
@@ -64,10 +73,29 @@ class PlacementIndex:
             uuids.sort(key=lambda u: self.states[u].index)
         self._partial = sorted(_key(g) for g in self.states.values() if not _whole_free(g))
         self._nodes = sorted((idle, node) for node, idle in self._idle.items())
+        self._index_environments()
+
+    def _index_environments(self) -> None:
+        """Count the GPUs offering each environment; for those only some nodes
+        offer, the lists of :meth:`_slice` and :meth:`_whole` over just their GPUs."""
+        self._env_gpus = Counter(env for g in self.states.values() for env in g.environments)
+        some = {env for env, count in self._env_gpus.items() if count < len(self.states)}
+        self._env_partial = {env: sorted(_key(g) for g in self.states.values()
+                                         if env in g.environments and not _whole_free(g)) for env in some}
+        self._env_nodes = {env: sorted((self._idle[node], node) for node, uuids in self._node_gpus.items()
+                                       if env in self.states[uuids[0]].environments) for env in some}
 
     def all(self) -> list[GPUState]:
         """Every GPU state, in no set order."""
         return list(self.states.values())
+
+    def offers(self, env: str) -> bool:
+        """Whether some GPU's node reports worker environment ``env`` usable (whatever its load or state)."""
+        return self._env_gpus[env] > 0
+
+    def environments(self) -> list[str]:
+        """The worker environments some GPU's node reports usable, by name."""
+        return sorted(name for name, count in self._env_gpus.items() if count > 0)
 
     def node_gpus(self, node: str) -> list[str]:
         """UUIDs of ``node``'s GPUs by index (empty for a node not indexed)."""
@@ -76,18 +104,28 @@ class PlacementIndex:
     def update(self, gpu: GPUState) -> None:
         """Replace the state of ``gpu.uuid`` (a GPU already indexed, on the same node)."""
         old = self.states[gpu.uuid]
+        same_envs = gpu.environments is old.environments or gpu.environments == old.environments
+        envs = [env for env in gpu.environments if env in self._env_partial] if same_envs else []
+        partial = [self._partial, *(self._env_partial[env] for env in envs)]
         if not _whole_free(old):
-            del self._partial[bisect.bisect_left(self._partial, _key(old))]
+            key = _key(old)
+            for keys in partial:
+                del keys[bisect.bisect_left(keys, key)]
         if not _whole_free(gpu):
-            bisect.insort(self._partial, _key(gpu))
+            key = _key(gpu)
+            for keys in partial:
+                bisect.insort(keys, key)
         self.states[gpu.uuid] = gpu
         self._unusable += _unusable(gpu) - _unusable(old)
         if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
             after = before + (1 if _whole_free(gpu) else -1)
-            del self._nodes[bisect.bisect_left(self._nodes, (before, gpu.node))]
-            bisect.insort(self._nodes, (after, gpu.node))
+            for nodes in (self._nodes, *(self._env_nodes[env] for env in envs)):
+                del nodes[bisect.bisect_left(nodes, (before, gpu.node))]
+                bisect.insort(nodes, (after, gpu.node))
             self._idle[gpu.node] = after
+        if not same_envs:  # its agent registered again, offering others: rare, so count and sort again
+            self._index_environments()
 
     def take(self, placement: Placement) -> None:
         """Add what ``placement`` grants to its GPUs' allocation."""
@@ -123,7 +161,8 @@ class PlacementIndex:
 
     def _slice(self, demand: Demand) -> list[GPUState]:
         found = []
-        keys, i = self._partial, bisect.bisect_left(self._partial, (demand.fraction - WINDOW,))
+        keys, nodes = self._lists(demand.env)
+        i = bisect.bisect_left(keys, (demand.fraction - WINDOW,))
         while i < len(keys):
             free = keys[i][0]
             gpu = self.states[keys[i][3]]
@@ -133,7 +172,7 @@ class PlacementIndex:
                 i = bisect.bisect_left(keys, (math.nextafter(free, math.inf),))
             else:
                 i += 1
-        nodes, j = self._nodes, bisect.bisect_left(self._nodes, (1, ""))
+        j = bisect.bisect_left(nodes, (1, ""))
         while j < len(nodes):
             idle, node = nodes[j]
             gpu = next((g for g in map(self.states.get, self._node_gpus[node])
@@ -149,13 +188,20 @@ class PlacementIndex:
         """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
         if self._unusable or demand.model or demand.memory is not None:
             return None  # idle is not the same as eligible here: scan everything
-        found, nodes = [], self._nodes
+        found, nodes = [], self._lists(demand.env)[1]
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
             found.extend(self.states[u] for u in self._node_gpus[node])
             j = bisect.bisect_left(nodes, (idle + 1, ""))
         return found
+
+    def _lists(self, env: str | None) -> tuple[list, list]:
+        """``(partly taken GPU keys, (idle, node) pairs)`` of the nodes offering ``env``
+        (None, or one every node offers: all of them; one none offers: empty)."""
+        if env is None or env not in self._env_partial:
+            return (self._partial, self._nodes) if env is None or self._env_gpus[env] else ([], [])
+        return self._env_partial[env], self._env_nodes[env]
 
 
 def _key(gpu: GPUState) -> tuple[float, str, int, str]:

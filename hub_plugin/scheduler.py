@@ -26,6 +26,11 @@ Rules:
   context overhead, computed by the caller. Fragmentation is measured on
   the GPU fraction only (memory follows the fraction unless asked for).
 - ``model`` is a case-insensitive substring of the GPU name (``"a100"``).
+- ``env`` (a worker environment's name) is a node filter: only GPUs of nodes
+  whose agent reports that environment usable (:attr:`GPUState.environments`)
+  can take the lease. Whether any node offers it at all is the caller's
+  first question (:mod:`.environments`): then the request is refused up
+  front instead of queued.
 - Every GPU that is not chosen is counted under one reason, and the refusal
   message is built from these counts, so a user learns why (HAMi's
   ``FitError`` tally).
@@ -45,12 +50,14 @@ EPSILON = 1e-9
 NODE_LOST = "node lost"
 NODE_DEGRADED = "node cannot read its GPUs (NVML)"
 UNHEALTHY = "unhealthy"
+NO_ENVIRONMENT = "no usable worker environment of that name on its node"
 MODEL_MISMATCH = "model mismatch"
 NO_FRACTION = "not enough free fraction"
 NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
 WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
-REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY, FEW_ON_NODE)
+REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, NO_ENVIRONMENT, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY,
+           FEW_ON_NODE)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class GPUState:
     node whose enforcement (``mig``, ``exclusive``) gives out whole GPUs only.
     ``node_degraded`` marks GPUs of a node whose agent is alive but cannot
     read its GPUs (NVML failed): its leases go on, nothing new goes there.
+    ``environments`` names the worker environments its node reports usable
+    (one frozenset shared by the node's GPUs) and ``default_env`` the one a
+    lease naming none runs in (None: the node reported none).
     """
 
     uuid: str
@@ -84,6 +94,8 @@ class GPUState:
     memory_unattributed: int = 0
     whole_only: bool = False
     node_degraded: bool = False
+    environments: frozenset[str] = frozenset()
+    default_env: str | None = None
 
     @property
     def free_fraction(self) -> float:
@@ -109,12 +121,14 @@ class GPUState:
 class Demand:
     """What a lease asks for: ``fraction`` of one GPU, or ``gpu_count`` whole
     GPUs (then ``fraction`` is 1); ``memory`` bytes per GPU or None for the
-    fraction's share; ``model`` a GPU-name substring or None."""
+    fraction's share; ``model`` a GPU-name substring or None; ``env`` the
+    worker environment the node must offer, or None for any node."""
 
     fraction: float = 1.0
     gpu_count: int = 1
     memory: int | None = None
     model: str | None = None
+    env: str | None = None
 
     def describe(self) -> str:
         """``'0.50'``, ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``, ``... of model A100``."""
@@ -123,18 +137,23 @@ class Demand:
             text += f" with {format_bytes(self.memory)}"
         if self.model:
             text += f" of model {self.model}"
+        if self.env:
+            text += f" in environment {self.env}"
         return text
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where a demand goes: ``gpus`` are UUIDs on ``node``; ``fraction`` per
-    GPU; ``memory`` bytes per GPU (the slice's limit)."""
+    GPU; ``memory`` bytes per GPU (the slice's limit); ``env`` the worker
+    environment it runs in (the demand's, else the node's default; None when
+    the node reported none)."""
 
     node: str
     gpus: tuple[str, ...]
     fraction: float
     memory: int
+    env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +277,8 @@ def _ineligible(demand: Demand, gpu: GPUState) -> str | None:
         return NODE_DEGRADED
     if not gpu.healthy:
         return UNHEALTHY
+    if demand.env is not None and demand.env not in gpu.environments:
+        return NO_ENVIRONMENT
     if demand.model and demand.model.lower() not in gpu.name.lower():
         return MODEL_MISMATCH
     if gpu.whole_only and demand.fraction < 1.0 - EPSILON:
@@ -300,7 +321,8 @@ def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int])
             best, best_key = gpu, key
     if best is None:
         return _refusal(demand, gpus, reasons)
-    return Placement(best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best))
+    return Placement(best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best),
+                     demand.env or best.default_env)
 
 
 def _place_whole(demand: Demand, gpus, workload: Workload) -> Placement | Refusal:
@@ -325,7 +347,7 @@ def _place_whole(demand: Demand, gpus, workload: Workload) -> Placement | Refusa
     node = min(fitting)[2]
     chosen = sorted(free_by_node[node], key=lambda g: g.index)[: demand.gpu_count]
     memory = demand.memory if demand.memory is not None else min(g.memory_usable for g in chosen)
-    return Placement(node, tuple(g.uuid for g in chosen), 1.0, memory)
+    return Placement(node, tuple(g.uuid for g in chosen), 1.0, memory, demand.env or chosen[0].default_env)
 
 
 def _refusal(demand: Demand, gpus, reasons: Counter[str]) -> Refusal:
@@ -335,7 +357,8 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str]) -> Refusal:
         else f"no GPU can take {demand.describe()} now"
     if not gpus:
         return Refusal({"no GPUs": 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
-    usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded]
+    usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded
+              and (demand.env is None or demand.env in g.environments)]
     noun = "GPU" if len(gpus) == 1 else "GPUs"
     if usable:
         best = min(usable, key=lambda g: (-g.free_fraction, -g.free_memory, g.node, g.index))

@@ -34,6 +34,7 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
         "memory": lease.memory,
         "node": lease.node_name,
         "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
+        "env": lease.env,
         "idle_timeout": lease.idle_timeout,
         "heartbeat_ttl": lease.heartbeat_ttl,
         "kernel_id": lease.kernel_id,

@@ -4,8 +4,8 @@ A session::
 
     In [1]: %load_ext gpupool.magics
     In [2]: %gpu acquire 0.5
-    gpupool: attached L-3f2a9c1e07b4: 0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1,
-             39.6 GiB; idle timeout 30m. Cells now run on the worker; %gpu release detaches.
+    gpupool: attached L-3f2a9c1e07b4: 0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1 in environment
+             default, 39.6 GiB; idle timeout 30m. Cells now run on the worker; %gpu release detaches.
     In [3]: import os; os.environ["GPUPOOL_LEASE_ID"]
     Out[3]: 'L-3f2a9c1e07b4'
     In [4]: %gpu release
@@ -44,7 +44,7 @@ from traitlets import Float, Unicode
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import ENV_KERNEL_NAME, LeaseRequest, LeaseState, kernel_environment
 from gpupool.traits import ByteSize, Duration
 from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
@@ -141,12 +141,12 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
-        %gpu status                  lease, GPU, memory, idle countdown
-        %gpu pool                    nodes and GPUs of the pool
+        %gpu status                  lease, environment, GPU, memory, idle countdown
+        %gpu pool                    nodes, GPUs and worker environments of the pool
         %gpu quota                   your limits and GPU-hours used
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
@@ -178,7 +178,9 @@ class GPUMagics(Magics):
     @argument("--model", help="only GPUs whose name contains this, e.g. A100")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
     @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
-    @argument("--env", help="the worker environment on the GPU node, e.g. torch (default: the node's; %%gpu pool lists them)")
+    @argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
+                            "one named like this kernel, torch for a kernel torch or gpupool-torch, where a node "
+                            "offers it, else the node's)")
     @argument("--on-idle", choices=("park", "release"), default="park",
               help="when idle: park (variables come back, the next cell resumes; default) or just release")
     def _acquire(self, rest: str) -> None:
@@ -193,7 +195,7 @@ class GPUMagics(Magics):
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-                env=args.env)
+                env=args.env, prefer_env=None if args.env else _kernel_env())
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -210,7 +212,8 @@ class GPUMagics(Magics):
         where = ("Cells now run on the worker; %gpu release detaches." if self.kernel is not None else
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
-        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
+        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
+             f"{f' in environment {lease.env}' if lease.env else ''}, "
              f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
@@ -534,7 +537,8 @@ class GPUMagics(Magics):
             fraction, count = parse_gpu_amount(amount)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                               prefer_env=_kernel_env())
         try:
             attachment = self._attach(request, forward=False)
         except GPUPoolError as exc:
@@ -571,9 +575,17 @@ class GPUMagics(Magics):
 
 
 def _same_size(old) -> LeaseRequest:
-    """A request for a slice like lease ``old`` (resume after parking, restart)."""
+    """A request for a slice like lease ``old`` (resume after parking, restart), in
+    its environment where a node still offers it (the parked values came from there)."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
-                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                        prefer_env=old.env or _kernel_env())
+
+
+def _kernel_env() -> str | None:
+    """The worker environment this kernel prefers: its kernelspec's name
+    (GPUPOOL_KERNEL_NAME, set by the kernel provisioner; :func:`gpupool.schema.kernel_environment`)."""
+    return kernel_environment(os.environ.get(ENV_KERNEL_NAME))
 
 
 def _dedent(text: str | None) -> str:

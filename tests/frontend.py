@@ -89,21 +89,22 @@ def run(kc, code: str, timeout: float = 60, stdin: list[str] | None = None) -> C
     return cell
 
 
-def install_kernelspec(prefix: Path, service_url: str, token: str) -> Path:
-    """``gpupool kernelspec install`` into ``prefix``; returns the kernels dir."""
+def install_kernelspec(prefix: Path, service_url: str, token: str, name: str = "gpupool") -> Path:
+    """``gpupool kernelspec install --name NAME`` into ``prefix``; returns the kernels dir."""
     token_file = prefix / "token"
     prefix.mkdir(parents=True, exist_ok=True)
     token_file.write_text(token)
     token_file.chmod(0o600)
     subprocess.run([sys.executable, "-m", "gpupool.cli", "kernelspec", "install", f"--prefix={prefix}",
-                    f"--url={service_url}", f"--token-file={token_file}"], check=True, capture_output=True)
+                    f"--name={name}", f"--url={service_url}", f"--token-file={token_file}"],
+                   check=True, capture_output=True)
     return prefix / "share" / "jupyter" / "kernels"
 
 
-def start_gpupool_kernel(kernels_dir: Path, cwd: Path):
-    """Start a kernel from the installed ``gpupool`` spec; returns ``(km, kc)``."""
+def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool"):
+    """Start a kernel from the installed gpupool spec ``name``; returns ``(km, kc)``."""
     ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
-    km = KernelManager(kernel_name="gpupool", kernel_spec_manager=ksm)
+    km = KernelManager(kernel_name=name, kernel_spec_manager=ksm)
     km.start_kernel(cwd=str(cwd), env={**os.environ})
     kc = km.client()
     kc.start_channels()
