@@ -27,6 +27,7 @@ import json
 import sys
 from typing import Any
 
+import zmq
 from ipykernel.ipkernel import IPythonKernel
 from IPython.core.error import UsageError
 from jupyter_client.session import DELIM
@@ -132,21 +133,23 @@ class GPUPoolKernel(IPythonKernel):
             self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, str(exc))
             return
-        reply = self._forward_execute(attachment, parent, code)
+        reply, lost = self._forward_execute(attachment, stream, ident, parent, code)
         if reply is None:
             self._say_status_here(parent)
-            return self._refuse_cell(stream, ident, parent, self._lost_words)
-        self.session.send(stream, "execute_reply", reply["content"], parent, metadata=reply.get("metadata") or {},
-                          ident=ident)
+            return self._refuse_cell(stream, ident, parent, lost)
+        if lost:  # after its reply: the worker's idle will not come, this kernel says it
+            self._status_by_worker = None
+            self._publish_note(parent["header"], f"gpupool: {lost}\n")
         self._after_forwarded(reply["content"], content, code)
-        if reply["content"].get("status") == "error" and content.get("stop_on_error", True):
-            self._abort_queues(parent["header"].get("subshell_id"))
 
-    def _forward_execute(self, attachment, parent: dict[str, Any], code: str) -> dict[str, Any] | None:
+    def _forward_execute(self, attachment, stream, ident, parent: dict[str, Any],
+                         code: str) -> tuple[dict[str, Any] | None, str]:
         """Send the front end's execute_request to the worker (stdin always
         allowed there, for the worker's ``%gpu``; the front end's own choice
-        rides in the metadata) and return the worker's reply message, or None
-        with ``_lost_words`` set when the lease or worker was lost meanwhile."""
+        rides in the metadata), pass the worker's reply on to the front end
+        the moment it comes (its idle comes through the relay), and wait for
+        the cell's end. Returns the reply message (None when none came) and
+        the words for a lease or worker lost meanwhile ("" when not)."""
         from gpupool.provisioner.worker import STDIN_KEY
 
         # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
@@ -156,17 +159,30 @@ class GPUPoolKernel(IPythonKernel):
         self._allow_stdin = bool(parent["content"].get("allow_stdin"))
         msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
                                                           STDIN_KEY: self._allow_stdin}}
+        replies: list[dict[str, Any]] = []
+
+        def pass_on(reply: dict[str, Any]) -> None:
+            # The requests queued behind a failed cell are aborted, as ipykernel does, but not
+            # one the front end sends after hearing of the error.
+            if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
+                self._abort_queues(parent["header"].get("subshell_id"))
+            self.session.send(stream, "execute_reply", reply["content"], parent,
+                              metadata=reply.get("metadata") or {}, ident=ident)
+            if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
+                stream.flush(zmq.POLLOUT)
+            replies.append(reply)
+
         self.budget.reset(self.gpu.max_output_bytes)
         with attachment.lock:
             attachment.heartbeat.running(True)
             self._running = parent["header"]
             try:
-                return attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive)
+                attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
+                return replies[0], ""
             except GPUPoolError as exc:
-                self._lost_words = exc.message
                 if exc.code == "lease_lost":
                     self.gpu.drop()
-                return None
+                return (replies[0] if replies else None), exc.message
             finally:
                 self._running = None
                 attachment.heartbeat.running(False)
@@ -390,6 +406,5 @@ class GPUPoolKernel(IPythonKernel):
         if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
             sys.stderr.flush()
 
-    _lost_words = ""
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
     _running: dict[str, Any] | None = None  # header of the forwarded cell running now

@@ -146,19 +146,21 @@ class RemoteKernel:
 
     def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
                 check: Callable[[], None] | None = None, wait_idle: bool = True,
-                timeout: float | None = None) -> dict[str, Any]:
+                timeout: float | None = None,
+                on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Send a front end's shell request ``msg`` (a deserialized message,
         header and ``msg_id`` kept, so the worker's IOPub is already parented
         to the front end's request) and return the worker's reply message.
-        ``wait_idle``: also wait for the worker's idle status of it (every
-        IOPub message of the request has then been relayed). Interrupts and
-        errors as for :meth:`execute`; GPUPoolError ``worker_timeout`` after
-        ``timeout`` seconds (None: no bound, a cell may run for days)."""
+        ``on_reply`` gets it the moment it arrives. ``wait_idle``: also wait
+        for the worker's idle status of it (every IOPub message of the
+        request has then been relayed). Interrupts and errors as for
+        :meth:`execute`; GPUPoolError ``worker_timeout`` after ``timeout``
+        seconds (None: no bound, a cell may run for days)."""
         if self._relay is not None and wait_idle:
             self._relay.awaited = msg["header"]["msg_id"]  # before the send: its idle may come at once
         self.session.send(self.shell, msg)
         return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
-                                timeout=timeout, want_idle=wait_idle)
+                                timeout=timeout, want_idle=wait_idle, on_reply=on_reply)
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send a front end's shell message that has no reply (``comm_msg``,
@@ -228,7 +230,8 @@ class RemoteKernel:
         self.session.send(self.control, "interrupt_request", {})
 
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
-                    want_reply: bool = True, want_idle: bool = True) -> dict[str, Any]:
+                    want_reply: bool = True, want_idle: bool = True,
+                    on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Wait for the reply to ``msg_id`` (if ``want_reply``) and the worker's
         idle status of it (if ``want_idle``); returns the reply message (``{}``
         when none was wanted)."""
@@ -245,6 +248,8 @@ class RemoteKernel:
                     kind = got["header"]["msg_type"]
                     if sock is self.shell:
                         reply = got
+                        if on_reply is not None:
+                            on_reply(got)
                     elif sock is self.stdin and kind == "input_request":
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
