@@ -26,6 +26,8 @@ MIN_MEMORY = 1024**2
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
 MAX_INT32 = 2**31 - 1
+#: Lease classes, in queue order: interactive requests go before batch ones (docs/api.md, "Classes").
+LEASE_CLASSES = ("interactive", "batch")
 
 
 class LeaseState(str, enum.Enum):
@@ -149,6 +151,10 @@ class LeaseRequest:
     255 characters), so that stopping one server releases only its leases.
     ``env``: the worker environment on the node (``c.NodeAgent.environments``,
     a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default).
+    ``lease_class``: ``"interactive"`` (None: the default, a person at a
+    notebook) or ``"batch"`` (queued behind every interactive request);
+    ``preemptible``: the lease's running cell may be interrupted and the lease
+    parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
     """
 
     fraction: float = 1.0
@@ -160,8 +166,11 @@ class LeaseRequest:
     wait: float | None = None
     server_name: str | None = None
     env: str | None = None
+    lease_class: str | None = None
+    preemptible: bool | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
+            "lease_class", "preemptible")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -204,9 +213,16 @@ class LeaseRequest:
         if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", env)):
             raise bad_request(f"'env' must name a worker environment (letters, digits, '.', '_', '-'; "
                               f"at most 100), got {env!r:.80}")
+        lease_class = body.get("lease_class")
+        if lease_class is not None and lease_class not in LEASE_CLASSES:
+            raise bad_request(f"'lease_class' must be one of {', '.join(LEASE_CLASSES)}, got {lease_class!r:.80}")
+        preemptible = body.get("preemptible")
+        if preemptible is not None and not isinstance(preemptible, bool):
+            raise bad_request(f"'preemptible' must be true or false, got {preemptible!r:.80}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None, server_name=server, env=env)
+                   wait=wait or None, server_name=server, env=env, lease_class=lease_class,
+                   preemptible=preemptible)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -335,6 +351,14 @@ class Lease:
     queue_position: int | None = None
     queue_estimate_s: float | None = None
     wait_until: str | None = None
+    #: ``"interactive"`` or ``"batch"``, and whether its running cell may be preempted.
+    lease_class: str = "interactive"
+    preemptible: bool = False
+    #: Words for why ``idle_deadline`` came early or a preemption is due, e.g.
+    #: ``"parked early: 3 people are waiting for a GPU"``; None without pressure.
+    pressure: str | None = None
+    #: When the running cell of a preemptible lease is interrupted (ISO UTC), then the lease parked.
+    preempt_at: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":

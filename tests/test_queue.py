@@ -220,5 +220,5 @@ def test_the_newest_request_is_placed_as_order_would(owner, expected):
     place = [item.lease_id for item in order([*queued, newest], last)].index("L-new") + 1
     counts = {}
     for item in [*queued, newest]:
-        counts[item.owner] = counts.get(item.owner, 0) + 1
-    assert newest_position(owner, counts, last) == place == expected
+        counts[(item.owner, "interactive")] = counts.get((item.owner, "interactive"), 0) + 1
+    assert newest_position(owner, "interactive", counts, last) == place == expected
