@@ -50,6 +50,7 @@ from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
+from .classes import requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .summary import summarize
 from .quota import progress_words, quota_report
@@ -141,7 +142,7 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--batch] [--preemptible]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
@@ -181,6 +182,10 @@ class GPUMagics(Magics):
     @argument("--env", help="the worker environment on the GPU node, e.g. torch (default: the node's; %%gpu pool lists them)")
     @argument("--on-idle", choices=("park", "release"), default="park",
               help="when idle: park (variables come back, the next cell resumes; default) or just release")
+    @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
+              "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
+    @argument("--preemptible", action="store_true",
+              help="while others wait, the running cell may be interrupted and the lease parked")
     def _acquire(self, rest: str) -> None:
         args = _parse(self._acquire, rest)
         if self.attachment is not None and self.attachment.ended is None:
@@ -193,7 +198,7 @@ class GPUMagics(Magics):
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-                env=args.env)
+                env=args.env, lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -211,7 +216,7 @@ class GPUMagics(Magics):
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
+             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)}{_class_note(lease)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -300,7 +305,7 @@ class GPUMagics(Magics):
         self.drop()
         old = parked.lease
         share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-        _say(f"{old.id} was parked after idle{summarize('brought back', parked.items, parked.errors)}; "
+        _say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
              f"acquiring {share} again")
         attachment = self._attach(_same_size(old))
         self._arm_parking(attachment)
@@ -570,10 +575,17 @@ class GPUMagics(Magics):
             raise _shown_error(result.error_in_exec or result.error_before_exec)
 
 
+def _class_note(lease) -> str:
+    """``"; batch, preemptible"`` for what is not the default, else ``""``."""
+    notes = [lease.lease_class] * (lease.lease_class != "interactive") + ["preemptible"] * bool(lease.preemptible)
+    return "; " + ", ".join(notes) if notes else ""
+
+
 def _same_size(old) -> LeaseRequest:
     """A request for a slice like lease ``old`` (resume after parking, restart)."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
-                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                        lease_class=old.lease_class, preemptible=old.preemptible or None)
 
 
 def _dedent(text: str | None) -> str:
