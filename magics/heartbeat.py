@@ -16,7 +16,7 @@ the notebook shows under the last cell that ran on the worker. Under
 pressure (others wait for a GPU) the deadline comes early and ``pressure``
 says why; the warning says so too. A preemptible lease told ``preempt_at``
 while a cell runs is said so once, then ``on_preempt`` interrupts the cell
-(at least :data:`MIN_PREEMPT_NOTICE` seconds after the notice) and the next
+(at least ``preempt_notice`` seconds after the notice) and the next
 idle beat parks it.
 """
 
@@ -35,7 +35,7 @@ from gpupool.schema import Lease, parse_time
 from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")
-#: The fewest seconds between telling the user of a preemption and interrupting their cell.
+#: The fewest seconds between telling the user of a preemption and interrupting their cell (by default).
 MIN_PREEMPT_NOTICE = 10.0
 
 
@@ -113,6 +113,7 @@ class Heartbeat(threading.Thread):
         # Interrupts the running cell of a preempted lease (the attachment sets it); whether it did.
         self.on_preempt: Callable[[Lease], None] | None = None
         self.preempted = False
+        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
         self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
     def run(self) -> None:
@@ -172,11 +173,11 @@ class Heartbeat(threading.Thread):
         if self._preempt_told is None:
             self._preempt_told = time.monotonic()
             at = parse_time(lease.preempt_at)
-            left = max(MIN_PREEMPT_NOTICE, (at - datetime.now(timezone.utc)).total_seconds())
+            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
             self.say(f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
                      f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
                      "come back here; the next cell resumes on a new slice)", kind="preempt_notice")
-        if preempt_due(lease, time.monotonic() - self._preempt_told, MIN_PREEMPT_NOTICE):
+        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
             self.preempted = True
             try:
                 self.on_preempt(lease)

@@ -95,6 +95,13 @@ class GPUMagics(Magics):
         default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
     ).tag(config=True)
 
+    preempt_notice = Duration(
+        10.0,
+        help="""Fewest seconds between telling the notebook that a preemptible lease's running cell
+        will be interrupted (others wait for a GPU) and interrupting it, default 10s.
+        Example: c.GPUMagics.preempt_notice = "30s".""",
+    ).tag(config=True)
+
     def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
         # The gpupool kernel forwarding this notebook's cells, None in any other IPython.
@@ -297,6 +304,7 @@ class GPUMagics(Magics):
 
     def _arm_parking(self, attachment: Attachment) -> None:
         attachment.park_when_idle(self.park_ahead, self.release_state_cap, self._take)
+        attachment.heartbeat.preempt_notice = self.preempt_notice
 
     def _resume(self) -> Attachment:
         """The lease was parked: acquire a slice of the same size again (with
