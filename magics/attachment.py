@@ -49,7 +49,7 @@ class Attachment:
                 return False
             try:
                 self.parked = park(self.lease, max_bytes, take, self._release_lease, TRANSFER_TARGET,
-                                   why=park_reason(lease))
+                                   why=self.heartbeat.preempted or park_reason(lease))
             except GPUPoolError as exc:
                 log.warning("could not park %s: %s", self.lease.id, exc.message)
                 return False

@@ -110,9 +110,9 @@ class Heartbeat(threading.Thread):
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
         self.on_lease: Callable[[Lease], None] | None = None
-        # Interrupts the running cell of a preempted lease (the attachment sets it); whether it did.
+        # Interrupts the running cell of a preempted lease (the attachment sets it); once it did, why (words).
         self.on_preempt: Callable[[Lease], None] | None = None
-        self.preempted = False
+        self.preempted: str | None = None
         self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
         self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
@@ -178,7 +178,7 @@ class Heartbeat(threading.Thread):
                      f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
                      "come back here; the next cell resumes on a new slice)", kind="preempt_notice")
         if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
-            self.preempted = True
+            self.preempted = lease.pressure or "preempted"
             try:
                 self.on_preempt(lease)
             except Exception:  # the service's reclaim stays the fallback
