@@ -69,6 +69,8 @@ def test_an_idle_lease_is_parked_early_for_a_waiter_and_its_variables_come_back(
     mine, = service.client().list_leases(active=True)
     notebook.execute("kept = [1, 2, 3]")
     waiter = wait_in_line(service)
+    # Asked before any sweep pressed on it: the idle lease frees the GPU at its own deadline (30 m idle).
+    assert 1700 < waiter.queue_estimate_s <= 1800, waiter
 
     parked = notebook.wait_for_event("parked", 60, "the early park")
     assert re.fullmatch(rf"lease {mine.id} was parked early: 1 person is waiting for a GPU: \d+ names? came back "

@@ -190,3 +190,59 @@ def test_typical_lengths_by_class():
 def test_the_most_generous_guarantee_is_the_largest(groups, expected):
     from gpupool.hub_plugin.quotas import parse_table, resolve
     assert resolve("ann", ("a", "b"), parse_table(groups)).guaranteed_gpus == expected
+
+
+# -- the notebook's side: class, park and preemption timing (magics) ---------------------
+
+@pytest.mark.parametrize("batch, environ, expected", [
+    (False, {}, "interactive"),
+    (True, {}, "batch"),
+    (False, {"GPUPOOL_LEASE_CLASS": "batch"}, "batch"),           # a kernelspec's env, or papermill's run
+    (True, {"GPUPOOL_LEASE_CLASS": "interactive"}, "batch"),      # the flag wins
+])
+def test_requested_class(batch, environ, expected):
+    from gpupool.magics.classes import requested_class
+    assert requested_class(batch, environ) == expected
+
+
+def test_an_unknown_class_in_the_environment_is_refused_naming_the_variable():
+    from gpupool.magics.classes import requested_class
+    with pytest.raises(ValueError, match="GPUPOOL_LEASE_CLASS='urgent' is not a lease class; use one of interactive"):
+        requested_class(False, {"GPUPOOL_LEASE_CLASS": "urgent"})
+
+
+def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None):
+    from gpupool.schema import Lease, LeaseState, isoformat
+    now = at(1000)
+    return Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=1.0, gpu_count=1, memory=1,
+                 idle_timeout=1800.0, idle_since=None if idle_for is None else isoformat(now - timedelta(seconds=idle_for)),
+                 idle_deadline=None if deadline_in is None else isoformat(now + timedelta(seconds=deadline_in)),
+                 preempt_at=None if preempt_in is None else isoformat(now + timedelta(seconds=preempt_in)),
+                 pressure=pressure)
+
+
+def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
+    from gpupool.magics.park import idle_span, park_due, park_reason, seconds_to_reclaim
+    early = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 2 people are waiting for a GPU")
+    assert seconds_to_reclaim(early, at(1000)) == 20.0 and idle_span(early) == 120.0
+    assert not park_due(early, ahead=5, interval=1, now=at(1000))
+    assert park_due(early, ahead=5, interval=1, now=at(1015))
+    assert park_reason(early) == "parked early: 2 people are waiting for a GPU"
+    assert park_reason(client_lease(idle_for=100, deadline_in=1700)) == "parked after idle"
+
+
+@pytest.mark.parametrize("preempt_in, told_for, expected", [
+    (None, 60.0, False),   # not preempted
+    (5.0, 60.0, False),    # not yet
+    (-1.0, 0.5, False),    # due, but the notebook said so only 0.5 s ago
+    (-1.0, 10.0, True),
+])
+def test_preemption_is_due_at_its_time_and_after_the_notice(preempt_in, told_for, expected):
+    from gpupool.magics.park import preempt_due
+    assert preempt_due(client_lease(preempt_in=preempt_in), told_for, 10.0, now=at(1000)) is expected
+
+
+def test_status_shows_why_the_countdown_is_short():
+    from gpupool.tables import idle_countdown
+    lease = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 1 person is waiting for a GPU")
+    assert idle_countdown(lease, now=at(1000)) == "20s (parked early: 1 person is waiting for a GPU)"
