@@ -613,7 +613,7 @@ class LeaseBook:
         last = usage.last_used(session, {owner for owner, _ in counts}, self.now())
         place = wait_queue.newest_position(lease.owner, lease.lease_class, counts, last)
         ahead = wait_queue.newest_position(lease.owner, lease.lease_class, gpus, last)  # GPUs, its own included
-        return QueueView({lease.id: place}, {lease.id: self.pressure.etas(session, [ahead], self.now())[0]})
+        return QueueView({lease.id: place}, {lease.id: self.pressure.etas([ahead], self.now())[0]})
 
     def _queue_view(self, session: Session, leases) -> "QueueView | None":
         """What the queued ones of ``leases`` need for ``queue_position`` and
@@ -629,8 +629,7 @@ class LeaseBook:
         places = wait_queue.positions(queued, last)
         asked = {row[0]: row[4] for row in queued}
         in_line = sorted(places, key=places.get)
-        return QueueView(places, dict(zip(in_line, self.pressure.etas(session, [asked[i] for i in in_line],
-                                                                      self.now()))))
+        return QueueView(places, dict(zip(in_line, self.pressure.etas([asked[i] for i in in_line], self.now()))))
 
     async def _stop_worker(self, url: str, lease_id: str) -> str | None:
         """Ask the agent to stop the lease's worker, waiting at most

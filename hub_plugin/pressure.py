@@ -1,5 +1,7 @@
 """The service's side of pressure and the queue's ETA: reads the store, calls
-the pure rules (:mod:`.priority`, :mod:`.eta`), keeps the current plan.
+the pure rules (:mod:`.priority`, :mod:`.eta`), keeps the current plan and
+what the ETA reads (the active leases and typical lease lengths), so a long
+poll of a queued request costs no query for its ETA.
 
 The reclaim sweep calls :meth:`Pressure.refresh` every
 ``c.GPUPool.reclaim_interval`` seconds (on a store thread); the plan it
@@ -23,7 +25,6 @@ from gpupool.schema import LeaseState, isoformat
 from gpupool.units import format_duration
 
 from . import eta, priority, quotas
-from .capacity import HOLDING
 from .config import GPUPool
 from .models import Lease
 from .reclaim import Decision, idle_deadline
@@ -40,24 +41,35 @@ class Pressure:
         self.settings = settings
         self._quota_table = quota_table
         self.plan: priority.Plan = priority.NO_PRESSURE
+        # What the ETA reads, as the last sweep saw it: no query per long poll of a queued request.
+        self._holding: list[eta.Holding] = []
+        self._typical: dict[str, float] = {}
 
     def refresh(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
         """Recompute the plan from the queue and ``active`` (the active leases
-        the sweep read); returns it. On a store thread."""
+        the sweep read), and what the ETA reads; returns the plan. On a store thread."""
+        self.plan = self._plan(session, active, now)
+        self._holding = [eta.Holding(lease.fraction * lease.gpu_count, lease.lease_class,
+                                     lease.worker_state != "idle", lease.started_at, self.deadline(lease))
+                         for lease in active]
+        ended = session.execute(select(Lease.lease_class, Lease.started_at, Lease.ended_at)
+                                .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
+                                .order_by(Lease.ended_at.desc()).limit(LENGTH_SAMPLE)).all()
+        self._typical = eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
+                                            for row in ended)
+        return self.plan
+
+    def _plan(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
         asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at)
                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
                                                     Lease.lease_class, Lease.created_at, Lease.wait_until)
                                              .where(Lease.state == LeaseState.queued.value))
                   if row.wait_until is None or row.wait_until > now]
         if not asking:
-            self.plan = priority.NO_PRESSURE
-            return self.plan
-        held = [_held(lease) for lease in active]
-        self.plan = priority.plan(held, asking, grace=self.settings.pressure_grace,
-                                  notice=self.settings.preemption_notice,
-                                  allow_preemption=self.settings.allow_preemption,
-                                  guaranteed_gpus=self._guarantees(session, active))
-        return self.plan
+            return priority.NO_PRESSURE
+        return priority.plan([_held(lease) for lease in active], asking, grace=self.settings.pressure_grace,
+                             notice=self.settings.preemption_notice, allow_preemption=self.settings.allow_preemption,
+                             guaranteed_gpus=self._guarantees(session, active))
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""
@@ -100,21 +112,11 @@ class Pressure:
         return (lease.state == LeaseState.active.value and lease.worker_state == "idle"
                 and deadline is not None and deadline <= now)
 
-    def etas(self, session: Session, ahead_gpus: Sequence[float], now: datetime) -> list[float | None]:
+    def etas(self, ahead_gpus: Sequence[float], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``ahead_gpus``
-        (queue order) from what holds capacity now and recent lease lengths."""
-        rows = session.execute(select(Lease.id, Lease.state, Lease.fraction, Lease.gpu_count, Lease.lease_class,
-                                      Lease.worker_state, Lease.started_at, Lease.idle_since, Lease.idle_timeout)
-                               .where(Lease.state.in_(HOLDING))).all()
-        holding = [eta.Holding(row.fraction * row.gpu_count, row.lease_class, row.worker_state != "idle",
-                               row.started_at, self.deadline(row)) for row in rows]
-        ended = session.execute(select(Lease.lease_class, Lease.started_at, Lease.ended_at)
-                                .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
-                                .order_by(Lease.ended_at.desc()).limit(LENGTH_SAMPLE)).all()
-        typical = eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
-                                      for row in ended)
-        return eta.eta_seconds(ahead_gpus, holding, typical, now)
-
+        (queue order), from the active leases and recent lease lengths as the
+        last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
+        return eta.eta_seconds(ahead_gpus, self._holding, self._typical, now)
 
 def _held(lease: Lease) -> priority.Held:
     idle = lease.worker_state == "idle"
