@@ -24,3 +24,9 @@ def requested_class(batch: bool, environ: Mapping[str, str]) -> str:
         raise ValueError(f"{ENV_CLASS}={named!r:.40} is not a lease class; use one of {', '.join(LEASE_CLASSES)} "
                          "(or unset it)")
     return "batch" if batch else named or "interactive"
+
+
+def class_note(lease) -> str:
+    """``"; batch, preemptible"`` for what of ``lease`` is not the default, else ``""`` (the attach line)."""
+    notes = [lease.lease_class] * (lease.lease_class != "interactive") + ["preemptible"] * bool(lease.preemptible)
+    return "; " + ", ".join(notes) if notes else ""

@@ -50,7 +50,7 @@ from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
-from .classes import requested_class
+from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .summary import summarize
 from .quota import progress_words, quota_report
@@ -223,7 +223,7 @@ class GPUMagics(Magics):
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)}{_class_note(lease)} "
+             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -581,12 +581,6 @@ class GPUMagics(Magics):
         result = self.shell.run_cell(cell, store_history=False)
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
-
-
-def _class_note(lease) -> str:
-    """``"; batch, preemptible"`` for what is not the default, else ``""``."""
-    notes = [lease.lease_class] * (lease.lease_class != "interactive") + ["preemptible"] * bool(lease.preemptible)
-    return "; " + ", ".join(notes) if notes else ""
 
 
 def _same_size(old) -> LeaseRequest:

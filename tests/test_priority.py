@@ -213,12 +213,12 @@ def test_an_unknown_class_in_the_environment_is_refused_naming_the_variable():
 
 def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None):
     from gpupool.schema import Lease, LeaseState, isoformat
-    now = at(1000)
+    def moment(seconds):  # from T0 + 1000 s, "now" in these tests
+        return None if seconds is None else isoformat(at(1000 + seconds))
+
     return Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=1.0, gpu_count=1, memory=1,
-                 idle_timeout=1800.0, idle_since=None if idle_for is None else isoformat(now - timedelta(seconds=idle_for)),
-                 idle_deadline=None if deadline_in is None else isoformat(now + timedelta(seconds=deadline_in)),
-                 preempt_at=None if preempt_in is None else isoformat(now + timedelta(seconds=preempt_in)),
-                 pressure=pressure)
+                 idle_timeout=1800.0, idle_since=moment(None if idle_for is None else -idle_for),
+                 idle_deadline=moment(deadline_in), preempt_at=moment(preempt_in), pressure=pressure)
 
 
 def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
