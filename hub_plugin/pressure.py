@@ -89,8 +89,10 @@ class Pressure:
         """Add ``idle_deadline``, ``pressure`` and ``preempt_at`` to lease JSON ``body``."""
         body["idle_deadline"] = isoformat(self.deadline(lease))
         early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
+        busy = lease.worker_state == "busy"
+        preempt = preempt if preempt and busy else None  # an idle one is parked by the early deadline
         body["pressure"] = preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None
-        body["preempt_at"] = isoformat(preempt.at) if preempt and lease.worker_state == "busy" else None
+        body["preempt_at"] = isoformat(preempt.at) if preempt else None
 
     def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
         """Reclaim decisions for idle leases past their early deadline: the
