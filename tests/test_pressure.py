@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from frontend import install_kernelspec, start_gpupool_kernel
+from frontend import notebook_pool, start_gpupool_kernel
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseRequest, LeaseState, parse_time
-from procs import start_agent, start_service, wait_for
+from procs import start_service, wait_for
 from test_idle_warning import Transcript
 
 #: Seconds an idle lease may stay idle while someone waits, and the preemption notice, on this pool.
@@ -26,15 +26,10 @@ GRACE, NOTICE = 3.0, 1.0
 def full_pool(tmp_path_factory):
     """Service (one simulated GPU, heartbeat TTL 3 s, short pressure grace), agent,
     kernelspec for user tester; ann asks for GPUs through the API: ``(service, kernels dir)``."""
-    root = tmp_path_factory.mktemp("pressure")
-    service = start_service(root, tokens={"ann": "ann-token-" + "5" * 16},
-                            config={"heartbeat_ttl": 3.0, "idle_warning": 0, "pressure_grace": GRACE,
-                                    "preemption_notice": NOTICE})
-    agent = start_agent(root, service, simulate="1xA100-80GB")
-    kernels = install_kernelspec(root / "prefix", service.url, service.user_token)
-    yield service, kernels
-    agent.stop()
-    service.stop()
+    with notebook_pool(tmp_path_factory.mktemp("pressure"), tokens={"ann": "ann-token-" + "5" * 16},
+                       config={"heartbeat_ttl": 3.0, "idle_warning": 0, "pressure_grace": GRACE,
+                               "preemption_notice": NOTICE}, simulate="1xA100-80GB") as pool:
+        yield pool
 
 
 @pytest.fixture
