@@ -26,6 +26,8 @@ MIN_MEMORY = 1024**2
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
 MAX_INT32 = 2**31 - 1
+#: Lease classes, in queue order: interactive requests go before batch ones (docs/api.md, "Classes").
+LEASE_CLASSES = ("interactive", "batch")
 
 
 class LeaseState(str, enum.Enum):
@@ -181,6 +183,10 @@ class LeaseRequest:
     ``env`` is None, the environment to run in when some node offers it, else
     the node's default, never a refusal (the magic sends the notebook kernel's
     :func:`kernel_environment`).
+    ``lease_class``: ``"interactive"`` (None: the default, a person at a
+    notebook) or ``"batch"`` (queued behind every interactive request);
+    ``preemptible``: the lease's running cell may be interrupted and the lease
+    parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
     """
 
     fraction: float = 1.0
@@ -193,9 +199,11 @@ class LeaseRequest:
     server_name: str | None = None
     env: str | None = None
     prefer_env: str | None = None
+    lease_class: str | None = None
+    preemptible: bool | None = None
 
     KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
-            "prefer_env")
+            "prefer_env", "lease_class", "preemptible")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -234,10 +242,16 @@ class LeaseRequest:
                                    or has_control_characters(server) or not is_unicode(server)):
             raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
                               f"control characters, \"\" for the default server), got {server!r:.80}")
+        lease_class = body.get("lease_class")
+        if lease_class is not None and lease_class not in LEASE_CLASSES:
+            raise bad_request(f"'lease_class' must be one of {', '.join(LEASE_CLASSES)}, got {lease_class!r:.80}")
+        preemptible = body.get("preemptible")
+        if preemptible is not None and not isinstance(preemptible, bool):
+            raise bad_request(f"'preemptible' must be true or false, got {preemptible!r:.80}")
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
                    wait=wait or None, server_name=server, env=_env_name(body, "env"),
-                   prefer_env=_env_name(body, "prefer_env"))
+                   prefer_env=_env_name(body, "prefer_env"), lease_class=lease_class, preemptible=preemptible)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -370,6 +384,14 @@ class Lease:
     queue_position: int | None = None
     queue_estimate_s: float | None = None
     wait_until: str | None = None
+    #: ``"interactive"`` or ``"batch"``, and whether its running cell may be preempted.
+    lease_class: str = "interactive"
+    preemptible: bool = False
+    #: Words for why ``idle_deadline`` came early or a preemption is due, e.g.
+    #: ``"parked early: 3 people are waiting for a GPU"``; None without pressure.
+    pressure: str | None = None
+    #: When the running cell of a preemptible lease is interrupted (ISO UTC), then the lease parked.
+    preempt_at: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":

@@ -16,7 +16,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -141,6 +141,10 @@ class Lease(Base):
     #: Revision 0005: the worker environment the request named (None: the node's default);
     #: once placed, the one the worker runs in (the node's default, by name, when the node reports one).
     env: Mapped[str | None] = mapped_column(String(100))
+    #: Revision 0006: ``interactive`` or ``batch`` (:mod:`.priority`), and whether
+    #: its running cell may be preempted under pressure.
+    lease_class: Mapped[str] = mapped_column(String(12), default="interactive", server_default="interactive")
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

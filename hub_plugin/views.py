@@ -39,6 +39,8 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
         "heartbeat_ttl": lease.heartbeat_ttl,
         "kernel_id": lease.kernel_id,
         "server_name": lease.server_name,
+        "lease_class": lease.lease_class or "interactive",
+        "preemptible": bool(lease.preemptible),
         "created_at": isoformat(lease.created_at),
         "started_at": isoformat(lease.started_at),
         "ended_at": isoformat(lease.ended_at),

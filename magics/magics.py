@@ -50,6 +50,7 @@ from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
+from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .summary import summarize
 from .quota import progress_words, quota_report
@@ -92,6 +93,13 @@ class GPUMagics(Magics):
         help="""Seconds before the service would reclaim an idle lease that the client parks it
         (pulls its variables here and gives the GPU back; the next cell resumes on a new slice),
         default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
+    ).tag(config=True)
+
+    preempt_notice = Duration(
+        10.0,
+        help="""Fewest seconds between telling the notebook that a preemptible lease's running cell
+        will be interrupted (others wait for a GPU) and interrupting it, default 10s.
+        Example: c.GPUMagics.preempt_notice = "30s".""",
     ).tag(config=True)
 
     def __init__(self, shell, kernel=None, **kwargs) -> None:
@@ -141,7 +149,7 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch] [--batch] [--preemptible]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
@@ -183,6 +191,10 @@ class GPUMagics(Magics):
                             "offers it, else the node's)")
     @argument("--on-idle", choices=("park", "release"), default="park",
               help="when idle: park (variables come back, the next cell resumes; default) or just release")
+    @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
+              "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
+    @argument("--preemptible", action="store_true",
+              help="while others wait, the running cell may be interrupted and the lease parked")
     def _acquire(self, rest: str) -> None:
         args = _parse(self._acquire, rest)
         if self.attachment is not None and self.attachment.ended is None:
@@ -195,7 +207,8 @@ class GPUMagics(Magics):
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-                env=args.env, prefer_env=None if args.env else _kernel_env())
+                env=args.env, prefer_env=None if args.env else _kernel_env(),
+                lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -214,7 +227,7 @@ class GPUMagics(Magics):
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
              f"{f' in environment {lease.env}' if lease.env else ''}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
+             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -295,6 +308,7 @@ class GPUMagics(Magics):
 
     def _arm_parking(self, attachment: Attachment) -> None:
         attachment.park_when_idle(self.park_ahead, self.release_state_cap, self._take)
+        attachment.heartbeat.preempt_notice = self.preempt_notice
 
     def _resume(self) -> Attachment:
         """The lease was parked: acquire a slice of the same size again (with
@@ -303,7 +317,7 @@ class GPUMagics(Magics):
         self.drop()
         old = parked.lease
         share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-        _say(f"{old.id} was parked after idle{summarize('brought back', parked.items, parked.errors)}; "
+        _say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
              f"acquiring {share} again")
         attachment = self._attach(_same_size(old))
         self._arm_parking(attachment)
@@ -579,7 +593,8 @@ def _same_size(old) -> LeaseRequest:
     its environment where a node still offers it (the parked values came from there)."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
                         idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
-                        prefer_env=old.env or _kernel_env())
+                        prefer_env=old.env or _kernel_env(), lease_class=old.lease_class,
+                        preemptible=old.preemptible or None)
 
 
 def _kernel_env() -> str | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
@@ -111,3 +112,22 @@ def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool"):
     kc.wait_for_ready(timeout=60)
     return km, kc
 
+
+
+@contextmanager
+def notebook_pool(root: Path, *, config: dict[str, Any], simulate: str = "2xA100-80GB",
+                  tokens: dict[str, str] | None = None) -> Iterator[tuple[Any, Path]]:
+    """A service with ``config`` (and the users of ``tokens``), one agent serving
+    ``simulate`` and the gpupool kernelspec for user tester: ``(service, kernels dir)``;
+    both stopped after."""
+    from procs import start_agent, start_service
+
+    service = start_service(root, tokens=tokens, config=config)
+    try:
+        agent = start_agent(root, service, simulate=simulate)
+        try:
+            yield service, install_kernelspec(root / "prefix", service.url, service.user_token)
+        finally:
+            agent.stop()
+    finally:
+        service.stop()
