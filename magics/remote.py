@@ -11,6 +11,7 @@ bounded and Ctrl-C (SIGINT in the main thread) interrupts it.
 from __future__ import annotations
 
 import threading
+from hmac import compare_digest
 import time
 import uuid
 from typing import Any, Callable
@@ -27,6 +28,34 @@ HB_INTERVAL = 1.0
 #: Seconds without a heartbeat echo after which the worker counts as unreachable.
 #: ipykernel echoes from a thread of its own, so a busy cell still answers.
 HB_TIMEOUT = 10.0
+
+
+def deserialize(session: Session, parts: list, content: bool = True) -> dict[str, Any]:
+    """``session.deserialize(parts, content, copy=False)`` without turning the
+    header's and parent's ``date`` strings into datetimes: that is dateutil
+    parsing two dates per message, the largest cost of a forwarded cell in the
+    notebook kernel (py-spy), and nothing here reads a worker's dates (the
+    front end's come through ipykernel). The checks are Session's own: the
+    HMAC signature, replayed signatures (its digest history), at least five
+    parts. Raises ValueError or TypeError as Session.deserialize does."""
+    frames = [part.bytes if hasattr(part, "bytes") else bytes(part) for part in parts[:5]]
+    if len(frames) < 5:
+        raise TypeError("malformed message, must have at least 5 elements")
+    if session.auth is not None:
+        signature = frames[0]
+        if not signature:
+            raise ValueError("Unsigned Message")
+        if signature in session.digest_history:
+            raise ValueError(f"Duplicate Signature: {signature!r}")
+        if content:  # as Session: only a message that is read whole is remembered
+            session._add_digest(signature)
+        if not compare_digest(signature, session.sign(frames[1:5])):
+            raise ValueError(f"Invalid Signature: {signature!r}")
+    header = session.unpack(frames[1])
+    return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
+            "parent_header": session.unpack(frames[2]), "metadata": session.unpack(frames[3]),
+            "content": session.unpack(frames[4]) if content else frames[4],
+            "buffers": [part.buffer if hasattr(part, "buffer") else memoryview(part) for part in parts[5:]]}
 
 
 class RemoteKernel:
@@ -123,7 +152,7 @@ class RemoteKernel:
 
     def _recv(self, sock: zmq.Socket) -> dict[str, Any] | None:
         _, parts = self.session.feed_identities(sock.recv_multipart(copy=False), copy=False)
-        return self.session.deserialize(parts, content=True, copy=False)
+        return deserialize(self.session, parts)
 
     def execute(self, code: str, handler: Callable[[dict[str, Any]], None],
                 stdin_handler: Callable[[dict[str, Any]], str] | None = None,
@@ -288,7 +317,7 @@ class IOPubRelay(threading.Thread):
     says busy and idle itself). What the notebook kernel itself asked for
     (transfers, version checks: parented to ``session``'s own session id)
     goes to ``inner`` only. A message whose signature does not verify is
-    dropped (Session.deserialize raises)."""
+    dropped (:func:`deserialize` raises)."""
 
     def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
                  publish: Callable[[list, list, dict], None]) -> None:
@@ -314,7 +343,7 @@ class IOPubRelay(threading.Thread):
 
     def _pass(self, frames: list) -> None:
         idents, parts = self.session.feed_identities(frames, copy=False)
-        msg = self.session.deserialize(parts, content=False, copy=False)
+        msg = deserialize(self.session, parts, content=False)
         parent = msg["parent_header"]
         if parent.get("session") == self.session.session:
             self.inner.send_multipart(frames, copy=False)

@@ -232,3 +232,27 @@ def test_kernel_class_forwards_only_while_attached():
     assert kernel.forwarded_code("%%local\nx") is None
     assert kernel.forwarded_code("%%gpu\nx = 1\n") == "x = 1\n"
     assert kernel.forwarded_code("%%gpu 0.5\nx") is None, "the magic refuses an amount while attached"
+
+
+def test_worker_messages_are_checked_as_session_checks_them():
+    """RemoteKernel's deserialize (Session.deserialize without date parsing) keeps its checks."""
+    import zmq
+    from jupyter_client.session import Session
+
+    from gpupool.magics.remote import deserialize
+
+    sender, reader = Session(key=b"k"), Session(key=b"k")
+    frames = sender.serialize(sender.msg("stream", {"text": "hi"}), ident=[])
+    parts = [zmq.Frame(f) for f in frames[frames.index(b"<IDS|MSG>") + 1:]] + [zmq.Frame(b"\0" * 64)]
+    msg = deserialize(reader, parts)
+    assert msg["content"] == {"text": "hi"} and isinstance(msg["header"]["date"], str)
+    assert bytes(msg["buffers"][0]) == b"\0" * 64
+    with pytest.raises(ValueError, match="Duplicate Signature"):
+        deserialize(reader, parts)
+    forged = [parts[0], *parts[1:4], zmq.Frame(b'{"text": "forged"}')]
+    with pytest.raises(ValueError, match="Invalid Signature"):
+        deserialize(Session(key=b"k"), forged)
+    with pytest.raises(ValueError, match="Unsigned"):
+        deserialize(Session(key=b"k"), [zmq.Frame(b""), *parts[1:5]])
+    with pytest.raises(TypeError, match="at least 5"):
+        deserialize(Session(key=b"k"), parts[:3])
