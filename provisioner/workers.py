@@ -174,8 +174,9 @@ def preload_code(modules: Sequence[str]) -> str:
 
 
 def kernel_arguments(extensions: Sequence[str]) -> list[str]:
-    """ipykernel command-line options that load ``extensions`` and make the
-    kernel exit when one fails to load.
+    """ipykernel command-line options that load ``extensions``, make the
+    kernel exit when one fails to load, and leave out ipykernel's sleep before
+    each reply.
 
     ``extra_extensions`` is IPython's option for extensions named on the
     command line; unlike ``extensions`` it adds to, rather than replaces, a
@@ -184,7 +185,9 @@ def kernel_arguments(extensions: Sequence[str]) -> list[str]:
     extension, and a worker without its extension would look healthy.
     """
     args = [f"--IPKernelApp.extra_extensions={name}" for name in extensions]
-    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True"]
+    # ipykernel sleeps 0.5 ms before each execute_reply so that a front end sees a cell's output
+    # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", "--IPythonKernel._execute_sleep=0"]
 
 
 class Worker:

@@ -74,6 +74,10 @@ def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
     inputs, result = mine[1], mine[2]
     assert inputs["content"]["execution_count"] == count == result["content"]["execution_count"]
     assert int(result["content"]["data"]["text/plain"]) != local_pid, "it ran on the worker"
+    # Neither kernel runs ipykernel's shell-channel thread (gpupool.kernelapp: no subshells).
+    for where in ("", "%%local\n"):
+        threads = _remote(kc, f"{where}sorted(t.name for t in __import__('threading').enumerate())")
+        assert "Shell channel" not in threads, (where, threads)
     failed = run(kc, "1 / 0")
     traceback = "\n".join(c for kind, content in failed.outputs if kind == "error" for c in content["traceback"])
     assert f"Cell In[{failed.reply['execution_count']}]" in re.sub(r"\x1b\[[0-9;]*m", "", traceback)
