@@ -1,0 +1,124 @@
+"""The notebook kernel's end of the data plane (:mod:`gpupool.dataplane`).
+
+Push, pull, the locals sent along with a cell, release, park and resume all
+come through :func:`push` and :func:`pull`. Each takes ``comm(request,
+buffers) -> (answer, buffers)``, one round trip on the worker's transfer comm
+that raises unless the answer is ok, so the attachment (which holds its lock
+around the whole transfer) and parking (on a connection of its own) share it.
+
+A push of at least :data:`STREAM_MIN` bytes to a worker with a
+``transfer_port`` takes three steps: ``push_open`` registers the ticket and
+the sizes, the buffers stream, and ``push`` with the ticket's id tells the
+worker to unpickle what it verified. A pull sends a ticket along and the
+worker decides (``header["stream"]``). Smaller transfers, and workers of an
+older agent, keep everything in the comm message.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
+from gpupool.errors import GPUPoolError
+from gpupool.transfer import dump_values
+
+#: Pushes whose buffers total fewer bytes go in the comm message (one round trip, no connection).
+STREAM_MIN = 1 << 20
+#: Seconds a data connection may stall before the transfer counts as failed.
+STALL_TIMEOUT = 60.0
+
+Comm = Callable[[dict[str, Any], list | None], tuple[dict[str, Any], list]]
+
+
+def ticket_for(connection: dict[str, Any]) -> Ticket | None:
+    """A fresh ticket for a worker with a data plane (None: it has none);
+    encrypted whenever its control channel is (CurveZMQ)."""
+    if not connection.get("transfer_port"):
+        return None
+    return Ticket.new(encrypted=bool(connection.get("curve_publickey")))
+
+
+def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices: dict[str, str],
+         progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Send ``values`` to the worker; returns ``(header, answer)`` (the
+    header's items and errors, the worker's ``loaded`` and ``errors``).
+    Raises GPUPoolError ``transfer_failed`` when the stream fails (nothing
+    changed on the worker), KeyboardInterrupt when interrupted (likewise)."""
+    header, buffers = dump_values(values)
+    request = {"op": "push", "header": header, "devices": devices}
+    sizes = [memoryview(b).nbytes for b in buffers]
+    ticket = ticket_for(connection)
+    if ticket is None or sum(sizes) < STREAM_MIN:
+        answer, _ = comm(request, buffers)
+        return header, answer
+    comm({"op": "push_open", "stream": ticket.wire(), "sizes": sizes}, None)
+    meter = Progress("pushing", sum(sizes)) if progress else None
+    with _connect(connection, ticket) as sock:
+        try:
+            send_buffers(sock, ticket, buffers, meter)
+            refused = recv_status(sock)
+        except (OSError, TransferError) as exc:
+            raise _failed(exc) from None
+        finally:
+            if meter is not None:
+                meter.done()
+    if refused:
+        raise GPUPoolError("transfer_failed", f"the worker refused the push: {refused}", 502)
+    answer, _ = comm({**request, "stream": {"id": ticket.id.hex()}}, None)
+    return header, answer
+
+
+def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any], progress: bool = True
+         ) -> tuple[dict[str, Any], list]:
+    """Ask the worker for ``request`` (``pull`` / ``pull_all``); returns the
+    answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
+    Errors as for :func:`push`; the local namespace is not touched here."""
+    ticket = ticket_for(connection)
+    if ticket is not None:
+        request = {**request, "stream": ticket.wire()}
+    answer, buffers = comm(request, None)
+    header = answer["header"]
+    if ticket is None or "stream" not in header:
+        return header, buffers
+    sizes = [int(size) for size in header["stream"]["sizes"]]
+    meter = Progress("pulling", sum(sizes)) if progress else None
+    with _connect(connection, ticket) as sock:
+        try:
+            return header, recv_buffers(sock, ticket, sizes, meter)
+        except (OSError, TransferError) as exc:
+            raise _failed(exc) from None
+        finally:
+            if meter is not None:
+                meter.done()
+
+
+def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
+    """A data connection to the worker, past its hello; GPUPoolError when
+    the worker cannot be reached or refuses the ticket."""
+    address = (connection["ip"], int(connection["transfer_port"]))
+    try:
+        sock = socket.create_connection(address, timeout=STALL_TIMEOUT)
+    except OSError as exc:
+        raise GPUPoolError("transfer_failed", f"could not reach the worker's data port {address[0]}:{address[1]} "
+                           f"({exc}); the cluster's network policy must allow it (deploy/kubernetes/README.md)",
+                           502) from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(ticket.hello())
+        refused = recv_status(sock)
+    except (OSError, TransferError) as exc:
+        sock.close()
+        raise _failed(exc) from None
+    except BaseException:
+        sock.close()
+        raise
+    if refused:
+        sock.close()
+        raise GPUPoolError("transfer_failed", f"the worker refused the transfer: {refused}", 502)
+    return sock
+
+
+def _failed(exc: BaseException) -> GPUPoolError:
+    why = str(exc) if isinstance(exc, TransferError) else f"the data connection failed ({exc}); nothing changed"
+    return GPUPoolError("transfer_failed", why, 502)
