@@ -132,7 +132,12 @@ def check_hello(hello: bytes, lookup: Callable[[bytes], Ticket | None]) -> Ticke
 def allocate(size: int) -> memoryview:
     """A writable buffer of ``size`` bytes whose pages are not touched yet
     (anonymous memory for big ones), for a receiver to fill."""
-    return memoryview(mmap.mmap(-1, size) if size >= _MMAP_FROM else bytearray(size))
+    if size < _MMAP_FROM:
+        return memoryview(bytearray(size))
+    pages = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: 512x fewer page faults
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(pages)
 
 
 def _nonce(counter: int) -> bytes:

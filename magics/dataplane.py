@@ -40,11 +40,14 @@ def ticket_for(connection: dict[str, Any]) -> Ticket | None:
 
 
 def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices: dict[str, str],
-         progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+         progress: bool | Callable[[int], None] = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Send ``values`` to the worker; returns ``(header, answer)`` (the
     header's items and errors, the worker's ``loaded`` and ``errors``).
     Raises GPUPoolError ``transfer_failed`` when the stream fails (nothing
-    changed on the worker), KeyboardInterrupt when interrupted (likewise)."""
+    changed on the worker), KeyboardInterrupt when interrupted (likewise).
+    ``progress``: True for a progress line in the cell's output when the
+    stream lasts over a second, False for none, or a callable given the
+    bytes of each chunk."""
     header, buffers = dump_values(values)
     request = {"op": "push", "header": header, "devices": devices}
     sizes = [memoryview(b).nbytes for b in buffers]
@@ -53,7 +56,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
         answer, _ = comm(request, buffers)
         return header, answer
     comm({"op": "push_open", "stream": ticket.wire(), "sizes": sizes}, None)
-    meter = Progress("pushing", sum(sizes)) if progress else None
+    meter = _meter(progress, "pushing", sum(sizes))
     with _connect(connection, ticket) as sock:
         try:
             send_buffers(sock, ticket, buffers, meter)
@@ -61,7 +64,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
         except (OSError, TransferError) as exc:
             raise _failed(exc) from None
         finally:
-            if meter is not None:
+            if isinstance(meter, Progress):
                 meter.done()
     if refused:
         raise GPUPoolError("transfer_failed", f"the worker refused the push: {refused}", 502)
@@ -69,7 +72,8 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
     return header, answer
 
 
-def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any], progress: bool = True
+def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any],
+         progress: bool | Callable[[int], None] = True
          ) -> tuple[dict[str, Any], list]:
     """Ask the worker for ``request`` (``pull`` / ``pull_all``); returns the
     answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
@@ -82,15 +86,21 @@ def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any], progre
     if ticket is None or "stream" not in header:
         return header, buffers
     sizes = [int(size) for size in header["stream"]["sizes"]]
-    meter = Progress("pulling", sum(sizes)) if progress else None
+    meter = _meter(progress, "pulling", sum(sizes))
     with _connect(connection, ticket) as sock:
         try:
             return header, recv_buffers(sock, ticket, sizes, meter)
         except (OSError, TransferError) as exc:
             raise _failed(exc) from None
         finally:
-            if meter is not None:
+            if isinstance(meter, Progress):
                 meter.done()
+
+
+def _meter(progress, verb: str, total: int):
+    if callable(progress):
+        return progress
+    return Progress(verb, total) if progress else None
 
 
 def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
