@@ -7,16 +7,20 @@ that raises unless the answer is ok, so the attachment (which holds its lock
 around the whole transfer) and parking (on a connection of its own) share it.
 
 A push of at least :data:`STREAM_MIN` bytes to a worker with a
-``transfer_port`` takes three steps: ``push_open`` registers the ticket and
-the sizes, the buffers stream, and ``push`` with the ticket's id tells the
-worker to unpickle what it verified. A pull sends a ticket along and the
-worker decides (``header["stream"]``). Smaller transfers, and workers of an
-older agent, keep everything in the comm message.
+``transfer_port`` is one comm round trip with the stream inside it: the
+``push`` request carries the ticket and the buffers' sizes, its handler on
+the worker waits for the stream, unpickles what verified and answers. The
+request waits for that answer on a thread of its own while this thread
+streams (the worker's ZeroMQ sockets are used by that thread alone
+meanwhile). A pull sends a ticket along and the worker decides
+(``header["stream"]``). Smaller transfers, and workers of an older agent,
+keep everything in the comm message.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any, Callable
 
 from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
@@ -55,21 +59,54 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
     if ticket is None or sum(sizes) < STREAM_MIN:
         answer, _ = comm(request, buffers)
         return header, answer
-    comm({"op": "push_open", "stream": ticket.wire(), "sizes": sizes}, None)
+    request["stream"] = {**ticket.wire(), "sizes": sizes}
+    asked = _Asked(comm, request)
     meter = _meter(progress, "pushing", sum(sizes))
-    with _connect(connection, ticket) as sock:
-        try:
+    try:
+        with _connect(connection, ticket) as sock:
             send_buffers(sock, ticket, buffers, meter)
-            refused = recv_status(sock)
-        except (OSError, TransferError) as exc:
-            raise _failed(exc) from None
-        finally:
-            if isinstance(meter, Progress):
-                meter.done()
-    if refused:
-        raise GPUPoolError("transfer_failed", f"the worker refused the push: {refused}", 502)
-    answer, _ = comm({**request, "stream": {"id": ticket.id.hex()}}, None)
-    return header, answer
+            recv_status(sock)  # the worker's own answer says why, if it refused
+    except (OSError, TransferError, GPUPoolError) as exc:
+        asked.answer()  # the worker's reason comes first: it knows more
+        raise exc if isinstance(exc, GPUPoolError) else _failed(exc) from None
+    except BaseException:  # an interrupt: the connection is closed, so the worker stops waiting
+        asked.answer(quiet=True)
+        raise
+    finally:
+        if isinstance(meter, Progress):
+            meter.done()
+    return header, asked.answer()
+
+
+class _Asked(threading.Thread):
+    """``comm(request, None)`` on a thread of its own; :meth:`answer` joins it."""
+
+    def __init__(self, comm: Comm, request: dict[str, Any]) -> None:
+        super().__init__(name="gpupool-push", daemon=True)
+        self.comm, self.request = comm, request
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result, _ = self.comm(self.request, None)
+        except BaseException as exc:  # handed to the caller's thread
+            self.error = exc
+
+    def answer(self, quiet: bool = False) -> dict[str, Any]:
+        """The worker's answer; raises what the request raised (unless ``quiet``)."""
+        interrupted = False
+        while self.is_alive():  # the worker answers soon once the stream ended, either way
+            try:
+                self.join(0.05)
+            except KeyboardInterrupt:  # leaving now would share the worker's sockets with the thread
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if self.error is not None and not quiet:
+            raise self.error
+        return self.result or {}
 
 
 def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any],

@@ -8,7 +8,9 @@ this module. It gives the worker two things the notebook's client relies on:
   for the wire shape); GPU tensors are moved to the CPU before they travel,
   with the device they were on, and a push can ask for them to be put back
   on it; the ``have`` and ``versions`` ops let the client send along only the
-  names a cell needs and warn about package mismatches (docs/api.md);
+  names a cell needs and warn about package mismatches (docs/api.md); big
+  buffers go over the worker's data plane (:mod:`.worker_dataplane`, on the
+  ``transfer_port`` of its connection file) instead of the comm message;
 - the PyTorch memory cap of the slice: when the user's code imports
   ``torch`` and CUDA is available, ``torch.cuda.set_per_process_memory_fraction``
   is set from ``GPUPOOL_MEMORY_LIMIT`` (PyTorch has no environment variable
@@ -109,9 +111,7 @@ def _serve(ip, comm, msg, plane=None) -> None:
     data = msg["content"]["data"]
     op = data.get("op")
     try:
-        if op == "push_open":
-            comm.send(worker_dataplane.open_push(plane, data))
-        elif op == "push":
+        if op == "push":
             buffers = worker_dataplane.pushed_buffers(plane, data) if data.get("stream") else msg.get("buffers") or []
             values, errors = load_values(data["header"], buffers)
             errors.update(place_on_devices(values, data.get("devices") or {}))
@@ -124,6 +124,8 @@ def _serve(ip, comm, msg, plane=None) -> None:
             comm.send(REMOTING_OPS[op](ip, data))
         else:
             comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
+    except worker_dataplane.TransferError as exc:  # its words are for the user as they are
+        comm.send({"ok": False, "message": str(exc)})
     except Exception as exc:  # the client shows this; the worker stays up
         log.exception("transfer %s failed", op)
         comm.send({"ok": False, "message": f"{type(exc).__name__}: {exc}"})

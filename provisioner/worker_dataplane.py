@@ -26,6 +26,11 @@ log = logging.getLogger("gpupool.worker")
 PENDING_TTL = 120.0
 #: Seconds a data connection may stall (no byte moving) before it is dropped.
 IDLE_TIMEOUT = 60.0
+#: Seconds a push's comm handler waits for the client's data connection.
+CONNECT_WAIT = 30.0
+#: Seconds a hello waits for its transfer to be registered (the comm request and the
+#: connection leave the client together; either may arrive first).
+REGISTER_WAIT = 10.0
 
 
 @dataclass
@@ -35,6 +40,7 @@ class _Pending:
     outgoing: Sequence | None = None  # a pull's buffers, to send
     received: list | None = None  # a push's buffers, once all verified
     error: str | None = None
+    connected: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     since: float = field(default_factory=time.monotonic)
 
@@ -49,6 +55,7 @@ class DataPlaneServer:
         self.listener = socket.create_server((ip, port))
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
+        self._registered = threading.Condition(self._lock)
         threading.Thread(target=self._accept, name="gpupool-dataplane", daemon=True).start()
 
     @property
@@ -58,8 +65,8 @@ class DataPlaneServer:
     # -- called by the comm handler (the kernel's main thread) --------------------------
 
     def expect(self, ticket: Ticket, sizes: list[int]) -> None:
-        """Register a push of buffers of ``sizes`` bytes; ValueError when the
-        ticket's cipher is not allowed here."""
+        """Register a push of buffers of ``sizes`` bytes; TransferError when
+        the ticket's cipher is not allowed here."""
         self._register(_Pending(ticket, [int(s) for s in sizes]))
 
     def offer(self, ticket: Ticket, buffers: Sequence) -> list[int]:
@@ -68,26 +75,43 @@ class DataPlaneServer:
         self._register(_Pending(ticket, sizes, outgoing=buffers))
         return sizes
 
-    def take(self, ident: bytes, timeout: float = 30.0) -> list:
-        """A push's buffers once all verified (the client asks after the
-        worker's final status, so they are there); TransferError with the
-        reason otherwise. The transfer is forgotten either way."""
+    def take(self, ident: bytes, connect_timeout: float = CONNECT_WAIT) -> list:
+        """Wait for a push's buffers and return them once all verified;
+        TransferError with the reason when they do not all arrive, when no
+        connection came within ``connect_timeout`` seconds, or when this
+        thread is interrupted. The transfer is forgotten either way."""
         with self._lock:
-            pending = self._pending.pop(ident, None)
+            pending = self._pending.get(ident)
         if pending is None:
             raise TransferError("no such transfer on this worker (it expired, or was never opened)")
-        if not pending.done.wait(timeout) or pending.received is None:
-            raise TransferError(pending.error or "the transfer did not complete: nothing changed on the worker")
+        deadline = time.monotonic() + connect_timeout
+        try:
+            while not pending.done.wait(0.05):  # short waits: an interrupt reaches this thread
+                if not pending.connected and time.monotonic() > deadline:
+                    raise TransferError(f"no data connection came within {connect_timeout:.0f}s: nothing changed")
+        except KeyboardInterrupt:
+            raise TransferError("interrupted on the worker: nothing changed") from None
+        finally:
+            with self._lock:
+                self._pending.pop(ident, None)
+            pending.error = pending.error or "the worker stopped waiting for this transfer"
+        if pending.received is None:
+            raise TransferError(pending.error)
         return pending.received
 
     def _register(self, pending: _Pending) -> None:
+        refused = None
         if self.encrypted and pending.ticket.cipher == "none":
-            raise ValueError("this worker encrypts its traffic: a transfer without encryption is refused")
+            refused = "this worker encrypts its traffic: a transfer without encryption is refused"
+            pending.error = refused  # its hello is refused at once, with this reason
         now = time.monotonic()
         with self._lock:
             for ident in [i for i, p in self._pending.items() if now - p.since > PENDING_TTL]:
                 del self._pending[ident]  # abandoned: a client that never connected
             self._pending[pending.ticket.id] = pending
+            self._registered.notify_all()
+        if refused:
+            raise TransferError(refused)
 
     # -- the data thread ---------------------------------------------------------------------
 
@@ -101,6 +125,7 @@ class DataPlaneServer:
 
     def _lookup(self, ident: bytes) -> Ticket | None:
         with self._lock:
+            self._registered.wait_for(lambda: ident in self._pending, REGISTER_WAIT)
             pending = self._pending.get(ident)
         return pending.ticket if pending is not None else None
 
@@ -114,6 +139,9 @@ class DataPlaneServer:
                 ticket = check_hello(bytes(hello), self._lookup)
                 with self._lock:
                     pending = self._pending[ticket.id]
+                    if pending.error or pending.connected:
+                        raise TransferError(pending.error or "this transfer is already under way")
+                    pending.connected = True
                     if pending.outgoing is not None:  # a pull is sent once
                         del self._pending[ticket.id]
                 send_status(conn, None)
@@ -127,7 +155,7 @@ class DataPlaneServer:
                 why = str(exc) if isinstance(exc, TransferError) else f"the connection failed: {exc}"
                 log.info("data plane transfer dropped: %s", why)
                 if pending is not None and pending.outgoing is None:
-                    pending.error, pending.received = why, None
+                    pending.error, pending.received = pending.error or why, None
                     pending.done.set()
                 try:
                     send_status(conn, why)
@@ -154,19 +182,16 @@ def from_connection_file(path: str) -> DataPlaneServer | None:
 STREAM_MIN = 1 << 20
 
 
-def open_push(plane: DataPlaneServer | None, data: dict[str, Any]) -> dict[str, Any]:
-    """Op ``push_open``: register a push of ``data["sizes"]`` under ``data["stream"]`` (a ticket)."""
-    if plane is None:
-        return {"ok": False, "message": "this worker has no data plane (its agent gave it no transfer_port)"}
-    plane.expect(Ticket.from_wire(data["stream"]), list(data["sizes"]))
-    return {"ok": True}
-
-
 def pushed_buffers(plane: DataPlaneServer | None, data: dict[str, Any]) -> list:
-    """The buffers of a streamed push (``data["stream"]["id"]``); TransferError when they did not all arrive."""
+    """The buffers of a streamed push: register ``data["stream"]`` (a ticket
+    with the buffers' ``sizes``) and wait here, in the comm handler, until the
+    client's stream has arrived and verified. Raises TransferError (also
+    for a ticket this worker refuses) and then changes nothing."""
     if plane is None:
-        raise TransferError("this worker has no data plane")
-    return plane.take(bytes.fromhex(data["stream"]["id"]))
+        raise TransferError("this worker has no data plane (its agent gave it no transfer_port)")
+    ticket = Ticket.from_wire(data["stream"])
+    plane.expect(ticket, list(data["stream"]["sizes"]))
+    return plane.take(ticket.id)
 
 
 def offer_pull(plane: DataPlaneServer | None, data: dict[str, Any], header: dict[str, Any], buffers: list

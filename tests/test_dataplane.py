@@ -95,8 +95,10 @@ def test_values_of_every_kind_round_trip_over_the_data_plane(worker):
               "frame": pd.DataFrame({"x": np.arange(1000), "y": np.linspace(0, 1, 1000)}),
               "nested": {"list": [big[:10], (1, "two")], "set": {3}}}
     ops: list[str] = []
-    header, answer = dataplane.push(_comm(remote, ops), connection, values, {}, progress=False)
-    assert ops == ["push_open", "push"], "the buffers went on the data plane"
+    chunks: list[int] = []
+    header, answer = dataplane.push(_comm(remote, ops), connection, values, {}, progress=chunks.append)
+    assert len(chunks) > 3 and max(chunks) == CHUNK, "the buffers went on the data plane"
+    assert ops == ["push"]
     assert sorted(answer["loaded"]) == sorted(values) and not answer["errors"]
     assert _on_worker(remote, "fortran.flags.f_contiguous, view.shape, tensor.requires_grad, str(bf16.dtype)") == \
         "(True, (65536, 2), True, 'torch.bfloat16')"
@@ -177,7 +179,7 @@ def test_a_tampered_chunk_is_refused_and_changes_nothing(worker):
     second_chunk = 48 + CHUNK + 16 + 1000  # past the hello and the first sealed chunk
     relay = _Tamper(connection["transfer_port"], "up", second_chunk)
     via = {**connection, "transfer_port": relay.listener.getsockname()[1]}
-    with pytest.raises(GPUPoolError, match=r"refused the push: chunk \d+ of \d+ failed its integrity check"):
+    with pytest.raises(GPUPoolError, match=r"^chunk \d+ of \d+ failed its integrity check.*nothing changed"):
         dataplane.push(_comm(remote), via, {"tampered": np.ones(3 * CHUNK, np.uint8)}, {}, progress=False)
     assert _on_worker(remote, "'tampered' in globals()") == "False"
 
@@ -190,14 +192,19 @@ def test_a_tampered_chunk_is_refused_and_changes_nothing(worker):
 
 def test_a_transfer_with_another_key_or_without_encryption_is_refused(worker):
     remote, connection = worker
-    ticket = Ticket.new()
-    _comm(remote)({"op": "push_open", "stream": ticket.wire(), "sizes": [CHUNK]}, None)
-    forged = Ticket(ticket.id, Ticket.new().key, ticket.cipher)  # another lease's (or transfer's) key
-    with pytest.raises(GPUPoolError, match="refused the transfer: the transfer's key does not match"):
-        dataplane._connect(connection, forged)
-    plain = Ticket.new(encrypted=False)
+    server = DataPlaneServer("127.0.0.1", 0, encrypted=True)
+    try:
+        ticket = Ticket.new()
+        server.expect(ticket, [CHUNK])
+        forged = Ticket(ticket.id, Ticket.new().key, ticket.cipher)  # another lease's (or transfer's) key
+        with pytest.raises(GPUPoolError, match="refused the transfer: the transfer's key does not match"):
+            dataplane._connect({"ip": "127.0.0.1", "transfer_port": server.port}, forged)
+    finally:
+        server.close()
+    unencrypted = {k: v for k, v in connection.items() if k != "curve_publickey"}  # asks for a plain ticket
     with pytest.raises(GPUPoolError, match="this worker encrypts its traffic: a transfer without encryption is refused"):
-        _comm(remote)({"op": "push_open", "stream": plain.wire(), "sizes": [CHUNK]}, None)
+        dataplane.push(_comm(remote), unencrypted, {"plain": np.ones(2 * CHUNK, np.uint8)}, {}, progress=False)
+    assert _on_worker(remote, "'plain' in globals()") == "False"
 
 
 def _interrupt_after_first_chunk(nbytes: int) -> None:
@@ -256,3 +263,25 @@ def test_the_progress_line_gives_bytes_rate_and_time_left():
     first, _, last = out.getvalue().partition("\r")
     assert first.startswith("gpupool: pushing 1.0 MiB of 4.0 MiB, ") and "/s, " in first and first.endswith(" s left")
     assert last.endswith("\n")
+
+
+# -- through a notebook kernel on a real pool ------------------------------------------------------------------------
+
+def test_push_and_pull_use_the_port_the_agent_lists(e2e_pool, kernel):
+    from frontend import run
+    from test_e2e_notebook import _active_leases, _remote
+
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    lease, = _active_leases(service)
+    port = lease.connection["transfer_port"]
+    assert port not in [v for k, v in lease.connection.items() if k.endswith("_port") and k != "transfer_port"]
+    assert run(kc, "%%local\nimport numpy as np\nbig = np.arange(2**20, dtype=np.float64)").ok
+    pushed = run(kc, "%gpu push big")
+    assert pushed.ok and "pushed 1 variable: big (numpy.ndarray, 8.0 MiB)" in pushed.stdout, pushed.text()
+    assert _remote(kc, "float(big.sum()), bool(big.flags.writeable)") == (float(2**20 * (2**20 - 1) / 2), True)
+    assert run(kc, "twice = big * 2").ok
+    pulled = run(kc, "%gpu pull twice")
+    assert pulled.ok, pulled.text()
+    assert _remote(kc, "%%local\nfloat(twice[-1])") == 2.0 * (2**20 - 1)
