@@ -1,7 +1,9 @@
 """Bulk transfers: `%gpu push` / `%gpu pull` on the data plane against the wire (issue 15).
 
 In one run, interleaved per size (one of each per round, the best of
---repeats kept): a raw loopback TCP socket sending the same bytes, gpupool
+--repeats kept): a raw loopback TCP socket sending the same bytes (into a
+buffer touched beforehand, and into fresh memory: what faulting pages in
+costs a receiver), gpupool
 push and pull with the agent's transport encrypted (``curve``: the data
 plane then uses AES-256-GCM, or ChaCha20-Poly1305 without AES-NI) and not
 (``none``: plain chunks), and ipyparallel's push/pull to one engine (skipped,
@@ -41,6 +43,39 @@ ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024**2
 SECTION = "## Bulk transfers"
 MODES = ("curve", "none")
+
+
+def raw_fresh_seconds(nbytes: int) -> float:
+    """As remoting_bench.raw_socket_seconds, but received into fresh memory
+    (an anonymous mapping made inside the timed window, as any receiver of a
+    new value must): the wire plus the cost of faulting pages in."""
+    import mmap
+    import socket
+    import threading
+    import time
+
+    server = socket.create_server(("127.0.0.1", 0))
+    payload = memoryview(bytearray(nbytes))
+    elapsed: list[float] = []
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        start = time.perf_counter()
+        view, got = memoryview(mmap.mmap(-1, nbytes)), 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:], min(nbytes - got, 4 * MIB))
+        elapsed.append(time.perf_counter() - start)
+        conn.sendall(b"k")
+        conn.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with socket.create_connection(server.getsockname()) as conn:
+        conn.sendall(payload)
+        conn.recv(1)
+    thread.join()
+    server.close()
+    return elapsed[0]
 
 
 def reset_peak(pid: int) -> int:
@@ -119,14 +154,16 @@ def measure(pools: dict[str, Pooled], engine, sizes: list[int], repeats: int) ->
     rows = []
     for mib in sizes:
         nbytes = mib * MIB
-        runs: dict[str, list] = {"raw": [], "ipp": [], **{mode: [] for mode in pools}}
+        runs: dict[str, list] = {"raw": [], "fresh": [], "ipp": [], **{mode: [] for mode in pools}}
         for _ in range(repeats):  # interleaved: one of each per round
             runs["raw"].append(raw_socket_seconds(nbytes))
+            runs["fresh"].append(raw_fresh_seconds(nbytes))
             for mode, pooled in pools.items():
                 runs[mode].append(pooled.transfer(nbytes))
             if engine is not None:
                 runs["ipp"].append(ipp_transfer_seconds(engine[1][0], nbytes))
-        row: dict = {"mib": mib, "raw_mib_s": mib / min(runs["raw"])}
+        row: dict = {"mib": mib, "raw_mib_s": mib / min(runs["raw"]), "fresh_mib_s": mib / min(runs["fresh"]),
+                     "load": os.getloadavg()[0]}
         for mode in pools:
             for way in ("push", "pull"):
                 done = runs[mode]
@@ -151,17 +188,15 @@ def plot(results: dict, path: Path) -> None:
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(7, 4))
     mib = [r["mib"] for r in rows]
-    series = [("raw_mib_s", "raw loopback TCP", "k-")]
+    series = [("raw_mib_s", "raw loopback TCP", "k-"), ("fresh_mib_s", "raw TCP into fresh memory", "k:")]
     for mode in MODES:
         series += [(f"{mode}_push_mib_s", f"push ({mode})", "o-"), (f"{mode}_pull_mib_s", f"pull ({mode})", "s--")]
     series += [("ipp_push_mib_s", "ipyparallel push", "x:"), ("ipp_pull_mib_s", "ipyparallel pull", "+:")]
     for key, label, style in series:
         if key in rows[0]:
             ax.plot(mib, [r[key] for r in rows], style, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("payload (MiB)")
-    ax.set_ylabel("MiB/s")
-    ax.set_title("gpupool bulk transfers (data plane) vs the wire")
+    ax.set(xscale="log", xlabel="payload (MiB, log scale)", ylabel="MiB/s",
+           title="gpupool bulk transfers (data plane) vs the wire")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -177,15 +212,20 @@ def report(results: dict) -> str:
              "the notebook kernel around `%gpu push` / `%gpu pull` (pickling, comm round trips and unpickling "
              f"included), best of {results['repeats']} interleaved rounds per size; `curve` = the agent's transport "
              f"encrypted, so the data plane uses {results['cipher']}; `none` = plain chunks. Raw = one loopback TCP "
-             "socket sending the same bytes in the same run. " + (results.get("ipp_note") or ""), "",
-             "| MiB | raw | push curve | pull curve | push none | pull none |"
-             + (" ipp push | ipp pull |" if has_ipp else ""),
-             "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if has_ipp else "")]
+             "socket sending the same bytes in the same run, into a buffer touched beforehand (as "
+             "bench/remoting_bench.py measures it); fresh = the same into memory mapped inside the timed window, as "
+             "a receiver of a new value must (the difference is the cost of faulting pages in on this VM). "
+             "Percentages are of raw. Load = the machine's 1-minute load average after the size (it is shared). "
+             + (results.get("ipp_note") or ""), "",
+             "| MiB | raw | fresh | push curve | pull curve | push none | pull none |"
+             + (" ipp push | ipp pull |" if has_ipp else "") + " load |",
+             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if has_ipp else "") + " --- |"]
     for r in rows:
         raw = r["raw_mib_s"]
         cells = [f"{r[f'{m}_{w}_mib_s']:.0f} ({r[f'{m}_{w}_mib_s'] / raw:.0%})" for m in MODES for w in ("push", "pull")]
         ipp = [f"{r['ipp_push_mib_s']:.0f}", f"{r['ipp_pull_mib_s']:.0f}"] if has_ipp else []
-        lines.append(f"| {r['mib']} | {raw:.0f} | " + " | ".join(cells + ipp) + " |")
+        lines.append(f"| {r['mib']} | {raw:.0f} | {r['fresh_mib_s']:.0f} | " + " | ".join(cells + ipp)
+                     + f" | {r['load']:.1f} |")
     lines += ["", "Peak RSS rise (VmHWM after minus RSS before, worst round), as a multiple of the payload:", "",
               "| MiB | push curve: worker / kernel | pull curve: kernel / worker | push none: worker / kernel "
               "| pull none: kernel / worker |", "| --- | --- | --- | --- | --- |"]

@@ -130,14 +130,16 @@ def check_hello(hello: bytes, lookup: Callable[[bytes], Ticket | None]) -> Ticke
 
 
 def allocate(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes whose pages are not touched yet
-    (anonymous memory for big ones), for a receiver to fill."""
+    """A writable, zeroed buffer of ``size`` bytes for a receiver to fill
+    (anonymous memory, mapped up front, for big ones)."""
     if size < _MMAP_FROM:
         return memoryview(bytearray(size))
-    pages = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: 512x fewer page faults
-        pages.madvise(mmap.MADV_HUGEPAGE)
-    return memoryview(pages)
+    # Faulting the pages in as the bytes arrive costs one trap per 4 KiB page, which is what
+    # held a fresh receive buffer far below the wire (issue 15); MAP_POPULATE has the kernel
+    # map them all at once, several times faster per page. Elsewhere: on demand.
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate if populate else mmap.MAP_PRIVATE
+    return memoryview(mmap.mmap(-1, size, flags=flags))
 
 
 def _nonce(counter: int) -> bytes:

@@ -23,6 +23,9 @@ from gpupool.magics import dataplane
 from gpupool.magics.remote import RemoteKernel
 from gpupool.provisioner.worker_dataplane import DataPlaneServer
 from gpupool.transfer import load_pulled
+from frontend import run
+from test_e2e_notebook import _active_leases, _remote
+from test_e2e_remoting import STAND_IN
 
 TARGET = "gpupool.transfer"
 
@@ -115,16 +118,8 @@ def test_values_of_every_kind_round_trip_over_the_data_plane(worker):
     assert np.array_equal(back["nested"]["list"][0], big[:10]) and back["nested"]["list"][1] == (1, "two")
 
 
-FAKE_GPU = """\
-import numpy as np
-class FakeGPUArray:
-    '''Stands in for a GPU array where no GPU exists: a device and a .to().'''
-    def __init__(self, data, device):
-        self.data, self.device = data, device
-    def to(self, device):
-        return FakeGPUArray(self.data, device)
-on_gpu = FakeGPUArray(np.ones(2 * 2**20, dtype=np.uint8), 'cuda:0')
-"""
+#: The stand-in GPU array of the remoting tests, with a payload big enough for the data plane.
+FAKE_GPU = STAND_IN + "import numpy as np\non_gpu = FakeGPUArray(np.ones(2 * 2**20, dtype=np.uint8), 'cuda:0')\n"
 
 
 def test_a_device_value_lands_on_the_cpu_and_goes_back_to_its_device(worker):
@@ -268,9 +263,6 @@ def test_the_progress_line_gives_bytes_rate_and_time_left():
 # -- through a notebook kernel on a real pool ------------------------------------------------------------------------
 
 def test_push_and_pull_use_the_port_the_agent_lists(e2e_pool, kernel):
-    from frontend import run
-    from test_e2e_notebook import _active_leases, _remote
-
     service, _, _ = e2e_pool
     _, kc = kernel
     assert run(kc, "%gpu acquire 0.25").ok
