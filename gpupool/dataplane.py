@@ -162,8 +162,7 @@ def send_buffers(sock: socket.socket, ticket: Ticket, buffers: Sequence, progres
     """Send ``buffers`` (anything with the buffer protocol) as chunks.
     ``progress(bytes)`` is called after each chunk. OSError when the
     connection breaks; KeyboardInterrupt passes through (the caller closes)."""
-    views = [memoryview(b).cast("B") if memoryview(b).ndim != 1 or memoryview(b).format != "B" else memoryview(b)
-             for b in buffers]
+    views = [_bytes_view(b) for b in buffers]
     aead = ticket.aead()
     scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
     for counter, (index, start, length) in enumerate(_chunks([v.nbytes for v in views])):
@@ -176,6 +175,12 @@ def send_buffers(sock: socket.socket, ticket: Ticket, buffers: Sequence, progres
             sock.sendall(out)
         if progress is not None:
             progress(length)
+
+
+def _bytes_view(buffer) -> memoryview:
+    """A flat byte view of ``buffer`` (a PickleBuffer's raw() is already one; bytes too)."""
+    view = memoryview(buffer)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def recv_buffers(sock: socket.socket, ticket: Ticket, sizes: Sequence[int],
