@@ -10,14 +10,22 @@ does not stop the others.
 Wire shape (inside a Jupyter comm message): a JSON header
 ``{"items": [{"name", "type", "nbytes", "nbuffers"}], "errors": {name: why}}``
 and a flat list of buffers; item *i* owns the next ``nbuffers`` buffers, the
-first being the pickle stream and the rest its out-of-band buffers.
+first being the pickle stream and the rest its out-of-band buffers. Big
+buffers travel on the data plane instead (:mod:`gpupool.dataplane`): the
+header then says their sizes and the receiver allocates them up front.
+
+PyTorch CPU tensors pickle their storage in-band (a copy of the whole
+tensor inside the pickle stream); :class:`_Pickler` sends them as NumPy
+arrays instead, whose memory goes out of band like any array's.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import io
 import pickle
+import sys
 from typing import Any, Iterable
 
 import cloudpickle
@@ -37,7 +45,7 @@ def dump_values(values: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview
     for name, value in values.items():
         out_of_band: list[pickle.PickleBuffer] = []
         try:
-            stream = cloudpickle.dumps(value, protocol=PROTOCOL, buffer_callback=out_of_band.append)
+            stream = _dumps(value, out_of_band.append)
         except Exception as exc:  # any failure of one value is that value's alone
             errors[name] = f"{_type_name(value)} cannot be sent: {_first_line(exc)}"
             continue
@@ -47,6 +55,56 @@ def dump_values(values: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview
         buffers.append(stream)
         buffers.extend(raws)
     return {"items": items, "errors": errors}, buffers
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with plain PyTorch CPU tensors as NumPy arrays (see the module's docstring)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            reduced = _reduce_tensor(torch, obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+
+def _dumps(value: Any, buffer_callback) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=PROTOCOL, buffer_callback=buffer_callback).dump(value)
+    return out.getvalue()
+
+
+#: PyTorch dtypes NumPy lacks, sent as the same bits in an integer type of their width.
+_BITS_AS = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float8_e5m2": "int8"}
+
+
+def _reduce_tensor(torch, tensor) -> tuple | None:
+    """``(rebuild, args)`` for a dense CPU tensor; None for the rest (sparse,
+    quantized, meta, other devices: PyTorch's own pickling)."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    data = tensor.detach()
+    if dtype in _BITS_AS:
+        data = data.view(getattr(torch, _BITS_AS[dtype]))
+    try:
+        array = data.numpy()
+    except (TypeError, RuntimeError):  # a dtype NumPy cannot hold (complex32, say)
+        return None
+    return _tensor_from_numpy, (array, dtype, tensor.requires_grad)
+
+
+def _tensor_from_numpy(array, dtype: str, requires_grad: bool):
+    """Inverse of :func:`_reduce_tensor`: shares the array's memory."""
+    import torch
+
+    if not array.flags.writeable:  # a read-only ZeroMQ frame (small values come in the comm message)
+        array = array.copy()
+    tensor = torch.from_numpy(array)
+    if dtype in _BITS_AS:
+        tensor = tensor.view(getattr(torch, dtype))
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
 def load_values(header: dict[str, Any], buffers: Iterable[memoryview | bytes]) -> tuple[dict[str, Any], dict[str, str]]:

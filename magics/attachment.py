@@ -6,6 +6,7 @@ magics hold at most one; everything that talks to the worker goes through it.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import threading
@@ -14,8 +15,9 @@ from typing import Any, Callable
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease
-from gpupool.transfer import dump_values, load_pulled
+from gpupool.transfer import load_pulled
 
+from . import dataplane
 from .heartbeat import Heartbeat, ended_message
 from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
@@ -131,9 +133,8 @@ class Attachment:
         ``"cuda:0"``) says where the worker puts each one (what a pull
         recorded; a value whose device is missing there stays on the CPU and
         is listed in the errors). Returns ``(items sent, errors by name)``."""
-        header, buffers = dump_values(values)
-        request = {"op": "push", "header": header, "devices": devices or {}}
-        answer, _ = self._comm(request, buffers)
+        with self._guarded():
+            header, answer = dataplane.push(self._comm_unlocked, self.remote.connection, values, devices or {})
         errors = {**header["errors"], **answer.get("errors", {})}
         return [i for i in header["items"] if i["name"] in answer.get("loaded", [])], errors
 
@@ -141,8 +142,9 @@ class Attachment:
         """Fetch ``names`` (None: all user variables) from the worker; GPU
         tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
         request = {"op": "pull", "names": names} if names is not None else {"op": "pull_all", "max_bytes": max_bytes}
-        answer, buffers = self._comm(request)
-        return load_pulled(answer["header"], buffers)
+        with self._guarded():
+            header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request)
+        return load_pulled(header, buffers)
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""
@@ -164,14 +166,25 @@ class Attachment:
               timeout: float = 600.0) -> tuple[dict[str, Any], list]:
         """One transfer request, guarded like a cell: it ends as soon as the
         lease is seen ended or the worker stops answering its heartbeat."""
+        with self._guarded():
+            return self._comm_unlocked(request, buffers, timeout)
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """Hold the lock and count as running (no idle reclaim, no parking)
+        for one transfer, all its round trips and its stream."""
         with self.lock:
             self.check_alive()
             self.heartbeat.running(True)
             try:
-                answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=timeout,
-                                                           check=self.check_alive)
+                yield
             finally:
                 self.heartbeat.running(False)
+
+    def _comm_unlocked(self, request: dict[str, Any], buffers: list | None = None,
+                       timeout: float = 600.0) -> tuple[dict[str, Any], list]:
+        answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=timeout,
+                                                   check=self.check_alive)
         _raise_unless_ok(answer)
         return answer, buffers
 

@@ -27,6 +27,7 @@ from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease, parse_time
 from gpupool.transfer import load_pulled
 
+from . import dataplane
 from .remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
@@ -112,14 +113,22 @@ def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], li
     the lease is then left alone (the service's reclaim is the fallback).
     """
     remote = RemoteKernel(lease.connection or {})
+
+    def comm(request: dict[str, Any], buffers: list | None) -> tuple[dict[str, Any], list]:
+        answer, got = remote.comm_request(target, request, buffers, timeout=timeout)
+        if not answer.get("ok"):
+            raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}",
+                               502)
+        return answer, got
+
     try:
         remote.wait_ready(30.0)
-        answer, buffers = remote.comm_request(target, {"op": "pull_all", "max_bytes": max_bytes}, timeout=timeout)
+        # No progress line: this runs on the heartbeat thread, outside any cell.
+        header, buffers = dataplane.pull(comm, remote.connection, {"op": "pull_all", "max_bytes": max_bytes},
+                                         progress=False)
     finally:
         remote.close()
-    if not answer.get("ok"):
-        raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}", 502)
-    values, items, errors = load_pulled(answer["header"], buffers)
+    values, items, errors = load_pulled(header, buffers)
     take(values, items)
     ended = release(lease.id, why)
     return Parked(lease=ended, names=sorted(values), items=items, errors=errors, why=why)

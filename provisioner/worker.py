@@ -8,7 +8,9 @@ this module. It gives the worker two things the notebook's client relies on:
   for the wire shape); GPU tensors are moved to the CPU before they travel,
   with the device they were on, and a push can ask for them to be put back
   on it; the ``have`` and ``versions`` ops let the client send along only the
-  names a cell needs and warn about package mismatches (docs/api.md);
+  names a cell needs and warn about package mismatches (docs/api.md); big
+  buffers go over the worker's data plane (:mod:`.worker_dataplane`, on the
+  ``transfer_port`` of its connection file) instead of the comm message;
 - the PyTorch memory cap of the slice: when the user's code imports
   ``torch`` and CUDA is available, ``torch.cuda.set_per_process_memory_fraction``
   is set from ``GPUPOOL_MEMORY_LIMIT`` (PyTorch has no environment variable
@@ -28,6 +30,8 @@ from typing import Any
 
 from gpupool.transfer import dump_values, load_values, package_versions
 
+from . import worker_dataplane
+
 TARGET = "gpupool.transfer"
 log = logging.getLogger("gpupool.worker")
 
@@ -36,7 +40,8 @@ def load_ipython_extension(ip) -> None:
     """Register the transfer comm target, the ``%gpu`` line magic that asks
     the notebook kernel (:func:`notebook_magic`), the front end's stdin rule
     and the PyTorch cap hook."""
-    ip.kernel.comm_manager.register_target(TARGET, lambda comm, msg: _serve(ip, comm, msg))
+    plane = worker_dataplane.start_for_kernel()
+    ip.kernel.comm_manager.register_target(TARGET, lambda comm, msg: _serve(ip, comm, msg, plane))
     ip.register_magic_function(lambda line: notebook_magic(ip, line), "line", "gpu")
     ip.events.register("pre_run_cell", lambda info: _front_end_stdin(ip))
     if os.environ.get("GPUPOOL_MEMORY_LIMIT") and "torch" not in sys.modules:
@@ -99,23 +104,28 @@ def user_modules(ip) -> dict[str, str]:
             if isinstance(value, types.ModuleType) and not name.startswith("_") and name not in hidden}
 
 
-def _serve(ip, comm, msg) -> None:
-    """Answer one request (the comm's open message) and close the comm."""
+def _serve(ip, comm, msg, plane=None) -> None:
+    """Answer one request (the comm's open message) and close the comm.
+    ``plane``: the worker's data plane (:mod:`.worker_dataplane`), which
+    carries big buffers when the request has a ``stream`` ticket."""
     data = msg["content"]["data"]
     op = data.get("op")
     try:
         if op == "push":
-            values, errors = load_values(data["header"], msg.get("buffers") or [])
+            buffers = worker_dataplane.pushed_buffers(plane, data) if data.get("stream") else msg.get("buffers") or []
+            values, errors = load_values(data["header"], buffers)
             errors.update(place_on_devices(values, data.get("devices") or {}))
             ip.user_ns.update(values)
             comm.send({"ok": True, "loaded": sorted(values), "errors": errors})
         elif op in ("pull", "pull_all"):
-            header, buffers = _pull(ip, data)
+            header, buffers = worker_dataplane.offer_pull(plane, data, *_pull(ip, data))
             comm.send({"ok": True, "header": header}, buffers=buffers)
         elif op in REMOTING_OPS:
             comm.send(REMOTING_OPS[op](ip, data))
         else:
             comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
+    except worker_dataplane.TransferError as exc:  # its words are for the user as they are
+        comm.send({"ok": False, "message": str(exc)})
     except Exception as exc:  # the client shows this; the worker stays up
         log.exception("transfer %s failed", op)
         comm.send({"ok": False, "message": f"{type(exc).__name__}: {exc}"})

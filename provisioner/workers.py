@@ -243,6 +243,9 @@ class Worker:
         wire["key"] = key.decode() if isinstance(key, bytes) else key
         if info.get("curve_publickey"):  # the public half only: the secret key stays with the worker
             wire["curve_publickey"] = info["curve_publickey"]
+        port = _transfer_port(self.manager.connection_file)
+        if port:  # bulk bytes of push/pull (gpupool.dataplane)
+            wire["transfer_port"] = port
         return wire
 
     def record(self) -> WorkerRecord:
@@ -966,9 +969,31 @@ class _WorkerKernelManager(AsyncKernelManager):
             os.close(opener)  # without "go", the gate exits (code 1) and the start fails
 
     def write_connection_file(self, **kwargs: Any) -> None:
+        # The data plane's port (gpupool.dataplane), picked like jupyter_client's own: free now, on ``ip``.
+        kwargs.setdefault("transfer_port", _free_port(self.ip))
         super().write_connection_file(**kwargs)
         if self.owner is not None:
             os.chown(self.connection_file, *self.owner)
+
+
+def _free_port(ip: str) -> int:
+    """A TCP port free on ``ip`` now (the kernel binds it a moment later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
+        probe.bind((ip, 0))
+        return probe.getsockname()[1]
+
+
+def _transfer_port(connection_file: str) -> int | None:
+    """The data plane's port in a worker's connection file (None: none, an older agent's worker)."""
+    import json
+
+    try:
+        with open(connection_file, encoding="utf-8") as handle:
+            return json.load(handle).get("transfer_port")
+    except (OSError, ValueError):
+        return None
 
 
 def _private(path: str, flags: int) -> int:

@@ -305,6 +305,10 @@ def test_network_policies_open_only_what_is_used(rendered):
         assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
         covered = sum(hi - lo + 1 for lo, hi in worker_ranges)
         assert covered == 65535 - 1024 + 1 - 1  # every unprivileged port but the agent's
+        # The workers' ZeroMQ ports and their data plane's transfer_port are free ports the kernel
+        # picks (binding port 0): all of its ephemeral range must be admitted to notebooks.
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        assert all(any(lo <= p <= hi for lo, hi in worker_ranges) for p in range(low, high + 1) if p != agent_port)
         assert ports(policies["gpupool-service"]) == [(service_port, service_port)]
         if "gpupool-postgres" in policies:
             assert sources(policies["gpupool-postgres"]) == [service_pods]

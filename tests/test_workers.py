@@ -50,7 +50,8 @@ def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
             worker = await workers.start(half_slice())
             conn = worker.connection()
             assert set(conn) == {"ip", "transport", "shell_port", "iopub_port", "stdin_port", "control_port",
-                                 "hb_port", "signature_scheme", "key"}
+                                 "hb_port", "transfer_port", "signature_scheme", "key"}
+            assert len({conn[k] for k in conn if k.endswith("_port")}) == 6, "the data plane has a port of its own"
             assert conn["ip"] == "127.0.0.1" and isinstance(conn["key"], str) and conn["key"]
             # the command line names the state dir: tests and admins find workers by it
             assert processes_mentioning(str(tmp_path / "state")) == [worker.pid]

@@ -1,0 +1,285 @@
+"""The data plane: bulk bytes between the notebook kernel and a worker (issue 15).
+
+The Jupyter comm (CurveZMQ when the agent encrypts) carries what a transfer
+is: the values' description (names, types, buffer sizes) and a
+:class:`Ticket`, a fresh 256-bit key and a transfer id. The buffers
+themselves go over a TCP connection of their own, to the worker's
+``transfer_port`` (connection info), because CurveZMQ encrypts and copies a
+whole frame at a time and that is its ceiling (docs/security.md, "What
+encryption costs").
+
+Wire, in order, on one connection (the notebook kernel always connects):
+
+- hello, client to worker: the transfer id (16 bytes) and
+  ``HMAC-SHA256(key, "gpupool-dataplane-hello" + id)`` (32 bytes): only
+  whoever got the ticket on the control channel can open the transfer;
+- status, worker to client: one byte, 1 accepted, else 0 followed by a
+  2-byte big-endian length and a UTF-8 reason;
+- the buffers, back to back, cut into chunks of :data:`CHUNK` bytes (the last
+  of each buffer shorter). With an AEAD each chunk is its ciphertext plus a
+  16-byte tag; the nonce is a counter (4 zero bytes, 8-byte chunk number)
+  that never repeats under one key, and the associated data binds each chunk
+  to its transfer and position. Without one (``"none"``) chunks are raw;
+- after a push, a second status from the worker: every chunk verified or why not.
+
+Flow control is TCP's own: the sender blocks in ``sendall`` while the
+receiver's window is full, so neither side holds more than a chunk beyond
+the payload. The receiver decrypts each chunk straight into a destination
+buffer allocated up front with the right size (:func:`allocate`), never
+joining or copying the payload; nothing is handed on before the last chunk
+has been verified.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import mmap
+import os
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+#: Bytes per chunk: big enough that per-chunk costs vanish, small enough to stay in cache.
+CHUNK = 1 << 20
+TAG = 16
+#: The ciphers a ticket may name; ``none`` only where the worker's traffic is not encrypted.
+CIPHERS = ("aes-256-gcm", "chacha20-poly1305", "none")
+_HELLO = b"gpupool-dataplane-hello"
+_ID_BYTES = 16
+#: Buffers smaller than this are allocated on the heap; larger ones as untouched anonymous pages.
+_MMAP_FROM = 1 << 16
+
+
+class TransferError(Exception):
+    """A transfer that could not be completed; the message is for a person
+    and says what was left unchanged."""
+
+
+@functools.cache
+def default_cipher() -> str:
+    """``"aes-256-gcm"`` where the CPU has AES instructions (the ``aes`` flag
+    of /proc/cpuinfo, or any non-Linux host), else ``"chacha20-poly1305"``,
+    which is fast in software."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return "aes-256-gcm" if "aes" in line.split(":", 1)[1].split() else "chacha20-poly1305"
+    except OSError:
+        pass
+    return "aes-256-gcm"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One transfer's id (16 random bytes), key (32 random bytes) and cipher.
+    Made by the notebook kernel, sent to the worker on the control channel."""
+
+    id: bytes
+    key: bytes
+    cipher: str
+
+    @classmethod
+    def new(cls, encrypted: bool = True) -> "Ticket":
+        return cls(os.urandom(_ID_BYTES), os.urandom(32), default_cipher() if encrypted else "none")
+
+    def wire(self) -> dict[str, str]:
+        """The ticket as JSON for the comm: ``{"id", "key", "cipher"}`` in hex."""
+        return {"id": self.id.hex(), "key": self.key.hex(), "cipher": self.cipher}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "Ticket":
+        """Inverse of :meth:`wire`; ValueError naming what is wrong."""
+        try:
+            ident, key, cipher = bytes.fromhex(data["id"]), bytes.fromhex(data["key"]), data["cipher"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("a transfer ticket needs hex id, key and a cipher") from None
+        if len(ident) != _ID_BYTES or len(key) != 32 or cipher not in CIPHERS:
+            raise ValueError(f"a transfer ticket needs a {_ID_BYTES}-byte id, a 32-byte key and one of {CIPHERS}")
+        return cls(ident, key, cipher)
+
+    def hello(self) -> bytes:
+        return self.id + hmac.new(self.key, _HELLO + self.id, hashlib.sha256).digest()
+
+    def aead(self):
+        """The cipher object, or None for ``"none"``."""
+        if self.cipher == "none":
+            return None
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+        return (AESGCM if self.cipher == "aes-256-gcm" else ChaCha20Poly1305)(self.key)
+
+
+HELLO_BYTES = _ID_BYTES + 32
+
+
+def check_hello(hello: bytes, lookup: Callable[[bytes], Ticket | None]) -> Ticket:
+    """The ticket a client's hello opens; TransferError when no transfer has
+    that id or the proof was made with another key."""
+    ticket = lookup(hello[:_ID_BYTES]) if len(hello) == HELLO_BYTES else None
+    if ticket is None:
+        raise TransferError("no such transfer is waiting on this worker (it expired, or belongs to another lease)")
+    if not hmac.compare_digest(ticket.hello(), hello):
+        raise TransferError("the transfer's key does not match: refused (a key of another lease or transfer?)")
+    return ticket
+
+
+def allocate(size: int) -> memoryview:
+    """A writable, zeroed buffer of ``size`` bytes for a receiver to fill
+    (anonymous memory, mapped up front, for big ones)."""
+    if size < _MMAP_FROM:
+        return memoryview(bytearray(size))
+    # Faulting the pages in as the bytes arrive costs one trap per 4 KiB page, which is what
+    # held a fresh receive buffer far below the wire (issue 15); MAP_POPULATE has the kernel
+    # map them all at once, several times faster per page. Elsewhere: on demand.
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate if populate else mmap.MAP_PRIVATE
+    return memoryview(mmap.mmap(-1, size, flags=flags))
+
+
+def _nonce(counter: int) -> bytes:
+    return b"\0\0\0\0" + counter.to_bytes(8, "big")
+
+
+def _aad(ticket: Ticket, counter: int) -> bytes:
+    return ticket.id + counter.to_bytes(8, "big")
+
+
+def _chunks(sizes: Sequence[int]):
+    """``(buffer index, start, length)`` of each chunk, in wire order."""
+    for index, size in enumerate(sizes):
+        for start in range(0, size, CHUNK):
+            yield index, start, min(CHUNK, size - start)
+
+
+def send_buffers(sock: socket.socket, ticket: Ticket, buffers: Sequence, progress: Callable[[int], None] | None = None
+                 ) -> None:
+    """Send ``buffers`` (anything with the buffer protocol) as chunks.
+    ``progress(bytes)`` is called after each chunk. OSError when the
+    connection breaks; KeyboardInterrupt passes through (the caller closes)."""
+    views = [_bytes_view(b) for b in buffers]
+    aead = ticket.aead()
+    scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
+    for counter, (index, start, length) in enumerate(_chunks([v.nbytes for v in views])):
+        piece = views[index][start:start + length]
+        if aead is None:
+            sock.sendall(piece)
+        else:
+            out = scratch[:length + TAG]
+            aead.encrypt_into(_nonce(counter), piece, _aad(ticket, counter), out)
+            sock.sendall(out)
+        if progress is not None:
+            progress(length)
+
+
+def _bytes_view(buffer) -> memoryview:
+    """A flat byte view of ``buffer`` (a PickleBuffer's raw() is already one; bytes too)."""
+    view = memoryview(buffer)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def recv_buffers(sock: socket.socket, ticket: Ticket, sizes: Sequence[int],
+                 progress: Callable[[int], None] | None = None) -> list[memoryview]:
+    """Receive buffers of ``sizes`` bytes into fresh ones (:func:`allocate`)
+    and return them once every chunk has arrived and verified.
+
+    Raises TransferError naming the chunk when one fails its integrity check
+    (tampered with or corrupted) or the sender stops early; the partly
+    filled buffers are dropped, so nothing has changed for the caller.
+    """
+    out = [allocate(size) for size in sizes]
+    aead = ticket.aead()
+    scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
+    total = sum(1 for _ in _chunks(sizes))
+    for counter, (index, start, length) in enumerate(_chunks(sizes)):
+        target = out[index][start:start + length]
+        if aead is None:
+            recv_exactly(sock, target)
+        else:
+            sealed = scratch[:length + TAG]
+            recv_exactly(sock, sealed)
+            try:
+                aead.decrypt_into(_nonce(counter), sealed, _aad(ticket, counter), target)
+            except Exception:  # cryptography's InvalidTag: the chunk was altered on the way
+                raise TransferError(f"chunk {counter + 1} of {total} failed its integrity check (tampered with or "
+                                    "corrupted on the way): the transfer was dropped and nothing changed") from None
+        if progress is not None:
+            progress(length)
+    return out
+
+
+def recv_exactly(sock: socket.socket, into: memoryview) -> None:
+    """Fill ``into`` from ``sock`` with ``recv_into``; TransferError when the
+    peer closes first."""
+    got, size = 0, into.nbytes
+    while got < size:
+        n = sock.recv_into(into[got:])
+        if n == 0:
+            raise TransferError(f"the connection closed {size - got} bytes early: the transfer was dropped and "
+                                "nothing changed")
+        got += n
+
+
+def send_status(sock: socket.socket, error: str | None) -> None:
+    """One status: ok (``error`` None) or refused with its reason."""
+    if error is None:
+        sock.sendall(b"\x01")
+    else:
+        reason = error.encode()[:65535]
+        sock.sendall(b"\x00" + struct.pack(">H", len(reason)) + reason)
+
+
+def recv_status(sock: socket.socket) -> str | None:
+    """Inverse of :func:`send_status`: None for ok, else the reason."""
+    head = bytearray(1)
+    recv_exactly(sock, memoryview(head))
+    if head[0] == 1:
+        return None
+    size = bytearray(2)
+    recv_exactly(sock, memoryview(size))
+    reason = bytearray(struct.unpack(">H", size)[0])
+    recv_exactly(sock, memoryview(reason))
+    return reason.decode(errors="replace")
+
+
+class Progress:
+    """A one-line progress report for transfers that last over ``after``
+    seconds: ``gpupool: pulling 512.0 MiB of 1.0 GiB, 900.0 MiB/s, 1 s left``,
+    rewritten in place (carriage return) at most every ``every`` seconds on
+    ``out`` (default: sys.stdout, the running cell's output). Call as
+    ``progress(n)`` with the bytes just moved, :meth:`done` at the end."""
+
+    def __init__(self, verb: str, total: int, out=None, after: float = 1.0, every: float = 0.25) -> None:
+        self.verb, self.total, self.out, self.after, self.every = verb, total, out, after, every
+        self.moved, self.start, self.shown = 0, time.monotonic(), 0.0
+
+    def __call__(self, nbytes: int) -> None:
+        self.moved += nbytes
+        now = time.monotonic()
+        if now - self.start >= self.after and now - self.shown >= self.every:
+            self.shown = now
+            self._write(self.line(now) + "\r")
+
+    def line(self, now: float) -> str:
+        from .units import format_bytes
+
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.moved / elapsed
+        left = (self.total - self.moved) / rate if rate else 0.0
+        return (f"gpupool: {self.verb} {format_bytes(self.moved)} of {format_bytes(self.total)}, "
+                f"{format_bytes(int(rate))}/s, {left:.0f} s left")
+
+    def done(self) -> None:
+        """End the line (only if one was shown)."""
+        if self.shown:
+            self._write(self.line(time.monotonic()) + "\n")
+
+    def _write(self, text: str) -> None:
+        out = self.out or sys.stdout
+        out.write(text)
+        out.flush()

@@ -1,0 +1,171 @@
+"""The notebook kernel's end of the data plane (:mod:`gpupool.dataplane`).
+
+Push, pull, the locals sent along with a cell, release, park and resume all
+come through :func:`push` and :func:`pull`. Each takes ``comm(request,
+buffers) -> (answer, buffers)``, one round trip on the worker's transfer comm
+that raises unless the answer is ok, so the attachment (which holds its lock
+around the whole transfer) and parking (on a connection of its own) share it.
+
+A push of at least :data:`STREAM_MIN` bytes to a worker with a
+``transfer_port`` is one comm round trip with the stream inside it: the
+``push`` request carries the ticket and the buffers' sizes, its handler on
+the worker waits for the stream, unpickles what verified and answers. The
+request waits for that answer on a thread of its own while this thread
+streams (the worker's ZeroMQ sockets are used by that thread alone
+meanwhile). A pull sends a ticket along and the worker decides
+(``header["stream"]``). Smaller transfers, and workers of an older agent,
+keep everything in the comm message.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Callable
+
+from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
+from gpupool.errors import GPUPoolError
+from gpupool.transfer import dump_values
+
+#: Pushes whose buffers total fewer bytes go in the comm message (one round trip, no connection).
+STREAM_MIN = 1 << 20
+#: Seconds a data connection may stall before the transfer counts as failed.
+STALL_TIMEOUT = 60.0
+
+Comm = Callable[[dict[str, Any], list | None], tuple[dict[str, Any], list]]
+
+
+def ticket_for(connection: dict[str, Any]) -> Ticket | None:
+    """A fresh ticket for a worker with a data plane (None: it has none);
+    encrypted whenever its control channel is (CurveZMQ)."""
+    if not connection.get("transfer_port"):
+        return None
+    return Ticket.new(encrypted=bool(connection.get("curve_publickey")))
+
+
+def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices: dict[str, str],
+         progress: bool | Callable[[int], None] = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Send ``values`` to the worker; returns ``(header, answer)`` (the
+    header's items and errors, the worker's ``loaded`` and ``errors``).
+    Raises GPUPoolError ``transfer_failed`` when the stream fails (nothing
+    changed on the worker), KeyboardInterrupt when interrupted (likewise).
+    ``progress``: True for a progress line in the cell's output when the
+    stream lasts over a second, False for none, or a callable given the
+    bytes of each chunk."""
+    header, buffers = dump_values(values)
+    request = {"op": "push", "header": header, "devices": devices}
+    sizes = [memoryview(b).nbytes for b in buffers]
+    ticket = ticket_for(connection)
+    if ticket is None or sum(sizes) < STREAM_MIN:
+        answer, _ = comm(request, buffers)
+        return header, answer
+    request["stream"] = {**ticket.wire(), "sizes": sizes}
+    asked = _Asked(comm, request)
+    meter = _meter(progress, "pushing", sum(sizes))
+    try:
+        with _connect(connection, ticket) as sock:
+            send_buffers(sock, ticket, buffers, meter)
+            recv_status(sock)  # the worker's own answer says why, if it refused
+    except (OSError, TransferError, GPUPoolError) as exc:
+        asked.answer()  # the worker's reason comes first: it knows more
+        raise exc if isinstance(exc, GPUPoolError) else _failed(exc) from None
+    except BaseException:  # an interrupt: the connection is closed, so the worker stops waiting
+        asked.answer(quiet=True)
+        raise
+    finally:
+        if isinstance(meter, Progress):
+            meter.done()
+    return header, asked.answer()
+
+
+class _Asked(threading.Thread):
+    """``comm(request, None)`` on a thread of its own; :meth:`answer` joins it."""
+
+    def __init__(self, comm: Comm, request: dict[str, Any]) -> None:
+        super().__init__(name="gpupool-push", daemon=True)
+        self.comm, self.request = comm, request
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result, _ = self.comm(self.request, None)
+        except BaseException as exc:  # handed to the caller's thread
+            self.error = exc
+
+    def answer(self, quiet: bool = False) -> dict[str, Any]:
+        """The worker's answer; raises what the request raised (unless ``quiet``)."""
+        interrupted = False
+        while self.is_alive():  # the worker answers soon once the stream ended, either way
+            try:
+                self.join(0.05)
+            except KeyboardInterrupt:  # leaving now would share the worker's sockets with the thread
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if self.error is not None and not quiet:
+            raise self.error
+        return self.result or {}
+
+
+def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any],
+         progress: bool | Callable[[int], None] = True
+         ) -> tuple[dict[str, Any], list]:
+    """Ask the worker for ``request`` (``pull`` / ``pull_all``); returns the
+    answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
+    Errors as for :func:`push`; the local namespace is not touched here."""
+    ticket = ticket_for(connection)
+    if ticket is not None:
+        request = {**request, "stream": ticket.wire()}
+    answer, buffers = comm(request, None)
+    header = answer["header"]
+    if ticket is None or "stream" not in header:
+        return header, buffers
+    sizes = [int(size) for size in header["stream"]["sizes"]]
+    meter = _meter(progress, "pulling", sum(sizes))
+    with _connect(connection, ticket) as sock:
+        try:
+            return header, recv_buffers(sock, ticket, sizes, meter)
+        except (OSError, TransferError) as exc:
+            raise _failed(exc) from None
+        finally:
+            if isinstance(meter, Progress):
+                meter.done()
+
+
+def _meter(progress, verb: str, total: int):
+    if callable(progress):
+        return progress
+    return Progress(verb, total) if progress else None
+
+
+def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
+    """A data connection to the worker, past its hello; GPUPoolError when
+    the worker cannot be reached or refuses the ticket."""
+    address = (connection["ip"], int(connection["transfer_port"]))
+    try:
+        sock = socket.create_connection(address, timeout=STALL_TIMEOUT)
+    except OSError as exc:
+        raise GPUPoolError("transfer_failed", f"could not reach the worker's data port {address[0]}:{address[1]} "
+                           f"({exc}); the cluster's network policy must allow it (deploy/kubernetes/README.md)",
+                           502) from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(ticket.hello())
+        refused = recv_status(sock)
+    except (OSError, TransferError) as exc:
+        sock.close()
+        raise _failed(exc) from None
+    except BaseException:
+        sock.close()
+        raise
+    if refused:
+        sock.close()
+        raise GPUPoolError("transfer_failed", f"the worker refused the transfer: {refused}", 502)
+    return sock
+
+
+def _failed(exc: BaseException) -> GPUPoolError:
+    why = str(exc) if isinstance(exc, TransferError) else f"the data connection failed ({exc}); nothing changed"
+    return GPUPoolError("transfer_failed", why, 502)
