@@ -24,6 +24,14 @@ Why it is the same answer:
   idle GPU is eligible, so the winner is the first node of one of the idle
   counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
   Otherwise ``place()`` scans every GPU.
+- Host CPUs and memory (``hosts``, :mod:`.hosts`): a class's first member
+  that fits is the first that fits in every dimension. Members whose node's
+  host room binds (:func:`.hosts.binds`) have a growth of their own, so the
+  index hands ``place()`` every GPU of such a node met before the class's
+  first member whose host does not bind. Binding nodes later in a class
+  are not looked at: there the index may miss a smaller growth that a scan
+  of every GPU would find (``place()`` on :meth:`all`, as the refusal path
+  does, is exact). Where no host binds, it is still the same answer.
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
   tally of reasons covers every GPU (unless the caller asks for no
   explanation: the queue only needs to know).
@@ -36,6 +44,7 @@ import dataclasses
 import math
 from typing import Iterable
 
+from .hosts import HostState, binds, host_misfit
 from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
                         place, slice_misfit)
 
@@ -46,11 +55,15 @@ WINDOW = 1e-8
 class PlacementIndex:
     """GPU states by UUID; partly taken GPUs sorted by free fraction; nodes
     sorted by wholly free GPUs. ``workload`` is the scheduler's expected
-    mix (assign :attr:`workload` to change it). Call :meth:`update` (or
-    :meth:`take` / :meth:`give`) whenever a GPU's state changes."""
+    mix (assign :attr:`workload` to change it). ``hosts``: node -> its host
+    (:class:`.hosts.HostState`), for nodes that report one. Call
+    :meth:`update` / :meth:`update_host` (or :meth:`take` / :meth:`give`)
+    whenever a GPU's or a host's state changes."""
 
-    def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD) -> None:
+    def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD,
+                 hosts: dict[str, HostState] | None = None) -> None:
         self.workload = workload
+        self.hosts: dict[str, HostState] = dict(hosts or {})
         self.states: dict[str, GPUState] = {}
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
@@ -89,6 +102,10 @@ class PlacementIndex:
             bisect.insort(self._nodes, (after, gpu.node))
             self._idle[gpu.node] = after
 
+    def update_host(self, host: HostState) -> None:
+        """Replace (or add) the host of ``host.node``."""
+        self.hosts[host.node] = host
+
     def take(self, placement: Placement) -> None:
         """Add what ``placement`` grants to its GPUs' allocation."""
         self._add(placement, 1)
@@ -98,6 +115,9 @@ class PlacementIndex:
         self._add(placement, -1)
 
     def _add(self, placement: Placement, sign: int) -> None:
+        host = self.hosts.get(placement.node)
+        if host is not None:
+            self.hosts[placement.node] = host.taken(placement.cpus or 0.0, placement.host_memory or 0, sign)
         for uuid in placement.gpus:
             g = self.states[uuid]
             fraction = g.allocated_fraction + sign * placement.fraction
@@ -112,38 +132,54 @@ class PlacementIndex:
         if demand.gpu_count > 1:
             candidates = self._whole(demand)
             if candidates:
-                return place(demand, candidates, self.workload)
+                return place(demand, candidates, self.workload, hosts=self.hosts)
         else:
             candidates = self._slice(demand)
             if candidates:
-                return place(demand, candidates, self.workload, idle=self._idle)
+                return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts)
         if candidates is not None and not explain:
             return Refusal()
-        return place(demand, self.all(), self.workload)
+        return place(demand, self.all(), self.workload, hosts=self.hosts)
+
+    def _fits(self, demand: Demand, gpu: GPUState) -> bool:
+        return slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None
+
+    def _binds(self, demand: Demand, node: str) -> bool:
+        return binds(demand, self.hosts.get(node), self.workload)
 
     def _slice(self, demand: Demand) -> list[GPUState]:
-        found = []
+        found: dict[str, GPUState] = {}
         keys, i = self._partial, bisect.bisect_left(self._partial, (demand.fraction - WINDOW,))
         while i < len(keys):
             free = keys[i][0]
             gpu = self.states[keys[i][3]]
-            if slice_misfit(demand, gpu) is None:
-                found.append(gpu)
+            if not self._fits(demand, gpu):
+                i += 1
+            elif self._binds(demand, gpu.node):
+                self._whole_node(gpu.node, found)  # a growth of its own: place() weighs its node
+                i += 1
+            else:
+                found[gpu.uuid] = gpu
                 # The rest of this class differs only by (node, index), and comes later.
                 i = bisect.bisect_left(keys, (math.nextafter(free, math.inf),))
-            else:
-                i += 1
         nodes, j = self._nodes, bisect.bisect_left(self._nodes, (1, ""))
         while j < len(nodes):
             idle, node = nodes[j]
             gpu = next((g for g in map(self.states.get, self._node_gpus[node])
-                        if _whole_free(g) and slice_misfit(demand, g) is None), None)
+                        if _whole_free(g) and self._fits(demand, g)), None)
+            if gpu is not None and self._binds(demand, node):
+                self._whole_node(node, found)
+                gpu = None
             if gpu is None:
                 j += 1
             else:
-                found.append(gpu)
+                found[gpu.uuid] = gpu
                 j = bisect.bisect_left(nodes, (idle + 1, ""))
-        return found
+        return list(found.values())
+
+    def _whole_node(self, node: str, found: dict[str, GPUState]) -> None:
+        for uuid in self._node_gpus[node]:
+            found[uuid] = self.states[uuid]
 
     def _whole(self, demand: Demand) -> list[GPUState] | None:
         """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
@@ -153,6 +189,12 @@ class PlacementIndex:
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
+            host = self.hosts.get(node)
+            if host_misfit(demand, host) is not None or self._binds(demand, node):
+                if host_misfit(demand, host) is None:
+                    found.extend(self.states[u] for u in self._node_gpus[node])
+                j += 1  # the next node of this class may be the first that fits without binding
+                continue
             found.extend(self.states[u] for u in self._node_gpus[node])
             j = bisect.bisect_left(nodes, (idle + 1, ""))
         return found
