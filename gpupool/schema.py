@@ -22,6 +22,9 @@ from .errors import bad_request
 MIN_FRACTION = 0.01
 #: The smallest memory limit a request may name (the agent works in whole MiB).
 MIN_MEMORY = 1024**2
+#: Host cores a request may name: the cgroup quota works in 1/100 of a core.
+MIN_CPUS = 0.01
+MAX_CPUS = 4096
 #: The largest byte count on the wire (1 PiB): a GPU's memory, a limit, a reading.
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
@@ -133,6 +136,20 @@ def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
     return value
 
 
+def _host_ask(body: dict[str, Any]) -> tuple[float | None, int | None]:
+    """``cpus`` (cores, 0.01 to :data:`MAX_CPUS`) and ``host_memory`` (whole
+    bytes, 1 MiB to 2**50) of a request, None when absent; 400 naming the field."""
+    cpus = _number(body, "cpus")
+    if cpus is not None and not MIN_CPUS <= cpus <= MAX_CPUS:
+        raise bad_request(f"'cpus' must be host cores from {MIN_CPUS} to {MAX_CPUS} (more than zero), "
+                          f"got {body['cpus']!r}")
+    memory = _number(body, "host_memory")
+    if memory is not None and (memory < MIN_MEMORY or memory != int(memory) or memory > 2**50):
+        raise bad_request(f"'host_memory' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50 "
+                          f"(more than zero), got {body['host_memory']!r}")
+    return cpus, None if memory is None else int(memory)
+
+
 @dataclass(frozen=True)
 class LeaseRequest:
     """What a client asks for with ``POST /api/v1/leases``.
@@ -149,6 +166,9 @@ class LeaseRequest:
     255 characters), so that stopping one server releases only its leases.
     ``env``: the worker environment on the node (``c.NodeAgent.environments``,
     a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default).
+    ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
+    the node's host, held for the lease and enforced on its worker's cgroup;
+    None: the GPU share's part of the node's (``c.GPUPool.host_share``).
     """
 
     fraction: float = 1.0
@@ -160,8 +180,11 @@ class LeaseRequest:
     wait: float | None = None
     server_name: str | None = None
     env: str | None = None
+    cpus: float | None = None
+    host_memory: int | None = None
 
-    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env")
+    KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
+            "cpus", "host_memory")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -204,9 +227,10 @@ class LeaseRequest:
         if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", env)):
             raise bad_request(f"'env' must name a worker environment (letters, digits, '.', '_', '-'; "
                               f"at most 100), got {env!r:.80}")
+        cpus, host_memory = _host_ask(body)
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None, server_name=server, env=env)
+                   wait=wait or None, server_name=server, env=env, cpus=cpus, host_memory=host_memory)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -309,6 +333,9 @@ class Lease:
     memory: int
     node: str | None = None
     gpus: list[dict[str, Any]] = field(default_factory=list)
+    #: Host cores and bytes held on the node and enforced on the worker (None: the node reports no host).
+    cpus: float | None = None
+    host_memory: int | None = None
     reason: str | None = None
     idle_timeout: float | None = None
     heartbeat_ttl: float | None = None

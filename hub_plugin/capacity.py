@@ -17,11 +17,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState
 
+from .hosts import HostState
 from .models import GPU, Lease, LeaseGPU, Node
 from .placement_index import PlacementIndex
 from .scheduler import GPUState, Placement, Workload
@@ -88,6 +89,24 @@ def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] |
     return states
 
 
+def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
+    """Node -> its host (cores, RAM, GPU count, what holding leases take), for
+    the nodes (of ``nodes`` only, when given) whose agent reported a host."""
+    query = select(Node.name, Node.host_cpus, Node.host_memory).where(Node.host_cpus.is_not(None),
+                                                                       Node.host_memory.is_not(None))
+    counts = select(GPU.node_name, func.count()).group_by(GPU.node_name)
+    taken = (select(Lease.node_name, func.coalesce(func.sum(Lease.cpus), 0.0),
+                    func.coalesce(func.sum(Lease.host_memory), 0))
+             .where(Lease.state.in_(HOLDING), Lease.node_name.is_not(None)).group_by(Lease.node_name))
+    if nodes is not None:
+        query, counts = query.where(Node.name.in_(nodes)), counts.where(GPU.node_name.in_(nodes))
+        taken = taken.where(Lease.node_name.in_(nodes))
+    gpus = dict(session.execute(counts).all())
+    used = {name: (float(cpus), int(memory)) for name, cpus, memory in session.execute(taken)}
+    return {name: HostState(name, cpus, memory, gpus.get(name, 0), *used.get(name, (0.0, 0)))
+            for name, cpus, memory in session.execute(query)}
+
+
 # -- marks that writers leave in their transaction (session.info), read by LeaseBook.writing --------------------
 
 def mark_gpus(session: Session, uuids: Collection[str]) -> None:
@@ -140,7 +159,7 @@ class CapacityIndex:
         if self._index is not None and (self._gpus or self._nodes):
             self._refresh(session)
         if self._index is None:
-            self._index = PlacementIndex(gpu_states(session, self.context_overhead), workload)
+            self._index = PlacementIndex(gpu_states(session, self.context_overhead), workload, host_states(session))
         self._gpus.clear()
         self._nodes.clear()
         self._index.workload = workload
@@ -158,6 +177,9 @@ class CapacityIndex:
             return
         for state in fresh:
             index.update(state)
+        nodes = {index.states[u].node for u in uuids if u in index.states}
+        for host in host_states(session, nodes).values():
+            index.update_host(host)
 
     def verify(self, session: Session, placement: Placement) -> bool:
         """True when the store agrees with the index on ``placement``'s GPUs;
@@ -168,7 +190,10 @@ class CapacityIndex:
                         .with_for_update()).all()
         fresh = gpu_states(session, self.context_overhead, placement.gpus)
         states = self._index.states if self._index is not None else {}
-        if len(fresh) == len(placement.gpus) and all(_same_capacity(s, states.get(s.uuid)) for s in fresh):
+        hosts = self._index.hosts if self._index is not None else {}
+        host = host_states(session, [placement.node]).get(placement.node)
+        if len(fresh) == len(placement.gpus) and all(_same_capacity(s, states.get(s.uuid)) for s in fresh) \
+                and _same_host(host, hosts.get(placement.node)):
             return True
         log.warning("the in-memory pool view disagreed with the store on %s; reading every GPU again",
                     ", ".join(placement.gpus))
@@ -182,3 +207,11 @@ def _same_capacity(a: GPUState, b: GPUState | None) -> bool:
               "node_degraded", "whole_only")
     return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and all(
         getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def _same_host(a: HostState | None, b: HostState | None) -> bool:
+    """Equal hosts (cores compared to float noise)."""
+    if a is None or b is None:
+        return a is b
+    return (a.memory, a.gpus, a.memory_allocated) == (b.memory, b.gpus, b.memory_allocated) and \
+        abs(a.cpus - b.cpus) <= 1e-6 and abs(a.cpus_allocated - b.cpus_allocated) <= 1e-6

@@ -152,6 +152,11 @@ def beyond_every_node(demand, hosts: dict[str, HostState]) -> str | None:
     return None
 
 
+def host_limits(cpus: float | None, memory: int | None) -> dict[str, float | int]:
+    """The ``cpus`` / ``host_memory`` fields of an agent's ``POST /workers`` (only those that are set)."""
+    return {k: v for k, v in (("cpus", cpus), ("host_memory", memory)) if v is not None}
+
+
 def roomiest(hosts: dict[str, HostState]) -> str:
     """``'the most free host is gpu-a: 12 CPUs, 96.0 GiB'`` (for refusals)."""
     best = max(hosts.values(), key=lambda h: (h.free_cpus, h.free_memory, h.node))

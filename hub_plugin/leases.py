@@ -44,6 +44,7 @@ from .auth import Identity
 from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
+from .hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .quota_book import QuotaBook
 from .reclaim import idle_deadline
@@ -183,7 +184,8 @@ class LeaseBook:
         return result
 
     def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
-        demand = Demand(request.fraction, request.gpu_count, request.memory, request.model)
+        demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, request.cpus,
+                        request.host_memory, self.settings.host_share)
         groups = self.quotas.groups_of(who)
         now = self.now()
         with self.writing() as session:
@@ -196,6 +198,7 @@ class LeaseBook:
                 self.quotas.enforce(session, who.name, limits, request.fraction * request.gpu_count, now)
                 held, queued = self._counts(session, who.name)
                 self._check_cap("max_active_per_user", held)
+                self._check_host(session, demand)
             except GPUPoolError as exc:
                 self._refused_by_limit(exc)
                 raise
@@ -212,7 +215,8 @@ class LeaseBook:
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
-                          requested_memory=request.memory, server_name=request.server_name, env=request.env)
+                          requested_memory=request.memory, server_name=request.server_name, env=request.env,
+                          requested_cpus=request.cpus, requested_host_memory=request.host_memory)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
             else:
@@ -250,6 +254,12 @@ class LeaseBook:
         raise GPUPoolError("quota_exceeded", f"too many requests: {words}; an admin can raise "
                            f"c.GPUPool.{name}", 429, limit=name, cap=cap)
 
+    def _check_host(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` names more host CPUs or memory than the biggest node has."""
+        words = beyond_every_node(demand, self.capacity.get(session, self._workload(session)).hosts)
+        if words is not None:
+            raise bad_request(words, limit="host")
+
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
         if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
             self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
@@ -283,6 +293,7 @@ class LeaseBook:
         """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
         gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
         lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
+        lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
         where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
         _transition(session, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
@@ -347,7 +358,8 @@ class LeaseBook:
                 return None
             node = session.get(Node, lease.node_name)
             body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
-                    "fraction": lease.fraction, "memory": lease.memory}
+                    "fraction": lease.fraction, "memory": lease.memory,
+                    **host_limits(lease.cpus, lease.host_memory)}
             if lease.env is not None:
                 body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
             return node.url, node.name, body
@@ -527,13 +539,16 @@ class LeaseBook:
         whole, so a thousand queued requests cost one light query."""
         rows = [row for row in session.execute(
             select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
-                   Lease.created_at, Lease.wait_until, Lease.groups).where(Lease.state == QUEUED))
+                   Lease.requested_cpus, Lease.requested_host_memory, Lease.created_at, Lease.wait_until,
+                   Lease.groups).where(Lease.state == QUEUED))
             if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
         over = self._over_quota(session, rows, now)
+        share = self.settings.host_share
         waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
-                                                                row.model), row.created_at)
+                                                                row.model, row.requested_cpus,
+                                                                row.requested_host_memory, share), row.created_at)
                    for row in rows if row.id not in over]
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
@@ -786,7 +801,8 @@ class QueueView:
 
 def _waiting(lease: Lease) -> wait_queue.Waiting:
     return wait_queue.Waiting(lease.id, lease.owner,
-                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model),
+                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model,
+                                     lease.requested_cpus, lease.requested_host_memory),
                               lease.created_at)
 
 

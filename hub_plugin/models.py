@@ -63,6 +63,9 @@ class Node(Base):
     state_reason: Mapped[str | None] = mapped_column(String(500))
     #: Revision 0005: the worker environments its agent offers, as it reported them.
     environments: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    #: Revision 0006: its host's cores and RAM (bytes) as the agent reported them (None: not reported).
+    host_cpus: Mapped[float | None] = mapped_column(Float)
+    host_memory: Mapped[int | None] = mapped_column(BigInteger)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -140,6 +143,12 @@ class Lease(Base):
     server_name: Mapped[str | None] = mapped_column(String(255))
     #: Revision 0005: the worker environment the request named (None: the node's default).
     env: Mapped[str | None] = mapped_column(String(100))
+    #: Revision 0006: host cores and bytes the lease holds on its node (None: its node reports no host),
+    #: and what the request named (None: the default share), kept for the queue.
+    cpus: Mapped[float | None] = mapped_column(Float)
+    host_memory: Mapped[int | None] = mapped_column(BigInteger)
+    requested_cpus: Mapped[float | None] = mapped_column(Float)
+    requested_host_memory: Mapped[int | None] = mapped_column(BigInteger)
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

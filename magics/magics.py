@@ -141,7 +141,7 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--cpus 4 --host-memory 32GiB]
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
@@ -176,6 +176,8 @@ class GPUMagics(Magics):
     @argument("amount", help="a fraction of one GPU (0.5) or a count of whole GPUs (2)")
     @argument("--memory", help="GPU memory for the slice, e.g. 20GiB (default: the fraction's share)")
     @argument("--model", help="only GPUs whose name contains this, e.g. A100")
+    @argument("--cpus", type=float, help="host CPU cores for the worker, e.g. 4 (default: the GPU share's part)")
+    @argument("--host-memory", help="host RAM for the worker, e.g. 32GiB (default: the GPU share's part)")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
     @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
     @argument("--env", help="the worker environment on the GPU node, e.g. torch (default: the node's; %%gpu pool lists them)")
@@ -193,7 +195,7 @@ class GPUMagics(Magics):
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-                env=args.env)
+                env=args.env, cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -211,7 +213,7 @@ class GPUMagics(Magics):
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)} "
+             f"{format_bytes(lease.memory)}{_host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -573,7 +575,15 @@ class GPUMagics(Magics):
 def _same_size(old) -> LeaseRequest:
     """A request for a slice like lease ``old`` (resume after parking, restart)."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
-                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                        cpus=old.cpus, host_memory=old.host_memory)
+
+
+def _host_words(lease) -> str:
+    """``', 4 CPUs and 32.0 GiB of host memory'``; empty when the node reports no host."""
+    if lease.cpus is None or lease.host_memory is None:
+        return ""
+    return f", {lease.cpus:g} CPUs and {format_bytes(lease.host_memory)} of host memory"
 
 
 def _dedent(text: str | None) -> str:
