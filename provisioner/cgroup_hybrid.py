@@ -82,11 +82,14 @@ class HybridContainment(V2Containment):
 def v2_containment(root: Path, mounts: Sequence[Mount], own: dict[str, str], relative: str) -> V2Containment:
     """The v2 containment under ``root``: hybrid when its hierarchy lacks
     ``cpu`` or ``memory`` and a v1 hierarchy (with this process in it) has it."""
-    top = next((m.path for m in mounts if m.fstype == "cgroup2"), None)
-    present = set((top / "cgroup.controllers").read_text().split()) if top is not None else set()
+    plain = V2Containment(root)  # its checks first: the errors name the v2 root
+    try:
+        present = set((root / "cgroup.controllers").read_text().split())
+    except OSError:
+        present = set()
     v1 = {}
     for controller in LIMIT_CONTROLLERS:
         mount = next((m.path for m in mounts if m.fstype == "cgroup" and controller in m.options), None)
         if controller not in present and mount is not None and controller in own:
             v1[controller] = _under(mount, own[controller], relative)
-    return HybridContainment(root, v1) if v1 else V2Containment(root)
+    return HybridContainment(root, v1) if v1 else plain
