@@ -23,6 +23,7 @@ same number.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -35,6 +36,12 @@ from .fragmentation import FULL, TaskTypes, node_fragmentation
 NO_CPUS = "not enough free host CPUs on its node"
 NO_HOST_MEMORY = "not enough free host memory on its node"
 MIB = 2**20
+#: The least a worker may use when its lease took the default share (a
+#: Python kernel does not run usefully on less): its cgroup limits are at
+#: least this, capped at the node's; its reservation stays the share, so
+#: many tiny slices may overcommit the host by up to this much each.
+DEFAULT_FLOOR_CPUS = 1.0
+DEFAULT_FLOOR_MEMORY = 2**30
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,10 @@ class HostState:
 def share_of(gpu_share: float, host: HostState, host_share: float) -> tuple[float, int]:
     """The default ``(cores, bytes)`` of ``gpu_share`` GPUs (0.5, or 2 for two
     whole ones) on ``host``: proportional to its GPUs, times ``host_share``.
-    Cores to 0.01 (the agent's cgroup quota works in 1/100 of a core)."""
+    Rounded down, cores to 0.01 (the cgroup quota's grain), so default shares
+    never add up to more than the host."""
     part = gpu_share / max(1, host.gpus) * host_share
-    return round(host.cpus * part, 2), int(host.memory * part)
+    return math.floor(host.cpus * part * 100 + 1e-6) / 100, int(host.memory * part)
 
 
 def host_ask(demand, host: HostState) -> tuple[float, int]:
@@ -152,9 +160,19 @@ def beyond_every_node(demand, hosts: dict[str, HostState]) -> str | None:
     return None
 
 
-def host_limits(cpus: float | None, memory: int | None) -> dict[str, float | int]:
-    """The ``cpus`` / ``host_memory`` fields of an agent's ``POST /workers`` (only those that are set)."""
-    return {k: v for k, v in (("cpus", cpus), ("host_memory", memory)) if v is not None}
+def host_limits(lease, node) -> dict[str, float | int]:
+    """The ``cpus`` / ``host_memory`` fields of the agent's ``POST /workers``
+    for ``lease`` on ``node`` (models): what it holds, raised to the
+    :data:`DEFAULT_FLOOR_CPUS` / :data:`DEFAULT_FLOOR_MEMORY` (at most the
+    node's) where it took the default share; empty without a host."""
+    limits: dict[str, float | int] = {}
+    if lease.cpus is not None:
+        limits["cpus"] = lease.cpus if lease.requested_cpus is not None else \
+            max(lease.cpus, min(DEFAULT_FLOOR_CPUS, node.host_cpus or lease.cpus))
+    if lease.host_memory is not None:
+        limits["host_memory"] = lease.host_memory if lease.requested_host_memory is not None else \
+            max(lease.host_memory, min(DEFAULT_FLOOR_MEMORY, node.host_memory or lease.host_memory))
+    return limits
 
 
 def roomiest(hosts: dict[str, HostState]) -> str:

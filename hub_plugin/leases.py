@@ -359,7 +359,7 @@ class LeaseBook:
             node = session.get(Node, lease.node_name)
             body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
                     "fraction": lease.fraction, "memory": lease.memory,
-                    **host_limits(lease.cpus, lease.host_memory)}
+                    **host_limits(lease, node)}
             if lease.env is not None:
                 body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
             return node.url, node.name, body
