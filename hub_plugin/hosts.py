@@ -16,7 +16,7 @@ Fragmentation counts host dimensions as Weng et al. do (ATC '23, section
 6; :mod:`.fragmentation`): a request shape whose host ask no longer fits a
 node makes all of the node's free GPU capacity a fragment. The workload's
 shapes ask the default (proportional) host share. :func:`binds` says when
-that can happen; only then does the scheduler pay for the vectorised
+that can happen (never while every lease takes the default); only then does the scheduler pay for the vectorised
 measure (:func:`host_aware_delta`); elsewhere its GPU-only growth is the
 same number.
 """
@@ -102,20 +102,51 @@ def host_misfit(demand, host: HostState | None) -> str | None:
     return None
 
 
-@lru_cache(maxsize=64)
-def _largest_share(workload) -> float:
-    return max((shape.fraction * shape.gpu_count for shape in workload), default=0.0)
-
-
-def binds(demand, host: HostState | None, workload) -> bool:
-    """True when, after ``demand`` takes its ask on ``host``, some shape of
-    ``workload`` (asking the default share) would not fit the host, or does
-    not fit it now: then host dimensions change the fragmentation growth."""
+def binds(demand, host: HostState | None, workload, free: list[float], taken: dict[int, float]) -> bool:
+    """True when host dimensions change the fragmentation growth of
+    ``demand`` taking ``taken`` (position in ``free`` -> fraction) of a
+    node's GPUs (``free``: each one's free fraction, -1 unusable) and its
+    host ask of ``host``: some shape of ``workload`` that the node's GPUs fit,
+    before or after, does not fit its host then. Otherwise every shape's term
+    is what the GPUs alone make it. With default (proportional) asks only, a
+    host has the share of every GPU it has free, so it never binds."""
     if host is None or not workload:
         return False
     cpus, memory = host_ask(demand, host)
-    need_cpus, need_memory = share_of(_largest_share(workload), host, demand.host_share)
-    return host.free_cpus - cpus < need_cpus - 1e-9 or host.free_memory - memory < need_memory
+    needs = _needs(workload, host.cpus, host.memory, host.gpus, demand.host_share)
+    if host.free_cpus - cpus >= needs[0][2] - 1e-9 and host.free_memory - memory >= needs[0][3]:
+        return False  # room for any shape even after: the cheap answer
+    after = list(free)
+    for position, fraction in taken.items():
+        after[position] -= fraction
+    for gpus, free_cpus, free_memory in ((free, host.free_cpus, host.free_memory),
+                                         (after, host.free_cpus - cpus, host.free_memory - memory)):
+        idle, best = sum(f >= 1 - 1e-9 for f in gpus), max(gpus, default=-1.0)
+        for count, fraction, need_cpus, need_memory in needs[1:]:
+            if ((idle >= count) if count > 1 else (best >= fraction - 1e-9)) and (
+                    free_cpus < need_cpus - 1e-9 or free_memory < need_memory):
+                return True
+    return False
+
+
+@lru_cache(maxsize=1024)
+def _needs(workload, cpus: float, memory: int, gpus: int, host_share: float) -> tuple[tuple[int, float, float, int], ...]:
+    """``(gpu_count, fraction, cores, bytes)`` of each shape on such a host,
+    the most any asks first (as ``(0, 0, cores, bytes)``)."""
+    host = HostState("", cpus, memory, gpus)
+    rows = [(s.gpu_count, s.fraction, *share_of(s.fraction * s.gpu_count, host, host_share)) for s in workload]
+    return ((0, 0.0, max(r[2] for r in rows), max(r[3] for r in rows)), *rows)
+
+
+def proportional(demand, host: HostState | None, free_gpus: float) -> bool:
+    """True when ``demand`` takes the default share and ``host`` still has
+    its default share of the ``free_gpus`` (GPUs) its node has free: then
+    :func:`binds` is False whatever the node's GPUs look like (every shape
+    that fits the GPUs finds its share), and the caller need not ask it."""
+    if host is None or demand.cpus is not None or demand.host_memory is not None:
+        return host is None
+    cpus, memory = share_of(free_gpus, host, demand.host_share)
+    return host.free_cpus >= cpus - 0.01 * host.gpus and host.free_memory >= memory - host.gpus
 
 
 def host_aware_delta(demand, host: HostState, free: list[float], taken: dict[int, float], workload) -> float:

@@ -25,13 +25,14 @@ Why it is the same answer:
   counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
   Otherwise ``place()`` scans every GPU.
 - Host CPUs and memory (``hosts``, :mod:`.hosts`): a class's first member
-  that fits is the first that fits in every dimension. Members whose node's
-  host room binds (:func:`.hosts.binds`) have a growth of their own, so the
-  index hands ``place()`` every GPU of such a node met before the class's
-  first member whose host does not bind. Binding nodes later in a class
-  are not looked at: there the index may miss a smaller growth that a scan
-  of every GPU would find (``place()`` on :meth:`all`, as the refusal path
-  does, is exact). Where no host binds, it is still the same answer.
+  that fits is the first that fits in every dimension. A request that
+  takes the default host share cannot make a node's host bind while the
+  host has its default share of the node's free GPUs
+  (:func:`.hosts.proportional`); the other nodes ("tight": some lease there
+  named more than its share) have a growth of their own, so the classes
+  leave them out and every fitting GPU of theirs goes to ``place()``. A
+  request that names its host ask may bind anywhere: ``place()`` scans every
+  GPU for it (exact, slower).
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
   tally of reasons covers every GPU (unless the caller asks for no
   explanation: the queue only needs to know).
@@ -44,7 +45,7 @@ import dataclasses
 import math
 from typing import Iterable
 
-from .hosts import HostState, binds, host_misfit
+from .hosts import HostState, host_misfit, proportional
 from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
                         place, slice_misfit)
 
@@ -67,16 +68,21 @@ class PlacementIndex:
         self.states: dict[str, GPUState] = {}
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
+        self._free: dict[str, float] = {}  # node -> the sum of its usable GPUs' free fractions
         self._unusable = 0  # GPUs on lost nodes or unhealthy
         for gpu in gpus:
             self._unusable += _unusable(gpu)
             self.states[gpu.uuid] = gpu
             self._node_gpus.setdefault(gpu.node, []).append(gpu.uuid)
             self._idle[gpu.node] = self._idle.get(gpu.node, 0) + _whole_free(gpu)
+            self._free[gpu.node] = self._free.get(gpu.node, 0.0) + max(0.0, _usable_free(gpu))
         for uuids in self._node_gpus.values():
             uuids.sort(key=lambda u: self.states[u].index)
         self._partial = sorted(_key(g) for g in self.states.values() if not _whole_free(g))
         self._nodes = sorted((idle, node) for node, idle in self._idle.items())
+        self._tight: set[str] = set()
+        for node in self.hosts:
+            self._retight(node)
 
     def all(self) -> list[GPUState]:
         """Every GPU state, in no set order."""
@@ -94,6 +100,8 @@ class PlacementIndex:
         if not _whole_free(gpu):
             bisect.insort(self._partial, _key(gpu))
         self.states[gpu.uuid] = gpu
+        self._free[gpu.node] += max(0.0, _usable_free(gpu)) - max(0.0, _usable_free(old))
+        self._retight(gpu.node)
         self._unusable += _unusable(gpu) - _unusable(old)
         if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
@@ -105,6 +113,7 @@ class PlacementIndex:
     def update_host(self, host: HostState) -> None:
         """Replace (or add) the host of ``host.node``."""
         self.hosts[host.node] = host
+        self._retight(host.node)
 
     def take(self, placement: Placement) -> None:
         """Add what ``placement`` grants to its GPUs' allocation."""
@@ -118,6 +127,7 @@ class PlacementIndex:
         host = self.hosts.get(placement.node)
         if host is not None:
             self.hosts[placement.node] = host.taken(placement.cpus or 0.0, placement.host_memory or 0, sign)
+            self._retight(placement.node)
         for uuid in placement.gpus:
             g = self.states[uuid]
             fraction = g.allocated_fraction + sign * placement.fraction
@@ -129,14 +139,17 @@ class PlacementIndex:
         docstring). ``explain=False`` returns a refusal without its reasons
         and message when the index alone knows nothing fits (no scan of every
         GPU; for callers that only need the decision, like the queue)."""
-        if demand.gpu_count > 1:
+        if self.hosts and (demand.cpus is not None or demand.host_memory is not None):
+            candidates = None  # a named host ask may bind on any node: scan everything
+        elif demand.gpu_count > 1:
             candidates = self._whole(demand)
             if candidates:
-                return place(demand, candidates, self.workload, hosts=self.hosts)
+                return place(demand, candidates, self.workload, hosts=self.hosts, node_gpus=self._gpus_of)
         else:
             candidates = self._slice(demand)
             if candidates:
-                return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts)
+                return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts,
+                             node_gpus=self._gpus_of)
         if candidates is not None and not explain:
             return Refusal()
         return place(demand, self.all(), self.workload, hosts=self.hosts)
@@ -144,8 +157,13 @@ class PlacementIndex:
     def _fits(self, demand: Demand, gpu: GPUState) -> bool:
         return slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None
 
-    def _binds(self, demand: Demand, node: str) -> bool:
-        return binds(demand, self.hosts.get(node), self.workload)
+    def _retight(self, node: str) -> None:
+        """Keep :attr:`_tight`: nodes whose host has less than its default share of their free GPUs."""
+        host = self.hosts.get(node)
+        if host is not None and node in self._free and not proportional(_DEFAULT, host, self._free[node]):
+            self._tight.add(node)
+        else:
+            self._tight.discard(node)
 
     def _slice(self, demand: Demand) -> list[GPUState]:
         found: dict[str, GPUState] = {}
@@ -153,10 +171,7 @@ class PlacementIndex:
         while i < len(keys):
             free = keys[i][0]
             gpu = self.states[keys[i][3]]
-            if not self._fits(demand, gpu):
-                i += 1
-            elif self._binds(demand, gpu.node):
-                self._whole_node(gpu.node, found)  # a growth of its own: place() weighs its node
+            if gpu.node in self._tight or not self._fits(demand, gpu):
                 i += 1
             else:
                 found[gpu.uuid] = gpu
@@ -165,21 +180,21 @@ class PlacementIndex:
         nodes, j = self._nodes, bisect.bisect_left(self._nodes, (1, ""))
         while j < len(nodes):
             idle, node = nodes[j]
-            gpu = next((g for g in map(self.states.get, self._node_gpus[node])
-                        if _whole_free(g) and self._fits(demand, g)), None)
-            if gpu is not None and self._binds(demand, node):
-                self._whole_node(node, found)
-                gpu = None
+            gpu = None if node in self._tight else next(
+                (g for g in map(self.states.get, self._node_gpus[node]) if _whole_free(g) and self._fits(demand, g)),
+                None)
             if gpu is None:
                 j += 1
             else:
                 found[gpu.uuid] = gpu
                 j = bisect.bisect_left(nodes, (idle + 1, ""))
+        for node in self._tight:  # a growth of their own: place() weighs each fitting GPU
+            found.update((u, self.states[u]) for u in self._node_gpus[node] if self._fits(demand, self.states[u]))
         return list(found.values())
 
-    def _whole_node(self, node: str, found: dict[str, GPUState]) -> None:
-        for uuid in self._node_gpus[node]:
-            found[uuid] = self.states[uuid]
+    @property
+    def _gpus_of(self) -> "_NodeGPUs":
+        return _NodeGPUs(self)
 
     def _whole(self, demand: Demand) -> list[GPUState] | None:
         """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
@@ -189,15 +204,37 @@ class PlacementIndex:
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
-            host = self.hosts.get(node)
-            if host_misfit(demand, host) is not None or self._binds(demand, node):
-                if host_misfit(demand, host) is None:
-                    found.extend(self.states[u] for u in self._node_gpus[node])
-                j += 1  # the next node of this class may be the first that fits without binding
+            if node in self._tight or host_misfit(demand, self.hosts.get(node)) is not None:
+                j += 1  # the next node of this class may be the first that fits
                 continue
             found.extend(self.states[u] for u in self._node_gpus[node])
             j = bisect.bisect_left(nodes, (idle + 1, ""))
+        for node in self._tight:
+            if self._idle[node] >= demand.gpu_count and host_misfit(demand, self.hosts.get(node)) is None:
+                found.extend(self.states[u] for u in self._node_gpus[node])
         return found
+
+
+class _NodeGPUs:
+    """Tight node -> its GPU states by index, read from the index (for
+    ``place(node_gpus=...)``); other nodes are missing: a request of the
+    default share cannot bind there (:meth:`PlacementIndex._retight`)."""
+
+    def __init__(self, index: PlacementIndex) -> None:
+        self.index = index
+
+    def __getitem__(self, node: str) -> list[GPUState]:
+        return [self.index.states[u] for u in self.index._node_gpus[node]]
+
+    def get(self, node: str, default=()):
+        return self[node] if node in self.index._tight else default
+
+
+_DEFAULT = Demand()  # a request that takes the default host share (at host_share 1: the strictest)
+
+
+def _usable_free(gpu: GPUState) -> float:
+    return gpu.free_fraction if not _unusable(gpu) else -1.0
 
 
 def _key(gpu: GPUState) -> tuple[float, str, int, str]:

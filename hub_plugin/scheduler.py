@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from gpupool.units import format_bytes
 
-from .hosts import NO_CPUS, NO_HOST_MEMORY, HostState, binds, host_ask, host_aware_delta, host_misfit, roomiest
+from .hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, binds, host_ask, host_aware_delta, host_misfit,
+                    proportional, roomiest)
 
 #: Tolerance for sums of fractions: 0.1 + 0.2 + 0.7 must fill a GPU exactly.
 EPSILON = 1e-9
@@ -253,20 +254,23 @@ def idle_counts(gpus) -> dict[str, int]:
 
 
 def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload: Workload = DEFAULT_WORKLOAD,
-          *, idle: dict[str, int] | None = None, hosts: dict[str, HostState] | None = None) -> Placement | Refusal:
+          *, idle: dict[str, int] | None = None, hosts: dict[str, HostState] | None = None,
+          node_gpus=None) -> Placement | Refusal:
     """Choose GPU(s) for ``demand`` among ``gpus``; see the module docstring.
 
     ``workload`` is the expected mix of requests the fragmentation measure
     weighs (an empty one leaves plain best fit). ``idle`` maps each node to
     its wholly free healthy GPUs (:func:`idle_counts`); it defaults to the
     count over ``gpus`` and is passed by callers that give a subset
-    (:mod:`.placement_index`; a node where host room binds must then come
-    with all its GPUs). ``hosts``: node -> its host (None, or a node missing:
-    no host dimension there)."""
+    (:mod:`.placement_index`). ``node_gpus``: node -> all its GPUs, for the
+    nodes where the host may bind (default: every node's, from ``gpus``; a
+    node missing: the GPU-only growth). ``hosts``: node -> its host (None, or a node
+    missing: no host dimension there)."""
     hosts = hosts or {}
+    nodes = (node_gpus if node_gpus is not None else _by_node(gpus)) if hosts else {}
     if demand.gpu_count > 1:
-        return _place_whole(demand, gpus, workload, hosts)
-    return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle, hosts)
+        return _place_whole(demand, gpus, workload, hosts, nodes)
+    return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle, hosts, nodes)
 
 
 def _whole_free(gpu: GPUState) -> bool:
@@ -307,10 +311,13 @@ def slice_key(demand: Demand, gpu: GPUState, idle: int, workload: Workload, host
     """What a slice placement minimises over the GPUs that fit: (fragmentation
     growth, free fraction left, node, index); rounded so float noise
     (0.30000000000000004) does not break ties. ``node_gpus``: all of the
-    node's GPUs, needed when its ``host`` binds (:func:`.hosts.binds`)."""
-    if node_gpus is not None and binds(demand, host, workload):
-        free = [_free_or_unusable(g) for g in node_gpus]
-        delta = host_aware_delta(demand, host, free, {node_gpus.index(gpu): demand.fraction}, workload)
+    node's GPUs, where it has a ``host`` (:func:`.hosts.binds`)."""
+    free = [_free_or_unusable(g) for g in node_gpus] if host is not None and node_gpus else None
+    if free is not None and proportional(demand, host, sum(max(0.0, f) for f in free)):
+        free = None  # the host cannot bind: the GPU-only growth is the answer
+    taken = {node_gpus.index(gpu): demand.fraction} if free is not None else {}
+    if free is not None and binds(demand, host, workload, free, taken):
+        delta = host_aware_delta(demand, host, free, taken, workload)
     else:
         delta = slice_delta(gpu.free_fraction, _whole_free(gpu), idle, demand.fraction, workload)
     return (round(delta, 9), round(gpu.free_fraction - demand.fraction, 9), gpu.node, gpu.index)
@@ -333,11 +340,10 @@ def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: floa
     return Placement(node, uuids, fraction, memory, cpus, host_memory)
 
 
-def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int],
-                 hosts: dict[str, HostState]) -> Placement | Refusal:
+def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int], hosts: dict[str, HostState],
+                 nodes) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     best, best_key = None, None
-    nodes = _by_node(gpus) if hosts else {}
     for gpu in gpus:
         host = hosts.get(gpu.node)
         reason = slice_misfit(demand, gpu, host)
@@ -353,7 +359,7 @@ def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int],
                       hosts.get(best.node))
 
 
-def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, HostState]) -> Placement | Refusal:
+def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, HostState], nodes) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     free_by_node: dict[str, list[GPUState]] = {}
     idle = idle_counts(gpus)
@@ -367,7 +373,7 @@ def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, Host
             reasons[reason] += 1
             continue
         free_by_node.setdefault(gpu.node, []).append(gpu)
-    fitting, nodes = [], _by_node(gpus) if hosts else {}
+    fitting = []
     for node, free in free_by_node.items():
         reason = host_misfit(demand, hosts.get(node)) if len(free) >= demand.gpu_count else None
         if reason is not None:
@@ -390,14 +396,16 @@ def _lowest(free: list[GPUState], count: int) -> list[GPUState]:
 
 
 def _whole_growth(demand: Demand, node: str, free: list[GPUState], idle: dict[str, int], workload: Workload,
-                  hosts: dict[str, HostState], nodes: dict[str, list[GPUState]]) -> float:
+                  hosts: dict[str, HostState], nodes) -> float:
     """Fragmentation growth of taking ``demand``'s whole GPUs on ``node``: every dimension where its host binds."""
-    host = hosts.get(node)
-    if not binds(demand, host, workload):
+    host, everything = hosts.get(node), nodes.get(node, ())
+    if host is None or not everything:  # no host, or one that cannot bind (node_gpus leaves it out)
         return whole_delta(idle[node], demand.gpu_count, workload)
-    everything = nodes[node]
     taken = {everything.index(g): 1.0 for g in _lowest(free, demand.gpu_count)}
-    return host_aware_delta(demand, host, [_free_or_unusable(g) for g in everything], taken, workload)
+    vector = [_free_or_unusable(g) for g in everything]
+    if not binds(demand, host, workload, vector, taken):
+        return whole_delta(idle[node], demand.gpu_count, workload)
+    return host_aware_delta(demand, host, vector, taken, workload)
 
 
 def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostState] | None = None) -> Refusal:
