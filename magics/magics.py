@@ -190,6 +190,8 @@ class GPUMagics(Magics):
         self.drop()
         try:
             fraction, count = parse_gpu_amount(args.amount)
+            if args.cpus is not None and not args.cpus > 0:
+                raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
             request = LeaseRequest(
                 fraction=fraction, gpu_count=count,
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
