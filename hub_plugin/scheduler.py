@@ -267,7 +267,7 @@ def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload:
     node missing: the GPU-only growth). ``hosts``: node -> its host (None, or a node
     missing: no host dimension there)."""
     hosts = hosts or {}
-    nodes = (node_gpus if node_gpus is not None else _by_node(gpus)) if hosts else {}
+    nodes = (node_gpus if node_gpus is not None else _may_bind(demand, _by_node(gpus), hosts)) if hosts else {}
     if demand.gpu_count > 1:
         return _place_whole(demand, gpus, workload, hosts, nodes)
     return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle, hosts, nodes)
@@ -313,8 +313,6 @@ def slice_key(demand: Demand, gpu: GPUState, idle: int, workload: Workload, host
     (0.30000000000000004) does not break ties. ``node_gpus``: all of the
     node's GPUs, where it has a ``host`` (:func:`.hosts.binds`)."""
     free = [_free_or_unusable(g) for g in node_gpus] if host is not None and node_gpus else None
-    if free is not None and proportional(demand, host, sum(max(0.0, f) for f in free)):
-        free = None  # the host cannot bind: the GPU-only growth is the answer
     taken = {node_gpus.index(gpu): demand.fraction} if free is not None else {}
     if free is not None and binds(demand, host, workload, free, taken):
         delta = host_aware_delta(demand, host, free, taken, workload)
@@ -334,6 +332,12 @@ def _by_node(gpus) -> dict[str, list[GPUState]]:
     return nodes
 
 
+def _may_bind(demand: Demand, nodes: dict[str, list[GPUState]], hosts: dict[str, HostState]):
+    """``nodes`` less those whose host cannot bind for ``demand`` (:func:`.hosts.proportional`)."""
+    return {node: gpus for node, gpus in nodes.items()
+            if not proportional(demand, hosts.get(node), sum(max(0.0, _free_or_unusable(g)) for g in gpus))}
+
+
 def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: float, memory: int,
                host: HostState | None) -> Placement:
     cpus, host_memory = host_ask(demand, host) if host is not None else (demand.cpus, demand.host_memory)
@@ -344,9 +348,14 @@ def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int],
                  nodes) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     best, best_key = None, None
+    host_reasons: dict[str, str | None] = {}  # one host check per node
     for gpu in gpus:
         host = hosts.get(gpu.node)
-        reason = slice_misfit(demand, gpu, host)
+        reason = slice_misfit(demand, gpu)
+        if reason is None and host is not None:
+            if gpu.node not in host_reasons:
+                host_reasons[gpu.node] = host_misfit(demand, host)
+            reason = host_reasons[gpu.node]
         if reason is not None:
             reasons[reason] += 1
             continue
