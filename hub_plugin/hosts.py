@@ -130,7 +130,8 @@ def binds(demand, host: HostState | None, workload, free: list[float], taken: di
 
 
 @lru_cache(maxsize=1024)
-def _needs(workload, cpus: float, memory: int, gpus: int, host_share: float) -> tuple[tuple[int, float, float, int], ...]:
+def _needs(workload, cpus: float, memory: int, gpus: int,
+           host_share: float) -> tuple[tuple[int, float, float, int], ...]:
     """``(gpu_count, fraction, cores, bytes)`` of each shape on such a host,
     the most any asks first (as ``(0, 0, cores, bytes)``)."""
     host = HostState("", cpus, memory, gpus)
