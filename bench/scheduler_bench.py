@@ -1,6 +1,6 @@
 """Scheduler decisions per second and decision latency under churn.
 
-    .venv/bin/python bench/scheduler_bench.py [--decisions 20000] [--seed 0] [--no-report]
+    .venv/bin/python bench/scheduler_bench.py [--decisions 20000] [--seed 0] [--env-share 0.3] [--no-report]
 
 For pools of 1,000 and 10,000 simulated GPUs (A100-80GB, 8 per node) it
 keeps the pool about 97 % allocated: leases end at random, and new requests
@@ -21,7 +21,10 @@ alone with ``time.perf_counter_ns``:
   the chosen GPUs against the store, the lease's rows, the commit. Leases
   that end are committed as their own transactions, not timed;
 - ``service, full scan``: the same, but the GPU list read from SQL and
-  ``place()`` run on all of it (what the service did before the index).
+  ``place()`` run on all of it (what the service did before the index);
+- ``index, env`` (with ``--env-share S``): the index on a pool where every
+  other node also offers the worker environment ``torch``, a share ``S`` of
+  the requests naming it (a node filter: the index skips the other nodes).
 
 Placement is fragmentation-aware (``scheduler.DEFAULT_WORKLOAD`` as the expected mix). Nodes have
 hosts of 64 cores and 1 TiB (``HOST_CPUS``, ``HOST_MEMORY``) and requests take the default
@@ -59,24 +62,30 @@ MEMORY = 80 * 10**9
 HOST_CPUS, HOST_MEMORY = 64, 2**40
 
 
+ENVS = (frozenset({"default"}), frozenset({"default", "torch"}))  # of even and odd nodes
+
+
 def pool(size: int) -> list[GPUState]:
     return [GPUState(uuid=f"GPU-{i}", node=f"node-{i // 8:04d}", name="NVIDIA A100-SXM4-80GB", index=i % 8,
-                     memory_total=MEMORY, memory_usable=MEMORY) for i in range(size)]
+                     memory_total=MEMORY, memory_usable=MEMORY, environments=ENVS[i // 8 % 2], default_env="default")
+            for i in range(size)]
 
 
 def hosts(size: int) -> dict[str, HostState]:
     return {f"node-{n:04d}": HostState(f"node-{n:04d}", HOST_CPUS, HOST_MEMORY, 8) for n in range(size // 8)}
 
 
-def demand(rng: random.Random) -> Demand:
+def demand(rng: random.Random, env_share: float = 0.0) -> Demand:
+    env = "torch" if env_share and rng.random() < env_share else None
     if rng.random() < WHOLE_SHARE:
-        return Demand(1.0, rng.choice(WHOLE))
-    return Demand(rng.choices([f for f, _ in SLICES], [w for _, w in SLICES])[0])
+        return Demand(1.0, rng.choice(WHOLE), env=env)
+    return Demand(rng.choices([f for f, _ in SLICES], [w for _, w in SLICES])[0], env=env)
 
 
-def run(size: int, decisions: int, seed: int, full_scan: bool, with_hosts: bool = True) -> dict[str, float]:
-    """Churn on a pool of ``size`` GPUs (nodes with hosts unless not ``with_hosts``); returns rates and
-    latencies (ms)."""
+def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float = 0.0,
+        with_hosts: bool = True) -> dict[str, float]:
+    """Churn on a pool of ``size`` GPUs (nodes with hosts unless not ``with_hosts``); a share ``env_share``
+    of requests names the environment half the nodes offer. Returns rates and latencies (ms)."""
     rng = random.Random(seed)
     index = PlacementIndex(pool(size), hosts=hosts(size) if with_hosts else None)
     held: list[Placement] = []
@@ -90,7 +99,7 @@ def run(size: int, decisions: int, seed: int, full_scan: bool, with_hosts: bool 
             index.give(gone)
             allocated -= gone.fraction * len(gone.gpus)
             continue
-        ask = demand(rng)
+        ask = demand(rng, env_share)
         start = time.perf_counter_ns()
         decision = place(ask, index.all(), index.workload, hosts=index.hosts) if full_scan else index.place(ask)
         latencies.append(time.perf_counter_ns() - start)
@@ -205,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-scan-decisions", type=int, default=300, help="decisions per pool, full scan")
     parser.add_argument("--service-decisions", type=int, default=2000, help="decisions per pool, service path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env-share", type=float, default=0.0,
+                        help="also run the index with this share of requests naming a worker environment")
     parser.add_argument("--no-report", action="store_true", help="print only; leave bench/REPORT.md alone")
     args = parser.parse_args(argv)
     rows = []
@@ -215,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("service", service_run(size, args.service_decisions, args.seed, full_scan=False)))
         rows.append(("service, full scan", service_run(size, args.full_scan_decisions // 10, args.seed,
                                                        full_scan=True)))
-        for name, r in rows[-5:]:
+        if args.env_share:
+            rows.append(("index, env", run(size, args.decisions, args.seed, full_scan=False,
+                                           env_share=args.env_share)))
+        for name, r in rows[-6 if args.env_share else -5:]:
             print(f"{name:18} {size:6,} GPUs: {r['per_s']:9,.0f} decisions/s  p50 {r['p50_ms']:.3f} ms  "
                   f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.2f} ms  placed {r['placed']:.0%}", flush=True)
     command = ".venv/bin/python bench/scheduler_bench.py" + "".join(

@@ -21,13 +21,14 @@ from .errors import GPUPoolError
 from .tables import table
 from .units import format_duration
 
-LIMITS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout")
+LIMITS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout",
+          "guaranteed_gpus")
 
 
 def limit_words(key: str, value: Any) -> str:
-    """``('max_idle_timeout', 7200)`` -> ``'2h'``; None -> ``'unlimited'``."""
+    """``('max_idle_timeout', 7200)`` -> ``'2h'``; None -> ``'unlimited'`` (``'none'`` for a guarantee)."""
     if value is None:
-        return "unlimited"
+        return "none" if key == "guaranteed_gpus" else "unlimited"
     if key == "max_idle_timeout":
         return format_duration(value)
     if key.startswith("gpu_hours"):
@@ -45,7 +46,9 @@ def quota_text(body: dict[str, Any]) -> str:
              limit_words("gpu_hours_per_day", body["limits"]["gpu_hours_per_day"])),
             ("GPU-hours this week", f"{used['week_gpu_hours']:.2f}",
              limit_words("gpu_hours_per_week", body["limits"]["gpu_hours_per_week"])),
-            ("idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"]))]
+            ("idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"])),
+            ("guaranteed share", "",
+             limit_words("guaranteed_gpus", body["limits"].get("guaranteed_gpus")))]
     groups = ", ".join(body["groups"]) or "none"
     head = f"user {body['user']} (groups: {groups}); days and weeks in {used['timezone']}"
     return head + "\n" + table(["", "used", "limit"], rows)[0]

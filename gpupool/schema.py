@@ -29,6 +29,8 @@ MAX_CPUS = 4096
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
 MAX_INT32 = 2**31 - 1
+#: Lease classes, in queue order: interactive requests go before batch ones (docs/api.md, "Classes").
+LEASE_CLASSES = ("interactive", "batch")
 
 
 class LeaseState(str, enum.Enum):
@@ -136,6 +138,33 @@ def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
     return value
 
 
+#: What a worker environment's name may hold (``c.NodeAgent.environments`` keys a lease can name).
+ENV_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+#: The prefix :func:`kernel_environment` drops from a kernel's name.
+KERNEL_PREFIX = "gpupool-"
+#: Set by the kernel provisioner to the notebook kernel's kernelspec name.
+ENV_KERNEL_NAME = "GPUPOOL_KERNEL_NAME"
+
+
+def _env_name(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or not ENV_NAME.fullmatch(value)):
+        raise bad_request(f"'{key}' must name a worker environment (letters, digits, '.', '_', '-'; "
+                          f"at most 100), got {value!r:.80}")
+    return value
+
+
+def kernel_environment(kernel_name: str | None) -> str | None:
+    """The worker environment a notebook kernel prefers when ``%gpu acquire`` names
+    none: its kernelspec name without a leading ``gpupool-`` (``torch`` ->
+    ``torch``, ``gpupool-torch`` -> ``torch``); None for no name, or one that
+    cannot name an environment. Pure."""
+    name = (kernel_name or "").strip()
+    if name.startswith(KERNEL_PREFIX):
+        name = name[len(KERNEL_PREFIX):]
+    return name if ENV_NAME.fullmatch(name) else None
+
+
 def _host_ask(body: dict[str, Any]) -> tuple[float | None, int | None]:
     """``cpus`` (cores, 0.01 to :data:`MAX_CPUS`) and ``host_memory`` (whole
     bytes, 1 MiB to 2**50) of a request, None when absent; 400 naming the field."""
@@ -165,7 +194,16 @@ class LeaseRequest:
     (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
     255 characters), so that stopping one server releases only its leases.
     ``env``: the worker environment on the node (``c.NodeAgent.environments``,
-    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default).
+    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default);
+    the lease is placed only on a node that offers it, and refused at once
+    (409 ``unknown_environment``) when no node does. ``prefer_env``: used when
+    ``env`` is None, the environment to run in when some node offers it, else
+    the node's default, never a refusal (the magic sends the notebook kernel's
+    :func:`kernel_environment`).
+    ``lease_class``: ``"interactive"`` (None: the default, a person at a
+    notebook) or ``"batch"`` (queued behind every interactive request);
+    ``preemptible``: the lease's running cell may be interrupted and the lease
+    parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
     ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
     the node's host, held for the lease and enforced on its worker's cgroup;
     None: the GPU share's part of the node's (``c.GPUPool.host_share``).
@@ -180,11 +218,14 @@ class LeaseRequest:
     wait: float | None = None
     server_name: str | None = None
     env: str | None = None
+    prefer_env: str | None = None
+    lease_class: str | None = None
+    preemptible: bool | None = None
     cpus: float | None = None
     host_memory: int | None = None
 
     KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
-            "cpus", "host_memory")
+            "prefer_env", "lease_class", "preemptible", "cpus", "host_memory")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -223,14 +264,18 @@ class LeaseRequest:
                                    or has_control_characters(server) or not is_unicode(server)):
             raise bad_request(f"'server_name' must be a JupyterHub server name (at most 255 characters, no "
                               f"control characters, \"\" for the default server), got {server!r:.80}")
-        env = body.get("env")
-        if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", env)):
-            raise bad_request(f"'env' must name a worker environment (letters, digits, '.', '_', '-'; "
-                              f"at most 100), got {env!r:.80}")
+        lease_class = body.get("lease_class")
+        if lease_class is not None and lease_class not in LEASE_CLASSES:
+            raise bad_request(f"'lease_class' must be one of {', '.join(LEASE_CLASSES)}, got {lease_class!r:.80}")
+        preemptible = body.get("preemptible")
+        if preemptible is not None and not isinstance(preemptible, bool):
+            raise bad_request(f"'preemptible' must be true or false, got {preemptible!r:.80}")
         cpus, host_memory = _host_ask(body)
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
-                   wait=wait or None, server_name=server, env=env, cpus=cpus, host_memory=host_memory)
+                   wait=wait or None, server_name=server, env=_env_name(body, "env"),
+                   prefer_env=_env_name(body, "prefer_env"), lease_class=lease_class, preemptible=preemptible,
+                   cpus=cpus, host_memory=host_memory)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -333,6 +378,10 @@ class Lease:
     memory: int
     node: str | None = None
     gpus: list[dict[str, Any]] = field(default_factory=list)
+    #: The worker environment: the one asked for, and once placed the one the
+    #: worker runs in (the node's default when none was asked for; None when
+    #: the node reports no environments).
+    env: str | None = None
     #: Host cores and bytes held on the node and enforced on the worker (None: the node reports no host).
     cpus: float | None = None
     host_memory: int | None = None
@@ -362,6 +411,14 @@ class Lease:
     queue_position: int | None = None
     queue_estimate_s: float | None = None
     wait_until: str | None = None
+    #: ``"interactive"`` or ``"batch"``, and whether its running cell may be preempted.
+    lease_class: str = "interactive"
+    preemptible: bool = False
+    #: Words for why ``idle_deadline`` came early or a preemption is due, e.g.
+    #: ``"parked early: 3 people are waiting for a GPU"``; None without pressure.
+    pressure: str | None = None
+    #: When the running cell of a preemptible lease is interrupted (ISO UTC), then the lease parked.
+    preempt_at: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":

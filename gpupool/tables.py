@@ -27,36 +27,47 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, s
 
 
 def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
-    """Time left before idle reclaim: ``'busy'`` while a cell runs, else e.g. ``'29m 12s'``."""
+    """Time left before idle reclaim: ``'busy'`` while a cell runs (with the
+    preemption due, if any), else e.g. ``'29m 12s'``, or under pressure
+    ``'1m 40s (parked early: 2 people are waiting for a GPU)'``."""
     worker = lease.worker or {}
+    now = now or datetime.now(timezone.utc)
     if worker.get("execution_state") == "busy":
+        at = parse_time(lease.preempt_at)
+        if at is not None:
+            return f"busy; {lease.pressure}: interrupted in {format_duration(max(0.0, (at - now).total_seconds()))}"
         return "busy (never reclaimed while a cell runs)"
-    since = parse_time(lease.idle_since)
+    since, deadline = parse_time(lease.idle_since), parse_time(lease.idle_deadline)
+    if deadline is not None:  # the service's, early under pressure
+        left = format_duration(max(0.0, (deadline - now).total_seconds()))
+        return f"{left} ({lease.pressure})" if lease.pressure else left
     if since is None or lease.idle_timeout is None:
         return "unknown"
-    now = now or datetime.now(timezone.utc)
     return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
 
 
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
-    """One row per lease: id, state, node, GPU, share, memory used / limit, host CPUs and memory, GPU
-    utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
+    """One row per lease: id, state, node, worker environment (``-`` while
+    unknown: queued without one asked for, or a node that reports none), GPU,
+    share, class, memory used / limit, host CPUs and memory, GPU utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
     the whole GPU's, shared by its leases), worker state, idle countdown, and
     the reason once it ended. Unknown readings say ``unknown``, never 0."""
     rows = []
     for lease in leases:
         gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
         share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
+        kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
         live = lease.state.value == "active"
         worker = lease.worker or {}
         memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
         utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
         util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
         host = "-" if lease.cpus is None else f"{lease.cpus:g} CPUs, {format_bytes(lease.host_memory)}"
-        rows.append([lease.id, lease.state.value, lease.node or "-", gpus, share, memory, host, util,
-                     worker.get("execution_state", "-") if live else "-",
+        rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host,
+                     util, worker.get("execution_state", "-") if live else "-",
                      idle_countdown(lease) if live else (lease.reason or "-")])
-    return table(["lease", "state", "node", "GPU", "share", "memory used / limit", "host", "GPU util", "worker",
+    return table(["lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "host",
+                  "GPU util", "worker",
                   "idle release in / reason"], rows)
 
 

@@ -75,9 +75,11 @@ def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] |
     query = select(GPU, Node).join(Node, Node.name == GPU.node_name).order_by(Node.name, GPU.index)
     if uuids is not None:
         query = query.where(GPU.uuid.in_(uuids))
-    states = []
+    states, offers = [], {}
     for gpu, node in session.execute(query):
         taken = alloc.get(gpu.uuid, Allocation())
+        if node.name not in offers:  # one frozenset per node, shared by its GPUs
+            offers[node.name] = environment_offer(node.environments)
         states.append(GPUState(
             uuid=gpu.uuid, node=node.name, name=gpu.name, index=gpu.index,
             memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
@@ -85,8 +87,17 @@ def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] |
             observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state != "lost",
             node_degraded=node.state == "degraded",
             memory_unattributed=gpu.memory_unattributed or 0,
-            whole_only=node.enforcement in WHOLE_GPU_MODES))
+            whole_only=node.enforcement in WHOLE_GPU_MODES,
+            environments=offers[node.name][0], default_env=offers[node.name][1]))
     return states
+
+
+def environment_offer(reported: list[dict[str, Any]] | None) -> tuple[frozenset[str], str | None]:
+    """``(names usable, default's name)`` of a node's ``environments`` as its agent
+    reported them (``Node.environments``; None from an agent that reports none)."""
+    envs = reported or []
+    return (frozenset(e["name"] for e in envs if e.get("usable")),
+            next((e["name"] for e in envs if e.get("default")), None))
 
 
 def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
@@ -204,7 +215,7 @@ class CapacityIndex:
 def _same_capacity(a: GPUState, b: GPUState | None) -> bool:
     """Equal in everything placement depends on (not NVML's latest reading, shown in messages only)."""
     fields = ("node", "memory_usable", "allocated_memory", "memory_unattributed", "healthy", "node_up",
-              "node_degraded", "whole_only")
+              "node_degraded", "whole_only", "environments", "default_env")
     return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and all(
         getattr(a, f) == getattr(b, f) for f in fields)
 

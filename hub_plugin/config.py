@@ -84,6 +84,34 @@ class GPUPool(Configurable):
         warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
     ).tag(config=True)
 
+    pressure_grace = Duration(
+        120.0,
+        help="""Seconds an idle over-quota lease may stay idle while requests wait in
+        the queue before it is parked early (instead of after its idle timeout):
+        batch leases first, then the longest idle, until what they free covers
+        the queue; a lease within its owner's ``guaranteed_gpus`` is never parked
+        early, a lease whose cell runs never (docs/api.md, "Pressure"). Counted
+        from when it went idle or when the oldest waiting request was asked,
+        whichever is later. Default: 2 minutes. ``c.GPUPool.pressure_grace = "5m"``.""",
+    ).tag(config=True)
+
+    allow_preemption = Bool(
+        True,
+        help="""Whether leases may opt in to preemption (``%gpu acquire --preemptible``):
+        under pressure such a lease's running cell is interrupted (after a notice of
+        ``preemption_notice``) and the lease parked. False refuses ``preemptible``
+        requests with 400 naming this setting. Default: True.
+        ``c.GPUPool.allow_preemption = False``.""",
+    ).tag(config=True)
+
+    preemption_notice = Duration(
+        30.0,
+        help="""Seconds a preemptible lease is told ahead before its running cell is
+        interrupted (on top of ``pressure_grace``, counted from when the oldest
+        waiting request was asked; the notebook gives at least this much after it
+        first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
+    ).tag(config=True)
+
     max_idle_timeout = Duration(
         24 * 3600.0,
         help="""Largest idle timeout a request may ask for, in seconds; a larger

@@ -46,10 +46,12 @@ from .config import GPUPool
 from .db import Store
 from .hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
+from .pressure import Pressure
+from .priority import INTERACTIVE, preemption_refusal
 from .quota_book import QuotaBook
-from .reclaim import idle_deadline
 from .storework import StoreWork
-from .scheduler import DEFAULT_WORKLOAD, Demand, Placement, Refusal, Workload, workload_of
+from .environments import lease_environment, unknown_environment, unusable_on
+from .scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -61,8 +63,6 @@ MAX_WAIT_S = 60.0
 LIST_LIMIT = 500
 #: Seconds after which the reclaim sweep drains the queue even when no capacity changed here.
 FULL_DRAIN_S = 30.0
-#: Ended leases whose lengths feed the queue's wait estimate.
-ESTIMATE_SAMPLE = 50
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
 #: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
@@ -110,6 +110,8 @@ class LeaseBook:
         self._shapes: Workload | None = None
         # A lambda, so a clock replaced on this book is the quotas' clock too.
         self.quotas = QuotaBook(settings, lambda: self.now())
+        # The reclaim sweep's pressure plan (early parks, preemptions), read by every lease JSON.
+        self.pressure = Pressure(settings, self.quotas.table)
 
     # -- reading ---------------------------------------------------------------
 
@@ -172,11 +174,16 @@ class LeaseBook:
 
         Returns the lease JSON: state ``starting``, or ``queued`` when nothing
         fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
-        input, 429 ``quota_exceeded`` (with ``limit``) over a quota or over
+        input, 409 ``unknown_environment`` (with ``environments``, the names
+        offered) when ``env`` names a worker environment no node offers, 429
+        ``quota_exceeded`` (with ``limit``) over a quota or over
         ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
         ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
         request = LeaseRequest.from_json(body)
+        refusal = preemption_refusal(bool(request.preemptible), self.settings.allow_preemption)
+        if refusal:
+            raise bad_request(refusal, setting="allow_preemption")
         wait = self._wait(request.wait)
         result, placed = await self.work.write(self._create_now, who, request, wait)
         if placed:
@@ -184,14 +191,15 @@ class LeaseBook:
         return result
 
     def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
-        demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, request.cpus,
-                        request.host_memory, self.settings.host_share)
         groups = self.quotas.groups_of(who)
         now = self.now()
         with self.writing() as session:
             # The lock comes first: the quota check and the placement below
             # then see every lease committed before, and no other decision interleaves.
             self.store.lock_capacity(session)
+            env = self._environment(session, request)
+            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
+                            request.host_memory, self.settings.host_share)
             limits = self.quotas.limits(session, who.name, groups)
             idle_timeout = self._idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             try:
@@ -215,7 +223,8 @@ class LeaseBook:
                           gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
-                          requested_memory=request.memory, server_name=request.server_name, env=request.env,
+                          requested_memory=request.memory, server_name=request.server_name, env=env,
+                          lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible),
                           requested_cpus=request.cpus, requested_host_memory=request.host_memory)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
@@ -264,6 +273,19 @@ class LeaseBook:
         if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
             self._on_refusal({f"quota {exc.extra.get('limit')}": 1})
 
+    def _environment(self, session: Session, request: LeaseRequest) -> str | None:
+        """The worker environment the lease asks for (:func:`.environments.lease_environment`);
+        409 ``unknown_environment`` when ``env`` names one that no node offers."""
+        if request.env is None and request.prefer_env is None:
+            return None
+        offered = self.capacity.get(session, self._workload(session)).environments()
+        try:
+            return lease_environment(request.env, request.prefer_env, offered)
+        except ValueError:
+            if self._on_refusal is not None:
+                self._on_refusal({NO_ENVIRONMENT: 1})
+            raise unknown_environment(request.env, offered, unusable_on(session, request.env)) from None
+
     def _place(self, session: Session, demand: Demand) -> Placement | Refusal:
         """The scheduler's decision for ``demand`` on the pool as ``session``
         sees it (the capacity lock is held), through the in-memory index."""
@@ -293,6 +315,7 @@ class LeaseBook:
         """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
         gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
         lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
+        lease.env = decision.env  # the node's default when the request named none: %gpu status shows it
         lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
         where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
@@ -361,7 +384,8 @@ class LeaseBook:
                     "fraction": lease.fraction, "memory": lease.memory,
                     **host_limits(lease, node)}
             if lease.env is not None:
-                body["env"] = lease.env  # the agent refuses an environment it does not offer, in words
+                # Placed where the agent reported it usable; one restarted since without it refuses, in words.
+                body["env"] = lease.env
             return node.url, node.name, body
 
     def _started_now(self, lease_id: str, reply: dict[str, Any], pid: int | None, node_name: str) -> bool:
@@ -539,16 +563,17 @@ class LeaseBook:
         whole, so a thousand queued requests cost one light query."""
         rows = [row for row in session.execute(
             select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
-                   Lease.requested_cpus, Lease.requested_host_memory, Lease.created_at, Lease.wait_until,
-                   Lease.groups).where(Lease.state == QUEUED))
+                   Lease.env, Lease.requested_cpus, Lease.requested_host_memory, Lease.created_at, Lease.wait_until,
+                   Lease.groups, Lease.lease_class).where(Lease.state == QUEUED))
             if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
         over = self._over_quota(session, rows, now)
         share = self.settings.host_share
         waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
-                                                                row.model, row.requested_cpus,
-                                                                row.requested_host_memory, share), row.created_at)
+                                                                row.model, row.env, row.requested_cpus,
+                                                                row.requested_host_memory, share), row.created_at,
+                                                         row.lease_class)
                    for row in rows if row.id not in over]
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
@@ -615,17 +640,15 @@ class LeaseBook:
         """:meth:`_queue_view` of a request just queued, from per-owner counts (no row per queued request)."""
         if lease.state != QUEUED:
             return None
-        counts = dict(session.execute(select(Lease.owner, func.count()).where(Lease.state == QUEUED)
-                                      .group_by(Lease.owner)).all())
-        place = wait_queue.newest_position(lease.owner, counts, usage.last_used(session, counts, self.now()))
-        return self._estimates(session, {lease.id: place})
-
-    def _estimates(self, session: Session, positions: dict[str, int]) -> "QueueView":
-        recent = session.execute(select(Lease.started_at, Lease.ended_at)
-                                 .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
-                                 .order_by(Lease.ended_at.desc()).limit(ESTIMATE_SAMPLE)).all()
-        holding = session.scalar(select(func.count()).select_from(Lease).where(Lease.state.in_(HOLDING))) or 0
-        return QueueView(positions, [(end - start).total_seconds() for start, end in recent], holding)
+        counts, gpus = {}, {}
+        for owner, lease_class, count, asked in session.execute(
+                select(Lease.owner, Lease.lease_class, func.count(), func.sum(Lease.fraction * Lease.gpu_count))
+                .where(Lease.state == QUEUED).group_by(Lease.owner, Lease.lease_class)):
+            counts[(owner, lease_class)], gpus[(owner, lease_class)] = count, asked
+        last = usage.last_used(session, {owner for owner, _ in counts}, self.now())
+        place = wait_queue.newest_position(lease.owner, lease.lease_class, counts, last)
+        ahead = wait_queue.newest_position(lease.owner, lease.lease_class, gpus, last)  # GPUs, its own included
+        return QueueView({lease.id: place}, {lease.id: self.pressure.etas([ahead], self.now())[0]})
 
     def _queue_view(self, session: Session, leases) -> "QueueView | None":
         """What the queued ones of ``leases`` need for ``queue_position`` and
@@ -635,9 +658,13 @@ class LeaseBook:
         None when none of ``leases`` is queued."""
         if not any(lease.state == QUEUED for lease in leases):
             return None
-        queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at).where(Lease.state == QUEUED)).all()
-        last = usage.last_used(session, {owner for _, owner, _ in queued}, self.now())
-        return self._estimates(session, wait_queue.positions(queued, last))
+        queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at, Lease.lease_class,
+                                        Lease.fraction * Lease.gpu_count).where(Lease.state == QUEUED)).all()
+        last = usage.last_used(session, {row[1] for row in queued}, self.now())
+        places = wait_queue.positions(queued, last)
+        asked = {row[0]: row[4] for row in queued}
+        in_line = sorted(places, key=places.get)
+        return QueueView(places, dict(zip(in_line, self.pressure.etas([asked[i] for i in in_line], self.now()))))
 
     async def _stop_worker(self, url: str, lease_id: str) -> str | None:
         """Ask the agent to stop the lease's worker, waiting at most
@@ -776,7 +803,7 @@ class LeaseBook:
         body = lease_json(lease, for_owner=lease.owner == who.name)
         body["queue_position"] = body["queue_estimate_s"] = None
         body["wait_until"] = isoformat(lease.wait_until)
-        body["idle_deadline"] = isoformat(idle_deadline(lease))
+        self.pressure.annotate(body, lease)  # idle_deadline, early under pressure; pressure; preempt_at
         body["idle_warning"] = self.settings.idle_warning
         if nodes is None:
             nodes = self._node_states(session, [lease])
@@ -785,23 +812,22 @@ class LeaseBook:
             place = queue.positions.get(lease.id)
             if place is not None:
                 body["queue_position"] = place
-                body["queue_estimate_s"] = wait_queue.estimate(place, queue.lengths, queue.holding)
+                body["queue_estimate_s"] = queue.etas.get(lease.id)
         return body
 
 
 @dataclass(frozen=True)
 class QueueView:
-    """The queue as one read saw it: lease id -> 1-based place, the lengths
-    (seconds) of recently ended leases, and how many leases hold capacity."""
+    """The queue as one read saw it: lease id -> 1-based place, and lease id ->
+    seconds until it is likely placed (:mod:`.eta`; None: nothing known frees enough)."""
 
     positions: dict[str, int]
-    lengths: list[float]
-    holding: int
+    etas: dict[str, float | None]
 
 
 def _waiting(lease: Lease) -> wait_queue.Waiting:
     return wait_queue.Waiting(lease.id, lease.owner,
-                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model,
+                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env,
                                      lease.requested_cpus, lease.requested_host_memory),
                               lease.created_at)
 

@@ -12,7 +12,9 @@ leases that hold capacity):
   active, releasing); ``gpupool_leases_ended_total{state}``: leases that ended
   released, reclaimed or failed (the store keeps every lease, so it never goes
   down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
-  ``heartbeat``; :data:`RECLAIM_CODES`);
+  ``heartbeat``, ``pressure``: parked early by the service because its notebook
+  did not; :data:`RECLAIM_CODES`); ``gpupool_leases_by_class{class,state}``:
+  queued and active leases per class (``interactive``, ``batch``);
 - ``gpupool_queue_length`` (queued requests) and ``gpupool_queue_oldest_wait_seconds``
   (how long the longest-waiting one has waited; 0 when none);
 - ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
@@ -40,7 +42,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from gpupool.schema import LeaseState, utcnow
+from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 
 from . import scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
@@ -56,6 +58,7 @@ REFUSAL_CODES = {
     scheduler.NODE_LOST: "node_lost",
     scheduler.NODE_DEGRADED: "node_degraded",
     scheduler.UNHEALTHY: "gpu_unhealthy",
+    scheduler.NO_ENVIRONMENT: "no_environment",
     scheduler.MODEL_MISMATCH: "model_mismatch",
     scheduler.WHOLE_ONLY: "whole_gpus_only",
     scheduler.NO_FRACTION: "no_fraction",
@@ -63,8 +66,11 @@ REFUSAL_CODES = {
     scheduler.FEW_ON_NODE: "few_on_node",
 }
 #: How each reclaim reason of :mod:`.reclaim` begins -> its code (matched in SQL at scrape time).
-RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat"}
+RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",
+                 "parked early: ": "pressure"}
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
+#: The states ``gpupool_leases_by_class`` counts.
+CLASS_STATES = (LeaseState.queued.value, LeaseState.active.value)
 
 
 def reason_code(reason: str) -> str:
@@ -115,7 +121,7 @@ class _PoolCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims = self._families()
+        fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes = self._families()
         with self.store.read() as session:
             alloc = allocations(session)
             for node in nodes_with_gpus(session):
@@ -129,6 +135,9 @@ class _PoolCollector(Collector):
                     if gpu.memory_used is not None:
                         used.add_metric(labels, gpu.memory_used)
             counts = dict(session.execute(select(Lease.state, func.count()).group_by(Lease.state)).all())
+            by_class = dict(((cls, state), n) for cls, state, n in session.execute(
+                select(Lease.lease_class, Lease.state, func.count()).where(Lease.state.in_(CLASS_STATES))
+                .group_by(Lease.lease_class, Lease.state)))
             first_queued = session.execute(select(func.min(Lease.created_at))
                                            .where(Lease.state == LeaseState.queued.value)).scalar()
             code = case(*((Lease.reason.like(prefix + "%"), code) for prefix, code in RECLAIM_CODES.items()),
@@ -146,7 +155,10 @@ class _PoolCollector(Collector):
         oldest.add_metric([], 0.0 if first_queued is None else max(0.0, (utcnow() - first_queued).total_seconds()))
         for reason in sorted({*RECLAIM_CODES.values(), *reclaimed}):
             reclaims.add_metric([reason], reclaimed.get(reason, 0))
-        yield from (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims)
+        for lease_class in LEASE_CLASSES:
+            for state in CLASS_STATES:
+                classes.add_metric([lease_class, state], by_class.get((lease_class, state), 0))
+        yield from (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes)
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
@@ -169,6 +181,8 @@ class _PoolCollector(Collector):
             CounterMetricFamily("gpupool_leases_ended", "Leases that ended, by final state", labels=["state"]),
             CounterMetricFamily("gpupool_reclaims", "Leases the service reclaimed, by reason code",
                                 labels=["reason"]),
+            GaugeMetricFamily("gpupool_leases_by_class", "Queued and active leases by class (interactive, batch)",
+                              labels=["class", "state"]),
         )
 
 

@@ -16,7 +16,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -63,7 +63,7 @@ class Node(Base):
     state_reason: Mapped[str | None] = mapped_column(String(500))
     #: Revision 0005: the worker environments its agent offers, as it reported them.
     environments: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
-    #: Revision 0006: its host's cores and RAM (bytes) as the agent reported them (None: not reported).
+    #: Revision 0007: its host's cores and RAM (bytes) as the agent reported them (None: not reported).
     host_cpus: Mapped[float | None] = mapped_column(Float)
     host_memory: Mapped[int | None] = mapped_column(BigInteger)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
@@ -141,9 +141,14 @@ class Lease(Base):
     #: Revision 0003: the JupyterHub server the lease came from ("" the default
     #: one; None: unknown), so a stopped server's leases are released alone.
     server_name: Mapped[str | None] = mapped_column(String(255))
-    #: Revision 0005: the worker environment the request named (None: the node's default).
+    #: Revision 0005: the worker environment the request named (None: the node's default);
+    #: once placed, the one the worker runs in (the node's default, by name, when the node reports one).
     env: Mapped[str | None] = mapped_column(String(100))
-    #: Revision 0006: host cores and bytes the lease holds on its node (None: its node reports no host),
+    #: Revision 0006: ``interactive`` or ``batch`` (:mod:`.priority`), and whether
+    #: its running cell may be preempted under pressure.
+    lease_class: Mapped[str] = mapped_column(String(12), default="interactive", server_default="interactive")
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: Revision 0007: host cores and bytes the lease holds on its node (None: its node reports no host),
     #: and what the request named (None: the default share), kept for the queue.
     cpus: Mapped[float | None] = mapped_column(Float)
     host_memory: Mapped[int | None] = mapped_column(BigInteger)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gpupool.schema import MAX_BYTES, MAX_CPUS, MIN_CPUS, MIN_FRACTION, MIN_MEMORY, LeaseState
+from gpupool.schema import LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MIN_CPUS, MIN_FRACTION, MIN_MEMORY, LeaseState
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -92,8 +92,17 @@ _SCHEMAS: dict[str, Any] = {
                         "description": "the JupyterHub server the kernel runs in (JUPYTERHUB_SERVER_NAME, "
                         "\"\" the default one): stopping that server releases the lease"},
         "env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
-                "description": "the worker environment on the node (c.NodeAgent.environments); "
-                "absent: the node's default"},
+                "description": "the worker environment on the node (c.NodeAgent.environments): the lease "
+                "goes only to a node that reports it usable; 409 unknown_environment when none does. "
+                "Absent: the node's default"},
+        "prefer_env": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,100}$",
+                       "description": "when env is absent: this environment if some node offers it, else "
+                       "the node's default (never refused); the magic sends the notebook kernel's name"},
+        "lease_class": {"type": ["string", "null"], "enum": [*LEASE_CLASSES, None], "default": "interactive",
+                        "description": "batch requests queue behind every interactive one"},
+        "preemptible": {"type": ["boolean", "null"], "default": False,
+                        "description": "the running cell may be interrupted and the lease parked while others "
+                        "wait; 400 where c.GPUPool.allow_preemption is off"},
         "cpus": {"type": ["number", "null"], "minimum": MIN_CPUS, "maximum": MAX_CPUS,
                  "description": "host cores for the worker (its cgroup's CPU limit); absent: the GPU share's "
                  "part of the node's cores (c.GPUPool.host_share); 400 above the biggest node's"},
@@ -113,6 +122,8 @@ _SCHEMAS: dict[str, Any] = {
         "host_memory": {"type": ["integer", "null"], "description": "host bytes held and enforced"},
         "gpus": {"type": "array", "items": {"type": "object", "properties": {
             "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}},
+        "env": {"type": ["string", "null"], "description": "the worker environment asked for; once placed, "
+                "the one the worker runs in (the node's default when none was asked for)"},
         "idle_timeout": {"type": "number"}, "heartbeat_ttl": {"type": "number"},
         "kernel_id": {"type": ["string", "null"]}, "server_name": {"type": ["string", "null"]},
         "created_at": _NULLABLE_TIME, "started_at": _NULLABLE_TIME,
@@ -134,7 +145,12 @@ _SCHEMAS: dict[str, Any] = {
             "reason": {"type": ["string", "null"]}}}},
         "queue_position": {"type": ["integer", "null"], "description": "while queued: 1-based place in line"},
         "queue_estimate_s": {"type": ["number", "null"], "description": "while queued: rough wait, seconds"},
-        "wait_until": _NULLABLE_TIME}},
+        "wait_until": _NULLABLE_TIME,
+        "lease_class": {"enum": list(LEASE_CLASSES)}, "preemptible": {"type": "boolean"},
+        "pressure": {"type": ["string", "null"], "description": "why idle_deadline came early or a preemption "
+                     "is due, e.g. 'parked early: 3 people are waiting for a GPU'"},
+        "preempt_at": {**_NULLABLE_TIME, "description": "when the running cell of a preemptible lease is "
+                       "interrupted, then the lease parked"}}},
     "Limits": {"type": "object", "additionalProperties": False, "description": "null: unlimited. When set, "
                "gpu_hours_* and max_idle_timeout also take strings with a unit ('8h', '30m')", "properties": {
         "max_gpus": {"type": ["number", "null"], "minimum": 0,
@@ -142,7 +158,9 @@ _SCHEMAS: dict[str, Any] = {
         "max_lease_gpus": {"type": ["number", "null"], "minimum": 0, "description": "fraction x count of one lease"},
         "gpu_hours_per_day": {"type": ["number", "null"], "minimum": 0},
         "gpu_hours_per_week": {"type": ["number", "null"], "minimum": 0},
-        "max_idle_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "seconds"}}},
+        "max_idle_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "seconds"},
+        "guaranteed_gpus": {"type": ["number", "null"], "minimum": 0, "description": "GPUs never parked early "
+                            "nor preempted (the oldest leases first); null: none"}}},
     "GPUInfo": {"type": "object", "required": ["uuid", "name", "index", "memory_total"], "properties": {
         "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer", "minimum": 0, "maximum": 1023},
         "memory_total": _BYTES | {"minimum": 1}, "memory_reserved": _BYTES,

@@ -24,6 +24,14 @@ Why it is the same answer:
   idle GPU is eligible, so the winner is the first node of one of the idle
   counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
   Otherwise ``place()`` scans every GPU.
+- A worker environment (``demand.env``) is a node filter (``place()`` rules
+  out the GPUs of nodes lacking it). For each environment that only some
+  nodes offer, the index keeps the same two sorted lists over just those
+  nodes' GPUs, and searches them instead: the classes are then the same,
+  and a request for a rare environment does not wade through the GPUs of
+  nodes without it. An environment every node offers filters nothing and
+  uses the main lists. :meth:`PlacementIndex.offers` says whether any GPU's
+  node offers an environment at all.
 - Host CPUs and memory (``hosts``, :mod:`.hosts`): a class's first member
   that fits is the first that fits in every dimension. A request that
   takes the default host share cannot make a node's host bind while the
@@ -43,6 +51,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections import Counter
 from typing import Iterable
 
 from .hosts import HostState, host_misfit, proportional
@@ -80,13 +89,32 @@ class PlacementIndex:
             uuids.sort(key=lambda u: self.states[u].index)
         self._partial = sorted(_key(g) for g in self.states.values() if not _whole_free(g))
         self._nodes = sorted((idle, node) for node, idle in self._idle.items())
+        self._index_environments()
         self._tight: set[str] = set()
         for node in self.hosts:
             self._retight(node)
 
+    def _index_environments(self) -> None:
+        """Count the GPUs offering each environment; for those only some nodes
+        offer, the lists of :meth:`_slice` and :meth:`_whole` over just their GPUs."""
+        self._env_gpus = Counter(env for g in self.states.values() for env in g.environments)
+        some = {env for env, count in self._env_gpus.items() if count < len(self.states)}
+        self._env_partial = {env: sorted(_key(g) for g in self.states.values()
+                                         if env in g.environments and not _whole_free(g)) for env in some}
+        self._env_nodes = {env: sorted((self._idle[node], node) for node, uuids in self._node_gpus.items()
+                                       if env in self.states[uuids[0]].environments) for env in some}
+
     def all(self) -> list[GPUState]:
         """Every GPU state, in no set order."""
         return list(self.states.values())
+
+    def offers(self, env: str) -> bool:
+        """Whether some GPU's node reports worker environment ``env`` usable (whatever its load or state)."""
+        return self._env_gpus[env] > 0
+
+    def environments(self) -> list[str]:
+        """The worker environments some GPU's node reports usable, by name."""
+        return sorted(name for name, count in self._env_gpus.items() if count > 0)
 
     def node_gpus(self, node: str) -> list[str]:
         """UUIDs of ``node``'s GPUs by index (empty for a node not indexed)."""
@@ -95,10 +123,17 @@ class PlacementIndex:
     def update(self, gpu: GPUState) -> None:
         """Replace the state of ``gpu.uuid`` (a GPU already indexed, on the same node)."""
         old = self.states[gpu.uuid]
+        same_envs = gpu.environments is old.environments or gpu.environments == old.environments
+        envs = [env for env in gpu.environments if env in self._env_partial] if same_envs else []
+        partial = [self._partial, *(self._env_partial[env] for env in envs)]
         if not _whole_free(old):
-            del self._partial[bisect.bisect_left(self._partial, _key(old))]
+            key = _key(old)
+            for keys in partial:
+                del keys[bisect.bisect_left(keys, key)]
         if not _whole_free(gpu):
-            bisect.insort(self._partial, _key(gpu))
+            key = _key(gpu)
+            for keys in partial:
+                bisect.insort(keys, key)
         self.states[gpu.uuid] = gpu
         self._free[gpu.node] += max(0.0, _usable_free(gpu)) - max(0.0, _usable_free(old))
         self._retight(gpu.node)
@@ -106,9 +141,12 @@ class PlacementIndex:
         if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
             after = before + (1 if _whole_free(gpu) else -1)
-            del self._nodes[bisect.bisect_left(self._nodes, (before, gpu.node))]
-            bisect.insort(self._nodes, (after, gpu.node))
+            for nodes in (self._nodes, *(self._env_nodes[env] for env in envs)):
+                del nodes[bisect.bisect_left(nodes, (before, gpu.node))]
+                bisect.insort(nodes, (after, gpu.node))
             self._idle[gpu.node] = after
+        if not same_envs:  # its agent registered again, offering others: rare, so count and sort again
+            self._index_environments()
 
     def update_host(self, host: HostState) -> None:
         """Replace (or add) the host of ``host.node``."""
@@ -144,18 +182,18 @@ class PlacementIndex:
         elif demand.gpu_count > 1:
             candidates = self._whole(demand)
             if candidates:
-                return place(demand, candidates, self.workload, hosts=self.hosts, node_gpus=self._gpus_of)
+                return place(demand, candidates, self.workload, hosts=self.hosts, node_gpus=_NodeGPUs(self))
         else:
             candidates = self._slice(demand)
             if candidates:
                 return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts,
-                             node_gpus=self._gpus_of)
+                             node_gpus=_NodeGPUs(self))
         if candidates is not None and not explain:
             return Refusal()
         return place(demand, self.all(), self.workload, hosts=self.hosts)
 
     def _fits(self, demand: Demand, gpu: GPUState) -> bool:
-        return slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None
+        return gpu.node not in self._tight and slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None
 
     def _retight(self, node: str) -> None:
         """Keep :attr:`_tight`: nodes whose host has less than its default share of their free GPUs."""
@@ -165,42 +203,44 @@ class PlacementIndex:
         else:
             self._tight.discard(node)
 
+    def _tight_gpus(self, demand: Demand) -> list[GPUState]:
+        """Every GPU of a tight node that can take ``demand`` (a growth of its own: ``place()`` weighs each)."""
+        gpus = (self.states[u] for node in sorted(self._tight) for u in self._node_gpus[node])
+        if demand.gpu_count > 1:
+            return [g for g in gpus if host_misfit(demand, self.hosts.get(g.node)) is None
+                    and (demand.env is None or demand.env in g.environments)]
+        return [g for g in gpus if slice_misfit(demand, g, self.hosts.get(g.node)) is None]
+
     def _slice(self, demand: Demand) -> list[GPUState]:
-        found: dict[str, GPUState] = {}
-        keys, i = self._partial, bisect.bisect_left(self._partial, (demand.fraction - WINDOW,))
+        found = []
+        keys, nodes = self._lists(demand.env)
+        i = bisect.bisect_left(keys, (demand.fraction - WINDOW,))
         while i < len(keys):
             free = keys[i][0]
             gpu = self.states[keys[i][3]]
-            if gpu.node in self._tight or not self._fits(demand, gpu):
-                i += 1
-            else:
-                found[gpu.uuid] = gpu
+            if self._fits(demand, gpu):
+                found.append(gpu)
                 # The rest of this class differs only by (node, index), and comes later.
                 i = bisect.bisect_left(keys, (math.nextafter(free, math.inf),))
-        nodes, j = self._nodes, bisect.bisect_left(self._nodes, (1, ""))
+            else:
+                i += 1
+        j = bisect.bisect_left(nodes, (1, ""))
         while j < len(nodes):
             idle, node = nodes[j]
-            gpu = None if node in self._tight else next(
-                (g for g in map(self.states.get, self._node_gpus[node]) if _whole_free(g) and self._fits(demand, g)),
-                None)
+            gpu = next((g for g in map(self.states.get, self._node_gpus[node])
+                        if _whole_free(g) and self._fits(demand, g)), None)
             if gpu is None:
                 j += 1
             else:
-                found[gpu.uuid] = gpu
+                found.append(gpu)
                 j = bisect.bisect_left(nodes, (idle + 1, ""))
-        for node in self._tight:  # a growth of their own: place() weighs each fitting GPU
-            found.update((u, self.states[u]) for u in self._node_gpus[node] if self._fits(demand, self.states[u]))
-        return list(found.values())
-
-    @property
-    def _gpus_of(self) -> "_NodeGPUs":
-        return _NodeGPUs(self)
+        return found + self._tight_gpus(demand) if self._tight else found
 
     def _whole(self, demand: Demand) -> list[GPUState] | None:
         """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
         if self._unusable or demand.model or demand.memory is not None:
             return None  # idle is not the same as eligible here: scan everything
-        found, nodes = [], self._nodes
+        found, nodes = [], self._lists(demand.env)[1]
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
@@ -209,10 +249,14 @@ class PlacementIndex:
                 continue
             found.extend(self.states[u] for u in self._node_gpus[node])
             j = bisect.bisect_left(nodes, (idle + 1, ""))
-        for node in self._tight:
-            if self._idle[node] >= demand.gpu_count and host_misfit(demand, self.hosts.get(node)) is None:
-                found.extend(self.states[u] for u in self._node_gpus[node])
-        return found
+        return found + self._tight_gpus(demand) if self._tight else found
+
+    def _lists(self, env: str | None) -> tuple[list, list]:
+        """``(partly taken GPU keys, (idle, node) pairs)`` of the nodes offering ``env``
+        (None, or one every node offers: all of them; one none offers: empty)."""
+        if env is None or env not in self._env_partial:
+            return (self._partial, self._nodes) if env is None or self._env_gpus[env] else ([], [])
+        return self._env_partial[env], self._env_nodes[env]
 
 
 class _NodeGPUs:
@@ -223,11 +267,10 @@ class _NodeGPUs:
     def __init__(self, index: PlacementIndex) -> None:
         self.index = index
 
-    def __getitem__(self, node: str) -> list[GPUState]:
-        return [self.index.states[u] for u in self.index._node_gpus[node]]
-
     def get(self, node: str, default=()):
-        return self[node] if node in self.index._tight else default
+        if node not in self.index._tight:
+            return default
+        return [self.index.states[u] for u in self.index._node_gpus[node]]
 
 
 _DEFAULT = Demand()  # a request that takes the default host share (at host_share 1: the strictest)

@@ -5,7 +5,9 @@ A request with ``wait`` that does not fit now is stored ``queued``
 (:mod:`.leases`); whenever capacity frees (a lease ends, a node registers,
 every reclaim sweep) :func:`drain` decides which queued requests to place.
 
-The fairness rule: **who used the pool least recently goes first.** A
+Classes first (:mod:`.priority`): every ``interactive`` request goes before
+every ``batch`` one; batch fills what is left. Within a class, the fairness
+rule: **who used the pool least recently goes first.** A
 user's "last use" is now while they hold any capacity, else the end of
 their latest lease, else never; never comes first. Ties go to the older
 request (then the lease id). After a request is placed its owner counts as
@@ -27,27 +29,31 @@ from datetime import datetime
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .placement_index import PlacementIndex
+from .priority import INTERACTIVE, class_rank
 from .scheduler import Demand, GPUState, Placement
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """A queued request: its lease id, owner, demand and when it was asked."""
+    """A queued request: its lease id, owner, demand, when it was asked and its class."""
 
     lease_id: str
     owner: str
     demand: Demand
     created_at: datetime
+    lease_class: str = INTERACTIVE
 
 
-def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None]) -> tuple:
+def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None],
+         lease_class: str | None = INTERACTIVE) -> tuple:
     used = last_used.get(owner)
-    return (used is not None, used or created_at, created_at, lease_id)
+    return (class_rank(lease_class), used is not None, used or created_at, created_at, lease_id)
 
 
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
-    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used))
+    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used,
+                                                 item.lease_class))
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
@@ -58,23 +64,28 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
     return None
 
 
-def positions(queued: Iterable[tuple[str, str, datetime]], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
-    """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at)``
-    rows, in :func:`order`'s order: one sort, however many places are asked for."""
-    keyed = sorted((_key(owner, created, lease_id, last_used), lease_id) for lease_id, owner, created in queued)
+def positions(queued: Iterable[tuple], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
+    """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at,
+    class)`` rows (further columns are ignored), in :func:`order`'s order: one
+    sort, however many places are asked for."""
+    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else INTERACTIVE), row[0])
+                   for row in queued)
     return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
 
 
-def newest_position(owner: str, queued: Mapping[str, int], last_used: Mapping[str, datetime | None]) -> int:
-    """The place of a request ``owner`` has just queued, from how many requests each
-    owner has queued (``queued``, the new one included) and when each last used the
-    pool: it is the newest, so every queued request whose owner comes before or with
-    its owner in :func:`order` is ahead of it. Needs no row per request."""
-    mine = last_used.get(owner)
+def newest_position(owner: str, lease_class: str, queued: Mapping[tuple[str, str], int],
+                    last_used: Mapping[str, datetime | None]) -> int:
+    """The place of a ``lease_class`` request ``owner`` has just queued, from how
+    many requests each owner has queued per class (``queued[(owner, class)]``,
+    the new one included) and when each last used the pool: it is the newest,
+    so every queued request of a class before its own, and of its class whose
+    owner comes before or with its owner in :func:`order`, is ahead of it.
+    Needs no row per request."""
+    mine, rank = last_used.get(owner), class_rank(lease_class)
     ahead = 0
-    for other, count in queued.items():
-        used = last_used.get(other)
-        if used is None or (mine is not None and used <= mine):
+    for (other, other_class), count in queued.items():
+        used, other_rank = last_used.get(other), class_rank(other_class)
+        if other_rank < rank or (other_rank == rank and (used is None or (mine is not None and used <= mine))):
             ahead += count
     return ahead  # the new one is among those counted: its own place
 

@@ -19,12 +19,18 @@ The limits (:data:`LIMIT_KEYS`):
   ``c.GPUPool.usage_timezone``; a number is hours, a string may carry a unit
   (``"90m"``, ``"8h"``);
 - ``max_idle_timeout``: the longest idle timeout a request may ask for,
-  seconds or ``"2h"``.
+  seconds or ``"2h"``;
+- ``guaranteed_gpus``: the user's guaranteed share (Run:ai's deserved quota):
+  their oldest leases within this many GPUs are never parked early nor
+  preempted while others wait (:mod:`.priority`); above it they may be.
+  None or unset: nothing guaranteed.
 
 Resolution, one limit at a time: the user's own entry (``user:NAME``) if it
 sets the limit; else the most generous of the user's groups that set it
 (``None``, unlimited, beats any number); else the default (``"*"``); else
-unlimited (``max_idle_timeout``: ``c.GPUPool.max_idle_timeout``).
+unlimited (``max_idle_timeout``: ``c.GPUPool.max_idle_timeout``;
+``guaranteed_gpus``: nothing guaranteed, and the most generous group is the
+largest number).
 Run-time overrides (admin API, ``gpupool quota set``) are merged over the
 configured entry of the same scope, limit by limit.
 """
@@ -39,7 +45,8 @@ from gpupool.schema import has_control_characters
 from gpupool.units import parse_duration
 
 #: Limit names, in the order they are shown.
-LIMIT_KEYS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout")
+LIMIT_KEYS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout",
+              "guaranteed_gpus")
 DEFAULT_SCOPE = "*"
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
@@ -55,6 +62,7 @@ class Limits:
     gpu_hours_per_day: float | None = None
     gpu_hours_per_week: float | None = None
     max_idle_timeout: float | None = None
+    guaranteed_gpus: float | None = None
 
     def to_json(self) -> dict[str, float | None]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -158,7 +166,8 @@ def resolve(user: str, groups: Iterable[str], table: Mapping[str, Mapping[str, f
         if key in own:
             values[key] = own[key]
         elif any(key in entry for entry in group_entries):
-            values[key] = _most_generous(entry[key] for entry in group_entries if key in entry)
+            values[key] = _most_generous((entry[key] for entry in group_entries if key in entry),
+                                         none_is_most=key != "guaranteed_gpus")
         elif key in default:
             values[key] = default[key]
         else:
@@ -166,9 +175,14 @@ def resolve(user: str, groups: Iterable[str], table: Mapping[str, Mapping[str, f
     return Limits(**values)
 
 
-def _most_generous(values: Iterable[float | None]) -> float | None:
+def _most_generous(values: Iterable[float | None], none_is_most: bool = True) -> float | None:
+    """The largest of ``values``; None (unlimited) beats any number unless
+    ``none_is_most`` is False (a guarantee: None is nothing guaranteed)."""
     values = list(values)
-    return None if any(v is None for v in values) else max(values)
+    if none_is_most:
+        return None if any(v is None for v in values) else max(values)
+    numbers = [v for v in values if v is not None]
+    return max(numbers) if numbers else None
 
 
 def check(limits: Limits, *, holding: float, requested: float, used_today_s: float, used_week_s: float,

@@ -11,7 +11,9 @@ Rules (docs/api.md, "Reclaim"):
   while no cell runs -> ``reclaimed``;
 - idle: the agent reports the worker ``idle`` and ``now - idle_since >=
   idle_timeout`` -> ``reclaimed``;
-- a worker that is ``busy`` (a cell is running) is never reclaimed by either.
+- a worker that is ``busy`` (a cell is running) is never reclaimed by either;
+- pressure (:mod:`.pressure`, :mod:`.priority`): while requests wait, an idle
+  over-quota lease's deadline comes after ``c.GPUPool.pressure_grace``.
 
 A worker that died is handled when its agent reports it (:mod:`.nodes`).
 """
@@ -141,14 +143,25 @@ class Reclaimer:
         lost, decisions = await self.leases.work.read(self._due_now, now)
         if lost:
             await self.leases.work.write(self._mark_lost, lost, now)
+        early = await self.leases.work.read(self._pressure_now, now)
         for decision in decisions:
             self.leases.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
                                                   only_if=still_due))
+        for decision in early:  # the notebook did not park it before its early deadline
+            self.leases.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
+                                                  only_if=self.leases.pressure.still_due))
         # The queue: give up on requests whose wait has passed, and place what
         # fits (capacity may have come from a node, not only from a release).
         await self.leases.expire_queue()
         await self.leases.drain_queue(sweep=True)
-        return decisions
+        return decisions + early
+
+    def _pressure_now(self, now: datetime) -> list[Decision]:
+        """Recompute the pressure plan (:mod:`.pressure`); the idle leases past its early deadlines."""
+        with self.leases.store.read() as session:
+            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
+            self.leases.pressure.refresh(session, active, now)
+            return self.leases.pressure.due(active, now)
 
     def _due_now(self, now: datetime) -> tuple[list[str], list[Decision]]:
         with self.leases.store.read() as session:

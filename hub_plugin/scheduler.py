@@ -26,6 +26,11 @@ Rules:
   context overhead, computed by the caller. Fragmentation is measured on
   the GPU fraction only (memory follows the fraction unless asked for).
 - ``model`` is a case-insensitive substring of the GPU name (``"a100"``).
+- ``env`` (a worker environment's name) is a node filter: only GPUs of nodes
+  whose agent reports that environment usable (:attr:`GPUState.environments`)
+  can take the lease. Whether any node offers it at all is the caller's
+  first question (:mod:`.environments`): then the request is refused up
+  front instead of queued.
 - Host CPUs and memory (:mod:`.hosts`), where the caller passes the nodes'
   hosts: the request's ask (named, or its GPU share of the node's cores and
   RAM) must fit the node's free host; on a node where host room binds
@@ -54,13 +59,14 @@ EPSILON = 1e-9
 NODE_LOST = "node lost"
 NODE_DEGRADED = "node cannot read its GPUs (NVML)"
 UNHEALTHY = "unhealthy"
+NO_ENVIRONMENT = "no usable worker environment of that name on its node"
 MODEL_MISMATCH = "model mismatch"
 NO_FRACTION = "not enough free fraction"
 NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
 WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
-REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY, NO_CPUS,
-           NO_HOST_MEMORY, FEW_ON_NODE)
+REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, NO_ENVIRONMENT, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY,
+           NO_CPUS, NO_HOST_MEMORY, FEW_ON_NODE)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class GPUState:
     node whose enforcement (``mig``, ``exclusive``) gives out whole GPUs only.
     ``node_degraded`` marks GPUs of a node whose agent is alive but cannot
     read its GPUs (NVML failed): its leases go on, nothing new goes there.
+    ``environments`` names the worker environments its node reports usable
+    (one frozenset shared by the node's GPUs) and ``default_env`` the one a
+    lease naming none runs in (None: the node reported none).
     """
 
     uuid: str
@@ -94,6 +103,8 @@ class GPUState:
     memory_unattributed: int = 0
     whole_only: bool = False
     node_degraded: bool = False
+    environments: frozenset[str] = frozenset()
+    default_env: str | None = None
 
     @property
     def free_fraction(self) -> float:
@@ -119,7 +130,8 @@ class GPUState:
 class Demand:
     """What a lease asks for: ``fraction`` of one GPU, or ``gpu_count`` whole
     GPUs (then ``fraction`` is 1); ``memory`` bytes per GPU or None for the
-    fraction's share; ``model`` a GPU-name substring or None. ``cpus``
+    fraction's share; ``model`` a GPU-name substring or None; ``env`` the
+    worker environment the node must offer, or None for any node. ``cpus``
     (cores) and ``host_memory`` (bytes) of the node's host, or None for
     ``host_share`` x the GPU share's part of the node's (:mod:`.hosts`)."""
 
@@ -127,6 +139,7 @@ class Demand:
     gpu_count: int = 1
     memory: int | None = None
     model: str | None = None
+    env: str | None = None
     cpus: float | None = None
     host_memory: int | None = None
     host_share: float = 1.0
@@ -138,6 +151,8 @@ class Demand:
             text += f" with {format_bytes(self.memory)}"
         if self.model:
             text += f" of model {self.model}"
+        if self.env:
+            text += f" in environment {self.env}"
         host = [f"{self.cpus:g} CPUs"] if self.cpus is not None else []
         host += [f"{format_bytes(self.host_memory)} host memory"] if self.host_memory is not None else []
         return text + (f" and {' and '.join(host)}" if host else "")
@@ -146,14 +161,16 @@ class Demand:
 @dataclass(frozen=True)
 class Placement:
     """Where a demand goes: ``gpus`` are UUIDs on ``node``; ``fraction`` per
-    GPU; ``memory`` bytes per GPU (the slice's limit); ``cpus`` cores and
-    ``host_memory`` bytes of the node's host (None: the node reports no host,
-    nothing reserved or limited)."""
+    GPU; ``memory`` bytes per GPU (the slice's limit); ``env`` the worker
+    environment it runs in (the demand's, else the node's default; None when
+    the node reported none); ``cpus`` cores and ``host_memory`` bytes of the
+    node's host (None: the node reports no host, nothing reserved or limited)."""
 
     node: str
     gpus: tuple[str, ...]
     fraction: float
     memory: int
+    env: str | None = None
     cpus: float | None = None
     host_memory: int | None = None
 
@@ -285,6 +302,8 @@ def _ineligible(demand: Demand, gpu: GPUState) -> str | None:
         return NODE_DEGRADED
     if not gpu.healthy:
         return UNHEALTHY
+    if demand.env is not None and demand.env not in gpu.environments:
+        return NO_ENVIRONMENT
     if demand.model and demand.model.lower() not in gpu.name.lower():
         return MODEL_MISMATCH
     if gpu.whole_only and demand.fraction < 1.0 - EPSILON:
@@ -338,10 +357,10 @@ def _may_bind(demand: Demand, nodes: dict[str, list[GPUState]], hosts: dict[str,
             if not proportional(demand, hosts.get(node), sum(max(0.0, _free_or_unusable(g)) for g in gpus))}
 
 
-def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: float, memory: int,
+def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: float, memory: int, env: str | None,
                host: HostState | None) -> Placement:
     cpus, host_memory = host_ask(demand, host) if host is not None else (demand.cpus, demand.host_memory)
-    return Placement(node, uuids, fraction, memory, cpus, host_memory)
+    return Placement(node, uuids, fraction, memory, env, cpus, host_memory)
 
 
 def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int], hosts: dict[str, HostState],
@@ -365,7 +384,7 @@ def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int],
     if best is None:
         return _refusal(demand, gpus, reasons, hosts)
     return _placement(demand, best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best),
-                      hosts.get(best.node))
+                      demand.env or best.default_env, hosts.get(best.node))
 
 
 def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, HostState], nodes) -> Placement | Refusal:
@@ -397,7 +416,8 @@ def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, Host
     node = min(fitting)[2]
     chosen = _lowest(free_by_node[node], demand.gpu_count)
     memory = demand.memory if demand.memory is not None else min(g.memory_usable for g in chosen)
-    return _placement(demand, node, tuple(g.uuid for g in chosen), 1.0, memory, hosts.get(node))
+    return _placement(demand, node, tuple(g.uuid for g in chosen), 1.0, memory, demand.env or chosen[0].default_env,
+                      hosts.get(node))
 
 
 def _lowest(free: list[GPUState], count: int) -> list[GPUState]:
@@ -424,7 +444,8 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostS
         else f"no GPU can take {demand.describe()} now"
     if not gpus:
         return Refusal({"no GPUs": 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
-    usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded]
+    usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded
+              and (demand.env is None or demand.env in g.environments)]
     noun = "GPU" if len(gpus) == 1 else "GPUs"
     if usable:
         best = min(usable, key=lambda g: (-g.free_fraction, -g.free_memory, g.node, g.index))

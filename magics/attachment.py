@@ -17,7 +17,7 @@ from gpupool.schema import Lease
 from gpupool.transfer import dump_values, load_pulled
 
 from .heartbeat import Heartbeat, ended_message
-from .park import Parked, park, park_due
+from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
 from .remote import RemoteKernel
 
@@ -44,23 +44,35 @@ class Attachment:
         service would reclaim this lease for idleness; ``take(values, items)``
         receives the variables (called on the heartbeat thread)."""
         def on_beat(lease: Lease) -> bool:
-            if not park_due(lease, ahead, self.heartbeat.interval) or not self.lock.acquire(blocking=False):
+            due = self.heartbeat.preempted or park_due(lease, ahead, self.heartbeat.interval)
+            if not due or not self.lock.acquire(blocking=False):
                 return False
             try:
-                self.parked = park(self.lease, max_bytes, take, self._release_lease, TRANSFER_TARGET)
+                self.parked = park(self.lease, max_bytes, take, self._release_lease, TRANSFER_TARGET,
+                                   why=self.heartbeat.preempted or park_reason(lease))
             except GPUPoolError as exc:
                 log.warning("could not park %s: %s", self.lease.id, exc.message)
                 return False
             finally:
                 self.lock.release()
             count = len(self.parked.names)
-            self.heartbeat.say(f"lease {self.lease.id} was parked after idle: {count} name{'s' * (count != 1)} "
+            self.heartbeat.say(f"lease {self.lease.id} was {self.parked.why}: {count} name{'s' * (count != 1)} "
                                "came back to this kernel; the next cell resumes on a slice of the same size",
                                kind="parked")
             return True
 
         self.heartbeat.on_beat = on_beat
         self.heartbeat.park_ahead = ahead
+        self.heartbeat.on_preempt = self._interrupt
+
+    def _interrupt(self, lease: Lease) -> None:
+        """Interrupt the running cell (KeyboardInterrupt on the worker) over a
+        connection of this thread's own; parking follows once it is idle."""
+        remote = RemoteKernel(self.lease.connection or {})
+        try:  # waits for the reply: a message sent on a socket closed at once may be dropped
+            remote.control_request(remote.session.msg("interrupt_request", {}))
+        finally:
+            remote.close()
 
     def _release_lease(self, lease_id: str, reason: str) -> Lease:
         return self.client.release(lease_id, reason=reason)

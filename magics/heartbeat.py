@@ -12,7 +12,12 @@ Each beat's answer carries ``idle_deadline`` (when the service reclaims the
 lease if it stays idle) and ``idle_warning`` (how long before that the user
 is warned, ``c.GPUPool.idle_warning``): once per idle period the thread
 prints a warning (:func:`idle_warning_text`) to the kernel's stderr, which
-the notebook shows under the last cell that ran on the worker.
+the notebook shows under the last cell that ran on the worker. Under
+pressure (others wait for a GPU) the deadline comes early and ``pressure``
+says why; the warning says so too. A preemptible lease told ``preempt_at``
+while a cell runs is said so once, then ``on_preempt`` interrupts the cell
+(at least ``preempt_notice`` seconds after the notice) and the next
+idle beat parks it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from gpupool.schema import Lease, parse_time
 from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")
+#: The fewest seconds between telling the user of a preemption and interrupting their cell (by default).
+MIN_PREEMPT_NOTICE = 10.0
 
 
 def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: datetime | None = None) -> str | None:
@@ -52,8 +59,9 @@ def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: d
     if left > lease.idle_warning + interval:
         return None
     then = "your variables parked on this kernel" if ahead is not None else "the worker's variables lost"
+    why = f" ({lease.pressure})" if lease.pressure else ""
     return (f"lease {lease.id} has been idle {format_duration((now - since).total_seconds())}; it will be "
-            f"released within {format_duration(max(left, 0.0))} and {then} (run a cell to keep it)")
+            f"released within {format_duration(max(left, 0.0))}{why} and {then} (run a cell to keep it)")
 
 
 def ended_message(lease: Lease) -> str:
@@ -102,6 +110,11 @@ class Heartbeat(threading.Thread):
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
         self.on_lease: Callable[[Lease], None] | None = None
+        # Interrupts the running cell of a preempted lease (the attachment sets it); once it did, why (words).
+        self.on_preempt: Callable[[Lease], None] | None = None
+        self.preempted: str | None = None
+        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
+        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -121,6 +134,7 @@ class Heartbeat(threading.Thread):
             self._tell_node_state(lease)
             self._seen(lease)
             if self.cell_running:
+                self._preempt_if_due(lease)
                 continue
             self._warn_if_idle(lease)
             if self.on_beat is not None and self._beat_hook(lease):
@@ -141,12 +155,34 @@ class Heartbeat(threading.Thread):
         deadline = parse_time(lease.idle_deadline)
         if deadline is None:
             return None
-        from .park import park_lead
+        from .park import idle_span, park_lead
 
-        lead = park_lead(self.park_ahead, lease.idle_timeout) if self.park_ahead is not None else 0.0
+        lead = park_lead(self.park_ahead, idle_span(lease)) if self.park_ahead is not None else 0.0
         left = (deadline - datetime.now(timezone.utc)).total_seconds() - lead
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
+
+    def _preempt_if_due(self, lease: Lease) -> None:
+        """While a cell runs: say once that the lease is being preempted, and
+        interrupt the cell once :func:`~.park.preempt_due` (the next idle beat parks)."""
+        from .park import preempt_due
+
+        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
+            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
+            return
+        if self._preempt_told is None:
+            self._preempt_told = time.monotonic()
+            at = parse_time(lease.preempt_at)
+            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
+            self.say(f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
+                     f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
+                     "come back here; the next cell resumes on a new slice)", kind="preempt_notice")
+        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
+            self.preempted = lease.pressure or "preempted"
+            try:
+                self.on_preempt(lease)
+            except Exception:  # the service's reclaim stays the fallback
+                log.warning("could not interrupt the cell of %s", self.lease_id, exc_info=True)
 
     def _seen(self, lease: Lease) -> None:
         self.last = lease
@@ -179,9 +215,9 @@ class Heartbeat(threading.Thread):
     def _warn_if_idle(self, lease: Lease) -> None:
         if lease.idle_since is None or lease.idle_since == self._warned_for:
             return
-        from .park import park_lead
+        from .park import idle_span, park_lead
 
-        ahead = park_lead(self.park_ahead, lease.idle_timeout) if self.park_ahead is not None else None
+        ahead = park_lead(self.park_ahead, idle_span(lease)) if self.park_ahead is not None else None
         text = idle_warning_text(lease, ahead, self.interval)
         if text is not None:
             self._warned_for = lease.idle_since

@@ -17,8 +17,8 @@ the worker. What stays here:
 Idle warnings and "parked", "node lost", "resumed" are events
 (:mod:`gpupool.magics.events`) and are said once at the top of the next cell.
 
-Started by the gpupool kernelspec (the provisioner passes
-``--IPKernelApp.kernel_class=gpupool.magics.kernel.GPUPoolKernel``).
+Started by the gpupool kernelspec through :mod:`gpupool.magics.kernelapp`,
+which the kernel provisioner runs in place of ``ipykernel_launcher``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import sys
 from typing import Any
 
+import zmq
 from ipykernel.ipkernel import IPythonKernel
 from IPython.core.error import UsageError
 from jupyter_client.session import DELIM
@@ -40,8 +41,6 @@ from .relay import OutputBudget
 
 #: Comm targets of the notebook kernel itself; every other comm is the worker's.
 OWN_TARGET_PREFIX = "gpupool."
-#: The kernel class the provisioner names on the kernel's command line.
-KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
 REQUEST_TIMEOUT = 10.0
 
@@ -131,22 +130,26 @@ class GPUPoolKernel(IPythonKernel):
         try:
             attachment = self.gpu.prepare_forward(code)
         except UsageError as exc:
+            self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, str(exc))
             return
-        reply = self._forward_execute(attachment, parent, code)
+        reply, lost = self._forward_execute(attachment, stream, ident, parent, code)
         if reply is None:
-            return self._refuse_cell(stream, ident, parent, self._lost_words)
-        self.session.send(stream, "execute_reply", reply["content"], parent, metadata=reply.get("metadata") or {},
-                          ident=ident)
+            self._say_status_here(parent)
+            return self._refuse_cell(stream, ident, parent, lost)
+        if lost:  # after its reply: the worker's idle will not come, this kernel says it
+            self._status_by_worker = None
+            self._publish_note(parent["header"], f"gpupool: {lost}\n")
         self._after_forwarded(reply["content"], content, code)
-        if reply["content"].get("status") == "error" and content.get("stop_on_error", True):
-            self._abort_queues(parent["header"].get("subshell_id"))
 
-    def _forward_execute(self, attachment, parent: dict[str, Any], code: str) -> dict[str, Any] | None:
+    def _forward_execute(self, attachment, stream, ident, parent: dict[str, Any],
+                         code: str) -> tuple[dict[str, Any] | None, str]:
         """Send the front end's execute_request to the worker (stdin always
         allowed there, for the worker's ``%gpu``; the front end's own choice
-        rides in the metadata) and return the worker's reply message, or None
-        with ``_lost_words`` set when the lease or worker was lost meanwhile."""
+        rides in the metadata), pass the worker's reply on to the front end
+        the moment it comes (its idle comes through the relay), and wait for
+        the cell's end. Returns the reply message (None when none came) and
+        the words for a lease or worker lost meanwhile ("" when not)."""
         from gpupool.provisioner.worker import STDIN_KEY
 
         # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
@@ -156,22 +159,33 @@ class GPUPoolKernel(IPythonKernel):
         self._allow_stdin = bool(parent["content"].get("allow_stdin"))
         msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
                                                           STDIN_KEY: self._allow_stdin}}
+        replies: list[dict[str, Any]] = []
+
+        def pass_on(reply: dict[str, Any]) -> None:
+            # The requests queued behind a failed cell are aborted, as ipykernel does, but not
+            # one the front end sends after hearing of the error.
+            if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
+                self._abort_queues(parent["header"].get("subshell_id"))
+            self.session.send(stream, "execute_reply", reply["content"], parent,
+                              metadata=reply.get("metadata") or {}, ident=ident)
+            if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
+                stream.flush(zmq.POLLOUT)
+            replies.append(reply)
+
         self.budget.reset(self.gpu.max_output_bytes)
         with attachment.lock:
             attachment.heartbeat.running(True)
             self._running = parent["header"]
             try:
-                return attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive)
+                attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
+                return replies[0], ""
             except GPUPoolError as exc:
-                self._lost_words = exc.message
                 if exc.code == "lease_lost":
                     self.gpu.drop()
-                return None
+                return (replies[0] if replies else None), exc.message
             finally:
                 self._running = None
                 attachment.heartbeat.running(False)
-                if self.budget.cut:
-                    self._publish_note(parent["header"], self.budget.finish_words())
 
     def _after_forwarded(self, reply: dict[str, Any], request: dict[str, Any], code: str) -> None:
         """Keep this kernel's execution count and history with the worker's,
@@ -214,12 +228,21 @@ class GPUPoolKernel(IPythonKernel):
         unless the cell's output budget is spent (called on the relay thread;
         the IOPub socket is ipykernel's thread-safe background socket)."""
         size = sum(len(part) for part in parts[4:])
+        if self.budget.cut and msg["header"]["msg_type"] == "status" and self._is_running(msg["parent_header"]):
+            # Output was cut, so this is the cell's idle (its busy came first): say how much, before it.
+            self._publish_note(msg["parent_header"], self.budget.finish_words())
+            self.budget.cut = 0
         if not self.budget.admit(msg["header"]["msg_type"], size):
             if self.budget.cut_started():
                 self._publish_note(msg["parent_header"], self.budget.cut_words())
             return
         signature = self.session.sign(parts[1:5])
         self.iopub_socket.send_multipart([bytes(i) for i in idents] + [DELIM, signature, *parts[1:]])
+
+    def _is_running(self, header: dict[str, Any]) -> bool:
+        """Whether ``header`` is the forwarded cell's that runs now."""
+        running = self._running
+        return running is not None and header.get("msg_id") == running.get("msg_id")
 
     def _publish_note(self, parent: dict[str, Any], text: str) -> None:
         self.session.send(self.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)
@@ -311,14 +334,36 @@ class GPUPoolKernel(IPythonKernel):
         return msg_type in ("comm_msg", "comm_close") and content.get("comm_id") not in self.comm_manager.comms
 
     def _publish_status(self, status, channel, parent=None) -> None:
-        """ipykernel's busy/idle, but none for a comm message that goes to the
-        worker: the relay passes the worker's own, so the front end hears idle
-        only after the worker ran the comm's callbacks (JupyterLab shows a
-        comm message's output, e.g. an ``@interact`` function's, until then)."""
-        msg = parent or self.get_parent(channel)
-        if channel == "shell" and self._remote() is not None and self._comm_for_worker(msg or {}):
+        """ipykernel's busy/idle, but none for a message whose busy and idle
+        the worker says (the relay passes them): a comm message that goes to
+        the worker, so the front end hears idle only after the worker ran the
+        comm's callbacks (JupyterLab shows a comm message's output, e.g. an
+        ``@interact`` function's, until then); and a forwarded cell, whose
+        idle then follows its last output with no hop through this kernel's
+        main thread (:meth:`_say_status_here` takes it back when the cell is
+        not forwarded after all)."""
+        msg = parent or self.get_parent(channel) or {}
+        if channel == "shell" and self._worker_says_status(msg, status):
             return
         super()._publish_status(status, channel, parent)
+
+    def _worker_says_status(self, msg: dict[str, Any], status: str) -> bool:
+        if self._remote() is None:
+            return False
+        header = msg.get("header") or {}
+        if header.get("msg_type") == "execute_request":
+            if status == "busy":  # said before execute_request runs: decide here, for both
+                code = self.forwarded_code(str((msg.get("content") or {}).get("code", "")))
+                self._status_by_worker = header.get("msg_id") if code is not None else None
+            return header.get("msg_id") == self._status_by_worker
+        return self._comm_for_worker(msg)
+
+    def _say_status_here(self, parent: dict[str, Any]) -> None:
+        """The cell that was to be forwarded ends here (refused, or its worker
+        lost): this kernel says busy now and idle at the end, as for a local cell."""
+        if self._status_by_worker == parent["header"].get("msg_id"):
+            self._status_by_worker = None
+            super()._publish_status("busy", "shell", parent)
 
     # -- control: the debugger ----------------------------------------------------------
 
@@ -361,5 +406,5 @@ class GPUPoolKernel(IPythonKernel):
         if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
             sys.stderr.flush()
 
-    _lost_words = ""
+    _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
     _running: dict[str, Any] | None = None  # header of the forwarded cell running now

@@ -4,8 +4,8 @@ A session::
 
     In [1]: %load_ext gpupool.magics
     In [2]: %gpu acquire 0.5
-    gpupool: attached L-3f2a9c1e07b4: 0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1,
-             39.6 GiB; idle timeout 30m. Cells now run on the worker; %gpu release detaches.
+    gpupool: attached L-3f2a9c1e07b4: 0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1 in environment
+             default, 39.6 GiB; idle timeout 30m. Cells now run on the worker; %gpu release detaches.
     In [3]: import os; os.environ["GPUPOOL_LEASE_ID"]
     Out[3]: 'L-3f2a9c1e07b4'
     In [4]: %gpu release
@@ -44,12 +44,13 @@ from traitlets import Float, Unicode
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import ENV_KERNEL_NAME, LeaseRequest, LeaseState, kernel_environment
 from gpupool.traits import ByteSize, Duration
 from gpupool.transfer import describe, package_versions, version_mismatches
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
 from .attachment import Attachment, ended_message
+from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .summary import summarize
 from .quota import progress_words, quota_report
@@ -92,6 +93,13 @@ class GPUMagics(Magics):
         help="""Seconds before the service would reclaim an idle lease that the client parks it
         (pulls its variables here and gives the GPU back; the next cell resumes on a new slice),
         default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
+    ).tag(config=True)
+
+    preempt_notice = Duration(
+        10.0,
+        help="""Fewest seconds between telling the notebook that a preemptible lease's running cell
+        will be interrupted (others wait for a GPU) and interrupting it, default 10s.
+        Example: c.GPUMagics.preempt_notice = "30s".""",
     ).tag(config=True)
 
     def __init__(self, shell, kernel=None, **kwargs) -> None:
@@ -141,12 +149,13 @@ class GPUMagics(Magics):
     def gpu(self, line: str) -> Any:
         """Attach to a pooled GPU and manage the attachment.
 
-        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--cpus 4 --host-memory 32GiB]
+        %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch] [--batch] [--preemptible]
+        %gpu acquire 0.5 --cpus 4 --host-memory 32GiB   host cores and RAM (default: the GPU share's part of the node)
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
-        %gpu status                  lease, GPU, memory, idle countdown
-        %gpu pool                    nodes and GPUs of the pool
+        %gpu status                  lease, environment, GPU, memory, idle countdown
+        %gpu pool                    nodes, GPUs and worker environments of the pool
         %gpu quota                   your limits and GPU-hours used
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
@@ -180,9 +189,15 @@ class GPUMagics(Magics):
     @argument("--host-memory", help="host RAM for the worker, e.g. 32GiB (default: the GPU share's part)")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
     @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
-    @argument("--env", help="the worker environment on the GPU node, e.g. torch (default: the node's; %%gpu pool lists them)")
+    @argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
+                            "one named like this kernel, torch for a kernel torch or gpupool-torch, where a node "
+                            "offers it, else the node's)")
     @argument("--on-idle", choices=("park", "release"), default="park",
               help="when idle: park (variables come back, the next cell resumes; default) or just release")
+    @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
+              "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
+    @argument("--preemptible", action="store_true",
+              help="while others wait, the running cell may be interrupted and the lease parked")
     def _acquire(self, rest: str) -> None:
         args = _parse(self._acquire, rest)
         if self.attachment is not None and self.attachment.ended is None:
@@ -197,7 +212,9 @@ class GPUMagics(Magics):
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-                env=args.env, cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
+                env=args.env, prefer_env=None if args.env else _kernel_env(),
+                lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None,
+                cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -214,8 +231,10 @@ class GPUMagics(Magics):
         where = ("Cells now run on the worker; %gpu release detaches." if self.kernel is not None else
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
-        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}, "
-             f"{format_bytes(lease.memory)}{_host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)} "
+        _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
+             f"{f' in environment {lease.env}' if lease.env else ''}, "
+             f"{format_bytes(lease.memory)}{_host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)}"
+             f"{class_note(lease)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -296,6 +315,7 @@ class GPUMagics(Magics):
 
     def _arm_parking(self, attachment: Attachment) -> None:
         attachment.park_when_idle(self.park_ahead, self.release_state_cap, self._take)
+        attachment.heartbeat.preempt_notice = self.preempt_notice
 
     def _resume(self) -> Attachment:
         """The lease was parked: acquire a slice of the same size again (with
@@ -304,7 +324,7 @@ class GPUMagics(Magics):
         self.drop()
         old = parked.lease
         share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-        _say(f"{old.id} was parked after idle{summarize('brought back', parked.items, parked.errors)}; "
+        _say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
              f"acquiring {share} again")
         attachment = self._attach(_same_size(old))
         self._arm_parking(attachment)
@@ -538,7 +558,8 @@ class GPUMagics(Magics):
             fraction, count = parse_gpu_amount(amount)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                               prefer_env=_kernel_env())
         try:
             attachment = self._attach(request, forward=False)
         except GPUPoolError as exc:
@@ -575,10 +596,18 @@ class GPUMagics(Magics):
 
 
 def _same_size(old) -> LeaseRequest:
-    """A request for a slice like lease ``old`` (resume after parking, restart)."""
+    """A request for a slice like lease ``old`` (resume after parking, restart), in
+    its environment where a node still offers it (the parked values came from there)."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
                         idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
-                        cpus=old.cpus, host_memory=old.host_memory)
+                        prefer_env=old.env or _kernel_env(), lease_class=old.lease_class,
+                        preemptible=old.preemptible or None, cpus=old.cpus, host_memory=old.host_memory)
+
+
+def _kernel_env() -> str | None:
+    """The worker environment this kernel prefers: its kernelspec's name
+    (GPUPOOL_KERNEL_NAME, set by the kernel provisioner; :func:`gpupool.schema.kernel_environment`)."""
+    return kernel_environment(os.environ.get(ENV_KERNEL_NAME))
 
 
 def _host_words(lease) -> str:

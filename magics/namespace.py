@@ -37,7 +37,7 @@ def names_read(cell: str) -> list[str]:
     if cell.lstrip().startswith("%%"):
         found.update(dict.fromkeys(names_read(cell.lstrip().partition("\n")[2])))
     try:
-        table = symtable.symtable(_TRANSLATOR.transform_cell(cell), "<cell>", "exec")
+        table = _symbols(cell)
     except (SyntaxError, ValueError):
         return list(found)
     _collect(table, found, top=True)
@@ -46,6 +46,16 @@ def names_read(cell: str) -> list[str]:
     # get_ipython: IPython's translation of magics calls it, and every kernel has it.
     return [name for name in found
             if not hasattr(builtins, name) and name not in imported and name != "get_ipython"]
+
+
+def _symbols(cell: str) -> symtable.SymbolTable:
+    """The cell's symbol table; IPython's translation only when the cell is
+    not plain Python (valid Python is never translated, and the translation
+    is the slow part). Raises SyntaxError or ValueError."""
+    try:
+        return symtable.symtable(cell, "<cell>", "exec")
+    except SyntaxError:
+        return symtable.symtable(_TRANSLATOR.transform_cell(cell), "<cell>", "exec")
 
 
 def _collect(table: symtable.SymbolTable, found: dict[str, None], top: bool) -> None:

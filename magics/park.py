@@ -8,6 +8,12 @@ magics) it pulls the worker's variables into the local namespace, exactly as
 ``%gpu release`` would, and releases the lease with the reason "parked after
 idle". The next routed cell re-acquires a slice of the same size and pushes
 those variables back before it runs (see ``GPUMagics._resume``).
+
+While others wait for a GPU the service brings ``idle_deadline`` forward
+(``c.GPUPool.pressure_grace``) and says why in ``pressure``; the same rule
+then parks it earlier, with those words as its reason ("parked early: 3
+people are waiting for a GPU"). A preemptible lease told ``preempt_at`` has
+its running cell interrupted then (:func:`preempt_due`) and parks once idle.
 """
 
 from __future__ import annotations
@@ -30,23 +36,43 @@ PARK_REASON = "parked after idle"
 @dataclass
 class Parked:
     """What parking did: the lease as released, the names brought back (to be
-    pushed on resume), their transfer items, and what could not come."""
+    pushed on resume), their transfer items, what could not come, and why it
+    was parked (:func:`park_reason`)."""
 
     lease: Lease
     names: list[str] = field(default_factory=list)
     items: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    why: str = PARK_REASON
+
+
+def park_reason(lease: Lease) -> str:
+    """``"parked after idle"``, or the service's words when pressure brought the deadline forward."""
+    return lease.pressure or PARK_REASON
 
 
 def seconds_to_reclaim(lease: Lease, now: datetime | None = None) -> float | None:
     """Seconds until the service would reclaim ``lease`` for idleness (may
-    be negative), or None while a cell runs or when the lease has no idle
-    information."""
+    be negative): to its ``idle_deadline`` (early under pressure) or, without
+    one, ``idle_since + idle_timeout``; None while a cell runs or when the
+    lease has no idle information."""
     since = parse_time(lease.idle_since) if lease.idle_since else None
     if since is None or not lease.idle_timeout:
         return None
     now = now or datetime.now(timezone.utc)
+    deadline = parse_time(lease.idle_deadline)
+    if deadline is not None:
+        return (deadline - now).total_seconds()
     return lease.idle_timeout - (now - since).total_seconds()
+
+
+def idle_span(lease: Lease) -> float | None:
+    """Seconds from going idle to the deadline: the idle timeout, or the
+    shorter span pressure left (what :func:`park_lead` scales by)."""
+    since, deadline = parse_time(lease.idle_since), parse_time(lease.idle_deadline)
+    if since is None or deadline is None:
+        return lease.idle_timeout
+    return max(0.0, (deadline - since).total_seconds())
 
 
 #: The shortest idle timeout the client can still park before (seconds): a
@@ -64,13 +90,23 @@ def park_due(lease: Lease, ahead: float, interval: float, now: datetime | None =
     """Whether to park now: the next heartbeat (``interval`` s away) would
     come later than :func:`park_lead` seconds before the reclaim."""
     left = seconds_to_reclaim(lease, now)
-    return left is not None and left <= park_lead(ahead, lease.idle_timeout) + interval
+    return left is not None and left <= park_lead(ahead, idle_span(lease)) + interval
+
+
+def preempt_due(lease: Lease, told_for: float, notice: float, now: datetime | None = None) -> bool:
+    """Whether to interrupt a preemptible lease's running cell now: its
+    ``preempt_at`` has come, and the notebook said so ``told_for`` seconds
+    ago, at least ``notice`` seconds, so a user is always told ahead."""
+    at = parse_time(lease.preempt_at)
+    if at is None:
+        return False
+    return (now or datetime.now(timezone.utc)) >= at and told_for >= notice
 
 
 def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], list[dict[str, Any]]], None],
-         release: Callable[[str, str], Lease], target: str, timeout: float = 600.0) -> Parked:
+         release: Callable[[str, str], Lease], target: str, timeout: float = 600.0, why: str = PARK_REASON) -> Parked:
     """Pull all of ``lease``'s worker variables over a new connection, hand
-    them to ``take(values, items)``, then ``release(lease_id, reason)``.
+    them to ``take(values, items)``, then ``release(lease_id, why)``.
 
     Raises GPUPoolError when the worker cannot be reached or the pull fails;
     the lease is then left alone (the service's reclaim is the fallback).
@@ -85,5 +121,5 @@ def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], li
         raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}", 502)
     values, items, errors = load_pulled(answer["header"], buffers)
     take(values, items)
-    ended = release(lease.id, PARK_REASON)
-    return Parked(lease=ended, names=sorted(values), items=items, errors=errors)
+    ended = release(lease.id, why)
+    return Parked(lease=ended, names=sorted(values), items=items, errors=errors, why=why)

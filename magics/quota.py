@@ -26,9 +26,9 @@ def quota_report(client: ServiceClient) -> str:
 
 
 def progress_words(lease: Lease) -> str:
-    """``'queued: 2nd in line, about 5m'``, ``'queued: 1st in line'``, ``'starting on node-1'``."""
+    """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``."""
     if lease.state is LeaseState.queued:
-        text = "queued"
+        text = "queued" if lease.lease_class == "interactive" else f"queued ({lease.lease_class})"
         if lease.queue_position:
             text += f": {_ordinal(lease.queue_position)} in line"
             if lease.queue_estimate_s is not None:

@@ -146,17 +146,21 @@ class RemoteKernel:
 
     def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
                 check: Callable[[], None] | None = None, wait_idle: bool = True,
-                timeout: float | None = None) -> dict[str, Any]:
+                timeout: float | None = None,
+                on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Send a front end's shell request ``msg`` (a deserialized message,
         header and ``msg_id`` kept, so the worker's IOPub is already parented
         to the front end's request) and return the worker's reply message.
-        ``wait_idle``: also wait for the worker's idle status of it (every
-        IOPub message of the request has then been relayed). Interrupts and
-        errors as for :meth:`execute`; GPUPoolError ``worker_timeout`` after
-        ``timeout`` seconds (None: no bound, a cell may run for days)."""
+        ``on_reply`` gets it the moment it arrives. ``wait_idle``: also wait
+        for the worker's idle status of it (every IOPub message of the
+        request has then been relayed). Interrupts and errors as for
+        :meth:`execute`; GPUPoolError ``worker_timeout`` after ``timeout``
+        seconds (None: no bound, a cell may run for days)."""
+        if self._relay is not None and wait_idle:
+            self._relay.awaited = msg["header"]["msg_id"]  # before the send: its idle may come at once
         self.session.send(self.shell, msg)
         return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
-                                timeout=timeout, want_idle=wait_idle)
+                                timeout=timeout, want_idle=wait_idle, on_reply=on_reply)
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send a front end's shell message that has no reply (``comm_msg``,
@@ -226,7 +230,8 @@ class RemoteKernel:
         self.session.send(self.control, "interrupt_request", {})
 
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
-                    want_reply: bool = True, want_idle: bool = True) -> dict[str, Any]:
+                    want_reply: bool = True, want_idle: bool = True,
+                    on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Wait for the reply to ``msg_id`` (if ``want_reply``) and the worker's
         idle status of it (if ``want_idle``); returns the reply message (``{}``
         when none was wanted)."""
@@ -243,6 +248,8 @@ class RemoteKernel:
                     kind = got["header"]["msg_type"]
                     if sock is self.shell:
                         reply = got
+                        if on_reply is not None:
+                            on_reply(got)
                     elif sock is self.stdin and kind == "input_request":
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
@@ -274,17 +281,22 @@ class IOPubRelay(threading.Thread):
     """Reads a worker's IOPub on a thread of its own and re-signs the
     front end's messages for the notebook kernel's IOPub (the bare
     forwarding hop: only header and parent are decoded, content and buffers
-    pass as they came). What the notebook kernel itself asked for
+    pass as they came). The busy and idle of the forwarded cell ``awaited``
+    are passed too (the front end hears the worker's own), and its idle also
+    goes to ``inner``, where :meth:`RemoteKernel._until_idle` waits for the
+    cell's end; other ``status`` messages are dropped (the notebook kernel
+    says busy and idle itself). What the notebook kernel itself asked for
     (transfers, version checks: parented to ``session``'s own session id)
-    and every ``status`` go to ``inner`` instead, where
-    :meth:`RemoteKernel._until_idle` waits for them. A message whose
-    signature does not verify is dropped (Session.deserialize raises)."""
+    goes to ``inner`` only. A message whose signature does not verify is
+    dropped (Session.deserialize raises)."""
 
     def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
                  publish: Callable[[list, list, dict], None]) -> None:
         super().__init__(name="gpupool-iopub-relay", daemon=True)
         self.iopub, self.inner, self.session, self.publish = iopub, inner, session, publish
         self._halt = threading.Event()
+        #: msg_id of the forwarded request whose idle status RemoteKernel waits for.
+        self.awaited: str | None = None
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -303,15 +315,24 @@ class IOPubRelay(threading.Thread):
     def _pass(self, frames: list) -> None:
         idents, parts = self.session.feed_identities(frames, copy=False)
         msg = self.session.deserialize(parts, content=False, copy=False)
-        own = msg["parent_header"].get("session") == self.session.session
+        parent = msg["parent_header"]
+        if parent.get("session") == self.session.session:
+            self.inner.send_multipart(frames, copy=False)
+            return
         # A front end's comm message gets the worker's busy/idle (the notebook kernel sends
         # none of its own for it): JupyterLab listens for a comm message's output only until
         # its idle, and an @interact callback prints after the notebook kernel's idle.
-        comm_status = msg["parent_header"].get("msg_type") in COMM_MSG_TYPES
-        if own or (msg["header"]["msg_type"] == "status" and not comm_status):
-            self.inner.send_multipart(frames, copy=False)
+        status = msg["header"]["msg_type"] == "status" and parent.get("msg_type") not in COMM_MSG_TYPES
+        awaited = parent.get("msg_id") == self.awaited
+        if status and not awaited:
             return
         self.publish(idents, [part.buffer if hasattr(part, "buffer") else part for part in parts], msg)
+        if status and self._state(parts[4]) == "idle":
+            self.inner.send_multipart(frames, copy=False)
+
+    def _state(self, content: Any) -> str | None:
+        """The execution_state of a status message's content frame."""
+        return self.session.unpack(content.bytes if hasattr(content, "bytes") else content).get("execution_state")
 
     def stop(self) -> None:
         self._halt.set()

@@ -5,8 +5,11 @@ A kernelspec picks it with ``metadata.kernel_provisioner = {"provisioner_name":
 kernelspec install`` writes one). The kernel itself runs locally as with
 jupyter_client's ``LocalProvisioner``; this subclass
 
-- gives it ``GPUPOOL_URL``, ``GPUPOOL_TOKEN`` and ``GPUPOOL_KERNEL_ID`` and
-  runs it as the gpupool kernel (:mod:`gpupool.magics.kernel`: the ``%gpu``
+- gives it ``GPUPOOL_URL``, ``GPUPOOL_TOKEN``, ``GPUPOOL_KERNEL_ID`` and
+  ``GPUPOOL_KERNEL_NAME`` (its kernelspec's name, from which ``%gpu acquire``
+  picks the worker environment by default: :func:`gpupool.schema.kernel_environment`;
+  a kernelspec's own ``env`` stanza may set it instead) and runs it as the
+  gpupool kernel (:mod:`gpupool.magics.kernel`: the ``%gpu``
   magics built in, cells forwarded to the worker while attached);
 - releases every lease of the kernel when it shuts down, restarts or dies,
   so that no slice outlives the notebook kernel that asked for it.
@@ -28,10 +31,24 @@ from traitlets import Float, Unicode, default
 
 from gpupool.api import ENV_TOKEN, ENV_URL, ServiceClient
 from gpupool.errors import GPUPoolError
+from gpupool.kernelcmd import NOTEBOOK_KERNEL_APP, with_launcher
+from gpupool.schema import ENV_KERNEL_NAME
 
 ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
 KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
 OUTSTREAM_CLASS = "gpupool.magics.outstream.QuietOutStream"
+def gpupool_command(cmd: list[str]) -> list[str]:
+    """A kernel command line that runs the gpupool kernel (pure): ``-m
+    ipykernel_launcher`` (or ``-m ipykernel``) becomes ``-m`` NOTEBOOK_KERNEL_APP;
+    any other launcher gets ``--IPKernelApp.kernel_class`` and
+    ``--IPKernelApp.outstream_class`` unless it names them itself."""
+    swapped = with_launcher(cmd, NOTEBOOK_KERNEL_APP)
+    if swapped is not None:
+        return swapped
+    extra = [f"--IPKernelApp.{name}={value}" for name, value in
+             (("kernel_class", KERNEL_CLASS), ("outstream_class", OUTSTREAM_CLASS))
+             if not any(name in arg for arg in cmd)]
+    return [*cmd, *extra]
 
 
 class GPUPoolProvisioner(LocalProvisioner):
@@ -68,17 +85,15 @@ class GPUPoolProvisioner(LocalProvisioner):
     _shutdown_requested = False
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        """Name the gpupool kernel class on the kernel's command line and add
-        the ``GPUPOOL_*`` variables to its environment (called on each start
-        and restart by ``KernelManager.pre_start_kernel``)."""
+        """Run the gpupool kernel's application (:mod:`gpupool.magics.kernelapp`)
+        in place of ``ipykernel_launcher`` and add the ``GPUPOOL_*`` variables
+        to its environment (called on each start and restart by
+        ``KernelManager.pre_start_kernel``). A kernelspec that launches the
+        kernel some other way gets the kernel and output stream classes on its
+        command line instead (ipykernel's shell-channel thread then stays)."""
         self._shutdown_requested = False
-        extra = list(kwargs.pop("extra_arguments", None) or [])
-        argv = [*(self.kernel_spec.argv if self.kernel_spec else []), *extra]
-        if not any("kernel_class" in arg for arg in argv):
-            extra.append(f"--IPKernelApp.kernel_class={KERNEL_CLASS}")
-        if not any("outstream_class" in arg for arg in argv):
-            extra.append(f"--IPKernelApp.outstream_class={OUTSTREAM_CLASS}")
-        kwargs = await super().pre_launch(extra_arguments=extra, **kwargs)
+        kwargs = await super().pre_launch(**kwargs)
+        kwargs["cmd"] = gpupool_command(kwargs["cmd"])
         env = kwargs["env"]
         self._token = self._read_token()
         if self.service_url:
@@ -87,7 +102,19 @@ class GPUPoolProvisioner(LocalProvisioner):
             env[ENV_TOKEN] = self._token
         if self.kernel_id:
             env[ENV_KERNEL_ID] = self.kernel_id
+        if ENV_KERNEL_NAME not in ((self.kernel_spec.env if self.kernel_spec else None) or {}):
+            env.pop(ENV_KERNEL_NAME, None)  # never one inherited from the server's own environment
+            if self._kernel_name():
+                env[ENV_KERNEL_NAME] = self._kernel_name()
         return kwargs
+
+    def _kernel_name(self) -> str:
+        """The kernelspec's name: the kernel manager's ``kernel_name``, else the
+        name of the kernelspec's folder ("" when neither is known)."""
+        name = getattr(self.parent, "kernel_name", "") or ""
+        if not name and self.kernel_spec is not None and self.kernel_spec.resource_dir:
+            name = Path(self.kernel_spec.resource_dir).name
+        return name
 
     def _read_token(self) -> str | None:
         """The token from ``token_file``, else GPUPOOL_TOKEN of the server (the

@@ -51,6 +51,7 @@ import zmq.asyncio
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
+from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
 from gpupool.schema import GPUInfo, WorkerReport
 
 from .activity import WorkerActivity, watch_iopub
@@ -947,6 +948,7 @@ class _WorkerKernelManager(AsyncKernelManager):
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
+        cmd = with_launcher(cmd, WORKER_KERNEL_APP) or cmd  # no shell-channel thread (gpupool.kernelapp)
         if self.python:
             cmd = [self.python, *cmd[1:]]
         return [*START_GATE, *cmd] if self.cgroup is not None else cmd

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
@@ -89,24 +90,44 @@ def run(kc, code: str, timeout: float = 60, stdin: list[str] | None = None) -> C
     return cell
 
 
-def install_kernelspec(prefix: Path, service_url: str, token: str) -> Path:
-    """``gpupool kernelspec install`` into ``prefix``; returns the kernels dir."""
+def install_kernelspec(prefix: Path, service_url: str, token: str, name: str = "gpupool") -> Path:
+    """``gpupool kernelspec install --name NAME`` into ``prefix``; returns the kernels dir."""
     token_file = prefix / "token"
     prefix.mkdir(parents=True, exist_ok=True)
     token_file.write_text(token)
     token_file.chmod(0o600)
     subprocess.run([sys.executable, "-m", "gpupool.cli", "kernelspec", "install", f"--prefix={prefix}",
-                    f"--url={service_url}", f"--token-file={token_file}"], check=True, capture_output=True)
+                    f"--name={name}", f"--url={service_url}", f"--token-file={token_file}"],
+                   check=True, capture_output=True)
     return prefix / "share" / "jupyter" / "kernels"
 
 
-def start_gpupool_kernel(kernels_dir: Path, cwd: Path):
-    """Start a kernel from the installed ``gpupool`` spec; returns ``(km, kc)``."""
+def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool"):
+    """Start a kernel from the installed gpupool spec ``name``; returns ``(km, kc)``."""
     ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
-    km = KernelManager(kernel_name="gpupool", kernel_spec_manager=ksm)
+    km = KernelManager(kernel_name=name, kernel_spec_manager=ksm)
     km.start_kernel(cwd=str(cwd), env={**os.environ})
     kc = km.client()
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
     return km, kc
 
+
+
+@contextmanager
+def notebook_pool(root: Path, *, config: dict[str, Any], simulate: str = "2xA100-80GB",
+                  tokens: dict[str, str] | None = None) -> Iterator[tuple[Any, Path]]:
+    """A service with ``config`` (and the users of ``tokens``), one agent serving
+    ``simulate`` and the gpupool kernelspec for user tester: ``(service, kernels dir)``;
+    both stopped after."""
+    from procs import start_agent, start_service
+
+    service = start_service(root, tokens=tokens, config=config)
+    try:
+        agent = start_agent(root, service, simulate=simulate)
+        try:
+            yield service, install_kernelspec(root / "prefix", service.url, service.user_token)
+        finally:
+            agent.stop()
+    finally:
+        service.stop()

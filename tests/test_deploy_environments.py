@@ -1,6 +1,8 @@
 """Worker environments (``c.NodeAgent.environments``) of a real agent: checked at start (an
 unusable one logged with the reason); a ``POST /workers`` naming one
-starts the worker with that interpreter; an unknown or unusable one is a 400 in words."""
+starts the worker with that interpreter; an unknown or unusable one is a 400 in words.
+Through the service: a lease naming one is placed only on a node that offers it, one no
+node offers is refused at once, and a notebook kernel's name picks it by default."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import pytest
 from procs import free_port, stop_process, wait_for
 from test_agent import GiB, TOKEN, call
 
+from gpupool.errors import GPUPoolError
 from gpupool.provisioner import environments
+from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.provisioner.simulated import simulated_uuid
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -85,10 +89,9 @@ def test_a_worker_runs_in_the_environment_its_request_names(agent_with_envs):
 def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
     """Through the service: the agent's environments are listed by GET /pool (and ``gpupool
     pool``), a lease naming one gets a worker on that interpreter, and one the node does not
-    offer ends ``failed`` with the agent's words."""
+    offer is refused at once (the placement rules: tests/test_scheduler.py)."""
     from procs import start_agent
 
-    from gpupool.schema import LeaseRequest, LeaseState
     from gpupool.tables import environment_table, pool_table
 
     prefix = Path(sys.executable).parent.parent
@@ -108,10 +111,91 @@ def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
         import psutil
 
         assert psutil.Process(lease.worker["pid"]).cmdline()[0] == str(prefix / "bin" / "python")
+        assert lease.env == "venv"
         service.client().release(lease.id)
-        other = service.client().create_lease(LeaseRequest(fraction=0.5, env="torch"))
-        other = wait_for(lambda: (got := service.client().get_lease(other.id)).state.value in ("failed", "released")
-                         and got, 60, "the refused lease to end")
-        assert other.state is LeaseState.failed and "has no environment 'torch'" in other.reason
+        with pytest.raises(GPUPoolError, match="no node offers the worker environment 'torch'") as refused:
+            service.client().create_lease(LeaseRequest(fraction=0.5, env="torch"))
+        assert refused.value.code == "unknown_environment" and refused.value.extra["environments"] == ["default",
+                                                                                                      "venv"]
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A service and two agents: ``plain`` (two A100s, only its default environment) and
+    ``torchbox`` (one H100, which also offers ``torch``: this test's virtual environment):
+    ``(service, prefix of torch)``."""
+    from procs import start_agent, start_service
+
+    root = tmp_path_factory.mktemp("envs")
+    prefix = Path(sys.executable).parent.parent
+    config = root / "torch_config.py"
+    config.write_text(f"c.NodeAgent.environments = {{'torch': {str(prefix)!r}}}\n")
+    service = start_service(root, config={"max_wait": "10m"})
+    nodes = [start_agent(root, service, name="plain", simulate="2xA100-80GB", extra_args=["--warm-workers=0"])]
+    try:
+        nodes.append(start_agent(root, service, name="torchbox", simulate="1xH100-80GB",
+                                 extra_args=[f"--config={config}", "--warm-workers=0"]))
+        yield service, prefix
+    finally:
+        for node in nodes:
+            node.stop()
+        service.stop()
+
+
+def _started(client, lease):
+    lease = client.get_lease(lease.id, wait=60, state="starting")
+    assert lease.state is LeaseState.active, lease.reason
+    return lease
+
+
+def test_placement_follows_the_environment(two_nodes):
+    """``--env torch`` lands on the one node offering it though the other has a gap that
+    fits better; full there, it queues; an environment no node offers is refused at once,
+    naming what the pool offers, with nothing held or queued; a preferred one no node
+    offers falls back to the node's default."""
+    import psutil
+
+    service, prefix = two_nodes
+    client = service.client()
+    gap = client.create_lease(LeaseRequest(fraction=0.5, model="A100"))  # plain GPU 0 now has the best fit
+    torch = _started(client, client.create_lease(LeaseRequest(fraction=0.5, env="torch")))
+    assert (torch.node, torch.env) == ("torchbox", "torch")
+    assert psutil.Process(torch.worker["pid"]).cmdline()[0] == str(prefix / "bin" / "python")
+    waiting = client.create_lease(LeaseRequest(fraction=1.0, env="torch", wait=600))
+    # Queued, though plain has a free GPU: the queue's words say what it waits for.
+    assert waiting.state is LeaseState.queued and "in environment torch" in waiting.events[-1]["reason"]
+    client.release(waiting.id)
+    before = client.pool()["totals"], len(client.list_leases())
+    with pytest.raises(GPUPoolError) as refused:
+        client.create_lease(LeaseRequest(fraction=0.25, env="jax", wait=600))
+    assert refused.value.status == 409 and refused.value.code == "unknown_environment"
+    assert refused.value.message.startswith("no node offers the worker environment 'jax'; the pool offers: "
+                                            "default, torch")
+    assert (client.pool()["totals"], len(client.list_leases())) == before
+    fallback = client.create_lease(LeaseRequest(fraction=0.25, prefer_env="jax"))
+    assert fallback.state is LeaseState.starting and fallback.env == "default"
+    for lease in (gap, torch, fallback):
+        client.release(lease.id)
+
+
+def test_the_kernel_name_picks_the_environment(two_nodes, tmp_path):
+    """A notebook kernel whose kernelspec is named ``gpupool-torch`` gets the ``torch``
+    environment from a plain ``%gpu acquire``; the output and ``%gpu status`` say so."""
+    from frontend import install_kernelspec, run, start_gpupool_kernel
+
+    service, prefix = two_nodes
+    kernels = install_kernelspec(tmp_path / "prefix", service.url, service.user_token, name="gpupool-torch")
+    km, kc = start_gpupool_kernel(kernels, tmp_path, name="gpupool-torch")
+    try:
+        attach = run(kc, "%gpu acquire 0.25")
+        assert attach.ok, attach.text()
+        assert " on torchbox in environment torch, " in attach.stdout
+        assert run(kc, "import sys; print(sys.executable)").stdout.strip() == str(prefix / "bin" / "python")
+        status = run(kc, "%gpu status")
+        assert "environment" in status.text() and "torch" in status.text()
+        assert run(kc, "%gpu release --discard").ok
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

@@ -79,6 +79,14 @@ def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
     assert f"Cell In[{failed.reply['execution_count']}]" in re.sub(r"\x1b\[[0-9;]*m", "", traceback)
     after = run(kc, "%%local\n1")
     assert after.reply["execution_count"] == failed.reply["execution_count"] + 1, "local numbering goes on"
+    # stop_on_error, as ipykernel: a cell queued behind a failing one is aborted; one sent after the error is not.
+    ids = [kc.execute("1 / 0"), kc.execute("queued = 1")]
+    replies = {}
+    while len(replies) < 2:
+        reply = kc.get_shell_msg(timeout=30)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+    assert [replies[i] for i in ids] == ["error", "aborted"], replies
+    assert run(kc, "after_error = 1").ok
 
 
 def test_completion_inspection_and_is_complete_are_the_workers(attached):

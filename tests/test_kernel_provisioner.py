@@ -13,7 +13,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-from gpupool.provisioner.kernel_provisioner import GPUPoolProvisioner
+from gpupool.provisioner.kernel_provisioner import GPUPoolProvisioner, gpupool_command
 from gpupool.provisioner.kernelspec import main as kernelspec_main
 from gpupool.schema import LeaseRequest
 from procs import free_port
@@ -104,12 +104,30 @@ def test_kernel_gets_its_id_url_token_and_magics(tmp_path, kernel_manager):
     seen = json.loads(run(km, "import os, json\n"
                               "print(json.dumps({'env': {k: os.environ.get(k) for k in ('GPUPOOL_URL', 'GPUPOOL_TOKEN', 'GPUPOOL_KERNEL_ID')},"
                               " 'kernel': type(get_ipython().kernel).__name__,"
+                              " 'app': type(get_ipython().kernel.parent).__name__,"
+                              " 'threads': sorted(t.name for t in __import__('threading').enumerate()),"
                               " 'magics': 'gpu' in get_ipython().magics_manager.magics['line']}))"))
     assert seen["env"] == {"GPUPOOL_URL": url, "GPUPOOL_TOKEN": "user-token-1", "GPUPOOL_KERNEL_ID": km.kernel_id}
     assert seen["kernel"] == "GPUPoolKernel" and seen["magics"]
+    # ipykernel's shell-channel thread only serves subshells, which the gpupool kernel has not.
+    assert seen["app"] == "GPUPoolKernelApp" and "Shell channel" not in " ".join(seen["threads"]), seen
     started = time.monotonic()
     km.shutdown_kernel()
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("cmd, expected", [
+    (["py", "-m", "ipykernel_launcher", "-f", "c.json"], ["py", "-m", "gpupool.magics.kernelapp", "-f", "c.json"]),
+    (["py", "-m", "ipykernel", "-f", "c.json"], ["py", "-m", "gpupool.magics.kernelapp", "-f", "c.json"]),
+    (["launch-kernel", "-f", "c.json"], ["launch-kernel", "-f", "c.json",
+                                         "--IPKernelApp.kernel_class=gpupool.magics.kernel.GPUPoolKernel",
+                                         "--IPKernelApp.outstream_class=gpupool.magics.outstream.QuietOutStream"]),
+    (["launch-kernel", "--IPKernelApp.kernel_class=my.Kernel"],
+     ["launch-kernel", "--IPKernelApp.kernel_class=my.Kernel",
+      "--IPKernelApp.outstream_class=gpupool.magics.outstream.QuietOutStream"]),
+])
+def test_the_kernel_command_runs_the_gpupool_kernel_app(cmd, expected):
+    assert gpupool_command(cmd) == expected
 
 
 # -- releasing leases with the real service ---------------------------------------------------------------------

@@ -147,6 +147,7 @@ def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
 @pytest.mark.parametrize("fields, words", [
     (dict(state="queued", queue_position=2, queue_estimate_s=300.0), "queued: 2nd in line, about 5m"),
     (dict(state="queued", queue_position=11), "queued: 11th in line"),
+    (dict(state="queued", queue_position=1, lease_class="batch"), "queued (batch): 1st in line"),
     (dict(state="queued"), "queued"),
     (dict(state="starting", node="node-1"), "starting on node-1"),
 ])
@@ -220,5 +221,5 @@ def test_the_newest_request_is_placed_as_order_would(owner, expected):
     place = [item.lease_id for item in order([*queued, newest], last)].index("L-new") + 1
     counts = {}
     for item in [*queued, newest]:
-        counts[item.owner] = counts.get(item.owner, 0) + 1
-    assert newest_position(owner, counts, last) == place == expected
+        counts[(item.owner, "interactive")] = counts.get((item.owner, "interactive"), 0) + 1
+    assert newest_position(owner, "interactive", counts, last) == place == expected

@@ -54,6 +54,7 @@ def test_overrides_merge_limit_by_limit():
     ({"gpu_hours_per_week": "2"}, {"gpu_hours_per_week": 2.0}),
     ({"max_idle_timeout": "30m"}, {"max_idle_timeout": 1800.0}),
     ({"max_gpus": "0.5", "max_lease_gpus": None}, {"max_gpus": 0.5, "max_lease_gpus": None}),
+    ({"guaranteed_gpus": "1.5"}, {"guaranteed_gpus": 1.5}),
 ])
 def test_human_units(entry, expected):
     assert parse_entry(entry) == expected
@@ -63,6 +64,7 @@ def test_human_units(entry, expected):
     ({"ann": {}}, "must be '*', 'group:NAME' or 'user:NAME'"),
     ({"*": {"max_gpu": 1}}, "unknown limit(s) max_gpu"),
     ({"*": {"max_gpus": -1}}, "must be a number >= 0"),
+    ({"*": {"guaranteed_gpus": -0.5}}, "guaranteed_gpus must be a number >= 0"),
     ({"*": {"max_gpus": True}}, "must be a number"),
     ({"*": {"max_idle_timeout": "soon"}}, "cannot read 'soon' as a duration"),
     ({"*": 3}, "must be a dict of limits"),
@@ -200,7 +202,7 @@ def test_own_quota(quota_service):
     bob = quota_service.client("bob").quota()
     assert (bob["user"], bob["groups"]) == ("bob", ["quants"])
     assert bob["limits"] == {"max_gpus": 2.0, "max_lease_gpus": None, "gpu_hours_per_day": 8.0,
-                             "gpu_hours_per_week": None, "max_idle_timeout": 3600.0}
+                             "gpu_hours_per_week": None, "max_idle_timeout": 3600.0, "guaranteed_gpus": None}
     assert bob["usage"]["holding_gpus"] == 0 and bob["usage"]["timezone"] == "UTC"
     assert bob["usage"]["day_resets_at"].endswith("T00:00:00Z")
 
@@ -239,7 +241,7 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
     try:
         bob = svc.client("bob")
         assert bob.quota()["limits"] == {"max_gpus": 0.25, "max_lease_gpus": None, "gpu_hours_per_day": None,
-                                         "gpu_hours_per_week": 1.5, "max_idle_timeout": 7200.0}
+                                         "gpu_hours_per_week": 1.5, "max_idle_timeout": 7200.0, "guaranteed_gpus": None}
         error = refused(bob, fraction=0.5)
         assert error.message == "quota exceeded: you hold 0.00 of 0.25 GPU; requested 0.50"
         listing = svc.client("ann").admin_quotas()

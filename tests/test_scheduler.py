@@ -13,7 +13,7 @@ from gpupool.hub_plugin.reclaim import decide, lost_nodes
 from gpupool.schema import LeaseState
 
 from gpupool.hub_plugin.scheduler import (
-    FEW_ON_NODE, MODEL_MISMATCH, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
+    FEW_ON_NODE, MODEL_MISMATCH, NO_ENVIRONMENT, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
     DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Shape, place, slice_delta, whole_delta, workload_of)
 
 GiB = 1024**3
@@ -23,13 +23,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 def gpu(node: str, index: int, *, name: str = A100, usable: int = 80 * GiB, fraction: float = 0.0,
         memory: int | None = None, healthy: bool = True, up: bool = True, unattributed: int = 0,
-        whole_only: bool = False, degraded: bool = False) -> GPUState:
-    """A GPU with ``fraction`` allocated (and that share of memory unless ``memory`` is given)."""
+        whole_only: bool = False, degraded: bool = False, envs: tuple[str, ...] = ()) -> GPUState:
+    """A GPU with ``fraction`` allocated (and that share of memory unless ``memory`` is given);
+    its node offers the worker environments ``envs``, the first one its default."""
     taken = int(fraction * usable) if memory is None else memory
     return GPUState(uuid=f"GPU-{node}-{index}", node=node, name=name, index=index, memory_total=usable + GiB,
                     memory_usable=usable, allocated_fraction=fraction, allocated_memory=taken,
                     healthy=healthy, node_up=up, memory_unattributed=unattributed, whole_only=whole_only,
-                    node_degraded=degraded)
+                    node_degraded=degraded, environments=frozenset(envs), default_env=envs[0] if envs else None)
 
 
 PLACED = [
@@ -69,6 +70,17 @@ PLACED = [
                  Placement("n1", ("GPU-n1-0",), 0.5, 40 * GiB), id="slices skip whole-GPU-only nodes"),
     pytest.param(Demand(1.0), [gpu("mig", 0, whole_only=True, usable=10 * GiB)],
                  Placement("mig", ("GPU-mig-0",), 1.0, 10 * GiB), id="a whole MIG instance is a GPU"),
+    pytest.param(Demand(0.5, env="torch"),
+                 [gpu("big", 0), gpu("big", 1), gpu("t", 0, fraction=0.25, envs=("default", "torch"))],
+                 Placement("t", ("GPU-t-0",), 0.5, 40 * GiB, "torch"), id="env: only a node offering it"),
+    pytest.param(Demand(0.5, env="torch"), [gpu("a", 0, fraction=0.5, envs=("default",)), gpu("b", 0, envs=("torch",))],
+                 Placement("b", ("GPU-b-0",), 0.5, 40 * GiB, "torch"), id="env: even on an idle GPU over a gap"),
+    pytest.param(Demand(0.5), [gpu("a", 0, envs=("torch", "default"))],
+                 Placement("a", ("GPU-a-0",), 0.5, 40 * GiB, "torch"), id="env: none asked, the node's default"),
+    pytest.param(Demand(1.0, 2, env="torch"),
+                 [gpu("a", 0), gpu("a", 1), gpu("b", 0, envs=("torch",)), gpu("b", 1, envs=("torch",)),
+                  gpu("b", 2, envs=("torch",))],
+                 Placement("b", ("GPU-b-0", "GPU-b-1"), 1.0, 80 * GiB, "torch"), id="env: whole GPUs too"),
 ]
 
 
@@ -95,6 +107,11 @@ REFUSED = [
     pytest.param(Demand(0.25), [gpu("n1", 0, unattributed=70 * GiB)],
                  {NO_MEMORY: 1}, id="unattributed memory leaves too little"),
     pytest.param(Demand(0.5), [gpu("n1", 0, whole_only=True)], {WHOLE_ONLY: 1}, id="whole GPUs only"),
+    pytest.param(Demand(0.5, env="torch"),
+                 [gpu("a", 0, envs=("default",)), gpu("t", 0, fraction=0.75, envs=("torch",))],
+                 {NO_ENVIRONMENT: 1, NO_FRACTION: 1}, id="env offered only where it is full"),
+    pytest.param(Demand(1.0, 2, env="torch"), [gpu("a", 0), gpu("a", 1), gpu("t", 0, envs=("torch",))],
+                 {NO_ENVIRONMENT: 2, FEW_ON_NODE: 1}, id="env: whole GPUs on a node without it"),
 ]
 
 
@@ -123,6 +140,51 @@ def test_refusal_of_whole_gpus_and_empty_pool():
     assert place(Demand(1.0, 3), [gpu("n1", 0)]).message.startswith("no node has 3 whole GPUs free now: 1 GPU in")
     empty = place(Demand(0.5), [])
     assert isinstance(empty, Refusal) and "the pool has no GPUs" in empty.message
+
+
+def test_refusal_for_an_environment_names_it_and_what_is_free_there():
+    refusal = place(Demand(0.5, env="torch"), [gpu("a", 0), gpu("t", 0, fraction=0.75, envs=("torch",))])
+    assert refusal.message == ("no GPU can take 0.50 in environment torch now: 2 GPUs in the pool, the most free "
+                               f"is 0.25 (t GPU 0, {A100}); {NO_ENVIRONMENT} on 1, not enough free fraction on 1")
+
+
+ENVIRONMENTS = [  # (env, prefer_env, offered, the lease's environment or the error)
+    pytest.param("torch", None, {"default", "torch"}, "torch", id="asked and offered"),
+    pytest.param("torch", None, {"default"}, ValueError, id="asked, not offered: refused"),
+    pytest.param("torch", "jax", {"jax"}, ValueError, id="what is asked beats what is preferred"),
+    pytest.param(None, "torch", {"default", "torch"}, "torch", id="preferred and offered"),
+    pytest.param(None, "torch", {"default"}, None, id="preferred, not offered: the node's default"),
+    pytest.param(None, None, {"torch"}, None, id="neither: the node's default"),
+]
+
+
+@pytest.mark.parametrize("env, prefer, offered, expected", ENVIRONMENTS)
+def test_lease_environment(env, prefer, offered, expected):
+    from gpupool.hub_plugin.environments import lease_environment
+
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            lease_environment(env, prefer, offered)
+    else:
+        assert lease_environment(env, prefer, offered) == expected
+
+
+@pytest.mark.parametrize("kernel, env", [("torch", "torch"), ("gpupool-torch", "torch"), ("gpupool", "gpupool"),
+                                         ("python3", "python3"), ("gpupool-", None), ("", None), (None, None),
+                                         ("a b", None)])
+def test_kernel_environment_is_the_kernel_name_without_gpupool_prefix(kernel, env):
+    from gpupool.schema import kernel_environment
+
+    assert kernel_environment(kernel) == env
+
+
+def test_the_index_knows_which_environments_the_pool_offers():
+    from gpupool.hub_plugin.placement_index import PlacementIndex
+
+    index = PlacementIndex([gpu("a", 0, envs=("default",)), gpu("t", 0, envs=("default", "torch"))])
+    assert index.environments() == ["default", "torch"] and index.offers("torch") and not index.offers("jax")
+    index.update(gpu("t", 0, envs=("default",)))  # its agent came back without torch
+    assert index.environments() == ["default"] and not index.offers("torch")
 
 
 def test_nothing_usable():
@@ -252,19 +314,21 @@ def random_pool(rng) -> list[GPUState]:
     for n in range(rng.randint(1, 12)):
         node, up, whole_only, degraded = f"n{n:02d}", rng.random() > 0.1, rng.random() < 0.1, rng.random() < 0.05
         name = rng.choice([A100, H100])
+        envs = rng.choice([(), ("default",), ("default",), ("default", "torch"), ("torch",)])
         for i in range(rng.randint(1, 8)):
             fraction = rng.choice([0.0, 0.0, 0.1 + 0.2, 0.25, 0.5, 0.7, 0.75, 1.0])
             gpus.append(gpu(node, i, name=name, fraction=fraction, up=up, healthy=rng.random() > 0.05,
                             unattributed=rng.choice([0, 0, 0, 30 * GiB]), whole_only=whole_only,
-                            degraded=degraded))
+                            degraded=degraded, envs=envs))
     return gpus
 
 
 def random_demand(rng) -> Demand:
+    env = rng.choice([None, None, None, "torch", "default"])
     if rng.random() < 0.2:
-        return Demand(1.0, rng.randint(2, 4), model=rng.choice([None, None, "h100"]))
+        return Demand(1.0, rng.randint(2, 4), model=rng.choice([None, None, "h100"]), env=env)
     return Demand(rng.choice([0.1, 0.2, 0.25, 0.3, 0.5, 0.7, 1.0]), 1, model=rng.choice([None, None, None, "a100"]),
-                  memory=rng.choice([None, None, None, 20 * GiB, 60 * GiB]))
+                  memory=rng.choice([None, None, None, 20 * GiB, 60 * GiB]), env=env)
 
 
 def random_workload(rng):
@@ -278,6 +342,7 @@ def random_workload(rng):
 
 
 def test_placement_index_gives_the_same_answer_under_churn():
+    import dataclasses
     import random
 
     from gpupool.hub_plugin.placement_index import PlacementIndex
@@ -292,6 +357,10 @@ def test_placement_index_gives_the_same_answer_under_churn():
             if held and rng.random() < 0.35:  # a lease ends
                 index.give(held.pop(rng.randrange(len(held))))
                 continue
+            if rng.random() < 0.03:  # a node's agent registers again, offering other environments
+                node, envs = rng.choice(index.all()).node, frozenset(rng.choice([(), ("default",), ("torch",)]))
+                for uuid in index.node_gpus(node):
+                    index.update(dataclasses.replace(index.states[uuid], environments=envs))
             demand = random_demand(rng)
             expected = place(demand, index.all(), index.workload)
             assert index.place(demand) == expected, demand

@@ -7,8 +7,8 @@ lease what it holds on its node's host (``leases.cpus``,
 Existing rows get NULL: nodes report their host at their next registration;
 leases held before hold no host resources.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-01
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 

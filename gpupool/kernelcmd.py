@@ -1,0 +1,18 @@
+"""Kernel command lines: which application ``python -m`` runs (pure; no
+ipykernel import, so that a Jupyter server or an agent can use it)."""
+
+from __future__ import annotations
+
+#: The gpupool kernel's application (:mod:`gpupool.magics.kernelapp`).
+NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
+#: A worker's application (:mod:`gpupool.kernelapp`: a plain IPython kernel, no subshells).
+WORKER_KERNEL_APP = "gpupool.kernelapp"
+
+
+def with_launcher(cmd: list[str], module: str) -> list[str] | None:
+    """``cmd`` with ``-m ipykernel_launcher`` (or ``-m ipykernel``) replaced
+    by ``-m module``; None when ``cmd`` launches ipykernel some other way (pure)."""
+    for i, arg in enumerate(cmd[:-1]):
+        if arg == "-m" and cmd[i + 1] in ("ipykernel_launcher", "ipykernel"):
+            return [*cmd[:i + 1], module, *cmd[i + 2:]]
+    return None

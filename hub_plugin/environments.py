@@ -1,0 +1,63 @@
+"""The worker environment a lease asks for, decided before it is placed.
+
+Agents report their worker environments at registration (``Node.environments``:
+``[{"name", "python", "default", "usable", "problem"}]``). Placement treats a
+lease's environment as a node filter (:mod:`.scheduler`, ``Demand.env``); this
+module answers the question that comes first, whether the pool offers it at
+all, so that a request naming an environment no node has is refused at once,
+in words that list what the pool offers, instead of waiting in the queue for a
+node that will never come:
+
+- ``env`` given (``%gpu acquire 0.5 --env torch``): it must be usable on some
+  registered node with GPUs (whatever that node's load or state: a full or
+  lost node's request queues as usual); otherwise 409 ``unknown_environment``
+  (a valid request that this pool cannot serve, as ``pool_full`` is).
+- ``prefer_env`` given instead (the notebook kernel's name, see
+  :func:`gpupool.schema.kernel_environment`): that environment when some node
+  offers it, else none, i.e. the node's default. Never a refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.errors import GPUPoolError
+
+from .models import Node
+
+
+def lease_environment(env: str | None, prefer: str | None, offered: Collection[str]) -> str | None:
+    """The environment the lease's placement must honour (None: any node, its default).
+    ``offered``: the names some node reports usable. Raises ValueError when
+    ``env`` is given and not offered (the caller says so: :func:`unknown_environment`)."""
+    if env is not None:
+        if env not in offered:
+            raise ValueError(env)
+        return env
+    return prefer if prefer is not None and prefer in offered else None
+
+
+def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, str]) -> GPUPoolError:
+    """The 409 for a request naming ``env`` that no node offers. ``unusable``: node ->
+    why ``env`` cannot run workers there, for nodes that have it configured."""
+    names = ", ".join(sorted(offered)) or "none (no agent with GPUs has registered)"
+    words = f"no node offers the worker environment {env!r}; the pool offers: {names}"
+    if unusable:
+        words += "; " + "; ".join(f"on {node} it cannot run workers: {why}" for node, why in sorted(unusable.items()))
+    words += (" (%gpu pool lists them per node; leave --env out for the node's default, or ask an admin "
+              "to add it in c.NodeAgent.environments)")
+    return GPUPoolError("unknown_environment", words, 409, env=env, environments=sorted(offered))
+
+
+def unusable_on(session: Session, env: str) -> dict[str, str]:
+    """Node -> the agent's words, for nodes that report ``env`` but not usable
+    (read only when a request is refused, so it may scan every node)."""
+    found = {}
+    for name, envs in session.execute(select(Node.name, Node.environments)):
+        for reported in envs or []:
+            if reported.get("name") == env and not reported.get("usable"):
+                found[name] = reported.get("problem") or "no reason given"
+    return found

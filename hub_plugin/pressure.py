@@ -1,0 +1,128 @@
+"""The service's side of pressure and the queue's ETA: reads the store, calls
+the pure rules (:mod:`.priority`, :mod:`.eta`), keeps the current plan and
+what the ETA reads (the active leases and typical lease lengths), so a long
+poll of a queued request costs no query for its ETA.
+
+The reclaim sweep calls :meth:`Pressure.refresh` every
+``c.GPUPool.reclaim_interval`` seconds (on a store thread); the plan it
+computes is held here and read by every lease JSON (the notebook's heartbeat
+answer): ``idle_deadline`` brought forward, ``pressure`` (why, in words) and
+``preempt_at``. The notebook parks before that deadline as it does before an
+idle timeout; the sweep reclaims at it only if the notebook did not
+(:func:`due`). A new plan replaces the old one whole, so readers on other
+threads see one or the other.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.schema import LeaseState, isoformat
+from gpupool.units import format_duration
+
+from . import eta, priority, quotas
+from .config import GPUPool
+from .models import Lease
+from .reclaim import Decision, idle_deadline
+
+#: Ended leases whose lengths give the ETA the typical length per class.
+LENGTH_SAMPLE = 200
+
+
+class Pressure:
+    """The current pressure plan of one service. ``settings``: ``c.GPUPool``;
+    ``quota_table(session)``: the effective quota table (:class:`.QuotaBook`)."""
+
+    def __init__(self, settings: GPUPool, quota_table) -> None:
+        self.settings = settings
+        self._quota_table = quota_table
+        self.plan: priority.Plan = priority.NO_PRESSURE
+        # What the ETA reads, as the last sweep saw it: no query per long poll of a queued request.
+        self._holding: list[eta.Holding] = []
+        self._typical: dict[str, float] = {}
+
+    def refresh(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
+        """Recompute the plan from the queue and ``active`` (the active leases
+        the sweep read), and what the ETA reads; returns the plan. On a store thread."""
+        self.plan = self._plan(session, active, now)
+        self._holding = [eta.Holding(lease.fraction * lease.gpu_count, lease.lease_class,
+                                     lease.worker_state != "idle", lease.started_at, self.deadline(lease))
+                         for lease in active]
+        ended = session.execute(select(Lease.lease_class, Lease.started_at, Lease.ended_at)
+                                .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
+                                .order_by(Lease.ended_at.desc()).limit(LENGTH_SAMPLE)).all()
+        self._typical = eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
+                                            for row in ended)
+        return self.plan
+
+    def _plan(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
+        asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at)
+                  for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
+                                                    Lease.lease_class, Lease.created_at, Lease.wait_until)
+                                             .where(Lease.state == LeaseState.queued.value))
+                  if row.wait_until is None or row.wait_until > now]
+        if not asking:
+            return priority.NO_PRESSURE
+        return priority.plan([_held(lease) for lease in active], asking, grace=self.settings.pressure_grace,
+                             notice=self.settings.preemption_notice, allow_preemption=self.settings.allow_preemption,
+                             guaranteed_gpus=self._guarantees(session, active))
+
+    def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
+        """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""
+        table = self._quota_table(session)
+        groups = {lease.owner: tuple(lease.groups or ()) for lease in active}
+        return {owner: quotas.resolve(owner, their, table).guaranteed_gpus or 0.0 for owner, their in groups.items()}
+
+    def deadline(self, lease: Any) -> datetime | None:
+        """``lease``'s idle deadline: its own, or the earlier one the plan set."""
+        own = idle_deadline(lease)
+        early = self.plan.parks.get(lease.id)
+        if own is None or early is None:
+            return own
+        return min(own, early.deadline)
+
+    def annotate(self, body: dict[str, Any], lease: Lease) -> None:
+        """Add ``idle_deadline``, ``pressure`` and ``preempt_at`` to lease JSON ``body``."""
+        body["idle_deadline"] = isoformat(self.deadline(lease))
+        early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
+        busy = lease.worker_state == "busy"
+        preempt = preempt if preempt and busy else None  # an idle one is parked by the early deadline
+        body["pressure"] = preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None
+        body["preempt_at"] = isoformat(preempt.at) if preempt else None
+
+    def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
+        """Reclaim decisions for idle leases past their early deadline: the
+        fallback when the notebook did not park them itself."""
+        decisions = []
+        for lease in active:
+            early = self.plan.parks.get(lease.id)
+            own = idle_deadline(lease)
+            if early is not None and own is not None and early.deadline <= now < own:
+                idle = (now - lease.idle_since).total_seconds()
+                decisions.append(Decision(lease.id, LeaseState.reclaimed,
+                                          f"{early.reason} (idle for {format_duration(idle)}, pressure grace "
+                                          f"{format_duration(self.settings.pressure_grace)})"))
+        return decisions
+
+    def still_due(self, lease: Lease, now: datetime) -> bool:
+        """Re-checked under the write lock: still idle and past its early deadline."""
+        deadline = self.deadline(lease)
+        return (lease.state == LeaseState.active.value and lease.worker_state == "idle"
+                and deadline is not None and deadline <= now)
+
+    def etas(self, ahead_gpus: Sequence[float], now: datetime) -> list[float | None]:
+        """:func:`.eta.eta_seconds` for queued requests asking ``ahead_gpus``
+        (queue order), from the active leases and recent lease lengths as the
+        last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
+        return eta.eta_seconds(ahead_gpus, self._holding, self._typical, now)
+
+def _held(lease: Lease) -> priority.Held:
+    idle = lease.worker_state == "idle"
+    return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
+                         bool(lease.preemptible), lease.worker_state == "busy", lease.started_at or lease.created_at,
+                         lease.idle_since if idle else None, idle_deadline(lease))
+

@@ -1,0 +1,135 @@
+"""Pressure end to end (issue 16): a full pool, a waiting interactive request,
+an idle over-quota lease parked early (its variables come back), the waiter
+placed; a batch lease whose cell runs is not interrupted and yields once idle;
+a preemptible one is told, interrupted, then parked. Through a real service,
+agent and gpupool notebook kernel; short graces through the service's traits.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from frontend import notebook_pool, start_gpupool_kernel
+from gpupool.errors import GPUPoolError
+from gpupool.schema import LeaseRequest, LeaseState, parse_time
+from procs import start_service, wait_for
+from test_idle_warning import Transcript
+
+#: Seconds an idle lease may stay idle while someone waits, and the preemption notice, on this pool.
+GRACE, NOTICE = 3.0, 1.0
+
+
+@pytest.fixture(scope="module")
+def full_pool(tmp_path_factory):
+    """Service (one simulated GPU, heartbeat TTL 3 s, short pressure grace), agent,
+    kernelspec for user tester; ann asks for GPUs through the API: ``(service, kernels dir)``."""
+    with notebook_pool(tmp_path_factory.mktemp("pressure"), tokens={"ann": "ann-token-" + "5" * 16},
+                       config={"heartbeat_ttl": 3.0, "idle_warning": 0, "pressure_grace": GRACE,
+                               "preemption_notice": NOTICE}, simulate="1xA100-80GB") as pool:
+        yield pool
+
+
+@pytest.fixture
+def notebook(full_pool, tmp_path):
+    km, kc = start_gpupool_kernel(full_pool[1], tmp_path)
+    transcript = Transcript(kc)
+    transcript.listen()
+    transcript.execute("%config GPUMagics.park_ahead = 1.0\n%config GPUMagics.preempt_notice = 1.0")
+    yield transcript
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)
+
+
+def wait_in_line(service):
+    """ann asks for the whole GPU and waits; returns the queued lease."""
+    lease = service.client("ann").create_lease(LeaseRequest(fraction=1.0, wait=120))
+    assert lease.state is LeaseState.queued and lease.queue_position == 1, lease
+    return lease
+
+
+def placed(service, lease_id: str):
+    """Wait until ann's request is active; release it and return it."""
+    lease = wait_for(lambda: (got := service.client("ann").get_lease(lease_id)).state is LeaseState.active and got,
+                     60, "the waiter placed")
+    service.client("ann").release(lease_id)
+    return lease
+
+
+def test_an_idle_lease_is_parked_early_for_a_waiter_and_its_variables_come_back(full_pool, notebook):
+    service, _ = full_pool
+    notebook.execute("%gpu acquire 1")  # the default idle timeout, 30 minutes
+    mine, = service.client().list_leases(active=True)
+    notebook.execute("kept = [1, 2, 3]")
+    waiter = wait_in_line(service)
+    # Asked before any sweep pressed on it: the idle lease frees the GPU at its own deadline (30 m idle).
+    assert 1700 < waiter.queue_estimate_s <= 1800, waiter
+
+    parked = notebook.wait_for_event("parked", 60, "the early park")
+    assert re.fullmatch(rf"lease {mine.id} was parked early: 1 person is waiting for a GPU: \d+ names? came back "
+                        "to this kernel; the next cell resumes on a slice of the same size", parked["message"])
+    ended = service.client().get_lease(mine.id)
+    assert ended.state is LeaseState.released and ended.reason.endswith("parked early: 1 person is waiting for a GPU")
+    assert placed(service, waiter.id).node
+    _, reply = notebook.execute("%%local\nprint(kept)")
+    assert "[1, 2, 3]" in notebook.text()
+
+
+def test_a_running_batch_cell_is_not_interrupted_and_the_lease_yields_once_idle(full_pool, notebook):
+    service, _ = full_pool
+    notebook.execute("%gpu acquire 1 --batch")
+    mine, = service.client().list_leases(active=True)
+    assert mine.lease_class == "batch" and not mine.preemptible
+    cell = notebook.kc.execute("import time\nfor _ in range(120): time.sleep(0.1)\ndone = True")
+    wait_for(lambda: service.client().get_lease(mine.id).worker["execution_state"] == "busy", 30, "the cell running")
+    waiter = wait_in_line(service)
+    # Past every deadline pressure could set (grace + notice after the request), the cell still runs untouched.
+    past = parse_time(waiter.created_at).timestamp() + GRACE + NOTICE + 1.0
+    wait_for(lambda: time.time() > past, 30, "every pressure deadline passing")
+    seen = service.client().get_lease(mine.id)
+    assert seen.worker["execution_state"] == "busy" and seen.preempt_at is None, seen
+    reply = _reply(notebook, cell)
+    assert reply["status"] == "ok", reply  # not interrupted
+    notebook.wait_for_event("parked", 60, "the batch lease yielding")
+    assert placed(service, waiter.id).node
+    assert service.client().get_lease(mine.id).reason.endswith("parked early: 1 person is waiting for a GPU")
+
+
+def test_a_preemptible_lease_is_told_interrupted_then_parked(full_pool, notebook):
+    service, _ = full_pool
+    notebook.execute("%gpu acquire 1 --batch --preemptible")
+    mine, = service.client().list_leases(active=True)
+    cell = notebook.kc.execute("import time\nfor _ in range(1200): time.sleep(0.1)")
+    wait_for(lambda: service.client().get_lease(mine.id).worker["execution_state"] == "busy", 30, "the cell running")
+    waiter = wait_in_line(service)
+
+    told = notebook.wait_for_event("preempt_notice", 60, "the preemption notice")
+    assert told["message"].startswith(f"lease {mine.id} is preemptible and preempted: 1 person is waiting")
+    reply = _reply(notebook, cell)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    parked = notebook.wait_for_event("parked", 60, "the park after the interrupt")
+    assert parked["message"].startswith(f"lease {mine.id} was preempted: 1 person is waiting for a GPU")
+    assert placed(service, waiter.id).node
+
+
+def test_preemptible_is_refused_where_the_pool_allows_none(tmp_path):
+    service = start_service(tmp_path, config={"allow_preemption": False})
+    try:
+        with pytest.raises(GPUPoolError) as caught:
+            service.client().create_lease(LeaseRequest(fraction=0.5, lease_class="batch", preemptible=True, wait=60))
+        assert caught.value.status == 400 and "c.GPUPool.allow_preemption = False" in caught.value.message
+        with pytest.raises(GPUPoolError, match="'lease_class' must be one of interactive, batch"):
+            service.client().request("POST", "/leases", {"fraction": 0.5, "lease_class": "urgent"})
+        assert service.client().list_leases(active=False) == []  # nothing queued or held
+    finally:
+        service.stop()
+
+
+def _reply(notebook: Transcript, msg_id: str) -> dict:
+    reply = notebook.kc.get_shell_msg(timeout=120)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = notebook.kc.get_shell_msg(timeout=120)
+    return reply["content"]
+

@@ -1,0 +1,248 @@
+"""Table tests of the pure scheduling rules of issue 16: class order in the
+queue, pressure parks, guaranteed vs over-quota share, preemption only with
+opt-in, and the ETA (hub_plugin/priority.py, hub_plugin/eta.py, hub_plugin/queue.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from gpupool.hub_plugin import eta, priority, queue
+from gpupool.hub_plugin.priority import Asking, Held
+from gpupool.hub_plugin.scheduler import Demand
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def held(lease_id, owner="ann", gpus=1.0, cls="interactive", *, busy=False, idle=0.0, started=0.0,
+         preemptible=False, timeout=1800.0):
+    return Held(lease_id, owner, gpus, cls, preemptible, busy, at(started),
+                None if busy else at(idle), None if busy else at(idle + timeout))
+
+
+def asking(lease_id, owner="zoe", gpus=1.0, cls="interactive", created=100.0):
+    return Asking(lease_id, owner, gpus, cls, at(created))
+
+
+def plan(held_, asking_, *, guaranteed=None, allow=True):
+    return priority.plan(held_, asking_, grace=120, notice=30, allow_preemption=allow,
+                         guaranteed_gpus=guaranteed or {})
+
+
+# -- class order ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, expected", [
+    # (id, owner, class, created): interactive before batch, whatever the age or the owner's last use
+    ([("b", "bob", "batch", 0), ("i", "ann", "interactive", 10)], ["i", "b"]),
+    ([("i2", "ann", "interactive", 5), ("b", "bob", "batch", 0), ("i1", "cid", "interactive", 9)], ["i2", "i1", "b"]),
+    ([("b2", "bob", "batch", 5), ("b1", "cid", "batch", 1)], ["b1", "b2"]),
+])
+def test_interactive_goes_first(rows, expected):
+    waiting = [queue.Waiting(i, o, Demand(0.5), at(c), cls) for i, o, cls, c in rows]
+    assert [w.lease_id for w in queue.order(waiting, {})] == expected
+    assert queue.positions([(i, o, at(c), cls) for i, o, cls, c in rows], {}) == \
+        {lease_id: place for place, lease_id in enumerate(expected, start=1)}
+
+
+def test_newest_position_counts_every_interactive_request_before_a_batch_one():
+    counts = {("ann", "interactive"): 2, ("bob", "batch"): 1, ("cid", "batch"): 1}
+    last = {"ann": at(50), "bob": None, "cid": at(10)}
+    assert queue.newest_position("cid", "batch", counts, last) == 4  # ann's 2, bob's 1 (never used), its own
+    assert queue.newest_position("ann", "interactive", counts, last) == 2  # batch ones are behind
+
+
+def test_drain_places_interactive_first_when_only_one_fits():
+    from gpupool.hub_plugin.scheduler import GPUState
+    gpu = [GPUState("g0", "n0", "A100", 0, 80 * 2**30, 79 * 2**30)]
+    waiting = [queue.Waiting("b", "bob", Demand(1.0), at(0), "batch"),
+               queue.Waiting("i", "ann", Demand(1.0), at(60), "interactive")]
+    assert [item.lease_id for item, _ in queue.drain(waiting, gpu, {}, at(70))] == ["i"]
+
+
+@pytest.mark.parametrize("value", ["urgent", "", None, "BATCH"])
+def test_unknown_class_is_refused_naming_the_classes(value):
+    with pytest.raises(ValueError, match="interactive, batch"):
+        priority.check_class(value)
+
+
+# -- guaranteed vs over quota ---------------------------------------------------------------
+
+@pytest.mark.parametrize("leases, share, inside", [
+    ([("a", 0.5, 0), ("b", 0.5, 10), ("c", 0.5, 20)], 1.0, {"a", "b"}),   # oldest first, within 1 GPU
+    ([("a", 2.0, 0), ("b", 0.5, 10)], 1.0, set()),                        # the oldest is too big: none
+    ([("a", 0.5, 0)], 0.0, set()),                                        # no guarantee: all over quota
+    ([("a", 0.5, 5), ("b", 0.5, 0)], 0.5, {"b"}),                         # by start, not by id
+])
+def test_guaranteed_share(leases, share, inside):
+    rows = [held(i, gpus=g, started=s) for i, g, s in leases]
+    assert priority.guaranteed(rows, {"ann": share}) == inside
+
+
+# -- pressure parks ------------------------------------------------------------------------
+
+def test_no_waiter_no_pressure():
+    assert plan([held("a", idle=0)], []) == priority.NO_PRESSURE
+
+
+def test_idle_lease_parked_after_grace_from_the_later_of_idle_and_asked():
+    decided = plan([held("a", idle=0), held("b", owner="bob", idle=500)], [asking("q", created=100)])
+    # a has been idle longest: it alone covers the 1 GPU asked, 120 s after the request came
+    assert decided.parks == {"a": priority.EarlyPark(at(220), "parked early: 1 person is waiting for a GPU")}
+    both = plan([held("a", idle=0), held("b", owner="bob", idle=500)],
+                [asking("q", created=100), asking("r", owner="yan", created=110)])
+    assert both.parks["b"].deadline == at(620)  # idle after the request: grace from its own idle start
+    assert both.parks["b"].reason == "parked early: 2 people are waiting for a GPU"
+
+
+def test_batch_and_over_quota_first_guaranteed_never():
+    leases = [held("int-old", idle=0), held("batch-new", owner="bob", cls="batch", idle=90),
+              held("safe", owner="cid", idle=-100)]
+    decided = plan(leases, [asking("q")], guaranteed={"cid": 1.0})
+    assert set(decided.parks) == {"batch-new"}
+    decided = plan(leases, [asking("q", gpus=2.0)], guaranteed={"cid": 1.0})
+    assert set(decided.parks) == {"batch-new", "int-old"}  # never "safe", however much waits
+
+
+def test_busy_leases_are_never_parked_and_not_preempted_without_opt_in():
+    decided = plan([held("run", busy=True), held("batch-run", cls="batch", busy=True)], [asking("q", gpus=2.0)])
+    assert decided == priority.Plan({}, {})
+
+
+def test_a_batch_waiter_presses_only_on_batch_leases():
+    decided = plan([held("int", idle=0), held("bat", owner="bob", cls="batch", idle=0)],
+                   [asking("q", cls="batch", gpus=2.0)])
+    assert set(decided.parks) == {"bat"}
+
+
+def test_no_early_park_past_the_lease_own_deadline():
+    decided = plan([held("short", idle=0, timeout=60)], [asking("q", created=0)])
+    assert decided.parks == {}  # its idle timeout (60 s) comes before the grace (120 s)
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opted, allowed, guaranteed, idle_covers, preempted", [
+    (True, True, 0.0, False, {"run"}),
+    (False, True, 0.0, False, set()),   # no opt-in: its running cell is never touched
+    (True, False, 0.0, False, set()),   # the pool allows none
+    (True, True, 1.0, False, set()),    # within its guaranteed share
+    (True, True, 0.0, True, set()),     # an idle lease frees enough: no need
+])
+def test_preemption_only_with_opt_in(opted, allowed, guaranteed, idle_covers, preempted):
+    leases = [held("run", busy=True, preemptible=opted, cls="batch")]
+    if idle_covers:
+        leases.append(held("idle", owner="bob", idle=0))
+    decided = plan(leases, [asking("q", created=100)], guaranteed={"ann": guaranteed}, allow=allowed)
+    assert set(decided.preemptions) == preempted
+    if preempted:
+        assert decided.preemptions["run"] == priority.Preemption(at(250), "preempted: 1 person is waiting for a GPU")
+
+
+def test_preemptible_refused_where_the_pool_allows_none():
+    assert priority.preemption_refusal(True, True) is None
+    assert priority.preemption_refusal(False, False) is None
+    assert "c.GPUPool.allow_preemption = False" in priority.preemption_refusal(True, False)
+
+
+# -- ETA -----------------------------------------------------------------------------------
+
+def holding(gpus=1.0, cls="interactive", *, busy=True, started=0.0, deadline=None):
+    return eta.Holding(gpus, cls, busy, at(started), None if deadline is None else at(deadline))
+
+
+NOW = at(1000)
+
+
+@pytest.mark.parametrize("ahead, leases, typical, expected", [
+    # one idle lease parked at 1200 under pressure: the first waiter then
+    ([1.0], [holding(busy=False, deadline=1200)], {}, [200.0]),
+    # a batch run started at 0 that typically takes 3000 s, and an idle one due at 1500
+    ([1.0, 1.0], [holding(cls="batch", started=0), holding(busy=False, deadline=1500)], {"batch": 3000.0},
+     [500.0, 2000.0]),
+    # two halves free one GPU: the 1-GPU waiter needs both
+    ([1.0], [holding(0.5, busy=False, deadline=1100), holding(0.5, busy=False, deadline=1300)], {}, [300.0]),
+    # nothing known of interactive runs: no guess
+    ([1.0], [holding(started=0)], {}, [None]),
+    # ran past its typical length: now + half of it
+    ([1.0], [holding(started=0)], {"interactive": 600.0}, [300.0]),
+    # a deadline already past (the sweep is about to act): 0
+    ([0.5, 0.5, 1.0], [holding(busy=False, deadline=900)], {}, [0.0, 0.0, None]),
+])
+def test_eta(ahead, leases, typical, expected):
+    assert eta.eta_seconds(ahead, leases, typical, NOW) == expected
+
+
+def test_typical_lengths_by_class():
+    assert eta.typical_lengths([("batch", 10.0), ("batch", 30.0), ("batch", 20.0), ("interactive", 5.0)]) == \
+        {"batch": 20.0, "interactive": 5.0}
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ({"group:a": {"guaranteed_gpus": None}, "group:b": {"guaranteed_gpus": 1.0}}, 1.0),  # None is nothing here
+    ({"group:a": {"guaranteed_gpus": 0.5}, "group:b": {"guaranteed_gpus": 2.0}}, 2.0),
+    ({}, None),
+])
+def test_the_most_generous_guarantee_is_the_largest(groups, expected):
+    from gpupool.hub_plugin.quotas import parse_table, resolve
+    assert resolve("ann", ("a", "b"), parse_table(groups)).guaranteed_gpus == expected
+
+
+# -- the notebook's side: class, park and preemption timing (magics) ---------------------
+
+@pytest.mark.parametrize("batch, environ, expected", [
+    (False, {}, "interactive"),
+    (True, {}, "batch"),
+    (False, {"GPUPOOL_LEASE_CLASS": "batch"}, "batch"),           # a kernelspec's env, or papermill's run
+    (True, {"GPUPOOL_LEASE_CLASS": "interactive"}, "batch"),      # the flag wins
+])
+def test_requested_class(batch, environ, expected):
+    from gpupool.magics.classes import requested_class
+    assert requested_class(batch, environ) == expected
+
+
+def test_an_unknown_class_in_the_environment_is_refused_naming_the_variable():
+    from gpupool.magics.classes import requested_class
+    with pytest.raises(ValueError, match="GPUPOOL_LEASE_CLASS='urgent' is not a lease class; use one of interactive"):
+        requested_class(False, {"GPUPOOL_LEASE_CLASS": "urgent"})
+
+
+def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None):
+    from gpupool.schema import Lease, LeaseState, isoformat
+    def moment(seconds):  # from T0 + 1000 s, "now" in these tests
+        return None if seconds is None else isoformat(at(1000 + seconds))
+
+    return Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=1.0, gpu_count=1, memory=1,
+                 idle_timeout=1800.0, idle_since=moment(None if idle_for is None else -idle_for),
+                 idle_deadline=moment(deadline_in), preempt_at=moment(preempt_in), pressure=pressure)
+
+
+def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
+    from gpupool.magics.park import idle_span, park_due, park_reason, seconds_to_reclaim
+    early = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 2 people are waiting for a GPU")
+    assert seconds_to_reclaim(early, at(1000)) == 20.0 and idle_span(early) == 120.0
+    assert not park_due(early, ahead=5, interval=1, now=at(1000))
+    assert park_due(early, ahead=5, interval=1, now=at(1015))
+    assert park_reason(early) == "parked early: 2 people are waiting for a GPU"
+    assert park_reason(client_lease(idle_for=100, deadline_in=1700)) == "parked after idle"
+
+
+@pytest.mark.parametrize("preempt_in, told_for, expected", [
+    (None, 60.0, False),   # not preempted
+    (5.0, 60.0, False),    # not yet
+    (-1.0, 0.5, False),    # due, but the notebook said so only 0.5 s ago
+    (-1.0, 10.0, True),
+])
+def test_preemption_is_due_at_its_time_and_after_the_notice(preempt_in, told_for, expected):
+    from gpupool.magics.park import preempt_due
+    assert preempt_due(client_lease(preempt_in=preempt_in), told_for, 10.0, now=at(1000)) is expected
+
+
+def test_status_shows_why_the_countdown_is_short():
+    from gpupool.tables import idle_countdown
+    lease = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 1 person is waiting for a GPU")
+    assert idle_countdown(lease, now=at(1000)) == "20s (parked early: 1 person is waiting for a GPU)"
