@@ -28,7 +28,8 @@ alone with ``time.perf_counter_ns``:
 
 Placement is fragmentation-aware (``scheduler.DEFAULT_WORKLOAD`` as the expected mix). Nodes have
 hosts of 64 cores and 1 TiB (``HOST_CPUS``, ``HOST_MEMORY``) and requests take the default
-(proportional) host share, so at this load the host binds on most nodes (every dimension is weighed).
+(proportional) host share: every dimension is checked, and the host never binds (``hosts.binds``),
+so this measures what the host dimensions cost on the common path.
 
 Refusals are decisions too (the request is dropped). Writes the
 "Scheduler" section of bench/REPORT.md unless ``--no-report``.

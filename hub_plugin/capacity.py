@@ -102,20 +102,17 @@ def environment_offer(reported: list[dict[str, Any]] | None) -> tuple[frozenset[
 
 def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
     """Node -> its host (cores, RAM, GPU count, what holding leases take), for
-    the nodes (of ``nodes`` only, when given) whose agent reported a host."""
-    query = select(Node.name, Node.host_cpus, Node.host_memory).where(Node.host_cpus.is_not(None),
-                                                                       Node.host_memory.is_not(None))
-    counts = select(GPU.node_name, func.count()).group_by(GPU.node_name)
-    taken = (select(Lease.node_name, func.coalesce(func.sum(Lease.cpus), 0.0),
-                    func.coalesce(func.sum(Lease.host_memory), 0))
-             .where(Lease.state.in_(HOLDING), Lease.node_name.is_not(None)).group_by(Lease.node_name))
+    the nodes (of ``nodes`` only, when given) whose agent reported a host. One query."""
+    holding = (Lease.node_name == Node.name) & Lease.state.in_(HOLDING)
+    query = select(Node.name, Node.host_cpus, Node.host_memory,
+                   select(func.count()).where(GPU.node_name == Node.name).scalar_subquery(),
+                   select(func.coalesce(func.sum(Lease.cpus), 0.0)).where(holding).scalar_subquery(),
+                   select(func.coalesce(func.sum(Lease.host_memory), 0)).where(holding).scalar_subquery(),
+                   ).where(Node.host_cpus.is_not(None), Node.host_memory.is_not(None))
     if nodes is not None:
-        query, counts = query.where(Node.name.in_(nodes)), counts.where(GPU.node_name.in_(nodes))
-        taken = taken.where(Lease.node_name.in_(nodes))
-    gpus = dict(session.execute(counts).all())
-    used = {name: (float(cpus), int(memory)) for name, cpus, memory in session.execute(taken)}
-    return {name: HostState(name, cpus, memory, gpus.get(name, 0), *used.get(name, (0.0, 0)))
-            for name, cpus, memory in session.execute(query)}
+        query = query.where(Node.name.in_(nodes))
+    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory))
+            for name, cpus, memory, gpus, used_cpus, used_memory in session.execute(query)}
 
 
 # -- marks that writers leave in their transaction (session.info), read by LeaseBook.writing --------------------
