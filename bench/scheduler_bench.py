@@ -11,6 +11,8 @@ alone with ``time.perf_counter_ns``:
 - ``index``: :class:`gpupool.hub_plugin.placement_index.PlacementIndex`,
   which returns ``scheduler.place()``'s exact answer (tests/test_scheduler.py
   checks it) without scanning every GPU;
+- ``index, GPU only``: the same without host CPUs and memory (nodes that
+  report no host), to show what the host dimensions cost;
 - ``full scan``: ``scheduler.place(demand, all GPUs)`` (fewer decisions: it is slow);
 - ``service``: the service's own path on a SQLite store, one write
   transaction per decision as ``LeaseBook.create`` runs it: the capacity
@@ -24,7 +26,10 @@ alone with ``time.perf_counter_ns``:
   other node also offers the worker environment ``torch``, a share ``S`` of
   the requests naming it (a node filter: the index skips the other nodes).
 
-Placement is fragmentation-aware (``scheduler.DEFAULT_WORKLOAD`` as the expected mix).
+Placement is fragmentation-aware (``scheduler.DEFAULT_WORKLOAD`` as the expected mix). Nodes have
+hosts of 64 cores and 1 TiB (``HOST_CPUS``, ``HOST_MEMORY``) and requests take the default
+(proportional) host share: every dimension is checked, and the host never binds (``hosts.binds``),
+so this measures what the host dimensions cost on the common path.
 
 Refusals are decisions too (the request is dropped). Writes the
 "Scheduler" section of bench/REPORT.md unless ``--no-report``.
@@ -44,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from gpupool.hub_plugin.hosts import HostState  # noqa: E402
 from gpupool.hub_plugin.placement_index import PlacementIndex  # noqa: E402
 from gpupool.hub_plugin.scheduler import Demand, GPUState, Placement, place  # noqa: E402
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
@@ -53,6 +59,8 @@ WHOLE = (2, 4, 8)
 WHOLE_SHARE = 0.03
 TARGET_ALLOCATED = 0.97
 MEMORY = 80 * 10**9
+#: Each node's host: 64 cores and 1 TiB for 8 GPUs (a DGX A100 has 128 and 2 TiB); requests take the default share.
+HOST_CPUS, HOST_MEMORY = 64, 2**40
 
 
 ENVS = (frozenset({"default"}), frozenset({"default", "torch"}))  # of even and odd nodes
@@ -64,6 +72,10 @@ def pool(size: int) -> list[GPUState]:
             for i in range(size)]
 
 
+def hosts(size: int) -> dict[str, HostState]:
+    return {f"node-{n:04d}": HostState(f"node-{n:04d}", HOST_CPUS, HOST_MEMORY, 8) for n in range(size // 8)}
+
+
 def demand(rng: random.Random, env_share: float = 0.0) -> Demand:
     env = "torch" if env_share and rng.random() < env_share else None
     if rng.random() < WHOLE_SHARE:
@@ -71,11 +83,12 @@ def demand(rng: random.Random, env_share: float = 0.0) -> Demand:
     return Demand(rng.choices([f for f, _ in SLICES], [w for _, w in SLICES])[0], env=env)
 
 
-def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float = 0.0) -> dict[str, float]:
-    """Churn on a pool of ``size`` GPUs; a share ``env_share`` of requests names
-    the environment half the nodes offer. Returns rates and latencies (ms)."""
+def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float = 0.0,
+        with_hosts: bool = True) -> dict[str, float]:
+    """Churn on a pool of ``size`` GPUs (nodes with hosts unless not ``with_hosts``); a share ``env_share``
+    of requests names the environment half the nodes offer. Returns rates and latencies (ms)."""
     rng = random.Random(seed)
-    index = PlacementIndex(pool(size))
+    index = PlacementIndex(pool(size), hosts=hosts(size) if with_hosts else None)
     held: list[Placement] = []
     allocated = 0.0
     latencies: list[int] = []
@@ -89,7 +102,7 @@ def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float 
             continue
         ask = demand(rng, env_share)
         start = time.perf_counter_ns()
-        decision = place(ask, index.all(), index.workload) if full_scan else index.place(ask)
+        decision = place(ask, index.all(), index.workload, hosts=index.hosts) if full_scan else index.place(ask)
         latencies.append(time.perf_counter_ns() - start)
         if isinstance(decision, Placement):
             placed += 1
@@ -101,7 +114,7 @@ def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float 
 
 def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[str, float]:
     """The churn of :func:`run` through the service's store and capacity index (module docstring)."""
-    from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, mark_gpus
+    from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, host_states, mark_gpus
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node, new_lease_id
     from gpupool.hub_plugin.scheduler import DEFAULT_WORKLOAD
@@ -114,7 +127,8 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
             for n in range(size // 8):
                 name = f"node-{n:04d}"
                 session.add(Node(name=name, url="http://127.0.0.1:9", inventory="simulated", state="up",
-                                 registered_at=now, last_heartbeat_at=now,
+                                 registered_at=now, last_heartbeat_at=now, host_cpus=HOST_CPUS,
+                                 host_memory=HOST_MEMORY,
                                  gpus=[GPU(uuid=f"GPU-{n * 8 + i}", name="NVIDIA A100-SXM4-80GB", index=i,
                                            memory_total=MEMORY, memory_reserved=0, healthy=True)
                                        for i in range(8)]))
@@ -135,7 +149,7 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
             with store.write() as session:
                 store.lock_capacity(session)
                 if full_scan:
-                    decision = place(ask, gpu_states(session, 0), DEFAULT_WORKLOAD)
+                    decision = place(ask, gpu_states(session, 0), DEFAULT_WORKLOAD, hosts=host_states(session))
                 else:
                     decision = capacity.get(session, DEFAULT_WORKLOAD).place(ask)
                     if isinstance(decision, Placement) and not capacity.verify(session, decision):
@@ -144,6 +158,7 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
                     lease_id = new_lease_id()
                     session.add(Lease(id=lease_id, owner="bench", state="active", fraction=decision.fraction,
                                       gpu_count=len(decision.gpus), memory=decision.memory, node_name=decision.node,
+                                      cpus=decision.cpus, host_memory=decision.host_memory,
                                       idle_timeout=1800, heartbeat_ttl=60, created_at=now, usage_gpu_seconds=0.0,
                                       groups=[], gpus=[LeaseGPU(gpu_uuid=u, name="A100", index=0)
                                                        for u in decision.gpus]))
@@ -207,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in (1_000, 10_000):
         rows.append(("index", run(size, args.decisions, args.seed, full_scan=False)))
+        rows.append(("index, GPU only", run(size, args.decisions, args.seed, full_scan=False, with_hosts=False)))
         rows.append(("full scan", run(size, args.full_scan_decisions, args.seed, full_scan=True)))
         rows.append(("service", service_run(size, args.service_decisions, args.seed, full_scan=False)))
         rows.append(("service, full scan", service_run(size, args.full_scan_decisions // 10, args.seed,
@@ -214,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.env_share:
             rows.append(("index, env", run(size, args.decisions, args.seed, full_scan=False,
                                            env_share=args.env_share)))
-        for name, r in rows[-5 if args.env_share else -4:]:
+        for name, r in rows[-6 if args.env_share else -5:]:
             print(f"{name:18} {size:6,} GPUs: {r['per_s']:9,.0f} decisions/s  p50 {r['p50_ms']:.3f} ms  "
                   f"p99 {r['p99_ms']:.3f} ms  max {r['max_ms']:.2f} ms  placed {r['placed']:.0%}", flush=True)
     command = ".venv/bin/python bench/scheduler_bench.py" + "".join(

@@ -22,6 +22,9 @@ from .errors import bad_request
 MIN_FRACTION = 0.01
 #: The smallest memory limit a request may name (the agent works in whole MiB).
 MIN_MEMORY = 1024**2
+#: Host cores a request may name: the cgroup quota works in 1/100 of a core.
+MIN_CPUS = 0.01
+MAX_CPUS = 4096
 #: The largest byte count on the wire (1 PiB): a GPU's memory, a limit, a reading.
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
@@ -162,6 +165,20 @@ def kernel_environment(kernel_name: str | None) -> str | None:
     return name if ENV_NAME.fullmatch(name) else None
 
 
+def _host_ask(body: dict[str, Any]) -> tuple[float | None, int | None]:
+    """``cpus`` (cores, 0.01 to :data:`MAX_CPUS`) and ``host_memory`` (whole
+    bytes, 1 MiB to 2**50) of a request, None when absent; 400 naming the field."""
+    cpus = _number(body, "cpus")
+    if cpus is not None and not MIN_CPUS <= cpus <= MAX_CPUS:
+        raise bad_request(f"'cpus' must be host cores from {MIN_CPUS} to {MAX_CPUS} (more than zero), "
+                          f"got {body['cpus']!r}")
+    memory = _number(body, "host_memory")
+    if memory is not None and (memory < MIN_MEMORY or memory != int(memory) or memory > 2**50):
+        raise bad_request(f"'host_memory' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50 "
+                          f"(more than zero), got {body['host_memory']!r}")
+    return cpus, None if memory is None else int(memory)
+
+
 @dataclass(frozen=True)
 class LeaseRequest:
     """What a client asks for with ``POST /api/v1/leases``.
@@ -187,6 +204,9 @@ class LeaseRequest:
     notebook) or ``"batch"`` (queued behind every interactive request);
     ``preemptible``: the lease's running cell may be interrupted and the lease
     parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
+    ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
+    the node's host, held for the lease and enforced on its worker's cgroup;
+    None: the GPU share's part of the node's (``c.GPUPool.host_share``).
     """
 
     fraction: float = 1.0
@@ -201,9 +221,11 @@ class LeaseRequest:
     prefer_env: str | None = None
     lease_class: str | None = None
     preemptible: bool | None = None
+    cpus: float | None = None
+    host_memory: int | None = None
 
     KEYS = ("fraction", "gpu_count", "memory", "model", "idle_timeout", "kernel_id", "wait", "server_name", "env",
-            "prefer_env", "lease_class", "preemptible")
+            "prefer_env", "lease_class", "preemptible", "cpus", "host_memory")
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -248,10 +270,12 @@ class LeaseRequest:
         preemptible = body.get("preemptible")
         if preemptible is not None and not isinstance(preemptible, bool):
             raise bad_request(f"'preemptible' must be true or false, got {preemptible!r:.80}")
+        cpus, host_memory = _host_ask(body)
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
                    model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
                    wait=wait or None, server_name=server, env=_env_name(body, "env"),
-                   prefer_env=_env_name(body, "prefer_env"), lease_class=lease_class, preemptible=preemptible)
+                   prefer_env=_env_name(body, "prefer_env"), lease_class=lease_class, preemptible=preemptible,
+                   cpus=cpus, host_memory=host_memory)
 
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
@@ -358,6 +382,9 @@ class Lease:
     #: worker runs in (the node's default when none was asked for; None when
     #: the node reports no environments).
     env: str | None = None
+    #: Host cores and bytes held on the node and enforced on the worker (None: the node reports no host).
+    cpus: float | None = None
+    host_memory: int | None = None
     reason: str | None = None
     idle_timeout: float | None = None
     heartbeat_ttl: float | None = None

@@ -49,7 +49,7 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
     """One row per lease: id, state, node, worker environment (``-`` while
     unknown: queued without one asked for, or a node that reports none), GPU,
-    share, class, memory used / limit, GPU utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
+    share, class, memory used / limit, host CPUs and memory, GPU utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
     the whole GPU's, shared by its leases), worker state, idle countdown, and
     the reason once it ended. Unknown readings say ``unknown``, never 0."""
     rows = []
@@ -62,11 +62,12 @@ def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | 
         memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
         utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
         util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
-        rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, util,
-                     worker.get("execution_state", "-") if live else "-",
+        host = "-" if lease.cpus is None else f"{lease.cpus:g} CPUs, {format_bytes(lease.host_memory)}"
+        rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host,
+                     util, worker.get("execution_state", "-") if live else "-",
                      idle_countdown(lease) if live else (lease.reason or "-")])
-    return table(["lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "GPU util",
-                  "worker",
+    return table(["lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "host",
+                  "GPU util", "worker",
                   "idle release in / reason"], rows)
 
 

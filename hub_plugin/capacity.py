@@ -17,11 +17,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState
 
+from .hosts import HostState
 from .models import GPU, Lease, LeaseGPU, Node
 from .placement_index import PlacementIndex
 from .scheduler import GPUState, Placement, Workload
@@ -99,6 +100,21 @@ def environment_offer(reported: list[dict[str, Any]] | None) -> tuple[frozenset[
             next((e["name"] for e in envs if e.get("default")), None))
 
 
+def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
+    """Node -> its host (cores, RAM, GPU count, what holding leases take), for
+    the nodes (of ``nodes`` only, when given) whose agent reported a host. One query."""
+    holding = (Lease.node_name == Node.name) & Lease.state.in_(HOLDING)
+    query = select(Node.name, Node.host_cpus, Node.host_memory,
+                   select(func.count()).where(GPU.node_name == Node.name).scalar_subquery(),
+                   select(func.coalesce(func.sum(Lease.cpus), 0.0)).where(holding).scalar_subquery(),
+                   select(func.coalesce(func.sum(Lease.host_memory), 0)).where(holding).scalar_subquery(),
+                   ).where(Node.host_cpus.is_not(None), Node.host_memory.is_not(None))
+    if nodes is not None:
+        query = query.where(Node.name.in_(nodes))
+    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory))
+            for name, cpus, memory, gpus, used_cpus, used_memory in session.execute(query)}
+
+
 # -- marks that writers leave in their transaction (session.info), read by LeaseBook.writing --------------------
 
 def mark_gpus(session: Session, uuids: Collection[str]) -> None:
@@ -151,7 +167,7 @@ class CapacityIndex:
         if self._index is not None and (self._gpus or self._nodes):
             self._refresh(session)
         if self._index is None:
-            self._index = PlacementIndex(gpu_states(session, self.context_overhead), workload)
+            self._index = PlacementIndex(gpu_states(session, self.context_overhead), workload, host_states(session))
         self._gpus.clear()
         self._nodes.clear()
         self._index.workload = workload
@@ -169,6 +185,9 @@ class CapacityIndex:
             return
         for state in fresh:
             index.update(state)
+        nodes = {index.states[u].node for u in uuids if u in index.states}
+        for host in host_states(session, nodes).values():
+            index.update_host(host)
 
     def verify(self, session: Session, placement: Placement) -> bool:
         """True when the store agrees with the index on ``placement``'s GPUs;
@@ -179,7 +198,10 @@ class CapacityIndex:
                         .with_for_update()).all()
         fresh = gpu_states(session, self.context_overhead, placement.gpus)
         states = self._index.states if self._index is not None else {}
-        if len(fresh) == len(placement.gpus) and all(_same_capacity(s, states.get(s.uuid)) for s in fresh):
+        hosts = self._index.hosts if self._index is not None else {}
+        host = host_states(session, [placement.node]).get(placement.node)
+        if len(fresh) == len(placement.gpus) and all(_same_capacity(s, states.get(s.uuid)) for s in fresh) \
+                and _same_host(host, hosts.get(placement.node)):
             return True
         log.warning("the in-memory pool view disagreed with the store on %s; reading every GPU again",
                     ", ".join(placement.gpus))
@@ -193,3 +215,11 @@ def _same_capacity(a: GPUState, b: GPUState | None) -> bool:
               "node_degraded", "whole_only", "environments", "default_env")
     return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and all(
         getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def _same_host(a: HostState | None, b: HostState | None) -> bool:
+    """Equal hosts (cores compared to float noise)."""
+    if a is None or b is None:
+        return a is b
+    return (a.memory, a.gpus, a.memory_allocated) == (b.memory, b.gpus, b.memory_allocated) and \
+        abs(a.cpus - b.cpus) <= 1e-6 and abs(a.cpus_allocated - b.cpus_allocated) <= 1e-6

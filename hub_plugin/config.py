@@ -8,7 +8,7 @@ through :mod:`gpupool.traits`; the value stored is seconds or bytes.
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Enum, Integer, List, Set, TraitError, Union, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Set, TraitError, Union, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -167,6 +167,22 @@ class GPUPool(Configurable):
         GPU's memory before it is shared out. Default: 512 MiB.
         ``c.GPUPool.context_overhead = "1GiB"``.""",
     ).tag(config=True)
+
+    host_share = Float(
+        1.0,
+        help="""Host CPUs and RAM a lease gets when its request names none
+        (``%gpu acquire 0.5`` without ``--cpus`` / ``--host-memory``), as a
+        multiple of its GPU share of the node: half a GPU on a node of 8 GPUs,
+        64 cores and 512 GiB is 1/16 of it, 4 cores and 32 GiB at 1.0. In
+        (0, 1]; below 1 leaves host room for leases that ask for more.
+        Default: 1.0 (proportional). ``c.GPUPool.host_share = 0.5``.""",
+    ).tag(config=True)
+
+    @validate("host_share")
+    def _check_host_share(self, proposal):
+        if not 0 < proposal.value <= 1:
+            raise TraitError(f"c.GPUPool.host_share must be in (0, 1], got {proposal.value!r}")
+        return proposal.value
 
     authenticate_prometheus = Bool(
         True,

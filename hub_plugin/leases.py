@@ -44,6 +44,7 @@ from .auth import Identity
 from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
+from .hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .pressure import Pressure
 from .priority import INTERACTIVE, preemption_refusal
@@ -197,13 +198,15 @@ class LeaseBook:
             # then see every lease committed before, and no other decision interleaves.
             self.store.lock_capacity(session)
             env = self._environment(session, request)
-            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env)
+            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
+                            request.host_memory, self.settings.host_share)
             limits = self.quotas.limits(session, who.name, groups)
             idle_timeout = self._idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             try:
                 self.quotas.enforce(session, who.name, limits, request.fraction * request.gpu_count, now)
                 held, queued = self._counts(session, who.name)
                 self._check_cap("max_active_per_user", held)
+                self._check_host(session, demand)
             except GPUPoolError as exc:
                 self._refused_by_limit(exc)
                 raise
@@ -221,7 +224,8 @@ class LeaseBook:
                           idle_timeout=idle_timeout, heartbeat_ttl=self.settings.heartbeat_ttl,
                           created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
                           requested_memory=request.memory, server_name=request.server_name, env=env,
-                          lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible))
+                          lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible),
+                          requested_cpus=request.cpus, requested_host_memory=request.host_memory)
             if isinstance(decision, Placement):
                 where = self._assign(session, lease, decision, now)
             else:
@@ -258,6 +262,12 @@ class LeaseBook:
                      "or wait until one is placed")
         raise GPUPoolError("quota_exceeded", f"too many requests: {words}; an admin can raise "
                            f"c.GPUPool.{name}", 429, limit=name, cap=cap)
+
+    def _check_host(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` names more host CPUs or memory than the biggest node has."""
+        words = beyond_every_node(demand, self.capacity.get(session, self._workload(session)).hosts)
+        if words is not None:
+            raise bad_request(words, limit="host")
 
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
         if self._on_refusal is not None:  # counted by limit, beside the scheduler's reasons
@@ -306,6 +316,7 @@ class LeaseBook:
         gpus = {g.uuid: g for g in session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
         lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
         lease.env = decision.env  # the node's default when the request named none: %gpu status shows it
+        lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
         where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
         _transition(session, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
@@ -370,7 +381,8 @@ class LeaseBook:
                 return None
             node = session.get(Node, lease.node_name)
             body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
-                    "fraction": lease.fraction, "memory": lease.memory}
+                    "fraction": lease.fraction, "memory": lease.memory,
+                    **host_limits(lease, node)}
             if lease.env is not None:
                 # Placed where the agent reported it usable; one restarted since without it refuses, in words.
                 body["env"] = lease.env
@@ -551,14 +563,16 @@ class LeaseBook:
         whole, so a thousand queued requests cost one light query."""
         rows = [row for row in session.execute(
             select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count, Lease.requested_memory, Lease.model,
-                   Lease.env, Lease.created_at, Lease.wait_until, Lease.groups, Lease.lease_class).where(
-                       Lease.state == QUEUED))
+                   Lease.env, Lease.requested_cpus, Lease.requested_host_memory, Lease.created_at, Lease.wait_until,
+                   Lease.groups, Lease.lease_class).where(Lease.state == QUEUED))
             if row.wait_until is None or row.wait_until > now]
         if not rows:
             return [], {}
         over = self._over_quota(session, rows, now)
+        share = self.settings.host_share
         waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
-                                                                row.model, row.env), row.created_at,
+                                                                row.model, row.env, row.requested_cpus,
+                                                                row.requested_host_memory, share), row.created_at,
                                                          row.lease_class)
                    for row in rows if row.id not in over]
         owners = {w.owner for w in waiting}
@@ -813,7 +827,8 @@ class QueueView:
 
 def _waiting(lease: Lease) -> wait_queue.Waiting:
     return wait_queue.Waiting(lease.id, lease.owner,
-                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env),
+                              Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env,
+                                     lease.requested_cpus, lease.requested_host_memory),
                               lease.created_at)
 
 

@@ -63,6 +63,9 @@ class Node(Base):
     state_reason: Mapped[str | None] = mapped_column(String(500))
     #: Revision 0005: the worker environments its agent offers, as it reported them.
     environments: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    #: Revision 0007: its host's cores and RAM (bytes) as the agent reported them (None: not reported).
+    host_cpus: Mapped[float | None] = mapped_column(Float)
+    host_memory: Mapped[int | None] = mapped_column(BigInteger)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -145,6 +148,12 @@ class Lease(Base):
     #: its running cell may be preempted under pressure.
     lease_class: Mapped[str] = mapped_column(String(12), default="interactive", server_default="interactive")
     preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    #: Revision 0007: host cores and bytes the lease holds on its node (None: its node reports no host),
+    #: and what the request named (None: the default share), kept for the queue.
+    cpus: Mapped[float | None] = mapped_column(Float)
+    host_memory: Mapped[int | None] = mapped_column(BigInteger)
+    requested_cpus: Mapped[float | None] = mapped_column(Float)
+    requested_host_memory: Mapped[int | None] = mapped_column(BigInteger)
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

@@ -24,8 +24,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import (MAX_BYTES, GPUInfo, LeaseState, WorkerReport, has_control_characters, is_unicode,
-                            parse_time)
+from gpupool.schema import (MAX_BYTES, MAX_CPUS, GPUInfo, LeaseState, WorkerReport, has_control_characters,
+                            is_unicode, parse_time)
 
 from .capacity import mark_all, mark_gpus, mark_node
 from .leases import LeaseBook
@@ -65,8 +65,9 @@ class NodeBook:
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         error = _inventory_error(body)
         environments = _environments(body)
+        host = _host(body)
         stop, dead = await self.leases.work.write(self._register_now, name, url, inventory, enforcement, infos,
-                                                  healthy, reports, error, environments)
+                                                  healthy, reports, error, environments, host)
         if error is None:
             log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
         else:
@@ -75,7 +76,7 @@ class NodeBook:
         await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
 
-    def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments):
+    def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments, host):
         now = self.leases.now()
         with self.leases.writing() as session:
             node = session.get(Node, name)
@@ -86,6 +87,7 @@ class NodeBook:
                 _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
             node.url, node.inventory, node.enforcement = url, inventory, enforcement
             node.environments = environments
+            node.host_cpus, node.host_memory = host
             node.registered_at, node.last_heartbeat_at = now, now
             _set_state(node, error)
             if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
@@ -283,6 +285,19 @@ def _inventory_error(body: dict[str, Any]) -> str | None:
                               or has_control_characters(value)):
         raise bad_request("'inventory_error' must be null or words of 1 to 500 characters without control characters")
     return value
+
+
+def _host(body: dict[str, Any]) -> tuple[float | None, int | None]:
+    """The optional ``host_cpus`` (cores) and ``host_memory`` (bytes) of a
+    registration, both or neither ((None, None): not reported)."""
+    cpus, memory = body.get("host_cpus"), body.get("host_memory")
+    if cpus is None and memory is None:
+        return None, None
+    if (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= MAX_CPUS
+            or isinstance(memory, bool) or not isinstance(memory, int) or not 0 < memory <= MAX_BYTES):
+        raise bad_request(f"'host_cpus' (cores in (0, {MAX_CPUS}]) and 'host_memory' (bytes in (0, 2**50]) go "
+                          f"together, got {cpus!r:.40} and {memory!r:.40}")
+    return float(cpus), memory
 
 
 def _environments(body: dict[str, Any]) -> list[dict[str, Any]] | None:

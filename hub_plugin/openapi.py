@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gpupool.schema import LEASE_CLASSES, MAX_BYTES, MIN_FRACTION, MIN_MEMORY, LeaseState
+from gpupool.schema import LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MIN_CPUS, MIN_FRACTION, MIN_MEMORY, LeaseState
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -102,7 +102,13 @@ _SCHEMAS: dict[str, Any] = {
                         "description": "batch requests queue behind every interactive one"},
         "preemptible": {"type": ["boolean", "null"], "default": False,
                         "description": "the running cell may be interrupted and the lease parked while others "
-                        "wait; 400 where c.GPUPool.allow_preemption is off"}},
+                        "wait; 400 where c.GPUPool.allow_preemption is off"},
+        "cpus": {"type": ["number", "null"], "minimum": MIN_CPUS, "maximum": MAX_CPUS,
+                 "description": "host cores for the worker (its cgroup's CPU limit); absent: the GPU share's "
+                 "part of the node's cores (c.GPUPool.host_share); 400 above the biggest node's"},
+        "host_memory": {"type": ["integer", "null"], "minimum": MIN_MEMORY, "maximum": 2**50,
+                        "description": "bytes of host RAM for the worker (its cgroup's memory limit); absent: "
+                        "the GPU share's part of the node's RAM; 400 above the biggest node's"}},
         # Several GPUs are whole GPUs.
         "if": {"required": ["gpu_count"], "properties": {"gpu_count": {"type": "integer", "minimum": 2}}},
         "then": {"properties": {"fraction": {"enum": [1, None]}}}},
@@ -111,6 +117,9 @@ _SCHEMAS: dict[str, Any] = {
         "state": {"enum": [s.value for s in LeaseState]}, "reason": {"type": ["string", "null"]},
         "fraction": {"type": "number"}, "gpu_count": {"type": "integer"},
         "memory": {"type": "integer", "description": "bytes per GPU"}, "node": {"type": ["string", "null"]},
+        "cpus": {"type": ["number", "null"], "description": "host cores held and enforced (null: the node "
+                 "reports no host)"},
+        "host_memory": {"type": ["integer", "null"], "description": "host bytes held and enforced"},
         "gpus": {"type": "array", "items": {"type": "object", "properties": {
             "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}},
         "env": {"type": ["string", "null"], "description": "the worker environment asked for; once placed, "

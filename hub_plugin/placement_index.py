@@ -32,6 +32,15 @@ Why it is the same answer:
   nodes without it. An environment every node offers filters nothing and
   uses the main lists. :meth:`PlacementIndex.offers` says whether any GPU's
   node offers an environment at all.
+- Host CPUs and memory (``hosts``, :mod:`.hosts`): a class's first member
+  that fits is the first that fits in every dimension. A request that
+  takes the default host share cannot make a node's host bind while the
+  host has its default share of the node's free GPUs
+  (:func:`.hosts.proportional`); the other nodes ("tight": some lease there
+  named more than its share) have a growth of their own, so the classes
+  leave them out and every fitting GPU of theirs goes to ``place()``. A
+  request that names its host ask may bind anywhere: ``place()`` scans every
+  GPU for it (exact, slower).
 - When nothing fits, ``place()`` runs on every GPU, since the refusal's
   tally of reasons covers every GPU (unless the caller asks for no
   explanation: the queue only needs to know).
@@ -45,6 +54,7 @@ import math
 from collections import Counter
 from typing import Iterable
 
+from .hosts import HostState, host_misfit, proportional
 from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
                         place, slice_misfit)
 
@@ -55,25 +65,34 @@ WINDOW = 1e-8
 class PlacementIndex:
     """GPU states by UUID; partly taken GPUs sorted by free fraction; nodes
     sorted by wholly free GPUs. ``workload`` is the scheduler's expected
-    mix (assign :attr:`workload` to change it). Call :meth:`update` (or
-    :meth:`take` / :meth:`give`) whenever a GPU's state changes."""
+    mix (assign :attr:`workload` to change it). ``hosts``: node -> its host
+    (:class:`.hosts.HostState`), for nodes that report one. Call
+    :meth:`update` / :meth:`update_host` (or :meth:`take` / :meth:`give`)
+    whenever a GPU's or a host's state changes."""
 
-    def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD) -> None:
+    def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD,
+                 hosts: dict[str, HostState] | None = None) -> None:
         self.workload = workload
+        self.hosts: dict[str, HostState] = dict(hosts or {})
         self.states: dict[str, GPUState] = {}
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
+        self._free: dict[str, float] = {}  # node -> the sum of its usable GPUs' free fractions
         self._unusable = 0  # GPUs on lost nodes or unhealthy
         for gpu in gpus:
             self._unusable += _unusable(gpu)
             self.states[gpu.uuid] = gpu
             self._node_gpus.setdefault(gpu.node, []).append(gpu.uuid)
             self._idle[gpu.node] = self._idle.get(gpu.node, 0) + _whole_free(gpu)
+            self._free[gpu.node] = self._free.get(gpu.node, 0.0) + max(0.0, _usable_free(gpu))
         for uuids in self._node_gpus.values():
             uuids.sort(key=lambda u: self.states[u].index)
         self._partial = sorted(_key(g) for g in self.states.values() if not _whole_free(g))
         self._nodes = sorted((idle, node) for node, idle in self._idle.items())
         self._index_environments()
+        self._tight: set[str] = set()
+        for node in self.hosts:
+            self._retight(node)
 
     def _index_environments(self) -> None:
         """Count the GPUs offering each environment; for those only some nodes
@@ -116,6 +135,8 @@ class PlacementIndex:
             for keys in partial:
                 bisect.insort(keys, key)
         self.states[gpu.uuid] = gpu
+        self._free[gpu.node] += max(0.0, _usable_free(gpu)) - max(0.0, _usable_free(old))
+        self._retight(gpu.node)
         self._unusable += _unusable(gpu) - _unusable(old)
         if _whole_free(old) != _whole_free(gpu):
             before = self._idle[gpu.node]
@@ -127,6 +148,11 @@ class PlacementIndex:
         if not same_envs:  # its agent registered again, offering others: rare, so count and sort again
             self._index_environments()
 
+    def update_host(self, host: HostState) -> None:
+        """Replace (or add) the host of ``host.node``."""
+        self.hosts[host.node] = host
+        self._retight(host.node)
+
     def take(self, placement: Placement) -> None:
         """Add what ``placement`` grants to its GPUs' allocation."""
         self._add(placement, 1)
@@ -136,6 +162,10 @@ class PlacementIndex:
         self._add(placement, -1)
 
     def _add(self, placement: Placement, sign: int) -> None:
+        host = self.hosts.get(placement.node)
+        if host is not None:
+            self.hosts[placement.node] = host.taken(placement.cpus or 0.0, placement.host_memory or 0, sign)
+            self._retight(placement.node)
         for uuid in placement.gpus:
             g = self.states[uuid]
             fraction = g.allocated_fraction + sign * placement.fraction
@@ -147,17 +177,39 @@ class PlacementIndex:
         docstring). ``explain=False`` returns a refusal without its reasons
         and message when the index alone knows nothing fits (no scan of every
         GPU; for callers that only need the decision, like the queue)."""
-        if demand.gpu_count > 1:
+        if self.hosts and (demand.cpus is not None or demand.host_memory is not None):
+            candidates = None  # a named host ask may bind on any node: scan everything
+        elif demand.gpu_count > 1:
             candidates = self._whole(demand)
             if candidates:
-                return place(demand, candidates, self.workload)
+                return place(demand, candidates, self.workload, hosts=self.hosts, node_gpus=_NodeGPUs(self))
         else:
             candidates = self._slice(demand)
             if candidates:
-                return place(demand, candidates, self.workload, idle=self._idle)
+                return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts,
+                             node_gpus=_NodeGPUs(self))
         if candidates is not None and not explain:
             return Refusal()
-        return place(demand, self.all(), self.workload)
+        return place(demand, self.all(), self.workload, hosts=self.hosts)
+
+    def _fits(self, demand: Demand, gpu: GPUState) -> bool:
+        return gpu.node not in self._tight and slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None
+
+    def _retight(self, node: str) -> None:
+        """Keep :attr:`_tight`: nodes whose host has less than its default share of their free GPUs."""
+        host = self.hosts.get(node)
+        if host is not None and node in self._free and not proportional(_DEFAULT, host, self._free[node]):
+            self._tight.add(node)
+        else:
+            self._tight.discard(node)
+
+    def _tight_gpus(self, demand: Demand) -> list[GPUState]:
+        """Every GPU of a tight node that can take ``demand`` (a growth of its own: ``place()`` weighs each)."""
+        gpus = (self.states[u] for node in sorted(self._tight) for u in self._node_gpus[node])
+        if demand.gpu_count > 1:
+            return [g for g in gpus if host_misfit(demand, self.hosts.get(g.node)) is None
+                    and (demand.env is None or demand.env in g.environments)]
+        return [g for g in gpus if slice_misfit(demand, g, self.hosts.get(g.node)) is None]
 
     def _slice(self, demand: Demand) -> list[GPUState]:
         found = []
@@ -166,7 +218,7 @@ class PlacementIndex:
         while i < len(keys):
             free = keys[i][0]
             gpu = self.states[keys[i][3]]
-            if slice_misfit(demand, gpu) is None:
+            if self._fits(demand, gpu):
                 found.append(gpu)
                 # The rest of this class differs only by (node, index), and comes later.
                 i = bisect.bisect_left(keys, (math.nextafter(free, math.inf),))
@@ -176,13 +228,13 @@ class PlacementIndex:
         while j < len(nodes):
             idle, node = nodes[j]
             gpu = next((g for g in map(self.states.get, self._node_gpus[node])
-                        if _whole_free(g) and slice_misfit(demand, g) is None), None)
+                        if _whole_free(g) and self._fits(demand, g)), None)
             if gpu is None:
                 j += 1
             else:
                 found.append(gpu)
                 j = bisect.bisect_left(nodes, (idle + 1, ""))
-        return found
+        return found + self._tight_gpus(demand) if self._tight else found
 
     def _whole(self, demand: Demand) -> list[GPUState] | None:
         """The candidates (none: nothing fits), or None when only a scan of every GPU can tell."""
@@ -192,9 +244,12 @@ class PlacementIndex:
         j = bisect.bisect_left(nodes, (demand.gpu_count, ""))
         while j < len(nodes):
             idle, node = nodes[j]
+            if node in self._tight or host_misfit(demand, self.hosts.get(node)) is not None:
+                j += 1  # the next node of this class may be the first that fits
+                continue
             found.extend(self.states[u] for u in self._node_gpus[node])
             j = bisect.bisect_left(nodes, (idle + 1, ""))
-        return found
+        return found + self._tight_gpus(demand) if self._tight else found
 
     def _lists(self, env: str | None) -> tuple[list, list]:
         """``(partly taken GPU keys, (idle, node) pairs)`` of the nodes offering ``env``
@@ -202,6 +257,27 @@ class PlacementIndex:
         if env is None or env not in self._env_partial:
             return (self._partial, self._nodes) if env is None or self._env_gpus[env] else ([], [])
         return self._env_partial[env], self._env_nodes[env]
+
+
+class _NodeGPUs:
+    """Tight node -> its GPU states by index, read from the index (for
+    ``place(node_gpus=...)``); other nodes are missing: a request of the
+    default share cannot bind there (:meth:`PlacementIndex._retight`)."""
+
+    def __init__(self, index: PlacementIndex) -> None:
+        self.index = index
+
+    def get(self, node: str, default=()):
+        if node not in self.index._tight:
+            return default
+        return [self.index.states[u] for u in self.index._node_gpus[node]]
+
+
+_DEFAULT = Demand()  # a request that takes the default host share (at host_share 1: the strictest)
+
+
+def _usable_free(gpu: GPUState) -> float:
+    return gpu.free_fraction if not _unusable(gpu) else -1.0
 
 
 def _key(gpu: GPUState) -> tuple[float, str, int, str]:

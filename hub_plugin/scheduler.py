@@ -31,6 +31,12 @@ Rules:
   can take the lease. Whether any node offers it at all is the caller's
   first question (:mod:`.environments`): then the request is refused up
   front instead of queued.
+- Host CPUs and memory (:mod:`.hosts`), where the caller passes the nodes'
+  hosts: the request's ask (named, or its GPU share of the node's cores and
+  RAM) must fit the node's free host; on a node where host room binds
+  (:func:`.hosts.binds`) the fragmentation growth is the measure over every
+  dimension (:func:`.hosts.host_aware_delta`), elsewhere the GPU-only one,
+  which there is the same number.
 - Every GPU that is not chosen is counted under one reason, and the refusal
   message is built from these counts, so a user learns why (HAMi's
   ``FitError`` tally).
@@ -42,6 +48,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gpupool.units import format_bytes
+
+from .hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, binds, host_ask, host_aware_delta, host_misfit,
+                    proportional, roomiest)
 
 #: Tolerance for sums of fractions: 0.1 + 0.2 + 0.7 must fill a GPU exactly.
 EPSILON = 1e-9
@@ -57,7 +66,7 @@ NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
 WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
 REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, NO_ENVIRONMENT, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY,
-           FEW_ON_NODE)
+           NO_CPUS, NO_HOST_MEMORY, FEW_ON_NODE)
 
 
 @dataclass(frozen=True)
@@ -122,13 +131,18 @@ class Demand:
     """What a lease asks for: ``fraction`` of one GPU, or ``gpu_count`` whole
     GPUs (then ``fraction`` is 1); ``memory`` bytes per GPU or None for the
     fraction's share; ``model`` a GPU-name substring or None; ``env`` the
-    worker environment the node must offer, or None for any node."""
+    worker environment the node must offer, or None for any node. ``cpus``
+    (cores) and ``host_memory`` (bytes) of the node's host, or None for
+    ``host_share`` x the GPU share's part of the node's (:mod:`.hosts`)."""
 
     fraction: float = 1.0
     gpu_count: int = 1
     memory: int | None = None
     model: str | None = None
     env: str | None = None
+    cpus: float | None = None
+    host_memory: int | None = None
+    host_share: float = 1.0
 
     def describe(self) -> str:
         """``'0.50'``, ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``, ``... of model A100``."""
@@ -139,7 +153,9 @@ class Demand:
             text += f" of model {self.model}"
         if self.env:
             text += f" in environment {self.env}"
-        return text
+        host = [f"{self.cpus:g} CPUs"] if self.cpus is not None else []
+        host += [f"{format_bytes(self.host_memory)} host memory"] if self.host_memory is not None else []
+        return text + (f" and {' and '.join(host)}" if host else "")
 
 
 @dataclass(frozen=True)
@@ -147,13 +163,16 @@ class Placement:
     """Where a demand goes: ``gpus`` are UUIDs on ``node``; ``fraction`` per
     GPU; ``memory`` bytes per GPU (the slice's limit); ``env`` the worker
     environment it runs in (the demand's, else the node's default; None when
-    the node reported none)."""
+    the node reported none); ``cpus`` cores and ``host_memory`` bytes of the
+    node's host (None: the node reports no host, nothing reserved or limited)."""
 
     node: str
     gpus: tuple[str, ...]
     fraction: float
     memory: int
     env: str | None = None
+    cpus: float | None = None
+    host_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -252,17 +271,23 @@ def idle_counts(gpus) -> dict[str, int]:
 
 
 def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload: Workload = DEFAULT_WORKLOAD,
-          *, idle: dict[str, int] | None = None) -> Placement | Refusal:
+          *, idle: dict[str, int] | None = None, hosts: dict[str, HostState] | None = None,
+          node_gpus=None) -> Placement | Refusal:
     """Choose GPU(s) for ``demand`` among ``gpus``; see the module docstring.
 
     ``workload`` is the expected mix of requests the fragmentation measure
     weighs (an empty one leaves plain best fit). ``idle`` maps each node to
     its wholly free healthy GPUs (:func:`idle_counts`); it defaults to the
     count over ``gpus`` and is passed by callers that give a subset
-    (:mod:`.placement_index`)."""
+    (:mod:`.placement_index`). ``node_gpus``: node -> all its GPUs, for the
+    nodes where the host may bind (default: every node's, from ``gpus``; a
+    node missing: the GPU-only growth). ``hosts``: node -> its host (None, or a node
+    missing: no host dimension there)."""
+    hosts = hosts or {}
+    nodes = (node_gpus if node_gpus is not None else _may_bind(demand, _by_node(gpus), hosts)) if hosts else {}
     if demand.gpu_count > 1:
-        return _place_whole(demand, gpus, workload)
-    return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle)
+        return _place_whole(demand, gpus, workload, hosts, nodes)
+    return _place_slice(demand, gpus, workload, idle_counts(gpus) if idle is None else idle, hosts, nodes)
 
 
 def _whole_free(gpu: GPUState) -> bool:
@@ -290,42 +315,79 @@ def _slice_memory(demand: Demand, gpu: GPUState) -> int:
     return demand.memory if demand.memory is not None else gpu.share(demand.fraction)
 
 
-def slice_misfit(demand: Demand, gpu: GPUState) -> str | None:
-    """Why ``gpu`` cannot take the slice ``demand`` now (a reason), or None when it can."""
+def slice_misfit(demand: Demand, gpu: GPUState, host: HostState | None = None) -> str | None:
+    """Why ``gpu`` (on ``host``, if it has one) cannot take the slice ``demand`` now (a reason), or None."""
     reason = _ineligible(demand, gpu)
     if reason is None and gpu.allocated_fraction + demand.fraction > 1.0 + EPSILON:
         reason = NO_FRACTION
     if reason is None and _slice_memory(demand, gpu) > gpu.free_memory:
         reason = NO_MEMORY
-    return reason
+    return reason or host_misfit(demand, host)
 
 
-def slice_key(demand: Demand, gpu: GPUState, idle: int, workload: Workload) -> tuple[float, float, str, int]:
+def slice_key(demand: Demand, gpu: GPUState, idle: int, workload: Workload, host: HostState | None = None,
+              node_gpus: list[GPUState] | None = None) -> tuple[float, float, str, int]:
     """What a slice placement minimises over the GPUs that fit: (fragmentation
     growth, free fraction left, node, index); rounded so float noise
-    (0.30000000000000004) does not break ties."""
-    delta = slice_delta(gpu.free_fraction, _whole_free(gpu), idle, demand.fraction, workload)
+    (0.30000000000000004) does not break ties. ``node_gpus``: all of the
+    node's GPUs, where it has a ``host`` (:func:`.hosts.binds`)."""
+    free = [_free_or_unusable(g) for g in node_gpus] if host is not None and node_gpus else None
+    taken = {node_gpus.index(gpu): demand.fraction} if free is not None else {}
+    if free is not None and binds(demand, host, workload, free, taken):
+        delta = host_aware_delta(demand, host, free, taken, workload)
+    else:
+        delta = slice_delta(gpu.free_fraction, _whole_free(gpu), idle, demand.fraction, workload)
     return (round(delta, 9), round(gpu.free_fraction - demand.fraction, 9), gpu.node, gpu.index)
 
 
-def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int]) -> Placement | Refusal:
+def _free_or_unusable(gpu: GPUState) -> float:
+    return gpu.free_fraction if gpu.healthy and gpu.node_up and not gpu.node_degraded else -1.0
+
+
+def _by_node(gpus) -> dict[str, list[GPUState]]:
+    nodes: dict[str, list[GPUState]] = {}
+    for gpu in gpus:
+        nodes.setdefault(gpu.node, []).append(gpu)
+    return nodes
+
+
+def _may_bind(demand: Demand, nodes: dict[str, list[GPUState]], hosts: dict[str, HostState]):
+    """``nodes`` less those whose host cannot bind for ``demand`` (:func:`.hosts.proportional`)."""
+    return {node: gpus for node, gpus in nodes.items()
+            if not proportional(demand, hosts.get(node), sum(max(0.0, _free_or_unusable(g)) for g in gpus))}
+
+
+def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: float, memory: int, env: str | None,
+               host: HostState | None) -> Placement:
+    cpus, host_memory = host_ask(demand, host) if host is not None else (demand.cpus, demand.host_memory)
+    return Placement(node, uuids, fraction, memory, env, cpus, host_memory)
+
+
+def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int], hosts: dict[str, HostState],
+                 nodes) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     best, best_key = None, None
+    host_reasons: dict[str, str | None] = {}  # one host check per node
     for gpu in gpus:
+        host = hosts.get(gpu.node)
         reason = slice_misfit(demand, gpu)
+        if reason is None and host is not None:
+            if gpu.node not in host_reasons:
+                host_reasons[gpu.node] = host_misfit(demand, host)
+            reason = host_reasons[gpu.node]
         if reason is not None:
             reasons[reason] += 1
             continue
-        key = slice_key(demand, gpu, idle.get(gpu.node, 0), workload)
+        key = slice_key(demand, gpu, idle.get(gpu.node, 0), workload, host, nodes.get(gpu.node))
         if best_key is None or key < best_key:
             best, best_key = gpu, key
     if best is None:
-        return _refusal(demand, gpus, reasons)
-    return Placement(best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best),
-                     demand.env or best.default_env)
+        return _refusal(demand, gpus, reasons, hosts)
+    return _placement(demand, best.node, (best.uuid,), demand.fraction, _slice_memory(demand, best),
+                      demand.env or best.default_env, hosts.get(best.node))
 
 
-def _place_whole(demand: Demand, gpus, workload: Workload) -> Placement | Refusal:
+def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, HostState], nodes) -> Placement | Refusal:
     reasons: Counter[str] = Counter()
     free_by_node: dict[str, list[GPUState]] = {}
     idle = idle_counts(gpus)
@@ -339,18 +401,43 @@ def _place_whole(demand: Demand, gpus, workload: Workload) -> Placement | Refusa
             reasons[reason] += 1
             continue
         free_by_node.setdefault(gpu.node, []).append(gpu)
-    fitting = [(round(whole_delta(idle[node], demand.gpu_count, workload), 9), len(free), node)
-               for node, free in free_by_node.items() if len(free) >= demand.gpu_count]
+    fitting = []
+    for node, free in free_by_node.items():
+        reason = host_misfit(demand, hosts.get(node)) if len(free) >= demand.gpu_count else None
+        if reason is not None:
+            reasons[reason] += len(free)
+        elif len(free) >= demand.gpu_count:
+            fitting.append((round(_whole_growth(demand, node, free, idle, workload, hosts, nodes), 9), len(free),
+                            node))
     if not fitting:
-        reasons[FEW_ON_NODE] += sum(len(free) for free in free_by_node.values())
-        return _refusal(demand, gpus, reasons)
+        reasons[FEW_ON_NODE] += sum(len(free) for free in free_by_node.values()
+                                    if len(free) < demand.gpu_count)
+        return _refusal(demand, gpus, reasons, hosts)
     node = min(fitting)[2]
-    chosen = sorted(free_by_node[node], key=lambda g: g.index)[: demand.gpu_count]
+    chosen = _lowest(free_by_node[node], demand.gpu_count)
     memory = demand.memory if demand.memory is not None else min(g.memory_usable for g in chosen)
-    return Placement(node, tuple(g.uuid for g in chosen), 1.0, memory, demand.env or chosen[0].default_env)
+    return _placement(demand, node, tuple(g.uuid for g in chosen), 1.0, memory, demand.env or chosen[0].default_env,
+                      hosts.get(node))
 
 
-def _refusal(demand: Demand, gpus, reasons: Counter[str]) -> Refusal:
+def _lowest(free: list[GPUState], count: int) -> list[GPUState]:
+    return sorted(free, key=lambda g: g.index)[:count]
+
+
+def _whole_growth(demand: Demand, node: str, free: list[GPUState], idle: dict[str, int], workload: Workload,
+                  hosts: dict[str, HostState], nodes) -> float:
+    """Fragmentation growth of taking ``demand``'s whole GPUs on ``node``: every dimension where its host binds."""
+    host, everything = hosts.get(node), nodes.get(node, ())
+    if host is None or not everything:  # no host, or one that cannot bind (node_gpus leaves it out)
+        return whole_delta(idle[node], demand.gpu_count, workload)
+    taken = {everything.index(g): 1.0 for g in _lowest(free, demand.gpu_count)}
+    vector = [_free_or_unusable(g) for g in everything]
+    if not binds(demand, host, workload, vector, taken):
+        return whole_delta(idle[node], demand.gpu_count, workload)
+    return host_aware_delta(demand, host, vector, taken, workload)
+
+
+def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostState] | None = None) -> Refusal:
     """Tell a person what is free and why each GPU was ruled out."""
     counts = {reason: reasons[reason] for reason in REASONS if reasons[reason]}
     asked = f"no node has {demand.describe()} free now" if demand.gpu_count > 1 \
@@ -368,6 +455,8 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str]) -> Refusal:
         free += f" ({best.node} GPU {best.index}, {best.name})"
     else:
         free = "none is usable now"
+    if hosts and (NO_CPUS in counts or NO_HOST_MEMORY in counts):
+        free += f"; {roomiest(hosts)}"
     tally = ", ".join(f"{reason} on {count}" for reason, count in counts.items())
     return Refusal(counts, f"{asked}: {len(gpus)} {noun} in the pool, {free}; {tally}")
 

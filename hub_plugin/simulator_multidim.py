@@ -8,8 +8,8 @@ all three fit. Tasks drawn (seeded, with replacement) arrive one after
 another and never leave; unallocated GPU share is measured as the arrived
 GPU demand grows past capacity.
 
-**Fragmentation, every dimension** (:func:`node_fragmentation`; the paper's
-definition): the expected GPU capacity of a node that the next task, drawn
+**Fragmentation, every dimension** (:func:`.fragmentation.node_fragmentation`,
+the rule the service's placement uses too; the paper's definition): the expected GPU capacity of a node that the next task, drawn
 from the workload's mix of task types, could not use. For a task type that
 does not fit the node at all (too few free cores, too little free memory,
 or no GPU with room) every unallocated GPU of the node counts; for one that
@@ -23,8 +23,9 @@ amount, so their definition does not change a decision).
 - ``fgd``: the candidate (node, GPU) that increases the node's fragmentation
   least (Weng et al.'s FGD, with the sampled tasks' mix as the workload);
   ties to the lowest node and GPU. This is the rule proposed for the
-  service's multi-dimension placement (``scheduler.place`` has no CPU or
-  memory yet), kept here, pure;
+  service's multi-dimension placement too (``scheduler.place`` calls the
+  same :func:`.fragmentation.node_fragmentation` on nodes where host CPU or
+  memory binds);
 - ``bestfit``: the node left with the least free resources, the sum of its
   free GPU, CPU and memory shares after placement, then its tightest GPU;
 - ``firstfit``: the first node (in name order) where the task fits, its first GPU that fits;
@@ -34,63 +35,14 @@ amount, so their definition does not change a decision).
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
+from .fragmentation import FULL, TaskTypes, node_fragmentation, task_types  # noqa: F401 (re-exported)
 from .simulator_openb import FillResult
 from .simulator_workload import OpenbNode, OpenbTasks
 
-FULL = 1000
 POLICIES = ("fgd", "bestfit", "firstfit", "random")
-#: The task types the fragmentation measure weighs: the most frequent, covering most tasks.
-TOP_TYPES = 48
-
-
-@dataclass(frozen=True)
-class TaskTypes:
-    """The workload: per type its CPU, memory, GPU count, per-GPU milli and popularity (sums to 1)."""
-
-    cpu: np.ndarray
-    memory: np.ndarray
-    num: np.ndarray
-    milli: np.ndarray
-    weight: np.ndarray
-
-
-def task_types(cpu, memory, num, milli, top: int = TOP_TYPES) -> TaskTypes:
-    """The ``top`` most frequent ``(cpu, memory, num, milli)`` types of a task list, weights renormalized."""
-    counts = Counter(zip(np.asarray(cpu).tolist(), np.asarray(memory).tolist(), np.asarray(num).tolist(),
-                         np.asarray(milli).tolist())).most_common(top)
-    arr = np.array([k for k, _ in counts], dtype=np.int64).reshape(-1, 4)
-    weight = np.array([c for _, c in counts], dtype=float)
-    return TaskTypes(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], weight / weight.sum())
-
-
-def node_fragmentation(cpu_free: np.ndarray, mem_free: np.ndarray, gpu_free: np.ndarray,
-                       types: TaskTypes) -> np.ndarray:
-    """Fragmentation (GPU milli) of each of C node states: ``cpu_free`` (C,)
-    milli-cores, ``mem_free`` (C,) MiB, ``gpu_free`` (C, G) free milli per GPU
-    (-1 pads nodes with fewer GPUs). Returns (C,) floats (module docstring)."""
-    g = np.maximum(gpu_free, 0)
-    unallocated = g.sum(axis=1)  # (C,)
-    whole_free = (gpu_free >= FULL).sum(axis=1)
-    best = gpu_free.max(axis=1)
-    host_fits = (cpu_free[:, None] >= types.cpu[None, :]) & (mem_free[:, None] >= types.memory[None, :])  # (C, K)
-    is_whole = types.num >= 2
-    is_slice = types.num == 1
-    gpu_fits = np.where(is_whole[None, :], whole_free[:, None] >= types.num[None, :],
-                        np.where(is_slice[None, :], best[:, None] >= types.milli[None, :], True))
-    fits = host_fits & gpu_fits
-    # GPUs too small for each type: free below its fraction (slices), or partly used (whole GPUs).
-    need = np.where(is_whole, FULL, types.milli)  # (K,)
-    small = (g[:, :, None] * (gpu_free[:, :, None] < need[None, None, :])).sum(axis=1)  # (C, K)
-    small = np.where(types.num[None, :] == 0, 0, small)
-    per_type = np.where(fits, small, unallocated[:, None])
-    return per_type @ types.weight
-
-
 class MultiCluster:
     """Free CPU, memory and GPU share per node, and the four policies' choices."""
 

@@ -32,6 +32,8 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
         "fraction": lease.fraction,
         "gpu_count": lease.gpu_count,
         "memory": lease.memory,
+        "cpus": lease.cpus,
+        "host_memory": lease.host_memory,
         "node": lease.node_name,
         "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
         "env": lease.env,
@@ -82,5 +84,6 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
         nodes.append({"name": node.name, "state": node.state, "state_reason": node.state_reason,
                       "inventory": node.inventory,
                       "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
-                      "environments": node.environments or [], "gpus": gpus})
+                      "environments": node.environments or [], "host_cpus": node.host_cpus,
+                      "host_memory": node.host_memory, "gpus": gpus})
     return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}

@@ -150,6 +150,7 @@ class GPUMagics(Magics):
         """Attach to a pooled GPU and manage the attachment.
 
         %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch] [--batch] [--preemptible]
+        %gpu acquire 0.5 --cpus 4 --host-memory 32GiB   host cores and RAM (default: the GPU share's part of the node)
         %gpu acquire 2               two whole GPUs on one node
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
@@ -184,6 +185,8 @@ class GPUMagics(Magics):
     @argument("amount", help="a fraction of one GPU (0.5) or a count of whole GPUs (2)")
     @argument("--memory", help="GPU memory for the slice, e.g. 20GiB (default: the fraction's share)")
     @argument("--model", help="only GPUs whose name contains this, e.g. A100")
+    @argument("--cpus", type=float, help="host CPU cores for the worker, e.g. 4 (default: the GPU share's part)")
+    @argument("--host-memory", help="host RAM for the worker, e.g. 32GiB (default: the GPU share's part)")
     @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
     @argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
     @argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
@@ -202,13 +205,16 @@ class GPUMagics(Magics):
         self.drop()
         try:
             fraction, count = parse_gpu_amount(args.amount)
+            if args.cpus is not None and not args.cpus > 0:
+                raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
             request = LeaseRequest(
                 fraction=fraction, gpu_count=count,
                 memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
                 idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
                 kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
                 env=args.env, prefer_env=None if args.env else _kernel_env(),
-                lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None)
+                lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None,
+                cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
@@ -227,7 +233,8 @@ class GPUMagics(Magics):
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
         _say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
              f"{f' in environment {lease.env}' if lease.env else ''}, "
-             f"{format_bytes(lease.memory)}; idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
+             f"{format_bytes(lease.memory)}{_host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)}"
+             f"{class_note(lease)} "
              f"[{time.monotonic() - started:.1f}s]. {where}")
         if self.attachment.workdir:
             _say(self.attachment.workdir)
@@ -594,13 +601,20 @@ def _same_size(old) -> LeaseRequest:
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
                         idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
                         prefer_env=old.env or _kernel_env(), lease_class=old.lease_class,
-                        preemptible=old.preemptible or None)
+                        preemptible=old.preemptible or None, cpus=old.cpus, host_memory=old.host_memory)
 
 
 def _kernel_env() -> str | None:
     """The worker environment this kernel prefers: its kernelspec's name
     (GPUPOOL_KERNEL_NAME, set by the kernel provisioner; :func:`gpupool.schema.kernel_environment`)."""
     return kernel_environment(os.environ.get(ENV_KERNEL_NAME))
+
+
+def _host_words(lease) -> str:
+    """``', 4 CPUs and 32.0 GiB of host memory'``; empty when the node reports no host."""
+    if lease.cpus is None or lease.host_memory is None:
+        return ""
+    return f", {lease.cpus:g} CPUs and {format_bytes(lease.host_memory)} of host memory"
 
 
 def _dedent(text: str | None) -> str:

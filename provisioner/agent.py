@@ -33,7 +33,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 import zmq
-from traitlets import Dict, Enum, Integer, List, TraitError, Unicode, default, validate
+from traitlets import Dict, Enum, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool import httpin
@@ -41,7 +41,7 @@ from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.tls import client_context, server_context, untrusted, untrusted_message
 from gpupool.schema import GPUInfo, WorkerReport
 from gpupool.statedir import lock_state_dir
-from gpupool.traits import Duration
+from gpupool.traits import ByteSize, Duration
 
 from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
@@ -49,6 +49,7 @@ from . import environments as worker_envs
 from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
+from .host_limits import enforce as enforce_host_limits, host_totals, parse_host_limits
 from .cgroups import MODES as CGROUP_MODES, CgroupError, Containment, containment
 from .worker_user import WorkerUser, WorkerUserPool
 from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
@@ -166,7 +167,8 @@ class WorkersHandler(AgentHandler):
         spec = parse_worker_request(body, self.agent.gpus)
         python = self.agent.python_for(body.get("env"))
         user = await asyncio.to_thread(self.agent.account_for, spec.owner)  # NSS may ask LDAP: off the loop
-        spec = dataclasses.replace(spec, python=python, user=user)
+        cpus, host_memory = parse_host_limits(body, self.agent.host_totals())
+        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
         try:
             check_slice(self.agent.enforcement, spec.fraction)
         except ValueError as exc:
@@ -461,6 +463,19 @@ class NodeAgent(Application):
         at start and reports which are usable (``gpupool pool``). The agent's own
         Python is there too, as ``default``. Default: none besides it.
         ``c.NodeAgent.environments = {"torch": "/opt/conda/envs/torch", "py311": "/usr/bin/python3.11"}``.""",
+    ).tag(config=True)
+
+    host_cpus = Float(
+        None, allow_none=True,
+        help="""Host cores this node offers to leases (``%gpu acquire --cpus``, and the
+        default share), reported at registration. Default: None, psutil's count of
+        logical CPUs. ``c.NodeAgent.host_cpus = 48`` (keep some for the system).""",
+    ).tag(config=True)
+
+    host_memory = ByteSize(
+        None, allow_none=True,
+        help="""Host RAM this node offers to leases (``--host-memory``), reported at
+        registration. Default: None, psutil's total. ``c.NodeAgent.host_memory = "384GiB"``.""",
     ).tag(config=True)
 
     default_environment = Unicode(
@@ -842,7 +857,12 @@ class NodeAgent(Application):
         return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
                 "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
                 "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error,
-                "environments": [env.to_json() for env in self.worker_environments]}
+                "environments": [env.to_json() for env in self.worker_environments],
+                **dict(zip(("host_cpus", "host_memory"), self.host_totals()))}
+
+    def host_totals(self) -> tuple[float, int]:
+        """``(cores, bytes)`` this node offers leases (:func:`.host_limits.host_totals`)."""
+        return host_totals(self.host_cpus, self.host_memory)
 
     def heartbeat_body(self) -> dict[str, Any]:
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat

@@ -13,6 +13,8 @@ Three kinds, chosen by ``c.NodeAgent.cgroup_mode`` (:func:`containment`):
 - ``v2``: the unified hierarchy (its mount found in ``/proc/mounts``);
   ``cgroup.kill`` kills the subtree at once; where the kernel has none
   (before 5.14) ``cgroup.freeze``, SIGKILL to each process, thaw, repeated.
+  Host CPU and memory limits go to the v1 ``cpu``/``memory`` hierarchies
+  where v2 lacks those controllers (:mod:`.cgroup_hybrid`).
 - ``v1``: the ``freezer`` hierarchy (required: it is what makes the kill
   race-free), and ``memory``, ``pids`` and ``cpu`` where mounted (for
   limits): freeze, SIGKILL every task, thaw.
@@ -484,7 +486,8 @@ class NoContainment(Containment):
         self.where = "nowhere"
         (log or logging.getLogger("gpupool.agent")).warning(
             "NO CGROUP CONTAINMENT (%s): a process a worker starts in a session of its own (setsid, a double "
-            "fork) can outlive its lease; run the agent as root or give it a delegated cgroup subtree "
+            "fork) can outlive its lease, and host CPU and memory limits (--cpus, --host-memory) ARE NOT ENFORCED; "
+            "run the agent as root or give it a delegated cgroup subtree "
             "(systemd: Delegate=yes), see docs/security.md, \"Containment\"", why)
 
     def create(self, name: str) -> GroupOnly:
@@ -520,7 +523,9 @@ def containment(mode: str, root: str, state_dir: str | os.PathLike, *, log: logg
     for kind in (("v2", "v1") if mode == "auto" else (mode,)):
         try:
             if kind == "v2":
-                return V2Containment(_v2_root(found, own, relative))
+                from .cgroup_hybrid import v2_containment  # it builds on this module's classes
+
+                return v2_containment(_v2_root(found, own, relative), found, own, relative)
             return V1Containment(_v1_roots(found, own, relative))
         except (CgroupError, OSError) as exc:
             if mode != "auto":

@@ -59,6 +59,7 @@ from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left
                        stray_workers)
 from .cgroups import CgroupError, Containment, GroupOnly, LeaseCgroup, containment
 from .enforcement import slice_environment
+from .host_limits import enforce as enforce_host_limits
 from .warmpool import WarmPool
 from .worker_user import NoFreeWorkerUser, WorkerUser, WorkerUserPool
 
@@ -126,7 +127,9 @@ class WorkerSpec:
     interpreter of the environment the lease names (:mod:`.environments`;
     None: the agent's own, and a warm worker may serve it). ``user``: the
     account of this lease's worker when ``c.NodeAgent.worker_user`` is a
-    template such as ``"{username}"`` (None: the manager's ``user``)."""
+    template such as ``"{username}"`` (None: the manager's ``user``).
+    ``cpus`` (cores) and ``host_memory`` (bytes): the host limits its cgroup
+    gets (None: no limit; :mod:`.host_limits`)."""
 
     lease_id: str
     owner: str
@@ -135,6 +138,8 @@ class WorkerSpec:
     memory: int
     python: str | None = None
     user: WorkerUser | None = None
+    cpus: float | None = None
+    host_memory: int | None = None
 
     def __post_init__(self) -> None:
         if not _LEASE_ID.match(self.lease_id):
@@ -462,6 +467,8 @@ class WorkerManager:
             how = "warm" if worker is not None else "cold"
             if worker is None:
                 worker = await self._launch(spec)
+            await asyncio.to_thread(enforce_host_limits, worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory,
+                                    self.log)
             self._workers[spec.lease_id] = worker
             worker.record().write(self.workers_dir)
             self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "

@@ -23,6 +23,7 @@ import pytest
 
 from gpupool.provisioner import cgroups
 from gpupool.provisioner.cgroups import CgroupError, NoContainment, containment, own_cgroups, read_mounts
+from gpupool.provisioner.cgroup_hybrid import HybridCgroup
 
 # A process that, once told on its stdin, leaves a daemon behind: a double
 # fork with setsid (a new session, reparented to init), which writes its pid.
@@ -139,10 +140,24 @@ def test_limits_are_written_where_the_controllers_are(tmp_path):
     v2 = subtree("v2", tmp_path)
     try:
         group = v2.create("lease-L-limits")
-        if "memory" not in (group.path / "cgroup.controllers").read_text().split():
+        sleeper = subprocess.Popen(["sleep", "60"])
+        group.add(sleeper.pid)
+        if "memory" in (group.path / "cgroup.controllers").read_text().split():
+            group.set_limits(cpu=0.5, memory=2**30)
+            assert (group.path / "memory.max").read_text().strip() == str(2**30)
+        elif isinstance(group, HybridCgroup) and "memory" in group.v1.paths:
+            # A hybrid host: the v1 hierarchies hold the limits, and the worker's processes move there.
+            group.set_limits(cpu=0.5, memory=2**30)
+            assert int((group.v1.paths["memory"] / "memory.limit_in_bytes").read_text()) == 2**30
+            assert (group.v1.paths["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+            assert sleeper.pid in {int(p) for p in (group.v1.paths["memory"] / "cgroup.procs").read_text().split()}
+        else:
             with pytest.raises(CgroupError, match="memory controller is not enabled .*Delegate=yes"):
                 group.set_limits(memory=2**30)
+        group.kill()
+        sleeper.wait()
         group.remove()
+        assert not any(path.exists() for path in getattr(getattr(group, "v1", None), "paths", {}).values())
     finally:
         v2.close()
 
