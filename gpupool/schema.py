@@ -385,6 +385,9 @@ class Lease:
     #: Host cores and bytes held on the node and enforced on the worker (None: the node reports no host).
     cpus: float | None = None
     host_memory: int | None = None
+    #: What the request asked for (None: the default share), so that a resume asks the same.
+    requested_cpus: float | None = None
+    requested_host_memory: int | None = None
     reason: str | None = None
     idle_timeout: float | None = None
     heartbeat_ttl: float | None = None

@@ -120,6 +120,10 @@ _SCHEMAS: dict[str, Any] = {
         "cpus": {"type": ["number", "null"], "description": "host cores held and enforced (null: the node "
                  "reports no host)"},
         "host_memory": {"type": ["integer", "null"], "description": "host bytes held and enforced"},
+        "requested_cpus": {"type": ["number", "null"], "description": "cpus as requested (null: the default "
+                           "share)"},
+        "requested_host_memory": {"type": ["integer", "null"], "description": "host_memory as requested (null: "
+                                  "the default share)"},
         "gpus": {"type": "array", "items": {"type": "object", "properties": {
             "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}},
         "env": {"type": ["string", "null"], "description": "the worker environment asked for; once placed, "

@@ -34,6 +34,8 @@ def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
         "memory": lease.memory,
         "cpus": lease.cpus,
         "host_memory": lease.host_memory,
+        "requested_cpus": lease.requested_cpus,
+        "requested_host_memory": lease.requested_host_memory,
         "node": lease.node_name,
         "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
         "env": lease.env,

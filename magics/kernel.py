@@ -354,7 +354,9 @@ class GPUPoolKernel(IPythonKernel):
         if header.get("msg_type") == "execute_request":
             if status == "busy":  # said before execute_request runs: decide here, for both
                 code = self.forwarded_code(str((msg.get("content") or {}).get("code", "")))
-                self._status_by_worker = header.get("msg_id") if code is not None else None
+                # A cell aborted behind a failed one never reaches the worker: this kernel says both.
+                forwarded = code is not None and not self._aborting
+                self._status_by_worker = header.get("msg_id") if forwarded else None
             return header.get("msg_id") == self._status_by_worker
         return self._comm_for_worker(msg)
 

@@ -601,7 +601,9 @@ def _same_size(old) -> LeaseRequest:
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
                         idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
                         prefer_env=old.env or _kernel_env(), lease_class=old.lease_class,
-                        preemptible=old.preemptible or None, cpus=old.cpus, host_memory=old.host_memory)
+                        preemptible=old.preemptible or None,
+                        # the same ask, not its result: a default share gets the default again
+                        cpus=old.requested_cpus, host_memory=old.requested_host_memory)
 
 
 def _kernel_env() -> str | None:

@@ -1,7 +1,7 @@
 """One short line for what a release, park or resume moved, grouped.
 
 ``brought back 3 variables (x, y, model; 12.0 MiB), 2 modules (np, pd),
-1 function (f); stayed on the worker: 1 widget (slider), 1 that cannot be
+1 function (f); lost with the worker: 1 widget (slider), 1 that cannot be
 pickled (lock)``: names by kind instead of one entry per variable, so a
 namespace of fifty names still fits a line.
 """
@@ -27,7 +27,7 @@ _LEFT_BEHIND = (
 
 
 def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) -> str:
-    """``"; VERB 3 variables (...), 2 modules (...); stayed on the worker: ..."``,
+    """``"; VERB 3 variables (...), 2 modules (...); lost with the worker: ..."``,
     or ``""`` when nothing moved and nothing was left."""
     parts = []
     moved = _moved_groups(items)
@@ -35,7 +35,7 @@ def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) ->
         parts.append(f"{verb} " + ", ".join(moved))
     left = _left_groups(errors)
     if left:
-        parts.append("stayed on the worker: " + ", ".join(left))
+        parts.append("lost with the worker: " + ", ".join(left))
     return "; " + "; ".join(parts) if parts else ""
 
 

@@ -84,7 +84,7 @@ def test_release_brings_variables_back_and_push_pull_move_them(kernel):
     assert pulled.ok and "pulled 1 variable" in pulled.stdout
     released = run(kc, "%gpu release")
     assert released.ok
-    assert "stayed on the worker: 1 that cannot be pickled (lock)" in released.stdout, released.stdout
+    assert "lost with the worker: 1 that cannot be pickled (lock)" in released.stdout, released.stdout
     assert _remote(kc, "squares[4], local_list, 'lock' in dir()") == (16, [1, 2, 3], False)
 
 

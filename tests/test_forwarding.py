@@ -90,6 +90,8 @@ def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
         reply = kc.get_shell_msg(timeout=30)
         replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
     assert [replies[i] for i in ids] == ["error", "aborted"], replies
+    iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                and m["parent_header"].get("msg_id") == ids[1])  # the aborted cell ends too
     assert run(kc, "after_error = 1").ok
 
 
