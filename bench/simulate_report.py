@@ -184,21 +184,31 @@ def eta_part(workload, log) -> str:
         ""])
 
 
-def backlog_part(workload, data, seed, size, log) -> tuple[str, list]:
-    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
-    gpu = tasks.gpu_pods()
+def backlog_variants():
+    """The policies the backlog part compares, in table order."""
     base = policies(300.0)
     gp = base["gpupool"]
     resume = replace(gp, name="gpupool, preempted jobs resume", resume_preempted=True)
-    variants = [gp, resume, replace(resume, name="gpupool, jobs resume, headroom 2 nodes", headroom_nodes=2),
-                replace(gp, name="gpupool, no preemption", preemption_notice=None),
-                replace(base["reservation"], name="reservation (no classes)")]
-    results = []
-    for policy in variants:
-        results.append(simulate_notebooks(workload, policy, size, backlog=BatchSource(gpu.milli, gpu.num,
-                                                                                       gpu.lifetime, seed=seed)))
-        log(f"backlog {policy.name}: util {results[-1].cluster_utilization:.1%}, "
-            f"p95 {results[-1].wait_percentile(95):g} s ({results[-1].seconds:.0f} s)")
+    return [gp, resume, replace(resume, name="gpupool, jobs resume, headroom 2 nodes", headroom_nodes=2),
+            replace(gp, name="gpupool, no preemption", preemption_notice=None),
+            replace(base["reservation"], name="reservation (no classes)")]
+
+
+def backlog_run(workload, data, seed, size, policy, log) -> NotebookResult:
+    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
+    gpu = tasks.gpu_pods()
+    result = simulate_notebooks(workload, policy, size, backlog=BatchSource(gpu.milli, gpu.num, gpu.lifetime,
+                                                                            seed=seed))
+    log(f"backlog {policy.name}: util {result.cluster_utilization:.1%}, "
+        f"p95 {result.wait_percentile(95):g} s ({result.seconds:.0f} s)")
+    return result
+
+
+def backlog_part(workload, data, seed, size, log, results=None) -> tuple[str, list]:
+    """The backlog subsection; ``results``: the replays of :func:`backlog_variants` if already run."""
+    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
+    gpu = tasks.gpu_pods()
+    results = results or [backlog_run(workload, data, seed, size, policy, log) for policy in backlog_variants()]
     best = max((r for r in results if r.wait_percentile(95) <= TARGET_WAIT_S),
                key=lambda r: r.cluster_utilization, default=None)
     met = best is not None and best.cluster_utilization >= 0.85

@@ -172,7 +172,6 @@ class _Session:
     lease: SimLease | None = None
     run_start: float = 0.0
     token: int = 0
-    held: priority.Held | None = None  # its lease as the pressure rule sees it
 
 
 class BatchSource:
@@ -229,6 +228,8 @@ class _Replay:
         self.waiting_interactive: set[int] = set()
         self.waiters: dict[int, priority.Asking] = {}  # every waiting request, as the pressure rule sees it
         self.checks: set[float] = set()  # sweep ticks at which the pressure plan is evaluated
+        self.last_check = -math.inf
+        self.holding: dict[int, priority.Held] = {}  # every active lease, as the pressure rule sees it
         self.events: list = []
         self.seq = 0
         self.fifo: deque = deque()
@@ -404,14 +405,17 @@ class _Replay:
         timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
         idle_since = lease.idle_since if sid in self.idle else None
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
-        session.held = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
-                                     session.klass == BATCH, session.running, lease.started_at, idle_since, deadline)
+        self.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
+                                          session.klass == BATCH, session.running, lease.started_at, idle_since,
+                                          deadline)
 
     def check_at(self, now: float) -> None:
-        """Evaluate the plan at the first sweep tick at or after ``now`` (once per tick), if it can act."""
+        """Evaluate the plan at the first sweep tick at or after ``now``, once
+        per tick (the service plans once per sweep), if it can act."""
         if self.policy.pressure_grace is None or not self.waiters:
             return
         tick = math.ceil(now / SWEEP_S) * SWEEP_S
+        tick += SWEEP_S if tick <= self.last_check else 0.0
         if tick not in self.checks:
             self.checks.add(tick)
             self.push(tick, self.PRESSURE, "check")
@@ -420,11 +424,11 @@ class _Replay:
         """A sweep tick: :func:`.priority.plan` on every lease and waiter; park
         the idle leases and interrupt the preemptible cells that are due, offer
         what they free to the queue, and come back at the plan's next moment."""
-        if self.policy.pressure_grace is None or not self.waiters:
-            return
+        self.last_check = now
         notice = self.policy.preemption_notice
-        held = [s.held for s in self.sessions if s.lease is not None]
-        plan = priority.plan(held, list(self.waiters.values()), grace=self.policy.pressure_grace,
+        if self.policy.pressure_grace is None or not self.waiters or not (self.idle or notice is not None):
+            return  # the plan parks only idle leases and preempts only where the pool allows it
+        plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.policy.pressure_grace,
                              notice=notice or 0.0, allow_preemption=notice is not None, guaranteed_gpus={})
         at, later = T0 + timedelta(seconds=now), []
         for lease_id, park in plan.parks.items():
@@ -504,7 +508,8 @@ class _Replay:
         if lease is None:
             return
         self.idle.pop(sid, None)
-        session.lease = session.held = None
+        session.lease = None
+        self.holding.pop(sid, None)
         held = lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted)
         self.held += held
         self.recent_holds.append(now - lease.granted)
