@@ -248,16 +248,13 @@ def backlog_part(workload, data, seed, size, log, results=None) -> tuple[str, li
         + ("" if met else
            f" Best utilization {max(r.cluster_utilization for r in results):.1%}; interactive p95 "
            f"{min(r.wait_percentile(95) for r in results):.0f} s at best. Why the waits: {eight:.0%} of the "
-           "month's cells ask for 8 GPUs, i.e. a whole node, and a node can be cleared by preemption only if no "
-           "interactive lease sits on it; `place()` packs interactive slices and 1-4 GPU leases next to batch "
-           "ones (best fit), so interactive leases end up spread over most nodes and the 8-GPU cells wait for "
-           "them to park ("
-           f"{slow_eight:.0%} of the interactive waits above 10 s under plain gpupool are 8-GPU cells). Keeping idle nodes out of batch's "
-           "reach (headroom) shortens them at a cost in utilization. What would meet it: class-aware placement "
-           "(interactive and batch on separate nodes, or whole nodes kept for whole-node requests), which "
-           "`place()` does not do yet. Why the utilization: a preempted job that restarts loses its progress "
-           f"({top.lost_gpu_hours:,.0f} GPU-h under plain gpupool, openb jobs run 7.5 h on average); jobs that "
-           "resume after a park keep it."),
+           "month's cells ask for 8 GPUs, i.e. a whole node ("
+           f"{slow_eight:.0%} of the interactive waits above 10 s under plain gpupool are 8-GPU cells), and "
+           "`priority.plan` counts GPUs, not nodes, so the batch leases it preempts need not clear one node; an "
+           f"interactive request that needs a preemption waits at least grace + notice ({PRESSURE_GRACE_S:g} + "
+           f"{PREEMPTION_NOTICE_S:g} s) by the rule's timing. Why the utilization: waiting batch requests press "
+           "on running batch leases too, so batch preempts batch at every sweep tick; a preempted job that "
+           f"restarts loses its progress ({top.lost_gpu_hours:,.0f} GPU-h under plain gpupool)."),
         "",
     ]
     return "\n".join(text), [r.row() for r in results]
