@@ -8,7 +8,8 @@ traces in ``--data`` it runs on generated ones (:mod:`gpupool.hub_plugin.simulat
 Takes several minutes on two cores. Needs matplotlib (the ``examples``
 extra). Every number comes from :mod:`gpupool.hub_plugin.simulator` and its
 modules, i.e. from the real ``place()`` and ``reclaim.decide()`` and the
-simulator's pure rules (:mod:`gpupool.hub_plugin.simulator_rules`,
+service's class and pressure rules (:mod:`gpupool.hub_plugin.priority`), and the
+simulator's own pure rules (:mod:`gpupool.hub_plugin.simulator_rules`,
 :mod:`gpupool.hub_plugin.simulator_multidim`).
 """
 
@@ -27,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gpupool.hub_plugin import simulator_multidim as multidim  # noqa: E402
-from gpupool.hub_plugin.simulator_notebooks import (PREEMPT_GRACE_S, BatchSource, dedicated_gpus,  # noqa: E402
+from gpupool.hub_plugin.simulator_notebooks import (PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, BatchSource, dedicated_gpus,  # noqa: E402
                                                     policies, simulate_notebooks)
 from gpupool.hub_plugin.simulator_openb import OPENB_POLICIES, fill, openb_specs, sample_tasks  # noqa: E402
 from gpupool.hub_plugin.simulator_pool import Pool  # noqa: E402
@@ -106,8 +107,9 @@ def sensei_part(workload, data_words: str, log) -> tuple[str, dict, dict]:
         "Policies: **dedicated** (what pooling replaces): each user owns, for the whole month, the most GPUs their "
         "cells ever run at once (a slice is a card of its own), nobody waits; **reservation** (today's service "
         "with its idle cull): `num_gpu` whole GPUs from a notebook's first cell until 30 min idle; **gpupool**: the "
-        "slice (1-GPU) or whole GPUs (4/8) until 5 min idle, parked early after 2 min idle while anyone waits "
-        "(`simulator_rules.pressure_parks`), re-acquired on the next cell; **batch**: each cell a job holding "
+        "slice (1-GPU) or whole GPUs (4/8) until 5 min idle, parked early while anyone waits by the "
+        "service's rule (`priority.plan`: 2 min after the request pressing on it was asked, or after it went "
+        "idle, whichever is later; no guaranteed shares), re-acquired on the next cell; **batch**: each cell a job holding "
         "whole GPUs only while it runs, strict FIFO. Every placement is `scheduler.place()`, every idle reclaim "
         "`reclaim.decide()` at the 5 s sweep ticks. Nodes of 8 GPUs. Wait = cell start − trace submit (trace "
         "resolution 1 min; worker start and variable transfer on resume not modelled). GPU-h held = Σ fraction × "
@@ -182,21 +184,31 @@ def eta_part(workload, log) -> str:
         ""])
 
 
-def backlog_part(workload, data, seed, size, log) -> tuple[str, list]:
-    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
-    gpu = tasks.gpu_pods()
+def backlog_variants():
+    """The policies the backlog part compares, in table order."""
     base = policies(300.0)
     gp = base["gpupool"]
     resume = replace(gp, name="gpupool, preempted jobs resume", resume_preempted=True)
-    variants = [gp, resume, replace(resume, name="gpupool, jobs resume, headroom 2 nodes", headroom_nodes=2),
-                replace(gp, name="gpupool, no preemption", preempt_grace=None),
-                replace(base["reservation"], name="reservation (no classes)")]
-    results = []
-    for policy in variants:
-        results.append(simulate_notebooks(workload, policy, size, backlog=BatchSource(gpu.milli, gpu.num,
-                                                                                       gpu.lifetime, seed=seed)))
-        log(f"backlog {policy.name}: util {results[-1].cluster_utilization:.1%}, "
-            f"p95 {results[-1].wait_percentile(95):g} s ({results[-1].seconds:.0f} s)")
+    return [gp, resume, replace(resume, name="gpupool, jobs resume, headroom 2 nodes", headroom_nodes=2),
+            replace(gp, name="gpupool, no preemption", preemption_notice=None),
+            replace(base["reservation"], name="reservation (no classes)")]
+
+
+def backlog_run(workload, data, seed, size, policy, log) -> NotebookResult:
+    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
+    gpu = tasks.gpu_pods()
+    result = simulate_notebooks(workload, policy, size, backlog=BatchSource(gpu.milli, gpu.num, gpu.lifetime,
+                                                                            seed=seed))
+    log(f"backlog {policy.name}: util {result.cluster_utilization:.1%}, "
+        f"p95 {result.wait_percentile(95):g} s ({result.seconds:.0f} s)")
+    return result
+
+
+def backlog_part(workload, data, seed, size, log, results=None) -> tuple[str, list]:
+    """The backlog subsection; ``results``: the replays of :func:`backlog_variants` if already run."""
+    _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
+    gpu = tasks.gpu_pods()
+    results = results or [backlog_run(workload, data, seed, size, policy, log) for policy in backlog_variants()]
     best = max((r for r in results if r.wait_percentile(95) <= TARGET_WAIT_S),
                key=lambda r: r.cluster_utilization, default=None)
     met = best is not None and best.cluster_utilization >= 0.85
@@ -212,11 +224,14 @@ def backlog_part(workload, data, seed, size, log) -> tuple[str, list]:
         f"The sensei month on {size} GPUs (gpupool's size above) plus openb's {len(gpu.num):,} GPU pods as "
         "**preemptible batch jobs**, drawn (seeded, with replacement) whenever held plus queued demand falls "
         "under 120 % of the pool, so the backlog never runs dry during the month; a job needs its `gpu_milli` "
-        "slice or `num_gpu` whole GPUs for its openb lifetime (deletion − scheduled). Interactive requests go "
-        "first (`simulator_rules.class_order`), batch fills what is left; while anyone waits, idle interactive "
-        "leases are parked after 2 min. A waiting interactive request **preempts** the batch leases that lose "
-        f"the least work (`simulator_rules.preemption_plan`), after a {PREEMPT_GRACE_S:g} s notice; a preempted "
-        "job loses its progress and is queued again in front (work lost is not counted busy); with **jobs resume**, it "
+        "slice or `num_gpu` whole GPUs for its openb lifetime (deletion − scheduled). Every queue and "
+        "pressure decision is the service's (`hub_plugin/priority.py`): interactive requests go first "
+        "(`class_rank`), batch fills what is left; `plan` at the 5 s sweep ticks parks idle leases "
+        f"{PRESSURE_GRACE_S:g} s after the oldest request pressing on them was asked, and, where idle ones do not "
+        "cover what waits, **preempts** running batch leases (newest first; counted in GPUs, not nodes) "
+        f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s (grace + `preemption_notice`) after it; a waiting "
+        "batch request presses on batch leases too. A preempted job loses its progress and is queued again as a "
+        "new request (work lost is not counted busy); with **jobs resume**, it "
         "keeps its progress (parked with its variables, its loop resumes where the KeyboardInterrupt stopped it; "
         "an assumption about the job, not something gpupool can ensure). **headroom**: batch "
         "is not placed on an idle node while only 2 nodes are idle. **reservation (no classes)**: today's "
@@ -233,16 +248,13 @@ def backlog_part(workload, data, seed, size, log) -> tuple[str, list]:
         + ("" if met else
            f" Best utilization {max(r.cluster_utilization for r in results):.1%}; interactive p95 "
            f"{min(r.wait_percentile(95) for r in results):.0f} s at best. Why the waits: {eight:.0%} of the "
-           "month's cells ask for 8 GPUs, i.e. a whole node, and a node can be cleared by preemption only if no "
-           "interactive lease sits on it; `place()` packs interactive slices and 1-4 GPU leases next to batch "
-           "ones (best fit), so interactive leases end up spread over most nodes and the 8-GPU cells wait for "
-           "them to park ("
-           f"{slow_eight:.0%} of the interactive waits above 10 s under plain gpupool are 8-GPU cells). Keeping idle nodes out of batch's "
-           "reach (headroom) shortens them at a cost in utilization. What would meet it: class-aware placement "
-           "(interactive and batch on separate nodes, or whole nodes kept for whole-node requests), which "
-           "`place()` does not do yet. Why the utilization: a preempted job that restarts loses its progress "
-           f"({top.lost_gpu_hours:,.0f} GPU-h under plain gpupool, openb jobs run 7.5 h on average); jobs that "
-           "resume after a park keep it."),
+           "month's cells ask for 8 GPUs, i.e. a whole node ("
+           f"{slow_eight:.0%} of the interactive waits above 10 s under plain gpupool are 8-GPU cells), and "
+           "`priority.plan` counts GPUs, not nodes, so the batch leases it preempts need not clear one node; an "
+           f"interactive request that needs a preemption waits at least grace + notice ({PRESSURE_GRACE_S:g} + "
+           f"{PREEMPTION_NOTICE_S:g} s) by the rule's timing. Why the utilization: waiting batch requests press "
+           "on running batch leases too, so batch preempts batch at every sweep tick; a preempted job that "
+           f"restarts loses its progress ({top.lost_gpu_hours:,.0f} GPU-h under plain gpupool)."),
         "",
     ]
     return "\n".join(text), [r.row() for r in results]
@@ -425,8 +437,9 @@ def main(argv=None) -> int:
         SECTION,
         "",
         "Replays against the real scheduler (`hub_plugin/scheduler.py: place`) and reclaim rule "
-        "(`hub_plugin/reclaim.py: decide`) on a virtual clock, with the simulator's pure rules for request "
-        "classes, pressure parks, preemption and the ETA (`hub_plugin/simulator_rules.py`) and multi-dimension "
+        "(`hub_plugin/reclaim.py: decide`) on a virtual clock, with the service's rules for request classes, "
+        "pressure parks and preemption (`hub_plugin/priority.py`), and the simulator's own for the ETA "
+        "(`hub_plugin/simulator_rules.py`) and multi-dimension "
         "placement (`hub_plugin/simulator_multidim.py`). Sources: Adobe Sensei notebook cells of June 2021 as "
         "released with NotebookOS (Carver et al., arXiv 2503.20591, ds2-lab/NotebookOS-Dashboard); the Alibaba "
         "GPU-sharing trace openb (Weng et al., \"Beware of Fragmentation: Scheduling GPU-Sharing Workloads with "

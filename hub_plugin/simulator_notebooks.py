@@ -19,19 +19,24 @@ What is real and what is modelled:
   previous one runs waits for it (as in Jupyter).
 - When nothing fits, the request waits. The simulator retries waiting
   requests whenever capacity is freed: interactive before batch when the
-  policy has classes (:func:`.simulator_rules.class_order`), oldest first
-  within a class, and a request that does not fit does not hold back a
-  smaller one behind it — except in the first-come ``batch`` policy, where
+  policy has classes (the service's :func:`.priority.class_rank`), oldest
+  first within a class, and a request that does not fit does not hold back
+  a smaller one behind it — except in the first-come ``batch`` policy, where
   the queue is strict FIFO.
-- While anyone waits, idle leases are parked after ``pressure_grace``
-  (:func:`.simulator_rules.pressure_parks`), checked at the sweep tick after
-  the grace and whenever an interactive request starts waiting.
+- Pressure is the service's rule, :func:`.priority.plan`, on every active
+  lease and waiting request (no guaranteed shares: the trace has no quotas).
+  As the service's sweep, the replay evaluates it at sweep ticks (at the
+  tick after any change while requests wait, and at the tick of the plan's
+  next deadline) and acts on what is due: an idle lease past its early
+  deadline is parked; a preemptible lease past its ``at`` has its cell
+  interrupted and is parked. Whatever a tick frees is then offered to the
+  queue at once (interactive first).
 - With a :class:`BatchSource` backlog, batch jobs (one cell each, released
-  when it ends) are queued whenever held plus queued demand falls under
-  its load x the pool, until the trace's period is over. A waiting
-  interactive request stops batch leases (:func:`.simulator_rules.preemption_plan`)
-  after ``preempt_grace``; a stopped job is queued again in front, losing
-  its progress (or keeping it, ``resume_preempted``).
+  when it ends; preemptible, as issue 16's backlog) are queued whenever held
+  plus queued demand falls under its load x the pool, until the trace's
+  period is over. A preempted job is queued again as a new request (the
+  parked notebook's next cell), losing its progress (or keeping it,
+  ``resume_preempted``).
 - The wait of a cell is its start minus its trace submit time, in seconds.
   Starting a worker and moving variables (park/resume) take no time here;
   the share of cells that had to acquire a lease is reported instead.
@@ -44,7 +49,8 @@ Policies (:data:`POLICIES`):
 - ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
   GPUs; released after ``idle_timeout`` (default 5 minutes) idle, or after
   the 2-minute pressure grace while others wait, parked, and resumed
-  (re-acquired) on the next cell; interactive first; batch preempted after 5 s.
+  (re-acquired) on the next cell; interactive first; batch preempted after
+  the grace plus the 30 s notice (the service's defaults).
 - ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
   GPUs only while it runs; strict FIFO queue.
 """
@@ -63,13 +69,13 @@ import numpy as np
 
 from gpupool.schema import LeaseState
 
+from . import priority
 from .queue import estimate
 from .reclaim import decide
 from .scheduler import Placement
 from .simulator_pool import FULL, Pool, uniform_pool
 from .simulator_results import NotebookResult
-from .simulator_rules import (BATCH, INTERACTIVE, PRESSURE_GRACE_S, IdleLease, class_order, eta, preemption_plan,
-                              pressure_parks, victims_on)
+from .simulator_rules import eta
 from .simulator_workload import NotebookWorkload
 
 #: The virtual clock's origin (the sensei trace starts on June 1, 2021).
@@ -77,8 +83,10 @@ T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
 #: The service's defaults (``GPUPool.reclaim_interval``, ``heartbeat_ttl``), seconds.
 SWEEP_S = 5.0
 HEARTBEAT_TTL_S = 60.0
-#: Seconds between the notice to a preemptible batch lease and its stop (modelled; see the report).
-PREEMPT_GRACE_S = 5.0
+#: The service's defaults (``GPUPool.pressure_grace``, ``preemption_notice``), seconds.
+PRESSURE_GRACE_S = 120.0
+PREEMPTION_NOTICE_S = 30.0
+INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,9 @@ class NotebookPolicy:
     ``pressure_grace``: seconds after which an idle lease is parked while
     others wait (None: only the idle timeout); ``classes``: interactive
     requests go before batch ones (False: one queue, oldest first);
-    ``preempt_grace``: batch leases (all preemptible here) are stopped, after
-    this many seconds, to make room for a waiting interactive request (None:
-    never); ``headroom_nodes``: batch is not placed on an idle node while
+    ``preemption_notice``: the pool allows preemption, with this notice
+    (``c.GPUPool.preemption_notice``; batch jobs are all preemptible here;
+    None: ``allow_preemption = False``); ``headroom_nodes``: batch is not placed on an idle node while
     only this many nodes are idle (room kept for interactive arrivals);
     ``resume_preempted``: a preempted batch job keeps its progress (it was
     parked with its variables and its loop resumes) instead of restarting."""
@@ -102,7 +110,7 @@ class NotebookPolicy:
     fifo: bool = False
     pressure_grace: float | None = None
     classes: bool = False
-    preempt_grace: float | None = None
+    preemption_notice: float | None = None
     headroom_nodes: int = 0
     resume_preempted: bool = False
 
@@ -113,7 +121,8 @@ def policies(gpupool_idle_timeout: float = 300.0,
     not a replay (:func:`dedicated_gpus`)."""
     return {"reservation": NotebookPolicy("reservation", slices=False, idle_timeout=1800.0),
             "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout,
-                                      pressure_grace=pressure_grace, classes=True, preempt_grace=PREEMPT_GRACE_S),
+                                      pressure_grace=pressure_grace, classes=True,
+                                      preemption_notice=PREEMPTION_NOTICE_S),
             "batch": NotebookPolicy("batch", slices=False, idle_timeout=None, fifo=True)}
 
 
@@ -155,6 +164,7 @@ class _Session:
     gpus: int
     group: int
     closes: float
+    user: int = 0
     klass: str = INTERACTIVE
     pending: deque = field(default_factory=deque)
     running: bool = False
@@ -162,8 +172,6 @@ class _Session:
     lease: SimLease | None = None
     run_start: float = 0.0
     token: int = 0
-    preempting: int = 0  # an interactive request: how many of its victims are still being stopped
-    doomed: int | None = None  # a batch job being preempted: for which session
 
 
 class BatchSource:
@@ -206,7 +214,7 @@ class _Replay:
     def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
                  backlog: BatchSource | None, with_eta: bool) -> None:
         self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
-        self.sessions = [_Session(s.milli if policy.slices else FULL, s.gpus, s.group, s.closes)
+        self.sessions = [_Session(s.milli if policy.slices else FULL, s.gpus, s.group, s.closes, s.user)
                          for s in workload.sessions]
         self.need = [s.gpus * s.milli / FULL for s in workload.sessions]  # GPUs a cell needs
         self.submit = [c.submit for c in workload.cells]
@@ -218,6 +226,10 @@ class _Replay:
         self.batch_waits: list[float] = []
         self.started = 0  # interactive cells that started
         self.waiting_interactive: set[int] = set()
+        self.waiters: dict[int, priority.Asking] = {}  # every waiting request, as the pressure rule sees it
+        self.checks: set[float] = set()  # sweep ticks at which the pressure plan is evaluated
+        self.last_check = -math.inf
+        self.holding: dict[int, priority.Held] = {}  # every active lease, as the pressure rule sees it
         self.events: list = []
         self.seq = 0
         self.fifo: deque = deque()
@@ -225,11 +237,6 @@ class _Replay:
         self.waiting_gpus = 0.0
         self.waiting_count = 0
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
-        self.running_batch: dict[int, float] = {}  # batch sessions running -> run start
-        self.batch_milli = [0] * pool.capacity  # per GPU: milli held by running batch leases,
-        self.batch_on: list[set[int]] = [set() for _ in range(pool.capacity)]  # which ones,
-        self.batch_need = [0.0] * pool.capacity  # the GPUs they need and
-        self.batch_need_start = [0.0] * pool.capacity  # GPUs x start: lost work = now x need - this
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
         names: dict[str, int] = {}
         self.node_of = [names.setdefault(spec.node, len(names)) for spec in pool.specs]
@@ -259,7 +266,7 @@ class _Replay:
             self.push(session.closes, self.CLOSE, sid)
         period = self.period
         if self.backlog is not None:
-            self.push(0.0, self.PRESSURE, None)  # starts the backlog
+            self.push(0.0, self.PRESSURE, None)  # starts the backlog (a check at 0 retries first)
         while self.events:
             now, kind, _, arg = heapq.heappop(self.events)
             if self.backlog is not None and now > period and self.started == self.interactive_cells:
@@ -300,9 +307,8 @@ class _Replay:
             if arg is None:
                 self.retry(now)
             else:
+                self.checks.discard(now)
                 self.pressure(now)
-        elif kind == self.PREEMPT:
-            self.stop_batch(*arg, now)
 
     # -- a session's cells ------------------------------------------------------
 
@@ -325,11 +331,8 @@ class _Replay:
         if not queue and self.acquire(sid, now):
             return
         self.enqueue(sid, now, queue)
-        if session.klass == INTERACTIVE:
-            if self.with_eta:
-                self.record_eta(sid, now)
-            self.pressure(now)
-            self.preempt_for(sid, now)
+        if session.klass == INTERACTIVE and self.with_eta:
+            self.record_eta(sid, now)
 
     def enqueue(self, sid: int, now: float, queue: deque, front: bool = False) -> None:
         session = self.sessions[sid]
@@ -340,6 +343,9 @@ class _Replay:
         (queue.appendleft if front else queue.append)((now, sid))
         if session.klass == INTERACTIVE:
             self.waiting_interactive.add(sid)
+        self.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
+                                            T0 + timedelta(seconds=now))
+        self.check_at(now)
 
     def start(self, sid: int, now: float) -> None:
         session = self.sessions[sid]
@@ -358,8 +364,7 @@ class _Replay:
         session.lease.worker_state = "busy"
         session.lease.idle_since = None
         self.idle.pop(sid, None)
-        if session.klass == BATCH:
-            self.pin_batch(sid, now)
+        self.hold(sid)
         self.push(now + self.duration[cell], self.END, (cell, session.token))
 
     def cell_ended(self, cell: int, now: float) -> None:
@@ -380,9 +385,9 @@ class _Replay:
         lease.worker_state = "idle"
         lease.idle_since = T0 + timedelta(seconds=now)
         self.idle[sid] = now
+        self.hold(sid)
         self.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
-        if self.policy.pressure_grace is not None and self.policy.pressure_grace < timeout:
-            self.push(math.ceil((now + self.policy.pressure_grace) / SWEEP_S) * SWEEP_S, self.PRESSURE, sid)
+        self.check_at(now)
 
     def count_busy(self, sid: int, seconds: float, now: float) -> None:
         """``sid`` ran ``seconds`` of useful work up to ``now``."""
@@ -392,18 +397,57 @@ class _Replay:
         self.busy_in_period += self.need[sid] * max(0.0, min(now, self.period) - session.run_start)
         self.busy_by_class[session.klass] = self.busy_by_class.get(session.klass, 0.0) + work
 
-    # -- pressure and preemption ----------------------------------------------------
+    # -- pressure and preemption: the service's rule (priority.plan) at sweep ticks ----------
+
+    def hold(self, sid: int) -> None:
+        """Record ``sid``'s lease as the pressure rule sees it (after it started, ran or went idle)."""
+        session, lease = self.sessions[sid], self.sessions[sid].lease
+        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
+        idle_since = lease.idle_since if sid in self.idle else None
+        deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
+        self.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
+                                          session.klass == BATCH, session.running, lease.started_at, idle_since,
+                                          deadline)
+
+    def check_at(self, now: float) -> None:
+        """Evaluate the plan at the first sweep tick at or after ``now``, once
+        per tick (the service plans once per sweep), if it can act."""
+        if self.policy.pressure_grace is None or not self.waiters:
+            return
+        tick = math.ceil(now / SWEEP_S) * SWEEP_S
+        tick += SWEEP_S if tick <= self.last_check else 0.0
+        if tick not in self.checks:
+            self.checks.add(tick)
+            self.push(tick, self.PRESSURE, "check")
 
     def pressure(self, now: float) -> None:
-        """Park idle leases early while requests wait (:func:`.simulator_rules.pressure_parks`)."""
-        if self.policy.pressure_grace is None or self.waiting_count == 0 or not self.idle:
-            return
-        leases = [IdleLease(str(sid), now - since, self.held_gpus(sid)) for sid, since in self.idle.items()]
-        for park in pressure_parks(leases, self.waiting_count, self.waiting_gpus, self.policy.pressure_grace):
-            sid = int(park.lease_id)
+        """A sweep tick: :func:`.priority.plan` on every lease and waiter; park
+        the idle leases and interrupt the preemptible cells that are due, offer
+        what they free to the queue, and come back at the plan's next moment."""
+        self.last_check = now
+        notice = self.policy.preemption_notice
+        if self.policy.pressure_grace is None or not self.waiters or not (self.idle or notice is not None):
+            return  # the plan parks only idle leases and preempts only where the pool allows it
+        plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.policy.pressure_grace,
+                             notice=notice or 0.0, allow_preemption=notice is not None, guaranteed_gpus={})
+        at, later = T0 + timedelta(seconds=now), []
+        for lease_id, park in plan.parks.items():
+            if park.deadline > at:
+                later.append(park.deadline)
+                continue
+            sid = int(lease_id)
             self.early_parks += 1
             self.parks += now < self.sessions[sid].closes
-            self.release(sid, now)
+            self.release(sid, now, retry=False)
+        for lease_id, preemption in plan.preemptions.items():
+            if preemption.at > at:
+                later.append(preemption.at)
+                continue
+            self.preempt(int(lease_id), now)
+        if len(later) < len(plan.parks) + len(plan.preemptions):
+            self.retry(now)
+        if later:
+            self.check_at((min(later) - T0).total_seconds())
 
     def node_idle(self, node: str) -> bool:
         return not any(self.pool.milli[g] for g in self.node_gpus[node])
@@ -412,81 +456,23 @@ class _Replay:
         placement = self.sessions[sid].lease.placement
         return placement.fraction * len(placement.gpus)
 
-    def preempt_for(self, sid: int, now: float) -> None:
-        """Stop batch leases (after the grace) so waiting interactive ``sid`` fits
-        (:func:`.simulator_rules.preemption_plan`)."""
+    def preempt(self, sid: int, now: float) -> None:
+        """Interrupt batch job ``sid``'s cell and park it; its cell is queued
+        again as a new request, its work lost (or kept, ``resume_preempted``)."""
         session = self.sessions[sid]
-        if self.policy.preempt_grace is None or not self.running_batch or session.preempting:
-            return
-        free = [FULL - m for m in self.pool.milli]
-        pinned = [m - b for m, b in zip(self.pool.milli, self.batch_milli)]
-        cost = [now * a - b for a, b in zip(self.batch_need, self.batch_need_start)]
-        plan = preemption_plan(session.milli, session.gpus, free, pinned, cost, self.node_of)
-        if not plan:
-            return
-        whole = session.gpus > 1 or session.milli >= FULL
-        victims: set[int] = set()
-        for g in plan:
-            held = [(self.need[b] * (now - self.sessions[b].run_start), self.sessions[b].milli, str(b))
-                    for b in self.batch_on[g]]
-            victims.update(int(h[2]) for h in held) if whole else victims.update(
-                map(int, victims_on(free[g], session.milli, held)))
-        session.preempting = len(victims)
-        for victim in victims:
-            self.sessions[victim].doomed = sid
-            self.unpin_batch(victim)
-        self.preemptions += len(victims)
-        self.push(now + self.policy.preempt_grace, self.PREEMPT, (sid, sorted(victims)))
-
-    def pin_batch(self, sid: int, now: float) -> None:
-        session = self.sessions[sid]
-        self.running_batch[sid] = now
-        for u in session.lease.placement.gpus:
-            g = self.pool.uuid_index[u]
-            self.batch_milli[g] += session.milli
-            self.batch_on[g].add(sid)
-            self.batch_need[g] += self.need[sid]
-            self.batch_need_start[g] += self.need[sid] * now
-
-    def unpin_batch(self, sid: int) -> None:
-        started = self.running_batch.pop(sid, None)
-        if started is None:
-            return
-        session = self.sessions[sid]
-        for u in session.lease.placement.gpus:
-            g = self.pool.uuid_index[u]
-            self.batch_milli[g] -= session.milli
-            self.batch_on[g].discard(sid)
-            self.batch_need[g] -= self.need[sid]
-            self.batch_need_start[g] -= self.need[sid] * started
-
-    def stop_batch(self, requester: int, victims: list[int], now: float) -> None:
-        """The preemption grace is over: the victims' cells are interrupted and
-        queued again (their work is lost), all at once, then capacity is
-        retried (interactive first), so batch cannot refill the gap one
-        victim leaves before the next one stops."""
-        for sid in victims:
-            session = self.sessions[sid]
-            session.doomed = None
-            if not session.running:
-                continue  # it ended during the grace
-            ran = now - session.run_start
-            cell = self.batch_cell[sid]
-            if self.policy.resume_preempted:
-                self.count_busy(sid, ran, now)
-                self.duration[cell] -= ran
-            else:
-                self.lost += self.need[sid] * ran
-            session.running = False
-            session.token += 1
-            session.pending.appendleft(self.batch_cell[sid])
-            self.enqueue(sid, now, self.queue_of(sid), front=True)
-            self.release(sid, now, retry=False)
-        asker = self.sessions[requester]
-        asker.preempting = 0
-        self.retry(now)
-        if asker.waiting:
-            self.preempt_for(requester, now)  # what was freed went to an earlier request: try again
+        ran = now - session.run_start
+        cell = self.batch_cell[sid]
+        if self.policy.resume_preempted:
+            self.count_busy(sid, ran, now)
+            self.duration[cell] -= ran
+        else:
+            self.lost += self.need[sid] * ran
+        self.preemptions += 1
+        session.running = False
+        session.token += 1
+        self.release(sid, now, retry=False)
+        session.pending.appendleft(cell)
+        self.enqueue(sid, now, self.queue_of(sid))
 
     # -- leases -------------------------------------------------------------------
 
@@ -512,7 +498,7 @@ class _Replay:
             self.waiting_gpus -= self.need[sid]
             self.waiting_count -= 1
             self.waiting_interactive.discard(sid)
-        session.preempting = 0
+            del self.waiters[sid]
         self.start(sid, now)
         return True
 
@@ -521,36 +507,30 @@ class _Replay:
         lease = session.lease
         if lease is None:
             return
-        self.unpin_batch(sid)
         self.idle.pop(sid, None)
         session.lease = None
+        self.holding.pop(sid, None)
         held = lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted)
         self.held += held
         self.recent_holds.append(now - lease.granted)
         self.held_by_group[session.group] = self.held_by_group.get(session.group, 0.0) + held
         self.pool.give(lease.placement)
         self.idle_nodes += self.node_idle(lease.placement.node)
+        self.check_at(now)  # what the plan targets shifts when a lease goes
         if retry:
             self.retry(now)
 
     def retry(self, now: float) -> None:
         """Capacity was freed: retry waiting requests, interactive first (with
-        classes), oldest first within a class; strict FIFO for ``fifo``. Then
-        interactive requests still waiting, and not already waiting for
-        victims, try preemption again (what was pinned may have moved)."""
-        self._retry(now)
-        if self.policy.preempt_grace is not None and self.running_batch:
-            for sid in [s for s in self.waiting_interactive if not self.sessions[s].preempting]:
-                self.preempt_for(sid, now)
-
-    def _retry(self, now: float) -> None:
+        classes, :func:`.priority.class_rank`), oldest first within a class;
+        strict FIFO for ``fifo``."""
         self.top_up(now)
         if self.policy.fifo:
             while self.fifo and self.acquire(self.fifo[0][1], now):
                 self.fifo.popleft()
             return
         heads = [(queue[0][0], key) for key, queue in self.queues.items() if queue]
-        heads = class_order(sorted(heads), lambda head: head[1][0])
+        heads.sort(key=lambda head: (priority.class_rank(head[1][0]), head))
         failed_milli, failed_gpus = FULL + 1, 10**9  # smallest slice / whole-GPU count refused in this pass
         for _, key in heads:
             _, milli, gpus = key
@@ -578,7 +558,7 @@ class _Replay:
             milli, gpus, seconds, user = self.backlog.draw()
             sid, cell = len(self.sessions), len(self.submit)
             milli = milli if self.policy.slices or gpus > 1 else FULL
-            self.sessions.append(_Session(milli, gpus, user % 4, math.inf, BATCH))
+            self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
             self.need.append(gpus * milli / FULL)
             self.submit.append(now)
             self.duration.append(seconds)

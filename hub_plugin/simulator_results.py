@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .simulator_rules import BATCH, INTERACTIVE
+from .priority import BATCH, INTERACTIVE
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Times in seconds; GPU-seconds = fraction x GPUs x seconds held.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -178,78 +179,17 @@ def test_cli_on_tiny_traces(tmp_path, capsys):
     assert "bestfit" in capsys.readouterr().out
 
 
-# -- issue 16: the pure rules of the class-aware replay, as tables ------------------------------------------
+# -- issue 16: the simulator's own pure rules (ETA, dedicated), as tables ----------------------------------
+# Class order, pressure parks and preemption are the service's (hub_plugin/priority.py, tests/test_priority.py);
+# the replays below check that the simulator decides with them.
 
 from datetime import datetime, timedelta, timezone  # noqa: E402
 
-from gpupool.hub_plugin.simulator_rules import (BATCH, INTERACTIVE, IdleLease, class_order, eta,  # noqa: E402
-                                                peak_concurrent, preemption_plan, pressure_parks, victims_on)
-
-
-@pytest.mark.parametrize("classes, expected", [
-    ([BATCH, INTERACTIVE, BATCH, INTERACTIVE], [1, 3, 0, 2]),  # interactive first, order kept within a class
-    ([INTERACTIVE, INTERACTIVE], [0, 1]),
-    ([BATCH, BATCH], [0, 1]),
-    ([], []),
-])
-def test_class_order(classes, expected):
-    items = list(enumerate(classes))
-    assert [i for i, _ in class_order(items, lambda item: item[1])] == expected
-
-
-def test_class_order_refuses_an_unknown_class():
-    with pytest.raises(KeyError):
-        class_order([(0, "urgent")], lambda item: item[1])
-
-
-IDLE = [IdleLease("a", 300.0, 1.0), IdleLease("b", 130.0, 0.5), IdleLease("c", 60.0, 1.0),
-        IdleLease("d", None, 1.0), IdleLease("e", 200.0, 0.5, BATCH), IdleLease("f", 125.0, 0.25, over_quota=True)]
-
-
-@pytest.mark.parametrize("waiting, wanted, grace, expected", [
-    (0, 1.0, 120.0, []),  # nobody waits: nothing is parked early
-    (1, 0.25, 120.0, ["f"]),  # over quota first; enough freed
-    (1, 0.5, 120.0, ["f", "e"]),  # then batch
-    (2, 10.0, 120.0, ["f", "e", "a", "b"]),  # then the longest idle; c is inside its grace, d runs a cell
-    (1, 10.0, 250.0, ["a"]),
-    (3, 10.0, 1000.0, []),
-])
-def test_pressure_parks(waiting, wanted, grace, expected):
-    parks = pressure_parks(IDLE, waiting, wanted, grace)
-    assert [p.lease_id for p in parks] == expected
-    if parks:
-        people = "1 person is" if waiting == 1 else f"{waiting} people are"
-        assert parks[0].reason == f"parked early: {people} waiting for a GPU"
-
+from gpupool.hub_plugin.priority import BATCH  # noqa: E402
+from gpupool.hub_plugin.simulator_rules import eta, peak_concurrent  # noqa: E402
 
 # Four GPUs on two nodes (0, 0, 1, 1).
 NODES = [0, 0, 1, 1]
-
-
-@pytest.mark.parametrize("milli, count, free, pinned, cost, expected", [
-    (500, 1, [600, 0, 0, 0], [0] * 4, [0] * 4, []),  # fits already
-    (500, 1, [0, 0, 0, 0], [0, 0, 0, 0], [9, 3, 5, 7], [1]),  # the cheapest GPU to clear
-    (500, 1, [0, 0, 0, 0], [600, 0, 1000, 0], [1, 3, 1, 7], [1]),  # GPUs pinned by others cannot make room
-    (500, 1, [0, 0, 0, 0], [1000] * 4, [1] * 4, None),  # nothing preemptible makes room
-    (1000, 2, [1000, 0, 0, 0], [0, 0, 0, 0], [0, 8, 2, 3], [2, 3]),  # node 1 loses 2 + 3, node 0 0 + 8
-])
-def test_preemption_plan(milli, count, free, pinned, cost, expected):
-    assert preemption_plan(milli, count, free, pinned, cost, NODES) == expected
-
-
-def test_preemption_plan_whole_gpus():
-    assert preemption_plan(1000, 2, [1000, 1000, 0, 0], [0] * 4, [0, 0, 1, 1], NODES) == []
-    assert preemption_plan(1000, 2, [0, 0, 0, 0], [0, 100, 0, 0], [1, 1, 9, 9], NODES) == [2, 3]
-    assert preemption_plan(1000, 2, [0, 0, 0, 0], [0, 100, 100, 0], [1, 1, 9, 9], NODES) is None
-
-
-@pytest.mark.parametrize("room, milli, holders, expected", [
-    (0, 500, [(10.0, 250, "x"), (1.0, 250, "y"), (5.0, 500, "z")], ["y", "z"]),  # least lost work first
-    (300, 500, [(10.0, 250, "x"), (1.0, 250, "y")], ["y"]),
-    (600, 500, [(1.0, 250, "y")], []),
-])
-def test_victims_on_one_gpu(room, milli, holders, expected):
-    assert victims_on(room, milli, holders) == expected
 
 
 @pytest.mark.parametrize("milli, count, ahead, free, frees, expected", [
@@ -282,29 +222,49 @@ def test_gpupool_with_pressure_parks_by_hand():
     assert result.early_parks == 3 and result.parks == 4
 
 
-def test_batch_backlog_is_preempted_for_an_interactive_request():
-    """2 GPUs, one node; a backlog of 1-GPU batch jobs of 1000 s keeps both GPUs busy.
+def test_an_early_park_gives_its_user_the_grace_from_the_ask():
+    """As the service's plan: an idle lease is parked ``grace`` after the
+    request that presses on it was asked, however long it was idle before.
 
-    At 60 an interactive notebook asks for a whole GPU: nothing is free, so the
-    cheapest batch job (both started at 0: the first GPU) is told to stop and
-    stops after the 5 s grace; the cell starts at 65 and the stopped job is
-    queued again, in front. Batch work lost: 1 GPU x 65 s."""
+    1 GPU; A (half a GPU, 30 min idle timeout) runs 0-100, then idles. At
+    1000 B asks for the whole GPU: A is parked at 1000 + 120, B starts then."""
+    cells = (Cell(0, 0, 0.0, 100.0), Cell(1, 1, 1000.0, 60.0))
+    sessions = (Session(0, 0, 0, 1, 500, 0.0, FAR, (0,)), Session(1, 1, 1, 1, 1000, 1000.0, FAR, (1,)))
+    chosen = policies(gpupool_idle_timeout=1800.0, pressure_grace=120.0)["gpupool"]
+    result = simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), chosen, 1, per_node=1)
+    assert result.waits.tolist() == [0.0, 120.0]
+    assert result.early_parks == 1
+
+
+def backlog_run(policy, *, load=1.0, seconds=1000.0):
+    """The one-cell notebook of :func:`test_batch_backlog_is_preempted_for_an_interactive_request`
+    on 2 GPUs of one node, with a backlog of 1-GPU batch jobs of ``seconds``."""
     from gpupool.hub_plugin.simulator_notebooks import BatchSource
 
     cells = (Cell(0, 0, 60.0, 100.0),)
     sessions = (Session(0, 0, 0, 1, 1000, 60.0, 200.0, (0,)),)
-    workload = NotebookWorkload(cells, sessions, "hand-made")
-    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([1000.0]), load=1.0, users=1)
-    result = simulate_notebooks(workload, policies(300.0)["gpupool"], 2, per_node=2, backlog=backlog)
-    assert result.waits.tolist() == [5.0]
+    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([seconds]), load=load, users=1)
+    return simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), policy, 2, per_node=2, backlog=backlog)
+
+
+def test_batch_backlog_is_preempted_for_an_interactive_request():
+    """2 GPUs, one node; two batch jobs (1000 s, preemptible) start at 0.
+
+    At 60 an interactive notebook asks for a whole GPU: nothing is free and
+    nothing idle, so the plan names a batch job (the newest; a tie, the lower
+    id) to be interrupted at 60 + grace 120 + notice 30 = 210. The cell
+    starts then (waited 150) and the job is queued again; it starts at 310,
+    when the notebook's kernel is gone. Batch work lost: 1 GPU x 210 s."""
+    gpupool = policies(300.0)["gpupool"]
+    result = backlog_run(gpupool)
+    assert result.waits.tolist() == [150.0]
     assert result.preemptions == 1
-    assert result.lost_gpu_hours * 3600 == pytest.approx(65.0)
-    assert result.wait_percentile(50, BATCH) == 0.0
+    assert result.lost_gpu_hours * 3600 == pytest.approx(210.0)
+    assert result.batch_waits[:3].tolist() == [0.0, 0.0, 100.0] and result.wait_percentile(50, BATCH) == 0.0
     # Without preemption the notebook waits for a batch job to end (1000 s).
-    no_preempt = policies(300.0)["gpupool"].__class__(**{**policies(300.0)["gpupool"].__dict__,
-                                                         "preempt_grace": None})
-    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([1000.0]), load=1.0, users=1)
-    assert simulate_notebooks(workload, no_preempt, 2, per_node=2, backlog=backlog).waits.tolist() == [940.0]
+    assert backlog_run(replace(gpupool, preemption_notice=None)).waits.tolist() == [940.0]
+    # Jobs that resume keep their 210 s: nothing is lost.
+    assert backlog_run(replace(gpupool, resume_preempted=True)).lost_gpu_hours == 0.0
 
 
 # -- openb with CPU and memory ------------------------------------------------------------------------------
