@@ -21,8 +21,9 @@ then the longest idle, until the GPUs they free cover what waits. A waiting
 interactive request presses on every class, a batch one only on batch leases.
 A lease whose cell runs is never touched, unless it opted in
 (``preemptible``) and the pool allows preemption: then, if the idle ones do
-not cover the queue, it is told (``notice`` seconds ahead) and its cell
-interrupted, then parked. Capacity is counted in GPUs (fraction x count):
+not cover what waiting interactive requests need, it is told (``notice``
+seconds ahead) and its cell interrupted, then parked. A batch waiter never
+preempts (a standing backlog would preempt its own kind at every sweep). Capacity is counted in GPUs (fraction x count):
 what a waiter needs on which node is the scheduler's business, so the rule
 may free a little more or less than exactly what fits.
 """
@@ -166,7 +167,9 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
             if lease.idle_deadline is None or deadline < lease.idle_deadline:
                 parks[lease.lease_id] = EarlyPark(deadline, reason)
             need -= lease.gpus
-        if not allow_preemption:
+        # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
+        # up, else a standing backlog would preempt its own kind at every sweep.
+        if not allow_preemption or rank > class_rank(INTERACTIVE):
             continue
         for lease in _preemptible(targets):
             if need <= EPSILON:
