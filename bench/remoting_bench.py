@@ -411,7 +411,9 @@ def report(results: dict, command: str) -> str:
         f"{met(worst >= 0.70)}", "",
         "**Where an attached cell's time goes** (p50, this run): the worker alone, spoken to directly over the same "
         f"CurveZMQ sockets, {lat['worker']['p50_ms']:.2f} ms, against {lat['local']['p50_ms']:.2f} ms for a plain local "
-        f"kernel ({lat['worker']['p50_ms'] - lat['local']['p50_ms']:+.2f} ms: the network hop and encryption); the "
+        f"kernel ({lat['worker']['p50_ms'] - lat['local']['p50_ms']:+.2f} ms: the network hop and CurveZMQ, less "
+        "what a worker leaves out: the shell-channel thread, ipykernel's 0.5 ms sleep before each reply, the history "
+        "database; the notebook kernel's is the history); the "
         f"gpupool kernel in between adds {lat['gpupool']['p50_ms'] - lat['worker']['p50_ms']:.2f} ms: ipykernel's "
         "dispatch of the request on its main thread, the forward, the worker's reply passed on the moment it comes, "
         "and the relay thread re-signing each IOPub message (the worker's busy and idle included) onto ipykernel's "
