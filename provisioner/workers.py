@@ -181,7 +181,7 @@ def preload_code(modules: Sequence[str]) -> str:
 def kernel_arguments(extensions: Sequence[str]) -> list[str]:
     """ipykernel command-line options that load ``extensions``, make the
     kernel exit when one fails to load, and leave out ipykernel's sleep before
-    each reply and IPython's history database.
+    each reply.
 
     ``extra_extensions`` is IPython's option for extensions named on the
     command line; unlike ``extensions`` it adds to, rather than replaces, a
@@ -192,10 +192,7 @@ def kernel_arguments(extensions: Sequence[str]) -> list[str]:
     args = [f"--IPKernelApp.extra_extensions={name}" for name in extensions]
     # ipykernel sleeps 0.5 ms before each execute_reply so that a front end sees a cell's output
     # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
-    # History is the notebook kernel's: a worker writing the same history.sqlite (a shared home)
-    # races it for session numbers ("Session/line number was not unique").
-    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", "--IPythonKernel._execute_sleep=0",
-            "--HistoryManager.enabled=False"]
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", "--IPythonKernel._execute_sleep=0"]
 
 
 class Worker:

@@ -192,7 +192,7 @@ def test_worker_environment_drops_secrets():
 def test_kernel_arguments_load_extensions_strictly():
     assert kernel_arguments(["a.b", "c"]) == ["--IPKernelApp.extra_extensions=a.b", "--IPKernelApp.extra_extensions=c",
                                               "--IPKernelApp.reraise_ipython_extension_failures=True",
-                                              "--IPythonKernel._execute_sleep=0", "--HistoryManager.enabled=False"]
+                                              "--IPythonKernel._execute_sleep=0"]
 
 
 def _status(state: str, msg_id: str, msg_type: str = "execute_request") -> dict:
