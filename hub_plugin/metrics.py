@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 
-from . import scheduler
+from . import hosts, scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
@@ -64,6 +64,8 @@ REFUSAL_CODES = {
     scheduler.NO_FRACTION: "no_fraction",
     scheduler.NO_MEMORY: "no_memory",
     scheduler.FEW_ON_NODE: "few_on_node",
+    hosts.NO_CPUS: "no_host_cpus",
+    hosts.NO_HOST_MEMORY: "no_host_memory",
 }
 #: How each reclaim reason of :mod:`.reclaim` begins -> its code (matched in SQL at scrape time).
 RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from typing import Any
 
 import zmq
@@ -66,6 +67,7 @@ class GPUPoolKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.events = Events(self.comm_manager)
+        self._reply_gate = threading.Lock()
         self.budget = OutputBudget()
         self.gpu = GPUMagics(self.shell, kernel=self)
         self.shell.register_magics(self.gpu)
@@ -137,9 +139,8 @@ class GPUPoolKernel(IPythonKernel):
         if reply is None:
             self._say_status_here(parent)
             return self._refuse_cell(stream, ident, parent, lost)
-        if lost:  # after its reply: the worker's idle will not come, this kernel says it
+        if lost:  # after its reply: the worker's idle will not come, this kernel says it (the next cell says why)
             self._status_by_worker = None
-            self._publish_note(parent["header"], f"gpupool: {lost}\n")
         self._after_forwarded(reply["content"], content, code)
 
     def _forward_execute(self, attachment, stream, ident, parent: dict[str, Any],
@@ -171,8 +172,11 @@ class GPUPoolKernel(IPythonKernel):
             if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
                 stream.flush(zmq.POLLOUT)
             replies.append(reply)
+            self._replied_now()
 
         self.budget.reset(self.gpu.max_output_bytes)
+        with self._reply_gate:  # no reply yet: the worker's idle waits for it
+            self._replied, self._held_idle = False, None
         with attachment.lock:
             attachment.heartbeat.running(True)
             self._running = parent["header"]
@@ -180,7 +184,7 @@ class GPUPoolKernel(IPythonKernel):
                 attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
                 return replies[0], ""
             except GPUPoolError as exc:
-                if exc.code == "lease_lost":
+                if exc.code == "lease_lost" and not replies:  # after a reply the next cell says it, and drops
                     self.gpu.drop()
                 return (replies[0] if replies else None), exc.message
             finally:
@@ -236,8 +240,28 @@ class GPUPoolKernel(IPythonKernel):
             if self.budget.cut_started():
                 self._publish_note(msg["parent_header"], self.budget.cut_words())
             return
-        signature = self.session.sign(parts[1:5])
-        self.iopub_socket.send_multipart([bytes(i) for i in idents] + [DELIM, signature, *parts[1:]])
+        frames = [bytes(i) for i in idents] + [DELIM, self.session.sign(parts[1:5]), *parts[1:]]
+        if msg["header"]["msg_type"] == "status" and self._is_running(msg["parent_header"]) \
+                and self.session.unpack(bytes(parts[4])).get("execution_state") == "idle" and self._hold_idle(frames):
+            return
+        self.iopub_socket.send_multipart(frames)
+
+    def _hold_idle(self, frames: list) -> bool:
+        """Keep the forwarded cell's idle until its reply has gone to the front
+        end (True: kept): a front end stops listening at idle, and a cell whose
+        worker is lost before its reply ends with this kernel's words, after it."""
+        with self._reply_gate:
+            if self._replied:
+                return False
+            self._held_idle = frames
+            return True
+
+    def _replied_now(self) -> None:
+        """The forwarded cell's reply went out: its idle may follow (now, if it came first)."""
+        with self._reply_gate:
+            self._replied, held, self._held_idle = True, self._held_idle, None
+        if held is not None:
+            self.iopub_socket.send_multipart(held)
 
     def _is_running(self, header: dict[str, Any]) -> bool:
         """Whether ``header`` is the forwarded cell's that runs now."""
@@ -408,5 +432,7 @@ class GPUPoolKernel(IPythonKernel):
         if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
             sys.stderr.flush()
 
-    _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
+    _status_by_worker: str | None = None
+    _replied = True  # the forwarded cell's reply went out (its idle is held until then)
+    _held_idle: list | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
     _running: dict[str, Any] | None = None  # header of the forwarded cell running now
