@@ -248,8 +248,9 @@ class GPUPoolKernel(IPythonKernel):
 
     def _hold_idle(self, frames: list) -> bool:
         """Keep the forwarded cell's idle until its reply has gone to the front
-        end (True: kept): a front end stops listening at idle, and a cell whose
-        worker is lost before its reply ends with this kernel's words, after it."""
+        end (True: kept): a front end stops listening at idle, so a cell whose
+        worker is lost before its reply must end with this kernel's words and
+        idle instead (the held one is then dropped)."""
         with self._reply_gate:
             if self._replied:
                 return False
@@ -432,7 +433,7 @@ class GPUPoolKernel(IPythonKernel):
         if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
             sys.stderr.flush()
 
-    _status_by_worker: str | None = None
+    _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
     _replied = True  # the forwarded cell's reply went out (its idle is held until then)
-    _held_idle: list | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
+    _held_idle: list | None = None  # the worker's idle of it, signed, while held
     _running: dict[str, Any] | None = None  # header of the forwarded cell running now
