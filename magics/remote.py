@@ -11,9 +11,9 @@ bounded and Ctrl-C (SIGINT in the main thread) interrupts it.
 from __future__ import annotations
 
 import threading
-from hmac import compare_digest
 import time
 import uuid
+from hmac import compare_digest
 from typing import Any, Callable
 
 import zmq
