@@ -46,7 +46,7 @@ from gpupool.traits import ByteSize, Duration
 from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from . import environments as worker_envs
-from .enforcement import MemoryWatchdog, MPSControl, check_slice, enforcement_mode, mps_daemon_running
+from . import enforcement
 from .inventory import Inventory, select_inventory
 from .inventory_retry import backoff_delay
 from .host_limits import enforce as enforce_host_limits, host_totals, parse_host_limits
@@ -170,7 +170,7 @@ class WorkersHandler(AgentHandler):
         cpus, host_memory = parse_host_limits(body, self.agent.host_totals())
         spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
         try:
-            check_slice(self.agent.enforcement, spec.fraction)
+            self.agent.enforcement.check(spec.fraction)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         try:
@@ -390,17 +390,27 @@ class NodeAgent(Application):
             raise ValueError(f"nvml_timeout must be positive, got {proposal['value']}")
         return proposal["value"]
 
-    enforcement_mode = Enum(
-        ["auto", "mps", "mig", "timeslice", "exclusive"], "auto",
-        help="""How this node confines workers to their slices (docs/enforcement.md):
+    enforcement_mode = Unicode(
+        "auto",
+        help=f"""How this node confines workers to their slices (docs/enforcement.md), one of
+        auto, {", ".join(enforcement.available())}:
         ``mps`` (the agent starts or joins the CUDA MPS control daemon; compute
         share and memory limit per worker), ``mig`` (whole MIG instances),
         ``timeslice`` (framework memory caps plus the agent's memory watchdog),
-        ``exclusive`` (whole GPUs only). ``auto`` (default): ``mig`` when the
+        ``exclusive`` (whole GPUs only), or a mode of the ``gpupool.enforcement``
+        entry point group. ``auto`` (default): ``mig`` when the
         GPUs are MIG instances, ``mps`` when an MPS daemon runs, else
         ``timeslice``. Simulated nodes report ``none``.
         ``c.NodeAgent.enforcement_mode = "mps"``.""",
     ).tag(config=True)
+
+    @validate("enforcement_mode")
+    def _enforcement_mode_valid(self, proposal: Any) -> str:
+        choices = ("auto", *enforcement.available())
+        if proposal["value"] not in choices:
+            raise TraitError(f"The 'enforcement_mode' trait of a NodeAgent instance expected any of "
+                             f"{list(choices)}, not {proposal['value']!r}")
+        return proposal["value"]
 
     transport_encryption = Enum(
         ["curve", "none"],
@@ -573,19 +583,11 @@ class NodeAgent(Application):
                                                      timeout=self.nvml_timeout)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
-        self.enforcement = enforcement_mode(self.inventory.kind,
-                                            self.inventory.kind != "simulated" and mps_daemon_running(),
-                                            self.enforcement_mode, any(u.startswith("MIG-") for u in self.gpus))
-        self.watchdog = MemoryWatchdog()
-        self.mps: MPSControl | None = None
-        if self.enforcement == "mps":
-            self.mps = MPSControl(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"),
-                                  os.environ.get("CUDA_MPS_LOG_DIRECTORY", os.path.join(self.state_dir, "mps-log")))
-            try:
-                self.log.info("MPS control daemon %s (pipe directory %s)", self.mps.start(), self.mps.pipe_dir)
-            except RuntimeError as exc:
-                raise GPUPoolError("not_configured", f"{exc} (--enforcement=timeslice runs without MPS)") from None
-            os.environ.update(self.mps.environment())  # workers inherit them
+        try:
+            self.enforcement = enforcement.resolve(self.enforcement_mode, self.inventory.kind, self.gpus)
+            self.enforcement.setup(self.state_dir, self.log)
+        except (ValueError, TypeError, RuntimeError) as exc:  # an unknown or broken plugin; no MPS daemon
+            raise GPUPoolError("not_configured", str(exc)) from None
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -745,7 +747,7 @@ class NodeAgent(Application):
                                      log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
                                                                      self.warm_worker_max_age), user=self.user,
                                      encryption=self.transport_encryption, cgroups=self.containment(state_dir),
-                                     users=self.users)
+                                     users=self.users, enforcement=self.enforcement)
         if is_user_template(self.worker_user or ""):
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
@@ -765,7 +767,7 @@ class NodeAgent(Application):
         self.url = f"{scheme}://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"
         self.http = AsyncHTTPClient(force_instance=True)
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
-                      self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement,
+                      self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
                       self.service_url)
         service_task = asyncio.create_task(self.service_loop())
         self.workers.start_warm_pool()
@@ -780,11 +782,7 @@ class NodeAgent(Application):
         self.http.close()
         self.workers.close()
         self.inventory.close()
-        if self.mps is not None:
-            try:
-                self.mps.stop()  # only a daemon this agent started
-            except RuntimeError as exc:
-                self.log.warning("%s", exc)
+        self.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
 
     def _log_request(self, handler: web.RequestHandler) -> None:
@@ -855,7 +853,7 @@ class NodeAgent(Application):
 
     def registration_body(self) -> dict[str, Any]:
         return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
-                "enforcement": self.enforcement, "gpus": [gpu.to_json() for gpu in self.gpus.values()],
+                **self.enforcement.registration(), "gpus": [gpu.to_json() for gpu in self.gpus.values()],
                 "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error,
                 "environments": [env.to_json() for env in self.worker_environments],
                 **dict(zip(("host_cpus", "host_memory"), self.host_totals()))}
@@ -888,26 +886,27 @@ class NodeAgent(Application):
         if not await self.inventory.update():
             return False
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
-        if self.enforcement_mode == "auto" and any(u.startswith("MIG-") for u in self.gpus):
-            self.enforcement = "mig"  # unknown while NVML was down when the agent started
+        mode = enforcement.after_rediscovery(self.enforcement, self.enforcement_mode, self.gpus)
+        if mode is not self.enforcement:
+            self.enforcement.close(self.log)
+            self.enforcement = self.workers.enforcement = mode
         return True
 
     def gpu_metrics(self, usage: list) -> list[dict[str, Any]]:
         """The inventory's GPU readings plus ``memory_unattributed`` (bytes of
         processes that belong to no worker), from this heartbeat's process
         listing ``usage``; stops, through the memory watchdog, workers over
-        their slice (not in ``mig``/``exclusive`` mode, where the hardware or
-        whole GPUs confine them)."""
+        their slice, where the enforcement mode asks for it
+        (:meth:`~.enforcement.EnforcementMode.over_limit`)."""
         metrics = self.inventory.metrics()
         if not usage:
             return metrics
         live = {lease: self.workers.get(lease) for lease in self.workers.lease_ids()}
         live = {lease: worker for lease, worker in live.items() if not worker.dead}
         result = attribute(usage, {lease: w.pid for lease, w in live.items()}, read_parents())
-        if self.enforcement in ("mps", "timeslice"):
-            for lease, reason in self.watchdog.check(result.memory, {l: w.spec.memory for l, w in live.items()}):
-                self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
-                self.stop_workers([lease])
+        for lease, reason in self.enforcement.over_limit(result.memory, {l: w.spec.memory for l, w in live.items()}):
+            self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
+            self.stop_workers([lease])
         return add_unattributed(metrics, result, self.inventory.process_known())
 
     def stop_workers(self, lease_ids: Any) -> None:
