@@ -8,6 +8,11 @@ and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
 every other process it had started (:mod:`.adoption`).
 
+Beside it: its settings (:mod:`.agent_settings`), HTTP API (:mod:`.agent_http`),
+calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
+worker accounts (:mod:`.agent_accounts`), metrics (:mod:`.agent_metrics`) and
+enforcement (:mod:`.enforcement`).
+
     gpupool agent --service-url=http://pool:8765 --token-file=/etc/gpupool/agent_token
     gpupool agent --service-url=http://127.0.0.1:8765 --simulate=2xA100-80GB --port=0
 """
@@ -22,7 +27,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tornado import web
 from tornado.httpserver import HTTPServer
@@ -40,7 +45,7 @@ from .agent_http import NotFoundHandler, agent_routes
 from .agent_metrics import AgentMetrics, workers_by_gpu
 from .agent_service import ServiceLink
 from .agent_tokens import AgentTokens
-from .agent_settings import WorkerSettings
+from .agent_settings import NodeSettings, WorkerSettings
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .cgroups import CgroupError, Containment, containment
 from .host_limits import host_totals
@@ -48,9 +53,9 @@ from .inventory import Inventory, select_inventory
 from .workers import WarmSettings, WorkerManager
 
 
+# Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
 class NodeAgent(WorkerSettings):
-    """``gpupool agent``: the per-node daemon; its settings are
-    :class:`~.agent_settings.NodeSettings` and :class:`~.agent_settings.WorkerSettings`."""
+    """``gpupool agent``: the per-node daemon."""
 
     name = "gpupool-agent"
     description = """The gpupool node agent: registers this node's GPUs with the pool service,
@@ -77,6 +82,12 @@ class NodeAgent(WorkerSettings):
         "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
+
+    def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
+        """The classes ``--generate-config`` and ``--help-all`` show: not the
+        settings classes, so every setting appears once, as ``c.NodeAgent.*``."""
+        return (cls for cls in super()._classes_with_config_traits(classes)
+                if cls not in (NodeSettings, WorkerSettings))
 
     # -- setup ------------------------------------------------------------------------------------------------
 
