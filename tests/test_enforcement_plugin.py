@@ -3,7 +3,7 @@ known by one entry point, runs end to end in a real service and agent.
 
 The entry point is registered the way an installed plugin package registers
 it, with a ``*.dist-info/entry_points.txt`` on the agent's ``sys.path``;
-nothing in gpupool names the mode.
+nothing in gpupool names the mode, and the service never sees the plugin.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def install_plugin(root: Path) -> str:
 
 
 def test_a_plugin_mode_places_whole_gpu_leases_and_shapes_the_worker(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", install_plugin(tmp_path))  # the agent's (and service's) sys.path
-    service = start_service(tmp_path)
+    service = start_service(tmp_path)  # knows nothing of the plugin: it places by what the node registers
+    monkeypatch.setenv("PYTHONPATH", install_plugin(tmp_path))  # the agent's sys.path
     agent = start_agent(tmp_path, service, name="node-demo", simulate="1xA100-80GB",
                         extra_args=["--enforcement=demo"])
     try:
