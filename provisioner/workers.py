@@ -58,7 +58,7 @@ from .activity import WorkerActivity, watch_iopub
 from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left_behind, read_records, record_path,
                        stray_workers)
 from .cgroups import CgroupError, Containment, GroupOnly, LeaseCgroup, containment
-from .enforcement import slice_environment
+from .enforcement import EnforcementMode, Timeslice
 from .host_limits import enforce as enforce_host_limits
 from .warmpool import WarmPool
 from .worker_user import NoFreeWorkerUser, WorkerUser, WorkerUserPool
@@ -148,7 +148,7 @@ class WorkerSpec:
 
 def worker_environment(environ: Mapping[str, str], slice_env: Mapping[str, str]) -> dict[str, str]:
     """The environment of a worker: ``environ`` (the agent's) without its
-    secrets, plus ``slice_env`` (:func:`~.enforcement.slice_environment`).
+    secrets, plus ``slice_env`` (:meth:`~.enforcement.EnforcementMode.environment`).
 
     Dropped: every ``GPUPOOL_*`` (the agent token, and the agent's own
     settings, which the slice's values replace), ``JUPYTERHUB_*``, and any
@@ -332,6 +332,9 @@ class WorkerManager:
     ``cgroups``: where workers' cgroups are made (:mod:`.cgroups`; default
     ``containment("auto", "", state_dir)``: the best this host offers).
 
+    ``enforcement``: the node's mode (:mod:`.enforcement`), which gives each
+    worker its slice's environment; default ``timeslice``.
+
     All methods run on the agent's event loop; calls for the same lease are
     serialized, calls for different leases run concurrently.
     """
@@ -343,7 +346,7 @@ class WorkerManager:
                  cwd: str | os.PathLike | None = None, log: logging.Logger | None = None,
                  warm: WarmSettings | None = None, user: WorkerUser | None = None,
                  encryption: str = "none", cgroups: Containment | None = None,
-                 users: WorkerUserPool | None = None) -> None:
+                 users: WorkerUserPool | None = None, enforcement: EnforcementMode | None = None) -> None:
         if user is not None and users is not None:
             raise ValueError("workers run as one worker user or as a pool of them, not both")
         self.workers_dir = Path(state_dir) / "workers"
@@ -358,6 +361,7 @@ class WorkerManager:
         self.encryption = encryption
         self.advertise_ip = advertise_ip or ip
         self.node = node
+        self.enforcement = enforcement or Timeslice()
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.extensions = tuple(extensions)
@@ -501,7 +505,8 @@ class WorkerManager:
         ``os.environ`` (:func:`~gpupool.provisioner.worker.bind` refuses when
         CUDA is initialised there already). From then on it is ``spec``'s
         worker, idle since now, as a cold worker is idle since it answered."""
-        env = slice_environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node)
+        env = self.enforcement.environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner,
+                                           self.node)
         # A fresh activity, not ready until bound: what the warm worker did
         # before (its start, the preload) is not the lease's.
         worker.activity = WorkerActivity()
@@ -556,7 +561,7 @@ class WorkerManager:
         return worker
 
     async def _launch(self, spec: WorkerSpec) -> Worker:
-        env = worker_environment(self.environ, slice_environment(
+        env = worker_environment(self.environ, self.enforcement.environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node))
         worker = await self._launch_kernel(spec.lease_id, env, f"lease-{spec.lease_id}", python=spec.python,
                                            user=spec.user)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from gpupool.provisioner import worker as worker_extension
+from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.warmpool import WarmPool
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSpec, bind_code, preload_code
@@ -184,7 +185,7 @@ def test_bind_refuses_a_second_lease(monkeypatch):
 
 def manager(tmp_path, **warm) -> WorkerManager:
     return WorkerManager(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
-                         stop_timeout=5, start_timeout=30, warm=WarmSettings(**warm))
+                         stop_timeout=5, start_timeout=30, warm=WarmSettings(**warm), enforcement=MPS())
 
 
 def spec(lease_id: str, owner: str = "ann") -> WorkerSpec:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from gpupool.provisioner.activity import WorkerActivity
+from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSpec, WorkerStartError,
                                          kernel_arguments, worker_environment)
@@ -44,7 +45,7 @@ def gone(pid: int) -> bool:
 
 def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
     async def scenario():
-        workers = manager(tmp_path)
+        workers = manager(tmp_path, enforcement=MPS())
         try:
             started = time.time()
             worker = await workers.start(half_slice())
