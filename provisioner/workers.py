@@ -57,7 +57,8 @@ from gpupool.schema import GPUInfo, WorkerReport
 from .activity import WorkerActivity, watch_iopub
 from .adoption import (AdoptedProcess, WorkerRecord, create_time, kill_all, left_behind, read_records, record_path,
                        stray_workers)
-from .cgroups import CgroupError, Containment, GroupOnly, LeaseCgroup, containment
+from .cgroups import CgroupError, Containment, LeaseCgroup, containment
+from .cgroups.none import GroupOnly
 from .enforcement import slice_environment
 from .host_limits import enforce as enforce_host_limits
 from .warmpool import WarmPool
