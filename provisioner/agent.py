@@ -6,7 +6,7 @@ stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
 metrics. On SIGTERM or SIGINT it stops every worker, verifies they are gone,
 and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
-every other process it had started (:mod:`.adoption`).
+every other process it had started (:mod:`.workers.recovery`).
 
     gpupool agent --service-url=http://pool:8765 --token-file=/etc/gpupool/agent_token
     gpupool agent --service-url=http://127.0.0.1:8765 --simulate=2xA100-80GB --port=0
@@ -52,7 +52,7 @@ from .inventory_retry import backoff_delay
 from .host_limits import enforce as enforce_host_limits, host_totals, parse_host_limits
 from .cgroups import MODES as CGROUP_MODES, CgroupError, Containment, containment
 from .worker_user import WorkerUser, WorkerUserPool
-from .workers import WarmSettings, WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
+from .workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec, WorkerStartError, WorkerStopError
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
 #: Seconds before the first registration retry; each failure doubles it, up to ``retry_max``.
@@ -740,12 +740,12 @@ class NodeAgent(Application):
         self._lock_fd = lock_state_dir(state_dir, "agent")
         if self.user is not None or self.users is not None or is_user_template(self.worker_user or ""):
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
-        self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
-                                     start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-                                     log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
-                                                                     self.warm_worker_max_age), user=self.user,
-                                     encryption=self.transport_encryption, cgroups=self.containment(state_dir),
-                                     users=self.users)
+        settings = WorkerSettings(state_dir, node=self.node_name, ip=self.ip, advertise_ip=_advertised_ip(self.ip),
+                                  start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
+                                  warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
+                                                    self.warm_worker_max_age),
+                                  encryption=self.transport_encryption, user=self.user, users=self.users)
+        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), log=self.log)
         if is_user_template(self.worker_user or ""):
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers

@@ -14,8 +14,9 @@ import pytest
 
 from gpupool.provisioner.activity import WorkerActivity
 from gpupool.provisioner.simulated import SimulatedInventory
-from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSpec, WorkerStartError,
-                                         kernel_arguments, worker_environment)
+from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
+                                         WorkerStartError, worker_environment)
+from gpupool.provisioner.workers.kernel import kernel_arguments
 from procs import processes_mentioning
 from gpupool.localpool import run_worker_cell
 
@@ -27,8 +28,8 @@ SECRETS = {"GPUPOOL_AGENT_TOKEN": "agent-secret", "JUPYTERHUB_API_TOKEN": "hub-s
 
 
 def manager(tmp_path, **kwargs) -> WorkerManager:
-    return WorkerManager(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
-                         stop_timeout=5, start_timeout=30, **kwargs)
+    return WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
+                                        stop_timeout=5, start_timeout=30, **kwargs))
 
 
 def half_slice(lease_id: str = "L-000000000001") -> WorkerSpec:
