@@ -6,7 +6,7 @@ stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
 metrics. On SIGTERM or SIGINT it stops every worker, verifies they are gone,
 and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
-every other process it had started (:mod:`.adoption`).
+every other process it had started (:mod:`.workers.recovery`).
 
 Beside it: its settings (:mod:`.agent_settings`), HTTP API (:mod:`.agent_http`),
 calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
@@ -50,7 +50,7 @@ from .attribution import add_unattributed, attribute, memory_by_pid, read_parent
 from .cgroups import CgroupError, Containment, containment
 from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
-from .workers import WarmSettings, WorkerManager
+from .workers import WarmSettings, WorkerManager, WorkerSettings as WorkerLaunchSettings
 
 
 # Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
@@ -190,13 +190,13 @@ class NodeAgent(WorkerSettings):
         self._lock_fd = lock_state_dir(state_dir, "agent")
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
-        self.workers = WorkerManager(state_dir, ip=self.ip, advertise_ip=_advertised_ip(self.ip), node=self.node_name,
-                                     start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-                                     log=self.log, warm=WarmSettings(self.warm_workers, tuple(self.preload_modules),
-                                                                     self.warm_worker_max_age),
-                                     user=self.accounts.user, encryption=self.transport_encryption,
-                                     cgroups=self.containment(state_dir), users=self.accounts.users,
-                                     enforcement=self.enforcement)
+        settings = WorkerLaunchSettings(
+            state_dir, node=self.node_name, ip=self.ip, advertise_ip=_advertised_ip(self.ip),
+            start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
+            warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
+            encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
+            enforcement=self.enforcement)
+        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), log=self.log)
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers

@@ -16,7 +16,7 @@ from gpupool.hub_plugin.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond
 from gpupool.hub_plugin.placement_index import PlacementIndex
 from gpupool.hub_plugin.scheduler import (DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, place,
                                           slice_delta)
-from gpupool.provisioner.cgroups import own_cgroups, read_mounts
+from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
 from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.tables import lease_table
 
