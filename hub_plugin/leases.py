@@ -38,20 +38,21 @@ from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import LeaseRequest, LeaseState, isoformat, utcnow
 from gpupool.units import format_duration
 
-from . import queue as wait_queue, usage
+from . import usage
+from .rules import queue as wait_queue
 from .agent_client import AgentClient
 from .auth import Identity
 from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
-from .hosts import beyond_every_node, host_limits
+from .rules.hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .pressure import Pressure
-from .priority import INTERACTIVE, preemption_refusal
+from .rules.priority import INTERACTIVE, preemption_refusal
 from .quota_book import QuotaBook
 from .storework import StoreWork
 from .environments import lease_environment, unknown_environment, unusable_on
-from .scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
+from .rules.scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 

@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 
-from . import hosts, scheduler
+from .rules import hosts, scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord

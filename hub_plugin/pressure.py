@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LeaseState, isoformat
 from gpupool.units import format_duration
 
-from . import eta, priority, quotas
+from .rules import eta, priority, quotas
 from .config import GPUPool
 from .models import Lease
-from .reclaim import Decision, idle_deadline
+from .rules.reclaim import Decision, idle_deadline
 
 #: Ended leases whose lengths give the ETA the typical length per class.
 LENGTH_SAMPLE = 200

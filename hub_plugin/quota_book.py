@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import isoformat
 
-from . import quotas, usage
+from . import usage
+from .rules import quotas
 from .auth import Identity
 from .config import GPUPool
 from .models import QuotaOverride

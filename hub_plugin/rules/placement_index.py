@@ -1,6 +1,6 @@
 """An index over GPU states that gives :func:`.scheduler.place`'s answer
 without scanning every GPU. Pure, in memory; the service keeps one
-(:class:`.capacity.CapacityIndex`), as do the simulator and
+(:class:`gpupool.hub_plugin.capacity.CapacityIndex`), as do the simulator and
 bench/scheduler_bench.py. ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
 checks it against ``place()`` on random pools under churn.
 

@@ -15,9 +15,9 @@ comparable). GPU models are ignored (``gpu_spec`` is empty in every row).
 
 Policies (:data:`OPENB_POLICIES`):
 
-- ``gpupool``: :func:`.scheduler.place` (fragmentation-aware best fit, with
+- ``gpupool``: :func:`gpupool.hub_plugin.rules.scheduler.place` (fragmentation-aware best fit, with
   the sampled tasks' mix as the expected workload, as Weng et al.'s FGD
-  uses the target workload), through :class:`.simulator_pool.Pool`;
+  uses the target workload), through :class:`.pool.Pool`;
 - ``firstfit``: the first GPU by (node, index) that fits; whole GPUs: the first node with enough free GPUs;
 - ``bestfit``: the node left with the least free GPU capacity, then the
   tightest GPU on it (Weng et al.'s BestFit, on the GPU dimension);
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scheduler import Placement, workload_of
-from .simulator_pool import FULL, GPUSpec, Pool, demand_of
-from .simulator_workload import OpenbNode
+from ..rules.scheduler import Placement, workload_of
+from .pool import FULL, GPUSpec, Pool, demand_of
+from .workload import OpenbNode
 
 OPENB_POLICIES = ("gpupool", "firstfit", "bestfit", "random")
 

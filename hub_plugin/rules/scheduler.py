@@ -2,7 +2,7 @@
 
 Nothing here does I/O or imports SQL, so tests compare literal inputs with
 literal outputs (as HAMi's ``pkg/scheduler/policy`` and kubespawner's
-``objects.py`` do). The caller (:mod:`.leases`) builds the :class:`GPUState`
+``objects.py`` do). The caller (:mod:`gpupool.hub_plugin.leases`) builds the :class:`GPUState`
 list inside the transaction that then writes the lease, so the decision and
 the reservation cannot drift apart.
 
@@ -29,7 +29,7 @@ Rules:
 - ``env`` (a worker environment's name) is a node filter: only GPUs of nodes
   whose agent reports that environment usable (:attr:`GPUState.environments`)
   can take the lease. Whether any node offers it at all is the caller's
-  first question (:mod:`.environments`): then the request is refused up
+  first question (:mod:`gpupool.hub_plugin.environments`): then the request is refused up
   front instead of queued.
 - Host CPUs and memory (:mod:`.hosts`), where the caller passes the nodes'
   hosts: the request's ask (named, or its GPU share of the node's cores and
