@@ -21,7 +21,7 @@ from gpupool.provisioner import worker as worker_extension
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.warmpool import WarmPool
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSpec, bind_code, preload_code
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from procs import processes_mentioning, wait_for
 
 GiB = 1024**3

@@ -17,7 +17,7 @@ from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSpec, WorkerStartError,
                                          kernel_arguments, worker_environment)
 from procs import processes_mentioning
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 
 GiB = 1024**3
 GPUS = SimulatedInventory("2xA100-80GB", "node-1").discover()
