@@ -361,7 +361,7 @@ class LeaseBook:
         try:
             reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
         except GPUPoolError as exc:
-            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.log_message)
+            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.message)
             await self.release(lease_id, LeaseState.failed,
                                f"the worker could not start on {node_name}: {exc.message}")
             return
@@ -675,7 +675,7 @@ class LeaseBook:
             code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
-                        "with its next heartbeat", lease_id, exc.log_message)
+                        "with its next heartbeat", lease_id, exc.message)
             return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
                     "its next heartbeat")
         log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)
