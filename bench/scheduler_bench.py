@@ -117,7 +117,7 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
     from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, host_states, mark_gpus
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node, new_lease_id
-    from gpupool.hub_plugin.rules.scheduler import DEFAULT_WORKLOAD
+    from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD
 
     rng, now = random.Random(seed), datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory() as tmp:

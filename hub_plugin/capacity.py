@@ -25,7 +25,8 @@ from gpupool.schema import LeaseState
 from .rules.hosts import HostState
 from .models import GPU, Lease, LeaseGPU, Node
 from .rules.placement_index import PlacementIndex
-from .rules.scheduler import GPUState, Placement, Workload
+from .rules.scheduler import GPUState, Placement
+from .rules.workload import Workload
 
 log = logging.getLogger(__name__)
 

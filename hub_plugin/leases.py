@@ -52,7 +52,8 @@ from .rules.priority import INTERACTIVE, preemption_refusal
 from .quota_book import QuotaBook
 from .storework import StoreWork
 from .environments import lease_environment, unknown_environment, unusable_on
-from .rules.scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
+from .rules.scheduler import NO_ENVIRONMENT, Demand, Placement, Refusal
+from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -66,7 +67,7 @@ LIST_LIMIT = 500
 FULL_DRAIN_S = 30.0
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
-#: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
+#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 QUEUED = LeaseState.queued.value
 #: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.

@@ -12,10 +12,10 @@ from procs import start_agent, start_service
 
 from gpupool.errors import GPUPoolError
 from gpupool.hub_plugin.rules.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond_every_node, host_aware_delta,
-                                      share_of)
+                                            share_of)
 from gpupool.hub_plugin.rules.placement_index import PlacementIndex
-from gpupool.hub_plugin.rules.scheduler import (DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, place,
-                                          slice_delta)
+from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, slice_delta
 from gpupool.provisioner.cgroups import own_cgroups, read_mounts
 from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.tables import lease_table

@@ -14,7 +14,8 @@ from gpupool.schema import LeaseState
 
 from gpupool.hub_plugin.rules.scheduler import (
     FEW_ON_NODE, MODEL_MISMATCH, NO_ENVIRONMENT, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
-    DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Shape, place, slice_delta, whole_delta, workload_of)
+    Demand, GPUState, Placement, Refusal, place)
+from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, Shape, slice_delta, whole_delta, workload_of
 
 GiB = 1024**3
 A100 = "NVIDIA A100-SXM4-80GB"

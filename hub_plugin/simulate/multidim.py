@@ -112,7 +112,7 @@ class MultiCluster:
             free = self.gpu[nodes]  # (N, G)
             same_before = np.tril(free[:, :, None] == free[:, None, :], k=-1).any(axis=2)  # an earlier twin
             rows, cols = np.nonzero((free >= milli) & ~same_before)
-            cand_node, cand_gpu = nodes[rows], cols
+            cand_node = nodes[rows]
             after = free[rows].copy()
             after[np.arange(len(rows)), cols] -= milli
         else:

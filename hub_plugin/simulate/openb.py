@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..rules.scheduler import Placement, workload_of
+from ..rules.scheduler import Placement
+from ..rules.workload import workload_of
 from .pool import FULL, GPUSpec, Pool, demand_of
 from .workload import OpenbNode
 

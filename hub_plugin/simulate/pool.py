@@ -21,7 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..rules.placement_index import PlacementIndex
-from ..rules.scheduler import DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Workload, place
+from ..rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from ..rules.workload import DEFAULT_WORKLOAD, Workload
 
 FULL = 1000  # milli in one GPU
 
