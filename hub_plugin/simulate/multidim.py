@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from ..rules.fragmentation import FULL, TaskTypes, node_fragmentation, task_types  # noqa: F401 (re-exported)
-from .openb import FillResult
+from .openb import Checkpoints, FillResult
 from .workload import OpenbNode, OpenbTasks
 
 POLICIES = ("fgd", "bestfit", "firstfit", "random")
@@ -151,8 +151,7 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
     cluster = MultiCluster(nodes, task_types(tasks.cpu, tasks.memory, tasks.num, tasks.milli), seed)
     capacity = int(cluster.gpu_total.sum()) * FULL
     allocated = arrived = failed = 0
-    points, unalloc, fails = [], [], []
-    mark = step
+    curve = Checkpoints(capacity, step)
     for i, (cpu, mem, num, milli) in enumerate(zip(tasks.cpu.tolist(), tasks.memory.tolist(), tasks.num.tolist(),
                                                    tasks.milli.tolist())):
         arrived += num * milli
@@ -162,10 +161,5 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
         else:
             cluster.take(chosen[0], chosen[1], cpu, mem, milli)
             allocated += num * milli
-        while arrived >= mark * capacity - 1e-6:
-            points.append(round(mark, 6))
-            unalloc.append(1 - allocated / capacity)
-            fails.append(failed / (i + 1))
-            mark += step
-    return FillResult(policy, np.array(points), np.array(unalloc), np.array(fails), len(tasks.num),
-                      time.perf_counter() - wall)
+        curve.after(i, arrived, allocated, failed)
+    return curve.result(policy, len(tasks.num), time.perf_counter() - wall)

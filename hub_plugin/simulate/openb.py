@@ -56,6 +56,29 @@ class FillResult:
         return float(self.unallocated[np.searchsorted(self.arrived, load - 1e-9)])
 
 
+class Checkpoints:
+    """A fill's curve: each time arrived GPU demand passes another ``step`` of
+    ``capacity`` (milli), the unallocated share and the share of failed tasks."""
+
+    def __init__(self, capacity: int, step: float) -> None:
+        self.capacity, self.step, self.mark = capacity, step, step
+        self.points: list[float] = []
+        self.unallocated: list[float] = []
+        self.failed: list[float] = []
+
+    def after(self, task: int, arrived: int, allocated: int, failed: int) -> None:
+        """Record the checkpoints passed once task ``task`` (0-based) was tried."""
+        while arrived >= self.mark * self.capacity - 1e-6:
+            self.points.append(round(self.mark, 6))
+            self.unallocated.append(1 - allocated / self.capacity)
+            self.failed.append(failed / (task + 1))
+            self.mark += self.step
+
+    def result(self, policy: str, decisions: int, seconds: float) -> FillResult:
+        return FillResult(policy, np.array(self.points), np.array(self.unallocated), np.array(self.failed),
+                          decisions, seconds)
+
+
 def openb_specs(nodes: list[OpenbNode]) -> list[GPUSpec]:
     """The cluster's GPUs, ordered by (node name, index) as ``place()`` breaks ties."""
     return [GPUSpec(n.name, i, n.model, n.memory) for n in sorted(nodes, key=lambda n: n.name)
@@ -117,8 +140,7 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
         pool = Pool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
     arrays = _ArrayPool(specs, seed=0) if pool is None else None
     allocated = arrived = failed = 0
-    points, unalloc, fails = [], [], []
-    mark = step
+    curve = Checkpoints(capacity, step)
     for i, (gpus, m) in enumerate(zip(num.tolist(), milli.tolist())):
         want = gpus * m
         arrived += want
@@ -136,10 +158,5 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
             else:
                 arrays.free[chosen] -= m
                 allocated += want
-        while arrived >= mark * capacity - 1e-6:
-            points.append(round(mark, 6))
-            unalloc.append(1 - allocated / capacity)
-            fails.append(failed / (i + 1))
-            mark += step
-    return FillResult(policy, np.array(points), np.array(unalloc), np.array(fails), len(num),
-                      time.perf_counter() - wall)
+        curve.after(i, arrived, allocated, failed)
+    return curve.result(policy, len(num), time.perf_counter() - wall)
