@@ -821,7 +821,7 @@ class LeaseBook:
 @dataclass(frozen=True)
 class QueueView:
     """The queue as one read saw it: lease id -> 1-based place, and lease id ->
-    seconds until it is likely placed (:mod:`.eta`; None: nothing known frees enough)."""
+    seconds until it is likely placed (:mod:`.rules.eta`; None: nothing known frees enough)."""
 
     positions: dict[str, int]
     etas: dict[str, float | None]

@@ -67,7 +67,7 @@ REFUSAL_CODES = {
     hosts.NO_CPUS: "no_host_cpus",
     hosts.NO_HOST_MEMORY: "no_host_memory",
 }
-#: How each reclaim reason of :mod:`.reclaim` begins -> its code (matched in SQL at scrape time).
+#: How each reclaim reason of :mod:`.rules.reclaim` begins -> its code (matched in SQL at scrape time).
 RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",
                  "parked early: ": "pressure"}
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
