@@ -45,7 +45,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from gpupool import localpool
+from gpupool import demo_pool as localpool
 from gpupool.magics.attachment import Attachment
 from gpupool.schema import LeaseRequest, LeaseState
 

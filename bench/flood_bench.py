@@ -106,7 +106,7 @@ def silent_node(url: str, agent_token: str) -> socket.socket:
 
 
 def run(args) -> dict:
-    from gpupool import localpool
+    from gpupool import demo_pool as localpool
 
     state = Path(tempfile.mkdtemp(prefix="flood-bench-")) / "service"
     state.mkdir(parents=True)

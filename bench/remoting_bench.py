@@ -40,7 +40,7 @@ from pathlib import Path
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from gpupool import localpool
+from gpupool import demo_pool as localpool
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,15 +27,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gpupool.hub_plugin import simulator_multidim as multidim  # noqa: E402
-from gpupool.hub_plugin.simulator_notebooks import (PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, BatchSource, dedicated_gpus,  # noqa: E402
-                                                    policies, simulate_notebooks)
-from gpupool.hub_plugin.simulator_openb import OPENB_POLICIES, fill, openb_specs, sample_tasks  # noqa: E402
-from gpupool.hub_plugin.simulator_pool import Pool  # noqa: E402
-from gpupool.hub_plugin.simulator_results import HEADERS, NotebookResult, rows  # noqa: E402
-from gpupool.hub_plugin.simulator_synthetic import openb_tables, sensei_rows, slice_millis  # noqa: E402
-from gpupool.hub_plugin.simulator_workload import (build_sessions, read_openb, read_openb_tasks,  # noqa: E402
-                                                   sensei_workload)
+from gpupool.hub_plugin.simulate import multidim  # noqa: E402
+from gpupool.hub_plugin.simulate.backlog import BatchSource  # noqa: E402
+from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks  # noqa: E402
+from gpupool.hub_plugin.simulate.openb import OPENB_POLICIES, fill, openb_specs, sample_tasks  # noqa: E402
+from gpupool.hub_plugin.simulate.policies import (PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, dedicated_gpus,  # noqa: E402
+                                                  policies)
+from gpupool.hub_plugin.simulate.pool import Pool  # noqa: E402
+from gpupool.hub_plugin.simulate.results import HEADERS, NotebookResult, rows  # noqa: E402
+from gpupool.hub_plugin.simulate.synthetic import openb_tables, sensei_rows, slice_millis  # noqa: E402
+from gpupool.hub_plugin.simulate.traces import read_openb, read_openb_tasks, sensei_workload  # noqa: E402
+from gpupool.hub_plugin.simulate.workload import build_sessions  # noqa: E402
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 HERE = Path(__file__).resolve().parent

@@ -36,7 +36,7 @@ from pathlib import Path
 from remoting_bench import ipp_transfer_seconds, raw_socket_seconds, roundtrip, start_kernel, stop_kernel, value_of
 from report import write_section
 
-from gpupool import localpool
+from gpupool import demo_pool as localpool
 from gpupool.dataplane import default_cipher
 
 ROOT = Path(__file__).resolve().parent.parent

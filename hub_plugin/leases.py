@@ -38,20 +38,22 @@ from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import LeaseRequest, LeaseState, isoformat, utcnow
 from gpupool.units import format_duration
 
-from . import queue as wait_queue, usage
+from . import usage
+from .rules import queue as wait_queue
 from .agent_client import AgentClient
 from .auth import Identity
 from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
-from .hosts import beyond_every_node, host_limits
+from .rules.hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .pressure import Pressure
-from .priority import INTERACTIVE, preemption_refusal
+from .rules.priority import INTERACTIVE, preemption_refusal
 from .quota_book import QuotaBook
 from .storework import StoreWork
 from .environments import lease_environment, unknown_environment, unusable_on
-from .scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
+from .rules.scheduler import NO_ENVIRONMENT, Demand, Placement, Refusal
+from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -65,7 +67,7 @@ LIST_LIMIT = 500
 FULL_DRAIN_S = 30.0
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
-#: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
+#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 QUEUED = LeaseState.queued.value
 #: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.
@@ -360,7 +362,7 @@ class LeaseBook:
         try:
             reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
         except GPUPoolError as exc:
-            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.log_message)
+            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.message)
             await self.release(lease_id, LeaseState.failed,
                                f"the worker could not start on {node_name}: {exc.message}")
             return
@@ -674,7 +676,7 @@ class LeaseBook:
             code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
-                        "with its next heartbeat", lease_id, exc.log_message)
+                        "with its next heartbeat", lease_id, exc.message)
             return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
                     "its next heartbeat")
         log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)
@@ -819,7 +821,7 @@ class LeaseBook:
 @dataclass(frozen=True)
 class QueueView:
     """The queue as one read saw it: lease id -> 1-based place, and lease id ->
-    seconds until it is likely placed (:mod:`.eta`; None: nothing known frees enough)."""
+    seconds until it is likely placed (:mod:`.rules.eta`; None: nothing known frees enough)."""
 
     positions: dict[str, int]
     etas: dict[str, float | None]

@@ -123,7 +123,7 @@ class AgentHandler(httpin.BoundedBody, web.RequestHandler):
         if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
             level = logging.WARNING if value.status >= 500 else logging.DEBUG
             self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
-                               value.log_message)
+                               value.message)
         else:
             super().log_exception(typ, value, tb)
 

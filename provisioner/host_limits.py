@@ -3,7 +3,7 @@ worker may use, and the cgroup limits that hold it there.
 
 The agent reports its host's logical cores and RAM (psutil, unless
 ``c.NodeAgent.host_cpus`` / ``host_memory`` say otherwise) when it
-registers; the service places by them (``hub_plugin/hosts.py``) and sends
+registers; the service places by them (``hub_plugin/rules/hosts.py``) and sends
 each lease's ``cpus`` and ``host_memory`` with ``POST /workers``. The agent
 writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
 ``cpu.max``/``memory.max`` in v2 where those controllers are, the v1

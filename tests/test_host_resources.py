@@ -13,15 +13,15 @@ import pytest
 from procs import start_agent, start_service
 
 from gpupool.errors import GPUPoolError
-from gpupool.localpool import run_worker_cell
-from gpupool.hub_plugin.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond_every_node, host_aware_delta,
-                                      share_of)
-from gpupool.hub_plugin.placement_index import PlacementIndex
-from gpupool.hub_plugin.scheduler import (DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, place,
-                                          slice_delta)
+from gpupool.hub_plugin.rules.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond_every_node, host_aware_delta,
+                                            share_of)
+from gpupool.hub_plugin.rules.placement_index import PlacementIndex
+from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, slice_delta
 from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
 from gpupool.provisioner.cgroups.none import GroupOnly
 from gpupool.provisioner.host_limits import out_of_memory
+from workercell import run_worker_cell
 from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.tables import lease_table, pool_table
 

@@ -38,7 +38,7 @@ import psutil
 import pytest
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
-from gpupool.localpool import GPUPOOL
+from gpupool.demo_pool import GPUPOOL
 from gpupool.provisioner.workers import WorkerManager, WorkerSettings, WorkerSpec
 from gpupool.schema import GPUInfo, LeaseRequest
 from procs import start_agent, start_service, wait_for
