@@ -36,7 +36,7 @@ from pathlib import Path
 from remoting_bench import ipp_transfer_seconds, raw_socket_seconds, roundtrip, start_kernel, stop_kernel, value_of
 from report import write_section
 
-from gpupool import demo_pool as localpool
+from gpupool import demo_pool
 from gpupool.dataplane import default_cipher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +99,10 @@ class Pooled:
     """A gpupool kernel attached to a lease on a pool of its own whose agent uses ``mode``."""
 
     def __init__(self, root: Path, mode: str) -> None:
-        self.service = localpool.start_service(root / "service")
-        self.agent = localpool.start_agent(root / "agent", self.service, simulate="1xA100-80GB",
+        self.service = demo_pool.start_service(root / "service")
+        self.agent = demo_pool.start_agent(root / "agent", self.service, simulate="1xA100-80GB",
                                            extra_args=[f"--transport-encryption={mode}"])
-        subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
+        subprocess.run([*demo_pool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
                         f"--url={self.service.url}", f"--token-file={self.service.state_dir / 'user_token'}"],
                        check=True, capture_output=True)
         self.km, self.kc = start_kernel("gpupool", [str(root / "prefix" / "share" / "jupyter" / "kernels")],
