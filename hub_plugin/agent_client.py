@@ -14,6 +14,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from gpupool.errors import GPUPoolError
 from gpupool.tls import client_context, untrusted, untrusted_message
 from gpupool.units import format_duration
+from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 
 class AgentClient:
@@ -31,16 +32,19 @@ class AgentClient:
         self._tls = client_context(ca_file)
         self._http = AsyncHTTPClient(force_instance=True, max_clients=max_clients)
 
-    async def start_worker(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """``POST {url}/workers``; returns ``{"pid", "connection"}``.
+    async def start_worker(self, url: str, request: WorkerRequest, timeout: float) -> WorkerStarted:
+        """``POST {url}/workers`` with ``request``; returns the started worker.
 
         ``timeout`` seconds for the whole start. Raises GPUPoolError
         ``worker_start_failed`` (with the agent's reason) or ``agent_unreachable``.
         """
-        status, reply = await self._call("POST", f"{url}/workers", body, timeout)
-        if status != 201 or not isinstance(reply.get("connection"), dict):
-            raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
-        return reply
+        status, reply = await self._call("POST", f"{url}/workers", request.to_json(), timeout)
+        if status == 201:
+            try:
+                return WorkerStarted.from_json(reply)
+            except ValueError:
+                pass  # no connection: as good as no worker
+        raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
 
     async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
         """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,
@@ -51,8 +55,7 @@ class AgentClient:
             return None
         if status != 200:
             raise GPUPoolError("worker_stop_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
-        code = reply.get("exit_code")
-        return code if isinstance(code, int) else None
+        return WorkerStopped.from_json(reply).exit_code
 
     async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
         request = HTTPRequest(
