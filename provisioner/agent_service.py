@@ -4,13 +4,11 @@ heartbeat, and a last heartbeat when it stops."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-
 from gpupool.errors import GPUPoolError
+from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.wire.nodes import GPUReading, Heartbeat, HeartbeatReply, RegistrationReply, WorkerReport
 from gpupool.tls import untrusted, untrusted_message
 
@@ -36,7 +34,7 @@ class ServiceLink:
         self.agent, self.log = agent, agent.log
         self.url, self.node = agent.service_url, agent.node_name
         self.heartbeat_path = f"/nodes/{quote(agent.node_name, safe='')}/heartbeat"
-        self.http = AsyncHTTPClient(force_instance=True)
+        self.http = JSONClient(agent.service_tls)
 
     def close(self) -> None:
         self.http.close()
@@ -99,25 +97,14 @@ class ServiceLink:
         """One call to ``{service_url}/api/v1{path}``; returns (status, JSON
         reply). Raises OSError when the service cannot be reached."""
         agent = self.agent
-        request = HTTPRequest(f"{self.url}/api/v1{path}", method=method, body=json.dumps(body),
-                              headers={"Authorization": f"token {agent.tokens.token}",
-                                       "Content-Type": "application/json"},
-                              connect_timeout=agent.service_timeout, request_timeout=agent.service_timeout,
-                              ssl_options=agent.service_tls)
         try:
-            response = await self.http.fetch(request, raise_error=False)
-        except OSError as exc:  # tornado raises what is no HTTP answer: refused, a certificate not trusted
-            why = untrusted(exc)
+            return await self.http.call(method, f"{self.url}/api/v1{path}", body, token=agent.tokens.token,
+                                        timeout=agent.service_timeout)
+        except NoAnswer as exc:
+            why = untrusted(exc.cause)
             if why:
                 raise OSError(untrusted_message(f"the pool service at {self.url}", why)) from None
             raise
-        if response.code == 599:  # tornado: no HTTP answer (timeout)
-            raise OSError(str(response.error))
-        try:
-            reply = json.loads(response.body or b"{}")
-        except ValueError:
-            reply = {}
-        return response.code, reply if isinstance(reply, dict) else {}
 
     async def goodbye(self, exit_codes: dict[str, int | None]) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``
