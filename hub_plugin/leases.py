@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session, selectinload
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import LeaseRequest, LeaseState, isoformat, utcnow
 from gpupool.units import format_duration
+from gpupool.wire.workers import WorkerRequest, WorkerStarted
 
 from . import usage
 from .rules import queue as wait_queue
@@ -358,50 +359,47 @@ class LeaseBook:
         job = await self.work.read(self._start_job, lease_id)
         if job is None:
             return
-        url, node_name, body = job
+        url, node_name, request = job
         try:
-            reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
+            started = await self.agents.start_worker(url, request, self.settings.worker_start_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.message)
             await self.release(lease_id, LeaseState.failed,
                                f"the worker could not start on {node_name}: {exc.message}")
             return
-        pid = reply.get("pid") if isinstance(reply.get("pid"), int) else None
-        if await self.work.write(self._started_now, lease_id, reply, pid, node_name):
-            log.info("lease %s active: worker pid %s on %s", lease_id, pid, node_name)
+        if await self.work.write(self._started_now, lease_id, started, node_name):
+            log.info("lease %s active: worker pid %s on %s", lease_id, started.pid, node_name)
             return
         # Released while the worker was starting: the release path may have
         # asked the agent before the worker existed, so stop it now.
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, node_name)
         await self._stop_worker(url, lease_id)
 
-    def _start_job(self, lease_id: str) -> tuple[str, str, dict[str, Any]] | None:
-        """``(agent url, node name, POST /workers body)`` of a ``starting`` lease, else None."""
+    def _start_job(self, lease_id: str) -> tuple[str, str, WorkerRequest] | None:
+        """``(agent url, node name, POST /workers request)`` of a ``starting`` lease, else None."""
         with self.store.read() as session:
             lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
             if lease is None or lease.state != LeaseState.starting.value:
                 return None
             node = session.get(Node, lease.node_name)
-            body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
-                    "fraction": lease.fraction, "memory": lease.memory,
-                    **host_limits(lease, node)}
-            if lease.env is not None:
-                # Placed where the agent reported it usable; one restarted since without it refuses, in words.
-                body["env"] = lease.env
-            return node.url, node.name, body
+            # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
+            request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
+                                    lease.memory, env=lease.env, **host_limits(lease, node))
+            return node.url, node.name, request
 
-    def _started_now(self, lease_id: str, reply: dict[str, Any], pid: int | None, node_name: str) -> bool:
+    def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str) -> bool:
         """``starting`` -> ``active`` with the worker's connection; False when the lease left ``starting``."""
         now = self.now()
         with self.writing() as session:
             lease = session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.starting.value:
                 return False
-            lease.connection = reply["connection"]
-            lease.worker_pid = pid
+            lease.connection = started.connection
+            lease.worker_pid = started.pid
             lease.worker_state = "idle"  # the kernel answered, no cell has run yet
             lease.started_at = lease.last_heartbeat_at = lease.idle_since = now
-            _transition(session, lease, LeaseState.active, f"the worker started on {node_name} (pid {pid})", now)
+            _transition(session, lease, LeaseState.active,
+                        f"the worker started on {node_name} (pid {lease.worker_pid})", now)
             return True
 
     # -- heartbeats --------------------------------------------------------------

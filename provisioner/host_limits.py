@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
 
 import psutil
 
@@ -38,16 +37,15 @@ def host_totals(cpus: float | None, memory: int | None) -> tuple[float, int]:
             int(memory) if memory else int(psutil.virtual_memory().total))
 
 
-def parse_host_limits(body: dict[str, Any], totals: tuple[float, int]) -> tuple[float | None, int | None]:
+def check_host_limits(cpus: float | None, memory: int | None,
+                      totals: tuple[float, int]) -> tuple[float | None, int | None]:
     """The optional ``cpus`` (cores) and ``host_memory`` (bytes) of a
-    ``POST /workers`` body, at most this host's ``totals``; None when absent.
-    Raises a 400 GPUPoolError naming the field and the host's amount."""
-    cpus, memory = body.get("cpus"), body.get("host_memory")
-    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float))
-                             or not MIN_CPUS <= cpus <= min(MAX_CPUS, totals[0])):
+    :class:`~gpupool.wire.workers.WorkerRequest`, at most this host's
+    ``totals``; None when absent. Raises a 400 GPUPoolError naming the field
+    and the host's amount."""
+    if cpus is not None and not MIN_CPUS <= cpus <= min(MAX_CPUS, totals[0]):
         raise bad_request(f"'cpus' must be cores from {MIN_CPUS} to this node's {totals[0]:g}, got {cpus!r:.40}")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
-                               or not MIN_MEMORY <= memory <= totals[1]):
+    if memory is not None and not MIN_MEMORY <= memory <= totals[1]:
         raise bad_request(f"'host_memory' must be bytes from 1 MiB to this node's {totals[1]} "
                           f"({format_bytes(totals[1])}), got {memory!r:.40}")
     return (None if cpus is None else float(cpus)), memory

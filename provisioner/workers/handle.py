@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 from jupyter_client.manager import AsyncKernelManager
 
-from gpupool.schema import WorkerReport
+from gpupool.wire.nodes import WorkerReport
 
 from ..activity import WorkerActivity
 from ..cgroups import LeaseCgroup

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from ..enforcement import EnforcementMode, Timeslice
 from ..worker_user import WorkerUser, WorkerUserPool
