@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 from datetime import datetime
 
 import psutil
@@ -66,8 +67,11 @@ def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
 
             code = ("import json, os\n"
                     "print(json.dumps({'env': dict(os.environ), "
-                    f"'loaded': {WORKER_EXTENSION!r} in get_ipython().extension_manager.loaded}}))")
+                    f"'loaded': {WORKER_EXTENSION!r} in get_ipython().extension_manager.loaded, "
+                    "'history': str(get_ipython().history_manager.hist_file)}))")
             seen = json.loads(await run_worker_cell(conn, code))
+            # its IPython history is its own (a notebook kernel of the same user on this host keeps ~/.ipython's)
+            assert Path(seen["history"]).parent == tmp_path / "state" / "workers"
             env = seen["env"]
             assert seen["loaded"]
             assert env["GPUPOOL_LEASE_ID"] == "L-000000000001"
@@ -101,6 +105,7 @@ def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
             assert workers.reports() == []
             assert not processes_mentioning(str(tmp_path / "state"))
             assert not list((tmp_path / "state" / "workers").glob("*.json"))
+            assert not Path(seen["history"]).exists()
         finally:
             await workers.stop_all()
             workers.close()

@@ -23,7 +23,7 @@ from ..worker_user import NoFreeWorkerUser, WorkerUser
 from .accounts import WorkerAccounts
 from .binding import UNBOUND_ENVIRONMENT, execute, preload_code
 from .handle import Worker
-from .kernel import KernelManagers, WorkerKernelManager, kernel_arguments
+from .kernel import KernelManagers, WorkerKernelManager, history_path, kernel_arguments
 from .process import worker_process
 from .spec import WorkerSettings, WorkerSpec, WorkerStartError, worker_environment
 from .stopping import Reaper, kill_and_remove, quietly
@@ -121,7 +121,8 @@ class Launcher:
             # Independent: no ipykernel parent poller, so a worker outlives a
             # crashed agent and the restarted one re-adopts it (recover()).
             with open(log_path, "ab", opener=_private) as out:
-                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions),
+                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions,
+                                                                           None if account else history_path(log_path)),
                                            stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
                                            **as_user)
         except Exception as exc:

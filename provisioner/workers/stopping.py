@@ -14,6 +14,7 @@ from ..cgroups import CgroupError, LeaseCgroup
 from ..host_limits import out_of_memory
 from .accounts import WorkerAccounts
 from .handle import Worker
+from .kernel import history_path
 from .records import record_path
 from .spec import WorkerSettings, WorkerStopError
 
@@ -56,7 +57,9 @@ class Reaper:
         except CgroupError as exc:
             self.log.error("%s", exc)
         worker.exit_code, worker.ended = worker.process.returncode, True
-        remove_files(Path(worker.manager.connection_file), worker.log_path,
+        history = history_path(worker.log_path)
+        remove_files(Path(worker.manager.connection_file), worker.log_path, history,
+                     history.with_name(history.name + "-journal"),
                      record_path(self.workers_dir, worker.spec.lease_id if worker.spec else worker.name))
         if survivors:
             raise WorkerStopError(f"processes {sorted(set(survivors))} of the worker {worker.name} survived SIGKILL")
