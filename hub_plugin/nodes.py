@@ -27,9 +27,10 @@ from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import (MAX_BYTES, MAX_CPUS, GPUInfo, LeaseState, WorkerReport, has_control_characters,
                             is_unicode, parse_time)
 
-from .capacity import mark_all, mark_gpus, mark_node
+from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
+from .state import PoolState
 
 log = logging.getLogger("gpupool.service.nodes")
 
@@ -37,11 +38,18 @@ INVENTORIES = ("simulated", "nvml")
 
 
 class NodeBook:
-    """Node registration and heartbeats; ends leases through ``leases``."""
+    """Node registration and heartbeats, written through ``state``; dead
+    workers' leases end through ``leases`` (in ``tasks``, the background).
+    ``heartbeat_interval``: seconds an agent is told to heartbeat;
+    ``node_ttl``: seconds after which a silent node's name may be taken."""
 
-    def __init__(self, leases: LeaseBook, heartbeat_interval: float) -> None:
+    def __init__(self, state: PoolState, leases: LeaseBook, tasks: Background, *, heartbeat_interval: float,
+                 node_ttl: float) -> None:
+        self.state = state
         self.leases = leases
+        self.tasks = tasks
         self.heartbeat_interval = heartbeat_interval
+        self.node_ttl = node_ttl
 
     async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
@@ -66,7 +74,7 @@ class NodeBook:
         error = _inventory_error(body)
         environments = _environments(body)
         host = _host(body)
-        stop, dead = await self.leases.work.write(self._register_now, name, url, inventory, enforcement, infos,
+        stop, dead = await self.state.work.write(self._register_now, name, url, inventory, enforcement, infos,
                                                   healthy, reports, error, environments, host)
         if error is None:
             log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
@@ -77,14 +85,15 @@ class NodeBook:
         return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
 
     def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments, host):
-        now = self.leases.now()
-        with self.leases.writing() as session:
+        now = self.state.now()
+        with self.state.writing() as tx:
+            session = tx.session
             node = session.get(Node, name)
             if node is None:
                 node = Node(name=name)
                 session.add(node)
             else:
-                _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
+                _refuse_second_agent(node, url, now, self.node_ttl)
             node.url, node.inventory, node.enforcement = url, inventory, enforcement
             node.environments = environments
             node.host_cpus, node.host_memory = host
@@ -92,7 +101,7 @@ class NodeBook:
             _set_state(node, error)
             if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
                 self._upsert_gpus(session, node, infos, healthy)
-            mark_all(session)  # GPUs may have come, gone or changed: the scheduler reads them all again
+            tx.changes.every_gpu()  # GPUs may have come, gone or changed: the scheduler reads them all again
             stop, dead = self._apply_reports(session, node, reports, now)
             dead += self._lost_workers(session, node, reports)
         return stop, dead
@@ -107,15 +116,16 @@ class NodeBook:
         reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
         readings = [_reading(g) for g in _list(body, "gpus")]
         error = _inventory_error(body)
-        stop, dead, came_back = await self.leases.work.write(self._heartbeat_now, name, reports, readings, error)
+        stop, dead, came_back = await self.state.work.write(self._heartbeat_now, name, reports, readings, error)
         self._end_dead(dead)
         if came_back:
             await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return {"stop": stop}
 
     def _heartbeat_now(self, name, reports, readings, error):
-        now = self.leases.now()
-        with self.leases.writing() as session:
+        now = self.state.now()
+        with self.state.writing() as tx:
+            session = tx.session
             node = session.get(Node, name)
             if node is None:
                 raise not_found(f"node {name}")
@@ -126,7 +136,7 @@ class NodeBook:
                     log.warning("node %s is degraded: %s; its leases go on, nothing new is placed there", name, error)
                 else:
                     log.info("node %s is back", name)
-                mark_node(session, name)
+                tx.changes.node(name)
             node.last_heartbeat_at = now
             gpus = {g.uuid: g for g in node.gpus}
             # In UUID order, the order lease creation locks GPU rows in (no deadlock).
@@ -135,7 +145,7 @@ class NodeBook:
                     gpu = gpus[uuid]
                     gpu.memory_used, gpu.utilization = used, utilization
                     if (gpu.memory_unattributed or 0) != (unattributed or 0) or healthy not in (None, gpu.healthy):
-                        mark_gpus(session, [uuid])  # placement depends on these two
+                        tx.changes.gpu_capacity([uuid])  # placement depends on these two
                     gpu.memory_unattributed = unattributed
                     if healthy is not None:
                         gpu.healthy = healthy
@@ -195,7 +205,7 @@ class NodeBook:
         # that is waiting for this response.
         for lease_id, reason in dead:
             log.info("lease %s: %s", lease_id, reason)
-            self.leases.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
+            self.tasks.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
 
 
 def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -> None:
