@@ -204,12 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     gpus = inventory_step_result["gpus"]
     first = gpus[0]
 
-    from gpupool.provisioner.enforcement import enforcement_mode, mps_daemon_running
+    from gpupool.provisioner.enforcement import mps_daemon_running, resolve
 
     report.step("MPS and enforcement", lambda: {
         "mps_daemon_running": mps_daemon_running(),
-        "enforcement_mode": enforcement_mode("nvml", mps_daemon_running(), "auto",
-                                             any(g["uuid"].startswith("MIG-") for g in gpus))})
+        "enforcement_mode": resolve("auto", "nvml", [g["uuid"] for g in gpus]).name})
 
     def need_torch() -> None:
         try:
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             import jupyter_client  # noqa: F401
 
             from gpupool.api import ServiceClient  # noqa: F401
-            from gpupool.localpool import start_agent, start_service  # noqa: F401
+            from gpupool.demo_pool import start_agent, start_service  # noqa: F401
             import sqlalchemy  # noqa: F401
         except ImportError as exc:
             raise Skip(f"the pool's packages are not installed here ({exc}); pip install -e '.[all]'") from None
@@ -240,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         inventory.close()
         return finish(report, out)
 
-    from gpupool.localpool import run_worker_cell, start_agent, start_service
+    from gpupool.demo_pool import start_agent, start_service
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/workercell.py
+    from workercell import run_worker_cell
     from gpupool.schema import LeaseRequest
 
     state = Path(tempfile.mkdtemp(prefix="gpupool-gpu-check-state-"))

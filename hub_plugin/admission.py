@@ -21,12 +21,12 @@ from gpupool.units import format_duration
 from .auth import Identity
 from .config import GPUPool
 from .environments import lease_environment, unknown_environment, unusable_on
-from .hosts import beyond_every_node
 from .models import Lease
 from .placing import Placer
 from .quota_book import QuotaBook
-from .quotas import Limits
-from .scheduler import NO_ENVIRONMENT, Demand, Refusal
+from .rules.hosts import beyond_every_node
+from .rules.quotas import Limits
+from .rules.scheduler import NO_ENVIRONMENT, Demand, Refusal
 from .transitions import CAPPED, QUEUED
 
 log = logging.getLogger("gpupool.service.leases")

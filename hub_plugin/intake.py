@@ -22,8 +22,8 @@ from .lease_views import LeaseViews
 from .leases import LeaseBook
 from .models import Lease, new_lease_id
 from .placing import Placer
-from .priority import INTERACTIVE, preemption_refusal
-from .scheduler import Demand, Placement, Refusal
+from .rules.priority import INTERACTIVE, preemption_refusal
+from .rules.scheduler import Demand, Placement, Refusal
 from .state import PoolState
 from .transitions import assign, transition
 

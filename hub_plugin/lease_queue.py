@@ -19,12 +19,13 @@ from sqlalchemy.orm import Session
 from gpupool.errors import GPUPoolError
 from gpupool.units import format_duration
 
-from . import queue as wait_queue, usage
+from . import usage
 from .config import GPUPool
 from .models import Lease
 from .placing import Placer
 from .quota_book import QuotaBook
-from .scheduler import Demand, Placement
+from .rules import queue as wait_queue
+from .rules.scheduler import Demand, Placement
 from .state import PoolState, Transaction
 from .transitions import CAPPED, QUEUED, assign
 

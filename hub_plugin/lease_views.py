@@ -18,12 +18,13 @@ from sqlalchemy.orm import Session, selectinload
 from gpupool.errors import bad_request, not_found
 from gpupool.schema import LeaseState, isoformat
 
-from . import queue as wait_queue, usage
+from . import usage
 from .auth import Identity
 from .capacity import HOLDING
 from .config import GPUPool
 from .models import Lease, Node
 from .pressure import Pressure
+from .rules import queue as wait_queue
 from .state import PoolState
 from .transitions import QUEUED
 from .views import lease_json
@@ -37,7 +38,7 @@ LIST_LIMIT = 500
 @dataclass(frozen=True)
 class QueueView:
     """The queue as one read saw it: lease id -> 1-based place, and lease id ->
-    seconds until it is likely placed (:mod:`.eta`; None: nothing known frees enough)."""
+    seconds until it is likely placed (:mod:`.rules.eta`; None: nothing known frees enough)."""
 
     positions: dict[str, int]
     etas: dict[str, float | None]

@@ -76,7 +76,7 @@ class LeaseBook:
         try:
             reply = await self.workers.start(job)
         except GPUPoolError as exc:
-            log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.log_message)
+            log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
             await self.release(lease_id, LeaseState.failed, f"the worker could not start on {job.node}: {exc.message}")
             return
         pid = reply.get("pid") if isinstance(reply.get("pid"), int) else None

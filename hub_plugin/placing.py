@@ -12,13 +12,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .models import Lease
-from .placement_index import PlacementIndex
-from .scheduler import DEFAULT_WORKLOAD, Demand, Placement, Refusal, Workload, workload_of
+from .rules.placement_index import PlacementIndex
+from .rules.scheduler import Demand, Placement, Refusal
+from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .state import PoolState
 
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
-#: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
+#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 
 

@@ -16,7 +16,7 @@ from gpupool.units import format_duration
 
 from . import usage
 from .models import GPU, Lease, LeaseEvent, LeaseGPU
-from .scheduler import Placement
+from .rules.scheduler import Placement
 from .state import Transaction
 
 log = logging.getLogger("gpupool.service.leases")

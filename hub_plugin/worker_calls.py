@@ -15,8 +15,8 @@ from gpupool.schema import LeaseState
 
 from .agent_client import AgentClient
 from .config import GPUPool
-from .hosts import host_limits
 from .models import Lease, Node
+from .rules.hosts import host_limits
 from .state import PoolState
 
 log = logging.getLogger("gpupool.service.leases")
@@ -70,7 +70,7 @@ class WorkerCalls:
             code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
-                        "with its next heartbeat", lease_id, exc.log_message)
+                        "with its next heartbeat", lease_id, exc.message)
             return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
                     "its next heartbeat")
         log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)

@@ -3,20 +3,23 @@ worker may use, and the cgroup limits that hold it there.
 
 The agent reports its host's logical cores and RAM (psutil, unless
 ``c.NodeAgent.host_cpus`` / ``host_memory`` say otherwise) when it
-registers; the service places by them (``hub_plugin/hosts.py``) and sends
+registers; the service places by them (``hub_plugin/rules/hosts.py``) and sends
 each lease's ``cpus`` and ``host_memory`` with ``POST /workers``. The agent
 writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
 ``cpu.max``/``memory.max`` in v2 where those controllers are, the v1
-``cpu``/``memory`` hierarchies otherwise, :mod:`.cgroup_hybrid`) before the
+``cpu``/``memory`` hierarchies otherwise, :mod:`.cgroups.hybrid`) before the
 worker is handed out. Without a cgroup (``cgroup_mode = 'none'``) or the
 controllers, the agent says loudly that the limits are not enforced, and
 the worker starts anyway: the capacity is still reserved, so other leases
-are placed as if it were.
+are placed as if it were. A worker the kernel's OOM killer ended is
+reported in words that name the limit and the way out
+(:func:`out_of_memory`), not as a bare signal 9.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import psutil
@@ -66,3 +69,18 @@ def enforce(cgroup: LeaseCgroup, lease_id: str, cpus: float | None, memory: int 
     log.info("lease %s limited to %s CPUs and %s of host memory", lease_id,
              "any" if cpus is None else f"{cpus:g}", "any" if memory is None else format_bytes(memory))
     return True
+
+
+def out_of_memory(cgroup: LeaseCgroup, memory: int | None, exit_code: int | None) -> str | None:
+    """The reason the user is told when the kernel's OOM killer ended the
+    worker whose process left with ``exit_code`` (None: unknown, as for a
+    re-adopted worker) in ``cgroup``, limited to ``memory`` bytes (None: no
+    limit); None when it was no OOM kill (another signal or exit, or the
+    cgroup cannot tell: :meth:`.cgroups.LeaseCgroup.oom_kills`). Read it
+    before the cgroup is removed."""
+    if exit_code not in (None, -signal.SIGKILL) or not cgroup.oom_kills():
+        return None
+    if memory is None:
+        return "the worker was killed: the node ran out of host memory (the kernel's OOM killer ended it)"
+    return (f"the worker was killed: it ran out of its {format_bytes(memory)} of host memory (--host-memory); "
+            "acquire again with a larger --host-memory")

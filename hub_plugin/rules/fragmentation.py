@@ -1,0 +1,73 @@
+"""The fragmentation measure of Weng et al. ("Beware of Fragmentation",
+USENIX ATC '23, section 4), extended to every dimension as the paper does
+(section 6): one pure rule that the service's placement
+(:mod:`.scheduler`, on nodes where host CPU or memory binds) and the openb
+simulator (:mod:`gpupool.hub_plugin.simulate.multidim`, on every node) share.
+
+Fragmentation of a node is the expected GPU capacity that the next task,
+drawn from the workload's mix of task types, could not use there: for a
+type that does not fit the node at all (too few free cores, too little free
+host memory, or no GPU with room) every unallocated GPU of the node counts;
+for one that fits, the GPUs too small for it (free share below its
+fraction, or any partly used GPU for a whole-GPU type). CPU-only types
+count nothing when they fit.
+
+Units: GPU share in milli (:data:`FULL` is one whole GPU); CPU and memory in
+any unit, the same for the node and the types (the simulator: milli-cores
+and MiB; the service: milli-cores and MiB too, see :mod:`.hosts`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+#: One whole GPU, in the measure's unit (milli-GPUs).
+FULL = 1000
+#: The task types the fragmentation measure weighs: the most frequent, covering most tasks.
+TOP_TYPES = 48
+
+
+@dataclass(frozen=True)
+class TaskTypes:
+    """The workload: per type its CPU, memory, GPU count, per-GPU milli and popularity (sums to 1)."""
+
+    cpu: np.ndarray
+    memory: np.ndarray
+    num: np.ndarray
+    milli: np.ndarray
+    weight: np.ndarray
+
+
+def task_types(cpu, memory, num, milli, top: int = TOP_TYPES) -> TaskTypes:
+    """The ``top`` most frequent ``(cpu, memory, num, milli)`` types of a task list, weights renormalized."""
+    counts = Counter(zip(np.asarray(cpu).tolist(), np.asarray(memory).tolist(), np.asarray(num).tolist(),
+                         np.asarray(milli).tolist())).most_common(top)
+    arr = np.array([k for k, _ in counts], dtype=np.int64).reshape(-1, 4)
+    weight = np.array([c for _, c in counts], dtype=float)
+    return TaskTypes(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], weight / weight.sum())
+
+
+def node_fragmentation(cpu_free: np.ndarray, mem_free: np.ndarray, gpu_free: np.ndarray,
+                       types: TaskTypes) -> np.ndarray:
+    """Fragmentation (GPU milli) of each of C node states: ``cpu_free`` (C,)
+    milli-cores, ``mem_free`` (C,) MiB, ``gpu_free`` (C, G) free milli per GPU
+    (-1 pads nodes with fewer GPUs). Returns (C,) floats (module docstring)."""
+    g = np.maximum(gpu_free, 0)
+    unallocated = g.sum(axis=1)  # (C,)
+    whole_free = (gpu_free >= FULL).sum(axis=1)
+    best = gpu_free.max(axis=1)
+    host_fits = (cpu_free[:, None] >= types.cpu[None, :]) & (mem_free[:, None] >= types.memory[None, :])  # (C, K)
+    is_whole = types.num >= 2
+    is_slice = types.num == 1
+    gpu_fits = np.where(is_whole[None, :], whole_free[:, None] >= types.num[None, :],
+                        np.where(is_slice[None, :], best[:, None] >= types.milli[None, :], True))
+    fits = host_fits & gpu_fits
+    # GPUs too small for each type: free below its fraction (slices), or partly used (whole GPUs).
+    need = np.where(is_whole, FULL, types.milli)  # (K,)
+    small = (g[:, :, None] * (gpu_free[:, :, None] < need[None, None, :])).sum(axis=1)  # (C, K)
+    small = np.where(types.num[None, :] == 0, 0, small)
+    per_type = np.where(fits, small, unallocated[:, None])
+    return per_type @ types.weight

@@ -1,0 +1,201 @@
+"""Lease classes and pressure: who goes first, and what is taken back early.
+
+Pure: leases, waiting requests and limits in, decisions out (no
+SQL, no clock). The service's sweep (:mod:`gpupool.hub_plugin.pressure`), the simulator and
+the tests call the same functions.
+
+**Classes.** ``interactive`` (the default: a person at a notebook) and
+``batch`` (a run nobody watches: ``%gpu acquire --batch``, or
+``GPUPOOL_LEASE_CLASS=batch`` in the kernel's environment). In the queue every
+interactive request goes before every batch one (:func:`class_rank`); batch
+fills what is left. Batch is lower priority, not automatically preemptible.
+
+**Guaranteed share** (Run:ai's deserved quota). A user's leases, oldest
+first, are *guaranteed* while their GPUs sum to at most the user's
+``guaranteed_gpus`` quota (:func:`guaranteed`); the rest are *over quota*.
+A guaranteed lease is never parked early nor preempted.
+
+**Pressure** (:func:`plan`). While requests wait, idle over-quota leases are
+parked after ``grace`` seconds instead of their idle timeout: batch first,
+then the longest idle, until the GPUs they free cover what waits. A waiting
+interactive request presses on every class, a batch one only on batch leases.
+A lease whose cell runs is never touched, unless it opted in
+(``preemptible``) and the pool allows preemption: then, if the idle ones do
+not cover what waiting interactive requests need, it is told (``notice``
+seconds ahead) and its cell interrupted, then parked. A batch waiter never
+preempts (a standing backlog would preempt its own kind at every sweep). Capacity is counted in GPUs (fraction x count):
+what a waiter needs on which node is the scheduler's business, so the rule
+may free a little more or less than exactly what fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Iterable, Mapping, Sequence
+
+from gpupool.schema import LEASE_CLASSES as CLASSES  # in queue order (first goes first)
+
+INTERACTIVE, BATCH = CLASSES
+#: Tolerance for sums of fractions (as the scheduler's).
+EPSILON = 1e-9
+
+
+def class_rank(lease_class: str | None) -> int:
+    """0 for ``interactive`` (and None: leases from before classes), 1 for ``batch``."""
+    return CLASSES.index(lease_class) if lease_class in CLASSES else 0
+
+
+def check_class(value: object) -> str:
+    """``value`` when it is a known class; raises ValueError naming the classes otherwise."""
+    if value not in CLASSES:
+        raise ValueError(f"lease class {value!r:.40} is not one of {', '.join(CLASSES)}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Held:
+    """An active lease as the pressure rules see it. ``gpus`` is fraction x
+    count; ``busy``: a cell runs on its worker; ``idle_since`` when its last
+    cell ended (None while busy); ``idle_deadline`` its normal idle reclaim."""
+
+    lease_id: str
+    owner: str
+    gpus: float
+    lease_class: str
+    preemptible: bool
+    busy: bool
+    started_at: datetime
+    idle_since: datetime | None = None
+    idle_deadline: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Asking:
+    """A queued request: owner, GPUs (fraction x count), class, when asked."""
+
+    lease_id: str
+    owner: str
+    gpus: float
+    lease_class: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class EarlyPark:
+    """Park an idle lease at ``deadline`` (before its idle timeout) for ``reason`` (words for its user)."""
+
+    deadline: datetime
+    reason: str
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """Interrupt a preemptible lease's running cell at ``at`` (its user was told
+    from when the plan first named it), then park it, for ``reason``."""
+
+    at: datetime
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What pressure decides: early parks and preemptions by lease id."""
+
+    parks: dict[str, EarlyPark]
+    preemptions: dict[str, Preemption]
+
+
+NO_PRESSURE = Plan({}, {})
+
+
+def guaranteed(held: Iterable[Held], guaranteed_gpus: Mapping[str, float]) -> set[str]:
+    """Ids of the leases within their owner's guaranteed share: per owner,
+    oldest first, while the GPUs summed so far stay within
+    ``guaranteed_gpus[owner]`` (absent: 0, nothing guaranteed)."""
+    inside: set[str] = set()
+    by_owner: dict[str, list[Held]] = {}
+    for lease in held:
+        by_owner.setdefault(lease.owner, []).append(lease)
+    for owner, leases in by_owner.items():
+        room = guaranteed_gpus.get(owner) or 0.0
+        for lease in sorted(leases, key=lambda item: (item.started_at, item.lease_id)):
+            if lease.gpus > room + EPSILON:
+                break
+            room -= lease.gpus
+            inside.add(lease.lease_id)
+    return inside
+
+
+def waiting_words(owners: int) -> str:
+    """``"3 people are waiting for a GPU"``."""
+    return f"{owners} {'person is' if owners == 1 else 'people are'} waiting for a GPU"
+
+
+def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice: float,
+         allow_preemption: bool, guaranteed_gpus: Mapping[str, float]) -> Plan:
+    """Early parks and preemptions while ``asking`` waits (module docstring).
+
+    ``grace``: seconds a lease may stay idle under pressure (counted from when
+    it went idle, or from when the oldest request pressing on it was asked,
+    whichever is later, so its user learns of it first); ``notice``: seconds
+    between the oldest press and a preemptible cell's interrupt beyond
+    ``grace``. Only early parks before a lease's own ``idle_deadline`` are
+    returned. No clock: deadlines are absolute, so the same inputs give the
+    same plan at every sweep, and the sweep compares them with its ``now``.
+    What a higher class's waiters free is theirs: a batch waiter counts only
+    on batch leases not already taken for interactive ones.
+    """
+    if not asking:
+        return NO_PRESSURE
+    safe = guaranteed(held, guaranteed_gpus)
+    open_leases = [lease for lease in held if lease.lease_id not in safe]
+    parks: dict[str, EarlyPark] = {}
+    preemptions: dict[str, Preemption] = {}
+    # Interactive waiters press on every lease, batch ones only on batch leases.
+    for rank in sorted({class_rank(item.lease_class) for item in asking}):
+        pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
+        need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank)
+        since = min(item.created_at for item in pressing)
+        reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
+        targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
+                   and lease.lease_id not in parks and lease.lease_id not in preemptions]
+        for lease in _idle_first(targets):
+            if need <= EPSILON:
+                break
+            deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
+            if lease.idle_deadline is None or deadline < lease.idle_deadline:
+                parks[lease.lease_id] = EarlyPark(deadline, reason)
+            need -= lease.gpus
+        # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
+        # up, else a standing backlog would preempt its own kind at every sweep.
+        if not allow_preemption or rank > class_rank(INTERACTIVE):
+            continue
+        for lease in _preemptible(targets):
+            if need <= EPSILON:
+                break
+            at = since + timedelta(seconds=grace + notice)
+            preemptions[lease.lease_id] = Preemption(at, reason.replace("parked early", "preempted"))
+            need -= lease.gpus
+    return Plan(parks, preemptions)
+
+
+def _idle_first(leases: Iterable[Held]) -> list[Held]:
+    """Idle leases in the order they are parked: batch first, then the longest idle."""
+    idle = [lease for lease in leases if not lease.busy and lease.idle_since is not None]
+    return sorted(idle, key=lambda lease: (-class_rank(lease.lease_class), lease.idle_since, lease.lease_id))
+
+
+def _preemptible(leases: Iterable[Held]) -> list[Held]:
+    """Busy leases that opted in, in the order they are preempted: batch first, then the newest (least work lost)."""
+    busy = [lease for lease in leases if lease.busy and lease.preemptible]
+    return sorted(busy, key=lambda lease: (-class_rank(lease.lease_class), -lease.started_at.timestamp(),
+                                           lease.lease_id))
+
+
+def preemption_refusal(preemptible: bool, allow_preemption: bool) -> str | None:
+    """Words refusing ``preemptible`` on a pool whose ``c.GPUPool.allow_preemption`` is off, else None."""
+    if preemptible and not allow_preemption:
+        return ("this pool allows no preemption (c.GPUPool.allow_preemption = False), so a lease cannot be "
+                "preemptible; ask without --preemptible (an admin can set c.GPUPool.allow_preemption = True)")
+    return None

@@ -1,0 +1,142 @@
+"""The wait queue: in which order queued requests get capacity. Pure: queued
+requests, GPU states and time in, placements out.
+
+A request with ``wait`` that does not fit now is stored ``queued``
+(:mod:`gpupool.hub_plugin.leases`); whenever capacity frees (a lease ends, a node registers,
+every reclaim sweep) :func:`drain` decides which queued requests to place.
+
+Classes first (:mod:`.priority`): every ``interactive`` request goes before
+every ``batch`` one; batch fills what is left. Within a class, the fairness
+rule: **who used the pool least recently goes first.** A
+user's "last use" is now while they hold any capacity, else the end of
+their latest lease, else never; never comes first. Ties go to the older
+request (then the lease id). After a request is placed its owner counts as
+using the pool now, so one user's many requests take turns with everyone
+else's rather than all going first. A request that does not fit is passed
+over for later ones that do (backfill): a big request may wait while small
+ones are placed, until enough frees up at once.
+
+A new request that fits right away is placed without queueing: capacity
+that is free at that moment is capacity no queued request could use, since
+the queue is drained as soon as anything frees.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, Iterable, Mapping, Sequence
+
+from .placement_index import PlacementIndex
+from .priority import INTERACTIVE, class_rank
+from .scheduler import Demand, GPUState, Placement
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A queued request: its lease id, owner, demand, when it was asked and its class."""
+
+    lease_id: str
+    owner: str
+    demand: Demand
+    created_at: datetime
+    lease_class: str = INTERACTIVE
+
+
+def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None],
+         lease_class: str | None = INTERACTIVE) -> tuple:
+    used = last_used.get(owner)
+    return (class_rank(lease_class), used is not None, used or created_at, created_at, lease_id)
+
+
+def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
+    """``waiting`` in the order they get capacity (module docstring)."""
+    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used,
+                                                 item.lease_class))
+
+
+def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
+    """1-based place of ``lease_id`` in the queue, or None when it is not queued."""
+    for number, item in enumerate(order(waiting, last_used), start=1):
+        if item.lease_id == lease_id:
+            return number
+    return None
+
+
+def positions(queued: Iterable[tuple], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
+    """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at,
+    class)`` rows (further columns are ignored), in :func:`order`'s order: one
+    sort, however many places are asked for."""
+    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else INTERACTIVE), row[0])
+                   for row in queued)
+    return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
+
+
+def newest_position(owner: str, lease_class: str, queued: Mapping[tuple[str, str], int],
+                    last_used: Mapping[str, datetime | None]) -> int:
+    """The place of a ``lease_class`` request ``owner`` has just queued, from how
+    many requests each owner has queued per class (``queued[(owner, class)]``,
+    the new one included) and when each last used the pool: it is the newest,
+    so every queued request of a class before its own, and of its class whose
+    owner comes before or with its owner in :func:`order`, is ahead of it.
+    Needs no row per request."""
+    mine, rank = last_used.get(owner), class_rank(lease_class)
+    ahead = 0
+    for (other, other_class), count in queued.items():
+        used, other_rank = last_used.get(other), class_rank(other_class)
+        if other_rank < rank or (other_rank == rank and (used is None or (mine is not None and used <= mine))):
+            ahead += count
+    return ahead  # the new one is among those counted: its own place
+
+
+def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
+          last_used: Mapping[str, datetime | None], now: datetime, *,
+          accept: Callable[[Waiting, Placement], bool] | None = None,
+          room: Mapping[str, int] | None = None) -> list[tuple[Waiting, Placement]]:
+    """Queued requests to place on ``gpus`` (GPU states, or an index that is
+    then updated with what is placed) now, in the order placed; each
+    placement sees the capacity the earlier ones took. ``accept(item,
+    placement)``, when given, is asked before each placement is taken; False
+    stops the drain there (the service checks the decision against the store).
+    ``room``, when given, is how many more requests each owner may have placed
+    (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
+
+    Capacity only shrinks during a drain, so a demand that did not fit once is
+    not tried again: a thousand equal requests that do not fit cost one try."""
+    index = gpus if isinstance(gpus, PlacementIndex) else PlacementIndex(gpus)
+    last = dict(last_used)
+    left = list(waiting)
+    rooms = dict(room) if room is not None else None
+    unfit: set[Demand] = set()
+    placed: list[tuple[Waiting, Placement]] = []
+    while left:
+        for item in order(left, last):
+            if item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
+                continue
+            decision = index.place(item.demand, explain=False)
+            if not isinstance(decision, Placement):
+                unfit.add(item.demand)
+                continue
+            if accept is not None and not accept(item, decision):
+                return placed
+            index.take(decision)
+            last[item.owner] = now
+            if rooms is not None:
+                rooms[item.owner] = rooms.get(item.owner, 0) - 1
+            left.remove(item)
+            placed.append((item, decision))
+            break
+        else:
+            break
+    return placed
+
+
+def estimate(queue_position: int, recent_hold_seconds: Sequence[float], holding: int) -> float | None:
+    """A rough wait in seconds for the request at ``queue_position``:
+    ``position x median length of recent leases / leases holding capacity now``
+    (leases end one after another, each freeing room for about one request).
+    None without any ended lease to learn from."""
+    if not recent_hold_seconds:
+        return None
+    return round(queue_position * statistics.median(recent_hold_seconds) / max(1, holding), 1)

@@ -1,0 +1,107 @@
+"""The simulated pool: GPU allocations, and placement by the real scheduler.
+
+Every placement decision is :func:`gpupool.hub_plugin.rules.scheduler.place`'s, given
+:class:`~gpupool.hub_plugin.rules.scheduler.GPUState` rows as the service builds them
+(:func:`gpupool.hub_plugin.capacity.gpu_states`), with the allocation summed from what the
+simulated leases hold. Nothing here re-decides placement: the pool keeps a
+:class:`gpupool.hub_plugin.rules.placement_index.PlacementIndex`, which returns ``place()``'s answer
+on all GPUs without scanning them (``full_scan=True`` calls ``place()`` on
+every GPU, as a check; ``tests/test_simulator.py`` compares the two).
+
+Allocations are kept in integer thousandths of a GPU, so sums are exact;
+fractions reach ``place()`` as ``milli / 1000``. Usable memory is a multiple
+of 1000 bytes and a slice's memory is its fraction's share, so memory never
+refuses a slice whose fraction fits (the floor in ``int(f x memory)`` only
+ever rounds down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..rules.placement_index import PlacementIndex
+from ..rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from ..rules.workload import DEFAULT_WORKLOAD, Workload
+
+FULL = 1000  # milli in one GPU
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU of the simulated pool: node name, index on the node, model name, usable bytes."""
+
+    node: str
+    index: int
+    name: str
+    memory: int
+
+
+def demand_of(milli: int, gpus: int) -> Demand:
+    """The scheduler's demand for ``gpus`` whole GPUs, or one slice of ``milli`` thousandths."""
+    if gpus > 1:
+        return Demand(1.0, gpus)
+    return Demand(milli / FULL, 1)
+
+
+class Pool:
+    """GPUs, what is allocated on each, and placement through ``place()``.
+
+    ``workload`` is the scheduler's expected mix of requests (the
+    simulators pass the trace's own); ``full_scan=True`` gives ``place()``
+    every GPU instead of asking the index (slow on big pools).
+    """
+
+    def __init__(self, specs: list[GPUSpec], *, full_scan: bool = False,
+                 workload: Workload = DEFAULT_WORKLOAD) -> None:
+        self.specs = specs
+        self.full_scan = full_scan
+        self.uuid_index = {f"GPU-{spec.node}-{spec.index}": i for i, spec in enumerate(specs)}
+        self.milli = [0] * len(specs)
+        self.memory = [0] * len(specs)
+        self.capacity = len(specs)
+        self.allocated_milli = 0
+        self.index = PlacementIndex((GPUState(uuid=uuid, node=specs[i].node, name=specs[i].name,
+                                              index=specs[i].index, memory_total=specs[i].memory,
+                                              memory_usable=specs[i].memory)
+                                     for uuid, i in self.uuid_index.items()), workload)
+
+    def place(self, milli: int, gpus: int) -> Placement | Refusal:
+        """``place()``'s decision for ``gpus`` whole GPUs or one ``milli`` slice; changes
+        nothing. A refusal comes without its reasons (the replays only count refusals)."""
+        demand = demand_of(milli, gpus)
+        if self.full_scan:
+            return place(demand, self.index.all(), self.index.workload)
+        return self.index.place(demand, explain=False)
+
+    def take(self, placement: Placement) -> None:
+        """Reserve what ``placement`` grants (the lease now holds capacity)."""
+        milli = round(placement.fraction * FULL)
+        for uuid in placement.gpus:
+            self._change(self.uuid_index[uuid], milli, placement.memory)
+
+    def give(self, placement: Placement) -> None:
+        """Free what ``placement`` granted (the lease ended)."""
+        milli = round(placement.fraction * FULL)
+        for uuid in placement.gpus:
+            self._change(self.uuid_index[uuid], -milli, -placement.memory)
+
+    def _change(self, i: int, milli: int, memory: int) -> None:
+        spec = self.specs[i]
+        new = self.milli[i] + milli
+        if not 0 <= new <= FULL:
+            raise AssertionError(f"GPU {spec.node}/{spec.index} would hold {new} milli")
+        self.milli[i] = new
+        self.memory[i] += memory
+        self.allocated_milli += milli
+        uuid = f"GPU-{spec.node}-{spec.index}"
+        self.index.update(dataclasses.replace(self.index.states[uuid], allocated_fraction=new / FULL,
+                                              allocated_memory=self.memory[i]))
+
+
+def uniform_pool(size: int, *, per_node: int = 8, name: str = "NVIDIA A100-SXM4-80GB",
+                 memory: int = 80 * 10**9, full_scan: bool = False,
+                 workload: Workload = DEFAULT_WORKLOAD) -> Pool:
+    """``size`` GPUs on nodes of ``per_node`` (the last node may have fewer), named ``node-000``..."""
+    specs = [GPUSpec(f"node-{i // per_node:03d}", i % per_node, name, memory) for i in range(size)]
+    return Pool(specs, full_scan=full_scan, workload=workload)
