@@ -114,7 +114,8 @@ def run(size: int, decisions: int, seed: int, full_scan: bool, env_share: float 
 
 def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[str, float]:
     """The churn of :func:`run` through the service's store and capacity index (module docstring)."""
-    from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, host_states, mark_gpus
+    from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, host_states
+    from gpupool.hub_plugin.changes import Changes
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node, new_lease_id
     from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD
@@ -138,14 +139,16 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
         while len(latencies) < decisions:
             if held and (allocated > TARGET_ALLOCATED * size or rng.random() < 0.3):
                 lease_id, gone = held.pop(rng.randrange(len(held)))
+                changes = Changes()
                 with store.write() as session:
                     session.get(Lease, lease_id).state = "released"
-                    mark_gpus(session, gone.gpus)
-                capacity.changed(session.info)
+                    changes.gpu_capacity(gone.gpus)
+                capacity.changed(changes)
                 allocated -= gone.fraction * len(gone.gpus)
                 continue
             ask = demand(rng)
             start = time.perf_counter_ns()
+            changes = Changes()
             with store.write() as session:
                 store.lock_capacity(session)
                 if full_scan:
@@ -162,8 +165,8 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
                                       idle_timeout=1800, heartbeat_ttl=60, created_at=now, usage_gpu_seconds=0.0,
                                       groups=[], gpus=[LeaseGPU(gpu_uuid=u, name="A100", index=0)
                                                        for u in decision.gpus]))
-                    mark_gpus(session, decision.gpus)
-            capacity.changed(session.info)
+                    changes.gpu_capacity(decision.gpus)
+            capacity.changed(changes)
             latencies.append(time.perf_counter_ns() - start)
             if isinstance(decision, Placement):
                 placed += 1

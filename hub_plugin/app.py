@@ -49,10 +49,8 @@ from .handlers import admin_page, hub_events
 from . import hub_service
 from .handlers import admin as admin_handlers, quota as quota_handlers
 from .handlers.base import NotFoundHandler, ServiceContext
-from .leases import LeaseBook
 from .metrics import Metrics
-from .nodes import NodeBook
-from .reclaim import Reclaimer
+from .pool import Pool
 from .storework import StoreWork
 
 log = logging.getLogger("gpupool.service")
@@ -145,11 +143,9 @@ class ServiceApp(Application):
         metrics = Metrics(store, settings.context_overhead)
         agents = AgentClient(agent_token, ca_file=settings.ca_file)
         work = StoreWork()  # every SQL statement from here on runs on its threads, none on the event loop
-        leases = LeaseBook(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued,
-                           work=work)
-        ctx = ServiceContext(settings=settings, leases=leases, metrics=metrics,
-                             authenticator=authenticator, metrics_token=metrics_token,
-                             nodes=NodeBook(leases, settings.node_heartbeat_interval))
+        pool = Pool(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued, work=work)
+        ctx = ServiceContext(settings=settings, pool=pool, metrics=metrics,
+                             authenticator=authenticator, metrics_token=metrics_token)
         app = make_web_app(ctx, **web_settings)
 
         try:
@@ -176,15 +172,15 @@ class ServiceApp(Application):
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await leases.resume()
-        reclaimer = Reclaimer(leases, settings.reclaim_interval, settings.node_ttl)
+        await pool.leases.resume()
+        reclaimer = pool.reclaimer()
         reclaimer.start()
         await stop.wait()
 
         log.info("stopping; leases are kept and resumed at the next start")
         server.stop()  # no new connections
         await reclaimer.stop()
-        await leases.shutdown()
+        await pool.shutdown()
         await asyncio.sleep(0.1)  # let woken long polls write their answers
         await server.close_all_connections()
         agents.close()

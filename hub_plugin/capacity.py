@@ -5,7 +5,7 @@ Allocation is always summed from the leases that hold capacity
 (``LeaseState.holds_capacity``) at the moment of reading, never kept in a
 counter, so a crashed release cannot leak a slice. The service's
 :class:`CapacityIndex` keeps the scheduler's view in memory between
-requests, re-reading only the GPUs that writers marked as changed, and
+requests, re-reading only the GPUs that writers named as changed, and
 checks every decision against the store before it is written.
 """
 
@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState
 
+from .changes import Changes
 from .rules.hosts import HostState
 from .models import GPU, Lease, LeaseGPU, Node
 from .rules.placement_index import PlacementIndex
@@ -114,33 +115,16 @@ def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[
             for name, cpus, memory, gpus, used_cpus, used_memory in session.execute(query)}
 
 
-# -- marks that writers leave in their transaction (session.info), read by LeaseBook.writing --------------------
-
-def mark_gpus(session: Session, uuids: Collection[str]) -> None:
-    """Record that this transaction changes the capacity of ``uuids``."""
-    session.info.setdefault("capacity_gpus", set()).update(uuids)
-
-
-def mark_node(session: Session, name: str) -> None:
-    """Record that this transaction changes every GPU of node ``name`` (its state, say)."""
-    session.info.setdefault("capacity_nodes", set()).add(name)
-
-
-def mark_all(session: Session) -> None:
-    """Record that this transaction changes which GPUs the pool has."""
-    session.info["capacity_all"] = True
-
-
 class CapacityIndex:
     """The service's :class:`.placement_index.PlacementIndex`, kept equal to the store.
 
-    Writers mark what they change in their transaction (:func:`mark_gpus`,
-    :func:`mark_node`, :func:`mark_all`); once it commits, :meth:`changed`
-    records the marks, and the next :meth:`get` (inside the placing
-    transaction, which holds the capacity lock) re-reads just those GPUs.
+    Writers record what they change in their transaction's change set
+    (:class:`.changes.Changes`); once it commits, :meth:`changed` takes it,
+    and the next :meth:`get` (inside the placing transaction, which holds the
+    capacity lock) re-reads just those GPUs.
     So a decision at 10,000 GPUs reads a handful of rows, not every GPU.
     :meth:`verify` re-reads the chosen GPUs before the decision is written:
-    a change nobody marked (another service process, a missed mark) costs a
+    a change no change set named (another service process, a writer that forgot it) costs a
     rebuild and a new decision, never an over-allocation.
     """
 
@@ -154,12 +138,12 @@ class CapacityIndex:
         """Forget everything: the next :meth:`get` reads every GPU."""
         self._index = None
 
-    def changed(self, info: dict[str, Any]) -> None:
-        """Take the marks of a committed transaction's ``session.info``."""
-        if info.get("capacity_all"):
+    def changed(self, changes: Changes) -> None:
+        """Take the change set of a committed transaction."""
+        if changes.all:
             self.invalidate()
-        self._gpus.update(info.get("capacity_gpus", ()))
-        self._nodes.update(info.get("capacity_nodes", ()))
+        self._gpus.update(changes.gpus)
+        self._nodes.update(changes.nodes)
 
     def get(self, session: Session, workload: Workload) -> PlacementIndex:
         """The index, up to date with the store as ``session`` sees it, deciding for ``workload``."""

@@ -28,19 +28,27 @@ from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
-from .capacity import mark_all, mark_gpus, mark_node
+from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
+from .state import PoolState
 
 log = logging.getLogger("gpupool.service.nodes")
 
 
 class NodeBook:
-    """Node registration and heartbeats; ends leases through ``leases``."""
+    """Node registration and heartbeats, written through ``state``; dead
+    workers' leases end through ``leases`` (in ``tasks``, the background).
+    ``heartbeat_interval``: seconds an agent is told to heartbeat;
+    ``node_ttl``: seconds after which a silent node's name may be taken."""
 
-    def __init__(self, leases: LeaseBook, heartbeat_interval: float) -> None:
+    def __init__(self, state: PoolState, leases: LeaseBook, tasks: Background, *, heartbeat_interval: float,
+                 node_ttl: float) -> None:
+        self.state = state
         self.leases = leases
+        self.tasks = tasks
         self.heartbeat_interval = heartbeat_interval
+        self.node_ttl = node_ttl
 
     async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
@@ -48,7 +56,7 @@ class NodeBook:
         node = NodeRegistration.from_json(body)
         name, url, inventory, infos, error = node.name, node.url, node.inventory, list(node.gpus), node.inventory_error
         environments = None if node.environments is None else [env.to_json() for env in node.environments]
-        stop, dead = await self.leases.work.write(self._register_now, name, url, inventory,
+        stop, dead = await self.state.work.write(self._register_now, name, url, inventory,
                                                   (node.enforcement, node.whole_gpus), infos, node.healthy,
                                                   list(node.workers), error, environments,
                                                   (node.host_cpus, node.host_memory))
@@ -61,14 +69,15 @@ class NodeBook:
         return RegistrationReply(name, self.heartbeat_interval, tuple(stop)).to_json()
 
     def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments, host):
-        now = self.leases.now()
-        with self.leases.writing() as session:
+        now = self.state.now()
+        with self.state.writing() as tx:
+            session = tx.session
             node = session.get(Node, name)
             if node is None:
                 node = Node(name=name)
                 session.add(node)
             else:
-                _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
+                _refuse_second_agent(node, url, now, self.node_ttl)
             node.url, node.inventory, (node.enforcement, node.whole_gpus) = url, inventory, enforcement
             node.environments = environments
             node.host_cpus, node.host_memory = host
@@ -76,7 +85,7 @@ class NodeBook:
             _set_state(node, error)
             if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
                 self._upsert_gpus(session, node, infos, healthy)
-            mark_all(session)  # GPUs may have come, gone or changed: the scheduler reads them all again
+            tx.changes.every_gpu()  # GPUs may have come, gone or changed: the scheduler reads them all again
             stop, dead = self._apply_reports(session, node, reports, now)
             dead += self._lost_workers(session, node, reports)
         return stop, dead
@@ -88,7 +97,7 @@ class NodeBook:
         if not is_node_name(name):
             raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
         readings = [astuple(reading) for reading in beat.gpus]
-        stop, dead, came_back = await self.leases.work.write(self._heartbeat_now, name, list(beat.workers), readings,
+        stop, dead, came_back = await self.state.work.write(self._heartbeat_now, name, list(beat.workers), readings,
                                                              beat.inventory_error)
         self._end_dead(dead)
         if came_back:
@@ -96,8 +105,9 @@ class NodeBook:
         return HeartbeatReply(tuple(stop)).to_json()
 
     def _heartbeat_now(self, name, reports, readings, error):
-        now = self.leases.now()
-        with self.leases.writing() as session:
+        now = self.state.now()
+        with self.state.writing() as tx:
+            session = tx.session
             node = session.get(Node, name)
             if node is None:
                 raise not_found(f"node {name}")
@@ -108,7 +118,7 @@ class NodeBook:
                     log.warning("node %s is degraded: %s; its leases go on, nothing new is placed there", name, error)
                 else:
                     log.info("node %s is back", name)
-                mark_node(session, name)
+                tx.changes.node(name)
             node.last_heartbeat_at = now
             gpus = {g.uuid: g for g in node.gpus}
             # In UUID order, the order lease creation locks GPU rows in (no deadlock).
@@ -117,7 +127,7 @@ class NodeBook:
                     gpu = gpus[uuid]
                     gpu.memory_used, gpu.utilization = used, utilization
                     if (gpu.memory_unattributed or 0) != (unattributed or 0) or healthy not in (None, gpu.healthy):
-                        mark_gpus(session, [uuid])  # placement depends on these two
+                        tx.changes.gpu_capacity([uuid])  # placement depends on these two
                     gpu.memory_unattributed = unattributed
                     if healthy is not None:
                         gpu.healthy = healthy
@@ -177,7 +187,7 @@ class NodeBook:
         # that is waiting for this response.
         for lease_id, reason in dead:
             log.info("lease %s: %s", lease_id, reason)
-            self.leases.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
+            self.tasks.spawn(self.leases.release(lease_id, LeaseState.failed, reason))
 
 
 def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -> None:

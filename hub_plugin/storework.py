@@ -9,7 +9,7 @@ a PostgreSQL lock wait or a SQLite file locked by another process (up to
 - Writes run on **one** thread, in the order :class:`FairQueue` gives them.
   One writer keeps what the service holds in memory between write
   transactions (the capacity index, the recent-request mix in
-  :mod:`.leases`) single-threaded, exactly as the store's own serialization
+  :mod:`.placing`) single-threaded, exactly as the store's own serialization
   (``BEGIN IMMEDIATE``, the advisory lock) orders the transactions.
 - Reads run on a few threads (``readers``); SQLite's WAL and PostgreSQL's MVCC
   let them run beside the writer. One caller runs on one reader at a time,
@@ -23,7 +23,7 @@ a PostgreSQL lock wait or a SQLite file locked by another process (up to
 
 Callers ``await work.read(fn, *args)`` / ``await work.write(fn, *args)``;
 ``fn`` is a plain function that opens its own session (``Store.read`` /
-``LeaseBook.writing``) and must not touch the event loop.
+``PoolState.writing``) and must not touch the event loop.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def test_a_missing_lease_and_someone_elses_take_the_same_queries(tmp_path):
     from gpupool.hub_plugin.auth import Identity
     from gpupool.hub_plugin.config import GPUPool
     from gpupool.hub_plugin.db import Store
-    from gpupool.hub_plugin.leases import LeaseBook
+    from gpupool.hub_plugin.pool import Pool
     from gpupool.hub_plugin.models import Lease
     from gpupool.schema import utcnow
 
@@ -248,15 +248,15 @@ def test_a_missing_lease_and_someone_elses_take_the_same_queries(tmp_path):
     event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
 
     async def probe(lease_id: str) -> tuple[int, list[str]]:
-        book = LeaseBook(GPUPool(), store, AgentClient("agent-token"))
+        pool = Pool(GPUPool(), store, AgentClient("agent-token"))
         statements.clear()
         try:
-            await book.get(Identity("ann"), lease_id)
+            await pool.views.get(Identity("ann"), lease_id)
         except GPUPoolError as exc:
             status = exc.status
         finally:
-            book.work.close()
-            book.agents.close()
+            pool.state.work.close()
+            pool.agents.close()
         return status, [text for text in statements if text != "BEGIN"]
 
     try:

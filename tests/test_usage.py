@@ -121,7 +121,7 @@ def test_release_racing_reclaim_closes_the_ledger_once(store):
     one of them ends it, with one ledger record; the other waits and leaves it."""
     from gpupool.hub_plugin.agent_client import AgentClient
     from gpupool.hub_plugin.config import GPUPool
-    from gpupool.hub_plugin.leases import LeaseBook
+    from gpupool.hub_plugin.pool import Pool
     from gpupool.hub_plugin.models import Lease, UsageRecord
     from gpupool.schema import LeaseState
 
@@ -131,14 +131,15 @@ def test_release_racing_reclaim_closes_the_ledger_once(store):
 
     async def race() -> None:
         agents = AgentClient("agent-token")
-        book = LeaseBook(GPUPool(), store, agents, now=lambda: clock["now"])
+        pool = Pool(GPUPool(), store, agents, now=lambda: clock["now"])
+        book = pool.leases
         try:
             await asyncio.gather(
                 book.release("L-000000000004", LeaseState.released, "released by its owner"),
                 book.release("L-000000000004", LeaseState.reclaimed, "idle for 30m (idle timeout 30m)"),
                 book.release("L-000000000004", LeaseState.reclaimed, "idle for 30m (idle timeout 30m)"))
         finally:
-            await book.shutdown()
+            await pool.shutdown()
             agents.close()
 
     asyncio.run(race())

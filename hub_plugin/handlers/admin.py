@@ -36,8 +36,8 @@ class QuotaListHandler(AdminHandler):
         self.write_json(await self.ctx.work.read(self._listing_now))
 
     def _listing_now(self) -> dict:
-        with self.ctx.leases.store.read() as session:
-            return self.ctx.leases.quotas.listing(session)
+        with self.ctx.pool.state.reading() as session:
+            return self.ctx.pool.quotas.listing(session)
 
 
 class QuotaOverrideHandler(AdminHandler):
@@ -51,8 +51,8 @@ class QuotaOverrideHandler(AdminHandler):
         self.write_json({"scope": scope, "limits": limits})
 
     def _set_now(self, scope: str, body, by: str):
-        with self.ctx.leases.store.write() as session:
-            return self.ctx.leases.quotas.set_override(session, scope, body, by)
+        with self.ctx.pool.state.store.write() as session:
+            return self.ctx.pool.quotas.set_override(session, scope, body, by)
 
     async def delete(self, scope: str) -> None:
         who = self.require_admin()
@@ -64,8 +64,8 @@ class QuotaOverrideHandler(AdminHandler):
         self.write_json({"scope": scope, "limits": None})
 
     def _clear_now(self, scope: str, by: str) -> None:
-        with self.ctx.leases.store.write() as session:
-            self.ctx.leases.quotas.clear_override(session, scope, by)
+        with self.ctx.pool.state.store.write() as session:
+            self.ctx.pool.quotas.clear_override(session, scope, by)
 
 
 class UsageHandler(AdminHandler):
@@ -78,7 +78,7 @@ class UsageHandler(AdminHandler):
         if not re.fullmatch(r"[0-9]{1,3}", text) or not 1 <= int(text) <= MAX_DAYS:
             raise bad_request(f"'days' must be a whole number from 1 to {MAX_DAYS}, got {text!r:.40}")
         days = int(text)
-        book = self.ctx.leases.quotas
+        book = self.ctx.pool.quotas
         now = book.now()
         tz = book.tz
         day_lo, day_hi = usage.period(now, tz, usage.DAY)
@@ -99,7 +99,7 @@ class UsageHandler(AdminHandler):
 
     def _usage_now(self, day: tuple, week: tuple, since, now):
         """(today's sums, this week's sums, intervals from ``since`` to the end of today)."""
-        with self.ctx.leases.store.read() as session:
+        with self.ctx.pool.state.reading() as session:
             return (usage.summary(session, *day, now), usage.summary(session, *week, now),
                     usage.intervals(session, since, day[1], now))
 

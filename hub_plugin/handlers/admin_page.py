@@ -76,14 +76,14 @@ def make_handlers() -> list[tuple[str, type]]:
         async def get(self) -> None:
             who = identity_from_hub_model(self.current_user)
             ctx = self.settings["gpupool"]
-            now = ctx.leases.now()
+            now = ctx.pool.state.now()
 
             def read() -> dict:  # on a store thread (storework)
-                with ctx.leases.store.read() as session:
+                with ctx.pool.state.reading() as session:
                     return dashboard(session, who, context_overhead=ctx.settings.context_overhead, now=now,
-                                     quota_book=getattr(ctx.leases, "quotas", None))
+                                     quota_book=ctx.pool.quotas)
 
-            data = await ctx.leases.work.read(read)
+            data = await ctx.work.read(read)
             colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(data["usage"]["users"])}
             self.set_header("Cache-Control", "no-store")
             self.finish(_loader.load("admin.html").generate(

@@ -29,9 +29,8 @@ from gpupool.errors import GPUPoolError, bad_request
 
 from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
 from ..config import GPUPool
-from ..leases import LeaseBook
 from ..metrics import Metrics
-from ..nodes import NodeBook
+from ..pool import Pool
 from ..storework import CALLER, StoreWork
 
 log = logging.getLogger("gpupool.service.api")
@@ -46,8 +45,8 @@ class ServiceContext:
 
     settings: GPUPool
     authenticator: Authenticator
-    leases: LeaseBook
-    nodes: NodeBook
+    #: The service's parts (:mod:`..pool`): ``pool.intake``, ``pool.leases``, ``pool.views``, ``pool.nodes``, ...
+    pool: Pool
     metrics: Metrics
     #: The token that may read ``/metrics`` with its per-user series (``c.GPUPool.metrics_token_file``); "" for none.
     metrics_token: str = ""
@@ -55,7 +54,7 @@ class ServiceContext:
     @property
     def work(self) -> StoreWork:
         """The store threads (:mod:`..storework`): ``await ctx.work.read(fn, ...)``."""
-        return self.leases.work
+        return self.pool.state.work
 
 
 @web.stream_request_body

@@ -60,12 +60,12 @@ class ServerStoppedHandler(APIHandler):
             query = query.where(Lease.server_name == server)
         ids = await self.ctx.work.read(self._ids_now, query)
         for lease_id in ids:
-            await self.ctx.leases.release(lease_id, LeaseState.released, REASON)
+            await self.ctx.pool.leases.release(lease_id, LeaseState.released, REASON)
         return ids
 
 
     def _ids_now(self, query) -> list[str]:
-        with self.ctx.leases.store.read() as session:
+        with self.ctx.pool.state.reading() as session:
             return list(session.scalars(query))
 
 

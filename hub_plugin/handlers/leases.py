@@ -26,7 +26,7 @@ class LeaseListHandler(APIHandler):
 
     async def post(self) -> None:
         who = self.require_user()
-        self.write_json(await self.ctx.leases.create(who, self.json_body()), status=201)
+        self.write_json(await self.ctx.pool.intake.create(who, self.json_body()), status=201)
 
     async def get(self) -> None:
         who = self.require_user()
@@ -34,7 +34,7 @@ class LeaseListHandler(APIHandler):
         if active not in ("0", "1", "true", "false"):
             raise bad_request(f"'active' must be 1, 0, true or false, got {active!r:.40}")
         kernel_id = self.get_query_argument("kernel_id", None) or None
-        leases = await self.ctx.leases.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
+        leases = await self.ctx.pool.views.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
         self.write_json({"leases": leases})
 
 
@@ -49,9 +49,9 @@ class LeaseHandler(APIHandler):
         if state is not None and state not in LeaseState.__members__:
             raise bad_request(f"'state' must be one of {', '.join(LeaseState.__members__)}, got {state!r:.40}")
         if wait:
-            self.write_json(await self.ctx.leases.wait(who, lease_id, state, wait))
+            self.write_json(await self.ctx.pool.views.wait(who, lease_id, state, wait))
         else:
-            self.write_json(await self.ctx.leases.get(who, lease_id))
+            self.write_json(await self.ctx.pool.views.get(who, lease_id))
 
     async def delete(self, lease_id: str) -> None:
         who = self.require_user()
@@ -59,7 +59,7 @@ class LeaseHandler(APIHandler):
         reason = self.get_query_argument("reason", None)
         if reason is not None and has_control_characters(reason):
             raise bad_request("'reason' must be words without control characters")
-        self.write_json(await self.ctx.leases.release_by(who, lease_id, reason))
+        self.write_json(await self.ctx.pool.leases.release_by(who, lease_id, reason))
 
 
 class LeaseHeartbeatHandler(APIHandler):
@@ -68,7 +68,7 @@ class LeaseHeartbeatHandler(APIHandler):
     async def post(self, lease_id: str) -> None:
         who = self.require_user()
         self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
-        self.write_json(await self.ctx.leases.heartbeat(who, _lease_id(lease_id)))
+        self.write_json(await self.ctx.pool.leases.heartbeat(who, _lease_id(lease_id)))
 
 
 routes = [

@@ -10,7 +10,7 @@ class NodeListHandler(APIHandler):
 
     async def post(self) -> None:
         self.require_agent()
-        self.write_json(await self.ctx.nodes.register(self.json_body()))
+        self.write_json(await self.ctx.pool.nodes.register(self.json_body()))
 
 
 class NodeHeartbeatHandler(APIHandler):
@@ -18,7 +18,7 @@ class NodeHeartbeatHandler(APIHandler):
 
     async def post(self, name: str) -> None:
         self.require_agent()
-        self.write_json(await self.ctx.nodes.heartbeat(name, self.json_body(optional=True)))
+        self.write_json(await self.ctx.pool.nodes.heartbeat(name, self.json_body(optional=True)))
 
 
 routes = [

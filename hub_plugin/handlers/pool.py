@@ -13,7 +13,7 @@ class PoolHandler(APIHandler):
         self.write_json(await self.ctx.work.read(self._pool_now))
 
     def _pool_now(self) -> dict:
-        with self.ctx.leases.store.read() as session:
+        with self.ctx.pool.state.reading() as session:
             return pool_json(session, self.ctx.settings.context_overhead)
 
 

@@ -12,8 +12,8 @@ class QuotaHandler(APIHandler):
         self.write_json(await self.ctx.work.read(self._mine_now, self.require_user()))
 
     def _mine_now(self, who) -> dict:
-        with self.ctx.leases.store.read() as session:
-            return self.ctx.leases.quotas.mine(session, who)
+        with self.ctx.pool.state.reading() as session:
+            return self.ctx.pool.quotas.mine(session, who)
 
 
 routes = [

@@ -1,0 +1,154 @@
+"""Whether a new lease request may be taken: its ``wait`` and ``idle_timeout``
+against the pool's maximums, the user's quota and the per-user caps, the
+host resources it names, the worker environment it asks for. Each refusal is
+a :class:`~gpupool.errors.GPUPoolError` for the client and is counted
+(``on_refusal``) for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Callable
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gpupool.errors import GPUPoolError, bad_request
+from gpupool.schema import LeaseRequest
+from gpupool.units import format_duration
+
+from .auth import Identity
+from .config import GPUPool
+from .environments import lease_environment, unknown_environment, unusable_on
+from .models import Lease
+from .placing import Placer
+from .quota_book import QuotaBook
+from .rules.hosts import beyond_every_node
+from .rules.quotas import Limits
+from .rules.scheduler import NO_ENVIRONMENT, Demand, Refusal
+from .transitions import CAPPED, QUEUED
+
+log = logging.getLogger("gpupool.service.leases")
+
+
+class Admission:
+    """The checks of ``POST /leases``. ``on_refusal(reasons)`` is told every
+    refusal (reason -> count); the checks that read the store run in the
+    creating transaction, after the capacity lock."""
+
+    def __init__(self, settings: GPUPool, quotas: QuotaBook, placer: Placer,
+                 on_refusal: Callable[[dict[str, int]], None] | None = None) -> None:
+        self.settings = settings
+        self.quotas = quotas
+        self.placer = placer
+        self._on_refusal = on_refusal or (lambda reasons: None)
+
+    # -- before the transaction ------------------------------------------------------------------
+
+    def wait(self, asked: float | None) -> float:
+        """Seconds a request may queue (0: not at all); 400 above ``c.GPUPool.max_wait``."""
+        if not asked:
+            return 0.0
+        if asked > self.settings.max_wait:
+            raise bad_request(f"wait {format_duration(asked)} is above this pool's maximum of "
+                              f"{format_duration(self.settings.max_wait)}; ask for less "
+                              "(an admin can raise c.GPUPool.max_wait)", max_wait=self.settings.max_wait)
+        return asked
+
+    def groups_of(self, who: Identity) -> tuple[str, ...]:
+        """``who``'s groups (:meth:`.quota_book.QuotaBook.groups_of`): their quota follows them, the lease records them."""
+        return self.quotas.groups_of(who)
+
+    # -- in the transaction ----------------------------------------------------------------------
+
+    def limits(self, session: Session, owner: str, groups: tuple[str, ...]) -> Limits:
+        """``owner``'s quota limits as the store holds them now."""
+        return self.quotas.limits(session, owner, groups)
+
+    def idle_timeout(self, asked: float | None, most: float | None) -> float:
+        """The lease's idle timeout: ``asked``, or the pool's default capped at
+        ``most`` (the user's quota, by default ``c.GPUPool.max_idle_timeout``)."""
+        if asked is None:
+            return self.settings.idle_timeout if most is None else min(self.settings.idle_timeout, most)
+        if most is not None and asked > most:
+            raise bad_request(f"idle_timeout {format_duration(asked)} is above this pool's maximum of "
+                              f"{format_duration(most)}; ask for less (an admin can raise "
+                              "c.GPUPool.max_idle_timeout, or max_idle_timeout in your quota)",
+                              max_idle_timeout=most)
+        return asked
+
+    def environment(self, session: Session, request: LeaseRequest) -> str | None:
+        """The worker environment the lease asks for (:func:`.environments.lease_environment`);
+        409 ``unknown_environment`` when ``env`` names one that no node offers."""
+        if request.env is None and request.prefer_env is None:
+            return None
+        offered = self.placer.pool(session).environments()
+        try:
+            return lease_environment(request.env, request.prefer_env, offered)
+        except ValueError:
+            self._on_refusal({NO_ENVIRONMENT: 1})
+            raise unknown_environment(request.env, offered, unusable_on(session, request.env)) from None
+
+    def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime) -> int:
+        """429 over ``owner``'s quota or ``c.GPUPool.max_active_per_user``, 400
+        when ``demand`` names more host than any node has. Returns how many
+        requests ``owner`` has queued (for :meth:`may_queue`)."""
+        try:
+            self.quotas.enforce(session, owner, limits, demand.fraction * demand.gpu_count, now)
+            held, queued = _counts(session, owner)
+            self._check_cap("max_active_per_user", held)
+            self._check_host(session, demand)
+        except GPUPoolError as exc:
+            self._refused_by_limit(exc)
+            raise
+        return queued
+
+    def may_queue(self, queued: int) -> None:
+        """429 when ``queued`` requests already reach ``c.GPUPool.max_queued_per_user``."""
+        try:
+            self._check_cap("max_queued_per_user", queued)
+        except GPUPoolError as exc:
+            self._refused_by_limit(exc)
+            raise
+
+    def queued(self, refusal: Refusal) -> None:
+        """A request that did not fit waits: its reasons are counted all the same."""
+        self._on_refusal(refusal.reasons)
+
+    def refuse(self, who: Identity, refusal: Refusal) -> None:
+        """409 ``pool_full`` (with ``reasons``): nothing fits and the request does not wait."""
+        self._on_refusal(refusal.reasons)
+        log.info("lease for %s refused: %s", who.name, refusal.message)
+        raise GPUPoolError("pool_full", refusal.message, 409, reasons=refusal.reasons)
+
+    def _check_cap(self, name: str, have: int) -> None:
+        """429 ``quota_exceeded`` when ``have`` leases already reach ``c.GPUPool.<name>``."""
+        cap = getattr(self.settings, name)
+        if cap is None or have < cap:
+            return
+        if name == "max_active_per_user":
+            words = (f"you hold {have} leases (starting or active), the most one user may hold at once "
+                     f"(c.GPUPool.max_active_per_user = {cap}); release one first (%gpu release)")
+        else:
+            words = (f"you have {have} requests waiting in the queue, the most one user may have "
+                     f"(c.GPUPool.max_queued_per_user = {cap}); cancel one (DELETE /api/v1/leases/ID) "
+                     "or wait until one is placed")
+        raise GPUPoolError("quota_exceeded", f"too many requests: {words}; an admin can raise "
+                           f"c.GPUPool.{name}", 429, limit=name, cap=cap)
+
+    def _check_host(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` names more host CPUs or memory than the biggest node has."""
+        words = beyond_every_node(demand, self.placer.pool(session).hosts)
+        if words is not None:
+            raise bad_request(words, limit="host")
+
+    def _refused_by_limit(self, exc: GPUPoolError) -> None:
+        self._on_refusal({f"quota {exc.extra.get('limit')}": 1})  # counted by limit, beside the scheduler's
+
+
+def _counts(session: Session, owner: str) -> tuple[int, int]:
+    """``owner``'s leases ``(holding: starting or active, queued)``, for the per-user caps."""
+    rows = dict(session.execute(select(Lease.state, func.count()).where(
+        Lease.owner == owner, Lease.state.in_(CAPPED + (QUEUED,))).group_by(Lease.state)).all())
+    return sum(rows.get(state, 0) for state in CAPPED), rows.get(QUEUED, 0)

@@ -1,0 +1,114 @@
+"""``POST /leases``: a new request checked (:mod:`.admission`), placed
+(:mod:`.placing`) and written ``starting``, or ``queued`` when nothing fits
+and it may wait, in one serialized write transaction; the life cycle
+(:mod:`.leases`) then starts its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from gpupool.errors import bad_request
+from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.units import format_duration
+
+from .admission import Admission
+from .auth import Identity
+from .background import Background
+from .config import GPUPool
+from .lease_views import LeaseViews
+from .leases import LeaseBook
+from .models import Lease, new_lease_id
+from .placing import Placer
+from .rules.priority import INTERACTIVE, preemption_refusal
+from .rules.scheduler import Demand, Placement, Refusal
+from .state import PoolState
+from .transitions import assign, transition
+
+log = logging.getLogger("gpupool.service.leases")
+
+
+class LeaseIntake:
+    """Takes new requests through ``state``; ``leases.start`` (in ``tasks``)
+    starts the worker of one placed; ``views`` gives the JSON returned."""
+
+    def __init__(self, settings: GPUPool, state: PoolState, admission: Admission, placer: Placer,
+                 views: LeaseViews, leases: LeaseBook, tasks: Background) -> None:
+        self.settings = settings
+        self.state = state
+        self.admission = admission
+        self.placer = placer
+        self.views = views
+        self.leases = leases
+        self.tasks = tasks
+
+    async def create(self, who: Identity, body: Any) -> dict[str, Any]:
+        """Validate ``body`` (a ``LeaseRequest``), check the quota and the
+        per-user caps, place it and reserve the capacity in one transaction,
+        and start the worker in the background.
+
+        Returns the lease JSON: state ``starting``, or ``queued`` when nothing
+        fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
+        input, 409 ``unknown_environment`` (with ``environments``, the names
+        offered) when ``env`` names a worker environment no node offers, 429
+        ``quota_exceeded`` (with ``limit``) over a quota or over
+        ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
+        ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
+        """
+        request = LeaseRequest.from_json(body)
+        refusal = preemption_refusal(bool(request.preemptible), self.settings.allow_preemption)
+        if refusal:
+            raise bad_request(refusal, setting="allow_preemption")
+        wait = self.admission.wait(request.wait)
+        result, placed = await self.state.work.write(self._create_now, who, request, wait)
+        if placed:
+            self.tasks.spawn(self.leases.start(result["id"]))
+        return result
+
+    def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
+        groups = self.admission.groups_of(who)
+        now = self.state.now()
+        with self.state.writing() as tx:
+            session = tx.session
+            # The lock comes first: the quota check and the placement below
+            # then see every lease committed before, and no other decision interleaves.
+            self.state.store.lock_capacity(session)
+            env = self.admission.environment(session, request)
+            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
+                            request.host_memory, self.settings.host_share)
+            limits = self.admission.limits(session, who.name, groups)
+            idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
+            queued = self.admission.admit(session, who.name, limits, demand, now)
+            decision = self.placer.place(session, demand)
+            if isinstance(decision, Refusal):
+                if not wait:
+                    self.admission.refuse(who, decision)
+                self.admission.may_queue(queued)
+            lease = _new_lease(who, request, groups, env, idle_timeout, self.settings.heartbeat_ttl, now)
+            if isinstance(decision, Placement):
+                where = assign(tx, lease, decision, now)
+            else:
+                lease.wait_until = now + timedelta(seconds=wait)
+                where = "the queue"
+                transition(tx, lease, LeaseState.queued, f"waiting up to {format_duration(wait)}: {decision.message}",
+                           now)
+                self.admission.queued(decision)
+            session.add(lease)  # only now: assign's query would flush a lease without a state
+            session.flush()
+            result = self.views.json(lease, who, session, self.views.newest_view(session, lease))
+        log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
+        return result, isinstance(decision, Placement)
+
+
+def _new_lease(who: Identity, request: LeaseRequest, groups: tuple[str, ...], env: str | None,
+               idle_timeout: float, heartbeat_ttl: float, now: datetime) -> Lease:
+    """The row of a new request, before it is placed or queued."""
+    return Lease(id=new_lease_id(), owner=who.name, fraction=request.fraction,
+                 gpu_count=request.gpu_count, memory=request.memory or 0, kernel_id=request.kernel_id,
+                 idle_timeout=idle_timeout, heartbeat_ttl=heartbeat_ttl,
+                 created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
+                 requested_memory=request.memory, server_name=request.server_name, env=env,
+                 lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible),
+                 requested_cpus=request.cpus, requested_host_memory=request.host_memory)

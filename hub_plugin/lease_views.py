@@ -1,0 +1,209 @@
+"""Reading leases as the API shows them: one, a user's list, and the long
+poll that answers once a lease leaves a state (:mod:`.watch` wakes it).
+
+The JSON is :func:`.views.lease_json` plus what only the service knows: the
+queue place and estimate of a queued request, the idle deadline (early under
+pressure), the node's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
+
+from gpupool.errors import bad_request, not_found
+from gpupool.schema import LeaseState, isoformat
+
+from . import usage
+from .auth import Identity
+from .capacity import HOLDING
+from .config import GPUPool
+from .models import Lease, Node
+from .pressure import Pressure
+from .rules import queue as wait_queue
+from .state import PoolState
+from .transitions import QUEUED
+from .views import lease_json
+
+#: Most seconds a long poll (``GET /leases/{id}?wait=``) may wait.
+MAX_WAIT_S = 60.0
+#: Most leases ``GET /leases`` returns (the newest).
+LIST_LIMIT = 500
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """The queue as one read saw it: lease id -> 1-based place, and lease id ->
+    seconds until it is likely placed (:mod:`.rules.eta`; None: nothing known frees enough)."""
+
+    positions: dict[str, int]
+    etas: dict[str, float | None]
+
+
+class LeaseViews:
+    """Leases as their owner (or an admin) sees them. ``pressure`` is the
+    reclaim sweep's plan, which every lease JSON shows."""
+
+    def __init__(self, settings: GPUPool, state: PoolState, pressure: Pressure) -> None:
+        self.settings = settings
+        self.state = state
+        self.pressure = pressure
+
+    async def get(self, who: Identity, lease_id: str) -> dict[str, Any]:
+        """The lease as ``who`` may see it. 404 when it is someone else's."""
+        return await self.state.work.read(self._get_now, who, lease_id)
+
+    def _get_now(self, who: Identity, lease_id: str) -> dict[str, Any]:
+        with self.state.reading() as session:
+            lease = self.visible(session, who, lease_id)
+            return self.json(lease, who, session, self.queue_view(session, [lease]))
+
+    async def wait(self, who: Identity, lease_id: str, state: str | None, seconds: float) -> dict[str, Any]:
+        """Long poll: the lease once it is no longer in ``state`` (default: the
+        state it is in now), or as it is after ``seconds`` (at most 60)."""
+        seconds = min(max(seconds, 0.0), MAX_WAIT_S)
+        if state is not None and state not in LeaseState.__members__:
+            raise bad_request(f"'state' must be one of {', '.join(LeaseState.__members__)}, got {state!r}")
+        watch = self.state.watch
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            fut = watch.future(lease_id)  # before reading, so no change slips between
+            try:
+                lease = await self.get(who, lease_id)
+            except BaseException:
+                fut.cancel()
+                raise
+            state = state or lease["state"]
+            left = deadline - loop.time()
+            if lease["state"] != state or left <= 0 or watch.closed:
+                fut.cancel()
+                return lease
+            await watch.changed(fut, left)
+
+    async def wait_out(self, lease_id: str, state: str, seconds: float) -> None:
+        """Return once ``lease_id`` is no longer in ``state``, or after ``seconds``."""
+        watch = self.state.watch
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while loop.time() < deadline and not watch.closed:
+            fut = watch.future(lease_id)
+            try:
+                now_in = await self.state.work.read(self._state_now, lease_id)
+            except BaseException:
+                fut.cancel()
+                raise
+            if now_in != state:
+                fut.cancel()
+                return
+            await watch.changed(fut, deadline - loop.time())
+
+    def _state_now(self, lease_id: str) -> str | None:
+        with self.state.reading() as session:
+            return session.scalar(select(Lease.state).where(Lease.id == lease_id))
+
+    async def list(self, who: Identity, *, active: bool = True, kernel_id: str | None = None) -> list[dict[str, Any]]:
+        """``who``'s own leases, oldest first (at most the newest 500);
+        ``active``: only those holding capacity or queued; ``kernel_id``: only that kernel's.
+        Takes a fixed number of queries, whatever the number of leases or of queued requests."""
+        return await self.state.work.read(self._list_now, who, active, kernel_id)
+
+    def _list_now(self, who: Identity, active: bool, kernel_id: str | None) -> list[dict[str, Any]]:
+        query = select(Lease).where(Lease.owner == who.name)
+        if active:
+            query = query.where(Lease.state.in_((*HOLDING, QUEUED)))
+        if kernel_id:
+            query = query.where(Lease.kernel_id == kernel_id)
+        query = query.options(selectinload(Lease.gpus), selectinload(Lease.events))
+        with self.state.reading() as session:
+            rows = session.scalars(query.order_by(Lease.created_at.desc()).limit(LIST_LIMIT)).all()
+            queue = self.queue_view(session, rows)
+            nodes = _node_states(session, rows)
+            return [self.json(lease, who, session, queue, nodes) for lease in reversed(rows)]
+
+    async def owner(self, who: Identity, lease_id: str) -> str:
+        """The owner of a lease ``who`` may see; else 404."""
+        return await self.state.work.read(self._owner_now, who, lease_id)
+
+    def _owner_now(self, who: Identity, lease_id: str) -> str:
+        with self.state.reading() as session:
+            return self.visible(session, who, lease_id).owner
+
+    # -- within a session ------------------------------------------------------------------------
+
+    @staticmethod
+    def visible(session: Session, who: Identity, lease_id: str, *, owner_only: bool = False) -> Lease:
+        """The lease if ``who`` may see it (its owner, or an admin unless
+        ``owner_only``); else 404, so its existence is not revealed. A lease
+        that does not exist and one of someone else take the same one query
+        (the owner is part of it), so the answer's time does not tell them apart."""
+        query = select(Lease).where(Lease.id == lease_id)
+        if owner_only or not who.admin:
+            query = query.where(Lease.owner == who.name)
+        lease = session.scalars(query.options(selectinload(Lease.gpus), selectinload(Lease.events))).first()
+        if lease is None:
+            raise not_found(f"lease {lease_id}")
+        return lease
+
+    def json(self, lease: Lease, who: Identity, session: Session, queue: QueueView | None = None,
+             nodes: dict[str, str] | None = None) -> dict[str, Any]:
+        """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
+        queued (from ``queue``, see :meth:`queue_view`) and ``node_state``
+        (from ``nodes``, else read), ``wait_until``, and ``idle_deadline`` with
+        ``idle_warning`` (for the notebook's warning before idle reclaim)."""
+        body = lease_json(lease, for_owner=lease.owner == who.name)
+        body["queue_position"] = body["queue_estimate_s"] = None
+        body["wait_until"] = isoformat(lease.wait_until)
+        self.pressure.annotate(body, lease)  # idle_deadline, early under pressure; pressure; preempt_at
+        body["idle_warning"] = self.settings.idle_warning
+        if nodes is None:
+            nodes = _node_states(session, [lease])
+        body["node_state"] = nodes.get(lease.node_name) if lease.node_name else None
+        if lease.state == QUEUED and queue is not None:
+            place = queue.positions.get(lease.id)
+            if place is not None:
+                body["queue_position"] = place
+                body["queue_estimate_s"] = queue.etas.get(lease.id)
+        return body
+
+    def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
+        """:meth:`queue_view` of a request just queued, from per-owner counts (no row per queued request)."""
+        if lease.state != QUEUED:
+            return None
+        counts, gpus = {}, {}
+        for owner, lease_class, count, asked in session.execute(
+                select(Lease.owner, Lease.lease_class, func.count(), func.sum(Lease.fraction * Lease.gpu_count))
+                .where(Lease.state == QUEUED).group_by(Lease.owner, Lease.lease_class)):
+            counts[(owner, lease_class)], gpus[(owner, lease_class)] = count, asked
+        last = usage.last_used(session, {owner for owner, _ in counts}, self.state.now())
+        place = wait_queue.newest_position(lease.owner, lease.lease_class, counts, last)
+        ahead = wait_queue.newest_position(lease.owner, lease.lease_class, gpus, last)  # GPUs, its own included
+        return QueueView({lease.id: place}, {lease.id: self.pressure.etas([ahead], self.state.now())[0]})
+
+    def queue_view(self, session: Session, leases) -> QueueView | None:
+        """What the queued ones of ``leases`` need for ``queue_position`` and
+        ``queue_estimate_s``: the queue's order, read once as three columns and
+        sorted once (a fixed number of queries, however many leases are shown;
+        the queue itself is at most users x ``c.GPUPool.max_queued_per_user``);
+        None when none of ``leases`` is queued."""
+        if not any(lease.state == QUEUED for lease in leases):
+            return None
+        queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at, Lease.lease_class,
+                                        Lease.fraction * Lease.gpu_count).where(Lease.state == QUEUED)).all()
+        last = usage.last_used(session, {row[1] for row in queued}, self.state.now())
+        places = wait_queue.positions(queued, last)
+        asked = {row[0]: row[4] for row in queued}
+        in_line = sorted(places, key=places.get)
+        etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
+        return QueueView(places, dict(zip(in_line, etas)))
+
+
+def _node_states(session: Session, leases) -> dict[str, str]:
+    names = sorted({lease.node_name for lease in leases if lease.node_name})
+    if not names:
+        return {}
+    return dict(session.execute(select(Node.name, Node.state).where(Node.name.in_(names))).all())

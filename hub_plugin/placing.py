@@ -1,0 +1,64 @@
+"""Placing requests on the pool as the store holds it: the capacity index
+(:class:`.capacity.CapacityIndex`, in :class:`.state.PoolState`) deciding for
+the mix of requests the pool has seen lately. On the writer thread only
+(:mod:`.storework`), inside a transaction that holds the capacity lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .models import Lease
+from .rules.placement_index import PlacementIndex
+from .rules.scheduler import Demand, Placement, Refusal
+from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
+from .state import PoolState
+
+#: The scheduler's expected workload is the mix of the last this many requests ...
+WORKLOAD_WINDOW = 1000
+#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
+WORKLOAD_MIN = 50
+
+
+class Placer:
+    """Decisions through ``state``'s capacity index, and the recent requests they weigh."""
+
+    def __init__(self, state: PoolState) -> None:
+        self.state = state
+        self._recent: deque[Demand] | None = None  # recent requests, read from the store at first use
+        self._shapes: Workload | None = None
+
+    def pool(self, session: Session) -> PlacementIndex:
+        """The index, up to date with the store as ``session`` sees it."""
+        return self.state.capacity.get(session, self._workload(session))
+
+    def place(self, session: Session, demand: Demand) -> Placement | Refusal:
+        """The scheduler's decision for ``demand`` (a new request, counted in the mix)."""
+        workload = self._workload(session, demand)
+        decision = self.state.capacity.get(session, workload).place(demand)
+        if isinstance(decision, Placement) and not self.verify(session, decision):
+            decision = self.state.capacity.get(session, workload).place(demand)  # rebuilt from the store
+        return decision
+
+    def verify(self, session: Session, decision: Placement) -> bool:
+        """Whether the store agrees with the index on ``decision`` (:meth:`.capacity.CapacityIndex.verify`)."""
+        return self.state.capacity.verify(session, decision)
+
+    def _workload(self, session: Session, new: Demand | None = None) -> Workload:
+        """The expected mix of requests the scheduler weighs: the last
+        :data:`WORKLOAD_WINDOW` requests (``new`` included), or the scheduler's
+        default while the pool has seen fewer than :data:`WORKLOAD_MIN`."""
+        if self._recent is None:
+            rows = session.execute(select(Lease.fraction, Lease.gpu_count)
+                                   .order_by(Lease.created_at.desc()).limit(WORKLOAD_WINDOW)).all()
+            self._recent = deque((Demand(f, c) for f, c in reversed(rows)), maxlen=WORKLOAD_WINDOW)
+        if new is not None:
+            self._recent.append(new)
+            if len(self._recent) % WORKLOAD_MIN == 0:
+                self._shapes = None
+        if self._shapes is None:
+            self._shapes = workload_of(self._recent) if len(self._recent) >= WORKLOAD_MIN else DEFAULT_WORKLOAD
+        return self._shapes

@@ -1,0 +1,74 @@
+"""The service's parts, wired once: the state (:mod:`.state`) and the peers
+that use it: new requests (:mod:`.intake`, with :mod:`.admission` and
+:mod:`.placing`), the lease life cycle (:mod:`.leases`, with the queue and
+the agents' worker calls), the lease views, the nodes (:mod:`.nodes`) and the
+reclaim sweep (:mod:`.reclaim`). None of them reaches into another; each
+gets what it uses here.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Callable
+
+from gpupool.schema import utcnow
+
+from .admission import Admission
+from .agent_client import AgentClient
+from .background import Background
+from .config import GPUPool
+from .db import Store
+from .intake import LeaseIntake
+from .lease_queue import LeaseQueue
+from .lease_views import LeaseViews
+from .leases import LeaseBook
+from .nodes import NodeBook
+from .placing import Placer
+from .pressure import Pressure
+from .quota_book import QuotaBook
+from .reclaim import Reclaimer
+from .state import PoolState
+from .storework import StoreWork
+from .worker_calls import WorkerCalls
+
+
+class Pool:
+    """The parts for ``settings`` (``c.GPUPool``) on ``store``, asking agents
+    through ``agents``. ``now`` is the one clock (replaceable on ``state`` in
+    tests); ``on_refusal(reasons)`` is told every refusal and
+    ``on_dequeued(seconds)`` how long each queued request waited (for
+    metrics); ``work`` runs the store calls off the event loop (a new one by default)."""
+
+    def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
+                 now: Callable[[], datetime] = utcnow,
+                 on_refusal: Callable[[dict[str, int]], None] | None = None,
+                 on_dequeued: Callable[[float], None] = lambda seconds: None,
+                 work: StoreWork | None = None) -> None:
+        self.settings = settings
+        self.agents = agents
+        self.state = PoolState(store, settings.context_overhead, now=now, work=work)
+        self.tasks = Background()
+        # A lambda, so a clock replaced on the state is the quotas' clock too.
+        self.quotas = QuotaBook(settings, lambda: self.state.now())
+        # The reclaim sweep's pressure plan (early parks, preemptions), read by every lease JSON.
+        self.pressure = Pressure(settings, self.quotas.table)
+        self.views = LeaseViews(settings, self.state, self.pressure)
+        placer = Placer(self.state)
+        self.leases = LeaseBook(settings, self.state, WorkerCalls(settings, self.state, agents), self.tasks,
+                                self.views, LeaseQueue(settings, self.state, self.quotas, placer, on_dequeued))
+        self.intake = LeaseIntake(settings, self.state, Admission(settings, self.quotas, placer, on_refusal), placer,
+                                  self.views, self.leases, self.tasks)
+        self.nodes = NodeBook(self.state, self.leases, self.tasks, heartbeat_interval=settings.node_heartbeat_interval,
+                              node_ttl=settings.node_ttl)
+
+    def reclaimer(self) -> Reclaimer:
+        """The periodic sweep, every ``c.GPUPool.reclaim_interval`` seconds (not started)."""
+        return Reclaimer(self.state, self.leases, self.tasks, self.pressure,
+                         interval=self.settings.reclaim_interval, node_ttl=self.settings.node_ttl)
+
+    async def shutdown(self) -> None:
+        """Answer long polls, cancel background work; leases stay as they are
+        and :meth:`.leases.LeaseBook.resume` continues them at the next start.
+        The store threads are left to whoever closes the store (``state.work.close()``)."""
+        self.state.watch.close()
+        await self.tasks.cancel()

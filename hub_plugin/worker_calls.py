@@ -1,0 +1,84 @@
+"""The service's calls to an agent about one lease's worker: start it (with
+the ``POST /workers`` body read from the lease) and stop it. The lease's state
+changes that follow are the life cycle's (:mod:`.leases`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import selectinload
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import LeaseState
+from gpupool.wire.workers import WorkerRequest, WorkerStarted
+
+from .agent_client import AgentClient
+from .config import GPUPool
+from .models import Lease, Node
+from .rules.hosts import host_limits
+from .state import PoolState
+
+log = logging.getLogger("gpupool.service.leases")
+
+
+@dataclass(frozen=True)
+class StartJob:
+    """A worker to start: the agent's ``url``, its ``node`` name, the ``POST /workers`` ``request``."""
+
+    url: str
+    node: str
+    request: WorkerRequest
+
+
+class WorkerCalls:
+    """Starts and stops workers through ``agents``, waiting at most
+    ``c.GPUPool.worker_start_timeout`` / ``worker_stop_timeout``."""
+
+    def __init__(self, settings: GPUPool, state: PoolState, agents: AgentClient) -> None:
+        self.settings = settings
+        self.state = state
+        self.agents = agents
+
+    async def job(self, lease_id: str) -> StartJob | None:
+        """What starting the worker of ``lease_id`` takes; None unless it is ``starting``."""
+        return await self.state.work.read(self._job_now, lease_id)
+
+    def _job_now(self, lease_id: str) -> StartJob | None:
+        with self.state.reading() as session:
+            lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
+            if lease is None or lease.state != LeaseState.starting.value:
+                return None
+            node = session.get(Node, lease.node_name)
+            # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
+            request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
+                                    lease.memory, env=lease.env, **host_limits(lease, node))
+            return StartJob(node.url, node.name, request)
+
+    async def start(self, job: StartJob) -> WorkerStarted:
+        """The agent's answer (``connection``, ``pid``); raises :class:`GPUPoolError` when it did not start."""
+        return await self.agents.start_worker(job.url, job.request, self.settings.worker_start_timeout)
+
+    async def stop(self, url: str, lease_id: str) -> str | None:
+        """Ask the agent to stop the lease's worker, waiting at most
+        ``worker_stop_timeout``; None once stopped, else words for the
+        lease's reason (the release goes on regardless)."""
+        try:
+            code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
+        except GPUPoolError as exc:
+            log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
+                        "with its next heartbeat", lease_id, exc.message)
+            return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
+                    "its next heartbeat")
+        log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)
+        return None
+
+    async def node_url(self, lease_id: str) -> str | None:
+        """The agent URL of the node ``lease_id`` is placed on; None when it is not placed."""
+        return await self.state.work.read(self._node_url_now, lease_id)
+
+    def _node_url_now(self, lease_id: str) -> str | None:
+        with self.state.reading() as session:
+            lease = session.get(Lease, lease_id)
+            return session.get(Node, lease.node_name).url if lease and lease.node_name else None
