@@ -10,7 +10,7 @@ the worker. What stays here:
 
 - cells made only of ``%gpu`` lines, and ``%%local`` cells;
 - ``%gpu`` lines inside a forwarded cell: the worker's ``%gpu`` asks this
-  kernel over its stdin channel (:data:`gpupool.provisioner.worker.MAGIC_PROMPT`);
+  kernel over its stdin channel (:data:`gpupool.kernelcmd.MAGIC_PROMPT`);
 - comms of gpupool's own targets (``gpupool.*``); all other comms go to the worker;
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 
@@ -35,6 +35,7 @@ from jupyter_client.session import DELIM
 from traitlets import Float
 
 from gpupool.errors import GPUPoolError
+from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
 
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
@@ -151,8 +152,6 @@ class GPUPoolKernel(IPythonKernel):
         the moment it comes (its idle comes through the relay), and wait for
         the cell's end. Returns the reply message (None when none came) and
         the words for a lease or worker lost meanwhile ("" when not)."""
-        from gpupool.provisioner.worker import STDIN_KEY
-
         # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
         # only ever has this one request, and aborting there would abort the next cell forwarded
         # right after an error while its own abort window is still open.
@@ -215,8 +214,6 @@ class GPUPoolKernel(IPythonKernel):
     def _answer_stdin(self, request: dict[str, Any]) -> str:
         """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
         the user's ``input()``, asked of the front end as a local one would be."""
-        from gpupool.provisioner.worker import MAGIC_PROMPT
-
         prompt = str(request.get("prompt", ""))
         if prompt.startswith(MAGIC_PROMPT):
             line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")

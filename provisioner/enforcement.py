@@ -22,7 +22,7 @@ variable:
 The MPS variables bind only when an MPS control daemon runs on the node
 (:func:`enforcement_mode` reports which case holds); the framework variables
 bind in any case. PyTorch has no such variable; the worker extension
-(:mod:`gpupool.provisioner.worker`) caps its allocator from
+(:mod:`gpupool.provisioner.worker_extension`) caps its allocator from
 ``GPUPOOL_MEMORY_LIMIT``.
 
 The node's mode (:data:`MODES`: ``mps``, ``mig``, ``timeslice``,

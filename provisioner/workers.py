@@ -9,7 +9,7 @@ Promises).
 With ``warm_workers`` > 0 it also keeps that many workers started ahead of
 any lease (:mod:`.warmpool`): a lease then takes one and the agent *binds* it
 to the slice (the slice's variables put into the worker's ``os.environ`` by
-:func:`gpupool.provisioner.worker.bind`, before CUDA initialises there)
+:func:`gpupool.provisioner.worker_extension.bind`, before CUDA initialises there)
 instead of booting a kernel. docs/enforcement.md, "Binding a worker to its
 GPUs", says why that holds the worker to its GPUs as a cold start does.
 
@@ -51,7 +51,7 @@ import zmq.asyncio
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
+from gpupool.kernelcmd import WORKER_EXTENSION, WORKER_KERNEL_APP, with_launcher
 from gpupool.schema import GPUInfo, WorkerReport
 
 from .activity import WorkerActivity, watch_iopub
@@ -62,9 +62,6 @@ from .enforcement import slice_environment
 from .host_limits import enforce as enforce_host_limits
 from .warmpool import WarmPool
 from .worker_user import NoFreeWorkerUser, WorkerUser, WorkerUserPool
-
-# The IPython extension every worker loads (variable transfer, PyTorch cap).
-WORKER_EXTENSION = "gpupool.provisioner.worker"
 
 # Lease ids become file names under the state dir.
 _LEASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -165,10 +162,10 @@ def worker_environment(environ: Mapping[str, str], slice_env: Mapping[str, str])
 def bind_code(slice_env: Mapping[str, str]) -> str:
     """The code the agent runs in a warm worker (a silent ``execute_request``)
     to bind it to ``slice_env``: a call of
-    :func:`gpupool.provisioner.worker.bind`. Only string names and values, so
+    :func:`gpupool.provisioner.worker_extension.bind`. Only string names and values, so
     ``repr`` is an exact Python literal."""
     env = {str(name): str(value) for name, value in slice_env.items()}
-    return f"__import__('gpupool.provisioner.worker', fromlist=['bind']).bind({env!r})"
+    return f"__import__({WORKER_EXTENSION!r}, fromlist=['bind']).bind({env!r})"
 
 
 def preload_code(modules: Sequence[str]) -> str:
@@ -498,7 +495,7 @@ class WorkerManager:
 
     async def _bind(self, worker: Worker, spec: WorkerSpec) -> None:
         """Bind a warm worker to ``spec``: put the slice's variables in its
-        ``os.environ`` (:func:`~gpupool.provisioner.worker.bind` refuses when
+        ``os.environ`` (:func:`~gpupool.provisioner.worker_extension.bind` refuses when
         CUDA is initialised there already). From then on it is ``spec``'s
         worker, idle since now, as a cold worker is idle since it answered."""
         env = slice_environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, self.node)
@@ -909,7 +906,7 @@ def _kill_and_wait(process: subprocess.Popen, children: Iterable[psutil.Process]
 
 
 def _shared_scratch_root(log: logging.Logger) -> None:
-    """Make the workers' scratch root (:func:`gpupool.provisioner.worker.enter_workdir`:
+    """Make the workers' scratch root (:func:`gpupool.provisioner.worker_extension.workdir.enter_workdir`:
     ``TMP/gpupool-scratch``) root's and sticky, as /tmp is, so that each pool
     account can make its owner's folder there; made by the first worker, it
     would be that account's alone."""
