@@ -56,7 +56,7 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
 def _start_forwarding(magics, attachment: Attachment) -> None:
     """Hand the worker's IOPub to the kernel's relay, tell the worker this
     notebook's execution count and folder, and send notices as events."""
-    attachment.remote.relay_iopub(magics.kernel.publish_relayed)
+    attachment.remote.relay_iopub(magics.kernel.cell.publish)
     attachment.heartbeat.notify = magics.kernel.notify
     attachment.heartbeat.on_lease = lambda lease: magics.tell()
     user = attachment.lease.owner
