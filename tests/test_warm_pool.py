@@ -17,7 +17,7 @@ from datetime import datetime
 import psutil
 import pytest
 
-from gpupool.provisioner import worker as worker_extension
+from gpupool.provisioner import worker_extension
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.warmpool import WarmPool
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSpec, bind_code, preload_code
