@@ -28,7 +28,7 @@ from gpupool.transfer import load_pulled
 
 class _WorkerManager(KernelManager):
     def write_connection_file(self, **kwargs):
-        with socket.socket() as probe:  # as the agent does (provisioner/workers.py)
+        with socket.socket() as probe:  # as the agent does (provisioner/workers/kernel.py)
             probe.bind((self.ip, 0))
             kwargs.setdefault("transfer_port", probe.getsockname()[1])
         super().write_connection_file(**kwargs)

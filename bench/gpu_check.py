@@ -204,12 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     gpus = inventory_step_result["gpus"]
     first = gpus[0]
 
-    from gpupool.provisioner.enforcement import enforcement_mode, mps_daemon_running
+    from gpupool.provisioner.enforcement import mps_daemon_running, resolve
 
     report.step("MPS and enforcement", lambda: {
         "mps_daemon_running": mps_daemon_running(),
-        "enforcement_mode": enforcement_mode("nvml", mps_daemon_running(), "auto",
-                                             any(g["uuid"].startswith("MIG-") for g in gpus))})
+        "enforcement_mode": resolve("auto", "nvml", [g["uuid"] for g in gpus]).name})
 
     def need_torch() -> None:
         try:

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from .schema import Lease, parse_time
-from .units import format_bytes, format_duration
+from .units import format_bytes, format_cpus, format_duration
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, str]:
@@ -62,7 +62,7 @@ def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | 
         memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
         utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
         util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
-        host = "-" if lease.cpus is None else f"{lease.cpus:g} CPUs, {format_bytes(lease.host_memory)}"
+        host = "-" if lease.cpus is None else f"{format_cpus(lease.cpus)}, {format_bytes(lease.host_memory)}"
         rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host,
                      util, worker.get("execution_state", "-") if live else "-",
                      idle_countdown(lease) if live else (lease.reason or "-")])
@@ -78,7 +78,8 @@ def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:
 
 def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per GPU of ``GET /pool`` (a node that lists none gets one row
-    with GPU ``-``): node, state, enforcement, GPU, memory, allocated share,
+    with GPU ``-``): node, state, enforcement, host (its CPU cores and
+    memory, as its agent reports them), GPU, memory, allocated share,
     leases; then, for each node that is not ``up``, a line saying why
     (its ``state_reason``) and what that means for leases; then, when some
     node offers a choice of worker environments, :func:`environment_table`."""
@@ -91,8 +92,8 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
             cells = ["-", "-", "0.00", 0] if gpu is None else [
                 f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
                 f"{gpu.get('allocated_fraction', 0):.2f}", gpu.get("leases", 0)]
-            rows.append([node["name"], state, node.get("enforcement") or "-", *cells])
-    text, markup = table(["node", "state", "enforcement", "GPU", "memory", "allocated", "leases"], rows)
+            rows.append([node["name"], state, node.get("enforcement") or "-", host_cell(node), *cells])
+    text, markup = table(["node", "state", "enforcement", "host", "GPU", "memory", "allocated", "leases"], rows)
     if notes:
         text += "\n\n" + "\n".join(notes)
         markup += "".join(f"<p>{html.escape(note)}</p>" for note in notes)
@@ -100,6 +101,14 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
         env_text, env_markup = environment_table(pool)
         text, markup = f"{text}\n\n{env_text}", markup + env_markup
     return text, markup
+
+
+def host_cell(node: dict[str, Any]) -> str:
+    """``'16 CPUs, 64.0 GiB'`` for a node of ``GET /pool``; ``-`` when its agent reports neither (an older one)."""
+    cpus, memory = node.get("host_cpus"), node.get("host_memory")
+    if not cpus and not memory:
+        return "-"
+    return f"{format_cpus(cpus) if cpus else '? CPUs'}, {format_bytes(memory) if memory else '? memory'}"
 
 
 def _offers_a_choice(pool: dict[str, Any]) -> bool:

@@ -98,6 +98,11 @@ def format_bytes(size: int | float | None) -> str:
     return f"{int(size)} B"
 
 
+def format_cpus(cpus: float) -> str:
+    """``4`` -> ``'4 CPUs'``; ``1`` -> ``'1 CPU'``; ``0.5`` -> ``'0.5 CPU'`` (cores; fractions are CPU time)."""
+    return f"{cpus:g} CPU{'s' if cpus > 1 else ''}"
+
+
 def format_duration(seconds: float | None) -> str:
     """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; ``0.25`` -> ``'0.25s'``; None -> ``'unknown'``."""
     if seconds is None:

@@ -30,8 +30,6 @@ from .scheduler import GPUState, Placement, Workload
 log = logging.getLogger(__name__)
 
 HOLDING = tuple(state.value for state in LeaseState if state.holds_capacity)
-#: Node enforcement modes that hand out whole GPUs only (docs/enforcement.md).
-WHOLE_GPU_MODES = ("mig", "exclusive")
 
 
 @dataclass
@@ -87,7 +85,7 @@ def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] |
             observed_memory_used=gpu.memory_used, healthy=gpu.healthy, node_up=node.state != "lost",
             node_degraded=node.state == "degraded",
             memory_unattributed=gpu.memory_unattributed or 0,
-            whole_only=node.enforcement in WHOLE_GPU_MODES,
+            whole_only=node.whole_gpus,
             environments=offers[node.name][0], default_env=offers[node.name][1]))
     return states
 

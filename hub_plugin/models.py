@@ -58,6 +58,8 @@ class Node(Base):
     url: Mapped[str] = mapped_column(String(500))
     inventory: Mapped[str] = mapped_column(String(20))
     enforcement: Mapped[str | None] = mapped_column(String(50))
+    #: Revision 0008: its enforcement hands out whole GPUs only (the capacity rule its agent reported).
+    whole_gpus: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     state: Mapped[str] = mapped_column(String(10), default="up")
     #: Revision 0004: why the node is degraded or lost (None while up).
     state_reason: Mapped[str | None] = mapped_column(String(500))

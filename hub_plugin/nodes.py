@@ -53,10 +53,7 @@ class NodeBook:
         inventory = body.get("inventory")
         if inventory not in INVENTORIES:
             raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r:.80}")
-        enforcement = body.get("enforcement")
-        if enforcement is not None and (not isinstance(enforcement, str) or not 0 < len(enforcement) <= 50
-                                        or has_control_characters(enforcement)):
-            raise bad_request("'enforcement' must be a string of at most 50 characters")
+        enforcement = _enforcement(body)
         gpus = _list(body, "gpus", required=True)
         infos = [GPUInfo.from_json(g) for g in gpus]
         if len({i.uuid for i in infos}) != len(infos):
@@ -85,7 +82,7 @@ class NodeBook:
                 session.add(node)
             else:
                 _refuse_second_agent(node, url, now, self.leases.settings.node_ttl)
-            node.url, node.inventory, node.enforcement = url, inventory, enforcement
+            node.url, node.inventory, (node.enforcement, node.whole_gpus) = url, inventory, enforcement
             node.environments = environments
             node.host_cpus, node.host_memory = host
             node.registered_at, node.last_heartbeat_at = now, now
@@ -254,6 +251,24 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
             lease.idle_since = min(max(since, lease.started_at or since), now)
         elif was != "idle" or lease.idle_since is None:
             lease.idle_since = now
+
+
+#: What agents that send no ``whole_gpus`` (older than that field) meant by their mode's name.
+LEGACY_WHOLE_GPU_MODES = ("mig", "exclusive")
+
+
+def _enforcement(body: dict[str, Any]) -> tuple[str | None, bool]:
+    """``(mode name, whole GPUs only)`` of a registration: the agent's
+    ``enforcement`` (the name, shown) and ``whole_gpus`` (its capacity rule,
+    placed by; absent from older agents, whose built-in names say it)."""
+    name, whole = body.get("enforcement"), body.get("whole_gpus")
+    if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 50 or has_control_characters(name)):
+        raise bad_request("'enforcement' must be a string of at most 50 characters")
+    if whole is None:
+        return name, name in LEGACY_WHOLE_GPU_MODES
+    if not isinstance(whole, bool):
+        raise bad_request(f"'whole_gpus' must be true or false, got {whole!r:.40}")
+    return name, whole
 
 
 def _is_name(value: Any) -> bool:

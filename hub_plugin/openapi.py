@@ -223,7 +223,7 @@ _PATHS: dict[str, Any] = {
             "registered"), body={"type": "object", "required": ["name", "url", "inventory", "gpus"], "properties": {
                 "name": {"type": "string"}, "url": {"type": "string", "format": "uri"},
                 "inventory": {"enum": ["simulated", "nvml"]}, "enforcement": {"type": "string"},
-                "gpus": {"type": "array", "items": _ref("GPUInfo")},
+                "whole_gpus": {"type": "boolean"}, "gpus": {"type": "array", "items": _ref("GPUInfo")},
                 "workers": {"type": "array", "items": _ref("WorkerReport")},
                 "inventory_error": _INVENTORY_ERROR}},
             errors=(400, 401, 403, 503)),

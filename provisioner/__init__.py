@@ -20,7 +20,7 @@ _EXPORTS = {
     "SimulatedInventory": "simulated",
     "NVMLInventory": "nvml",
     "slice_environment": "enforcement",
-    "enforcement_mode": "enforcement",
+    "EnforcementMode": "enforcement",
     "WorkerActivity": "activity",
     "WorkerManager": "workers",
     "WorkerSpec": "workers",

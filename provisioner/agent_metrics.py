@@ -32,6 +32,16 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ("gpu", "UUID", "modelName", "Hostname")
 
 
+def workers_by_gpu(specs: Iterable[Any]) -> dict[str, int]:
+    """GPU UUID -> lease workers bound to it, from the workers' specs
+    (:class:`~.workers.WorkerSpec`; None for a worker that has none yet)."""
+    counts: dict[str, int] = {}
+    for spec in specs:
+        for gpu in spec.gpus if spec is not None else ():
+            counts[gpu.uuid] = counts.get(gpu.uuid, 0) + 1
+    return counts
+
+
 class AgentMetrics(Collector):
     """The agent's registry. ``update(...)`` at each heartbeat; ``render()`` per scrape."""
 

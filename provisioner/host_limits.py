@@ -7,7 +7,7 @@ registers; the service places by them (``hub_plugin/hosts.py``) and sends
 each lease's ``cpus`` and ``host_memory`` with ``POST /workers``. The agent
 writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
 ``cpu.max``/``memory.max`` in v2 where those controllers are, the v1
-``cpu``/``memory`` hierarchies otherwise, :mod:`.cgroup_hybrid`) before the
+``cpu``/``memory`` hierarchies otherwise, :mod:`.cgroups.hybrid`) before the
 worker is handed out. Without a cgroup (``cgroup_mode = 'none'``) or the
 controllers, the agent says loudly that the limits are not enforced, and
 the worker starts anyway: the capacity is still reserved, so other leases

@@ -22,8 +22,10 @@ import psutil
 import pytest
 
 from gpupool.provisioner import cgroups
-from gpupool.provisioner.cgroups import CgroupError, NoContainment, containment, own_cgroups, read_mounts
-from gpupool.provisioner.cgroup_hybrid import HybridCgroup
+from gpupool.provisioner.cgroups import CgroupError, containment
+from gpupool.provisioner.cgroups.hybrid import HybridCgroup
+from gpupool.provisioner.cgroups.mounts import default_root, own_cgroups, read_mounts
+from gpupool.provisioner.cgroups.none import NoContainment
 
 # A process that, once told on its stdin, leaves a daemon behind: a double
 # fork with setsid (a new session, reparented to init), which writes its pid.
@@ -233,7 +235,7 @@ def test_the_root_is_under_the_agents_cgroup_and_cannot_leave_the_mount(tmp_path
         containment("v2", "", tmp_path, mounts=mounts, self_cgroup=own)
     with pytest.raises(CgroupError, match=f"{mount}/workers has neither"):
         containment("v2", "/workers", tmp_path, mounts=mounts, self_cgroup=own)
-    assert cgroups.default_root(tmp_path) == cgroups.default_root(f"{tmp_path}/./")
+    assert default_root(tmp_path) == default_root(f"{tmp_path}/./")
 
 
 def test_a_kill_without_waiting_still_kills(tree, tmp_path):

@@ -250,6 +250,16 @@ def test_a_sender_that_stops_early_is_named():
             recv_buffers(right, ticket, [CHUNK])
 
 
+def test_a_receiver_that_goes_away_ends_an_encrypted_send_with_the_error():
+    """A peer gone mid-transfer ends the sender's send_buffers with the socket's error, not a hang."""
+    ticket = Ticket.new()
+    left, right = socket.socketpair()
+    with left:
+        right.close()
+        with pytest.raises(OSError):
+            send_buffers(left, ticket, [np.zeros(16 * CHUNK, np.uint8)])
+
+
 def test_the_progress_line_gives_bytes_rate_and_time_left():
     out = io.StringIO()
     meter = Progress("pushing", 4 * 2**20, out=out, after=0.0, every=0.0)

@@ -16,7 +16,7 @@ from test_agent import GiB, TOKEN, call
 from test_worker_user import python_reachable, shared_root, worker_account  # noqa: F401 (fixtures)
 
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner.agent import expand_worker_user
+from gpupool.provisioner.agent_accounts import expand_worker_user
 from gpupool.provisioner.simulated import simulated_uuid
 
 TEMPLATE = "gpupool-test-{username}"  # owner "worker" -> tests/test_worker_user.py's account

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,9 @@ from gpupool.hub_plugin.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond
 from gpupool.hub_plugin.placement_index import PlacementIndex
 from gpupool.hub_plugin.scheduler import (DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, place,
                                           slice_delta)
-from gpupool.provisioner.cgroups import own_cgroups, read_mounts
+from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
 from gpupool.schema import LeaseRequest, LeaseState
-from gpupool.tables import lease_table
+from gpupool.tables import lease_table, pool_table
 
 G = 2**30
 MIB = 2**20
@@ -156,7 +157,9 @@ def test_the_workers_cgroup_holds_the_leases_cpus_and_host_memory(two_nodes):
         assert lease.state == LeaseState.active, lease.reason
         assert (lease.cpus, lease.host_memory) == (1, 512 * MIB)
         assert worker_limits(lease.worker["pid"]) == (1.0, 512 * MIB)
-        assert "1 CPUs, 512.0 MiB" in lease_table([lease])[0]  # what %gpu status shows
+        assert "1 CPU, 512.0 MiB" in lease_table([lease])[0]  # what %gpu status shows
+        pool = pool_table(client.pool())[0]  # what %gpu pool shows: each node's host
+        assert re.search(r"node-1 +\S+ +\S+ +2 CPUs, 2\.0 GiB", pool) and "4 CPUs, 16.0 GiB" in pool, pool
     finally:
         client.release(lease.id)
 

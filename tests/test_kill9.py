@@ -39,7 +39,7 @@ import pytest
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
 from gpupool.localpool import GPUPOOL
-from gpupool.provisioner.workers import WorkerManager, WorkerSpec
+from gpupool.provisioner.workers import WorkerManager, WorkerSettings, WorkerSpec
 from gpupool.schema import GPUInfo, LeaseRequest
 from procs import start_agent, start_service, wait_for
 
@@ -332,7 +332,7 @@ def test_a_restarted_agent_kills_what_a_dead_workers_cells_left_and_skips_bad_re
     gpu = GPUInfo("GPU-0", "NVIDIA A100-SXM4-80GB", 0, 80 * 2**30)
 
     async def scenario() -> None:
-        first = WorkerManager(tmp_path, node="n1")
+        first = WorkerManager(WorkerSettings(tmp_path, node="n1"))
         kept = await first.start(WorkerSpec("L-kept", "ann", (gpu,), 0.25, 2**30))
         dies = await first.start(WorkerSpec("L-dies", "bob", (gpu,), 0.25, 2**30))
         left = int(await run_code(dies, "import subprocess\nprint(subprocess.Popen(['sleep', '600']).pid)"))
@@ -347,7 +347,7 @@ def test_a_restarted_agent_kills_what_a_dead_workers_cells_left_and_skips_bad_re
         bad = json.loads((workers / "L-kept.lease.json").read_text()) | {"lease_id": "../escape"}
         (workers / "L-bad.lease.json").write_text(json.dumps(bad))
 
-        second = WorkerManager(tmp_path, node="n1")
+        second = WorkerManager(WorkerSettings(tmp_path, node="n1"))
         adopted = await second.recover()
         assert [worker.spec.lease_id for worker in adopted] == ["L-kept"] and adopted[0].pid == kept.pid
         assert not alive(left), "the dead worker's cell left a process: killed"

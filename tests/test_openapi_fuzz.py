@@ -199,7 +199,7 @@ _BODIES = {
                                        "inventory": st.sampled_from(["simulated", "nvml", "gpu"]),
                                        "gpus": st.lists(st.one_of(_GPU, _VALUE), max_size=2)},
                                       optional={"workers": st.lists(_REPORT, max_size=2), "enforcement": _VALUE,
-                                                "inventory_error": _VALUE}),
+                                                "whole_gpus": _VALUE, "inventory_error": _VALUE}),
     "heartbeat": st.fixed_dictionaries({}, optional={"workers": st.one_of(st.lists(_REPORT, max_size=2), _VALUE),
                                                      "gpus": st.one_of(st.lists(_READING, max_size=2), _VALUE),
                                                      "inventory_error": _VALUE}),
@@ -286,7 +286,7 @@ class _Bulk:
                 query("SELECT lease_id, reason FROM lease_events WHERE reason LIKE 'released by%' "
                       "ORDER BY lease_id").fetchall(),
                 query("SELECT scope, limits FROM quota_overrides ORDER BY scope").fetchall(),
-                query("SELECT name, url, inventory, enforcement FROM nodes ORDER BY name").fetchall(),
+                query("SELECT name, url, inventory, enforcement, whole_gpus FROM nodes ORDER BY name").fetchall(),
                 query("SELECT uuid, node_name, name, \"index\", memory_total, memory_reserved FROM gpus "
                       "ORDER BY uuid").fetchall())
 

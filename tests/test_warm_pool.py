@@ -18,9 +18,11 @@ import psutil
 import pytest
 
 from gpupool.provisioner import worker_extension
+from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.simulated import SimulatedInventory
-from gpupool.provisioner.warmpool import WarmPool
-from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSpec, bind_code, preload_code
+from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
+from gpupool.provisioner.workers.binding import bind_code, preload_code
+from gpupool.provisioner.workers.warmpool import WarmPool
 from gpupool.localpool import run_worker_cell
 from procs import processes_mentioning, wait_for
 
@@ -183,8 +185,9 @@ def test_bind_refuses_a_second_lease(monkeypatch):
 # -- real workers ---------------------------------------------------------------------------------------------
 
 def manager(tmp_path, **warm) -> WorkerManager:
-    return WorkerManager(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
-                         stop_timeout=5, start_timeout=30, warm=WarmSettings(**warm))
+    return WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
+                                        stop_timeout=5, start_timeout=30, warm=WarmSettings(**warm),
+                                        enforcement=MPS()))
 
 
 def spec(lease_id: str, owner: str = "ann") -> WorkerSpec:

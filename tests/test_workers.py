@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from datetime import datetime
 
@@ -13,9 +14,12 @@ import psutil
 import pytest
 
 from gpupool.provisioner.activity import WorkerActivity
+from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.simulated import SimulatedInventory
-from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSpec, WorkerStartError,
-                                         kernel_arguments, worker_environment)
+from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
+                                         WorkerStartError, worker_environment)
+from gpupool.provisioner.workers.kernel import kernel_arguments
+from gpupool.provisioner.workers.process import worker_process
 from procs import processes_mentioning
 from gpupool.localpool import run_worker_cell
 
@@ -27,8 +31,8 @@ SECRETS = {"GPUPOOL_AGENT_TOKEN": "agent-secret", "JUPYTERHUB_API_TOKEN": "hub-s
 
 
 def manager(tmp_path, **kwargs) -> WorkerManager:
-    return WorkerManager(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
-                         stop_timeout=5, start_timeout=30, **kwargs)
+    return WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
+                                        stop_timeout=5, start_timeout=30, **kwargs))
 
 
 def half_slice(lease_id: str = "L-000000000001") -> WorkerSpec:
@@ -44,7 +48,7 @@ def gone(pid: int) -> bool:
 
 def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
     async def scenario():
-        workers = manager(tmp_path)
+        workers = manager(tmp_path, enforcement=MPS())
         try:
             started = time.time()
             worker = await workers.start(half_slice())
@@ -193,6 +197,29 @@ def test_kernel_arguments_load_extensions_strictly():
     assert kernel_arguments(["a.b", "c"]) == ["--IPKernelApp.extra_extensions=a.b", "--IPKernelApp.extra_extensions=c",
                                               "--IPKernelApp.reraise_ipython_extension_failures=True",
                                               "--IPythonKernel._execute_sleep=0"]
+
+
+@pytest.mark.parametrize("kind", ["local", "adopted"])
+def test_both_worker_process_kinds_are_killed_alike(kind):
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    proc = psutil.Process(child.pid)
+    process = worker_process("local", child) if kind == "local" else worker_process(kind, proc, proc.create_time())
+    try:
+        assert not process.exited() and process.create_time() == pytest.approx(proc.create_time())
+        assert process.kill([], 5.0) == []
+    finally:
+        child.kill()
+        child.wait(5)  # an adopted process is reaped by its real parent: here, this test
+    assert process.exited()
+    if kind == "local":
+        assert (process.returncode, process.exit_note) == (-signal.SIGKILL, None)
+    else:
+        assert process.returncode is None and "unknown" in process.exit_note
+
+
+def test_worker_process_kinds_are_named():
+    with pytest.raises(ValueError, match="local, adopted"):
+        worker_process("pod")
 
 
 def _status(state: str, msg_id: str, msg_type: str = "execute_request") -> dict:

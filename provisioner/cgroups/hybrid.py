@@ -18,8 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .cgroups import (CgroupError, Mount, V1Cgroup, V2Cgroup, V2Containment, _make_dirs, _rmdir_quietly,
-                      _rmdir_tree, _under)
+from .contract import CgroupError
+from .files import make_dirs, rmdir_quietly, rmdir_tree
+from .mounts import Mount, under
+from .v1 import V1Cgroup
+from .v2 import V2Cgroup, V2Containment
 
 LIMIT_CONTROLLERS = ("cpu", "memory")
 
@@ -46,7 +49,7 @@ class HybridCgroup(V2Cgroup):
         if v1:
             part = V1Cgroup(self.name, {c: self.v1.paths[c] for c in v1})
             for path in part.paths.values():
-                _make_dirs(path)
+                make_dirs(path)
             for pid in self.pids():
                 part.add(pid)
             part.set_limits(cpu=v1.get("cpu"), memory=v1.get("memory"))
@@ -55,11 +58,11 @@ class HybridCgroup(V2Cgroup):
         super().remove()
         for path in self.v1.paths.values():
             if path.exists():
-                _rmdir_tree(path)
+                rmdir_tree(path)
 
 
 class HybridContainment(V2Containment):
-    """:class:`.cgroups.V2Containment` whose cgroups are :class:`HybridCgroup`."""
+    """:class:`.v2.V2Containment` whose cgroups are :class:`HybridCgroup`."""
 
     def __init__(self, root: Path, v1_roots: dict[str, Path]) -> None:
         super().__init__(root)
@@ -76,7 +79,7 @@ class HybridContainment(V2Containment):
     def close(self) -> None:
         super().close()
         for root in self.v1_roots.values():
-            _rmdir_quietly(root)
+            rmdir_quietly(root)
 
 
 def v2_containment(root: Path, mounts: Sequence[Mount], own: dict[str, str], relative: str) -> V2Containment:
@@ -91,5 +94,5 @@ def v2_containment(root: Path, mounts: Sequence[Mount], own: dict[str, str], rel
     for controller in LIMIT_CONTROLLERS:
         mount = next((m.path for m in mounts if m.fstype == "cgroup" and controller in m.options), None)
         if controller not in present and mount is not None and controller in own:
-            v1[controller] = _under(mount, own[controller], relative)
+            v1[controller] = under(mount, own[controller], relative)
     return HybridContainment(root, v1) if v1 else plain

@@ -4,7 +4,7 @@ in milliseconds instead of waiting for a kernel to boot.
 A warm worker runs no one's code but the agent's (the kernel's startup and
 ``c.NodeAgent.preload_modules``) and sees no GPU (``CUDA_VISIBLE_DEVICES=""``)
 until a lease takes it and the agent binds it to the lease's slice
-(:meth:`~.workers.WorkerManager.start`). Each one is handed out once:
+(:meth:`~.manager.WorkerManager.start`). Each one is handed out once:
 :meth:`WarmPool.take` removes it from the pool for good, and a worker that
 served a lease is always stopped, never put back (DESIGN.md: no process
 outlives its lease). Workers that waited longer than ``max_age`` are stopped
@@ -13,7 +13,7 @@ before a package upgrade on the node).
 
 The pool knows nothing about kernels: it is given coroutines to start one
 unbound worker and to discard one, and a predicate telling whether one is
-still alive. :class:`~.workers.WorkerManager` supplies them.
+still alive. :class:`~.manager.WorkerManager` supplies them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,208 @@
+"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``, ``/metrics``.
+
+Every handler but ``/health`` needs the agent token (``/metrics`` also takes
+the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
+error is ``GPUPoolError.to_json()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tornado import web
+
+from gpupool import httpin
+from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.schema import GPUInfo
+
+from . import environments as worker_envs
+from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .host_limits import parse_host_limits
+from .workers import WorkerSpec, WorkerStartError, WorkerStopError
+
+if TYPE_CHECKING:
+    from .agent import NodeAgent
+
+
+def parse_worker_request(body: Any, gpus: dict[str, GPUInfo]) -> WorkerSpec:
+    """Validate a ``POST /workers`` body against this node's ``gpus`` (uuid ->
+    GPUInfo). ``memory`` may be omitted: then the fraction's share of the
+    smallest GPU's usable memory. Raises a 400 GPUPoolError naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    lease_id, owner = body.get("lease_id"), body.get("owner")
+    if not isinstance(lease_id, str) or not isinstance(owner, str) or not owner or len(owner) > 200:
+        raise bad_request("'lease_id' and 'owner' must be non-empty strings")
+    uuids = body.get("gpus")
+    if not isinstance(uuids, list) or not uuids or not all(isinstance(u, str) for u in uuids):
+        raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")
+    unknown = [u for u in uuids if u not in gpus]
+    if unknown or len(set(uuids)) != len(uuids):
+        raise bad_request(f"'gpus' must name distinct GPUs of this node; unknown: {', '.join(unknown) or 'none'}; "
+                          f"this node has: {', '.join(gpus)}")
+    chosen = tuple(gpus[u] for u in uuids)
+    fraction = body.get("fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise bad_request(f"'fraction' must be a number in (0, 1], got {fraction!r}")
+    smallest = min(chosen, key=lambda g: g.memory_total)
+    memory = body.get("memory")
+    if memory is None:
+        memory = int((smallest.memory_total - smallest.memory_reserved) * fraction)
+    if isinstance(memory, bool) or not isinstance(memory, int) or not 2**20 <= memory <= smallest.memory_total:
+        raise bad_request(f"'memory' must be whole bytes from 1 MiB to the GPU's {smallest.memory_total}, got {memory!r}")
+    try:
+        return WorkerSpec(lease_id, owner, chosen, float(fraction), memory)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def python_for(environments: list[worker_envs.Environment], name: Any) -> str | None:
+    """The interpreter of the environment a ``POST /workers`` names, of the
+    node's ``environments`` (None: the agent's own). Raises a 400
+    GPUPoolError for an unknown or unusable one."""
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"'env' must be the name of a worker environment, got {name!r}")
+    try:
+        env = worker_envs.choose(environments, name)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return None if env.python == sys.executable else env.python
+
+
+@web.stream_request_body
+class AgentHandler(httpin.BoundedBody, web.RequestHandler):
+    """Base of the agent's handlers: agent-token auth, JSON in and out, every
+    error as ``GPUPoolError.to_json()``. The token is checked before the body
+    is read, and bodies are bounded (:mod:`gpupool.httpin`)."""
+
+    auth_required = True
+
+    @property
+    def agent(self) -> NodeAgent:
+        return self.settings["agent"]
+
+    def prepare(self) -> None:
+        if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
+            raise GPUPoolError("unauthorized", "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
+                               401)
+        try:
+            self.start_body()
+        except httpin.TooLarge as exc:
+            raise bad_request(str(exc)) from None
+
+    def json_body(self) -> Any:
+        try:
+            return httpin.loads(self.body() or b"null")
+        except ValueError as exc:  # TooLarge is one
+            raise bad_request(f"the request body is not valid JSON ({str(exc):.200})") from None
+
+    def write_json(self, body: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GPUPoolError):
+            error = exc
+        elif isinstance(exc, web.HTTPError):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            error = GPUPoolError(code, exc.log_message or self._reason, exc.status_code)
+        else:
+            error = GPUPoolError("internal_error", f"the agent failed: {exc or self._reason}", status_code)
+        self.set_status(error.status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(error.to_json()))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
+            level = logging.WARNING if value.status >= 500 else logging.DEBUG
+            self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
+                               value.log_message)
+        else:
+            super().log_exception(typ, value, tb)
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        super().send_error(exc.status if isinstance(exc, GPUPoolError) else status_code, **kwargs)
+
+
+class WorkersHandler(AgentHandler):
+    """``GET /workers`` and ``POST /workers``."""
+
+    async def get(self) -> None:
+        self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
+
+    async def post(self) -> None:
+        if self.agent.inventory.error:
+            raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
+                               f"{self.agent.inventory.error}", 503)
+        body = self.json_body()
+        spec = parse_worker_request(body, self.agent.gpus)
+        python = python_for(self.agent.worker_environments, body.get("env"))
+        user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
+        cpus, host_memory = parse_host_limits(body, self.agent.host_totals())
+        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
+        try:
+            self.agent.enforcement.check(spec.fraction)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        try:
+            worker = await self.agent.workers.start(spec)
+        except WorkerStartError as exc:
+            raise GPUPoolError("worker_start_failed", str(exc), 502) from None
+        self.write_json({"pid": worker.pid, "connection": worker.connection()}, 201)
+
+
+class WorkerHandler(AgentHandler):
+    """``DELETE /workers/{lease_id}``."""
+
+    async def delete(self, lease_id: str) -> None:
+        try:
+            code = await self.agent.workers.stop(lease_id)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        except WorkerStopError as exc:
+            raise GPUPoolError("worker_stop_failed", str(exc), 500) from None
+        self.write_json({"lease_id": lease_id, "exit_code": code})
+
+
+class HealthHandler(AgentHandler):
+    """``GET /health``: no token needed."""
+
+    auth_required = False
+
+    def get(self) -> None:
+        self.write_json({"status": "ok", "node": self.agent.node_name})
+
+
+class MetricsHandler(AgentHandler):
+    """``GET /metrics``: Prometheus text (:mod:`.agent_metrics`), for the metrics
+    token (``--metrics-token-file``) or the agent token."""
+
+    def prepare(self) -> None:
+        header = self.request.headers.get("Authorization", "")
+        if not (self.agent.tokens.agent_matches(header) or self.agent.tokens.metrics_matches(header)):
+            raise GPUPoolError("unauthorized", "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
+                               "(the file of --metrics-token-file)", 401)
+
+    def get(self) -> None:
+        self.set_header("Content-Type", METRICS_CONTENT_TYPE)
+        self.finish(self.agent.metrics.render())
+
+
+class NotFoundHandler(AgentHandler):
+    auth_required = False
+
+    def prepare(self) -> None:
+        raise not_found(f"{self.request.path} on this agent")
+
+
+def agent_routes() -> list[tuple[str, type]]:
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
+            (r"/metrics", MetricsHandler)]

@@ -1,0 +1,78 @@
+"""The cgroup contract: a lease's cgroup (:class:`LeaseCgroup`) and the
+agent's subtree that makes them (:class:`Containment`), with the one error
+both raise. The implementations: :mod:`.v2`, :mod:`.hybrid`, :mod:`.v1`,
+:mod:`.none`; :func:`~.factory.containment` picks one."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class CgroupError(Exception):
+    """A cgroup could not be made, joined, killed or removed; the message
+    says which path and what to change."""
+
+
+
+class LeaseCgroup(ABC):
+    """The cgroup of one worker (and so of one lease once it is bound):
+    ``name`` is its directory name under the agent's subtree."""
+
+    kind = "none"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def add(self, pid: int) -> None:
+        """Put process ``pid`` (and, for new children, what it starts from
+        then on) in this cgroup. CgroupError when the kernel refuses."""
+
+    @abstractmethod
+    def pids(self) -> set[int]:
+        """Every live process in this cgroup and its sub-cgroups now."""
+
+    @abstractmethod
+    def kill(self, timeout: float = 10.0) -> list[int]:
+        """SIGKILL every process of the cgroup, those started meanwhile too,
+        and wait up to ``timeout`` seconds; returns the pids still there
+        (stuck in the kernel, say). Blocking."""
+
+    @abstractmethod
+    def remove(self) -> None:
+        """Remove the (empty) cgroup; no error when it is gone already.
+        CgroupError when processes remain (kill first)."""
+
+    def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
+        """Cap the cgroup's host CPU (``cpu`` cores, e.g. 2.5) and memory
+        (``memory`` bytes); None leaves one as it is. CgroupError when this
+        kind of cgroup (or this host) cannot, naming what is missing."""
+        raise CgroupError(f"host CPU and memory limits need a cgroup, and this agent runs without one "
+                          f"(c.NodeAgent.cgroup_mode = {self.kind!r})")
+
+
+class Containment(ABC):
+    """The agent's subtree: makes, finds and lists lease cgroups. ``mode``
+    is ``"v2"``, ``"v1"`` or ``"none"``; ``where`` says where, in words."""
+
+    mode = "none"
+    where = "nowhere"
+
+    @abstractmethod
+    def create(self, name: str) -> LeaseCgroup:
+        """A new, empty cgroup ``name`` (a stale one of that name, left by an
+        earlier run, is killed and reused). CgroupError when it cannot be made."""
+
+    @abstractmethod
+    def find(self, name: str) -> LeaseCgroup | None:
+        """The existing cgroup ``name``, or None."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """The names of every cgroup in the subtree now, sorted."""
+
+    def close(self) -> None:
+        """Remove the agent's subtree if it is empty (and the ``gpupool``
+        folder above it if that is empty too); quietly otherwise. Call when
+        the agent stops, after its workers."""
+

@@ -1,0 +1,83 @@
+"""Code the agent runs in a warm worker: the preload when it starts, and the
+binding that hands it to a lease.
+
+Binding puts the slice's variables into the worker's ``os.environ``
+(:func:`gpupool.provisioner.worker_extension.bind`, before CUDA initialises there)
+instead of booting a kernel; docs/enforcement.md, "Binding a worker to its
+GPUs", says why that holds the worker to its GPUs as a cold start does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping, Sequence
+
+from ..activity import WorkerActivity
+from .handle import Worker
+from .spec import WORKER_EXTENSION, WorkerBindError, WorkerSpec
+
+#: Seconds a warm worker gets to answer its binding.
+BIND_TIMEOUT_S = 10.0
+
+#: The environment of a warm worker before it is bound: no GPU visible, so
+#: nothing that initialises CUDA early can use a GPU no lease holds.
+UNBOUND_ENVIRONMENT = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def bind_code(slice_env: Mapping[str, str]) -> str:
+    """The code the agent runs in a warm worker (a silent ``execute_request``)
+    to bind it to ``slice_env``: a call of
+    :func:`gpupool.provisioner.worker_extension.bind`. Only string names and values, so
+    ``repr`` is an exact Python literal."""
+    env = {str(name): str(value) for name, value in slice_env.items()}
+    return f"__import__({WORKER_EXTENSION!r}, fromlist=['bind']).bind({env!r})"
+
+
+def preload_code(modules: Sequence[str]) -> str:
+    """The code that imports ``modules`` in a warm worker without binding a
+    name in the user's namespace; it fails (ImportError) on the first module
+    that cannot be imported, which fails the warm start."""
+    return "".join(f"__import__({name!r})\n" for name in modules)
+
+
+async def execute(worker: Worker, code: str, timeout: float) -> dict[str, Any]:
+    """Run ``code`` silently (no history, no execution count) on the
+    worker; returns the ``execute_reply`` content; TimeoutError after
+    ``timeout`` seconds. The agent alone holds a warm worker's key, so no
+    one else can send it code meanwhile."""
+    client = worker.manager.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        reply = await client.execute(code, silent=True, store_history=False, allow_stdin=False,
+                                     reply=True, timeout=timeout)
+    finally:
+        client.stop_channels()
+    return reply["content"]
+
+
+async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], timeout: float) -> None:
+    """Bind a warm worker to ``spec``: put ``slice_env`` in its
+    ``os.environ`` (:func:`~gpupool.provisioner.worker_extension.bind` refuses when
+    CUDA is initialised there already). From then on it is ``spec``'s
+    worker, idle since now, as a cold worker is idle since it answered.
+    WorkerBindError when it refused or did not answer within ``timeout``."""
+    # A fresh activity, not ready until bound: what the warm worker did
+    # before (its start, the preload) is not the lease's.
+    worker.activity = WorkerActivity()
+    try:
+        # A healthy worker answers in milliseconds; one that does not is
+        # replaced by a cold start well within the service's start timeout.
+        reply = await execute(worker, bind_code(slice_env), min(BIND_TIMEOUT_S, timeout))
+    except Exception as exc:  # noqa: BLE001 - died, timed out: the caller falls back to a cold start
+        raise WorkerBindError(f"it did not answer the binding: {exc or type(exc).__name__}") from None
+    if reply.get("status") != "ok":
+        raise WorkerBindError(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}")
+    worker.spec, worker.name = spec, spec.lease_id
+    worker.activity.mark_ready()
+    # ipykernel publishes the binding's "idle" status just after its reply:
+    # wait for it (a few ms), so the lease's first report says idle, as a
+    # cold worker's does.
+    for _ in range(250):
+        if worker.activity.execution_state == "idle":
+            break
+        await asyncio.sleep(0.004)

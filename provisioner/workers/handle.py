@@ -1,0 +1,113 @@
+"""The agent's handle on one worker: its kernel manager, process, cgroup,
+account, connection info and activity, and what it reports."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import psutil
+from jupyter_client.manager import AsyncKernelManager
+
+from gpupool.schema import WorkerReport
+
+from ..activity import WorkerActivity
+from ..cgroups import LeaseCgroup
+from ..cgroups.none import GroupOnly
+from ..worker_user import WorkerUser
+from .kernel import connection_info
+from .process import WorkerProcess
+from .records import WorkerRecord
+from .spec import WorkerSpec
+
+
+class Worker:
+    """One running (or dead) worker. Created and owned by
+    :class:`~.manager.WorkerManager`.
+
+    ``spec`` is None while the worker is warm (started ahead, bound to no
+    lease); ``name`` is its lease id, or ``warm-N`` until it is bound.
+    ``activity`` may be replaced (a warm worker's history is not its lease's):
+    the IOPub watcher always feeds the current one. ``cgroup``: where all of
+    its processes live (default: no cgroup, its process tree only).
+    """
+
+    def __init__(self, spec: WorkerSpec | None, manager: AsyncKernelManager, process: WorkerProcess,
+                 log_path: Path, advertise_ip: str, name: str | None = None,
+                 cgroup: LeaseCgroup | None = None) -> None:
+        self.spec = spec
+        self.name = name or (spec.lease_id if spec is not None else "warm")
+        if cgroup is None:
+            cgroup = GroupOnly(self.name)
+            cgroup.add(process.pid)
+        self.cgroup = cgroup
+        self.user: WorkerUser | None = None  # the account it runs as, when not the agent's
+        self.advertise_ip = advertise_ip
+        self.manager = manager
+        self.process = process
+        self.log_path = log_path
+        self.activity = WorkerActivity()
+        self.exit_code: int | None = None
+        self.ended = False  # its process is gone (a re-adopted one's exit code stays unknown)
+        self.stopping = False  # the agent is stopping it: its exit is no death to report
+        self.watcher: asyncio.Future | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        """IOPub messages from :func:`~..activity.watch_iopub` go to the current activity."""
+        self.activity.on_message(msg)
+
+    @property
+    def dead(self) -> bool:
+        return self.ended
+
+    def connection(self) -> dict[str, Any]:
+        """The Jupyter connection info for ``POST /workers`` (``key`` as str)."""
+        return connection_info(self.manager, self.advertise_ip)
+
+    def record(self) -> WorkerRecord:
+        """What a restarted agent needs to re-adopt this (bound) worker."""
+        spec = self.spec
+        return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid,
+                            self.process.create_time(), str(self.manager.connection_file), str(self.log_path),
+                            self.cgroup.name if self.cgroup.kind != "none" else "",
+                            self.user.name if self.user is not None else "")
+
+    def report(self, memory_used: int | None = None) -> WorkerReport:
+        """This worker as a heartbeat's WorkerReport."""
+        if self.dead:
+            return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code,
+                                reason=self.process.exit_note)
+        return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
+                            idle_since=self.activity.idle_since_iso(), memory_used=memory_used)
+
+    def log_tail(self, lines: int = 8) -> str:
+        """The last lines the worker wrote to stdout/stderr (empty if none)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def descendants(self) -> list[psutil.Process]:
+        """Processes the worker started (dataloaders, compilers...), now:
+        with a cgroup, every other process in it (a double-forked daemon
+        too); else its process tree. Empty once the worker was reaped
+        without a cgroup: its pid may belong to another process then."""
+        if self.cgroup.kind != "none":
+            return _processes(self.cgroup.pids() - {self.pid})
+        return self.process.children()
+
+
+def _processes(pids: set[int]) -> list[psutil.Process]:
+    found = []
+    for pid in sorted(pids):
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return found

@@ -1,0 +1,156 @@
+"""A worker's kernel as jupyter_client runs it: its command line (with the
+start gate), its connection file (with the data plane's port) and the
+connection info its owner gets.
+
+Every worker lives in a cgroup of its own (:mod:`..cgroups`). Its first
+process joins it before it runs a line of Python: the kernel command is
+prefixed with a shell *start gate* (:data:`START_GATE`) that waits on its
+stdin until the agent has put its pid into the cgroup, then execs the kernel
+(same pid). So nothing the worker starts, not even during ipykernel's own
+start, can be outside the cgroup; a ``preexec_fn`` would do the same but is
+unsafe in a process with threads (the agent has ZMQ's and asyncio's), and
+runs after the switch to the worker user, who may not move processes
+between cgroups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any, Sequence
+
+import zmq.asyncio
+from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
+
+from ..cgroups import LeaseCgroup
+from .spec import WorkerSettings
+
+#: The start gate (see the module's docstring): the kernel command follows
+#: it; it runs the kernel only once the agent wrote ``go`` to its stdin,
+#: which it then replaces with /dev/null.
+START_GATE = ["/bin/sh", "-c", 'IFS= read -r go && [ "$go" = go ] && exec "$@" </dev/null', "gpupool-start-gate"]
+
+_CONNECTION_KEYS = ("ip", "transport", "shell_port", "iopub_port", "stdin_port", "control_port", "hb_port",
+                    "signature_scheme")
+
+
+class WorkerKernelManager(AsyncKernelManager):
+    """jupyter_client's kernel manager; ``owner`` (uid, gid), when set, gets
+    the connection file as soon as it is written, before the kernel starts.
+    ``cgroup``, when set, is joined through the :data:`START_GATE` before
+    the kernel runs."""
+
+    owner: tuple[int, int] | None = None
+    #: The worker environment's interpreter (None: this one, as jupyter_client picks it).
+    python: str | None = None
+    cgroup: LeaseCgroup | None = None
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        cmd = with_launcher(cmd, WORKER_KERNEL_APP) or cmd  # no shell-channel thread (gpupool.kernelapp)
+        if self.python:
+            cmd = [self.python, *cmd[1:]]
+        return [*START_GATE, *cmd] if self.cgroup is not None else cmd
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        if self.cgroup is None:
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            return
+        gate, opener = os.pipe()
+        try:
+            try:
+                await super()._async_launch_kernel(kernel_cmd, stdin=gate, **kw)
+            finally:
+                os.close(gate)
+            # The gate waits on its stdin: nothing of the worker runs yet.
+            self.cgroup.add(self.provisioner.process.pid)
+            os.write(opener, b"go\n")
+        finally:
+            os.close(opener)  # without "go", the gate exits (code 1) and the start fails
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        # The data plane's port (gpupool.dataplane), picked like jupyter_client's own: free now, on ``ip``.
+        kwargs.setdefault("transfer_port", _free_port(self.ip))
+        super().write_connection_file(**kwargs)
+        if self.owner is not None:
+            os.chown(self.connection_file, *self.owner)
+
+
+class KernelManagers:
+    """Makes the kernel managers of one node's workers, all on one ZMQ
+    ``context`` and never with a user's kernelspec."""
+
+    def __init__(self, settings: WorkerSettings, log: logging.Logger) -> None:
+        self.settings = settings
+        self.log = log
+        self.context = zmq.asyncio.Context()
+        # No kernel dirs: always the native ipykernel of this interpreter, never
+        # a "python3" kernelspec that a user installed elsewhere on the node.
+        self._kernel_specs = KernelSpecManager(kernel_dirs=[])
+
+    def __call__(self, connection_file: Path) -> WorkerKernelManager:
+        """A manager for the worker whose connection file is (or will be) ``connection_file``."""
+        settings = self.settings
+        return WorkerKernelManager(
+            kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self.context,
+            connection_file=str(connection_file), ip=settings.ip, shutdown_wait_time=settings.stop_timeout,
+            log=self.log, transport_encryption="required" if settings.encryption == "curve" else "disabled")
+
+    def close(self) -> None:
+        """Release the ZMQ context; call once every worker is stopped."""
+        self.context.destroy(linger=0)
+
+
+def kernel_arguments(extensions: Sequence[str]) -> list[str]:
+    """ipykernel command-line options that load ``extensions``, make the
+    kernel exit when one fails to load, and leave out ipykernel's sleep before
+    each reply.
+
+    ``extra_extensions`` is IPython's option for extensions named on the
+    command line; unlike ``extensions`` it adds to, rather than replaces, a
+    ``c.InteractiveShellApp.extensions`` list from the user's profile. Without
+    ``reraise_ipython_extension_failures`` IPython only logs a failing
+    extension, and a worker without its extension would look healthy.
+    """
+    args = [f"--IPKernelApp.extra_extensions={name}" for name in extensions]
+    # ipykernel sleeps 0.5 ms before each execute_reply so that a front end sees a cell's output
+    # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", "--IPythonKernel._execute_sleep=0"]
+
+
+def connection_info(manager: AsyncKernelManager, advertise_ip: str) -> dict[str, Any]:
+    """The Jupyter connection info of ``manager``'s kernel for ``POST
+    /workers``, reached at ``advertise_ip`` (``key`` as str)."""
+    info = manager.get_connection_info()
+    wire = {name: info[name] for name in _CONNECTION_KEYS}
+    wire["ip"] = advertise_ip
+    key = info["key"]
+    wire["key"] = key.decode() if isinstance(key, bytes) else key
+    if info.get("curve_publickey"):  # the public half only: the secret key stays with the worker
+        wire["curve_publickey"] = info["curve_publickey"]
+    port = _transfer_port(manager.connection_file)
+    if port:  # bulk bytes of push/pull (gpupool.dataplane)
+        wire["transfer_port"] = port
+    return wire
+
+
+def _free_port(ip: str) -> int:
+    """A TCP port free on ``ip`` now (the kernel binds it a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as probe:
+        probe.bind((ip, 0))
+        return probe.getsockname()[1]
+
+
+def _transfer_port(connection_file: str) -> int | None:
+    """The data plane's port in a worker's connection file (None: none, an older agent's worker)."""
+    try:
+        with open(connection_file, encoding="utf-8") as handle:
+            return json.load(handle).get("transfer_port")
+    except (OSError, ValueError):
+        return None

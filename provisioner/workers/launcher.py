@@ -1,0 +1,172 @@
+"""Starting a worker kernel: cold for a lease (its slice's environment from
+the start), or warm (no GPU visible, the preload imported) for the pool.
+
+Each start takes the worker's account, makes its cgroup, starts ipykernel
+through jupyter_client (the start gate puts it in the cgroup before it runs:
+:mod:`.kernel`), subscribes to its IOPub and waits until it answers
+``kernel_info``. A start that fails leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ..activity import watch_iopub
+from ..cgroups import CgroupError, Containment, LeaseCgroup
+from ..worker_user import NoFreeWorkerUser, WorkerUser
+from .accounts import WorkerAccounts
+from .binding import UNBOUND_ENVIRONMENT, execute, preload_code
+from .handle import Worker
+from .kernel import KernelManagers, WorkerKernelManager, kernel_arguments
+from .process import worker_process
+from .spec import WorkerSettings, WorkerSpec, WorkerStartError, worker_environment
+from .stopping import Reaper, kill_and_remove, quietly
+
+
+class Launcher:
+    """Starts the workers of one node as ``settings`` says, as the accounts
+    of ``accounts``, in cgroups of ``cgroups``; ``reaper`` stops what a
+    failed start left."""
+
+    def __init__(self, settings: WorkerSettings, accounts: WorkerAccounts, cgroups: Containment,
+                 kernels: KernelManagers, reaper: Reaper, log: logging.Logger) -> None:
+        self.settings = settings
+        self.accounts = accounts
+        self.cgroups = cgroups
+        self.kernels = kernels
+        self.reaper = reaper
+        self.log = log
+
+    async def cold(self, spec: WorkerSpec) -> Worker:
+        """Start the worker of ``spec``, its slice's environment set from
+        the start. WorkerStartError."""
+        settings = self.settings
+        env = worker_environment(settings.environ, settings.enforcement.environment(
+            spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, settings.node))
+        worker = await self._launch(spec.lease_id, env, f"lease-{spec.lease_id}", python=spec.python,
+                                    user=spec.user)
+        worker.spec = spec
+        return worker
+
+    async def warm(self) -> Worker:
+        """Start one warm worker: no GPU visible, ``warm.preload`` imported.
+        Raises WorkerStartError (nothing is left running then)."""
+        # Unguessable: no one may find a warm worker's files (or cgroup) by counting.
+        name = f"warm-{secrets.token_hex(8)}"
+        worker = await self._launch(name, worker_environment(self.settings.environ, UNBOUND_ENVIRONMENT), name)
+        preload = self.settings.warm.preload
+        if preload:
+            try:
+                reply = await execute(worker, preload_code(preload), self.settings.start_timeout)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed warm start
+                reply = {"ename": type(exc).__name__, "evalue": str(exc)}
+            if reply.get("status") != "ok":
+                await quietly(self.reaper.terminate(worker))
+                raise WorkerStartError(f"preloading {', '.join(preload)} failed: "
+                                       f"{reply.get('ename')}: {reply.get('evalue')} (c.NodeAgent.preload_modules)")
+        self.log.info("warm worker %s ready: pid %s", name, worker.pid)
+        return worker
+
+    async def _launch(self, name: str, env: dict[str, str], cgroup_name: str, python: str | None = None,
+                      user: WorkerUser | None = None) -> Worker:
+        """Start one ipykernel with ``env`` in a new cgroup ``cgroup_name``,
+        its log named after ``name``, and wait until it answers
+        ``kernel_info``. ``python``: the environment's interpreter (None: the
+        agent's); ``user``: the lease owner's own account (a ``worker_user``
+        template), else one of the pool's, else the one worker user. Raises
+        WorkerStartError."""
+        workers_dir = self.settings.workers_dir
+        # A random name: the cgroup and the log name the lease, the key's file does not.
+        manager = self.kernels(workers_dir / f"kernel-{secrets.token_hex(16)}.json")
+        manager.python = python
+        try:
+            account = self.accounts.take(user)
+        except NoFreeWorkerUser as exc:
+            raise WorkerStartError(f"could not start the worker for {name}: {exc}") from None
+        manager.owner = (account.uid, account.gid) if account is not None else None
+        try:
+            cgroup = await asyncio.to_thread(self.cgroups.create, cgroup_name)
+        except CgroupError as exc:
+            if self.accounts.pooled(user):
+                await self.accounts.give_back(account)
+            raise WorkerStartError(f"could not make the cgroup of the worker for {name}: {exc}") from None
+        if cgroup.kind != "none":
+            manager.cgroup = cgroup
+        log_path = workers_dir / f"{name}.log"
+        await self._start_kernel(manager, name, env, log_path, cgroup, account, user)
+        worker = Worker(None, manager, worker_process("local", manager.provisioner.process), log_path,
+                        self.settings.advertise_ip, name, cgroup)
+        worker.user = account
+        await self._wait_ready(worker)
+        return worker
+
+    async def _start_kernel(self, manager: WorkerKernelManager, name: str, env: dict[str, str], log_path: Path,
+                            cgroup: LeaseCgroup, account: WorkerUser | None, user: WorkerUser | None) -> None:
+        """Start the kernel process of ``manager`` as ``account`` (taken for
+        ``user``); on failure kill what started, remove ``cgroup``, give the
+        account back and raise WorkerStartError."""
+        as_user: dict[str, Any] = {}
+        cwd = self.accounts.workdir(account, user)
+        if account is not None:
+            as_user = account.popen_kwargs()
+            env = {**env, **account.environment(cwd)}
+        try:
+            # The child keeps its own copy of the descriptor; ours can close.
+            # Independent: no ipykernel parent poller, so a worker outlives a
+            # crashed agent and the restarted one re-adopts it (recover()).
+            with open(log_path, "ab", opener=_private) as out:
+                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions),
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
+                                           **as_user)
+        except Exception as exc:
+            process = getattr(manager.provisioner, "process", None)
+            if process is not None:  # launched, then something after it failed
+                await asyncio.to_thread(worker_process("local", process).kill, (), 5.0)
+            await quietly(asyncio.to_thread(kill_and_remove, cgroup, 5.0))
+            await quietly(manager.cleanup_resources())
+            await self.accounts.give_back(account)
+            raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
+        if cgroup.kind == "none":
+            cgroup.add(manager.provisioner.process.pid)
+
+    async def _wait_ready(self, worker: Worker) -> None:
+        """Watch ``worker``'s IOPub and wait until it answers ``kernel_info``;
+        else stop it and raise WorkerStartError with the reason."""
+        manager = worker.manager
+        # Subscribe before the kernel_info round trip, so the first cell's
+        # status messages cannot be missed.
+        worker.watcher = asyncio.create_task(
+            watch_iopub(worker, manager.get_connection_info(), self.kernels.context, self.log))
+        client = manager.client()
+        client.start_channels()
+        try:
+            await client.wait_for_ready(timeout=self.settings.start_timeout)
+        except Exception as exc:
+            client.stop_channels()
+            reason = _start_failure(exc, worker)
+            await quietly(self.reaper.terminate(worker))
+            raise WorkerStartError(reason) from None
+        client.stop_channels()
+        if manager.owner is not None:
+            # Read: take the key back from the worker user, whom every worker shares.
+            os.chown(manager.connection_file, os.getuid(), os.getgid())
+        worker.activity.mark_ready()
+
+
+def _private(path: str, flags: int) -> int:
+    """``open`` opener: a new file readable by the agent's user only (a
+    worker's output is its user's business)."""
+    return os.open(path, flags, 0o600)
+
+
+def _start_failure(exc: BaseException, worker: Worker) -> str:
+    code = worker.process.poll()
+    why = f"it exited with code {code}" if code is not None else f"{exc or type(exc).__name__}"
+    tail = worker.log_tail()
+    return f"the worker for {worker.name} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")

@@ -1,0 +1,244 @@
+"""The workers of one node: which lease has which worker, and the calls the
+agent makes (start, stop, reports, recover)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Mapping
+
+from gpupool.schema import WorkerReport
+
+from ..cgroups import Containment, containment
+from ..host_limits import enforce as enforce_host_limits
+from .accounts import WorkerAccounts
+from .binding import bind
+from .handle import Worker
+from .kernel import KernelManagers
+from .launcher import Launcher
+from .recovery import Recovery
+from .spec import WorkerBindError, WorkerSettings, WorkerSpec, WorkerStartError
+from .stopping import Reaper, quietly
+from .warmpool import WarmPool
+
+
+class WorkerManager:
+    """Starts, tracks and stops the workers of one node, as ``settings``
+    says (:class:`~.spec.WorkerSettings`).
+
+    ``cgroups``: where workers' cgroups are made (:mod:`..cgroups`; default
+    ``containment("auto", "", state_dir)``: the best this host offers).
+    The warm pool (``settings.warm``) starts filling on
+    :meth:`start_warm_pool`.
+
+    All methods run on the agent's event loop; calls for the same lease are
+    serialized, calls for different leases run concurrently.
+    """
+
+    def __init__(self, settings: WorkerSettings, *, cgroups: Containment | None = None,
+                 log: logging.Logger | None = None) -> None:
+        self.settings = settings
+        self.log = log or logging.getLogger("gpupool.agent")
+        self.workers_dir = settings.workers_dir
+        self.workers_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        accounts = WorkerAccounts(settings, self.log)
+        # Not listable by anyone but the agent; with worker users, enterable:
+        # each reads its own connection file there while it starts.
+        self.workers_dir.chmod(0o711 if accounts.others else 0o700)
+        self.cgroups = cgroups if cgroups is not None else containment("auto", "", settings.state_dir, log=self.log)
+        self.log.info("worker cgroups: %s under %s", self.cgroups.mode, self.cgroups.where)
+        self._kernels = KernelManagers(settings, self.log)
+        self._reaper = Reaper(settings, accounts, self.log)
+        self._launcher = Launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
+        self._recovery = Recovery(settings, accounts, self.cgroups, self._kernels, self.log)
+        self._workers: dict[str, Worker] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._closing = False
+        warm = settings.warm
+        self.pool: WarmPool[Worker] = WarmPool(warm.size, warm.max_age, launch=self._launcher.warm,
+                                               discard=self._reaper.terminate, alive=lambda w: not w.process.exited(),
+                                               log=self.log)
+
+    # -- queries ----------------------------------------------------------------
+
+    def get(self, lease_id: str) -> Worker:
+        """The worker of ``lease_id``; KeyError when there is none."""
+        return self._workers[lease_id]
+
+    def lease_ids(self) -> list[str]:
+        return list(self._workers)
+
+    def poll(self) -> list[Worker]:
+        """Notice workers that exited by themselves; returns the newly dead.
+
+        A dead worker stays listed (reported ``dead`` with its exit code) until
+        :meth:`stop` is called for its lease. Its cgroup (without one: its
+        process group) is killed on the spot (:meth:`~.stopping.Reaper.reap`).
+        """
+        newly_dead = []
+        for worker in self._workers.values():
+            if worker.dead or worker.stopping or not worker.process.exited():
+                continue
+            self._reaper.reap(worker)
+            newly_dead.append(worker)
+        return newly_dead
+
+    def reports(self, process_memory: Mapping[int, int] | None = None) -> list[WorkerReport]:
+        """A WorkerReport per worker, after :meth:`poll`. ``process_memory``
+        (pid -> GPU bytes, from the inventory) gives each worker's
+        ``memory_used``, summed over its process tree; None when unknown."""
+        self.poll()
+        result = []
+        for worker in self._workers.values():
+            memory = None
+            if process_memory and not worker.dead:
+                pids = [worker.pid, *(p.pid for p in worker.descendants())]
+                if any(pid in process_memory for pid in pids):
+                    memory = sum(process_memory.get(pid, 0) for pid in pids)
+            result.append(worker.report(memory))
+        return result
+
+    # -- start ------------------------------------------------------------------
+
+    async def start(self, spec: WorkerSpec) -> Worker:
+        """Start the worker of ``spec.lease_id`` and wait until it answers
+        ``kernel_info``; return it.
+
+        Idempotent: a live worker of the same lease is returned as it is (a
+        dead one is replaced). Raises :class:`~.spec.WorkerStartError` with
+        the reason when the kernel does not come up within
+        ``start_timeout``; nothing is left running then.
+        """
+        if self._closing:
+            raise WorkerStartError("the agent is shutting down")
+        async with self._lock(spec.lease_id):
+            if self._closing:
+                raise WorkerStartError("the agent is shutting down")
+            existing = self._workers.get(spec.lease_id)
+            if existing is not None:
+                self.poll()
+                if not existing.dead:
+                    if existing.spec != spec:
+                        self.log.warning("lease %s already has a worker with other limits; keeping it",
+                                         spec.lease_id)
+                    return existing
+                await self._reaper.terminate(self._workers.pop(spec.lease_id))
+            began = time.monotonic()
+            # Warm workers run the agent's Python as the manager's user.
+            worker = await self._from_pool(spec) if spec.python is None and spec.user is None else None
+            how = "warm" if worker is not None else "cold"
+            if worker is None:
+                worker = await self._launcher.cold(spec)
+            await asyncio.to_thread(enforce_host_limits, worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory,
+                                    self.log)
+            self._workers[spec.lease_id] = worker
+            worker.record().write(self.workers_dir)
+            self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
+                          "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
+                          worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
+            return worker
+
+    def start_warm_pool(self) -> None:
+        """Start filling the warm pool in the background (no-op for size 0).
+        Call once, on the agent's event loop."""
+        self.pool.start()
+
+    async def _from_pool(self, spec: WorkerSpec) -> Worker | None:
+        """A warm worker bound to ``spec`` (:func:`~.binding.bind`), or None
+        (pool empty, or the binding failed: that worker is stopped, never
+        offered again)."""
+        worker = self.pool.take()
+        if worker is None:
+            return None
+        env = self.settings.enforcement.environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id,
+                                                   spec.owner, self.settings.node)
+        try:
+            await bind(worker, spec, env, self.settings.start_timeout)
+        except WorkerBindError as exc:
+            self.log.warning("warm worker %s (pid %s) could not be bound to lease %s (%s); stopping it and "
+                             "starting a cold one", worker.name, worker.pid, spec.lease_id, exc)
+            await quietly(self._reaper.terminate(worker))
+            return None
+        return worker
+
+    # -- after an agent restart -------------------------------------------------
+
+    async def recover(self) -> list[Worker]:
+        """Take over what an earlier run of the agent left in ``workers_dir``;
+        returns the workers re-adopted. Call once, before anything else.
+
+        A lease's worker that still runs and answers on its control channel
+        within :data:`~.recovery.ADOPT_TIMEOUT_S` is re-adopted as it is
+        (variables, a running cell); the next report names it, and the
+        service keeps its lease or says to stop it. Everything else that
+        earlier run started is killed, with what it started: warm workers,
+        workers that do not answer or have no record, and what the cells of
+        dead workers left behind. Their files are removed.
+
+        With cgroups, a record's worker is found in the cgroup the record
+        names (its pid there, with the recorded start time), and every other
+        cgroup of the agent's subtree is killed and removed: whatever its
+        processes call themselves. Processes outside any cgroup (a run without
+        cgroups before) are found as before, by their command line and
+        process group.
+        """
+        adopted = await self._recovery.recover()
+        for worker in adopted:
+            self._workers[worker.spec.lease_id] = worker
+        return adopted
+
+    # -- stop -------------------------------------------------------------------
+
+    async def stop(self, lease_id: str) -> int | None:
+        """Stop the worker of ``lease_id`` and verify that its processes are
+        gone; returns its exit code (negative: killed by that signal).
+
+        Graceful first (interrupt, ``shutdown_request``), SIGTERM and SIGKILL
+        after ``stop_timeout``. Raises KeyError for an unknown lease and
+        :class:`~.spec.WorkerStopError` when a process survives SIGKILL.
+        """
+        lock = self._lock(lease_id)
+        async with lock:
+            worker = self._workers.get(lease_id)
+            if worker is None:
+                self._locks.pop(lease_id, None)
+                raise KeyError(lease_id)
+            try:
+                code = await self._reaper.terminate(worker)
+            finally:
+                self._workers.pop(lease_id, None)
+        self._locks.pop(lease_id, None)
+        self.log.info("worker for lease %s stopped (exit code %s)", lease_id, code)
+        return code
+
+    async def stop_all(self) -> dict[str, int | None]:
+        """Stop every worker concurrently, including those still starting,
+        and refuse new starts; returns lease id -> exit code. A worker that
+        could not be stopped is logged and maps to None."""
+        self._closing = True
+        leases = sorted(set(self._workers) | set(self._locks))
+        *results, pooled = await asyncio.gather(*(self.stop(lease) for lease in leases), self.pool.close(),
+                                                return_exceptions=True)
+        if isinstance(pooled, BaseException):
+            self.log.error("could not stop the warm workers: %s", pooled)
+        codes: dict[str, int | None] = {}
+        for lease, result in zip(leases, results):
+            if isinstance(result, KeyError):  # its start failed meanwhile
+                continue
+            if isinstance(result, BaseException):
+                self.log.error("could not stop the worker of lease %s: %s", lease, result)
+                codes[lease] = None
+            else:
+                codes[lease] = result
+        self.cgroups.close()  # the agent's subtree, now empty (close() tries again)
+        return codes
+
+    def _lock(self, lease_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(lease_id, asyncio.Lock())
+
+    def close(self) -> None:
+        """Release the ZMQ context and the agent's empty cgroup subtree;
+        call after :meth:`stop_all`."""
+        self._kernels.close()
+        self.cgroups.close()
