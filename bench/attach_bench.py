@@ -45,7 +45,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from gpupool import localpool
+from gpupool import demo_pool
 from gpupool.magics.attachment import Attachment
 from gpupool.schema import LeaseRequest, LeaseState
 
@@ -105,18 +105,18 @@ def run_mode(state: Path, service, mode: str, n: int, warm: int, preload: list[s
     if preload and mode == "warm":
         args.append("--NodeAgent.preload_modules=" + json.dumps(preload))
     # One node name for both modes, so no lease is placed on the stopped agent.
-    agent = localpool.start_agent(state / f"agent-{mode}", service, name="node-bench", extra_args=args,
+    agent = demo_pool.start_agent(state / f"agent-{mode}", service, name="node-bench", extra_args=args,
                                   client=service.client(), timeout=60)
     # The node keeps its name across modes: wait until the service has this
     # agent's address, not the stopped one's.
-    localpool.wait_for(lambda: "registered with" in agent.log.read_text(errors="replace"), 60,
+    demo_pool.wait_for(lambda: "registered with" in agent.log.read_text(errors="replace"), 60,
                        "agent registration", agent.proc, agent.log)
     client = service.client()
     results = []
     try:
         for i in range(n):
             if mode == "warm":  # think time: until the pool is full again
-                localpool.wait_for(lambda: _warm_ready(agent.log) >= i + warm, 120, "warm workers", agent.proc,
+                demo_pool.wait_for(lambda: _warm_ready(agent.log) >= i + warm, 120, "warm workers", agent.proc,
                                    agent.log)
             else:
                 time.sleep(0.2)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(saved["results"], saved["summary"], args.out / "attach_latency.png")
         return 0
     state = Path(tempfile.mkdtemp(prefix="gpupool-attach-"))
-    service = localpool.start_service(state / "service")
+    service = demo_pool.start_service(state / "service")
     results: dict[str, list[dict]] = {}
     try:
         for mode in args.modes.split(","):

@@ -106,7 +106,7 @@ def silent_node(url: str, agent_token: str) -> socket.socket:
 
 
 def run(args) -> dict:
-    from gpupool import localpool
+    from gpupool import demo_pool
 
     state = Path(tempfile.mkdtemp(prefix="flood-bench-")) / "service"
     state.mkdir(parents=True)
@@ -115,7 +115,7 @@ def run(args) -> dict:
     config.write_text(f"c.GPUPool.api_tokens = {({t: u for u, t in tokens.items()})!r}\n"
                       f"c.GPUPool.max_queued_per_user = {args.queued}\n"
                       "c.GPUPool.node_ttl = 3600\nc.GPUPool.worker_start_timeout = '1h'\n")
-    service = localpool.start_service(state, config_file=config)
+    service = demo_pool.start_service(state, config_file=config)
     try:
         url = service.url
         silent = silent_node(url, service.agent_token_file.read_text().strip())

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             import jupyter_client  # noqa: F401
 
             from gpupool.api import ServiceClient  # noqa: F401
-            from gpupool.localpool import start_agent, start_service  # noqa: F401
+            from gpupool.demo_pool import start_agent, start_service  # noqa: F401
             import sqlalchemy  # noqa: F401
         except ImportError as exc:
             raise Skip(f"the pool's packages are not installed here ({exc}); pip install -e '.[all]'") from None
@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         inventory.close()
         return finish(report, out)
 
-    from gpupool.localpool import run_worker_cell, start_agent, start_service
+    from gpupool.demo_pool import start_agent, start_service
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/workercell.py
+    from workercell import run_worker_cell
     from gpupool.schema import LeaseRequest
 
     state = Path(tempfile.mkdtemp(prefix="gpupool-gpu-check-state-"))

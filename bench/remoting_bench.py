@@ -40,7 +40,7 @@ from pathlib import Path
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from gpupool import localpool
+from gpupool import demo_pool
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                      "transport_encryption": args.transport_encryption}
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         root = Path(tmp)
-        service = localpool.start_service(root / "service")
-        agent = localpool.start_agent(root / "agent", service, simulate="2xA100-80GB",
+        service = demo_pool.start_service(root / "service")
+        agent = demo_pool.start_agent(root / "agent", service, simulate="2xA100-80GB",
                                       extra_args=[f"--transport-encryption={args.transport_encryption}"])
         started = []
         try:
-            subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
+            subprocess.run([*demo_pool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
                             f"--url={service.url}", f"--token-file={service.state_dir / 'user_token'}"],
                            check=True, capture_output=True)
             kernels = str(root / "prefix" / "share" / "jupyter" / "kernels")

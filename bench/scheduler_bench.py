@@ -49,9 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from gpupool.hub_plugin.hosts import HostState  # noqa: E402
-from gpupool.hub_plugin.placement_index import PlacementIndex  # noqa: E402
-from gpupool.hub_plugin.scheduler import Demand, GPUState, Placement, place  # noqa: E402
+from gpupool.hub_plugin.rules.hosts import HostState  # noqa: E402
+from gpupool.hub_plugin.rules.placement_index import PlacementIndex  # noqa: E402
+from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, place  # noqa: E402
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 SLICES = ((0.1, 0.2), (0.25, 0.3), (0.5, 0.3), (1.0, 0.2))  # (fraction, weight)
@@ -117,7 +117,7 @@ def service_run(size: int, decisions: int, seed: int, full_scan: bool) -> dict[s
     from gpupool.hub_plugin.capacity import CapacityIndex, gpu_states, host_states, mark_gpus
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node, new_lease_id
-    from gpupool.hub_plugin.scheduler import DEFAULT_WORKLOAD
+    from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD
 
     rng, now = random.Random(seed), datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory() as tmp:

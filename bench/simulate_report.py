@@ -4,13 +4,13 @@
 
 Writes bench/REPORT.md (only its "## Trace-driven simulation" section is
 replaced; other sections are kept) and bench/sim_*.png. Without the public
-traces in ``--data`` it runs on generated ones (:mod:`gpupool.hub_plugin.simulator_synthetic`).
+traces in ``--data`` it runs on generated ones (:mod:`gpupool.hub_plugin.simulate.synthetic`).
 Takes several minutes on two cores. Needs matplotlib (the ``examples``
 extra). Every number comes from :mod:`gpupool.hub_plugin.simulator` and its
 modules, i.e. from the real ``place()`` and ``reclaim.decide()`` and the
 service's class and pressure rules (:mod:`gpupool.hub_plugin.priority`), and the
-simulator's own pure rules (:mod:`gpupool.hub_plugin.simulator_rules`,
-:mod:`gpupool.hub_plugin.simulator_multidim`).
+simulator's own pure rules (:mod:`gpupool.hub_plugin.simulate.estimates`,
+:mod:`gpupool.hub_plugin.simulate.multidim`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gpupool.hub_plugin import simulator_multidim as multidim  # noqa: E402
-from gpupool.hub_plugin.simulator_notebooks import (PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, BatchSource, dedicated_gpus,  # noqa: E402
-                                                    policies, simulate_notebooks)
-from gpupool.hub_plugin.simulator_openb import OPENB_POLICIES, fill, openb_specs, sample_tasks  # noqa: E402
-from gpupool.hub_plugin.simulator_pool import Pool  # noqa: E402
-from gpupool.hub_plugin.simulator_results import HEADERS, NotebookResult, rows  # noqa: E402
-from gpupool.hub_plugin.simulator_synthetic import openb_tables, sensei_rows, slice_millis  # noqa: E402
-from gpupool.hub_plugin.simulator_workload import (build_sessions, read_openb, read_openb_tasks,  # noqa: E402
-                                                   sensei_workload)
+from gpupool.hub_plugin.simulate import multidim  # noqa: E402
+from gpupool.hub_plugin.simulate.backlog import BatchSource  # noqa: E402
+from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks  # noqa: E402
+from gpupool.hub_plugin.simulate.openb import OPENB_POLICIES, fill, openb_specs, sample_tasks  # noqa: E402
+from gpupool.hub_plugin.simulate.policies import (PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, dedicated_gpus,  # noqa: E402
+                                                  policies)
+from gpupool.hub_plugin.simulate.pool import Pool  # noqa: E402
+from gpupool.hub_plugin.simulate.results import HEADERS, NotebookResult, rows  # noqa: E402
+from gpupool.hub_plugin.simulate.synthetic import openb_tables, sensei_rows, slice_millis  # noqa: E402
+from gpupool.hub_plugin.simulate.traces import read_openb, read_openb_tasks, sensei_workload  # noqa: E402
+from gpupool.hub_plugin.simulate.workload import build_sessions  # noqa: E402
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 HERE = Path(__file__).resolve().parent
@@ -167,7 +169,7 @@ def eta_part(workload, log) -> str:
     within_old = np.mean([abs(o - a) <= max(30.0, 0.5 * a) for _, o, a in errors if o is not None])
     return "\n".join([
         f"**ETA** (gpupool on {ETA_POOL} GPUs, where {len(errors):,} interactive requests wait; p95 wait "
-        f"{result.wait_percentile(95):.0f} s). The new estimate (`simulator_rules.eta`) walks forward through "
+        f"{result.wait_percentile(95):.0f} s). The new estimate (`simulate/estimates.py: eta`) walks forward through "
         "what will free capacity: idle leases' deadlines (2 min under pressure, else 5 min), running cells' "
         "expected ends (median of the last 200 cells, then the grace), and lets the requests ahead take "
         "theirs first. The old one (`queue.estimate`) is position × median lease length / leases held. Error = "
@@ -225,7 +227,7 @@ def backlog_part(workload, data, seed, size, log, results=None) -> tuple[str, li
         "**preemptible batch jobs**, drawn (seeded, with replacement) whenever held plus queued demand falls "
         "under 120 % of the pool, so the backlog never runs dry during the month; a job needs its `gpu_milli` "
         "slice or `num_gpu` whole GPUs for its openb lifetime (deletion − scheduled). Every queue and "
-        "pressure decision is the service's (`hub_plugin/priority.py`): interactive requests go first "
+        "pressure decision is the service's (`hub_plugin/rules/priority.py`): interactive requests go first "
         "(`class_rank`), batch fills what is left; `plan` at the 5 s sweep ticks parks idle leases "
         f"{PRESSURE_GRACE_S:g} s after the oldest request pressing on them was asked, and, where idle ones do not "
         "cover what waits, **preempts** running batch leases (newest first; counted in GPUs, not nodes) "
@@ -286,7 +288,7 @@ def multidim_part(data, seed, log) -> str:
         f"{len(drawn.num):,} tasks drawn from all {len(tasks.num):,} pods (CPU-only ones too: they take cores "
         "and memory from GPU nodes) until GPU demand is 130 % of capacity; arrive and never leave. A task goes "
         "only where its CPU, memory and GPU asks all fit. **fgd** = least growth of the fragmentation measure "
-        "extended to every dimension (`simulator_multidim.node_fragmentation`: a task type that does not fit "
+        "extended to every dimension (`rules/fragmentation.py: node_fragmentation`: a task type that does not fit "
         "the node in any dimension counts all its unallocated GPUs; one that fits, the GPUs too small for it), "
         f"weighted by the {multidim.TOP_TYPES} most frequent task types of the draw; **bestfit** = node left with "
         "the least free GPU + CPU + memory shares, its tightest GPU; **firstfit**; **random**. Seed "
@@ -436,11 +438,11 @@ def main(argv=None) -> int:
     body = "\n".join([
         SECTION,
         "",
-        "Replays against the real scheduler (`hub_plugin/scheduler.py: place`) and reclaim rule "
-        "(`hub_plugin/reclaim.py: decide`) on a virtual clock, with the service's rules for request classes, "
-        "pressure parks and preemption (`hub_plugin/priority.py`), and the simulator's own for the ETA "
-        "(`hub_plugin/simulator_rules.py`) and multi-dimension "
-        "placement (`hub_plugin/simulator_multidim.py`). Sources: Adobe Sensei notebook cells of June 2021 as "
+        "Replays against the real scheduler (`hub_plugin/rules/scheduler.py: place`) and reclaim rule "
+        "(`hub_plugin/rules/reclaim.py: decide`) on a virtual clock, with the service's rules for request classes, "
+        "pressure parks and preemption (`hub_plugin/rules/priority.py`), and the simulator's own for the ETA "
+        "(`hub_plugin/simulate/estimates.py`) and multi-dimension "
+        "placement (`hub_plugin/simulate/multidim.py`). Sources: Adobe Sensei notebook cells of June 2021 as "
         "released with NotebookOS (Carver et al., arXiv 2503.20591, ds2-lab/NotebookOS-Dashboard); the Alibaba "
         "GPU-sharing trace openb (Weng et al., \"Beware of Fragmentation: Scheduling GPU-Sharing Workloads with "
         "Fragmentation Gradient Descent\", USENIX ATC '23, alibaba/clusterdata cluster-trace-gpu-v2023). Data "

@@ -36,7 +36,7 @@ from pathlib import Path
 from remoting_bench import ipp_transfer_seconds, raw_socket_seconds, roundtrip, start_kernel, stop_kernel, value_of
 from report import write_section
 
-from gpupool import localpool
+from gpupool import demo_pool
 from gpupool.dataplane import default_cipher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +99,10 @@ class Pooled:
     """A gpupool kernel attached to a lease on a pool of its own whose agent uses ``mode``."""
 
     def __init__(self, root: Path, mode: str) -> None:
-        self.service = localpool.start_service(root / "service")
-        self.agent = localpool.start_agent(root / "agent", self.service, simulate="1xA100-80GB",
+        self.service = demo_pool.start_service(root / "service")
+        self.agent = demo_pool.start_agent(root / "agent", self.service, simulate="1xA100-80GB",
                                            extra_args=[f"--transport-encryption={mode}"])
-        subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
+        subprocess.run([*demo_pool.GPUPOOL, "kernelspec", "install", f"--prefix={root / 'prefix'}",
                         f"--url={self.service.url}", f"--token-file={self.service.state_dir / 'user_token'}"],
                        check=True, capture_output=True)
         self.km, self.kc = start_kernel("gpupool", [str(root / "prefix" / "share" / "jupyter" / "kernels")],
@@ -214,7 +214,7 @@ def report(results: dict) -> str:
              f"encrypted, so the data plane uses {results['cipher']}; `none` = plain chunks. Raw = one loopback TCP "
              "socket sending the same bytes in the same run, into a buffer touched beforehand (as "
              "bench/remoting_bench.py measures it); fresh = the same into memory mapped inside the timed window, as "
-             "a receiver of a new value must (the difference is the cost of faulting pages in on this VM). "
+             "a receiver of a new value must (the difference is the cost of faulting 4 KiB pages in on this VM). "
              "Percentages are of raw. Load = the machine's 1-minute load average after the size (it is shared). "
              + (results.get("ipp_note") or ""), "",
              "| MiB | raw | fresh | push curve | pull curve | push none | pull none |"
@@ -247,8 +247,9 @@ def report(results: dict) -> str:
                   f"- encrypted ≥ 70 % of raw TCP: {worst('curve'):.0%}: {'met' if worst('curve') >= 0.7 else 'NOT met'}",
                   f"- unencrypted ≥ 90 % of raw TCP: {worst('none'):.0%}: {'met' if worst('none') >= 0.9 else 'NOT met'}",
                   f"- for comparison, of raw TCP into fresh memory: encrypted {vs_fresh('curve'):.0%}, "
-                  f"unencrypted {vs_fresh('none'):.0%} (the receive buffer is mapped up front with MAP_POPULATE, "
-                  "cheaper per page than faulting each page in as bytes arrive)",
+                  f"unencrypted {vs_fresh('none'):.0%} (gpupool receives into transparent huge pages, "
+                  "gpupool.dataplane.allocate: far fewer faults than 4 KiB pages, and fewer TLB misses even than "
+                  "raw's pre-touched 4 KiB pages, which is how it can pass raw)",
                   f"- receiving side's peak RSS rise ≤ 1.1x payload: {recv:.2f}x: {'met' if recv <= 1.1 else 'NOT met'}",
                   f"- sending side's peak RSS rise ≤ 0.1x payload: {send:.2f}x: {'met' if send <= 0.1 else 'NOT met'}"]
     lines += ["", "![bulk transfers](transfer.png)", ""]

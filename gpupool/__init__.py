@@ -1,9 +1,11 @@
 """gpupool: GPU pooling for Jupyter.
 
 The top-level package holds what every part shares: the wire schema
-(:mod:`gpupool.schema`), human units (:mod:`gpupool.units`), the error type
-(:mod:`gpupool.errors`), the HTTP client of the pool service
-(:mod:`gpupool.api`) and the ``gpupool`` command line (:mod:`gpupool.cli`).
+(:mod:`gpupool.schema` for the client's bodies, :mod:`gpupool.wire` for those
+between the service and its agents), human units (:mod:`gpupool.units`), the
+error type (:mod:`gpupool.errors`), the HTTP client of the pool service
+(:mod:`gpupool.api`), the daemons' JSON client (:mod:`gpupool.httpout`) and
+the ``gpupool`` command line (:mod:`gpupool.cli`).
 It imports none of the subpackages.
 """
 

@@ -40,13 +40,14 @@ COMMANDS = {
     "status": ("gpupool.status", "show the pool's nodes, GPUs and your leases as a table", None),
     "pool": ("gpupool.status", "show the pool's nodes, GPUs and environments as a table", None),
     "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides", None),
-    "simulate": ("gpupool.hub_plugin.simulator",
-                 "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "hub"),
+    "simulate": ("gpupool.hub_plugin.simulate.cli",
+                 "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "simulate"),
 }
 
 #: Top-level modules of each extra's packages (pyproject.toml [project.optional-dependencies]).
 EXTRA_MODULES = {
-    "hub": {"sqlalchemy", "alembic", "psycopg", "prometheus_client", "jupyterhub"},
+    "hub": {"sqlalchemy", "alembic", "psycopg", "prometheus_client", "jupyterhub", "numpy"},
+    "simulate": {"numpy", "sqlalchemy"},
     "agent": {"ipykernel", "IPython", "pynvml", "psutil"},
     "kernel": {"ipykernel", "IPython"},
 }

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import localpool
+from . import demo_pool
 from .errors import GPUPoolError
 from .units import format_bytes
 
@@ -89,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, state: Path, output: Path, started: list[Any]) -> dict[str, Any]:
     phases: dict[str, float] = {}
     clock = time.monotonic()
-    service = localpool.start_service(state / "service")
+    service = demo_pool.start_service(state / "service")
     started.append(service)
     _say(f"service up at {service.url} (SQLite {state / 'service' / 'gpupool.sqlite'})")
     simulate = None if gpu_present() else args.simulate
-    agent = localpool.start_agent(state / "agent-node-1", service, simulate=simulate)
+    agent = demo_pool.start_agent(state / "agent-node-1", service, simulate=simulate)
     started.insert(0, agent)
     _say(f"agent node-1 up with {'NVML' if simulate is None else 'simulated ' + simulate} GPUs")
-    subprocess.run([*localpool.GPUPOOL, "kernelspec", "install", f"--name={KERNEL_NAME}",
+    subprocess.run([*demo_pool.GPUPOOL, "kernelspec", "install", f"--name={KERNEL_NAME}",
                     "--display-name=Python 3 (gpupool demo)", f"--url={service.url}",
                     f"--token-file={service.state_dir / 'user_token'}"], check=True)
     started.append(_KernelSpec(KERNEL_NAME))

@@ -16,18 +16,16 @@ class GPUPoolError(Exception):
     """An expected failure, told to a person in words.
 
     Parameters: ``code`` (str, stable machine reason such as ``pool_full``),
-    ``message`` (str, shown to the user as is), ``status`` (int, HTTP status),
-    ``log_message`` (str, for the log only; may hold more detail but never a
-    secret), ``extra`` (dict of JSON values sent beside the message).
+    ``message`` (str, shown to the user as is, and logged: it never holds a
+    secret), ``status`` (int, HTTP status), ``extra`` (dict of JSON values
+    sent beside the message).
     """
 
-    def __init__(self, code: str, message: str, status: int = 400, *,
-                 log_message: str | None = None, **extra: Any) -> None:
+    def __init__(self, code: str, message: str, status: int = 400, **extra: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
-        self.log_message = log_message or message
         self.extra = extra
 
     def to_json(self) -> dict[str, Any]:

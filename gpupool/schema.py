@@ -1,9 +1,12 @@
-"""The wire schema shared by the service, the agent and the client.
+"""The wire schema shared by the service, the agent and the client: units,
+field rules, and the client's bodies (lease request, lease).
 
 Units on the wire: fractions as numbers, memory in bytes, durations in
 seconds, times as ISO 8601 UTC strings. See ``docs/api.md`` for every
 endpoint; this module holds the shapes and their validation, in one place so
-the service and its clients cannot disagree.
+the service and its clients cannot disagree. The bodies between the service
+and its node agents (registration, heartbeat, worker start) are in
+:mod:`gpupool.wire`, built on the field rules here.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def parse_time(text: str | None) -> datetime | None:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
-def _number(body: dict[str, Any], key: str, *, required: bool = False) -> float | None:
+def number_field(body: dict[str, Any], key: str, *, required: bool = False) -> float | None:
     """``body[key]`` as a finite float (None when absent); 400 naming ``key``
     otherwise, also for an integer too large for a float (``10**400``)."""
     value = body.get(key)
@@ -110,24 +113,15 @@ def is_unicode(text: str) -> bool:
     return True
 
 
-def _words(text: str) -> str:
-    """``text`` with control characters as spaces and lone surrogates as U+FFFD: storable, one log line."""
-    text = "".join(" " if ch < " " or ch == "\x7f" else ch for ch in text)
-    return text if is_unicode(text) else text.encode("utf-8", "replace").decode("utf-8")
-
-
-def _whole(value: Any, lo: int, hi: int) -> int | None:
-    """``value`` when it is an int (not a bool) within ``[lo, hi]``, else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi else None
-
-
 def has_control_characters(text: str) -> bool:
     """Whether ``text`` holds an ASCII control character (``\\x00``-``\\x1f``, ``\\x7f``):
     no name or reason needs one, NUL is refused by PostgreSQL, and newlines would forge log lines."""
     return any(ch < " " or ch == "\x7f" for ch in text)
 
 
-def _text(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
+def text_field(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
+    """``body[key]``: None when absent, else a non-empty one-line string of at most
+    ``max_len`` characters; 400 naming ``key`` otherwise."""
     value = body.get(key)
     if value is None:
         return None
@@ -168,11 +162,11 @@ def kernel_environment(kernel_name: str | None) -> str | None:
 def _host_ask(body: dict[str, Any]) -> tuple[float | None, int | None]:
     """``cpus`` (cores, 0.01 to :data:`MAX_CPUS`) and ``host_memory`` (whole
     bytes, 1 MiB to 2**50) of a request, None when absent; 400 naming the field."""
-    cpus = _number(body, "cpus")
+    cpus = number_field(body, "cpus")
     if cpus is not None and not MIN_CPUS <= cpus <= MAX_CPUS:
         raise bad_request(f"'cpus' must be host cores from {MIN_CPUS} to {MAX_CPUS} (more than zero), "
                           f"got {body['cpus']!r}")
-    memory = _number(body, "host_memory")
+    memory = number_field(body, "host_memory")
     if memory is not None and (memory < MIN_MEMORY or memory != int(memory) or memory > 2**50):
         raise bad_request(f"'host_memory' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50 "
                           f"(more than zero), got {body['host_memory']!r}")
@@ -235,8 +229,8 @@ class LeaseRequest:
         unknown = sorted(set(body) - set(cls.KEYS))
         if unknown:
             raise bad_request(f"unknown field(s): {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
-        fraction = _number(body, "fraction")
-        count = _number(body, "gpu_count")
+        fraction = number_field(body, "fraction")
+        count = number_field(body, "gpu_count")
         if count is not None and (count != int(count) or count < 1 or count > 64):
             raise bad_request(f"'gpu_count' must be a whole number from 1 to 64, got {body['gpu_count']!r}")
         count = int(count or 1)
@@ -249,14 +243,14 @@ class LeaseRequest:
                               f"share), got {body['fraction']!r}")
         if count > 1 and fraction != 1:
             raise bad_request("a request for several GPUs takes whole GPUs: leave 'fraction' out or set it to 1")
-        memory = _number(body, "memory")
+        memory = number_field(body, "memory")
         if memory is not None and (memory < MIN_MEMORY or memory != int(memory) or memory > 2**50):
             raise bad_request(f"'memory' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50, "
                               f"got {body['memory']!r}")
-        idle = _number(body, "idle_timeout")
+        idle = number_field(body, "idle_timeout")
         if idle is not None and not 0 < idle <= 366 * 86400:
             raise bad_request(f"'idle_timeout' must be seconds in (0, 31622400], got {body['idle_timeout']!r}")
-        wait = _number(body, "wait")
+        wait = number_field(body, "wait")
         if wait is not None and not 0 <= wait <= 366 * 86400:
             raise bad_request(f"'wait' must be seconds in [0, 31622400], got {body['wait']!r}")
         server = body.get("server_name")
@@ -272,7 +266,7 @@ class LeaseRequest:
             raise bad_request(f"'preemptible' must be true or false, got {preemptible!r:.80}")
         cpus, host_memory = _host_ask(body)
         return cls(fraction=fraction, gpu_count=count, memory=None if memory is None else int(memory),
-                   model=_text(body, "model"), idle_timeout=idle, kernel_id=_text(body, "kernel_id"),
+                   model=text_field(body, "model"), idle_timeout=idle, kernel_id=text_field(body, "kernel_id"),
                    wait=wait or None, server_name=server, env=_env_name(body, "env"),
                    prefer_env=_env_name(body, "prefer_env"), lease_class=lease_class, preemptible=preemptible,
                    cpus=cpus, host_memory=host_memory)
@@ -280,86 +274,6 @@ class LeaseRequest:
     def to_json(self) -> dict[str, Any]:
         """The request body, without unset fields."""
         return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-@dataclass(frozen=True)
-class GPUInfo:
-    """One GPU as an agent reports it at registration.
-
-    ``memory_total`` and ``memory_reserved`` (driver-reserved) in bytes;
-    ``compute_capability`` like ``"8.0"`` or None when unknown.
-    """
-
-    uuid: str
-    name: str
-    index: int
-    memory_total: int
-    memory_reserved: int = 0
-    compute_capability: str | None = None
-
-    @classmethod
-    def from_json(cls, body: Any) -> "GPUInfo":
-        """Validate one GPU entry of a node registration (400 on bad input)."""
-        if not isinstance(body, dict):
-            raise bad_request("each GPU must be a JSON object")
-        uuid, name = _text(body, "uuid"), _text(body, "name")
-        if not uuid or not name:
-            raise bad_request("each GPU needs 'uuid' and 'name'")
-        index = _number(body, "index", required=True)
-        if index != int(index) or not 0 <= index <= 1023:
-            raise bad_request(f"GPU {uuid}: 'index' must be a whole number from 0 to 1023")
-        total = _number(body, "memory_total", required=True)
-        reserved = _number(body, "memory_reserved") or 0
-        if not 0 < total <= MAX_BYTES or reserved < 0 or reserved >= total:
-            raise bad_request(f"GPU {uuid}: memory_total must be bytes in (0, 2**50] and memory_reserved in "
-                              "[0, memory_total)")
-        return cls(uuid=uuid, name=name, index=int(index), memory_total=int(total),
-                   memory_reserved=int(reserved), compute_capability=_text(body, "compute_capability"))
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class WorkerReport:
-    """One worker as the agent reports it in a node heartbeat.
-
-    ``execution_state`` is the kernel's last IOPub status (``starting``,
-    ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
-    cell ended (None while busy); ``exit_code`` once dead (negative: signal);
-    ``reason`` the agent's words for a death it caused (e.g. it was stopped).
-    """
-
-    lease_id: str
-    pid: int | None
-    execution_state: str
-    idle_since: str | None = None
-    exit_code: int | None = None
-    memory_used: int | None = None
-    reason: str | None = None
-
-    STATES = ("starting", "idle", "busy", "dead")
-
-    @classmethod
-    def from_json(cls, body: Any) -> "WorkerReport":
-        """Validate one worker entry of a heartbeat (400 on bad input)."""
-        lease_id = body.get("lease_id") if isinstance(body, dict) else None
-        if (not isinstance(lease_id, str) or not 0 < len(lease_id) <= 40 or has_control_characters(lease_id)
-                or not is_unicode(lease_id)):
-            raise bad_request("each worker report needs a 'lease_id' (at most 40 characters)")
-        state = body.get("execution_state")
-        if state not in cls.STATES:
-            raise bad_request(f"execution_state must be one of {', '.join(cls.STATES)}")
-        idle_since = body.get("idle_since")
-        reason = body.get("reason")
-        return cls(lease_id=lease_id, pid=_whole(body.get("pid"), 0, MAX_INT32),
-                   execution_state=state, idle_since=idle_since if isinstance(idle_since, str) else None,
-                   exit_code=_whole(body.get("exit_code"), -MAX_INT32, MAX_INT32),
-                   memory_used=_whole(body.get("memory_used"), 0, MAX_BYTES),
-                   reason=_words(reason[:200]) if isinstance(reason, str) and reason.strip() else None)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

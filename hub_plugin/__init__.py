@@ -1,7 +1,8 @@
 """The pool service: REST API, scheduler, idle reclaim and the SQL store.
 
 Start it with ``gpupool service`` (:mod:`.app`); configure it with
-``c.GPUPool.*`` (:mod:`.config`). The scheduler (:mod:`.scheduler`) and the
-reclaim rules (:mod:`.reclaim`) are pure; state changes of leases happen in
-:mod:`.leases` only.
+``c.GPUPool.*`` (:mod:`.config`). The rules (placement, queue order, classes
+and pressure, quotas, the reclaim decision) are pure and live in
+:mod:`.rules`; the simulator that replays them is :mod:`.simulate`. State
+changes of leases happen in :mod:`.leases` only.
 """

@@ -6,14 +6,13 @@ so a log line or a lease's reason tells an admin where to look.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-
 from gpupool.errors import GPUPoolError
+from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.tls import client_context, untrusted, untrusted_message
 from gpupool.units import format_duration
+from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 
 class AgentClient:
@@ -28,19 +27,21 @@ class AgentClient:
 
     def __init__(self, agent_token: str, max_clients: int = 100, ca_file: str | None = None) -> None:
         self._token = agent_token
-        self._tls = client_context(ca_file)
-        self._http = AsyncHTTPClient(force_instance=True, max_clients=max_clients)
+        self._http = JSONClient(client_context(ca_file), max_clients)
 
-    async def start_worker(self, url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """``POST {url}/workers``; returns ``{"pid", "connection"}``.
+    async def start_worker(self, url: str, request: WorkerRequest, timeout: float) -> WorkerStarted:
+        """``POST {url}/workers`` with ``request``; returns the started worker.
 
         ``timeout`` seconds for the whole start. Raises GPUPoolError
         ``worker_start_failed`` (with the agent's reason) or ``agent_unreachable``.
         """
-        status, reply = await self._call("POST", f"{url}/workers", body, timeout)
-        if status != 201 or not isinstance(reply.get("connection"), dict):
-            raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
-        return reply
+        status, reply = await self._call("POST", f"{url}/workers", request.to_json(), timeout)
+        if status == 201:
+            try:
+                return WorkerStarted.from_json(reply)
+            except ValueError:
+                pass  # no connection: as good as no worker
+        raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
 
     async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
         """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,
@@ -51,25 +52,14 @@ class AgentClient:
             return None
         if status != 200:
             raise GPUPoolError("worker_stop_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
-        code = reply.get("exit_code")
-        return code if isinstance(code, int) else None
+        return WorkerStopped.from_json(reply).exit_code
 
     async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
-        request = HTTPRequest(
-            url, method=method, body=None if body is None else json.dumps(body),
-            headers={"Authorization": f"token {self._token}", "Content-Type": "application/json"},
-            connect_timeout=min(timeout, 10.0), request_timeout=timeout, ssl_options=self._tls)
         try:
-            response = await self._http.fetch(request, raise_error=False)
-        except (OSError, HTTPClientError) as exc:
-            raise _unreachable(url, exc, timeout) from None
-        if response.code == 599:  # tornado's code for "no HTTP answer" (timeout, refused)
-            raise _unreachable(url, response.error, timeout)
-        try:
-            reply = json.loads(response.body or b"{}")
-        except ValueError:
-            reply = {}
-        return response.code, reply if isinstance(reply, dict) else {}
+            return await self._http.call(method, url, body, token=self._token, timeout=timeout,
+                                         connect_timeout=min(timeout, 10.0))
+        except NoAnswer as exc:
+            raise _unreachable(url, exc.cause, timeout) from None
 
     def close(self) -> None:
         self._http.close()

@@ -22,10 +22,11 @@ from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState
 
-from .hosts import HostState
+from .rules.hosts import HostState
 from .models import GPU, Lease, LeaseGPU, Node
-from .placement_index import PlacementIndex
-from .scheduler import GPUState, Placement, Workload
+from .rules.placement_index import PlacementIndex
+from .rules.scheduler import GPUState, Placement
+from .rules.workload import Workload
 
 log = logging.getLogger(__name__)
 

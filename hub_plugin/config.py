@@ -258,7 +258,7 @@ class GPUPool(Configurable):
     ).tag(config=True)
 
     quotas = Dict(
-        help="""Limits per user, per group and a default; see ``gpupool/hub_plugin/quotas.py``
+        help="""Limits per user, per group and a default; see ``gpupool/hub_plugin/rules/quotas.py``
         and docs/api.md ("Quotas"). Keys are ``"*"``, ``"group:NAME"`` and ``"user:NAME"``;
         values dicts of ``max_gpus`` (GPUs held at once, sum of fractions), ``max_lease_gpus``
         (size of one lease), ``gpu_hours_per_day``, ``gpu_hours_per_week`` (hours, or
@@ -272,7 +272,7 @@ class GPUPool(Configurable):
 
     @validate("quotas")
     def _read_quotas(self, proposal):
-        from .quotas import parse_table
+        from .rules.quotas import parse_table
 
         try:
             return parse_table(proposal["value"])

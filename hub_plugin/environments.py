@@ -2,7 +2,7 @@
 
 Agents report their worker environments at registration (``Node.environments``:
 ``[{"name", "python", "default", "usable", "problem"}]``). Placement treats a
-lease's environment as a node filter (:mod:`.scheduler`, ``Demand.env``); this
+lease's environment as a node filter (:mod:`.rules.scheduler`, ``Demand.env``); this
 module answers the question that comes first, whether the pool offers it at
 all, so that a request naming an environment no node has is refused at once,
 in words that list what the pool offers, instead of waiting in the queue for a

@@ -37,21 +37,24 @@ from sqlalchemy.orm import Session, selectinload
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import LeaseRequest, LeaseState, isoformat, utcnow
 from gpupool.units import format_duration
+from gpupool.wire.workers import WorkerRequest, WorkerStarted
 
-from . import queue as wait_queue, usage
+from . import usage
+from .rules import queue as wait_queue
 from .agent_client import AgentClient
 from .auth import Identity
 from .capacity import HOLDING, CapacityIndex, mark_gpus
 from .config import GPUPool
 from .db import Store
-from .hosts import beyond_every_node, host_limits
+from .rules.hosts import beyond_every_node, host_limits
 from .models import GPU, Lease, LeaseEvent, LeaseGPU, Node, new_lease_id
 from .pressure import Pressure
-from .priority import INTERACTIVE, preemption_refusal
+from .rules.priority import INTERACTIVE, preemption_refusal
 from .quota_book import QuotaBook
 from .storework import StoreWork
 from .environments import lease_environment, unknown_environment, unusable_on
-from .scheduler import DEFAULT_WORKLOAD, NO_ENVIRONMENT, Demand, Placement, Refusal, Workload, workload_of
+from .rules.scheduler import NO_ENVIRONMENT, Demand, Placement, Refusal
+from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .views import lease_json
 from .watch import LeaseWatch
 
@@ -65,7 +68,7 @@ LIST_LIMIT = 500
 FULL_DRAIN_S = 30.0
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
-#: ... once there are at least this many (before: scheduler.DEFAULT_WORKLOAD); recomputed every this many.
+#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 QUEUED = LeaseState.queued.value
 #: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.
@@ -356,50 +359,47 @@ class LeaseBook:
         job = await self.work.read(self._start_job, lease_id)
         if job is None:
             return
-        url, node_name, body = job
+        url, node_name, request = job
         try:
-            reply = await self.agents.start_worker(url, body, self.settings.worker_start_timeout)
+            started = await self.agents.start_worker(url, request, self.settings.worker_start_timeout)
         except GPUPoolError as exc:
-            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.log_message)
+            log.warning("lease %s: worker start on %s failed: %s", lease_id, node_name, exc.message)
             await self.release(lease_id, LeaseState.failed,
                                f"the worker could not start on {node_name}: {exc.message}")
             return
-        pid = reply.get("pid") if isinstance(reply.get("pid"), int) else None
-        if await self.work.write(self._started_now, lease_id, reply, pid, node_name):
-            log.info("lease %s active: worker pid %s on %s", lease_id, pid, node_name)
+        if await self.work.write(self._started_now, lease_id, started, node_name):
+            log.info("lease %s active: worker pid %s on %s", lease_id, started.pid, node_name)
             return
         # Released while the worker was starting: the release path may have
         # asked the agent before the worker existed, so stop it now.
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, node_name)
         await self._stop_worker(url, lease_id)
 
-    def _start_job(self, lease_id: str) -> tuple[str, str, dict[str, Any]] | None:
-        """``(agent url, node name, POST /workers body)`` of a ``starting`` lease, else None."""
+    def _start_job(self, lease_id: str) -> tuple[str, str, WorkerRequest] | None:
+        """``(agent url, node name, POST /workers request)`` of a ``starting`` lease, else None."""
         with self.store.read() as session:
             lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
             if lease is None or lease.state != LeaseState.starting.value:
                 return None
             node = session.get(Node, lease.node_name)
-            body = {"lease_id": lease.id, "owner": lease.owner, "gpus": [g.gpu_uuid for g in lease.gpus],
-                    "fraction": lease.fraction, "memory": lease.memory,
-                    **host_limits(lease, node)}
-            if lease.env is not None:
-                # Placed where the agent reported it usable; one restarted since without it refuses, in words.
-                body["env"] = lease.env
-            return node.url, node.name, body
+            # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
+            request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
+                                    lease.memory, env=lease.env, **host_limits(lease, node))
+            return node.url, node.name, request
 
-    def _started_now(self, lease_id: str, reply: dict[str, Any], pid: int | None, node_name: str) -> bool:
+    def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str) -> bool:
         """``starting`` -> ``active`` with the worker's connection; False when the lease left ``starting``."""
         now = self.now()
         with self.writing() as session:
             lease = session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.starting.value:
                 return False
-            lease.connection = reply["connection"]
-            lease.worker_pid = pid
+            lease.connection = started.connection
+            lease.worker_pid = started.pid
             lease.worker_state = "idle"  # the kernel answered, no cell has run yet
             lease.started_at = lease.last_heartbeat_at = lease.idle_since = now
-            _transition(session, lease, LeaseState.active, f"the worker started on {node_name} (pid {pid})", now)
+            _transition(session, lease, LeaseState.active,
+                        f"the worker started on {node_name} (pid {lease.worker_pid})", now)
             return True
 
     # -- heartbeats --------------------------------------------------------------
@@ -674,7 +674,7 @@ class LeaseBook:
             code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
-                        "with its next heartbeat", lease_id, exc.log_message)
+                        "with its next heartbeat", lease_id, exc.message)
             return (f"its worker was not confirmed stopped ({exc.message}); the agent is told to stop it with "
                     "its next heartbeat")
         log.debug("lease %s: worker stopped (exit code %s)", lease_id, code)
@@ -819,7 +819,7 @@ class LeaseBook:
 @dataclass(frozen=True)
 class QueueView:
     """The queue as one read saw it: lease id -> 1-based place, and lease id ->
-    seconds until it is likely placed (:mod:`.eta`; None: nothing known frees enough)."""
+    seconds until it is likely placed (:mod:`.rules.eta`; None: nothing known frees enough)."""
 
     positions: dict[str, int]
     etas: dict[str, float | None]

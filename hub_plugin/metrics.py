@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 
-from . import hosts, scheduler
+from .rules import hosts, scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
@@ -67,7 +67,7 @@ REFUSAL_CODES = {
     hosts.NO_CPUS: "no_host_cpus",
     hosts.NO_HOST_MEMORY: "no_host_memory",
 }
-#: How each reclaim reason of :mod:`.reclaim` begins -> its code (matched in SQL at scrape time).
+#: How each reclaim reason of :mod:`.rules.reclaim` begins -> its code (matched in SQL at scrape time).
 RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",
                  "parked early: ": "pressure"}
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)

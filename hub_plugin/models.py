@@ -146,7 +146,7 @@ class Lease(Base):
     #: Revision 0005: the worker environment the request named (None: the node's default);
     #: once placed, the one the worker runs in (the node's default, by name, when the node reports one).
     env: Mapped[str | None] = mapped_column(String(100))
-    #: Revision 0006: ``interactive`` or ``batch`` (:mod:`.priority`), and whether
+    #: Revision 0006: ``interactive`` or ``batch`` (:mod:`.rules.priority`), and whether
     #: its running cell may be preempted under pressure.
     lease_class: Mapped[str] = mapped_column(String(12), default="interactive", server_default="interactive")
     preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
@@ -212,7 +212,7 @@ class UsageRecord(Base):
 class QuotaOverride(Base):
     """A quota set at run time (admin API, ``gpupool quota set``) for one
     scope (``*``, ``group:NAME``, ``user:NAME``): ``limits`` are merged over
-    ``c.GPUPool.quotas[scope]``, limit by limit (:mod:`.quotas`)."""
+    ``c.GPUPool.quotas[scope]``, limit by limit (:mod:`.rules.quotas`)."""
 
     __tablename__ = "quota_overrides"
 

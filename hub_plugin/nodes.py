@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import logging
 import signal
-import urllib.parse
+from dataclasses import astuple
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import (MAX_BYTES, MAX_CPUS, GPUInfo, LeaseState, WorkerReport, has_control_characters,
-                            is_unicode, parse_time)
+from gpupool.errors import GPUPoolError, not_found
+from gpupool.schema import LeaseState, parse_time
+from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
+                                WorkerReport, is_node_name)
 
 from .capacity import mark_all, mark_gpus, mark_node
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
 
 log = logging.getLogger("gpupool.service.nodes")
-
-INVENTORIES = ("simulated", "nvml")
 
 
 class NodeBook:
@@ -46,32 +45,20 @@ class NodeBook:
     async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
         Raises 400 for a bad body (and changes nothing)."""
-        if not isinstance(body, dict):
-            raise bad_request("the registration body must be a JSON object")
-        name = _name(body.get("name"))
-        url = _url(body.get("url"))
-        inventory = body.get("inventory")
-        if inventory not in INVENTORIES:
-            raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r:.80}")
-        enforcement = _enforcement(body)
-        gpus = _list(body, "gpus", required=True)
-        infos = [GPUInfo.from_json(g) for g in gpus]
-        if len({i.uuid for i in infos}) != len(infos):
-            raise bad_request("each GPU 'uuid' must appear once")
-        healthy = {g["uuid"]: g.get("healthy") is not False for g in gpus}
-        reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
-        error = _inventory_error(body)
-        environments = _environments(body)
-        host = _host(body)
-        stop, dead = await self.leases.work.write(self._register_now, name, url, inventory, enforcement, infos,
-                                                  healthy, reports, error, environments, host)
+        node = NodeRegistration.from_json(body)
+        name, url, inventory, infos, error = node.name, node.url, node.inventory, list(node.gpus), node.inventory_error
+        environments = None if node.environments is None else [env.to_json() for env in node.environments]
+        stop, dead = await self.leases.work.write(self._register_now, name, url, inventory,
+                                                  (node.enforcement, node.whole_gpus), infos, node.healthy,
+                                                  list(node.workers), error, environments,
+                                                  (node.host_cpus, node.host_memory))
         if error is None:
             log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
         else:
             log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", name, error)
         self._end_dead(dead)
         await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
-        return {"name": name, "heartbeat_interval": self.heartbeat_interval, "stop": stop}
+        return RegistrationReply(name, self.heartbeat_interval, tuple(stop)).to_json()
 
     def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments, host):
         now = self.leases.now()
@@ -97,18 +84,16 @@ class NodeBook:
     async def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
         """``POST /nodes/{name}/heartbeat``: returns ``{"stop": [lease ids]}``.
         404 for an unknown node (the agent registers again)."""
-        if not isinstance(body, dict):
-            raise bad_request("the heartbeat body must be a JSON object")
-        if not _is_name(name):
+        beat = Heartbeat.from_json(body)
+        if not is_node_name(name):
             raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
-        reports = [WorkerReport.from_json(w) for w in _list(body, "workers")]
-        readings = [_reading(g) for g in _list(body, "gpus")]
-        error = _inventory_error(body)
-        stop, dead, came_back = await self.leases.work.write(self._heartbeat_now, name, reports, readings, error)
+        readings = [astuple(reading) for reading in beat.gpus]
+        stop, dead, came_back = await self.leases.work.write(self._heartbeat_now, name, list(beat.workers), readings,
+                                                             beat.inventory_error)
         self._end_dead(dead)
         if came_back:
             await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
-        return {"stop": stop}
+        return HeartbeatReply(tuple(stop)).to_json()
 
     def _heartbeat_now(self, name, reports, readings, error):
         now = self.leases.now()
@@ -251,112 +236,3 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
             lease.idle_since = min(max(since, lease.started_at or since), now)
         elif was != "idle" or lease.idle_since is None:
             lease.idle_since = now
-
-
-#: What agents that send no ``whole_gpus`` (older than that field) meant by their mode's name.
-LEGACY_WHOLE_GPU_MODES = ("mig", "exclusive")
-
-
-def _enforcement(body: dict[str, Any]) -> tuple[str | None, bool]:
-    """``(mode name, whole GPUs only)`` of a registration: the agent's
-    ``enforcement`` (the name, shown) and ``whole_gpus`` (its capacity rule,
-    placed by; absent from older agents, whose built-in names say it)."""
-    name, whole = body.get("enforcement"), body.get("whole_gpus")
-    if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 50 or has_control_characters(name)):
-        raise bad_request("'enforcement' must be a string of at most 50 characters")
-    if whole is None:
-        return name, name in LEGACY_WHOLE_GPU_MODES
-    if not isinstance(whole, bool):
-        raise bad_request(f"'whole_gpus' must be true or false, got {whole!r:.40}")
-    return name, whole
-
-
-def _is_name(value: Any) -> bool:
-    return (isinstance(value, str) and 0 < len(value) <= 200 and "/" not in value and value == value.strip()
-            and not has_control_characters(value) and is_unicode(value))
-
-
-def _name(value: Any) -> str:
-    if not _is_name(value):
-        raise bad_request("'name' must be a node name of 1 to 200 characters without '/', control characters "
-                          "or surrounding spaces")
-    return value
-
-
-def _url(value: Any) -> str:
-    try:
-        parsed = urllib.parse.urlparse(value) if isinstance(value, str) and not has_control_characters(value) else None
-    except ValueError:  # e.g. "http://[::1" (an unclosed IPv6 address)
-        parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc or len(value) > 500:
-        raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r:.80}")
-    return value.rstrip("/")
-
-
-def _inventory_error(body: dict[str, Any]) -> str | None:
-    """The optional ``inventory_error``: why the agent cannot read its GPUs (null: it can)."""
-    value = body.get("inventory_error")
-    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 500 or not value.strip()
-                              or has_control_characters(value)):
-        raise bad_request("'inventory_error' must be null or words of 1 to 500 characters without control characters")
-    return value
-
-
-def _host(body: dict[str, Any]) -> tuple[float | None, int | None]:
-    """The optional ``host_cpus`` (cores) and ``host_memory`` (bytes) of a
-    registration, both or neither ((None, None): not reported)."""
-    cpus, memory = body.get("host_cpus"), body.get("host_memory")
-    if cpus is None and memory is None:
-        return None, None
-    if (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= MAX_CPUS
-            or isinstance(memory, bool) or not isinstance(memory, int) or not 0 < memory <= MAX_BYTES):
-        raise bad_request(f"'host_cpus' (cores in (0, {MAX_CPUS}]) and 'host_memory' (bytes in (0, 2**50]) go "
-                          f"together, got {cpus!r:.40} and {memory!r:.40}")
-    return float(cpus), memory
-
-
-def _environments(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The optional ``environments`` of a registration (None: not reported):
-    at most 100 of ``{"name", "python", "default", "usable", "problem"}``."""
-    value = body.get("environments")
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) > 100:
-        raise bad_request("'environments' must be a list of at most 100 worker environments")
-    result = []
-    for env in value:
-        if not isinstance(env, dict) or not isinstance(env.get("name"), str) or not isinstance(env.get("python"), str):
-            raise bad_request("each environment needs 'name' and 'python' (strings)")
-        problem = env.get("problem")
-        if problem is not None and not isinstance(problem, str):
-            raise bad_request("an environment's 'problem' must be words or null")
-        result.append({"name": env["name"][:100], "python": env["python"][:500], "default": env.get("default") is True,
-                       "usable": env.get("usable") is True, "problem": None if problem is None else problem[:500]})
-    return result
-
-
-def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:
-    value = body.get(key)
-    if value is None and not required:
-        return []
-    if not isinstance(value, list):
-        raise bad_request(f"'{key}' must be a list")
-    return value
-
-
-def _reading(value: Any) -> tuple[str, int | None, float | None, bool | None, int | None]:
-    """One GPU reading of a heartbeat: (uuid, memory_used bytes, utilization %,
-    healthy, memory_unattributed bytes: used by processes of no worker)."""
-    if not isinstance(value, dict) or not isinstance(value.get("uuid"), str):
-        raise bad_request("each GPU reading needs a 'uuid'")
-    used, util, healthy = value.get("memory_used"), value.get("utilization"), value.get("healthy")
-    unattributed = value.get("memory_unattributed")
-    for key, number in (("memory_used", used), ("memory_unattributed", unattributed)):
-        if number is not None and (isinstance(number, bool) or not isinstance(number, int)
-                                   or not 0 <= number <= MAX_BYTES):
-            raise bad_request(f"'{key}' must be a whole number of bytes from 0 to 2**50")
-    if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100):
-        raise bad_request("'utilization' must be a percentage from 0 to 100")
-    if healthy is not None and not isinstance(healthy, bool):
-        raise bad_request("'healthy' must be true or false")
-    return value["uuid"], used, None if util is None else float(util), healthy, unattributed

@@ -62,7 +62,7 @@ _SCOPE = _param("scope", "path", {"type": "string", "maxLength": 210,
 #: The longest wait and idle timeout any request may name, seconds (``LeaseRequest``).
 _MOST_SECONDS = 366 * 86400
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
-#: ``hub_plugin.nodes._inventory_error``.
+#: ``gpupool.wire.nodes.inventory_error``.
 _INVENTORY_ERROR = {"type": ["string", "null"], "minLength": 1, "maxLength": 500,
                     "pattern": f"^{_TEXT}*{_INK}{_TEXT}*$",
                     "description": "why the agent cannot read its GPUs (NVML failed to start or stopped "

@@ -1,5 +1,6 @@
 """The service's side of pressure and the queue's ETA: reads the store, calls
-the pure rules (:mod:`.priority`, :mod:`.eta`), keeps the current plan and
+the pure rules (:mod:`.rules.priority`, :mod:`.rules.pressure`,
+:mod:`.rules.eta`), keeps the current plan and
 what the ETA reads (the active leases and typical lease lengths), so a long
 poll of a queued request costs no query for its ETA.
 
@@ -22,12 +23,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LeaseState, isoformat
-from gpupool.units import format_duration
 
-from . import eta, priority, quotas
 from .config import GPUPool
 from .models import Lease
-from .reclaim import Decision, idle_deadline
+from .rules import eta, priority, quotas
+from .rules import pressure as pressure_rules
+from .rules.reclaim import Decision, idle_deadline
 
 #: Ended leases whose lengths give the ETA the typical length per class.
 LENGTH_SAMPLE = 200
@@ -67,7 +68,8 @@ class Pressure:
                   if row.wait_until is None or row.wait_until > now]
         if not asking:
             return priority.NO_PRESSURE
-        return priority.plan([_held(lease) for lease in active], asking, grace=self.settings.pressure_grace,
+        return priority.plan([pressure_rules.held(lease) for lease in active], asking,
+                             grace=self.settings.pressure_grace,
                              notice=self.settings.preemption_notice, allow_preemption=self.settings.allow_preemption,
                              guaranteed_gpus=self._guarantees(session, active))
 
@@ -79,11 +81,7 @@ class Pressure:
 
     def deadline(self, lease: Any) -> datetime | None:
         """``lease``'s idle deadline: its own, or the earlier one the plan set."""
-        own = idle_deadline(lease)
-        early = self.plan.parks.get(lease.id)
-        if own is None or early is None:
-            return own
-        return min(own, early.deadline)
+        return pressure_rules.deadline(self.plan, lease)
 
     def annotate(self, body: dict[str, Any], lease: Lease) -> None:
         """Add ``idle_deadline``, ``pressure`` and ``preempt_at`` to lease JSON ``body``."""
@@ -97,32 +95,14 @@ class Pressure:
     def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
         """Reclaim decisions for idle leases past their early deadline: the
         fallback when the notebook did not park them itself."""
-        decisions = []
-        for lease in active:
-            early = self.plan.parks.get(lease.id)
-            own = idle_deadline(lease)
-            if early is not None and own is not None and early.deadline <= now < own:
-                idle = (now - lease.idle_since).total_seconds()
-                decisions.append(Decision(lease.id, LeaseState.reclaimed,
-                                          f"{early.reason} (idle for {format_duration(idle)}, pressure grace "
-                                          f"{format_duration(self.settings.pressure_grace)})"))
-        return decisions
+        return pressure_rules.due(self.plan, active, now, self.settings.pressure_grace)
 
     def still_due(self, lease: Lease, now: datetime) -> bool:
         """Re-checked under the write lock: still idle and past its early deadline."""
-        deadline = self.deadline(lease)
-        return (lease.state == LeaseState.active.value and lease.worker_state == "idle"
-                and deadline is not None and deadline <= now)
+        return pressure_rules.still_due(self.plan, lease, now)
 
     def etas(self, ahead_gpus: Sequence[float], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``ahead_gpus``
         (queue order), from the active leases and recent lease lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
         return eta.eta_seconds(ahead_gpus, self._holding, self._typical, now)
-
-def _held(lease: Lease) -> priority.Held:
-    idle = lease.worker_state == "idle"
-    return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
-                         bool(lease.preemptible), lease.worker_state == "busy", lease.started_at or lease.created_at,
-                         lease.idle_since if idle else None, idle_deadline(lease))
-

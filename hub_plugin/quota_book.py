@@ -1,6 +1,6 @@
 """Quotas in the service: the configured table plus the run-time overrides
 kept in SQL, resolved for a user and enforced inside the transaction that
-reserves capacity (the rules themselves are pure, in :mod:`.quotas`).
+reserves capacity (the rules themselves are pure, in :mod:`.rules.quotas`).
 
 Refusals are HTTP 429 ``quota_exceeded`` with ``limit`` naming the limit
 (docs/api.md, "Quotas"): the request is well-formed and the pool may even
@@ -20,7 +20,8 @@ from sqlalchemy.orm import Session
 from gpupool.errors import GPUPoolError, bad_request, not_found
 from gpupool.schema import isoformat
 
-from . import quotas, usage
+from . import usage
+from .rules import quotas
 from .auth import Identity
 from .config import GPUPool
 from .models import QuotaOverride

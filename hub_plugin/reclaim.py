@@ -1,19 +1,8 @@
-"""Idle reclaim: which active leases to take back, and which nodes are lost.
-
-:func:`decide` and :func:`lost_nodes` are pure (rows and ``now`` in,
-decisions out), so tests move time by passing a different ``now``. The
-:class:`Reclaimer` loop runs them every ``GPUPool.reclaim_interval`` seconds
-and hands each decision to the one release path in :mod:`.leases`.
-
-Rules (docs/api.md, "Reclaim"):
-
-- heartbeat: no heartbeat from the notebook kernel for ``heartbeat_ttl``
-  while no cell runs -> ``reclaimed``;
-- idle: the agent reports the worker ``idle`` and ``now - idle_since >=
-  idle_timeout`` -> ``reclaimed``;
-- a worker that is ``busy`` (a cell is running) is never reclaimed by either;
-- pressure (:mod:`.pressure`, :mod:`.priority`): while requests wait, an idle
-  over-quota lease's deadline comes after ``c.GPUPool.pressure_grace``.
+"""Idle reclaim's loop: every ``GPUPool.reclaim_interval`` seconds the
+:class:`Reclaimer` reads the store, runs the pure rules of
+:mod:`.rules.reclaim` (:func:`~.rules.reclaim.decide`,
+:func:`~.rules.reclaim.lost_nodes`; the rules themselves are described
+there) and hands each decision to the one release path in :mod:`.leases`.
 
 A worker that died is handled when its agent reports it (:mod:`.nodes`).
 """
@@ -22,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any, Iterable
+from datetime import datetime
 
 from sqlalchemy import select
 
@@ -33,81 +20,9 @@ from gpupool.units import format_duration
 
 from .capacity import mark_node
 from .models import Lease, Node
+from .rules.reclaim import ALIVE, Decision, decide, lost_nodes, still_due
 
 log = logging.getLogger("gpupool.service.reclaim")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """End ``lease_id`` in ``state`` (a final state) for ``reason`` (words)."""
-
-    lease_id: str
-    state: LeaseState
-    reason: str
-
-
-def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
-    """Decisions for ``leases``: objects with the attributes of
-    :class:`~.models.Lease` (``id``, ``state``, ``worker_state``,
-    ``idle_since``, ``idle_timeout``, ``last_heartbeat_at``, ``started_at``,
-    ``heartbeat_ttl``). Only ``active`` leases are considered."""
-    decisions = []
-    for lease in leases:
-        if lease.state != LeaseState.active.value or lease.worker_state == "busy":
-            continue
-        reason = heartbeat_expired(lease, now) or idle_expired(lease, now)
-        if reason:
-            decisions.append(Decision(lease.id, LeaseState.reclaimed, reason))
-    return decisions
-
-
-def heartbeat_expired(lease: Any, now: datetime) -> str | None:
-    """The reason if the notebook kernel's heartbeats stopped, else None."""
-    last = lease.last_heartbeat_at or lease.started_at
-    if last is None:
-        return None
-    silent = (now - last).total_seconds()
-    if silent < lease.heartbeat_ttl:
-        return None
-    return (f"the notebook kernel stopped sending heartbeats for {format_duration(silent)} "
-            f"(heartbeat TTL {format_duration(lease.heartbeat_ttl)})")
-
-
-def idle_deadline(lease: Any) -> datetime | None:
-    """When ``lease`` is reclaimed for idleness if its worker stays idle
-    (``idle_since + idle_timeout``); None unless it is active and its worker
-    reported idle. Sent to the client (``idle_deadline``), which warns
-    ``c.GPUPool.idle_warning`` seconds ahead."""
-    if lease.state != LeaseState.active.value or lease.worker_state != "idle" or lease.idle_since is None:
-        return None
-    return lease.idle_since + timedelta(seconds=lease.idle_timeout)
-
-
-def idle_expired(lease: Any, now: datetime) -> str | None:
-    """The reason if the worker reported idle for its idle timeout, else None."""
-    deadline = idle_deadline(lease)
-    if deadline is None or now < deadline:
-        return None
-    idle = (now - lease.idle_since).total_seconds()
-    return f"idle for {format_duration(idle)} (idle timeout {format_duration(lease.idle_timeout)})"
-
-
-def still_due(lease: Any, now: datetime) -> bool:
-    """Whether ``lease`` is still to be reclaimed at ``now``: the release path
-    re-checks this under the write lock, since a busy report or a heartbeat
-    may have arrived after the sweep read the lease."""
-    return bool(decide([lease], now))
-
-
-#: Node states whose agent heartbeats: a ``degraded`` one (NVML failed) is alive too.
-ALIVE = ("up", "degraded")
-
-
-def lost_nodes(nodes: Iterable[Any], now: datetime, node_ttl: float) -> list[str]:
-    """Names of ``up`` or ``degraded`` nodes (objects with ``name``, ``state``,
-    ``last_heartbeat_at``) not heard from for ``node_ttl`` seconds."""
-    return [node.name for node in nodes
-            if node.state in ALIVE and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
 
 
 class Reclaimer:

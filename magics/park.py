@@ -1,13 +1,14 @@
 """Park and resume: an idle lease gives its GPU back without losing state.
 
-The service reclaims a lease after ``idle_timeout`` without a running cell.
-Just before that (``ahead`` seconds plus one heartbeat interval), the
+The service reclaims a lease at its ``idle_deadline`` (the lease JSON's: after
+``idle_timeout`` without a running cell, or earlier under pressure). Just
+before that (``ahead`` seconds plus one heartbeat interval), the
 heartbeat thread parks it: over a connection of its own (ZeroMQ sockets are
 not thread-safe, and the main thread's may be in use by a ``%%local`` cell's
 magics) it pulls the worker's variables into the local namespace, exactly as
 ``%gpu release`` would, and releases the lease with the reason "parked after
 idle". The next routed cell re-acquires a slice of the same size and pushes
-those variables back before it runs (see ``GPUMagics._resume``).
+those variables back before it runs (see :func:`gpupool.magics.attach.resume`).
 
 While others wait for a GPU the service brings ``idle_deadline`` forward
 (``c.GPUPool.pressure_grace``) and says why in ``pressure``; the same rule
@@ -54,17 +55,14 @@ def park_reason(lease: Lease) -> str:
 
 def seconds_to_reclaim(lease: Lease, now: datetime | None = None) -> float | None:
     """Seconds until the service would reclaim ``lease`` for idleness (may
-    be negative): to its ``idle_deadline`` (early under pressure) or, without
-    one, ``idle_since + idle_timeout``; None while a cell runs or when the
-    lease has no idle information."""
-    since = parse_time(lease.idle_since) if lease.idle_since else None
-    if since is None or not lease.idle_timeout:
-        return None
-    now = now or datetime.now(timezone.utc)
+    be negative): to its ``idle_deadline``, which the service computes (the
+    idle rule lives there: ``idle_since + idle_timeout``, early under
+    pressure); None while it sets none (a cell runs, the worker has not
+    reported idle, the lease is not active)."""
     deadline = parse_time(lease.idle_deadline)
-    if deadline is not None:
-        return (deadline - now).total_seconds()
-    return lease.idle_timeout - (now - since).total_seconds()
+    if deadline is None:
+        return None
+    return (deadline - (now or datetime.now(timezone.utc))).total_seconds()
 
 
 def idle_span(lease: Lease) -> float | None:

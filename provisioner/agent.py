@@ -37,6 +37,7 @@ from gpupool import httpin
 from gpupool.errors import GPUPoolError
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
+from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
 from . import enforcement
 from . import environments as worker_envs
@@ -131,7 +132,7 @@ class NodeAgent(WorkerSettings):
         except CgroupError as exc:
             raise GPUPoolError("not_configured", str(exc)) from None
 
-    def check_environments(self) -> list[worker_envs.Environment]:
+    def check_environments(self) -> list[WorkerEnvironment]:
         """Check every worker environment once (:func:`.environments.check_all`);
         unusable ones are logged and reported, not fatal."""
         try:
@@ -146,7 +147,7 @@ class NodeAgent(WorkerSettings):
                                f"{next(e.problem for e in found if e.default)} (c.NodeAgent.default_environment)")
         return found
 
-    def worker_reports(self) -> list:
+    def worker_reports(self) -> list[WorkerReport]:
         return self.workers.reports(self.inventory.process_memory())
 
     # -- run --------------------------------------------------------------------------------------------------
@@ -227,24 +228,26 @@ class NodeAgent(WorkerSettings):
         self.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
                      1000 * handler.request.request_time())
 
-    def registration_body(self) -> dict[str, Any]:
-        return {"name": self.node_name, "url": self.url, "inventory": self.inventory.kind,
-                **self.enforcement.registration(), "gpus": [gpu.to_json() for gpu in self.gpus.values()],
-                "workers": [r.to_json() for r in self.worker_reports()], "inventory_error": self.inventory.error,
-                "environments": [env.to_json() for env in self.worker_environments],
-                **dict(zip(("host_cpus", "host_memory"), self.host_totals()))}
+    def registration(self) -> NodeRegistration:
+        """What ``POST /nodes`` tells the service of this node."""
+        cpus, memory = self.host_totals()
+        return NodeRegistration(self.node_name, self.url, self.inventory.kind, **self.enforcement.registration(),
+                                gpus=tuple(self.gpus.values()), workers=tuple(self.worker_reports()),
+                                inventory_error=self.inventory.error, environments=tuple(self.worker_environments),
+                                host_cpus=cpus, host_memory=memory)
 
     def host_totals(self) -> tuple[float, int]:
         """``(cores, bytes)`` this node offers leases (:func:`.host_limits.host_totals`)."""
         return host_totals(self.host_cpus, self.host_memory)
 
-    def heartbeat_body(self) -> dict[str, Any]:
+    def heartbeat(self) -> Heartbeat:
+        """What the next ``POST /nodes/{name}/heartbeat`` tells the service; updates the agent's metrics."""
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
         gpus = self.gpu_metrics(usage)
         bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids())
         self.metrics.update(self.gpus.values(), gpus, bound, self.inventory.error, reports)
-        return {"workers": [r.to_json() for r in reports], "gpus": gpus, "inventory_error": self.inventory.error}
+        return Heartbeat(tuple(reports), tuple(GPUReading.of(g) for g in gpus), self.inventory.error)
 
     async def refresh_inventory(self) -> bool:
         """Once per heartbeat: read NVML (in its helper process, off this

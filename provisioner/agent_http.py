@@ -18,55 +18,43 @@ from tornado import web
 
 from gpupool import httpin
 from gpupool.errors import GPUPoolError, bad_request, not_found
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
+from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 from . import environments as worker_envs
 from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .host_limits import parse_host_limits
+from .host_limits import check_host_limits
 from .workers import WorkerSpec, WorkerStartError, WorkerStopError
 
 if TYPE_CHECKING:
     from .agent import NodeAgent
 
 
-def parse_worker_request(body: Any, gpus: dict[str, GPUInfo]) -> WorkerSpec:
-    """Validate a ``POST /workers`` body against this node's ``gpus`` (uuid ->
-    GPUInfo). ``memory`` may be omitted: then the fraction's share of the
-    smallest GPU's usable memory. Raises a 400 GPUPoolError naming the field."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    lease_id, owner = body.get("lease_id"), body.get("owner")
-    if not isinstance(lease_id, str) or not isinstance(owner, str) or not owner or len(owner) > 200:
-        raise bad_request("'lease_id' and 'owner' must be non-empty strings")
-    uuids = body.get("gpus")
-    if not isinstance(uuids, list) or not uuids or not all(isinstance(u, str) for u in uuids):
-        raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")
-    unknown = [u for u in uuids if u not in gpus]
-    if unknown or len(set(uuids)) != len(uuids):
+def worker_spec(request: WorkerRequest, gpus: dict[str, GPUInfo]) -> WorkerSpec:
+    """The worker ``request`` asks for on this node's ``gpus`` (uuid ->
+    GPUInfo). Without ``memory``: the fraction's share of the smallest GPU's
+    usable memory. Raises a 400 GPUPoolError naming the field."""
+    unknown = [u for u in request.gpus if u not in gpus]
+    if unknown or len(set(request.gpus)) != len(request.gpus):
         raise bad_request(f"'gpus' must name distinct GPUs of this node; unknown: {', '.join(unknown) or 'none'}; "
                           f"this node has: {', '.join(gpus)}")
-    chosen = tuple(gpus[u] for u in uuids)
-    fraction = body.get("fraction", 1.0)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise bad_request(f"'fraction' must be a number in (0, 1], got {fraction!r}")
+    chosen = tuple(gpus[u] for u in request.gpus)
     smallest = min(chosen, key=lambda g: g.memory_total)
-    memory = body.get("memory")
+    memory = request.memory
     if memory is None:
-        memory = int((smallest.memory_total - smallest.memory_reserved) * fraction)
-    if isinstance(memory, bool) or not isinstance(memory, int) or not 2**20 <= memory <= smallest.memory_total:
+        memory = int((smallest.memory_total - smallest.memory_reserved) * request.fraction)
+    if not 2**20 <= memory <= smallest.memory_total:
         raise bad_request(f"'memory' must be whole bytes from 1 MiB to the GPU's {smallest.memory_total}, got {memory!r}")
     try:
-        return WorkerSpec(lease_id, owner, chosen, float(fraction), memory)
+        return WorkerSpec(request.lease_id, request.owner, chosen, request.fraction, memory)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
 
-def python_for(environments: list[worker_envs.Environment], name: Any) -> str | None:
-    """The interpreter of the environment a ``POST /workers`` names, of the
-    node's ``environments`` (None: the agent's own). Raises a 400
-    GPUPoolError for an unknown or unusable one."""
-    if name is not None and not isinstance(name, str):
-        raise bad_request(f"'env' must be the name of a worker environment, got {name!r}")
+def python_for(environments: list[WorkerEnvironment], name: str | None) -> str | None:
+    """The interpreter of the environment ``name`` of the node's
+    ``environments`` (None: the agent's own). Raises a 400 GPUPoolError for
+    an unknown or unusable one."""
     try:
         env = worker_envs.choose(environments, name)
     except ValueError as exc:
@@ -123,7 +111,7 @@ class AgentHandler(httpin.BoundedBody, web.RequestHandler):
         if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
             level = logging.WARNING if value.status >= 500 else logging.DEBUG
             self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
-                               value.log_message)
+                               value.message)
         else:
             super().log_exception(typ, value, tb)
 
@@ -142,11 +130,11 @@ class WorkersHandler(AgentHandler):
         if self.agent.inventory.error:
             raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
                                f"{self.agent.inventory.error}", 503)
-        body = self.json_body()
-        spec = parse_worker_request(body, self.agent.gpus)
-        python = python_for(self.agent.worker_environments, body.get("env"))
+        request = WorkerRequest.from_json(self.json_body())
+        spec = worker_spec(request, self.agent.gpus)
+        python = python_for(self.agent.worker_environments, request.env)
         user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
-        cpus, host_memory = parse_host_limits(body, self.agent.host_totals())
+        cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())
         spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
         try:
             self.agent.enforcement.check(spec.fraction)
@@ -156,7 +144,7 @@ class WorkersHandler(AgentHandler):
             worker = await self.agent.workers.start(spec)
         except WorkerStartError as exc:
             raise GPUPoolError("worker_start_failed", str(exc), 502) from None
-        self.write_json({"pid": worker.pid, "connection": worker.connection()}, 201)
+        self.write_json(WorkerStarted(worker.pid, worker.connection()).to_json(), 201)
 
 
 class WorkerHandler(AgentHandler):
@@ -169,7 +157,7 @@ class WorkerHandler(AgentHandler):
             raise not_found(f"worker of lease {lease_id}") from None
         except WorkerStopError as exc:
             raise GPUPoolError("worker_stop_failed", str(exc), 500) from None
-        self.write_json({"lease_id": lease_id, "exit_code": code})
+        self.write_json(WorkerStopped(lease_id, code).to_json())
 
 
 class HealthHandler(AgentHandler):

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpupool.schema import GPUInfo, WorkerReport
+from gpupool.wire.nodes import GPUInfo, WorkerReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: DCGM exporter's label names, in its order.

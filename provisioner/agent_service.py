@@ -4,14 +4,12 @@ heartbeat, and a last heartbeat when it stops."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-
 from gpupool.errors import GPUPoolError
-from gpupool.schema import WorkerReport
+from gpupool.httpout import JSONClient, NoAnswer
+from gpupool.wire.nodes import GPUReading, Heartbeat, HeartbeatReply, RegistrationReply, WorkerReport
 from gpupool.tls import untrusted, untrusted_message
 
 from .agent_tokens import TOKEN_ENV
@@ -28,7 +26,7 @@ class ServiceLink:
     """Calls to ``{service_url}/api/v1`` for ``agent``: its settings
     (``service_url``, ``service_timeout``, ``service_tls``, ``retry_max``,
     ``token_file``, ``node_name``, ``log``) and the bodies and answers it gives
-    (``registration_body``, ``heartbeat_body``, ``refresh_inventory``,
+    (``registration``, ``heartbeat``, ``refresh_inventory``,
     ``stop_workers``, ``write_agent_json``) and its ``tokens``, read again
     before each registration."""
 
@@ -36,7 +34,7 @@ class ServiceLink:
         self.agent, self.log = agent, agent.log
         self.url, self.node = agent.service_url, agent.node_name
         self.heartbeat_path = f"/nodes/{quote(agent.node_name, safe='')}/heartbeat"
-        self.http = AsyncHTTPClient(force_instance=True)
+        self.http = JSONClient(agent.service_tls)
 
     def close(self) -> None:
         self.http.close()
@@ -51,7 +49,7 @@ class ServiceLink:
                 if await self.agent.refresh_inventory():
                     break  # NVML is back: register its GPUs
                 try:
-                    status, reply = await self.call("POST", self.heartbeat_path, self.agent.heartbeat_body())
+                    status, reply = await self.call("POST", self.heartbeat_path, self.agent.heartbeat().to_json())
                 except Exception as exc:  # keep beating: the service may come back
                     self.log.warning("heartbeat to %s failed (%s); retrying in %.1fs", self.url, exc, interval)
                     continue
@@ -63,7 +61,7 @@ class ServiceLink:
                     if status == 401:
                         break  # re-read the token file while registering again
                     continue
-                self.agent.stop_workers(reply.get("stop"))
+                self.agent.stop_workers(HeartbeatReply.from_json(reply).stop)
 
     async def register(self) -> float:
         """``POST /nodes`` until it succeeds, backing off while the service is
@@ -72,7 +70,7 @@ class ServiceLink:
         while True:
             try:
                 self.agent.tokens.read()  # also what the service's calls here must carry
-                status, reply = await self.call("POST", "/nodes", self.agent.registration_body())
+                status, reply = await self.call("POST", "/nodes", self.agent.registration().to_json())
             except GPUPoolError as exc:
                 status, reply, problem = 0, {}, exc.message
             except Exception as exc:  # unreachable, or a bad --service-url
@@ -88,48 +86,36 @@ class ServiceLink:
             delay = backoff_delay(failures, REGISTRATION_RETRY_FIRST_S, self.agent.retry_max)
             self.log.warning("registration with %s failed: %s; retrying in %.1fs", self.url, problem, delay)
             await asyncio.sleep(delay)
-        interval = reply.get("heartbeat_interval")
-        interval = float(interval) if isinstance(interval, (int, float)) and interval > 0 else 5.0
+        registered = RegistrationReply.from_json(reply)
         self.agent.write_agent_json()
-        self.log.info("registered with %s as %s (heartbeat every %gs)", self.url, self.node, interval)
-        self.agent.stop_workers(reply.get("stop"))
-        return interval
+        self.log.info("registered with %s as %s (heartbeat every %gs)", self.url, self.node,
+                      registered.heartbeat_interval)
+        self.agent.stop_workers(registered.stop)
+        return registered.heartbeat_interval
 
     async def call(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
         """One call to ``{service_url}/api/v1{path}``; returns (status, JSON
         reply). Raises OSError when the service cannot be reached."""
         agent = self.agent
-        request = HTTPRequest(f"{self.url}/api/v1{path}", method=method, body=json.dumps(body),
-                              headers={"Authorization": f"token {agent.tokens.token}",
-                                       "Content-Type": "application/json"},
-                              connect_timeout=agent.service_timeout, request_timeout=agent.service_timeout,
-                              ssl_options=agent.service_tls)
         try:
-            response = await self.http.fetch(request, raise_error=False)
-        except OSError as exc:  # tornado raises what is no HTTP answer: refused, a certificate not trusted
-            why = untrusted(exc)
+            return await self.http.call(method, f"{self.url}/api/v1{path}", body, token=agent.tokens.token,
+                                        timeout=agent.service_timeout)
+        except NoAnswer as exc:
+            why = untrusted(exc.cause)
             if why:
                 raise OSError(untrusted_message(f"the pool service at {self.url}", why)) from None
             raise
-        if response.code == 599:  # tornado: no HTTP answer (timeout)
-            raise OSError(str(response.error))
-        try:
-            reply = json.loads(response.body or b"{}")
-        except ValueError:
-            reply = {}
-        return response.code, reply if isinstance(reply, dict) else {}
 
     async def goodbye(self, exit_codes: dict[str, int | None]) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``
         with their exit codes), so their leases end now rather than when the
         node's TTL runs out."""
         why = f"the node agent on {self.node} was stopped"
-        workers = [WorkerReport(lease, None, "dead", exit_code=code, reason=why).to_json()
-                   for lease, code in exit_codes.items()]
+        last = Heartbeat(tuple(WorkerReport(lease, None, "dead", exit_code=code, reason=why)
+                               for lease, code in exit_codes.items()),
+                         tuple(GPUReading.of(g) for g in self.agent.inventory.metrics()), self.agent.inventory.error)
         try:
-            await asyncio.wait_for(self.call("POST", self.heartbeat_path, {
-                "workers": workers, "gpus": self.agent.inventory.metrics(),
-                "inventory_error": self.agent.inventory.error}), 2.0)
+            await asyncio.wait_for(self.call("POST", self.heartbeat_path, last.to_json()), 2.0)
         except Exception:  # the service may be down too; its node TTL covers it
             pass
 

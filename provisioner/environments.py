@@ -15,28 +15,15 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
+
+from gpupool.wire.nodes import WorkerEnvironment
 
 #: What a worker imports first: if this fails, the worker cannot start there.
 PROBE = "import ipykernel, jupyter_client, gpupool.kernelapp, gpupool.provisioner.worker_extension; print(ipykernel.__version__)"
 PROBE_TIMEOUT_S = 60.0
 DEFAULT_NAME = "default"
-
-
-@dataclass(frozen=True)
-class Environment:
-    """One environment as the agent reports it (``registration_body()['environments']``)."""
-
-    name: str
-    python: str
-    default: bool = False
-    usable: bool = False
-    problem: str | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def interpreter(where: str) -> Path:
@@ -45,29 +32,29 @@ def interpreter(where: str) -> Path:
     return path if path.is_file() else path / "bin" / "python"
 
 
-def check(name: str, where: str, *, default: bool = False, timeout: float = PROBE_TIMEOUT_S) -> Environment:
+def check(name: str, where: str, *, default: bool = False, timeout: float = PROBE_TIMEOUT_S) -> WorkerEnvironment:
     """Run the environment's Python once (``PROBE``); never raises: a failure is
     ``usable=False`` with the reason in ``problem``, in words naming the fix."""
     python = interpreter(where)
     if str(python) == sys.executable:  # the agent's own: no process to start (agents start fast)
         missing = [m for m in ("ipykernel", "jupyter_client") if importlib.util.find_spec(m) is None]
         problem = f"no module {missing[0]}; pip install 'gpupool[worker]'" if missing else None
-        return Environment(name, str(python), default, not missing, problem)
+        return WorkerEnvironment(name, str(python), default, not missing, problem)
     if not python.is_file():
-        return Environment(name, str(python), default, False, f"{python} does not exist (c.NodeAgent.environments)")
+        return WorkerEnvironment(name, str(python), default, False, f"{python} does not exist (c.NodeAgent.environments)")
     try:
         result = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return Environment(name, str(python), default, False, f"cannot run {python}: {exc}")
+        return WorkerEnvironment(name, str(python), default, False, f"cannot run {python}: {exc}")
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        return Environment(name, str(python), default, False,
+        return WorkerEnvironment(name, str(python), default, False,
                            f"{last}; install the worker part there: {python} -m pip install 'gpupool[worker]'")
-    return Environment(name, str(python), default, True)
+    return WorkerEnvironment(name, str(python), default, True)
 
 
-def check_all(configured: Mapping[str, str], default: str) -> list[Environment]:
+def check_all(configured: Mapping[str, str], default: str) -> list[WorkerEnvironment]:
     """Every configured environment plus the agent's own Python as ``default`` (unless
     configured under that name), checked; ``default`` names the default one (empty: the
     ``default`` entry). Raises ValueError when ``default`` names no environment."""
@@ -79,7 +66,7 @@ def check_all(configured: Mapping[str, str], default: str) -> list[Environment]:
     return [check(name, where, default=name == chosen) for name, where in sorted(entries.items())]
 
 
-def choose(environments: list[Environment], name: str | None) -> Environment:
+def choose(environments: list[WorkerEnvironment], name: str | None) -> WorkerEnvironment:
     """The environment a worker request names (None: the default). Raises
     ValueError in words when it is unknown or unusable here."""
     by_name = {env.name: env for env in environments}

@@ -3,7 +3,7 @@ worker may use, and the cgroup limits that hold it there.
 
 The agent reports its host's logical cores and RAM (psutil, unless
 ``c.NodeAgent.host_cpus`` / ``host_memory`` say otherwise) when it
-registers; the service places by them (``hub_plugin/hosts.py``) and sends
+registers; the service places by them (``hub_plugin/rules/hosts.py``) and sends
 each lease's ``cpus`` and ``host_memory`` with ``POST /workers``. The agent
 writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
 ``cpu.max``/``memory.max`` in v2 where those controllers are, the v1
@@ -11,13 +11,15 @@ writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
 worker is handed out. Without a cgroup (``cgroup_mode = 'none'``) or the
 controllers, the agent says loudly that the limits are not enforced, and
 the worker starts anyway: the capacity is still reserved, so other leases
-are placed as if it were.
+are placed as if it were. A worker the kernel's OOM killer ended is
+reported in words that name the limit and the way out
+(:func:`out_of_memory`), not as a bare signal 9.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import signal
 
 import psutil
 
@@ -35,16 +37,15 @@ def host_totals(cpus: float | None, memory: int | None) -> tuple[float, int]:
             int(memory) if memory else int(psutil.virtual_memory().total))
 
 
-def parse_host_limits(body: dict[str, Any], totals: tuple[float, int]) -> tuple[float | None, int | None]:
+def check_host_limits(cpus: float | None, memory: int | None,
+                      totals: tuple[float, int]) -> tuple[float | None, int | None]:
     """The optional ``cpus`` (cores) and ``host_memory`` (bytes) of a
-    ``POST /workers`` body, at most this host's ``totals``; None when absent.
-    Raises a 400 GPUPoolError naming the field and the host's amount."""
-    cpus, memory = body.get("cpus"), body.get("host_memory")
-    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float))
-                             or not MIN_CPUS <= cpus <= min(MAX_CPUS, totals[0])):
+    :class:`~gpupool.wire.workers.WorkerRequest`, at most this host's
+    ``totals``; None when absent. Raises a 400 GPUPoolError naming the field
+    and the host's amount."""
+    if cpus is not None and not MIN_CPUS <= cpus <= min(MAX_CPUS, totals[0]):
         raise bad_request(f"'cpus' must be cores from {MIN_CPUS} to this node's {totals[0]:g}, got {cpus!r:.40}")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
-                               or not MIN_MEMORY <= memory <= totals[1]):
+    if memory is not None and not MIN_MEMORY <= memory <= totals[1]:
         raise bad_request(f"'host_memory' must be bytes from 1 MiB to this node's {totals[1]} "
                           f"({format_bytes(totals[1])}), got {memory!r:.40}")
     return (None if cpus is None else float(cpus)), memory
@@ -66,3 +67,18 @@ def enforce(cgroup: LeaseCgroup, lease_id: str, cpus: float | None, memory: int 
     log.info("lease %s limited to %s CPUs and %s of host memory", lease_id,
              "any" if cpus is None else f"{cpus:g}", "any" if memory is None else format_bytes(memory))
     return True
+
+
+def out_of_memory(cgroup: LeaseCgroup, memory: int | None, exit_code: int | None) -> str | None:
+    """The reason the user is told when the kernel's OOM killer ended the
+    worker whose process left with ``exit_code`` (None: unknown, as for a
+    re-adopted worker) in ``cgroup``, limited to ``memory`` bytes (None: no
+    limit); None when it was no OOM kill (another signal or exit, or the
+    cgroup cannot tell: :meth:`.cgroups.LeaseCgroup.oom_kills`). Read it
+    before the cgroup is removed."""
+    if exit_code not in (None, -signal.SIGKILL) or not cgroup.oom_kills():
+        return None
+    if memory is None:
+        return "the worker was killed: the node ran out of host memory (the kernel's OOM killer ended it)"
+    return (f"the worker was killed: it ran out of its {format_bytes(memory)} of host memory (--host-memory); "
+            "acquire again with a larger --host-memory")

@@ -14,7 +14,7 @@ import socket
 from typing import Any, Sequence
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 
 class InventoryError(GPUPoolError):

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .inventory import Inventory, InventoryError
 

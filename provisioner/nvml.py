@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .attribution import GPUProcess, PidMapper, memory_by_pid
 from .inventory import Inventory, InventoryError

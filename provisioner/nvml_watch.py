@@ -25,7 +25,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 from gpupool.units import format_duration
 
 from .attribution import memory_by_pid

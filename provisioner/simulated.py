@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .inventory import Inventory
 

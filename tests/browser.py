@@ -21,7 +21,7 @@ from typing import Any
 
 import websocket
 
-from gpupool.localpool import free_port, stop_process, wait_for
+from gpupool.demo_pool import free_port, stop_process, wait_for
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpupool.localpool import free_port, stop_process, wait_for
+from gpupool.demo_pool import free_port, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY_CONFIG = ROOT / "deploy" / "jupyterhub" / "jupyterhub_config.py"

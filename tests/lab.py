@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpupool.localpool import free_port, stop_process, wait_for
+from gpupool.demo_pool import free_port, stop_process, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 #: How long one step in the page may take (ms): a cell, a widget, a popup.

@@ -1,4 +1,4 @@
-"""Real gpupool processes for tests, on top of :mod:`gpupool.localpool`.
+"""Real gpupool processes for tests, on top of :mod:`gpupool.demo_pool`.
 
 ``start_service`` writes a config file with fast reclaim and heartbeat
 intervals and known user tokens, so tests can act as several users.
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpupool import localpool
+from gpupool import demo_pool
 from gpupool.api import ServiceClient
-from gpupool.localpool import AgentProcess, free_port, processes_mentioning, stop_process, wait_for
-
+from gpupool.demo_pool import AgentProcess, free_port, processes_mentioning, stop_process, wait_for
 __all__ = ["ServiceProc", "AgentProcess", "start_service", "start_agent", "free_port", "processes_mentioning",
            "stop_process", "wait_for"]
 
@@ -24,7 +23,7 @@ __all__ = ["ServiceProc", "AgentProcess", "start_service", "start_agent", "free_
 class ServiceProc:
     """A running service and the tokens of its test users (``tester`` and any given)."""
 
-    process: localpool.ServiceProcess
+    process: demo_pool.ServiceProcess
     extra_tokens: dict[str, str]
 
     @property
@@ -66,7 +65,7 @@ def start_service(root: Path, *, tokens: dict[str, str] | None = None, config: d
 
     ``tokens`` maps user name -> token (``tester`` is always there);
     ``config`` holds more ``c.GPUPool`` settings, over fast test defaults;
-    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.localpool.start_service`.
+    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.demo_pool.start_service`.
     """
     state = root / "service"
     state.mkdir(parents=True, exist_ok=True)
@@ -76,7 +75,7 @@ def start_service(root: Path, *, tokens: dict[str, str] | None = None, config: d
     lines.append(f"c.GPUPool.api_tokens = {({token: user for user, token in users.items()})!r}")
     config_file = state / "gpupool_config.py"
     config_file.write_text("\n".join(lines) + "\n")
-    return ServiceProc(localpool.start_service(state, config_file=config_file, env=env, ip=ip, port=port,
+    return ServiceProc(demo_pool.start_service(state, config_file=config_file, env=env, ip=ip, port=port,
                                                launcher=launcher), users)
 
 
@@ -84,6 +83,6 @@ def start_agent(root: Path, service: ServiceProc, *, name: str = "node-1", simul
                 extra_args: list[str] | None = None, ip: str = "127.0.0.1", port: int | None = None,
                 launcher: Sequence[str] = ()) -> AgentProcess:
     """Start ``gpupool agent --simulate SPEC`` under ``root/agent-NAME``; ready once the service lists it.
-    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.localpool.start_agent`."""
-    return localpool.start_agent(root / f"agent-{name}", service.process, name=name, simulate=simulate,
+    ``ip``, ``port``, ``launcher``: as for :func:`gpupool.demo_pool.start_agent`."""
+    return demo_pool.start_agent(root / f"agent-{name}", service.process, name=name, simulate=simulate,
                                  extra_args=extra_args, client=service.client(), ip=ip, port=port, launcher=launcher)

@@ -24,7 +24,7 @@ import pytest
 
 from gpupool.provisioner.simulated import simulated_uuid
 from procs import free_port, processes_mentioning, stop_process, wait_for
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 
 GiB = 1024**3
 TOKEN = "agent-token-for-tests"

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -246,3 +247,38 @@ def test_a_kill_without_waiting_still_kills(tree, tmp_path):
     group.kill(timeout=0.0)
     wait_until(lambda: not alive(daemon) and shell.poll() is not None, "the kill to land")
     group.remove()
+
+
+# Waits for a line on stdin (the test puts it in the cgroup first), then touches 128 MiB, page by page.
+OVERFILL = "import sys; sys.stdin.readline(); b = bytearray(128 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1"
+
+
+def test_each_kind_counts_the_oom_kills_of_its_memory_limit(tree):
+    """A process past its cgroup's memory limit is killed by the kernel, and
+    the cgroup says so; one killed by anyone else is no OOM kill."""
+    over, other = tree.create("lease-L-oom"), tree.create("lease-L-sigkill")
+    for group in (over, other):
+        try:
+            group.set_limits(memory=64 * 2**20)
+        except CgroupError as exc:
+            pytest.skip(f"no memory controller here: {exc}")
+    hog = subprocess.Popen([sys.executable, "-c", OVERFILL], stdin=subprocess.PIPE)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    # Hybrid hosts move processes to the v1 memory cgroup when limits are set: add first, then limit again.
+    for group, proc in ((over, hog), (other, sleeper)):
+        group.add(proc.pid)
+        group.set_limits(memory=64 * 2**20)
+    assert over.oom_kills() == 0 and other.oom_kills() == 0
+    hog.stdin.write(b"go\n")
+    hog.stdin.close()
+    assert hog.wait(30) == -signal.SIGKILL
+    sleeper.kill()
+    sleeper.wait()
+    assert over.oom_kills() == 1 and other.oom_kills() == 0
+    for group in (over, other):
+        group.remove()
+
+
+def test_no_cgroup_cannot_tell_an_oom_kill(tmp_path, caplog):
+    group = NoContainment("a test", logging.getLogger("test")).create("lease-L-none")
+    assert group.oom_kills() is None

@@ -18,7 +18,7 @@ import signal
 import psutil
 import pytest
 
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from gpupool.provisioner.cgroups import CgroupError, containment
 from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec

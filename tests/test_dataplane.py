@@ -7,6 +7,7 @@ once through a notebook kernel on a real pool.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import signal
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from jupyter_client import KernelManager
 
+from gpupool import dataplane as dataplane_core
 from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffers, send_buffers
 from gpupool.errors import GPUPoolError
 from gpupool.magics import dataplane
@@ -258,6 +260,30 @@ def test_a_receiver_that_goes_away_ends_an_encrypted_send_with_the_error():
         right.close()
         with pytest.raises(OSError):
             send_buffers(left, ticket, [np.zeros(16 * CHUNK, np.uint8)])
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_big_receive_buffer_is_in_huge_pages_where_the_kernel_offers_them():
+    """Issue 15: a fresh 4 KiB-paged destination held the receiver to about half the wire."""
+    if not dataplane_core._huge_pages():
+        pytest.skip("this kernel offers no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled)")
+    buffer = dataplane_core.allocate(64 * CHUNK)
+    buffer[::4096] = b"\1" * len(buffer[::4096])  # what receiving into it does
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert _anon_huge_kib(address) > 0
 
 
 def test_the_progress_line_gives_bytes_rate_and_time_left():

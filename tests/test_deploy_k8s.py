@@ -392,7 +392,7 @@ def exported_metric_names() -> set[str]:
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.metrics import Metrics
     from gpupool.provisioner.agent_metrics import AgentMetrics
-    from gpupool.schema import GPUInfo
+    from gpupool.wire.nodes import GPUInfo
     from prometheus_client.parser import text_string_to_metric_families
     import tempfile
 

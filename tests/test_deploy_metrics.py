@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def test_every_refusal_reason_has_a_code():
-    from gpupool.hub_plugin import scheduler
+    from gpupool.hub_plugin.rules import scheduler
     from gpupool.hub_plugin.metrics import REFUSAL_CODES, reason_code
 
     assert set(REFUSAL_CODES) == set(scheduler.REASONS)
@@ -32,7 +32,7 @@ def store(tmp_path):
 
 
 def test_ended_leases_reclaims_and_the_oldest_wait(store):
-    from gpupool.hub_plugin import reclaim
+    from gpupool.hub_plugin.rules import reclaim
     from gpupool.hub_plugin.metrics import Metrics
     from gpupool.hub_plugin.models import Lease
 

@@ -223,6 +223,19 @@ def test_a_worker_killed_mid_cell_ends_the_cell_with_words(e2e_pool, kernel):
     assert _remote(kc, "__import__('os').getpid()") != worker_pid, "detached: cells run locally again"
 
 
+def test_a_worker_past_its_host_memory_tells_the_notebook_the_limit_and_the_way_out(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25 --host-memory 512MiB").ok
+    lease, = _active_leases(service)
+    cell = run(kc, "b = bytearray(1024 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1", timeout=60)
+    if cell.ok:
+        pytest.skip("the cell's 1 GiB fit: this host enforces no host memory limit (no memory controller, not root)")
+    assert (f"lease {lease.id} failed: the worker was killed: it ran out of its 512.0 MiB of host memory "
+            "(--host-memory); acquire again with a larger --host-memory") in cell.reply["evalue"], cell.text()
+    assert _active_leases(service) == []
+
+
 def test_release_after_the_worker_died_frees_the_slice_without_hanging(e2e_pool, kernel):
     service, _, _ = e2e_pool
     _, kc = kernel

@@ -48,7 +48,8 @@ def test_park_is_due_one_heartbeat_before_the_reclaim_margin():
 
     now = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
     lease = Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=0.5, gpu_count=1, memory=1,
-                  idle_timeout=600.0, idle_since=isoformat(now - timedelta(seconds=500)))
+                  idle_timeout=600.0, idle_since=isoformat(now - timedelta(seconds=500)),
+                  idle_deadline=isoformat(now + timedelta(seconds=100)))  # the service's: idle_since + timeout
     assert seconds_to_reclaim(lease, now) == 100.0
     assert not park_due(lease, ahead=30, interval=15, now=now)
     assert park_due(lease, ahead=30, interval=15, now=now + timedelta(seconds=56))

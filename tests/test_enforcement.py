@@ -11,7 +11,7 @@ from gpupool.provisioner.enforcement import (MIG, MPS, EnforcementMode, Exclusiv
                                              NoEnforcement, Timeslice, after_rediscovery, available, mode_class,
                                              register, resolve, slice_environment)
 from gpupool.provisioner.enforcement import factory
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 GiB = 1024**3
 MiB = 1024**2

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpupool.errors import GPUPoolError
-from gpupool.localpool import run_worker_cell
 from gpupool.schema import LeaseRequest
 from procs import start_agent, start_service
+from workercell import run_worker_cell
 
 TESTS = Path(__file__).parent
 

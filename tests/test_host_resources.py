@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 from pathlib import Path
@@ -12,12 +13,15 @@ import pytest
 from procs import start_agent, start_service
 
 from gpupool.errors import GPUPoolError
-from gpupool.hub_plugin.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond_every_node, host_aware_delta,
-                                      share_of)
-from gpupool.hub_plugin.placement_index import PlacementIndex
-from gpupool.hub_plugin.scheduler import (DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, place,
-                                          slice_delta)
+from gpupool.hub_plugin.rules.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, beyond_every_node, host_aware_delta,
+                                            share_of)
+from gpupool.hub_plugin.rules.placement_index import PlacementIndex
+from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, slice_delta
 from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
+from gpupool.provisioner.cgroups.none import GroupOnly
+from gpupool.provisioner.host_limits import out_of_memory
+from workercell import run_worker_cell
 from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.tables import lease_table, pool_table
 
@@ -110,6 +114,30 @@ def test_asks_beyond_every_node_name_the_biggest():
     assert beyond_every_node(Demand(0.5, cpus=32, host_memory=256 * G), HOSTS) is None
 
 
+class Counted(GroupOnly):
+    def __init__(self, kills: int | None) -> None:
+        super().__init__("lease-L-1")
+        self.kills = kills
+
+    def oom_kills(self) -> int | None:
+        return self.kills
+
+
+@pytest.mark.parametrize("kills, memory, exit_code, words", [
+    (1, G, -9, "the worker was killed: it ran out of its 1.0 GiB of host memory (--host-memory); acquire again "
+               "with a larger --host-memory"),
+    (2, 512 * MIB, None, "it ran out of its 512.0 MiB of host memory"),  # re-adopted: its exit code is unknown
+    (1, None, -9, "the node ran out of host memory (the kernel's OOM killer ended it)"),  # no limit of its own
+    (1, G, 0, None),  # a child was OOM-killed, the worker itself exited: not what ended it
+    (1, G, -15, None),
+    (0, G, -9, None),  # killed by someone else
+    (None, G, -9, None),  # the cgroup cannot tell (no memory controller, no cgroup)
+])
+def test_an_oom_kill_is_told_with_the_limit_and_the_way_out(kills, memory, exit_code, words):
+    said = out_of_memory(Counted(kills), memory, exit_code)
+    assert said == words if words is None else words in said
+
+
 # -- end to end ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -160,6 +188,25 @@ def test_the_workers_cgroup_holds_the_leases_cpus_and_host_memory(two_nodes):
         assert "1 CPU, 512.0 MiB" in lease_table([lease])[0]  # what %gpu status shows
         pool = pool_table(client.pool())[0]  # what %gpu pool shows: each node's host
         assert re.search(r"node-1 +\S+ +\S+ +2 CPUs, 2\.0 GiB", pool) and "4 CPUs, 16.0 GiB" in pool, pool
+    finally:
+        client.release(lease.id)
+
+
+def test_a_worker_past_its_host_memory_ends_its_lease_in_words_that_name_the_limit(two_nodes):
+    client = two_nodes.client()
+    lease = client.create_lease(LeaseRequest(fraction=0.5, host_memory=512 * MIB))
+    try:
+        lease = client.get_lease(lease.id, wait=60, state="starting")
+        assert lease.state == LeaseState.active, lease.reason
+        if worker_limits(lease.worker["pid"])[1] != 512 * MIB:
+            pytest.skip("this host enforces no host memory limit (no cgroup memory controller, or not root)")
+        overfill = "b = bytearray(1024 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1"
+        with pytest.raises((RuntimeError, TimeoutError, OSError)):  # the worker dies mid-cell
+            asyncio.run(run_worker_cell(lease.connection, overfill, timeout=10))
+        ended = client.get_lease(lease.id, wait=30, state="active")
+        assert ended.state == LeaseState.failed
+        assert ended.reason == ("the worker was killed: it ran out of its 512.0 MiB of host memory (--host-memory); "
+                                "acquire again with a larger --host-memory")
     finally:
         client.release(lease.id)
 

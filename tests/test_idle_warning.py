@@ -21,7 +21,7 @@ from traitlets import TraitError
 
 from frontend import install_kernelspec, start_gpupool_kernel
 from gpupool.hub_plugin.config import GPUPool
-from gpupool.hub_plugin.reclaim import idle_deadline
+from gpupool.hub_plugin.rules.reclaim import idle_deadline
 from gpupool.magics.heartbeat import idle_warning_text
 from gpupool.schema import Lease, LeaseState, isoformat, parse_time
 from procs import start_agent, start_service, wait_for

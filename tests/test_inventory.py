@@ -8,7 +8,7 @@ import pytest
 
 from gpupool.provisioner.inventory import InventoryError, select_inventory
 from gpupool.provisioner.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 MiB = 1024**2
 NVML_UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

@@ -38,9 +38,10 @@ import psutil
 import pytest
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
-from gpupool.localpool import GPUPOOL
+from gpupool.demo_pool import GPUPOOL
 from gpupool.provisioner.workers import WorkerManager, WorkerSettings, WorkerSpec
-from gpupool.schema import GPUInfo, LeaseRequest
+from gpupool.schema import LeaseRequest
+from gpupool.wire.nodes import GPUInfo
 from procs import start_agent, start_service, wait_for
 
 # The four process kinds, and the agent once more with the lease released while it was down.

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from frontend import install_kernelspec
-from gpupool.localpool import free_port, stop_process, wait_for
+from gpupool.demo_pool import free_port, stop_process, wait_for
 from procs import start_agent, start_service
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ from gpupool.provisioner.attribution import PidMapper
 from gpupool.provisioner.inventory import InventoryError, select_inventory
 from gpupool.provisioner.nvml import NVMLInventory
 from gpupool.provisioner.nvml_watch import WatchedInventory
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 MiB = 1024**2
 GiB = 1024**3

@@ -30,8 +30,9 @@ import pytest
 
 from fakenvml import AGENT_GPUS, ControlledNVML, FakeGPU, FakeNVML, helper_command, set_error
 from gpupool.errors import GPUPoolError
-from gpupool.hub_plugin.reclaim import lost_nodes
-from gpupool.localpool import AgentProcess, free_port, run_worker_cell, wait_for
+from gpupool.hub_plugin.rules.reclaim import lost_nodes
+from gpupool.demo_pool import AgentProcess, free_port, wait_for
+from workercell import run_worker_cell
 from gpupool.provisioner.inventory import InventoryError, select_inventory
 from gpupool.provisioner.inventory_retry import RetryingInventory, backoff_delay
 from gpupool.provisioner.nvml import NVMLInventory

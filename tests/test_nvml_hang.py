@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from fakenvml import hanging_pid, set_hang
-from gpupool.localpool import processes_mentioning, run_worker_cell, wait_for
+from gpupool.demo_pool import processes_mentioning, wait_for
+from workercell import run_worker_cell
 from gpupool.schema import LeaseRequest, LeaseState
 from procs import start_service
 from test_nvml_degraded import REFUSED_FOR_NVML, active, node_in_state, refused_for_nvml, start_nvml_agent

@@ -1,6 +1,6 @@
 """Table tests of the pure scheduling rules of issue 16: class order in the
 queue, pressure parks, guaranteed vs over-quota share, preemption only with
-opt-in, and the ETA (hub_plugin/priority.py, hub_plugin/eta.py, hub_plugin/queue.py)."""
+opt-in, and the ETA (hub_plugin/rules/priority.py, hub_plugin/rules/eta.py, hub_plugin/rules/queue.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpupool.hub_plugin import eta, priority, queue
-from gpupool.hub_plugin.priority import Asking, Held
-from gpupool.hub_plugin.scheduler import Demand
+from gpupool.hub_plugin.rules import eta, priority, queue
+from gpupool.hub_plugin.rules.priority import Asking, Held
+from gpupool.hub_plugin.rules.scheduler import Demand
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -57,7 +57,7 @@ def test_newest_position_counts_every_interactive_request_before_a_batch_one():
 
 
 def test_drain_places_interactive_first_when_only_one_fits():
-    from gpupool.hub_plugin.scheduler import GPUState
+    from gpupool.hub_plugin.rules.scheduler import GPUState
     gpu = [GPUState("g0", "n0", "A100", 0, 80 * 2**30, 79 * 2**30)]
     waiting = [queue.Waiting("b", "bob", Demand(1.0), at(0), "batch"),
                queue.Waiting("i", "ann", Demand(1.0), at(60), "interactive")]
@@ -188,7 +188,7 @@ def test_typical_lengths_by_class():
     ({}, None),
 ])
 def test_the_most_generous_guarantee_is_the_largest(groups, expected):
-    from gpupool.hub_plugin.quotas import parse_table, resolve
+    from gpupool.hub_plugin.rules.quotas import parse_table, resolve
     assert resolve("ann", ("a", "b"), parse_table(groups)).guaranteed_gpus == expected
 
 

@@ -13,8 +13,8 @@ from test_scheduler import gpu
 from test_service_api import gpu_allocations, wait_state
 
 from gpupool.errors import GPUPoolError
-from gpupool.hub_plugin.queue import Waiting, drain, estimate, order, position
-from gpupool.hub_plugin.scheduler import Demand
+from gpupool.hub_plugin.rules.queue import Waiting, drain, estimate, order, position
+from gpupool.hub_plugin.rules.scheduler import Demand
 from gpupool.schema import LeaseRequest, LeaseState
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=timezone.utc)
@@ -211,7 +211,7 @@ def test_the_queue_survives_a_restart(tmp_path):
     ("holder", 9),  # holds capacity now: behind everyone
 ])
 def test_the_newest_request_is_placed_as_order_would(owner, expected):
-    from gpupool.hub_plugin.queue import newest_position, order
+    from gpupool.hub_plugin.rules.queue import newest_position, order
 
     t = lambda hour: datetime(2026, 1, 1, hour, tzinfo=timezone.utc)  # noqa: E731
     last = {"old": None, "new": None, "ann": t(9), "bob": t(10), "holder": t(23)}

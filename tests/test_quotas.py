@@ -12,7 +12,7 @@ from procs import start_service
 from test_service_api import _silent_listener, assert_error, http, postgres_url, register  # noqa: F401 (fixture)
 
 from gpupool.errors import GPUPoolError
-from gpupool.hub_plugin.quotas import Limits, check, merge, parse_entry, parse_table, resolve
+from gpupool.hub_plugin.rules.quotas import Limits, check, merge, parse_entry, parse_table, resolve
 from gpupool.schema import LeaseRequest, LeaseState
 
 TABLE = parse_table({

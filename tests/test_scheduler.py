@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from gpupool.hub_plugin.nodes import death_reason
-from gpupool.hub_plugin.reclaim import decide, lost_nodes
+from gpupool.hub_plugin.rules.reclaim import decide, lost_nodes
 from gpupool.schema import LeaseState
 
-from gpupool.hub_plugin.scheduler import (
+from gpupool.hub_plugin.rules.scheduler import (
     FEW_ON_NODE, MODEL_MISMATCH, NO_ENVIRONMENT, NO_FRACTION, NO_MEMORY, NODE_LOST, UNHEALTHY, WHOLE_ONLY,
-    DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Shape, place, slice_delta, whole_delta, workload_of)
+    Demand, GPUState, Placement, Refusal, place)
+from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, Shape, slice_delta, whole_delta, workload_of
 
 GiB = 1024**3
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -179,7 +180,7 @@ def test_kernel_environment_is_the_kernel_name_without_gpupool_prefix(kernel, en
 
 
 def test_the_index_knows_which_environments_the_pool_offers():
-    from gpupool.hub_plugin.placement_index import PlacementIndex
+    from gpupool.hub_plugin.rules.placement_index import PlacementIndex
 
     index = PlacementIndex([gpu("a", 0, envs=("default",)), gpu("t", 0, envs=("default", "torch"))])
     assert index.environments() == ["default", "torch"] and index.offers("torch") and not index.offers("jax")
@@ -345,7 +346,7 @@ def test_placement_index_gives_the_same_answer_under_churn():
     import dataclasses
     import random
 
-    from gpupool.hub_plugin.placement_index import PlacementIndex
+    from gpupool.hub_plugin.rules.placement_index import PlacementIndex
 
     rng = random.Random(3)
     decisions = placed = 0
@@ -371,3 +372,20 @@ def test_placement_index_gives_the_same_answer_under_churn():
                 held.append(expected)
                 index.take(expected)
     assert decisions > 1000 and placed > 300  # both outcomes were exercised
+
+
+def test_the_rules_import_no_sql_web_or_zmq():
+    """The pure rules (hub_plugin/rules/), imported in a fresh interpreter, pull in no SQL, web or ZMQ module."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import gpupool.hub_plugin.rules as rules
+
+    names = [m.name for m in pkgutil.iter_modules(rules.__path__)]
+    code = ("import sys\n" + "".join(f"import gpupool.hub_plugin.rules.{name}\n" for name in names)
+            + "print(sorted(m for m in ('sqlalchemy', 'tornado', 'zmq', 'jupyter_client', 'socket', 'asyncio')"
+            " if m in sys.modules))")
+    assert len(names) >= 9
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"

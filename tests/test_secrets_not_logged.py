@@ -24,9 +24,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpupool import localpool
+from gpupool import demo_pool
 from gpupool.schema import LeaseRequest, LeaseState
 from procs import ServiceProc, free_port, start_agent, stop_process, wait_for
+from workercell import run_worker_cell
 
 USERS = ("ann", "bob", "root")  # root is the admin
 
@@ -70,7 +71,7 @@ def start_debug_service(root: Path, tokens: dict[str, str]) -> ServiceProc:
         f"c.GPUPool.api_tokens = {({token: user for user, token in tokens.items()})!r}",
         "c.GPUPool.admin_users = {'root'}",
     ]) + "\n")
-    return ServiceProc(localpool.start_service(state, config_file=config), {"tester": tokens["ann"], **tokens})
+    return ServiceProc(demo_pool.start_service(state, config_file=config), {"tester": tokens["ann"], **tokens})
 
 
 def refused_agent(root: Path, service: ServiceProc, token: str) -> None:
@@ -82,7 +83,7 @@ def refused_agent(root: Path, service: ServiceProc, token: str) -> None:
     token_file.write_text(token)
     token_file.chmod(0o600)
     log = state / "agent.log"
-    args = [*localpool.GPUPOOL, "agent", f"--service-url={service.url}", f"--token-file={token_file}",
+    args = [*demo_pool.GPUPOOL, "agent", f"--service-url={service.url}", f"--token-file={token_file}",
             "--name=node-refused", f"--port={free_port()}", f"--state-dir={state}", "--simulate=1xA100-80GB",
             "--log-level=DEBUG"]
     with log.open("ab") as out:
@@ -120,7 +121,7 @@ def test_no_token_or_worker_key_in_logs_or_error_messages(tmp_path, monkeypatch)
         lease = ann.get_lease(ann.create_lease(LeaseRequest(fraction=0.25)).id, wait=30, state="starting")
         assert lease.state is LeaseState.active and lease.connection["key"]
         keys.append(lease.connection["key"])
-        environ = asyncio.run(localpool.run_worker_cell(lease.connection, "import os; print(dict(os.environ))"))
+        environ = asyncio.run(run_worker_cell(lease.connection, "import os; print(dict(os.environ))"))
         assert "GPUPOOL_LEASE_ID" in environ and "PATH" in environ
         assert tokens["bob"] not in environ and service.agent_token not in environ, "user code sees no token"
         ann.heartbeat(lease.id)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from procs import start_agent, start_service, wait_for
 
-from gpupool.localpool import processes_mentioning
+from gpupool.demo_pool import processes_mentioning
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import Lease, LeaseRequest, LeaseState
@@ -207,9 +207,9 @@ def test_without_configured_tokens_the_service_writes_them(tmp_path):
     import getpass
     import stat
 
-    from gpupool import localpool
+    from gpupool import demo_pool
 
-    svc = localpool.start_service(tmp_path / "bare")
+    svc = demo_pool.start_service(tmp_path / "bare")
     try:
         for name in ("user_token", "agent_token"):
             assert stat.S_IMODE((svc.state_dir / name).stat().st_mode) == 0o600

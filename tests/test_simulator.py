@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from gpupool.cli import main as cli_main
-from gpupool.hub_plugin.scheduler import Placement
-from gpupool.hub_plugin.simulator_notebooks import policies, simulate_notebooks
-from gpupool.hub_plugin.simulator_openb import fill
-from gpupool.hub_plugin.simulator_pool import GPUSpec, Pool, uniform_pool
-from gpupool.hub_plugin.simulator_workload import Cell, NotebookWorkload, Session, build_sessions
+from gpupool.hub_plugin.rules.scheduler import Placement
+from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks
+from gpupool.hub_plugin.simulate.openb import fill
+from gpupool.hub_plugin.simulate.policies import policies
+from gpupool.hub_plugin.simulate.pool import GPUSpec, Pool, uniform_pool
+from gpupool.hub_plugin.simulate.workload import Cell, NotebookWorkload, Session, build_sessions
 
 FAR = 10**6  # sessions close long after the test's cells
 
@@ -180,13 +181,13 @@ def test_cli_on_tiny_traces(tmp_path, capsys):
 
 
 # -- issue 16: the simulator's own pure rules (ETA, dedicated), as tables ----------------------------------
-# Class order, pressure parks and preemption are the service's (hub_plugin/priority.py, tests/test_priority.py);
+# Class order, pressure parks and preemption are the service's (hub_plugin/rules/priority.py, tests/test_priority.py);
 # the replays below check that the simulator decides with them.
 
 from datetime import datetime, timedelta, timezone  # noqa: E402
 
-from gpupool.hub_plugin.priority import BATCH  # noqa: E402
-from gpupool.hub_plugin.simulator_rules import eta, peak_concurrent  # noqa: E402
+from gpupool.hub_plugin.rules.priority import BATCH  # noqa: E402
+from gpupool.hub_plugin.simulate.estimates import eta, peak_concurrent  # noqa: E402
 
 # Four GPUs on two nodes (0, 0, 1, 1).
 NODES = [0, 0, 1, 1]
@@ -206,7 +207,7 @@ def test_eta(milli, count, ahead, free, frees, expected):
 def test_peak_concurrent_and_the_dedicated_baseline():
     assert peak_concurrent([(0, 10, 1), (5, 15, 4), (10, 20, 8)]) == 12  # 10 ends before 10 starts
     workload = tiny_workload()
-    from gpupool.hub_plugin.simulator_notebooks import dedicated_gpus
+    from gpupool.hub_plugin.simulate.policies import dedicated_gpus
     # users 0 (A: 1 card), 1 (B: 1 card), 2 (C: 2 cards); none runs two cells at once.
     assert dedicated_gpus(workload) == {0: 1, 1: 1, 2: 2}
 
@@ -239,7 +240,7 @@ def test_an_early_park_gives_its_user_the_grace_from_the_ask():
 def backlog_run(policy, *, load=1.0, seconds=1000.0):
     """The one-cell notebook of :func:`test_batch_backlog_is_preempted_for_an_interactive_request`
     on 2 GPUs of one node, with a backlog of 1-GPU batch jobs of ``seconds``."""
-    from gpupool.hub_plugin.simulator_notebooks import BatchSource
+    from gpupool.hub_plugin.simulate.backlog import BatchSource
 
     cells = (Cell(0, 0, 60.0, 100.0),)
     sessions = (Session(0, 0, 0, 1, 1000, 60.0, 200.0, (0,)),)
@@ -269,8 +270,8 @@ def test_batch_backlog_is_preempted_for_an_interactive_request():
 
 # -- openb with CPU and memory ------------------------------------------------------------------------------
 
-from gpupool.hub_plugin.simulator_multidim import MultiCluster, node_fragmentation, task_types  # noqa: E402
-from gpupool.hub_plugin.simulator_workload import OpenbNode  # noqa: E402
+from gpupool.hub_plugin.simulate.multidim import MultiCluster, node_fragmentation, task_types  # noqa: E402
+from gpupool.hub_plugin.simulate.workload import OpenbNode  # noqa: E402
 
 
 def test_fragmentation_counts_every_dimension():
@@ -315,7 +316,7 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
     another user's that never started: two cells of one session; the never-started one is left out."""
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, Node, UsageRecord
-    from gpupool.hub_plugin.simulator_store import load_store
+    from gpupool.hub_plugin.simulate.store import load_store
 
     url = f"sqlite:///{tmp_path}/pool.sqlite"
     store = Store(url)
@@ -364,7 +365,7 @@ def test_cli_runs_on_generated_traces_without_data(capsys):
 
 
 def test_generated_notebook_month_has_the_trace_form():
-    from gpupool.hub_plugin.simulator_synthetic import sensei_rows
+    from gpupool.hub_plugin.simulate.synthetic import sensei_rows
 
     rows = sensei_rows(0, days=2)
     assert rows == sorted(rows, key=lambda r: (r[2], r[0]))
@@ -381,3 +382,30 @@ def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
     chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=None)
     result = simulate_notebooks(tiny_workload(), chosen["gpupool"], 2, per_node=2, with_eta=True)
     assert result.eta_errors == ((300.0, None, 780.0), (360.0, 660.0, 600.0))
+
+
+# -- issue 14: the replay imports nothing that does I/O ---------------------------------------------------
+
+#: The replay's modules; beside them, traces.py reads CSV files, store.py a store, cli.py is the command.
+REPLAY = ("notebooks", "policies", "sweep", "waiting", "backlog", "eta_log", "results", "openb", "multidim", "pool",
+          "workload", "estimates", "synthetic")
+IO_PACKAGES = ("sqlalchemy", "alembic", "psycopg", "tornado", "zmq", "jupyter_client", "socket", "csv", "asyncio")
+
+
+def test_the_replay_imports_only_the_rules_and_numpy():
+    """Imported in a fresh interpreter, the replay pulls in no SQL, web, ZMQ or file-reading module,
+    and of gpupool only the pure rules and the shared schema/units."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n" + "".join(f"import gpupool.hub_plugin.simulate.{name}\n" for name in REPLAY)
+            + f"print(sorted(m for m in {IO_PACKAGES!r} if m in sys.modules))\n"
+            + "print(sorted(m for m in sys.modules if m.startswith('gpupool.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    io, ours = out.splitlines()
+    assert io == "[]"
+    allowed = ("gpupool.hub_plugin.rules", "gpupool.hub_plugin.simulate", "gpupool.schema", "gpupool.units",
+               "gpupool.errors", "gpupool.hub_plugin")
+    assert [m for m in eval(ours) if not m.startswith(allowed)] == []
+    assert not [m for m in eval(ours) if m.startswith("gpupool.hub_plugin.simulate.")
+                and m.rpartition(".")[2] not in REPLAY]

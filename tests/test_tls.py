@@ -24,10 +24,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gpupool import localpool
+from gpupool import demo_pool
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from gpupool.schema import LeaseRequest, LeaseState
 from procs import processes_mentioning, start_service, stop_process, wait_for
 
@@ -91,8 +91,8 @@ def _tls_args(pki) -> list[str]:
     return [f"--ssl-cert={pki['cert']}", f"--ssl-key={pki['key']}"]
 
 
-def _start_agent(root: Path, service, name: str, args: list[str], client: ServiceClient) -> localpool.AgentProcess:
-    return localpool.start_agent(root / f"agent-{name}", service.process, name=name, simulate="1xA100-80GB",
+def _start_agent(root: Path, service, name: str, args: list[str], client: ServiceClient) -> demo_pool.AgentProcess:
+    return demo_pool.start_agent(root / f"agent-{name}", service.process, name=name, simulate="1xA100-80GB",
                                  extra_args=args, client=client)
 
 
@@ -158,7 +158,7 @@ def test_a_client_without_the_ca_gets_a_certificate_error_not_a_traceback(tls_po
 def test_an_agent_without_the_ca_does_not_register_and_says_why(tmp_path, tls_pool):
     service, _, client = tls_pool
     state, log = tmp_path / "doubter", tmp_path / "doubter.log"
-    args = [*localpool.GPUPOOL, "agent", f"--service-url={service.url}",
+    args = [*demo_pool.GPUPOOL, "agent", f"--service-url={service.url}",
             f"--token-file={service.process.agent_token_file}", "--name=doubter", "--port=0",
             f"--state-dir={state}", "--simulate=1xA100-80GB"]
     with log.open("ab") as out:

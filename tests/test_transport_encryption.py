@@ -23,7 +23,7 @@ from jupyter_client.session import Session
 from zmq.utils.monitor import recv_monitor_message
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from gpupool.magics.remote import RemoteKernel
 from procs import start_agent, start_service
 

@@ -23,7 +23,7 @@ from gpupool.provisioner.simulated import SimulatedInventory
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
 from gpupool.provisioner.workers.binding import bind_code, preload_code
 from gpupool.provisioner.workers.warmpool import WarmPool
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from procs import processes_mentioning, wait_for
 
 GiB = 1024**3

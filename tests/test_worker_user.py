@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 from gpupool.provisioner.worker_user import WorkerUser
 from gpupool.schema import LeaseRequest, LeaseState
 from procs import processes_mentioning, start_agent, start_service, wait_for

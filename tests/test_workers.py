@@ -21,7 +21,7 @@ from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, Worker
 from gpupool.provisioner.workers.kernel import kernel_arguments
 from gpupool.provisioner.workers.process import worker_process
 from procs import processes_mentioning
-from gpupool.localpool import run_worker_cell
+from workercell import run_worker_cell
 
 GiB = 1024**3
 GPUS = SimulatedInventory("2xA100-80GB", "node-1").discover()

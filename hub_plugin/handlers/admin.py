@@ -9,7 +9,8 @@ from datetime import timedelta
 from gpupool.errors import bad_request
 from gpupool.schema import isoformat
 
-from .. import quotas, usage
+from .. import usage
+from ..rules import quotas
 from ..auth import Identity, forbidden
 from .base import APIHandler
 

@@ -175,7 +175,7 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
             # Expected: one line, no traceback. 5xx ones are worth a warning.
             level = logging.WARNING if value.status >= 500 else logging.DEBUG
             log.log(level, "%s %s -> %d %s: %s", self.request.method, self.request.path,
-                    value.status, value.code, value.log_message)
+                    value.status, value.code, value.message)
         else:
             super().log_exception(typ, value, tb)
 

@@ -50,6 +50,13 @@ class LeaseCgroup(ABC):
         raise CgroupError(f"host CPU and memory limits need a cgroup, and this agent runs without one "
                           f"(c.NodeAgent.cgroup_mode = {self.kind!r})")
 
+    def oom_kills(self) -> int | None:
+        """How many of the cgroup's processes the kernel's OOM killer has
+        killed so far (its memory limit reached, or the host's memory); None
+        when this kind of cgroup, or one without the memory controller,
+        cannot tell. Read it before :meth:`remove`."""
+        return None
+
 
 class Containment(ABC):
     """The agent's subtree: makes, finds and lists lease cgroups. ``mode``

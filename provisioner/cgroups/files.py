@@ -66,6 +66,21 @@ def rmdir(folder: Path, grace: float = 1.0) -> None:
             raise CgroupError(f"cannot remove the cgroup {folder}: {exc.strerror}") from None
 
 
+def counter(path: Path, key: str) -> int | None:
+    """The value of line ``key N`` of a flat-keyed cgroup file (``memory.events``,
+    ``memory.oom_control``; ``key`` empty: the number a single-value file holds,
+    ``memory.failcnt``); None when the file or the line is missing."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.strip().rpartition(" ")
+        if name == key and value.isdigit():
+            return int(value)
+    return None
+
+
 def sigkill(pids: Iterable[int]) -> None:
     for pid in pids:
         try:

@@ -54,6 +54,11 @@ class HybridCgroup(V2Cgroup):
                 part.add(pid)
             part.set_limits(cpu=v1.get("cpu"), memory=v1.get("memory"))
 
+    def oom_kills(self) -> int | None:
+        # memory.events exists only where v2 has the memory controller; else the v1 memory cgroup counts.
+        kills = super().oom_kills()
+        return kills if kills is not None else self.v1.oom_kills()
+
     def remove(self) -> None:
         super().remove()
         for path in self.v1.paths.values():

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from .contract import CgroupError, Containment, LeaseCgroup
-from .files import POLL_S, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs, wait_empty, write
+from .files import (POLL_S, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs,
+                    wait_empty, write)
 
 
 class V1Cgroup(LeaseCgroup):
@@ -69,6 +70,16 @@ class V1Cgroup(LeaseCgroup):
         if cpu is not None:
             write(self.paths["cpu"] / "cpu.cfs_period_us", "100000")
             write(self.paths["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(cpu * 100_000))))
+
+    def oom_kills(self) -> int | None:
+        if "memory" not in self.paths:
+            return None
+        kills = counter(self.paths["memory"] / "memory.oom_control", "oom_kill")
+        if kills is None:
+            # Before Linux 4.13 no oom_kill line: the times usage hit the limit is the nearest sign
+            # (without swap, a process that keeps asking past it is OOM-killed).
+            kills = counter(self.paths["memory"] / "memory.failcnt", "")
+        return kills
 
 
 class V1Containment(Containment):

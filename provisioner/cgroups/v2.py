@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from .contract import CgroupError, Containment, LeaseCgroup
-from .files import POLL_S, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs, wait_empty, write
+from .files import (POLL_S, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs,
+                    wait_empty, write)
 
 
 class V2Cgroup(LeaseCgroup):
@@ -65,6 +66,10 @@ class V2Cgroup(LeaseCgroup):
             write(self.path / "memory.max", str(int(memory)))
         if cpu is not None:
             write(self.path / "cpu.max", f"{max(1000, int(cpu * 100_000))} 100000")
+
+    def oom_kills(self) -> int | None:
+        # Its subtree's kills, by its own limit or the host's (no memory.events without the controller).
+        return counter(self.path / "memory.events", "oom_kill")
 
 
 class V2Containment(Containment):

@@ -31,7 +31,7 @@ import logging
 import math
 from typing import ClassVar, Sequence
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .watchdog import MemoryWatchdog
 

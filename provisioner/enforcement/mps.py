@@ -22,7 +22,7 @@ import os
 import subprocess
 from typing import ClassVar, Sequence
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .base import MiB, EnforcementMode
 

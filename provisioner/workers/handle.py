@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 from jupyter_client.manager import AsyncKernelManager
 
-from gpupool.schema import WorkerReport
+from gpupool.wire.nodes import WorkerReport
 
 from ..activity import WorkerActivity
 from ..cgroups import LeaseCgroup
@@ -50,6 +50,7 @@ class Worker:
         self.activity = WorkerActivity()
         self.exit_code: int | None = None
         self.ended = False  # its process is gone (a re-adopted one's exit code stays unknown)
+        self.death: str | None = None  # once dead by itself: why, in words for the user (out of memory...)
         self.stopping = False  # the agent is stopping it: its exit is no death to report
         self.watcher: asyncio.Future | None = None
 
@@ -81,7 +82,7 @@ class Worker:
         """This worker as a heartbeat's WorkerReport."""
         if self.dead:
             return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code,
-                                reason=self.process.exit_note)
+                                reason=self.death or self.process.exit_note)
         return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
                             idle_since=self.activity.idle_since_iso(), memory_used=memory_used)
 

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Mapping
 
-from gpupool.schema import WorkerReport
+from gpupool.wire.nodes import WorkerReport
 
 from ..cgroups import Containment, containment
 from ..host_limits import enforce as enforce_host_limits

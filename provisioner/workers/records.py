@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from .process import running
 from .spec import LeaseSlice

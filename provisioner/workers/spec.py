@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from gpupool.kernelcmd import WORKER_EXTENSION
-from gpupool.schema import GPUInfo
+from gpupool.wire.nodes import GPUInfo
 
 from ..enforcement import EnforcementMode, Timeslice
 from ..worker_user import WorkerUser, WorkerUserPool

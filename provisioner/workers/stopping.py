@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cgroups import CgroupError, LeaseCgroup
+from ..host_limits import out_of_memory
 from .accounts import WorkerAccounts
 from .handle import Worker
 from .records import record_path
@@ -65,7 +66,8 @@ class Reaper:
     def reap(self, worker: Worker) -> None:
         """Reap ``worker``, whose process exited by itself: kill its cgroup
         (without one: its process group) on the spot, so processes it started
-        do not keep GPU memory, and learn its exit code. Blocking, briefly."""
+        do not keep GPU memory, and learn its exit code and, when its memory
+        limit ended it, why (:func:`..host_limits.out_of_memory`). Blocking, briefly."""
         contained = worker.cgroup.kind != "none"
         if contained:
             try:
@@ -74,10 +76,12 @@ class Reaper:
                 self.log.error("could not kill what the dead worker of lease %s left: %s", worker.name, exc)
         worker.process.kill_group(contained)
         worker.exit_code, worker.ended = worker.process.wait(), True
+        worker.death = out_of_memory(worker.cgroup, worker.spec.host_memory, worker.exit_code)
         if worker.watcher is not None:
             worker.watcher.cancel()
-        self.log.warning("the worker (pid %s) of lease %s died with exit code %s; its last output:\n%s",
-                         worker.pid, worker.spec.lease_id, worker.exit_code, worker.log_tail() or "(none)")
+        self.log.warning("the worker (pid %s) of lease %s died with exit code %s%s; its last output:\n%s",
+                         worker.pid, worker.spec.lease_id, worker.exit_code,
+                         f" ({worker.death})" if worker.death else "", worker.log_tail() or "(none)")
 
 
 def kill_and_remove(cgroup: LeaseCgroup, timeout: float) -> None:

@@ -2,7 +2,7 @@
 requests, GPU states and time in, placements out.
 
 A request with ``wait`` that does not fit now is stored ``queued``
-(:mod:`.leases`); whenever capacity frees (a lease ends, a node registers,
+(:mod:`gpupool.hub_plugin.leases`); whenever capacity frees (a lease ends, a node registers,
 every reclaim sweep) :func:`drain` decides which queued requests to place.
 
 Classes first (:mod:`.priority`): every ``interactive`` request goes before

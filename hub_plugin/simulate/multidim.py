@@ -8,9 +8,10 @@ all three fit. Tasks drawn (seeded, with replacement) arrive one after
 another and never leave; unallocated GPU share is measured as the arrived
 GPU demand grows past capacity.
 
-**Fragmentation, every dimension** (:func:`.fragmentation.node_fragmentation`,
-the rule the service's placement uses too; the paper's definition): the expected GPU capacity of a node that the next task, drawn
-from the workload's mix of task types, could not use. For a task type that
+**Fragmentation, every dimension**
+(:func:`gpupool.hub_plugin.rules.fragmentation.node_fragmentation`, the rule
+the service's placement uses too; the paper's definition): the expected GPU
+capacity of a node that the next task, drawn from the workload's mix of task types, could not use. For a task type that
 does not fit the node at all (too few free cores, too little free memory,
 or no GPU with room) every unallocated GPU of the node counts; for one that
 fits, the GPUs too small for it (free share below its fraction, or any
@@ -24,7 +25,7 @@ amount, so their definition does not change a decision).
   least (Weng et al.'s FGD, with the sampled tasks' mix as the workload);
   ties to the lowest node and GPU. This is the rule proposed for the
   service's multi-dimension placement too (``scheduler.place`` calls the
-  same :func:`.fragmentation.node_fragmentation` on nodes where host CPU or
+  same :func:`gpupool.hub_plugin.rules.fragmentation.node_fragmentation` on nodes where host CPU or
   memory binds);
 - ``bestfit``: the node left with the least free resources, the sum of its
   free GPU, CPU and memory shares after placement, then its tightest GPU;
@@ -38,9 +39,9 @@ import time
 
 import numpy as np
 
-from .fragmentation import FULL, TaskTypes, node_fragmentation, task_types  # noqa: F401 (re-exported)
-from .simulator_openb import FillResult
-from .simulator_workload import OpenbNode, OpenbTasks
+from ..rules.fragmentation import FULL, TaskTypes, node_fragmentation, task_types  # noqa: F401 (re-exported)
+from .openb import Checkpoints, FillResult
+from .workload import OpenbNode, OpenbTasks
 
 POLICIES = ("fgd", "bestfit", "firstfit", "random")
 class MultiCluster:
@@ -111,7 +112,7 @@ class MultiCluster:
             free = self.gpu[nodes]  # (N, G)
             same_before = np.tril(free[:, :, None] == free[:, None, :], k=-1).any(axis=2)  # an earlier twin
             rows, cols = np.nonzero((free >= milli) & ~same_before)
-            cand_node, cand_gpu = nodes[rows], cols
+            cand_node = nodes[rows]
             after = free[rows].copy()
             after[np.arange(len(rows)), cols] -= milli
         else:
@@ -150,8 +151,7 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
     cluster = MultiCluster(nodes, task_types(tasks.cpu, tasks.memory, tasks.num, tasks.milli), seed)
     capacity = int(cluster.gpu_total.sum()) * FULL
     allocated = arrived = failed = 0
-    points, unalloc, fails = [], [], []
-    mark = step
+    curve = Checkpoints(capacity, step)
     for i, (cpu, mem, num, milli) in enumerate(zip(tasks.cpu.tolist(), tasks.memory.tolist(), tasks.num.tolist(),
                                                    tasks.milli.tolist())):
         arrived += num * milli
@@ -161,10 +161,5 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
         else:
             cluster.take(chosen[0], chosen[1], cpu, mem, milli)
             allocated += num * milli
-        while arrived >= mark * capacity - 1e-6:
-            points.append(round(mark, 6))
-            unalloc.append(1 - allocated / capacity)
-            fails.append(failed / (i + 1))
-            mark += step
-    return FillResult(policy, np.array(points), np.array(unalloc), np.array(fails), len(tasks.num),
-                      time.perf_counter() - wall)
+        curve.after(i, arrived, allocated, failed)
+    return curve.result(policy, len(tasks.num), time.perf_counter() - wall)

@@ -1,7 +1,7 @@
 """Lease classes and pressure: who goes first, and what is taken back early.
 
 Pure: leases, waiting requests and limits in, decisions out (no
-SQL, no clock). The service's sweep (:mod:`.pressure`), the simulator and
+SQL, no clock). The service's sweep (:mod:`gpupool.hub_plugin.pressure`), the simulator and
 the tests call the same functions.
 
 **Classes.** ``interactive`` (the default: a person at a notebook) and

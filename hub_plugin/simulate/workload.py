@@ -1,7 +1,8 @@
-"""Workloads for the trace-driven simulator: read the public traces, build sessions.
+"""Workloads for the trace-driven simulator: what a replay is given, and the
+session rule that builds sessions from trace rows.
 
-Pure data preparation, seeded, no I/O beyond reading the CSV files. Sources
-(see ``../shared/data/README.md``):
+Pure data preparation, seeded, no I/O (the CSV readers are :mod:`.traces`). Sources
+(see docs/simulate.md, "Traces"):
 
 - ``sensei_june_60sec.csv``: Adobe Sensei notebook cell executions, June 2021,
   as released with NotebookOS (Carver et al., arXiv 2503.20591). One row per
@@ -37,27 +38,9 @@ sessions need whole GPUs.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-
-#: Where ``bench/simulate_report.py`` looks for the public traces (relative to the
-#: repository root). ``gpupool simulate`` has no default folder: without ``--data``
-#: it generates traces (:mod:`.simulator_synthetic`).
-DEFAULT_DATA = Path("../shared/data")
-SENSEI = "sensei_june_60sec.csv"
-OPENB_PODS = "openb_pod_list_default.csv"
-OPENB_NODES = "openb_node_list_gpu_node.csv"
-
-#: Memory of one GPU per openb model, in bytes (decimal GB, a multiple of 1000 so
-#: ``int(milli / 1000 * memory)`` never rounds up). G1-G3 are undisclosed; 32 GB assumed.
-#: Memory never limits placement here: a slice's memory is its fraction's share.
-OPENB_MODEL_MEMORY = {"T4": 16, "P100": 16, "V100M16": 16, "V100M32": 32, "A10": 24,
-                      "G1": 32, "G2": 32, "G3": 32}
-GB = 10**9
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -99,21 +82,6 @@ class NotebookWorkload:
                    for c in self.cells) / 3600
 
 
-def read_sensei(data: Path) -> list[tuple[int, int, float, float]]:
-    """Rows ``(job_id, num_gpu, submit_s, duration_s)`` sorted by (submit, job id)."""
-    with open(Path(data) / SENSEI, newline="") as fh:
-        rows = [(int(r["job_id"]), int(r["num_gpu"]), float(r["submit_time"]) * 60, float(r["duration"]) * 60)
-                for r in csv.DictReader(fh)]
-    rows.sort(key=lambda r: (r[2], r[0]))
-    return rows
-
-
-def openb_slice_millis(data: Path) -> np.ndarray:
-    """``gpu_milli`` of every openb pod with ``num_gpu == 1`` (1..1000)."""
-    with open(Path(data) / OPENB_PODS, newline="") as fh:
-        return np.array([int(r["gpu_milli"]) for r in csv.DictReader(fh) if r["num_gpu"] == "1"], dtype=np.int64)
-
-
 def zipf_weights(users: int, s: float) -> np.ndarray:
     """Probabilities of users ranked 1..users under Zipf(``s``)."""
     w = np.arange(1, users + 1, dtype=float) ** -s
@@ -123,7 +91,7 @@ def zipf_weights(users: int, s: float) -> np.ndarray:
 def build_sessions(rows: list[tuple[int, int, float, float]], millis: np.ndarray, *, users: int = 100,
                    groups: int = 4, zipf_s: float = 1.0, workday_s: float = 8 * 3600.0,
                    seed: int = 0) -> NotebookWorkload:
-    """Group cell ``rows`` (from :func:`read_sensei`, sorted) into sessions; see the module docstring."""
+    """Group cell ``rows`` (from :func:`.traces.read_sensei`, sorted) into sessions; see the module docstring."""
     rng = np.random.default_rng(seed)
     owner = rng.choice(users, size=len(rows), p=zipf_weights(users, zipf_s))
     open_by_key: dict[tuple[int, int], list[list]] = {}  # (user, gpus) -> [[id, opened, busy_until, cells]]
@@ -153,11 +121,6 @@ def build_sessions(rows: list[tuple[int, int, float, float]], millis: np.ndarray
             f"earliest open idle session of its user and size; 1-GPU sessions need a slice drawn from openb's "
             f"gpu_milli; seed {seed}")
     return NotebookWorkload(tuple(cells), built, rule)
-
-
-def sensei_workload(data: Path = DEFAULT_DATA, *, seed: int = 0, **rule) -> NotebookWorkload:
-    """The sensei month as sessions (:func:`build_sessions` with ``rule`` keywords)."""
-    return build_sessions(read_sensei(data), openb_slice_millis(data), seed=seed, **rule)
 
 
 @dataclass(frozen=True)
@@ -190,27 +153,3 @@ class OpenbTasks:
         """Only the pods that ask for a GPU."""
         keep = self.num >= 1
         return OpenbTasks(self.cpu[keep], self.memory[keep], self.num[keep], self.milli[keep], self.lifetime[keep])
-
-
-def read_openb(data: Path = DEFAULT_DATA) -> tuple[list[OpenbNode], np.ndarray, np.ndarray]:
-    """``(nodes, num_gpu, gpu_milli)`` of openb: nodes in file order; for the GPU pods
-    (``num_gpu >= 1``) their GPU count and their per-GPU milli (1000 for whole GPUs)."""
-    nodes, tasks = read_openb_tasks(data)
-    gpu = tasks.gpu_pods()
-    return nodes, gpu.num, gpu.milli
-
-
-def read_openb_tasks(data: Path = DEFAULT_DATA) -> tuple[list[OpenbNode], OpenbTasks]:
-    """openb's nodes (with cores and RAM) and all its pods (:class:`OpenbTasks`)."""
-    with open(Path(data) / OPENB_NODES, newline="") as fh:
-        nodes = [OpenbNode(r["sn"], int(r["gpu"]), r["model"], OPENB_MODEL_MEMORY.get(r["model"], 32) * GB,
-                           int(r["cpu_milli"]), int(r["memory_mib"])) for r in csv.DictReader(fh)]
-    with open(Path(data) / OPENB_PODS, newline="") as fh:
-        pods = list(csv.DictReader(fh))
-    num = np.array([int(r["num_gpu"]) for r in pods], dtype=np.int64)
-    milli = np.array([int(r["gpu_milli"]) if n == 1 else (1000 if n > 1 else 0) for r, n in zip(pods, num)],
-                     dtype=np.int64)
-    life = np.array([max(1.0, float(r["deletion_time"] or 0) - float(r["scheduled_time"] or r["creation_time"] or 0))
-                     for r in pods])
-    return nodes, OpenbTasks(np.array([int(r["cpu_milli"]) for r in pods], dtype=np.int64),
-                             np.array([int(r["memory_mib"]) for r in pods], dtype=np.int64), num, milli, life)

@@ -1,10 +1,10 @@
 """The simulated pool: GPU allocations, and placement by the real scheduler.
 
-Every placement decision is :func:`.scheduler.place`'s, given
-:class:`~.scheduler.GPUState` rows as the service builds them
-(:func:`.capacity.gpu_states`), with the allocation summed from what the
+Every placement decision is :func:`gpupool.hub_plugin.rules.scheduler.place`'s, given
+:class:`~gpupool.hub_plugin.rules.scheduler.GPUState` rows as the service builds them
+(:func:`gpupool.hub_plugin.capacity.gpu_states`), with the allocation summed from what the
 simulated leases hold. Nothing here re-decides placement: the pool keeps a
-:class:`.placement_index.PlacementIndex`, which returns ``place()``'s answer
+:class:`gpupool.hub_plugin.rules.placement_index.PlacementIndex`, which returns ``place()``'s answer
 on all GPUs without scanning them (``full_scan=True`` calls ``place()`` on
 every GPU, as a check; ``tests/test_simulator.py`` compares the two).
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .placement_index import PlacementIndex
-from .scheduler import DEFAULT_WORKLOAD, Demand, GPUState, Placement, Refusal, Workload, place
+from ..rules.placement_index import PlacementIndex
+from ..rules.scheduler import Demand, GPUState, Placement, Refusal, place
+from ..rules.workload import DEFAULT_WORKLOAD, Workload
 
 FULL = 1000  # milli in one GPU
 

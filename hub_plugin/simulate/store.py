@@ -1,9 +1,9 @@
 """Read a pool's own history from its store, as a workload the replay can run.
 
-Who calls it: ``gpupool simulate --from-store URL`` (:mod:`.simulator`). It
+Who calls it: ``gpupool simulate --from-store URL`` (:mod:`.cli`). It
 does I/O (SQL through SQLAlchemy) and nothing else: the replay
-(:mod:`.simulator_notebooks`) stays pure and gets a
-:class:`.simulator_workload.NotebookWorkload` like any trace's.
+(:mod:`.notebooks`) stays pure and gets a
+:class:`.workload.NotebookWorkload` like any trace's.
 
 What is read: every lease that started and ended (``leases``: owner, groups,
 kernel, fraction, GPU count, idle timeout, created/started/ended times, end
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .simulator_workload import Cell, NotebookWorkload, Session
+from .workload import Cell, NotebookWorkload, Session
 
 #: What the store does not record that a faithful replay would need.
 MISSING = (
@@ -62,7 +62,7 @@ def load_store(url: str) -> StoreHistory:
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.orm import Session as SQLSession
 
-    from .models import GPU, Lease, UsageRecord
+    from ..models import GPU, Lease, UsageRecord
 
     try:
         engine = create_engine(url)

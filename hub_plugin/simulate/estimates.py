@@ -3,13 +3,13 @@ dedicated baseline.
 
 No clock, no I/O: literal inputs, literal outputs (``tests/test_simulator.py``
 tables them). Class order, pressure parks and preemption are the service's
-rules (:mod:`.priority`), which the replay calls itself.
+rules (:mod:`gpupool.hub_plugin.rules.priority`), which the replay calls itself.
 
 - **ETA** (:func:`eta`): when a waiting request fits, given the times at
   which held capacity frees (idle deadlines, parks due under pressure,
   running leases' expected ends learnt from history) and the requests ahead
   of it, placed on the node (first fit) as whole GPUs or a slice; the
-  service's :mod:`.eta` counts GPUs only.
+  service's :mod:`gpupool.hub_plugin.rules.eta` counts GPUs only.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ comparable). GPU models are ignored (``gpu_spec`` is empty in every row).
 
 Policies (:data:`OPENB_POLICIES`):
 
-- ``gpupool``: :func:`.scheduler.place` (fragmentation-aware best fit, with
+- ``gpupool``: :func:`gpupool.hub_plugin.rules.scheduler.place` (fragmentation-aware best fit, with
   the sampled tasks' mix as the expected workload, as Weng et al.'s FGD
-  uses the target workload), through :class:`.simulator_pool.Pool`;
+  uses the target workload), through :class:`.pool.Pool`;
 - ``firstfit``: the first GPU by (node, index) that fits; whole GPUs: the first node with enough free GPUs;
 - ``bestfit``: the node left with the least free GPU capacity, then the
   tightest GPU on it (Weng et al.'s BestFit, on the GPU dimension);
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scheduler import Placement, workload_of
-from .simulator_pool import FULL, GPUSpec, Pool, demand_of
-from .simulator_workload import OpenbNode
+from ..rules.scheduler import Placement
+from ..rules.workload import workload_of
+from .pool import FULL, GPUSpec, Pool, demand_of
+from .workload import OpenbNode
 
 OPENB_POLICIES = ("gpupool", "firstfit", "bestfit", "random")
 
@@ -53,6 +54,29 @@ class FillResult:
     def at(self, load: float) -> float:
         """Unallocated share at the first checkpoint at or above ``load``."""
         return float(self.unallocated[np.searchsorted(self.arrived, load - 1e-9)])
+
+
+class Checkpoints:
+    """A fill's curve: each time arrived GPU demand passes another ``step`` of
+    ``capacity`` (milli), the unallocated share and the share of failed tasks."""
+
+    def __init__(self, capacity: int, step: float) -> None:
+        self.capacity, self.step, self.mark = capacity, step, step
+        self.points: list[float] = []
+        self.unallocated: list[float] = []
+        self.failed: list[float] = []
+
+    def after(self, task: int, arrived: int, allocated: int, failed: int) -> None:
+        """Record the checkpoints passed once task ``task`` (0-based) was tried."""
+        while arrived >= self.mark * self.capacity - 1e-6:
+            self.points.append(round(self.mark, 6))
+            self.unallocated.append(1 - allocated / self.capacity)
+            self.failed.append(failed / (task + 1))
+            self.mark += self.step
+
+    def result(self, policy: str, decisions: int, seconds: float) -> FillResult:
+        return FillResult(policy, np.array(self.points), np.array(self.unallocated), np.array(self.failed),
+                          decisions, seconds)
 
 
 def openb_specs(nodes: list[OpenbNode]) -> list[GPUSpec]:
@@ -116,8 +140,7 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
         pool = Pool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
     arrays = _ArrayPool(specs, seed=0) if pool is None else None
     allocated = arrived = failed = 0
-    points, unalloc, fails = [], [], []
-    mark = step
+    curve = Checkpoints(capacity, step)
     for i, (gpus, m) in enumerate(zip(num.tolist(), milli.tolist())):
         want = gpus * m
         arrived += want
@@ -135,10 +158,5 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
             else:
                 arrays.free[chosen] -= m
                 allocated += want
-        while arrived >= mark * capacity - 1e-6:
-            points.append(round(mark, 6))
-            unalloc.append(1 - allocated / capacity)
-            fails.append(failed / (i + 1))
-            mark += step
-    return FillResult(policy, np.array(points), np.array(unalloc), np.array(fails), len(num),
-                      time.perf_counter() - wall)
+        curve.after(i, arrived, allocated, failed)
+    return curve.result(policy, len(num), time.perf_counter() - wall)

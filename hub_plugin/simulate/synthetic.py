@@ -6,12 +6,12 @@ seeded, shaped after the traces' published summary figures (not copied
 from them):
 
 - :func:`sensei_rows`: notebook cells, ``(job_id, num_gpu, submit_s,
-  duration_s)`` sorted, as :func:`.simulator_workload.read_sensei` returns.
+  duration_s)`` sorted, as :func:`.workload.read_sensei` returns.
   Arrivals Poisson at ``per_hour`` (43/h, as the sensei month), sizes 1, 4
   and 8 GPUs (49 %, 20 %, 31 %), durations whole minutes, log-normal with a
   median of 5 min and p90 of 32 min, plus 2 % long cells (median 10 h).
 - :func:`openb_tables`: a GPU cluster and its tasks as
-  :func:`.simulator_workload.read_openb_tasks` returns: nodes of 8, 4 and 2
+  :func:`.workload.read_openb_tasks` returns: nodes of 8, 4 and 2
   GPUs with 96/64/32 cores and 384/256/128 GiB; tasks 13 % CPU-only, 44 %
   GPU slices (fractions 320, 470, 650, 810 milli and a few others), the rest
   1, 2, 4 or 8 whole GPUs, with CPU and memory asks that grow with them;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .simulator_workload import OpenbNode, OpenbTasks
+from .workload import OpenbNode, OpenbTasks
 
 GIB_MIB = 1024
 

@@ -1,6 +1,6 @@
 """An index over GPU states that gives :func:`.scheduler.place`'s answer
 without scanning every GPU. Pure, in memory; the service keeps one
-(:class:`.capacity.CapacityIndex`), as do the simulator and
+(:class:`gpupool.hub_plugin.capacity.CapacityIndex`), as do the simulator and
 bench/scheduler_bench.py. ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
 checks it against ``place()`` on random pools under churn.
 
@@ -10,7 +10,7 @@ Why it is the same answer:
   ``(fragmentation growth, free left, node, index)``
   (:func:`.scheduler.slice_key`). On a GPU that is not wholly free the
   growth depends only on its free fraction; on a wholly free one, only on
-  how many wholly free GPUs its node has (:func:`.scheduler.slice_delta`).
+  how many wholly free GPUs its node has (:func:`.workload.slice_delta`).
   So GPUs fall into classes — partly taken GPUs by free fraction, wholly
   free ones by their node's idle count — whose members differ only in
   ``(node, index)``, and only the least member of each class that fits can
@@ -55,8 +55,8 @@ from collections import Counter
 from typing import Iterable
 
 from .hosts import HostState, host_misfit, proportional
-from .scheduler import (DEFAULT_WORKLOAD, EPSILON, Demand, GPUState, Placement, Refusal, Workload, _whole_free,
-                        place, slice_misfit)
+from .scheduler import Demand, GPUState, Placement, Refusal, _whole_free, place, slice_misfit
+from .workload import DEFAULT_WORKLOAD, EPSILON, Workload
 
 #: How far below the asked fraction the search for partly taken GPUs starts (>> float noise).
 WINDOW = 1e-8

@@ -1,4 +1,4 @@
-"""What one replay of :mod:`.simulator_notebooks` measured, and its figures.
+"""What one replay of :mod:`.notebooks` measured, and its figures.
 
 GPU-hours: ``held`` = sum of fraction x GPUs x hours leased; ``busy`` = what
 running cells and batch jobs need (slice or whole GPUs) x hours run, for the
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .priority import BATCH, INTERACTIVE
+from ..rules.priority import BATCH, INTERACTIVE
+from .pool import FULL
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,47 @@ def rows(results) -> list[list]:
     return [[r.policy, r.pool_size, f"{r.held_gpu_hours:,.0f}", f"{r.busy_gpu_hours:,.0f}",
              f"{r.cluster_utilization:.1%}", f"{r.utilization:.1%}", waits(r, INTERACTIVE), waits(r, BATCH),
              f"{r.per_user_day(r.parks):.2f}", f"{r.per_user_day(r.preemptions):.2f}"] for r in results]
+
+
+@dataclass
+class Tally:
+    """What a replay counts while it runs, in seconds and GPU-seconds
+    (:meth:`result` gives hours). ``period``: seconds cluster utilization is
+    measured over; ``waits``: per interactive cell (NaN until it starts)."""
+
+    period: float
+    waits: list[float]
+    batch_waits: list[float] = field(default_factory=list)
+    held: float = 0.0
+    busy: float = 0.0
+    lost: float = 0.0
+    busy_in_period: float = 0.0
+    busy_by_class: dict[str, float] = field(default_factory=dict)
+    held_by_group: dict[int, float] = field(default_factory=dict)
+    acquisitions: int = 0
+    peak_milli: int = 0
+    parks: int = 0
+    early_parks: int = 0
+    preemptions: int = 0
+
+    def ran(self, gpus: float, seconds: float, klass: str, run_start: float, now: float) -> None:
+        """``gpus`` of class ``klass`` did ``seconds`` of useful work, running from ``run_start`` to ``now``."""
+        work = gpus * seconds
+        self.busy += work
+        self.busy_in_period += gpus * max(0.0, min(now, self.period) - run_start)
+        self.busy_by_class[klass] = self.busy_by_class.get(klass, 0.0) + work
+
+    def released(self, gpu_seconds: float, group: int) -> None:
+        """A lease of ``group`` ended, having held ``gpu_seconds``."""
+        self.held += gpu_seconds
+        self.held_by_group[group] = self.held_by_group.get(group, 0.0) + gpu_seconds
+
+    def result(self, policy: str, pool_size: int, seconds: float, users: int, eta_errors) -> NotebookResult:
+        """The replay's :class:`NotebookResult` (``seconds``: its wall-clock time)."""
+        return NotebookResult(policy, pool_size, self.held / 3600, self.busy / 3600, np.array(self.waits),
+                              self.acquisitions - len(self.batch_waits), self.peak_milli / FULL,
+                              {g: h / 3600 for g, h in sorted(self.held_by_group.items())},
+                              seconds, self.period, users, np.array(self.batch_waits),
+                              {k: v / 3600 for k, v in self.busy_by_class.items()}, self.lost / 3600,
+                              self.parks, self.early_parks, self.preemptions, tuple(eta_errors),
+                              self.busy_in_period / 3600)

@@ -2,7 +2,7 @@
 USENIX ATC '23, section 4), extended to every dimension as the paper does
 (section 6): one pure rule that the service's placement
 (:mod:`.scheduler`, on nodes where host CPU or memory binds) and the openb
-simulator (:mod:`.simulator_multidim`, on every node) share.
+simulator (:mod:`gpupool.hub_plugin.simulate.multidim`, on every node) share.
 
 Fragmentation of a node is the expected GPU capacity that the next task,
 drawn from the workload's mix of task types, could not use there: for a

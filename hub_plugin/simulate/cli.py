@@ -5,10 +5,10 @@
     gpupool simulate --workload openb [--data DIR] [--dimensions gpu|all] [--max-load 1.3]
 
 Without ``--data`` and ``--from-store`` it replays traces it generates
-(:mod:`.simulator_synthetic`, seeded), so it runs from the wheel; ``--data
+(:mod:`.synthetic`, seeded), so it runs from the wheel; ``--data
 DIR`` reads the public traces (``sensei_june_60sec.csv``,
 ``openb_*.csv``), ``--from-store URL`` a pool's own recorded leases
-(:mod:`.simulator_store`; what the history lacks is printed). ``--backlog``
+(:mod:`.store`; what the history lacks is printed). ``--backlog``
 adds openb's GPU pods as preemptible batch jobs, enough to keep demand at
 120 % of the pool. One table row per (policy, pool size); ``--out DIR``
 also writes the rows as JSON. ``bench/simulate_report.py`` runs the
@@ -28,10 +28,11 @@ from gpupool.units import parse_duration
 
 def sensei_workload_for(args):
     """The notebook workload the arguments name, and what to say about it."""
-    from .simulator_workload import build_sessions, openb_slice_millis, read_sensei
+    from .traces import openb_slice_millis, read_sensei
+    from .workload import build_sessions
 
     if args.from_store:
-        from .simulator_store import MISSING, load_store
+        from .store import MISSING, load_store
 
         history = load_store(args.from_store)
         notes = [f"store: {history.leases} ended leases ({history.skipped} never started or still open, left "
@@ -41,15 +42,15 @@ def sensei_workload_for(args):
     if args.data is not None:
         return build_sessions(read_sensei(args.data), openb_slice_millis(args.data), users=args.users,
                               seed=args.seed), [], None
-    from .simulator_synthetic import sensei_rows, slice_millis
+    from .synthetic import sensei_rows, slice_millis
 
     return (build_sessions(sensei_rows(args.seed), slice_millis(args.seed), users=args.users, seed=args.seed),
-            ["no --data: a generated notebook month (gpupool.hub_plugin.simulator_synthetic, seeded)"], None)
+            ["no --data: a generated notebook month (gpupool.hub_plugin.simulate.synthetic, seeded)"], None)
 
 
 def openb_tables_for(args):
-    from .simulator_synthetic import openb_tables
-    from .simulator_workload import read_openb_tasks
+    from .synthetic import openb_tables
+    from .traces import read_openb_tasks
 
     if args.data is not None and (args.data / "openb_pod_list_default.csv").exists():
         return read_openb_tasks(args.data)
@@ -57,8 +58,10 @@ def openb_tables_for(args):
 
 
 def run_sensei(args) -> list[dict]:
-    from .simulator_notebooks import BatchSource, dedicated_gpus, policies, simulate_notebooks
-    from .simulator_results import HEADERS, rows
+    from .backlog import BatchSource
+    from .notebooks import simulate_notebooks
+    from .policies import dedicated_gpus, policies
+    from .results import HEADERS, rows
 
     workload, notes, store_gpus = sensei_workload_for(args)
     chosen = policies(args.idle_timeout, args.pressure_grace)
@@ -94,11 +97,11 @@ def run_sensei(args) -> list[dict]:
 
 
 def run_openb(args) -> list[dict]:
-    from .simulator_openb import OPENB_POLICIES, fill, openb_specs, sample_tasks
+    from .openb import OPENB_POLICIES, fill, openb_specs, sample_tasks
 
     nodes, tasks = openb_tables_for(args)
     if args.dimensions == "all":
-        from . import simulator_multidim as multi
+        from . import multidim as multi
 
         choices, gpus = multi.POLICIES, sum(n.gpus for n in nodes)
         drawn = multi.sample(tasks, gpus, args.max_load, args.seed)
@@ -157,6 +160,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_data(data: Path, workload: str) -> None:
+    """Exit with words naming what is missing when ``data`` lacks the traces ``workload`` reads."""
+    from .traces import OPENB_NODES, OPENB_PODS, SENSEI
+
+    if not data.is_dir():
+        raise SystemExit(f"gpupool simulate: --data {data}: no such folder; pass the folder that holds the "
+                         "public traces (docs/simulate.md, \"Traces\"), or leave --data out to generate them")
+    needed = [OPENB_PODS, SENSEI if workload == "sensei" else OPENB_NODES]
+    missing = [name for name in needed if not (data / name).exists()]
+    if missing:
+        raise SystemExit(f"gpupool simulate: no {missing[0]} in {data}; pass --data DIR with the traces "
+                         "(docs/simulate.md, \"Traces\"), or leave --data out to generate them")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpupool simulate``; returns the exit code."""
     args = parser().parse_args(argv)
@@ -165,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         raise SystemExit("gpupool simulate needs numpy: pip install 'gpupool[simulate]'") from None
     if args.data is not None:
-        needed = ["openb_pod_list_default.csv"]
-        needed.append("sensei_june_60sec.csv" if args.workload == "sensei" else "openb_node_list_gpu_node.csv")
-        missing = [name for name in needed if not (args.data / name).exists()]
-        if missing:
-            raise SystemExit(f"gpupool simulate: no {missing[0]} in {args.data}; pass --data DIR with the traces "
-                             "(see ../shared/data/README.md), or leave --data out to generate them")
+        check_data(args.data, args.workload)
     rows = run_sensei(args) if args.workload == "sensei" else run_openb(args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

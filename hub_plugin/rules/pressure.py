@@ -1,0 +1,62 @@
+"""The pressure plan (:func:`.priority.plan`) applied to leases: a lease's
+idle deadline under the plan, which idle leases are past their early
+deadline, and how a lease looks to the plan. Pure: the plan, lease rows and
+``now`` in; the service's sweep that reads the store and keeps the plan is
+:mod:`gpupool.hub_plugin.pressure`.
+
+Leases are objects with the attributes of
+:class:`~gpupool.hub_plugin.models.Lease` (those :func:`.reclaim.decide`
+reads, plus ``owner``, ``fraction``, ``gpu_count``, ``lease_class``,
+``preemptible``, ``created_at``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable
+
+from gpupool.schema import LeaseState
+from gpupool.units import format_duration
+
+from . import priority
+from .reclaim import Decision, idle_deadline
+
+
+def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
+    """``lease``'s idle deadline: its own, or the earlier one ``plan`` set."""
+    own = idle_deadline(lease)
+    early = plan.parks.get(lease.id)
+    if own is None or early is None:
+        return own
+    return min(own, early.deadline)
+
+
+def due(plan: priority.Plan, active: Iterable[Any], now: datetime, grace: float) -> list[Decision]:
+    """Reclaim decisions for idle leases past their early deadline (``grace``:
+    ``c.GPUPool.pressure_grace``, for the words): the fallback when the
+    notebook did not park them itself."""
+    decisions = []
+    for lease in active:
+        early = plan.parks.get(lease.id)
+        own = idle_deadline(lease)
+        if early is not None and own is not None and early.deadline <= now < own:
+            idle = (now - lease.idle_since).total_seconds()
+            decisions.append(Decision(lease.id, LeaseState.reclaimed,
+                                      f"{early.reason} (idle for {format_duration(idle)}, pressure grace "
+                                      f"{format_duration(grace)})"))
+    return decisions
+
+
+def still_due(plan: priority.Plan, lease: Any, now: datetime) -> bool:
+    """Re-checked under the write lock: still idle and past its early deadline."""
+    when = deadline(plan, lease)
+    return (lease.state == LeaseState.active.value and lease.worker_state == "idle"
+            and when is not None and when <= now)
+
+
+def held(lease: Any) -> priority.Held:
+    """``lease`` as the plan sees it."""
+    idle = lease.worker_state == "idle"
+    return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
+                         bool(lease.preemptible), lease.worker_state == "busy", lease.started_at or lease.created_at,
+                         lease.idle_since if idle else None, idle_deadline(lease))

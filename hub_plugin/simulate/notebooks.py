@@ -1,0 +1,395 @@
+"""Replay notebook sessions against the real scheduler and reclaim rules, on a virtual clock.
+
+Who calls it: :mod:`.cli` (``gpupool simulate --workload sensei``) and
+``bench/simulate_report.py``. Time is seconds since the trace's first event;
+reclaim sees it as ``sweep.T0 + seconds`` (UTC datetimes), as the service's clock.
+
+What is real and what is modelled:
+
+- Every placement is the service's ``place()`` (through :class:`.pool.Pool`).
+- Idle reclaim is :func:`gpupool.hub_plugin.rules.reclaim.decide`, evaluated
+  at the reclaim sweep ticks (every ``GPUPool.reclaim_interval``, 5 s) on
+  lease objects with the attributes of the service's ``Lease`` rows
+  (:class:`.sweep.SimLease`). Only the ticks at which a lease can
+  become due are simulated: ``decide`` is a per-lease filter of state and
+  ``now``, and state changes only at events, so a lease's first due tick is the
+  first tick at or after ``idle_since + idle_timeout``; ``decide`` is called on
+  it there (and says "not due" if a cell started again meanwhile). The kernel
+  is alive while its session is open, so ``last_heartbeat_at`` is ``now``.
+- A session runs its cells one after another; a cell that arrives while the
+  previous one runs waits for it (as in Jupyter).
+- When nothing fits, the request waits; whenever capacity is freed the
+  waiting requests are retried in the order of :mod:`.waiting`
+  (interactive first, oldest first, backfill; strict FIFO for ``batch``).
+- Pressure is the service's rule, evaluated as its sweep does
+  (:mod:`.sweep`): an idle lease past its early deadline is parked; a
+  preemptible lease past its ``at`` has its cell interrupted and is parked.
+  Whatever a tick frees is then offered to the queue at once.
+- With a :class:`BatchSource` backlog, batch jobs (one cell each, released
+  when it ends; preemptible, as issue 16's backlog) are queued whenever held
+  plus queued demand falls under its load x the pool, until the trace's
+  period is over. A preempted job is queued again as a new request (the
+  parked notebook's next cell), losing its progress (or keeping it,
+  ``resume_preempted``).
+- The wait of a cell is its start minus its trace submit time, in seconds.
+  Starting a worker and moving variables (park/resume) take no time here;
+  the share of cells that had to acquire a lease is reported instead.
+
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ..rules import priority
+from ..rules.reclaim import decide
+from ..rules.scheduler import Placement
+from .backlog import BatchSource
+from .estimates import eta
+from .eta_log import EtaLog
+from .policies import NotebookPolicy
+from .pool import FULL, Pool, uniform_pool
+from .results import NotebookResult, Tally
+from .sweep import SWEEP_S, SimLease, Sweep, at
+from .waiting import WaitQueue
+from .workload import NotebookWorkload
+
+INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
+
+
+@dataclass(eq=False, slots=True)
+class _Session:
+    milli: int
+    gpus: int
+    group: int
+    closes: float
+    user: int = 0
+    klass: str = INTERACTIVE
+    pending: deque = field(default_factory=deque)
+    running: bool = False
+    waiting: bool = False
+    lease: SimLease | None = None
+    run_start: float = 0.0
+    token: int = 0
+
+
+def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_size: int, *,
+                       per_node: int = 8, pool: Pool | None = None, backlog: BatchSource | None = None,
+                       with_eta: bool = False, users: int | None = None) -> NotebookResult:
+    """Replay ``workload`` under ``policy`` on ``pool_size`` GPUs (nodes of
+    ``per_node``), with ``backlog`` batch jobs if given; ``with_eta`` records
+    the ETA of every interactive request that waits (:func:`.estimates.eta`)
+    next to the queue's old estimate and the wait it had."""
+    wall = time.perf_counter()
+    replay = _Replay(workload, policy, pool or uniform_pool(pool_size, per_node=per_node), backlog, with_eta)
+    return replay.run(pool_size, wall, users or len({s.user for s in workload.sessions}) or 1)
+
+
+class _Replay:
+    ARRIVE, END, TICK, CLOSE, PRESSURE = range(5)
+
+    def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
+                 backlog: BatchSource | None, with_eta: bool) -> None:
+        self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
+        self.sessions = [_Session(s.milli if policy.slices else FULL, s.gpus, s.group, s.closes, s.user)
+                         for s in workload.sessions]
+        self.need = [s.gpus * s.milli / FULL for s in workload.sessions]  # GPUs a cell needs
+        self.submit = [c.submit for c in workload.cells]
+        self.duration = [c.duration for c in workload.cells]
+        self.cell_session = [c.session for c in workload.cells]
+        self.queued_at = list(self.submit)
+        self.interactive_cells = len(workload.cells)
+        self.started = 0  # interactive cells that started
+        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice)
+        self.events: list = []
+        self.seq = 0
+        self.queue = WaitQueue(policy.fifo, policy.classes)
+        self.waiting_gpus = 0.0
+        self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
+        self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
+        names: dict[str, int] = {}
+        self.node_of = [names.setdefault(spec.node, len(names)) for spec in pool.specs]
+        self.node_gpus: dict[str, list[int]] = {}
+        for g, spec in enumerate(pool.specs):
+            self.node_gpus.setdefault(spec.node, []).append(g)
+        self.idle_nodes = sum(self.node_idle(name) for name in self.node_gpus)
+        #: The period cluster utilization is measured over: the trace's whole days.
+        self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
+        self.tally = Tally(self.period, [math.nan] * len(workload.cells))
+        self.leases = 0
+        self.eta = EtaLog(policy)
+
+    def push(self, when: float, kind: int, arg) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (when, kind, self.seq, arg))
+
+    def run(self, pool_size: int, wall: float, users: int) -> NotebookResult:
+        for i, cell in enumerate(self.workload.cells):
+            self.push(cell.submit, self.ARRIVE, i)
+        for sid, session in enumerate(self.sessions):
+            self.push(session.closes, self.CLOSE, sid)
+        period = self.period
+        if self.backlog is not None:
+            self.push(0.0, self.PRESSURE, None)  # starts the backlog (a check at 0 retries first)
+        while self.events:
+            now, kind, _, arg = heapq.heappop(self.events)
+            if self.backlog is not None and now > period and self.started == self.interactive_cells:
+                self.backlog = None  # the period is over and every cell started: no more batch jobs
+            self.handle(kind, arg, now)
+        if any(math.isnan(w) for w in self.tally.waits):
+            raise AssertionError("a cell never started")
+        return self.tally.result(self.policy.name, pool_size, time.perf_counter() - wall, users, self.eta.errors)
+
+    def handle(self, kind: int, arg, now: float) -> None:
+        if kind == self.ARRIVE:
+            sid = self.cell_session[arg]
+            self.sessions[sid].pending.append(arg)
+            self.dispatch(sid, now)
+        elif kind == self.END:
+            cell, token = arg
+            if self.sessions[self.cell_session[cell]].token == token:
+                self.cell_ended(cell, now)
+        elif kind == self.TICK:
+            sid, lease = arg
+            session = self.sessions[sid]
+            if session.lease is lease:
+                lease.last_heartbeat_at = at(now)
+                if decide([lease], at(now)):
+                    self.tally.parks += now < session.closes
+                    self.release(sid, now)
+        elif kind == self.CLOSE:
+            session = self.sessions[arg]
+            if session.lease is not None and not session.running and not session.pending:
+                self.release(arg, now)
+        elif kind == self.PRESSURE:
+            if arg is None:
+                self.retry(now)
+            else:
+                self.pressure(now)
+
+    # -- a session's cells ------------------------------------------------------
+
+    def queue_of(self, sid: int) -> deque:
+        session = self.sessions[sid]
+        return self.queue.of(session.klass, session.milli, session.gpus)
+
+    def dispatch(self, sid: int, now: float) -> None:
+        """Start the session's next cell, or ask for a lease for it."""
+        session = self.sessions[sid]
+        if session.running or session.waiting or not session.pending:
+            return
+        if session.lease is not None:
+            self.start(sid, now)
+            return
+        queue = self.queue_of(sid)
+        if not queue and self.acquire(sid, now):
+            return
+        self.enqueue(sid, now, queue)
+        if session.klass == INTERACTIVE and self.with_eta:
+            self.record_eta(sid, now)
+
+    def enqueue(self, sid: int, now: float, queue: deque, front: bool = False) -> None:
+        session = self.sessions[sid]
+        session.waiting = True
+        self.waiting_gpus += self.need[sid]
+        self.queued_at[session.pending[0]] = now
+        (queue.appendleft if front else queue.append)((now, sid))
+        self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
+                                                  at(now))
+        self.check_at(now)
+
+    def start(self, sid: int, now: float) -> None:
+        session = self.sessions[sid]
+        cell = session.pending.popleft()
+        wait = now - self.queued_at[cell]
+        if cell < self.interactive_cells:
+            self.started += math.isnan(self.tally.waits[cell])
+            self.tally.waits[cell] = now - self.submit[cell]
+            self.eta.started(cell, wait)
+        else:
+            self.tally.batch_waits.append(wait)
+        session.running = True
+        session.run_start = now
+        session.token += 1
+        session.lease.worker_state = "busy"
+        session.lease.idle_since = None
+        self.idle.pop(sid, None)
+        self.hold(sid)
+        self.push(now + self.duration[cell], self.END, (cell, session.token))
+
+    def cell_ended(self, cell: int, now: float) -> None:
+        sid = self.cell_session[cell]
+        session = self.sessions[sid]
+        session.running = False
+        self.count_busy(sid, self.duration[cell], now)
+        self.eta.cells[session.klass].append(self.duration[cell])
+        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
+        if timeout is None or (now >= session.closes and not session.pending):
+            self.release(sid, now)  # batch job done, or the kernel shut down
+            self.dispatch(sid, now)
+            return
+        if session.pending:
+            self.start(sid, now)
+            return
+        lease = session.lease
+        lease.worker_state = "idle"
+        lease.idle_since = at(now)
+        self.idle[sid] = now
+        self.hold(sid)
+        self.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
+        self.check_at(now)
+
+    def count_busy(self, sid: int, seconds: float, now: float) -> None:
+        """``sid`` ran ``seconds`` of useful work up to ``now``."""
+        session = self.sessions[sid]
+        self.tally.ran(self.need[sid], seconds, session.klass, session.run_start, now)
+
+    # -- pressure and preemption: the service's rule (priority.plan) at sweep ticks ----------
+
+    def hold(self, sid: int) -> None:
+        """Record ``sid``'s lease as the pressure rule sees it (after it started, ran or went idle)."""
+        session, lease = self.sessions[sid], self.sessions[sid].lease
+        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
+        idle_since = lease.idle_since if sid in self.idle else None
+        deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
+        self.sweep.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
+                                                session.klass == BATCH, session.running, lease.started_at,
+                                                idle_since, deadline)
+
+    def check_at(self, now: float) -> None:
+        """Evaluate the plan at the first sweep tick at or after ``now``, once
+        per tick (the service plans once per sweep), if it can act."""
+        tick = self.sweep.next_check(now)
+        if tick is not None:
+            self.push(tick, self.PRESSURE, "check")
+
+    def pressure(self, now: float) -> None:
+        """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
+        the preemptible cells that are due, offer what they free to the queue,
+        and come back at the plan's next moment."""
+        parks, preempts, later = self.sweep.due(now, bool(self.idle))
+        for sid in parks:
+            self.tally.early_parks += 1
+            self.tally.parks += now < self.sessions[sid].closes
+            self.release(sid, now, retry=False)
+        for sid in preempts:
+            self.preempt(sid, now)
+        if parks or preempts:
+            self.retry(now)
+        if later is not None:
+            self.check_at(later)
+
+    def node_idle(self, node: str) -> bool:
+        return not any(self.pool.milli[g] for g in self.node_gpus[node])
+
+    def held_gpus(self, sid: int) -> float:
+        placement = self.sessions[sid].lease.placement
+        return placement.fraction * len(placement.gpus)
+
+    def preempt(self, sid: int, now: float) -> None:
+        """Interrupt batch job ``sid``'s cell and park it; its cell is queued
+        again as a new request, its work lost (or kept, ``resume_preempted``)."""
+        session = self.sessions[sid]
+        ran = now - session.run_start
+        cell = self.batch_cell[sid]
+        if self.policy.resume_preempted:
+            self.count_busy(sid, ran, now)
+            self.duration[cell] -= ran
+        else:
+            self.tally.lost += self.need[sid] * ran
+        self.tally.preemptions += 1
+        session.running = False
+        session.token += 1
+        self.release(sid, now, retry=False)
+        session.pending.appendleft(cell)
+        self.enqueue(sid, now, self.queue_of(sid))
+
+    # -- leases -------------------------------------------------------------------
+
+    def acquire(self, sid: int, now: float) -> bool:
+        """Ask ``place()``; on success the lease holds capacity and the cell starts."""
+        session = self.sessions[sid]
+        placement = self.pool.place(session.milli, session.gpus)
+        if not isinstance(placement, Placement):
+            return False
+        was_idle = self.node_idle(placement.node)
+        if session.klass == BATCH and was_idle and self.idle_nodes <= self.policy.headroom_nodes:
+            return False
+        self.pool.take(placement)
+        self.idle_nodes -= was_idle
+        self.tally.peak_milli = max(self.tally.peak_milli, self.pool.allocated_milli)
+        self.leases += 1
+        self.tally.acquisitions += 1
+        started = at(now)
+        session.lease = SimLease(f"L-{self.leases:012d}", started, self.policy.idle_timeout or 0.0, placement, now,
+                                 last_heartbeat_at=started)
+        if session.waiting:
+            session.waiting = False
+            self.waiting_gpus -= self.need[sid]
+            del self.sweep.waiters[sid]
+        self.start(sid, now)
+        return True
+
+    def release(self, sid: int, now: float, retry: bool = True) -> None:
+        session = self.sessions[sid]
+        lease = session.lease
+        if lease is None:
+            return
+        self.idle.pop(sid, None)
+        session.lease = None
+        self.sweep.holding.pop(sid, None)
+        self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),
+                            session.group)
+        self.eta.holds.append(now - lease.granted)
+        self.pool.give(lease.placement)
+        self.idle_nodes += self.node_idle(lease.placement.node)
+        self.check_at(now)  # what the plan targets shifts when a lease goes
+        if retry:
+            self.retry(now)
+
+    def retry(self, now: float) -> None:
+        """Capacity was freed: top up the backlog, then offer it to the waiting
+        requests in the queue's order (:mod:`.waiting`)."""
+        self.top_up(now)
+        self.queue.drain(lambda sid: self.acquire(sid, now))
+
+    # -- the batch backlog --------------------------------------------------------
+
+    def top_up(self, now: float) -> None:
+        """Queue batch jobs until held plus queued demand is the backlog's load x the pool."""
+        if self.backlog is None:
+            return
+        target = self.backlog.load * self.pool.capacity
+        while self.pool.allocated_milli / FULL + self.waiting_gpus < target:
+            milli, gpus, seconds, user = self.backlog.draw()
+            sid, cell = len(self.sessions), len(self.submit)
+            milli = milli if self.policy.slices or gpus > 1 else FULL
+            self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
+            self.need.append(gpus * milli / FULL)
+            self.submit.append(now)
+            self.duration.append(seconds)
+            self.cell_session.append(sid)
+            self.queued_at.append(now)
+            self.batch_cell[sid] = cell
+            self.sessions[sid].pending.append(cell)
+            self.enqueue(sid, now, self.queue_of(sid))
+
+    # -- the ETA --------------------------------------------------------------------
+
+    def record_eta(self, sid: int, now: float) -> None:
+        """The ETA (:func:`.estimates.eta`) and the old estimate for waiting ``sid`` (:mod:`.eta_log`)."""
+        session = self.sessions[sid]
+        mine = self.queued_at[session.pending[0]]
+        ahead = [(self.sessions[s].milli, self.sessions[s].gpus) for when, s in self.queue.entries()
+                 if s != sid and when <= mine and self.sessions[s].klass == INTERACTIVE]
+        leased = [(other, s) for other, s in enumerate(self.sessions) if s.lease is not None]
+        frees = [(self.eta.expected_end(s.klass, s.run_start, self.idle.get(other), now),
+                  [self.pool.uuid_index[u] for u in s.lease.placement.gpus], s.milli) for other, s in leased]
+        free = [FULL - m for m in self.pool.milli]
+        predicted = eta(session.milli, session.gpus, ahead, free, self.node_of, frees, now)
+        self.eta.record(session.pending[0], predicted, len(ahead) + 1, len(leased))

@@ -1,0 +1,80 @@
+"""The policies a notebook replay compares (:mod:`.notebooks`), and the
+dedicated baseline that is not a replay.
+
+Policies (:data:`POLICIES`):
+
+- ``reservation``: a session holds whole GPUs (``num_gpu`` of its cells) from
+  its first cell until it has been idle 30 minutes (the same reclaim rule with
+  ``idle_timeout = 1800``) or its kernel shuts down; the next cell re-acquires.
+- ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
+  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, or after
+  the 2-minute pressure grace while others wait, parked, and resumed
+  (re-acquired) on the next cell; interactive first; batch preempted after
+  the grace plus the 30 s notice (the service's defaults).
+- ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
+  GPUs only while it runs; strict FIFO queue.
+- ``dedicated`` (:func:`dedicated_gpus`): every user owns the most GPUs they
+  run at once; not replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .estimates import peak_concurrent
+from .workload import NotebookWorkload
+
+#: The service's defaults (``GPUPool.pressure_grace``, ``preemption_notice``), seconds.
+PRESSURE_GRACE_S = 120.0
+PREEMPTION_NOTICE_S = 30.0
+
+
+@dataclass(frozen=True)
+class NotebookPolicy:
+    """``slices``: a 1-GPU session asks for its slice, else a whole GPU;
+    ``idle_timeout``: seconds a lease outlives its last cell (None: released
+    when the cell ends); ``fifo``: one strict first-come queue for everyone;
+    ``pressure_grace``: seconds after which an idle lease is parked while
+    others wait (None: only the idle timeout); ``classes``: interactive
+    requests go before batch ones (False: one queue, oldest first);
+    ``preemption_notice``: the pool allows preemption, with this notice
+    (``c.GPUPool.preemption_notice``; batch jobs are all preemptible here;
+    None: ``allow_preemption = False``); ``headroom_nodes``: batch is not placed on an idle node while
+    only this many nodes are idle (room kept for interactive arrivals);
+    ``resume_preempted``: a preempted batch job keeps its progress (it was
+    parked with its variables and its loop resumes) instead of restarting."""
+
+    name: str
+    slices: bool
+    idle_timeout: float | None
+    fifo: bool = False
+    pressure_grace: float | None = None
+    classes: bool = False
+    preemption_notice: float | None = None
+    headroom_nodes: int = 0
+    resume_preempted: bool = False
+
+
+def policies(gpupool_idle_timeout: float = 300.0,
+             pressure_grace: float | None = PRESSURE_GRACE_S) -> dict[str, NotebookPolicy]:
+    """The compared policies, by name; times in seconds. ``dedicated`` is
+    not a replay (:func:`dedicated_gpus`)."""
+    return {"reservation": NotebookPolicy("reservation", slices=False, idle_timeout=1800.0),
+            "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout,
+                                      pressure_grace=pressure_grace, classes=True,
+                                      preemption_notice=PREEMPTION_NOTICE_S),
+            "batch": NotebookPolicy("batch", slices=False, idle_timeout=None, fifo=True)}
+
+
+POLICIES = tuple(policies())
+
+
+def dedicated_gpus(workload: NotebookWorkload) -> dict[int, int]:
+    """The dedicated baseline: per user, the most whole GPUs their cells run
+    at once over the trace (a slice is a card of its own). Each user owns
+    that many cards for the whole period; nobody waits."""
+    by_user: dict[int, list] = {}
+    for cell in workload.cells:
+        session = workload.sessions[cell.session]
+        by_user.setdefault(session.user, []).append((cell.submit, cell.submit + cell.duration, session.gpus))
+    return {user: int(peak_concurrent(spans)) for user, spans in sorted(by_user.items())}

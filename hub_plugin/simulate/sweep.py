@@ -1,0 +1,97 @@
+"""The service's reclaim sweep on a replay's virtual clock: when the pressure
+plan (:func:`gpupool.hub_plugin.rules.priority.plan`) is evaluated and what
+it finds due.
+
+As in the service, the plan is evaluated at sweep ticks only (every
+``GPUPool.reclaim_interval``, 5 s), at most once per tick: at the tick after
+any change while requests wait, and at the tick of the plan's next deadline.
+It sees every active lease (:attr:`Sweep.holding`) and waiting request
+(:attr:`Sweep.waiters`) as the service's rule reads them. The traces have no
+quotas, so nothing is within a guaranteed share. Idle reclaim reads leases
+as :class:`SimLease`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from gpupool.schema import LeaseState
+
+from ..rules import priority
+from ..rules.scheduler import Placement
+
+#: The virtual clock's origin (the sensei trace starts on June 1, 2021).
+T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
+#: The service's default ``GPUPool.reclaim_interval``, seconds.
+SWEEP_S = 5.0
+#: The service's default ``GPUPool.heartbeat_ttl``, seconds.
+HEARTBEAT_TTL_S = 60.0
+
+
+def at(seconds: float) -> datetime:
+    """The virtual clock's ``seconds`` as the service's clock (a UTC datetime)."""
+    return T0 + timedelta(seconds=seconds)
+
+
+@dataclass(eq=False, slots=True)
+class SimLease:
+    """A lease as :func:`gpupool.hub_plugin.rules.reclaim.decide` reads it
+    (attributes of ``models.Lease``), plus what it holds."""
+
+    id: str
+    started_at: datetime
+    idle_timeout: float
+    placement: Placement
+    granted: float
+    state: str = LeaseState.active.value
+    worker_state: str = "busy"
+    idle_since: datetime | None = None
+    last_heartbeat_at: datetime | None = None
+    heartbeat_ttl: float = HEARTBEAT_TTL_S
+
+
+class Sweep:
+    """The pressure plan's inputs and ticks. ``grace``: ``c.GPUPool.pressure_grace``
+    (None: no pressure parks); ``notice``: ``c.GPUPool.preemption_notice`` (None:
+    ``allow_preemption = False``). Keys of :attr:`waiters` and :attr:`holding`
+    are the replay's session ids."""
+
+    def __init__(self, grace: float | None, notice: float | None) -> None:
+        self.grace, self.notice = grace, notice
+        self.waiters: dict[int, priority.Asking] = {}  # every waiting request
+        self.holding: dict[int, priority.Held] = {}  # every active lease
+        self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
+        self._last_check = -math.inf
+
+    def next_check(self, now: float) -> float | None:
+        """The first sweep tick at or after ``now`` (after the last evaluated
+        one) to evaluate the plan at, when it can act there and none is set
+        for that tick yet; else None."""
+        if self.grace is None or not self.waiters:
+            return None
+        tick = math.ceil(now / SWEEP_S) * SWEEP_S
+        tick += SWEEP_S if tick <= self._last_check else 0.0
+        if tick in self._checks:
+            return None
+        self._checks.add(tick)
+        return tick
+
+    def due(self, now: float, any_idle: bool) -> tuple[list[int], list[int], float | None]:
+        """Evaluate the plan at tick ``now`` (``any_idle``: some lease is idle):
+        the sessions whose idle lease is parked now, those whose cell is
+        preempted now, and when the plan acts next (seconds; None: never)."""
+        self._checks.discard(now)
+        self._last_check = now
+        if self.grace is None or not self.waiters or not (any_idle or self.notice is not None):
+            return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
+        plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.grace,
+                             notice=self.notice or 0.0, allow_preemption=self.notice is not None,
+                             guaranteed_gpus={})
+        moment = at(now)
+        parks = [int(lease) for lease, park in plan.parks.items() if park.deadline <= moment]
+        preempts = [int(lease) for lease, preemption in plan.preemptions.items() if preemption.at <= moment]
+        later = ([park.deadline for park in plan.parks.values() if park.deadline > moment]
+                 + [preemption.at for preemption in plan.preemptions.values() if preemption.at > moment])
+        return parks, preempts, (min(later) - T0).total_seconds() if later else None

@@ -1,0 +1,97 @@
+"""The bodies between the service and its agents (gpupool.wire): each end
+reads what the other writes, older shapes still parse, bad fields are named."""
+
+import pytest
+
+from gpupool.errors import GPUPoolError
+from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
+                                WorkerEnvironment, WorkerReport)
+from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
+
+GPU = GPUInfo("GPU-1", "A100", 0, 80 * 2**30, 2**30, "8.0")
+
+
+def registration(**changes):
+    body = NodeRegistration("n1", "http://10.0.0.5:8766", "nvml", "mps", False, (GPU,),
+                            (WorkerReport("L-1", 42, "idle", "2026-01-01T00:00:00Z"),), None,
+                            (WorkerEnvironment("default", "/usr/bin/python3", True, True),), 16.0, 2**36).to_json()
+    return {**body, **changes}
+
+
+def test_a_registration_reads_back_as_written():
+    body = registration()
+    assert list(body) == ["name", "url", "inventory", "enforcement", "whole_gpus", "gpus", "workers",
+                          "inventory_error", "environments", "host_cpus", "host_memory"]
+    assert NodeRegistration.from_json(body).to_json() == body
+
+
+def test_an_older_agents_registration_still_parses():
+    old = {"name": "n1", "url": "http://n1:8766/", "inventory": "simulated", "enforcement": "exclusive",
+           "gpus": [GPU.to_json() | {"healthy": False}], "surprise": 1}
+    node = NodeRegistration.from_json(old)
+    assert (node.url, node.whole_gpus, node.environments, node.host_cpus) == ("http://n1:8766", True, None, None)
+    assert node.healthy == {"GPU-1": False}
+    assert node.to_json()["gpus"][0]["healthy"] is False
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"name": "a/b"}, "'name'"), ({"url": "ftp://x"}, "'url'"), ({"inventory": "magic"}, "'inventory'"),
+    ({"whole_gpus": "yes"}, "'whole_gpus'"), ({"gpus": None}, "'gpus' must be a list"),
+    ({"host_cpus": None}, "'host_cpus'"), ({"environments": [{"name": "x"}]}, "'name' and 'python'"),
+    ({"inventory_error": ""}, "'inventory_error'"),
+])
+def test_a_bad_registration_names_the_field(change, words):
+    with pytest.raises(GPUPoolError) as caught:
+        NodeRegistration.from_json(registration(**change))
+    assert caught.value.status == 400 and words in caught.value.message
+
+
+def test_a_heartbeat_reads_back_and_leaves_out_unknown_readings():
+    reading = {"uuid": "GPU-1", "memory_used": 5, "utilization": 37, "healthy": True, "memory_unattributed": 0}
+    beat = Heartbeat((WorkerReport("L-1", None, "dead", exit_code=-9),),
+                     (GPUReading.of(reading), GPUReading.of({"uuid": "GPU-2", "memory_used": None,
+                                                             "utilization": None})), None)
+    body = beat.to_json()
+    assert body["gpus"] == [reading, {"uuid": "GPU-2", "memory_used": None, "utilization": None}]
+    assert Heartbeat.from_json(body).gpus[0] == GPUReading("GPU-1", 5, 37.0, True, 0)
+    with pytest.raises(GPUPoolError, match="'utilization'"):
+        Heartbeat.from_json({"gpus": [{"uuid": "GPU-1", "utilization": 101}]})
+
+
+def test_the_agent_reads_the_services_answers_leniently():
+    assert RegistrationReply.from_json(RegistrationReply("n1", 2.5, ("L-1",)).to_json()) == \
+        RegistrationReply("n1", 2.5, ("L-1",))
+    assert RegistrationReply.from_json({"heartbeat_interval": -1, "stop": "L-1"}) == RegistrationReply("", 5.0, ())
+    assert HeartbeatReply.from_json({"stop": ["L-1", 7]}).stop == ("L-1",)
+    assert HeartbeatReply.from_json(None).stop == ()
+
+
+def test_a_worker_request_keeps_its_shape():
+    request = WorkerRequest("L-1", "ann", ("GPU-1",), 0.5, 2**30, cpus=2, env="torch")
+    body = request.to_json()
+    assert body == {"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"], "fraction": 0.5, "memory": 2**30,
+                    "cpus": 2, "env": "torch"}
+    assert WorkerRequest.from_json(body) == request
+    assert WorkerRequest.from_json({"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"]}).memory is None
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"owner": ""}, "'lease_id' and 'owner'"), ({"gpus": []}, "'gpus'"), ({"fraction": True}, "'fraction'"),
+    ({"memory": 1.5}, "'memory'"), ({"cpus": "2"}, "'cpus'"), ({"host_memory": True}, "'host_memory'"),
+    ({"env": 3}, "'env'"),
+])
+def test_a_bad_worker_request_names_the_field(change, words):
+    body = {"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"], **change}
+    with pytest.raises(GPUPoolError) as caught:
+        WorkerRequest.from_json(body)
+    assert caught.value.status == 400 and words in caught.value.message
+
+
+def test_the_service_reads_the_agents_answers():
+    started = WorkerStarted(123, {"ip": "10.0.0.5", "key": "k"})
+    assert WorkerStarted.from_json(started.to_json()) == started
+    assert WorkerStarted.from_json({"pid": "x", "connection": {}}).pid is None
+    with pytest.raises(ValueError):
+        WorkerStarted.from_json({"pid": 1})
+    assert WorkerStopped.from_json(WorkerStopped("L-1", -9).to_json()) == WorkerStopped("L-1", -9)
+    assert WorkerStopped.from_json({"exit_code": "0"}).exit_code is None
