@@ -37,7 +37,7 @@ class _WorkerManager(KernelManager):
 def one_worker(encrypted: bool, sizes: list[int], rounds: int) -> dict:
     km = _WorkerManager(kernel_name="python3", ip="127.0.0.1",
                         transport_encryption="required" if encrypted else "disabled")
-    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker"])
+    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker_extension"])
     with open(km.connection_file) as handle:
         info = {k: v for k, v in json.load(handle).items() if k != "curve_secretkey"}
     remote = RemoteKernel(info)

@@ -34,7 +34,7 @@ from .errors import GPUPoolError
 COMMANDS = {
     "service": ("gpupool.hub_plugin.app", "run the pool service (REST API, scheduler, SQL store)", "hub"),
     "agent": ("gpupool.provisioner.agent", "run the node agent: GPU inventory, workers, heartbeats", "agent"),
-    "kernelspec": ("gpupool.provisioner.kernelspec",
+    "kernelspec": ("gpupool.magics.kernelspec",
                    "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)", "kernel"),
     "demo": ("gpupool.demo", "start a pool on this machine and run examples/quickstart.ipynb end to end", "all"),
     "status": ("gpupool.status", "show the pool's nodes, GPUs and your leases as a table", None),

@@ -1,5 +1,7 @@
-"""Kernel command lines: which application ``python -m`` runs (pure; no
-ipykernel import, so that a Jupyter server or an agent can use it)."""
+"""What the notebook kernel, the agent and a worker kernel agree on: which
+application ``python -m`` runs, the extension a worker loads, and the names
+the two kernels use beside the Jupyter protocol (pure; no ipykernel import,
+so that a Jupyter server or an agent can use it)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,19 @@ from __future__ import annotations
 NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
 #: A worker's application (:mod:`gpupool.kernelapp`: a plain IPython kernel, no subshells).
 WORKER_KERNEL_APP = "gpupool.kernelapp"
+#: The IPython extension every worker loads (:mod:`gpupool.provisioner.worker_extension`).
+WORKER_EXTENSION = "gpupool.provisioner.worker_extension"
+
+#: The comm target of variable transfers and remoting ops on the worker (:mod:`gpupool.transfer`).
+TRANSFER_TARGET = "gpupool.transfer"
+#: The prompt of an ``input_request`` that asks the notebook kernel to run a
+#: ``%gpu`` line (followed by JSON ``{"line": ...}``); the gpupool kernel
+#: answers it itself with JSON ``{"ok": bool, "message": str}`` and never
+#: shows it to the user (docs/api.md, "Worker magics").
+MAGIC_PROMPT = "\x00gpupool-magic:"
+#: Metadata key of a forwarded ``execute_request``: the front end's own
+#: ``allow_stdin`` (the request itself always allows stdin, for MAGIC_PROMPT).
+STDIN_KEY = "gpupool_allow_stdin"
 
 
 def with_launcher(cmd: list[str], module: str) -> list[str] | None:

@@ -5,15 +5,23 @@ to any IPython. The gpupool kernel (:mod:`gpupool.magics.kernel`, which the
 gpupool kernelspec starts) has them built in and forwards an attached
 notebook's cells to the worker; elsewhere cells stay local and ``%%gpu``
 runs one on the worker.
+
+The notebook host's other parts live here too: the kernel provisioner
+(:mod:`.kernel_provisioner`, which a Jupyter server imports through
+jupyter_client's entry point) and the kernelspec (:mod:`.kernelspec`). So
+that importing them does not need IPython, this package imports the magics
+only when IPython loads the extension.
 """
 
 from __future__ import annotations
 
 import atexit
+from typing import TYPE_CHECKING
 
-from .magics import GPUMagics
+if TYPE_CHECKING:
+    from .magics import GPUMagics
 
-__all__ = ["GPUMagics", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
 _STATE: dict[int, GPUMagics] = {}
 
@@ -22,6 +30,8 @@ def load_ipython_extension(ip) -> None:
     """Register the magics on shell ``ip`` (nothing to do in the gpupool kernel)."""
     if getattr(getattr(ip, "kernel", None), "gpu", None) is not None:
         return
+    from .magics import GPUMagics
+
     magics = GPUMagics(ip)
     ip.register_magics(magics)
     _STATE[id(ip)] = magics

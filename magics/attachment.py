@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
+from gpupool.kernelcmd import TRANSFER_TARGET
 from gpupool.schema import Lease
 from gpupool.transfer import load_pulled
 
@@ -23,7 +24,6 @@ from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
 from .remote import RemoteKernel
 
-TRANSFER_TARGET = "gpupool.transfer"
 log = logging.getLogger("gpupool.magics")
 
 
@@ -158,7 +158,7 @@ class Attachment:
 
     def request(self, data: dict[str, Any], timeout: float = 30.0) -> tuple[dict[str, Any], list]:
         """One op of the worker's transfer comm (``{"op": ...}``, see
-        gpupool.provisioner.worker.REMOTING_OPS); raises GPUPoolError
+        gpupool.provisioner.worker_extension.comm.REMOTING_OPS); raises GPUPoolError
         ``transfer_failed`` when the worker answers not ok."""
         return self._comm(data, timeout=timeout)
 

@@ -3,14 +3,15 @@
 Detached, :class:`GPUPoolKernel` is a plain ipykernel ``IPythonKernel`` with
 the ``%gpu`` magics. Attached (``%gpu acquire``), it forwards the front end's
 requests to the lease's worker as Jupyter messages, headers kept, and relays
-the worker's IOPub back re-signed (:class:`~gpupool.magics.remote.IOPubRelay`),
+the worker's IOPub back re-signed (:class:`~gpupool.magics.remote.IOPubRelay`,
+:class:`~gpupool.magics.cell.ForwardedCell`),
 so every output, widget, completion, tooltip and debugger reply is the
 worker's own, parented to the front end's request; each cell runs once, on
 the worker. What stays here:
 
 - cells made only of ``%gpu`` lines, and ``%%local`` cells;
 - ``%gpu`` lines inside a forwarded cell: the worker's ``%gpu`` asks this
-  kernel over its stdin channel (:data:`gpupool.provisioner.worker.MAGIC_PROMPT`);
+  kernel over its stdin channel (:data:`gpupool.kernelcmd.MAGIC_PROMPT`);
 - comms of gpupool's own targets (``gpupool.*``); all other comms go to the worker;
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 
@@ -23,38 +24,22 @@ which the kernel provisioner runs in place of ``ipykernel_launcher``.
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
 from typing import Any
 
-import zmq
 from ipykernel.ipkernel import IPythonKernel
 from IPython.core.error import UsageError
-from jupyter_client.session import DELIM
 from traitlets import Float
 
 from gpupool.errors import GPUPoolError
 
+from .cell import ForwardedCell
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
-from .relay import OutputBudget
+from .routing import comm_for_worker, forwarded_code, malformed
 
-#: Comm targets of the notebook kernel itself; every other comm is the worker's.
-OWN_TARGET_PREFIX = "gpupool."
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
 REQUEST_TIMEOUT = 10.0
-
-
-def _malformed(content: dict[str, Any], fields: tuple[str, ...]) -> str:
-    """Words for what is wrong with a request's ``fields`` ("" when nothing):
-    ``code`` must be a string, ``cursor_pos`` a whole number."""
-    for name in fields:
-        value = content.get(name)
-        kind = str if name == "code" else int
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return f"{name} must be {'a string' if kind is str else 'a whole number'}, not {value!r}"
-    return ""
 
 
 class GPUPoolKernel(IPythonKernel):
@@ -67,8 +52,7 @@ class GPUPoolKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.events = Events(self.comm_manager)
-        self._reply_gate = threading.Lock()
-        self.budget = OutputBudget()
+        self.cell = ForwardedCell(self)
         self.gpu = GPUMagics(self.shell, kernel=self)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
@@ -102,21 +86,8 @@ class GPUPoolKernel(IPythonKernel):
 
     def forwarded_code(self, code: str) -> str | None:
         """The code to run on the worker for cell ``code``, or None when the
-        cell runs here: detached, a ``%%local`` cell, or only ``%gpu`` lines
-        (and blanks and comments). A ``%%gpu`` cell while attached runs its
-        body there."""
-        if self.gpu.attachment is None:
-            return None
-        lines = [line.strip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
-        if not lines or lines[0].startswith("%%local"):
-            return None
-        if lines[0] == "%%gpu":
-            return code.lstrip().partition("\n")[2]
-        if lines[0].startswith("%%gpu"):  # %%gpu AMOUNT while attached: the magic says why not
-            return None
-        if all(line == "%gpu" or line.startswith("%gpu ") for line in lines):
-            return None
-        return code
+        cell runs here: detached, or what :func:`.routing.forwarded_code` keeps here."""
+        return None if self.gpu.attachment is None else forwarded_code(code)
 
     # -- execute ------------------------------------------------------------------------
 
@@ -135,61 +106,13 @@ class GPUPoolKernel(IPythonKernel):
             self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, str(exc))
             return
-        reply, lost = self._forward_execute(attachment, stream, ident, parent, code)
+        reply, lost = self.cell.forward(attachment, stream, ident, parent, code)
         if reply is None:
             self._say_status_here(parent)
             return self._refuse_cell(stream, ident, parent, lost)
         if lost:  # after its reply: the worker's idle will not come, this kernel says it (the next cell says why)
             self._status_by_worker = None
         self._after_forwarded(reply["content"], content, code)
-
-    def _forward_execute(self, attachment, stream, ident, parent: dict[str, Any],
-                         code: str) -> tuple[dict[str, Any] | None, str]:
-        """Send the front end's execute_request to the worker (stdin always
-        allowed there, for the worker's ``%gpu``; the front end's own choice
-        rides in the metadata), pass the worker's reply on to the front end
-        the moment it comes (its idle comes through the relay), and wait for
-        the cell's end. Returns the reply message (None when none came) and
-        the words for a lease or worker lost meanwhile ("" when not)."""
-        from gpupool.provisioner.worker import STDIN_KEY
-
-        # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
-        # only ever has this one request, and aborting there would abort the next cell forwarded
-        # right after an error while its own abort window is still open.
-        content = dict(parent["content"], code=code, allow_stdin=True, stop_on_error=False)
-        self._allow_stdin = bool(parent["content"].get("allow_stdin"))
-        msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
-                                                          STDIN_KEY: self._allow_stdin}}
-        replies: list[dict[str, Any]] = []
-
-        def pass_on(reply: dict[str, Any]) -> None:
-            # The requests queued behind a failed cell are aborted, as ipykernel does, but not
-            # one the front end sends after hearing of the error.
-            if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
-                self._abort_queues(parent["header"].get("subshell_id"))
-            self.session.send(stream, "execute_reply", reply["content"], parent,
-                              metadata=reply.get("metadata") or {}, ident=ident)
-            if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
-                stream.flush(zmq.POLLOUT)
-            replies.append(reply)
-            self._replied_now()
-
-        self.budget.reset(self.gpu.max_output_bytes)
-        with self._reply_gate:  # no reply yet: the worker's idle waits for it
-            self._replied, self._held_idle = False, None
-        with attachment.lock:
-            attachment.heartbeat.running(True)
-            self._running = parent["header"]
-            try:
-                attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
-                return replies[0], ""
-            except GPUPoolError as exc:
-                if exc.code == "lease_lost" and not replies:  # after a reply the next cell says it, and drops
-                    self.gpu.drop()
-                return (replies[0] if replies else None), exc.message
-            finally:
-                self._running = None
-                attachment.heartbeat.running(False)
 
     def _after_forwarded(self, reply: dict[str, Any], request: dict[str, Any], code: str) -> None:
         """Keep this kernel's execution count and history with the worker's,
@@ -212,66 +135,6 @@ class GPUPoolKernel(IPythonKernel):
                                                     "traceback": [], "execution_count": count}, parent, ident=ident)
         self._abort_queues(parent["header"].get("subshell_id"))
 
-    def _answer_stdin(self, request: dict[str, Any]) -> str:
-        """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
-        the user's ``input()``, asked of the front end as a local one would be."""
-        from gpupool.provisioner.worker import MAGIC_PROMPT
-
-        prompt = str(request.get("prompt", ""))
-        if prompt.startswith(MAGIC_PROMPT):
-            line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")
-            return json.dumps(self.gpu.run_for_worker(line))
-        if not self._allow_stdin:  # the worker checks this itself; a stray request gets EOF
-            return "\x04"
-        ask = self.getpass if request.get("password") else self.raw_input
-        return ask(prompt)
-
-    def publish_relayed(self, idents: list, parts: list, msg: dict[str, Any]) -> None:
-        """Publish one worker IOPub message (``parts``: signature, header,
-        parent, metadata, content, buffers) re-signed with this kernel's key,
-        unless the cell's output budget is spent (called on the relay thread;
-        the IOPub socket is ipykernel's thread-safe background socket)."""
-        size = sum(len(part) for part in parts[4:])
-        if self.budget.cut and msg["header"]["msg_type"] == "status" and self._is_running(msg["parent_header"]):
-            # Output was cut, so this is the cell's idle (its busy came first): say how much, before it.
-            self._publish_note(msg["parent_header"], self.budget.finish_words())
-            self.budget.cut = 0
-        if not self.budget.admit(msg["header"]["msg_type"], size):
-            if self.budget.cut_started():
-                self._publish_note(msg["parent_header"], self.budget.cut_words())
-            return
-        frames = [bytes(i) for i in idents] + [DELIM, self.session.sign(parts[1:5]), *parts[1:]]
-        if msg["header"]["msg_type"] == "status" and self._is_running(msg["parent_header"]) \
-                and self.session.unpack(bytes(parts[4])).get("execution_state") == "idle" and self._hold_idle(frames):
-            return
-        self.iopub_socket.send_multipart(frames)
-
-    def _hold_idle(self, frames: list) -> bool:
-        """Keep the forwarded cell's idle until its reply has gone to the front
-        end (True: kept): a front end stops listening at idle, so a cell whose
-        worker is lost before its reply must end with this kernel's words and
-        idle instead (the held one is then dropped)."""
-        with self._reply_gate:
-            if self._replied:
-                return False
-            self._held_idle = frames
-            return True
-
-    def _replied_now(self) -> None:
-        """The forwarded cell's reply went out: its idle may follow (now, if it came first)."""
-        with self._reply_gate:
-            self._replied, held, self._held_idle = True, self._held_idle, None
-        if held is not None:
-            self.iopub_socket.send_multipart(held)
-
-    def _is_running(self, header: dict[str, Any]) -> bool:
-        """Whether ``header`` is the forwarded cell's that runs now."""
-        running = self._running
-        return running is not None and header.get("msg_id") == running.get("msg_id")
-
-    def _publish_note(self, parent: dict[str, Any], text: str) -> None:
-        self.session.send(self.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)
-
     # -- requests with a reply ----------------------------------------------------------
 
     async def complete_request(self, stream, ident, parent) -> None:
@@ -289,7 +152,7 @@ class GPUPoolKernel(IPythonKernel):
         completion is better local than none). A request whose ``fields``
         are missing or of the wrong type gets an error reply, the protocol's
         shape for a failed request, instead of silence."""
-        wrong = _malformed(parent.get("content", {}), fields)
+        wrong = malformed(parent.get("content", {}), fields)
         if wrong:
             reply_type = parent["header"]["msg_type"].replace("_request", "_reply")
             self.session.send(stream, reply_type, {"status": "error", "ename": "ValueError", "evalue": wrong,
@@ -349,14 +212,7 @@ class GPUPoolKernel(IPythonKernel):
             local(stream, ident, parent)
 
     def _comm_for_worker(self, msg: dict[str, Any]) -> bool:
-        """Whether the front end's comm message ``msg`` is the worker's (while
-        attached): a ``comm_open`` of a target not gpupool's own, a
-        ``comm_msg``/``comm_close`` of a comm this kernel does not have."""
-        msg_type = (msg.get("header") or {}).get("msg_type")
-        content = msg.get("content") or {}
-        if msg_type == "comm_open":
-            return not str(content.get("target_name", "")).startswith(OWN_TARGET_PREFIX)
-        return msg_type in ("comm_msg", "comm_close") and content.get("comm_id") not in self.comm_manager.comms
+        return comm_for_worker(msg, self.comm_manager.comms)
 
     def _publish_status(self, status, channel, parent=None) -> None:
         """ipykernel's busy/idle, but none for a message whose busy and idle
@@ -420,9 +276,9 @@ class GPUPoolKernel(IPythonKernel):
         """A lease notice from the heartbeat thread: an event for listening
         front ends, and words in the cell that runs on the worker now, or
         else at the top of the next cell (never under an old one)."""
-        running = self._running
+        running = self.cell.running
         if running is not None:
-            self._publish_note(running, f"gpupool: {message}\n")
+            self.cell.note(running, f"gpupool: {message}\n")
         self.events.notify(kind, message, keep=running is None)
 
     def _say_notices(self) -> None:
@@ -434,6 +290,3 @@ class GPUPoolKernel(IPythonKernel):
             sys.stderr.flush()
 
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
-    _replied = True  # the forwarded cell's reply went out (its idle is held until then)
-    _held_idle: list | None = None  # the worker's idle of it, signed, while held
-    _running: dict[str, Any] | None = None  # header of the forwarded cell running now

@@ -8,7 +8,7 @@ not thread-safe, and the main thread's may be in use by a ``%%local`` cell's
 magics) it pulls the worker's variables into the local namespace, exactly as
 ``%gpu release`` would, and releases the lease with the reason "parked after
 idle". The next routed cell re-acquires a slice of the same size and pushes
-those variables back before it runs (see ``GPUMagics._resume``).
+those variables back before it runs (see :func:`gpupool.magics.attach.resume`).
 
 While others wait for a GPU the service brings ``idle_deadline`` forward
 (``c.GPUPool.pressure_grace``) and says why in ``pressure``; the same rule

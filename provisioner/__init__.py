@@ -1,11 +1,11 @@
-"""The GPU side of gpupool: inventory, enforcement, node agent and workers,
-and the kernel provisioner of notebook kernels.
+"""The GPU-node side of gpupool: inventory, enforcement, node agent and
+workers, and the extension inside each worker kernel.
 
 This module only re-exports. It does so lazily (PEP 562 ``__getattr__``)
-because the parts have different dependencies: a CPU notebook host imports
-:mod:`gpupool.provisioner.kernel_provisioner` through jupyter_client's entry
-point and has neither ``psutil`` nor ``pynvml`` (``gpupool[agent]`` extras)
-installed, so importing this package must not pull in the agent.
+because the parts have different dependencies: a worker environment imports
+:mod:`gpupool.provisioner.worker_extension` and has neither ``psutil`` nor
+``pynvml`` (``gpupool[agent]`` extras) installed, so importing this package
+must not pull in the agent.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ _EXPORTS = {
     "WorkerSpec": "workers",
     "WorkerStartError": "workers",
     "NodeAgent": "agent",
-    "GPUPoolProvisioner": "kernel_provisioner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -50,7 +50,7 @@ class _WorkerManager(KernelManager):
 def worker():
     """``(remote, connection)``: a CurveZMQ worker kernel with the extension and its client."""
     km = _WorkerManager(kernel_name="python3", ip="127.0.0.1", transport_encryption="required")
-    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker"])
+    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker_extension"])
     with open(km.connection_file) as handle:
         written = json.load(handle)
     connection = {k: v for k, v in written.items() if k != "curve_secretkey"}

@@ -43,7 +43,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 import netns
 from frontend import run
 from gpupool.api import ServiceClient
-from gpupool.provisioner.kernelspec import kernel_json
+from gpupool.magics.kernelspec import kernel_json
 from procs import stop_process, wait_for
 from test_deploy_systemd import SYSTEMD, unit
 from test_tls import _name, _write_key

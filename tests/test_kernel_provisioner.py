@@ -13,8 +13,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-from gpupool.provisioner.kernel_provisioner import GPUPoolProvisioner, gpupool_command
-from gpupool.provisioner.kernelspec import main as kernelspec_main
+from gpupool.magics.kernel_provisioner import GPUPoolProvisioner, gpupool_command
+from gpupool.magics.kernelspec import main as kernelspec_main
 from gpupool.schema import LeaseRequest
 from procs import free_port
 

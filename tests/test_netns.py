@@ -28,7 +28,7 @@ from tornado.simple_httpclient import HTTPTimeoutError
 import netns
 from frontend import Cell, run
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner.kernelspec import kernel_json
+from gpupool.magics.kernelspec import kernel_json
 from gpupool.schema import LeaseRequest
 from procs import AgentProcess, ServiceProc, start_agent, start_service, wait_for
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 import types
 
-from gpupool.provisioner.worker import _AfterImport, _cap, to_cpu_with_device, user_variables
+from gpupool.provisioner.worker_extension.devices import to_cpu_with_device
+from gpupool.provisioner.worker_extension.namespace import _cap, user_variables
+from gpupool.provisioner.worker_extension.torch_cap import AfterImport
 from gpupool.transfer import dump_values
 
 
@@ -13,7 +15,7 @@ def test_after_import_hook_runs_once_the_module_is_imported(tmp_path, monkeypatc
     (tmp_path / "fake_framework.py").write_text("READY = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    hook = _AfterImport("fake_framework", lambda module: seen.append(module.READY))
+    hook = AfterImport("fake_framework", lambda module: seen.append(module.READY))
     sys.meta_path.insert(0, hook)
     try:
         import fake_framework  # noqa: F401
@@ -86,7 +88,7 @@ def test_cupy_and_jax_arrays_come_to_the_cpu_and_go_back_to_their_device(monkeyp
 
     import numpy
 
-    from gpupool.provisioner.worker import place_on_devices, to_cpu_with_device
+    from gpupool.provisioner.worker_extension.devices import place_on_devices, to_cpu_with_device
 
     placed = []
     cupy = types.SimpleNamespace(
@@ -111,7 +113,7 @@ def test_values_surely_over_the_cap_are_left_before_they_are_copied():
     import numpy
     import torch
 
-    from gpupool.provisioner.worker import _within, known_nbytes
+    from gpupool.provisioner.worker_extension.namespace import _within, known_nbytes
 
     big, small = numpy.zeros(1000, dtype=numpy.float64), torch.zeros(10)
     assert known_nbytes(big) == 8000 and known_nbytes(small) == 40 and known_nbytes("text") is None

@@ -147,7 +147,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
 
 WORKDIR_PROBE = """\
 import json
-from gpupool.provisioner.worker import enter_workdir
+from gpupool.provisioner.worker_extension.workdir import enter_workdir
 print(json.dumps([enter_workdir(OPEN, "ann"), enter_workdir(CLOSED, "ann")]))
 """
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from gpupool.hub_plugin.hub import configure, shared_secret
-from gpupool.provisioner.kernelspec import install as install_kernelspec
+from gpupool.magics.kernelspec import install as install_kernelspec
 
 c = get_config()  # noqa: F821 (traitlets provides it)
 

@@ -20,7 +20,7 @@ exact variables a worker gets are tested without a GPU. Sources:
   growth (https://www.tensorflow.org/guide/gpu).
 
 The framework variables bind in every mode. PyTorch has no such variable;
-the worker extension (:mod:`gpupool.provisioner.worker`) caps its allocator
+the worker extension (:mod:`gpupool.provisioner.worker_extension`) caps its allocator
 from ``GPUPOOL_MEMORY_LIMIT``. docs/enforcement.md says what each mode
 guarantees and what not, and how to add one.
 """

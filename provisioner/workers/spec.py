@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from gpupool.kernelcmd import WORKER_EXTENSION
 from gpupool.wire.nodes import GPUInfo
 
 from ..enforcement import EnforcementMode, Timeslice
 from ..worker_user import WorkerUser, WorkerUserPool
-
-# The IPython extension every worker loads (variable transfer, PyTorch cap).
-WORKER_EXTENSION = "gpupool.provisioner.worker"
 
 # Lease ids become file names under the state dir.
 _LEASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

@@ -37,6 +37,8 @@ from gpupool.schema import ENV_KERNEL_NAME
 ENV_KERNEL_ID = "GPUPOOL_KERNEL_ID"
 KERNEL_CLASS = "gpupool.magics.kernel.GPUPoolKernel"
 OUTSTREAM_CLASS = "gpupool.magics.outstream.QuietOutStream"
+
+
 def gpupool_command(cmd: list[str]) -> list[str]:
     """A kernel command line that runs the gpupool kernel (pure): ``-m
     ipykernel_launcher`` (or ``-m ipykernel``) becomes ``-m`` NOTEBOOK_KERNEL_APP;

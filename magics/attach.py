@@ -1,0 +1,206 @@
+"""Getting a worker for the notebook: create a lease, wait for its worker
+with progress, connect, start forwarding (in the gpupool kernel), and the
+same again for a parked lease's resume or a ``%%gpu`` cell's own lease.
+
+Functions of :class:`~gpupool.magics.magics.GPUMagics` ``magics`` (its
+client, kernel, settings and attachment); every failure cancels the lease.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import replace
+
+from IPython.core.error import UsageError
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import ENV_KERNEL_NAME, LeaseRequest, LeaseState, kernel_environment
+from gpupool.transfer import package_versions, version_mismatches
+from gpupool.units import parse_gpu_amount
+
+from .attachment import Attachment, ended_message
+from .quota import progress_words
+from .summary import summarize
+from .words import say
+
+
+def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
+    """Create a lease for ``request``, wait for its worker (with progress),
+    connect and warn about version mismatches. Cancels the lease on any
+    failure or interrupt. The lease names the JupyterHub server this kernel
+    runs in, so stopping that server releases it. In the gpupool kernel,
+    ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
+    started = time.monotonic()
+    lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+    attachment = None
+    try:
+        lease = _wait_started(magics, lease, started)
+        attachment = Attachment.connect(magics.client, lease)
+        if magics.kernel is not None and forward:
+            _start_forwarding(magics, attachment)
+    except BaseException:  # interrupted or failed: never leave the slice held
+        if attachment is not None:
+            attachment.heartbeat.stop()
+            attachment.remote.close()
+        cancel(magics.client, lease.id)
+        magics.tell()
+        raise
+    _warn_versions(attachment)
+    if not forward:  # a %%gpu cell's own lease: the notebook stays detached
+        magics.tell()
+    return attachment
+
+
+def _start_forwarding(magics, attachment: Attachment) -> None:
+    """Hand the worker's IOPub to the kernel's relay, tell the worker this
+    notebook's execution count and folder, and send notices as events."""
+    attachment.remote.relay_iopub(magics.kernel.cell.publish)
+    attachment.heartbeat.notify = magics.kernel.notify
+    attachment.heartbeat.on_lease = lambda lease: magics.tell()
+    user = attachment.lease.owner
+    answer, _ = attachment.request({"op": "attach", "execution_count": magics.shell.execution_count,
+                                    "cwd": os.getcwd(), "user": user})
+    cwd = answer.get("cwd")
+    attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
+                          f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "
+                          f"in a scratch folder of yours there, {cwd}: copy the files it needs with %gpu push "
+                          "or a shared folder")
+
+
+def cancel(client, lease_id: str) -> None:
+    """Release ``lease_id`` whose acquire did not finish; a failure is said on stderr."""
+    try:
+        client.release(lease_id, reason="acquire cancelled")
+    except GPUPoolError as exc:
+        print(f"gpupool: could not cancel {lease_id}: {exc.message}", file=sys.stderr)
+
+
+def _warn_versions(attachment: Attachment) -> None:
+    try:
+        mismatches = version_mismatches(package_versions(), attachment.versions())
+    except GPUPoolError as exc:
+        print(f"gpupool: could not compare package versions with the worker: {exc.message}", file=sys.stderr)
+        return
+    if mismatches:
+        print("gpupool: warning: versions differ, values of these may fail to move between this kernel and "
+              "the worker: " + "; ".join(mismatches), file=sys.stderr, flush=True)
+
+
+def _wait_started(magics, lease, started: float):
+    """Long-poll until the lease leaves ``starting``, showing progress.
+    Raises GPUPoolError ``start_timeout`` after c.GPUMagics.start_timeout out
+    of the queue, ``lease_failed`` when it ends instead of starting."""
+    since = started
+    queued = False
+    shown = 0  # length of the progress line, blanked when it is done
+    while lease.state in (LeaseState.queued, LeaseState.starting):
+        if lease.state is LeaseState.queued:
+            since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
+        _tell_progress(magics, lease, queued, started)
+        queued = lease.state is LeaseState.queued
+        if time.monotonic() - since > magics.start_timeout:
+            raise GPUPoolError("start_timeout", f"no worker started within {magics.start_timeout:.0f}s "
+                               "(c.GPUMagics.start_timeout); the request was cancelled", 504)
+        line = f"gpupool: {lease.id} {progress_words(lease)}... {time.monotonic() - started:.0f}s"
+        print(f"\r{line:<{shown}}", end="", flush=True)
+        shown = max(shown, len(line))
+        lease = magics.client.get_lease(lease.id, wait=2, state=lease.state.value)
+    if shown:  # front ends that overwrite after "\r" character by character keep no tail of it
+        print("\r" + " " * shown + "\r", end="", flush=True)
+    if queued:
+        _tell_progress(magics, lease, queued, started)
+    if lease.state is not LeaseState.active:
+        raise GPUPoolError("lease_failed", f"the lease could not start: {ended_message(lease)}", 502)
+    return lease
+
+
+def _tell_progress(magics, lease, was_queued: bool, started: float) -> None:
+    """A waited-for ``lease``: its queued/starting state, and "admitted"
+    once it leaves the queue (gpupool kernel only; gpupool.magics.events)."""
+    events = getattr(magics.kernel, "events", None)
+    if events is None:
+        return
+    from .events import lease_state, progress_phase
+
+    if was_queued and lease.state is not LeaseState.queued:
+        events.emit("admitted", f"{lease.id} left the queue after {time.monotonic() - started:.0f}s; "
+                                f"starting on {lease.node or 'the pool'}")
+    events.changed(lease_state(progress_phase(lease), lease))
+
+
+def arm_parking(magics, attachment: Attachment) -> None:
+    """Park ``attachment`` shortly before the service would reclaim it idle."""
+    attachment.park_when_idle(magics.park_ahead, magics.release_state_cap, magics.variables.take)
+    attachment.heartbeat.preempt_notice = magics.preempt_notice
+
+
+def resume(magics) -> Attachment:
+    """The lease was parked: acquire a slice of the same size again (with
+    progress) and push the parked variables back before the cell runs."""
+    parked = magics.attachment.parked
+    magics.drop()
+    old = parked.lease
+    share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
+    say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
+        f"acquiring {share} again")
+    attachment = attach(magics, same_size(old))
+    arm_parking(magics, attachment)
+    magics.attachment = attachment
+    names = [n for n in parked.names if n in magics.shell.user_ns]
+    items, errors = magics.variables.send(attachment, names) if names else ([], {})
+    say(f"resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
+    magics.tell("resumed", f"{old.id} resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
+    return attachment
+
+
+def run_on_own_lease(magics, amount: str, cell: str) -> None:
+    """``%%gpu AMOUNT`` while detached: run ``cell`` on a lease of its own,
+    then bring its variables back and release it. Raises UsageError."""
+    try:
+        fraction, count = parse_gpu_amount(amount)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    request = LeaseRequest(fraction=fraction, gpu_count=count, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                           prefer_env=kernel_env())
+    try:
+        attachment = attach(magics, request, forward=False)
+    except GPUPoolError as exc:
+        raise UsageError(exc.message) from None
+    try:
+        magics.variables.follow(attachment, cell)
+        attachment.run_cell(cell, magics.max_output_bytes)
+    except GPUPoolError as exc:
+        raise UsageError(exc.message) from None
+    finally:
+        _bring_back_and_release(magics, attachment, "%%gpu cell finished")
+
+
+def _bring_back_and_release(magics, attachment: Attachment, reason: str) -> None:
+    note = ""
+    try:
+        if attachment.ended is None:
+            values, items, errors = attachment.pull(None, max_bytes=magics.release_state_cap)
+            magics.variables.take(values, items)
+            note = summarize("brought back", items, errors)
+    finally:
+        lease = attachment.release(reason=reason)
+    say(f"released {lease.id}{note}")
+
+
+def same_size(old) -> LeaseRequest:
+    """A request for a slice like lease ``old`` (resume after parking, restart), in
+    its environment where a node still offers it (the parked values came from there)."""
+    return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
+                        idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                        prefer_env=old.env or kernel_env(), lease_class=old.lease_class,
+                        preemptible=old.preemptible or None,
+                        # the same ask, not its result: a default share gets the default again
+                        cpus=old.requested_cpus, host_memory=old.requested_host_memory)
+
+
+def kernel_env() -> str | None:
+    """The worker environment this kernel prefers: its kernelspec's name
+    (GPUPOOL_KERNEL_NAME, set by the kernel provisioner; :func:`gpupool.schema.kernel_environment`)."""
+    return kernel_environment(os.environ.get(ENV_KERNEL_NAME))

@@ -1,0 +1,142 @@
+"""The cell the gpupool kernel forwards to its worker, while it runs.
+
+The front end's ``execute_request`` goes to the worker with stdin always
+allowed (for the worker's ``%gpu``, :data:`gpupool.kernelcmd.MAGIC_PROMPT`);
+the worker's reply is passed on the moment it comes, and its IOPub is
+re-signed onto this kernel's (on the relay thread) within the cell's output
+budget. The worker's idle waits for the reply: a front end stops listening
+at idle, so a cell whose worker is lost before its reply ends with this
+kernel's words and idle instead (the held one is then dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import zmq
+from jupyter_client.session import DELIM
+
+from gpupool.errors import GPUPoolError
+from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
+
+from .relay import OutputBudget
+
+
+class ForwardedCell:
+    """The forwarded cell of :class:`~gpupool.magics.kernel.GPUPoolKernel` ``kernel``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.budget = OutputBudget()
+        self._reply_gate = threading.Lock()
+        self._replied = True  # the forwarded cell's reply went out (its idle is held until then)
+        self._held_idle: list | None = None  # the worker's idle of it, signed, while held
+        self.running: dict[str, Any] | None = None  # header of the forwarded cell running now
+
+    def forward(self, attachment, stream, ident, parent: dict[str, Any],
+                code: str) -> tuple[dict[str, Any] | None, str]:
+        """Send the front end's execute_request to the worker (stdin always
+        allowed there, for the worker's ``%gpu``; the front end's own choice
+        rides in the metadata), pass the worker's reply on to the front end
+        the moment it comes (its idle comes through the relay), and wait for
+        the cell's end. Returns the reply message (None when none came) and
+        the words for a lease or worker lost meanwhile ("" when not)."""
+        kernel = self.kernel
+        # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
+        # only ever has this one request, and aborting there would abort the next cell forwarded
+        # right after an error while its own abort window is still open.
+        content = dict(parent["content"], code=code, allow_stdin=True, stop_on_error=False)
+        # ipykernel's own flag: the front end's choice, for the user's input() asked of it here.
+        kernel._allow_stdin = bool(parent["content"].get("allow_stdin"))
+        msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
+                                                          STDIN_KEY: kernel._allow_stdin}}
+        replies: list[dict[str, Any]] = []
+
+        def pass_on(reply: dict[str, Any]) -> None:
+            # The requests queued behind a failed cell are aborted, as ipykernel does, but not
+            # one the front end sends after hearing of the error.
+            if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
+                kernel._abort_queues(parent["header"].get("subshell_id"))
+            kernel.session.send(stream, "execute_reply", reply["content"], parent,
+                                metadata=reply.get("metadata") or {}, ident=ident)
+            if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
+                stream.flush(zmq.POLLOUT)
+            replies.append(reply)
+            self._replied_now()
+
+        self.budget.reset(kernel.gpu.max_output_bytes)
+        with self._reply_gate:  # no reply yet: the worker's idle waits for it
+            self._replied, self._held_idle = False, None
+        with attachment.lock:
+            attachment.heartbeat.running(True)
+            self.running = parent["header"]
+            try:
+                attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
+                return replies[0], ""
+            except GPUPoolError as exc:
+                if exc.code == "lease_lost" and not replies:  # after a reply the next cell says it, and drops
+                    kernel.gpu.drop()
+                return (replies[0] if replies else None), exc.message
+            finally:
+                self.running = None
+                attachment.heartbeat.running(False)
+
+    def _answer_stdin(self, request: dict[str, Any]) -> str:
+        """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
+        the user's ``input()``, asked of the front end as a local one would be."""
+        prompt = str(request.get("prompt", ""))
+        if prompt.startswith(MAGIC_PROMPT):
+            line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")
+            return json.dumps(self.kernel.gpu.run_for_worker(line))
+        if not self.kernel._allow_stdin:  # the worker checks this itself; a stray request gets EOF
+            return "\x04"
+        ask = self.kernel.getpass if request.get("password") else self.kernel.raw_input
+        return ask(prompt)
+
+    def publish(self, idents: list, parts: list, msg: dict[str, Any]) -> None:
+        """Publish one worker IOPub message (``parts``: signature, header,
+        parent, metadata, content, buffers) re-signed with the kernel's key,
+        unless the cell's output budget is spent (called on the relay thread;
+        the IOPub socket is ipykernel's thread-safe background socket)."""
+        session = self.kernel.session
+        size = sum(len(part) for part in parts[4:])
+        if self.budget.cut and msg["header"]["msg_type"] == "status" and self.is_running(msg["parent_header"]):
+            # Output was cut, so this is the cell's idle (its busy came first): say how much, before it.
+            self.note(msg["parent_header"], self.budget.finish_words())
+            self.budget.cut = 0
+        if not self.budget.admit(msg["header"]["msg_type"], size):
+            if self.budget.cut_started():
+                self.note(msg["parent_header"], self.budget.cut_words())
+            return
+        frames = [bytes(i) for i in idents] + [DELIM, session.sign(parts[1:5]), *parts[1:]]
+        if msg["header"]["msg_type"] == "status" and self.is_running(msg["parent_header"]) \
+                and session.unpack(bytes(parts[4])).get("execution_state") == "idle" and self._hold_idle(frames):
+            return
+        self.kernel.iopub_socket.send_multipart(frames)
+
+    def _hold_idle(self, frames: list) -> bool:
+        """Keep the forwarded cell's idle until its reply has gone to the front
+        end (True: kept)."""
+        with self._reply_gate:
+            if self._replied:
+                return False
+            self._held_idle = frames
+            return True
+
+    def _replied_now(self) -> None:
+        """The forwarded cell's reply went out: its idle may follow (now, if it came first)."""
+        with self._reply_gate:
+            self._replied, held, self._held_idle = True, self._held_idle, None
+        if held is not None:
+            self.kernel.iopub_socket.send_multipart(held)
+
+    def is_running(self, header: dict[str, Any]) -> bool:
+        """Whether ``header`` is the forwarded cell's that runs now."""
+        running = self.running
+        return running is not None and header.get("msg_id") == running.get("msg_id")
+
+    def note(self, parent: dict[str, Any], text: str) -> None:
+        """Words on stderr in the cell of ``parent`` (a request's header)."""
+        self.kernel.session.send(self.kernel.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)

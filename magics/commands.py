@@ -1,0 +1,209 @@
+"""The ``%gpu`` subcommands: ``acquire``, ``release``, ``restart``,
+``status``, ``pool``, ``quota``, ``push`` and ``pull``.
+
+Each is ``command(magics, rest)``: :class:`~gpupool.magics.magics.GPUMagics`
+``magics`` and the words after the subcommand; a command with options parses
+them with the parser IPython's ``magic_arguments`` puts on it (its
+``parser``, which ``%gpu COMMAND --help`` prints). Raises UsageError (or
+GPUPoolError, which ``%gpu`` turns into one) with words for the user.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from gpupool.errors import GPUPoolError
+from gpupool.schema import LeaseRequest
+from gpupool.tables import gpu_utilization, lease_table, pool_table
+from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
+
+from .attach import arm_parking, attach, kernel_env, same_size
+from .classes import class_note, requested_class
+from .park import MIN_IDLE_TIMEOUT
+from .quota import quota_report
+from .summary import summarize
+from .words import held_seconds, host_words, say, transfer_note, usage_words
+
+
+def _parse(command, rest: str):
+    try:
+        return parse_argstring(command, rest)
+    except UsageError:
+        raise
+    except SystemExit:  # argparse exits on bad arguments; IPython's parser raises UsageError
+        raise UsageError(f"bad arguments: {rest!r}") from None
+
+
+# The parsers keep the names their usage line has always shown ("_acquire", "_release").
+@magic_arguments("_acquire")
+@argument("amount", help="a fraction of one GPU (0.5) or a count of whole GPUs (2)")
+@argument("--memory", help="GPU memory for the slice, e.g. 20GiB (default: the fraction's share)")
+@argument("--model", help="only GPUs whose name contains this, e.g. A100")
+@argument("--cpus", type=float, help="host CPU cores for the worker, e.g. 4 (default: the GPU share's part)")
+@argument("--host-memory", help="host RAM for the worker, e.g. 32GiB (default: the GPU share's part)")
+@argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
+@argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
+@argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
+                        "one named like this kernel, torch for a kernel torch or gpupool-torch, where a node "
+                        "offers it, else the node's)")
+@argument("--on-idle", choices=("park", "release"), default="park",
+          help="when idle: park (variables come back, the next cell resumes; default) or just release")
+@argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
+          "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
+@argument("--preemptible", action="store_true",
+          help="while others wait, the running cell may be interrupted and the lease parked")
+def acquire(magics, rest: str) -> None:
+    args = _parse(acquire, rest)
+    if magics.attachment is not None and magics.attachment.ended is None:
+        raise UsageError(f"already attached to {magics.attachment.lease.id}; run %gpu release first")
+    magics.drop()
+    request = _lease_request(args)
+    if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
+        raise UsageError(f"--idle-timeout {args.idle_timeout} is too short to park the variables safely before "
+                         f"the pool reclaims the slice; use at least {MIN_IDLE_TIMEOUT:.0f}s (or --on-idle release)")
+    started = time.monotonic()
+    magics.attachment = attach(magics, request)
+    if args.on_idle == "park":
+        arm_parking(magics, magics.attachment)
+    lease = magics.attachment.lease
+    gpu = lease.gpus[0] if lease.gpus else {}
+    share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+    indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
+    where = ("Cells now run on the worker; %gpu release detaches." if magics.kernel is not None else
+             "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
+             "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
+    say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
+        f"{f' in environment {lease.env}' if lease.env else ''}, "
+        f"{format_bytes(lease.memory)}{host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)}"
+        f"{class_note(lease)} "
+        f"[{time.monotonic() - started:.1f}s]. {where}")
+    if magics.attachment.workdir:
+        say(magics.attachment.workdir)
+    magics.tell("attached", f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} on {lease.node}")
+
+
+def _lease_request(args) -> LeaseRequest:
+    """The request ``%gpu acquire``'s parsed ``args`` ask for; UsageError for a bad value."""
+    try:
+        fraction, count = parse_gpu_amount(args.amount)
+        if args.cpus is not None and not args.cpus > 0:
+            raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
+        return LeaseRequest(
+            fraction=fraction, gpu_count=count,
+            memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
+            idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
+            kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
+            env=args.env, prefer_env=None if args.env else kernel_env(),
+            lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None,
+            cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@magic_arguments("_release")
+@argument("--discard", action="store_true", help="do not bring the worker's variables back")
+def release(magics, rest: str) -> None:
+    args = _parse(release, rest)
+    if magics.attachment is not None and magics.attachment.parked is not None:
+        lease = magics.attachment.parked.lease
+        magics.drop()
+        say(f"released {lease.id}: it was parked after idle and its variables are already here")
+        magics.tell("released", f"released {lease.id} (it was parked)")
+        return
+    attachment = magics.attached()
+    note = ""
+    if not args.discard:
+        try:
+            values, items, errors = attachment.pull(None, max_bytes=magics.release_state_cap)
+            magics.variables.take(values, items)
+            note = summarize("brought back", items, errors)
+        except GPUPoolError as exc:  # the worker died or is unreachable: the slice is still freed
+            note = f"; the worker's variables could not come back: {exc.message}"
+    magics.attachment = None  # from here on this kernel is detached, whatever happens
+    try:
+        lease = attachment.release(reason="%gpu release")
+    except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
+        lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
+    say(f"released {lease.id} after {format_duration(held_seconds(lease))} "
+        f"({usage_words(lease.usage_gpu_seconds)}){note}")
+    magics.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
+
+
+def restart(magics, rest: str) -> None:
+    """Release the lease without its variables (the worker may be stuck)
+    and attach to a fresh one of the same size."""
+    if rest.strip():
+        raise UsageError("%gpu restart takes no arguments")
+    if magics.attachment is None:
+        raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
+    old = magics.attachment.parked.lease if magics.attachment.parked else magics.attachment.lease
+    parks = magics.attachment.heartbeat.on_beat is not None
+    magics.drop()
+    try:
+        magics.client.release(old.id, reason="%gpu restart")
+    except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
+        print(f"gpupool: {old.id}: {exc.message}", file=sys.stderr)
+    magics.attachment = attach(magics, same_size(old))
+    if parks:
+        arm_parking(magics, magics.attachment)
+    say(f"restarted: released {old.id} (its variables are lost), attached {magics.attachment.lease.id}")
+    magics.tell("attached", f"restarted: attached {magics.attachment.lease.id}")
+
+
+def status(magics, rest: str) -> None:
+    if rest.strip():
+        raise UsageError("%gpu status takes no arguments")
+    if magics.attachment is not None and magics.attachment.parked is not None:
+        say(f"parked: {magics.attachment.parked.lease.id} was given back after idle and its variables are "
+            "here; the next cell resumes on a slice of the same size (%gpu release detaches)")
+        return
+    if magics.attachment is None:
+        leases = magics.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
+        if not leases:
+            say("not attached; %gpu acquire 0.5 attaches half a GPU")
+            return
+    else:
+        leases = [magics.attachment.refresh()]
+    text, html = lease_table(leases, gpu_utilization(magics.client.pool()))
+    display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def quota(magics, rest: str) -> None:
+    """``%gpu quota``: your limits beside today's and this week's usage."""
+    print(quota_report(magics.client))
+
+
+def pool(magics, rest: str) -> None:
+    text, html = pool_table(magics.client.pool())
+    display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def push(magics, rest: str) -> None:
+    names = rest.split()
+    if not names:
+        raise UsageError("%gpu push needs variable names: %gpu push X y")
+    missing = [n for n in names if n not in magics.shell.user_ns]
+    if missing:
+        raise UsageError(f"not defined here: {', '.join(missing)}; nothing was sent")
+    items, errors = magics.variables.send(magics.attached(), names)
+    say(transfer_note("pushed", items, errors).lstrip("; "))
+
+
+def pull(magics, rest: str) -> None:
+    names = rest.split()
+    if not names:
+        raise UsageError("%gpu pull needs variable names: %gpu pull model history")
+    values, items, errors = magics.attached().pull(names)
+    magics.variables.take(values, items)
+    say(transfer_note("pulled", items, errors).lstrip("; "))
+
+
+#: ``%gpu COMMAND`` -> its function, in the order the unknown-command error lists them.
+COMMANDS = {"acquire": acquire, "release": release, "status": status, "pool": pool, "push": push, "pull": pull,
+            "restart": restart, "quota": quota}

@@ -1,0 +1,48 @@
+"""Which side of an attached gpupool kernel answers what (pure rules): the
+cells and comms that stay in the notebook kernel, and the request fields
+checked before a request is forwarded."""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+#: Comm targets of the notebook kernel itself; every other comm is the worker's.
+OWN_TARGET_PREFIX = "gpupool."
+
+
+def forwarded_code(code: str) -> str | None:
+    """The code an attached kernel runs on the worker for cell ``code``, or
+    None when the cell runs here: a ``%%local`` cell, or only ``%gpu`` lines
+    (and blanks and comments). A ``%%gpu`` cell runs its body there."""
+    lines = [line.strip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if not lines or lines[0].startswith("%%local"):
+        return None
+    if lines[0] == "%%gpu":
+        return code.lstrip().partition("\n")[2]
+    if lines[0].startswith("%%gpu"):  # %%gpu AMOUNT while attached: the magic says why not
+        return None
+    if all(line == "%gpu" or line.startswith("%gpu ") for line in lines):
+        return None
+    return code
+
+
+def comm_for_worker(msg: dict[str, Any], own_comms: Collection[str]) -> bool:
+    """Whether the front end's comm message ``msg`` is the worker's (while
+    attached): a ``comm_open`` of a target not gpupool's own, a
+    ``comm_msg``/``comm_close`` of a comm not among ``own_comms`` (ids)."""
+    msg_type = (msg.get("header") or {}).get("msg_type")
+    content = msg.get("content") or {}
+    if msg_type == "comm_open":
+        return not str(content.get("target_name", "")).startswith(OWN_TARGET_PREFIX)
+    return msg_type in ("comm_msg", "comm_close") and content.get("comm_id") not in own_comms
+
+
+def malformed(content: dict[str, Any], fields: tuple[str, ...]) -> str:
+    """Words for what is wrong with a request's ``fields`` ("" when nothing):
+    ``code`` must be a string, ``cursor_pos`` a whole number."""
+    for name in fields:
+        value = content.get(name)
+        kind = str if name == "code" else int
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} must be {'a string' if kind is str else 'a whole number'}, not {value!r}"
+    return ""

@@ -1,0 +1,71 @@
+"""The worker's end of the ``gpupool.transfer`` comm: one request per comm
+(its open message), answered and closed. Ops: ``push``, ``pull`` and
+``pull_all`` move variables (:mod:`.namespace`); ``have``, ``versions`` and
+``attach`` are the remoting ops of issue 6 (REMOTING_OPS)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpupool.provisioner import worker_dataplane
+from gpupool.transfer import load_values, package_versions
+
+from .devices import place_on_devices
+from .namespace import pull_header
+from .workdir import enter_workdir
+
+log = logging.getLogger("gpupool.worker")
+
+
+def serve(ip, comm, msg, plane=None) -> None:
+    """Answer one request (the comm's open message) and close the comm.
+    ``plane``: the worker's data plane (:mod:`gpupool.provisioner.worker_dataplane`),
+    which carries big buffers when the request has a ``stream`` ticket."""
+    data = msg["content"]["data"]
+    op = data.get("op")
+    try:
+        if op == "push":
+            buffers = worker_dataplane.pushed_buffers(plane, data) if data.get("stream") else msg.get("buffers") or []
+            values, errors = load_values(data["header"], buffers)
+            errors.update(place_on_devices(values, data.get("devices") or {}))
+            ip.user_ns.update(values)
+            comm.send({"ok": True, "loaded": sorted(values), "errors": errors})
+        elif op in ("pull", "pull_all"):
+            header, buffers = worker_dataplane.offer_pull(plane, data, *pull_header(ip, data))
+            comm.send({"ok": True, "header": header}, buffers=buffers)
+        elif op in REMOTING_OPS:
+            comm.send(REMOTING_OPS[op](ip, data))
+        else:
+            comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
+    except worker_dataplane.TransferError as exc:  # its words are for the user as they are
+        comm.send({"ok": False, "message": str(exc)})
+    except Exception as exc:  # the client shows this; the worker stays up
+        log.exception("transfer %s failed", op)
+        comm.send({"ok": False, "message": f"{type(exc).__name__}: {exc}"})
+    finally:
+        comm.close()
+
+
+def _have(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``have``: which of ``data["names"]`` the worker's namespace holds."""
+    return {"ok": True, "have": [n for n in data.get("names", []) if n in ip.user_ns]}
+
+
+def _versions(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``versions``: Python and key package versions (see package_versions)."""
+    return {"ok": True, "versions": package_versions()}
+
+
+def _attach(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``attach``, sent once by the gpupool kernel when it attaches: take
+    the notebook's execution count (so prompts, ``Out[n]`` and tracebacks'
+    ``Cell In[n]`` agree) and its working directory (:func:`.workdir.enter_workdir`).
+    Answers ``{"ok", "cwd", "notebook_dir": bool}``."""
+    if isinstance(data.get("execution_count"), int):
+        ip.execution_count = data["execution_count"]
+    cwd, followed = enter_workdir(data.get("cwd"), data.get("user") or "user")
+    return {"ok": True, "cwd": cwd, "notebook_dir": followed}
+
+
+REMOTING_OPS = {"have": _have, "versions": _versions, "attach": _attach}

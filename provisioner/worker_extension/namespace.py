@@ -1,0 +1,108 @@
+"""The worker's variables as a pull sends them: the user's own names, on the
+CPU, within the request's size cap, modules as imports."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from typing import Any
+
+from gpupool.transfer import dump_values
+
+from .devices import to_cpu_with_device
+
+
+def user_variables(ip) -> dict[str, Any]:
+    """The user's own names in the worker: no ``_private`` names, no names
+    IPython put there itself (``In``, ``Out``, ``exit``...), no modules."""
+    hidden = ip.user_ns_hidden
+    return {name: value for name, value in ip.user_ns.items()
+            if not name.startswith("_") and name not in hidden and not isinstance(value, types.ModuleType)}
+
+
+def user_modules(ip) -> dict[str, str]:
+    """The modules the user imported into the worker's namespace, as
+    ``{name: module name}`` (``{"np": "numpy"}``), so that they come back as
+    imports, not as values."""
+    hidden = ip.user_ns_hidden
+    return {name: value.__name__ for name, value in ip.user_ns.items()
+            if isinstance(value, types.ModuleType) and not name.startswith("_") and name not in hidden}
+
+
+def pull_header(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
+    """The transfer header and buffers (:func:`gpupool.transfer.dump_values`)
+    for a ``pull`` of ``data["names"]`` or a ``pull_all``, within
+    ``data["max_bytes"]`` when given; each item says the device it came off."""
+    missing: dict[str, str] = {}
+    if data["op"] == "pull":
+        names = data.get("names", [])
+        values = {n: ip.user_ns[n] for n in names if n in ip.user_ns}
+        missing = {n: "not defined on the worker" for n in names if n not in ip.user_ns}
+    else:
+        values = user_variables(ip)
+        widgets = [name for name, value in values.items() if _is_widget(value)]
+        missing.update({name: "widget: stays on the worker" for name in widgets})
+        values = {name: value for name, value in values.items() if name not in widgets}
+    limit = data.get("max_bytes")
+    if limit:  # leave what surely exceeds the cap before copying it to host memory
+        values, missing = _within(values, int(limit), missing)
+    moved = {name: to_cpu_with_device(value) for name, value in values.items()}
+    header, buffers = dump_values({name: value for name, (value, _) in moved.items()})
+    for item in header["items"]:  # the client remembers it, so the next attach moves it back
+        item["device"] = moved[item["name"]][1]
+    header["errors"].update(missing)
+    if limit:
+        header, buffers = _cap(header, buffers, int(limit))
+    if data["op"] == "pull_all":
+        header["modules"] = user_modules(ip)
+    return header, buffers
+
+
+def _is_widget(value: Any) -> bool:
+    """An ipywidgets widget: its state lives in the front end, it cannot move."""
+    widgets = sys.modules.get("ipywidgets")
+    return widgets is not None and isinstance(value, widgets.Widget)
+
+
+def _within(values: dict[str, Any], limit: int, errors: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``values`` whose known sizes fit ``limit`` in order (unknown sizes pass:
+    :func:`_cap` checks them after pickling); the rest go to ``errors``."""
+    kept, total, errors = {}, 0, dict(errors)
+    for name, value in values.items():
+        size = known_nbytes(value)
+        if size is not None and total + size > limit:
+            errors[name] = f"{type(value).__name__} left on the worker: over the transfer size cap"
+            continue
+        kept[name] = value
+        total += size or 0
+    return kept, errors
+
+
+def known_nbytes(value: Any) -> int | None:
+    """Bytes of an array-like's data without copying it (NumPy and CuPy
+    ``nbytes``; PyTorch tensors, and modules as the sum of their parameters and
+    buffers), or None when not known up front."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return sum(t.element_size() * t.nelement() for t in itertools.chain(value.parameters(), value.buffers()))
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.element_size() * value.nelement()
+    size = getattr(value, "nbytes", None)
+    return size if isinstance(size, int) else None
+
+
+def _cap(header: dict[str, Any], buffers: list, limit: int) -> tuple[dict[str, Any], list]:
+    """Keep items in order while their total stays within ``limit`` bytes;
+    the rest are listed in the errors as left behind."""
+    kept, kept_buffers, total, position = [], [], 0, 0
+    for item in header["items"]:
+        count = item["nbuffers"]
+        if total + item["nbytes"] <= limit:
+            kept.append(item)
+            kept_buffers.extend(buffers[position:position + count])
+            total += item["nbytes"]
+        else:
+            header["errors"][item["name"]] = f"{item['type']} left on the worker: over the transfer size cap"
+        position += count
+    return {"items": kept, "errors": header["errors"]}, kept_buffers

@@ -1,0 +1,38 @@
+"""``%gpu`` in a cell on the worker, run by the notebook kernel over the
+worker's stdin channel (docs/api.md, "Worker magics"), and the front end's
+own ``input()`` rule for a forwarded cell."""
+
+from __future__ import annotations
+
+import json
+
+from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
+
+
+def notebook_magic(ip, line: str) -> None:
+    """``%gpu LINE`` in a cell on the worker: the notebook kernel runs it (its
+    output shows in the cell, in order) and says whether it worked; raises
+    UsageError with its words when not. It travels as an ``input_request``
+    because the worker's shell channel is busy with this very cell."""
+    from IPython.core.error import UsageError
+
+    kernel = ip.kernel
+    saved, kernel._allow_stdin = kernel._allow_stdin, True
+    try:
+        answer = kernel.raw_input(MAGIC_PROMPT + json.dumps({"line": line}))
+    finally:
+        kernel._allow_stdin = saved
+    try:
+        result = json.loads(answer)
+    except ValueError:
+        raise UsageError("%gpu on the worker needs the notebook's gpupool kernel to answer it") from None
+    if not result.get("ok"):
+        raise UsageError(result.get("message") or "%gpu failed")
+
+
+def front_end_stdin(ip) -> None:
+    """Before a forwarded cell: ``input()`` is allowed only if the front end
+    allowed it (a forwarded request always allows stdin, see STDIN_KEY)."""
+    metadata = (ip.kernel.get_parent("shell") or {}).get("metadata") or {}
+    if STDIN_KEY in metadata:
+        ip.kernel._allow_stdin = bool(metadata[STDIN_KEY])
