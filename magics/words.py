@@ -8,7 +8,7 @@ from typing import Any
 
 from gpupool.schema import parse_time
 from gpupool.transfer import describe
-from gpupool.units import format_bytes
+from gpupool.units import format_bytes, format_cpus
 
 
 def say(text: str) -> None:
@@ -23,10 +23,10 @@ def dedent(text: str | None) -> str:
 
 
 def host_words(lease) -> str:
-    """``', 4 CPUs and 32.0 GiB of host memory'``; empty when the node reports no host."""
+    """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); empty when the node reports no host."""
     if lease.cpus is None or lease.host_memory is None:
         return ""
-    return f", {lease.cpus:g} CPUs and {format_bytes(lease.host_memory)} of host memory"
+    return f", {format_cpus(lease.cpus)} and {format_bytes(lease.host_memory)} of host memory"
 
 
 def usage_words(gpu_seconds: float) -> str:
