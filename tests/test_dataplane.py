@@ -23,7 +23,7 @@ from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffe
 from gpupool.errors import GPUPoolError
 from gpupool.magics import dataplane
 from gpupool.magics.remote import RemoteKernel
-from gpupool.provisioner.worker_dataplane import DataPlaneServer
+from gpupool.provisioner.worker_extension.dataplane import DataPlaneServer
 from gpupool.transfer import load_pulled
 from frontend import run
 from test_e2e_notebook import _active_leases, _remote

@@ -10,7 +10,7 @@ this package. It gives the worker what the notebook's client relies on:
   for them to be put back on it (:mod:`.devices`); the ``have`` and
   ``versions`` ops let the client send along only the names a cell needs and
   warn about package mismatches (docs/api.md); big buffers go over the
-  worker's data plane (:mod:`gpupool.provisioner.worker_dataplane`, on the
+  worker's data plane (:mod:`.dataplane`, on the
   ``transfer_port`` of its connection file) instead of the comm message;
 - ``%gpu`` inside a cell, asked of the notebook kernel (:mod:`.notebook_magic`);
 - the PyTorch memory cap of the slice (:mod:`.torch_cap`): when the user's
@@ -28,7 +28,7 @@ import os
 import sys
 
 from gpupool.kernelcmd import TRANSFER_TARGET
-from gpupool.provisioner import worker_dataplane
+from . import dataplane
 
 from .binding import bind
 from .comm import serve
@@ -42,7 +42,7 @@ def load_ipython_extension(ip) -> None:
     """Register the transfer comm target, the ``%gpu`` line magic that asks
     the notebook kernel (:func:`.notebook_magic.notebook_magic`), the front
     end's stdin rule and the PyTorch cap hook."""
-    plane = worker_dataplane.start_for_kernel()
+    plane = dataplane.start_for_kernel()
     ip.kernel.comm_manager.register_target(TRANSFER_TARGET, lambda comm, msg: serve(ip, comm, msg, plane))
     ip.register_magic_function(lambda line: notebook_magic(ip, line), "line", "gpu")
     ip.events.register("pre_run_cell", lambda info: front_end_stdin(ip))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpupool.provisioner import worker_dataplane
+from . import dataplane
 from gpupool.transfer import load_values, package_versions
 
 from .devices import place_on_devices
@@ -20,25 +20,25 @@ log = logging.getLogger("gpupool.worker")
 
 def serve(ip, comm, msg, plane=None) -> None:
     """Answer one request (the comm's open message) and close the comm.
-    ``plane``: the worker's data plane (:mod:`gpupool.provisioner.worker_dataplane`),
+    ``plane``: the worker's data plane (:mod:`.dataplane`),
     which carries big buffers when the request has a ``stream`` ticket."""
     data = msg["content"]["data"]
     op = data.get("op")
     try:
         if op == "push":
-            buffers = worker_dataplane.pushed_buffers(plane, data) if data.get("stream") else msg.get("buffers") or []
+            buffers = dataplane.pushed_buffers(plane, data) if data.get("stream") else msg.get("buffers") or []
             values, errors = load_values(data["header"], buffers)
             errors.update(place_on_devices(values, data.get("devices") or {}))
             ip.user_ns.update(values)
             comm.send({"ok": True, "loaded": sorted(values), "errors": errors})
         elif op in ("pull", "pull_all"):
-            header, buffers = worker_dataplane.offer_pull(plane, data, *pull_header(ip, data))
+            header, buffers = dataplane.offer_pull(plane, data, *pull_header(ip, data))
             comm.send({"ok": True, "header": header}, buffers=buffers)
         elif op in REMOTING_OPS:
             comm.send(REMOTING_OPS[op](ip, data))
         else:
             comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
-    except worker_dataplane.TransferError as exc:  # its words are for the user as they are
+    except dataplane.TransferError as exc:  # its words are for the user as they are
         comm.send({"ok": False, "message": str(exc)})
     except Exception as exc:  # the client shows this; the worker stays up
         log.exception("transfer %s failed", op)
