@@ -41,7 +41,7 @@ from gpupool.tls import server_context
 
 from .agent_client import AgentClient
 from .auth import TokenAuthenticator
-from .config import GPUPool
+from .config import SETTINGS_PARTS, GPUPool
 from .db import Store
 from .handlers import health, leases as lease_handlers, metrics as metric_handlers, nodes as node_handlers
 from .handlers import openapi as openapi_handlers, pool as pool_handlers
@@ -89,6 +89,11 @@ class ServiceApp(Application):
     config_file = Unicode(
         "", help="""Python config file (``gpupool_config.py`` or ``jupyterhub_config.py``)
         setting ``c.GPUPool.*``. Default: none.""").tag(config=True)
+
+    def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
+        """The classes ``--generate-config`` and ``--help-all`` show: not the
+        settings classes, so every setting appears once, as ``c.GPUPool.*``."""
+        return (cls for cls in super()._classes_with_config_traits(classes) if cls not in SETTINGS_PARTS)
 
     @default("log_level")
     def _log_level_default(self) -> int:

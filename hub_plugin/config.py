@@ -4,6 +4,11 @@
 Each setting is a trait whose help gives the unit, the default and an
 example. Durations and sizes accept human units (``"30m"``, ``"512MiB"``)
 through :mod:`gpupool.traits`; the value stored is seconds or bytes.
+
+The settings are grouped by concern into the classes :class:`GPUPool`
+inherits, one from the other (:data:`SETTINGS_PARTS`), so every one stays
+``c.GPUPool.NAME``; ``ServiceApp`` shows them all under ``GPUPool`` in
+``--generate-config`` and ``--help-all``.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from traitlets.config import Configurable
 from gpupool.traits import ByteSize, Duration
 
 
-class GPUPool(Configurable):
-    """Settings of the pool service (scheduler, reclaim, store, tokens)."""
+class ServiceSettings(Configurable):
+    """Where the service keeps its state and how it is reached: the store, its
+    URL, TLS, the tokens it takes, and how long a request may take."""
 
     db_url = Unicode(
         "sqlite:///{state_dir}/gpupool.sqlite",
@@ -23,6 +29,58 @@ class GPUPool(Configurable):
         service's state directory. Default: ``sqlite:///{state_dir}/gpupool.sqlite``.
         PostgreSQL (production) through psycopg 3:
         ``c.GPUPool.db_url = "postgresql+psycopg://gpupool@db/gpupool"``.""",
+    ).tag(config=True)
+
+    base_url = Unicode(
+        "/",
+        help="""URL prefix the service is served under; under JupyterHub this is
+        the service prefix. Default: ``/``. ``c.GPUPool.base_url = "/services/gpupool/"``.""",
+    ).tag(config=True)
+
+    @validate("base_url")
+    def _slashes(self, proposal):
+        return "/" + proposal["value"].strip("/") + "/" if proposal["value"].strip("/") else "/"
+
+    public_url = Unicode(
+        "",
+        help="""The URL notebook kernels and node agents use to reach the service,
+        with ``base_url`` as its path, when it is not the address the service binds
+        (``--ip``, ``--port``): a host name, a load balancer, a Kubernetes Service.
+        Across hosts make it ``https://`` (serve ``ssl_cert``/``ssl_key``; give clients
+        ``GPUPOOL_CA_FILE`` for your own CA): tokens travel in every request.
+        Default: empty, meaning the bound address (``http://127.0.0.1:8765/`` for a
+        wildcard bind). Written to ``STATE_DIR/service.json`` as ``public_url``.
+        ``c.GPUPool.public_url = "https://pool.example.org:8765/"``.""",
+    ).tag(config=True)
+
+    @validate("public_url")
+    def _public_url_valid(self, proposal):
+        from urllib.parse import urlsplit
+
+        url = proposal["value"]
+        if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise TraitError(f"c.GPUPool.public_url must be an http:// or https:// URL with a host, got {url!r}")
+        return url.rstrip("/") + "/" if url else url
+
+    ssl_cert = Unicode(
+        "",
+        help="""TLS certificate (PEM, with its chain) the service serves HTTPS with;
+        set with ``ssl_key``. Default: empty (plain HTTP). Clients verify it: give them
+        ``GPUPOOL_CA_FILE`` when your own CA signed it. ``gpupool service --ssl-cert=F``,
+        ``c.GPUPool.ssl_cert = "/etc/gpupool/tls.crt"``.""",
+    ).tag(config=True)
+
+    ssl_key = Unicode(
+        "",
+        help="""Private key (PEM, unencrypted) of ``ssl_cert``. Default: empty.
+        ``gpupool service --ssl-key=F``, ``c.GPUPool.ssl_key = "/etc/gpupool/tls.key"``.""",
+    ).tag(config=True)
+
+    ca_file = Unicode(
+        "",
+        help="""CA bundle (PEM) the service trusts, besides the system's CAs, when it
+        calls agents that serve HTTPS. Default: empty, or ``$GPUPOOL_CA_FILE``.
+        ``gpupool service --ca-file=F``, ``c.GPUPool.ca_file = "/etc/gpupool/ca.crt"``.""",
     ).tag(config=True)
 
     api_tokens = Dict(
@@ -48,88 +106,39 @@ class GPUPool(Configurable):
         ``c.GPUPool.agent_token = open("/etc/gpupool/agent_token").read().strip()``.""",
     ).tag(config=True)
 
-    ssl_cert = Unicode(
+    metrics_token_file = Unicode(
         "",
-        help="""TLS certificate (PEM, with its chain) the service serves HTTPS with;
-        set with ``ssl_key``. Default: empty (plain HTTP). Clients verify it: give them
-        ``GPUPOOL_CA_FILE`` when your own CA signed it. ``gpupool service --ssl-cert=F``,
-        ``c.GPUPool.ssl_cert = "/etc/gpupool/tls.crt"``.""",
+        help="""File holding the token (one line) with which Prometheus reads all of
+        ``/metrics``, per-user series included (``gpupool_usage_gpu_seconds_total{user}``);
+        give Prometheus the same file as ``authorization: credentials_file``. Other callers
+        (any user or agent token, or no token when ``authenticate_prometheus`` is False) get
+        the pool-wide series only; admins get all. Default: empty (no metrics token).
+        ``c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
     ).tag(config=True)
 
-    ssl_key = Unicode(
-        "",
-        help="""Private key (PEM, unencrypted) of ``ssl_cert``. Default: empty.
-        ``gpupool service --ssl-key=F``, ``c.GPUPool.ssl_key = "/etc/gpupool/tls.key"``.""",
-    ).tag(config=True)
-
-    ca_file = Unicode(
-        "",
-        help="""CA bundle (PEM) the service trusts, besides the system's CAs, when it
-        calls agents that serve HTTPS. Default: empty, or ``$GPUPOOL_CA_FILE``.
-        ``gpupool service --ca-file=F``, ``c.GPUPool.ca_file = "/etc/gpupool/ca.crt"``.""",
-    ).tag(config=True)
-
-    idle_timeout = Duration(
-        30 * 60.0,
-        help="""Seconds an attached worker may sit idle (no cell running) before
-        its lease is reclaimed, when the request names none. Default: 30 minutes.
-        ``c.GPUPool.idle_timeout = "1h"``.""",
-    ).tag(config=True)
-
-    idle_warning = Union(
-        [Duration(), Enum([0])], default_value=60.0,
-        help="""Seconds before an idle lease is reclaimed (or parked by its notebook)
-        that the notebook prints a warning under its last cell, once per idle
-        period; the lease JSON carries it with ``idle_deadline``. 0 turns the
-        warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
-    ).tag(config=True)
-
-    pressure_grace = Duration(
-        120.0,
-        help="""Seconds an idle over-quota lease may stay idle while requests wait in
-        the queue before it is parked early (instead of after its idle timeout):
-        batch leases first, then the longest idle, until what they free covers
-        the queue; a lease within its owner's ``guaranteed_gpus`` is never parked
-        early, a lease whose cell runs never (docs/api.md, "Pressure"). Counted
-        from when it went idle or when the oldest waiting request was asked,
-        whichever is later. Default: 2 minutes. ``c.GPUPool.pressure_grace = "5m"``.""",
-    ).tag(config=True)
-
-    allow_preemption = Bool(
+    authenticate_prometheus = Bool(
         True,
-        help="""Whether leases may opt in to preemption (``%gpu acquire --preemptible``):
-        under pressure such a lease's running cell is interrupted (after a notice of
-        ``preemption_notice``) and the lease parked. False refuses ``preemptible``
-        requests with 400 naming this setting. Default: True.
-        ``c.GPUPool.allow_preemption = False``.""",
+        help="""Whether ``/metrics`` needs a token (any user or agent token).
+        Default: True. ``c.GPUPool.authenticate_prometheus = False``.""",
     ).tag(config=True)
 
-    preemption_notice = Duration(
-        30.0,
-        help="""Seconds a preemptible lease is told ahead before its running cell is
-        interrupted (on top of ``pressure_grace``, counted from when the oldest
-        waiting request was asked; the notebook gives at least this much after it
-        first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
-    ).tag(config=True)
-
-    max_idle_timeout = Duration(
-        24 * 3600.0,
-        help="""Largest idle timeout a request may ask for, in seconds; a larger
-        one is refused with 400. Default: 24 hours. ``c.GPUPool.max_idle_timeout = "8h"``.""",
-    ).tag(config=True)
-
-    heartbeat_ttl = Duration(
+    request_header_timeout = Duration(
         60.0,
-        help="""Seconds a lease lives without a heartbeat from its notebook kernel
-        (while no cell runs) before it is reclaimed. Default: 60 seconds.
-        ``c.GPUPool.heartbeat_ttl = "2m"``.""",
+        help="""Seconds a connection may take to send a request's headers, and may stay
+        open idle between requests; then it is closed (slow or stalled clients hold no
+        memory). Default: 60 seconds. ``c.GPUPool.request_header_timeout = "2m"``.""",
     ).tag(config=True)
 
-    reclaim_interval = Duration(
-        5.0,
-        help="""Seconds between two reclaim sweeps (idle leases, missing
-        heartbeats, lost nodes). Default: 5 seconds. ``c.GPUPool.reclaim_interval = 10``.""",
+    request_body_timeout = Duration(
+        30.0,
+        help="""Seconds a request may take to send its body (at most 1 MiB); then its
+        connection is closed. Default: 30 seconds. ``c.GPUPool.request_body_timeout = 60``.""",
     ).tag(config=True)
+
+
+class NodeAndWorkerSettings(ServiceSettings):
+    """How the service deals with node agents: their heartbeats, its calls to
+    start and stop workers, and what of each GPU and host it shares out."""
 
     node_heartbeat_interval = Duration(
         5.0,
@@ -184,78 +193,84 @@ class GPUPool(Configurable):
             raise TraitError(f"c.GPUPool.host_share must be in (0, 1], got {proposal.value!r}")
         return proposal.value
 
-    authenticate_prometheus = Bool(
-        True,
-        help="""Whether ``/metrics`` needs a token (any user or agent token).
-        Default: True. ``c.GPUPool.authenticate_prometheus = False``.""",
+
+class LeaseSettings(NodeAndWorkerSettings):
+    """How long a lease lives and waits: idle and heartbeat reclaim, the
+    queue's wait, parking under pressure, preemption."""
+
+    idle_timeout = Duration(
+        30 * 60.0,
+        help="""Seconds an attached worker may sit idle (no cell running) before
+        its lease is reclaimed, when the request names none. Default: 30 minutes.
+        ``c.GPUPool.idle_timeout = "1h"``.""",
     ).tag(config=True)
 
-    public_url = Unicode(
-        "",
-        help="""The URL notebook kernels and node agents use to reach the service,
-        with ``base_url`` as its path, when it is not the address the service binds
-        (``--ip``, ``--port``): a host name, a load balancer, a Kubernetes Service.
-        Across hosts make it ``https://`` (serve ``ssl_cert``/``ssl_key``; give clients
-        ``GPUPOOL_CA_FILE`` for your own CA): tokens travel in every request.
-        Default: empty, meaning the bound address (``http://127.0.0.1:8765/`` for a
-        wildcard bind). Written to ``STATE_DIR/service.json`` as ``public_url``.
-        ``c.GPUPool.public_url = "https://pool.example.org:8765/"``.""",
+    max_idle_timeout = Duration(
+        24 * 3600.0,
+        help="""Largest idle timeout a request may ask for, in seconds; a larger
+        one is refused with 400. Default: 24 hours. ``c.GPUPool.max_idle_timeout = "8h"``.""",
     ).tag(config=True)
 
-    @validate("public_url")
-    def _public_url_valid(self, proposal):
-        from urllib.parse import urlsplit
-
-        url = proposal["value"]
-        if url and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
-            raise TraitError(f"c.GPUPool.public_url must be an http:// or https:// URL with a host, got {url!r}")
-        return url.rstrip("/") + "/" if url else url
-
-    metrics_token_file = Unicode(
-        "",
-        help="""File holding the token (one line) with which Prometheus reads all of
-        ``/metrics``, per-user series included (``gpupool_usage_gpu_seconds_total{user}``);
-        give Prometheus the same file as ``authorization: credentials_file``. Other callers
-        (any user or agent token, or no token when ``authenticate_prometheus`` is False) get
-        the pool-wide series only; admins get all. Default: empty (no metrics token).
-        ``c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
+    idle_warning = Union(
+        [Duration(), Enum([0])], default_value=60.0,
+        help="""Seconds before an idle lease is reclaimed (or parked by its notebook)
+        that the notebook prints a warning under its last cell, once per idle
+        period; the lease JSON carries it with ``idle_deadline``. 0 turns the
+        warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
     ).tag(config=True)
 
-    request_header_timeout = Duration(
+    heartbeat_ttl = Duration(
         60.0,
-        help="""Seconds a connection may take to send a request's headers, and may stay
-        open idle between requests; then it is closed (slow or stalled clients hold no
-        memory). Default: 60 seconds. ``c.GPUPool.request_header_timeout = "2m"``.""",
+        help="""Seconds a lease lives without a heartbeat from its notebook kernel
+        (while no cell runs) before it is reclaimed. Default: 60 seconds.
+        ``c.GPUPool.heartbeat_ttl = "2m"``.""",
     ).tag(config=True)
 
-    request_body_timeout = Duration(
+    reclaim_interval = Duration(
+        5.0,
+        help="""Seconds between two reclaim sweeps (idle leases, missing
+        heartbeats, lost nodes). Default: 5 seconds. ``c.GPUPool.reclaim_interval = 10``.""",
+    ).tag(config=True)
+
+    max_wait = Duration(
+        3600.0,
+        help="""Longest ``wait`` (seconds) a lease request may ask for: a request that
+        does not fit waits in the queue that long, then ends ``failed``. A longer wait is
+        refused with 400. Default: 1 hour. ``c.GPUPool.max_wait = "4h"``.""",
+    ).tag(config=True)
+
+    pressure_grace = Duration(
+        120.0,
+        help="""Seconds an idle over-quota lease may stay idle while requests wait in
+        the queue before it is parked early (instead of after its idle timeout):
+        batch leases first, then the longest idle, until what they free covers
+        the queue; a lease within its owner's ``guaranteed_gpus`` is never parked
+        early, a lease whose cell runs never (docs/api.md, "Pressure"). Counted
+        from when it went idle or when the oldest waiting request was asked,
+        whichever is later. Default: 2 minutes. ``c.GPUPool.pressure_grace = "5m"``.""",
+    ).tag(config=True)
+
+    allow_preemption = Bool(
+        True,
+        help="""Whether leases may opt in to preemption (``%gpu acquire --preemptible``):
+        under pressure such a lease's running cell is interrupted (after a notice of
+        ``preemption_notice``) and the lease parked. False refuses ``preemptible``
+        requests with 400 naming this setting. Default: True.
+        ``c.GPUPool.allow_preemption = False``.""",
+    ).tag(config=True)
+
+    preemption_notice = Duration(
         30.0,
-        help="""Seconds a request may take to send its body (at most 1 MiB); then its
-        connection is closed. Default: 30 seconds. ``c.GPUPool.request_body_timeout = 60``.""",
+        help="""Seconds a preemptible lease is told ahead before its running cell is
+        interrupted (on top of ``pressure_grace``, counted from when the oldest
+        waiting request was asked; the notebook gives at least this much after it
+        first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
     ).tag(config=True)
 
-    max_queued_per_user = Integer(
-        10, allow_none=True, min=1,
-        help="""Most requests one user may have waiting in the queue (``wait``) at once;
-        one more is refused with 429 ``quota_exceeded`` (``limit``: ``max_queued_per_user``).
-        It keeps one user from filling the queue that everyone's placement reads. ``None``:
-        no cap. Default: 10. ``c.GPUPool.max_queued_per_user = 50``.""",
-    ).tag(config=True)
 
-    max_active_per_user = Integer(
-        10, allow_none=True, min=1,
-        help="""Most leases one user may hold at once (``starting`` or ``active``), whatever
-        their size (the GPU amounts are the quotas' business, ``max_gpus``); one more is
-        refused with 429 ``quota_exceeded`` (``limit``: ``max_active_per_user``), and a queued
-        request of a user at the cap waits until one of theirs ends. ``None``: no cap.
-        Default: 10. ``c.GPUPool.max_active_per_user = 20``.""",
-    ).tag(config=True)
-
-    base_url = Unicode(
-        "/",
-        help="""URL prefix the service is served under; under JupyterHub this is
-        the service prefix. Default: ``/``. ``c.GPUPool.base_url = "/services/gpupool/"``.""",
-    ).tag(config=True)
+class QuotaSettings(LeaseSettings):
+    """What each user may hold: quotas per user and group, the groups, the
+    time zone usage is counted in, and the caps on leases and queued requests."""
 
     quotas = Dict(
         help="""Limits per user, per group and a default; see ``gpupool/hub_plugin/rules/quotas.py``
@@ -304,14 +319,28 @@ class GPUPool(Configurable):
                              "use an IANA name such as 'UTC' or 'Europe/Berlin'") from None
         return proposal["value"]
 
-    max_wait = Duration(
-        3600.0,
-        help="""Longest ``wait`` (seconds) a lease request may ask for: a request that
-        does not fit waits in the queue that long, then ends ``failed``. A longer wait is
-        refused with 400. Default: 1 hour. ``c.GPUPool.max_wait = "4h"``.""",
+    max_active_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most leases one user may hold at once (``starting`` or ``active``), whatever
+        their size (the GPU amounts are the quotas' business, ``max_gpus``); one more is
+        refused with 429 ``quota_exceeded`` (``limit``: ``max_active_per_user``), and a queued
+        request of a user at the cap waits until one of theirs ends. ``None``: no cap.
+        Default: 10. ``c.GPUPool.max_active_per_user = 20``.""",
     ).tag(config=True)
 
-    @validate("base_url")
-    def _slashes(self, proposal):
-        return "/" + proposal["value"].strip("/") + "/" if proposal["value"].strip("/") else "/"
+    max_queued_per_user = Integer(
+        10, allow_none=True, min=1,
+        help="""Most requests one user may have waiting in the queue (``wait``) at once;
+        one more is refused with 429 ``quota_exceeded`` (``limit``: ``max_queued_per_user``).
+        It keeps one user from filling the queue that everyone's placement reads. ``None``:
+        no cap. Default: 10. ``c.GPUPool.max_queued_per_user = 50``.""",
+    ).tag(config=True)
 
+
+# Its settings (c.GPUPool.*) are those of the four classes above, which it inherits.
+class GPUPool(QuotaSettings):
+    """Settings of the pool service (scheduler, reclaim, store, tokens)."""
+
+
+#: The classes whose settings :class:`GPUPool` inherits: shown as ``c.GPUPool.*``, not on their own.
+SETTINGS_PARTS = (ServiceSettings, NodeAndWorkerSettings, LeaseSettings, QuotaSettings)

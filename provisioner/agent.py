@@ -8,7 +8,7 @@ and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
 every other process it had started (:mod:`.workers.recovery`).
 
-Beside it: its settings (:mod:`.agent_settings`), HTTP API (:mod:`.agent_http`),
+Beside it: its settings (:mod:`.agent_settings`), HTTP API and server (:mod:`.agent_http`),
 calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
 worker accounts (:mod:`.agent_accounts`), metrics (:mod:`.agent_metrics`) and
 enforcement (:mod:`.enforcement`).
@@ -21,19 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from tornado import web
-from tornado.httpserver import HTTPServer
-from tornado.netutil import bind_sockets
-
-from gpupool import httpin
 from gpupool.errors import GPUPoolError
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
@@ -42,7 +35,7 @@ from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEn
 from . import enforcement
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccounts
-from .agent_http import NotFoundHandler, agent_routes
+from .agent_http import advertised_ip, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
 from .agent_service import ServiceLink
 from .agent_tokens import AgentTokens
@@ -162,7 +155,7 @@ class NodeAgent(WorkerSettings):
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
         await self._start_workers()
-        server = self._serve()
+        server, self.url = serve_api(self)
         service = ServiceLink(self)
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
@@ -192,7 +185,7 @@ class NodeAgent(WorkerSettings):
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         settings = WorkerLaunchSettings(
-            state_dir, node=self.node_name, ip=self.ip, advertise_ip=_advertised_ip(self.ip),
+            state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
             start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
             warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
@@ -204,29 +197,6 @@ class NodeAgent(WorkerSettings):
         if adopted:
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
                           ", ".join(w.spec.lease_id for w in adopted))
-
-    def _serve(self) -> HTTPServer:
-        """Listen on ``ip``:``port`` (the agent's API); sets ``url``."""
-        try:
-            sockets = bind_sockets(self.port, self.ip)
-        except OSError as exc:
-            raise GPUPoolError("not_configured", f"cannot listen on {self.ip}:{self.port}: {exc.strerror} "
-                               "(--ip, --port; --port=0 picks a free port)") from None
-        server = HTTPServer(web.Application(agent_routes(), agent=self, default_handler_class=NotFoundHandler,
-                                            log_function=self._log_request), ssl_options=self.tls,
-                            **httpin.server_options())
-        server.add_sockets(sockets)
-        scheme = "https" if self.tls else "http"
-        self.url = f"{scheme}://{_url_host(self.ip)}:{sockets[0].getsockname()[1]}"
-        return server
-
-    def _log_request(self, handler: web.RequestHandler) -> None:
-        status = handler.get_status()
-        level = logging.INFO if status < 400 else logging.WARNING
-        if handler.request.path == "/health" and status == 200:
-            level = logging.DEBUG
-        self.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
-                     1000 * handler.request.request_time())
 
     def registration(self) -> NodeRegistration:
         """What ``POST /nodes`` tells the service of this node."""
@@ -306,20 +276,6 @@ class NodeAgent(WorkerSettings):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
-
-
-def _advertised_ip(ip: str) -> str:
-    """The address others use to reach what listens on ``ip``: a wildcard
-    bind is advertised as this host's own address."""
-    if ip in ("", "0.0.0.0", "::"):
-        return socket.gethostbyname(socket.gethostname())
-    return ip
-
-
-def _url_host(ip: str) -> str:
-    """The host part of the URL the service uses to reach this agent."""
-    host = _advertised_ip(ip)
-    return f"[{host}]" if ":" in host else host
 
 
 def main(argv: list[str] | None = None) -> int:

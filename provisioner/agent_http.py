@@ -1,4 +1,5 @@
-"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``, ``/metrics``.
+"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``,
+``/metrics``, and the server that listens for it (:func:`serve_api`).
 
 Every handler but ``/health`` needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
@@ -11,10 +12,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 from tornado import web
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
 
 from gpupool import httpin
 from gpupool.errors import GPUPoolError, bad_request, not_found
@@ -194,3 +198,43 @@ class NotFoundHandler(AgentHandler):
 def agent_routes() -> list[tuple[str, type]]:
     return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
             (r"/metrics", MetricsHandler)]
+
+
+def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
+    """Listen on the agent's ``ip``:``port`` and serve its API there; returns
+    the server and the URL the service reaches it at. GPUPoolError
+    ``not_configured`` when it cannot listen."""
+    try:
+        sockets = bind_sockets(agent.port, agent.ip)
+    except OSError as exc:
+        raise GPUPoolError("not_configured", f"cannot listen on {agent.ip}:{agent.port}: {exc.strerror} "
+                           "(--ip, --port; --port=0 picks a free port)") from None
+
+    def log_request(handler: web.RequestHandler) -> None:
+        status = handler.get_status()
+        level = logging.INFO if status < 400 else logging.WARNING
+        if handler.request.path == "/health" and status == 200:
+            level = logging.DEBUG
+        agent.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
+                      1000 * handler.request.request_time())
+
+    server = HTTPServer(web.Application(agent_routes(), agent=agent, default_handler_class=NotFoundHandler,
+                                        log_function=log_request), ssl_options=agent.tls,
+                        **httpin.server_options())
+    server.add_sockets(sockets)
+    scheme = "https" if agent.tls else "http"
+    return server, f"{scheme}://{_url_host(agent.ip)}:{sockets[0].getsockname()[1]}"
+
+
+def advertised_ip(ip: str) -> str:
+    """The address others use to reach what listens on ``ip``: a wildcard
+    bind is advertised as this host's own address."""
+    if ip in ("", "0.0.0.0", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return ip
+
+
+def _url_host(ip: str) -> str:
+    """The host part of the URL the service uses to reach this agent."""
+    host = advertised_ip(ip)
+    return f"[{host}]" if ":" in host else host

@@ -14,6 +14,7 @@ import pytest
 from fakenvml import FakeEvent, FakeGPU, FakeNVML, FakeProcess, FakeSample, fake_functions, helper_command
 from gpupool.provisioner.attribution import PidMapper
 from gpupool.provisioner.inventory import InventoryError, select_inventory
+from gpupool.provisioner import nvml, nvml_calls, nvml_devices, nvml_events, nvml_processes
 from gpupool.provisioner.nvml import NVMLInventory
 from gpupool.provisioner.nvml_watch import WatchedInventory
 from gpupool.wire.nodes import GPUInfo
@@ -62,11 +63,12 @@ def test_fake_raises_the_real_exception_classes():
 
 
 def test_production_code_uses_only_names_of_the_real_binding_and_the_fake_covers_them():
-    source = inspect.getsource(NVMLInventory)
+    source = "".join(inspect.getsource(module) for module in (nvml, nvml_calls, nvml_devices, nvml_events,
+                                                              nvml_processes))
     used = set(re.findall(r'"(nvml[A-Za-z0-9_]+)"', source))
     assert "nvmlDeviceGetComputeRunningProcesses" in used
     for name in used:
-        assert hasattr(pynvml, name), f"nvml.py uses {name}, which pynvml lacks"
+        assert hasattr(pynvml, name), f"the NVML inventory uses {name}, which pynvml lacks"
     assert {n for n in used if callable(getattr(pynvml, n))} <= set(fake_functions())
 
 
