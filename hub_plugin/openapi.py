@@ -77,7 +77,8 @@ _SCHEMAS: dict[str, Any] = {
                      "properties": {
         "fraction": {"type": ["number", "null"], "minimum": MIN_FRACTION, "maximum": 1, "default": 1,
                      "description": "of one GPU; 1 (or left out) when gpu_count > 1"},
-        "gpu_count": {"type": ["integer", "null"], "minimum": 1, "maximum": 64, "default": 1},
+        "gpu_count": {"type": ["integer", "null"], "minimum": 1, "maximum": 64, "default": 1,
+                      "description": "whole GPUs, all on one node; 400 above the biggest node's count"},
         "memory": {"type": ["integer", "null"], "minimum": MIN_MEMORY, "maximum": 2**50,
                    "description": "bytes per GPU (default: the fraction's share)"},
         "model": {**_NAME, "type": ["string", "null"], "description": "substring of the GPU name, e.g. A100"},

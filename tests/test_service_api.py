@@ -416,6 +416,32 @@ def test_pool_full_says_why(service):
     assert all_leases(service) == []
 
 
+def test_whole_gpus_count_on_every_registered_node_lost_or_not():
+    from gpupool.hub_plugin.admission import more_gpus_than_any_node
+    from gpupool.hub_plugin.rules.scheduler import Demand, GPUState
+    gpus = [GPUState(f"{node}-{i}", node, name, i, 80 * GiB, 79 * GiB, node_up=node != "lost")
+            for node, count, name in (("a", 2, "A100"), ("lost", 4, "A100"), ("t", 3, "T4")) for i in range(count)]
+    assert more_gpus_than_any_node(Demand(gpu_count=4), gpus) is None  # the lost node may come back
+    assert "the biggest, lost, has 4 GPUs" in more_gpus_than_any_node(Demand(gpu_count=5), gpus)
+    assert more_gpus_than_any_node(Demand(gpu_count=4, model="t4"), gpus) == (
+        "4 whole GPUs of model t4 is more than any node has (a lease's GPUs are all on one node): the biggest, t, "
+        "has 3 GPUs of model t4; ask for at most 3")
+    assert more_gpus_than_any_node(Demand(gpu_count=2, model="H100"), gpus) is None  # the scheduler says why
+    assert more_gpus_than_any_node(Demand(gpu_count=9), []) is None  # empty: a node may yet register
+
+
+@pytest.mark.parametrize("wait", [None, 60])
+def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
+    register(service, "node-1", gpus=2)
+    register(service, "node-2", gpus=1)
+    reply = http(service, "POST", "/leases", {"gpu_count": 3, "wait": wait})
+    body = assert_error(reply, 400, "bad_request")
+    assert body["message"] == ("3 whole GPUs is more than any node has (a lease's GPUs are all on one node): the "
+                               "biggest, node-1, has 2 GPUs; ask for at most 2")
+    assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 3  # nothing queued or held
+    assert_error(http(service, "POST", "/leases", {"gpu_count": 2, "model": "H100"}), 409, "pool_full")  # no H100
+
+
 def test_metrics(service):
     assert_error(http(service, "GET", "/metrics", token=None, prefix=""), 401, "unauthorized")
     register(service, "node-m", gpus=1)
