@@ -411,7 +411,7 @@ def test_pool_full_says_why(service):
         service.client().create_lease(LeaseRequest(fraction=0.5, model="H100"))
     assert (refused.value.status, refused.value.code) == (409, "pool_full")
     assert refused.value.message == ("no GPU can take 0.50 of model H100 now: 2 GPUs in the pool, the most free "
-                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); model mismatch on 2")
+                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); 2 GPUs ruled out: model mismatch")
     assert refused.value.extra["reasons"] == {"model mismatch": 2}
     assert all_leases(service) == []
 
@@ -462,7 +462,7 @@ def test_lost_node_takes_no_new_leases(tmp_path):
     try:
         register(svc, "node-l", gpus=1, url="http://127.0.0.1:9")
         wait_for(lambda: svc.client().pool()["nodes"][0]["state"] == "lost", 10, "node marked lost")
-        with pytest.raises(GPUPoolError, match="node lost on 1"):
+        with pytest.raises(GPUPoolError, match="1 GPU ruled out: node lost"):
             svc.client().create_lease(LeaseRequest(fraction=0.5))
         assert http(svc, "POST", "/nodes/node-l/heartbeat", {}, token="agent")[0] == 200
         assert svc.client().pool()["nodes"][0]["state"] == "up"
@@ -573,7 +573,7 @@ def test_whole_gpus(pool):
     assert len(lease.gpus) == 2 and lease.fraction == 1.0
     lease = wait_state(svc, lease.id, "starting")
     assert lease.state is LeaseState.active, lease.reason
-    with pytest.raises(GPUPoolError, match="not enough free fraction on 2"):
+    with pytest.raises(GPUPoolError, match="2 GPUs ruled out: not enough free fraction"):
         svc.client().create_lease(LeaseRequest(fraction=0.1))
     ended = svc.client().release(lease.id)
     assert ended.usage_gpu_seconds > 0
