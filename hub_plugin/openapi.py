@@ -118,9 +118,14 @@ _SCHEMAS: dict[str, Any] = {
         "state": {"enum": [s.value for s in LeaseState]}, "reason": {"type": ["string", "null"]},
         "fraction": {"type": "number"}, "gpu_count": {"type": "integer"},
         "memory": {"type": "integer", "description": "bytes per GPU"}, "node": {"type": ["string", "null"]},
-        "cpus": {"type": ["number", "null"], "description": "host cores held and enforced (null: the node "
+        "cpus": {"type": ["number", "null"], "description": "host cores held (reserved) on the node (null: the node "
                  "reports no host)"},
-        "host_memory": {"type": ["integer", "null"], "description": "host bytes held and enforced"},
+        "host_memory": {"type": ["integer", "null"], "description": "host bytes held (reserved) on the node"},
+        "cpu_limit": {"type": ["number", "null"], "description": "host cores the worker's cgroup is limited to: "
+                      "cpus, raised to 1 core (at most the node's) where the default share was taken"},
+        "host_memory_limit": {"type": ["integer", "null"], "description": "host bytes the worker's cgroup is "
+                              "limited to: host_memory, raised to 1 GiB (at most the node's) where the default "
+                              "share was taken"},
         "requested_cpus": {"type": ["number", "null"], "description": "cpus as requested (null: the default "
                            "share)"},
         "requested_host_memory": {"type": ["integer", "null"], "description": "host_memory as requested (null: "

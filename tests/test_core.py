@@ -106,3 +106,7 @@ def test_tables_text_and_html():
     assert "L-1" in text and "unknown / 1.0 GiB" in text and "busy" in text
     lease.gpus[0]["uuid"] = "GPU-x"
     assert "40%" in lease_table([lease], {"GPU-x": 40.0})[0]
+    lease.cpus, lease.host_memory = 0.5, 1024**3 // 2  # reserved, and what the cgroup gets
+    assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
+    lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
+    assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
