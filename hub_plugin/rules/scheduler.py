@@ -143,7 +143,8 @@ class Demand:
     host_share: float = 1.0
 
     def describe(self, *, noun: bool = False) -> str:
-        """``'0.50'`` (``noun``: ``'0.50 of a GPU'``), ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``, ``... of model A100``."""
+        """``'0.50'`` (``noun``: ``'0.50 of a GPU'``), ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``,
+        ``... of model A100``."""
         text = f"{self.gpu_count} whole GPUs" if self.gpu_count > 1 else \
             f"{self.fraction:.2f}{' of a GPU' if noun else ''}"
         if self.memory is not None:
