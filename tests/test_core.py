@@ -110,3 +110,8 @@ def test_tables_text_and_html():
     assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
     lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
     assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
+
+
+def test_gpupool_pool_help_says_environments_show_only_where_there_is_a_choice():
+    from gpupool.cli import _usage
+    assert "nodes and GPUs as a table (and worker environments where a node offers a choice)" in _usage()
