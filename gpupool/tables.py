@@ -75,9 +75,10 @@ def lease_host_cell(lease: Lease) -> str:
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
     """One row per lease: id, state, node, worker environment (``-`` while
     unknown: queued without one asked for, or a node that reports none), GPU,
-    share, class, memory used / limit, host CPUs and memory, GPU utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
-    the whole GPU's, shared by its leases), worker state, idle countdown, and
-    the reason once it ended. Unknown readings say ``unknown``, never 0."""
+    share, class, memory used / limit (``-`` while queued), host CPUs and
+    memory (:func:`lease_host_cell`), GPU utilization (``utilization`` maps GPU
+    UUID -> percent, from ``GET /pool``; the whole GPU's, shared by its
+    leases), worker state, idle countdown, and the reason once it ended. Unknown readings say ``unknown``, never 0."""
     rows = []
     for lease in leases:
         gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
@@ -85,7 +86,8 @@ def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | 
         kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
         live = lease.state.value == "active"
         worker = lease.worker or {}
-        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
+        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}" \
+            if lease.memory else "-"  # a queued request holds none yet (0)
         utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
         util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
         host = lease_host_cell(lease)
