@@ -296,9 +296,14 @@ class Lease:
     #: worker runs in (the node's default when none was asked for; None when
     #: the node reports no environments).
     env: str | None = None
-    #: Host cores and bytes held on the node and enforced on the worker (None: the node reports no host).
+    #: Host cores and bytes held (reserved) on the node (None: the node reports no host).
     cpus: float | None = None
     host_memory: int | None = None
+    #: What the worker's cgroup is limited to: ``cpus``/``host_memory``, raised to the
+    #: agent's floor (1 core, 1 GiB, at most the node's) where the lease took the
+    #: default share; None without a host (or from an older service).
+    cpu_limit: float | None = None
+    host_memory_limit: int | None = None
     #: What the request asked for (None: the default share), so that a resume asks the same.
     requested_cpus: float | None = None
     requested_host_memory: int | None = None

@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pool_main(argv: list[str] | None = None) -> int:
-    """``gpupool pool``: the pool table and each node's worker environments; returns 0."""
+    """``gpupool pool``: the pool table (and the worker environments where a node offers a choice); returns 0."""
     parser = argparse.ArgumentParser(prog="gpupool pool",
-                                     description="Show the pool's nodes, GPUs and worker environments.")
+                                     description="Show the pool's nodes and GPUs, and the worker environments "
+                                     "where a node offers a choice of them.")
     add_client_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print GET /pool's JSON instead of tables")
     args = parser.parse_args(argv)

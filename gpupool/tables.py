@@ -46,12 +46,39 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
     return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
 
 
+def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | None:
+    """``('4 CPUs', '32.0 GiB' + memory_noun, False)``: the host the lease
+    holds on its node; where the worker's cgroup limit differs from what is
+    reserved (a default share raised to the agent's floor) a part reads
+    ``'0.5 CPU reserved, limited to 1 CPU'`` and the flag is True. None
+    while the lease holds no host (queued, or a node that reports none)."""
+    if lease.cpus is None or lease.host_memory is None:
+        return None
+    cpus, memory, limited = format_cpus(lease.cpus), format_bytes(lease.host_memory) + memory_noun, False
+    if lease.cpu_limit is not None and abs(lease.cpu_limit - lease.cpus) > 1e-9:
+        cpus, limited = f"{cpus} reserved, limited to {format_cpus(lease.cpu_limit)}", True
+    if lease.host_memory_limit is not None and lease.host_memory_limit != lease.host_memory:
+        memory, limited = f"{memory} reserved, limited to {format_bytes(lease.host_memory_limit)}", True
+    return cpus, memory, limited
+
+
+def lease_host_cell(lease: Lease) -> str:
+    """The host column: ``'4 CPUs, 32.0 GiB'``, ``'0.5 CPU reserved, limited to
+    1 CPU; 512.0 MiB reserved, limited to 1.0 GiB'``, or ``-``."""
+    parts = host_parts(lease)
+    if parts is None:
+        return "-"
+    cpus, memory, limited = parts
+    return f"{cpus}{'; ' if limited else ', '}{memory}"
+
+
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
     """One row per lease: id, state, node, worker environment (``-`` while
     unknown: queued without one asked for, or a node that reports none), GPU,
-    share, class, memory used / limit, host CPUs and memory, GPU utilization (``utilization`` maps GPU UUID -> percent, from ``GET /pool``;
-    the whole GPU's, shared by its leases), worker state, idle countdown, and
-    the reason once it ended. Unknown readings say ``unknown``, never 0."""
+    share, class, memory used / limit (``-`` while queued), host CPUs and
+    memory (:func:`lease_host_cell`), GPU utilization (``utilization`` maps GPU
+    UUID -> percent, from ``GET /pool``; the whole GPU's, shared by its
+    leases), worker state, idle countdown, and the reason once it ended. Unknown readings say ``unknown``, never 0."""
     rows = []
     for lease in leases:
         gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
@@ -59,10 +86,11 @@ def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | 
         kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
         live = lease.state.value == "active"
         worker = lease.worker or {}
-        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}"
+        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}" \
+            if lease.memory else "-"  # a queued request holds none yet (0)
         utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
         util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
-        host = "-" if lease.cpus is None else f"{format_cpus(lease.cpus)}, {format_bytes(lease.host_memory)}"
+        host = lease_host_cell(lease)
         rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host,
                      util, worker.get("execution_state", "-") if live else "-",
                      idle_countdown(lease) if live else (lease.reason or "-")])

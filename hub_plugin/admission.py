@@ -8,6 +8,7 @@ a :class:`~gpupool.errors.GPUPoolError` for the client and is counted
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import datetime
 from typing import Callable
 
@@ -99,6 +100,7 @@ class Admission:
             held, queued = _counts(session, owner)
             self._check_cap("max_active_per_user", held)
             self._check_host(session, demand)
+            self._check_gpu_count(session, demand)
         except GPUPoolError as exc:
             self._refused_by_limit(exc)
             raise
@@ -143,8 +145,34 @@ class Admission:
         if words is not None:
             raise bad_request(words, limit="host")
 
+    def _check_gpu_count(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` asks for more whole GPUs than the biggest node has."""
+        if demand.gpu_count > 1:
+            words = more_gpus_than_any_node(demand, self.placer.pool(session).all())
+            if words is not None:
+                raise bad_request(words, limit="gpu_count")
+
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
         self._on_refusal({f"quota {exc.extra.get('limit')}": 1})  # counted by limit, beside the scheduler's
+
+
+def more_gpus_than_any_node(demand: Demand, gpus) -> str | None:
+    """Words for a person when ``demand``'s whole GPUs (which must be on one
+    node) outnumber the GPUs (of its ``model``, if it names one) of every
+    registered node in ``gpus`` (:class:`.rules.scheduler.GPUState`), else None.
+    A lost node's GPUs count (it may come back); an empty pool, or one with no
+    GPU of that model, refuses nothing here (the scheduler's refusal says so)."""
+    model = (demand.model or "").lower()
+    per_node = Counter(g.node for g in gpus if model in g.name.lower())
+    if not per_node:
+        return None
+    node, most = min(per_node.items(), key=lambda item: (-item[1], item[0]))
+    if demand.gpu_count <= most:
+        return None
+    kind = f" of model {demand.model}" if demand.model else ""
+    noun = "GPU" if most == 1 else "GPUs"
+    return (f"{demand.gpu_count} whole GPUs{kind} is more than any node has (a lease's GPUs are all on one node): "
+            f"the biggest, {node}, has {most} {noun}{kind}; ask for at most {most}")
 
 
 def _counts(session: Session, owner: str) -> tuple[int, int]:

@@ -166,7 +166,7 @@ class LeaseQueue:
         with self.state.reading() as session:
             due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
             return {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
-                               f"queue for {_demand(lease).describe()} and nothing fitting became free "
+                               f"queue for {_demand(lease).describe(noun=True)} and nothing fitting became free "
                                "(ask again, or with a longer --wait)") for lease in due}
 
 

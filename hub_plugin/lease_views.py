@@ -3,13 +3,14 @@ poll that answers once a lease leaves a state (:mod:`.watch` wakes it).
 
 The JSON is :func:`.views.lease_json` plus what only the service knows: the
 queue place and estimate of a queued request, the idle deadline (early under
-pressure), the node's state.
+pressure), the node's state, the host limits the worker's cgroup gets.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import func, select
@@ -25,6 +26,7 @@ from .config import GPUPool
 from .models import Lease, Node
 from .pressure import Pressure
 from .rules import queue as wait_queue
+from .rules.hosts import host_limits
 from .state import PoolState
 from .transitions import QUEUED
 from .views import lease_json
@@ -122,7 +124,7 @@ class LeaseViews:
         with self.state.reading() as session:
             rows = session.scalars(query.order_by(Lease.created_at.desc()).limit(LIST_LIMIT)).all()
             queue = self.queue_view(session, rows)
-            nodes = _node_states(session, rows)
+            nodes = _nodes(session, rows)
             return [self.json(lease, who, session, queue, nodes) for lease in reversed(rows)]
 
     async def owner(self, who: Identity, lease_id: str) -> str:
@@ -150,19 +152,23 @@ class LeaseViews:
         return lease
 
     def json(self, lease: Lease, who: Identity, session: Session, queue: QueueView | None = None,
-             nodes: dict[str, str] | None = None) -> dict[str, Any]:
+             nodes: dict[str, Any] | None = None) -> dict[str, Any]:
         """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
         queued (from ``queue``, see :meth:`queue_view`) and ``node_state``
-        (from ``nodes``, else read), ``wait_until``, and ``idle_deadline`` with
-        ``idle_warning`` (for the notebook's warning before idle reclaim)."""
+        (from ``nodes``, else read), ``cpu_limit``/``host_memory_limit`` (the
+        worker's cgroup limits: :func:`.rules.hosts.host_limits`), ``wait_until``, and
+        ``idle_deadline`` with ``idle_warning`` (for the notebook's warning before idle reclaim)."""
         body = lease_json(lease, for_owner=lease.owner == who.name)
         body["queue_position"] = body["queue_estimate_s"] = None
         body["wait_until"] = isoformat(lease.wait_until)
         self.pressure.annotate(body, lease)  # idle_deadline, early under pressure; pressure; preempt_at
         body["idle_warning"] = self.settings.idle_warning
         if nodes is None:
-            nodes = _node_states(session, [lease])
-        body["node_state"] = nodes.get(lease.node_name) if lease.node_name else None
+            nodes = _nodes(session, [lease])
+        node = nodes.get(lease.node_name) if lease.node_name else None
+        body["node_state"] = node.state if node is not None else None
+        limits = host_limits(lease, node if node is not None else _GONE)  # what the agent is told to enforce
+        body["cpu_limit"], body["host_memory_limit"] = limits.get("cpus"), limits.get("host_memory")
         if lease.state == QUEUED and queue is not None:
             place = queue.positions.get(lease.id)
             if place is not None:
@@ -202,8 +208,14 @@ class LeaseViews:
         return QueueView(places, dict(zip(in_line, etas)))
 
 
-def _node_states(session: Session, leases) -> dict[str, str]:
+def _nodes(session: Session, leases):
+    """Name -> ``(name, state, host_cpus, host_memory)`` of the nodes ``leases`` are on (one query)."""
     names = sorted({lease.node_name for lease in leases if lease.node_name})
     if not names:
         return {}
-    return dict(session.execute(select(Node.name, Node.state).where(Node.name.in_(names))).all())
+    return {row.name: row for row in session.execute(
+        select(Node.name, Node.state, Node.host_cpus, Node.host_memory).where(Node.name.in_(names)))}
+
+
+#: A node no longer registered: its host is unknown, so the limits shown are what the lease holds.
+_GONE = SimpleNamespace(state=None, host_cpus=None, host_memory=None)

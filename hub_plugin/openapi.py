@@ -77,7 +77,8 @@ _SCHEMAS: dict[str, Any] = {
                      "properties": {
         "fraction": {"type": ["number", "null"], "minimum": MIN_FRACTION, "maximum": 1, "default": 1,
                      "description": "of one GPU; 1 (or left out) when gpu_count > 1"},
-        "gpu_count": {"type": ["integer", "null"], "minimum": 1, "maximum": 64, "default": 1},
+        "gpu_count": {"type": ["integer", "null"], "minimum": 1, "maximum": 64, "default": 1,
+                      "description": "whole GPUs, all on one node; 400 above the biggest node's count"},
         "memory": {"type": ["integer", "null"], "minimum": MIN_MEMORY, "maximum": 2**50,
                    "description": "bytes per GPU (default: the fraction's share)"},
         "model": {**_NAME, "type": ["string", "null"], "description": "substring of the GPU name, e.g. A100"},
@@ -117,9 +118,14 @@ _SCHEMAS: dict[str, Any] = {
         "state": {"enum": [s.value for s in LeaseState]}, "reason": {"type": ["string", "null"]},
         "fraction": {"type": "number"}, "gpu_count": {"type": "integer"},
         "memory": {"type": "integer", "description": "bytes per GPU"}, "node": {"type": ["string", "null"]},
-        "cpus": {"type": ["number", "null"], "description": "host cores held and enforced (null: the node "
+        "cpus": {"type": ["number", "null"], "description": "host cores held (reserved) on the node (null: the node "
                  "reports no host)"},
-        "host_memory": {"type": ["integer", "null"], "description": "host bytes held and enforced"},
+        "host_memory": {"type": ["integer", "null"], "description": "host bytes held (reserved) on the node"},
+        "cpu_limit": {"type": ["number", "null"], "description": "host cores the worker's cgroup is limited to: "
+                      "cpus, raised to 1 core (at most the node's) where the default share was taken"},
+        "host_memory_limit": {"type": ["integer", "null"], "description": "host bytes the worker's cgroup is "
+                              "limited to: host_memory, raised to 1 GiB (at most the node's) where the default "
+                              "share was taken"},
         "requested_cpus": {"type": ["number", "null"], "description": "cpus as requested (null: the default "
                            "share)"},
         "requested_host_memory": {"type": ["integer", "null"], "description": "host_memory as requested (null: "

@@ -30,6 +30,9 @@ from .quota import quota_report
 from .summary import summarize
 from .words import held_seconds, host_words, say, transfer_note, usage_words
 
+#: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
+NOT_ON_WORKER = "not defined on the worker"
+
 
 def _parse(command, rest: str):
     try:
@@ -200,6 +203,9 @@ def pull(magics, rest: str) -> None:
     if not names:
         raise UsageError("%gpu pull needs variable names: %gpu pull model history")
     values, items, errors = magics.attached().pull(names)
+    missing = [name for name, why in errors.items() if why == NOT_ON_WORKER]
+    if missing:  # as push does for a name not defined here: nothing taken
+        raise UsageError(f"not defined on the worker: {', '.join(missing)}; nothing was pulled")
     magics.variables.take(values, items)
     say(transfer_note("pulled", items, errors).lstrip("; "))
 

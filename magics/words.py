@@ -7,8 +7,8 @@ import textwrap
 from typing import Any
 
 from gpupool.schema import parse_time
+from gpupool.tables import host_parts
 from gpupool.transfer import describe
-from gpupool.units import format_bytes, format_cpus
 
 
 def say(text: str) -> None:
@@ -23,10 +23,15 @@ def dedent(text: str | None) -> str:
 
 
 def host_words(lease) -> str:
-    """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); empty when the node reports no host."""
-    if lease.cpus is None or lease.host_memory is None:
+    """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); where the worker's
+    cgroup is limited to more than is reserved (a default share raised to the
+    agent's floor) ``', 0.5 CPU reserved, limited to 1 CPU, 512.0 MiB of host
+    memory reserved, limited to 1.0 GiB'``; empty when the node reports no host."""
+    parts = host_parts(lease, " of host memory")
+    if parts is None:
         return ""
-    return f", {format_cpus(lease.cpus)} and {format_bytes(lease.host_memory)} of host memory"
+    cpus, memory, limited = parts
+    return f", {cpus}{', ' if limited else ' and '}{memory}"
 
 
 def usage_words(gpu_seconds: float) -> str:

@@ -106,3 +106,19 @@ def test_tables_text_and_html():
     assert "L-1" in text and "unknown / 1.0 GiB" in text and "busy" in text
     lease.gpus[0]["uuid"] = "GPU-x"
     assert "40%" in lease_table([lease], {"GPU-x": 40.0})[0]
+    lease.cpus, lease.host_memory = 0.5, 1024**3 // 2  # reserved, and what the cgroup gets
+    assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
+    lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
+    assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
+
+
+def test_a_queued_lease_shows_no_memory_rather_than_0_bytes():
+    queued = Lease.from_json({"id": "L-2", "owner": "u", "state": "queued", "fraction": 0.5, "gpu_count": 1,
+                              "memory": 0})
+    row = lease_table([queued])[0].splitlines()[2]
+    assert "0 B" not in row and row.split()[:3] == ["L-2", "queued", "-"]
+
+
+def test_gpupool_pool_help_says_environments_show_only_where_there_is_a_choice():
+    from gpupool.cli import _usage
+    assert "nodes and GPUs as a table (and worker environments where a node offers a choice)" in _usage()

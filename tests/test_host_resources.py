@@ -24,6 +24,7 @@ from gpupool.provisioner.host_limits import out_of_memory
 from workercell import run_worker_cell
 from gpupool.schema import LeaseRequest, LeaseState
 from gpupool.tables import lease_table, pool_table
+from gpupool.magics.words import host_words
 
 G = 2**30
 MIB = 2**20
@@ -217,7 +218,16 @@ def test_host_memory_decides_the_node_when_the_gpu_fits_on_both(two_nodes):
     big = client.create_lease(LeaseRequest(fraction=0.5, host_memory=4 * G))
     try:
         assert small.node == "node-1" and (small.cpus, small.host_memory) == (0.5, G // 2)  # 1/4 of its host
+        assert (small.cpu_limit, small.host_memory_limit) == (1, G)  # what its cgroup gets: the default's floor
         assert big.node == "node-2" and big.host_memory == 4 * G
+        assert (big.cpus, big.cpu_limit, big.host_memory_limit) == (1, 1, 4 * G)  # asked for: as it is
+        assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB reserved, limited to 1.0 GiB" in lease_table([small])[0]
+        assert "1 CPU, 4.0 GiB" in lease_table([big])[0]
+        assert host_words(small) == (", 0.5 CPU reserved, limited to 1 CPU, 512.0 MiB of host memory reserved, "
+                                     "limited to 1.0 GiB")  # what %gpu acquire says
+        assert host_words(big) == ", 1 CPU and 4.0 GiB of host memory"
+        listed = {lease.id: lease for lease in client.list_leases()}  # the list says the same
+        assert (listed[small.id].cpu_limit, listed[small.id].host_memory_limit) == (1, G)
     finally:
         for lease in (small, big):
             client.release(lease.id)

@@ -41,7 +41,7 @@ from gpupool.schema import LeaseRequest
 FAKENVML = Path(__file__).with_name("fakenvml.py")
 NODE = "gpu-node"
 MISMATCH_WORDS = "NVML could not start (RM has detected an NVML/RM version mismatch.)"
-REFUSED_FOR_NVML = "node cannot read its GPUs (NVML) on 2"
+REFUSED_FOR_NVML = "2 GPUs ruled out: node cannot read its GPUs (NVML)"
 
 
 # -- helpers -------------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_a_queued_lease_gives_up_after_its_wait(busy_pool):
     ended = wait_ended_as(svc, "ann", queued.id)
     assert ended.state is LeaseState.failed
     assert ended.reason.startswith("waited ")
-    assert "in the queue for 0.50 and nothing fitting became free" in ended.reason
+    assert "in the queue for 0.50 of a GPU and nothing fitting became free" in ended.reason
     with pytest.raises(GPUPoolError) as too_long:
         svc.client("ann").create_lease(LeaseRequest(fraction=0.5, wait=3600))
     assert "above this pool's maximum of 10m" in too_long.value.message

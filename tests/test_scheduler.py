@@ -122,23 +122,27 @@ def test_refuse(demand, gpus, reasons):
     assert isinstance(refusal, Refusal)
     assert refusal.reasons == reasons
     for reason, count in reasons.items():
-        assert f"{reason} on {count}" in refusal.message
+        assert f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason}" in refusal.message
 
 
 def test_refusal_message_says_what_is_free():
     refusal = place(Demand(0.5), [gpu("node-1", 0, fraction=1.0), gpu("node-1", 1, fraction=0.75)])
     assert refusal.message == ("no GPU can take 0.50 now: 2 GPUs in the pool, the most free is 0.25 "
-                               f"(node-1 GPU 1, {A100}); not enough free fraction on 2")
+                               f"(node-1 GPU 1, {A100}); 2 GPUs ruled out: not enough free fraction")
 
 
 def test_refusal_message_names_memory_when_memory_was_short():
     refusal = place(Demand(0.25, memory=50 * GiB), [gpu("node-1", 0, fraction=0.5)])
     assert refusal.message == ("no GPU can take 0.25 with 50.0 GiB now: 1 GPU in the pool, the most free is "
-                               f"0.50 and 40.0 GiB (node-1 GPU 0, {A100}); not enough free memory on 1")
+                               f"0.50 and 40.0 GiB (node-1 GPU 0, {A100}); 1 GPU ruled out: not enough free memory")
 
 
 def test_refusal_of_whole_gpus_and_empty_pool():
     assert place(Demand(1.0, 3), [gpu("n1", 0)]).message.startswith("no node has 3 whole GPUs free now: 1 GPU in")
+    half_busy = place(Demand(1.0, 2), [gpu("n1", 0, fraction=0.5), gpu("n1", 1)])
+    assert half_busy.message == ("no node has 2 whole GPUs free now: 2 GPUs in the pool, the most free is 1.00 "
+                                 f"(n1 GPU 1, {A100}); 1 GPU ruled out: not enough free fraction; "
+                                 "1 GPU ruled out: too few free GPUs on its node")
     empty = place(Demand(0.5), [])
     assert isinstance(empty, Refusal) and "the pool has no GPUs" in empty.message
 
@@ -146,7 +150,8 @@ def test_refusal_of_whole_gpus_and_empty_pool():
 def test_refusal_for_an_environment_names_it_and_what_is_free_there():
     refusal = place(Demand(0.5, env="torch"), [gpu("a", 0), gpu("t", 0, fraction=0.75, envs=("torch",))])
     assert refusal.message == ("no GPU can take 0.50 in environment torch now: 2 GPUs in the pool, the most free "
-                               f"is 0.25 (t GPU 0, {A100}); {NO_ENVIRONMENT} on 1, not enough free fraction on 1")
+                               f"is 0.25 (t GPU 0, {A100}); 1 GPU ruled out: {NO_ENVIRONMENT}; "
+                               "1 GPU ruled out: not enough free fraction")
 
 
 ENVIRONMENTS = [  # (env, prefer_env, offered, the lease's environment or the error)

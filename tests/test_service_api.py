@@ -411,9 +411,35 @@ def test_pool_full_says_why(service):
         service.client().create_lease(LeaseRequest(fraction=0.5, model="H100"))
     assert (refused.value.status, refused.value.code) == (409, "pool_full")
     assert refused.value.message == ("no GPU can take 0.50 of model H100 now: 2 GPUs in the pool, the most free "
-                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); model mismatch on 2")
+                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); 2 GPUs ruled out: model mismatch")
     assert refused.value.extra["reasons"] == {"model mismatch": 2}
     assert all_leases(service) == []
+
+
+def test_whole_gpus_count_on_every_registered_node_lost_or_not():
+    from gpupool.hub_plugin.admission import more_gpus_than_any_node
+    from gpupool.hub_plugin.rules.scheduler import Demand, GPUState
+    gpus = [GPUState(f"{node}-{i}", node, name, i, 80 * GiB, 79 * GiB, node_up=node != "lost")
+            for node, count, name in (("a", 2, "A100"), ("lost", 4, "A100"), ("t", 3, "T4")) for i in range(count)]
+    assert more_gpus_than_any_node(Demand(gpu_count=4), gpus) is None  # the lost node may come back
+    assert "the biggest, lost, has 4 GPUs" in more_gpus_than_any_node(Demand(gpu_count=5), gpus)
+    assert more_gpus_than_any_node(Demand(gpu_count=4, model="t4"), gpus) == (
+        "4 whole GPUs of model t4 is more than any node has (a lease's GPUs are all on one node): the biggest, t, "
+        "has 3 GPUs of model t4; ask for at most 3")
+    assert more_gpus_than_any_node(Demand(gpu_count=2, model="H100"), gpus) is None  # the scheduler says why
+    assert more_gpus_than_any_node(Demand(gpu_count=9), []) is None  # empty: a node may yet register
+
+
+@pytest.mark.parametrize("wait", [None, 60])
+def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
+    register(service, "node-1", gpus=2)
+    register(service, "node-2", gpus=1)
+    reply = http(service, "POST", "/leases", {"gpu_count": 3, "wait": wait})
+    body = assert_error(reply, 400, "bad_request")
+    assert body["message"] == ("3 whole GPUs is more than any node has (a lease's GPUs are all on one node): the "
+                               "biggest, node-1, has 2 GPUs; ask for at most 2")
+    assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 3  # nothing queued or held
+    assert_error(http(service, "POST", "/leases", {"gpu_count": 2, "model": "H100"}), 409, "pool_full")  # no H100
 
 
 def test_metrics(service):
@@ -436,7 +462,7 @@ def test_lost_node_takes_no_new_leases(tmp_path):
     try:
         register(svc, "node-l", gpus=1, url="http://127.0.0.1:9")
         wait_for(lambda: svc.client().pool()["nodes"][0]["state"] == "lost", 10, "node marked lost")
-        with pytest.raises(GPUPoolError, match="node lost on 1"):
+        with pytest.raises(GPUPoolError, match="1 GPU ruled out: node lost"):
             svc.client().create_lease(LeaseRequest(fraction=0.5))
         assert http(svc, "POST", "/nodes/node-l/heartbeat", {}, token="agent")[0] == 200
         assert svc.client().pool()["nodes"][0]["state"] == "up"
@@ -547,7 +573,7 @@ def test_whole_gpus(pool):
     assert len(lease.gpus) == 2 and lease.fraction == 1.0
     lease = wait_state(svc, lease.id, "starting")
     assert lease.state is LeaseState.active, lease.reason
-    with pytest.raises(GPUPoolError, match="not enough free fraction on 2"):
+    with pytest.raises(GPUPoolError, match="2 GPUs ruled out: not enough free fraction"):
         svc.client().create_lease(LeaseRequest(fraction=0.1))
     ended = svc.client().release(lease.id)
     assert ended.usage_gpu_seconds > 0

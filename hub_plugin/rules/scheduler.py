@@ -142,9 +142,11 @@ class Demand:
     host_memory: int | None = None
     host_share: float = 1.0
 
-    def describe(self) -> str:
-        """``'0.50'``, ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``, ``... of model A100``."""
-        text = f"{self.gpu_count} whole GPUs" if self.gpu_count > 1 else f"{self.fraction:.2f}"
+    def describe(self, *, noun: bool = False) -> str:
+        """``'0.50'`` (``noun``: ``'0.50 of a GPU'``), ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``,
+        ``... of model A100``."""
+        text = f"{self.gpu_count} whole GPUs" if self.gpu_count > 1 else \
+            f"{self.fraction:.2f}{' of a GPU' if noun else ''}"
         if self.memory is not None:
             text += f" with {format_bytes(self.memory)}"
         if self.model:
@@ -377,6 +379,7 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostS
         free = "none is usable now"
     if hosts and (NO_CPUS in counts or NO_HOST_MEMORY in counts):
         free += f"; {roomiest(hosts)}"
-    tally = ", ".join(f"{reason} on {count}" for reason, count in counts.items())
+    tally = "; ".join(f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason}"
+                      for reason, count in counts.items())
     return Refusal(counts, f"{asked}: {len(gpus)} {noun} in the pool, {free}; {tally}")
 
