@@ -95,6 +95,31 @@ def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
     assert run(kc, "after_error = 1").ok
 
 
+def test_one_execution_count_whichever_kernel_runs_the_cell(attached):
+    """%gpu-only and %%local cells run here, the others on the worker: one counter, up by one a cell."""
+    _, kc = attached
+    cells = ["%gpu status", "%gpu status", "print('here')", "y = 1", "%%local\n1", "%gpu status", "1 / 0",
+             "%gpu push y", "y"]
+    counts = []
+    for code in cells:
+        msg_id = kc.execute(code)
+        seen = iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                           and m["parent_header"].get("msg_id") == msg_id)
+        inputs = [m["content"]["execution_count"] for m in seen
+                  if m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == msg_id]
+        reply = kc.get_shell_msg(timeout=30)
+        counts.append(reply["content"]["execution_count"])
+        assert inputs == [counts[-1]], (code, inputs, counts)
+    assert counts == list(range(counts[0], counts[0] + len(cells))), counts
+    failed = run(kc, "1 / 0")
+    traceback = "\n".join(c for kind, content in failed.outputs if kind == "error" for c in content["traceback"])
+    assert f"Cell In[{counts[-1] + 1}]" in re.sub(r"\x1b\[[0-9;]*m", "", traceback)
+    # In[n] and Out[n] name the same cells on both sides.
+    n = counts[-1] + 1
+    assert _remote(kc, f"(In[{n}], Out[{n - 1}])") == ("1 / 0", 1)
+    assert _remote(kc, f"%%local\nIn[{n}]") == "1 / 0"
+
+
 def test_completion_inspection_and_is_complete_are_the_workers(attached):
     _, kc = attached
     code = WORKER_ONLY[:12]
