@@ -120,6 +120,29 @@ def test_one_execution_count_whichever_kernel_runs_the_cell(attached):
     assert _remote(kc, f"%%local\nIn[{n}]") == "1 / 0"
 
 
+def test_only_the_front_ends_messages_are_relayed(attached):
+    """What the worker says to another client (a parking connection's transfer comm, the agent's
+    shutdown) never reaches the front end; the worker's output of the front end's cells does."""
+    _, kc = attached
+    msg_id = kc.execute("%%local\n"
+                        "from gpupool.magics.remote import RemoteKernel\n"
+                        "other = RemoteKernel(get_ipython().kernel.gpu.attachment.lease.connection)\n"
+                        "other.wait_ready()\n"
+                        "other.execute(\"print('foreign output'); from comm import create_comm; "
+                        "c = create_comm(target_name='foreign'); c.send({}); c.close()\", lambda m: None)\n"
+                        "other.close()")
+    seen = iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                       and m["parent_header"].get("msg_id") == msg_id)
+    assert kc.get_shell_msg(timeout=30)["content"]["status"] == "ok"
+    mine = kc.execute("print('own output')")
+    seen += iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                        and m["parent_header"].get("msg_id") == mine)
+    sessions = {kc.session.session}
+    foreign = [m for m in seen if m["parent_header"] and m["parent_header"].get("session") not in sessions]
+    assert not foreign, [(m["msg_type"], m["content"]) for m in foreign]
+    assert any(m["msg_type"] == "stream" and m["content"]["text"] == "own output\n" for m in seen)
+
+
 def test_completion_inspection_and_is_complete_are_the_workers(attached):
     _, kc = attached
     code = WORKER_ONLY[:12]
