@@ -16,7 +16,8 @@ the worker. What stays here:
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 
 Idle warnings and "parked", "node lost", "resumed" are events
-(:mod:`gpupool.magics.events`) and are said once at the top of the next cell.
+(:mod:`gpupool.magics.events`) and are said once at the top of the next cell
+(:mod:`gpupool.magics.notices`).
 
 Started by the gpupool kernelspec through :mod:`gpupool.magics.kernelapp`,
 which the kernel provisioner runs in place of ``ipykernel_launcher``.
@@ -36,6 +37,7 @@ from gpupool.errors import GPUPoolError
 from .cell import ForwardedCell
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
+from .notices import Notices
 from .routing import comm_for_worker, forwarded_code, malformed
 
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
@@ -53,6 +55,7 @@ class GPUPoolKernel(IPythonKernel):
         super().__init__(**kwargs)
         self.events = Events(self.comm_manager)
         self.cell = ForwardedCell(self)
+        self.notices = Notices(self)
         self.gpu = GPUMagics(self.shell, kernel=self)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
@@ -94,9 +97,9 @@ class GPUPoolKernel(IPythonKernel):
     async def execute_request(self, stream, ident, parent) -> None:
         """Run the cell on the worker while attached (see :meth:`forwarded_code`),
         else here; notices come first either way."""
-        self._say_notices()
         content = parent.get("content", {})
         code = self.forwarded_code(str(content.get("code", "")))
+        self.notices.say(forwarded=code is not None)
         if code is None:
             await super().execute_request(stream, ident, parent)
             return
@@ -269,24 +272,5 @@ class GPUPoolKernel(IPythonKernel):
                 parent, ident=ident)
             return
         self._send_reply(stream, ident, parent, reply)
-
-    # -- notices ------------------------------------------------------------------------
-
-    def notify(self, kind: str, message: str) -> None:
-        """A lease notice from the heartbeat thread: an event for listening
-        front ends, and words in the cell that runs on the worker now, or
-        else at the top of the next cell (never under an old one)."""
-        running = self.cell.running
-        if running is not None:
-            self.cell.note(running, f"gpupool: {message}\n")
-        self.events.notify(kind, message, keep=running is None)
-
-    def _say_notices(self) -> None:
-        """Say the notices that came since the last cell at the top of this one."""
-        pending = self.events.take_pending()
-        for text in pending:
-            print(f"gpupool: {text}", file=sys.stderr)
-        if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
-            sys.stderr.flush()
 
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
