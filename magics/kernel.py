@@ -38,7 +38,7 @@ from .cell import ForwardedCell
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
 from .notices import Notices
-from .routing import comm_for_worker, forwarded_code, malformed
+from .routing import comm_for_worker, forwarded_code, help_target, malformed
 
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
 REQUEST_TIMEOUT = 10.0
@@ -104,7 +104,7 @@ class GPUPoolKernel(IPythonKernel):
             await super().execute_request(stream, ident, parent)
             return
         try:
-            attachment = self.gpu.prepare_forward(code)
+            attachment = self.gpu.prepare_forward(help_target(code) or code)
         except UsageError as exc:
             self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, str(exc))
@@ -151,8 +151,10 @@ class GPUPoolKernel(IPythonKernel):
 
     async def _forward_or_local(self, stream, ident, parent, local, fields: tuple[str, ...]) -> None:
         """Relay the worker's reply to ``parent`` while attached; answer here
-        when detached or when the worker cannot answer in REQUEST_TIMEOUT (a
-        completion is better local than none). A request whose ``fields``
+        when detached, when the worker cannot answer in REQUEST_TIMEOUT (a
+        completion is better local than none), or when it knows nothing of
+        the name (one only this kernel holds yet: a cell reading it sends it
+        along first, see :meth:`GPUMagics.prepare_forward`). A request whose ``fields``
         are missing or of the wrong type gets an error reply, the protocol's
         shape for a failed request, instead of silence."""
         wrong = malformed(parent.get("content", {}), fields)
@@ -169,8 +171,9 @@ class GPUPoolKernel(IPythonKernel):
                 self.log.warning("gpupool: the worker did not answer %s (%s); answered here",
                                  parent["header"]["msg_type"], exc.message)
             else:
-                self._send_reply(stream, ident, parent, reply)
-                return
+                if not _found_nothing(reply):
+                    self._send_reply(stream, ident, parent, reply)
+                    return
         result = local(stream, ident, parent)
         if result is not None:
             await result
@@ -274,3 +277,14 @@ class GPUPoolKernel(IPythonKernel):
         self._send_reply(stream, ident, parent, reply)
 
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
+
+
+def _found_nothing(reply: dict[str, Any]) -> bool:
+    """Whether the worker's complete or inspect reply is empty-handed (no
+    matches; not found), so that this kernel's own names may answer instead."""
+    content = reply.get("content") or {}
+    if content.get("status") != "ok":
+        return False
+    kind = (reply.get("header") or {}).get("msg_type")
+    return (kind == "complete_reply" and not content.get("matches")) or (kind == "inspect_reply"
+                                                                         and not content.get("found"))

@@ -158,6 +158,21 @@ def test_completion_inspection_and_is_complete_are_the_workers(attached):
     assert question.ok and page["source"] == "page" and "42" in page["data"]["text/plain"]
 
 
+def test_completion_and_inspection_see_names_the_worker_has_not_received_yet(attached):
+    _, kc = attached
+    assert run(kc, "%%local\nimport json as local_json_4821").ok
+    code = "local_json_4821.dum"
+    completion = request(kc, "shell", "complete_request", {"code": code, "cursor_pos": len(code)})
+    assert "dumps" in completion["content"]["matches"], completion["content"]
+    inspected = request(kc, "shell", "inspect_request", {"code": "local_json_4821.dumps", "cursor_pos": 18,
+                                                         "detail_level": 0})
+    assert inspected["content"]["found"] and "Serialize" in inspected["content"]["data"]["text/plain"]
+    question = run(kc, "local_json_4821.dumps?")
+    assert question.ok and "Serialize" in question.reply["payload"][0]["data"]["text/plain"], question.reply
+    nothing = request(kc, "shell", "complete_request", {"code": "no_such_name_4821.", "cursor_pos": 18})
+    assert nothing["content"]["status"] == "ok" and nothing["content"]["matches"] == []
+
+
 def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
     _, kc = attached
     setup = run(kc, "seen = []\n"
@@ -310,3 +325,13 @@ def test_worker_messages_are_checked_as_session_checks_them():
         deserialize(Session(key=b"k"), [zmq.Frame(b""), *parts[1:5]])
     with pytest.raises(TypeError, match="at least 5"):
         deserialize(Session(key=b"k"), parts[:3])
+
+
+@pytest.mark.parametrize("code, target", [
+    ("np.arange?", "np.arange"), ("np.arange??", "np.arange"), ("?np", "np"), ("np?  ", "np"),
+    ("x", None), ("x = 1", None), ("print(x)?", None), ("a?\nb", None),
+])
+def test_a_help_cell_reads_the_name_it_asks_about(code, target):
+    from gpupool.magics.routing import help_target
+
+    assert help_target(code) == target
