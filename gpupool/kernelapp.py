@@ -8,14 +8,25 @@ A kernel without subshells only pays for it: two thread hand-offs per
 request. Without that thread, ipykernel reads the shell socket on the main
 thread's event loop, as ipykernel 6 did (its code keeps that path).
 
-A worker runs ``python -m gpupool.kernelapp -f CONNECTION_FILE`` (a plain
-IPython kernel; the front end never asks a worker for a subshell, since the
-gpupool kernel in front of it says it has none).
+A worker runs ``python -m gpupool.kernelapp -f CONNECTION_FILE``: an IPython
+kernel (:class:`WorkerKernel`) that numbers a forwarded cell as the notebook
+kernel in front of it says (the front end never asks a worker for a
+subshell, since the gpupool kernel in front of it says it has none).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
+from traitlets import Type
+
+#: Metadata key of a forwarded ``execute_request``: the execution count the
+#: cell takes (int), the notebook kernel's, so that one counter numbers the
+#: notebook's cells wherever they run.
+COUNT_KEY = "gpupool_execution_count"
+
 
 class NoSubshellKernelApp(IPKernelApp):
     """IPKernelApp whose shell socket is read on the main thread."""
@@ -25,5 +36,29 @@ class NoSubshellKernelApp(IPKernelApp):
         self.shell_channel_thread = None  # made there, not started yet: init_kernel starts it
 
 
+class WorkerKernel(IPythonKernel):
+    """A worker's kernel: an IPythonKernel whose cell takes the execution
+    count named in its request's metadata (:data:`COUNT_KEY`), so In[n],
+    Out[n] and ``Cell In[n]`` in tracebacks follow the notebook's numbering
+    (cells of ``%gpu`` lines and ``%%local`` cells take numbers there)."""
+
+    async def execute_request(self, stream, ident, parent: dict[str, Any]) -> None:
+        count = (parent.get("metadata") or {}).get(COUNT_KEY)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0 \
+                and not (parent.get("content") or {}).get("silent"):
+            self.shell.execution_count = count
+            history = self.shell.history_manager
+            for cells in (history.input_hist_parsed, history.input_hist_raw):
+                cells.extend([""] * (count - len(cells)))  # In[n] is cell n here too (the others ran there)
+        await super().execute_request(stream, ident, parent)
+
+
+class WorkerKernelApp(NoSubshellKernelApp):
+    """A worker's application: :class:`WorkerKernel`, no shell-channel thread."""
+
+    kernel_class = Type(WorkerKernel, klass="ipykernel.kernelbase.Kernel",
+                        help="The kernel class (default: gpupool's worker kernel).").tag(config=True)
+
+
 if __name__ == "__main__":
-    NoSubshellKernelApp.launch_instance()
+    WorkerKernelApp.launch_instance()

@@ -8,6 +8,7 @@ client, kernel, settings and attachment); every failure cancels the lease.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -57,7 +58,7 @@ def _start_forwarding(magics, attachment: Attachment) -> None:
     """Hand the worker's IOPub to the kernel's relay, tell the worker this
     notebook's execution count and folder, and send notices as events."""
     attachment.remote.relay_iopub(magics.kernel.cell.publish)
-    attachment.heartbeat.notify = magics.kernel.notify
+    attachment.heartbeat.notify = functools.partial(magics.kernel.notices.notify, beat=attachment.heartbeat)
     attachment.heartbeat.on_lease = lambda lease: magics.tell()
     user = attachment.lease.owner
     answer, _ = attachment.request({"op": "attach", "execution_count": magics.shell.execution_count,
@@ -143,8 +144,11 @@ def resume(magics) -> Attachment:
     magics.drop()
     old = parked.lease
     share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-    say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
-        f"acquiring {share} again")
+    if parked.told:  # a cell here said it was parked, and what came back
+        say(f"acquiring {share} again for {old.id}'s variables")
+    else:
+        say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
+            f"acquiring {share} again")
     attachment = attach(magics, same_size(old))
     arm_parking(magics, attachment)
     magics.attachment = attachment

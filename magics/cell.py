@@ -19,6 +19,7 @@ import zmq
 from jupyter_client.session import DELIM
 
 from gpupool.errors import GPUPoolError
+from gpupool.kernelapp import COUNT_KEY
 from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
 
 from .relay import OutputBudget
@@ -39,7 +40,7 @@ class ForwardedCell:
                 code: str) -> tuple[dict[str, Any] | None, str]:
         """Send the front end's execute_request to the worker (stdin always
         allowed there, for the worker's ``%gpu``; the front end's own choice
-        rides in the metadata), pass the worker's reply on to the front end
+        rides in the metadata, with the execution count the cell takes), pass the worker's reply on to the front end
         the moment it comes (its idle comes through the relay), and wait for
         the cell's end. Returns the reply message (None when none came) and
         the words for a lease or worker lost meanwhile ("" when not)."""
@@ -50,8 +51,11 @@ class ForwardedCell:
         content = dict(parent["content"], code=code, allow_stdin=True, stop_on_error=False)
         # ipykernel's own flag: the front end's choice, for the user's input() asked of it here.
         kernel._allow_stdin = bool(parent["content"].get("allow_stdin"))
+        # The cell takes this kernel's next count (gpupool.kernelapp.WorkerKernel): one numbering
+        # for the notebook, whichever kernel runs a cell.
         msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
-                                                          STDIN_KEY: kernel._allow_stdin}}
+                                                          STDIN_KEY: kernel._allow_stdin,
+                                                          COUNT_KEY: kernel.shell.execution_count}}
         replies: list[dict[str, Any]] = []
 
         def pass_on(reply: dict[str, Any]) -> None:

@@ -224,6 +224,8 @@ class Heartbeat(threading.Thread):
             self.say(text, kind="idle_warning")
 
     def _beat_hook(self, lease: Lease) -> bool:
+        if self.stopped:  # released (or dropped) during this beat: no parking after that
+            return True
         try:
             return bool(self.on_beat(lease))
         except Exception:  # a failed park must not stop the heartbeat; the service's reclaim is the fallback
@@ -235,7 +237,10 @@ class Heartbeat(threading.Thread):
         ``notify(kind, text)`` when set (the gpupool kernel says it at the top
         of the next cell and sends it as an event), else printed as
         ``gpupool: TEXT`` to the kernel's stderr, under the last cell that ran
-        on the worker."""
+        on the worker. Nothing once stopped: the lease was given up here,
+        and a notice of it would be stale."""
+        if self.stopped:
+            return
         if self.notify is not None:
             self.notify(kind, text)
             return
@@ -260,6 +265,11 @@ class Heartbeat(threading.Thread):
         # shows quickly; not on every cell, which would cost a request per cell.
         if flag and time.monotonic() - self._last_beat > self.busy_interval:
             self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (the lease is ours no more)."""
+        return self._stopped.is_set()
 
     def stop(self) -> None:
         """Stop beating (the lease is being released by us)."""

@@ -16,7 +16,8 @@ the worker. What stays here:
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 
 Idle warnings and "parked", "node lost", "resumed" are events
-(:mod:`gpupool.magics.events`) and are said once at the top of the next cell.
+(:mod:`gpupool.magics.events`) and are said once at the top of the next cell
+(:mod:`gpupool.magics.notices`).
 
 Started by the gpupool kernelspec through :mod:`gpupool.magics.kernelapp`,
 which the kernel provisioner runs in place of ``ipykernel_launcher``.
@@ -36,7 +37,8 @@ from gpupool.errors import GPUPoolError
 from .cell import ForwardedCell
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
-from .routing import comm_for_worker, forwarded_code, malformed
+from .notices import Notices
+from .routing import comm_for_worker, forwarded_code, help_target, malformed
 
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
 REQUEST_TIMEOUT = 10.0
@@ -53,6 +55,7 @@ class GPUPoolKernel(IPythonKernel):
         super().__init__(**kwargs)
         self.events = Events(self.comm_manager)
         self.cell = ForwardedCell(self)
+        self.notices = Notices(self)
         self.gpu = GPUMagics(self.shell, kernel=self)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
@@ -94,14 +97,14 @@ class GPUPoolKernel(IPythonKernel):
     async def execute_request(self, stream, ident, parent) -> None:
         """Run the cell on the worker while attached (see :meth:`forwarded_code`),
         else here; notices come first either way."""
-        self._say_notices()
         content = parent.get("content", {})
         code = self.forwarded_code(str(content.get("code", "")))
+        self.notices.say(forwarded=code is not None)
         if code is None:
             await super().execute_request(stream, ident, parent)
             return
         try:
-            attachment = self.gpu.prepare_forward(code)
+            attachment = self.gpu.prepare_forward(help_target(code) or code)
         except UsageError as exc:
             self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, str(exc))
@@ -148,8 +151,10 @@ class GPUPoolKernel(IPythonKernel):
 
     async def _forward_or_local(self, stream, ident, parent, local, fields: tuple[str, ...]) -> None:
         """Relay the worker's reply to ``parent`` while attached; answer here
-        when detached or when the worker cannot answer in REQUEST_TIMEOUT (a
-        completion is better local than none). A request whose ``fields``
+        when detached, when the worker cannot answer in REQUEST_TIMEOUT (a
+        completion is better local than none), or when it knows nothing of
+        the name (one only this kernel holds yet: a cell reading it sends it
+        along first, see :meth:`GPUMagics.prepare_forward`). A request whose ``fields``
         are missing or of the wrong type gets an error reply, the protocol's
         shape for a failed request, instead of silence."""
         wrong = malformed(parent.get("content", {}), fields)
@@ -166,8 +171,9 @@ class GPUPoolKernel(IPythonKernel):
                 self.log.warning("gpupool: the worker did not answer %s (%s); answered here",
                                  parent["header"]["msg_type"], exc.message)
             else:
-                self._send_reply(stream, ident, parent, reply)
-                return
+                if not _found_nothing(reply):
+                    self._send_reply(stream, ident, parent, reply)
+                    return
         result = local(stream, ident, parent)
         if result is not None:
             await result
@@ -270,23 +276,15 @@ class GPUPoolKernel(IPythonKernel):
             return
         self._send_reply(stream, ident, parent, reply)
 
-    # -- notices ------------------------------------------------------------------------
-
-    def notify(self, kind: str, message: str) -> None:
-        """A lease notice from the heartbeat thread: an event for listening
-        front ends, and words in the cell that runs on the worker now, or
-        else at the top of the next cell (never under an old one)."""
-        running = self.cell.running
-        if running is not None:
-            self.cell.note(running, f"gpupool: {message}\n")
-        self.events.notify(kind, message, keep=running is None)
-
-    def _say_notices(self) -> None:
-        """Say the notices that came since the last cell at the top of this one."""
-        pending = self.events.take_pending()
-        for text in pending:
-            print(f"gpupool: {text}", file=sys.stderr)
-        if pending:  # before the worker's output; a flush costs a round trip to the IOPub thread
-            sys.stderr.flush()
-
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
+
+
+def _found_nothing(reply: dict[str, Any]) -> bool:
+    """Whether the worker's complete or inspect reply is empty-handed (no
+    matches; not found), so that this kernel's own names may answer instead."""
+    content = reply.get("content") or {}
+    if content.get("status") != "ok":
+        return False
+    kind = (reply.get("header") or {}).get("msg_type")
+    return (kind == "complete_reply" and not content.get("matches")) or (kind == "inspect_reply"
+                                                                         and not content.get("found"))

@@ -38,14 +38,15 @@ PARK_REASON = "parked after idle"
 @dataclass
 class Parked:
     """What parking did: the lease as released, the names brought back (to be
-    pushed on resume), their transfer items, what could not come, and why it
-    was parked (:func:`park_reason`)."""
+    pushed on resume), their transfer items, what could not come, why it
+    was parked (:func:`park_reason`), and whether the user was told."""
 
     lease: Lease
     names: list[str] = field(default_factory=list)
     items: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     why: str = PARK_REASON
+    told: bool = False  # the user was told already (a cell here said the notice)
 
 
 def park_reason(lease: Lease) -> str:

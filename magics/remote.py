@@ -185,8 +185,10 @@ class RemoteKernel:
         request has then been relayed). Interrupts and errors as for
         :meth:`execute`; GPUPoolError ``worker_timeout`` after ``timeout``
         seconds (None: no bound, a cell may run for days)."""
-        if self._relay is not None and wait_idle:
-            self._relay.awaited = msg["header"]["msg_id"]  # before the send: its idle may come at once
+        if self._relay is not None:
+            self._relay.front(msg)
+            if wait_idle:
+                self._relay.awaited = msg["header"]["msg_id"]  # before the send: its idle may come at once
         self.session.send(self.shell, msg)
         return self._until_idle(msg["header"]["msg_id"], lambda _: None, stdin_handler, check,
                                 timeout=timeout, want_idle=wait_idle, on_reply=on_reply)
@@ -194,6 +196,8 @@ class RemoteKernel:
     def send(self, msg: dict[str, Any]) -> None:
         """Send a front end's shell message that has no reply (``comm_msg``,
         ``comm_close``), header kept."""
+        if self._relay is not None:
+            self._relay.front(msg)
         self.session.send(self.shell, msg)
 
     def control_request(self, msg: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
@@ -203,6 +207,8 @@ class RemoteKernel:
         sockets belong to one thread). Raises GPUPoolError ``worker_timeout``."""
         if self._debug is None:
             self._debug = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
+        if self._relay is not None:
+            self._relay.front(msg)  # its debug_events
         self.session.send(self._debug, msg)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -316,7 +322,13 @@ class IOPubRelay(threading.Thread):
     cell's end; other ``status`` messages are dropped (the notebook kernel
     says busy and idle itself). What the notebook kernel itself asked for
     (transfers, version checks: parented to ``session``'s own session id)
-    goes to ``inner`` only. A message whose signature does not verify is
+    goes to ``inner`` only. Of the rest only what belongs to a front end
+    passes: a message parented to a request of a session that a forwarded
+    request came from (:meth:`front`), or one with no parent at all (the
+    worker's own output outside any request); what answers anyone else's
+    requests (the agent's shutdown, a parking connection's transfer comm,
+    another client's cells) is dropped, or JupyterLab would warn of
+    unknown comms and replies. A message whose signature does not verify is
     dropped (:func:`deserialize` raises)."""
 
     def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
@@ -326,6 +338,12 @@ class IOPubRelay(threading.Thread):
         self._halt = threading.Event()
         #: msg_id of the forwarded request whose idle status RemoteKernel waits for.
         self.awaited: str | None = None
+        self._fronts: set[str] = set()  # session ids of the front ends whose requests were forwarded
+
+    def front(self, msg: dict[str, Any]) -> None:
+        """``msg`` (a front end's request) is about to be forwarded: its
+        session's messages are the front end's to see (any thread)."""
+        self._fronts.add(msg["header"].get("session", ""))
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -347,6 +365,8 @@ class IOPubRelay(threading.Thread):
         parent = msg["parent_header"]
         if parent.get("session") == self.session.session:
             self.inner.send_multipart(frames, copy=False)
+            return
+        if parent and parent.get("session") not in self._fronts:
             return
         # A front end's comm message gets the worker's busy/idle (the notebook kernel sends
         # none of its own for it): JupyterLab listens for a comm message's output only until

@@ -4,7 +4,11 @@ checked before a request is forwarded."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Collection
+
+#: A help cell, IPython's ``obj?``, ``obj??``, ``?obj``: the object's dotted name.
+_HELP = re.compile(r"\s*(?:\?\??)?\s*([A-Za-z_][\w.]*)\s*(?:\?\??)?\s*")
 
 #: Comm targets of the notebook kernel itself; every other comm is the worker's.
 OWN_TARGET_PREFIX = "gpupool."
@@ -24,6 +28,18 @@ def forwarded_code(code: str) -> str | None:
     if all(line == "%gpu" or line.startswith("%gpu ") for line in lines):
         return None
     return code
+
+
+def help_target(code: str) -> str | None:
+    """The object ``code`` asks help for (``np.arange?`` -> ``np.arange``), or
+    None when it is no help cell. IPython turns such a cell into a magic call
+    with the name in a string, which no scan of the names a cell reads sees;
+    the gpupool kernel sends the object's root along first, as for any cell
+    that reads a local name."""
+    match = _HELP.fullmatch(code)
+    if match is None or "?" not in code:
+        return None
+    return match.group(1)
 
 
 def comm_for_worker(msg: dict[str, Any], own_comms: Collection[str]) -> bool:

@@ -122,6 +122,7 @@ def test_idle_lease_is_released_and_the_notebook_says_so(e2e_pool, kernel):
     cell = run(kc, "1 + 1")
     assert not cell.ok
     assert f"lease {lease.id} was reclaimed: idle" in cell.text() and "did not run" in cell.text()
+    assert cell.text().count(f"lease {lease.id} was reclaimed") == 1, "said once: the cell's error"
     assert _remote(kc, "1 + 1") == 2, "the next cell runs locally"
 
 

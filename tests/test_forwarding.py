@@ -95,6 +95,54 @@ def test_a_cell_runs_once_on_the_worker_and_counts_agree(attached):
     assert run(kc, "after_error = 1").ok
 
 
+def test_one_execution_count_whichever_kernel_runs_the_cell(attached):
+    """%gpu-only and %%local cells run here, the others on the worker: one counter, up by one a cell."""
+    _, kc = attached
+    cells = ["%gpu status", "%gpu status", "print('here')", "y = 1", "%%local\n1", "%gpu status", "1 / 0",
+             "%gpu push y", "y"]
+    counts = []
+    for code in cells:
+        msg_id = kc.execute(code)
+        seen = iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                           and m["parent_header"].get("msg_id") == msg_id)
+        inputs = [m["content"]["execution_count"] for m in seen
+                  if m["msg_type"] == "execute_input" and m["parent_header"].get("msg_id") == msg_id]
+        reply = kc.get_shell_msg(timeout=30)
+        counts.append(reply["content"]["execution_count"])
+        assert inputs == [counts[-1]], (code, inputs, counts)
+    assert counts == list(range(counts[0], counts[0] + len(cells))), counts
+    failed = run(kc, "1 / 0")
+    traceback = "\n".join(c for kind, content in failed.outputs if kind == "error" for c in content["traceback"])
+    assert f"Cell In[{counts[-1] + 1}]" in re.sub(r"\x1b\[[0-9;]*m", "", traceback)
+    # In[n] and Out[n] name the same cells on both sides.
+    n = counts[-1] + 1
+    assert _remote(kc, f"(In[{n}], Out[{n - 1}])") == ("1 / 0", 1)
+    assert _remote(kc, f"%%local\nIn[{n}]") == "1 / 0"
+
+
+def test_only_the_front_ends_messages_are_relayed(attached):
+    """What the worker says to another client (a parking connection's transfer comm, the agent's
+    shutdown) never reaches the front end; the worker's output of the front end's cells does."""
+    _, kc = attached
+    msg_id = kc.execute("%%local\n"
+                        "from gpupool.magics.remote import RemoteKernel\n"
+                        "other = RemoteKernel(get_ipython().kernel.gpu.attachment.lease.connection)\n"
+                        "other.wait_ready()\n"
+                        "other.execute(\"print('foreign output'); from comm import create_comm; "
+                        "c = create_comm(target_name='foreign'); c.send({}); c.close()\", lambda m: None)\n"
+                        "other.close()")
+    seen = iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                       and m["parent_header"].get("msg_id") == msg_id)
+    assert kc.get_shell_msg(timeout=30)["content"]["status"] == "ok"
+    mine = kc.execute("print('own output')")
+    seen += iopub_until(kc, lambda m: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                        and m["parent_header"].get("msg_id") == mine)
+    sessions = {kc.session.session}
+    foreign = [m for m in seen if m["parent_header"] and m["parent_header"].get("session") not in sessions]
+    assert not foreign, [(m["msg_type"], m["content"]) for m in foreign]
+    assert any(m["msg_type"] == "stream" and m["content"]["text"] == "own output\n" for m in seen)
+
+
 def test_completion_inspection_and_is_complete_are_the_workers(attached):
     _, kc = attached
     code = WORKER_ONLY[:12]
@@ -108,6 +156,21 @@ def test_completion_inspection_and_is_complete_are_the_workers(attached):
     question = run(kc, f"{WORKER_ONLY}?")
     page, = question.reply["payload"]
     assert question.ok and page["source"] == "page" and "42" in page["data"]["text/plain"]
+
+
+def test_completion_and_inspection_see_names_the_worker_has_not_received_yet(attached):
+    _, kc = attached
+    assert run(kc, "%%local\nimport json as local_json_4821").ok
+    code = "local_json_4821.dum"
+    completion = request(kc, "shell", "complete_request", {"code": code, "cursor_pos": len(code)})
+    assert "dumps" in completion["content"]["matches"], completion["content"]
+    inspected = request(kc, "shell", "inspect_request", {"code": "local_json_4821.dumps", "cursor_pos": 18,
+                                                         "detail_level": 0})
+    assert inspected["content"]["found"] and "Serialize" in inspected["content"]["data"]["text/plain"]
+    question = run(kc, "local_json_4821.dumps?")
+    assert question.ok and "Serialize" in question.reply["payload"][0]["data"]["text/plain"], question.reply
+    nothing = request(kc, "shell", "complete_request", {"code": "no_such_name_4821.", "cursor_pos": 18})
+    assert nothing["content"]["status"] == "ok" and nothing["content"]["matches"] == []
 
 
 def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
@@ -262,3 +325,13 @@ def test_worker_messages_are_checked_as_session_checks_them():
         deserialize(Session(key=b"k"), [zmq.Frame(b""), *parts[1:5]])
     with pytest.raises(TypeError, match="at least 5"):
         deserialize(Session(key=b"k"), parts[:3])
+
+
+@pytest.mark.parametrize("code, target", [
+    ("np.arange?", "np.arange"), ("np.arange??", "np.arange"), ("?np", "np"), ("np?  ", "np"),
+    ("x", None), ("x = 1", None), ("print(x)?", None), ("a?\nb", None),
+])
+def test_a_help_cell_reads_the_name_it_asks_about(code, target):
+    from gpupool.magics.routing import help_target
+
+    assert help_target(code) == target

@@ -220,4 +220,40 @@ def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_
     next_cell, _ = notebook.execute("%%local\n1 + 1")
     said = [parent for parent, text in notebook.streams if "gpupool: lease" in text]
     assert said and set(said) == {next_cell}, "both notices top the next cell"
+    status, _ = notebook.execute("%gpu status")
+    assert not [text for parent, text in notebook.streams if parent == status and "reclaimed" in text], \
+        "told once: the kernel let the ended lease go"
     assert service.client().get_lease(lease_id).state is LeaseState.reclaimed
+
+
+def test_no_notice_of_a_lease_given_up_reaches_a_later_cell(warning_pool, notebook):
+    """A notice that comes while (or after) the lease is released is stale: no cell says it."""
+    notebook.listen()
+    notebook.execute("%gpu acquire 0.25 --idle-timeout 30s")
+    notebook.execute("q = 5")
+    notebook.wait_for_event("idle_warning", 30, "the idle warning")
+    # The warning waits for the next cell; a release cell says it (true then), and what comes
+    # while it runs (the heartbeat thread's beat, a park racing the release) is dropped.
+    release, _ = notebook.execute("%%local\n"
+                                  "kernel = get_ipython().kernel\n"
+                                  "beat = kernel.gpu.attachment.heartbeat\n"
+                                  "get_ipython().run_line_magic('gpu', 'release')\n"
+                                  "kernel.notices.notify('idle_warning', 'stale: idle 3s', beat=beat)\n"
+                                  "beat.say('stale: was parked after idle', kind='parked')")
+    later, _ = notebook.execute("%%local\n1")
+    assert not [text for parent, text in notebook.streams if parent == later and "gpupool:" in text], \
+        notebook.text()
+    assert "stale" not in notebook.text()
+    assert not [e for e in notebook.events if e["message"].startswith("stale")]
+
+
+def test_a_parked_lease_is_told_once_when_the_next_cell_resumes_it(warning_pool, notebook):
+    notebook.listen()
+    notebook.execute("%config GPUMagics.park_ahead = 1.0")
+    notebook.execute("%gpu acquire 0.25 --idle-timeout 6s")
+    notebook.execute("import json\nkept = [1, 2, 3]")
+    notebook.wait_for_event("parked", 30, "the park notice")
+    resumed, _ = notebook.execute("print(len(kept))", timeout=120)
+    said = [text for parent, text in notebook.streams if parent == resumed]
+    assert "".join(said).count("was parked after idle") == 1, said
+    assert "3\n" in said

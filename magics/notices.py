@@ -1,0 +1,69 @@
+"""Lease notices of the gpupool kernel: what the heartbeat thread says
+(idle warnings, parked, ended, node lost or back, preemption) reaches the
+user once, and only while it is true.
+
+A notice goes into the forwarded cell that runs now, or else waits for the
+top of the next cell (never under an old one), and goes to listening front
+ends as an event (:mod:`gpupool.magics.events`) either way.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+#: Notice kinds a forwarded cell says itself (its UsageError; the resume's line), so not atop it too.
+SAID_BY_CELL = ("ended", "parked")
+
+
+class Notices:
+    """The notices of :class:`~gpupool.magics.kernel.GPUPoolKernel` ``kernel``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, str, Any]] = []  # (kind, words, heartbeat) for the next cell
+
+    def notify(self, kind: str, message: str, beat=None) -> None:
+        """A notice from the heartbeat thread ``beat`` (a
+        :class:`~.heartbeat.Heartbeat`); none of a lease given up here
+        (``beat`` stopped): it would be stale."""
+        if beat is not None and beat.stopped:
+            return
+        running = self.kernel.cell.running
+        if running is not None:
+            self.kernel.cell.note(running, f"gpupool: {message}\n")
+        else:
+            with self._lock:
+                self._pending.append((kind, message, beat))
+        self.kernel.events.notify(kind, message, keep=False)
+
+    def say(self, forwarded: bool) -> None:
+        """Say the notices that came since the last cell at the top of this
+        one, but none of a lease given up since (its heartbeat stopped: a
+        release, a resume), and, atop a cell to be ``forwarded``, not that
+        the lease ended or was parked: the cell says that itself (its error,
+        the resume's line). The ended lease a cell here was told of is let
+        go at once, so that no later cell says its end again."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        said = False
+        for kind, text, beat in pending:
+            if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL):
+                continue
+            print(f"gpupool: {text}", file=sys.stderr)
+            said = True
+            self._told(kind, beat)
+        if said:  # before the worker's output; a flush costs a round trip to the IOPub thread
+            sys.stderr.flush()
+
+    def _told(self, kind: str, beat) -> None:
+        gpu = self.kernel.gpu
+        attachment = gpu.attachment
+        if attachment is None or beat is not attachment.heartbeat:
+            return
+        if kind == "ended" and attachment.ended is not None:
+            gpu.drop()
+        elif kind == "parked" and attachment.parked is not None:
+            attachment.parked.told = True
