@@ -26,9 +26,9 @@ from .accounts import WorkerAccounts
 from .handle import Worker
 from .kernel import KernelManagers
 from .process import kill_all, left_behind, worker_process
-from .records import WorkerRecord, read_records, record_path, stray_workers
+from .records import WorkerRecord, read_records, stray_workers
 from .spec import WorkerSettings, WorkerSpec
-from .stopping import kill_and_remove, remove_files
+from .stopping import kill_and_remove, remove_files, worker_files
 
 #: Seconds a worker left by an earlier run of the agent gets to answer on its
 #: control channel (which answers while a cell runs) before it is stopped.
@@ -58,8 +58,7 @@ class Recovery:
         adopted = [worker for worker in [await self._adopt(record) for record in records] if worker is not None]
         await self._kill_stray_cgroups({worker.cgroup.name for worker in adopted})
         await self._kill_stray_processes(records, {worker.pid for worker in adopted})
-        files = {Path(path) for worker in adopted for path in
-                 (worker.manager.connection_file, worker.log_path, record_path(self.workers_dir, worker.spec.lease_id))}
+        files = {path for worker in adopted for path in worker_files(worker, self.workers_dir)}
         for path in self.workers_dir.iterdir():
             if path.is_file() and path not in files:
                 remove_files(path)

@@ -57,10 +57,7 @@ class Reaper:
         except CgroupError as exc:
             self.log.error("%s", exc)
         worker.exit_code, worker.ended = worker.process.returncode, True
-        history = history_path(worker.log_path)
-        remove_files(Path(worker.manager.connection_file), worker.log_path, history,
-                     history.with_name(history.name + "-journal"),
-                     record_path(self.workers_dir, worker.spec.lease_id if worker.spec else worker.name))
+        remove_files(*worker_files(worker, self.workers_dir))
         if survivors:
             raise WorkerStopError(f"processes {sorted(set(survivors))} of the worker {worker.name} survived SIGKILL")
         await self.accounts.give_back(worker.user)
@@ -91,6 +88,15 @@ def kill_and_remove(cgroup: LeaseCgroup, timeout: float) -> None:
     """Kill ``cgroup`` and remove it; CgroupError when it cannot be."""
     cgroup.kill(timeout)
     cgroup.remove()
+
+
+def worker_files(worker: Worker, workers_dir: Path) -> tuple[Path, ...]:
+    """The files of ``worker`` in ``workers_dir``: its connection file, log,
+    IPython history (and its journal) and lease record."""
+    history = history_path(worker.log_path)
+    return (Path(worker.manager.connection_file), worker.log_path, history,
+            history.with_name(history.name + "-journal"),
+            record_path(workers_dir, worker.spec.lease_id if worker.spec else worker.name))
 
 
 def remove_files(*paths: Path) -> None:
