@@ -233,7 +233,9 @@ def report(results: dict) -> str:
     lines = [SECTION, "",
              f"`{results['command']}` on {results['machine']}; transfers of one NumPy uint8 array, timed inside "
              "the notebook kernel around `%gpu push` / `%gpu pull` (pickling, comm round trips and unpickling "
-             f"included), best of {results['repeats']} interleaved rounds per size; `curve` = the agent's transport "
+             f"included), best of {results['repeats']} interleaved rounds per size"
+             + (f" ({results['big_repeats']} at 1024 MiB)" if results.get("big_repeats") else "")
+             + "; `curve` = the agent's transport "
              f"encrypted, so the data plane uses {results['cipher']}; `none` = plain chunks. Raw = one loopback TCP "
              "socket sending the same bytes in the same run, into a buffer touched beforehand (as "
              "bench/remoting_bench.py measures it); fresh = the same into memory mapped inside the timed window, as "
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv) -> dict:
     sizes = [s for s in (1, 16, 64, 256, 1024) if s <= args.max_mib]
     results: dict = {"machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}", "cipher": default_cipher(),
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "big_repeats": args.big_repeats,
                      "command": " ".join(["bench/transfer_bench.py", *(argv if argv is not None else sys.argv[1:])])}
     results["warmed_gib"], results["first_touch_mib_s"] = warm_memory(args.warm_gib, max(sizes))
     with tempfile.TemporaryDirectory(prefix="gpupool-transfer-bench-") as tmp:
