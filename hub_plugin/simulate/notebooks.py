@@ -50,6 +50,7 @@ from ..rules import priority
 from ..rules.reclaim import decide
 from ..rules.scheduler import Placement
 from .backlog import BatchSource
+from .demand import InteractiveDemand
 from .estimates import eta
 from .eta_log import EtaLog
 from .policies import NotebookPolicy
@@ -105,11 +106,13 @@ class _Replay:
         self.queued_at = list(self.submit)
         self.interactive_cells = len(workload.cells)
         self.started = 0  # interactive cells that started
-        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice)
+        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice, policy.preemption_grace,
+                           policy.batch_first)
         self.events: list = []
         self.seq = 0
         self.queue = WaitQueue(policy.fifo, policy.classes)
         self.waiting_gpus = 0.0
+        self.demand = InteractiveDemand(policy.headroom_window)
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
         names: dict[str, int] = {}
@@ -118,6 +121,7 @@ class _Replay:
         for g, spec in enumerate(pool.specs):
             self.node_gpus.setdefault(spec.node, []).append(g)
         self.idle_nodes = sum(self.node_idle(name) for name in self.node_gpus)
+        self.per_node = max((len(gpus) for gpus in self.node_gpus.values()), default=1)
         #: The period cluster utilization is measured over: the trace's whole days.
         self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
         self.tally = Tally(self.period, [math.nan] * len(workload.cells))
@@ -197,6 +201,8 @@ class _Replay:
         session = self.sessions[sid]
         session.waiting = True
         self.waiting_gpus += self.need[sid]
+        if session.klass == INTERACTIVE:
+            self.demand.change(now, asked=self.need[sid], waiting=1)
         self.queued_at[session.pending[0]] = now
         (queue.appendleft if front else queue.append)((now, sid))
         self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
@@ -259,7 +265,7 @@ class _Replay:
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
         self.sweep.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
                                                 session.klass == BATCH, session.running, lease.started_at,
-                                                idle_since, deadline)
+                                                idle_since, deadline, lease.placement.node)
 
     def check_at(self, now: float) -> None:
         """Evaluate the plan at the first sweep tick at or after ``now``, once
@@ -318,7 +324,7 @@ class _Replay:
         if not isinstance(placement, Placement):
             return False
         was_idle = self.node_idle(placement.node)
-        if session.klass == BATCH and was_idle and self.idle_nodes <= self.policy.headroom_nodes:
+        if session.klass == BATCH and not self.batch_may_start(was_idle):
             return False
         self.pool.take(placement)
         self.idle_nodes -= was_idle
@@ -332,8 +338,21 @@ class _Replay:
             session.waiting = False
             self.waiting_gpus -= self.need[sid]
             del self.sweep.waiters[sid]
+            if session.klass == INTERACTIVE:
+                self.demand.change(now, asked=-self.need[sid], waiting=-1)
+        if session.klass == INTERACTIVE:
+            self.demand.change(now, held=self.held_gpus(sid))
         self.start(sid, now)
         return True
+
+    def batch_may_start(self, node_idle: bool) -> bool:
+        """The service's rule for batch placements (:func:`.priority.batch_may_start`), headroom
+        sized from recent interactive demand (:func:`.priority.headroom`) when the policy has a window."""
+        policy = self.policy
+        room = (priority.headroom(self.demand.recent(), self.demand.held, self.per_node, policy.headroom_nodes)
+                if policy.headroom_window else policy.headroom_nodes)
+        return priority.batch_may_start(node_idle, self.idle_nodes, room,
+                                        policy.batch_yields and self.demand.waiting > 0)
 
     def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
@@ -341,6 +360,8 @@ class _Replay:
         if lease is None:
             return
         self.idle.pop(sid, None)
+        if session.klass == INTERACTIVE:
+            self.demand.change(now, held=-self.held_gpus(sid))
         session.lease = None
         self.sweep.holding.pop(sid, None)
         self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),

@@ -41,6 +41,10 @@ class NotebookPolicy:
     (``c.GPUPool.preemption_notice``; batch jobs are all preemptible here;
     None: ``allow_preemption = False``); ``headroom_nodes``: batch is not placed on an idle node while
     only this many nodes are idle (room kept for interactive arrivals);
+    ``headroom_window``: seconds of recent interactive demand whose peak
+    (above what interactive holds now, in whole nodes) is added to the
+    headroom (0: the headroom is ``headroom_nodes`` alone); ``batch_yields``:
+    no batch request is placed while an interactive one waits;
     ``resume_preempted``: a preempted batch job keeps its progress (it was
     parked with its variables and its loop resumes) instead of restarting."""
 
@@ -52,6 +56,10 @@ class NotebookPolicy:
     classes: bool = False
     preemption_notice: float | None = None
     headroom_nodes: int = 0
+    headroom_window: float = 0.0
+    preemption_grace: float | None = None
+    batch_first: bool = False
+    batch_yields: bool = False
     resume_preempted: bool = False
 
 
