@@ -51,7 +51,6 @@ from ..rules.reclaim import decide
 from ..rules.scheduler import Placement
 from .backlog import BatchSource
 from .demand import InteractiveDemand
-from .estimates import eta
 from .eta_log import EtaLog
 from .policies import NotebookPolicy
 from .pool import FULL, Pool, uniform_pool
@@ -115,13 +114,6 @@ class _Replay:
         self.demand = InteractiveDemand(policy.headroom_window)
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
-        names: dict[str, int] = {}
-        self.node_of = [names.setdefault(spec.node, len(names)) for spec in pool.specs]
-        self.node_gpus: dict[str, list[int]] = {}
-        for g, spec in enumerate(pool.specs):
-            self.node_gpus.setdefault(spec.node, []).append(g)
-        self.idle_nodes = sum(self.node_idle(name) for name in self.node_gpus)
-        self.per_node = max((len(gpus) for gpus in self.node_gpus.values()), default=1)
         #: The period cluster utilization is measured over: the trace's whole days.
         self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
         self.tally = Tally(self.period, [math.nan] * len(workload.cells))
@@ -290,9 +282,6 @@ class _Replay:
         if later is not None:
             self.check_at(later)
 
-    def node_idle(self, node: str) -> bool:
-        return not any(self.pool.milli[g] for g in self.node_gpus[node])
-
     def held_gpus(self, sid: int) -> float:
         placement = self.sessions[sid].lease.placement
         return placement.fraction * len(placement.gpus)
@@ -323,11 +312,9 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
-        was_idle = self.node_idle(placement.node)
-        if session.klass == BATCH and not self.batch_may_start(was_idle):
+        if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
             return False
         self.pool.take(placement)
-        self.idle_nodes -= was_idle
         self.tally.peak_milli = max(self.tally.peak_milli, self.pool.allocated_milli)
         self.leases += 1
         self.tally.acquisitions += 1
@@ -349,9 +336,9 @@ class _Replay:
         """The service's rule for batch placements (:func:`.priority.batch_may_start`), headroom
         sized from recent interactive demand (:func:`.priority.headroom`) when the policy has a window."""
         policy = self.policy
-        room = (priority.headroom(self.demand.recent(), self.demand.held, self.per_node, policy.headroom_nodes)
+        room = (priority.headroom(self.demand.recent(), self.demand.held, self.pool.per_node, policy.headroom_nodes)
                 if policy.headroom_window else policy.headroom_nodes)
-        return priority.batch_may_start(node_idle, self.idle_nodes, room,
+        return priority.batch_may_start(node_idle, self.pool.idle_nodes, room,
                                         policy.batch_yields and self.demand.waiting > 0)
 
     def release(self, sid: int, now: float, retry: bool = True) -> None:
@@ -368,7 +355,6 @@ class _Replay:
                             session.group)
         self.eta.holds.append(now - lease.granted)
         self.pool.give(lease.placement)
-        self.idle_nodes += self.node_idle(lease.placement.node)
         self.check_at(now)  # what the plan targets shifts when a lease goes
         if retry:
             self.retry(now)
@@ -382,14 +368,12 @@ class _Replay:
     # -- the batch backlog --------------------------------------------------------
 
     def top_up(self, now: float) -> None:
-        """Queue batch jobs until held plus queued demand is the backlog's load x the pool."""
+        """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell."""
         if self.backlog is None:
             return
-        target = self.backlog.load * self.pool.capacity
-        while self.pool.allocated_milli / FULL + self.waiting_gpus < target:
-            milli, gpus, seconds, user = self.backlog.draw()
+        for milli, gpus, seconds, user in self.backlog.jobs(lambda: self.pool.allocated_milli / FULL + self.waiting_gpus,
+                                                            self.pool.capacity, self.policy.slices):
             sid, cell = len(self.sessions), len(self.submit)
-            milli = milli if self.policy.slices or gpus > 1 else FULL
             self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
             self.need.append(gpus * milli / FULL)
             self.submit.append(now)
@@ -403,14 +387,11 @@ class _Replay:
     # -- the ETA --------------------------------------------------------------------
 
     def record_eta(self, sid: int, now: float) -> None:
-        """The ETA (:func:`.estimates.eta`) and the old estimate for waiting ``sid`` (:mod:`.eta_log`)."""
+        """The ETA and the old estimate for waiting ``sid`` (:meth:`.EtaLog.waiting`)."""
         session = self.sessions[sid]
         mine = self.queued_at[session.pending[0]]
         ahead = [(self.sessions[s].milli, self.sessions[s].gpus) for when, s in self.queue.entries()
                  if s != sid and when <= mine and self.sessions[s].klass == INTERACTIVE]
-        leased = [(other, s) for other, s in enumerate(self.sessions) if s.lease is not None]
-        frees = [(self.eta.expected_end(s.klass, s.run_start, self.idle.get(other), now),
-                  [self.pool.uuid_index[u] for u in s.lease.placement.gpus], s.milli) for other, s in leased]
-        free = [FULL - m for m in self.pool.milli]
-        predicted = eta(session.milli, session.gpus, ahead, free, self.node_of, frees, now)
-        self.eta.record(session.pending[0], predicted, len(ahead) + 1, len(leased))
+        leased = [(s.klass, s.run_start, self.idle.get(other), s.lease.placement.gpus, s.milli)
+                  for other, s in enumerate(self.sessions) if s.lease is not None]
+        self.eta.waiting(session.pending[0], session.milli, session.gpus, ahead, leased, self.pool, now)
