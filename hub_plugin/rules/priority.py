@@ -37,6 +37,8 @@ from typing import Iterable, Mapping, Sequence
 
 from gpupool.schema import LEASE_CLASSES as CLASSES  # in queue order (first goes first)
 
+from . import clearing
+
 INTERACTIVE, BATCH = CLASSES
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
@@ -74,13 +76,15 @@ class Held:
 
 @dataclass(frozen=True)
 class Asking:
-    """A queued request: owner, GPUs (fraction x count), class, when asked."""
+    """A queued request: owner, GPUs (fraction x count), class, when asked, and how many
+    GPUs it asks for (more than one: whole GPUs on one node)."""
 
     lease_id: str
     owner: str
     gpus: float
     lease_class: str
     created_at: datetime
+    gpu_count: int = 1
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ def waiting_words(owners: int) -> str:
 
 def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice: float,
          allow_preemption: bool, guaranteed_gpus: Mapping[str, float],
-         preemption_grace: float | None = None, batch_first: bool = False) -> Plan:
+         preemption_grace: float | None = None, batch_first: bool = False,
+         free_gpus: Mapping[str, float] | None = None) -> Plan:
     """Early parks and preemptions while ``asking`` waits (module docstring).
 
     ``grace``: seconds a lease may stay idle under pressure (counted from when
@@ -146,7 +151,10 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
     ``preemption_grace`` (None: ``grace``; a running batch cell's user is
     warned by the notice itself, so a pool may start it at once);
     ``batch_first``: running preemptible batch leases are taken before idle
-    interactive ones (:func:`_victims`). Only early parks before a lease's own ``idle_deadline`` are
+    interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
+    free; None: not known): a waiting interactive request for several whole
+    GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
+    counted in GPUs. Only early parks before a lease's own ``idle_deadline`` are
     returned. No clock: deadlines are absolute, so the same inputs give the
     same plan at every sweep, and the sweep compares them with its ``now``.
     What a higher class's waiters free is theirs: a batch waiter counts only
@@ -169,16 +177,35 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
         # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
         # up, else a standing backlog would preempt its own kind at every sweep.
         preempting = allow_preemption and rank == class_rank(INTERACTIVE)
-        for lease in _victims(targets, preempting, batch_first):
-            if need <= EPSILON:
-                break
+        after = grace if preemption_grace is None else preemption_grace
+
+        def take(lease: Held) -> None:
             if lease.busy:
-                at = since + timedelta(seconds=(grace if preemption_grace is None else preemption_grace) + notice)
-                preemptions[lease.lease_id] = Preemption(at, reason.replace("parked early", "preempted"))
+                preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + notice),
+                                                         reason.replace("parked early", "preempted"))
             else:
                 deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
                 if lease.idle_deadline is None or deadline < lease.idle_deadline:
                     parks[lease.lease_id] = EarlyPark(deadline, reason)
+
+        if free_gpus is not None and rank == class_rank(INTERACTIVE):
+            free = dict(free_gpus)
+            for item in sorted(asking, key=lambda ask: ask.created_at):
+                if class_rank(item.lease_class) != rank or item.gpu_count < 2:
+                    continue
+                cleared = clearing.clear(item.gpu_count, targets, free, preempting, class_rank(BATCH), class_rank)
+                if cleared is None:
+                    continue
+                node, leases = cleared
+                need -= item.gpus
+                for lease in leases:
+                    take(lease)
+                targets = [lease for lease in targets if lease.node != node]
+                free.pop(node, None)
+        for lease in _victims(targets, preempting, batch_first):
+            if need <= EPSILON:
+                break
+            take(lease)
             need -= lease.gpus
     return Plan(parks, preemptions)
 
@@ -229,6 +256,17 @@ def batch_may_start(placement_node_idle: bool, idle_nodes: int, headroom_nodes: 
     if interactive_waiting:
         return False
     return not placement_node_idle or idle_nodes > headroom_nodes
+
+
+def preferred_nodes(lease_class: str, interactive_nodes: Iterable[str]) -> set[str] | None:
+    """Nodes to offer an interactive request first: those that already hold interactive leases
+    (``interactive_nodes``), so that people's leases share nodes and the rest stay clearable:
+    preempting batch frees a whole node for a whole-node ask only where no interactive lease
+    sits. None: anywhere (batch, or no such node yet); where none of the preferred fits, the
+    request goes anywhere."""
+    if class_rank(lease_class) != class_rank(INTERACTIVE):
+        return None
+    return set(interactive_nodes) or None
 
 
 def headroom(recent_interactive_gpus: Iterable[float], held_interactive_gpus: float, per_node: int,

@@ -42,13 +42,13 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..rules import priority
 from ..rules.reclaim import decide
-from ..rules.scheduler import Placement
+from ..rules.scheduler import Placement, Refusal
 from .backlog import BatchSource
 from .demand import InteractiveDemand
 from .eta_log import EtaLog
@@ -112,6 +112,7 @@ class _Replay:
         self.queue = WaitQueue(policy.fifo, policy.classes)
         self.waiting_gpus = 0.0
         self.demand = InteractiveDemand(policy.headroom_window)
+        self.interactive_on: Counter = Counter()  # node -> interactive leases on it
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
         #: The period cluster utilization is measured over: the trace's whole days.
@@ -198,7 +199,7 @@ class _Replay:
         self.queued_at[session.pending[0]] = now
         (queue.appendleft if front else queue.append)((now, sid))
         self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
-                                                  at(now))
+                                                  at(now), session.gpus)
         self.check_at(now)
 
     def start(self, sid: int, now: float) -> None:
@@ -270,7 +271,8 @@ class _Replay:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
-        parks, preempts, later = self.sweep.due(now, bool(self.idle))
+        free = self.pool.whole_free() if self.policy.clear_nodes else None
+        parks, preempts, later = self.sweep.due(now, bool(self.idle), free)
         for sid in parks:
             self.tally.early_parks += 1
             self.tally.parks += now < self.sessions[sid].closes
@@ -309,7 +311,7 @@ class _Replay:
     def acquire(self, sid: int, now: float) -> bool:
         """Ask ``place()``; on success the lease holds capacity and the cell starts."""
         session = self.sessions[sid]
-        placement = self.pool.place(session.milli, session.gpus)
+        placement = self.place(session)
         if not isinstance(placement, Placement):
             return False
         if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
@@ -329,8 +331,19 @@ class _Replay:
                 self.demand.change(now, asked=-self.need[sid], waiting=-1)
         if session.klass == INTERACTIVE:
             self.demand.change(now, held=self.held_gpus(sid))
+            self.interactive_on[placement.node] += 1
         self.start(sid, now)
         return True
+
+    def place(self, session: _Session) -> Placement | Refusal:
+        """``place()``'s answer, on the preferred nodes first where the policy packs interactive slices."""
+        if self.policy.pack_interactive:
+            nodes = priority.preferred_nodes(session.klass, self.interactive_on)
+            if nodes and len(nodes) < len(self.pool.node_gpus):
+                placement = self.pool.place_on(nodes, session.milli, session.gpus)
+                if isinstance(placement, Placement):
+                    return placement
+        return self.pool.place(session.milli, session.gpus)
 
     def batch_may_start(self, node_idle: bool) -> bool:
         """The service's rule for batch placements (:func:`.priority.batch_may_start`), headroom
@@ -349,6 +362,9 @@ class _Replay:
         self.idle.pop(sid, None)
         if session.klass == INTERACTIVE:
             self.demand.change(now, held=-self.held_gpus(sid))
+            self.interactive_on[lease.placement.node] -= 1
+            if not self.interactive_on[lease.placement.node]:
+                del self.interactive_on[lease.placement.node]
         session.lease = None
         self.sweep.holding.pop(sid, None)
         self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),

@@ -45,6 +45,10 @@ class NotebookPolicy:
     (above what interactive holds now, in whole nodes) is added to the
     headroom (0: the headroom is ``headroom_nodes`` alone); ``batch_yields``:
     no batch request is placed while an interactive one waits;
+    ``clear_nodes``: the plan is given each node's free GPUs and clears one
+    node per waiting whole-GPU interactive request (:mod:`.rules.clearing`);
+    ``pack_interactive``: an interactive slice goes first to nodes that hold
+    interactive leases (:func:`.priority.preferred_nodes`);
     ``resume_preempted``: a preempted batch job keeps its progress (it was
     parked with its variables and its loop resumes) instead of restarting."""
 
@@ -60,6 +64,8 @@ class NotebookPolicy:
     preemption_grace: float | None = None
     batch_first: bool = False
     batch_yields: bool = False
+    pack_interactive: bool = False
+    clear_nodes: bool = False
     resume_preempted: bool = False
 
 

@@ -79,10 +79,12 @@ class Sweep:
         self._checks.add(tick)
         return tick
 
-    def due(self, now: float, any_idle: bool) -> tuple[list[int], list[int], float | None]:
+    def due(self, now: float, any_idle: bool, free_gpus: dict[str, float] | None = None
+            ) -> tuple[list[int], list[int], float | None]:
         """Evaluate the plan at tick ``now`` (``any_idle``: some lease is idle):
         the sessions whose idle lease is parked now, those whose cell is
-        preempted now, and when the plan acts next (seconds; None: never)."""
+        preempted now, and when the plan acts next (seconds; None: never).
+        ``free_gpus``: the plan's (whole free GPUs per node; None: not given)."""
         self._checks.discard(now)
         self._last_check = now
         if self.grace is None or not self.waiters or not (any_idle or self.notice is not None):
@@ -90,7 +92,7 @@ class Sweep:
         plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.grace,
                              notice=self.notice or 0.0, allow_preemption=self.notice is not None,
                              guaranteed_gpus={}, preemption_grace=self.preemption_grace,
-                             batch_first=self.batch_first)
+                             batch_first=self.batch_first, free_gpus=free_gpus)
         moment = at(now)
         parks = [int(lease) for lease, park in plan.parks.items() if park.deadline <= moment]
         preempts = [int(lease) for lease, preemption in plan.preemptions.items() if preemption.at <= moment]
