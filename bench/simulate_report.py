@@ -187,20 +187,18 @@ def eta_part(workload, log) -> str:
 
 
 def backlog_variants(quick: bool = False):
-    """The policies the backlog part compares, in table order; ``quick`` adds today's preempting
-    rule, which churns (too slow for the whole month)."""
+    """The policies the backlog part compares, in table order; ``quick`` (a part of the month) adds
+    the headroom variants."""
     base = policies(300.0)
     gp = base["gpupool"]
-    yielding = replace(gp, name="gpupool, batch yields, batch preempted first", batch_yields=True, batch_first=True)
-    variants = [replace(gp, name="gpupool, no preemption", preemption_notice=None),
-                replace(yielding, name="… and preempted at once, 30 s notice", preemption_grace=0.0),
-                replace(yielding, name="… and preempted at once, 5 s notice", preemption_grace=0.0,
-                        preemption_notice=5.0),
+    at_once = replace(gp, name="gpupool, batch yields, batch first, preempted at once, 5 s notice",
+                      batch_yields=True, batch_first=True, preemption_grace=0.0, preemption_notice=5.0)
+    clear = replace(at_once, name="… and a node cleared per whole-GPU ask", clear_nodes=True)
+    variants = [replace(gp, name="gpupool, no preemption", preemption_notice=None), gp, at_once, clear,
+                replace(clear, name="… and preempted jobs resume", resume_preempted=True),
                 replace(base["reservation"], name="reservation (no classes)")]
     if quick:
-        variants[1:1] = [gp, yielding]
-        variants += [replace(yielding, name=f"… 5 s notice, headroom {h} nodes", preemption_grace=0.0,
-                             preemption_notice=5.0, headroom_nodes=h) for h in (1, 2)]
+        variants += [replace(at_once, name=f"… 5 s notice, headroom {h} nodes", headroom_nodes=h) for h in (1, 2)]
     return variants
 
 
@@ -247,14 +245,20 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         "(`hub_plugin/rules/priority.py`): interactive requests go first (`class_rank`); `plan` at the 5 s "
         f"sweep ticks parks idle leases {PRESSURE_GRACE_S:g} s after the oldest request pressing on them was "
         "asked and, for a waiting interactive request only, preempts running batch leases (by default "
-        f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s after it: grace + `preemption_notice`). Variants: "
-        "**no preemption** (`allow_preemption = False`); **gpupool** (the defaults); **batch yields, batch "
-        "preempted first**: no batch request is placed while an interactive one waits (`batch_may_start`), "
-        "`plan(batch_first=True)` preempts running batch before it parks a person's idle notebook, and picks "
-        "its victims node by node (the node with the most preemptible batch GPUs first, so what it frees is "
-        "whole nodes); **preempted at once**: `plan(preemption_grace=0)`, the batch job's warning is the "
-        "notice alone; **headroom n nodes**: batch is not placed on an idle node while n or fewer are idle. "
-        "**reservation (no classes)**: today's service, whole GPUs, 30 min cull, one queue, no preemption. "
+        f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s after it: grace + `preemption_notice`), its "
+        "victims node by node (the node with the most preemptible batch GPUs first). Variants: **no "
+        "preemption** (`allow_preemption = False`); **gpupool** (the service's defaults); **batch yields, batch "
+        "first, preempted at once**: no batch request is placed while an interactive one waits "
+        "(`batch_may_start`), `plan(batch_first=True)` preempts running batch before it parks a person's idle "
+        "notebook, and `plan(preemption_grace=0)` with a 5 s `preemption_notice` (the job's warning is the "
+        "notice alone, so a waiting person gets capacity within one or two sweeps); **a node cleared per "
+        "whole-GPU ask**: the plan is also given each node's free GPUs (`plan(free_gpus=...)`) and, for a "
+        "waiting interactive request for several whole GPUs, takes the leases of the one node that covers it at "
+        "least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running GPUs); "
+        "**preempted jobs resume**: a preempted job keeps its progress (an assumption about the job: it "
+        "checkpoints, or is parked with its variables and its loop resumes); **headroom n nodes**: batch is not "
+        "placed on an idle node while n or fewer are idle. **reservation (no classes)**: today's service, whole "
+        "GPUs, 30 min cull, one queue, no preemption. "
         f"Measured over {period}.",
         "",
         md_table(HEADERS + ("int. cells waiting > 10 s", "batch GPU-h lost"),
@@ -274,16 +278,19 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
            f"is {fast.wait_percentile(95):.0f} s ({fast.policy}), {np.mean(slow):.1%} of the cells waiting over "
            f"10 s where under 5 % may, {slow_eight:.0%} of them 8-GPU cells ({is_eight.mean():.0%} of all cells), "
            "which need a whole node. Why: without preemption batch refills every node that frees, so an 8-GPU "
-           "cell waits for a whole node to drain (days at the tail). With the default rule, every sweep "
-           "preempts batch GPUs spread over nodes, batch backfills them at once, and the next sweep preempts "
-           "again (churn: see the first-48-hours run below). Batch yielding and node-first victims stop the "
-           "churn, but each preempted openb job restarts from nothing (lifetimes p90 ≈ 1.7 h), so the work "
-           "lost eats the utilization gained, and an interactive request still waits for the notice (and for "
-           "a node whose interactive slices keep it from clearing). Headroom keeps whole nodes free at a "
-           "cost in utilization larger than what it saves in waits. What is left to try: jobs that checkpoint "
-           "(no lost work; `resume_preempted` in the simulator), placing batch slices only on nodes batch "
-           "already uses, and victims chosen by what the waiting request's shape needs (the plan sees GPUs "
-           "per node, not free capacity)."),
+           "cell waits for a whole node to drain (days at the tail). Preempting frees GPUs, but an 8-GPU ask "
+           "needs a node with no interactive lease on it, and in the month's busy hours there is none: in the "
+           "batch-first, preempted-at-once replay, at 40 % of the 8-GPU asks every one of the 42 nodes held an "
+           "interactive lease (counted in a separate, instrumented run of that replay, not by this script), "
+           "so the plan can "
+           "only wait for a person's idle notebook to be parked (the 2 min grace) or a running cell to end. "
+           "Packing interactive leases onto the nodes that already hold some (tried as a placement rule, "
+           "then dropped) hardly changed that share (38 %, another such run). And each preempted openb job restarts from nothing "
+           "(lifetimes p90 ≈ 1.7 h), so the work lost eats what batch adds; with jobs that resume, "
+           "utilization is the last variant's. Headroom keeps whole nodes free at a larger cost in "
+           "utilization than it saves in waits (first 48 hours: `--only backlog --hours 48`). What is left "
+           "to try: a pool larger than the notebooks alone need, which is what utilization then has to "
+           "pay for; whole-node interactive asks served from a partition batch never takes."),
         "",
     ]
     return "\n".join(text), [r.row() for r in results]

@@ -182,14 +182,26 @@ def test_batch_may_start(node_idle, idle_nodes, headroom, interactive_waiting, a
     assert priority.batch_may_start(node_idle, idle_nodes, headroom, interactive_waiting) is allowed
 
 
-@pytest.mark.parametrize("recent, held_now, margin, expected", [
-    ([], 0.0, 1, 1),
-    ([40.0, 64.0, 50.0], 48.0, 0, 2),   # peak 64 GPUs, 48 held now: 16 more GPUs = 2 nodes of 8
-    ([40.0], 48.0, 1, 1),               # holding more than the recent peak: the margin only
-    ([49.0], 48.0, 0, 1),               # a part of a node is a node
+def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
+    """A lease on ``node``: running and preemptible, or idle since 0."""
+    return Held(lease_id, owner, gpus, cls, busy, busy, at(0), None if busy else at(0), None, node)
+
+
+@pytest.mark.parametrize("leases, free, preempted, parked", [
+    # GPUs spread over nodes do not make a node; of the nodes that can be cleared, the one that
+    # stops the fewest running GPUs (b: 6 free + 2)
+    ([on("a1", "a", 4.0), on("b1", "b", 2.0), on("c1", "c", 2.0)], {"a": 4.0, "b": 6.0}, {"b1"}, set()),
+    # a node needing no person's notebook parked goes first, even at more running GPUs
+    ([on("a1", "a", 1.0, "interactive", busy=False), on("b1", "b", 4.0), on("b2", "b", 4.0)], {"a": 7.0},
+     {"b1", "b2"}, set()),
+    # no node can be cleared (a person's running cell, not preemptible): counted in GPUs, as without free_gpus
+    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
 ])
-def test_headroom_from_recent_interactive_demand(recent, held_now, margin, expected):
-    assert priority.headroom(recent, held_now, 8, margin) == expected
+def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
+    decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], grace=120, notice=5,
+                            allow_preemption=True, guaranteed_gpus={}, preemption_grace=0.0, free_gpus=free)
+    assert (set(decided.preemptions), set(decided.parks)) == (preempted, parked)
+    assert all(p.at == at(105) for p in decided.preemptions.values())
 
 
 def test_preemptible_refused_where_the_pool_allows_none():

@@ -30,7 +30,6 @@ may free a little more or less than exactly what fits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Iterable, Mapping, Sequence
@@ -251,32 +250,10 @@ def batch_may_start(placement_node_idle: bool, idle_nodes: int, headroom_nodes: 
     frees for that request, is the person's, not backfill's); and not on an
     idle node (``placement_node_idle``: nothing allocated on it) while only
     ``headroom_nodes`` or fewer nodes are idle (``idle_nodes``, counted
-    before the placement): whole nodes kept for interactive whole-node asks
-    (:func:`headroom`)."""
+    before the placement): whole nodes kept for interactive whole-node asks."""
     if interactive_waiting:
         return False
     return not placement_node_idle or idle_nodes > headroom_nodes
-
-
-def preferred_nodes(lease_class: str, interactive_nodes: Iterable[str]) -> set[str] | None:
-    """Nodes to offer an interactive request first: those that already hold interactive leases
-    (``interactive_nodes``), so that people's leases share nodes and the rest stay clearable:
-    preempting batch frees a whole node for a whole-node ask only where no interactive lease
-    sits. None: anywhere (batch, or no such node yet); where none of the preferred fits, the
-    request goes anywhere."""
-    if class_rank(lease_class) != class_rank(INTERACTIVE):
-        return None
-    return set(interactive_nodes) or None
-
-
-def headroom(recent_interactive_gpus: Iterable[float], held_interactive_gpus: float, per_node: int,
-             margin_nodes: int) -> int:
-    """Idle nodes batch may not take: interactive demand's recent peak
-    (``recent_interactive_gpus``: GPUs interactive leases held or asked for,
-    sampled over a recent window) above what they hold now, in whole nodes of
-    ``per_node`` GPUs, plus ``margin_nodes``."""
-    peak = max(recent_interactive_gpus, default=0.0)
-    return max(0, math.ceil((peak - held_interactive_gpus) / per_node - EPSILON)) + margin_nodes
 
 
 def preemption_refusal(preemptible: bool, allow_preemption: bool) -> str | None:

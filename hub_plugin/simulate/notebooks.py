@@ -42,15 +42,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..rules import priority
 from ..rules.reclaim import decide
-from ..rules.scheduler import Placement, Refusal
+from ..rules.scheduler import Placement
 from .backlog import BatchSource
-from .demand import InteractiveDemand
 from .eta_log import EtaLog
 from .policies import NotebookPolicy
 from .pool import FULL, Pool, uniform_pool
@@ -111,8 +110,7 @@ class _Replay:
         self.seq = 0
         self.queue = WaitQueue(policy.fifo, policy.classes)
         self.waiting_gpus = 0.0
-        self.demand = InteractiveDemand(policy.headroom_window)
-        self.interactive_on: Counter = Counter()  # node -> interactive leases on it
+        self.interactive_waiting = 0  # interactive requests in the queue
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
         #: The period cluster utilization is measured over: the trace's whole days.
@@ -194,8 +192,7 @@ class _Replay:
         session = self.sessions[sid]
         session.waiting = True
         self.waiting_gpus += self.need[sid]
-        if session.klass == INTERACTIVE:
-            self.demand.change(now, asked=self.need[sid], waiting=1)
+        self.interactive_waiting += session.klass == INTERACTIVE
         self.queued_at[session.pending[0]] = now
         (queue.appendleft if front else queue.append)((now, sid))
         self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
@@ -311,7 +308,7 @@ class _Replay:
     def acquire(self, sid: int, now: float) -> bool:
         """Ask ``place()``; on success the lease holds capacity and the cell starts."""
         session = self.sessions[sid]
-        placement = self.place(session)
+        placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
         if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
@@ -327,32 +324,14 @@ class _Replay:
             session.waiting = False
             self.waiting_gpus -= self.need[sid]
             del self.sweep.waiters[sid]
-            if session.klass == INTERACTIVE:
-                self.demand.change(now, asked=-self.need[sid], waiting=-1)
-        if session.klass == INTERACTIVE:
-            self.demand.change(now, held=self.held_gpus(sid))
-            self.interactive_on[placement.node] += 1
+            self.interactive_waiting -= session.klass == INTERACTIVE
         self.start(sid, now)
         return True
 
-    def place(self, session: _Session) -> Placement | Refusal:
-        """``place()``'s answer, on the preferred nodes first where the policy packs interactive slices."""
-        if self.policy.pack_interactive:
-            nodes = priority.preferred_nodes(session.klass, self.interactive_on)
-            if nodes and len(nodes) < len(self.pool.node_gpus):
-                placement = self.pool.place_on(nodes, session.milli, session.gpus)
-                if isinstance(placement, Placement):
-                    return placement
-        return self.pool.place(session.milli, session.gpus)
-
     def batch_may_start(self, node_idle: bool) -> bool:
-        """The service's rule for batch placements (:func:`.priority.batch_may_start`), headroom
-        sized from recent interactive demand (:func:`.priority.headroom`) when the policy has a window."""
-        policy = self.policy
-        room = (priority.headroom(self.demand.recent(), self.demand.held, self.pool.per_node, policy.headroom_nodes)
-                if policy.headroom_window else policy.headroom_nodes)
-        return priority.batch_may_start(node_idle, self.pool.idle_nodes, room,
-                                        policy.batch_yields and self.demand.waiting > 0)
+        """The service's rule for batch placements (:func:`.priority.batch_may_start`)."""
+        return priority.batch_may_start(node_idle, self.pool.idle_nodes, self.policy.headroom_nodes,
+                                        self.policy.batch_yields and self.interactive_waiting > 0)
 
     def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
@@ -360,11 +339,6 @@ class _Replay:
         if lease is None:
             return
         self.idle.pop(sid, None)
-        if session.klass == INTERACTIVE:
-            self.demand.change(now, held=-self.held_gpus(sid))
-            self.interactive_on[lease.placement.node] -= 1
-            if not self.interactive_on[lease.placement.node]:
-                del self.interactive_on[lease.placement.node]
         session.lease = None
         self.sweep.holding.pop(sid, None)
         self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),

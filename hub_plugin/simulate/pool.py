@@ -83,12 +83,6 @@ class Pool:
             return place(demand, self.index.all(), self.index.workload)
         return self.index.place(demand, explain=False)
 
-    def place_on(self, nodes: set[str], milli: int, gpus: int) -> Placement | Refusal:
-        """``place()``'s decision among ``nodes``' GPUs only."""
-        states = [self.index.states[f"GPU-{self.specs[g].node}-{self.specs[g].index}"]
-                  for node in sorted(nodes) for g in self.node_gpus[node]]
-        return place(demand_of(milli, gpus), states, self.index.workload)
-
     def whole_free(self) -> dict[str, float]:
         """Node -> GPUs with nothing allocated on it (nodes with none left out)."""
         free: dict[str, float] = {}
