@@ -361,8 +361,8 @@ class _Replay:
         """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell."""
         if self.backlog is None:
             return
-        for milli, gpus, seconds, user in self.backlog.jobs(lambda: self.pool.allocated_milli / FULL + self.waiting_gpus,
-                                                            self.pool.capacity, self.policy.slices):
+        demand = lambda: self.pool.allocated_milli / FULL + self.waiting_gpus  # noqa: E731
+        for milli, gpus, seconds, user in self.backlog.jobs(demand, self.pool.capacity, self.policy.slices):
             sid, cell = len(self.sessions), len(self.submit)
             self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
             self.need.append(gpus * milli / FULL)

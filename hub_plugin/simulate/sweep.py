@@ -55,7 +55,8 @@ class SimLease:
 class Sweep:
     """The pressure plan's inputs and ticks. ``grace``: ``c.GPUPool.pressure_grace``
     (None: no pressure parks); ``notice``: ``c.GPUPool.preemption_notice`` (None:
-    ``allow_preemption = False``); ``preemption_grace``, ``batch_first``: the plan's. Keys of :attr:`waiters` and :attr:`holding`
+    ``allow_preemption = False``); ``preemption_grace``, ``batch_first``: the plan's.
+    Keys of :attr:`waiters` and :attr:`holding`
     are the replay's session ids."""
 
     def __init__(self, grace: float | None, notice: float | None, preemption_grace: float | None = None,
