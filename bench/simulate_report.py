@@ -516,6 +516,7 @@ def main(argv=None) -> int:
         ".venv/bin/python bench/simulate_report.py            # this whole section and bench/sim_*.png",
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size},{size + 32}",
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size} --policy gpupool --backlog",
+        ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog tables alone (about 8 min)",
         ".venv/bin/gpupool simulate --data ../shared/data --users 300 --pool-size 352",
         ".venv/bin/gpupool simulate --workload openb --data ../shared/data --dimensions all",
         ".venv/bin/gpupool simulate --from-store sqlite:///.state/service/gpupool.sqlite   # your own pool",
