@@ -143,6 +143,67 @@ def test_preemption_only_with_opt_in(opted, allowed, guaranteed, idle_covers, pr
         assert decided.preemptions["run"] == priority.Preemption(at(250), "preempted: 1 person is waiting for a GPU")
 
 
+def test_preemption_takes_whole_nodes_first():
+    """An 8-GPU ask: the batch leases of the node with the most preemptible batch GPUs go first
+    (what is freed comes in whole nodes), not the newest on every node."""
+    def job(lease_id, node, gpus, started):
+        return Held(lease_id, "ann", gpus, "batch", True, True, at(started), node=node)
+    leases = [job("a1", "a", 4.0, 0), job("a2", "a", 4.0, 10), job("b1", "b", 1.0, 50), job("b2", "b", 1.0, 60)]
+    decided = plan(leases, [asking("q", gpus=8.0)])
+    assert set(decided.preemptions) == {"a1", "a2"}
+
+
+@pytest.mark.parametrize("batch_first, parked, preempted", [
+    (False, {"idle"}, set()),   # today's order: the person's idle notebook is parked, the batch job runs on
+    (True, set(), {"run"}),     # the preemptible batch job yields first
+])
+def test_batch_first_preempts_batch_before_parking_idle_notebooks(batch_first, parked, preempted):
+    leases = [held("run", busy=True, preemptible=True, cls="batch"), held("idle", owner="bob", idle=0)]
+    decided = priority.plan(leases, [asking("q")], grace=120, notice=30, allow_preemption=True, guaranteed_gpus={},
+                            batch_first=batch_first)
+    assert (set(decided.parks), set(decided.preemptions)) == (parked, preempted)
+
+
+@pytest.mark.parametrize("preemption_grace, due", [(None, 250), (0.0, 130)])
+def test_preemption_grace_is_the_pressure_grace_unless_set(preemption_grace, due):
+    decided = priority.plan([held("run", busy=True, preemptible=True, cls="batch")], [asking("q", created=100)],
+                            grace=120, notice=30, allow_preemption=True, guaranteed_gpus={},
+                            preemption_grace=preemption_grace)
+    assert decided.preemptions["run"].at == at(due)
+
+
+@pytest.mark.parametrize("node_idle, idle_nodes, headroom, interactive_waiting, allowed", [
+    (False, 0, 2, False, True),    # a busy node: headroom does not apply
+    (True, 3, 2, False, True),     # an idle node beyond the headroom
+    (True, 2, 2, False, False),    # the last idle nodes are kept for interactive asks
+    (False, 5, 0, True, False),    # a person waits: batch does not backfill
+])
+def test_batch_may_start(node_idle, idle_nodes, headroom, interactive_waiting, allowed):
+    assert priority.batch_may_start(node_idle, idle_nodes, headroom, interactive_waiting) is allowed
+
+
+def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
+    """A lease on ``node``: running and preemptible, or idle since 0."""
+    return Held(lease_id, owner, gpus, cls, busy, busy, at(0), None if busy else at(0), None, node)
+
+
+@pytest.mark.parametrize("leases, free, preempted, parked", [
+    # GPUs spread over nodes do not make a node; of the nodes that can be cleared, the one that
+    # stops the fewest running GPUs (b: 6 free + 2)
+    ([on("a1", "a", 4.0), on("b1", "b", 2.0), on("c1", "c", 2.0)], {"a": 4.0, "b": 6.0}, {"b1"}, set()),
+    # a node needing no person's notebook parked goes first, even at more running GPUs
+    ([on("a1", "a", 1.0, "interactive", busy=False), on("b1", "b", 4.0), on("b2", "b", 4.0)], {"a": 7.0},
+     {"b1", "b2"}, set()),
+    # no node can be cleared (a person's running cell, not preemptible): counted in GPUs, as without free_gpus
+    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
+])
+def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
+    decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], grace=120, notice=5,
+                            allow_preemption=True, guaranteed_gpus={}, preemption_grace=0.0, free_gpus=free)
+    assert (set(decided.preemptions), set(decided.parks)) == (preempted, parked)
+    assert all(p.at == at(105) for p in decided.preemptions.values())
+
+
 def test_preemptible_refused_where_the_pool_allows_none():
     assert priority.preemption_refusal(True, True) is None
     assert priority.preemption_refusal(False, False) is None

@@ -59,4 +59,4 @@ def held(lease: Any) -> priority.Held:
     idle = lease.worker_state == "idle"
     return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
                          bool(lease.preemptible), lease.worker_state == "busy", lease.started_at or lease.created_at,
-                         lease.idle_since if idle else None, idle_deadline(lease))
+                         lease.idle_since if idle else None, idle_deadline(lease), lease.node_name)

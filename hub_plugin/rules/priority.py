@@ -36,6 +36,8 @@ from typing import Iterable, Mapping, Sequence
 
 from gpupool.schema import LEASE_CLASSES as CLASSES  # in queue order (first goes first)
 
+from . import clearing
+
 INTERACTIVE, BATCH = CLASSES
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
@@ -68,17 +70,20 @@ class Held:
     started_at: datetime
     idle_since: datetime | None = None
     idle_deadline: datetime | None = None
+    node: str | None = None
 
 
 @dataclass(frozen=True)
 class Asking:
-    """A queued request: owner, GPUs (fraction x count), class, when asked."""
+    """A queued request: owner, GPUs (fraction x count), class, when asked, and how many
+    GPUs it asks for (more than one: whole GPUs on one node)."""
 
     lease_id: str
     owner: str
     gpus: float
     lease_class: str
     created_at: datetime
+    gpu_count: int = 1
 
 
 @dataclass(frozen=True)
@@ -133,14 +138,22 @@ def waiting_words(owners: int) -> str:
 
 
 def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice: float,
-         allow_preemption: bool, guaranteed_gpus: Mapping[str, float]) -> Plan:
+         allow_preemption: bool, guaranteed_gpus: Mapping[str, float],
+         preemption_grace: float | None = None, batch_first: bool = False,
+         free_gpus: Mapping[str, float] | None = None) -> Plan:
     """Early parks and preemptions while ``asking`` waits (module docstring).
 
     ``grace``: seconds a lease may stay idle under pressure (counted from when
     it went idle, or from when the oldest request pressing on it was asked,
     whichever is later, so its user learns of it first); ``notice``: seconds
     between the oldest press and a preemptible cell's interrupt beyond
-    ``grace``. Only early parks before a lease's own ``idle_deadline`` are
+    ``preemption_grace`` (None: ``grace``; a running batch cell's user is
+    warned by the notice itself, so a pool may start it at once);
+    ``batch_first``: running preemptible batch leases are taken before idle
+    interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
+    free; None: not known): a waiting interactive request for several whole
+    GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
+    counted in GPUs. Only early parks before a lease's own ``idle_deadline`` are
     returned. No clock: deadlines are absolute, so the same inputs give the
     same plan at every sweep, and the sweep compares them with its ``now``.
     What a higher class's waiters free is theirs: a batch waiter counts only
@@ -160,24 +173,55 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
         reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
         targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
                    and lease.lease_id not in parks and lease.lease_id not in preemptions]
-        for lease in _idle_first(targets):
-            if need <= EPSILON:
-                break
-            deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
-            if lease.idle_deadline is None or deadline < lease.idle_deadline:
-                parks[lease.lease_id] = EarlyPark(deadline, reason)
-            need -= lease.gpus
         # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
         # up, else a standing backlog would preempt its own kind at every sweep.
-        if not allow_preemption or rank > class_rank(INTERACTIVE):
-            continue
-        for lease in _preemptible(targets):
+        preempting = allow_preemption and rank == class_rank(INTERACTIVE)
+        after = grace if preemption_grace is None else preemption_grace
+
+        def take(lease: Held) -> None:
+            if lease.busy:
+                preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + notice),
+                                                         reason.replace("parked early", "preempted"))
+            else:
+                deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
+                if lease.idle_deadline is None or deadline < lease.idle_deadline:
+                    parks[lease.lease_id] = EarlyPark(deadline, reason)
+
+        if free_gpus is not None and rank == class_rank(INTERACTIVE):
+            free = dict(free_gpus)
+            for item in sorted(asking, key=lambda ask: ask.created_at):
+                if class_rank(item.lease_class) != rank or item.gpu_count < 2:
+                    continue
+                cleared = clearing.clear(item.gpu_count, targets, free, preempting, class_rank(BATCH), class_rank)
+                if cleared is None:
+                    continue
+                node, leases = cleared
+                need -= item.gpus
+                for lease in leases:
+                    take(lease)
+                targets = [lease for lease in targets if lease.node != node]
+                free.pop(node, None)
+        for lease in _victims(targets, preempting, batch_first):
             if need <= EPSILON:
                 break
-            at = since + timedelta(seconds=grace + notice)
-            preemptions[lease.lease_id] = Preemption(at, reason.replace("parked early", "preempted"))
+            take(lease)
             need -= lease.gpus
     return Plan(parks, preemptions)
+
+
+def _victims(leases: Sequence[Held], preempting: bool, batch_first: bool) -> list[Held]:
+    """What pressure takes, in order: idle leases (:func:`_idle_first`), then, when ``preempting``,
+    running preemptible ones (:func:`_preemptible`); with ``batch_first`` every batch lease, idle or
+    running, goes before any interactive one (a preemptible batch job yields before a person's idle
+    notebook is parked)."""
+    idle, busy = _idle_first(leases), _preemptible(leases) if preempting else []
+    if not batch_first:
+        return idle + busy
+    rank = class_rank(BATCH)
+    return ([lease for lease in idle if class_rank(lease.lease_class) >= rank]
+            + [lease for lease in busy if class_rank(lease.lease_class) >= rank]
+            + [lease for lease in idle if class_rank(lease.lease_class) < rank]
+            + [lease for lease in busy if class_rank(lease.lease_class) < rank])
 
 
 def _idle_first(leases: Iterable[Held]) -> list[Held]:
@@ -187,10 +231,29 @@ def _idle_first(leases: Iterable[Held]) -> list[Held]:
 
 
 def _preemptible(leases: Iterable[Held]) -> list[Held]:
-    """Busy leases that opted in, in the order they are preempted: batch first, then the newest (least work lost)."""
+    """Busy leases that opted in, in the order they are preempted: batch first, then by node, the node
+    with the most such GPUs first (what is freed comes in whole nodes, which whole-GPU asks need, not
+    a GPU on every node), then the newest (least work lost)."""
     busy = [lease for lease in leases if lease.busy and lease.preemptible]
-    return sorted(busy, key=lambda lease: (-class_rank(lease.lease_class), -lease.started_at.timestamp(),
-                                           lease.lease_id))
+    on_node: dict[str | None, float] = {}
+    for lease in busy:
+        on_node[lease.node] = on_node.get(lease.node, 0.0) + lease.gpus
+    return sorted(busy, key=lambda lease: (-class_rank(lease.lease_class), -on_node[lease.node] if lease.node else 0.0,
+                                           lease.node or "", -lease.started_at.timestamp(), lease.lease_id))
+
+
+def batch_may_start(placement_node_idle: bool, idle_nodes: int, headroom_nodes: int,
+                    interactive_waiting: bool) -> bool:
+    """May a batch request take the placement the scheduler found for it?
+
+    Not while an interactive request waits (what frees up, or what pressure
+    frees for that request, is the person's, not backfill's); and not on an
+    idle node (``placement_node_idle``: nothing allocated on it) while only
+    ``headroom_nodes`` or fewer nodes are idle (``idle_nodes``, counted
+    before the placement): whole nodes kept for interactive whole-node asks."""
+    if interactive_waiting:
+        return False
+    return not placement_node_idle or idle_nodes > headroom_nodes
 
 
 def preemption_refusal(preemptible: bool, allow_preemption: bool) -> str | None:

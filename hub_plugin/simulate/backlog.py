@@ -3,8 +3,11 @@ jobs drawn from a trace's GPU pods, queued as preemptible batch requests."""
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import numpy as np
 
+from .pool import FULL
 from .workload import zipf_weights
 
 
@@ -26,3 +29,11 @@ class BatchSource:
             self.picks = self.rng.integers(len(self.milli), size=4096).tolist()[::-1]
         i = self.picks.pop()
         return int(self.milli[i]), int(self.gpus[i]), float(self.seconds[i]), int(self.rng.integers(self.users))
+
+    def jobs(self, demand: Callable[[], float], capacity: int, slices: bool) -> Iterator[tuple[int, int, float, int]]:
+        """The jobs to queue now: drawn while ``demand()`` (GPUs held plus queued, which
+        queuing each job raises) is under ``load`` x ``capacity`` GPUs. Without ``slices``
+        (the policy leases whole GPUs) a slice job asks for a whole GPU."""
+        while demand() < self.load * capacity:
+            milli, gpus, seconds, user = self.draw()
+            yield (milli if slices or gpus > 1 else FULL), gpus, seconds, user

@@ -15,7 +15,9 @@ from collections import deque
 
 from ..rules.priority import BATCH, INTERACTIVE
 from ..rules.queue import estimate
+from .estimates import eta
 from .policies import NotebookPolicy
+from .pool import FULL, Pool
 from .sweep import SWEEP_S
 
 #: How many recent cell and lease lengths the estimates learn from.
@@ -37,6 +39,17 @@ class EtaLog:
         """Keep ``predicted`` and the old estimate for waiting ``cell`` (at queue
         ``place``, with ``holding`` leases active) until it starts."""
         self.pending[cell] = (predicted, estimate(place, list(self.holds), holding))
+
+    def waiting(self, cell: int, milli: int, gpus: int, ahead: list[tuple[int, int]], leased: list[tuple],
+                pool: Pool, now: float) -> None:
+        """Record the ETA (:func:`.estimates.eta`) and the old estimate of ``cell``, which asks for a
+        ``milli`` slice or ``gpus`` whole GPUs behind ``ahead`` (``(milli, gpus)`` of the interactive
+        requests queued before it) while ``leased`` hold capacity (``(class, cell started at, idle
+        since or None, GPU uuids, milli)`` per active lease) in ``pool``."""
+        frees = [(self.expected_end(klass, run_start, idle_since, now), [pool.uuid_index[u] for u in uuids], held)
+                 for klass, run_start, idle_since, uuids, held in leased]
+        predicted = eta(milli, gpus, ahead, [FULL - m for m in pool.milli], pool.node_of, frees, now)
+        self.record(cell, predicted, len(ahead) + 1, len(leased))
 
     def started(self, cell: int, wait: float) -> None:
         """``cell`` started after waiting ``wait`` seconds."""

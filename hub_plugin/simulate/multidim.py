@@ -150,16 +150,11 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
     wall = time.perf_counter()
     cluster = MultiCluster(nodes, task_types(tasks.cpu, tasks.memory, tasks.num, tasks.milli), seed)
     capacity = int(cluster.gpu_total.sum()) * FULL
-    allocated = arrived = failed = 0
     curve = Checkpoints(capacity, step)
-    for i, (cpu, mem, num, milli) in enumerate(zip(tasks.cpu.tolist(), tasks.memory.tolist(), tasks.num.tolist(),
-                                                   tasks.milli.tolist())):
-        arrived += num * milli
+    for cpu, mem, num, milli in zip(tasks.cpu.tolist(), tasks.memory.tolist(), tasks.num.tolist(),
+                                    tasks.milli.tolist()):
         chosen = cluster.choose(policy, cpu, mem, num, milli)
-        if chosen is None:
-            failed += 1
-        else:
+        if chosen is not None:
             cluster.take(chosen[0], chosen[1], cpu, mem, milli)
-            allocated += num * milli
-        curve.after(i, arrived, allocated, failed)
+        curve.tried_task(num * milli, chosen is not None)
     return curve.result(policy, len(tasks.num), time.perf_counter() - wall)

@@ -50,7 +50,6 @@ from ..rules import priority
 from ..rules.reclaim import decide
 from ..rules.scheduler import Placement
 from .backlog import BatchSource
-from .estimates import eta
 from .eta_log import EtaLog
 from .policies import NotebookPolicy
 from .pool import FULL, Pool, uniform_pool
@@ -105,19 +104,15 @@ class _Replay:
         self.queued_at = list(self.submit)
         self.interactive_cells = len(workload.cells)
         self.started = 0  # interactive cells that started
-        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice)
+        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice, policy.preemption_grace,
+                           policy.batch_first)
         self.events: list = []
         self.seq = 0
         self.queue = WaitQueue(policy.fifo, policy.classes)
         self.waiting_gpus = 0.0
+        self.interactive_waiting = 0  # interactive requests in the queue
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
         self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
-        names: dict[str, int] = {}
-        self.node_of = [names.setdefault(spec.node, len(names)) for spec in pool.specs]
-        self.node_gpus: dict[str, list[int]] = {}
-        for g, spec in enumerate(pool.specs):
-            self.node_gpus.setdefault(spec.node, []).append(g)
-        self.idle_nodes = sum(self.node_idle(name) for name in self.node_gpus)
         #: The period cluster utilization is measured over: the trace's whole days.
         self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
         self.tally = Tally(self.period, [math.nan] * len(workload.cells))
@@ -197,10 +192,11 @@ class _Replay:
         session = self.sessions[sid]
         session.waiting = True
         self.waiting_gpus += self.need[sid]
+        self.interactive_waiting += session.klass == INTERACTIVE
         self.queued_at[session.pending[0]] = now
         (queue.appendleft if front else queue.append)((now, sid))
         self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
-                                                  at(now))
+                                                  at(now), session.gpus)
         self.check_at(now)
 
     def start(self, sid: int, now: float) -> None:
@@ -259,7 +255,7 @@ class _Replay:
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
         self.sweep.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
                                                 session.klass == BATCH, session.running, lease.started_at,
-                                                idle_since, deadline)
+                                                idle_since, deadline, lease.placement.node)
 
     def check_at(self, now: float) -> None:
         """Evaluate the plan at the first sweep tick at or after ``now``, once
@@ -272,7 +268,8 @@ class _Replay:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
-        parks, preempts, later = self.sweep.due(now, bool(self.idle))
+        free = self.pool.whole_free() if self.policy.clear_nodes else None
+        parks, preempts, later = self.sweep.due(now, bool(self.idle), free)
         for sid in parks:
             self.tally.early_parks += 1
             self.tally.parks += now < self.sessions[sid].closes
@@ -283,9 +280,6 @@ class _Replay:
             self.retry(now)
         if later is not None:
             self.check_at(later)
-
-    def node_idle(self, node: str) -> bool:
-        return not any(self.pool.milli[g] for g in self.node_gpus[node])
 
     def held_gpus(self, sid: int) -> float:
         placement = self.sessions[sid].lease.placement
@@ -317,11 +311,9 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
-        was_idle = self.node_idle(placement.node)
-        if session.klass == BATCH and was_idle and self.idle_nodes <= self.policy.headroom_nodes:
+        if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
             return False
         self.pool.take(placement)
-        self.idle_nodes -= was_idle
         self.tally.peak_milli = max(self.tally.peak_milli, self.pool.allocated_milli)
         self.leases += 1
         self.tally.acquisitions += 1
@@ -332,8 +324,14 @@ class _Replay:
             session.waiting = False
             self.waiting_gpus -= self.need[sid]
             del self.sweep.waiters[sid]
+            self.interactive_waiting -= session.klass == INTERACTIVE
         self.start(sid, now)
         return True
+
+    def batch_may_start(self, node_idle: bool) -> bool:
+        """The service's rule for batch placements (:func:`.priority.batch_may_start`)."""
+        return priority.batch_may_start(node_idle, self.pool.idle_nodes, self.policy.headroom_nodes,
+                                        self.policy.batch_yields and self.interactive_waiting > 0)
 
     def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
@@ -347,7 +345,6 @@ class _Replay:
                             session.group)
         self.eta.holds.append(now - lease.granted)
         self.pool.give(lease.placement)
-        self.idle_nodes += self.node_idle(lease.placement.node)
         self.check_at(now)  # what the plan targets shifts when a lease goes
         if retry:
             self.retry(now)
@@ -361,14 +358,12 @@ class _Replay:
     # -- the batch backlog --------------------------------------------------------
 
     def top_up(self, now: float) -> None:
-        """Queue batch jobs until held plus queued demand is the backlog's load x the pool."""
+        """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell."""
         if self.backlog is None:
             return
-        target = self.backlog.load * self.pool.capacity
-        while self.pool.allocated_milli / FULL + self.waiting_gpus < target:
-            milli, gpus, seconds, user = self.backlog.draw()
+        demand = lambda: self.pool.allocated_milli / FULL + self.waiting_gpus  # noqa: E731
+        for milli, gpus, seconds, user in self.backlog.jobs(demand, self.pool.capacity, self.policy.slices):
             sid, cell = len(self.sessions), len(self.submit)
-            milli = milli if self.policy.slices or gpus > 1 else FULL
             self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
             self.need.append(gpus * milli / FULL)
             self.submit.append(now)
@@ -382,14 +377,11 @@ class _Replay:
     # -- the ETA --------------------------------------------------------------------
 
     def record_eta(self, sid: int, now: float) -> None:
-        """The ETA (:func:`.estimates.eta`) and the old estimate for waiting ``sid`` (:mod:`.eta_log`)."""
+        """The ETA and the old estimate for waiting ``sid`` (:meth:`.EtaLog.waiting`)."""
         session = self.sessions[sid]
         mine = self.queued_at[session.pending[0]]
         ahead = [(self.sessions[s].milli, self.sessions[s].gpus) for when, s in self.queue.entries()
                  if s != sid and when <= mine and self.sessions[s].klass == INTERACTIVE]
-        leased = [(other, s) for other, s in enumerate(self.sessions) if s.lease is not None]
-        frees = [(self.eta.expected_end(s.klass, s.run_start, self.idle.get(other), now),
-                  [self.pool.uuid_index[u] for u in s.lease.placement.gpus], s.milli) for other, s in leased]
-        free = [FULL - m for m in self.pool.milli]
-        predicted = eta(session.milli, session.gpus, ahead, free, self.node_of, frees, now)
-        self.eta.record(session.pending[0], predicted, len(ahead) + 1, len(leased))
+        leased = [(s.klass, s.run_start, self.idle.get(other), s.lease.placement.gpus, s.milli)
+                  for other, s in enumerate(self.sessions) if s.lease is not None]
+        self.eta.waiting(session.pending[0], session.milli, session.gpus, ahead, leased, self.pool, now)

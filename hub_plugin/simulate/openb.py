@@ -65,13 +65,18 @@ class Checkpoints:
         self.points: list[float] = []
         self.unallocated: list[float] = []
         self.failed: list[float] = []
+        self.arrived = self.allocated = self.tried = self.refused = 0
 
-    def after(self, task: int, arrived: int, allocated: int, failed: int) -> None:
-        """Record the checkpoints passed once task ``task`` (0-based) was tried."""
-        while arrived >= self.mark * self.capacity - 1e-6:
+    def tried_task(self, want: int, placed: bool) -> None:
+        """A task asking ``want`` milli was placed (or refused); record the checkpoints it passes."""
+        self.tried += 1
+        self.arrived += want
+        self.allocated += want if placed else 0
+        self.refused += not placed
+        while self.arrived >= self.mark * self.capacity - 1e-6:
             self.points.append(round(self.mark, 6))
-            self.unallocated.append(1 - allocated / self.capacity)
-            self.failed.append(failed / (task + 1))
+            self.unallocated.append(1 - self.allocated / self.capacity)
+            self.failed.append(self.refused / self.tried)
             self.mark += self.step
 
     def result(self, policy: str, decisions: int, seconds: float) -> FillResult:
@@ -139,24 +144,17 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
     if policy == "gpupool":
         pool = Pool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
     arrays = _ArrayPool(specs, seed=0) if pool is None else None
-    allocated = arrived = failed = 0
     curve = Checkpoints(capacity, step)
-    for i, (gpus, m) in enumerate(zip(num.tolist(), milli.tolist())):
-        want = gpus * m
-        arrived += want
+    for gpus, m in zip(num.tolist(), milli.tolist()):
         if pool is not None:
             placement = pool.place(m, gpus)
-            if isinstance(placement, Placement):
+            placed = isinstance(placement, Placement)
+            if placed:
                 pool.take(placement)
-                allocated += want
-            else:
-                failed += 1
         else:
             chosen = arrays.choose(policy, m, gpus)
-            if chosen is None:
-                failed += 1
-            else:
+            placed = chosen is not None
+            if placed:
                 arrays.free[chosen] -= m
-                allocated += want
-        curve.after(i, arrived, allocated, failed)
+        curve.tried_task(gpus * m, placed)
     return curve.result(policy, len(num), time.perf_counter() - wall)

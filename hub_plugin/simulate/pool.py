@@ -55,6 +55,15 @@ class Pool:
     def __init__(self, specs: list[GPUSpec], *, full_scan: bool = False,
                  workload: Workload = DEFAULT_WORKLOAD) -> None:
         self.specs = specs
+        names: dict[str, int] = {}
+        #: Per GPU, its node's number; per node name, its GPUs.
+        self.node_of = [names.setdefault(spec.node, len(names)) for spec in specs]
+        self.node_gpus: dict[str, list[int]] = {}
+        for g, spec in enumerate(specs):
+            self.node_gpus.setdefault(spec.node, []).append(g)
+        self.per_node = max((len(gpus) for gpus in self.node_gpus.values()), default=1)
+        #: Nodes with nothing allocated.
+        self.idle_nodes = len(self.node_gpus)
         self.full_scan = full_scan
         self.uuid_index = {f"GPU-{spec.node}-{spec.index}": i for i, spec in enumerate(specs)}
         self.milli = [0] * len(specs)
@@ -74,8 +83,22 @@ class Pool:
             return place(demand, self.index.all(), self.index.workload)
         return self.index.place(demand, explain=False)
 
+    def whole_free(self) -> dict[str, float]:
+        """Node -> GPUs with nothing allocated on it (nodes with none left out)."""
+        free: dict[str, float] = {}
+        for g, milli in enumerate(self.milli):
+            if not milli:
+                node = self.specs[g].node
+                free[node] = free.get(node, 0.0) + 1.0
+        return free
+
+    def node_idle(self, node: str) -> bool:
+        """Nothing is allocated on ``node``."""
+        return not any(self.milli[g] for g in self.node_gpus[node])
+
     def take(self, placement: Placement) -> None:
         """Reserve what ``placement`` grants (the lease now holds capacity)."""
+        self.idle_nodes -= self.node_idle(placement.node)
         milli = round(placement.fraction * FULL)
         for uuid in placement.gpus:
             self._change(self.uuid_index[uuid], milli, placement.memory)
@@ -85,6 +108,7 @@ class Pool:
         milli = round(placement.fraction * FULL)
         for uuid in placement.gpus:
             self._change(self.uuid_index[uuid], -milli, -placement.memory)
+        self.idle_nodes += self.node_idle(placement.node)
 
     def _change(self, i: int, milli: int, memory: int) -> None:
         spec = self.specs[i]

@@ -55,11 +55,13 @@ class SimLease:
 class Sweep:
     """The pressure plan's inputs and ticks. ``grace``: ``c.GPUPool.pressure_grace``
     (None: no pressure parks); ``notice``: ``c.GPUPool.preemption_notice`` (None:
-    ``allow_preemption = False``). Keys of :attr:`waiters` and :attr:`holding`
+    ``allow_preemption = False``); ``preemption_grace``, ``batch_first``: the plan's.
+    Keys of :attr:`waiters` and :attr:`holding`
     are the replay's session ids."""
 
-    def __init__(self, grace: float | None, notice: float | None) -> None:
-        self.grace, self.notice = grace, notice
+    def __init__(self, grace: float | None, notice: float | None, preemption_grace: float | None = None,
+                 batch_first: bool = False) -> None:
+        self.grace, self.notice, self.preemption_grace, self.batch_first = grace, notice, preemption_grace, batch_first
         self.waiters: dict[int, priority.Asking] = {}  # every waiting request
         self.holding: dict[int, priority.Held] = {}  # every active lease
         self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
@@ -78,17 +80,20 @@ class Sweep:
         self._checks.add(tick)
         return tick
 
-    def due(self, now: float, any_idle: bool) -> tuple[list[int], list[int], float | None]:
+    def due(self, now: float, any_idle: bool, free_gpus: dict[str, float] | None = None
+            ) -> tuple[list[int], list[int], float | None]:
         """Evaluate the plan at tick ``now`` (``any_idle``: some lease is idle):
         the sessions whose idle lease is parked now, those whose cell is
-        preempted now, and when the plan acts next (seconds; None: never)."""
+        preempted now, and when the plan acts next (seconds; None: never).
+        ``free_gpus``: the plan's (whole free GPUs per node; None: not given)."""
         self._checks.discard(now)
         self._last_check = now
         if self.grace is None or not self.waiters or not (any_idle or self.notice is not None):
             return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
         plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.grace,
                              notice=self.notice or 0.0, allow_preemption=self.notice is not None,
-                             guaranteed_gpus={})
+                             guaranteed_gpus={}, preemption_grace=self.preemption_grace,
+                             batch_first=self.batch_first, free_gpus=free_gpus)
         moment = at(now)
         parks = [int(lease) for lease, park in plan.parks.items() if park.deadline <= moment]
         preempts = [int(lease) for lease, preemption in plan.preemptions.items() if preemption.at <= moment]
