@@ -139,7 +139,7 @@ class Skip(Exception):
 
 def nvml_inventory() -> tuple[Any, dict[str, Any]]:
     """The agent's inventory and what it sees; raises InventoryError without a GPU."""
-    from gpupool.provisioner.nvml import NVMLInventory
+    from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
 
     inventory = NVMLInventory()
     seen = {"gpus": [g.to_json() for g in inventory.discover()], "versions": inventory.versions(),
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget
 
     try:
-        import gpupool.provisioner.nvml  # noqa: F401
+        import gpupool.provisioner.inventory.nvml.inventory  # noqa: F401
     except ImportError as exc:
         report.data.update(gpu_found=False, no_gpu_reason=f"gpupool cannot be imported here: {exc}")
         report.write()

@@ -221,7 +221,7 @@ class NodeAgent(WorkerSettings):
 
     async def refresh_inventory(self) -> bool:
         """Once per heartbeat: read NVML (in its helper process, off this
-        loop: :class:`~.nvml_watch.WatchedInventory`), or open it again when it
+        loop: :class:`~.inventory.nvml.watch.WatchedInventory`), or open it again when it
         failed and its backoff has passed. True when it just came back, with
         ``gpus`` read again."""
         if not await self.inventory.update():

@@ -13,7 +13,7 @@ from gpupool.wire.nodes import GPUReading, Heartbeat, HeartbeatReply, Registrati
 from gpupool.tls import untrusted, untrusted_message
 
 from .agent_tokens import TOKEN_ENV
-from .inventory_retry import backoff_delay
+from .inventory import backoff_delay
 
 if TYPE_CHECKING:
     from .agent import NodeAgent

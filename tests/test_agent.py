@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpupool.provisioner.simulated import simulated_uuid
+from gpupool.provisioner.inventory.simulated import simulated_uuid
 from procs import free_port, processes_mentioning, stop_process, wait_for
 from workercell import run_worker_cell
 

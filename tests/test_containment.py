@@ -20,7 +20,7 @@ import pytest
 
 from workercell import run_worker_cell
 from gpupool.provisioner.cgroups import CgroupError, containment
-from gpupool.provisioner.simulated import SimulatedInventory
+from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
 from gpupool.schema import LeaseRequest
 from procs import start_agent, wait_for

@@ -18,7 +18,7 @@ from test_agent import GiB, TOKEN, call
 from gpupool.errors import GPUPoolError
 from gpupool.provisioner import environments
 from gpupool.schema import LeaseRequest, LeaseState
-from gpupool.provisioner.simulated import simulated_uuid
+from gpupool.provisioner.inventory.simulated import simulated_uuid
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 

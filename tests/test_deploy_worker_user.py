@@ -17,7 +17,7 @@ from test_worker_user import python_reachable, shared_root, worker_account  # no
 
 from gpupool.errors import GPUPoolError
 from gpupool.provisioner.agent_accounts import expand_worker_user
-from gpupool.provisioner.simulated import simulated_uuid
+from gpupool.provisioner.inventory.simulated import simulated_uuid
 
 TEMPLATE = "gpupool-test-{username}"  # owner "worker" -> tests/test_worker_user.py's account
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from gpupool.provisioner.inventory import InventoryError, select_inventory
-from gpupool.provisioner.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
+from gpupool.provisioner.inventory.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
 from gpupool.wire.nodes import GPUInfo
 
 MiB = 1024**2

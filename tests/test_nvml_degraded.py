@@ -34,8 +34,8 @@ from gpupool.hub_plugin.rules.reclaim import lost_nodes
 from gpupool.demo_pool import AgentProcess, free_port, wait_for
 from workercell import run_worker_cell
 from gpupool.provisioner.inventory import InventoryError, select_inventory
-from gpupool.provisioner.inventory_retry import RetryingInventory, backoff_delay
-from gpupool.provisioner.nvml import NVMLInventory
+from gpupool.provisioner.inventory.retrying import RetryingInventory, backoff_delay
+from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
 from gpupool.schema import LeaseRequest
 
 FAKENVML = Path(__file__).with_name("fakenvml.py")

@@ -19,7 +19,7 @@ import pytest
 
 from gpupool.provisioner import worker_extension
 from gpupool.provisioner.enforcement import MPS
-from gpupool.provisioner.simulated import SimulatedInventory
+from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
 from gpupool.provisioner.workers.binding import bind_code, preload_code
 from gpupool.provisioner.workers.warmpool import WarmPool

@@ -16,7 +16,7 @@ import pytest
 
 from gpupool.provisioner.activity import WorkerActivity
 from gpupool.provisioner.enforcement import MPS
-from gpupool.provisioner.simulated import SimulatedInventory
+from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
                                          WorkerStartError, worker_environment)
 from gpupool.provisioner.workers.kernel import kernel_arguments

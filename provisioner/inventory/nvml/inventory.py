@@ -14,7 +14,7 @@ https://docs.nvidia.com/deploy/nvml-api/):
   to its instances).
 - Versions: ``nvmlSystemGetDriverVersion``, ``nvmlSystemGetCudaDriverVersion_v2``.
 - Per process: ``nvmlDeviceGetComputeRunningProcesses`` (bytes; PIDs of the
-  host namespace, mapped by :mod:`.attribution`) and
+  host namespace, mapped by :mod:`gpupool.provisioner.attribution`) and
   ``nvmlDeviceGetProcessUtilization`` (SM %, samples newer than the last-seen
   timestamp, in microseconds; NotFound means no new sample, not an error).
 - Device utilization: ``nvmlDeviceGetUtilizationRates`` (percent).
@@ -22,10 +22,10 @@ https://docs.nvidia.com/deploy/nvml-api/):
   critical Xid events (``nvmlEventTypeXidCriticalError``) are read without
   blocking on each :meth:`~NVMLInventory.health` call.
 
-Its parts: the guarded calls and the lost GPUs (:mod:`.nvml_calls`: a
+Its parts: the guarded calls and the lost GPUs (:mod:`.calls`: a
 query that fails reports ``None``, unknown, never 0), the enumeration with
-MIG instances (:mod:`.nvml_devices`), the processes (:mod:`.nvml_processes`)
-and the Xid events (:mod:`.nvml_events`).
+MIG instances (:mod:`.devices`), the processes (:mod:`.processes`)
+and the Xid events (:mod:`.events`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import Any
 
 from gpupool.wire.nodes import GPUInfo
 
-from .attribution import GPUProcess, PidMapper, memory_by_pid
-from .inventory import Inventory, InventoryError
-from .nvml_calls import GuardedNVML, text
-from .nvml_devices import Device, enumerate_devices
-from .nvml_events import APPLICATION_XIDS, XidEvents
-from .nvml_processes import ProcessReader
+from ...attribution import GPUProcess, PidMapper, memory_by_pid
+from ..base import Inventory, InventoryError
+from .calls import GuardedNVML, text
+from .devices import Device, enumerate_devices
+from .events import APPLICATION_XIDS, XidEvents
+from .processes import ProcessReader
 
 _HINT = "pass --simulate=SPEC (for example --simulate=2xA100-80GB) to run this agent without GPUs"
 
@@ -49,14 +49,14 @@ class NVMLInventory(Inventory):
 
     ``nvml``: the NVML binding to use (default: the ``pynvml`` module of
     nvidia-ml-py). ``pids``: how NVML's PIDs map to the agent's (default:
-    :class:`~.attribution.PidMapper` with ``host_proc``).
+    :class:`~gpupool.provisioner.attribution.PidMapper` with ``host_proc``).
 
     Initialises NVML on construction. Raises :class:`InventoryError` (telling
     to pass ``--simulate``, with NVML's own error text) when ``pynvml`` is not
     installed, the driver's library cannot be loaded, NVML does not start, or
     it finds no GPU; ``retryable`` when NVML failed to start or to list the
     GPUs for another reason than a missing library (see
-    :class:`~.inventory_retry.RetryingInventory`).
+    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory`).
     """
 
     kind = "nvml"
@@ -119,7 +119,7 @@ class NVMLInventory(Inventory):
         """Raise a retryable :class:`InventoryError` when NVML stopped answering
         (its device count fails, as when the driver was unloaded or replaced
         under the running agent); per-GPU failures do not count (see
-        :meth:`.nvml_calls.GuardedNVML.query`)."""
+        :meth:`.calls.GuardedNVML.query`)."""
         try:
             self._nvml.nvmlDeviceGetCount()
         except self._nvml.NVMLError as exc:
@@ -157,7 +157,7 @@ class NVMLInventory(Inventory):
         """GPU UUID -> ``{"healthy": bool, "reason": str | None, "xids": [int]}``.
 
         Unhealthy: the GPU is lost (``NVMLError_GpuIsLost``), or it reported a
-        critical Xid other than :data:`~.nvml_events.APPLICATION_XIDS`. Both
+        critical Xid other than :data:`~.events.APPLICATION_XIDS`. Both
         stay until the agent restarts, as in NVIDIA's k8s-device-plugin.
         Pending Xid events are read without waiting.
         """
@@ -177,7 +177,7 @@ class NVMLInventory(Inventory):
 
     def process_usage(self) -> list[GPUProcess]:
         """Every compute process on every GPU: NVML's PID, the agent's PID
-        (None when it maps to none, see :mod:`.attribution`), bytes (None when
+        (None when it maps to none, see :mod:`gpupool.provisioner.attribution`), bytes (None when
         NVML cannot attribute memory, e.g. without permission to see another
         user's process) and the newest SM utilization sample in percent."""
         return self._processes.usage(self._devices)
@@ -188,7 +188,7 @@ class NVMLInventory(Inventory):
 
     def process_utilization(self, device: Device) -> dict[int, int]:
         """NVML pid -> SM utilization (percent) of ``device``'s processes, from
-        the samples since the last call for it (:meth:`.nvml_processes.ProcessReader.utilization`)."""
+        the samples since the last call for it (:meth:`.processes.ProcessReader.utilization`)."""
         return self._processes.utilization(device)
 
     def process_memory(self) -> dict[int, int]:

@@ -1,7 +1,7 @@
 """The compute processes on the pool's GPUs, as NVML reports them.
 
 ``nvmlDeviceGetComputeRunningProcesses`` gives bytes per process (PIDs of the
-host namespace, mapped by :mod:`.attribution`);
+host namespace, mapped by :mod:`gpupool.provisioner.attribution`);
 ``nvmlDeviceGetProcessUtilization`` gives SM % (samples newer than the
 last-seen timestamp, in microseconds; NotFound means no new sample, not an
 error).
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .attribution import GPUProcess, PidMapper
-from .nvml_calls import GuardedNVML
-from .nvml_devices import Device
+from ...attribution import GPUProcess, PidMapper
+from .calls import GuardedNVML
+from .devices import Device
 
 
 class ProcessReader:
-    """Reads the processes of a list of :class:`~.nvml_devices.Device`
+    """Reads the processes of a list of :class:`~.devices.Device`
     through ``calls``, mapping NVML's PIDs with ``pids``; remembers, per GPU,
     the newest utilization sample it has seen."""
 
@@ -28,7 +28,7 @@ class ProcessReader:
 
     def usage(self, devices: list[Device]) -> list[GPUProcess]:
         """Every compute process on ``devices`` but the lost ones (see
-        :meth:`~.nvml.NVMLInventory.process_usage`); sets ``known`` to the
+        :meth:`~.inventory.NVMLInventory.process_usage`); sets ``known`` to the
         UUIDs of the GPUs whose process list could be read."""
         found: list[tuple[str, Any, int | None]] = []
         self.known = set()

@@ -1,17 +1,13 @@
-"""GPU inventory of a node: which GPUs it has, and how busy they are.
+"""The inventory contract: which GPUs a node has, and how busy they are.
 
-:class:`Inventory` is the contract; :mod:`.simulated` (declared GPUs, for
-hosts without one) and :mod:`.nvml` (real GPUs through NVML) implement it;
-the agent reads NVML through :mod:`.nvml_watch` (NVML in a helper process
-that is replaced when a driver call hangs); :func:`select_inventory` is the
-lookup the agent uses to pick one.
+:class:`Inventory` is what every implementation answers;
+:class:`InventoryError` is what they raise when the GPUs cannot be read.
 """
 
 from __future__ import annotations
 
 import abc
-import socket
-from typing import Any, Sequence
+from typing import Any
 
 from gpupool.errors import GPUPoolError
 from gpupool.wire.nodes import GPUInfo
@@ -69,7 +65,7 @@ class Inventory(abc.ABC):
         return {}
 
     def process_usage(self) -> list:
-        """Every process on every GPU as :class:`~.attribution.GPUProcess`
+        """Every process on every GPU as :class:`~gpupool.provisioner.attribution.GPUProcess`
         records (NVML pid, the agent's pid, bytes, SM %). The default knows of
         none."""
         return []
@@ -109,39 +105,3 @@ class Inventory(abc.ABC):
 
     def close(self) -> None:
         """Release the inventory's handles (NVML). Idempotent."""
-
-
-def select_inventory(simulate: str | None, node_name: str | None = None, host_proc: str | None = None, *,
-                     retry: tuple[float, float] = (5.0, 300.0), timeout: float = 5.0,
-                     helper: Sequence[str] | None = None) -> Inventory:
-    """The inventory the agent should use.
-
-    ``simulate`` is a ``--simulate`` spec such as ``"2xA100-80GB"``: when given,
-    a :class:`~.simulated.SimulatedInventory` whose UUIDs are derived from
-    ``node_name`` (default: this host's name). Without it, NVML, read by a
-    helper process through a :class:`~.nvml_watch.WatchedInventory`: when
-    NVML fails to start (driver not loaded, driver/library version mismatch)
-    or stops working, its :attr:`~Inventory.error` says why and it is opened
-    again after ``retry`` = (first, longest) seconds, doubling in between;
-    when a round of NVML readings takes longer than ``timeout`` seconds the
-    helper is killed and replaced on the same schedule. ``helper``: the
-    helper's program (default :func:`~.nvml_watch.helper_command`).
-
-    ``host_proc``: where the host's /proc is mounted when the agent runs in a
-    container (see :class:`~.attribution.PidMapper`); NVML only.
-
-    Raises :class:`InventoryError` when the spec is bad, or when NVML cannot
-    be there at all (no driver library, no ``nvidia-ml-py``) or finds no GPU;
-    the message says to pass ``--simulate``.
-    """
-    node_name = node_name or socket.gethostname()
-    if simulate:
-        from .simulated import SimulatedInventory
-
-        try:
-            return SimulatedInventory(simulate, node_name)
-        except ValueError as exc:
-            raise InventoryError(f"bad --simulate value: {exc}") from None
-    from .nvml_watch import WatchedInventory
-
-    return WatchedInventory(host_proc=host_proc, timeout=timeout, first=retry[0], longest=retry[1], command=helper)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .nvml_calls import GuardedNVML, text
-from .nvml_devices import Device
+from .calls import GuardedNVML, text
+from .devices import Device
 
 log = logging.getLogger("gpupool.agent")
 

@@ -3,14 +3,14 @@
 A call into the NVIDIA driver can hang (a GPU falling off the bus, a driver
 stuck in the kernel), and a hung call cannot be cancelled, not even from
 another thread. So the agent never calls NVML itself: it runs this program
-(``python -m gpupool.provisioner.nvml_helper FD``) and talks to it over the
+(``python -m gpupool.provisioner.inventory.nvml.helper FD``) and talks to it over the
 socket ``FD`` it inherited, a :class:`multiprocessing.connection.Connection`
-(length-prefixed pickles). :mod:`.nvml_watch` is the agent's side: it waits
+(length-prefixed pickles). :mod:`.watch` is the agent's side: it waits
 for each answer with a timeout, off its event loop, and kills and replaces a
 helper that passes it.
 
-The helper holds a :class:`~.inventory_retry.RetryingInventory` over an
-:class:`~.nvml.NVMLInventory`, so NVML failing to start (or stopping) is
+The helper holds a :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` over an
+:class:`~.inventory.NVMLInventory`, so NVML failing to start (or stopping) is
 retried here, with the same backoff as before. Requests, one at a time:
 
 - ``("open", {"host_proc", "first", "longest", "log_level"})``: open NVML;
@@ -39,7 +39,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from .inventory import Inventory, InventoryError
+from ..base import Inventory, InventoryError
 
 
 class Channel:
@@ -133,9 +133,9 @@ def snapshot(inventory: Inventory, came_back: bool = False) -> tuple[str, dict[s
 def open_nvml(options: dict[str, Any], watch: CallWatch) -> Inventory:
     """The inventory the helper serves: NVML (its calls watched by ``watch``),
     retried when it fails (raises :class:`InventoryError` as
-    :class:`~.inventory_retry.RetryingInventory` does)."""
-    from .inventory_retry import RetryingInventory
-    from .nvml import NVMLInventory
+    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` does)."""
+    from ..retrying import RetryingInventory
+    from .inventory import NVMLInventory
 
     try:
         import pynvml
@@ -182,10 +182,10 @@ def serve(conn: Connection, open_inventory: Callable[[dict[str, Any], CallWatch]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gpupool.provisioner.nvml_helper FD``: serve on socket ``FD``."""
+    """``python -m gpupool.provisioner.inventory.nvml.helper FD``: serve on socket ``FD``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m gpupool.provisioner.nvml_helper FD (the agent starts it)", file=sys.stderr)
+        print("usage: python -m gpupool.provisioner.inventory.nvml.helper FD (the agent starts it)", file=sys.stderr)
         return 2
     # Ctrl-C on the agent's terminal reaches this process group too; the agent
     # itself decides when its helper ends.

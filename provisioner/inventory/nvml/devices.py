@@ -16,8 +16,8 @@ from typing import Any
 
 from gpupool.wire.nodes import GPUInfo
 
-from .inventory import InventoryError
-from .nvml_calls import GuardedNVML, text
+from ..base import InventoryError
+from .calls import GuardedNVML, text
 
 log = logging.getLogger("gpupool.agent")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from gpupool.wire.nodes import GPUInfo
 
-from .inventory import Inventory
+from .base import Inventory
 
 MiB = 1024**2
 

@@ -2,14 +2,14 @@
 
 A call into the NVIDIA driver can hang and cannot be cancelled, so the
 agent never makes one: :class:`WatchedInventory` asks an NVML helper
-(:mod:`.nvml_helper`, a process of its own) once per heartbeat for every
+(:mod:`.helper`, a process of its own) once per heartbeat for every
 reading, waits for the answer off the event loop for at most ``timeout``
 seconds (``c.NodeAgent.nvml_timeout``), and answers the :class:`Inventory`
 methods from the last answer, so they never block. A helper that passes its
 timeout (or dies) is killed and left behind; the node is ``degraded`` with
 words saying the GPU driver stopped answering (its leases go on, nothing new
 is placed there), and a new helper is started after a delay that doubles
-from ``first`` to ``longest`` seconds (:func:`~.inventory_retry.backoff_delay`).
+from ``first`` to ``longest`` seconds (:func:`~gpupool.provisioner.inventory.retrying.backoff_delay`).
 Once one answers, the GPUs are registered again.
 """
 
@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 from gpupool.wire.nodes import GPUInfo
 from gpupool.units import format_duration
 
-from .attribution import memory_by_pid
-from .inventory import Inventory, InventoryError
-from .inventory_retry import MAX_ERROR, backoff_delay
+from ...attribution import memory_by_pid
+from ..base import Inventory, InventoryError
+from ..retrying import MAX_ERROR, backoff_delay
 
 log = logging.getLogger("gpupool.agent")
 
@@ -46,7 +46,7 @@ NOTHING = {"error": None, "gpus": [], "metrics": [], "usage": [], "known": set()
 
 def helper_command() -> list[str]:
     """The program of the NVML helper, without its socket's fd (appended)."""
-    return [sys.executable, "-m", "gpupool.provisioner.nvml_helper"]
+    return [sys.executable, "-m", "gpupool.provisioner.inventory.nvml.helper"]
 
 
 class HelperLost(Exception):
@@ -124,7 +124,7 @@ class WatchedInventory(Inventory):
     """NVML through a helper process that is replaced when it hangs.
 
     ``host_proc``, ``first`` and ``longest`` go to the helper's
-    :class:`~.inventory_retry.RetryingInventory` (NVML failing to start is
+    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` (NVML failing to start is
     retried there) and are also the schedule on which a hung helper is
     replaced. ``timeout``: seconds one round of readings may take;
     ``open_timeout`` (default :data:`OPEN_FACTOR` x ``timeout``): starting

@@ -3,15 +3,15 @@
 When NVML cannot start (the driver is not loaded yet, or its kernel module
 and library disagree after a driver upgrade: ``NVML_ERROR_LIB_RM_VERSION_MISMATCH``)
 or stops answering later, :class:`RetryingInventory` says why in
-:attr:`~.inventory.Inventory.error`, which the agent sends to the service
+:attr:`~.base.Inventory.error`, which the agent sends to the service
 (``inventory_error``: the node is ``degraded``, its leases and workers go on,
 nothing new is placed there), reads no GPU, and opens NVML again after a
 delay that doubles from ``first`` to ``longest`` seconds (default 5 s to
 5 min, :func:`backoff_delay`); a success resets it. It logs one line per
 change of state, not one per attempt.
 
-The agent runs it inside its NVML helper process (:mod:`.nvml_helper`);
-:mod:`.nvml_watch` replaces the helper itself, on the same schedule, when a
+The agent runs it inside its NVML helper process (:mod:`.nvml.helper`);
+:mod:`.nvml.watch` replaces the helper itself, on the same schedule, when a
 call hangs.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from gpupool.wire.nodes import GPUInfo
 
-from .inventory import Inventory, InventoryError
+from .base import Inventory, InventoryError
 
 log = logging.getLogger("gpupool.agent")
 
@@ -41,7 +41,7 @@ def backoff_delay(failures: int, first: float = 5.0, longest: float = 300.0) -> 
 
 
 class RetryingInventory(Inventory):
-    """The inventory ``open_inventory()`` returns (an :class:`~.nvml.NVMLInventory`),
+    """The inventory ``open_inventory()`` returns (an :class:`~.nvml.inventory.NVMLInventory`),
     opened again whenever it fails.
 
     ``open_inventory`` raises :class:`InventoryError` when it cannot open one.
@@ -96,7 +96,7 @@ class RetryingInventory(Inventory):
         self.error = reason
 
     def refresh(self) -> bool:
-        """Check a working inventory (:meth:`~.nvml.NVMLInventory.check`), or
+        """Check a working inventory (:meth:`~.nvml.inventory.NVMLInventory.check`), or
         open a failed one again when its delay has passed. True when it just
         came back (its GPUs are to be registered again)."""
         if self._inner is not None:

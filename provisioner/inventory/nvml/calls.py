@@ -1,4 +1,4 @@
-"""NVML queries that fail softly: the one way :mod:`.nvml` and its parts call NVML.
+"""NVML queries that fail softly: the one way :mod:`.inventory` and its parts call NVML.
 
 Each query is guarded on its own: a GPU that does not support one (e.g.
 utilization of a MIG instance: ``NVMLError_NotSupported``) reports ``None``
