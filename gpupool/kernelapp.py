@@ -36,6 +36,10 @@ class NoSubshellKernelApp(IPKernelApp):
         self.shell_channel_thread = None  # made there, not started yet: init_kernel starts it
 
 
+#: The most empty In[] entries one cell pads (a count far ahead of this worker's history is not followed there).
+MAX_PAD = 100_000
+
+
 class WorkerKernel(IPythonKernel):
     """A worker's kernel: an IPythonKernel whose cell takes the execution
     count named in its request's metadata (:data:`COUNT_KEY`), so In[n],
@@ -49,7 +53,8 @@ class WorkerKernel(IPythonKernel):
             self.shell.execution_count = count
             history = self.shell.history_manager
             for cells in (history.input_hist_parsed, history.input_hist_raw):
-                cells.extend([""] * (count - len(cells)))  # In[n] is cell n here too (the others ran there)
+                # In[n] is cell n here too (the others ran there); a count far ahead pads nothing
+                cells.extend([""] * (count - len(cells) if count - len(cells) <= MAX_PAD else 0))
         await super().execute_request(stream, ident, parent)
 
 
