@@ -98,7 +98,11 @@ class GPUPoolKernel(IPythonKernel):
         """Run the cell on the worker while attached (see :meth:`forwarded_code`),
         else here; notices come first either way."""
         content = parent.get("content", {})
-        code = self.forwarded_code(str(content.get("code", "")))
+        decided, self._decided = self._decided, None
+        if decided is not None and decided[0] == parent["header"].get("msg_id"):
+            code = decided[1]  # decided when its busy was said, just before
+        else:
+            code = self.forwarded_code(str(content.get("code", "")))
         self.notices.say(forwarded=code is not None)
         if code is None:
             await super().execute_request(stream, ident, parent)
@@ -241,6 +245,7 @@ class GPUPoolKernel(IPythonKernel):
         if header.get("msg_type") == "execute_request":
             if status == "busy":  # said before execute_request runs: decide here, for both
                 code = self.forwarded_code(str((msg.get("content") or {}).get("code", "")))
+                self._decided = (header.get("msg_id"), code)  # execute_request, next, takes it
                 # A cell aborted behind a failed one never reaches the worker: this kernel says both.
                 forwarded = code is not None and not self._aborting
                 self._status_by_worker = header.get("msg_id") if forwarded else None
@@ -277,6 +282,7 @@ class GPUPoolKernel(IPythonKernel):
         self._send_reply(stream, ident, parent, reply)
 
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says
+    _decided: tuple[str | None, str | None] | None = None  # (msg_id, forwarded code) from its busy
 
 
 def _found_nothing(reply: dict[str, Any]) -> bool:
