@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.wire.nodes import GPUInfo
 
 
@@ -24,7 +24,7 @@ class InventoryError(GPUPoolError):
     """
 
     def __init__(self, message: str, *, reason: str | None = None, retryable: bool = False) -> None:
-        super().__init__("no_inventory", message, 503)
+        super().__init__(Reason.no_inventory, message, 503)
         self.reason = reason or message
         self.retryable = retryable
 
