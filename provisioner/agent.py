@@ -60,6 +60,7 @@ class NodeAgent(WorkerSettings):
         "service-url": "NodeAgent.service_url",
         "token-file": "NodeAgent.token_file",
         "simulate": "NodeAgent.simulate",
+        "inventory": "NodeAgent.inventory_source",
         "name": "NodeAgent.node_name",
         "ip": "NodeAgent.ip",
         "port": "NodeAgent.port",
@@ -106,7 +107,7 @@ class NodeAgent(WorkerSettings):
         self.accounts = WorkerAccounts(self.worker_user, self.worker_users, self.state_dir, self.node_name, self.log)
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
-                                                     timeout=self.nvml_timeout)
+                                                     timeout=self.nvml_timeout, source=self.inventory_source)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
         try:

@@ -18,7 +18,7 @@ from traitlets.config import Application
 
 from gpupool.traits import ByteSize, Duration
 
-from . import enforcement
+from . import enforcement, inventory
 from .cgroups import MODES as CGROUP_MODES
 
 
@@ -42,6 +42,24 @@ class NodeSettings(Application):
         ``1xH100-80GB,2xL4-24GB``. Empty (default): real GPUs through NVML.
         ``c.NodeAgent.simulate = "2xA100-80GB"``.""",
     ).tag(config=True)
+
+    inventory_source = Unicode(
+        "auto",
+        help=f"""Where this node's GPUs are read from, one of auto,
+        {", ".join(inventory.available())}: ``nvml`` (real GPUs, read by a helper
+        process), ``simulated`` (the GPUs of ``simulate``), or an inventory of the
+        ``gpupool.inventory`` entry point group. ``auto`` (default): ``simulated``
+        when ``simulate`` is set, else ``nvml``.
+        ``c.NodeAgent.inventory_source = "nvml"``.""",
+    ).tag(config=True)
+
+    @validate("inventory_source")
+    def _inventory_source_valid(self, proposal: Any) -> str:
+        choices = ("auto", *inventory.available())
+        if proposal["value"] not in choices:
+            raise TraitError(f"The 'inventory_source' trait of a NodeAgent instance expected any of "
+                             f"{list(choices)}, not {proposal['value']!r}")
+        return proposal["value"]
 
     node_name = Unicode(
         help="""This node's name in the pool. Default: the host name. ``c.NodeAgent.node_name = "gpu-07"``.""",
