@@ -22,6 +22,16 @@ from . import enforcement, inventory
 from .cgroups import MODES as CGROUP_MODES
 
 
+
+def _auto_or_one_of(proposal: Any, available: tuple[str, ...]) -> str:
+    """A plugin setting's value (``auto`` or one of ``available``, built-in
+    names and entry points'), refused in the words of an ``Enum`` trait."""
+    choices = ("auto", *available)
+    if proposal["value"] not in choices:
+        raise TraitError(f"The '{proposal['trait'].name}' trait of a NodeAgent instance expected any of "
+                         f"{list(choices)}, not {proposal['value']!r}")
+    return proposal["value"]
+
 class NodeSettings(Application):
     """How this node joins the pool: its name and address, the service and its
     tokens, TLS, its GPUs (NVML or simulated), their enforcement, its host."""
@@ -55,11 +65,7 @@ class NodeSettings(Application):
 
     @validate("inventory_source")
     def _inventory_source_valid(self, proposal: Any) -> str:
-        choices = ("auto", *inventory.available())
-        if proposal["value"] not in choices:
-            raise TraitError(f"The 'inventory_source' trait of a NodeAgent instance expected any of "
-                             f"{list(choices)}, not {proposal['value']!r}")
-        return proposal["value"]
+        return _auto_or_one_of(proposal, inventory.available())
 
     node_name = Unicode(
         help="""This node's name in the pool. Default: the host name. ``c.NodeAgent.node_name = "gpu-07"``.""",
@@ -148,11 +154,7 @@ class NodeSettings(Application):
 
     @validate("enforcement_mode")
     def _enforcement_mode_valid(self, proposal: Any) -> str:
-        choices = ("auto", *enforcement.available())
-        if proposal["value"] not in choices:
-            raise TraitError(f"The 'enforcement_mode' trait of a NodeAgent instance expected any of "
-                             f"{list(choices)}, not {proposal['value']!r}")
-        return proposal["value"]
+        return _auto_or_one_of(proposal, enforcement.available())
 
     ssl_cert = Unicode(
         "", help="""TLS certificate (PEM, with its chain) the agent's HTTP server serves; set with

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from traitlets import TraitError
 
 from gpupool.provisioner.inventory import InventoryError, available, inventory_class, select_inventory
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
@@ -55,6 +56,10 @@ def test_the_built_ins_and_auto_are_as_before():
         select_inventory("1xA100-80GB", "node-1", source="nvml")
     with pytest.raises(InventoryError, match="unknown inventory 'dcgm'; choose one of auto, nvml, simulated"):
         select_inventory(None, "node-1", source="dcgm")
+    from gpupool.provisioner.agent import NodeAgent
+
+    with pytest.raises(TraitError, match=r"'inventory_source' .* any of \['auto', 'nvml', 'simulated'\], not 'dcgm'"):
+        NodeAgent(inventory_source="dcgm")
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
