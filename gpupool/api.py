@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 from .schema import Lease, LeaseRequest
 from .tls import ENV_CA_FILE, client_context, untrusted, untrusted_message
 
@@ -55,7 +55,7 @@ class ServiceClient:
         env = os.environ if environ is None else environ
         url = env.get(ENV_URL)
         if not url:
-            raise GPUPoolError("not_configured", f"no gpupool service configured: set {ENV_URL} "
+            raise GPUPoolError(Reason.not_configured, f"no gpupool service configured: set {ENV_URL} "
                                "(the gpupool kernelspec sets it for you; see `gpupool kernelspec install --help`)", 503)
         return cls(url, env.get(ENV_TOKEN) or env.get("JUPYTERHUB_API_TOKEN"))
 
@@ -69,7 +69,7 @@ class ServiceClient:
         try:
             req = urllib.request.Request(url, data=data, method=method)
         except ValueError:
-            raise GPUPoolError("not_configured", f"{self.url!r} is not a service URL; it should look like "
+            raise GPUPoolError(Reason.not_configured, f"{self.url!r} is not a service URL; it should look like "
                                f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
         req.add_header("Accept", "application/json")
         if data is not None:
@@ -84,11 +84,12 @@ class ServiceClient:
         except (urllib.error.URLError, OSError) as exc:
             why = untrusted(exc)
             if why:
-                raise GPUPoolError("untrusted_certificate", untrusted_message(f"the gpupool service at {self.url}",
-                                                                              why), 503) from None
+                raise GPUPoolError(Reason.untrusted_certificate,
+                                   untrusted_message(f"the gpupool service at {self.url}", why), 503) from None
             reason = getattr(exc, "reason", exc)
-            raise GPUPoolError("service_unavailable", f"cannot reach the gpupool service at {self.url} ({reason}); "
-                               f"is it running? Check {ENV_URL}.", 503) from None
+            raise GPUPoolError(Reason.service_unavailable, f"cannot reach the gpupool service at {self.url} "
+                               f"({reason}); is it running? Check {ENV_URL}.", 503,
+                               log_message=f"{method} {url}: {exc!r}") from None
         return json.loads(raw) if raw else None
 
     @staticmethod
@@ -100,9 +101,10 @@ class ServiceClient:
         if isinstance(body, dict) and "message" in body:
             return GPUPoolError.from_json(exc.code, body)
         if exc.code in (401, 403):
-            return GPUPoolError("unauthorized", f"the gpupool service refused the token (HTTP {exc.code}); "
+            return GPUPoolError(Reason.unauthorized, f"the gpupool service refused the token (HTTP {exc.code}); "
                                 f"check {ENV_TOKEN}", exc.code)
-        return GPUPoolError("http_error", f"the gpupool service answered HTTP {exc.code} {exc.reason} for {url}", exc.code)
+        return GPUPoolError(Reason.http_error, f"the gpupool service answered HTTP {exc.code} {exc.reason} for {url}",
+                            exc.code)
 
     # -- leases ---------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import demo_pool
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 from .units import format_bytes
 
 DEFAULT_NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
@@ -106,9 +106,9 @@ def _run(args, state: Path, output: Path, started: list[Any]) -> dict[str, Any]:
     leases = sorted(client.list_leases(active=False), key=lambda lease: lease.created_at or "")
     still_held = [lease.id for lease in client.list_leases(active=True)]
     if still_held:
-        raise GPUPoolError("leak", f"leases still held after the notebook's kernel stopped: {still_held}", 500)
+        raise GPUPoolError(Reason.leak, f"leases still held after the notebook's kernel stopped: {still_held}", 500)
     if not leases:
-        raise GPUPoolError("no_lease", "the notebook never acquired a lease", 500)
+        raise GPUPoolError(Reason.no_lease, "the notebook never acquired a lease", 500)
     return {"lease": leases[-1], "phases": phases, "result": _notebook_result(output),
             "inventory": "NVML" if simulate is None else f"simulated {simulate}"}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from .api import ServiceClient
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 
 GPUPOOL = [sys.executable, "-m", "gpupool.cli"]
 T = TypeVar("T")
@@ -48,10 +48,10 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, proc: subpro
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise GPUPoolError("start_failed", f"{what} exited with code {proc.returncode}; its log "
+            raise GPUPoolError(Reason.start_failed, f"{what} exited with code {proc.returncode}; its log "
                                f"({log}) ends with:\n{_tail(log)}", 500)
         time.sleep(0.05)
-    raise GPUPoolError("start_failed", f"{what} was not ready after {timeout:.0f}s; its log ({log}) ends "
+    raise GPUPoolError(Reason.start_failed, f"{what} was not ready after {timeout:.0f}s; its log ({log}) ends "
                        f"with:\n{_tail(log)}", 504)
 
 
@@ -124,7 +124,7 @@ class AgentProcess:
         code = stop_process(self.proc)
         leftovers = processes_mentioning(str(self.state_dir))
         if leftovers:
-            raise GPUPoolError("leak", f"agent {self.name} left processes running: {leftovers}", 500)
+            raise GPUPoolError(Reason.leak, f"agent {self.name} left processes running: {leftovers}", 500)
         return code
 
 

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from .api import add_client_arguments, client_from_arguments
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 from .tables import table
 from .units import format_duration
 
@@ -68,7 +68,7 @@ def _limits(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in LIMITS:
-            raise GPUPoolError("bad_request", f"cannot read {pair!r}: write LIMIT=VALUE with LIMIT one of "
+            raise GPUPoolError(Reason.bad_request, f"cannot read {pair!r}: write LIMIT=VALUE with LIMIT one of "
                                f"{', '.join(LIMITS)}")
         limits[key] = _value(value)
     return limits

@@ -14,7 +14,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 
 
 def lock_state_dir(state_dir: Path, kind: str) -> int:
@@ -27,6 +27,6 @@ def lock_state_dir(state_dir: Path, kind: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise GPUPoolError("not_configured", f"another {kind} is running with the state directory {state_dir}; "
+        raise GPUPoolError(Reason.not_configured, f"another {kind} is running with the state directory {state_dir}; "
                            f"give each {kind} its own --state-dir") from None
     return fd

@@ -14,7 +14,7 @@ import os
 import ssl
 from typing import Mapping
 
-from .errors import GPUPoolError
+from .errors import GPUPoolError, Reason
 
 #: Environment variable naming a CA bundle (PEM) that clients trust besides the system's CAs.
 ENV_CA_FILE = "GPUPOOL_CA_FILE"
@@ -31,16 +31,16 @@ def server_context(cert: str, key: str, settings: str) -> ssl.SSLContext | None:
     if not cert and not key:
         return None
     if not cert or not key:
-        raise GPUPoolError("not_configured", f"TLS needs both a certificate and its key ({settings}); "
+        raise GPUPoolError(Reason.not_configured, f"TLS needs both a certificate and its key ({settings}); "
                            f"only the {'certificate' if cert else 'key'} is set")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(cert, key)
     except ssl.SSLError as exc:  # before OSError, its base class: readable files that do not fit
-        raise GPUPoolError("not_configured", f"the TLS certificate {cert} and key {key} cannot be used together "
+        raise GPUPoolError(Reason.not_configured, f"the TLS certificate {cert} and key {key} cannot be used together "
                            f"({settings}): {exc.reason or exc}") from None
     except OSError as exc:
-        raise GPUPoolError("not_configured", f"cannot read the TLS certificate or key ({settings}): "
+        raise GPUPoolError(Reason.not_configured, f"cannot read the TLS certificate or key ({settings}): "
                            f"{exc.strerror or exc}: {exc.filename or cert}") from None
     return context
 
@@ -56,7 +56,8 @@ def client_context(ca_file: str | None = None, environ: Mapping[str, str] | None
         try:
             context.load_verify_locations(cafile=ca_file)
         except (OSError, ssl.SSLError) as exc:
-            raise GPUPoolError("not_configured", f"cannot read the CA file {ca_file} ({ENV_CA_FILE} or --ca-file): "
+            raise GPUPoolError(Reason.not_configured,
+                               f"cannot read the CA file {ca_file} ({ENV_CA_FILE} or --ca-file): "
                                f"{getattr(exc, 'strerror', None) or exc}") from None
     return context
 

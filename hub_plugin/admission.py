@@ -15,7 +15,7 @@ from typing import Callable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import GPUPoolError, bad_request
+from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.schema import LeaseRequest
 from gpupool.units import format_duration
 
@@ -122,7 +122,7 @@ class Admission:
         """409 ``pool_full`` (with ``reasons``): nothing fits and the request does not wait."""
         self._on_refusal(refusal.reasons)
         log.info("lease for %s refused: %s", who.name, refusal.message)
-        raise GPUPoolError("pool_full", refusal.message, 409, reasons=refusal.reasons)
+        raise GPUPoolError(Reason.pool_full, refusal.message, 409, reasons=refusal.reasons)
 
     def _check_cap(self, name: str, have: int) -> None:
         """429 ``quota_exceeded`` when ``have`` leases already reach ``c.GPUPool.<name>``."""
@@ -136,7 +136,7 @@ class Admission:
             words = (f"you have {have} requests waiting in the queue, the most one user may have "
                      f"(c.GPUPool.max_queued_per_user = {cap}); cancel one (DELETE /api/v1/leases/ID) "
                      "or wait until one is placed")
-        raise GPUPoolError("quota_exceeded", f"too many requests: {words}; an admin can raise "
+        raise GPUPoolError(Reason.quota_exceeded, f"too many requests: {words}; an admin can raise "
                            f"c.GPUPool.{name}", 429, limit=name, cap=cap)
 
     def _check_host(self, session: Session, demand: Demand) -> None:

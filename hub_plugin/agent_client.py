@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.tls import client_context, untrusted, untrusted_message
 from gpupool.units import format_duration
@@ -41,7 +41,7 @@ class AgentClient:
                 return WorkerStarted.from_json(reply)
             except ValueError:
                 pass  # no connection: as good as no worker
-        raise GPUPoolError("worker_start_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
+        raise _failed(Reason.worker_start_failed, "POST", f"{url}/workers", status, reply)
 
     async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
         """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,
@@ -51,7 +51,7 @@ class AgentClient:
         if status == 404:
             return None
         if status != 200:
-            raise GPUPoolError("worker_stop_failed", _reason(reply, f"the agent at {url} answered HTTP {status}"), 502)
+            raise _failed(Reason.worker_stop_failed, "DELETE", f"{url}/workers/{lease_id}", status, reply)
         return WorkerStopped.from_json(reply).exit_code
 
     async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
@@ -65,15 +65,19 @@ class AgentClient:
         self._http.close()
 
 
-def _reason(reply: dict[str, Any], fallback: str) -> str:
+def _failed(code: Reason, method: str, url: str, status: int, reply: dict[str, Any]) -> GPUPoolError:
+    """A 502 ``code``: the agent's own reason, else its status; the log names the call."""
     message = reply.get("message")
-    return message if isinstance(message, str) and message else fallback
+    words = message if isinstance(message, str) and message else f"the agent at {url} answered HTTP {status}"
+    return GPUPoolError(code, words, 502, log_message=f"{method} {url} -> HTTP {status} "
+                        f"{reply.get('error', '')}: {words}")
 
 
 def _unreachable(url: str, exc: BaseException | None, timeout: float) -> GPUPoolError:
     why = untrusted(exc)
     if why:
-        return GPUPoolError("agent_unreachable", untrusted_message(f"the node agent at {url}", why), 502)
+        return GPUPoolError(Reason.agent_unreachable, untrusted_message(f"the node agent at {url}", why), 502)
     words = (f"did not answer within {format_duration(timeout)}" if "timeout" in str(exc).lower()
              else "could not be reached")  # refused, no route: said at once, not after the bound
-    return GPUPoolError("agent_unreachable", f"the node agent at {url} {words} ({exc})", 502)
+    return GPUPoolError(Reason.agent_unreachable, f"the node agent at {url} {words} ({exc})", 502,
+                        log_message=f"the node agent at {url} {words} ({exc!r})")

@@ -35,7 +35,7 @@ from traitlets import Integer, TraitError, Unicode, default
 from traitlets.config import Application
 
 from gpupool import __version__, httpin
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.statedir import lock_state_dir
 from gpupool.tls import server_context
 
@@ -104,7 +104,7 @@ class ServiceApp(Application):
         if self.config_file:
             path = Path(self.config_file).expanduser().resolve()
             if not path.is_file():
-                raise GPUPoolError("not_configured", f"config file {path} not found (--config)")
+                raise GPUPoolError(Reason.not_configured, f"config file {path} not found (--config)")
             # load_config_file keeps the command line above the file.
             self.load_config_file(path.name, path=str(path.parent))
         _setup_logging(self.log_level)
@@ -143,7 +143,7 @@ class ServiceApp(Application):
             store.migrate()
         except (SQLAlchemyError, GPUPoolError) as exc:
             reason = getattr(exc, "orig", None) or exc
-            raise GPUPoolError("store_unavailable", f"cannot open the store at {store.describe()} ({reason}); "
+            raise GPUPoolError(Reason.store_unavailable, f"cannot open the store at {store.describe()} ({reason}); "
                                "check c.GPUPool.db_url") from None
         metrics = Metrics(store, settings.context_overhead)
         agents = AgentClient(agent_token, ca_file=settings.ca_file)
@@ -202,9 +202,9 @@ def _settings(app: ServiceApp) -> GPUPool:
     try:
         settings = GPUPool(parent=app)
     except TraitError as exc:
-        raise GPUPoolError("not_configured", f"{exc} (set in {where})") from None
+        raise GPUPoolError(Reason.not_configured, f"{exc} (set in {where})") from None
     if settings.idle_timeout > settings.max_idle_timeout:
-        raise GPUPoolError("not_configured", f"c.GPUPool.idle_timeout ({settings.idle_timeout:g}s) is above "
+        raise GPUPoolError(Reason.not_configured, f"c.GPUPool.idle_timeout ({settings.idle_timeout:g}s) is above "
                            f"c.GPUPool.max_idle_timeout ({settings.max_idle_timeout:g}s) in {where}")
     return settings
 
@@ -269,7 +269,7 @@ def _state_dir_errors(state: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         where = exc.filename or state
-        raise GPUPoolError("not_configured", f"cannot write the state directory {state} ({exc.strerror or exc} at "
+        raise GPUPoolError(Reason.not_configured, f"cannot write the state directory {state} ({exc.strerror or exc} at "
                            f"{where}); make it writable by user {getpass.getuser()} with free space, or "
                            "choose another with --state-dir") from None
 
@@ -281,10 +281,10 @@ def _read_token_file(path: str, setting: str) -> str:
     try:
         token = Path(path).expanduser().read_text().strip()
     except OSError as exc:
-        raise GPUPoolError("not_configured", f"cannot read {setting} {path} ({exc.strerror}); create it with one "
+        raise GPUPoolError(Reason.not_configured, f"cannot read {setting} {path} ({exc.strerror}); create it with one "
                            "token in it (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)") from None
     if not token:
-        raise GPUPoolError("not_configured", f"{setting} {path} is empty; put one token in it")
+        raise GPUPoolError(Reason.not_configured, f"{setting} {path} is empty; put one token in it")
     return token
 
 

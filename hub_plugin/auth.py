@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 AGENT = "agent"
 
@@ -82,12 +82,12 @@ def token_from_header(value: str | None) -> str | None:
 
 
 def unauthorized() -> GPUPoolError:
-    return GPUPoolError("unauthorized", "missing or unknown token: send 'Authorization: token TOKEN' "
+    return GPUPoolError(Reason.unauthorized, "missing or unknown token: send 'Authorization: token TOKEN' "
                         "(standalone: the token in the service's STATE_DIR/user_token)", 401)
 
 
 def forbidden(message: str) -> GPUPoolError:
-    return GPUPoolError("forbidden", message, 403)
+    return GPUPoolError(Reason.forbidden, message, 403)
 
 
 #: The custom JupyterHub scopes (see :mod:`.hub`): using the pool, and administering it.
@@ -155,7 +155,7 @@ class HubAuthenticator(Authenticator):
         try:
             model = await self.hub_auth.user_for_token(token, sync=False)
         except HTTPError as exc:  # HubAuth's own failures: hub down, or it refused our token
-            raise GPUPoolError("hub_unavailable", f"cannot check the token with JupyterHub at "
+            raise GPUPoolError(Reason.hub_unavailable, f"cannot check the token with JupyterHub at "
                                f"{self.hub_auth.api_url} ({exc.log_message}); try again shortly", 503) from None
         if not model:
             return None

@@ -30,7 +30,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 log = logging.getLogger("gpupool.service.db")
 #: Key of the PostgreSQL advisory lock that serializes capacity decisions ("gpupool" in ASCII).
@@ -150,10 +150,12 @@ def _translated() -> Iterator[None]:
     except OperationalError as exc:
         if _is_busy(exc):
             log.warning("store busy: %s", exc.orig)
-            raise GPUPoolError("store_busy", "the pool's database is busy; try again in a moment", 503) from exc
+            raise GPUPoolError(Reason.store_busy, "the pool's database is busy; try again in a moment", 503,
+                               log_message=f"store busy: {exc.orig}") from exc
         log.error("store unavailable: %s", exc.orig)
-        raise GPUPoolError("store_unavailable", "the pool's database is unavailable; try again later "
-                           "(an admin can check the service log)", 503) from exc
+        raise GPUPoolError(Reason.store_unavailable, "the pool's database is unavailable; try again later "
+                           "(an admin can check the service log)", 503,
+                           log_message=f"store unavailable: {exc.orig}") from exc
 
 
 def _is_busy(exc: DBAPIError) -> bool:

@@ -24,7 +24,7 @@ from collections.abc import Collection
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 from .models import Node
 
@@ -49,7 +49,7 @@ def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, 
         words += "; " + "; ".join(f"on {node} it cannot run workers: {why}" for node, why in sorted(unusable.items()))
     words += (" (%gpu pool lists them per node; leave --env out for the node's default, or ask an admin "
               "to add it in c.NodeAgent.environments)")
-    return GPUPoolError("unknown_environment", words, 409, env=env, environments=sorted(offered))
+    return GPUPoolError(Reason.unknown_environment, words, 409, env=env, environments=sorted(offered))
 
 
 def unusable_on(session: Session, env: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import GPUPoolError, not_found
+from gpupool.errors import GPUPoolError, Reason, not_found
 from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
@@ -196,7 +196,7 @@ def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -
     last = node.last_heartbeat_at
     alive = node.state in ("up", "degraded")
     if alive and node.url != url and last is not None and (now - last).total_seconds() < node_ttl:
-        raise GPUPoolError("node_name_taken", f"node name {node.name!r} belongs to the live agent at {node.url}; "
+        raise GPUPoolError(Reason.node_name_taken, f"node name {node.name!r} belongs to the live agent at {node.url}; "
                            "give this agent another --name (or stop that agent and wait "
                            f"{node_ttl:.0f}s, c.GPUPool.node_ttl)", 409)
 

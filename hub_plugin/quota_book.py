@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.schema import isoformat
 
 from . import usage
@@ -67,7 +67,7 @@ class QuotaBook:
                                week_resets=usage.resets_words(self.tz, usage.WEEK))
         if refusal is not None:
             log.info("lease for %s refused by quota %s: %s", user, refusal.limit, refusal.message)
-            raise GPUPoolError("quota_exceeded", refusal.message, 429, limit=refusal.limit)
+            raise GPUPoolError(Reason.quota_exceeded, refusal.message, 429, limit=refusal.limit)
 
     # -- what GET /quota shows ---------------------------------------------------------------------
 

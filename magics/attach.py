@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from IPython.core.error import UsageError
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import ENV_KERNEL_NAME, LeaseRequest, LeaseState, kernel_environment
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
@@ -102,7 +102,7 @@ def _wait_started(magics, lease, started: float):
         _tell_progress(magics, lease, queued, started)
         queued = lease.state is LeaseState.queued
         if time.monotonic() - since > magics.start_timeout:
-            raise GPUPoolError("start_timeout", f"no worker started within {magics.start_timeout:.0f}s "
+            raise GPUPoolError(Reason.start_timeout, f"no worker started within {magics.start_timeout:.0f}s "
                                "(c.GPUMagics.start_timeout); the request was cancelled", 504)
         line = f"gpupool: {lease.id} {progress_words(lease)}... {time.monotonic() - started:.0f}s"
         print(f"\r{line:<{shown}}", end="", flush=True)
@@ -113,7 +113,7 @@ def _wait_started(magics, lease, started: float):
     if queued:
         _tell_progress(magics, lease, queued, started)
     if lease.state is not LeaseState.active:
-        raise GPUPoolError("lease_failed", f"the lease could not start: {ended_message(lease)}", 502)
+        raise GPUPoolError(Reason.lease_failed, f"the lease could not start: {ended_message(lease)}", 502)
     return lease
 
 

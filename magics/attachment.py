@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelcmd import TRANSFER_TARGET
 from gpupool.schema import Lease
 from gpupool.transfer import load_pulled
@@ -103,9 +103,9 @@ class Attachment:
 
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
-            raise GPUPoolError("lease_lost", ended_message(self.heartbeat.ended), 410)
+            raise GPUPoolError(Reason.lease_lost, ended_message(self.heartbeat.ended), 410)
         if self.parked is not None:  # parked between the magic's check and now: rare, say it plainly
-            raise GPUPoolError("lease_lost", f"lease {self.lease.id} was just parked after idle; "
+            raise GPUPoolError(Reason.lease_lost, f"lease {self.lease.id} was just parked after idle; "
                                "run the cell again to resume on a new slice", 410)
 
     def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:
@@ -202,7 +202,8 @@ class Attachment:
 
 def _raise_unless_ok(answer: dict[str, Any]) -> None:
     if not answer.get("ok"):
-        raise GPUPoolError("transfer_failed", f"the worker could not complete the transfer: {answer.get('message')}", 502)
+        raise GPUPoolError(Reason.transfer_failed,
+                           f"the worker could not complete the transfer: {answer.get('message')}", 502)
 
 
 def _ask_stdin(request: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import DELIM
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelapp import COUNT_KEY
 from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
 
@@ -80,7 +80,7 @@ class ForwardedCell:
                 attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
                 return replies[0], ""
             except GPUPoolError as exc:
-                if exc.code == "lease_lost" and not replies:  # after a reply the next cell says it, and drops
+                if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
                     kernel.gpu.drop()
                 return (replies[0] if replies else None), exc.message
             finally:

@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable
 
 from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.transfer import dump_values
 
 #: Pushes whose buffers total fewer bytes go in the comm message (one round trip, no connection).
@@ -147,7 +147,7 @@ def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
     try:
         sock = socket.create_connection(address, timeout=STALL_TIMEOUT)
     except OSError as exc:
-        raise GPUPoolError("transfer_failed", f"could not reach the worker's data port {address[0]}:{address[1]} "
+        raise GPUPoolError(Reason.transfer_failed, f"could not reach the worker's data port {address[0]}:{address[1]} "
                            f"({exc}); the cluster's network policy must allow it (deploy/kubernetes/README.md)",
                            502) from None
     try:
@@ -162,10 +162,10 @@ def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
         raise
     if refused:
         sock.close()
-        raise GPUPoolError("transfer_failed", f"the worker refused the transfer: {refused}", 502)
+        raise GPUPoolError(Reason.transfer_failed, f"the worker refused the transfer: {refused}", 502)
     return sock
 
 
 def _failed(exc: BaseException) -> GPUPoolError:
     why = str(exc) if isinstance(exc, TransferError) else f"the data connection failed ({exc}); nothing changed"
-    return GPUPoolError("transfer_failed", why, 502)
+    return GPUPoolError(Reason.transfer_failed, why, 502)

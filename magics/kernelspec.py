@@ -20,7 +20,7 @@ from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 DEFAULT_NAME = "gpupool"
 DEFAULT_DISPLAY_NAME = "Python 3 (gpupool)"
@@ -75,7 +75,8 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
     a bad name or an unwritable destination.
     """
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        raise GPUPoolError("bad_request", f"kernelspec name {name!r} may only hold letters, digits, '.', '_' and '-'")
+        raise GPUPoolError(Reason.bad_request,
+                           f"kernelspec name {name!r} may only hold letters, digits, '.', '_' and '-'")
     if token_file:
         token_file = str(Path(token_file).expanduser().resolve())
     if not user and prefix is None:
@@ -86,7 +87,7 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
         try:
             return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix, replace=None)
         except OSError as exc:
-            raise GPUPoolError("install_failed", f"cannot install the kernelspec: {exc} "
+            raise GPUPoolError(Reason.install_failed, f"cannot install the kernelspec: {exc} "
                                "(try --user or --prefix)") from None
 
 

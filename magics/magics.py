@@ -38,7 +38,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Float, Unicode
 
 from gpupool.api import ServiceClient
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.traits import ByteSize, Duration
 
 from . import commands
@@ -190,7 +190,7 @@ class GPUMagics(Magics):
         try:
             self.variables.follow(attachment, code)
         except GPUPoolError as exc:
-            if exc.code == "lease_lost":
+            if exc.code == Reason.lease_lost:
                 self.drop()
             raise UsageError(exc.message) from None
         return attachment
@@ -236,7 +236,7 @@ class GPUMagics(Magics):
             self.variables.follow(attachment, cell)
             attachment.run_cell(cell, self.max_output_bytes)
         except GPUPoolError as exc:
-            if exc.code == "lease_lost":
+            if exc.code == Reason.lease_lost:
                 self.drop()
             raise UsageError(exc.message) from None
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import Lease, parse_time
 from gpupool.transfer import load_pulled
 
@@ -116,7 +116,7 @@ def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], li
     def comm(request: dict[str, Any], buffers: list | None) -> tuple[dict[str, Any], list]:
         answer, got = remote.comm_request(target, request, buffers, timeout=timeout)
         if not answer.get("ok"):
-            raise GPUPoolError("transfer_failed", f"parking could not pull the variables: {answer.get('message')}",
+            raise GPUPoolError(Reason.transfer_failed, f"parking could not pull the variables: {answer.get('message')}",
                                502)
         return answer, got
 

@@ -20,7 +20,7 @@ import zmq
 from jupyter_client.session import Session
 
 from gpupool.curve import secure
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 POLL_MS = 50
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
@@ -147,7 +147,7 @@ class RemoteKernel:
                         until = min(until, time.monotonic() + 0.05)
             if reply and saw_iopub:
                 return reply
-        raise GPUPoolError("worker_unreachable", f"the worker at {self.connection['ip']} did not answer "
+        raise GPUPoolError(Reason.worker_unreachable, f"the worker at {self.connection['ip']} did not answer "
                            f"within {timeout:.0f}s", 504)
 
     def _recv(self, sock: zmq.Socket) -> dict[str, Any] | None:
@@ -216,7 +216,7 @@ class RemoteKernel:
                 got = self._recv(self._debug)
                 if got is not None and got["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
                     return got
-        raise GPUPoolError("worker_timeout", f"the worker did not answer the {msg['header']['msg_type']} "
+        raise GPUPoolError(Reason.worker_timeout, f"the worker did not answer the {msg['header']['msg_type']} "
                            f"within {timeout:.0f}s", 504)
 
     def check_heartbeat(self) -> None:
@@ -236,7 +236,8 @@ class RemoteKernel:
             self.hb.close()  # a REQ socket without its reply cannot send again
             self.hb = self._socket(zmq.REQ, "hb_port")
             self._hb_sent = None
-            raise GPUPoolError("worker_unreachable", f"the worker at {self.connection['ip']} stopped answering for "
+            raise GPUPoolError(Reason.worker_unreachable,
+                               f"the worker at {self.connection['ip']} stopped answering for "
                                f"{HB_TIMEOUT:.0f}s: its node or the network may be down. %gpu release frees the "
                                "slice.", 504)
 
@@ -255,7 +256,7 @@ class RemoteKernel:
 
         self._until_idle(msg["header"]["msg_id"], collect, None, check, timeout=timeout, want_reply=False)
         if not answer:
-            raise GPUPoolError("transfer_failed", f"the worker did not answer the {data.get('op')} request; "
+            raise GPUPoolError(Reason.transfer_failed, f"the worker did not answer the {data.get('op')} request; "
                                "is gpupool installed on the GPU node?", 502)
         return answer[0]
 
@@ -296,9 +297,10 @@ class RemoteKernel:
                     check()
                 self.check_heartbeat()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise GPUPoolError("worker_timeout", f"the worker did not finish within {timeout:.0f}s", 504)
+                    raise GPUPoolError(Reason.worker_timeout, f"the worker did not finish within {timeout:.0f}s", 504)
                 if interrupted_at is not None and time.monotonic() - interrupted_at > 10:
-                    raise GPUPoolError("worker_unresponsive", "the worker did not stop within 10s of the interrupt; "
+                    raise GPUPoolError(Reason.worker_unresponsive,
+                                       "the worker did not stop within 10s of the interrupt; "
                                        "it may be stuck in native code. %gpu restart gives you a fresh worker "
                                        "on a new slice (its variables are lost); %gpu release frees the slice.", 504)
             except KeyboardInterrupt:

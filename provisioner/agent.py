@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
@@ -60,6 +60,7 @@ class NodeAgent(WorkerSettings):
         "service-url": "NodeAgent.service_url",
         "token-file": "NodeAgent.token_file",
         "simulate": "NodeAgent.simulate",
+        "inventory": "NodeAgent.inventory_source",
         "name": "NodeAgent.node_name",
         "ip": "NodeAgent.ip",
         "port": "NodeAgent.port",
@@ -92,10 +93,11 @@ class NodeAgent(WorkerSettings):
         if self.config_file:
             path = Path(self.config_file)
             if not path.is_file():
-                raise GPUPoolError("not_configured", f"config file {path} does not exist (--config)")
+                raise GPUPoolError(Reason.not_configured, f"config file {path} does not exist (--config)")
             self.load_config_file(path.name, path=str(path.parent.resolve()))
         if not self.service_url:
-            raise GPUPoolError("not_configured", "no service URL: pass --service-url=http://HOST:PORT of the pool service")
+            raise GPUPoolError(Reason.not_configured,
+                               "no service URL: pass --service-url=http://HOST:PORT of the pool service")
         self.service_url = self.service_url.rstrip("/")
         self.tls = server_context(self.ssl_cert, self.ssl_key, "--ssl-cert / --ssl-key")
         self.service_tls = client_context(self.ca_file)
@@ -105,14 +107,14 @@ class NodeAgent(WorkerSettings):
         self.accounts = WorkerAccounts(self.worker_user, self.worker_users, self.state_dir, self.node_name, self.log)
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
-                                                     timeout=self.nvml_timeout)
+                                                     timeout=self.nvml_timeout, source=self.inventory_source)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
         try:
             self.enforcement = enforcement.resolve(self.enforcement_mode, self.inventory.kind, self.gpus)
             self.enforcement.setup(self.state_dir, self.log)
         except (ValueError, TypeError, RuntimeError) as exc:  # an unknown or broken plugin; no MPS daemon
-            raise GPUPoolError("not_configured", str(exc)) from None
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -123,7 +125,7 @@ class NodeAgent(WorkerSettings):
         try:
             return containment(self.cgroup_mode, self.cgroup_root, state_dir, log=self.log)
         except CgroupError as exc:
-            raise GPUPoolError("not_configured", str(exc)) from None
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
 
     def check_environments(self) -> list[WorkerEnvironment]:
         """Check every worker environment once (:func:`.environments.check_all`);
@@ -131,12 +133,12 @@ class NodeAgent(WorkerSettings):
         try:
             found = worker_envs.check_all(self.environments, self.default_environment)
         except ValueError as exc:
-            raise GPUPoolError("not_configured", str(exc)) from None
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
         for env in found:
             if not env.usable:
                 self.log.warning("worker environment %r is not usable: %s", env.name, env.problem)
         if not any(env.default and env.usable for env in found):
-            raise GPUPoolError("not_configured", "the default worker environment cannot run workers: "
+            raise GPUPoolError(Reason.not_configured, "the default worker environment cannot run workers: "
                                f"{next(e.problem for e in found if e.default)} (c.NodeAgent.default_environment)")
         return found
 

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from gpupool.errors import GPUPoolError, bad_request
+from gpupool.errors import GPUPoolError, Reason, bad_request
 
 from .worker_user import WorkerUser, WorkerUserPool
 
@@ -30,7 +30,7 @@ def expand_worker_user(template: str, owner: str) -> str:
     try:
         return template.format(username=owner)
     except (KeyError, IndexError, ValueError):
-        raise GPUPoolError("not_configured", f"c.NodeAgent.worker_user {template!r}: the only field a "
+        raise GPUPoolError(Reason.not_configured, f"c.NodeAgent.worker_user {template!r}: the only field a "
                            "template may hold is {username}") from None
 
 
@@ -63,11 +63,12 @@ class WorkerAccounts:
         if not names:
             return None
         if worker_user:
-            raise GPUPoolError("not_configured", "set c.NodeAgent.worker_user or c.NodeAgent.worker_users, not both")
+            raise GPUPoolError(Reason.not_configured,
+                               "set c.NodeAgent.worker_user or c.NodeAgent.worker_users, not both")
         try:
             return WorkerUserPool([self._checked(name, "c.NodeAgent.worker_users") for name in names], log=log)
         except ValueError as exc:
-            raise GPUPoolError("not_configured", str(exc)) from None
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
 
     def _checked(self, name: str, option: str) -> WorkerUser:
         """The account ``name``, checked: it exists, this agent may start
@@ -76,18 +77,18 @@ class WorkerAccounts:
             user = WorkerUser.lookup(name)
             user.check_can_switch()
         except ValueError as exc:
-            raise GPUPoolError("not_configured", f"{exc} ({option})") from None
+            raise GPUPoolError(Reason.not_configured, f"{exc} ({option})") from None
         state_dir = self.state_dir.resolve()
         python = Path(sys.executable).absolute()  # what workers run
         blocked = user.blocked_at(python) or user.blocked_at(python.resolve())
         if blocked is not None:
-            raise GPUPoolError("not_configured", f"worker user {user.name!r} cannot run this Python ({python}): "
+            raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot run this Python ({python}): "
                                f"it may not enter or execute {blocked}; install gpupool where that user can "
                                "(e.g. a virtual environment under /opt) or pick another --worker-user")
         # The state dir itself is opened to it (0711) when the agent starts.
         blocked = user.blocked_at(next(folder for folder in state_dir.parents if folder.exists()))
         if blocked is not None:
-            raise GPUPoolError("not_configured", f"worker user {user.name!r} cannot enter {blocked} on the way to "
+            raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot enter {blocked} on the way to "
                                f"the state directory {state_dir} (--state-dir), where its connection files are: "
                                f"allow it (chmod o+x {blocked}) or choose another state directory")
         return user
@@ -102,7 +103,7 @@ class WorkerAccounts:
             user = WorkerUser.lookup(expand_worker_user(self.template, owner))
             user.check_can_switch()
         except ValueError as exc:
-            raise GPUPoolError("worker_user_unknown", f"cannot start the worker of {owner!r} on node "
+            raise GPUPoolError(Reason.worker_user_unknown, f"cannot start the worker of {owner!r} on node "
                                f"{self.node}: {exc} (c.NodeAgent.worker_user = {self.template!r})",
                                400) from None
         if user.uid == 0:

@@ -21,7 +21,7 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
 from gpupool import httpin
-from gpupool.errors import GPUPoolError, bad_request, not_found
+from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
@@ -80,7 +80,8 @@ class AgentHandler(httpin.BoundedBody, web.RequestHandler):
 
     def prepare(self) -> None:
         if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
-            raise GPUPoolError("unauthorized", "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
+            raise GPUPoolError(Reason.unauthorized,
+                               "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
                                401)
         try:
             self.start_body()
@@ -103,10 +104,10 @@ class AgentHandler(httpin.BoundedBody, web.RequestHandler):
         if isinstance(exc, GPUPoolError):
             error = exc
         elif isinstance(exc, web.HTTPError):
-            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            code = {404: Reason.not_found, 405: Reason.method_not_allowed}.get(exc.status_code, Reason.http_error)
             error = GPUPoolError(code, exc.log_message or self._reason, exc.status_code)
         else:
-            error = GPUPoolError("internal_error", f"the agent failed: {exc or self._reason}", status_code)
+            error = GPUPoolError(Reason.internal_error, f"the agent failed: {exc or self._reason}", status_code)
         self.set_status(error.status)
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(error.to_json()))
@@ -115,7 +116,7 @@ class AgentHandler(httpin.BoundedBody, web.RequestHandler):
         if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
             level = logging.WARNING if value.status >= 500 else logging.DEBUG
             self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
-                               value.message)
+                               value.log_message)
         else:
             super().log_exception(typ, value, tb)
 
@@ -132,7 +133,7 @@ class WorkersHandler(AgentHandler):
 
     async def post(self) -> None:
         if self.agent.inventory.error:
-            raise GPUPoolError("inventory_unavailable", f"this node cannot read its GPUs now: "
+            raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
                                f"{self.agent.inventory.error}", 503)
         request = WorkerRequest.from_json(self.json_body())
         spec = worker_spec(request, self.agent.gpus)
@@ -147,7 +148,7 @@ class WorkersHandler(AgentHandler):
         try:
             worker = await self.agent.workers.start(spec)
         except WorkerStartError as exc:
-            raise GPUPoolError("worker_start_failed", str(exc), 502) from None
+            raise GPUPoolError(Reason.worker_start_failed, str(exc), 502) from None
         self.write_json(WorkerStarted(worker.pid, worker.connection()).to_json(), 201)
 
 
@@ -160,7 +161,7 @@ class WorkerHandler(AgentHandler):
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         except WorkerStopError as exc:
-            raise GPUPoolError("worker_stop_failed", str(exc), 500) from None
+            raise GPUPoolError(Reason.worker_stop_failed, str(exc), 500) from None
         self.write_json(WorkerStopped(lease_id, code).to_json())
 
 
@@ -180,7 +181,8 @@ class MetricsHandler(AgentHandler):
     def prepare(self) -> None:
         header = self.request.headers.get("Authorization", "")
         if not (self.agent.tokens.agent_matches(header) or self.agent.tokens.metrics_matches(header)):
-            raise GPUPoolError("unauthorized", "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
+            raise GPUPoolError(Reason.unauthorized,
+                               "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
                                "(the file of --metrics-token-file)", 401)
 
     def get(self) -> None:
@@ -207,7 +209,7 @@ def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
     try:
         sockets = bind_sockets(agent.port, agent.ip)
     except OSError as exc:
-        raise GPUPoolError("not_configured", f"cannot listen on {agent.ip}:{agent.port}: {exc.strerror} "
+        raise GPUPoolError(Reason.not_configured, f"cannot listen on {agent.ip}:{agent.port}: {exc.strerror} "
                            "(--ip, --port; --port=0 picks a free port)") from None
 
     def log_request(handler: web.RequestHandler) -> None:

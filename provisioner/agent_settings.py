@@ -18,9 +18,19 @@ from traitlets.config import Application
 
 from gpupool.traits import ByteSize, Duration
 
-from . import enforcement
+from . import enforcement, inventory
 from .cgroups import MODES as CGROUP_MODES
 
+
+
+def _auto_or_one_of(proposal: Any, available: tuple[str, ...]) -> str:
+    """A plugin setting's value (``auto`` or one of ``available``, built-in
+    names and entry points'), refused in the words of an ``Enum`` trait."""
+    choices = ("auto", *available)
+    if proposal["value"] not in choices:
+        raise TraitError(f"The '{proposal['trait'].name}' trait of a NodeAgent instance expected any of "
+                         f"{list(choices)}, not {proposal['value']!r}")
+    return proposal["value"]
 
 class NodeSettings(Application):
     """How this node joins the pool: its name and address, the service and its
@@ -42,6 +52,20 @@ class NodeSettings(Application):
         ``1xH100-80GB,2xL4-24GB``. Empty (default): real GPUs through NVML.
         ``c.NodeAgent.simulate = "2xA100-80GB"``.""",
     ).tag(config=True)
+
+    inventory_source = Unicode(
+        "auto",
+        help=f"""Where this node's GPUs are read from, one of auto,
+        {", ".join(inventory.available())}: ``nvml`` (real GPUs, read by a helper
+        process), ``simulated`` (the GPUs of ``simulate``), or an inventory of the
+        ``gpupool.inventory`` entry point group. ``auto`` (default): ``simulated``
+        when ``simulate`` is set, else ``nvml``.
+        ``c.NodeAgent.inventory_source = "nvml"``.""",
+    ).tag(config=True)
+
+    @validate("inventory_source")
+    def _inventory_source_valid(self, proposal: Any) -> str:
+        return _auto_or_one_of(proposal, inventory.available())
 
     node_name = Unicode(
         help="""This node's name in the pool. Default: the host name. ``c.NodeAgent.node_name = "gpu-07"``.""",
@@ -130,11 +154,7 @@ class NodeSettings(Application):
 
     @validate("enforcement_mode")
     def _enforcement_mode_valid(self, proposal: Any) -> str:
-        choices = ("auto", *enforcement.available())
-        if proposal["value"] not in choices:
-            raise TraitError(f"The 'enforcement_mode' trait of a NodeAgent instance expected any of "
-                             f"{list(choices)}, not {proposal['value']!r}")
-        return proposal["value"]
+        return _auto_or_one_of(proposal, enforcement.available())
 
     ssl_cert = Unicode(
         "", help="""TLS certificate (PEM, with its chain) the agent's HTTP server serves; set with

@@ -8,7 +8,7 @@ import hmac
 import os
 from pathlib import Path
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 
 TOKEN_ENV = "GPUPOOL_AGENT_TOKEN"
 
@@ -30,12 +30,12 @@ class AgentTokens:
             try:
                 token = Path(self.token_file).read_text().strip()
             except OSError as exc:
-                raise GPUPoolError("not_configured", f"cannot read the agent token file {self.token_file}: "
+                raise GPUPoolError(Reason.not_configured, f"cannot read the agent token file {self.token_file}: "
                                    f"{exc.strerror} (--token-file)") from None
         else:
             token = os.environ.get(TOKEN_ENV, "").strip()
         if not token:
-            raise GPUPoolError("not_configured", "no agent token: pass --token-file=FILE (the service writes "
+            raise GPUPoolError(Reason.not_configured, "no agent token: pass --token-file=FILE (the service writes "
                                f"STATE_DIR/agent_token) or set {TOKEN_ENV}")
         self.token = token
         return token
@@ -46,7 +46,7 @@ class AgentTokens:
         try:
             return Path(self.metrics_token_file).read_text().strip()
         except OSError as exc:
-            raise GPUPoolError("not_configured", f"cannot read the metrics token file {self.metrics_token_file}: "
+            raise GPUPoolError(Reason.not_configured, f"cannot read the metrics token file {self.metrics_token_file}: "
                                f"{exc.strerror} (--metrics-token-file)") from None
 
     def agent_matches(self, header: str) -> bool:

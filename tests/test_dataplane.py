@@ -20,7 +20,7 @@ from jupyter_client import KernelManager
 
 from gpupool import dataplane as dataplane_core
 from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffers, send_buffers
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.magics import dataplane
 from gpupool.magics.remote import RemoteKernel
 from gpupool.provisioner.worker_extension.dataplane import DataPlaneServer
@@ -69,7 +69,7 @@ def _comm(remote, seen: list | None = None):
             seen.append(request["op"])
         answer, got = remote.comm_request(TARGET, request, buffers, timeout=60)
         if not answer.get("ok"):
-            raise GPUPoolError("transfer_failed", answer.get("message", ""), 502)
+            raise GPUPoolError(Reason.transfer_failed, answer.get("message", ""), 502)
         return answer, got
     return comm
 

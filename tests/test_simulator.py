@@ -387,8 +387,8 @@ def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
 # -- issue 14: the replay imports nothing that does I/O ---------------------------------------------------
 
 #: The replay's modules; beside them, traces.py reads CSV files, store.py a store, cli.py is the command.
-REPLAY = ("notebooks", "policies", "sweep", "waiting", "backlog", "eta_log", "results", "openb", "multidim", "pool",
-          "workload", "estimates", "synthetic")
+REPLAY = ("notebooks", "sessions", "policies", "sweep", "waiting", "backlog", "eta_log", "results", "openb",
+          "multidim", "pool", "workload", "estimates", "synthetic")
 IO_PACKAGES = ("sqlalchemy", "alembic", "psycopg", "tornado", "zmq", "jupyter_client", "socket", "csv", "asyncio")
 
 

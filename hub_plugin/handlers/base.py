@@ -25,7 +25,7 @@ from typing import Any
 from tornado import web
 
 from gpupool import httpin
-from gpupool.errors import GPUPoolError, bad_request
+from gpupool.errors import GPUPoolError, Reason, bad_request
 
 from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
 from ..config import GPUPool
@@ -155,7 +155,7 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
             error = GPUPoolError(_http_code(code), (getattr(exc, "log_message", None) or
                                                    responses.get(code, "error")).lower(), code)
         else:
-            error = GPUPoolError("internal_error", "the gpupool service hit an unexpected error; "
+            error = GPUPoolError(Reason.internal_error, "the gpupool service hit an unexpected error; "
                                  "an admin can find the details in its log", 500)
         self.set_status(error.status)
         if error.status == 405:  # RFC 9110: a 405 lists what the resource does allow
@@ -174,7 +174,7 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
             # Expected: one line, no traceback. 5xx ones are worth a warning.
             level = logging.WARNING if value.status >= 500 else logging.DEBUG
             log.log(level, "%s %s -> %d %s: %s", self.request.method, self.request.path,
-                    value.status, value.code, value.message)
+                    value.status, value.code, value.log_message)
         else:
             super().log_exception(typ, value, tb)
 
@@ -188,12 +188,12 @@ class NotFoundHandler(APIHandler):
     auth_required = False
 
     def prepare(self) -> None:
-        raise GPUPoolError("not_found", f"no such endpoint: {self.request.path}", 404)
+        raise GPUPoolError(Reason.not_found, f"no such endpoint: {self.request.path}", 404)
 
 
-def _http_code(status: int) -> str:
-    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-            405: "method_not_allowed"}.get(status, "http_error")
+def _http_code(status: int) -> Reason:
+    return {400: Reason.bad_request, 401: Reason.unauthorized, 403: Reason.forbidden, 404: Reason.not_found,
+            405: Reason.method_not_allowed}.get(status, Reason.http_error)
 
 
 def _check_json_media_type(header: str | None) -> None:
@@ -202,6 +202,6 @@ def _check_json_media_type(header: str | None) -> None:
         return
     media = header.partition(";")[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise GPUPoolError("unsupported_media_type", f"the request body must be JSON sent with "
+        raise GPUPoolError(Reason.unsupported_media_type, f"the request body must be JSON sent with "
                            f"'Content-Type: application/json', not {header[:80]!r}", 415)
 

@@ -43,8 +43,6 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from datetime import timedelta
 
 from ..rules import priority
 from ..rules.reclaim import decide
@@ -54,27 +52,12 @@ from .eta_log import EtaLog
 from .policies import NotebookPolicy
 from .pool import FULL, Pool, uniform_pool
 from .results import NotebookResult, Tally
-from .sweep import SWEEP_S, SimLease, Sweep, at
+from .sessions import SessionTable
+from .sweep import SWEEP_S, Sweep, at
 from .waiting import WaitQueue
 from .workload import NotebookWorkload
 
 INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
-
-
-@dataclass(eq=False, slots=True)
-class _Session:
-    milli: int
-    gpus: int
-    group: int
-    closes: float
-    user: int = 0
-    klass: str = INTERACTIVE
-    pending: deque = field(default_factory=deque)
-    running: bool = False
-    waiting: bool = False
-    lease: SimLease | None = None
-    run_start: float = 0.0
-    token: int = 0
 
 
 def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_size: int, *,
@@ -89,51 +72,58 @@ def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_
     return replay.run(pool_size, wall, users or len({s.user for s in workload.sessions}) or 1)
 
 
+class _Events:
+    """A replay's future events, earliest first (at one time: in the order of
+    their kinds, then as pushed): ``(when, kind, arg)``."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._seq = 0
+
+    def push(self, when: float, kind: int, arg) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, kind, self._seq, arg))
+
+    def pop(self) -> tuple:
+        when, kind, _, arg = heapq.heappop(self._heap)
+        return when, kind, arg
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+
 class _Replay:
+    """The events of one replay, in time order, and what each one does to
+    the sessions (:class:`.sessions.SessionTable`), the pool, the queue and
+    the sweep; the tally records the outcome."""
+
     ARRIVE, END, TICK, CLOSE, PRESSURE = range(5)
 
     def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
                  backlog: BatchSource | None, with_eta: bool) -> None:
         self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
-        self.sessions = [_Session(s.milli if policy.slices else FULL, s.gpus, s.group, s.closes, s.user)
-                         for s in workload.sessions]
-        self.need = [s.gpus * s.milli / FULL for s in workload.sessions]  # GPUs a cell needs
-        self.submit = [c.submit for c in workload.cells]
-        self.duration = [c.duration for c in workload.cells]
-        self.cell_session = [c.session for c in workload.cells]
-        self.queued_at = list(self.submit)
-        self.interactive_cells = len(workload.cells)
+        self.table = SessionTable(workload, policy.slices)
+        self.sessions = self.table.sessions  # the table appends to it: one list
         self.started = 0  # interactive cells that started
         self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice, policy.preemption_grace,
                            policy.batch_first)
-        self.events: list = []
-        self.seq = 0
+        self.events = _Events()
         self.queue = WaitQueue(policy.fifo, policy.classes)
-        self.waiting_gpus = 0.0
-        self.interactive_waiting = 0  # interactive requests in the queue
-        self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
-        self.batch_cell: dict[int, int] = {}  # batch session -> its one cell
-        #: The period cluster utilization is measured over: the trace's whole days.
-        self.period = max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
+        self.period = self.table.period()
         self.tally = Tally(self.period, [math.nan] * len(workload.cells))
-        self.leases = 0
         self.eta = EtaLog(policy)
-
-    def push(self, when: float, kind: int, arg) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (when, kind, self.seq, arg))
 
     def run(self, pool_size: int, wall: float, users: int) -> NotebookResult:
         for i, cell in enumerate(self.workload.cells):
-            self.push(cell.submit, self.ARRIVE, i)
+            self.events.push(cell.submit, self.ARRIVE, i)
         for sid, session in enumerate(self.sessions):
-            self.push(session.closes, self.CLOSE, sid)
+            self.events.push(session.closes, self.CLOSE, sid)
         period = self.period
         if self.backlog is not None:
-            self.push(0.0, self.PRESSURE, None)  # starts the backlog (a check at 0 retries first)
+            self.events.push(0.0, self.PRESSURE, None)  # starts the backlog (a check at 0 retries first)
         while self.events:
-            now, kind, _, arg = heapq.heappop(self.events)
-            if self.backlog is not None and now > period and self.started == self.interactive_cells:
+            now, kind, arg = self.events.pop()
+            if self.backlog is not None and now > period and self.started == self.table.interactive_cells:
                 self.backlog = None  # the period is over and every cell started: no more batch jobs
             self.handle(kind, arg, now)
         if any(math.isnan(w) for w in self.tally.waits):
@@ -142,12 +132,12 @@ class _Replay:
 
     def handle(self, kind: int, arg, now: float) -> None:
         if kind == self.ARRIVE:
-            sid = self.cell_session[arg]
+            sid = self.table.cell_session[arg]
             self.sessions[sid].pending.append(arg)
             self.dispatch(sid, now)
         elif kind == self.END:
             cell, token = arg
-            if self.sessions[self.cell_session[cell]].token == token:
+            if self.sessions[self.table.cell_session[cell]].token == token:
                 self.cell_ended(cell, now)
         elif kind == self.TICK:
             sid, lease = arg
@@ -189,23 +179,18 @@ class _Replay:
             self.record_eta(sid, now)
 
     def enqueue(self, sid: int, now: float, queue: deque, front: bool = False) -> None:
-        session = self.sessions[sid]
-        session.waiting = True
-        self.waiting_gpus += self.need[sid]
-        self.interactive_waiting += session.klass == INTERACTIVE
-        self.queued_at[session.pending[0]] = now
+        self.table.wait(sid, now)
         (queue.appendleft if front else queue.append)((now, sid))
-        self.sweep.waiters[sid] = priority.Asking(str(sid), str(session.user), self.need[sid], session.klass,
-                                                  at(now), session.gpus)
+        self.sweep.waiters[sid] = self.table.asking(sid, now)
         self.check_at(now)
 
     def start(self, sid: int, now: float) -> None:
         session = self.sessions[sid]
         cell = session.pending.popleft()
-        wait = now - self.queued_at[cell]
-        if cell < self.interactive_cells:
+        wait = now - self.table.queued_at[cell]
+        if cell < self.table.interactive_cells:
             self.started += math.isnan(self.tally.waits[cell])
-            self.tally.waits[cell] = now - self.submit[cell]
+            self.tally.waits[cell] = now - self.table.submit[cell]
             self.eta.started(cell, wait)
         else:
             self.tally.batch_waits.append(wait)
@@ -214,16 +199,16 @@ class _Replay:
         session.token += 1
         session.lease.worker_state = "busy"
         session.lease.idle_since = None
-        self.idle.pop(sid, None)
+        self.table.idle.pop(sid, None)
         self.hold(sid)
-        self.push(now + self.duration[cell], self.END, (cell, session.token))
+        self.events.push(now + self.table.duration[cell], self.END, (cell, session.token))
 
     def cell_ended(self, cell: int, now: float) -> None:
-        sid = self.cell_session[cell]
+        sid = self.table.cell_session[cell]
         session = self.sessions[sid]
         session.running = False
-        self.count_busy(sid, self.duration[cell], now)
-        self.eta.cells[session.klass].append(self.duration[cell])
+        self.count_busy(sid, self.table.duration[cell], now)
+        self.eta.cells[session.klass].append(self.table.duration[cell])
         timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
         if timeout is None or (now >= session.closes and not session.pending):
             self.release(sid, now)  # batch job done, or the kernel shut down
@@ -235,41 +220,35 @@ class _Replay:
         lease = session.lease
         lease.worker_state = "idle"
         lease.idle_since = at(now)
-        self.idle[sid] = now
+        self.table.idle[sid] = now
         self.hold(sid)
-        self.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
+        self.events.push(math.ceil((now + timeout) / SWEEP_S) * SWEEP_S, self.TICK, (sid, lease))
         self.check_at(now)
 
     def count_busy(self, sid: int, seconds: float, now: float) -> None:
         """``sid`` ran ``seconds`` of useful work up to ``now``."""
         session = self.sessions[sid]
-        self.tally.ran(self.need[sid], seconds, session.klass, session.run_start, now)
+        self.tally.ran(self.table.need[sid], seconds, session.klass, session.run_start, now)
 
     # -- pressure and preemption: the service's rule (priority.plan) at sweep ticks ----------
 
     def hold(self, sid: int) -> None:
         """Record ``sid``'s lease as the pressure rule sees it (after it started, ran or went idle)."""
-        session, lease = self.sessions[sid], self.sessions[sid].lease
-        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
-        idle_since = lease.idle_since if sid in self.idle else None
-        deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
-        self.sweep.holding[sid] = priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
-                                                session.klass == BATCH, session.running, lease.started_at,
-                                                idle_since, deadline, lease.placement.node)
+        self.sweep.holding[sid] = self.table.held(sid, self.policy.idle_timeout)
 
     def check_at(self, now: float) -> None:
         """Evaluate the plan at the first sweep tick at or after ``now``, once
         per tick (the service plans once per sweep), if it can act."""
         tick = self.sweep.next_check(now)
         if tick is not None:
-            self.push(tick, self.PRESSURE, "check")
+            self.events.push(tick, self.PRESSURE, "check")
 
     def pressure(self, now: float) -> None:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
         free = self.pool.whole_free() if self.policy.clear_nodes else None
-        parks, preempts, later = self.sweep.due(now, bool(self.idle), free)
+        parks, preempts, later = self.sweep.due(now, bool(self.table.idle), free)
         for sid in parks:
             self.tally.early_parks += 1
             self.tally.parks += now < self.sessions[sid].closes
@@ -281,21 +260,17 @@ class _Replay:
         if later is not None:
             self.check_at(later)
 
-    def held_gpus(self, sid: int) -> float:
-        placement = self.sessions[sid].lease.placement
-        return placement.fraction * len(placement.gpus)
-
     def preempt(self, sid: int, now: float) -> None:
         """Interrupt batch job ``sid``'s cell and park it; its cell is queued
         again as a new request, its work lost (or kept, ``resume_preempted``)."""
         session = self.sessions[sid]
         ran = now - session.run_start
-        cell = self.batch_cell[sid]
+        cell = self.table.batch_cell[sid]
         if self.policy.resume_preempted:
             self.count_busy(sid, ran, now)
-            self.duration[cell] -= ran
+            self.table.duration[cell] -= ran
         else:
-            self.tally.lost += self.need[sid] * ran
+            self.tally.lost += self.table.need[sid] * ran
         self.tally.preemptions += 1
         session.running = False
         session.token += 1
@@ -315,30 +290,23 @@ class _Replay:
             return False
         self.pool.take(placement)
         self.tally.peak_milli = max(self.tally.peak_milli, self.pool.allocated_milli)
-        self.leases += 1
         self.tally.acquisitions += 1
-        started = at(now)
-        session.lease = SimLease(f"L-{self.leases:012d}", started, self.policy.idle_timeout or 0.0, placement, now,
-                                 last_heartbeat_at=started)
-        if session.waiting:
-            session.waiting = False
-            self.waiting_gpus -= self.need[sid]
+        if self.table.grant(sid, placement, now, self.policy.idle_timeout or 0.0):
             del self.sweep.waiters[sid]
-            self.interactive_waiting -= session.klass == INTERACTIVE
         self.start(sid, now)
         return True
 
     def batch_may_start(self, node_idle: bool) -> bool:
         """The service's rule for batch placements (:func:`.priority.batch_may_start`)."""
         return priority.batch_may_start(node_idle, self.pool.idle_nodes, self.policy.headroom_nodes,
-                                        self.policy.batch_yields and self.interactive_waiting > 0)
+                                        self.policy.batch_yields and self.table.interactive_waiting > 0)
 
     def release(self, sid: int, now: float, retry: bool = True) -> None:
         session = self.sessions[sid]
         lease = session.lease
         if lease is None:
             return
-        self.idle.pop(sid, None)
+        self.table.idle.pop(sid, None)
         session.lease = None
         self.sweep.holding.pop(sid, None)
         self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),
@@ -361,17 +329,9 @@ class _Replay:
         """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell."""
         if self.backlog is None:
             return
-        demand = lambda: self.pool.allocated_milli / FULL + self.waiting_gpus  # noqa: E731
+        demand = lambda: self.pool.allocated_milli / FULL + self.table.waiting_gpus  # noqa: E731
         for milli, gpus, seconds, user in self.backlog.jobs(demand, self.pool.capacity, self.policy.slices):
-            sid, cell = len(self.sessions), len(self.submit)
-            self.sessions.append(_Session(milli, gpus, user % 4, math.inf, user, BATCH))
-            self.need.append(gpus * milli / FULL)
-            self.submit.append(now)
-            self.duration.append(seconds)
-            self.cell_session.append(sid)
-            self.queued_at.append(now)
-            self.batch_cell[sid] = cell
-            self.sessions[sid].pending.append(cell)
+            sid = self.table.add_batch_job(milli, gpus, seconds, user, now)
             self.enqueue(sid, now, self.queue_of(sid))
 
     # -- the ETA --------------------------------------------------------------------
@@ -379,9 +339,5 @@ class _Replay:
     def record_eta(self, sid: int, now: float) -> None:
         """The ETA and the old estimate for waiting ``sid`` (:meth:`.EtaLog.waiting`)."""
         session = self.sessions[sid]
-        mine = self.queued_at[session.pending[0]]
-        ahead = [(self.sessions[s].milli, self.sessions[s].gpus) for when, s in self.queue.entries()
-                 if s != sid and when <= mine and self.sessions[s].klass == INTERACTIVE]
-        leased = [(s.klass, s.run_start, self.idle.get(other), s.lease.placement.gpus, s.milli)
-                  for other, s in enumerate(self.sessions) if s.lease is not None]
-        self.eta.waiting(session.pending[0], session.milli, session.gpus, ahead, leased, self.pool, now)
+        self.eta.waiting(session.pending[0], session.milli, session.gpus, self.table.ahead_of(sid, self.queue.entries()),
+                         self.table.leased(), self.pool, now)

@@ -1,15 +1,18 @@
 """The inventory contract: which GPUs a node has, and how busy they are.
 
-:class:`Inventory` is what every implementation answers;
-:class:`InventoryError` is what they raise when the GPUs cannot be read.
+:class:`Inventory` is what every implementation answers, and
+:meth:`Inventory.create` how the agent makes one from its settings
+(:class:`InventoryOptions`); :class:`InventoryError` is what they raise when
+the GPUs cannot be read.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.wire.nodes import GPUInfo
 
 
@@ -24,20 +27,53 @@ class InventoryError(GPUPoolError):
     """
 
     def __init__(self, message: str, *, reason: str | None = None, retryable: bool = False) -> None:
-        super().__init__("no_inventory", message, 503)
+        super().__init__(Reason.no_inventory, message, 503)
         self.reason = reason or message
         self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class InventoryOptions:
+    """The agent's settings an inventory may read when it is made
+    (:meth:`Inventory.create`): ``node_name``; ``simulate``, the
+    ``--simulate`` spec (``""``: none); and NVML's: ``host_proc`` (where the
+    host's /proc is mounted in a container; None: here), ``retry`` = (first,
+    longest) seconds between attempts to open it again, ``timeout`` seconds
+    per round of readings, ``helper`` the helper process's command (None:
+    the default)."""
+
+    node_name: str
+    simulate: str = ""
+    host_proc: str | None = None
+    retry: tuple[float, float] = (5.0, 300.0)
+    timeout: float = 5.0
+    helper: Sequence[str] | None = None
 
 
 class Inventory(abc.ABC):
     """The GPUs of one node.
 
-    ``kind`` is what the agent reports at registration (``"simulated"`` or
-    ``"nvml"``). Implementations are cheap to query repeatedly: the agent calls
+    ``kind`` is what the agent reports at registration, one of
+    :data:`gpupool.wire.nodes.INVENTORIES` (``"simulated"``: the GPUs are
+    declared, nothing enforces slices on them; ``"nvml"``: real GPUs).
+    Implementations are cheap to query repeatedly: the agent calls
     :meth:`metrics` once per heartbeat.
+
+    A new inventory subclasses this, sets ``kind``, implements
+    :meth:`discover` and :meth:`metrics` (and :meth:`create` when it needs
+    the agent's settings), and is declared in the ``gpupool.inventory`` entry
+    point group (:mod:`.factory`).
     """
 
     kind: str = ""
+
+    @classmethod
+    def create(cls, options: InventoryOptions) -> "Inventory":
+        """The inventory an agent uses, made once at its start from its
+        ``options``. Raises :class:`InventoryError` when the GPUs cannot be
+        there at all (the agent prints the message and exits). The default
+        calls ``cls()``, reading none of them."""
+        return cls()
     #: Why the GPUs cannot be read now (e.g. ``"NVML could not start (...)"``);
     #: None while they can. Only an NVML inventory ever has this state.
     error: str | None = None

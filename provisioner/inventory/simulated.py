@@ -15,7 +15,7 @@ from typing import Any
 
 from gpupool.wire.nodes import GPUInfo
 
-from .base import Inventory
+from .base import Inventory, InventoryError, InventoryOptions
 
 MiB = 1024**2
 
@@ -116,6 +116,17 @@ class SimulatedInventory(Inventory):
                     compute_capability=model.compute_capability)
             for index, (_key, model) in enumerate(parse_spec(spec))
         ]
+
+    @classmethod
+    def create(cls, options: InventoryOptions) -> "SimulatedInventory":
+        """The GPUs of ``options.simulate`` (``--simulate``): InventoryError without one, or for a bad one."""
+        if not options.simulate:
+            raise InventoryError("the simulated inventory declares the GPUs of --simulate, e.g. "
+                                 "--simulate=2xA100-80GB (c.NodeAgent.simulate); none is set")
+        try:
+            return cls(options.simulate, options.node_name)
+        except ValueError as exc:
+            raise InventoryError(f"bad --simulate value: {exc}") from None
 
     def discover(self) -> list[GPUInfo]:
         return list(self._gpus)

@@ -29,7 +29,7 @@ from gpupool.wire.nodes import GPUInfo
 from gpupool.units import format_duration
 
 from ...attribution import memory_by_pid
-from ..base import Inventory, InventoryError
+from ..base import Inventory, InventoryError, InventoryOptions
 from ..retrying import MAX_ERROR, backoff_delay
 
 log = logging.getLogger("gpupool.agent")
@@ -139,6 +139,12 @@ class WatchedInventory(Inventory):
     """
 
     kind = "nvml"
+
+    @classmethod
+    def create(cls, options: InventoryOptions) -> "WatchedInventory":
+        """NVML as ``options`` say (``host_proc``, ``retry``, ``timeout``, ``helper``); raises as the constructor."""
+        return cls(host_proc=options.host_proc, timeout=options.timeout, first=options.retry[0],
+                   longest=options.retry[1], command=options.helper)
 
     def __init__(self, *, host_proc: str | None = None, timeout: float = 5.0, open_timeout: float | None = None,
                  first: float = 5.0, longest: float = 300.0, command: Sequence[str] | None = None,
