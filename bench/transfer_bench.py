@@ -2,8 +2,9 @@
 
 In one run, interleaved per size (one of each per round, the best of
 --repeats kept): a raw loopback TCP socket sending the same bytes (into a
-buffer touched beforehand, and into fresh memory: what faulting pages in
-costs a receiver), gpupool
+buffer touched beforehand, into fresh memory: what faulting pages in
+costs a receiver, and into the data plane's own fresh receive buffer),
+gpupool
 push and pull with the agent's transport encrypted (``curve``: the data
 plane then uses AES-256-GCM, or ChaCha20-Poly1305 without AES-NI) and not
 (``none``: plain chunks), and ipyparallel's push/pull to one engine (skipped,
@@ -37,7 +38,7 @@ from remoting_bench import ipp_transfer_seconds, raw_socket_seconds, roundtrip, 
 from report import write_section
 
 from gpupool import demo_pool
-from gpupool.dataplane import default_cipher
+from gpupool.dataplane import allocate, default_cipher
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024**2
@@ -45,10 +46,12 @@ SECTION = "## Bulk transfers"
 MODES = ("curve", "none")
 
 
-def raw_fresh_seconds(nbytes: int) -> float:
+def raw_fresh_seconds(nbytes: int, huge: bool = False) -> float:
     """As remoting_bench.raw_socket_seconds, but received into fresh memory
     (an anonymous mapping made inside the timed window, as any receiver of a
-    new value must): the wire plus the cost of faulting pages in."""
+    new value must): the wire plus the cost of faulting pages in. ``huge``:
+    the mapping is the data plane's own (``gpupool.dataplane.allocate``,
+    transparent huge pages), so gpupool against it is the protocol alone."""
     import mmap
     import socket
     import threading
@@ -61,7 +64,7 @@ def raw_fresh_seconds(nbytes: int) -> float:
     def receive() -> None:
         conn, _ = server.accept()
         start = time.perf_counter()
-        view, got = memoryview(mmap.mmap(-1, nbytes)), 0
+        view, got = (allocate(nbytes) if huge else memoryview(mmap.mmap(-1, nbytes))), 0
         while got < nbytes:
             got += conn.recv_into(view[got:], min(nbytes - got, 4 * MIB))
         elapsed.append(time.perf_counter() - start)
@@ -94,6 +97,32 @@ def warm_memory(gib: float | None, largest_mib: int) -> tuple[float, float | Non
             "t = time.perf_counter()\nv[::4096] = b'\\1' * len(v[::4096])\nprint(n / 2**20 / (time.perf_counter() - t))")
     out = subprocess.run([sys.executable, "-c", code, str(gib)], check=True, capture_output=True, text=True).stdout
     return round(gib, 1), round(float(out))
+
+
+#: Where a VM's guest kernel says how it hands free memory back to its host
+#: (virtio-balloon free page reporting; absent on bare metal).
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+
+
+def page_reporting() -> dict[str, int] | None:
+    """The guest's free page reporting settings and counter, or None where
+    there is none: ``page_reporting_order`` (free blocks of 2**order pages
+    and up are handed back to the host, whose next touch then faults at the
+    hypervisor's pace), ``min_free_ms`` (how long a block stays free first,
+    where the kernel has it) and ``reported_kib`` (KiB handed back since
+    boot)."""
+    values = {}
+    for name in ("page_reporting_order", "min_free_ms", "reported_kib"):
+        try:
+            values[name] = int((PAGE_REPORTING / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return values or None
+
+
+def _reported_mib() -> float:
+    """MiB of free memory this guest has handed back to its host since boot (0 where it does not)."""
+    return (page_reporting() or {}).get("reported_kib", 0) / 1024
 
 
 def _meminfo_kib(field: str) -> int:
@@ -177,16 +206,19 @@ def measure(pools: dict[str, Pooled], engine, sizes: list[int], repeats: int) ->
     rows = []
     for mib in sizes:
         nbytes = mib * MIB
-        runs: dict[str, list] = {"raw": [], "fresh": [], "ipp": [], **{mode: [] for mode in pools}}
+        runs: dict[str, list] = {"raw": [], "fresh": [], "fresh_thp": [], "ipp": [], **{mode: [] for mode in pools}}
+        returned = _reported_mib()
         for _ in range(repeats):  # interleaved: one of each per round
             runs["raw"].append(raw_socket_seconds(nbytes))
             runs["fresh"].append(raw_fresh_seconds(nbytes))
+            runs["fresh_thp"].append(raw_fresh_seconds(nbytes, huge=True))
             for mode, pooled in pools.items():
                 runs[mode].append(pooled.transfer(nbytes))
             if engine is not None:
                 runs["ipp"].append(ipp_transfer_seconds(engine[1][0], nbytes))
         row: dict = {"mib": mib, "raw_mib_s": mib / min(runs["raw"]), "fresh_mib_s": mib / min(runs["fresh"]),
-                     "load": os.getloadavg()[0]}
+                     "fresh_thp_mib_s": mib / min(runs["fresh_thp"]), "load": os.getloadavg()[0],
+                     "returned_mib": round(_reported_mib() - returned)}
         for mode in pools:
             for way in ("push", "pull"):
                 done = runs[mode]
@@ -211,7 +243,8 @@ def plot(results: dict, path: Path) -> None:
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(7, 4))
     mib = [r["mib"] for r in rows]
-    series = [("raw_mib_s", "raw loopback TCP", "k-"), ("fresh_mib_s", "raw TCP into fresh memory", "k:")]
+    series = [("raw_mib_s", "raw loopback TCP", "k-"), ("fresh_mib_s", "raw TCP into fresh memory", "k:"),
+              ("fresh_thp_mib_s", "raw TCP into a fresh THP buffer", "k-.")]
     for mode in MODES:
         series += [(f"{mode}_push_mib_s", f"push ({mode})", "o-"), (f"{mode}_pull_mib_s", f"pull ({mode})", "s--")]
     series += [("ipp_push_mib_s", "ipyparallel push", "x:"), ("ipp_pull_mib_s", "ipyparallel pull", "+:")]
@@ -224,6 +257,18 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _reporting_words(settings: dict[str, int] | None) -> str:
+    """What the report says of the guest's free page reporting (nothing on bare metal)."""
+    if not settings or "page_reporting_order" not in settings:
+        return ""
+    order = settings["page_reporting_order"]
+    wait = f", after {settings['min_free_ms']} ms free" if "min_free_ms" in settings else ""
+    return (f"This VM hands free memory back to its host (virtio-balloon free page reporting: free blocks of "
+            f"{4 * 2**order // 1024} MiB and up{wait}); the host backs such memory again on its next first touch, at "
+            "its own pace, so a fresh receive buffer can be slow for reasons outside the process (returned to host "
+            "= MiB handed back while that size was measured). ")
 
 
 def report(results: dict) -> str:
@@ -241,19 +286,21 @@ def report(results: dict) -> str:
              "bench/remoting_bench.py measures it); fresh = the same into memory mapped inside the timed window, as "
              "a receiver of a new value must (the difference is the cost of faulting 4 KiB pages in on this VM). "
              "Percentages are of raw. Load = the machine's 1-minute load average after the size (it is shared). "
+             + "fresh THP = the same into the data plane's own receive buffer (transparent huge pages, "
+             "`gpupool.dataplane.allocate`): gpupool against it is the protocol and cipher alone. "
              + (f"Before measuring, {results['warmed_gib']} GiB of memory was touched once and freed (first touch "
-                f"{results['first_touch_mib_s']} MiB/s: this VM's hypervisor backing guest memory, which a host that "
-                "has run a while has done). " if results.get("warmed_gib") else "")
+                f"{results['first_touch_mib_s']} MiB/s). " if results.get("warmed_gib") else "")
+             + _reporting_words(results.get("page_reporting"))
              + (results.get("ipp_note") or ""), "",
-             "| MiB | raw | fresh | push curve | pull curve | push none | pull none |"
-             + (" ipp push | ipp pull |" if has_ipp else "") + " load |",
-             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if has_ipp else "") + " --- |"]
+             "| MiB | raw | fresh | fresh THP | push curve | pull curve | push none | pull none |"
+             + (" ipp push | ipp pull |" if has_ipp else "") + " load | returned to host |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if has_ipp else "") + " --- | --- |"]
     for r in rows:
         raw = r["raw_mib_s"]
         cells = [f"{r[f'{m}_{w}_mib_s']:.0f} ({r[f'{m}_{w}_mib_s'] / raw:.0%})" for m in MODES for w in ("push", "pull")]
         ipp = [f"{r['ipp_push_mib_s']:.0f}", f"{r['ipp_pull_mib_s']:.0f}"] if has_ipp else []
-        lines.append(f"| {r['mib']} | {raw:.0f} | {r['fresh_mib_s']:.0f} | " + " | ".join(cells + ipp)
-                     + f" | {r['load']:.1f} |")
+        lines.append(f"| {r['mib']} | {raw:.0f} | {r['fresh_mib_s']:.0f} | {r.get('fresh_thp_mib_s', 0):.0f} | "
+                     + " | ".join(cells + ipp) + f" | {r['load']:.1f} | {r.get('returned_mib', 0)} MiB |")
     lines += ["", "Peak RSS rise (VmHWM after minus RSS before, worst round), as a multiple of the payload:", "",
               "| MiB | push curve: worker / kernel | pull curve: kernel / worker | push none: worker / kernel "
               "| pull none: kernel / worker |", "| --- | --- | --- | --- | --- |"]
@@ -266,8 +313,8 @@ def report(results: dict) -> str:
         def worst(mode: str) -> float:
             return min(min(r[f"{mode}_push_mib_s"], r[f"{mode}_pull_mib_s"]) / r["raw_mib_s"] for r in big)
 
-        def vs_fresh(mode: str) -> float:
-            return min(min(r[f"{mode}_push_mib_s"], r[f"{mode}_pull_mib_s"]) / r["fresh_mib_s"] for r in big)
+        def vs_fresh(mode: str, key: str = "fresh_mib_s") -> float:
+            return min(min(r[f"{mode}_push_mib_s"], r[f"{mode}_pull_mib_s"]) / r[key] for r in big)
 
         recv = max(r[f"{m}_{w}_recv_x"] for r in big for m in MODES for w in ("push", "pull"))
         send = max(r[f"{m}_{w}_send_x"] for r in big for m in MODES for w in ("push", "pull"))
@@ -278,6 +325,8 @@ def report(results: dict) -> str:
                   f"unencrypted {vs_fresh('none'):.0%} (gpupool receives into transparent huge pages, "
                   "gpupool.dataplane.allocate: far fewer faults than 4 KiB pages, and fewer TLB misses even than "
                   "raw's pre-touched 4 KiB pages, which is how it can pass raw)",
+                  f"- of raw TCP into the same fresh receive buffer (fresh THP): encrypted "
+                  f"{vs_fresh('curve', 'fresh_thp_mib_s'):.0%}, unencrypted {vs_fresh('none', 'fresh_thp_mib_s'):.0%}",
                   f"- receiving side's peak RSS rise ≤ 1.1x payload: {recv:.2f}x: {'met' if recv <= 1.1 else 'NOT met'}",
                   f"- sending side's peak RSS rise ≤ 0.1x payload: {send:.2f}x: {'met' if send <= 0.1 else 'NOT met'}"]
     lines += ["", "![bulk transfers](transfer.png)", ""]
@@ -314,6 +363,7 @@ def run(args, argv) -> dict:
                      "repeats": args.repeats, "big_repeats": args.big_repeats,
                      "command": " ".join(["bench/transfer_bench.py", *(argv if argv is not None else sys.argv[1:])])}
     results["warmed_gib"], results["first_touch_mib_s"] = warm_memory(args.warm_gib, max(sizes))
+    results["page_reporting"] = page_reporting()
     with tempfile.TemporaryDirectory(prefix="gpupool-transfer-bench-") as tmp:
         pools: dict[str, Pooled] = {}
         engine, results["ipp_note"] = ipp_engine()
