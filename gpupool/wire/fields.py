@@ -57,12 +57,15 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     (no control characters, no lone surrogate). ``items``: the schema of an
     array's items, or the :class:`Body` they are. ``extra``: other keywords, as
     they are. ``error``: the words of the 400 (``{key}``, ``{value}``,
-    ``{choices}``, ``{max_length}`` are filled in), or a function of the
-    value giving them. ``loose``: a number is read with
+    ``{choices}``, ``{max_length}`` and the reader's context are filled in),
+    or a function of the value giving them; ``missing``: the words when a
+    required field is absent or null (default: "'{key}' is required" for a
+    loose number, else ``error``). ``loose``: a number is read with
     :func:`~gpupool.schema.number_field` (its words for what is not a finite
     number, whole-valued floats taken as integers); else any non-number is
     ``error`` too and an integer must be an int. ``lenient``: a bad value is
-    read as None instead of refused.
+    read as None instead of refused, and its schema names no bounds (a value
+    beyond them is not refused).
     """
 
     type: str
@@ -74,6 +77,7 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     exclusive_minimum: float | None = None
     min_length: int | None = None
     max_length: int | None = None
+    max_items: int | None = None
     pattern: str | None = None
     text: bool = False
     enum: tuple[Any, ...] | None = None
@@ -82,6 +86,7 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     items: Any = None
     extra: dict[str, Any] | None = None
     error: str | Callable[[Any], str] | None = None
+    missing: str | None = None
     loose: bool = True
     lenient: bool = False
 
@@ -92,48 +97,49 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
             out["type"] = [self.type, "null"] if self.nullable else self.type
         if self.enum is not None:
             out["enum"] = [*self.enum, None] if self.nullable and self.type else list(self.enum)
-        keywords = {"minimum": self.minimum, "maximum": self.maximum, "exclusiveMinimum": self.exclusive_minimum,
-                    "minLength": self.min_length, "maxLength": self.max_length,
-                    "pattern": self.pattern or (f"^{TEXT}{'+' if self.min_length else '*'}$" if self.text else None),
-                    "format": self.format, "items": _items(self.items), "description": self.description}
+        bounds = {"minimum": self.minimum, "maximum": self.maximum, "exclusiveMinimum": self.exclusive_minimum,
+                  "minLength": self.min_length, "maxLength": self.max_length, "maxItems": self.max_items,
+                  "pattern": self.pattern or (f"^{TEXT}{'+' if self.min_length else '*'}$" if self.text else None)}
+        keywords = {"format": self.format, "items": _items(self.items), "description": self.description}
+        out.update((k, v) for k, v in ({} if self.lenient else bounds).items() if v is not None)
         out.update((k, v) for k, v in keywords.items() if v is not None)
         if self.default is not _UNSET:
             out["default"] = self.default
         return out | (self.extra or {})
 
-    def read(self, body: dict[str, Any], key: str) -> Any:
+    def read(self, body: dict[str, Any], key: str, context: dict[str, Any] | None = None) -> Any:
         """``body[key]`` checked: None when absent (or null and nullable); a
         number as a float (an integer as an int); 400 with :attr:`error`
-        otherwise (None where :attr:`lenient`)."""
-        if key not in body or (body[key] is None and self.nullable):
-            if self.required and self.loose and _numeric(self.type):
-                raise bad_request(f"'{key}' is required")  # number_field's words
-            if self.required:
-                raise self._refusal(key, body.get(key))
+        (``context`` filled in) otherwise (None where :attr:`lenient`)."""
+        value = body.get(key)
+        if value is None and self.required:
+            words = self.missing or ("'{key}' is required" if self.loose and _numeric(self.type) else None)
+            raise bad_request(words.format(key=key)) if words else self._refusal(key, None, context)
+        if value is None and (key not in body or self.nullable):
             return None
         try:
-            return self._checked(key, body[key])
+            return self._checked(key, value, context)
         except GPUPoolError:
             if self.lenient:
                 return None
             raise
 
-    def _checked(self, key: str, value: Any) -> Any:
+    def _checked(self, key: str, value: Any, context: dict[str, Any] | None) -> Any:
         if _numeric(self.type):
-            return self._number(key, value)
+            return self._number(key, value, context)
         if not _of_type(self.type, value) or not self._fits(value):
-            raise self._refusal(key, value)
+            raise self._refusal(key, value, context)
         return value
 
-    def _number(self, key: str, value: Any) -> float | int:
+    def _number(self, key: str, value: Any, context: dict[str, Any] | None) -> float | int:
         if self.loose:
             number: Any = number_field({key: value}, key, required=True)  # its words for a non-number
         elif (isinstance(value, bool) or not isinstance(value, int if self.type == "integer" else (int, float))):
-            raise self._refusal(key, value)
+            raise self._refusal(key, value, context)
         else:
             number = value
         if not self._in_range(number):
-            raise self._refusal(key, value)
+            raise self._refusal(key, value, context)
         return int(number) if self.loose and self.type == "integer" else number
 
     def _in_range(self, number: float) -> bool:
@@ -146,6 +152,8 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     def _fits(self, value: Any) -> bool:
         if self.enum is not None and value not in self.enum:
             return False
+        if isinstance(value, list):
+            return self.max_items is None or len(value) <= self.max_items
         if not isinstance(value, str):
             return True
         return not ((self.min_length is not None and len(value) < self.min_length)
@@ -153,13 +161,14 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
                     or (self.pattern is not None and not re.fullmatch(self.pattern, value))
                     or (self.text and (has_control_characters(value) or not is_unicode(value))))
 
-    def _refusal(self, key: str, value: Any) -> GPUPoolError:
+    def _refusal(self, key: str, value: Any, context: dict[str, Any] | None = None) -> GPUPoolError:
         if callable(self.error):
             return bad_request(self.error(value))
         kind = "enum" if self.enum is not None else "text" if self.text else self.type
-        words = self.error or _DEFAULT_ERRORS[kind]
+        words = self.error or _DEFAULT_ERRORS.get(kind, "'{key}' must be of type {kind}, got {value!r:.80}")
         choices = ", ".join(map(str, self.enum or ()))
-        return bad_request(words.format(key=key, value=value, choices=choices, max_length=self.max_length))
+        return bad_request(words.format(key=key, value=value, choices=choices, max_length=self.max_length, kind=kind,
+                                        **(context or {})))
 
 
 def _numeric(json_type: str) -> bool:
@@ -220,8 +229,9 @@ class Body:
         return schema
 
     @classmethod
-    def read(cls, body: dict[str, Any], *keys: str) -> dict[str, Any]:
+    def read(cls, body: dict[str, Any], *keys: str, **context: Any) -> dict[str, Any]:
         """``{key: Spec.read(body, key)}`` for ``keys`` (default: every field),
-        in that order: the first bad one raises its 400."""
+        in that order: the first bad one raises its 400, its words filled in
+        with ``context`` (e.g. the GPU's ``uuid``)."""
         specs = cls.specs()
-        return {key: specs[key].read(body, key) for key in keys or specs}
+        return {key: specs[key].read(body, key, context) for key in keys or specs}
