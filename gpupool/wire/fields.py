@@ -17,7 +17,6 @@ together) stay as code in the body's ``from_json``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Callable, ClassVar
 
@@ -147,7 +146,8 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
         return not ((self.minimum is not None and not number >= self.minimum)
                     or (self.maximum is not None and not number <= self.maximum)
                     or (self.exclusive_minimum is not None and not number > self.exclusive_minimum)
-                    or (self.type == "integer" and (not math.isfinite(number) or number != int(number))))
+                    # A float must be whole (inf and NaN are not); an int is (10**400 too, too large for a float).
+                    or (self.type == "integer" and isinstance(number, float) and not number.is_integer()))
 
     def _fits(self, value: Any) -> bool:
         if self.enum is not None and value not in self.enum:
