@@ -118,9 +118,9 @@ _PATHS: dict[str, Any] = {
                     body=_ref("NodeRegistration"), errors=(400, 401, 403, 503)),
     },
     "/nodes/{name}/heartbeat": {
-        "post": _op("Agent heartbeat: worker reports and GPU readings", _json(_ref("HeartbeatReply"), "workers to stop"),
-                    body=_ref("Heartbeat"), errors=(400, 401, 403, 404),
-                    params=[_param("name", "path", {"type": "string"}, "node name")]),
+        "post": _op("Agent heartbeat: worker reports and GPU readings",
+                    _json(_ref("HeartbeatReply"), "workers to stop"), body=_ref("Heartbeat"),
+                    errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),
     },
     "/quota": {
         "get": _op("Your limits and usage", _json({"type": "object", "properties": {
