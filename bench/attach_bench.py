@@ -47,7 +47,8 @@ from pathlib import Path
 
 from gpupool import demo_pool
 from gpupool.magics.attachment import Attachment
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 
 PHASES = ("create", "service", "agent", "wake", "connect", "cell")
 _STARTED = re.compile(r"worker for lease (\S+) of \S+ started (warm|cold) in (\d+) ms")

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpupool.demo_pool import start_agent, start_service
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/workercell.py
     from workercell import run_worker_cell
-    from gpupool.schema import LeaseRequest
+    from gpupool.wire.leases import LeaseRequest
 
     state = Path(tempfile.mkdtemp(prefix="gpupool-gpu-check-state-"))
     service = agent = None

@@ -1,8 +1,8 @@
 """gpupool: GPU pooling for Jupyter.
 
 The top-level package holds what every part shares: the wire schema
-(:mod:`gpupool.schema` for the client's bodies, :mod:`gpupool.wire` for those
-between the service and its agents), human units (:mod:`gpupool.units`), the
+(:mod:`gpupool.wire` for every body between the parts, :mod:`gpupool.schema`
+for the units and field rules they use), human units (:mod:`gpupool.units`), the
 error type (:mod:`gpupool.errors`), the HTTP client of the pool service
 (:mod:`gpupool.api`), the daemons' JSON client (:mod:`gpupool.httpout`) and
 the ``gpupool`` command line (:mod:`gpupool.cli`).

@@ -17,7 +17,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from .errors import GPUPoolError, Reason
-from .schema import Lease, LeaseRequest
+from .wire.leases import Lease, LeaseRequest
 from .tls import ENV_CA_FILE, client_context, untrusted, untrusted_message
 
 if TYPE_CHECKING:

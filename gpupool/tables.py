@@ -11,7 +11,8 @@ import html
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from .schema import Lease, parse_time
+from .schema import parse_time
+from .wire.leases import Lease
 from .units import format_bytes, format_cpus, format_duration
 
 

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, bad_request
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_duration
 
 from .auth import Identity

@@ -11,7 +11,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from gpupool.errors import bad_request
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_duration
 
 from .admission import Admission

@@ -1,6 +1,6 @@
 """The JSON the API returns for leases and the pool (docs/api.md).
 
-``gpupool.schema.Lease.from_json`` must parse :func:`lease_json`; the
+``gpupool.wire.leases.Lease.from_json`` must parse :func:`lease_json`; the
 connection info (with the worker's HMAC key) goes only to the lease's owner
 and only while the lease is active.
 """

@@ -17,7 +17,8 @@ from dataclasses import replace
 from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError, Reason
-from gpupool.schema import ENV_KERNEL_NAME, LeaseRequest, LeaseState, kernel_environment
+from gpupool.schema import ENV_KERNEL_NAME, LeaseState, kernel_environment
+from gpupool.wire.leases import LeaseRequest
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
 

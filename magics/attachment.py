@@ -15,7 +15,7 @@ from typing import Any, Callable
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelcmd import TRANSFER_TARGET
-from gpupool.schema import Lease
+from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane

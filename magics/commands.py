@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import gpu_utilization, lease_table, pool_table
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 

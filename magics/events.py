@@ -30,7 +30,8 @@ import logging
 import threading
 from typing import Any, Callable
 
-from gpupool.schema import Lease, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease
 
 TARGET = "gpupool.status"
 #: What ``state["phase"]`` can be.

@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.schema import Lease, parse_time
+from gpupool.schema import parse_time
+from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")

@@ -25,7 +25,8 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.errors import GPUPoolError, Reason
-from gpupool.schema import Lease, parse_time
+from gpupool.schema import parse_time
+from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane

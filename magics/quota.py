@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from gpupool.api import ServiceClient
 from gpupool.quota_cli import quota_text
-from gpupool.schema import Lease, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
 

@@ -9,7 +9,8 @@ import pytest
 from frontend import install_kernelspec, start_gpupool_kernel
 from procs import start_agent, start_service
 
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 
 
 @pytest.fixture

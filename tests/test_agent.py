@@ -224,7 +224,7 @@ def test_service_token_drives_the_agent(pool):
 
 @needs_service
 def test_sigterm_with_a_leased_worker_leaves_nothing(tmp_path, service):
-    from gpupool.schema import LeaseRequest
+    from gpupool.wire.leases import LeaseRequest
     from procs import start_agent
 
     agent = start_agent(tmp_path, service, name="node-9")

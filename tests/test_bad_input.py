@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import free_port, start_agent, start_service
 
 TOKENS = {"bob": "bob-token-bad-input", "boss": "boss-token-bad-input"}

@@ -22,7 +22,7 @@ from workercell import run_worker_cell
 from gpupool.provisioner.cgroups import CgroupError, containment
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, wait_for
 
 GiB = 1024**3

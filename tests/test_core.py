@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import Lease, LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease, LeaseRequest
 from gpupool.tables import idle_countdown, lease_table, table
 from gpupool.transfer import describe, dump_values, load_values
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount

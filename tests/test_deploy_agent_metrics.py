@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from procs import start_agent, wait_for
 
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 
 METRICS_TOKEN = "metrics-token-for-tests"
 

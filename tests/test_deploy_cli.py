@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpupool import __version__
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 
 
 def gpupool(*args: str, **kwargs) -> subprocess.CompletedProcess:

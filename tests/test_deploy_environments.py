@@ -17,7 +17,8 @@ from test_agent import GiB, TOKEN, call
 
 from gpupool.errors import GPUPoolError
 from gpupool.provisioner import environments
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from gpupool.provisioner.inventory.simulated import simulated_uuid
 
 SYSTEM_PYTHON = "/usr/bin/python3"

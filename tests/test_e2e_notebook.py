@@ -13,7 +13,7 @@ import pytest
 
 from frontend import run
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

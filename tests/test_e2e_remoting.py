@@ -44,7 +44,8 @@ def test_park_is_due_one_heartbeat_before_the_reclaim_margin():
     from datetime import datetime, timedelta, timezone
 
     from gpupool.magics.park import park_due, seconds_to_reclaim
-    from gpupool.schema import Lease, LeaseState, isoformat
+    from gpupool.schema import LeaseState, isoformat
+    from gpupool.wire.leases import Lease
 
     now = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
     lease = Lease(id="L-1", owner="ann", state=LeaseState.active, fraction=0.5, gpu_count=1, memory=1,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, start_service
 from workercell import run_worker_cell
 

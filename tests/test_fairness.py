@@ -34,7 +34,7 @@ from procs import start_agent, start_service
 from test_service_api import _silent_listener, assert_error, http, register
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 
 GPUPOOL = Path(sys.executable).with_name("gpupool")
 MiB = 1024**2

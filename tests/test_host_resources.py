@@ -22,7 +22,8 @@ from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
 from gpupool.provisioner.cgroups.none import GroupOnly
 from gpupool.provisioner.host_limits import out_of_memory
 from workercell import run_worker_cell
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import lease_table, pool_table
 from gpupool.magics.words import host_words
 

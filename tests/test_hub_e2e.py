@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 NEW_LEASE = """
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 client = ServiceClient.from_env()
 def try_lease(fraction):
     try:

@@ -23,7 +23,8 @@ from frontend import install_kernelspec, start_gpupool_kernel
 from gpupool.hub_plugin.config import GPUPool
 from gpupool.hub_plugin.rules.reclaim import idle_deadline
 from gpupool.magics.heartbeat import idle_warning_text
-from gpupool.schema import Lease, LeaseState, isoformat, parse_time
+from gpupool.schema import LeaseState, isoformat, parse_time
+from gpupool.wire.leases import Lease
 from procs import start_agent, start_service, wait_for
 
 WARNING = re.compile(r"gpupool: lease (L-[0-9a-f]{12}) has been idle \d+s; it will be released within \d+s and "

@@ -18,7 +18,7 @@ from traitlets import TraitError
 
 from gpupool.provisioner.inventory import InventoryError, available, inventory_class, select_inventory
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, start_service
 
 TESTS = Path(__file__).parent

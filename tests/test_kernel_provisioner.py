@@ -15,7 +15,7 @@ from jupyter_client.manager import KernelManager
 
 from gpupool.magics.kernel_provisioner import GPUPoolProvisioner, gpupool_command
 from gpupool.magics.kernelspec import main as kernelspec_main
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import free_port
 
 needs_service = pytest.mark.skipif(importlib.util.find_spec("gpupool.hub_plugin.app") is None,

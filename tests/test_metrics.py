@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_service_api import wait_state
 
-from gpupool.schema import LeaseRequest, LeaseState, parse_time
+from gpupool.schema import LeaseState, parse_time
+from gpupool.wire.leases import LeaseRequest
 
 WAIT = "gpupool_queue_wait_seconds"
 USAGE = "gpupool_usage_gpu_seconds_total"

@@ -29,7 +29,7 @@ import netns
 from frontend import Cell, run
 from gpupool.errors import GPUPoolError
 from gpupool.magics.kernelspec import kernel_json
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import AgentProcess, ServiceProc, start_agent, start_service, wait_for
 
 HEARTBEAT_TTL = 3.0  # a lease lives this long without its kernel's heartbeat (while idle)

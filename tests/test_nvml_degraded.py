@@ -36,7 +36,7 @@ from workercell import run_worker_cell
 from gpupool.provisioner.inventory import InventoryError, select_inventory
 from gpupool.provisioner.inventory.retrying import RetryingInventory, backoff_delay
 from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 
 FAKENVML = Path(__file__).with_name("fakenvml.py")
 NODE = "gpu-node"

@@ -21,7 +21,8 @@ import pytest
 from fakenvml import hanging_pid, set_hang
 from gpupool.demo_pool import processes_mentioning, wait_for
 from workercell import run_worker_cell
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from procs import start_service
 from test_nvml_degraded import REFUSED_FOR_NVML, active, node_in_state, refused_for_nvml, start_nvml_agent
 from test_service_api import _silent_listener, register

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gpupool.api import ServiceClient
 from gpupool.hub_plugin.openapi import document
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, start_service
 from test_service_api import _silent_listener, register
 

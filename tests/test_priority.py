@@ -273,7 +273,8 @@ def test_an_unknown_class_in_the_environment_is_refused_naming_the_variable():
 
 
 def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None):
-    from gpupool.schema import Lease, LeaseState, isoformat
+    from gpupool.schema import LeaseState, isoformat
+    from gpupool.wire.leases import Lease
     def moment(seconds):  # from T0 + 1000 s, "now" in these tests
         return None if seconds is None else isoformat(at(1000 + seconds))
 

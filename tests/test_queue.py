@@ -15,7 +15,8 @@ from test_service_api import gpu_allocations, wait_state
 from gpupool.errors import GPUPoolError
 from gpupool.hub_plugin.rules.queue import Waiting, drain, estimate, order, position
 from gpupool.hub_plugin.rules.scheduler import Demand
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=timezone.utc)
 
@@ -153,7 +154,7 @@ def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
 ])
 def test_progress_words(fields, words):
     from gpupool.magics.quota import progress_words
-    from gpupool.schema import Lease
+    from gpupool.wire.leases import Lease
 
     lease = Lease.from_json({"id": "L-000000000001", "owner": "ann", "fraction": 0.5, "gpu_count": 1, "memory": 0,
                              **fields})

@@ -13,7 +13,8 @@ from test_service_api import _silent_listener, assert_error, http, postgres_url,
 
 from gpupool.errors import GPUPoolError
 from gpupool.hub_plugin.rules.quotas import Limits, check, merge, parse_entry, parse_table, resolve
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 
 TABLE = parse_table({
     "*": {"max_gpus": 1, "gpu_hours_per_day": 8, "max_idle_timeout": "1h"},

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from gpupool import demo_pool
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from procs import ServiceProc, free_port, start_agent, stop_process, wait_for
 from workercell import run_worker_cell
 

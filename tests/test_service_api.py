@@ -23,7 +23,8 @@ from procs import start_agent, start_service, wait_for
 from gpupool.demo_pool import processes_mentioning
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import Lease, LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease, LeaseRequest
 
 GiB = 1024**3
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from gpupool.schema import Lease, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease
 from gpupool.magics.events import PHASES, lease_state
 from frontend import Cell
 
@@ -219,7 +220,7 @@ def test_idle_warning_and_park_come_as_events_and_the_next_cell_resumes(status):
 
 
 def test_a_queued_request_shows_its_place_then_admitted_then_attached(e2e_pool, status):
-    from gpupool.schema import LeaseRequest
+    from gpupool.wire.leases import LeaseRequest
     from gpupool.units import parse_gpu_amount
 
     service = e2e_pool[0]

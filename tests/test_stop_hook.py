@@ -17,7 +17,7 @@ from test_hub_e2e import ok, open_kernel
 from test_service_api import postgres_url  # noqa: F401 (a fixture)
 
 from gpupool.demo_pool import wait_for
-from gpupool.schema import LeaseRequest
+from gpupool.wire.leases import LeaseRequest
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,7 +28,8 @@ from gpupool import demo_pool
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError
 from workercell import run_worker_cell
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from procs import processes_mentioning, start_service, stop_process, wait_for
 
 #: Upper bound (seconds) on each wait for something that must happen.

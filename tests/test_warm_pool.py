@@ -343,7 +343,7 @@ def test_failed_preload_leaves_leases_to_cold_starts(tmp_path):
 # -- through the service and a real agent ---------------------------------------------------------------------
 
 def test_lease_gets_a_prestarted_worker_and_agent_stop_leaves_nothing(tmp_path, service):
-    from gpupool.schema import LeaseRequest
+    from gpupool.wire.leases import LeaseRequest
     from procs import start_agent
 
     agent = start_agent(tmp_path, service, name="node-w", extra_args=["--warm-workers=2"])

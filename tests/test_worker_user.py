@@ -25,7 +25,8 @@ import pytest
 
 from workercell import run_worker_cell
 from gpupool.provisioner.worker_user import WorkerUser
-from gpupool.schema import LeaseRequest, LeaseState
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
 from procs import processes_mentioning, start_agent, start_service, wait_for
 
 USER = "gpupool-test-worker"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import urllib.parse
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import bad_request
-from ..schema import (MAX_BYTES, MAX_CPUS, MAX_INT32, has_control_characters, is_unicode, number_field,
-                      text_field)
+from ..schema import MAX_BYTES, MAX_CPUS, MAX_INT32, has_control_characters, is_unicode, number_field
+from .fields import TEXT, WORDS, Body, Spec, wired
 
 #: How an agent lists its GPUs: its ``inventory``.
 INVENTORIES = ("simulated", "nvml")
@@ -23,6 +23,21 @@ INVENTORIES = ("simulated", "nvml")
 LEGACY_WHOLE_GPU_MODES = ("mig", "exclusive")
 #: The heartbeat interval an agent uses when the service's answer names none.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
+#: The optional ``inventory_error`` of a registration or heartbeat.
+_INVENTORY_ERROR = Spec(
+    "string", "why the agent cannot read its GPUs (NVML failed to start or stopped answering); null or absent: it "
+    "can. While set the node is degraded: its GPUs are kept as last known, its leases go on, nothing new is placed "
+    "there", nullable=True, min_length=1, max_length=500, pattern=WORDS,
+    error="'inventory_error' must be null or words of 1 to 500 characters without control characters")
+_GPU_TEXT = {"text": True, "min_length": 1, "max_length": 200}
+_GPU_NAME = {"required": True, "missing": "each GPU needs 'uuid' and 'name'", **_GPU_TEXT}
+#: A list an agent sends; null or absent: empty.
+_LIST = {"nullable": True, "error": "'{key}' must be a list"}
+_TIME = {"nullable": True, "format": "date-time", "lenient": True}
+_ENV_TEXT = {"required": True, "error": "each environment needs 'name' and 'python' (strings)"}
+_STOP = Spec("array", "lease ids whose workers must stop", items={"type": "string"})
+_READ_BYTES = {"nullable": True, "minimum": 0, "maximum": MAX_BYTES, "loose": False,
+               "error": "'{key}' must be a whole number of bytes from 0 to 2**50"}
 
 
 def _one_line(text: str) -> str:
@@ -31,60 +46,52 @@ def _one_line(text: str) -> str:
     return text if is_unicode(text) else text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _whole(value: Any, lo: int, hi: int) -> int | None:
-    """``value`` when it is an int (not a bool) within ``[lo, hi]``, else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi else None
-
-
-def _list(body: dict[str, Any], key: str, *, required: bool = False) -> list[Any]:
-    value = body.get(key)
-    if value is None and not required:
-        return []
-    if not isinstance(value, list):
-        raise bad_request(f"'{key}' must be a list")
-    return value
-
-
 @dataclass(frozen=True)
-class GPUInfo:
+class GPUInfo(Body):
     """One GPU as an agent reports it at registration.
 
     ``memory_total`` and ``memory_reserved`` (driver-reserved) in bytes;
     ``compute_capability`` like ``"8.0"`` or None when unknown.
     """
 
-    uuid: str
-    name: str
-    index: int
-    memory_total: int
-    memory_reserved: int = 0
-    compute_capability: str | None = None
+    #: Sent by the agent with the registration, kept by it (:attr:`NodeRegistration.unhealthy`).
+    EXTRA: ClassVar[dict[str, Spec]] = {"healthy": Spec("boolean", "false: lost, or a critical Xid")}
+
+    uuid: str = wired(Spec("string", "NVML UUID", **_GPU_NAME))
+    name: str = wired(Spec("string", "e.g. NVIDIA A100-SXM4-80GB", **_GPU_NAME))
+    index: int = wired(Spec("integer", required=True, minimum=0, maximum=1023,
+                            error="GPU {uuid}: 'index' must be a whole number from 0 to 1023"))
+    memory_total: int = wired(Spec("integer", "bytes", required=True, minimum=1, maximum=MAX_BYTES))
+    memory_reserved: int = wired(Spec("integer", "bytes the driver keeps; less than memory_total", minimum=0,
+                                      maximum=MAX_BYTES), 0)
+    compute_capability: str | None = wired(Spec("string", "e.g. 8.0", nullable=True, **_GPU_TEXT), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "GPUInfo":
         """Validate one GPU entry of a node registration (400 on bad input)."""
         if not isinstance(body, dict):
             raise bad_request("each GPU must be a JSON object")
-        uuid, name = text_field(body, "uuid"), text_field(body, "name")
-        if not uuid or not name:
-            raise bad_request("each GPU needs 'uuid' and 'name'")
-        index = number_field(body, "index", required=True)
-        if index != int(index) or not 0 <= index <= 1023:
-            raise bad_request(f"GPU {uuid}: 'index' must be a whole number from 0 to 1023")
+        for key in ("uuid", "name"):  # a bad uuid or name is told before a missing one
+            if body.get(key) is not None:
+                cls.read(body, key)
+        texts = cls.read(body, "uuid", "name")
+        uuid = texts["uuid"]
+        index = cls.read(body, "index", uuid=uuid)["index"]
+        # Two limits in one sentence, the second relative to the first: code, not specs.
         total = number_field(body, "memory_total", required=True)
         reserved = number_field(body, "memory_reserved") or 0
         if not 0 < total <= MAX_BYTES or reserved < 0 or reserved >= total:
             raise bad_request(f"GPU {uuid}: memory_total must be bytes in (0, 2**50] and memory_reserved in "
                               "[0, memory_total)")
-        return cls(uuid=uuid, name=name, index=int(index), memory_total=int(total),
-                   memory_reserved=int(reserved), compute_capability=text_field(body, "compute_capability"))
+        return cls(uuid=uuid, name=texts["name"], index=index, memory_total=int(total),
+                   memory_reserved=int(reserved), **cls.read(body, "compute_capability"))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 @dataclass
-class WorkerReport:
+class WorkerReport(Body):
     """One worker as the agent reports it in a node heartbeat.
 
     ``execution_state`` is the kernel's last IOPub status (``starting``,
@@ -93,67 +100,56 @@ class WorkerReport:
     ``reason`` the agent's words for a death it caused (e.g. it was stopped).
     """
 
-    lease_id: str
-    pid: int | None
-    execution_state: str
-    idle_since: str | None = None
-    exit_code: int | None = None
-    memory_used: int | None = None
-    reason: str | None = None
-
     STATES = ("starting", "idle", "busy", "dead")
+
+    lease_id: str = wired(Spec("string", required=True, text=True, min_length=1, max_length=40,
+                               error="each worker report needs a 'lease_id' (at most 40 characters)"))
+    pid: int | None = wired(Spec("integer", "ignored unless 0 to 2**31-1", nullable=True, minimum=0,
+                                 maximum=MAX_INT32, loose=False, lenient=True))
+    execution_state: str = wired(Spec("", required=True, enum=STATES,
+                                      error="execution_state must be one of {choices}"))
+    idle_since: str | None = wired(Spec("string", **_TIME), None)
+    exit_code: int | None = wired(Spec("integer", "negative: killed by that signal", nullable=True,
+                                       minimum=-MAX_INT32, maximum=MAX_INT32, loose=False, lenient=True), None)
+    memory_used: int | None = wired(Spec("integer", "bytes; ignored unless 0 to 2**50", nullable=True, minimum=0,
+                                         maximum=MAX_BYTES, loose=False, lenient=True), None)
+    reason: str | None = wired(Spec("string", "cut to 200 characters, one line", nullable=True, lenient=True), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerReport":
         """Validate one worker entry of a heartbeat (400 on bad input)."""
-        lease_id = body.get("lease_id") if isinstance(body, dict) else None
-        if (not isinstance(lease_id, str) or not 0 < len(lease_id) <= 40 or has_control_characters(lease_id)
-                or not is_unicode(lease_id)):
-            raise bad_request("each worker report needs a 'lease_id' (at most 40 characters)")
-        state = body.get("execution_state")
-        if state not in cls.STATES:
-            raise bad_request(f"execution_state must be one of {', '.join(cls.STATES)}")
-        idle_since = body.get("idle_since")
-        reason = body.get("reason")
-        return cls(lease_id=lease_id, pid=_whole(body.get("pid"), 0, MAX_INT32),
-                   execution_state=state, idle_since=idle_since if isinstance(idle_since, str) else None,
-                   exit_code=_whole(body.get("exit_code"), -MAX_INT32, MAX_INT32),
-                   memory_used=_whole(body.get("memory_used"), 0, MAX_BYTES),
-                   reason=_one_line(reason[:200]) if isinstance(reason, str) and reason.strip() else None)
+        values = cls.read(body if isinstance(body, dict) else {})
+        reason = values["reason"]
+        values["reason"] = _one_line(reason[:200]) if reason and reason.strip() else None
+        return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 @dataclass(frozen=True)
-class GPUReading:
+class GPUReading(Body):
     """One GPU's readings in a heartbeat: ``memory_used`` bytes, ``utilization``
     percent (0-100), ``healthy`` (False: lost, or a critical Xid), and
     ``memory_unattributed`` bytes used by processes of no worker; None: unknown
     (``healthy`` and ``memory_unattributed`` are then left out of the body)."""
 
-    uuid: str
-    memory_used: int | None = None
-    utilization: float | None = None
-    healthy: bool | None = None
-    memory_unattributed: int | None = None
+    uuid: str = wired(Spec("string", required=True, error="each GPU reading needs a 'uuid'"))
+    memory_used: int | None = wired(Spec("integer", "bytes", **_READ_BYTES), None)
+    utilization: float | None = wired(Spec("number", "percent", nullable=True, minimum=0, maximum=100, loose=False,
+                                           error="'utilization' must be a percentage from 0 to 100"), None)
+    healthy: bool | None = wired(Spec("boolean", "false: lost, or a critical Xid", nullable=True,
+                                      error="'healthy' must be true or false"), None)
+    memory_unattributed: int | None = wired(Spec("integer", "bytes used by processes of no worker",
+                                                 **_READ_BYTES), None)
 
     @classmethod
     def from_json(cls, value: Any) -> "GPUReading":
         """Validate one GPU reading of a heartbeat (400 on bad input)."""
-        if not isinstance(value, dict) or not isinstance(value.get("uuid"), str):
-            raise bad_request("each GPU reading needs a 'uuid'")
-        used, util, healthy = value.get("memory_used"), value.get("utilization"), value.get("healthy")
-        unattributed = value.get("memory_unattributed")
-        for key, number in (("memory_used", used), ("memory_unattributed", unattributed)):
-            if number is not None and (isinstance(number, bool) or not isinstance(number, int)
-                                       or not 0 <= number <= MAX_BYTES):
-                raise bad_request(f"'{key}' must be a whole number of bytes from 0 to 2**50")
-        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100):
-            raise bad_request("'utilization' must be a percentage from 0 to 100")
-        if healthy is not None and not isinstance(healthy, bool):
-            raise bad_request("'healthy' must be true or false")
-        return cls(value["uuid"], used, None if util is None else float(util), healthy, unattributed)
+        values = cls.read(value if isinstance(value, dict) else {}, "uuid", "memory_used", "memory_unattributed",
+                          "utilization", "healthy")
+        util = values["utilization"]
+        return cls(**values | {"utilization": None if util is None else float(util)})
 
     @classmethod
     def of(cls, reading: dict[str, Any]) -> "GPUReading":
@@ -170,26 +166,24 @@ class GPUReading:
 
 
 @dataclass(frozen=True)
-class WorkerEnvironment:
+class WorkerEnvironment(Body):
     """One worker environment as the agent checked it (``c.NodeAgent.environments``):
     its ``name``, the ``python`` it runs, whether it is the node's ``default``,
     whether it is ``usable``, and the ``problem`` when it is not."""
 
-    name: str
-    python: str
-    default: bool = False
-    usable: bool = False
-    problem: str | None = None
+    name: str = wired(Spec("string", "cut to 100 characters", **_ENV_TEXT))
+    python: str = wired(Spec("string", "cut to 500 characters", **_ENV_TEXT))
+    default: bool = wired(Spec("boolean", "anything but true: false", lenient=True), False)
+    usable: bool = wired(Spec("boolean", "anything but true: false", lenient=True), False)
+    problem: str | None = wired(Spec("string", "cut to 500 characters", nullable=True,
+                                     error="an environment's 'problem' must be words or null"), None)
 
     @classmethod
     def from_json(cls, env: Any) -> "WorkerEnvironment":
         """One entry of a registration's ``environments``, cut to its bounds (400 without name or python)."""
-        if not isinstance(env, dict) or not isinstance(env.get("name"), str) or not isinstance(env.get("python"), str):
-            raise bad_request("each environment needs 'name' and 'python' (strings)")
-        problem = env.get("problem")
-        if problem is not None and not isinstance(problem, str):
-            raise bad_request("an environment's 'problem' must be words or null")
-        return cls(env["name"][:100], env["python"][:500], env.get("default") is True, env.get("usable") is True,
+        values = cls.read(env if isinstance(env, dict) else {})
+        problem = values["problem"]
+        return cls(values["name"][:100], values["python"][:500], values["default"] is True, values["usable"] is True,
                    None if problem is None else problem[:500])
 
     def to_json(self) -> dict[str, Any]:
@@ -197,7 +191,7 @@ class WorkerEnvironment:
 
 
 @dataclass(frozen=True)
-class NodeRegistration:
+class NodeRegistration(Body):
     """``POST /nodes``: the agent's node, at its start and after the service forgot it.
 
     ``name`` (1 to 200 characters, no ``/``), ``url`` the agent's http(s) API,
@@ -210,17 +204,27 @@ class NodeRegistration:
     ``host_memory`` bytes leases may take (both or neither; None: not reported).
     """
 
-    name: str
-    url: str
-    inventory: str
-    enforcement: str | None = None
-    whole_gpus: bool = False
-    gpus: tuple[GPUInfo, ...] = ()
-    workers: tuple[WorkerReport, ...] = ()
-    inventory_error: str | None = None
-    environments: tuple[WorkerEnvironment, ...] | None = None
-    host_cpus: float | None = None
-    host_memory: int | None = None
+    name: str = wired(Spec("string", "no '/', control characters or surrounding spaces", required=True,
+                           min_length=1, max_length=200, pattern="^[^/\\x00-\\x1f\\x7f]+$"))
+    url: str = wired(Spec("string", "the agent's http(s) API", required=True, max_length=500, format="uri"))
+    inventory: str = wired(Spec("", required=True, enum=INVENTORIES))
+    enforcement: str | None = wired(Spec("string", "the mode's name (shown)", nullable=True, min_length=1,
+                                         max_length=50, pattern=f"^{TEXT}*$",
+                                         error="'enforcement' must be a string of at most 50 characters"), None)
+    whole_gpus: bool = wired(Spec("boolean", "whole GPUs only (absent: true for the legacy names mig, exclusive)",
+                                  nullable=True, error="'whole_gpus' must be true or false, got {value!r:.40}"),
+                             False)
+    gpus: tuple[GPUInfo, ...] = wired(Spec("array", required=True, items=GPUInfo, error="'{key}' must be a list"),
+                                      ())
+    workers: tuple[WorkerReport, ...] = wired(Spec("array", items=WorkerReport, **_LIST), ())
+    inventory_error: str | None = wired(_INVENTORY_ERROR, None)
+    environments: tuple[WorkerEnvironment, ...] | None = wired(Spec(
+        "array", "null or absent: not reported", nullable=True, max_items=100, items=WorkerEnvironment,
+        error="'environments' must be a list of at most 100 worker environments"), None)
+    host_cpus: float | None = wired(Spec("number", "cores leases may take; with host_memory or neither",
+                                         nullable=True, exclusive_minimum=0, maximum=MAX_CPUS), None)
+    host_memory: int | None = wired(Spec("integer", "bytes leases may take; with host_cpus or neither",
+                                         nullable=True, exclusive_minimum=0, maximum=MAX_BYTES), None)
     unhealthy: frozenset[str] = frozenset()
 
     @classmethod
@@ -229,22 +233,20 @@ class NodeRegistration:
         if not isinstance(body, dict):
             raise bad_request("the registration body must be a JSON object")
         name, url = _name(body.get("name")), _url(body.get("url"))
-        inventory = body.get("inventory")
-        if inventory not in INVENTORIES:
-            raise bad_request(f"'inventory' must be one of {', '.join(INVENTORIES)}, got {inventory!r:.80}")
-        enforcement, whole = _enforcement(body)
-        entries = _list(body, "gpus", required=True)
+        values = cls.read(body, "inventory", "enforcement", "whole_gpus")
+        whole = values["whole_gpus"]
+        whole = values["enforcement"] in LEGACY_WHOLE_GPU_MODES if whole is None else whole  # older agents
+        entries = cls.read(body, "gpus")["gpus"]
         gpus = tuple(GPUInfo.from_json(g) for g in entries)
         if len({g.uuid for g in gpus}) != len(gpus):
             raise bad_request("each GPU 'uuid' must appear once")
-        workers = tuple(WorkerReport.from_json(w) for w in _list(body, "workers"))
-        error = inventory_error(body)
-        environments = body.get("environments")
-        if environments is not None and (not isinstance(environments, list) or len(environments) > 100):
-            raise bad_request("'environments' must be a list of at most 100 worker environments")
+        workers = tuple(WorkerReport.from_json(w) for w in cls.read(body, "workers")["workers"] or ())
+        values |= cls.read(body, "inventory_error", "environments")
+        environments = values["environments"]
         envs = None if environments is None else tuple(WorkerEnvironment.from_json(e) for e in environments)
         cpus, memory = _host(body)
-        return cls(name, url, inventory, enforcement, whole, gpus, workers, error, envs, cpus, memory,
+        return cls(name, url, values["inventory"], values["enforcement"], whole, gpus, workers,
+                   values["inventory_error"], envs, cpus, memory,
                    frozenset(g["uuid"] for g in entries if g.get("healthy") is False))
 
     @property
@@ -263,21 +265,22 @@ class NodeRegistration:
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(Body):
     """``POST /nodes/{name}/heartbeat``: the agent's lease ``workers``, its
     ``gpus``' readings and its ``inventory_error`` (None: it reads its GPUs)."""
 
-    workers: tuple[WorkerReport, ...] = ()
-    gpus: tuple[GPUReading, ...] = ()
-    inventory_error: str | None = None
+    workers: tuple[WorkerReport, ...] = wired(Spec("array", items=WorkerReport, **_LIST), ())
+    gpus: tuple[GPUReading, ...] = wired(Spec("array", items=GPUReading, **_LIST), ())
+    inventory_error: str | None = wired(_INVENTORY_ERROR, None)
 
     @classmethod
     def from_json(cls, body: Any) -> "Heartbeat":
         """Validate a heartbeat body; 400 naming the field."""
         if not isinstance(body, dict):
             raise bad_request("the heartbeat body must be a JSON object")
-        return cls(tuple(WorkerReport.from_json(w) for w in _list(body, "workers")),
-                   tuple(GPUReading.from_json(g) for g in _list(body, "gpus")), inventory_error(body))
+        workers = tuple(WorkerReport.from_json(w) for w in cls.read(body, "workers")["workers"] or ())
+        gpus = tuple(GPUReading.from_json(g) for g in cls.read(body, "gpus")["gpus"] or ())
+        return cls(workers, gpus, cls.read(body, "inventory_error")["inventory_error"])
 
     def to_json(self) -> dict[str, Any]:
         return {"workers": [w.to_json() for w in self.workers], "gpus": [g.to_json() for g in self.gpus],
@@ -285,11 +288,11 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class HeartbeatReply:
+class HeartbeatReply(Body):
     """The service's answer to a heartbeat: ``stop``, the lease ids whose
     workers no lease holds (the agent stops them)."""
 
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = wired(_STOP, ())
 
     @classmethod
     def from_json(cls, body: Any) -> "HeartbeatReply":
@@ -301,14 +304,14 @@ class HeartbeatReply:
 
 
 @dataclass(frozen=True)
-class RegistrationReply:
+class RegistrationReply(Body):
     """The service's answer to a registration: the node's ``name``, the
     ``heartbeat_interval`` seconds the agent beats at, and ``stop`` (as in
     :class:`HeartbeatReply`)."""
 
-    name: str
-    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
-    stop: tuple[str, ...] = ()
+    name: str = wired(Spec("string"))
+    heartbeat_interval: float = wired(Spec("number", "seconds"), DEFAULT_HEARTBEAT_INTERVAL)
+    stop: tuple[str, ...] = wired(_STOP, ())
 
     @classmethod
     def from_json(cls, body: Any) -> "RegistrationReply":
@@ -350,30 +353,6 @@ def _url(value: Any) -> str:
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc or len(value) > 500:
         raise bad_request(f"'url' must be the agent's http(s) URL, like http://10.0.0.5:8766, got {value!r:.80}")
     return value.rstrip("/")
-
-
-def _enforcement(body: dict[str, Any]) -> tuple[str | None, bool]:
-    """``(mode name, whole GPUs only)`` of a registration: the agent's
-    ``enforcement`` (the name, shown) and ``whole_gpus`` (its capacity rule,
-    placed by; absent from older agents, whose built-in names say it)."""
-    name, whole = body.get("enforcement"), body.get("whole_gpus")
-    if name is not None and (not isinstance(name, str) or not 0 < len(name) <= 50 or has_control_characters(name)):
-        raise bad_request("'enforcement' must be a string of at most 50 characters")
-    if whole is None:
-        return name, name in LEGACY_WHOLE_GPU_MODES
-    if not isinstance(whole, bool):
-        raise bad_request(f"'whole_gpus' must be true or false, got {whole!r:.40}")
-    return name, whole
-
-
-def inventory_error(body: dict[str, Any]) -> str | None:
-    """The optional ``inventory_error`` of a registration or heartbeat: why the
-    agent cannot read its GPUs (null: it can)."""
-    value = body.get("inventory_error")
-    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 500 or not value.strip()
-                              or has_control_characters(value)):
-        raise bad_request("'inventory_error' must be null or words of 1 to 500 characters without control characters")
-    return value
 
 
 def _host(body: dict[str, Any]) -> tuple[float | None, int | None]:

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import bad_request
+from .fields import Body, Spec, wired
+
+_BOTH = "'lease_id' and 'owner' must be non-empty strings"
+_WHOLE_BYTES = {"nullable": True, "loose": False, "error": "'{key}' must be whole bytes, got {value!r:.40}"}
 
 
 @dataclass(frozen=True)
-class WorkerRequest:
+class WorkerRequest(Body):
     """``POST /workers``: start the worker of ``lease_id`` for ``owner``.
 
     ``gpus``: UUIDs of the node's GPUs; ``fraction`` in (0, 1] of each;
@@ -26,14 +30,20 @@ class WorkerRequest:
     ``env``: the worker environment (None: the node's default).
     """
 
-    lease_id: str
-    owner: str
-    gpus: tuple[str, ...]
-    fraction: float = 1.0
-    memory: int | None = None
-    cpus: float | None = None
-    host_memory: int | None = None
-    env: str | None = None
+    lease_id: str = wired(Spec("string", required=True, error=_BOTH))
+    owner: str = wired(Spec("string", required=True, min_length=1, max_length=200, error=_BOTH))
+    gpus: tuple[str, ...] = wired(Spec("array", "UUIDs of the node's GPUs", required=True,
+                                       items={"type": "string"}, extra={"minItems": 1}))
+    fraction: float = wired(Spec("number", "of each GPU", exclusive_minimum=0, maximum=1, default=1, loose=False,
+                                 error="'fraction' must be a number in (0, 1], got {value!r}"), 1.0)
+    memory: int | None = wired(Spec("integer", "bytes on each GPU (null: the fraction's share)", **_WHOLE_BYTES),
+                               None)
+    cpus: float | None = wired(Spec("number", "cores for the worker's cgroup (absent: not limited)", nullable=True,
+                                    loose=False, error="'cpus' must be a number of cores, got {value!r:.40}"), None)
+    host_memory: int | None = wired(Spec("integer", "bytes for the worker's cgroup (absent: not limited)",
+                                         **_WHOLE_BYTES), None)
+    env: str | None = wired(Spec("string", "the worker environment (absent: the node's default)", nullable=True,
+                                 error="'env' must be the name of a worker environment, got {value!r}"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerRequest":
@@ -41,26 +51,13 @@ class WorkerRequest:
         depend on the node are the agent's to check."""
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        lease_id, owner = body.get("lease_id"), body.get("owner")
-        if not isinstance(lease_id, str) or not isinstance(owner, str) or not owner or len(owner) > 200:
-            raise bad_request("'lease_id' and 'owner' must be non-empty strings")
+        values = cls.read(body, "lease_id", "owner")
         gpus = body.get("gpus")
         if not isinstance(gpus, list) or not gpus or not all(isinstance(u, str) for u in gpus):
-            raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")
-        fraction = body.get("fraction", 1.0)
-        if not _is_number(fraction) or not 0 < fraction <= 1:
-            raise bad_request(f"'fraction' must be a number in (0, 1], got {fraction!r}")
-        memory, cpus, host_memory = body.get("memory"), body.get("cpus"), body.get("host_memory")
-        if memory is not None and not _is_whole(memory):
-            raise bad_request(f"'memory' must be whole bytes, got {memory!r:.40}")
-        if cpus is not None and not _is_number(cpus):
-            raise bad_request(f"'cpus' must be a number of cores, got {cpus!r:.40}")
-        if host_memory is not None and not _is_whole(host_memory):
-            raise bad_request(f"'host_memory' must be whole bytes, got {host_memory!r:.40}")
-        env = body.get("env")
-        if env is not None and not isinstance(env, str):
-            raise bad_request(f"'env' must be the name of a worker environment, got {env!r}")
-        return cls(lease_id, owner, tuple(gpus), float(fraction), memory, cpus, host_memory, env)
+            raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")  # each item's type: code
+        values |= cls.read(body, "fraction", "memory", "cpus", "host_memory", "env")
+        fraction = values.pop("fraction")
+        return cls(**values, gpus=tuple(gpus), fraction=1.0 if fraction is None else float(fraction))
 
     def to_json(self) -> dict[str, Any]:
         """The body: ``memory`` always (null: the agent's default), the optional fields only when set."""
@@ -73,14 +70,14 @@ class WorkerRequest:
 
 
 @dataclass(frozen=True)
-class WorkerStarted:
+class WorkerStarted(Body):
     """The agent's 201 to ``POST /workers``: the worker's ``pid`` (None when
     the agent sent none usable) and its Jupyter ``connection`` info (``ip``,
     ``transport``, the five ports, ``signature_scheme``, ``key``; plus
     ``curve_publickey`` when the agent encrypts worker traffic)."""
 
-    pid: int | None
-    connection: dict[str, Any]
+    pid: int | None = wired(Spec("integer", "ignored unless an int", nullable=True, loose=False, lenient=True))
+    connection: dict[str, Any] = wired(Spec("object", "Jupyter connection info", required=True))
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerStarted":
@@ -88,35 +85,26 @@ class WorkerStarted:
         connection = body.get("connection") if isinstance(body, dict) else None
         if not isinstance(connection, dict):
             raise ValueError("the answer has no 'connection' object")
-        pid = body.get("pid")
-        return cls(pid if _is_whole(pid) else None, connection)
+        return cls(cls.read(body, "pid")["pid"], connection)
 
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "connection": self.connection}
 
 
 @dataclass(frozen=True)
-class WorkerStopped:
+class WorkerStopped(Body):
     """The agent's 200 to ``DELETE /workers/{lease_id}``: the worker's
     ``exit_code`` (negative: killed by that signal; None: unknown)."""
 
-    lease_id: str
-    exit_code: int | None
+    lease_id: str = wired(Spec("string", "\"\" when not a string", lenient=True))
+    exit_code: int | None = wired(Spec("integer", "negative: killed by that signal; null: unknown", nullable=True,
+                                       loose=False, lenient=True))
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerStopped":
         """Lenient: what is not an int is an unknown exit code."""
-        body = body if isinstance(body, dict) else {}
-        lease_id, code = body.get("lease_id"), body.get("exit_code")
-        return cls(lease_id if isinstance(lease_id, str) else "", code if _is_whole(code) else None)
+        values = cls.read(body if isinstance(body, dict) else {})
+        return cls(values["lease_id"] or "", values["exit_code"])
 
     def to_json(self) -> dict[str, Any]:
         return {"lease_id": self.lease_id, "exit_code": self.exit_code}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,235 @@
+"""The client's bodies: the lease request (``POST /api/v1/leases``) and the
+lease (every answer about one), shared by the service, the magic and the CLI
+(docs/api.md, "Leases"). Each field is declared once (:mod:`.fields`): its
+checks and the JSON Schema of ``/api/v1/openapi.json`` come from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from ..errors import bad_request
+from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MIN_CPUS, MIN_FRACTION, MIN_MEMORY, LeaseState,
+                      number_field)
+from .fields import Body, Spec, wired
+
+#: The longest wait and idle timeout any request may name, seconds (366 days).
+MOST_SECONDS = 366 * 86400
+
+
+def _fraction_words(value: Any) -> str:
+    if 0 < value <= 1:  # in range, but less than the smallest share
+        return (f"'fraction' must be at least {MIN_FRACTION} (1% of a GPU, the smallest CUDA MPS share), "
+                f"got {value!r}")
+    return f"'fraction' must be in (0, 1], got {value!r}; ask for whole GPUs with 'gpu_count'"
+
+
+def _bytes(key: str, words: str, *, more_than_zero: str = "") -> Spec:
+    """A byte count a request may name: whole, 1 MiB to 2**50."""
+    return Spec("integer", words, nullable=True, minimum=MIN_MEMORY, maximum=MAX_BYTES,
+                error=f"'{key}' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50{more_than_zero}, "
+                "got {value!r}")
+
+
+def _env(key: str, words: str) -> Spec:
+    return Spec("string", words, nullable=True, pattern=f"^{ENV_NAME.pattern}$",
+                error=f"'{key}' must name a worker environment (letters, digits, '.', '_', '-'; at most 100), "
+                "got {value!r:.80}")
+
+
+_NAME = {"nullable": True, "text": True, "min_length": 1, "max_length": 200}
+_TIME = {"type": "string", "nullable": True, "format": "date-time"}
+
+
+@dataclass(frozen=True)
+class LeaseRequest(Body):
+    """What a client asks for with ``POST /api/v1/leases``.
+
+    ``fraction`` in (0, 1] of one GPU, or ``gpu_count`` N >= 2 whole GPUs on one
+    node (then ``fraction`` is 1). ``memory`` in bytes (None: the fraction's
+    share of the GPU's usable memory), ``model`` a substring of the GPU name
+    (``"A100"``), ``idle_timeout`` seconds (None: the pool's default),
+    ``kernel_id`` the notebook kernel that holds the lease (used to release
+    its leases when the kernel stops). ``wait`` seconds: when nothing fits
+    now, queue that long (None or 0: refuse at once with 409).
+    ``server_name``: the JupyterHub single-user server the kernel runs in
+    (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
+    255 characters), so that stopping one server releases only its leases.
+    ``env``: the worker environment on the node (``c.NodeAgent.environments``,
+    a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default);
+    the lease is placed only on a node that offers it, and refused at once
+    (409 ``unknown_environment``) when no node does. ``prefer_env``: used when
+    ``env`` is None, the environment to run in when some node offers it, else
+    the node's default, never a refusal (the magic sends the notebook kernel's
+    :func:`kernel_environment`).
+    ``lease_class``: ``"interactive"`` (None: the default, a person at a
+    notebook) or ``"batch"`` (queued behind every interactive request);
+    ``preemptible``: the lease's running cell may be interrupted and the lease
+    parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
+    ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
+    the node's host, held for the lease and enforced on its worker's cgroup;
+    None: the GPU share's part of the node's (``c.GPUPool.host_share``).
+    """
+
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "additionalProperties": False, "description": "null: as if left out",
+        # Several GPUs are whole GPUs.
+        "if": {"required": ["gpu_count"], "properties": {"gpu_count": {"type": "integer", "minimum": 2}}},
+        "then": {"properties": {"fraction": {"enum": [1, None]}}}}
+
+    #: The order the fields are checked in after the GPU ask (``gpu_count``, ``fraction``, the rule between
+    #: them): the order of before they were declared, so a body with several bad fields gets the same 400.
+    CHECK_ORDER: ClassVar[tuple[str, ...]] = (
+        "memory", "idle_timeout", "wait", "server_name", "lease_class", "preemptible", "cpus", "host_memory", "model",
+        "kernel_id", "env", "prefer_env")
+
+    fraction: float = wired(Spec("number", "of one GPU; 1 (or left out) when gpu_count > 1", nullable=True,
+                                 minimum=MIN_FRACTION, maximum=1, default=1, error=_fraction_words), 1.0)
+    gpu_count: int = wired(Spec("integer", "whole GPUs, all on one node; 400 above the biggest node's count",
+                                nullable=True, minimum=1, maximum=64, default=1,
+                                error="'gpu_count' must be a whole number from 1 to 64, got {value!r}"), 1)
+    memory: int | None = wired(_bytes("memory", "bytes per GPU (default: the fraction's share)"), None)
+    model: str | None = wired(Spec("string", "substring of the GPU name, e.g. A100", **_NAME), None)
+    idle_timeout: float | None = wired(Spec(
+        "number", "seconds (at most c.GPUPool.max_idle_timeout, or max_idle_timeout of your quota: 400 above it)",
+        nullable=True, exclusive_minimum=0, maximum=MOST_SECONDS,
+        error=f"'idle_timeout' must be seconds in (0, {MOST_SECONDS}], got {{value!r}}"), None)
+    kernel_id: str | None = wired(Spec("string", **_NAME), None)
+    wait: float | None = wired(Spec(
+        "number", "seconds to queue when nothing fits (at most c.GPUPool.max_wait); 0 or absent: 409 at once",
+        nullable=True, minimum=0, maximum=MOST_SECONDS,
+        error=f"'wait' must be seconds in [0, {MOST_SECONDS}], got {{value!r}}"), None)
+    server_name: str | None = wired(Spec(
+        "string", "the JupyterHub server the kernel runs in (JUPYTERHUB_SERVER_NAME, \"\" the default one): "
+        "stopping that server releases the lease", nullable=True, max_length=255, text=True,
+        error="'server_name' must be a JupyterHub server name (at most 255 characters, no control characters, "
+        "\"\" for the default server), got {value!r:.80}"), None)
+    env: str | None = wired(_env("env", "the worker environment on the node (c.NodeAgent.environments): the "
+                                 "lease goes only to a node that reports it usable; 409 unknown_environment when "
+                                 "none does. Absent: the node's default"), None)
+    prefer_env: str | None = wired(_env("prefer_env", "when env is absent: this environment if some node offers "
+                                        "it, else the node's default (never refused); the magic sends the "
+                                        "notebook kernel's name"), None)
+    lease_class: str | None = wired(Spec("string", "batch requests queue behind every interactive one",
+                                         nullable=True, enum=LEASE_CLASSES, default="interactive"), None)
+    preemptible: bool | None = wired(Spec(
+        "boolean", "the running cell may be interrupted and the lease parked while others wait; 400 where "
+        "c.GPUPool.allow_preemption is off", nullable=True, default=False), None)
+    cpus: float | None = wired(Spec(
+        "number", "host cores for the worker (its cgroup's CPU limit); absent: the GPU share's part of the node's "
+        "cores (c.GPUPool.host_share); 400 above the biggest node's", nullable=True, minimum=MIN_CPUS,
+        maximum=MAX_CPUS, error=f"'cpus' must be host cores from {MIN_CPUS} to {MAX_CPUS} (more than zero), "
+        "got {value!r}"), None)
+    host_memory: int | None = wired(_bytes(
+        "host_memory", "bytes of host RAM for the worker (its cgroup's memory limit); absent: the GPU share's part "
+        "of the node's RAM; 400 above the biggest node's", more_than_zero=" (more than zero)"), None)
+
+    @classmethod
+    def from_json(cls, body: Any) -> "LeaseRequest":
+        """Validate a request body: each field as declared, then the rule
+        between them. Raises a 400 GPUPoolError naming the field."""
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        unknown = sorted(set(body) - set(cls.KEYS))
+        if unknown:
+            raise bad_request(f"unknown field(s): {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+        number_field(body, "fraction")  # whether it is a number was checked first of all, its bounds after gpu_count
+        values = cls.read(body, "gpu_count", "fraction")
+        values["fraction"] = 1.0 if values["fraction"] is None else values["fraction"]
+        values["gpu_count"] = values["gpu_count"] or 1
+        if values["gpu_count"] > 1 and values["fraction"] != 1:
+            raise bad_request("a request for several GPUs takes whole GPUs: leave 'fraction' out or set it to 1")
+        values |= cls.read(body, *cls.CHECK_ORDER)
+        values["wait"] = values["wait"] or None  # 0: refuse at once, as absent
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        """The request body, without unset fields."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class Lease(Body):
+    """A lease as the client sees it (``GET /api/v1/leases/{id}``).
+
+    Read-only view over the JSON, read leniently (fields it does not know are
+    dropped); ``connection`` (Jupyter connection info, with the HMAC ``key``)
+    is present only for the owner and only while active.
+    """
+
+    EXTRA: ClassVar[dict[str, Spec]] = {"server_name": Spec("string", nullable=True)}
+
+    id: str = wired(Spec("string", required=True))
+    owner: str = wired(Spec("string", required=True))
+    state: LeaseState = wired(Spec("", required=True, enum=tuple(s.value for s in LeaseState)))
+    #: The order the fields are checked in after the GPU ask (``gpu_count``, ``fraction``, the rule between
+    #: them): the order of before they were declared, so a body with several bad fields gets the same 400.
+    CHECK_ORDER: ClassVar[tuple[str, ...]] = (
+        "memory", "idle_timeout", "wait", "server_name", "lease_class", "preemptible", "cpus", "host_memory", "model",
+        "kernel_id", "env", "prefer_env")
+
+    fraction: float = wired(Spec("number", required=True))
+    gpu_count: int = wired(Spec("integer", required=True))
+    memory: int = wired(Spec("integer", "bytes per GPU", required=True))
+    node: str | None = wired(Spec("string", nullable=True), None)
+    gpus: list[dict[str, Any]] = wired(Spec("array", items={"type": "object", "properties": {
+        "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}), factory=list)
+    env: str | None = wired(Spec("string", "the worker environment asked for; once placed, the one the worker runs "
+                                 "in (the node's default when none was asked for)", nullable=True), None)
+    cpus: float | None = wired(Spec("number", "host cores held (reserved) on the node (null: the node reports no "
+                                    "host)", nullable=True), None)
+    host_memory: int | None = wired(Spec("integer", "host bytes held (reserved) on the node", nullable=True), None)
+    cpu_limit: float | None = wired(Spec("number", "host cores the worker's cgroup is limited to: cpus, raised to 1 "
+                                         "core (at most the node's) where the default share was taken",
+                                         nullable=True), None)
+    host_memory_limit: int | None = wired(Spec(
+        "integer", "host bytes the worker's cgroup is limited to: host_memory, raised to 1 GiB (at most the "
+        "node's) where the default share was taken", nullable=True), None)
+    requested_cpus: float | None = wired(Spec("number", "cpus as requested (null: the default share)",
+                                              nullable=True), None)
+    requested_host_memory: int | None = wired(Spec("integer", "host_memory as requested (null: the default share)",
+                                                   nullable=True), None)
+    reason: str | None = wired(Spec("string", nullable=True), None)
+    idle_timeout: float | None = wired(Spec("number"), None)
+    heartbeat_ttl: float | None = wired(Spec("number"), None)
+    kernel_id: str | None = wired(Spec("string", nullable=True), None)
+    created_at: str | None = wired(Spec(**_TIME), None)
+    started_at: str | None = wired(Spec(**_TIME), None)
+    ended_at: str | None = wired(Spec(**_TIME), None)
+    idle_since: str | None = wired(Spec(**_TIME), None)
+    idle_deadline: str | None = wired(Spec(**_TIME, description="when the lease is reclaimed if its worker stays "
+                                           "idle; null while a cell runs or when not active"), None)
+    idle_warning: float = wired(Spec("number", "seconds before idle_deadline that the notebook warns "
+                                     "(c.GPUPool.idle_warning); 0: no warning"), 0.0)
+    node_state: str | None = wired(Spec(
+        "string", "lost: no heartbeat from the node's agent for node_ttl; the worker is unreachable until it "
+        "returns (the lease keeps its capacity). degraded: the agent cannot read its GPUs (NVML); the lease goes "
+        "on, nothing new is placed there", nullable=True, enum=("up", "degraded", "lost")), None)
+    worker: dict[str, Any] | None = wired(Spec("object", nullable=True, extra={"properties": {
+        "pid": {"type": ["integer", "null"]}, "execution_state": {"type": ["string", "null"]}}}), None)
+    connection: dict[str, Any] | None = wired(Spec("object", "Jupyter connection info; owner only, while active",
+                                                   nullable=True), None)
+    usage_gpu_seconds: float = wired(Spec("number"), 0.0)
+    events: list[dict[str, Any]] = wired(Spec("array", items={"type": "object", "properties": {
+        "state": {"type": "string"}, "at": {"type": "string", "format": "date-time"},
+        "reason": {"type": ["string", "null"]}}}), factory=list)
+    queue_position: int | None = wired(Spec("integer", "while queued: 1-based place in line", nullable=True), None)
+    queue_estimate_s: float | None = wired(Spec("number", "while queued: rough wait, seconds (null: unknown)",
+                                                nullable=True), None)
+    wait_until: str | None = wired(Spec(**_TIME, description="while queued: when the request gives up"), None)
+    lease_class: str = wired(Spec("", enum=LEASE_CLASSES), "interactive")
+    preemptible: bool = wired(Spec("boolean", "whether the running cell may be preempted"), False)
+    pressure: str | None = wired(Spec(
+        "string", "why idle_deadline came early or a preemption is due, e.g. 'parked early: 3 people are waiting "
+        "for a GPU'", nullable=True), None)
+    preempt_at: str | None = wired(Spec(**_TIME, description="when the running cell of a preemptible lease is "
+                                        "interrupted, then the lease parked"), None)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "Lease":
+        """The lease of an answer's JSON; raises ValueError for an unknown ``state``."""
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in body.items() if k in known}
+        values["state"] = LeaseState(values["state"])
+        return cls(**values)
