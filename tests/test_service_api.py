@@ -67,12 +67,13 @@ def all_leases(svc) -> list[dict[str, Any]]:
 
 
 def register(svc, name: str = "node-x", gpus: int = 2, url: str | None = None,
-             enforcement: str = "none") -> dict[str, Any]:
-    """Register a node through the API (as an agent would), with ``gpus`` A100s.
+             enforcement: str = "none", whole_gpus: bool = False) -> dict[str, Any]:
+    """Register a node through the API (as an agent would), with ``gpus`` A100s
+    (``whole_gpus``: its mode's capacity rule, as the agent reports it).
     Its agent URL is ``svc.silent_url`` unless given (see the ``service`` fixture here)."""
     url = url or svc.silent_url
     body = {"name": name, "url": url, "inventory": "simulated", "enforcement": enforcement,
-            "gpus": [{"uuid": f"GPU-{name}-{i}", "name": "NVIDIA A100-SXM4-80GB", "index": i,
+            "whole_gpus": whole_gpus, "gpus": [{"uuid": f"GPU-{name}-{i}", "name": "NVIDIA A100-SXM4-80GB", "index": i,
                       "memory_total": 80 * GiB, "memory_reserved": 0} for i in range(gpus)], "workers": []}
     status, reply = http(svc, "POST", "/nodes", body, token="agent")
     assert status == 200, reply
@@ -368,7 +369,7 @@ def test_node_registration_and_heartbeat(service):
 
 def test_memory_of_no_worker_and_whole_gpu_nodes_shape_placement(service):
     register(service, "node-u", gpus=1)
-    register(service, "node-mig", gpus=1, enforcement="mig")
+    register(service, "node-mig", gpus=1, enforcement="mig", whole_gpus=True)
     status, _ = http(service, "POST", "/nodes/node-u/heartbeat", token="agent", body={
         "gpus": [{"uuid": "GPU-node-u-0", "memory_used": 75 * GiB, "memory_unattributed": 75 * GiB}]})
     assert status == 200

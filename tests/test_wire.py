@@ -25,11 +25,11 @@ def test_a_registration_reads_back_as_written():
     assert NodeRegistration.from_json(body).to_json() == body
 
 
-def test_an_older_agents_registration_still_parses():
+def test_a_registration_without_the_optional_fields_parses():
     old = {"name": "n1", "url": "http://n1:8766/", "inventory": "simulated", "enforcement": "exclusive",
            "gpus": [GPU.to_json() | {"healthy": False}], "surprise": 1}
     node = NodeRegistration.from_json(old)
-    assert (node.url, node.whole_gpus, node.environments, node.host_cpus) == ("http://n1:8766", True, None, None)
+    assert (node.url, node.whole_gpus, node.environments, node.host_cpus) == ("http://n1:8766", False, None, None)
     assert node.healthy == {"GPU-1": False}
     assert node.to_json()["gpus"][0]["healthy"] is False
 

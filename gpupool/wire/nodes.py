@@ -19,8 +19,6 @@ from .fields import TEXT, WORDS, Body, Spec, wired
 
 #: How an agent lists its GPUs: its ``inventory``.
 INVENTORIES = ("simulated", "nvml")
-#: What agents that send no ``whole_gpus`` (older than that field) meant by their mode's name.
-LEGACY_WHOLE_GPU_MODES = ("mig", "exclusive")
 #: The heartbeat interval an agent uses when the service's answer names none.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 #: The optional ``inventory_error`` of a registration or heartbeat.
@@ -196,8 +194,8 @@ class NodeRegistration(Body):
 
     ``name`` (1 to 200 characters, no ``/``), ``url`` the agent's http(s) API,
     ``inventory`` one of :data:`INVENTORIES`, ``enforcement`` the mode's name
-    (shown) and ``whole_gpus`` its capacity rule (placed by; absent from older
-    agents: true for :data:`LEGACY_WHOLE_GPU_MODES`), its ``gpus`` (``unhealthy``:
+    (shown, never placed by) and ``whole_gpus`` its capacity rule (placed by;
+    absent: false, the GPUs are shared), its ``gpus`` (``unhealthy``:
     UUIDs of those sent with ``"healthy": false``), the lease ``workers`` it
     runs, ``inventory_error`` (why it cannot read its GPUs; None: it can),
     ``environments`` (None: not reported), and ``host_cpus`` cores and
@@ -211,7 +209,7 @@ class NodeRegistration(Body):
     enforcement: str | None = wired(Spec("string", "the mode's name (shown)", nullable=True, min_length=1,
                                          max_length=50, pattern=f"^{TEXT}*$",
                                          error="'enforcement' must be a string of at most 50 characters"), None)
-    whole_gpus: bool = wired(Spec("boolean", "whole GPUs only (absent: true for the legacy names mig, exclusive)",
+    whole_gpus: bool = wired(Spec("boolean", "whole GPUs only: the enforcement mode's capacity rule (absent: false)",
                                   nullable=True, error="'whole_gpus' must be true or false, got {value!r:.40}"),
                              False)
     gpus: tuple[GPUInfo, ...] = wired(Spec("array", required=True, items=GPUInfo, error="'{key}' must be a list"),
@@ -234,8 +232,7 @@ class NodeRegistration(Body):
             raise bad_request("the registration body must be a JSON object")
         name, url = _name(body.get("name")), _url(body.get("url"))
         values = cls.read(body, "inventory", "enforcement", "whole_gpus")
-        whole = values["whole_gpus"]
-        whole = values["enforcement"] in LEGACY_WHOLE_GPU_MODES if whole is None else whole  # older agents
+        whole = bool(values["whole_gpus"])
         entries = cls.read(body, "gpus")["gpus"]
         gpus = tuple(GPUInfo.from_json(g) for g in entries)
         if len({g.uuid for g in gpus}) != len(gpus):
