@@ -8,9 +8,9 @@ One definition of a call, two thin transports under it:
 
 - :func:`prepare` builds the request: the URL with its query, the JSON body,
   ``Accept``/``Content-Type`` and ``Authorization: token ...``;
-- :class:`Answer` is the HTTP answer and decodes it: its JSON, the message
-  of an ``{"error", "message"}`` body, the GPUPoolError a failed one stands
-  for, naming the URL that was tried;
+- :class:`Answer` is the HTTP answer and decodes it: its JSON, and the
+  GPUPoolError a failed one stands for (the ``{"error", "message"}`` body's,
+  else words naming the URL that was tried);
 - :class:`NoAnswer` is "no HTTP answer" (refused, no route, timed out, a
   certificate not trusted) with the words for it, so each caller can say
   whom it could not reach;
@@ -80,11 +80,6 @@ class Answer(NamedTuple):
         except ValueError:
             return {}
         return reply if isinstance(reply, dict) else {}
-
-    def message(self, fallback: str) -> str:
-        """The ``message`` of an ``{"error", "message"}`` body, else ``fallback``."""
-        message = self.object().get("message")
-        return message if isinstance(message, str) and message else fallback
 
     def error(self, whom: str, token_hint: str) -> GPUPoolError:
         """The GPUPoolError this failed answer of ``whom`` (words: "the gpupool

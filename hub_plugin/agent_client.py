@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpupool.errors import GPUPoolError, Reason
-from gpupool.httpout import Answer, JSONClient, NoAnswer
+from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.tls import client_context
 from gpupool.units import format_duration
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
@@ -35,41 +35,43 @@ class AgentClient:
         ``timeout`` seconds for the whole start. Raises GPUPoolError
         ``worker_start_failed`` (with the agent's reason) or ``agent_unreachable``.
         """
-        answer = await self._call("POST", f"{url}/workers", request.to_json(), timeout)
-        if answer.status == 201:
+        status, reply = await self._call("POST", f"{url}/workers", request.to_json(), timeout)
+        if status == 201:
             try:
-                return WorkerStarted.from_json(answer.object())
+                return WorkerStarted.from_json(reply)
             except ValueError:
                 pass  # no connection: as good as no worker
-        raise _failed(Reason.worker_start_failed, url, answer)
+        raise _failed(Reason.worker_start_failed, "POST", f"{url}/workers", status, reply)
 
     async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
         """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,
         or None when the agent did not know it (404: already gone).
         Raises GPUPoolError ``agent_unreachable`` or ``worker_stop_failed``."""
-        answer = await self._call("DELETE", f"{url}/workers/{lease_id}", None, timeout)
-        if answer.status == 404:
+        status, reply = await self._call("DELETE", f"{url}/workers/{lease_id}", None, timeout)
+        if status == 404:
             return None
-        if answer.status != 200:
-            raise _failed(Reason.worker_stop_failed, url, answer)
-        return WorkerStopped.from_json(answer.object()).exit_code
+        if status != 200:
+            raise _failed(Reason.worker_stop_failed, "DELETE", f"{url}/workers/{lease_id}", status, reply)
+        return WorkerStopped.from_json(reply).exit_code
 
-    async def _call(self, method: str, url: str, body: Any, timeout: float) -> Answer:
+    async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
         try:
-            return await self._http.call(method, url, body, token=self._token, timeout=timeout,
-                                         connect_timeout=min(timeout, 10.0))
+            answer = await self._http.call(method, url, body, token=self._token, timeout=timeout,
+                                           connect_timeout=min(timeout, 10.0))
         except NoAnswer as exc:
             raise _unreachable(url, exc, timeout) from None
+        return answer.status, answer.object()
 
     def close(self) -> None:
         self._http.close()
 
 
-def _failed(code: Reason, url: str, answer: Answer) -> GPUPoolError:
-    """A 502 ``code``: the agent's (at ``url``) own reason, else its status; the log names the call."""
-    words = answer.message(f"the agent at {url} answered HTTP {answer.status}")
-    return GPUPoolError(code, words, 502, log_message=f"{answer.request.method} {answer.request.url} -> HTTP "
-                        f"{answer.status} {answer.object().get('error', '')}: {words}")
+def _failed(code: Reason, method: str, url: str, status: int, reply: dict[str, Any]) -> GPUPoolError:
+    """A 502 ``code``: the agent's own reason, else its status; the log names the call."""
+    message = reply.get("message")
+    words = message if isinstance(message, str) and message else f"the agent at {url} answered HTTP {status}"
+    return GPUPoolError(code, words, 502, log_message=f"{method} {url} -> HTTP {status} "
+                        f"{reply.get('error', '')}: {words}")
 
 
 def _unreachable(url: str, exc: NoAnswer, timeout: float) -> GPUPoolError:
