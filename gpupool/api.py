@@ -5,20 +5,20 @@ It speaks the REST API of ``docs/api.md`` and turns every failure into a
 :class:`~gpupool.errors.GPUPoolError` whose message a person can act on.
 Blocking by design: the magics run in the kernel's main thread and must stay
 interruptible, so each call has a timeout and no event loop is involved.
+The call itself, and the decoding of its answer and its errors, is
+:mod:`gpupool.httpout`'s, shared with the daemons' async calls.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from .errors import GPUPoolError, Reason
+from .httpout import BadURL, BlockingJSONClient, NoAnswer
+from .tls import ENV_CA_FILE, client_context
 from .wire.leases import Lease, LeaseRequest
-from .tls import ENV_CA_FILE, client_context, untrusted, untrusted_message
 
 if TYPE_CHECKING:
     import argparse
@@ -43,7 +43,7 @@ class ServiceClient:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
-        self._tls = client_context(ca_file) if self.url.lower().startswith("https:") else None
+        self._http = BlockingJSONClient(client_context(ca_file) if self.url.lower().startswith("https:") else None)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "ServiceClient":
@@ -62,49 +62,17 @@ class ServiceClient:
     def request(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
                 timeout: float | None = None) -> Any:
         """One call; returns the decoded JSON body. Raises GPUPoolError."""
-        url = f"{self.url}/api/v1{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
-        data = None if body is None else json.dumps(body).encode()
         try:
-            req = urllib.request.Request(url, data=data, method=method)
-        except ValueError:
+            answer = self._http.call(method, f"{self.url}/api/v1{path}", body, token=self.token,
+                                     timeout=timeout or self.timeout, params=params)
+        except BadURL:
             raise GPUPoolError(Reason.not_configured, f"{self.url!r} is not a service URL; it should look like "
                                f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"token {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout, context=self._tls) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise self._error_from(exc, url) from None
-        except (urllib.error.URLError, OSError) as exc:
-            why = untrusted(exc)
-            if why:
-                raise GPUPoolError(Reason.untrusted_certificate,
-                                   untrusted_message(f"the gpupool service at {self.url}", why), 503) from None
-            reason = getattr(exc, "reason", exc)
-            raise GPUPoolError(Reason.service_unavailable, f"cannot reach the gpupool service at {self.url} "
-                               f"({reason}); is it running? Check {ENV_URL}.", 503,
-                               log_message=f"{method} {url}: {exc!r}") from None
-        return json.loads(raw) if raw else None
-
-    @staticmethod
-    def _error_from(exc: urllib.error.HTTPError, url: str) -> GPUPoolError:
-        try:
-            body = json.loads(exc.read() or b"{}")
-        except ValueError:
-            body = {}
-        if isinstance(body, dict) and "message" in body:
-            return GPUPoolError.from_json(exc.code, body)
-        if exc.code in (401, 403):
-            return GPUPoolError(Reason.unauthorized, f"the gpupool service refused the token (HTTP {exc.code}); "
-                                f"check {ENV_TOKEN}", exc.code)
-        return GPUPoolError(Reason.http_error, f"the gpupool service answered HTTP {exc.code} {exc.reason} for {url}",
-                            exc.code)
+        except NoAnswer as exc:
+            raise exc.error(f"the gpupool service at {self.url}", f"is it running? Check {ENV_URL}.") from None
+        if not 200 <= answer.status < 300:  # what urllib did not follow (redirects) is a failure
+            raise answer.error("the gpupool service", ENV_TOKEN)
+        return answer.json()
 
     # -- leases ---------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.httpout import JSONClient, NoAnswer
-from gpupool.tls import client_context, untrusted, untrusted_message
+from gpupool.tls import client_context
 from gpupool.units import format_duration
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
@@ -56,10 +56,11 @@ class AgentClient:
 
     async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
         try:
-            return await self._http.call(method, url, body, token=self._token, timeout=timeout,
-                                         connect_timeout=min(timeout, 10.0))
+            answer = await self._http.call(method, url, body, token=self._token, timeout=timeout,
+                                           connect_timeout=min(timeout, 10.0))
         except NoAnswer as exc:
-            raise _unreachable(url, exc.cause, timeout) from None
+            raise _unreachable(url, exc, timeout) from None
+        return answer.status, answer.object()
 
     def close(self) -> None:
         self._http.close()
@@ -73,11 +74,11 @@ def _failed(code: Reason, method: str, url: str, status: int, reply: dict[str, A
                         f"{reply.get('error', '')}: {words}")
 
 
-def _unreachable(url: str, exc: BaseException | None, timeout: float) -> GPUPoolError:
-    why = untrusted(exc)
-    if why:
-        return GPUPoolError(Reason.agent_unreachable, untrusted_message(f"the node agent at {url}", why), 502)
+def _unreachable(url: str, exc: NoAnswer, timeout: float) -> GPUPoolError:
+    untrusted = exc.untrusted_words(f"the node agent at {url}")
+    if untrusted:
+        return GPUPoolError(Reason.agent_unreachable, untrusted, 502)
     words = (f"did not answer within {format_duration(timeout)}" if "timeout" in str(exc).lower()
              else "could not be reached")  # refused, no route: said at once, not after the bound
-    return GPUPoolError(Reason.agent_unreachable, f"the node agent at {url} {words} ({exc})", 502,
-                        log_message=f"the node agent at {url} {words} ({exc!r})")
+    return GPUPoolError(Reason.agent_unreachable, f"the node agent at {url} {words} ({exc.cause})", 502,
+                        log_message=f"the node agent at {url} {words} ({exc.cause!r})")

@@ -168,22 +168,24 @@ def release_on_stop(service_url: str, token: str, *, previous=None, timeout: flo
             result = previous(spawner)
             if hasattr(result, "__await__"):
                 await result
-        from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+        from gpupool.httpout import JSONClient
 
         user = spawner.user
         others = any(s is not spawner and s.active for s in user.spawners.values())
         body = {"user": user.name, "server": spawner.name, "other_servers_running": others}
+        http = JSONClient()
         try:
-            reply = await AsyncHTTPClient().fetch(
-                service_url + "hub/server-stopped", method="POST", body=json.dumps(body),
-                headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
-                request_timeout=timeout)
-            released = json.loads(reply.body).get("released", [])
+            answer = await http.call("POST", service_url + "hub/server-stopped", body, token=token, timeout=timeout)
+            if not 200 <= answer.status < 300:  # in tornado's words for an HTTP error
+                raise ValueError(f"HTTP {answer.status}: {answer.reason}")
+            released = json.loads(answer.body).get("released", [])
             spawner.log.info("gpupool: released %d lease(s) of %s whose server %r stopped", len(released),
                              user.name, spawner.name)
-        except (HTTPClientError, OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # no answer (NoAnswer), a refusal, a reply that is not JSON
             spawner.log.warning("gpupool: could not tell the service at %s that %s's server stopped (%s); "
                                 "the leases end by their heartbeat TTL", service_url, user.name, exc)
+        finally:
+            http.close()
 
     return hook
 

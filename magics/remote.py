@@ -19,8 +19,8 @@ from typing import Any, Callable
 import zmq
 from jupyter_client.session import Session
 
-from gpupool.curve import secure
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.kernelconn import connect_channel, kernel_session
 
 POLL_MS = 50
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
@@ -65,23 +65,19 @@ class RemoteKernel:
     ``transport``, ``*_port``, ``key`` as str, ``signature_scheme``, and
     ``curve_publickey`` when the worker encrypts its traffic: every socket,
     the heartbeat's included, is then a CurveZMQ client with a key pair of
-    its own, :mod:`gpupool.curve`).
+    its own, :mod:`gpupool.kernelconn`).
     """
 
     def __init__(self, connection: dict[str, Any]) -> None:
         self.connection = connection
-        key = connection["key"]
-        self.session = Session(key=key.encode() if isinstance(key, str) else key,
-                               signature_scheme=connection.get("signature_scheme", "hmac-sha256"),
-                               username="gpupool")
+        self.session = kernel_session(connection, username="gpupool")
         self.context = zmq.Context()
         ident = uuid.uuid4().hex.encode()
-        self.shell = self._socket(zmq.DEALER, "shell_port", ident)
-        self.stdin = self._socket(zmq.DEALER, "stdin_port", ident)
-        self.control = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
-        self.iopub = self._socket(zmq.SUB, "iopub_port")
-        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.hb = self._socket(zmq.REQ, "hb_port")
+        self.shell = self._socket("shell", ident)
+        self.stdin = self._socket("stdin", ident)
+        self.control = self._socket("control", uuid.uuid4().hex.encode())
+        self.iopub = self._socket("iopub")
+        self.hb = self._socket("hb")
         self._hb_sent: float | None = None
         self._hb_ok = 0.0
         self._relay: IOPubRelay | None = None
@@ -90,15 +86,8 @@ class RemoteKernel:
         for sock in (self.shell, self.iopub, self.stdin):
             self.poller.register(sock, zmq.POLLIN)
 
-    def _socket(self, kind: int, port_key: str, ident: bytes | None = None) -> zmq.Socket:
-        sock = self.context.socket(kind)
-        sock.linger = 0
-        if ident is not None:
-            sock.identity = ident
-        info = self.connection
-        secure(sock, info)
-        sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[port_key]}")
-        return sock
+    def _socket(self, channel: str, ident: bytes | None = None) -> zmq.Socket:
+        return connect_channel(self.context, self.connection, channel, identity=ident)
 
     def close(self) -> None:
         """Close the sockets; the worker itself is the agent's to stop."""
@@ -206,7 +195,7 @@ class RemoteKernel:
         control thread only, which gets a control socket of its own (ZeroMQ
         sockets belong to one thread). Raises GPUPoolError ``worker_timeout``."""
         if self._debug is None:
-            self._debug = self._socket(zmq.DEALER, "control_port", uuid.uuid4().hex.encode())
+            self._debug = self._socket("control", uuid.uuid4().hex.encode())
         if self._relay is not None:
             self._relay.front(msg)  # its debug_events
         self.session.send(self._debug, msg)
@@ -234,7 +223,7 @@ class RemoteKernel:
             self._hb_sent, self._hb_ok = None, now
         elif now - self._hb_sent > HB_TIMEOUT:
             self.hb.close()  # a REQ socket without its reply cannot send again
-            self.hb = self._socket(zmq.REQ, "hb_port")
+            self.hb = self._socket("hb")
             self._hb_sent = None
             raise GPUPoolError(Reason.worker_unreachable,
                                f"the worker at {self.connection['ip']} stopped answering for "

@@ -17,11 +17,9 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-import zmq
 import zmq.asyncio
-from jupyter_client.session import Session
 
-from gpupool.curve import secure
+from gpupool.kernelconn import connect_channel, kernel_session
 from gpupool.schema import isoformat
 
 
@@ -90,19 +88,15 @@ async def watch_iopub(activity: WorkerActivity, connection: dict[str, Any], cont
                       log: logging.Logger, ready: asyncio.Event | None = None) -> None:
     """Feed ``activity`` from the worker's IOPub until cancelled.
 
-    ``connection`` is the worker's connection info (``key`` as bytes). Only
+    ``connection`` is the worker's connection info (``key`` as bytes or str). Only
     ``kernel.*`` topics are subscribed (status, execute_input, shutdown): a
     cell that prints megabytes never reaches the agent, so a slow agent cannot
     make the kernel's IOPub drop a ``status`` message at its high-water mark.
     ``ready`` is set once the subscription is confirmed by ipykernel's
     ``iopub_welcome`` (ipykernel >= 7) or the first message.
     """
-    session = Session(key=connection["key"], signature_scheme=connection["signature_scheme"])
-    socket = context.socket(zmq.SUB)
-    socket.linger = 0
-    socket.setsockopt(zmq.SUBSCRIBE, b"kernel.")
-    secure(socket, connection)  # a CurveZMQ client when the worker encrypts
-    socket.connect(f"{connection['transport']}://{connection['ip']}:{connection['iopub_port']}")
+    session = kernel_session(connection)
+    socket = connect_channel(context, connection, "iopub", topic=b"kernel.")  # CurveZMQ when the worker encrypts
     try:
         while True:
             frames = await socket.recv_multipart()

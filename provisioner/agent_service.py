@@ -10,7 +10,6 @@ from urllib.parse import quote
 from gpupool.errors import GPUPoolError
 from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.wire.nodes import GPUReading, Heartbeat, HeartbeatReply, RegistrationReply, WorkerReport
-from gpupool.tls import untrusted, untrusted_message
 
 from .agent_tokens import TOKEN_ENV
 from .inventory import backoff_delay
@@ -98,13 +97,14 @@ class ServiceLink:
         reply). Raises OSError when the service cannot be reached."""
         agent = self.agent
         try:
-            return await self.http.call(method, f"{self.url}/api/v1{path}", body, token=agent.tokens.token,
-                                        timeout=agent.service_timeout)
+            answer = await self.http.call(method, f"{self.url}/api/v1{path}", body, token=agent.tokens.token,
+                                          timeout=agent.service_timeout)
         except NoAnswer as exc:
-            why = untrusted(exc.cause)
-            if why:
-                raise OSError(untrusted_message(f"the pool service at {self.url}", why)) from None
+            untrusted = exc.untrusted_words(f"the pool service at {self.url}")
+            if untrusted:
+                raise OSError(untrusted) from None
             raise
+        return answer.status, answer.object()
 
     async def goodbye(self, exit_codes: dict[str, int | None]) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``

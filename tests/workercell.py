@@ -10,31 +10,21 @@ import asyncio
 
 import zmq
 import zmq.asyncio
-from jupyter_client.session import Session
 
-from gpupool.curve import secure
+from gpupool.kernelconn import connect_channel, kernel_session
 
 
 async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
     """Execute ``code`` on a worker, given a lease's ``connection`` info, the
     way a notebook client would (a CurveZMQ client with a key pair of its own
-    when the worker encrypts, :mod:`gpupool.curve`); returns its stdout.
+    when the worker encrypts, :mod:`gpupool.kernelconn`); returns its stdout.
 
     For checks and tests that talk to a worker without a notebook kernel.
     Raises RuntimeError naming the remote error when the cell fails, and
     TimeoutError after ``timeout`` seconds.
     """
-    session = Session(key=connection["key"].encode(), signature_scheme=connection.get("signature_scheme",
-                                                                                      "hmac-sha256"))
+    session = kernel_session(connection)
     context = zmq.asyncio.Context()
-
-    def connect(kind: int, port: str) -> zmq.asyncio.Socket:
-        sock = secure(context.socket(kind), connection)
-        sock.linger = 0
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(f"{connection.get('transport', 'tcp')}://{connection['ip']}:{connection[port]}")
-        return sock
 
     async def execute(shell: zmq.asyncio.Socket, iopub: zmq.asyncio.Socket) -> tuple[dict, str]:
         # Ask until IOPub delivers anything (a status): subscribed, so no output can be missed.
@@ -62,8 +52,8 @@ async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> s
         return reply, "".join(out)
 
     try:
-        reply, out = await asyncio.wait_for(execute(connect(zmq.DEALER, "shell_port"),
-                                                    connect(zmq.SUB, "iopub_port")), timeout)
+        reply, out = await asyncio.wait_for(execute(connect_channel(context, connection, "shell"),
+                                                    connect_channel(context, connection, "iopub")), timeout)
     finally:
         context.destroy(linger=0)
     if reply.get("status") != "ok":
