@@ -267,6 +267,35 @@ class LeaseSettings(NodeAndWorkerSettings):
         first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
     ).tag(config=True)
 
+    preemption_grace = Union(
+        [Duration(), Enum([0])], default_value=None, allow_none=True,
+        help="""Seconds from when the oldest waiting interactive request was asked until
+        a preemptible lease's running cell is told it will be preempted (it is then
+        interrupted ``preemption_notice`` later). ``None`` means ``pressure_grace``; 0
+        tells it at once, so the notice alone is its warning and a waiting person gets
+        the GPU within a sweep or two. Default: None (``pressure_grace``).
+        ``c.GPUPool.preemption_grace = 0``.""",
+    ).tag(config=True)
+
+    batch_first = Bool(
+        False,
+        help="""Under pressure, take batch leases before interactive ones whatever their
+        state: a running preemptible batch lease is preempted before a person's idle
+        notebook is parked early. False keeps the order idle leases first (batch, then
+        the longest idle), then running preemptible ones. Default: False.
+        ``c.GPUPool.batch_first = True``.""",
+    ).tag(config=True)
+
+    pressure_clears_nodes = Bool(
+        False,
+        help="""For a waiting interactive request for several whole GPUs (``%gpu acquire 8``),
+        pressure clears one node that can hold it: of the nodes where wholly free GPUs plus
+        what pressure may take (idle leases, and running preemptible ones) cover the ask, the
+        one where no person's idle notebook is parked, then the one stopping the fewest running
+        GPUs. False counts what waits in GPUs pool-wide, which may free a GPU on each of several
+        nodes and none that fits. Default: False. ``c.GPUPool.pressure_clears_nodes = True``.""",
+    ).tag(config=True)
+
 
 class QuotaSettings(LeaseSettings):
     """What each user may hold: quotas per user and group, the groups, the

@@ -26,7 +26,8 @@ from gpupool.schema import LeaseState, isoformat
 
 from .config import GPUPool
 from .models import Lease
-from .rules import eta, priority, quotas
+from .capacity import gpu_states
+from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
 from .rules.reclaim import Decision, idle_deadline
 
@@ -61,17 +62,19 @@ class Pressure:
         return self.plan
 
     def _plan(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
-        asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at)
+        asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at,
+                                  row.gpu_count)
                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
                                                     Lease.lease_class, Lease.created_at, Lease.wait_until)
                                              .where(Lease.state == LeaseState.queued.value))
                   if row.wait_until is None or row.wait_until > now]
         if not asking:
             return priority.NO_PRESSURE
-        return priority.plan([pressure_rules.held(lease) for lease in active], asking,
-                             grace=self.settings.pressure_grace,
-                             notice=self.settings.preemption_notice, allow_preemption=self.settings.allow_preemption,
-                             guaranteed_gpus=self._guarantees(session, active))
+        rule = priority.Rule.of(self.settings)
+        free = (clearing.whole_free(gpu_states(session, self.settings.context_overhead))
+                if rule.wants_free_gpus(asking) else None)
+        return rule.plan([pressure_rules.held(lease) for lease in active], asking,
+                         self._guarantees(session, active), free)
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""

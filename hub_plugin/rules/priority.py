@@ -209,6 +209,52 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
     return Plan(parks, preemptions)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """The settings :func:`plan` runs with: the service's (``c.GPUPool``, :meth:`of`) or a
+    replayed policy's. ``grace``: ``pressure_grace``; ``notice``: ``preemption_notice``;
+    ``allow_preemption``; ``preemption_grace`` (None: ``grace``); ``batch_first``;
+    ``clear_nodes`` (``pressure_clears_nodes``): the plan is given each node's whole free
+    GPUs and clears one node per waiting interactive request for several whole GPUs."""
+
+    grace: float
+    notice: float = 0.0
+    allow_preemption: bool = False
+    preemption_grace: float | None = None
+    batch_first: bool = False
+    clear_nodes: bool = False
+
+    @classmethod
+    def of(cls, settings) -> "Rule":
+        """The rule of ``settings`` (``c.GPUPool``)."""
+        return cls(settings.pressure_grace, settings.preemption_notice, settings.allow_preemption,
+                   settings.preemption_grace, settings.batch_first, settings.pressure_clears_nodes)
+
+    def wants_free_gpus(self, asking: Iterable[Asking]) -> bool:
+        """Whether :meth:`plan` reads ``free_gpus`` for ``asking``: the caller reads each
+        node's free GPUs only then."""
+        return self.clear_nodes and any(class_rank(item.lease_class) == class_rank(INTERACTIVE)
+                                        and item.gpu_count > 1 for item in asking)
+
+    def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
+             free_gpus: Mapping[str, float] | None = None) -> Plan:
+        """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
+        only with ``clear_nodes``."""
+        return plan(held, asking, grace=self.grace, notice=self.notice, allow_preemption=self.allow_preemption,
+                    guaranteed_gpus=guaranteed_gpus, preemption_grace=self.preemption_grace,
+                    batch_first=self.batch_first, free_gpus=free_gpus if self.clear_nodes else None)
+
+
+def acting(plan_: Plan, now: datetime) -> tuple[set[str], set[str], datetime | None]:
+    """What ``plan_`` does at ``now``: the ids of the leases to park (early deadline passed),
+    of those to preempt (their time passed), and its next moment after ``now`` (None: none)."""
+    parks = {lease for lease, park in plan_.parks.items() if park.deadline <= now}
+    preempts = {lease for lease, preemption in plan_.preemptions.items() if preemption.at <= now}
+    later = ([park.deadline for park in plan_.parks.values() if park.deadline > now]
+             + [preemption.at for preemption in plan_.preemptions.values() if preemption.at > now])
+    return parks, preempts, min(later) if later else None
+
+
 def _victims(leases: Sequence[Held], preempting: bool, batch_first: bool) -> list[Held]:
     """What pressure takes, in order: idle leases (:func:`_idle_first`), then, when ``preempting``,
     running preemptible ones (:func:`_preemptible`); with ``batch_first`` every batch lease, idle or

@@ -104,8 +104,7 @@ class _Replay:
         self.queued_at = list(self.submit)
         self.interactive_cells = len(workload.cells)
         self.started = 0  # interactive cells that started
-        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice, policy.preemption_grace,
-                           policy.batch_first)
+        self.sweep = Sweep(policy.rule())
         self.events: list = []
         self.seq = 0
         self.queue = WaitQueue(policy.fifo, policy.classes)
@@ -268,7 +267,7 @@ class _Replay:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
-        free = self.pool.whole_free() if self.policy.clear_nodes else None
+        free = self.pool.whole_free() if self.sweep.wants_free_gpus() else None
         parks, preempts, later = self.sweep.due(now, bool(self.idle), free)
         for sid in parks:
             self.tally.early_parks += 1

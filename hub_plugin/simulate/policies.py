@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rules import priority
 from .estimates import peak_concurrent
 from .workload import NotebookWorkload
 
@@ -64,6 +65,15 @@ class NotebookPolicy:
     batch_yields: bool = False
     clear_nodes: bool = False
     resume_preempted: bool = False
+
+    def rule(self) -> priority.Rule | None:
+        """The pressure plan's settings as the service would have them (None: no pressure parks):
+        ``c.GPUPool.pressure_grace``, ``preemption_notice`` (``allow_preemption`` where it is
+        set), ``preemption_grace``, ``batch_first``, ``pressure_clears_nodes``."""
+        if self.pressure_grace is None:
+            return None
+        return priority.Rule(self.pressure_grace, self.preemption_notice or 0.0, self.preemption_notice is not None,
+                             self.preemption_grace, self.batch_first, self.clear_nodes)
 
 
 def policies(gpupool_idle_timeout: float = 300.0,
