@@ -307,3 +307,52 @@ def test_status_shows_why_the_countdown_is_short():
     from gpupool.tables import idle_countdown
     lease = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 1 person is waiting for a GPU")
     assert idle_countdown(lease, now=at(1000)) == "20s (parked early: 1 person is waiting for a GPU)"
+
+
+# -- the plan's settings, as the service and the simulator build them --------------------------
+
+def test_the_rule_of_the_service_settings_is_todays_plan_by_default():
+    from gpupool.hub_plugin.config import GPUPool
+
+    assert priority.Rule.of(GPUPool()) == priority.Rule(120.0, 30.0, True, None, False, False)
+    assert priority.Rule.of(GPUPool(preemption_grace=0, batch_first=True, pressure_clears_nodes=True)) == \
+        priority.Rule(120.0, 30.0, True, 0, True, True)
+
+
+@pytest.mark.parametrize("clear_nodes, ask, wanted", [
+    (False, Asking("q", "zoe", 8.0, "interactive", at(100), 8), False),  # not clearing: free GPUs not read
+    (True, Asking("q", "zoe", 8.0, "interactive", at(100), 8), True),
+    (True, Asking("q", "zoe", 1.0, "interactive", at(100), 1), False),  # one GPU: counted in GPUs
+    (True, Asking("q", "zoe", 8.0, "batch", at(100), 8), False),        # a batch waiter clears no node
+])
+def test_free_gpus_are_read_only_where_a_node_is_cleared(clear_nodes, ask, wanted):
+    assert priority.Rule(120.0, clear_nodes=clear_nodes).wants_free_gpus([ask]) is wanted
+
+
+@pytest.mark.parametrize("clear_nodes, preempted", [(False, {"a1", "b1"}), (True, {"b1"})])
+def test_the_rule_clears_a_node_only_where_set(clear_nodes, preempted):
+    """Counted in GPUs the plan stops work on two nodes; cleared, only on the one that then fits."""
+    leases = [on("a1", "a", 4.0), on("b1", "b", 2.0)]
+    rule = priority.Rule(120.0, 5.0, True, 0.0, clear_nodes=clear_nodes)
+    decided = rule.plan(leases, [Asking("q", "zoe", 6.0, "interactive", at(100), 6)], {}, {"a": 4.0, "b": 4.0})
+    assert set(decided.preemptions) == preempted
+
+
+def test_acting_is_what_is_due_and_the_next_moment():
+    decided = priority.Plan({"p1": priority.EarlyPark(at(10), "r"), "p2": priority.EarlyPark(at(30), "r")},
+                            {"x": priority.Preemption(at(20), "r")})
+    assert priority.acting(decided, at(10)) == ({"p1"}, set(), at(20))
+    assert priority.acting(decided, at(25)) == ({"p1"}, {"x"}, at(30))
+    assert priority.acting(decided, at(30)) == ({"p1", "p2"}, {"x"}, None)
+
+
+def test_whole_free_counts_wholly_free_gpus_of_usable_nodes():
+    from gpupool.hub_plugin.rules.clearing import whole_free
+    from gpupool.hub_plugin.rules.scheduler import GPUState
+
+    def gpu(node, index, taken=0.0, **state):
+        return GPUState(f"{node}{index}", node, "A100", index, 80 * 2**30, 79 * 2**30, taken,
+                        int(taken * 79 * 2**30), **state)
+    gpus = [gpu("a", 0), gpu("a", 1, 0.5), gpu("a", 2, healthy=False), gpu("b", 0, 1.0),
+            gpu("c", 0, node_up=False), gpu("d", 0, node_degraded=True), gpu("e", 0), gpu("e", 1)]
+    assert whole_free(gpus) == {"a": 1.0, "e": 2.0}
