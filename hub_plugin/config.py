@@ -286,6 +286,22 @@ class LeaseSettings(NodeAndWorkerSettings):
         ``c.GPUPool.batch_first = True``.""",
     ).tag(config=True)
 
+    batch_yields = Bool(
+        False,
+        help="""Place no batch request (new or queued) while an interactive request waits:
+        what frees up, or what pressure frees, goes to the person, not to backfill. A new
+        batch request is then queued (with ``wait``) or refused (409 ``pool_full``). False:
+        batch fills whatever interactive requests cannot use. Default: False.
+        ``c.GPUPool.batch_yields = True``.""",
+    ).tag(config=True)
+
+    batch_headroom_nodes = Integer(
+        0, min=0,
+        help="""Nodes kept idle for interactive requests for whole nodes: a batch request is
+        not placed on a node with nothing allocated while only this many (or fewer) nodes
+        have nothing allocated. Default: 0 (none kept). ``c.GPUPool.batch_headroom_nodes = 1``.""",
+    ).tag(config=True)
+
     pressure_clears_nodes = Bool(
         False,
         help="""For a waiting interactive request for several whole GPUs (``%gpu acquire 8``),

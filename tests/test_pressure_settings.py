@@ -3,15 +3,19 @@
 preemptible batch cell at once instead of parking a person's idle lease after
 ``pressure_grace``; ``c.GPUPool.pressure_clears_nodes`` parks the idle leases of one
 node for a waiting two-GPU request instead of every idle lease the request's GPUs
-add up to. Real service, agents and (for preemption) a gpupool notebook kernel;
+add up to; ``c.GPUPool.batch_yields`` keeps a new batch request off a GPU while a
+person waits. Real service, agents and (for preemption) a gpupool notebook kernel;
 the defaults' behaviour is tests/test_pressure.py's.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from frontend import notebook_pool, start_gpupool_kernel
+from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseRequest, LeaseState, parse_time
 from procs import start_agent, start_service, wait_for
 from test_idle_warning import Transcript
@@ -115,5 +119,31 @@ def test_pressure_clears_one_node_for_a_whole_gpu_ask(tmp_path, clears):
                 assert seen.pressure == "parked early: 1 person is waiting for a GPU"
     finally:
         for agent in agents:
+            agent.stop()
+        service.stop()
+
+
+@pytest.mark.parametrize("yields", [False, True])
+def test_batch_yields_to_a_waiting_person(tmp_path, yields):
+    """One node of two GPUs: ann idles on one, zoe waits for both. A new batch request of bob's
+    backfills the free GPU; with ``batch_yields`` it waits, and a batch request without ``wait`` is
+    refused naming the setting."""
+    service = start_service(tmp_path, tokens=TOKENS,
+                            config={"heartbeat_ttl": 120.0, "pressure_grace": LONG_GRACE, "batch_yields": yields})
+    agent = None
+    try:
+        agent = start_agent(tmp_path, service, simulate="2xA100-80GB")
+        _active(service, "ann", LeaseRequest(fraction=1.0))
+        _queued(service, "zoe", LeaseRequest(fraction=1.0, gpu_count=2, wait=120))
+        batch = service.client("bob").create_lease(LeaseRequest(fraction=1.0, lease_class="batch", wait=120))
+        assert batch.state is (LeaseState.queued if yields else LeaseState.starting), batch
+        if yields:
+            with pytest.raises(GPUPoolError) as refused:
+                service.client("bob").create_lease(LeaseRequest(fraction=1.0, lease_class="batch"))
+            assert refused.value.status == 409 and "c.GPUPool.batch_yields" in refused.value.message
+            time.sleep(1.0)  # sweeps drain the queue every 0.2 s: still not placed
+            assert service.client("bob").get_lease(batch.id).state is LeaseState.queued
+    finally:
+        if agent is not None:
             agent.stop()
         service.stop()

@@ -356,3 +356,38 @@ def test_whole_free_counts_wholly_free_gpus_of_usable_nodes():
     gpus = [gpu("a", 0), gpu("a", 1, 0.5), gpu("a", 2, healthy=False), gpu("b", 0, 1.0),
             gpu("c", 0, node_up=False), gpu("d", 0, node_degraded=True), gpu("e", 0), gpu("e", 1)]
     assert whole_free(gpus) == {"a": 1.0, "e": 2.0}
+
+
+def _gpus(*nodes):
+    """GPU states: ``(node, [allocated fraction per GPU])`` each."""
+    from gpupool.hub_plugin.rules.scheduler import GPUState
+    return [GPUState(f"{node}-{i}", node, "A100", i, 80 * 2**30, 79 * 2**30, taken, int(taken * 79 * 2**30))
+            for node, fractions in nodes for i, taken in enumerate(fractions)]
+
+
+@pytest.mark.parametrize("yields, headroom, placed", [
+    (False, 0, ["b"]),  # batch backfills the GPU the 2-GPU ask cannot use
+    (True, 0, []),      # a person waits: batch yields
+    (False, 1, ["b"]),  # a partly taken node: headroom does not apply
+])
+def test_drain_lets_batch_start_only_where_batch_may_start(yields, headroom, placed):
+    waiting = [queue.Waiting("i", "ann", Demand(1.0, 2), at(0), "interactive"),
+               queue.Waiting("b", "bob", Demand(1.0), at(10), "batch")]
+    decided = queue.drain(waiting, _gpus(("n0", [1.0, 0.0])), {}, at(20), batch_yields=yields, headroom_nodes=headroom)
+    assert [item.lease_id for item, _ in decided] == placed
+
+
+@pytest.mark.parametrize("headroom, placed", [(0, ["b1", "b2"]), (1, ["b1"]), (2, [])])
+def test_drain_keeps_headroom_nodes_idle_for_batch(headroom, placed):
+    """Two idle nodes of one GPU: with headroom 1 the first batch job may take one, not the last."""
+    waiting = [queue.Waiting("b1", "bob", Demand(1.0), at(0), "batch"),
+               queue.Waiting("b2", "cid", Demand(1.0), at(5), "batch")]
+    decided = queue.drain(waiting, _gpus(("n0", [0.0]), ("n1", [0.0])), {}, at(20), headroom_nodes=headroom)
+    assert [item.lease_id for item, _ in decided] == placed
+
+
+def test_placement_index_idle_nodes():
+    from gpupool.hub_plugin.rules.placement_index import PlacementIndex
+    index = PlacementIndex(_gpus(("a", [0.0, 0.0]), ("b", [0.5, 0.0]), ("c", [0.0])))
+    assert (index.node_idle("a"), index.node_idle("b"), index.node_idle("x"), index.idle_nodes()) == (True, False,
+                                                                                                       False, 2)

@@ -40,12 +40,12 @@ class NotebookPolicy:
     requests go before batch ones (False: one queue, oldest first);
     ``preemption_notice``: the pool allows preemption, with this notice
     (``c.GPUPool.preemption_notice``; batch jobs are all preemptible here;
-    None: ``allow_preemption = False``); ``headroom_nodes``: batch is not
+    None: ``allow_preemption = False``); ``headroom_nodes`` (``batch_headroom_nodes``): batch is not
     placed on an idle node while only this many nodes are idle (room kept
     for interactive arrivals); ``preemption_grace``: seconds from the press
     to the preemption notice (None: ``pressure_grace``); ``batch_first``:
     running batch is preempted before idle interactive leases are parked;
-    ``batch_yields``: no batch request is placed while an interactive one
+    ``batch_yields`` (``c.GPUPool.batch_yields``): no batch request is placed while an interactive one
     waits (:func:`.priority.batch_may_start`); ``clear_nodes``: the plan is
     given each node's free GPUs and clears one node per waiting whole-GPU
     interactive request (:mod:`gpupool.hub_plugin.rules.clearing`);
