@@ -312,6 +312,16 @@ class LeaseSettings(NodeAndWorkerSettings):
         nodes and none that fits. Default: False. ``c.GPUPool.pressure_clears_nodes = True``.""",
     ).tag(config=True)
 
+    pressure_clear_grace = Union(
+        [Duration(), Enum([0])], default_value=None, allow_none=True,
+        help="""With ``pressure_clears_nodes``: seconds after a waiting interactive request for
+        several whole GPUs was asked at which an idle lease on the node cleared for it is parked
+        (when the lease goes idle later: as soon as it does), instead of ``pressure_grace``. A
+        person asking for a whole node then waits seconds, not minutes, for a notebook idle on
+        it; a lease whose cell runs is still never touched. ``None`` means ``pressure_grace``.
+        Default: None. ``c.GPUPool.pressure_clear_grace = 5``.""",
+    ).tag(config=True)
+
 
 class QuotaSettings(LeaseSettings):
     """What each user may hold: quotas per user and group, the groups, the

@@ -147,3 +147,30 @@ def test_batch_yields_to_a_waiting_person(tmp_path, yields):
         if agent is not None:
             agent.stop()
         service.stop()
+
+
+def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(tmp_path):
+    """As above with ``pressure_clear_grace = 1``: the cleared node's idle lease is reclaimed about a
+    second after zoe asked (not after the 60 s pressure grace), the other one kept, and zoe placed."""
+    service = start_service(tmp_path, tokens=TOKENS,
+                            config={"heartbeat_ttl": 120.0, "pressure_grace": LONG_GRACE,
+                                    "pressure_clears_nodes": True, "pressure_clear_grace": 1.0})
+    agents = []
+    try:
+        agents = [start_agent(tmp_path, service, name=name, simulate="2xA100-80GB") for name in ("node-1", "node-2")]
+        ann = _active(service, "ann", LeaseRequest(fraction=1.0))
+        bob = _active(service, "bob", LeaseRequest(fraction=1.0, gpu_count=2))
+        waiter = _queued(service, "zoe", LeaseRequest(fraction=1.0, gpu_count=2, wait=120))
+        (cleared, lease), (kept, other) = sorted((("ann", ann), ("bob", bob)), key=lambda pair: pair[1].node)
+        ended = wait_for(lambda: (got := service.client(cleared).get_lease(lease.id)).state is not LeaseState.active
+                         and got, 30, "the cleared node's idle lease parked")
+        assert ended.reason.startswith("parked early: 1 person is waiting for a GPU"), ended
+        assert time.time() - parse_time(waiter.created_at).timestamp() < LONG_GRACE / 2, ended
+        placed = wait_for(lambda: (got := service.client("zoe").get_lease(waiter.id)).state is not LeaseState.queued
+                          and got, 30, "zoe placed")
+        assert placed.node == lease.node
+        assert service.client(kept).get_lease(other.id).state is LeaseState.active
+    finally:
+        for agent in agents:
+            agent.stop()
+        service.stop()

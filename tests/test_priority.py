@@ -391,3 +391,23 @@ def test_placement_index_idle_nodes():
     index = PlacementIndex(_gpus(("a", [0.0, 0.0]), ("b", [0.5, 0.0]), ("c", [0.0])))
     assert (index.node_idle("a"), index.node_idle("b"), index.node_idle("x"), index.idle_nodes()) == (True, False,
                                                                                                        False, 2)
+
+
+@pytest.mark.parametrize("clear_grace, idle, parked_at", [
+    (None, 0, 220),   # the pressure grace: 120 s after the ask
+    (5.0, 0, 105),    # idle since before the ask: 5 s after it
+    (5.0, 150, 150),  # went idle after ask + 5 s: at once
+])
+def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(clear_grace, idle, parked_at):
+    leases = [Held("nb", "bob", 1.0, "interactive", False, False, at(0), at(idle), at(idle + 1800), "a"),
+              on("a1", "a", 7.0)]
+    rule = priority.Rule(120.0, 5.0, True, 0.0, clear_nodes=True, clear_grace=clear_grace)
+    decided = rule.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], {}, {})
+    assert decided.parks["nb"].deadline == at(parked_at) and set(decided.preemptions) == {"a1"}
+
+
+def test_the_clear_grace_is_only_for_the_cleared_node():
+    """Counted in GPUs (a one-GPU ask) an idle lease keeps the pressure grace."""
+    rule = priority.Rule(120.0, clear_nodes=True, clear_grace=5.0)
+    decided = rule.plan([held("nb", owner="bob")], [asking("q", created=100)], {}, {})
+    assert decided.parks["nb"].deadline == at(220)

@@ -49,6 +49,8 @@ class NotebookPolicy:
     waits (:func:`.priority.batch_may_start`); ``clear_nodes``: the plan is
     given each node's free GPUs and clears one node per waiting whole-GPU
     interactive request (:mod:`gpupool.hub_plugin.rules.clearing`);
+    ``clear_grace`` (``c.GPUPool.pressure_clear_grace``): an idle lease on a node
+    cleared so is parked this long after the request was asked;
     ``resume_preempted``: a preempted batch job keeps its progress (it was
     parked with its variables and its loop resumes) instead of restarting."""
 
@@ -65,6 +67,7 @@ class NotebookPolicy:
     batch_yields: bool = False
     clear_nodes: bool = False
     resume_preempted: bool = False
+    clear_grace: float | None = None
 
     def rule(self) -> priority.Rule | None:
         """The pressure plan's settings as the service would have them (None: no pressure parks):
@@ -73,7 +76,7 @@ class NotebookPolicy:
         if self.pressure_grace is None:
             return None
         return priority.Rule(self.pressure_grace, self.preemption_notice or 0.0, self.preemption_notice is not None,
-                             self.preemption_grace, self.batch_first, self.clear_nodes)
+                             self.preemption_grace, self.batch_first, self.clear_nodes, self.clear_grace)
 
 
 def policies(gpupool_idle_timeout: float = 300.0,
