@@ -196,8 +196,10 @@ def backlog_variants(quick: bool = False):
     at_once = replace(gp, name="gpupool, batch yields, batch first, preempted at once, 5 s notice",
                       batch_yields=True, batch_first=True, preemption_grace=0.0, preemption_notice=5.0)
     clear = replace(at_once, name="… and a node cleared per whole-GPU ask", clear_nodes=True)
-    variants = [replace(gp, name="gpupool, no preemption", preemption_notice=None), at_once, clear,
+    parked = replace(clear, name="… and its idle leases parked 5 s after the ask", clear_grace=5.0)
+    variants = [replace(gp, name="gpupool, no preemption", preemption_notice=None), at_once, clear, parked,
                 replace(clear, name="… and preempted jobs resume", resume_preempted=True),
+                replace(parked, name="… parked 5 s after the ask, and preempted jobs resume", resume_preempted=True),
                 replace(base["reservation"], name="reservation (no classes)")]
     if quick:
         variants.insert(1, gp)
@@ -273,6 +275,9 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         "whole-GPU ask**: the plan is also given each node's free GPUs (`plan(free_gpus=...)`) and, for a "
         "waiting interactive request for several whole GPUs, takes the leases of the one node that covers it at "
         "least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running GPUs); "
+        "**its idle leases parked 5 s after the ask**: an idle lease on the node cleared for such a request is "
+        "parked 5 s after the request was asked, not after the 2 min grace (`plan(clear_grace=5)`, "
+        "`c.GPUPool.pressure_clear_grace`); "
         "**preempted jobs resume**: a preempted job keeps its progress (an assumption about the job: it "
         "checkpoints, or is parked with its variables and its loop resumes); **headroom n nodes**: batch is not "
         "placed on an idle node while n or fewer are idle. **reservation (no classes)**: today's service, whole "

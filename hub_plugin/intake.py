@@ -23,7 +23,7 @@ from .lease_views import LeaseViews
 from .leases import LeaseBook
 from .models import Lease, new_lease_id
 from .placing import Placer
-from .rules.priority import INTERACTIVE, preemption_refusal
+from .rules.priority import BATCH, INTERACTIVE, preemption_refusal
 from .rules.scheduler import Demand, Placement, Refusal
 from .state import PoolState
 from .transitions import assign, transition
@@ -83,6 +83,9 @@ class LeaseIntake:
             idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             queued = self.admission.admit(session, who.name, limits, demand, now)
             decision = self.placer.place(session, demand)
+            if isinstance(decision, Placement) and request.lease_class == BATCH:
+                decision = self.placer.batch_refusal(session, decision, now, yields=self.settings.batch_yields,
+                                                     headroom_nodes=self.settings.batch_headroom_nodes) or decision
             if isinstance(decision, Refusal):
                 if not wait:
                     self.admission.refuse(who, decision)

@@ -112,7 +112,8 @@ class LeaseQueue:
 
         tx.changes.index_taken = True  # drain takes capacity in the index as it goes
         wait_queue.drain(waiting, self.placer.pool(session), last, now, accept=accept,
-                         room=self._room(session, owners))
+                         room=self._room(session, owners), batch_yields=self.settings.batch_yields,
+                         headroom_nodes=self.settings.batch_headroom_nodes)
         return Drained(placed, over)
 
     def _any_queued(self) -> bool:

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from sqlalchemy import select
+from datetime import datetime
+
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
+
+from gpupool.schema import LeaseState
 
 from .models import Lease
 from .rules.placement_index import PlacementIndex
+from .rules.priority import INTERACTIVE, batch_may_start
 from .rules.scheduler import Demand, Placement, Refusal
 from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .state import PoolState
@@ -42,6 +47,25 @@ class Placer:
         if isinstance(decision, Placement) and not self.verify(session, decision):
             decision = self.state.capacity.get(session, workload).place(demand)  # rebuilt from the store
         return decision
+
+    def batch_refusal(self, session: Session, decision: Placement, now: datetime, *, yields: bool,
+                      headroom_nodes: int) -> Refusal | None:
+        """Why a new batch request may not take ``decision`` (:func:`.priority.batch_may_start`:
+        ``c.GPUPool.batch_yields``, ``batch_headroom_nodes``), or None when it may."""
+        if not yields and not headroom_nodes:
+            return None
+        person = yields and session.scalar(
+            select(Lease.id).where(Lease.state == LeaseState.queued.value, Lease.lease_class == INTERACTIVE,
+                                   or_(Lease.wait_until.is_(None), Lease.wait_until > now)).limit(1)) is not None
+        index = self.pool(session)
+        if batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
+            return None
+        if person:
+            why = "a person's interactive request is waiting and batch yields to it (c.GPUPool.batch_yields)"
+        else:
+            why = (f"the last {headroom_nodes} idle node(s) are kept for interactive requests "
+                   "(c.GPUPool.batch_headroom_nodes)")
+        return Refusal({"held for interactive requests": len(decision.gpus)}, f"batch request not placed: {why}")
 
     def verify(self, session: Session, decision: Placement) -> bool:
         """Whether the store agrees with the index on ``decision`` (:meth:`.capacity.CapacityIndex.verify`)."""

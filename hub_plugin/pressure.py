@@ -16,6 +16,7 @@ threads see one or the other.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
@@ -25,10 +26,12 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LeaseState, isoformat
 
 from .config import GPUPool
-from .models import Lease
-from .rules import eta, priority, quotas
+from .models import Lease, LeaseGPU
+from .capacity import gpu_states
+from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
 from .rules.reclaim import Decision, idle_deadline
+from .rules.scheduler import GPUState
 
 #: Ended leases whose lengths give the ETA the typical length per class.
 LENGTH_SAMPLE = 200
@@ -61,17 +64,33 @@ class Pressure:
         return self.plan
 
     def _plan(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
-        asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at)
+        asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at,
+                                  row.gpu_count)
                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
                                                     Lease.lease_class, Lease.created_at, Lease.wait_until)
                                              .where(Lease.state == LeaseState.queued.value))
                   if row.wait_until is None or row.wait_until > now]
         if not asking:
             return priority.NO_PRESSURE
-        return priority.plan([pressure_rules.held(lease) for lease in active], asking,
-                             grace=self.settings.pressure_grace,
-                             notice=self.settings.preemption_notice, allow_preemption=self.settings.allow_preemption,
-                             guaranteed_gpus=self._guarantees(session, active))
+        rule = priority.Rule.of(self.settings)
+        free = clearing.whole_free(self._soon_free(session)) if rule.wants_free_gpus(asking) else None
+        return rule.plan([pressure_rules.held(lease) for lease in active], asking,
+                         self._guarantees(session, active), free)
+
+    def _soon_free(self, session: Session) -> list[GPUState]:
+        """Every GPU's state with what ``releasing`` leases hold counted free: capacity on its way
+        back is not what a node must be cleared of (else a second node is cleared while the
+        first one's parked lease is still releasing)."""
+        leaving: dict[str, tuple[float, int]] = {}
+        for uuid, fraction, memory in session.execute(
+                select(LeaseGPU.gpu_uuid, Lease.fraction, Lease.memory).join(Lease, Lease.id == LeaseGPU.lease_id)
+                .where(Lease.state == LeaseState.releasing.value)):
+            was = leaving.get(uuid, (0.0, 0))
+            leaving[uuid] = (was[0] + fraction, was[1] + memory)
+        states = gpu_states(session, self.settings.context_overhead)
+        return [replace(gpu, allocated_fraction=max(0.0, gpu.allocated_fraction - leaving[gpu.uuid][0]),
+                        allocated_memory=max(0, gpu.allocated_memory - leaving[gpu.uuid][1]))
+                if gpu.uuid in leaving else gpu for gpu in states]
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""

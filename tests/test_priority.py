@@ -308,3 +308,107 @@ def test_status_shows_why_the_countdown_is_short():
     from gpupool.tables import idle_countdown
     lease = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 1 person is waiting for a GPU")
     assert idle_countdown(lease, now=at(1000)) == "20s (parked early: 1 person is waiting for a GPU)"
+
+
+# -- the plan's settings, as the service and the simulator build them --------------------------
+
+def test_the_rule_of_the_service_settings_is_todays_plan_by_default():
+    from gpupool.hub_plugin.config import GPUPool
+
+    assert priority.Rule.of(GPUPool()) == priority.Rule(120.0, 30.0, True, None, False, False)
+    assert priority.Rule.of(GPUPool(preemption_grace=0, batch_first=True, pressure_clears_nodes=True)) == \
+        priority.Rule(120.0, 30.0, True, 0, True, True)
+
+
+@pytest.mark.parametrize("clear_nodes, ask, wanted", [
+    (False, Asking("q", "zoe", 8.0, "interactive", at(100), 8), False),  # not clearing: free GPUs not read
+    (True, Asking("q", "zoe", 8.0, "interactive", at(100), 8), True),
+    (True, Asking("q", "zoe", 1.0, "interactive", at(100), 1), False),  # one GPU: counted in GPUs
+    (True, Asking("q", "zoe", 8.0, "batch", at(100), 8), False),        # a batch waiter clears no node
+])
+def test_free_gpus_are_read_only_where_a_node_is_cleared(clear_nodes, ask, wanted):
+    assert priority.Rule(120.0, clear_nodes=clear_nodes).wants_free_gpus([ask]) is wanted
+
+
+@pytest.mark.parametrize("clear_nodes, preempted", [(False, {"a1", "b1"}), (True, {"b1"})])
+def test_the_rule_clears_a_node_only_where_set(clear_nodes, preempted):
+    """Counted in GPUs the plan stops work on two nodes; cleared, only on the one that then fits."""
+    leases = [on("a1", "a", 4.0), on("b1", "b", 2.0)]
+    rule = priority.Rule(120.0, 5.0, True, 0.0, clear_nodes=clear_nodes)
+    decided = rule.plan(leases, [Asking("q", "zoe", 6.0, "interactive", at(100), 6)], {}, {"a": 4.0, "b": 4.0})
+    assert set(decided.preemptions) == preempted
+
+
+def test_acting_is_what_is_due_and_the_next_moment():
+    decided = priority.Plan({"p1": priority.EarlyPark(at(10), "r"), "p2": priority.EarlyPark(at(30), "r")},
+                            {"x": priority.Preemption(at(20), "r")})
+    assert priority.acting(decided, at(10)) == ({"p1"}, set(), at(20))
+    assert priority.acting(decided, at(25)) == ({"p1"}, {"x"}, at(30))
+    assert priority.acting(decided, at(30)) == ({"p1", "p2"}, {"x"}, None)
+
+
+def test_whole_free_counts_wholly_free_gpus_of_usable_nodes():
+    from gpupool.hub_plugin.rules.clearing import whole_free
+    from gpupool.hub_plugin.rules.scheduler import GPUState
+
+    def gpu(node, index, taken=0.0, **state):
+        return GPUState(f"{node}{index}", node, "A100", index, 80 * 2**30, 79 * 2**30, taken,
+                        int(taken * 79 * 2**30), **state)
+    gpus = [gpu("a", 0), gpu("a", 1, 0.5), gpu("a", 2, healthy=False), gpu("b", 0, 1.0),
+            gpu("c", 0, node_up=False), gpu("d", 0, node_degraded=True), gpu("e", 0), gpu("e", 1)]
+    assert whole_free(gpus) == {"a": 1.0, "e": 2.0}
+
+
+def _gpus(*nodes):
+    """GPU states: ``(node, [allocated fraction per GPU])`` each."""
+    from gpupool.hub_plugin.rules.scheduler import GPUState
+    return [GPUState(f"{node}-{i}", node, "A100", i, 80 * 2**30, 79 * 2**30, taken, int(taken * 79 * 2**30))
+            for node, fractions in nodes for i, taken in enumerate(fractions)]
+
+
+@pytest.mark.parametrize("yields, headroom, placed", [
+    (False, 0, ["b"]),  # batch backfills the GPU the 2-GPU ask cannot use
+    (True, 0, []),      # a person waits: batch yields
+    (False, 1, ["b"]),  # a partly taken node: headroom does not apply
+])
+def test_drain_lets_batch_start_only_where_batch_may_start(yields, headroom, placed):
+    waiting = [queue.Waiting("i", "ann", Demand(1.0, 2), at(0), "interactive"),
+               queue.Waiting("b", "bob", Demand(1.0), at(10), "batch")]
+    decided = queue.drain(waiting, _gpus(("n0", [1.0, 0.0])), {}, at(20), batch_yields=yields, headroom_nodes=headroom)
+    assert [item.lease_id for item, _ in decided] == placed
+
+
+@pytest.mark.parametrize("headroom, placed", [(0, ["b1", "b2"]), (1, ["b1"]), (2, [])])
+def test_drain_keeps_headroom_nodes_idle_for_batch(headroom, placed):
+    """Two idle nodes of one GPU: with headroom 1 the first batch job may take one, not the last."""
+    waiting = [queue.Waiting("b1", "bob", Demand(1.0), at(0), "batch"),
+               queue.Waiting("b2", "cid", Demand(1.0), at(5), "batch")]
+    decided = queue.drain(waiting, _gpus(("n0", [0.0]), ("n1", [0.0])), {}, at(20), headroom_nodes=headroom)
+    assert [item.lease_id for item, _ in decided] == placed
+
+
+def test_placement_index_idle_nodes():
+    from gpupool.hub_plugin.rules.placement_index import PlacementIndex
+    index = PlacementIndex(_gpus(("a", [0.0, 0.0]), ("b", [0.5, 0.0]), ("c", [0.0])))
+    assert (index.node_idle("a"), index.node_idle("b"), index.node_idle("x"), index.idle_nodes()) == (True, False,
+                                                                                                       False, 2)
+
+
+@pytest.mark.parametrize("clear_grace, idle, parked_at", [
+    (None, 0, 220),   # the pressure grace: 120 s after the ask
+    (5.0, 0, 105),    # idle since before the ask: 5 s after it
+    (5.0, 150, 150),  # went idle after ask + 5 s: at once
+])
+def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(clear_grace, idle, parked_at):
+    leases = [Held("nb", "bob", 1.0, "interactive", False, False, at(0), at(idle), at(idle + 1800), "a"),
+              on("a1", "a", 7.0)]
+    rule = priority.Rule(120.0, 5.0, True, 0.0, clear_nodes=True, clear_grace=clear_grace)
+    decided = rule.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], {}, {})
+    assert decided.parks["nb"].deadline == at(parked_at) and set(decided.preemptions) == {"a1"}
+
+
+def test_the_clear_grace_is_only_for_the_cleared_node():
+    """Counted in GPUs (a one-GPU ask) an idle lease keeps the pressure grace."""
+    rule = priority.Rule(120.0, clear_nodes=True, clear_grace=5.0)
+    decided = rule.plan([held("nb", owner="bob")], [asking("q", created=100)], {}, {})
+    assert decided.parks["nb"].deadline == at(220)

@@ -10,7 +10,9 @@ then the fewest GPUs of running work stopped. Pure: leases in, leases out.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
+
+from .scheduler import idle_counts
 
 EPSILON = 1e-9
 
@@ -47,3 +49,14 @@ def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempti
         if best_cost is None or cost < best_cost:
             best, best_cost = (node, chosen), cost
     return best
+
+
+def whole_free(gpus: Iterable) -> dict[str, float]:
+    """Node -> how many of its GPUs are wholly free (``scheduler.GPUState``: nothing held,
+    healthy), for the nodes new leases may go to (up, not degraded) with any; what
+    :func:`clear` and ``priority.plan(free_gpus=)`` read."""
+    free: dict[str, float] = {}
+    for node, count in idle_counts(gpu for gpu in gpus if gpu.node_up and not gpu.node_degraded).items():
+        if count:
+            free[node] = float(count)
+    return free

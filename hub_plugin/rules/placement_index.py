@@ -120,6 +120,16 @@ class PlacementIndex:
         """UUIDs of ``node``'s GPUs by index (empty for a node not indexed)."""
         return list(self._node_gpus.get(node, ()))
 
+    def node_idle(self, node: str) -> bool:
+        """Every GPU of ``node`` is wholly free (nothing allocated on it)."""
+        gpus = self._node_gpus.get(node, ())
+        return bool(gpus) and self._idle.get(node, 0) == len(gpus)
+
+    def idle_nodes(self) -> int:
+        """How many nodes new leases may go to (up, not degraded) have every GPU wholly free."""
+        return sum(1 for node, uuids in self._node_gpus.items() if self._idle.get(node, 0) == len(uuids)
+                   and not _unusable(self.states[uuids[0]]))
+
     def update(self, gpu: GPUState) -> None:
         """Replace the state of ``gpu.uuid`` (a GPU already indexed, on the same node)."""
         old = self.states[gpu.uuid]

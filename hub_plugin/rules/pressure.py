@@ -36,10 +36,11 @@ def due(plan: priority.Plan, active: Iterable[Any], now: datetime, grace: float)
     ``c.GPUPool.pressure_grace``, for the words): the fallback when the
     notebook did not park them itself."""
     decisions = []
+    parks = priority.acting(plan, now)[0]
     for lease in active:
-        early = plan.parks.get(lease.id)
         own = idle_deadline(lease)
-        if early is not None and own is not None and early.deadline <= now < own:
+        if lease.id in parks and own is not None and now < own:
+            early = plan.parks[lease.id]
             idle = (now - lease.idle_since).total_seconds()
             decisions.append(Decision(lease.id, LeaseState.reclaimed,
                                       f"{early.reason} (idle for {format_duration(idle)}, pressure grace "

@@ -140,7 +140,8 @@ def waiting_words(owners: int) -> str:
 def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice: float,
          allow_preemption: bool, guaranteed_gpus: Mapping[str, float],
          preemption_grace: float | None = None, batch_first: bool = False,
-         free_gpus: Mapping[str, float] | None = None) -> Plan:
+         free_gpus: Mapping[str, float] | None = None,
+         clear_grace: float | None = None) -> Plan:
     """Early parks and preemptions while ``asking`` waits (module docstring).
 
     ``grace``: seconds a lease may stay idle under pressure (counted from when
@@ -153,7 +154,9 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
     interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
     free; None: not known): a waiting interactive request for several whole
     GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
-    counted in GPUs. Only early parks before a lease's own ``idle_deadline`` are
+    counted in GPUs; ``clear_grace`` (None: ``grace``): an idle lease on a node so
+    cleared is parked at the later of when it went idle and that request's
+    ``created_at`` + ``clear_grace``, if that is sooner. Only early parks before a lease's own ``idle_deadline`` are
     returned. No clock: deadlines are absolute, so the same inputs give the
     same plan at every sweep, and the sweep compares them with its ``now``.
     What a higher class's waiters free is theirs: a batch waiter counts only
@@ -178,12 +181,14 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
         preempting = allow_preemption and rank == class_rank(INTERACTIVE)
         after = grace if preemption_grace is None else preemption_grace
 
-        def take(lease: Held) -> None:
+        def take(lease: Held, asked: datetime | None = None) -> None:
             if lease.busy:
                 preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + notice),
                                                          reason.replace("parked early", "preempted"))
             else:
                 deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
+                if asked is not None and clear_grace is not None:  # on the node cleared for ``asked``'s request
+                    deadline = min(deadline, max(lease.idle_since, asked + timedelta(seconds=clear_grace)))
                 if lease.idle_deadline is None or deadline < lease.idle_deadline:
                     parks[lease.lease_id] = EarlyPark(deadline, reason)
 
@@ -198,7 +203,7 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
                 node, leases = cleared
                 need -= item.gpus
                 for lease in leases:
-                    take(lease)
+                    take(lease, item.created_at)
                 targets = [lease for lease in targets if lease.node != node]
                 free.pop(node, None)
         for lease in _victims(targets, preempting, batch_first):
@@ -207,6 +212,58 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
             take(lease)
             need -= lease.gpus
     return Plan(parks, preemptions)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The settings :func:`plan` runs with: the service's (``c.GPUPool``, :meth:`of`) or a
+    replayed policy's. ``grace``: ``pressure_grace``; ``notice``: ``preemption_notice``;
+    ``allow_preemption``; ``preemption_grace`` (None: ``grace``); ``batch_first``;
+    ``clear_nodes`` (``pressure_clears_nodes``): the plan is given each node's whole free
+    GPUs and clears one node per waiting interactive request for several whole GPUs;
+    ``clear_grace`` (``pressure_clear_grace``; None: ``grace``): an idle lease on such a cleared
+    node is parked this long after that request was asked (or at once if it goes idle later)."""
+
+    grace: float
+    notice: float = 0.0
+    allow_preemption: bool = False
+    preemption_grace: float | None = None
+    batch_first: bool = False
+    clear_nodes: bool = False
+    clear_grace: float | None = None
+
+    @classmethod
+    def of(cls, settings) -> "Rule":
+        """The rule of ``settings`` (``c.GPUPool``)."""
+        return cls(settings.pressure_grace, settings.preemption_notice, settings.allow_preemption,
+                   settings.preemption_grace, settings.batch_first, settings.pressure_clears_nodes,
+                   settings.pressure_clear_grace)
+
+    def wants_free_gpus(self, asking: Iterable[Asking]) -> bool:
+        """Whether :meth:`plan` reads ``free_gpus`` for ``asking``: the caller reads each
+        node's free GPUs only then."""
+        return self.clear_nodes and any(class_rank(item.lease_class) == class_rank(INTERACTIVE)
+                                        and item.gpu_count > 1 for item in asking)
+
+    def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
+             free_gpus: Mapping[str, float] | None = None,
+         clear_grace: float | None = None) -> Plan:
+        """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
+        only with ``clear_nodes``."""
+        return plan(held, asking, grace=self.grace, notice=self.notice, allow_preemption=self.allow_preemption,
+                    guaranteed_gpus=guaranteed_gpus, preemption_grace=self.preemption_grace,
+                    batch_first=self.batch_first, free_gpus=free_gpus if self.clear_nodes else None,
+                    clear_grace=self.clear_grace)
+
+
+def acting(plan_: Plan, now: datetime) -> tuple[set[str], set[str], datetime | None]:
+    """What ``plan_`` does at ``now``: the ids of the leases to park (early deadline passed),
+    of those to preempt (their time passed), and its next moment after ``now`` (None: none)."""
+    parks = {lease for lease, park in plan_.parks.items() if park.deadline <= now}
+    preempts = {lease for lease, preemption in plan_.preemptions.items() if preemption.at <= now}
+    later = ([park.deadline for park in plan_.parks.values() if park.deadline > now]
+             + [preemption.at for preemption in plan_.preemptions.values() if preemption.at > now])
+    return parks, preempts, min(later) if later else None
 
 
 def _victims(leases: Sequence[Held], preempting: bool, batch_first: bool) -> list[Held]:

@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .placement_index import PlacementIndex
-from .priority import INTERACTIVE, class_rank
+from .priority import INTERACTIVE, batch_may_start, class_rank
 from .scheduler import Demand, GPUState, Placement
 
 
@@ -93,7 +93,8 @@ def newest_position(owner: str, lease_class: str, queued: Mapping[tuple[str, str
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           last_used: Mapping[str, datetime | None], now: datetime, *,
           accept: Callable[[Waiting, Placement], bool] | None = None,
-          room: Mapping[str, int] | None = None) -> list[tuple[Waiting, Placement]]:
+          room: Mapping[str, int] | None = None, batch_yields: bool = False,
+          headroom_nodes: int = 0) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
@@ -101,6 +102,9 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     stops the drain there (the service checks the decision against the store).
     ``room``, when given, is how many more requests each owner may have placed
     (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
+    A batch request is placed only where :func:`.priority.batch_may_start` allows
+    (``batch_yields``: not while an interactive request is left waiting;
+    ``headroom_nodes``: not on an idle node while that many or fewer are idle).
 
     Capacity only shrinks during a drain, so a demand that did not fit once is
     not tried again: a thousand equal requests that do not fit cost one try."""
@@ -118,6 +122,13 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
             if not isinstance(decision, Placement):
                 unfit.add(item.demand)
                 continue
+            if class_rank(item.lease_class) > class_rank(INTERACTIVE) and (batch_yields or headroom_nodes):
+                # In queue order every interactive request still left did not fit: a person waits.
+                person = batch_yields and any(class_rank(other.lease_class) == class_rank(INTERACTIVE)
+                                              for other in left)
+                if not batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
+                    unfit.add(item.demand)  # capacity only shrinks: it is not allowed later in this drain either
+                    continue
             if accept is not None and not accept(item, decision):
                 return placed
             index.take(decision)

@@ -105,8 +105,7 @@ class _Replay:
         self.table = SessionTable(workload, policy.slices)
         self.sessions = self.table.sessions  # the table appends to it: one list
         self.started = 0  # interactive cells that started
-        self.sweep = Sweep(policy.pressure_grace, policy.preemption_notice, policy.preemption_grace,
-                           policy.batch_first)
+        self.sweep = Sweep(policy.rule())
         self.events = _Events()
         self.queue = WaitQueue(policy.fifo, policy.classes)
         self.period = self.table.period()
@@ -247,7 +246,7 @@ class _Replay:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
-        free = self.pool.whole_free() if self.policy.clear_nodes else None
+        free = self.pool.whole_free() if self.sweep.wants_free_gpus() else None
         parks, preempts, later = self.sweep.due(now, bool(self.table.idle), free)
         for sid in parks:
             self.tally.early_parks += 1

@@ -53,15 +53,13 @@ class SimLease:
 
 
 class Sweep:
-    """The pressure plan's inputs and ticks. ``grace``: ``c.GPUPool.pressure_grace``
-    (None: no pressure parks); ``notice``: ``c.GPUPool.preemption_notice`` (None:
-    ``allow_preemption = False``); ``preemption_grace``, ``batch_first``: the plan's.
-    Keys of :attr:`waiters` and :attr:`holding`
-    are the replay's session ids."""
+    """The pressure plan's inputs and ticks. ``rule``: the plan's settings
+    (:class:`.priority.Rule`, as the service builds it from ``c.GPUPool``; None: no
+    pressure parks). Keys of :attr:`waiters` and :attr:`holding` are the replay's
+    session ids."""
 
-    def __init__(self, grace: float | None, notice: float | None, preemption_grace: float | None = None,
-                 batch_first: bool = False) -> None:
-        self.grace, self.notice, self.preemption_grace, self.batch_first = grace, notice, preemption_grace, batch_first
+    def __init__(self, rule: priority.Rule | None) -> None:
+        self.rule = rule
         self.waiters: dict[int, priority.Asking] = {}  # every waiting request
         self.holding: dict[int, priority.Held] = {}  # every active lease
         self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
@@ -71,7 +69,7 @@ class Sweep:
         """The first sweep tick at or after ``now`` (after the last evaluated
         one) to evaluate the plan at, when it can act there and none is set
         for that tick yet; else None."""
-        if self.grace is None or not self.waiters:
+        if self.rule is None or not self.waiters:
             return None
         tick = math.ceil(now / SWEEP_S) * SWEEP_S
         tick += SWEEP_S if tick <= self._last_check else 0.0
@@ -79,6 +77,10 @@ class Sweep:
             return None
         self._checks.add(tick)
         return tick
+
+    def wants_free_gpus(self) -> bool:
+        """Whether the plan reads each node's free GPUs now (:meth:`.priority.Rule.wants_free_gpus`)."""
+        return self.rule is not None and self.rule.wants_free_gpus(self.waiters.values())
 
     def due(self, now: float, any_idle: bool, free_gpus: dict[str, float] | None = None
             ) -> tuple[list[int], list[int], float | None]:
@@ -88,15 +90,11 @@ class Sweep:
         ``free_gpus``: the plan's (whole free GPUs per node; None: not given)."""
         self._checks.discard(now)
         self._last_check = now
-        if self.grace is None or not self.waiters or not (any_idle or self.notice is not None):
+        rule = self.rule
+        if rule is None or not self.waiters or not (any_idle or rule.allow_preemption):
             return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
-        plan = priority.plan(list(self.holding.values()), list(self.waiters.values()), grace=self.grace,
-                             notice=self.notice or 0.0, allow_preemption=self.notice is not None,
-                             guaranteed_gpus={}, preemption_grace=self.preemption_grace,
-                             batch_first=self.batch_first, free_gpus=free_gpus)
-        moment = at(now)
-        parks = [int(lease) for lease, park in plan.parks.items() if park.deadline <= moment]
-        preempts = [int(lease) for lease, preemption in plan.preemptions.items() if preemption.at <= moment]
-        later = ([park.deadline for park in plan.parks.values() if park.deadline > moment]
-                 + [preemption.at for preemption in plan.preemptions.values() if preemption.at > moment])
-        return parks, preempts, (min(later) - T0).total_seconds() if later else None
+        plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus)
+        parks, preempts, later = priority.acting(plan, at(now))
+        return ([int(lease) for lease in plan.parks if lease in parks],
+                [int(lease) for lease in plan.preemptions if lease in preempts],
+                (later - T0).total_seconds() if later else None)
