@@ -278,11 +278,12 @@ def test_fragmentation_counts_every_dimension():
     """One node, 2 GPUs free 600 and 1000; workload: half 500-milli slices needing 4 cores, half 2 whole GPUs.
 
     With 8 cores free: the slice fits, no GPU is too small for it (0); 2 whole GPUs do not fit (600 + 1000).
-    With 2 cores free: the slice does not fit either: all 1600 free milli count for it too."""
+    With 2 cores free: the slice does not fit either: all 1600 free milli count for it too.
+    (Weights are task counts, one each: the sum is milli x tasks.)"""
     types = task_types([4000, 1000], [1024, 1024], [1, 2], [500, 1000])
     gpu = np.array([[600, 1000]])
-    assert node_fragmentation(np.array([8000]), np.array([4096]), gpu, types).tolist() == [0.5 * 0 + 0.5 * 1600]
-    assert node_fragmentation(np.array([2000]), np.array([4096]), gpu, types).tolist() == [1600.0]
+    assert node_fragmentation(np.array([8000]), np.array([4096]), gpu, types).tolist() == [1 * 0 + 1 * 1600]
+    assert node_fragmentation(np.array([2000]), np.array([4096]), gpu, types).tolist() == [1600 + 1600]
 
 
 def node(name, gpus, cores, gib):
