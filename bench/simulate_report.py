@@ -392,7 +392,7 @@ def multidim_part(data, seeds, log) -> str:
         "Kubernetes score range, not the paper's algorithm, so the rule keeps the exact least growth.",
         "- Why fgd lost to first fit before (6.36 % vs 5.58 %, seed 0, and it already refused tasks at 90 % "
         "arrived): its measure weighed only the draw's 48 most frequent task types, and with memory in the type "
-        "those cover 94 % of tasks; the rest did not steer it. One-off ablations on "
+        "those cover 94 % of the trace's pods; the rest did not steer it. One-off ablations on "
         "seed 0 (exact sums, not run by this script): that rule 6.81 %; every type instead of 48: 5.55 %; and "
         "types as the paper's simulator keys them (CPU and GPU, memory only a constraint): 5.04 %. Counting "
         "a CPU-only type's unallocated GPUs whether it fits or not (the paper's simulator; before, none when it "
