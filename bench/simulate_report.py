@@ -1,6 +1,6 @@
 """Run the trace-driven comparisons and write the "Trace-driven simulation" section of bench/REPORT.md.
 
-    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0]
+    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0] [--only backlog|openb-multidim]
 
 Writes bench/REPORT.md (only its "## Trace-driven simulation" section is
 replaced; other sections are kept) and bench/sim_*.png. Without the public
@@ -27,7 +27,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gpupool.hub_plugin.rules.fragmentation import TOP_TYPES  # noqa: E402
 from gpupool.hub_plugin.simulate import multidim  # noqa: E402
 from gpupool.hub_plugin.simulate.backlog import BatchSource  # noqa: E402
 from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks  # noqa: E402
@@ -324,55 +323,102 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
     return "\n".join(text), [r.row() for r in results]
 
 
-def multidim_part(data, seed, log) -> str:
-    nodes, tasks = read_openb_tasks(data) if data else openb_tables(seed)
+#: The paper's own simulator (hkust-adsl/kubernetes-scheduler-simulator,
+#: experiments/analysis/expected_results/analysis_allo_discrete.csv, openb_pod_list_default, workload tuned to
+#: 130 %, seeds 42-51): unallocated GPU share at 130 % arrived, mean of its 10 seeds.
+PAPER_ARTIFACT_130 = {"FGD": 0.0461, "BestFit": 0.0692, "Random": 0.1253}
+MULTIDIM_SECTION = "### openb with CPU and memory (the paper's setting)"
+
+
+def multidim_part(data, seeds, log) -> str:
+    nodes, tasks = read_openb_tasks(data) if data else openb_tables(seeds[0])
     gpus = sum(n.gpus for n in nodes)
-    drawn = multidim.sample(tasks, gpus, 1.3, seed)
-    runs = {}
-    for name in multidim.POLICIES:
-        runs[name] = multidim.fill(nodes, drawn, name, seed=seed)
-        log(f"openb cpu+memory {name}: {runs[name].seconds:.0f} s")
+    runs = {name: [] for name in multidim.POLICIES}
+    drawn_sizes = []
+    for seed in seeds:
+        drawn = multidim.sample(tasks, gpus, 1.3, seed)
+        drawn_sizes.append(len(drawn.num))
+        for name in multidim.POLICIES:
+            runs[name].append(multidim.fill(nodes, drawn, name, seed=seed))
+            log(f"openb cpu+memory seed {seed} {name}: {runs[name][-1].seconds:.0f} s")
     loads = [0.8, 0.9, 1.0, 1.1, 1.2, 1.3]
+    mean = {name: [float(np.mean([r.at(x) for r in rs])) for x in loads] for name, rs in runs.items()}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in runs.items():
-        ax.plot(r.arrived * 100, r.unallocated * 100, label=name)
+    for name, rs in runs.items():
+        ax.plot(rs[0].arrived * 100, np.mean([r.unallocated for r in rs], axis=0) * 100, label=name)
     ax.set(xlabel="arrived GPU demand (% of capacity)", ylabel="unallocated GPUs (% of capacity)",
            title="openb with CPU and memory: unallocated GPUs", xlim=(70, 130), ylim=(0, 35))
     ax.legend()
     fig.tight_layout()
     fig.savefig(HERE / "sim_openb_multidim.png", dpi=110)
     plt.close(fig)
-    f, b, ff = runs["fgd"].at(1.3), runs["bestfit"].at(1.3), runs["firstfit"].at(1.3)
+    at = {name: v[-1] for name, v in mean.items()}
+    f, b, ff, k = at["fgd"], at["bestfit"], at["firstfit"], at["fgd-k8s"]
+    per_seed = ", ".join(f"{rf.at(1.3) / rb.at(1.3):.2f}" for rf, rb in zip(runs["fgd"], runs["bestfit"]))
+    paper = PAPER_ARTIFACT_130
     return "\n".join([
-        "### openb with CPU and memory (the paper's setting)",
+        MULTIDIM_SECTION,
         "",
-        f"The {len(nodes):,} nodes with their cores and RAM (`cpu_milli`, `memory_mib`), {gpus:,} GPUs; "
-        f"{len(drawn.num):,} tasks drawn from all {len(tasks.num):,} pods (CPU-only ones too: they take cores "
-        "and memory from GPU nodes) until GPU demand is 130 % of capacity; arrive and never leave. A task goes "
-        "only where its CPU, memory and GPU asks all fit. **fgd** = least growth of the fragmentation measure "
-        "extended to every dimension (`rules/fragmentation.py: node_fragmentation`: a task type that does not fit "
-        "the node in any dimension counts all its unallocated GPUs; one that fits, the GPUs too small for it), "
-        f"weighted by the {TOP_TYPES} most frequent task types of the draw; **bestfit** = node left with "
-        "the least free GPU + CPU + memory shares, its tightest GPU; **firstfit**; **random**. Seed "
-        f"{seed}. `scheduler.place()` has no CPU or memory yet, so fgd is the simulator's pure rule proposed "
-        "for it.",
+        f"The {len(nodes):,} nodes with their cores and RAM (`cpu_milli`, `memory_mib`), {gpus:,} GPUs; about "
+        f"{int(np.mean(drawn_sizes)):,} tasks per seed drawn from all {len(tasks.num):,} pods (CPU-only ones too: "
+        "they take cores and memory from GPU nodes) until GPU demand is 130 % of capacity; they arrive one by one "
+        "and never leave; a task that fits nowhere fails. A task goes only where its CPU, memory and GPU asks all "
+        "fit. Every policy is measured alike: unallocated = 1 − allocated GPU ÷ capacity, as the paper plots it. "
+        "Ties go to the lowest node name, as in the paper's simulator. "
+        "**fgd** = least growth of the fragmentation measure (`rules/fragmentation.py: node_fragmentation`: a "
+        "task type that does not fit the node in some dimension counts all its unallocated GPUs; one that fits, "
+        "the GPUs with less free than it asks (any partly used one for whole-GPU types); a CPU-only type, all "
+        "unallocated GPUs), weighted by every task type of the draw (counts, exact sums); task types are CPU + GPU "
+        "asks as in the paper's simulator, memory only constrains. **fgd+memory** = the same with memory in "
+        "each type and in the measure (what the service's rule does where host memory binds). **fgd-k8s** = fgd "
+        "scored as the paper's simulator does it (a Kubernetes score plugin: `int(100 × sigmoid(−growth in "
+        "GPUs))`, highest wins, ties to the lowest node), shown to explain the gap to the paper's figures. "
+        "**bestfit** = the paper's BestFit: least free CPU + free GPU after placement, each in units of the "
+        "largest node's, equal weights, then its tightest GPU. **firstfit**; **random**. "
+        f"Mean of seeds {', '.join(map(str, seeds))}.",
         "",
-        md_table(["policy"] + [f"{x:.0%}" for x in loads] + ["failed tasks at 130 %", "seconds"],
-                 [[n] + [f"{r.at(x):.2%}" for x in loads] + [f"{r.failed[-1]:.1%}", f"{r.seconds:.0f}"]
-                  for n, r in runs.items()]),
+        md_table(["policy"] + [f"{x:.0%}" for x in loads] + ["failed tasks at 130 %", "seconds per run"],
+                 [[n] + [f"{v:.2%}" for v in mean[n]]
+                  + [f"{np.mean([r.failed[-1] for r in runs[n]]):.1%}", f"{np.mean([r.seconds for r in runs[n]]):.0f}"]
+                  for n in runs]),
         "",
         "![unallocated GPUs, CPU and memory](sim_openb_multidim.png)",
         "",
         f"- Target, unallocated at saturation ≤ 0.6 × best fit's: **{'met' if f <= 0.6 * b else 'not met'}**: fgd "
-        f"{f:.2%} vs best fit {b:.2%} (ratio {f / b:.2f}); first fit {runs['firstfit'].at(1.3):.2%}."
-        + ("" if f <= 0.6 * b else
-           f" Short by {f - 0.6 * b:.2%} of capacity. Why: best fit by the sum of free shares fills nodes' "
-           "cores and RAM and strands their GPUs, so it is the weakest packing baseline here; fgd beats it, but "
-           f"not by 40 %, and {'loses to' if f > ff else 'beats'} first fit. This fgd weighs its measure over the "
-           f"draw's {TOP_TYPES} most frequent task types, places one task at a time, and the file has no "
-           "GPU models (`gpu_spec` is empty); how much of the gap to the paper's numbers each accounts for was "
-           "not measured."),
+        f"{f:.2%} vs best fit {b:.2%} (ratio {f / b:.2f}; per seed {per_seed}); first fit {ff:.2%}."
+        + ("" if f <= 0.6 * b else f" Short by {f - 0.6 * b:.2%} of capacity."),
+        f"- The paper's own simulator, on the same trace at 130 % (its published expected results, 10 seeds): "
+        f"FGD {paper['FGD']:.2%}, BestFit {paper['BestFit']:.2%}, Random {paper['Random']:.2%}: ratio "
+        f"{paper['FGD'] / paper['BestFit']:.2f}, so the 0.6 target is beyond the paper's own result on this "
+        f"trace. Here BestFit ({b:.2%}) and Random ({at['random']:.2%}) land near its figures; FGD scored as its "
+        f"Kubernetes plugin scores ({k:.2%}, ratio {k / b:.2f}) lands near its FGD. The difference between fgd and "
+        "fgd-k8s is the plugin's integer score: growths within one bucket (about 40 milli-GPUs near zero) tie "
+        "and go to the lowest node, a first-fit order among near-equal candidates; it is an artifact of the "
+        "Kubernetes score range, not the paper's algorithm, so the rule keeps the exact least growth.",
+        "- Why fgd lost to first fit before (6.36 % vs 5.58 %, seed 0, and it already refused tasks at 90 % "
+        "arrived): its measure weighed only the draw's 48 most frequent task types, and with memory in the type "
+        "those cover 94 % of the trace's pods; the rest did not steer it. One-off ablations on "
+        "seed 0 (exact sums, not run by this script): that rule 6.81 %; every type instead of 48: 5.55 %; and "
+        "types as the paper's simulator keys them (CPU and GPU, memory only a constraint): 5.04 %. Counting "
+        "a CPU-only type's unallocated GPUs whether it fits or not (the paper's simulator; before, none when it "
+        "fit) corrects the definition but moved nothing measurable (5.55 % either way with every type). The "
+        "float shares also let rounding break ties: the same rule gave 6.36 % or 6.53 % depending on summation "
+        "order; weights are now integer counts. The old bestfit summed each node's own shares of GPU, CPU "
+        "and memory (8.17 % at seed 0), not the paper's BestFit.",
+        "- The service: `scheduler.place()` already calls this measure (`rules/hosts.py: host_aware_delta`) on "
+        "nodes where a lease's host CPU or memory ask can make a request shape not fit (`hosts.binds`), with the "
+        "pool's expected shapes and their default host shares, memory included (as fgd+memory). The changes "
+        "above do not alter its decisions: its shapes all ask for GPUs and its weights are shares.",
         ""])
+
+
+def replace_multidim(text: str, path: Path = HERE / "REPORT.md") -> None:
+    """Replace the openb-with-CPU-and-memory subsection of REPORT.md (up to the next ``### `` or ``## ``)."""
+    report = path.read_text()
+    start = report.index(f"\n{MULTIDIM_SECTION}\n") + 1
+    ends = [i for i in (report.find("\n### ", start), report.find("\n## ", start)) if i != -1]
+    end = min(ends) + 1 if ends else len(report)
+    path.write_text(report[:start] + text.rstrip("\n") + "\n\n" + report[end:])
 
 
 def plot_sweeps(sweeps, dedicated) -> str:
@@ -484,7 +530,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("../shared/data"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=["backlog"], help="print only this part (to stdout; REPORT.md unchanged)")
+    p.add_argument("--only", choices=["backlog", "openb-multidim"],
+                   help="backlog: print only that part (to stdout; REPORT.md unchanged); openb-multidim: redo only "
+                   "the openb-with-CPU-and-memory subsection of REPORT.md and its plot (about 4 min)")
     p.add_argument("--hours", type=float, help="with --only backlog: only the month's first HOURS (default: the "
                    "month, then its first 48 hours)")
     p.add_argument("--pool-size", type=int, default=336, help="with --only backlog: GPUs")
@@ -494,6 +542,11 @@ def main(argv=None) -> int:
     data = args.data if (args.data / "sensei_june_60sec.csv").exists() else None
     words = "the public trace," if data else "**generated** traces (no public traces in --data),"
     workload = load_sensei(data, args.seed, 100)
+    if args.only == "openb-multidim":
+        replace_multidim(multidim_part(args.data if (args.data / "openb_pod_list_default.csv").exists() else None,
+                                       OPENB_SEEDS, log))
+        log("wrote the openb-with-CPU-and-memory subsection of bench/REPORT.md")
+        return 0
     if args.only == "backlog":
         print(backlog_part(workload, data, args.seed, args.pool_size, log)[0] if args.hours is None else "")
         print(backlog_part(workload, data, args.seed, args.pool_size, log, args.hours or 48.0)[0])
@@ -503,7 +556,7 @@ def main(argv=None) -> int:
     eta_text = eta_part(workload, log)
     backlog_text, _ = backlog_part(workload, data, args.seed, best["gpupool"].pool_size, log)
     backlog_text += "\n" + backlog_part(workload, data, args.seed, best["gpupool"].pool_size, log, 48.0)[0]
-    multidim_text = multidim_part(data, args.seed, log)
+    multidim_text = multidim_part(data, OPENB_SEEDS, log)
     openb_text, _ = openb_part(data, log) if data else ("", None)
     size = best["gpupool"].pool_size
     body = "\n".join([
@@ -529,6 +582,7 @@ def main(argv=None) -> int:
         ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog tables alone (about 8 min)",
         ".venv/bin/gpupool simulate --data ../shared/data --users 300 --pool-size 352",
         ".venv/bin/gpupool simulate --workload openb --data ../shared/data --dimensions all",
+        ".venv/bin/python bench/simulate_report.py --only openb-multidim   # that subsection alone (about 4 min)",
         ".venv/bin/gpupool simulate --from-store sqlite:///.state/service/gpupool.sqlite   # your own pool",
         ".venv/bin/gpupool simulate --pool-size 352          # generated traces: runs from the wheel",
         "```",

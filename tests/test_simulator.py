@@ -270,7 +270,7 @@ def test_batch_backlog_is_preempted_for_an_interactive_request():
 
 # -- openb with CPU and memory ------------------------------------------------------------------------------
 
-from gpupool.hub_plugin.simulate.multidim import MultiCluster, node_fragmentation, task_types  # noqa: E402
+from gpupool.hub_plugin.simulate.multidim import POLICIES, MultiCluster, node_fragmentation, task_types  # noqa: E402
 from gpupool.hub_plugin.simulate.workload import OpenbNode  # noqa: E402
 
 
@@ -278,18 +278,19 @@ def test_fragmentation_counts_every_dimension():
     """One node, 2 GPUs free 600 and 1000; workload: half 500-milli slices needing 4 cores, half 2 whole GPUs.
 
     With 8 cores free: the slice fits, no GPU is too small for it (0); 2 whole GPUs do not fit (600 + 1000).
-    With 2 cores free: the slice does not fit either: all 1600 free milli count for it too."""
+    With 2 cores free: the slice does not fit either: all 1600 free milli count for it too.
+    (Weights are task counts, one each: the sum is milli x tasks.)"""
     types = task_types([4000, 1000], [1024, 1024], [1, 2], [500, 1000])
     gpu = np.array([[600, 1000]])
-    assert node_fragmentation(np.array([8000]), np.array([4096]), gpu, types).tolist() == [0.5 * 0 + 0.5 * 1600]
-    assert node_fragmentation(np.array([2000]), np.array([4096]), gpu, types).tolist() == [1600.0]
+    assert node_fragmentation(np.array([8000]), np.array([4096]), gpu, types).tolist() == [1 * 0 + 1 * 1600]
+    assert node_fragmentation(np.array([2000]), np.array([4096]), gpu, types).tolist() == [1600 + 1600]
 
 
 def node(name, gpus, cores, gib):
     return OpenbNode(name, gpus, "T4", 16 * 10**9, cores * 1000, gib * 1024)
 
 
-@pytest.mark.parametrize("policy", ["fgd", "bestfit", "firstfit", "random"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_task_goes_only_where_cpu_and_memory_fit(policy):
     """Node a has a GPU but only 2 cores left after a first task; node b has cores.
     A 4-core, 0.5-GPU task can only go to b; a 1-core one also fits on a."""
@@ -299,6 +300,17 @@ def test_a_task_goes_only_where_cpu_and_memory_fit(policy):
     assert cluster.choose(policy, 4000, 1024, 1, 500)[0] == 1
     assert cluster.choose("firstfit", 1000, 1024, 1, 500)[0] == 0
     assert cluster.choose(policy, 64000, 1024, 1, 500) is None  # more cores than any node
+
+
+def test_bestfit_is_the_papers_absolute_free_cpu_and_gpu():
+    """Node a (2 GPUs, 16 cores) has 1 GPU and 8 cores free: half of its own, but 8/96 + 1/8 of the largest
+    node's. Node b (8 GPUs, 96 cores) has 2 GPUs and 24 cores free: a quarter of its own, 24/96 + 2/8 of the
+    largest. The paper's BestFit counts amounts (in the largest node's units), not each node's shares: a."""
+    types = task_types([1000], [1024], [1], [500])
+    cluster = MultiCluster([node("a", 2, 16, 64), node("b", 8, 96, 64)], types)
+    cluster.take(0, np.array([0]), 8000, 1024, 1000)
+    cluster.take(1, np.arange(6), 72000, 1024, 1000)
+    assert cluster.choose("bestfit", 1000, 1024, 1, 500)[0] == 0
 
 
 def test_fgd_prefers_the_gpu_a_slice_fills():

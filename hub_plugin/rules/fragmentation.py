@@ -9,8 +9,17 @@ drawn from the workload's mix of task types, could not use there: for a
 type that does not fit the node at all (too few free cores, too little free
 host memory, or no GPU with room) every unallocated GPU of the node counts;
 for one that fits, the GPUs too small for it (free share below its
-fraction, or any partly used GPU for a whole-GPU type). CPU-only types
-count nothing when they fit.
+fraction, or any partly used GPU for a whole-GPU type). A CPU-only type can
+use none of a node's GPUs, so for it every unallocated GPU counts, whether
+it fits or not (as in the paper's simulator, hkust-adsl/kubernetes-scheduler-simulator,
+``pkg/utils/frag.go``); its term moves by the same amount wherever a task
+goes, so it weighs on no decision.
+
+The weights are the workload's whole distribution of task types (every
+type; :func:`task_types`) as integer counts, so the sum is exact: two
+placements that grow fragmentation equally compare equal, and ties fall to
+the caller's order instead of to rounding. Divide by ``weight.sum()`` for
+the expected capacity in milli-GPUs (the service passes weights summing to 1).
 
 Units: GPU share in milli (:data:`FULL` is one whole GPU); CPU and memory in
 any unit, the same for the node and the types (the simulator: milli-cores
@@ -26,13 +35,12 @@ import numpy as np
 
 #: One whole GPU, in the measure's unit (milli-GPUs).
 FULL = 1000
-#: The task types the fragmentation measure weighs: the most frequent, covering most tasks.
-TOP_TYPES = 48
 
 
 @dataclass(frozen=True)
 class TaskTypes:
-    """The workload: per type its CPU, memory, GPU count, per-GPU milli and popularity (sums to 1)."""
+    """The workload: per type its CPU, memory, GPU count, per-GPU milli and popularity (task counts, or
+    shares summing to 1)."""
 
     cpu: np.ndarray
     memory: np.ndarray
@@ -41,20 +49,22 @@ class TaskTypes:
     weight: np.ndarray
 
 
-def task_types(cpu, memory, num, milli, top: int = TOP_TYPES) -> TaskTypes:
-    """The ``top`` most frequent ``(cpu, memory, num, milli)`` types of a task list, weights renormalized."""
+def task_types(cpu, memory, num, milli, top: int | None = None) -> TaskTypes:
+    """Every ``(cpu, memory, num, milli)`` type of a task list (or the ``top`` most frequent), weighted by
+    how many tasks are of it (integer counts: exact sums)."""
     counts = Counter(zip(np.asarray(cpu).tolist(), np.asarray(memory).tolist(), np.asarray(num).tolist(),
                          np.asarray(milli).tolist())).most_common(top)
     arr = np.array([k for k, _ in counts], dtype=np.int64).reshape(-1, 4)
-    weight = np.array([c for _, c in counts], dtype=float)
-    return TaskTypes(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], weight / weight.sum())
+    weight = np.array([c for _, c in counts], dtype=np.int64)
+    return TaskTypes(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], weight)
 
 
 def node_fragmentation(cpu_free: np.ndarray, mem_free: np.ndarray, gpu_free: np.ndarray,
                        types: TaskTypes) -> np.ndarray:
     """Fragmentation (GPU milli) of each of C node states: ``cpu_free`` (C,)
     milli-cores, ``mem_free`` (C,) MiB, ``gpu_free`` (C, G) free milli per GPU
-    (-1 pads nodes with fewer GPUs). Returns (C,) floats (module docstring)."""
+    (-1 pads nodes with fewer GPUs). Returns (C,) milli-GPUs times the weights' unit: integers with
+    integer weights (module docstring)."""
     g = np.maximum(gpu_free, 0)
     unallocated = g.sum(axis=1)  # (C,)
     whole_free = (gpu_free >= FULL).sum(axis=1)
@@ -68,6 +78,6 @@ def node_fragmentation(cpu_free: np.ndarray, mem_free: np.ndarray, gpu_free: np.
     # GPUs too small for each type: free below its fraction (slices), or partly used (whole GPUs).
     need = np.where(is_whole, FULL, types.milli)  # (K,)
     small = (g[:, :, None] * (gpu_free[:, :, None] < need[None, None, :])).sum(axis=1)  # (C, K)
-    small = np.where(types.num[None, :] == 0, 0, small)
+    small = np.where(types.num[None, :] == 0, unallocated[:, None], small)  # CPU-only: no GPU is of use
     per_type = np.where(fits, small, unallocated[:, None])
     return per_type @ types.weight

@@ -148,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sensei: add openb's GPU pods as preemptible batch jobs (demand >= 120%% of the pool)")
     p.add_argument("--users", type=int, default=100, help="sensei: synthetic users (default 100)")
     p.add_argument("--dimensions", choices=("gpu", "all"), default="gpu",
-                   help="openb: place on GPUs only, or on GPUs, CPU and memory (fgd, bestfit, firstfit, random)")
+                   help="openb: place on GPUs only, or on GPUs, CPU and memory (fgd, fgd+memory, fgd-k8s, bestfit, firstfit, random)")
     p.add_argument("--max-load", type=float, default=1.3,
                    help="openb: stop when arrived GPU demand reaches this multiple of capacity (default 1.3)")
     p.add_argument("--seed", type=int, default=0)

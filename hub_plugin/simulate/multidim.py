@@ -10,27 +10,42 @@ GPU demand grows past capacity.
 
 **Fragmentation, every dimension**
 (:func:`gpupool.hub_plugin.rules.fragmentation.node_fragmentation`, the rule
-the service's placement uses too; the paper's definition): the expected GPU
-capacity of a node that the next task, drawn from the workload's mix of task types, could not use. For a task type that
+the service's placement uses too where host CPU or memory binds; the paper's
+definition): the expected GPU capacity of a node that the next task, drawn
+from the workload's mix of task types, could not use. For a task type that
 does not fit the node at all (too few free cores, too little free memory,
 or no GPU with room) every unallocated GPU of the node counts; for one that
 fits, the GPUs too small for it (free share below its fraction, or any
-partly used GPU for a whole-GPU task). CPU-only types count nothing when
-they fit (every placement of a given task changes their term by the same
-amount, so their definition does not change a decision).
+partly used GPU for a whole-GPU task); for a CPU-only type, every
+unallocated GPU (it can use none). The mix is every task type of the draw,
+weighted by its count (exact integer sums, so equal growths tie exactly).
 
-**Policies** (:data:`POLICIES`):
+**Policies** (:data:`POLICIES`), ties to the lowest node (name order) and GPU,
+as the paper's simulator breaks them:
 
 - ``fgd``: the candidate (node, GPU) that increases the node's fragmentation
-  least (Weng et al.'s FGD, with the sampled tasks' mix as the workload);
-  ties to the lowest node and GPU. This is the rule proposed for the
-  service's multi-dimension placement too (``scheduler.place`` calls the
-  same :func:`gpupool.hub_plugin.rules.fragmentation.node_fragmentation` on nodes where host CPU or
-  memory binds);
-- ``bestfit``: the node left with the least free resources, the sum of its
-  free GPU, CPU and memory shares after placement, then its tightest GPU;
+  least (Weng et al.'s FGD, with the draw's mix as the workload). As in the
+  paper's simulator a task type is its CPU and GPU ask: memory is a
+  constraint on where a task goes, not a term of the measure;
+- ``fgd+memory``: the same with each type's memory ask in the measure too (a
+  type that the node's free memory cannot hold counts all its free GPUs), as
+  the service's rule does where host memory binds;
+- ``fgd-k8s``: FGD scored as the paper's simulator scores it, a Kubernetes
+  score plugin: ``int(100 x sigmoid(-growth / 1 GPU))``, the highest integer
+  score wins, ties to the lowest node and GPU. The integer buckets (about 40
+  milli-GPUs of growth wide near zero) make near-equal candidates ties, and
+  ties go to the first node: a first-fit order among them. Shown to
+  explain the gap to the paper's figures, not proposed as a rule;
+- ``bestfit``: the paper's BestFit: the node left with the least free
+  resources, the equally weighted sum of its free CPU and free GPU after
+  placement, each in units of the largest node's (so absolute amounts, not
+  shares of the node's own), then its tightest GPU;
 - ``firstfit``: the first node (in name order) where the task fits, its first GPU that fits;
 - ``random``: a random node where it fits (seeded), a random GPU on it that fits.
+
+All four are measured alike (:class:`.openb.Checkpoints`): unallocated = 1 -
+allocated GPU milli / capacity at each step of arrived GPU demand; a task
+that fits nowhere fails and is not retried.
 """
 
 from __future__ import annotations
@@ -43,7 +58,7 @@ from ..rules.fragmentation import FULL, TaskTypes, node_fragmentation, task_type
 from .openb import Checkpoints, FillResult
 from .workload import OpenbNode, OpenbTasks
 
-POLICIES = ("fgd", "bestfit", "firstfit", "random")
+POLICIES = ("fgd", "fgd+memory", "fgd-k8s", "bestfit", "firstfit", "random")
 class MultiCluster:
     """Free CPU, memory and GPU share per node, and the four policies' choices."""
 
@@ -59,6 +74,7 @@ class MultiCluster:
         for i, n in enumerate(nodes):
             self.gpu[i, :n.gpus] = FULL
         self.types = types
+        self.cpu_scale, self.gpu_scale = int(self.cpu_total.max()), int(self.gpu_total.max()) * FULL
         self.rng = np.random.default_rng(seed + 1)
         self.frag = node_fragmentation(self.cpu, self.mem, self.gpu, types)
 
@@ -76,8 +92,8 @@ class MultiCluster:
         nodes = self.fitting(cpu, mem, num, milli)
         if not len(nodes):
             return None
-        if policy == "fgd":
-            return self._fgd(nodes, cpu, mem, num, milli)
+        if policy.startswith("fgd"):
+            return self._fgd(nodes, cpu, mem, num, milli, k8s=policy == "fgd-k8s")
         if policy == "firstfit":
             node = int(nodes[0])
         elif policy == "random":
@@ -87,9 +103,10 @@ class MultiCluster:
         return node, self._gpus_on(node, num, milli, policy)
 
     def _bestfit_node(self, nodes, cpu, mem, num, milli) -> int:
-        gpu_left = (np.maximum(self.gpu[nodes], 0).sum(axis=1) - num * milli) / (self.gpu_total[nodes] * FULL)
-        score = (gpu_left + (self.cpu[nodes] - cpu) / self.cpu_total[nodes]
-                 + (self.mem[nodes] - mem) / self.mem_total[nodes])
+        # Integers: free CPU x (largest node's GPU milli) + free GPU milli x (largest node's CPU), the
+        # equal-weight sum of both in units of the largest node's, scaled so that ties are exact.
+        gpu_left = np.maximum(self.gpu[nodes], 0).sum(axis=1) - num * milli
+        score = (self.cpu[nodes] - cpu) * self.gpu_scale + gpu_left * self.cpu_scale
         return int(nodes[int(np.argmin(score))])
 
     def _gpus_on(self, node: int, num: int, milli: int, policy: str) -> np.ndarray:
@@ -105,9 +122,11 @@ class MultiCluster:
             return fits[[int(np.argmin(free[fits]))]]
         return fits[:1]
 
-    def _fgd(self, nodes: np.ndarray, cpu: int, mem: int, num: int, milli: int) -> tuple[int, np.ndarray]:
+    def _fgd(self, nodes: np.ndarray, cpu: int, mem: int, num: int, milli: int,
+             k8s: bool = False) -> tuple[int, np.ndarray]:
         """The candidate with the least fragmentation increase: for a slice every
-        (node, GPU with room) pair, GPUs with the same free share counted once."""
+        (node, GPU with room) pair, GPUs with the same free share counted once;
+        ``k8s``: the first with the highest integer score instead (module docstring)."""
         if num == 1 and milli < FULL:
             free = self.gpu[nodes]  # (N, G)
             same_before = np.tril(free[:, :, None] == free[:, None, :], k=-1).any(axis=2)  # an earlier twin
@@ -122,7 +141,12 @@ class MultiCluster:
                 for row, n in enumerate(nodes.tolist()):
                     after[row, np.flatnonzero(self.gpu[n] >= FULL)[:num]] = 0
         frag = node_fragmentation(self.cpu[cand_node] - cpu, self.mem[cand_node] - mem, after, self.types)
-        best = int(np.argmin(frag - self.frag[cand_node]))
+        growth = frag - self.frag[cand_node]
+        if k8s:
+            score = np.floor(100 / (1 + np.exp(growth / (self.types.weight.sum() * FULL))))
+            best = int(np.argmax(score))
+        else:
+            best = int(np.argmin(growth))
         node = int(cand_node[best])
         gpus = np.flatnonzero(after[best] != self.gpu[node])
         return node, gpus
@@ -148,7 +172,8 @@ def fill(nodes: list[OpenbNode], tasks: OpenbTasks, policy: str, *, step: float 
          seed: int = 0) -> FillResult:
     """Place ``tasks`` in order under ``policy``; no task leaves; checkpoints every ``step`` of GPU capacity."""
     wall = time.perf_counter()
-    cluster = MultiCluster(nodes, task_types(tasks.cpu, tasks.memory, tasks.num, tasks.milli), seed)
+    memory = tasks.memory if policy == "fgd+memory" else np.zeros_like(tasks.memory)  # fgd: the paper's types
+    cluster = MultiCluster(nodes, task_types(tasks.cpu, memory, tasks.num, tasks.milli), seed)
     capacity = int(cluster.gpu_total.sum()) * FULL
     curve = Checkpoints(capacity, step)
     for cpu, mem, num, milli in zip(tasks.cpu.tolist(), tasks.memory.tolist(), tasks.num.tolist(),
