@@ -22,7 +22,7 @@ from . import dataplane
 from .heartbeat import Heartbeat, ended_message
 from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
-from .remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
 

@@ -30,7 +30,7 @@ from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane
-from .remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
 PARK_REASON = "parked after idle"

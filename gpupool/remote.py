@@ -1,4 +1,5 @@
-"""A blocking connection to one worker kernel over the Jupyter protocol.
+"""A blocking connection to one worker kernel over the Jupyter protocol: the
+notebook kernel's (``%gpu``, forwarding) and ``gpupool run``'s.
 
 Why not ``jupyter_client.BlockingKernelClient``: the magics run inside a
 cell, in the kernel's main thread, while ipykernel's own asyncio loop is
@@ -19,8 +20,8 @@ from typing import Any, Callable
 import zmq
 from jupyter_client.session import Session
 
-from gpupool.errors import GPUPoolError, Reason
-from gpupool.kernelconn import connect_channel, kernel_session
+from .errors import GPUPoolError, Reason
+from .kernelconn import connect_channel, kernel_session
 
 POLL_MS = 50
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
@@ -145,9 +146,12 @@ class RemoteKernel:
 
     def execute(self, code: str, handler: Callable[[dict[str, Any]], None],
                 stdin_handler: Callable[[dict[str, Any]], str] | None = None,
-                check: Callable[[], None] | None = None) -> dict[str, Any]:
+                check: Callable[[], None] | None = None,
+                user_expressions: dict[str, str] | None = None) -> dict[str, Any]:
         """Run ``code`` on the worker; returns the ``execute_reply`` content once
-        the worker is idle again and the reply has arrived.
+        the worker is idle again and the reply has arrived (with the values of
+        ``user_expressions``, name -> expression, evaluated after a cell that
+        succeeded: the reply's ``user_expressions``, as the protocol has them).
 
         Every IOPub message of this request goes to ``handler`` in order;
         ``input_request`` goes to ``stdin_handler`` whose return value is sent
@@ -158,8 +162,9 @@ class RemoteKernel:
         when the worker has not settled 10 s after the interrupt.
         """
         msg = self.session.send(self.shell, "execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": stdin_handler is not None, "stop_on_error": True})
+            "code": code, "silent": False, "store_history": True,
+            "allow_stdin": stdin_handler is not None, "stop_on_error": True,
+            "user_expressions": user_expressions or {}})
         return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)["content"]
 
     def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
