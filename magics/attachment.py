@@ -14,12 +14,13 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.heartbeat import beat_interval, ended_message
 from gpupool.kernelcmd import TRANSFER_TARGET
 from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane
-from .heartbeat import Heartbeat, ended_message
+from .heartbeat import Heartbeat
 from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
@@ -91,8 +92,7 @@ class Attachment:
         except BaseException:
             remote.close()
             raise
-        interval = max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
-        beat = Heartbeat(client, lease.id, interval)
+        beat = Heartbeat(client, lease.id, beat_interval(lease))
         beat.start()
         return cls(client, lease, remote, beat)
 
