@@ -18,7 +18,8 @@ REQUEST_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--model",), {"help": "only GPUs whose name contains this, e.g. A100"}),
     (("--cpus",), {"type": float, "help": "host CPU cores for the worker, e.g. 4 (default: the GPU share's part)"}),
     (("--host-memory",), {"help": "host RAM for the worker, e.g. 32GiB (default: the GPU share's part)"}),
-    (("--wait",), {"help": "when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)"}),
+    (("--wait",), {"help": "when no GPU is free, wait in the queue this long, e.g. 10m (default, or 0: refuse at "
+                            "once)"}),
     (("--preemptible",), {"action": "store_true",
                           "help": "while others wait, the running cell or script may be interrupted (after a notice) "
                                   "and the lease given back"}),
@@ -48,6 +49,6 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
     return LeaseRequest(
         fraction=fraction, gpu_count=count, memory=parse_bytes(args.memory) if args.memory else None,
         model=args.model, idle_timeout=parse_duration(idle_timeout) if idle_timeout else None,
-        wait=parse_duration(args.wait) if args.wait else None, env=getattr(args, "env", None),
+        wait=(parse_duration(args.wait, allow_zero=True) or None) if args.wait else None, env=getattr(args, "env", None),
         preemptible=args.preemptible or None, cpus=args.cpus,
         host_memory=parse_bytes(args.host_memory) if args.host_memory else None, **fields)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import Callable, TextIO
 
 from .api import ServiceClient
 from .errors import GPUPoolError, Reason
@@ -40,10 +40,12 @@ def _ordinal(n: int) -> str:
 
 
 def wait_started(client: ServiceClient, lease: Lease, started: float, start_timeout: float, *,
-                 setting: str = "", on_state: Callable[[Lease, bool], None] | None = None) -> Lease:
+                 setting: str = "", on_state: Callable[[Lease, bool], None] | None = None,
+                 stream: TextIO | None = None, rewrite: bool = True) -> Lease:
     """Long-poll ``lease`` until it leaves ``queued`` and ``starting``, keeping
-    one progress line (``\\r``-rewritten, blanked at the end) on stdout;
-    returns the ``active`` lease.
+    one progress line (``\\r``-rewritten, blanked at the end) on ``stream``
+    (default: stdout); returns the ``active`` lease. Without ``rewrite`` (a
+    log, not a terminal) a line is printed each time the words change instead.
 
     ``started``: ``time.monotonic()`` of the request (the line counts from
     it); ``start_timeout``: seconds a lease may stay ``starting`` once out of
@@ -55,9 +57,11 @@ def wait_started(client: ServiceClient, lease: Lease, started: float, start_time
     service's words: pool full after the wait, quota, ...), and what
     :class:`ServiceClient` raises. The caller cancels the lease on failure.
     """
+    stream = stream or sys.stdout
     since = started
     queued = False
     shown = 0  # length of the progress line, blanked when it is done
+    said = ""  # without rewrite: the words last printed
     while lease.state in (LeaseState.queued, LeaseState.starting):
         if lease.state is LeaseState.queued:
             since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
@@ -67,12 +71,17 @@ def wait_started(client: ServiceClient, lease: Lease, started: float, start_time
         if time.monotonic() - since > start_timeout:
             raise GPUPoolError(Reason.start_timeout, f"no worker started within {start_timeout:.0f}s"
                                f"{f' ({setting})' if setting else ''}; the request was cancelled", 504)
-        line = f"gpupool: {lease.id} {progress_words(lease)}... {time.monotonic() - started:.0f}s"
-        print(f"\r{line:<{shown}}", end="", flush=True)
-        shown = max(shown, len(line))
+        words = f"gpupool: {lease.id} {progress_words(lease)}"
+        if rewrite:
+            line = f"{words}... {time.monotonic() - started:.0f}s"
+            print(f"\r{line:<{shown}}", end="", flush=True, file=stream)
+            shown = max(shown, len(line))
+        elif words != said:
+            print(words, flush=True, file=stream)
+            said = words
         lease = client.get_lease(lease.id, wait=POLL_SECONDS, state=lease.state.value)
     if shown:  # front ends that overwrite after "\r" character by character keep no tail of it
-        print("\r" + " " * shown + "\r", end="", flush=True)
+        print("\r" + " " * shown + "\r", end="", flush=True, file=stream)
     if queued and on_state is not None:
         on_state(lease, queued)
     if lease.state is not LeaseState.active:

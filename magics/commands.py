@@ -21,7 +21,7 @@ from IPython.display import display
 from gpupool.errors import GPUPoolError
 from gpupool.leaseargs import REQUEST_OPTIONS, lease_request
 from gpupool.wire.leases import LeaseRequest
-from gpupool.tables import gpu_utilization, lease_table, pool_table
+from gpupool.tables import gpu_utilization, host_words, lease_table, pool_table, slice_words
 from gpupool.units import format_bytes, format_duration
 
 from .attach import arm_parking, attach, kernel_env, same_size
@@ -29,7 +29,7 @@ from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .quota import quota_report
 from .summary import summarize
-from .words import held_seconds, host_words, say, transfer_note, usage_words
+from .words import held_seconds, say, transfer_note, usage_words
 
 #: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
 NOT_ON_WORKER = "not defined on the worker"
@@ -79,14 +79,11 @@ def acquire(magics, rest: str) -> None:
     lease = magics.attachment.lease
     gpu = lease.gpus[0] if lease.gpus else {}
     share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
-    indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
     where = ("Cells now run on the worker; %gpu release detaches." if magics.kernel is not None else
              "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
              "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
-    say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
-        f"{f' in environment {lease.env}' if lease.env else ''}, "
-        f"{format_bytes(lease.memory)}{host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)}"
-        f"{class_note(lease)} "
+    say(f"attached {lease.id}: {slice_words(lease)}, {format_bytes(lease.memory)}{host_words(lease)}; "
+        f"idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
         f"[{time.monotonic() - started:.1f}s]. {where}")
     if magics.attachment.workdir:
         say(magics.attachment.workdir)
