@@ -24,6 +24,8 @@ from .errors import GPUPoolError, Reason
 from .kernelconn import connect_channel, kernel_session
 
 POLL_MS = 50
+#: Milliseconds to wait for more of a cell's output before answering its input request.
+DRAIN_MS = 20
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
 HB_INTERVAL = 1.0
 #: Seconds without a heartbeat echo after which the worker counts as unreachable.
@@ -259,6 +261,16 @@ class RemoteKernel:
         remote: a signal cannot reach it)."""
         self.session.send(self.control, "interrupt_request", {})
 
+    def _drain_iopub(self, msg_id: str, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Pass IOPub messages of ``msg_id`` other than ``status`` to ``handler``
+        until none comes for DRAIN_MS: the worker flushed its output before it
+        asked for input, but that output travels on another socket."""
+        while self.iopub.poll(DRAIN_MS):
+            got = self._recv(self.iopub)
+            if got is not None and got["parent_header"].get("msg_id") == msg_id \
+                    and got["header"]["msg_type"] != "status":
+                handler(got)
+
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
                     want_reply: bool = True, want_idle: bool = True,
                     on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -281,6 +293,7 @@ class RemoteKernel:
                         if on_reply is not None:
                             on_reply(got)
                     elif sock is self.stdin and kind == "input_request":
+                        self._drain_iopub(msg_id, handler)  # what was printed before input() comes first
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
                     elif kind == "status":

@@ -85,6 +85,23 @@ def slice_words(lease: Lease) -> str:
     return f"{share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}{env}"
 
 
+def usage_words(gpu_seconds: float) -> str:
+    """``'42.0 GPU-seconds'`` below six minutes, else ``'1.25 GPU-hours'``."""
+    return f"{gpu_seconds:.1f} GPU-seconds" if gpu_seconds < 360 else f"{gpu_seconds / 3600:.2f} GPU-hours"
+
+
+def held_seconds(lease: Lease) -> float | None:
+    """Seconds from the lease's start to its end, None while either is unknown."""
+    start, end = parse_time(lease.started_at), parse_time(lease.ended_at)
+    return (end - start).total_seconds() if start and end else None
+
+
+def released_words(lease: Lease) -> str:
+    """``'released L-7 after 2m 10s (65.0 GPU-seconds)'`` for a lease that ended."""
+    return (f"released {lease.id} after {format_duration(held_seconds(lease))} "
+            f"({usage_words(lease.usage_gpu_seconds)})")
+
+
 def lease_host_cell(lease: Lease) -> str:
     """The host column: ``'4 CPUs, 32.0 GiB'``, ``'0.5 CPU reserved, limited to
     1 CPU; 512.0 MiB reserved, limited to 1.0 GiB'``, or ``-``."""

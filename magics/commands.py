@@ -21,7 +21,8 @@ from IPython.display import display
 from gpupool.errors import GPUPoolError
 from gpupool.leaseargs import REQUEST_OPTIONS, lease_request
 from gpupool.wire.leases import LeaseRequest
-from gpupool.tables import gpu_utilization, host_words, lease_table, pool_table, slice_words
+from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
+                            slice_words)
 from gpupool.units import format_bytes, format_duration
 
 from .attach import arm_parking, attach, kernel_env, same_size
@@ -29,7 +30,7 @@ from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .quota import quota_report
 from .summary import summarize
-from .words import held_seconds, say, transfer_note, usage_words
+from .words import say, transfer_note
 
 #: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
 NOT_ON_WORKER = "not defined on the worker"
@@ -124,8 +125,7 @@ def release(magics, rest: str) -> None:
         lease = attachment.release(reason="%gpu release")
     except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
         lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
-    say(f"released {lease.id} after {format_duration(held_seconds(lease))} "
-        f"({usage_words(lease.usage_gpu_seconds)}){note}")
+    say(f"{released_words(lease)}{note}")
     magics.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
 
 
