@@ -261,16 +261,6 @@ class RemoteKernel:
         remote: a signal cannot reach it)."""
         self.session.send(self.control, "interrupt_request", {})
 
-    def _drain_iopub(self, msg_id: str, handler: Callable[[dict[str, Any]], None]) -> None:
-        """Pass IOPub messages of ``msg_id`` other than ``status`` to ``handler``
-        until none comes for DRAIN_MS: the worker flushed its output before it
-        asked for input, but that output travels on another socket."""
-        while self.iopub.poll(DRAIN_MS):
-            got = self._recv(self.iopub)
-            if got is not None and got["parent_header"].get("msg_id") == msg_id \
-                    and got["header"]["msg_type"] != "status":
-                handler(got)
-
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
                     want_reply: bool = True, want_idle: bool = True,
                     on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -293,7 +283,7 @@ class RemoteKernel:
                         if on_reply is not None:
                             on_reply(got)
                     elif sock is self.stdin and kind == "input_request":
-                        self._drain_iopub(msg_id, handler)  # what was printed before input() comes first
+                        drain_iopub(self, msg_id, handler)  # what was printed before input() comes first
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
                     elif kind == "status":
@@ -315,6 +305,16 @@ class RemoteKernel:
                     self.interrupt()
                     interrupted_at = time.monotonic()
         return reply or {}
+
+
+def drain_iopub(remote: RemoteKernel, msg_id: str, handler: Callable[[dict[str, Any]], None]) -> None:
+    """Pass ``remote``'s IOPub messages of ``msg_id`` other than ``status`` to
+    ``handler`` until none comes for DRAIN_MS: a worker flushes its output
+    before it asks for input, but that output travels on another socket."""
+    while remote.iopub.poll(DRAIN_MS):
+        got = remote._recv(remote.iopub)
+        if got is not None and got["parent_header"].get("msg_id") == msg_id and got["header"]["msg_type"] != "status":
+            handler(got)
 
 
 #: The front end's comm messages, forwarded without a reply.
