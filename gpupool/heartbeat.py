@@ -19,13 +19,18 @@ import logging
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from typing import Callable
 
 from .api import ServiceClient
 from .errors import GPUPoolError
+from .schema import parse_time
+from .units import format_duration
 from .wire.leases import Lease
 
 log = logging.getLogger("gpupool.heartbeat")
+#: The fewest seconds between telling the user of a preemption and interrupting their work (by default).
+MIN_PREEMPT_NOTICE = 10.0
 
 
 def ended_message(lease: Lease) -> str:
@@ -41,15 +46,28 @@ def beat_interval(lease: Lease) -> float:
     return max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
 
 
+def preempt_due(lease: Lease, told_for: float, notice: float, now: datetime | None = None) -> bool:
+    """Whether to interrupt a preemptible lease's running work now: its
+    ``preempt_at`` has come, and the user was told ``told_for`` seconds
+    ago, at least ``notice`` seconds, so a user is always told ahead."""
+    at = parse_time(lease.preempt_at)
+    if at is None:
+        return False
+    return (now or datetime.now(timezone.utc)) >= at and told_for >= notice
+
+
 class LeaseHeartbeat(threading.Thread):
     """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
     ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
     the lease is seen ended (then ``ended`` is set and, unless work was
     running, :meth:`say` tells the user).
 
-    Subclasses act on each renewed lease in :meth:`after_beat` and may
-    shorten the wait in :meth:`_wait_seconds`. A failed beat (service down
-    for a moment) is logged and tried again at the next one.
+    A preemptible lease told ``preempt_at`` while work runs is said so once
+    (:meth:`preempt_words`), then ``on_preempt(lease)`` interrupts the work,
+    at least ``preempt_notice`` seconds after the notice. Subclasses act on
+    each renewed lease in :meth:`after_beat` and may shorten the wait in
+    :meth:`_wait_seconds`. A failed beat (service down for a moment) is
+    logged and tried again at the next one.
     """
 
     def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
@@ -65,6 +83,11 @@ class LeaseHeartbeat(threading.Thread):
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
         self.on_lease: Callable[[Lease], None] | None = None
+        # Interrupts the running work of a preempted lease; once it did, why (words).
+        self.on_preempt: Callable[[Lease], None] | None = None
+        self.preempted: str | None = None
+        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
+        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -87,14 +110,41 @@ class LeaseHeartbeat(threading.Thread):
     def after_beat(self, lease: Lease) -> bool:
         """Act on ``lease`` as a beat renewed it (still holding capacity);
         True stops beating (the lease was given back). Here: remember it as
-        :attr:`last` and pass it to :attr:`on_lease`. An override calls ``super()``."""
+        :attr:`last`, pass it to :attr:`on_lease`, and while work runs see to
+        its preemption. An override calls ``super()``."""
         self.last = lease
         if self.on_lease is not None:
             try:
                 self.on_lease(lease)
             except Exception:  # the client's view must never stop the heartbeat
                 log.warning("could not pass on the lease of %s", self.lease_id, exc_info=True)
+        if self.cell_running:
+            self._preempt_if_due(lease)
         return False
+
+    def _preempt_if_due(self, lease: Lease) -> None:
+        """While work runs: say once that the lease is being preempted, and
+        interrupt the work once :func:`preempt_due`."""
+        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
+            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
+            return
+        if self._preempt_told is None:
+            self._preempt_told = time.monotonic()
+            at = parse_time(lease.preempt_at)
+            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
+            self.say(self.preempt_words(lease, left), kind="preempt_notice")
+        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
+            self.preempted = lease.pressure or "preempted"
+            try:
+                self.on_preempt(lease)
+            except Exception:  # the service's reclaim stays the fallback
+                log.warning("could not interrupt the work of %s", self.lease_id, exc_info=True)
+
+    def preempt_words(self, lease: Lease, left: float) -> str:
+        """The notice that ``lease``'s running work is interrupted in ``left`` seconds."""
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
+                f"script is interrupted (KeyboardInterrupt) in about {format_duration(left)}, then the lease is "
+                "released")
 
     def _wait_seconds(self) -> float:
         """Seconds until the next beat."""

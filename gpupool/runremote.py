@@ -15,7 +15,7 @@ from . import scriptmain
 from .api import ServiceClient
 from .errors import GPUPoolError, Reason
 from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
-from .remote import RemoteKernel
+from .remote import RemoteKernel, interrupt_from_thread
 from .wire.leases import Lease
 
 #: The worker-namespace name that holds the script's exit status after the run.
@@ -107,7 +107,9 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                ask: Callable[[dict[str, Any]], str]) -> int:
     """Run ``source`` as script ``path`` with arguments ``argv`` on active
     ``lease``'s worker, heartbeating the lease; ``ask(input_request
-    content)`` answers the script's ``input()``. Returns its exit status.
+    content)`` answers the script's ``input()``. A ``--preemptible`` lease
+    told to yield has its script interrupted after a notice (the heartbeat's).
+    Returns its exit status.
 
     Raises GPUPoolError ``worker_unreachable`` when the worker does not
     answer, ``lease_lost`` when the lease ends while the script runs;
@@ -115,6 +117,7 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     """
     remote = RemoteKernel(lease.connection or {})
     beat = LeaseHeartbeat(client, lease.id, beat_interval(lease))
+    beat.on_preempt = lambda ended: interrupt_from_thread(lease.connection or {})
     try:
         remote.wait_ready(READY_TIMEOUT)
         beat.start()
@@ -130,4 +133,6 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     finally:
         beat.stop()
         remote.close()
+    if beat.preempted:
+        print(f"gpupool: the script was interrupted: {beat.preempted}", file=sys.stderr, flush=True)
     return exit_status(reply)

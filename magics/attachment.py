@@ -23,7 +23,7 @@ from . import dataplane
 from .heartbeat import Heartbeat
 from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
-from gpupool.remote import RemoteKernel
+from gpupool.remote import RemoteKernel, interrupt_from_thread
 
 log = logging.getLogger("gpupool.magics")
 
@@ -71,11 +71,7 @@ class Attachment:
     def _interrupt(self, lease: Lease) -> None:
         """Interrupt the running cell (KeyboardInterrupt on the worker) over a
         connection of this thread's own; parking follows once it is idle."""
-        remote = RemoteKernel(self.lease.connection or {})
-        try:  # waits for the reply: a message sent on a socket closed at once may be dropped
-            remote.control_request(remote.session.msg("interrupt_request", {}))
-        finally:
-            remote.close()
+        interrupt_from_thread(self.lease.connection or {})
 
     def _release_lease(self, lease_id: str, reason: str) -> Lease:
         return self.client.release(lease_id, reason=reason)

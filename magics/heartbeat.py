@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
-from gpupool.heartbeat import LeaseHeartbeat, ended_message
+from gpupool.heartbeat import LeaseHeartbeat
 from gpupool.schema import parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")
-#: The fewest seconds between telling the user of a preemption and interrupting their cell (by default).
-MIN_PREEMPT_NOTICE = 10.0
 
 
 def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: datetime | None = None) -> str | None:
@@ -85,19 +82,13 @@ class Heartbeat(LeaseHeartbeat):
         self.notify: Callable[[str, str], None] | None = None
         self._next_wait: float | None = None  # seconds to the next beat when the idle deadline is nearer
         self._node_lost = False  # told the user that the lease's node is lost
-        # Interrupts the running cell of a preempted lease (the attachment sets it); once it did, why (words).
-        self.on_preempt: Callable[[Lease], None] | None = None
-        self.preempted: str | None = None
-        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
-        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
     def after_beat(self, lease: Lease) -> bool:
         """Node notices, then while a cell runs the preemption, else the
         idle warning and parking (``on_beat``); True once parked."""
         self._tell_node_state(lease)
-        super().after_beat(lease)
+        super().after_beat(lease)  # while a cell runs: its preemption
         if self.cell_running:
-            self._preempt_if_due(lease)
             return False
         self._warn_if_idle(lease)
         if self.on_beat is not None and self._beat_hook(lease):
@@ -126,27 +117,10 @@ class Heartbeat(LeaseHeartbeat):
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
 
-    def _preempt_if_due(self, lease: Lease) -> None:
-        """While a cell runs: say once that the lease is being preempted, and
-        interrupt the cell once :func:`~.park.preempt_due` (the next idle beat parks)."""
-        from .park import preempt_due
-
-        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
-            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
-            return
-        if self._preempt_told is None:
-            self._preempt_told = time.monotonic()
-            at = parse_time(lease.preempt_at)
-            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
-            self.say(f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
-                     f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
-                     "come back here; the next cell resumes on a new slice)", kind="preempt_notice")
-        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
-            self.preempted = lease.pressure or "preempted"
-            try:
-                self.on_preempt(lease)
-            except Exception:  # the service's reclaim stays the fallback
-                log.warning("could not interrupt the cell of %s", self.lease_id, exc_info=True)
+    def preempt_words(self, lease: Lease, left: float) -> str:
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
+                f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
+                "come back here; the next cell resumes on a new slice)")
 
     def _tell_node_state(self, lease: Lease) -> None:
         """Say once when the lease's node is lost, and once when it is back."""
