@@ -5,7 +5,7 @@ GPUs) on this machine, then acquires a 0.5 slice N times per mode, each time
 the way ``%gpu acquire`` does (``gpupool.api.ServiceClient.create_lease``,
 long polls ``GET /leases/{id}?wait=2&state=...`` until active, then
 ``gpupool.magics.attachment.Attachment.connect``: a
-``gpupool.magics.remote.RemoteKernel`` that waits for ``kernel_info`` and a
+``gpupool.remote.RemoteKernel`` that waits for ``kernel_info`` and a
 heartbeat thread), runs one cell (``x = 1``) on the worker, and releases.
 It drives these classes directly rather than a notebook kernel: the magic
 adds only argument parsing and printing around them.

@@ -22,7 +22,7 @@ import numpy as np
 from jupyter_client import KernelManager
 
 from gpupool.magics import dataplane
-from gpupool.magics.remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 from gpupool.transfer import load_pulled
 
 

@@ -122,7 +122,7 @@ def direct_worker(service):
     """A connection straight to the attached lease's worker (the same sockets
     and keys the notebook kernel uses): what the worker alone costs."""
     from gpupool.api import ServiceClient
-    from gpupool.magics.remote import RemoteKernel
+    from gpupool.remote import RemoteKernel
 
     client = ServiceClient(service.url, (service.state_dir / "user_token").read_text().strip())
     lease, = client.list_leases(active=True)

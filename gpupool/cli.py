@@ -8,6 +8,7 @@
     gpupool status [--url URL] [--token-file F] [--json]
     gpupool pool [--url URL] [--token-file F] [--json]
     gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage] [--json]
+    gpupool run [--gpus 0.5|2] [--memory 20GiB] [--wait 10m] [--interactive] ... script.py [args...]
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
@@ -41,6 +42,8 @@ COMMANDS = {
     "pool": ("gpupool.status",
              "show the pool's nodes and GPUs as a table (and worker environments where a node offers a choice)", None),
     "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides", None),
+    "run": ("gpupool.run_cli", "run a Python script on a pooled GPU (a batch lease), streaming its output here",
+            None),
     "simulate": ("gpupool.hub_plugin.simulate.cli",
                  "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "simulate"),
 }

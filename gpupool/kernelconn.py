@@ -1,7 +1,7 @@
 """Connections to a worker kernel: the one place that turns a worker's
 Jupyter connection info into a signing ``Session`` and ZeroMQ sockets.
 
-Every client of a worker (the notebook kernel's :mod:`gpupool.magics.remote`,
+Every client of a worker (the notebook kernel's :mod:`gpupool.remote`,
 the agent's IOPub watcher :mod:`gpupool.provisioner.activity`, the tests'
 ``workercell``) opens its sockets here, so the socket types, the linger, the
 address and CurveZMQ are chosen once.

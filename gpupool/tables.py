@@ -63,6 +63,45 @@ def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | N
     return cpus, memory, limited
 
 
+def host_words(lease: Lease) -> str:
+    """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); where the worker's
+    cgroup is limited to more than is reserved (a default share raised to the
+    agent's floor) ``', 0.5 CPU reserved, limited to 1 CPU, 512.0 MiB of host
+    memory reserved, limited to 1.0 GiB'``; empty when the node reports no host."""
+    parts = host_parts(lease, " of host memory")
+    if parts is None:
+        return ""
+    cpus, memory, limited = parts
+    return f", {cpus}{', ' if limited else ' and '}{memory}"
+
+
+def slice_words(lease: Lease) -> str:
+    """What ``lease`` holds, in words: ``'0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1'``,
+    ``'2 x NVIDIA A100-SXM4-80GB (GPU 0, 1) on node-1 in environment torch'``."""
+    gpu = lease.gpus[0] if lease.gpus else {}
+    share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+    indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
+    env = f" in environment {lease.env}" if lease.env else ""
+    return f"{share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}{env}"
+
+
+def usage_words(gpu_seconds: float) -> str:
+    """``'42.0 GPU-seconds'`` below six minutes, else ``'1.25 GPU-hours'``."""
+    return f"{gpu_seconds:.1f} GPU-seconds" if gpu_seconds < 360 else f"{gpu_seconds / 3600:.2f} GPU-hours"
+
+
+def held_seconds(lease: Lease) -> float | None:
+    """Seconds from the lease's start to its end, None while either is unknown."""
+    start, end = parse_time(lease.started_at), parse_time(lease.ended_at)
+    return (end - start).total_seconds() if start and end else None
+
+
+def released_words(lease: Lease) -> str:
+    """``'released L-7 after 2m 10s (65.0 GPU-seconds)'`` for a lease that ended."""
+    return (f"released {lease.id} after {format_duration(held_seconds(lease))} "
+            f"({usage_words(lease.usage_gpu_seconds)})")
+
+
 def lease_host_cell(lease: Lease) -> str:
     """The host column: ``'4 CPUs, 32.0 GiB'``, ``'0.5 CPU reserved, limited to
     1 CPU; 512.0 MiB reserved, limited to 1.0 GiB'``, or ``-``."""

@@ -50,15 +50,16 @@ def parse_bytes(text: str | int | float) -> int:
     return int(size)
 
 
-def parse_duration(text: str | int | float) -> float:
+def parse_duration(text: str | int | float, allow_zero: bool = False) -> float:
     """Parse a duration such as ``30m``, ``90s``, ``1.5h``, ``2d`` or ``45``.
 
-    A bare number is seconds. Returns seconds (> 0, finite).
+    A bare number is seconds. Returns seconds (> 0, finite; or 0 when
+    ``allow_zero``, for a ``--wait 0`` that means "do not wait").
 
     Raises ValueError naming the accepted forms.
     """
     seconds = _number_with_unit(text, _DURATION_UNITS, "duration", "'90s', '30m', '2h' or '1d'")
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise ValueError(f"duration must be more than 0 seconds, got {text!r}")
     return seconds
 

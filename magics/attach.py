@@ -16,14 +16,14 @@ from dataclasses import replace
 
 from IPython.core.error import UsageError
 
-from gpupool.errors import GPUPoolError, Reason
+from gpupool.errors import GPUPoolError
+from gpupool.leasewait import cancel, wait_started
 from gpupool.schema import ENV_KERNEL_NAME, LeaseState, kernel_environment
 from gpupool.wire.leases import LeaseRequest
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
 
-from .attachment import Attachment, ended_message
-from .quota import progress_words
+from .attachment import Attachment
 from .summary import summarize
 from .words import say
 
@@ -71,14 +71,6 @@ def _start_forwarding(magics, attachment: Attachment) -> None:
                           "or a shared folder")
 
 
-def cancel(client, lease_id: str) -> None:
-    """Release ``lease_id`` whose acquire did not finish; a failure is said on stderr."""
-    try:
-        client.release(lease_id, reason="acquire cancelled")
-    except GPUPoolError as exc:
-        print(f"gpupool: could not cancel {lease_id}: {exc.message}", file=sys.stderr)
-
-
 def _warn_versions(attachment: Attachment) -> None:
     try:
         mismatches = version_mismatches(package_versions(), attachment.versions())
@@ -91,34 +83,13 @@ def _warn_versions(attachment: Attachment) -> None:
 
 
 def _wait_started(magics, lease, started: float):
-    """Long-poll until the lease leaves ``starting``, showing progress.
-    Raises GPUPoolError ``start_timeout`` after c.GPUMagics.start_timeout out
-    of the queue, ``lease_failed`` when it ends instead of starting."""
-    since = started
-    queued = False
-    shown = 0  # length of the progress line, blanked when it is done
-    while lease.state in (LeaseState.queued, LeaseState.starting):
-        if lease.state is LeaseState.queued:
-            since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
-        _tell_progress(magics, lease, queued, started)
-        queued = lease.state is LeaseState.queued
-        if time.monotonic() - since > magics.start_timeout:
-            raise GPUPoolError(Reason.start_timeout, f"no worker started within {magics.start_timeout:.0f}s "
-                               "(c.GPUMagics.start_timeout); the request was cancelled", 504)
-        line = f"gpupool: {lease.id} {progress_words(lease)}... {time.monotonic() - started:.0f}s"
-        print(f"\r{line:<{shown}}", end="", flush=True)
-        shown = max(shown, len(line))
-        lease = magics.client.get_lease(lease.id, wait=2, state=lease.state.value)
-    if shown:  # front ends that overwrite after "\r" character by character keep no tail of it
-        print("\r" + " " * shown + "\r", end="", flush=True)
-    if queued:
-        _tell_progress(magics, lease, queued, started)
-    if lease.state is not LeaseState.active:
-        raise GPUPoolError(Reason.lease_failed, f"the lease could not start: {ended_message(lease)}", 502)
-    return lease
+    """:func:`gpupool.leasewait.wait_started` with the magics' start timeout
+    (c.GPUMagics.start_timeout) and the kernel's progress events."""
+    return wait_started(magics.client, lease, started, magics.start_timeout, setting="c.GPUMagics.start_timeout",
+                        on_state=functools.partial(_tell_progress, magics, started=started))
 
 
-def _tell_progress(magics, lease, was_queued: bool, started: float) -> None:
+def _tell_progress(magics, lease, was_queued: bool, *, started: float) -> None:
     """A waited-for ``lease``: its queued/starting state, and "admitted"
     once it leaves the queue (gpupool kernel only; gpupool.magics.events)."""
     events = getattr(magics.kernel, "events", None)

@@ -14,15 +14,16 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.heartbeat import beat_interval, ended_message
 from gpupool.kernelcmd import TRANSFER_TARGET
 from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane
-from .heartbeat import Heartbeat, ended_message
+from .heartbeat import Heartbeat
 from .park import Parked, park, park_due, park_reason
 from .relay import OutputRelay, remote_error
-from .remote import RemoteKernel
+from gpupool.remote import RemoteKernel, interrupt_from_thread
 
 log = logging.getLogger("gpupool.magics")
 
@@ -70,11 +71,7 @@ class Attachment:
     def _interrupt(self, lease: Lease) -> None:
         """Interrupt the running cell (KeyboardInterrupt on the worker) over a
         connection of this thread's own; parking follows once it is idle."""
-        remote = RemoteKernel(self.lease.connection or {})
-        try:  # waits for the reply: a message sent on a socket closed at once may be dropped
-            remote.control_request(remote.session.msg("interrupt_request", {}))
-        finally:
-            remote.close()
+        interrupt_from_thread(self.lease.connection or {})
 
     def _release_lease(self, lease_id: str, reason: str) -> Lease:
         return self.client.release(lease_id, reason=reason)
@@ -91,8 +88,7 @@ class Attachment:
         except BaseException:
             remote.close()
             raise
-        interval = max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
-        beat = Heartbeat(client, lease.id, interval)
+        beat = Heartbeat(client, lease.id, beat_interval(lease))
         beat.start()
         return cls(client, lease, remote, beat)
 

@@ -19,16 +19,18 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
+from gpupool.leaseargs import REQUEST_OPTIONS, lease_request
 from gpupool.wire.leases import LeaseRequest
-from gpupool.tables import gpu_utilization, lease_table, pool_table
-from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
+from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
+                            slice_words)
+from gpupool.units import format_bytes, format_duration
 
 from .attach import arm_parking, attach, kernel_env, same_size
 from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .quota import quota_report
 from .summary import summarize
-from .words import held_seconds, host_words, say, transfer_note, usage_words
+from .words import say, transfer_note
 
 #: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
 NOT_ON_WORKER = "not defined on the worker"
@@ -43,15 +45,18 @@ def _parse(command, rest: str):
         raise UsageError(f"bad arguments: {rest!r}") from None
 
 
+def _request_arguments(func):
+    """The options :mod:`gpupool.leaseargs` shares with ``gpupool run``, as ``@argument``s."""
+    for flags, keywords in reversed(REQUEST_OPTIONS):  # IPython adds a function's arguments bottom-up
+        func = argument(*flags, **keywords)(func)
+    return func
+
+
 # The parsers keep the names their usage line has always shown ("_acquire", "_release").
 @magic_arguments("_acquire")
 @argument("amount", help="a fraction of one GPU (0.5) or a count of whole GPUs (2)")
-@argument("--memory", help="GPU memory for the slice, e.g. 20GiB (default: the fraction's share)")
-@argument("--model", help="only GPUs whose name contains this, e.g. A100")
-@argument("--cpus", type=float, help="host CPU cores for the worker, e.g. 4 (default: the GPU share's part)")
-@argument("--host-memory", help="host RAM for the worker, e.g. 32GiB (default: the GPU share's part)")
+@_request_arguments
 @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
-@argument("--wait", help="when no GPU is free, wait in the queue this long, e.g. 10m (default: refuse)")
 @argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
                         "one named like this kernel, torch for a kernel torch or gpupool-torch, where a node "
                         "offers it, else the node's)")
@@ -59,8 +64,6 @@ def _parse(command, rest: str):
           help="when idle: park (variables come back, the next cell resumes; default) or just release")
 @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
           "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
-@argument("--preemptible", action="store_true",
-          help="while others wait, the running cell may be interrupted and the lease parked")
 def acquire(magics, rest: str) -> None:
     args = _parse(acquire, rest)
     if magics.attachment is not None and magics.attachment.ended is None:
@@ -77,14 +80,11 @@ def acquire(magics, rest: str) -> None:
     lease = magics.attachment.lease
     gpu = lease.gpus[0] if lease.gpus else {}
     share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
-    indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
     where = ("Cells now run on the worker; %gpu release detaches." if magics.kernel is not None else
              "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
              "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
-    say(f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}"
-        f"{f' in environment {lease.env}' if lease.env else ''}, "
-        f"{format_bytes(lease.memory)}{host_words(lease)}; idle timeout {format_duration(lease.idle_timeout)}"
-        f"{class_note(lease)} "
+    say(f"attached {lease.id}: {slice_words(lease)}, {format_bytes(lease.memory)}{host_words(lease)}; "
+        f"idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
         f"[{time.monotonic() - started:.1f}s]. {where}")
     if magics.attachment.workdir:
         say(magics.attachment.workdir)
@@ -94,17 +94,9 @@ def acquire(magics, rest: str) -> None:
 def _lease_request(args) -> LeaseRequest:
     """The request ``%gpu acquire``'s parsed ``args`` ask for; UsageError for a bad value."""
     try:
-        fraction, count = parse_gpu_amount(args.amount)
-        if args.cpus is not None and not args.cpus > 0:
-            raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
-        return LeaseRequest(
-            fraction=fraction, gpu_count=count,
-            memory=parse_bytes(args.memory) if args.memory else None, model=args.model,
-            idle_timeout=parse_duration(args.idle_timeout) if args.idle_timeout else None,
-            kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"), wait=parse_duration(args.wait) if args.wait else None,
-            env=args.env, prefer_env=None if args.env else kernel_env(),
-            lease_class=requested_class(args.batch, os.environ), preemptible=args.preemptible or None,
-            cpus=args.cpus, host_memory=parse_bytes(args.host_memory) if args.host_memory else None)
+        return lease_request(args, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
+                             prefer_env=None if args.env else kernel_env(),
+                             lease_class=requested_class(args.batch, os.environ))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -133,8 +125,7 @@ def release(magics, rest: str) -> None:
         lease = attachment.release(reason="%gpu release")
     except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
         lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
-    say(f"released {lease.id} after {format_duration(held_seconds(lease))} "
-        f"({usage_words(lease.usage_gpu_seconds)}){note}")
+    say(f"{released_words(lease)}{note}")
     magics.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
 
 

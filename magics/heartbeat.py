@@ -1,12 +1,6 @@
-"""Keeps a lease alive from the notebook kernel, and notices when it ends.
-
-The service reclaims a lease whose client stops heartbeating (its kernel
-was killed, its host went away) after ``heartbeat_ttl``; this thread renews
-it every third of that, and every ``busy_interval`` seconds while a cell
-runs on the worker, so a lease lost mid-cell (worker died, node gone, admin
-release) ends that cell within seconds. When a heartbeat answers that the
-lease has ended, ``ended`` holds the lease so the client can tell the user
-in words, and a line saying so is printed at once.
+"""Keeps a lease alive from the notebook kernel, and notices when it ends:
+:class:`gpupool.heartbeat.LeaseHeartbeat` (renewal, the ended lease, the
+busy rhythm while a cell runs on the worker), with the notebook's notices.
 
 Each beat's answer carries ``idle_deadline`` (when the service reclaims the
 lease if it stays idle) and ``idle_warning`` (how long before that the user
@@ -24,20 +18,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
-import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
-from gpupool.errors import GPUPoolError
+from gpupool.heartbeat import LeaseHeartbeat
 from gpupool.schema import parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
 log = logging.getLogger("gpupool.magics")
-#: The fewest seconds between telling the user of a preemption and interrupting their cell (by default).
-MIN_PREEMPT_NOTICE = 10.0
 
 
 def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: datetime | None = None) -> str | None:
@@ -65,23 +55,15 @@ def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: d
             f"released within {format_duration(max(left, 0.0))}{why} and {then} (run a cell to keep it)")
 
 
-def ended_message(lease: Lease) -> str:
-    """Words for a lease that ended without us asking, e.g. ``lease L-1 was
-    reclaimed: idle for 30m (idle timeout 30m)`` or ``lease L-1 failed: ...``."""
-    verb = "failed" if lease.state.value == "failed" else f"was {lease.state.value}"
-    return f"lease {lease.id} {verb}: {lease.reason or 'no reason given'}"
-
-
 def _output_parent() -> dict[str, Any] | None:
     """The header of the request the calling thread's output belongs to
     (ipykernel's ``OutStream.parent_header``), None outside a kernel."""
     return getattr(sys.stderr, "parent_header", None) or None
 
 
-class Heartbeat(threading.Thread):
-    """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
-    ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
-    the lease is seen ended (then ``ended`` is set).
+class Heartbeat(LeaseHeartbeat):
+    """The notebook kernel's heartbeat (:class:`gpupool.heartbeat.LeaseHeartbeat`)
+    with idle warnings, parking, preemption and node notices.
 
     Create it on the kernel's main thread during a cell: its notices go under
     that cell, and later under each cell that ran on the worker
@@ -89,58 +71,30 @@ class Heartbeat(threading.Thread):
     """
 
     def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
-        super().__init__(name=f"gpupool-heartbeat-{lease_id}", daemon=True)
-        self.client, self.lease_id = client, lease_id
-        self.interval, self.busy_interval = interval, min(busy_interval, interval)
-        self.ended: Lease | None = None
-        self.cell_running = False
+        super().__init__(client, lease_id, interval, busy_interval)
         # Called with the lease after each beat while no cell runs; True means the
         # lease was given back (parked) and beating stops.
         self.on_beat: Callable[[Lease], bool] | None = None
         # Seconds before the idle deadline at which on_beat parks the lease; None: no parking.
         self.park_ahead: float | None = None
-        self._stopped = threading.Event()
-        self._wake = threading.Event()
-        self._last_beat = time.monotonic()
         self._parent = _output_parent()
         self._warned_for: str | None = None  # idle_since of the idle period already warned about
         self.notify: Callable[[str, str], None] | None = None
         self._next_wait: float | None = None  # seconds to the next beat when the idle deadline is nearer
         self._node_lost = False  # told the user that the lease's node is lost
-        # The lease as the last beat saw it, and a callable told of each such lease
-        # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
-        self.last: Lease | None = None
-        self.on_lease: Callable[[Lease], None] | None = None
-        # Interrupts the running cell of a preempted lease (the attachment sets it); once it did, why (words).
-        self.on_preempt: Callable[[Lease], None] | None = None
-        self.preempted: str | None = None
-        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
-        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
-    def run(self) -> None:
-        while not self._stopped.is_set():
-            self._wake.wait(self._wait_seconds())
-            self._wake.clear()
-            if self._stopped.is_set():
-                return
-            self._last_beat = time.monotonic()
-            try:
-                lease = self.client.heartbeat(self.lease_id)
-            except GPUPoolError as exc:  # service down for a moment: try again next beat
-                log.warning("heartbeat for %s failed: %s", self.lease_id, exc.message)
-                continue
-            if lease.state.ended:
-                self._end(lease)
-                return
-            self._tell_node_state(lease)
-            self._seen(lease)
-            if self.cell_running:
-                self._preempt_if_due(lease)
-                continue
-            self._warn_if_idle(lease)
-            if self.on_beat is not None and self._beat_hook(lease):
-                return
-            self._next_wait = self._until_due(lease)
+    def after_beat(self, lease: Lease) -> bool:
+        """Node notices, then while a cell runs the preemption, else the
+        idle warning and parking (``on_beat``); True once parked."""
+        self._tell_node_state(lease)
+        super().after_beat(lease)  # while a cell runs: its preemption
+        if self.cell_running:
+            return False
+        self._warn_if_idle(lease)
+        if self.on_beat is not None and self._beat_hook(lease):
+            return True
+        self._next_wait = self._until_due(lease)
+        return False
 
     def _wait_seconds(self) -> float:
         """The regular interval, shortened so that the beat that parks (or
@@ -163,42 +117,10 @@ class Heartbeat(threading.Thread):
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
 
-    def _preempt_if_due(self, lease: Lease) -> None:
-        """While a cell runs: say once that the lease is being preempted, and
-        interrupt the cell once :func:`~.park.preempt_due` (the next idle beat parks)."""
-        from .park import preempt_due
-
-        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
-            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
-            return
-        if self._preempt_told is None:
-            self._preempt_told = time.monotonic()
-            at = parse_time(lease.preempt_at)
-            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
-            self.say(f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
-                     f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
-                     "come back here; the next cell resumes on a new slice)", kind="preempt_notice")
-        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
-            self.preempted = lease.pressure or "preempted"
-            try:
-                self.on_preempt(lease)
-            except Exception:  # the service's reclaim stays the fallback
-                log.warning("could not interrupt the cell of %s", self.lease_id, exc_info=True)
-
-    def _seen(self, lease: Lease) -> None:
-        self.last = lease
-        if self.on_lease is not None:
-            try:
-                self.on_lease(lease)
-            except Exception:  # the front end's view must never stop the heartbeat
-                log.warning("could not pass on the lease of %s", self.lease_id, exc_info=True)
-
-    def _end(self, lease: Lease) -> None:
-        self.ended = lease
-        # stop() comes before our own release, so a stopped thread saw that release.
-        # A running cell says it itself (it fails with these words).
-        if not self._stopped.is_set() and not self.cell_running:
-            self.say(ended_message(lease), kind="ended")
+    def preempt_words(self, lease: Lease, left: float) -> str:
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
+                f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
+                "come back here; the next cell resumes on a new slice)")
 
     def _tell_node_state(self, lease: Lease) -> None:
         """Say once when the lease's node is lost, and once when it is back."""
@@ -261,18 +183,4 @@ class Heartbeat(threading.Thread):
         is). Call on the kernel's main thread: notices go under that cell."""
         if flag:
             self._parent = _output_parent() or self._parent
-        self.cell_running = flag
-        # Beat at once when a cell starts after a quiet spell, so a lease lost meanwhile
-        # shows quickly; not on every cell, which would cost a request per cell.
-        if flag and time.monotonic() - self._last_beat > self.busy_interval:
-            self._wake.set()
-
-    @property
-    def stopped(self) -> bool:
-        """Whether :meth:`stop` was called (the lease is ours no more)."""
-        return self._stopped.is_set()
-
-    def stop(self) -> None:
-        """Stop beating (the lease is being released by us)."""
-        self._stopped.set()
-        self._wake.set()
+        super().running(flag)

@@ -3,7 +3,7 @@
 Detached, :class:`GPUPoolKernel` is a plain ipykernel ``IPythonKernel`` with
 the ``%gpu`` magics. Attached (``%gpu acquire``), it forwards the front end's
 requests to the lease's worker as Jupyter messages, headers kept, and relays
-the worker's IOPub back re-signed (:class:`~gpupool.magics.remote.IOPubRelay`,
+the worker's IOPub back re-signed (:class:`~gpupool.iopubrelay.IOPubRelay`,
 :class:`~gpupool.magics.cell.ForwardedCell`),
 so every output, widget, completion, tooltip and debugger reply is the
 worker's own, parented to the front end's request; each cell runs once, on

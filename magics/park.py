@@ -14,7 +14,7 @@ While others wait for a GPU the service brings ``idle_deadline`` forward
 (``c.GPUPool.pressure_grace``) and says why in ``pressure``; the same rule
 then parks it earlier, with those words as its reason ("parked early: 3
 people are waiting for a GPU"). A preemptible lease told ``preempt_at`` has
-its running cell interrupted then (:func:`preempt_due`) and parks once idle.
+its running cell interrupted then (:func:`gpupool.heartbeat.preempt_due`) and parks once idle.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane
-from .remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
 PARK_REASON = "parked after idle"
@@ -92,16 +92,6 @@ def park_due(lease: Lease, ahead: float, interval: float, now: datetime | None =
     come later than :func:`park_lead` seconds before the reclaim."""
     left = seconds_to_reclaim(lease, now)
     return left is not None and left <= park_lead(ahead, idle_span(lease)) + interval
-
-
-def preempt_due(lease: Lease, told_for: float, notice: float, now: datetime | None = None) -> bool:
-    """Whether to interrupt a preemptible lease's running cell now: its
-    ``preempt_at`` has come, and the notebook said so ``told_for`` seconds
-    ago, at least ``notice`` seconds, so a user is always told ahead."""
-    at = parse_time(lease.preempt_at)
-    if at is None:
-        return False
-    return (now or datetime.now(timezone.utc)) >= at and told_for >= notice
 
 
 def park(lease: Lease, max_bytes: int | None, take: Callable[[dict[str, Any], list[dict[str, Any]]], None],

@@ -1,13 +1,12 @@
-"""How the ``%gpu`` magics word what they did: the ``gpupool:`` line, a
-lease's host share, its usage and time held, what a push or pull moved."""
+"""How the ``%gpu`` magics word what they did: the ``gpupool:`` line, what
+a push or pull moved (what a lease holds, its usage and time held:
+:mod:`gpupool.tables`)."""
 
 from __future__ import annotations
 
 import textwrap
 from typing import Any
 
-from gpupool.schema import parse_time
-from gpupool.tables import host_parts
 from gpupool.transfer import describe
 
 
@@ -20,29 +19,6 @@ def dedent(text: str | None) -> str:
     """A docstring for ``%gpu help``: its first line, then the rest dedented."""
     head, _, body = (text or "").partition("\n")
     return head + "\n" + textwrap.dedent(body)
-
-
-def host_words(lease) -> str:
-    """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); where the worker's
-    cgroup is limited to more than is reserved (a default share raised to the
-    agent's floor) ``', 0.5 CPU reserved, limited to 1 CPU, 512.0 MiB of host
-    memory reserved, limited to 1.0 GiB'``; empty when the node reports no host."""
-    parts = host_parts(lease, " of host memory")
-    if parts is None:
-        return ""
-    cpus, memory, limited = parts
-    return f", {cpus}{', ' if limited else ' and '}{memory}"
-
-
-def usage_words(gpu_seconds: float) -> str:
-    """``'42.0 GPU-seconds'`` below six minutes, else ``'1.25 GPU-hours'``."""
-    return f"{gpu_seconds:.1f} GPU-seconds" if gpu_seconds < 360 else f"{gpu_seconds / 3600:.2f} GPU-hours"
-
-
-def held_seconds(lease) -> float | None:
-    """Seconds from the lease's start to its end, None while either is unknown."""
-    start, end = parse_time(lease.started_at), parse_time(lease.ended_at)
-    return (end - start).total_seconds() if start and end else None
 
 
 def transfer_note(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) -> str:

@@ -396,13 +396,26 @@ CLI = [
     cli("quota unset user:nobody", 1, "quota override for user:nobody not found", user="boss", id="unset-unknown"),
     cli("quota usage --days 0", 1, "'days' must be a whole number from 1 to 92", user="boss", id="usage-zero"),
     cli("quota usage --days many", 2, "invalid int value: 'many'", user="boss", id="usage-text"),
+    cli("run", 2, "the following arguments are required: script", id="run-no-script"),
+    cli("run --gpus 0 {script}", 2, "GPU amount must be more than 0", id="run-gpus-zero"),
+    cli("run --gpus 1.5 {script}", 2, "is above 1 but not whole", id="run-gpus-1.5"),
+    cli("run --memory lots {script}", 2, "cannot read 'lots' as a memory size", id="run-memory-text"),
+    cli("run --wait forever {script}", 2, "cannot read 'forever' as a duration", id="run-wait-text"),
+    cli("run --cpus 0 {script}", 2, "--cpus must be more than 0 cores", id="run-cpus-zero"),
+    cli("run /nonexistent/job.py", 2, "cannot read the script /nonexistent/job.py", id="run-no-such-script"),
+    cli("run --gpus 2 {script}", 2, "quota exceeded", id="run-over-quota"),
+    cli("run --gpus 65 {script}", 2, "'gpu_count' must be a whole number from 1 to 64", id="run-gpus-huge"),
+    cli("run --memory 400GiB {script}", 2, "not enough free memory", id="run-none-fits"),
+    cli("run --url http://127.0.0.1:{dead} {script}", 2, "cannot reach the gpupool service", id="run-nothing-listens"),
 ]
 
 
 @pytest.mark.parametrize("args, user, code, words", CLI)
-def test_cli(pool, args, user, code, words):
+def test_cli(pool, args, user, code, words, tmp_path):
     env = {**os.environ, "GPUPOOL_URL": pool.service.url, "GPUPOOL_TOKEN": pool.token(user) or ""}
-    argv = [str(GPUPOOL), *args.replace("{dead}", str(free_port())).split()]
+    script = tmp_path / "job.py"  # `gpupool run`'s: refused before it runs
+    script.write_text("raise SystemExit('this script must not run')\n")
+    argv = [str(GPUPOOL), *args.replace("{dead}", str(free_port())).replace("{script}", str(script)).split()]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == code, done.stderr
     assert_clear(done.stderr, words)

@@ -22,7 +22,7 @@ from gpupool import dataplane as dataplane_core
 from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffers, send_buffers
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.magics import dataplane
-from gpupool.magics.remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 from gpupool.provisioner.worker_extension.dataplane import DataPlaneServer
 from gpupool.transfer import load_pulled
 from frontend import run

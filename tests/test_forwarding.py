@@ -125,7 +125,7 @@ def test_only_the_front_ends_messages_are_relayed(attached):
     shutdown) never reaches the front end; the worker's output of the front end's cells does."""
     _, kc = attached
     msg_id = kc.execute("%%local\n"
-                        "from gpupool.magics.remote import RemoteKernel\n"
+                        "from gpupool.remote import RemoteKernel\n"
                         "other = RemoteKernel(get_ipython().kernel.gpu.attachment.lease.connection)\n"
                         "other.wait_ready()\n"
                         "other.execute(\"print('foreign output'); from comm import create_comm; "
@@ -308,7 +308,7 @@ def test_worker_messages_are_checked_as_session_checks_them():
     import zmq
     from jupyter_client.session import Session
 
-    from gpupool.magics.remote import deserialize
+    from gpupool.remote import deserialize
 
     sender, reader = Session(key=b"k"), Session(key=b"k")
     frames = sender.serialize(sender.msg("stream", {"text": "hi"}), ident=[])

@@ -25,7 +25,7 @@ from workercell import run_worker_cell
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import lease_table, pool_table
-from gpupool.magics.words import host_words
+from gpupool.tables import host_words
 
 G = 2**30
 MIB = 2**20

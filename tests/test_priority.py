@@ -300,7 +300,7 @@ def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
     (-1.0, 10.0, True),
 ])
 def test_preemption_is_due_at_its_time_and_after_the_notice(preempt_in, told_for, expected):
-    from gpupool.magics.park import preempt_due
+    from gpupool.heartbeat import preempt_due
     assert preempt_due(client_lease(preempt_in=preempt_in), told_for, 10.0, now=at(1000)) is expected
 
 

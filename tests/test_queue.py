@@ -153,7 +153,7 @@ def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
     (dict(state="starting", node="node-1"), "starting on node-1"),
 ])
 def test_progress_words(fields, words):
-    from gpupool.magics.quota import progress_words
+    from gpupool.leasewait import progress_words
     from gpupool.wire.leases import Lease
 
     lease = Lease.from_json({"id": "L-000000000001", "owner": "ann", "fraction": 0.5, "gpu_count": 1, "memory": 0,

@@ -605,7 +605,7 @@ def test_lease_without_heartbeats_is_reclaimed(tmp_path):
 
 
 def test_running_cell_is_never_reclaimed(tmp_path):
-    from gpupool.magics.remote import RemoteKernel
+    from gpupool.remote import RemoteKernel
 
     svc = start_service(tmp_path, config={"heartbeat_ttl": 1})
     agent = start_agent(tmp_path, svc)

@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
 from workercell import run_worker_cell
-from gpupool.magics.remote import RemoteKernel
+from gpupool.remote import RemoteKernel
 from procs import start_agent, start_service
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")

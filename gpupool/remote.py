@@ -1,4 +1,5 @@
-"""A blocking connection to one worker kernel over the Jupyter protocol.
+"""A blocking connection to one worker kernel over the Jupyter protocol: the
+notebook kernel's (``%gpu``, forwarding) and ``gpupool run``'s.
 
 Why not ``jupyter_client.BlockingKernelClient``: the magics run inside a
 cell, in the kernel's main thread, while ipykernel's own asyncio loop is
@@ -10,19 +11,23 @@ bounded and Ctrl-C (SIGINT in the main thread) interrupts it.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from hmac import compare_digest
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 from jupyter_client.session import Session
 
-from gpupool.errors import GPUPoolError, Reason
-from gpupool.kernelconn import connect_channel, kernel_session
+from .errors import GPUPoolError, Reason
+from .kernelconn import connect_channel, kernel_session
+
+if TYPE_CHECKING:
+    from .iopubrelay import IOPubRelay
 
 POLL_MS = 50
+#: Milliseconds to wait for more of a cell's output before answering its input request.
+DRAIN_MS = 20
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
 HB_INTERVAL = 1.0
 #: Seconds without a heartbeat echo after which the worker counts as unreachable.
@@ -107,6 +112,8 @@ class RemoteKernel:
         inner.bind(address)
         outer = self.context.socket(zmq.PAIR)
         outer.connect(address)
+        from .iopubrelay import IOPubRelay  # the notebook kernel's only
+
         self._relay = IOPubRelay(self.iopub, outer, self.session, publish)
         self.poller.unregister(self.iopub)
         self.iopub = inner
@@ -145,9 +152,12 @@ class RemoteKernel:
 
     def execute(self, code: str, handler: Callable[[dict[str, Any]], None],
                 stdin_handler: Callable[[dict[str, Any]], str] | None = None,
-                check: Callable[[], None] | None = None) -> dict[str, Any]:
+                check: Callable[[], None] | None = None,
+                user_expressions: dict[str, str] | None = None) -> dict[str, Any]:
         """Run ``code`` on the worker; returns the ``execute_reply`` content once
-        the worker is idle again and the reply has arrived.
+        the worker is idle again and the reply has arrived (with the values of
+        ``user_expressions``, name -> expression, evaluated after a cell that
+        succeeded: the reply's ``user_expressions``, as the protocol has them).
 
         Every IOPub message of this request goes to ``handler`` in order;
         ``input_request`` goes to ``stdin_handler`` whose return value is sent
@@ -158,8 +168,9 @@ class RemoteKernel:
         when the worker has not settled 10 s after the interrupt.
         """
         msg = self.session.send(self.shell, "execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": stdin_handler is not None, "stop_on_error": True})
+            "code": code, "silent": False, "store_history": True,
+            "allow_stdin": stdin_handler is not None, "stop_on_error": True,
+            "user_expressions": user_expressions or {}})
         return self._until_idle(msg["header"]["msg_id"], handler, stdin_handler, check)["content"]
 
     def forward(self, msg: dict[str, Any], stdin_handler: Callable[[dict[str, Any]], str] | None = None,
@@ -276,6 +287,7 @@ class RemoteKernel:
                         if on_reply is not None:
                             on_reply(got)
                     elif sock is self.stdin and kind == "input_request":
+                        drain_iopub(self, msg_id, handler)  # what was printed before input() comes first
                         value = stdin_handler(got["content"]) if stdin_handler else ""
                         self.session.send(self.stdin, "input_reply", {"value": value}, parent=got)
                     elif kind == "status":
@@ -299,81 +311,24 @@ class RemoteKernel:
         return reply or {}
 
 
-#: The front end's comm messages, forwarded without a reply.
-COMM_MSG_TYPES = ("comm_open", "comm_msg", "comm_close")
+def drain_iopub(remote: RemoteKernel, msg_id: str, handler: Callable[[dict[str, Any]], None]) -> None:
+    """Pass ``remote``'s IOPub messages of ``msg_id`` other than ``status`` to
+    ``handler`` until none comes for DRAIN_MS: a worker flushes its output
+    before it asks for input, but that output travels on another socket."""
+    while remote.iopub.poll(DRAIN_MS):
+        got = remote._recv(remote.iopub)
+        if got is not None and got["parent_header"].get("msg_id") == msg_id and got["header"]["msg_type"] != "status":
+            handler(got)
 
 
-class IOPubRelay(threading.Thread):
-    """Reads a worker's IOPub on a thread of its own and re-signs the
-    front end's messages for the notebook kernel's IOPub (the bare
-    forwarding hop: only header and parent are decoded, content and buffers
-    pass as they came). The busy and idle of the forwarded cell ``awaited``
-    are passed too (the front end hears the worker's own), and its idle also
-    goes to ``inner``, where :meth:`RemoteKernel._until_idle` waits for the
-    cell's end; other ``status`` messages are dropped (the notebook kernel
-    says busy and idle itself). What the notebook kernel itself asked for
-    (transfers, version checks: parented to ``session``'s own session id)
-    goes to ``inner`` only. Of the rest only what belongs to a front end
-    passes: a message parented to a request of a session that a forwarded
-    request came from (:meth:`front`), or one with no parent at all (the
-    worker's own output outside any request); what answers anyone else's
-    requests (the agent's shutdown, a parking connection's transfer comm,
-    another client's cells) is dropped, or JupyterLab would warn of
-    unknown comms and replies. A message whose signature does not verify is
-    dropped (:func:`deserialize` raises)."""
-
-    def __init__(self, iopub: zmq.Socket, inner: zmq.Socket, session: Session,
-                 publish: Callable[[list, list, dict], None]) -> None:
-        super().__init__(name="gpupool-iopub-relay", daemon=True)
-        self.iopub, self.inner, self.session, self.publish = iopub, inner, session, publish
-        self._halt = threading.Event()
-        #: msg_id of the forwarded request whose idle status RemoteKernel waits for.
-        self.awaited: str | None = None
-        self._fronts: set[str] = set()  # session ids of the front ends whose requests were forwarded
-
-    def front(self, msg: dict[str, Any]) -> None:
-        """``msg`` (a front end's request) is about to be forwarded: its
-        session's messages are the front end's to see (any thread)."""
-        self._fronts.add(msg["header"].get("session", ""))
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            if not self.iopub.poll(POLL_MS):
-                continue
-            try:
-                frames = self.iopub.recv_multipart(copy=False)
-                self._pass(frames)
-            except zmq.ZMQError:  # the context is being destroyed
-                return
-            except Exception:  # one bad message must not stop the relay
-                import logging
-
-                logging.getLogger("gpupool.magics").warning("dropped a worker message", exc_info=True)
-
-    def _pass(self, frames: list) -> None:
-        idents, parts = self.session.feed_identities(frames, copy=False)
-        msg = deserialize(self.session, parts, content=False)
-        parent = msg["parent_header"]
-        if parent.get("session") == self.session.session:
-            self.inner.send_multipart(frames, copy=False)
-            return
-        if parent and parent.get("session") not in self._fronts:
-            return
-        # A front end's comm message gets the worker's busy/idle (the notebook kernel sends
-        # none of its own for it): JupyterLab listens for a comm message's output only until
-        # its idle, and an @interact callback prints after the notebook kernel's idle.
-        status = msg["header"]["msg_type"] == "status" and parent.get("msg_type") not in COMM_MSG_TYPES
-        awaited = parent.get("msg_id") == self.awaited
-        if status and not awaited:
-            return
-        self.publish(idents, [part.buffer if hasattr(part, "buffer") else part for part in parts], msg)
-        if status and self._state(parts[4]) == "idle":
-            self.inner.send_multipart(frames, copy=False)
-
-    def _state(self, content: Any) -> str | None:
-        """The execution_state of a status message's content frame."""
-        return self.session.unpack(content.bytes if hasattr(content, "bytes") else content).get("execution_state")
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=1.0)
+def interrupt_from_thread(connection: dict[str, Any]) -> None:
+    """Interrupt the worker in ``connection`` (KeyboardInterrupt in its running
+    cell) over a connection of the calling thread's own: another thread may be
+    using the main one (ZeroMQ sockets belong to one thread). Waits for the
+    reply, since a message sent on a socket closed at once may be dropped;
+    raises GPUPoolError ``worker_timeout`` without one."""
+    remote = RemoteKernel(connection)
+    try:
+        remote.control_request(remote.session.msg("interrupt_request", {}))
+    finally:
+        remote.close()

@@ -1,0 +1,184 @@
+"""Keeps a lease alive from its client, and notices when it ends.
+
+The service reclaims a lease whose client stops heartbeating (its kernel
+was killed, its host went away, ``gpupool run`` was killed -9) after
+``heartbeat_ttl``; :class:`LeaseHeartbeat` renews it every third of that
+(:func:`beat_interval`), and every ``busy_interval`` seconds while work runs
+on the worker, so a lease lost mid-run (worker died, node gone, admin
+release) is seen within seconds. When a heartbeat answers that the lease has
+ended, ``ended`` holds the lease so the client can tell the user in words
+(:func:`ended_message`).
+
+The notebook's heartbeat (:class:`gpupool.magics.heartbeat.Heartbeat`)
+builds on this one: idle warnings, parking, preemption, node notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+from .api import ServiceClient
+from .errors import GPUPoolError
+from .schema import parse_time
+from .units import format_duration
+from .wire.leases import Lease
+
+log = logging.getLogger("gpupool.heartbeat")
+#: The fewest seconds between telling the user of a preemption and interrupting their work (by default).
+MIN_PREEMPT_NOTICE = 10.0
+
+
+def ended_message(lease: Lease) -> str:
+    """Words for a lease that ended without us asking, e.g. ``lease L-1 was
+    reclaimed: idle for 30m (idle timeout 30m)`` or ``lease L-1 failed: ...``."""
+    verb = "failed" if lease.state.value == "failed" else f"was {lease.state.value}"
+    return f"lease {lease.id} {verb}: {lease.reason or 'no reason given'}"
+
+
+def beat_interval(lease: Lease) -> float:
+    """Seconds between heartbeats of ``lease``: a third of its ``heartbeat_ttl``
+    (60 s when unknown), at least 0.5 s and at most 15 s."""
+    return max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
+
+
+def preempt_due(lease: Lease, told_for: float, notice: float, now: datetime | None = None) -> bool:
+    """Whether to interrupt a preemptible lease's running work now: its
+    ``preempt_at`` has come, and the user was told ``told_for`` seconds
+    ago, at least ``notice`` seconds, so a user is always told ahead."""
+    at = parse_time(lease.preempt_at)
+    if at is None:
+        return False
+    return (now or datetime.now(timezone.utc)) >= at and told_for >= notice
+
+
+class LeaseHeartbeat(threading.Thread):
+    """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
+    ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
+    the lease is seen ended (then ``ended`` is set and, unless work was
+    running, :meth:`say` tells the user).
+
+    A preemptible lease told ``preempt_at`` while work runs is said so once
+    (:meth:`preempt_words`), then ``on_preempt(lease)`` interrupts the work,
+    at least ``preempt_notice`` seconds after the notice. Subclasses act on
+    each renewed lease in :meth:`after_beat` and may shorten the wait in
+    :meth:`_wait_seconds`. A failed beat (service down for a moment) is
+    logged and tried again at the next one.
+    """
+
+    def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
+        super().__init__(name=f"gpupool-heartbeat-{lease_id}", daemon=True)
+        self.client, self.lease_id = client, lease_id
+        self.interval, self.busy_interval = interval, min(busy_interval, interval)
+        self.ended: Lease | None = None
+        self.cell_running = False
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._last_beat = time.monotonic()
+        # The lease as the last beat saw it, and a callable told of each such lease
+        # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
+        self.last: Lease | None = None
+        self.on_lease: Callable[[Lease], None] | None = None
+        # Interrupts the running work of a preempted lease; once it did, why (words).
+        self.on_preempt: Callable[[Lease], None] | None = None
+        self.preempted: str | None = None
+        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
+        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
+
+    def run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(self._wait_seconds())
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            self._last_beat = time.monotonic()
+            try:
+                lease = self.client.heartbeat(self.lease_id)
+            except GPUPoolError as exc:  # service down for a moment: try again next beat
+                log.warning("heartbeat for %s failed: %s", self.lease_id, exc.message)
+                continue
+            if lease.state.ended:
+                self._end(lease)
+                return
+            if self.after_beat(lease):
+                return
+
+    def after_beat(self, lease: Lease) -> bool:
+        """Act on ``lease`` as a beat renewed it (still holding capacity);
+        True stops beating (the lease was given back). Here: remember it as
+        :attr:`last`, pass it to :attr:`on_lease`, and while work runs see to
+        its preemption. An override calls ``super()``."""
+        self.last = lease
+        if self.on_lease is not None:
+            try:
+                self.on_lease(lease)
+            except Exception:  # the client's view must never stop the heartbeat
+                log.warning("could not pass on the lease of %s", self.lease_id, exc_info=True)
+        if self.cell_running:
+            self._preempt_if_due(lease)
+        return False
+
+    def _preempt_if_due(self, lease: Lease) -> None:
+        """While work runs: say once that the lease is being preempted, and
+        interrupt the work once :func:`preempt_due`."""
+        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
+            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
+            return
+        if self._preempt_told is None:
+            self._preempt_told = time.monotonic()
+            at = parse_time(lease.preempt_at)
+            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
+            self.say(self.preempt_words(lease, left), kind="preempt_notice")
+        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
+            self.preempted = lease.pressure or "preempted"
+            try:
+                self.on_preempt(lease)
+            except Exception:  # the service's reclaim stays the fallback
+                log.warning("could not interrupt the work of %s", self.lease_id, exc_info=True)
+
+    def preempt_words(self, lease: Lease, left: float) -> str:
+        """The notice that ``lease``'s running work is interrupted in ``left`` seconds."""
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
+                f"script is interrupted (KeyboardInterrupt) in about {format_duration(left)}, then the lease is "
+                "released")
+
+    def _wait_seconds(self) -> float:
+        """Seconds until the next beat."""
+        return self.busy_interval if self.cell_running else self.interval
+
+    def _end(self, lease: Lease) -> None:
+        self.ended = lease
+        # stop() comes before our own release, so a stopped thread saw that release.
+        # Running work says it itself (it fails with these words).
+        if not self._stopped.is_set() and not self.cell_running:
+            self.say(ended_message(lease), kind="ended")
+
+    def say(self, text: str, kind: str = "notice") -> None:
+        """Tell the user ``text`` (callable from any thread): ``gpupool: TEXT``
+        on stderr; nothing once stopped (the lease was given up here, and a
+        notice of it would be stale). ``kind`` names the notice for overrides."""
+        if not self.stopped:
+            print(f"gpupool: {text}", file=sys.stderr, flush=True)
+
+    def running(self, flag: bool) -> None:
+        """Say whether work (a cell, a script) runs on the worker: beats come
+        every ``busy_interval`` while it does."""
+        self.cell_running = flag
+        # Beat at once when work starts after a quiet spell, so a lease lost meanwhile
+        # shows quickly; not on every cell, which would cost a request per cell.
+        if flag and time.monotonic() - self._last_beat > self.busy_interval:
+            self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (the lease is ours no more)."""
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Stop beating (the lease is being released by us)."""
+        self._stopped.set()
+        self._wake.set()

@@ -1,0 +1,54 @@
+"""The options of a lease request that ``%gpu acquire`` and ``gpupool run``
+share, declared once, and the :class:`LeaseRequest` they ask for.
+
+    %gpu acquire 0.5 --memory 20GiB --model A100 --wait 10m
+    gpupool run --gpus 0.5 --memory 20GiB --model A100 --wait 10m train.py
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .units import parse_bytes, parse_duration, parse_gpu_amount
+from .wire.leases import LeaseRequest
+
+#: ``(flags, add_argument keywords)`` of each shared option, in the order a help lists them.
+REQUEST_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--memory",), {"help": "GPU memory for the slice, e.g. 20GiB (default: the fraction's share)"}),
+    (("--model",), {"help": "only GPUs whose name contains this, e.g. A100"}),
+    (("--cpus",), {"type": float, "help": "host CPU cores for the worker, e.g. 4 (default: the GPU share's part)"}),
+    (("--host-memory",), {"help": "host RAM for the worker, e.g. 32GiB (default: the GPU share's part)"}),
+    (("--wait",), {"help": "when no GPU is free, wait in the queue this long, e.g. 10m (default, or 0: refuse at "
+                            "once)"}),
+    (("--preemptible",), {"action": "store_true",
+                          "help": "while others wait, the running cell or script may be interrupted (after a notice) "
+                                  "and the lease given back"}),
+)
+
+
+def add_request_options(add: Callable[..., Any]) -> None:
+    """Call ``add(*flags, **keywords)`` for each of :data:`REQUEST_OPTIONS`
+    (``parser.add_argument``)."""
+    for flags, keywords in REQUEST_OPTIONS:
+        add(*flags, **keywords)
+
+
+def lease_request(args: Any, **fields: Any) -> LeaseRequest:
+    """The request that parsed options ``args`` ask for: ``args.amount`` (``0.5``,
+    ``2``) and the :data:`REQUEST_OPTIONS` (human units: ``20GiB``, ``10m``),
+    plus ``args.env`` and ``args.idle_timeout`` where present; ``fields`` set
+    the rest (``lease_class``, ``kernel_id``, ``prefer_env``, ...).
+
+    Raises ValueError with words for the user: a bad amount, size or
+    duration, ``--cpus`` not above 0.
+    """
+    fraction, count = parse_gpu_amount(args.amount)
+    if args.cpus is not None and not args.cpus > 0:
+        raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
+    idle_timeout = getattr(args, "idle_timeout", None)
+    return LeaseRequest(
+        fraction=fraction, gpu_count=count, memory=parse_bytes(args.memory) if args.memory else None,
+        model=args.model, idle_timeout=parse_duration(idle_timeout) if idle_timeout else None,
+        wait=(parse_duration(args.wait, allow_zero=True) or None) if args.wait else None, env=getattr(args, "env", None),
+        preemptible=args.preemptible or None, cpus=args.cpus,
+        host_memory=parse_bytes(args.host_memory) if args.host_memory else None, **fields)

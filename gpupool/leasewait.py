@@ -1,0 +1,98 @@
+"""Waiting for a new lease's worker, with a progress line: shared by
+``%gpu acquire`` (gpupool.magics.attach) and ``gpupool run``.
+
+    gpupool: L-7 queued: 2nd in line, about 5m... 12s
+    gpupool: L-7 starting on node-1... 14s
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, TextIO
+
+from .api import ServiceClient
+from .errors import GPUPoolError, Reason
+from .heartbeat import ended_message
+from .schema import LeaseState
+from .units import format_duration
+from .wire.leases import Lease
+
+#: Seconds of each long poll while a lease is queued or starting.
+POLL_SECONDS = 2.0
+
+
+def progress_words(lease: Lease) -> str:
+    """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``."""
+    if lease.state is LeaseState.queued:
+        text = "queued" if lease.lease_class == "interactive" else f"queued ({lease.lease_class})"
+        if lease.queue_position:
+            text += f": {_ordinal(lease.queue_position)} in line"
+            if lease.queue_estimate_s is not None:
+                text += f", about {format_duration(lease.queue_estimate_s)}"
+        return text
+    return f"{lease.state.value} on {lease.node or 'the pool'}"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def wait_started(client: ServiceClient, lease: Lease, started: float, start_timeout: float, *,
+                 setting: str = "", on_state: Callable[[Lease, bool], None] | None = None,
+                 stream: TextIO | None = None, rewrite: bool = True) -> Lease:
+    """Long-poll ``lease`` until it leaves ``queued`` and ``starting``, keeping
+    one progress line (``\\r``-rewritten, blanked at the end) on ``stream``
+    (default: stdout); returns the ``active`` lease. Without ``rewrite`` (a
+    log, not a terminal) a line is printed each time the words change instead.
+
+    ``started``: ``time.monotonic()`` of the request (the line counts from
+    it); ``start_timeout``: seconds a lease may stay ``starting`` once out of
+    the queue (the service itself ends a queued request's wait); ``setting``:
+    words naming what sets that timeout, for the error. ``on_state(lease,
+    was_queued)`` is called with each lease seen while waiting, and once more
+    after leaving the queue. Raises GPUPoolError ``start_timeout`` when it
+    runs out, ``lease_failed`` when the lease ends instead of starting (the
+    service's words: pool full after the wait, quota, ...), and what
+    :class:`ServiceClient` raises. The caller cancels the lease on failure.
+    """
+    stream = stream or sys.stdout
+    since = started
+    queued = False
+    shown = 0  # length of the progress line, blanked when it is done
+    said = ""  # without rewrite: the words last printed
+    while lease.state in (LeaseState.queued, LeaseState.starting):
+        if lease.state is LeaseState.queued:
+            since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
+        if on_state is not None:
+            on_state(lease, queued)
+        queued = lease.state is LeaseState.queued
+        if time.monotonic() - since > start_timeout:
+            raise GPUPoolError(Reason.start_timeout, f"no worker started within {start_timeout:.0f}s"
+                               f"{f' ({setting})' if setting else ''}; the request was cancelled", 504)
+        words = f"gpupool: {lease.id} {progress_words(lease)}"
+        if rewrite:
+            line = f"{words}... {time.monotonic() - started:.0f}s"
+            print(f"\r{line:<{shown}}", end="", flush=True, file=stream)
+            shown = max(shown, len(line))
+        elif words != said:
+            print(words, flush=True, file=stream)
+            said = words
+        lease = client.get_lease(lease.id, wait=POLL_SECONDS, state=lease.state.value)
+    if shown:  # front ends that overwrite after "\r" character by character keep no tail of it
+        print("\r" + " " * shown + "\r", end="", flush=True, file=stream)
+    if queued and on_state is not None:
+        on_state(lease, queued)
+    if lease.state is not LeaseState.active:
+        raise GPUPoolError(Reason.lease_failed, f"the lease could not start: {ended_message(lease)}", 502)
+    return lease
+
+
+def cancel(client: ServiceClient, lease_id: str, reason: str = "acquire cancelled") -> None:
+    """Release ``lease_id`` whose acquire (or run) did not finish; a failure
+    is said on stderr, never raised (the service's reclaim is the fallback)."""
+    try:
+        client.release(lease_id, reason=reason)
+    except GPUPoolError as exc:
+        print(f"gpupool: could not cancel {lease_id}: {exc.message}", file=sys.stderr)

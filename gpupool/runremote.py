@@ -1,0 +1,138 @@
+"""The worker side of ``gpupool run``, seen from the terminal: connect to an
+active lease's worker, run a script there (gpupool.scriptmain), stream its
+output here, forward Ctrl-C, heartbeat the lease, return the exit status.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import signal
+import sys
+from typing import Any, Callable
+
+from . import scriptmain
+from .api import ServiceClient
+from .errors import GPUPoolError, Reason
+from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
+from .remote import RemoteKernel, interrupt_from_thread
+from .wire.leases import Lease
+
+#: The worker-namespace name that holds the script's exit status after the run.
+STATUS_NAME = "_gpupool_exit"
+#: Seconds the worker may take to answer once it is running.
+READY_TIMEOUT = 30.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class Abandoned(BaseException):
+    """The run was given up here (a second Ctrl-C, SIGTERM): ``why`` in words,
+    ``status`` the exit status. A BaseException, so that no wait inside the
+    run swallows it."""
+
+    def __init__(self, why: str, status: int) -> None:
+        super().__init__(why)
+        self.why, self.status = why, status
+
+
+def script_cell(source: str, path: str, argv: list[str]) -> str:
+    """The code the worker executes: gpupool.scriptmain's source, then
+    ``_gpupool_exit = run_as_main(source, path, argv)``. One line each, the
+    texts as literals, so no IPython input transformation can touch them."""
+    module = inspect.getsource(scriptmain)
+    return f"exec({module!r})\n{STATUS_NAME} = run_as_main({source!r}, {path!r}, {argv!r})\n"
+
+
+def exit_status(reply: dict[str, Any]) -> int:
+    """The script's exit status from the worker's ``execute_reply`` content:
+    the value of :data:`STATUS_NAME`; 130 when the cell itself was interrupted
+    (before the script began or after it ended), 1 for any other failure."""
+    if reply.get("status") != "ok":
+        return 130 if reply.get("ename") == "KeyboardInterrupt" else 1
+    value = reply.get("user_expressions", {}).get("status", {})
+    try:
+        return int(value["data"]["text/plain"])
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+class TerminalOutput:
+    """Callable for :meth:`RemoteKernel.execute`: one IOPub message of the
+    script in, the same output on this process's stdout or stderr out
+    (``text/plain`` of displays; an ``error``'s traceback without colour)."""
+
+    def __init__(self, stdout=None, stderr=None) -> None:
+        self.stdout, self.stderr = stdout or sys.stdout, stderr or sys.stderr
+
+    def __call__(self, msg: dict[str, Any]) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            stream = self.stderr if content.get("name") == "stderr" else self.stdout
+            stream.write(content.get("text", ""))
+            stream.flush()
+        elif kind in ("display_data", "execute_result", "update_display_data"):
+            text = content.get("data", {}).get("text/plain")
+            if text:
+                print(text, file=self.stdout, flush=True)
+        elif kind == "error":
+            lines = content.get("traceback") or [f"{content.get('ename')}: {content.get('evalue')}"]
+            print(_ANSI.sub("", "\n".join(lines)), file=self.stderr, flush=True)
+
+
+class Interrupts:
+    """SIGINT while the script runs: the first asks the worker to interrupt
+    the script; the next raises :class:`Abandoned` (status 130). A context
+    manager that restores the previous handler."""
+
+    def __init__(self, remote: RemoteKernel) -> None:
+        self.remote, self.count, self._previous = remote, 0, None
+
+    def __enter__(self) -> "Interrupts":
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise Abandoned("interrupted twice", 130)
+        print("\ngpupool: interrupting the script (Ctrl-C again releases the GPU and exits)", file=sys.stderr,
+              flush=True)
+        self.remote.interrupt()
+
+
+def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv: list[str],
+               ask: Callable[[dict[str, Any]], str]) -> int:
+    """Run ``source`` as script ``path`` with arguments ``argv`` on active
+    ``lease``'s worker, heartbeating the lease; ``ask(input_request
+    content)`` answers the script's ``input()``. A ``--preemptible`` lease
+    told to yield has its script interrupted after a notice (the heartbeat's).
+    Returns its exit status.
+
+    Raises GPUPoolError ``worker_unreachable`` when the worker does not
+    answer, ``lease_lost`` when the lease ends while the script runs;
+    :class:`Abandoned` after a second Ctrl-C. The caller releases the lease.
+    """
+    remote = RemoteKernel(lease.connection or {})
+    beat = LeaseHeartbeat(client, lease.id, beat_interval(lease))
+    beat.on_preempt = lambda ended: interrupt_from_thread(lease.connection or {})
+    try:
+        remote.wait_ready(READY_TIMEOUT)
+        beat.start()
+        beat.running(True)
+
+        def check() -> None:
+            if beat.ended is not None:
+                raise GPUPoolError(Reason.lease_lost, f"{ended_message(beat.ended)}; the script was stopped", 410)
+
+        with Interrupts(remote):
+            reply = remote.execute(script_cell(source, path, argv), TerminalOutput(), ask, check,
+                                   user_expressions={"status": STATUS_NAME})
+    finally:
+        beat.stop()
+        remote.close()
+    if beat.preempted:
+        print(f"gpupool: the script was interrupted: {beat.preempted}", file=sys.stderr, flush=True)
+    return exit_status(reply)

@@ -1,0 +1,174 @@
+"""``gpupool run`` against a real service and agent (simulated GPUs): a
+script's output, argv, stdin and exit status come through as with
+``python script.py``; the lease is batch and released; a full pool makes it
+wait or refuses it; Ctrl-C interrupts the remote script. Bad arguments:
+tests/test_bad_input.py's CLI table."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import start_agent, start_service
+
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import LeaseRequest
+
+GPUPOOL = Path(sys.executable).with_name("gpupool")
+
+SCRIPT = """\
+import sys
+print("argv", sys.argv[1:], __name__, __file__.endswith("job.py"))
+print("to stderr", file=sys.stderr)
+print("back on stdout")
+print("hello", input("name? "))
+if "--raise" in sys.argv:
+    def fail():
+        return 1 / 0
+    fail()
+if "--exit" in sys.argv:
+    sys.exit(3)
+"""
+
+LOOP = """\
+import sys, time
+print("started", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("caught", flush=True)
+    if "--stubborn" in sys.argv:
+        time.sleep(60)
+    raise
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A service (requests may queue 10 min) and one agent with two simulated GPUs: ``(service, scripts folder)``."""
+    root = tmp_path_factory.mktemp("run")
+    service = start_service(root, config={"max_wait": "10m"})
+    agent = start_agent(root, service)
+    (root / "job.py").write_text(SCRIPT)
+    (root / "loop.py").write_text(LOOP)
+    try:
+        yield service, root
+    finally:
+        agent.stop()
+        service.stop()
+
+
+@pytest.fixture
+def env(pool):
+    service, _ = pool
+    return {**os.environ, "GPUPOOL_URL": service.url, "GPUPOOL_TOKEN": service.user_token}
+
+
+def run(env, *args: str, stdin: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
+    """``gpupool run ARGS`` to its end; stderr merged into stdout, in order."""
+    return subprocess.run([str(GPUPOOL), "run", *args], env=env, input=stdin, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def lease_of(output: str, pool):
+    """The lease the run's ``running ... on L-...`` line names, as the service has it now."""
+    found = re.search(r"running \S+ on (L-[0-9a-f]+)", output)
+    assert found, output
+    return pool[0].client().get_lease(found.group(1))
+
+
+def until(predicate, timeout: float) -> bool:
+    """Whether ``predicate()`` came true within ``timeout`` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def assert_nothing_held(pool) -> None:
+    assert until(lambda: not pool[0].client().list_leases(), 10), pool[0].client().list_leases()
+
+
+def test_a_script_runs_as_main_with_its_argv_stdin_and_output_in_order(pool, env):
+    done = run(env, "--gpus", "0.5", str(pool[1] / "job.py"), "a", "b c", stdin="ann\n")
+    assert done.returncode == 0, done.stdout
+    lines = done.stdout.splitlines()
+    body = [line for line in lines if not line.startswith("gpupool:")]
+    assert body == ["argv ['a', 'b c'] __main__ True", "to stderr", "back on stdout", "name? hello ann"], lines
+    assert lines[-1].startswith("gpupool: released L-"), lines
+    lease = lease_of(done.stdout, pool)
+    assert (lease.lease_class, lease.fraction, lease.state) == ("batch", 0.5, LeaseState.released)
+    assert_nothing_held(pool)
+
+
+@pytest.mark.parametrize("flag, status, tail", [
+    ("--raise", 1, ["    fail()", "  File \"{path}\", line 8, in fail", "    return 1 / 0", "ZeroDivisionError: division by zero"]),
+    ("--exit", 3, ["name? hello bob"]),
+])
+def test_exit_status_is_the_scripts(pool, env, flag, status, tail):
+    path = str(pool[1] / "job.py")
+    done = run(env, "--interactive", path, flag, stdin="bob\n")
+    assert done.returncode == status, done.stdout
+    body = [line for line in done.stdout.splitlines() if not line.startswith("gpupool:")]
+    expected = [line.format(path=path) for line in tail]
+    assert [line for line in body if "~" not in line and "^" not in line][-len(tail):] == expected, body
+    if flag == "--raise":
+        assert "Traceback (most recent call last):" in body and f'  File "{path}", line 9, in <module>' in body
+        assert "gpupool" not in "\n".join(body)  # the script's frames only, as Python prints them
+    assert lease_of(done.stdout, pool).lease_class == "interactive"
+    assert_nothing_held(pool)
+
+
+def test_a_full_pool_refuses_or_makes_it_wait(pool, env):
+    client = pool[0].client()
+    holders = [client.create_lease(LeaseRequest(fraction=1.0)) for _ in range(2)]
+    try:
+        refused = run(env, "--wait", "0", str(pool[1] / "job.py"))
+        assert refused.returncode == 2, refused.stdout
+        assert refused.stdout.startswith("gpupool run: no GPU can take 1.00"), refused.stdout
+        assert "Traceback" not in refused.stdout
+        assert sorted(lease.id for lease in client.list_leases()) == sorted(lease.id for lease in holders)
+        log = pool[1] / "waiting.log"
+        with open(log, "w") as out:
+            waiting = subprocess.Popen([str(GPUPOOL), "run", "--wait", "5m", str(pool[1] / "job.py")], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        assert until(lambda: "queued (batch): 1st in line" in log.read_text(), 20), log.read_text()
+        client.release(holders.pop().id)
+        assert waiting.wait(60) == 1  # it ran: input() met the end of stdin, as python's would
+        assert "EOFError" in log.read_text() and lease_of(log.read_text(), pool).lease_class == "batch"
+    finally:
+        for lease in holders:
+            client.release(lease.id)
+    assert_nothing_held(pool)
+
+
+@pytest.mark.parametrize("stubborn", [False, True], ids=["interrupted", "interrupted-twice"])
+def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
+    log = pool[1] / f"loop-{stubborn}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py"), *(["--stubborn"] * stubborn)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        proc.send_signal(signal.SIGINT)
+        if stubborn:
+            assert until(lambda: "caught" in log.read_text(), 10), log.read_text()
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "caught" in text and ("gpupool: interrupted twice" in text) == stubborn, text
+    assert ("KeyboardInterrupt" in text) != stubborn, text
+    assert lease_of(text, pool).state is LeaseState.released
+    assert_nothing_held(pool)
