@@ -16,7 +16,8 @@ import pytest
 
 from frontend import notebook_pool, start_gpupool_kernel
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseRequest, LeaseState, parse_time
+from gpupool.schema import LeaseState, parse_time
+from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, start_service, wait_for
 from test_idle_warning import Transcript
 from test_pressure import _reply

@@ -1,0 +1,55 @@
+"""Settings of a lease's life: idle and heartbeat reclaim, the queue's wait (``c.GPUPool.*``)."""
+
+from __future__ import annotations
+
+from traitlets import Enum, Union
+
+from gpupool.traits import Duration
+
+from .nodes import NodeAndWorkerSettings
+
+
+class LeaseSettings(NodeAndWorkerSettings):
+    """How long a lease lives and waits: idle and heartbeat reclaim, the
+    queue's wait."""
+
+    idle_timeout = Duration(
+        30 * 60.0,
+        help="""Seconds an attached worker may sit idle (no cell running) before
+        its lease is reclaimed, when the request names none. Default: 30 minutes.
+        ``c.GPUPool.idle_timeout = "1h"``.""",
+    ).tag(config=True)
+
+    max_idle_timeout = Duration(
+        24 * 3600.0,
+        help="""Largest idle timeout a request may ask for, in seconds; a larger
+        one is refused with 400. Default: 24 hours. ``c.GPUPool.max_idle_timeout = "8h"``.""",
+    ).tag(config=True)
+
+    idle_warning = Union(
+        [Duration(), Enum([0])], default_value=60.0,
+        help="""Seconds before an idle lease is reclaimed (or parked by its notebook)
+        that the notebook prints a warning under its last cell, once per idle
+        period; the lease JSON carries it with ``idle_deadline``. 0 turns the
+        warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
+    ).tag(config=True)
+
+    heartbeat_ttl = Duration(
+        60.0,
+        help="""Seconds a lease lives without a heartbeat from its notebook kernel
+        (while no cell runs) before it is reclaimed. Default: 60 seconds.
+        ``c.GPUPool.heartbeat_ttl = "2m"``.""",
+    ).tag(config=True)
+
+    reclaim_interval = Duration(
+        5.0,
+        help="""Seconds between two reclaim sweeps (idle leases, missing
+        heartbeats, lost nodes). Default: 5 seconds. ``c.GPUPool.reclaim_interval = 10``.""",
+    ).tag(config=True)
+
+    max_wait = Duration(
+        3600.0,
+        help="""Longest ``wait`` (seconds) a lease request may ask for: a request that
+        does not fit waits in the queue that long, then ends ``failed``. A longer wait is
+        refused with 400. Default: 1 hour. ``c.GPUPool.max_wait = "4h"``.""",
+    ).tag(config=True)
