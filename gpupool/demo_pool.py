@@ -134,13 +134,14 @@ def start_service(state_dir: Path, *, config_file: Path | None = None, ip: str =
     """Start ``gpupool service`` with its state (SQLite, tokens) in ``state_dir``.
 
     ``launcher``: words put before the command, e.g. ``["ip", "netns", "exec", "ns-a"]``
-    to run it in a network namespace (then pass a ``port``: a free one is looked for here).
+    to run it in a network namespace. ``port`` None: the service binds a free one itself
+    (port 0) and says which in service.json, so no other process can take it in between.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     info_file = state_dir / "service.json"
     info_file.unlink(missing_ok=True)
     log = state_dir / "service.log"
-    args = [*launcher, *GPUPOOL, "service", f"--ip={ip}", f"--port={port or free_port(ip)}", f"--state-dir={state_dir}"]
+    args = [*launcher, *GPUPOOL, "service", f"--ip={ip}", f"--port={port or 0}", f"--state-dir={state_dir}"]
     if config_file is not None:
         args.append(f"--config={config_file}")
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
@@ -156,13 +157,15 @@ def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1
                 launcher: Sequence[str] = ()) -> AgentProcess:
     """Start ``gpupool agent`` (simulated GPUs unless ``simulate`` is None:
     then NVML) and wait until the service lists the node as up (asked with
-    ``client``, by default one with the generated user token). ``launcher``:
-    as for :func:`start_service`."""
+    ``client``, by default one with the generated user token). ``launcher``
+    and ``port``: as for :func:`start_service` (the agent says its address in
+    agent.json once registered)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port(ip)
+    info_file = state_dir / "agent.json"
+    info_file.unlink(missing_ok=True)  # a stale one would name another agent's port
     log = state_dir / "agent.log"
     args = [*launcher, *GPUPOOL, "agent", f"--service-url={service.url}", f"--token-file={service.agent_token_file}",
-            f"--name={name}", f"--ip={ip}", f"--port={port}", f"--state-dir={state_dir}", *(extra_args or [])]
+            f"--name={name}", f"--ip={ip}", f"--port={port or 0}", f"--state-dir={state_dir}", *(extra_args or [])]
     if simulate:
         args.append(f"--simulate={simulate}")
     with log.open("ab") as out:
@@ -170,8 +173,7 @@ def start_agent(state_dir: Path, service: ServiceProcess, *, name: str = "node-1
     client = client or service.client()
 
     def registered() -> bool:
-        return any(n["name"] == name and n["state"] == "up" for n in client.pool()["nodes"])
+        return info_file.exists() and any(n["name"] == name and n["state"] == "up" for n in client.pool()["nodes"])
 
     wait_for(registered, timeout, f"gpupool agent {name}", proc, log)
-    scheme = "https" if any(arg.startswith("--ssl-cert=") for arg in extra_args or ()) else "http"
-    return AgentProcess(proc, name, f"{scheme}://{ip}:{port}", state_dir, log)
+    return AgentProcess(proc, name, json.loads(info_file.read_text())["url"], state_dir, log)

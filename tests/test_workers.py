@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -180,6 +181,42 @@ def test_worker_whose_extension_fails_does_not_start(tmp_path):
             assert workers.reports() == []
             assert not processes_mentioning(str(tmp_path / "state"))
         finally:
+            workers.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_whose_port_was_taken_before_it_bound_starts_again_on_new_ports(tmp_path):
+    """The race jupyter_client leaves open (ports picked free, bound by the
+    kernel a moment later), made certain: the first try's shell port is one a
+    socket here holds."""
+    async def scenario():
+        workers = manager(tmp_path)
+        kernels, made = workers._launcher.kernels, []
+        taken = socket.create_server(("127.0.0.1", 0))
+
+        class FirstPortTaken:  # the node's KernelManagers, but its first kernel's shell port is taken
+            context = kernels.context
+
+            def __call__(self, connection_file):
+                kernel = kernels(connection_file)
+                if not made:
+                    kernel.cache_ports = False  # else the provisioner picks every port anew
+                    kernel.shell_port = taken.getsockname()[1]
+                made.append(kernel)
+                return kernel
+
+        workers._launcher.kernels = FirstPortTaken()
+        try:
+            worker = await workers.start(half_slice("L-port"))
+            assert len(made) == 2, "the worker was started again once"
+            assert worker.connection()["shell_port"] != taken.getsockname()[1]
+            assert (await run_worker_cell(worker.connection(), "print(6 * 7)")).strip() == "42"
+            assert [r.lease_id for r in workers.reports()] == ["L-port"]
+            assert processes_mentioning(str(tmp_path / "state")) == [worker.pid], "the first try left nothing"
+        finally:
+            taken.close()
+            await workers.stop_all()
             workers.close()
 
     asyncio.run(scenario())

@@ -29,6 +29,12 @@ from .spec import WorkerSettings, WorkerSpec, WorkerStartError, worker_environme
 from .stopping import Reaper, kill_and_remove, quietly
 
 
+#: Starts of one worker in all when its ports were taken before it bound them.
+PORT_TRIES = 3
+#: What ZMQ says (in the worker's log) when a port it was given is taken.
+PORT_TAKEN = "Address already in use"
+
+
 class Launcher:
     """Starts the workers of one node as ``settings`` says, as the accounts
     of ``accounts``, in cgroups of ``cgroups``; ``reaper`` stops what a
@@ -80,7 +86,25 @@ class Launcher:
         ``kernel_info``. ``python``: the environment's interpreter (None: the
         agent's); ``user``: the lease owner's own account (a ``worker_user``
         template), else one of the pool's, else the one worker user. Raises
-        WorkerStartError."""
+        WorkerStartError.
+
+        jupyter_client picks a kernel's ports free and the kernel binds them a
+        moment later; on a busy node another process can take one in between,
+        and the kernel exits with "Address already in use". That start is
+        tried again with new ports (:data:`PORT_TRIES` in all)."""
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return await self._launch_once(name, env, cgroup_name, python, user)
+            except WorkerStartError as exc:
+                if PORT_TAKEN not in str(exc):
+                    raise
+                self.log.warning("the worker for %s lost a port to another process before binding it; "
+                                 "starting it again with new ports", name)
+        return await self._launch_once(name, env, cgroup_name, python, user)
+
+    async def _launch_once(self, name: str, env: dict[str, str], cgroup_name: str, python: str | None,
+                           user: WorkerUser | None) -> Worker:
+        """One try of :meth:`_launch`; on failure nothing it started is left."""
         workers_dir = self.settings.workers_dir
         # A random name: the cgroup and the log name the lease, the key's file does not.
         manager = self.kernels(workers_dir / f"kernel-{secrets.token_hex(16)}.json")
