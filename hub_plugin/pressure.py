@@ -114,7 +114,7 @@ class Pressure:
     def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
         """Reclaim decisions for idle leases past their early deadline: the
         fallback when the notebook did not park them itself."""
-        return pressure_rules.due(self.plan, active, now, self.settings.pressure_grace)
+        return pressure_rules.due(self.plan, active, now)
 
     def still_due(self, lease: Lease, now: datetime) -> bool:
         """Re-checked under the write lock: still idle and past its early deadline."""

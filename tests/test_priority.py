@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpupool.hub_plugin.rules import eta, priority, queue
+from gpupool.hub_plugin.rules import eta, pressure, priority, queue
 from gpupool.hub_plugin.rules.priority import Asking, Held
 from gpupool.hub_plugin.rules.scheduler import Demand
 
@@ -92,7 +92,7 @@ def test_no_waiter_no_pressure():
 def test_idle_lease_parked_after_grace_from_the_later_of_idle_and_asked():
     decided = plan([held("a", idle=0), held("b", owner="bob", idle=500)], [asking("q", created=100)])
     # a has been idle longest: it alone covers the 1 GPU asked, 120 s after the request came
-    assert decided.parks == {"a": priority.EarlyPark(at(220), "parked early: 1 person is waiting for a GPU")}
+    assert decided.parks == {"a": priority.EarlyPark(at(220), "parked early: 1 person is waiting for a GPU", 120)}
     both = plan([held("a", idle=0), held("b", owner="bob", idle=500)],
                 [asking("q", created=100), asking("r", owner="yan", created=110)])
     assert both.parks["b"].deadline == at(620)  # idle after the request: grace from its own idle start
@@ -394,17 +394,18 @@ def test_placement_index_idle_nodes():
                                                                                                        False, 2)
 
 
-@pytest.mark.parametrize("clear_grace, idle, parked_at", [
-    (None, 0, 220),   # the pressure grace: 120 s after the ask
-    (5.0, 0, 105),    # idle since before the ask: 5 s after it
-    (5.0, 150, 150),  # went idle after ask + 5 s: at once
+@pytest.mark.parametrize("clear_grace, idle, parked_at, words", [
+    (None, 0, 220, "pressure grace 2m"),  # the pressure grace: 120 s after the ask
+    (5.0, 0, 105, "its node cleared for a whole-node request, grace 5s"),  # idle since before the ask: 5 s after it
+    (5.0, 150, 150, "its node cleared for a whole-node request, grace 5s"),  # went idle after ask + 5 s: at once
 ])
-def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(clear_grace, idle, parked_at):
+def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(clear_grace, idle, parked_at, words):
     leases = [Held("nb", "bob", 1.0, "interactive", False, False, at(0), at(idle), at(idle + 1800), "a"),
               on("a1", "a", 7.0)]
     rule = priority.Rule(120.0, 5.0, True, 0.0, clear_nodes=True, clear_grace=clear_grace)
     decided = rule.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], {}, {})
     assert decided.parks["nb"].deadline == at(parked_at) and set(decided.preemptions) == {"a1"}
+    assert pressure.grace_words(decided.parks["nb"]) == words  # what the parked user reads
 
 
 def test_the_clear_grace_is_only_for_the_cleared_node():

@@ -31,10 +31,10 @@ def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
     return min(own, early.deadline)
 
 
-def due(plan: priority.Plan, active: Iterable[Any], now: datetime, grace: float) -> list[Decision]:
-    """Reclaim decisions for idle leases past their early deadline (``grace``:
-    ``c.GPUPool.pressure_grace``, for the words): the fallback when the
-    notebook did not park them itself."""
+def due(plan: priority.Plan, active: Iterable[Any], now: datetime) -> list[Decision]:
+    """Reclaim decisions for idle leases past their early deadline, in words
+    that name the grace which set it: the fallback when the notebook did not
+    park them itself."""
     decisions = []
     parks = priority.acting(plan, now)[0]
     for lease in active:
@@ -43,9 +43,14 @@ def due(plan: priority.Plan, active: Iterable[Any], now: datetime, grace: float)
             early = plan.parks[lease.id]
             idle = (now - lease.idle_since).total_seconds()
             decisions.append(Decision(lease.id, LeaseState.reclaimed,
-                                      f"{early.reason} (idle for {format_duration(idle)}, pressure grace "
-                                      f"{format_duration(grace)})"))
+                                      f"{early.reason} (idle for {format_duration(idle)}, {grace_words(early)})"))
     return decisions
+
+
+def grace_words(early: priority.EarlyPark) -> str:
+    """Which grace set ``early``'s deadline: ``pressure grace 2m``, or the cleared node's."""
+    grace = format_duration(early.grace)
+    return f"its node cleared for a whole-node request, grace {grace}" if early.cleared else f"pressure grace {grace}"
 
 
 def still_due(plan: priority.Plan, lease: Any, now: datetime) -> bool:

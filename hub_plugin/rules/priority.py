@@ -88,10 +88,14 @@ class Asking:
 
 @dataclass(frozen=True)
 class EarlyPark:
-    """Park an idle lease at ``deadline`` (before its idle timeout) for ``reason`` (words for its user)."""
+    """Park an idle lease at ``deadline`` (before its idle timeout) for ``reason`` (words for its user);
+    ``grace``: the seconds that set the deadline, the pressure grace or (``cleared``) the grace on a node
+    cleared for a whole-node request."""
 
     deadline: datetime
     reason: str
+    grace: float = 0.0
+    cleared: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,11 +190,13 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice
                 preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + notice),
                                                          reason.replace("parked early", "preempted"))
             else:
-                deadline = max(lease.idle_since, since) + timedelta(seconds=grace)
+                park = EarlyPark(max(lease.idle_since, since) + timedelta(seconds=grace), reason, grace)
                 if asked is not None and clear_grace is not None:  # on the node cleared for ``asked``'s request
-                    deadline = min(deadline, max(lease.idle_since, asked + timedelta(seconds=clear_grace)))
-                if lease.idle_deadline is None or deadline < lease.idle_deadline:
-                    parks[lease.lease_id] = EarlyPark(deadline, reason)
+                    cleared = max(lease.idle_since, asked + timedelta(seconds=clear_grace))
+                    if cleared < park.deadline:
+                        park = EarlyPark(cleared, reason, clear_grace, cleared=True)
+                if lease.idle_deadline is None or park.deadline < lease.idle_deadline:
+                    parks[lease.lease_id] = park
 
         if free_gpus is not None and rank == class_rank(INTERACTIVE):
             free = dict(free_gpus)
