@@ -1,11 +1,10 @@
 """Bulk transfers: `%gpu push` / `%gpu pull` on the data plane against the wire (issue 15).
 
-In one run, interleaved per size (one of each per round, the best of
---repeats kept): a raw loopback TCP socket sending the same bytes (into a
-buffer touched beforehand, into fresh memory: what faulting pages in
-costs a receiver, and into the data plane's own fresh receive buffer),
-gpupool
-push and pull with the agent's transport encrypted (``curve``: the data
+In one run, interleaved per size (one of each per round, each timed
+right after an untimed run of its own, the best of --repeats kept): a raw
+loopback TCP socket sending the same bytes (into a buffer touched
+beforehand, into fresh memory: what faulting pages in costs a receiver,
+and into the data plane's own fresh receive buffer), gpupool push and pull with the agent's transport encrypted (``curve``: the data
 plane then uses AES-256-GCM, or ChaCha20-Poly1305 without AES-NI) and not
 (``none``: plain chunks), and ipyparallel's push/pull to one engine (skipped,
 with a note, when ipyparallel is not installed). Transfers are timed inside
@@ -206,16 +205,22 @@ def measure(pools: dict[str, Pooled], engine, sizes: list[int], repeats: int) ->
     rows = []
     for mib in sizes:
         nbytes = mib * MIB
-        runs: dict[str, list] = {"raw": [], "fresh": [], "fresh_thp": [], "ipp": [], **{mode: [] for mode in pools}}
+        steps = {"raw": lambda: raw_socket_seconds(nbytes), "fresh": lambda: raw_fresh_seconds(nbytes),
+                 "fresh_thp": lambda: raw_fresh_seconds(nbytes, huge=True),
+                 **{mode: (lambda pooled=pooled: pooled.transfer(nbytes)) for mode, pooled in pools.items()}}
+        if engine is not None:
+            steps["ipp"] = lambda: ipp_transfer_seconds(engine[1][0], nbytes)
+        runs: dict[str, list] = {name: [] for name in steps}
         returned = _reported_mib()
-        for _ in range(repeats):  # interleaved: one of each per round
-            runs["raw"].append(raw_socket_seconds(nbytes))
-            runs["fresh"].append(raw_fresh_seconds(nbytes))
-            runs["fresh_thp"].append(raw_fresh_seconds(nbytes, huge=True))
-            for mode, pooled in pools.items():
-                runs[mode].append(pooled.transfer(nbytes))
-            if engine is not None:
-                runs["ipp"].append(ipp_transfer_seconds(engine[1][0], nbytes))
+        for _ in range(repeats):  # interleaved: one of each per round, each right after an untimed one
+            for name, step in steps.items():
+                # Why the untimed one: on a VM that hands freed memory back to its host (see page_reporting),
+                # the first receiver after others freed their buffers lands on memory the host must back
+                # again, and at 1 GiB that costs it 4-5x (measured in one order: curve push 476 MiB/s, none
+                # push 3607; in the other: none push 607, curve push 2726). Untimed first, each step is
+                # timed in the state a repeated transfer of its own leaves, whatever ran before it.
+                step()
+                runs[name].append(step())
         row: dict = {"mib": mib, "raw_mib_s": mib / min(runs["raw"]), "fresh_mib_s": mib / min(runs["fresh"]),
                      "fresh_thp_mib_s": mib / min(runs["fresh_thp"]), "load": os.getloadavg()[0],
                      "returned_mib": round(_reported_mib() - returned)}
@@ -278,7 +283,7 @@ def report(results: dict) -> str:
     lines = [SECTION, "",
              f"`{results['command']}` on {results['machine']}; transfers of one NumPy uint8 array, timed inside "
              "the notebook kernel around `%gpu push` / `%gpu pull` (pickling, comm round trips and unpickling "
-             f"included), best of {results['repeats']} interleaved rounds per size"
+             f"included), best of {results['repeats']} interleaved rounds per size, each step timed right after an untimed run of its own"
              + (f" ({results['big_repeats']} at 1024 MiB)" if results.get("big_repeats") else "")
              + "; `curve` = the agent's transport "
              f"encrypted, so the data plane uses {results['cipher']}; `none` = plain chunks. Raw = one loopback TCP "
