@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tornado import web
 from tornado.httpserver import HTTPServer
@@ -22,6 +21,7 @@ from tornado.netutil import bind_sockets
 
 from gpupool import httpin
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
+from gpupool.jsonhandler import JSONHandler
 from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
@@ -67,64 +67,32 @@ def python_for(environments: list[WorkerEnvironment], name: str | None) -> str |
 
 
 @web.stream_request_body
-class AgentHandler(httpin.BoundedBody, web.RequestHandler):
+class AgentHandler(JSONHandler):
     """Base of the agent's handlers: agent-token auth, JSON in and out, every
-    error as ``GPUPoolError.to_json()``. The token is checked before the body
-    is read, and bodies are bounded (:mod:`gpupool.httpin`)."""
+    error as ``GPUPoolError.to_json()`` (:class:`gpupool.jsonhandler.JSONHandler`).
+    The token is checked before the body is read, and bodies are bounded."""
 
+    failure = "the agent hit an unexpected error; an admin can find the details in its log"
+    json_media_type_only = False  # only the service calls it, and agents never asked
     auth_required = True
 
     @property
     def agent(self) -> NodeAgent:
         return self.settings["agent"]
 
+    @property
+    def log(self) -> logging.Logger:  # the agent's own, as its settings name it
+        return self.agent.log
+
     def prepare(self) -> None:
         if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
             raise GPUPoolError(Reason.unauthorized,
                                "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
                                401)
-        try:
-            self.start_body()
-        except httpin.TooLarge as exc:
-            raise bad_request(str(exc)) from None
-
-    def json_body(self) -> Any:
-        try:
-            return httpin.loads(self.body() or b"null")
-        except ValueError as exc:  # TooLarge is one
-            raise bad_request(f"the request body is not valid JSON ({str(exc):.200})") from None
-
-    def write_json(self, body: Any, status: int = 200) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(body))
-
-    def write_error(self, status_code: int, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(exc, GPUPoolError):
-            error = exc
-        elif isinstance(exc, web.HTTPError):
-            code = {404: Reason.not_found, 405: Reason.method_not_allowed}.get(exc.status_code, Reason.http_error)
-            error = GPUPoolError(code, exc.log_message or self._reason, exc.status_code)
-        else:
-            error = GPUPoolError(Reason.internal_error, f"the agent failed: {exc or self._reason}", status_code)
-        self.set_status(error.status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(error.to_json()))
-
-    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
-        if isinstance(value, GPUPoolError):  # expected: no traceback; the reason only when it is ours
-            level = logging.WARNING if value.status >= 500 else logging.DEBUG
-            self.agent.log.log(level, "%s %s -> %s: %s", self.request.method, self.request.path, value.status,
-                               value.log_message)
-        else:
-            super().log_exception(typ, value, tb)
-
-    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
-        super().send_error(exc.status if isinstance(exc, GPUPoolError) else status_code, **kwargs)
+        self.start_body()
 
 
+@web.stream_request_body
 class WorkersHandler(AgentHandler):
     """``GET /workers`` and ``POST /workers``."""
 

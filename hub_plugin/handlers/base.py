@@ -9,23 +9,22 @@ loop, in the caller's turn (:mod:`..storework`).
 Every exception becomes the one error shape ``{"error", "message", ...}``:
 a :class:`GPUPoolError` as it is, a tornado ``HTTPError`` by its status, and
 anything unexpected as a 500 with a generic message (the traceback goes to
-the log only). Store sessions are opened per operation by :mod:`..leases`
+the log only): :class:`gpupool.jsonhandler.JSONHandler`, the agent's base too. Store sessions are opened per operation by :mod:`..leases`
 and :mod:`..nodes` as context managers, which roll back on any exception,
 so a failed request never leaves a half-written change.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from http.client import responses
 from typing import Any
 
 from tornado import web
 
 from gpupool import httpin
 from gpupool.errors import GPUPoolError, Reason, bad_request
+from gpupool.jsonhandler import JSONHandler
 
 from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
 from ..config import GPUPool
@@ -58,12 +57,16 @@ class ServiceContext:
 
 
 @web.stream_request_body
-class APIHandler(httpin.BoundedBody, web.RequestHandler):
-    """JSON API base. Subclasses set ``auth_required = False`` to skip auth,
-    and call :meth:`require_user` or :meth:`require_agent` in their methods.
-    Subclasses that override ``prepare`` call :meth:`start_body` at its end
-    (after their own token check) before reading :meth:`json_body`."""
+class APIHandler(JSONHandler):
+    """The service's API base (JSON in and out, errors as JSON:
+    :class:`gpupool.jsonhandler.JSONHandler`). Subclasses set
+    ``auth_required = False`` to skip auth, and call :meth:`require_user` or
+    :meth:`require_agent` in their methods. Subclasses that override
+    ``prepare`` call :meth:`start_body` at its end (after their own token
+    check) before reading :meth:`json_body`."""
 
+    log = log
+    failure = "the gpupool service hit an unexpected error; an admin can find the details in its log"
     auth_required = True
     identity: Identity | None = None
 
@@ -82,12 +85,6 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
             CALLER.set(f"agent {self.request.remote_ip}" if identity.agent else f"user {identity.name}")
         self.start_body()
 
-    def start_body(self) -> None:
-        try:
-            super().start_body()
-        except httpin.TooLarge as exc:
-            raise bad_request(str(exc)) from None
-
     def require_user(self) -> Identity:
         """The calling user; 403 for an agent token."""
         if self.identity is None or self.identity.agent:
@@ -99,25 +96,6 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
         if self.identity is None or not self.identity.agent:
             raise forbidden("only node agents (with the agent token) may call /nodes")
         return self.identity
-
-    def json_body(self, *, optional: bool = False) -> Any:
-        """The request body as JSON; 400 when it is not JSON (or missing,
-        unless ``optional``, which gives ``{}`` for an empty body), 415 when
-        its ``Content-Type`` names another format (no header: read as JSON).
-        ``NaN`` and ``Infinity`` are not JSON and are refused too."""
-        try:
-            raw = self.body()
-        except httpin.TooLarge as exc:
-            raise bad_request(str(exc)) from None
-        if not raw.strip():
-            if optional:
-                return {}
-            raise bad_request("the request needs a JSON body")
-        _check_json_media_type(self.request.headers.get("Content-Type"))
-        try:
-            return httpin.loads(raw)
-        except ValueError as exc:  # UnicodeDecodeError is one
-            raise bad_request(f"the request body is not valid JSON ({str(exc):.200})") from None
 
     def json_object_body(self, *, optional: bool = False) -> dict[str, Any]:
         """:meth:`json_body` that must be a JSON object; 400 otherwise."""
@@ -140,47 +118,6 @@ class APIHandler(httpin.BoundedBody, web.RequestHandler):
             raise bad_request(f"'{name}' must be a number of seconds >= 0, got {text!r:.80}")
         return value
 
-    def write_json(self, body: Any, status: int = 200) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
-        self.finish(json.dumps(body))
-
-    def write_error(self, status_code: int, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(exc, GPUPoolError):
-            error = exc
-        elif isinstance(exc, web.HTTPError) or exc is None:
-            code = exc.status_code if isinstance(exc, web.HTTPError) else status_code
-            error = GPUPoolError(_http_code(code), (getattr(exc, "log_message", None) or
-                                                   responses.get(code, "error")).lower(), code)
-        else:
-            error = GPUPoolError(Reason.internal_error, "the gpupool service hit an unexpected error; "
-                                 "an admin can find the details in its log", 500)
-        self.set_status(error.status)
-        if error.status == 405:  # RFC 9110: a 405 lists what the resource does allow
-            self.set_header("Allow", ", ".join(self.allowed_methods()))
-        self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
-        self.finish(json.dumps(error.to_json()))
-
-    def allowed_methods(self) -> list[str]:
-        """The HTTP methods this handler implements, e.g. ``["GET", "DELETE"]``."""
-        return [m for m in self.SUPPORTED_METHODS
-                if getattr(type(self), m.lower(), None) is not getattr(web.RequestHandler, m.lower(), None)]
-
-    def log_exception(self, typ, value, tb) -> None:
-        if isinstance(value, GPUPoolError):
-            # Expected: one line, no traceback. 5xx ones are worth a warning.
-            level = logging.WARNING if value.status >= 500 else logging.DEBUG
-            log.log(level, "%s %s -> %d %s: %s", self.request.method, self.request.path,
-                    value.status, value.code, value.log_message)
-        else:
-            super().log_exception(typ, value, tb)
-
-    def check_xsrf_cookie(self) -> None:
-        """Token auth only, no cookies: XSRF does not apply."""
-
 
 class NotFoundHandler(APIHandler):
     """JSON 404 for every path no route matches."""
@@ -189,19 +126,3 @@ class NotFoundHandler(APIHandler):
 
     def prepare(self) -> None:
         raise GPUPoolError(Reason.not_found, f"no such endpoint: {self.request.path}", 404)
-
-
-def _http_code(status: int) -> Reason:
-    return {400: Reason.bad_request, 401: Reason.unauthorized, 403: Reason.forbidden, 404: Reason.not_found,
-            405: Reason.method_not_allowed}.get(status, Reason.http_error)
-
-
-def _check_json_media_type(header: str | None) -> None:
-    """415 unless ``header`` (a request's Content-Type) is absent or names JSON."""
-    if header is None:
-        return
-    media = header.partition(";")[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise GPUPoolError(Reason.unsupported_media_type, f"the request body must be JSON sent with "
-                           f"'Content-Type: application/json', not {header[:80]!r}", 415)
-
