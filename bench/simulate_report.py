@@ -249,9 +249,8 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
                      [row + [f"{np.mean(r.waits > TARGET_WAIT_S):.1%}", f"{r.lost_gpu_hours:,.0f}"]
                       for row, r in zip(rows(results), results)]),
             "",
-            (f"In these hours the target is met by {', '.join(r.policy for r in window_met)}; over the month "
-             "it is not (above): the month's busy days have the 8-GPU asks no node can be cleared for."
-             if window_met else "In these hours no variant meets the target either."),
+            (f"In these hours the target is met by {', '.join(r.policy for r in window_met)} (the whole month: "
+             "above)." if window_met else "In these hours no variant meets the target either."),
             ""]), [r.row() for r in results]
     text = [
         "### Notebooks plus a batch backlog",
@@ -294,7 +293,7 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         f"- Target, cluster utilization ≥ 85 % while interactive p95 wait ≤ 10 s: **{'met' if met else 'not met'}**"
         + (f" ({best.policy}: {best.cluster_utilization:.1%}, p95 {best.wait_percentile(95):.0f} s)." if best else
            " (no variant keeps p95 ≤ 10 s).")
-        + ("" if met else
+        + (_met_words(results) if met else
            f" Best utilization {top_util.cluster_utilization:.1%} ({top_util.policy}), "
            + (f"{top_util.cluster_utilization - 0.85:.1%} of the pool above 85 %, but its interactive p95 is "
               f"{top_util.wait_percentile(95):.0f} s; " if top_util.cluster_utilization >= 0.85 else
@@ -321,6 +320,20 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         "",
     ]
     return "\n".join(text), [r.row() for r in results]
+
+
+def _met_words(results) -> str:
+    """What a met backlog target rests on, and the best the same rules reach when preempted jobs restart."""
+    restarting = [r for r in results if "resume" not in r.policy]
+    fast = [r for r in restarting if r.wait_percentile(95) <= TARGET_WAIT_S]
+    other = (max(fast, key=lambda r: r.cluster_utilization) if fast
+             else min(restarting, key=lambda r: r.wait_percentile(95)))
+    return (" It rests on an assumption about the jobs, that a preempted one keeps its progress (it checkpoints, "
+            "or is parked with its variables and its loop resumes), and on the service's opt-in settings of that "
+            "variant (`batch_yields`, `batch_first`, `preemption_grace = 0`, `preemption_notice = 5`, "
+            "`pressure_clears_nodes`, `pressure_clear_grace = 5`). Where preempted jobs restart from nothing, the "
+            f"same rules reach {other.cluster_utilization:.1%} at p95 {other.wait_percentile(95):.0f} s "
+            f"({other.policy}): the work lost to restarts is what the missing utilization is.")
 
 
 #: The paper's own simulator (hkust-adsl/kubernetes-scheduler-simulator,
