@@ -172,3 +172,26 @@ def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
     assert ("KeyboardInterrupt" in text) != stubborn, text
     assert lease_of(text, pool).state is LeaseState.released
     assert_nothing_held(pool)
+
+
+def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, env):
+    # `timeout` and process managers send SIGTERM to the process and to its group: the second one used to
+    # land while the lease was being released and end the run with a traceback, the lease left to reclaim.
+    log = pool[1] / "term.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "stopped by SIGTERM" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)  # while it releases
+        assert proc.wait(20) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "gpupool: released L-" in text, text
+    assert lease_of(text, pool).state is LeaseState.released
+    assert_nothing_held(pool)
