@@ -26,7 +26,7 @@ class QuotaSettings(PressureSettings):
 
     @validate("quotas")
     def _read_quotas(self, proposal):
-        from .rules.quotas import parse_table
+        from ..rules.quotas import parse_table
 
         try:
             return parse_table(proposal["value"])
