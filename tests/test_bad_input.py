@@ -451,6 +451,8 @@ MAGICS = [
     pytest.param("pull model", "not attached to a GPU", id="pull-detached"),
     pytest.param("push", "needs variable names", id="push-nothing"),
     pytest.param("status now", "takes no arguments", id="status-argument"),
+    pytest.param("quota set user:bob max_gpus=2", "gpupool quota set", id="quota-set"),
+    pytest.param("pool nodes", "takes no arguments", id="pool-argument"),
 ]
 
 
