@@ -388,7 +388,7 @@ CLI = [
     cli("quota set user:bob max_gpus=2", 1, "only pool admins", id="set-as-user"),
     cli("quota list", 1, "only pool admins", id="list-as-user"),
     cli("quota set user:bob max_gpus=-1", 1, "max_gpus must be a number >= 0", user="boss", id="set-negative"),
-    cli("quota set user:bob max_gpus=lots", 1, "must be a number of GPUs", user="boss", id="set-text"),
+    cli("quota set user:bob max_gpus=lots", 1, "or none (null in JSON) for unlimited", user="boss", id="set-text"),
     cli("quota set user:bob max_idle_timeout=0", 1, "more than 0 seconds", user="boss", id="set-idle-zero"),
     cli("quota set user:bob frob=1", 1, "cannot read 'frob=1'", user="boss", id="set-unknown-limit"),
     cli("quota set user:bob max_gpus", 1, "cannot read 'max_gpus'", user="boss", id="set-no-value"),
