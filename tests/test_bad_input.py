@@ -406,6 +406,7 @@ CLI = [
     cli("run --gpus 2 {script}", 2, "quota exceeded", id="run-over-quota"),
     cli("run --gpus 65 {script}", 2, "'gpu_count' must be a whole number from 1 to 64", id="run-gpus-huge"),
     cli("run --memory 400GiB {script}", 2, "not enough free memory", id="run-none-fits"),
+    cli("run --env nope {script}", 2, "gpupool pool lists them per node", id="run-unknown-env"),
     cli("run --url http://127.0.0.1:{dead} {script}", 2, "cannot reach the gpupool service", id="run-nothing-listens"),
 ]
 
