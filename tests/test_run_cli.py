@@ -195,3 +195,23 @@ def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, en
     assert "Traceback" not in text and "gpupool: released L-" in text, text
     assert lease_of(text, pool).state is LeaseState.released
     assert_nothing_held(pool)
+
+
+def test_a_worker_killed_mid_run_ends_it_with_the_leases_words(pool, env):
+    # The heartbeat beats every busy_interval (2 s) while work runs, also when the work starts just after a
+    # beat: it used to sleep out the idle interval (up to 15 s), and the worker's silence (10 s) came first.
+    log = pool[1] / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        lease = lease_of(log.read_text(), pool)
+        os.kill(lease.worker["pid"], signal.SIGKILL)
+        assert proc.wait(30) == 2, log.read_text()
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert f"lease {lease.id} failed: the worker process was killed by signal 9" in text, text
+    assert "stopped answering" not in text and "Traceback" not in text, text
+    assert_nothing_held(pool)
