@@ -79,6 +79,7 @@ class LeaseHeartbeat(threading.Thread):
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._last_beat = time.monotonic()
+        self._retime = False  # work began: wait busy_interval from the last beat, not the idle interval
         # The lease as the last beat saw it, and a callable told of each such lease
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
@@ -90,11 +91,19 @@ class LeaseHeartbeat(threading.Thread):
         self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
 
     def run(self) -> None:
+        wait: float | None = None
         while not self._stopped.is_set():
-            self._wake.wait(self._wait_seconds())
+            self._wake.wait(self._wait_seconds() if wait is None else wait)
             self._wake.clear()
+            wait = None
             if self._stopped.is_set():
                 return
+            if self._retime:  # work began soon after a beat: the next comes busy_interval after that one
+                self._retime = False
+                left = self._last_beat + self.busy_interval - time.monotonic()
+                if left > 0:
+                    wait = left
+                    continue
             self._last_beat = time.monotonic()
             try:
                 lease = self.client.heartbeat(self.lease_id)
@@ -169,8 +178,12 @@ class LeaseHeartbeat(threading.Thread):
         every ``busy_interval`` while it does."""
         self.cell_running = flag
         # Beat at once when work starts after a quiet spell, so a lease lost meanwhile
-        # shows quickly; not on every cell, which would cost a request per cell.
-        if flag and time.monotonic() - self._last_beat > self.busy_interval:
+        # shows quickly; not on every cell, which would cost a request per cell. Work that
+        # starts just after a beat has the next one busy_interval after it: the thread is
+        # woken to wait that instead of the rest of the idle interval (up to 15 s), which
+        # let a worker killed mid-cell read as unreachable rather than as its lease's end.
+        if flag:
+            self._retime = time.monotonic() - self._last_beat <= self.busy_interval
             self._wake.set()
 
     @property

@@ -140,20 +140,33 @@ class ScriptRun:
                 signal.signal(sig, handler)
 
     def _release(self) -> None:
-        """Give the lease back (idempotent at the service) and say so; never raises."""
+        """Give the lease back (idempotent at the service) and say so; never
+        raises. A SIGTERM or SIGHUP meanwhile is ignored (``timeout`` and
+        process managers send one to the process and one to its group); a
+        Ctrl-C gives the release up, leaving the lease to the service's reclaim."""
         if self.lease is None:
             return
-        cancel(self.client, self.lease.id, reason="gpupool run finished")
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
+            cancel(self.client, self.lease.id, reason="gpupool run finished")
             lease = self.client.get_lease(self.lease.id)
+            if lease.started_at:
+                _say(released_words(lease))
         except GPUPoolError:
             return
-        if lease.started_at:
-            _say(released_words(lease))
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            _say(f"interrupted while releasing {self.lease.id}: the service reclaims it once its heartbeats stop")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _abandon(signum: int, frame) -> None:
-    """SIGTERM or SIGHUP: stop at once, releasing the lease on the way out."""
+    """SIGTERM or SIGHUP: stop at once, releasing the lease on the way out
+    (deaf to more of them from here: see :meth:`ScriptRun._release`)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise Abandoned(f"stopped by {signal.Signals(signum).name}", 128 + signum)
 
 

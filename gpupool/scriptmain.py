@@ -49,6 +49,24 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
+def print_script_exception(exc: BaseException) -> None:
+    """Print ``exc`` (raised in the script run by :func:`run_as_main`) to
+    stderr as Python would: from the script's frame on, without the frames of
+    ipykernel's ``input()`` and ``getpass()`` (built-ins, frameless under
+    Python), and the end of stdin there in Python's words."""
+    import traceback
+
+    summary = traceback.TracebackException(type(exc), exc, exc.__traceback__.tb_next)
+    in_kernel = False
+    while len(summary.stack) > 1 and "ipykernel" in summary.stack[-1].filename:
+        summary.stack.pop()
+        in_kernel = True
+    lines = list(summary.format())
+    if in_kernel and isinstance(exc, EOFError) and not exc.args and lines[-1] == "EOFError\n":
+        lines[-1] = "EOFError: EOF when reading a line\n"
+    sys.stderr.write("".join(lines))
+
+
 def run_as_main(source: str, path: str, argv: list[str]) -> int:
     """Run ``source`` (a script's text) as the ``__main__`` module of file
     ``path`` (absolute) with ``sys.argv[1:]`` = ``argv``; returns its exit
@@ -57,7 +75,6 @@ def run_as_main(source: str, path: str, argv: list[str]) -> int:
     import builtins
     import linecache
     import os
-    import traceback
     import types
 
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)  # mtime None: never re-read
@@ -77,7 +94,7 @@ def run_as_main(source: str, path: str, argv: list[str]) -> int:
     except SystemExit as exc:
         return exit_status(exc)
     except BaseException as exc:  # as Python prints it: from the script's frame on, not this one
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        print_script_exception(exc)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         sys.stdout.flush()

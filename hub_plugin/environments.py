@@ -47,8 +47,8 @@ def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, 
     words = f"no node offers the worker environment {env!r}; the pool offers: {names}"
     if unusable:
         words += "; " + "; ".join(f"on {node} it cannot run workers: {why}" for node, why in sorted(unusable.items()))
-    words += (" (%gpu pool lists them per node; leave --env out for the node's default, or ask an admin "
-              "to add it in c.NodeAgent.environments)")
+    words += (" (%gpu pool or gpupool pool lists them per node; leave --env out for the node's default, or ask an "
+              "admin to add it in c.NodeAgent.environments)")
     return GPUPoolError(Reason.unknown_environment, words, 409, env=env, environments=sorted(offered))
 
 

@@ -170,10 +170,15 @@ def status(magics, rest: str) -> None:
 
 def quota(magics, rest: str) -> None:
     """``%gpu quota``: your limits beside today's and this week's usage."""
+    if rest.strip():  # `%gpu quota set ...` would otherwise just show the caller's own quota
+        raise UsageError("%gpu quota takes no arguments; admins change quotas with `gpupool quota set SCOPE "
+                         "LIMIT=VALUE` in a terminal")
     print(quota_report(magics.client))
 
 
 def pool(magics, rest: str) -> None:
+    if rest.strip():
+        raise UsageError("%gpu pool takes no arguments")
     text, html = pool_table(magics.client.pool())
     display({"text/plain": text, "text/html": html}, raw=True)
 

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from jupyter_client.kernelspec import KernelSpecManager
 
@@ -72,11 +73,17 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
     """Write the kernelspec and return the directory it was installed in.
 
     ``prefix`` None and ``user`` False: ``sys.prefix``. Raises GPUPoolError for
-    a bad name or an unwritable destination.
+    a bad name, a ``service_url`` that is no http(s) URL, or an unwritable
+    destination.
     """
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise GPUPoolError(Reason.bad_request,
                            f"kernelspec name {name!r} may only hold letters, digits, '.', '_' and '-'")
+    if service_url:
+        parts = urlsplit(service_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GPUPoolError(Reason.bad_request, f"{service_url!r} is not a service URL; it should look like "
+                               "http://HOST:PORT (--url); the kernelspec was left as it was")
     if token_file:
         token_file = str(Path(token_file).expanduser().resolve())
     if not user and prefix is None:

@@ -96,6 +96,12 @@ class NodeSettings(Application):
         base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
         return os.path.join(base, "gpupool", "agent")
 
+    @validate("state_dir")
+    def _state_dir_absolute(self, proposal: Any) -> str:
+        # Absolute, as workers start in folders of their own: a relative --state-dir would leave
+        # their history file (and connection file) pointing nowhere.
+        return os.path.abspath(os.path.expanduser(proposal["value"]))
+
     config_file = Unicode(
         "", help="""A config file (``gpupool_config.py``) setting ``c.NodeAgent.*``; the command line wins.""",
     ).tag(config=True)

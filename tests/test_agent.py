@@ -49,7 +49,8 @@ def call(url: str, method: str = "GET", body: Any = None, token: str | None = TO
 class LoneAgent:
     """``gpupool agent`` with its token in GPUPOOL_AGENT_TOKEN and no service."""
 
-    def __init__(self, root: Path, name: str = "lone") -> None:
+    def __init__(self, root: Path, name: str = "lone", relative: bool = False) -> None:
+        """``relative``: run in ``root`` and pass ``--state-dir`` as a relative path (as the README does)."""
         self.state_dir = root / f"agent-{name}"
         self.state_dir.mkdir(parents=True)
         port = free_port()
@@ -60,8 +61,8 @@ class LoneAgent:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpupool.cli", "agent", f"--service-url=http://127.0.0.1:{free_port()}",
                  "--simulate=2xA100-80GB", f"--name={name}", "--ip=127.0.0.1", f"--port={port}",
-                 f"--state-dir={self.state_dir}"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                 f"--state-dir={self.state_dir.name if relative else self.state_dir}"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
                 env={**os.environ, "GPUPOOL_AGENT_TOKEN": TOKEN, "SOME_SERVICE_PASSWORD": "hunter2"})
         wait_for(self.healthy, 30, "lone agent", self.proc, self.log)
 
@@ -147,6 +148,20 @@ def test_start_use_and_stop_a_worker_over_http(lone_agent):
     status, reply = call(f"{lone_agent.url}/workers/L-0000000000aa", "DELETE")
     assert status == 404 and reply["error"] == "not_found"
     assert TOKEN not in lone_agent.log.read_text()
+
+
+def test_a_relative_state_dir_works_for_workers_started_elsewhere(tmp_path):
+    # Workers start in folders of their own; with --state-dir=.state/agent-1 (the README's) their
+    # history database path was relative and every worker exited at start.
+    agent = LoneAgent(tmp_path, relative=True)
+    try:
+        status, started = agent.start_worker("L-0000000000rel")
+        assert status == 201, started
+        out = asyncio.run(run_worker_cell(started["connection"], "print(6 * 7)"))
+        assert out.strip() == "42"
+        assert (agent.state_dir / "workers" / "L-0000000000rel.history.sqlite").exists()
+    finally:
+        agent.stop()
 
 
 def test_killed_worker_is_reported_dead(lone_agent):

@@ -388,7 +388,7 @@ CLI = [
     cli("quota set user:bob max_gpus=2", 1, "only pool admins", id="set-as-user"),
     cli("quota list", 1, "only pool admins", id="list-as-user"),
     cli("quota set user:bob max_gpus=-1", 1, "max_gpus must be a number >= 0", user="boss", id="set-negative"),
-    cli("quota set user:bob max_gpus=lots", 1, "must be a number of GPUs", user="boss", id="set-text"),
+    cli("quota set user:bob max_gpus=lots", 1, "or none (null in JSON) for unlimited", user="boss", id="set-text"),
     cli("quota set user:bob max_idle_timeout=0", 1, "more than 0 seconds", user="boss", id="set-idle-zero"),
     cli("quota set user:bob frob=1", 1, "cannot read 'frob=1'", user="boss", id="set-unknown-limit"),
     cli("quota set user:bob max_gpus", 1, "cannot read 'max_gpus'", user="boss", id="set-no-value"),
@@ -406,6 +406,7 @@ CLI = [
     cli("run --gpus 2 {script}", 2, "quota exceeded", id="run-over-quota"),
     cli("run --gpus 65 {script}", 2, "'gpu_count' must be a whole number from 1 to 64", id="run-gpus-huge"),
     cli("run --memory 400GiB {script}", 2, "not enough free memory", id="run-none-fits"),
+    cli("run --env nope {script}", 2, "gpupool pool lists them per node", id="run-unknown-env"),
     cli("run --url http://127.0.0.1:{dead} {script}", 2, "cannot reach the gpupool service", id="run-nothing-listens"),
 ]
 
@@ -451,6 +452,8 @@ MAGICS = [
     pytest.param("pull model", "not attached to a GPU", id="pull-detached"),
     pytest.param("push", "needs variable names", id="push-nothing"),
     pytest.param("status now", "takes no arguments", id="status-argument"),
+    pytest.param("quota set user:bob max_gpus=2", "gpupool quota set", id="quota-set"),
+    pytest.param("pool nodes", "takes no arguments", id="pool-argument"),
 ]
 
 

@@ -144,7 +144,11 @@ def test_a_full_pool_refuses_or_makes_it_wait(pool, env):
         assert until(lambda: "queued (batch): 1st in line" in log.read_text(), 20), log.read_text()
         client.release(holders.pop().id)
         assert waiting.wait(60) == 1  # it ran: input() met the end of stdin, as python's would
-        assert "EOFError" in log.read_text() and lease_of(log.read_text(), pool).lease_class == "batch"
+        text = log.read_text()
+        assert lease_of(text, pool).lease_class == "batch"
+        # As Python says it: no frames of ipykernel's input(), the end of stdin in its words
+        assert text.splitlines()[-2] == "EOFError: EOF when reading a line", text
+        assert "ipykernel" not in text and '    print("hello", input("name? "))' in text, text
     finally:
         for lease in holders:
             client.release(lease.id)
@@ -171,4 +175,47 @@ def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
     assert "caught" in text and ("gpupool: interrupted twice" in text) == stubborn, text
     assert ("KeyboardInterrupt" in text) != stubborn, text
     assert lease_of(text, pool).state is LeaseState.released
+    assert_nothing_held(pool)
+
+
+def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, env):
+    # `timeout` and process managers send SIGTERM to the process and to its group: the second one used to
+    # land while the lease was being released and end the run with a traceback, the lease left to reclaim.
+    log = pool[1] / "term.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "stopped by SIGTERM" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)  # while it releases
+        assert proc.wait(20) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "gpupool: released L-" in text, text
+    assert lease_of(text, pool).state is LeaseState.released
+    assert_nothing_held(pool)
+
+
+def test_a_worker_killed_mid_run_ends_it_with_the_leases_words(pool, env):
+    # The heartbeat beats every busy_interval (2 s) while work runs, also when the work starts just after a
+    # beat: it used to sleep out the idle interval (up to 15 s), and the worker's silence (10 s) came first.
+    log = pool[1] / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        lease = lease_of(log.read_text(), pool)
+        os.kill(lease.worker["pid"], signal.SIGKILL)
+        assert proc.wait(30) == 2, log.read_text()
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert f"lease {lease.id} failed: the worker process was killed by signal 9" in text, text
+    assert "stopped answering" not in text and "Traceback" not in text, text
     assert_nothing_held(pool)

@@ -134,7 +134,8 @@ def _gpus(value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"must be a number of GPUs (e.g. 1.5) or null for unlimited, got {value!r:.80}") from None
+        raise ValueError("must be a number of GPUs (e.g. 1.5) or none (null in JSON) for unlimited, "
+                         f"got {value!r:.80}") from None
 
 
 def _hours(text: str) -> float:
