@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.wire.leases import LeaseRequest
-from gpupool.units import format_duration
+from gpupool.units import format_bytes, format_duration
 
 from .auth import Identity
 from .config import GPUPool
@@ -100,7 +100,7 @@ class Admission:
             held, queued = _counts(session, owner)
             self._check_cap("max_active_per_user", held)
             self._check_host(session, demand)
-            self._check_gpu_count(session, demand)
+            self._check_gpus(session, demand)
         except GPUPoolError as exc:
             self._refused_by_limit(exc)
             raise
@@ -145,12 +145,17 @@ class Admission:
         if words is not None:
             raise bad_request(words, limit="host")
 
-    def _check_gpu_count(self, session: Session, demand: Demand) -> None:
-        """400 when ``demand`` asks for more whole GPUs than the biggest node has."""
+    def _check_gpus(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` asks for more whole GPUs than the biggest node
+        has, or more GPU memory than any GPU lets leases have."""
+        gpus = self.placer.pool(session).all()
         if demand.gpu_count > 1:
-            words = more_gpus_than_any_node(demand, self.placer.pool(session).all())
+            words = more_gpus_than_any_node(demand, gpus)
             if words is not None:
                 raise bad_request(words, limit="gpu_count")
+        words = more_memory_than_any_gpu(demand, gpus)
+        if words is not None:
+            raise bad_request(words, limit="memory")
 
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
         self._on_refusal({f"quota {exc.extra.get('limit')}": 1})  # counted by limit, beside the scheduler's
@@ -173,6 +178,27 @@ def more_gpus_than_any_node(demand: Demand, gpus) -> str | None:
     noun = "GPU" if most == 1 else "GPUs"
     return (f"{demand.gpu_count} whole GPUs{kind} is more than any node has (a lease's GPUs are all on one node): "
             f"the biggest, {node}, has {most} {noun}{kind}; ask for at most {most}")
+
+
+def more_memory_than_any_gpu(demand: Demand, gpus) -> str | None:
+    """Words for a person when ``demand`` names more memory per GPU than any
+    registered GPU (of its ``model``, if it names one) lets leases have
+    (``memory_usable``: its total less what the agent reserves), else None. As
+    :func:`more_gpus_than_any_node`, a lost node's GPUs count and an empty
+    pool refuses nothing here."""
+    if demand.memory is None:
+        return None
+    model = (demand.model or "").lower()
+    candidates = [g for g in gpus if model in g.name.lower()]
+    if not candidates:
+        return None
+    largest = max(candidates, key=lambda g: (g.memory_usable, g.node))
+    if demand.memory <= largest.memory_usable:
+        return None
+    kind = f" of model {demand.model}" if demand.model else ""
+    return (f"{format_bytes(demand.memory)} of GPU memory is more than any GPU{kind} offers: the largest, "
+            f"{largest.name} on {largest.node}, lets a lease have {format_bytes(largest.memory_usable)}; ask for "
+            "at most that (--memory)")
 
 
 def _counts(session: Session, owner: str) -> tuple[int, int]:

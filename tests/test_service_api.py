@@ -444,6 +444,30 @@ def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
     assert_error(http(service, "POST", "/leases", {"gpu_count": 2, "model": "H100"}), 409, "pool_full")  # no H100
 
 
+def test_gpu_memory_counts_every_registered_gpu_of_the_model():
+    from gpupool.hub_plugin.admission import more_memory_than_any_gpu
+    from gpupool.hub_plugin.rules.scheduler import Demand, GPUState
+    gpus = [GPUState("a-0", "a", "A100", 0, 80 * GiB, 79 * GiB), GPUState("t-0", "t", "T4", 0, 16 * GiB, 15 * GiB,
+                                                                          node_up=False)]
+    assert more_memory_than_any_gpu(Demand(memory=79 * GiB), gpus) is None
+    assert more_memory_than_any_gpu(Demand(memory=80 * GiB), gpus) == (
+        "80.0 GiB of GPU memory is more than any GPU offers: the largest, A100 on a, lets a lease have 79.0 GiB; "
+        "ask for at most that (--memory)")
+    assert "any GPU of model t4 offers: the largest, T4 on t" in more_memory_than_any_gpu(
+        Demand(memory=16 * GiB, model="t4"), gpus)  # a lost node's GPUs count: it may come back
+    assert more_memory_than_any_gpu(Demand(memory=2**40, model="H100"), gpus) is None  # the scheduler says why
+    assert more_memory_than_any_gpu(Demand(), gpus) is None and more_memory_than_any_gpu(Demand(memory=1), []) is None
+
+
+@pytest.mark.parametrize("wait", [None, 60])
+def test_more_gpu_memory_than_any_gpu_has_is_refused_at_once(service, wait):
+    register(service, "node-1", gpus=2)
+    body = assert_error(http(service, "POST", "/leases", {"fraction": 0.5, "memory": 81 * GiB, "wait": wait}),
+                        400, "bad_request")
+    assert body["message"].startswith("81.0 GiB of GPU memory is more than any GPU offers") and body["limit"] == "memory"
+    assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 2  # nothing queued or held
+
+
 def test_metrics(service):
     assert_error(http(service, "GET", "/metrics", token=None, prefix=""), 401, "unauthorized")
     register(service, "node-m", gpus=1)
