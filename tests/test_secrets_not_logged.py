@@ -151,7 +151,7 @@ def test_no_token_or_worker_key_in_logs_or_error_messages(tmp_path, monkeypatch)
         assert api.call("GET", "/admin/quotas", tokens["ann"])[0] == 403
         assert api.call("POST", "/leases", tokens["ann"], raw=b'{"fraction": 0.5,')[0] == 400
         assert api.call("POST", "/leases", tokens["ann"], raw=json.dumps({"fraction": 1.5}).encode())[0] == 400
-        assert api.call("POST", "/leases", tokens["ann"], raw=json.dumps({"memory": 200 * 2**30}).encode())[0] == 409
+        assert api.call("POST", "/leases", tokens["ann"], raw=json.dumps({"memory": 200 * 2**30}).encode())[0] == 400
         assert api.call("GET", "/leases/L-000000000000", tokens["ann"])[0] == 404
         refused_agent(tmp_path, service, mistaken[2])
 
