@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,21 @@ def lease_of(output: str, pool):
     found = re.search(r"running \S+ on (L-[0-9a-f]+)", output)
     assert found, output
     return pool[0].client().get_lease(found.group(1))
+
+
+@contextmanager
+def looping_run(pool, env, name: str, *args: str):
+    """``gpupool run loop.py ARGS`` with its output in ``NAME.log``: ``(process, log path)`` once the
+    script said it started; the process is killed on the way out, whatever happened."""
+    log = pool[1] / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py"), *args], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+        yield proc, log
+    finally:
+        proc.kill()
 
 
 def until(predicate, timeout: float) -> bool:
@@ -157,20 +173,13 @@ def test_a_full_pool_refuses_or_makes_it_wait(pool, env):
 
 @pytest.mark.parametrize("stubborn", [False, True], ids=["interrupted", "interrupted-twice"])
 def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
-    log = pool[1] / f"loop-{stubborn}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py"), *(["--stubborn"] * stubborn)],
-                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+    with looping_run(pool, env, f"loop-{stubborn}", *(["--stubborn"] * stubborn)) as (proc, log):
         proc.send_signal(signal.SIGINT)
         if stubborn:
             assert until(lambda: "caught" in log.read_text(), 10), log.read_text()
             time.sleep(0.2)
             proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 130
-    finally:
-        proc.kill()
     text = log.read_text()
     assert "caught" in text and ("gpupool: interrupted twice" in text) == stubborn, text
     assert ("KeyboardInterrupt" in text) != stubborn, text
@@ -181,20 +190,13 @@ def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
 def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, env):
     # `timeout` and process managers send SIGTERM to the process and to its group: the second one used to
     # land while the lease was being released and end the run with a traceback, the lease left to reclaim.
-    log = pool[1] / "term.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+    with looping_run(pool, env, "term") as (proc, log):
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while "stopped by SIGTERM" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.001)
         proc.send_signal(signal.SIGTERM)  # while it releases
         assert proc.wait(20) == 128 + signal.SIGTERM, log.read_text()
-    finally:
-        proc.kill()
     text = log.read_text()
     assert "Traceback" not in text and "gpupool: released L-" in text, text
     assert lease_of(text, pool).state is LeaseState.released
@@ -204,17 +206,10 @@ def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, en
 def test_a_worker_killed_mid_run_ends_it_with_the_leases_words(pool, env):
     # The heartbeat beats every busy_interval (2 s) while work runs, also when the work starts just after a
     # beat: it used to sleep out the idle interval (up to 15 s), and the worker's silence (10 s) came first.
-    log = pool[1] / "killed.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(GPUPOOL), "run", str(pool[1] / "loop.py")], env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        assert until(lambda: "started" in log.read_text(), 30), log.read_text()
+    with looping_run(pool, env, "killed") as (proc, log):
         lease = lease_of(log.read_text(), pool)
         os.kill(lease.worker["pid"], signal.SIGKILL)
         assert proc.wait(30) == 2, log.read_text()
-    finally:
-        proc.kill()
     text = log.read_text()
     assert f"lease {lease.id} failed: the worker process was killed by signal 9" in text, text
     assert "stopped answering" not in text and "Traceback" not in text, text
