@@ -167,7 +167,15 @@ async def _track_running_cell(worker: Worker, log: logging.Logger) -> None:
     answers ``kernel_info`` only once no cell runs. Until the answer, the
     worker counts as busy (never reclaimed for idleness); the running cell's
     own end, seen on IOPub, then counts as the end of the last cell."""
-    client, msg_id = _ask_kernel_info(worker)
+    client = worker.manager.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+
+    def status(msg_id: str, state: str) -> dict[str, Any]:
+        return {"msg_type": "status", "parent_header": {"msg_id": msg_id, "msg_type": "kernel_info_request"},
+                "content": {"execution_state": state}}
+
+    msg_id = client.kernel_info()
+    worker.activity.on_message(status(msg_id, "busy"))
     worker.activity.mark_ready()
     try:
         for _ in range(TRACK_TRIES):
@@ -182,31 +190,17 @@ async def _track_running_cell(worker: Worker, log: logging.Logger) -> None:
                     raise
                 log.debug("the kernel_info wait on the worker of %s was cut short; asking again", worker.name)
                 client.stop_channels()
-                client, msg_id = _ask_kernel_info(worker, instead_of=msg_id)
+                client = worker.manager.client()
+                client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+                msg_id_again = client.kernel_info()
+                worker.activity.on_message(status(msg_id_again, "busy"))
+                worker.activity.on_message(status(msg_id, "idle"))
+                msg_id = msg_id_again
     except Exception as exc:  # noqa: BLE001 - its death is noticed by poll()
         log.debug("no kernel_info answer from the worker of %s: %s", worker.name, exc)
     finally:
-        worker.activity.on_message(_status(msg_id, "idle"))
+        worker.activity.on_message(status(msg_id, "idle"))
         client.stop_channels()
-
-
-def _ask_kernel_info(worker: Worker, instead_of: str | None = None):
-    """Send ``kernel_info`` on a new shell client of ``worker`` and count the
-    worker busy until its answer (in place of the request ``instead_of``, with
-    no moment idle between): ``(client, msg_id)``."""
-    client = worker.manager.client()
-    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-    msg_id = client.kernel_info()
-    worker.activity.on_message(_status(msg_id, "busy"))
-    if instead_of is not None:
-        worker.activity.on_message(_status(instead_of, "idle"))
-    return client, msg_id
-
-
-def _status(msg_id: str, state: str) -> dict[str, Any]:
-    """The IOPub ``status`` message the worker would send for our ``kernel_info`` request ``msg_id``."""
-    return {"msg_type": "status", "parent_header": {"msg_id": msg_id, "msg_type": "kernel_info_request"},
-            "content": {"execution_state": state}}
 
 
 def _cancelled(task: asyncio.Task | None) -> bool:
