@@ -158,10 +158,6 @@ async def _control_kernel_info(worker: Worker, timeout: float) -> None:
         client.stop_channels()
 
 
-#: How often a re-adopted worker is asked again whether a cell runs, when a wait was cut short.
-TRACK_TRIES = 3
-
-
 async def _track_running_cell(worker: Worker, log: logging.Logger) -> None:
     """Learn whether a re-adopted worker is running a cell: its shell channel
     answers ``kernel_info`` only once no cell runs. Until the answer, the
@@ -178,32 +174,10 @@ async def _track_running_cell(worker: Worker, log: logging.Logger) -> None:
     worker.activity.on_message(status(msg_id, "busy"))
     worker.activity.mark_ready()
     try:
-        for _ in range(TRACK_TRIES):
-            try:
-                while (await client.get_shell_msg())["parent_header"].get("msg_id") != msg_id:
-                    pass
-                break
-            except asyncio.CancelledError:
-                # A wait cancelled from inside (its socket closed under it: seen once in 20 runs of
-                # test_kill9), not this task: the cell may still run, so ask again rather than say idle.
-                if _cancelled(asyncio.current_task()) or worker.stopping:
-                    raise
-                log.debug("the kernel_info wait on the worker of %s was cut short; asking again", worker.name)
-                client.stop_channels()
-                client = worker.manager.client()
-                client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-                msg_id_again = client.kernel_info()
-                worker.activity.on_message(status(msg_id_again, "busy"))
-                worker.activity.on_message(status(msg_id, "idle"))
-                msg_id = msg_id_again
+        while (await client.get_shell_msg())["parent_header"].get("msg_id") != msg_id:
+            pass
     except Exception as exc:  # noqa: BLE001 - its death is noticed by poll()
         log.debug("no kernel_info answer from the worker of %s: %s", worker.name, exc)
     finally:
         worker.activity.on_message(status(msg_id, "idle"))
         client.stop_channels()
-
-
-def _cancelled(task: asyncio.Task | None) -> bool:
-    """Whether ``task`` itself is being cancelled (Python 3.11's ``Task.cancelling``; before it, always)."""
-    cancelling = getattr(task, "cancelling", None)
-    return cancelling is None or cancelling() > 0
