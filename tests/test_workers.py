@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
                                          WorkerStartError, worker_environment)
-from gpupool.provisioner.workers.kernel import kernel_arguments
+from gpupool.provisioner.workers.kernel import KernelManagers, kernel_arguments
 from gpupool.provisioner.workers.process import worker_process
 from procs import processes_mentioning
 from workercell import run_worker_cell
@@ -267,6 +268,21 @@ def test_worker_process_kinds_are_named():
 def _status(state: str, msg_id: str, msg_type: str = "execute_request") -> dict:
     return {"msg_type": "status", "content": {"execution_state": state},
             "parent_header": {"msg_id": msg_id, "msg_type": msg_type}}
+
+
+def test_each_client_of_a_worker_numbers_its_requests_apart(tmp_path):
+    # jupyter_client's clients share a clone of the manager's Session, whose counter starts at 0: the
+    # re-adoption's control kernel_info and its tracking kernel_info had one msg_id, and the first one's
+    # late idle made a worker mid-cell look idle (test_kill9, about once in five runs under load).
+    kernels = KernelManagers(WorkerSettings(tmp_path / "state", node="node-1"), logging.getLogger("test"))
+    try:
+        worker_manager = kernels(tmp_path / "kernel.json")
+        first, second = worker_manager.client(), worker_manager.client()
+        ids = {client.session.msg("kernel_info_request")["header"]["msg_id"] for client in (first, second)}
+        assert len(ids) == 2, ids
+        assert first.session.key == second.session.key == worker_manager.session.key, "still signed alike"
+    finally:
+        kernels.close()
 
 
 def test_activity_counts_cells_not_other_requests():

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import zmq.asyncio
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.session import new_id
 
 from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
 
@@ -73,6 +74,19 @@ class WorkerKernelManager(AsyncKernelManager):
             os.write(opener, b"go\n")
         finally:
             os.close(opener)  # without "go", the gate exits (code 1) and the start fails
+
+    def client(self, **kwargs: Any) -> Any:
+        """A client in a Jupyter session of its own (a fresh session id).
+
+        jupyter_client hands each client a clone of the manager's Session,
+        whose message counter starts again at 0: two clients' first requests
+        then share one msg_id (``SESSION_PID_0``). The agent tells requests
+        apart by msg_id (:class:`~gpupool.provisioner.activity.WorkerActivity`),
+        so a re-adopted worker's late IOPub ``idle`` of the control channel's
+        ``kernel_info`` ended the tracking ``kernel_info`` of the running cell."""
+        client = super().client(**kwargs)
+        client.session.session = new_id()
+        return client
 
     def write_connection_file(self, **kwargs: Any) -> None:
         # The data plane's port (gpupool.dataplane), picked like jupyter_client's own: free now, on ``ip``.
