@@ -268,6 +268,27 @@ def test_batch_backlog_is_preempted_for_an_interactive_request():
     assert backlog_run(replace(gpupool, resume_preempted=True)).lost_gpu_hours == 0.0
 
 
+def test_a_workloads_own_batch_sessions_yield_only_when_preemptible():
+    """A store's batch leases are sessions of the workload itself (not a backlog). 1 GPU, one node:
+    a batch job asks for it at 0 (1000 s); at 60 a notebook asks for the whole GPU. Preemptible, the
+    job is interrupted at 60 + grace 120 + notice 30 = 210 and the cell starts then (waited 150); not
+    preemptible, the cell waits for the job's end (940 s). The job's waits count as batch waits, the
+    notebook's alone as interactive ones; a batch session gives its lease back when its cell ends."""
+    def replay(preemptible: bool):
+        cells = (Cell(0, 0, 0.0, 1000.0), Cell(1, 1, 60.0, 100.0))
+        sessions = (Session(0, 0, 0, 1, 1000, 0.0, FAR, (0,), BATCH, preemptible),
+                    Session(1, 1, 1, 1, 1000, 60.0, 200.0, (1,)))
+        return simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), policies(300.0)["gpupool"], 1,
+                                  per_node=1)
+
+    yielded, kept = replay(True), replay(False)
+    assert (yielded.waits.tolist(), yielded.preemptions) == ([150.0], 1)
+    assert yielded.batch_waits.tolist() == [310.0]  # queued again at 210, started when the cell ended at 310
+    assert yielded.lost_gpu_hours * 3600 == pytest.approx(210.0)
+    assert (kept.waits.tolist(), kept.preemptions, kept.batch_waits.tolist()) == ([940.0], 0, [0.0])
+    assert kept.held_gpu_hours * 3600 == pytest.approx(1000.0 + 100.0)  # the job's lease ends with it
+
+
 # -- openb with CPU and memory ------------------------------------------------------------------------------
 
 from gpupool.hub_plugin.simulate.multidim import POLICIES, MultiCluster, node_fragmentation, task_types  # noqa: E402
@@ -341,26 +362,32 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
                                                     memory_reserved=0, healthy=True) for i in range(2)]))
         rows = [("L-000000000001", "ann", "k1", 0.5, "reclaimed", "idle for 10m (idle timeout 10m)", 0, 10, 1810),
                 ("L-000000000002", "ann", "k1", 0.5, "released", "released by its owner", 3600, 3600, 4200),
-                ("L-000000000003", "bob", "k2", 1.0, "failed", "waited too long", 100, None, None)]
+                ("L-000000000003", "bob", "k2", 1.0, "failed", "waited too long", 100, None, None),
+                ("L-000000000004", "cy", None, 1.0, "released", "released by its owner", 5000, 5000, 5300)]
         for lease_id, owner, kernel, fraction, state, reason, created, started, ended in rows:
+            batch = lease_id == "L-000000000004"  # a preemptible gpupool run
             db.add(Lease(id=lease_id, owner=owner, state=state, reason=reason, fraction=fraction, gpu_count=1,
                          memory=10**9, kernel_id=kernel, idle_timeout=600, heartbeat_ttl=60, created_at=at(created),
                          started_at=None if started is None else at(started),
-                         ended_at=None if ended is None else at(ended), usage_gpu_seconds=0.0, groups=["quants"]))
+                         ended_at=None if ended is None else at(ended), usage_gpu_seconds=0.0, groups=["quants"],
+                         lease_class="batch" if batch else "interactive", preemptible=batch))
             if ended is not None:
                 db.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
                                    started_at=at(started), ended_at=at(ended),
                                    gpu_seconds=fraction * (ended - started)))
     store.close()
     history = load_store(url)
-    assert (history.leases, history.skipped, history.pool_gpus) == (2, 1, 2)
-    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600)
+    assert (history.leases, history.skipped, history.pool_gpus) == (3, 1, 2)
+    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600 + 300)
     cells = history.workload.cells
-    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 600.0)]
-    assert [(s.gpus, s.milli, s.closes) for s in history.workload.sessions] == [(1, 500, 4200.0)]
+    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 600.0),
+                                                                 (1, 5000.0, 300.0)]
+    assert [(s.gpus, s.milli, s.closes, s.klass, s.preemptible) for s in history.workload.sessions] == [
+        (1, 500, 4200.0, "interactive", False), (1, 1000, 5300.0, "batch", True)]
     assert cli_main(["simulate", "--from-store", url, "--pool-size", "1,2"]) == 0
     out = capsys.readouterr().out
-    assert "2 ended leases (1 never started" in out and "cell activity" in out and "dedicated: 1 GPUs" in out
+    assert "3 ended leases (1 never started" in out and "cell activity" in out and "dedicated: 2 GPUs" in out
+    assert "request class" not in out, "class and preemptibility are read from the store, not assumed"
 
 
 def test_from_store_names_the_fix_for_a_bad_url(tmp_path):

@@ -104,7 +104,7 @@ class _Replay:
         self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
         self.table = SessionTable(workload, policy.slices)
         self.sessions = self.table.sessions  # the table appends to it: one list
-        self.started = 0  # interactive cells that started
+        self.started = 0  # the trace's cells that started
         self.sweep = Sweep(policy.rule())
         self.events = _Events()
         self.queue = WaitQueue(policy.fifo, policy.classes)
@@ -122,12 +122,14 @@ class _Replay:
             self.events.push(0.0, self.PRESSURE, None)  # starts the backlog (a check at 0 retries first)
         while self.events:
             now, kind, arg = self.events.pop()
-            if self.backlog is not None and now > period and self.started == self.table.interactive_cells:
+            if self.backlog is not None and now > period and self.started == self.table.trace_cells:
                 self.backlog = None  # the period is over and every cell started: no more batch jobs
             self.handle(kind, arg, now)
         if any(math.isnan(w) for w in self.tally.waits):
             raise AssertionError("a cell never started")
-        return self.tally.result(self.policy.name, pool_size, time.perf_counter() - wall, users, self.eta.errors)
+        batch = [c for c, sid in enumerate(self.table.cell_session[:self.table.trace_cells])
+                 if self.sessions[sid].klass == BATCH]
+        return self.tally.result(self.policy.name, pool_size, time.perf_counter() - wall, users, self.eta.errors, batch)
 
     def handle(self, kind: int, arg, now: float) -> None:
         if kind == self.ARRIVE:
@@ -187,14 +189,14 @@ class _Replay:
         session = self.sessions[sid]
         cell = session.pending.popleft()
         wait = now - self.table.queued_at[cell]
-        if cell < self.table.interactive_cells:
+        if cell < self.table.trace_cells:
             self.started += math.isnan(self.tally.waits[cell])
             self.tally.waits[cell] = now - self.table.submit[cell]
             self.eta.started(cell, wait)
         else:
             self.tally.batch_waits.append(wait)
         session.running = True
-        session.run_start = now
+        session.run_start, session.cell = now, cell
         session.token += 1
         session.lease.worker_state = "busy"
         session.lease.idle_since = None
@@ -260,11 +262,10 @@ class _Replay:
             self.check_at(later)
 
     def preempt(self, sid: int, now: float) -> None:
-        """Interrupt batch job ``sid``'s cell and park it; its cell is queued
+        """Interrupt preemptible ``sid``'s cell and park it; its cell is queued
         again as a new request, its work lost (or kept, ``resume_preempted``)."""
         session = self.sessions[sid]
-        ran = now - session.run_start
-        cell = self.table.batch_cell[sid]
+        ran, cell = now - session.run_start, session.cell
         if self.policy.resume_preempted:
             self.count_busy(sid, ran, now)
             self.table.duration[cell] -= ran

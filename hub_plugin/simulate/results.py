@@ -11,6 +11,7 @@ seconds: start minus arrival, per interactive cell and per batch job.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -134,9 +135,15 @@ class Tally:
         self.held += gpu_seconds
         self.held_by_group[group] = self.held_by_group.get(group, 0.0) + gpu_seconds
 
-    def result(self, policy: str, pool_size: int, seconds: float, users: int, eta_errors) -> NotebookResult:
-        """The replay's :class:`NotebookResult` (``seconds``: its wall-clock time)."""
-        return NotebookResult(policy, pool_size, self.held / 3600, self.busy / 3600, np.array(self.waits),
+    def result(self, policy: str, pool_size: int, seconds: float, users: int, eta_errors,
+               batch_cells: Sequence[int] = ()) -> NotebookResult:
+        """The replay's :class:`NotebookResult` (``seconds``: its wall-clock time); the waits of
+        ``batch_cells`` (trace cells of batch sessions: a store's batch leases) count as batch waits."""
+        waits = np.array(self.waits)
+        if len(batch_cells):
+            self.batch_waits.extend(waits[list(batch_cells)].tolist())
+            waits = np.delete(waits, list(batch_cells))
+        return NotebookResult(policy, pool_size, self.held / 3600, self.busy / 3600, waits,
                               self.acquisitions - len(self.batch_waits), self.peak_milli / FULL,
                               {g: h / 3600 for g, h in sorted(self.held_by_group.items())},
                               seconds, self.period, users, np.array(self.batch_waits),

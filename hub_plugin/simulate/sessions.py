@@ -27,9 +27,9 @@ INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
 @dataclass(eq=False, slots=True)
 class SimSession:
     """One notebook (or batch job): its slice (``milli`` of ``gpus``), group,
-    user, class and closing time; its ``pending`` cells, whether one runs
-    (since ``run_start``) or it waits in the queue, its ``lease``; ``token``
-    tells a cell's end event from one of a cell that was interrupted."""
+    user, class, preemptibility and closing time; its ``pending`` cells, whether
+    ``cell`` runs (since ``run_start``) or it waits in the queue, its ``lease``;
+    ``token`` tells a cell's end event from one of a cell that was interrupted."""
 
     milli: int
     gpus: int
@@ -37,31 +37,32 @@ class SimSession:
     closes: float
     user: int = 0
     klass: str = INTERACTIVE
+    preemptible: bool = False
     pending: deque = field(default_factory=deque)
     running: bool = False
     waiting: bool = False
     lease: SimLease | None = None
     run_start: float = 0.0
+    cell: int = -1
     token: int = 0
 
 
 class SessionTable:
     """Per session (``sessions``, ``need``: GPUs a cell of it holds) and per
     cell (``submit``, ``duration``, ``cell_session``, ``queued_at``: when it
-    last joined the queue) in seconds of the trace; ``interactive_cells``:
-    the trace's cells come first; ``batch_cell``: batch session -> its one cell.
+    last joined the queue) in seconds of the trace; ``trace_cells``: the
+    trace's cells come first, the backlog's batch jobs after them.
     With ``slices`` off every session asks for whole GPUs."""
 
     def __init__(self, workload: NotebookWorkload, slices: bool) -> None:
-        self.sessions = [SimSession(s.milli if slices else FULL, s.gpus, s.group, s.closes, s.user)
-                         for s in workload.sessions]
+        self.sessions = [SimSession(s.milli if slices else FULL, s.gpus, s.group, s.closes, s.user, s.klass,
+                                    s.preemptible) for s in workload.sessions]
         self.need = [s.gpus * s.milli / FULL for s in workload.sessions]
         self.submit = [c.submit for c in workload.cells]
         self.duration = [c.duration for c in workload.cells]
         self.cell_session = [c.session for c in workload.cells]
         self.queued_at = list(self.submit)
-        self.interactive_cells = len(workload.cells)
-        self.batch_cell: dict[int, int] = {}
+        self.trace_cells = len(workload.cells)
         self.waiting_gpus = 0.0  # GPUs the waiting sessions ask for
         self.interactive_waiting = 0  # interactive sessions that wait
         self.leases = 0  # leases granted so far
@@ -75,13 +76,12 @@ class SessionTable:
         """A batch job of ``seconds`` on ``milli`` of ``gpus``, asked for at
         ``now``: a new session whose one cell is pending. Returns its id."""
         sid, cell = len(self.sessions), len(self.submit)
-        self.sessions.append(SimSession(milli, gpus, user % 4, math.inf, user, BATCH))
+        self.sessions.append(SimSession(milli, gpus, user % 4, math.inf, user, BATCH, preemptible=True))
         self.need.append(gpus * milli / FULL)
         self.submit.append(now)
         self.duration.append(seconds)
         self.cell_session.append(sid)
         self.queued_at.append(now)
-        self.batch_cell[sid] = cell
         self.sessions[sid].pending.append(cell)
         return sid
 
@@ -127,7 +127,7 @@ class SessionTable:
         idle_since = lease.idle_since if sid in self.idle else None
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
         return priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
-                             session.klass == BATCH, session.running, lease.started_at, idle_since, deadline,
+                             session.preemptible, session.running, lease.started_at, idle_since, deadline,
                              lease.placement.node)
 
     def ahead_of(self, sid: int, entries) -> list[tuple[int, int]]:

@@ -6,8 +6,8 @@ does I/O (SQL through SQLAlchemy) and nothing else: the replay
 :class:`.workload.NotebookWorkload` like any trace's.
 
 What is read: every lease that started and ended (``leases``: owner, groups,
-kernel, fraction, GPU count, idle timeout, created/started/ended times, end
-state and reason), the usage ledger (``usage_ledger``: GPU-seconds held per
+kernel, fraction, GPU count, idle timeout, class, preemptibility,
+created/started/ended times, end state and reason), the usage ledger (``usage_ledger``: GPU-seconds held per
 lease, the figure the replay is checked against) and the pool's GPUs
 (``gpus``: how many there are now).
 
@@ -21,7 +21,10 @@ How it becomes a workload (the store keeps lease lifetimes, not cells):
   its end, less the idle timeout when the lease was reclaimed for idleness
   (its worker was idle that long before); a lease released by its user, its
   kernel's shutdown or a lost heartbeat counts as busy until it ended;
-- 1-GPU leases ask for their fraction, several-GPU leases whole GPUs.
+- 1-GPU leases ask for their fraction, several-GPU leases whole GPUs;
+- a session takes the class and preemptibility of its first lease: a batch
+  session gives its lease back when its cell ends, and pressure may interrupt
+  a preemptible one, as the service does.
 
 What the history does not hold (:data:`MISSING`), and so the replay assumes.
 """
@@ -37,7 +40,6 @@ MISSING = (
     "cell activity: the store keeps each lease's lifetime and only its latest idle_since, not when each cell ran; "
     "one busy burst per lease is assumed (less the idle timeout for leases reclaimed for idleness)",
     "idle time before a user's own release: a released lease counts as busy until it ended",
-    "request class (interactive or batch) and preemptibility: not stored yet, every lease is replayed as interactive",
     "requests that never got capacity (queued, then failed or cancelled): left out, so demand the pool refused "
     "is not replayed",
     "GPU models and node shapes over time: the replay uses uniform nodes of --per-node GPUs",
@@ -69,7 +71,7 @@ def load_store(url: str) -> StoreHistory:
         with SQLSession(engine) as db:
             rows = db.execute(select(Lease.owner, Lease.kernel_id, Lease.id, Lease.fraction, Lease.gpu_count,
                                      Lease.idle_timeout, Lease.created_at, Lease.started_at, Lease.ended_at,
-                                     Lease.state, Lease.reason, Lease.groups)
+                                     Lease.state, Lease.reason, Lease.groups, Lease.lease_class, Lease.preemptible)
                               .order_by(Lease.created_at, Lease.id)).all()
             recorded = db.scalar(select(func.coalesce(func.sum(UsageRecord.gpu_seconds), 0.0)))
             pool_gpus = db.scalar(select(func.count()).select_from(GPU)) or 0
@@ -114,7 +116,8 @@ def history_workload(rows) -> NotebookWorkload:
         gpus = max(1, first.gpu_count)
         milli = round(first.fraction * 1000) if gpus == 1 else 1000
         sessions.append(Session(sid, user, group, gpus, max(1, min(1000, milli)), cells[members[0]].submit,
-                                (last.ended_at - origin).total_seconds(), tuple(members)))
+                                (last.ended_at - origin).total_seconds(), tuple(members),
+                                first.lease_class or "interactive", bool(first.preemptible)))
     rule = ("a pool's own history: one session per notebook kernel, one cell per lease (asked at created_at, "
             "busy from start to end less the idle timeout when reclaimed for idleness)")
     return NotebookWorkload(tuple(cells), tuple(sessions), rule)

@@ -56,7 +56,9 @@ class Cell:
 class Session:
     """One notebook: ``gpus`` whole GPUs per cell (1, 4 or 8); ``milli`` the
     fraction of one GPU (thousandths) a 1-GPU cell needs (1000 for 4/8);
-    ``opened``/``closes`` in seconds; ``cells`` indexes into the workload's cells."""
+    ``opened``/``closes`` in seconds; ``cells`` indexes into the workload's cells;
+    ``klass`` its lease class (``interactive`` or ``batch``: a batch session gives its
+    lease back when each cell ends) and ``preemptible`` whether pressure may interrupt it."""
 
     id: int
     user: int
@@ -66,6 +68,8 @@ class Session:
     opened: float
     closes: float
     cells: tuple[int, ...]
+    klass: str = "interactive"
+    preemptible: bool = False
 
 
 @dataclass(frozen=True)
