@@ -156,6 +156,10 @@ class Lease(Base):
     host_memory: Mapped[int | None] = mapped_column(BigInteger)
     requested_cpus: Mapped[float | None] = mapped_column(Float)
     requested_host_memory: Mapped[int | None] = mapped_column(BigInteger)
+    #: Revision 0009: when the last cell the agent reported started, and whether its
+    #: :class:`LeaseCell` is still open (no end seen yet) (:mod:`.cell_log`).
+    cell_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cell_open: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")
@@ -189,6 +193,19 @@ class LeaseEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
 
     lease: Mapped[Lease] = relationship(back_populates="events")
+
+
+class LeaseCell(Base):
+    """Revision 0009: one cell a lease's worker ran, from its start to its end
+    (None while it runs), as the agent's heartbeats report them (:mod:`.cell_log`);
+    what ``gpupool simulate --from-store`` replays."""
+
+    __tablename__ = "lease_cells"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), index=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class UsageRecord(Base):

@@ -28,6 +28,7 @@ from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
+from . import cell_log
 from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
@@ -170,6 +171,7 @@ class NodeBook:
                     dead.append((lease.id, report.reason or death_reason(report.exit_code)))
             elif lease.state == LeaseState.active.value:
                 _update_worker(lease, report, now)
+                cell_log.record(session, lease, report, now)
         return stop, dead
 
     @staticmethod

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
-from . import usage
+from . import cell_log, usage
 from .models import GPU, Lease, LeaseEvent, LeaseGPU
 from .rules.scheduler import Placement
 from .state import Transaction
@@ -56,6 +56,7 @@ def end(tx: Transaction, lease: Lease, now: datetime, note: str | None = None) -
     lease.ended_at = now
     held = (now - lease.started_at).total_seconds() if lease.started_at else 0.0
     lease.usage_gpu_seconds = usage.close(tx.session, lease, now)
+    cell_log.close(tx.session, lease, now)  # a cell that ran to the end
     lease.connection = None  # the worker and its key are gone
     transition(tx, lease, final, lease.reason, now)
     log.info("lease %s %s after %s (%.1f GPU-seconds): %s", lease.id, final.value,

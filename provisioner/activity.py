@@ -34,7 +34,9 @@ class WorkerActivity:
 
     ``idle_since`` (epoch seconds) is when the last cell (``execute_request``)
     ended, or when the worker became ready if no cell ran yet; None while
-    busy. Other requests (``kernel_info``, completion) change the state while
+    busy. ``cell_started`` (epoch seconds) is when the last cell started (None:
+    none yet): with ``idle_since`` it tells the service each cell's run, also of
+    cells that start and end between two heartbeats. Other requests (``kernel_info``, completion) change the state while
     they run but do not count as use. ``clock`` is the time seam for tests.
     """
 
@@ -43,6 +45,7 @@ class WorkerActivity:
         self._ready = False
         self._in_flight: dict[str, str] = {}  # parent msg_id -> msg_type
         self._idle_since: float | None = None
+        self.cell_started: float | None = None
 
     def mark_ready(self) -> None:
         """The worker answered ``kernel_info``: from now on it is idle or busy."""
@@ -62,6 +65,8 @@ class WorkerActivity:
         state = msg.get("content", {}).get("execution_state")
         if state == "busy":
             self._in_flight[msg_id] = parent.get("msg_type", "")
+            if self._ready and parent.get("msg_type") == "execute_request":
+                self.cell_started = self._clock()
         elif state == "idle":
             msg_type = self._in_flight.pop(msg_id, parent.get("msg_type", ""))
             if msg_type == "execute_request" and self._ready:
@@ -80,8 +85,15 @@ class WorkerActivity:
 
     def idle_since_iso(self) -> str | None:
         """:attr:`idle_since` as the wire's ISO 8601 UTC string."""
-        since = self.idle_since
-        return None if since is None else isoformat(datetime.fromtimestamp(since, timezone.utc))
+        return _iso(self.idle_since)
+
+    def cell_started_iso(self) -> str | None:
+        """:attr:`cell_started` as the wire's ISO 8601 UTC string."""
+        return _iso(self.cell_started)
+
+
+def _iso(epoch: float | None) -> str | None:
+    return None if epoch is None else isoformat(datetime.fromtimestamp(epoch, timezone.utc))
 
 
 async def watch_iopub(activity: WorkerActivity, connection: dict[str, Any], context: zmq.asyncio.Context,

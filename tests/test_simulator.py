@@ -345,10 +345,12 @@ def test_fgd_prefers_the_gpu_a_slice_fills():
 # -- a pool's own history ------------------------------------------------------------------------------------
 
 def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
-    """Two leases of one kernel (the first reclaimed after 600 s idle, the second released) and one of
-    another user's that never started: two cells of one session; the never-started one is left out."""
+    """Two leases of one kernel (the first reclaimed after 600 s idle, the second released, with two
+    recorded cells), one of another user's that never started (left out) and a batch run: the first lease
+    is one busy burst (no cells recorded), the second its two cells, the first of them arriving when the
+    lease was asked for."""
     from gpupool.hub_plugin.db import Store
-    from gpupool.hub_plugin.models import GPU, Lease, Node, UsageRecord
+    from gpupool.hub_plugin.models import GPU, Lease, LeaseCell, Node, UsageRecord
     from gpupool.hub_plugin.simulate.store import load_store
 
     url = f"sqlite:///{tmp_path}/pool.sqlite"
@@ -375,18 +377,20 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
                 db.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
                                    started_at=at(started), ended_at=at(ended),
                                    gpu_seconds=fraction * (ended - started)))
+        db.add_all([LeaseCell(lease_id="L-000000000002", started_at=at(3700), ended_at=at(3800)),
+                    LeaseCell(lease_id="L-000000000002", started_at=at(3900), ended_at=None)])  # ran to the end
     store.close()
     history = load_store(url)
     assert (history.leases, history.skipped, history.pool_gpus) == (3, 1, 2)
     assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600 + 300)
     cells = history.workload.cells
-    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 600.0),
-                                                                 (1, 5000.0, 300.0)]
+    assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 100.0),
+                                                                 (0, 3900.0, 300.0), (1, 5000.0, 300.0)]
     assert [(s.gpus, s.milli, s.closes, s.klass, s.preemptible) for s in history.workload.sessions] == [
         (1, 500, 4200.0, "interactive", False), (1, 1000, 5300.0, "batch", True)]
     assert cli_main(["simulate", "--from-store", url, "--pool-size", "1,2"]) == 0
     out = capsys.readouterr().out
-    assert "3 ended leases (1 never started" in out and "cell activity" in out and "dedicated: 2 GPUs" in out
+    assert "3 ended leases (1 never started" in out and "before revision 0009" in out and "dedicated: 2 GPUs" in out
     assert "request class" not in out, "class and preemptibility are read from the store, not assumed"
 
 

@@ -95,7 +95,9 @@ class WorkerReport(Body):
     ``execution_state`` is the kernel's last IOPub status (``starting``,
     ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
     cell ended (None while busy); ``exit_code`` once dead (negative: signal);
-    ``reason`` the agent's words for a death it caused (e.g. it was stopped).
+    ``reason`` the agent's words for a death it caused (e.g. it was stopped);
+    ``cell_started`` the ISO time the last cell started (None: none yet; an agent
+    before it sends none), which the service records as the lease's cell activity.
     """
 
     STATES = ("starting", "idle", "busy", "dead")
@@ -112,6 +114,7 @@ class WorkerReport(Body):
     memory_used: int | None = wired(Spec("integer", "bytes; ignored unless 0 to 2**50", nullable=True, minimum=0,
                                          maximum=MAX_BYTES, loose=False, lenient=True), None)
     reason: str | None = wired(Spec("string", "cut to 200 characters, one line", nullable=True, lenient=True), None)
+    cell_started: str | None = wired(Spec("string", **_TIME), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerReport":

@@ -7,20 +7,25 @@ does I/O (SQL through SQLAlchemy) and nothing else: the replay
 
 What is read: every lease that started and ended (``leases``: owner, groups,
 kernel, fraction, GPU count, idle timeout, class, preemptibility,
-created/started/ended times, end state and reason), the usage ledger (``usage_ledger``: GPU-seconds held per
+created/started/ended times, end state and reason), the cells each lease's
+worker ran (``lease_cells``, recorded from the agents' heartbeats since
+revision 0009), the usage ledger (``usage_ledger``: GPU-seconds held per
 lease, the figure the replay is checked against) and the pool's GPUs
 (``gpus``: how many there are now).
 
-How it becomes a workload (the store keeps lease lifetimes, not cells):
+How it becomes a workload:
 
 - one **session** per notebook kernel (``kernel_id``; a lease without one is
   its own session), owned by the lease's owner; it opens at its first
   request and closes when its last lease ends;
-- one **cell** per lease, arriving when the lease was asked for
-  (``created_at``) and running while the lease was busy: from its start to
-  its end, less the idle timeout when the lease was reclaimed for idleness
-  (its worker was idle that long before); a lease released by its user, its
-  kernel's shutdown or a lost heartbeat counts as busy until it ended;
+- the **cells** of a lease are its recorded ones, each running as long as it
+  ran; the first arrives when the lease was asked for (``created_at``: the
+  replay's wait is the queue's), the others when they started. A lease with
+  none recorded (from before revision 0009) is one cell, arriving at
+  ``created_at`` and busy from its start to its end, less the idle timeout when
+  it was reclaimed for idleness (its worker was idle that long before); then
+  a lease released by its user, its kernel's shutdown or a lost heartbeat
+  counts as busy until it ended;
 - 1-GPU leases ask for their fraction, several-GPU leases whole GPUs;
 - a session takes the class and preemptibility of its first lease: a batch
   session gives its lease back when its cell ends, and pressure may interrupt
@@ -37,9 +42,9 @@ from .workload import Cell, NotebookWorkload, Session
 
 #: What the store does not record that a faithful replay would need.
 MISSING = (
-    "cell activity: the store keeps each lease's lifetime and only its latest idle_since, not when each cell ran; "
-    "one busy burst per lease is assumed (less the idle timeout for leases reclaimed for idleness)",
-    "idle time before a user's own release: a released lease counts as busy until it ended",
+    "cells of leases from before revision 0009 (no lease_cells rows): one busy burst per such lease is assumed "
+    "(less the idle timeout if it was reclaimed for idleness; until its end if its user released it)",
+    "the time between asking for a lease and its first cell: the first cell is replayed as asked at created_at",
     "requests that never got capacity (queued, then failed or cancelled): left out, so demand the pool refused "
     "is not replayed",
     "GPU models and node shapes over time: the replay uses uniform nodes of --per-node GPUs",
@@ -64,7 +69,7 @@ def load_store(url: str) -> StoreHistory:
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.orm import Session as SQLSession
 
-    from ..models import GPU, Lease, UsageRecord
+    from ..models import GPU, Lease, LeaseCell, UsageRecord
 
     try:
         engine = create_engine(url)
@@ -73,6 +78,8 @@ def load_store(url: str) -> StoreHistory:
                                      Lease.idle_timeout, Lease.created_at, Lease.started_at, Lease.ended_at,
                                      Lease.state, Lease.reason, Lease.groups, Lease.lease_class, Lease.preemptible)
                               .order_by(Lease.created_at, Lease.id)).all()
+            ran = db.execute(select(LeaseCell.lease_id, LeaseCell.started_at, LeaseCell.ended_at)
+                             .order_by(LeaseCell.started_at, LeaseCell.id)).all()
             recorded = db.scalar(select(func.coalesce(func.sum(UsageRecord.gpu_seconds), 0.0)))
             pool_gpus = db.scalar(select(func.count()).select_from(GPU)) or 0
         engine.dispose()
@@ -83,7 +90,10 @@ def load_store(url: str) -> StoreHistory:
     if not ended:
         raise SystemExit(f"gpupool simulate: the store at {url!r} has no lease that started and ended yet; "
                          "nothing to replay")
-    workload = history_workload(ended)
+    cells: dict[str, list[tuple]] = {}
+    for lease_id, started_at, ended_at in ran:
+        cells.setdefault(lease_id, []).append((started_at, ended_at))
+    workload = history_workload(ended, cells)
     return StoreHistory(workload, int(pool_gpus), float(recorded) / 3600, len(ended), len(rows) - len(ended))
 
 
@@ -95,29 +105,48 @@ def busy_seconds(row) -> float:
     return max(1.0, held)
 
 
-def history_workload(rows) -> NotebookWorkload:
+def lease_cells(row, ran: list[tuple]) -> list[tuple]:
+    """``(arrives, seconds)`` of lease ``row``'s cells (module docstring), times as datetimes;
+    ``ran``: its recorded ``(started_at, ended_at or None)``, in order."""
+    if not ran:
+        return [(row.created_at, busy_seconds(row))]
+    runs = [(start, max(1.0, ((end or row.ended_at) - start).total_seconds())) for start, end in ran]
+    return [(row.created_at, runs[0][1]), *runs[1:]]
+
+
+def history_workload(rows, ran: dict[str, list[tuple]] | None = None) -> NotebookWorkload:
     """Sessions and cells from ended lease rows sorted by ``created_at``
-    (objects with the attributes :func:`load_store` selects)."""
+    (objects with the attributes :func:`load_store` selects) and ``ran``,
+    each lease's recorded cells by lease id."""
     origin = rows[0].created_at
+    session_of: dict[tuple[str, str], int] = {}
+    first: list = []  # by session id: its first lease
+    closes: list[float] = []
+    arrivals = []  # (arrives, session id, seconds), in seconds since the first lease was asked for
+    for row in rows:
+        key = (row.owner, row.kernel_id or row.id)
+        sid = session_of.setdefault(key, len(first))
+        if sid == len(first):
+            first.append(row)
+            closes.append(0.0)
+        closes[sid] = max(closes[sid], (row.ended_at - origin).total_seconds())
+        arrivals += [((at - origin).total_seconds(), sid, seconds)
+                     for at, seconds in lease_cells(row, (ran or {}).get(row.id, []))]
+    cells = tuple(Cell(i, sid, submit, seconds) for i, (submit, sid, seconds) in enumerate(sorted(arrivals)))
+    members: list[list[int]] = [[] for _ in first]
+    for cell in cells:
+        members[cell.session].append(cell.job_id)
     users: dict[str, int] = {}
     groups: dict[str, int] = {}
-    by_session: dict[tuple[str, str], list[int]] = {}
-    cells: list[Cell] = []
-    for i, row in enumerate(rows):
-        key = (row.owner, row.kernel_id or row.id)
-        sid = by_session.setdefault(key, [len(by_session)])[0]
-        by_session[key].append(i)
-        cells.append(Cell(i, sid, (row.created_at - origin).total_seconds(), busy_seconds(row)))
     sessions = []
-    for key, (sid, *members) in by_session.items():
-        first, last = rows[members[0]], rows[members[-1]]
-        user = users.setdefault(first.owner, len(users))
-        group = groups.setdefault((first.groups or [""])[0], len(groups))
-        gpus = max(1, first.gpu_count)
-        milli = round(first.fraction * 1000) if gpus == 1 else 1000
-        sessions.append(Session(sid, user, group, gpus, max(1, min(1000, milli)), cells[members[0]].submit,
-                                (last.ended_at - origin).total_seconds(), tuple(members),
-                                first.lease_class or "interactive", bool(first.preemptible)))
-    rule = ("a pool's own history: one session per notebook kernel, one cell per lease (asked at created_at, "
-            "busy from start to end less the idle timeout when reclaimed for idleness)")
-    return NotebookWorkload(tuple(cells), tuple(sessions), rule)
+    for sid, row in enumerate(first):
+        gpus = max(1, row.gpu_count)
+        milli = round(row.fraction * 1000) if gpus == 1 else 1000
+        sessions.append(Session(sid, users.setdefault(row.owner, len(users)),
+                                groups.setdefault((row.groups or [""])[0], len(groups)), gpus,
+                                max(1, min(1000, milli)), cells[members[sid][0]].submit, closes[sid],
+                                tuple(members[sid]), row.lease_class or "interactive", bool(row.preemptible)))
+    rule = ("a pool's own history: one session per notebook kernel, the cells its leases ran (the first asked at "
+            "created_at); a lease without recorded cells is one, busy from start to end less the idle timeout when "
+            "reclaimed for idleness")
+    return NotebookWorkload(cells, tuple(sessions), rule)

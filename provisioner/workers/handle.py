@@ -84,7 +84,8 @@ class Worker:
             return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code,
                                 reason=self.death or self.process.exit_note)
         return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
-                            idle_since=self.activity.idle_since_iso(), memory_used=memory_used)
+                            idle_since=self.activity.idle_since_iso(), memory_used=memory_used,
+                            cell_started=self.activity.cell_started_iso())
 
     def log_tail(self, lines: int = 8) -> str:
         """The last lines the worker wrote to stdout/stderr (empty if none)."""
