@@ -169,10 +169,12 @@ def eta_part(workload, log) -> str:
     within_old = np.mean([abs(o - a) <= max(30.0, 0.5 * a) for _, o, a in errors if o is not None])
     return "\n".join([
         f"**ETA** (gpupool on {ETA_POOL} GPUs, where {len(errors):,} interactive requests wait; p95 wait "
-        f"{result.wait_percentile(95):.0f} s). The new estimate (`simulate/estimates.py: eta`) walks forward through "
-        "what will free capacity: idle leases' deadlines (2 min under pressure, else 5 min), running cells' "
-        "expected ends (median of the last 200 cells, then the grace), and lets the requests ahead take "
-        "theirs first. The old one (`queue.estimate`) is position × median lease length / leases held. Error = "
+        f"{result.wait_percentile(95):.0f} s). The new estimate is the service's own rule (`rules/eta.py: "
+        "eta_seconds`, the one the notebook's wait line shows): it walks forward through what will free capacity "
+        "(idle leases' deadlines, 2 min under pressure, else 5 min; running cells' expected ends, the median of "
+        "the last 200 cells of their class, then the grace) and places the requests ahead first, a slice on the "
+        "first GPU with room, whole GPUs on the first node with that many free; it gives no answer while no "
+        "cell of the class has ended. The old one (`queue.estimate`) is position × median lease length / leases held. Error = "
         "|estimate − the wait the request then had|, at the moment it started waiting:",
         "",
         md_table(["estimate", "median error s", "p90 error s", "within 30 s or 50 %", "no answer"],
@@ -181,8 +183,9 @@ def eta_part(workload, log) -> str:
                   ["old (queue.estimate)", f"{np.median(old):.0f}", f"{np.percentile(old, 90):.0f}",
                    f"{within_old:.0%}", len(errors) - len(old)]]),
         "",
-        "The simulator computes it once, when a request starts waiting; the service would recompute it as leases "
-        "change (not modelled). Its main error is the running cells' unknown ends.",
+        "The simulator computes it once, when a request starts waiting; the service recomputes it at every "
+        "sweep and the notebook's wait line shows the newest (not modelled here). Its main error is the "
+        "running cells' unknown ends.",
         ""])
 
 
@@ -584,8 +587,8 @@ def main(argv=None) -> int:
         "",
         "Replays against the real scheduler (`hub_plugin/rules/scheduler.py: place`) and reclaim rule "
         "(`hub_plugin/rules/reclaim.py: decide`) on a virtual clock, with the service's rules for request classes, "
-        "pressure parks and preemption (`hub_plugin/rules/priority.py`), and the simulator's own for the ETA "
-        "(`hub_plugin/simulate/estimates.py`) and multi-dimension "
+        "pressure parks and preemption (`hub_plugin/rules/priority.py`) and the ETA (`hub_plugin/rules/eta.py`), "
+        "and the simulator's own for multi-dimension "
         "placement (`hub_plugin/simulate/multidim.py`). Sources: Adobe Sensei notebook cells of June 2021 as "
         "released with NotebookOS (Carver et al., arXiv 2503.20591, ds2-lab/NotebookOS-Dashboard); the Alibaba "
         "GPU-sharing trace openb (Weng et al., \"Beware of Fragmentation: Scheduling GPU-Sharing Workloads with "

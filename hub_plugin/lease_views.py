@@ -177,18 +177,20 @@ class LeaseViews:
         return body
 
     def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
-        """:meth:`queue_view` of a request just queued, from per-owner counts (no row per queued request)."""
+        """:meth:`queue_view` of a request just queued, from counts per owner, class and shape (no row
+        per queued request): every request ahead of the newest is placed before it, in whatever order."""
         if lease.state != QUEUED:
             return None
-        counts, gpus = {}, {}
-        for owner, lease_class, count, asked in session.execute(
-                select(Lease.owner, Lease.lease_class, func.count(), func.sum(Lease.fraction * Lease.gpu_count))
-                .where(Lease.state == QUEUED).group_by(Lease.owner, Lease.lease_class)):
-            counts[(owner, lease_class)], gpus[(owner, lease_class)] = count, asked
-        last = usage.last_used(session, {owner for owner, _ in counts}, self.state.now())
-        place = wait_queue.newest_position(lease.owner, lease.lease_class, counts, last)
-        ahead = wait_queue.newest_position(lease.owner, lease.lease_class, gpus, last)  # GPUs, its own included
-        return QueueView({lease.id: place}, {lease.id: self.pressure.etas([ahead], self.state.now())[0]})
+        groups = session.execute(select(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count, func.count())
+                                 .where(Lease.state == QUEUED)
+                                 .group_by(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count)).all()
+        last = usage.last_used(session, {row[0] for row in groups}, self.state.now())
+        asks = [(fraction, count) for owner, lease_class, fraction, count, number in groups
+                if wait_queue.before_newest(owner, lease_class, lease.owner, lease.lease_class, last)
+                for _ in range(number)]
+        asks.remove((lease.fraction, lease.gpu_count))  # its own goes last
+        asks.append((lease.fraction, lease.gpu_count))
+        return QueueView({lease.id: len(asks)}, {lease.id: self.pressure.etas(asks, self.state.now())[-1]})
 
     def queue_view(self, session: Session, leases) -> QueueView | None:
         """What the queued ones of ``leases`` need for ``queue_position`` and
@@ -199,10 +201,10 @@ class LeaseViews:
         if not any(lease.state == QUEUED for lease in leases):
             return None
         queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at, Lease.lease_class,
-                                        Lease.fraction * Lease.gpu_count).where(Lease.state == QUEUED)).all()
+                                        Lease.fraction, Lease.gpu_count).where(Lease.state == QUEUED)).all()
         last = usage.last_used(session, {row[1] for row in queued}, self.state.now())
         places = wait_queue.positions(queued, last)
-        asked = {row[0]: row[4] for row in queued}
+        asked = {row[0]: (row[4], row[5]) for row in queued}
         in_line = sorted(places, key=places.get)
         etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
         return QueueView(places, dict(zip(in_line, etas)))

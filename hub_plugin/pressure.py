@@ -17,7 +17,7 @@ threads see one or the other.
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Iterable, Sequence
 
 from sqlalchemy import select
@@ -26,14 +26,14 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LeaseState, isoformat
 
 from .config import GPUPool
-from .models import Lease, LeaseGPU
+from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
 from .rules.reclaim import Decision, idle_deadline
 from .rules.scheduler import GPUState
 
-#: Ended leases whose lengths give the ETA the typical length per class.
+#: Ended cells whose lengths give the ETA the typical length per class.
 LENGTH_SAMPLE = 200
 
 
@@ -46,24 +46,48 @@ class Pressure:
         self._quota_table = quota_table
         self.plan: priority.Plan = priority.NO_PRESSURE
         # What the ETA reads, as the last sweep saw it: no query per long poll of a queued request.
+        self._room = eta.Room((), ())
         self._holding: list[eta.Holding] = []
         self._typical: dict[str, float] = {}
 
     def refresh(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
         """Recompute the plan from the queue and ``active`` (the active leases
-        the sweep read), and what the ETA reads; returns the plan. On a store thread."""
-        self.plan = self._plan(session, active, now)
-        self._holding = [eta.Holding(lease.fraction * lease.gpu_count, lease.lease_class,
-                                     lease.worker_state != "idle", lease.started_at, self.deadline(lease))
-                         for lease in active]
-        ended = session.execute(select(Lease.lease_class, Lease.started_at, Lease.ended_at)
-                                .where(Lease.ended_at.is_not(None), Lease.started_at.is_not(None))
-                                .order_by(Lease.ended_at.desc()).limit(LENGTH_SAMPLE)).all()
+        the sweep read, their ``gpus`` loaded), and what the ETA reads; returns the plan.
+        On a store thread."""
+        held = [pressure_rules.held(lease) for lease in active]
+        guarantees = self._guarantees(session, active)
+        self.plan = self._plan(session, held, guarantees, now)
+        states = gpu_states(session, self.settings.context_overhead)
+        self._room = eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states))
+        index = {gpu.uuid: i for i, gpu in enumerate(states)}
+        safe = priority.guaranteed(held, guarantees)
+        self._holding = [self._held(lease, index, lease.id not in safe, now) for lease in active]
+        ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
+                              .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
+                              .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
         self._typical = eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
-                                            for row in ended)
+                                            for row in ran)
         return self.plan
 
-    def _plan(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
+    def _held(self, lease: Lease, index: dict[str, int], pressed: bool, now: datetime) -> eta.Holding:
+        """``lease`` as the ETA of a request waiting from ``now`` sees it: an idle one goes at its
+        deadline or, when pressure may park it (``pressed``: not within a guaranteed share), at
+        most the pressure grace after ``now`` (or after it went idle); a busy one when its cell
+        ends, then after its idle timeout or (``pressed``) the grace, whichever is shorter."""
+        grace = timedelta(seconds=self.settings.pressure_grace)
+        timeout = timedelta(seconds=lease.idle_timeout) if lease.idle_timeout > 0 else None
+        after = min((t for t in (timeout, grace if pressed else None) if t is not None), default=None)
+        busy = lease.worker_state != "idle"
+        deadline = self.deadline(lease)
+        if not busy and pressed:
+            early = max(now, lease.idle_since or now) + grace
+            deadline = min(deadline, early) if deadline is not None else early
+        return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
+                           lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
+                           deadline, after.total_seconds() if after is not None else None)
+
+    def _plan(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
+              now: datetime) -> priority.Plan:
         asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at,
                                   row.gpu_count)
                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
@@ -74,8 +98,7 @@ class Pressure:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.settings)
         free = clearing.whole_free(self._soon_free(session)) if rule.wants_free_gpus(asking) else None
-        return rule.plan([pressure_rules.held(lease) for lease in active], asking,
-                         self._guarantees(session, active), free)
+        return rule.plan(held, asking, guarantees, free)
 
     def _soon_free(self, session: Session) -> list[GPUState]:
         """Every GPU's state with what ``releasing`` leases hold counted free: capacity on its way
@@ -120,8 +143,13 @@ class Pressure:
         """Re-checked under the write lock: still idle and past its early deadline."""
         return pressure_rules.still_due(self.plan, lease, now)
 
-    def etas(self, ahead_gpus: Sequence[float], now: datetime) -> list[float | None]:
-        """:func:`.eta.eta_seconds` for queued requests asking ``ahead_gpus``
-        (queue order), from the active leases and recent lease lengths as the
+    def etas(self, asks: Sequence[tuple[float, int]], now: datetime) -> list[float | None]:
+        """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count)``
+        (queue order), from the pool, the active leases and recent cell lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
-        return eta.eta_seconds(ahead_gpus, self._holding, self._typical, now)
+        return eta.eta_seconds(asks, self._room, self._holding, self._typical, now)
+
+
+def _room(gpu: GPUState) -> float:
+    """What the ETA may place on ``gpu``: its free fraction, or nothing where the scheduler places nothing."""
+    return gpu.free_fraction if gpu.healthy and gpu.node_up and not gpu.node_degraded else 0.0

@@ -14,6 +14,7 @@ import logging
 from datetime import datetime
 
 from sqlalchemy import select
+from sqlalchemy.orm import selectinload
 
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
@@ -84,7 +85,8 @@ class Reclaimer:
     def _pressure_now(self, now: datetime) -> list[Decision]:
         """Recompute the pressure plan (:mod:`.pressure`); the idle leases past its early deadlines."""
         with self.state.reading() as session:
-            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)).all()
+            active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
+                                     .options(selectinload(Lease.gpus))).all()
             self.pressure.refresh(session, active, now)
             return self.pressure.due(active, now)
 

@@ -7,6 +7,7 @@ agent and gpupool notebook kernel; short graces through the service's traits.
 
 from __future__ import annotations
 
+import io
 import re
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 from frontend import notebook_pool, start_gpupool_kernel
 from gpupool.errors import GPUPoolError
+from gpupool.leasewait import wait_started
 from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import LeaseRequest
 from procs import start_service, wait_for
@@ -65,8 +67,9 @@ def test_an_idle_lease_is_parked_early_for_a_waiter_and_its_variables_come_back(
     mine, = service.client().list_leases(active=True)
     notebook.execute("kept = [1, 2, 3]")
     waiter = wait_in_line(service)
-    # Asked before any sweep pressed on it: the idle lease frees the GPU at its own deadline (30 m idle).
-    assert 1700 < waiter.queue_estimate_s <= 1800, waiter
+    # Its ETA counts the pressure it makes from the start: the idle lease is parked within the grace of
+    # the ask, not at its own deadline (30 m idle), which the first answer gave before.
+    assert 0 < waiter.queue_estimate_s <= GRACE, waiter
 
     parked = notebook.wait_for_event("parked", 60, "the early park")
     assert re.fullmatch(rf"lease {mine.id} was parked early: 1 person is waiting for a GPU: \d+ names? came back "
@@ -76,6 +79,28 @@ def test_an_idle_lease_is_parked_early_for_a_waiter_and_its_variables_come_back(
     assert placed(service, waiter.id).node
     _, reply = notebook.execute("%%local\nprint(kept)")
     assert "[1, 2, 3]" in notebook.text()
+
+
+def test_the_wait_line_follows_the_queue(full_pool, notebook):
+    """ann's second request waits behind her first: its line says 2nd in line, then 1st with an ETA
+    once the first is placed (the tester's idle lease parked early for it), then it is placed itself
+    (the first, which nobody heartbeats, is reclaimed)."""
+    service, _ = full_pool
+    notebook.execute("%gpu acquire 1")
+    client = service.client("ann")
+    first, second = (client.create_lease(LeaseRequest(fraction=1.0, wait=120)) for _ in range(2))
+    assert (first.queue_position, second.queue_position) == (1, 2)
+    out = io.StringIO()
+    try:
+        placed_lease = wait_started(client, second, time.monotonic(), 60, stream=out, rewrite=False)
+    finally:
+        for lease in (first, second):
+            client.release(lease.id)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"gpupool: {second.id} queued: 2nd in line"), lines
+    first_in_line = [line for line in lines if "queued: 1st in line, about " in line]
+    assert first_in_line and lines.index(first_in_line[0]) > 0, lines
+    assert placed_lease.state is LeaseState.active, placed_lease
 
 
 def test_a_running_batch_cell_is_not_interrupted_and_the_lease_yields_once_idle(full_pool, notebook):

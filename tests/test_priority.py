@@ -212,30 +212,45 @@ def test_preemptible_refused_where_the_pool_allows_none():
 
 # -- ETA -----------------------------------------------------------------------------------
 
-def holding(gpus=1.0, cls="interactive", *, busy=True, started=0.0, deadline=None):
-    return eta.Holding(gpus, cls, busy, at(started), None if deadline is None else at(deadline))
+def holding(fraction=1.0, gpus=(0,), cls="interactive", *, busy=True, started=0.0, deadline=None, after=0.0):
+    return eta.Holding(tuple(gpus), fraction, cls, busy, at(started), None if deadline is None else at(deadline), after)
 
 
 NOW = at(1000)
+TAKEN = (0.0, 0.0, 0.0, 0.0)  # four GPUs on two nodes (n0: 0, 1; n1: 2, 3), all taken
 
 
-@pytest.mark.parametrize("ahead, leases, typical, expected", [
+@pytest.mark.parametrize("asks, free, leases, typical, expected", [
     # one idle lease parked at 1200 under pressure: the first waiter then
-    ([1.0], [holding(busy=False, deadline=1200)], {}, [200.0]),
-    # a batch run started at 0 that typically takes 3000 s, and an idle one due at 1500
-    ([1.0, 1.0], [holding(cls="batch", started=0), holding(busy=False, deadline=1500)], {"batch": 3000.0},
-     [500.0, 2000.0]),
-    # two halves free one GPU: the 1-GPU waiter needs both
-    ([1.0], [holding(0.5, busy=False, deadline=1100), holding(0.5, busy=False, deadline=1300)], {}, [300.0]),
-    # nothing known of interactive runs: no guess
-    ([1.0], [holding(started=0)], {}, [None]),
-    # ran past its typical length: now + half of it
-    ([1.0], [holding(started=0)], {"interactive": 600.0}, [300.0]),
-    # a deadline already past (the sweep is about to act): 0
-    ([0.5, 0.5, 1.0], [holding(busy=False, deadline=900)], {}, [0.0, 0.0, None]),
+    ([(1.0, 1)], TAKEN, [holding(busy=False, deadline=1200)], {}, [200.0]),
+    # a batch run started at 0 that typically takes 3000 s, and an idle one due at 1500: in queue order
+    ([(1.0, 1), (1.0, 1)], TAKEN, [holding(cls="batch", started=0), holding(gpus=(1,), busy=False, deadline=1500)],
+     {"batch": 3000.0}, [500.0, 2000.0]),
+    # two halves of one GPU free it: the 1-GPU waiter needs both
+    ([(1.0, 1)], TAKEN, [holding(0.5, busy=False, deadline=1100), holding(0.5, busy=False, deadline=1300)], {},
+     [300.0]),
+    # nothing known of interactive cells: no guess
+    ([(1.0, 1)], TAKEN, [holding(started=0)], {}, [None]),
+    # its cell ran past the typical length: now + half of it
+    ([(1.0, 1)], TAKEN, [holding(started=0)], {"interactive": 600.0}, [300.0]),
+    # a running cell's end, then the idle time before the lease lets go (grace or timeout)
+    ([(1.0, 1)], TAKEN, [holding(started=900, after=120.0)], {"interactive": 200.0}, [220.0]),
+    # a deadline already past (the sweep is about to act): 0; two halves fit on the one GPU it frees
+    ([(0.5, 1), (0.5, 1), (1.0, 1)], TAKEN, [holding(busy=False, deadline=900)], {}, [0.0, 0.0, None]),
+    # room now
+    ([(0.5, 1)], (0.5, 0.0, 0.0, 0.0), [], {}, [0.0]),
+    # the one ahead takes the first half that frees; this one the next GPU
+    ([(0.5, 1), (0.5, 1)], TAKEN, [holding(0.5, (1,), busy=False, deadline=1030),
+                                   holding(1.0, (3,), busy=False, deadline=1300)], {}, [30.0, 300.0]),
+    # two whole GPUs on one node: GPU 3 frees beside the idle GPU 2 before GPU 1 beside GPU 0
+    ([(1.0, 2)], (1.0, 0.0, 1.0, 0.0), [holding(gpus=(1,), busy=False, deadline=1150),
+                                        holding(gpus=(3,), busy=False, deadline=1120)], {}, [120.0]),
+    # never, from what is known: no node gets two whole GPUs
+    ([(1.0, 2)], TAKEN, [holding(gpus=(1,), busy=False, deadline=1150)], {}, [None]),
 ])
-def test_eta(ahead, leases, typical, expected):
-    assert eta.eta_seconds(ahead, leases, typical, NOW) == expected
+def test_eta(asks, free, leases, typical, expected):
+    room = eta.Room(free, ("n0", "n0", "n1", "n1"))
+    assert eta.eta_seconds(asks, room, leases, typical, NOW) == expected
 
 
 def test_typical_lengths_by_class():

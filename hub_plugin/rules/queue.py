@@ -81,13 +81,17 @@ def newest_position(owner: str, lease_class: str, queued: Mapping[tuple[str, str
     so every queued request of a class before its own, and of its class whose
     owner comes before or with its owner in :func:`order`, is ahead of it.
     Needs no row per request."""
+    return sum(count for (other, other_class), count in queued.items()
+               if before_newest(other, other_class, owner, lease_class, last_used))  # its own counted: its place
+
+
+def before_newest(other: str, other_class: str, owner: str, lease_class: str,
+                  last_used: Mapping[str, datetime | None]) -> bool:
+    """Whether a queued ``other_class`` request of ``other`` is ahead of (or is) a
+    ``lease_class`` request ``owner`` has just queued (:func:`newest_position`)."""
     mine, rank = last_used.get(owner), class_rank(lease_class)
-    ahead = 0
-    for (other, other_class), count in queued.items():
-        used, other_rank = last_used.get(other), class_rank(other_class)
-        if other_rank < rank or (other_rank == rank and (used is None or (mine is not None and used <= mine))):
-            ahead += count
-    return ahead  # the new one is among those counted: its own place
+    used, other_rank = last_used.get(other), class_rank(other_class)
+    return other_rank < rank or (other_rank == rank and (used is None or (mine is not None and used <= mine)))
 
 
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,

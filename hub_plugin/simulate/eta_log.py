@@ -1,24 +1,24 @@
 """A notebook replay's ETA check (``simulate_notebooks(with_eta=True)``): for
-every interactive request that waits, the ETA (:func:`.estimates.eta`) and
-the queue's old estimate (:func:`gpupool.hub_plugin.rules.queue.estimate`)
-when it was queued, next to the wait it then had (``bench/REPORT.md``).
+every interactive request that waits, the service's ETA
+(:func:`gpupool.hub_plugin.rules.eta.eta_seconds`) and the queue's old
+estimate (:func:`gpupool.hub_plugin.rules.queue.estimate`) when it was
+queued, next to the wait it then had (``bench/REPORT.md``).
 
-What the ETA is given is what the service would know: the recent lengths of
-cells per class and of leases, and when each held lease is expected to free
-its capacity (:meth:`EtaLog.expected_end`)."""
+What the ETA is given is what the service would know: the pool's free room,
+the recent lengths of cells per class (and of leases, for the old estimate),
+and each held lease as the service sees it (:meth:`EtaLog.held`)."""
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
+from ..rules.eta import Holding, Room, eta_seconds, typical_lengths
 from ..rules.priority import BATCH, INTERACTIVE
 from ..rules.queue import estimate
-from .estimates import eta
 from .policies import NotebookPolicy
 from .pool import FULL, Pool
-from .sweep import SWEEP_S
+from .sweep import SWEEP_S, at
 
 #: How many recent cell and lease lengths the estimates learn from.
 HISTORY = 200
@@ -42,30 +42,29 @@ class EtaLog:
 
     def waiting(self, cell: int, milli: int, gpus: int, ahead: list[tuple[int, int]], leased: list[tuple],
                 pool: Pool, now: float) -> None:
-        """Record the ETA (:func:`.estimates.eta`) and the old estimate of ``cell``, which asks for a
-        ``milli`` slice or ``gpus`` whole GPUs behind ``ahead`` (``(milli, gpus)`` of the interactive
-        requests queued before it) while ``leased`` hold capacity (``(class, cell started at, idle
-        since or None, GPU uuids, milli)`` per active lease) in ``pool``."""
-        frees = [(self.expected_end(klass, run_start, idle_since, now), [pool.uuid_index[u] for u in uuids], held)
-                 for klass, run_start, idle_since, uuids, held in leased]
-        predicted = eta(milli, gpus, ahead, [FULL - m for m in pool.milli], pool.node_of, frees, now)
+        """Record the ETA and the old estimate of ``cell``, which asks for a ``milli`` slice or
+        ``gpus`` whole GPUs behind ``ahead`` (``(milli, gpus)`` of the interactive requests queued
+        before it) while ``leased`` hold capacity (``(class, cell started at, idle since or None,
+        GPU uuids, milli)`` per active lease) in ``pool``."""
+        room = Room(tuple((FULL - m) / FULL for m in pool.milli), tuple(pool.node_of))
+        holding = [self.held(*lease, pool) for lease in leased]
+        typical = typical_lengths((klass, seconds) for klass, cells in self.cells.items() for seconds in cells)
+        asks = [(m / FULL, g) for m, g in ahead] + [(milli / FULL, gpus)]
+        predicted = eta_seconds(asks, room, holding, typical, at(now))[-1]
         self.record(cell, predicted, len(ahead) + 1, len(leased))
+
+    def held(self, klass: str, run_start: float, idle_since: float | None, uuids, milli: int,
+             pool: Pool) -> Holding:
+        """A held lease as the service's ETA sees it: an idle notebook is parked at the first sweep
+        tick after its idle timeout or the pressure grace (someone waits), whichever is shorter; a
+        running one lets go that long after its cell ends; a batch job ends with its cell."""
+        timeout, pressure = self.policy.idle_timeout or 0.0, self.policy.pressure_grace
+        after = 0.0 if klass == BATCH else min(timeout, pressure) if pressure is not None else timeout
+        deadline = None if idle_since is None else at(math.ceil((idle_since + after) / SWEEP_S) * SWEEP_S)
+        return Holding(tuple(pool.uuid_index[u] for u in uuids), milli / FULL, klass, idle_since is None,
+                       at(run_start), deadline, after)
 
     def started(self, cell: int, wait: float) -> None:
         """``cell`` started after waiting ``wait`` seconds."""
         if cell in self.pending:
             self.errors.append((*self.pending.pop(cell), wait))
-
-    def expected_end(self, klass: str, run_start: float, idle_since: float | None, now: float) -> float:
-        """When a lease of ``klass`` whose cell started at ``run_start`` (idle
-        since ``idle_since``, None: running) is expected to free its capacity."""
-        if klass == BATCH:
-            history = self.cells[BATCH]
-            return max(now, run_start + (statistics.median(history) if history else 0.0))
-        timeout, pressure = self.policy.idle_timeout or 0.0, self.policy.pressure_grace
-        after = min(timeout, pressure) if pressure is not None else timeout
-        if idle_since is not None:
-            return max(now, math.ceil((idle_since + after) / SWEEP_S) * SWEEP_S)
-        history = self.cells[INTERACTIVE]
-        ends = max(now, run_start + (statistics.median(history) if history else 0.0))
-        return math.ceil((ends + after) / SWEEP_S) * SWEEP_S

@@ -65,7 +65,7 @@ def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_
                        with_eta: bool = False, users: int | None = None) -> NotebookResult:
     """Replay ``workload`` under ``policy`` on ``pool_size`` GPUs (nodes of
     ``per_node``), with ``backlog`` batch jobs if given; ``with_eta`` records
-    the ETA of every interactive request that waits (:func:`.estimates.eta`)
+    the ETA of every interactive request that waits (:func:`..rules.eta.eta_seconds`)
     next to the queue's old estimate and the wait it had."""
     wall = time.perf_counter()
     replay = _Replay(workload, policy, pool or uniform_pool(pool_size, per_node=per_node), backlog, with_eta)
