@@ -120,7 +120,7 @@ class Launcher:
             if self.accounts.pooled(user):
                 await self.accounts.give_back(account)
             raise WorkerStartError(f"could not make the cgroup of the worker for {name}: {exc}") from None
-        if cgroup.kind != "none":
+        if cgroup.confines:  # joined by the start gate, before the kernel runs
             manager.cgroup = cgroup
         log_path = workers_dir / f"{name}.log"
         await self._start_kernel(manager, name, env, log_path, cgroup, account, user)
@@ -157,7 +157,7 @@ class Launcher:
             await quietly(manager.cleanup_resources())
             await self.accounts.give_back(account)
             raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
-        if cgroup.kind == "none":
+        if not cgroup.confines:  # no gate to join: its process group and tree, from here on
             cgroup.add(manager.provisioner.process.pid)
 
     async def _wait_ready(self, worker: Worker) -> None:
