@@ -117,19 +117,6 @@ def has_control_characters(text: str) -> bool:
     return any(ch < " " or ch == "\x7f" for ch in text)
 
 
-def text_field(body: dict[str, Any], key: str, max_len: int = 200) -> str | None:
-    """``body[key]``: None when absent, else a non-empty one-line string of at most
-    ``max_len`` characters; 400 naming ``key`` otherwise."""
-    value = body.get(key)
-    if value is None:
-        return None
-    if (not isinstance(value, str) or not value or len(value) > max_len or has_control_characters(value)
-            or not is_unicode(value)):
-        raise bad_request(f"'{key}' must be a non-empty string of at most {max_len} characters, "
-                          "without control characters")
-    return value
-
-
 #: What a worker environment's name may hold (``c.NodeAgent.environments`` keys a lease can name).
 ENV_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 #: The prefix :func:`kernel_environment` drops from a kernel's name.

@@ -89,9 +89,9 @@ def progress_phase(lease: Lease) -> str:
 
 
 class Events:
-    """Pending notices, the open ``gpupool.status`` comms and what they were
-    last told. ``notify``, ``emit`` and ``changed`` may be called from any
-    thread (the heartbeat's).
+    """The open ``gpupool.status`` comms and what they were last told.
+    ``notify``, ``emit`` and ``changed`` may be called from any thread (the
+    heartbeat's).
 
     ``snapshot`` (set by the kernel): a callable returning the current
     :func:`lease_state`; ``answer`` (set by the kernel): a callable that
@@ -101,7 +101,6 @@ class Events:
 
     def __init__(self, comm_manager: Any) -> None:
         self._lock = threading.Lock()
-        self._pending: list[str] = []
         self._comms: dict[str, Any] = {}
         self._state: dict[str, Any] | None = None
         self.snapshot: Callable[[], dict[str, Any]] = lambda: lease_state("detached")
@@ -149,13 +148,10 @@ class Events:
             log.warning("could not read the gpupool state", exc_info=True)
             return lease_state("detached")
 
-    def notify(self, kind: str, message: str, keep: bool = True) -> None:
-        """Send ``message`` to the listening front ends as an event (then the
-        state, which such a notice usually changes) and, with ``keep``, keep it
-        for the top of the next cell."""
-        with self._lock:
-            if keep:
-                self._pending.append(message)
+    def notify(self, kind: str, message: str) -> None:
+        """Send ``message`` to the listening front ends as an event, then the
+        state, which such a notice usually changes. What the cells say is
+        :class:`~gpupool.magics.notices.Notices`' business."""
         self.emit(kind, message)
         self.changed()
 
@@ -176,12 +172,6 @@ class Events:
             self._state = state
             comms = list(self._comms.values())
         self._send(comms, {"state": state})
-
-    def take_pending(self) -> list[str]:
-        """The notices since the last call, oldest first (and forget them)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        return pending
 
 
 class Requests:

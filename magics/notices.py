@@ -37,7 +37,7 @@ class Notices:
         else:
             with self._lock:
                 self._pending.append((kind, message, beat))
-        self.kernel.events.notify(kind, message, keep=False)
+        self.kernel.events.notify(kind, message)
 
     def say(self, forwarded: bool) -> None:
         """Say the notices that came since the last cell at the top of this

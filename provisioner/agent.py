@@ -45,6 +45,7 @@ from .cgroups import CgroupError, Containment, containment
 from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
 from .workers import WarmSettings, WorkerManager, WorkerSettings as WorkerLaunchSettings
+from .workers import launchers
 
 
 # Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
@@ -68,6 +69,7 @@ class NodeAgent(WorkerSettings):
         "config": "NodeAgent.config_file",
         "enforcement": "NodeAgent.enforcement_mode",
         "warm-workers": "NodeAgent.warm_workers",
+        "worker-launcher": "NodeAgent.worker_launcher",
         "worker-user": "NodeAgent.worker_user",
         "cgroup-mode": "NodeAgent.cgroup_mode",
         "transport-encryption": "NodeAgent.transport_encryption",
@@ -115,6 +117,10 @@ class NodeAgent(WorkerSettings):
             self.enforcement.setup(self.state_dir, self.log)
         except (ValueError, TypeError, RuntimeError) as exc:  # an unknown or broken plugin; no MPS daemon
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
+        try:
+            self.launcher = launchers.launcher_class(self.worker_launcher)
+        except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
+            raise GPUPoolError(Reason.not_configured, f"{exc} (c.NodeAgent.worker_launcher)") from None
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -192,7 +198,8 @@ class NodeAgent(WorkerSettings):
             warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
             enforcement=self.enforcement)
-        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), log=self.log)
+        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), launcher=self.launcher,
+                                     log=self.log)
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers

@@ -20,17 +20,22 @@ from gpupool.traits import ByteSize, Duration
 
 from . import enforcement, inventory
 from .cgroups import MODES as CGROUP_MODES
+from .workers import launchers
 
 
-
-def _auto_or_one_of(proposal: Any, available: tuple[str, ...]) -> str:
-    """A plugin setting's value (``auto`` or one of ``available``, built-in
-    names and entry points'), refused in the words of an ``Enum`` trait."""
-    choices = ("auto", *available)
+def _one_of(proposal: Any, choices: tuple[str, ...]) -> str:
+    """A plugin setting's value (one of ``choices``, built-in names and
+    entry points'), refused in the words of an ``Enum`` trait."""
     if proposal["value"] not in choices:
         raise TraitError(f"The '{proposal['trait'].name}' trait of a NodeAgent instance expected any of "
                          f"{list(choices)}, not {proposal['value']!r}")
     return proposal["value"]
+
+
+def _auto_or_one_of(proposal: Any, available: tuple[str, ...]) -> str:
+    """As :func:`_one_of`, ``auto`` or one of ``available``."""
+    return _one_of(proposal, ("auto", *available))
+
 
 class NodeSettings(Application):
     """How this node joins the pool: its name and address, the service and its
@@ -227,6 +232,21 @@ class NodeSettings(Application):
 class WorkerSettings(NodeSettings):
     """How this node's workers run: their start and stop, the warm pool, their
     accounts, environments and cgroups, and their transport encryption."""
+
+    worker_launcher = Unicode(
+        "local",
+        help=f"""How this node starts its workers, one of {", ".join(launchers.available())}:
+        ``local`` (default: an ipykernel process of this host, in a cgroup of its own), or a
+        launcher of the ``gpupool.worker_launchers`` entry point group (a subclass of
+        ``gpupool.provisioner.workers.launchers.WorkerLauncher``, e.g. one that starts each
+        worker in a container). A worker an earlier run of the agent left running is
+        re-adopted from its record, whichever launcher started it.
+        ``c.NodeAgent.worker_launcher = "local"``.""",
+    ).tag(config=True)
+
+    @validate("worker_launcher")
+    def _worker_launcher_valid(self, proposal: Any) -> str:
+        return _one_of(proposal, launchers.available())
 
     worker_start_timeout = Duration(
         60.0, help="""Seconds a worker may take to answer its first ``kernel_info`` before its

@@ -87,6 +87,7 @@ def start_daemonizer(tmp_path: Path, group: cgroups.LeaseCgroup) -> tuple[subpro
 
 def test_kill_reaches_a_double_forked_daemon_and_remove_leaves_nothing(tree, tmp_path):
     group = tree.create("lease-L-1")
+    assert group.confines  # what the workers ask, never the kind's name
     assert tree.names() == ["lease-L-1"] and tree.find("lease-L-1") is not None
     shell, daemon = start_daemonizer(tmp_path, group)
     assert group.pids() == {shell.pid, daemon}
@@ -191,6 +192,7 @@ def test_mode_none_warns_once_and_misses_a_daemon_in_a_session_of_its_own(tmp_pa
     with caplog.at_level(logging.WARNING, "gpupool.agent"):
         none = containment("none", "", tmp_path)
         group = none.create("lease-L-none")
+        assert not group.confines
         shell, daemon = start_daemonizer(tmp_path, group)
         assert group.pids() == {shell.pid}, "the daemon is out of its sight"
         assert group.kill() == []

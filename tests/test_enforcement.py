@@ -9,8 +9,7 @@ import pytest
 
 from gpupool.provisioner.enforcement import (MIG, MPS, EnforcementMode, Exclusive, MemoryWatchdog, MPSControl,
                                              NoEnforcement, Timeslice, after_rediscovery, available, mode_class,
-                                             register, resolve, slice_environment)
-from gpupool.provisioner.enforcement import factory
+                                             register, resolve, slice_environment, unregister)
 from gpupool.wire.nodes import GPUInfo
 
 GiB = 1024**3
@@ -129,17 +128,22 @@ def test_capacity_rule_and_watchdog(mode, whole, watched):
     assert bool(verdicts[1]) is watched
 
 
-def test_a_mode_registered_in_process_is_chosen_by_name(monkeypatch):
-    monkeypatch.setattr(factory, "_registered", {})
-
-    @register
+def test_a_mode_registered_in_process_is_chosen_by_name_until_unregistered():
     class Partitioned(EnforcementMode):
         name = "partitioned"
         whole_gpus = True
 
-    assert "partitioned" in available()
-    assert isinstance(resolve("partitioned", "nvml", []), Partitioned)
-    assert resolve("partitioned", "simulated", []).name == "none"  # it confines real GPUs
+    assert register(Partitioned) is Partitioned  # a class decorator too
+    try:
+        assert "partitioned" in available()
+        assert isinstance(resolve("partitioned", "nvml", []), Partitioned)
+        assert resolve("partitioned", "simulated", []).name == "none"  # it confines real GPUs
+    finally:
+        unregister(Partitioned)
+    assert "partitioned" not in available()  # nothing leaks into the next test
+    with pytest.raises(ValueError, match="unknown enforcement mode 'partitioned'"):
+        mode_class("partitioned")
+    unregister(Partitioned)  # twice: no error
     with pytest.raises(ValueError, match="taken by gpupool"):
         register(type("Fake", (EnforcementMode,), {"name": "mps"}))
     with pytest.raises(TypeError, match="needs a name"):

@@ -46,7 +46,8 @@ def test_a_plugin_mode_places_whole_gpu_leases_and_shapes_the_worker(tmp_path, m
         with pytest.raises(GPUPoolError) as refused:
             client.create_lease(LeaseRequest(fraction=0.5))
         assert refused.value.code == "pool_full"
-        assert list(refused.value.extra["reasons"]) == ["whole GPUs only on its node (mig or exclusive enforcement)"]
+        assert list(refused.value.extra["reasons"]) == [
+            "whole GPUs only on its node (its enforcement mode does not share a GPU)"]
 
         lease = client.get_lease(client.create_lease(LeaseRequest(fraction=1.0)).id, wait=60, state="starting")
         assert lease.state.value == "active" and lease.node == "node-demo"

@@ -375,8 +375,8 @@ def test_memory_of_no_worker_and_whole_gpu_nodes_shape_placement(service):
     assert status == 200
     with pytest.raises(GPUPoolError) as refused:
         service.client().create_lease(LeaseRequest(fraction=0.25))
-    assert refused.value.extra["reasons"] == {"not enough free memory": 1,
-                                              "whole GPUs only on its node (mig or exclusive enforcement)": 1}
+    assert refused.value.extra["reasons"] == {
+        "not enough free memory": 1, "whole GPUs only on its node (its enforcement mode does not share a GPU)": 1}
     assert all_leases(service) == []
 
 

@@ -22,7 +22,7 @@ from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
                                          WorkerStartError, worker_environment)
 from gpupool.provisioner.workers.kernel import KernelManagers, kernel_arguments
-from gpupool.provisioner.workers.process import worker_process
+from gpupool.provisioner.workers.process import AdoptedProcess, LocalProcess
 from procs import processes_mentioning
 from workercell import run_worker_cell
 
@@ -246,7 +246,7 @@ def test_kernel_arguments_load_extensions_strictly():
 def test_both_worker_process_kinds_are_killed_alike(kind):
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)
     proc = psutil.Process(child.pid)
-    process = worker_process("local", child) if kind == "local" else worker_process(kind, proc, proc.create_time())
+    process = LocalProcess(child) if kind == "local" else AdoptedProcess(proc, proc.create_time())
     try:
         assert not process.exited() and process.create_time() == pytest.approx(proc.create_time())
         assert process.kill([], 5.0) == []
@@ -258,11 +258,6 @@ def test_both_worker_process_kinds_are_killed_alike(kind):
         assert (process.returncode, process.exit_note) == (-signal.SIGKILL, None)
     else:
         assert process.returncode is None and "unknown" in process.exit_note
-
-
-def test_worker_process_kinds_are_named():
-    with pytest.raises(ValueError, match="local, adopted"):
-        worker_process("pod")
 
 
 def _status(state: str, msg_id: str, msg_type: str = "execute_request") -> dict:

@@ -252,8 +252,7 @@ class Rule:
                                         and item.gpu_count > 1 for item in asking)
 
     def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
-             free_gpus: Mapping[str, float] | None = None,
-         clear_grace: float | None = None) -> Plan:
+             free_gpus: Mapping[str, float] | None = None) -> Plan:
         """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
         only with ``clear_nodes``."""
         return plan(held, asking, grace=self.grace, notice=self.notice, allow_preemption=self.allow_preemption,

@@ -62,7 +62,7 @@ MODEL_MISMATCH = "model mismatch"
 NO_FRACTION = "not enough free fraction"
 NO_MEMORY = "not enough free memory"
 FEW_ON_NODE = "too few free GPUs on its node"
-WHOLE_ONLY = "whole GPUs only on its node (mig or exclusive enforcement)"
+WHOLE_ONLY = "whole GPUs only on its node (its enforcement mode does not share a GPU)"
 REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, NO_ENVIRONMENT, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY,
            NO_CPUS, NO_HOST_MEMORY, FEW_ON_NODE)
 
@@ -79,7 +79,8 @@ class GPUState:
     account for, so placing by it would refuse requests that fit.
     ``memory_unattributed`` is memory NVML sees used by processes of no
     worker: it is taken, whoever holds it. ``whole_only`` marks GPUs of a
-    node whose enforcement (``mig``, ``exclusive``) gives out whole GPUs only.
+    node whose enforcement mode gives out whole GPUs only (its capacity rule,
+    ``whole_gpus`` at registration: ``mig``, ``exclusive`` or a plugin's).
     ``node_degraded`` marks GPUs of a node whose agent is alive but cannot
     read its GPUs (NVML failed): its leases go on, nothing new goes there.
     ``environments`` names the worker environments its node reports usable

@@ -23,6 +23,16 @@ class LeaseCgroup(ABC):
     def __init__(self, name: str) -> None:
         self.name = name
 
+    @property
+    @abstractmethod
+    def confines(self) -> bool:
+        """True for a cgroup of the kernel's: a process joins it before it
+        runs (the start gate, :mod:`..workers.kernel`), every process it
+        starts stays in it (a double-forked daemon too), and a restarted
+        agent finds it again by :attr:`name`. False for no cgroup: only the
+        process group and tree of the processes :meth:`add` names, as seen at
+        kill time."""
+
     @abstractmethod
     def add(self, pid: int) -> None:
         """Put process ``pid`` (and, for new children, what it starts from

@@ -18,6 +18,8 @@ class GroupOnly(LeaseCgroup):
     """No cgroup: the worker's process group and the descendants of the
     processes added, as found at kill time (the weaker mode)."""
 
+    confines = False
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._leaders: list[psutil.Process] = []

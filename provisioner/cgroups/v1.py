@@ -16,6 +16,7 @@ class V1Cgroup(LeaseCgroup):
     directory; ``freezer`` is always among them."""
 
     kind = "v1"
+    confines = True
 
     def __init__(self, name: str, paths: dict[str, Path]) -> None:
         super().__init__(name)

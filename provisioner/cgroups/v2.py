@@ -15,6 +15,7 @@ class V2Cgroup(LeaseCgroup):
     """A cgroup of the unified hierarchy at ``path``."""
 
     kind = "v2"
+    confines = True
 
     def __init__(self, name: str, path: Path) -> None:
         super().__init__(name)

@@ -1,7 +1,7 @@
 """Finding enforcement modes by name, and the node's mode from what it asked.
 
 Modes come from three places, looked up in this order: the built-in ones,
-those added in this process with :func:`register`, and those a package
+those added in this process with :func:`register` (until :func:`unregister`), and those a package
 declares in the ``gpupool.enforcement`` entry point group (name = the mode's
 name, value = its :class:`~.base.EnforcementMode` subclass)::
 
@@ -34,6 +34,15 @@ def register(mode: type[EnforcementMode]) -> type[EnforcementMode]:
         raise ValueError(f"enforcement mode name {mode.name!r} is taken by gpupool")
     _registered[mode.name] = mode
     return mode
+
+
+def unregister(mode: type[EnforcementMode]) -> None:
+    """Undo :func:`register` of ``mode``: its name is no longer selectable
+    in this process (an entry point of that name is again). No error when
+    ``mode`` is not registered; another class registered under its name
+    since stays."""
+    if _registered.get(getattr(mode, "name", None)) is mode:
+        del _registered[mode.name]
 
 
 def _entry_points() -> dict[str, EntryPoint]:

@@ -26,7 +26,9 @@ The modules, one concept each: :mod:`.spec` (settings, the lease's worker,
 its environment, the errors), :mod:`.kernel` (command line, start gate,
 connection file and ports), :mod:`.process` (the worker process contract:
 a local child or an adopted process), :mod:`.handle` (:class:`Worker`, the
-agent's handle on one), :mod:`.accounts`, :mod:`.launcher` (starting one),
+agent's handle on one), :mod:`.accounts`, :mod:`.launchers` (starting one:
+the launcher contract, the ``local`` launcher, and the others by name,
+``c.NodeAgent.worker_launcher``),
 :mod:`.binding`, :mod:`.warmpool`, :mod:`.stopping`, :mod:`.records`,
 :mod:`.recovery` and :mod:`.manager` (:class:`WorkerManager`).
 """

@@ -75,7 +75,7 @@ class Worker:
         spec = self.spec
         return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid,
                             self.process.create_time(), str(self.manager.connection_file), str(self.log_path),
-                            self.cgroup.name if self.cgroup.kind != "none" else "",
+                            self.cgroup.name if self.cgroup.confines else "",
                             self.user.name if self.user is not None else "")
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
@@ -100,7 +100,7 @@ class Worker:
         with a cgroup, every other process in it (a double-forked daemon
         too); else its process tree. Empty once the worker was reaped
         without a cgroup: its pid may belong to another process then."""
-        if self.cgroup.kind != "none":
+        if self.cgroup.confines:
             return _processes(self.cgroup.pids() - {self.pid})
         return self.process.children()
 

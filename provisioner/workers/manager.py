@@ -16,7 +16,8 @@ from .accounts import WorkerAccounts
 from .binding import bind
 from .handle import Worker
 from .kernel import KernelManagers
-from .launcher import Launcher
+from .launchers import WorkerLauncher
+from .launchers.local import LocalLauncher
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerSettings, WorkerSpec, WorkerStartError
 from .stopping import Reaper, quietly
@@ -29,6 +30,8 @@ class WorkerManager:
 
     ``cgroups``: where workers' cgroups are made (:mod:`..cgroups`; default
     ``containment("auto", "", state_dir)``: the best this host offers).
+    ``launcher``: the class that starts them (:mod:`.launchers`, chosen by
+    ``c.NodeAgent.worker_launcher``; default the ``local`` one).
     The warm pool (``settings.warm``) starts filling on
     :meth:`start_warm_pool`.
 
@@ -37,7 +40,7 @@ class WorkerManager:
     """
 
     def __init__(self, settings: WorkerSettings, *, cgroups: Containment | None = None,
-                 log: logging.Logger | None = None) -> None:
+                 launcher: type[WorkerLauncher] = LocalLauncher, log: logging.Logger | None = None) -> None:
         self.settings = settings
         self.log = log or logging.getLogger("gpupool.agent")
         self.workers_dir = settings.workers_dir
@@ -50,7 +53,7 @@ class WorkerManager:
         self.log.info("worker cgroups: %s under %s", self.cgroups.mode, self.cgroups.where)
         self._kernels = KernelManagers(settings, self.log)
         self._reaper = Reaper(settings, accounts, self.log)
-        self._launcher = Launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
+        self._launcher = launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
         self._recovery = Recovery(settings, accounts, self.cgroups, self._kernels, self.log)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}

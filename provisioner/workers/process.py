@@ -2,22 +2,22 @@
 of one worker, whoever started it.
 
 :class:`WorkerProcess` is what the rest of the worker code uses; it never
-asks which kind it holds. Two kinds today, by name in :data:`PROCESS_KINDS`
-(:func:`worker_process` makes one):
+asks which kind it holds. Two kinds today:
 
-- ``"local"`` (:class:`LocalProcess`): a kernel this agent started, its
-  ``subprocess.Popen`` child. Its exit code is known, and while it is not
-  reaped its pid (a session leader's, so its process group id) cannot be
-  reused, so its group can be signalled safely.
-- ``"adopted"`` (:class:`AdoptedProcess`): a worker an earlier run of the
-  agent started, found again after a restart (:mod:`.recovery`). Not this
-  process's child: it is watched through psutil, which compares the
-  process's start time, so a reused pid is never taken for it. Its exit code
-  is known only to its parent (init, by then), so it is reported dead
-  without one.
+- :class:`LocalProcess`: a kernel this agent started (the ``local``
+  launcher, :mod:`.launchers.local`), its ``subprocess.Popen`` child. Its
+  exit code is known, and while it is not reaped its pid (a session
+  leader's, so its process group id) cannot be reused, so its group can be
+  signalled safely.
+- :class:`AdoptedProcess`: a worker an earlier run of the agent started,
+  found again after a restart (:mod:`.recovery`). Not this process's child:
+  it is watched through psutil, which compares the process's start time, so
+  a reused pid is never taken for it. Its exit code is known only to its
+  parent (init, by then), so it is reported dead without one.
 
-This is the seam where a container or pod launcher would plug in: a kind
-whose handle is the container, registered in :data:`PROCESS_KINDS`.
+A container or pod launcher (:mod:`.launchers`, picked by
+``c.NodeAgent.worker_launcher``) brings a kind of its own, whose handle is
+the container.
 """
 
 from __future__ import annotations
@@ -225,22 +225,6 @@ class AdoptedProcess(WorkerProcess):
             pass
         finally:
             client.stop_channels()
-
-
-#: The worker process kinds by name; a container or pod launcher adds its own.
-PROCESS_KINDS: dict[str, type[WorkerProcess]] = {"local": LocalProcess, "adopted": AdoptedProcess}
-
-
-def worker_process(kind: str, *args: Any) -> WorkerProcess:
-    """The :class:`WorkerProcess` of ``kind`` on ``args``: ``"local"``
-    (``popen``: a kernel this agent started) or ``"adopted"`` (``proc,
-    started``: a psutil handle on a worker an earlier run of the agent
-    started, and its recorded start time). ValueError for another kind."""
-    try:
-        cls = PROCESS_KINDS[kind]
-    except KeyError:
-        raise ValueError(f"worker process kind must be one of {', '.join(PROCESS_KINDS)}, got {kind!r}") from None
-    return cls(*args)
 
 
 def create_time(pid: int) -> float:

@@ -25,7 +25,7 @@ from ..cgroups import CgroupError, Containment
 from .accounts import WorkerAccounts
 from .handle import Worker
 from .kernel import KernelManagers
-from .process import kill_all, left_behind, worker_process
+from .process import AdoptedProcess, kill_all, left_behind
 from .records import WorkerRecord, read_records, stray_workers
 from .spec import WorkerSettings, WorkerSpec
 from .stopping import kill_and_remove, remove_files, worker_files
@@ -117,7 +117,7 @@ class Recovery:
         except (OSError, ValueError) as exc:
             self.log.warning("cannot re-adopt the worker of lease %s: its connection file: %s", record.lease_id, exc)
             return None  # it is a stray now, and stopped as one
-        worker = Worker(spec, manager, worker_process("adopted", proc, record.create_time), Path(record.log_path),
+        worker = Worker(spec, manager, AdoptedProcess(proc, record.create_time), Path(record.log_path),
                         self.settings.advertise_ip, cgroup=cgroup)
         worker.user = self.accounts.claim(record.user)
         return await self._reconnect(worker, record)

@@ -68,7 +68,7 @@ class Reaper:
         (without one: its process group) on the spot, so processes it started
         do not keep GPU memory, and learn its exit code and, when its memory
         limit ended it, why (:func:`..host_limits.out_of_memory`). Blocking, briefly."""
-        contained = worker.cgroup.kind != "none"
+        contained = worker.cgroup.confines
         if contained:
             try:
                 worker.cgroup.kill(timeout=0.0)  # what its cells started goes with it; waited for at stop

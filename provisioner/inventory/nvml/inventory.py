@@ -186,11 +186,6 @@ class NVMLInventory(Inventory):
         """UUIDs of the GPUs whose process list the last :meth:`process_usage` read."""
         return set(self._processes.known)
 
-    def process_utilization(self, device: Device) -> dict[int, int]:
-        """NVML pid -> SM utilization (percent) of ``device``'s processes, from
-        the samples since the last call for it (:meth:`.processes.ProcessReader.utilization`)."""
-        return self._processes.utilization(device)
-
     def process_memory(self) -> dict[int, int]:
         """GPU bytes per *local* pid (the agent's namespace), summed over all
         GPUs; processes that map to no local pid or whose memory NVML cannot

@@ -1,32 +1,32 @@
-"""Starting a worker kernel: cold for a lease (its slice's environment from
-the start), or warm (no GPU visible, the preload imported) for the pool.
+"""The ``local`` worker launcher: a worker kernel as a process of the
+agent's host, cold for a lease (its slice's environment from the start), or
+warm (no GPU visible, the preload imported) for the pool.
 
 Each start takes the worker's account, makes its cgroup, starts ipykernel
 through jupyter_client (the start gate puts it in the cgroup before it runs:
-:mod:`.kernel`), subscribes to its IOPub and waits until it answers
+:mod:`..kernel`), subscribes to its IOPub and waits until it answers
 ``kernel_info``. A start that fails leaves nothing running.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from ..activity import watch_iopub
-from ..cgroups import CgroupError, Containment, LeaseCgroup
-from ..worker_user import NoFreeWorkerUser, WorkerUser
-from .accounts import WorkerAccounts
-from .binding import UNBOUND_ENVIRONMENT, execute, preload_code
-from .handle import Worker
-from .kernel import KernelManagers, WorkerKernelManager, history_path, kernel_arguments
-from .process import worker_process
-from .spec import WorkerSettings, WorkerSpec, WorkerStartError, worker_environment
-from .stopping import Reaper, kill_and_remove, quietly
+from ...activity import watch_iopub
+from ...cgroups import CgroupError, LeaseCgroup
+from ...worker_user import NoFreeWorkerUser, WorkerUser
+from ..binding import UNBOUND_ENVIRONMENT, execute, preload_code
+from ..handle import Worker
+from ..kernel import WorkerKernelManager, history_path, kernel_arguments
+from ..process import LocalProcess
+from ..spec import WorkerSpec, WorkerStartError, worker_environment
+from ..stopping import kill_and_remove, quietly
+from .base import WorkerLauncher
 
 
 #: Starts of one worker in all when its ports were taken before it bound them.
@@ -35,19 +35,9 @@ PORT_TRIES = 3
 PORT_TAKEN = "Address already in use"
 
 
-class Launcher:
-    """Starts the workers of one node as ``settings`` says, as the accounts
-    of ``accounts``, in cgroups of ``cgroups``; ``reaper`` stops what a
-    failed start left."""
-
-    def __init__(self, settings: WorkerSettings, accounts: WorkerAccounts, cgroups: Containment,
-                 kernels: KernelManagers, reaper: Reaper, log: logging.Logger) -> None:
-        self.settings = settings
-        self.accounts = accounts
-        self.cgroups = cgroups
-        self.kernels = kernels
-        self.reaper = reaper
-        self.log = log
+class LocalLauncher(WorkerLauncher):
+    """The stock launcher (``local``): each worker an ipykernel process of
+    this host, this agent's child (a :class:`~..process.LocalProcess`)."""
 
     async def cold(self, spec: WorkerSpec) -> Worker:
         """Start the worker of ``spec``, its slice's environment set from
@@ -120,11 +110,11 @@ class Launcher:
             if self.accounts.pooled(user):
                 await self.accounts.give_back(account)
             raise WorkerStartError(f"could not make the cgroup of the worker for {name}: {exc}") from None
-        if cgroup.kind != "none":
+        if cgroup.confines:  # joined by the start gate, before the kernel runs
             manager.cgroup = cgroup
         log_path = workers_dir / f"{name}.log"
         await self._start_kernel(manager, name, env, log_path, cgroup, account, user)
-        worker = Worker(None, manager, worker_process("local", manager.provisioner.process), log_path,
+        worker = Worker(None, manager, LocalProcess(manager.provisioner.process), log_path,
                         self.settings.advertise_ip, name, cgroup)
         worker.user = account
         await self._wait_ready(worker)
@@ -152,12 +142,12 @@ class Launcher:
         except Exception as exc:
             process = getattr(manager.provisioner, "process", None)
             if process is not None:  # launched, then something after it failed
-                await asyncio.to_thread(worker_process("local", process).kill, (), 5.0)
+                await asyncio.to_thread(LocalProcess(process).kill, (), 5.0)
             await quietly(asyncio.to_thread(kill_and_remove, cgroup, 5.0))
             await quietly(manager.cleanup_resources())
             await self.accounts.give_back(account)
             raise WorkerStartError(f"could not launch the worker for {name}: {exc}") from None
-        if cgroup.kind == "none":
+        if not cgroup.confines:  # no gate to join: its process group and tree, from here on
             cgroup.add(manager.provisioner.process.pid)
 
     async def _wait_ready(self, worker: Worker) -> None:

@@ -1,0 +1,15 @@
+"""How a node starts its workers: one contract, picked by name.
+
+- :mod:`.base`: :class:`WorkerLauncher`, what every launcher does (start a
+  lease's worker cold, or a warm one ahead of any lease);
+- :mod:`.local`: :class:`LocalLauncher` (``local``), an ipykernel process of
+  the agent's host in a cgroup of its own;
+- :mod:`.factory`: launchers by name (built-in, or a plugin's in the
+  ``gpupool.worker_launchers`` entry point group), for
+  ``c.NodeAgent.worker_launcher``.
+"""
+
+from .base import WorkerLauncher
+from .factory import ENTRY_POINT_GROUP, available, launcher_class
+
+__all__ = ["ENTRY_POINT_GROUP", "WorkerLauncher", "available", "launcher_class"]
