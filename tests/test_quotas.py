@@ -5,7 +5,7 @@ restart, the admin scope, and ``gpupool quota``."""
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from procs import start_service
@@ -147,20 +147,27 @@ def test_concurrent_quota_refusal_names_the_numbers(quota_service):
     assert len(client.list_leases()) == 3 and len(bob.list_leases()) == 1
 
 
-def test_daily_gpu_hours_refusal(quota_service):
-    """8 GPU-hours of today in the ledger (as earlier leases would leave them): the next request is refused."""
+def use_up_today(service, lease_id: str) -> None:
+    """Put tester's 8 GPU-hours of today in the ledger, as earlier leases would leave them: a record
+    from midnight to now whose GPUs make 8 GPU-hours whatever the time of day (usage counts
+    GPUs x the hours of a record within the day, not its gpu_seconds)."""
     from gpupool.hub_plugin import usage
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import UsageRecord
 
-    store = Store(f"sqlite:///{quota_service.state_dir}/gpupool.sqlite")
+    store = Store(f"sqlite:///{service.state_dir}/gpupool.sqlite")
     now = datetime.now(timezone.utc)
     midnight = usage.period(now, timezone.utc, usage.DAY)[0]
-    held = (now - midnight).total_seconds()
+    held = max((now - midnight).total_seconds(), 1.0)
     with store.write() as session:
-        session.add(UsageRecord(lease_id="L-0000000000aa", owner="tester", groups=[], gpus=8 * 3600 / held,
-                                started_at=midnight, ended_at=now, gpu_seconds=8 * 3600.0))
+        session.add(UsageRecord(lease_id=lease_id, owner="tester", groups=[], gpus=8 * 3600 / held,
+                                started_at=now - timedelta(seconds=held), ended_at=now, gpu_seconds=8 * 3600.0))
     store.close()
+
+
+def test_daily_gpu_hours_refusal(quota_service):
+    """8 GPU-hours of today in the ledger (as earlier leases would leave them): the next request is refused."""
+    use_up_today(quota_service, "L-0000000000aa")
     error = refused(quota_service.client(), fraction=0.25)
     assert (error.status, error.extra["limit"]) == (429, "gpu_hours_per_day")
     assert error.message == "daily GPU-hours used up (8.0 of 8.0); resets 00:00 UTC"
@@ -172,20 +179,10 @@ def test_daily_gpu_hours_refusal(quota_service):
 def test_queued_request_fails_when_gpu_hours_run_out_while_it_waits(quota_service):
     """The quota is checked again when a queued request would be placed: GPU-hours used
     up meanwhile end it ``failed`` with the quota's words (here at the next reclaim sweep)."""
-    from gpupool.hub_plugin import usage
-    from gpupool.hub_plugin.db import Store
-    from gpupool.hub_plugin.models import UsageRecord
-
     client = quota_service.client()
     queued = client.create_lease(LeaseRequest(fraction=0.5, model="H100", wait=600))  # no H100: it waits
     assert queued.state == "queued"
-    store = Store(f"sqlite:///{quota_service.state_dir}/gpupool.sqlite")
-    now = datetime.now(timezone.utc)
-    midnight = usage.period(now, timezone.utc, usage.DAY)[0]
-    with store.write() as session:
-        session.add(UsageRecord(lease_id="L-0000000000ab", owner="tester", groups=[], gpus=1.0,
-                                started_at=midnight, ended_at=now, gpu_seconds=8 * 3600.0))
-    store.close()
+    use_up_today(quota_service, "L-0000000000ab")
     ended = client.get_lease(queued.id, wait=30, state="queued")
     assert ended.state == "failed"
     assert ended.reason.startswith("while queued: daily GPU-hours used up (8.0 of 8.0)"), ended.reason
