@@ -54,39 +54,37 @@ class NodeBook:
     async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
         Raises 400 for a bad body (and changes nothing)."""
-        node = NodeRegistration.from_json(body)
-        name, url, inventory, infos, error = node.name, node.url, node.inventory, list(node.gpus), node.inventory_error
-        environments = None if node.environments is None else [env.to_json() for env in node.environments]
-        stop, dead = await self.state.work.write(self._register_now, name, url, inventory,
-                                                  (node.enforcement, node.whole_gpus), infos, node.healthy,
-                                                  list(node.workers), error, environments,
-                                                  (node.host_cpus, node.host_memory))
-        if error is None:
-            log.info("node %s registered: %s, %d GPU(s), %s inventory", name, url, len(infos), inventory)
+        reg = NodeRegistration.from_json(body)
+        stop, dead = await self.state.work.write(self._register_now, reg)
+        if reg.inventory_error is None:
+            log.info("node %s registered: %s, %d GPU(s), %s inventory", reg.name, reg.url, len(reg.gpus), reg.inventory)
         else:
-            log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", name, error)
+            log.warning("node %s registered degraded: %s; its leases go on, nothing new is placed there", reg.name,
+                        reg.inventory_error)
         self._end_dead(dead)
         await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
-        return RegistrationReply(name, self.heartbeat_interval, tuple(stop)).to_json()
+        return RegistrationReply(reg.name, self.heartbeat_interval, tuple(stop)).to_json()
 
-    def _register_now(self, name, url, inventory, enforcement, infos, healthy, reports, error, environments, host):
+    def _register_now(self, reg: NodeRegistration) -> tuple[list[str], list[tuple[str, str]]]:
         now = self.state.now()
         with self.state.writing() as tx:
             session = tx.session
-            node = session.get(Node, name)
+            node = session.get(Node, reg.name)
             if node is None:
-                node = Node(name=name)
+                node = Node(name=reg.name)
                 session.add(node)
             else:
-                _refuse_second_agent(node, url, now, self.node_ttl)
-            node.url, node.inventory, (node.enforcement, node.whole_gpus) = url, inventory, enforcement
-            node.environments = environments
-            node.host_cpus, node.host_memory = host
+                _refuse_second_agent(node, reg.url, now, self.node_ttl)
+            node.url, node.inventory, node.enforcement, node.whole_gpus = (reg.url, reg.inventory, reg.enforcement,
+                                                                           reg.whole_gpus)
+            node.environments = None if reg.environments is None else [env.to_json() for env in reg.environments]
+            node.host_cpus, node.host_memory = reg.host_cpus, reg.host_memory
             node.registered_at, node.last_heartbeat_at = now, now
-            _set_state(node, error)
-            if error is None:  # a degraded node's GPUs stay as last known: it cannot list them
-                self._upsert_gpus(session, node, infos, healthy)
+            _set_state(node, reg.inventory_error)
+            if reg.inventory_error is None:  # a degraded node's GPUs stay as last known: it cannot list them
+                self._upsert_gpus(session, node, list(reg.gpus), reg.healthy)
             tx.changes.every_gpu()  # GPUs may have come, gone or changed: the scheduler reads them all again
+            reports = list(reg.workers)
             stop, dead = self._apply_reports(session, node, reports, now)
             dead += self._lost_workers(session, node, reports)
         return stop, dead

@@ -30,8 +30,7 @@ def asking(lease_id, owner="zoe", gpus=1.0, cls="interactive", created=100.0):
 
 
 def plan(held_, asking_, *, guaranteed=None, allow=True):
-    return priority.plan(held_, asking_, grace=120, notice=30, allow_preemption=allow,
-                         guaranteed_gpus=guaranteed or {})
+    return priority.plan(held_, asking_, priority.Rule(120, 30, allow), guaranteed or {})
 
 
 # -- class order ------------------------------------------------------------------------------
@@ -159,16 +158,14 @@ def test_preemption_takes_whole_nodes_first():
 ])
 def test_batch_first_preempts_batch_before_parking_idle_notebooks(batch_first, parked, preempted):
     leases = [held("run", busy=True, preemptible=True, cls="batch"), held("idle", owner="bob", idle=0)]
-    decided = priority.plan(leases, [asking("q")], grace=120, notice=30, allow_preemption=True, guaranteed_gpus={},
-                            batch_first=batch_first)
+    decided = priority.plan(leases, [asking("q")], priority.Rule(120, 30, True, batch_first=batch_first), {})
     assert (set(decided.parks), set(decided.preemptions)) == (parked, preempted)
 
 
 @pytest.mark.parametrize("preemption_grace, due", [(None, 250), (0.0, 130)])
 def test_preemption_grace_is_the_pressure_grace_unless_set(preemption_grace, due):
     decided = priority.plan([held("run", busy=True, preemptible=True, cls="batch")], [asking("q", created=100)],
-                            grace=120, notice=30, allow_preemption=True, guaranteed_gpus={},
-                            preemption_grace=preemption_grace)
+                            priority.Rule(120, 30, True, preemption_grace=preemption_grace), {})
     assert decided.preemptions["run"].at == at(due)
 
 
@@ -198,8 +195,8 @@ def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
     ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
 ])
 def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
-    decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)], grace=120, notice=5,
-                            allow_preemption=True, guaranteed_gpus={}, preemption_grace=0.0, free_gpus=free)
+    decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
+                            priority.Rule(120, 5, True, preemption_grace=0.0), {}, free)
     assert (set(decided.preemptions), set(decided.parks)) == (preempted, parked)
     assert all(p.at == at(105) for p in decided.preemptions.values())
 

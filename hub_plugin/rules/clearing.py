@@ -54,7 +54,7 @@ def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempti
 def whole_free(gpus: Iterable) -> dict[str, float]:
     """Node -> how many of its GPUs are wholly free (``scheduler.GPUState``: nothing held,
     healthy), for the nodes new leases may go to (up, not degraded) with any; what
-    :func:`clear` and ``priority.plan(free_gpus=)`` read."""
+    :func:`clear` and ``priority.plan(..., free_gpus)`` reads."""
     free: dict[str, float] = {}
     for node, count in idle_counts(gpu for gpu in gpus if gpu.node_up and not gpu.node_degraded).items():
         if count:

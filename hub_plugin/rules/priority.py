@@ -141,85 +141,6 @@ def waiting_words(owners: int) -> str:
     return f"{owners} {'person is' if owners == 1 else 'people are'} waiting for a GPU"
 
 
-def plan(held: Sequence[Held], asking: Sequence[Asking], *, grace: float, notice: float,
-         allow_preemption: bool, guaranteed_gpus: Mapping[str, float],
-         preemption_grace: float | None = None, batch_first: bool = False,
-         free_gpus: Mapping[str, float] | None = None,
-         clear_grace: float | None = None) -> Plan:
-    """Early parks and preemptions while ``asking`` waits (module docstring).
-
-    ``grace``: seconds a lease may stay idle under pressure (counted from when
-    it went idle, or from when the oldest request pressing on it was asked,
-    whichever is later, so its user learns of it first); ``notice``: seconds
-    between the oldest press and a preemptible cell's interrupt beyond
-    ``preemption_grace`` (None: ``grace``; a running batch cell's user is
-    warned by the notice itself, so a pool may start it at once);
-    ``batch_first``: running preemptible batch leases are taken before idle
-    interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
-    free; None: not known): a waiting interactive request for several whole
-    GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
-    counted in GPUs; ``clear_grace`` (None: ``grace``): an idle lease on a node so
-    cleared is parked at the later of when it went idle and that request's
-    ``created_at`` + ``clear_grace``, if that is sooner. Only early parks before a lease's own ``idle_deadline`` are
-    returned. No clock: deadlines are absolute, so the same inputs give the
-    same plan at every sweep, and the sweep compares them with its ``now``.
-    What a higher class's waiters free is theirs: a batch waiter counts only
-    on batch leases not already taken for interactive ones.
-    """
-    if not asking:
-        return NO_PRESSURE
-    safe = guaranteed(held, guaranteed_gpus)
-    open_leases = [lease for lease in held if lease.lease_id not in safe]
-    parks: dict[str, EarlyPark] = {}
-    preemptions: dict[str, Preemption] = {}
-    # Interactive waiters press on every lease, batch ones only on batch leases.
-    for rank in sorted({class_rank(item.lease_class) for item in asking}):
-        pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
-        need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank)
-        since = min(item.created_at for item in pressing)
-        reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
-        targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
-                   and lease.lease_id not in parks and lease.lease_id not in preemptions]
-        # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
-        # up, else a standing backlog would preempt its own kind at every sweep.
-        preempting = allow_preemption and rank == class_rank(INTERACTIVE)
-        after = grace if preemption_grace is None else preemption_grace
-
-        def take(lease: Held, asked: datetime | None = None) -> None:
-            if lease.busy:
-                preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + notice),
-                                                         reason.replace("parked early", "preempted"))
-            else:
-                park = EarlyPark(max(lease.idle_since, since) + timedelta(seconds=grace), reason, grace)
-                if asked is not None and clear_grace is not None:  # on the node cleared for ``asked``'s request
-                    cleared = max(lease.idle_since, asked + timedelta(seconds=clear_grace))
-                    if cleared < park.deadline:
-                        park = EarlyPark(cleared, reason, clear_grace, cleared=True)
-                if lease.idle_deadline is None or park.deadline < lease.idle_deadline:
-                    parks[lease.lease_id] = park
-
-        if free_gpus is not None and rank == class_rank(INTERACTIVE):
-            free = dict(free_gpus)
-            for item in sorted(asking, key=lambda ask: ask.created_at):
-                if class_rank(item.lease_class) != rank or item.gpu_count < 2:
-                    continue
-                cleared = clearing.clear(item.gpu_count, targets, free, preempting, class_rank(BATCH), class_rank)
-                if cleared is None:
-                    continue
-                node, leases = cleared
-                need -= item.gpus
-                for lease in leases:
-                    take(lease, item.created_at)
-                targets = [lease for lease in targets if lease.node != node]
-                free.pop(node, None)
-        for lease in _victims(targets, preempting, batch_first):
-            if need <= EPSILON:
-                break
-            take(lease)
-            need -= lease.gpus
-    return Plan(parks, preemptions)
-
-
 @dataclass(frozen=True)
 class Rule:
     """The settings :func:`plan` runs with: the service's (``c.GPUPool``, :meth:`of`) or a
@@ -255,10 +176,84 @@ class Rule:
              free_gpus: Mapping[str, float] | None = None) -> Plan:
         """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
         only with ``clear_nodes``."""
-        return plan(held, asking, grace=self.grace, notice=self.notice, allow_preemption=self.allow_preemption,
-                    guaranteed_gpus=guaranteed_gpus, preemption_grace=self.preemption_grace,
-                    batch_first=self.batch_first, free_gpus=free_gpus if self.clear_nodes else None,
-                    clear_grace=self.clear_grace)
+        return plan(held, asking, self, guaranteed_gpus, free_gpus if self.clear_nodes else None)
+
+
+def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_gpus: Mapping[str, float],
+         free_gpus: Mapping[str, float] | None = None) -> Plan:
+    """Early parks and preemptions while ``asking`` waits (module docstring), by ``rule``.
+
+    ``rule.grace``: seconds a lease may stay idle under pressure (counted from
+    when it went idle, or from when the oldest request pressing on it was
+    asked, whichever is later, so its user learns of it first); ``notice``:
+    seconds between the oldest press and a preemptible cell's interrupt beyond
+    ``preemption_grace`` (None: ``grace``; a running batch cell's user is
+    warned by the notice itself, so a pool may start it at once);
+    ``batch_first``: running preemptible batch leases are taken before idle
+    interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
+    free; None: not known): a waiting interactive request for several whole
+    GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
+    counted in GPUs; ``clear_grace`` (None: ``grace``): an idle lease on a node so
+    cleared is parked at the later of when it went idle and that request's
+    ``created_at`` + ``clear_grace``, if that is sooner. Only early parks before
+    a lease's own ``idle_deadline`` are returned. No clock: deadlines are absolute, so the same inputs give the
+    same plan at every sweep, and the sweep compares them with its ``now``.
+    What a higher class's waiters free is theirs: a batch waiter counts only
+    on batch leases not already taken for interactive ones.
+    """
+    if not asking:
+        return NO_PRESSURE
+    safe = guaranteed(held, guaranteed_gpus)
+    open_leases = [lease for lease in held if lease.lease_id not in safe]
+    parks: dict[str, EarlyPark] = {}
+    preemptions: dict[str, Preemption] = {}
+    # Interactive waiters press on every lease, batch ones only on batch leases.
+    for rank in sorted({class_rank(item.lease_class) for item in asking}):
+        pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
+        need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank)
+        since = min(item.created_at for item in pressing)
+        reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
+        targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
+                   and lease.lease_id not in parks and lease.lease_id not in preemptions]
+        # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
+        # up, else a standing backlog would preempt its own kind at every sweep.
+        preempting = rule.allow_preemption and rank == class_rank(INTERACTIVE)
+        grace, clear_grace = rule.grace, rule.clear_grace
+        after = grace if rule.preemption_grace is None else rule.preemption_grace
+
+        def take(lease: Held, asked: datetime | None = None) -> None:
+            if lease.busy:
+                preemptions[lease.lease_id] = Preemption(since + timedelta(seconds=after + rule.notice),
+                                                         reason.replace("parked early", "preempted"))
+            else:
+                park = EarlyPark(max(lease.idle_since, since) + timedelta(seconds=grace), reason, grace)
+                if asked is not None and clear_grace is not None:  # on the node cleared for ``asked``'s request
+                    cleared = max(lease.idle_since, asked + timedelta(seconds=clear_grace))
+                    if cleared < park.deadline:
+                        park = EarlyPark(cleared, reason, clear_grace, cleared=True)
+                if lease.idle_deadline is None or park.deadline < lease.idle_deadline:
+                    parks[lease.lease_id] = park
+
+        if free_gpus is not None and rank == class_rank(INTERACTIVE):
+            free = dict(free_gpus)
+            for item in sorted(asking, key=lambda ask: ask.created_at):
+                if class_rank(item.lease_class) != rank or item.gpu_count < 2:
+                    continue
+                cleared = clearing.clear(item.gpu_count, targets, free, preempting, class_rank(BATCH), class_rank)
+                if cleared is None:
+                    continue
+                node, leases = cleared
+                need -= item.gpus
+                for lease in leases:
+                    take(lease, item.created_at)
+                targets = [lease for lease in targets if lease.node != node]
+                free.pop(node, None)
+        for lease in _victims(targets, preempting, rule.batch_first):
+            if need <= EPSILON:
+                break
+            take(lease)
+            need -= lease.gpus
+    return Plan(parks, preemptions)
 
 
 def acting(plan_: Plan, now: datetime) -> tuple[set[str], set[str], datetime | None]:
