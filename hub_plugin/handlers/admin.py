@@ -51,8 +51,8 @@ class QuotaOverrideHandler(AdminHandler):
         self.write_json({"scope": scope, "limits": limits})
 
     def _set_now(self, scope: str, body, by: str):
-        with self.ctx.pool.state.store.write() as session:
-            return self.ctx.pool.quotas.set_override(session, scope, body, by)
+        with self.ctx.pool.state.writing() as tx:  # no capacity changes: an empty change set
+            return self.ctx.pool.quotas.set_override(tx.session, scope, body, by)
 
     async def delete(self, scope: str) -> None:
         who = self.require_admin()
@@ -64,8 +64,8 @@ class QuotaOverrideHandler(AdminHandler):
         self.write_json({"scope": scope, "limits": None})
 
     def _clear_now(self, scope: str, by: str) -> None:
-        with self.ctx.pool.state.store.write() as session:
-            self.ctx.pool.quotas.clear_override(session, scope, by)
+        with self.ctx.pool.state.writing() as tx:
+            self.ctx.pool.quotas.clear_override(tx.session, scope, by)
 
 
 class UsageHandler(AdminHandler):
