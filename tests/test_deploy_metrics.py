@@ -1,6 +1,6 @@
 """Service metric names per Prometheus' conventions, against a real store: label values are
-codes (every scheduler refusal reason has one; reclaim reasons map by the words reclaim.py
-writes, so the two cannot drift apart), ended leases are a counter, the queue's oldest wait."""
+codes (every scheduler refusal reason is a Misfit with a code and words; reclaim reasons map
+by the words reclaim.py writes, so the two cannot drift apart), ended leases are a counter, the queue's oldest wait."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 def test_every_refusal_reason_has_a_code():
     from gpupool.hub_plugin.rules import scheduler
-    from gpupool.hub_plugin.metrics import REFUSAL_CODES, reason_code
+    from gpupool.hub_plugin.rules.misfits import Misfit, limit_code
 
-    assert set(REFUSAL_CODES) == set(scheduler.REASONS)
-    codes = [reason_code(r) for r in scheduler.REASONS]
+    assert set(scheduler.REASONS) <= set(Misfit)
+    codes, words = [str(m) for m in Misfit], [m.words for m in Misfit]
     assert len(set(codes)) == len(codes) and all(c.replace("_", "").isalpha() and c.islower() for c in codes)
-    assert reason_code("quota max_gpus") == "quota_max_gpus" and reason_code("quota none; DROP") == "quota"
-    assert reason_code("something new") == "other"
+    assert len(set(words)) == len(words) and not set(words) & set(codes)
+    assert limit_code("max_gpus") == "quota_max_gpus" and limit_code("none; DROP") == "quota"
 
 
 @pytest.fixture
@@ -35,6 +35,7 @@ def test_ended_leases_reclaims_and_the_oldest_wait(store):
     from gpupool.hub_plugin.rules import reclaim
     from gpupool.hub_plugin.metrics import Metrics
     from gpupool.hub_plugin.models import Lease
+    from gpupool.hub_plugin.rules.misfits import Misfit, limit_code
 
     now = datetime.now(timezone.utc)
 
@@ -61,7 +62,7 @@ def test_ended_leases_reclaims_and_the_oldest_wait(store):
                          lease("failed", "no"), lease("queued", created=now - timedelta(minutes=10)),
                          lease("queued", created=now - timedelta(minutes=1))])
     metrics = Metrics(store, 0)
-    metrics.refused({"not enough free fraction": 2, "quota max_gpus": 1})
+    metrics.refused({Misfit.no_fraction: 2, limit_code("max_gpus"): 1})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
     assert samples[("gpupool_reclaims_total", (("reason", "idle"),))] == 2
