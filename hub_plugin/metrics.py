@@ -13,8 +13,9 @@ leases that hold capacity):
   released, reclaimed or failed (the store keeps every lease, so it never goes
   down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
   ``heartbeat``, ``pressure``: parked early by the service because its notebook
-  did not; :data:`RECLAIM_CODES`); ``gpupool_leases_by_class{class,state}``:
-  queued and active leases per class (``interactive``, ``batch``);
+  did not: :class:`.rules.reclaim.Reclaim`, kept with each lease as its
+  ``reclaim_code``); ``gpupool_leases_by_class{class,state}``: queued and
+  active leases per class (``interactive``, ``batch``);
 - ``gpupool_queue_length`` (queued requests) and ``gpupool_queue_oldest_wait_seconds``
   (how long the longest-waiting one has waited; 0 when none);
 - ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
@@ -39,7 +40,7 @@ from typing import Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import case, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
@@ -47,14 +48,12 @@ from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
+from .rules.reclaim import Reclaim
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Upper bounds (seconds) of the queue wait histogram: from a release that frees
 #: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
 QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
-#: How each reclaim reason of :mod:`.rules.reclaim` begins -> its code (matched in SQL at scrape time).
-RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",
-                 "parked early: ": "pressure"}
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
 #: The states ``gpupool_leases_by_class`` counts.
 CLASS_STATES = (LeaseState.queued.value, LeaseState.active.value)
@@ -117,8 +116,7 @@ class _PoolCollector(Collector):
                 .group_by(Lease.lease_class, Lease.state)))
             first_queued = session.execute(select(func.min(Lease.created_at))
                                            .where(Lease.state == LeaseState.queued.value)).scalar()
-            code = case(*((Lease.reason.like(prefix + "%"), code) for prefix, code in RECLAIM_CODES.items()),
-                        else_="other")
+            code = func.coalesce(Lease.reclaim_code, "other")  # "other": reclaimed before codes were kept
             reclaimed = dict(session.execute(select(code, func.count()).where(
                 Lease.state == LeaseState.reclaimed.value).group_by(code)).all())
             for user, seconds in sorted(_usage_by_user(session).items()):
@@ -130,7 +128,7 @@ class _PoolCollector(Collector):
         if first_queued is not None:
             first_queued = first_queued if first_queued.tzinfo else first_queued.replace(tzinfo=timezone.utc)
         oldest.add_metric([], 0.0 if first_queued is None else max(0.0, (utcnow() - first_queued).total_seconds()))
-        for reason in sorted({*RECLAIM_CODES.values(), *reclaimed}):
+        for reason in sorted({*map(str, Reclaim), *reclaimed}):
             reclaims.add_metric([reason], reclaimed.get(reason, 0))
         for lease_class in LEASE_CLASSES:
             for state in CLASS_STATES:
