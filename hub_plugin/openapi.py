@@ -16,11 +16,12 @@ from gpupool.wire.fields import INK, TEXT, WORDS, ref as _ref
 from gpupool.wire.leases import MOST_SECONDS as _MOST_SECONDS, Lease, LeaseRequest
 from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerEnvironment, WorkerReport)
+from gpupool.wire.pool import Pool, PoolGPU, PoolNode, PoolTotals
 from gpupool.wire.quotas import Limits, Quota, QuotaUsage
 
 #: The bodies in ``components.schemas``, each under its class's name.
 _BODIES = (LeaseRequest, Lease, NodeRegistration, GPUInfo, WorkerReport, WorkerEnvironment, RegistrationReply,
-           Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage)
+           Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage, Pool, PoolNode, PoolGPU, PoolTotals)
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -98,11 +99,7 @@ _PATHS: dict[str, Any] = {
                     errors=(400, 401, 403, 404), params=[_LEASE_ID]),
     },
     "/pool": {
-        "get": _op("Nodes, GPUs and their allocation", _json({"type": "object", "properties": {
-            "nodes": {"type": "array", "items": {"type": "object"}},
-            "totals": {"type": "object", "properties": {
-                "gpus": {"type": "integer"}, "allocated": {"type": "number"}, "free": {"type": "number"}}}}},
-            "the pool"), errors=(401,)),
+        "get": _op("Nodes, GPUs and their allocation", _json(_ref("Pool"), "the pool"), errors=(401,)),
     },
     "/nodes": {
         "post": _op("Agent registration", _json(_ref("RegistrationReply"), "registered"),

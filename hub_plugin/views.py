@@ -1,4 +1,5 @@
-"""The JSON the API returns for leases and the pool (docs/api.md).
+"""The JSON the API returns for leases and the pool (docs/api.md), built as
+the bodies of :mod:`gpupool.wire`.
 
 A lease's JSON is :class:`gpupool.wire.leases.Lease`, the class the client
 reads it with; the connection info (with the worker's HMAC key) goes only to
@@ -12,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LeaseState, isoformat
-from gpupool.wire import leases as wire
+from gpupool.wire import leases as wire, pool
 
 from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
 from .models import Lease
@@ -47,15 +48,9 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
 
 
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
-    """``GET /pool``: nodes, their GPUs and what is allocated.
-
-    Per node, ``state`` (``up``, ``degraded``: its agent cannot read its
-    GPUs, or ``lost``) and ``state_reason`` (words, null while up). Per GPU,
-    ``leases`` is a count (whose leases they are is not shown).
-    ``totals``: ``gpus`` counts all GPUs, ``allocated`` sums allocated
-    fractions, ``free`` sums the free fractions of GPUs that can take work
-    (healthy, on an ``up`` node).
-    """
+    """``GET /pool``: :class:`gpupool.wire.pool.Pool`, the nodes, their GPUs
+    and what is allocated (``context_overhead``: bytes per GPU that leases
+    may not have, ``c.GPUPool.context_overhead``)."""
     alloc = allocations(session)
     nodes, total, allocated, free = [], 0, 0.0, 0.0
     for node in nodes_with_gpus(session):
@@ -66,16 +61,14 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             allocated += taken.fraction
             if gpu.healthy and node.state == "up":
                 free += max(0.0, 1.0 - taken.fraction)
-            gpus.append({
-                "uuid": gpu.uuid, "name": gpu.name, "index": gpu.index,
-                "memory_total": gpu.memory_total, "memory_usable": usable_memory(gpu, context_overhead),
-                "allocated_fraction": round(taken.fraction, 9), "allocated_memory": taken.memory,
-                "leases": taken.leases, "healthy": gpu.healthy,
-                "memory_used": gpu.memory_used, "utilization": gpu.utilization,
-            })
-        nodes.append({"name": node.name, "state": node.state, "state_reason": node.state_reason,
-                      "inventory": node.inventory,
-                      "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
-                      "environments": node.environments or [], "host_cpus": node.host_cpus,
-                      "host_memory": node.host_memory, "gpus": gpus})
-    return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}
+            gpus.append(pool.PoolGPU(
+                uuid=gpu.uuid, name=gpu.name, index=gpu.index,
+                memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
+                allocated_fraction=round(taken.fraction, 9), allocated_memory=taken.memory,
+                leases=taken.leases, healthy=gpu.healthy, memory_used=gpu.memory_used, utilization=gpu.utilization))
+        nodes.append(pool.PoolNode(
+            name=node.name, state=node.state, state_reason=node.state_reason, inventory=node.inventory,
+            enforcement=node.enforcement, last_heartbeat_at=isoformat(node.last_heartbeat_at),
+            environments=node.environments or [], host_cpus=node.host_cpus, host_memory=node.host_memory,
+            gpus=gpus))
+    return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9))).to_json()

@@ -11,6 +11,7 @@ both ends (docs/api.md).
   and the agent's answers (the started worker, the stopped one).
 - :mod:`.quotas`: service -> client: a user's limits (also the body of
   ``PUT /admin/quotas/{scope}``) and the ``GET /quota`` answer.
+- :mod:`.pool`: service -> client: the ``GET /pool`` answer (nodes, GPUs, totals).
 - :mod:`.hub`: JupyterHub -> service: a server stopped (``POST /hub/server-stopped``).
 
 The field rules every body uses are in :mod:`gpupool.schema`. Each
