@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from datetime import datetime
-from typing import Callable
+from typing import Callable, Mapping
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -26,6 +26,7 @@ from .models import Lease
 from .placing import Placer
 from .quota_book import QuotaBook
 from .rules.hosts import beyond_every_node
+from .rules.misfits import limit_code
 from .rules.quotas import Limits
 from .rules.scheduler import NO_ENVIRONMENT, Demand, Refusal
 from .transitions import CAPPED, QUEUED
@@ -34,12 +35,13 @@ log = logging.getLogger("gpupool.service.leases")
 
 
 class Admission:
-    """The checks of ``POST /leases``. ``on_refusal(reasons)`` is told every
-    refusal (reason -> count); the checks that read the store run in the
+    """The checks of ``POST /leases``. ``on_refusal(codes)`` is told every
+    refusal (code -> count: a :class:`.rules.misfits.Misfit`, or a limit's
+    :func:`~.rules.misfits.limit_code`); the checks that read the store run in the
     creating transaction, after the capacity lock."""
 
     def __init__(self, settings: GPUPool, quotas: QuotaBook, placer: Placer,
-                 on_refusal: Callable[[dict[str, int]], None] | None = None) -> None:
+                 on_refusal: Callable[[Mapping[str, int]], None] | None = None) -> None:
         self.settings = settings
         self.quotas = quotas
         self.placer = placer
@@ -122,7 +124,7 @@ class Admission:
         """409 ``pool_full`` (with ``reasons``): nothing fits and the request does not wait."""
         self._on_refusal(refusal.reasons)
         log.info("lease for %s refused: %s", who.name, refusal.message)
-        raise GPUPoolError(Reason.pool_full, refusal.message, 409, reasons=refusal.reasons)
+        raise GPUPoolError(Reason.pool_full, refusal.message, 409, reasons=refusal.tally())
 
     def _check_cap(self, name: str, have: int) -> None:
         """429 ``quota_exceeded`` when ``have`` leases already reach ``c.GPUPool.<name>``."""
@@ -158,7 +160,7 @@ class Admission:
             raise bad_request(words, limit="memory")
 
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
-        self._on_refusal({f"quota {exc.extra.get('limit')}": 1})  # counted by limit, beside the scheduler's
+        self._on_refusal({limit_code(exc.extra.get("limit")): 1})  # counted by limit, beside the scheduler's
 
 
 def more_gpus_than_any_node(demand: Demand, gpus) -> str | None:

@@ -169,10 +169,11 @@ def release_on_stop(service_url: str, token: str, *, previous=None, timeout: flo
             if hasattr(result, "__await__"):
                 await result
         from gpupool.httpout import JSONClient
+        from gpupool.wire.hub import ServerStopped
 
         user = spawner.user
         others = any(s is not spawner and s.active for s in user.spawners.values())
-        body = {"user": user.name, "server": spawner.name, "other_servers_running": others}
+        body = ServerStopped(user.name, spawner.name, others).to_json()
         http = JSONClient()
         try:
             answer = await http.call("POST", service_url + "hub/server-stopped", body, token=token, timeout=timeout)

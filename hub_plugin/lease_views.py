@@ -1,7 +1,7 @@
 """Reading leases as the API shows them: one, a user's list, and the long
 poll that answers once a lease leaves a state (:mod:`.watch` wakes it).
 
-The JSON is :func:`.views.lease_json` plus what only the service knows: the
+The JSON is :func:`.views.lease_body` plus what only the service knows: the
 queue place and estimate of a queued request, the idle deadline (early under
 pressure), the node's state, the host limits the worker's cgroup gets.
 """
@@ -29,7 +29,7 @@ from .rules import queue as wait_queue
 from .rules.hosts import host_limits
 from .state import PoolState
 from .transitions import QUEUED
-from .views import lease_json
+from .views import lease_body
 
 #: Most seconds a long poll (``GET /leases/{id}?wait=``) may wait.
 MAX_WAIT_S = 60.0
@@ -153,28 +153,23 @@ class LeaseViews:
 
     def json(self, lease: Lease, who: Identity, session: Session, queue: QueueView | None = None,
              nodes: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The lease JSON, with ``queue_position``/``queue_estimate_s`` while
+        """The lease JSON (:func:`.views.lease_body`), with ``queue_position``/``queue_estimate_s`` while
         queued (from ``queue``, see :meth:`queue_view`) and ``node_state``
         (from ``nodes``, else read), ``cpu_limit``/``host_memory_limit`` (the
         worker's cgroup limits: :func:`.rules.hosts.host_limits`), ``wait_until``, and
         ``idle_deadline`` with ``idle_warning`` (for the notebook's warning before idle reclaim)."""
-        body = lease_json(lease, for_owner=lease.owner == who.name)
-        body["queue_position"] = body["queue_estimate_s"] = None
-        body["wait_until"] = isoformat(lease.wait_until)
-        self.pressure.annotate(body, lease)  # idle_deadline, early under pressure; pressure; preempt_at
-        body["idle_warning"] = self.settings.idle_warning
         if nodes is None:
             nodes = _nodes(session, [lease])
         node = nodes.get(lease.node_name) if lease.node_name else None
-        body["node_state"] = node.state if node is not None else None
         limits = host_limits(lease, node if node is not None else _GONE)  # what the agent is told to enforce
-        body["cpu_limit"], body["host_memory_limit"] = limits.get("cpus"), limits.get("host_memory")
-        if lease.state == QUEUED and queue is not None:
-            place = queue.positions.get(lease.id)
-            if place is not None:
-                body["queue_position"] = place
-                body["queue_estimate_s"] = queue.etas.get(lease.id)
-        return body
+        place = queue.positions.get(lease.id) if lease.state == QUEUED and queue is not None else None
+        return lease_body(
+            lease, for_owner=lease.owner == who.name,
+            queue_position=place, queue_estimate_s=queue.etas.get(lease.id) if place is not None else None,
+            wait_until=isoformat(lease.wait_until),
+            **self.pressure.shown(lease),  # idle_deadline, early under pressure; pressure; preempt_at
+            idle_warning=self.settings.idle_warning, node_state=node.state if node is not None else None,
+            cpu_limit=limits.get("cpus"), host_memory_limit=limits.get("host_memory")).to_json()
 
     def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
         """:meth:`queue_view` of a request just queued, from counts per owner, class and shape (no row

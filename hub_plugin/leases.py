@@ -130,17 +130,18 @@ class LeaseBook:
         await self.release(lease_id, LeaseState.released, reason)
         return await self.views.get(who, lease_id)
 
-    async def release(self, lease_id: str, final: LeaseState, reason: str, *,
+    async def release(self, lease_id: str, final: LeaseState, reason: str, *, code: str | None = None,
                       only_if: Callable[[Lease, datetime], bool] | None = None) -> None:
         """The one release path. Ends ``lease_id`` in ``final`` (released,
-        reclaimed or failed) for ``reason``; returns once it has ended.
+        reclaimed or failed) for ``reason`` (words); ``code``: a reclaim's
+        :class:`.rules.reclaim.Reclaim`, kept for the metrics. Returns once it has ended.
 
         ``only_if(lease, now)`` is re-checked under the write lock (reclaim
         uses it so a lease that became busy meanwhile is kept). A lease that
         is already releasing is waited for; an ended one is left alone. An
         unreachable agent does not stop the release.
         """
-        begun = await self.state.work.write(self._begin_release, lease_id, final, reason, only_if)
+        begun = await self.state.work.write(self._begin_release, lease_id, final, reason, code, only_if)
         if begun is None:
             return
         mine, url = begun
@@ -150,7 +151,7 @@ class LeaseBook:
         log.info("lease %s releasing (%s): %s", lease_id, final.value, reason)
         await self._finish(lease_id, await self.workers.stop(url, lease_id) if url else None)
 
-    def _begin_release(self, lease_id: str, final: LeaseState, reason: str,
+    def _begin_release(self, lease_id: str, final: LeaseState, reason: str, code: str | None,
                        only_if: Callable[[Lease, datetime], bool] | None) -> tuple[bool, str | None] | None:
         """Make the lease ``releasing``: ``(True, agent url or None)``; ``(False, None)``
         when someone else is releasing it; None when there is nothing to do."""
@@ -164,6 +165,7 @@ class LeaseBook:
             if only_if is not None and not only_if(lease, now):
                 return None
             lease.end_state, lease.reason = final.value, reason
+            lease.reclaim_code = None if code is None else str(code)  # the plain value, for every driver
             transition(tx, lease, LeaseState.releasing, reason, now)
             if lease.node_name is None:
                 # Never placed (queued): no worker to stop, no capacity to free, so it

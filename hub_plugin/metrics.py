@@ -13,8 +13,9 @@ leases that hold capacity):
   released, reclaimed or failed (the store keeps every lease, so it never goes
   down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
   ``heartbeat``, ``pressure``: parked early by the service because its notebook
-  did not; :data:`RECLAIM_CODES`); ``gpupool_leases_by_class{class,state}``:
-  queued and active leases per class (``interactive``, ``batch``);
+  did not: :class:`.rules.reclaim.Reclaim`, kept with each lease as its
+  ``reclaim_code``); ``gpupool_leases_by_class{class,state}``: queued and
+  active leases per class (``interactive``, ``batch``);
 - ``gpupool_queue_length`` (queued requests) and ``gpupool_queue_oldest_wait_seconds``
   (how long the longest-waiting one has waited; 0 when none);
 - ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
@@ -26,7 +27,7 @@ leases that hold capacity):
 
 Counted by this process as they happen (they start at 0 when it starts):
 ``gpupool_lease_refusals_total{reason}`` (reason codes such as ``no_fraction``,
-``quota_max_gpus``: :func:`reason_code`; the words stay in the API's answers) and the histogram
+``quota_max_gpus``: :mod:`.rules.misfits`; the words are in the API's answers) and the histogram
 ``gpupool_queue_wait_seconds``: how long each queued request waited until it
 was placed (requests that gave up or were cancelled are not observed).
 """
@@ -34,62 +35,35 @@ was placed (requests that gave up or were cancelled are not observed).
 from __future__ import annotations
 
 from datetime import timezone
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import case, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 
-from .rules import hosts, scheduler
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
+from .rules.reclaim import Reclaim
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Upper bounds (seconds) of the queue wait histogram: from a release that frees
 #: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
 QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
-#: The scheduler's refusal reasons (words for people) -> label values for Prometheus.
-REFUSAL_CODES = {
-    scheduler.NODE_LOST: "node_lost",
-    scheduler.NODE_DEGRADED: "node_degraded",
-    scheduler.UNHEALTHY: "gpu_unhealthy",
-    scheduler.NO_ENVIRONMENT: "no_environment",
-    scheduler.MODEL_MISMATCH: "model_mismatch",
-    scheduler.WHOLE_ONLY: "whole_gpus_only",
-    scheduler.NO_FRACTION: "no_fraction",
-    scheduler.NO_MEMORY: "no_memory",
-    scheduler.FEW_ON_NODE: "few_on_node",
-    hosts.NO_CPUS: "no_host_cpus",
-    hosts.NO_HOST_MEMORY: "no_host_memory",
-}
-#: How each reclaim reason of :mod:`.rules.reclaim` begins -> its code (matched in SQL at scrape time).
-RECLAIM_CODES = {"idle for ": "idle", "the notebook kernel stopped sending heartbeats": "heartbeat",
-                 "parked early: ": "pressure"}
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
 #: The states ``gpupool_leases_by_class`` counts.
 CLASS_STATES = (LeaseState.queued.value, LeaseState.active.value)
 
 
-def reason_code(reason: str) -> str:
-    """The label value for a refusal ``reason``: the scheduler's code, or for a quota
-    refusal (``"quota max_gpus"``) ``quota_max_gpus``; anything else ``other``."""
-    if reason in REFUSAL_CODES:
-        return REFUSAL_CODES[reason]
-    if reason.startswith("quota "):
-        limit = reason[len("quota "):]
-        return "quota_" + limit if limit.replace("_", "").isalnum() else "quota"
-    return "other"
-
-
 class Metrics:
-    """The service's registry. ``refused(reasons)`` counts one refusal under
-    each reason the scheduler gave; ``dequeued(seconds)`` observes one queued
-    request's wait as it is placed."""
+    """The service's registry. ``refused(codes)`` counts one refusal under
+    each code it was refused for (:class:`.rules.misfits.Misfit` values and
+    :func:`~.rules.misfits.limit_code`, as :class:`.admission.Admission` gives
+    them); ``dequeued(seconds)`` observes one queued request's wait as it is placed."""
 
     def __init__(self, store: Store, context_overhead: int) -> None:
         self.registry = CollectorRegistry()
@@ -100,9 +74,9 @@ class Metrics:
                                     buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(store, context_overhead))
 
-    def refused(self, reasons: dict[str, int]) -> None:
-        for reason in reasons:
-            self.refusals.labels(reason=reason_code(reason)).inc()
+    def refused(self, codes: Mapping[str, int]) -> None:
+        for code in codes:
+            self.refusals.labels(reason=str(code)).inc()
 
     def dequeued(self, seconds: float) -> None:
         self.queue_wait.observe(max(0.0, seconds))
@@ -142,8 +116,7 @@ class _PoolCollector(Collector):
                 .group_by(Lease.lease_class, Lease.state)))
             first_queued = session.execute(select(func.min(Lease.created_at))
                                            .where(Lease.state == LeaseState.queued.value)).scalar()
-            code = case(*((Lease.reason.like(prefix + "%"), code) for prefix, code in RECLAIM_CODES.items()),
-                        else_="other")
+            code = func.coalesce(Lease.reclaim_code, "other")  # "other": reclaimed before codes were kept
             reclaimed = dict(session.execute(select(code, func.count()).where(
                 Lease.state == LeaseState.reclaimed.value).group_by(code)).all())
             for user, seconds in sorted(_usage_by_user(session).items()):
@@ -155,7 +128,7 @@ class _PoolCollector(Collector):
         if first_queued is not None:
             first_queued = first_queued if first_queued.tzinfo else first_queued.replace(tzinfo=timezone.utc)
         oldest.add_metric([], 0.0 if first_queued is None else max(0.0, (utcnow() - first_queued).total_seconds()))
-        for reason in sorted({*RECLAIM_CODES.values(), *reclaimed}):
+        for reason in sorted({*map(str, Reclaim), *reclaimed}):
             reclaims.add_metric([reason], reclaimed.get(reason, 0))
         for lease_class in LEASE_CLASSES:
             for state in CLASS_STATES:

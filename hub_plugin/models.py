@@ -114,6 +114,9 @@ class Lease(Base):
     # The final state a ``releasing`` lease will reach (released, reclaimed,
     # failed), kept so a release interrupted by a restart ends the same way.
     end_state: Mapped[str | None] = mapped_column(String(12))
+    #: Revision 0010: why the service reclaimed it, as a code (``rules.reclaim.Reclaim``: idle,
+    #: heartbeat, pressure) beside the words of ``reason``: the metrics count by it, not by the words.
+    reclaim_code: Mapped[str | None] = mapped_column(String(20))
     fraction: Mapped[float] = mapped_column(Float)
     gpu_count: Mapped[int] = mapped_column(Integer, default=1)
     memory: Mapped[int] = mapped_column(BigInteger)

@@ -16,10 +16,12 @@ from gpupool.wire.fields import INK, TEXT, WORDS, ref as _ref
 from gpupool.wire.leases import MOST_SECONDS as _MOST_SECONDS, Lease, LeaseRequest
 from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerEnvironment, WorkerReport)
+from gpupool.wire.pool import Pool, PoolGPU, PoolNode, PoolTotals
+from gpupool.wire.quotas import Limits, Quota, QuotaUsage
 
 #: The bodies in ``components.schemas``, each under its class's name.
 _BODIES = (LeaseRequest, Lease, NodeRegistration, GPUInfo, WorkerReport, WorkerEnvironment, RegistrationReply,
-           Heartbeat, GPUReading, HeartbeatReply)
+           Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage, Pool, PoolNode, PoolGPU, PoolTotals)
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -63,16 +65,6 @@ _SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error", "message"], "properties": {
         "error": {"type": "string", "description": "machine reason, e.g. pool_full"},
         "message": {"type": "string", "description": "words for a person"}}},
-    "Limits": {"type": "object", "additionalProperties": False, "description": "null: unlimited. When set, "
-               "gpu_hours_* and max_idle_timeout also take strings with a unit ('8h', '30m')", "properties": {
-        "max_gpus": {"type": ["number", "null"], "minimum": 0,
-                     "description": "GPUs held or queued at once (sum of fractions)"},
-        "max_lease_gpus": {"type": ["number", "null"], "minimum": 0, "description": "fraction x count of one lease"},
-        "gpu_hours_per_day": {"type": ["number", "null"], "minimum": 0},
-        "gpu_hours_per_week": {"type": ["number", "null"], "minimum": 0},
-        "max_idle_timeout": {"type": ["number", "null"], "exclusiveMinimum": 0, "description": "seconds"},
-        "guaranteed_gpus": {"type": ["number", "null"], "minimum": 0, "description": "GPUs never parked early "
-                            "nor preempted (the oldest leases first); null: none"}}},
 }
 
 _PATHS: dict[str, Any] = {
@@ -107,11 +99,7 @@ _PATHS: dict[str, Any] = {
                     errors=(400, 401, 403, 404), params=[_LEASE_ID]),
     },
     "/pool": {
-        "get": _op("Nodes, GPUs and their allocation", _json({"type": "object", "properties": {
-            "nodes": {"type": "array", "items": {"type": "object"}},
-            "totals": {"type": "object", "properties": {
-                "gpus": {"type": "integer"}, "allocated": {"type": "number"}, "free": {"type": "number"}}}}},
-            "the pool"), errors=(401,)),
+        "get": _op("Nodes, GPUs and their allocation", _json(_ref("Pool"), "the pool"), errors=(401,)),
     },
     "/nodes": {
         "post": _op("Agent registration", _json(_ref("RegistrationReply"), "registered"),
@@ -123,13 +111,7 @@ _PATHS: dict[str, Any] = {
                     errors=(400, 401, 403, 404), params=[_param("name", "path", {"type": "string"}, "node name")]),
     },
     "/quota": {
-        "get": _op("Your limits and usage", _json({"type": "object", "properties": {
-            "user": {"type": "string"}, "groups": {"type": "array", "items": {"type": "string"}},
-            "limits": _ref("Limits"), "usage": {"type": "object", "properties": {
-                "holding_gpus": {"type": "number"}, "today_gpu_hours": {"type": "number"},
-                "week_gpu_hours": {"type": "number"}, "day_resets_at": {"type": "string", "format": "date-time"},
-                "week_resets_at": {"type": "string", "format": "date-time"}, "timezone": {"type": "string"}}}}},
-            "limits and usage"), errors=(401, 403)),
+        "get": _op("Your limits and usage", _json(_ref("Quota"), "limits and usage"), errors=(401, 403)),
     },
     "/admin/quotas": {
         "get": _op("Quota tables: configured, overrides, effective (admins)", _json({"type": "object", "properties": {

@@ -18,6 +18,7 @@ from gpupool.schema import LeaseState
 from .models import Lease
 from .rules.placement_index import PlacementIndex
 from .rules.priority import INTERACTIVE, batch_may_start
+from .rules.misfits import Misfit
 from .rules.scheduler import Demand, Placement, Refusal
 from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .state import PoolState
@@ -65,7 +66,7 @@ class Placer:
         else:
             why = (f"the last {headroom_nodes} idle node(s) are kept for interactive requests "
                    "(c.GPUPool.batch_headroom_nodes)")
-        return Refusal({"held for interactive requests": len(decision.gpus)}, f"batch request not placed: {why}")
+        return Refusal({Misfit.held_for_interactive: len(decision.gpus)}, f"batch request not placed: {why}")
 
     def verify(self, session: Session, decision: Placement) -> bool:
         """Whether the store agrees with the index on ``decision`` (:meth:`.capacity.CapacityIndex.verify`)."""

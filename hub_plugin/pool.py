@@ -9,7 +9,7 @@ gets what it uses here.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Callable
+from typing import Callable, Mapping
 
 from gpupool.schema import utcnow
 
@@ -35,13 +35,13 @@ from .worker_calls import WorkerCalls
 class Pool:
     """The parts for ``settings`` (``c.GPUPool``) on ``store``, asking agents
     through ``agents``. ``now`` is the one clock (replaceable on ``state`` in
-    tests); ``on_refusal(reasons)`` is told every refusal and
-    ``on_dequeued(seconds)`` how long each queued request waited (for
-    metrics); ``work`` runs the store calls off the event loop (a new one by default)."""
+    tests); ``on_refusal(codes)`` is told every refusal (code -> count, see
+    :class:`.admission.Admission`) and ``on_dequeued(seconds)`` how long each
+    queued request waited (for metrics); ``work`` runs the store calls off the event loop (a new one by default)."""
 
     def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
                  now: Callable[[], datetime] = utcnow,
-                 on_refusal: Callable[[dict[str, int]], None] | None = None,
+                 on_refusal: Callable[[Mapping[str, int]], None] | None = None,
                  on_dequeued: Callable[[float], None] = lambda seconds: None,
                  work: StoreWork | None = None) -> None:
         self.settings = settings

@@ -125,14 +125,15 @@ class Pressure:
         """``lease``'s idle deadline: its own, or the earlier one the plan set."""
         return pressure_rules.deadline(self.plan, lease)
 
-    def annotate(self, body: dict[str, Any], lease: Lease) -> None:
-        """Add ``idle_deadline``, ``pressure`` and ``preempt_at`` to lease JSON ``body``."""
-        body["idle_deadline"] = isoformat(self.deadline(lease))
+    def shown(self, lease: Lease) -> dict[str, str | None]:
+        """What the plan shows in ``lease``'s JSON: ``idle_deadline``, ``pressure`` (words) and
+        ``preempt_at`` (ISO times or None), as :class:`gpupool.wire.leases.Lease` names them."""
         early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
         busy = lease.worker_state == "busy"
         preempt = preempt if preempt and busy else None  # an idle one is parked by the early deadline
-        body["pressure"] = preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None
-        body["preempt_at"] = isoformat(preempt.at) if preempt else None
+        return {"idle_deadline": isoformat(self.deadline(lease)),
+                "pressure": preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None,
+                "preempt_at": isoformat(preempt.at) if preempt else None}
 
     def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
         """Reclaim decisions for idle leases past their early deadline: the

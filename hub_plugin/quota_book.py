@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.schema import isoformat
+from gpupool.wire.quotas import Quota, QuotaUsage
 
 from . import usage
 from .rules import quotas
@@ -76,15 +77,12 @@ class QuotaBook:
         now = self.now()
         groups = self.groups_of(who)
         today, week = usage.used(session, who.name, now, self.tz)
-        return {
-            "user": who.name, "groups": list(groups),
-            "limits": self.limits(session, who.name, groups).to_json(),
-            "usage": {"holding_gpus": round(usage.holding(session, who.name), 9),
-                      "today_gpu_hours": today / 3600.0, "week_gpu_hours": week / 3600.0,
-                      "day_resets_at": isoformat(usage.period(now, self.tz, usage.DAY)[1]),
-                      "week_resets_at": isoformat(usage.period(now, self.tz, usage.WEEK)[1]),
-                      "timezone": self.settings.usage_timezone},
-        }
+        return Quota(who.name, list(groups), self.limits(session, who.name, groups), QuotaUsage(
+            holding_gpus=round(usage.holding(session, who.name), 9),
+            today_gpu_hours=today / 3600.0, week_gpu_hours=week / 3600.0,
+            day_resets_at=isoformat(usage.period(now, self.tz, usage.DAY)[1]),
+            week_resets_at=isoformat(usage.period(now, self.tz, usage.WEEK)[1]),
+            timezone=self.settings.usage_timezone)).to_json()
 
     # -- admin: overrides --------------------------------------------------------------------------
 

@@ -72,10 +72,10 @@ class Reclaimer:
         early = await work.read(self._pressure_now, now)
         for decision in decisions:
             self.tasks.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
-                                                 only_if=still_due))
+                                                 code=decision.code, only_if=still_due))
         for decision in early:  # the notebook did not park it before its early deadline
             self.tasks.spawn(self.leases.release(decision.lease_id, decision.state, decision.reason,
-                                                 only_if=self.pressure.still_due))
+                                                 code=decision.code, only_if=self.pressure.still_due))
         # The queue: give up on requests whose wait has passed, and place what
         # fits (capacity may have come from a node, not only from a release).
         await self.leases.expire_queue()

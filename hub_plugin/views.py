@@ -1,8 +1,9 @@
-"""The JSON the API returns for leases and the pool (docs/api.md).
+"""The JSON the API returns for leases and the pool (docs/api.md), built as
+the bodies of :mod:`gpupool.wire`.
 
-``gpupool.wire.leases.Lease.from_json`` must parse :func:`lease_json`; the
-connection info (with the worker's HMAC key) goes only to the lease's owner
-and only while the lease is active.
+A lease's JSON is :class:`gpupool.wire.leases.Lease`, the class the client
+reads it with; the connection info (with the worker's HMAC key) goes only to
+the lease's owner and only while the lease is active.
 """
 
 from __future__ import annotations
@@ -11,61 +12,45 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from gpupool.schema import isoformat
+from gpupool.schema import LeaseState, isoformat
+from gpupool.wire import leases as wire, pool
 
 from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
 from .models import Lease
 
 
-def lease_json(lease: Lease, *, for_owner: bool) -> dict[str, Any]:
-    """One lease; ``for_owner`` is whether the caller owns it."""
+def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
+    """``lease`` (a row, with its GPUs and events loaded) on the wire;
+    ``for_owner``: whether the caller owns it. ``known``: the fields the row
+    does not hold, which :meth:`.lease_views.LeaseViews.json` works out
+    (``queue_position``, ``idle_deadline``, ``node_state``, ...), by their
+    names in :class:`~gpupool.wire.leases.Lease`."""
     worker = None
     if lease.worker_pid is not None or lease.worker_state is not None:
         worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state,
                   "memory_used": lease.worker_memory_used}
     show_connection = for_owner and lease.state == "active" and lease.connection
-    return {
-        "id": lease.id,
-        "owner": lease.owner,
-        "state": lease.state,
-        "reason": lease.reason,
-        "fraction": lease.fraction,
-        "gpu_count": lease.gpu_count,
-        "memory": lease.memory,
-        "cpus": lease.cpus,
-        "host_memory": lease.host_memory,
-        "requested_cpus": lease.requested_cpus,
-        "requested_host_memory": lease.requested_host_memory,
-        "node": lease.node_name,
-        "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
-        "env": lease.env,
-        "idle_timeout": lease.idle_timeout,
-        "heartbeat_ttl": lease.heartbeat_ttl,
-        "kernel_id": lease.kernel_id,
-        "server_name": lease.server_name,
-        "lease_class": lease.lease_class or "interactive",
-        "preemptible": bool(lease.preemptible),
-        "created_at": isoformat(lease.created_at),
-        "started_at": isoformat(lease.started_at),
-        "ended_at": isoformat(lease.ended_at),
-        "idle_since": isoformat(lease.idle_since),
-        "worker": worker,
-        "connection": dict(lease.connection) if show_connection else None,
-        "usage_gpu_seconds": lease.usage_gpu_seconds,
-        "events": [{"state": e.state, "at": isoformat(e.at), "reason": e.reason} for e in lease.events],
-    }
+    return wire.Lease(
+        id=lease.id, owner=lease.owner, state=LeaseState(lease.state), reason=lease.reason,
+        fraction=lease.fraction, gpu_count=lease.gpu_count, memory=lease.memory,
+        cpus=lease.cpus, host_memory=lease.host_memory,
+        requested_cpus=lease.requested_cpus, requested_host_memory=lease.requested_host_memory,
+        node=lease.node_name, gpus=[{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
+        env=lease.env, idle_timeout=lease.idle_timeout, heartbeat_ttl=lease.heartbeat_ttl,
+        kernel_id=lease.kernel_id, server_name=lease.server_name,
+        lease_class=lease.lease_class or "interactive", preemptible=bool(lease.preemptible),
+        created_at=isoformat(lease.created_at), started_at=isoformat(lease.started_at),
+        ended_at=isoformat(lease.ended_at), idle_since=isoformat(lease.idle_since),
+        worker=worker, connection=dict(lease.connection) if show_connection else None,
+        usage_gpu_seconds=lease.usage_gpu_seconds,
+        events=[{"state": e.state, "at": isoformat(e.at), "reason": e.reason} for e in lease.events],
+        **known)
 
 
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
-    """``GET /pool``: nodes, their GPUs and what is allocated.
-
-    Per node, ``state`` (``up``, ``degraded``: its agent cannot read its
-    GPUs, or ``lost``) and ``state_reason`` (words, null while up). Per GPU,
-    ``leases`` is a count (whose leases they are is not shown).
-    ``totals``: ``gpus`` counts all GPUs, ``allocated`` sums allocated
-    fractions, ``free`` sums the free fractions of GPUs that can take work
-    (healthy, on an ``up`` node).
-    """
+    """``GET /pool``: :class:`gpupool.wire.pool.Pool`, the nodes, their GPUs
+    and what is allocated (``context_overhead``: bytes per GPU that leases
+    may not have, ``c.GPUPool.context_overhead``)."""
     alloc = allocations(session)
     nodes, total, allocated, free = [], 0, 0.0, 0.0
     for node in nodes_with_gpus(session):
@@ -76,16 +61,14 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             allocated += taken.fraction
             if gpu.healthy and node.state == "up":
                 free += max(0.0, 1.0 - taken.fraction)
-            gpus.append({
-                "uuid": gpu.uuid, "name": gpu.name, "index": gpu.index,
-                "memory_total": gpu.memory_total, "memory_usable": usable_memory(gpu, context_overhead),
-                "allocated_fraction": round(taken.fraction, 9), "allocated_memory": taken.memory,
-                "leases": taken.leases, "healthy": gpu.healthy,
-                "memory_used": gpu.memory_used, "utilization": gpu.utilization,
-            })
-        nodes.append({"name": node.name, "state": node.state, "state_reason": node.state_reason,
-                      "inventory": node.inventory,
-                      "enforcement": node.enforcement, "last_heartbeat_at": isoformat(node.last_heartbeat_at),
-                      "environments": node.environments or [], "host_cpus": node.host_cpus,
-                      "host_memory": node.host_memory, "gpus": gpus})
-    return {"nodes": nodes, "totals": {"gpus": total, "allocated": round(allocated, 9), "free": round(free, 9)}}
+            gpus.append(pool.PoolGPU(
+                uuid=gpu.uuid, name=gpu.name, index=gpu.index,
+                memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
+                allocated_fraction=round(taken.fraction, 9), allocated_memory=taken.memory,
+                leases=taken.leases, healthy=gpu.healthy, memory_used=gpu.memory_used, utilization=gpu.utilization))
+        nodes.append(pool.PoolNode(
+            name=node.name, state=node.state, state_reason=node.state_reason, inventory=node.inventory,
+            enforcement=node.enforcement, last_heartbeat_at=isoformat(node.last_heartbeat_at),
+            environments=node.environments or [], host_cpus=node.host_cpus, host_memory=node.host_memory,
+            gpus=gpus))
+    return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9))).to_json()

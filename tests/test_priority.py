@@ -425,3 +425,17 @@ def test_the_clear_grace_is_only_for_the_cleared_node():
     rule = priority.Rule(120.0, clear_nodes=True, clear_grace=5.0)
     decided = rule.plan([held("nb", owner="bob")], [asking("q", created=100)], {}, {})
     assert decided.parks["nb"].deadline == at(220)
+
+
+def test_the_sweeps_early_reclaim_says_pressure_in_words_and_in_its_code():
+    from types import SimpleNamespace
+
+    from gpupool.hub_plugin.rules.reclaim import Reclaim
+    from gpupool.schema import LeaseState
+
+    decided = plan([held("nb", owner="bob")], [asking("q")])
+    lease = SimpleNamespace(id="nb", state="active", worker_state="idle", idle_since=at(0), idle_timeout=1800.0)
+    assert pressure.due(decided, [lease], at(219)) == []  # 120 s of grace after the ask at 100
+    [decision] = pressure.due(decided, [lease], at(220))
+    assert (decision.lease_id, decision.state, decision.code) == ("nb", LeaseState.reclaimed, Reclaim.pressure)
+    assert decision.reason == "parked early: 1 person is waiting for a GPU (idle for 3m 40s, pressure grace 2m)"

@@ -122,7 +122,7 @@ def test_refuse(demand, gpus, reasons):
     assert isinstance(refusal, Refusal)
     assert refusal.reasons == reasons
     for reason, count in reasons.items():
-        assert f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason}" in refusal.message
+        assert f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason.words}" in refusal.message
 
 
 def test_refusal_message_says_what_is_free():
@@ -150,7 +150,7 @@ def test_refusal_of_whole_gpus_and_empty_pool():
 def test_refusal_for_an_environment_names_it_and_what_is_free_there():
     refusal = place(Demand(0.5, env="torch"), [gpu("a", 0), gpu("t", 0, fraction=0.75, envs=("torch",))])
     assert refusal.message == ("no GPU can take 0.50 in environment torch now: 2 GPUs in the pool, the most free "
-                               f"is 0.25 (t GPU 0, {A100}); 1 GPU ruled out: {NO_ENVIRONMENT}; "
+                               f"is 0.25 (t GPU 0, {A100}); 1 GPU ruled out: {NO_ENVIRONMENT.words}; "
                                "1 GPU ruled out: not enough free fraction")
 
 

@@ -612,6 +612,8 @@ def test_idle_lease_is_reclaimed(pool):
     assert lease.state is LeaseState.reclaimed
     assert re.fullmatch(r"idle for \d+s \(idle timeout 1s\)", lease.reason), lease.reason
     assert gpu_allocations(svc) == [0.0, 0.0]
+    status, text = http(svc, "GET", "/metrics", prefix="")
+    assert status == 200 and re.search(r'gpupool_reclaims_total\{reason="idle"\} [1-9]', text)  # its code, kept
 
 
 def test_lease_without_heartbeats_is_reclaimed(tmp_path):
@@ -623,6 +625,8 @@ def test_lease_without_heartbeats_is_reclaimed(tmp_path):
         lease = wait_ended(svc, lease.id, timeout=30)
         assert lease.state is LeaseState.reclaimed
         assert lease.reason.startswith("the notebook kernel stopped sending heartbeats for "), lease.reason
+        status, text = http(svc, "GET", "/metrics", prefix="")
+        assert status == 200 and 'gpupool_reclaims_total{reason="heartbeat"} 1.0' in text
     finally:
         agent.stop()
         svc.stop()

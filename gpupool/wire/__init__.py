@@ -2,12 +2,17 @@
 both ends (docs/api.md).
 
 - :mod:`.leases`: client <-> service: the lease request (``POST /leases``)
-  and the lease (every answer about one).
+  and the lease (every answer about one, written by the service with the
+  class the client reads it with).
 - :mod:`.nodes`: agent -> service: the registration (``POST /nodes``) and the
   heartbeat (``POST /nodes/{name}/heartbeat``), their GPU, worker and
   environment entries, and the service's answers.
 - :mod:`.workers`: service -> agent: the worker request (``POST /workers``)
   and the agent's answers (the started worker, the stopped one).
+- :mod:`.quotas`: service -> client: a user's limits (also the body of
+  ``PUT /admin/quotas/{scope}``) and the ``GET /quota`` answer.
+- :mod:`.pool`: service -> client: the ``GET /pool`` answer (nodes, GPUs, totals).
+- :mod:`.hub`: JupyterHub -> service: a server stopped (``POST /hub/server-stopped``).
 
 The field rules every body uses are in :mod:`gpupool.schema`. Each
 ``from_json`` raises a 400 GPUPoolError naming the field; each ``to_json``

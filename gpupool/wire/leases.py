@@ -149,63 +149,47 @@ class LeaseRequest(Body):
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Lease(Body):
-    """A lease as the client sees it (``GET /api/v1/leases/{id}``).
+    """A lease as its owner (or an admin) sees it: every answer about one
+    (``GET /api/v1/leases/{id}``, the list, a heartbeat's, a release's).
 
-    Read-only view over the JSON, read leniently (fields it does not know are
-    dropped); ``connection`` (Jupyter connection info, with the HMAC ``key``)
-    is present only for the owner and only while active.
+    The service builds it (``hub_plugin/views.py``) and sends :meth:`to_json`;
+    the client reads it with :meth:`from_json`, leniently (fields it does not
+    know are dropped). The fields are declared in the order the JSON has them.
+    ``connection`` (Jupyter connection info, with the HMAC ``key``) is present
+    only for the owner and only while active.
     """
-
-    EXTRA: ClassVar[dict[str, Spec]] = {"server_name": Spec("string", nullable=True)}
 
     id: str = wired(Spec("string", required=True))
     owner: str = wired(Spec("string", required=True))
     state: LeaseState = wired(Spec("", required=True, enum=tuple(s.value for s in LeaseState)))
-    #: The order the fields are checked in after the GPU ask (``gpu_count``, ``fraction``, the rule between
-    #: them): the order of before they were declared, so a body with several bad fields gets the same 400.
-    CHECK_ORDER: ClassVar[tuple[str, ...]] = (
-        "memory", "idle_timeout", "wait", "server_name", "lease_class", "preemptible", "cpus", "host_memory", "model",
-        "kernel_id", "env", "prefer_env")
-
+    reason: str | None = wired(Spec("string", nullable=True), None)
     fraction: float = wired(Spec("number", required=True))
     gpu_count: int = wired(Spec("integer", required=True))
     memory: int = wired(Spec("integer", "bytes per GPU", required=True))
+    cpus: float | None = wired(Spec("number", "host cores held (reserved) on the node (null: the node reports no "
+                                    "host)", nullable=True), None)
+    host_memory: int | None = wired(Spec("integer", "host bytes held (reserved) on the node", nullable=True), None)
+    requested_cpus: float | None = wired(Spec("number", "cpus as requested (null: the default share)",
+                                              nullable=True), None)
+    requested_host_memory: int | None = wired(Spec("integer", "host_memory as requested (null: the default share)",
+                                                   nullable=True), None)
     node: str | None = wired(Spec("string", nullable=True), None)
     gpus: list[dict[str, Any]] = wired(Spec("array", items={"type": "object", "properties": {
         "uuid": {"type": "string"}, "name": {"type": "string"}, "index": {"type": "integer"}}}), factory=list)
     env: str | None = wired(Spec("string", "the worker environment asked for; once placed, the one the worker runs "
                                  "in (the node's default when none was asked for)", nullable=True), None)
-    cpus: float | None = wired(Spec("number", "host cores held (reserved) on the node (null: the node reports no "
-                                    "host)", nullable=True), None)
-    host_memory: int | None = wired(Spec("integer", "host bytes held (reserved) on the node", nullable=True), None)
-    cpu_limit: float | None = wired(Spec("number", "host cores the worker's cgroup is limited to: cpus, raised to 1 "
-                                         "core (at most the node's) where the default share was taken",
-                                         nullable=True), None)
-    host_memory_limit: int | None = wired(Spec(
-        "integer", "host bytes the worker's cgroup is limited to: host_memory, raised to 1 GiB (at most the "
-        "node's) where the default share was taken", nullable=True), None)
-    requested_cpus: float | None = wired(Spec("number", "cpus as requested (null: the default share)",
-                                              nullable=True), None)
-    requested_host_memory: int | None = wired(Spec("integer", "host_memory as requested (null: the default share)",
-                                                   nullable=True), None)
-    reason: str | None = wired(Spec("string", nullable=True), None)
     idle_timeout: float | None = wired(Spec("number"), None)
     heartbeat_ttl: float | None = wired(Spec("number"), None)
     kernel_id: str | None = wired(Spec("string", nullable=True), None)
+    server_name: str | None = wired(Spec("string", nullable=True), None)
+    lease_class: str = wired(Spec("", enum=LEASE_CLASSES), "interactive")
+    preemptible: bool = wired(Spec("boolean", "whether the running cell may be preempted"), False)
     created_at: str | None = wired(Spec(**_TIME), None)
     started_at: str | None = wired(Spec(**_TIME), None)
     ended_at: str | None = wired(Spec(**_TIME), None)
     idle_since: str | None = wired(Spec(**_TIME), None)
-    idle_deadline: str | None = wired(Spec(**_TIME, description="when the lease is reclaimed if its worker stays "
-                                           "idle; null while a cell runs or when not active"), None)
-    idle_warning: float = wired(Spec("number", "seconds before idle_deadline that the notebook warns "
-                                     "(c.GPUPool.idle_warning); 0: no warning"), 0.0)
-    node_state: str | None = wired(Spec(
-        "string", "lost: no heartbeat from the node's agent for node_ttl; the worker is unreachable until it "
-        "returns (the lease keeps its capacity). degraded: the agent cannot read its GPUs (NVML); the lease goes "
-        "on, nothing new is placed there", nullable=True, enum=("up", "degraded", "lost")), None)
     worker: dict[str, Any] | None = wired(Spec("object", nullable=True, extra={"properties": {
         "pid": {"type": ["integer", "null"]}, "execution_state": {"type": ["string", "null"]}}}), None)
     connection: dict[str, Any] | None = wired(Spec("object", "Jupyter connection info; owner only, while active",
@@ -218,13 +202,25 @@ class Lease(Body):
     queue_estimate_s: float | None = wired(Spec("number", "while queued: rough wait, seconds (null: unknown)",
                                                 nullable=True), None)
     wait_until: str | None = wired(Spec(**_TIME, description="while queued: when the request gives up"), None)
-    lease_class: str = wired(Spec("", enum=LEASE_CLASSES), "interactive")
-    preemptible: bool = wired(Spec("boolean", "whether the running cell may be preempted"), False)
+    idle_deadline: str | None = wired(Spec(**_TIME, description="when the lease is reclaimed if its worker stays "
+                                           "idle; null while a cell runs or when not active"), None)
     pressure: str | None = wired(Spec(
         "string", "why idle_deadline came early or a preemption is due, e.g. 'parked early: 3 people are waiting "
         "for a GPU'", nullable=True), None)
     preempt_at: str | None = wired(Spec(**_TIME, description="when the running cell of a preemptible lease is "
                                         "interrupted, then the lease parked"), None)
+    idle_warning: float = wired(Spec("number", "seconds before idle_deadline that the notebook warns "
+                                     "(c.GPUPool.idle_warning); 0: no warning"), 0.0)
+    node_state: str | None = wired(Spec(
+        "string", "lost: no heartbeat from the node's agent for node_ttl; the worker is unreachable until it "
+        "returns (the lease keeps its capacity). degraded: the agent cannot read its GPUs (NVML); the lease goes "
+        "on, nothing new is placed there", nullable=True, enum=("up", "degraded", "lost")), None)
+    cpu_limit: float | None = wired(Spec("number", "host cores the worker's cgroup is limited to: cpus, raised to 1 "
+                                         "core (at most the node's) where the default share was taken",
+                                         nullable=True), None)
+    host_memory_limit: int | None = wired(Spec(
+        "integer", "host bytes the worker's cgroup is limited to: host_memory, raised to 1 GiB (at most the "
+        "node's) where the default share was taken", nullable=True), None)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":
@@ -233,3 +229,7 @@ class Lease(Body):
         values = {k: v for k, v in body.items() if k in known}
         values["state"] = LeaseState(values["state"])
         return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        """The lease's JSON: every field, in declaration order, null where unset."""
+        return {key: getattr(self, key) for key in self.KEYS} | {"state": LeaseState(self.state).value}

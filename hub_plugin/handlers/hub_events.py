@@ -4,8 +4,9 @@ user's server stopped (sent by the ``post_stop_hook`` that
 
 It is an internal callback of the hub, not part of the public ``/api/v1``
 (so not in the OpenAPI document). Only the hub may call it, with this service's own hub API token (which the
-hub set in the service entry). Body ``{"user", "server", "other_servers_running"}``
-(``server``: the stopped server's name, ``""`` for the default one).
+hub set in the service entry). Body: :class:`gpupool.wire.hub.ServerStopped`,
+``{"user", "server", "other_servers_running"}`` (``server``: the stopped
+server's name, ``""`` for the default one).
 
 The user's leases that still hold or wait for capacity are released with the
 reason "the Jupyter server stopped": those whose ``server_name`` is
@@ -16,8 +17,8 @@ that stopped earlier left behind). Answers ``{"released": [ids]}``.
 
 from __future__ import annotations
 
-from gpupool.errors import bad_request
 from gpupool.schema import LeaseState
+from gpupool.wire.hub import ServerStopped
 
 from ..auth import forbidden, token_from_header, unauthorized
 from ..capacity import HOLDING
@@ -40,14 +41,9 @@ class ServerStoppedHandler(APIHandler):
         self.start_body()
 
     async def post(self) -> None:
-        body = self.json_body()
-        user = body.get("user") if isinstance(body, dict) else None
-        if not isinstance(user, str) or not user:
-            raise bad_request("'user' must be the JupyterHub user name whose server stopped")
-        server = body.get("server", "")
-        if not isinstance(server, str) or len(server) > 255:
-            raise bad_request("'server' must be the name of the server that stopped (\"\" for the default one)")
-        self.write_json({"released": await self._release(user, server, bool(body.get("other_servers_running")))})
+        stopped = ServerStopped.from_json(self.json_body())
+        self.write_json({"released": await self._release(stopped.user, stopped.server,
+                                                          stopped.other_servers_running)})
 
     async def _release(self, user: str, server: str, others: bool) -> list[str]:
         """Release ``user``'s leases from ``server``, or all of them when no

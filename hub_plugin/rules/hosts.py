@@ -32,9 +32,10 @@ import numpy as np
 from gpupool.units import format_bytes
 
 from .fragmentation import FULL, TaskTypes, node_fragmentation
+from .misfits import Misfit
 
-NO_CPUS = "not enough free host CPUs on its node"
-NO_HOST_MEMORY = "not enough free host memory on its node"
+NO_CPUS = Misfit.no_host_cpus
+NO_HOST_MEMORY = Misfit.no_host_memory
 MIB = 2**20
 #: The least a worker may use when its lease took the default share (a
 #: Python kernel does not run usefully on less): its cgroup limits are at
@@ -90,7 +91,7 @@ def host_ask(demand, host: HostState) -> tuple[float, int]:
             demand.host_memory if demand.host_memory is not None else memory)
 
 
-def host_misfit(demand, host: HostState | None) -> str | None:
+def host_misfit(demand, host: HostState | None) -> Misfit | None:
     """Why ``host`` cannot take ``demand``'s host ask now (a reason), or None."""
     if host is None:
         return None

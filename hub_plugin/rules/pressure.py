@@ -19,7 +19,7 @@ from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
 from . import priority
-from .reclaim import Decision, idle_deadline
+from .reclaim import Decision, Reclaim, idle_deadline
 
 
 def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
@@ -43,7 +43,8 @@ def due(plan: priority.Plan, active: Iterable[Any], now: datetime) -> list[Decis
             early = plan.parks[lease.id]
             idle = (now - lease.idle_since).total_seconds()
             decisions.append(Decision(lease.id, LeaseState.reclaimed,
-                                      f"{early.reason} (idle for {format_duration(idle)}, {grace_words(early)})"))
+                                      f"{early.reason} (idle for {format_duration(idle)}, {grace_words(early)})",
+                                      Reclaim.pressure))
     return decisions
 
 

@@ -38,34 +38,18 @@ configured entry of the same scope, limit by limit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpupool.schema import has_control_characters
 from gpupool.units import parse_duration
+from gpupool.wire.quotas import Limits
 
-#: Limit names, in the order they are shown.
-LIMIT_KEYS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout",
-              "guaranteed_gpus")
+#: Limit names, in the order they are shown: the fields of :class:`~gpupool.wire.quotas.Limits`.
+LIMIT_KEYS = Limits.KEYS
 DEFAULT_SCOPE = "*"
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A user's resolved limits; None means unlimited. GPUs are sums of
-    fractions, GPU-hours hours, ``max_idle_timeout`` seconds."""
-
-    max_gpus: float | None = None
-    max_lease_gpus: float | None = None
-    gpu_hours_per_day: float | None = None
-    gpu_hours_per_week: float | None = None
-    max_idle_timeout: float | None = None
-    guaranteed_gpus: float | None = None
-
-    def to_json(self) -> dict[str, float | None]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)

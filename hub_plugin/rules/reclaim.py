@@ -20,19 +20,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any, Iterable
 
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
 
+class Reclaim(StrEnum):
+    """Why the service took a lease back, as a code: kept with the lease
+    (``leases.reclaim_code``) and the label of ``gpupool_reclaims_total``.
+    Stable: a code may be added, none renamed."""
+
+    idle = "idle"  # its worker stayed idle for its idle timeout
+    heartbeat = "heartbeat"  # its notebook kernel stopped sending heartbeats
+    pressure = "pressure"  # parked early by the sweep while others wait (:mod:`.pressure`)
+
+
 @dataclass(frozen=True)
 class Decision:
-    """End ``lease_id`` in ``state`` (a final state) for ``reason`` (words)."""
+    """End ``lease_id`` in ``state`` (a final state) for ``reason`` (words
+    for its owner), reclaimed for ``code``."""
 
     lease_id: str
     state: LeaseState
     reason: str
+    code: Reclaim
 
 
 def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
@@ -44,9 +57,13 @@ def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
     for lease in leases:
         if lease.state != LeaseState.active.value or lease.worker_state == "busy":
             continue
-        reason = heartbeat_expired(lease, now) or idle_expired(lease, now)
-        if reason:
-            decisions.append(Decision(lease.id, LeaseState.reclaimed, reason))
+        silent = heartbeat_expired(lease, now)
+        if silent:
+            decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
+            continue
+        idle = idle_expired(lease, now)
+        if idle:
+            decisions.append(Decision(lease.id, LeaseState.reclaimed, idle, Reclaim.idle))
     return decisions
 
 

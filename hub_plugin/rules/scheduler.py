@@ -51,18 +51,20 @@ from gpupool.units import format_bytes
 
 from .hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, binds, host_ask, host_aware_delta, host_misfit,
                     proportional, roomiest)
+from .misfits import Misfit
 from .workload import DEFAULT_WORKLOAD, EPSILON, Workload, slice_delta, whole_delta
 
-# Rejection reasons, in the order they are checked; a GPU counts under the first that applies.
-NODE_LOST = "node lost"
-NODE_DEGRADED = "node cannot read its GPUs (NVML)"
-UNHEALTHY = "unhealthy"
-NO_ENVIRONMENT = "no usable worker environment of that name on its node"
-MODEL_MISMATCH = "model mismatch"
-NO_FRACTION = "not enough free fraction"
-NO_MEMORY = "not enough free memory"
-FEW_ON_NODE = "too few free GPUs on its node"
-WHOLE_ONLY = "whole GPUs only on its node (its enforcement mode does not share a GPU)"
+# Rejection reasons (:class:`.misfits.Misfit`), in the order they are checked; a GPU counts under the
+# first that applies.
+NODE_LOST = Misfit.node_lost
+NODE_DEGRADED = Misfit.node_degraded
+UNHEALTHY = Misfit.gpu_unhealthy
+NO_ENVIRONMENT = Misfit.no_environment
+MODEL_MISMATCH = Misfit.model_mismatch
+NO_FRACTION = Misfit.no_fraction
+NO_MEMORY = Misfit.no_memory
+FEW_ON_NODE = Misfit.few_on_node
+WHOLE_ONLY = Misfit.whole_gpus_only
 REASONS = (NODE_LOST, NODE_DEGRADED, UNHEALTHY, NO_ENVIRONMENT, MODEL_MISMATCH, WHOLE_ONLY, NO_FRACTION, NO_MEMORY,
            NO_CPUS, NO_HOST_MEMORY, FEW_ON_NODE)
 
@@ -178,11 +180,15 @@ class Placement:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why nothing fits: ``reasons`` maps a reason to how many GPUs it ruled
-    out; ``message`` says it to a person, with what is free."""
+    """Why nothing fits: ``reasons`` maps a :class:`.misfits.Misfit` to how
+    many GPUs it ruled out; ``message`` says it to a person, with what is free."""
 
-    reasons: dict[str, int] = field(default_factory=dict)
+    reasons: dict[Misfit, int] = field(default_factory=dict)
     message: str = ""
+
+    def tally(self) -> dict[str, int]:
+        """``reasons`` in words (the 409's ``reasons``, docs/api.md): ``{"not enough free fraction": 2}``."""
+        return {reason.words: count for reason, count in self.reasons.items()}
 
 
 def idle_counts(gpus) -> dict[str, int]:
@@ -217,7 +223,7 @@ def _whole_free(gpu: GPUState) -> bool:
     return gpu.is_idle and gpu.healthy
 
 
-def _ineligible(demand: Demand, gpu: GPUState) -> str | None:
+def _ineligible(demand: Demand, gpu: GPUState) -> Misfit | None:
     """The reason ``gpu`` cannot serve ``demand`` whatever its load, or None."""
     if not gpu.node_up:
         return NODE_LOST
@@ -238,7 +244,7 @@ def _slice_memory(demand: Demand, gpu: GPUState) -> int:
     return demand.memory if demand.memory is not None else gpu.share(demand.fraction)
 
 
-def slice_misfit(demand: Demand, gpu: GPUState, host: HostState | None = None) -> str | None:
+def slice_misfit(demand: Demand, gpu: GPUState, host: HostState | None = None) -> Misfit | None:
     """Why ``gpu`` (on ``host``, if it has one) cannot take the slice ``demand`` now (a reason), or None."""
     reason = _ineligible(demand, gpu)
     if reason is None and gpu.allocated_fraction + demand.fraction > 1.0 + EPSILON:
@@ -288,9 +294,9 @@ def _placement(demand: Demand, node: str, uuids: tuple[str, ...], fraction: floa
 
 def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int], hosts: dict[str, HostState],
                  nodes) -> Placement | Refusal:
-    reasons: Counter[str] = Counter()
+    reasons: Counter[Misfit] = Counter()
     best, best_key = None, None
-    host_reasons: dict[str, str | None] = {}  # one host check per node
+    host_reasons: dict[str, Misfit | None] = {}  # one host check per node
     for gpu in gpus:
         host = hosts.get(gpu.node)
         reason = slice_misfit(demand, gpu)
@@ -311,7 +317,7 @@ def _place_slice(demand: Demand, gpus, workload: Workload, idle: dict[str, int],
 
 
 def _place_whole(demand: Demand, gpus, workload: Workload, hosts: dict[str, HostState], nodes) -> Placement | Refusal:
-    reasons: Counter[str] = Counter()
+    reasons: Counter[Misfit] = Counter()
     free_by_node: dict[str, list[GPUState]] = {}
     idle = idle_counts(gpus)
     for gpu in gpus:
@@ -360,13 +366,13 @@ def _whole_growth(demand: Demand, node: str, free: list[GPUState], idle: dict[st
     return host_aware_delta(demand, host, vector, taken, workload)
 
 
-def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostState] | None = None) -> Refusal:
+def _refusal(demand: Demand, gpus, reasons: Counter[Misfit], hosts: dict[str, HostState] | None = None) -> Refusal:
     """Tell a person what is free and why each GPU was ruled out."""
     counts = {reason: reasons[reason] for reason in REASONS if reasons[reason]}
     asked = f"no node has {demand.describe()} free now" if demand.gpu_count > 1 \
         else f"no GPU can take {demand.describe()} now"
     if not gpus:
-        return Refusal({"no GPUs": 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
+        return Refusal({Misfit.no_gpus: 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
     usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded
               and (demand.env is None or demand.env in g.environments)]
     noun = "GPU" if len(gpus) == 1 else "GPUs"
@@ -380,7 +386,7 @@ def _refusal(demand: Demand, gpus, reasons: Counter[str], hosts: dict[str, HostS
         free = "none is usable now"
     if hosts and (NO_CPUS in counts or NO_HOST_MEMORY in counts):
         free += f"; {roomiest(hosts)}"
-    tally = "; ".join(f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason}"
+    tally = "; ".join(f"{count} {'GPU' if count == 1 else 'GPUs'} ruled out: {reason.words}"
                       for reason, count in counts.items())
     return Refusal(counts, f"{asked}: {len(gpus)} {noun} in the pool, {free}; {tally}")
 

@@ -1,0 +1,76 @@
+"""Service -> client: the pool (``GET /api/v1/pool``; docs/api.md): every
+node with its GPUs and what is allocated on them, and the totals. Built by
+the service (``hub_plugin/views.py``); ``%gpu pool`` and ``gpupool pool``
+print it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .fields import Body, Spec, ref, wired
+from .nodes import WorkerEnvironment
+
+
+@dataclass(frozen=True)
+class PoolGPU(Body):
+    """One GPU of a node: ``memory_*`` in bytes (``memory_usable``: what
+    leases may share, its total less the driver's reserve and the CUDA
+    context overhead), ``allocated_fraction`` summed over the leases on it,
+    ``leases`` a count (whose leases they are is not shown), ``memory_used``
+    and ``utilization`` (percent) the latest NVML readings."""
+
+    uuid: str = wired(Spec("string"))
+    name: str = wired(Spec("string"))
+    index: int = wired(Spec("integer"))
+    memory_total: int = wired(Spec("integer"))
+    memory_usable: int = wired(Spec("integer"))
+    allocated_fraction: float = wired(Spec("number"))
+    allocated_memory: int = wired(Spec("integer"))
+    leases: int = wired(Spec("integer"))
+    healthy: bool = wired(Spec("boolean"))
+    memory_used: int | None = wired(Spec("integer", nullable=True))
+    utilization: float | None = wired(Spec("number", nullable=True))
+
+
+@dataclass(frozen=True)
+class PoolNode(Body):
+    """One node: ``state`` (``up``; ``degraded``: its agent cannot read its
+    GPUs; ``lost``: no heartbeat for ``c.GPUPool.node_ttl``) and
+    ``state_reason`` (words, null while up), what its agent reported
+    (inventory, enforcement mode, worker environments, host cores and bytes;
+    null: not reported) and its GPUs."""
+
+    name: str = wired(Spec("string"))
+    state: str = wired(Spec("", enum=("up", "degraded", "lost")))
+    state_reason: str | None = wired(Spec("string", nullable=True))
+    inventory: str = wired(Spec("string"))
+    enforcement: str | None = wired(Spec("string", nullable=True))
+    last_heartbeat_at: str = wired(Spec("string", format="date-time"))
+    environments: list[dict[str, Any]] = wired(Spec("array", items=WorkerEnvironment))
+    host_cpus: float | None = wired(Spec("number", nullable=True))
+    host_memory: int | None = wired(Spec("integer", nullable=True))
+    gpus: list[PoolGPU] = wired(Spec("array", items=PoolGPU))
+
+
+@dataclass(frozen=True)
+class PoolTotals(Body):
+    """``gpus`` counts every GPU, ``allocated`` sums the allocated fractions,
+    ``free`` the free fractions of the GPUs that can take work (healthy, on
+    an ``up`` node)."""
+
+    gpus: int = wired(Spec("integer"))
+    allocated: float = wired(Spec("number"))
+    free: float = wired(Spec("number"))
+
+
+@dataclass(frozen=True)
+class Pool(Body):
+    """``GET /api/v1/pool``: its ``nodes`` and their ``totals``."""
+
+    nodes: list[PoolNode] = wired(Spec("array", items=PoolNode))
+    totals: PoolTotals = wired(Spec("", extra=ref("PoolTotals")))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
