@@ -10,7 +10,7 @@ that JSON, and the magics print only ``message``.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from .strenum import StrEnum
 from typing import Any
 
 

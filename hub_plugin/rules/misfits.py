@@ -11,7 +11,7 @@ the 409's ``reasons`` (docs/api.md). A refusal by a limit is counted as
 
 from __future__ import annotations
 
-from enum import StrEnum
+from gpupool.strenum import StrEnum
 
 
 class Misfit(StrEnum):

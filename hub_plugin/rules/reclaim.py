@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
+from gpupool.strenum import StrEnum
 from typing import Any, Iterable
 
 from gpupool.schema import LeaseState
