@@ -1,6 +1,6 @@
 """Run the trace-driven comparisons and write the "Trace-driven simulation" section of bench/REPORT.md.
 
-    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0] [--only backlog|openb-multidim]
+    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0] [--only backlog|openb-multidim|eta]
 
 Writes bench/REPORT.md (only its "## Trace-driven simulation" section is
 replaced; other sections are kept) and bench/sim_*.png. Without the public
@@ -435,10 +435,11 @@ def multidim_part(data, seeds, log) -> str:
         ""])
 
 
-def replace_multidim(text: str, path: Path = HERE / "REPORT.md") -> None:
-    """Replace the openb-with-CPU-and-memory subsection of REPORT.md (up to the next ``### `` or ``## ``)."""
+def replace_part(opening: str, text: str, path: Path = HERE / "REPORT.md") -> None:
+    """Replace the part of REPORT.md whose first line starts with ``opening`` (up to the next ``### `` or ``## ``):
+    the openb-with-CPU-and-memory subsection, or the ETA paragraphs."""
     report = path.read_text()
-    start = report.index(f"\n{MULTIDIM_SECTION}\n") + 1
+    start = report.index(f"\n{opening}") + 1
     ends = [i for i in (report.find("\n### ", start), report.find("\n## ", start)) if i != -1]
     end = min(ends) + 1 if ends else len(report)
     path.write_text(report[:start] + text.rstrip("\n") + "\n\n" + report[end:])
@@ -553,9 +554,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("../shared/data"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=["backlog", "openb-multidim"],
+    p.add_argument("--only", choices=["backlog", "openb-multidim", "eta"],
                    help="backlog: print only that part (to stdout; REPORT.md unchanged); openb-multidim: redo only "
-                   "the openb-with-CPU-and-memory subsection of REPORT.md and its plot (about 4 min)")
+                   "the openb-with-CPU-and-memory subsection of REPORT.md and its plot (about 4 min); eta: redo only the ETA "
+                   "paragraphs of REPORT.md")
     p.add_argument("--hours", type=float, help="with --only backlog: only the month's first HOURS (default: the "
                    "month, then its first 48 hours)")
     p.add_argument("--pool-size", type=int, default=336, help="with --only backlog: GPUs")
@@ -565,8 +567,12 @@ def main(argv=None) -> int:
     data = args.data if (args.data / "sensei_june_60sec.csv").exists() else None
     words = "the public trace," if data else "**generated** traces (no public traces in --data),"
     workload = load_sensei(data, args.seed, 100)
+    if args.only == "eta":
+        replace_part("**ETA** (", eta_part(workload, log))
+        log("wrote the ETA paragraphs of bench/REPORT.md")
+        return 0
     if args.only == "openb-multidim":
-        replace_multidim(multidim_part(args.data if (args.data / "openb_pod_list_default.csv").exists() else None,
+        replace_part(f"{MULTIDIM_SECTION}\n", multidim_part(args.data if (args.data / "openb_pod_list_default.csv").exists() else None,
                                        OPENB_SEEDS, log))
         log("wrote the openb-with-CPU-and-memory subsection of bench/REPORT.md")
         return 0
