@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from gpupool.errors import GPUPoolError
 from gpupool.wire.leases import LeaseRequest
+from plugins import children_path, install_plugin
 from procs import start_agent, start_service
 from workercell import run_worker_cell
 
-TESTS = Path(__file__).parent
-
-
-def install_plugin(root: Path) -> str:
-    """The one registration: ``demo`` in the ``gpupool.enforcement`` group. Returns the PYTHONPATH that finds it."""
-    dist = root / "site" / "gpupool_demo_enforcement-0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: gpupool-demo-enforcement\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text("[gpupool.enforcement]\ndemo = enforcement_demo:Demo\n")
-    return os.pathsep.join([str(root / "site"), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
-
-
 def test_a_plugin_mode_places_whole_gpu_leases_and_shapes_the_worker(tmp_path, monkeypatch):
     service = start_service(tmp_path)  # knows nothing of the plugin: it places by what the node registers
-    monkeypatch.setenv("PYTHONPATH", install_plugin(tmp_path))  # the agent's sys.path
+    site = install_plugin(tmp_path, "gpupool.enforcement", "demo = enforcement_demo:Demo")
+    monkeypatch.setenv("PYTHONPATH", children_path(site))  # the agent's sys.path
     agent = start_agent(tmp_path, service, name="node-demo", simulate="1xA100-80GB",
                         extra_args=["--enforcement=demo"])
     try:

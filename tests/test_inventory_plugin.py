@@ -9,9 +9,6 @@ gpupool names the inventory.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
 import pytest
 from traitlets import TraitError
@@ -19,30 +16,17 @@ from traitlets import TraitError
 from gpupool.provisioner.inventory import InventoryError, available, inventory_class, select_inventory
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.wire.leases import LeaseRequest
+from plugins import install_plugin, use_plugin
 from procs import start_agent, start_service
 
-TESTS = Path(__file__).parent
-
-
-def install_plugin(root: Path, line: str = "demo = inventory_demo:DemoInventory") -> Path:
-    """The one registration, in the ``gpupool.inventory`` group. Returns the folder that holds it."""
-    dist = root / "site" / "gpupool_demo_inventory-0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: gpupool-demo-inventory\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[gpupool.inventory]\n{line}\n")
-    return root / "site"
+GROUP = "gpupool.inventory"
 
 
 @pytest.fixture
 def demo_plugin(tmp_path, monkeypatch):
-    """``demo`` in the ``gpupool.inventory`` group, in this process and (``PYTHONPATH``) in its children."""
-    site = install_plugin(tmp_path)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(TESTS),
-                                                      *filter(None, [os.environ.get("PYTHONPATH")])]))
-    yield
-    sys.modules.pop("inventory_demo", None)
+    """``demo`` in the ``gpupool.inventory`` group, in this process and in its children."""
+    yield from use_plugin(monkeypatch, install_plugin(tmp_path, GROUP, "demo = inventory_demo:DemoInventory"),
+                          "inventory_demo")
 
 
 def test_the_built_ins_and_auto_are_as_before():
@@ -75,7 +59,7 @@ def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
 
 
 def test_an_entry_point_that_names_no_inventory_is_refused(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(install_plugin(tmp_path, "broken = os.path:join")))
+    monkeypatch.syspath_prepend(str(install_plugin(tmp_path, GROUP, "broken = os.path:join")))
     with pytest.raises(InventoryError, match="names no Inventory subclass"):
         select_inventory(None, "node-1", source="broken")
 

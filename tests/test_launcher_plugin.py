@@ -10,9 +10,6 @@ gpupool names the launcher.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-from pathlib import Path
 
 import pytest
 from traitlets import TraitError
@@ -20,31 +17,18 @@ from traitlets import TraitError
 from gpupool.provisioner.workers.launchers import available, launcher_class
 from gpupool.provisioner.workers.launchers.local import LocalLauncher
 from gpupool.wire.leases import LeaseRequest
+from plugins import install_plugin, use_plugin
 from procs import start_agent, start_service
 from workercell import run_worker_cell
 
-TESTS = Path(__file__).parent
-
-
-def install_plugin(root: Path, line: str = "demo = launcher_demo:DemoLauncher") -> Path:
-    """The one registration, in the ``gpupool.worker_launchers`` group. Returns the folder that holds it."""
-    dist = root / "site" / "gpupool_demo_launcher-0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: gpupool-demo-launcher\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[gpupool.worker_launchers]\n{line}\n")
-    return root / "site"
+GROUP = "gpupool.worker_launchers"
 
 
 @pytest.fixture
 def demo_plugin(tmp_path, monkeypatch):
-    """``demo`` in the ``gpupool.worker_launchers`` group, in this process and (``PYTHONPATH``) in its children."""
-    site = install_plugin(tmp_path)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(TESTS),
-                                                      *filter(None, [os.environ.get("PYTHONPATH")])]))
-    yield
-    sys.modules.pop("launcher_demo", None)
+    """``demo`` in the ``gpupool.worker_launchers`` group, in this process and in its children."""
+    yield from use_plugin(monkeypatch, install_plugin(tmp_path, GROUP, "demo = launcher_demo:DemoLauncher"),
+                          "launcher_demo")
 
 
 def test_the_local_launcher_is_the_default_and_the_only_built_in():
@@ -70,7 +54,7 @@ def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
 
 
 def test_an_entry_point_that_names_no_launcher_is_refused(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(install_plugin(tmp_path, "broken = os.path:join")))
+    monkeypatch.syspath_prepend(str(install_plugin(tmp_path, GROUP, "broken = os.path:join")))
     with pytest.raises(TypeError, match="names no WorkerLauncher subclass"):
         launcher_class("broken")
 
