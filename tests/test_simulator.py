@@ -435,7 +435,7 @@ def test_the_replay_imports_only_the_rules_and_numpy():
     io, ours = out.splitlines()
     assert io == "[]"
     allowed = ("gpupool.hub_plugin.rules", "gpupool.hub_plugin.simulate", "gpupool.schema", "gpupool.units",
-               "gpupool.errors", "gpupool.hub_plugin")
+               "gpupool.errors", "gpupool.strenum", "gpupool.hub_plugin")
     assert [m for m in eval(ours) if not m.startswith(allowed)] == []
     assert not [m for m in eval(ours) if m.startswith("gpupool.hub_plugin.simulate.")
                 and m.rpartition(".")[2] not in REPLAY]
