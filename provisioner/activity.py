@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -21,6 +22,11 @@ import zmq.asyncio
 
 from gpupool.kernelconn import connect_channel, kernel_session
 from gpupool.schema import isoformat
+
+
+#: How many ended cells a worker's report repeats (a heartbeat every few seconds sees them all
+#: unless cells under a tenth of its interval follow each other; the service ignores what it has).
+RECENT_CELLS = 32
 
 
 class WorkerActivity:
@@ -35,9 +41,11 @@ class WorkerActivity:
     ``idle_since`` (epoch seconds) is when the last cell (``execute_request``)
     ended, or when the worker became ready if no cell ran yet; None while
     busy. ``cell_started`` (epoch seconds) is when the last cell started (None:
-    none yet): with ``idle_since`` it tells the service each cell's run, also of
-    cells that start and end between two heartbeats. Other requests (``kernel_info``, completion) change the state while
-    they run but do not count as use. ``clock`` is the time seam for tests.
+    none yet); ``cells`` the ``(start, end)`` of the last :data:`RECENT_CELLS`
+    cells that ended, oldest first: each heartbeat sends them, so the service
+    records every cell, also the ones that start and end between two beats.
+    Other requests (``kernel_info``, completion) change the state while they
+    run but do not count as use. ``clock`` is the time seam for tests.
     """
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
@@ -46,6 +54,7 @@ class WorkerActivity:
         self._in_flight: dict[str, str] = {}  # parent msg_id -> msg_type
         self._idle_since: float | None = None
         self.cell_started: float | None = None
+        self.cells: deque[tuple[float, float]] = deque(maxlen=RECENT_CELLS)
 
     def mark_ready(self) -> None:
         """The worker answered ``kernel_info``: from now on it is idle or busy."""
@@ -71,6 +80,8 @@ class WorkerActivity:
             msg_type = self._in_flight.pop(msg_id, parent.get("msg_type", ""))
             if msg_type == "execute_request" and self._ready:
                 self._idle_since = self._clock()
+                if self.cell_started is not None:
+                    self.cells.append((self.cell_started, self._idle_since))
 
     @property
     def execution_state(self) -> str:
@@ -90,6 +101,10 @@ class WorkerActivity:
     def cell_started_iso(self) -> str | None:
         """:attr:`cell_started` as the wire's ISO 8601 UTC string."""
         return _iso(self.cell_started)
+
+    def cells_iso(self) -> list[list[str]]:
+        """:attr:`cells` as ``[start, end]`` pairs of ISO 8601 UTC strings."""
+        return [[_iso(start), _iso(end)] for start, end in self.cells]
 
 
 def _iso(epoch: float | None) -> str | None:

@@ -88,6 +88,17 @@ class GPUInfo(Body):
         return asdict(self)
 
 
+#: The most ended cells one worker report is read for.
+MAX_CELLS = 64
+
+
+def _cell_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """The ``[start, end]`` string pairs of a report's ``cells`` (the first :data:`MAX_CELLS`); others dropped."""
+    pairs = value[:MAX_CELLS] if isinstance(value, list) else []
+    return tuple((pair[0], pair[1]) for pair in pairs
+                 if isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair))
+
+
 @dataclass
 class WorkerReport(Body):
     """One worker as the agent reports it in a node heartbeat.
@@ -97,7 +108,9 @@ class WorkerReport(Body):
     cell ended (None while busy); ``exit_code`` once dead (negative: signal);
     ``reason`` the agent's words for a death it caused (e.g. it was stopped);
     ``cell_started`` the ISO time the last cell started (None: none yet; an agent
-    before it sends none), which the service records as the lease's cell activity.
+    before it sends none) and ``cells`` the ``[start, end]`` ISO times of the last
+    cells that ended (oldest first; unreadable pairs are dropped), which the
+    service records as the lease's cell activity.
     """
 
     STATES = ("starting", "idle", "busy", "dead")
@@ -115,6 +128,10 @@ class WorkerReport(Body):
                                          maximum=MAX_BYTES, loose=False, lenient=True), None)
     reason: str | None = wired(Spec("string", "cut to 200 characters, one line", nullable=True, lenient=True), None)
     cell_started: str | None = wired(Spec("string", **_TIME), None)
+    cells: tuple[tuple[str, str], ...] = wired(Spec("array", "the last cells that ended: [start, end] times; "
+                                                    f"at most {MAX_CELLS} read", nullable=True, lenient=True,
+                                                    items={"type": "array", "items": {"type": "string"},
+                                                           "minItems": 2, "maxItems": 2}), ())
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerReport":
@@ -122,6 +139,7 @@ class WorkerReport(Body):
         values = cls.read(body if isinstance(body, dict) else {})
         reason = values["reason"]
         values["reason"] = _one_line(reason[:200]) if reason and reason.strip() else None
+        values["cells"] = _cell_pairs(values["cells"])
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:

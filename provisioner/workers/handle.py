@@ -85,7 +85,7 @@ class Worker:
                                 reason=self.death or self.process.exit_note)
         return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
                             idle_since=self.activity.idle_since_iso(), memory_used=memory_used,
-                            cell_started=self.activity.cell_started_iso())
+                            cell_started=self.activity.cell_started_iso(), cells=self.activity.cells_iso())
 
     def log_tail(self, lines: int = 8) -> str:
         """The last lines the worker wrote to stdout/stderr (empty if none)."""
