@@ -26,6 +26,7 @@ from .config import GPUPool
 from .models import Lease, Node
 from .pressure import Pressure
 from .rules import queue as wait_queue
+from .rules.priority import class_rank
 from .rules.hosts import host_limits
 from .state import PoolState
 from .transitions import QUEUED
@@ -180,11 +181,13 @@ class LeaseViews:
                                  .where(Lease.state == QUEUED)
                                  .group_by(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count)).all()
         last = usage.last_used(session, {row[0] for row in groups}, self.state.now())
-        asks = [(fraction, count) for owner, lease_class, fraction, count, number in groups
+        asks = [(fraction, count, lease_class) for owner, lease_class, fraction, count, number in groups
                 if wait_queue.before_newest(owner, lease_class, lease.owner, lease.lease_class, last)
                 for _ in range(number)]
-        asks.remove((lease.fraction, lease.gpu_count))  # its own goes last
-        asks.append((lease.fraction, lease.gpu_count))
+        asks.sort(key=lambda ask: class_rank(ask[2]))  # the queue's order: interactive first
+        own = (lease.fraction, lease.gpu_count, lease.lease_class)
+        asks.remove(own)  # its own goes last of its class (the last there is: none after it is counted)
+        asks.append(own)
         return QueueView({lease.id: len(asks)}, {lease.id: self.pressure.etas(asks, self.state.now())[-1]})
 
     def queue_view(self, session: Session, leases) -> QueueView | None:
@@ -199,7 +202,7 @@ class LeaseViews:
                                         Lease.fraction, Lease.gpu_count).where(Lease.state == QUEUED)).all()
         last = usage.last_used(session, {row[1] for row in queued}, self.state.now())
         places = wait_queue.positions(queued, last)
-        asked = {row[0]: (row[4], row[5]) for row in queued}
+        asked = {row[0]: (row[4], row[5], row[3]) for row in queued}
         in_line = sorted(places, key=places.get)
         etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
         return QueueView(places, dict(zip(in_line, etas)))

@@ -17,7 +17,7 @@ threads see one or the other.
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Iterable, Sequence
 
 from sqlalchemy import select
@@ -61,7 +61,7 @@ class Pressure:
         self._room = eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states))
         index = {gpu.uuid: i for i, gpu in enumerate(states)}
         safe = priority.guaranteed(held, guarantees)
-        self._holding = [self._held(lease, index, lease.id not in safe, now) for lease in active]
+        self._holding = [self._held(lease, index, lease.id not in safe, self.deadline(lease)) for lease in active]
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
                               .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
                               .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
@@ -69,22 +69,15 @@ class Pressure:
                                             for row in ran)
         return self.plan
 
-    def _held(self, lease: Lease, index: dict[str, int], pressed: bool, now: datetime) -> eta.Holding:
-        """``lease`` as the ETA of a request waiting from ``now`` sees it: an idle one goes at its
-        deadline or, when pressure may park it (``pressed``: not within a guaranteed share), at
-        most the pressure grace after ``now`` (or after it went idle); a busy one when its cell
-        ends, then after its idle timeout or (``pressed``) the grace, whichever is shorter."""
-        grace = timedelta(seconds=self.settings.pressure_grace)
-        timeout = timedelta(seconds=lease.idle_timeout) if lease.idle_timeout > 0 else None
-        after = min((t for t in (timeout, grace if pressed else None) if t is not None), default=None)
+    @staticmethod
+    def _held(lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
+        """``lease`` as the ETA sees it (:class:`.eta.Holding`); ``deadline``: its idle deadline,
+        the plan's early one if it set one."""
         busy = lease.worker_state != "idle"
-        deadline = self.deadline(lease)
-        if not busy and pressed:
-            early = max(now, lease.idle_since or now) + grace
-            deadline = min(deadline, early) if deadline is not None else early
         return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
                            lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
-                           deadline, after.total_seconds() if after is not None else None)
+                           None if busy else lease.idle_since, deadline,
+                           lease.idle_timeout if lease.idle_timeout > 0 else None, pressable)
 
     def _plan(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
               now: datetime) -> priority.Plan:
@@ -144,11 +137,11 @@ class Pressure:
         """Re-checked under the write lock: still idle and past its early deadline."""
         return pressure_rules.still_due(self.plan, lease, now)
 
-    def etas(self, asks: Sequence[tuple[float, int]], now: datetime) -> list[float | None]:
-        """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count)``
+    def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
+        """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``
         (queue order), from the pool, the active leases and recent cell lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
-        return eta.eta_seconds(asks, self._room, self._holding, self._typical, now)
+        return eta.eta_seconds(asks, self._room, self._holding, self._typical, now, self.settings.pressure_grace)
 
 
 def _room(gpu: GPUState) -> float:

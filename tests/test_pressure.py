@@ -103,6 +103,22 @@ def test_the_wait_line_follows_the_queue(full_pool, notebook):
     assert placed_lease.state is LeaseState.active, placed_lease
 
 
+def test_a_batch_request_presses_on_no_notebook_and_its_eta_says_so(full_pool, notebook):
+    """A batch request waits behind a person's idle notebook: it parks nothing early (only a person's
+    request presses on every class), so its ETA is the notebook's own idle deadline (30 m), not the grace."""
+    service, _ = full_pool
+    notebook.execute("%gpu acquire 1")
+    mine, = service.client().list_leases(active=True)
+    waiter = service.client("ann").create_lease(LeaseRequest(fraction=1.0, wait=120, lease_class="batch"))
+    try:
+        assert waiter.state is LeaseState.queued and 1700 < waiter.queue_estimate_s <= 1800, waiter
+        time.sleep(GRACE + 2.0)  # past what a person's request would give it
+        assert service.client().get_lease(mine.id).state is LeaseState.active
+        assert 1700 < service.client("ann").get_lease(waiter.id).queue_estimate_s <= 1800
+    finally:
+        service.client("ann").release(waiter.id)
+
+
 def test_a_running_batch_cell_is_not_interrupted_and_the_lease_yields_once_idle(full_pool, notebook):
     service, _ = full_pool
     notebook.execute("%gpu acquire 1 --batch")

@@ -4,6 +4,7 @@ opt-in, and the ETA (hub_plugin/rules/priority.py, hub_plugin/rules/eta.py, hub_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -209,45 +210,61 @@ def test_preemptible_refused_where_the_pool_allows_none():
 
 # -- ETA -----------------------------------------------------------------------------------
 
-def holding(fraction=1.0, gpus=(0,), cls="interactive", *, busy=True, started=0.0, deadline=None, after=0.0):
-    return eta.Holding(tuple(gpus), fraction, cls, busy, at(started), None if deadline is None else at(deadline), after)
+def holding(fraction=1.0, gpus=(0,), cls="interactive", *, busy=True, started=0.0, idle=None, deadline=None,
+            timeout=0.0, pressable=True):
+    return eta.Holding(tuple(gpus), fraction, cls, busy, at(started), None if idle is None else at(idle),
+                       None if deadline is None else at(deadline), timeout, pressable)
 
 
 NOW = at(1000)
 TAKEN = (0.0, 0.0, 0.0, 0.0)  # four GPUs on two nodes (n0: 0, 1; n1: 2, 3), all taken
+I, B = "interactive", "batch"
+IDLE_NOTEBOOK = holding(busy=False, idle=900, deadline=2700, timeout=1800.0)  # idle since 900, 30 min timeout
 
 
-@pytest.mark.parametrize("asks, free, leases, typical, expected", [
-    # one idle lease parked at 1200 under pressure: the first waiter then
-    ([(1.0, 1)], TAKEN, [holding(busy=False, deadline=1200)], {}, [200.0]),
+@pytest.mark.parametrize("asks, free, leases, typical, grace, expected", [
+    # one idle lease parked at 1200 (its deadline, or the plan's): the first waiter then
+    ([(1.0, 1, I)], TAKEN, [holding(busy=False, deadline=1200)], {}, None, [200.0]),
     # a batch run started at 0 that typically takes 3000 s, and an idle one due at 1500: in queue order
-    ([(1.0, 1), (1.0, 1)], TAKEN, [holding(cls="batch", started=0), holding(gpus=(1,), busy=False, deadline=1500)],
-     {"batch": 3000.0}, [500.0, 2000.0]),
+    ([(1.0, 1, I), (1.0, 1, I)], TAKEN, [holding(cls=B, started=0), holding(gpus=(1,), busy=False, deadline=1500)],
+     {B: 3000.0}, None, [500.0, 2000.0]),
     # two halves of one GPU free it: the 1-GPU waiter needs both
-    ([(1.0, 1)], TAKEN, [holding(0.5, busy=False, deadline=1100), holding(0.5, busy=False, deadline=1300)], {},
-     [300.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(0.5, busy=False, deadline=1100), holding(0.5, busy=False, deadline=1300)], {},
+     None, [300.0]),
     # nothing known of interactive cells: no guess
-    ([(1.0, 1)], TAKEN, [holding(started=0)], {}, [None]),
+    ([(1.0, 1, I)], TAKEN, [holding(started=0)], {}, None, [None]),
     # its cell ran past the typical length: now + half of it
-    ([(1.0, 1)], TAKEN, [holding(started=0)], {"interactive": 600.0}, [300.0]),
-    # a running cell's end, then the idle time before the lease lets go (grace or timeout)
-    ([(1.0, 1)], TAKEN, [holding(started=900, after=120.0)], {"interactive": 200.0}, [220.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(started=0)], {I: 600.0}, None, [300.0]),
+    # a running cell's end, then its idle timeout; pressed, the grace if shorter; no timeout and unpressed: never
+    ([(1.0, 1, I)], TAKEN, [holding(started=900, timeout=1800.0)], {I: 200.0}, None, [1900.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(started=900, timeout=1800.0)], {I: 200.0}, 120.0, [220.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(started=900, timeout=None)], {I: 200.0}, None, [None]),
+    # an idle notebook: a person waiting presses on it (the grace from the ask), a batch waiter does not
+    # (its own 30 min), nor on one within a guaranteed share; a batch waiter presses on an idle batch lease
+    ([(1.0, 1, I)], TAKEN, [IDLE_NOTEBOOK], {}, 120.0, [120.0]),
+    ([(1.0, 1, B)], TAKEN, [IDLE_NOTEBOOK], {}, 120.0, [1700.0]),
+    ([(1.0, 1, I)], TAKEN, [replace(IDLE_NOTEBOOK, pressable=False)], {}, 120.0, [1700.0]),
+    ([(1.0, 1, B)], TAKEN, [replace(IDLE_NOTEBOOK, lease_class=B)], {}, 120.0, [120.0]),
+    # a person and a job wait: the person takes the notebook's GPU, the job the idle batch lease's
+    ([(1.0, 1, I), (1.0, 1, B)], TAKEN, [IDLE_NOTEBOOK, holding(gpus=(1,), cls=B, busy=False, idle=950,
+                                                                deadline=2750, timeout=1800.0)], {}, 120.0,
+     [120.0, 120.0]),
     # a deadline already past (the sweep is about to act): 0; two halves fit on the one GPU it frees
-    ([(0.5, 1), (0.5, 1), (1.0, 1)], TAKEN, [holding(busy=False, deadline=900)], {}, [0.0, 0.0, None]),
+    ([(0.5, 1, I), (0.5, 1, I), (1.0, 1, I)], TAKEN, [holding(busy=False, deadline=900)], {}, None, [0.0, 0.0, None]),
     # room now
-    ([(0.5, 1)], (0.5, 0.0, 0.0, 0.0), [], {}, [0.0]),
+    ([(0.5, 1, I)], (0.5, 0.0, 0.0, 0.0), [], {}, None, [0.0]),
     # the one ahead takes the first half that frees; this one the next GPU
-    ([(0.5, 1), (0.5, 1)], TAKEN, [holding(0.5, (1,), busy=False, deadline=1030),
-                                   holding(1.0, (3,), busy=False, deadline=1300)], {}, [30.0, 300.0]),
+    ([(0.5, 1, I), (0.5, 1, I)], TAKEN, [holding(0.5, (1,), busy=False, deadline=1030),
+                                         holding(1.0, (3,), busy=False, deadline=1300)], {}, None, [30.0, 300.0]),
     # two whole GPUs on one node: GPU 3 frees beside the idle GPU 2 before GPU 1 beside GPU 0
-    ([(1.0, 2)], (1.0, 0.0, 1.0, 0.0), [holding(gpus=(1,), busy=False, deadline=1150),
-                                        holding(gpus=(3,), busy=False, deadline=1120)], {}, [120.0]),
+    ([(1.0, 2, I)], (1.0, 0.0, 1.0, 0.0), [holding(gpus=(1,), busy=False, deadline=1150),
+                                           holding(gpus=(3,), busy=False, deadline=1120)], {}, None, [120.0]),
     # never, from what is known: no node gets two whole GPUs
-    ([(1.0, 2)], TAKEN, [holding(gpus=(1,), busy=False, deadline=1150)], {}, [None]),
+    ([(1.0, 2, I)], TAKEN, [holding(gpus=(1,), busy=False, deadline=1150)], {}, None, [None]),
 ])
-def test_eta(asks, free, leases, typical, expected):
+def test_eta(asks, free, leases, typical, grace, expected):
     room = eta.Room(free, ("n0", "n0", "n1", "n1"))
-    assert eta.eta_seconds(asks, room, leases, typical, NOW) == expected
+    assert eta.eta_seconds(asks, room, leases, typical, NOW, grace) == expected
 
 
 def test_typical_lengths_by_class():

@@ -5,13 +5,18 @@ waits, typical cell lengths and ``now`` in, seconds out.
 Capacity frees when a lease ends. For each lease that holds capacity the
 rule takes the moment it is expected to end (:func:`expected_end`):
 
-- idle (no cell running): its idle deadline, or the earlier one pressure set
-  (:mod:`.priority`), since it is parked then unless a cell starts;
+- idle (no cell running): its idle deadline (its own, or the earlier one the
+  pressure plan set, :mod:`.priority`), since it is parked then unless a cell
+  starts;
 - busy: when its running cell started plus the typical length of recent
   cells of its class (a cell already past it: ``now`` plus half that length,
-  a guess that moves as time passes), then ``after_cell`` seconds more (the
-  idle time before it is parked: the idle timeout, or the pressure grace
-  while anyone waits; 0 for a job that ends with its cell).
+  a guess that moves as time passes), then its idle timeout (never, without one).
+
+A waiting request presses on the leases pressure would take for it: those
+of its class or a lower one (an interactive request on every class, a batch
+one on batch leases), outside their owner's guaranteed share. Pressed, an
+idle lease goes at most the pressure ``grace`` after ``now`` (or after it
+went idle), and a busy one at most ``grace`` after its cell.
 
 Then the requests are placed in queue order, each once the ones before it
 are, as capacity frees in time order (:func:`eta_seconds`): a slice on the
@@ -23,11 +28,12 @@ of who goes first among equals are the scheduler's business, not modelled.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from .priority import EPSILON
+from .priority import EPSILON, class_rank
 
 
 @dataclass(frozen=True)
@@ -44,18 +50,20 @@ class Room:
 class Holding:
     """A lease holding capacity: the indexes of its GPUs in the :class:`Room`
     and the ``fraction`` of each it holds; its class; whether a cell runs and
-    since when (None: unknown, e.g. an agent that does not say); when it is
-    parked if it stays idle (None while busy); ``after_cell`` seconds from a
-    cell's end until it lets go (module docstring; None: it does not, with no
-    idle timeout and nothing to press it)."""
+    since when (None: unknown, e.g. an agent that does not say); since when it
+    is idle (None while busy) and when it is parked if it stays idle (None:
+    never, unpressed); its idle timeout in seconds (None: none; 0: it ends with
+    its cell); ``pressable``: outside its owner's guaranteed share."""
 
     gpus: tuple[int, ...]
     fraction: float
     lease_class: str
     busy: bool
-    cell_started: datetime | None
+    cell_started: datetime | None = None
+    idle_since: datetime | None = None
     idle_deadline: datetime | None = None
-    after_cell: float | None = 0.0
+    idle_timeout: float | None = None
+    pressable: bool = True
 
 
 def typical_lengths(ran: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -66,40 +74,63 @@ def typical_lengths(ran: Iterable[tuple[str, float]]) -> dict[str, float]:
     return {lease_class: statistics.median(lengths) for lease_class, lengths in by_class.items()}
 
 
-def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime) -> datetime | None:
-    """When ``lease`` is expected to free its capacity (module docstring);
-    None when nothing is known (a busy lease of a class without history)."""
-    if not lease.busy and lease.idle_deadline is not None:
-        return max(lease.idle_deadline, now)
+def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime,
+                 grace: float | None = None) -> datetime | None:
+    """When ``lease`` is expected to free its capacity (module docstring), pressed with
+    ``grace`` seconds (None: not pressed); None when nothing is known (a busy lease of a
+    class without history) or it never lets go."""
+    if not lease.busy:
+        deadline = lease.idle_deadline
+        if grace is not None:
+            early = max(now, lease.idle_since or now) + timedelta(seconds=grace)
+            deadline = min(deadline, early) if deadline is not None else early
+        return None if deadline is None else max(deadline, now)
     length = typical.get(lease.lease_class)
-    if length is None or lease.after_cell is None:
+    after = lease.idle_timeout if grace is None or lease.idle_timeout is None else min(lease.idle_timeout, grace)
+    after = grace if after is None else after
+    if length is None or after is None:
         return None
     end = (lease.cell_started or now) + timedelta(seconds=length)
     end = end if end > now else now + timedelta(seconds=length / 2)
-    return end + timedelta(seconds=lease.after_cell)
+    return end + timedelta(seconds=after)
 
 
-def eta_seconds(asks: Sequence[tuple[float, int]], room: Room, holding: Sequence[Holding],
-                typical: Mapping[str, float], now: datetime) -> list[float | None]:
-    """For each queued request, in queue order (``(fraction, count)``: a slice
-    of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node),
-    seconds until it is placed after every request before it; None once what
-    is known to free does not make room. Rounded to a tenth of a second."""
+def eta_seconds(asks: Sequence[tuple[float, int, str]], room: Room, holding: Sequence[Holding],
+                typical: Mapping[str, float], now: datetime, grace: float | None = None) -> list[float | None]:
+    """For each queued request, in queue order (``(fraction, count, class)``: a slice
+    of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node), seconds until
+    it is placed after every request before it; None once what is known to free does not
+    make room. ``grace``: the pressure grace (None: pressure parks nothing early).
+    Rounded to a tenth of a second."""
     free = list(room.free)
-    ends = [(end, lease) for lease in holding if (end := expected_end(lease, typical, now)) is not None]
-    ends.sort(key=lambda pair: pair[0])
+    released = [False] * len(holding)
+    timelines: dict[int, deque] = {}  # by the asking class's rank: (expected end, lease index), soonest first
     answers: list[float | None] = []
-    moment, upto = now, 0
-    for fraction, count in asks:
+    moment = now
+    for fraction, count, lease_class in asks:
+        rank = class_rank(lease_class)
+        if rank not in timelines:
+            ends = ((expected_end(lease, typical, now, grace if _presses(rank, lease) else None), i)
+                    for i, lease in enumerate(holding))
+            timelines[rank] = deque(sorted((end, i) for end, i in ends if end is not None))
+        line = timelines[rank]
         while not _take(free, room.node_of, fraction, count):
-            if upto == len(ends):
+            while line and released[line[0][1]]:
+                line.popleft()
+            if not line:
                 return answers + [None] * (len(asks) - len(answers))
-            moment, lease = ends[upto]
-            upto += 1
-            for g in lease.gpus:
-                free[g] += lease.fraction
+            end, i = line.popleft()
+            released[i] = True
+            moment = max(moment, end)
+            for g in holding[i].gpus:
+                free[g] += holding[i].fraction
         answers.append(round(max(0.0, (moment - now).total_seconds()), 1))
     return answers
+
+
+def _presses(rank: int, lease: Holding) -> bool:
+    """Whether a waiting request of class ``rank`` presses on ``lease`` (module docstring)."""
+    return lease.pressable and rank <= class_rank(lease.lease_class)
 
 
 def _take(free: list[float], node_of: Sequence[Hashable], fraction: float, count: int) -> bool:

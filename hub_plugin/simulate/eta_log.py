@@ -49,20 +49,20 @@ class EtaLog:
         room = Room(tuple((FULL - m) / FULL for m in pool.milli), tuple(pool.node_of))
         holding = [self.held(*lease, pool) for lease in leased]
         typical = typical_lengths((klass, seconds) for klass, cells in self.cells.items() for seconds in cells)
-        asks = [(m / FULL, g) for m, g in ahead] + [(milli / FULL, gpus)]
-        predicted = eta_seconds(asks, room, holding, typical, at(now))[-1]
+        asks = [(m / FULL, g, INTERACTIVE) for m, g in ahead] + [(milli / FULL, gpus, INTERACTIVE)]
+        predicted = eta_seconds(asks, room, holding, typical, at(now), self.policy.pressure_grace)[-1]
         self.record(cell, predicted, len(ahead) + 1, len(leased))
 
     def held(self, klass: str, run_start: float, idle_since: float | None, uuids, milli: int,
              pool: Pool) -> Holding:
         """A held lease as the service's ETA sees it: an idle notebook is parked at the first sweep
-        tick after its idle timeout or the pressure grace (someone waits), whichever is shorter; a
-        running one lets go that long after its cell ends; a batch job ends with its cell."""
-        timeout, pressure = self.policy.idle_timeout or 0.0, self.policy.pressure_grace
-        after = 0.0 if klass == BATCH else min(timeout, pressure) if pressure is not None else timeout
-        deadline = None if idle_since is None else at(math.ceil((idle_since + after) / SWEEP_S) * SWEEP_S)
+        tick after its idle timeout; a batch job ends with its cell (the trace has no quotas:
+        nothing is guaranteed)."""
+        timeout = 0.0 if klass == BATCH else self.policy.idle_timeout or None
+        deadline = (None if idle_since is None or timeout is None
+                    else at(math.ceil((idle_since + timeout) / SWEEP_S) * SWEEP_S))
         return Holding(tuple(pool.uuid_index[u] for u in uuids), milli / FULL, klass, idle_since is None,
-                       at(run_start), deadline, after)
+                       at(run_start), None if idle_since is None else at(idle_since), deadline, timeout)
 
     def started(self, cell: int, wait: float) -> None:
         """``cell`` started after waiting ``wait`` seconds."""
