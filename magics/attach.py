@@ -42,12 +42,14 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
         attachment = Attachment.connect(magics.client, lease)
         if magics.kernel is not None and forward:
             _start_forwarding(magics, attachment)
-    except BaseException:  # interrupted or failed: never leave the slice held
+    except BaseException as exc:  # interrupted or failed: never leave the slice held
         if attachment is not None:
             attachment.heartbeat.stop()
             attachment.remote.close()
         cancel(magics.client, lease.id)
         magics.tell()
+        if isinstance(exc, KeyboardInterrupt):  # the user's own doing: one line, not urllib's traceback
+            raise UsageError(f"interrupted; the request {lease.id} was cancelled") from None
         raise
     _warn_versions(attachment)
     if not forward:  # a %%gpu cell's own lease: the notebook stays detached

@@ -119,6 +119,32 @@ def test_cancelling_a_queued_lease_removes_it(busy_pool):
     assert svc.client("ann").quota()["usage"]["holding_gpus"] == 0
 
 
+def test_interrupting_a_queued_acquire_cancels_it_in_one_line(busy_pool, tmp_path):
+    """ann's notebook waits in the queue; the front end interrupts the kernel: the cell ends with one
+    line (a UsageError, not the long poll's KeyboardInterrupt traceback) and nothing stays queued."""
+    from frontend import install_kernelspec, start_gpupool_kernel
+    from procs import wait_for
+
+    svc, _ = busy_pool
+    km, kc = start_gpupool_kernel(install_kernelspec(tmp_path / "prefix", svc.url, svc.extra_tokens["ann"]),
+                                  tmp_path)
+    try:
+        msg_id = kc.execute("%gpu acquire 0.5 --wait 5m")
+        wait_for(lambda: [lease.state for lease in svc.client("ann").list_leases()] == [LeaseState.queued], 30,
+                 "ann's request in the queue")
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=30)
+        content = reply["content"]
+        assert (content["status"], content["ename"]) == ("error", "UsageError"), content
+        assert content["evalue"].startswith("interrupted; the request L-") and "was cancelled" in content["evalue"]
+        assert svc.client("ann").list_leases() == []
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 def test_a_queued_lease_gives_up_after_its_wait(busy_pool):
     svc, _ = busy_pool
     queued = svc.client("ann").create_lease(LeaseRequest(fraction=0.5, wait=1))
