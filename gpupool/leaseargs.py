@@ -7,7 +7,7 @@ share, declared once, and the :class:`LeaseRequest` they ask for.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from .units import parse_bytes, parse_duration, parse_gpu_amount
 from .wire.leases import LeaseRequest
@@ -24,6 +24,33 @@ REQUEST_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
                           "help": "while others wait, the running cell or script may be interrupted (after a notice) "
                                   "and the lease given back"}),
 )
+
+
+#: The options above that take a value (the flags whose value may look like an option: ``-5GiB``).
+VALUE_OPTIONS = frozenset(flags[0] for flags, keywords in REQUEST_OPTIONS if keywords.get("action") != "store_true")
+
+
+def join_negative_values(argv: Sequence[str], options: Iterable[str], *, stop_at_positional: bool = False
+                         ) -> list[str]:
+    """``argv`` with ``--wait -1m`` written ``--wait=-1m`` for the value-taking ``options``:
+    argparse reads a value that starts with ``-`` (and is not a plain negative number) as
+    another option, and says ``expected one argument`` instead of what is wrong with the value.
+    ``stop_at_positional``: leave everything from the first positional on as it is (a script's
+    own arguments)."""
+    options, out, i = set(options), [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or (stop_at_positional and not token.startswith("-")):
+            return out + list(argv[i:])
+        if token in options and i + 1 < len(argv):  # an option and its value
+            value = argv[i + 1]
+            negative = value[:1] == "-" and (value[1:2].isdigit() or value[1:2] == ".")
+            out += [f"{token}={value}"] if negative else [token, value]
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def add_request_options(add: Callable[..., Any]) -> None:

@@ -33,7 +33,7 @@ import traceback
 
 from .api import ServiceClient, add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
-from .leaseargs import add_request_options, lease_request
+from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
 from .leasewait import cancel, wait_started
 from .runremote import Abandoned, run_script
 from .tables import host_words, released_words, slice_words
@@ -46,10 +46,21 @@ START_TIMEOUT = 300.0
 EXIT_GPUPOOL = 2
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line (argparse prints its usage block first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_GPUPOOL, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+#: ``gpupool run``'s options that take a value (``--gpus 0.5``), besides the lease request's.
+VALUE_FLAGS = VALUE_OPTIONS | {"--gpus", "--env", "--url", "--token-file", "--ca-file"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpupool run`` parser: lease options, client options, the script and its arguments."""
     doc = __doc__.replace("``", "").split("\n\n")
-    parser = argparse.ArgumentParser(prog="gpupool run", description="Run a Python script on a pooled GPU, as "
+    parser = _OneLineParser(prog="gpupool run", description="Run a Python script on a pooled GPU, as "
                                      "`python script.py args` would run it there.", epilog="\n\n".join(doc[2:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", dest="amount", default="1",
@@ -84,7 +95,8 @@ def read_script(path: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpupool run``; returns the exit status (see the module's docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(join_negative_values(argv, VALUE_FLAGS, stop_at_positional=True))
     if args.script is None:  # optional only so that argparse's words do not name the script's arguments
         parser.error("the following arguments are required: script")
     try:

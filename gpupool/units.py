@@ -13,12 +13,13 @@ import re
 _BYTE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
-    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4, "pi": 1024**5, "pib": 1024**5,
 }
 _DURATION_UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A sign is read so that a negative value is told it is out of range, not unreadable.
+_NUMBER_UNIT = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def _number_with_unit(text: str | int | float, units: dict[str, int], what: str, example: str) -> float:
@@ -38,8 +39,8 @@ def _number_with_unit(text: str | int | float, units: dict[str, int], what: str,
 def parse_bytes(text: str | int | float) -> int:
     """Parse a memory size such as ``20GiB``, ``512MB`` or ``1073741824``.
 
-    Binary suffixes (KiB, MiB, GiB, TiB, also ``Gi``) are powers of 1024,
-    decimal ones (KB, MB, GB, TB, also ``G``) powers of 1000, as in
+    Binary suffixes (KiB, MiB, GiB, TiB, PiB, also ``Gi``) are powers of 1024,
+    decimal ones (KB, MB, GB, TB, PB, also ``G``) powers of 1000, as in
     Kubernetes quantities. Returns whole bytes (> 0).
 
     Raises ValueError with a message naming the accepted forms.

@@ -15,11 +15,12 @@ import sys
 import time
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
-from gpupool.leaseargs import REQUEST_OPTIONS, lease_request
+from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
 from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
                             slice_words)
@@ -32,13 +33,15 @@ from .quota import quota_report
 from .summary import summarize
 from .words import say, transfer_note
 
+#: The magics' options that take a value, whose value may start with '-' (a bad one: -5GiB).
+ACQUIRE_VALUE_FLAGS = VALUE_OPTIONS | {"--idle-timeout", "--env"}
 #: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
 NOT_ON_WORKER = "not defined on the worker"
 
 
 def _parse(command, rest: str):
-    try:
-        return parse_argstring(command, rest)
+    try:  # --wait -1m as --wait=-1m: argparse would take the value for an option
+        return command.parser.parse_args(join_negative_values(arg_split(rest), ACQUIRE_VALUE_FLAGS))
     except UsageError:
         raise
     except SystemExit:  # argparse exits on bad arguments; IPython's parser raises UsageError

@@ -402,6 +402,8 @@ CLI = [
     cli("run --memory lots {script}", 2, "cannot read 'lots' as a memory size", id="run-memory-text"),
     cli("run --wait forever {script}", 2, "cannot read 'forever' as a duration", id="run-wait-text"),
     cli("run --cpus 0 {script}", 2, "--cpus must be more than 0 cores", id="run-cpus-zero"),
+    cli("run --wait -1m {script}", 2, "duration must be more than 0 seconds, got '-1m'", id="run-wait-negative"),
+    cli("run --gpus 1 --bogus {script}", 2, "unrecognized arguments: --bogus", id="run-unknown-option"),
     cli("run /nonexistent/job.py", 2, "cannot read the script /nonexistent/job.py", id="run-no-such-script"),
     cli("run --gpus 2 {script}", 2, "quota exceeded", id="run-over-quota"),
     cli("run --gpus 65 {script}", 2, "'gpu_count' must be a whole number from 1 to 64", id="run-gpus-huge"),
@@ -421,6 +423,8 @@ def test_cli(pool, args, user, code, words, tmp_path):
     assert done.returncode == code, done.stderr
     assert_clear(done.stderr, words)
     assert "Traceback" not in done.stdout
+    if args.startswith("run"):  # README: "2 with one line when gpupool could not run it"
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     pool.check_unchanged(f"gpupool {args}")
 
 
@@ -444,7 +448,8 @@ MAGICS = [
     pytest.param("acquire 0.5 --idle-timeout 0", "duration must be more than 0 seconds", id="idle-zero"),
     pytest.param("acquire 0.5 --idle-timeout 2d", "above this pool's maximum of 1d", id="idle-over-max"),
     pytest.param("acquire 0.5 --wait 2h", "above this pool's maximum of 1h", id="wait-over-max"),
-    pytest.param("acquire 0.5 --wait -5m", "expected one argument", id="wait-negative"),
+    pytest.param("acquire 0.5 --wait -5m", "duration must be more than 0 seconds, got '-5m'", id="wait-negative"),
+    pytest.param("acquire 0.5 --memory -5GiB", "memory size must be at least 1 byte", id="memory-negative"),
     pytest.param("acquire 0.5 --colour red", "unrecognized arguments: --colour red", id="unknown-option"),
     pytest.param("acquire 0.5 --on-idle sleep", "invalid choice: 'sleep'", id="on-idle-choice"),
     pytest.param("frobnicate", "unknown %gpu command 'frobnicate'", id="unknown-command"),
