@@ -159,10 +159,12 @@ class Lease(Base):
     host_memory: Mapped[int | None] = mapped_column(BigInteger)
     requested_cpus: Mapped[float | None] = mapped_column(Float)
     requested_host_memory: Mapped[int | None] = mapped_column(BigInteger)
-    #: Revision 0009: when the last cell the agent reported started, and whether its
-    #: :class:`LeaseCell` is still open (no end seen yet) (:mod:`.cell_log`).
+    #: Revision 0009: when the last cell the agent reported started, whether its
+    #: :class:`LeaseCell` is still open (no end seen yet) (:mod:`.cell_log`), and whether this
+    #: lease's cells are recorded (false for leases from before the revision).
     cell_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cell_open: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    cells_recorded: Mapped[bool] = mapped_column(Boolean, default=True, server_default=false())
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

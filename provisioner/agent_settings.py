@@ -235,9 +235,9 @@ class WorkerSettings(NodeSettings):
 
     worker_launcher = Unicode(
         "local",
-        help=f"""How this node starts its workers, one of {", ".join(launchers.available())}:
-        ``local`` (default: an ipykernel process of this host, in a cgroup of its own), or a
-        launcher of the ``gpupool.worker_launchers`` entry point group (a subclass of
+        help=f"""How this node starts its workers; installed here: {", ".join(launchers.available())}.
+        ``local`` (the default) starts an ipykernel process on this host, in a cgroup of its own;
+        another name is a launcher of the ``gpupool.worker_launchers`` entry point group (a subclass of
         ``gpupool.provisioner.workers.launchers.WorkerLauncher``, e.g. one that starts each
         worker in a container). A worker an earlier run of the agent left running is
         re-adopted from its record, whichever launcher started it.

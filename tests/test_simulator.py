@@ -332,9 +332,10 @@ def test_fgd_prefers_the_gpu_a_slice_fills():
 
 def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
     """Two leases of one kernel (the first reclaimed after 600 s idle, the second released, with two
-    recorded cells), one of another user's that never started (left out) and a batch run: the first lease
-    is one busy burst (no cells recorded), the second its two cells, the first of them arriving when the
-    lease was asked for."""
+    recorded cells), one of another user's that never started (left out), a batch run and a lease that
+    ran no cell: the first lease and the batch run (from before cells were recorded) are one busy burst
+    each, the second lease its two cells, the first of them arriving when the lease was asked for, and
+    the last one its ask."""
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.models import GPU, Lease, LeaseCell, Node, UsageRecord
     from gpupool.hub_plugin.simulate.store import load_store
@@ -351,14 +352,16 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
         rows = [("L-000000000001", "ann", "k1", 0.5, "reclaimed", "idle for 10m (idle timeout 10m)", 0, 10, 1810),
                 ("L-000000000002", "ann", "k1", 0.5, "released", "released by its owner", 3600, 3600, 4200),
                 ("L-000000000003", "bob", "k2", 1.0, "failed", "waited too long", 100, None, None),
-                ("L-000000000004", "cy", None, 1.0, "released", "released by its owner", 5000, 5000, 5300)]
+                ("L-000000000004", "cy", None, 1.0, "released", "released by its owner", 5000, 5000, 5300),
+                ("L-000000000005", "dee", "k3", 0.5, "released", "released by its owner", 6000, 6000, 6100)]
         for lease_id, owner, kernel, fraction, state, reason, created, started, ended in rows:
             batch = lease_id == "L-000000000004"  # a preemptible gpupool run
             db.add(Lease(id=lease_id, owner=owner, state=state, reason=reason, fraction=fraction, gpu_count=1,
                          memory=10**9, kernel_id=kernel, idle_timeout=600, heartbeat_ttl=60, created_at=at(created),
                          started_at=None if started is None else at(started),
                          ended_at=None if ended is None else at(ended), usage_gpu_seconds=0.0, groups=["quants"],
-                         lease_class="batch" if batch else "interactive", preemptible=batch))
+                         lease_class="batch" if batch else "interactive", preemptible=batch,
+                         cells_recorded=lease_id in ("L-000000000002", "L-000000000005")))  # the rest: before 0009
             if ended is not None:
                 db.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
                                    started_at=at(started), ended_at=at(ended),
@@ -367,16 +370,19 @@ def test_from_store_replays_the_recorded_leases(tmp_path, capsys):
                     LeaseCell(lease_id="L-000000000002", started_at=at(3900), ended_at=None)])  # ran to the end
     store.close()
     history = load_store(url)
-    assert (history.leases, history.skipped, history.pool_gpus) == (3, 1, 2)
-    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600 + 300)
+    assert (history.leases, history.skipped, history.pool_gpus, history.without_cells) == (4, 1, 2, 2)
+    assert history.recorded_gpu_hours * 3600 == pytest.approx(0.5 * 1800 + 0.5 * 600 + 300 + 0.5 * 100)
     cells = history.workload.cells
     assert [(c.session, c.submit, c.duration) for c in cells] == [(0, 0.0, 1200.0), (0, 3600.0, 100.0),
-                                                                 (0, 3900.0, 300.0), (1, 5000.0, 300.0)]
+                                                                 (0, 3900.0, 300.0), (1, 5000.0, 300.0),
+                                                                 (2, 6000.0, 1.0)]  # dee ran no cell: her ask
     assert [(s.gpus, s.milli, s.closes, s.klass, s.preemptible) for s in history.workload.sessions] == [
-        (1, 500, 4200.0, "interactive", False), (1, 1000, 5300.0, "batch", True)]
+        (1, 500, 4200.0, "interactive", False), (1, 1000, 5300.0, "batch", True),
+        (1, 500, 6100.0, "interactive", False)]
     assert cli_main(["simulate", "--from-store", url, "--pool-size", "1,2"]) == 0
     out = capsys.readouterr().out
-    assert "3 ended leases (1 never started" in out and "before revision 0009" in out and "dedicated: 2 GPUs" in out
+    assert "4 ended leases (1 never started" in out and "dedicated: 3 GPUs" in out
+    assert "the cells of 2 leases from before revision 0009" in out
     assert "request class" not in out, "class and preemptibility are read from the store, not assumed"
 
 

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from gpupool.tables import table
-from gpupool.units import parse_duration
+from gpupool.units import format_duration, parse_duration
 
 
 def sensei_workload_for(args):
@@ -32,12 +32,13 @@ def sensei_workload_for(args):
     from .workload import build_sessions
 
     if args.from_store:
-        from .store import MISSING, load_store
+        from .store import MISSING, before_cells, load_store
 
         history = load_store(args.from_store)
+        missing = ([before_cells(history.without_cells)] if history.without_cells else []) + list(MISSING)
         notes = [f"store: {history.leases} ended leases ({history.skipped} never started or still open, left "
-                 f"out), {history.pool_gpus} GPUs now, {history.recorded_gpu_hours:,.1f} GPU-h held on record",
-                 "not in the history (assumed instead):"] + [f"  - {m}" for m in MISSING]
+                 f"out), {history.pool_gpus} GPUs now, {history.recorded_gpu_hours:,.3g} GPU-h held on record",
+                 "not in the history (assumed instead):"] + [f"  - {m}" for m in missing]
         return history.workload, notes, history.pool_gpus
     if args.data is not None:
         return build_sessions(read_sensei(args.data), openb_slice_millis(args.data), users=args.users,
@@ -61,7 +62,8 @@ def run_sensei(args) -> list[dict]:
     from .backlog import BatchSource
     from .notebooks import simulate_notebooks
     from .policies import dedicated_gpus, policies
-    from .results import HEADERS, rows
+    from .results import HEADERS, gpu_hours, rows
+    from .workload import period_seconds
 
     workload, notes, store_gpus = sensei_workload_for(args)
     chosen = policies(args.idle_timeout, args.pressure_grace)
@@ -73,6 +75,11 @@ def run_sensei(args) -> list[dict]:
     print(f"{len(workload.cells)} cells in {len(workload.sessions)} sessions; rule: {workload.rule}")
     for note in notes:
         print(note)
+    if "gpupool" in names:
+        gpupool = chosen["gpupool"]
+        print(f"gpupool's settings here: idle timeout {format_duration(gpupool.idle_timeout or 0)}, pressure grace "
+              f"{format_duration(gpupool.pressure_grace or 0)} (--idle-timeout, --pressure-grace; not the pool's own, "
+              "which its store does not hold)")
     sizes = args.pool_size or [store_gpus or 448]
     backlog = None
     if args.backlog:
@@ -83,12 +90,12 @@ def run_sensei(args) -> list[dict]:
     if "dedicated" in names:
         owned = dedicated_gpus(workload)
         busy = workload.busy_gpu_hours()
-        days = max(1, -(-max(c.submit for c in workload.cells) // 86400))  # the trace's whole days
-        held = sum(owned.values()) * days * 24
-        print(f"dedicated: {sum(owned.values())} GPUs ({len(owned)} users, each owning the most GPUs they run at "
-              f"once), {held:,.0f} GPU-h held, {busy / held:.1%} utilization, no waits")
-        out.append({"policy": "dedicated", "pool_size": sum(owned.values()), "held_gpu_hours": round(held, 1),
-                    "busy_gpu_hours": round(busy, 1)})
+        held = sum(owned.values()) * period_seconds(max(c.submit for c in workload.cells)) / 3600
+        users = f"{len(owned)} user{'s' if len(owned) != 1 else ''}"
+        print(f"dedicated: {sum(owned.values())} GPUs ({users}, each owning the most GPUs they run at "
+              f"once), {gpu_hours(held)} GPU-h held, {busy / held:.1%} utilization, no waits")
+        out.append({"policy": "dedicated", "pool_size": sum(owned.values()), "held_gpu_hours": round(held, 3),
+                    "busy_gpu_hours": round(busy, 3)})
     results = [simulate_notebooks(workload, chosen[name], size, per_node=args.per_node,
                                   backlog=BatchSource(*backlog, users=args.users, seed=args.seed) if backlog else None)
                for size in sizes for name in names if name != "dedicated"]
@@ -130,9 +137,26 @@ def run_openb(args) -> list[dict]:
              "failed": r.failed.tolist(), "seconds": r.seconds} for r in results]
 
 
+#: What ``--help`` says after the options: the policies and the sources (the module docstring is for readers of the code).
+EPILOG = """policies of the notebook workload (sensei):
+  dedicated    each user owns, for the whole period, the most GPUs they ever run at once (what pooling replaces)
+  reservation  whole GPUs from a notebook's first cell until it is 30 minutes idle, one queue (no classes)
+  gpupool      the slice or whole GPUs until --idle-timeout idle, parked early after --pressure-grace while
+               others wait, classes and preemption as the service's rules decide
+  batch        each cell a job holding whole GPUs only while it runs, strict first in first out
+policies of openb --dimensions all: fgd, fgd+memory, fgd-k8s, bestfit, firstfit, random
+
+Without --data and --from-store it replays traces it generates (seeded), so it runs from the wheel;
+--data DIR reads the public traces (sensei_june_60sec.csv, openb_*.csv); --from-store URL replays a
+pool's own leases and the cells its workers ran (what the history lacks is printed). One row per
+policy and pool size; --out DIR also writes them as JSON. Needs numpy: pip install 'gpupool[simulate]'.
+docs/simulate.md has the rest."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpupool simulate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(prog="gpupool simulate", description="Trace-driven replay of a pool against the "
+                                "service's own scheduler, reclaim and pressure rules: how many GPUs for what wait.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--workload", choices=("sensei", "openb"), default="sensei",
                    help="sensei: notebooks (a trace, a generated month or --from-store); openb: fill a cluster")
     p.add_argument("--policy", type=lambda s: [x for x in s.split(",") if x], default=None,

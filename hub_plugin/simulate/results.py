@@ -74,7 +74,7 @@ class NotebookResult:
         """Plain numbers for tables and JSON."""
         waits = {f"{k}_p{q}_wait_s": self.wait_percentile(q, k) for k in (INTERACTIVE, BATCH) for q in (50, 95, 99)}
         return {"policy": self.policy, "pool_size": self.pool_size,
-                "held_gpu_hours": round(self.held_gpu_hours, 1), "busy_gpu_hours": round(self.busy_gpu_hours, 1),
+                "held_gpu_hours": round(self.held_gpu_hours, 3), "busy_gpu_hours": round(self.busy_gpu_hours, 3),
                 "utilization": round(self.utilization, 4), "cluster_utilization": round(self.cluster_utilization, 4),
                 **waits, "waited_share": round(self.waited_share, 4),
                 "acquired_share": round(self.acquisitions / max(1, len(self.waits)), 4),
@@ -90,6 +90,11 @@ HEADERS = ("policy", "GPUs", "GPU-h held", "GPU-h busy", "cluster util", "held u
            "batch p50/p95/p99 s", "parks /user-day", "preempt. /user-day")
 
 
+def gpu_hours(hours: float) -> str:
+    """GPU-hours for a table: whole ones from 100 on, else three significant digits (a young pool's store)."""
+    return f"{hours:,.0f}" if hours >= 100 else f"{hours:.3g}"
+
+
 def rows(results) -> list[list]:
     """Table rows (:data:`HEADERS`) for results."""
     def waits(r, k):
@@ -97,7 +102,7 @@ def rows(results) -> list[list]:
             return "-"
         return "/".join(f"{r.wait_percentile(q, k):.0f}" for q in (50, 95, 99))
 
-    return [[r.policy, r.pool_size, f"{r.held_gpu_hours:,.0f}", f"{r.busy_gpu_hours:,.0f}",
+    return [[r.policy, r.pool_size, gpu_hours(r.held_gpu_hours), gpu_hours(r.busy_gpu_hours),
              f"{r.cluster_utilization:.1%}", f"{r.utilization:.1%}", waits(r, INTERACTIVE), waits(r, BATCH),
              f"{r.per_user_day(r.parks):.2f}", f"{r.per_user_day(r.preemptions):.2f}"] for r in results]
 

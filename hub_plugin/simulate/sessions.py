@@ -19,7 +19,7 @@ from ..rules import priority
 from ..rules.scheduler import Placement
 from .pool import FULL
 from .sweep import SimLease, at
-from .workload import NotebookWorkload
+from .workload import NotebookWorkload, period_seconds
 
 INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
 
@@ -69,8 +69,8 @@ class SessionTable:
         self.idle: dict[int, float] = {}  # interactive sessions whose lease is idle -> idle since
 
     def period(self) -> float:
-        """The seconds cluster utilization is measured over: the trace's whole days (at least one)."""
-        return max(86400.0, math.ceil(max(self.submit, default=0.0) / 86400) * 86400)
+        """The seconds cluster utilization is measured over (:func:`.workload.period_seconds`)."""
+        return period_seconds(max(self.submit, default=0.0))
 
     def add_batch_job(self, milli: int, gpus: int, seconds: float, user: int, now: float) -> int:
         """A batch job of ``seconds`` on ``milli`` of ``gpus``, asked for at

@@ -20,8 +20,9 @@ How it becomes a workload:
   request and closes when its last lease ends;
 - the **cells** of a lease are its recorded ones, each running as long as it
   ran; the first arrives when the lease was asked for (``created_at``: the
-  replay's wait is the queue's), the others when they started. A lease with
-  none recorded (from before revision 0009) is one cell, arriving at
+  replay's wait is the queue's), the others when they started; a lease that
+  ran none is one cell of a second, its ask. A lease from before revision
+  0009 (``cells_recorded`` false) is one cell, arriving at
   ``created_at`` and busy from its start to its end, less the idle timeout when
   it was reclaimed for idleness (its worker was idle that long before); then
   a lease released by its user, its kernel's shutdown or a lost heartbeat
@@ -42,13 +43,18 @@ from .workload import Cell, NotebookWorkload, Session
 
 #: What the store does not record that a faithful replay would need.
 MISSING = (
-    "cells of leases from before revision 0009 (no lease_cells rows): one busy burst per such lease is assumed "
-    "(less the idle timeout if it was reclaimed for idleness; until its end if its user released it)",
     "the time between asking for a lease and its first cell: the first cell is replayed as asked at created_at",
     "requests that never got capacity (queued, then failed or cancelled): left out, so demand the pool refused "
     "is not replayed",
     "GPU models and node shapes over time: the replay uses uniform nodes of --per-node GPUs",
 )
+
+
+def before_cells(leases: int) -> str:
+    """What the history lacks of ``leases`` leases without recorded cells (from before revision 0009)."""
+    return (f"the cells of {leases} lease{'s' if leases != 1 else ''} from before revision 0009 (no lease_cells "
+            "rows): one busy burst per such lease is assumed (less the idle timeout if it was reclaimed for "
+            "idleness; until its end if its user released it)")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class StoreHistory:
     recorded_gpu_hours: float
     leases: int
     skipped: int
+    without_cells: int = 0
 
 
 def load_store(url: str) -> StoreHistory:
@@ -76,7 +83,8 @@ def load_store(url: str) -> StoreHistory:
         with SQLSession(engine) as db:
             rows = db.execute(select(Lease.owner, Lease.kernel_id, Lease.id, Lease.fraction, Lease.gpu_count,
                                      Lease.idle_timeout, Lease.created_at, Lease.started_at, Lease.ended_at,
-                                     Lease.state, Lease.reason, Lease.groups, Lease.lease_class, Lease.preemptible)
+                                     Lease.state, Lease.reason, Lease.groups, Lease.lease_class, Lease.preemptible,
+                                     Lease.cells_recorded)
                               .order_by(Lease.created_at, Lease.id)).all()
             ran = db.execute(select(LeaseCell.lease_id, LeaseCell.started_at, LeaseCell.ended_at)
                              .order_by(LeaseCell.started_at, LeaseCell.id)).all()
@@ -84,8 +92,13 @@ def load_store(url: str) -> StoreHistory:
             pool_gpus = db.scalar(select(func.count()).select_from(GPU)) or 0
         engine.dispose()
     except SQLAlchemyError as exc:
+        first = str(exc).splitlines()[0]
+        if any(words in first for words in ("no such column", "no such table", "does not exist")):
+            raise SystemExit(f"gpupool simulate: the store at {url!r} has no {_missing(first)}: it is not a "
+                             "gpupool store, or one of an older gpupool (start this version's service on it "
+                             "once: it migrates its store)") from exc
         raise SystemExit(f"gpupool simulate: cannot read the store at {url!r} ({exc.__class__.__name__}: "
-                         f"{str(exc).splitlines()[0]}); pass the service's c.GPUPool.db_url") from exc
+                         f"{first}); pass the service's c.GPUPool.db_url") from exc
     ended = [r for r in rows if r.started_at is not None and r.ended_at is not None]
     if not ended:
         raise SystemExit(f"gpupool simulate: the store at {url!r} has no lease that started and ended yet; "
@@ -94,7 +107,17 @@ def load_store(url: str) -> StoreHistory:
     for lease_id, started_at, ended_at in ran:
         cells.setdefault(lease_id, []).append((started_at, ended_at))
     workload = history_workload(ended, cells)
-    return StoreHistory(workload, int(pool_gpus), float(recorded) / 3600, len(ended), len(rows) - len(ended))
+    return StoreHistory(workload, int(pool_gpus), float(recorded) / 3600, len(ended), len(rows) - len(ended),
+                        sum(1 for row in ended if not row.cells_recorded))
+
+
+def _missing(error: str) -> str:
+    """The table or column an SQL error says is missing, in words (``column leases.cells_recorded``)."""
+    for marker, kind in (("no such column: ", "column "), ("no such table: ", "table "), ('column "', "column "),
+                         ('relation "', "table ")):
+        if marker in error:
+            return kind + error.split(marker, 1)[1].split('"', 1)[0].split()[0]
+    return "table or column this gpupool reads"
 
 
 def busy_seconds(row) -> float:
@@ -108,8 +131,10 @@ def busy_seconds(row) -> float:
 def lease_cells(row, ran: list[tuple]) -> list[tuple]:
     """``(arrives, seconds)`` of lease ``row``'s cells (module docstring), times as datetimes;
     ``ran``: its recorded ``(started_at, ended_at or None)``, in order."""
-    if not ran:
+    if not ran and not row.cells_recorded:  # from before revision 0009
         return [(row.created_at, busy_seconds(row))]
+    if not ran:  # it ran no cell: only the ask (a second), then idle until it ended
+        return [(row.created_at, 1.0)]
     runs = [(start, max(1.0, ((end or row.ended_at) - start).total_seconds())) for start, end in ran]
     return [(row.created_at, runs[0][1]), *runs[1:]]
 

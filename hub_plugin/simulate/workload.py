@@ -38,6 +38,7 @@ sessions need whole GPUs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,14 @@ class NotebookWorkload:
         """GPU-hours the cells need: slice fraction (1-GPU) or whole GPUs, times run time."""
         return sum(self.sessions[c.session].gpus * self.sessions[c.session].milli / 1000 * c.duration
                    for c in self.cells) / 3600
+
+
+def period_seconds(last_arrival: float) -> float:
+    """The seconds a replay's utilization is measured over: the workload's whole days, or, for
+    one shorter than a day (a young pool's store), its whole hours (at least one)."""
+    if last_arrival < 86400:
+        return max(3600.0, math.ceil(last_arrival / 3600) * 3600)
+    return math.ceil(last_arrival / 86400) * 86400
 
 
 def zipf_weights(users: int, s: float) -> np.ndarray:
