@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -35,6 +36,7 @@ class ForwardedCell:
         self._replied = True  # the forwarded cell's reply went out (its idle is held until then)
         self._held_idle: list | None = None  # the worker's idle of it, signed, while held
         self.running: dict[str, Any] | None = None  # header of the forwarded cell running now
+        self.ended_at: float | None = None  # epoch seconds the last forwarded cell ended
 
     def forward(self, attachment, stream, ident, parent: dict[str, Any],
                 code: str) -> tuple[dict[str, Any] | None, str]:
@@ -84,7 +86,7 @@ class ForwardedCell:
                     kernel.gpu.drop()
                 return (replies[0] if replies else None), exc.message
             finally:
-                self.running = None
+                self.running, self.ended_at = None, time.time()
                 attachment.heartbeat.running(False)
 
     def _answer_stdin(self, request: dict[str, Any]) -> str:

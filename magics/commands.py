@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
+from datetime import datetime, timezone
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -20,6 +22,7 @@ from IPython.utils.process import arg_split
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
+from gpupool.schema import isoformat
 from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
 from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
@@ -166,9 +169,22 @@ def status(magics, rest: str) -> None:
             say("not attached; %gpu acquire 0.5 attaches half a GPU")
             return
     else:
-        leases = [magics.attachment.refresh()]
+        leases = [_as_seen_here(magics, magics.attachment.refresh())]
     text, html = lease_table(leases, gpu_utilization(magics.client.pool()))
     display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def _as_seen_here(magics, lease):
+    """``lease`` with its worker idle since the last forwarded cell ended, when the service still
+    says busy and no forwarded cell runs: the service hears of a cell's end with the agent's next
+    heartbeat (up to ``c.GPUPool.node_heartbeat_interval`` later); this kernel knows it now."""
+    cell = getattr(magics.kernel, "cell", None)
+    worker = lease.worker or {}
+    if cell is None or cell.running is not None or cell.ended_at is None or worker.get("execution_state") != "busy":
+        return lease
+    ended = datetime.fromtimestamp(cell.ended_at, timezone.utc)
+    return replace(lease, worker={**worker, "execution_state": "idle"}, idle_since=isoformat(ended),
+                   idle_deadline=None)
 
 
 def quota(magics, rest: str) -> None:

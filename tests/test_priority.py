@@ -312,6 +312,28 @@ def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None
                  idle_deadline=moment(deadline_in), preempt_at=moment(preempt_in), pressure=pressure)
 
 
+@pytest.mark.parametrize("running, service_says, shown", [
+    (None, "busy", "idle"),    # the cell ended here; the service hears of it at the agent's next heartbeat
+    ({"msg_id": "c"}, "busy", "busy"),  # %gpu status inside a forwarded cell: the worker runs it
+    (None, "idle", "idle"),
+])
+def test_status_shows_the_worker_as_this_kernel_knows_it(running, service_says, shown):
+    from types import SimpleNamespace
+
+    from gpupool.magics.commands import _as_seen_here
+    from gpupool.schema import parse_time
+    from gpupool.tables import idle_countdown
+
+    ended = at(990).timestamp()
+    magics = SimpleNamespace(kernel=SimpleNamespace(cell=SimpleNamespace(running=running, ended_at=ended)))
+    lease = replace(client_lease(), worker={"pid": 1, "execution_state": service_says, "memory_used": 0})
+    seen = _as_seen_here(magics, lease)
+    assert seen.worker["execution_state"] == shown
+    if shown == "idle" and service_says == "busy":
+        assert parse_time(seen.idle_since) == at(990)
+        assert idle_countdown(seen, at(1000)) == "29m 50s"  # counted from the cell's end
+
+
 def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
     from gpupool.magics.park import idle_span, park_due, park_reason, seconds_to_reclaim
     early = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 2 people are waiting for a GPU")
