@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
+from .schema import MAX_GPU_COUNT, MIN_FRACTION
 from .units import parse_bytes, parse_duration, parse_gpu_amount
 from .wire.leases import LeaseRequest
 
@@ -70,6 +71,10 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
     duration, ``--cpus`` not above 0.
     """
     fraction, count = parse_gpu_amount(args.amount)
+    if count > MAX_GPU_COUNT:
+        raise ValueError(f"at most {MAX_GPU_COUNT} whole GPUs in one lease, got {args.amount}")
+    if fraction < MIN_FRACTION:
+        raise ValueError(f"a slice is at least {MIN_FRACTION} of a GPU (the smallest CUDA MPS share), got {args.amount}")
     if args.cpus is not None and not args.cpus > 0:
         raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
     idle_timeout = getattr(args, "idle_timeout", None)

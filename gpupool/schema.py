@@ -21,6 +21,8 @@ from .errors import bad_request
 
 #: The smallest slice: 1% of a GPU (CUDA MPS active-thread percentages are whole percents).
 MIN_FRACTION = 0.01
+#: The most whole GPUs one lease may ask for (a node's; no node has more).
+MAX_GPU_COUNT = 64
 #: The smallest memory limit a request may name (the agent works in whole MiB).
 MIN_MEMORY = 1024**2
 #: Host cores a request may name: the cgroup quota works in 1/100 of a core.

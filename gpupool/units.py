@@ -81,7 +81,9 @@ def parse_gpu_amount(text: str | int | float) -> tuple[float, int]:
         value = float(text)
     except (TypeError, ValueError):
         raise ValueError(f"cannot read {text!r} as a GPU amount; write a fraction like 0.5 or a whole count like 2") from None
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):
+        raise ValueError(f"GPU amount must be a finite number, got {text!r}")
+    if value <= 0:
         raise ValueError(f"GPU amount must be more than 0, got {text!r}")
     if value <= 1:
         return value, 1

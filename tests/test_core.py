@@ -46,7 +46,7 @@ def test_parse_gpu_amount(text, expected):
 
 
 @pytest.mark.parametrize("text, words", [("0", "more than 0"), ("-1", "more than 0"), ("1.5", "not whole"),
-                                         ("half", "cannot read"), ("inf", "more than 0")])
+                                         ("half", "cannot read"), ("inf", "a finite number")])
 def test_parse_gpu_amount_refuses(text, words):
     with pytest.raises(ValueError, match=words):
         parse_gpu_amount(text)

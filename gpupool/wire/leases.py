@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from ..errors import bad_request
-from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MIN_CPUS, MIN_FRACTION, MIN_MEMORY, LeaseState,
-                      number_field)
+from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MAX_GPU_COUNT, MIN_CPUS, MIN_FRACTION, MIN_MEMORY,
+                      LeaseState, number_field)
 from .fields import Body, Spec, wired
 
 #: The longest wait and idle timeout any request may name, seconds (366 days).
@@ -87,8 +87,8 @@ class LeaseRequest(Body):
     fraction: float = wired(Spec("number", "of one GPU; 1 (or left out) when gpu_count > 1", nullable=True,
                                  minimum=MIN_FRACTION, maximum=1, default=1, error=_fraction_words), 1.0)
     gpu_count: int = wired(Spec("integer", "whole GPUs, all on one node; 400 above the biggest node's count",
-                                nullable=True, minimum=1, maximum=64, default=1,
-                                error="'gpu_count' must be a whole number from 1 to 64, got {value!r}"), 1)
+                                nullable=True, minimum=1, maximum=MAX_GPU_COUNT, default=1,
+                                error=f"'gpu_count' must be a whole number from 1 to {MAX_GPU_COUNT}, got {{value!r}}"), 1)
     memory: int | None = wired(_bytes("memory", "bytes per GPU (default: the fraction's share)"), None)
     model: str | None = wired(Spec("string", "substring of the GPU name, e.g. A100", **_NAME), None)
     idle_timeout: float | None = wired(Spec(
