@@ -160,8 +160,9 @@ def status(magics, rest: str) -> None:
     if rest.strip():
         raise UsageError("%gpu status takes no arguments")
     if magics.attachment is not None and magics.attachment.parked is not None:
-        say(f"parked: {magics.attachment.parked.lease.id} was given back after idle and its variables are "
-            "here; the next cell resumes on a slice of the same size (%gpu release detaches)")
+        parked = magics.attachment.parked
+        say(f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next cell "
+            "resumes on a slice of the same size (%gpu release detaches)")
         return
     if magics.attachment is None:
         leases = magics.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))

@@ -202,7 +202,7 @@ def test_an_idle_lease_is_parked_and_the_next_cell_resumes_with_its_state(e2e_po
         "the notice is said at the top of the next cell, not written into an old one"
     assert local.outputs[-1][1]["data"]["text/plain"] == "[1, 2, 3]", "parked state is in the local kernel"
     status = run(kc, "%gpu status")
-    assert f"parked: {parked_id} was given back after idle" in status.stdout and not status.stderr
+    assert f"parked: {parked_id} was given back (parked after idle)" in status.stdout and not status.stderr
     cell = run(kc, "import os\nkept + [4], os.environ['GPUPOOL_LEASE_ID']")
     assert cell.ok, cell.text()
     # The park was told at the top of the %%local cell: the resume does not tell it again.
