@@ -54,6 +54,34 @@ def quota_text(body: dict[str, Any]) -> str:
     return head + "\n" + table(["", "used", "limit"], rows)[0]
 
 
+def quotas_text(body: dict[str, Any]) -> str:
+    """``GET /admin/quotas`` as text: the effective limits per scope, and who overrode which."""
+    effective, overrides = body.get("effective") or {}, body.get("overrides") or {}
+    scopes = sorted(set(effective) | set(overrides), key=lambda s: (s != "*", s))
+    rows = [[scope, *(limit_words(key, effective.get(scope, {})[key]) if key in effective.get(scope, {}) else "-"
+                      for key in LIMITS),
+             f"{overrides[scope]['updated_by']} {overrides[scope]['updated_at']}" if scope in overrides else ""]
+            for scope in scopes]
+    if not rows:
+        return "no quotas: every limit is unlimited"
+    return table(["scope", *LIMITS, "overridden by"], rows)[0] + "\n(- : not set in this scope)"
+
+
+def usage_text(body: dict[str, Any]) -> str:
+    """``GET /admin/usage`` as text: GPU-hours today and this week per user and group, then per day."""
+    today, week = body.get("today_gpu_hours") or {}, body.get("week_gpu_hours") or {}
+    rows = [[kind[:-1], name, f"{today.get(kind, {}).get(name, 0.0):.2f}", f"{hours:.2f}"]
+            for kind in ("users", "groups") for name, hours in sorted((week.get(kind) or {}).items())]
+    daily = body.get("daily_gpu_hours") or {}
+    days = sorted({day for per_day in daily.values() for day in per_day})
+    lines = [f"GPU-hours, days and weeks in {body.get('timezone', 'UTC')}",
+             table(["", "name", "today", "this week"], rows)[0] if rows else "no use this week"]
+    if days:
+        lines += ["", table(["user", *days], [[user, *(f"{per_day.get(day, 0.0):.2f}" for day in days)]
+                                              for user, per_day in sorted(daily.items())])[0]]
+    return "\n".join(lines)
+
+
 def _value(text: str) -> Any:
     if text.lower() in ("none", "null", "unlimited"):
         return None
@@ -83,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scope", nargs="?", help="'*', 'group:NAME' or 'user:NAME' (set, unset)")
     parser.add_argument("limits", nargs="*", help="LIMIT=VALUE (set)")
     parser.add_argument("--days", type=int, default=7, help="days of daily usage (usage; default 7)")
-    parser.add_argument("--json", action="store_true", help="show: print the service's JSON (list and usage always do)")
+    parser.add_argument("--json", action="store_true", help="print the service's JSON (show, list, usage)")
     add_client_arguments(parser)
     args = parser.parse_args(argv)
     if args.action in ("set", "unset") and not args.scope:
@@ -95,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         body = client.quota()
         print(json.dumps(body, indent=2, sort_keys=True) if args.json else quota_text(body))
     elif args.action == "list":
-        print(json.dumps(client.admin_quotas(), indent=2, sort_keys=True))
+        body = client.admin_quotas()
+        print(json.dumps(body, indent=2, sort_keys=True) if args.json else quotas_text(body))
     elif args.action == "set":
         reply = client.set_quota(args.scope, _limits(args.limits))
         print(f"{reply['scope']}: " + ", ".join(f"{k} {limit_words(k, v)}" for k, v in reply["limits"].items()))
@@ -103,5 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         client.clear_quota(args.scope)
         print(f"{args.scope}: override removed; the configured quota applies")
     else:
-        print(json.dumps(client.admin_usage(args.days), indent=2, sort_keys=True))
+        body = client.admin_usage(args.days)
+        print(json.dumps(body, indent=2, sort_keys=True) if args.json else usage_text(body))
     return 0

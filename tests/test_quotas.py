@@ -246,6 +246,12 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
         assert listing["overrides"]["user:bob"]["updated_by"] == "ann"
         assert listing["effective"]["group:quants"] == {"max_gpus": 2.0, "max_idle_timeout": 7200.0}
         ann = ["--url", svc.url, "--token-file", token_file("ann", svc)]
+        capsys.readouterr()
+        assert quota_main(["list", *ann]) == 0 and quota_main(["usage", *ann]) == 0
+        listed = capsys.readouterr().out
+        bob_row, = [line for line in listed.splitlines() if line.startswith("user:bob ")]
+        assert "0.25 GPU" in bob_row and "1.5 GPU-hours" in bob_row and " ann " in bob_row, listed
+        assert "GPU-hours, days and weeks in UTC" in listed and "{" not in listed, "tables, not JSON"
         assert quota_main(["unset", "user:bob", *ann]) == 0
         assert bob.quota()["limits"]["max_gpus"] == 2.0
         assert quota_main(["--url", svc.url, "--token-file", token_file("bob", svc)]) == 0
