@@ -46,7 +46,7 @@ def quota_text(body: dict[str, Any]) -> str:
              limit_words("gpu_hours_per_day", body["limits"]["gpu_hours_per_day"])),
             ("GPU-hours this week", f"{used['week_gpu_hours']:.2f}",
              limit_words("gpu_hours_per_week", body["limits"]["gpu_hours_per_week"])),
-            ("idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"])),
+            ("longest idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"])),
             ("guaranteed share", "",
              limit_words("guaranteed_gpus", body["limits"].get("guaranteed_gpus")))]
     groups = ", ".join(body["groups"]) or "none"
