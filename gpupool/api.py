@@ -69,7 +69,8 @@ class ServiceClient:
             raise GPUPoolError(Reason.not_configured, f"{self.url!r} is not a service URL; it should look like "
                                f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
         except NoAnswer as exc:
-            raise exc.error(f"the gpupool service at {self.url}", f"is it running? Check the URL ({ENV_URL} or --url).") from None
+            raise exc.error(f"the gpupool service at {self.url}",
+                            f"is it running? Check the URL ({ENV_URL} or --url).") from None
         if not 200 <= answer.status < 300:  # what urllib did not follow (redirects) is a failure
             raise answer.error("the gpupool service", ENV_TOKEN)
         return answer.json()

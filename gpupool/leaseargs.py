@@ -74,7 +74,8 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
     if count > MAX_GPU_COUNT:
         raise ValueError(f"at most {MAX_GPU_COUNT} whole GPUs in one lease, got {args.amount}")
     if fraction < MIN_FRACTION:
-        raise ValueError(f"a slice is at least {MIN_FRACTION} of a GPU (the smallest CUDA MPS share), got {args.amount}")
+        raise ValueError(f"a slice is at least {MIN_FRACTION} of a GPU (the smallest CUDA MPS share), "
+                         f"got {args.amount}")
     if args.cpus is not None and not args.cpus > 0:
         raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
     idle_timeout = getattr(args, "idle_timeout", None)

@@ -88,7 +88,8 @@ class LeaseRequest(Body):
                                  minimum=MIN_FRACTION, maximum=1, default=1, error=_fraction_words), 1.0)
     gpu_count: int = wired(Spec("integer", "whole GPUs, all on one node; 400 above the biggest node's count",
                                 nullable=True, minimum=1, maximum=MAX_GPU_COUNT, default=1,
-                                error=f"'gpu_count' must be a whole number from 1 to {MAX_GPU_COUNT}, got {{value!r}}"), 1)
+                                error=f"'gpu_count' must be a whole number from 1 to {MAX_GPU_COUNT}, "
+                                      "got {value!r}"), 1)
     memory: int | None = wired(_bytes("memory", "bytes per GPU (default: the fraction's share)"), None)
     model: str | None = wired(Spec("string", "substring of the GPU name, e.g. A100", **_NAME), None)
     idle_timeout: float | None = wired(Spec(

@@ -137,7 +137,7 @@ def run_openb(args) -> list[dict]:
              "failed": r.failed.tolist(), "seconds": r.seconds} for r in results]
 
 
-#: What ``--help`` says after the options: the policies and the sources (the module docstring is for readers of the code).
+#: What ``--help`` says after the options: the policies and the sources, in plain text.
 EPILOG = """policies of the notebook workload (sensei):
   dedicated    each user owns, for the whole period, the most GPUs they ever run at once (what pooling replaces)
   reservation  whole GPUs from a notebook's first cell until it is 30 minutes idle, one queue (no classes)
