@@ -50,7 +50,7 @@ def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
     assert launcher_class("demo").__name__ == "DemoLauncher"
     assert NodeAgent(worker_launcher="demo").worker_launcher == "demo"
     help_text = " ".join(NodeAgent.class_traits()["worker_launcher"].help.split())
-    assert "one of local:" in help_text and "gpupool.worker_launchers" in help_text
+    assert "installed here: local" in help_text and "gpupool.worker_launchers" in help_text
 
 
 def test_an_entry_point_that_names_no_launcher_is_refused(tmp_path, monkeypatch):
