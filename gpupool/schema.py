@@ -34,15 +34,23 @@ MAX_BYTES = 2**50
 MAX_INT32 = 2**31 - 1
 #: Lease classes, in queue order: interactive requests go before batch ones (docs/api.md, "Classes").
 LEASE_CLASSES = ("interactive", "batch")
+#: What the idle timeout does to a lease: ``park`` it in place (the default: the
+#: next cell resumes it where it was) or ``release`` it (the worker ends).
+ON_IDLE = ("park", "release")
 
 
 class LeaseState(str, enum.Enum):
-    """Lease life cycle: ``queued -> starting -> active -> releasing -> released``,
-    with ``failed`` and ``reclaimed`` as other ends (DESIGN.md, Contracts)."""
+    """Lease life cycle (docs/api.md, "Leases"): ``queued -> starting ->
+    active -> releasing -> released``, with ``failed`` and ``reclaimed`` as
+    other ends, and park in place: ``active -> parking -> parked`` (the worker
+    frozen on its node, its GPU share back in the pool) and ``parked ->
+    starting -> active`` when it resumes (docs/parking.md)."""
 
     queued = "queued"
     starting = "starting"
     active = "active"
+    parking = "parking"
+    parked = "parked"
     releasing = "releasing"
     released = "released"
     failed = "failed"
@@ -55,8 +63,9 @@ class LeaseState(str, enum.Enum):
 
     @property
     def holds_capacity(self) -> bool:
-        """True while the lease's slice is reserved on its GPU(s)."""
-        return self in (LeaseState.starting, LeaseState.active, LeaseState.releasing)
+        """True while the lease's slice is reserved on its GPU(s); a parked
+        lease holds host memory on its node, not a GPU share."""
+        return self in (LeaseState.starting, LeaseState.active, LeaseState.parking, LeaseState.releasing)
 
 
 def utcnow() -> datetime:

@@ -6,6 +6,7 @@ import pytest
 from gpupool.errors import GPUPoolError
 from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerEnvironment, WorkerReport)
+from gpupool.wire.parking import CheckpointerInfo, ParkRequest, WorkerParked, WorkerResumed
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 GPU = GPUInfo("GPU-1", "A100", 0, 80 * 2**30, 2**30, "8.0")
@@ -14,15 +15,48 @@ GPU = GPUInfo("GPU-1", "A100", 0, 80 * 2**30, 2**30, "8.0")
 def registration(**changes):
     body = NodeRegistration("n1", "http://10.0.0.5:8766", "nvml", "mps", False, (GPU,),
                             (WorkerReport("L-1", 42, "idle", "2026-01-01T00:00:00Z"),), None,
-                            (WorkerEnvironment("default", "/usr/bin/python3", True, True),), 16.0, 2**36).to_json()
+                            (WorkerEnvironment("default", "/usr/bin/python3", True, True),), 16.0, 2**36,
+                            checkpointer=CheckpointerInfo("simulated", True, True), parked_memory=2**35).to_json()
     return {**body, **changes}
 
 
 def test_a_registration_reads_back_as_written():
     body = registration()
     assert list(body) == ["name", "url", "inventory", "enforcement", "whole_gpus", "gpus", "workers",
-                          "inventory_error", "environments", "host_cpus", "host_memory"]
+                          "inventory_error", "environments", "host_cpus", "host_memory", "checkpointer", "parked_memory"]
     assert NodeRegistration.from_json(body).to_json() == body
+
+
+def test_a_registration_names_a_bad_checkpointer_or_budget():
+    for change, words in (({"checkpointer": {"mid_cell": True}}, "'checkpointer.name'"),
+                          ({"checkpointer": "simulated"}, "'checkpointer' must be an object"),
+                          ({"parked_memory": 1.5}, "'parked_memory'"), ({"parked_memory": -1}, "'parked_memory'")):
+        with pytest.raises(GPUPoolError) as caught:
+            NodeRegistration.from_json(registration(**change))
+        assert caught.value.status == 400 and words in caught.value.message, change
+
+
+def test_park_bodies_read_back_and_answers_are_lenient():
+    request = ParkRequest("idle for 30m", "disk", "freeze")
+    assert ParkRequest.from_json(request.to_json()) == request
+    assert ParkRequest.from_json({}) == ParkRequest("", "memory", "refuse")
+    with pytest.raises(GPUPoolError, match="'running_cell'"):
+        ParkRequest.from_json({"running_cell": "kill"})
+    parked = WorkerParked("memory", "simulated", 3 * 2**30, 0, 3 * 2**30, 0, False, ("a lock",), 0.25)
+    assert WorkerParked.from_json(parked.to_json()) == parked
+    assert WorkerParked.from_json({"tier": "disk", "host_bytes": "lots", "lost": ["x", 3]}).lost == ("x",)
+    with pytest.raises(ValueError, match="'tier'"):
+        WorkerParked.from_json({"host_bytes": 1})
+    resumed = WorkerResumed(42, {"key": "k"}, "disk", 1.5, ("generator gen",))
+    assert WorkerResumed.from_json(resumed.to_json()) == resumed
+    with pytest.raises(ValueError, match="'connection'"):
+        WorkerResumed.from_json({"pid": 1})
+
+
+def test_a_worker_report_says_its_park_tier():
+    report = WorkerReport("L-1", 42, "idle", parked="disk", parked_host_bytes=0, parked_lost=("a generator",))
+    assert WorkerReport.from_json(report.to_json()) == report
+    assert WorkerReport.from_json({"lease_id": "L-1", "execution_state": "idle", "parked": "attic"}).parked is None
 
 
 def test_a_registration_without_the_optional_fields_parses():

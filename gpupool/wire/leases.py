@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from ..errors import bad_request
 from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MAX_GPU_COUNT, MIN_CPUS, MIN_FRACTION, MIN_MEMORY,
-                      LeaseState, number_field)
+                      ON_IDLE, LeaseState, number_field)
 from .fields import Body, Spec, wired
 
 #: The longest wait and idle timeout any request may name, seconds (366 days).
@@ -39,6 +39,22 @@ def _env(key: str, words: str) -> Spec:
 
 
 _NAME = {"nullable": True, "text": True, "min_length": 1, "max_length": 200}
+#: The ``parked`` object of a lease: its tier and figures, as the agent reported them.
+PARKED_PROPERTIES: dict[str, Any] = {
+    "tier": {"type": ["string", "null"], "enum": ["memory", "disk", None],
+             "description": "memory: frozen on its node, resumes in about a second; disk: spilled, resume loads "
+                            "its namespace into a new worker; null while parking"},
+    "since": {"type": "string", "format": "date-time"},
+    "reason": {"type": "string", "description": "why it was parked, in words"},
+    "checkpointer": {"type": ["string", "null"]},
+    "host_bytes": {"type": "integer", "description": "host RAM held on the node"},
+    "disk_bytes": {"type": "integer"},
+    "gpu_bytes_moved": {"type": "integer"},
+    "gpu_bytes_kept": {"type": "integer", "description": "GPU memory still taken while parked"},
+    "lost": {"type": "array", "items": {"type": "string"}, "description": "what could not be kept, in words"},
+    "resume_requested": {"type": "boolean", "description": "a resume is asked for and waits for room"},
+    "resume_estimate_s": {"type": ["number", "null"], "description": "seconds a resume takes, roughly"},
+}
 _TIME = {"type": "string", "nullable": True, "format": "date-time"}
 
 
@@ -82,7 +98,7 @@ class LeaseRequest(Body):
     #: them): the order of before they were declared, so a body with several bad fields gets the same 400.
     CHECK_ORDER: ClassVar[tuple[str, ...]] = (
         "memory", "idle_timeout", "wait", "server_name", "lease_class", "preemptible", "cpus", "host_memory", "model",
-        "kernel_id", "env", "prefer_env")
+        "kernel_id", "env", "prefer_env", "on_idle")
 
     fraction: float = wired(Spec("number", "of one GPU; 1 (or left out) when gpu_count > 1", nullable=True,
                                  minimum=MIN_FRACTION, maximum=1, default=1, error=_fraction_words), 1.0)
@@ -125,6 +141,9 @@ class LeaseRequest(Body):
     host_memory: int | None = wired(_bytes(
         "host_memory", "bytes of host RAM for the worker (its cgroup's memory limit); absent: the GPU share's part "
         "of the node's RAM; 400 above the biggest node's", more_than_zero=" (more than zero)"), None)
+    on_idle: str | None = wired(Spec("string", "what the idle timeout does: park the lease in place (its worker "
+                                     "frozen on its node, resumed by the next cell) or release it", nullable=True,
+                                     enum=ON_IDLE, default="park"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
@@ -222,6 +241,10 @@ class Lease(Body):
     host_memory_limit: int | None = wired(Spec(
         "integer", "host bytes the worker's cgroup is limited to: host_memory, raised to 1 GiB (at most the "
         "node's) where the default share was taken", nullable=True), None)
+    on_idle: str = wired(Spec("", "what the idle timeout does: park or release", enum=ON_IDLE), "park")
+    parked: dict[str, Any] | None = wired(Spec(
+        "object", "while parking or parked: where the worker's state is and what resuming costs "
+        "(docs/parking.md); null otherwise", nullable=True, extra={"properties": PARKED_PROPERTIES}), None)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "Lease":

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from ..errors import bad_request
 from ..schema import MAX_BYTES, MAX_CPUS, MAX_INT32, has_control_characters, is_unicode, number_field
 from .fields import TEXT, WORDS, Body, Spec, wired
+from .parking import PARK_TIERS, CheckpointerInfo
 
 #: How an agent lists its GPUs: its ``inventory``.
 INVENTORIES = ("simulated", "nvml")
@@ -110,7 +111,10 @@ class WorkerReport(Body):
     ``cell_started`` the ISO time the last cell started (None: none yet; an agent
     before it sends none) and ``cells`` the ``[start, end]`` ISO times of the last
     cells that ended (oldest first; unreadable pairs are dropped), which the
-    service records as the lease's cell activity.
+    service records as the lease's cell activity. ``parked``: the tier of a
+    parked worker (:data:`~.parking.PARK_TIERS`; None while it holds its GPU
+    share), ``parked_host_bytes`` the host RAM it holds then, and ``parked_lost``
+    what a spill the agent made on its own could not keep, in words.
     """
 
     STATES = ("starting", "idle", "busy", "dead")
@@ -132,6 +136,12 @@ class WorkerReport(Body):
                                                     f"at most {MAX_CELLS} read", nullable=True, lenient=True,
                                                     items={"type": "array", "items": {"type": "string"},
                                                            "minItems": 2, "maxItems": 2}), ())
+    parked: str | None = wired(Spec("", "the tier of a parked worker (null: not parked)", nullable=True,
+                                    enum=PARK_TIERS, lenient=True), None)
+    parked_host_bytes: int | None = wired(Spec("integer", "host RAM a parked worker holds", nullable=True, minimum=0,
+                                               maximum=MAX_BYTES, loose=False, lenient=True), None)
+    parked_lost: tuple[str, ...] = wired(Spec("array", "what a spill could not keep, in words", nullable=True,
+                                              lenient=True, items={"type": "string"}), ())
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerReport":
@@ -140,10 +150,12 @@ class WorkerReport(Body):
         reason = values["reason"]
         values["reason"] = _one_line(reason[:200]) if reason and reason.strip() else None
         values["cells"] = _cell_pairs(values["cells"])
+        lost = values["parked_lost"]
+        values["parked_lost"] = tuple(_one_line(v[:300]) for v in lost if isinstance(v, str)) if lost else ()
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"parked_lost": list(self.parked_lost)}
 
 
 @dataclass(frozen=True)
@@ -220,7 +232,11 @@ class NodeRegistration(Body):
     UUIDs of those sent with ``"healthy": false``), the lease ``workers`` it
     runs, ``inventory_error`` (why it cannot read its GPUs; None: it can),
     ``environments`` (None: not reported), and ``host_cpus`` cores and
-    ``host_memory`` bytes leases may take (both or neither; None: not reported).
+    ``host_memory`` bytes leases may take (both or neither; None: not reported),
+    the ``checkpointer`` it parks workers with (None: it cannot park in place,
+    an agent from before parking) and ``parked_memory``, the bytes of host RAM
+    its parked workers may hold before it spills the longest-parked to disk
+    (``c.NodeAgent.parked_memory``; None: not reported).
     """
 
     name: str = wired(Spec("string", "no '/', control characters or surrounding spaces", required=True,
@@ -245,6 +261,13 @@ class NodeRegistration(Body):
     host_memory: int | None = wired(Spec("integer", "bytes leases may take; with host_cpus or neither",
                                          nullable=True, exclusive_minimum=0, maximum=MAX_BYTES), None)
     unhealthy: frozenset[str] = frozenset()
+    checkpointer: CheckpointerInfo | None = wired(Spec(
+        "object", "how the agent parks workers in place; null or absent: it cannot", nullable=True,
+        extra={"$ref": "#/components/schemas/CheckpointerInfo"}), None)
+    parked_memory: int | None = wired(Spec("integer", "host bytes parked workers may hold before spilling",
+                                           nullable=True, minimum=0, maximum=MAX_BYTES, loose=False,
+                                           error="'parked_memory' must be whole bytes from 0 to 2**50, "
+                                                 "got {value!r:.40}"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "NodeRegistration":
@@ -263,9 +286,12 @@ class NodeRegistration(Body):
         environments = values["environments"]
         envs = None if environments is None else tuple(WorkerEnvironment.from_json(e) for e in environments)
         cpus, memory = _host(body)
+        checkpointer = body.get("checkpointer")
         return cls(name, url, values["inventory"], values["enforcement"], whole, gpus, workers,
                    values["inventory_error"], envs, cpus, memory,
-                   frozenset(g["uuid"] for g in entries if g.get("healthy") is False))
+                   frozenset(g["uuid"] for g in entries if g.get("healthy") is False),
+                   checkpointer=None if checkpointer is None else CheckpointerInfo.from_json(checkpointer),
+                   parked_memory=cls.read(body, "parked_memory")["parked_memory"])
 
     @property
     def healthy(self) -> dict[str, bool]:
@@ -279,7 +305,9 @@ class NodeRegistration(Body):
                          for gpu in self.gpus],
                 "workers": [w.to_json() for w in self.workers], "inventory_error": self.inventory_error,
                 "environments": None if self.environments is None else [e.to_json() for e in self.environments],
-                "host_cpus": self.host_cpus, "host_memory": self.host_memory}
+                "host_cpus": self.host_cpus, "host_memory": self.host_memory,
+                "checkpointer": None if self.checkpointer is None else self.checkpointer.to_json(),
+                "parked_memory": self.parked_memory}
 
 
 @dataclass(frozen=True)
