@@ -10,11 +10,14 @@ from __future__ import annotations
 import ctypes
 import io
 import json
+import resource
 import signal
 import socket
 import threading
+import time
 
 import numpy as np
+import psutil
 import pytest
 from jupyter_client import KernelManager
 
@@ -222,6 +225,59 @@ def test_an_interrupted_transfer_leaves_both_kernels_usable(worker):
     assert int(back["whole"][-1]) == 7
     _, answer = dataplane.push(_comm(remote), connection, {"after": payload}, {}, progress=False)
     assert answer["loaded"] == ["after"]
+
+
+IDLE_FLOOD = 3000
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"this test holds {wanted} sockets and the fd limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def test_idle_unauthenticated_connections_cost_the_worker_no_thread_and_a_push_still_works(worker):
+    """3,000 connections that never send a hello (issue 28's probe: one thread and one fd each before
+    any hello was checked, up to the process's fd limit): the worker's threads stay as they were, its
+    fds within the gate's bound, and a real push gets through meanwhile. A connection whose hello
+    never comes is closed after the hello deadline; one with a forged hello is refused at once."""
+    from gpupool.provisioner.worker_extension import hello_gate
+
+    remote, connection = worker
+    _raise_fd_limit(IDLE_FLOOD + 1024)
+    worker_pid = int(_on_worker(remote, "__import__('os').getpid()"))
+    proc = psutil.Process(worker_pid)
+    threads, fds = proc.num_threads(), proc.num_fds()
+    address = (connection["ip"], int(connection["transfer_port"]))
+    idle = []
+    try:
+        for _ in range(IDLE_FLOOD):
+            idle.append(socket.create_connection(address, timeout=10))
+        peak_threads, peak_fds = proc.num_threads(), proc.num_fds()
+        _, answer = dataplane.push(_comm(remote), connection, {"amid_flood": np.ones(4 * CHUNK, np.uint8)}, {},
+                                   progress=False)
+        assert answer["loaded"] == ["amid_flood"]
+        during = max(peak_threads, proc.num_threads()), max(peak_fds, proc.num_fds())
+    finally:
+        for sock in idle:
+            sock.close()
+    assert during[0] <= threads + 2, f"threads {threads} -> {during[0]} under {IDLE_FLOOD} idle connections"
+    assert during[1] <= fds + hello_gate.MAX_WAITING + 8, f"fds {fds} -> {during[1]}"
+    assert _on_worker(remote, "int(amid_flood.sum())") == str(4 * CHUNK)
+
+    with socket.create_connection(address, timeout=30) as silent:  # no hello: closed after the deadline
+        began = time.monotonic()
+        assert silent.recv(1) == b""
+        assert time.monotonic() - began <= hello_gate.HELLO_TIMEOUT + 2
+    with socket.create_connection(address, timeout=30) as forged:  # a hello nobody registered: refused in words
+        forged.sendall(Ticket.new().hello())
+        assert "no such transfer" in dataplane.recv_status(forged)
+    wait = time.monotonic() + 10
+    while proc.num_fds() > fds + 2 and time.monotonic() < wait:
+        time.sleep(0.1)
+    assert proc.num_fds() <= fds + 2, "the idle connections were all closed"
 
 
 # -- the protocol alone ------------------------------------------------------------------------------------------------
