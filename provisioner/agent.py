@@ -32,7 +32,7 @@ from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
-from . import enforcement
+from . import enforcement, process_limits
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccounts
 from .agent_http import advertised_ip, serve_api
@@ -192,14 +192,15 @@ class NodeAgent(WorkerSettings):
         self._lock_fd = lock_state_dir(state_dir, "agent")
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
+        cgroups = self.containment(state_dir)
         settings = WorkerLaunchSettings(
             state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
             start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
             warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
-            enforcement=self.enforcement)
-        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), launcher=self.launcher,
-                                     log=self.log)
+            enforcement=self.enforcement,
+            pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
+        self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log)
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
