@@ -35,7 +35,11 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
     runs in, so stopping that server releases it. In the gpupool kernel,
     ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
     started = time.monotonic()
-    lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+    try:
+        lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+    except KeyboardInterrupt:  # before the pool answered: no id to cancel
+        raise UsageError("interrupted before the pool answered; this kernel holds no lease (one the pool made "
+                         "meanwhile hears no heartbeat and is reclaimed within its heartbeat TTL)") from None
     attachment = None
     try:
         lease = _wait_started(magics, lease, started)

@@ -30,6 +30,7 @@ debugger there; docs/api.md, "Plain IPython kernels").
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -44,8 +45,11 @@ from gpupool.traits import ByteSize, Duration
 from . import commands
 from .attach import resume, run_on_own_lease
 from .attachment import Attachment, ended_message
+from .dataplane import TransferInterrupted
 from .variables import Variables
-from .words import dedent
+from .words import dedent, push_interrupted
+
+log = logging.getLogger("gpupool.magics")
 
 #: %gpu commands that a cell running on the worker may not call mid-cell.
 NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "restart": "%gpu restart",
@@ -179,6 +183,9 @@ class GPUMagics(Magics):
             if command == "acquire":  # quota, pool full, bad size: the front end says so too
                 self.tell("refused", exc.message, code=exc.code)
             raise UsageError(exc.message) from None
+        except KeyboardInterrupt:  # where no command says more: one line, never gpupool's frames (logged)
+            log.debug("%%gpu %s interrupted", command, exc_info=True)
+            raise UsageError(f"%gpu {command} interrupted; it did nothing more") from None
 
     # -- the gpupool kernel's forwarded cells ---------------------------------------
 
@@ -193,6 +200,11 @@ class GPUMagics(Magics):
             if exc.code == Reason.lease_lost:
                 self.drop()
             raise UsageError(exc.message) from None
+        except TransferInterrupted as exc:
+            raise UsageError(f"the cell did not run: sending along {', '.join(exc.names)}: "
+                             f"{push_interrupted(exc)}") from None
+        except KeyboardInterrupt:
+            raise UsageError("interrupted before the cell ran on the worker; nothing was sent") from None
         return attachment
 
     def run_for_worker(self, line: str) -> dict[str, Any]:
