@@ -162,20 +162,30 @@ def restart(magics, rest: str) -> None:
 def status(magics, rest: str) -> None:
     if rest.strip():
         raise UsageError("%gpu status takes no arguments")
+    words, leases, utilization = status_view(magics)
+    if words:
+        say(words)
+        return
+    text, html = lease_table(leases, utilization)
+    display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def status_view(magics) -> tuple[str | None, list, dict[str, float | None]]:
+    """What ``%gpu status`` shows: ``(words, [], {})`` when there is no lease
+    to list (parked, not attached), else ``(None, leases, utilization by GPU
+    UUID)`` for :func:`~gpupool.tables.lease_table`. GPUPoolError when the
+    service cannot be asked."""
     if magics.attachment is not None and magics.attachment.parked is not None:
         parked = magics.attachment.parked
-        say(f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next cell "
-            "resumes on a slice of the same size (%gpu release detaches)")
-        return
+        return (f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next "
+                "cell resumes on a slice of the same size (%gpu release detaches)"), [], {}
     if magics.attachment is None:
         leases = magics.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
         if not leases:
-            say("not attached; %gpu acquire 0.5 attaches half a GPU")
-            return
+            return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}
     else:
         leases = [_as_seen_here(magics, magics.attachment.refresh())]
-    text, html = lease_table(leases, gpu_utilization(magics.client.pool()))
-    display({"text/plain": text, "text/html": html}, raw=True)
+    return None, leases, gpu_utilization(magics.client.pool())
 
 
 def _as_seen_here(magics, lease):

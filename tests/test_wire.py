@@ -206,3 +206,9 @@ def test_a_registration_with_a_confused_flag_is_refused(change, words):
     assert caught.value.status == 400 and words in caught.value.message
     for flag in ({"whole_gpus": None}, {"checkpointer": {"name": "simulated", "mid_cell": None}}):
         assert NodeRegistration.from_json(registration(**flag))  # null where the field says nullable: absent
+
+
+def test_integers_read_back_as_ints_and_numbers_as_floats():
+    request = LeaseRequest.from_json({"gpu_count": 2, "memory": 2**30, "idle_timeout": 60, "host_memory": 2**31})
+    assert [type(v) for v in (request.gpu_count, request.memory, request.host_memory, request.idle_timeout)] == \
+        [int, int, int, float]

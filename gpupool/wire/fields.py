@@ -144,7 +144,7 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
             number = value
         if not self._in_range(number):
             raise self._refusal(key, value, context)
-        return number
+        return value if self.type == "integer" else number  # an int as sent (number_field made it a float)
 
     def _in_range(self, number: float) -> bool:
         # ``not a < b`` rather than ``a >= b``: NaN (a strict field's float) fails every bound.
