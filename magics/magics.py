@@ -43,11 +43,10 @@ from gpupool.errors import GPUPoolError, Reason
 from gpupool.traits import ByteSize, Duration
 
 from . import commands
-from .attach import resume, run_on_own_lease
+from .attach import resume, run_on_own_lease, send_along
 from .attachment import Attachment, ended_message
-from .dataplane import TransferInterrupted
 from .variables import Variables
-from .words import dedent, push_interrupted
+from .words import dedent
 
 log = logging.getLogger("gpupool.magics")
 
@@ -195,16 +194,11 @@ class GPUMagics(Magics):
         lacks. Raises UsageError with words when the cell cannot run there."""
         attachment = self.attached()
         try:
-            self.variables.follow(attachment, code)
+            send_along(self.variables, attachment, code)
         except GPUPoolError as exc:
             if exc.code == Reason.lease_lost:
                 self.drop()
             raise UsageError(exc.message) from None
-        except TransferInterrupted as exc:
-            raise UsageError(f"the cell did not run: sending along {', '.join(exc.names)}: "
-                             f"{push_interrupted(exc)}") from None
-        except KeyboardInterrupt:
-            raise UsageError("interrupted before the cell ran on the worker; nothing was sent") from None
         return attachment
 
     def run_for_worker(self, line: str) -> dict[str, Any]:
@@ -245,7 +239,7 @@ class GPUMagics(Magics):
             raise UsageError("%%gpu takes an amount only when not attached; this kernel is attached")
         attachment = self.attached()
         try:
-            self.variables.follow(attachment, cell)
+            send_along(self.variables, attachment, cell)
             attachment.run_cell(cell, self.max_output_bytes)
         except GPUPoolError as exc:
             if exc.code == Reason.lease_lost:
