@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import re
 import shlex
 from contextlib import contextmanager
@@ -126,3 +127,46 @@ def environment_names_read() -> set[str]:
                     r"(GPUPOOL|JUPYTERHUB|CUDA)_[A-Z0-9_]+", node.value):
                 names.add(node.value)
     return names
+
+
+# -- Dockerfiles and their build context -----------------------------------------------------------------------
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, rest)`` of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+
+
+def _docker_pattern(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as a regex over slash-separated paths (moby/patternmatcher):
+    ``**`` any number of folders, ``*`` and ``?`` within one name."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignore_keeps(rules: str, path: str) -> bool:
+    """Whether ``docker build`` sends ``path`` (relative, slash-separated) of its context under
+    the .dockerignore text ``rules``: the last pattern that matches the path or one of its
+    folders decides; ``!`` patterns take back in."""
+    keep = True
+    parts = path.split("/")
+    for line in rules.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        exception = line.startswith("!")
+        pattern = _docker_pattern(os.path.normpath(line.lstrip("!").strip()).lstrip("/"))
+        if any(pattern.match("/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            keep = exception
+    return keep

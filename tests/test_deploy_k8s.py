@@ -505,37 +505,37 @@ def test_z2jh_release_hook_reaches_the_service_route(tmp_path):
     assert route and f'"/services/gpupool/{route[0].lstrip("/")}"' in code
 
 
-# -- Dockerfiles -----------------------------------------------------------------------------------------------
-
-def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
-    """``(INSTRUCTION, rest)`` of a Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
-
+# -- Dockerfiles (their build context and pip steps: tests/test_deploy_images.py) -----------------------------
 
 @pytest.mark.parametrize("name", ["Dockerfile.service", "Dockerfile.agent", "Dockerfile.singleuser"])
-def test_dockerfiles_copy_what_exists_and_run_real_commands(name):
-    from deploy_parse import gpupool_commands
+def test_dockerfiles_pin_their_bases_and_run_real_commands(name):
+    from deploy_parse import dockerfile_instructions, gpupool_commands
 
     instructions = dockerfile_instructions(K8S / "docker" / name)
     assert instructions[0][0] in ("FROM", "ARG")
-    ran = []
+    ran, args = [], {}
     for op, rest in instructions:
-        if op == "COPY":
-            words = [w for w in rest.split() if not w.startswith("--")]
-            for source in words[:-1]:
-                assert (ROOT / source).exists(), f"{name}: COPY {source}: no such file in the build context"
+        if op == "ARG":
+            key, _, default = rest.partition("=")
+            args[key.strip()] = default.strip()
         elif op in ("RUN", "CMD"):
-            shell = " ".join(json.loads(rest)) if rest.startswith("[") else rest
             if rest.startswith("["):
                 commands = [json.loads(rest)] if Path(json.loads(rest)[0]).name == "gpupool" else []
             else:
-                commands = gpupool_commands(shell)
+                commands = gpupool_commands(rest)
             for argv in commands:
                 check_command(argv)
                 ran.append(argv[1])
         elif op == "FROM":
-            image = rest.split()[0]
-            assert image.startswith(("docker.io/library/", "quay.io/jupyter/", "${BASE}")), image
+            # The base is a build argument (the digest-or-tag knob) whose default is pinned by tag.
+            knob = re.fullmatch(r"\$\{(\w+)\}", rest.split()[0])
+            assert knob and knob.group(1) in args, f"{name}: FROM {rest}: the base should be an ARG"
+            default = args[knob.group(1)]
+            if name == "Dockerfile.agent":
+                assert default == "", "the agent's base is the singleuser image you built: no default"
+                continue
+            assert default.startswith(("docker.io/library/", "quay.io/jupyter/")), default
+            tag = default.rpartition(":")[2]
+            assert "latest" not in tag and re.search(r"\d+[.-]\d+[.-]\d+", tag), f"{name}: {default} is not pinned"
     assert ran, f"{name} runs no gpupool command"
     assert "--version" in ran
