@@ -9,6 +9,7 @@
     gpupool pool [--url URL] [--token-file F] [--json]
     gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage] [--json]
     gpupool run [--gpus 0.5|2] [--memory 20GiB] [--wait 10m] [--interactive] ... script.py [args...]
+    gpupool health URL        (exit 0 when it answers 200; else 1, with the reason in words)
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
@@ -45,6 +46,8 @@ COMMANDS = {
     "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides", None),
     "run": ("gpupool.run_cli", "run a Python script on a pooled GPU (a batch lease), streaming its output here",
             None),
+    "health": ("gpupool.health_cli", "ask a health endpoint (an agent's /health) and say why it is not ready",
+               None),
     "simulate": ("gpupool.hub_plugin.simulate.cli",
                  "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "simulate"),
 }
