@@ -79,6 +79,9 @@ class NodeAgent(WorkerSettings):
         "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
+    flags = {**WorkerSettings.flags, "require-containment": (
+        {"NodeAgent": {"require_containment": True}},
+        "Refuse to serve when the configured cgroup or enforcement mode cannot be had (c.NodeAgent.require_containment).")}
 
     def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
         """The classes ``--generate-config`` and ``--help-all`` show: not the
@@ -112,10 +115,17 @@ class NodeAgent(WorkerSettings):
                                                      timeout=self.nvml_timeout, source=self.inventory_source)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
+        #: Why this agent refuses to serve (c.NodeAgent.require_containment), in words; None: it serves.
+        self.refusal: str | None = None
         try:
             self.enforcement = enforcement.resolve(self.enforcement_mode, self.inventory.kind, self.gpus)
             self.enforcement.setup(self.state_dir, self.log)
-        except (ValueError, TypeError, RuntimeError) as exc:  # an unknown or broken plugin; no MPS daemon
+        except RuntimeError as exc:  # the mode cannot be had here (no MPS daemon)
+            if not self.require_containment:
+                raise GPUPoolError(Reason.not_configured, str(exc)) from None
+            self.enforcement = enforcement.NoEnforcement()
+            self.refusal = f"enforcement mode {self.enforcement_mode!r} cannot be had: {exc}"
+        except (ValueError, TypeError) as exc:  # an unknown or broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
         try:
             self.launcher = launchers.launcher_class(self.worker_launcher)
@@ -164,6 +174,9 @@ class NodeAgent(WorkerSettings):
             loop.add_signal_handler(signum, stopping.set)
         await self._start_workers()
         server, self.url = serve_api(self)
+        if self.refusal is not None:
+            await self._refuse(server, stopping)
+            return
         service = ServiceLink(self)
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
@@ -184,12 +197,39 @@ class NodeAgent(WorkerSettings):
         self.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
 
+    async def _refuse(self, server: Any, stopping: asyncio.Event) -> None:
+        """Serve only ``/health`` (503, :attr:`refusal`) until SIGTERM: no registration, no worker."""
+        self.log.error("%s", self.refusal_words())
+        await stopping.wait()
+        server.stop()
+        await server.close_all_connections()
+        self.inventory.close()
+        self.enforcement.close(self.log)
+        self.log.info("agent %s stopped (it had refused to serve)", self.node_name)
+
+    def refusal_words(self) -> str:
+        """What a refusing agent says (log, ``/health``, ``gpupool health``): why, and the fixes."""
+        return (f"gpupool agent {self.node_name} refuses to serve (c.NodeAgent.require_containment = True): "
+                f"{self.refusal}. Give the agent what it needs (Kubernetes: a privileged container, or the host's "
+                "cgroup subtree mounted read-write with c.NodeAgent.cgroup_root; systemd: Delegate=yes; an MPS "
+                "control daemon or --enforcement=timeslice), or set c.NodeAgent.require_containment = False to run "
+                "with less (docs/security.md, \"Containment\")")
+
     async def _start_workers(self) -> None:
         """Lock the state directory, make the worker manager, and re-adopt
-        the lease workers a previous agent left running."""
+        the lease workers a previous agent left running. A refusing agent
+        (:attr:`refusal`, set here when the workers would get no cgroup) makes none."""
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
+        cgroups = None if self.refusal else self.containment(state_dir)
+        if cgroups is not None and self.require_containment and cgroups.mode == "none":
+            self.refusal = (f"the workers' cgroups cannot be made (c.NodeAgent.cgroup_mode = {self.cgroup_mode!r}): "
+                            f"{cgroups.why}")
+        if self.refusal is not None:
+            if cgroups is not None:
+                cgroups.close()
+            return
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         settings = WorkerLaunchSettings(
@@ -198,8 +238,7 @@ class NodeAgent(WorkerSettings):
             warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
             enforcement=self.enforcement)
-        self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), launcher=self.launcher,
-                                     log=self.log)
+        self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log)
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers

@@ -1,9 +1,11 @@
 """The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``,
-``/metrics``, and the server that listens for it (:func:`serve_api`).
+``/health/live``, ``/metrics``, and the server that listens for it (:func:`serve_api`).
 
-Every handler but ``/health`` needs the agent token (``/metrics`` also takes
+Every handler but the health ones needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
-error is ``GPUPoolError.to_json()``.
+error is ``GPUPoolError.to_json()``. An agent that refuses to serve
+(``c.NodeAgent.require_containment``) answers every call but ``/health/live``
+with 503 and its reason.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class AgentHandler(JSONHandler):
         return self.agent.log
 
     def prepare(self) -> None:
+        if self.agent.refusal is not None and not isinstance(self, (HealthHandler, LiveHandler)):
+            raise GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503)
         if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
             raise GPUPoolError(Reason.unauthorized,
                                "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
@@ -134,12 +138,28 @@ class WorkerHandler(AgentHandler):
 
 
 class HealthHandler(AgentHandler):
-    """``GET /health``: no token needed."""
+    """``GET /health`` (readiness): no token needed; 503 with the reason in words when the
+    agent refuses to serve (``c.NodeAgent.require_containment``)."""
 
     auth_required = False
 
     def get(self) -> None:
+        if self.agent.refusal is not None:
+            self.write_json({"status": "refused", "node": self.agent.node_name,
+                             **GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503).to_json()}, 503)
+            return
         self.write_json({"status": "ok", "node": self.agent.node_name})
+
+
+class LiveHandler(AgentHandler):
+    """``GET /health/live`` (liveness): 200 whenever the agent's loop answers, refusing or not,
+    so a refusing agent is shown not ready rather than restarted over and over."""
+
+    auth_required = False
+
+    def get(self) -> None:
+        self.write_json({"status": "refused" if self.agent.refusal is not None else "ok",
+                         "node": self.agent.node_name})
 
 
 class MetricsHandler(AgentHandler):
@@ -167,6 +187,7 @@ class NotFoundHandler(AgentHandler):
 
 def agent_routes() -> list[tuple[str, type]]:
     return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
+            (r"/health/live", LiveHandler),
             (r"/metrics", MetricsHandler)]
 
 
@@ -183,7 +204,7 @@ def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
     def log_request(handler: web.RequestHandler) -> None:
         status = handler.get_status()
         level = logging.INFO if status < 400 else logging.WARNING
-        if handler.request.path == "/health" and status == 200:
+        if handler.request.path in ("/health", "/health/live") and status == 200:
             level = logging.DEBUG
         agent.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
                       1000 * handler.request.request_time())

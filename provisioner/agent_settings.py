@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 import zmq
-from traitlets import Dict, Enum, Float, Integer, List, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from gpupool.traits import ByteSize, Duration
@@ -370,4 +370,16 @@ class WorkerSettings(NodeSettings):
         ``gpupool/agent-HASH`` under the agent's own cgroup, HASH from the state directory,
         which under systemd is the subtree ``Delegate=yes`` gives the unit.
         ``c.NodeAgent.cgroup_root = "gpupool"``.""",
+    ).tag(config=True)
+
+    require_containment = Bool(
+        False, help="""Refuse to serve, instead of falling back with a warning, when the containment
+        this node is configured for cannot be had: ``cgroup_mode`` must give the workers cgroups
+        (``auto`` ending at ``none``, as in an unprivileged pod's read-only cgroupfs, is refused, and
+        so is ``none`` itself), and a named ``enforcement_mode`` must set up (``mps`` without its
+        control daemon). A refusing agent registers with no service and starts no worker: it
+        answers ``GET /health`` with 503 and the reason in words (what the Kubernetes readiness
+        probe, ``gpupool health``, prints), logs it, and waits for SIGTERM. Default: False, so a
+        bare ``gpupool agent`` (``make demo``, a laptop) runs with what the host has; the
+        Kubernetes manifests and the systemd unit turn it on. ``c.NodeAgent.require_containment = True``.""",
     ).tag(config=True)

@@ -70,7 +70,7 @@ class NoContainment(Containment):
     mode = "none"
 
     def __init__(self, why: str, log: logging.Logger | None = None) -> None:
-        self.where = "nowhere"
+        self.where, self.why = "nowhere", why
         (log or logging.getLogger("gpupool.agent")).warning(
             "NO CGROUP CONTAINMENT (%s): a process a worker starts in a session of its own (setsid, a double "
             "fork) can outlive its lease, and host CPU and memory limits (--cpus, --host-memory) ARE NOT ENFORCED; "
