@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,11 +89,13 @@ def _no_jobs_left(cluster):
 class Worker:
     """A lease's worker files and the calls on it."""
 
-    def __init__(self, folder: Path, spec: WorkerSpec) -> None:
+    def __init__(self, folder: Path, spec: WorkerSpec, fresh: bool = True) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.spec = spec
         self.connection_file = folder / f"kernel-{spec.lease_id}.json"
-        write_connection_file(str(self.connection_file), ip="127.0.0.1", key=secrets.token_hex(16).encode())
+        if fresh:  # else: the files of a worker that runs already
+            write_connection_file(str(self.connection_file), ip="127.0.0.1",
+                                  key=secrets.token_hex(16).encode())
         self.log_path = folder / f"{spec.lease_id}.log"
         self.command = kernel_command(sys.executable, self.connection_file, history=folder / f"{spec.lease_id}.sqlite")
         self.env = job_environment(worker_environment(os.environ, slice_environment(
@@ -362,5 +365,53 @@ def test_a_time_limit_ends_the_lease_with_words(cluster, launcher, tmp_path):
         assert said == (f"Slurm ended the worker's job {record.job_id}: it reached its time limit of 00:01:00 "
                         "(c.SlurmLauncher.time_limit, or the partition's MaxTime)")
         assert "DUE TO TIME LIMIT" in worker.log_path.read_text()
+
+    asyncio.run(scenario())
+
+
+# -- the agent killed --------------------------------------------------------------------------------------------
+
+AGENT = """
+import asyncio, json, sys
+sys.path.insert(0, {tests!r})
+from test_slurm import Worker, spec
+from pathlib import Path
+from gpupool.provisioner.workers.launchers.slurm import SlurmLauncher
+
+async def main():
+    launcher = SlurmLauncher(node={node!r}, slurm_conf={conf!r}, start_timeout=30)
+    whole = await Worker(Path({folder!r}) / "whole", spec("L-k9-whole")).start(launcher)
+    piece = await Worker(Path({folder!r}) / "piece", spec("L-k9-slice", fraction=0.5)).start(launcher)
+    print(json.dumps([whole.dumps(), piece.dumps()]), flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_after_kill_9_of_the_agent_a_new_one_re_adopts_both_kinds_of_worker(cluster, tmp_path):
+    code = AGENT.format(tests=str(Path(__file__).parent), node=cluster.name, conf=str(cluster.conf),
+                        folder=str(tmp_path))
+    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = agent.stdout.readline()
+    finally:
+        agent.kill()  # SIGKILL: nothing of it runs any more, its sruns included unless they left its session
+        agent.wait()
+        agent.stdout.close()
+    assert line, "the agent printed no records"
+    records = [SlurmWorkerRecord.loads(text) for text in json.loads(line)]
+    whole, piece = (Worker(tmp_path / "whole", spec("L-k9-whole"), fresh=False),
+                    Worker(tmp_path / "piece", spec("L-k9-slice", fraction=0.5), fresh=False))
+
+    async def scenario():
+        again = SlurmLauncher(node=cluster.name, slurm_conf=str(cluster.conf))
+        await asyncio.sleep(2)  # a step whose srun died would be cancelled by now
+        for record, worker in zip(records, (whole, piece)):
+            assert await again.adopt(record) is not None, record
+            assert (await worker.run("print('alive')")).strip() == "alive"
+        for record in records:
+            await again.stop(record)
+            assert await again.adopt(record) is None
 
     asyncio.run(scenario())
