@@ -30,7 +30,8 @@ from kubernetes_validate.utils import latest_version  # noqa: E402
 GiB = 2**30
 GPUS = tuple(GPUInfo(f"GPU-{i}", "NVIDIA A100-SXM4-80GB", i, 80 * GiB) for i in range(4))
 SITE = PodSettings(namespace="jupyterhub", node_name="gpu-1", image="registry.example.org/gpupool/singleuser:0.1.0",
-                   home_claim="gpupool-home", owner=OwnerPod("gpupool-agent-x7k2p", "6f1b96b0-aaaa-4bbb-8ccc-0123456789ab"))
+                   home_claim="gpupool-home",
+                   owner=OwnerPod("gpupool-agent-x7k2p", "6f1b96b0-aaaa-4bbb-8ccc-0123456789ab"))
 TEMPLATE = {
     "metadata": {"labels": {"team": "ml", "gpupool.io/lease": "template-must-not-win"},
                  "annotations": {"example.org/cost-centre": "42"}},
@@ -57,9 +58,11 @@ def lease(lease_id="L-1", owner="ann", gpus=1, fraction=1.0, cpus=None, memory=N
 LEASES = [lease(), lease("L-2", "bob", gpus=4, cpus=16, memory=128 * GiB), lease("L-half", fraction=0.5, cpus=0.5),
           lease("l" * 100, "Ann.Smith@example.org", fraction=0.25), lease("x.y_z-9", "ünïcode", gpus=2)]
 SETTINGS = [SITE, PodSettings(namespace="ns", node_name="n1", image="img:1"),
-            PodSettings(namespace="jupyterhub", node_name="gpu-2", image="img:2", slice_resource="nvidia.com/gpu.shared",
+            PodSettings(namespace="jupyterhub", node_name="gpu-2", image="img:2",
+                        slice_resource="nvidia.com/gpu.shared",
                         labels={"site": "lab"}, ports=WorkerPorts(40000)),
-            PodSettings(namespace="jupyterhub", node_name="gpu-3", image="img:3", slice_resource="nvidia.com/mig-1g.10gb",
+            PodSettings(namespace="jupyterhub", node_name="gpu-3", image="img:3",
+                        slice_resource="nvidia.com/mig-1g.10gb",
                         gpu_resource="nvidia.com/gpu", home_claim="homes", home_mount="/home/jovyan",
                         home_subpath="home/{username}")]
 

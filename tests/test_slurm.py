@@ -146,6 +146,21 @@ def open_errno(path: Path) -> int:
     return 0
 
 
+def memory_limit(pid: int) -> int | None:
+    """The nearest finite v1 memory limit above ``pid`` (Slurm sets it on the job and on each step,
+    not on the task's own folder); None without one."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            folder = Path("/sys/fs/cgroup/memory", path.lstrip("/"))
+            while folder != Path("/sys/fs/cgroup/memory"):
+                limit = int((folder / "memory.limit_in_bytes").read_text())
+                if limit < 2**62:
+                    return limit
+                folder = folder.parent
+    return None
+
+
 def halted(pid: int) -> bool:
     """True when ``pid`` is stopped (SIGSTOP) or its v1 freezer cgroup is frozen: Slurm's suspend does either."""
     if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
@@ -179,6 +194,7 @@ def test_a_lease_runs_its_cells_in_a_slurm_job_that_holds_its_gpu(cluster, launc
             code = f"import os\nfor p in ({str(mine)!r}, {str(theirs)!r}):\n    try: os.open(p, os.O_RDWR)\n" \
                    "    except OSError as e: print(e.errno)"
             assert (await worker.run(code)).split() == [str(errno.ENXIO), str(errno.EPERM)]
+            assert {memory_limit(p) for p in await launcher.commands.pids(record.job_id)} == {GiB}  # --mem
 
         # Someone else's batch jobs: the first gets the other GPU, the second waits for the worker's.
         first = cluster.sbatch("--gres=gpu:1", "--mem=64M", user=other)
@@ -292,7 +308,10 @@ def test_slices_are_steps_of_one_share_job_that_holds_their_gpu(cluster, launche
         assert (await first.run("import os; print(os.environ['SLURM_STEP_ID'], os.environ['CUDA_VISIBLE_DEVICES'])"
                                 )).split() == [str(one.step_id), "0"]
         assert (await second.run("print('b')")).strip() == "b"
-        # Each step is confined to the lease's memory (its own cgroup), beside the share job's.
+        if cluster.confined:  # each step is held to its lease's memory (a cgroup of its own), not the share job's
+            for record in (one, two):
+                pids = await launcher.commands.pids(record.job_id, record.step_id)
+                assert pids and {memory_limit(p) for p in pids} == {GiB}
         taken = cluster.sbatch("--gres=gpu:1", "--mem=64M", user=other)
         cluster.wait_job(taken, ["RUNNING"])
         assert cluster.job_field(taken, "GRES") == f"gpu:1(IDX:{1 - one.gpus[0]})"

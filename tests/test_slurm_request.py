@@ -170,8 +170,9 @@ def test_a_step_is_read_from_scontrol():
 
 
 def ended(state: str, reason: str = "None", limit: str = "UNLIMITED", code: str = "0:15") -> SlurmJob:
-    return SlurmJob.parse(RUNNING.replace("JobState=RUNNING Reason=None", f"JobState={state} Reason={reason}")
-                          .replace("TimeLimit=UNLIMITED", f"TimeLimit={limit}").replace("ExitCode=0:0", f"ExitCode={code}"))
+    text = RUNNING.replace("JobState=RUNNING Reason=None", f"JobState={state} Reason={reason}")
+    return SlurmJob.parse(text.replace("TimeLimit=UNLIMITED", f"TimeLimit={limit}")
+                          .replace("ExitCode=0:0", f"ExitCode={code}"))
 
 
 @pytest.mark.parametrize(("job", "words"), [

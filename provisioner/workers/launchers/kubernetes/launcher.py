@@ -55,7 +55,8 @@ class KubernetesLauncher(LoggingConfigurable):
 
     python = Unicode(
         "/opt/conda/bin/python", help="""The image's Python, which runs the worker kernel (default
-        ``/opt/conda/bin/python``, the Jupyter Docker Stacks'). ``c.KubernetesLauncher.python = "/usr/bin/python3"``.""",
+        ``/opt/conda/bin/python``, the Jupyter Docker Stacks').
+        ``c.KubernetesLauncher.python = "/usr/bin/python3"``.""",
     ).tag(config=True)
 
     gpu_resource = Unicode(

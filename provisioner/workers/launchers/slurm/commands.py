@@ -154,7 +154,8 @@ class SlurmCommands:
             if re.search(r"does not exist|no steps", str(exc)) or _UNKNOWN.search(str(exc)):
                 return []
             raise
-        return sorted({int(line.split()[0]) for line in out.splitlines()[1:] if line.split() and line.split()[0].isdigit()})
+        firsts = (line.split()[0] for line in out.splitlines()[1:] if line.split())  # under a header line
+        return sorted({int(first) for first in firsts if first.isdigit()})
 
     async def suspend(self, job_id: int) -> None:
         """``scontrol suspend``: the job's processes stop (SIGSTOP; the

@@ -36,8 +36,8 @@ from typing import Mapping, Protocol, Sequence
 #: sbatch/srun options the launcher sets itself: not allowed in ``extra_args``.
 RESERVED_OPTIONS = ("--gres", "--gpus", "--job-name", "-J", "--comment", "--nodelist", "-w", "--nodes", "-N",
                     "--ntasks", "-n", "--cpus-per-task", "-c", "--mem", "--output", "-o", "--error", "-e",
-                    "--export", "--parsable", "--chdir", "-D", "--jobid", "--wrap", "--array", "-a", "--partition", "-p",
-                    "--account", "-A", "--qos", "-q", "--time", "-t")
+                    "--export", "--parsable", "--chdir", "-D", "--jobid", "--wrap", "--array", "-a",
+                    "--partition", "-p", "--account", "-A", "--qos", "-q", "--time", "-t")
 #: The comment of a lease job: ``COMMENT_PREFIX + lease id``.
 COMMENT_PREFIX = "gpupool:lease="
 #: The comment of a share job.
@@ -183,7 +183,8 @@ def lease_job(lease: LeaseResources, settings: JobSettings, command: Sequence[st
             "--no-requeue"]
     if lease.host_memory:
         args.append(f"--mem={mebibytes(lease.host_memory)}M")
-    return Submission((*args, *settings.extra_args), batch_script(command, f"the worker of gpupool lease {lease.lease_id}"))
+    script = batch_script(command, f"the worker of gpupool lease {lease.lease_id}")
+    return Submission((*args, *settings.extra_args), script)
 
 
 def share_job(settings: JobSettings, cpus: int, memory: int, log_path: str, workdir: str) -> Submission:

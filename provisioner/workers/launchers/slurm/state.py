@@ -98,7 +98,8 @@ class SlurmJob:
         code, signal = _exit(pairs.get("ExitCode", ""))
         return cls(job_id=int(pairs["JobId"]), name=pairs.get("JobName", ""), comment=_null(pairs.get("Comment", "")),
                    state=pairs.get("JobState", ""), reason=_null(pairs.get("Reason", "")),
-                   user=pairs.get("UserId", "").split("(")[0], node=_null(pairs.get("BatchHost", pairs.get("NodeList", ""))),
+                   user=pairs.get("UserId", "").split("(")[0],
+                   node=_null(pairs.get("BatchHost", pairs.get("NodeList", ""))),
                    gres=_null(gres) or _null(pairs.get("JOB_GRES", "")), gpus=gpu_indices(gres),
                    time_limit=pairs.get("TimeLimit", ""), exit_code=code, signal=signal)
 
