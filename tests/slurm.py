@@ -13,7 +13,8 @@ as on a real cluster.
 
 What this host needed (docs/launchers.md, "Slurm on this host"): the cgroup/v1
 plugin (the v1 controllers are mounted under /sys/fs/cgroup, cgroup2 only at
-/sys/fs/cgroup/unified, with no controllers), device nodes with numbers of
+/sys/fs/cgroup/unified; 22.05's cgroup/v2 stops with "Hybrid mode is not
+supported"), device nodes with numbers of
 their own (denying one GPU that shares /dev/null's numbers denies /dev/null
 too, and every step fails), and ``SlurmdParameters=config_overrides`` so the
 node may declare more CPUs than this 2-core machine has (then
@@ -180,6 +181,8 @@ class SlurmCluster:
                 self._stop_slurm()
                 if attempt is None:
                     self._stop_munge()
+                    self._remove_cgroups()
+                    shutil.rmtree(self.root, ignore_errors=True)
                     raise
         self.timings["start"] = time.monotonic() - began
 
@@ -263,10 +266,13 @@ class SlurmCluster:
 
     def _start_slurm(self, timeout: float) -> None:
         env = self.env
-        subprocess.run([_which("slurmctld"), "-f", str(self.conf)], env=env, check=True, capture_output=True,
-                       timeout=30)
-        subprocess.run([_which("slurmd"), "-f", str(self.conf), "-N", self.name], env=env, check=True,
-                       capture_output=True, timeout=30)
+        for command in ([_which("slurmctld"), "-f", str(self.conf)],
+                        [_which("slurmd"), "-f", str(self.conf), "-N", self.name]):
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+            if done.returncode:
+                daemon = Path(command[0]).name
+                said = done.stderr.strip()[-500:] or self.log_tail(daemon, 3)
+                raise RuntimeError(f"{daemon} did not start (cgroups: {self.cgroups}): {said}")
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
@@ -275,12 +281,23 @@ class SlurmCluster:
                 for daemon in ("slurmctld", "slurmd"):
                     self._pids[daemon] = int((self.root / f"{daemon}.pid").read_text())
                 return
-            if state.startswith(("drain", "inval", "down")):
+            if state.startswith(("drain", "inval", "down")) or not self._daemons_alive():
                 break
             time.sleep(0.2)
         logs = "\n".join(self.log_tail(name) for name in ("slurmctld", "slurmd"))
         raise RuntimeError(f"the Slurm node {self.name} is {state or 'not registered'} (cgroups: {self.cgroups}):\n"
                            f"{logs}")
+
+    def _daemons_alive(self) -> bool:
+        """False once slurmctld or slurmd wrote its pid file and exited (a plugin it could not load, say)."""
+        for daemon in ("slurmctld", "slurmd"):
+            pid = _pid_from(self.root / f"{daemon}.pid")
+            if pid is not None:
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    return False
+        return True
 
     def log_tail(self, daemon: str, lines: int = 15) -> str:
         try:
