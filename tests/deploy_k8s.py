@@ -19,10 +19,15 @@ K8S = ROOT / "deploy" / "kubernetes"
 Z2JH_REF = ROOT.parent / "shared" / "reference" / "z2jh"
 if not Z2JH_REF.is_dir():  # a worktree beside the main checkout (/work/wt-x and /work/shared)
     Z2JH_REF = Path("/work/shared/reference/z2jh")
-OVERLAYS = ("evaluation", "production")
+OVERLAYS = ("evaluation", "production", "pods")
+#: The overlays whose workers run inside the agent's (privileged) pod, and the one whose workers are pods
+#: of their own beside an unprivileged agent (tests/test_deploy_k8s_worker_pods.py).
+IN_AGENT_POD = ("evaluation", "production")
+WORKER_PODS = "pods"
 USERS_NS, AGENTS_NS, MONITORING_NS = "jupyterhub", "gpupool-agents", "monitoring"
-#: What the downward API would give, to expand $(VAR) in command lines.
-DOWNWARD = {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3"}
+#: What the downward API would give an agent's pod, to expand $(VAR) in command lines.
+DOWNWARD = {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3", "metadata.name": "gpupool-agent-x7k2p",
+            "metadata.uid": "6f1b96b0-aaaa-4bbb-8ccc-0123456789ab", "metadata.namespace": AGENTS_NS}
 
 
 def kubectl() -> str:
@@ -53,7 +58,7 @@ def render(tmp: Path, overlay: str, extra: dict[str, str] | None = None) -> list
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    """``{overlay: [object, ...]}`` of both overlays."""
+    """``{overlay: [object, ...]}`` of every overlay."""
     tmp = tmp_path_factory.mktemp("k8s")
     return {overlay: render(tmp, f"overlays/{overlay}") for overlay in OVERLAYS}
 

@@ -4,7 +4,8 @@ validates against the Kubernetes schemas (kubernetes-validate), the alert rules 
 gpupool, every environment variable is one gpupool reads, and names, ports, URLs and
 NetworkPolicies line up across the two namespaces and the Zero to JupyterHub values
 (validated against the chart's schema). The pods themselves (namespaces, Pod Security, the
-agent's pod, homes): tests/test_deploy_k8s_pods.py.
+agent's pod, homes): tests/test_deploy_k8s_pods.py; the pods overlay's agent and the worker
+pods it makes: tests/test_deploy_k8s_worker_pods.py.
 
 Without ``kubectl`` (or ``promtool``, or the z2jh reference folder) the tests that need it
 skip and say why. Nothing here talks to a cluster: deploy/kubernetes/README.md says what
@@ -22,20 +23,25 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_k8s import (AGENTS_NS, DOWNWARD, K8S, MONITORING_NS, USERS_NS, Z2JH_REF, config_text, config_value,
-                        env_values, expanded_command, find, gpupool_containers, matches, merged, namespace, one,
-                        option, pod_spec, rendered, service_url, workloads, z2jh_values)
+from deploy_k8s import (AGENTS_NS, DOWNWARD, K8S, MONITORING_NS, USERS_NS, WORKER_PODS, Z2JH_REF,
+                        config_text, config_value, env_values, expanded_command, find, gpupool_containers, matches,
+                        merged, namespace, one, option, pod_spec, rendered, service_url, workloads, z2jh_values)
 from deploy_parse import ROOT, check_command, check_config_sections, config_assignments, environment_names_read
 
 __all__ = ["rendered"]  # the fixture
-#: Variables a gpupool container is given that gpupool itself does not read, and who does.
+#: Variables a gpupool container is given that the scan of gpupool's sources (GPUPOOL_*, JUPYTERHUB_*,
+#: CUDA_* names) does not find, and who reads them.
 OTHER_READERS = {
     "NODE_NAME": "the agent's command line, $(NODE_NAME)",
     "POD_IP": "the agent's command line, $(POD_IP), and its readiness probe",
     "NVIDIA_VISIBLE_DEVICES": "the NVIDIA container runtime",
     "NVIDIA_DRIVER_CAPABILITIES": "the NVIDIA container runtime",
+    "POD_NAME": "the pod launcher, the worker pods' owner (c.KubernetesLauncher.owner_name)",
+    "POD_UID": "the pod launcher, the worker pods' owner (c.KubernetesLauncher.owner_uid)",
+    "POD_NAMESPACE": "the pod launcher, the worker pods' namespace (c.KubernetesLauncher.namespace)",
 }
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
+LAUNCHER_SOURCE = ROOT / "provisioner" / "workers" / "launchers" / "kubernetes" / "launcher.py"
 
 
 # -- rendering and schemas -------------------------------------------------------------------------------------
@@ -114,6 +120,12 @@ def test_every_container_command_parses_with_the_real_cli(rendered):
                 seen.add("health")
         for name, app in (("gpupool-service-config", ServiceApp()), ("gpupool-agent-config", NodeAgent())):
             settings = config_assignments(config_text(objects, name))
+            # The pod launcher's settings (the pods overlay): the agent lists its class with the launcher's
+            # phase 2 (docs/launchers.md); until then they are checked against the class itself.
+            for trait in settings.pop("KubernetesLauncher", []):
+                from gpupool.provisioner.workers.launchers.kubernetes import KubernetesLauncher
+
+                assert trait in KubernetesLauncher.class_traits(config=True), f"{name}: KubernetesLauncher.{trait}"
             check_config_sections(app, settings, name)
             compile(config_text(objects, name), name, "exec")
     assert seen == {"service", "agent", "health"}
@@ -128,6 +140,8 @@ def test_every_environment_variable_is_one_gpupool_reads(rendered):
             for env in container.get("env", []):
                 name = env["name"]
                 assert name in known or name in OTHER_READERS, f"{workload['metadata']['name']}: {name} is read by nobody"
+                if name.startswith("POD_") and name != "POD_IP":
+                    assert f'"{name}"' in LAUNCHER_SOURCE.read_text(), f"the pod launcher does not read {name}"
                 if name == "NODE_NAME":
                     assert f"$({name})" in words
 
@@ -221,9 +235,11 @@ def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered)
     service_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "service"}
     agent_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "agent"}
     monitoring = ("labelled {'gpupool.io/monitoring': 'true'}", None)
-    for objects in rendered.values():
+    for overlay, objects in rendered.items():
         policies = {p["metadata"]["name"]: p for p in find(objects, "NetworkPolicy")}
         for name, policy in policies.items():
+            if name == "gpupool-worker-pods":
+                continue  # it selects the pods the agent makes: tests/test_deploy_k8s_worker_pods.py
             assert any(namespace(w) == namespace(policy) and matches(policy["spec"]["podSelector"]["matchLabels"],
                                                                     w["spec"]["template"]["metadata"]["labels"])
                        for w in workloads(objects)), f"{name} selects no pod of its namespace"
@@ -241,34 +257,51 @@ def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered)
         # proxy, the agents from theirs, and Prometheus.
         assert ports(spec["gpupool-agent-http"]) == [(agent_port, agent_port)]
         assert peers(spec["gpupool-agent-http"], AGENTS_NS) == [(USERS_NS, service_pods), monitoring]
-        assert peers(spec["gpupool-agent-workers"], AGENTS_NS) == [(USERS_NS, notebook)]
         assert peers(spec["gpupool-service"], USERS_NS) == [
             (USERS_NS, notebook), (USERS_NS, {"component": "hub"}), (USERS_NS, {"component": "proxy"}),
             (AGENTS_NS, agent_pods), monitoring]
-        assert own["gpupool-agent-http"] == own["gpupool-agent-workers"] == AGENTS_NS
-        assert own["gpupool-service"] == USERS_NS
-        worker_ranges = ports(spec["gpupool-agent-workers"])
-        assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
-        assert sum(hi - lo + 1 for lo, hi in worker_ranges) == 65535 - 1024 + 1 - 1  # every unprivileged port but the agent's
-        # The workers' ZeroMQ ports and their data plane's transfer_port are free ports the kernel
-        # picks (binding port 0): all of its ephemeral range must be admitted to notebooks.
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        assert all(any(lo <= p <= hi for lo, hi in worker_ranges) for p in range(low, high + 1) if p != agent_port)
+        assert own["gpupool-agent-http"] == AGENTS_NS and own["gpupool-service"] == USERS_NS
         assert ports(spec["gpupool-service"]) == [(service_port, service_port)]
+        if overlay == WORKER_PODS:
+            # Workers are pods of their own beside the agent, on fixed ports: notebooks and the agents
+            # reach those ports, and nothing reaches the agent's pod but its HTTP port.
+            assert "gpupool-agent-workers" not in spec
+            worker_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "worker"}
+            assert spec["gpupool-worker-pods"]["podSelector"]["matchLabels"] == worker_pods
+            assert own["gpupool-worker-pods"] == AGENTS_NS
+            assert peers(spec["gpupool-worker-pods"], AGENTS_NS) == [(USERS_NS, notebook), (AGENTS_NS, agent_pods)]
+            assert ports(spec["gpupool-worker-pods"]) == [(50000, 50005)]
+        else:
+            assert peers(spec["gpupool-agent-workers"], AGENTS_NS) == [(USERS_NS, notebook)]
+            assert own["gpupool-agent-workers"] == AGENTS_NS and "gpupool-worker-pods" not in spec
+            worker_ranges = ports(spec["gpupool-agent-workers"])
+            assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
+            assert sum(hi - lo + 1 for lo, hi in worker_ranges) == 65535 - 1024 + 1 - 1  # every unprivileged port but the agent's
+            # The workers' ZeroMQ ports and their data plane's transfer_port are free ports the kernel
+            # picks (binding port 0): all of its ephemeral range must be admitted to notebooks.
+            low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+            assert all(any(lo <= p <= hi for lo, hi in worker_ranges) for p in range(low, high + 1) if p != agent_port)
         if "gpupool-postgres" in spec:
             assert peers(spec["gpupool-postgres"], USERS_NS) == [(USERS_NS, service_pods)]
         # The namespaces named in policies are the ones the objects live in.
         assert {namespace(w) for w in workloads(objects)} == {USERS_NS, AGENTS_NS}
 
 
-def test_no_api_access_for_gpupool_pods(rendered):
-    for objects in rendered.values():
-        assert not find(objects, "RoleBinding") and not find(objects, "ClusterRoleBinding")
+def test_no_api_access_for_gpupool_pods_but_the_pod_launching_agent(rendered):
+    for overlay, objects in rendered.items():
+        assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
+        if overlay == WORKER_PODS:  # the agent's Role over its namespace's pods: test_deploy_k8s_worker_pods.py
+            [binding] = find(objects, "RoleBinding")
+            assert namespace(binding) == namespace(one(objects, "Role", binding["roleRef"]["name"])) == AGENTS_NS
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpupool-agent", "namespace": AGENTS_NS}]
+        else:
+            assert not find(objects, "Role") and not find(objects, "RoleBinding")
         for account in find(objects, "ServiceAccount"):
             assert account["automountServiceAccountToken"] is False
         for workload in workloads(objects):
             pod = pod_spec(workload)
-            assert pod["automountServiceAccountToken"] is False
+            token = overlay == WORKER_PODS and workload["metadata"]["name"] == "gpupool-agent"
+            assert pod["automountServiceAccountToken"] is token, workload["metadata"]["name"]
             for container in pod["containers"]:
                 context = container["securityContext"]
                 if context.get("privileged"):  # the agent (test_deploy_k8s_pods.py): its namespace only
@@ -449,6 +482,13 @@ def test_z2jh_values_match_configure_and_the_manifests(rendered):
         "kubernetes.io/metadata.name": namespace(policies["gpupool-agent-workers"])}
     assert egress["service"]["ports"] == policies["gpupool-service"]["spec"]["ingress"][0]["ports"]
     assert "namespaceSelector" not in egress["service"]["to"][0]  # the notebooks' own namespace
+    # ... and to the worker pods of the pods overlay, on the ports and in the namespace of their policy.
+    workers = one(rendered[WORKER_PODS], "NetworkPolicy", "gpupool-worker-pods")
+    assert egress["worker"]["ports"] == workers["spec"]["ingress"][0]["ports"]
+    assert egress["worker"]["to"][0]["podSelector"]["matchLabels"] == workers["spec"]["podSelector"]["matchLabels"]
+    assert egress["worker"]["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": namespace(workers)}
+    assert set(egress) == {"service", "agent", "worker"}
 
 
 def test_z2jh_release_hook_reaches_the_service_route(tmp_path):

@@ -1,9 +1,11 @@
 """deploy/kubernetes, the pods: the agents live in a namespace of their own labelled for Pod
-Security ``privileged`` and the users' namespace is left as it is, with no pod there (ours, or the
-singleuser pod the z2jh values make) breaking ``baseline``; the agent's pod gets what containment
-needs and says it requires it, ranks high, tolerates the pool's taint and reserves its workers'
-resources (Guaranteed QoS); homes are one share at the same path in the notebook and on the
-agent; the CDI component and the home migration Job render and validate."""
+Security ``privileged`` (``baseline`` in the pods overlay, whose agent is unprivileged) and the
+users' namespace is left as it is, with no pod there (ours, or the singleuser pod the z2jh values
+make) breaking ``baseline``; where workers run inside it, the agent's pod gets what containment
+needs and says it requires it and reserves its workers' resources (Guaranteed QoS); every agent
+ranks high and tolerates the pool's taint; homes are one share at the same path in the notebook
+and on the agent; the CDI component and the home migration Job render and validate. The pods
+overlay's agent and worker pods: tests/test_deploy_k8s_worker_pods.py."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import copy
 
 import pytest
 import yaml
-from deploy_k8s import (AGENTS_NS, K8S, USERS_NS, config_text, config_value, find, namespace, one, pod_spec,
-                        render, rendered, workloads, z2jh_values)
+from deploy_k8s import (AGENTS_NS, IN_AGENT_POD, K8S, USERS_NS, WORKER_PODS, config_text, config_value, find,
+                        namespace, one, pod_spec, render, rendered, workloads, z2jh_values)
 from deploy_parse import baseline_violations
 
 __all__ = ["rendered"]  # the fixture
@@ -29,12 +31,13 @@ def quantity(text: str | int) -> float:
 
 
 def test_agents_have_a_namespace_of_their_own_and_the_users_namespace_is_untouched(rendered):
-    for objects in rendered.values():
+    for overlay, objects in rendered.items():
         [ns] = find(objects, "Namespace")  # only the agents' namespace is made here
         assert ns["metadata"]["name"] == AGENTS_NS
         labels = ns["metadata"]["labels"]
-        assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
-        assert labels["pod-security.kubernetes.io/warn"] == labels["pod-security.kubernetes.io/audit"] == "privileged"
+        level = "baseline" if overlay == WORKER_PODS else "privileged"  # an unprivileged agent needs no more
+        assert labels["pod-security.kubernetes.io/enforce"] == level, overlay
+        assert labels["pod-security.kubernetes.io/warn"] == labels["pod-security.kubernetes.io/audit"] == level
         cluster_wide = {"Namespace", "PriorityClass", "PersistentVolume"}
         for obj in objects:
             assert (namespace(obj) is None) == (obj["kind"] in cluster_wide), f"{obj['kind']} {obj['metadata']['name']}"
@@ -75,7 +78,7 @@ def test_no_pod_in_the_users_namespace_breaks_pod_security_baseline(rendered):
 
 
 def test_the_agent_pod_gets_what_containment_needs_and_requires_it(rendered):
-    for objects in rendered.values():
+    for objects in (rendered[overlay] for overlay in IN_AGENT_POD):
         workload = one(objects, "DaemonSet", "gpupool-agent")
         pod = pod_spec(workload)
         [container] = pod["containers"]
@@ -90,12 +93,14 @@ def test_the_agent_pod_gets_what_containment_needs_and_requires_it(rendered):
 
 
 def test_the_agent_ranks_high_tolerates_the_pool_taint_and_reserves_its_workers(rendered):
-    for objects in rendered.values():
+    for overlay, objects in rendered.items():
         pod = pod_spec(one(objects, "DaemonSet", "gpupool-agent"))
         priority = one(objects, "PriorityClass", pod["priorityClassName"])
         assert priority["value"] == 1_000_000_000 and priority["globalDefault"] is False  # the most a user class may
         assert pod["nodeSelector"] == {"gpupool.io/pool": "true"}
         assert {"key": "gpupool.io/pool", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        if overlay not in IN_AGENT_POD:
+            continue  # its workers' pods reserve their own: tests/test_deploy_k8s_worker_pods.py
         resources = pod["containers"][0]["resources"]
         assert resources["requests"] == resources["limits"] and set(resources["limits"]) == {"cpu", "memory"}  # Guaranteed
         text = config_text(objects, "gpupool-agent-config")
@@ -119,7 +124,7 @@ def test_homes_are_one_share_at_the_same_path_in_the_notebook_and_on_the_agent(r
     [mount] = init["volumeMounts"]
     assert mount["name"] == "home" and mount["subPath"] == storage["static"]["subPath"]
     assert f"chown 1000:100 {mount['mountPath']}" in init["command"][-1] and "$$(stat" in init["command"][-1]
-    for objects in rendered.values():
+    for overlay, objects in rendered.items():
         claims = {namespace(c): c for c in find(objects, "PersistentVolumeClaim", "gpupool-home")}
         assert set(claims) == {USERS_NS, AGENTS_NS} and storage["static"]["pvcName"] == "gpupool-home"
         volumes = {}
@@ -130,6 +135,8 @@ def test_homes_are_one_share_at_the_same_path_in_the_notebook_and_on_the_agent(r
             assert "ReadWriteMany" in claim["spec"]["accessModes"] and "ReadWriteMany" in volume["spec"]["accessModes"]
             volumes[ns] = {k: v for k, v in volume["spec"].items() if k != "claimRef"}
         assert volumes[USERS_NS] == volumes[AGENTS_NS]  # the same share, for both namespaces
+        if overlay not in IN_AGENT_POD:
+            continue  # each worker pod mounts its owner's folder: tests/test_deploy_k8s_worker_pods.py
         pod = pod_spec(one(objects, "DaemonSet", "gpupool-agent"))
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         claim = [v for v in pod["volumes"] if v["name"] == "home"][0]["persistentVolumeClaim"]["claimName"]

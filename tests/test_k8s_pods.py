@@ -29,7 +29,7 @@ from kubernetes_validate.utils import latest_version  # noqa: E402
 
 GiB = 2**30
 GPUS = tuple(GPUInfo(f"GPU-{i}", "NVIDIA A100-SXM4-80GB", i, 80 * GiB) for i in range(4))
-SITE = PodSettings(namespace="jupyterhub", node_name="gpu-1", image="registry.example.org/gpupool/singleuser:0.1.0",
+SITE = PodSettings(namespace="gpupool-agents", node_name="gpu-1", image="registry.example.org/gpupool/singleuser:1.2.0",
                    home_claim="gpupool-home",
                    owner=OwnerPod("gpupool-agent-x7k2p", "6f1b96b0-aaaa-4bbb-8ccc-0123456789ab"))
 TEMPLATE = {
@@ -58,10 +58,10 @@ def lease(lease_id="L-1", owner="ann", gpus=1, fraction=1.0, cpus=None, memory=N
 LEASES = [lease(), lease("L-2", "bob", gpus=4, cpus=16, memory=128 * GiB), lease("L-half", fraction=0.5, cpus=0.5),
           lease("l" * 100, "Ann.Smith@example.org", fraction=0.25), lease("x.y_z-9", "ünïcode", gpus=2)]
 SETTINGS = [SITE, PodSettings(namespace="ns", node_name="n1", image="img:1"),
-            PodSettings(namespace="jupyterhub", node_name="gpu-2", image="img:2",
+            PodSettings(namespace="gpupool-agents", node_name="gpu-2", image="img:2",
                         slice_resource="nvidia.com/gpu.shared",
                         labels={"site": "lab"}, ports=WorkerPorts(40000)),
-            PodSettings(namespace="jupyterhub", node_name="gpu-3", image="img:3",
+            PodSettings(namespace="gpupool-agents", node_name="gpu-3", image="img:3",
                         slice_resource="nvidia.com/mig-1g.10gb",
                         gpu_resource="nvidia.com/gpu", home_claim="homes", home_mount="/home/jovyan",
                         home_subpath="home/{username}")]
@@ -205,7 +205,7 @@ def test_settings_come_from_config_and_the_template_from_a_yaml_file(tmp_path, m
     template = tmp_path / "worker-pod.yaml"
     template.write_text("metadata:\n  labels: {team: ml}\nspec:\n  priorityClassName: interactive\n")
     config = Config()
-    config.KubernetesLauncher.namespace = "jupyterhub"
+    config.KubernetesLauncher.namespace = "gpupool-agents"
     config.KubernetesLauncher.image = "img:1"
     config.KubernetesLauncher.slice_resource = "nvidia.com/gpu.shared"
     config.KubernetesLauncher.memory = "8GiB"
@@ -216,7 +216,7 @@ def test_settings_come_from_config_and_the_template_from_a_yaml_file(tmp_path, m
                                                                      8 * GiB)
     pod = worker_pod(lease(), settings, launcher.template(), ENV)
     validate(pod)
-    assert pod["spec"]["priorityClassName"] == "interactive" and pod["metadata"]["namespace"] == "jupyterhub"
+    assert pod["spec"]["priorityClassName"] == "interactive" and pod["metadata"]["namespace"] == "gpupool-agents"
     for name, trait in KubernetesLauncher.class_own_traits(config=True).items():
         assert "c.KubernetesLauncher." in trait.help, name
     template.write_text("- a list\n")
@@ -311,7 +311,7 @@ def test_the_client_creates_reads_lists_and_deletes_worker_pods(api_server):
     import asyncio
 
     url, server = api_server
-    client = PodClient.for_host("jupyterhub", url, token="sa-token")
+    client = PodClient.for_host("gpupool-agents", url, token="sa-token")
     pod = worker_pod(lease(), SITE, TEMPLATE, ENV)
 
     async def scenario():
@@ -323,7 +323,7 @@ def test_the_client_creates_reads_lists_and_deletes_worker_pods(api_server):
         assert await client.pod("gpupool-worker-none") is None
         assert [p["metadata"]["name"] for p in await client.pods("gpupool.io/node=gpu-1")] == [pod["metadata"]["name"]]
         assert await client.pods("gpupool.io/node=gpu-2") == []
-        with pytest.raises(PodError, match=r"creating pod gpupool-worker-l-1-\w+ in namespace jupyterhub failed: "
+        with pytest.raises(PodError, match=r"creating pod gpupool-worker-l-1-\w+ in namespace gpupool-agents failed: "
                                            r"409 Conflict"):
             await client.create_pod(pod)
         assert await client.delete_pod(pod["metadata"]["name"]) is True
@@ -331,14 +331,14 @@ def test_the_client_creates_reads_lists_and_deletes_worker_pods(api_server):
 
     asyncio.run(scenario())
     sent = server.requests[0]
-    assert sent[:2] == ("POST", "/api/v1/namespaces/jupyterhub/pods") and sent[3] == "Bearer sa-token"
+    assert sent[:2] == ("POST", "/api/v1/namespaces/gpupool-agents/pods") and sent[3] == "Bearer sa-token"
     assert sent[2]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert ("POST", "/api/v1/namespaces/jupyterhub/secrets") == server.requests[1][:2]
-    assert all(path.startswith("/api/v1/namespaces/jupyterhub/") for _, path, _, _ in server.requests)
+    assert ("POST", "/api/v1/namespaces/gpupool-agents/secrets") == server.requests[1][:2]
+    assert all(path.startswith("/api/v1/namespaces/gpupool-agents/") for _, path, _, _ in server.requests)
 
 
 def test_outside_a_cluster_the_in_cluster_client_says_so(monkeypatch):
     pytest.importorskip("kubernetes")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(PodError, match="not in a Kubernetes pod with a service account token"):
-        PodClient.in_cluster("jupyterhub")
+        PodClient.in_cluster("gpupool-agents")

@@ -2,7 +2,7 @@
 the official ``kubernetes`` client (``pip install gpupool[kubernetes]``),
 behind one small class so the pod builder (:mod:`.pods`) stays pure.
 
-What it needs of RBAC (deploy/kubernetes/overlays/pods/rbac.yaml): in its own
+What it needs of RBAC (deploy/kubernetes/overlays/pods/agents/rbac.yaml): in its own
 namespace, ``pods``: create, get, list, watch, delete; ``secrets``: create,
 get, delete. Nothing cluster-wide. The client's calls block, so each runs in a
 thread: the agent's event loop never waits on the API server.

@@ -28,7 +28,7 @@ class KubernetesLauncher(LoggingConfigurable):
 
     namespace = Unicode(
         "", help="""Namespace of the worker pods: the agent's own (its RBAC reaches no other). Default: the
-        namespace of the agent's service account. ``c.KubernetesLauncher.namespace = "jupyterhub"``.""",
+        namespace of the agent's service account. ``c.KubernetesLauncher.namespace = "gpupool-agents"``.""",
     ).tag(config=True)
 
     @default("namespace")
@@ -50,7 +50,7 @@ class KubernetesLauncher(LoggingConfigurable):
     image = Unicode(
         "", help="""Image of the worker pods: the notebooks' singleuser image, so the user's packages are there
         (empty, the default: the template's container ``worker``'s). ``c.KubernetesLauncher.image =
-        "registry.example.org/gpupool/singleuser:0.1.0"``.""",
+        "registry.example.org/gpupool/singleuser:1.2.0"``.""",
     ).tag(config=True)
 
     python = Unicode(
