@@ -19,7 +19,10 @@ def device_of(value: Any) -> str | None:
     attribute and a ``to(device)`` method (the duck type tests use without a
     GPU); ``"cupy:cuda:N"`` for a CuPy array; ``"jax:PLATFORM:N"`` for a JAX
     array on an accelerator; ``"simgpu:N"`` for an array in simulated GPU
-    memory (:mod:`gpupool.provisioner.simgpu`). The prefix says which library puts it back."""
+    memory (:mod:`gpupool.provisioner.simgpu`). A PyTorch tensor (or module)
+    that the ``framework`` checkpointer moved to host memory while its worker
+    is parked says the device it came off (:mod:`.offload`). The prefix says
+    which library puts it back."""
     simgpu = sys.modules.get("gpupool.provisioner.simgpu")
     if simgpu is not None and _framework(value) == "numpy" and (index := simgpu.device_of(value)) is not None:
         return f"simgpu:{index}"
@@ -30,11 +33,16 @@ def device_of(value: Any) -> str | None:
         return None if first.platform == "cpu" else f"jax:{first.platform}:{first.id}"
     torch = sys.modules.get("torch")
     device: Any = None
+    first = value
     if torch is not None and isinstance(value, torch.nn.Module):
         first = next(itertools.chain(value.parameters(), value.buffers()), None)
         device = None if first is None else first.device
     elif callable(getattr(value, "to", None)) and not isinstance(value, type):
         device = getattr(value, "device", None)
+    offload = sys.modules.get(f"{__package__}.offload")
+    parked = offload.parked_device(first) if offload is not None and first is not None else None
+    if parked is not None:  # in host memory while its worker is parked: it belongs on that device
+        return parked
     if device is None:
         return None
     text = str(device)
