@@ -158,5 +158,7 @@ class SimulatedCheckpointer(Checkpointer):
         await asyncio.to_thread(self._resume, target, moved, target.gpus, target.memory, into)
 
     async def discard(self, target: ParkTarget, moved: Moved) -> None:
+        """Drop the host copies; the files of the worker's processes, killed by now, are swept at once."""
         for folder in (self._host(target.lease_id), store.root() / store.PARKED / f"{target.lease_id}.spill"):
             await asyncio.to_thread(shutil.rmtree, folder, True)
+        await asyncio.to_thread(store.sweep)

@@ -29,8 +29,9 @@ _LENGTH = struct.Struct(">Q")
 
 def save(ip, path: str) -> dict[str, Any]:
     """Write the namespace of ``ip`` to ``path`` (a new file); answers
-    ``{"ok", "items", "errors", "nbytes"}``: the names saved, ``{name:
-    why}`` for those that could not be, and the file's size."""
+    ``{"ok", "items", "types", "errors", "modules", "nbytes"}``: the names
+    saved and ``{name: type}`` of each, ``{name: why}`` for those that could
+    not be, the module names, and the file's size."""
     header, buffers = pull_header(ip, {"op": "pull_all"})
     header["sizes"] = [memoryview(b).nbytes for b in buffers]
     head = json.dumps(header).encode()
@@ -42,7 +43,8 @@ def save(ip, path: str) -> dict[str, Any]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"ok": True, "items": [item["name"] for item in header["items"]], "errors": header["errors"],
+    return {"ok": True, "items": [item["name"] for item in header["items"]],
+            "types": {item["name"]: item["type"] for item in header["items"]}, "errors": header["errors"],
             "modules": sorted(header.get("modules", {})), "nbytes": os.path.getsize(path)}
 
 

@@ -82,13 +82,16 @@ def no_room(gpu_bytes: int, rss: int, budget: int, available: int | None, headro
 
 
 def rss(pids: tuple[int, ...]) -> int:
-    """Resident host bytes of ``pids`` together."""
+    """Resident host bytes of ``pids`` together that are their own: their
+    RSS less what maps files and shared memory (program text, libraries, and
+    simulated GPU memory, which is counted as GPU memory)."""
     total = 0
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
+            info = psutil.Process(pid).memory_info()
         except psutil.Error:
             continue
+        total += info.rss - getattr(info, "shared", 0)
     return total
 
 

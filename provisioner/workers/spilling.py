@@ -38,10 +38,17 @@ if TYPE_CHECKING:
     from .parking import Parking
 
 
-def lost_words(errors: dict[str, str], doing: str) -> list[str]:
+#: Types that pickle, but come back as something else: cloudpickle saves an open file as a copy of its contents.
+CHANGED_KIND = {"_io.TextIOWrapper", "_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom", "_io.FileIO"}
+
+
+def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None = None) -> list[str]:
     """``{name: why}`` of a pull's header (``"TypeName cannot be sent: reason"``)
-    as one line per name, for ``doing`` (``"saved to disk"``)."""
-    return [f"{name}: {why.replace('cannot be sent', f'cannot be {doing}')}" for name, why in sorted(errors.items())]
+    as one line per name, for ``doing`` (``"saved to disk"``), and the saved
+    names of ``types`` (name -> type) that come back as another kind of object."""
+    words = [f"{name}: {why.replace('cannot be sent', f'cannot be {doing}')}" for name, why in sorted(errors.items())]
+    return words + [f"{name}: an open file ({kind}) comes back as an in-memory copy of what it held, not open"
+                    for name, kind in sorted((types or {}).items()) if kind in CHANGED_KIND]
 
 
 class Spilling:
@@ -110,7 +117,7 @@ class Spilling:
             raise GPUPoolError(Reason.park_failed, f"could not spill the worker of lease {lease} to disk: "
                                f"{getattr(exc, 'message', exc)}; it stays "
                                f"{'parked in memory' if parked else 'where it is'}", 502) from None
-        lost += lost_words(answer.get("errors") or {}, "saved to disk")
+        lost += lost_words(answer.get("errors") or {}, "saved to disk", answer.get("types"))
         spec = worker.spec
         spill = Spilled(lease, spec.owner, folder, spec.gpus, spec.fraction, spec.memory, time.time(),
                         int(answer.get("nbytes", 0)), tuple(lost), worker.activity.idle_since_iso(),
