@@ -72,11 +72,20 @@ def move(source: Path, target: Path, size: int) -> None:
 
 
 def _copy(src: int, dst: int, offset: int, length: int) -> None:
+    """``length`` bytes at ``offset`` of ``src`` to the same place in ``dst``: in
+    the kernel (``copy_file_range``) within one file system, else through a buffer."""
     copied = 0
     while copied < length:
-        step = os.copy_file_range(src, dst, length - copied, offset + copied, offset + copied)
+        at = offset + copied
+        try:
+            step = os.copy_file_range(src, dst, length - copied, at, at)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            data = os.pread(src, min(length - copied, 8 << 20), at)
+            step = os.pwrite(dst, data, at) if data else 0
         if step == 0:
-            raise OSError(errno.EIO, f"the file ended at {offset + copied} bytes")
+            raise OSError(errno.EIO, f"the file ended at {at} bytes")
         copied += step
 
 

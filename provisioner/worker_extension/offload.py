@@ -24,16 +24,26 @@ from typing import Any
 
 from gpupool.units import format_bytes
 
-#: tensor -> the device it was on before the park (it is on the CPU until the resume).
-_parked: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+#: id(tensor) -> (a weak reference to it, the device it was on before the park): it is on
+#: the CPU until the resume. By id: a tensor's ``==`` compares elements, so no mapping keyed
+#: by tensors (a WeakKeyDictionary) can look one up.
+_parked: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def remember(tensor: Any, device: str) -> None:
+    """Note that ``tensor`` (now in host memory) belongs on ``device``."""
+    key = id(tensor)
+    _parked[key] = (weakref.ref(tensor, lambda _, key=key: _parked.pop(key, None)), device)
 
 
 def parked_device(value: Any) -> str | None:
     """The device a tensor parked in host memory comes from ("cuda:0"), else None."""
-    try:
-        return _parked.get(value)
-    except TypeError:  # not weak-referenceable: never parked
-        return None
+    entry = _parked.get(id(value))
+    return entry[1] if entry is not None and entry[0]() is value else None
+
+
+def _parked_tensors() -> list[tuple[Any, str]]:
+    return [(tensor, device) for ref, device in list(_parked.values()) if (tensor := ref()) is not None]
 
 
 def _storage_groups(torch, tensors: list) -> dict[tuple[int, str], list]:
@@ -84,11 +94,11 @@ def park() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         movable, others = _cuda_tensors(torch)
-        devices = {tensor: str(tensor.device) for tensor in movable}
+        devices = [str(tensor.device) for tensor in movable]
         moved = move_tensors(torch, movable, "cpu", pin=True)
-        for tensor, device in devices.items():
-            _parked[tensor] = device
-        del movable, devices
+        for tensor, device in zip(movable, devices):
+            remember(tensor, device)
+        del movable
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -106,9 +116,9 @@ def resume() -> dict[str, Any]:
     """Move what :func:`park` moved back onto its devices; answers ``{"ok", "moved"}``."""
     torch = sys.modules.get("torch")
     moved = 0
-    if torch is not None and len(_parked):
+    if torch is not None and _parked:
         by_device: dict[str, list] = {}
-        for tensor, device in list(_parked.items()):
+        for tensor, device in _parked_tensors():
             by_device.setdefault(device, []).append(tensor)
         for device, tensors in by_device.items():
             moved += move_tensors(torch, tensors, device)
