@@ -9,7 +9,8 @@ Environment: ``FAKE_CUDA_CHECKPOINT_DIR`` (required): where each pid's state
 and ``calls.jsonl`` (one JSON argv per invocation) go;
 ``FAKE_CUDA_CHECKPOINT_VERSION``: ``580`` (default: ``--action`` and
 ``--device-map``), ``555`` (``--action``), ``550`` (``--toggle`` only);
-``FAKE_CUDA_CHECKPOINT_FAIL``: an action that fails, in the driver's words.
+``FAKE_CUDA_CHECKPOINT_FAIL``: an action that fails, in the driver's words;
+``FAKE_CUDA_CHECKPOINT_PIDS``: the pids that have CUDA state (default: every one).
 """
 
 import json
@@ -79,6 +80,9 @@ def main(argv: list[str]) -> None:
         fail(f"An operation and --pid are required\n{HELP}")
     if not Path(f"/proc/{pid}").exists():
         fail(f"Could not find process {pid}: CUDA_ERROR_INVALID_VALUE")
+    with_cuda = os.environ.get("FAKE_CUDA_CHECKPOINT_PIDS")
+    if with_cuda is not None and pid not in with_cuda.split(","):
+        fail(f"Process {pid} has no CUDA state: CUDA_ERROR_NOT_INITIALIZED")
     state_file = STATE_DIR / pid
     state = state_file.read_text() if state_file.exists() else "running"
     if operation == "--get-state":

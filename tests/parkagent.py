@@ -48,10 +48,12 @@ def call(url: str, method: str = "GET", body: Any = None, token: str | None = TO
 class ParkAgent:
     """``gpupool agent --simulate=2xA100-80GB`` under ``root`` with no service
     (it keeps retrying its registration and serves the calls all the same).
-    ``args``: more command-line options (``--parked-memory=...``)."""
+    ``args``: more command-line options (``--parked-memory=...``);
+    ``simulate`` empty: the host's real GPUs (NVML), whose UUIDs ``gpus``
+    names."""
 
     def __init__(self, root: Path, name: str | None = None, args: tuple[str, ...] = (), simulate: str = "2xA100-80GB",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gpus: list[str] | None = None) -> None:
         self.name = name or f"park-{secrets.token_hex(3)}"
         self.state_dir = root / f"agent-{self.name}"
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +62,7 @@ class ParkAgent:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.state_dir / "agent.log"
-        self.gpus = [simulated_uuid(self.name, i) for i in range(2)]
+        self.gpus = gpus or [simulated_uuid(self.name, i) for i in range(2)]
         self.clients: list[BlockingKernelClient] = []
         self.start()
 
@@ -72,7 +74,8 @@ class ParkAgent:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpupool.cli", "agent", f"--service-url=http://127.0.0.1:{free_port()}",
-                 f"--simulate={self.simulate}", f"--name={self.name}", "--ip=127.0.0.1", f"--port={self.port}",
+                 *([f"--simulate={self.simulate}"] if self.simulate else []), f"--name={self.name}", "--ip=127.0.0.1",
+                 f"--port={self.port}",
                  f"--state-dir={self.state_dir}", "--transport-encryption=none", "--warm-workers=0", *self.args],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
         wait_for(self.healthy, 60, "the agent", self.proc, self.log)

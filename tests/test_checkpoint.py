@@ -133,9 +133,21 @@ def test_older_drivers_toggle_and_cannot_remap(fake_cuda, sleeper, monkeypatch):
     assert calls(fake_cuda)[-3:] == [["--get-state", "--pid", p], ["--toggle", "--pid", p], ["--toggle", "--pid", p]]
 
 
-def test_a_process_without_gpu_memory_is_left_alone(fake_cuda, sleeper):
-    moved = asyncio.run(CudaCheckpointer().park(ParkTarget("L-idle", sleeper, (sleeper,), (G0,), GiB, {})))
-    assert moved.gpu_bytes_moved == 0 and calls(fake_cuda) == []
+def test_only_the_processes_with_cuda_state_are_checkpointed(fake_cuda, sleeper, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_PIDS", str(sleeper))
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        pids = tuple(sorted((sleeper, other.pid)))
+        moved = asyncio.run(CudaCheckpointer().park(ParkTarget("L-two", sleeper, pids, (G0,), GiB, {sleeper: GiB})))
+        assert moved.state == {"pids": [sleeper]} and moved.gpu_bytes_moved == GiB
+        assert ["--action", "checkpoint", "--pid", str(other.pid)] not in calls(fake_cuda)
+        # A process the inventory saw on a GPU that the utility cannot say anything of is an error, not skipped.
+        monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_PIDS", "1")
+        with pytest.raises(CheckpointError, match="has no CUDA state: CUDA_ERROR_NOT_INITIALIZED"):
+            asyncio.run(CudaCheckpointer().park(ParkTarget("L-x", other.pid, (other.pid,), (G0,), GiB, {other.pid: 1})))
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_the_framework_move_keeps_every_object_view_and_parameter_in_place():

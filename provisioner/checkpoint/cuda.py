@@ -15,8 +15,8 @@ Its command line, as its ``--help`` documents it (r555 and later; r550 has
     cuda-checkpoint --toggle --pid PID             # running <-> checkpointed
 
 A park runs lock (with :data:`LOCK_TIMEOUT_MS`: submitted work completes
-first) and checkpoint for each process of the worker that the inventory sees
-on a GPU, then the agent freezes the worker; a resume thaws it, then runs
+first) and checkpoint for each process of the worker that has CUDA state (its
+``--get-state`` answers), then the agent freezes the worker; a resume thaws it, then runs
 restore (with ``--device-map`` onto other GPUs, where ``--help`` offers it:
 ``remap``) and unlock. Where ``--help`` lists no ``--action``, ``--toggle``
 does both halves. A failure undoes what it did and says the utility's own
@@ -126,11 +126,18 @@ class CudaCheckpointer(Checkpointer):
         await self._run("--action", "unlock", "--pid", str(pid))
 
     async def park(self, target: ParkTarget) -> Moved:
-        pids = sorted(pid for pid, used in target.gpu_memory.items() if pid in target.pids and used)
+        """Checkpoint each process of the worker that has CUDA state (its
+        ``--get-state`` answers); one the inventory saw on a GPU that cannot
+        say is an error. The bytes moved are the inventory's last readings."""
         done: list[int] = []
         try:
-            for pid in pids:
-                state = await self.state(pid)
+            for pid in target.pids:
+                try:
+                    state = await self.state(pid)
+                except CheckpointError:
+                    if target.gpu_memory.get(pid):
+                        raise
+                    continue  # no CUDA in this process
                 if state != "running":
                     raise CheckpointError(f"process {pid} of lease {target.lease_id} is {state!r} for {BINARY}, "
                                           "not 'running'")
@@ -140,10 +147,10 @@ class CudaCheckpointer(Checkpointer):
             for pid in reversed(done):
                 await self._restore(pid, "")
             raise
-        moved = sum(target.gpu_memory[pid] for pid in pids)
-        self.log.info("lease %s: %s checkpointed %s of GPU memory of pid(s) %s", target.lease_id, BINARY,
-                      format_bytes(moved), ", ".join(map(str, pids)) or "none")
-        return Moved(gpu_bytes_moved=moved, state={"pids": pids})
+        moved = sum(target.gpu_memory.get(pid, 0) for pid in done)
+        self.log.info("lease %s: %s checkpointed pid(s) %s (%s of GPU memory at the last reading)", target.lease_id,
+                      BINARY, ", ".join(map(str, done)) or "none", format_bytes(moved))
+        return Moved(gpu_bytes_moved=moved, state={"pids": done})
 
     async def resume(self, target: ParkTarget, moved: Moved, gpus: tuple[str, ...], memory: int) -> None:
         device_map = ""
