@@ -212,7 +212,7 @@ def report(results: dict[str, Any]) -> str:
              "| state | reps | warm park | warm resume | spilled park | spilled resume | today park | today resume "
              "| today / warm (park + resume) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        cells = [f"{r[f'{m}_{s}_p50_s']:.3f} ({r[f'{m}_{s}_gib_s']:.2f})" for m in METHODS for s in ("park", "resume")]
+        cells = [f"{r[f'{m}_{s}_p50_s']:.3f} ({r[f'{m}_{s}_gib_s']:.3g})" for m in METHODS for s in ("park", "resume")]
         ratio = (r["today_park_p50_s"] + r["today_resume_p50_s"]) / (r["warm_park_p50_s"] + r["warm_resume_p50_s"])
         lines.append(f"| {format_bytes(r['bytes'])} | {r['reps']} | " + " | ".join(cells) + f" | {ratio:.1f}x |")
     small = rows[0]

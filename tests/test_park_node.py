@@ -273,6 +273,8 @@ def test_bad_input_to_park_and_resume_changes_nothing(agent, tmp_path):
     assert agent.resume("L-bad")[0] == 200, "resuming a worker that runs, where it runs: idempotent"
 
     assert agent.park("L-bad")[0] == 200
+    status, reply = agent.call("POST", "/workers", agent.request("L-bad"))
+    assert status == 400 and "is parked: POST /workers/L-bad/resume brings it back" in reply["message"], reply
     for change, words in (({"lease_id": "L-other"}, "lease of the path"), ({"gpus": ["GPU-nope"]}, "unknown: GPU-nope"),
                           ({"gpus": agent.gpus}, "resumes onto as many"), ({"fraction": 2}, "'fraction'")):
         status, reply = agent.call("POST", "/workers/L-bad/resume", {**agent.request("L-bad"), **change})
@@ -298,6 +300,25 @@ def test_a_parked_worker_is_stopped_at_once_and_leaves_nothing(agent, tmp_path):
     assert agent.call("DELETE", "/workers/L-stop2") == (200, {"lease_id": "L-stop2", "exit_code": None})
     assert not (agent.state_dir / "spill" / "L-stop2").exists() and "L-stop2" not in agent.reports()
     assert agent.call("DELETE", "/workers/L-stop2")[0] == 404
+
+
+@pytest.mark.parametrize("mode", ["v1", "none"])
+def test_other_freezers_park_and_resume_too(tmp_path, mode):
+    agent = ParkAgent(tmp_path, args=(f"--cgroup-mode={mode}",))
+    try:
+        kc = agent.client(agent.start_worker("L-freezer")["connection"])
+        pid = int(cell(kc, STATE.format(nbytes=8 * MiB, path=str(tmp_path / "notes.txt"))))
+        assert agent.park("L-freezer")[1]["tier"] == "memory"
+        marker = tmp_path / "ran"
+        kc.execute(f"open({str(marker)!r}, 'w').close()")
+        time.sleep(0.8)
+        assert not marker.exists() and held(agent, pid) == 0
+        assert agent.resume("L-freezer")[0] == 200
+        wait_for(marker.exists, 30, "the cell run after the resume")
+        assert cell(kc, CHECK).split()[:5] == [str(pid), "True", "23", "9", "True"]
+        assert ("v1 freezer.state" if mode == "v1" else "SIGSTOP of its process group") in agent.log.read_text()
+    finally:
+        agent.stop()
 
 
 def test_the_registration_says_the_checkpointer_and_the_budget(tmp_path, monkeypatch):

@@ -128,11 +128,16 @@ class WorkerManager:
         Idempotent: a live worker of the same lease is returned as it is (a
         dead one is replaced). Raises :class:`~.spec.WorkerStartError` with
         the reason when the kernel does not come up within
-        ``start_timeout``; nothing is left running then.
+        ``start_timeout``; nothing is left running then. A 400 GPUPoolError
+        for a lease whose worker is parked (it resumes instead).
         """
         if self._closing:
             raise WorkerStartError("the agent is shutting down")
         async with self._lock(spec.lease_id):
+            existing = self._workers.get(spec.lease_id)
+            if spec.lease_id in self.spilled_ids() or existing is not None and existing.parked is not None:
+                raise GPUPoolError(Reason.bad_request, f"the worker of lease {spec.lease_id} is parked: POST "
+                                   f"/workers/{spec.lease_id}/resume brings it back", 400)
             return await self.start_locked(spec)
 
     async def start_locked(self, spec: WorkerSpec) -> Worker:
