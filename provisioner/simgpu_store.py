@@ -52,6 +52,24 @@ def gpu_dir(uuid: str, base: Path | None = None) -> Path:
     return (base or root()) / uuid
 
 
+def prepare(uuids: list[str], base: Path | None = None) -> Path:
+    """Make the layout for the GPUs ``uuids``, as the agent: the root and its
+    ``.binding`` and ``.parked`` folders the agent's own (0755, 0755, 0700:
+    a worker may read its binding, never touch another's, nor the host
+    copies), each GPU's folder shared (:func:`make_shared`). A root left by
+    another account is taken back (as root). Returns the root."""
+    base = base or root()
+    base.mkdir(parents=True, exist_ok=True)
+    for folder, mode in ((base, 0o755), (base / BINDING, 0o755), (base / PARKED, 0o700)):
+        folder.mkdir(exist_ok=True)
+        if folder.stat().st_uid != os.geteuid() and os.geteuid() == 0:
+            os.chown(folder, 0, 0)
+        folder.chmod(mode)
+    for uuid in uuids:
+        make_shared(gpu_dir(uuid, base))
+    return base
+
+
 def make_shared(folder: Path) -> Path:
     """``folder`` made if needed, writable by every worker account and
     sticky (as /tmp is: each removes only its own files)."""
@@ -121,7 +139,7 @@ def write_binding(pid: int, gpus: list[str], limit: int | None, base: Path | Non
     order) and its memory limit per GPU (``limit`` bytes; None: none),
     atomically."""
     path = binding_path(pid, base)
-    make_shared(path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)  # the agent's (prepare): no one else writes there
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"gpus": list(gpus), "limit": limit}))
     tmp.chmod(0o644)

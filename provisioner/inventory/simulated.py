@@ -128,14 +128,22 @@ class SimulatedInventory(Inventory):
 
     @classmethod
     def create(cls, options: InventoryOptions) -> "SimulatedInventory":
-        """The GPUs of ``options.simulate`` (``--simulate``): InventoryError without one, or for a bad one."""
+        """The GPUs of ``options.simulate`` (``--simulate``), their simulated
+        memory's folders made (:func:`..simgpu_store.prepare`): InventoryError
+        without one, for a bad one, or when the folders cannot be made."""
         if not options.simulate:
             raise InventoryError("the simulated inventory declares the GPUs of --simulate, e.g. "
                                  "--simulate=2xA100-80GB (c.NodeAgent.simulate); none is set")
         try:
-            return cls(options.simulate, options.node_name)
+            made = cls(options.simulate, options.node_name)
         except ValueError as exc:
             raise InventoryError(f"bad --simulate value: {exc}") from None
+        try:
+            simgpu_store.prepare([gpu.uuid for gpu in made._gpus])  # the agent's: before any worker makes it
+        except OSError as exc:
+            raise InventoryError(f"cannot make the simulated GPU memory's folder {simgpu_store.root()}: "
+                                 f"{exc.strerror or exc} (GPUPOOL_SIMGPU_ROOT)") from None
+        return made
 
     def discover(self) -> list[GPUInfo]:
         return list(self._gpus)

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 FREEZE_TIMEOUT_S = 10.0
 #: Seconds a running cell gets to stop after the interrupt a park sends.
 INTERRUPT_WAIT_S = 10.0
+#: Seconds a park waits for the idle status of a cell that seems to run before it refuses or interrupts it.
+IDLE_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,13 @@ class Parking:
         when the cell does not stop within :data:`INTERRUPT_WAIT_S`."""
         if worker.activity.execution_state != "busy":
             return False
+        if running_cell != "freeze" or not self.checkpointer.mid_cell:
+            # A cell that just ended: its idle status may still be on its way to the agent's watcher.
+            deadline = time.monotonic() + IDLE_GRACE_S
+            while worker.activity.execution_state == "busy" and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if worker.activity.execution_state != "busy":
+                return False
         if running_cell == "refuse":
             raise GPUPoolError(Reason.worker_busy, f"a cell is running on the worker of lease {worker.name}: not "
                                "parked (running_cell 'refuse'); park it once it is idle, or with running_cell "
