@@ -321,6 +321,33 @@ def test_other_freezers_park_and_resume_too(tmp_path, mode):
         agent.stop()
 
 
+def test_the_framework_checkpointer_parks_between_cells_through_the_worker(tmp_path):
+    """The agent's side of ``framework`` (the worker asked on its comm, then
+    frozen; thawed, then asked back). No CUDA here: the worker has nothing to
+    move (its GPU part runs in ``make gpu-check``)."""
+    agent = ParkAgent(tmp_path, args=("--checkpointer=framework",))
+    try:
+        kc = agent.client(agent.start_worker("L-fw")["connection"])
+        progress = tmp_path / "progress"
+        kc.execute(LOOP.format(n=100000, progress=str(progress)))
+        wait_for(progress.exists, 30, "the loop running")
+        status, parked = agent.park("L-fw", running_cell="freeze")
+        assert status == 200 and parked["checkpointer"] == "framework", parked
+        assert parked["interrupted"] is True, "framework cannot freeze mid-cell: the cell is interrupted"
+        assert parked["gpu_bytes_moved"] == 0 and parked["gpu_bytes_kept"] == 0
+        marker = tmp_path / "ran"
+        kc.execute(f"open({str(marker)!r}, 'w').close()")
+        time.sleep(0.8)
+        assert not marker.exists(), "frozen after the worker moved its memory"
+        status, reply = agent.resume("L-fw", gpu=1)
+        assert status == 400 and "(framework) restores onto the GPUs a worker was parked from only" in reply["message"]
+        assert agent.resume("L-fw")[0] == 200
+        wait_for(marker.exists, 30, "the cell run after the resume")
+        assert cell(kc, "print(len(done) < 100000)").strip() == "True"
+    finally:
+        agent.stop()
+
+
 def test_the_registration_says_the_checkpointer_and_the_budget(tmp_path, monkeypatch):
     import asyncio
 
