@@ -220,7 +220,8 @@ def report(results: dict[str, Any]) -> str:
     lines += ["", f"- Warm resume p50 at {format_bytes(small['bytes'])}: {small['warm_resume_p50_s'] * 1000:.0f} ms "
               f"(target <= 150 ms: {'met' if small['warm_resume_p50_s'] <= 0.150 else 'NOT met'})."]
     if gib is not None:
-        ratio = (gib["today_park_p50_s"] + gib["today_resume_p50_s"]) / (gib["warm_park_p50_s"] + gib["warm_resume_p50_s"])
+        ratio = ((gib["today_park_p50_s"] + gib["today_resume_p50_s"])
+                 / (gib["warm_park_p50_s"] + gib["warm_resume_p50_s"]))
         lines.append(f"- At 1 GiB, park + resume in place is {ratio:.1f}x faster than today's park and resume "
                      f"(target >= 10x: {'met' if ratio >= 10 else 'NOT met'}).")
     lines += ["- Today's path also brings everything into the notebook kernel's memory and loses what does not "

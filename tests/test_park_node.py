@@ -39,7 +39,8 @@ numbers = list(range(1000))
 print(os.getpid())
 """
 CHECK = """
-print(os.getpid(), lock.locked(), notes.tell(), next(squares), int(gpu[::4096].sum()) == int((np.arange(len(gpu[::4096])) % 251).sum()), simgpu.device_of(gpu), sum(numbers))
+same = int(gpu[::4096].sum()) == int((np.arange(len(gpu[::4096])) % 251).sum())
+print(os.getpid(), lock.locked(), notes.tell(), next(squares), same, simgpu.device_of(gpu), sum(numbers))
 """
 
 

@@ -158,7 +158,7 @@ class Spilling:
         lost = (*spill.lost, *lost_words(answer.get("errors") or {}, "loaded"))
         self.remove(spill.lease_id)
         seconds = time.monotonic() - began
-        self.log.info("resumed lease %s from disk into a new worker (pid %s) in %.1fs: %d name(s) loaded", spill.lease_id,
-                      worker.pid, seconds, len(answer.get("loaded", [])))
+        self.log.info("resumed lease %s from disk into a new worker (pid %s) in %.1fs: %d name(s) loaded",
+                      spill.lease_id, worker.pid, seconds, len(answer.get("loaded", [])))
         return WorkerResumed(worker.pid, worker.connection(), "disk", round(seconds, 4), tuple(lost))
 
