@@ -238,7 +238,17 @@ def test_a_host_short_of_memory_spills_instead_of_parking_in_memory(tmp_path):
         status, parked = agent.park("L-short")
         assert status == 200 and parked["tier"] == "disk", parked
         assert "would leave less than 1.0 TiB (c.NodeAgent.park_headroom)" in agent.log.read_text()
-        assert cell(agent.client(agent.resume("L-short")[1]["connection"]), "print(x[1])").strip() == "1"
+        kc = agent.client(agent.resume("L-short")[1]["connection"])
+        assert cell(kc, "print(x[1])").strip() == "1"
+        # A cell frozen where it runs cannot be saved: it is interrupted first, and that is said.
+        progress = tmp_path / "progress"
+        kc.execute("x[2] = 2\n" + LOOP.format(n=100000, progress=str(progress)))
+        wait_for(progress.exists, 30, "the loop running")
+        status, parked = agent.park("L-short", running_cell="freeze")
+        assert status == 200 and parked["tier"] == "disk" and parked["interrupted"] is True, parked
+        assert parked["lost"][0] == "the running cell was interrupted"
+        assert cell(agent.client(agent.resume("L-short")[1]["connection"]), "print(x[2], len(done) < 100000)").split() \
+            == ["2", "True"]
     finally:
         agent.stop()
 
