@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean gpu-check labextension
+.PHONY: demo test install clean gpu-check labextension wheel version docs
 
 install: $(STAMP)
 
@@ -28,10 +28,33 @@ $(STAMP): pyproject.toml
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "make: chromium not installed (needs root and apt-get): the page tests will skip"
 	# The alert rules are checked with promtool (Debian's prometheus package, as root); without it that test skips.
+	# The packaging test builds the wheel without isolation against the lowest setuptools pyproject.toml
+	# allows (77.0.0 was yanked: 77.0.1), as distributions build it.
+	$(BIN)/python -m pip install -q --no-deps --no-warn-conflicts --upgrade --target $(VENV)/setuptools-floor "setuptools==77.0.1"
 	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
 		|| echo "make: promtool not installed (needs root and apt-get): the alert rule test will skip"
+	# The Slurm launcher's tests run a private Slurm (Debian's slurmctld, slurmd, slurm-client 22.05 and munge,
+	# apt, as root; tests/slurm.py starts them on private ports); where they cannot be had those tests skip.
+	command -v slurmd >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		slurmctld slurmd slurm-client munge >/dev/null; } \
+		|| echo "make: Slurm not installed (needs root and apt-get): the Slurm launcher tests will skip"
 	touch $(STAMP)
+
+# The wheel the images install (deploy/kubernetes/docker/): dist/gpupool-VERSION-py3-none-any.whl, the only
+# gpupool wheel there (the Dockerfiles take the one they find), and all that .dockerignore sends to a builder.
+wheel: install
+	rm -f dist/gpupool-*.whl
+	$(BIN)/python -m pip wheel -q --no-deps -w dist .
+
+# The version (written once, in gpupool/__init__.py), for image tags: $$(make -s version).
+version:
+	@sed -n 's/^__version__ = "\(.*\)"/\1/p' gpupool/__init__.py
+
+# The documentation site (docs/conf.py: README.md, docs/ and the deploy READMEs) into docs/_build/html.
+docs: install
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 demo: install
 	$(BIN)/gpupool demo
@@ -51,4 +74,4 @@ labextension: install
 	cd labextension && npm ci --no-audit --no-fund && PATH="$(CURDIR)/$(BIN):$$PATH" npm run build
 
 clean:
-	rm -rf $(VENV) .state build *.egg-info
+	rm -rf $(VENV) .state build dist docs/_build *.egg-info

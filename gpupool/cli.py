@@ -9,6 +9,7 @@
     gpupool pool [--url URL] [--token-file F] [--json]
     gpupool quota [show|list|set SCOPE LIMIT=VALUE...|unset SCOPE|usage] [--json]
     gpupool run [--gpus 0.5|2] [--memory 20GiB] [--wait 10m] [--interactive] ... script.py [args...]
+    gpupool health URL        (exit 0 when it answers 200; else 1, with the reason in words)
     gpupool simulate --workload sensei|openb [--policy ...] [--pool-size N,...]
 
 ``service`` and ``agent`` are traitlets applications: their ``--help`` lists
@@ -29,6 +30,7 @@ import sys
 
 from . import __version__
 from .errors import GPUPoolError
+from .extras import extras_providing
 
 #: command -> (module that has its ``main(argv)``, one line for the usage, the extra it needs).
 #: Imported only when run, so a notebook host never imports the service or the agent.
@@ -44,16 +46,10 @@ COMMANDS = {
     "quota": ("gpupool.quota_cli", "show your quota and usage; admins: set or unset quota overrides", None),
     "run": ("gpupool.run_cli", "run a Python script on a pooled GPU (a batch lease), streaming its output here",
             None),
+    "health": ("gpupool.health_cli", "ask a health endpoint (an agent's /health) and say why it is not ready",
+               None),
     "simulate": ("gpupool.hub_plugin.simulate.cli",
                  "replay a workload trace against the scheduler and reclaim rules (capacity planning)", "simulate"),
-}
-
-#: Top-level modules of each extra's packages (pyproject.toml [project.optional-dependencies]).
-EXTRA_MODULES = {
-    "hub": {"sqlalchemy", "alembic", "psycopg", "prometheus_client", "jupyterhub", "numpy"},
-    "simulate": {"numpy", "sqlalchemy"},
-    "agent": {"ipykernel", "IPython", "pynvml", "psutil"},
-    "kernel": {"ipykernel", "IPython"},
 }
 
 #: Commands that are traitlets applications: ``--generate-config`` prints their config file.
@@ -70,14 +66,16 @@ def _usage() -> str:
 
 def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
     """Words naming the extra to install when ``exc`` is a package of one
-    (``"gpupool service needs the 'hub' extra: pip install 'gpupool[hub]' (missing: sqlalchemy)"``),
-    or None when the missing module belongs to no extra (a real bug: re-raise it)."""
+    (``"gpupool service needs the 'hub' extra: pip install 'gpupool[hub]' (missing: sqlalchemy)"``):
+    the command's own extra where it brings the module, else the first that names it
+    (:func:`.extras.extras_providing`, from the installed distribution's requirements).
+    None when the missing module belongs to no extra (a real bug: re-raise it)."""
     top = (exc.name or "").partition(".")[0]
-    extra = COMMANDS[command][2]
-    owners = [name for name, modules in EXTRA_MODULES.items() if top in modules]
+    owners = extras_providing(top)
     if not owners:
         return None
-    if extra is None or (extra != "all" and extra not in owners):
+    extra = COMMANDS[command][2]
+    if extra not in owners:
         extra = owners[0]
     return f"gpupool {command} needs the '{extra}' extra: pip install 'gpupool[{extra}]' (missing module: {top})"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,9 @@ from . import demo_pool
 from .errors import GPUPoolError, Reason
 from .units import format_bytes
 
-DEFAULT_NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
+#: Where the quickstart notebook is: a clone's examples/, then an install's prefix (the wheel's data files).
+NOTEBOOKS = (Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb",
+             Path(sys.prefix) / "share" / "gpupool" / "examples" / "quickstart.ipynb")
 #: The demo's own kernelspec, so a user's ``gpupool`` kernelspec is never overwritten; removed at the end.
 KERNEL_NAME = "gpupool-demo"
 
@@ -46,13 +49,19 @@ def gpu_present() -> bool:
         return False
 
 
+def default_notebook() -> Path | None:
+    """The first of :data:`NOTEBOOKS` that exists, or None (an install that lost its data files)."""
+    return next((path for path in NOTEBOOKS if path.is_file()), None)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpupool demo", description=(
         "Start a pool on this machine (service, one agent with NVML or simulated GPUs), install the "
         "gpupool kernelspec, run a notebook on it headless, print a summary and stop everything."))
-    parser.add_argument("--notebook", type=Path, default=DEFAULT_NOTEBOOK, help="notebook to run (default: %(default)s)")
+    parser.add_argument("--notebook", type=Path, default=default_notebook(),
+                        help="notebook to run (default: the quickstart, %(default)s)")
     parser.add_argument("--output", type=Path, help="where to write the executed notebook "
-                        "(default: NOTEBOOK with .executed.ipynb)")
+                        "(default: NOTEBOOK with .executed.ipynb, in this folder where NOTEBOOK's is read-only)")
     parser.add_argument("--state-dir", type=Path, help="service and agent state (default: a new temporary folder)")
     parser.add_argument("--simulate", default="2xA100-80GB",
                         help="simulated GPUs when no GPU is present (default: %(default)s)")
@@ -63,12 +72,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 when every step worked."""
     args = _parser().parse_args(argv)
+    if args.notebook is None:
+        _say("FAILED: the quickstart notebook is neither in a source tree nor in this install "
+             f"({' nor '.join(map(str, NOTEBOOKS))}): run 'make demo' in a clone of the repository, "
+             "or pass --notebook PATH")
+        return 1
     if not args.notebook.exists():
         _say(f"FAILED: no notebook at {args.notebook}; pass --notebook PATH (the quickstart is in the "
              "source tree's examples/)")
         return 1
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="gpupool-demo-"))
     output = args.output or args.notebook.with_suffix(".executed.ipynb")
+    if args.output is None and not os.access(output.parent, os.W_OK):  # an install's share/ (root's)
+        output = Path.cwd() / output.name
     started: list[Any] = []
     failed = False
     try:

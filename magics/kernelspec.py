@@ -73,8 +73,8 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
     """Write the kernelspec and return the directory it was installed in.
 
     ``prefix`` None and ``user`` False: ``sys.prefix``. Raises GPUPoolError for
-    a bad name, a ``service_url`` that is no http(s) URL, or an unwritable
-    destination.
+    a bad name, a ``service_url`` that is no http(s) URL, a Python without
+    ipykernel (its kernels could not start), or an unwritable destination.
     """
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise GPUPoolError(Reason.bad_request,
@@ -86,6 +86,10 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
                                "http://HOST:PORT (--url); the kernelspec was left as it was")
     if token_file:
         token_file = str(Path(token_file).expanduser().resolve())
+    if not _has_ipykernel():
+        raise GPUPoolError(Reason.not_configured,
+                           f"ipykernel is not installed in {sys.executable}, so the kernelspec's kernels could not "
+                           "start: pip install 'gpupool[kernel]' there first; nothing was installed")
     if not user and prefix is None:
         prefix = sys.prefix
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,6 +100,15 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
         except OSError as exc:
             raise GPUPoolError(Reason.install_failed, f"cannot install the kernelspec: {exc} "
                                "(try --user or --prefix)") from None
+
+
+def _has_ipykernel() -> bool:
+    """True when this Python (the one the kernelspec runs) can import ipykernel."""
+    try:
+        import ipykernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _copy_logos(dest: Path) -> None:

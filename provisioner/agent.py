@@ -32,7 +32,7 @@ from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
-from . import enforcement, process_limits
+from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccounts
 from .agent_http import advertised_ip, serve_api
@@ -46,6 +46,7 @@ from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
 from .workers import WarmSettings, WorkerManager, WorkerSettings as WorkerLaunchSettings
 from .workers import launchers
+from .workers.parking import ParkSettings
 
 
 # Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
@@ -72,6 +73,9 @@ class NodeAgent(WorkerSettings):
         "worker-launcher": "NodeAgent.worker_launcher",
         "worker-user": "NodeAgent.worker_user",
         "cgroup-mode": "NodeAgent.cgroup_mode",
+        "checkpointer": "NodeAgent.checkpointer",
+        "parked-memory": "NodeAgent.parked_memory",
+        "spill-dir": "NodeAgent.spill_dir",
         "transport-encryption": "NodeAgent.transport_encryption",
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
@@ -79,6 +83,9 @@ class NodeAgent(WorkerSettings):
         "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
+    flags = {**WorkerSettings.flags, "require-containment": (
+        {"NodeAgent": {"require_containment": True}},
+        "Refuse to serve when the configured cgroup or enforcement mode cannot be had (c.NodeAgent.require_containment).")}
 
     def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
         """The classes ``--generate-config`` and ``--help-all`` show: not the
@@ -112,15 +119,27 @@ class NodeAgent(WorkerSettings):
                                                      timeout=self.nvml_timeout, source=self.inventory_source)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
+        #: Why this agent refuses to serve (c.NodeAgent.require_containment), in words; None: it serves.
+        self.refusal: str | None = None
         try:
             self.enforcement = enforcement.resolve(self.enforcement_mode, self.inventory.kind, self.gpus)
             self.enforcement.setup(self.state_dir, self.log)
-        except (ValueError, TypeError, RuntimeError) as exc:  # an unknown or broken plugin; no MPS daemon
+        except RuntimeError as exc:  # the mode cannot be had here (no MPS daemon)
+            if not self.require_containment:
+                raise GPUPoolError(Reason.not_configured, str(exc)) from None
+            self.enforcement = enforcement.NoEnforcement()
+            self.refusal = f"enforcement mode {self.enforcement_mode!r} cannot be had: {exc}"
+        except (ValueError, TypeError) as exc:  # an unknown or broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
         try:
             self.launcher = launchers.launcher_class(self.worker_launcher)
         except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
             raise GPUPoolError(Reason.not_configured, f"{exc} (c.NodeAgent.worker_launcher)") from None
+        try:
+            self.gpu_checkpointer = checkpoint.resolve(self.checkpointer, checkpoint.NodeFacts(
+                self.inventory.kind, self.inventory.versions().get("driver")), self.log)
+        except (ValueError, TypeError) as exc:  # cannot work here; a broken plugin
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -164,10 +183,13 @@ class NodeAgent(WorkerSettings):
             loop.add_signal_handler(signum, stopping.set)
         await self._start_workers()
         server, self.url = serve_api(self)
+        if self.refusal is not None:
+            await self._refuse(server, stopping)
+            return
         service = ServiceLink(self)
-        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
+        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
-                      self.service_url)
+                      self.gpu_checkpointer.name, self.service_url)
         service_task = asyncio.create_task(service.run())
         self.workers.start_warm_pool()
         await stopping.wait()
@@ -184,12 +206,39 @@ class NodeAgent(WorkerSettings):
         self.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
 
+    async def _refuse(self, server: Any, stopping: asyncio.Event) -> None:
+        """Serve only ``/health`` (503, :attr:`refusal`) until SIGTERM: no registration, no worker."""
+        self.log.error("%s", self.refusal_words())
+        await stopping.wait()
+        server.stop()
+        await server.close_all_connections()
+        self.inventory.close()
+        self.enforcement.close(self.log)
+        self.log.info("agent %s stopped (it had refused to serve)", self.node_name)
+
+    def refusal_words(self) -> str:
+        """What a refusing agent says (log, ``/health``, ``gpupool health``): why, and the fixes."""
+        return (f"gpupool agent {self.node_name} refuses to serve (c.NodeAgent.require_containment = True): "
+                f"{self.refusal}. Give the agent what it needs (Kubernetes: a privileged container, or the host's "
+                "cgroup subtree mounted read-write with c.NodeAgent.cgroup_root; systemd: Delegate=yes; an MPS "
+                "control daemon or --enforcement=timeslice), or set c.NodeAgent.require_containment = False to run "
+                "with less (docs/security.md, \"Containment\")")
+
     async def _start_workers(self) -> None:
         """Lock the state directory, make the worker manager, and re-adopt
-        the lease workers a previous agent left running."""
+        the lease workers a previous agent left running. A refusing agent
+        (:attr:`refusal`, set here when the workers would get no cgroup) makes none."""
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
+        cgroups = None if self.refusal else self.containment(state_dir)
+        if cgroups is not None and self.require_containment and cgroups.mode == "none":
+            self.refusal = (f"the workers' cgroups cannot be made (c.NodeAgent.cgroup_mode = {self.cgroup_mode!r}): "
+                            f"{cgroups.why}")
+        if self.refusal is not None:
+            if cgroups is not None:
+                cgroups.close()
+            return
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         cgroups = self.containment(state_dir)
@@ -200,7 +249,8 @@ class NodeAgent(WorkerSettings):
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
             enforcement=self.enforcement,
             pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
-        self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log)
+        self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
+                                     parking=self.park_settings(state_dir))
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
@@ -208,13 +258,25 @@ class NodeAgent(WorkerSettings):
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
                           ", ".join(w.spec.lease_id for w in adopted))
 
+    def park_settings(self, state_dir: Path) -> ParkSettings:
+        """How this node parks (``checkpointer``, ``parked_memory``, ``spill_dir``, ``park_headroom``)."""
+        total = self.host_totals()[1]
+        return ParkSettings(self.gpu_checkpointer, self.parked_budget(), Path(self.spill_dir or state_dir / "spill"),
+                            self.park_headroom if self.park_headroom is not None else max(1 << 30, total // 20),
+                            self.inventory.process_memory)
+
+    def parked_budget(self) -> int:
+        """``parked_memory``, or a quarter of the host's memory."""
+        return self.parked_memory if self.parked_memory is not None else self.host_totals()[1] // 4
+
     def registration(self) -> NodeRegistration:
         """What ``POST /nodes`` tells the service of this node."""
         cpus, memory = self.host_totals()
         return NodeRegistration(self.node_name, self.url, self.inventory.kind, **self.enforcement.registration(),
                                 gpus=tuple(self.gpus.values()), workers=tuple(self.worker_reports()),
                                 inventory_error=self.inventory.error, environments=tuple(self.worker_environments),
-                                host_cpus=cpus, host_memory=memory)
+                                host_cpus=cpus, host_memory=memory, checkpointer=self.gpu_checkpointer.info(),
+                                parked_memory=self.parked_budget())
 
     def host_totals(self) -> tuple[float, int]:
         """``(cores, bytes)`` this node offers leases (:func:`.host_limits.host_totals`)."""
@@ -225,7 +287,8 @@ class NodeAgent(WorkerSettings):
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
         gpus = self.gpu_metrics(usage)
-        bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids())
+        bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids()
+                               if self.workers.get(lease).parked is None)
         self.metrics.update(self.gpus.values(), gpus, bound, self.inventory.error, reports)
         return Heartbeat(tuple(reports), tuple(GPUReading.of(g) for g in gpus), self.inventory.error)
 
@@ -254,8 +317,10 @@ class NodeAgent(WorkerSettings):
             return metrics
         live = {lease: self.workers.get(lease) for lease in self.workers.lease_ids()}
         live = {lease: worker for lease, worker in live.items() if not worker.dead}
+        watched = {lease: worker for lease, worker in live.items() if worker.parked is None}
         result = attribute(usage, {lease: w.pid for lease, w in live.items()}, read_parents())
-        for lease, reason in self.enforcement.over_limit(result.memory, {l: w.spec.memory for l, w in live.items()}):
+        for lease, reason in self.enforcement.over_limit({l: m for l, m in result.memory.items() if l in watched},
+                                                         {l: w.spec.memory for l, w in watched.items()}):
             self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
             self.stop_workers([lease])
         return add_unattributed(metrics, result, self.inventory.process_known())

@@ -1,9 +1,12 @@
-"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``,
+"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, a worker's
+``park`` and ``resume`` (docs/parking.md), ``/health``, ``/health/live``,
 ``/metrics``, and the server that listens for it (:func:`serve_api`).
 
-Every handler but ``/health`` needs the agent token (``/metrics`` also takes
+Every handler but the health ones needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
-error is ``GPUPoolError.to_json()``.
+error is ``GPUPoolError.to_json()``. An agent that refuses to serve
+(``c.NodeAgent.require_containment``) answers every call but ``/health/live``
+with 503 and its reason.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from gpupool import httpin
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.jsonhandler import JSONHandler
 from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
+from gpupool.wire.parking import ParkRequest
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 from . import environments as worker_envs
@@ -85,11 +89,31 @@ class AgentHandler(JSONHandler):
         return self.agent.log
 
     def prepare(self) -> None:
+        if self.agent.refusal is not None and not isinstance(self, (HealthHandler, LiveHandler)):
+            raise GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503)
         if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
             raise GPUPoolError(Reason.unauthorized,
                                "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
                                401)
         self.start_body()
+
+    async def worker_spec(self, request: WorkerRequest) -> WorkerSpec:
+        """The worker ``request`` asks for on this node, checked against it
+        (its GPUs, environments, host, enforcement mode); 400 naming the
+        field, 503 ``inventory_unavailable`` while the GPUs cannot be read."""
+        if self.agent.inventory.error:
+            raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
+                               f"{self.agent.inventory.error}", 503)
+        spec = worker_spec(request, self.agent.gpus)
+        python = python_for(self.agent.worker_environments, request.env)
+        user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
+        cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())
+        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
+        try:
+            self.agent.enforcement.check(spec.fraction)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return spec
 
 
 @web.stream_request_body
@@ -100,19 +124,7 @@ class WorkersHandler(AgentHandler):
         self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
 
     async def post(self) -> None:
-        if self.agent.inventory.error:
-            raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
-                               f"{self.agent.inventory.error}", 503)
-        request = WorkerRequest.from_json(self.json_body())
-        spec = worker_spec(request, self.agent.gpus)
-        python = python_for(self.agent.worker_environments, request.env)
-        user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
-        cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())
-        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
-        try:
-            self.agent.enforcement.check(spec.fraction)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        spec = await self.worker_spec(WorkerRequest.from_json(self.json_body()))
         try:
             worker = await self.agent.workers.start(spec)
         except WorkerStartError as exc:
@@ -133,13 +145,58 @@ class WorkerHandler(AgentHandler):
         self.write_json(WorkerStopped(lease_id, code).to_json())
 
 
+@web.stream_request_body
+class ParkHandler(AgentHandler):
+    """``POST /workers/{lease_id}/park``: a ParkRequest -> WorkerParked (docs/parking.md)."""
+
+    async def post(self, lease_id: str) -> None:
+        request = ParkRequest.from_json(self.json_body())
+        try:
+            parked = await self.agent.workers.park(lease_id, request)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        self.write_json(parked.to_json())
+
+
+@web.stream_request_body
+class ResumeHandler(AgentHandler):
+    """``POST /workers/{lease_id}/resume``: a WorkerRequest (the GPUs and limits granted now) -> WorkerResumed."""
+
+    async def post(self, lease_id: str) -> None:
+        request = WorkerRequest.from_json(self.json_body())
+        if request.lease_id != lease_id:
+            raise bad_request(f"'lease_id' must be the lease of the path, {lease_id!r}, got {request.lease_id!r:.60}")
+        spec = await self.worker_spec(request)
+        try:
+            resumed = await self.agent.workers.resume(lease_id, spec)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        self.write_json(resumed.to_json())
+
+
 class HealthHandler(AgentHandler):
-    """``GET /health``: no token needed."""
+    """``GET /health`` (readiness): no token needed; 503 with the reason in words when the
+    agent refuses to serve (``c.NodeAgent.require_containment``)."""
 
     auth_required = False
 
     def get(self) -> None:
+        if self.agent.refusal is not None:
+            self.write_json({"status": "refused", "node": self.agent.node_name,
+                             **GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503).to_json()}, 503)
+            return
         self.write_json({"status": "ok", "node": self.agent.node_name})
+
+
+class LiveHandler(AgentHandler):
+    """``GET /health/live`` (liveness): 200 whenever the agent's loop answers, refusing or not,
+    so a refusing agent is shown not ready rather than restarted over and over."""
+
+    auth_required = False
+
+    def get(self) -> None:
+        self.write_json({"status": "refused" if self.agent.refusal is not None else "ok",
+                         "node": self.agent.node_name})
 
 
 class MetricsHandler(AgentHandler):
@@ -166,8 +223,9 @@ class NotFoundHandler(AgentHandler):
 
 
 def agent_routes() -> list[tuple[str, type]]:
-    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
-            (r"/metrics", MetricsHandler)]
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler),
+            (r"/workers/([^/]+)/park", ParkHandler), (r"/workers/([^/]+)/resume", ResumeHandler),
+            (r"/health", HealthHandler), (r"/health/live", LiveHandler), (r"/metrics", MetricsHandler)]
 
 
 def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
@@ -183,7 +241,7 @@ def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
     def log_request(handler: web.RequestHandler) -> None:
         status = handler.get_status()
         level = logging.INFO if status < 400 else logging.WARNING
-        if handler.request.path == "/health" and status == 200:
+        if handler.request.path in ("/health", "/health/live") and status == 200:
             level = logging.DEBUG
         agent.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
                       1000 * handler.request.request_time())

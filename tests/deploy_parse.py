@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import re
 import shlex
 from contextlib import contextmanager
@@ -118,7 +119,7 @@ def environment_names_read() -> set[str]:
     import jupyterhub.services.auth
 
     names: set[str] = set()
-    sources = [*ROOT.glob("gpupool/*.py"), *ROOT.glob("provisioner/*.py"), *ROOT.glob("hub_plugin/**/*.py"),
+    sources = [*ROOT.glob("gpupool/*.py"), *ROOT.glob("provisioner/**/*.py"), *ROOT.glob("hub_plugin/**/*.py"),
                *ROOT.glob("magics/*.py"), Path(jupyterhub.services.auth.__file__)]
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -126,3 +127,103 @@ def environment_names_read() -> set[str]:
                     r"(GPUPOOL|JUPYTERHUB|CUDA)_[A-Z0-9_]+", node.value):
                 names.add(node.value)
     return names
+
+
+# -- Dockerfiles and their build context -----------------------------------------------------------------------
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, rest)`` of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+
+
+def _docker_pattern(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as a regex over slash-separated paths (moby/patternmatcher):
+    ``**`` any number of folders, ``*`` and ``?`` within one name."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignore_keeps(rules: str, path: str) -> bool:
+    """Whether ``docker build`` sends ``path`` (relative, slash-separated) of its context under
+    the .dockerignore text ``rules``: the last pattern that matches the path or one of its
+    folders decides; ``!`` patterns take back in."""
+    keep = True
+    parts = path.split("/")
+    for line in rules.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        exception = line.startswith("!")
+        pattern = _docker_pattern(os.path.normpath(line.lstrip("!").strip()).lstrip("/"))
+        if any(pattern.match("/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            keep = exception
+    return keep
+
+
+# -- Pod Security Standards ------------------------------------------------------------------------------------
+
+#: Capabilities Pod Security `baseline` lets a container add (the container runtimes' default set).
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+#: Sysctls `baseline` allows.
+BASELINE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                    "net.ipv4.tcp_keepalive_probes"}
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+
+def baseline_violations(pod: dict, annotations: dict | None = None) -> list[str]:
+    """What in the pod spec ``pod`` breaks the Pod Security Standards' `baseline` level
+    (kubernetes.io/docs/concepts/security/pod-security-standards), each as words; empty: it passes."""
+    found = []
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            found.append(f"{key}: true")
+    for volume in pod.get("volumes", []):
+        if "hostPath" in volume:
+            found.append(f"volume {volume['name']}: hostPath")
+    for name, value in (annotations or {}).items():
+        if name.startswith("container.apparmor.security.beta.kubernetes.io/") and value == "unconfined":
+            found.append(f"annotation {name}: unconfined")
+    contexts = [("pod", pod.get("securityContext", {}))]
+    for kind in ("initContainers", "containers", "ephemeralContainers"):
+        for container in pod.get(kind, []):
+            where = f"{kind[:-1]} {container['name']}"
+            context = container.get("securityContext", {})
+            contexts.append((where, context))
+            if context.get("privileged"):
+                found.append(f"{where}: privileged")
+            added = set(context.get("capabilities", {}).get("add", [])) - BASELINE_CAPABILITIES
+            if added:
+                found.append(f"{where}: adds capabilities {sorted(added)}")
+            if any(port.get("hostPort") for port in container.get("ports", [])):
+                found.append(f"{where}: hostPort")
+            if context.get("procMount", "Default") != "Default":
+                found.append(f"{where}: procMount {context['procMount']}")
+    for where, context in contexts:
+        if context.get("windowsOptions", {}).get("hostProcess"):
+            found.append(f"{where}: hostProcess")
+        if context.get("seccompProfile", {}).get("type") == "Unconfined":
+            found.append(f"{where}: seccomp Unconfined")
+        if context.get("appArmorProfile", {}).get("type") == "Unconfined":
+            found.append(f"{where}: AppArmor Unconfined")
+        selinux = context.get("seLinuxOptions", {})
+        if selinux.get("type", "") not in SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
+            found.append(f"{where}: seLinuxOptions {selinux}")
+    for sysctl in pod.get("securityContext", {}).get("sysctls", []):
+        if sysctl["name"] not in BASELINE_SYSCTLS:
+            found.append(f"sysctl {sysctl['name']}")
+    return found

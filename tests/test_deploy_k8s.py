@@ -1,17 +1,19 @@
 """deploy/kubernetes: every overlay renders with ``kubectl kustomize``, each object
 validates against the Kubernetes schemas (kubernetes-validate), the alert rules pass
 ``promtool``, every gpupool container's command line and config file parse with the real
-gpupool, every environment variable is one gpupool reads, and names, ports and URLs line
-up across objects and the Zero to JupyterHub values (validated against the chart's schema).
+gpupool, every environment variable is one gpupool reads, and names, ports, URLs and
+NetworkPolicies line up across the two namespaces and the Zero to JupyterHub values
+(validated against the chart's schema). The pods themselves (namespaces, Pod Security, the
+agent's pod, homes): tests/test_deploy_k8s_pods.py; the pods overlay's agent and the worker
+pods it makes: tests/test_deploy_k8s_worker_pods.py.
 
 Without ``kubectl`` (or ``promtool``, or the z2jh reference folder) the tests that need it
-skip and say why. Nothing here talks to a cluster: docs deploy/kubernetes/README.md says
-what only a real cluster can show.
+skip and say why. Nothing here talks to a cluster: deploy/kubernetes/README.md says what
+only a real cluster can show.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -21,113 +23,25 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from deploy_k8s import (AGENTS_NS, DOWNWARD, K8S, MONITORING_NS, USERS_NS, WORKER_PODS, Z2JH_REF,
+                        config_text, config_value, env_values, expanded_command, find, gpupool_containers, matches,
+                        merged, namespace, one, option, pod_spec, rendered, service_url, workloads, z2jh_values)
 from deploy_parse import ROOT, check_command, check_config_sections, config_assignments, environment_names_read
 
-K8S = ROOT / "deploy" / "kubernetes"
-Z2JH_REF = ROOT.parent / "shared" / "reference" / "z2jh"
-if not Z2JH_REF.is_dir():  # a worktree beside the main checkout (/work/wt-x and /work/shared)
-    Z2JH_REF = Path("/work/shared/reference/z2jh")
-OVERLAYS = ("evaluation", "production")
-#: Settings named by this deployment that another branch adds (docs/security.md, "Metrics"): until it is
-#: merged they are reported, not failed.
-PENDING = {("GPUPool", "metrics_token_file")}
-#: Variables a gpupool container is given that gpupool itself does not read, and who does.
+__all__ = ["rendered"]  # the fixture
+#: Variables a gpupool container is given that the scan of gpupool's sources (GPUPOOL_*, JUPYTERHUB_*,
+#: CUDA_* names) does not find, and who reads them.
 OTHER_READERS = {
     "NODE_NAME": "the agent's command line, $(NODE_NAME)",
-    "POD_IP": "the agent's command line, $(POD_IP)",
+    "POD_IP": "the agent's command line, $(POD_IP), and its readiness probe",
     "NVIDIA_VISIBLE_DEVICES": "the NVIDIA container runtime",
     "NVIDIA_DRIVER_CAPABILITIES": "the NVIDIA container runtime",
+    "POD_NAME": "the pod launcher, the worker pods' owner (c.KubernetesLauncher.owner_name)",
+    "POD_UID": "the pod launcher, the worker pods' owner (c.KubernetesLauncher.owner_uid)",
+    "POD_NAMESPACE": "the pod launcher, the worker pods' namespace (c.KubernetesLauncher.namespace)",
 }
-#: What the downward API would give, to expand $(VAR) in command lines.
-DOWNWARD = {"spec.nodeName": "gpu-node-1", "status.podIP": "10.1.2.3"}
-
-
-def kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl is not on PATH (Debian 12's kubernetes-client is too old; install a current kubectl)")
-    return path
-
-
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    """``{overlay: [object, ...]}``, rendered from a copy of deploy/kubernetes after
-    ``make-secrets.sh`` wrote the Secret inputs there (as the README's first step does)."""
-    binary = kubectl()
-    copy_dir = tmp_path_factory.mktemp("k8s") / "kubernetes"
-    shutil.copytree(K8S, copy_dir, ignore=shutil.ignore_patterns("*.env"))
-    result = {}
-    for overlay in OVERLAYS:
-        extra = [] if overlay == "evaluation" else ["--db-url", "postgresql+psycopg://gpupool:pw@db.example.org/gpupool"]
-        subprocess.run(["sh", str(copy_dir / "make-secrets.sh"), f"overlays/{overlay}", *extra], check=True,
-                       capture_output=True)
-        out = subprocess.run([binary, "kustomize", str(copy_dir / "overlays" / overlay)], check=True,
-                             capture_output=True, text=True).stdout
-        result[overlay] = [doc for doc in yaml.safe_load_all(out) if doc]
-    return result
-
-
-def find(objects, kind: str, name: str | None = None) -> list[dict]:
-    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-
-
-def one(objects, kind: str, name: str) -> dict:
-    found = find(objects, kind, name)
-    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
-    return found[0]
-
-
-def workloads(objects):
-    return [o for o in objects if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
-
-
-def gpupool_containers(objects):
-    """``(workload, container)`` for each container that runs a gpupool image."""
-    return [(w, c) for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]
-            if "gpupool/" in c["image"]]
-
-
-def expanded_command(container) -> list[str]:
-    """The container's command and args with $(VAR) expanded as Kubernetes does."""
-    values = {}
-    for env in container.get("env", []):
-        ref = env.get("valueFrom", {}).get("fieldRef")
-        values[env["name"]] = DOWNWARD[ref["fieldPath"]] if ref else env.get("value", "")
-    words = [*container.get("command", []), *container.get("args", [])]
-    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: values[m.group(1)], w) for w in words]
-
-
-def option(argv: list[str], name: str) -> str:
-    values = [w.split("=", 1)[1] for w in argv if w.startswith(f"--{name}=")]
-    assert len(values) == 1, f"{argv}: expected one --{name}="
-    return values[0]
-
-
-def matches(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def pod_labels(objects) -> list[dict]:
-    return [w["spec"]["template"]["metadata"]["labels"] for w in workloads(objects)]
-
-
-def service_url(objects, url: str) -> tuple[dict, int]:
-    """The Service and port an in-cluster ``http://NAME:PORT/...`` URL reaches."""
-    parts = urlsplit(url)
-    service = one(objects, "Service", parts.hostname)
-    ports = [p for p in service["spec"]["ports"] if p["port"] == parts.port]
-    assert ports, f"{url}: Service {parts.hostname} has no port {parts.port}"
-    return service, ports[0]
-
-
-def config_text(objects, name: str) -> str:
-    return one(objects, "ConfigMap", name)["data"]["gpupool_config.py"]
-
-
-def config_value(text: str, setting: str) -> str:
-    match = re.search(rf"^c\.{re.escape(setting)} = \"([^\"]*)\"", text, re.M)
-    assert match, f"the config sets no c.{setting}"
-    return match.group(1)
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+LAUNCHER_SOURCE = ROOT / "provisioner" / "workers" / "launchers" / "kubernetes" / "launcher.py"
 
 
 # -- rendering and schemas -------------------------------------------------------------------------------------
@@ -139,13 +53,14 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered):
     version = latest_version()
     for overlay, objects in rendered.items():
         kinds = {o["kind"] for o in objects}
-        assert {"Deployment", "DaemonSet", "Service", "Secret", "NetworkPolicy", "ServiceAccount",
-                "ServiceMonitor", "PrometheusRule", "ConfigMap"} <= kinds, overlay
+        assert {"Deployment", "DaemonSet", "Service", "Secret", "NetworkPolicy", "ServiceAccount", "Namespace",
+                "PriorityClass", "PersistentVolume", "PersistentVolumeClaim", "ServiceMonitor", "PrometheusRule",
+                "ConfigMap"} <= kinds, overlay
         for obj in objects:
             if obj["apiVersion"].startswith("monitoring.coreos.com/"):
                 continue  # no schema there: checked below (promtool, names)
             kubernetes_validate.validate(obj, version, strict=True)
-    assert find(rendered["evaluation"], "StatefulSet", "gpupool-postgres")
+    assert find(rendered["evaluation"], "StatefulSet", "gpupool-postgres", USERS_NS)
     assert not find(rendered["production"], "StatefulSet")
 
 
@@ -160,17 +75,17 @@ def test_a_broken_object_fails_validation():
 
 
 def test_the_store_comes_from_a_secret_and_migrations_run_at_start(rendered):
+    import base64
+
     for overlay, objects in rendered.items():
         text = config_text(objects, "gpupool-service-config")
         assert 'c.GPUPool.db_url = Path("/etc/gpupool/db/db_url")' in text
         db = [s for s in find(objects, "Secret") if s["metadata"]["name"].startswith("gpupool-db-")]
-        assert len(db) == 1 and "db_url" in db[0]["data"], overlay
-        import base64
-
+        assert len(db) == 1 and "db_url" in db[0]["data"] and namespace(db[0]) == USERS_NS, overlay
         url = base64.b64decode(db[0]["data"]["db_url"]).decode()
         assert url.startswith("postgresql+psycopg://"), overlay
         if overlay == "evaluation":
-            service, port = service_url(objects, url.replace("postgresql+psycopg", "http", 1))
+            service, port = service_url(objects, url.replace("postgresql+psycopg", "http", 1), USERS_NS)
             assert matches(service["spec"]["selector"],
                            one(objects, "StatefulSet", "gpupool-postgres")["spec"]["template"]["metadata"]["labels"])
         deployment = one(objects, "Deployment", "gpupool-service")
@@ -194,16 +109,26 @@ def test_every_container_command_parses_with_the_real_cli(rendered):
             argv = expanded_command(container)
             check_command(argv)
             seen.add(argv[1])
+            probe = container["readinessProbe"].get("exec")
+            if probe:  # sh -c 'exec gpupool health "http://$POD_IP:8766/health"', as the shell expands it
+                assert probe["command"][:2] == ["sh", "-c"]
+                shell = re.sub(r"\$(\w+)", lambda m: env_values(container)[m.group(1)], probe["command"][2])
+                from deploy_parse import gpupool_commands
+
+                [words] = gpupool_commands(shell.removeprefix("exec "))
+                check_command(words)
+                seen.add("health")
         for name, app in (("gpupool-service-config", ServiceApp()), ("gpupool-agent-config", NodeAgent())):
             settings = config_assignments(config_text(objects, name))
-            missing = {(cls, t) for cls, traits in settings.items() for t in traits
-                       if cls in {c.__name__ for c in app._classes_inc_parents()}
-                       and t not in {c.__name__: c for c in app._classes_inc_parents()}[cls].class_traits(config=True)}
-            assert missing <= PENDING, f"{name}: unknown settings {missing - PENDING}"
-            check_config_sections(app, {cls: [t for t in traits if (cls, t) not in missing]
-                                        for cls, traits in settings.items()}, name)
+            # The pod launcher's settings (the pods overlay): the agent lists its class with the launcher's
+            # phase 2 (docs/launchers.md); until then they are checked against the class itself.
+            for trait in settings.pop("KubernetesLauncher", []):
+                from gpupool.provisioner.workers.launchers.kubernetes import KubernetesLauncher
+
+                assert trait in KubernetesLauncher.class_traits(config=True), f"{name}: KubernetesLauncher.{trait}"
+            check_config_sections(app, settings, name)
             compile(config_text(objects, name), name, "exec")
-    assert seen == {"service", "agent"}
+    assert seen == {"service", "agent", "health"}
 
 
 def test_every_environment_variable_is_one_gpupool_reads(rendered):
@@ -215,34 +140,36 @@ def test_every_environment_variable_is_one_gpupool_reads(rendered):
             for env in container.get("env", []):
                 name = env["name"]
                 assert name in known or name in OTHER_READERS, f"{workload['metadata']['name']}: {name} is read by nobody"
-                if name in ("NODE_NAME", "POD_IP"):
+                if name.startswith("POD_") and name != "POD_IP":
+                    assert f'"{name}"' in LAUNCHER_SOURCE.read_text(), f"the pod launcher does not read {name}"
+                if name == "NODE_NAME":
                     assert f"$({name})" in words
 
 
 # -- names, ports and URLs line up -----------------------------------------------------------------------------
 
-def test_services_select_pods_and_name_their_ports(rendered):
+def test_services_select_pods_of_their_namespace_and_name_their_ports(rendered):
     for objects in rendered.values():
         for service in find(objects, "Service"):
-            pods = [w for w in workloads(objects)
-                    if matches(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
-            assert pods, f"Service {service['metadata']['name']} selects no pod"
+            pods = [w for w in workloads(objects) if namespace(w) == namespace(service)
+                    and matches(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+            assert pods, f"Service {service['metadata']['name']} selects no pod of its namespace"
             for port in service["spec"]["ports"]:
-                names = {p.get("name") for w in pods for c in w["spec"]["template"]["spec"]["containers"]
-                         for p in c.get("ports", [])}
+                names = {p.get("name") for w in pods for c in pod_spec(w)["containers"] for p in c.get("ports", [])}
                 assert port["targetPort"] in names, service["metadata"]["name"]
 
 
 def test_ports_and_urls_line_up(rendered):
     for objects in rendered.values():
-        service_pod = one(objects, "Deployment", "gpupool-service")["spec"]["template"]["spec"]
-        agent_pod = one(objects, "DaemonSet", "gpupool-agent")["spec"]["template"]["spec"]
+        service_workload = one(objects, "Deployment", "gpupool-service")
+        service_pod, agent_pod = pod_spec(service_workload), pod_spec(one(objects, "DaemonSet", "gpupool-agent"))
         service_argv = expanded_command(service_pod["containers"][0])
-        agent_argv = expanded_command(agent_pod["containers"][0])
+        agent = agent_pod["containers"][0]
+        agent_argv = expanded_command(agent)
         service_port = int(option(service_argv, "port"))
         agent_port = int(option(agent_argv, "port"))
         assert service_pod["containers"][0]["ports"][0]["containerPort"] == service_port
-        assert agent_pod["containers"][0]["ports"][0]["containerPort"] == agent_port
+        assert agent["ports"][0]["containerPort"] == agent_port
         assert option(service_argv, "ip") == "0.0.0.0" and option(agent_argv, "ip") == DOWNWARD["status.podIP"]
 
         text = config_text(objects, "gpupool-service-config")
@@ -252,100 +179,170 @@ def test_ports_and_urls_line_up(rendered):
         assert env["JUPYTERHUB_SERVICE_PREFIX"] == base_url == f"/services/{env['JUPYTERHUB_SERVICE_NAME']}/"
         assert env["JUPYTERHUB_CLIENT_ID"] == f"service-{env['JUPYTERHUB_SERVICE_NAME']}"
         assert env["JUPYTERHUB_OAUTH_CALLBACK_URL"] == base_url + "oauth_callback"
-        # The agents and the kernels reach the service at its public URL: the Service in front of it.
-        for url in (public, option(agent_argv, "service-url")):
-            service, port = service_url(objects, url)
+        # Kernels (the users' namespace) and agents (their own) reach the service at the Service in front of it.
+        for url, from_ns in ((public, USERS_NS), (option(agent_argv, "service-url"), AGENTS_NS)):
+            service, port = service_url(objects, url, from_ns)
             assert port["targetPort"] == "http" and urlsplit(url).path.rstrip("/") + "/" == base_url
-            assert matches(service["spec"]["selector"], one(objects, "Deployment", "gpupool-service")
-                           ["spec"]["template"]["metadata"]["labels"])
-        for pod in (service_pod, agent_pod):
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert pod["containers"][0][probe]["httpGet"]["port"] == "http"
+            assert namespace(service) == namespace(service_workload) == USERS_NS
+            assert matches(service["spec"]["selector"], service_workload["spec"]["template"]["metadata"]["labels"])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert service_pod["containers"][0][probe]["httpGet"]["port"] == "http"
         assert service_pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == base_url + "api/v1/health"
+        # The agent's readiness asks its own /health (503 with words when it refuses); liveness /health/live.
+        assert f'"http://$POD_IP:{agent_port}/health"' in agent["readinessProbe"]["exec"]["command"][2]
+        assert agent["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+        from gpupool.provisioner.agent_http import agent_routes
+
+        assert {"/health", "/health/live"} <= {path for path, _ in agent_routes()}
         for monitor in find(objects, "ServiceMonitor"):
-            target = [s for s in find(objects, "Service") if matches(monitor["spec"]["selector"]["matchLabels"],
-                                                                     s["metadata"]["labels"])]
-            assert len(target) == 1
+            target = [s for s in find(objects, "Service", ns=namespace(monitor))
+                      if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+            assert len(target) == 1, monitor["metadata"]["name"]
             endpoint = monitor["spec"]["endpoints"][0]
             assert endpoint["port"] in {p["name"] for p in target[0]["spec"]["ports"]}
             expected = base_url + "metrics" if target[0]["metadata"]["name"] == "gpupool-service" else "/metrics"
             assert endpoint["path"] == expected
-            # The metrics token, never a user's: the same Secret key the service and agents mount.
+            # The metrics token, never a user's: the same Secret key the service and agents mount, in the
+            # ServiceMonitor's own namespace (the operator reads it there).
             secret = endpoint["authorization"]["credentials"]
-            assert secret["key"] == "metrics_token" and one(objects, "Secret", secret["name"])
+            assert secret["key"] == "metrics_token" and one(objects, "Secret", secret["name"], namespace(monitor))
         assert "--metrics-token-file=/etc/gpupool/secrets/metrics_token" in agent_argv
         assert 'c.GPUPool.metrics_token_file = str(secrets / "metrics_token")' in text
+        # Each namespace's pods mount the token Secret of their own namespace.
+        for workload in workloads(objects):
+            for volume in pod_spec(workload).get("volumes", []):
+                if "secret" in volume:
+                    assert one(objects, "Secret", volume["secret"]["secretName"], namespace(workload))
 
 
-def test_network_policies_open_only_what_is_used(rendered):
-    for objects in rendered.values():
-        policies = {p["metadata"]["name"]: p["spec"] for p in find(objects, "NetworkPolicy")}
-        labels = pod_labels(objects)
-        for name, spec in policies.items():
-            assert any(matches(spec["podSelector"]["matchLabels"], l) for l in labels), f"{name} selects no pod"
-        agent_argv = expanded_command(one(objects, "DaemonSet", "gpupool-agent")["spec"]["template"]["spec"]["containers"][0])
+def peers(spec: dict, own_ns: str) -> list[tuple[str | None, dict | None]]:
+    """``(namespace or None for "any labelled", pod labels or None for every pod)`` per ingress source."""
+    out = []
+    for rule in spec["ingress"]:
+        for source in rule["from"]:
+            ns_labels = source.get("namespaceSelector", {}).get("matchLabels")
+            pods = source.get("podSelector", {}).get("matchLabels")
+            if ns_labels is None:
+                ns = own_ns
+            else:
+                ns = ns_labels.get("kubernetes.io/metadata.name") or f"labelled {ns_labels}"
+            out.append((ns, pods))
+    return out
+
+
+def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered):
+    notebook = {"component": "singleuser-server"}
+    service_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "service"}
+    agent_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "agent"}
+    monitoring = ("labelled {'gpupool.io/monitoring': 'true'}", None)
+    for overlay, objects in rendered.items():
+        policies = {p["metadata"]["name"]: p for p in find(objects, "NetworkPolicy")}
+        for name, policy in policies.items():
+            if name == "gpupool-worker-pods":
+                continue  # it selects the pods the agent makes: tests/test_deploy_k8s_worker_pods.py
+            assert any(namespace(w) == namespace(policy) and matches(policy["spec"]["podSelector"]["matchLabels"],
+                                                                    w["spec"]["template"]["metadata"]["labels"])
+                       for w in workloads(objects)), f"{name} selects no pod of its namespace"
+        spec = {name: p["spec"] for name, p in policies.items()}
+        own = {name: namespace(p) for name, p in policies.items()}
+        agent_argv = expanded_command(pod_spec(one(objects, "DaemonSet", "gpupool-agent"))["containers"][0])
         agent_port = int(option(agent_argv, "port"))
         service_port = one(objects, "Service", "gpupool-service")["spec"]["ports"][0]["port"]
 
-        def sources(spec):
-            return [f.get("podSelector", {}).get("matchLabels") or f.get("namespaceSelector", {}).get("matchLabels")
-                    for rule in spec["ingress"] for f in rule["from"]]
+        def ports(policy):
+            return [(p["port"], p.get("endPort", p["port"])) for rule in policy["ingress"] for p in rule["ports"]]
 
-        def ports(spec):
-            return [(p["port"], p.get("endPort", p["port"])) for rule in spec["ingress"] for p in rule["ports"]]
+        # Only the service (from the users' namespace) and Prometheus reach the agents' HTTP port; only
+        # notebooks (from the users' namespace) the workers' ports; the service hears its notebooks, hub,
+        # proxy, the agents from theirs, and Prometheus.
+        assert ports(spec["gpupool-agent-http"]) == [(agent_port, agent_port)]
+        assert peers(spec["gpupool-agent-http"], AGENTS_NS) == [(USERS_NS, service_pods), monitoring]
+        assert peers(spec["gpupool-service"], USERS_NS) == [
+            (USERS_NS, notebook), (USERS_NS, {"component": "hub"}), (USERS_NS, {"component": "proxy"}),
+            (AGENTS_NS, agent_pods), monitoring]
+        assert own["gpupool-agent-http"] == AGENTS_NS and own["gpupool-service"] == USERS_NS
+        assert ports(spec["gpupool-service"]) == [(service_port, service_port)]
+        if overlay == WORKER_PODS:
+            # Workers are pods of their own beside the agent, on fixed ports: notebooks and the agents
+            # reach those ports, and nothing reaches the agent's pod but its HTTP port.
+            assert "gpupool-agent-workers" not in spec
+            worker_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "worker"}
+            assert spec["gpupool-worker-pods"]["podSelector"]["matchLabels"] == worker_pods
+            assert own["gpupool-worker-pods"] == AGENTS_NS
+            assert peers(spec["gpupool-worker-pods"], AGENTS_NS) == [(USERS_NS, notebook), (AGENTS_NS, agent_pods)]
+            assert ports(spec["gpupool-worker-pods"]) == [(50000, 50005)]
+        else:
+            assert peers(spec["gpupool-agent-workers"], AGENTS_NS) == [(USERS_NS, notebook)]
+            assert own["gpupool-agent-workers"] == AGENTS_NS and "gpupool-worker-pods" not in spec
+            worker_ranges = ports(spec["gpupool-agent-workers"])
+            assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
+            assert sum(hi - lo + 1 for lo, hi in worker_ranges) == 65535 - 1024 + 1 - 1  # every unprivileged port but the agent's
+            # The workers' ZeroMQ ports and their data plane's transfer_port are free ports the kernel
+            # picks (binding port 0): all of its ephemeral range must be admitted to notebooks.
+            low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+            assert all(any(lo <= p <= hi for lo, hi in worker_ranges) for p in range(low, high + 1) if p != agent_port)
+        if "gpupool-postgres" in spec:
+            assert peers(spec["gpupool-postgres"], USERS_NS) == [(USERS_NS, service_pods)]
+        # The namespaces named in policies are the ones the objects live in.
+        assert {namespace(w) for w in workloads(objects)} == {USERS_NS, AGENTS_NS}
 
-        notebook = {"component": "singleuser-server"}
-        service_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "service"}
-        # Only the service (and Prometheus) reach the agents' HTTP port; only notebooks the workers' ports.
-        assert ports(policies["gpupool-agent-http"]) == [(agent_port, agent_port)]
-        assert notebook not in sources(policies["gpupool-agent-http"])
-        assert service_pods in sources(policies["gpupool-agent-http"])
-        assert sources(policies["gpupool-agent-workers"]) == [notebook]
-        worker_ranges = ports(policies["gpupool-agent-workers"])
-        assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
-        covered = sum(hi - lo + 1 for lo, hi in worker_ranges)
-        assert covered == 65535 - 1024 + 1 - 1  # every unprivileged port but the agent's
-        # The workers' ZeroMQ ports and their data plane's transfer_port are free ports the kernel
-        # picks (binding port 0): all of its ephemeral range must be admitted to notebooks.
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        assert all(any(lo <= p <= hi for lo, hi in worker_ranges) for p in range(low, high + 1) if p != agent_port)
-        assert ports(policies["gpupool-service"]) == [(service_port, service_port)]
-        if "gpupool-postgres" in policies:
-            assert sources(policies["gpupool-postgres"]) == [service_pods]
 
-
-def test_no_api_access_for_gpupool_pods(rendered):
-    for objects in rendered.values():
-        assert not find(objects, "RoleBinding") and not find(objects, "ClusterRoleBinding")
+def test_no_api_access_for_gpupool_pods_but_the_pod_launching_agent(rendered):
+    for overlay, objects in rendered.items():
+        assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
+        if overlay == WORKER_PODS:  # the agent's Role over its namespace's pods: test_deploy_k8s_worker_pods.py
+            [binding] = find(objects, "RoleBinding")
+            assert namespace(binding) == namespace(one(objects, "Role", binding["roleRef"]["name"])) == AGENTS_NS
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpupool-agent", "namespace": AGENTS_NS}]
+        else:
+            assert not find(objects, "Role") and not find(objects, "RoleBinding")
         for account in find(objects, "ServiceAccount"):
             assert account["automountServiceAccountToken"] is False
         for workload in workloads(objects):
-            pod = workload["spec"]["template"]["spec"]
-            assert pod["automountServiceAccountToken"] is False
+            pod = pod_spec(workload)
+            token = overlay == WORKER_PODS and workload["metadata"]["name"] == "gpupool-agent"
+            assert pod["automountServiceAccountToken"] is token, workload["metadata"]["name"]
             for container in pod["containers"]:
-                assert container["securityContext"]["allowPrivilegeEscalation"] is False
-                assert "ALL" in container["securityContext"]["capabilities"]["drop"]
-
-
-def test_agent_daemonset_runs_on_pool_gpu_nodes_with_host_pids(rendered):
-    for objects in rendered.values():
-        pod = one(objects, "DaemonSet", "gpupool-agent")["spec"]["template"]["spec"]
-        assert pod["nodeSelector"] == {"gpupool.io/pool": "true"}
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-        assert pod["runtimeClassName"] == "nvidia" and pod["hostPID"] is True
-        # The agent takes all of the node's GPUs through the runtime, none from the device plugin.
-        container = pod["containers"][0]
-        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in container["env"]
-        assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {}))
-        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        claim = [v for v in pod["volumes"] if v["name"] == "home"][0]["persistentVolumeClaim"]["claimName"]
-        assert mounts["home"] == "/home" and one(objects, "PersistentVolumeClaim", claim)
+                context = container["securityContext"]
+                if context.get("privileged"):  # the agent (test_deploy_k8s_pods.py): its namespace only
+                    assert namespace(workload) == AGENTS_NS
+                    continue
+                assert context["allowPrivilegeEscalation"] is False
+                assert "ALL" in context["capabilities"]["drop"]
 
 
 # -- Prometheus rules and the Grafana dashboard ----------------------------------------------------------------
 
 def rule_groups(objects) -> dict:
     return one(objects, "PrometheusRule", "gpupool")["spec"]
+
+
+def alerts_of(objects) -> dict[str, dict]:
+    return {r["alert"]: r for g in rule_groups(objects)["groups"] for r in g["rules"]}
+
+
+def test_monitoring_objects_are_found_by_kube_prometheus_stack(rendered):
+    component = yaml.safe_load((K8S / "components" / "kube-prometheus-stack" / "release-label.yaml").read_text())
+    release = component["labels"]["release"]
+    for overlay, objects in rendered.items():
+        assert "../../components/kube-prometheus-stack" in yaml.safe_load(
+            (K8S / "overlays" / overlay / "kustomization.yaml").read_text())["components"]
+        for obj in [*find(objects, "ServiceMonitor"), *find(objects, "PrometheusRule")]:
+            assert obj["metadata"]["labels"]["release"] == release, obj["metadata"]["name"]
+        assert not [o for o in objects if o["kind"] not in ("ServiceMonitor", "PrometheusRule")
+                    and "release" in o["metadata"].get("labels", {})]
+        dashboard = one(objects, "ConfigMap", "gpupool-grafana-dashboard")
+        assert namespace(dashboard) == namespace(one(objects, "PrometheusRule", "gpupool")) == MONITORING_NS
+        assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_every_alert_has_a_runbook(rendered):
+    headings = {re.sub(r"[^a-z0-9 -]", "", line[3:].strip().lower()).replace(" ", "-")
+                for line in RUNBOOKS.read_text().splitlines() if line.startswith("## ")}
+    for name, alert in alerts_of(rendered["evaluation"]).items():
+        url = alert["annotations"]["runbook_url"]
+        assert url.startswith("https://github.com/gpupool/gpupool/blob/main/docs/runbooks.md#"), url
+        assert url.rpartition("#")[2] == name.lower() and name.lower() in headings, f"{name}: no runbook section"
 
 
 def test_alert_rules_pass_promtool(rendered, tmp_path):
@@ -357,7 +354,7 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
     result = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     # ... and they fire: a node lost for 3 minutes, a pool 100% allocated and refusing.
-    alerts = {r["alert"]: r for g in rule_groups(rendered["evaluation"])["groups"] for r in g["rules"]}
+    alerts = alerts_of(rendered["evaluation"])
 
     def annotations(alert: str, labels: dict, value: str = "") -> dict:
         def fill(text: str) -> str:
@@ -382,7 +379,18 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
             {"eval_time": "35m", "alertname": "GPUPoolFull",
              "exp_alerts": [{"exp_labels": {"severity": "info"},
                              "exp_annotations": annotations("GPUPoolFull", {}, "100%")}]},
-        ]}]}))
+            # No target at all (the ServiceMonitor not selected): Down cannot fire, Absent does.
+            {"eval_time": "15m", "alertname": "GPUPoolServiceDown", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "GPUPoolServiceAbsent",
+             "exp_alerts": [{"exp_labels": {"severity": "critical", "service": "gpupool-service"},
+                             "exp_annotations": annotations("GPUPoolServiceAbsent", {})}]},
+        ]}, {
+        "interval": "1m",
+        "input_series": [{"series": 'up{service="gpupool-service",job="gpupool-service"}', "values": "1x20"},
+                         {"series": 'up{service="gpupool-agent",job="gpupool-agent"}', "values": "1x20"}],
+        "alert_rule_test": [{"eval_time": "15m", "alertname": "GPUPoolServiceAbsent", "exp_alerts": []},
+                            {"eval_time": "15m", "alertname": "GPUPoolAgentsAbsent", "exp_alerts": []}],
+        }]}))
     result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -416,7 +424,7 @@ def exported_metric_names() -> set[str]:
 def test_rules_and_dashboard_use_metrics_that_exist(rendered):
     exported = exported_metric_names()
     used = set(re.findall(r"\bgpupool_[a-z_]+", json.dumps(rule_groups(rendered["evaluation"]))))
-    dashboard = json.loads((K8S / "base" / "grafana" / "gpupool-dashboard.json").read_text())
+    dashboard = json.loads((K8S / "base" / "monitoring" / "grafana" / "gpupool-dashboard.json").read_text())
     used_dash = set(re.findall(r"\bgpupool_[a-z_]+", json.dumps(dashboard)))
     assert used and used_dash
     assert used <= exported, used - exported
@@ -425,22 +433,10 @@ def test_rules_and_dashboard_use_metrics_that_exist(rendered):
     for topic in ("allocation", "per user", "queue", "reclaim"):
         assert topic in titles
     configmap = one(rendered["evaluation"], "ConfigMap", "gpupool-grafana-dashboard")
-    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(configmap["data"]["gpupool-dashboard.json"]) == dashboard
 
 
 # -- Zero to JupyterHub values ---------------------------------------------------------------------------------
-
-def z2jh_values() -> dict:
-    return yaml.safe_load((K8S / "z2jh" / "config.yaml").read_text())
-
-
-def merged(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
 
 def test_z2jh_values_validate_against_the_chart_schema():
     jsonschema = pytest.importorskip("jsonschema")
@@ -461,11 +457,11 @@ def test_z2jh_values_match_configure_and_the_manifests(rendered):
     values = z2jh_values()
     objects = rendered["evaluation"]
     service_env = {e["name"]: e.get("value") or e.get("valueFrom")
-                   for e in one(objects, "Deployment", "gpupool-service")["spec"]["template"]["spec"]["containers"][0]["env"]}
+                   for e in pod_spec(one(objects, "Deployment", "gpupool-service"))["containers"][0]["env"]}
     name = service_env["JUPYTERHUB_SERVICE_NAME"]
     entry = values["hub"]["services"][name]
     assert service_env["JUPYTERHUB_API_TOKEN"]["secretKeyRef"] == {"name": "hub", "key": f"hub.services.{name}.apiToken"}
-    service, port = service_url(objects, entry["url"])
+    service, port = service_url(objects, entry["url"], USERS_NS)  # the hub runs in the users' namespace
     assert service["metadata"]["name"] == "gpupool-service"
     # Roles and scopes as configure() makes them (with admin_group="gpu-admins").
     expected = {r["name"]: {k: v for k, v in r.items() if k != "name" and v} for r in
@@ -476,17 +472,23 @@ def test_z2jh_values_match_configure_and_the_manifests(rendered):
     # Kernels reach the service at its public URL.
     public = config_value(config_text(objects, "gpupool-service-config"), "GPUPool.public_url")
     assert values["singleuser"]["extraEnv"]["GPUPOOL_URL"] == public.rstrip("/")
-    # Homes on the PVC the agents mount at /home, each at /home/{username} on both sides.
-    storage = values["singleuser"]["storage"]
-    assert one(objects, "PersistentVolumeClaim", storage["static"]["pvcName"])
-    assert storage["homeMountPath"] == "/home/" + storage["static"]["subPath"]
-    # Singleuser egress opens exactly what the gpupool NetworkPolicies admit from notebooks.
-    policies = {p["metadata"]["name"]: p["spec"] for p in find(objects, "NetworkPolicy")}
-    egress = values["singleuser"]["networkPolicy"]["egress"]
-    by_target = {rule["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: rule["ports"]
-                 for rule in egress}
-    assert by_target["agent"] == policies["gpupool-agent-workers"]["ingress"][0]["ports"]
-    assert by_target["service"] == policies["gpupool-service"]["ingress"][0]["ports"]
+    # Singleuser egress opens exactly what the gpupool NetworkPolicies admit from notebooks, in the
+    # namespaces those live in.
+    policies = {p["metadata"]["name"]: p for p in find(objects, "NetworkPolicy")}
+    egress = {rule["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: rule
+              for rule in values["singleuser"]["networkPolicy"]["egress"]}
+    assert egress["agent"]["ports"] == policies["gpupool-agent-workers"]["spec"]["ingress"][0]["ports"]
+    assert egress["agent"]["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": namespace(policies["gpupool-agent-workers"])}
+    assert egress["service"]["ports"] == policies["gpupool-service"]["spec"]["ingress"][0]["ports"]
+    assert "namespaceSelector" not in egress["service"]["to"][0]  # the notebooks' own namespace
+    # ... and to the worker pods of the pods overlay, on the ports and in the namespace of their policy.
+    workers = one(rendered[WORKER_PODS], "NetworkPolicy", "gpupool-worker-pods")
+    assert egress["worker"]["ports"] == workers["spec"]["ingress"][0]["ports"]
+    assert egress["worker"]["to"][0]["podSelector"]["matchLabels"] == workers["spec"]["podSelector"]["matchLabels"]
+    assert egress["worker"]["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": namespace(workers)}
+    assert set(egress) == {"service", "agent", "worker"}
 
 
 def test_z2jh_release_hook_reaches_the_service_route(tmp_path):
@@ -505,37 +507,37 @@ def test_z2jh_release_hook_reaches_the_service_route(tmp_path):
     assert route and f'"/services/gpupool/{route[0].lstrip("/")}"' in code
 
 
-# -- Dockerfiles -----------------------------------------------------------------------------------------------
-
-def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
-    """``(INSTRUCTION, rest)`` of a Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
-
+# -- Dockerfiles (their build context and pip steps: tests/test_deploy_images.py) -----------------------------
 
 @pytest.mark.parametrize("name", ["Dockerfile.service", "Dockerfile.agent", "Dockerfile.singleuser"])
-def test_dockerfiles_copy_what_exists_and_run_real_commands(name):
-    from deploy_parse import gpupool_commands
+def test_dockerfiles_pin_their_bases_and_run_real_commands(name):
+    from deploy_parse import dockerfile_instructions, gpupool_commands
 
     instructions = dockerfile_instructions(K8S / "docker" / name)
     assert instructions[0][0] in ("FROM", "ARG")
-    ran = []
+    ran, args = [], {}
     for op, rest in instructions:
-        if op == "COPY":
-            words = [w for w in rest.split() if not w.startswith("--")]
-            for source in words[:-1]:
-                assert (ROOT / source).exists(), f"{name}: COPY {source}: no such file in the build context"
+        if op == "ARG":
+            key, _, default = rest.partition("=")
+            args[key.strip()] = default.strip()
         elif op in ("RUN", "CMD"):
-            shell = " ".join(json.loads(rest)) if rest.startswith("[") else rest
             if rest.startswith("["):
                 commands = [json.loads(rest)] if Path(json.loads(rest)[0]).name == "gpupool" else []
             else:
-                commands = gpupool_commands(shell)
+                commands = gpupool_commands(rest)
             for argv in commands:
                 check_command(argv)
                 ran.append(argv[1])
         elif op == "FROM":
-            image = rest.split()[0]
-            assert image.startswith(("docker.io/library/", "quay.io/jupyter/", "${BASE}")), image
+            # The base is a build argument (the digest-or-tag knob) whose default is pinned by tag.
+            knob = re.fullmatch(r"\$\{(\w+)\}", rest.split()[0])
+            assert knob and knob.group(1) in args, f"{name}: FROM {rest}: the base should be an ARG"
+            default = args[knob.group(1)]
+            if name == "Dockerfile.agent":
+                assert default == "", "the agent's base is the singleuser image you built: no default"
+                continue
+            assert default.startswith(("docker.io/library/", "quay.io/jupyter/")), default
+            tag = default.rpartition(":")[2]
+            assert "latest" not in tag and re.search(r"\d+[.-]\d+[.-]\d+", tag), f"{name}: {default} is not pinned"
     assert ran, f"{name} runs no gpupool command"
     assert "--version" in ran

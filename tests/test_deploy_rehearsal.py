@@ -15,7 +15,10 @@ CA (step 2) and the same agent token (step 3). What differs from real hosts, and
 - accounts: the service runs as root (``User=gpupool`` needs systemd), and the worker account
   is the suite's ``gpupool-test-worker`` (tests/test_worker_user.py) instead of ``gpupool-worker``;
 - the GPUs: no GPU here, so each agent's ``gpupool`` runs with the fake NVML of
-  tests/fakenvml.py (one H100 on gpu1, one A100 on gpu2); its arguments are the unit's.
+  tests/fakenvml.py (one H100 on gpu1, one A100 on gpu2); its arguments are the unit's, but
+- containment: ``ip netns exec`` mounts a fresh /sys without the cgroup hierarchies, so the
+  agents here can have no cgroups and the unit's ``--require-containment`` would (rightly) make
+  them refuse to serve: it is dropped here (tests/test_require_containment.py checks the refusal).
 
 Needs root and ``ip netns``; skipped with the reason elsewhere.
 """
@@ -181,7 +184,8 @@ def test_three_gpu_hosts_and_a_hub(shared_root, python_reachable, hosts_files): 
         for host in (gpu1, gpu2):
             hostname, uuid, model = GPUS[host.name.rsplit("-", 1)[1]]
             args, env = exec_start("gpupool-agent.service", roots[host.name])
-            args = [a.replace("--worker-user=gpupool-worker", f"--worker-user={TEST_WORKER}") for a in args]
+            args = [a.replace("--worker-user=gpupool-worker", f"--worker-user={TEST_WORKER}") for a in args
+                    if a != "--require-containment"]
             log = roots[host.name] / "agent.log"
             with log.open("wb") as out:
                 agents[hostname] = subprocess.Popen(

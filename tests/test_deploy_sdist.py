@@ -1,4 +1,5 @@
-"""The sdist carries what its tests need (tests, examples, deploy files, LICENSE) and no
+"""The sdist carries what its tests need (tests, examples, deploy files, LICENSE), the lab
+extension's TypeScript source, and no
 secrets, and its tests run from the unpacked tree (against the installed gpupool; one quick
 test file, with the suite's conftest, stands for the rest)."""
 
@@ -42,9 +43,14 @@ def test_sdist_holds_tests_deploy_files_and_licence_but_no_secrets(sdist):
     for needed in ("LICENSE", "tests/conftest.py", "tests/fakenvml.py", "tests/test_deploy_k8s.py",
                    "examples/quickstart.ipynb", "deploy/kubernetes/base/kustomization.yaml",
                    "deploy/kubernetes/make-secrets.sh", "deploy/systemd/gpupool-agent.service",
-                   "hub_plugin/migrations/script.py.mako", "hub_plugin/templates/admin.html"):
+                   "hub_plugin/migrations/script.py.mako", "hub_plugin/templates/admin.html",
+                   # the lab extension's source, to rebuild labextension/prebuilt/ from (`make labextension`)
+                   "labextension/src/index.ts", "labextension/src/status.ts", "labextension/package.json",
+                   "labextension/package-lock.json", "labextension/tsconfig.json", "labextension/style/index.css",
+                   "labextension/prebuilt/package.json", "CHANGELOG.md", ".dockerignore", "docs/conf.py"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith(".env")]
+    assert not [n for n in names if n.startswith(("labextension/node_modules/", "labextension/lib/"))]
 
 
 def test_sdist_tests_run_from_the_unpacked_tree(sdist, tmp_path):

@@ -1,9 +1,12 @@
-"""deploy/systemd: the units pass ``systemd-analyze verify`` (where it runs), their command
-lines and config file parse with the real gpupool, they are hardened as the README says,
-and the addresses line up (the agents reach the service's port over TLS)."""
+"""deploy/systemd: the units pass ``systemd-analyze verify`` (where it runs) and score low on
+``systemd-analyze security``, their command lines and config file parse with the real
+gpupool, they are hardened as the README says (the agent's capability bounding set, its
+device list, the MPS pipe outside PrivateTmp, containment required), and the addresses line
+up (the agents reach the service's port over TLS)."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,7 +19,6 @@ from deploy_parse import ROOT, check_command, check_config_sections, config_assi
 
 SYSTEMD = ROOT / "deploy" / "systemd"
 UNITS = ("gpupool-service.service", "gpupool-agent.service")
-PENDING = {("GPUPool", "metrics_token_file")}  # as in test_deploy_k8s.py
 
 
 def unit(name: str) -> dict[str, dict[str, list[str]]]:
@@ -64,6 +66,25 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
     assert broken.returncode != 0  # it does check
 
 
+#: The most exposure ``systemd-analyze security`` may find (0 best, 10 worst; "OK" is below 4).
+EXPOSURE = {"gpupool-service.service": 2.5, "gpupool-agent.service": 4.0}
+
+
+def test_units_score_low_on_systemd_analyze_security(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    for name, most in EXPOSURE.items():
+        (tmp_path / name).write_text((SYSTEMD / name).read_text())
+        result = subprocess.run([analyze, "security", "--offline=yes", "--no-pager", str(tmp_path / name)],
+                                capture_output=True, text=True)
+        if "offline" in result.stderr and "unrecognized" in result.stderr:
+            pytest.skip(f"this systemd-analyze has no --offline: {result.stderr.strip()}")
+        level = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+        assert level, result.stdout[-2000:] + result.stderr
+        assert float(level.group(1)) <= most, f"{name}: exposure {level.group(1)} (at most {most})\n{result.stdout}"
+
+
 def test_unit_commands_and_config_parse_with_the_real_cli():
     from gpupool.hub_plugin.app import ServiceApp
     from gpupool.provisioner.agent import NodeAgent
@@ -73,7 +94,7 @@ def test_unit_commands_and_config_parse_with_the_real_cli():
     settings = config_assignments((SYSTEMD / "gpupool_config.py").read_text())
     for app in (ServiceApp(), NodeAgent()):
         classes = {c.__name__: c for c in app._classes_inc_parents()}
-        mine = {cls: [t for t in traits if (cls, t) not in PENDING] for cls, traits in settings.items() if cls in classes}
+        mine = {cls: traits for cls, traits in settings.items() if cls in classes}
         assert mine
         check_config_sections(app, mine, "deploy/systemd/gpupool_config.py")
     assert set(settings) == {"GPUPool", "NodeAgent"}
@@ -88,7 +109,20 @@ def test_units_are_hardened_and_keep_state():
     assert service["CapabilityBoundingSet"] == [""]  # no capability at all
     # The agent makes a cgroup per lease in its own subtree and re-adopts workers after a crash.
     assert agent["Delegate"] == ["yes"] and agent["KillMode"] == ["process"]
+    # Root cut down to starting workers as their accounts; the NVIDIA devices and no others.
+    assert agent["CapabilityBoundingSet"] == ["CAP_SETUID CAP_SETGID CAP_CHOWN CAP_FOWNER CAP_DAC_OVERRIDE CAP_KILL"]
+    assert agent["NoNewPrivileges"] == ["yes"] and agent["AmbientCapabilities"] == [""]
+    assert agent["DevicePolicy"] == ["closed"]
+    assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps rw"} <= set(agent["DeviceAllow"])
+    # CUDA MPS's pipe is outside the unit's private /tmp, where a host daemon and admins find it.
+    env = dict(a.partition("=")[::2] for a in agent["Environment"])
+    assert not env["CUDA_MPS_PIPE_DIRECTORY"].startswith(("/tmp", "/var/tmp"))
+    assert not env["CUDA_MPS_LOG_DIRECTORY"].startswith(("/tmp", "/var/tmp"))
+    # Every Documentation= is a page an install or the project has (tests/test_deploy_images.py checks the file).
+    for section in (unit(UNITS[0])["Unit"], unit(UNITS[1])["Unit"]):
+        assert [d.split(":", 1)[0] for d in section["Documentation"]] == ["file", "https"]
     argv = exec_start(UNITS[1])
+    assert "--require-containment" in argv
     assert option(argv, "state-dir") == "/var/lib/" + agent["StateDirectory"][0]
     assert option(exec_start(UNITS[0]), "state-dir") == "/var/lib/" + service["StateDirectory"][0]
     for section in (service, agent):

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from frontend import install_kernelspec
+from gpupool import __version__
 from gpupool.demo_pool import free_port, stop_process, wait_for
 from procs import start_agent, start_service
 
@@ -68,7 +69,8 @@ def test_the_wheel_carries_the_prebuilt_extension_and_jupyterlab_lists_it(tmp_pa
                     "-w", str(wheels)], check=True, capture_output=True, timeout=300)
     wheel, = wheels.glob("gpupool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    data = f"gpupool-0.1.0.data/data/share/jupyter/labextensions/{NAME}/"
+    root = f"gpupool-{__version__}.data/data/"
+    data = f"{root}share/jupyter/labextensions/{NAME}/"
     built = {str(p.relative_to(PREBUILT)) for p in PREBUILT.rglob("*") if p.is_file()}
     assert {n[len(data):] for n in names if n.startswith(data)} == built | {"install.json"}, names
     # Install the wheel's data files as an installer does (into the prefix); `pip install --prefix`
@@ -76,14 +78,14 @@ def test_the_wheel_carries_the_prebuilt_extension_and_jupyterlab_lists_it(tmp_pa
     prefix = tmp_path / "prefix"
     with zipfile.ZipFile(wheel) as archive:
         for name in names:
-            if name.startswith("gpupool-0.1.0.data/data/"):
-                target = prefix / name[len("gpupool-0.1.0.data/data/"):]
+            if name.startswith(root):
+                target = prefix / name[len(root):]
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(archive.read(name))
     env = {**os.environ, "JUPYTER_PATH": str(prefix / "share" / "jupyter"), "JUPYTER_PLATFORM_DIRS": "1",
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data")}
     listed = _labextension_list(env)
-    assert re.search(rf"{NAME} v0\.1\.0 enabled\s+OK \(python, gpupool\)", listed), listed
+    assert re.search(rf"{NAME} v{re.escape(__version__)} enabled\s+OK \(python, gpupool\)", listed), listed
 
 
 WHY = _missing()
