@@ -172,7 +172,7 @@ class WorkerManager:
         """The lease's host limits and its task limit on the worker's cgroup, before it is handed out."""
         enforce_host_limits(worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory, self.log)
         budget = self.settings.pids
-        if budget is not None:
+        if budget is not None and worker.cgroup.confines:  # a cluster's job or pod: the cluster's limits hold it
             limit_tasks(worker.cgroup, spec.lease_id, budget.for_lease(len(spec.gpus), spec.fraction), self.log)
 
     def start_warm_pool(self) -> None:
