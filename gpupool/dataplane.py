@@ -279,18 +279,28 @@ class Progress:
     seconds: ``gpupool: pulling 512.0 MiB of 1.0 GiB, 900.0 MiB/s, 1 s left``,
     rewritten in place (carriage return) at most every ``every`` seconds on
     ``out`` (default: sys.stdout, the running cell's output). Call as
-    ``progress(n)`` with the bytes just moved, :meth:`done` at the end."""
+    ``progress(n)`` with the bytes just moved, :meth:`done` at the end (or
+    when the transfer stops early): the line clears itself.
+
+    A carriage return moves back to the line's start and what follows
+    overwrites it, in a terminal as in Jupyter's output area, without
+    clearing what is longer: each line is padded to the longest written yet,
+    so no tail of an earlier one stays (``0 s leftft``), and :meth:`done`
+    blanks it, so that what the cell prints next takes its place.
+    """
 
     def __init__(self, verb: str, total: int, out=None, after: float = 1.0, every: float = 0.25) -> None:
         self.verb, self.total, self.out, self.after, self.every = verb, total, out, after, every
-        self.moved, self.start, self.shown = 0, time.monotonic(), 0.0
+        self.moved, self.start, self.shown, self.width = 0, time.monotonic(), 0.0, 0
 
     def __call__(self, nbytes: int) -> None:
         self.moved += nbytes
         now = time.monotonic()
         if now - self.start >= self.after and now - self.shown >= self.every:
             self.shown = now
-            self._write(self.line(now) + "\r")
+            text = self.line(now)
+            self.width = max(self.width, len(text))
+            self._write(text.ljust(self.width) + "\r")
 
     def line(self, now: float) -> str:
         from .units import format_bytes
@@ -302,9 +312,10 @@ class Progress:
                 f"{format_bytes(int(rate))}/s, {left:.0f} s left")
 
     def done(self) -> None:
-        """End the line (only if one was shown)."""
+        """Blank the line (only if one was shown); the cursor stays at its start."""
         if self.shown:
-            self._write(self.line(time.monotonic()) + "\n")
+            self._write(" " * self.width + "\r")
+            self.shown = 0.0
 
     def _write(self, text: str) -> None:
         out = self.out or sys.stdout

@@ -244,7 +244,9 @@ class RemoteKernel:
     def comm_request(self, target: str, data: dict[str, Any], buffers: list | None = None,
                      timeout: float = 600.0, check: Callable[[], None] | None = None) -> tuple[dict[str, Any], list]:
         """Open a comm to ``target`` with ``data`` and ``buffers``; return the
-        first ``comm_msg`` it sends back as ``(data, buffers)``."""
+        first ``comm_msg`` it sends back as ``(data, buffers)``. Interrupted
+        (KeyboardInterrupt), it interrupts the worker, waits for it as for a
+        cell, then raises :class:`CommInterrupted` with the worker's answer."""
         comm_id = uuid.uuid4().hex
         msg = self.session.send(self.shell, "comm_open", {"comm_id": comm_id, "target_name": target, "data": data},
                                 buffers=buffers or [])
@@ -254,7 +256,11 @@ class RemoteKernel:
             if reply["header"]["msg_type"] == "comm_msg" and not answer:
                 answer.append((reply["content"]["data"], reply.get("buffers", [])))
 
-        self._until_idle(msg["header"]["msg_id"], collect, None, check, timeout=timeout, want_reply=False)
+        interrupts: list[float] = []
+        self._until_idle(msg["header"]["msg_id"], collect, None, check, timeout=timeout, want_reply=False,
+                         interrupts=interrupts)
+        if interrupts:
+            raise CommInterrupted(answer[0][0] if answer else None)
         if not answer:
             raise GPUPoolError(Reason.transfer_failed, f"the worker did not answer the {data.get('op')} request; "
                                "is gpupool installed on the GPU node?", 502)
@@ -267,10 +273,12 @@ class RemoteKernel:
 
     def _until_idle(self, msg_id: str, handler, stdin_handler, check, timeout: float | None = None,
                     want_reply: bool = True, want_idle: bool = True,
-                    on_reply: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                    on_reply: Callable[[dict[str, Any]], None] | None = None,
+                    interrupts: list[float] | None = None) -> dict[str, Any]:
         """Wait for the reply to ``msg_id`` (if ``want_reply``) and the worker's
         idle status of it (if ``want_idle``); returns the reply message (``{}``
-        when none was wanted)."""
+        when none was wanted). A KeyboardInterrupt meanwhile interrupts the
+        worker and the wait goes on; its time is added to ``interrupts``."""
         reply: dict[str, Any] | None = None
         idle = not want_idle
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -308,7 +316,19 @@ class RemoteKernel:
                 if interrupted_at is None:
                     self.interrupt()
                     interrupted_at = time.monotonic()
+                    if interrupts is not None:
+                        interrupts.append(interrupted_at)
         return reply or {}
+
+
+class CommInterrupted(KeyboardInterrupt):
+    """A comm request interrupted by the user; ``answer``: what the worker
+    answered after its own interrupt (None: nothing), which says whether it
+    had done the request anyway."""
+
+    def __init__(self, answer: dict[str, Any] | None) -> None:
+        super().__init__("interrupted")
+        self.answer = answer
 
 
 def drain_iopub(remote: RemoteKernel, msg_id: str, handler: Callable[[dict[str, Any]], None]) -> None:

@@ -112,31 +112,36 @@ def lease_host_cell(lease: Lease) -> str:
     return f"{cpus}{'; ' if limited else ', '}{memory}"
 
 
+#: The columns of :func:`lease_table`, in order.
+LEASE_COLUMNS = ("lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "host",
+                 "GPU util", "worker", "idle release in / reason")
+
+
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
-    """One row per lease: id, state, node, worker environment (``-`` while
-    unknown: queued without one asked for, or a node that reports none), GPU,
-    share, class, memory used / limit (``-`` while queued), host CPUs and
-    memory (:func:`lease_host_cell`), GPU utilization (``utilization`` maps GPU
-    UUID -> percent, from ``GET /pool``; the whole GPU's, shared by its
-    leases), worker state, idle countdown, and the reason once it ended. Unknown readings say ``unknown``, never 0."""
-    rows = []
-    for lease in leases:
-        gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
-        share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
-        kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
-        live = lease.state.value == "active"
-        worker = lease.worker or {}
-        memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}" \
-            if lease.memory else "-"  # a queued request holds none yet (0)
-        utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
-        util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
-        host = lease_host_cell(lease)
-        rows.append([lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host,
-                     util, worker.get("execution_state", "-") if live else "-",
-                     idle_countdown(lease) if live else (lease.reason or "-")])
-    return table(["lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "host",
-                  "GPU util", "worker",
-                  "idle release in / reason"], rows)
+    """One row per lease (:data:`LEASE_COLUMNS`, :func:`lease_cells`)."""
+    return table(list(LEASE_COLUMNS), [lease_cells(lease, utilization) for lease in leases])
+
+
+def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None) -> list[str]:
+    """One lease's cells of :data:`LEASE_COLUMNS`: id, state, node, worker
+    environment (``-`` while unknown: queued without one asked for, or a node
+    that reports none), GPU, share, class, memory used / limit (``-`` while
+    queued), host CPUs and memory (:func:`lease_host_cell`), GPU utilization
+    (``utilization`` maps GPU UUID -> percent, from ``GET /pool``; the whole
+    GPU's, shared by its leases), worker state, idle countdown, and the
+    reason once it ended. Unknown readings say ``unknown``, never 0."""
+    gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
+    share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
+    kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
+    live = lease.state.value == "active"
+    worker = lease.worker or {}
+    memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}" \
+        if lease.memory else "-"  # a queued request holds none yet (0)
+    utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
+    util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
+    return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
+            lease_host_cell(lease), util, worker.get("execution_state", "-") if live else "-",
+            idle_countdown(lease) if live else (lease.reason or "-")]
 
 
 def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:

@@ -24,8 +24,9 @@ from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
 
 from .attachment import Attachment
+from .dataplane import TransferInterrupted
 from .summary import summarize
-from .words import say
+from .words import pull_interrupted, push_interrupted, say
 
 
 def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
@@ -35,7 +36,11 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
     runs in, so stopping that server releases it. In the gpupool kernel,
     ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
     started = time.monotonic()
-    lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+    try:
+        lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+    except KeyboardInterrupt:  # before the pool answered: no id to cancel
+        raise UsageError("interrupted before the pool answered; this kernel holds no lease (one the pool made "
+                         "meanwhile hears no heartbeat and is reclaimed within its heartbeat TTL)") from None
     attachment = None
     try:
         lease = _wait_started(magics, lease, started)
@@ -147,7 +152,7 @@ def run_on_own_lease(magics, amount: str, cell: str) -> None:
     except GPUPoolError as exc:
         raise UsageError(exc.message) from None
     try:
-        magics.variables.follow(attachment, cell)
+        send_along(magics.variables, attachment, cell)
         attachment.run_cell(cell, magics.max_output_bytes)
     except GPUPoolError as exc:
         raise UsageError(exc.message) from None
@@ -155,15 +160,32 @@ def run_on_own_lease(magics, amount: str, cell: str) -> None:
         _bring_back_and_release(magics, attachment, "%%gpu cell finished")
 
 
+def send_along(variables, attachment: Attachment, cell: str) -> None:
+    """Send the local names ``cell`` reads that the worker lacks
+    (:meth:`.variables.Variables.follow`) before it runs there; an interrupt
+    is one UsageError line saying the cell did not run and what was sent."""
+    try:
+        variables.follow(attachment, cell)
+    except TransferInterrupted as exc:
+        raise UsageError(f"the cell did not run: sending along {', '.join(exc.names)}: "
+                         f"{push_interrupted(exc)}") from None
+    except KeyboardInterrupt:
+        raise UsageError("interrupted before the cell ran on the worker; nothing was sent") from None
+
+
 def _bring_back_and_release(magics, attachment: Attachment, reason: str) -> None:
-    note = ""
+    note, stopped = "", None
     try:
         if attachment.ended is None:
             values, items, errors = attachment.pull(None, max_bytes=magics.release_state_cap)
             magics.variables.take(values, items)
             note = summarize("brought back", items, errors)
+    except TransferInterrupted as exc:  # the cell's own lease goes anyway: say that its variables stayed there
+        stopped = exc
     finally:
         lease = attachment.release(reason=reason)
+    if stopped is not None:
+        raise UsageError(f"released {lease.id}; its variables did not come back: {pull_interrupted(stopped)}")
     say(f"released {lease.id}{note}")
 
 

@@ -140,7 +140,10 @@ class Attachment:
         request = {"op": "pull", "names": names} if names is not None else {"op": "pull_all", "max_bytes": max_bytes}
         with self._guarded():
             header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request)
-        return load_pulled(header, buffers)
+        try:
+            return load_pulled(header, buffers)
+        except KeyboardInterrupt:
+            raise dataplane.TransferInterrupted("unpacking", [i["name"] for i in header.get("items", [])]) from None
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""

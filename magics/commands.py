@@ -34,7 +34,8 @@ from .classes import class_note, requested_class
 from .park import MIN_IDLE_TIMEOUT
 from .quota import quota_report
 from .summary import summarize
-from .words import say, transfer_note
+from .dataplane import TransferInterrupted
+from .words import pull_interrupted, push_interrupted, release_interrupted, say, transfer_note
 
 #: The magics' options that take a value, whose value may start with '-' (a bad one: -5GiB).
 ACQUIRE_VALUE_FLAGS = VALUE_OPTIONS | {"--idle-timeout", "--env"}
@@ -126,6 +127,8 @@ def release(magics, rest: str) -> None:
             note = summarize("brought back", items, errors)
         except GPUPoolError as exc:  # the worker died or is unreachable: the slice is still freed
             note = f"; the worker's variables could not come back: {exc.message}"
+        except TransferInterrupted as exc:  # stopped before anything changed: still attached, as before
+            raise UsageError(release_interrupted(exc, attachment.lease.id)) from None
     magics.attachment = None  # from here on this kernel is detached, whatever happens
     try:
         lease = attachment.release(reason="%gpu release")
@@ -159,20 +162,30 @@ def restart(magics, rest: str) -> None:
 def status(magics, rest: str) -> None:
     if rest.strip():
         raise UsageError("%gpu status takes no arguments")
+    words, leases, utilization = status_view(magics)
+    if words:
+        say(words)
+        return
+    text, html = lease_table(leases, utilization)
+    display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def status_view(magics) -> tuple[str | None, list, dict[str, float | None]]:
+    """What ``%gpu status`` shows: ``(words, [], {})`` when there is no lease
+    to list (parked, not attached), else ``(None, leases, utilization by GPU
+    UUID)`` for :func:`~gpupool.tables.lease_table`. GPUPoolError when the
+    service cannot be asked."""
     if magics.attachment is not None and magics.attachment.parked is not None:
         parked = magics.attachment.parked
-        say(f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next cell "
-            "resumes on a slice of the same size (%gpu release detaches)")
-        return
+        return (f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next "
+                "cell resumes on a slice of the same size (%gpu release detaches)"), [], {}
     if magics.attachment is None:
         leases = magics.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
         if not leases:
-            say("not attached; %gpu acquire 0.5 attaches half a GPU")
-            return
+            return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}
     else:
         leases = [_as_seen_here(magics, magics.attachment.refresh())]
-    text, html = lease_table(leases, gpu_utilization(magics.client.pool()))
-    display({"text/plain": text, "text/html": html}, raw=True)
+    return None, leases, gpu_utilization(magics.client.pool())
 
 
 def _as_seen_here(magics, lease):
@@ -210,7 +223,10 @@ def push(magics, rest: str) -> None:
     missing = [n for n in names if n not in magics.shell.user_ns]
     if missing:
         raise UsageError(f"not defined here: {', '.join(missing)}; nothing was sent")
-    items, errors = magics.variables.send(magics.attached(), names)
+    try:
+        items, errors = magics.variables.send(magics.attached(), names)
+    except TransferInterrupted as exc:
+        raise UsageError(push_interrupted(exc)) from None
     say(transfer_note("pushed", items, errors).lstrip("; "))
 
 
@@ -218,7 +234,10 @@ def pull(magics, rest: str) -> None:
     names = rest.split()
     if not names:
         raise UsageError("%gpu pull needs variable names: %gpu pull model history")
-    values, items, errors = magics.attached().pull(names)
+    try:
+        values, items, errors = magics.attached().pull(names)
+    except TransferInterrupted as exc:
+        raise UsageError(pull_interrupted(exc)) from None
     missing = [name for name, why in errors.items() if why == NOT_ON_WORKER]
     if missing:  # as push does for a name not defined here: nothing taken
         raise UsageError(f"not defined on the worker: {', '.join(missing)}; nothing was pulled")

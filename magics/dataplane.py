@@ -25,7 +25,9 @@ from typing import Any, Callable
 
 from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.remote import CommInterrupted
 from gpupool.transfer import dump_values
+from gpupool.units import format_bytes
 
 #: Pushes whose buffers total fewer bytes go in the comm message (one round trip, no connection).
 STREAM_MIN = 1 << 20
@@ -43,39 +45,98 @@ def ticket_for(connection: dict[str, Any]) -> Ticket | None:
     return Ticket.new(encrypted=bool(connection.get("curve_publickey")))
 
 
+class TransferInterrupted(KeyboardInterrupt):
+    """A push or pull the user interrupted (Ctrl-C, the notebook's stop
+    button), with where it stopped: ``stage`` (``packing``: before a byte
+    left; ``asking``: a pull's request, while the worker packed the values;
+    ``moving``: ``moved`` of ``total`` bytes on the data plane; ``waiting``:
+    every byte moved, the worker's answer awaited; ``unpacking``: every byte
+    here, the values being rebuilt), the ``names`` asked for, and
+    ``defined``: the names a push defined on the worker anyway (its answer
+    came before the interrupt took effect). Still a KeyboardInterrupt."""
+
+    def __init__(self, stage: str, names: list[str], moved: int = 0, total: int = 0,
+                 defined: list[str] | None = None) -> None:
+        super().__init__(stage)
+        self.stage, self.names, self.moved, self.total = stage, names, moved, total
+        self.defined = list(defined or [])
+
+    def where(self) -> str:
+        """Where it stopped, in words: ``at 266.0 MiB of 1.0 GiB``, ``while packing``..."""
+        if self.stage == "moving":
+            return f"at {format_bytes(self.moved)} of {format_bytes(self.total)}"
+        if self.stage == "waiting":
+            return f"after all {format_bytes(self.total)} had gone"
+        return {"packing": "while packing the values", "asking": "while the worker packed the values",
+                "unpacking": "while unpacking the values"}.get(self.stage, f"while {self.stage}")
+
+
+class _Count:
+    """Counts the bytes moved and passes them on to ``progress`` (a callable or None)."""
+
+    def __init__(self, progress: Callable[[int], None] | None) -> None:
+        self.progress, self.moved = progress, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.moved += nbytes
+        if self.progress is not None:
+            self.progress(nbytes)
+
+
 def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices: dict[str, str],
          progress: bool | Callable[[int], None] = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Send ``values`` to the worker; returns ``(header, answer)`` (the
     header's items and errors, the worker's ``loaded`` and ``errors``).
     Raises GPUPoolError ``transfer_failed`` when the stream fails (nothing
-    changed on the worker), KeyboardInterrupt when interrupted (likewise).
+    changed on the worker), :class:`TransferInterrupted` when interrupted
+    (nothing changed on the worker, unless its ``defined`` says otherwise).
     ``progress``: True for a progress line in the cell's output when the
-    stream lasts over a second, False for none, or a callable given the
-    bytes of each chunk."""
-    header, buffers = dump_values(values)
+    stream lasts over a second (cleared at the end), False for none, or a
+    callable given the bytes of each chunk."""
+    names = list(values)
+    try:
+        header, buffers = dump_values(values)
+    except KeyboardInterrupt:
+        raise TransferInterrupted("packing", names) from None
     request = {"op": "push", "header": header, "devices": devices}
     sizes = [memoryview(b).nbytes for b in buffers]
     ticket = ticket_for(connection)
     if ticket is None or sum(sizes) < STREAM_MIN:
-        answer, _ = comm(request, buffers)
+        try:
+            answer, _ = comm(request, buffers)
+        except CommInterrupted as exc:  # the worker was interrupted too; its answer says what it did
+            got = exc.answer or {}
+            raise TransferInterrupted("waiting", names, sum(sizes), sum(sizes),
+                                      got.get("loaded") if got.get("ok") else None) from None
         return header, answer
     request["stream"] = {**ticket.wire(), "sizes": sizes}
     asked = _Asked(comm, request)
     meter = _meter(progress, "pushing", sum(sizes))
+    count = _Count(meter)
     try:
         with _connect(connection, ticket) as sock:
-            send_buffers(sock, ticket, buffers, meter)
+            send_buffers(sock, ticket, buffers, count)
             recv_status(sock)  # the worker's own answer says why, if it refused
     except (OSError, TransferError, GPUPoolError) as exc:
         asked.answer()  # the worker's reason comes first: it knows more
         raise exc if isinstance(exc, GPUPoolError) else _failed(exc) from None
-    except BaseException:  # an interrupt: the connection is closed, so the worker stops waiting
-        asked.answer(quiet=True)
-        raise
+    except KeyboardInterrupt:  # the connection is closed, so the worker stops waiting (or has it all)
+        raise _interrupted_push(asked, names, count.moved, sum(sizes)) from None
     finally:
         if isinstance(meter, Progress):
             meter.done()
-    return header, asked.answer()
+    try:
+        return header, asked.answer()
+    except KeyboardInterrupt:
+        raise _interrupted_push(asked, names, sum(sizes), sum(sizes)) from None
+
+
+def _interrupted_push(asked: "_Asked", names: list[str], moved: int, total: int) -> TransferInterrupted:
+    """The interrupt of a streamed push, once the worker has answered (it always does: its stream ended)."""
+    asked.answer(quiet=True, interruptible=False)
+    result = asked.result or {}
+    defined = list(result.get("loaded", [])) if result.get("ok") else []
+    return TransferInterrupted("moving" if moved < total else "waiting", names, moved, total, defined)
 
 
 class _Asked(threading.Thread):
@@ -94,15 +155,17 @@ class _Asked(threading.Thread):
         except BaseException as exc:  # handed to the caller's thread
             self.error = exc
 
-    def answer(self, quiet: bool = False) -> dict[str, Any]:
-        """The worker's answer; raises what the request raised (unless ``quiet``)."""
+    def answer(self, quiet: bool = False, interruptible: bool = True) -> dict[str, Any]:
+        """The worker's answer; raises what the request raised (unless
+        ``quiet``), and KeyboardInterrupt after the answer when interrupted
+        while waiting for it (unless not ``interruptible``)."""
         interrupted = False
         while self.is_alive():  # the worker answers soon once the stream ended, either way
             try:
                 self.join(0.05)
             except KeyboardInterrupt:  # leaving now would share the worker's sockets with the thread
                 interrupted = True
-        if interrupted:
+        if interrupted and interruptible:
             raise KeyboardInterrupt
         if self.error is not None and not quiet:
             raise self.error
@@ -114,21 +177,29 @@ def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any],
          ) -> tuple[dict[str, Any], list]:
     """Ask the worker for ``request`` (``pull`` / ``pull_all``); returns the
     answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
-    Errors as for :func:`push`; the local namespace is not touched here."""
+    Errors as for :func:`push` (:class:`TransferInterrupted` while the bytes
+    come); the local namespace is not touched here."""
     ticket = ticket_for(connection)
     if ticket is not None:
         request = {**request, "stream": ticket.wire()}
-    answer, buffers = comm(request, None)
+    try:
+        answer, buffers = comm(request, None)
+    except CommInterrupted:
+        raise TransferInterrupted("asking", list(request.get("names") or [])) from None
     header = answer["header"]
     if ticket is None or "stream" not in header:
         return header, buffers
     sizes = [int(size) for size in header["stream"]["sizes"]]
     meter = _meter(progress, "pulling", sum(sizes))
+    count = _Count(meter)
+    names = [item["name"] for item in header.get("items", [])]
     with _connect(connection, ticket) as sock:
         try:
-            return header, recv_buffers(sock, ticket, sizes, meter)
+            return header, recv_buffers(sock, ticket, sizes, count)
         except (OSError, TransferError) as exc:
             raise _failed(exc) from None
+        except KeyboardInterrupt:
+            raise TransferInterrupted("moving", names, count.moved, sum(sizes)) from None
         finally:
             if isinstance(meter, Progress):
                 meter.done()

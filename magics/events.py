@@ -201,7 +201,7 @@ class Requests:
         elif kind == "release":
             line = "release --discard" if data.get("discard") else "release"
         elif kind == "status":
-            line = "status"
+            return self.status()
         else:
             return {"ok": False, "message": f"unknown request {kind!r}; use one of: {', '.join(REQUESTS)}"}
         return self._run(line)
@@ -220,6 +220,24 @@ class Requests:
                 ok, message = False, f"{type(exc).__name__}: {exc}"
         output = _text(captured)
         return {"ok": ok, "message": message if not ok else output, "output": output}
+
+    def status(self) -> dict[str, Any]:
+        """``%gpu status`` for the popup: its words (``message``, ``output``)
+        and, for the one lease it lists, ``details``: its cells by
+        :data:`~gpupool.tables.LEASE_COLUMNS` name, which the popup shows
+        beside the state's own facts, each fact once."""
+        from gpupool.errors import GPUPoolError
+        from gpupool.tables import LEASE_COLUMNS, lease_cells, lease_table
+
+        from .commands import status_view
+
+        try:
+            words, leases, utilization = status_view(self.gpu)
+        except GPUPoolError as exc:
+            return {"ok": False, "message": exc.message, "output": ""}
+        text = words or lease_table(leases, utilization)[0]
+        details = dict(zip(LEASE_COLUMNS, lease_cells(leases[0], utilization))) if len(leases) == 1 else None
+        return {"ok": True, "message": text, "output": text, "details": details}
 
     def defaults(self) -> dict[str, Any]:
         """What the Acquire dialog starts from: ``amount`` (DIALOG_AMOUNT), the pool's

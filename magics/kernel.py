@@ -35,6 +35,7 @@ from traitlets import Float
 from gpupool.errors import GPUPoolError
 
 from .cell import ForwardedCell
+from .debugvars import LocalNames
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics
 from .notices import Notices
@@ -57,6 +58,7 @@ class GPUPoolKernel(IPythonKernel):
         self.cell = ForwardedCell(self)
         self.notices = Notices(self)
         self.gpu = GPUMagics(self.shell, kernel=self)
+        self.debug_names = LocalNames(self.shell)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
         self.events.snapshot = lambda: kernel_state(self.gpu)
@@ -262,23 +264,29 @@ class GPUPoolKernel(IPythonKernel):
     # -- control: the debugger ----------------------------------------------------------
 
     async def debug_request(self, stream, ident, parent) -> None:
-        """JupyterLab's debugger, against the worker while attached. When the
-        worker does not answer, the reply is a DAP error response that says
-        why (never this kernel's state)."""
+        """JupyterLab's debugger, against the worker while attached, its
+        Variables listing this kernel's own names too, marked ``(local)``
+        (:mod:`.debugvars`). When the worker does not answer, the reply is a
+        DAP error response that says why (never this kernel's state)."""
         remote = self._remote()
         if remote is None:
             await super().debug_request(stream, ident, parent)
             return
+        request = parent.get("content", {})
+        local = self.debug_names.rich_inspect(request)
+        if local is not None:  # a name of this kernel's, marked in the Variables panel
+            self.session.send(stream, "debug_reply", local, parent, ident=ident)
+            return
         try:
             reply = remote.control_request(parent)
         except GPUPoolError as exc:
-            request = parent.get("content", {})
             self.session.send(stream, "debug_reply", {
                 "type": "response", "request_seq": request.get("seq"), "success": False,
                 "command": request.get("command"), "seq": 0,
                 "message": f"gpupool: the debugger runs on the worker, which did not answer: {exc.message}"},
                 parent, ident=ident)
             return
+        reply["content"] = self.debug_names.merge(request, reply.get("content") or {})
         self._send_reply(stream, ident, parent, reply)
 
     _status_by_worker: str | None = None  # msg_id of the forwarded cell whose busy/idle the worker says

@@ -30,6 +30,7 @@ debugger there; docs/api.md, "Plain IPython kernels").
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -42,10 +43,12 @@ from gpupool.errors import GPUPoolError, Reason
 from gpupool.traits import ByteSize, Duration
 
 from . import commands
-from .attach import resume, run_on_own_lease
+from .attach import resume, run_on_own_lease, send_along
 from .attachment import Attachment, ended_message
 from .variables import Variables
 from .words import dedent
+
+log = logging.getLogger("gpupool.magics")
 
 #: %gpu commands that a cell running on the worker may not call mid-cell.
 NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "restart": "%gpu restart",
@@ -179,6 +182,9 @@ class GPUMagics(Magics):
             if command == "acquire":  # quota, pool full, bad size: the front end says so too
                 self.tell("refused", exc.message, code=exc.code)
             raise UsageError(exc.message) from None
+        except KeyboardInterrupt:  # where no command says more: one line, never gpupool's frames (logged)
+            log.debug("%%gpu %s interrupted", command, exc_info=True)
+            raise UsageError(f"%gpu {command} interrupted; it did nothing more") from None
 
     # -- the gpupool kernel's forwarded cells ---------------------------------------
 
@@ -188,7 +194,7 @@ class GPUMagics(Magics):
         lacks. Raises UsageError with words when the cell cannot run there."""
         attachment = self.attached()
         try:
-            self.variables.follow(attachment, code)
+            send_along(self.variables, attachment, code)
         except GPUPoolError as exc:
             if exc.code == Reason.lease_lost:
                 self.drop()
@@ -233,7 +239,7 @@ class GPUMagics(Magics):
             raise UsageError("%%gpu takes an amount only when not attached; this kernel is attached")
         attachment = self.attached()
         try:
-            self.variables.follow(attachment, cell)
+            send_along(self.variables, attachment, cell)
             attachment.run_cell(cell, self.max_output_bytes)
         except GPUPoolError as exc:
             if exc.code == Reason.lease_lost:

@@ -32,7 +32,7 @@ from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
-from . import checkpoint, enforcement
+from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccounts
 from .agent_http import advertised_ip, serve_api
@@ -241,12 +241,14 @@ class NodeAgent(WorkerSettings):
             return
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
+        cgroups = self.containment(state_dir)
         settings = WorkerLaunchSettings(
             state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
             start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
             warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
-            enforcement=self.enforcement)
+            enforcement=self.enforcement,
+            pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
         self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
                                      parking=self.park_settings(state_dir))
         if self.accounts.template is not None:

@@ -362,6 +362,25 @@ class WorkerSettings(NodeSettings):
         start the agent when they cannot be had. ``c.NodeAgent.cgroup_mode = "v2"``.""",
     ).tag(config=True)
 
+    worker_pids_max = Integer(
+        0, min=0, help="""Tasks (processes and threads together) each lease's worker may have: its
+        cgroup's ``pids.max``. A fork or a new thread beyond it fails in that worker only
+        (``BlockingIOError: Resource temporarily unavailable``), so a cell that forks without end
+        stops there and other workers, new leases and the agent go on (docs/enforcement.md,
+        "Processes"). 0 (default): sized per slice, the lease's share of the node's GPUs (GPUs x
+        fraction / the node's GPUs) of what the workers may have together (see
+        ``agent_pids_reserve``), at least 128. ``c.NodeAgent.worker_pids_max = 4096``.""",
+    ).tag(config=True)
+
+    agent_pids_reserve = Integer(
+        1024, min=0, help="""Tasks (processes and threads) the workers never take from the agent and
+        whatever shares its cgroup: all workers together are capped (``pids.max`` of the agent's
+        cgroup subtree) at the node's task limit less this many. The node's limit is the lowest of
+        ``kernel.pid_max``, ``kernel.threads-max``, the agent's RLIMIT_NPROC and the ``pids.max`` of
+        its cgroup and each above it (systemd's ``TasksMax``, a container's pids limit); at most half
+        of it is kept. Default 1024. ``c.NodeAgent.agent_pids_reserve = 2048``.""",
+    ).tag(config=True)
+
     cgroup_root = Unicode(
         "", help="""The cgroup subtree the workers' cgroups are made in: a path from the
         hierarchy's root (``/system.slice/gpupool-agent.service/workers``) or relative to the

@@ -10,11 +10,15 @@ from __future__ import annotations
 import ctypes
 import io
 import json
+import re
+import resource
 import signal
 import socket
 import threading
+import time
 
 import numpy as np
+import psutil
 import pytest
 from jupyter_client import KernelManager
 
@@ -224,6 +228,59 @@ def test_an_interrupted_transfer_leaves_both_kernels_usable(worker):
     assert answer["loaded"] == ["after"]
 
 
+IDLE_FLOOD = 3000
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"this test holds {wanted} sockets and the fd limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def test_idle_unauthenticated_connections_cost_the_worker_no_thread_and_a_push_still_works(worker):
+    """3,000 connections that never send a hello (issue 28's probe: one thread and one fd each before
+    any hello was checked, up to the process's fd limit): the worker's threads stay as they were, its
+    fds within the gate's bound, and a real push gets through meanwhile. A connection whose hello
+    never comes is closed after the hello deadline; one with a forged hello is refused at once."""
+    from gpupool.provisioner.worker_extension import hello_gate
+
+    remote, connection = worker
+    _raise_fd_limit(IDLE_FLOOD + 1024)
+    worker_pid = int(_on_worker(remote, "__import__('os').getpid()"))
+    proc = psutil.Process(worker_pid)
+    threads, fds = proc.num_threads(), proc.num_fds()
+    address = (connection["ip"], int(connection["transfer_port"]))
+    idle = []
+    try:
+        for _ in range(IDLE_FLOOD):
+            idle.append(socket.create_connection(address, timeout=10))
+        peak_threads, peak_fds = proc.num_threads(), proc.num_fds()
+        _, answer = dataplane.push(_comm(remote), connection, {"amid_flood": np.ones(4 * CHUNK, np.uint8)}, {},
+                                   progress=False)
+        assert answer["loaded"] == ["amid_flood"]
+        during = max(peak_threads, proc.num_threads()), max(peak_fds, proc.num_fds())
+    finally:
+        for sock in idle:
+            sock.close()
+    assert during[0] <= threads + 2, f"threads {threads} -> {during[0]} under {IDLE_FLOOD} idle connections"
+    assert during[1] <= fds + hello_gate.MAX_WAITING + 8, f"fds {fds} -> {during[1]}"
+    assert _on_worker(remote, "int(amid_flood.sum())") == str(4 * CHUNK)
+
+    with socket.create_connection(address, timeout=30) as silent:  # no hello: closed after the deadline
+        began = time.monotonic()
+        assert silent.recv(1) == b""
+        assert time.monotonic() - began <= hello_gate.HELLO_TIMEOUT + 2
+    with socket.create_connection(address, timeout=30) as forged:  # a hello nobody registered: refused in words
+        forged.sendall(Ticket.new().hello())
+        assert "no such transfer" in dataplane.recv_status(forged)
+    wait = time.monotonic() + 10
+    while proc.num_fds() > fds + 2 and time.monotonic() < wait:
+        time.sleep(0.1)
+    assert proc.num_fds() <= fds + 2, "the idle connections were all closed"
+
+
 # -- the protocol alone ------------------------------------------------------------------------------------------------
 
 def test_plain_chunks_without_encryption_arrive_whole():
@@ -293,7 +350,7 @@ def test_the_progress_line_gives_bytes_rate_and_time_left():
     meter.done()
     first, _, last = out.getvalue().partition("\r")
     assert first.startswith("gpupool: pushing 1.0 MiB of 4.0 MiB, ") and "/s, " in first and first.endswith(" s left")
-    assert last.endswith("\n")
+    assert not last.strip() and last.endswith("\r"), "done blanks the line for what comes next"
 
 
 # -- through a notebook kernel on a real pool ------------------------------------------------------------------------
@@ -313,3 +370,102 @@ def test_push_and_pull_use_the_port_the_agent_lists(e2e_pool, kernel):
     pulled = run(kc, "%gpu pull twice")
     assert pulled.ok, pulled.text()
     assert _remote(kc, "%%local\nfloat(twice[-1])") == 2.0 * (2**20 - 1)
+
+
+def rendered(text: str) -> str:
+    """Stream text as Jupyter shows it: a carriage return goes back to the line's start and what
+    follows overwrites it without clearing a longer tail (JupyterLab's fixCarriageReturn, a terminal)."""
+    lines = []
+    for line in text.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        lines.append(shown)
+    return "\n".join(lines)
+
+
+def test_a_rewritten_progress_line_leaves_no_residue_and_clears_itself():
+    out = io.StringIO()
+    meter = Progress("pushing", 10 * 2**30, out=out, after=0.0, every=0.0)
+    meter.start -= 100  # slow at first: "... 900 s left"
+    meter(2**20)
+    meter.start += 99.99  # then fast: "... 0 s left", shorter
+    meter(10 * 2**30 - 2**20)
+    assert rendered(out.getvalue()).rstrip().endswith(" 0 s left"), rendered(out.getvalue())
+    meter.done()
+    out.write("gpupool: pushed 1 variable: x\n")
+    assert rendered(out.getvalue()).rstrip() == "gpupool: pushed 1 variable: x"
+
+
+INTERRUPTED = 2**31  # 2 GiB: more than a second on this machine's data plane, so the progress line shows first
+
+
+def _interrupt_when(km, kc, code: str, shown: str, timeout: float = 120):
+    """Run ``code``; once a stream output holds ``shown``, interrupt the kernel as the stop button does.
+    Returns ``(reply content, outputs, interrupted)``."""
+    msg_id = kc.execute(code)
+    outputs, interrupted, idle = [], False, False
+    deadline = time.monotonic() + timeout
+    while not idle and time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=1)
+        except Exception:  # queue.Empty
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status":
+            idle = content["execution_state"] == "idle"
+        elif kind != "execute_input":
+            outputs.append((kind, content))
+            if not interrupted and kind == "stream" and shown in content.get("text", ""):
+                km.interrupt_kernel()
+                interrupted = True
+    reply = kc.get_shell_msg(timeout=timeout)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=timeout)
+    return reply["content"], outputs, interrupted
+
+
+def _one_line_error(outputs, reply) -> str:
+    """The cell's words on stderr, after checking that nothing else failed loudly: no traceback, no frames."""
+    assert reply["status"] == "error" and reply.get("ename") == "UsageError", (reply, outputs)
+    assert not [c for kind, c in outputs if kind == "error"], "a traceback was shown"
+    text = "".join(c.get("text", "") for kind, c in outputs if kind == "stream")
+    assert "Traceback" not in text and ".py" not in text, text
+    stdout = "".join(c["text"] for kind, c in outputs if kind == "stream" and c["name"] == "stdout")
+    assert not rendered(stdout).strip(), f"the progress line stayed: {rendered(stdout)!r}"
+    stderr = "".join(c["text"] for kind, c in outputs if kind == "stream" and c["name"] == "stderr")
+    assert stderr.count("\n") == 1, stderr
+    return stderr
+
+
+@pytest.mark.timeout(400)
+def test_interrupted_push_pull_and_release_say_one_line_of_what_changed(e2e_pool, kernel):
+    km, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, f"%%local\nimport numpy as np\nbulk = np.ones({INTERRUPTED}, np.uint8)").ok
+    reply, outputs, interrupted = _interrupt_when(km, kc, "%gpu push bulk", "gpupool: pushing")
+    if not interrupted:
+        pytest.skip("the push ended within a second, before its progress line: nothing to interrupt here")
+    line = _one_line_error(outputs, reply)
+    assert re.fullmatch(r"UsageError: push interrupted at [\d.]+ [KMG]iB of 2\.0 GiB; nothing was defined on the "
+                        r"worker\n", line), line
+    assert run(kc, 'print("bulk" in globals())').stdout == "False\n", "the worker holds nothing of it"
+
+    assert run(kc, "%%local\ndel bulk").ok
+    assert run(kc, f"import numpy as np\nback = np.ones({INTERRUPTED}, np.uint8)").ok  # on the worker
+    reply, outputs, _ = _interrupt_when(km, kc, "%gpu pull back", "gpupool: pulling")
+    line = _one_line_error(outputs, reply)
+    assert re.fullmatch(r"UsageError: pull interrupted at [\d.]+ [KMG]iB of 2\.0 GiB; nothing was changed here\n",
+                        line), line
+    assert run(kc, '%%local\nprint("back" in globals())').stdout == "False\n"
+
+    assert run(kc, '%%local\n%config GPUMagics.release_state_cap = "4GiB"').ok  # back is 2 GiB, the cap's default
+    reply, outputs, _ = _interrupt_when(km, kc, "%gpu release", "gpupool: pulling")
+    line = _one_line_error(outputs, reply)
+    lease = re.search(r"(L-[0-9a-f]+) is still attached", line)
+    assert lease and "release interrupted at " in line and "nothing came back" in line, line
+    assert "%gpu release --discard" in line
+    assert lease.group(1) in run(kc, "%gpu status").text(), "still attached"
+    assert "released" in run(kc, "%gpu release --discard").stdout

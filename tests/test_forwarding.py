@@ -265,11 +265,26 @@ def test_the_debugger_answers_from_the_worker(attached):
     info = request(kc, "control", "debug_request", {"type": "request", "seq": 3, "command": "debugInfo",
                                                     "arguments": {}})
     assert info["content"]["success"]
+    assert run(kc, "%%local\ncpu_only_gamma = [7, 'seven']").ok  # a name only this kernel holds yet
     variables = request(kc, "control", "debug_request", {"type": "request", "seq": 4, "command": "inspectVariables",
                                                          "arguments": {}})
-    names = [v["name"] for v in variables["content"]["body"]["variables"]]
-    assert WORKER_ONLY in names, "the Variables panel lists the worker's names"
-    request(kc, "control", "debug_request", {"type": "request", "seq": 5, "command": "disconnect",
+    listed = {v["name"]: v for v in variables["content"]["body"]["variables"]}
+    assert WORKER_ONLY in listed, "the Variables panel lists the worker's names"
+    local = listed.get("cpu_only_gamma (local)")
+    assert local is not None, f"the CPU kernel's own name, marked, is listed too: {sorted(listed)}"
+    assert (local["value"], local["type"], local["variablesReference"], local["evaluateName"]) == \
+        ("[7, 'seven']", "list", 0, "cpu_only_gamma")
+    assert f"{WORKER_ONLY} (local)" not in listed and "cpu_only_gamma" not in listed, "each name once"
+    rich = request(kc, "control", "debug_request", {"type": "request", "seq": 5, "command": "richInspectVariables",
+                                                    "arguments": {"variableName": "cpu_only_gamma (local)"}})
+    assert rich["content"]["success"] and rich["content"]["body"]["data"]["text/plain"] == "[7, 'seven']"
+    sent = run(kc, "print(cpu_only_gamma)").stdout  # read by a cell: sent along, the worker's from then on
+    assert "sent along cpu_only_gamma" in sent and sent.endswith("[7, 'seven']\n"), sent
+    variables = request(kc, "control", "debug_request", {"type": "request", "seq": 6, "command": "inspectVariables",
+                                                         "arguments": {}})
+    listed = {v["name"] for v in variables["content"]["body"]["variables"]}
+    assert "cpu_only_gamma" in listed and "cpu_only_gamma (local)" not in listed, "now the worker's"
+    request(kc, "control", "debug_request", {"type": "request", "seq": 7, "command": "disconnect",
                                              "arguments": {"restart": False, "terminateDebuggee": False}})
 
 

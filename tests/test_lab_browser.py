@@ -10,6 +10,7 @@ value and docstring; a breakpoint stops in a routed cell and the debugger's
 Variables panel lists a worker-only name; ``open("data.csv")`` works;
 ``%gpu status`` runs after ``x = 1`` and inside a loop; a traceback's
 ``Cell In[n]`` matches the prompt; after ``%gpu release`` ``np`` works here.
+The debugger's Variables panel also lists a name only the CPU kernel holds, marked ``(local)``.
 
 The same notebook minus the gpupool lines runs first on the plain ``python3``
 kernel: it shows that the selectors, waits and keystrokes are right, so a
@@ -40,8 +41,8 @@ GPUPOOL = "gpupool-only"
 CELLS: dict[str, tuple[str, ...]] = {
     # The page's first widget is drawn here, before attaching: JupyterLab loads the widget
     # manager and controls lazily, and under load that once raced the worker's first widget.
-    "local": ('import os\nimport ipywidgets\nthing = "local stale value"\nprint("local pid", os.getpid())\n'
-              'ipywidgets.Label("widgets ready")',),
+    "local": ('import os\nimport ipywidgets\nthing = "local stale value"\ncpu_only_gamma = 7\n'
+              'print("local pid", os.getpid())\nipywidgets.Label("widgets ready")',),
     "acquire": ("%gpu acquire 0.5", GPUPOOL),
     "where": ('import os\nimport numpy as np\nprint("pid", os.getpid(), "lease", os.environ.get("GPUPOOL_LEASE_ID"))\n'
               'print(open("data.csv").read())',),
@@ -188,8 +189,8 @@ def _walk(lab, browser, tmp_path, kernel: str, display_name: str, gpupool: bool)
             out = nb.run(at["traceback"])
             assert "ZeroDivisionError" in out, out
             assert f"Cell In[{nb.prompt(at['traceback'])}]" in out, out
-        with steps("breakpoint stops and Variables lists a worker-only name"):
-            _debug(page, nb, at["debug"])
+        with steps("breakpoint stops and Variables lists a worker-only name and the CPU kernel's own"):
+            _debug(page, nb, at["debug"], "cpu_only_gamma (local)" if gpupool else "cpu_only_gamma")
         if gpupool:
             with steps("x = 1 then %gpu status in one cell"):
                 out = nb.run(at["status"])
@@ -209,14 +210,16 @@ def _walk(lab, browser, tmp_path, kernel: str, display_name: str, gpupool: bool)
     steps.check()
 
 
-def _debug(page, nb, index: int) -> None:
-    """Turn the debugger on, break on the cell's line 2, read Variables, continue, turn it off."""
+def _debug(page, nb, index: int, local_name: str) -> None:
+    """Turn the debugger on (Variables lists ``local_name``, a name only the CPU kernel holds), break on
+    the cell's line 2, read Variables (``local_name`` too), continue, turn it off."""
     from playwright.sync_api import expect
 
     bug = page.locator(".jp-DebuggerBugButton").first
     expect(bug).to_be_enabled()
     bug.click()
     expect(bug).to_have_attribute("aria-pressed", "true")
+    expect(page.locator(".jp-DebuggerVariables")).to_contain_text(local_name)
     gutter = nb.cell(index).locator(".cm-breakpoint-gutter .cm-gutterElement")
     gutter.nth(2).click()  # the first element is CodeMirror's spacer
     nb.start(index)
@@ -224,6 +227,7 @@ def _debug(page, nb, index: int) -> None:
         variables = page.locator(".jp-DebuggerVariables")
         expect(variables).to_contain_text("hit")
         expect(variables).to_contain_text("worker_only_alpha")
+        expect(variables).to_contain_text(local_name)
     finally:  # continue (F9) and turn the debugger off even when the check failed
         page.keyboard.press("F9")
         expect(nb.prompt_locator(index)).to_have_text(labmod.DONE_PROMPT)

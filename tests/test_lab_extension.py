@@ -320,3 +320,83 @@ def test_other_kernels_get_no_comm_and_no_status_item(lab, tmp_path):
         finally:
             browser.close()
     assert "gpupool.status" not in lab.log.read_text(errors="replace"), "a comm was opened to a python3 kernel"
+
+
+def _popup_layout(page) -> dict:
+    """The status popup's table as the browser laid it out: its rows, whether it overflows the dialog."""
+    return page.evaluate("""() => {
+        const body = document.querySelector('.jp-Dialog .jp-gpupool-details');
+        const content = body.closest('.jp-Dialog-content');
+        const table = body.querySelector('table').getBoundingClientRect();
+        return {rows: [...body.querySelectorAll('tr')].map(r => [...r.cells].map(c => c.textContent)),
+                pre: body.querySelectorAll('pre').length, scroll: content.scrollWidth, client: content.clientWidth,
+                tableRight: table.right, contentRight: content.getBoundingClientRect().right};
+    }""")
+
+
+#: Bytes pushed and interrupted: over a second on this machine's data plane, so the progress line shows first.
+BULK = 3 * 2**30
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
+@pytest.mark.timeout(300)
+def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_line(lab, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    _notebook(lab.root / "facts.ipynb", ["%gpu help", f"import numpy as np\nbulk = np.ones({BULK}, np.uint8)",
+                                         "%gpu push bulk", "print('bulk' in globals())"])
+    with sync_playwright() as playwright:
+        expect.set_options(timeout=STEP_MS)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        page.set_default_timeout(STEP_MS)
+        nb = Page(page)
+        step = "open the notebook"
+        try:
+            page.goto(f"{lab.url}/lab/tree/facts.ipynb?token={lab.token}&reset")
+            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+
+            step = "%gpu help names each command once"
+            helped = nb.run(0)
+            for line in ("%gpu restart", "%gpu acquire 2 ", "%gpu push NAME", "%gpu status "):
+                assert helped.count(line) == 1, f"{line!r} {helped.count(line)} times in:\n{helped}"
+            assert "Traceback" not in nb.run(1)
+
+            step = "the popup: one table, each fact once, within the dialog"
+            nb.acquire("0.5")
+            expect(nb.dialog).to_have_count(0, timeout=60_000)
+            expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
+            nb.status.click()
+            expect(nb.dialog.locator(".jp-gpupool-details")).to_be_visible()
+            expect(nb.dialog.locator(".jp-gpupool-details")).to_contain_text("environment")
+            layout = _popup_layout(page)
+            names = [row[0] for row in layout["rows"]]
+            assert len(names) == len(set(names)) and layout["pre"] == 0, layout
+            assert {"lease", "GPU", "node", "memory", "environment", "host", "worker"} <= set(names), names
+            lease = dict(layout["rows"])["lease"]
+            assert nb.dialog.locator(".jp-Dialog-body").inner_text().count(lease) == 1, "the lease is said once"
+            assert layout["scroll"] <= layout["client"] and layout["tableRight"] <= layout["contentRight"] + 1, layout
+            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+            expect(nb.dialog).to_have_count(0)
+
+            step = "an interrupted push prints one line of what changed"
+            cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+            cell.locator(".cm-content").click()
+            page.keyboard.press("Shift+Enter")
+            expect(cell.locator(".jp-OutputArea-output")).to_contain_text("gpupool: pushing", timeout=60_000)
+            nb.command("Interrupt Kernel")
+            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=60_000)
+            lines = [line for text in cell.locator(".jp-OutputArea-output").all_inner_texts()
+                     for line in text.splitlines() if line.strip()]
+            assert len(lines) == 1 and re.fullmatch(r"UsageError: push interrupted at [\d.]+ [KMG]iB of 3\.0 GiB; "
+                                                    r"nothing was defined on the worker", lines[0]), lines
+            assert "False" in nb.run(3), "the worker holds nothing of it"
+            nb.command("Release GPU")
+            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+        except Exception as exc:
+            shot = tmp_path / "failure.png"
+            page.screenshot(path=str(shot), full_page=True)
+            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
+        finally:
+            browser.close()

@@ -531,6 +531,32 @@ def test_lease_lifecycle(pool):
     wait_for(lambda: not _agent_workers(svc, agent), 10, "worker gone from the agent")
 
 
+def test_a_listing_of_ended_leases_carries_no_connection_key(pool):
+    """Only a lease that is active has a worker to reach: once ended (released, reclaimed for idle,
+    failed) neither its own answer nor ``GET /leases?active=0`` carries its connection or HMAC key."""
+    svc, agent = pool
+    client = svc.client()
+    keys = {}
+    for idle in (None, 1.0):
+        lease = wait_state(svc, client.create_lease(LeaseRequest(fraction=0.25, idle_timeout=idle)).id, "starting")
+        assert lease.state is LeaseState.active and lease.connection["key"], lease.reason
+        keys[lease.id] = lease.connection["key"]
+    released, idle = keys
+    client.release(released)
+    assert wait_ended(svc, idle, timeout=60).state is LeaseState.reclaimed
+    kept = wait_state(svc, client.create_lease(LeaseRequest(fraction=0.25)).id, "starting")
+    status, body = http(svc, "GET", "/leases?active=0")
+    assert status == 200
+    listed = {lease["id"]: lease for lease in body["leases"]}
+    for lease_id, key in keys.items():
+        assert listed[lease_id]["state"] in ("released", "reclaimed") and listed[lease_id]["connection"] is None
+        assert key not in json.dumps(body), f"the key of ended lease {lease_id} is listed"
+        status, one = http(svc, "GET", f"/leases/{lease_id}")
+        assert status == 200 and key not in json.dumps(one)
+    assert listed[kept.id]["connection"]["key"] == kept.connection["key"]  # the active one keeps its own
+    client.release(kept.id)
+
+
 def _agent_workers(svc, agent) -> list[dict[str, Any]]:
     request = urllib.request.Request(agent.url + "/workers")
     request.add_header("Authorization", f"token {svc.agent_token}")

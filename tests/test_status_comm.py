@@ -164,6 +164,9 @@ def test_requests_run_the_magic_and_keep_its_output_out_of_cells(status):
     assert where.stdout.strip() == state["lease"], "the next cell runs on the lease the dialog acquired"
     shown = comm.ask({"request": "status"})
     assert shown["ok"] and state["lease"] in shown["message"], shown
+    details = shown["details"]  # the popup's rows beside the state's facts: %gpu status's cells by column
+    assert details["lease"] == state["lease"] and details["environment"] == "default", details
+    assert details["worker"] in ("idle", "busy") and details["share"] == "0.50" and "GiB" in details["host"]
     again = comm.ask({"request": "acquire", "text": "0.25"})
     assert not again["ok"] and again["message"] == f"already attached to {state['lease']}; run %gpu release first"
     released = comm.ask({"request": "release"})

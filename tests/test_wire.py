@@ -4,9 +4,11 @@ reads what the other writes, older shapes still parse, bad fields are named."""
 import pytest
 
 from gpupool.errors import GPUPoolError
+from gpupool.wire.leases import LeaseRequest
 from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerEnvironment, WorkerReport)
 from gpupool.wire.parking import CheckpointerInfo, ParkRequest, WorkerParked, WorkerResumed
+from gpupool.wire.quotas import Limits
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 GPU = GPUInfo("GPU-1", "A100", 0, 80 * 2**30, 2**30, "8.0")
@@ -129,3 +131,84 @@ def test_the_service_reads_the_agents_answers():
         WorkerStarted.from_json({"pid": 1})
     assert WorkerStopped.from_json(WorkerStopped("L-1", -9).to_json()) == WorkerStopped("L-1", -9)
     assert WorkerStopped.from_json({"exit_code": "0"}).exit_code is None
+
+
+# -- type confusions: a float for a count or bytes, anything but true/false for a flag --------------------------------
+
+#: Every body the service or an agent reads from the other side or from a client.
+READ_BODIES = (LeaseRequest, GPUInfo, NodeRegistration, WorkerEnvironment, CheckpointerInfo, WorkerReport, GPUReading,
+               ParkRequest, WorkerRequest, Limits)
+
+
+def _strict_fields(json_type: str):
+    for body in READ_BODIES:
+        for key, spec in (body.specs() | body.EXTRA).items():
+            if spec.type == json_type and not spec.lenient:  # lenient: read as null by design (an agent's readings)
+                yield pytest.param(spec, key, id=f"{body.__name__}.{key}")
+
+
+@pytest.mark.parametrize("spec, key", list(_strict_fields("integer")))
+def test_every_integer_field_refuses_a_float_a_flag_and_text(spec, key):
+    for bad in (1.5e9, 2.0, 0.0, True, "3"):
+        with pytest.raises(GPUPoolError) as caught:
+            spec.read({key: bad}, key, {"uuid": "GPU-x"})
+        assert caught.value.status == 400 and key in caught.value.message, (bad, caught.value.message)
+    if spec.nullable:
+        assert spec.read({key: None}, key) is None  # null where the field says so stays allowed
+
+
+@pytest.mark.parametrize("spec, key", list(_strict_fields("boolean")))
+def test_every_boolean_field_refuses_anything_but_true_or_false(spec, key):
+    for bad in (1, 0, "true", "false", 0.0, [], {}):
+        with pytest.raises(GPUPoolError) as caught:
+            spec.read({key: bad}, key, {"uuid": "GPU-x"})
+        assert caught.value.status == 400 and key in caught.value.message, (bad, caught.value.message)
+    assert spec.read({key: True}, key) is True and spec.read({key: False}, key) is False
+    if spec.nullable:
+        assert spec.read({key: None}, key) is None
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"fraction": 0.5, "memory": 1.5e9}, "'memory' must be a whole number of bytes"),
+    ({"host_memory": 2.0**31}, "'host_memory' must be a whole number of bytes"),
+    ({"gpu_count": 2.0}, "'gpu_count' must be a whole number"),
+])
+def test_a_lease_request_with_a_float_for_an_integer_is_refused_in_words(body, words):
+    with pytest.raises(GPUPoolError) as caught:
+        LeaseRequest.from_json(body)
+    assert caught.value.status == 400 and words in caught.value.message
+    assert "a JSON integer: no decimal point or exponent" in caught.value.message
+
+
+@pytest.mark.parametrize("gpu, words", [
+    ({"memory_total": 8.5e10}, "GPU GPU-1: 'memory_total' must be whole bytes"),
+    ({"memory_reserved": 1.0}, "GPU GPU-1: 'memory_reserved' must be whole bytes"),
+    ({"index": 0.0}, "'index' must be a whole number"),
+    ({"healthy": "no"}, "GPU GPU-1: 'healthy' must be true or false"),
+    ({"healthy": None}, "'healthy' must be true or false"),
+])
+def test_a_registration_with_a_confused_gpu_field_is_refused(gpu, words):
+    with pytest.raises(GPUPoolError) as caught:
+        NodeRegistration.from_json(registration(gpus=[GPU.to_json() | gpu]))
+    assert caught.value.status == 400 and words in caught.value.message
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"environments": [{"name": "x", "python": "/p", "usable": "yes"}]}, "an environment's 'usable'"),
+    ({"environments": [{"name": "x", "python": "/p", "default": 1}]}, "an environment's 'default'"),
+    ({"checkpointer": {"name": "simulated", "mid_cell": "true"}}, "'checkpointer.mid_cell'"),
+    ({"checkpointer": {"name": "simulated", "remap": 1}}, "'checkpointer.remap'"),
+    ({"whole_gpus": 1}, "'whole_gpus' must be true or false"),
+])
+def test_a_registration_with_a_confused_flag_is_refused(change, words):
+    with pytest.raises(GPUPoolError) as caught:
+        NodeRegistration.from_json(registration(**change))
+    assert caught.value.status == 400 and words in caught.value.message
+    for flag in ({"whole_gpus": None}, {"checkpointer": {"name": "simulated", "mid_cell": None}}):
+        assert NodeRegistration.from_json(registration(**flag))  # null where the field says nullable: absent
+
+
+def test_integers_read_back_as_ints_and_numbers_as_floats():
+    request = LeaseRequest.from_json({"gpu_count": 2, "memory": 2**30, "idle_timeout": 60, "host_memory": 2**31})
+    assert [type(v) for v in (request.gpu_count, request.memory, request.host_memory, request.idle_timeout)] == \
+        [int, int, int, float]

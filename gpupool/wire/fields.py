@@ -61,8 +61,9 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     required field is absent or null (default: "'{key}' is required" for a
     loose number, else ``error``). ``loose``: a number is read with
     :func:`~gpupool.schema.number_field` (its words for what is not a finite
-    number, whole-valued floats taken as integers); else any non-number is
-    ``error`` too and an integer must be an int. ``lenient``: a bad value is
+    number); else any non-number is ``error`` too. Either way an integer must
+    be a JSON integer: a float (``1.5e9``, ``2.0``) is refused with
+    ``error``, never taken as the whole number it rounds to. ``lenient``: a bad value is
     read as None instead of refused, and its schema names no bounds (a value
     beyond them is not refused).
     """
@@ -133,13 +134,17 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
     def _number(self, key: str, value: Any, context: dict[str, Any] | None) -> float | int:
         if self.loose:
             number: Any = number_field({key: value}, key, required=True)  # its words for a non-number
+            if self.type == "integer" and isinstance(value, float):
+                # 1.5e9 or 2.0 for a count or bytes: a JSON integer has no decimal point or exponent.
+                refusal = self._refusal(key, value, context)
+                raise bad_request(f"{refusal.message} (a JSON integer: no decimal point or exponent)")
         elif (isinstance(value, bool) or not isinstance(value, int if self.type == "integer" else (int, float))):
             raise self._refusal(key, value, context)
         else:
             number = value
         if not self._in_range(number):
             raise self._refusal(key, value, context)
-        return int(number) if self.loose and self.type == "integer" else number
+        return value if self.type == "integer" else number  # an int as sent (number_field made it a float)
 
     def _in_range(self, number: float) -> bool:
         # ``not a < b`` rather than ``a >= b``: NaN (a strict field's float) fails every bound.

@@ -34,6 +34,7 @@ _GPU_NAME = {"required": True, "missing": "each GPU needs 'uuid' and 'name'", **
 _LIST = {"nullable": True, "error": "'{key}' must be a list"}
 _TIME = {"nullable": True, "format": "date-time", "lenient": True}
 _ENV_TEXT = {"required": True, "error": "each environment needs 'name' and 'python' (strings)"}
+_ENV_FLAG = "an environment's '{key}' must be true or false, got {value!r:.40}"
 _STOP = Spec("array", "lease ids whose workers must stop", items={"type": "string"})
 _READ_BYTES = {"nullable": True, "minimum": 0, "maximum": MAX_BYTES, "loose": False,
                "error": "'{key}' must be a whole number of bytes from 0 to 2**50"}
@@ -54,7 +55,8 @@ class GPUInfo(Body):
     """
 
     #: Sent by the agent with the registration, kept by it (:attr:`NodeRegistration.unhealthy`).
-    EXTRA: ClassVar[dict[str, Spec]] = {"healthy": Spec("boolean", "false: lost, or a critical Xid")}
+    EXTRA: ClassVar[dict[str, Spec]] = {"healthy": Spec("boolean", "false: lost, or a critical Xid (absent: true)",
+                                                        error="GPU {uuid}: 'healthy' must be true or false, got {value!r:.40}")}
 
     uuid: str = wired(Spec("string", "NVML UUID", **_GPU_NAME))
     name: str = wired(Spec("string", "e.g. NVIDIA A100-SXM4-80GB", **_GPU_NAME))
@@ -82,6 +84,12 @@ class GPUInfo(Body):
         if not 0 < total <= MAX_BYTES or reserved < 0 or reserved >= total:
             raise bad_request(f"GPU {uuid}: memory_total must be bytes in (0, 2**50] and memory_reserved in "
                               "[0, memory_total)")
+        for key in ("memory_total", "memory_reserved"):
+            if isinstance(body.get(key), float):
+                raise bad_request(f"GPU {uuid}: '{key}' must be whole bytes, a JSON integer (no decimal point or "
+                                  f"exponent), got {body[key]!r:.40}")
+        if "healthy" in body:
+            cls.EXTRA["healthy"].read(body, "healthy", {"uuid": uuid})
         return cls(uuid=uuid, name=texts["name"], index=index, memory_total=int(total),
                    memory_reserved=int(reserved), **cls.read(body, "compute_capability"))
 
@@ -204,14 +212,15 @@ class WorkerEnvironment(Body):
 
     name: str = wired(Spec("string", "cut to 100 characters", **_ENV_TEXT))
     python: str = wired(Spec("string", "cut to 500 characters", **_ENV_TEXT))
-    default: bool = wired(Spec("boolean", "anything but true: false", lenient=True), False)
-    usable: bool = wired(Spec("boolean", "anything but true: false", lenient=True), False)
+    default: bool = wired(Spec("boolean", "absent: false", nullable=True, error=_ENV_FLAG), False)
+    usable: bool = wired(Spec("boolean", "absent: false", nullable=True, error=_ENV_FLAG), False)
     problem: str | None = wired(Spec("string", "cut to 500 characters", nullable=True,
                                      error="an environment's 'problem' must be words or null"), None)
 
     @classmethod
     def from_json(cls, env: Any) -> "WorkerEnvironment":
-        """One entry of a registration's ``environments``, cut to its bounds (400 without name or python)."""
+        """One entry of a registration's ``environments``, cut to its bounds (400 without name or python, or with
+        a flag that is not true, false or null)."""
         values = cls.read(env if isinstance(env, dict) else {})
         problem = values["problem"]
         return cls(values["name"][:100], values["python"][:500], values["default"] is True, values["usable"] is True,

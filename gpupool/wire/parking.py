@@ -38,6 +38,7 @@ PARK_TIERS = ("memory", "disk")
 #: park never touches a running cell.
 RUNNING_CELL = ("freeze", "interrupt", "refuse")
 
+_FLAG = "'checkpointer.{key}' must be true or false, got {value!r:.40}"
 _BYTES = {"minimum": 0, "maximum": MAX_BYTES, "loose": False, "lenient": True}
 _LOST = Spec("array", "what could not be kept, each in words (e.g. \"the running cell was interrupted\", "
              "\"generator gen: cannot be saved to disk\"); empty: everything was kept",
@@ -61,13 +62,13 @@ class CheckpointerInfo(Body):
     name: str = wired(Spec("string", "the checkpointer's name", required=True, min_length=1, max_length=50,
                            pattern=WORDS, error="'checkpointer.name' must be a name of 1 to 50 characters"))
     mid_cell: bool = wired(Spec("boolean", "it can freeze a running cell (its state moves even mid-kernel)",
-                                lenient=True), False)
+                                nullable=True, error=_FLAG), False)
     remap: bool = wired(Spec("boolean", "it can restore onto another GPU of the same model on this node",
-                             lenient=True), False)
+                             nullable=True, error=_FLAG), False)
 
     @classmethod
     def from_json(cls, body: Any) -> "CheckpointerInfo":
-        """400 without a name; the flags are lenient (anything but true: false)."""
+        """400 without a name, or with a flag that is not true, false or null (null, absent: false)."""
         if not isinstance(body, dict):
             raise bad_request("'checkpointer' must be an object with 'name', 'mid_cell' and 'remap'")
         values = cls.read(body)

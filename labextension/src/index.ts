@@ -20,6 +20,7 @@ import { Widget } from '@lumino/widgets';
 import {
   IDefaults,
   ILeaseState,
+  IReply,
   LeaseChannel,
   formatBytes,
   formatSeconds,
@@ -167,20 +168,31 @@ function facts(state: ILeaseState): [string, string][] {
   return rows;
 }
 
-function detailsBody(state: ILeaseState, status: string): Widget {
+/** `%gpu status` columns that the state's facts already say (each fact is shown once). */
+const SAID = new Set(['lease', 'state', 'node', 'GPU', 'share', 'memory used / limit', 'idle release in / reason']);
+
+/** The popup's one table: the state's facts, then what only `%gpu status` knows (environment, class,
+ * host, GPU utilization, worker); without a lease to detail, the kernel's one line of words. */
+function detailsBody(state: ILeaseState, reply: IReply): Widget {
   const body = new Widget();
   body.addClass('jp-gpupool-details');
+  const rows = facts(state);
+  for (const [name, value] of Object.entries(reply.details || {})) {
+    if (!SAID.has(name) && value && value !== '-') {
+      rows.push([name, value]);
+    }
+  }
   const table = document.createElement('table');
-  for (const [name, value] of facts(state)) {
+  for (const [name, value] of rows) {
     const row = table.insertRow();
     row.insertCell().textContent = name;
     row.insertCell().textContent = value;
   }
   body.node.appendChild(table);
-  if (status) {
-    const pre = document.createElement('pre');
-    pre.textContent = status;
-    body.node.appendChild(pre);
+  if (!reply.details && reply.message && !reply.message.includes('\n')) {
+    const words = document.createElement('p');
+    words.textContent = reply.message;
+    body.node.appendChild(words);
   }
   return body;
 }
@@ -348,7 +360,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         const attached = ['attached', 'parked'].includes(state.phase);
         const result = await showDialog({
           title: 'GPU status',
-          body: detailsBody(state, reply.ok ? reply.message : reply.message),
+          body: detailsBody(state, reply),
           buttons: [
             Dialog.cancelButton({ label: 'Close' }),
             attached

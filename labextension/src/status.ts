@@ -39,6 +39,8 @@ export interface IReply {
   message: string;
   output?: string;
   defaults?: IDefaults;
+  /** `status`: the one lease `%gpu status` lists, its cells by column name; null: none or several. */
+  details?: { [column: string]: string } | null;
 }
 
 /** What the Acquire dialog starts from (gpupool.magics.events.Requests.defaults). */

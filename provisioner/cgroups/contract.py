@@ -53,10 +53,13 @@ class LeaseCgroup(ABC):
         """Remove the (empty) cgroup; no error when it is gone already.
         CgroupError when processes remain (kill first)."""
 
-    def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
-        """Cap the cgroup's host CPU (``cpu`` cores, e.g. 2.5) and memory
-        (``memory`` bytes); None leaves one as it is. CgroupError when this
-        kind of cgroup (or this host) cannot, naming what is missing."""
+    def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
+        """Cap the cgroup's host CPU (``cpu`` cores, e.g. 2.5), memory
+        (``memory`` bytes) and tasks (``pids``: processes and threads together,
+        the pids controller's ``pids.max``; a fork or thread start beyond it
+        fails with EAGAIN inside the cgroup only); None leaves one as it is.
+        CgroupError when this kind of cgroup (or this host) cannot, naming what
+        is missing."""
         raise CgroupError(f"host CPU and memory limits need a cgroup, and this agent runs without one "
                           f"(c.NodeAgent.cgroup_mode = {self.kind!r})")
 
@@ -108,6 +111,15 @@ class Containment(ABC):
     @abstractmethod
     def names(self) -> list[str]:
         """The names of every cgroup in the subtree now, sorted."""
+
+    def cap_pids(self, total: int) -> None:
+        """Cap the tasks (processes and threads) of every lease cgroup of the
+        subtree together at ``total`` (``pids.max`` of the subtree's root, which
+        counts its whole subtree), so that workers never take what the agent
+        keeps for itself. CgroupError when this host's cgroups cannot (no pids
+        controller there), naming what is missing."""
+        raise CgroupError(f"a process limit needs a cgroup with the pids controller, and this agent runs without "
+                          f"one (c.NodeAgent.cgroup_mode = {self.mode!r})")
 
     def close(self) -> None:
         """Remove the agent's subtree if it is empty (and the ``gpupool``

@@ -66,6 +66,14 @@ def rmdir(folder: Path, grace: float = 1.0) -> None:
             raise CgroupError(f"cannot remove the cgroup {folder}: {exc.strerror}") from None
 
 
+def controllers(path: Path) -> set[str]:
+    """The controllers a v2 cgroup at ``path`` has (its ``cgroup.controllers``); none when unreadable."""
+    try:
+        return set((path / "cgroup.controllers").read_text().split())
+    except OSError:
+        return set()
+
+
 def counter(path: Path, key: str) -> int | None:
     """The value of line ``key N`` of a flat-keyed cgroup file (``memory.events``,
     ``memory.oom_control``; ``key`` empty: the number a single-value file holds,

@@ -1,5 +1,6 @@
-"""Host CPU and memory limits on a v2 lease cgroup whose hierarchy lacks the
-``cpu`` or ``memory`` controller, through the v1 hierarchies of a hybrid host.
+"""Host CPU, memory and task limits on a v2 lease cgroup whose hierarchy
+lacks the ``cpu``, ``memory`` or ``pids`` controller, through the v1
+hierarchies of a hybrid host.
 
 Many hosts (systemd's "hybrid" layout, this project's CI machine among them)
 mount cgroup2 at ``/sys/fs/cgroup/unified`` with no controllers, beside the
@@ -8,8 +9,10 @@ kill is race-free there); when a lease asks for limits, each controller is
 written where it is present: in the v2 cgroup (``cpu.max``,
 ``memory.max``) when the v2 hierarchy has it, else in a cgroup of the same
 name under the agent's subtree of the v1 hierarchy (``cpu.cfs_quota_us``,
-``memory.limit_in_bytes``), into which the worker's processes are moved.
-Their children inherit both. The mounts come from ``/proc/mounts`` and the
+``memory.limit_in_bytes``, ``pids.max``), into which the worker's processes
+are moved (the ``pids`` one from the worker's first instruction, so that
+the subtree's cap, :meth:`.contract.Containment.cap_pids`, counts warm
+workers too). Their children inherit them. The mounts come from ``/proc/mounts`` and the
 agent's own place from ``/proc/self/cgroup``, as for the lease cgroups.
 """
 
@@ -19,12 +22,12 @@ from pathlib import Path
 from typing import Sequence
 
 from .contract import CgroupError
-from .files import make_dirs, rmdir_quietly, rmdir_tree
+from .files import controllers, make_dirs, rmdir_quietly, rmdir_tree, write
 from .mounts import Mount, under
 from .v1 import V1Cgroup
 from .v2 import V2Cgroup, V2Containment
 
-LIMIT_CONTROLLERS = ("cpu", "memory")
+LIMIT_CONTROLLERS = ("cpu", "memory", "pids")
 
 
 class HybridCgroup(V2Cgroup):
@@ -35,8 +38,13 @@ class HybridCgroup(V2Cgroup):
         super().__init__(name, path)
         self.v1 = V1Cgroup(name, {c: root / name for c, root in v1_roots.items()})
 
-    def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
-        asked = {"cpu": cpu, "memory": memory}
+    def add(self, pid: int) -> None:
+        super().add(pid)
+        if "pids" in self.v1.paths:  # from the first instruction: the subtree's cap counts every worker's tasks
+            write(self.v1.paths["pids"] / "cgroup.procs", str(pid))
+
+    def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
+        asked = {"cpu": cpu, "memory": memory, "pids": pids}
         in_v2 = set((self.path / "cgroup.controllers").read_text().split())
         v2 = {c: v for c, v in asked.items() if v is not None and c in in_v2}
         v1 = {c: v for c, v in asked.items() if v is not None and c not in in_v2}
@@ -45,14 +53,14 @@ class HybridCgroup(V2Cgroup):
             raise CgroupError(f"the {', '.join(missing)} controller is in neither the v2 hierarchy ({self.path}) "
                               "nor a v1 one (/proc/mounts)")
         if v2:
-            super().set_limits(cpu=v2.get("cpu"), memory=v2.get("memory"))
+            super().set_limits(cpu=v2.get("cpu"), memory=v2.get("memory"), pids=v2.get("pids"))
         if v1:
             part = V1Cgroup(self.name, {c: self.v1.paths[c] for c in v1})
             for path in part.paths.values():
                 make_dirs(path)
             for pid in self.pids():
                 part.add(pid)
-            part.set_limits(cpu=v1.get("cpu"), memory=v1.get("memory"))
+            part.set_limits(cpu=v1.get("cpu"), memory=v1.get("memory"), pids=v1.get("pids"))
 
     def oom_kills(self) -> int | None:
         # memory.events exists only where v2 has the memory controller; else the v1 memory cgroup counts.
@@ -76,7 +84,17 @@ class HybridContainment(V2Containment):
 
     def create(self, name: str) -> HybridCgroup:
         base = super().create(name)
-        return HybridCgroup(name, base.path, self.v1_roots)
+        group = HybridCgroup(name, base.path, self.v1_roots)
+        if "pids" in group.v1.paths:
+            make_dirs(group.v1.paths["pids"])  # joined at add(); cpu and memory only once limits are asked
+        return group
+
+    def cap_pids(self, total: int) -> None:
+        if "pids" in controllers(self.root) or "pids" not in self.v1_roots:
+            super().cap_pids(total)
+        else:
+            make_dirs(self.v1_roots["pids"])
+            write(self.v1_roots["pids"] / "pids.max", str(int(total)))
 
     def find(self, name: str) -> HybridCgroup | None:
         return HybridCgroup(name, self.root / name, self.v1_roots) if (self.root / name).is_dir() else None

@@ -80,10 +80,12 @@ class V1Cgroup(LeaseCgroup):
         except OSError:
             return False
 
-    def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
-        for name, value in (("memory", memory), ("cpu", cpu)):
+    def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
+        for name, value in (("memory", memory), ("cpu", cpu), ("pids", pids)):
             if value is not None and name not in self.paths:
                 raise CgroupError(f"the v1 {name} controller is not mounted on this node (/proc/mounts)")
+        if pids is not None:
+            write(self.paths["pids"] / "pids.max", str(int(pids)))
         if memory is not None:
             write(self.paths["memory"] / "memory.limit_in_bytes", str(int(memory)))
         if cpu is not None:
@@ -114,6 +116,11 @@ class V1Containment(Containment):
         self.where = ", ".join(str(path) for path in roots.values())
         for path in roots.values():
             make_dirs(path)
+
+    def cap_pids(self, total: int) -> None:
+        if "pids" not in self.roots:
+            raise CgroupError("the v1 pids controller is not mounted on this node (/proc/mounts)")
+        write(self.roots["pids"] / "pids.max", str(int(total)))
 
     def create(self, name: str) -> V1Cgroup:
         group = V1Cgroup(name, {controller: root / name for controller, root in self.roots.items()})

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from .contract import CgroupError, Containment, LeaseCgroup
-from .files import (POLL_S, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs,
-                    wait_empty, wait_until, write)
+from .files import (POLL_S, controllers, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill,
+                    subdirs, wait_empty, wait_until, write)
 
 
 class V2Cgroup(LeaseCgroup):
@@ -70,9 +70,9 @@ class V2Cgroup(LeaseCgroup):
     def frozen(self) -> bool:
         return counter(self.path / "cgroup.freeze", "") == 1
 
-    def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
-        wanted = [name for name, value in (("cpu", cpu), ("memory", memory)) if value is not None]
-        available = set((self.path / "cgroup.controllers").read_text().split())
+    def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
+        wanted = [name for name, value in (("cpu", cpu), ("memory", memory), ("pids", pids)) if value is not None]
+        available = controllers(self.path)
         missing = [name for name in wanted if name not in available]
         if missing:
             raise CgroupError(f"the {', '.join(missing)} controller is not enabled for {self.path} (it has: "
@@ -83,6 +83,8 @@ class V2Cgroup(LeaseCgroup):
             write(self.path / "memory.max", str(int(memory)))
         if cpu is not None:
             write(self.path / "cpu.max", f"{max(1000, int(cpu * 100_000))} 100000")
+        if pids is not None:
+            write(self.path / "pids.max", str(int(pids)))
 
     def oom_kills(self) -> int | None:
         # Its subtree's kills, by its own limit or the host's (no memory.events without the controller).
@@ -100,6 +102,15 @@ class V2Containment(Containment):
         make_dirs(root)
         if not (root / "cgroup.kill").exists() and not (root / "cgroup.freeze").exists():
             raise CgroupError(f"{root} has neither cgroup.kill nor cgroup.freeze (Linux 5.2+ is needed)")
+
+    def cap_pids(self, total: int) -> None:
+        if "pids" not in controllers(self.root):
+            raise CgroupError(f"the pids controller is not enabled for {self.root} (enable it in its parent's "
+                              "cgroup.subtree_control; systemd: Delegate=yes)")
+        write(self.root / "pids.max", str(int(total)))
+        if "pids" not in set((self.root / "cgroup.subtree_control").read_text().split()):
+            # The lease cgroups below need it for pids.max of their own; the root holds no process.
+            write(self.root / "cgroup.subtree_control", "+pids")
 
     def create(self, name: str) -> V2Cgroup:
         group = V2Cgroup(name, self.root / name)

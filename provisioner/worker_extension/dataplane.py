@@ -1,7 +1,10 @@
 """The worker's end of the data plane (:mod:`gpupool.dataplane`).
 
 One listening socket on the worker's ``transfer_port`` (the agent puts it in
-the connection file), served by a thread of its own: the kernel's main thread
+the connection file). Its connections are accepted and authenticated on one
+thread (:mod:`.hello_gate`: a bounded number wait for their hello, each
+under a short deadline); a connection whose hello opens a registered
+transfer gets a thread of its own for the bytes. The kernel's main thread
 only registers transfers (from the comm, where it already runs) and, for a
 push, takes the verified buffers to unpickle them into the namespace. So a
 transfer never blocks a cell, and one the client abandons (interrupt, closed
@@ -18,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gpupool.dataplane import (HELLO_BYTES, Ticket, TransferError, check_hello, recv_buffers, recv_exactly,
-                               send_buffers, send_status)
+from gpupool.dataplane import Ticket, TransferError, recv_buffers, send_buffers, send_status
+
+from .hello_gate import HelloGate
 
 log = logging.getLogger("gpupool.worker")
 #: Seconds a registered transfer waits for its connection before it is dropped.
@@ -28,9 +32,6 @@ PENDING_TTL = 120.0
 IDLE_TIMEOUT = 60.0
 #: Seconds a push's comm handler waits for the client's data connection.
 CONNECT_WAIT = 30.0
-#: Seconds a hello waits for its transfer to be registered (the comm request and the
-#: connection leave the client together; either may arrive first).
-REGISTER_WAIT = 10.0
 
 
 @dataclass
@@ -55,8 +56,7 @@ class DataPlaneServer:
         self.listener = socket.create_server((ip, port))
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
-        self._registered = threading.Condition(self._lock)
-        threading.Thread(target=self._accept, name="gpupool-dataplane", daemon=True).start()
+        self._gate = HelloGate(self.listener, self._lookup, self._accepted)
 
     @property
     def port(self) -> int:
@@ -109,34 +109,27 @@ class DataPlaneServer:
             for ident in [i for i, p in self._pending.items() if now - p.since > PENDING_TTL]:
                 del self._pending[ident]  # abandoned: a client that never connected
             self._pending[pending.ticket.id] = pending
-            self._registered.notify_all()
+        self._gate.registered()
         if refused:
             raise TransferError(refused)
 
-    # -- the data thread ---------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="gpupool-dataplane-conn", daemon=True).start()
+    # -- the data threads ------------------------------------------------------------------
 
     def _lookup(self, ident: bytes) -> Ticket | None:
         with self._lock:
-            self._registered.wait_for(lambda: ident in self._pending, REGISTER_WAIT)
             pending = self._pending.get(ident)
         return pending.ticket if pending is not None else None
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _accepted(self, conn: socket.socket, ticket: Ticket) -> None:
+        # Only connections that proved they hold a registered ticket get a thread (HelloGate).
+        threading.Thread(target=self._serve, args=(conn, ticket), name="gpupool-dataplane-conn",
+                         daemon=True).start()
+
+    def _serve(self, conn: socket.socket, ticket: Ticket) -> None:
         conn.settimeout(IDLE_TIMEOUT)
         pending = None
         with conn:
             try:
-                hello = bytearray(HELLO_BYTES)
-                recv_exactly(conn, memoryview(hello))
-                ticket = check_hello(bytes(hello), self._lookup)
                 with self._lock:
                     pending = self._pending[ticket.id]
                     if pending.error or pending.connected:
@@ -163,7 +156,7 @@ class DataPlaneServer:
                     pass
 
     def close(self) -> None:
-        self.listener.close()
+        self._gate.close()
 
 
 def from_connection_file(path: str) -> DataPlaneServer | None:

@@ -15,6 +15,7 @@ from gpupool.kernelcmd import WORKER_EXTENSION
 from gpupool.wire.nodes import GPUInfo
 
 from ..enforcement import EnforcementMode, Timeslice
+from ..process_limits import ProcessBudget
 from ..worker_user import WorkerUser, WorkerUserPool
 
 # Lease ids become file names under the state dir.
@@ -83,6 +84,10 @@ class WorkerSettings:
     no other live worker has, and works in ``state_dir/worker-homes/NAME``
     (emptied when the account goes back to the pool); a start fails with
     WorkerStartError when every account is in use. ValueError for both.
+
+    ``pids``: the node's task budget (:mod:`..process_limits`), which gives
+    each lease's worker its ``pids.max``; None: no task limit (the host's
+    cgroups cannot hold one).
     """
 
     state_dir: Path
@@ -99,6 +104,7 @@ class WorkerSettings:
     user: WorkerUser | None = None
     users: WorkerUserPool | None = None
     enforcement: EnforcementMode = field(default_factory=Timeslice)
+    pids: ProcessBudget | None = None
 
     def __post_init__(self) -> None:
         if self.user is not None and self.users is not None:
