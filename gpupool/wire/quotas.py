@@ -30,7 +30,7 @@ class Limits(Body):
         "description": "null: unlimited. When set, gpu_hours_* and max_idle_timeout also take strings with a unit "
                        "('8h', '30m')"}
 
-    max_gpus: float | None = _gpus("GPUs held or queued at once (sum of fractions)")
+    max_gpus: float | None = _gpus("GPUs held, queued or parked at once (sum of fractions)")
     max_lease_gpus: float | None = _gpus("fraction x count of one lease")
     gpu_hours_per_day: float | None = _gpus()
     gpu_hours_per_week: float | None = _gpus()
@@ -50,7 +50,7 @@ class Limits(Body):
 #: the QuotaUsage field it bounds or None)``, in the order of :attr:`Limits.KEYS`.
 #: Units: ``gpus``, ``hours`` (GPU-hours), ``seconds``, ``bytes``.
 SHOWN: tuple[tuple[str, str, str, str | None], ...] = (
-    ("max_gpus", "GPUs held (or queued)", "gpus", "holding_gpus"),
+    ("max_gpus", "GPUs held, queued or parked", "gpus", "holding_gpus"),
     ("max_lease_gpus", "one lease", "gpus", None),
     ("gpu_hours_per_day", "GPU-hours today", "hours", "today_gpu_hours"),
     ("gpu_hours_per_week", "GPU-hours this week", "hours", "week_gpu_hours"),
@@ -65,8 +65,8 @@ _TIME = {"type": "string", "format": "date-time"}
 
 @dataclass(frozen=True)
 class QuotaUsage(Body):
-    """What a user holds and has used: ``holding_gpus`` (GPUs held or
-    queued now), GPU-hours ``today_gpu_hours`` and ``week_gpu_hours`` in
+    """What a user holds and has used: ``holding_gpus`` (GPUs held,
+    queued or parked now), GPU-hours ``today_gpu_hours`` and ``week_gpu_hours`` in
     ``c.GPUPool.usage_timezone`` (``timezone``), and when each period ends
     (ISO 8601 UTC); ``parked_memory`` the host bytes their leases parked in
     memory hold now (parked time holds no GPU: it counts no GPU-hour)."""
