@@ -204,7 +204,7 @@ def test_gpu_quota_magic(busy_pool, monkeypatch):
     finally:
         ip.run_line_magic("unload_ext", "gpupool.magics")
     assert out.stdout.startswith("user ann (groups: none); days and weeks in UTC")
-    assert "GPUs held (or queued)  0.00  unlimited" in out.stdout
+    assert "GPUs held, queued or parked  0.00  unlimited" in out.stdout
 
 
 def test_the_queue_survives_a_restart(tmp_path):
