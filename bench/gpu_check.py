@@ -16,6 +16,10 @@ Steps, each recorded with its result, seconds and any error:
    worker while the same allocation succeeds in its 0.5 neighbour; under MPS
    also whether the worker could widen its own limit from a child process.
 5. The same training step timed in a slice and in a bare process: overhead in %.
+6. Park in place with each checkpointer the host has (``framework``, and
+   ``cuda-checkpoint`` when it is on PATH): a 2 GiB PyTorch model parks, NVML
+   shows its memory freed, it resumes with identical outputs; park and resume
+   GiB/s beside pinned host-to-device bandwidth (:mod:`gpu_check_park`).
 
 Without a GPU (NVML does not start, or finds none) it writes a report saying
 "no GPU found" with NVML's error and exits 0 within seconds. Steps that need
@@ -303,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(run_worker_cell(small.connection, WIDEN.format(code=ALLOCATE.format(nbytes=beyond)), 180)),
                 "WIDEN"))
             report.step("node readings after the checks", lambda: client.pool()["nodes"])
+        if time.monotonic() < deadline - 90:
+            from gpu_check_park import park_steps
+
+            park_steps(report.step, first["uuid"], inventory, python_run, value, dict(os.environ))
     finally:
         for lease in leases:
             try:

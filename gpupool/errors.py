@@ -45,6 +45,8 @@ class Reason(StrEnum):
     worker_start_failed = "worker_start_failed"
     worker_stop_failed = "worker_stop_failed"
     worker_user_unknown = "worker_user_unknown"
+    worker_busy = "worker_busy"
+    park_failed = "park_failed"
     no_inventory = "no_inventory"
     inventory_unavailable = "inventory_unavailable"
     lease_failed = "lease_failed"

@@ -32,7 +32,7 @@ from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
-from . import enforcement
+from . import checkpoint, enforcement
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccounts
 from .agent_http import advertised_ip, serve_api
@@ -46,6 +46,7 @@ from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
 from .workers import WarmSettings, WorkerManager, WorkerSettings as WorkerLaunchSettings
 from .workers import launchers
+from .workers.parking import ParkSettings
 
 
 # Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
@@ -72,6 +73,9 @@ class NodeAgent(WorkerSettings):
         "worker-launcher": "NodeAgent.worker_launcher",
         "worker-user": "NodeAgent.worker_user",
         "cgroup-mode": "NodeAgent.cgroup_mode",
+        "checkpointer": "NodeAgent.checkpointer",
+        "parked-memory": "NodeAgent.parked_memory",
+        "spill-dir": "NodeAgent.spill_dir",
         "transport-encryption": "NodeAgent.transport_encryption",
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
@@ -121,6 +125,11 @@ class NodeAgent(WorkerSettings):
             self.launcher = launchers.launcher_class(self.worker_launcher)
         except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
             raise GPUPoolError(Reason.not_configured, f"{exc} (c.NodeAgent.worker_launcher)") from None
+        try:
+            self.gpu_checkpointer = checkpoint.resolve(self.checkpointer, checkpoint.NodeFacts(
+                self.inventory.kind, self.inventory.versions().get("driver")), self.log)
+        except (ValueError, TypeError) as exc:  # cannot work here; a broken plugin
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
         self.url = ""
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
@@ -165,9 +174,9 @@ class NodeAgent(WorkerSettings):
         await self._start_workers()
         server, self.url = serve_api(self)
         service = ServiceLink(self)
-        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s); service %s",
+        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
-                      self.service_url)
+                      self.gpu_checkpointer.name, self.service_url)
         service_task = asyncio.create_task(service.run())
         self.workers.start_warm_pool()
         await stopping.wait()
@@ -199,7 +208,7 @@ class NodeAgent(WorkerSettings):
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
             enforcement=self.enforcement)
         self.workers = WorkerManager(settings, cgroups=self.containment(state_dir), launcher=self.launcher,
-                                     log=self.log)
+                                     log=self.log, parking=self.park_settings(state_dir))
         if self.accounts.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
@@ -207,13 +216,25 @@ class NodeAgent(WorkerSettings):
             self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
                           ", ".join(w.spec.lease_id for w in adopted))
 
+    def park_settings(self, state_dir: Path) -> ParkSettings:
+        """How this node parks (``checkpointer``, ``parked_memory``, ``spill_dir``, ``park_headroom``)."""
+        total = self.host_totals()[1]
+        return ParkSettings(self.gpu_checkpointer, self.parked_budget(), Path(self.spill_dir or state_dir / "spill"),
+                            self.park_headroom if self.park_headroom is not None else max(1 << 30, total // 20),
+                            self.inventory.process_memory)
+
+    def parked_budget(self) -> int:
+        """``parked_memory``, or a quarter of the host's memory."""
+        return self.parked_memory if self.parked_memory is not None else self.host_totals()[1] // 4
+
     def registration(self) -> NodeRegistration:
         """What ``POST /nodes`` tells the service of this node."""
         cpus, memory = self.host_totals()
         return NodeRegistration(self.node_name, self.url, self.inventory.kind, **self.enforcement.registration(),
                                 gpus=tuple(self.gpus.values()), workers=tuple(self.worker_reports()),
                                 inventory_error=self.inventory.error, environments=tuple(self.worker_environments),
-                                host_cpus=cpus, host_memory=memory)
+                                host_cpus=cpus, host_memory=memory, checkpointer=self.gpu_checkpointer.info(),
+                                parked_memory=self.parked_budget())
 
     def host_totals(self) -> tuple[float, int]:
         """``(cores, bytes)`` this node offers leases (:func:`.host_limits.host_totals`)."""
@@ -224,7 +245,8 @@ class NodeAgent(WorkerSettings):
         usage = self.inventory.process_usage()  # one NVML process listing per heartbeat
         reports = self.workers.reports(memory_by_pid(usage))
         gpus = self.gpu_metrics(usage)
-        bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids())
+        bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids()
+                               if self.workers.get(lease).parked is None)
         self.metrics.update(self.gpus.values(), gpus, bound, self.inventory.error, reports)
         return Heartbeat(tuple(reports), tuple(GPUReading.of(g) for g in gpus), self.inventory.error)
 
@@ -253,8 +275,10 @@ class NodeAgent(WorkerSettings):
             return metrics
         live = {lease: self.workers.get(lease) for lease in self.workers.lease_ids()}
         live = {lease: worker for lease, worker in live.items() if not worker.dead}
+        watched = {lease: worker for lease, worker in live.items() if worker.parked is None}
         result = attribute(usage, {lease: w.pid for lease, w in live.items()}, read_parents())
-        for lease, reason in self.enforcement.over_limit(result.memory, {l: w.spec.memory for l, w in live.items()}):
+        for lease, reason in self.enforcement.over_limit({l: m for l, m in result.memory.items() if l in watched},
+                                                         {l: w.spec.memory for l, w in watched.items()}):
             self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
             self.stop_workers([lease])
         return add_unattributed(metrics, result, self.inventory.process_known())

@@ -1,5 +1,6 @@
-"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, ``/health``,
-``/metrics``, and the server that listens for it (:func:`serve_api`).
+"""The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, a worker's
+``park`` and ``resume`` (docs/parking.md), ``/health``, ``/metrics``, and the
+server that listens for it (:func:`serve_api`).
 
 Every handler but ``/health`` needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
@@ -23,6 +24,7 @@ from gpupool import httpin
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.jsonhandler import JSONHandler
 from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
+from gpupool.wire.parking import ParkRequest
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 from . import environments as worker_envs
@@ -91,19 +93,13 @@ class AgentHandler(JSONHandler):
                                401)
         self.start_body()
 
-
-@web.stream_request_body
-class WorkersHandler(AgentHandler):
-    """``GET /workers`` and ``POST /workers``."""
-
-    async def get(self) -> None:
-        self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
-
-    async def post(self) -> None:
+    async def worker_spec(self, request: WorkerRequest) -> WorkerSpec:
+        """The worker ``request`` asks for on this node, checked against it
+        (its GPUs, environments, host, enforcement mode); 400 naming the
+        field, 503 ``inventory_unavailable`` while the GPUs cannot be read."""
         if self.agent.inventory.error:
             raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
                                f"{self.agent.inventory.error}", 503)
-        request = WorkerRequest.from_json(self.json_body())
         spec = worker_spec(request, self.agent.gpus)
         python = python_for(self.agent.worker_environments, request.env)
         user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
@@ -113,6 +109,18 @@ class WorkersHandler(AgentHandler):
             self.agent.enforcement.check(spec.fraction)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+        return spec
+
+
+@web.stream_request_body
+class WorkersHandler(AgentHandler):
+    """``GET /workers`` and ``POST /workers``."""
+
+    async def get(self) -> None:
+        self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
+
+    async def post(self) -> None:
+        spec = await self.worker_spec(WorkerRequest.from_json(self.json_body()))
         try:
             worker = await self.agent.workers.start(spec)
         except WorkerStartError as exc:
@@ -131,6 +139,35 @@ class WorkerHandler(AgentHandler):
         except WorkerStopError as exc:
             raise GPUPoolError(Reason.worker_stop_failed, str(exc), 500) from None
         self.write_json(WorkerStopped(lease_id, code).to_json())
+
+
+@web.stream_request_body
+class ParkHandler(AgentHandler):
+    """``POST /workers/{lease_id}/park``: a ParkRequest -> WorkerParked (docs/parking.md)."""
+
+    async def post(self, lease_id: str) -> None:
+        request = ParkRequest.from_json(self.json_body())
+        try:
+            parked = await self.agent.workers.park(lease_id, request)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        self.write_json(parked.to_json())
+
+
+@web.stream_request_body
+class ResumeHandler(AgentHandler):
+    """``POST /workers/{lease_id}/resume``: a WorkerRequest (the GPUs and limits granted now) -> WorkerResumed."""
+
+    async def post(self, lease_id: str) -> None:
+        request = WorkerRequest.from_json(self.json_body())
+        if request.lease_id != lease_id:
+            raise bad_request(f"'lease_id' must be the lease of the path, {lease_id!r}, got {request.lease_id!r:.60}")
+        spec = await self.worker_spec(request)
+        try:
+            resumed = await self.agent.workers.resume(lease_id, spec)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id}") from None
+        self.write_json(resumed.to_json())
 
 
 class HealthHandler(AgentHandler):
@@ -166,8 +203,9 @@ class NotFoundHandler(AgentHandler):
 
 
 def agent_routes() -> list[tuple[str, type]]:
-    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler), (r"/health", HealthHandler),
-            (r"/metrics", MetricsHandler)]
+    return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler),
+            (r"/workers/([^/]+)/park", ParkHandler), (r"/workers/([^/]+)/resume", ResumeHandler),
+            (r"/health", HealthHandler), (r"/metrics", MetricsHandler)]
 
 
 def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:

@@ -284,3 +284,101 @@ def test_each_kind_counts_the_oom_kills_of_its_memory_limit(tree):
 def test_no_cgroup_cannot_tell_an_oom_kill(tmp_path, caplog):
     group = NoContainment("a test", logging.getLogger("test")).create("lease-L-none")
     assert group.oom_kills() is None
+
+
+# Counts up in a file, forever, from a process and a setsid daemon of its own.
+COUNTER = ("import os, sys, time\npath = sys.argv[1]\nif os.fork() == 0:\n    os.setsid(); path += '.daemon'\n"
+           "n = 0\nwhile True:\n    n += 1\n    open(path + '.tmp', 'w').write(str(n)); os.replace(path + '.tmp', path)\n"
+           "    time.sleep(0.01)\n")
+
+
+def counts(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def start_counter(tmp_path: Path, group: cgroups.LeaseCgroup) -> tuple[subprocess.Popen, list[Path]]:
+    """A counting process (and its setsid daemon) in ``group``, both counting already."""
+    path = tmp_path / f"count-{group.name}"
+    gate = subprocess.Popen([sys.executable, "-c", "import sys, os; sys.stdin.readline(); os.execv(sys.executable, "
+                             f"[sys.executable, '-c', {COUNTER!r}, {str(path)!r}])"], stdin=subprocess.PIPE,
+                            start_new_session=True)
+    group.add(gate.pid)
+    gate.stdin.write(b"go\n")
+    gate.stdin.close()
+    files = [path, path.with_name(path.name + ".daemon")]
+    wait_until(lambda: all(counts(f) > 2 for f in files), "both processes counting")
+    return gate, files
+
+
+def test_freeze_stops_every_process_where_it_is_and_thaw_lets_them_go_on(tree, tmp_path):
+    group = tree.create("lease-L-freeze")
+    shell, files = start_counter(tmp_path, group)
+    assert not group.frozen()
+    group.freeze()
+    assert group.frozen() and tree.find("lease-L-freeze").frozen(), "the kernel keeps the state"
+    before = [counts(f) for f in files]
+    time.sleep(0.4)
+    assert [counts(f) for f in files] == before, "a frozen process ran"
+    assert len(group.pids()) == 2 and shell.pid in group.pids(), "frozen, still in their cgroup"
+    group.thaw()
+    assert not group.frozen()
+    wait_until(lambda: all(counts(f) > b + 3 for f, b in zip(files, before)), "both counting again")
+    group.kill()
+    shell.wait(5)
+    group.remove()
+
+
+def test_a_frozen_cgroup_is_killed_and_limits_set_while_frozen_hold_after_the_thaw(tree):
+    group = tree.create("lease-L-frozen-limits")
+    hog = subprocess.Popen([sys.executable, "-c", OVERFILL], stdin=subprocess.PIPE)
+    group.add(hog.pid)
+    group.freeze()
+    try:
+        group.set_limits(memory=64 * 2**20)  # what a resume does before it thaws
+    except CgroupError as exc:
+        group.thaw()
+        hog.kill()
+        pytest.skip(f"no memory controller here: {exc}")
+    group.add(hog.pid)  # hybrid: set_limits moved it to the v1 memory cgroup
+    hog.stdin.write(b"go\n")
+    hog.stdin.close()
+    time.sleep(0.3)
+    assert hog.poll() is None, "frozen: it cannot even read its stdin"
+    group.thaw()
+    assert hog.wait(30) == -signal.SIGKILL and group.oom_kills() == 1
+    sleeper = subprocess.Popen(["sleep", "60"])
+    group.add(sleeper.pid)
+    group.freeze()
+    assert group.kill() == [] and sleeper.wait(5) == -signal.SIGKILL, "a frozen cgroup dies at once"
+    group.remove()
+
+
+def test_without_a_cgroup_freeze_is_sigstop_of_the_process_tree(tmp_path, caplog):
+    group = NoContainment("a test", logging.getLogger("test")).create("lease-L-stop")
+    assert "SIGSTOP" in group.freeze_method
+    shell, files = start_counter(tmp_path, _Adding(group))
+    group.freeze()
+    assert group.frozen() and psutil.Process(shell.pid).status() == psutil.STATUS_STOPPED
+    before = [counts(f) for f in files]
+    time.sleep(0.4)
+    assert [counts(f) for f in files] == before, "its child (a session of its own, still its child) stopped too"
+    group.thaw()
+    wait_until(lambda: all(counts(f) > b + 3 for f, b in zip(files, before)), "counting again")
+    group.kill()
+    shell.wait(5)
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(files[0]) in " ".join(proc.info["cmdline"] or ()):
+            proc.kill()
+
+
+class _Adding:
+    """A GroupOnly whose ``add`` happens after the start (it has no start gate), for :func:`start_counter`."""
+
+    def __init__(self, group) -> None:
+        self.group, self.name = group, group.name
+
+    def add(self, pid: int) -> None:
+        self.group.add(pid)

@@ -53,12 +53,13 @@ def test_uuids_are_stable_per_node_and_index():
     assert first[1].uuid == simulated_uuid("node-1", 1)
 
 
-def test_simulated_metrics_are_unknown_not_zero():
+def test_simulated_metrics_read_simulated_memory_and_leave_utilization_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(tmp_path))
     inventory = SimulatedInventory("2xA100-80GB", "node-1")
     assert inventory.kind == "simulated"
-    assert inventory.metrics() == [{"uuid": g.uuid, "memory_used": None, "utilization": None}
+    assert inventory.metrics() == [{"uuid": g.uuid, "memory_used": 0, "utilization": None}
                                    for g in inventory.discover()]
-    assert inventory.process_memory() == {}
+    assert inventory.process_memory() == {} and inventory.process_usage() == []
 
 
 @pytest.mark.parametrize("spec, words", [

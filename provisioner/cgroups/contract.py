@@ -60,6 +60,27 @@ class LeaseCgroup(ABC):
         raise CgroupError(f"host CPU and memory limits need a cgroup, and this agent runs without one "
                           f"(c.NodeAgent.cgroup_mode = {self.kind!r})")
 
+    def freeze(self, timeout: float = 10.0) -> None:
+        """Stop every process of the cgroup where it is (a park): none runs
+        until :meth:`thaw`, and the memory and pids limits still hold while
+        it is frozen. Returns once all are frozen; CgroupError (the cgroup
+        thawed again) when they are not within ``timeout`` seconds (a task
+        stuck in the kernel, say), or when this kind cannot freeze. Blocking."""
+        raise CgroupError(f"this kind of cgroup ({self.kind}) cannot freeze its processes")
+
+    def thaw(self) -> None:
+        """Let the processes of a frozen cgroup run again; no error when it is
+        not frozen. CgroupError when the kernel refuses."""
+        raise CgroupError(f"this kind of cgroup ({self.kind}) cannot thaw its processes")
+
+    def frozen(self) -> bool:
+        """True while the cgroup is frozen (as :meth:`freeze` left it; after an
+        agent restart too: the kernel keeps the state)."""
+        return False
+
+    #: How :meth:`freeze` stops the processes, in words for the log.
+    freeze_method = "nothing"
+
     def oom_kills(self) -> int | None:
         """How many of the cgroup's processes the kernel's OOM killer has
         killed so far (its memory limit reached, or the host's memory); None

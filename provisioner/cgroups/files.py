@@ -134,6 +134,16 @@ def subdirs(root: Path) -> list[str]:
         return []
 
 
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``condition()`` until it holds or ``timeout`` seconds passed; returns whether it held."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S / 4)
+    return True
+
+
 def wait_empty(pids: Callable[[], set[int]], deadline: float) -> list[int]:
     """Poll ``pids()`` until it is empty or ``deadline`` (monotonic) passed;
     returns what is left, sorted."""

@@ -10,8 +10,8 @@ import time
 
 import psutil
 
-from .contract import Containment, LeaseCgroup
-from .files import live, wait_empty
+from .contract import CgroupError, Containment, LeaseCgroup
+from .files import live, wait_empty, wait_until
 
 
 class GroupOnly(LeaseCgroup):
@@ -19,10 +19,13 @@ class GroupOnly(LeaseCgroup):
     processes added, as found at kill time (the weaker mode)."""
 
     confines = False
+    freeze_method = ("SIGSTOP of its process group and tree (no cgroup: a process that left them runs on, and "
+                     "anyone allowed to signal them can resume them)")
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._leaders: list[psutil.Process] = []
+        self._stopped: list[psutil.Process] = []
 
     def add(self, pid: int) -> None:
         try:
@@ -62,6 +65,38 @@ class GroupOnly(LeaseCgroup):
 
     def remove(self) -> None:
         self._leaders.clear()
+
+    def freeze(self, timeout: float = 10.0) -> None:
+        tree = self._tree()
+        self._signal(tree, signal.SIGSTOP)
+        self._stopped = tree
+        if not wait_until(lambda: all(_stopped(proc) for proc in tree), timeout):
+            self.thaw()
+            raise CgroupError(f"the processes of {self.name} did not stop within {timeout:g}s; they run on")
+
+    def thaw(self) -> None:
+        # The leaders' trees again: after an agent restart this handle never stopped them itself.
+        self._signal({p.pid: p for p in [*self._stopped, *self._tree()]}.values(), signal.SIGCONT)
+        self._stopped = []
+
+    def frozen(self) -> bool:
+        tree = self._tree()
+        return bool(tree) and all(_stopped(proc) for proc in tree)
+
+    @staticmethod
+    def _signal(procs, signum: int) -> None:
+        for proc in procs:
+            try:
+                proc.send_signal(signum)  # psutil checks the start time: never a reused pid
+            except psutil.Error:
+                pass
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return True  # gone: nothing left to stop
 
 
 class NoContainment(Containment):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .contract import CgroupError, Containment, LeaseCgroup
 from .files import (POLL_S, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs,
-                    wait_empty, write)
+                    wait_empty, wait_until, write)
 
 
 class V1Cgroup(LeaseCgroup):
@@ -17,6 +17,7 @@ class V1Cgroup(LeaseCgroup):
 
     kind = "v1"
     confines = True
+    freeze_method = "cgroup v1 freezer.state"
 
     def __init__(self, name: str, paths: dict[str, Path]) -> None:
         super().__init__(name)
@@ -61,6 +62,23 @@ class V1Cgroup(LeaseCgroup):
     def remove(self) -> None:
         for path in self.paths.values():
             rmdir_tree(path)
+
+    def freeze(self, timeout: float = 10.0) -> None:
+        write(self.freezer / "freezer.state", "FROZEN")
+        if not wait_until(self.frozen, timeout):
+            self.thaw()
+            raise CgroupError(f"the processes of {self.freezer} did not freeze within {timeout:g}s (one may be "
+                              f"stuck in the kernel); they run on")
+
+    def thaw(self) -> None:
+        if self.freezer.exists():
+            write(self.freezer / "freezer.state", "THAWED")
+
+    def frozen(self) -> bool:
+        try:  # FREEZING until every task has stopped
+            return (self.freezer / "freezer.state").read_text().strip() == "FROZEN"
+        except OSError:
+            return False
 
     def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
         for name, value in (("memory", memory), ("cpu", cpu)):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .contract import CgroupError, Containment, LeaseCgroup
 from .files import (POLL_S, counter, fresh, live, make_dirs, procs, rmdir_quietly, rmdir_tree, sigkill, subdirs,
-                    wait_empty, write)
+                    wait_empty, wait_until, write)
 
 
 class V2Cgroup(LeaseCgroup):
@@ -16,6 +16,7 @@ class V2Cgroup(LeaseCgroup):
 
     kind = "v2"
     confines = True
+    freeze_method = "cgroup v2 cgroup.freeze"
 
     def __init__(self, name: str, path: Path) -> None:
         super().__init__(name)
@@ -53,6 +54,21 @@ class V2Cgroup(LeaseCgroup):
 
     def remove(self) -> None:
         rmdir_tree(self.path)
+
+    def freeze(self, timeout: float = 10.0) -> None:
+        write(self.path / "cgroup.freeze", "1")
+        # Frozen once cgroup.events says so: every task has stopped (cgroup-v2.rst, "Freezer").
+        if not wait_until(lambda: counter(self.path / "cgroup.events", "frozen") == 1, timeout):
+            self.thaw()
+            raise CgroupError(f"the processes of {self.path} did not freeze within {timeout:g}s (one may be stuck "
+                              f"in the kernel); they run on")
+
+    def thaw(self) -> None:
+        if self.path.exists():
+            write(self.path / "cgroup.freeze", "0")
+
+    def frozen(self) -> bool:
+        return counter(self.path / "cgroup.freeze", "") == 1
 
     def set_limits(self, cpu: float | None = None, memory: int | None = None) -> None:
         wanted = [name for name, value in (("cpu", cpu), ("memory", memory)) if value is not None]

@@ -4,6 +4,13 @@ Everything but CUDA itself runs for real on such a node: the agent registers
 these GPUs, the service places slices on them, workers start with the slice's
 environment. The table below gives each model the name, memory and compute
 capability NVML reports for it, so what users see looks like a real pool.
+
+Its memory readings are those of the simulated device memory workers hold
+(:mod:`..simgpu`): each allocation file's resident pages, per process and per
+GPU, as NVML's process list and ``memory.used`` would give them (so a park,
+which moves those pages out, shows the GPU memory freed). Utilization stays
+unknown: nothing computes on a simulated GPU. Each reading first sweeps the
+files of processes that are gone.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from typing import Any
 
 from gpupool.wire.nodes import GPUInfo
 
+from .. import simgpu_store
+from ..attribution import GPUProcess, memory_by_pid
 from .base import Inventory, InventoryError, InventoryOptions
 
 MiB = 1024**2
@@ -119,18 +128,48 @@ class SimulatedInventory(Inventory):
 
     @classmethod
     def create(cls, options: InventoryOptions) -> "SimulatedInventory":
-        """The GPUs of ``options.simulate`` (``--simulate``): InventoryError without one, or for a bad one."""
+        """The GPUs of ``options.simulate`` (``--simulate``), their simulated
+        memory's folders made (:func:`..simgpu_store.prepare`): InventoryError
+        without one, for a bad one, or when the folders cannot be made."""
         if not options.simulate:
             raise InventoryError("the simulated inventory declares the GPUs of --simulate, e.g. "
                                  "--simulate=2xA100-80GB (c.NodeAgent.simulate); none is set")
         try:
-            return cls(options.simulate, options.node_name)
+            made = cls(options.simulate, options.node_name)
         except ValueError as exc:
             raise InventoryError(f"bad --simulate value: {exc}") from None
+        try:
+            simgpu_store.prepare([gpu.uuid for gpu in made._gpus])  # the agent's: before any worker makes it
+        except OSError as exc:
+            raise InventoryError(f"cannot make the simulated GPU memory's folder {simgpu_store.root()}: "
+                                 f"{exc.strerror or exc} (GPUPOOL_SIMGPU_ROOT)") from None
+        return made
 
     def discover(self) -> list[GPUInfo]:
         return list(self._gpus)
 
     def metrics(self) -> list[dict[str, Any]]:
-        # No process ever runs on a simulated GPU: usage is unknown, not zero.
-        return [{"uuid": gpu.uuid, "memory_used": None, "utilization": None} for gpu in self._gpus]
+        """Per GPU the bytes its simulated memory holds; utilization unknown (None, never 0)."""
+        used = dict.fromkeys((gpu.uuid for gpu in self._gpus), 0)
+        for allocation in self._allocations():
+            used[allocation.gpu] += allocation.resident
+        return [{"uuid": gpu.uuid, "memory_used": used[gpu.uuid], "utilization": None} for gpu in self._gpus]
+
+    def process_usage(self) -> list[GPUProcess]:
+        """One record per process and GPU holding simulated memory (its resident bytes; no SM reading)."""
+        per: dict[tuple[str, int], int] = {}
+        for allocation in self._allocations():
+            key = (allocation.gpu, allocation.pid)
+            per[key] = per.get(key, 0) + allocation.resident
+        return [GPUProcess(gpu, pid, pid, memory) for (gpu, pid), memory in sorted(per.items())]
+
+    def process_memory(self) -> dict[int, int]:
+        return memory_by_pid(self.process_usage())
+
+    def process_known(self) -> set[str]:
+        return {gpu.uuid for gpu in self._gpus}
+
+    def _allocations(self) -> list[simgpu_store.Allocation]:
+        """This node's GPUs' allocation files, after sweeping those of processes that are gone."""
+        simgpu_store.sweep()
+        return simgpu_store.allocations(gpus={gpu.uuid for gpu in self._gpus})

@@ -1,14 +1,16 @@
 """The worker's end of the ``gpupool.transfer`` comm: one request per comm
 (its open message), answered and closed. Ops: ``push``, ``pull`` and
 ``pull_all`` move variables (:mod:`.namespace`); ``have``, ``versions`` and
-``attach`` are the remoting ops of issue 6 (REMOTING_OPS)."""
+``attach`` are the remoting ops of issue 6 (REMOTING_OPS); ``park_gpu``,
+``resume_gpu``, ``spill`` and ``load_spill`` are the agent's, for parking
+(:mod:`.offload`, :mod:`.spill`; PARKING_OPS)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from . import dataplane
+from . import dataplane, offload, spill
 from gpupool.transfer import load_values, package_versions
 
 from .devices import place_on_devices
@@ -36,6 +38,8 @@ def serve(ip, comm, msg, plane=None) -> None:
             comm.send({"ok": True, "header": header}, buffers=buffers)
         elif op in REMOTING_OPS:
             comm.send(REMOTING_OPS[op](ip, data))
+        elif op in PARKING_OPS:
+            comm.send(PARKING_OPS[op](ip, data))
         else:
             comm.send({"ok": False, "message": f"unknown transfer op {op!r}"})
     except dataplane.TransferError as exc:  # its words are for the user as they are
@@ -69,3 +73,8 @@ def _attach(ip, data: dict[str, Any]) -> dict[str, Any]:
 
 
 REMOTING_OPS = {"have": _have, "versions": _versions, "attach": _attach}
+#: The agent's ops while it parks this worker: GPU memory to host memory and back
+#: (the framework checkpointer), the namespace to a spill file and back.
+PARKING_OPS = {"park_gpu": lambda ip, data: offload.park(), "resume_gpu": lambda ip, data: offload.resume(),
+               "spill": lambda ip, data: spill.save(ip, str(data["path"])),
+               "load_spill": lambda ip, data: spill.load(ip, str(data["path"]))}

@@ -18,7 +18,14 @@ def device_of(value: Any) -> str | None:
     (its first parameter's device) and for any object with a ``device``
     attribute and a ``to(device)`` method (the duck type tests use without a
     GPU); ``"cupy:cuda:N"`` for a CuPy array; ``"jax:PLATFORM:N"`` for a JAX
-    array on an accelerator. The prefix says which library puts it back."""
+    array on an accelerator; ``"simgpu:N"`` for an array in simulated GPU
+    memory (:mod:`gpupool.provisioner.simgpu`). A PyTorch tensor (or module)
+    that the ``framework`` checkpointer moved to host memory while its worker
+    is parked says the device it came off (:mod:`.offload`). The prefix says
+    which library puts it back."""
+    simgpu = sys.modules.get("gpupool.provisioner.simgpu")
+    if simgpu is not None and _framework(value) == "numpy" and (index := simgpu.device_of(value)) is not None:
+        return f"simgpu:{index}"
     if _framework(value) == "cupy" and hasattr(value, "get"):
         return f"cupy:cuda:{value.device.id}"
     if _framework(value) in ("jax", "jaxlib") and callable(getattr(value, "devices", None)):
@@ -26,11 +33,16 @@ def device_of(value: Any) -> str | None:
         return None if first.platform == "cpu" else f"jax:{first.platform}:{first.id}"
     torch = sys.modules.get("torch")
     device: Any = None
+    first = value
     if torch is not None and isinstance(value, torch.nn.Module):
         first = next(itertools.chain(value.parameters(), value.buffers()), None)
         device = None if first is None else first.device
     elif callable(getattr(value, "to", None)) and not isinstance(value, type):
         device = getattr(value, "device", None)
+    offload = sys.modules.get(f"{__package__}.offload")
+    parked = offload.parked_device(first) if offload is not None and first is not None else None
+    if parked is not None:  # in host memory while its worker is parked: it belongs on that device
+        return parked
     if device is None:
         return None
     text = str(device)
@@ -45,6 +57,8 @@ def to_cpu_with_device(value: Any) -> tuple[Any, str | None]:
         return value, None
     if device.startswith("cupy:"):
         return value.get(), device  # a NumPy array in host memory
+    if device.startswith("simgpu:"):
+        return sys.modules["gpupool.provisioner.simgpu"].to_host(value), device
     if device.startswith("jax:"):
         import numpy
 
@@ -71,6 +85,10 @@ def _to_device(value: Any, device: str) -> Any:
     """Put a CPU value back where :func:`device_of` said it was; raises when
     that device (or its library) is not usable here."""
     library, _, where = device.partition(":")
+    if library == "simgpu":
+        from gpupool.provisioner import simgpu
+
+        return simgpu.asarray(value, int(where))
     if library == "cupy":
         import cupy
 

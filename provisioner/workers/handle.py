@@ -17,6 +17,7 @@ from ..cgroups import LeaseCgroup
 from ..cgroups.none import GroupOnly
 from ..worker_user import WorkerUser
 from .kernel import connection_info
+from .parkstate import Parked
 from .process import WorkerProcess
 from .records import WorkerRecord
 from .spec import WorkerSpec
@@ -53,6 +54,7 @@ class Worker:
         self.death: str | None = None  # once dead by itself: why, in words for the user (out of memory...)
         self.stopping = False  # the agent is stopping it: its exit is no death to report
         self.watcher: asyncio.Future | None = None
+        self.parked: Parked | None = None  # parked in memory: frozen, its GPU state in host memory
 
     @property
     def pid(self) -> int:
@@ -76,16 +78,21 @@ class Worker:
         return WorkerRecord(spec.lease_id, spec.owner, spec.gpus, spec.fraction, spec.memory, self.pid,
                             self.process.create_time(), str(self.manager.connection_file), str(self.log_path),
                             self.cgroup.name if self.cgroup.confines else "",
-                            self.user.name if self.user is not None else "")
+                            self.user.name if self.user is not None else "",
+                            self.parked.to_json() if self.parked is not None else None)
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
         """This worker as a heartbeat's WorkerReport."""
         if self.dead:
             return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code,
                                 reason=self.death or self.process.exit_note)
-        return WorkerReport(self.spec.lease_id, self.pid, self.activity.execution_state,
+        parked = self.parked
+        return WorkerReport(self.spec.lease_id, self.pid,
+                            self.activity.execution_state if parked is None else parked.execution_state,
                             idle_since=self.activity.idle_since_iso(), memory_used=memory_used,
-                            cell_started=self.activity.cell_started_iso(), cells=self.activity.cells_iso())
+                            cell_started=self.activity.cell_started_iso(), cells=self.activity.cells_iso(),
+                            parked=None if parked is None else "memory",
+                            parked_host_bytes=None if parked is None else parked.host_bytes)
 
     def log_tail(self, lines: int = 8) -> str:
         """The last lines the worker wrote to stdout/stderr (empty if none)."""

@@ -1,5 +1,5 @@
 """The workers of one node: which lease has which worker, and the calls the
-agent makes (start, stop, reports, recover)."""
+agent makes (start, stop, park, resume, reports, recover)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import logging
 import time
 from typing import Mapping
 
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.wire.nodes import WorkerReport
+from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 
 from ..cgroups import Containment, containment
 from ..host_limits import enforce as enforce_host_limits
@@ -18,6 +20,7 @@ from .handle import Worker
 from .kernel import KernelManagers
 from .launchers import WorkerLauncher
 from .launchers.local import LocalLauncher
+from .parking import Parking, ParkSettings
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerSettings, WorkerSpec, WorkerStartError
 from .stopping import Reaper, quietly
@@ -33,14 +36,17 @@ class WorkerManager:
     ``launcher``: the class that starts them (:mod:`.launchers`, chosen by
     ``c.NodeAgent.worker_launcher``; default the ``local`` one).
     The warm pool (``settings.warm``) starts filling on
-    :meth:`start_warm_pool`.
+    :meth:`start_warm_pool`. ``parking``: how this node parks workers in
+    place (:class:`~.parking.ParkSettings`; None: it does not, and
+    :meth:`park` refuses).
 
     All methods run on the agent's event loop; calls for the same lease are
     serialized, calls for different leases run concurrently.
     """
 
     def __init__(self, settings: WorkerSettings, *, cgroups: Containment | None = None,
-                 launcher: type[WorkerLauncher] = LocalLauncher, log: logging.Logger | None = None) -> None:
+                 launcher: type[WorkerLauncher] = LocalLauncher, log: logging.Logger | None = None,
+                 parking: ParkSettings | None = None) -> None:
         self.settings = settings
         self.log = log or logging.getLogger("gpupool.agent")
         self.workers_dir = settings.workers_dir
@@ -58,6 +64,7 @@ class WorkerManager:
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
+        self.parking = Parking(parking, self, self.log) if parking is not None else None
         warm = settings.warm
         self.pool: WarmPool[Worker] = WarmPool(warm.size, warm.max_age, launch=self._launcher.warm,
                                                discard=self._reaper.terminate, alive=lambda w: not w.process.exited(),
@@ -69,8 +76,16 @@ class WorkerManager:
         """The worker of ``lease_id``; KeyError when there is none."""
         return self._workers[lease_id]
 
+    def find(self, lease_id: str) -> Worker | None:
+        """The worker of ``lease_id``, or None (none, or spilled to disk)."""
+        return self._workers.get(lease_id)
+
     def lease_ids(self) -> list[str]:
         return list(self._workers)
+
+    def spilled_ids(self) -> list[str]:
+        """The leases whose parked worker was spilled to disk (no process)."""
+        return list(self.parking.spilling.spilled) if self.parking is not None else []
 
     def poll(self) -> list[Worker]:
         """Notice workers that exited by themselves; returns the newly dead.
@@ -100,6 +115,8 @@ class WorkerManager:
                 if any(pid in process_memory for pid in pids):
                     memory = sum(process_memory.get(pid, 0) for pid in pids)
             result.append(worker.report(memory))
+        if self.parking is not None:
+            result += self.parking.spilling.reports()
         return result
 
     # -- start ------------------------------------------------------------------
@@ -111,36 +128,45 @@ class WorkerManager:
         Idempotent: a live worker of the same lease is returned as it is (a
         dead one is replaced). Raises :class:`~.spec.WorkerStartError` with
         the reason when the kernel does not come up within
-        ``start_timeout``; nothing is left running then.
+        ``start_timeout``; nothing is left running then. A 400 GPUPoolError
+        for a lease whose worker is parked (it resumes instead).
         """
         if self._closing:
             raise WorkerStartError("the agent is shutting down")
         async with self._lock(spec.lease_id):
-            if self._closing:
-                raise WorkerStartError("the agent is shutting down")
             existing = self._workers.get(spec.lease_id)
-            if existing is not None:
-                self.poll()
-                if not existing.dead:
-                    if existing.spec != spec:
-                        self.log.warning("lease %s already has a worker with other limits; keeping it",
-                                         spec.lease_id)
-                    return existing
-                await self._reaper.terminate(self._workers.pop(spec.lease_id))
-            began = time.monotonic()
-            # Warm workers run the agent's Python as the manager's user.
-            worker = await self._from_pool(spec) if spec.python is None and spec.user is None else None
-            how = "warm" if worker is not None else "cold"
-            if worker is None:
-                worker = await self._launcher.cold(spec)
-            await asyncio.to_thread(enforce_host_limits, worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory,
-                                    self.log)
-            self._workers[spec.lease_id] = worker
-            worker.record().write(self.workers_dir)
-            self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
-                          "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
-                          worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
-            return worker
+            if spec.lease_id in self.spilled_ids() or existing is not None and existing.parked is not None:
+                raise GPUPoolError(Reason.bad_request, f"the worker of lease {spec.lease_id} is parked: POST "
+                                   f"/workers/{spec.lease_id}/resume brings it back", 400)
+            return await self.start_locked(spec)
+
+    async def start_locked(self, spec: WorkerSpec) -> Worker:
+        """:meth:`start`, for a caller that holds the lease's lock (a resume from disk)."""
+        if self._closing:
+            raise WorkerStartError("the agent is shutting down")
+        existing = self._workers.get(spec.lease_id)
+        if existing is not None:
+            self.poll()
+            if not existing.dead:
+                if existing.spec != spec:
+                    self.log.warning("lease %s already has a worker with other limits; keeping it",
+                                     spec.lease_id)
+                return existing
+            await self._reaper.terminate(self._workers.pop(spec.lease_id))
+        began = time.monotonic()
+        # Warm workers run the agent's Python as the manager's user.
+        worker = await self._from_pool(spec) if spec.python is None and spec.user is None else None
+        how = "warm" if worker is not None else "cold"
+        if worker is None:
+            worker = await self._launcher.cold(spec)
+        await asyncio.to_thread(enforce_host_limits, worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory,
+                                self.log)
+        self._workers[spec.lease_id] = worker
+        worker.record().write(self.workers_dir)
+        self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
+                      "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
+                      worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
+        return worker
 
     def start_warm_pool(self) -> None:
         """Start filling the warm pool in the background (no-op for size 0).
@@ -189,7 +215,13 @@ class WorkerManager:
         adopted = await self._recovery.recover()
         for worker in adopted:
             self._workers[worker.spec.lease_id] = worker
-        return adopted
+        if self.parking is not None:
+            for spill in self.parking.spilling.recover():
+                if spill.lease_id in self._workers:  # killed after the spill was saved, before its worker ended
+                    self.log.warning("lease %s was spilled to disk: stopping its worker", spill.lease_id)
+                    await self.stop_locked(spill.lease_id)
+                    self.parking.spilling.spilled[spill.lease_id] = spill
+        return [worker for worker in adopted if worker.spec.lease_id in self._workers]
 
     # -- stop -------------------------------------------------------------------
 
@@ -198,29 +230,100 @@ class WorkerManager:
         gone; returns its exit code (negative: killed by that signal).
 
         Graceful first (interrupt, ``shutdown_request``), SIGTERM and SIGKILL
-        after ``stop_timeout``. Raises KeyError for an unknown lease and
-        :class:`~.spec.WorkerStopError` when a process survives SIGKILL.
+        after ``stop_timeout``; a worker parked in memory is killed where it
+        is frozen and what its checkpointer holds is dropped; a spilled one's
+        files are removed (exit code None). Raises KeyError for an unknown
+        lease and :class:`~.spec.WorkerStopError` when a process survives
+        SIGKILL.
         """
-        lock = self._lock(lease_id)
-        async with lock:
-            worker = self._workers.get(lease_id)
-            if worker is None:
-                self._locks.pop(lease_id, None)
-                raise KeyError(lease_id)
-            try:
-                code = await self._reaper.terminate(worker)
-            finally:
-                self._workers.pop(lease_id, None)
+        async with self._lock(lease_id):
+            code = await self.stop_locked(lease_id)
         self._locks.pop(lease_id, None)
+        return code
+
+    async def stop_locked(self, lease_id: str) -> int | None:
+        """:meth:`stop`, for a caller that holds the lease's lock."""
+        worker = self._workers.get(lease_id)
+        if worker is None:
+            if self.parking is not None and self.parking.spilling.remove(lease_id):
+                return None
+            self._locks.pop(lease_id, None)
+            raise KeyError(lease_id)
+        try:
+            if self.parking is not None:
+                await self.parking.release(worker)
+            code = await self._reaper.terminate(worker)
+        finally:
+            self._workers.pop(lease_id, None)
         self.log.info("worker for lease %s stopped (exit code %s)", lease_id, code)
         return code
+
+    # -- park and resume (docs/parking.md) -------------------------------------------
+
+    def _parking(self) -> Parking:
+        if self.parking is None:
+            raise GPUPoolError(Reason.not_configured, "this agent does not park workers in place", 409)
+        return self.parking
+
+    async def park(self, lease_id: str, request: ParkRequest) -> WorkerParked:
+        """Park the worker of ``lease_id`` as ``request`` says
+        (:meth:`.parking.Parking.park`); idempotent (a parked one answers
+        where it is). KeyError for an unknown lease; GPUPoolError 409
+        ``worker_busy``, 409 for a dead worker, 502 ``park_failed``."""
+        parking = self._parking()
+        async with self._lock(lease_id):
+            spill = parking.spilling.spilled.get(lease_id)
+            if spill is not None:
+                return WorkerParked("disk", parking.checkpointer.name, disk_bytes=spill.disk_bytes, lost=spill.lost)
+            worker = self._live(lease_id)
+            return await parking.park(worker, request)
+
+    async def resume(self, lease_id: str, spec: WorkerSpec) -> WorkerResumed:
+        """Resume the parked worker of ``lease_id`` on ``spec``'s GPUs and
+        limits, or, spilled, load it into a new worker
+        (:meth:`.parking.Parking.resume`, :meth:`.spilling.Spilling.resume`).
+        KeyError for an unknown lease; GPUPoolError 400, 409, 502."""
+        parking = self._parking()
+        async with self._lock(lease_id):
+            spill = parking.spilling.spilled.get(lease_id)
+            if spill is not None:
+                return await parking.spilling.resume(spill, spec)
+            return await parking.resume(self._live(lease_id), spec)
+
+    async def spill(self, lease_id: str, why: str) -> WorkerParked | None:
+        """Spill the worker of ``lease_id`` if it is still parked in memory (``why``: logged); None if not."""
+        parking = self._parking()
+        async with self._lock(lease_id):
+            worker = self._workers.get(lease_id)
+            if worker is None or worker.parked is None:
+                return None
+            return await parking.spilling.spill(worker, time.monotonic(), why)
+
+    async def end_spilled(self, worker: Worker) -> None:
+        """End a worker whose namespace was just spilled (it runs, thawed, idle). Under the lease's lock."""
+        if worker.parked is not None and self.parking is not None:
+            await self.parking.checkpointer.discard(self.parking.target(worker), worker.parked.moved)
+            worker.parked = None
+        try:
+            await self._reaper.terminate(worker)
+        finally:
+            self._workers.pop(worker.name, None)
+
+    def _live(self, lease_id: str) -> Worker:
+        """The live worker of ``lease_id``: KeyError for none, 409 for a dead one."""
+        worker = self._workers[lease_id]
+        self.poll()
+        if worker.dead:
+            raise GPUPoolError(Reason.park_failed, f"the worker of lease {lease_id} has died "
+                               f"({worker.death or worker.process.exit_note or f'exit code {worker.exit_code}'})", 409)
+        return worker
 
     async def stop_all(self) -> dict[str, int | None]:
         """Stop every worker concurrently, including those still starting,
         and refuse new starts; returns lease id -> exit code. A worker that
         could not be stopped is logged and maps to None."""
         self._closing = True
-        leases = sorted(set(self._workers) | set(self._locks))
+        leases = sorted(set(self._workers) | set(self._locks) | set(self.spilled_ids()))
         *results, pooled = await asyncio.gather(*(self.stop(lease) for lease in leases), self.pool.close(),
                                                 return_exceptions=True)
         if isinstance(pooled, BaseException):

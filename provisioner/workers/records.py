@@ -44,6 +44,7 @@ class WorkerRecord(LeaseSlice):
     log_path: str
     cgroup: str = ""
     user: str = ""
+    parked: dict | None = None
 
     def write(self, workers_dir: Path) -> None:
         """Write the record atomically, readable by the agent's user only."""
@@ -65,7 +66,7 @@ class WorkerRecord(LeaseSlice):
                        fraction=float(body["fraction"]), memory=int(body["memory"]), pid=int(body["pid"]),
                        create_time=float(body["create_time"]), connection_file=str(body["connection_file"]),
                        log_path=str(body["log_path"]), cgroup=_cgroup_name(body.get("cgroup", "")),
-                       user=str(body.get("user", "")))
+                       user=str(body.get("user", "")), parked=_parked(body.get("parked")))
         except Exception as exc:  # KeyError, TypeError, GPUPoolError: all mean "not a record"
             raise ValueError(f"{path} is not a worker record: {exc}") from None
 
@@ -85,6 +86,12 @@ class WorkerRecord(LeaseSlice):
             return proc if any(self.connection_file in arg for arg in proc.cmdline()) else None
         except psutil.Error:
             return None
+
+
+def _parked(value: object) -> dict | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"'parked' must be an object, got {value!r:.40}")
+    return value
 
 
 def _cgroup_name(value: object) -> str:

@@ -25,6 +25,7 @@ from ..cgroups import CgroupError, Containment
 from .accounts import WorkerAccounts
 from .handle import Worker
 from .kernel import KernelManagers
+from .parkstate import Parked
 from .process import AdoptedProcess, kill_all, left_behind
 from .records import WorkerRecord, read_records, stray_workers
 from .spec import WorkerSettings, WorkerSpec
@@ -120,7 +121,32 @@ class Recovery:
         worker = Worker(spec, manager, AdoptedProcess(proc, record.create_time), Path(record.log_path),
                         self.settings.advertise_ip, cgroup=cgroup)
         worker.user = self.accounts.claim(record.user)
+        if record.parked is not None:
+            return await self._keep_parked(worker, record)
         return await self._reconnect(worker, record)
+
+    async def _keep_parked(self, worker: Worker, record: WorkerRecord) -> Worker | None:
+        """Re-adopt a worker parked in memory as it is: frozen (it answers
+        nothing until its resume thaws it), its GPU state where its
+        checkpointer left it. None (it is stopped) for a record that cannot be read."""
+        try:
+            worker.parked = Parked.from_json(record.parked)
+        except ValueError as exc:
+            self.log.warning("cannot re-adopt the parked worker of lease %s: %s", record.lease_id, exc)
+            return None
+        if not worker.cgroup.frozen():  # the agent died between a thaw and its record: parked it is
+            try:
+                await asyncio.to_thread(worker.cgroup.freeze, 10.0)
+            except CgroupError as exc:
+                self.log.warning("the parked worker of lease %s cannot be frozen again (%s); stopping it",
+                                 record.lease_id, exc)
+                return None
+        context = self.kernels.context
+        watcher = asyncio.ensure_future(watch_iopub(worker, worker.manager.get_connection_info(), context, self.log))
+        worker.watcher = asyncio.gather(watcher, _track_running_cell(worker, self.log))
+        self.log.info("re-adopted the parked worker (pid %s) of lease %s of %s, frozen (parked in memory with %s)",
+                      record.pid, record.lease_id, record.owner, worker.parked.checkpointer)
+        return worker
 
     async def _reconnect(self, worker: Worker, record: WorkerRecord) -> Worker | None:
         """Watch the re-adopted ``worker``'s IOPub and check that it answers;

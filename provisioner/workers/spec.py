@@ -23,6 +23,8 @@ _LEASE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # Agent-side secrets a worker must never see: user code runs there.
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE_?KEY", re.IGNORECASE)
 _PRIVATE_PREFIXES = ("GPUPOOL_", "JUPYTERHUB_", "JPY_API_")
+#: Agent settings of ours a worker needs as they are: where simulated GPU memory lives (:mod:`..simgpu_store`).
+_PASSED = ("GPUPOOL_SIMGPU_ROOT",)
 
 
 class WorkerStartError(Exception):
@@ -153,12 +155,12 @@ def worker_environment(environ: Mapping[str, str], slice_env: Mapping[str, str])
     secrets, plus ``slice_env`` (:meth:`~..enforcement.EnforcementMode.environment`).
 
     Dropped: every ``GPUPOOL_*`` (the agent token, and the agent's own
-    settings, which the slice's values replace), ``JUPYTERHUB_*``, and any
-    name that looks like a credential (``TOKEN``, ``SECRET``, ``PASSWORD``,
-    ``API_KEY``...). Kept: ``PATH``, ``HOME``, ``CUDA_MPS_PIPE_DIRECTORY`` and
-    the rest, which user code and CUDA need.
+    settings, which the slice's values replace) but ``GPUPOOL_SIMGPU_ROOT``,
+    ``JUPYTERHUB_*``, and any name that looks like a credential (``TOKEN``,
+    ``SECRET``, ``PASSWORD``, ``API_KEY``...). Kept: ``PATH``, ``HOME``,
+    ``CUDA_MPS_PIPE_DIRECTORY`` and the rest, which user code and CUDA need.
     """
     env = {name: value for name, value in environ.items()
-           if not name.startswith(_PRIVATE_PREFIXES) and not _SECRET_NAME.search(name)}
+           if name in _PASSED or not name.startswith(_PRIVATE_PREFIXES) and not _SECRET_NAME.search(name)}
     env.update(slice_env)
     return env

@@ -1,0 +1,87 @@
+"""A worker's namespace saved to a file of the node's spill folder, and loaded
+into a new worker (docs/parking.md, the spill tier).
+
+What is saved is what a pull of everything sends (:func:`.namespace.pull_header`,
+pickled by :mod:`gpupool.transfer`): every user variable that pickles, each
+with the device it came off, and the modules as imports; what does not
+pickle is listed by name with the reason, in words. The file:
+an 8-byte big-endian header length, the JSON header (the pull's, plus
+``"sizes"``, each buffer's bytes), then the buffers back to back, written
+without copying them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import struct
+from typing import Any
+
+from gpupool.dataplane import allocate
+from gpupool.transfer import load_values
+
+from .devices import place_on_devices
+from .namespace import pull_header
+
+_LENGTH = struct.Struct(">Q")
+
+
+def save(ip, path: str) -> dict[str, Any]:
+    """Write the namespace of ``ip`` to ``path`` (a new file); answers
+    ``{"ok", "items", "types", "errors", "modules", "nbytes"}``: the names
+    saved and ``{name: type}`` of each, ``{name: why}`` for those that could
+    not be, the module names, and the file's size."""
+    header, buffers = pull_header(ip, {"op": "pull_all"})
+    header["sizes"] = [memoryview(b).nbytes for b in buffers]
+    head = json.dumps(header).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _write(fd, _LENGTH.pack(len(head)) + head)
+        for buffer in buffers:
+            _write(fd, memoryview(buffer).cast("B"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"ok": True, "items": [item["name"] for item in header["items"]],
+            "types": {item["name"]: item["type"] for item in header["items"]}, "errors": header["errors"],
+            "modules": sorted(header.get("modules", {})), "nbytes": os.path.getsize(path)}
+
+
+def _write(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def load(ip, path: str) -> dict[str, Any]:
+    """Load what :func:`save` wrote at ``path`` into ``ip``'s namespace:
+    values back on their devices where this worker has them, modules
+    imported. Answers ``{"ok", "loaded", "errors"}`` (``{name: why}`` for
+    each that did not come back as it was)."""
+    with open(path, "rb", buffering=0) as file:
+        (length,) = _LENGTH.unpack(_read(file, _LENGTH.size))
+        header = json.loads(_read(file, length))
+        buffers = []
+        for size in header.get("sizes", []):
+            buffer = allocate(int(size))
+            if file.readinto(buffer) != size:
+                raise ValueError(f"{path} ends before its buffers do")
+            buffers.append(buffer)
+    values, errors = load_values({"items": header.get("items", [])}, buffers)  # what saving missed: the agent's
+    devices = {item["name"]: item["device"] for item in header.get("items", []) if item.get("device")}
+    errors.update(place_on_devices(values, devices))
+    for name, module in header.get("modules", {}).items():
+        try:
+            values[name] = importlib.import_module(module)
+        except Exception as exc:  # uninstalled meanwhile
+            errors[name] = f"module {module} cannot be imported: {exc}"
+    ip.user_ns.update(values)
+    return {"ok": True, "loaded": sorted(values), "errors": errors}
+
+
+def _read(file, size: int) -> bytes:
+    data = file.read(size)
+    if len(data) != size:
+        raise ValueError("the spill file is cut short")
+    return data
