@@ -55,7 +55,6 @@ class Reason(StrEnum):
     worker_unreachable = "worker_unreachable"
     worker_timeout = "worker_timeout"
     worker_unresponsive = "worker_unresponsive"
-    worker_busy = "worker_busy"
     invalid_state = "invalid_state"
     cannot_park = "cannot_park"
     transfer_failed = "transfer_failed"
