@@ -124,7 +124,8 @@ def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[
                    ).where(Node.host_cpus.is_not(None), Node.host_memory.is_not(None))
     if nodes is not None:
         query = query.where(Node.name.in_(nodes))
-    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory) + int(parked_bytes))
+    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory) + int(parked_bytes),
+                            int(parked_bytes))
             for name, cpus, memory, gpus, used_cpus, used_memory, parked_bytes in session.execute(query)}
 
 
@@ -217,5 +218,6 @@ def _same_host(a: HostState | None, b: HostState | None) -> bool:
     """Equal hosts (cores compared to float noise)."""
     if a is None or b is None:
         return a is b
-    return (a.memory, a.gpus, a.memory_allocated) == (b.memory, b.gpus, b.memory_allocated) and \
+    return (a.memory, a.gpus, a.memory_allocated, a.memory_parked) == (b.memory, b.gpus, b.memory_allocated,
+                                                                       b.memory_parked) and \
         abs(a.cpus - b.cpus) <= 1e-6 and abs(a.cpus_allocated - b.cpus_allocated) <= 1e-6

@@ -238,15 +238,13 @@ class Parking:
         or still ``parking`` after :data:`ANSWER_S`). Idempotent for a lease parking or parked.
         Raises 404 (not visible), 403 (an admin's: only its owner parks it), 409 ``invalid_state``
         (not active), ``cannot_park`` (its node cannot), ``worker_busy`` (a cell runs)."""
-        state, busy, node = await self.state.work.read(self._owned_now, who, lease_id)
+        state, node = await self.state.work.read(self._owned_now, who, lease_id)
         if state == LeaseState.parking.value:
             await self.views.wait_out(lease_id, state, ANSWER_S)
         elif state != LeaseState.parked.value:
             if state != LeaseState.active.value:
                 raise GPUPoolError(Reason.invalid_state, f"lease {lease_id} is {state}: only an active lease can be "
                                    "parked", 409, state=state)
-            if busy:
-                raise _busy(lease_id)
             task = self.tasks.spawn(self.park(lease_id, ParkCode.owner, "parked by its owner"))
             finished, _ = await asyncio.wait({task}, timeout=ANSWER_S)
             outcome = task.result() if finished else None
@@ -269,11 +267,12 @@ class Parking:
             await self.leases.drain_queue()  # its room may be there already
         return await self.views.get(who, lease_id)
 
-    def _owned_now(self, who: Identity, lease_id: str) -> tuple[str, bool, str | None]:
-        """``(state, busy, node)`` of ``who``'s own lease; 404 / 403 otherwise."""
+    def _owned_now(self, who: Identity, lease_id: str) -> tuple[str, str | None]:
+        """``(state, node)`` of ``who``'s own lease; 404 / 403 otherwise. (Whether a cell runs is
+        the agent's to say: the service hears of a cell's end up to a heartbeat later.)"""
         with self.state.reading() as session:
             lease = self._owned(session, who, lease_id)
-            return lease.state, lease.worker_state == "busy", lease.node_name
+            return lease.state, lease.node_name
 
     def _resume_now(self, who: Identity, lease_id: str) -> str | None:
         """Ask for the resume; the words to end it with when its node is lost, else None."""

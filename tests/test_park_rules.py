@@ -161,7 +161,7 @@ def place(ask_: resume.Resume, gpus: list[GPUState], host: HostState | None = No
     pytest.param(ask(), [gpu("G0", taken=0.5, memory=40 * GiB + 2 * GiB)], None, None,
                  id="someone else's kept memory is taken"),
     pytest.param(ask(cpus=4.0, host_memory=32 * GiB, parked_host_bytes=30 * GiB), [gpu("G0")],
-                 HostState("n1", 8.0, 64 * GiB, 2, 4.0, 32 * GiB + 30 * GiB - 30 * GiB + 30 * GiB), ("G0",),
+                 HostState("n1", 8.0, 64 * GiB, 2, 4.0, 32 * GiB + 30 * GiB, 30 * GiB), ("G0",),
                  id="the host RAM its park holds comes back as it resumes"),
     pytest.param(ask(cpus=4.0, host_memory=32 * GiB), [gpu("G0")], HostState("n1", 8.0, 64 * GiB, 2, 4.0, 40 * GiB),
                  None, id="no host room for it"),
@@ -180,6 +180,24 @@ def test_where_a_parked_lease_resumes(ask_, gpus, host, where):
     else:
         assert isinstance(decision, Placement) and decision.gpus == where and decision.node == "n1"
         assert decision.fraction == ask_.fraction and decision.memory == ask_.memory
+
+
+@pytest.mark.parametrize("demand, host, memory", [
+    pytest.param(Demand(0.5), HostState("n1", 8.0, 64 * GiB, 1, 0.0, 0), 32 * GiB, id="the default share"),
+    pytest.param(Demand(1.0), HostState("n1", 8.0, 64 * GiB, 1, 0.0, 3 * GiB, 3 * GiB), 61 * GiB,
+                 id="a whole node's share gives way to what parked leases hold"),
+    pytest.param(Demand(1.0), HostState("n1", 8.0, 64 * GiB, 1, 0.0, 40 * GiB, 3 * GiB), 64 * GiB,
+                 id="not to what reservations hold: refused as before"),
+    pytest.param(Demand(1.0), HostState("n1", 8.0, 4 * GiB, 1, 0.0, int(3.5 * GiB), int(3.5 * GiB)), 4 * GiB,
+                 id="not below the floor: refused"),
+    pytest.param(Demand(1.0, host_memory=64 * GiB), HostState("n1", 8.0, 64 * GiB, 1, 0.0, 3 * GiB, 3 * GiB),
+                 64 * GiB, id="a named ask is what it names"),
+])
+def test_a_default_host_share_gives_way_to_parked_leases(demand, host, memory):
+    from gpupool.hub_plugin.rules.hosts import host_ask, host_misfit
+
+    assert host_ask(demand, host)[1] == memory
+    assert (host_misfit(demand, host) is None) is (memory <= host.free_memory)
 
 
 @pytest.mark.parametrize("tier, moved, disk, seconds", [

@@ -67,7 +67,7 @@ def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str],
     GPU state, what holds capacity counted, its own kept bytes too) of its node's
     GPUs ``node_gpus``, with ``host`` its node's host (None: no host dimension)."""
     kept = ask.gpu_bytes_kept // max(1, len(ask.gpus))
-    hosts = {ask.node: host.taken(0.0, ask.parked_host_bytes, -1)} if host is not None else {}
+    hosts = {ask.node: host.unparked(ask.parked_host_bytes)} if host is not None else {}
     own = [_credited(states[uuid], kept) for uuid in ask.gpus if uuid in states]
     decision: Placement | Refusal = Refusal({}, f"its GPUs on {ask.node} are no longer in the pool")
     if len(own) == len(ask.gpus):
