@@ -190,6 +190,7 @@ class LeaseBook:
             lease.reclaim_code = None if code is None else str(code)  # the plain value, for every driver
             was_parked = lease.state == LeaseState.parked.value
             parked.leave(lease, now)
+            parked.clear(lease)  # whatever its park held goes with it
             transition(tx, lease, LeaseState.releasing, reason, now)
             if lease.node_name is None or was_parked:
                 # Never placed (queued), or parked: no capacity to free, so it ends here,

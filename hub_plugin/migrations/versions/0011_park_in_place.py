@@ -56,6 +56,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("usage_ledger", naming_convention=_NAMES) as batch:
+        batch.drop_constraint("uq_usage_ledger_span", type_="unique")
     # Spans of one lease become one row again: their sums, from the first span's start to the last's end.
     op.execute(sa.text(
         "UPDATE usage_ledger SET gpu_seconds = (SELECT SUM(u.gpu_seconds) FROM usage_ledger u WHERE "
@@ -65,7 +67,6 @@ def downgrade() -> None:
     op.execute(sa.text("DELETE FROM usage_ledger WHERE id NOT IN (SELECT MIN(u.id) FROM usage_ledger u "
                        "GROUP BY u.lease_id)"))
     with op.batch_alter_table("usage_ledger", naming_convention=_NAMES) as batch:
-        batch.drop_constraint("uq_usage_ledger_span", type_="unique")
         batch.create_unique_constraint(_old_unique(), ["lease_id"])
     with op.batch_alter_table("nodes") as batch:
         batch.drop_column("parked_memory")
