@@ -19,6 +19,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
+from test_deploy_metrics import store_url  # noqa: F401 (a fixture: SQLite, and PostgreSQL where set)
 from test_service_api import postgres_url  # noqa: F401 (a fixture)
 
 from gpupool.errors import GPUPoolError
@@ -26,13 +27,6 @@ from gpupool.schema import LeaseState
 
 GiB = 1024**3
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/store.sqlite"
-    return request.getfixturevalue("postgres_url")
 
 
 def test_revision_0011_keeps_what_was_there_and_comes_back_down(store_url):
