@@ -252,6 +252,12 @@ def test_a_resume_while_its_gpu_is_taken_waits_first_in_line(parks):
     waiting = parks.svc.client().resume(first.id)
     assert (waiting.state, waiting.parked["resume_requested"], waiting.queue_position) == (LeaseState.parked, True, 1)
     assert parks.svc.client().resume(first.id).queue_position == 1, "a resume is idempotent"
+    # It presses on the lease that took its GPU (the only one it can go to): parked early after the
+    # pressure grace (2 min), which is when the resume is likely placed.
+    wait_for(lambda: parks.svc.client("bob").get_lease(taker.id).pressure, 10, "pressure on the taker")
+    assert parks.svc.client("bob").get_lease(taker.id).pressure == "parked early: 1 person is waiting for a GPU"
+    estimate = parks.svc.client().get_lease(first.id).queue_estimate_s
+    assert estimate is not None and 100 < estimate <= 120, estimate
     later = parks.acquire("ann", fraction=0.5, wait=120)
     assert later.state is LeaseState.queued and later.queue_position == 2, "behind the resume asked after it"
     text = lease_table([parks.svc.client().get_lease(first.id)])[0]
