@@ -358,6 +358,14 @@ def test_the_owners_park_and_resume_refuse_what_they_must(parks):
     assert again.state is LeaseState.parked and again.parked["reason"] == "parked by its owner", "idempotent"
 
 
+def test_a_lease_asked_on_idle_release_is_released_at_its_idle_deadline(parks):
+    lease = parks.acquire(idle_timeout=2, on_idle="release")
+    assert lease.on_idle == "release"
+    ended = parks.until(lease.id, "reclaimed", timeout=30)
+    assert ended.reason.startswith("idle for 2s (idle timeout 2s)") and "parking" not in [e["state"] for e in
+                                                                                      ended.events]
+
+
 def test_a_parked_lease_whose_kernel_died_is_released(parks):
     lease = parks.acquire(idle_timeout=600)
     parks.svc.client().park(lease.id)
@@ -391,6 +399,38 @@ def test_a_node_lost_while_parked_ends_its_parked_leases_in_words(pool_for_parks
         wait_for(lambda: parks.node("node-2")["state"] == "up", 15, "node-2 back")
         parks.clean()
         other.stop()  # its frozen workers were stopped on its first heartbeat back: nothing is left
+
+
+def test_a_spill_the_agent_makes_on_its_own_moves_the_park_to_disk(pool_for_parks, tmp_path):
+    """Its parked-memory budget holds one parked worker, not two: the second park spills the first
+    (the longest parked), which its heartbeats tell the service; that lease then resumes from disk."""
+    parks, root = pool_for_parks
+    other = start_agent(root, parks.svc, name="node-s", simulate="1xL4-24GB",
+                        extra_args=["--transport-encryption=none", "--warm-workers=0", "--parked-memory=800MiB"])
+    try:
+        first, second = (parks.acquire(fraction=0.5, model="L4", idle_timeout=600) for _ in range(2))
+        for lease in (first, second):
+            cell(parks.kernel(lease), STATE.format(nbytes=400 * MiB, path=str(tmp_path / f"{lease.id}.txt")))
+            wait_for(lambda: (parks.svc.client().get_lease(lease.id).worker or {}).get("memory_used"), 10,
+                     "the worker's GPU memory reported")
+            assert parks.svc.client().park(lease.id).parked["tier"] == "memory"
+        spilled = parks.svc.client().get_lease(first.id)
+        deadline = time.monotonic() + 30
+        while spilled.parked["tier"] != "disk" and time.monotonic() < deadline:
+            spilled = parks.svc.client().get_lease(first.id, wait=5, state="parked")  # wakes on the park's change
+        assert (spilled.parked["tier"], spilled.parked["host_bytes"]) == ("disk", 0), spilled.parked
+        assert any("lock" in words for words in spilled.parked["lost"]), spilled.parked["lost"]
+        assert spilled.connection is None
+        assert parks.svc.client().get_lease(second.id).parked["tier"] == "memory"
+        assert parks.node("node-s")["parked_host_bytes"] == parks.svc.client().get_lease(second.id).parked[
+            "host_bytes"], "the spilled one holds no host RAM there any more"
+        parks.svc.client().resume(first.id)
+        back = parks.until(first.id, "active")
+        assert "resumed on node-s from disk" in back.events[-1]["reason"]
+        assert cell(parks.kernel(back), "print(x)").strip() == "41"
+    finally:
+        parks.clean()
+        other.stop()
 
 
 def test_a_service_restarted_while_a_lease_is_parking_finishes_the_park(tmp_path, monkeypatch):
