@@ -57,14 +57,19 @@ def prepare(uuids: list[str], base: Path | None = None) -> Path:
     ``.binding`` and ``.parked`` folders the agent's own (0755, 0755, 0700:
     a worker may read its binding, never touch another's, nor the host
     copies), each GPU's folder shared (:func:`make_shared`). A root left by
-    another account is taken back (as root). Returns the root."""
+    another account is taken back (as root; an agent that is not root leaves
+    it as it is: give each agent its own ``$GPUPOOL_SIMGPU_ROOT`` then).
+    Returns the root. OSError when the folders cannot be made."""
     base = base or root()
     base.mkdir(parents=True, exist_ok=True)
     for folder, mode in ((base, 0o755), (base / BINDING, 0o755), (base / PARKED, 0o700)):
         folder.mkdir(exist_ok=True)
-        if folder.stat().st_uid != os.geteuid() and os.geteuid() == 0:
-            os.chown(folder, 0, 0)
-        folder.chmod(mode)
+        try:
+            if folder.stat().st_uid != os.geteuid() and os.geteuid() == 0:
+                os.chown(folder, 0, 0)
+            folder.chmod(mode)
+        except PermissionError:  # another account's agent made it (not root: it cannot be taken): shared then
+            pass
     for uuid in uuids:
         make_shared(gpu_dir(uuid, base))
     return base

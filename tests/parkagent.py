@@ -115,10 +115,9 @@ class ParkAgent:
         self.clients.append(kc)
         return kc
 
-    def inventory(self) -> SimulatedInventory:
+    def inventory(self) -> "Readings":
         """The node's inventory as the agent reads it (the same files)."""
-        os.environ["GPUPOOL_SIMGPU_ROOT"] = str(self.simgpu)
-        return SimulatedInventory(self.simulate, self.name)
+        return Readings(SimulatedInventory(self.simulate, self.name), self.simgpu)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -132,3 +131,32 @@ class ParkAgent:
         shutil.rmtree(self.simgpu, ignore_errors=True)
         assert not left, f"the agent left processes behind: {left}"
         return code
+
+
+class Readings:
+    """A simulated inventory's readings of the simulated memory under ``root``
+    (``GPUPOOL_SIMGPU_ROOT`` set only while it reads, so no later agent of
+    this process inherits it)."""
+
+    def __init__(self, inventory: SimulatedInventory, root: Path) -> None:
+        self.inventory, self.root = inventory, root
+
+    def _read(self, name: str) -> Any:
+        before = os.environ.get("GPUPOOL_SIMGPU_ROOT")
+        os.environ["GPUPOOL_SIMGPU_ROOT"] = str(self.root)
+        try:
+            return getattr(self.inventory, name)()
+        finally:
+            if before is None:
+                del os.environ["GPUPOOL_SIMGPU_ROOT"]
+            else:
+                os.environ["GPUPOOL_SIMGPU_ROOT"] = before
+
+    def process_memory(self) -> dict[int, int]:
+        return self._read("process_memory")
+
+    def process_usage(self) -> list:
+        return self._read("process_usage")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return self._read("metrics")

@@ -288,7 +288,8 @@ def test_no_cgroup_cannot_tell_an_oom_kill(tmp_path, caplog):
 
 # Counts up in a file, forever, from a process and a setsid daemon of its own.
 COUNTER = ("import os, sys, time\npath = sys.argv[1]\nif os.fork() == 0:\n    os.setsid(); path += '.daemon'\n"
-           "n = 0\nwhile True:\n    n += 1\n    open(path + '.tmp', 'w').write(str(n)); os.replace(path + '.tmp', path)\n"
+           "n = 0\nwhile True:\n    n += 1\n"
+           "    open(path + '.tmp', 'w').write(str(n)); os.replace(path + '.tmp', path)\n"
            "    time.sleep(0.01)\n")
 
 

@@ -39,7 +39,8 @@ numbers = list(range(1000))
 print(os.getpid())
 """
 CHECK = """
-print(os.getpid(), lock.locked(), notes.tell(), next(squares), int(gpu[::4096].sum()) == int((np.arange(len(gpu[::4096])) % 251).sum()), simgpu.device_of(gpu), sum(numbers))
+same = int(gpu[::4096].sum()) == int((np.arange(len(gpu[::4096])) % 251).sum())
+print(os.getpid(), lock.locked(), notes.tell(), next(squares), same, simgpu.device_of(gpu), sum(numbers))
 """
 
 
@@ -237,7 +238,17 @@ def test_a_host_short_of_memory_spills_instead_of_parking_in_memory(tmp_path):
         status, parked = agent.park("L-short")
         assert status == 200 and parked["tier"] == "disk", parked
         assert "would leave less than 1.0 TiB (c.NodeAgent.park_headroom)" in agent.log.read_text()
-        assert cell(agent.client(agent.resume("L-short")[1]["connection"]), "print(x[1])").strip() == "1"
+        kc = agent.client(agent.resume("L-short")[1]["connection"])
+        assert cell(kc, "print(x[1])").strip() == "1"
+        # A cell frozen where it runs cannot be saved: it is interrupted first, and that is said.
+        progress = tmp_path / "progress"
+        kc.execute("x[2] = 2\n" + LOOP.format(n=100000, progress=str(progress)))
+        wait_for(progress.exists, 30, "the loop running")
+        status, parked = agent.park("L-short", running_cell="freeze")
+        assert status == 200 and parked["tier"] == "disk" and parked["interrupted"] is True, parked
+        assert parked["lost"][0] == "the running cell was interrupted"
+        assert cell(agent.client(agent.resume("L-short")[1]["connection"]), "print(x[2], len(done) < 100000)").split() \
+            == ["2", "True"]
     finally:
         agent.stop()
 
@@ -317,6 +328,33 @@ def test_other_freezers_park_and_resume_too(tmp_path, mode):
         wait_for(marker.exists, 30, "the cell run after the resume")
         assert cell(kc, CHECK).split()[:5] == [str(pid), "True", "23", "9", "True"]
         assert ("v1 freezer.state" if mode == "v1" else "SIGSTOP of its process group") in agent.log.read_text()
+    finally:
+        agent.stop()
+
+
+def test_the_framework_checkpointer_parks_between_cells_through_the_worker(tmp_path):
+    """The agent's side of ``framework`` (the worker asked on its comm, then
+    frozen; thawed, then asked back). No CUDA here: the worker has nothing to
+    move (its GPU part runs in ``make gpu-check``)."""
+    agent = ParkAgent(tmp_path, args=("--checkpointer=framework",))
+    try:
+        kc = agent.client(agent.start_worker("L-fw")["connection"])
+        progress = tmp_path / "progress"
+        kc.execute(LOOP.format(n=100000, progress=str(progress)))
+        wait_for(progress.exists, 30, "the loop running")
+        status, parked = agent.park("L-fw", running_cell="freeze")
+        assert status == 200 and parked["checkpointer"] == "framework", parked
+        assert parked["interrupted"] is True, "framework cannot freeze mid-cell: the cell is interrupted"
+        assert parked["gpu_bytes_moved"] == 0 and parked["gpu_bytes_kept"] == 0
+        marker = tmp_path / "ran"
+        kc.execute(f"open({str(marker)!r}, 'w').close()")
+        time.sleep(0.8)
+        assert not marker.exists(), "frozen after the worker moved its memory"
+        status, reply = agent.resume("L-fw", gpu=1)
+        assert status == 400 and "(framework) restores onto the GPUs a worker was parked from only" in reply["message"]
+        assert agent.resume("L-fw")[0] == 200
+        wait_for(marker.exists, 30, "the cell run after the resume")
+        assert cell(kc, "print(len(done) < 100000)").strip() == "True"
     finally:
         agent.stop()
 

@@ -106,9 +106,11 @@ class Spilling:
             if parked is not None:
                 await self.parking.checkpointer.to_host(self.parking.target(worker), parked.moved)
                 await self.parking.thaw(worker)
-                if parked.execution_state == "busy":
-                    await self.parking.interrupt(worker)
-                    lost.append("the running cell, frozen mid-way, was interrupted")
+            if worker.activity.execution_state == "busy":  # a cell frozen mid-way, or one a park let run
+                await self.parking.interrupt(worker)
+                interrupted = True
+                lost.append("the running cell was interrupted" if parked is None else
+                            "the running cell, frozen mid-way, was interrupted")
             answer = await asyncio.to_thread(ask, worker.connection(), {"op": "spill", "path": str(folder / NAMESPACE)})
         except (CheckpointError, GPUPoolError) as exc:
             shutil.rmtree(folder, ignore_errors=True)
@@ -130,7 +132,7 @@ class Spilling:
                       format_bytes(spill.disk_bytes), len(spill.names), len(lost), "; ".join(lost) or "nothing lost",
                       seconds)
         return WorkerParked("disk", self.parking.checkpointer.name, host_bytes=0, disk_bytes=spill.disk_bytes,
-                            gpu_bytes_moved=gpu_bytes, interrupted=interrupted or bool(parked and lost),
+                            gpu_bytes_moved=gpu_bytes, interrupted=interrupted,
                             lost=tuple(lost), seconds=round(seconds, 4))
 
     # -- resume from disk ---------------------------------------------------------
@@ -158,7 +160,7 @@ class Spilling:
         lost = (*spill.lost, *lost_words(answer.get("errors") or {}, "loaded"))
         self.remove(spill.lease_id)
         seconds = time.monotonic() - began
-        self.log.info("resumed lease %s from disk into a new worker (pid %s) in %.1fs: %d name(s) loaded", spill.lease_id,
-                      worker.pid, seconds, len(answer.get("loaded", [])))
+        self.log.info("resumed lease %s from disk into a new worker (pid %s) in %.1fs: %d name(s) loaded",
+                      spill.lease_id, worker.pid, seconds, len(answer.get("loaded", [])))
         return WorkerResumed(worker.pid, worker.connection(), "disk", round(seconds, 4), tuple(lost))
 
