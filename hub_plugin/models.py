@@ -109,7 +109,8 @@ class Lease(Base):
 
     ``memory`` is the slice's limit per GPU in bytes; ``idle_timeout`` and
     ``heartbeat_ttl`` seconds; ``connection`` the worker's Jupyter connection
-    info (with its HMAC key), kept only while the lease is active.
+    info (with its HMAC key), kept only while its worker lives (active, and
+    parking or parked in memory; cleared by a spill and at the end).
     """
 
     __tablename__ = "leases"
