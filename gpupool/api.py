@@ -104,6 +104,16 @@ class ServiceClient:
         for a lease that already ended."""
         return Lease.from_json(self.request("DELETE", f"/leases/{_quote(lease_id)}", params={"reason": reason}))
 
+    def park(self, lease_id: str) -> Lease:
+        """``POST /leases/{id}/park``: park the lease in place (its worker frozen on its node,
+        its GPU share back in the pool); returns it, ``parked`` (or still ``parking``)."""
+        return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/park", {}))
+
+    def resume(self, lease_id: str) -> Lease:
+        """``POST /leases/{id}/resume``: resume a parked lease once its node has room
+        (idempotent); returns it, waiting (``parked`` with a place in line), ``starting`` or ``active``."""
+        return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/resume", {}))
+
     def pool(self) -> dict[str, Any]:
         """``GET /pool``: nodes, GPUs and their allocation."""
         return self.request("GET", "/pool")

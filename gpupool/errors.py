@@ -55,6 +55,8 @@ class Reason(StrEnum):
     worker_unreachable = "worker_unreachable"
     worker_timeout = "worker_timeout"
     worker_unresponsive = "worker_unresponsive"
+    invalid_state = "invalid_state"
+    cannot_park = "cannot_park"
     transfer_failed = "transfer_failed"
     no_lease = "no_lease"
     start_failed = "start_failed"

@@ -19,36 +19,44 @@ from typing import Any
 from .api import add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
 from .tables import table
-from .units import format_duration
+from .units import format_bytes, format_duration
+from .wire.quotas import SHOWN, Limits
 
-LIMITS = ("max_gpus", "max_lease_gpus", "gpu_hours_per_day", "gpu_hours_per_week", "max_idle_timeout",
-          "guaranteed_gpus")
+LIMITS = Limits.KEYS
+_UNITS = {key: unit for key, _, unit, _ in SHOWN}
 
 
 def limit_words(key: str, value: Any) -> str:
-    """``('max_idle_timeout', 7200)`` -> ``'2h'``; None -> ``'unlimited'`` (``'none'`` for a guarantee)."""
+    """``('max_idle_timeout', 7200)`` -> ``'2h'``; None -> ``'unlimited'`` (``'none'`` for a guarantee);
+    each in the unit the wire gives the limit (:data:`gpupool.wire.quotas.SHOWN`)."""
     if value is None:
         return "none" if key == "guaranteed_gpus" else "unlimited"
-    if key == "max_idle_timeout":
+    return _in_unit(_UNITS.get(key, "gpus"), value)
+
+
+def _in_unit(unit: str, value: Any) -> str:
+    if unit == "seconds":
         return format_duration(value)
-    if key.startswith("gpu_hours"):
+    if unit == "hours":
         return f"{value:.1f} GPU-hours"
+    if unit == "bytes":
+        return format_bytes(value)
     return f"{value:.2f} GPU"
 
 
+def _used_words(unit: str, value: Any) -> str:
+    if value is None:
+        return ""
+    return format_bytes(value) if unit == "bytes" else f"{value:.2f}"
+
+
 def quota_text(body: dict[str, Any]) -> str:
-    """``GET /quota`` as text: the limits beside the usage."""
+    """``GET /quota`` as text: the limits beside the usage, a row per limit as the wire shows it
+    (:data:`gpupool.wire.quotas.SHOWN`; a limit an older service does not send is left out)."""
     used = body["usage"]
     limits = body["limits"]
-    rows = [("GPUs held (or queued)", f"{used['holding_gpus']:.2f}", limit_words("max_gpus", limits["max_gpus"])),
-            ("one lease", "", limit_words("max_lease_gpus", body["limits"]["max_lease_gpus"])),
-            ("GPU-hours today", f"{used['today_gpu_hours']:.2f}",
-             limit_words("gpu_hours_per_day", body["limits"]["gpu_hours_per_day"])),
-            ("GPU-hours this week", f"{used['week_gpu_hours']:.2f}",
-             limit_words("gpu_hours_per_week", body["limits"]["gpu_hours_per_week"])),
-            ("longest idle timeout", "", limit_words("max_idle_timeout", body["limits"]["max_idle_timeout"])),
-            ("guaranteed share", "",
-             limit_words("guaranteed_gpus", body["limits"].get("guaranteed_gpus")))]
+    rows = [(words, _used_words(unit, used.get(usage)) if usage else "", limit_words(key, limits[key]))
+            for key, words, unit, usage in SHOWN if key in limits]
     groups = ", ".join(body["groups"]) or "none"
     head = f"user {body['user']} (groups: {groups}); days and weeks in {used['timezone']}"
     return head + "\n" + table(["", "used", "limit"], rows)[0]

@@ -47,6 +47,36 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
     return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
 
 
+def parked_words(lease: Lease, now: datetime | None = None) -> str:
+    """Where a parked (or parking) lease's state is and what resuming costs, in words:
+    ``'parked in memory on node-1 for 5m (12.0 GiB of host RAM): resumes in about 1.5s'``,
+    ``'spilled to disk on node-1 (2.1 GiB to load, about 5s); not kept: generator g'``,
+    ``'parking: moving its GPU state off the GPU'``, with its place in line when a resume
+    waits for room. Empty for a lease that is not parked."""
+    park = lease.parked
+    if not park or lease.state.value not in ("parking", "parked"):
+        return ""
+    if lease.state.value == "parking":
+        return f"parking on {lease.node}: moving its GPU state off the GPU ({park.get('reason') or 'parked'})"
+    now = now or datetime.now(timezone.utc)
+    since = parse_time(park.get("since"))
+    held = f" for {format_duration(max(0.0, (now - since).total_seconds()))}" if since else ""
+    estimate = park.get("resume_estimate_s")
+    cost = f"about {format_duration(estimate) if estimate >= 1 else f'{estimate:.1f}s'}" if estimate is not None \
+        else "unknown"
+    if park.get("tier") == "disk":
+        words = f"spilled to disk on {lease.node}{held} ({format_bytes(park.get('disk_bytes'))} to load, {cost})"
+    else:
+        words = (f"parked in memory on {lease.node}{held} ({format_bytes(park.get('host_bytes'))} of host RAM): "
+                 f"resumes in {cost}")
+    if park.get("resume_requested"):
+        place = f" (place {lease.queue_position} in line)" if lease.queue_position else ""
+        words += f"; its resume waits for room on {lease.node}{place}"
+    if park.get("lost"):
+        words += f"; not kept: {'; '.join(park['lost'])}"
+    return words
+
+
 def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | None:
     """``('4 CPUs', '32.0 GiB' + memory_noun, False)``: the host the lease
     holds on its node; where the worker's cgroup limit differs from what is
@@ -128,8 +158,9 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     that reports none), GPU, share, class, memory used / limit (``-`` while
     queued), host CPUs and memory (:func:`lease_host_cell`), GPU utilization
     (``utilization`` maps GPU UUID -> percent, from ``GET /pool``; the whole
-    GPU's, shared by its leases), worker state, idle countdown, and the
-    reason once it ended. Unknown readings say ``unknown``, never 0."""
+    GPU's, shared by its leases), worker state, idle countdown, where a
+    parked lease's state is (:func:`parked_words`), and the reason once it
+    ended. Unknown readings say ``unknown``, never 0."""
     gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
     share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
     kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
@@ -141,7 +172,7 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
             lease_host_cell(lease), util, worker.get("execution_state", "-") if live else "-",
-            idle_countdown(lease) if live else (lease.reason or "-")]
+            idle_countdown(lease) if live else (parked_words(lease) or lease.reason or "-")]
 
 
 def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:
@@ -154,13 +185,16 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     with GPU ``-``): node, state, enforcement, host (its CPU cores and
     memory, as its agent reports them), GPU, memory, allocated share,
     leases; then, for each node that is not ``up``, a line saying why
-    (its ``state_reason``) and what that means for leases; then, when some
+    (its ``state_reason``) and what that means for leases, and for each node
+    holding parked leases what they hold there (:func:`parked_note`); then, when some
     node offers a choice of worker environments, :func:`environment_table`."""
     rows, notes = [], []
     for node in pool.get("nodes", []):
         state = node.get("state", "?")
         if state != "up":
             notes.append(node_note(node["name"], state, node.get("state_reason")))
+        if node.get("parked_leases"):
+            notes.append(parked_note(node))
         for gpu in node.get("gpus") or [None]:
             cells = ["-", "-", "0.00", 0] if gpu is None else [
                 f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
@@ -188,6 +222,16 @@ def _offers_a_choice(pool: dict[str, Any]) -> bool:
     """Whether a node reports more than its one default environment, or one it cannot use."""
     return any(len(envs) > 1 or not all(e.get("usable") for e in envs)
                for envs in (node.get("environments") or [] for node in pool.get("nodes", [])) if envs)
+
+
+def parked_note(node: dict[str, Any]) -> str:
+    """``'node-1 holds 2 parked leases: 12.0 GiB of host RAM (budget 64.0 GiB; checkpointer simulated)'``."""
+    count = node.get("parked_leases", 0)
+    budget = node.get("parked_memory")
+    extra = [f"budget {format_bytes(budget)}"] if budget is not None else []
+    extra += [f"checkpointer {node['checkpointer']}"] if node.get("checkpointer") else []
+    return (f"{node['name']} holds {count} parked lease{'s' if count != 1 else ''}: "
+            f"{format_bytes(node.get('parked_host_bytes', 0))} of host RAM" + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 def node_note(name: str, state: str, reason: str | None) -> str:

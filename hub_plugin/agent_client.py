@@ -12,6 +12,7 @@ from gpupool.errors import GPUPoolError, Reason
 from gpupool.httpout import JSONClient, NoAnswer
 from gpupool.tls import client_context
 from gpupool.units import format_duration
+from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 
@@ -53,6 +54,38 @@ class AgentClient:
         if status != 200:
             raise _failed(Reason.worker_stop_failed, "DELETE", f"{url}/workers/{lease_id}", status, reply)
         return WorkerStopped.from_json(reply).exit_code
+
+    async def park_worker(self, url: str, lease_id: str, request: ParkRequest, timeout: float) -> WorkerParked:
+        """``POST {url}/workers/{lease_id}/park``; returns where the state went.
+
+        Raises GPUPoolError ``worker_busy`` (409: a cell runs and ``request`` refuses
+        to touch it), ``agent_unreachable``, or ``cannot_park`` with the agent's
+        words for any other answer (an agent from before parking, a worker it
+        does not know, a checkpointer that failed)."""
+        path = f"{url}/workers/{lease_id}/park"
+        status, reply = await self._call("POST", path, request.to_json(), timeout)
+        if status == 200:
+            try:
+                return WorkerParked.from_json(reply)
+            except ValueError:
+                pass
+        if status == 409 and reply.get("error") == Reason.worker_busy:
+            raise GPUPoolError(Reason.worker_busy, reply.get("message") or "a cell is running on the worker", 409)
+        raise _failed(Reason.cannot_park, "POST", path, status, reply)
+
+    async def resume_worker(self, url: str, request: WorkerRequest, timeout: float) -> WorkerResumed:
+        """``POST {url}/workers/{lease_id}/resume`` with the GPUs and limits granted now;
+        returns the worker's connection. Raises GPUPoolError ``not_found`` (the agent
+        knows no worker of that lease: its state is gone), ``agent_unreachable``, or
+        ``worker_start_failed`` with the agent's words (its worker stays parked)."""
+        path = f"{url}/workers/{request.lease_id}/resume"
+        status, reply = await self._call("POST", path, request.to_json(), timeout)
+        if status == 200:
+            try:
+                return WorkerResumed.from_json(reply)
+            except ValueError:
+                pass
+        raise _failed(Reason.not_found if status == 404 else Reason.worker_start_failed, "POST", path, status, reply)
 
     async def _call(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, dict[str, Any]]:
         try:

@@ -148,7 +148,8 @@ class ServiceApp(Application):
         metrics = Metrics(store, settings.context_overhead)
         agents = AgentClient(agent_token, ca_file=settings.ca_file)
         work = StoreWork()  # every SQL statement from here on runs on its threads, none on the event loop
-        pool = Pool(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued, work=work)
+        pool = Pool(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued,
+                    on_parked=metrics.parked, on_resumed=metrics.resumed, work=work)
         ctx = ServiceContext(settings=settings, pool=pool, metrics=metrics,
                              authenticator=authenticator, metrics_token=metrics_token)
         app = make_web_app(ctx, **web_settings)
@@ -177,7 +178,7 @@ class ServiceApp(Application):
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await pool.leases.resume()
+        await pool.resume()
         reclaimer = pool.reclaimer()
         reclaimer.start()
         await stop.wait()

@@ -3,7 +3,9 @@ pool view and the metrics.
 
 Allocation is always summed from the leases that hold capacity
 (``LeaseState.holds_capacity``) at the moment of reading, never kept in a
-counter, so a crashed release cannot leak a slice. The service's
+counter, so a crashed release cannot leak a slice. Parked leases hold no
+share but what they still take: GPU memory their checkpointer could not free
+(``gpu_bytes_kept``) on their GPUs, host RAM (``parked_host_bytes``) on their node. The service's
 :class:`CapacityIndex` keeps the scheduler's view in memory between
 requests, re-reading only the GPUs that writers named as changed, and
 checks every decision against the store before it is written.
@@ -32,6 +34,7 @@ from .rules.workload import Workload
 log = logging.getLogger(__name__)
 
 HOLDING = tuple(state.value for state in LeaseState if state.holds_capacity)
+PARKED = LeaseState.parked.value
 
 
 @dataclass
@@ -44,15 +47,22 @@ class Allocation:
 
 
 def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[str, Allocation]:
-    """GPU UUID -> what the leases holding capacity take of it (of ``uuids`` only, when given)."""
-    query = (select(LeaseGPU.gpu_uuid, Lease.fraction, Lease.memory)
-             .join(Lease, Lease.id == LeaseGPU.lease_id).where(Lease.state.in_(HOLDING)))
+    """GPU UUID -> what the leases holding capacity take of it (of ``uuids`` only,
+    when given), and the GPU memory parked leases could not free there
+    (``gpu_bytes_kept``, shared evenly by their GPUs: memory, no fraction, not counted in ``leases``)."""
+    query = (select(LeaseGPU.gpu_uuid, Lease.state, Lease.fraction, Lease.memory, Lease.gpu_count,
+                    Lease.gpu_bytes_kept)
+             .join(Lease, Lease.id == LeaseGPU.lease_id)
+             .where(Lease.state.in_(HOLDING) | ((Lease.state == PARKED) & (Lease.gpu_bytes_kept > 0))))
     if uuids is not None:
         query = query.where(LeaseGPU.gpu_uuid.in_(uuids))
     rows = session.execute(query).all()
     totals: dict[str, Allocation] = defaultdict(Allocation)
-    for uuid, fraction, memory in rows:
+    for uuid, state, fraction, memory, count, kept in rows:
         alloc = totals[uuid]
+        if state == PARKED:
+            alloc.memory += kept // max(1, count)
+            continue
         alloc.fraction += fraction
         alloc.memory += memory
         alloc.leases += 1
@@ -101,18 +111,22 @@ def environment_offer(reported: list[dict[str, Any]] | None) -> tuple[frozenset[
 
 
 def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
-    """Node -> its host (cores, RAM, GPU count, what holding leases take), for
-    the nodes (of ``nodes`` only, when given) whose agent reported a host. One query."""
+    """Node -> its host (cores, RAM, GPU count, what holding leases take, and the
+    host RAM its parked leases hold, ``parked_host_bytes``), for the nodes (of
+    ``nodes`` only, when given) whose agent reported a host. One query."""
     holding = (Lease.node_name == Node.name) & Lease.state.in_(HOLDING)
+    parked = (Lease.node_name == Node.name) & (Lease.state == PARKED)
     query = select(Node.name, Node.host_cpus, Node.host_memory,
                    select(func.count()).where(GPU.node_name == Node.name).scalar_subquery(),
                    select(func.coalesce(func.sum(Lease.cpus), 0.0)).where(holding).scalar_subquery(),
                    select(func.coalesce(func.sum(Lease.host_memory), 0)).where(holding).scalar_subquery(),
+                   select(func.coalesce(func.sum(Lease.parked_host_bytes), 0)).where(parked).scalar_subquery(),
                    ).where(Node.host_cpus.is_not(None), Node.host_memory.is_not(None))
     if nodes is not None:
         query = query.where(Node.name.in_(nodes))
-    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory))
-            for name, cpus, memory, gpus, used_cpus, used_memory in session.execute(query)}
+    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory) + int(parked_bytes),
+                            int(parked_bytes))
+            for name, cpus, memory, gpus, used_cpus, used_memory, parked_bytes in session.execute(query)}
 
 
 class CapacityIndex:
@@ -204,5 +218,6 @@ def _same_host(a: HostState | None, b: HostState | None) -> bool:
     """Equal hosts (cores compared to float noise)."""
     if a is None or b is None:
         return a is b
-    return (a.memory, a.gpus, a.memory_allocated) == (b.memory, b.gpus, b.memory_allocated) and \
+    return (a.memory, a.gpus, a.memory_allocated, a.memory_parked) == (b.memory, b.gpus, b.memory_allocated,
+                                                                       b.memory_parked) and \
         abs(a.cpus - b.cpus) <= 1e-6 and abs(a.cpus_allocated - b.cpus_allocated) <= 1e-6

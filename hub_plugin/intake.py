@@ -115,4 +115,5 @@ def _new_lease(who: Identity, request: LeaseRequest, groups: tuple[str, ...], en
                  created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
                  requested_memory=request.memory, server_name=request.server_name, env=env,
                  lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible),
-                 requested_cpus=request.cpus, requested_host_memory=request.host_memory)
+                 requested_cpus=request.cpus, requested_host_memory=request.host_memory,
+                 on_idle=request.on_idle or "park")

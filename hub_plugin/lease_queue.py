@@ -1,8 +1,11 @@
 """The queue in the store: requests that wait (``queued``) are placed when
 capacity frees up, in the order :func:`.queue.drain` gives (its docstring has
 the fairness rule), and fail when their ``wait`` passes or their owner's quota
-no longer allows them. This module decides and writes; starting what was
-placed and ending what failed is the life cycle's (:mod:`.leases`).
+no longer allows them. Parked leases whose resume was asked for wait in the
+same line, ahead of their class's new requests, for room on their own node
+(:mod:`.rules.resume`). This module decides and writes; starting (or
+resuming) what was placed and ending what failed is the life cycle's
+(:mod:`.leases`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from datetime import datetime
 from typing import Callable
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from gpupool.errors import GPUPoolError
+from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
-from . import usage
+from . import parked, usage
 from .config import GPUPool
-from .models import Lease
+from .models import Lease, Node
 from .placing import Placer
 from .quota_book import QuotaBook
 from .rules import queue as wait_queue
@@ -33,6 +37,8 @@ log = logging.getLogger("gpupool.service.leases")
 
 #: Seconds after which the reclaim sweep drains the queue even when no capacity changed here.
 FULL_DRAIN_S = 30.0
+#: Parked leases whose resume was asked for: they wait in the queue for room on their node.
+RESUMING = (Lease.state == LeaseState.parked.value) & Lease.resume_requested_at.is_not(None)
 
 
 @dataclass
@@ -88,7 +94,8 @@ class LeaseQueue:
                    Lease.env, Lease.requested_cpus, Lease.requested_host_memory, Lease.created_at, Lease.wait_until,
                    Lease.groups, Lease.lease_class).where(Lease.state == QUEUED))
             if row.wait_until is None or row.wait_until > now]
-        if not rows:
+        resumes = self._resumes(session)
+        if not rows and not resumes:
             return Drained()
         over = self._over_quota(session, rows, now)
         share = self.settings.host_share
@@ -96,7 +103,7 @@ class LeaseQueue:
                                                                 row.model, row.env, row.requested_cpus,
                                                                 row.requested_host_memory, share), row.created_at,
                                       row.lease_class)
-                   for row in rows if row.id not in over]
+                   for row in rows if row.id not in over] + resumes
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
         placed = []
@@ -104,9 +111,14 @@ class LeaseQueue:
         def accept(item: wait_queue.Waiting, decision: Placement) -> bool:
             if not self.placer.verify(session, decision):
                 return False  # the index was stale: stop; the next drain decides on a fresh one
-            where = assign(tx, session.get(Lease, item.lease_id), decision, now)
-            self._on_dequeued((now - item.created_at).total_seconds())
-            log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
+            lease = session.get(Lease, item.lease_id)
+            if item.resume is not None:
+                where = parked.placed(tx, lease, decision, now)
+                log.info("lease %s of %s resumes on %s", item.lease_id, item.owner, where)
+            else:
+                where = assign(tx, lease, decision, now)
+                self._on_dequeued((now - item.created_at).total_seconds())
+                log.info("lease %s of %s placed from the queue on %s", item.lease_id, item.owner, where)
             placed.append(item.lease_id)
             return True
 
@@ -116,9 +128,23 @@ class LeaseQueue:
                          headroom_nodes=self.settings.batch_headroom_nodes)
         return Drained(placed, over)
 
+    @staticmethod
+    def _resumes(session: Session) -> list[wait_queue.Waiting]:
+        """The parked leases whose resume was asked for, as the queue waits for them (their GPUs and
+        their node's checkpointer loaded: one query each)."""
+        leases = session.scalars(select(Lease).where(RESUMING).options(selectinload(Lease.gpus))).all()
+        nodes = {node.name: node for node in session.scalars(
+            select(Node).where(Node.name.in_(sorted({lease.node_name for lease in leases}))))} if leases else {}
+        return [wait_queue.Waiting(lease.id, lease.owner, Demand(lease.fraction, lease.gpu_count, lease.memory),
+                                   lease.resume_requested_at, lease.lease_class,
+                                   parked.resume_ask(lease, nodes.get(lease.node_name)))
+                for lease in leases if nodes.get(lease.node_name) is not None
+                and nodes[lease.node_name].state != "lost"]
+
     def _any_queued(self) -> bool:
         with self.state.reading() as session:
-            return session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is not None
+            return (session.scalar(select(Lease.id).where(Lease.state == QUEUED).limit(1)) is not None
+                    or session.scalar(select(Lease.id).where(RESUMING).limit(1)) is not None)
 
     def _drain_now(self) -> Drained:
         self._drained_epoch, self._drained_at = self.state.capacity_epoch, time.monotonic()

@@ -2,8 +2,9 @@
 poll that answers once a lease leaves a state (:mod:`.watch` wakes it).
 
 The JSON is :func:`.views.lease_body` plus what only the service knows: the
-queue place and estimate of a queued request, the idle deadline (early under
-pressure), the node's state, the host limits the worker's cgroup gets.
+queue place and estimate of a queued request (or of a parked lease waiting to
+resume), the idle deadline (early under pressure), the node's state, the host
+limits the worker's cgroup gets.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import usage
 from .auth import Identity
 from .capacity import HOLDING
 from .config import GPUPool
+from .lease_queue import RESUMING
 from .models import Lease, Node
 from .pressure import Pressure
 from .rules import queue as wait_queue
@@ -111,14 +113,14 @@ class LeaseViews:
 
     async def list(self, who: Identity, *, active: bool = True, kernel_id: str | None = None) -> list[dict[str, Any]]:
         """``who``'s own leases, oldest first (at most the newest 500);
-        ``active``: only those holding capacity or queued; ``kernel_id``: only that kernel's.
+        ``active``: only those holding capacity, parked or queued; ``kernel_id``: only that kernel's.
         Takes a fixed number of queries, whatever the number of leases or of queued requests."""
         return await self.state.work.read(self._list_now, who, active, kernel_id)
 
     def _list_now(self, who: Identity, active: bool, kernel_id: str | None) -> list[dict[str, Any]]:
         query = select(Lease).where(Lease.owner == who.name)
         if active:
-            query = query.where(Lease.state.in_((*HOLDING, QUEUED)))
+            query = query.where(Lease.state.in_((*HOLDING, QUEUED, LeaseState.parked.value)))
         if kernel_id:
             query = query.where(Lease.kernel_id == kernel_id)
         query = query.options(selectinload(Lease.gpus), selectinload(Lease.events))
@@ -163,7 +165,7 @@ class LeaseViews:
             nodes = _nodes(session, [lease])
         node = nodes.get(lease.node_name) if lease.node_name else None
         limits = host_limits(lease, node if node is not None else _GONE)  # what the agent is told to enforce
-        place = queue.positions.get(lease.id) if lease.state == QUEUED and queue is not None else None
+        place = queue.positions.get(lease.id) if _in_line(lease) and queue is not None else None
         return lease_body(
             lease, for_owner=lease.owner == who.name,
             queue_position=place, queue_estimate_s=queue.etas.get(lease.id) if place is not None else None,
@@ -174,21 +176,27 @@ class LeaseViews:
 
     def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
         """:meth:`queue_view` of a request just queued, from counts per owner, class and shape (no row
-        per queued request): every request ahead of the newest is placed before it, in whatever order."""
+        per queued request): every request ahead of the newest is placed before it, in whatever order;
+        so is every resume waiting of its class or a higher one."""
         if lease.state != QUEUED:
             return None
         groups = session.execute(select(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count, func.count())
                                  .where(Lease.state == QUEUED)
                                  .group_by(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count)).all()
         last = usage.last_used(session, {row[0] for row in groups}, self.state.now())
-        asks = [(fraction, count, lease_class) for owner, lease_class, fraction, count, number in groups
+        asks = [(class_rank(lease_class), 1, (fraction, count, lease_class))
+                for owner, lease_class, fraction, count, number in groups
                 if wait_queue.before_newest(owner, lease_class, lease.owner, lease.lease_class, last)
                 for _ in range(number)]
-        asks.sort(key=lambda ask: class_rank(ask[2]))  # the queue's order: interactive first
+        asks += [(class_rank(resume.lease_class), 0, self._resume_ask(resume, remap))
+                 for resume, remap in self._resumes(session)
+                 if class_rank(resume.lease_class) <= class_rank(lease.lease_class)]
+        asks.sort(key=lambda ask: ask[:2])  # the queue's order: interactive first, resumes first in a class
         own = (lease.fraction, lease.gpu_count, lease.lease_class)
-        asks.remove(own)  # its own goes last of its class (the last there is: none after it is counted)
-        asks.append(own)
-        return QueueView({lease.id: len(asks)}, {lease.id: self.pressure.etas(asks, self.state.now())[-1]})
+        ordered = [ask for _, _, ask in asks]
+        ordered.remove(own)  # its own goes last of its class (the last there is: none after it is counted)
+        ordered.append(own)
+        return QueueView({lease.id: len(ordered)}, {lease.id: self.pressure.etas(ordered, self.state.now())[-1]})
 
     def queue_view(self, session: Session, leases) -> QueueView | None:
         """What the queued ones of ``leases`` need for ``queue_position`` and
@@ -196,16 +204,40 @@ class LeaseViews:
         sorted once (a fixed number of queries, however many leases are shown;
         the queue itself is at most users x ``c.GPUPool.max_queued_per_user``);
         None when none of ``leases`` is queued."""
-        if not any(lease.state == QUEUED for lease in leases):
+        if not any(_in_line(lease) for lease in leases):
             return None
         queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at, Lease.lease_class,
                                         Lease.fraction, Lease.gpu_count).where(Lease.state == QUEUED)).all()
+        resumes = self._resumes(session)
         last = usage.last_used(session, {row[1] for row in queued}, self.state.now())
-        places = wait_queue.positions(queued, last)
+        places = wait_queue.positions([*((row[0], row[1], row[2], row[3], False) for row in queued),
+                                       *((r.id, r.owner, r.resume_requested_at, r.lease_class, True)
+                                         for r, _ in resumes)], last)
         asked = {row[0]: (row[4], row[5], row[3]) for row in queued}
+        asked.update((resume.id, self._resume_ask(resume, remap)) for resume, remap in resumes)
         in_line = sorted(places, key=places.get)
         etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
         return QueueView(places, dict(zip(in_line, etas)))
+
+    @staticmethod
+    def _resumes(session: Session) -> list[tuple[Lease, bool]]:
+        """The parked leases waiting to resume (their GPUs loaded), each with whether its node's
+        checkpointer can remap: two queries."""
+        leases = session.scalars(select(Lease).where(RESUMING).options(selectinload(Lease.gpus))).all()
+        if not leases:
+            return []
+        remap = {name: bool((checkpointer or {}).get("remap")) for name, checkpointer in session.execute(
+            select(Node.name, Node.checkpointer).where(Node.name.in_(sorted({x.node_name for x in leases}))))}
+        return [(lease, remap.get(lease.node_name, False)) for lease in leases]
+
+    def _resume_ask(self, lease: Lease, remap: bool) -> tuple:
+        """A resume as the ETA sees it: its slice, class, and the GPUs it may take (its node's)."""
+        return (lease.fraction, lease.gpu_count, lease.lease_class, self.pressure.resume_room(lease, remap))
+
+
+def _in_line(lease: Lease) -> bool:
+    """Whether ``lease`` waits in the queue: queued, or parked with a resume asked for."""
+    return lease.state == QUEUED or (lease.state == LeaseState.parked.value and lease.resume_requested_at is not None)
 
 
 def _nodes(session: Session, leases):

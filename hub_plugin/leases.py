@@ -1,10 +1,10 @@
 """The lease life cycle: the one place a lease changes state.
 
-    create -> starting --(agent started the worker)--> active
-                 |                                        |
-                 +--------------> releasing <-------------+
-                                     |
-                        released | reclaimed | failed
+    create -> starting --(agent started the worker)--> active <--> parking -> parked
+                 |                                        |          |          |
+                 +--------------> releasing <-------------+----------+          |
+                                     |                                          |
+                        released | reclaimed | failed  <------------------------+
 
 - A new request is checked, placed and written ``starting`` (or ``queued``)
   by :mod:`.intake`; then :meth:`LeaseBook.start`, in the background, asks
@@ -15,6 +15,11 @@
   recorded once. The slice stays reserved until the worker is stopped (or
   the agent could not be reached: then the agent's next heartbeat is told to
   stop the orphan).
+- Park in place and resume are a peer's (:mod:`.parking`, the store side in
+  :mod:`.parked`); a resume placed by the queue is ``starting`` again and
+  :meth:`LeaseBook.start` hands it to that peer, which asks the agent to
+  resume it instead of starting a worker. A ``parked`` lease holds no share, so its release ends it at once
+  (nothing to give back) and then stops its worker.
 - Every transition is stored as a :class:`~.models.LeaseEvent` and wakes
   long polls (:mod:`.transitions`, :mod:`.state`).
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from sqlalchemy import select, update
 
@@ -36,15 +41,17 @@ from gpupool.errors import GPUPoolError, bad_request
 from gpupool.schema import LeaseState
 from gpupool.wire.workers import WorkerStarted
 
+from . import parked
 from .auth import Identity
 from .background import Background
 from .config import GPUPool
 from .lease_queue import Drained, LeaseQueue
 from .lease_views import LeaseViews
 from .models import Lease, Node
+from .rules.reclaim import PARKED_STATES
 from .state import PoolState
 from .transitions import end, is_queued, still_queued, transition
-from .worker_calls import WorkerCalls
+from .worker_calls import StartJob, WorkerCalls
 
 log = logging.getLogger("gpupool.service.leases")
 
@@ -54,25 +61,33 @@ class LeaseBook:
 
     ``settings`` are the service's ``c.GPUPool``; ``state`` the store and its
     clock; ``workers`` asks the agents; ``tasks`` runs what goes on in the
-    background; ``views`` gives the lease JSON; ``queue`` drains the queue.
+    background; ``views`` gives the lease JSON; ``queue`` drains the queue;
+    ``resume_worker(job)`` asks the agent to resume a lease placed from a park
+    (:meth:`.parking.Parking.resume_worker`).
     """
 
     def __init__(self, settings: GPUPool, state: PoolState, workers: WorkerCalls, tasks: Background,
-                 views: LeaseViews, queue: LeaseQueue) -> None:
+                 views: LeaseViews, queue: LeaseQueue,
+                 resume_worker: Callable[[StartJob], Awaitable[None]] | None = None) -> None:
         self.settings = settings
         self.state = state
         self.workers = workers
         self.tasks = tasks
         self.views = views
         self.queue = queue
+        self.resume_worker = resume_worker
 
     # -- starting --------------------------------------------------------------
 
     async def start(self, lease_id: str) -> None:
-        """Ask the agent for the worker; ``active`` on success, else the
-        release path ends the lease ``failed`` with the agent's reason."""
+        """Ask the agent for the worker (or, for a lease resuming from a park, to
+        resume it); ``active`` on success, else the release path ends the lease
+        ``failed`` with the agent's reason."""
         job = await self.workers.job(lease_id)
         if job is None:
+            return
+        if job.resume:
+            await self.resume_worker(job)
             return
         try:
             started = await self.workers.start(job)
@@ -98,7 +113,7 @@ class LeaseBook:
             lease.connection = started.connection
             lease.worker_pid = started.pid
             lease.worker_state = "idle"  # the kernel answered, no cell has run yet
-            lease.started_at = lease.last_heartbeat_at = lease.idle_since = now
+            lease.started_at = lease.last_heartbeat_at = lease.idle_since = lease.held_since = now
             transition(tx, lease, LeaseState.active, f"the worker started on {node_name} (pid {started.pid})",
                        now)
             return True
@@ -113,7 +128,7 @@ class LeaseBook:
     def _heartbeat_now(self, who: Identity, lease_id: str) -> dict[str, Any]:
         with self.state.writing() as tx:
             lease = self.views.visible(tx.session, who, lease_id, owner_only=True)
-            if LeaseState(lease.state).holds_capacity:
+            if LeaseState(lease.state).holds_capacity or lease.state in PARKED_STATES:  # its kernel is alive
                 lease.last_heartbeat_at = self.state.now()
             return self.views.json(lease, who, tx.session, self.views.queue_view(tx.session, [lease]))
 
@@ -144,16 +159,23 @@ class LeaseBook:
         begun = await self.state.work.write(self._begin_release, lease_id, final, reason, code, only_if)
         if begun is None:
             return
-        mine, url = begun
+        mine, url, ended = begun
         if not mine:  # someone else is releasing it: wait for them
             await self.views.wait_out(lease_id, LeaseState.releasing.value, self.settings.worker_stop_timeout + 5)
             return
         log.info("lease %s releasing (%s): %s", lease_id, final.value, reason)
-        await self._finish(lease_id, await self.workers.stop(url, lease_id) if url else None)
+        note = await self.workers.stop(url, lease_id) if url else None
+        if not ended:
+            await self._finish(lease_id, note)
+            return
+        if note and final is not LeaseState.failed:  # parked, so ended already: its words follow
+            await self.state.work.write(self._note_now, lease_id, note)
+        await self.drain_queue()  # the host memory it held
 
     def _begin_release(self, lease_id: str, final: LeaseState, reason: str, code: str | None,
-                       only_if: Callable[[Lease, datetime], bool] | None) -> tuple[bool, str | None] | None:
-        """Make the lease ``releasing``: ``(True, agent url or None)``; ``(False, None)``
+                       only_if: Callable[[Lease, datetime], bool] | None) -> tuple[bool, str | None, bool] | None:
+        """Make the lease ``releasing``: ``(True, agent url or None, False)``; a parked one (it holds
+        no share, nothing to give back) ends at once: ``(True, url, True)``; ``(False, None, False)``
         when someone else is releasing it; None when there is nothing to do."""
         now = self.state.now()
         with self.state.writing() as tx:
@@ -161,21 +183,33 @@ class LeaseBook:
             if lease is None or LeaseState(lease.state).ended:
                 return None
             if lease.state == LeaseState.releasing.value:
-                return False, None
+                return False, None, False
             if only_if is not None and not only_if(lease, now):
                 return None
             lease.end_state, lease.reason = final.value, reason
             lease.reclaim_code = None if code is None else str(code)  # the plain value, for every driver
+            was_parked = lease.state == LeaseState.parked.value
+            parked.leave(lease, now)
+            parked.clear(lease)  # whatever its park held goes with it
             transition(tx, lease, LeaseState.releasing, reason, now)
-            if lease.node_name is None:
-                # Never placed (queued): no worker to stop, no capacity to free, so it
-                # ends here, and a long poll wakes to its final state, not to releasing.
+            if lease.node_name is None or was_parked:
+                # Never placed (queued), or parked: no capacity to free, so it ends here,
+                # and a long poll wakes to its final state, not to releasing.
                 end(tx, lease, now)
-                return None
-            return True, tx.session.get(Node, lease.node_name).url
+                if lease.node_name is None:
+                    return None
+            return True, tx.session.get(Node, lease.node_name).url, was_parked
+
+    def _note_now(self, lease_id: str, note: str) -> None:
+        """Add ``note`` (the worker's stop was not confirmed) to an ended lease's reason."""
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is not None and LeaseState(lease.state).ended:
+                lease.reason = f"{lease.reason}; {note}"
+                tx.changes.lease(lease_id)
 
     async def _finish(self, lease_id: str, note: str | None = None) -> None:
-        self._after_drain(await self.state.work.write(self._finish_now, lease_id, note))
+        self.after_drain(await self.state.work.write(self._finish_now, lease_id, note))
 
     def _finish_now(self, lease_id: str, note: str | None = None) -> Drained:
         """``releasing`` -> its final state; records ``ended_at`` and usage
@@ -200,7 +234,7 @@ class LeaseBook:
         their own transaction). ``sweep``: the periodic call
         (:meth:`.lease_queue.LeaseQueue.drain`). Returns the ids placed."""
         drained = await self.queue.drain(sweep=sweep)
-        self._after_drain(drained)
+        self.after_drain(drained)
         return drained.placed
 
     async def expire_queue(self) -> list[str]:
@@ -210,7 +244,7 @@ class LeaseBook:
             self.tasks.spawn(self.release(lease_id, LeaseState.failed, reason, only_if=still_queued))
         return list(reasons)
 
-    def _after_drain(self, drained: Drained) -> None:
+    def after_drain(self, drained: Drained) -> None:
         """On the loop, after a drain committed: start what it placed, fail what it must."""
         for lease_id in drained.placed:
             self.tasks.spawn(self.start(lease_id))
@@ -221,10 +255,12 @@ class LeaseBook:
 
     async def resume(self) -> None:
         """Pick up what a previous run left half-done: start the workers of
-        ``starting`` leases (agents start idempotently per lease) and finish
-        ``releasing`` ones. Clients and agents could not reach a stopped
-        service, so their heartbeat clocks restart now: an outage longer than
-        the heartbeat TTL must not reclaim every healthy lease."""
+        ``starting`` leases (agents start idempotently per lease; a lease
+        resuming from a park is resumed) and finish ``releasing`` ones (a
+        ``parking`` one is the park's peer's, :meth:`.parking.Parking.restart`).
+        Clients and agents could not reach a stopped service, so their
+        heartbeat clocks restart now: an outage longer than the heartbeat TTL
+        must not reclaim every healthy lease, parked ones neither."""
         for lease_id, state in await self.state.work.write(self._resume_now):
             log.info("lease %s was %s when the service stopped; resuming", lease_id, state)
             if state == LeaseState.starting.value:
@@ -235,7 +271,7 @@ class LeaseBook:
     def _resume_now(self) -> list[tuple[str, str]]:
         now = self.state.now()
         with self.state.writing() as tx:
-            tx.session.execute(update(Lease).where(Lease.state == LeaseState.active.value)
+            tx.session.execute(update(Lease).where(Lease.state.in_((LeaseState.active.value, *PARKED_STATES)))
                                .values(last_heartbeat_at=now))
             tx.session.execute(update(Node).where(Node.state.in_(("up", "degraded"))).values(last_heartbeat_at=now))
         unfinished = [LeaseState.starting.value, LeaseState.releasing.value]

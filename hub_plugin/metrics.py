@@ -9,7 +9,9 @@ leases that hold capacity):
   allocated share (``..._allocated_ratio``, 0 to 1) and memory, usable memory,
   memory in use; ``gpupool_nodes{node,state}``;
 - ``gpupool_leases{state}``: leases now in each live state (queued, starting,
-  active, releasing); ``gpupool_leases_ended_total{state}``: leases that ended
+  active, parking, parked, releasing); ``gpupool_node_parked_host_bytes{node}``:
+  host RAM the leases parked in memory hold on each node, and
+  ``gpupool_node_parked_memory_bytes{node}`` its agent's budget for them; ``gpupool_leases_ended_total{state}``: leases that ended
   released, reclaimed or failed (the store keeps every lease, so it never goes
   down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
   ``heartbeat``, ``pressure``: parked early by the service because its notebook
@@ -27,9 +29,14 @@ leases that hold capacity):
 
 Counted by this process as they happen (they start at 0 when it starts):
 ``gpupool_lease_refusals_total{reason}`` (reason codes such as ``no_fraction``,
-``quota_max_gpus``: :mod:`.rules.misfits`; the words are in the API's answers) and the histogram
+``quota_max_gpus``: :mod:`.rules.misfits`; the words are in the API's answers), the histogram
 ``gpupool_queue_wait_seconds``: how long each queued request waited until it
-was placed (requests that gave up or were cancelled are not observed).
+was placed (requests that gave up or were cancelled are not observed),
+``gpupool_parks_total{reason,tier}``: parks done, by reason code
+(:class:`.rules.reclaim.ParkCode`: ``idle``, ``pressure``, ``preemption``,
+``owner``) and tier (``memory``, ``disk``), and the histogram
+``gpupool_resume_seconds``: from a resume's placement on its node to its
+worker answering again.
 """
 
 from __future__ import annotations
@@ -44,16 +51,19 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
+from gpupool.wire.parking import PARK_TIERS
 
 from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
-from .rules.reclaim import Reclaim
+from .rules.reclaim import ParkCode, Reclaim
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Upper bounds (seconds) of the queue wait histogram: from a release that frees
 #: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
 QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
+#: Upper bounds (seconds) of the resume histogram: a thaw in memory (under a second) to a large spill loaded.
+RESUME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
 #: The states ``gpupool_leases_by_class`` counts.
 CLASS_STATES = (LeaseState.queued.value, LeaseState.active.value)
@@ -72,7 +82,21 @@ class Metrics:
         self.queue_wait = Histogram("gpupool_queue_wait_seconds",
                                     "Seconds a queued lease request waited until it was placed",
                                     buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
+        self.parks = Counter("gpupool_parks", "Leases parked in place, by reason code and tier",
+                             ["reason", "tier"], registry=self.registry)
+        for code in ParkCode:  # every series from the start: rate() needs the zero before the first park
+            for tier in PARK_TIERS:
+                self.parks.labels(reason=str(code), tier=tier)
+        self.resume_seconds = Histogram("gpupool_resume_seconds",
+                                        "Seconds from a parked lease's placement on its node to its worker answering",
+                                        buckets=RESUME_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(store, context_overhead))
+
+    def parked(self, code: str, tier: str) -> None:
+        self.parks.labels(reason=str(code), tier=tier).inc()
+
+    def resumed(self, seconds: float) -> None:
+        self.resume_seconds.observe(max(0.0, seconds))
 
     def refused(self, codes: Mapping[str, int]) -> None:
         for code in codes:
@@ -97,11 +121,17 @@ class _PoolCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes = self._families()
+        (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes, parked,
+         budget) = self._families()
         with self.store.read() as session:
             alloc = allocations(session)
+            held = dict(session.execute(select(Lease.node_name, func.sum(Lease.parked_host_bytes)).where(
+                Lease.state == LeaseState.parked.value).group_by(Lease.node_name)).all())
             for node in nodes_with_gpus(session):
                 nodes.add_metric([node.name, node.state], 1)
+                parked.add_metric([node.name], int(held.get(node.name) or 0))
+                if node.parked_memory is not None:
+                    budget.add_metric([node.name], node.parked_memory)
                 for gpu in node.gpus:
                     labels = [node.name, str(gpu.index), gpu.uuid, gpu.name, node.name]
                     taken = alloc.get(gpu.uuid, Allocation())
@@ -133,7 +163,8 @@ class _PoolCollector(Collector):
         for lease_class in LEASE_CLASSES:
             for state in CLASS_STATES:
                 classes.add_metric([lease_class, state], by_class.get((lease_class, state), 0))
-        yield from (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes)
+        yield from (fraction, memory, usable, used, nodes, leases, queue, oldest, usage, ended, reclaims, classes,
+                    parked, budget)
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
@@ -158,18 +189,24 @@ class _PoolCollector(Collector):
                                 labels=["reason"]),
             GaugeMetricFamily("gpupool_leases_by_class", "Queued and active leases by class (interactive, batch)",
                               labels=["class", "state"]),
+            GaugeMetricFamily("gpupool_node_parked_host_bytes", "Host RAM the leases parked in memory hold on the node",
+                              labels=["node"]),
+            GaugeMetricFamily("gpupool_node_parked_memory_bytes",
+                              "Host RAM the node's agent lets parked workers hold before it spills them to disk",
+                              labels=["node"]),
         )
 
 
 def _usage_by_user(session: Session) -> dict[str, float]:
-    """GPU-seconds per user: the ledger's ended leases, plus the leases holding
-    capacity now counted up to now (a lease that ends moves from the second
-    sum to the first at its final value, so each user's total never goes down)."""
+    """GPU-seconds per user: the ledger's spans that ended, plus the spans the
+    leases holding a share now are in, counted up to now (a span that ends
+    moves from the second sum to the first at its final value, so each user's
+    total never goes down; parked time is in neither)."""
     totals: dict[str, float] = dict(session.execute(
         select(UsageRecord.owner, func.sum(UsageRecord.gpu_seconds)).group_by(UsageRecord.owner)).all())
     now = utcnow()
-    running = session.execute(select(Lease.owner, Lease.fraction, Lease.gpu_count, Lease.started_at)
-                              .where(Lease.state.in_(HOLDING), Lease.started_at.is_not(None)))
-    for owner, fraction, count, started in running:
-        totals[owner] = totals.get(owner, 0.0) + fraction * count * max(0.0, (now - started).total_seconds())
+    running = session.execute(select(Lease.owner, Lease.fraction, Lease.gpu_count, Lease.held_since)
+                              .where(Lease.state.in_(HOLDING), Lease.held_since.is_not(None)))
+    for owner, fraction, count, since in running:
+        totals[owner] = totals.get(owner, 0.0) + fraction * count * max(0.0, (now - since).total_seconds())
     return totals

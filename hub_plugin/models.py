@@ -16,7 +16,8 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, false
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint,
+                        false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -70,6 +71,12 @@ class Node(Base):
     host_memory: Mapped[int | None] = mapped_column(BigInteger)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    #: Revision 0011: the checkpointer its agent parks workers with, as it reported it
+    #: (``CheckpointerInfo.to_json()``; None: it cannot park in place), and its budget of host
+    #: bytes for parked workers (``c.NodeAgent.parked_memory``; None: not reported). The
+    #: budget is the agent's to keep (it spills); the service only reads the tiers reported.
+    checkpointer: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    parked_memory: Mapped[int | None] = mapped_column(BigInteger)
 
     gpus: Mapped[list[GPU]] = relationship(back_populates="node", order_by="GPU.index",
                                            cascade="all, delete-orphan")
@@ -102,7 +109,8 @@ class Lease(Base):
 
     ``memory`` is the slice's limit per GPU in bytes; ``idle_timeout`` and
     ``heartbeat_ttl`` seconds; ``connection`` the worker's Jupyter connection
-    info (with its HMAC key), kept only while the lease is active.
+    info (with its HMAC key), kept only while its worker lives (active, and
+    parking or parked in memory; cleared by a spill and at the end).
     """
 
     __tablename__ = "leases"
@@ -165,6 +173,34 @@ class Lease(Base):
     cell_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cell_open: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     cells_recorded: Mapped[bool] = mapped_column(Boolean, default=True, server_default=false())
+    #: Revision 0011, park in place (docs/parking.md). ``on_idle``: what the idle timeout does
+    #: (``park`` or ``release``). ``held_since``: when the lease's current span holding a GPU
+    #: share began (its start, then each resume; None before it starts and while it is parked
+    #: or resuming): usage counts from it, and each span is one ledger row. ``parked_seconds``:
+    #: the seconds spent parked so far, counted apart from usage.
+    on_idle: Mapped[str] = mapped_column(String(10), default="park", server_default="park")
+    held_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    parked_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    #: The park, while ``parking``, ``parked`` and resuming (``starting`` again; cleared once
+    #: ``active``): ``park_tier`` the tier asked for while parking, then the one the agent
+    #: reported (``memory``, ``disk``); ``park_code`` why (:class:`.rules.reclaim.ParkCode`:
+    #: idle, pressure, preemption, owner) beside ``park_reason``, its words; ``parked_at`` when the
+    #: park began, then when it was done; ``park_checkpointer`` the one that moved the GPU state;
+    #: bytes ``parked_host_bytes`` (host RAM held on the node), ``parked_disk_bytes`` (what a
+    #: spill wrote), ``gpu_bytes_moved``, ``gpu_bytes_kept`` (still taken on its GPUs, counted
+    #: there by placement); ``parked_lost`` what could not be kept, in words; and
+    #: ``resume_requested_at``: when a resume was asked for (None: none waits).
+    park_tier: Mapped[str | None] = mapped_column(String(10))
+    park_code: Mapped[str | None] = mapped_column(String(20))
+    park_reason: Mapped[str | None] = mapped_column(Text)
+    parked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    park_checkpointer: Mapped[str | None] = mapped_column(String(50))
+    parked_host_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    parked_disk_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_bytes_moved: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_bytes_kept: Mapped[int | None] = mapped_column(BigInteger)
+    parked_lost: Mapped[list[str] | None] = mapped_column(JSON)
+    resume_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")
@@ -214,15 +250,19 @@ class LeaseCell(Base):
 
 
 class UsageRecord(Base):
-    """The usage ledger: one row per lease, written once when it ends
-    (:mod:`.usage`). ``gpus`` is fraction x GPU count; ``gpu_seconds`` is
-    ``gpus`` x seconds from ``started_at`` to ``ended_at``; ``groups`` the
-    owner's groups when the lease was asked for."""
+    """The usage ledger: one row per span a lease held a GPU share, written
+    once when the span ends (:mod:`.usage`): when the lease is parked, and when
+    it ends (a lease that never started gets one row of 0). ``gpus`` is
+    fraction x GPU count; ``gpu_seconds`` is ``gpus`` x seconds from
+    ``started_at`` to ``ended_at`` (the span's); ``groups`` the owner's groups
+    when the lease was asked for. Revision 0011: unique per lease and span
+    start (before: one row per lease), so parked time is in no row."""
 
     __tablename__ = "usage_ledger"
+    __table_args__ = (UniqueConstraint("lease_id", "started_at", name="uq_usage_ledger_span"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    lease_id: Mapped[str] = mapped_column(String(20), unique=True)
+    lease_id: Mapped[str] = mapped_column(String(20))
     owner: Mapped[str] = mapped_column(String(200), index=True)
     groups: Mapped[list[str] | None] = mapped_column(JSON)
     gpus: Mapped[float] = mapped_column(Float)

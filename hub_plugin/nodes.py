@@ -7,9 +7,11 @@ GPUs (NVML failed) says why in ``inventory_error``: its node is then
 known (with unknown readings), its leases go on, and nothing new is placed
 there until a registration or heartbeat without the error. Worker reports
 update the lease's worker state and idle time; a worker reported ``dead`` ends its
-lease ``failed`` through the one release path; and every reported worker
-whose lease does not hold capacity on this node comes back in ``stop``, so
-no worker outlives its lease.
+lease ``failed`` through the one release path (a parked one's too, saying
+that its parked state is gone); a parked worker reported spilled to disk
+moves its lease's park to disk (:func:`.parked.report`); and every reported
+worker whose lease neither holds capacity nor is parked on this node comes
+back in ``stop``, so no worker outlives its lease.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
-from . import cell_log
+from . import cell_log, parked
 from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
-from .state import PoolState
+from .rules.reclaim import PARKED_STATES
+from .state import PoolState, Transaction
 
 log = logging.getLogger("gpupool.service.nodes")
 
@@ -79,13 +82,15 @@ class NodeBook:
                                                                            reg.whole_gpus)
             node.environments = None if reg.environments is None else [env.to_json() for env in reg.environments]
             node.host_cpus, node.host_memory = reg.host_cpus, reg.host_memory
+            node.checkpointer = None if reg.checkpointer is None else reg.checkpointer.to_json()
+            node.parked_memory = reg.parked_memory
             node.registered_at, node.last_heartbeat_at = now, now
             _set_state(node, reg.inventory_error)
             if reg.inventory_error is None:  # a degraded node's GPUs stay as last known: it cannot list them
                 self._upsert_gpus(session, node, list(reg.gpus), reg.healthy)
             tx.changes.every_gpu()  # GPUs may have come, gone or changed: the scheduler reads them all again
             reports = list(reg.workers)
-            stop, dead = self._apply_reports(session, node, reports, now)
+            stop, dead = self._apply_reports(tx, node, reports, now)
             dead += self._lost_workers(session, node, reports)
         return stop, dead
 
@@ -130,7 +135,7 @@ class NodeBook:
                     gpu.memory_unattributed = unattributed
                     if healthy is not None:
                         gpu.healthy = healthy
-            stop, dead = self._apply_reports(session, node, reports, now)
+            stop, dead = self._apply_reports(tx, node, reports, now)
         return stop, dead, came_back
 
     @staticmethod
@@ -154,33 +159,39 @@ class NodeBook:
                 session.delete(gpu)
 
     @staticmethod
-    def _apply_reports(session: Session, node: Node, reports: list[WorkerReport],
+    def _apply_reports(tx: Transaction, node: Node, reports: list[WorkerReport],
                        now: datetime) -> tuple[list[str], list[tuple[str, str]]]:
         """Update leases from worker reports. Returns (lease ids whose workers
         must stop, (lease id, reason) of workers that died)."""
+        session = tx.session
         stop: list[str] = []
         dead: list[tuple[str, str]] = []
         for report in reports:
             lease = session.get(Lease, report.lease_id)
-            if lease is None or lease.node_name != node.name or not LeaseState(lease.state).holds_capacity:
+            if lease is None or lease.node_name != node.name or not _lives(lease):
                 stop.append(report.lease_id)
-            elif report.execution_state == "dead":
+            elif report.execution_state == "dead" and report.parked != "disk":  # a spilled one has no process
                 if lease.state != LeaseState.releasing.value:
-                    dead.append((lease.id, report.reason or death_reason(report.exit_code)))
+                    dead.append((lease.id, _died(lease, report)))
             elif lease.state == LeaseState.active.value:
                 _update_worker(lease, report, now)
                 cell_log.record(session, lease, report, now)
+            elif parked.report(tx, lease, report):
+                log.info("lease %s: its parked worker is now %s on %s (%s)", lease.id, lease.park_tier, node.name,
+                         "; ".join(lease.parked_lost or []) or "nothing lost")
         return stop, dead
 
     @staticmethod
     def _lost_workers(session: Session, node: Node, reports: list[WorkerReport]) -> list[tuple[str, str]]:
-        """At registration: active leases on this node whose worker the
-        (re)started agent does not report are gone with the old agent."""
+        """At registration: leases on this node whose worker lives (active, parking, parked, or
+        resuming) that the (re)started agent does not report are gone with the old agent."""
         reported = {r.lease_id for r in reports}
-        active = session.scalars(select(Lease.id).where(Lease.node_name == node.name,
-                                                        Lease.state == LeaseState.active.value))
-        return [(lease_id, f"the worker was lost: the agent on {node.name} restarted without it")
-                for lease_id in active if lease_id not in reported]
+        living = session.scalars(select(Lease).where(Lease.node_name == node.name, Lease.state.in_(
+            (LeaseState.active.value, *PARKED_STATES, LeaseState.starting.value))))
+        return [(lease.id, f"the {'parked ' if lease.park_tier else ''}worker was lost: the agent on {node.name} "
+                           f"restarted without it{LOST_STATE if lease.park_tier else ''}")
+                for lease in living if lease.id not in reported
+                and (lease.state != LeaseState.starting.value or parked.is_resume(lease))]
 
     def _end_dead(self, dead: list[tuple[str, str]]) -> None:
         # In the background: the release path calls back into the very agent
@@ -224,6 +235,21 @@ def death_reason(exit_code: int | None) -> str:
             name = ""
         return f"the worker process was killed by signal {-exit_code}{name}"
     return f"the worker process exited with code {exit_code}"
+
+
+#: Said of a parked lease whose worker is gone.
+LOST_STATE = ": its variables and state there are gone"
+
+
+def _lives(lease: Lease) -> bool:
+    """Whether ``lease``'s worker should live on its node: it holds capacity or is parked."""
+    return LeaseState(lease.state).holds_capacity or lease.state in PARKED_STATES
+
+
+def _died(lease: Lease, report: WorkerReport) -> str:
+    """Why ``lease``'s worker died, in words (a parked one's state is gone with it)."""
+    words = report.reason or death_reason(report.exit_code)
+    return f"its parked worker died ({words}){LOST_STATE}" if lease.state in PARKED_STATES else words
 
 
 def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:

@@ -16,28 +16,32 @@ from gpupool.wire.fields import INK, TEXT, WORDS, ref as _ref
 from gpupool.wire.leases import MOST_SECONDS as _MOST_SECONDS, Lease, LeaseRequest
 from gpupool.wire.nodes import (GPUInfo, GPUReading, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerEnvironment, WorkerReport)
+from gpupool.wire.parking import CheckpointerInfo
 from gpupool.wire.pool import Pool, PoolGPU, PoolNode, PoolTotals
 from gpupool.wire.quotas import Limits, Quota, QuotaUsage
 
 #: The bodies in ``components.schemas``, each under its class's name.
 _BODIES = (LeaseRequest, Lease, NodeRegistration, GPUInfo, WorkerReport, WorkerEnvironment, RegistrationReply,
-           Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage, Pool, PoolNode, PoolGPU, PoolTotals)
+           Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage, Pool, PoolNode, PoolGPU, PoolTotals,
+           CheckpointerInfo)
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
+def _errors(*codes: int | tuple[int, str]) -> dict[str, Any]:
     words = {400: "bad input; nothing changed", 401: "missing or unknown token",
              403: "this token may not call this endpoint", 404: "not found (or not yours)",
              409: "the pool cannot take the request now", 415: "the body was not sent as application/json",
              429: "over your quota (quota_exceeded; `limit` names which)", 503: "the store is busy or down; retry"}
-    return {str(code): _json(_ref("Error"), words[code]) for code in codes}
+    # A code may come as (code, words) where the common words do not fit the operation.
+    pairs = [code if isinstance(code, tuple) else (code, words[code]) for code in codes]
+    return {str(code): _json(_ref("Error"), said) for code, said in pairs}
 
 
 def _op(summary: str, ok: dict[str, Any], *, body: dict[str, Any] | None = None, body_required: bool = True,
-        errors=(401,), params: list[dict[str, Any]] | None = None, ok_code: int = 200,
+        errors: tuple = (401,), params: list[dict[str, Any]] | None = None, ok_code: int = 200,
         security: bool = True) -> dict[str, Any]:
     if body is not None:
         errors = (*errors, 415)
@@ -97,6 +101,22 @@ _PATHS: dict[str, Any] = {
         "post": _op("Renew the notebook kernel's liveness", _json(_ref("Lease"), "the lease, also once ended"),
                     body={"type": "object", "description": "no fields yet"}, body_required=False,
                     errors=(400, 401, 403, 404), params=[_LEASE_ID]),
+    },
+    "/leases/{id}/park": {
+        "post": _op("Park in place: the worker frozen on its node, its GPU state in host memory, its GPU share "
+                    "back in the pool (docs/parking.md); answers once parked, or still parking after 20 s",
+                    _json(_ref("Lease"), "the lease, parking or parked"),
+                    body={"type": "object", "description": "no fields yet"}, body_required=False,
+                    errors=(400, 401, 403, 404, (409, "invalid_state (not active), cannot_park (its node cannot), "
+                                                      "worker_busy (a cell runs)")), params=[_LEASE_ID]),
+    },
+    "/leases/{id}/resume": {
+        "post": _op("Resume a parked lease on its own node once it has room (idempotent); it waits in the queue "
+                    "with queue_position and queue_estimate_s; a lease whose node is lost ends failed",
+                    _json(_ref("Lease"), "the lease: parked with parked.resume_requested, starting, or active"),
+                    body={"type": "object", "description": "no fields yet"}, body_required=False,
+                    errors=(400, 401, 403, 404, (409, "invalid_state: queued, releasing or ended")),
+                    params=[_LEASE_ID]),
     },
     "/pool": {
         "get": _op("Nodes, GPUs and their allocation", _json(_ref("Pool"), "the pool"), errors=(401,)),

@@ -1,9 +1,10 @@
 """The service's parts, wired once: the state (:mod:`.state`) and the peers
 that use it: new requests (:mod:`.intake`, with :mod:`.admission` and
 :mod:`.placing`), the lease life cycle (:mod:`.leases`, with the queue and
-the agents' worker calls), the lease views, the nodes (:mod:`.nodes`) and the
-reclaim sweep (:mod:`.reclaim`). None of them reaches into another; each
-gets what it uses here.
+the agents' worker calls), park in place and resume (:mod:`.parking`), the
+lease views, the nodes (:mod:`.nodes`) and the reclaim sweep
+(:mod:`.reclaim`). None of them reaches into another; each gets what it uses
+here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .lease_queue import LeaseQueue
 from .lease_views import LeaseViews
 from .leases import LeaseBook
 from .nodes import NodeBook
+from .parking import Parking
 from .placing import Placer
 from .pressure import Pressure
 from .quota_book import QuotaBook
@@ -36,13 +38,17 @@ class Pool:
     """The parts for ``settings`` (``c.GPUPool``) on ``store``, asking agents
     through ``agents``. ``now`` is the one clock (replaceable on ``state`` in
     tests); ``on_refusal(codes)`` is told every refusal (code -> count, see
-    :class:`.admission.Admission`) and ``on_dequeued(seconds)`` how long each
-    queued request waited (for metrics); ``work`` runs the store calls off the event loop (a new one by default)."""
+    :class:`.admission.Admission`), ``on_dequeued(seconds)`` how long each
+    queued request waited, ``on_parked(code, tier)`` each park and ``on_resumed(seconds)``
+    how long each resume took (for metrics); ``work`` runs the store calls off the event
+    loop (a new one by default)."""
 
     def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
                  now: Callable[[], datetime] = utcnow,
                  on_refusal: Callable[[Mapping[str, int]], None] | None = None,
                  on_dequeued: Callable[[float], None] = lambda seconds: None,
+                 on_parked: Callable[[str, str], None] = lambda code, tier: None,
+                 on_resumed: Callable[[float], None] = lambda seconds: None,
                  work: StoreWork | None = None) -> None:
         self.settings = settings
         self.agents = agents
@@ -54,8 +60,12 @@ class Pool:
         self.pressure = Pressure(settings, self.quotas.table)
         self.views = LeaseViews(settings, self.state, self.pressure)
         placer = Placer(self.state)
-        self.leases = LeaseBook(settings, self.state, WorkerCalls(settings, self.state, agents), self.tasks,
-                                self.views, LeaseQueue(settings, self.state, self.quotas, placer, on_dequeued))
+        workers = WorkerCalls(settings, self.state, agents)
+        queue = LeaseQueue(settings, self.state, self.quotas, placer, on_dequeued)
+        self.leases = LeaseBook(settings, self.state, workers, self.tasks, self.views, queue,
+                                lambda job: self.parking.resume_worker(job))
+        self.parking = Parking(settings, self.state, workers, self.tasks, self.views, self.leases, queue,
+                               self.quotas, on_parked, on_resumed)
         self.intake = LeaseIntake(settings, self.state, Admission(settings, self.quotas, placer, on_refusal), placer,
                                   self.views, self.leases, self.tasks)
         self.nodes = NodeBook(self.state, self.leases, self.tasks, heartbeat_interval=settings.node_heartbeat_interval,
@@ -63,8 +73,15 @@ class Pool:
 
     def reclaimer(self) -> Reclaimer:
         """The periodic sweep, every ``c.GPUPool.reclaim_interval`` seconds (not started)."""
-        return Reclaimer(self.state, self.leases, self.tasks, self.pressure,
-                         interval=self.settings.reclaim_interval, node_ttl=self.settings.node_ttl)
+        return Reclaimer(self.state, self.leases, self.parking, self.tasks, self.pressure,
+                         interval=self.settings.reclaim_interval, node_ttl=self.settings.node_ttl,
+                         parked_node_grace=self.settings.parked_node_grace)
+
+    async def resume(self) -> None:
+        """After a start: continue what a previous run left half-done (starts, resumes,
+        releases: :meth:`.leases.LeaseBook.resume`; parks: :meth:`.parking.Parking.restart`)."""
+        await self.leases.resume()
+        await self.parking.restart()
 
     async def shutdown(self) -> None:
         """Answer long polls, cancel background work; leases stay as they are

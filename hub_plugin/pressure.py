@@ -8,17 +8,18 @@ The reclaim sweep calls :meth:`Pressure.refresh` every
 ``c.GPUPool.reclaim_interval`` seconds (on a store thread); the plan it
 computes is held here and read by every lease JSON (the notebook's heartbeat
 answer): ``idle_deadline`` brought forward, ``pressure`` (why, in words) and
-``preempt_at``. The notebook parks before that deadline as it does before an
-idle timeout; the sweep reclaims at it only if the notebook did not
-(:func:`due`). A new plan replaces the old one whole, so readers on other
-threads see one or the other.
+``preempt_at``. The sweep parks an idle lease at that deadline (:func:`due`;
+where its node cannot park: reclaims it) and freezes a preemptible one whose
+cell runs at its ``preempt_at`` (:meth:`Pressure.preempts`). Parked leases
+waiting to resume are asks bound to their node. A new plan replaces the old
+one whole, so readers on other threads see one or the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LeaseState, isoformat
 
 from .config import GPUPool
+from .lease_queue import RESUMING
 from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
@@ -49,6 +51,7 @@ class Pressure:
         self._room = eta.Room((), ())
         self._holding: list[eta.Holding] = []
         self._typical: dict[str, float] = {}
+        self._gpus: dict[str, tuple[int, str, str]] = {}  # UUID -> (index in the room, node, model)
 
     def refresh(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
         """Recompute the plan from the queue and ``active`` (the active leases
@@ -60,6 +63,7 @@ class Pressure:
         states = gpu_states(session, self.settings.context_overhead)
         self._room = eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states))
         index = {gpu.uuid: i for i, gpu in enumerate(states)}
+        self._gpus = {gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}
         safe = priority.guaranteed(held, guarantees)
         self._holding = [self._held(lease, index, lease.id not in safe, self.deadline(lease)) for lease in active]
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
@@ -87,6 +91,12 @@ class Pressure:
                                                     Lease.lease_class, Lease.created_at, Lease.wait_until)
                                              .where(Lease.state == LeaseState.queued.value))
                   if row.wait_until is None or row.wait_until > now]
+        # A resume waiting for room presses on the leases of its own node only.
+        asking += [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class,
+                                   row.resume_requested_at, row.gpu_count, row.node_name)
+                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
+                                                     Lease.lease_class, Lease.resume_requested_at, Lease.node_name)
+                                              .where(RESUMING))]
         if not asking:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.settings)
@@ -128,14 +138,34 @@ class Pressure:
                 "pressure": preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None,
                 "preempt_at": isoformat(preempt.at) if preempt else None}
 
-    def due(self, active: Iterable[Lease], now: datetime) -> list[Decision]:
-        """Reclaim decisions for idle leases past their early deadline: the
-        fallback when the notebook did not park them itself."""
-        return pressure_rules.due(self.plan, active, now)
+    def due(self, active: Iterable[Lease], now: datetime, parkable: Collection[str] = ()) -> list[Decision]:
+        """Decisions for idle leases past their early deadline: parked where their node can
+        (``parkable``), else reclaimed (:func:`.rules.pressure.due`)."""
+        return pressure_rules.due(self.plan, active, now, parkable)
 
     def still_due(self, lease: Lease, now: datetime) -> bool:
         """Re-checked under the write lock: still idle and past its early deadline."""
         return pressure_rules.still_due(self.plan, lease, now)
+
+    def preempts(self, active: Iterable[Lease], now: datetime, parkable: Collection[str]) -> list[Decision]:
+        """Park decisions, frozen mid-cell, for preemptible leases past their ``preempt_at``
+        on nodes that can park (:func:`.rules.pressure.preempts`)."""
+        return pressure_rules.preempts(self.plan, active, now, parkable)
+
+    def still_preempted(self, lease: Lease, now: datetime) -> bool:
+        """Re-checked under the write lock: still active and busy, past its ``preempt_at``."""
+        return pressure_rules.still_preempted(self.plan, lease, now)
+
+    def resume_room(self, lease: Lease, remap: bool) -> tuple[int, ...]:
+        """The indexes in the ETA's room of the GPUs a resume of ``lease`` (its GPUs loaded) may
+        take, its own first: then, where its node's checkpointer can ``remap``, the others of the
+        same model on its node (as the last sweep saw them)."""
+        own = [self._gpus[g.gpu_uuid][0] for g in lease.gpus if g.gpu_uuid in self._gpus]
+        if not remap or not lease.gpus:
+            return tuple(own)
+        model = lease.gpus[0].name
+        return tuple(own + [i for i, node, name in self._gpus.values()
+                            if node == lease.node_name and name == model and i not in own])
 
     def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``

@@ -67,8 +67,13 @@ class QuotaBook:
                                day_resets=usage.resets_words(self.tz, usage.DAY),
                                week_resets=usage.resets_words(self.tz, usage.WEEK))
         if refusal is not None:
-            log.info("lease for %s refused by quota %s: %s", user, refusal.limit, refusal.message)
-            raise GPUPoolError(Reason.quota_exceeded, refusal.message, 429, limit=refusal.limit)
+            message = refusal.message
+            parked = usage.parked_gpus(session, user) if refusal.limit == "max_gpus" else 0.0
+            if parked:  # they count: each may resume at any time
+                message += (f" ({parked:.2f} of it in parked leases, which keep their GPUs' worth; release one you "
+                            "no longer need)")
+            log.info("lease for %s refused by quota %s: %s", user, refusal.limit, message)
+            raise GPUPoolError(Reason.quota_exceeded, message, 429, limit=refusal.limit)
 
     # -- what GET /quota shows ---------------------------------------------------------------------
 
@@ -82,7 +87,7 @@ class QuotaBook:
             today_gpu_hours=today / 3600.0, week_gpu_hours=week / 3600.0,
             day_resets_at=isoformat(usage.period(now, self.tz, usage.DAY)[1]),
             week_resets_at=isoformat(usage.period(now, self.tz, usage.WEEK)[1]),
-            timezone=self.settings.usage_timezone)).to_json()
+            timezone=self.settings.usage_timezone, parked_memory=usage.parked_memory(session, who.name))).to_json()
 
     # -- admin: overrides --------------------------------------------------------------------------
 

@@ -1,16 +1,19 @@
-"""The usage ledger: GPU-seconds (fraction x GPUs x seconds held) per lease,
-summed per user, group, day and week.
+"""The usage ledger: GPU-seconds (fraction x GPUs x seconds holding a GPU
+share) per lease, summed per user, group, day and week.
 
-- :func:`close` writes a lease's one :class:`~.models.UsageRecord` when the
-  lease ends, in the transaction that ends it; ``usage_ledger.lease_id`` is
-  unique, so a lease can never be counted twice (not even if two releases
-  raced past the state check).
+- A lease holds a GPU share in spans: from its start (or a resume) until it
+  is parked or ends (``leases.held_since`` is the current span's start, None
+  while it is parked). :func:`close_span` writes a span's one
+  :class:`~.models.UsageRecord` when it ends, in the transaction that parks or
+  ends the lease; (``lease_id``, ``started_at``) is unique, so a span can never
+  be counted twice (not even if two releases raced past the state check).
+  Time parked is in no row: it holds no GPU (``leases.parked_seconds`` counts it apart).
 - Days and weeks are calendar periods in one time zone
   (``c.GPUPool.usage_timezone``; weeks start Monday 00:00); every timestamp
-  is stored as UTC. A lease that spans a period boundary counts in each
-  period for the seconds it held there.
-- "Used" includes the seconds the user's leases hold right now (from
-  ``started_at`` to ``now``), so a running lease counts before it ends.
+  is stored as UTC. A span across a period boundary counts in each period
+  for the seconds it held there.
+- "Used" includes the span the user's leases hold right now (from
+  ``held_since`` to ``now``), so a running lease counts before it ends.
 
 The period arithmetic (:func:`period`, :func:`overlap_gpu_seconds`,
 :func:`daily`) is pure, so tests move the clock by passing another ``now``.
@@ -83,17 +86,33 @@ def daily(intervals: Iterable[Interval], tz: tzinfo, first: date, days: int) -> 
 
 # -- the ledger in SQL ------------------------------------------------------------------------------------------
 
-def close(session: Session, lease: Lease, now: datetime) -> float:
-    """Write ``lease``'s ledger record as it ends at ``now``; returns its
-    GPU-seconds (0 for a lease that never started). Call once, in the
-    transaction that ends the lease; a second call for the same lease fails
-    on the unique ``lease_id``."""
-    held = max(0.0, (now - lease.started_at).total_seconds()) if lease.started_at else 0.0
+def close_span(session: Session, lease: Lease, now: datetime) -> float:
+    """Write the ledger record of ``lease``'s current span, from ``held_since``
+    to ``now``, as it is parked or ends; returns its GPU-seconds, which are
+    added to ``lease.usage_gpu_seconds`` (0 and no record while it holds no
+    span). Its span is then over (``held_since`` None). In the transaction
+    that parks or ends the lease; the same span twice fails on the unique
+    (``lease_id``, ``started_at``)."""
+    if lease.held_since is None:
+        return 0.0
     gpus = lease.fraction * lease.gpu_count
-    record = UsageRecord(lease_id=lease.id, owner=lease.owner, groups=list(lease.groups or []), gpus=gpus,
-                         started_at=lease.started_at or now, ended_at=now, gpu_seconds=gpus * held)
-    session.add(record)
-    return record.gpu_seconds
+    seconds = gpus * max(0.0, (now - lease.held_since).total_seconds())
+    session.add(UsageRecord(lease_id=lease.id, owner=lease.owner, groups=list(lease.groups or []), gpus=gpus,
+                            started_at=lease.held_since, ended_at=max(now, lease.held_since), gpu_seconds=seconds))
+    lease.usage_gpu_seconds = (lease.usage_gpu_seconds or 0.0) + seconds
+    lease.held_since = None
+    return seconds
+
+
+def close(session: Session, lease: Lease, now: datetime) -> float:
+    """As ``lease`` ends at ``now``: close its current span (:func:`close_span`);
+    one that never started gets one record of 0 GPU-seconds. Returns its
+    GPU-seconds over all its spans."""
+    if lease.started_at is None:
+        session.add(UsageRecord(lease_id=lease.id, owner=lease.owner, groups=list(lease.groups or []),
+                                gpus=lease.fraction * lease.gpu_count, started_at=now, ended_at=now, gpu_seconds=0.0))
+    close_span(session, lease, now)
+    return lease.usage_gpu_seconds or 0.0
 
 
 def intervals(session: Session, lo: datetime, hi: datetime, now: datetime, *,
@@ -101,13 +120,13 @@ def intervals(session: Session, lo: datetime, hi: datetime, now: datetime, *,
     """What overlaps ``[lo, hi)``: closed ledger records, and the leases
     holding capacity now (counted up to ``now``); only ``owner``'s if given."""
     query = select(UsageRecord).where(UsageRecord.ended_at > lo, UsageRecord.started_at < hi)
-    live = select(Lease).where(Lease.state.in_(HOLDING), Lease.started_at.is_not(None), Lease.started_at < hi)
+    live = select(Lease).where(Lease.state.in_(HOLDING), Lease.held_since.is_not(None), Lease.held_since < hi)
     if owner is not None:
         query = query.where(UsageRecord.owner == owner)
         live = live.where(Lease.owner == owner)
     found = [Interval(r.gpus, r.started_at, r.ended_at, r.owner, tuple(r.groups or ()))
              for r in session.scalars(query)]
-    found += [Interval(x.fraction * x.gpu_count, x.started_at, max(now, x.started_at), x.owner, tuple(x.groups or ()))
+    found += [Interval(x.fraction * x.gpu_count, x.held_since, max(now, x.held_since), x.owner, tuple(x.groups or ()))
               for x in session.scalars(live)]
     return found
 
@@ -120,18 +139,36 @@ def used(session: Session, owner: str, now: datetime, tz: tzinfo) -> tuple[float
     return overlap_gpu_seconds(rows, day_lo, day_hi), overlap_gpu_seconds(rows, week_lo, week_hi)
 
 
+#: The states ``max_gpus`` counts: a queued request waits for its GPUs, a parked lease may resume any time.
+CLAIMING = (*HOLDING, "queued", "parked")
+
+
 def holding(session: Session, owner: str) -> float:
-    """GPUs (fraction x count) ``owner`` holds or waits for: leases holding
-    capacity and queued ones (a queued request counts against ``max_gpus``)."""
-    states = (*HOLDING, "queued")
+    """GPUs (fraction x count) ``owner`` holds, waits for or has parked:
+    leases holding capacity, queued and parked ones (each counts against ``max_gpus``)."""
+    states = CLAIMING
     total = session.scalar(select(func.sum(Lease.fraction * Lease.gpu_count))  # one row, however many leases
                            .where(Lease.owner == owner, Lease.state.in_(states)))
     return float(total or 0.0)
 
 
+def parked_gpus(session: Session, owner: str) -> float:
+    """GPUs (fraction x count) of ``owner``'s parked leases (part of :func:`holding`)."""
+    total = session.scalar(select(func.sum(Lease.fraction * Lease.gpu_count)).where(
+        Lease.owner == owner, Lease.state == "parked"))
+    return float(total or 0.0)
+
+
+def parked_memory(session: Session, owner: str) -> int:
+    """Host bytes ``owner``'s leases parked in memory hold on their nodes now (for ``max_parked_memory``)."""
+    total = session.scalar(select(func.sum(Lease.parked_host_bytes)).where(
+        Lease.owner == owner, Lease.state == "parked", Lease.park_tier == "memory"))
+    return int(total or 0)
+
+
 def last_used(session: Session, owners: Iterable[str], now: datetime) -> dict[str, datetime | None]:
     """When each of ``owners`` last held capacity: ``now`` while they hold
-    some, else the end of their latest lease that used any (from the ledger),
+    some, else the end of their latest span that used any (from the ledger),
     else None (never)."""
     owners = sorted(set(owners))
     result: dict[str, datetime | None] = {owner: None for owner in owners}

@@ -3,20 +3,30 @@ the bodies of :mod:`gpupool.wire`.
 
 A lease's JSON is :class:`gpupool.wire.leases.Lease`, the class the client
 reads it with; the connection info (with the worker's HMAC key) goes only to
-the lease's owner and only while the lease is active.
+the lease's owner and only while its worker lives: active, parking, parked in
+memory or resuming from memory (the notebook keeps its connection across a
+park); never once it ended, nor while it is spilled to disk (no process).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LeaseState, isoformat
 from gpupool.wire import leases as wire, pool
 
+from . import parked
 from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
 from .models import Lease
+from .rules.reclaim import PARKED_STATES
+from .rules.resume import resume_seconds
+
+#: The states in which a lease's worker lives on its node (its connection is shown to its owner):
+#: a spilled one's (parked on disk) is cleared with the process.
+WORKER_LIVES = (LeaseState.active.value, *PARKED_STATES, LeaseState.starting.value)
 
 
 def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
@@ -29,7 +39,8 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
     if lease.worker_pid is not None or lease.worker_state is not None:
         worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state,
                   "memory_used": lease.worker_memory_used}
-    show_connection = for_owner and lease.state == "active" and lease.connection
+    show_connection = for_owner and lease.state in WORKER_LIVES and lease.connection
+    park = parked.shown(lease, resume_seconds(lease.park_tier, lease.gpu_bytes_moved, lease.parked_disk_bytes))
     return wire.Lease(
         id=lease.id, owner=lease.owner, state=LeaseState(lease.state), reason=lease.reason,
         fraction=lease.fraction, gpu_count=lease.gpu_count, memory=lease.memory,
@@ -42,9 +53,9 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
         created_at=isoformat(lease.created_at), started_at=isoformat(lease.started_at),
         ended_at=isoformat(lease.ended_at), idle_since=isoformat(lease.idle_since),
         worker=worker, connection=dict(lease.connection) if show_connection else None,
-        usage_gpu_seconds=lease.usage_gpu_seconds,
+        usage_gpu_seconds=lease.usage_gpu_seconds, parked_seconds=lease.parked_seconds or 0.0,
         events=[{"state": e.state, "at": isoformat(e.at), "reason": e.reason} for e in lease.events],
-        **known)
+        on_idle=lease.on_idle or "park", parked=park, **known)
 
 
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
@@ -52,6 +63,9 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
     and what is allocated (``context_overhead``: bytes per GPU that leases
     may not have, ``c.GPUPool.context_overhead``)."""
     alloc = allocations(session)
+    parks = {row[0]: (row[1], int(row[2] or 0)) for row in session.execute(
+        select(Lease.node_name, func.count(), func.sum(Lease.parked_host_bytes))
+        .where(Lease.state.in_(PARKED_STATES)).group_by(Lease.node_name))}
     nodes, total, allocated, free = [], 0, 0.0, 0.0
     for node in nodes_with_gpus(session):
         gpus = []
@@ -70,5 +84,6 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             name=node.name, state=node.state, state_reason=node.state_reason, inventory=node.inventory,
             enforcement=node.enforcement, last_heartbeat_at=isoformat(node.last_heartbeat_at),
             environments=node.environments or [], host_cpus=node.host_cpus, host_memory=node.host_memory,
-            gpus=gpus))
+            gpus=gpus, checkpointer=(node.checkpointer or {}).get("name"), parked_memory=node.parked_memory,
+            parked_host_bytes=parks.get(node.name, (0, 0))[1], parked_leases=parks.get(node.name, (0, 0))[0]))
     return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9))).to_json()

@@ -1,6 +1,7 @@
 """The service's calls to an agent about one lease's worker: start it (with
-the ``POST /workers`` body read from the lease) and stop it. The lease's state
-changes that follow are the life cycle's (:mod:`.leases`)."""
+the ``POST /workers`` body read from the lease), park and resume it (the same
+body: the GPUs and limits it is granted now), and stop it. The lease's state
+changes that follow are the life cycle's (:mod:`.leases`, :mod:`.parking`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy.orm import selectinload
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseState
+from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 from gpupool.wire.workers import WorkerRequest, WorkerStarted
 
 from .agent_client import AgentClient
@@ -24,11 +26,13 @@ log = logging.getLogger("gpupool.service.leases")
 
 @dataclass(frozen=True)
 class StartJob:
-    """A worker to start: the agent's ``url``, its ``node`` name, the ``POST /workers`` ``request``."""
+    """A worker to start: the agent's ``url``, its ``node`` name, the ``POST /workers``
+    ``request``; ``resume``: the lease resumes from a park (``POST /workers/{id}/resume``)."""
 
     url: str
     node: str
     request: WorkerRequest
+    resume: bool = False
 
 
 class WorkerCalls:
@@ -53,11 +57,21 @@ class WorkerCalls:
             # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
             request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
                                     lease.memory, env=lease.env, **host_limits(lease, node))
-            return StartJob(node.url, node.name, request)
+            return StartJob(node.url, node.name, request, resume=lease.park_tier is not None)
 
     async def start(self, job: StartJob) -> WorkerStarted:
         """The agent's answer (``connection``, ``pid``); raises :class:`GPUPoolError` when it did not start."""
         return await self.agents.start_worker(job.url, job.request, self.settings.worker_start_timeout)
+
+    async def resume(self, job: StartJob) -> WorkerResumed:
+        """The agent's answer to a resume (``connection``, ``pid``, what was lost), waiting at
+        most ``worker_park_timeout``; raises :class:`GPUPoolError` when it did not resume."""
+        return await self.agents.resume_worker(job.url, job.request, self.settings.worker_park_timeout)
+
+    async def park(self, url: str, lease_id: str, request: ParkRequest) -> WorkerParked:
+        """The agent's answer to a park, waiting at most ``worker_park_timeout``; raises
+        :class:`GPUPoolError` (``worker_busy``, ``cannot_park``, ``agent_unreachable``)."""
+        return await self.agents.park_worker(url, lease_id, request, self.settings.worker_park_timeout)
 
     async def stop(self, url: str, lease_id: str) -> str | None:
         """Ask the agent to stop the lease's worker, waiting at most

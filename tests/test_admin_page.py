@@ -28,6 +28,9 @@ FACTS = """(() => {
     bars: document.querySelectorAll('rect.usage-bar').length,
     gpus: [...document.querySelectorAll('#gpus tr[data-gpu] td.alloc')].map(td => td.innerText),
     quotas: (document.querySelector('#quotas') || {innerText: ''}).innerText,
+    parked: [...document.querySelectorAll('#leases tr.lease')].filter(r => r.querySelector('span.parked'))
+      .map(r => r.dataset.owner + ': ' + r.querySelector('td.state').innerText),
+    parkedNodes: (document.querySelector('#parked-nodes') || {innerText: ''}).innerText,
   };
 })()"""
 
@@ -66,13 +69,18 @@ def test_admin_and_user_pages(jupyterhub):
     try:
         for token, lease_id in ((ann, held[0]), (bob, held[1])):  # no kernel heartbeats these
             hub.pool(token, "POST", f"/leases/{lease_id}/heartbeat", {})
+        status, parked = hub.pool(bob, "POST", f"/leases/{held[1]}/park", {})  # bob's: parked in place
+        assert (status, parked["state"], parked["parked"]["tier"]) == (200, "parked", "memory"), parked
         with open_page_as(hub, "admin") as browser:
             facts = browser.evaluate(FACTS)
             browser.screenshot(ARTIFACTS / "admin-page-admin.png")
         assert "Signed in as admin (pool admin" in facts["who"] and "gpu-admins" in facts["who"]
         assert sorted(facts["leases"]) == ["ann", "bob"]
         assert sorted(facts["usage"]) == ["ann", "bob"] and facts["bars"] >= 2
-        assert sorted(facts["gpus"]) == ["0.00", "0.75"]
+        assert sorted(facts["gpus"]) == ["0.00", "0.50"], "the parked lease's share is back in the pool"
+        [row] = facts["parked"]
+        assert row.startswith("bob: parked (in memory, ") and "of host RAM" in row, row
+        assert "1 lease, " in facts["parkedNodes"] and "simulated" in facts["parkedNodes"], facts["parkedNodes"]
         assert "group:physics" in facts["quotas"] and "everyone (default)" in facts["quotas"]
 
         with open_page_as(hub, "bob") as browser:

@@ -80,7 +80,7 @@ def test_lease_request_refusals_name_the_field(body, words):
 
 def test_lease_states():
     assert [s.value for s in LeaseState if s.ended] == ["released", "failed", "reclaimed"]
-    assert [s.value for s in LeaseState if s.holds_capacity] == ["starting", "active", "releasing"]
+    assert [s.value for s in LeaseState if s.holds_capacity] == ["starting", "active", "parking", "releasing"]
 
 
 def test_transfer_round_trip_is_zero_copy_for_arrays_and_isolates_bad_values():

@@ -105,7 +105,7 @@ def test_usage_counter_sums_the_ledger_and_running_leases(store):
 
     def lease(owner: str, fraction: float, count: int, state: str, started: datetime | None) -> Lease:
         return Lease(owner=owner, state=state, fraction=fraction, gpu_count=count, memory=1, idle_timeout=60,
-                     heartbeat_ttl=60, created_at=start, started_at=started, usage_gpu_seconds=0.0)
+                     heartbeat_ttl=60, created_at=start, started_at=started, held_since=started, usage_gpu_seconds=0.0)
 
     with store.write() as session:
         ended = lease("ann", 0.5, 1, "released", start)

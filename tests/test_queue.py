@@ -4,6 +4,7 @@ cancelled by DELETE, or gives up when its wait has passed."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -204,7 +205,8 @@ def test_gpu_quota_magic(busy_pool, monkeypatch):
     finally:
         ip.run_line_magic("unload_ext", "gpupool.magics")
     assert out.stdout.startswith("user ann (groups: none); days and weeks in UTC")
-    assert "GPUs held (or queued)  0.00  unlimited" in out.stdout
+    assert re.search(r"GPUs held, queued or parked +0\.00 +unlimited", out.stdout)
+    assert re.search(r"host memory of parked leases +0 B +unlimited", out.stdout)
 
 
 def test_the_queue_survives_a_restart(tmp_path):

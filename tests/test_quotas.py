@@ -200,7 +200,8 @@ def test_own_quota(quota_service):
     bob = quota_service.client("bob").quota()
     assert (bob["user"], bob["groups"]) == ("bob", ["quants"])
     assert bob["limits"] == {"max_gpus": 2.0, "max_lease_gpus": None, "gpu_hours_per_day": 8.0,
-                             "gpu_hours_per_week": None, "max_idle_timeout": 3600.0, "guaranteed_gpus": None}
+                             "gpu_hours_per_week": None, "max_idle_timeout": 3600.0, "guaranteed_gpus": None,
+                             "max_parked_memory": None}
     assert bob["usage"]["holding_gpus"] == 0 and bob["usage"]["timezone"] == "UTC"
     assert bob["usage"]["day_resets_at"].endswith("T00:00:00Z")
 
@@ -239,7 +240,8 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
     try:
         bob = svc.client("bob")
         assert bob.quota()["limits"] == {"max_gpus": 0.25, "max_lease_gpus": None, "gpu_hours_per_day": None,
-                                         "gpu_hours_per_week": 1.5, "max_idle_timeout": 7200.0, "guaranteed_gpus": None}
+                                         "gpu_hours_per_week": 1.5, "max_idle_timeout": 7200.0, "guaranteed_gpus": None,
+                                         "max_parked_memory": None}
         error = refused(bob, fraction=0.5)
         assert error.message == "quota exceeded: you hold 0.00 of 0.25 GPU; requested 0.50"
         listing = svc.client("ann").admin_quotas()

@@ -631,12 +631,18 @@ def test_whole_gpus(pool):
     assert ended.usage_gpu_seconds > 0
 
 
-def test_idle_lease_is_reclaimed(pool):
+def test_idle_lease_is_parked_or_reclaimed_as_it_asked(pool):
+    """At its idle deadline a lease is parked in place (docs/parking.md); one asked with
+    ``on_idle: release`` is reclaimed. Either way its share is back in the pool."""
     svc, _ = pool
-    lease = acquire(svc, 0.5, idle_timeout=1)
+    kept = acquire(svc, 0.5, idle_timeout=1)
+    lease = acquire(svc, 0.5, idle_timeout=1, on_idle="release")
     lease = wait_ended(svc, lease.id, timeout=30)
     assert lease.state is LeaseState.reclaimed
     assert re.fullmatch(r"idle for \d+s \(idle timeout 1s\)", lease.reason), lease.reason
+    kept = wait_state(svc, kept.id, "active", timeout=30)
+    kept = wait_state(svc, kept.id, "parking", timeout=30) if kept.state is LeaseState.parking else kept
+    assert kept.state is LeaseState.parked and re.match(r"idle for \d+s \(idle timeout 1s\)", kept.parked["reason"])
     assert gpu_allocations(svc) == [0.0, 0.0]
     status, text = http(svc, "GET", "/metrics", prefix="")
     assert status == 200 and re.search(r'gpupool_reclaims_total\{reason="idle"\} [1-9]', text)  # its code, kept

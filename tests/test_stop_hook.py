@@ -153,6 +153,8 @@ def test_stopping_one_server_releases_only_its_leases(jupyterhub):
     for lease_id in made.values():  # placed and started before any server stops
         status, lease = hub.pool(token, path=f"/leases/{lease_id}?wait=30&state=starting")
         assert lease["state"] == "active", lease
+    status, parked = hub.pool(token, "POST", f"/leases/{made['two']}/park", {})  # a parked one goes too
+    assert (status, parked["state"]) == (200, "parked"), parked
     stops = {name: stops_logged(hub, USER, name) for name in ("", "two")}
     renew()
     stop_named(hub, USER, "two", stops["two"])

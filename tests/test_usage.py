@@ -79,6 +79,7 @@ def add_lease(store, lease_id: str, *, owner: str = "ann", state: str = "active"
         session.add(Lease(id=lease_id, owner=owner, state=state, fraction=fraction, gpu_count=1, memory=GiB,
                           node_name="n", idle_timeout=1800, heartbeat_ttl=60, created_at=started,
                           started_at=started, ended_at=ended, usage_gpu_seconds=0.0, groups=["quants"],
+                          held_since=started if ended is None else None,
                           gpus=[LeaseGPU(gpu_uuid="G-0", name="L4", index=0)]))
         if ended is not None:
             session.add(UsageRecord(lease_id=lease_id, owner=owner, groups=["quants"], gpus=fraction,
@@ -105,15 +106,32 @@ def test_used_today_and_this_week_move_with_the_clock(store):
         assert usage.last_used(session, ["ann", "bob"], later) == {"ann": later, "bob": None}
 
 
-def test_a_ledger_record_is_written_once(store):
-    from gpupool.hub_plugin.models import Lease
+def test_a_span_is_written_once_and_parked_time_in_none(store):
+    """Each span holding a GPU share is one ledger record, written as it ends; the same span twice
+    (two releases racing past the state check, each with the lease as it read it) fails on the
+    unique (lease, span start); the time between spans (parked) is in no record."""
+    from gpupool.hub_plugin.models import Lease, UsageRecord
 
     add_lease(store, "L-000000000003", started=at("2026-03-02 10:00"))
-    with store.write() as session:
-        assert usage.close(session, session.get(Lease, "L-000000000003"), at("2026-03-02 11:00")) == 0.5 * 3600
+    with store.write() as session:  # parked at 11:00: the first span
+        assert usage.close_span(session, session.get(Lease, "L-000000000003"), at("2026-03-02 11:00")) == 0.5 * 3600
+    with store.write() as session:  # nothing held while parked
+        lease = session.get(Lease, "L-000000000003")
+        assert lease.held_since is None and usage.close_span(session, lease, at("2026-03-02 11:30")) == 0.0
+        lease.held_since = at("2026-03-02 12:00")  # resumed
+    with store.read() as session:  # 11:00-12:00 counts nothing: parked
+        assert usage.used(session, "ann", at("2026-03-02 13:00"), UTC) == (0.5 * 3600 * 2,) * 2
     with pytest.raises(IntegrityError):
         with store.write() as session:
-            usage.close(session, session.get(Lease, "L-000000000003"), at("2026-03-02 12:00"))
+            session.add(UsageRecord(lease_id="L-000000000003", owner="ann", gpus=0.5, started_at=at("2026-03-02 10:00"),
+                                    ended_at=at("2026-03-02 10:30"), gpu_seconds=900.0))
+    with store.write() as session:
+        assert usage.close(session, session.get(Lease, "L-000000000003"), at("2026-03-02 13:00")) == 0.5 * 3600 * 2
+    with store.read() as session:
+        spans = session.scalars(select(UsageRecord).where(UsageRecord.lease_id == "L-000000000003")
+                                .order_by(UsageRecord.started_at)).all()
+        assert [(r.started_at.hour, r.ended_at.hour, r.gpu_seconds) for r in spans] == [(10, 11, 1800.0),
+                                                                                         (12, 13, 1800.0)]
 
 
 def test_release_racing_reclaim_closes_the_ledger_once(store):

@@ -178,7 +178,8 @@ class Lease(Body):
     the client reads it with :meth:`from_json`, leniently (fields it does not
     know are dropped). The fields are declared in the order the JSON has them.
     ``connection`` (Jupyter connection info, with the HMAC ``key``) is present
-    only for the owner and only while active.
+    only for the owner and only while its worker lives: active, parking, or
+    parked in memory (the notebook keeps its connection across a park).
     """
 
     id: str = wired(Spec("string", required=True))
@@ -212,15 +213,19 @@ class Lease(Body):
     idle_since: str | None = wired(Spec(**_TIME), None)
     worker: dict[str, Any] | None = wired(Spec("object", nullable=True, extra={"properties": {
         "pid": {"type": ["integer", "null"]}, "execution_state": {"type": ["string", "null"]}}}), None)
-    connection: dict[str, Any] | None = wired(Spec("object", "Jupyter connection info; owner only, while active",
-                                                   nullable=True), None)
-    usage_gpu_seconds: float = wired(Spec("number"), 0.0)
+    connection: dict[str, Any] | None = wired(Spec("object", "Jupyter connection info; owner only, while its worker "
+                                                   "lives (active, and parking or parked in memory)", nullable=True),
+                                              None)
+    usage_gpu_seconds: float = wired(Spec("number", "GPU-seconds used: fraction x GPUs x seconds holding a GPU "
+                                          "share (parked time is not counted)"), 0.0)
+    parked_seconds: float = wired(Spec("number", "seconds spent parked so far (counted apart from usage)"), 0.0)
     events: list[dict[str, Any]] = wired(Spec("array", items={"type": "object", "properties": {
         "state": {"type": "string"}, "at": {"type": "string", "format": "date-time"},
         "reason": {"type": ["string", "null"]}}}), factory=list)
-    queue_position: int | None = wired(Spec("integer", "while queued: 1-based place in line", nullable=True), None)
-    queue_estimate_s: float | None = wired(Spec("number", "while queued: rough wait, seconds (null: unknown)",
-                                                nullable=True), None)
+    queue_position: int | None = wired(Spec("integer", "while queued, or parked with a resume asked for: 1-based "
+                                            "place in line", nullable=True), None)
+    queue_estimate_s: float | None = wired(Spec("number", "while queued, or parked with a resume asked for: rough "
+                                                "wait, seconds (null: unknown)", nullable=True), None)
     wait_until: str | None = wired(Spec(**_TIME, description="while queued: when the request gives up"), None)
     idle_deadline: str | None = wired(Spec(**_TIME, description="when the lease is reclaimed if its worker stays "
                                            "idle; null while a cell runs or when not active"), None)

@@ -40,7 +40,8 @@ class PoolNode(Body):
     GPUs; ``lost``: no heartbeat for ``c.GPUPool.node_ttl``) and
     ``state_reason`` (words, null while up), what its agent reported
     (inventory, enforcement mode, worker environments, host cores and bytes;
-    null: not reported) and its GPUs."""
+    null: not reported), its GPUs, and its parked leases: the checkpointer,
+    the parked-memory budget, what parked leases hold there and how many."""
 
     name: str = wired(Spec("string"))
     state: str = wired(Spec("", enum=("up", "degraded", "lost")))
@@ -52,6 +53,13 @@ class PoolNode(Body):
     host_cpus: float | None = wired(Spec("number", nullable=True))
     host_memory: int | None = wired(Spec("integer", nullable=True))
     gpus: list[PoolGPU] = wired(Spec("array", items=PoolGPU))
+    checkpointer: str | None = wired(Spec("string", "the checkpointer its agent parks workers with (null: it cannot "
+                                          "park in place)", nullable=True), None)
+    parked_memory: int | None = wired(Spec("integer", "host bytes its parked workers may hold before its agent "
+                                           "spills the longest-parked to disk (null: not reported)", nullable=True),
+                                      None)
+    parked_host_bytes: int = wired(Spec("integer", "host bytes its leases parked in memory hold now"), 0)
+    parked_leases: int = wired(Spec("integer", "leases parked (or parking) on it now"), 0)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,24 @@ class NodeAndWorkerSettings(ServiceSettings):
         ``c.GPUPool.worker_stop_timeout = 25``.""",
     ).tag(config=True)
 
+    worker_park_timeout = Duration(
+        300.0,
+        help="""Seconds the service waits for an agent to park a worker in place (freeze
+        it and move its GPU state to host memory, or spill it to disk) or to resume one;
+        after that an idle park gives up and releases the lease (a resume ends it
+        ``failed``). Moving tens of GiB takes seconds in memory, longer to disk.
+        Default: 5 minutes. ``c.GPUPool.worker_park_timeout = "10m"``.""",
+    ).tag(config=True)
+
+    parked_node_grace = Duration(
+        600.0,
+        help="""Seconds a node may stay ``lost`` beyond ``node_ttl`` while leases are
+        parked on it before they end ``failed`` (their frozen workers are as good as
+        gone, and the words say so); a node back sooner keeps them. A resume asked
+        while the node is lost ends the lease at once. Default: 10 minutes.
+        ``c.GPUPool.parked_node_grace = "1h"``.""",
+    ).tag(config=True)
+
     context_overhead = ByteSize(
         512 * 1024**2,
         help="""Bytes of GPU memory a CUDA context costs, subtracted from each

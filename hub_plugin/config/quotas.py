@@ -16,7 +16,9 @@ class QuotaSettings(PressureSettings):
         and docs/api.md ("Quotas"). Keys are ``"*"``, ``"group:NAME"`` and ``"user:NAME"``;
         values dicts of ``max_gpus`` (GPUs held at once, sum of fractions), ``max_lease_gpus``
         (size of one lease), ``gpu_hours_per_day``, ``gpu_hours_per_week`` (hours, or
-        ``"90m"``), ``max_idle_timeout`` (seconds or ``"2h"``); ``None`` means unlimited.
+        ``"90m"``), ``max_idle_timeout`` (seconds or ``"2h"``), ``guaranteed_gpus`` (never
+        parked early nor preempted), ``max_parked_memory`` (bytes or ``"32GiB"``: host RAM the
+        user's leases parked in memory may hold; a park beyond it goes to disk); ``None`` means unlimited.
         A user's own entry beats their groups', the most generous group beats the
         default. Admins may override entries at run time (``gpupool quota set``).
         Default: no limits.

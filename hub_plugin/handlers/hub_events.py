@@ -50,7 +50,7 @@ class ServerStoppedHandler(APIHandler):
         other server of theirs runs; returns their ids."""
         from sqlalchemy import select
 
-        waiting = (*HOLDING, LeaseState.queued.value)
+        waiting = (*HOLDING, LeaseState.queued.value, LeaseState.parked.value)  # a parked one's kernel went too
         query = select(Lease.id).where(Lease.owner == user, Lease.state.in_(waiting))
         if others:
             query = query.where(Lease.server_name == server)

@@ -1,4 +1,5 @@
-"""``/api/v1/leases``: create, list, get (with long poll), heartbeat, release."""
+"""``/api/v1/leases``: create, list, get (with long poll), heartbeat, release,
+park in place and resume."""
 
 from __future__ import annotations
 
@@ -71,8 +72,30 @@ class LeaseHeartbeatHandler(APIHandler):
         self.write_json(await self.ctx.pool.leases.heartbeat(who, _lease_id(lease_id)))
 
 
+class LeaseParkHandler(APIHandler):
+    """``POST /leases/{id}/park``: park in place now (its owner only; docs/parking.md)."""
+
+    async def post(self, lease_id: str) -> None:
+        who = self.require_user()
+        lease_id = _lease_id(lease_id)
+        self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
+        self.write_json(await self.ctx.pool.parking.park_by(who, lease_id))
+
+
+class LeaseResumeHandler(APIHandler):
+    """``POST /leases/{id}/resume``: resume a parked lease once its node has room (its owner only; idempotent)."""
+
+    async def post(self, lease_id: str) -> None:
+        who = self.require_user()
+        lease_id = _lease_id(lease_id)
+        self.json_object_body(optional=True)
+        self.write_json(await self.ctx.pool.parking.resume_by(who, lease_id))
+
+
 routes = [
     (r"/api/v1/leases", LeaseListHandler),
     (r"/api/v1/leases/([^/]+)", LeaseHandler),
     (r"/api/v1/leases/([^/]+)/heartbeat", LeaseHeartbeatHandler),
+    (r"/api/v1/leases/([^/]+)/park", LeaseParkHandler),
+    (r"/api/v1/leases/([^/]+)/resume", LeaseResumeHandler),
 ]

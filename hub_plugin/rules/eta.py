@@ -21,7 +21,10 @@ went idle), and a busy one at most ``grace`` after its cell.
 Then the requests are placed in queue order, each once the ones before it
 are, as capacity frees in time order (:func:`eta_seconds`): a slice on the
 first GPU with room, whole GPUs on the first node with that many wholly
-free. It is an estimate: GPU memory, models, environments and the fairness
+free. A parked lease's resume may take only the GPUs of its own node (its
+worker lives there), the ones it had first; once placed it is back within
+seconds (:func:`.resume.resume_seconds`), so it waits only for room there.
+It is an estimate: GPU memory, models, environments and the fairness
 of who goes first among equals are the scheduler's business, not modelled.
 """
 
@@ -95,26 +98,28 @@ def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime,
     return end + timedelta(seconds=after)
 
 
-def eta_seconds(asks: Sequence[tuple[float, int, str]], room: Room, holding: Sequence[Holding],
+def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
                 typical: Mapping[str, float], now: datetime, grace: float | None = None) -> list[float | None]:
     """For each queued request, in queue order (``(fraction, count, class)``: a slice
-    of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node), seconds until
-    it is placed after every request before it; None once what is known to free does not
-    make room. ``grace``: the pressure grace (None: pressure parks nothing early).
-    Rounded to a tenth of a second."""
+    of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node; a fourth item,
+    the indexes in ``room`` of the only GPUs it may take, for a parked lease's resume),
+    seconds until it is placed after every request before it; None once what is known
+    to free does not make room. ``grace``: the pressure grace (None: pressure parks
+    nothing early). Rounded to a tenth of a second."""
     free = list(room.free)
     released = [False] * len(holding)
     timelines: dict[int, deque] = {}  # by the asking class's rank: (expected end, lease index), soonest first
     answers: list[float | None] = []
     moment = now
-    for fraction, count, lease_class in asks:
+    for fraction, count, lease_class, *only in asks:
+        allowed = only[0] if only else None
         rank = class_rank(lease_class)
         if rank not in timelines:
             ends = ((expected_end(lease, typical, now, grace if _presses(rank, lease) else None), i)
                     for i, lease in enumerate(holding))
             timelines[rank] = deque(sorted((end, i) for end, i in ends if end is not None))
         line = timelines[rank]
-        while not _take(free, room.node_of, fraction, count):
+        while not _take(free, room.node_of, fraction, count, allowed):
             while line and released[line[0][1]]:
                 line.popleft()
             if not line:
@@ -133,16 +138,21 @@ def _presses(rank: int, lease: Holding) -> bool:
     return lease.pressable and rank <= class_rank(lease.lease_class)
 
 
-def _take(free: list[float], node_of: Sequence[Hashable], fraction: float, count: int) -> bool:
-    """Take the first fit for one request from ``free`` (changed in place); False when none fits."""
+def _take(free: list[float], node_of: Sequence[Hashable], fraction: float, count: int,
+          allowed: Sequence[int] | None = None) -> bool:
+    """Take the first fit for one request from ``free`` (changed in place), of the GPUs
+    ``allowed`` only (indexes, in the order tried; None: any); False when none fits."""
+    order = range(len(free)) if allowed is None else allowed
     if count == 1 and fraction < 1.0 - EPSILON:
-        for g, room in enumerate(free):
+        for g in order:
+            room = free[g]
             if room + EPSILON >= fraction:
                 free[g] -= fraction
                 return True
         return False
     whole: dict[Hashable, list[int]] = {}
-    for g, room in enumerate(free):
+    for g in order:
+        room = free[g]
         if room + EPSILON >= 1.0:
             on_node = whole.setdefault(node_of[g], [])
             on_node.append(g)

@@ -5,7 +5,8 @@ A node's agent reports its cores and RAM at registration (a node that
 reports none has no host dimension: nothing is checked or reserved there).
 A request names ``cpus`` (cores, may be fractional) and ``host_memory``
 (bytes), or leaves them to the default: its GPU share of the node's GPUs,
-times the node's cores and RAM, times ``host_share``
+times the node's cores and RAM, times ``host_share`` (its RAM less what
+parked leases hold there, where that is all that is left: :func:`host_ask`)
 (``c.GPUPool.host_share``, 1.0 by default). So half a GPU on a node of 8
 GPUs, 64 cores and 512 GiB gets 4 cores and 32 GiB; the default always fits
 beside other default leases, and is known once the node is chosen (the
@@ -50,7 +51,8 @@ class HostState:
     """A node's host as the scheduler sees it: ``cpus`` cores and ``memory``
     bytes its agent reported, ``gpus`` how many GPUs it has (the default
     share divides by it), and the sums the leases holding capacity there
-    take (``cpus_allocated`` cores, ``memory_allocated`` bytes)."""
+    take (``cpus_allocated`` cores, ``memory_allocated`` bytes, which counts
+    ``memory_parked`` too: the host RAM its parked leases hold, no cores)."""
 
     node: str
     cpus: float
@@ -58,6 +60,7 @@ class HostState:
     gpus: int
     cpus_allocated: float = 0.0
     memory_allocated: int = 0
+    memory_parked: int = 0
 
     @property
     def free_cpus(self) -> float:
@@ -72,6 +75,11 @@ class HostState:
         return replace(self, cpus_allocated=round(self.cpus_allocated + sign * cpus, 6),
                        memory_allocated=self.memory_allocated + sign * memory)
 
+    def unparked(self, memory: int) -> "HostState":
+        """This host with ``memory`` bytes of its parked leases given back (a resume's own)."""
+        memory = min(memory, self.memory_parked)
+        return replace(self, memory_allocated=self.memory_allocated - memory, memory_parked=self.memory_parked - memory)
+
 
 def share_of(gpu_share: float, host: HostState, host_share: float) -> tuple[float, int]:
     """The default ``(cores, bytes)`` of ``gpu_share`` GPUs (0.5, or 2 for two
@@ -85,8 +93,15 @@ def share_of(gpu_share: float, host: HostState, host_share: float) -> tuple[floa
 def host_ask(demand, host: HostState) -> tuple[float, int]:
     """``(cores, bytes)`` ``demand`` (a :class:`.scheduler.Demand`) takes on
     ``host``: what it names, the default share (:func:`share_of`) for what it
-    does not."""
+    does not. The default share of memory gives way to what parked leases hold
+    there (down to :data:`DEFAULT_FLOOR_MEMORY`): their frozen workers use host
+    RAM that no reservation covers, and refusing a default share for it would
+    keep the GPU a park gave back from its next lease."""
     cpus, memory = share_of(demand.fraction * demand.gpu_count, host, demand.host_share)
+    if demand.host_memory is None and host.memory_parked and memory > host.free_memory:
+        room = host.free_memory
+        if memory <= room + host.memory_parked and room >= min(memory, DEFAULT_FLOOR_MEMORY):
+            memory = room
     return (demand.cpus if demand.cpus is not None else cpus,
             demand.host_memory if demand.host_memory is not None else memory)
 

@@ -13,13 +13,13 @@ reads, plus ``owner``, ``fraction``, ``gpu_count``, ``lease_class``,
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
 from . import priority
-from .reclaim import Decision, Reclaim, idle_deadline
+from .reclaim import FREEZE, Decision, ParkCode, Reclaim, idle_deadline, parks_idle
 
 
 def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
@@ -31,10 +31,10 @@ def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
     return min(own, early.deadline)
 
 
-def due(plan: priority.Plan, active: Iterable[Any], now: datetime) -> list[Decision]:
-    """Reclaim decisions for idle leases past their early deadline, in words
-    that name the grace which set it: the fallback when the notebook did not
-    park them itself."""
+def due(plan: priority.Plan, active: Iterable[Any], now: datetime, parkable: Collection[str] = ()) -> list[Decision]:
+    """Decisions for idle leases past their early deadline, in words that name
+    the grace which set it: parked in place where their node can park
+    (``parkable``, :func:`.reclaim.parks_idle`), else reclaimed."""
     decisions = []
     parks = priority.acting(plan, now)[0]
     for lease in active:
@@ -42,10 +42,30 @@ def due(plan: priority.Plan, active: Iterable[Any], now: datetime) -> list[Decis
         if lease.id in parks and own is not None and now < own:
             early = plan.parks[lease.id]
             idle = (now - lease.idle_since).total_seconds()
-            decisions.append(Decision(lease.id, LeaseState.reclaimed,
-                                      f"{early.reason} (idle for {format_duration(idle)}, {grace_words(early)})",
-                                      Reclaim.pressure))
+            words = f"{early.reason} (idle for {format_duration(idle)}, {grace_words(early)})"
+            decisions.append(Decision(lease.id, LeaseState.parked, words, ParkCode.pressure)
+                             if parks_idle(lease, parkable) else
+                             Decision(lease.id, LeaseState.reclaimed, words, Reclaim.pressure))
     return decisions
+
+
+def preempts(plan: priority.Plan, active: Iterable[Any], now: datetime, parkable: Collection[str]) -> list[Decision]:
+    """Park decisions for preemptible leases whose cell runs past their
+    ``preempt_at``, frozen where they are (``running_cell`` freeze: the agent
+    interrupts instead where its checkpointer cannot freeze mid-cell), on nodes
+    that can park (``parkable``); elsewhere the notebook interrupts its cell."""
+    preempting = priority.acting(plan, now)[1]
+    return [Decision(lease.id, LeaseState.parked, plan.preemptions[lease.id].reason, ParkCode.preemption, FREEZE)
+            for lease in active
+            if lease.id in preempting and lease.worker_state == "busy" and lease.preemptible
+            and lease.node_name in parkable]
+
+
+def still_preempted(plan: priority.Plan, lease: Any, now: datetime) -> bool:
+    """Re-checked under the write lock: still active, its cell running, past its ``preempt_at``."""
+    preemption = plan.preemptions.get(lease.id)
+    return (lease.state == LeaseState.active.value and lease.worker_state == "busy" and preemption is not None
+            and preemption.at <= now)
 
 
 def grace_words(early: priority.EarlyPark) -> str:

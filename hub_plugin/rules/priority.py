@@ -17,7 +17,10 @@ A guaranteed lease is never parked early nor preempted.
 
 **Pressure** (:func:`plan`). While requests wait, idle over-quota leases are
 parked after ``grace`` seconds instead of their idle timeout: batch first,
-then the longest idle, until the GPUs they free cover what waits. A waiting
+then the longest idle, until the GPUs they free cover what waits. A parked
+lease waiting to resume (:class:`Asking` with a ``node``) presses only on the
+leases of its own node, where its worker lives; parked leases themselves hold
+no GPU and are never pressed again. A waiting
 interactive request presses on every class, a batch one only on batch leases.
 A lease whose cell runs is never touched, unless it opted in
 (``preemptible``) and the pool allows preemption: then, if the idle ones do
@@ -76,7 +79,8 @@ class Held:
 @dataclass(frozen=True)
 class Asking:
     """A queued request: owner, GPUs (fraction x count), class, when asked, and how many
-    GPUs it asks for (more than one: whole GPUs on one node)."""
+    GPUs it asks for (more than one: whole GPUs on one node); ``node``: the only node it
+    may go to (a parked lease's resume: its worker lives there), None for any."""
 
     lease_id: str
     owner: str
@@ -84,6 +88,7 @@ class Asking:
     lease_class: str
     created_at: datetime
     gpu_count: int = 1
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     # Interactive waiters press on every lease, batch ones only on batch leases.
     for rank in sorted({class_rank(item.lease_class) for item in asking}):
         pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
-        need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank)
+        need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank and item.node is None)
         since = min(item.created_at for item in pressing)
         reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
         targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
@@ -253,6 +258,16 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                 break
             take(lease)
             need -= lease.gpus
+        # A resume waits for room on its own node: it presses only on the leases there.
+        for node in sorted({item.node for item in asking if item.node is not None
+                            and class_rank(item.lease_class) == rank}):
+            here = sum(item.gpus for item in asking if item.node == node and class_rank(item.lease_class) == rank)
+            for lease in _victims([t for t in targets if t.node == node], preempting, rule.batch_first):
+                if here <= EPSILON:
+                    break
+                if lease.lease_id not in parks and lease.lease_id not in preemptions:
+                    take(lease)
+                here -= lease.gpus
     return Plan(parks, preemptions)
 
 

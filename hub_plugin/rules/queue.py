@@ -19,6 +19,11 @@ ones are placed, until enough frees up at once.
 A new request that fits right away is placed without queueing: capacity
 that is free at that moment is capacity no queued request could use, since
 the queue is drained as soon as anything frees.
+
+A parked lease whose resume was asked for waits in the same line, ahead of
+the new requests of its class (its notebook already had its turn), resumes
+among themselves in the order they were asked; it is placed on its own node
+only (:func:`.resume.place`).
 """
 
 from __future__ import annotations
@@ -29,31 +34,38 @@ from datetime import datetime
 from typing import Callable, Iterable, Mapping, Sequence
 
 from .placement_index import PlacementIndex
+from . import resume as resume_rule
 from .priority import INTERACTIVE, batch_may_start, class_rank
-from .scheduler import Demand, GPUState, Placement
+from .resume import Resume
+from .scheduler import Demand, GPUState, Placement, Refusal
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """A queued request: its lease id, owner, demand, when it was asked and its class."""
+    """A queued request: its lease id, owner, demand, when it was asked and its
+    class; ``resume``: a parked lease's resume (then ``created_at`` is when the
+    resume was asked for)."""
 
     lease_id: str
     owner: str
     demand: Demand
     created_at: datetime
     lease_class: str = INTERACTIVE
+    resume: Resume | None = None
 
 
 def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None],
-         lease_class: str | None = INTERACTIVE) -> tuple:
+         lease_class: str | None = INTERACTIVE, resume: bool = False) -> tuple:
+    if resume:  # ahead of its class's new requests, in the order asked
+        return (class_rank(lease_class), False, False, created_at, created_at, lease_id)
     used = last_used.get(owner)
-    return (class_rank(lease_class), used is not None, used or created_at, created_at, lease_id)
+    return (class_rank(lease_class), True, used is not None, used or created_at, created_at, lease_id)
 
 
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
     return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used,
-                                                 item.lease_class))
+                                                 item.lease_class, item.resume is not None))
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
@@ -66,9 +78,11 @@ def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, 
 
 def positions(queued: Iterable[tuple], last_used: Mapping[str, datetime | None]) -> dict[str, int]:
     """``{lease id: 1-based place}`` of ``queued`` ``(lease id, owner, created_at,
-    class)`` rows (further columns are ignored), in :func:`order`'s order: one
-    sort, however many places are asked for."""
-    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else INTERACTIVE), row[0])
+    class[, resume])`` rows (``resume`` true: a parked lease's resume, its
+    ``created_at`` when that was asked; further columns are ignored), in
+    :func:`order`'s order: one sort, however many places are asked for."""
+    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else INTERACTIVE,
+                         bool(row[4]) if len(row) > 4 else False), row[0])
                    for row in queued)
     return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
 
@@ -118,14 +132,23 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     rooms = dict(room) if room is not None else None
     unfit: set[Demand] = set()
     placed: list[tuple[Waiting, Placement]] = []
+    stuck: set[str] = set()  # resumes that did not fit: capacity only shrinks, so not tried again
     while left:
         for item in order(left, last):
-            if item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
+            if item.resume is not None:
+                if item.lease_id in stuck:
+                    continue
+                decision = _place_resume(item.resume, index)
+                if not isinstance(decision, Placement):
+                    stuck.add(item.lease_id)
+                    continue
+            elif item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
                 continue
-            decision = index.place(item.demand, explain=False)
-            if not isinstance(decision, Placement):
-                unfit.add(item.demand)
-                continue
+            else:
+                decision = index.place(item.demand, explain=False)
+                if not isinstance(decision, Placement):
+                    unfit.add(item.demand)
+                    continue
             if class_rank(item.lease_class) > class_rank(INTERACTIVE) and (batch_yields or headroom_nodes):
                 # In queue order every interactive request still left did not fit: a person waits.
                 person = batch_yields and any(class_rank(other.lease_class) == class_rank(INTERACTIVE)
@@ -137,7 +160,7 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 return placed
             index.take(decision)
             last[item.owner] = now
-            if rooms is not None:
+            if rooms is not None and item.resume is None:  # a resume is a lease its owner holds already
                 rooms[item.owner] = rooms.get(item.owner, 0) - 1
             left.remove(item)
             placed.append((item, decision))
@@ -145,6 +168,12 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
         else:
             break
     return placed
+
+
+def _place_resume(ask: Resume, index: PlacementIndex) -> Placement | Refusal:
+    """Where ``ask`` resumes on ``index`` now (:func:`.resume.place`)."""
+    node_gpus = index.node_gpus(ask.node)
+    return resume_rule.place(ask, index.states, node_gpus, index.hosts.get(ask.node), index.workload)
 
 
 def estimate(queue_position: int, recent_hold_seconds: Sequence[float], holding: int) -> float | None:

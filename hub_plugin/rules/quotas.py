@@ -24,6 +24,9 @@ The limits (:data:`LIMIT_KEYS`):
   their oldest leases within this many GPUs are never parked early nor
   preempted while others wait (:mod:`.priority`); above it they may be.
   None or unset: nothing guaranteed.
+- ``max_parked_memory``: bytes of host RAM the user's leases parked in
+  memory may hold on their nodes (``"32GiB"``); a park beyond it goes to disk
+  (:func:`park_tier`). None or unset: no cap (the nodes' own budgets still hold).
 
 Resolution, one limit at a time: the user's own entry (``user:NAME``) if it
 sets the limit; else the most generous of the user's groups that set it
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpupool.schema import has_control_characters
-from gpupool.units import parse_duration
+from gpupool.units import format_bytes, parse_bytes, parse_duration
 from gpupool.wire.quotas import Limits
 
 #: Limit names, in the order they are shown: the fields of :class:`~gpupool.wire.quotas.Limits`.
@@ -102,6 +105,8 @@ def _parse_limit(key: str, value: Any, scope: str) -> float | None:
     try:
         if key == "max_idle_timeout":
             return parse_duration(value)
+        if key == "max_parked_memory":
+            return 0 if value in (0, "0") else parse_bytes(value)  # 0: every park goes to disk
         if key.startswith("gpu_hours"):
             number = float(value) if isinstance(value, (int, float)) else _hours(value)
         else:
@@ -190,3 +195,14 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
                                 f"{allowed:.1f}); resets {resets}")
     return None
 
+
+def park_tier(limits: Limits, parked_bytes: int, estimate: int) -> tuple[str, str | None]:
+    """Where a park of about ``estimate`` host bytes goes for a user whose leases
+    parked in memory hold ``parked_bytes`` now: ``("memory", None)``, or
+    ``("disk", words)`` when that would pass ``limits.max_parked_memory``."""
+    cap = limits.max_parked_memory
+    if cap is None or parked_bytes + estimate <= cap:
+        return "memory", None
+    return "disk", (f"parked to disk: your leases parked in memory hold {format_bytes(parked_bytes)} of host memory "
+                    f"and this one about {format_bytes(estimate)} more, beyond your max_parked_memory of "
+                    f"{format_bytes(cap)}")

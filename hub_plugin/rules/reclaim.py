@@ -1,19 +1,27 @@
-"""Idle reclaim's rules: which active leases to take back, and which nodes are lost.
+"""Idle reclaim's rules: which leases to take back (park in place, or end),
+and which nodes are lost.
 
 Pure (rows and ``now`` in, decisions out), so tests and the simulator move
 time by passing a different ``now``; the sweep that reads the store and
 applies them is :class:`gpupool.hub_plugin.reclaim.Reclaimer`.
 
-Rules (docs/api.md, "Reclaim"):
+Rules (docs/api.md, "Reclaim"; docs/parking.md):
 
 - heartbeat: no heartbeat from the notebook kernel for ``heartbeat_ttl``
-  while no cell runs -> ``reclaimed``;
+  while no cell runs, or while the lease is parked (its kernel died, whatever
+  the frozen worker was doing) -> ``reclaimed``;
 - idle: the agent reports the worker ``idle`` and ``now - idle_since >=
-  idle_timeout`` -> ``reclaimed``;
+  idle_timeout`` -> ``parked`` in place where its node can park (its agent
+  reports a checkpointer) and the lease asked ``on_idle: park``; else
+  ``reclaimed``;
 - a worker that is ``busy`` (a cell is running) is never reclaimed by either;
 - pressure (:mod:`gpupool.hub_plugin.pressure`, :mod:`.priority`): while
   requests wait, an idle over-quota lease's deadline comes after
-  ``c.GPUPool.pressure_grace``.
+  ``c.GPUPool.pressure_grace`` (parked, or reclaimed where it cannot park), and
+  a preemptible lease whose cell runs is frozen mid-cell at its ``preempt_at``;
+- a parked lease whose node is lost for ``node_ttl`` plus
+  ``c.GPUPool.parked_node_grace`` -> ``failed``, saying what was lost
+  (:func:`lost_parked`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from gpupool.strenum import StrEnum
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable, Mapping
 
 from gpupool.schema import LeaseState
 from gpupool.units import format_duration
@@ -37,24 +45,60 @@ class Reclaim(StrEnum):
     pressure = "pressure"  # parked early by the sweep while others wait (:mod:`.pressure`)
 
 
+class ParkCode(StrEnum):
+    """Why a lease was parked in place, as a code: kept with the lease
+    (``leases.park_code``) and the label of ``gpupool_parks_total``.
+    Stable: a code may be added, none renamed."""
+
+    idle = "idle"  # its worker stayed idle for its idle timeout
+    pressure = "pressure"  # parked early while others wait (:mod:`.pressure`)
+    preemption = "preemption"  # a preemptible lease frozen mid-cell for a waiting person
+    owner = "owner"  # its owner asked (POST /leases/{id}/park, %gpu park)
+
+
+#: What a park does with a running cell (:data:`gpupool.wire.parking.RUNNING_CELL`): an idle park
+#: never touches one, preemption freezes it where it is.
+REFUSE, FREEZE = "refuse", "freeze"
+#: The lease states whose worker still lives on its node, and whose notebook kernel's heartbeats count.
+PARKED_STATES = (LeaseState.parking.value, LeaseState.parked.value)
+
+
 @dataclass(frozen=True)
 class Decision:
-    """End ``lease_id`` in ``state`` (a final state) for ``reason`` (words
-    for its owner), reclaimed for ``code``."""
+    """Take ``lease_id`` back for ``reason`` (words for its owner): end it in
+    ``state`` (a final state), reclaimed for ``code`` (:class:`Reclaim`; None: not a
+    reclaim, e.g. ``failed``), or,
+    with ``state`` ``parked``, park it in place for ``code`` (:class:`ParkCode`),
+    doing ``running_cell`` with a running cell."""
 
     lease_id: str
     state: LeaseState
     reason: str
-    code: Reclaim
+    code: Reclaim | ParkCode | None = None
+    running_cell: str = REFUSE
+
+    @property
+    def parks(self) -> bool:
+        """True when the lease is parked in place, not ended."""
+        return self.state is LeaseState.parked
 
 
-def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
+def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ()) -> list[Decision]:
     """Decisions for ``leases``: objects with the attributes of
     :class:`~gpupool.hub_plugin.models.Lease` (``id``, ``state``, ``worker_state``,
     ``idle_since``, ``idle_timeout``, ``last_heartbeat_at``, ``started_at``,
-    ``heartbeat_ttl``). Only ``active`` leases are considered."""
+    ``heartbeat_ttl``; ``node_name`` and ``on_idle`` where ``parkable`` is given).
+    ``active`` leases are considered, and parked (or parking) ones for their
+    heartbeats. ``parkable``: the nodes that can park in place (their agent reports a
+    checkpointer); an idle lease there that asked ``on_idle: park`` is parked, any
+    other is reclaimed."""
     decisions = []
     for lease in leases:
+        if lease.state in PARKED_STATES:
+            silent = heartbeat_expired(lease, now)
+            if silent:
+                decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
+            continue
         if lease.state != LeaseState.active.value or lease.worker_state == "busy":
             continue
         silent = heartbeat_expired(lease, now)
@@ -62,9 +106,17 @@ def decide(leases: Iterable[Any], now: datetime) -> list[Decision]:
             decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
             continue
         idle = idle_expired(lease, now)
-        if idle:
+        if idle and parks_idle(lease, parkable):
+            decisions.append(Decision(lease.id, LeaseState.parked, idle, ParkCode.idle))
+        elif idle:
             decisions.append(Decision(lease.id, LeaseState.reclaimed, idle, Reclaim.idle))
     return decisions
+
+
+def parks_idle(lease: Any, parkable: Collection[str]) -> bool:
+    """Whether idleness parks ``lease`` in place (else it ends it): its node can
+    park and it did not ask ``on_idle: release``."""
+    return bool(parkable) and lease.node_name in parkable and getattr(lease, "on_idle", "park") != "release"
 
 
 def heartbeat_expired(lease: Any, now: datetime) -> str | None:
@@ -105,6 +157,13 @@ def still_due(lease: Any, now: datetime) -> bool:
     return bool(decide([lease], now))
 
 
+def still_idle(lease: Any, now: datetime) -> bool:
+    """Whether ``lease`` is still active, idle and past its idle deadline at
+    ``now``: the park path re-checks this under the write lock, as the release
+    path does :func:`still_due`."""
+    return lease.state == LeaseState.active.value and idle_expired(lease, now) is not None
+
+
 #: Node states whose agent heartbeats: a ``degraded`` one (NVML failed) is alive too.
 ALIVE = ("up", "degraded")
 
@@ -114,3 +173,27 @@ def lost_nodes(nodes: Iterable[Any], now: datetime, node_ttl: float) -> list[str
     ``last_heartbeat_at``) not heard from for ``node_ttl`` seconds."""
     return [node.name for node in nodes
             if node.state in ALIVE and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
+
+
+def lost_parked(leases: Iterable[Any], nodes: Mapping[str, Any], now: datetime, node_ttl: float,
+                grace: float) -> list[Decision]:
+    """``failed`` for each parked lease (objects with ``id``, ``state``,
+    ``node_name``) whose node (``nodes``: name -> objects with ``state`` and
+    ``last_heartbeat_at``) is ``lost`` and silent for ``node_ttl + grace``
+    seconds: the worker frozen there is as good as gone, and the words say so."""
+    decisions = []
+    for lease in leases:
+        node = nodes.get(lease.node_name)
+        if lease.state != LeaseState.parked.value or node is None or node.state != "lost":
+            continue
+        silent = (now - node.last_heartbeat_at).total_seconds()
+        if silent >= node_ttl + grace:
+            decisions.append(Decision(lease.id, LeaseState.failed, lost_words(lease.node_name, lease.id, silent)))
+    return decisions
+
+
+def lost_words(node: str, lease_id: str, silent: float | None = None) -> str:
+    """What a node lost while a lease was parked there takes with it, in words."""
+    heard = f" (no heartbeat for {format_duration(silent)})" if silent is not None else ""
+    return (f"node {node} was lost while lease {lease_id} was parked{heard}: its worker and its variables there "
+            "are gone")

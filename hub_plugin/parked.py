@@ -1,0 +1,181 @@
+"""A lease's park as the store records it: the transitions of park in place
+(docs/parking.md) with what they keep on the lease. The life cycle that
+decides them is :mod:`.parking`; each function here runs inside a write
+transaction, on a lease row, and names what it changed (:mod:`.transitions`).
+
+    active --begin--> parking --done--> parked --placed--> starting --resumed--> active
+                         |
+                         +--kept--> active   (the agent refused: a cell runs)
+
+- :func:`begin`: the share stays held while the agent moves the GPU state.
+- :func:`done`: the share is given back in the same transaction (the state
+  stops holding capacity); the span of usage ends (:func:`.usage.close_span`);
+  the worker's connection stays while it lives in memory.
+- :func:`placed`: a resume found room on the lease's own node (the queue,
+  :mod:`.lease_queue`); the time parked is counted (``parked_seconds``).
+- :func:`resumed`: active again, with the connection the agent answered (a
+  new worker's after a spill) and a new span of usage; the park is cleared.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+
+from gpupool.schema import LeaseState, isoformat
+from gpupool.units import format_bytes, format_duration
+from gpupool.wire.nodes import WorkerReport
+from gpupool.wire.parking import WorkerParked, WorkerResumed
+
+from . import usage
+from .models import GPU, Lease, LeaseGPU, Node
+from .rules.reclaim import FREEZE, REFUSE, ParkCode
+from .rules.resume import Resume
+from .rules.scheduler import Placement
+from .state import Transaction
+from .transitions import transition
+
+#: Where the state of a lease parked in each tier is, in words.
+TIER_WORDS = {"memory": "in memory", "disk": "on disk (spilled)"}
+
+
+def running_cell(code: str | None) -> str:
+    """What a park for ``code`` does with a running cell: preemption freezes it, anything else refuses."""
+    return FREEZE if code == ParkCode.preemption else REFUSE
+
+
+def begin(tx: Transaction, lease: Lease, code: str, reason: str, tier: str, now: datetime) -> None:
+    """``active`` -> ``parking`` for ``code`` (:class:`.rules.reclaim.ParkCode`), ``reason``
+    (words), to ``tier`` (``memory`` or ``disk``). The share stays held until :func:`done`."""
+    clear(lease)
+    lease.park_code, lease.park_reason, lease.park_tier, lease.parked_at = str(code), reason, tier, now
+    transition(tx, lease, LeaseState.parking, f"parking ({TIER_WORDS[tier]}): {reason}", now)
+
+
+def done(tx: Transaction, lease: Lease, answer: WorkerParked, now: datetime) -> None:
+    """``parking`` -> ``parked`` with the agent's figures: the share is given back (its GPUs are
+    named in the change set), the span of usage is closed, the connection kept unless spilled."""
+    usage.close_span(tx.session, lease, now)
+    lost = list(answer.lost)
+    if answer.interrupted and not any("interrupt" in words for words in lost):
+        lost.append("the running cell was interrupted (its checkpointer cannot freeze a running cell)")
+    lease.park_tier, lease.park_checkpointer = answer.tier, answer.checkpointer or None
+    lease.parked_host_bytes = answer.host_bytes if answer.tier == "memory" else 0
+    lease.parked_disk_bytes, lease.gpu_bytes_moved = answer.disk_bytes, answer.gpu_bytes_moved
+    lease.gpu_bytes_kept, lease.parked_lost, lease.parked_at = answer.gpu_bytes_kept, lost, now
+    if answer.tier == "disk":
+        lease.connection = None  # the worker's process ended; resume starts a new one
+    transition(tx, lease, LeaseState.parked, parked_words(lease), now)
+
+
+def parked_words(lease: Lease) -> str:
+    """``'parked in memory on node-1 (12.0 GiB moved off GPU 0): idle for 30m (...)'``, and what was lost."""
+    moved = f" ({format_bytes(lease.gpu_bytes_moved)} moved off the GPU)" if lease.gpu_bytes_moved else ""
+    lost = f"; not kept: {'; '.join(lease.parked_lost)}" if lease.parked_lost else ""
+    return f"parked {TIER_WORDS.get(lease.park_tier, 'in memory')} on {lease.node_name}{moved}: {lease.park_reason}{lost}"
+
+
+def kept(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
+    """``parking`` -> ``active`` again: the agent did not park it (``why``, words); it holds its share as before."""
+    clear(lease)
+    transition(tx, lease, LeaseState.active, f"not parked: {why}", now)
+
+
+def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
+    """``parked`` -> ``starting`` on ``decision`` (its own node; its GPUs, or others of the same
+    model where the checkpointer can remap): it holds a share again. Returns where, in words."""
+    leave(lease, now)
+    if tuple(g.gpu_uuid for g in lease.gpus) != decision.gpus:
+        gpus = {g.uuid: g for g in tx.session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
+        tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # the kept bytes leave them
+        lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
+    lease.resume_requested_at = None
+    where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
+    transition(tx, lease, LeaseState.starting, f"resuming on {decision.node}: {where}", now)
+    return f"{decision.node} {where}"
+
+
+def resumed(tx: Transaction, lease: Lease, answer: WorkerResumed, now: datetime) -> str:
+    """Resumed: ``starting`` -> ``active`` with the agent's connection and a new span of usage;
+    the park is cleared. Returns the event's words."""
+    tier = lease.park_tier or answer.tier
+    lease.connection, lease.worker_pid = answer.connection, answer.pid if answer.pid is not None else lease.worker_pid
+    lease.last_heartbeat_at = lease.held_since = now
+    if lease.worker_state != "busy" or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
+        lease.worker_state, lease.idle_since = "idle", now
+    lost = f"; not kept: {'; '.join(answer.lost)}" if answer.lost else ""
+    words = f"resumed on {lease.node_name} from {'disk' if tier == 'disk' else 'memory'} in " \
+            f"{format_duration(answer.seconds) if answer.seconds >= 1 else f'{answer.seconds:.2f}s'}{lost}"
+    clear(lease)
+    transition(tx, lease, LeaseState.active, words, now)
+    return words
+
+
+def unresumed(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
+    """A resume the agent could not do (``why``, words): ``starting`` -> ``parked`` again, its
+    share given back; no resume waits until one is asked for again."""
+    lease.parked_at, lease.resume_requested_at = now, None
+    transition(tx, lease, LeaseState.parked, why, now)
+
+
+def leave(lease: Lease, now: datetime) -> None:
+    """Count the time parked (``parked_seconds``) as ``lease`` leaves ``parked`` (a resume, its end)."""
+    if lease.state == LeaseState.parked.value and lease.parked_at is not None:
+        lease.parked_seconds = (lease.parked_seconds or 0.0) + max(0.0, (now - lease.parked_at).total_seconds())
+
+
+def clear(lease: Lease) -> None:
+    """Forget the park (its figures and a resume asked for)."""
+    lease.park_tier = lease.park_code = lease.park_reason = lease.parked_at = lease.park_checkpointer = None
+    lease.parked_host_bytes = lease.parked_disk_bytes = lease.gpu_bytes_moved = lease.gpu_bytes_kept = None
+    lease.parked_lost = lease.resume_requested_at = None
+
+
+def is_resume(lease: Lease) -> bool:
+    """Whether ``lease`` (``starting``) is resuming from a park rather than starting its first worker."""
+    return lease.park_tier is not None
+
+
+def report(tx: Transaction, lease: Lease, got: WorkerReport) -> bool:
+    """A parked lease's worker report: a spill the agent made on its own (``parked``
+    ``disk``) moves the park to disk, its host RAM back (0) and what it lost added.
+    Returns True when the park changed."""
+    if lease.state != LeaseState.parked.value or got.parked is None:
+        return False
+    host = 0 if got.parked == "disk" else got.parked_host_bytes
+    lost = [*(lease.parked_lost or []), *(w for w in got.parked_lost if w not in (lease.parked_lost or []))]
+    changed = (got.parked, host, lost) != (lease.park_tier, lease.parked_host_bytes, lease.parked_lost or [])
+    if host is None or not changed:
+        return False
+    if got.parked == "disk" and lease.park_tier != "disk":
+        lease.connection = None  # the agent ended the frozen process
+    lease.park_tier, lease.parked_host_bytes, lease.parked_lost = got.parked, host, lost
+    tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # its node's host room changed
+    tx.changes.lease(lease.id)
+    return True
+
+
+def resume_ask(lease: Lease, node: Node | None) -> Resume:
+    """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`)."""
+    remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
+    return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
+                  lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap)
+
+
+def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:
+    """The lease JSON's ``parked`` object (``gpupool.wire.leases.PARKED_PROPERTIES``) while it
+    is parking, parked or resuming; None otherwise. ``estimate``: seconds a resume takes."""
+    if lease.park_tier is None or lease.state not in (LeaseState.parking.value, LeaseState.parked.value,
+                                                      LeaseState.starting.value):
+        return None
+    parking = lease.state == LeaseState.parking.value
+    return {"tier": None if parking else lease.park_tier, "since": isoformat(lease.parked_at),
+            "reason": lease.park_reason or "", "checkpointer": lease.park_checkpointer,
+            "host_bytes": lease.parked_host_bytes or 0, "disk_bytes": lease.parked_disk_bytes or 0,
+            "gpu_bytes_moved": lease.gpu_bytes_moved or 0, "gpu_bytes_kept": lease.gpu_bytes_kept or 0,
+            "lost": list(lease.parked_lost or []),
+            "resume_requested": lease.resume_requested_at is not None or lease.state == LeaseState.starting.value,
+            "resume_estimate_s": estimate}

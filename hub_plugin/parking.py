@@ -1,0 +1,336 @@
+"""Park in place and resume: the life cycle's peer for leases that give their
+GPU share back without ending their worker (docs/parking.md).
+
+    active --park--> parking --(agent parked it)--> parked --resume asked,
+       ^                |                             room on its node--> starting --> active
+       +--(a cell runs)-+--(cannot park: reclaim)--> releasing
+
+- :meth:`Parking.park` (the reclaim sweep: idle, pressure, preemption; the
+  owner's ``POST /leases/{id}/park``): ``parking`` in the store (quota
+  ``max_parked_memory`` picks the tier), then the agent's ``POST
+  /workers/{id}/park``; once it answers, ``parked`` in one transaction that
+  gives the share back and places what waits on it. The agent refusing
+  because a cell runs puts the lease back ``active``; an agent that cannot
+  park (no checkpointer, unreachable, a failed checkpointer) gets the idle
+  and pressure parks released as a reclaim, as before parking existed, and the
+  owner's and preemption's back ``active``, with its words.
+- :meth:`Parking.resume_by` (``POST /leases/{id}/resume``, idempotent): the
+  lease waits in the queue for room on its own node (:mod:`.lease_queue`,
+  :mod:`.rules.resume`); once placed it is ``starting`` and the life cycle
+  (:meth:`.leases.LeaseBook.start`) asks the agent to resume it. A lease whose
+  node is lost ends ``failed``, saying what was lost.
+- A preempted lease (frozen mid-cell) has its resume asked for at once, by
+  the service: it comes back when room comes.
+
+The store side (transitions and figures) is :mod:`.parked`. As in
+:mod:`.leases`, the coroutines run their SQL through the store threads in
+functions named ``_..._now``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable
+
+from sqlalchemy import select
+
+from gpupool.errors import GPUPoolError, Reason
+from gpupool.schema import LeaseState
+from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
+
+from . import parked, usage
+from .auth import Identity, forbidden
+from .background import Background
+from .config import GPUPool
+from .lease_queue import Drained, LeaseQueue
+from .lease_views import LeaseViews
+from .leases import LeaseBook
+from .models import Lease, Node
+from .quota_book import QuotaBook
+from .rules import quotas
+from .rules.reclaim import ParkCode, Reclaim, lost_words
+from .state import PoolState
+from .worker_calls import StartJob, WorkerCalls
+
+log = logging.getLogger("gpupool.service.parking")
+
+#: Most seconds ``POST /leases/{id}/park`` waits for the park before answering (the lease is then
+#: still ``parking``; a long poll follows it): under the clients' 30 s timeout.
+ANSWER_S = 20.0
+#: Park outcomes (:class:`Outcome`).
+PARKED, BUSY, FAILED, GONE = "parked", "busy", "failed", "gone"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What :meth:`Parking.park` did: ``kind`` (``parked``; ``busy``: a cell runs, kept
+    active; ``failed``: the agent could not park it; ``gone``: nothing to do, the lease
+    had left ``active`` or no longer qualified) and ``words`` for a person."""
+
+    kind: str
+    words: str = ""
+
+
+class Parking:
+    """Parks and resumes leases through ``state`` and the agents (``workers``);
+    ends what cannot be parked through ``leases`` (the one release path), whose
+    queue places resumes; ``quotas`` for ``max_parked_memory``; ``views`` for
+    the JSON answered; ``on_parked(code, tier)`` counts each park and
+    ``on_resumed(seconds)`` observes how long each resume took from its
+    placement (metrics)."""
+
+    def __init__(self, settings: GPUPool, state: PoolState, workers: WorkerCalls, tasks: Background,
+                 views: LeaseViews, leases: LeaseBook, queue: LeaseQueue, quota_book: QuotaBook,
+                 on_parked: Callable[[str, str], None] = lambda code, tier: None,
+                 on_resumed: Callable[[float], None] = lambda seconds: None) -> None:
+        self.settings = settings
+        self.state = state
+        self.workers = workers
+        self.tasks = tasks
+        self.views = views
+        self.leases = leases
+        self.queue = queue
+        self.quotas = quota_book
+        self.on_parked = on_parked
+        self.on_resumed = on_resumed
+
+    # -- parking -----------------------------------------------------------------------------------
+
+    async def park(self, lease_id: str, code: ParkCode, reason: str, *,
+                   only_if: Callable[[Lease, datetime], bool] | None = None) -> Outcome:
+        """Park ``lease_id`` for ``code`` and ``reason`` (words); returns the :class:`Outcome`.
+        ``only_if(lease, now)`` is re-checked under the write lock (the sweep's rule: a cell
+        may have started since it read the lease)."""
+        begun = await self.state.work.write(self._begin_now, lease_id, code, reason, only_if)
+        if isinstance(begun, Outcome):
+            return begun
+        url, request = begun
+        log.info("lease %s parking (%s, %s): %s", lease_id, code, request.tier, request.reason)
+        return await self._ask(lease_id, ParkCode(code), url, request)
+
+    async def _ask(self, lease_id: str, code: ParkCode, url: str, request: ParkRequest) -> Outcome:
+        try:
+            answer = await self.workers.park(url, lease_id, request)
+        except GPUPoolError as exc:
+            return await self._not_parked(lease_id, code, request, exc)
+        drained = await self.state.work.write(self._done_now, lease_id, answer)
+        if drained is None:
+            return Outcome(GONE, "the lease left parking while its agent parked it")
+        log.info("lease %s parked %s in %.2fs (%d GPU bytes moved, %d host bytes held)", lease_id, answer.tier,
+                 answer.seconds, answer.gpu_bytes_moved, answer.host_bytes)
+        self.on_parked(str(code), answer.tier)
+        self.leases.after_drain(drained)
+        return Outcome(PARKED)
+
+    async def _not_parked(self, lease_id: str, code: ParkCode, request: ParkRequest, exc: GPUPoolError) -> Outcome:
+        """The agent did not park it: back ``active`` while the worker runs on (a cell runs; the
+        owner's and preemption's parks), else released as the reclaim it was before parking existed."""
+        if exc.code == Reason.worker_busy:
+            await self.state.work.write(self._kept_now, lease_id, "a cell is running on its worker")
+            return Outcome(BUSY, exc.message)
+        words = f"it could not be parked in place ({exc.message})"
+        log.warning("lease %s: %s", lease_id, words)
+        if code in (ParkCode.owner, ParkCode.preemption):
+            await self.state.work.write(self._kept_now, lease_id, words)
+        else:
+            await self.leases.release(lease_id, LeaseState.reclaimed, f"{request.reason}; {words}",
+                                      code=Reclaim(str(code)), only_if=_parking)
+        return Outcome(FAILED, words)
+
+    def _begin_now(self, lease_id: str, code: ParkCode, reason: str,
+                   only_if: Callable[[Lease, datetime], bool] | None) -> tuple[str, ParkRequest] | Outcome:
+        """``active`` -> ``parking``; ``(agent url, the ParkRequest)``, or the :class:`Outcome` of not parking."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.active.value or (only_if and not only_if(lease, now)):
+                return Outcome(GONE, "the lease is not active (any more)")
+            node = tx.session.get(Node, lease.node_name)
+            if node is None or node.checkpointer is None:
+                return Outcome(FAILED, cannot_park_words(lease.node_name))
+            tier, beyond = self._tier(tx.session, lease)
+            reason = reason if beyond is None else f"{reason}; {beyond}"
+            parked.begin(tx, lease, code, reason, tier, now)
+            return node.url, ParkRequest(reason, tier, parked.running_cell(code))
+
+    def _tier(self, session, lease: Lease) -> tuple[str, str | None]:
+        """Where the park goes under the owner's ``max_parked_memory`` (:func:`.rules.quotas.park_tier`);
+        its size is guessed as the GPU memory its worker uses (what moves to host RAM)."""
+        limits = self.quotas.limits(session, lease.owner, tuple(lease.groups or ()))
+        return quotas.park_tier(limits, usage.parked_memory(session, lease.owner), lease.worker_memory_used or 0)
+
+    def _done_now(self, lease_id: str, answer: WorkerParked) -> Drained | None:
+        """``parking`` -> ``parked`` with what the agent answered, and the queue drained on the
+        share it gave back, in one transaction; None when the lease left ``parking`` meanwhile."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)  # the queue is drained below
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.parking.value:
+                return None
+            parked.done(tx, lease, answer, now)
+            drained = self.queue.drain_in(tx, now)
+            if lease.park_code == ParkCode.preemption:
+                # Its cell waits, frozen: the service resumes it once room comes, after those waiting now.
+                lease.resume_requested_at = now
+            return drained
+
+    def _kept_now(self, lease_id: str, why: str) -> None:
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is not None and lease.state == LeaseState.parking.value:
+                parked.kept(tx, lease, why, self.state.now())
+
+    # -- resuming -------------------------------------------------------------------------------
+
+    async def resume_worker(self, job: StartJob) -> None:
+        """The agent's resume of a lease the queue placed from a park (``starting``): ``active``
+        with the connection it answers; if it cannot resume it (its worker stays parked there)
+        the lease is ``parked`` again, its share back; one whose worker is gone ends ``failed``."""
+        lease_id = job.request.lease_id
+        try:
+            answer = await self.workers.resume(job)
+        except GPUPoolError as exc:
+            log.warning("lease %s: resume on %s failed: %s", lease_id, job.node, exc.message)
+            if exc.code == Reason.not_found:
+                await self.leases.release(lease_id, LeaseState.failed, f"its parked worker is gone from {job.node} "
+                                          f"({exc.message}): its variables and state there are gone")
+            else:
+                self.leases.after_drain(await self.state.work.write(self._unresumed_now, lease_id, exc.message,
+                                                                    job.node))
+            return
+        seconds = await self.state.work.write(self._resumed_now, lease_id, answer)
+        if seconds is not None:
+            log.info("lease %s resumed on %s in %.2fs (pid %s)", lease_id, job.node, seconds, answer.pid)
+            self.on_resumed(seconds)
+
+    def _resumed_now(self, lease_id: str, answer: WorkerResumed) -> float | None:
+        """``starting`` -> ``active`` (:func:`.parked.resumed`); the seconds since it was placed,
+        or None when the lease left ``starting`` meanwhile."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or not parked.is_resume(lease):
+                return None
+            placed_at = lease.events[-1].at if lease.events else now
+            parked.resumed(tx, lease, answer, now)
+            return max(0.0, (now - placed_at).total_seconds())
+
+    def _unresumed_now(self, lease_id: str, why: str, node: str) -> Drained:
+        """``starting`` -> ``parked`` again, its share given back and the queue drained on it."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or not parked.is_resume(lease):
+                return Drained()
+            parked.unresumed(tx, lease, f"its resume on {node} failed ({why}); it stays parked: resume again to "
+                             "retry", now)
+            return self.queue.drain_in(tx, now)
+
+    # -- the owner's calls ------------------------------------------------------------------------
+
+    async def park_by(self, who: Identity, lease_id: str) -> dict[str, Any]:
+        """``POST /leases/{id}/park`` by its owner: park it now; returns the lease (``parked``,
+        or still ``parking`` after :data:`ANSWER_S`). Idempotent for a lease parking or parked.
+        Raises 404 (not visible), 403 (an admin's: only its owner parks it), 409 ``invalid_state``
+        (not active), ``cannot_park`` (its node cannot), ``worker_busy`` (a cell runs)."""
+        state, node = await self.state.work.read(self._owned_now, who, lease_id)
+        if state == LeaseState.parking.value:
+            await self.views.wait_out(lease_id, state, ANSWER_S)
+        elif state != LeaseState.parked.value:
+            if state != LeaseState.active.value:
+                raise GPUPoolError(Reason.invalid_state, f"lease {lease_id} is {state}: only an active lease can be "
+                                   "parked", 409, state=state)
+            task = self.tasks.spawn(self.park(lease_id, ParkCode.owner, "parked by its owner"))
+            finished, _ = await asyncio.wait({task}, timeout=ANSWER_S)
+            outcome = task.result() if finished else None
+            if outcome is not None and outcome.kind == BUSY:
+                raise _busy(lease_id)
+            if outcome is not None and outcome.kind == FAILED:
+                raise GPUPoolError(Reason.cannot_park, f"lease {lease_id} was not parked: {outcome.words}; it stays "
+                                   f"active on {node} (release it to give its GPU back)", 409)
+        return await self.views.get(who, lease_id)
+
+    async def resume_by(self, who: Identity, lease_id: str) -> dict[str, Any]:
+        """``POST /leases/{id}/resume`` by its owner: a parked (or parking) lease waits for
+        room on its node, then resumes; idempotent (an active or starting lease is answered as
+        it is). A lease whose node is lost ends ``failed``, saying what was lost. Returns the
+        lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued, releasing, ended)."""
+        lost = await self.state.work.write(self._resume_now, who, lease_id)
+        if lost:
+            await self.leases.release(lease_id, LeaseState.failed, lost, only_if=_parked_or_parking)
+        else:
+            await self.leases.drain_queue()  # its room may be there already
+        return await self.views.get(who, lease_id)
+
+    def _owned_now(self, who: Identity, lease_id: str) -> tuple[str, str | None]:
+        """``(state, node)`` of ``who``'s own lease; 404 / 403 otherwise. (Whether a cell runs is
+        the agent's to say: the service hears of a cell's end up to a heartbeat later.)"""
+        with self.state.reading() as session:
+            lease = self._owned(session, who, lease_id)
+            return lease.state, lease.node_name
+
+    def _resume_now(self, who: Identity, lease_id: str) -> str | None:
+        """Ask for the resume; the words to end it with when its node is lost, else None."""
+        with self.state.writing() as tx:
+            lease = self._owned(tx.session, who, lease_id)
+            if lease.state in (LeaseState.active.value, LeaseState.starting.value):
+                return None
+            if lease.state not in (LeaseState.parking.value, LeaseState.parked.value):
+                raise GPUPoolError(Reason.invalid_state, f"lease {lease_id} is {lease.state}: only a parked lease can "
+                                   "be resumed; ask for a new one", 409, state=lease.state)
+            node = tx.session.get(Node, lease.node_name)
+            if node is None or node.state == "lost":
+                return lost_words(lease.node_name, lease.id) + (f" ({node.state_reason})" if node else "")
+            if lease.resume_requested_at is None:
+                lease.resume_requested_at = self.state.now()
+                tx.changes.lease(lease.id)
+            return None
+
+    def _owned(self, session, who: Identity, lease_id: str) -> Lease:
+        lease = self.views.visible(session, who, lease_id)  # 404 unless visible
+        if lease.owner != who.name:
+            raise forbidden(f"only its owner may park or resume lease {lease_id} (an admin may release it)")
+        return lease
+
+    # -- after a restart ------------------------------------------------------------------------
+
+    async def restart(self) -> None:
+        """Pick up the parks a previous run left half-done: ask the agent again (a worker it
+        parked already is answered as it is). Resumes half-done are the life cycle's
+        (:meth:`.leases.LeaseBook.resume`: ``starting`` leases)."""
+        for lease_id, code, url, request in await self.state.work.read(self._parking_now):
+            log.info("lease %s was parking when the service stopped; asking its agent again", lease_id)
+            self.tasks.spawn(self._ask(lease_id, code, url, request))
+
+    def _parking_now(self) -> list[tuple[str, ParkCode, str, ParkRequest]]:
+        with self.state.reading() as session:
+            rows = session.execute(select(Lease.id, Lease.park_code, Lease.park_reason, Lease.park_tier, Node.url)
+                                   .join(Node, Node.name == Lease.node_name)
+                                   .where(Lease.state == LeaseState.parking.value)).all()
+        return [(row.id, ParkCode(row.park_code or ParkCode.idle), row.url,
+                 ParkRequest(row.park_reason or "", row.park_tier or "memory", parked.running_cell(row.park_code)))
+                for row in rows]
+
+
+def cannot_park_words(node: str | None) -> str:
+    """Why a lease on ``node`` cannot be parked in place, in words naming the fix."""
+    return (f"the agent on {node} cannot park in place (it reports no checkpointer: an agent from before parking, "
+            "or c.NodeAgent.checkpointer found none that works there)")
+
+
+def _busy(lease_id: str) -> GPUPoolError:
+    return GPUPoolError(Reason.worker_busy, f"a cell is running on lease {lease_id}'s worker: a park does not touch "
+                        "a running cell; park it once the cell ends (or interrupt the cell)", 409)
+
+
+def _parking(lease: Lease, now: datetime) -> bool:
+    return lease.state == LeaseState.parking.value
+
+
+def _parked_or_parking(lease: Lease, now: datetime) -> bool:
+    return lease.state in (LeaseState.parked.value, LeaseState.parking.value)

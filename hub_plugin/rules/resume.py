@@ -1,0 +1,97 @@
+"""Resuming a parked lease: where it may go back, and roughly how long that
+takes. Pure: a parked lease's ask, the GPU and host states of its node in,
+a placement (or why not) and seconds out. The queue (:mod:`.queue`) calls
+:func:`place` for each resume waiting, ahead of new requests of its class.
+
+Its worker lives on its node (frozen there, or spilled to that node's disk),
+so a parked lease resumes on its own node only:
+
+- on the GPU(s) it had, first: they must have room for its slice again
+  (fraction and memory; the GPU memory its checkpointer could not free,
+  ``gpu_bytes_kept``, is its own and counts as room), and its host room for
+  its cores and host memory (what its parked state holds there now,
+  ``parked_host_bytes``, is given back as it resumes);
+- else, where the node's checkpointer can restore onto another GPU
+  (``remap``), another GPU of the same model on that node, chosen as the
+  scheduler chooses (:func:`.scheduler.place`);
+- else it waits (a :class:`.scheduler.Refusal` saying why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+from .hosts import HostState
+from .scheduler import Demand, GPUState, Placement, Refusal, place as place_demand
+from .workload import DEFAULT_WORKLOAD, Workload
+
+#: Rough costs of a resume (:func:`resume_seconds`): a frozen worker thaws and its GPU state
+#: goes back at about pinned host-to-device speed; a spilled one starts a new worker and loads
+#: its namespace from the node's disk.
+THAW_S = 0.3
+HOST_TO_GPU_BYTES_S = 10e9
+COLD_START_S = 3.0
+DISK_BYTES_S = 1e9
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a parked lease needs to resume: its ``node``, the ``gpus`` (UUIDs)
+    it had and their ``model`` (GPU name), its slice (``fraction``,
+    ``gpu_count``, ``memory`` bytes per GPU), its host reservation (``cpus``,
+    ``host_memory``; None: its node reports no host), what its park holds now
+    (``parked_host_bytes`` on the host, ``gpu_bytes_kept`` over its GPUs) and
+    whether the node's checkpointer can restore onto another GPU (``remap``)."""
+
+    node: str
+    gpus: tuple[str, ...]
+    model: str
+    fraction: float
+    gpu_count: int
+    memory: int
+    cpus: float | None = None
+    host_memory: int | None = None
+    parked_host_bytes: int = 0
+    gpu_bytes_kept: int = 0
+    remap: bool = False
+
+    def demand(self, *, model: str | None = None) -> Demand:
+        """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name)."""
+        return Demand(self.fraction, self.gpu_count, self.memory, model, None, self.cpus, self.host_memory)
+
+
+def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str], host: HostState | None,
+          workload: Workload = DEFAULT_WORKLOAD) -> Placement | Refusal:
+    """Where ``ask`` resumes now (module docstring), among ``states`` (UUID ->
+    GPU state, what holds capacity counted, its own kept bytes too) of its node's
+    GPUs ``node_gpus``, with ``host`` its node's host (None: no host dimension)."""
+    kept = ask.gpu_bytes_kept // max(1, len(ask.gpus))
+    hosts = {ask.node: host.unparked(ask.parked_host_bytes)} if host is not None else {}
+    own = [_credited(states[uuid], kept) for uuid in ask.gpus if uuid in states]
+    decision: Placement | Refusal = Refusal({}, f"its GPUs on {ask.node} are no longer in the pool")
+    if len(own) == len(ask.gpus):
+        decision = place_demand(ask.demand(), own, workload, hosts=hosts)
+        if isinstance(decision, Placement) or not ask.remap:
+            return decision
+    if ask.remap:
+        others = [_credited(states[uuid], kept) if uuid in ask.gpus else states[uuid]
+                  for uuid in node_gpus if uuid in states and states[uuid].name == ask.model]
+        remapped = place_demand(ask.demand(model=ask.model), others, workload, hosts=hosts)
+        if isinstance(remapped, Placement) or not isinstance(decision, Refusal) or not decision.reasons:
+            return remapped
+    return decision
+
+
+def _credited(gpu: GPUState, kept: int) -> GPUState:
+    """``gpu`` with ``kept`` bytes (the resuming lease's own, counted there while parked) free again."""
+    return replace(gpu, allocated_memory=max(0, gpu.allocated_memory - kept)) if kept else gpu
+
+
+def resume_seconds(tier: str | None, gpu_bytes_moved: int | None, disk_bytes: int | None) -> float:
+    """Rough seconds a resume takes once placed: from memory, a thaw plus the
+    GPU state copied back; from disk, a new worker plus its namespace loaded
+    (module constants). Rounded to a tenth."""
+    if tier == "disk":
+        return round(COLD_START_S + (disk_bytes or 0) / DISK_BYTES_S, 1)
+    return round(THAW_S + (gpu_bytes_moved or 0) / HOST_TO_GPU_BYTES_S, 1)
