@@ -17,20 +17,27 @@ SHIPPED = ("gpupool", "provisioner", "hub_plugin", "magics")
 
 
 def _constructions() -> list[tuple[str, ast.expr]]:
-    """``(where, first argument)`` of every ``GPUPoolError(...)`` (and a subclass's
-    ``super().__init__(...)``) in the shipped code."""
+    """``(where, first argument)`` of every ``GPUPoolError(...)`` and, in a class
+    deriving from it, every ``super().__init__(...)`` in the shipped code."""
     found = []
     for package in SHIPPED:
         for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not (isinstance(node, ast.Call) and node.args):
-                    continue
-                func = node.func
-                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-                subclass = name == "__init__" and "GPUPoolError" in path.read_text()
-                if name == "GPUPoolError" or subclass:
+            tree = ast.parse(path.read_text())
+            subclasses = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                          and any(isinstance(base, ast.Name) and base.id == "GPUPoolError" for base in node.bases)]
+            inits = {id(call) for cls in subclasses for call in ast.walk(cls) if _calls(call, "__init__")}
+            for node in ast.walk(tree):
+                if _calls(node, "GPUPoolError") or id(node) in inits:
                     found.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.args[0]))
     return found
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` is a call with arguments of ``name`` or ``something.name``."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return False
+    func = node.func
+    return (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "") == name
 
 
 def test_every_error_the_code_base_raises_names_a_reason_member():

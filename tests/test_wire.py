@@ -148,8 +148,8 @@ def _strict_fields(json_type: str):
 
 
 @pytest.mark.parametrize("spec, key", list(_strict_fields("integer")))
-def test_every_integer_field_refuses_a_float_a_flag_and_text(spec, key):
-    for bad in (1.5e9, 2.0, 0.0, True, "3"):
+def test_every_integer_field_refuses_a_fraction_a_flag_and_text(spec, key):
+    for bad in (1.5e9 + 0.5, 2.5, float("inf"), True, "3"):
         with pytest.raises(GPUPoolError) as caught:
             spec.read({key: bad}, key, {"uuid": "GPU-x"})
         assert caught.value.status == 400 and key in caught.value.message, (bad, caught.value.message)
@@ -169,21 +169,27 @@ def test_every_boolean_field_refuses_anything_but_true_or_false(spec, key):
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"fraction": 0.5, "memory": 1.5e9}, "'memory' must be a whole number of bytes"),
-    ({"host_memory": 2.0**31}, "'host_memory' must be a whole number of bytes"),
-    ({"gpu_count": 2.0}, "'gpu_count' must be a whole number"),
+    ({"fraction": 0.5, "memory": 1.5e9 + 0.5}, "'memory' must be a whole number of bytes"),
+    ({"host_memory": 2.0**31 + 0.25}, "'host_memory' must be a whole number of bytes"),
+    ({"gpu_count": 2.5}, "'gpu_count' must be a whole number"),
 ])
-def test_a_lease_request_with_a_float_for_an_integer_is_refused_in_words(body, words):
+def test_a_lease_request_with_a_fraction_for_an_integer_is_refused_in_words(body, words):
     with pytest.raises(GPUPoolError) as caught:
         LeaseRequest.from_json(body)
     assert caught.value.status == 400 and words in caught.value.message
-    assert "a JSON integer: no decimal point or exponent" in caught.value.message
+
+
+def test_a_whole_number_written_with_a_point_or_an_exponent_is_an_integer_as_json_schema_says():
+    request = LeaseRequest.from_json({"fraction": 0.5, "memory": 1.5e9, "host_memory": 2.0**31})
+    assert (request.memory, request.host_memory) == (1_500_000_000, 2**31)
+    assert type(request.memory) is int and type(request.host_memory) is int
+    assert LeaseRequest.from_json({"gpu_count": 2.0}).gpu_count == 2
 
 
 @pytest.mark.parametrize("gpu, words", [
-    ({"memory_total": 8.5e10}, "GPU GPU-1: 'memory_total' must be whole bytes"),
-    ({"memory_reserved": 1.0}, "GPU GPU-1: 'memory_reserved' must be whole bytes"),
-    ({"index": 0.0}, "'index' must be a whole number"),
+    ({"memory_total": 8.5e10 + 0.5}, "GPU GPU-1: 'memory_total' must be whole bytes"),
+    ({"memory_reserved": 1.5}, "GPU GPU-1: 'memory_reserved' must be whole bytes"),
+    ({"index": 0.5}, "'index' must be a whole number"),
     ({"healthy": "no"}, "GPU GPU-1: 'healthy' must be true or false"),
     ({"healthy": None}, "'healthy' must be true or false"),
 ])

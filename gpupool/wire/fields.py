@@ -132,19 +132,18 @@ class Spec:  # pylint: disable=too-many-instance-attributes  # one attribute per
         return value
 
     def _number(self, key: str, value: Any, context: dict[str, Any] | None) -> float | int:
+        # JSON Schema's integer is a number with no fractional part: 2.0 and 1.5e9 are integers, 1.5 is not.
         if self.loose:
             number: Any = number_field({key: value}, key, required=True)  # its words for a non-number
-            if self.type == "integer" and isinstance(value, float):
-                # 1.5e9 or 2.0 for a count or bytes: a JSON integer has no decimal point or exponent.
-                refusal = self._refusal(key, value, context)
-                raise bad_request(f"{refusal.message} (a JSON integer: no decimal point or exponent)")
-        elif (isinstance(value, bool) or not isinstance(value, int if self.type == "integer" else (int, float))):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._refusal(key, value, context)
         else:
             number = value
         if not self._in_range(number):
             raise self._refusal(key, value, context)
-        return value if self.type == "integer" else number  # an int as sent (number_field made it a float)
+        if self.type == "integer":
+            return value if isinstance(value, int) else int(value)  # an int as sent: 2**53 + 1 stays exact
+        return number
 
     def _in_range(self, number: float) -> bool:
         # ``not a < b`` rather than ``a >= b``: NaN (a strict field's float) fails every bound.

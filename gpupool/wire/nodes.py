@@ -85,9 +85,8 @@ class GPUInfo(Body):
             raise bad_request(f"GPU {uuid}: memory_total must be bytes in (0, 2**50] and memory_reserved in "
                               "[0, memory_total)")
         for key in ("memory_total", "memory_reserved"):
-            if isinstance(body.get(key), float):
-                raise bad_request(f"GPU {uuid}: '{key}' must be whole bytes, a JSON integer (no decimal point or "
-                                  f"exponent), got {body[key]!r:.40}")
+            if isinstance(body.get(key), float) and not body[key].is_integer():
+                raise bad_request(f"GPU {uuid}: '{key}' must be whole bytes, got {body[key]!r:.40}")
         if "healthy" in body:
             cls.EXTRA["healthy"].read(body, "healthy", {"uuid": uuid})
         return cls(uuid=uuid, name=texts["name"], index=index, memory_total=int(total),
