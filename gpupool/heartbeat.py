@@ -132,17 +132,18 @@ class LeaseHeartbeat(threading.Thread):
         return False
 
     def _preempt_if_due(self, lease: Lease) -> None:
-        """While work runs: say once that the lease is being preempted, and
-        interrupt the work once :func:`preempt_due`."""
-        if lease.preempt_at is None or self.on_preempt is None or self.preempted:
+        """While work runs: say once that the lease is being preempted, and,
+        with ``on_preempt``, interrupt the work once :func:`preempt_due`
+        (without it the service's park freezes the work)."""
+        if lease.preempt_at is None or self.preempted:
             self._preempt_told = None if lease.preempt_at is None else self._preempt_told
             return
         if self._preempt_told is None:
             self._preempt_told = time.monotonic()
             at = parse_time(lease.preempt_at)
-            left = max(self.preempt_notice, (at - datetime.now(timezone.utc)).total_seconds())
+            left = max(self.preempt_notice if self.on_preempt else 0.0, (at - datetime.now(timezone.utc)).total_seconds())
             self.say(self.preempt_words(lease, left), kind="preempt_notice")
-        if preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
+        if self.on_preempt is not None and preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
             self.preempted = lease.pressure or "preempted"
             try:
                 self.on_preempt(lease)

@@ -20,12 +20,23 @@ from .wire.leases import Lease
 
 #: Seconds of each long poll while a lease is queued or starting.
 POLL_SECONDS = 2.0
+#: What a new lease's wait waits through, and a parked lease's resume (docs/parking.md).
+START_STATES = (LeaseState.queued, LeaseState.starting)
+RESUME_STATES = (LeaseState.parking, LeaseState.parked, LeaseState.starting)
+#: The states in which a lease waits for room (the start timeout counts from leaving them).
+WAITING_FOR_ROOM = (LeaseState.queued, LeaseState.parking, LeaseState.parked)
 
 
 def progress_words(lease: Lease) -> str:
-    """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``."""
-    if lease.state is LeaseState.queued:
-        text = "queued" if lease.lease_class == "interactive" else f"queued ({lease.lease_class})"
+    """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``,
+    ``'parked on node-1, waiting for room there: 1st in line'``."""
+    if lease.state is LeaseState.parking:
+        return f"parking on {lease.node or 'its node'} (the resume follows)"
+    if lease.state in (LeaseState.queued, LeaseState.parked):
+        if lease.state is LeaseState.parked:
+            text = f"parked on {lease.node or 'its node'}, waiting for room there"
+        else:
+            text = "queued" if lease.lease_class == "interactive" else f"queued ({lease.lease_class})"
         if lease.queue_position:
             text += f": {_ordinal(lease.queue_position)} in line"
             if lease.queue_estimate_s is not None:
@@ -41,8 +52,10 @@ def _ordinal(n: int) -> str:
 
 def wait_started(client: ServiceClient, lease: Lease, started: float, start_timeout: float, *,
                  setting: str = "", on_state: Callable[[Lease, bool], None] | None = None,
-                 stream: TextIO | None = None, rewrite: bool = True) -> Lease:
-    """Long-poll ``lease`` until it leaves ``queued`` and ``starting``, keeping
+                 stream: TextIO | None = None, rewrite: bool = True,
+                 waiting: tuple[LeaseState, ...] = START_STATES) -> Lease:
+    """Long-poll ``lease`` until it leaves the ``waiting`` states (a new
+    lease's ``queued`` and ``starting``; :data:`RESUME_STATES` for a resume), keeping
     one progress line (``\\r``-rewritten, blanked at the end) on ``stream``
     (default: stdout); returns the ``active`` lease. Without ``rewrite`` (a
     log, not a terminal) a line is printed each time the words change instead.
@@ -62,12 +75,12 @@ def wait_started(client: ServiceClient, lease: Lease, started: float, start_time
     queued = False
     shown = 0  # length of the progress line, blanked when it is done
     said = ""  # without rewrite: the words last printed
-    while lease.state in (LeaseState.queued, LeaseState.starting):
-        if lease.state is LeaseState.queued:
+    while lease.state in waiting:
+        if lease.state in WAITING_FOR_ROOM:
             since = time.monotonic()  # the start timeout counts from leaving the queue (the service ends waits)
         if on_state is not None:
             on_state(lease, queued)
-        queued = lease.state is LeaseState.queued
+        queued = lease.state in WAITING_FOR_ROOM
         if time.monotonic() - since > start_timeout:
             raise GPUPoolError(Reason.start_timeout, f"no worker started within {start_timeout:.0f}s"
                                f"{f' ({setting})' if setting else ''}; the request was cancelled", 504)

@@ -85,6 +85,7 @@ class RemoteKernel:
         self.hb = self._socket("hb")
         self._hb_sent: float | None = None
         self._hb_ok = 0.0
+        self._liveness_paused = False  # the worker is frozen (parked): it answers no ping until thawed
         self._relay: IOPubRelay | None = None
         self._debug: zmq.Socket | None = None  # the control socket of the kernel's control thread
         self.poller = zmq.Poller()
@@ -219,11 +220,24 @@ class RemoteKernel:
         raise GPUPoolError(Reason.worker_timeout, f"the worker did not answer the {msg['header']['msg_type']} "
                            f"within {timeout:.0f}s", 504)
 
+    def pause_liveness(self, paused: bool) -> None:
+        """Pause (or resume) :meth:`check_heartbeat` while the worker is frozen
+        on its node (parked): its echoes wait, and HB_TIMEOUT counts again
+        from the thaw. Callable from any thread."""
+        self._liveness_paused = paused
+        if not paused and self._hb_sent is not None:
+            self._hb_sent = time.monotonic()
+
     def check_heartbeat(self) -> None:
         """Ping the worker's heartbeat channel every HB_INTERVAL seconds; raise
         GPUPoolError ``worker_unreachable`` when no echo came for HB_TIMEOUT
-        (the worker's node or network is gone: no message would ever come)."""
+        (the worker's node or network is gone: no message would ever come).
+        Nothing while paused (:meth:`pause_liveness`)."""
         now = time.monotonic()
+        if self._liveness_paused:
+            if self._hb_sent is not None:
+                self._hb_sent = now
+            return
         if self._hb_sent is None:
             if now - self._hb_ok >= HB_INTERVAL:
                 self.hb.send(b"ping")

@@ -1,6 +1,6 @@
 """Getting a worker for the notebook: create a lease, wait for its worker
-with progress, connect, start forwarding (in the gpupool kernel), and the
-same again for a parked lease's resume or a ``%%gpu`` cell's own lease.
+with progress, connect, start forwarding (in the gpupool kernel); a parked
+lease's resume in place; a ``%%gpu`` cell's own lease.
 
 Functions of :class:`~gpupool.magics.magics.GPUMagics` ``magics`` (its
 client, kernel, settings and attachment); every failure cancels the lease.
@@ -17,8 +17,8 @@ from dataclasses import replace
 from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError
-from gpupool.leasewait import cancel, wait_started
-from gpupool.schema import ENV_KERNEL_NAME, LeaseState, kernel_environment
+from gpupool.leasewait import WAITING_FOR_ROOM, cancel, wait_started
+from gpupool.schema import ENV_KERNEL_NAME, kernel_environment
 from gpupool.wire.leases import LeaseRequest
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
@@ -104,37 +104,21 @@ def _tell_progress(magics, lease, was_queued: bool, *, started: float) -> None:
         return
     from .events import lease_state, progress_phase
 
-    if was_queued and lease.state is not LeaseState.queued:
+    if was_queued and lease.state not in WAITING_FOR_ROOM:
         events.emit("admitted", f"{lease.id} left the queue after {time.monotonic() - started:.0f}s; "
                                 f"starting on {lease.node or 'the pool'}")
     events.changed(lease_state(progress_phase(lease), lease))
 
 
-def arm_parking(magics, attachment: Attachment) -> None:
-    """Park ``attachment`` shortly before the service would reclaim it idle."""
-    attachment.park_when_idle(magics.park_ahead, magics.release_state_cap, magics.variables.take)
-    attachment.heartbeat.preempt_notice = magics.preempt_notice
-
-
 def resume(magics) -> Attachment:
-    """The lease was parked: acquire a slice of the same size again (with
-    progress) and push the parked variables back before the cell runs."""
-    parked = magics.attachment.parked
-    magics.drop()
-    old = parked.lease
-    share = f"{old.fraction:.2f} of a GPU" if old.gpu_count == 1 else f"{old.gpu_count} GPUs"
-    if parked.told:  # a cell here said it was parked, and what came back
-        say(f"acquiring {share} again for {old.id}'s variables")
-    else:
-        say(f"{old.id} was {parked.why}{summarize('brought back', parked.items, parked.errors)}; "
-            f"acquiring {share} again")
-    attachment = attach(magics, same_size(old))
-    arm_parking(magics, attachment)
-    magics.attachment = attachment
-    names = [n for n in parked.names if n in magics.shell.user_ns]
-    items, errors = magics.variables.send(attachment, names) if names else ([], {})
-    say(f"resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
-    magics.tell("resumed", f"{old.id} resumed on {attachment.lease.id}{summarize('restored', items, errors)}")
+    """The lease is parked: resume it in place (with progress) before the
+    cell runs; the same worker, its variables as they were. Raises
+    GPUPoolError (``lease_lost`` when it ended meanwhile)."""
+    attachment = magics.attachment
+    started = time.monotonic()
+    lease = attachment.resume(magics.start_timeout, on_state=functools.partial(_tell_progress, magics,
+                                                                               started=started))
+    magics.tell("resumed", f"resumed {lease.id} on {lease.node}")
     return attachment
 
 
@@ -190,12 +174,12 @@ def _bring_back_and_release(magics, attachment: Attachment, reason: str) -> None
 
 
 def same_size(old) -> LeaseRequest:
-    """A request for a slice like lease ``old`` (resume after parking, restart), in
-    its environment where a node still offers it (the parked values came from there)."""
+    """A request for a slice like lease ``old`` (``%gpu restart``), in its
+    environment where a node still offers it."""
     return LeaseRequest(fraction=old.fraction, gpu_count=old.gpu_count, memory=old.memory,
                         idle_timeout=old.idle_timeout, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
                         prefer_env=old.env or kernel_env(), lease_class=old.lease_class,
-                        preemptible=old.preemptible or None,
+                        preemptible=old.preemptible or None, on_idle=old.on_idle,
                         # the same ask, not its result: a default share gets the default again
                         cpus=old.requested_cpus, host_memory=old.requested_host_memory)
 

@@ -10,20 +10,25 @@ import contextlib
 import getpass
 import logging
 import threading
+import time
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval, ended_message
 from gpupool.kernelcmd import TRANSFER_TARGET
+from gpupool.leasewait import RESUME_STATES, wait_started
+from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
 from gpupool.transfer import load_pulled
 
 from . import dataplane
 from .heartbeat import Heartbeat
-from .park import Parked, park, park_due, park_reason
+from .park import Parked, parked_now, parked_words, resumed_words
+from .words import say
 from .relay import OutputRelay, remote_error
-from gpupool.remote import RemoteKernel, interrupt_from_thread
+from gpupool.remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
 
@@ -34,47 +39,62 @@ class Attachment:
 
     def __init__(self, client: ServiceClient, lease: Lease, remote: RemoteKernel, heartbeat: Heartbeat) -> None:
         self.client, self.lease, self.remote, self.heartbeat = client, lease, remote, heartbeat
-        # Held by the main thread while it talks to the worker; the heartbeat thread
-        # parks only when it can take it without waiting.
+        # Held by the main thread while it talks to the worker (cells, transfers).
         self.lock = threading.Lock()
         self.parked: Parked | None = None
         # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
         self.workdir: str | None = None
 
-    def park_when_idle(self, ahead: float, max_bytes: int | None,
-                       take: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
-        """Park (see :mod:`gpupool.magics.park`) ``ahead`` seconds before the
-        service would reclaim this lease for idleness; ``take(values, items)``
-        receives the variables (called on the heartbeat thread)."""
-        def on_beat(lease: Lease) -> bool:
-            due = self.heartbeat.preempted or park_due(lease, ahead, self.heartbeat.interval)
-            if not due or not self.lock.acquire(blocking=False):
-                return False
-            try:
-                self.parked = park(self.lease, max_bytes, take, self._release_lease, TRANSFER_TARGET,
-                                   why=self.heartbeat.preempted or park_reason(lease))
-            except GPUPoolError as exc:
-                log.warning("could not park %s: %s", self.lease.id, exc.message)
-                return False
-            finally:
-                self.lock.release()
-            count = len(self.parked.names)
-            self.heartbeat.say(f"lease {self.lease.id} was {self.parked.why}: {count} name{'s' * (count != 1)} "
-                               "came back to this kernel; the next cell resumes on a slice of the same size",
-                               kind="parked")
-            return True
+    def follow_parking(self, lease: Lease) -> None:
+        """Keep :attr:`parked` as the service says (called on the heartbeat
+        thread with each beat's lease): a lease seen ``parking`` or ``parked``
+        pauses the worker's liveness checks and is said once; one seen active
+        again (resumed by a cell, the service or the JupyterLab extension)
+        runs as before."""
+        if parked_now(lease):
+            first = self.parked is None
+            self.parked = Parked(lease, told=not first and self.parked.told,
+                                 resume_asked=not first and self.parked.resume_asked)
+            self.remote.pause_liveness(True)
+            if first:
+                self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
+        elif self.parked is not None and lease.state is LeaseState.active:
+            self._unparked(lease)
 
-        self.heartbeat.on_beat = on_beat
-        self.heartbeat.park_ahead = ahead
-        self.heartbeat.on_preempt = self._interrupt
+    def _unparked(self, lease: Lease) -> None:
+        self.parked = None
+        self.lease = lease
+        self.remote.pause_liveness(False)
 
-    def _interrupt(self, lease: Lease) -> None:
-        """Interrupt the running cell (KeyboardInterrupt on the worker) over a
-        connection of this thread's own; parking follows once it is idle."""
-        interrupt_from_thread(self.lease.connection or {})
-
-    def _release_lease(self, lease_id: str, reason: str) -> Lease:
-        return self.client.release(lease_id, reason=reason)
+    def resume(self, start_timeout: float, on_state: Callable[[Lease, bool], None] | None = None) -> Lease:
+        """Resume the parked lease (``POST /leases/{id}/resume``) and wait
+        for it with a progress line (:func:`gpupool.leasewait.wait_started`);
+        returns the active lease. Raises GPUPoolError ``lease_lost`` when it
+        ended meanwhile, ``start_timeout``, ``worker_unreachable`` when the
+        resumed worker does not answer (a spilled lease comes back as a new
+        worker: this kernel connects to it)."""
+        parked = self.parked
+        since = parse_time((parked.lease.parked or {}).get("since")) if parked else None
+        started = time.monotonic()
+        lease = self.client.resume(self.lease.id)
+        if parked is not None:
+            parked.resume_asked = True
+        try:
+            lease = wait_started(self.client, lease, started, start_timeout, setting="c.GPUMagics.start_timeout",
+                                 on_state=on_state, waiting=RESUME_STATES)
+        except GPUPoolError as exc:
+            if exc.code == Reason.lease_failed:
+                raise GPUPoolError(Reason.lease_lost, exc.message.replace("the lease could not start: ", ""),
+                                   410) from None
+            raise
+        if lease.connection != self.lease.connection:  # spilled: a new worker holds the namespace now
+            self.remote.close()
+            self.remote = RemoteKernel(lease.connection or {})
+            self.remote.wait_ready(30.0)
+        self._unparked(lease)
+        parked_for = (datetime.now(timezone.utc) - since).total_seconds() if since else None
+        say(resumed_words(lease, time.monotonic() - started, parked_for))
+        return lease
 
     @classmethod
     def connect(cls, client: ServiceClient, lease: Lease, timeout: float = 30.0) -> "Attachment":
@@ -89,8 +109,10 @@ class Attachment:
             remote.close()
             raise
         beat = Heartbeat(client, lease.id, beat_interval(lease))
+        attachment = cls(client, lease, remote, beat)
+        beat.on_lease_seen = attachment.follow_parking
         beat.start()
-        return cls(client, lease, remote, beat)
+        return attachment
 
     @property
     def ended(self) -> Lease | None:
@@ -100,9 +122,16 @@ class Attachment:
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
             raise GPUPoolError(Reason.lease_lost, ended_message(self.heartbeat.ended), 410)
-        if self.parked is not None:  # parked between the magic's check and now: rare, say it plainly
-            raise GPUPoolError(Reason.lease_lost, f"lease {self.lease.id} was just parked after idle; "
-                               "run the cell again to resume on a new slice", 410)
+        parked = self.parked
+        if parked is not None and not parked.resume_asked:
+            # Frozen while this kernel waits on the worker (a park racing the cell, a preemption):
+            # ask for the resume; the service answers when room comes, and the wait goes on.
+            parked.resume_asked = True
+            try:
+                self.client.resume(self.lease.id)
+            except GPUPoolError as exc:  # the next check asks again; the heartbeat sees an end
+                parked.resume_asked = False
+                log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)
 
     def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:
         """Run ``code`` on the worker with its outputs in the current cell.

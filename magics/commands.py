@@ -22,16 +22,17 @@ from IPython.utils.process import arg_split
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import isoformat
+from gpupool.leasewait import POLL_SECONDS
+from gpupool.schema import ON_IDLE, LeaseState, isoformat
 from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
 from gpupool.wire.leases import LeaseRequest
 from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
                             slice_words)
 from gpupool.units import format_bytes, format_duration
 
-from .attach import arm_parking, attach, kernel_env, same_size
+from .attach import attach, kernel_env, same_size
+from .park import parked_words
 from .classes import class_note, requested_class
-from .park import MIN_IDLE_TIMEOUT
 from .quota import quota_report
 from .summary import summarize
 from .dataplane import TransferInterrupted
@@ -67,8 +68,9 @@ def _request_arguments(func):
 @argument("--env", help="the worker environment on the GPU node, e.g. torch; %%gpu pool lists them (default: the "
                         "one named like this kernel, torch for a kernel torch or gpupool-torch, where a node "
                         "offers it, else the node's)")
-@argument("--on-idle", choices=("park", "release"), default="park",
-          help="when idle: park (variables come back, the next cell resumes; default) or just release")
+@argument("--on-idle", choices=ON_IDLE, default="park",
+          help="at the idle timeout: park (the worker waits frozen on its node with its variables, the GPU goes "
+               "back to the pool, the next cell resumes it; default) or release (the variables are lost)")
 @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
           "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
 def acquire(magics, rest: str) -> None:
@@ -77,13 +79,8 @@ def acquire(magics, rest: str) -> None:
         raise UsageError(f"already attached to {magics.attachment.lease.id}; run %gpu release first")
     magics.drop()
     request = _lease_request(args)
-    if args.on_idle == "park" and request.idle_timeout is not None and request.idle_timeout < MIN_IDLE_TIMEOUT:
-        raise UsageError(f"--idle-timeout {args.idle_timeout} is too short to park the variables safely before "
-                         f"the pool reclaims the slice; use at least {MIN_IDLE_TIMEOUT:.0f}s (or --on-idle release)")
     started = time.monotonic()
     magics.attachment = attach(magics, request)
-    if args.on_idle == "park":
-        arm_parking(magics, magics.attachment)
     lease = magics.attachment.lease
     gpu = lease.gpus[0] if lease.gpus else {}
     share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
@@ -103,7 +100,7 @@ def _lease_request(args) -> LeaseRequest:
     try:
         return lease_request(args, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
                              prefer_env=None if args.env else kernel_env(),
-                             lease_class=requested_class(args.batch, os.environ))
+                             lease_class=requested_class(args.batch, os.environ), on_idle=args.on_idle)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -112,13 +109,13 @@ def _lease_request(args) -> LeaseRequest:
 @argument("--discard", action="store_true", help="do not bring the worker's variables back")
 def release(magics, rest: str) -> None:
     args = _parse(release, rest)
-    if magics.attachment is not None and magics.attachment.parked is not None:
-        lease = magics.attachment.parked.lease
-        magics.drop()
-        say(f"released {lease.id}: it was parked after idle and its variables are already here")
+    if args.discard and magics.attachment is not None and magics.attachment.parked is not None:
+        attachment, magics.attachment = magics.attachment, None  # parked: nothing to bring back, no resume
+        lease = attachment.release(reason="%gpu release --discard")
+        say(f"{released_words(lease)}; its variables were discarded")
         magics.tell("released", f"released {lease.id} (it was parked)")
         return
-    attachment = magics.attached()
+    attachment = magics.attached()  # a parked lease resumes first: its variables come home from the worker
     note = ""
     if not args.discard:
         try:
@@ -145,16 +142,13 @@ def restart(magics, rest: str) -> None:
         raise UsageError("%gpu restart takes no arguments")
     if magics.attachment is None:
         raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
-    old = magics.attachment.parked.lease if magics.attachment.parked else magics.attachment.lease
-    parks = magics.attachment.heartbeat.on_beat is not None
+    old = magics.attachment.lease
     magics.drop()
     try:
         magics.client.release(old.id, reason="%gpu restart")
     except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
         print(f"gpupool: {old.id}: {exc.message}", file=sys.stderr)
     magics.attachment = attach(magics, same_size(old))
-    if parks:
-        arm_parking(magics, magics.attachment)
     say(f"restarted: released {old.id} (its variables are lost), attached {magics.attachment.lease.id}")
     magics.tell("attached", f"restarted: attached {magics.attachment.lease.id}")
 
@@ -175,10 +169,6 @@ def status_view(magics) -> tuple[str | None, list, dict[str, float | None]]:
     to list (parked, not attached), else ``(None, leases, utilization by GPU
     UUID)`` for :func:`~gpupool.tables.lease_table`. GPUPoolError when the
     service cannot be asked."""
-    if magics.attachment is not None and magics.attachment.parked is not None:
-        parked = magics.attachment.parked
-        return (f"parked: {parked.lease.id} was given back ({parked.why}) and its variables are here; the next "
-                "cell resumes on a slice of the same size (%gpu release detaches)"), [], {}
     if magics.attachment is None:
         leases = magics.client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
         if not leases:
@@ -245,6 +235,27 @@ def pull(magics, rest: str) -> None:
     say(transfer_note("pulled", items, errors).lstrip("; "))
 
 
+def park(magics, rest: str) -> None:
+    """``%gpu park``: give the GPU back now, keeping everything: the worker
+    waits frozen on its node with its variables; the next cell resumes it."""
+    if rest.strip():
+        raise UsageError("%gpu park takes no arguments")
+    attachment = magics.attached()
+    try:
+        lease = magics.client.park(attachment.lease.id)
+        deadline = time.monotonic() + magics.start_timeout
+        while lease.state is LeaseState.parking and time.monotonic() < deadline:
+            lease = magics.client.get_lease(lease.id, wait=POLL_SECONDS, state="parking")
+    except GPUPoolError as exc:
+        raise UsageError(f"could not park {attachment.lease.id}: {exc.message}") from None
+    if lease.state is not LeaseState.parked:
+        raise UsageError(f"{lease.id} is {lease.state.value}: {lease.reason or 'not parked'}")
+    attachment.follow_parking(lease)
+    attachment.parked.told = True  # said here, not again atop the next cell
+    say(parked_words(lease, running=False))
+    magics.tell("parked", f"parked {lease.id}")
+
+
 #: ``%gpu COMMAND`` -> its function, in the order the unknown-command error lists them.
 COMMANDS = {"acquire": acquire, "release": release, "status": status, "pool": pool, "push": push, "pull": pull,
-            "restart": restart, "quota": quota}
+            "park": park, "restart": restart, "quota": quota}

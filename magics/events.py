@@ -30,7 +30,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from gpupool.schema import LeaseState
+from gpupool.leasewait import WAITING_FOR_ROOM
 from gpupool.wire.leases import Lease
 
 TARGET = "gpupool.status"
@@ -84,8 +84,9 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
 
 
 def progress_phase(lease: Lease) -> str:
-    """``"queued"`` or ``"starting"`` for a lease that is being waited for."""
-    return "queued" if lease.state is LeaseState.queued else "starting"
+    """``"queued"`` or ``"starting"`` for a lease that is being waited for
+    (``"queued"`` too for a parked lease's resume waiting for room)."""
+    return "queued" if lease.state in WAITING_FOR_ROOM else "starting"
 
 
 class Events:

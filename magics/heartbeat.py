@@ -2,16 +2,17 @@
 :class:`gpupool.heartbeat.LeaseHeartbeat` (renewal, the ended lease, the
 busy rhythm while a cell runs on the worker), with the notebook's notices.
 
-Each beat's answer carries ``idle_deadline`` (when the service reclaims the
-lease if it stays idle) and ``idle_warning`` (how long before that the user
-is warned, ``c.GPUPool.idle_warning``): once per idle period the thread
-prints a warning (:func:`idle_warning_text`) to the kernel's stderr, which
-the notebook shows under the last cell that ran on the worker. Under
-pressure (others wait for a GPU) the deadline comes early and ``pressure``
-says why; the warning says so too. A preemptible lease told ``preempt_at``
-while a cell runs is said so once, then ``on_preempt`` interrupts the cell
-(at least ``preempt_notice`` seconds after the notice) and the next
-idle beat parks it.
+Each beat's answer carries ``idle_deadline`` (when the service parks the
+lease, or releases it if it asked ``on_idle: release``, should it stay idle)
+and ``idle_warning`` (how long before that the user is warned,
+``c.GPUPool.idle_warning``): once per idle period the thread says a warning
+(:func:`idle_warning_text`). The deadline is the service's alone: the park
+happens there (docs/parking.md), so the warning, the status bar and the park
+keep one clock. Under pressure (others wait for a GPU) the deadline comes
+early and ``pressure`` says why; the warning says so too. A preemptible
+lease told ``preempt_at`` while a cell runs is said so once; the service
+then parks it, freezing the cell, which goes on after the resume. Each
+beat's lease goes to ``on_lease_seen`` (the attachment follows its park).
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ from gpupool.schema import parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
+from .park import parked_now
+
 log = logging.getLogger("gpupool.magics")
 
 
-def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: datetime | None = None) -> str | None:
+def idle_warning_text(lease: Lease, interval: float, now: datetime | None = None) -> str | None:
     """The warning to print now for idle ``lease``, or None when none is due.
 
-    ``ahead``: seconds before ``idle_deadline`` that the client itself gives
-    the lease back (parks it; None: it does not park, the service reclaims
-    it at the deadline); ``interval``: seconds to the next heartbeat. Due
-    once the time left until the lease is given back is at most
-    ``idle_warning + interval``, so the warning comes at least
-    ``idle_warning`` seconds early although it is only checked at beats.
+    ``interval``: seconds to the next heartbeat. Due once the time left until
+    the service's ``idle_deadline`` is at most ``idle_warning + interval``,
+    so the warning comes at least ``idle_warning`` seconds early although it
+    is only checked at beats. What happens then is the lease's ``on_idle``:
+    parked in place (the default), or released with the worker's variables.
     None while a cell runs (no deadline) or when ``idle_warning`` is 0.
     """
     deadline = parse_time(lease.idle_deadline)
@@ -46,13 +48,17 @@ def idle_warning_text(lease: Lease, ahead: float | None, interval: float, now: d
     if deadline is None or since is None or not lease.idle_warning:
         return None
     now = now or datetime.now(timezone.utc)
-    left = (deadline - now).total_seconds() - (ahead or 0.0)
+    left = (deadline - now).total_seconds()
     if left > lease.idle_warning + interval:
         return None
-    then = "your variables parked on this kernel" if ahead is not None else "the worker's variables lost"
+    if lease.on_idle == "release":
+        then = "released within {left} and the worker's variables lost"
+    else:
+        then = ("parked within {left}: its GPU goes back to the pool, its worker waits frozen with its variables "
+                "and the next cell resumes it")
     why = f" ({lease.pressure})" if lease.pressure else ""
     return (f"lease {lease.id} has been idle {format_duration((now - since).total_seconds())}; it will be "
-            f"released within {format_duration(max(left, 0.0))}{why} and {then} (run a cell to keep it)")
+            f"{then.format(left=format_duration(max(left, 0.0)))}{why} (run a cell to keep it)")
 
 
 def _output_parent() -> dict[str, Any] | None:
@@ -63,7 +69,7 @@ def _output_parent() -> dict[str, Any] | None:
 
 class Heartbeat(LeaseHeartbeat):
     """The notebook kernel's heartbeat (:class:`gpupool.heartbeat.LeaseHeartbeat`)
-    with idle warnings, parking, preemption and node notices.
+    with idle warnings, the park followed, preemption and node notices.
 
     Create it on the kernel's main thread during a cell: its notices go under
     that cell, and later under each cell that ran on the worker
@@ -72,11 +78,8 @@ class Heartbeat(LeaseHeartbeat):
 
     def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
         super().__init__(client, lease_id, interval, busy_interval)
-        # Called with the lease after each beat while no cell runs; True means the
-        # lease was given back (parked) and beating stops.
-        self.on_beat: Callable[[Lease], bool] | None = None
-        # Seconds before the idle deadline at which on_beat parks the lease; None: no parking.
-        self.park_ahead: float | None = None
+        # Called with the lease after each beat, a cell running or not (the attachment follows its park).
+        self.on_lease_seen: Callable[[Lease], None] | None = None
         self._parent = _output_parent()
         self._warned_for: str | None = None  # idle_since of the idle period already warned about
         self.notify: Callable[[str, str], None] | None = None
@@ -84,43 +87,48 @@ class Heartbeat(LeaseHeartbeat):
         self._node_lost = False  # told the user that the lease's node is lost
 
     def after_beat(self, lease: Lease) -> bool:
-        """Node notices, then while a cell runs the preemption, else the
-        idle warning and parking (``on_beat``); True once parked."""
+        """Node notices, the park followed (``on_lease_seen``), then while a
+        cell runs the preemption notice, else the idle warning. Beats go on
+        while the lease is parked: its worker waits for this kernel."""
         self._tell_node_state(lease)
-        super().after_beat(lease)  # while a cell runs: its preemption
-        if self.cell_running:
+        self._seen(lease)
+        super().after_beat(lease)  # while a cell runs: its preemption notice
+        if self.cell_running or parked_now(lease):
+            self._next_wait = None
             return False
         self._warn_if_idle(lease)
-        if self.on_beat is not None and self._beat_hook(lease):
-            return True
         self._next_wait = self._until_due(lease)
         return False
 
+    def _seen(self, lease: Lease) -> None:
+        if self.on_lease_seen is None or self.stopped:
+            return
+        try:
+            self.on_lease_seen(lease)
+        except Exception:  # following the park must never stop the heartbeat
+            log.warning("could not follow the park of %s", self.lease_id, exc_info=True)
+
     def _wait_seconds(self) -> float:
-        """The regular interval, shortened so that the beat that parks (or
-        warns) comes in time whatever the idle timeout: parking follows the
-        service's ``idle_deadline``, not the beat rhythm (issue 12)."""
+        """The regular interval, shortened so that the beat that warns comes
+        in time whatever the idle timeout (issue 12)."""
         if self.cell_running:
             return self.busy_interval
         return self.interval if self._next_wait is None else max(0.05, min(self.interval, self._next_wait))
 
     def _until_due(self, lease: Lease) -> float | None:
-        """Seconds until the idle deadline less the park lead and the warning
-        lead (the next moment a beat must act), None without a deadline."""
+        """Seconds until the warning is due, or else until the idle deadline
+        (the beat after it sees the park), None without a deadline."""
         deadline = parse_time(lease.idle_deadline)
         if deadline is None:
             return None
-        from .park import idle_span, park_lead
-
-        lead = park_lead(self.park_ahead, idle_span(lease)) if self.park_ahead is not None else 0.0
-        left = (deadline - datetime.now(timezone.utc)).total_seconds() - lead
+        left = (deadline - datetime.now(timezone.utc)).total_seconds()
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
 
     def preempt_words(self, lease: Lease, left: float) -> str:
-        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
-                f"cell is interrupted in about {format_duration(left)}, then the lease is parked (its variables "
-                "come back here; the next cell resumes on a new slice)")
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: in about "
+                f"{format_duration(left)} it is parked, the running cell frozen where it is (or interrupted "
+                "where the node cannot freeze a running cell); it goes on when the pool resumes the lease")
 
     def _tell_node_state(self, lease: Lease) -> None:
         """Say once when the lease's node is lost, and once when it is back."""
@@ -138,22 +146,10 @@ class Heartbeat(LeaseHeartbeat):
     def _warn_if_idle(self, lease: Lease) -> None:
         if lease.idle_since is None or lease.idle_since == self._warned_for:
             return
-        from .park import idle_span, park_lead
-
-        ahead = park_lead(self.park_ahead, idle_span(lease)) if self.park_ahead is not None else None
-        text = idle_warning_text(lease, ahead, self.interval)
+        text = idle_warning_text(lease, self.interval)
         if text is not None:
             self._warned_for = lease.idle_since
             self.say(text, kind="idle_warning")
-
-    def _beat_hook(self, lease: Lease) -> bool:
-        if self.stopped:  # released (or dropped) during this beat: no parking after that
-            return True
-        try:
-            return bool(self.on_beat(lease))
-        except Exception:  # a failed park must not stop the heartbeat; the service's reclaim is the fallback
-            log.warning("idle check for %s failed", self.lease_id, exc_info=True)
-            return False
 
     def say(self, text: str, kind: str = "notice") -> None:
         """Tell the user ``text`` (callable from any thread): through

@@ -12,13 +12,15 @@ A session::
     gpupool: released L-3f2a9c1e07b4 after 1m 2s (0.01 GPU-hours); brought back 1 variable: os (module)
 
 While attached, a routed cell first sends along the local variables it reads
-that the worker lacks (``gpupool: sent along x (ndarray, 8.0 MiB)``); an idle
-lease is parked shortly before the service would reclaim it (its variables
-come here) and the next routed cell resumes on a slice of the same size::
+that the worker lacks (``gpupool: sent along x (ndarray, 8.0 MiB)``); at its
+idle timeout the service parks the lease in place (the worker frozen on its
+node with everything it holds, its GPU back in the pool) and the next cell
+resumes it (docs/parking.md)::
 
+    gpupool: lease L-3f2a9c1e07b4 was parked (idle for 30m): its worker is frozen on node-1 with its
+             variables in host memory (2.1 GiB) and its GPU is back in the pool; the next cell resumes it
     In [5]: loss
-    gpupool: L-3f2a9c1e07b4 was parked after idle; brought back 2 variables: ...; acquiring 0.50 of a GPU again
-    gpupool: resumed on L-77c0e1d2a9f3; restored 2 variables: ...
+    gpupool: resumed L-3f2a9c1e07b4 on node-1 GPU 0 in 1.1s (parked 2h 5m)
 
 In the gpupool kernel (:mod:`gpupool.magics.kernel`) an attached notebook's
 cells are forwarded to the worker by the kernel itself. Loaded into any other
@@ -40,7 +42,7 @@ from traitlets import Float, Unicode
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
-from gpupool.traits import ByteSize, Duration
+from gpupool.traits import ByteSize
 
 from . import commands
 from .attach import resume, run_on_own_lease, send_along
@@ -52,7 +54,7 @@ log = logging.getLogger("gpupool.magics")
 
 #: %gpu commands that a cell running on the worker may not call mid-cell.
 NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "restart": "%gpu restart",
-                "push": "%gpu push", "pull": "%gpu pull"}
+                "push": "%gpu push", "pull": "%gpu pull", "park": "%gpu park"}
 
 
 @magics_class
@@ -81,20 +83,6 @@ class GPUMagics(Magics):
         or a count of whole GPUs ("1"), default "0.25". Example: c.GPUMagics.cell_lease = "0.5".""",
     ).tag(config=True)
 
-    park_ahead = Duration(
-        30.0,
-        help="""Seconds before the service would reclaim an idle lease that the client parks it
-        (pulls its variables here and gives the GPU back; the next cell resumes on a new slice),
-        default 30s; `%gpu acquire --on-idle release` opts out. Example: c.GPUMagics.park_ahead = "1m".""",
-    ).tag(config=True)
-
-    preempt_notice = Duration(
-        10.0,
-        help="""Fewest seconds between telling the notebook that a preemptible lease's running cell
-        will be interrupted (others wait for a GPU) and interrupting it, default 10s.
-        Example: c.GPUMagics.preempt_notice = "30s".""",
-    ).tag(config=True)
-
     def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
         # The gpupool kernel forwarding this notebook's cells, None in any other IPython.
@@ -116,11 +104,16 @@ class GPUMagics(Magics):
         not attached or when the lease ended (the attachment is dropped)."""
         if self.attachment is None:
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
-        if self.attachment.parked is not None:
+        if self.attachment.parked is not None and self.attachment.ended is None:
             try:
                 return resume(self)
             except GPUPoolError as exc:
+                if exc.code == Reason.lease_lost:
+                    self.drop()
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
+            except KeyboardInterrupt:
+                raise UsageError(f"interrupted while waiting for {self.attachment.lease.id} to resume; the "
+                                 "resume goes on and the next cell runs on it") from None
         ended = self.attachment.ended
         if ended is not None:
             self.drop()
@@ -161,6 +154,7 @@ class GPUMagics(Magics):
         %gpu status                  lease, environment, GPU, memory, idle countdown
         %gpu pool                    nodes, GPUs and worker environments of the pool
         %gpu quota                   your limits and GPU-hours used
+        %gpu park                    give the GPU back now; the next cell resumes where it was
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
         """

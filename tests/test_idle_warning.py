@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import re
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
@@ -27,8 +28,9 @@ from gpupool.schema import LeaseState, isoformat, parse_time
 from gpupool.wire.leases import Lease
 from procs import start_agent, start_service, wait_for
 
-WARNING = re.compile(r"gpupool: lease (L-[0-9a-f]{12}) has been idle \d+s; it will be released within \d+s and "
-                     r"(your variables parked on this kernel|the worker's variables lost) \(run a cell to keep it\)")
+WARNING = re.compile(r"gpupool: lease (L-[0-9a-f]{12}) has been idle \d+s; it will be (parked within \d+s: its GPU goes "
+                     r"back to the pool, its worker waits frozen with its variables and the next cell resumes it|"
+                     r"released within \d+s and the worker's variables lost) \(run a cell to keep it\)")
 #: Seconds: the service's warning lead, long so that a slow machine still runs a
 #: cell between the warning and the park. The client beats every second (TTL 3 s).
 LEAD = 20.0
@@ -47,22 +49,23 @@ def lease_at(idle_for: float | None, idle_timeout: float = 600.0, warning: float
                  idle_warning=warning)
 
 
-@pytest.mark.parametrize("lease, ahead, expected", [
-    # parked 30 s before the deadline, beats every 15 s: due once <= 60 + 15 s are left before the park
-    (lease_at(494), 30.0, None),
-    (lease_at(495), 30.0, "lease L-1 has been idle 8m 15s; it will be released within 1m 15s and your "
-                          "variables parked on this kernel (run a cell to keep it)"),
-    (lease_at(590), 30.0, "lease L-1 has been idle 9m 50s; it will be released within 0s and your "
-                          "variables parked on this kernel (run a cell to keep it)"),
-    # not parked: the service reclaims at the deadline itself
-    (lease_at(525), None, "lease L-1 has been idle 8m 45s; it will be released within 1m 15s and the "
-                          "worker's variables lost (run a cell to keep it)"),
-    (lease_at(524), None, None),
-    (lease_at(None), 30.0, None),  # a cell runs: no deadline
-    (lease_at(599, warning=0), 30.0, None),  # warnings turned off
+PARKS = ("its GPU goes back to the pool, its worker waits frozen with its variables and the next cell resumes it "
+         "(run a cell to keep it)")
+
+
+@pytest.mark.parametrize("lease, expected", [
+    # parked at the service's deadline, beats every 15 s: due once <= 60 + 15 s are left
+    (lease_at(524), None),
+    (lease_at(525), f"lease L-1 has been idle 8m 45s; it will be parked within 1m 15s: {PARKS}"),
+    (lease_at(600), f"lease L-1 has been idle 10m; it will be parked within 0s: {PARKS}"),
+    # on_idle release: released at the deadline, the variables lost
+    (replace(lease_at(525), on_idle="release"), "lease L-1 has been idle 8m 45s; it will be released within 1m 15s "
+                                                "and the worker's variables lost (run a cell to keep it)"),
+    (lease_at(None), None),  # a cell runs: no deadline
+    (lease_at(599, warning=0), None),  # warnings turned off
 ])
-def test_the_warning_is_due_one_beat_before_its_lead_and_says_when_and_what(lease, ahead, expected):
-    assert idle_warning_text(lease, ahead, interval=15.0, now=T0) == expected
+def test_the_warning_is_due_one_beat_before_its_lead_and_says_when_and_what(lease, expected):
+    assert idle_warning_text(lease, interval=15.0, now=T0) == expected
 
 
 def test_the_idle_deadline_exists_only_for_an_active_lease_with_an_idle_worker():
@@ -167,19 +170,19 @@ def notebook(warning_pool, tmp_path):
     km.shutdown_kernel(now=False)
 
 
-def test_one_warning_per_idle_period_as_an_event_then_the_park_notice_tops_the_next_cell(warning_pool, notebook):
+def test_one_warning_per_idle_period_then_the_park_notice_tops_the_next_cell_which_resumes_in_place(
+        warning_pool, notebook):
     service, _ = warning_pool
     client = service.client()
     notebook.listen()
-    notebook.execute("%config GPUMagics.park_ahead = 1.0")
     notebook.execute("%gpu acquire 0.25 --idle-timeout 24s")
     lease_id, = [lease.id for lease in client.list_leases(active=True)]
-    notebook.execute("kept = [1, 2, 3]")
+    notebook.execute("kept = [1, 2, 3]\nimport os\npid = os.getpid()")
 
-    # First idle period: warned at about 2 s idle (24 - park_ahead 1 - LEAD - one beat); parked at about 22 s.
+    # First idle period: warned at about 3 s idle (24 - LEAD - one beat); parked by the service at 24 s.
     first = notebook.wait_for_event("idle_warning", 30, "the first idle warning")
     assert WARNING.fullmatch("gpupool: " + first["message"])[1] == lease_id
-    assert "your variables parked on this kernel" in first["message"]
+    assert "it will be parked within" in first["message"]
     assert not notebook.lines(WARNING), "nothing is written under an old cell"
     lease = client.get_lease(lease_id)
     assert lease.state is LeaseState.active and lease.idle_warning == LEAD
@@ -187,24 +190,31 @@ def test_one_warning_per_idle_period_as_an_event_then_the_park_notice_tops_the_n
         assert parse_time(lease.idle_deadline) == parse_time(lease.idle_since) + timedelta(seconds=24)
 
     # The next cell says the warning at its top, runs on the same lease and starts a new idle period.
-    second_cell, _ = notebook.execute("import os\nkept.append(4)\nprint(os.environ['GPUPOOL_LEASE_ID'])")
+    second_cell, _ = notebook.execute("kept.append(4)\nprint(os.environ['GPUPOOL_LEASE_ID'])")
     (_, parent, _), = notebook.lines(WARNING)
     assert parent == second_cell
-    assert notebook.lines(lease_id)[-1][1] == second_cell, "the cell ran on the same lease, not a resumed one"
+    assert notebook.lines(lease_id)[-1][1] == second_cell
 
     parked = notebook.wait_for_event("parked", 60, "the park notice")
     warnings = [e for e in notebook.events if e["event"] == "idle_warning"]
     assert len(warnings) == 2, f"one warning per idle period: {notebook.events}"
     assert notebook.events.index(warnings[1]) < notebook.events.index(parked)
-    assert re.fullmatch(rf"lease {lease_id} was parked after idle: \d+ names? came back to this "
-                        r"kernel; the next cell resumes on a slice of the same size", parked["message"]), parked
-    assert not notebook.lines("was parked after idle"), "not written under the last cell"
-    third_cell, _ = notebook.execute("%%local\nkept")
-    (_, parent, _), = notebook.lines("was parked after idle")
+    assert re.fullmatch(rf"lease {lease_id} was parked \(idle for \d+s \(idle timeout 24s\)\): its worker is "
+                        r"frozen on node-1 with its variables in host memory( \([\d.]+ [KMG]iB\))? and its GPU is "
+                        r"back in the pool; the next cell resumes it", parked["message"]), parked
+    assert not notebook.lines("was parked"), "not written under the last cell"
+    third_cell, _ = notebook.execute("%%local\n1")
+    (_, parent, _), = notebook.lines("was parked")
     assert parent == third_cell
-    ended = client.get_lease(lease_id)
-    assert ended.state is LeaseState.released and ended.reason.endswith("parked after idle")
-    assert ended.idle_deadline is None
+    assert client.get_lease(lease_id).state is LeaseState.parked
+
+    # The next forwarded cell resumes the same worker: same process, same variables.
+    fourth_cell, _ = notebook.execute("print(kept, os.getpid() == pid, os.environ['GPUPOOL_LEASE_ID'])")
+    said = "".join(text for cell, text in notebook.streams if cell == fourth_cell)
+    assert re.search(rf"gpupool: resumed {lease_id} on node-1 GPU \d+ in [\d.]+s \(parked [\d.]+s\)", said), said
+    assert f"[1, 2, 3, 4] True {lease_id}" in said, said
+    resumed = client.get_lease(lease_id)
+    assert resumed.state is LeaseState.active and resumed.parked is None
 
 
 def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_told(warning_pool, notebook):
@@ -250,11 +260,10 @@ def test_no_notice_of_a_lease_given_up_reaches_a_later_cell(warning_pool, notebo
 
 def test_a_parked_lease_is_told_once_when_the_next_cell_resumes_it(warning_pool, notebook):
     notebook.listen()
-    notebook.execute("%config GPUMagics.park_ahead = 1.0")
     notebook.execute("%gpu acquire 0.25 --idle-timeout 6s")
     notebook.execute("import json\nkept = [1, 2, 3]")
     notebook.wait_for_event("parked", 30, "the park notice")
     resumed, _ = notebook.execute("print(len(kept))", timeout=120)
-    said = [text for parent, text in notebook.streams if parent == resumed]
-    assert "".join(said).count("was parked after idle") == 1, said
+    said = "".join(text for parent, text in notebook.streams if parent == resumed)
+    assert said.count("gpupool: resumed ") == 1 and "was parked" not in said, said
     assert "3\n" in said

@@ -334,14 +334,13 @@ def test_status_shows_the_worker_as_this_kernel_knows_it(running, service_says, 
         assert idle_countdown(seen, at(1000)) == "29m 50s"  # counted from the cell's end
 
 
-def test_the_notebook_parks_by_the_early_deadline_with_its_reason():
-    from gpupool.magics.park import idle_span, park_due, park_reason, seconds_to_reclaim
-    early = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 2 people are waiting for a GPU")
-    assert seconds_to_reclaim(early, at(1000)) == 20.0 and idle_span(early) == 120.0
-    assert not park_due(early, ahead=5, interval=1, now=at(1000))
-    assert park_due(early, ahead=5, interval=1, now=at(1015))
-    assert park_reason(early) == "parked early: 2 people are waiting for a GPU"
-    assert park_reason(client_lease(idle_for=100, deadline_in=1700)) == "parked after idle"
+def test_the_warning_under_pressure_counts_to_the_early_deadline_and_says_why():
+    from gpupool.magics.heartbeat import idle_warning_text
+    early = replace(client_lease(idle_for=100, deadline_in=20, pressure="parked early: 2 people are waiting for a GPU"),
+                    idle_warning=60.0)
+    text = idle_warning_text(early, interval=1.0, now=at(1000))
+    assert text.startswith("lease ") and "it will be parked within 20s" in text
+    assert "(parked early: 2 people are waiting for a GPU)" in text
 
 
 @pytest.mark.parametrize("preempt_in, told_for, expected", [
