@@ -29,8 +29,6 @@ from .units import format_duration
 from .wire.leases import Lease
 
 log = logging.getLogger("gpupool.heartbeat")
-#: The fewest seconds between telling the user of a preemption and interrupting their work (by default).
-MIN_PREEMPT_NOTICE = 10.0
 
 
 def ended_message(lease: Lease) -> str:
@@ -46,16 +44,6 @@ def beat_interval(lease: Lease) -> float:
     return max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
 
 
-def preempt_due(lease: Lease, told_for: float, notice: float, now: datetime | None = None) -> bool:
-    """Whether to interrupt a preemptible lease's running work now: its
-    ``preempt_at`` has come, and the user was told ``told_for`` seconds
-    ago, at least ``notice`` seconds, so a user is always told ahead."""
-    at = parse_time(lease.preempt_at)
-    if at is None:
-        return False
-    return (now or datetime.now(timezone.utc)) >= at and told_for >= notice
-
-
 class LeaseHeartbeat(threading.Thread):
     """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
     ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
@@ -63,8 +51,8 @@ class LeaseHeartbeat(threading.Thread):
     running, :meth:`say` tells the user).
 
     A preemptible lease told ``preempt_at`` while work runs is said so once
-    (:meth:`preempt_words`), then ``on_preempt(lease)`` interrupts the work,
-    at least ``preempt_notice`` seconds after the notice. Subclasses act on
+    (:meth:`preempt_words`); at ``preempt_at`` the service parks it, the work
+    frozen where it is, and resumes it when room comes. Subclasses act on
     each renewed lease in :meth:`after_beat` and may shorten the wait in
     :meth:`_wait_seconds`. A failed beat (service down for a moment) is
     logged and tried again at the next one.
@@ -84,11 +72,7 @@ class LeaseHeartbeat(threading.Thread):
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
         self.on_lease: Callable[[Lease], None] | None = None
-        # Interrupts the running work of a preempted lease; once it did, why (words).
-        self.on_preempt: Callable[[Lease], None] | None = None
-        self.preempted: str | None = None
-        self.preempt_notice = MIN_PREEMPT_NOTICE  # seconds told ahead at least (c.GPUMagics.preempt_notice)
-        self._preempt_told: float | None = None  # monotonic time the user was told of a preemption
+        self._preempt_told: str | None = None  # the preempt_at the user was told of
 
     def run(self) -> None:
         wait: float | None = None
@@ -132,29 +116,18 @@ class LeaseHeartbeat(threading.Thread):
         return False
 
     def _preempt_if_due(self, lease: Lease) -> None:
-        """While work runs: say once that the lease is being preempted, and,
-        with ``on_preempt``, interrupt the work once :func:`preempt_due`
-        (without it the service's park freezes the work)."""
-        if lease.preempt_at is None or self.preempted:
-            self._preempt_told = None if lease.preempt_at is None else self._preempt_told
+        """While work runs: say once that the lease is being preempted."""
+        if lease.preempt_at is None or lease.preempt_at == self._preempt_told:
             return
-        if self._preempt_told is None:
-            self._preempt_told = time.monotonic()
-            at = parse_time(lease.preempt_at)
-            left = max(self.preempt_notice if self.on_preempt else 0.0, (at - datetime.now(timezone.utc)).total_seconds())
-            self.say(self.preempt_words(lease, left), kind="preempt_notice")
-        if self.on_preempt is not None and preempt_due(lease, time.monotonic() - self._preempt_told, self.preempt_notice):
-            self.preempted = lease.pressure or "preempted"
-            try:
-                self.on_preempt(lease)
-            except Exception:  # the service's reclaim stays the fallback
-                log.warning("could not interrupt the work of %s", self.lease_id, exc_info=True)
+        self._preempt_told = lease.preempt_at
+        left = max(0.0, (parse_time(lease.preempt_at) - datetime.now(timezone.utc)).total_seconds())
+        self.say(self.preempt_words(lease, left), kind="preempt_notice")
 
     def preempt_words(self, lease: Lease, left: float) -> str:
         """The notice that ``lease``'s running work is interrupted in ``left`` seconds."""
-        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: the running "
-                f"script is interrupted (KeyboardInterrupt) in about {format_duration(left)}, then the lease is "
-                "released")
+        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: in about "
+                f"{format_duration(left)} it is parked, the running script frozen where it is (or interrupted "
+                "where the node cannot freeze it); it goes on when the pool resumes the lease")
 
     def _wait_seconds(self) -> float:
         """Seconds until the next beat."""

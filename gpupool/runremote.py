@@ -15,7 +15,8 @@ from . import scriptmain
 from .api import ServiceClient
 from .errors import GPUPoolError, Reason
 from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
-from .remote import RemoteKernel, interrupt_from_thread
+from .leasewait import RESUME_STATES
+from .remote import RemoteKernel
 from .wire.leases import Lease
 
 #: The worker-namespace name that holds the script's exit status after the run.
@@ -107,9 +108,10 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                ask: Callable[[dict[str, Any]], str]) -> int:
     """Run ``source`` as script ``path`` with arguments ``argv`` on active
     ``lease``'s worker, heartbeating the lease; ``ask(input_request
-    content)`` answers the script's ``input()``. A ``--preemptible`` lease
-    told to yield has its script interrupted after a notice (the heartbeat's).
-    Returns its exit status.
+    content)`` answers the script's ``input()``. A lease parked while the
+    script runs (a ``--preemptible`` one told to yield, after the heartbeat's
+    notice) is asked to resume at once; its frozen worker is not counted as
+    unreachable meanwhile. Returns its exit status.
 
     Raises GPUPoolError ``worker_unreachable`` when the worker does not
     answer, ``lease_lost`` when the lease ends while the script runs;
@@ -117,15 +119,25 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     """
     remote = RemoteKernel(lease.connection or {})
     beat = LeaseHeartbeat(client, lease.id, beat_interval(lease))
-    beat.on_preempt = lambda ended: interrupt_from_thread(lease.connection or {})
+    resume_asked = False
     try:
         remote.wait_ready(READY_TIMEOUT)
         beat.start()
         beat.running(True)
 
         def check() -> None:
+            nonlocal resume_asked
             if beat.ended is not None:
                 raise GPUPoolError(Reason.lease_lost, f"{ended_message(beat.ended)}; the script was stopped", 410)
+            parked = beat.last is not None and beat.last.state in RESUME_STATES
+            remote.pause_liveness(parked)
+            if parked and not resume_asked:
+                try:  # idempotent: the service resumes it when room comes on its node
+                    client.resume(lease.id)
+                except GPUPoolError as exc:  # asked again at the next check
+                    print(f"gpupool: could not ask to resume {lease.id}: {exc.message}", file=sys.stderr)
+                    return
+            resume_asked = parked
 
         with Interrupts(remote):
             reply = remote.execute(script_cell(source, path, argv), TerminalOutput(), ask, check,
@@ -133,6 +145,4 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     finally:
         beat.stop()
         remote.close()
-    if beat.preempted:
-        print(f"gpupool: the script was interrupted: {beat.preempted}", file=sys.stderr, flush=True)
     return exit_status(reply)

@@ -52,8 +52,9 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     (list of int), ``node``, ``node_state`` (``up|degraded|lost``);
     ``memory_used`` and ``memory_limit`` (bytes; used as the agent last saw the
     worker); ``idle_timeout`` (s), ``idle_deadline`` (ISO UTC: when the pool
-    reclaims the lease if it stays idle; None while a cell runs),
-    ``idle_warning`` (s before that the notebook is warned); ``queue_position``
+    parks, or with ``on_idle`` ``"release"`` releases, the lease if it stays
+    idle; None while a cell runs), ``idle_warning`` (s before that the
+    notebook is warned), ``on_idle`` (``park|release``); ``queue_position``
     (1-based) and ``eta`` (s, rough) while queued; ``reason`` (words) for a
     parked lease.
     """
@@ -61,7 +62,8 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
     state: dict[str, Any] = dict.fromkeys(
         ("lease", "share", "fraction", "gpu_count", "gpu_model", "gpu_indices", "node", "node_state", "memory_used",
-         "memory_limit", "idle_timeout", "idle_deadline", "idle_warning", "queue_position", "eta", "reason"))
+         "memory_limit", "idle_timeout", "idle_deadline", "idle_warning", "on_idle", "queue_position", "eta",
+         "reason"))
     state["phase"] = phase
     if lease is None:
         return state
@@ -71,7 +73,8 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
         share=f"{lease.fraction:.2f} of a GPU" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs",
         gpu_model=gpus[0].get("name") if gpus else None,
         gpu_indices=[g.get("index") for g in gpus] if gpus else None,
-        node=lease.node, node_state=lease.node_state, memory_limit=lease.memory, idle_timeout=lease.idle_timeout)
+        node=lease.node, node_state=lease.node_state, memory_limit=lease.memory, idle_timeout=lease.idle_timeout,
+        on_idle=lease.on_idle)
     if phase == "attached":
         used = (lease.worker or {}).get("memory_used")
         state.update(memory_used=used if isinstance(used, int) else None, idle_deadline=lease.idle_deadline,
@@ -79,7 +82,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     elif phase == "queued":
         state.update(queue_position=lease.queue_position, eta=lease.queue_estimate_s)
     elif phase == "parked":
-        state.update(reason=lease.reason)
+        state.update(reason=(lease.parked or {}).get("reason") or lease.reason)
     return state
 
 

@@ -50,7 +50,9 @@ def parked_words(lease: Lease, running: bool) -> str:
     lost = f"; not kept: {'; '.join(park['lost'])}" if park.get("lost") else ""
     then = ("the running cell waits and goes on when the pool resumes it" if running else
             "the next cell resumes it where it was")
-    return (f"lease {lease.id} was parked ({why}): its worker is frozen on {lease.node or 'its node'} with its "
+    # The service's words: "idle for 30m (...)", "parked early: ...", "preempted: ...", "parked by its owner".
+    was = f"was {why}" if why.startswith(("parked ", "preempted")) else f"was parked ({why})"
+    return (f"lease {lease.id} {was}: its worker is frozen on {lease.node or 'its node'} with its "
             f"variables {where}{held} and its GPU is back in the pool; {then}{lost}")
 
 

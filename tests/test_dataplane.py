@@ -462,7 +462,10 @@ def test_interrupted_push_pull_and_release_say_one_line_of_what_changed(e2e_pool
     assert run(kc, '%%local\nprint("back" in globals())').stdout == "False\n"
 
     assert run(kc, '%%local\n%config GPUMagics.release_state_cap = "4GiB"').ok  # back is 2 GiB, the cap's default
-    reply, outputs, _ = _interrupt_when(km, kc, "%gpu release", "gpupool: pulling")
+    reply, outputs, interrupted = _interrupt_when(km, kc, "%gpu release", "gpupool: pulling")
+    if not interrupted:  # a warm page cache can bring 2 GiB back within the second before the progress line
+        assert reply["status"] == "ok" and "brought back 1 variable (back; 2.0 GiB)" in str(outputs), outputs
+        pytest.skip("the release's pull ended before its progress line: nothing to interrupt here")
     line = _one_line_error(outputs, reply)
     lease = re.search(r"(L-[0-9a-f]+) is still attached", line)
     assert lease and "release interrupted at " in line and "nothing came back" in line, line

@@ -200,6 +200,25 @@ def test_an_idle_lease_is_parked_in_place_and_the_next_cell_resumes_everything_i
     assert [lease.id for lease in _active_leases(service)] == [parked_id]
 
 
+def test_gpu_park_parks_now_and_release_discard_gives_up_a_parked_lease_without_resuming_it(e2e_pool, kernel):
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    lease_id = _remote(kc, "import os\nx = 5\nos.environ['GPUPOOL_LEASE_ID']")
+    parked = run(kc, "%gpu park")
+    assert parked.ok and f"gpupool: lease {lease_id} was parked by its owner: its worker is frozen on node-1" \
+        in parked.stdout, parked.text()
+    assert service.client().get_lease(lease_id).state.value == "parked"
+    again = run(kc, "print(x + 1)")
+    assert f"gpupool: resumed {lease_id}" in again.stdout and "6\n" in again.stdout, again.text()
+    assert run(kc, "%gpu park").ok
+    gone = run(kc, "%gpu release --discard")
+    assert gone.ok and "its variables were discarded" in gone.stdout and "resumed" not in gone.stdout, gone.text()
+    ended = service.client().get_lease(lease_id)
+    assert ended.state.value == "released" and ended.parked is None, ended
+    assert "not attached" in run(kc, "%gpu status").stdout
+
+
 def test_on_idle_release_opts_out_of_parking(e2e_pool, kernel):
     service, _, _ = e2e_pool
     _, kc = kernel

@@ -343,17 +343,6 @@ def test_the_warning_under_pressure_counts_to_the_early_deadline_and_says_why():
     assert "(parked early: 2 people are waiting for a GPU)" in text
 
 
-@pytest.mark.parametrize("preempt_in, told_for, expected", [
-    (None, 60.0, False),   # not preempted
-    (5.0, 60.0, False),    # not yet
-    (-1.0, 0.5, False),    # due, but the notebook said so only 0.5 s ago
-    (-1.0, 10.0, True),
-])
-def test_preemption_is_due_at_its_time_and_after_the_notice(preempt_in, told_for, expected):
-    from gpupool.heartbeat import preempt_due
-    assert preempt_due(client_lease(preempt_in=preempt_in), told_for, 10.0, now=at(1000)) is expected
-
-
 def test_status_shows_why_the_countdown_is_short():
     from gpupool.tables import idle_countdown
     lease = client_lease(idle_for=100, deadline_in=20, pressure="parked early: 1 person is waiting for a GPU")

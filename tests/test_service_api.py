@@ -538,7 +538,8 @@ def test_a_listing_of_ended_leases_carries_no_connection_key(pool):
     client = svc.client()
     keys = {}
     for idle in (None, 1.0):
-        lease = wait_state(svc, client.create_lease(LeaseRequest(fraction=0.25, idle_timeout=idle)).id, "starting")
+        request = LeaseRequest(fraction=0.25, idle_timeout=idle, on_idle="release")  # reclaimed, not parked
+        lease = wait_state(svc, client.create_lease(request).id, "starting")
         assert lease.state is LeaseState.active and lease.connection["key"], lease.reason
         keys[lease.id] = lease.connection["key"]
     released, idle = keys

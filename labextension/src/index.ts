@@ -161,7 +161,7 @@ function facts(state: ILeaseState): [string, string][] {
   }
   add('idle timeout', state.idle_timeout !== null ? formatSeconds(state.idle_timeout) : null);
   const left = idleLeft(state);
-  add('released if idle in', left !== null ? formatSeconds(left) : null);
+  add(state.on_idle === 'release' ? 'released if idle in' : 'parked if idle in', left !== null ? formatSeconds(left) : null);
   add('place in queue', state.queue_position);
   add('wait', state.eta !== null ? `about ${formatSeconds(state.eta)}` : null);
   add('why', state.reason);

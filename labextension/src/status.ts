@@ -26,6 +26,7 @@ export interface ILeaseState {
   idle_timeout: number | null;
   idle_deadline: string | null;
   idle_warning: number | null;
+  on_idle: 'park' | 'release' | null;
   queue_position: number | null;
   eta: number | null;
   reason: string | null;
@@ -228,7 +229,7 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
       )}`;
       const left = idleLeft(state, now);
       if (left !== null) {
-        text += ` · idle, released in ${formatSeconds(left)}`;
+        text += ` · idle, ${state.on_idle === 'release' ? 'released' : 'parked'} in ${formatSeconds(left)}`;
       }
       return text;
     }
