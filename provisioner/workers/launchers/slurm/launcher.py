@@ -31,7 +31,10 @@ from .record import SlurmWorkerRecord
 from .request import (COMMENT_PREFIX, JobSettings, LeaseResources, check_extra_args, check_time_limit, is_slice,
                       job_name, lease_job, slice_step)
 from .shares import POLL_S, ShareJobs, wait_running
-from .state import SlurmJob, SlurmStep, end_reason
+from .state import SlurmJob, SlurmStep, end_line, end_reason
+
+#: Seconds to wait for slurmstepd's end line in the log of a job or step Slurm no longer knows.
+END_LINE_WAIT_S = 5.0
 
 
 class SlurmLauncher(LoggingConfigurable):
@@ -240,7 +243,14 @@ class SlurmLauncher(LoggingConfigurable):
             return None
         if isinstance(found, SlurmStep):
             return None
-        return end_reason(record.ident, found if isinstance(found, SlurmJob) else None, _read(record.log_path))
+        job = found if isinstance(found, SlurmJob) else None
+        output = _read(record.log_path)
+        deadline = time.monotonic() + END_LINE_WAIT_S
+        # A step slurmctld no longer lists may not have its slurmstepd line in the log yet (a busy host).
+        while job is None and end_line(output) is None and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+            output = _read(record.log_path)
+        return end_reason(record.ident, job, output)
 
     # -- park and stop ---------------------------------------------------------------------------------------
 
