@@ -44,13 +44,16 @@ class Notices:
         one, but none of a lease given up since (its heartbeat stopped: a
         release, a resume), and, atop a cell to be ``forwarded``, not that
         the lease ended or was parked: the cell says that itself (its error,
-        the resume's line). The ended lease a cell here was told of is let
+        the resume's line); nor an idle warning that such a notice overtook. The ended lease a cell here was told of is let
         go at once, so that no later cell says its end again."""
         with self._lock:
             pending, self._pending = self._pending, []
+        # A warning that the lease will be parked is stale once it was (or ended): only the later notice is said.
+        overtaken = {id(beat) for kind, _, beat in pending if kind in SAID_BY_CELL}
         said = False
         for kind, text, beat in pending:
-            if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL):
+            if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL) \
+                    or (kind == "idle_warning" and id(beat) in overtaken):
                 continue
             print(f"gpupool: {text}", file=sys.stderr)
             said = True

@@ -266,4 +266,5 @@ def test_a_parked_lease_is_told_once_when_the_next_cell_resumes_it(warning_pool,
     resumed, _ = notebook.execute("print(len(kept))", timeout=120)
     said = "".join(text for parent, text in notebook.streams if parent == resumed)
     assert said.count("gpupool: resumed ") == 1 and "was parked" not in said, said
+    assert "has been idle" not in said, "no warning atop the resume cell about the park that came true (issue 28)"
     assert "3\n" in said

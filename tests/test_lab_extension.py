@@ -273,6 +273,8 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(nb.dialog).to_have_count(0, timeout=60_000)
             expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
             expect(nb.toast(r"GPU: lease L-\S+ was parked \(idle for")).to_be_visible()
+            # the warning closes once it came true: one notification about the lease, none stale (issue 28)
+            expect(page.get_by_text(re.compile(r"GPU: lease L-\S+ has been idle"))).to_have_count(0)
             expect(nb.status).to_contain_text("GPU: parked")
 
             step = "the next cell resumes and the status follows"

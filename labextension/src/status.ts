@@ -131,6 +131,9 @@ export class LeaseChannel {
     const data = msg.content.data as any;
     if (data.state) {
       this._state = data.state as ILeaseState;
+      if (this._state.phase !== 'attached' || !this._state.idle_deadline) {
+        this._dismissWarning(); // parked, detached, or a cell runs: the idle warning is stale
+      }
       this._stateChanged.emit(this._state);
     } else if (data.event) {
       this._event(String(data.event), String(data.message || ''));
@@ -151,9 +154,20 @@ export class LeaseChannel {
     if (!type || (kind === 'refused' && this._quiet > 0)) {
       return;
     }
-    Notification.emit(`GPU: ${message}`, type, {
+    this._dismissWarning(); // one notification of the lease's idleness at a time, never a stale one
+    const id = Notification.emit(`GPU: ${message}`, type, {
       autoClose: type === 'error' || kind === 'idle_warning' ? false : 8000
     });
+    if (kind === 'idle_warning') {
+      this._warning = id;
+    }
+  }
+
+  private _dismissWarning(): void {
+    if (this._warning !== null) {
+      Notification.dismiss(this._warning);
+      this._warning = null;
+    }
   }
 
   private _comm: Kernel.IComm;
@@ -163,6 +177,7 @@ export class LeaseChannel {
   private _count = 0;
   private _quiet = 0;
   private _closed = false;
+  private _warning: string | null = null; // the open idle warning's notification id
 }
 
 /** `1.5 GiB` for bytes. */
