@@ -12,9 +12,10 @@ GPU back and getting it again run in turns, on the same worker state:
   GPU pages moved to host memory) then ``/resume``;
 - ``spilled``: the same with tier ``disk`` (the namespace saved to the spill
   folder, the process ended) and a resume into a new worker that loads it;
-- ``today``: what ``gpupool.magics.park`` does now: pull every variable over
-  the data plane into this process (the notebook kernel's place), stop the
-  worker; then start a new worker and push them back onto their devices.
+- ``today``: the park this replaced (round 2's notebook-side park): pull
+  every variable over the data plane into this process (the notebook
+  kernel's place), stop the worker; then start a new worker and push them
+  back onto their devices.
 
 Each time is measured from the caller's side (HTTP or the pull's client
 included), seconds to park and to resume; GiB/s is the state's size over the
@@ -216,8 +217,8 @@ def report(results: dict[str, Any]) -> str:
              "cgroup v2 freezer), one lease whose worker holds a simulated GPU array of the size shown plus small "
              "variables; each way runs in turns on the same state, timed from the caller (HTTP included). `warm`: "
              "park in memory and resume; `spilled`: park to disk and resume into a new worker; `today`: "
-             "`gpupool.magics.park`'s path (pull everything over the data plane, stop the worker; start a new one, "
-             "push back). p50 seconds (GiB/s).", "",
+             "the notebook-side park this replaced (pull everything over the data plane, stop the worker; start a new "
+             "one, push back). p50 seconds (GiB/s).", "",
              "| state | reps | warm park | warm resume | spilled park | spilled resume | today park | today resume "
              "| today / warm (park + resume) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

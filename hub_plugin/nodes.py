@@ -254,8 +254,10 @@ def _died(lease: Lease, report: WorkerReport) -> str:
 
 def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
     """Copy a live worker's report onto its lease. ``idle_since`` comes from the
-    agent when given (kept between the lease's start and now, against clock
-    skew), else it starts now when the worker turns idle."""
+    agent when given (kept between the moment the lease last took its share,
+    its start or its resume, and now: against clock skew, and so that a
+    resumed worker's idleness from before its park does not park it again at
+    once), else it starts now when the worker turns idle."""
     was = lease.worker_state
     if report.pid is not None:
         lease.worker_pid = report.pid
@@ -269,6 +271,6 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
         except (TypeError, ValueError, AttributeError):
             since = None
         if since is not None:
-            lease.idle_since = min(max(since, lease.started_at or since), now)
+            lease.idle_since = min(max(since, lease.held_since or lease.started_at or since), now)
         elif was != "idle" or lease.idle_since is None:
             lease.idle_since = now
