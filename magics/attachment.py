@@ -42,6 +42,7 @@ class Attachment:
         # Held by the main thread while it talks to the worker (cells, transfers).
         self.lock = threading.Lock()
         self.parked: Parked | None = None
+        self.parking_here = False  # %gpu park asked for this park and says it itself
         # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
         self.workdir: str | None = None
 
@@ -56,8 +57,9 @@ class Attachment:
             self.parked = Parked(lease, told=not first and self.parked.told,
                                  resume_asked=not first and self.parked.resume_asked)
             self.remote.pause_liveness(True)
-            if first:
+            if first and not self.parking_here:
                 self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
+            self.parking_here = False
         elif self.parked is not None and lease.state is LeaseState.active:
             self._unparked(lease)
 
@@ -122,16 +124,23 @@ class Attachment:
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
             raise GPUPoolError(Reason.lease_lost, ended_message(self.heartbeat.ended), 410)
+        self.ask_resume()
+
+    def ask_resume(self) -> None:
+        """While parked, ask the service once (per park) to resume the lease,
+        without waiting: a cell in flight that a park froze (a park racing
+        it, a preemption) goes on once it is thawed; a widget's message waits
+        in the frozen worker's socket until then. A failed ask is logged and
+        asked again at the next call; the heartbeat sees an end."""
         parked = self.parked
-        if parked is not None and not parked.resume_asked:
-            # Frozen while this kernel waits on the worker (a park racing the cell, a preemption):
-            # ask for the resume; the service answers when room comes, and the wait goes on.
-            parked.resume_asked = True
-            try:
-                self.client.resume(self.lease.id)
-            except GPUPoolError as exc:  # the next check asks again; the heartbeat sees an end
-                parked.resume_asked = False
-                log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)
+        if parked is None or parked.resume_asked:
+            return
+        parked.resume_asked = True
+        try:
+            self.client.resume(self.lease.id)
+        except GPUPoolError as exc:
+            parked.resume_asked = False
+            log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)
 
     def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:
         """Run ``code`` on the worker with its outputs in the current cell.

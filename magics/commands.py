@@ -241,14 +241,17 @@ def park(magics, rest: str) -> None:
     if rest.strip():
         raise UsageError("%gpu park takes no arguments")
     attachment = magics.attached()
+    attachment.parking_here = True
     try:
         lease = magics.client.park(attachment.lease.id)
         deadline = time.monotonic() + magics.start_timeout
         while lease.state is LeaseState.parking and time.monotonic() < deadline:
             lease = magics.client.get_lease(lease.id, wait=POLL_SECONDS, state="parking")
     except GPUPoolError as exc:
+        attachment.parking_here = False
         raise UsageError(f"could not park {attachment.lease.id}: {exc.message}") from None
     if lease.state is not LeaseState.parked:
+        attachment.parking_here = False
         raise UsageError(f"{lease.id} is {lease.state.value}: {lease.reason or 'not parked'}")
     attachment.follow_parking(lease)
     attachment.parked.told = True  # said here, not again atop the next cell

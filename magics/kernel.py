@@ -216,10 +216,16 @@ class GPUPoolKernel(IPythonKernel):
 
     def _comm_route(self, stream, ident, parent, local) -> None:
         """A comm of this kernel's is handled here; any other goes to the
-        worker while attached (the worker logs unknown ids, as ipykernel does)."""
-        remote = self._remote()
+        worker while attached (the worker logs unknown ids, as ipykernel does).
+        While the lease is parked the worker's widgets stay alive: a message
+        for one waits in the frozen worker's socket and resumes the lease."""
+        attachment = self.gpu.attachment
+        parked = attachment is not None and attachment.parked is not None and attachment.ended is None
+        remote = attachment.remote if parked else self._remote()
         if remote is not None and self._comm_for_worker(parent):
             remote.send(parent)
+            if parked:
+                attachment.ask_resume()
         else:
             local(stream, ident, parent)
 

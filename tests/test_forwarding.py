@@ -208,6 +208,24 @@ def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
     assert wait_until(lambda: "c-echo" not in request(kc, "shell", "comm_info_request", {})["content"]["comms"])
 
 
+def test_a_widget_message_while_parked_resumes_the_lease_and_reaches_its_live_comm(attached):
+    _, kc = attached
+    setup = run(kc, "def opened(comm, msg):\n"
+                    "    comm.on_msg(lambda m: comm.send({'echo': m['content']['data']}))\n"
+                    "get_ipython().kernel.comm_manager.register_target('echo', opened)")
+    assert setup.ok, setup.text()
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": "c-parked", "target_name": "echo", "data": {}}))
+    assert run(kc, "%gpu park").ok
+    message = kc.session.msg("comm_msg", {"comm_id": "c-parked", "data": {"n": 8}})
+    kc.shell_channel.send(message)
+    seen = iopub_until(kc, lambda m: m["msg_type"] == "comm_msg" and m["content"].get("comm_id") == "c-parked",
+                       timeout=60)
+    assert seen[-1]["content"]["data"] == {"echo": {"n": 8}}, "the comm kept its state through the park"
+    status = run(kc, "%gpu status")
+    assert re.search(r"L-\S+\s+(starting|active)\s", status.outputs[-1][1]["data"]["text/plain"]), status.text()
+    assert "was parked" not in status.text(), "%gpu park said it; no notice repeats it"
+
+
 def wait_until(predicate, timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
