@@ -53,7 +53,7 @@ def _ordinal(n: int) -> str:
 def wait_started(client: ServiceClient, lease: Lease, started: float, start_timeout: float, *,
                  setting: str = "", on_state: Callable[[Lease, bool], None] | None = None,
                  stream: TextIO | None = None, rewrite: bool = True,
-                 waiting: tuple[LeaseState, ...] = START_STATES) -> Lease:
+                 waiting: tuple[LeaseState, ...] = START_STATES, cancels: bool = True) -> Lease:
     """Long-poll ``lease`` until it leaves the ``waiting`` states (a new
     lease's ``queued`` and ``starting``; :data:`RESUME_STATES` for a resume), keeping
     one progress line (``\\r``-rewritten, blanked at the end) on ``stream``
@@ -68,7 +68,8 @@ def wait_started(client: ServiceClient, lease: Lease, started: float, start_time
     after leaving the queue. Raises GPUPoolError ``start_timeout`` when it
     runs out, ``lease_failed`` when the lease ends instead of starting (the
     service's words: pool full after the wait, quota, ...), and what
-    :class:`ServiceClient` raises. The caller cancels the lease on failure.
+    :class:`ServiceClient` raises. The caller cancels the lease on failure
+    (``cancels``: the words say so; a resume is not cancelled).
     """
     stream = stream or sys.stdout
     since = started
@@ -83,7 +84,9 @@ def wait_started(client: ServiceClient, lease: Lease, started: float, start_time
         queued = lease.state in WAITING_FOR_ROOM
         if time.monotonic() - since > start_timeout:
             raise GPUPoolError(Reason.start_timeout, f"no worker started within {start_timeout:.0f}s"
-                               f"{f' ({setting})' if setting else ''}; the request was cancelled", 504)
+                               f"{f' ({setting})' if setting else ''}; "
+                               + ("the request was cancelled" if cancels else "it waits on, and the next cell waits "
+                                  "for it again"), 504)
         words = f"gpupool: {lease.id} {progress_words(lease)}"
         if rewrite:
             line = f"{words}... {time.monotonic() - started:.0f}s"

@@ -321,6 +321,8 @@ class RemoteKernel:
                 self.check_heartbeat()
                 if deadline is not None and time.monotonic() > deadline:
                     raise GPUPoolError(Reason.worker_timeout, f"the worker did not finish within {timeout:.0f}s", 504)
+                if interrupted_at is not None and self._liveness_paused:
+                    interrupted_at = time.monotonic()  # frozen: the interrupt is taken once it is thawed
                 if interrupted_at is not None and time.monotonic() - interrupted_at > 10:
                     raise GPUPoolError(Reason.worker_unresponsive,
                                        "the worker did not stop within 10s of the interrupt; "

@@ -118,6 +118,8 @@ def resume(magics) -> Attachment:
     started = time.monotonic()
     lease = attachment.resume(magics.start_timeout, on_state=functools.partial(_tell_progress, magics,
                                                                                started=started))
+    if attachment.reconnected and magics.kernel is not None:  # a new worker (spilled): forward to it now
+        _start_forwarding(magics, attachment)
     magics.tell("resumed", f"resumed {lease.id} on {lease.node}")
     return attachment
 

@@ -31,6 +31,8 @@ from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
 
 log = logging.getLogger("gpupool.magics")
+#: Seconds between asks to resume a frozen lease when the service did not answer.
+RESUME_RETRY_S = 5.0
 
 
 class Attachment:
@@ -43,6 +45,10 @@ class Attachment:
         self.lock = threading.Lock()
         self.parked: Parked | None = None
         self.parking_here = False  # %gpu park asked for this park and says it itself
+        self.reconnected = False  # the last resume came back as a new worker (spilled): forwarding starts again
+        # The heartbeat thread and the main thread both follow the park.
+        self._parking = threading.RLock()
+        self._resumed_from: str | None = None  # the ``parked.since`` of the park last resumed from
         # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
         self.workdir: str | None = None
 
@@ -51,19 +57,29 @@ class Attachment:
         thread with each beat's lease): a lease seen ``parking`` or ``parked``
         pauses the worker's liveness checks and is said once; one seen active
         again (resumed by a cell, the service or the JupyterLab extension)
-        runs as before."""
-        if parked_now(lease):
-            first = self.parked is None
-            self.parked = Parked(lease, told=not first and self.parked.told,
-                                 resume_asked=not first and self.parked.resume_asked)
-            self.remote.pause_liveness(True)
-            if first and not self.parking_here:
-                self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
-            self.parking_here = False
-        elif self.parked is not None and lease.state is LeaseState.active:
-            self._unparked(lease)
+        runs as before, unless it came back as a new worker (spilled), which
+        the next :meth:`resume` connects to. A beat that still shows the park
+        this kernel has just resumed from is stale and left alone."""
+        with self._parking:
+            if parked_now(lease):
+                if (lease.parked or {}).get("since") == self._resumed_from:
+                    return
+                first = self.parked is None
+                if first:
+                    self.parked = Parked(lease)
+                else:
+                    self.parked.lease = lease
+                self.remote.pause_liveness(True)
+                if first and not self.parking_here:
+                    self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
+                self.parking_here = False
+            elif self.parked is not None and lease.state is LeaseState.active \
+                    and lease.connection == self.remote.connection:
+                self._unparked(lease)
 
     def _unparked(self, lease: Lease) -> None:
+        if self.parked is not None:
+            self._resumed_from = (self.parked.lease.parked or {}).get("since")
         self.parked = None
         self.lease = lease
         self.remote.pause_liveness(False)
@@ -74,28 +90,30 @@ class Attachment:
         returns the active lease. Raises GPUPoolError ``lease_lost`` when it
         ended meanwhile, ``start_timeout``, ``worker_unreachable`` when the
         resumed worker does not answer (a spilled lease comes back as a new
-        worker: this kernel connects to it)."""
+        worker: this kernel connects to it, and :attr:`reconnected` says so)."""
         parked = self.parked
-        since = parse_time((parked.lease.parked or {}).get("since")) if parked else None
+        seen = parked.lease.parked or {} if parked else {}
+        since = parse_time(seen.get("since"))
         started = time.monotonic()
         lease = self.client.resume(self.lease.id)
-        if parked is not None:
-            parked.resume_asked = True
         try:
             lease = wait_started(self.client, lease, started, start_timeout, setting="c.GPUMagics.start_timeout",
-                                 on_state=on_state, waiting=RESUME_STATES)
+                                 on_state=on_state, waiting=RESUME_STATES, cancels=False)
         except GPUPoolError as exc:
             if exc.code == Reason.lease_failed:
                 raise GPUPoolError(Reason.lease_lost, exc.message.replace("the lease could not start: ", ""),
                                    410) from None
             raise
-        if lease.connection != self.lease.connection:  # spilled: a new worker holds the namespace now
-            self.remote.close()
-            self.remote = RemoteKernel(lease.connection or {})
+        with self._parking:
+            self.reconnected = lease.connection != self.remote.connection
+            if self.reconnected:  # spilled: a new worker holds the namespace now
+                self.remote.close()
+                self.remote = RemoteKernel(lease.connection or {})
+            self._unparked(lease)
+        if self.reconnected:
             self.remote.wait_ready(30.0)
-        self._unparked(lease)
         parked_for = (datetime.now(timezone.utc) - since).total_seconds() if since else None
-        say(resumed_words(lease, time.monotonic() - started, parked_for))
+        say(resumed_words(lease, time.monotonic() - started, parked_for, seen.get("lost") or []))
         return lease
 
     @classmethod
@@ -127,19 +145,20 @@ class Attachment:
         self.ask_resume()
 
     def ask_resume(self) -> None:
-        """While parked, ask the service once (per park) to resume the lease,
-        without waiting: a cell in flight that a park froze (a park racing
-        it, a preemption) goes on once it is thawed; a widget's message waits
-        in the frozen worker's socket until then. A failed ask is logged and
-        asked again at the next call; the heartbeat sees an end."""
+        """While parked, ask the service (once per park, again every
+        RESUME_RETRY_S after a failure) to resume the lease, without waiting:
+        a cell in flight that a park froze (a park racing it, a preemption)
+        goes on once it is thawed; a widget's message waits in the frozen
+        worker's socket until then. The heartbeat sees an end."""
         parked = self.parked
-        if parked is None or parked.resume_asked:
+        now = time.monotonic()
+        if parked is None or parked.resume_asked or now - parked.failed_at < RESUME_RETRY_S:
             return
         parked.resume_asked = True
         try:
             self.client.resume(self.lease.id)
         except GPUPoolError as exc:
-            parked.resume_asked = False
+            parked.resume_asked, parked.failed_at = False, now
             log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)
 
     def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:

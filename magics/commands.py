@@ -111,7 +111,10 @@ def release(magics, rest: str) -> None:
     args = _parse(release, rest)
     if args.discard and magics.attachment is not None and magics.attachment.parked is not None:
         attachment, magics.attachment = magics.attachment, None  # parked: nothing to bring back, no resume
-        lease = attachment.release(reason="%gpu release --discard")
+        try:
+            lease = attachment.release(reason="%gpu release --discard")
+        finally:
+            magics.tell()  # detached here, whatever the service answered
         say(f"{released_words(lease)}; its variables were discarded")
         magics.tell("released", f"released {lease.id} (it was parked)")
         return
@@ -240,6 +243,9 @@ def park(magics, rest: str) -> None:
     waits frozen on its node with its variables; the next cell resumes it."""
     if rest.strip():
         raise UsageError("%gpu park takes no arguments")
+    if magics.attachment is not None and magics.attachment.parked is not None and magics.attachment.ended is None:
+        say(f"{magics.attachment.lease.id} is parked already; the next cell resumes it")
+        return
     attachment = magics.attached()
     attachment.parking_here = True
     try:
@@ -253,8 +259,10 @@ def park(magics, rest: str) -> None:
     if lease.state is not LeaseState.parked:
         attachment.parking_here = False
         raise UsageError(f"{lease.id} is {lease.state.value}: {lease.reason or 'not parked'}")
+    attachment.parking_here = True  # whichever thread sees the park first, this says it
     attachment.follow_parking(lease)
-    attachment.parked.told = True  # said here, not again atop the next cell
+    if attachment.parked is not None:
+        attachment.parked.told = True
     say(parked_words(lease, running=False))
     magics.tell("parked", f"parked {lease.id}")
 

@@ -108,7 +108,7 @@ class GPUMagics(Magics):
             try:
                 return resume(self)
             except GPUPoolError as exc:
-                if exc.code == Reason.lease_lost:
+                if exc.code in (Reason.lease_lost, Reason.invalid_state):  # it ended meanwhile
                     self.drop()
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
             except KeyboardInterrupt:

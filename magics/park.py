@@ -28,11 +28,13 @@ PARKED_STATES = (LeaseState.parking, LeaseState.parked)
 @dataclass
 class Parked:
     """A lease this kernel saw parked: the lease as last seen, whether the
-    user was told (a cell here said the notice), whether a resume was asked."""
+    user was told (a cell here said the notice), whether a resume was asked
+    (and when asking last failed)."""
 
     lease: Lease
     told: bool = False
     resume_asked: bool = False
+    failed_at: float = float("-inf")  # monotonic time an ask to resume last failed
 
 
 def parked_now(lease: Lease) -> bool:
@@ -56,8 +58,11 @@ def parked_words(lease: Lease, running: bool) -> str:
             f"variables {where}{held} and its GPU is back in the pool; {then}{lost}")
 
 
-def resumed_words(lease: Lease, seconds: float, parked_for: float | None) -> str:
-    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)``."""
+def resumed_words(lease: Lease, seconds: float, parked_for: float | None, lost: list[str] = ()) -> str:
+    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)``, with what the
+    park could not keep (``lost``, the service's words) after it."""
     gpus = ", ".join(f"GPU {gpu.get('index')}" for gpu in lease.gpus or [])
     since = f" (parked {format_duration(parked_for)})" if parked_for is not None else ""
-    return f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''} in {seconds:.1f}s{since}"
+    kept = f"; not kept: {'; '.join(lost)}" if lost else ""
+    return (f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''} in {seconds:.1f}s"
+            f"{since}{kept}")
