@@ -160,7 +160,8 @@ class LeaseViews:
         queued (from ``queue``, see :meth:`queue_view`) and ``node_state``
         (from ``nodes``, else read), ``cpu_limit``/``host_memory_limit`` (the
         worker's cgroup limits: :func:`.rules.hosts.host_limits`), ``wait_until``, and
-        ``idle_deadline`` with ``idle_warning`` (for the notebook's warning before idle reclaim)."""
+        ``idle_deadline`` with ``idle_warning`` (for the notebook's warning before idle reclaim:
+        :func:`warning_lead`)."""
         if nodes is None:
             nodes = _nodes(session, [lease])
         node = nodes.get(lease.node_name) if lease.node_name else None
@@ -171,7 +172,8 @@ class LeaseViews:
             queue_position=place, queue_estimate_s=queue.etas.get(lease.id) if place is not None else None,
             wait_until=isoformat(lease.wait_until),
             **self.pressure.shown(lease),  # idle_deadline, early under pressure; pressure; preempt_at
-            idle_warning=self.settings.idle_warning, node_state=node.state if node is not None else None,
+            idle_warning=warning_lead(self.settings.idle_warning, lease.idle_timeout),
+            node_state=node.state if node is not None else None,
             cpu_limit=limits.get("cpus"), host_memory_limit=limits.get("host_memory")).to_json()
 
     def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
@@ -251,3 +253,10 @@ def _nodes(session: Session, leases):
 
 #: A node no longer registered: its host is unknown, so the limits shown are what the lease holds.
 _GONE = SimpleNamespace(state=None, host_cpus=None, host_memory=None)
+
+
+def warning_lead(idle_warning: float, idle_timeout: float | None) -> float:
+    """Seconds before the idle deadline that the notebook warns: ``c.GPUPool.idle_warning``, but
+    never more than a third of the lease's idle timeout (a 1-minute timeout is warned 20 s ahead,
+    not at every cell's end; issue 28). 0 stays 0 (no warning)."""
+    return min(idle_warning, idle_timeout / 3) if idle_timeout else idle_warning

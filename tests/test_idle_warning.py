@@ -68,6 +68,13 @@ def test_the_warning_is_due_one_beat_before_its_lead_and_says_when_and_what(leas
     assert idle_warning_text(lease, interval=15.0, now=T0) == expected
 
 
+@pytest.mark.parametrize("setting, timeout, lead", [(60.0, 1800.0, 60.0), (60.0, 60.0, 20.0), (60.0, 3.0, 1.0),
+                                                     (0.0, 60.0, 0.0), (60.0, None, 60.0)])
+def test_the_warning_lead_is_never_more_than_a_third_of_the_idle_timeout(setting, timeout, lead):
+    from gpupool.hub_plugin.lease_views import warning_lead
+    assert warning_lead(setting, timeout) == lead
+
+
 def test_the_idle_deadline_exists_only_for_an_active_lease_with_an_idle_worker():
     row = SimpleNamespace(state="active", worker_state="idle", idle_since=T0, idle_timeout=90.0)
     assert idle_deadline(row) == T0 + timedelta(seconds=90)
@@ -179,13 +186,13 @@ def test_one_warning_per_idle_period_then_the_park_notice_tops_the_next_cell_whi
     lease_id, = [lease.id for lease in client.list_leases(active=True)]
     notebook.execute("kept = [1, 2, 3]\nimport os\npid = os.getpid()")
 
-    # First idle period: warned at about 3 s idle (24 - LEAD - one beat); parked by the service at 24 s.
+    # First idle period: warned at about 15 s idle (24 - 24/3 - one beat); parked by the service at 24 s.
     first = notebook.wait_for_event("idle_warning", 30, "the first idle warning")
     assert WARNING.fullmatch("gpupool: " + first["message"])[1] == lease_id
     assert "it will be parked within" in first["message"]
     assert not notebook.lines(WARNING), "nothing is written under an old cell"
     lease = client.get_lease(lease_id)
-    assert lease.state is LeaseState.active and lease.idle_warning == LEAD
+    assert lease.state is LeaseState.active and lease.idle_warning == 24 / 3  # a third of the timeout, not LEAD
     if lease.idle_deadline is not None:  # null only if the worker reported busy meanwhile
         assert parse_time(lease.idle_deadline) == parse_time(lease.idle_since) + timedelta(seconds=24)
 

@@ -269,7 +269,7 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
 
             step = "idle warning and parked come as notifications; the status says parked"
-            nb.acquire("0.25", idle="4s")
+            nb.acquire("0.25", idle="12s")  # warned 4 s (a third) before the park: time to see the toast
             expect(nb.dialog).to_have_count(0, timeout=60_000)
             expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
             expect(nb.toast(r"GPU: lease L-\S+ was parked \(idle for")).to_be_visible()

@@ -28,10 +28,11 @@ class LeaseSettings(NodeAndWorkerSettings):
 
     idle_warning = Union(
         [Duration(), Enum([0])], default_value=60.0,
-        help="""Seconds before an idle lease is reclaimed (or parked by its notebook)
-        that the notebook prints a warning under its last cell, once per idle
-        period; the lease JSON carries it with ``idle_deadline``. 0 turns the
-        warning off. Default: 60 seconds. ``c.GPUPool.idle_warning = "5m"``.""",
+        help="""Seconds before an idle lease is parked (or released, for one asked
+        ``on_idle: release``) that the notebook warns, once per idle period; at
+        most a third of the lease's idle timeout. The lease JSON carries it with
+        ``idle_deadline``. 0 turns the warning off. Default: 60 seconds.
+        ``c.GPUPool.idle_warning = "5m"``.""",
     ).tag(config=True)
 
     heartbeat_ttl = Duration(
