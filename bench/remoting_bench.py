@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agent's kernel-worker transport (default curve, the agent's own default)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite bench/REPORT.md")
     parser.add_argument("--skip-transfers", action="store_true",
-                        help="measure cells only; keep the transfer rows of OUT/remoting.json")
+                        help="measure cells only; keep the transfer rows of OUT/remoting.json (none if it has none)")
     parser.add_argument("--report-only", action="store_true",
                         help="measure nothing: rewrite the section and the PNG from OUT/remoting.json")
     args = parser.parse_args(argv)
@@ -270,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "overhead_pct": 100 * (statistics.median(pooled_s) / statistics.median(local_s) - 1)}
             print(json.dumps(results["compute"]), flush=True)
 
-            if args.skip_transfers:
-                results["transfer"] = json.loads((args.out / "remoting.json").read_text())["transfer"]
+            if args.skip_transfers:  # the last run's rows, none where OUT has no earlier run (the table is empty)
+                earlier = args.out / "remoting.json"
+                results["transfer"] = json.loads(earlier.read_text())["transfer"] if earlier.exists() else []
             else:
                 print("transfers...", flush=True)
                 results["transfer"] = transfers_against_ipp(pooled[1], sizes, args.repeats)
