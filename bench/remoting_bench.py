@@ -340,6 +340,12 @@ def plot(results: dict, path: Path) -> None:
     left.set_title(f"cell round trip ({lat['local']['n']} cells each)")
     left.legend()
     rows = results["transfer"]
+    if not rows:  # transfers skipped with no earlier run: the cells' panel alone
+        right.set_title("NumPy array transfers: not measured in this run")
+        right.axis("off")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        return
     mib = [r["mib"] for r in rows]
     for key, label in (("raw_mib_s", "raw loopback socket"), ("push_mib_s", "gpupool push"),
                        ("pull_mib_s", "gpupool pull"), ("ipp_push_mib_s", "ipyparallel push"),
