@@ -37,7 +37,7 @@ TARGET = "gpupool.status"
 #: What ``state["phase"]`` can be.
 PHASES = ("detached", "queued", "starting", "attached", "parked")
 #: What a front end may ask on the comm.
-REQUESTS = ("acquire", "release", "status", "defaults")
+REQUESTS = ("acquire", "release", "status", "defaults", "resume")
 #: The share the Acquire dialog offers first.
 DIALOG_AMOUNT = "0.5"
 log = logging.getLogger("gpupool.magics")
@@ -206,6 +206,8 @@ class Requests:
             line = "release --discard" if data.get("discard") else "release"
         elif kind == "status":
             return self.status()
+        elif kind == "resume":
+            return self.resume()
         else:
             return {"ok": False, "message": f"unknown request {kind!r}; use one of: {', '.join(REQUESTS)}"}
         return self._run(line)
@@ -224,6 +226,15 @@ class Requests:
                 ok, message = False, f"{type(exc).__name__}: {exc}"
         output = _text(captured)
         return {"ok": ok, "message": message if not ok else output, "output": output}
+
+    def resume(self) -> dict[str, Any]:
+        """The user is back at the notebook: ask for a parked lease's resume
+        now, without waiting (the next cell waits for what is left)."""
+        attachment = self.gpu.attachment
+        if attachment is None or attachment.parked is None or attachment.ended is not None:
+            return {"ok": True, "message": "not parked"}
+        attachment.ask_resume()
+        return {"ok": True, "message": f"resuming {attachment.lease.id}"}
 
     def status(self) -> dict[str, Any]:
         """``%gpu status`` for the popup: its words (``message``, ``output``)

@@ -221,6 +221,20 @@ def test_idle_warning_and_park_come_as_events_and_the_next_cell_resumes(status):
     comm.state("detached")
 
 
+def test_the_front_end_starts_a_parked_leases_resume_when_the_user_is_back(status):
+    """What the JupyterLab extension asks when the user focuses or types in a parked notebook."""
+    kc, comm = status
+    assert comm.run("%gpu acquire 0.25").ok
+    lease = comm.state("attached")["lease"]
+    assert comm.run("%gpu park").ok
+    assert comm.state("parked")["lease"] == lease
+    reply = comm.ask({"request": "resume"})
+    assert reply["ok"] and reply["message"] == f"resuming {lease}", reply
+    assert comm.state("attached", timeout=60)["lease"] == lease, "resumed in place before any cell ran"
+    assert comm.ask({"request": "resume"})["message"] == "not parked"
+    assert comm.run("%gpu release --discard").ok
+
+
 def test_a_queued_request_shows_its_place_then_admitted_then_attached(e2e_pool, status):
     from gpupool.wire.leases import LeaseRequest
     from gpupool.units import parse_gpu_amount

@@ -393,6 +393,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
       tracker.widgetAdded.connect((_, panel) => {
         panel.sessionContext.kernelChanged.connect(follow);
         panel.sessionContext.statusChanged.connect(follow);
+        // Resume a parked lease as soon as the user is back at its notebook (docs/parking.md).
+        const back = () => channels.of(panel)?.resumeIfParked();
+        panel.content.activeCellChanged.connect(back);
+        panel.node.addEventListener('keydown', back);
+        panel.node.addEventListener('focusin', back);
       });
       statusBar.registerStatusItem('gpupool-lab:status', {
         item,

@@ -112,6 +112,15 @@ export class LeaseChannel {
     });
   }
 
+  /** The user is at this notebook (focused it, moved to a cell, typed): start a parked lease's
+   * resume now, so that the next cell finds it (almost) ready. Once per park. */
+  resumeIfParked(): void {
+    if (this._state?.phase === 'parked' && !this._resumeAsked && !this._closed) {
+      this._resumeAsked = true;
+      void this.request('resume');
+    }
+  }
+
   dispose(): void {
     if (!this._closed) {
       this._closed = true;
@@ -131,6 +140,9 @@ export class LeaseChannel {
     const data = msg.content.data as any;
     if (data.state) {
       this._state = data.state as ILeaseState;
+      if (this._state.phase !== 'parked') {
+        this._resumeAsked = false;
+      }
       if (this._state.phase !== 'attached' || !this._state.idle_deadline) {
         this._dismissWarning(); // parked, detached, or a cell runs: the idle warning is stale
       }
@@ -178,6 +190,7 @@ export class LeaseChannel {
   private _quiet = 0;
   private _closed = false;
   private _warning: string | null = null; // the open idle warning's notification id
+  private _resumeAsked = false; // resumeIfParked asked during this park
 }
 
 /** `1.5 GiB` for bytes. */
