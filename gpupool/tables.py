@@ -144,7 +144,7 @@ def lease_host_cell(lease: Lease) -> str:
 
 #: The columns of :func:`lease_table`, in order.
 LEASE_COLUMNS = ("lease", "state", "node", "environment", "GPU", "share", "class", "memory used / limit", "host",
-                 "GPU util", "worker", "idle release in / reason")
+                 "GPU util", "worker", "idle deadline in / reason")
 
 
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:

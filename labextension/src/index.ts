@@ -169,7 +169,7 @@ function facts(state: ILeaseState): [string, string][] {
 }
 
 /** `%gpu status` columns that the state's facts already say (each fact is shown once). */
-const SAID = new Set(['lease', 'state', 'node', 'GPU', 'share', 'memory used / limit', 'idle release in / reason']);
+const SAID = new Set(['lease', 'state', 'node', 'GPU', 'share', 'memory used / limit', 'idle deadline in / reason']);
 
 /** The popup's one table: the state's facts, then what only `%gpu status` knows (environment, class,
  * host, GPU utilization, worker); without a lease to detail, the kernel's one line of words. */
