@@ -92,7 +92,7 @@ class Attachment:
         resumed worker does not answer (a spilled lease comes back as a new
         worker: this kernel connects to it, and :attr:`reconnected` says so)."""
         parked = self.parked
-        seen = parked.lease.parked or {} if parked else {}
+        seen = (parked.lease.parked or {}) if parked else {}
         since = parse_time(seen.get("since"))
         started = time.monotonic()
         lease = self.client.resume(self.lease.id)
