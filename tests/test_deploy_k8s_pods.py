@@ -103,13 +103,14 @@ def test_the_agent_ranks_high_tolerates_the_pool_taint_and_reserves_its_workers(
             continue  # its workers' pods reserve their own: tests/test_deploy_k8s_worker_pods.py
         resources = pod["containers"][0]["resources"]
         assert resources["requests"] == resources["limits"] and set(resources["limits"]) == {"cpu", "memory"}  # Guaranteed
-        text = config_text(objects, "gpupool-agent-config")
         cpus, memory = quantity(resources["limits"]["cpu"]), quantity(resources["limits"]["memory"])
-        from gpupool.units import parse_bytes
-
-        offered_cpus, offered_memory = config_value(text, "NodeAgent.host_cpus"), parse_bytes(
-            config_value(text, "NodeAgent.host_memory"))
-        assert 1 <= cpus - offered_cpus <= 4 and 2 * GiB <= memory - offered_memory <= 16 * GiB  # room for the agent
+        # What an agent with this config offers (its own reading of it): leases' cores and memory, and
+        # the parked budget, which lives in this container too (its default alone is a quarter more).
+        agent = agent_of(config_text(objects, "gpupool-agent-config"))
+        offered_cpus, offered_memory = agent.host_totals()
+        held = offered_memory + agent.parked_budget()
+        assert 1 <= cpus - offered_cpus <= 4, (cpus, offered_cpus)  # room for the agent
+        assert 2 * GiB <= memory - held <= 16 * GiB, (memory / GiB, offered_memory / GiB, held / GiB)
 
 
 def test_homes_are_one_share_at_the_same_path_in_the_notebook_and_on_the_agent(rendered):
@@ -171,3 +172,14 @@ def test_the_home_migration_job_and_the_cdi_component_validate(tmp_path):
     template = one(objects, "DaemonSet", "gpupool-agent")["spec"]["template"]
     assert template["metadata"]["annotations"] == {"cdi.k8s.io/gpupool-agent": "nvidia.com/gpu=all"}
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in template["spec"]["containers"][0]["env"]
+
+
+def agent_of(text: str):
+    """A NodeAgent configured by the config file ``text``, as ``gpupool agent`` loads it (not started)."""
+    from traitlets.config import Config
+
+    from gpupool.provisioner.agent import NodeAgent
+
+    config = Config()
+    exec(compile(text, "gpupool_config.py", "exec"), {"c": config, "get_config": lambda: config})  # noqa: S102
+    return NodeAgent(config=config)
