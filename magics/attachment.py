@@ -139,6 +139,11 @@ class Attachment:
         """The lease as last seen if it ended behind our back, else None."""
         return self.heartbeat.ended
 
+    @property
+    def is_parked(self) -> bool:
+        """Whether the lease is parked (or parking) and has not ended: its worker waits frozen."""
+        return self.parked is not None and self.ended is None
+
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
             raise GPUPoolError(Reason.lease_lost, ended_message(self.heartbeat.ended), 410)

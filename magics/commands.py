@@ -243,7 +243,7 @@ def park(magics, rest: str) -> None:
     waits frozen on its node with its variables; the next cell resumes it."""
     if rest.strip():
         raise UsageError("%gpu park takes no arguments")
-    if magics.attachment is not None and magics.attachment.parked is not None and magics.attachment.ended is None:
+    if magics.attachment is not None and magics.attachment.is_parked:
         say(f"{magics.attachment.lease.id} is parked already; the next cell resumes it")
         return
     attachment = magics.attached()

@@ -231,7 +231,7 @@ class Requests:
         """The user is back at the notebook: ask for a parked lease's resume
         now, without waiting (the next cell waits for what is left)."""
         attachment = self.gpu.attachment
-        if attachment is None or attachment.parked is None or attachment.ended is not None:
+        if attachment is None or not attachment.is_parked:
             return {"ok": True, "message": "not parked"}
         attachment.ask_resume()
         return {"ok": True, "message": f"resuming {attachment.lease.id}"}

@@ -220,7 +220,7 @@ class GPUPoolKernel(IPythonKernel):
         While the lease is parked the worker's widgets stay alive: a message
         for one waits in the frozen worker's socket and resumes the lease."""
         attachment = self.gpu.attachment
-        parked = attachment is not None and attachment.parked is not None and attachment.ended is None
+        parked = attachment is not None and attachment.is_parked
         remote = attachment.remote if parked else self._remote()
         if remote is not None and self._comm_for_worker(parent):
             remote.send(parent)

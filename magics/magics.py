@@ -104,7 +104,7 @@ class GPUMagics(Magics):
         not attached or when the lease ended (the attachment is dropped)."""
         if self.attachment is None:
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
-        if self.attachment.parked is not None and self.attachment.ended is None:
+        if self.attachment.is_parked:
             try:
                 return resume(self)
             except GPUPoolError as exc:
