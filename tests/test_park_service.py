@@ -35,7 +35,7 @@ from procs import start_agent, start_service, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_service_api import assert_error, http, wait_state
 
-from gpupool.errors import GPUPoolError
+from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import LeaseState
 from gpupool.tables import lease_table, pool_table
 from gpupool.wire.leases import Lease, LeaseRequest
@@ -353,7 +353,9 @@ def test_the_owners_park_and_resume_refuse_what_they_must(parks):
                               token=parks.svc.extra_tokens["bob"]), 409, "invalid_state")
     assert "only a parked lease can be resumed" in ended["message"]
     wait_for(lambda: parks.svc.client().get_lease(lease.id).worker["execution_state"] == "idle", 15, "the cell's end")
-    assert parks.svc.client().park(lease.id).state is LeaseState.parked
+    # The agent asks the worker itself at the park, and may still see the cell's end a moment late (a loaded host).
+    assert wait_for(lambda: _park_unless_busy(parks, lease.id), 15, "the park once the worker is idle").state \
+        is LeaseState.parked
     again = parks.svc.client().park(lease.id)
     assert again.state is LeaseState.parked and again.parked["reason"] == "parked by its owner", "idempotent"
 
@@ -460,3 +462,13 @@ def test_a_service_restarted_while_a_lease_is_parking_finishes_the_park(tmp_path
     finally:
         agent.stop()
         svc.stop()
+
+
+def _park_unless_busy(parks, lease_id: str):
+    """The owner's park of ``lease_id``; None while the agent still finds its cell running (409 worker_busy)."""
+    try:
+        return parks.svc.client().park(lease_id)
+    except GPUPoolError as exc:
+        if exc.code != Reason.worker_busy:
+            raise
+        return None
