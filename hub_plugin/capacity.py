@@ -5,7 +5,8 @@ Allocation is always summed from the leases that hold capacity
 (``LeaseState.holds_capacity``) at the moment of reading, never kept in a
 counter, so a crashed release cannot leak a slice. Parked leases hold no
 share but what they still take: GPU memory their checkpointer could not free
-(``gpu_bytes_kept``) on their GPUs, host RAM (``parked_host_bytes``) on their node. The service's
+(``gpu_bytes_kept``) on their GPUs, host RAM (``parked_host_bytes``) on their node; the
+rest of their share is claimed there (``GPUState.parked_fraction``), kept free while other room fits. The service's
 :class:`CapacityIndex` keeps the scheduler's view in memory between
 requests, re-reading only the GPUs that writers named as changed, and
 checks every decision against the store before it is written.
@@ -44,16 +45,19 @@ class Allocation:
     fraction: float = 0.0
     memory: int = 0
     leases: int = 0
+    parked_fraction: float = 0.0
+    parked_memory: int = 0
 
 
 def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[str, Allocation]:
     """GPU UUID -> what the leases holding capacity take of it (of ``uuids`` only,
-    when given), and the GPU memory parked leases could not free there
-    (``gpu_bytes_kept``, shared evenly by their GPUs: memory, no fraction, not counted in ``leases``)."""
+    when given), the GPU memory parked leases could not free there
+    (``gpu_bytes_kept``, shared evenly by their GPUs: memory, no fraction, not counted in ``leases``)
+    and the rest of the parked leases' share, claimed for their resume (``parked_fraction``, ``parked_memory``)."""
     query = (select(LeaseGPU.gpu_uuid, Lease.state, Lease.fraction, Lease.memory, Lease.gpu_count,
                     Lease.gpu_bytes_kept)
              .join(Lease, Lease.id == LeaseGPU.lease_id)
-             .where(Lease.state.in_(HOLDING) | ((Lease.state == PARKED) & (Lease.gpu_bytes_kept > 0))))
+             .where(Lease.state.in_(HOLDING + (PARKED,))))
     if uuids is not None:
         query = query.where(LeaseGPU.gpu_uuid.in_(uuids))
     rows = session.execute(query).all()
@@ -61,7 +65,10 @@ def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[
     for uuid, state, fraction, memory, count, kept in rows:
         alloc = totals[uuid]
         if state == PARKED:
-            alloc.memory += kept // max(1, count)
+            kept_here = (kept or 0) // max(1, count)
+            alloc.memory += kept_here
+            alloc.parked_fraction += fraction
+            alloc.parked_memory += max(0, memory - kept_here)
             continue
         alloc.fraction += fraction
         alloc.memory += memory
@@ -98,7 +105,8 @@ def gpu_states(session: Session, context_overhead: int, uuids: Collection[str] |
             node_degraded=node.state == "degraded",
             memory_unattributed=gpu.memory_unattributed or 0,
             whole_only=node.whole_gpus,
-            environments=offers[node.name][0], default_env=offers[node.name][1]))
+            environments=offers[node.name][0], default_env=offers[node.name][1],
+            parked_fraction=taken.parked_fraction, parked_memory=taken.parked_memory))
     return states
 
 
@@ -209,8 +217,9 @@ class CapacityIndex:
 def _same_capacity(a: GPUState, b: GPUState | None) -> bool:
     """Equal in everything placement depends on (not NVML's latest reading, shown in messages only)."""
     fields = ("node", "memory_usable", "allocated_memory", "memory_unattributed", "healthy", "node_up",
-              "node_degraded", "whole_only", "environments", "default_env")
-    return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and all(
+              "node_degraded", "whole_only", "environments", "default_env", "parked_memory")
+    return b is not None and abs(a.allocated_fraction - b.allocated_fraction) <= 1e-9 and \
+        abs(a.parked_fraction - b.parked_fraction) <= 1e-9 and all(
         getattr(a, f) == getattr(b, f) for f in fields)
 
 

@@ -19,7 +19,7 @@ from datetime import datetime
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from gpupool.schema import parse_time
+from gpupool.schema import WorkerState, parse_time
 from gpupool.wire.nodes import WorkerReport
 
 from .models import Lease, LeaseCell
@@ -34,7 +34,7 @@ def record(session: Session, lease: Lease, report: WorkerReport, now: datetime) 
         if start is not None and end is not None:
             _cell(session, lease, start, max(start, end))
     started = _moment(report.cell_started, lease, now)
-    ended = _moment(report.idle_since, lease, now) if report.execution_state == "idle" else None
+    ended = _moment(report.idle_since, lease, now) if report.execution_state == WorkerState.idle else None
     if started is not None:
         _cell(session, lease, started, ended if ended is not None and ended >= started else None)
 

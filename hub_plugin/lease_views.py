@@ -258,5 +258,5 @@ _GONE = SimpleNamespace(state=None, host_cpus=None, host_memory=None)
 def warning_lead(idle_warning: float, idle_timeout: float | None) -> float:
     """Seconds before the idle deadline that the notebook warns: ``c.GPUPool.idle_warning``, but
     never more than a third of the lease's idle timeout (a 1-minute timeout is warned 20 s ahead,
-    not at every cell's end; issue 28). 0 stays 0 (no warning)."""
+    not at every cell's end). 0 stays 0 (no warning)."""
     return min(idle_warning, idle_timeout / 3) if idle_timeout else idle_warning

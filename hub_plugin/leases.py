@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable
 from sqlalchemy import select, update
 
 from gpupool.errors import GPUPoolError, bad_request
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, WorkerState
 from gpupool.wire.workers import WorkerStarted
 
 from . import parked
@@ -112,7 +112,7 @@ class LeaseBook:
                 return False
             lease.connection = started.connection
             lease.worker_pid = started.pid
-            lease.worker_state = "idle"  # the kernel answered, no cell has run yet
+            lease.worker_state = WorkerState.idle.value  # the kernel answered, no cell has run yet
             lease.started_at = lease.last_heartbeat_at = lease.idle_since = lease.held_since = now
             transition(tx, lease, LeaseState.active, f"the worker started on {node_name} (pid {started.pid})",
                        now)

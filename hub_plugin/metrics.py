@@ -1,42 +1,11 @@
 """Prometheus metrics at ``/metrics``, on a registry of this service's own.
 
-Read from the store at scrape time, so they cannot drift from the
-scheduler's view and survive restarts (allocation is always summed from the
-leases that hold capacity):
-
-- ``gpupool_gpu_*{node,gpu,UUID,modelName,Hostname}`` (the labels of NVIDIA's
-  DCGM exporter, so dashboards can join the two on ``UUID``): per GPU the
-  allocated share (``..._allocated_ratio``, 0 to 1) and memory, usable memory,
-  memory in use; ``gpupool_nodes{node,state}``;
-- ``gpupool_leases{state}``: leases now in each live state (queued, starting,
-  active, parking, parked, releasing); ``gpupool_node_parked_host_bytes{node}``:
-  host RAM the leases parked in memory hold on each node, and
-  ``gpupool_node_parked_memory_bytes{node}`` its agent's budget for them; ``gpupool_leases_ended_total{state}``: leases that ended
-  released, reclaimed or failed (the store keeps every lease, so it never goes
-  down); ``gpupool_reclaims_total{reason}``: reclaims by reason code (``idle``,
-  ``heartbeat``, ``pressure``: parked early by the service because its notebook
-  did not: :class:`.rules.reclaim.Reclaim`, kept with each lease as its
-  ``reclaim_code``); ``gpupool_leases_by_class{class,state}``: queued and
-  active leases per class (``interactive``, ``batch``);
-- ``gpupool_queue_length`` (queued requests) and ``gpupool_queue_oldest_wait_seconds``
-  (how long the longest-waiting one has waited; 0 when none);
-- ``gpupool_usage_gpu_seconds_total{user}``: GPU-seconds (fraction x GPUs x
-  seconds) each user has used: ended leases from the usage ledger plus
-  running ones up to the scrape, so ``rate()`` shows GPUs in use per user.
-  One series per user who ever had a lease (JupyterHub user names: a
-  bounded set); groups are left to the admin API (``/admin/usage``), since a
-  user in several groups would count in each.
-
-Counted by this process as they happen (they start at 0 when it starts):
-``gpupool_lease_refusals_total{reason}`` (reason codes such as ``no_fraction``,
-``quota_max_gpus``: :mod:`.rules.misfits`; the words are in the API's answers), the histogram
-``gpupool_queue_wait_seconds``: how long each queued request waited until it
-was placed (requests that gave up or were cancelled are not observed),
-``gpupool_parks_total{reason,tier}``: parks done, by reason code
-(:class:`.rules.reclaim.ParkCode`: ``idle``, ``pressure``, ``preemption``,
-``owner``) and tier (``memory``, ``disk``), and the histogram
-``gpupool_resume_seconds``: from a resume's placement on its node to its
-worker answering again.
+Two kinds: gauges read from the store at scrape time (GPUs, nodes, leases by
+state and class, the queue, usage per user), so they cannot drift from the
+scheduler's view and survive restarts; and counters and histograms this
+process counts as things happen (refusals by reason, queue waits, parks,
+resumes), from 0 when it starts. Each metric, its labels and its units:
+docs/api.md (``/metrics``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, not_found
-from gpupool.schema import LeaseState, parse_time
+from gpupool.schema import LeaseState, WorkerState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
@@ -170,7 +170,7 @@ class NodeBook:
             lease = session.get(Lease, report.lease_id)
             if lease is None or lease.node_name != node.name or not _lives(lease):
                 stop.append(report.lease_id)
-            elif report.execution_state == "dead" and report.parked != "disk":  # a spilled one has no process
+            elif report.execution_state == WorkerState.dead and report.parked != "disk":  # a spilled one has no process
                 if lease.state != LeaseState.releasing.value:
                     dead.append((lease.id, _died(lease, report)))
             elif lease.state == LeaseState.active.value:
@@ -261,16 +261,16 @@ def _update_worker(lease: Lease, report: WorkerReport, now: datetime) -> None:
     was = lease.worker_state
     if report.pid is not None:
         lease.worker_pid = report.pid
-    lease.worker_state = report.execution_state
+    lease.worker_state = report.execution_state.value
     lease.worker_memory_used = report.memory_used
-    if report.execution_state == "busy":
+    if report.execution_state == WorkerState.busy:
         lease.idle_since = None
-    elif report.execution_state == "idle":
+    elif report.execution_state == WorkerState.idle:
         try:
             since = parse_time(report.idle_since)
         except (TypeError, ValueError, AttributeError):
             since = None
         if since is not None:
             lease.idle_since = min(max(since, lease.held_since or lease.started_at or since), now)
-        elif was != "idle" or lease.idle_since is None:
+        elif was != WorkerState.idle or lease.idle_since is None:
             lease.idle_since = now

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from gpupool.schema import LeaseState, isoformat
+from gpupool.schema import LeaseState, WorkerState, isoformat
 from gpupool.units import format_bytes, format_duration
 from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import WorkerParked, WorkerResumed
@@ -65,6 +65,8 @@ def done(tx: Transaction, lease: Lease, answer: WorkerParked, now: datetime) -> 
     lease.parked_host_bytes = answer.host_bytes if answer.tier == "memory" else 0
     lease.parked_disk_bytes, lease.gpu_bytes_moved = answer.disk_bytes, answer.gpu_bytes_moved
     lease.gpu_bytes_kept, lease.parked_lost, lease.parked_at = answer.gpu_bytes_kept, lost, now
+    if answer.reason:  # the agent spilled what was asked in memory: say why
+        lease.park_reason = f"{lease.park_reason}; to disk: {answer.reason}"
     if answer.tier == "disk":
         lease.connection = None  # the worker's process ended; resume starts a new one
     transition(tx, lease, LeaseState.parked, parked_words(lease), now)
@@ -103,8 +105,8 @@ def resumed(tx: Transaction, lease: Lease, answer: WorkerResumed, now: datetime)
     tier = lease.park_tier or answer.tier
     lease.connection, lease.worker_pid = answer.connection, answer.pid if answer.pid is not None else lease.worker_pid
     lease.last_heartbeat_at = lease.held_since = now
-    if lease.worker_state != "busy" or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
-        lease.worker_state, lease.idle_since = "idle", now
+    if lease.worker_state != WorkerState.busy or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
+        lease.worker_state, lease.idle_since = WorkerState.idle.value, now
     lost = f"; not kept: {'; '.join(answer.lost)}" if answer.lost else ""
     words = f"resumed on {lease.node_name} from {'disk' if tier == 'disk' else 'memory'} in " \
             f"{format_duration(answer.seconds) if answer.seconds >= 1 else f'{answer.seconds:.2f}s'}{lost}"

@@ -12,8 +12,8 @@ GPU share back without ending their worker (docs/parking.md).
   gives the share back and places what waits on it. The agent refusing
   because a cell runs puts the lease back ``active``; an agent that cannot
   park (no checkpointer, unreachable, a failed checkpointer) gets the idle
-  and pressure parks released as a reclaim, as before parking existed, and the
-  owner's and preemption's back ``active``, with its words.
+  and pressure parks released as a reclaim (the lease ends, its worker
+  stopped), and the owner's and preemption's back ``active``, with its words.
 - :meth:`Parking.resume_by` (``POST /leases/{id}/resume``, idempotent): the
   lease waits in the queue for room on its own node (:mod:`.lease_queue`,
   :mod:`.rules.resume`); once placed it is ``starting`` and the life cycle
@@ -127,7 +127,7 @@ class Parking:
 
     async def _not_parked(self, lease_id: str, code: ParkCode, request: ParkRequest, exc: GPUPoolError) -> Outcome:
         """The agent did not park it: back ``active`` while the worker runs on (a cell runs; the
-        owner's and preemption's parks), else released as the reclaim it was before parking existed."""
+        owner's and preemption's parks), else released as a reclaim (the lease ends, its worker stopped)."""
         if exc.code == Reason.worker_busy:
             await self.state.work.write(self._kept_now, lease_id, "a cell is running on its worker")
             return Outcome(BUSY, exc.message)
@@ -151,16 +151,21 @@ class Parking:
             node = tx.session.get(Node, lease.node_name)
             if node is None or node.checkpointer is None:
                 return Outcome(FAILED, cannot_park_words(lease.node_name))
-            tier, beyond = self._tier(tx.session, lease)
+            tier, beyond, room = self._tier(tx.session, lease)
             reason = reason if beyond is None else f"{reason}; {beyond}"
             parked.begin(tx, lease, code, reason, tier, now)
-            return node.url, ParkRequest(reason, tier, parked.running_cell(code))
+            return node.url, ParkRequest(reason, tier, parked.running_cell(code), room)
 
-    def _tier(self, session, lease: Lease) -> tuple[str, str | None]:
-        """Where the park goes under the owner's ``max_parked_memory`` (:func:`.rules.quotas.park_tier`);
-        its size is guessed as the GPU memory its worker uses (what moves to host RAM)."""
+    def _tier(self, session, lease: Lease) -> tuple[str, str | None, int | None]:
+        """Where the park goes under the owner's ``max_parked_memory`` (:func:`.rules.quotas.park_tier`),
+        and what the cap leaves for it (None: no cap). Its size is guessed here as the GPU memory its worker
+        uses (what moves to host RAM); the agent, which knows the worker's resident memory too, spills it
+        when the two pass what is left."""
         limits = self.quotas.limits(session, lease.owner, tuple(lease.groups or ()))
-        return quotas.park_tier(limits, usage.parked_memory(session, lease.owner), lease.worker_memory_used or 0)
+        held = usage.parked_memory(session, lease.owner)
+        tier, beyond = quotas.park_tier(limits, held, lease.worker_memory_used or 0)
+        cap = limits.max_parked_memory
+        return tier, beyond, None if cap is None else max(0, cap - held)
 
     def _done_now(self, lease_id: str, answer: WorkerParked) -> Drained | None:
         """``parking`` -> ``parked`` with what the agent answered, and the queue drained on the

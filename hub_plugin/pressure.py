@@ -24,7 +24,7 @@ from typing import Any, Collection, Iterable, Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.schema import LeaseState, isoformat
+from gpupool.schema import LeaseState, WorkerState, isoformat
 
 from .config import GPUPool
 from .lease_queue import RESUMING
@@ -77,7 +77,7 @@ class Pressure:
     def _held(lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
         """``lease`` as the ETA sees it (:class:`.eta.Holding`); ``deadline``: its idle deadline,
         the plan's early one if it set one."""
-        busy = lease.worker_state != "idle"
+        busy = lease.worker_state != WorkerState.idle
         return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
                            lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
                            None if busy else lease.idle_since, deadline,
@@ -101,7 +101,19 @@ class Pressure:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.settings)
         free = clearing.whole_free(self._soon_free(session)) if rule.wants_free_gpus(asking) else None
-        return rule.plan(held, asking, guarantees, free)
+        return rule.plan(held, asking, guarantees, free, self._freeing(session))
+
+    @staticmethod
+    def _freeing(session: Session) -> dict[str, float]:
+        """``{node: GPUs}`` that leases being parked or released still hold: on their way back, so the
+        plan does not take another lease for what they will free (a park's move takes seconds)."""
+        freeing: dict[str, float] = {}
+        for node, fraction, count in session.execute(
+                select(Lease.node_name, Lease.fraction, Lease.gpu_count)
+                .where(Lease.state.in_((LeaseState.parking.value, LeaseState.releasing.value)))):
+            if node is not None:
+                freeing[node] = freeing.get(node, 0.0) + fraction * count
+        return freeing
 
     def _soon_free(self, session: Session) -> list[GPUState]:
         """Every GPU's state with what ``releasing`` leases hold counted free: capacity on its way
@@ -132,7 +144,7 @@ class Pressure:
         """What the plan shows in ``lease``'s JSON: ``idle_deadline``, ``pressure`` (words) and
         ``preempt_at`` (ISO times or None), as :class:`gpupool.wire.leases.Lease` names them."""
         early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
-        busy = lease.worker_state == "busy"
+        busy = lease.worker_state == WorkerState.busy
         preempt = preempt if preempt and busy else None  # an idle one is parked by the early deadline
         return {"idle_deadline": isoformat(self.deadline(lease)),
                 "pressure": preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None,

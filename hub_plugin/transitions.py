@@ -22,13 +22,15 @@ from .state import Transaction
 log = logging.getLogger("gpupool.service.leases")
 
 QUEUED = LeaseState.queued.value
+PARKED = LeaseState.parked.value
 #: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.
 CAPPED = (LeaseState.starting.value, LeaseState.active.value)
 
 
 def transition(tx: Transaction, lease: Lease, state: LeaseState, reason: str | None, at: datetime) -> None:
     """Set ``lease.state`` and store the event; the commit wakes long polls."""
-    if lease.state is None or LeaseState(lease.state).holds_capacity != state.holds_capacity:
+    if lease.state is None or LeaseState(lease.state).holds_capacity != state.holds_capacity \
+            or PARKED in (lease.state, state.value):  # a parked lease claims room on its GPUs
         tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])
     lease.state = state.value
     lease.events.append(LeaseEvent(state=state.value, at=at, reason=reason))

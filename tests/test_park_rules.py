@@ -128,6 +128,26 @@ def test_a_waiting_resume_presses_only_on_its_own_node():
     assert set(anywhere.parks) == {"L-far"}  # a new request presses on the longest idle
 
 
+def test_what_a_park_or_release_under_way_frees_counts_before_another_lease_is_taken():
+    """A sweep during a park's move (seconds) must not take a second lease for the same waiter: the share
+    still held by the lease being parked counts as freeing, the resumes of its node first."""
+    def held(lease_id, node, idle):
+        return priority.Held(lease_id, "ann", 1.0, "interactive", False, False, at(-9000), at(idle), at(idle + 7200),
+                             node)
+
+    leases = [held("L-a", "n1", -3000), held("L-b", "n2", -2000)]
+    new = priority.Asking("L-new", "bob", 1.0, "interactive", at(-50), 1)
+    assert set(priority.plan(leases, [new], priority.Rule(120), {}).parks) == {"L-a"}, "without one freeing"
+    assert priority.plan(leases, [new], priority.Rule(120), {}, freeing={"n2": 1.0}).parks == {}
+    resume = priority.Asking("L-parked", "cid", 1.0, "interactive", at(-60), 1, "n1")
+    three = leases + [held("L-c", "n1", -1000)]
+    assert set(priority.plan(three, [new, resume], priority.Rule(120), {}).parks) == {"L-a", "L-c"}
+    both = priority.plan(three, [new, resume], priority.Rule(120), {}, freeing={"n1": 1.0})
+    assert set(both.parks) == {"L-a"}, "n1's freeing share is the resume's; the new request takes the longest idle"
+    half = priority.plan(leases, [new], priority.Rule(120), {}, freeing={"n1": 0.5})
+    assert set(half.parks) == {"L-a"}, "half a GPU freeing does not cover a whole one"
+
+
 # -- where a parked lease resumes --------------------------------------------------------------------------------
 
 def gpu(uuid: str, node: str = "n1", index: int = 0, name: str = "A100", taken: float = 0.0, memory: int = 0,

@@ -12,7 +12,7 @@ stops while parked; a resume while its GPU is taken waits first in line and
 resumes when room comes; a preemptible busy lease is frozen mid-cell by a
 waiting interactive request and resumed by the service once that one is
 released, its loop counting every iteration; max_parked_memory sends a park
-to disk; a node lost while parked ends its parked leases in words; the
+to disk, and a notebook kernel whose lease spilled reconnects to the new worker; a node lost while parked ends its parked leases in words; the
 heartbeat TTL releases a parked lease; the owner's park and resume refuse
 what they must; a service restarted while a lease is parking finishes the park.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from frontend import run
+from frontend import install_kernelspec, run, start_gpupool_kernel
 from jupyter_client import BlockingKernelClient
 from procs import start_agent, start_service, wait_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -224,7 +224,7 @@ def test_an_idle_lease_is_parked_at_its_idle_deadline_and_resumes_as_it_was(park
     assert samples[("gpupool_node_parked_host_bytes", (("node", "node-1"),))] == park["host_bytes"]
     assert samples[("gpupool_parks_total", (("reason", "idle"), ("tier", "memory")))] >= 1
     text = lease_table([still])[0]
-    assert "parked in memory on node-1 for" in text and "resumes in about" in text, text
+    assert "parked in memory on node-1 for" in text and "a resume takes about" in text, text
     assert "node-1 holds 1 parked lease: " in pool_table(parks.svc.client().pool())[0]
 
     resumed = parks.svc.client().resume(lease.id)
@@ -320,6 +320,30 @@ def test_a_park_beyond_max_parked_memory_goes_to_disk(parks, tmp_path):
     assert "resumed on node-1 from disk" in resumed.events[-1]["reason"]
     fresh = parks.kernel(resumed)
     assert cell(fresh, "print(x, int(gpu[::4096].sum()) == 7 * len(gpu[::4096]))").split() == ["41", "True"]
+
+
+def test_a_notebook_whose_lease_spilled_reconnects_to_the_new_worker_and_finds_its_variables(parks, tmp_path):
+    """dora's parks go to disk (her max_parked_memory is 1 MiB): the gpupool kernel's next cell resumes the
+    lease into a new worker, reconnects to it and finds what pickles; no notebook-side copy was made."""
+    kernels = install_kernelspec(tmp_path / "prefix", parks.svc.url, parks.svc.extra_tokens["dora"])
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        before = run(kc, "import os\nx = 41\nprint(os.getpid(), os.environ['GPUPOOL_LEASE_ID'])")
+        pid, lease_id = before.stdout.split()
+        parked = run(kc, "%gpu park")
+        assert parked.ok and "max_parked_memory" in parked.stdout, parked.text()
+        assert "its variables were saved to disk on node-1" in parked.stdout and "frozen" not in parked.stdout
+        assert run(kc, "%%local\n'x' in globals()").outputs[-1][1]["data"]["text/plain"] == "False"
+        after = run(kc, "print(x + 1, os.getpid())")
+        assert after.ok and f"gpupool: resumed {lease_id}" in after.stdout, after.text()
+        value, new_pid = after.stdout.strip().splitlines()[-1].split()
+        assert value == "42" and new_pid != pid, after.text()
+        assert run(kc, "print(os.environ['GPUPOOL_LEASE_ID'])").stdout.strip() == lease_id, "the same lease"
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_the_owners_park_and_resume_refuse_what_they_must(parks):

@@ -283,3 +283,34 @@ def test_parked_leases_count_against_max_gpus(store):
     assert (refused.code, refused.extra["limit"]) == ("quota_exceeded", "max_gpus")
     assert refused.message == ("quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00 (0.50 of it in parked "
                                "leases, which keep their GPUs' worth; release one you no longer need)")
+
+
+def test_a_parked_lease_claims_its_gpu_so_a_new_lease_goes_elsewhere(store):
+    """The service's placement keeps a parked lease's share free while other room fits: node n's GPU
+    holds a parked lease (its share claimed, its kept GiB held), node old's is free, so a new whole-GPU
+    lease goes to old; once the parked lease ends its claim goes with it (the index is told)."""
+    from gpupool.hub_plugin.capacity import gpu_states
+    from gpupool.hub_plugin.placing import Placer
+    from gpupool.hub_plugin.rules.scheduler import Demand, Placement
+
+    add(store, "L-00000000000f", state="parked", held_since=None, park_tier="memory", park_code="idle",
+        park_reason="idle for 1m", parked_at=T0, parked_host_bytes=GiB, gpu_bytes_kept=GiB)
+    with store.read() as session:
+        claimed = {g.uuid: g for g in gpu_states(session, 0)}["G-n"]
+    assert (claimed.allocated_fraction, claimed.allocated_memory) == (0.0, GiB)
+    assert (claimed.parked_fraction, claimed.parked_memory) == (1.0, 69 * GiB)
+    clock = {"now": T0 + timedelta(seconds=10)}
+
+    async def body(pool):
+        placer = Placer(pool.state)  # the pool's own capacity index, as its intake and queue use it
+
+        def decide():  # on the writer thread, as the intake decides
+            with pool.state.writing() as tx:
+                return placer.place(tx.session, Demand(1.0))
+        first = await pool.state.work.write(decide)
+        await pool.leases.release_by(ann(), "L-00000000000f", None)
+        return first, await pool.state.work.write(decide)
+
+    first, after = in_pool(store, clock, body)
+    assert isinstance(first, Placement) and first.gpus == ("G-old",), first
+    assert isinstance(after, Placement) and after.gpus == ("G-n",), "by name once nothing is claimed"

@@ -157,8 +157,12 @@ def test_a_preemptible_lease_is_frozen_mid_cell_and_the_cell_goes_on_after_its_r
                                         "is frozen on node-1"), parked
     assert "the running cell waits and goes on when the pool resumes it" in parked["message"]
     assert placed(service, waiter.id).node  # ann's lease runs on the GPU, then gives it back
-    reply = _reply(notebook, cell)  # the service resumes the preempted lease itself once room comes
+    resumed = notebook.wait_for_event("resumed", 90, "the service resuming the preempted lease once room came")
+    assert resumed["message"].startswith(f"resumed {mine.id} on node-1 GPU 0 (parked "), resumed
+    assert resumed["message"].endswith("; the running cell goes on"), resumed
+    reply = _reply(notebook, cell)
     assert reply["status"] == "ok", reply
+    notebook.wait_for_line(f"gpupool: resumed {mine.id} on node-1", 30, "the resume said in the running cell")
     notebook.wait_for_line("done 99 True", 30, "the cell's last line: all its ticks, past the freeze")
     assert service.client().get_lease(mine.id).state is LeaseState.active
 

@@ -23,7 +23,9 @@ from test_idle_warning import Transcript
 
 
 #: The pressure grace of these pools: far longer than the tests, so a park it sets never comes due in them.
-LONG_GRACE, NOTICE = 60.0, 1.0
+#: The preemption notice: long enough that the test reads the lease before the park it announces
+#: (the lease shows no preempt_at once it is parking; 1 s was too short on a loaded host).
+LONG_GRACE, NOTICE = 60.0, 5.0
 TOKENS = {"ann": "ann-token-" + "6" * 16, "bob": "bob-token-" + "7" * 16, "zoe": "zoe-token-" + "8" * 16}
 
 

@@ -3,6 +3,8 @@ and reclaim (which lease, when). Literal states in, literal decisions out."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
@@ -347,6 +349,41 @@ def random_workload(rng):
     return workload_of(random_demand(rng) for _ in range(rng.randint(1, 12)))
 
 
+def claim(state: GPUState, fraction: float) -> GPUState:
+    """``state`` with parked leases claiming ``fraction`` of it (and that share of its memory)."""
+    return dataclasses.replace(state, parked_fraction=fraction, parked_memory=state.share(fraction))
+
+
+def test_new_leases_keep_off_the_room_parked_leases_claim_while_other_room_fits():
+    """A parked lease's share stays claimed on its GPU: a slice goes where nothing is claimed even
+    if best fit would pick the claimed GPU, and takes claimed room only when nothing else fits; the
+    refusal counts what is really free, not what is claimed."""
+    claimed_gpu, other = claim(gpu("n1", 0, fraction=0.25), 0.75), gpu("n2", 0, fraction=0.5)
+    assert place(Demand(0.25), [claimed_gpu, other]).gpus == ("GPU-n2-0",)
+    assert place(Demand(0.25), [claimed_gpu, gpu("n2", 0)]).gpus == ("GPU-n2-0",), "an idle GPU before claimed room"
+    assert place(Demand(0.5), [claimed_gpu, gpu("n2", 0, fraction=0.75)]).gpus == ("GPU-n1-0",), \
+        "claimed room once nothing else fits"
+    refused = place(Demand(1.0), [claimed_gpu])
+    assert isinstance(refused, Refusal) and "the most free is 0.75" in refused.message, refused
+    # Whole GPUs: the node whose GPUs nobody claims first; a claimed one only when the ask needs it.
+    nodes = [claim(gpu("n1", 0), 1.0), gpu("n1", 1), gpu("n2", 0), gpu("n2", 1)]
+    assert place(Demand(1.0, 2), nodes).node == "n2"
+    assert place(Demand(1.0, 2), nodes[:2]).gpus == ("GPU-n1-0", "GPU-n1-1")
+
+
+def test_a_resume_counts_its_own_claim_as_its_room():
+    """The resuming lease's own claim is its room; another parked lease's claim on its node's other
+    GPU keeps a remapped resume off that one while an unclaimed GPU fits."""
+    from gpupool.hub_plugin.rules import resume
+
+    own = claim(gpu("n1", 0, fraction=0.5), 0.5)
+    states = {g.uuid: g for g in (own, claim(gpu("n1", 1), 0.75), gpu("n1", 2))}
+    ask = resume.Resume("n1", ("GPU-n1-0",), A100, 0.5, 1, 40 * GiB, remap=True)
+    assert resume.place(ask, states, list(states), None).gpus == ("GPU-n1-0",)
+    states["GPU-n1-0"] = claim(gpu("n1", 0, fraction=1.0), 0.5)  # its GPU taken meanwhile
+    assert resume.place(ask, states, list(states), None).gpus == ("GPU-n1-2",)
+
+
 def test_placement_index_gives_the_same_answer_under_churn():
     import dataclasses
     import random
@@ -367,6 +404,9 @@ def test_placement_index_gives_the_same_answer_under_churn():
                 node, envs = rng.choice(index.all()).node, frozenset(rng.choice([(), ("default",), ("torch",)]))
                 for uuid in index.node_gpus(node):
                     index.update(dataclasses.replace(index.states[uuid], environments=envs))
+            if rng.random() < 0.15:  # a lease parks off a GPU, or a parked one resumes or ends: its claim
+                state = rng.choice(index.all())
+                index.update(claim(state, rng.choice([0.0, 0.25, 0.5, 1.0])))
             demand = random_demand(rng)
             expected = place(demand, index.all(), index.workload)
             assert index.place(demand) == expected, demand

@@ -31,9 +31,15 @@ def tiny_workload() -> NotebookWorkload:
     return NotebookWorkload(cells, sessions, "hand-made")
 
 
+def free_parks(policy):
+    """``policy`` with parks that release the lease and cost nothing, and preempted jobs that restart:
+    the rules alone, whose arithmetic the hand-worked tests below follow (park costs: test_simulate_parking.py)."""
+    return replace(policy, park_in_place=False, resume_preempted=False)
+
+
 def run(name: str, pressure_grace=None):
     chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=pressure_grace)
-    return simulate_notebooks(tiny_workload(), chosen[name], 2, per_node=2)
+    return simulate_notebooks(tiny_workload(), free_parks(chosen[name]), 2, per_node=2)
 
 
 def test_gpupool_by_hand():
@@ -95,7 +101,7 @@ def test_fifo_blocks_smaller_requests_but_gpupool_does_not():
     sessions = (Session(0, 0, 0, 1, 750, 0.0, FAR, (0,)), Session(1, 1, 0, 2, 1000, 60.0, FAR, (1,)),
                 Session(2, 2, 0, 1, 250, 120.0, FAR, (2,)))
     workload = NotebookWorkload(cells, sessions, "hand-made")
-    slices = simulate_notebooks(workload, policies(300.0, pressure_grace=None)["gpupool"], 2, per_node=2)
+    slices = simulate_notebooks(workload, free_parks(policies(300.0, pressure_grace=None)["gpupool"]), 2, per_node=2)
     assert slices.waits.tolist() == [0, 840, 0]
     batch = simulate_notebooks(workload, policies()["batch"], 2, per_node=2)
     assert batch.waits.tolist() == [0, 540, 540]
@@ -217,7 +223,7 @@ def test_an_early_park_gives_its_user_the_grace_from_the_ask():
     1000 B asks for the whole GPU: A is parked at 1000 + 120, B starts then."""
     cells = (Cell(0, 0, 0.0, 100.0), Cell(1, 1, 1000.0, 60.0))
     sessions = (Session(0, 0, 0, 1, 500, 0.0, FAR, (0,)), Session(1, 1, 1, 1, 1000, 1000.0, FAR, (1,)))
-    chosen = policies(gpupool_idle_timeout=1800.0, pressure_grace=120.0)["gpupool"]
+    chosen = free_parks(policies(gpupool_idle_timeout=1800.0, pressure_grace=120.0)["gpupool"])
     result = simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), chosen, 1, per_node=1)
     assert result.waits.tolist() == [0.0, 120.0]
     assert result.early_parks == 1
@@ -242,7 +248,7 @@ def test_batch_backlog_is_preempted_for_an_interactive_request():
     id) to be interrupted at 60 + grace 120 + notice 30 = 210. The cell
     starts then (waited 150) and the job is queued again; it starts at 310,
     when the notebook's kernel is gone. Batch work lost: 1 GPU x 210 s."""
-    gpupool = policies(300.0)["gpupool"]
+    gpupool = free_parks(policies(300.0)["gpupool"])
     result = backlog_run(gpupool)
     assert result.waits.tolist() == [150.0]
     assert result.preemptions == 1
@@ -264,7 +270,8 @@ def test_a_workloads_own_batch_sessions_yield_only_when_preemptible():
         cells = (Cell(0, 0, 0.0, 1000.0), Cell(1, 1, 60.0, 100.0))
         sessions = (Session(0, 0, 0, 1, 1000, 0.0, FAR, (0,), BATCH, preemptible),
                     Session(1, 1, 1, 1, 1000, 60.0, 200.0, (1,)))
-        return simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), policies(300.0)["gpupool"], 1,
+        policy = free_parks(policies(300.0)["gpupool"])
+        return simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), policy, 1,
                                   per_node=1)
 
     yielded, kept = replay(True), replay(False)
@@ -416,7 +423,7 @@ def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
     timeout) = 1560: ETA 360 s; old estimate: 1 x median lease (420, 900 -> 660) / 1 lease held.
     It waited 600."""
     chosen = policies(gpupool_idle_timeout=300.0, pressure_grace=None)
-    result = simulate_notebooks(tiny_workload(), chosen["gpupool"], 2, per_node=2, with_eta=True)
+    result = simulate_notebooks(tiny_workload(), free_parks(chosen["gpupool"]), 2, per_node=2, with_eta=True)
     assert result.eta_errors == ((None, None, 780.0), (360.0, 660.0, 600.0))
 
 
@@ -424,7 +431,7 @@ def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
 
 #: The replay's modules; beside them, traces.py reads CSV files, store.py a store, cli.py is the command.
 REPLAY = ("notebooks", "sessions", "policies", "sweep", "waiting", "backlog", "eta_log", "results", "openb",
-          "multidim", "pool", "workload", "estimates", "synthetic")
+          "multidim", "pool", "workload", "estimates", "synthetic", "costs", "parked", "defaults")
 IO_PACKAGES = ("sqlalchemy", "alembic", "psycopg", "tornado", "zmq", "jupyter_client", "socket", "csv", "asyncio")
 
 

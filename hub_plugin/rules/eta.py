@@ -2,29 +2,12 @@
 and the simulator. Pure: the pool's free room, what holds capacity, what
 waits, typical cell lengths and ``now`` in, seconds out.
 
-Capacity frees when a lease ends. For each lease that holds capacity the
-rule takes the moment it is expected to end (:func:`expected_end`):
-
-- idle (no cell running): its idle deadline (its own, or the earlier one the
-  pressure plan set, :mod:`.priority`), since it is parked then unless a cell
-  starts;
-- busy: when its running cell started plus the typical length of recent
-  cells of its class (a cell already past it: ``now`` plus half that length,
-  a guess that moves as time passes), then its idle timeout (never, without one).
-
-A waiting request presses on the leases pressure would take for it: those
-of its class or a lower one (an interactive request on every class, a batch
-one on batch leases), outside their owner's guaranteed share. Pressed, an
-idle lease goes at most the pressure ``grace`` after ``now`` (or after it
-went idle), and a busy one at most ``grace`` after its cell.
-
-Then the requests are placed in queue order, each once the ones before it
-are, as capacity frees in time order (:func:`eta_seconds`): a slice on the
-first GPU with room, whole GPUs on the first node with that many wholly
-free. A parked lease's resume may take only the GPUs of its own node (its
-worker lives there), the ones it had first; once placed it is back within
-seconds (:func:`.resume.resume_seconds`), so it waits only for room there.
-It is an estimate: GPU memory, models, environments and the fairness
+Each lease that holds capacity is expected to end at a moment
+(:func:`expected_end`: an idle one at its idle deadline, a busy one after a
+typical cell of its class, sooner where a waiting request presses on it);
+the requests are then placed in queue order as capacity frees in time order
+(:func:`eta_seconds`). The rule in full: docs/api.md, "Classes and pressure"
+(ETA). It is an estimate: GPU memory, models, environments and the fairness
 of who goes first among equals are the scheduler's business, not modelled.
 """
 

@@ -1,29 +1,10 @@
 """The fragmentation measure of Weng et al. ("Beware of Fragmentation",
 USENIX ATC '23, section 4), extended to every dimension as the paper does
-(section 6): one pure rule that the service's placement
-(:mod:`.scheduler`, on nodes where host CPU or memory binds) and the openb
-simulator (:mod:`gpupool.hub_plugin.simulate.multidim`, on every node) share.
-
-Fragmentation of a node is the expected GPU capacity that the next task,
-drawn from the workload's mix of task types, could not use there: for a
-type that does not fit the node at all (too few free cores, too little free
-host memory, or no GPU with room) every unallocated GPU of the node counts;
-for one that fits, the GPUs too small for it (free share below its
-fraction, or any partly used GPU for a whole-GPU type). A CPU-only type can
-use none of a node's GPUs, so for it every unallocated GPU counts, whether
-it fits or not (as in the paper's simulator, hkust-adsl/kubernetes-scheduler-simulator,
-``pkg/utils/frag.go``); its term moves by the same amount wherever a task
-goes, so it weighs on no decision.
-
-The weights are the workload's whole distribution of task types (every
-type; :func:`task_types`) as integer counts, so the sum is exact: two
-placements that grow fragmentation equally compare equal, and ties fall to
-the caller's order instead of to rounding. Divide by ``weight.sum()`` for
-the expected capacity in milli-GPUs (the service passes weights summing to 1).
-
-Units: GPU share in milli (:data:`FULL` is one whole GPU); CPU and memory in
-any unit, the same for the node and the types (the simulator: milli-cores
-and MiB; the service: milli-cores and MiB too, see :mod:`.hosts`).
+(section 6): one pure rule that the service's placement (:mod:`.scheduler`,
+on nodes where host CPU or memory binds) and the openb simulator
+(:mod:`gpupool.hub_plugin.simulate.multidim`, on every node) share. What it
+counts, why the weights are integer counts, and the units: docs/placement.md,
+"The fragmentation measure".
 """
 
 from __future__ import annotations

@@ -1,49 +1,9 @@
 """An index over GPU states that gives :func:`.scheduler.place`'s answer
 without scanning every GPU. Pure, in memory; the service keeps one
 (:class:`gpupool.hub_plugin.capacity.CapacityIndex`), as do the simulator and
-bench/scheduler_bench.py. ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
+bench/scheduler_bench.py. Why it is the same answer: docs/placement.md, "The
+placement index"; ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
 checks it against ``place()`` on random pools under churn.
-
-Why it is the same answer:
-
-- A slice: ``place()`` picks, among the GPUs that fit, the least
-  ``(fragmentation growth, free left, node, index)``
-  (:func:`.scheduler.slice_key`). On a GPU that is not wholly free the
-  growth depends only on its free fraction; on a wholly free one, only on
-  how many wholly free GPUs its node has (:func:`.workload.slice_delta`).
-  So GPUs fall into classes — partly taken GPUs by free fraction, wholly
-  free ones by their node's idle count — whose members differ only in
-  ``(node, index)``, and only the least member of each class that fits can
-  win. Partly taken GPUs are kept sorted by ``(free, node, index)`` and
-  nodes by ``(idle GPUs, name)``; the index finds each class's first fitting
-  member and calls ``place()`` on those, with the nodes' idle counts.
-- N whole GPUs: ``place()`` picks the least ``(fragmentation growth, idle
-  GPUs, name)`` among nodes with at least N eligible idle GPUs, and the
-  growth depends only on the node's idle count. When every GPU is usable
-  (node up, healthy) and the request names no model and no memory, every
-  idle GPU is eligible, so the winner is the first node of one of the idle
-  counts ``>= N``; ``place()`` is then called on those nodes' GPUs.
-  Otherwise ``place()`` scans every GPU.
-- A worker environment (``demand.env``) is a node filter (``place()`` rules
-  out the GPUs of nodes lacking it). For each environment that only some
-  nodes offer, the index keeps the same two sorted lists over just those
-  nodes' GPUs, and searches them instead: the classes are then the same,
-  and a request for a rare environment does not wade through the GPUs of
-  nodes without it. An environment every node offers filters nothing and
-  uses the main lists. :meth:`PlacementIndex.offers` says whether any GPU's
-  node offers an environment at all.
-- Host CPUs and memory (``hosts``, :mod:`.hosts`): a class's first member
-  that fits is the first that fits in every dimension. A request that
-  takes the default host share cannot make a node's host bind while the
-  host has its default share of the node's free GPUs
-  (:func:`.hosts.proportional`); the other nodes ("tight": some lease there
-  named more than its share) have a growth of their own, so the classes
-  leave them out and every fitting GPU of theirs goes to ``place()``. A
-  request that names its host ask may bind anywhere: ``place()`` scans every
-  GPU for it (exact, slower).
-- When nothing fits, ``place()`` runs on every GPU, since the refusal's
-  tally of reasons covers every GPU (unless the caller asks for no
-  explanation: the queue only needs to know).
 """
 
 from __future__ import annotations
@@ -55,7 +15,8 @@ from collections import Counter
 from typing import Iterable
 
 from .hosts import HostState, host_misfit, proportional
-from .scheduler import Demand, GPUState, Placement, Refusal, _whole_free, place, slice_misfit
+from .scheduler import (Demand, GPUState, Placement, Refusal, _whole_free, claimed, has_claims, place_now,
+                        slice_misfit)
 from .workload import DEFAULT_WORKLOAD, EPSILON, Workload
 
 #: How far below the asked fraction the search for partly taken GPUs starts (>> float noise).
@@ -68,19 +29,24 @@ class PlacementIndex:
     mix (assign :attr:`workload` to change it). ``hosts``: node -> its host
     (:class:`.hosts.HostState`), for nodes that report one. Call
     :meth:`update` / :meth:`update_host` (or :meth:`take` / :meth:`give`)
-    whenever a GPU's or a host's state changes."""
+    whenever a GPU's or a host's state changes. While parked leases claim
+    room (:func:`.scheduler.claimed`), a second index of the claimed view
+    answers first, as ``place()`` looks there first."""
 
     def __init__(self, gpus: Iterable[GPUState], workload: Workload = DEFAULT_WORKLOAD,
                  hosts: dict[str, HostState] | None = None) -> None:
         self.workload = workload
         self.hosts: dict[str, HostState] = dict(hosts or {})
         self.states: dict[str, GPUState] = {}
+        self._claims = 0  # GPUs parked leases claim room on
+        self._soft: PlacementIndex | None = None  # the claimed view, built once a claim is made
         self._node_gpus: dict[str, list[str]] = {}
         self._idle: dict[str, int] = {}
         self._free: dict[str, float] = {}  # node -> the sum of its usable GPUs' free fractions
         self._unusable = 0  # GPUs on lost nodes or unhealthy
         for gpu in gpus:
             self._unusable += _unusable(gpu)
+            self._claims += has_claims(gpu)
             self.states[gpu.uuid] = gpu
             self._node_gpus.setdefault(gpu.node, []).append(gpu.uuid)
             self._idle[gpu.node] = self._idle.get(gpu.node, 0) + _whole_free(gpu)
@@ -133,6 +99,9 @@ class PlacementIndex:
     def update(self, gpu: GPUState) -> None:
         """Replace the state of ``gpu.uuid`` (a GPU already indexed, on the same node)."""
         old = self.states[gpu.uuid]
+        self._claims += has_claims(gpu) - has_claims(old)
+        if self._soft is not None:
+            self._soft.update(claimed(gpu))
         same_envs = gpu.environments is old.environments or gpu.environments == old.environments
         envs = [env for env in gpu.environments if env in self._env_partial] if same_envs else []
         partial = [self._partial, *(self._env_partial[env] for env in envs)]
@@ -162,6 +131,8 @@ class PlacementIndex:
         """Replace (or add) the host of ``host.node``."""
         self.hosts[host.node] = host
         self._retight(host.node)
+        if self._soft is not None:
+            self._soft.update_host(host)
 
     def take(self, placement: Placement) -> None:
         """Add what ``placement`` grants to its GPUs' allocation."""
@@ -174,8 +145,7 @@ class PlacementIndex:
     def _add(self, placement: Placement, sign: int) -> None:
         host = self.hosts.get(placement.node)
         if host is not None:
-            self.hosts[placement.node] = host.taken(placement.cpus or 0.0, placement.host_memory or 0, sign)
-            self._retight(placement.node)
+            self.update_host(host.taken(placement.cpus or 0.0, placement.host_memory or 0, sign))
         for uuid in placement.gpus:
             g = self.states[uuid]
             fraction = g.allocated_fraction + sign * placement.fraction
@@ -187,20 +157,34 @@ class PlacementIndex:
         docstring). ``explain=False`` returns a refusal without its reasons
         and message when the index alone knows nothing fits (no scan of every
         GPU; for callers that only need the decision, like the queue)."""
+        if self._claims:
+            found = self._claimed_view().place(demand, explain=False)
+            if isinstance(found, Placement):
+                return found
+        return self._place_now(demand, explain)
+
+    def _claimed_view(self) -> PlacementIndex:
+        if self._soft is None:
+            self._soft = PlacementIndex(map(claimed, self.states.values()), self.workload, self.hosts)
+        self._soft.workload = self.workload
+        return self._soft
+
+    def _place_now(self, demand: Demand, explain: bool) -> Placement | Refusal:
+        """:func:`.scheduler.place_now` on every GPU, found faster."""
         if self.hosts and (demand.cpus is not None or demand.host_memory is not None):
             candidates = None  # a named host ask may bind on any node: scan everything
         elif demand.gpu_count > 1:
             candidates = self._whole(demand)
             if candidates:
-                return place(demand, candidates, self.workload, hosts=self.hosts, node_gpus=_NodeGPUs(self))
+                return place_now(demand, candidates, self.workload, hosts=self.hosts, node_gpus=_NodeGPUs(self))
         else:
             candidates = self._slice(demand)
             if candidates:
-                return place(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts,
-                             node_gpus=_NodeGPUs(self))
+                return place_now(demand, candidates, self.workload, idle=self._idle, hosts=self.hosts,
+                                 node_gpus=_NodeGPUs(self))
         if candidates is not None and not explain:
             return Refusal()
-        return place(demand, self.all(), self.workload, hosts=self.hosts)
+        return place_now(demand, self.all(), self.workload, hosts=self.hosts)
 
     def _fits(self, demand: Demand, gpu: GPUState) -> bool:
         return gpu.node not in self._tight and slice_misfit(demand, gpu, self.hosts.get(gpu.node)) is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Collection, Iterable
 
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, WorkerState
 from gpupool.units import format_duration
 
 from . import priority
@@ -57,14 +57,14 @@ def preempts(plan: priority.Plan, active: Iterable[Any], now: datetime, parkable
     preempting = priority.acting(plan, now)[1]
     return [Decision(lease.id, LeaseState.parked, plan.preemptions[lease.id].reason, ParkCode.preemption, FREEZE)
             for lease in active
-            if lease.id in preempting and lease.worker_state == "busy" and lease.preemptible
+            if lease.id in preempting and lease.worker_state == WorkerState.busy and lease.preemptible
             and lease.node_name in parkable]
 
 
 def still_preempted(plan: priority.Plan, lease: Any, now: datetime) -> bool:
     """Re-checked under the write lock: still active, its cell running, past its ``preempt_at``."""
     preemption = plan.preemptions.get(lease.id)
-    return (lease.state == LeaseState.active.value and lease.worker_state == "busy" and preemption is not None
+    return (lease.state == LeaseState.active.value and lease.worker_state == WorkerState.busy and preemption is not None
             and preemption.at <= now)
 
 
@@ -77,13 +77,13 @@ def grace_words(early: priority.EarlyPark) -> str:
 def still_due(plan: priority.Plan, lease: Any, now: datetime) -> bool:
     """Re-checked under the write lock: still idle and past its early deadline."""
     when = deadline(plan, lease)
-    return (lease.state == LeaseState.active.value and lease.worker_state == "idle"
+    return (lease.state == LeaseState.active.value and lease.worker_state == WorkerState.idle
             and when is not None and when <= now)
 
 
 def held(lease: Any) -> priority.Held:
     """``lease`` as the plan sees it."""
-    idle = lease.worker_state == "idle"
+    idle, busy = lease.worker_state == WorkerState.idle, lease.worker_state == WorkerState.busy
     return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
-                         bool(lease.preemptible), lease.worker_state == "busy", lease.started_at or lease.created_at,
+                         bool(lease.preemptible), busy, lease.started_at or lease.created_at,
                          lease.idle_since if idle else None, idle_deadline(lease), lease.node_name)

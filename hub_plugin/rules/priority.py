@@ -1,34 +1,13 @@
 """Lease classes and pressure: who goes first, and what is taken back early.
 
-Pure: leases, waiting requests and limits in, decisions out (no
-SQL, no clock). The service's sweep (:mod:`gpupool.hub_plugin.pressure`), the simulator and
-the tests call the same functions.
-
-**Classes.** ``interactive`` (the default: a person at a notebook) and
-``batch`` (a run nobody watches: ``%gpu acquire --batch``, or
-``GPUPOOL_LEASE_CLASS=batch`` in the kernel's environment). In the queue every
-interactive request goes before every batch one (:func:`class_rank`); batch
-fills what is left. Batch is lower priority, not automatically preemptible.
-
-**Guaranteed share** (Run:ai's deserved quota). A user's leases, oldest
-first, are *guaranteed* while their GPUs sum to at most the user's
-``guaranteed_gpus`` quota (:func:`guaranteed`); the rest are *over quota*.
-A guaranteed lease is never parked early nor preempted.
-
-**Pressure** (:func:`plan`). While requests wait, idle over-quota leases are
-parked after ``grace`` seconds instead of their idle timeout: batch first,
-then the longest idle, until the GPUs they free cover what waits. A parked
-lease waiting to resume (:class:`Asking` with a ``node``) presses only on the
-leases of its own node, where its worker lives; parked leases themselves hold
-no GPU and are never pressed again. A waiting
-interactive request presses on every class, a batch one only on batch leases.
-A lease whose cell runs is never touched, unless it opted in
-(``preemptible``) and the pool allows preemption: then, if the idle ones do
-not cover what waiting interactive requests need, it is told (``notice``
-seconds ahead) and its cell interrupted, then parked. A batch waiter never
-preempts (a standing backlog would preempt its own kind at every sweep). Capacity is counted in GPUs (fraction x count):
-what a waiter needs on which node is the scheduler's business, so the rule
-may free a little more or less than exactly what fits.
+Pure: leases, waiting requests and limits in, decisions out (no SQL, no
+clock). The service's sweep (:mod:`gpupool.hub_plugin.pressure`), the
+simulator and the tests call the same functions: the queue's class order
+(:func:`class_rank`), the guaranteed share (:func:`guaranteed`) and the
+pressure plan (:func:`plan`). The rules: docs/api.md, "Classes and pressure".
+Capacity is counted in GPUs (fraction x count): what a waiter needs on which
+node is the scheduler's business, so a plan may free a little more or less
+than exactly what fits.
 """
 
 from __future__ import annotations
@@ -178,14 +157,14 @@ class Rule:
                                         and item.gpu_count > 1 for item in asking)
 
     def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
-             free_gpus: Mapping[str, float] | None = None) -> Plan:
+             free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None) -> Plan:
         """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
         only with ``clear_nodes``."""
-        return plan(held, asking, self, guaranteed_gpus, free_gpus if self.clear_nodes else None)
+        return plan(held, asking, self, guaranteed_gpus, free_gpus if self.clear_nodes else None, freeing)
 
 
 def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_gpus: Mapping[str, float],
-         free_gpus: Mapping[str, float] | None = None) -> Plan:
+         free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None) -> Plan:
     """Early parks and preemptions while ``asking`` waits (module docstring), by ``rule``.
 
     ``rule.grace``: seconds a lease may stay idle under pressure (counted from
@@ -204,10 +183,14 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     a lease's own ``idle_deadline`` are returned. No clock: deadlines are absolute, so the same inputs give the
     same plan at every sweep, and the sweep compares them with its ``now``.
     What a higher class's waiters free is theirs: a batch waiter counts only
-    on batch leases not already taken for interactive ones.
+    on batch leases not already taken for interactive ones. ``freeing`` (node ->
+    GPUs): what leases being parked or released hold still, already on its way
+    back; it counts first, the waiters of its node first, so that a sweep during
+    a park's move does not take a second lease for the same waiter.
     """
     if not asking:
         return NO_PRESSURE
+    spare = {node: gpus for node, gpus in (freeing or {}).items() if gpus > EPSILON}
     safe = guaranteed(held, guaranteed_gpus)
     open_leases = [lease for lease in held if lease.lease_id not in safe]
     parks: dict[str, EarlyPark] = {}
@@ -215,7 +198,17 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     # Interactive waiters press on every lease, batch ones only on batch leases.
     for rank in sorted({class_rank(item.lease_class) for item in asking}):
         pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
+        bound = {node: sum(item.gpus for item in asking if item.node == node and class_rank(item.lease_class) == rank)
+                 for node in {item.node for item in asking if item.node is not None}}
+        for node in bound:  # a resume takes what frees on its own node first
+            used = min(bound[node], spare.get(node, 0.0))
+            bound[node] -= used
+            spare[node] = spare.get(node, 0.0) - used
         need = sum(item.gpus for item in asking if class_rank(item.lease_class) == rank and item.node is None)
+        for node in sorted(spare, key=str):  # the rest of what frees serves anyone
+            used = min(need, spare[node])
+            need -= used
+            spare[node] -= used
         since = min(item.created_at for item in pressing)
         reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
         targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
@@ -259,14 +252,14 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
             take(lease)
             need -= lease.gpus
         # A resume waits for room on its own node: it presses only on the leases there.
-        for node in sorted({item.node for item in asking if item.node is not None
-                            and class_rank(item.lease_class) == rank}):
-            here = sum(item.gpus for item in asking if item.node == node and class_rank(item.lease_class) == rank)
+        for node in sorted(node for node, here in bound.items() if here > EPSILON):
+            here = bound[node]
             for lease in _victims([t for t in targets if t.node == node], preempting, rule.batch_first):
                 if here <= EPSILON:
                     break
-                if lease.lease_id not in parks and lease.lease_id not in preemptions:
-                    take(lease)
+                if lease.lease_id in parks or lease.lease_id in preemptions:
+                    continue  # taken for another waiter: its room is that one's
+                take(lease)
                 here -= lease.gpus
     return Plan(parks, preemptions)
 

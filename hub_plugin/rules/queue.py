@@ -1,29 +1,12 @@
 """The wait queue: in which order queued requests get capacity. Pure: queued
 requests, GPU states and time in, placements out.
 
-A request with ``wait`` that does not fit now is stored ``queued``
-(:mod:`gpupool.hub_plugin.leases`); whenever capacity frees (a lease ends, a node registers,
-every reclaim sweep) :func:`drain` decides which queued requests to place.
-
-Classes first (:mod:`.priority`): every ``interactive`` request goes before
-every ``batch`` one; batch fills what is left. Within a class, the fairness
-rule: **who used the pool least recently goes first.** A
-user's "last use" is now while they hold any capacity, else the end of
-their latest lease, else never; never comes first. Ties go to the older
-request (then the lease id). After a request is placed its owner counts as
-using the pool now, so one user's many requests take turns with everyone
-else's rather than all going first. A request that does not fit is passed
-over for later ones that do (backfill): a big request may wait while small
-ones are placed, until enough frees up at once.
-
-A new request that fits right away is placed without queueing: capacity
-that is free at that moment is capacity no queued request could use, since
-the queue is drained as soon as anything frees.
-
-A parked lease whose resume was asked for waits in the same line, ahead of
-the new requests of its class (its notebook already had its turn), resumes
-among themselves in the order they were asked; it is placed on its own node
-only (:func:`.resume.place`).
+Whenever capacity frees (a lease ends, a node registers, every reclaim
+sweep) :func:`drain` places queued requests: classes first (:mod:`.priority`),
+then who used the pool least recently; a request that does not fit is
+passed over for later ones that do (backfill). A parked lease's resume waits
+in the same line, ahead of its class's new requests, on its own node only
+(:func:`.resume.place`). The order in full: docs/api.md, "Queue".
 """
 
 from __future__ import annotations

@@ -1,41 +1,11 @@
 """Quotas: who may hold how much. Pure: quota tables and usage in, limits and refusals out.
 
-A quota table maps a scope to a partial set of limits::
-
-    c.GPUPool.quotas = {
-        "*":             {"max_gpus": 1, "max_lease_gpus": 1, "gpu_hours_per_day": 8,
-                          "gpu_hours_per_week": "40h", "max_idle_timeout": "2h"},
-        "group:quants":  {"max_gpus": 4, "gpu_hours_per_day": None},   # None: unlimited
-        "user:ann":      {"max_gpus": 0.5},
-    }
-
-The limits (:data:`LIMIT_KEYS`):
-
-- ``max_gpus``: GPUs a user may hold (or wait for) at once, as the sum of
-  ``fraction x gpu_count`` over their leases that hold capacity or are queued;
-- ``max_lease_gpus``: the size of one lease (``fraction x gpu_count``);
-- ``gpu_hours_per_day`` / ``gpu_hours_per_week``: GPU-hours (fraction x hours
-  held) a user may use per day / week (weeks start Monday) in
-  ``c.GPUPool.usage_timezone``; a number is hours, a string may carry a unit
-  (``"90m"``, ``"8h"``);
-- ``max_idle_timeout``: the longest idle timeout a request may ask for,
-  seconds or ``"2h"``;
-- ``guaranteed_gpus``: the user's guaranteed share (Run:ai's deserved quota):
-  their oldest leases within this many GPUs are never parked early nor
-  preempted while others wait (:mod:`.priority`); above it they may be.
-  None or unset: nothing guaranteed.
-- ``max_parked_memory``: bytes of host RAM the user's leases parked in
-  memory may hold on their nodes (``"32GiB"``); a park beyond it goes to disk
-  (:func:`park_tier`). None or unset: no cap (the nodes' own budgets still hold).
-
-Resolution, one limit at a time: the user's own entry (``user:NAME``) if it
-sets the limit; else the most generous of the user's groups that set it
-(``None``, unlimited, beats any number); else the default (``"*"``); else
-unlimited (``max_idle_timeout``: ``c.GPUPool.max_idle_timeout``;
-``guaranteed_gpus``: nothing guaranteed, and the most generous group is the
-largest number).
-Run-time overrides (admin API, ``gpupool quota set``) are merged over the
-configured entry of the same scope, limit by limit.
+A quota table maps a scope (``"*"``, ``group:NAME``, ``user:NAME``) to a
+partial set of limits (:data:`LIMIT_KEYS`); each limit resolves on its own:
+the user's entry, else the most generous of the user's groups that set it,
+else ``"*"``, else unlimited. Run-time overrides are merged over the
+configured entry of the same scope, limit by limit. The limits, their units
+and the refusals' words: docs/api.md, "Quotas".
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from gpupool.strenum import StrEnum
 from typing import Any, Collection, Iterable, Mapping
 
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, WorkerState
 from gpupool.units import format_duration
 
 
@@ -99,7 +99,7 @@ def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ())
             if silent:
                 decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
             continue
-        if lease.state != LeaseState.active.value or lease.worker_state == "busy":
+        if lease.state != LeaseState.active.value or lease.worker_state == WorkerState.busy:
             continue
         silent = heartbeat_expired(lease, now)
         if silent:
@@ -136,7 +136,7 @@ def idle_deadline(lease: Any) -> datetime | None:
     (``idle_since + idle_timeout``); None unless it is active and its worker
     reported idle. Sent to the client (``idle_deadline``), which warns
     ``c.GPUPool.idle_warning`` seconds ahead."""
-    if lease.state != LeaseState.active.value or lease.worker_state != "idle" or lease.idle_since is None:
+    if lease.state != LeaseState.active.value or lease.worker_state != WorkerState.idle or lease.idle_since is None:
         return None
     return lease.idle_since + timedelta(seconds=lease.idle_timeout)
 

@@ -68,14 +68,14 @@ def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str],
     GPUs ``node_gpus``, with ``host`` its node's host (None: no host dimension)."""
     kept = ask.gpu_bytes_kept // max(1, len(ask.gpus))
     hosts = {ask.node: host.unparked(ask.parked_host_bytes)} if host is not None else {}
-    own = [_credited(states[uuid], kept) for uuid in ask.gpus if uuid in states]
+    own = [_credited(states[uuid], ask, kept) for uuid in ask.gpus if uuid in states]
     decision: Placement | Refusal = Refusal({}, f"its GPUs on {ask.node} are no longer in the pool")
     if len(own) == len(ask.gpus):
         decision = place_demand(ask.demand(), own, workload, hosts=hosts)
         if isinstance(decision, Placement) or not ask.remap:
             return decision
     if ask.remap:
-        others = [_credited(states[uuid], kept) if uuid in ask.gpus else states[uuid]
+        others = [_credited(states[uuid], ask, kept) if uuid in ask.gpus else states[uuid]
                   for uuid in node_gpus if uuid in states and states[uuid].name == ask.model]
         remapped = place_demand(ask.demand(model=ask.model), others, workload, hosts=hosts)
         if isinstance(remapped, Placement) or not isinstance(decision, Refusal) or not decision.reasons:
@@ -83,9 +83,12 @@ def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str],
     return decision
 
 
-def _credited(gpu: GPUState, kept: int) -> GPUState:
-    """``gpu`` with ``kept`` bytes (the resuming lease's own, counted there while parked) free again."""
-    return replace(gpu, allocated_memory=max(0, gpu.allocated_memory - kept)) if kept else gpu
+def _credited(gpu: GPUState, ask: Resume, kept: int) -> GPUState:
+    """``gpu`` with what the resuming lease holds or claims there while parked given back: its
+    ``kept`` bytes free again, its claim (``parked_fraction``, ``parked_memory``) its own room."""
+    return replace(gpu, allocated_memory=max(0, gpu.allocated_memory - kept),
+                   parked_fraction=max(0.0, gpu.parked_fraction - ask.fraction),
+                   parked_memory=max(0, gpu.parked_memory - max(0, ask.memory - kept)))
 
 
 def resume_seconds(tier: str | None, gpu_bytes_moved: int | None, disk_bytes: int | None) -> float:

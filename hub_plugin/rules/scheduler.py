@@ -1,51 +1,17 @@
 """Placement: which GPU(s) a lease request goes to. Pure: state in, decision out.
 
 Nothing here does I/O or imports SQL, so tests compare literal inputs with
-literal outputs (as HAMi's ``pkg/scheduler/policy`` and kubespawner's
-``objects.py`` do). The caller (:mod:`gpupool.hub_plugin.leases`) builds the :class:`GPUState`
-list inside the transaction that then writes the lease, so the decision and
-the reservation cannot drift apart.
-
-Rules:
-
-- Placement is fragmentation-aware best fit: among the GPUs (or nodes) that
-  can take the request, the one whose **fragmentation grows least** wins
-  (:func:`.workload.slice_delta`, :func:`.workload.whole_delta`), then the one left with the least free
-  fraction (best fit), then node name, then GPU index. Fragmentation is the
-  measure of Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
-  Workloads with Fragmentation Gradient Descent" (USENIX ATC '23, section
-  4): the free GPU capacity that the expected workload (a
-  :data:`.workload.Workload`: request shapes with their popularity) could not use,
-  weighted by popularity. A 0.25 slice thus goes where it fills a gap, not
-  onto an idle GPU a whole-GPU request could have taken.
-- ``N`` whole GPUs (``gpu_count >= 2``) need ``N`` completely free GPUs on one
-  node; on the chosen node, the lowest indices.
-- Memory of a slice is ``fraction x usable memory`` unless the request names
-  an amount; either must fit in the GPU's free memory (usable minus what
-  leases hold). Usable memory is total minus driver-reserved minus the CUDA
-  context overhead, computed by the caller. Fragmentation is measured on
-  the GPU fraction only (memory follows the fraction unless asked for).
-- ``model`` is a case-insensitive substring of the GPU name (``"a100"``).
-- ``env`` (a worker environment's name) is a node filter: only GPUs of nodes
-  whose agent reports that environment usable (:attr:`GPUState.environments`)
-  can take the lease. Whether any node offers it at all is the caller's
-  first question (:mod:`gpupool.hub_plugin.environments`): then the request is refused up
-  front instead of queued.
-- Host CPUs and memory (:mod:`.hosts`), where the caller passes the nodes'
-  hosts: the request's ask (named, or its GPU share of the node's cores and
-  RAM) must fit the node's free host; on a node where host room binds
-  (:func:`.hosts.binds`) the fragmentation growth is the measure over every
-  dimension (:func:`.hosts.host_aware_delta`), elsewhere the GPU-only one,
-  which there is the same number.
-- Every GPU that is not chosen is counted under one reason, and the refusal
-  message is built from these counts, so a user learns why (HAMi's
-  ``FitError`` tally).
+literal outputs. The caller (:mod:`gpupool.hub_plugin.leases`) builds the
+:class:`GPUState` list inside the transaction that then writes the lease, so
+the decision and the reservation cannot drift apart. The rules
+(fragmentation-aware best fit; whole GPUs on one node; memory, model,
+environment and host room; the refusal's tally of reasons): docs/placement.md.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpupool.units import format_bytes
 
@@ -88,6 +54,10 @@ class GPUState:
     ``environments`` names the worker environments its node reports usable
     (one frozenset shared by the node's GPUs) and ``default_env`` the one a
     lease naming none runs in (None: the node reported none).
+    ``parked_fraction`` and ``parked_memory`` are what the leases parked off
+    this GPU would take back at their resume (their share, less the memory
+    already in ``allocated_memory`` as ``gpu_bytes_kept``): not held, but
+    claimed (:func:`claimed`): :func:`place` keeps it free while other room fits.
     """
 
     uuid: str
@@ -106,6 +76,8 @@ class GPUState:
     node_degraded: bool = False
     environments: frozenset[str] = frozenset()
     default_env: str | None = None
+    parked_fraction: float = 0.0
+    parked_memory: int = 0
 
     @property
     def free_fraction(self) -> float:
@@ -199,10 +171,40 @@ def idle_counts(gpus) -> dict[str, int]:
     return dict(idle)
 
 
+def claimed(gpu: GPUState) -> GPUState:
+    """``gpu`` as though its parked leases held their share again: the view in
+    which :func:`place` looks first, so that a new lease goes elsewhere while
+    it can and a parked lease finds its room when it resumes (its worker lives
+    on its node: docs/placement.md, "Parked leases")."""
+    if not has_claims(gpu):
+        return gpu
+    return replace(gpu, allocated_fraction=gpu.allocated_fraction + gpu.parked_fraction,
+                   allocated_memory=gpu.allocated_memory + gpu.parked_memory, parked_fraction=0.0, parked_memory=0)
+
+
+def has_claims(gpu: GPUState) -> bool:
+    """Parked leases would take some of ``gpu`` back (:func:`claimed` changes it)."""
+    return gpu.parked_fraction > EPSILON or gpu.parked_memory > 0
+
+
 def place(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload: Workload = DEFAULT_WORKLOAD,
-          *, idle: dict[str, int] | None = None, hosts: dict[str, HostState] | None = None,
-          node_gpus=None) -> Placement | Refusal:
-    """Choose GPU(s) for ``demand`` among ``gpus``; see the module docstring.
+          *, hosts: dict[str, HostState] | None = None) -> Placement | Refusal:
+    """Choose GPU(s) for ``demand`` among ``gpus``: first as though parked
+    leases held what they claim (:func:`claimed`), else as they are (a
+    refusal says why in the GPUs' own terms); see the module docstring and
+    :func:`place_now`."""
+    if any(has_claims(g) for g in gpus):
+        found = place_now(demand, [claimed(g) for g in gpus], workload, hosts=hosts)
+        if isinstance(found, Placement):
+            return found
+    return place_now(demand, gpus, workload, hosts=hosts)
+
+
+def place_now(demand: Demand, gpus: list[GPUState] | tuple[GPUState, ...], workload: Workload = DEFAULT_WORKLOAD,
+              *, idle: dict[str, int] | None = None, hosts: dict[str, HostState] | None = None,
+              node_gpus=None) -> Placement | Refusal:
+    """Choose GPU(s) for ``demand`` among ``gpus`` as their states are, parked
+    leases' claims ignored (:func:`place` weighs them).
 
     ``workload`` is the expected mix of requests the fragmentation measure
     weighs (an empty one leaves plain best fit). ``idle`` maps each node to

@@ -25,6 +25,8 @@ from pathlib import Path
 from gpupool.tables import table
 from gpupool.units import format_duration, parse_duration
 
+from .defaults import IDLE_TIMEOUT_S, PRESSURE_GRACE_S
+
 
 def sensei_workload_for(args):
     """The notebook workload the arguments name, and what to say about it."""
@@ -142,7 +144,8 @@ EPILOG = """policies of the notebook workload (sensei):
   dedicated    each user owns, for the whole period, the most GPUs they ever run at once (what pooling replaces)
   reservation  whole GPUs from a notebook's first cell until it is 30 minutes idle, one queue (no classes)
   gpupool      the slice or whole GPUs until --idle-timeout idle, parked early after --pressure-grace while
-               others wait, classes and preemption as the service's rules decide
+               others wait, classes and preemption as the service's rules decide; a park parks in place
+               and the next cell resumes on its node, paying the park's costs (docs/simulate.md)
   batch        each cell a job holding whole GPUs only while it runs, strict first in first out
 policies of openb --dimensions all: fgd, fgd+memory, fgd-k8s, bestfit, firstfit, random
 
@@ -164,10 +167,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-size", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="sensei: comma-separated pool sizes in GPUs (default 448, or the store's GPU count)")
     p.add_argument("--per-node", type=int, default=8, help="sensei: GPUs per node of the simulated pool (default 8)")
-    p.add_argument("--idle-timeout", type=parse_duration, default=300.0,
-                   help="sensei: gpupool's idle timeout (default 5m); reservation always uses 30m")
-    p.add_argument("--pressure-grace", type=parse_duration, default=120.0,
-                   help="sensei: gpupool parks an idle lease after this long while others wait (default 2m)")
+    p.add_argument("--idle-timeout", type=parse_duration, default=IDLE_TIMEOUT_S,
+                   help="sensei: gpupool's idle timeout (default: the service's, c.GPUPool.idle_timeout, "
+                   f"{IDLE_TIMEOUT_S / 60:g}m); reservation always uses 30m")
+    p.add_argument("--pressure-grace", type=parse_duration, default=PRESSURE_GRACE_S,
+                   help="sensei: gpupool parks an idle lease after this long while others wait (default: the "
+                   f"service's, {PRESSURE_GRACE_S / 60:g}m)")
     p.add_argument("--backlog", action="store_true",
                    help="sensei: add openb's GPU pods as preemptible batch jobs (demand >= 120%% of the pool)")
     p.add_argument("--users", type=int, default=100, help="sensei: synthetic users (default 100)")

@@ -25,15 +25,31 @@ What is real and what is modelled:
   (:mod:`.sweep`): an idle lease past its early deadline is parked; a
   preemptible lease past its ``at`` has its cell interrupted and is parked.
   Whatever a tick frees is then offered to the queue at once.
+- Park in place (``park_in_place``, the service's): a park freezes the
+  worker on its node (:mod:`.parked`: its state in the node's RAM under the
+  node's budget, the longest-parked spilled to its disk beyond it); the
+  lease holds its share while the state moves off the GPU
+  (:func:`.costs.warm_park_seconds`), then gives it back. The next cell
+  resumes it where the service's rule puts it (:meth:`.Pool.place_resume`:
+  its own node only), ahead of new requests; with no room there it waits
+  for its node (or, ``resume_moves``, goes to another at a cold move's
+  cost). The cell then waits the resume's cost (:func:`.costs.resume_seconds`:
+  warm, spilled or moved) on top of any queueing; that cost is also
+  reported apart (``resume_waits``). Not modelled: the JupyterLab
+  extension's early resume when the user comes back (a resume starts at the
+  cell), a parked worker's host memory in the placement of new leases (the
+  pool has no host dimension), a spill's own time (it runs in the
+  background), and a worker's start for a new lease (reported as the share
+  of cells that acquired one).
 - With a :class:`BatchSource` backlog, batch jobs (one cell each, released
-  when it ends; preemptible, as issue 16's backlog) are queued whenever held
+  when it ends; preemptible) are queued whenever held
   plus queued demand falls under its load x the pool, until the trace's
-  period is over. A preempted job is queued again as a new request (the
-  parked notebook's next cell), losing its progress (or keeping it,
-  ``resume_preempted``).
-- The wait of a cell is its start minus its trace submit time, in seconds.
-  Starting a worker and moving variables (park/resume) take no time here;
-  the share of cells that had to acquire a lease is reported instead.
+  period is over. A preempted job is parked in place with its cell frozen and
+  resumes on its node, keeping its progress (``resume_preempted``; without
+  it, or without parking in place, it is queued again as a new request and
+  loses its progress).
+- The wait of a cell is its start (after its resume) minus its trace
+  submit time, in seconds.
 
 """
 
@@ -44,11 +60,15 @@ import math
 import time
 from collections import deque
 
+import numpy as np
+
 from ..rules import priority
 from ..rules.reclaim import decide
 from ..rules.scheduler import Placement
+from . import costs
 from .backlog import BatchSource
 from .eta_log import EtaLog
+from .parked import ParkedLease, ParkedNodes
 from .policies import NotebookPolicy
 from .pool import FULL, Pool, uniform_pool
 from .results import NotebookResult, Tally
@@ -97,7 +117,7 @@ class _Replay:
     the sessions (:class:`.sessions.SessionTable`), the pool, the queue and
     the sweep; the tally records the outcome."""
 
-    ARRIVE, END, TICK, CLOSE, PRESSURE = range(5)
+    ARRIVE, END, TICK, CLOSE, PRESSURE, FREE = range(6)
 
     def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
                  backlog: BatchSource | None, with_eta: bool) -> None:
@@ -111,6 +131,12 @@ class _Replay:
         self.period = self.table.period()
         self.tally = Tally(self.period, [math.nan] * len(workload.cells))
         self.eta = EtaLog(policy)
+        self.parked = ParkedNodes(costs.parked_budget())
+        self.resumes: dict[str, deque] = {}  # node -> resumes waiting for room there, as (queued at, sid)
+        self.yielded: set[str] = set()  # nodes with a batch resume the batch rule held back
+        self.resuming_gpus = 0.0  # GPUs the resumes waiting for their node ask for
+        self.fills: list[float] = []  # per session, its parked state's share of its slice's memory
+        self.rng = np.random.default_rng(7)
 
     def run(self, pool_size: int, wall: float, users: int) -> NotebookResult:
         for i, cell in enumerate(self.workload.cells):
@@ -129,6 +155,7 @@ class _Replay:
             raise AssertionError("a cell never started")
         batch = [c for c, sid in enumerate(self.table.cell_session[:self.table.trace_cells])
                  if self.sessions[sid].klass == BATCH]
+        self.tally.spills = self.parked.spills
         return self.tally.result(self.policy.name, pool_size, time.perf_counter() - wall, users, self.eta.errors, batch)
 
     def handle(self, kind: int, arg, now: float) -> None:
@@ -147,11 +174,18 @@ class _Replay:
                 lease.last_heartbeat_at = at(now)
                 if decide([lease], at(now)):
                     self.tally.parks += now < session.closes
-                    self.release(sid, now)
+                    self.park_or_release(sid, now)
         elif kind == self.CLOSE:
             session = self.sessions[arg]
             if session.lease is not None and not session.running and not session.pending:
                 self.release(arg, now)
+            elif not session.pending:
+                self.unpark(arg)  # the kernel shut down: its parked worker goes
+        elif kind == self.FREE:
+            self.sweep.freed(arg)
+            self.pool.give(arg)
+            self.check_at(now)
+            self.retry(now)
         elif kind == self.PRESSURE:
             if arg is None:
                 self.retry(now)
@@ -172,6 +206,10 @@ class _Replay:
         if session.lease is not None:
             self.start(sid, now)
             return
+        if self.parked.get(sid) is not None:
+            if not self.acquire(sid, now):
+                self.wait_resume(sid, now)
+            return
         queue = self.queue_of(sid)
         if not queue and self.acquire(sid, now):
             return
@@ -179,30 +217,33 @@ class _Replay:
         if session.klass == INTERACTIVE and self.with_eta:
             self.record_eta(sid, now)
 
-    def enqueue(self, sid: int, now: float, queue: deque, front: bool = False) -> None:
+    def enqueue(self, sid: int, now: float, queue: deque, front: bool = False, node: str | None = None) -> None:
+        """``sid`` waits in ``queue`` from ``now``; ``node``: the only node it may go to (a resume's)."""
         self.table.wait(sid, now)
         (queue.appendleft if front else queue.append)((now, sid))
-        self.sweep.waiters[sid] = self.table.asking(sid, now)
+        self.sweep.waiters[sid] = self.table.asking(sid, now, node)
         self.check_at(now)
 
-    def start(self, sid: int, now: float) -> None:
+    def start(self, sid: int, now: float, delay: float = 0.0) -> None:
+        """Start ``sid``'s next cell on its lease ``delay`` seconds from ``now`` (after its resume)."""
         session = self.sessions[sid]
         cell = session.pending.popleft()
-        wait = now - self.table.queued_at[cell]
+        begin = now + delay
+        wait = begin - self.table.queued_at[cell]
         if cell < self.table.trace_cells:
             self.started += math.isnan(self.tally.waits[cell])
-            self.tally.waits[cell] = now - self.table.submit[cell]
+            self.tally.waits[cell] = begin - self.table.submit[cell]
             self.eta.started(cell, wait)
         else:
             self.tally.batch_waits.append(wait)
         session.running = True
-        session.run_start, session.cell = now, cell
+        session.run_start, session.cell = begin, cell
         session.token += 1
         session.lease.worker_state = "busy"
         session.lease.idle_since = None
         self.table.idle.pop(sid, None)
         self.hold(sid)
-        self.events.push(now + self.table.duration[cell], self.END, (cell, session.token))
+        self.events.push(begin + self.table.duration[cell], self.END, (cell, session.token))
 
     def cell_ended(self, cell: int, now: float) -> None:
         sid = self.table.cell_session[cell]
@@ -253,7 +294,7 @@ class _Replay:
         for sid in parks:
             self.tally.early_parks += 1
             self.tally.parks += now < self.sessions[sid].closes
-            self.release(sid, now, retry=False)
+            self.park_or_release(sid, now, retry=False)
         for sid in preempts:
             self.preempt(sid, now)
         if parks or preempts:
@@ -262,10 +303,12 @@ class _Replay:
             self.check_at(later)
 
     def preempt(self, sid: int, now: float) -> None:
-        """Interrupt preemptible ``sid``'s cell and park it; its cell is queued
-        again as a new request, its work lost (or kept, ``resume_preempted``)."""
+        """Interrupt preemptible ``sid``'s cell: with ``resume_preempted`` and
+        parking in place, its worker is parked with the cell frozen and its
+        resume asked at once, its work kept; otherwise its cell is queued again
+        as a new request, its work lost (kept, with ``resume_preempted`` alone)."""
         session = self.sessions[sid]
-        ran, cell = now - session.run_start, session.cell
+        ran, cell = max(0.0, now - session.run_start), session.cell
         if self.policy.resume_preempted:
             self.count_busy(sid, ran, now)
             self.table.duration[cell] -= ran
@@ -274,44 +317,136 @@ class _Replay:
         self.tally.preemptions += 1
         session.running = False
         session.token += 1
-        self.release(sid, now, retry=False)
         session.pending.appendleft(cell)
+        if self.policy.resume_preempted and self.policy.park_in_place:
+            self.park(sid, now, retry=False)
+            self.wait_resume(sid, now)
+            return
+        self.release(sid, now, retry=False)
         self.enqueue(sid, now, self.queue_of(sid))
+
+    # -- parking in place (:mod:`.parked`, costs :mod:`.costs`) ------------------------
+
+    def park_or_release(self, sid: int, now: float, retry: bool = True) -> None:
+        """An idle lease's deadline: parked in place while its notebook is open
+        (where the policy parks in place), else released."""
+        if self.policy.park_in_place and now < self.sessions[sid].closes:
+            self.park(sid, now, retry)
+        else:
+            self.release(sid, now, retry)
+
+    def park(self, sid: int, now: float, retry: bool) -> None:
+        """Freeze ``sid``'s worker on its node: its share is given back once its
+        state is off the GPU; the node spills its longest-parked past its budget."""
+        placement = self.sessions[sid].lease.placement
+        size = self.state_size(sid, placement)
+        self.release(sid, now, retry, free_at=now + costs.warm_park_seconds(size, len(placement.gpus)))
+        self.parked.park(sid, ParkedLease(placement, size, now))
+        if self.policy.parked_claims:
+            self.pool.claim(placement, 1)
+
+    def unpark(self, sid: int) -> None:
+        """``sid`` is parked no more (resumed, or its kernel shut down): its claim goes."""
+        parked = self.parked.pop(sid)
+        if parked is not None and self.policy.parked_claims:
+            self.pool.claim(parked.placement, -1)
+
+    def state_size(self, sid: int, placement: Placement) -> int:
+        """Bytes of ``sid``'s GPU state on ``placement`` (:func:`.costs.state_bytes`)."""
+        fill = self.policy.state_fill
+        if fill is None:
+            while len(self.fills) <= sid:
+                self.fills.extend(self.rng.uniform(costs.FILL_LOW, 1.0, 4096).tolist())
+            fill = self.fills[sid]
+        memory = self.pool.specs[self.pool.uuid_index[placement.gpus[0]]].memory
+        return costs.state_bytes(round(placement.fraction * FULL), len(placement.gpus), memory, fill)
+
+    def wait_resume(self, sid: int, now: float) -> None:
+        """Parked ``sid`` waits for room on its node (with ``resume_moves``: anywhere, in the queue)."""
+        if self.policy.resume_moves:
+            self.enqueue(sid, now, self.queue_of(sid))
+        else:
+            node = self.parked.get(sid).placement.node  # it presses on its node's leases only, as in the service
+            self.enqueue(sid, now, self.resumes.setdefault(node, deque()), node=node)
+            self.resuming_gpus += self.table.need[sid]
+
+    def resume(self, sid: int, now: float) -> bool:
+        """Resume parked ``sid`` where the service's rule allows it now; its cell
+        starts after the resume's cost. False: no room (it stays parked)."""
+        session, parked = self.sessions[sid], self.parked.get(sid)
+        placement, tier = self.pool.place_resume(parked.placement), parked.tier
+        if not isinstance(placement, Placement) and self.policy.resume_moves:
+            placement, tier = self.pool.place(session.milli, session.gpus), "moved"
+        if not isinstance(placement, Placement):
+            return False
+        if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
+            self.yielded.add(parked.placement.node)
+            return False
+        self.unpark(sid)
+        seconds = costs.resume_seconds(tier, parked.size, len(placement.gpus))
+        self.tally.resumed(tier, seconds, session.klass)
+        self.take(sid, placement, now)
+        self.start(sid, now, seconds)
+        return True
+
+    def offer_resumes(self, nodes: list[str], klass: str | None, now: float) -> None:
+        """Offer ``nodes`` to the resumes of ``klass`` (None: any) waiting there,
+        oldest first, each on its own."""
+        for node in nodes:
+            waiting = self.resumes.get(node)
+            for entry in list(waiting or ()):
+                if (klass is None or self.sessions[entry[1]].klass == klass) and self.acquire(entry[1], now):
+                    waiting.remove(entry)
+                    self.resuming_gpus -= self.table.need[entry[1]]
 
     # -- leases -------------------------------------------------------------------
 
     def acquire(self, sid: int, now: float) -> bool:
-        """Ask ``place()``; on success the lease holds capacity and the cell starts."""
+        """Ask ``place()`` (a parked session: resume it); on success the lease
+        holds capacity and the cell starts."""
+        if self.parked.get(sid) is not None:
+            return self.resume(sid, now)
         session = self.sessions[sid]
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
         if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
             return False
+        self.take(sid, placement, now)
+        self.start(sid, now)
+        return True
+
+    def take(self, sid: int, placement: Placement, now: float) -> None:
+        """``sid``'s lease holds ``placement`` from ``now``."""
         self.pool.take(placement)
         self.tally.peak_milli = max(self.tally.peak_milli, self.pool.allocated_milli)
         self.tally.acquisitions += 1
         if self.table.grant(sid, placement, now, self.policy.idle_timeout or 0.0):
             del self.sweep.waiters[sid]
-        self.start(sid, now)
-        return True
 
     def batch_may_start(self, node_idle: bool) -> bool:
         """The service's rule for batch placements (:func:`.priority.batch_may_start`)."""
         return priority.batch_may_start(node_idle, self.pool.idle_nodes, self.policy.headroom_nodes,
                                         self.policy.batch_yields and self.table.interactive_waiting > 0)
 
-    def release(self, sid: int, now: float, retry: bool = True) -> None:
+    def release(self, sid: int, now: float, retry: bool = True, free_at: float | None = None) -> None:
+        """End ``sid``'s lease at ``now``; its share is free at ``free_at`` (a
+        park's state is still moving off the GPU until then; None: now)."""
         session = self.sessions[sid]
         lease = session.lease
         if lease is None:
             return
+        free_at = now if free_at is None else free_at
         self.table.idle.pop(sid, None)
         session.lease = None
         self.sweep.holding.pop(sid, None)
-        self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (now - lease.granted),
+        self.tally.released(lease.placement.fraction * len(lease.placement.gpus) * (free_at - lease.granted),
                             session.group)
         self.eta.holds.append(now - lease.granted)
+        if free_at > now:
+            self.sweep.freeing(lease.placement)
+            self.events.push(free_at, self.FREE, lease.placement)
+            return
         self.pool.give(lease.placement)
         self.check_at(now)  # what the plan targets shifts when a lease goes
         if retry:
@@ -319,17 +454,26 @@ class _Replay:
 
     def retry(self, now: float) -> None:
         """Capacity was freed: top up the backlog, then offer it to the waiting
-        requests in the queue's order (:mod:`.waiting`)."""
+        requests in the queue's order (:mod:`.waiting`), a class's resumes
+        before its new requests, on the nodes where capacity was freed (or a
+        batch resume was held back)."""
         self.top_up(now)
-        self.queue.drain(lambda sid: self.acquire(sid, now))
+        nodes = sorted(self.pool.freed | self.yielded)
+        self.pool.freed, self.yielded = set(), set()
+        acquire = lambda sid: self.acquire(sid, now)  # noqa: E731
+        for klass in (INTERACTIVE, BATCH) if self.policy.classes else (None,):
+            self.offer_resumes(nodes, klass, now)
+            self.queue.drain(acquire, klass)
 
     # -- the batch backlog --------------------------------------------------------
 
     def top_up(self, now: float) -> None:
-        """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell."""
+        """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell.
+        Resumes waiting for their node do not count as demand: no other node can take them."""
         if self.backlog is None:
             return
-        demand = lambda: self.pool.allocated_milli / FULL + self.table.waiting_gpus  # noqa: E731
+        demand = lambda: (self.pool.allocated_milli / FULL + self.table.waiting_gpus  # noqa: E731
+                          - self.resuming_gpus)
         for milli, gpus, seconds, user in self.backlog.jobs(demand, self.pool.capacity, self.policy.slices):
             sid = self.table.add_batch_job(milli, gpus, seconds, user, now)
             self.enqueue(sid, now, self.queue_of(sid))

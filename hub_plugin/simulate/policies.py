@@ -7,10 +7,12 @@ Policies (:data:`POLICIES`):
   its first cell until it has been idle 30 minutes (the same reclaim rule with
   ``idle_timeout = 1800``) or its kernel shuts down; the next cell re-acquires.
 - ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
-  GPUs; released after ``idle_timeout`` (default 5 minutes) idle, or after
-  the 2-minute pressure grace while others wait, parked, and resumed
-  (re-acquired) on the next cell; interactive first; batch preempted after
-  the grace plus the 30 s notice (the service's defaults).
+  GPUs; parked in place after ``idle_timeout`` idle, or after the pressure
+  grace while others wait, and resumed on its node on the next cell
+  (:mod:`.parked`, costs :mod:`.costs`); interactive first; batch preempted
+  after the grace plus the notice and parked in place too, keeping its
+  progress. Its idle timeout, grace and notice are the service's defaults
+  (:mod:`.defaults`: 30 min, 2 min, 30 s) unless given.
 - ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
   GPUs only while it runs; strict FIFO queue.
 - ``dedicated`` (:func:`dedicated_gpus`): every user owns the most GPUs they
@@ -22,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..rules import priority
+from .defaults import IDLE_TIMEOUT_S, PREEMPTION_NOTICE_S, PRESSURE_GRACE_S
 from .estimates import peak_concurrent
 from .workload import NotebookWorkload
 
-#: The service's defaults (``GPUPool.pressure_grace``, ``preemption_notice``), seconds.
-PRESSURE_GRACE_S = 120.0
-PREEMPTION_NOTICE_S = 30.0
+__all__ = ["IDLE_TIMEOUT_S", "PREEMPTION_NOTICE_S", "PRESSURE_GRACE_S", "NotebookPolicy", "POLICIES", "policies",
+           "dedicated_gpus"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,17 @@ class NotebookPolicy:
     ``clear_grace`` (``c.GPUPool.pressure_clear_grace``): an idle lease on a node
     cleared so is parked this long after the request was asked;
     ``resume_preempted``: a preempted batch job keeps its progress (it was
-    parked with its variables and its loop resumes) instead of restarting."""
+    parked with its variables and its loop resumes) instead of restarting;
+    ``park_in_place``: a park freezes the worker on its node (:mod:`.parked`)
+    and the next cell waits for its resume there, with the costs of
+    :mod:`.costs` (False: a park releases the lease, the next cell takes a
+    new one anywhere, at no cost); ``resume_moves``: a resume that finds no
+    room on its node goes to another at a cold move's cost (the service
+    waits for its node); ``state_fill``: every session's parked state is
+    this share of its slice's memory (None: drawn per session, seeded);
+    ``parked_claims``: a parked lease's share stays claimed on its GPUs, so
+    new leases go elsewhere while they can (the service's rule,
+    :func:`.scheduler.claimed`; False: placement ignores parked leases)."""
 
     name: str
     slices: bool
@@ -68,6 +80,10 @@ class NotebookPolicy:
     clear_nodes: bool = False
     resume_preempted: bool = False
     clear_grace: float | None = None
+    park_in_place: bool = False
+    resume_moves: bool = False
+    state_fill: float | None = None
+    parked_claims: bool = True
 
     def rule(self) -> priority.Rule | None:
         """The pressure plan's settings as the service would have them (None: no pressure parks):
@@ -79,14 +95,15 @@ class NotebookPolicy:
                              self.preemption_grace, self.batch_first, self.clear_nodes, self.clear_grace)
 
 
-def policies(gpupool_idle_timeout: float = 300.0,
+def policies(gpupool_idle_timeout: float = IDLE_TIMEOUT_S,
              pressure_grace: float | None = PRESSURE_GRACE_S) -> dict[str, NotebookPolicy]:
-    """The compared policies, by name; times in seconds. ``dedicated`` is
-    not a replay (:func:`dedicated_gpus`)."""
+    """The compared policies, by name; times in seconds (the service's
+    defaults unless given). ``dedicated`` is not a replay (:func:`dedicated_gpus`)."""
     return {"reservation": NotebookPolicy("reservation", slices=False, idle_timeout=1800.0),
             "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout,
                                       pressure_grace=pressure_grace, classes=True,
-                                      preemption_notice=PREEMPTION_NOTICE_S),
+                                      preemption_notice=PREEMPTION_NOTICE_S, resume_preempted=True,
+                                      park_in_place=True),
             "batch": NotebookPolicy("batch", slices=False, idle_timeout=None, fifo=True)}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..rules import resume
 from ..rules.placement_index import PlacementIndex
 from ..rules.scheduler import Demand, GPUState, Placement, Refusal, place
 from ..rules.workload import DEFAULT_WORKLOAD, Workload
@@ -68,8 +69,13 @@ class Pool:
         self.uuid_index = {f"GPU-{spec.node}-{spec.index}": i for i, spec in enumerate(specs)}
         self.milli = [0] * len(specs)
         self.memory = [0] * len(specs)
+        #: Per GPU, what parked leases claim there for their resume (thousandths, bytes).
+        self.claimed_milli = [0] * len(specs)
+        self.claimed_memory = [0] * len(specs)
         self.capacity = len(specs)
         self.allocated_milli = 0
+        #: Nodes where something was freed since the replay last offered them to parked leases.
+        self.freed: set[str] = set()
         self.index = PlacementIndex((GPUState(uuid=uuid, node=specs[i].node, name=specs[i].name,
                                               index=specs[i].index, memory_total=specs[i].memory,
                                               memory_usable=specs[i].memory)
@@ -82,6 +88,25 @@ class Pool:
         if self.full_scan:
             return place(demand, self.index.all(), self.index.workload)
         return self.index.place(demand, explain=False)
+
+    def place_resume(self, held: Placement, remap: bool = True) -> Placement | Refusal:
+        """Where a lease parked off ``held`` resumes now: the service's rule
+        (:func:`gpupool.hub_plugin.rules.resume.place`: its own node only, its
+        GPUs first, else, with ``remap``, another GPU of the same model there)."""
+        if not self.may_fit(held.node, round(held.fraction * FULL), len(held.gpus)):
+            return Refusal({}, f"{held.node} has no room for it")  # a shortcut: the rule would refuse too
+        first = self.specs[self.uuid_index[held.gpus[0]]]
+        ask = resume.Resume(held.node, held.gpus, first.name, held.fraction, len(held.gpus), held.memory, remap=remap)
+        node_uuids = [f"GPU-{held.node}-{self.specs[g].index}" for g in self.node_gpus[held.node]]
+        return resume.place(ask, self.index.states, node_uuids, None, self.index.workload)
+
+    def may_fit(self, node: str, milli: int, gpus: int) -> bool:
+        """Whether ``node`` has GPUs with room for ``gpus`` whole GPUs or one ``milli`` slice
+        (a necessary condition only: ``place()`` decides)."""
+        room = [FULL - self.milli[g] for g in self.node_gpus[node]]
+        if gpus > 1:
+            return room.count(FULL) >= gpus
+        return max(room) >= milli
 
     def whole_free(self) -> dict[str, float]:
         """Node -> GPUs with nothing allocated on it (nodes with none left out)."""
@@ -109,6 +134,20 @@ class Pool:
         for uuid in placement.gpus:
             self._change(self.uuid_index[uuid], -milli, -placement.memory)
         self.idle_nodes += self.node_idle(placement.node)
+        self.freed.add(placement.node)
+
+    def claim(self, placement: Placement, sign: int) -> None:
+        """A parked lease's claim on the GPUs of ``placement`` (``sign`` 1 at its park, -1 when it
+        resumes or ends), as the service counts it (``GPUState.parked_fraction``): ``place()`` keeps
+        it free while other room fits."""
+        milli = round(placement.fraction * FULL)
+        for uuid in placement.gpus:
+            i = self.uuid_index[uuid]
+            self.claimed_milli[i] += sign * milli
+            self.claimed_memory[i] += sign * placement.memory
+            self.index.update(dataclasses.replace(self.index.states[uuid],
+                                                  parked_fraction=self.claimed_milli[i] / FULL,
+                                                  parked_memory=self.claimed_memory[i]))
 
     def _change(self, i: int, milli: int, memory: int) -> None:
         spec = self.specs[i]

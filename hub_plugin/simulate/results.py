@@ -5,7 +5,9 @@ running cells and batch jobs need (slice or whole GPUs) x hours run, for the
 work that completed (work a preemption threw away is ``lost``). Cluster
 utilization = GPU-hours of completed work done within the period (the
 trace's whole days) / (pool GPUs x the period's hours). Waits in
-seconds: start minus arrival, per interactive cell and per batch job.
+seconds: start minus arrival, per interactive cell and per batch job; a
+resumed cell's start is after its resume, whose cost is also kept apart
+(``resume_waits``, per interactive resume).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ class NotebookResult:
     ``parks``: idle leases released while their notebook stayed open (each
     costs a resume), ``early_parks`` of them under pressure; ``preemptions``:
     batch leases stopped to make room; ``users`` x ``period_s`` give
-    user-days."""
+    user-days; ``resume_waits``: seconds each interactive resume cost its
+    cell (part of its wait); ``resumes``: resumes by tier (``memory``,
+    ``disk``, ``moved``), both classes; ``spills``: parked workers spilled to
+    disk by their node's budget."""
 
     policy: str
     pool_size: int
@@ -47,6 +52,9 @@ class NotebookResult:
     preemptions: int = 0
     eta_errors: tuple = ()
     busy_in_period_gpu_hours: float = 0.0
+    resume_waits: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    resumes: dict[str, int] = field(default_factory=dict)
+    spills: int = 0
 
     @property
     def utilization(self) -> float:
@@ -62,6 +70,10 @@ class NotebookResult:
     def wait_percentile(self, q: float, klass: str = INTERACTIVE) -> float:
         waits = self.waits if klass == INTERACTIVE else self.batch_waits
         return float(np.percentile(waits, q)) if len(waits) else 0.0
+
+    def resume_percentile(self, q: float) -> float:
+        """The ``q``-th percentile of interactive resumes' cost, seconds (0 with none)."""
+        return float(np.percentile(self.resume_waits, q)) if len(self.resume_waits) else 0.0
 
     @property
     def waited_share(self) -> float:
@@ -82,12 +94,14 @@ class NotebookResult:
                 "parks_per_user_day": round(self.per_user_day(self.parks), 3),
                 "early_parks_per_user_day": round(self.per_user_day(self.early_parks), 3),
                 "preemptions_per_user_day": round(self.per_user_day(self.preemptions), 3),
+                **{f"resume_p{q}_s": round(self.resume_percentile(q), 3) for q in (50, 95, 99)},
+                "resumes": dict(self.resumes), "spills": self.spills,
                 "busy_by_class": {k: round(v, 1) for k, v in self.busy_by_class.items()},
                 "sim_seconds": round(self.seconds, 2)}
 
 
 HEADERS = ("policy", "GPUs", "GPU-h held", "GPU-h busy", "cluster util", "held util", "int. p50/p95/p99 s",
-           "batch p50/p95/p99 s", "parks /user-day", "preempt. /user-day")
+           "batch p50/p95/p99 s", "parks /user-day", "preempt. /user-day", "resume p50/p95/p99 s")
 
 
 def gpu_hours(hours: float) -> str:
@@ -104,7 +118,19 @@ def rows(results) -> list[list]:
 
     return [[r.policy, r.pool_size, gpu_hours(r.held_gpu_hours), gpu_hours(r.busy_gpu_hours),
              f"{r.cluster_utilization:.1%}", f"{r.utilization:.1%}", waits(r, INTERACTIVE), waits(r, BATCH),
-             f"{r.per_user_day(r.parks):.2f}", f"{r.per_user_day(r.preemptions):.2f}"] for r in results]
+             f"{r.per_user_day(r.parks):.2f}", f"{r.per_user_day(r.preemptions):.2f}", resumes(r)] for r in results]
+
+
+def resumes(result) -> str:
+    """Interactive resumes' cost for a table: p50/p95/p99 seconds, '-' with none."""
+    if not len(result.resume_waits):
+        return "-"
+    return "/".join(seconds(result.resume_percentile(q)) for q in (50, 95, 99))
+
+
+def seconds(value: float) -> str:
+    """Seconds for a table: one decimal under 100 s, whole ones above."""
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
 
 
 @dataclass
@@ -127,6 +153,15 @@ class Tally:
     parks: int = 0
     early_parks: int = 0
     preemptions: int = 0
+    resume_waits: list[float] = field(default_factory=list)
+    resumes: dict[str, int] = field(default_factory=dict)
+    spills: int = 0
+
+    def resumed(self, tier: str, seconds: float, klass: str) -> None:
+        """A lease of ``klass`` resumed from ``tier``, costing its cell ``seconds``."""
+        self.resumes[tier] = self.resumes.get(tier, 0) + 1
+        if klass == INTERACTIVE:
+            self.resume_waits.append(seconds)
 
     def ran(self, gpus: float, seconds: float, klass: str, run_start: float, now: float) -> None:
         """``gpus`` of class ``klass`` did ``seconds`` of useful work, running from ``run_start`` to ``now``."""
@@ -154,4 +189,5 @@ class Tally:
                               seconds, self.period, users, np.array(self.batch_waits),
                               {k: v / 3600 for k, v in self.busy_by_class.items()}, self.lost / 3600,
                               self.parks, self.early_parks, self.preemptions, tuple(eta_errors),
-                              self.busy_in_period / 3600)
+                              self.busy_in_period / 3600, np.array(self.resume_waits), dict(self.resumes),
+                              self.spills)

@@ -113,10 +113,12 @@ class SessionTable:
         placement = self.sessions[sid].lease.placement
         return placement.fraction * len(placement.gpus)
 
-    def asking(self, sid: int, now: float) -> priority.Asking:
-        """Waiting ``sid`` as the pressure rule sees a queued request asked at ``now``."""
+    def asking(self, sid: int, now: float, node: str | None = None) -> priority.Asking:
+        """Waiting ``sid`` as the pressure rule sees a queued request asked at
+        ``now`` (``node``: the only node it may go to, a resume's)."""
         session = self.sessions[sid]
-        return priority.Asking(str(sid), str(session.user), self.need[sid], session.klass, at(now), session.gpus)
+        return priority.Asking(str(sid), str(session.user), self.need[sid], session.klass, at(now), session.gpus,
+                               node)
 
     def held(self, sid: int, idle_timeout: float | None) -> priority.Held:
         """``sid``'s lease as the pressure rule sees it; when it is idle and

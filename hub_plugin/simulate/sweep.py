@@ -21,13 +21,12 @@ from gpupool.schema import LeaseState
 
 from ..rules import priority
 from ..rules.scheduler import Placement
+from .defaults import HEARTBEAT_TTL_S, RECLAIM_INTERVAL_S
 
 #: The virtual clock's origin (the sensei trace starts on June 1, 2021).
 T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
 #: The service's default ``GPUPool.reclaim_interval``, seconds.
-SWEEP_S = 5.0
-#: The service's default ``GPUPool.heartbeat_ttl``, seconds.
-HEARTBEAT_TTL_S = 60.0
+SWEEP_S = RECLAIM_INTERVAL_S
 
 
 def at(seconds: float) -> datetime:
@@ -62,6 +61,7 @@ class Sweep:
         self.rule = rule
         self.waiters: dict[int, priority.Asking] = {}  # every waiting request
         self.holding: dict[int, priority.Held] = {}  # every active lease
+        self._freeing: dict[str, float] = {}  # node -> GPUs of parks whose state is still moving off the GPU
         self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
         self._last_check = -math.inf
 
@@ -78,6 +78,15 @@ class Sweep:
         self._checks.add(tick)
         return tick
 
+    def freeing(self, placement) -> None:
+        """A park's share (``placement``) is on its way back: the plan counts it (as the service
+        counts its ``parking`` leases), so it takes no second lease for the same waiter."""
+        self._freeing[placement.node] = self._freeing.get(placement.node, 0.0) + placement.fraction * len(placement.gpus)
+
+    def freed(self, placement) -> None:
+        """That share is back in the pool."""
+        self._freeing[placement.node] -= placement.fraction * len(placement.gpus)
+
     def wants_free_gpus(self) -> bool:
         """Whether the plan reads each node's free GPUs now (:meth:`.priority.Rule.wants_free_gpus`)."""
         return self.rule is not None and self.rule.wants_free_gpus(self.waiters.values())
@@ -93,7 +102,7 @@ class Sweep:
         rule = self.rule
         if rule is None or not self.waiters or not (any_idle or rule.allow_preemption):
             return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
-        plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus)
+        plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus, self._freeing)
         parks, preempts, later = priority.acting(plan, at(now))
         return ([int(lease) for lease in plan.parks if lease in parks],
                 [int(lease) for lease in plan.preemptions if lease in preempts],

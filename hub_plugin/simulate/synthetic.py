@@ -1,6 +1,6 @@
 """Generated traces, so ``gpupool simulate`` runs from the wheel without the public ones.
 
-The two public traces (``../shared/data/README.md``) cannot ship: their
+The two public traces (``--data``, docs/simulate.md) cannot ship: their
 licences are unconfirmed. These generators give data of the same form,
 seeded, shaped after the traces' published summary figures (not copied
 from them):

@@ -37,14 +37,16 @@ class WaitQueue:
         for queue in [self._line] if self.fifo else self._queues.values():
             yield from queue
 
-    def drain(self, acquire: Callable[[int], bool]) -> None:
+    def drain(self, acquire: Callable[[int], bool], klass: str | None = None) -> None:
         """Offer freed capacity: ``acquire(session id)`` places one waiting
-        request (False: it does not fit) in the module docstring's order."""
+        request (False: it does not fit) in the module docstring's order;
+        ``klass``: only that class's requests (with classes; None: all)."""
         if self.fifo:
             while self._line and acquire(self._line[0][1]):
                 self._line.popleft()
             return
-        heads = [(queue[0][0], key) for key, queue in self._queues.items() if queue]
+        heads = [(queue[0][0], key) for key, queue in self._queues.items()
+                 if queue and (klass is None or key[0] == klass)]
         heads.sort(key=lambda head: (class_rank(head[1][0]), head))
         failed_milli, failed_gpus = FULL + 1, 10**9  # smallest slice / whole-GPU count refused in this pass
         for _, key in heads:

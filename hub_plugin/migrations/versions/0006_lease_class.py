@@ -1,4 +1,4 @@
-"""Lease classes (issue 16): ``leases.lease_class`` (``interactive`` or
+"""Lease classes: ``leases.lease_class`` (``interactive`` or
 ``batch``; the queue places interactive requests first) and
 ``leases.preemptible`` (the lease opted in to having its running cell
 interrupted and being parked while others wait).
