@@ -11,7 +11,10 @@ NVML's reading of the worker's memory, resume, and the model's output again:
   and what PyTorch keeps out of reach, reported as kept);
 - the output after the resume is identical, bit for bit;
 - park and resume seconds and GiB/s, beside pinned host-to-device bandwidth
-  measured in a bare process (the issue's target: resume >= 50 % of it).
+  measured in a bare process (the issue's target: resume >= 50 % of it);
+- the worker's ``gpu_memory`` op (what ``%gpu status`` lists) on CUDA
+  tensors, a module and a list, views and shared parameters counted once, the
+  last traceback's tensor listed, then freed by the park and said in ``lost``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ torch.cuda.synchronize(); print("H2D", 5 / (time.perf_counter() - t))
 """
 
 
+MiB = 1024**2
+
+HOLDERS = """
+import torch
+base = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+view = base[: 1 << 20]
+net = torch.nn.Linear(1024, 1024).cuda()
+weight = net.weight
+batch = [base, torch.ones(16 << 20, dtype=torch.uint8, device="cuda")]
+def fails():
+    pinned = torch.zeros(32 << 20, dtype=torch.uint8, device="cuda")
+    raise RuntimeError("on purpose")
+"""
+
+
 def checkpointers() -> list[str]:
     return ["framework", *(["cuda-checkpoint"] if shutil.which("cuda-checkpoint") else [])]
 
@@ -65,6 +83,8 @@ def park_steps(step: Callable[[str, Callable[[], Any]], Any], gpu: str, inventor
         try:
             step(f"park with {name}: a 2 GiB model parks, frees the GPU and resumes identical",
                  lambda: _cycle(agent, inventory, run, value, bandwidth))
+            step(f"park with {name}: the names holding GPU memory, each tensor once; the last traceback dropped",
+                 lambda: _holders(agent, run))
         finally:
             step(f"park: stop the {name} agent", agent.stop)
             shutil.rmtree(root, ignore_errors=True)
@@ -107,3 +127,28 @@ def _cycle(agent, inventory: Any, run, value, bandwidth: float | None) -> dict[s
     if while_parked > held - moved // 2:
         raise AssertionError(f"NVML does not show the GPU memory freed: {result}")
     return result
+
+
+def _holders(agent, run) -> dict[str, Any]:
+    """The ``gpu_memory`` op on real CUDA tensors, before and after a park."""
+    from gpupool.provisioner.checkpoint.framework import ask
+
+    connection = agent.start_worker("L-gpu-holders", memory=4 * GiB)["connection"]
+    kc = agent.client(connection)
+    if not run(kc, HOLDERS, timeout=300).ok or "on purpose" not in run(kc, "fails()", timeout=60).text():
+        raise RuntimeError("the cells did not run as they should")
+    rows = {h["name"]: (h["bytes"], h["shares"]) for h in ask(connection, {"op": "gpu_memory", "top": 20})["holders"]}
+    label = next((name for name in rows if name.startswith("last traceback (RuntimeError")), None)
+    want = {"base": (64 * MiB, []), "batch": (16 * MiB, ["base"]), "net": (1024 * 1024 * 4 + 1024 * 4, []),
+            "view": (0, ["base"]), "weight": (0, ["net"]), label: (32 * MiB, [])}
+    if label is None or rows != want:
+        raise AssertionError(f"gpu_memory listed {rows}, not {want}")
+    status, parked = agent.park("L-gpu-holders")
+    if status != 200 or not any(words.startswith(f"the {label}, cleared") for words in parked["lost"]):
+        raise AssertionError(f"the park did not say it dropped the traceback: {status} {parked}")
+    if agent.resume("L-gpu-holders")[0] != 200:
+        raise RuntimeError("resume failed")
+    after = {h["name"] for h in ask(connection, {"op": "gpu_memory", "top": 20})["holders"]}
+    if after != {"base", "batch", "net", "view", "weight"}:
+        raise AssertionError(f"after the park gpu_memory listed {sorted(after)}")
+    return {"listed": {name: size for name, (size, _) in rows.items()}, "lost": parked["lost"]}

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import zmq
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 from traitlets import Type
+
+from . import ipykernel_private
 
 #: Metadata key of a forwarded ``execute_request``: the execution count the
 #: cell takes (int), the notebook kernel's, so that one counter numbers the
@@ -31,9 +34,24 @@ COUNT_KEY = "gpupool_execution_count"
 class NoSubshellKernelApp(IPKernelApp):
     """IPKernelApp whose shell socket is read on the main thread."""
 
+    #: The private ipykernel names its kernel uses, checked at start.
+    private_names = ipykernel_private.WORKER_NAMES
+
+    def initialize(self, argv=None) -> None:
+        ipykernel_private.check(self.private_names)  # an ipykernel without one stops here, with words
+        super().initialize(argv)
+
     def init_sockets(self) -> None:
-        super().init_sockets()
-        self.shell_channel_thread = None  # made there, not started yet: init_kernel starts it
+        try:
+            super().init_sockets()
+        except zmq.ZMQError:
+            # ipykernel (7.4) leaves a socket that failed to bind open, and its
+            # atexit close() then waits for it on the context for ever: the
+            # kernel would hang, not exit, and its manager (Jupyter Server's
+            # restarter, the agent) could not start it again with new ports.
+            self.context.destroy(linger=0)
+            raise
+        ipykernel_private.read_shell_on_main_thread(self)
 
 
 #: The most empty In[] entries one cell pads (a count far ahead of this worker's history is not followed there).

@@ -1,8 +1,8 @@
 """Whether a worker is running a cell, read from its IOPub ``status`` messages.
 
 The service reclaims a lease for idleness only when the agent reports its
-worker ``idle`` for the lease's idle timeout, and never while a cell runs
-(DESIGN.md, Promises). ipykernel publishes ``status: busy`` before and
+worker ``idle`` for the lease's idle timeout: a running cell is never
+reclaimed for idleness. ipykernel publishes ``status: busy`` before and
 ``status: idle`` after every request it handles, on shell and control alike,
 each with the request as parent. :class:`WorkerActivity` turns that stream
 into ``execution_state`` and ``idle_since``; :func:`watch_iopub` feeds it
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import zmq.asyncio
 
 from gpupool.kernelconn import connect_channel, kernel_session
-from gpupool.schema import isoformat
+from gpupool.schema import WorkerState, isoformat
 
 
 #: How many ended cells a worker's report repeats (a heartbeat every few seconds sees them all
@@ -84,15 +84,15 @@ class WorkerActivity:
                     self.cells.append((self.cell_started, self._idle_since))
 
     @property
-    def execution_state(self) -> str:
+    def execution_state(self) -> WorkerState:
         if not self._ready:
-            return "starting"
-        return "busy" if self._in_flight else "idle"
+            return WorkerState.starting
+        return WorkerState.busy if self._in_flight else WorkerState.idle
 
     @property
     def idle_since(self) -> float | None:
         """Epoch seconds, or None while busy or starting."""
-        return self._idle_since if self.execution_state == "idle" else None
+        return self._idle_since if self.execution_state == WorkerState.idle else None
 
     def idle_since_iso(self) -> str | None:
         """:attr:`idle_since` as the wire's ISO 8601 UTC string."""

@@ -34,7 +34,7 @@ from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEn
 
 from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
-from .agent_accounts import WorkerAccounts
+from .agent_accounts import WorkerAccountSettings
 from .agent_http import advertised_ip, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
 from .agent_service import ServiceLink
@@ -44,7 +44,7 @@ from .attribution import add_unattributed, attribute, memory_by_pid, read_parent
 from .cgroups import CgroupError, Containment, containment
 from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
-from .workers import WarmSettings, WorkerManager, WorkerSettings as WorkerLaunchSettings
+from .workers import WarmSettings, WorkerLaunch, WorkerManager
 from .workers import launchers
 from .workers.parking import ParkSettings
 
@@ -54,6 +54,8 @@ class NodeAgent(WorkerSettings):
     """``gpupool agent``: the per-node daemon."""
 
     name = "gpupool-agent"
+    #: What the launcher says the node has for leases (cores, bytes), asked once (:meth:`host_totals`).
+    _launcher_host: tuple[float | None, int | None] | None = None
     description = """The gpupool node agent: registers this node's GPUs with the pool service,
     starts and stops one Jupyter kernel (worker) per lease, and reports worker
     activity and GPU metrics."""
@@ -89,9 +91,15 @@ class NodeAgent(WorkerSettings):
 
     def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
         """The classes ``--generate-config`` and ``--help-all`` show: not the
-        settings classes, so every setting appears once, as ``c.NodeAgent.*``."""
-        return (cls for cls in super()._classes_with_config_traits(classes)
-                if cls not in (NodeSettings, WorkerSettings))
+        settings classes, so every setting appears once, as ``c.NodeAgent.*``;
+        and the Slurm launcher's (``c.SlurmLauncher.*``, read by ``worker_launcher = "slurm"``)."""
+        from .workers.launchers.slurm import SlurmLauncher
+
+        shown = [cls for cls in super()._classes_with_config_traits(classes)
+                 if cls not in (NodeSettings, WorkerSettings)]
+        yield from shown
+        if SlurmLauncher not in shown:
+            yield SlurmLauncher
 
     # -- setup ------------------------------------------------------------------------------------------------
 
@@ -113,7 +121,8 @@ class NodeAgent(WorkerSettings):
         self.tokens = AgentTokens(self.token_file, self.metrics_token_file)
         self.metrics = AgentMetrics(self.node_name)
         self.worker_environments = self.check_environments()
-        self.accounts = WorkerAccounts(self.worker_user, self.worker_users, self.state_dir, self.node_name, self.log)
+        self.accounts = WorkerAccountSettings(self.worker_user, self.worker_users, self.state_dir, self.node_name,
+                                              self.log)
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
                                                      timeout=self.nvml_timeout, source=self.inventory_source)
@@ -242,12 +251,13 @@ class NodeAgent(WorkerSettings):
         if self.accounts.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         cgroups = self.containment(state_dir)
-        settings = WorkerLaunchSettings(
+        settings = WorkerLaunch(
             state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
             start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-            warm=WarmSettings(self.warm_workers, tuple(self.preload_modules), self.warm_worker_max_age),
+            warm=WarmSettings(self.warm_workers if self.launcher.keeps_warm else 0, tuple(self.preload_modules),
+                              self.warm_worker_max_age),
             encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
-            enforcement=self.enforcement,
+            enforcement=self.enforcement, config=self.config, templates=self.worker_templates,
             pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
         self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
                                      parking=self.park_settings(state_dir))
@@ -279,8 +289,16 @@ class NodeAgent(WorkerSettings):
                                 parked_memory=self.parked_budget())
 
     def host_totals(self) -> tuple[float, int]:
-        """``(cores, bytes)`` this node offers leases (:func:`.host_limits.host_totals`)."""
-        return host_totals(self.host_cpus, self.host_memory)
+        """``(cores, bytes)`` this node offers leases: ``host_cpus``/``host_memory``
+        where set, else what the launcher says the node has (a Slurm node's
+        CPUs and memory, asked once), else this host's (:func:`.host_limits.host_totals`)."""
+        if self.host_cpus and self.host_memory:
+            return host_totals(self.host_cpus, self.host_memory)
+        if self._launcher_host is None:
+            found = launchers.launcher_class(self.worker_launcher).host_totals(self.config, self.log)
+            self._launcher_host = found or (None, None)
+        cpus, memory = self._launcher_host
+        return host_totals(self.host_cpus or cpus, self.host_memory or memory)
 
     def heartbeat(self) -> Heartbeat:
         """What the next ``POST /nodes/{name}/heartbeat`` tells the service; updates the agent's metrics."""

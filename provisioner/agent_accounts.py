@@ -34,8 +34,10 @@ def expand_worker_user(template: str, owner: str) -> str:
                            "template may hold is {username}") from None
 
 
-class WorkerAccounts:
-    """The workers' accounts of one node, checked at construction.
+class WorkerAccountSettings:
+    """``c.NodeAgent.worker_user`` and ``worker_users`` of one node, resolved to
+    accounts and checked at construction (the workers' allotment of them is
+    :class:`~.workers.accounts.WorkerAccounts`).
 
     ``worker_user``, ``worker_users``: the settings; ``state_dir``: the
     agent's (each account must reach it); ``node``: named in refusals.

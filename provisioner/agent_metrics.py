@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpupool.schema import WorkerState
 from gpupool.wire.nodes import GPUInfo, WorkerReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -67,7 +68,7 @@ class AgentMetrics(Collector):
         self._gpus = list(gpus)
         self._readings = {r["uuid"]: dict(r) for r in readings if "uuid" in r}
         self._workers_by_gpu = dict(workers_by_gpu)
-        states: dict[str, int] = {state: 0 for state in WorkerReport.STATES}
+        states: dict[str, int] = {state: 0 for state in WorkerState}
         for report in reports:
             states[report.execution_state] = states.get(report.execution_state, 0) + 1
         self._states = states

@@ -9,6 +9,7 @@ from urllib.parse import quote
 
 from gpupool.errors import GPUPoolError
 from gpupool.httpout import JSONClient, NoAnswer
+from gpupool.schema import WorkerState
 from gpupool.wire.nodes import GPUReading, Heartbeat, HeartbeatReply, RegistrationReply, WorkerReport
 
 from .agent_tokens import TOKEN_ENV
@@ -111,7 +112,7 @@ class ServiceLink:
         with their exit codes), so their leases end now rather than when the
         node's TTL runs out."""
         why = f"the node agent on {self.node} was stopped"
-        last = Heartbeat(tuple(WorkerReport(lease, None, "dead", exit_code=code, reason=why)
+        last = Heartbeat(tuple(WorkerReport(lease, None, WorkerState.dead, exit_code=code, reason=why)
                                for lease, code in exit_codes.items()),
                          tuple(GPUReading.of(g) for g in self.agent.inventory.metrics()), self.agent.inventory.error)
         try:

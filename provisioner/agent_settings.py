@@ -279,6 +279,15 @@ class WorkerSettings(NodeSettings):
         ``c.NodeAgent.preload_modules = ["torch", "numpy"]``.""",
     ).tag(config=True)
 
+    worker_templates = Bool(
+        True, help="""Whether a cold worker is forked from a template of its interpreter (a process
+        that has imported ipykernel, the worker extension and ``preload_modules`` once) instead of
+        booting a new interpreter: a cold attach then skips those imports. The forked worker joins
+        its cgroup and takes its account, environment and folder before it runs a line of its own.
+        A worker whose PYTHONPATH or LD_LIBRARY_PATH differs from the template's boots. Default:
+        True. ``c.NodeAgent.worker_templates = False``.""",
+    ).tag(config=True)
+
     warm_worker_max_age = Duration(
         1800.0, help="""Seconds a warm worker may wait for a lease before it is stopped and
         replaced by a fresh one. Default: 30 minutes. ``c.NodeAgent.warm_worker_max_age = "1h"``.""",

@@ -185,15 +185,23 @@ def asarray(value: Any, device: int = 0):
     return array
 
 
-def device_of(array: Any) -> int | None:
-    """The device index ``array`` (or any view of one) lives on; None for host memory."""
+def allocation_of(array: Any) -> _Block | None:
+    """The allocation ``array`` (or any view of one) lives in, None for host
+    memory: its ``device`` index, its ``name`` (unique in the process) and
+    ``len()``, its size in bytes (whole pages), shared by all its views."""
     seen = 0
     while array is not None and seen < 64:
         if isinstance(array, _Block):
-            return array.device
+            return array
         array = array.obj if isinstance(array, memoryview) else getattr(array, "base", None)
         seen += 1
     return None
+
+
+def device_of(array: Any) -> int | None:
+    """The device index ``array`` (or any view of one) lives on; None for host memory."""
+    block = allocation_of(array)
+    return None if block is None else block.device
 
 
 def to_host(array: Any):

@@ -8,14 +8,14 @@ Under one root folder (``$GPUPOOL_SIMGPU_ROOT``, default
 
 - ``<GPU UUID>/<pid>-<n>``: one file per allocation of process ``pid`` on
   that GPU; its *allocated* blocks (``st_blocks``) are the GPU memory it holds,
-  as NVML's per-process ``usedGpuMemory`` would say. A file whose pages were
-  punched out (a park) holds none, whatever its size.
+  as NVML's per-process ``usedGpuMemory`` would say.
 - ``.binding/<pid>.json``: what the agent tells a live process after a
   resume onto other GPUs or limits (``{"gpus": [uuid, ...], "limit": bytes}``):
   ``CUDA_VISIBLE_DEVICES`` cannot change in a running process, so the
   process reads this instead once it exists.
-- ``.parked/<lease id>/...``: the ``simulated`` checkpointer's host copies
-  (the agent's; never counted as GPU memory).
+- ``.parked/<lease id>/...``: the ``simulated`` checkpointer's host copies,
+  parked leases' allocation files moved there (the agent's; never counted
+  as GPU memory).
 
 Files of processes that are gone are removed by :func:`sweep` (the agent's
 inventory calls it once per reading), besides each process removing its own at

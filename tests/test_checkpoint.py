@@ -3,7 +3,7 @@ one (``auto`` and by name), ``cuda-checkpoint``'s command line driven against
 a stand-in that keeps the real one's (tests/fake_cuda_checkpoint.py: only a
 GPU host runs the real utility), the ``framework`` checkpointer's in-place
 move (on the CPU here: the GPU part runs in ``make gpu-check``), the
-``simulated`` one's file moves, and the pure park decisions.
+``simulated`` one's moves of allocation files, and the pure park decisions.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ import pytest
 from gpupool.provisioner import checkpoint
 from gpupool.provisioner.checkpoint import CheckpointError, Moved, NodeFacts, ParkTarget
 from gpupool.provisioner.checkpoint.cuda import CudaCheckpointer
-from gpupool.provisioner.checkpoint.simulated import move
+from gpupool.provisioner import simgpu_store
+from gpupool.provisioner.checkpoint.simulated import SimulatedCheckpointer
 from gpupool.provisioner.workers.parking import mem_available, no_room
 
 GiB = 2**30
@@ -176,27 +178,43 @@ def test_the_framework_move_keeps_every_object_view_and_parameter_in_place():
     assert offload.park() == {"ok": True, "moved": 0, "kept": 0, "lost": []}, "no CUDA here: nothing to move"
 
 
-def test_the_simulated_move_copies_and_frees_the_pages_chunk_by_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpupool.provisioner.checkpoint.simulated.CHUNK", 1 << 20)
-    shm = Path("/dev/shm") / f"gpupool-test-move-{os.getpid()}"
-    shm.mkdir()
+def test_the_simulated_park_moves_the_pages_out_of_the_gpu_folder_and_back_onto_another_gpu(monkeypatch):
+    """The allocation's pages leave its GPU's folder (the readings count them no more) for the agent's
+    host copy, the same inode, so the process's mapping keeps its bytes; a resume onto G1 puts them in
+    G1's folder and binds the process to G1."""
+    root = Path("/dev/shm") / f"gpupool-test-park-{os.getpid()}"
+    monkeypatch.setenv(simgpu_store.ROOT_ENV, str(root))
+    simgpu_store.prepare([G0, G1], root)
     try:
-        data = os.urandom((3 << 20) + 8192)  # page multiples, as allocations are, with a short last chunk
-        for source, copy in ((shm / "gpu", shm / "host"), (shm / "gpu2", tmp_path / "elsewhere")):  # one tmpfs, or two
-            source.write_bytes(data)
-            move(source, copy, len(data))
-            assert copy.read_bytes() == data and source.stat().st_size == len(data)
-            assert source.stat().st_blocks == 0, "the source's pages are punched out"
-            move(copy, source, len(data))
-            assert source.read_bytes() == data
+        data = os.urandom(3 << 20)
+        allocation = simgpu_store.gpu_dir(G0) / f"{os.getpid()}-1"
+        allocation.write_bytes(data)
+        inode = allocation.stat().st_ino
+        with allocation.open("r+b") as file, mmap.mmap(file.fileno(), len(data)) as mapping:
+            target = ParkTarget("L-1", os.getpid(), (os.getpid(),), (G0,), GiB)
+            simulated = SimulatedCheckpointer()
+            moved = asyncio.run(simulated.park(target))
+            assert moved.gpu_bytes_moved == moved.host_bytes == len(data)
+            assert simgpu_store.process_files(os.getpid()) == [], "no GPU memory held while parked"
+            (copy,) = (root / simgpu_store.PARKED / "L-1").rglob("*-1")
+            assert copy.stat().st_ino == inode and mapping[:] == data
+            asyncio.run(simulated.resume(target, moved, (G1,), GiB // 2))
+            (back,) = simgpu_store.process_files(os.getpid())
+            assert (back.gpu, back.path.stat().st_ino, back.size) == (G1, inode, len(data))
+            assert mapping[:] == data and not (root / simgpu_store.PARKED / "L-1").exists()
+            binding = json.loads(simgpu_store.binding_path(os.getpid()).read_text())
+            assert binding == {"gpus": [G1], "limit": GiB // 2}
     finally:
-        shutil.rmtree(shm)
+        shutil.rmtree(root)
 
 
 def test_the_park_decisions():
     assert mem_available("MemTotal: 100 kB\nMemAvailable:  2048 kB\n") == 2 << 20
     assert mem_available("MemTotal: 100 kB\n") is None
     assert no_room(GiB, GiB // 2, 2 * GiB, 10 * GiB, GiB) is None
+    assert no_room(GiB, GiB // 2, 2 * GiB, 10 * GiB, GiB, quota_room=2 * GiB) is None
+    assert ("it would hold 1.5 GiB of host memory, more than the 1.0 GiB its owner's max_parked_memory leaves"
+            == no_room(GiB, GiB // 2, 2 * GiB, 10 * GiB, GiB, quota_room=GiB))
     assert "more than this node's parked-memory budget of 1.0 GiB" in no_room(GiB, 1, GiB, 10 * GiB, GiB)
     words = no_room(4 * GiB, 0, 10 * GiB, 5 * GiB, 2 * GiB)
     assert words == ("the host has 5.0 GiB of memory available, and moving 4.0 GiB of GPU memory there would leave "

@@ -21,7 +21,7 @@ import pytest
 from workercell import run_worker_cell
 from gpupool.provisioner.cgroups import CgroupError, containment
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
+from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
 from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, wait_for
 
@@ -77,7 +77,7 @@ def spec(lease_id: str) -> WorkerSpec:
 
 def test_a_daemon_a_cell_leaves_dies_when_its_lease_is_stopped(mode, cgroup_root, tmp_path):
     async def scenario():
-        workers = WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", stop_timeout=5, start_timeout=30),
+        workers = WorkerManager(WorkerLaunch(tmp_path / "state", node="node-1", stop_timeout=5, start_timeout=30),
                                 cgroups=containment(mode, cgroup_root, tmp_path / "state"))
         try:
             worker = await workers.start(spec("L-escape"))
@@ -107,7 +107,7 @@ def test_a_restarted_agent_finds_the_leases_processes_by_cgroup(mode, cgroup_roo
     state = tmp_path / "state"
 
     async def scenario():
-        first = WorkerManager(WorkerSettings(state, node="node-1", stop_timeout=5, start_timeout=30,
+        first = WorkerManager(WorkerLaunch(state, node="node-1", stop_timeout=5, start_timeout=30,
                                              warm=WarmSettings(size=1)), cgroups=containment(mode, cgroup_root, state))
         first.start_warm_pool()
         kept = await first.start(spec("L-kept"))
@@ -128,7 +128,7 @@ def test_a_restarted_agent_finds_the_leases_processes_by_cgroup(mode, cgroup_roo
         # What init does for a killed agent's workers: reap them once they die
         # (in v1 a zombie stays in its cgroup, which cannot be removed until then).
         reaped = asyncio.ensure_future(asyncio.to_thread(warm.process.wait))
-        second = WorkerManager(WorkerSettings(state, node="node-1", stop_timeout=5, start_timeout=30),
+        second = WorkerManager(WorkerLaunch(state, node="node-1", stop_timeout=5, start_timeout=30),
                                cgroups=containment(mode, cgroup_root, state))
         try:
             [adopted] = await second.recover()

@@ -10,6 +10,7 @@ overlay's agent and worker pods: tests/test_deploy_k8s_worker_pods.py."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import yaml
@@ -103,14 +104,39 @@ def test_the_agent_ranks_high_tolerates_the_pool_taint_and_reserves_its_workers(
             continue  # its workers' pods reserve their own: tests/test_deploy_k8s_worker_pods.py
         resources = pod["containers"][0]["resources"]
         assert resources["requests"] == resources["limits"] and set(resources["limits"]) == {"cpu", "memory"}  # Guaranteed
-        cpus, memory = quantity(resources["limits"]["cpu"]), quantity(resources["limits"]["memory"])
-        # What an agent with this config offers (its own reading of it): leases' cores and memory, and
-        # the parked budget, which lives in this container too (its default alone is a quarter more).
-        agent = agent_of(config_text(objects, "gpupool-agent-config"))
-        offered_cpus, offered_memory = agent.host_totals()
-        held = offered_memory + agent.parked_budget()
-        assert 1 <= cpus - offered_cpus <= 4, (cpus, offered_cpus)  # room for the agent
-        assert 2 * GiB <= memory - held <= 16 * GiB, (memory / GiB, offered_memory / GiB, held / GiB)
+        spare_cpus, spare_memory = headroom(resources, config_text(objects, "gpupool-agent-config"))
+        assert fits_the_agent(spare_cpus, spare_memory), (spare_cpus, spare_memory / GiB)
+
+
+def test_the_headroom_check_catches_a_config_that_offers_the_whole_pod(rendered):
+    """The window above is not met by any config: one that offers leases all of the pod's cores, or
+    leases and parked workers more memory than the pod has, fails it."""
+    objects = rendered[IN_AGENT_POD[0]]
+    resources = pod_spec(one(objects, "DaemonSet", "gpupool-agent"))["containers"][0]["resources"]
+    text = config_text(objects, "gpupool-agent-config")
+    limit = quantity(resources["limits"]["cpu"])
+    greedy = [re.sub(r"(?m)^(\s*)c\.NodeAgent\.host_cpus = .*$", rf"\g<1>c.NodeAgent.host_cpus = {limit:g}", text),
+              re.sub(r"(?m)^(\s*)c\.NodeAgent\.parked_memory = .*$", r'\g<1>c.NodeAgent.parked_memory = "1TiB"', text)]
+    assert all(edited != text for edited in greedy), "the config names host_cpus and parked_memory"
+    for edited in greedy:
+        assert not fits_the_agent(*headroom(resources, edited)), edited
+
+
+def headroom(resources: dict, config: str) -> tuple[float, float]:
+    """``(cores, bytes)`` the agent's container (its Guaranteed ``resources``) keeps for the agent
+    itself once an agent with ``config`` (its own reading of it) has offered leases its cores and
+    memory, and the parked budget, which lives in this container too."""
+    agent = agent_of(config)
+    # Set in the config, or host_totals() would read this test machine's psutil, not the pod's.
+    assert agent.host_cpus and agent.host_memory, (agent.host_cpus, agent.host_memory)
+    offered_cpus, offered_memory = agent.host_totals()
+    return (quantity(resources["limits"]["cpu"]) - offered_cpus,
+            quantity(resources["limits"]["memory"]) - offered_memory - agent.parked_budget())
+
+
+def fits_the_agent(spare_cpus: float, spare_memory: float) -> bool:
+    """Room for the agent: 1-4 cores and 2-16 GiB (more would be capacity no lease can have)."""
+    return 1 <= spare_cpus <= 4 and 2 * GiB <= spare_memory <= 16 * GiB
 
 
 def test_homes_are_one_share_at_the_same_path_in_the_notebook_and_on_the_agent(rendered):

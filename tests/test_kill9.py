@@ -39,7 +39,7 @@ import pytest
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
 from gpupool.demo_pool import GPUPOOL
-from gpupool.provisioner.workers import WorkerManager, WorkerSettings, WorkerSpec
+from gpupool.provisioner.workers import WorkerManager, WorkerLaunch, WorkerSpec
 from gpupool.provisioner.workers.kernel import history_path
 from gpupool.wire.leases import LeaseRequest
 from gpupool.wire.nodes import GPUInfo
@@ -173,7 +173,7 @@ def assert_no_leak(pool: Pool) -> None:
     holding = [lease for lease in pool.service.client().list_leases(active=True) if lease.state.holds_capacity]
     workers = worker_processes(pool.agent)
     assert all(lease.worker and lease.worker["pid"] in workers for lease in holding), (holding, workers)
-    agents_own = {child.pid for child in psutil.Process(pool.agent.proc.pid).children()}
+    agents_own = {child.pid for child in psutil.Process(pool.agent.proc.pid).children(recursive=True)}  # warm: forked by its template
     strays = set(workers) - {lease.worker["pid"] for lease in holding} - agents_own
     assert strays == set(), f"worker processes no lease holds: {strays}"
     allocated = sum(gpu["allocated_fraction"] for node in pool.service.client().pool()["nodes"] for gpu in node["gpus"])
@@ -334,7 +334,7 @@ def test_a_restarted_agent_kills_what_a_dead_workers_cells_left_and_skips_bad_re
     gpu = GPUInfo("GPU-0", "NVIDIA A100-SXM4-80GB", 0, 80 * 2**30)
 
     async def scenario() -> None:
-        first = WorkerManager(WorkerSettings(tmp_path, node="n1"))
+        first = WorkerManager(WorkerLaunch(tmp_path, node="n1"))
         kept = await first.start(WorkerSpec("L-kept", "ann", (gpu,), 0.25, 2**30))
         dies = await first.start(WorkerSpec("L-dies", "bob", (gpu,), 0.25, 2**30))
         left = int(await run_code(dies, "import subprocess\nprint(subprocess.Popen(['sleep', '600']).pid)"))
@@ -349,7 +349,7 @@ def test_a_restarted_agent_kills_what_a_dead_workers_cells_left_and_skips_bad_re
         bad = json.loads((workers / "L-kept.lease.json").read_text()) | {"lease_id": "../escape"}
         (workers / "L-bad.lease.json").write_text(json.dumps(bad))
 
-        second = WorkerManager(WorkerSettings(tmp_path, node="n1"))
+        second = WorkerManager(WorkerLaunch(tmp_path, node="n1"))
         adopted = await second.recover()
         assert [worker.spec.lease_id for worker in adopted] == ["L-kept"] and adopted[0].pid == kept.pid
         assert not alive(left), "the dead worker's cell left a process: killed"

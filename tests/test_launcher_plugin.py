@@ -31,22 +31,23 @@ def demo_plugin(tmp_path, monkeypatch):
                           "launcher_demo")
 
 
-def test_the_local_launcher_is_the_default_and_the_only_built_in():
+def test_the_local_launcher_is_the_default_and_slurm_the_other_built_in():
     from gpupool.provisioner.agent import NodeAgent
 
-    assert available() == ("local",)
+    assert available() == ("local", "slurm")
     assert launcher_class("local") is LocalLauncher
+    assert launcher_class("slurm").__name__ == "SlurmWorkers" and not launcher_class("slurm").keeps_warm
     assert NodeAgent().worker_launcher == "local"
-    with pytest.raises(ValueError, match="unknown worker launcher 'pod'; choose one of local"):
+    with pytest.raises(ValueError, match="unknown worker launcher 'pod'; choose one of local, slurm"):
         launcher_class("pod")
-    with pytest.raises(TraitError, match=r"'worker_launcher' .* any of \['local'\], not 'pod'"):
+    with pytest.raises(TraitError, match=r"'worker_launcher' .* any of \['local', 'slurm'\], not 'pod'"):
         NodeAgent(worker_launcher="pod")
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
     from gpupool.provisioner.agent import NodeAgent
 
-    assert available() == ("local", "demo")
+    assert available() == ("local", "slurm", "demo")
     assert launcher_class("demo").__name__ == "DemoLauncher"
     assert NodeAgent(worker_launcher="demo").worker_launcher == "demo"
     help_text = " ".join(NodeAgent.class_traits()["worker_launcher"].help.split())

@@ -20,7 +20,7 @@ import pytest
 from gpupool.provisioner import worker_extension
 from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerSettings, WorkerSpec
+from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
 from gpupool.provisioner.workers.binding import bind_code, preload_code
 from gpupool.provisioner.workers.warmpool import WarmPool
 from workercell import run_worker_cell
@@ -185,7 +185,7 @@ def test_bind_refuses_a_second_lease(monkeypatch):
 # -- real workers ---------------------------------------------------------------------------------------------
 
 def manager(tmp_path, **warm) -> WorkerManager:
-    return WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
+    return WorkerManager(WorkerLaunch(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
                                         stop_timeout=5, start_timeout=30, warm=WarmSettings(**warm),
                                         enforcement=MPS()))
 

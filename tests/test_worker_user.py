@@ -231,7 +231,7 @@ end = time.time() + 30
 while time.time() < end:
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
-            args = open(cmdline, "rb").read().split(b"\\0")
+            args = open(cmdline, "rb").read().replace(b"\\0", b" ").split()  # a forked worker's title is one string
         except OSError:
             continue
         for i, arg in enumerate(args[:-1]):

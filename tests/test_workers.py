@@ -19,7 +19,7 @@ import pytest
 from gpupool.provisioner.activity import WorkerActivity
 from gpupool.provisioner.enforcement import MPS
 from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerSettings, WorkerSpec,
+from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerLaunch, WorkerSpec,
                                          WorkerStartError, worker_environment)
 from gpupool.provisioner.workers.kernel import KernelManagers, kernel_arguments
 from gpupool.provisioner.workers.process import AdoptedProcess, LocalProcess
@@ -34,7 +34,7 @@ SECRETS = {"GPUPOOL_AGENT_TOKEN": "agent-secret", "JUPYTERHUB_API_TOKEN": "hub-s
 
 
 def manager(tmp_path, **kwargs) -> WorkerManager:
-    return WorkerManager(WorkerSettings(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
+    return WorkerManager(WorkerLaunch(tmp_path / "state", node="node-1", environ={**os.environ, **SECRETS},
                                         stop_timeout=5, start_timeout=30, **kwargs))
 
 
@@ -269,7 +269,7 @@ def test_each_client_of_a_worker_numbers_its_requests_apart(tmp_path):
     # jupyter_client's clients share a clone of the manager's Session, whose counter starts at 0: the
     # re-adoption's control kernel_info and its tracking kernel_info had one msg_id, and the first one's
     # late idle made a worker mid-cell look idle (test_kill9, about once in five runs under load).
-    kernels = KernelManagers(WorkerSettings(tmp_path / "state", node="node-1"), logging.getLogger("test"))
+    kernels = KernelManagers(WorkerLaunch(tmp_path / "state", node="node-1"), logging.getLogger("test"))
     try:
         worker_manager = kernels(tmp_path / "kernel.json")
         first, second = worker_manager.client(), worker_manager.client()

@@ -1,26 +1,27 @@
 """The ``simulated`` checkpointer: the simulated GPUs' device memory
 (:mod:`..simgpu`) moved to host memory and back, for nodes without a GPU.
 
-A park copies each allocation file of the frozen worker's processes into a
-host copy the agent holds (``.parked/<lease>/<GPU>/<pid>-<n>`` under the
-simulated memory's root, a tmpfs file: it survives an agent killed with -9,
-as the driver's copy of a real checkpoint lives on in the process) and
-punches the file's pages out as it goes, so the inventory's readings show the
-GPU memory freed, as NVML would. The worker's arrays keep their mapping; the
-process is frozen, so nothing touches them meanwhile. A resume writes the
-pages back (the mapping sees them again) and punches the host copy; onto
-another GPU it first moves the file into that GPU's folder (the same inode:
-the mapping stays) and tells the process its new GPUs and limit (the binding
-file, :func:`..simgpu_store.write_binding`). Both move :data:`CHUNK` bytes
-at a time, so the host never holds a worker's state twice.
+A park renames each allocation file of the frozen worker's processes out of
+its GPU's folder into a host copy the agent holds
+(``.parked/<lease>/<GPU>/<pid>-<n>`` under the simulated memory's root, one
+tmpfs): the pages change owner without a byte copied, the inventory's
+readings show the GPU memory freed, as NVML would, and the copy survives an
+agent killed with -9, as the driver's copy of a real checkpoint lives on in
+the process. The worker's arrays keep their mapping (the same inode); the
+process is frozen, so nothing touches them meanwhile. A resume renames the
+files back, into the folder of the GPU the lease resumes on, and tells the
+process its new GPUs and limit when they changed (the binding file,
+:func:`..simgpu_store.write_binding`).
+
+A real GPU's park copies device memory into pinned host memory at the
+device's rate (``cuda-checkpoint``, ``framework``); here that copy is left
+out rather than stood in for by a slower one within RAM, so what a park
+costs here is gpupool's own path (freeze, move, grant, thaw).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import errno
 import os
 import shutil
 from pathlib import Path
@@ -29,64 +30,6 @@ from gpupool.units import format_bytes
 
 from .. import simgpu_store as store
 from .base import Checkpointer, CheckpointError, Moved, NodeFacts, ParkTarget
-
-#: Bytes moved, then punched, at a time.
-CHUNK = 64 << 20
-_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
-
-
-def punch(fd: int, offset: int, length: int) -> None:
-    """Free the pages of ``length`` bytes at ``offset`` of the file ``fd``, keeping its size."""
-    if _libc.fallocate(fd, _PUNCH, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
-def move(source: Path, target: Path, size: int) -> None:
-    """Copy ``size`` bytes of ``source`` into ``target`` (made when missing,
-    its size kept when it exists) chunk by chunk, punching each chunk out of
-    ``source`` once copied. OSError (ENOSPC: the host's tmpfs is full) once
-    the chunks already moved are back in ``source``."""
-    src = os.open(source, os.O_RDWR)
-    try:
-        dst = os.open(target, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(dst).st_size < size:
-                os.ftruncate(dst, size)
-            done = 0
-            try:
-                while done < size:
-                    length = min(CHUNK, size - done)
-                    _copy(src, dst, done, length)
-                    punch(src, done, length)
-                    done += length
-            except OSError:
-                _copy(dst, src, 0, done)  # into pages just freed: room the failed copy needs no more of
-                raise
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-
-
-def _copy(src: int, dst: int, offset: int, length: int) -> None:
-    """``length`` bytes at ``offset`` of ``src`` to the same place in ``dst``: in
-    the kernel (``copy_file_range``) within one file system, else through a buffer."""
-    copied = 0
-    while copied < length:
-        at = offset + copied
-        try:
-            step = os.copy_file_range(src, dst, length - copied, at, at)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            data = os.pread(src, min(length - copied, 8 << 20), at)
-            step = os.pwrite(dst, data, at) if data else 0
-        if step == 0:
-            raise OSError(errno.EIO, f"the file ended at {at} bytes")
-        copied += step
 
 
 class SimulatedCheckpointer(Checkpointer):
@@ -118,11 +61,11 @@ class SimulatedCheckpointer(Checkpointer):
                 for allocation in store.process_files(pid):
                     copy = host / allocation.gpu / allocation.path.name
                     copy.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                    move(allocation.path, copy, allocation.size)
+                    os.rename(allocation.path, copy)
                     moved.append((allocation.path, copy, allocation.size))
         except OSError as exc:
-            for source, copy, size in moved:  # everything back, then say why
-                move(copy, source, size)
+            for source, copy, _ in moved:  # everything back, then say why
+                os.rename(copy, source)
             shutil.rmtree(host, ignore_errors=True)
             raise CheckpointError(f"could not move the simulated GPU memory of lease {target.lease_id} to host "
                                   f"memory: {exc.strerror or exc}") from None
@@ -137,19 +80,17 @@ class SimulatedCheckpointer(Checkpointer):
 
     def _resume(self, target: ParkTarget, moved: Moved, gpus: tuple[str, ...], memory: int,
                 into: Path | None = None) -> None:
-        """Write the host copies back: into their GPU's files (on ``gpus``),
-        or, with ``into``, into files moved there out of every GPU folder."""
+        """Put the host copies back: into the folders of ``gpus`` (in the order
+        of the lease's GPUs), or, with ``into``, all into that folder."""
         host = self._host(target.lease_id)
         renamed = dict(zip(target.gpus, gpus))
         try:
-            for relative, size in moved.state.get("files", []):
-                copy = host / relative
+            for relative, _ in moved.state.get("files", []):
                 gpu, name = Path(relative).parts
                 place = (into / name) if into is not None else store.gpu_dir(renamed.get(gpu, gpu)) / name
-                if place != store.gpu_dir(gpu) / name:
-                    store.make_shared(place.parent)
-                    os.rename(store.gpu_dir(gpu) / name, place)  # the same inode: the worker's mapping follows
-                move(copy, place, int(size))
+                if into is None and place.parent != store.gpu_dir(gpu):
+                    store.make_shared(place.parent)  # another GPU's folder, made if this run had none yet
+                os.rename(host / relative, place)  # the same inode: the worker's mapping follows
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"could not put the simulated GPU memory of lease {target.lease_id} back: "
                                   f"{getattr(exc, 'strerror', None) or exc}") from None

@@ -1,16 +1,19 @@
 """The worker's end of the ``gpupool.transfer`` comm: one request per comm
 (its open message), answered and closed. Ops: ``push``, ``pull`` and
-``pull_all`` move variables (:mod:`.namespace`); ``have``, ``versions`` and
-``attach`` are the remoting ops of issue 6 (REMOTING_OPS); ``park_gpu``,
+``pull_all`` move variables (:mod:`.namespace`); ``have``, ``versions``,
+``attach``, ``fetch`` (a move from another worker, :mod:`.move`) and
+``gpu_memory`` (what ``%gpu status`` lists, :mod:`.gpumemory`) are the
+remoting ops (REMOTING_OPS); ``forget_traceback``, ``park_gpu``,
 ``resume_gpu``, ``spill`` and ``load_spill`` are the agent's, for parking
-(:mod:`.offload`, :mod:`.spill`; PARKING_OPS)."""
+(:mod:`.lasttraceback`, :mod:`.offload`, :mod:`.spill`; PARKING_OPS)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
-from . import dataplane, offload, spill
+from . import dataplane, gpumemory, lasttraceback, move, offload, spill
 from gpupool.transfer import load_values, package_versions
 
 from .devices import place_on_devices
@@ -72,9 +75,29 @@ def _attach(ip, data: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "cwd": cwd, "notebook_dir": followed}
 
 
-REMOTING_OPS = {"have": _have, "versions": _versions, "attach": _attach}
-#: The agent's ops while it parks this worker: GPU memory to host memory and back
-#: (the framework checkpointer), the namespace to a spill file and back.
-PARKING_OPS = {"park_gpu": lambda ip, data: offload.park(), "resume_gpu": lambda ip, data: offload.resume(),
+def _gpu_memory(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``gpu_memory``: the names holding GPU memory, the ``top`` largest
+    (default 10; :func:`.gpumemory.listing`)."""
+    return gpumemory.listing(ip, max(0, int(data.get("top", 10))))
+
+
+def _forget_traceback(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``forget_traceback``, the agent's before a park: drop the last
+    traceback so its frames' GPU memory is freed instead of moved (PyTorch's
+    cache emptied too, for a checkpointer that moves what the driver holds).
+    Answers ``{"ok", "cleared": its label, or None when none was kept}``."""
+    cleared = lasttraceback.forget(ip)
+    torch = sys.modules.get("torch")
+    if cleared and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return {"ok": True, "cleared": cleared}
+
+
+REMOTING_OPS = {"have": _have, "versions": _versions, "attach": _attach, "gpu_memory": _gpu_memory,
+                "fetch": move.fetch}
+#: The agent's ops while it parks this worker: the last traceback dropped, GPU memory to
+#: host memory and back (the framework checkpointer), the namespace to a spill file and back.
+PARKING_OPS = {"forget_traceback": _forget_traceback,
+               "park_gpu": lambda ip, data: offload.park(), "resume_gpu": lambda ip, data: offload.resume(),
                "spill": lambda ip, data: spill.save(ip, str(data["path"])),
                "load_spill": lambda ip, data: spill.load(ip, str(data["path"]))}

@@ -190,9 +190,11 @@ def pushed_buffers(plane: DataPlaneServer | None, data: dict[str, Any]) -> list:
 def offer_pull(plane: DataPlaneServer | None, data: dict[str, Any], header: dict[str, Any], buffers: list
                ) -> tuple[dict[str, Any], list]:
     """A pull's answer: with a ticket in ``data["stream"]`` and at least
-    STREAM_MIN bytes, the buffers wait on the data plane and ``header["stream"]``
-    lists their sizes; else they go in the comm message as before."""
-    if plane is None or not data.get("stream") or sum(memoryview(b).nbytes for b in buffers) < STREAM_MIN:
+    STREAM_MIN bytes (or any, with ``data["stream_all"]``: a move, whose bytes
+    go to another worker), the buffers wait on the data plane and
+    ``header["stream"]`` lists their sizes; else they go in the comm message."""
+    small = sum(memoryview(b).nbytes for b in buffers) < STREAM_MIN and not data.get("stream_all")
+    if plane is None or not data.get("stream") or small:
         return header, buffers
     header["stream"] = {"sizes": plane.offer(Ticket.from_wire(data["stream"]), buffers)}
     return header, []

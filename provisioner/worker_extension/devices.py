@@ -1,5 +1,5 @@
 """Where a value lives: off an accelerator before it travels, back onto the
-same device when a push asks for it (issue 6, "release keeps state")."""
+same device when a push asks for it (a release brings GPU tensors home on the CPU)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
 """The worker's variables as a pull sends them: the user's own names, on the
-CPU, within the request's size cap, modules as imports."""
+CPU, within the request's size cap, modules as imports; and such a pull
+restored into another worker (a spill's, a move's)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import sys
 import types
 from typing import Any
 
-from gpupool.transfer import dump_values
+from gpupool.transfer import dump_values, load_values
 
-from .devices import to_cpu_with_device
+from .devices import place_on_devices, to_cpu_with_device
 
 
 def user_variables(ip) -> dict[str, Any]:
@@ -57,6 +59,24 @@ def pull_header(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
     if data["op"] == "pull_all":
         header["modules"] = user_modules(ip)
     return header, buffers
+
+
+def restore(ip, header: dict[str, Any], buffers: list) -> dict[str, Any]:
+    """Load a ``pull_all``'s ``header`` and ``buffers`` (:func:`pull_header`,
+    from another worker) into ``ip``'s namespace: values back on their
+    devices where this worker has them, modules imported. Answers ``{"ok",
+    "loaded", "errors"}`` (``{name: why}`` for each that did not come back
+    as it was; what the pull itself left behind is the sender's to say)."""
+    values, errors = load_values({"items": header.get("items", [])}, buffers)
+    devices = {item["name"]: item["device"] for item in header.get("items", []) if item.get("device")}
+    errors.update(place_on_devices(values, devices))
+    for name, module in header.get("modules", {}).items():
+        try:
+            values[name] = importlib.import_module(module)
+        except Exception as exc:  # not installed where it lands
+            errors[name] = f"module {module} cannot be imported: {exc}"
+    ip.user_ns.update(values)
+    return {"ok": True, "loaded": sorted(values), "errors": errors}
 
 
 def _is_widget(value: Any) -> bool:

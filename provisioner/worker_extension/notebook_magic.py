@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from gpupool import ipykernel_private as ipk
 from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
 
 
@@ -17,11 +18,12 @@ def notebook_magic(ip, line: str) -> None:
     from IPython.core.error import UsageError
 
     kernel = ip.kernel
-    saved, kernel._allow_stdin = kernel._allow_stdin, True
+    saved = ipk.allow_stdin(kernel)
+    ipk.set_allow_stdin(kernel, True)
     try:
         answer = kernel.raw_input(MAGIC_PROMPT + json.dumps({"line": line}))
     finally:
-        kernel._allow_stdin = saved
+        ipk.set_allow_stdin(kernel, saved)
     try:
         result = json.loads(answer)
     except ValueError:
@@ -35,4 +37,4 @@ def front_end_stdin(ip) -> None:
     allowed it (a forwarded request always allows stdin, see STDIN_KEY)."""
     metadata = (ip.kernel.get_parent("shell") or {}).get("metadata") or {}
     if STDIN_KEY in metadata:
-        ip.kernel._allow_stdin = bool(metadata[STDIN_KEY])
+        ipk.set_allow_stdin(ip.kernel, bool(metadata[STDIN_KEY]))

@@ -13,17 +13,14 @@ budget, not against the host's crash, which ends its parked workers anyway.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import struct
 from typing import Any
 
 from gpupool.dataplane import allocate
-from gpupool.transfer import load_values
 
-from .devices import place_on_devices
-from .namespace import pull_header
+from .namespace import pull_header, restore
 
 _LENGTH = struct.Struct(">Q")
 
@@ -72,16 +69,7 @@ def load(ip, path: str) -> dict[str, Any]:
                     raise ValueError(f"{path} ends before its buffers do")
                 done += got
             buffers.append(buffer)
-    values, errors = load_values({"items": header.get("items", [])}, buffers)  # what saving missed: the agent's
-    devices = {item["name"]: item["device"] for item in header.get("items", []) if item.get("device")}
-    errors.update(place_on_devices(values, devices))
-    for name, module in header.get("modules", {}).items():
-        try:
-            values[name] = importlib.import_module(module)
-        except Exception as exc:  # uninstalled meanwhile
-            errors[name] = f"module {module} cannot be imported: {exc}"
-    ip.user_ns.update(values)
-    return {"ok": True, "loaded": sorted(values), "errors": errors}
+    return restore(ip, header, buffers)
 
 
 def _read(file, size: int) -> bytes:

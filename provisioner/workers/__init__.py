@@ -3,8 +3,8 @@
 The agent's HTTP handlers call :class:`WorkerManager`; it starts each worker
 with jupyter_client's ``AsyncKernelManager`` (so ports, HMAC key, connection
 file and signals are Jupyter's own), watches its IOPub for activity, notices
-when it dies, and stops it so that no process outlives its lease (DESIGN.md,
-Promises). The agent builds one :class:`WorkerSettings` from its traits.
+when it dies, and stops it so that no process outlives its lease. The agent
+builds one :class:`WorkerLaunch` (how its workers start) from its traits.
 
 With ``warm_workers`` > 0 it also keeps that many workers started ahead of
 any lease (:mod:`.warmpool`): a lease then takes one and the agent *binds* it
@@ -16,11 +16,10 @@ workers that still run and stops every other process it started before
 (:mod:`..worker_user`) every worker runs as that account, not the agent's
 (:mod:`.accounts`).
 
-Every worker lives in a cgroup of its own (:mod:`..cgroups`): ``lease-ID``
-for a cold start, ``warm-HEX`` for a warm one (kept when it is bound; the
-lease's record names it). Its first process joins it before it runs a line
-of Python, through the start gate (:mod:`.kernel`). Release, a worker's
-death and agent stop kill the whole cgroup (:mod:`.stopping`).
+Every worker lives in a cgroup of its own (:mod:`..cgroups`; docs/security.md,
+"Containment"), which its first process joins through the start gate
+(:mod:`.kernel`) and which release, a worker's death and agent stop kill
+whole (:mod:`.stopping`).
 
 The modules, one concept each: :mod:`.spec` (settings, the lease's worker,
 its environment, the errors), :mod:`.kernel` (command line, start gate,
@@ -35,8 +34,8 @@ the launcher contract, the ``local`` launcher, and the others by name,
 
 from .handle import Worker
 from .manager import WorkerManager
-from .spec import (WORKER_EXTENSION, WarmSettings, WorkerBindError, WorkerSettings, WorkerSpec, WorkerStartError,
+from .spec import (WORKER_EXTENSION, WarmSettings, WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError,
                    WorkerStopError, worker_environment)
 
-__all__ = ["WORKER_EXTENSION", "WarmSettings", "Worker", "WorkerBindError", "WorkerManager", "WorkerSettings",
+__all__ = ["WORKER_EXTENSION", "WarmSettings", "Worker", "WorkerBindError", "WorkerLaunch", "WorkerManager",
            "WorkerSpec", "WorkerStartError", "WorkerStopError", "worker_environment"]

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..worker_user import WorkerUser
-from .spec import WorkerSettings
+from .spec import WorkerLaunch
 
 
 class WorkerAccounts:
@@ -19,7 +19,7 @@ class WorkerAccounts:
     ``users``, ``cwd``). Pool accounts are taken for a start and given back
     once the worker's processes are gone."""
 
-    def __init__(self, settings: WorkerSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: WorkerLaunch, log: logging.Logger) -> None:
         self.state_dir = settings.state_dir
         self.user = settings.user
         self.users = settings.users

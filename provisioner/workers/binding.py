@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Mapping, Sequence
 
+from gpupool.schema import WorkerState
+
 from ..activity import WorkerActivity
 from .handle import Worker
 from .spec import WORKER_EXTENSION, WorkerBindError, WorkerSpec
@@ -78,6 +80,6 @@ async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], t
     # wait for it (a few ms), so the lease's first report says idle, as a
     # cold worker's does.
     for _ in range(250):
-        if worker.activity.execution_state == "idle":
+        if worker.activity.execution_state == WorkerState.idle:
             break
         await asyncio.sleep(0.004)

@@ -4,12 +4,14 @@ account, connection info and activity, and what it reports."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 from jupyter_client.manager import AsyncKernelManager
 
+from gpupool.schema import WorkerState
 from gpupool.wire.nodes import WorkerReport
 
 from ..activity import WorkerActivity
@@ -55,6 +57,10 @@ class Worker:
         self.stopping = False  # the agent is stopping it: its exit is no death to report
         self.watcher: asyncio.Future | None = None
         self.parked: Parked | None = None  # parked in memory: frozen, its GPU state in host memory
+        # Of a worker another launcher started: its state (the record's ``launcher``), and the pids of
+        # its processes outside its tree that a restarted agent must leave alone (a Slurm step's srun).
+        self.launcher_state: dict | None = None
+        self.helpers: set[int] = set()
 
     @property
     def pid(self) -> int:
@@ -79,12 +85,12 @@ class Worker:
                             self.process.create_time(), str(self.manager.connection_file), str(self.log_path),
                             self.cgroup.name if self.cgroup.confines else "",
                             self.user.name if self.user is not None else "",
-                            self.parked.to_json() if self.parked is not None else None)
+                            self.parked.to_json() if self.parked is not None else None, self.launcher_state)
 
     def report(self, memory_used: int | None = None) -> WorkerReport:
         """This worker as a heartbeat's WorkerReport."""
         if self.dead:
-            return WorkerReport(self.spec.lease_id, self.pid, "dead", exit_code=self.exit_code,
+            return WorkerReport(self.spec.lease_id, self.pid, WorkerState.dead, exit_code=self.exit_code,
                                 reason=self.death or self.process.exit_note)
         parked = self.parked
         return WorkerReport(self.spec.lease_id, self.pid,
@@ -96,11 +102,7 @@ class Worker:
 
     def log_tail(self, lines: int = 8) -> str:
         """The last lines the worker wrote to stdout/stderr (empty if none)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
+        return "\n".join(tail_lines(self.log_path, lines))
 
     def descendants(self) -> list[psutil.Process]:
         """Processes the worker started (dataloaders, compilers...), now:
@@ -120,3 +122,17 @@ def _processes(pids: set[int]) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def open_log(path: Path) -> IO[bytes]:
+    """``path`` opened for appending a process's output, made readable by
+    the agent's user only (a worker's output is its user's business)."""
+    return open(path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600))
+
+
+def tail_lines(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of the log ``path`` (none when it cannot be read)."""
+    try:
+        return path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return []

@@ -27,10 +27,11 @@ from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_client.session import new_id
 
+from gpupool.ipykernel_private import NO_EXECUTE_SLEEP
 from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
 
 from ..cgroups import LeaseCgroup
-from .spec import WorkerSettings
+from .spec import WorkerLaunch
 
 #: The start gate (see the module's docstring): the kernel command follows
 #: it; it runs the kernel only once the agent wrote ``go`` to its stdin,
@@ -100,7 +101,7 @@ class KernelManagers:
     """Makes the kernel managers of one node's workers, all on one ZMQ
     ``context`` and never with a user's kernelspec."""
 
-    def __init__(self, settings: WorkerSettings, log: logging.Logger) -> None:
+    def __init__(self, settings: WorkerLaunch, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
         self.context = zmq.asyncio.Context()
@@ -115,6 +116,13 @@ class KernelManagers:
             kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self.context,
             connection_file=str(connection_file), ip=settings.ip, shutdown_wait_time=settings.stop_timeout,
             log=self.log, transport_encryption="required" if settings.encryption == "curve" else "disabled")
+
+    def existing(self, connection_file: Path) -> WorkerKernelManager:
+        """A manager for a kernel that runs already (re-adopted): its connection file read.
+        OSError or ValueError when that file cannot be."""
+        manager = self(connection_file)
+        manager.load_connection_file()
+        return manager
 
     def close(self) -> None:
         """Release the ZMQ context; call once every worker is stopped."""
@@ -145,7 +153,7 @@ def kernel_arguments(extensions: Sequence[str], history: Path | None = None) -> 
     # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
     if history is not None:
         args.append(f"--HistoryManager.hist_file={history}")
-    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", "--IPythonKernel._execute_sleep=0"]
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", NO_EXECUTE_SLEEP]
 
 
 def history_path(log_path: Path) -> Path:

@@ -23,14 +23,14 @@ from .launchers import WorkerLauncher
 from .launchers.local import LocalLauncher
 from .parking import Parking, ParkSettings
 from .recovery import Recovery
-from .spec import WorkerBindError, WorkerSettings, WorkerSpec, WorkerStartError
+from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
 from .stopping import Reaper, quietly
 from .warmpool import WarmPool
 
 
 class WorkerManager:
     """Starts, tracks and stops the workers of one node, as ``settings``
-    says (:class:`~.spec.WorkerSettings`).
+    says (:class:`~.spec.WorkerLaunch`).
 
     ``cgroups``: where workers' cgroups are made (:mod:`..cgroups`; default
     ``containment("auto", "", state_dir)``: the best this host offers).
@@ -45,7 +45,7 @@ class WorkerManager:
     serialized, calls for different leases run concurrently.
     """
 
-    def __init__(self, settings: WorkerSettings, *, cgroups: Containment | None = None,
+    def __init__(self, settings: WorkerLaunch, *, cgroups: Containment | None = None,
                  launcher: type[WorkerLauncher] = LocalLauncher, log: logging.Logger | None = None,
                  parking: ParkSettings | None = None) -> None:
         self.settings = settings
@@ -61,7 +61,7 @@ class WorkerManager:
         self._kernels = KernelManagers(settings, self.log)
         self._reaper = Reaper(settings, accounts, self.log)
         self._launcher = launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
-        self._recovery = Recovery(settings, accounts, self.cgroups, self._kernels, self.log)
+        self._recovery = Recovery(settings, accounts, self.cgroups, self._kernels, self.log, self._launcher)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
@@ -220,6 +220,8 @@ class WorkerManager:
         process group.
         """
         adopted = await self._recovery.recover()
+        await self._launcher.sweep(adopted)
+        await self._launcher.prepare()
         for worker in adopted:
             self._workers[worker.spec.lease_id] = worker
         if self.parking is not None:
@@ -344,6 +346,10 @@ class WorkerManager:
                 codes[lease] = None
             else:
                 codes[lease] = result
+        try:
+            await self._launcher.close()
+        except Exception as exc:  # noqa: BLE001 - logged; the agent stops anyway
+            self.log.error("could not close the worker launcher: %s", exc)
         self.cgroups.close()  # the agent's subtree, now empty (close() tries again)
         return codes
 

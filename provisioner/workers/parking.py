@@ -24,11 +24,13 @@ import psutil
 
 from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.remote import interrupt_from_thread
+from gpupool.schema import WorkerState
 from gpupool.units import format_bytes
 from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 
 from ..cgroups import CgroupError
 from ..checkpoint import Checkpointer, CheckpointError, ParkTarget
+from ..checkpoint.framework import ask
 from ..host_limits import enforce as enforce_host_limits
 from .handle import Worker
 from .parkstate import Parked
@@ -44,6 +46,8 @@ FREEZE_TIMEOUT_S = 10.0
 INTERRUPT_WAIT_S = 10.0
 #: Seconds a park waits for the idle status of a cell that seems to run before it refuses or interrupts it.
 IDLE_GRACE_S = 0.5
+#: Seconds an idle worker gets to drop its last traceback before a park (it goes on without).
+FORGET_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,16 @@ def mem_available(meminfo: str) -> int | None:
     return None
 
 
-def no_room(gpu_bytes: int, rss: int, budget: int, available: int | None, headroom: int) -> str | None:
+def no_room(gpu_bytes: int, rss: int, budget: int, available: int | None, headroom: int,
+            quota_room: int | None = None) -> str | None:
     """Why a worker of ``rss`` host bytes holding ``gpu_bytes`` on its GPU
     cannot park in memory, in words; None when it can. Pure: ``budget`` the
     node's parked-memory budget, ``available`` the host's MemAvailable now
-    (None: unknown), ``headroom`` what must stay available after the move."""
+    (None: unknown), ``headroom`` what must stay available after the move,
+    ``quota_room`` what its owner's ``max_parked_memory`` leaves (None: no cap)."""
+    if quota_room is not None and gpu_bytes + rss > quota_room:
+        return (f"it would hold {format_bytes(gpu_bytes + rss)} of host memory, more than the "
+                f"{format_bytes(quota_room)} its owner's max_parked_memory leaves")
     if gpu_bytes + rss > budget:
         return (f"it would hold {format_bytes(gpu_bytes + rss)} of host memory, more than this node's parked-memory "
                 f"budget of {format_bytes(budget)} (c.NodeAgent.parked_memory)")
@@ -134,14 +143,14 @@ class Parking:
         """Deal with a running cell before a park as ``running_cell`` says;
         True when it was interrupted. 409 ``worker_busy`` for ``refuse``, or
         when the cell does not stop within :data:`INTERRUPT_WAIT_S`."""
-        if worker.activity.execution_state != "busy":
+        if worker.activity.execution_state != WorkerState.busy:
             return False
         if running_cell != "freeze" or not self.checkpointer.mid_cell:
             # A cell that just ended: its idle status may still be on its way to the agent's watcher.
             deadline = time.monotonic() + IDLE_GRACE_S
-            while worker.activity.execution_state == "busy" and time.monotonic() < deadline:
+            while worker.activity.execution_state == WorkerState.busy and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            if worker.activity.execution_state != "busy":
+            if worker.activity.execution_state != WorkerState.busy:
                 return False
         if running_cell == "refuse":
             raise GPUPoolError(Reason.worker_busy, f"a cell is running on the worker of lease {worker.name}: not "
@@ -156,7 +165,7 @@ class Parking:
         """Interrupt the running cell and wait until the worker is idle; 409 ``worker_busy`` when it stays busy."""
         await asyncio.to_thread(interrupt_from_thread, worker.connection())
         deadline = time.monotonic() + INTERRUPT_WAIT_S
-        while worker.activity.execution_state == "busy":
+        while worker.activity.execution_state == WorkerState.busy:
             if time.monotonic() > deadline:
                 raise GPUPoolError(Reason.worker_busy, f"the running cell of lease {worker.name} did not stop within "
                                    f"{INTERRUPT_WAIT_S:g}s of an interrupt: not parked", 409)
@@ -177,25 +186,49 @@ class Parking:
         self.log.info("parking the worker of lease %s (%s; tier %s, running cell: %s)", worker.name,
                       request.reason or "no reason given", request.tier, request.running_cell)
         interrupted = await self.settle(worker, request.running_cell)
+        cleared = await self.forget_traceback(worker)
+        if interrupted:  # the traceback was the interrupt's own, which the answer says already
+            cleared = None
         target = self.target(worker)
         why = None if request.tier == "memory" else f"asked to ({request.reason or 'no reason given'})"
         if why is None:
             why = no_room(sum(target.gpu_memory.values()), rss(target.pids), self.settings.budget,
-                          _host_available(), self.settings.headroom)
+                          _host_available(), self.settings.headroom, request.max_host_bytes)
         if why is None:
             try:
-                parked = await self._in_memory(worker, target, interrupted)
+                parked = await self._in_memory(worker, target, interrupted, cleared)
             except (CheckpointError, CgroupError) as exc:
                 why = f"it could not be parked in memory: {exc}"
             else:
                 self.check_budget()
                 return self.parked_answer(parked, time.monotonic() - began)
-        return await self.spilling.spill(worker, began, why, interrupted=interrupted)
+        answer = await self.spilling.spill(worker, began, why, interrupted=interrupted)
+        return answer if request.tier == "disk" else dataclasses.replace(answer, reason=why)
 
-    async def _in_memory(self, worker: Worker, target: ParkTarget, interrupted: bool) -> Parked:
+    async def forget_traceback(self, worker: Worker) -> str | None:
+        """Ask an idle ``worker`` to drop the last traceback its shell keeps
+        (its frames pin what they referred to: GPU memory freed instead of
+        moved; the worker's ``forget_traceback`` op); the traceback's label
+        (``"last traceback (ValueError; frames of Cell In[3])"``), None when
+        it kept none, runs a cell, or did not answer (logged; the park goes on)."""
+        if worker.activity.execution_state == WorkerState.busy:
+            return None  # frozen mid-cell: its comm would answer only after the cell
+        try:
+            answer = await asyncio.to_thread(ask, worker.connection(), {"op": "forget_traceback"}, FORGET_TIMEOUT_S)
+        except CheckpointError as exc:
+            self.log.warning("lease %s: its last traceback is kept through the park: %s", worker.name, exc)
+            return None
+        cleared = answer.get("cleared")
+        if cleared:
+            self.log.info("lease %s: the worker dropped its %s before the park", worker.name, cleared)
+        return str(cleared) if cleared else None
+
+    async def _in_memory(self, worker: Worker, target: ParkTarget, interrupted: bool,
+                         cleared: str | None = None) -> Parked:
         """Freeze ``worker`` and move its GPU state to host memory, in the
-        checkpointer's order; its Parked, written to its record. Raises
-        CheckpointError or CgroupError with the worker as it was."""
+        checkpointer's order; its Parked, written to its record, saying
+        ``cleared`` (:meth:`forget_traceback`) among what was not kept.
+        Raises CheckpointError or CgroupError with the worker as it was."""
         cp = self.checkpointer
         state = worker.activity.execution_state
         if cp.frozen:
@@ -212,14 +245,16 @@ class Parking:
             except BaseException:
                 await cp.resume(target, moved, target.gpus, target.memory)
                 raise
-        parked = Parked(cp.name, moved, time.time(), "busy" if state == "busy" else "idle",
-                        rss(target.pids) + moved.host_bytes, interrupted)
+        if cleared:
+            moved = dataclasses.replace(moved, lost=(cleared_words(cleared),) + moved.lost)
+        frozen_as = WorkerState.busy if state == WorkerState.busy else WorkerState.idle
+        parked = Parked(cp.name, moved, time.time(), frozen_as, rss(target.pids) + moved.host_bytes, interrupted)
         worker.parked = parked
         worker.record().write(self.manager.workers_dir)
         self.log.info("parked the worker of lease %s in memory with %s: %s moved off the GPU, %s kept there, %s of "
                       "host memory%s", worker.name, cp.name, format_bytes(moved.gpu_bytes_moved),
                       format_bytes(moved.gpu_bytes_kept), format_bytes(parked.host_bytes),
-                      " (frozen mid-cell)" if parked.execution_state == "busy" else "")
+                      " (frozen mid-cell)" if parked.execution_state == WorkerState.busy else "")
         return parked
 
     def parked_answer(self, parked: Parked, seconds: float) -> WorkerParked:
@@ -324,6 +359,11 @@ class Parking:
         except CgroupError as exc:
             self.log.error("could not kill the parked worker of lease %s: %s", worker.name, exc)
         await self.checkpointer.discard(target, parked.moved)
+
+
+def cleared_words(label: str) -> str:
+    """What the user is told of a last traceback dropped at a park (``label``: its holder's name)."""
+    return f"the {label}, cleared so that the memory its frames held could be freed (%debug has nothing to show)"
 
 
 def _host_available() -> int | None:

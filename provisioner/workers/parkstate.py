@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpupool.schema import WorkerState
 from gpupool.wire.nodes import GPUInfo
 
 from ..checkpoint import Moved
@@ -33,7 +34,7 @@ class Parked:
     checkpointer: str
     moved: Moved
     since: float
-    execution_state: str = "idle"
+    execution_state: WorkerState = WorkerState.idle
     host_bytes: int = 0
     interrupted: bool = False
     frozen: bool = True
@@ -48,7 +49,7 @@ class Parked:
             raise ValueError("a parked worker's record must be an object")
         try:
             return cls(str(body["checkpointer"]), Moved.from_json(body["moved"]), float(body["since"]),
-                       str(body.get("execution_state", "idle")), int(body.get("host_bytes", 0)),
+                       WorkerState(body.get("execution_state", WorkerState.idle)), int(body.get("host_bytes", 0)),
                        bool(body.get("interrupted", False)), bool(body.get("frozen", True)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a parked worker's record: {exc}") from None

@@ -35,8 +35,11 @@ class WorkerRecord(LeaseSlice):
     """What a restarted agent needs to re-adopt a lease's worker: the slice
     (:class:`~.spec.LeaseSlice`), the process (``pid`` and ``create_time``,
     psutil's epoch seconds), its files (``connection_file``, ``log_path``),
-    its ``cgroup``'s name under the agent's subtree (empty: it has none) and
-    the ``user`` it runs as, when it is one of a pool's (empty: not)."""
+    its ``cgroup``'s name under the agent's subtree (empty: it has none),
+    the ``user`` it runs as, when it is one of a pool's (empty: not), and
+    ``launcher``: the launcher's own state of a worker another launcher than
+    ``local`` started (a Slurm job's :class:`~.launchers.slurm.SlurmWorkerRecord`;
+    None: a host process of the agent's), which re-adopts it."""
 
     pid: int
     create_time: float
@@ -45,6 +48,7 @@ class WorkerRecord(LeaseSlice):
     cgroup: str = ""
     user: str = ""
     parked: dict | None = None
+    launcher: dict | None = None
 
     def write(self, workers_dir: Path) -> None:
         """Write the record atomically, readable by the agent's user only."""
@@ -66,7 +70,8 @@ class WorkerRecord(LeaseSlice):
                        fraction=float(body["fraction"]), memory=int(body["memory"]), pid=int(body["pid"]),
                        create_time=float(body["create_time"]), connection_file=str(body["connection_file"]),
                        log_path=str(body["log_path"]), cgroup=_cgroup_name(body.get("cgroup", "")),
-                       user=str(body.get("user", "")), parked=_parked(body.get("parked")))
+                       user=str(body.get("user", "")), parked=_parked(body.get("parked")),
+                       launcher=_parked(body.get("launcher")))
         except Exception as exc:  # KeyError, TypeError, GPUPoolError: all mean "not a record"
             raise ValueError(f"{path} is not a worker record: {exc}") from None
 
@@ -89,8 +94,9 @@ class WorkerRecord(LeaseSlice):
 
 
 def _parked(value: object) -> dict | None:
+    """An object of a record (``parked``, ``launcher``), or None."""
     if value is not None and not isinstance(value, dict):
-        raise ValueError(f"'parked' must be an object, got {value!r:.40}")
+        raise ValueError(f"an object was expected, got {value!r:.40}")
     return value
 
 

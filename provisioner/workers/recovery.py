@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..activity import watch_iopub
 from ..cgroups import CgroupError, Containment
@@ -28,8 +28,11 @@ from .kernel import KernelManagers
 from .parkstate import Parked
 from .process import AdoptedProcess, kill_all, left_behind
 from .records import WorkerRecord, read_records, stray_workers
-from .spec import WorkerSettings, WorkerSpec
+from .spec import WorkerLaunch, WorkerSpec
 from .stopping import kill_and_remove, remove_files, worker_files
+
+if TYPE_CHECKING:
+    from .launchers import WorkerLauncher
 
 #: Seconds a worker left by an earlier run of the agent gets to answer on its
 #: control channel (which answers while a cell runs) before it is stopped.
@@ -40,9 +43,10 @@ class Recovery:
     """Takes over what an earlier run of the agent left under
     ``settings.workers_dir`` and in ``cgroups``."""
 
-    def __init__(self, settings: WorkerSettings, accounts: WorkerAccounts, cgroups: Containment,
-                 kernels: KernelManagers, log: logging.Logger) -> None:
+    def __init__(self, settings: WorkerLaunch, accounts: WorkerAccounts, cgroups: Containment,
+                 kernels: KernelManagers, log: logging.Logger, launcher: WorkerLauncher | None = None) -> None:
         self.settings = settings
+        self.launcher = launcher  # re-adopts the workers whose record has its state (record.launcher)
         self.workers_dir = settings.workers_dir
         self.accounts = accounts
         self.cgroups = cgroups
@@ -58,7 +62,7 @@ class Recovery:
             self.log.warning("ignoring %s", problem)
         adopted = [worker for worker in [await self._adopt(record) for record in records] if worker is not None]
         await self._kill_stray_cgroups({worker.cgroup.name for worker in adopted})
-        await self._kill_stray_processes(records, {worker.pid for worker in adopted})
+        await self._kill_stray_processes(records, {pid for worker in adopted for pid in (worker.pid, *worker.helpers)})
         files = {path for worker in adopted for path in worker_files(worker, self.workers_dir)}
         for path in self.workers_dir.iterdir():
             if path.is_file() and path not in files:
@@ -102,6 +106,22 @@ class Recovery:
         except ValueError as exc:
             self.log.warning("ignoring the worker record of %r: %s", record.lease_id, exc)
             return None
+        worker = await self._find(record, spec)
+        if worker is None:
+            return None
+        if record.parked is not None:
+            return await self._keep_parked(worker, record)
+        return await self._reconnect(worker, record)
+
+    async def _find(self, record: WorkerRecord, spec: WorkerSpec) -> Worker | None:
+        """The worker of ``record`` if it still runs: through its launcher (a
+        record with launcher state), else its process in its cgroup; None when gone."""
+        if record.launcher is not None:
+            worker = await self.launcher.adopt(record, spec) if self.launcher is not None else None
+            if worker is None:
+                self.log.warning("the worker of lease %s ended while the agent was away (its launcher found it "
+                                 "no more)", record.lease_id)
+            return worker
         cgroup = self.cgroups.find(record.cgroup) if record.cgroup else None
         if record.cgroup and cgroup is None:
             self.log.warning("the cgroup %s of lease %s's worker is gone (c.NodeAgent.cgroup_root or cgroup_mode "
@@ -112,18 +132,15 @@ class Recovery:
             self.log.warning("the worker (pid %s) of lease %s ended while the agent was away", record.pid,
                              record.lease_id)
             return None
-        manager = self.kernels(Path(record.connection_file))
         try:
-            manager.load_connection_file()
+            manager = self.kernels.existing(Path(record.connection_file))
         except (OSError, ValueError) as exc:
             self.log.warning("cannot re-adopt the worker of lease %s: its connection file: %s", record.lease_id, exc)
             return None  # it is a stray now, and stopped as one
         worker = Worker(spec, manager, AdoptedProcess(proc, record.create_time), Path(record.log_path),
                         self.settings.advertise_ip, cgroup=cgroup)
         worker.user = self.accounts.claim(record.user)
-        if record.parked is not None:
-            return await self._keep_parked(worker, record)
-        return await self._reconnect(worker, record)
+        return worker
 
     async def _keep_parked(self, worker: Worker, record: WorkerRecord) -> Worker | None:
         """Re-adopt a worker parked in memory as it is: frozen (it answers

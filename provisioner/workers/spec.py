@@ -1,5 +1,5 @@
 """What the workers of a node are asked for: the node's settings
-(:class:`WorkerSettings`, built once by the agent from ``c.NodeAgent.*``),
+(:class:`WorkerLaunch`, built once by the agent from ``c.NodeAgent.*``),
 one lease's worker (:class:`WorkerSpec`), the environment a worker gets, and
 the errors a start, a binding or a stop ends with."""
 
@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from gpupool.kernelcmd import WORKER_EXTENSION
 from gpupool.wire.nodes import GPUInfo
@@ -54,7 +54,7 @@ class WarmSettings:
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class WorkerLaunch:
     """How the workers of one node are started and stopped.
 
     ``state_dir``: the agent's state directory; connection files and worker
@@ -88,6 +88,12 @@ class WorkerSettings:
     ``pids``: the node's task budget (:mod:`..process_limits`), which gives
     each lease's worker its ``pids.max``; None: no task limit (the host's
     cgroups cannot hold one).
+
+    ``config``: the agent's traitlets config, where a launcher reads its own
+    settings (``c.SlurmLauncher.*``); None: their defaults.
+
+    ``templates``: whether the local launcher forks cold workers from a
+    template of their interpreter (:mod:`.launchers.template`).
     """
 
     state_dir: Path
@@ -105,6 +111,8 @@ class WorkerSettings:
     users: WorkerUserPool | None = None
     enforcement: EnforcementMode = field(default_factory=Timeslice)
     pids: ProcessBudget | None = None
+    config: Any = None
+    templates: bool = True
 
     def __post_init__(self) -> None:
         if self.user is not None and self.users is not None:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.schema import WorkerState
+from gpupool.transfer import COPIED_AS_CONTENTS
 from gpupool.units import format_bytes
 from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import WorkerParked, WorkerResumed
@@ -38,8 +40,6 @@ if TYPE_CHECKING:
     from .parking import Parking
 
 
-#: Types that pickle, but come back as something else: cloudpickle saves an open file as a copy of its contents.
-CHANGED_KIND = {"_io.TextIOWrapper", "_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom", "_io.FileIO"}
 
 
 def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None = None) -> list[str]:
@@ -48,7 +48,7 @@ def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None 
     names of ``types`` (name -> type) that come back as another kind of object."""
     words = [f"{name}: {why.replace('cannot be sent', f'cannot be {doing}')}" for name, why in sorted(errors.items())]
     return words + [f"{name}: an open file ({kind}) comes back as an in-memory copy of what it held, not open"
-                    for name, kind in sorted((types or {}).items()) if kind in CHANGED_KIND]
+                    for name, kind in sorted((types or {}).items()) if kind in COPIED_AS_CONTENTS]
 
 
 class Spilling:
@@ -73,8 +73,8 @@ class Spilling:
         return spills
 
     def reports(self) -> list[WorkerReport]:
-        return [WorkerReport(s.lease_id, None, "idle", idle_since=s.idle_since, parked="disk", parked_host_bytes=0,
-                             parked_lost=s.lost) for s in self.spilled.values()]
+        return [WorkerReport(s.lease_id, None, WorkerState.idle, idle_since=s.idle_since, parked="disk",
+                             parked_host_bytes=0, parked_lost=s.lost) for s in self.spilled.values()]
 
     def remove(self, lease_id: str) -> bool:
         """Forget the spill of ``lease_id`` and remove its files; False when it has none."""
@@ -106,7 +106,7 @@ class Spilling:
             if parked is not None:
                 await self.parking.checkpointer.to_host(self.parking.target(worker), parked.moved)
                 await self.parking.thaw(worker)
-            if worker.activity.execution_state == "busy":  # a cell frozen mid-way, or one a park let run
+            if worker.activity.execution_state == WorkerState.busy:  # a cell frozen mid-way, or one a park let run
                 await self.parking.interrupt(worker)
                 interrupted = True
                 lost.append("the running cell was interrupted" if parked is None else

@@ -1,7 +1,7 @@
 """How a worker's processes end: stopped by the agent (release, agent stop,
 a failed start), or noticed dead and reaped. Either way its whole cgroup
 (without one: its process group and tree) is killed, so no process outlives
-its lease (DESIGN.md, Promises)."""
+its lease."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .accounts import WorkerAccounts
 from .handle import Worker
 from .kernel import history_path
 from .records import record_path
-from .spec import WorkerSettings, WorkerStopError
+from .spec import WorkerLaunch, WorkerStopError
 
 
 class Reaper:
@@ -24,7 +24,7 @@ class Reaper:
     files under ``settings.workers_dir``); pool accounts go back to
     ``accounts`` once a worker's processes are gone."""
 
-    def __init__(self, settings: WorkerSettings, accounts: WorkerAccounts, log: logging.Logger) -> None:
+    def __init__(self, settings: WorkerLaunch, accounts: WorkerAccounts, log: logging.Logger) -> None:
         self.stop_timeout = settings.stop_timeout
         self.workers_dir = settings.workers_dir
         self.accounts = accounts

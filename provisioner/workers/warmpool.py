@@ -6,8 +6,8 @@ A warm worker runs no one's code but the agent's (the kernel's startup and
 until a lease takes it and the agent binds it to the lease's slice
 (:meth:`~.manager.WorkerManager.start`). Each one is handed out once:
 :meth:`WarmPool.take` removes it from the pool for good, and a worker that
-served a lease is always stopped, never put back (DESIGN.md: no process
-outlives its lease). Workers that waited longer than ``max_age`` are stopped
+served a lease is always stopped, never put back (no process outlives its
+lease). Workers that waited longer than ``max_age`` are stopped
 and replaced, so a long-idle node does not keep stale processes (e.g. from
 before a package upgrade on the node).
 

@@ -3,7 +3,9 @@ or one kept ahead of any lease (warm).
 
 :class:`~..manager.WorkerManager` makes one launcher per node, of the class
 ``c.NodeAgent.worker_launcher`` names (:mod:`.factory`), and calls only
-:meth:`WorkerLauncher.cold` and :meth:`WorkerLauncher.warm`. The stock one,
+:meth:`WorkerLauncher.cold`, :meth:`WorkerLauncher.warm`, once at start
+:meth:`WorkerLauncher.sweep` and :meth:`WorkerLauncher.prepare`, and once at
+the end :meth:`WorkerLauncher.close`. The stock one,
 ``local`` (:class:`~.local.LocalLauncher`), starts an ipykernel process on
 the agent's host. This is the seam where a container or pod launcher plugs
 in: its :class:`~..handle.Worker` carries a :class:`~..process.WorkerProcess`
@@ -17,15 +19,21 @@ again by :mod:`..recovery` from its record, as an
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from abc import ABC, abstractmethod
+from queue import Empty
+from typing import Any
 
+from ...activity import watch_iopub
 from ...cgroups import Containment
 from ..accounts import WorkerAccounts
 from ..handle import Worker
 from ..kernel import KernelManagers
-from ..spec import WorkerSettings, WorkerSpec
-from ..stopping import Reaper
+from ..records import WorkerRecord
+from ..spec import WorkerLaunch, WorkerSpec, WorkerStartError
+from ..stopping import Reaper, quietly
 
 
 class WorkerLauncher(ABC):
@@ -42,7 +50,10 @@ class WorkerLauncher(ABC):
     running then.
     """
 
-    def __init__(self, settings: WorkerSettings, accounts: WorkerAccounts, cgroups: Containment,
+    #: Whether :meth:`warm` can start workers ahead of any lease (False: the agent keeps no warm pool).
+    keeps_warm = True
+
+    def __init__(self, settings: WorkerLaunch, accounts: WorkerAccounts, cgroups: Containment,
                  kernels: KernelManagers, reaper: Reaper, log: logging.Logger) -> None:
         self.settings = settings
         self.accounts = accounts
@@ -61,3 +72,98 @@ class WorkerLauncher(ABC):
         """Start one warm worker (``spec`` None): no GPU visible,
         ``settings.warm.preload`` imported; :mod:`..binding` binds it to a
         lease later."""
+
+    @classmethod
+    def host_totals(cls, config: Any, log: logging.Logger) -> tuple[float, int] | None:
+        """``(cores, bytes)`` the node has for workers where the launcher
+        knows better than this host's own count (``config``: the agent's);
+        None (the default): this host's."""
+        return None
+
+    async def adopt(self, record: WorkerRecord, spec: WorkerSpec) -> Worker | None:
+        """After an agent restart: the worker of ``record`` (one whose
+        ``launcher`` state this launcher wrote) if it still runs, else None.
+        Default: None (the local launcher's host processes are found by
+        :mod:`..recovery` itself)."""
+        return None
+
+    async def sweep(self, kept: list[Worker]) -> None:
+        """Called once, as the agent starts, after :mod:`..recovery` re-adopted
+        ``kept``: end what an earlier agent left that is not kept (default:
+        nothing; recovery kills host processes itself)."""
+
+    async def prepare(self) -> None:
+        """Called once as the agent starts, after :meth:`sweep`: start what
+        makes later starts fast (default: nothing)."""
+
+    async def close(self) -> None:
+        """Called once as the agent stops, after every worker was stopped:
+        end what :meth:`prepare` started (default: nothing). Workers a
+        launcher started must not depend on it."""
+
+    async def ready(self, worker: Worker) -> None:
+        """Watch ``worker``'s IOPub and wait until it answers ``kernel_info``
+        and the watch's subscription is confirmed (``settings.start_timeout``
+        for both); else stop it and raise WorkerStartError with the reason."""
+        manager = worker.manager
+        # Subscribed before the kernel_info round trip, and confirmed (ipykernel's
+        # iopub_welcome) before the worker is handed out, so the first cell's
+        # status messages cannot be missed.
+        subscribed = asyncio.Event()
+        worker.watcher = asyncio.create_task(
+            watch_iopub(worker, manager.get_connection_info(), self.kernels.context, self.log, ready=subscribed))
+        try:
+            await asyncio.wait_for(_answered(worker, subscribed), self.settings.start_timeout)
+        except Exception as exc:
+            reason = _start_failure(exc, worker, self.settings.start_timeout)
+            await quietly(self.reaper.terminate(worker))
+            raise WorkerStartError(reason) from None
+        if manager.owner is not None:
+            # Read: take the key back from the worker user, whom every worker shares.
+            os.chown(manager.connection_file, os.getuid(), os.getgid())
+        worker.activity.mark_ready()
+
+
+#: Seconds between two looks at whether a starting worker died.
+START_POLL_S = 0.1
+
+
+async def _answered(worker: Worker, subscribed: asyncio.Event) -> None:
+    """Once ``worker`` answered one ``kernel_info`` and ``subscribed`` is
+    set. Not jupyter_client's ``wait_for_ready``: that also waits until its
+    own client's IOPub gets a message, 0.2 s a try, which is most of a
+    forked worker's start. RuntimeError when the worker dies first."""
+    client = worker.manager.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        msg_id = client.kernel_info()  # queued by ZeroMQ until the kernel has bound its shell socket
+        while True:
+            try:
+                reply = await client.get_shell_msg(timeout=START_POLL_S)
+            except Empty:
+                if worker.process.exited():
+                    raise RuntimeError("it exited") from None
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        while not subscribed.is_set():
+            if worker.process.exited():
+                raise RuntimeError("it exited")
+            try:
+                await asyncio.wait_for(subscribed.wait(), START_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+    finally:
+        client.stop_channels()
+
+
+def _start_failure(exc: BaseException, worker: Worker, timeout: float) -> str:
+    code = worker.process.poll()
+    if code is not None:
+        why = f"it exited with code {code}"
+    elif isinstance(exc, asyncio.TimeoutError):
+        why = f"it did not answer kernel_info within {timeout:g} s (c.NodeAgent.worker_start_timeout)"
+    else:
+        why = f"{exc or type(exc).__name__}"
+    tail = worker.log_tail()
+    return f"the worker for {worker.name} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")

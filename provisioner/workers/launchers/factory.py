@@ -1,7 +1,7 @@
 """Finding worker launchers by name.
 
 Launchers come from two places, looked up in this order: the built-in one
-(:data:`BUILTIN`: ``local``) and those a package declares in the
+(:data:`BUILTIN`: ``local``, ``slurm``) and those a package declares in the
 ``gpupool.worker_launchers`` entry point group (name = what
 ``c.NodeAgent.worker_launcher`` takes, value = its
 :class:`~.base.WorkerLauncher` subclass)::
@@ -20,7 +20,10 @@ from .base import WorkerLauncher
 
 ENTRY_POINT_GROUP = "gpupool.worker_launchers"
 #: The built-in launchers, as entry points of this package (loaded when asked for).
-BUILTIN: dict[str, EntryPoint] = {"local": EntryPoint("local", f"{__package__}.local:LocalLauncher", ENTRY_POINT_GROUP)}
+BUILTIN: dict[str, EntryPoint] = {
+    "local": EntryPoint("local", f"{__package__}.local:LocalLauncher", ENTRY_POINT_GROUP),
+    "slurm": EntryPoint("slurm", f"{__package__}.slurm.workers:SlurmWorkers", ENTRY_POINT_GROUP),
+}
 
 
 def _entry_points() -> dict[str, EntryPoint]:

@@ -2,31 +2,33 @@
 agent's host, cold for a lease (its slice's environment from the start), or
 warm (no GPU visible, the preload imported) for the pool.
 
-Each start takes the worker's account, makes its cgroup, starts ipykernel
-through jupyter_client (the start gate puts it in the cgroup before it runs:
-:mod:`..kernel`), subscribes to its IOPub and waits until it answers
-``kernel_info``. A start that fails leaves nothing running.
+Each start takes the worker's account, makes its cgroup, forks the kernel
+from its interpreter's template (:mod:`.template`; the template's child joins
+the cgroup before it runs) or else starts ipykernel through jupyter_client
+(the start gate puts it in the cgroup before it runs: :mod:`..kernel`),
+subscribes to its IOPub and waits until it answers ``kernel_info``. A start
+that fails leaves nothing running.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from ...activity import watch_iopub
 from ...cgroups import CgroupError, LeaseCgroup
 from ...worker_user import NoFreeWorkerUser, WorkerUser
 from ..binding import UNBOUND_ENVIRONMENT, execute, preload_code
-from ..handle import Worker
+from ..handle import Worker, open_log
 from ..kernel import WorkerKernelManager, history_path, kernel_arguments
-from ..process import LocalProcess
+from ..process import LocalProcess, WorkerProcess
 from ..spec import WorkerSpec, WorkerStartError, worker_environment
 from ..stopping import kill_and_remove, quietly
 from .base import WorkerLauncher
+from .template import Templates, TemplateError, WorkerTemplate
 
 
 #: Starts of one worker in all when its ports were taken before it bound them.
@@ -37,7 +39,26 @@ PORT_TAKEN = "Address already in use"
 
 class LocalLauncher(WorkerLauncher):
     """The stock launcher (``local``): each worker an ipykernel process of
-    this host, this agent's child (a :class:`~..process.LocalProcess`)."""
+    this host, forked from its interpreter's template (a
+    :class:`~.template.ForkedProcess`) or else this agent's child (a
+    :class:`~..process.LocalProcess`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = self.settings
+        self.templates = Templates(worker_environment(settings.environ, {}), settings.warm.preload,
+                                   settings.extensions, settings.state_dir, self.log) \
+            if settings.templates else None
+
+    async def prepare(self) -> None:
+        """Start the template of the agent's own interpreter (the default
+        environment's), so that the first cold start forks already."""
+        if self.templates is not None:
+            self.templates.prepare(sys.executable)
+
+    async def close(self) -> None:
+        if self.templates is not None:
+            await self.templates.close()
 
     async def cold(self, spec: WorkerSpec) -> Worker:
         """Start the worker of ``spec``, its slice's environment set from
@@ -113,11 +134,15 @@ class LocalLauncher(WorkerLauncher):
         if cgroup.confines:  # joined by the start gate, before the kernel runs
             manager.cgroup = cgroup
         log_path = workers_dir / f"{name}.log"
-        await self._start_kernel(manager, name, env, log_path, cgroup, account, user)
-        worker = Worker(None, manager, LocalProcess(manager.provisioner.process), log_path,
-                        self.settings.advertise_ip, name, cgroup)
+        template = self.templates.ready(python or sys.executable, env) if self.templates is not None else None
+        process = await self._fork_kernel(template, manager, name, env, log_path, cgroup, account, user) \
+            if template is not None else None
+        if process is None:
+            await self._start_kernel(manager, name, env, log_path, cgroup, account, user)
+            process = LocalProcess(manager.provisioner.process)
+        worker = Worker(None, manager, process, log_path, self.settings.advertise_ip, name, cgroup)
         worker.user = account
-        await self._wait_ready(worker)
+        await self.ready(worker)
         return worker
 
     async def _start_kernel(self, manager: WorkerKernelManager, name: str, env: dict[str, str], log_path: Path,
@@ -134,7 +159,7 @@ class LocalLauncher(WorkerLauncher):
             # The child keeps its own copy of the descriptor; ours can close.
             # Independent: no ipykernel parent poller, so a worker outlives a
             # crashed agent and the restarted one re-adopts it (recover()).
-            with open(log_path, "ab", opener=_private) as out:
+            with open_log(log_path) as out:
                 await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions,
                                                                            None if account else history_path(log_path)),
                                            stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
@@ -150,38 +175,33 @@ class LocalLauncher(WorkerLauncher):
         if not cgroup.confines:  # no gate to join: its process group and tree, from here on
             cgroup.add(manager.provisioner.process.pid)
 
-    async def _wait_ready(self, worker: Worker) -> None:
-        """Watch ``worker``'s IOPub and wait until it answers ``kernel_info``;
-        else stop it and raise WorkerStartError with the reason."""
-        manager = worker.manager
-        # Subscribe before the kernel_info round trip, so the first cell's
-        # status messages cannot be missed.
-        worker.watcher = asyncio.create_task(
-            watch_iopub(worker, manager.get_connection_info(), self.kernels.context, self.log))
-        client = manager.client()
-        client.start_channels()
+    async def _fork_kernel(self, template: WorkerTemplate, manager: WorkerKernelManager, name: str,
+                           env: dict[str, str], log_path: Path, cgroup: LeaseCgroup, account: WorkerUser | None,
+                           user: WorkerUser | None) -> WorkerProcess | None:
+        """The kernel of ``manager`` forked from ``template``, in ``cgroup``
+        before it runs, as ``account``; None (nothing started) when the
+        template could not fork, so the caller boots one. On any other
+        failure, what started is killed, ``cgroup`` removed, the account
+        given back, and WorkerStartError raised."""
+        cwd = self.accounts.workdir(account, user)
+        if account is not None:
+            env = {**env, **account.environment(cwd)}
+        manager.write_connection_file()
+        argv = ["-f", manager.connection_file,
+                *kernel_arguments(self.settings.extensions, None if account else history_path(log_path))]
         try:
-            await client.wait_for_ready(timeout=self.settings.start_timeout)
+            process = await template.fork(argv, env, cwd, log_path, account)
+        except TemplateError as exc:
+            self.log.warning("%s; booting the worker for %s instead", exc, name)
+            return None
+        try:
+            await asyncio.to_thread(cgroup.add, process.pid)
+            await template.go(process)
         except Exception as exc:
-            client.stop_channels()
-            reason = _start_failure(exc, worker)
-            await quietly(self.reaper.terminate(worker))
-            raise WorkerStartError(reason) from None
-        client.stop_channels()
-        if manager.owner is not None:
-            # Read: take the key back from the worker user, whom every worker shares.
-            os.chown(manager.connection_file, os.getuid(), os.getgid())
-        worker.activity.mark_ready()
-
-
-def _private(path: str, flags: int) -> int:
-    """``open`` opener: a new file readable by the agent's user only (a
-    worker's output is its user's business)."""
-    return os.open(path, flags, 0o600)
-
-
-def _start_failure(exc: BaseException, worker: Worker) -> str:
-    code = worker.process.poll()
-    why = f"it exited with code {code}" if code is not None else f"{exc or type(exc).__name__}"
-    tail = worker.log_tail()
-    return f"the worker for {worker.name} did not start: {why}" + (f"; its output ends with:\n{tail}" if tail else "")
+            await quietly(template.drop(process))
+            await asyncio.to_thread(process.kill, (), 5.0)
+            await quietly(asyncio.to_thread(kill_and_remove, cgroup, 5.0))
+            await quietly(manager.cleanup_resources())
+            await self.accounts.give_back(account)
+            raise WorkerStartError(f"could not start the worker for {name}: {exc}") from None
+        return process

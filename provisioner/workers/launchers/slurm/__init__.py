@@ -9,7 +9,11 @@ a share job that holds their GPU (docs/launchers.md, "Slurm").
 - :mod:`.commands`: Slurm's clients, run without blocking the event loop;
 - :mod:`.shares`: the share jobs that hold whole GPUs for slices;
 - :mod:`.launcher`: :class:`SlurmLauncher`, the settings
-  (``c.SlurmLauncher.partition = "gpu"``) and a worker's life in Slurm.
+  (``c.SlurmLauncher.partition = "gpu"``) and a worker's life in Slurm;
+- :mod:`.handles`: the worker code's process and cgroup contracts over a
+  Slurm job or step (liveness and Slurm's words, scancel, suspend);
+- :mod:`.workers`: ``SlurmWorkers``, the agent's ``slurm`` launcher
+  (``c.NodeAgent.worker_launcher = "slurm"``): start, re-adopt, sweep.
 
 A separate package, not part of the ``local`` launcher's modules: nothing of
 it runs unless a node's agent is configured for Slurm, and the local worker

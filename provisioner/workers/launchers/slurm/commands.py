@@ -61,20 +61,35 @@ class SlurmCommands:
                 *command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=self.environment(env), **(as_user or {}))
         except OSError as exc:
-            raise SlurmError(f"cannot run {args[0]}: {exc} (is Slurm's client installed? c.SlurmLauncher.bin_dir)") \
-                from None
+            raise _cannot_run(args, exc) from None
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None),
                                               self.timeout)
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()
-            raise SlurmError(f"{args[0]} did not answer within {self.timeout:g} s (is slurmctld up? "
-                             "c.SlurmLauncher.command_timeout)") from None
+            raise self._no_answer(args) from None
         if proc.returncode:
-            said = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
-            raise SlurmError(f"{' '.join(args[:2])} failed (exit code {proc.returncode}): {said or 'no message'}")
+            raise _failed(args, proc.returncode, err.decode(errors="replace"), out.decode(errors="replace"))
         return out.decode(errors="replace")
+
+    def run_blocking(self, *args: str) -> str:
+        """:meth:`run`, blocking (no stdin, the agent's environment): for a
+        caller on a worker thread, or one that may block briefly. SlurmError."""
+        try:
+            done = subprocess.run([self.path(args[0]), *args[1:]], capture_output=True, text=True,
+                                  env=self.environment(), timeout=self.timeout, check=False)
+        except OSError as exc:
+            raise _cannot_run(args, exc) from None
+        except subprocess.TimeoutExpired:
+            raise self._no_answer(args) from None
+        if done.returncode:
+            raise _failed(args, done.returncode, done.stderr, done.stdout)
+        return done.stdout
+
+    def _no_answer(self, args: Sequence[str]) -> SlurmError:
+        return SlurmError(f"{args[0]} did not answer within {self.timeout:g} s (is slurmctld up? "
+                          "c.SlurmLauncher.command_timeout)")
 
     # -- jobs ------------------------------------------------------------------------------------------------
 
@@ -132,16 +147,19 @@ class SlurmCommands:
     async def cancel(self, job_id: int, step_id: int | None = None, signal: str = "") -> None:
         """``scancel`` the job (or step); with ``signal`` (e.g. ``STOP``) only
         signal it. A job or step already gone is no error. SlurmError."""
-        target = f"{job_id}.{step_id}" if step_id is not None else str(job_id)
-        args = ["scancel"]
-        if signal:
-            # Without --full, scancel signals a job's steps only, not its batch script (a lease job's worker).
-            args += [f"--signal={signal}", *(["--full"] if step_id is None else [])]
-        args.append(target)
         try:
-            await self.run(*args)
+            await self.run(*_cancel_args(job_id, step_id, signal))
         except SlurmError as exc:
-            if not _UNKNOWN.search(str(exc)) and "already completing or completed" not in str(exc):
+            if not _gone(exc):
+                raise
+
+    def cancel_blocking(self, job_id: int, step_id: int | None = None, signal: str = "") -> None:
+        """:meth:`cancel`, blocking: for callers on a worker thread (a park's
+        freeze, a kill), or that may block briefly. SlurmError."""
+        try:
+            self.run_blocking(*_cancel_args(job_id, step_id, signal))
+        except SlurmError as exc:
+            if not _gone(exc):
                 raise
 
     async def pids(self, job_id: int, step_id: int | None = None) -> list[int]:
@@ -183,3 +201,25 @@ class SlurmCommands:
             return subprocess.Popen([self.path(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, env=self.environment(env), start_new_session=True,
                                     close_fds=True, **(as_user or {}))
+
+
+def _cannot_run(args: Sequence[str], exc: OSError) -> SlurmError:
+    return SlurmError(f"cannot run {args[0]}: {exc} (is Slurm's client installed? c.SlurmLauncher.bin_dir)")
+
+
+def _failed(args: Sequence[str], code: int, stderr: str, stdout: str) -> SlurmError:
+    said = stderr.strip() or stdout.strip()
+    return SlurmError(f"{' '.join(args[:2])} failed (exit code {code}): {said or 'no message'}")
+
+
+def _cancel_args(job_id: int, step_id: int | None, signal: str) -> list[str]:
+    args = ["scancel"]
+    if signal:
+        # Without --full, scancel signals a job's steps only, not its batch script (a lease job's worker).
+        args += [f"--signal={signal}", *(["--full"] if step_id is None else [])]
+    return [*args, f"{job_id}.{step_id}" if step_id is not None else str(job_id)]
+
+
+def _gone(exc: SlurmError) -> bool:
+    """The job or step a command named is gone already (no error for a cancel)."""
+    return bool(_UNKNOWN.search(str(exc))) or "already completing or completed" in str(exc)

@@ -3,10 +3,8 @@ Slurm side of a worker's life (start, read, stop, park, re-adopt, the words
 of its end).
 
 ``c.SlurmLauncher.partition = "gpu"`` and the others below are read from the
-agent's config file (a traitlets ``Configurable``). Today this class runs a
-worker's *job*; the agent's worker code still starts host processes only. The
-launcher contract that makes it ``c.NodeAgent.worker_launcher = "slurm"``
-(connection info, readiness, reports) is docs/launchers.md's.
+agent's config file (a traitlets ``Configurable``). The agent's worker code
+reaches it through :mod:`.workers` (``c.NodeAgent.worker_launcher = "slurm"``).
 """
 
 from __future__ import annotations
@@ -33,8 +31,13 @@ from .request import (COMMENT_PREFIX, JobSettings, LeaseResources, check_extra_a
 from .shares import POLL_S, ShareJobs, wait_running
 from .state import SlurmJob, SlurmStep, end_line, end_reason
 
-#: Seconds to wait for slurmstepd's end line in the log of a job or step Slurm no longer knows.
-END_LINE_WAIT_S = 5.0
+#: Seconds to wait for slurmstepd's end line in the logs of a job or step Slurm no longer knows
+#: (5 s was not enough on a loaded 2-core host; the wait ends once the line is there, or once srun
+#: exits saying the worker's task exited by itself).
+END_LINE_WAIT_S = 30.0
+#: What srun writes when the step's task exits by itself (``srun: error: NODE: task 0: Exited with exit
+#: code 3``), not when Slurm ends the step (then ``task 0: Killed`` or ``Terminated``).
+SRUN_TASK_EXITED = "Exited with exit code"
 
 
 class SlurmLauncher(LoggingConfigurable):
@@ -244,13 +247,35 @@ class SlurmLauncher(LoggingConfigurable):
         if isinstance(found, SlurmStep):
             return None
         job = found if isinstance(found, SlurmJob) else None
-        output = _read(record.log_path)
+        output = self._output(record)
         deadline = time.monotonic() + END_LINE_WAIT_S
-        # A step slurmctld no longer lists may not have its slurmstepd line in the log yet (a busy host).
+        # A step slurmctld no longer lists may not have its slurmstepd line in a log yet (a busy host;
+        # slurmstepd may write it after srun exits): wait for it up to the deadline, unless its srun
+        # exited with the worker's task (code 0, or saying it exited: then no line comes).
+        srun = self._sruns.get(record.lease_id)
         while job is None and end_line(output) is None and time.monotonic() < deadline:
+            if srun is not None and srun.poll() is not None and (srun.returncode == 0 or SRUN_TASK_EXITED in output):
+                break
             await asyncio.sleep(POLL_S)
-            output = _read(record.log_path)
+            output = self._output(record)
         return end_reason(record.ident, job, output)
+
+    def srun_pids(self, lease_id: str) -> set[int]:
+        """The pid of the srun this launcher started for ``lease_id``'s step (empty: none, a lease job)."""
+        srun = self._sruns.get(lease_id)
+        return {srun.pid} if srun is not None else set()
+
+    @staticmethod
+    def _output(record: SlurmWorkerRecord) -> str:
+        """What the worker's job or step and its srun wrote: slurmstepd's end line may be in either."""
+        return _read(record.log_path) + "\n" + _read(str(Path(record.log_path).with_suffix(".srun.log")))
+
+    async def left_behind(self) -> list[int]:
+        """Ids of the jobs on this node named with :attr:`name_prefix` (lease
+        and share jobs of an agent of this node), in any state Slurm still lists."""
+        out = await self.commands.run("squeue", "--noheader", f"--nodelist={self.node}", "--format=%i|%j")
+        return sorted(int(ident) for ident, _, name in (line.partition("|") for line in out.split())
+                      if ident.isdigit() and name.startswith(self.name_prefix))
 
     # -- park and stop ---------------------------------------------------------------------------------------
 

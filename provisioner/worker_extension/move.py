@@ -1,0 +1,36 @@
+"""A namespace moved worker to worker: the new worker takes the old one's
+``pull_all`` straight from the old worker's data plane (node to node, never
+through the notebook kernel, which only passes the ticket and the header on
+the two workers' comms) and restores it as a spill's is restored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpupool.dataplane import Ticket, TransferError, connect, recv_buffers
+
+from .namespace import restore
+
+#: Seconds the old worker's data connection may stall before the move counts as failed.
+STALL_TIMEOUT = 60.0
+
+
+def fetch(ip, data: dict[str, Any]) -> dict[str, Any]:
+    """Op ``fetch``: ``data["source"]`` (the old worker's ``ip`` and
+    ``transfer_port``) offers ``data["stream"]`` (a ticket and the buffers'
+    ``sizes``) for ``data["header"]`` (its pull_all header); take the buffers
+    and restore them here (:func:`.namespace.restore`). Answers ``{"ok",
+    "loaded", "errors"}``; TransferError, with nothing changed here, when
+    the old worker cannot be reached or the bytes do not all verify."""
+    source = data["source"]
+    address = (str(source["ip"]), int(source["transfer_port"]))
+    ticket = Ticket.from_wire(data["stream"])
+    try:
+        sock = connect(address, ticket, STALL_TIMEOUT)
+    except OSError as exc:
+        raise TransferError(f"this node could not reach the old worker's data port {address[0]}:{address[1]} "
+                            f"({exc}); the cluster's network policy must let workers reach each other; "
+                            "nothing moved") from None
+    with sock:
+        buffers = recv_buffers(sock, ticket, [int(size) for size in data["stream"]["sizes"]])
+    return restore(ip, data["header"], buffers)
