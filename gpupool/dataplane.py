@@ -1,4 +1,4 @@
-"""The data plane: bulk bytes between the notebook kernel and a worker (issue 15).
+"""The data plane: bulk bytes between the notebook kernel and a worker.
 
 The Jupyter comm (CurveZMQ when the agent encrypts) carries what a transfer
 is: the values' description (names, types, buffer sizes) and a
@@ -8,7 +8,9 @@ themselves go over a TCP connection of their own, to the worker's
 whole frame at a time and that is its ceiling (docs/security.md, "What
 encryption costs").
 
-Wire, in order, on one connection (the notebook kernel always connects):
+Wire, in order, on one connection (the receiving or sending side that is not
+the worker offering or expecting the transfer connects: the notebook kernel,
+or, for a move, the new worker taking the old one's namespace):
 
 - hello, client to worker: the transfer id (16 bytes) and
   ``HMAC-SHA256(key, "gpupool-dataplane-hello" + id)`` (32 bytes): only
@@ -134,7 +136,7 @@ def allocate(size: int) -> memoryview:
     (anonymous memory for big ones, in transparent huge pages where the
     kernel offers them).
 
-    Fresh memory is what held a receiver below the wire (issue 15): the
+    Fresh memory is what holds a receiver below the wire: the
     kernel zeroes each page it hands out, and in 4 KiB pages it also takes a
     fault per page. Huge pages (2 MiB) take 512 times fewer faults, and
     copying into them misses the TLB less, so they beat even a pre-touched
@@ -272,6 +274,28 @@ def recv_status(sock: socket.socket) -> str | None:
     reason = bytearray(struct.unpack(">H", size)[0])
     recv_exactly(sock, memoryview(reason))
     return reason.decode(errors="replace")
+
+
+def connect(address: tuple[str, int], ticket: Ticket, timeout: float) -> socket.socket:
+    """A data connection to the worker at ``address`` (ip, transfer_port), past
+    its hello for ``ticket``; ``timeout`` seconds a stall may last. OSError
+    when it cannot be reached; TransferError when the hello fails or the
+    worker refuses the ticket (with its reason)."""
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(ticket.hello())
+        refused = recv_status(sock)
+    except OSError as exc:
+        sock.close()
+        raise TransferError(f"the data connection failed ({exc}); nothing changed") from None
+    except BaseException:
+        sock.close()
+        raise
+    if refused:
+        sock.close()
+        raise TransferError(f"the worker refused the transfer: {refused}")
+    return sock
 
 
 class Progress:

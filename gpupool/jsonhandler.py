@@ -1,6 +1,6 @@
 """The one base of the service's and the agent's JSON handlers (tornado).
 
-Both servers speak the same way (DESIGN.md, Contracts): bodies bounded and
+Both servers speak the same way (docs/api.md, "Error codes"): bodies bounded and
 read only once the token was checked (:mod:`.httpin`), JSON in and out, and
 every exception answered in the one error shape ``{"error", "message", ...}``:
 a :class:`GPUPoolError` as it is, a tornado ``HTTPError`` by its status, and

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import bad_request
+from .strenum import StrEnum
 
 
 #: The smallest slice: 1% of a GPU (CUDA MPS active-thread percentages are whole percents).
@@ -66,6 +67,19 @@ class LeaseState(str, enum.Enum):
         """True while the lease's slice is reserved on its GPU(s); a parked
         lease holds host memory on its node, not a GPU share."""
         return self in (LeaseState.starting, LeaseState.active, LeaseState.parking, LeaseState.releasing)
+
+
+class WorkerState(StrEnum):
+    """A worker's execution state, as its agent reports it (the heartbeat's
+    ``execution_state``, the lease's ``worker_state``): ``starting`` until its
+    kernel answers, then the kernel's last IOPub status, ``busy`` while a
+    request runs and else ``idle``, or ``dead``. A ``str``: a member equals
+    its value and is written to JSON as it."""
+
+    starting = "starting"
+    idle = "idle"
+    busy = "busy"
+    dead = "dead"
 
 
 def utcnow() -> datetime:

@@ -11,7 +11,7 @@ import html
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from .schema import parse_time
+from .schema import WorkerState, parse_time
 from .wire.leases import Lease
 from .units import format_bytes, format_cpus, format_duration
 
@@ -33,7 +33,7 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
     ``'1m 40s (parked early: 2 people are waiting for a GPU)'``."""
     worker = lease.worker or {}
     now = now or datetime.now(timezone.utc)
-    if worker.get("execution_state") == "busy":
+    if worker.get("execution_state") == WorkerState.busy:
         at = parse_time(lease.preempt_at)
         if at is not None:
             return f"busy; {lease.pressure}: interrupted in {format_duration(max(0.0, (at - now).total_seconds()))}"
@@ -49,7 +49,7 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
 
 def parked_words(lease: Lease, now: datetime | None = None) -> str:
     """Where a parked (or parking) lease's state is and what resuming costs, in words:
-    ``'parked in memory on node-1 for 5m (12.0 GiB of host RAM): resumes in about 1.5s'``,
+    ``'parked in memory on node-1 for 5m (12.0 GiB of host RAM): a resume takes about 1.5s'``,
     ``'spilled to disk on node-1 (2.1 GiB to load, about 5s); not kept: generator g'``,
     ``'parking: moving its GPU state off the GPU'``, with its place in line when a resume
     waits for room. Empty for a lease that is not parked."""
@@ -68,7 +68,7 @@ def parked_words(lease: Lease, now: datetime | None = None) -> str:
         words = f"spilled to disk on {lease.node}{held} ({format_bytes(park.get('disk_bytes'))} to load, {cost})"
     else:
         words = (f"parked in memory on {lease.node}{held} ({format_bytes(park.get('host_bytes'))} of host RAM): "
-                 f"resumes in {cost}")
+                 f"a resume takes {cost}")
     if park.get("resume_requested"):
         place = f" (place {lease.queue_position} in line)" if lease.queue_position else ""
         words += f"; its resume waits for room on {lease.node}{place}"
@@ -109,10 +109,15 @@ def slice_words(lease: Lease) -> str:
     """What ``lease`` holds, in words: ``'0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1'``,
     ``'2 x NVIDIA A100-SXM4-80GB (GPU 0, 1) on node-1 in environment torch'``."""
     gpu = lease.gpus[0] if lease.gpus else {}
-    share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+    share = f"{fraction_words(lease.fraction)} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
     indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
     env = f" in environment {lease.env}" if lease.env else ""
     return f"{share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}{env}"
+
+
+def fraction_words(fraction: float) -> str:
+    """``'0.50'``; more digits where two would hide what was asked (``'0.50001'``)."""
+    return f"{fraction:.2f}" if abs(fraction - round(fraction, 2)) < 1e-9 else f"{fraction:.6g}"
 
 
 def usage_words(gpu_seconds: float) -> str:
@@ -262,3 +267,45 @@ def environment_table(pool: dict[str, Any]) -> tuple[str, str]:
     if not rows:
         return "", ""
     return table(["node", "environment", "", "python", "usable"], rows)
+
+
+#: The columns of :func:`holders_rows`.
+HOLDERS_COLUMNS = ("holds GPU memory", "size", "on", "type")
+
+
+def holders_rows(answer: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """A ``gpu_memory`` answer's rows (:data:`HOLDERS_COLUMNS`, cells as
+    words) and notes (``and 3 more, 1.0 GiB``; the walk looked in part)."""
+    holders, more = answer.get("holders") or [], answer.get("more") or {}
+    notes = []
+    if more.get("count"):
+        notes.append(f"and {more['count']} more, {format_bytes(more.get('bytes', 0))}")
+    if answer.get("complete") is False:
+        notes.append("(looked at in part: the worker stops at large containers and after about a second)")
+    rows = [[h["name"], _held_cell(h), ", ".join(h.get("devices") or []) or "-", h.get("type", "")] for h in holders]
+    return rows, notes
+
+
+def holders_table(answer: dict[str, Any]) -> tuple[str, str]:
+    """What a worker's ``gpu_memory`` op answered (the names holding GPU
+    memory, largest first), as a table: name, GPU memory (bytes it alone
+    holds; ``in x`` for one whose every allocation ``x`` counts), device,
+    type; then ``and 3 more, 1.0 GiB``, and a note when the worker's bounded
+    walk looked at some values in part. One line when no name holds any."""
+    rows, notes = holders_rows(answer)
+    if not rows:
+        text = "no names hold GPU memory on the worker" + (f" {notes[-1]}" if answer.get("complete") is False else "")
+        return text, f"<p>{html.escape(text)}</p>"
+    text, markup = table(list(HOLDERS_COLUMNS), rows)
+    if notes:
+        text += "\n" + "\n".join(notes)
+        markup += "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+    return text, markup
+
+
+def _held_cell(holder: dict[str, Any]) -> str:
+    """``'64.0 MiB'``, ``'16.0 MiB, and x's'`` (it holds x's too), ``'in x'`` (only what x counts)."""
+    shares = holder.get("shares") or []
+    if not holder.get("bytes"):
+        return f"in {', '.join(shares)}" if shares else "0 B"
+    return format_bytes(holder["bytes"]) + (", and " + ", ".join(f"{name}'s" for name in shares) if shares else "")

@@ -146,6 +146,12 @@ def load_pulled(header: dict[str, Any], buffers: Iterable[memoryview | bytes]
     return values, items, errors
 
 
+#: Types that pickle but arrive as something else: cloudpickle sends an open file as an in-memory
+#: copy of its contents (an io.StringIO or BytesIO), no longer open.
+COPIED_AS_CONTENTS = frozenset({"_io.TextIOWrapper", "_io.BufferedReader", "_io.BufferedWriter",
+                                "_io.BufferedRandom", "_io.FileIO"})
+
+
 def describe(items: list[dict[str, Any]]) -> str:
     """``"x (ndarray, 1.0 MiB), y (int, 5 B)"`` for a one-line note."""
     from .units import format_bytes

@@ -46,7 +46,7 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
         lease = _wait_started(magics, lease, started)
         attachment = Attachment.connect(magics.client, lease)
         if magics.kernel is not None and forward:
-            _start_forwarding(magics, attachment)
+            start_forwarding(magics, attachment)
     except BaseException as exc:  # interrupted or failed: never leave the slice held
         if attachment is not None:
             attachment.heartbeat.stop()
@@ -62,7 +62,7 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
     return attachment
 
 
-def _start_forwarding(magics, attachment: Attachment) -> None:
+def start_forwarding(magics, attachment: Attachment) -> None:
     """Hand the worker's IOPub to the kernel's relay, tell the worker this
     notebook's execution count and folder, and send notices as events."""
     attachment.remote.relay_iopub(magics.kernel.cell.publish)
@@ -119,7 +119,7 @@ def resume(magics) -> Attachment:
     lease = attachment.resume(magics.start_timeout, on_state=functools.partial(_tell_progress, magics,
                                                                                started=started))
     if attachment.reconnected and magics.kernel is not None:  # a new worker (spilled): forward to it now
-        _start_forwarding(magics, attachment)
+        start_forwarding(magics, attachment)
     magics.tell("resumed", f"resumed {lease.id} on {lease.node}")
     return attachment
 

@@ -33,6 +33,8 @@ from gpupool.remote import RemoteKernel
 log = logging.getLogger("gpupool.magics")
 #: Seconds between asks to resume a frozen lease when the service did not answer.
 RESUME_RETRY_S = 5.0
+#: Seconds a resume asked without a cell (ask_resume) is followed at once before the heartbeat takes over.
+FOLLOW_RESUME_S = 120.0
 
 
 class Attachment:
@@ -58,8 +60,11 @@ class Attachment:
         pauses the worker's liveness checks and is said once; one seen active
         again (resumed by a cell, the service or the JupyterLab extension)
         runs as before, unless it came back as a new worker (spilled), which
-        the next :meth:`resume` connects to. A beat that still shows the park
-        this kernel has just resumed from is stale and left alone."""
+        the next :meth:`resume` connects to; a resume that was not this
+        kernel's :meth:`resume` is said too when the park was: the service's,
+        or a frozen cell's :meth:`ask_resume` (not one asked without a cell:
+        the status bar shows that). A beat that still shows the park this kernel
+        has just resumed from is stale and left alone."""
         with self._parking:
             if parked_now(lease):
                 if (lease.parked or {}).get("since") == self._resumed_from:
@@ -72,10 +77,17 @@ class Attachment:
                 self.remote.pause_liveness(True)
                 if first and not self.parking_here:
                     self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
+                    self.parked.noticed = True
                 self.parking_here = False
             elif self.parked is not None and lease.state is LeaseState.active \
                     and lease.connection == self.remote.connection:
+                parked, running = self.parked, self.heartbeat.cell_running
                 self._unparked(lease)
+                # Its park was said, so is its end: in the frozen cell that goes on, or for a resume the pool
+                # did by itself; one asked here without a cell (a click in JupyterLab) shows in the status bar.
+                if parked.noticed and not parked.resuming and (running or not parked.resume_asked):
+                    then = "; the running cell goes on" if running else ""
+                    self.heartbeat.say(resumed_words(lease, None, _parked_for(parked)) + then, kind="resumed")
 
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:
@@ -91,9 +103,10 @@ class Attachment:
         ended meanwhile, ``start_timeout``, ``worker_unreachable`` when the
         resumed worker does not answer (a spilled lease comes back as a new
         worker: this kernel connects to it, and :attr:`reconnected` says so)."""
-        parked = self.parked
-        seen = (parked.lease.parked or {}) if parked else {}
-        since = parse_time(seen.get("since"))
+        with self._parking:
+            parked = self.parked
+            if parked is not None:
+                parked.resuming = True
         started = time.monotonic()
         lease = self.client.resume(self.lease.id)
         try:
@@ -112,8 +125,7 @@ class Attachment:
             self._unparked(lease)
         if self.reconnected:
             self.remote.wait_ready(30.0)
-        parked_for = (datetime.now(timezone.utc) - since).total_seconds() if since else None
-        say(resumed_words(lease, time.monotonic() - started, parked_for, seen.get("lost") or []))
+        say(resumed_words(lease, time.monotonic() - started, _parked_for(parked)))  # what the park lost, its notice said
         return lease
 
     @classmethod
@@ -161,10 +173,32 @@ class Attachment:
             return
         parked.resume_asked = True
         try:
-            self.client.resume(self.lease.id)
+            lease = self.client.resume(self.lease.id)
         except GPUPoolError as exc:
             parked.resume_asked, parked.failed_at = False, now
             log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)
+            return
+        threading.Thread(target=self._follow_resume, args=(lease,), name="gpupool-follow-resume", daemon=True).start()
+
+    def _follow_resume(self, lease: Lease) -> None:
+        """Long-poll the lease ``ask_resume`` asked to resume until it is active
+        (or ended, or FOLLOW_RESUME_S passed), then follow it as a beat would:
+        the kernel, the status bar and ``%gpu status`` see the resume at once,
+        not at the next beat, which may be 15 s away."""
+        deadline = time.monotonic() + FOLLOW_RESUME_S
+        while lease.state is not LeaseState.active and not lease.state.ended and self.parked is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                lease = self.client.get_lease(lease.id, wait=min(10.0, left), state=lease.state.value)
+            except GPUPoolError:
+                return  # the heartbeat sees what happened
+        if lease.state is LeaseState.active and not self.heartbeat.stopped:
+            self.heartbeat.last = lease
+            self.follow_parking(lease)
+            if self.heartbeat.on_lease is not None:
+                self.heartbeat.on_lease(lease)
 
     def run_cell(self, code: str, max_output_bytes: int | None = None) -> None:
         """Run ``code`` on the worker with its outputs in the current cell.
@@ -206,6 +240,31 @@ class Attachment:
             return load_pulled(header, buffers)
         except KeyboardInterrupt:
             raise dataplane.TransferInterrupted("unpacking", [i["name"] for i in header.get("items", [])]) from None
+
+    def move_to(self, other: "Attachment") -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Move this worker's variables and modules into ``other``'s worker,
+        worker to worker (docs/parking.md, "Moving"): this one offers its
+        ``pull_all`` on its data plane, the other takes it from there and
+        restores it. Returns ``(items moved, errors by name)``: what could not
+        travel (and why) and what did not restore there. GPUPoolError
+        ``transfer_failed`` with nothing changed on either side but what the
+        other's answer lists; this worker is left as it was."""
+        ticket = dataplane.ticket_for(self.remote.connection)
+        if ticket is None or not other.remote.connection.get("transfer_port"):
+            raise GPUPoolError(Reason.transfer_failed, "a move needs both workers' data planes (their agents give "
+                               "them a transfer_port); release and acquire instead", 409)
+        with self._guarded():  # counted as running throughout: no idle park meanwhile
+            offered, _ = self._comm_unlocked({"op": "pull_all", "stream": ticket.wire(), "stream_all": True})
+            header = offered["header"]
+            sizes = header.pop("stream")["sizes"]
+            source = {"ip": self.remote.connection["ip"], "transfer_port": self.remote.connection["transfer_port"]}
+            answer, _ = other._comm({"op": "fetch", "source": source, "stream": {**ticket.wire(), "sizes": sizes},
+                                     "header": header})
+        loaded = set(answer.get("loaded", []))
+        items = [item for item in header.get("items", []) if item["name"] in loaded]
+        items += [{"name": name, "type": "module", "module": module, "nbytes": 0}
+                  for name, module in header.get("modules", {}).items() if name in loaded]
+        return items, {**header.get("errors", {}), **answer.get("errors", {})}
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""
@@ -271,3 +330,9 @@ def _ask_stdin(request: dict[str, Any]) -> str:
     """Answer the worker's ``input_request`` by asking the notebook user."""
     prompt = request.get("prompt", "")
     return getpass.getpass(prompt) if request.get("password") else input(prompt)
+
+
+def _parked_for(parked: Parked | None) -> float | None:
+    """Seconds since ``parked``'s lease was parked (None when unknown)."""
+    since = parse_time(((parked.lease.parked or {}) if parked else {}).get("since"))
+    return (datetime.now(timezone.utc) - since).total_seconds() if since else None

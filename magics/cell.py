@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import DELIM
 
+from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelapp import COUNT_KEY
 from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
@@ -51,12 +52,12 @@ class ForwardedCell:
         # only ever has this one request, and aborting there would abort the next cell forwarded
         # right after an error while its own abort window is still open.
         content = dict(parent["content"], code=code, allow_stdin=True, stop_on_error=False)
-        # ipykernel's own flag: the front end's choice, for the user's input() asked of it here.
-        kernel._allow_stdin = bool(parent["content"].get("allow_stdin"))
+        # The front end's choice, for the user's input() asked of it here.
+        ipk.set_allow_stdin(kernel, bool(parent["content"].get("allow_stdin")))
         # The cell takes this kernel's next count (gpupool.kernelapp.WorkerKernel): one numbering
         # for the notebook, whichever kernel runs a cell.
         msg = {**parent, "content": content, "metadata": {**(parent.get("metadata") or {}),
-                                                          STDIN_KEY: kernel._allow_stdin,
+                                                          STDIN_KEY: ipk.allow_stdin(kernel),
                                                           COUNT_KEY: kernel.shell.execution_count}}
         replies: list[dict[str, Any]] = []
 
@@ -64,7 +65,7 @@ class ForwardedCell:
             # The requests queued behind a failed cell are aborted, as ipykernel does, but not
             # one the front end sends after hearing of the error.
             if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
-                kernel._abort_queues(parent["header"].get("subshell_id"))
+                ipk.abort_queued(kernel, parent)
             kernel.session.send(stream, "execute_reply", reply["content"], parent,
                                 metadata=reply.get("metadata") or {}, ident=ident)
             if hasattr(stream, "flush"):  # a ZMQStream sends from its event loop, which waits for this handler
@@ -96,7 +97,7 @@ class ForwardedCell:
         if prompt.startswith(MAGIC_PROMPT):
             line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")
             return json.dumps(self.kernel.gpu.run_for_worker(line))
-        if not self.kernel._allow_stdin:  # the worker checks this itself; a stray request gets EOF
+        if not ipk.allow_stdin(self.kernel):  # the worker checks this itself; a stray request gets EOF
             return "\x04"
         ask = self.kernel.getpass if request.get("password") else self.kernel.raw_input
         return ask(prompt)

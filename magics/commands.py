@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from html import escape as html_escape
 from dataclasses import replace
 from datetime import datetime, timezone
 
@@ -26,11 +27,12 @@ from gpupool.leasewait import POLL_SECONDS
 from gpupool.schema import ON_IDLE, LeaseState, isoformat
 from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
 from gpupool.wire.leases import LeaseRequest
-from gpupool.tables import (gpu_utilization, held_seconds, host_words, lease_table, pool_table, released_words,
-                            slice_words)
+from gpupool.tables import (fraction_words, gpu_utilization, held_seconds, holders_table, host_words, lease_table,
+                            pool_table, released_words, slice_words)
 from gpupool.units import format_bytes, format_duration
 
 from .attach import attach, kernel_env, same_size
+from .move import move
 from .park import parked_words
 from .classes import class_note, requested_class
 from .quota import quota_report
@@ -74,16 +76,19 @@ def _request_arguments(func):
 @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
           "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
 def acquire(magics, rest: str) -> None:
+    if not rest.strip() or rest.strip().startswith("--"):
+        raise UsageError("say how much: %gpu acquire 0.5 (a share of one GPU) or %gpu acquire 2 (whole GPUs), "
+                         "then any options (%gpu help)")
     args = _parse(acquire, rest)
-    if magics.attachment is not None and magics.attachment.ended is None:
-        raise UsageError(f"already attached to {magics.attachment.lease.id}; run %gpu release first")
-    magics.drop()
     request = _lease_request(args)
+    if magics.attachment is not None and magics.attachment.ended is None:
+        return move(magics, request)  # another size or model: the variables go worker to worker
+    magics.drop()
     started = time.monotonic()
     magics.attachment = attach(magics, request)
     lease = magics.attachment.lease
     gpu = lease.gpus[0] if lease.gpus else {}
-    share = f"{lease.fraction:.2f} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+    share = f"{fraction_words(lease.fraction)} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
     where = ("Cells now run on the worker; %gpu release detaches." if magics.kernel is not None else
              "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
              "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
@@ -156,7 +161,29 @@ def restart(magics, rest: str) -> None:
     magics.tell("attached", f"restarted: attached {magics.attachment.lease.id}")
 
 
+#: How many names ``%gpu status`` lists as holding GPU memory (then "and N more, X GiB").
+HOLDERS_SHOWN = 10
+#: Seconds ``%gpu status`` waits for the worker's list of them (the worker's own walk stops after about one).
+HOLDERS_TIMEOUT_S = 10.0
+
+
 def status(magics, rest: str) -> None:
+    """``%gpu status``: the lease as a table, and, attached to a running
+    worker, the names holding GPU memory there (:func:`holders_view`)::
+
+        In [5]: %gpu status
+        lease           state   node    ...  worker  idle deadline in / reason
+        --------------  ------  ------  ...  ------  -------------------------
+        L-94731d6f2463  active  node-1  ...  idle    30m
+
+        holds GPU memory                                         size               on      type
+        -------------------------------------------------------  -----------------  ------  ---------
+        model                                                    1.2 GiB            cuda:0  Linear
+        last traceback (OutOfMemoryError; frames of Cell In[4])  512.0 MiB          cuda:0  traceback
+        batches                                                  64.0 MiB, and x's  cuda:0  list
+        w                                                        in model           cuda:0  Parameter
+        and 3 more, 12.0 MiB
+    """
     if rest.strip():
         raise UsageError("%gpu status takes no arguments")
     words, leases, utilization = status_view(magics)
@@ -164,7 +191,38 @@ def status(magics, rest: str) -> None:
         say(words)
         return
     text, html = lease_table(leases, utilization)
+    held = holders_view(magics)
+    if held is not None:
+        text, html = f"{text}\n\n{held[0]}", html + held[1]
     display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def holders_view(magics) -> tuple[str, str] | None:
+    """``(text, html)`` of the names holding GPU memory on the attached
+    worker (:func:`holders_answer`, :func:`~gpupool.tables.holders_table`), or
+    one line saying why it did not say; None when no worker runs."""
+    answer = holders_answer(magics)
+    if answer is None or isinstance(answer, str):
+        return None if answer is None else (answer, f"<p>{html_escape(answer)}</p>")
+    return holders_table(answer)
+
+
+def holders_answer(magics) -> dict | str | None:
+    """The attached worker's ``gpu_memory`` answer, or one line saying why it
+    did not say (parked: asking would wake the frozen worker); None when no
+    worker runs (not attached, or ended)."""
+    attachment = magics.attachment
+    if attachment is None or attachment.ended is not None:
+        return None
+    if attachment.is_parked:  # asking would wake the frozen worker
+        return "the worker is parked: the names holding GPU memory are listed once it runs again"
+    if attachment.lock.locked():  # %gpu status in a cell on the worker: its comm answers after that cell
+        return "the names holding GPU memory are listed by a %gpu status between cells (one runs on the worker now)"
+    try:
+        answer, _ = attachment.request({"op": "gpu_memory", "top": HOLDERS_SHOWN}, timeout=HOLDERS_TIMEOUT_S)
+    except GPUPoolError as exc:
+        return f"which names hold GPU memory: the worker did not say ({exc.message})"
+    return answer
 
 
 def status_view(magics) -> tuple[str | None, list, dict[str, float | None]]:

@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Any, Callable
 
-from gpupool.dataplane import (Progress, Ticket, TransferError, recv_buffers, recv_status, send_buffers)
+from gpupool.dataplane import Progress, Ticket, TransferError, connect, recv_buffers, recv_status, send_buffers
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.remote import CommInterrupted
 from gpupool.transfer import dump_values
@@ -216,25 +216,13 @@ def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
     the worker cannot be reached or refuses the ticket."""
     address = (connection["ip"], int(connection["transfer_port"]))
     try:
-        sock = socket.create_connection(address, timeout=STALL_TIMEOUT)
+        return connect(address, ticket, STALL_TIMEOUT)
+    except TransferError as exc:
+        raise _failed(exc) from None
     except OSError as exc:
         raise GPUPoolError(Reason.transfer_failed, f"could not reach the worker's data port {address[0]}:{address[1]} "
                            f"({exc}); the cluster's network policy must allow it (deploy/kubernetes/README.md)",
                            502) from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(ticket.hello())
-        refused = recv_status(sock)
-    except (OSError, TransferError) as exc:
-        sock.close()
-        raise _failed(exc) from None
-    except BaseException:
-        sock.close()
-        raise
-    if refused:
-        sock.close()
-        raise GPUPoolError(Reason.transfer_failed, f"the worker refused the transfer: {refused}", 502)
-    return sock
 
 
 def _failed(exc: BaseException) -> GPUPoolError:

@@ -201,6 +201,10 @@ class Requests:
             if not isinstance(text, str) or not text.strip():
                 return {"ok": False, "message": "say what to acquire: a fraction of one GPU (0.5) or a count of "
                                                 "whole GPUs (2), e.g. {\"request\": \"acquire\", \"text\": \"0.5\"}"}
+            attachment = self.gpu.attachment
+            if attachment is not None and attachment.ended is None:  # a move is a cell's to do, with its output
+                return {"ok": False, "message": f"already attached to {attachment.lease.id}; run %gpu release "
+                                                f"first, or %gpu acquire {text.strip()} in a cell to move there"}
             line = f"acquire {text.strip()}"
         elif kind == "release":
             line = "release --discard" if data.get("discard") else "release"
@@ -240,19 +244,30 @@ class Requests:
         """``%gpu status`` for the popup: its words (``message``, ``output``)
         and, for the one lease it lists, ``details``: its cells by
         :data:`~gpupool.tables.LEASE_COLUMNS` name, which the popup shows
-        beside the state's own facts, each fact once."""
+        beside the state's own facts, each fact once; and ``holders``: the
+        names holding GPU memory on the worker (``{"columns", "rows",
+        "notes"}``, or ``{"notes": [words]}`` when the worker did not say;
+        None while no worker runs)."""
         from gpupool.errors import GPUPoolError
-        from gpupool.tables import LEASE_COLUMNS, lease_cells, lease_table
+        from gpupool.tables import HOLDERS_COLUMNS, LEASE_COLUMNS, holders_rows, holders_table, lease_cells, lease_table
 
-        from .commands import status_view
+        from .commands import holders_answer, status_view
 
         try:
             words, leases, utilization = status_view(self.gpu)
         except GPUPoolError as exc:
             return {"ok": False, "message": exc.message, "output": ""}
         text = words or lease_table(leases, utilization)[0]
+        answer = None if words else holders_answer(self.gpu)
+        holders = None
+        if isinstance(answer, str):
+            text, holders = f"{text}\n\n{answer}", {"columns": list(HOLDERS_COLUMNS), "rows": [], "notes": [answer]}
+        elif answer is not None:
+            rows, notes = holders_rows(answer)
+            text, holders = f"{text}\n\n{holders_table(answer)[0]}", {"columns": list(HOLDERS_COLUMNS),
+                                                                       "rows": rows, "notes": notes}
         details = dict(zip(LEASE_COLUMNS, lease_cells(leases[0], utilization))) if len(leases) == 1 else None
-        return {"ok": True, "message": text, "output": text, "details": details}
+        return {"ok": True, "message": text, "output": text, "details": details, "holders": holders}
 
     def defaults(self) -> dict[str, Any]:
         """What the Acquire dialog starts from: ``amount`` (DIALOG_AMOUNT), the pool's

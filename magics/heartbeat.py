@@ -31,6 +31,8 @@ from gpupool.units import format_duration
 from .park import parked_now
 
 log = logging.getLogger("gpupool.magics")
+#: Seconds a heartbeat may come late for the idle warning it is timed for.
+WARN_SLACK_S = 1.0
 
 
 def idle_warning_text(lease: Lease, interval: float, now: datetime | None = None) -> str | None:
@@ -110,7 +112,7 @@ class Heartbeat(LeaseHeartbeat):
 
     def _wait_seconds(self) -> float:
         """The regular interval, shortened so that the beat that warns comes
-        in time whatever the idle timeout (issue 12)."""
+        in time whatever the idle timeout."""
         if self.cell_running:
             return self.busy_interval
         return self.interval if self._next_wait is None else max(0.05, min(self.interval, self._next_wait))
@@ -146,7 +148,9 @@ class Heartbeat(LeaseHeartbeat):
     def _warn_if_idle(self, lease: Lease) -> None:
         if lease.idle_since is None or lease.idle_since == self._warned_for:
             return
-        text = idle_warning_text(lease, self.interval)
+        # The beat is timed to come when the warning is due (_until_due): a second of slack, not a whole
+        # interval, or a long interval would warn as soon as a short idle period starts.
+        text = idle_warning_text(lease, min(self.interval, WARN_SLACK_S))
         if text is not None:
             self._warned_for = lease.idle_since
             self.say(text, kind="idle_warning")
@@ -165,8 +169,8 @@ class Heartbeat(LeaseHeartbeat):
             return
         stream = sys.stderr
         pin = getattr(stream, "set_thread_parent", None) if self._parent else None
-        # ipykernel routes other threads' output by a context variable; pin ours
-        # to that cell (docs: NOTES-jupyter.md, "Output from other threads").
+        # ipykernel 7 routes other threads' output by a context variable; pin ours
+        # to that cell (OutStream.set_thread_parent).
         token = pin(self._parent) if pin else None
         try:
             print(f"gpupool: {text}", file=stream, flush=True)

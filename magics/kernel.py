@@ -32,6 +32,7 @@ from ipykernel.ipkernel import IPythonKernel
 from IPython.core.error import UsageError
 from traitlets import Float
 
+from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError
 
 from .cell import ForwardedCell
@@ -49,7 +50,7 @@ class GPUPoolKernel(IPythonKernel):
     """IPythonKernel that forwards the front end's messages to the attached worker."""
 
     # Forwarded cells skip ipykernel's execute_request, and with it this sleep;
-    # a local cell's output is flushed before its reply anyway.
+    # a local cell's output is flushed before its reply anyway (a private name: gpupool.ipykernel_private).
     _execute_sleep = Float(0.0).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -64,7 +65,7 @@ class GPUPoolKernel(IPythonKernel):
         self.events.snapshot = lambda: kernel_state(self.gpu)
         self.events.answer = Requests(self.gpu)
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
-            self.shell_handlers[msg_type] = getattr(self, f"_{msg_type}")
+            ipk.handle_shell(self, msg_type, getattr(self, f"_{msg_type}"))
 
     @property
     def kernel_info(self) -> dict[str, Any]:
@@ -137,12 +138,12 @@ class GPUPoolKernel(IPythonKernel):
         magic raised UsageError: the words on stderr, an error reply."""
         self.execution_count += 1
         count = self.execution_count
-        self._publish_execute_input(parent["content"].get("code", ""), parent, count)
+        ipk.publish_execute_input(self, parent["content"].get("code", ""), parent, count)
         self.shell.execution_count = count + 1
         print(f"UsageError: {words}", file=sys.stderr, flush=True)
         self.session.send(stream, "execute_reply", {"status": "error", "ename": "UsageError", "evalue": words,
                                                     "traceback": [], "execution_count": count}, parent, ident=ident)
-        self._abort_queues(parent["header"].get("subshell_id"))
+        ipk.abort_queued(self, parent)
 
     # -- requests with a reply ----------------------------------------------------------
 
@@ -170,6 +171,9 @@ class GPUPoolKernel(IPythonKernel):
                                                    "traceback": []}, parent, ident=ident)
             return
         remote = self._remote()
+        attachment = self.gpu.attachment
+        if remote is None and attachment is not None and attachment.is_parked:
+            content["gpupool_worker_comms"] = "unknown"  # frozen: its comms live on, unlisted
         if remote is not None:
             try:
                 reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
@@ -189,19 +193,26 @@ class GPUPoolKernel(IPythonKernel):
                           metadata=reply.get("metadata") or {}, ident=ident, buffers=reply.get("buffers"))
 
     async def comm_info_request(self, stream, ident, parent) -> None:
-        """Both sides' comms: this kernel's own and, while attached, the worker's."""
+        """Both sides' comms: this kernel's own and, while attached, the worker's. A reply whose worker did
+        not answer, or is parked, says ``"gpupool_worker_comms": "unknown"`` (the JupyterLab extension then
+        marks no widget dead)."""
         comms = {cid: {"target_name": comm.target_name} for cid, comm in self.comm_manager.comms.items()}
+        content: dict[str, Any] = {"status": "ok"}
         remote = self._remote()
+        attachment = self.gpu.attachment
+        if remote is None and attachment is not None and attachment.is_parked:
+            content["gpupool_worker_comms"] = "unknown"  # frozen: its comms live on, unlisted
         if remote is not None:
             try:
                 reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)
                 comms.update(reply["content"].get("comms", {}))
             except GPUPoolError as exc:
                 self.log.warning("gpupool: the worker's comms are unknown: %s", exc.message)
+                content["gpupool_worker_comms"] = "unknown"
         target = parent["content"].get("target_name")
         if target:
             comms = {cid: info for cid, info in comms.items() if info["target_name"] == target}
-        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident=ident)
+        self.session.send(stream, "comm_info_reply", {**content, "comms": comms}, parent, ident=ident)
 
     # -- comms --------------------------------------------------------------------------
 
@@ -233,30 +244,39 @@ class GPUPoolKernel(IPythonKernel):
         return comm_for_worker(msg, self.comm_manager.comms)
 
     def _publish_status(self, status, channel, parent=None) -> None:
-        """ipykernel's busy/idle, but none for a message whose busy and idle
-        the worker says (the relay passes them): a comm message that goes to
-        the worker, so the front end hears idle only after the worker ran the
-        comm's callbacks (JupyterLab shows a comm message's output, e.g. an
+        """ipykernel's busy/idle (a private name, :mod:`gpupool.ipykernel_private`),
+        but none for a message whose busy and idle the worker says (the relay
+        passes them): a comm message that goes to the worker, so the front end
+        hears idle only after the worker ran the comm's callbacks (JupyterLab shows a comm message's output, e.g. an
         ``@interact`` function's, until then); and a forwarded cell, whose
         idle then follows its last output with no hop through this kernel's
         main thread (:meth:`_say_status_here` takes it back when the cell is
         not forwarded after all)."""
         msg = parent or self.get_parent(channel) or {}
-        if channel == "shell" and self._worker_says_status(msg, status):
+        if channel == "shell" and status == "busy":
+            self._decide_cell(msg)
+        if channel == "shell" and self._worker_says_status(msg):
             return
         super()._publish_status(status, channel, parent)
 
-    def _worker_says_status(self, msg: dict[str, Any], status: str) -> bool:
+    def _decide_cell(self, msg: dict[str, Any]) -> None:
+        """At a cell's busy, said before execute_request runs: decide where the
+        cell runs (execute_request, next, takes it) and so who says its status."""
+        header = msg.get("header") or {}
+        if self._remote() is None or header.get("msg_type") != "execute_request":
+            return
+        code = self.forwarded_code(str((msg.get("content") or {}).get("code", "")))
+        self._decided = (header.get("msg_id"), code)
+        # A cell aborted behind a failed one never reaches the worker: this kernel says both.
+        forwarded = code is not None and not ipk.aborting(self)
+        self._status_by_worker = header.get("msg_id") if forwarded else None
+
+    def _worker_says_status(self, msg: dict[str, Any]) -> bool:
+        """Whether the worker says busy and idle of request ``msg`` (the relay passes them)."""
         if self._remote() is None:
             return False
         header = msg.get("header") or {}
         if header.get("msg_type") == "execute_request":
-            if status == "busy":  # said before execute_request runs: decide here, for both
-                code = self.forwarded_code(str((msg.get("content") or {}).get("code", "")))
-                self._decided = (header.get("msg_id"), code)  # execute_request, next, takes it
-                # A cell aborted behind a failed one never reaches the worker: this kernel says both.
-                forwarded = code is not None and not self._aborting
-                self._status_by_worker = header.get("msg_id") if forwarded else None
             return header.get("msg_id") == self._status_by_worker
         return self._comm_for_worker(msg)
 

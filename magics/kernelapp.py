@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from traitlets import DottedObjectName, Type
 
+from gpupool import ipykernel_private
 from gpupool.kernelapp import NoSubshellKernelApp
 
 
@@ -18,6 +19,7 @@ class GPUPoolKernelApp(NoSubshellKernelApp):
     """The gpupool kernel's application."""
 
     name = "gpupool-kernel"
+    private_names = ipykernel_private.NAMES
     kernel_class = Type("gpupool.magics.kernel.GPUPoolKernel", klass="ipykernel.kernelbase.Kernel",
                         help="The kernel class (default: gpupool's forwarding kernel).").tag(config=True)
     outstream_class = DottedObjectName("gpupool.magics.outstream.QuietOutStream",

@@ -149,14 +149,19 @@ class GPUMagics(Magics):
         %gpu acquire 0.5 [--memory 20GiB] [--model A100] [--idle-timeout 30m] [--env torch] [--batch] [--preemptible]
         %gpu acquire 0.5 --cpus 4 --host-memory 32GiB   host cores and RAM (default: the GPU share's part of the node)
         %gpu acquire 2               two whole GPUs on one node
+        %gpu acquire 0.5 --wait 10m  nothing free: wait in the queue (place in line, ETA)
+        %gpu acquire 0.5 --on-idle release   at the idle timeout release (default: park in place)
+        (while attached, %gpu acquire with another size, --model or --env moves there, variables and all)
         %gpu release [--discard]     variables come back unless --discard
         %gpu restart                 a fresh worker of the same size (the old one's variables are lost)
-        %gpu status                  lease, environment, GPU, memory, idle countdown
+        %gpu status                  lease, environment, GPU, memory, idle countdown, names holding GPU memory
         %gpu pool                    nodes, GPUs and worker environments of the pool
         %gpu quota                   your limits and GPU-hours used
         %gpu park                    give the GPU back now; the next cell resumes where it was
         %gpu push NAME...            copy local variables to the worker
         %gpu pull NAME...            copy worker variables here
+        %%gpu [0.25]                 (a cell) run it on a lease of its own when not attached
+        %%local                      (a cell) run it in this kernel while attached
         """
         command, _, rest = line.strip().partition(" ")
         if command in ("", "help", "-h", "--help"):

@@ -27,12 +27,16 @@ PARKED_STATES = (LeaseState.parking, LeaseState.parked)
 
 @dataclass
 class Parked:
-    """A lease this kernel saw parked: the lease as last seen, whether the
-    user was told (a cell here said the notice), whether a resume was asked
-    (and when asking last failed)."""
+    """A lease this kernel saw parked: the lease as last seen, whether its
+    notice was given (``noticed``) and whether a cell here said it
+    (``told``), whether this kernel's own resume waits for it (``resuming``:
+    that says its line), whether a resume was asked (and when asking last
+    failed)."""
 
     lease: Lease
+    noticed: bool = False
     told: bool = False
+    resuming: bool = False
     resume_asked: bool = False
     failed_at: float = float("-inf")  # monotonic time an ask to resume last failed
 
@@ -43,26 +47,31 @@ def parked_now(lease: Lease) -> bool:
 
 
 def parked_words(lease: Lease, running: bool) -> str:
-    """The notice that ``lease`` was parked in place: why, where its state
-    waits, and what happens to the cell (``running``: one is in flight)."""
+    """The notice that ``lease`` was parked: why, where its state waits
+    (frozen in host memory, or spilled to disk with its worker ended), and
+    what happens to the cell (``running``: one is in flight)."""
     park = lease.parked or {}
     why = park.get("reason") or lease.reason or "parked"
-    where = "on disk" if park.get("tier") == "disk" else "in host memory"
-    held = f" ({format_bytes(park['host_bytes'])})" if park.get("host_bytes") else ""
     lost = f"; not kept: {'; '.join(park['lost'])}" if park.get("lost") else ""
+    node = lease.node or "its node"
+    # The service's words: "idle for 30m (...)", "parked early: ...", "preempted: ...", "parked by its owner".
+    was = f"was {why}" if why.startswith(("parked ", "preempted")) else f"was parked, {why}"
+    if park.get("tier") == "disk":
+        size = f" ({format_bytes(park['disk_bytes'])})" if park.get("disk_bytes") else ""
+        return (f"lease {lease.id} {was}: its variables were saved to disk on {node}{size} and its worker ended; "
+                f"its GPU is back in the pool; the next cell loads them into a new worker{lost}")
+    held = f" ({format_bytes(park['host_bytes'])})" if park.get("host_bytes") else ""
     then = ("the running cell waits and goes on when the pool resumes it" if running else
             "the next cell resumes it where it was")
-    # The service's words: "idle for 30m (...)", "parked early: ...", "preempted: ...", "parked by its owner".
-    was = f"was {why}" if why.startswith(("parked ", "preempted")) else f"was parked ({why})"
-    return (f"lease {lease.id} {was}: its worker is frozen on {lease.node or 'its node'} with its "
-            f"variables {where}{held} and its GPU is back in the pool; {then}{lost}")
+    return (f"lease {lease.id} {was}: its worker is frozen on {node} with its variables in host memory{held} "
+            f"and its GPU is back in the pool; {then}{lost}")
 
 
-def resumed_words(lease: Lease, seconds: float, parked_for: float | None, lost: list[str] = ()) -> str:
-    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)``, with what the
-    park could not keep (``lost``, the service's words) after it."""
+def resumed_words(lease: Lease, seconds: float | None, parked_for: float | None) -> str:
+    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)`` (``seconds``
+    None: a resume this kernel did not wait for, ``... GPU 0 (parked 12m)``;
+    what the park could not keep, its notice said)."""
     gpus = ", ".join(f"GPU {gpu.get('index')}" for gpu in lease.gpus or [])
+    took = f" in {seconds:.1f}s" if seconds is not None else ""
     since = f" (parked {format_duration(parked_for)})" if parked_for is not None else ""
-    kept = f"; not kept: {'; '.join(lost)}" if lost else ""
-    return (f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''} in {seconds:.1f}s"
-            f"{since}{kept}")
+    return f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''}{took}{since}"

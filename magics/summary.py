@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpupool.transfer import COPIED_AS_CONTENTS
 from gpupool.units import format_bytes
 
 #: How many names one group lists before "and N more".
@@ -33,6 +34,9 @@ def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) ->
     moved = _moved_groups(items)
     if moved:
         parts.append(f"{verb} " + ", ".join(moved))
+    copied = [f"{item['name']} ({item['type']})" for item in items if item.get("type") in COPIED_AS_CONTENTS]
+    if copied:
+        parts.append("open files arrived as in-memory copies of what they held, no longer open: " + ", ".join(copied))
     left = _left_groups(errors)
     if left:
         parts.append("lost with the worker: " + ", ".join(left))

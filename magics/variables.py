@@ -1,6 +1,6 @@
 """The notebook's side of moved variables: its namespace, and the device each
 value pulled off an accelerator came from, so that it goes back there when it
-is next sent (issue 6, "release keeps state")."""
+is next sent (a release keeps the worker's state: GPU tensors come home on the CPU)."""
 
 from __future__ import annotations
 

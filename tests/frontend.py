@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
+#: What ZMQ says on a kernel's stderr when a port jupyter_client picked for it
+#: was taken before the kernel bound it.
+PORT_TAKEN = "Address already in use"
+#: Starts of one test kernel in all when it loses a port that way.
+PORT_TRIES = 3
 
 
 @dataclass
@@ -103,14 +109,51 @@ def install_kernelspec(prefix: Path, service_url: str, token: str, name: str = "
 
 
 def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool"):
-    """Start a kernel from the installed gpupool spec ``name``; returns ``(km, kc)``."""
+    """Start a kernel from the installed gpupool spec ``name`` (its stderr
+    in ``kernels_dir``'s parent); returns ``(km, kc)``."""
     ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
-    km = KernelManager(kernel_name=name, kernel_spec_manager=ksm)
-    km.start_kernel(cwd=str(cwd), env={**os.environ})
-    kc = km.client()
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    return km, kc
+    return ready_kernel(lambda: KernelManager(kernel_name=name, kernel_spec_manager=ksm),
+                        kernels_dir.parent / f"{name}-kernels.log", cwd=str(cwd), env={**os.environ})
+
+
+def ready_kernel(make: Callable[[], KernelManager], log: Path, **start: Any):
+    """Start the kernel of ``make()`` (``start``: ``start_kernel``'s
+    arguments), its stderr appended to ``log``, and wait until it answers;
+    returns ``(km, kc)``. RuntimeError, with the kernel's stderr, when it
+    does not.
+
+    jupyter_client picks a kernel's ports free and the kernel binds them a
+    moment later; on a busy host another socket can take one in between and
+    the kernel exits with "Address already in use". Jupyter Server's
+    restarter then starts it again with new ports; a bare KernelManager does
+    not, so here such a start is tried again with a new manager (new ports),
+    :data:`PORT_TRIES` in all."""
+    for attempt in range(1, PORT_TRIES + 1):
+        km = make()
+        err, said = _stderr_to(km, log)
+        km.start_kernel(**start, stderr=err)
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=60)
+            return km, kc
+        except RuntimeError as exc:
+            kc.stop_channels()
+            if km.has_kernel:
+                km.shutdown_kernel(now=True)
+            if PORT_TAKEN not in said() or attempt == PORT_TRIES:
+                raise RuntimeError(f"{exc}; the kernel's stderr:\n{said()[-4000:]}") from None
+    raise AssertionError("unreachable")
+
+
+def _stderr_to(km: KernelManager, log: Path) -> tuple[Any, Callable[[], str]]:
+    """The end of ``log``, opened for ``km``'s kernel's stderr (closed with
+    ``km``: a restart writes there too), and a function that reads what the
+    kernel wrote there since."""
+    offset = log.stat().st_size if log.exists() else 0
+    err = open(log, "ab")  # noqa: SIM115 - closed with km
+    weakref.finalize(km, err.close)
+    return err, lambda: log.read_bytes()[offset:].decode(errors="replace")
 
 
 

@@ -176,9 +176,10 @@ REST = [
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64, got 2.5", raw=b'{"gpu_count": 2.5}',
          id="count-part"),
     rest("/leases", 400, "of GPU memory is more than any GPU offers", body={"memory": 2**49}, id="memory-none-fits"),
-    rest("/leases", 400, "'idle_timeout' must be seconds in (0,", body={"idle_timeout": -1}, id="idle-negative"),
-    rest("/leases", 400, "'idle_timeout' must be seconds in (0,", body={"idle_timeout": 0}, id="idle-zero"),
-    rest("/leases", 400, "'idle_timeout' must be seconds in (0,", body={"idle_timeout": 10**12}, id="idle-huge"),
+    rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": -1}, id="idle-negative"),
+    rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 0}, id="idle-zero"),
+    rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 0.001}, id="idle-tiny"),
+    rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 10**12}, id="idle-huge"),
     rest("/leases", 400, "above this pool's maximum of 1d", body={"idle_timeout": 2 * 86400}, id="idle-over-max"),
     rest("/leases", 400, "'wait' must be seconds in [0,", body={"wait": -1}, id="wait-negative"),
     rest("/leases", 400, "'wait' must be seconds in [0,", body={"wait": 10**12}, id="wait-huge"),
@@ -289,7 +290,7 @@ REST = [
     rest("/leases", 400, "a number of more than 100 digits", raw=b'{"fraction": 1' + b"0" * 400 + b"}",
          id="fraction-400-digits"),
     rest("/leases", 400, "a number of more than 100 digits", raw=b'{"wait": ' + b"9" * 400 + b"}", id="wait-400-digits"),
-    rest("/leases", 400, "'idle_timeout' must be seconds in (0,", body={"idle_timeout": 10**99}, id="idle-99-digits"),
+    rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 10**99}, id="idle-99-digits"),
     rest("/leases", 400, "'memory' must be a whole number of bytes", body={"memory": 10**99}, id="memory-99-digits"),
     rest("/leases", 400, "more than 32 levels deep", raw=b"[" * 200_000 + b"]" * 200_000, id="nested-200000"),
     rest("/leases", 400, "more than 32 levels deep", body={"model": json.loads("[" * 40 + "]" * 40)}, id="nested-40"),
@@ -448,7 +449,8 @@ def test_cli(pool, args, user, code, words, tmp_path):
 # -- the %gpu magics ---------------------------------------------------------------------------------------
 
 MAGICS = [
-    pytest.param("acquire", "the following arguments are required: amount", id="no-amount"),
+    pytest.param("acquire", "say how much: %gpu acquire 0.5 (a share of one GPU)", id="no-amount"),
+    pytest.param("acquire --wait 5m", "say how much: %gpu acquire 0.5", id="no-amount-options"),
     pytest.param("acquire half", "cannot read 'half' as a GPU amount", id="amount-text"),
     pytest.param("acquire -0.5", "GPU amount must be more than 0", id="amount-negative"),
     pytest.param("acquire 0", "GPU amount must be more than 0", id="amount-zero"),

@@ -10,7 +10,7 @@ import pytest
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease, LeaseRequest
-from gpupool.tables import idle_countdown, lease_table, table
+from gpupool.tables import holders_table, idle_countdown, lease_table, table
 from gpupool.transfer import describe, dump_values, load_values
 from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
 
@@ -111,6 +111,25 @@ def test_tables_text_and_html():
     assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
     lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
     assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
+
+
+def test_the_holders_table_lists_sizes_shares_and_what_is_left_out():
+    MiB = 1024**2
+    answer = {"holders": [{"name": "model", "bytes": 96 * MiB, "devices": ["cuda:0"], "type": "Linear", "shares": []},
+                          {"name": "batch", "bytes": 8 * MiB, "devices": ["cuda:0", "cuda:1"], "type": "list",
+                           "shares": ["model"]},
+                          {"name": "w", "bytes": 0, "devices": ["cuda:0"], "type": "Parameter", "shares": ["model"]}],
+              "more": {"count": 3, "bytes": 3 * 1024**3}, "complete": False}
+    text, markup = holders_table(answer)
+    lines = text.splitlines()
+    assert lines[0].split() == ["holds", "GPU", "memory", "size", "on", "type"]
+    assert lines[2].split() == ["model", "96.0", "MiB", "cuda:0", "Linear"]
+    assert lines[3].split() == ["batch", "8.0", "MiB,", "and", "model's", "cuda:0,", "cuda:1", "list"]
+    assert lines[4].split() == ["w", "in", "model", "cuda:0", "Parameter"]
+    assert lines[5] == "and 3 more, 3.0 GiB" and lines[6].startswith("(looked at in part")
+    assert "<td>in model</td>" in markup and "<p>and 3 more, 3.0 GiB</p>" in markup
+    assert holders_table({"holders": [], "more": {"count": 0, "bytes": 0}, "complete": True})[0] == \
+        "no names hold GPU memory on the worker"
 
 
 def test_a_queued_lease_shows_no_memory_rather_than_0_bytes():

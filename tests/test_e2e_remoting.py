@@ -9,10 +9,12 @@ TTL and one agent with two simulated A100s, shared by this module).
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 from frontend import run
+from gpupool.heartbeat import beat_interval
 from gpupool.magics.namespace import local_candidates, names_read
 from gpupool.transfer import version_mismatches
 from procs import wait_for
@@ -24,9 +26,26 @@ from test_e2e_notebook import _active_leases, _busy_seen, _ended, _remote
 def test_names_read_finds_globals_a_cell_uses_and_skips_locals_and_builtins():
     cell = ("y = x + 1\ndef f(a):\n    return a + z\nprint(f(y))\nclass C:\n    k = m\n"
             "[i * n for i in r]\n%time q\n")
-    assert set(names_read(cell)) == {"x", "y", "f", "z", "m", "n", "r"}
+    assert set(names_read(cell)) == {"x", "z", "m", "n", "r"}, "y and f: the cell binds them before it reads them"
     assert set(names_read("%%time\nk + 1")) == {"k"}, "a cell magic's body is read too"
     assert names_read("def broken(:") == []
+
+
+@pytest.mark.parametrize(("cell", "read"), [
+    ("X = np.ones(3); print(X)", ["np"]),  # the cell's own X: a local X of that name is not sent
+    ("def f(): return 1\nf()", []),
+    ("X = X + 1", ["X"]),  # read before it is bound
+    ("X += 1", ["X"]),
+    ("def g():\n    global X\n    X += 1\ng()", ["X"]),
+    ("X = 1\nX += 1", []),
+    ("if c:\n    X = 1\nprint(X)", ["c", "X"]),  # the if may not bind it
+    ("for i in r:\n    pass\nprint(i)", ["i", "r"]),
+    ("def f(): return X\nX = 1\nf()", ["X"]),  # read in a body defined before X is bound: sent
+    ("a, *b = 1, 2, 3\nprint(a, b, c)", ["c"]),
+    ("a[0] = 1", ["a"]),
+])
+def test_names_read_leaves_out_what_the_cell_binds_before_it_reads_it(cell, read):
+    assert names_read(cell) == read
 
 
 def test_local_candidates_leave_out_private_hidden_and_shell_names():
@@ -185,8 +204,9 @@ def test_an_idle_lease_is_parked_in_place_and_the_next_cell_resumes_everything_i
     assert [lease.state.value for lease in _active_leases(service)] == ["parked"]
     pool = service.client().pool()
     assert sum(gpu["allocated_fraction"] for node in pool["nodes"] for gpu in node["gpus"]) == 0, "its share is back"
+    time.sleep(beat_interval(parked) + 0.5)  # the notebook kernel learns of the park at its next heartbeat
     local = run(kc, "%%local\n'kept' in globals()")
-    assert f"gpupool: lease {parked_id} was parked (idle for" in local.stderr, \
+    assert f"gpupool: lease {parked_id} was parked, idle for" in local.stderr, \
         "the notice is said at the top of the next cell, not written into an old one"
     assert local.outputs[-1][1]["data"]["text/plain"] == "False", "nothing came to the notebook kernel"
     status = run(kc, "%gpu status")
@@ -217,6 +237,71 @@ def test_gpu_park_parks_now_and_release_discard_gives_up_a_parked_lease_without_
     ended = service.client().get_lease(lease_id)
     assert ended.state.value == "released" and ended.parked is None, ended
     assert "not attached" in run(kc, "%gpu status").stdout
+
+
+def test_acquire_of_another_size_moves_the_variables_worker_to_worker(e2e_pool, kernel):
+    """``%gpu acquire 0.5`` while on 0.25: a new lease, the variables and modules moved into its worker
+    from the old worker's data plane, what cannot travel named, the old lease released; asking for what
+    it holds, or for what the pool cannot give, changes nothing."""
+    service, _, _ = e2e_pool
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25 --idle-timeout 10m").ok
+    old = _remote(kc, "import os, threading\nimport numpy as np\nbig = np.arange(400_000, dtype=np.float64)\n"
+                      "small = 7\nlock = threading.Lock()\npid = os.getpid()\n"
+                      "open('moved.txt', 'w').write('one\\ntwo\\n')\n"
+                      "fh = open('moved.txt')\nfh.readline()\nos.environ['GPUPOOL_LEASE_ID']")
+    same = run(kc, "%gpu acquire 0.25")
+    assert not same.ok and f"already attached to {old}" in same.text(), same.text()
+    refused = run(kc, "%gpu acquire 3")
+    assert not refused.ok and f"still attached to {old}, nothing changed" in refused.text(), refused.text()
+    moved = run(kc, "%gpu acquire 0.5")
+    assert moved.ok, moved.text()
+    new = re.search(rf"moved {old} to (L-\S+): 0\.50 of ", moved.stdout)
+    assert new and "variables (big, small, pid, fh; 3.1 MiB)" in moved.stdout, moved.stdout
+    assert "open files arrived as in-memory copies of what they held, no longer open: fh (_io.TextIOWrapper)" \
+        in moved.stdout, moved.stdout
+    assert "3 modules (os, threading, np)" in moved.stdout, "imported there, not pickled"
+    assert "lost with the worker: 1 that cannot be pickled (lock)" in moved.stdout, moved.stdout
+    there = run(kc, "print(big.sum() == np.arange(400_000).sum(), small, 'lock' in globals(), os.getpid() != pid, "
+                    "os.environ['GPUPOOL_LEASE_ID'])")
+    assert there.stdout.split() == ["True", "7", "False", "True", new.group(1)], there.text()
+    assert [lease.id for lease in _active_leases(service)] == [new.group(1)]
+    assert service.client().get_lease(new.group(1)).idle_timeout == 600, "the idle timeout asked goes along"
+    assert service.client().get_lease(old).state.value == "released"
+    assert run(kc, "%%local\n'big' in globals()").outputs[-1][1]["data"]["text/plain"] == "False", \
+        "nothing was defined in the notebook kernel"
+
+
+HOLDERS = """\
+from gpupool.provisioner import simgpu
+x = simgpu.zeros(64 << 20, 'uint8')
+view = x[:10]
+def f():
+    pinned = simgpu.zeros(32 << 20, 'uint8')
+    1 / 0
+"""
+
+
+def test_status_lists_the_names_holding_gpu_memory_and_a_park_drops_the_last_traceback(e2e_pool, kernel):
+    _, kc = kernel
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, HOLDERS).ok
+    assert "ZeroDivisionError" in run(kc, "f()").text()
+    status = run(kc, "%gpu status")
+    table = status.outputs[-1][1]["data"]["text/plain"]
+    assert re.search(r"\nx +64\.0 MiB +simgpu:0 +ndarray\n", table), table
+    assert re.search(r"\nlast traceback \(ZeroDivisionError; frames of Cell In\[\d+\], Cell In\[\d+\]\) +32\.0 MiB "
+                     r"+simgpu:0 +traceback\n", table), table
+    assert re.search(r"\nview +in x +simgpu:0 +ndarray", table), "a view is x's memory, counted once"
+    parked = run(kc, "%gpu park")
+    assert parked.ok and "; not kept: the last traceback (ZeroDivisionError; frames of Cell In[" in parked.stdout \
+        and "cleared so that the memory its frames held could be freed" in parked.stdout, parked.text()
+    assert "holds GPU memory" not in run(kc, "%gpu status").outputs[-1][1]["data"]["text/plain"], \
+        "a parked worker is not asked (it would wake)"
+    assert run(kc, "print(simgpu.memory_allocated(0) >> 20)").stdout.endswith("64\n"), "the traceback's 32 MiB freed"
+    table = run(kc, "%gpu status").outputs[-1][1]["data"]["text/plain"]
+    assert "last traceback" not in table and re.search(r"\nx +64\.0 MiB", table), table
+    assert run(kc, "%gpu release --discard").ok
 
 
 def test_on_idle_release_opts_out_of_parking(e2e_pool, kernel):

@@ -199,7 +199,9 @@ def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
     # The notebook kernel's own comm target stays here.
     kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": "c-status", "target_name": "gpupool.status",
                                                        "data": {}}))
-    info = request(kc, "shell", "comm_info_request", {})["content"]["comms"]
+    reply = request(kc, "shell", "comm_info_request", {})["content"]
+    info = reply["comms"]
+    assert "gpupool_worker_comms" not in reply, "the worker answered: its comms are known"
     assert info["c-echo"]["target_name"] == "echo" and info["c-status"]["target_name"] == "gpupool.status"
     assert any(v["target_name"] == "from-worker" for v in info.values())
     only = request(kc, "shell", "comm_info_request", {"target_name": "echo"})["content"]["comms"]
@@ -216,6 +218,9 @@ def test_a_widget_message_while_parked_resumes_the_lease_and_reaches_its_live_co
     assert setup.ok, setup.text()
     kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": "c-parked", "target_name": "echo", "data": {}}))
     assert run(kc, "%gpu park").ok
+    # The frozen worker cannot list its comms: the reply says so, and JupyterLab marks no widget dead.
+    parked = request(kc, "shell", "comm_info_request", {})["content"]
+    assert parked["gpupool_worker_comms"] == "unknown" and "c-parked" not in parked["comms"], parked
     message = kc.session.msg("comm_msg", {"comm_id": "c-parked", "data": {"n": 8}})
     kc.shell_channel.send(message)
     seen = iopub_until(kc, lambda m: m["msg_type"] == "comm_msg" and m["content"].get("comm_id") == "c-parked",
@@ -254,6 +259,7 @@ def test_gpu_lines_inside_a_forwarded_cell_run_in_the_notebook_kernel(attached):
     loop = run(kc, "for i in range(2):\n    %gpu status\nprint('done', i)")
     assert loop.ok, loop.text()
     assert loop.text().count("active") >= 2 and "done 1" in loop.stdout
+    assert loop.text().count("the names holding GPU memory are listed by a %gpu status between cells") == 2
     refused = run(kc, "y = 2\n%gpu release")
     assert not refused.ok and "cannot run inside a cell that runs on the worker" in refused.text()
     assert _remote(kc, "y") == 2, "the cell ran up to the refused line; the lease is kept"

@@ -206,7 +206,7 @@ def test_one_warning_per_idle_period_then_the_park_notice_tops_the_next_cell_whi
     warnings = [e for e in notebook.events if e["event"] == "idle_warning"]
     assert len(warnings) == 2, f"one warning per idle period: {notebook.events}"
     assert notebook.events.index(warnings[1]) < notebook.events.index(parked)
-    assert re.fullmatch(rf"lease {lease_id} was parked \(idle for \d+s \(idle timeout 24s\)\): its worker is "
+    assert re.fullmatch(rf"lease {lease_id} was parked, idle for \d+s \(idle timeout 24s\): its worker is "
                         r"frozen on node-1 with its variables in host memory( \([\d.]+ [KMG]iB\))? and its GPU is "
                         r"back in the pool; the next cell resumes it where it was", parked["message"]), parked
     assert not notebook.lines("was parked"), "not written under the last cell"

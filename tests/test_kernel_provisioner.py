@@ -16,6 +16,7 @@ from jupyter_client.manager import KernelManager
 from gpupool.magics.kernel_provisioner import GPUPoolProvisioner, gpupool_command
 from gpupool.magics.kernelspec import main as kernelspec_main
 from gpupool.wire.leases import LeaseRequest
+from frontend import ready_kernel
 from procs import free_port
 
 needs_service = pytest.mark.skipif(importlib.util.find_spec("gpupool.hub_plugin.app") is None,
@@ -48,14 +49,15 @@ def run(km: KernelManager, code: str) -> str:
 
 
 @pytest.fixture
-def kernel_manager():
-    """Start a KernelManager made by the test; shut it down afterwards."""
+def kernel_manager(tmp_path):
+    """Start a KernelManager made by the test, ready; shut it down afterwards."""
     made: list[KernelManager] = []
 
     def make(spec_manager: KernelSpecManager) -> KernelManager:
-        km = KernelManager(kernel_name="gpupool", kernel_spec_manager=spec_manager)
+        km, kc = ready_kernel(lambda: KernelManager(kernel_name="gpupool", kernel_spec_manager=spec_manager),
+                              tmp_path / "kernel.log")
+        kc.stop_channels()
         made.append(km)
-        km.start_kernel()
         return km
 
     yield make

@@ -11,8 +11,9 @@ one the status bar shows the share and GPU; a kernel restart shows the new
 kernel detached; "Release" in the status popup detaches; a 4 s idle timeout
 brings the idle warning and "parked" as notifications and the status "parked";
 the next cell resumes and the status follows; "Release GPU" from the palette
-detaches, as ``%gpu status`` then says. A python3 notebook gets no comm and no
-GPU item. Screenshots on failure under the test's tmp_path.
+detaches, as ``%gpu status`` then says, and the ended worker's widget shows
+JupyterLab's disconnected mark (a parked one did not; a CPU kernel's never).
+A python3 notebook gets no comm and no GPU item. Screenshots on failure under the test's tmp_path.
 
 The JupyterLab helpers are the minimum of tests/lab.py (issue 11's browser test).
 """
@@ -171,11 +172,15 @@ class Page:
         self.page = page
         self.status = page.locator(".jp-gpupool-status")
         self.dialog = page.locator(".jp-Dialog")
+        self.toasts = page.locator(".Toastify__toast", has_text="GPU:")
+
+    def cell(self, index: int):
+        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
 
     def run(self, index: int) -> str:
         from playwright.sync_api import expect
 
-        cell = self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        cell = self.cell(index)
         cell.locator(".cm-content").click()
         self.page.keyboard.press("Shift+Enter")
         expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"))
@@ -213,7 +218,10 @@ class Page:
 def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    _notebook(lab.root / "gpu.ipynb", ["import os", "x = 41", "x + 1", "%gpu status"])
+    _notebook(lab.root / "gpu.ipynb", ["import os", "x = 41", "x + 1", "%gpu status",
+                                       'import ipywidgets\nipywidgets.Label("on the CPU kernel")',
+                                       'import ipywidgets\nipywidgets.IntSlider(description="on the worker")'])
+    dead = ".jupyter-widgets-disconnected"
     with sync_playwright() as playwright:
         expect.set_options(timeout=STEP_MS)
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -261,6 +269,8 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             assert "Traceback" not in nb.run(1)  # x = 41 again, in the new kernel
 
             step = "Release in the status popup detaches"
+            nb.run(4)
+            expect(nb.cell(4).locator(".widget-label")).to_have_text("on the CPU kernel")
             nb.acquire("0.5")
             expect(nb.dialog).to_have_count(0, timeout=60_000)
             expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
@@ -271,15 +281,25 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             step = "idle warning and parked come as notifications; the status says parked"
             nb.acquire("0.25", idle="12s")  # warned 4 s (a third) before the park: time to see the toast
             expect(nb.dialog).to_have_count(0, timeout=60_000)
+            nb.run(5)
+            expect(nb.cell(5).locator(".widget-slider")).to_be_visible()
             expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
-            expect(nb.toast(r"GPU: lease L-\S+ was parked \(idle for")).to_be_visible()
+            expect(nb.toast(r"GPU: lease L-\S+ was parked, idle for")).to_be_visible()
             # the warning closes once it came true: one notification about the lease, none stale (issue 28)
             expect(page.get_by_text(re.compile(r"GPU: lease L-\S+ has been idle"))).to_have_count(0)
+            expect(nb.toasts).to_have_count(1)  # the lease's one toast, updated in place
             expect(nb.status).to_contain_text("GPU: parked")
+            expect(nb.cell(5).locator(dead)).to_have_count(0)  # the frozen worker keeps its widgets
+            # JupyterLab cuts a toast at 140 characters: the park's whole words are one click away
+            nb.toasts.locator("button", has_text="Details").click()
+            expect(nb.dialog).to_contain_text("the next cell resumes it where it was")
+            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+            expect(nb.dialog).to_have_count(0)
 
             step = "the user back at the notebook (a click into a cell) resumes it before any cell runs"
             page.locator(".jp-Notebook .jp-Cell").nth(2).click()
             expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}", timeout=60_000)
+            expect(nb.toasts).to_have_count(0)  # "parked" is no longer true: its toast went
             out = nb.run(2)
             assert "42" in out and "Traceback" not in out, out
 
@@ -288,6 +308,10 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
             out = nb.run(3)
             assert "not attached" in out, out
+
+            step = "the ended worker's widget is marked disconnected, as JupyterLab marks a dead kernel's"
+            expect(nb.cell(5).locator(dead)).to_have_count(1)
+            expect(nb.cell(4).locator(dead)).to_have_count(0)  # the CPU kernel's own lives on
         except Exception as exc:
             shot = tmp_path / "failure.png"
             page.screenshot(path=str(shot), full_page=True)
@@ -326,12 +350,15 @@ def test_other_kernels_get_no_comm_and_no_status_item(lab, tmp_path):
 
 
 def _popup_layout(page) -> dict:
-    """The status popup's table as the browser laid it out: its rows, whether it overflows the dialog."""
+    """The status popup as the browser laid it out: the facts' rows, the GPU memory holders' rows (header
+    first), whether it overflows the dialog."""
     return page.evaluate("""() => {
         const body = document.querySelector('.jp-Dialog .jp-gpupool-details');
         const content = body.closest('.jp-Dialog-content');
         const table = body.querySelector('table').getBoundingClientRect();
-        return {rows: [...body.querySelectorAll('tr')].map(r => [...r.cells].map(c => c.textContent)),
+        const cells = rows => [...rows].map(r => [...r.cells].map(c => c.textContent));
+        return {rows: cells(body.querySelector('table').rows),
+                holders: cells(body.querySelectorAll('.jp-gpupool-holders tr')),
                 pre: body.querySelectorAll('pre').length, scroll: content.scrollWidth, client: content.clientWidth,
                 tableRight: table.right, contentRight: content.getBoundingClientRect().right};
     }""")
@@ -347,7 +374,8 @@ def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_l
     from playwright.sync_api import expect, sync_playwright
 
     _notebook(lab.root / "facts.ipynb", ["%gpu help", f"import numpy as np\nbulk = np.ones({BULK}, np.uint8)",
-                                         "%gpu push bulk", "print('bulk' in globals())"])
+                                         "%gpu push bulk", "print('bulk' in globals())",
+                                         "from gpupool.provisioner import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')"])
     with sync_playwright() as playwright:
         expect.set_options(timeout=STEP_MS)
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -370,13 +398,17 @@ def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_l
             nb.acquire("0.5")
             expect(nb.dialog).to_have_count(0, timeout=60_000)
             expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
+            assert "Traceback" not in nb.run(4)
             nb.status.click()
             expect(nb.dialog.locator(".jp-gpupool-details")).to_be_visible()
             expect(nb.dialog.locator(".jp-gpupool-details")).to_contain_text("environment")
+            expect(nb.dialog.locator(".jp-gpupool-holders")).to_contain_text("held")
             layout = _popup_layout(page)
             names = [row[0] for row in layout["rows"]]
             assert len(names) == len(set(names)) and layout["pre"] == 0, layout
             assert {"lease", "GPU", "node", "memory", "environment", "host", "worker"} <= set(names), names
+            assert layout["holders"] == [["holds GPU memory", "size", "on", "type"],
+                                         ["held", "8.0 MiB", "simgpu:0", "ndarray"]], layout["holders"]
             lease = dict(layout["rows"])["lease"]
             assert nb.dialog.locator(".jp-Dialog-body").inner_text().count(lease) == 1, "the lease is said once"
             assert layout["scroll"] <= layout["client"] and layout["tableRight"] <= layout["contentRight"] + 1, layout

@@ -31,7 +31,7 @@ def unreachable_service(monkeypatch):
 
 @pytest.mark.parametrize("line, words", [
     ("frobnicate", "unknown %gpu command 'frobnicate'"),
-    ("acquire", "the following arguments are required: amount"),
+    ("acquire", "say how much: %gpu acquire 0.5 (a share of one GPU) or %gpu acquire 2 (whole GPUs)"),
     ("acquire 0", "more than 0"),
     ("acquire -0.5", "more than 0"),
     ("acquire 1.5", "not whole"),

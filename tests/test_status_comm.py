@@ -164,11 +164,17 @@ def test_requests_run_the_magic_and_keep_its_output_out_of_cells(status):
     assert where.stdout.strip() == state["lease"], "the next cell runs on the lease the dialog acquired"
     shown = comm.ask({"request": "status"})
     assert shown["ok"] and state["lease"] in shown["message"], shown
+    assert shown["message"].endswith("\n\nno names hold GPU memory on the worker"), "as %gpu status says it"
+    assert shown["holders"] == {"columns": ["holds GPU memory", "size", "on", "type"], "rows": [], "notes": []}
+    assert comm.run("from gpupool.provisioner import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')").ok
+    rows = comm.ask({"request": "status"})["holders"]["rows"]
+    assert rows == [["held", "8.0 MiB", "simgpu:0", "ndarray"]], "the popup's table of the names holding GPU memory"
     details = shown["details"]  # the popup's rows beside the state's facts: %gpu status's cells by column
     assert details["lease"] == state["lease"] and details["environment"] == "default", details
     assert details["worker"] in ("idle", "busy") and details["share"] == "0.50" and "GiB" in details["host"]
     again = comm.ask({"request": "acquire", "text": "0.25"})
-    assert not again["ok"] and again["message"] == f"already attached to {state['lease']}; run %gpu release first"
+    assert not again["ok"] and again["message"] == (f"already attached to {state['lease']}; run %gpu release "
+                                                     "first, or %gpu acquire 0.25 in a cell to move there")
     released = comm.ask({"request": "release"})
     assert released["ok"] and f"released {state['lease']}" in released["output"], released
     assert comm.last_state()["phase"] == "detached" and comm.last_state()["lease"] is None

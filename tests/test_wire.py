@@ -39,12 +39,15 @@ def test_a_registration_names_a_bad_checkpointer_or_budget():
 
 
 def test_park_bodies_read_back_and_answers_are_lenient():
-    request = ParkRequest("idle for 30m", "disk", "freeze")
+    request = ParkRequest("idle for 30m", "disk", "freeze", 2**20)
     assert ParkRequest.from_json(request.to_json()) == request
-    assert ParkRequest.from_json({}) == ParkRequest("", "memory", "refuse")
+    assert ParkRequest.from_json({}) == ParkRequest("", "memory", "refuse", None)
     with pytest.raises(GPUPoolError, match="'running_cell'"):
         ParkRequest.from_json({"running_cell": "kill"})
-    parked = WorkerParked("memory", "simulated", 3 * 2**30, 0, 3 * 2**30, 0, False, ("a lock",), 0.25)
+    for bad in (-1, 1.5, "1MiB", True):
+        with pytest.raises(GPUPoolError, match="'max_host_bytes'"):
+            ParkRequest.from_json({"max_host_bytes": bad})
+    parked = WorkerParked("disk", "simulated", 0, 2**20, 3 * 2**30, 0, False, ("a lock",), 0.25, "over the quota")
     assert WorkerParked.from_json(parked.to_json()) == parked
     assert WorkerParked.from_json({"tier": "disk", "host_bytes": "lots", "lost": ["x", 3]}).lost == ("x",)
     with pytest.raises(ValueError, match="'tier'"):

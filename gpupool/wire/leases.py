@@ -14,6 +14,9 @@ from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MAX_GPU_COUN
                       ON_IDLE, LeaseState, number_field)
 from .fields import Body, Spec, wired
 
+#: The shortest idle timeout a request may name, seconds: a shorter one would park between two cells run
+#: one after the other (and race the next one).
+MIN_IDLE_TIMEOUT = 1.0
 #: The longest wait and idle timeout any request may name, seconds (366 days).
 MOST_SECONDS = 366 * 86400
 
@@ -109,9 +112,9 @@ class LeaseRequest(Body):
     memory: int | None = wired(_bytes("memory", "bytes per GPU (default: the fraction's share)"), None)
     model: str | None = wired(Spec("string", "substring of the GPU name, e.g. A100", **_NAME), None)
     idle_timeout: float | None = wired(Spec(
-        "number", "seconds (at most c.GPUPool.max_idle_timeout, or max_idle_timeout of your quota: 400 above it)",
-        nullable=True, exclusive_minimum=0, maximum=MOST_SECONDS,
-        error=f"'idle_timeout' must be seconds in (0, {MOST_SECONDS}], got {{value!r}}"), None)
+        "number", "seconds, at least 1 (at most c.GPUPool.max_idle_timeout, or max_idle_timeout of your quota: "
+        "400 above it)", nullable=True, minimum=MIN_IDLE_TIMEOUT, maximum=MOST_SECONDS,
+        error=f"'idle_timeout' must be seconds from {MIN_IDLE_TIMEOUT:g} to {MOST_SECONDS}, got {{value!r}}"), None)
     kernel_id: str | None = wired(Spec("string", **_NAME), None)
     wait: float | None = wired(Spec(
         "number", "seconds to queue when nothing fits (at most c.GPUPool.max_wait); 0 or absent: 409 at once",

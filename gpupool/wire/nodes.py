@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from ..errors import bad_request
-from ..schema import MAX_BYTES, MAX_CPUS, MAX_INT32, has_control_characters, is_unicode, number_field
+from ..schema import MAX_BYTES, MAX_CPUS, MAX_INT32, WorkerState, has_control_characters, is_unicode, number_field
 from .fields import TEXT, WORDS, Body, Spec, wired
 from .parking import PARK_TIERS, CheckpointerInfo
 
@@ -111,8 +111,8 @@ def _cell_pairs(value: Any) -> tuple[tuple[str, str], ...]:
 class WorkerReport(Body):
     """One worker as the agent reports it in a node heartbeat.
 
-    ``execution_state`` is the kernel's last IOPub status (``starting``,
-    ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
+    ``execution_state`` (:class:`~gpupool.schema.WorkerState`) is the kernel's
+    last IOPub status (``starting``, ``idle``, ``busy``) or ``dead``; ``idle_since`` the ISO time the last
     cell ended (None while busy); ``exit_code`` once dead (negative: signal);
     ``reason`` the agent's words for a death it caused (e.g. it was stopped);
     ``cell_started`` the ISO time the last cell started (None: none yet; an agent
@@ -124,13 +124,11 @@ class WorkerReport(Body):
     what a spill the agent made on its own could not keep, in words.
     """
 
-    STATES = ("starting", "idle", "busy", "dead")
-
     lease_id: str = wired(Spec("string", required=True, text=True, min_length=1, max_length=40,
                                error="each worker report needs a 'lease_id' (at most 40 characters)"))
     pid: int | None = wired(Spec("integer", "ignored unless 0 to 2**31-1", nullable=True, minimum=0,
                                  maximum=MAX_INT32, loose=False, lenient=True))
-    execution_state: str = wired(Spec("", required=True, enum=STATES,
+    execution_state: WorkerState = wired(Spec("", required=True, enum=tuple(s.value for s in WorkerState),
                                       error="execution_state must be one of {choices}"))
     idle_since: str | None = wired(Spec("string", **_TIME), None)
     exit_code: int | None = wired(Spec("integer", "negative: killed by that signal", nullable=True,
@@ -157,6 +155,7 @@ class WorkerReport(Body):
         reason = values["reason"]
         values["reason"] = _one_line(reason[:200]) if reason and reason.strip() else None
         values["cells"] = _cell_pairs(values["cells"])
+        values["execution_state"] = WorkerState(values["execution_state"])
         lost = values["parked_lost"]
         values["parked_lost"] = tuple(_one_line(v[:300]) for v in lost if isinstance(v, str)) if lost else ()
         return cls(**values)

@@ -86,13 +86,18 @@ class ParkRequest(Body):
     ``reason``: the service's words (logged by the agent, e.g. "idle for
     30m"); ``tier``: ``memory`` (the default) or ``disk`` (spill at once: the
     owner's parked-memory quota is full, or the node's budget); ``running_cell``:
-    one of :data:`RUNNING_CELL` (default ``refuse``).
+    one of :data:`RUNNING_CELL` (default ``refuse``); ``max_host_bytes``: the
+    most host RAM the worker may hold parked in memory (what the owner's
+    ``max_parked_memory`` leaves; None: no cap), beyond which the agent spills
+    it: only the agent knows its process's resident memory.
     """
 
     reason: str = wired(Spec("string", "why, in words (logged)", nullable=True, max_length=300, text=True), "")
     tier: str = wired(Spec("", "where the state goes", enum=PARK_TIERS, default="memory", nullable=True), "memory")
     running_cell: str = wired(Spec("", "what to do with a running cell", enum=RUNNING_CELL, default="refuse",
                                    nullable=True), "refuse")
+    max_host_bytes: int | None = wired(Spec("integer", "host RAM the parked worker may hold in memory (null: any)",
+                                            nullable=True, minimum=0, maximum=MAX_BYTES, loose=False), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "ParkRequest":
@@ -100,7 +105,8 @@ class ParkRequest(Body):
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         values = cls.read(body)
-        return cls(values["reason"] or "", values["tier"] or "memory", values["running_cell"] or "refuse")
+        return cls(values["reason"] or "", values["tier"] or "memory", values["running_cell"] or "refuse",
+                   values["max_host_bytes"])
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,7 +123,8 @@ class WorkerParked(Body):
     ``gpu_bytes_kept`` GPU memory the checkpointer could not free (a CUDA
     context with ``framework``), still taken on the GPU while parked;
     ``interrupted``: a running cell was interrupted to park; ``lost``: what
-    could not be kept, in words; ``seconds`` the park took.
+    could not be kept, in words; ``seconds`` the park took; ``reason`` why the
+    agent spilled a worker asked to park in memory (words; empty otherwise).
     """
 
     tier: str = wired(Spec("", enum=PARK_TIERS, required=True, error="'tier' must be one of {choices}"))
@@ -129,6 +136,7 @@ class WorkerParked(Body):
     interrupted: bool = wired(Spec("boolean", "a running cell was interrupted", lenient=True), False)
     lost: tuple[str, ...] = wired(_LOST, ())
     seconds: float = wired(Spec("number", "how long the park took", minimum=0, loose=False, lenient=True), 0.0)
+    reason: str = wired(Spec("string", "why a park asked in memory went to disk", lenient=True), "")
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerParked":

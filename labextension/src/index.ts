@@ -27,6 +27,7 @@ import {
   idleLeft,
   summary
 } from './status';
+import { liveWidgetComms, markDeadWidgets } from './widgets';
 
 const CMD = {
   acquire: 'gpupool:acquire',
@@ -79,10 +80,23 @@ class Channels {
         return null; // another kernel: no comm, no status item
       }
       channel = new LeaseChannel(kernel);
+      channel.workerChanged.connect(() => void this._markWidgets(kernel));
       this._byKernel.set(kernel.id, channel);
       this._watch(kernel);
     }
     return channel;
+  }
+
+  /** Mark the widgets of `kernel`'s notebooks whose worker ended (./widgets.ts). */
+  private async _markWidgets(kernel: Kernel.IKernelConnection): Promise<void> {
+    const live = await liveWidgetComms(kernel).catch(() => null);
+    if (live) {
+      this._tracker.forEach(panel => {
+        if (panel.sessionContext.session?.kernel?.id === kernel.id) {
+          markDeadWidgets(panel, live);
+        }
+      });
+    }
   }
 
   private _watch(kernel: Kernel.IKernelConnection): void {
@@ -189,12 +203,45 @@ function detailsBody(state: ILeaseState, reply: IReply): Widget {
     row.insertCell().textContent = value;
   }
   body.node.appendChild(table);
+  if (reply.holders) {
+    body.node.appendChild(holdersTable(reply.holders));
+  }
   if (!reply.details && reply.message && !reply.message.includes('\n')) {
     const words = document.createElement('p');
     words.textContent = reply.message;
     body.node.appendChild(words);
   }
   return body;
+}
+
+/** What holds GPU memory on the worker (`%gpu status`'s second table), or the words saying none or why not. */
+function holdersTable(holders: NonNullable<IReply['holders']>): HTMLElement {
+  const part = document.createElement('div');
+  part.className = 'jp-gpupool-holders';
+  const rows = holders.rows || [];
+  if (rows.length) {
+    const table = document.createElement('table');
+    const head = table.createTHead().insertRow();
+    for (const name of holders.columns || []) {
+      const cell = document.createElement('th');
+      cell.textContent = name;
+      head.appendChild(cell);
+    }
+    for (const cells of rows) {
+      const row = table.insertRow();
+      for (const value of cells) {
+        row.insertCell().textContent = value;
+      }
+    }
+    part.appendChild(table);
+  }
+  const notes = holders.notes?.length ? holders.notes : rows.length ? [] : ['no names hold GPU memory on the worker'];
+  for (const note of notes) {
+    const words = document.createElement('p');
+    words.textContent = note;
+    part.appendChild(words);
+  }
+  return part;
 }
 
 /** The Acquire dialog's form; `text()` is what follows `%gpu acquire`. */
@@ -361,6 +408,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         const result = await showDialog({
           title: 'GPU status',
           body: detailsBody(state, reply),
+          defaultButton: 0, // Close: Enter must not release the lease
           buttons: [
             Dialog.cancelButton({ label: 'Close' }),
             attached

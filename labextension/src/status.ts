@@ -4,7 +4,7 @@
  * pushes `{state}` on every change and `{event}` for what happens between
  * cells, and answers `{request}` with `{reply}`; nothing here polls.
  */
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
@@ -42,6 +42,8 @@ export interface IReply {
   defaults?: IDefaults;
   /** `status`: the one lease `%gpu status` lists, its cells by column name; null: none or several. */
   details?: { [column: string]: string } | null;
+  /** `status`: the names holding GPU memory on the worker, as `%gpu status` lists them; null: no worker runs. */
+  holders?: { columns?: string[]; rows?: string[][]; notes?: string[] } | null;
 }
 
 /** What the Acquire dialog starts from (gpupool.magics.events.Requests.defaults). */
@@ -51,6 +53,23 @@ export interface IDefaults {
   max_lease_gpus: number | null;
   models: string[];
   error?: string;
+}
+
+/** Whether the toast of event `kind` no longer says what is true once the lease is in `state`. */
+export function stale(kind: string, state: ILeaseState): boolean {
+  switch (kind) {
+    case 'idle_warning':
+      return state.phase !== 'attached' || !state.idle_deadline; // parked, detached, or a cell runs
+    case 'parked':
+      return state.phase !== 'parked';
+    case 'node_lost':
+      return state.phase === 'detached' || state.node_state === 'up';
+    case 'refused':
+    case 'admitted':
+      return state.phase === 'attached' || state.phase === 'parked';
+    default:
+      return state.phase === 'detached' && kind !== 'ended';
+  }
 }
 
 /** How each event kind is shown (none: the status bar says it). */
@@ -89,6 +108,12 @@ export class LeaseChannel {
     return this._stateChanged;
   }
 
+  /** Emitted when the lease enters `attached` or `detached` from another phase: a worker came or went,
+   * so which widgets are alive may have changed. */
+  get workerChanged(): ISignal<this, void> {
+    return this._workerChanged;
+  }
+
   get isDisposed(): boolean {
     return this._closed;
   }
@@ -122,6 +147,7 @@ export class LeaseChannel {
   }
 
   dispose(): void {
+    this._dismiss(); // the kernel is gone: what its toast said is over
     if (!this._closed) {
       this._closed = true;
       try {
@@ -139,14 +165,18 @@ export class LeaseChannel {
   private _onMsg(msg: KernelMessage.ICommMsgMsg): void {
     const data = msg.content.data as any;
     if (data.state) {
+      const before = this._state?.phase;
       this._state = data.state as ILeaseState;
       if (this._state.phase !== 'parked') {
         this._resumeAsked = false;
       }
-      if (this._state.phase !== 'attached' || !this._state.idle_deadline) {
-        this._dismissWarning(); // parked, detached, or a cell runs: the idle warning is stale
+      if (this._toast && stale(this._toast.kind, this._state)) {
+        this._dismiss();
       }
       this._stateChanged.emit(this._state);
+      if (this._state.phase !== before && ['attached', 'detached'].includes(this._state.phase)) {
+        this._workerChanged.emit();
+      }
     } else if (data.event) {
       this._event(String(data.event), String(data.message || ''));
     } else if ('reply' in data) {
@@ -166,30 +196,44 @@ export class LeaseChannel {
     if (!type || (kind === 'refused' && this._quiet > 0)) {
       return;
     }
-    this._dismissWarning(); // one notification of the lease's idleness at a time, never a stale one
-    const id = Notification.emit(`GPU: ${message}`, type, {
-      autoClose: type === 'error' || kind === 'idle_warning' ? false : 8000
-    });
-    if (kind === 'idle_warning') {
-      this._warning = id;
+    // One toast per kernel's lease, updated in place: each event replaces what the last one said.
+    const autoClose = type === 'error' || kind === 'idle_warning' ? false : 8000;
+    const full = `GPU: ${message}`;
+    const text = shorten(full);
+    // JupyterLab cuts a toast at 140 characters: the rest is one click away, whole.
+    const actions =
+      text === full
+        ? []
+        : [
+            {
+              label: 'Details',
+              callback: () =>
+                void showDialog({ title: 'GPU', body: full, buttons: [Dialog.okButton({ label: 'Close' })] })
+            }
+          ];
+    if (this._toast && Notification.update({ id: this._toast.id, message: text, type, autoClose, actions })) {
+      this._toast.kind = kind;
+      return;
     }
+    this._toast = { id: Notification.emit(text, type, { autoClose, actions }), kind };
   }
 
-  private _dismissWarning(): void {
-    if (this._warning !== null) {
-      Notification.dismiss(this._warning);
-      this._warning = null;
+  private _dismiss(): void {
+    if (this._toast !== null) {
+      Notification.dismiss(this._toast.id);
+      this._toast = null;
     }
   }
 
   private _comm: Kernel.IComm;
   private _state: ILeaseState | null = null;
   private _stateChanged = new Signal<this, ILeaseState>(this);
+  private _workerChanged = new Signal<this, void>(this);
   private _pending = new Map<string, (reply: IReply) => void>();
   private _count = 0;
   private _quiet = 0;
   private _closed = false;
-  private _warning: string | null = null; // the open idle warning's notification id
+  private _toast: { id: string; kind: string } | null = null; // this lease's one notification, and what it says
   private _resumeAsked = false; // resumeIfParked asked during this park
 }
 
@@ -246,7 +290,7 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
     case 'starting':
       return `GPU: starting${state.node ? ' on ' + state.node : ''}`;
     case 'parked':
-      return `GPU: parked (${state.share}); the next cell resumes`;
+      return `GPU: parked (${state.share}); a click, a key or a cell here resumes it`;
     case 'attached': {
       const model = state.gpu_model || 'GPU';
       const share =
@@ -255,6 +299,9 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
       text += ` · ${state.memory_used !== null ? formatBytes(state.memory_used) + ' / ' : ''}${formatBytes(
         state.memory_limit
       )}`;
+      if (state.node_state && state.node_state !== 'up') {
+        return `${text} · node ${state.node_state}`; // its cells may not answer: no countdown to show
+      }
       const left = idleLeft(state, now);
       if (left !== null) {
         text += ` · idle, ${state.on_idle === 'release' ? 'released' : 'parked'} in ${formatSeconds(left)}`;
@@ -263,4 +310,20 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
     }
   }
   return 'GPU: ?';
+}
+
+/** The longest toast JupyterLab shows whole (its Notification truncates the message there). */
+const TOAST_LIMIT = 140;
+
+/**
+ * ``text`` as a toast shows it: whole when it fits, else cut at the last clause (``; `` or ``: ``)
+ * that fits, with an ellipsis.
+ */
+export function shorten(text: string): string {
+  if (text.length <= TOAST_LIMIT) {
+    return text;
+  }
+  const room = text.slice(0, TOAST_LIMIT - 2);
+  const cut = Math.max(room.lastIndexOf('; '), room.lastIndexOf(': '));
+  return `${cut > 40 ? room.slice(0, cut) : room.slice(0, room.lastIndexOf(' '))} …`;
 }
