@@ -4,6 +4,8 @@
   lease's worker cold, or a warm one ahead of any lease);
 - :mod:`.local`: :class:`LocalLauncher` (``local``), an ipykernel process of
   the agent's host in a cgroup of its own;
+- :mod:`.slurm` (``slurm``: Slurm jobs) and :mod:`.kubernetes` (``kubernetes``:
+  pods), loaded only when named;
 - :mod:`.factory`: launchers by name (built-in, or a plugin's in the
   ``gpupool.worker_launchers`` entry point group), for
   ``c.NodeAgent.worker_launcher``.

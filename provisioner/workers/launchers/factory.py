@@ -1,7 +1,7 @@
 """Finding worker launchers by name.
 
 Launchers come from two places, looked up in this order: the built-in one
-(:data:`BUILTIN`: ``local``, ``slurm``) and those a package declares in the
+(:data:`BUILTIN`: ``local``, ``slurm``, ``kubernetes``) and those a package declares in the
 ``gpupool.worker_launchers`` entry point group (name = what
 ``c.NodeAgent.worker_launcher`` takes, value = its
 :class:`~.base.WorkerLauncher` subclass)::
@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "gpupool.worker_launchers"
 BUILTIN: dict[str, EntryPoint] = {
     "local": EntryPoint("local", f"{__package__}.local:LocalLauncher", ENTRY_POINT_GROUP),
     "slurm": EntryPoint("slurm", f"{__package__}.slurm.workers:SlurmWorkers", ENTRY_POINT_GROUP),
+    "kubernetes": EntryPoint("kubernetes", f"{__package__}.kubernetes.workers:KubernetesWorkers", ENTRY_POINT_GROUP),
 }
 
 

@@ -2,8 +2,9 @@
 agent's node (``c.KubernetesLauncher.image = "registry.example.org/singleuser:1"``),
 turned into :class:`~.pods.PodSettings`, and the agent's pod template.
 
-Today this class builds a worker's pod and Secret; the launcher contract that
-makes it ``c.NodeAgent.worker_launcher = "kubernetes"`` is docs/launchers.md's.
+This class holds the settings and builds a worker's pod and Secret and the
+API client; :mod:`.workers` (``c.NodeAgent.worker_launcher = "kubernetes"``)
+runs the workers with them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from traitlets.config import LoggingConfigurable
 
 from gpupool.traits import ByteSize
 
+from .client import PodClient, PodError
 from .pods import OwnerPod, PodSettings, WorkerPorts
 
 #: The namespace of the pod's service account, where the kubelet mounts it.
@@ -136,6 +138,36 @@ class KubernetesLauncher(LoggingConfigurable):
     @default("owner_uid")
     def _default_owner_uid(self) -> str:
         return os.environ.get("POD_UID", "")
+
+    api_url = Unicode(
+        "", help="""URL of the Kubernetes API server (empty, the default: the in-cluster one, with the pod's service
+        account). For an agent outside the cluster, e.g. through ``kubectl proxy``:
+        ``c.KubernetesLauncher.api_url = "http://127.0.0.1:8001"``.""",
+    ).tag(config=True)
+
+    api_token_file = Unicode(
+        "", help="""File holding the bearer token sent to ``api_url`` (empty, the default: none, as through
+        ``kubectl proxy``). Unused in-cluster. ``c.KubernetesLauncher.api_token_file = "/etc/gpupool/k8s-token"``.""",
+    ).tag(config=True)
+
+    poll_interval = Float(
+        5.0, min=0.1, help="""Seconds between two reads of a running worker's pod, to learn that it ended (one GET per
+        worker per period, whatever the heartbeat; default 5). ``c.KubernetesLauncher.poll_interval = 5``.""",
+    ).tag(config=True)
+
+    def client(self) -> PodClient:
+        """The API client of ``namespace``: in-cluster, or ``api_url`` with the token of ``api_token_file``.
+        PodError when neither can be had (outside a cluster without ``api_url``, an unreadable token file)."""
+        if not self.api_url:
+            return PodClient.in_cluster(self.namespace)
+        token = ""
+        if self.api_token_file:
+            try:
+                token = Path(self.api_token_file).read_text().strip()
+            except OSError as exc:
+                raise PodError(f"cannot read the API token file {self.api_token_file}: {exc.strerror or exc} "
+                               "(c.KubernetesLauncher.api_token_file)") from None
+        return PodClient.for_host(self.namespace, self.api_url, token)
 
     def pod_settings(self) -> PodSettings:
         """The pure settings of :func:`~.pods.worker_pod`. ValueError for a bad combination."""
