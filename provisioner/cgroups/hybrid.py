@@ -9,10 +9,16 @@ kill is race-free there); when a lease asks for limits, each controller is
 written where it is present: in the v2 cgroup (``cpu.max``,
 ``memory.max``) when the v2 hierarchy has it, else in a cgroup of the same
 name under the agent's subtree of the v1 hierarchy (``cpu.cfs_quota_us``,
-``memory.limit_in_bytes``, ``pids.max``), into which the worker's processes
-are moved (the ``pids`` one from the worker's first instruction, so that
-the subtree's cap, :meth:`.contract.Containment.cap_pids`, counts warm
-workers too). Their children inherit them. The mounts come from ``/proc/mounts`` and the
+``memory.limit_in_bytes``, ``pids.max``). The worker's first process joins
+those v1 cgroups with its first instruction, as it joins the v2 one (so
+the subtree's pids cap, :meth:`.contract.Containment.cap_pids`, counts warm
+workers too, and the memory limit counts what the worker allocated before
+it); their children inherit them. Why not when the limits are set: moving a
+process between cgroups takes the kernel's global cgroup threadgroup lock,
+whose write side waits for an RCU grace period (about 10-15 ms on the CI
+machine) unless another move just paid it; at the start that cost hides in
+the moves of the v2 and pids cgroups, at a warm worker's bind it was most of
+the bind (bench/REPORT.md, "Attach latency"). The mounts come from ``/proc/mounts`` and the
 agent's own place from ``/proc/self/cgroup``, as for the lease cgroups.
 """
 
@@ -22,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .contract import CgroupError
-from .files import controllers, make_dirs, rmdir_quietly, rmdir_tree, write
+from .files import controllers, make_dirs, procs, rmdir_quietly, rmdir_tree, write
 from .mounts import Mount, under
 from .v1 import V1Cgroup
 from .v2 import V2Cgroup, V2Containment
@@ -40,8 +46,8 @@ class HybridCgroup(V2Cgroup):
 
     def add(self, pid: int) -> None:
         super().add(pid)
-        if "pids" in self.v1.paths:  # from the first instruction: the subtree's cap counts every worker's tasks
-            write(self.v1.paths["pids"] / "cgroup.procs", str(pid))
+        for path in self.v1.paths.values():  # from the first instruction (see the module's docstring)
+            write(path / "cgroup.procs", str(pid))
 
     def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
         asked = {"cpu": cpu, "memory": memory, "pids": pids}
@@ -58,8 +64,10 @@ class HybridCgroup(V2Cgroup):
             part = V1Cgroup(self.name, {c: self.v1.paths[c] for c in v1})
             for path in part.paths.values():
                 make_dirs(path)
-            for pid in self.pids():
-                part.add(pid)
+                # Only processes not there yet (one added before these cgroups existed, one of an
+                # older agent's worker): a move costs a grace period even when it changes nothing.
+                for pid in self.pids() - procs(path):
+                    write(path / "cgroup.procs", str(pid))
             part.set_limits(cpu=v1.get("cpu"), memory=v1.get("memory"), pids=v1.get("pids"))
 
     def oom_kills(self) -> int | None:
@@ -85,8 +93,8 @@ class HybridContainment(V2Containment):
     def create(self, name: str) -> HybridCgroup:
         base = super().create(name)
         group = HybridCgroup(name, base.path, self.v1_roots)
-        if "pids" in group.v1.paths:
-            make_dirs(group.v1.paths["pids"])  # joined at add(); cpu and memory only once limits are asked
+        for path in group.v1.paths.values():
+            make_dirs(path)  # joined at add()
         return group
 
     def cap_pids(self, total: int) -> None:
