@@ -106,7 +106,9 @@ class AgentHandler(JSONHandler):
                                f"{self.agent.inventory.error}", 503)
         spec = worker_spec(request, self.agent.gpus)
         python = python_for(self.agent.worker_environments, request.env)
-        user = await asyncio.to_thread(self.agent.accounts.for_owner, spec.owner)  # NSS may ask LDAP: off the loop
+        accounts = self.agent.accounts
+        # NSS may ask LDAP: off the loop. Without a template there is nothing to look up (no thread hop).
+        user = await asyncio.to_thread(accounts.for_owner, spec.owner) if accounts.template is not None else None
         cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())
         spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes  # here, not in cuda_initialised: the import (about 2 ms) is then paid as the worker starts, not in a bind
 import os
 import sys
 
@@ -48,8 +49,6 @@ def cuda_initialised() -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return True
-    import ctypes
-
     try:  # RTLD_NOLOAD: only a library this process loaded already; never loads it
         driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:

@@ -5,6 +5,11 @@ Binding puts the slice's variables into the worker's ``os.environ``
 (:func:`gpupool.provisioner.worker_extension.bind`, before CUDA initialises there)
 instead of booting a kernel; docs/enforcement.md, "Binding a worker to its
 GPUs", says why that holds the worker to its GPUs as a cold start does.
+
+A bind is on a lease's attach path, so what it can pay ahead it pays when the
+warm worker starts (:func:`prepare`): the shell connection it sends on (with
+CurveZMQ, a handshake) and the kernel's first ``execute_request``, which costs
+a few ms more than the next ones (bench/REPORT.md, "Attach latency").
 """
 
 from __future__ import annotations
@@ -42,19 +47,39 @@ def preload_code(modules: Sequence[str]) -> str:
     return "".join(f"__import__({name!r})\n" for name in modules)
 
 
-async def execute(worker: Worker, code: str, timeout: float) -> dict[str, Any]:
-    """Run ``code`` silently (no history, no execution count) on the
-    worker; returns the ``execute_reply`` content; TimeoutError after
-    ``timeout`` seconds. The agent alone holds a warm worker's key, so no
-    one else can send it code meanwhile."""
+def shell_client(worker: Worker) -> Any:
+    """A client of ``worker``'s shell channel only (the agent needs no other to run code)."""
     client = worker.manager.client()
     client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-    try:
-        reply = await client.execute(code, silent=True, store_history=False, allow_stdin=False,
-                                     reply=True, timeout=timeout)
-    finally:
-        client.stop_channels()
+    return client
+
+
+async def execute(client: Any, code: str, timeout: float) -> dict[str, Any]:
+    """Run ``code`` silently (no history, no execution count) through the
+    worker's shell ``client``; returns the ``execute_reply`` content;
+    TimeoutError after ``timeout`` seconds. The agent alone holds a warm
+    worker's key, so no one else can send it code meanwhile."""
+    reply = await client.execute(code, silent=True, store_history=False, allow_stdin=False,
+                                 reply=True, timeout=timeout)
     return reply["content"]
+
+
+async def prepare(worker: Worker, code: str, timeout: float) -> dict[str, Any]:
+    """Run a warm worker's first ``code`` (its preload, else ``pass``) and keep
+    the shell client it ran on for the bind (``worker.bind_client``) when it
+    ran; returns the ``execute_reply`` content. Raises what :func:`execute`
+    raises (the client closed then)."""
+    client = shell_client(worker)
+    try:
+        reply = await execute(client, code, timeout)
+    except BaseException:
+        client.stop_channels()
+        raise
+    if reply.get("status") == "ok":
+        worker.bind_client = client
+    else:
+        client.stop_channels()
+    return reply
 
 
 async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], timeout: float) -> None:
@@ -66,12 +91,16 @@ async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], t
     # A fresh activity, not ready until bound: what the warm worker did
     # before (its start, the preload) is not the lease's.
     worker.activity = WorkerActivity()
+    client, worker.bind_client = worker.bind_client or shell_client(worker), None
     try:
         # A healthy worker answers in milliseconds; one that does not is
         # replaced by a cold start well within the service's start timeout.
-        reply = await execute(worker, bind_code(slice_env), min(BIND_TIMEOUT_S, timeout))
+        reply = await execute(client, bind_code(slice_env), min(BIND_TIMEOUT_S, timeout))
     except Exception as exc:  # noqa: BLE001 - died, timed out: the caller falls back to a cold start
         raise WorkerBindError(f"it did not answer the binding: {exc or type(exc).__name__}") from None
+    finally:
+        # Closing takes a few ms: after this step of the attach, not in it.
+        asyncio.get_running_loop().call_soon(client.stop_channels)
     if reply.get("status") != "ok":
         raise WorkerBindError(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}")
     worker.spec, worker.name = spec, spec.lease_id

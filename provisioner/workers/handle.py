@@ -61,6 +61,8 @@ class Worker:
         # its processes outside its tree that a restarted agent must leave alone (a Slurm step's srun).
         self.launcher_state: dict | None = None
         self.helpers: set[int] = set()
+        # A warm worker's shell client, opened as it started for its bind (binding.prepare); None once bound.
+        self.bind_client: Any = None
 
     @property
     def pid(self) -> int:

@@ -39,6 +39,9 @@ class Reaper:
         if worker.watcher is not None:
             worker.watcher.cancel()
             await asyncio.gather(worker.watcher, return_exceptions=True)
+        if worker.bind_client is not None:  # a warm worker that was never bound
+            worker.bind_client.stop_channels()
+            worker.bind_client = None
         children = worker.descendants()
         try:
             await worker.process.shutdown(worker.manager, self.stop_timeout)

@@ -21,7 +21,7 @@ from typing import Any
 
 from ...cgroups import CgroupError, LeaseCgroup
 from ...worker_user import NoFreeWorkerUser, WorkerUser
-from ..binding import UNBOUND_ENVIRONMENT, execute, preload_code
+from ..binding import UNBOUND_ENVIRONMENT, prepare, preload_code
 from ..handle import Worker, open_log
 from ..kernel import WorkerKernelManager, history_path, kernel_arguments
 from ..process import LocalProcess, WorkerProcess
@@ -78,15 +78,16 @@ class LocalLauncher(WorkerLauncher):
         name = f"warm-{secrets.token_hex(8)}"
         worker = await self._launch(name, worker_environment(self.settings.environ, UNBOUND_ENVIRONMENT), name)
         preload = self.settings.warm.preload
-        if preload:
-            try:
-                reply = await execute(worker, preload_code(preload), self.settings.start_timeout)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed warm start
-                reply = {"ename": type(exc).__name__, "evalue": str(exc)}
-            if reply.get("status") != "ok":
-                await quietly(self.reaper.terminate(worker))
-                raise WorkerStartError(f"preloading {', '.join(preload)} failed: "
-                                       f"{reply.get('ename')}: {reply.get('evalue')} (c.NodeAgent.preload_modules)")
+        try:
+            # Without a preload too: the bind then finds its connection open and the first execute done.
+            reply = await prepare(worker, preload_code(preload) or "pass", self.settings.start_timeout)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed warm start
+            reply = {"ename": type(exc).__name__, "evalue": str(exc)}
+        if reply.get("status") != "ok":
+            await quietly(self.reaper.terminate(worker))
+            what = f"preloading {', '.join(preload)}" if preload else "its first execute_request"
+            raise WorkerStartError(f"{what} failed: {reply.get('ename')}: {reply.get('evalue')}"
+                                   + (" (c.NodeAgent.preload_modules)" if preload else ""))
         self.log.info("warm worker %s ready: pid %s", name, worker.pid)
         return worker
 
