@@ -77,10 +77,15 @@ class ServiceClient:
 
     # -- leases ---------------------------------------------------------------
 
-    def create_lease(self, request: LeaseRequest) -> Lease:
+    def create_lease(self, request: LeaseRequest, *, start_wait: float | None = None) -> Lease:
         """``POST /leases``: returns the new lease (state ``starting``, or
-        ``queued`` when nothing fits and the request has a ``wait``)."""
-        return Lease.from_json(self.request("POST", "/leases", request.to_json()))
+        ``queued`` when nothing fits and the request has a ``wait``). With
+        ``start_wait`` seconds, the service answers once a placed lease's
+        worker started (``active``, with its connection) or could not
+        (``failed``), or ``starting`` after that time."""
+        params = {"start_wait": start_wait} if start_wait else None
+        return Lease.from_json(self.request("POST", "/leases", request.to_json(), params=params,
+                                            timeout=self.timeout + (start_wait or 0)))
 
     def get_lease(self, lease_id: str, *, wait: float | None = None, state: str | None = None) -> Lease:
         """``GET /leases/{id}``; with ``wait`` seconds and ``state``, long-polls

@@ -20,6 +20,10 @@ from .wire.leases import Lease
 
 #: Seconds of each long poll while a lease is queued or starting.
 POLL_SECONDS = 2.0
+#: Seconds ``POST /leases`` may wait for the new worker before answering (``start_wait``): a warm
+#: worker (tens of ms) or one forked from its template (a few hundred) comes back ``active`` in the
+#: answer itself, without a long poll after it; a slower start shows its progress line after this.
+START_WAIT_S = 0.5
 #: What a new lease's wait waits through, and a parked lease's resume (docs/parking.md).
 START_STATES = (LeaseState.queued, LeaseState.starting)
 RESUME_STATES = (LeaseState.parking, LeaseState.parked, LeaseState.starting)

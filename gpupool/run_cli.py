@@ -34,7 +34,7 @@ import traceback
 from .api import ServiceClient, add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
 from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
-from .leasewait import cancel, wait_started
+from .leasewait import START_WAIT_S, cancel, wait_started
 from .runremote import Abandoned, run_script
 from .tables import host_words, released_words, slice_words
 from .units import format_bytes
@@ -132,7 +132,7 @@ class ScriptRun:
         previous = {sig: signal.signal(sig, _abandon) for sig in (signal.SIGTERM, signal.SIGHUP)}
         started = time.monotonic()
         try:
-            self.lease = self.client.create_lease(self.request)
+            self.lease = self.client.create_lease(self.request, start_wait=START_WAIT_S)
             self.lease = wait_started(self.client, self.lease, started, START_TIMEOUT, stream=sys.stderr,
                                       rewrite=sys.stderr.isatty())
             _say(f"running {os.path.basename(self.path)} on {self.lease.id}: {slice_words(self.lease)}, "

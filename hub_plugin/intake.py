@@ -6,6 +6,7 @@ and it may wait, in one serialized write transaction; the life cycle
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,8 +28,12 @@ from .rules.priority import BATCH, INTERACTIVE, preemption_refusal
 from .rules.scheduler import Demand, Placement, Refusal
 from .state import PoolState
 from .transitions import assign, transition
+from .worker_calls import StartJob, start_job
 
 log = logging.getLogger("gpupool.service.leases")
+
+#: Most seconds ``POST /leases?start_wait=`` waits for the new lease's worker.
+MAX_START_WAIT_S = 10.0
 
 
 class LeaseIntake:
@@ -45,13 +50,18 @@ class LeaseIntake:
         self.leases = leases
         self.tasks = tasks
 
-    async def create(self, who: Identity, body: Any) -> dict[str, Any]:
+    async def create(self, who: Identity, body: Any, start_wait: float = 0.0) -> dict[str, Any]:
         """Validate ``body`` (a ``LeaseRequest``), check the quota and the
         per-user caps, place it and reserve the capacity in one transaction,
         and start the worker in the background.
 
         Returns the lease JSON: state ``starting``, or ``queued`` when nothing
-        fits and the request has a ``wait``. Raises 400 ``bad_request`` for bad
+        fits and the request has a ``wait``. ``start_wait`` (seconds, at most
+        :data:`MAX_START_WAIT_S`): a placed lease is answered once its worker
+        started (``active``, with its connection) or could not (``failed``),
+        or ``starting`` when that takes longer; the start goes on regardless.
+        So a client that waits for the worker anyway saves the long poll
+        (``GET /leases/{id}?wait=``) that would otherwise follow. Raises 400 ``bad_request`` for bad
         input, 409 ``unknown_environment`` (with ``environments``, the names
         offered) when ``env`` names a worker environment no node offers, 429
         ``quota_exceeded`` (with ``limit``) over a quota or over
@@ -63,12 +73,20 @@ class LeaseIntake:
         if refusal:
             raise bad_request(refusal, setting="allow_preemption")
         wait = self.admission.wait(request.wait)
-        result, placed = await self.state.work.write(self._create_now, who, request, wait)
-        if placed:
-            self.tasks.spawn(self.leases.start(result["id"]))
+        result, job = await self.state.work.write(self._create_now, who, request, wait)
+        if job is None:
+            return result
+        started = self.tasks.spawn(self.leases.start(result["id"], job))
+        if start_wait > 0:
+            # asyncio.wait cancels nothing when the time runs out: the start goes on in the background.
+            done, _ = await asyncio.wait({started}, timeout=min(start_wait, MAX_START_WAIT_S))
+            if done:
+                result = await self.views.get(who, result["id"])
         return result
 
-    def _create_now(self, who: Identity, request: LeaseRequest, wait: float) -> tuple[dict[str, Any], bool]:
+    def _create_now(self, who: Identity, request: LeaseRequest,
+                    wait: float) -> tuple[dict[str, Any], StartJob | None]:
+        """The lease JSON, and what starting its worker takes (None: queued)."""
         groups = self.admission.groups_of(who)
         now = self.state.now()
         with self.state.writing() as tx:
@@ -102,8 +120,9 @@ class LeaseIntake:
             session.add(lease)  # only now: assign's query would flush a lease without a state
             session.flush()
             result = self.views.json(lease, who, session, self.views.newest_view(session, lease))
+            job = start_job(session, lease) if isinstance(decision, Placement) else None
         log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
-        return result, isinstance(decision, Placement)
+        return result, job
 
 
 def _new_lease(who: Identity, request: LeaseRequest, groups: tuple[str, ...], env: str | None,

@@ -79,11 +79,14 @@ class LeaseBook:
 
     # -- starting --------------------------------------------------------------
 
-    async def start(self, lease_id: str) -> None:
+    async def start(self, lease_id: str, job: StartJob | None = None) -> None:
         """Ask the agent for the worker (or, for a lease resuming from a park, to
         resume it); ``active`` on success, else the release path ends the lease
-        ``failed`` with the agent's reason."""
-        job = await self.workers.job(lease_id)
+        ``failed`` with the agent's reason. ``job``: what to ask, when the
+        caller read it in the transaction that placed the lease (a new lease:
+        one store read less before the agent is asked); else it is read now, and
+        nothing is done unless the lease is ``starting``."""
+        job = job or await self.workers.job(lease_id)
         if job is None:
             return
         if job.resume:

@@ -20,6 +20,8 @@ from gpupool.wire.parking import CheckpointerInfo
 from gpupool.wire.pool import Pool, PoolGPU, PoolNode, PoolTotals
 from gpupool.wire.quotas import Limits, Quota, QuotaUsage
 
+from .intake import MAX_START_WAIT_S as _MAX_START_WAIT_S
+
 #: The bodies in ``components.schemas``, each under its class's name.
 _BODIES = (LeaseRequest, Lease, NodeRegistration, GPUInfo, WorkerReport, WorkerEnvironment, RegistrationReply,
            Heartbeat, GPUReading, HeartbeatReply, Limits, Quota, QuotaUsage, Pool, PoolNode, PoolGPU, PoolTotals,
@@ -74,8 +76,12 @@ _SCHEMAS: dict[str, Any] = {
 _PATHS: dict[str, Any] = {
     "/leases": {
         "post": _op("Ask for a slice or whole GPUs; the capacity is reserved in the same transaction",
-                    _json(_ref("Lease"), "the new lease, state starting"), body=_ref("LeaseRequest"),
-                    errors=(400, 401, 403, 409, 429, 503), ok_code=201),
+                    _json(_ref("Lease"), "the new lease: starting, or queued; with start_wait, active (with its "
+                          "connection) or failed once its worker started or could not within that time"),
+                    body=_ref("LeaseRequest"), errors=(400, 401, 403, 409, 429, 503), ok_code=201, params=[
+                        _param("start_wait", "query", {"type": "number", "minimum": 0, "default": 0},
+                               "seconds to wait for a placed lease's worker before answering (at most "
+                               f"{_MAX_START_WAIT_S:g} are waited; 0: answer at once)")]),
         "get": _op("Your own leases", _json({"type": "object", "properties": {
             "leases": {"type": "array", "items": _ref("Lease")}}}, "your leases, oldest first"),
             errors=(400, 401, 403), params=[

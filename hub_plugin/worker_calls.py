@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy.orm import selectinload
+from sqlalchemy.orm import Session, selectinload
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseState
@@ -35,6 +35,15 @@ class StartJob:
     resume: bool = False
 
 
+def start_job(session: Session, lease: Lease) -> StartJob:
+    """What starting the worker of ``lease`` (``starting``: placed, its GPUs assigned) takes, read in ``session``."""
+    node = session.get(Node, lease.node_name)
+    # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
+    request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
+                            lease.memory, env=lease.env, **host_limits(lease, node))
+    return StartJob(node.url, node.name, request, resume=lease.park_tier is not None)
+
+
 class WorkerCalls:
     """Starts and stops workers through ``agents``, waiting at most
     ``c.GPUPool.worker_start_timeout`` / ``worker_stop_timeout``."""
@@ -53,11 +62,7 @@ class WorkerCalls:
             lease = session.get(Lease, lease_id, options=[selectinload(Lease.gpus)])
             if lease is None or lease.state != LeaseState.starting.value:
                 return None
-            node = session.get(Node, lease.node_name)
-            # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
-            request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
-                                    lease.memory, env=lease.env, **host_limits(lease, node))
-            return StartJob(node.url, node.name, request, resume=lease.park_tier is not None)
+            return start_job(session, lease)
 
     async def start(self, job: StartJob) -> WorkerStarted:
         """The agent's answer (``connection``, ``pid``); raises :class:`GPUPoolError` when it did not start."""

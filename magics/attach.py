@@ -17,7 +17,7 @@ from dataclasses import replace
 from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError
-from gpupool.leasewait import WAITING_FOR_ROOM, cancel, wait_started
+from gpupool.leasewait import START_WAIT_S, WAITING_FOR_ROOM, cancel, wait_started
 from gpupool.schema import ENV_KERNEL_NAME, kernel_environment
 from gpupool.wire.leases import LeaseRequest
 from gpupool.transfer import package_versions, version_mismatches
@@ -37,7 +37,8 @@ def attach(magics, request: LeaseRequest, forward: bool = True) -> Attachment:
     ``forward`` (not for a ``%%gpu`` cell's own lease) starts forwarding."""
     started = time.monotonic()
     try:
-        lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")))
+        lease = magics.client.create_lease(replace(request, server_name=os.environ.get("JUPYTERHUB_SERVER_NAME")),
+                                           start_wait=START_WAIT_S)
     except KeyboardInterrupt:  # before the pool answered: no id to cancel
         raise UsageError("interrupted before the pool answered; this kernel holds no lease (one the pool made "
                          "meanwhile hears no heartbeat and is reclaimed within its heartbeat TTL)") from None

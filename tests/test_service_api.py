@@ -289,6 +289,14 @@ def test_bad_query_arguments_get_400(service):
     assert_error(http(service, "GET", f"/leases/{lease.id}?wait=1&state=sleeping"), 400, "bad_request")
     assert_error(http(service, "DELETE", f"/leases/{lease.id}?reason=" + "x" * 300), 400, "bad_request")
     assert_error(http(service, "POST", f"/leases/{lease.id}/heartbeat", raw=b"{oops"), 400, "bad_request")
+    assert_error(http(service, "POST", "/leases?start_wait=-1", {"fraction": 0.25}), 400, "bad_request")
+
+
+def test_start_wait_answers_starting_when_the_worker_takes_longer(service):
+    """The silent agent never answers: after ``start_wait`` the lease is answered ``starting``."""
+    register(service)
+    lease = service.client().create_lease(LeaseRequest(fraction=0.25), start_wait=0.2)
+    assert (lease.state, lease.connection) == (LeaseState.starting, None)
 
 
 def test_unknown_paths_and_leases_are_json_404(service):
@@ -529,6 +537,17 @@ def test_lease_lifecycle(pool):
     assert client.heartbeat(lease.id).state is LeaseState.released
     assert client.list_leases() == [] and [x.id for x in client.list_leases(active=False)] == [lease.id]
     wait_for(lambda: not _agent_workers(svc, agent), 10, "worker gone from the agent")
+
+
+def test_start_wait_answers_the_started_lease_with_its_connection(pool):
+    """``POST /leases?start_wait=`` (what %gpu acquire sends): the answer is the lease once its worker
+    started, no long poll needed; without the argument it is ``starting`` at once, as before."""
+    svc, agent = pool
+    lease = svc.client().create_lease(LeaseRequest(fraction=0.5), start_wait=60)  # at most 10 s are waited
+    assert lease.state is LeaseState.active, lease.reason
+    assert lease.worker["pid"] > 0 and lease.connection["key"] and lease.connection["shell_port"]
+    assert [e["state"] for e in lease.events] == ["starting", "active"]
+    svc.client().release(lease.id)
 
 
 def test_a_listing_of_ended_leases_carries_no_connection_key(pool):

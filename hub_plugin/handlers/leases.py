@@ -23,11 +23,13 @@ def _lease_id(text: str) -> str:
 
 
 class LeaseListHandler(APIHandler):
-    """``POST /leases`` (create) and ``GET /leases`` (own leases)."""
+    """``POST /leases`` (create; ``?start_wait=S`` answers once the worker started, within S seconds)
+    and ``GET /leases`` (own leases)."""
 
     async def post(self) -> None:
         who = self.require_user()
-        self.write_json(await self.ctx.pool.intake.create(who, self.json_body()), status=201)
+        start_wait = self.float_argument("start_wait", 0.0)
+        self.write_json(await self.ctx.pool.intake.create(who, self.json_body(), start_wait), status=201)
 
     async def get(self) -> None:
         who = self.require_user()
