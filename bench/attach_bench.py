@@ -2,8 +2,10 @@
 
 Starts a real ``gpupool service`` and a real ``gpupool agent`` (simulated
 GPUs) on this machine, then acquires a 0.5 slice N times per mode, each time
-the way ``%gpu acquire`` does (``gpupool.api.ServiceClient.create_lease``,
-long polls ``GET /leases/{id}?wait=2&state=...`` until active, then
+the way ``%gpu acquire`` does (``gpupool.api.ServiceClient.create_lease`` with
+``start_wait=gpupool.leasewait.START_WAIT_S``, so the answer is the active lease
+when the worker started within that; else long polls
+``GET /leases/{id}?wait=2&state=...`` until active), then
 ``gpupool.magics.attachment.Attachment.connect``: a
 ``gpupool.remote.RemoteKernel`` that waits for ``kernel_info`` and a
 heartbeat thread), runs one cell (``x = 1``) on the worker, and releases.
@@ -17,15 +19,17 @@ a new interpreter) and ``warm`` (``--warm-workers=W``). Before each warm acquire
 until the agent has W warm workers ready again (the agent logs each one), as
 a user's think time would; what it waited is not part of the attach time.
 
-Where the time goes, per acquire:
+Where the time goes, per acquire (the phases add up to the total):
 
-- ``create``: ``POST /leases`` round trip: auth, quota, placement and the
-  SQL write of the reservation (placement is not timed on its own);
+- ``create``: from sending ``POST /leases`` to the lease's ``created_at``
+  (the request's way in: HTTP, auth, up to the placing transaction);
 - ``agent``: the agent's ``POST /workers`` work (bind a warm worker, or fork
   or boot a cold one), from the agent's log line ``started warm|cold in N ms``;
 - ``service``: the rest of the time between the lease's ``created_at`` and
-  ``started_at`` (the service's call to the agent, writing ``active``);
-- ``wake``: from ``started_at`` until the client's long poll returned;
+  ``started_at`` (quota, placement and the SQL write of the reservation, the
+  service's call to the agent);
+- ``wake``: from ``started_at`` until the client had the active lease (writing
+  ``active``, the answer);
 - ``connect``: ``Attachment.connect`` (kernel_info round trip, heartbeat);
 - ``cell``: the first cell, sent to finished.
 
@@ -48,6 +52,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gpupool import demo_pool
+from gpupool.leasewait import START_WAIT_S
 from gpupool.magics.attachment import Attachment
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
@@ -68,8 +73,7 @@ def acquire_once(client, agent_log: Path) -> dict[str, float | str]:
     """One acquire -> first cell -> release; returns seconds per phase, the
     total, and whether the agent served it warm or cold."""
     t0_wall, t0 = time.time(), time.monotonic()
-    lease = client.create_lease(LeaseRequest(fraction=0.5))
-    t1 = time.monotonic()
+    lease = client.create_lease(LeaseRequest(fraction=0.5), start_wait=START_WAIT_S)
     while lease.state in (LeaseState.queued, LeaseState.starting):
         lease = client.get_lease(lease.id, wait=2, state=lease.state.value)
     t2_wall, t2 = time.time(), time.monotonic()
@@ -85,7 +89,7 @@ def acquire_once(client, agent_log: Path) -> dict[str, float | str]:
         attachment.release(reason="bench")
     how, agent_ms = _agent_line(agent_log, lease.id)
     held = _epoch(lease.started_at) - _epoch(lease.created_at)
-    return {"lease": lease.id, "how": how, "total": t4 - t0, "create": t1 - t0,
+    return {"lease": lease.id, "how": how, "total": t4 - t0, "create": max(0.0, _epoch(lease.created_at) - t0_wall),
             "agent": agent_ms / 1000, "service": max(0.0, held - agent_ms / 1000),
             "wake": max(0.0, t2_wall - _epoch(lease.started_at)), "connect": t3 - t2, "cell": t4 - t3,
             "t0_wall": t0_wall}
@@ -181,12 +185,14 @@ def markdown(summary: dict, command: str, warm: int, preload: list[str]) -> str:
     for mode in (m for m in MODES if m in summary):
         phases = summary[mode]["phases_p50_ms"]
         lines.append(f"| {mode} | " + " | ".join(f"{phases[p]:.0f}" for p in PHASES) + " |")
-    lines += ["", "Phases: `create` = `POST /leases` round trip (auth, quota, placement, SQL write; placement is "
-              "not timed separately); `service` = lease `created_at` to `started_at` minus the agent's part "
-              "(the service's background task, its HTTP call to the agent, the `active` write); `agent` = the "
-              "agent's own `POST /workers` time (binding a warm worker, or forking or booting a kernel); `wake` = `started_at` "
-              "to the client's long poll returning; `connect` = `kernel_info` round trip and heartbeat start; "
-              "`cell` = `x = 1` sent to finished.", "",
+    lines += ["", "Phases (they add up to the total): `create` = sending `POST /leases` (with `start_wait`, as "
+              "`%gpu acquire` does) to the lease's `created_at` (HTTP, auth); `service` = `created_at` to "
+              "`started_at` minus the agent's part (quota, placement and the reservation's SQL write, the "
+              "service's HTTP call to the agent); `agent` = the agent's own `POST /workers` time (binding a warm "
+              "worker, or forking or booting a kernel); `wake` = `started_at` to the client holding the active "
+              "lease (the `active` write, the answer; a long poll's, when the start took longer than "
+              "`start_wait`); `connect` = `kernel_info` round trip and heartbeat start; `cell` = `x = 1` sent "
+              "to finished.", "",
               "![attach latency](attach_latency.png)", ""]
     return "\n".join(lines)
 
