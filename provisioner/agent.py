@@ -92,14 +92,15 @@ class NodeAgent(WorkerSettings):
     def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
         """The classes ``--generate-config`` and ``--help-all`` show: not the
         settings classes, so every setting appears once, as ``c.NodeAgent.*``;
-        and the Slurm launcher's (``c.SlurmLauncher.*``, read by ``worker_launcher = "slurm"``)."""
+        and the cluster launchers' (``c.SlurmLauncher.*``, ``c.KubernetesLauncher.*``, read by
+        ``worker_launcher = "slurm"`` or ``"kubernetes"``)."""
+        from .workers.launchers.kubernetes import KubernetesLauncher
         from .workers.launchers.slurm import SlurmLauncher
 
         shown = [cls for cls in super()._classes_with_config_traits(classes)
                  if cls not in (NodeSettings, WorkerSettings)]
         yield from shown
-        if SlurmLauncher not in shown:
-            yield SlurmLauncher
+        yield from (cls for cls in (SlurmLauncher, KubernetesLauncher) if cls not in shown)
 
     # -- setup ------------------------------------------------------------------------------------------------
 

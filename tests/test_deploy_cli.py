@@ -24,11 +24,14 @@ def test_version():
     assert (result.returncode, result.stdout) == (0, f"gpupool {__version__}\n")
 
 
-@pytest.mark.parametrize("command, traits", [("service", "c.GPUPool.db_url"), ("agent", "c.NodeAgent.environments")])
+@pytest.mark.parametrize("command, traits", [
+    ("service", ["c.GPUPool.db_url"]),
+    ("agent", ["c.NodeAgent.environments", "c.SlurmLauncher.partition", "c.KubernetesLauncher.image"])])
 def test_generate_config_is_a_config_file_of_every_setting(command, traits, tmp_path):
     result = gpupool(command, "--generate-config")
     assert result.returncode == 0, result.stderr
-    assert f"# {traits} =" in result.stdout
+    for trait in traits:
+        assert f"# {trait} =" in result.stdout
     path = tmp_path / "gpupool_config.py"
     path.write_text(result.stdout)
     compile(path.read_text(), str(path), "exec")  # every line commented out or valid Python

@@ -1,5 +1,5 @@
 """Which of the user's names hold GPU memory, and how much: what ``%gpu
-status`` lists under the lease (issue 23), answered on the ``gpu_memory``
+status`` lists under the lease, answered on the ``gpu_memory``
 op of the transfer comm.
 
 A holder is a name of the user's namespace, an ``Out[n]`` of IPython's
