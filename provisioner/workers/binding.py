@@ -99,8 +99,7 @@ async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], t
     except Exception as exc:  # noqa: BLE001 - died, timed out: the caller falls back to a cold start
         raise WorkerBindError(f"it did not answer the binding: {exc or type(exc).__name__}") from None
     finally:
-        # Closing takes a few ms: after this step of the attach, not in it.
-        asyncio.get_running_loop().call_soon(client.stop_channels)
+        client.stop_channels()
     if reply.get("status") != "ok":
         raise WorkerBindError(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}")
     worker.spec, worker.name = spec, spec.lease_id

@@ -156,11 +156,13 @@ class WorkerManager:
             await self._reaper.terminate(self._workers.pop(spec.lease_id))
         began = time.monotonic()
         # Warm workers run the agent's Python as the manager's user.
-        worker = await self._from_pool(spec) if spec.python is None and spec.user is None else None
+        worker = self.pool.take() if spec.python is None and spec.user is None else None
+        if worker is not None and not await self._bind(worker, spec):
+            worker = None
         how = "warm" if worker is not None else "cold"
         if worker is None:
             worker = await self._launcher.cold(spec)
-        await asyncio.to_thread(self._limit, worker, spec)
+            await asyncio.to_thread(self._limit, worker, spec)
         self._workers[spec.lease_id] = worker
         worker.record().write(self.workers_dir)
         self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
@@ -180,23 +182,24 @@ class WorkerManager:
         Call once, on the agent's event loop."""
         self.pool.start()
 
-    async def _from_pool(self, spec: WorkerSpec) -> Worker | None:
-        """A warm worker bound to ``spec`` (:func:`~.binding.bind`), or None
-        (pool empty, or the binding failed: that worker is stopped, never
-        offered again)."""
-        worker = self.pool.take()
-        if worker is None:
-            return None
+    async def _bind(self, worker: Worker, spec: WorkerSpec) -> bool:
+        """Bind the warm ``worker`` to ``spec`` (:func:`~.binding.bind`) and
+        write its limits (:meth:`_limit`) meanwhile: a thread's file writes,
+        no reason to wait for them in turn. False when the binding failed:
+        that worker is stopped, never offered again."""
         env = self.settings.enforcement.environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id,
                                                    spec.owner, self.settings.node)
+        limiting = asyncio.ensure_future(asyncio.to_thread(self._limit, worker, spec))
         try:
             await bind(worker, spec, env, self.settings.start_timeout)
         except WorkerBindError as exc:
+            await asyncio.gather(limiting, return_exceptions=True)  # done with its cgroup before it goes
             self.log.warning("warm worker %s (pid %s) could not be bound to lease %s (%s); stopping it and "
                              "starting a cold one", worker.name, worker.pid, spec.lease_id, exc)
             await quietly(self._reaper.terminate(worker))
-            return None
-        return worker
+            return False
+        await limiting
+        return True
 
     # -- after an agent restart -------------------------------------------------
 
