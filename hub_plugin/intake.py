@@ -76,12 +76,14 @@ class LeaseIntake:
         result, job = await self.state.work.write(self._create_now, who, request, wait)
         if job is None:
             return result
-        started = self.tasks.spawn(self.leases.start(result["id"], job))
+        started = self.tasks.spawn(self.leases.start(result["id"], job, who if start_wait > 0 else None))
         if start_wait > 0:
             # asyncio.wait cancels nothing when the time runs out: the start goes on in the background.
             done, _ = await asyncio.wait({started}, timeout=min(start_wait, MAX_START_WAIT_S))
             if done:
-                result = await self.views.get(who, result["id"])
+                # Active: the JSON its start's transaction made; else (failed, released meanwhile) read now.
+                shown = started.result() if not started.cancelled() and started.exception() is None else None
+                result = shown or await self.views.get(who, result["id"])
         return result
 
     def _create_now(self, who: Identity, request: LeaseRequest,

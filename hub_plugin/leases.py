@@ -79,47 +79,55 @@ class LeaseBook:
 
     # -- starting --------------------------------------------------------------
 
-    async def start(self, lease_id: str, job: StartJob | None = None) -> None:
+    async def start(self, lease_id: str, job: StartJob | None = None,
+                    who: Identity | None = None) -> dict[str, Any] | None:
         """Ask the agent for the worker (or, for a lease resuming from a park, to
         resume it); ``active`` on success, else the release path ends the lease
         ``failed`` with the agent's reason. ``job``: what to ask, when the
         caller read it in the transaction that placed the lease (a new lease:
         one store read less before the agent is asked); else it is read now, and
-        nothing is done unless the lease is ``starting``."""
+        nothing is done unless the lease is ``starting``. ``who``: the caller
+        waits for the start (``POST /leases?start_wait=``); returns the lease
+        JSON as ``who`` sees it once ``active``, made in the transaction that
+        made it so (no read after it). Else, or when it did not start, None."""
         job = job or await self.workers.job(lease_id)
         if job is None:
-            return
+            return None
         if job.resume:
             await self.resume_worker(job)
-            return
+            return None
         try:
             started = await self.workers.start(job)
         except GPUPoolError as exc:
             log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
             await self.release(lease_id, LeaseState.failed, f"the worker could not start on {job.node}: {exc.message}")
-            return
-        if await self.state.work.write(self._started_now, lease_id, started, job.node):
+            return None
+        shown = await self.state.work.write(self._started_now, lease_id, started, job.node, who)
+        if shown is not None:
             log.info("lease %s active: worker pid %s on %s", lease_id, started.pid, job.node)
-            return
+            return shown or None
         # Released while the worker was starting: the release path may have
         # asked the agent before the worker existed, so stop it now.
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, job.node)
         await self.workers.stop(job.url, lease_id)
+        return None
 
-    def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str) -> bool:
-        """``starting`` -> ``active`` with the worker's connection; False when the lease left ``starting``."""
+    def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str,
+                     who: Identity | None) -> dict[str, Any] | None:
+        """``starting`` -> ``active`` with the worker's connection; returns the lease JSON as ``who``
+        sees it (``{}`` without ``who``), None when the lease left ``starting``."""
         now = self.state.now()
         with self.state.writing() as tx:
             lease = tx.session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.starting.value:
-                return False
+                return None
             lease.connection = started.connection
             lease.worker_pid = started.pid
             lease.worker_state = WorkerState.idle.value  # the kernel answered, no cell has run yet
             lease.started_at = lease.last_heartbeat_at = lease.idle_since = lease.held_since = now
             transition(tx, lease, LeaseState.active, f"the worker started on {node_name} (pid {started.pid})",
                        now)
-            return True
+            return self.views.json(lease, who, tx.session) if who is not None else {}
 
     # -- heartbeats --------------------------------------------------------------
 
