@@ -93,7 +93,7 @@ class WorkerLaunch:
     settings (``c.SlurmLauncher.*``); None: their defaults.
 
     ``templates``: whether the local launcher forks cold workers from a
-    template of their interpreter (:mod:`.launchers.template`).
+    template of their interpreter (:mod:`.launchers.local.template`).
     """
 
     state_dir: Path

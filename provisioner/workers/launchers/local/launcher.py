@@ -5,7 +5,7 @@ warm (no GPU visible, the preload imported) for the pool.
 Each start takes the worker's account, makes its cgroup, forks the kernel
 from its interpreter's template (:mod:`.template`; the template's child joins
 the cgroup before it runs) or else starts ipykernel through jupyter_client
-(the start gate puts it in the cgroup before it runs: :mod:`..kernel`),
+(the start gate puts it in the cgroup before it runs: :mod:`...kernel`),
 subscribes to its IOPub and waits until it answers ``kernel_info``. A start
 that fails leaves nothing running.
 """
@@ -19,15 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...cgroups import CgroupError, LeaseCgroup
-from ...worker_user import NoFreeWorkerUser, WorkerUser
-from ..binding import UNBOUND_ENVIRONMENT, prepare, preload_code
-from ..handle import Worker, open_log
-from ..kernel import WorkerKernelManager, history_path, kernel_arguments
-from ..process import LocalProcess, WorkerProcess
-from ..spec import WorkerSpec, WorkerStartError, worker_environment
-from ..stopping import kill_and_remove, quietly
-from .base import WorkerLauncher
+from ....cgroups import CgroupError, LeaseCgroup
+from ....worker_user import NoFreeWorkerUser, WorkerUser
+from ...binding import UNBOUND_ENVIRONMENT, prepare, preload_code
+from ...handle import Worker, open_log
+from ...kernel import WorkerKernelManager, history_path, kernel_arguments
+from ...process import LocalProcess, WorkerProcess
+from ...spec import WorkerSpec, WorkerStartError, worker_environment
+from ...stopping import kill_and_remove, quietly
+from ..base import WorkerLauncher
 from .template import Templates, TemplateError, WorkerTemplate
 
 
@@ -41,7 +41,7 @@ class LocalLauncher(WorkerLauncher):
     """The stock launcher (``local``): each worker an ipykernel process of
     this host, forked from its interpreter's template (a
     :class:`~.template.ForkedProcess`) or else this agent's child (a
-    :class:`~..process.LocalProcess`)."""
+    :class:`~...process.LocalProcess`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

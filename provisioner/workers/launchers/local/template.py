@@ -33,9 +33,9 @@ from typing import Any, Mapping, Sequence
 
 import psutil
 
-from ...worker_user import WorkerUser
-from ..handle import open_log, tail_lines
-from ..process import AdoptedProcess, running
+from ....worker_user import WorkerUser
+from ...handle import open_log, tail_lines
+from ...process import AdoptedProcess, running
 
 #: Variables an interpreter (sys.path, site) or the dynamic linker (the
 #: library path of every later dlopen, CUDA's too) reads once, at start: a
