@@ -61,7 +61,7 @@ class WorkerManager:
         self._kernels = KernelManagers(settings, self.log)
         self._reaper = Reaper(settings, accounts, self.log)
         self._launcher = launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
-        self._recovery = Recovery(settings, accounts, self.cgroups, self._kernels, self.log, self._launcher)
+        self._recovery = Recovery(settings, accounts, self._kernels, self.log, self._launcher)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
@@ -211,19 +211,15 @@ class WorkerManager:
         within :data:`~.recovery.ADOPT_TIMEOUT_S` is re-adopted as it is
         (variables, a running cell); the next report names it, and the
         service keeps its lease or says to stop it. Everything else that
-        earlier run started is killed, with what it started: warm workers,
-        workers that do not answer or have no record, and what the cells of
-        dead workers left behind. Their files are removed.
-
-        With cgroups, a record's worker is found in the cgroup the record
-        names (its pid there, with the recorded start time), and every other
-        cgroup of the agent's subtree is killed and removed: whatever its
-        processes call themselves. Processes outside any cgroup (a run without
-        cgroups before) are found as before, by their command line and
-        process group.
+        earlier run started is ended by the launcher's sweep, with what it
+        started: warm workers, workers that do not answer or have no record,
+        and what the cells of dead workers left behind. Their files are
+        removed. How a record's worker is found and what a sweep ends are
+        the launcher's (:meth:`~.launchers.base.WorkerLauncher.adopt`,
+        :meth:`~.launchers.base.WorkerLauncher.sweep`; the local one's:
+        :mod:`.launchers.local.adoption`).
         """
         adopted = await self._recovery.recover()
-        await self._launcher.sweep(adopted)
         await self._launcher.prepare()
         for worker in adopted:
             self._workers[worker.spec.lease_id] = worker

@@ -10,7 +10,9 @@ asks which kind it holds. Two kinds today:
   leader's, so its process group id) cannot be reused, so its group can be
   signalled safely.
 - :class:`AdoptedProcess`: a worker an earlier run of the agent started,
-  found again after a restart (:mod:`.recovery`). Not this process's child:
+  found again after a restart (the local launcher's
+  :mod:`.launchers.local.adoption`; a Slurm job's kernel, on the agent's
+  node, is one too). Not this process's child:
   it is watched through psutil, which compares the process's start time, so
   a reused pid is never taken for it. Its exit code is known only to its
   parent (init, by then), so it is reported dead without one.
@@ -23,6 +25,7 @@ the container.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -255,6 +258,18 @@ def left_behind(pgid: int, since: float) -> list[psutil.Process]:
         except (psutil.Error, OSError):
             continue
     return found
+
+
+async def kill_strays(strays: list[psutil.Process], log: logging.Logger) -> None:
+    """Kill ``strays``, processes an earlier run of the agent left (a
+    launcher's :meth:`~.launchers.base.WorkerLauncher.sweep`), logging which
+    and any that survive SIGKILL."""
+    if strays:
+        log.warning("stopping %d process(es) an earlier run of the agent left: pids %s", len(strays),
+                    ", ".join(str(p.pid) for p in strays))
+        survivors = await asyncio.to_thread(kill_all, strays)
+        if survivors:
+            log.error("processes %s survived SIGKILL", survivors)
 
 
 def kill_all(procs: list[psutil.Process], timeout: float = 10.0) -> list[int]:

@@ -4,10 +4,13 @@ Workers are started independent of the agent (no ipykernel parent poller),
 so a crashed or killed agent does not take the users' variables with it.
 For each lease's worker the agent keeps a :class:`WorkerRecord` next to the
 worker's connection file (``STATE_DIR/workers/LEASE.lease.json``: lease,
-slice, pid, the process's start time and its cgroup and account); a
-restarted agent reads them (:mod:`.recovery`). :func:`stray_workers` finds
-the processes no record names, by their command line, for processes in no
-cgroup (an agent run with ``cgroup_mode = "none"``).
+slice, pid, the process's start time and its cgroup and account, or the
+state of the launcher that started it); a restarted agent reads them
+(:mod:`.recovery`) and its launcher re-adopts each record's worker.
+:func:`stray_workers` finds the kernel processes of this host that no kept
+worker is, by their command line (the connection file under the workers
+folder): the ``local`` launcher's in no cgroup, and a Slurm step's kernel and
+srun on the agent's node; the launchers' sweeps kill them.
 """
 
 from __future__ import annotations
@@ -74,23 +77,6 @@ class WorkerRecord(LeaseSlice):
                        launcher=_parked(body.get("launcher")))
         except Exception as exc:  # KeyError, TypeError, GPUPoolError: all mean "not a record"
             raise ValueError(f"{path} is not a worker record: {exc}") from None
-
-    def process(self, cgroup_pids: set[int] | None = None) -> psutil.Process | None:
-        """The recorded worker process if it still runs (same pid, same start
-        time) where it should: in ``cgroup_pids`` (the pids of its cgroup),
-        or, without a cgroup (None), with its connection file on its command
-        line. Else None."""
-        if cgroup_pids is not None and self.pid not in cgroup_pids:
-            return None
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > 0.01 or not running(proc):
-                return None
-            if cgroup_pids is not None:
-                return proc
-            return proc if any(self.connection_file in arg for arg in proc.cmdline()) else None
-        except psutil.Error:
-            return None
 
 
 def _parked(value: object) -> dict | None:

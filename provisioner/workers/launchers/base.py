@@ -1,20 +1,19 @@
 """The worker launcher contract: how a node starts the worker of a lease (cold)
-or one kept ahead of any lease (warm).
+or one kept ahead of any lease (warm), and finds its workers again after a
+restart (adopt, sweep).
 
 :class:`~..manager.WorkerManager` makes one launcher per node, of the class
 ``c.NodeAgent.worker_launcher`` names (:mod:`.factory`), and calls only
 :meth:`WorkerLauncher.cold`, :meth:`WorkerLauncher.warm`, once at start
-:meth:`WorkerLauncher.sweep` and :meth:`WorkerLauncher.prepare`, and once at
-the end :meth:`WorkerLauncher.close`. The stock one,
-``local`` (:class:`~.local.LocalLauncher`), starts an ipykernel process on
-the agent's host. This is the seam where a container or pod launcher plugs
-in: its :class:`~..handle.Worker` carries a :class:`~..process.WorkerProcess`
-of its own kind, which the rest of the worker code watches and stops without
-asking which kind it is.
-
-Whichever launcher started it, a worker that outlives its agent is found
-again by :mod:`..recovery` from its record, as an
-:class:`~..process.AdoptedProcess`.
+(through :mod:`..recovery`) :meth:`WorkerLauncher.adopt` per record and
+:meth:`WorkerLauncher.sweep`, then :meth:`WorkerLauncher.prepare`, and once
+at the end :meth:`WorkerLauncher.close`. The stock one, ``local``
+(:class:`~.local.LocalLauncher`), starts an ipykernel process on the agent's
+host; ``slurm`` and ``kubernetes`` run Slurm jobs and pods. This is the seam
+where another launcher plugs in: its :class:`~..handle.Worker` carries a
+:class:`~..process.WorkerProcess` and a :class:`~...cgroups.LeaseCgroup` of
+its own kind, which the rest of the worker code watches, parks and stops
+without asking which kind it is.
 """
 
 from __future__ import annotations
@@ -80,17 +79,29 @@ class WorkerLauncher(ABC):
         None (the default): this host's."""
         return None
 
+    @abstractmethod
     async def adopt(self, record: WorkerRecord, spec: WorkerSpec) -> Worker | None:
-        """After an agent restart: the worker of ``record`` (one whose
-        ``launcher`` state this launcher wrote) if it still runs, else None.
-        Default: None (the local launcher's host processes are found by
-        :mod:`..recovery` itself)."""
-        return None
+        """After an agent restart: the worker of ``record`` (``spec``: its
+        slice) if it still runs and is the lease's, else None.
 
+        Called by :mod:`..recovery` once per record an earlier run left,
+        before :meth:`sweep` and any start. The record's ``launcher`` is the
+        state the launcher put in ``Worker.launcher_state`` (None: the
+        ``local`` launcher's); a record of another kind is not this
+        launcher's worker: None. The worker returned has no IOPub watch yet
+        (recovery checks that it answers and watches it); one that does not
+        answer is dropped, and :meth:`sweep` ends it. Logs why it returns
+        None where that is not plain (its job or pod ended); raises nothing
+        for a worker that is gone or a record it cannot read."""
+
+    @abstractmethod
     async def sweep(self, kept: list[Worker]) -> None:
-        """Called once, as the agent starts, after :mod:`..recovery` re-adopted
-        ``kept``: end what an earlier agent left that is not kept (default:
-        nothing; recovery kills host processes itself)."""
+        """Called once, as the agent starts, after :mod:`..recovery`
+        re-adopted ``kept``, before the files of the others are removed
+        and :meth:`prepare`: end what an earlier run of the agent started that
+        ``kept`` does not hold (warm workers, workers of no record, or that
+        did not answer, what dead workers' cells left). Logs what it ended and
+        what it could not; raises nothing."""
 
     async def prepare(self) -> None:
         """Called once as the agent starts, after :meth:`sweep`: start what

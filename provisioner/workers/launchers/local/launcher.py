@@ -24,10 +24,12 @@ from ....worker_user import NoFreeWorkerUser, WorkerUser
 from ...binding import UNBOUND_ENVIRONMENT, prepare, preload_code
 from ...handle import Worker, open_log
 from ...kernel import WorkerKernelManager, history_path, kernel_arguments
-from ...process import LocalProcess, WorkerProcess
+from ...process import AdoptedProcess, LocalProcess, WorkerProcess, kill_strays, left_behind
+from ...records import WorkerRecord, read_records, stray_workers
 from ...spec import WorkerSpec, WorkerStartError, worker_environment
 from ...stopping import kill_and_remove, quietly
 from ..base import WorkerLauncher
+from .adoption import kill_stray_cgroups, recorded_process
 from .template import Templates, TemplateError, WorkerTemplate
 
 
@@ -59,6 +61,50 @@ class LocalLauncher(WorkerLauncher):
     async def close(self) -> None:
         if self.templates is not None:
             await self.templates.close()
+
+    async def adopt(self, record: WorkerRecord, spec: WorkerSpec) -> Worker | None:
+        """The host process of ``record`` (one with no ``launcher`` state: a
+        local worker's) if it still runs in the cgroup the record names (its
+        pid there, with the recorded start time; without a cgroup, its
+        connection file on its command line), as an
+        :class:`~...process.AdoptedProcess` running as the record's account.
+        None when it is gone, its cgroup or connection file is, or another
+        launcher wrote the record."""
+        if record.launcher is not None:
+            self.log.warning("the worker record of lease %s is another launcher's than local (%s)", record.lease_id,
+                             str(record.launcher)[:100])
+            return None
+        cgroup = self.cgroups.find(record.cgroup) if record.cgroup else None
+        if record.cgroup and cgroup is None:
+            self.log.warning("the cgroup %s of lease %s's worker is gone (c.NodeAgent.cgroup_root or cgroup_mode "
+                             "changed?)", record.cgroup, record.lease_id)
+            return None
+        proc = recorded_process(record, cgroup.pids() if cgroup is not None else None)
+        if proc is None:
+            return None
+        try:
+            manager = self.kernels.existing(Path(record.connection_file))
+        except (OSError, ValueError) as exc:
+            self.log.warning("cannot re-adopt the worker of lease %s: its connection file: %s", record.lease_id, exc)
+            return None  # it is a stray now, and swept as one
+        worker = Worker(spec, manager, AdoptedProcess(proc, record.create_time), Path(record.log_path),
+                        self.settings.advertise_ip, cgroup=cgroup)
+        worker.user = self.accounts.claim(record.user)
+        return worker
+
+    async def sweep(self, kept: list[Worker]) -> None:
+        """Kill what an earlier run of the agent started and ``kept`` does
+        not hold: every other cgroup of the agent's subtree, then the
+        processes in no cgroup (by their command line, and what the cells of
+        dead workers without a cgroup left in their process groups)."""
+        await kill_stray_cgroups(self.cgroups, {worker.cgroup.name for worker in kept}, self.log)
+        keep = {pid for worker in kept for pid in (worker.pid, *worker.helpers)}
+        strays = stray_workers(self.settings.workers_dir, keep)
+        records, _ = read_records(self.settings.workers_dir)
+        for record in records:
+            if record.pid not in keep and not record.cgroup:
+                strays += left_behind(record.pid, record.create_time)
+        await kill_strays(strays, self.log)
 
     async def cold(self, spec: WorkerSpec) -> Worker:
         """Start the worker of ``spec``, its slice's environment set from

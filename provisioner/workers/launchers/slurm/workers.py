@@ -30,7 +30,8 @@ import psutil
 
 from ...handle import Worker, tail_lines
 from ...kernel import history_path
-from ...records import WorkerRecord
+from ...process import kill_strays
+from ...records import WorkerRecord, stray_workers
 from ...spec import WorkerSpec, WorkerStartError, worker_environment
 from ...stopping import quietly
 from ..base import WorkerLauncher
@@ -149,9 +150,13 @@ class SlurmWorkers(WorkerLauncher):
                                "(c.NodeAgent.warm_workers = 0)")
 
     async def sweep(self, kept: list[Worker]) -> None:
-        """Before the first start, once recovery re-adopted ``kept``: cancel
-        every other job an earlier agent left on this node (named with
-        ``c.SlurmLauncher.name_prefix``), and share jobs with no step left."""
+        """Before the first start, once recovery re-adopted ``kept``: kill
+        the kernels and sruns on this node that no kept worker holds (a
+        step's in a kept share job, whose lease ended meanwhile, or whose
+        record is gone), then cancel every other job an earlier agent left on
+        this node (named with ``c.SlurmLauncher.name_prefix``)."""
+        keep = {pid for worker in kept for pid in (worker.pid, *worker.helpers)}
+        await kill_strays(stray_workers(self.settings.workers_dir, keep), self.log)
         jobs = {int(worker.launcher_state["job_id"]) for worker in kept if worker.launcher_state}
         left = [job_id for job_id in await self.slurm.left_behind() if job_id not in jobs]
         for job_id in left:
