@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from gpupool import demo_pool
 from gpupool.api import ServiceClient
@@ -86,3 +87,16 @@ def start_agent(root: Path, service: ServiceProc, *, name: str = "node-1", simul
     ``ip``, ``port``, ``launcher``: as for :func:`gpupool.demo_pool.start_agent`."""
     return demo_pool.start_agent(root / f"agent-{name}", service.process, name=name, simulate=simulate,
                                  extra_args=extra_args, client=service.client(), ip=ip, port=port, launcher=launcher)
+
+
+@contextmanager
+def cluster_pool(root: Path, agent_args: list[str]) -> Iterator[tuple[ServiceProc, AgentProcess]]:
+    """A service and one agent (two simulated GPUs) started with ``agent_args`` (a cluster launcher's
+    settings), with a long client heartbeat TTL and a short node TTL; both stopped after."""
+    service = start_service(root, config={"heartbeat_ttl": 120.0, "node_ttl": 3.0})
+    agent = start_agent(root, service, simulate="2xA100-80GB", extra_args=agent_args)
+    try:
+        yield service, agent
+    finally:
+        agent.stop()
+        service.stop()

@@ -33,7 +33,7 @@ from gpupool.provisioner.inventory.simulated import SimulatedInventory
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from kubelet_standin import KubeletStandin
-from procs import start_agent, start_service, wait_for
+from procs import cluster_pool, start_agent, wait_for
 from workercell import run_worker_cell
 
 pytest.importorskip("kubernetes")
@@ -102,13 +102,8 @@ def ended(service, lease_id: str):
 
 @pytest.fixture
 def pool(standin, tmp_path):
-    service = start_service(tmp_path, config={"heartbeat_ttl": 120.0, "node_ttl": 3.0})
-    agent = start_agent(tmp_path, service, simulate="2xA100-80GB", extra_args=agent_args(standin))
-    try:
-        yield service, agent
-    finally:
-        agent.stop()
-        service.stop()
+    with cluster_pool(tmp_path, agent_args(standin)) as pair:
+        yield pair
 
 
 # -- through a real agent and service ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
-from procs import start_agent, start_service, wait_for
+from procs import cluster_pool, start_agent, wait_for
 from test_slurm import _no_jobs_left, cluster, halted, other, queue  # noqa: F401 (fixtures: a real Slurm, a second user)
 from workercell import run_worker_cell
 
@@ -31,13 +31,8 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture
 def pool(cluster, tmp_path):  # noqa: F811
     """A service and one agent whose workers are Slurm jobs on the cluster's node (two GPUs)."""
-    service = start_service(tmp_path, config={"heartbeat_ttl": 120.0, "node_ttl": 3.0})
-    agent = start_agent(tmp_path, service, simulate="2xA100-80GB", extra_args=slurm_args(cluster))
-    try:
-        yield service, agent
-    finally:
-        agent.stop()
-        service.stop()
+    with cluster_pool(tmp_path, slurm_args(cluster)) as pair:
+        yield pair
 
 
 def slurm_args(cluster) -> list[str]:  # noqa: F811
