@@ -13,6 +13,7 @@ from typing import Callable, TextIO
 
 from .api import ServiceClient
 from .errors import GPUPoolError, Reason
+from . import leaseclasses
 from .heartbeat import ended_message
 from .schema import LeaseState
 from .units import format_duration
@@ -40,7 +41,7 @@ def progress_words(lease: Lease) -> str:
         if lease.state is LeaseState.parked:
             text = f"parked on {lease.node or 'its node'}, waiting for room there"
         else:
-            text = "queued" if lease.lease_class == "interactive" else f"queued ({lease.lease_class})"
+            text = "queued" if lease.lease_class == leaseclasses.default().name else f"queued ({lease.lease_class})"
         if lease.queue_position:
             text += f": {_ordinal(lease.queue_position)} in line"
             if lease.queue_estimate_s is not None:

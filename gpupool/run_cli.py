@@ -33,6 +33,7 @@ import traceback
 
 from .api import ServiceClient, add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
+from . import leaseclasses
 from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
 from .leasewait import START_WAIT_S, cancel, wait_started
 from .runremote import Abandoned, run_script
@@ -54,7 +55,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 #: ``gpupool run``'s options that take a value (``--gpus 0.5``), besides the lease request's.
-VALUE_FLAGS = VALUE_OPTIONS | {"--gpus", "--env", "--url", "--token-file", "--ca-file"}
+VALUE_FLAGS = VALUE_OPTIONS | {"--gpus", "--env", "--class", "--url", "--token-file", "--ca-file"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env", help="the worker environment on the GPU node, e.g. torch; gpupool pool lists them "
                                       "(default: the node's)")
     parser.add_argument("--interactive", action="store_true",
-                        help="an interactive lease, queued with people at notebooks (default: batch)")
+                        help="an interactive lease, queued with people at notebooks (short for --class "
+                             f"{leaseclasses.default().name}; default: {leaseclasses.script_default().name})")
+    parser.add_argument("--class", dest="lease_class", metavar="CLASS",
+                        help=f"the lease class, one of {', '.join(leaseclasses.names())} "
+                             f"(default: {leaseclasses.script_default().name})")
     add_client_arguments(parser)
     parser.add_argument("script", nargs="?", help="the Python script to run (its source is sent to the worker)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments (its sys.argv[1:])")
@@ -92,6 +97,22 @@ def read_script(path: str) -> tuple[str, str]:
     return absolute, source
 
 
+def run_class(interactive: bool, named: str | None) -> str:
+    """The class ``gpupool run`` asks for: ``named`` (``--class``), else the default class with
+    ``--interactive``, else :func:`.leaseclasses.script_default`. ValueError in words for an
+    unknown class, or ``--interactive`` with another ``--class``."""
+    if named is None:
+        return (leaseclasses.default() if interactive else leaseclasses.script_default()).name
+    if interactive and named != leaseclasses.default().name:
+        raise ValueError(f"--interactive asks for class {leaseclasses.default().name}, --class for "
+                         f"{named!r:.40}: say one of them")
+    try:
+        return leaseclasses.lease_class(named).name
+    except ValueError:
+        raise ValueError(f"--class {named!r:.40} is not a lease class; use one of "
+                         f"{', '.join(leaseclasses.names())}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpupool run``; returns the exit status (see the module's docstring)."""
     parser = build_parser()
@@ -100,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.script is None:  # optional only so that argparse's words do not name the script's arguments
         parser.error("the following arguments are required: script")
     try:
-        request = lease_request(args, lease_class="interactive" if args.interactive else "batch")
+        request = lease_request(args, lease_class=run_class(args.interactive, args.lease_class))
     except ValueError as exc:
         parser.error(str(exc))
     client = client_from_arguments(parser, args)

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import bad_request
+from .leaseclasses import CLASS_NAMES
 from .strenum import StrEnum
 
 
@@ -33,8 +34,8 @@ MAX_CPUS = 4096
 MAX_BYTES = 2**50
 #: The largest process id or exit code on the wire (they are C ints).
 MAX_INT32 = 2**31 - 1
-#: Lease classes, in queue order: interactive requests go before batch ones (docs/api.md, "Classes").
-LEASE_CLASSES = ("interactive", "batch")
+#: Lease class names, in queue order (a live view of the table, :mod:`gpupool.leaseclasses`).
+LEASE_CLASSES = CLASS_NAMES
 #: What the idle timeout does to a lease: ``park`` it in place (the default: the
 #: next cell resumes it where it was) or ``release`` it (the worker ends).
 ON_IDLE = ("park", "release")

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from gpupool.errors import bad_request
+from gpupool.leaseclasses import lease_class
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_duration
@@ -24,7 +25,7 @@ from .lease_views import LeaseViews
 from .leases import LeaseBook
 from .models import Lease, new_lease_id
 from .placing import Placer
-from .rules.priority import BATCH, INTERACTIVE, preemption_refusal
+from .rules.priority import preemption_refusal
 from .rules.scheduler import Demand, Placement, Refusal
 from .state import PoolState
 from .transitions import assign, transition
@@ -103,7 +104,7 @@ class LeaseIntake:
             idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             queued = self.admission.admit(session, who.name, limits, demand, now)
             decision = self.placer.place(session, demand)
-            if isinstance(decision, Placement) and request.lease_class == BATCH:
+            if isinstance(decision, Placement) and lease_class(request.lease_class).yields:
                 decision = self.placer.batch_refusal(session, decision, now, yields=self.settings.batch_yields,
                                                      headroom_nodes=self.settings.batch_headroom_nodes) or decision
             if isinstance(decision, Refusal):
@@ -135,6 +136,6 @@ def _new_lease(who: Identity, request: LeaseRequest, groups: tuple[str, ...], en
                  idle_timeout=idle_timeout, heartbeat_ttl=heartbeat_ttl,
                  created_at=now, usage_gpu_seconds=0.0, groups=list(groups), model=request.model,
                  requested_memory=request.memory, server_name=request.server_name, env=env,
-                 lease_class=request.lease_class or INTERACTIVE, preemptible=bool(request.preemptible),
+                 lease_class=lease_class(request.lease_class).name, preemptible=bool(request.preemptible),
                  requested_cpus=request.cpus, requested_host_memory=request.host_memory,
                  on_idle=request.on_idle or "park")

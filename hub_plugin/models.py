@@ -21,6 +21,8 @@ from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, 
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from gpupool.leaseclasses import MAX_NAME as MAX_CLASS_NAME, default as default_class
+
 
 class UTCDateTime(TypeDecorator):
     """A datetime stored as naive UTC and returned as aware UTC."""
@@ -159,7 +161,8 @@ class Lease(Base):
     env: Mapped[str | None] = mapped_column(String(100))
     #: Revision 0006: ``interactive`` or ``batch`` (:mod:`.rules.priority`), and whether
     #: its running cell may be preempted under pressure.
-    lease_class: Mapped[str] = mapped_column(String(12), default="interactive", server_default="interactive")
+    lease_class: Mapped[str] = mapped_column(String(MAX_CLASS_NAME), default=default_class().name,
+                                             server_default=default_class().name)
     preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     #: Revision 0007: host cores and bytes the lease holds on its node (None: its node reports no host),
     #: and what the request named (None: the default share), kept for the queue.

@@ -14,10 +14,11 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from gpupool.schema import LeaseState
+from gpupool.leaseclasses import not_yielding
 
 from .models import Lease
 from .rules.placement_index import PlacementIndex
-from .rules.priority import INTERACTIVE, batch_may_start
+from .rules.priority import batch_may_start
 from .rules.misfits import Misfit
 from .rules.scheduler import Demand, Placement, Refusal
 from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
@@ -56,7 +57,7 @@ class Placer:
         if not yields and not headroom_nodes:
             return None
         person = yields and session.scalar(
-            select(Lease.id).where(Lease.state == LeaseState.queued.value, Lease.lease_class == INTERACTIVE,
+            select(Lease.id).where(Lease.state == LeaseState.queued.value, Lease.lease_class.in_(not_yielding()),
                                    or_(Lease.wait_until.is_(None), Lease.wait_until > now)).limit(1)) is not None
         index = self.pool(session)
         if batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):

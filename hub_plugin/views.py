@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from gpupool.leaseclasses import default as default_class
 from gpupool.schema import LeaseState, isoformat
 from gpupool.wire import leases as wire, pool
 
@@ -49,7 +50,7 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
         node=lease.node_name, gpus=[{"uuid": g.gpu_uuid, "name": g.name, "index": g.index} for g in lease.gpus],
         env=lease.env, idle_timeout=lease.idle_timeout, heartbeat_ttl=lease.heartbeat_ttl,
         kernel_id=lease.kernel_id, server_name=lease.server_name,
-        lease_class=lease.lease_class or "interactive", preemptible=bool(lease.preemptible),
+        lease_class=lease.lease_class or default_class().name, preemptible=bool(lease.preemptible),
         created_at=isoformat(lease.created_at), started_at=isoformat(lease.started_at),
         ended_at=isoformat(lease.ended_at), idle_since=isoformat(lease.idle_since),
         worker=worker, connection=dict(lease.connection) if show_connection else None,

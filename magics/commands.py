@@ -23,6 +23,7 @@ from IPython.utils.process import arg_split
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
+from gpupool.leaseclasses import CLASS_NAMES as LEASE_CLASSES
 from gpupool.leasewait import POLL_SECONDS
 from gpupool.schema import ON_IDLE, LeaseState, isoformat
 from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
@@ -75,6 +76,8 @@ def _request_arguments(func):
                "back to the pool, the next cell resumes it; default) or release (the variables are lost)")
 @argument("--batch", action="store_true", help="a batch run: queued behind interactive requests "
           "(default: interactive, or $GPUPOOL_LEASE_CLASS)")
+@argument("--class", dest="lease_class", metavar="CLASS",
+          help=f"the lease class, one of {', '.join(LEASE_CLASSES)} (default: the first, or $GPUPOOL_LEASE_CLASS)")
 def acquire(magics, rest: str) -> None:
     if not rest.strip() or rest.strip().startswith("--"):
         raise UsageError("say how much: %gpu acquire 0.5 (a share of one GPU) or %gpu acquire 2 (whole GPUs), "
@@ -105,7 +108,8 @@ def _lease_request(args) -> LeaseRequest:
     try:
         return lease_request(args, kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"),
                              prefer_env=None if args.env else kernel_env(),
-                             lease_class=requested_class(args.batch, os.environ), on_idle=args.on_idle)
+                             lease_class=requested_class(args.batch, os.environ, args.lease_class),
+                             on_idle=args.on_idle)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -437,7 +437,7 @@ IO_PACKAGES = ("sqlalchemy", "alembic", "psycopg", "tornado", "zmq", "jupyter_cl
 
 def test_the_replay_imports_only_the_rules_and_numpy():
     """Imported in a fresh interpreter, the replay pulls in no SQL, web, ZMQ or file-reading module,
-    and of gpupool only the pure rules and the shared schema/units."""
+    and of gpupool only the pure rules and the shared schema/units/lease classes."""
     import subprocess
     import sys
 
@@ -448,7 +448,7 @@ def test_the_replay_imports_only_the_rules_and_numpy():
     io, ours = out.splitlines()
     assert io == "[]"
     allowed = ("gpupool.hub_plugin.rules", "gpupool.hub_plugin.simulate", "gpupool.schema", "gpupool.units",
-               "gpupool.errors", "gpupool.strenum", "gpupool.hub_plugin")
+               "gpupool.errors", "gpupool.strenum", "gpupool.leaseclasses", "gpupool.hub_plugin")
     assert [m for m in eval(ours) if not m.startswith(allowed)] == []
     assert not [m for m in eval(ours) if m.startswith("gpupool.hub_plugin.simulate.")
                 and m.rpartition(".")[2] not in REPLAY]

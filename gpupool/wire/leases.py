@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from ..errors import bad_request
+from ..leaseclasses import default as default_class
 from ..schema import (ENV_NAME, LEASE_CLASSES, MAX_BYTES, MAX_CPUS, MAX_GPU_COUNT, MIN_CPUS, MIN_FRACTION, MIN_MEMORY,
                       ON_IDLE, LeaseState, number_field)
 from .fields import Body, Spec, wired
@@ -82,8 +83,9 @@ class LeaseRequest(Body):
     ``env`` is None, the environment to run in when some node offers it, else
     the node's default, never a refusal (the magic sends the notebook kernel's
     :func:`kernel_environment`).
-    ``lease_class``: ``"interactive"`` (None: the default, a person at a
-    notebook) or ``"batch"`` (queued behind every interactive request);
+    ``lease_class``: a class of the table (:mod:`gpupool.leaseclasses`; None: its
+    first, ``"interactive"``, a person at a notebook), e.g. ``"batch"`` (queued
+    behind every interactive request); any other name is refused (400);
     ``preemptible``: the lease's running cell may be interrupted and the lease
     parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
     ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
@@ -131,8 +133,9 @@ class LeaseRequest(Body):
     prefer_env: str | None = wired(_env("prefer_env", "when env is absent: this environment if some node offers "
                                         "it, else the node's default (never refused); the magic sends the "
                                         "notebook kernel's name"), None)
-    lease_class: str | None = wired(Spec("string", "batch requests queue behind every interactive one",
-                                         nullable=True, enum=LEASE_CLASSES, default="interactive"), None)
+    lease_class: str | None = wired(Spec("string", "the lease class (gpupool.leaseclasses): a class's "
+                                         "requests queue behind every earlier class's", nullable=True,
+                                         enum=LEASE_CLASSES, default=default_class().name), None)
     preemptible: bool | None = wired(Spec(
         "boolean", "the running cell may be interrupted and the lease parked while others wait; 400 where "
         "c.GPUPool.allow_preemption is off", nullable=True, default=False), None)
@@ -208,7 +211,7 @@ class Lease(Body):
     heartbeat_ttl: float | None = wired(Spec("number"), None)
     kernel_id: str | None = wired(Spec("string", nullable=True), None)
     server_name: str | None = wired(Spec("string", nullable=True), None)
-    lease_class: str = wired(Spec("", enum=LEASE_CLASSES), "interactive")
+    lease_class: str = wired(Spec("", enum=LEASE_CLASSES), default_class().name)
     preemptible: bool = wired(Spec("boolean", "whether the running cell may be preempted"), False)
     created_at: str | None = wired(Spec(**_TIME), None)
     started_at: str | None = wired(Spec(**_TIME), None)

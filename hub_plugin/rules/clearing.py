@@ -18,14 +18,16 @@ EPSILON = 1e-9
 
 
 def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempting: bool,
-          batch_rank: int, rank_of) -> tuple[str, list] | None:
+          yields, rank_of) -> tuple[str, list] | None:
     """``(node, the leases to take there)`` (``priority.Held``) so that ``count``
     whole GPUs are free on that node, or None where no node can be cleared so. ``leases``:
     the ones pressure may take (not guaranteed, not already taken), each with
     its ``node``; ``free_gpus``: node -> whole GPUs free now (nodes absent:
     none); ``preempting``: running opted-in leases may be stopped;
-    ``rank_of(lease_class)``: class rank, ``batch_rank`` batch's. On the
-    chosen node batch goes before interactive, idle before running."""
+    ``rank_of(lease_class)``: class rank, ``yields(lease_class)``: whether it is backfill
+    (:attr:`gpupool.leaseclasses.LeaseClass.yields`). On the chosen node the later
+    ranks (batch) go before interactive, idle before running; the node that parks
+    the fewest idle leases of the classes that do not yield (people's notebooks) is chosen."""
     by_node: dict[str, list] = {}
     for lease in leases:
         takeable = (not lease.busy and lease.idle_since is not None) or (preempting and lease.busy
@@ -44,7 +46,7 @@ def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempti
             room += lease.gpus
         if room < count - EPSILON:
             continue
-        cost = (sum(1 for item in chosen if rank_of(item.lease_class) < batch_rank and not item.busy),
+        cost = (sum(1 for item in chosen if not yields(item.lease_class) and not item.busy),
                 sum(item.gpus for item in chosen if item.busy), node)
         if best_cost is None or cost < best_cost:
             best, best_cost = (node, chosen), cost

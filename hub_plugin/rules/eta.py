@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Hashable, Iterable, Mapping, Sequence
 
+from gpupool.leaseclasses import lease_class
+
 from .priority import EPSILON, class_rank
 
 
@@ -98,7 +100,7 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
         allowed = only[0] if only else None
         rank = class_rank(lease_class)
         if rank not in timelines:
-            ends = ((expected_end(lease, typical, now, grace if _presses(rank, lease) else None), i)
+            ends = ((expected_end(lease, typical, now, grace if _presses(lease_class, lease) else None), i)
                     for i, lease in enumerate(holding))
             timelines[rank] = deque(sorted((end, i) for end, i in ends if end is not None))
         line = timelines[rank]
@@ -116,9 +118,10 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
     return answers
 
 
-def _presses(rank: int, lease: Holding) -> bool:
-    """Whether a waiting request of class ``rank`` presses on ``lease`` (module docstring)."""
-    return lease.pressable and rank <= class_rank(lease.lease_class)
+def _presses(asking: str | None, lease: Holding) -> bool:
+    """Whether a waiting request of class ``asking`` presses on ``lease`` (module docstring): a class
+    that presses (:attr:`gpupool.leaseclasses.LeaseClass.presses`) on the leases of its rank and after."""
+    return lease.pressable and lease_class(asking).presses and class_rank(asking) <= class_rank(lease.lease_class)
 
 
 def _take(free: list[float], node_of: Sequence[Hashable], fraction: float, count: int,

@@ -16,25 +16,34 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Iterable, Mapping, Sequence
 
-from gpupool.schema import LEASE_CLASSES as CLASSES  # in queue order (first goes first)
+from gpupool import leaseclasses
+from gpupool.leaseclasses import lease_class
 
 from . import clearing
 
-INTERACTIVE, BATCH = CLASSES
+#: The two classes the pool ships with (:data:`gpupool.leaseclasses.LEASE_CLASSES`): names only, for
+#: callers and tests; the rules read what a class does from the table, never these names.
+INTERACTIVE, BATCH = "interactive", "batch"
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
 
 
-def class_rank(lease_class: str | None) -> int:
-    """0 for ``interactive`` (and None: leases from before classes), 1 for ``batch``."""
-    return CLASSES.index(lease_class) if lease_class in CLASSES else 0
+def class_rank(name: str | None) -> int:
+    """The queue rank of the class ``name`` (the table's; None: leases from before classes, the
+    default class's); raises ValueError in words for an unknown class."""
+    return lease_class(name).rank
 
 
 def check_class(value: object) -> str:
     """``value`` when it is a known class; raises ValueError naming the classes otherwise."""
-    if value not in CLASSES:
-        raise ValueError(f"lease class {value!r:.40} is not one of {', '.join(CLASSES)}")
-    return value  # type: ignore[return-value]
+    if not isinstance(value, str):
+        raise ValueError(f"lease class {value!r:.40} is not one of {', '.join(leaseclasses.names())}")
+    return lease_class(value).name
+
+
+def yields(name: str | None) -> bool:
+    """Whether the class ``name`` is backfill (:attr:`.LeaseClass.yields`)."""
+    return lease_class(name).yields
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,7 @@ class Rule:
     def wants_free_gpus(self, asking: Iterable[Asking]) -> bool:
         """Whether :meth:`plan` reads ``free_gpus`` for ``asking``: the caller reads each
         node's free GPUs only then."""
-        return self.clear_nodes and any(class_rank(item.lease_class) == class_rank(INTERACTIVE)
+        return self.clear_nodes and any(lease_class(item.lease_class).preempts
                                         and item.gpu_count > 1 for item in asking)
 
     def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
@@ -195,9 +204,12 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     open_leases = [lease for lease in held if lease.lease_id not in safe]
     parks: dict[str, EarlyPark] = {}
     preemptions: dict[str, Preemption] = {}
-    # Interactive waiters press on every lease, batch ones only on batch leases.
+    # A class's waiters press on the leases of its rank and after (interactive on every lease, batch
+    # only on batch leases); a class that does not press is left out of the waiters.
+    asking = [item for item in asking if lease_class(item.lease_class).presses]
     for rank in sorted({class_rank(item.lease_class) for item in asking}):
         pressing = [item for item in asking if class_rank(item.lease_class) <= rank]
+        kind = next(item for item in leaseclasses.LEASE_CLASSES if item.rank == rank)  # ranks are unique
         bound = {node: sum(item.gpus for item in asking if item.node == node and class_rank(item.lease_class) == rank)
                  for node in {item.node for item in asking if item.node is not None}}
         for node in bound:  # a resume takes what frees on its own node first
@@ -213,9 +225,9 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
         reason = f"parked early: {waiting_words(len({item.owner for item in pressing}))}"
         targets = [lease for lease in open_leases if class_rank(lease.lease_class) >= rank
                    and lease.lease_id not in parks and lease.lease_id not in preemptions]
-        # Only a person waiting interrupts a running cell: a batch waiter backfills what frees
-        # up, else a standing backlog would preempt its own kind at every sweep.
-        preempting = rule.allow_preemption and rank == class_rank(INTERACTIVE)
+        # Only a class that preempts (a person waiting) interrupts a running cell: a batch waiter backfills
+        # what frees up, else a standing backlog would preempt its own kind at every sweep.
+        preempting = rule.allow_preemption and kind.preempts
         grace, clear_grace = rule.grace, rule.clear_grace
         after = grace if rule.preemption_grace is None else rule.preemption_grace
 
@@ -232,12 +244,12 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                 if lease.idle_deadline is None or park.deadline < lease.idle_deadline:
                     parks[lease.lease_id] = park
 
-        if free_gpus is not None and rank == class_rank(INTERACTIVE):
+        if free_gpus is not None and kind.preempts:
             free = dict(free_gpus)
             for item in sorted(asking, key=lambda ask: ask.created_at):
                 if class_rank(item.lease_class) != rank or item.gpu_count < 2:
                     continue
-                cleared = clearing.clear(item.gpu_count, targets, free, preempting, class_rank(BATCH), class_rank)
+                cleared = clearing.clear(item.gpu_count, targets, free, preempting, yields, class_rank)
                 if cleared is None:
                     continue
                 node, leases = cleared
@@ -282,11 +294,10 @@ def _victims(leases: Sequence[Held], preempting: bool, batch_first: bool) -> lis
     idle, busy = _idle_first(leases), _preemptible(leases) if preempting else []
     if not batch_first:
         return idle + busy
-    rank = class_rank(BATCH)
-    return ([lease for lease in idle if class_rank(lease.lease_class) >= rank]
-            + [lease for lease in busy if class_rank(lease.lease_class) >= rank]
-            + [lease for lease in idle if class_rank(lease.lease_class) < rank]
-            + [lease for lease in busy if class_rank(lease.lease_class) < rank])
+    return ([lease for lease in idle if yields(lease.lease_class)]
+            + [lease for lease in busy if yields(lease.lease_class)]
+            + [lease for lease in idle if not yields(lease.lease_class)]
+            + [lease for lease in busy if not yields(lease.lease_class)])
 
 
 def _idle_first(leases: Iterable[Held]) -> list[Held]:

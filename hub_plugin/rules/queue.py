@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from .placement_index import PlacementIndex
 from . import resume as resume_rule
-from .priority import INTERACTIVE, batch_may_start, class_rank
+from .priority import batch_may_start, class_rank, yields
 from .resume import Resume
 from .scheduler import Demand, GPUState, Placement, Refusal
 
@@ -33,12 +33,12 @@ class Waiting:
     owner: str
     demand: Demand
     created_at: datetime
-    lease_class: str = INTERACTIVE
+    lease_class: str | None = None  # None: the default class (gpupool.leaseclasses)
     resume: Resume | None = None
 
 
 def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None],
-         lease_class: str | None = INTERACTIVE, resume: bool = False) -> tuple:
+         lease_class: str | None = None, resume: bool = False) -> tuple:
     if resume:  # ahead of its class's new requests, in the order asked
         return (class_rank(lease_class), False, False, created_at, created_at, lease_id)
     used = last_used.get(owner)
@@ -64,7 +64,7 @@ def positions(queued: Iterable[tuple], last_used: Mapping[str, datetime | None])
     class[, resume])`` rows (``resume`` true: a parked lease's resume, its
     ``created_at`` when that was asked; further columns are ignored), in
     :func:`order`'s order: one sort, however many places are asked for."""
-    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else INTERACTIVE,
+    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else None,
                          bool(row[4]) if len(row) > 4 else False), row[0])
                    for row in queued)
     return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
@@ -132,10 +132,10 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 if not isinstance(decision, Placement):
                     unfit.add(item.demand)
                     continue
-            if class_rank(item.lease_class) > class_rank(INTERACTIVE) and (batch_yields or headroom_nodes):
-                # In queue order every interactive request still left did not fit: a person waits.
-                person = batch_yields and any(class_rank(other.lease_class) == class_rank(INTERACTIVE)
-                                              for other in left)
+            if yields(item.lease_class) and (batch_yields or headroom_nodes):
+                # In queue order every request still left of a class that does not yield did not fit:
+                # a person waits.
+                person = batch_yields and any(not yields(other.lease_class) for other in left)
                 if not batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
                     unfit.add(item.demand)  # capacity only shrinks: it is not allowed later in this drain either
                     continue

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from gpupool.leaseclasses import default as default_class, lease_class, names as class_names
+
 from ..rules.eta import Holding, Room, eta_seconds, typical_lengths
-from ..rules.priority import BATCH, INTERACTIVE
 from ..rules.queue import estimate
 from .policies import NotebookPolicy
 from .pool import FULL, Pool
@@ -30,7 +31,7 @@ class EtaLog:
 
     def __init__(self, policy: NotebookPolicy) -> None:
         self.policy = policy
-        self.cells: dict[str, deque] = {INTERACTIVE: deque(maxlen=HISTORY), BATCH: deque(maxlen=HISTORY)}
+        self.cells: dict[str, deque] = {name: deque(maxlen=HISTORY) for name in class_names()}
         self.holds: deque = deque(maxlen=HISTORY)
         self.pending: dict[int, tuple[float | None, float | None]] = {}  # waiting cell -> (eta, old)
         self.errors: list[tuple[float | None, float | None, float]] = []
@@ -49,7 +50,8 @@ class EtaLog:
         room = Room(tuple((FULL - m) / FULL for m in pool.milli), tuple(pool.node_of))
         holding = [self.held(*lease, pool) for lease in leased]
         typical = typical_lengths((klass, seconds) for klass, cells in self.cells.items() for seconds in cells)
-        asks = [(m / FULL, g, INTERACTIVE) for m, g in ahead] + [(milli / FULL, gpus, INTERACTIVE)]
+        person = default_class().name  # the requests the ETA is shown for: a person at a notebook
+        asks = [(m / FULL, g, person) for m, g in ahead] + [(milli / FULL, gpus, person)]
         predicted = eta_seconds(asks, room, holding, typical, at(now), self.policy.pressure_grace)[-1]
         self.record(cell, predicted, len(ahead) + 1, len(leased))
 
@@ -58,7 +60,7 @@ class EtaLog:
         """A held lease as the service's ETA sees it: an idle notebook is parked at the first sweep
         tick after its idle timeout; a batch job ends with its cell (the trace has no quotas:
         nothing is guaranteed)."""
-        timeout = 0.0 if klass == BATCH else self.policy.idle_timeout or None
+        timeout = (self.policy.idle_timeout or None) if lease_class(klass).idles else 0.0
         deadline = (None if idle_since is None or timeout is None
                     else at(math.ceil((idle_since + timeout) / SWEEP_S) * SWEEP_S))
         return Holding(tuple(pool.uuid_index[u] for u in uuids), milli / FULL, klass, idle_since is None,

@@ -62,6 +62,8 @@ from collections import deque
 
 import numpy as np
 
+from gpupool.leaseclasses import lease_class, names as class_names
+
 from ..rules import priority
 from ..rules.reclaim import decide
 from ..rules.scheduler import Placement
@@ -77,7 +79,6 @@ from .sweep import SWEEP_S, Sweep, at
 from .waiting import WaitQueue
 from .workload import NotebookWorkload
 
-INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
 
 
 def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_size: int, *,
@@ -154,7 +155,7 @@ class _Replay:
         if any(math.isnan(w) for w in self.tally.waits):
             raise AssertionError("a cell never started")
         batch = [c for c, sid in enumerate(self.table.cell_session[:self.table.trace_cells])
-                 if self.sessions[sid].klass == BATCH]
+                 if lease_class(self.sessions[sid].klass).yields]
         self.tally.spills = self.parked.spills
         return self.tally.result(self.policy.name, pool_size, time.perf_counter() - wall, users, self.eta.errors, batch)
 
@@ -214,7 +215,7 @@ class _Replay:
         if not queue and self.acquire(sid, now):
             return
         self.enqueue(sid, now, queue)
-        if session.klass == INTERACTIVE and self.with_eta:
+        if not lease_class(session.klass).yields and self.with_eta:
             self.record_eta(sid, now)
 
     def enqueue(self, sid: int, now: float, queue: deque, front: bool = False, node: str | None = None) -> None:
@@ -251,7 +252,7 @@ class _Replay:
         session.running = False
         self.count_busy(sid, self.table.duration[cell], now)
         self.eta.cells[session.klass].append(self.table.duration[cell])
-        timeout = self.policy.idle_timeout if session.klass == INTERACTIVE else None
+        timeout = self.policy.idle_timeout if lease_class(session.klass).idles else None
         if timeout is None or (now >= session.closes and not session.pending):
             self.release(sid, now)  # batch job done, or the kernel shut down
             self.dispatch(sid, now)
@@ -379,7 +380,7 @@ class _Replay:
             placement, tier = self.pool.place(session.milli, session.gpus), "moved"
         if not isinstance(placement, Placement):
             return False
-        if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
+        if lease_class(session.klass).yields and not self.batch_may_start(self.pool.node_idle(placement.node)):
             self.yielded.add(parked.placement.node)
             return False
         self.unpark(sid)
@@ -410,7 +411,7 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
-        if session.klass == BATCH and not self.batch_may_start(self.pool.node_idle(placement.node)):
+        if lease_class(session.klass).yields and not self.batch_may_start(self.pool.node_idle(placement.node)):
             return False
         self.take(sid, placement, now)
         self.start(sid, now)
@@ -461,7 +462,7 @@ class _Replay:
         nodes = sorted(self.pool.freed | self.yielded)
         self.pool.freed, self.yielded = set(), set()
         acquire = lambda sid: self.acquire(sid, now)  # noqa: E731
-        for klass in (INTERACTIVE, BATCH) if self.policy.classes else (None,):
+        for klass in class_names() if self.policy.classes else (None,):
             self.offer_resumes(nodes, klass, now)
             self.queue.drain(acquire, klass)
 

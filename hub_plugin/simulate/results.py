@@ -17,7 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..rules.priority import BATCH, INTERACTIVE
+from gpupool.leaseclasses import lease_class
+
+from ..rules.priority import BATCH, INTERACTIVE  # the report's columns: the two shipped classes
 from .pool import FULL
 
 
@@ -68,7 +70,7 @@ class NotebookResult:
         return self.busy_in_period_gpu_hours / (self.pool_size * self.period_s / 3600) if self.pool_size else 0.0
 
     def wait_percentile(self, q: float, klass: str = INTERACTIVE) -> float:
-        waits = self.waits if klass == INTERACTIVE else self.batch_waits
+        waits = self.batch_waits if lease_class(klass).yields else self.waits
         return float(np.percentile(waits, q)) if len(waits) else 0.0
 
     def resume_percentile(self, q: float) -> float:
@@ -160,7 +162,7 @@ class Tally:
     def resumed(self, tier: str, seconds: float, klass: str) -> None:
         """A lease of ``klass`` resumed from ``tier``, costing its cell ``seconds``."""
         self.resumes[tier] = self.resumes.get(tier, 0) + 1
-        if klass == INTERACTIVE:
+        if not lease_class(klass).yields:
             self.resume_waits.append(seconds)
 
     def ran(self, gpus: float, seconds: float, klass: str, run_start: float, now: float) -> None:

@@ -15,13 +15,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from gpupool.leaseclasses import default as default_class, lease_class, script_default
+
 from ..rules import priority
 from ..rules.scheduler import Placement
 from .pool import FULL
 from .sweep import SimLease, at
 from .workload import NotebookWorkload, period_seconds
 
-INTERACTIVE, BATCH = priority.INTERACTIVE, priority.BATCH
 
 
 @dataclass(eq=False, slots=True)
@@ -36,7 +37,7 @@ class SimSession:
     group: int
     closes: float
     user: int = 0
-    klass: str = INTERACTIVE
+    klass: str = default_class().name
     preemptible: bool = False
     pending: deque = field(default_factory=deque)
     running: bool = False
@@ -76,7 +77,7 @@ class SessionTable:
         """A batch job of ``seconds`` on ``milli`` of ``gpus``, asked for at
         ``now``: a new session whose one cell is pending. Returns its id."""
         sid, cell = len(self.sessions), len(self.submit)
-        self.sessions.append(SimSession(milli, gpus, user % 4, math.inf, user, BATCH, preemptible=True))
+        self.sessions.append(SimSession(milli, gpus, user % 4, math.inf, user, script_default().name, preemptible=True))
         self.need.append(gpus * milli / FULL)
         self.submit.append(now)
         self.duration.append(seconds)
@@ -90,7 +91,7 @@ class SessionTable:
         session = self.sessions[sid]
         session.waiting = True
         self.waiting_gpus += self.need[sid]
-        self.interactive_waiting += session.klass == INTERACTIVE
+        self.interactive_waiting += not lease_class(session.klass).yields
         self.queued_at[session.pending[0]] = now
 
     def grant(self, sid: int, placement: Placement, now: float, idle_timeout: float) -> bool:
@@ -105,7 +106,7 @@ class SessionTable:
         waited, session.waiting = session.waiting, False
         if waited:
             self.waiting_gpus -= self.need[sid]
-            self.interactive_waiting -= session.klass == INTERACTIVE
+            self.interactive_waiting -= not lease_class(session.klass).yields
         return waited
 
     def held_gpus(self, sid: int) -> float:
@@ -125,7 +126,7 @@ class SessionTable:
         interactive, its idle deadline is ``idle_timeout`` seconds after its
         cell ended (None: no deadline)."""
         session, lease = self.sessions[sid], self.sessions[sid].lease
-        timeout = idle_timeout if session.klass == INTERACTIVE else None
+        timeout = idle_timeout if lease_class(session.klass).idles else None
         idle_since = lease.idle_since if sid in self.idle else None
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
         return priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
@@ -137,7 +138,7 @@ class SessionTable:
         ``entries`` (``(queued at, sid)``) that were queued before ``sid``."""
         mine = self.queued_at[self.sessions[sid].pending[0]]
         return [(self.sessions[s].milli, self.sessions[s].gpus) for when, s in entries
-                if s != sid and when <= mine and self.sessions[s].klass == INTERACTIVE]
+                if s != sid and when <= mine and not lease_class(self.sessions[s].klass).yields]
 
     def leased(self) -> list[tuple]:
         """``(class, cell started at, idle since or None, GPU uuids, milli)`` of

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpupool.leaseclasses import default as default_class
+
 from .workload import Cell, NotebookWorkload, Session
 
 #: What the store does not record that a faithful replay would need.
@@ -170,7 +172,7 @@ def history_workload(rows, ran: dict[str, list[tuple]] | None = None) -> Noteboo
         sessions.append(Session(sid, users.setdefault(row.owner, len(users)),
                                 groups.setdefault((row.groups or [""])[0], len(groups)), gpus,
                                 max(1, min(1000, milli)), cells[members[sid][0]].submit, closes[sid],
-                                tuple(members[sid]), row.lease_class or "interactive", bool(row.preemptible)))
+                                tuple(members[sid]), row.lease_class or default_class().name, bool(row.preemptible)))
     rule = ("a pool's own history: one session per notebook kernel, the cells its leases ran (the first asked at "
             "created_at); a lease without recorded cells is one, busy from start to end less the idle timeout when "
             "reclaimed for idleness")

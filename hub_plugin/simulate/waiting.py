@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterator
 
-from ..rules.priority import INTERACTIVE, class_rank
+from gpupool.leaseclasses import default as default_class
+
+from ..rules.priority import class_rank
 from .pool import FULL
 
 
@@ -30,7 +32,7 @@ class WaitQueue:
         """The queue a request of this class and shape waits in."""
         if self.fifo:
             return self._line
-        return self._queues.setdefault((klass if self.classes else INTERACTIVE, milli, gpus), deque())
+        return self._queues.setdefault((klass if self.classes else default_class().name, milli, gpus), deque())
 
     def entries(self) -> Iterator[tuple[float, int]]:
         """Every waiting ``(queued at, session id)``."""

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpupool.leaseclasses import default as default_class
+
 @dataclass(frozen=True)
 class Cell:
     """One cell execution: ``submit`` and ``duration`` in seconds (trace minutes x 60)."""
@@ -69,7 +71,7 @@ class Session:
     opened: float
     closes: float
     cells: tuple[int, ...]
-    klass: str = "interactive"
+    klass: str = default_class().name
     preemptible: bool = False
 
 
