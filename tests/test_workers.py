@@ -199,8 +199,8 @@ def test_a_worker_whose_port_was_taken_before_it_bound_starts_again_on_new_ports
         class FirstPortTaken:  # the node's KernelManagers, but its first kernel's shell port is taken
             context = kernels.context
 
-            def __call__(self, connection_file):
-                kernel = kernels(connection_file)
+            def __call__(self, connection_file, *kind):
+                kernel = kernels(connection_file, *kind)
                 if not made:
                     kernel.cache_ports = False  # else the provisioner picks every port anew
                     kernel.shell_port = taken.getsockname()[1]

@@ -27,9 +27,10 @@ class LeaseCgroup(ABC):
     @abstractmethod
     def confines(self) -> bool:
         """True for a cgroup of the kernel's: a process joins it before it
-        runs (the start gate, :mod:`..workers.kernel`), every process it
-        starts stays in it (a double-forked daemon too), and a restarted
-        agent finds it again by :attr:`name`. False for no cgroup: only the
+        runs (the local launcher's start gate,
+        :mod:`..workers.launchers.local.gate`), every process it starts stays
+        in it (a double-forked daemon too), and a restarted agent finds it
+        again by :attr:`name`. False for no cgroup: only the
         process group and tree of the processes :meth:`add` names, as seen at
         kill time."""
 

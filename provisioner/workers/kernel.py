@@ -1,16 +1,10 @@
-"""A worker's kernel as jupyter_client runs it: its command line (with the
-start gate), its connection file (with the data plane's port) and the
+"""A worker's kernel as jupyter_client runs it, for every launcher: its
+command line, its connection file (with the data plane's port) and the
 connection info its owner gets.
 
-Every worker lives in a cgroup of its own (:mod:`..cgroups`). Its first
-process joins it before it runs a line of Python: the kernel command is
-prefixed with a shell *start gate* (:data:`START_GATE`) that waits on its
-stdin until the agent has put its pid into the cgroup, then execs the kernel
-(same pid). So nothing the worker starts, not even during ipykernel's own
-start, can be outside the cgroup; a ``preexec_fn`` would do the same but is
-unsafe in a process with threads (the agent has ZMQ's and asyncio's), and
-runs after the switch to the worker user, who may not move processes
-between cgroups.
+The local launcher's start gate (a booted kernel joins its cgroup before it
+runs) is :mod:`.launchers.local.gate`'s subclass of
+:class:`WorkerKernelManager`.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import zmq.asyncio
 from jupyter_client.kernelspec import NATIVE_KERNEL_NAME, KernelSpecManager
@@ -30,13 +24,7 @@ from jupyter_client.session import new_id
 from gpupool.ipykernel_private import NO_EXECUTE_SLEEP
 from gpupool.kernelcmd import WORKER_KERNEL_APP, with_launcher
 
-from ..cgroups import LeaseCgroup
 from .spec import WorkerLaunch
-
-#: The start gate (see the module's docstring): the kernel command follows
-#: it; it runs the kernel only once the agent wrote ``go`` to its stdin,
-#: which it then replaces with /dev/null.
-START_GATE = ["/bin/sh", "-c", 'IFS= read -r go && [ "$go" = go ] && exec "$@" </dev/null', "gpupool-start-gate"]
 
 _CONNECTION_KEYS = ("ip", "transport", "shell_port", "iopub_port", "stdin_port", "control_port", "hb_port",
                     "signature_scheme")
@@ -44,37 +32,18 @@ _CONNECTION_KEYS = ("ip", "transport", "shell_port", "iopub_port", "stdin_port",
 
 class WorkerKernelManager(AsyncKernelManager):
     """jupyter_client's kernel manager; ``owner`` (uid, gid), when set, gets
-    the connection file as soon as it is written, before the kernel starts.
-    ``cgroup``, when set, is joined through the :data:`START_GATE` before
-    the kernel runs."""
+    the connection file as soon as it is written, before the kernel starts."""
 
     owner: tuple[int, int] | None = None
     #: The worker environment's interpreter (None: this one, as jupyter_client picks it).
     python: str | None = None
-    cgroup: LeaseCgroup | None = None
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         cmd = super().format_kernel_cmd(extra_arguments)
         cmd = with_launcher(cmd, WORKER_KERNEL_APP) or cmd  # no shell-channel thread (gpupool.kernelapp)
         if self.python:
             cmd = [self.python, *cmd[1:]]
-        return [*START_GATE, *cmd] if self.cgroup is not None else cmd
-
-    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-        if self.cgroup is None:
-            await super()._async_launch_kernel(kernel_cmd, **kw)
-            return
-        gate, opener = os.pipe()
-        try:
-            try:
-                await super()._async_launch_kernel(kernel_cmd, stdin=gate, **kw)
-            finally:
-                os.close(gate)
-            # The gate waits on its stdin: nothing of the worker runs yet.
-            self.cgroup.add(self.provisioner.process.pid)
-            os.write(opener, b"go\n")
-        finally:
-            os.close(opener)  # without "go", the gate exits (code 1) and the start fails
+        return cmd
 
     def client(self, **kwargs: Any) -> Any:
         """A client in a Jupyter session of its own (a fresh session id).
@@ -97,6 +66,10 @@ class WorkerKernelManager(AsyncKernelManager):
             os.chown(self.connection_file, *self.owner)
 
 
+#: A kind of :class:`WorkerKernelManager` (the local launcher's gated one: :mod:`.launchers.local.gate`).
+M = TypeVar("M", bound=WorkerKernelManager)
+
+
 class KernelManagers:
     """Makes the kernel managers of one node's workers, all on one ZMQ
     ``context`` and never with a user's kernelspec."""
@@ -109,10 +82,10 @@ class KernelManagers:
         # a "python3" kernelspec that a user installed elsewhere on the node.
         self._kernel_specs = KernelSpecManager(kernel_dirs=[])
 
-    def __call__(self, connection_file: Path) -> WorkerKernelManager:
-        """A manager for the worker whose connection file is (or will be) ``connection_file``."""
+    def __call__(self, connection_file: Path, kind: type[M] = WorkerKernelManager) -> M:  # type: ignore[assignment]
+        """A manager (a ``kind``) for the worker whose connection file is (or will be) ``connection_file``."""
         settings = self.settings
-        return WorkerKernelManager(
+        return kind(
             kernel_name=NATIVE_KERNEL_NAME, kernel_spec_manager=self._kernel_specs, context=self.context,
             connection_file=str(connection_file), ip=settings.ip, shutdown_wait_time=settings.stop_timeout,
             log=self.log, transport_encryption="required" if settings.encryption == "curve" else "disabled")

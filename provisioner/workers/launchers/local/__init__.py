@@ -5,6 +5,8 @@ kernel process of the agent's host, in a cgroup of its own.
   an agent restart its ``adopt`` and ``sweep``;
 - :mod:`.template`: the per-interpreter worker templates (:mod:`gpupool.zygote`)
   that cold workers are forked from;
+- :mod:`.gate`: the start gate a booted (not forked) worker joins its cgroup
+  behind;
 - :mod:`.adoption`: a record's host process in its cgroup, and the stray
   cgroups a sweep kills.
 

@@ -5,7 +5,7 @@ warm (no GPU visible, the preload imported) for the pool.
 Each start takes the worker's account, makes its cgroup, forks the kernel
 from its interpreter's template (:mod:`.template`; the template's child joins
 the cgroup before it runs) or else starts ipykernel through jupyter_client
-(the start gate puts it in the cgroup before it runs: :mod:`...kernel`),
+(the start gate puts it in the cgroup before it runs: :mod:`.gate`),
 subscribes to its IOPub and waits until it answers ``kernel_info``. A start
 that fails leaves nothing running.
 """
@@ -23,13 +23,14 @@ from ....cgroups import CgroupError, LeaseCgroup
 from ....worker_user import NoFreeWorkerUser, WorkerUser
 from ...binding import UNBOUND_ENVIRONMENT, prepare, preload_code
 from ...handle import Worker, open_log
-from ...kernel import WorkerKernelManager, history_path, kernel_arguments
+from ...kernel import history_path, kernel_arguments
 from ...process import AdoptedProcess, LocalProcess, WorkerProcess, kill_strays, left_behind
 from ...records import WorkerRecord, read_records, stray_workers
 from ...spec import WorkerSpec, WorkerStartError, worker_environment
 from ...stopping import kill_and_remove, quietly
 from ..base import WorkerLauncher
 from .adoption import kill_stray_cgroups, recorded_process
+from .gate import GatedKernelManager
 from .template import Templates, TemplateError, WorkerTemplate
 
 
@@ -165,7 +166,7 @@ class LocalLauncher(WorkerLauncher):
         """One try of :meth:`_launch`; on failure nothing it started is left."""
         workers_dir = self.settings.workers_dir
         # A random name: the cgroup and the log name the lease, the key's file does not.
-        manager = self.kernels(workers_dir / f"kernel-{secrets.token_hex(16)}.json")
+        manager = self.kernels(workers_dir / f"kernel-{secrets.token_hex(16)}.json", GatedKernelManager)
         manager.python = python
         try:
             account = self.accounts.take(user)
@@ -192,7 +193,7 @@ class LocalLauncher(WorkerLauncher):
         await self.ready(worker)
         return worker
 
-    async def _start_kernel(self, manager: WorkerKernelManager, name: str, env: dict[str, str], log_path: Path,
+    async def _start_kernel(self, manager: GatedKernelManager, name: str, env: dict[str, str], log_path: Path,
                             cgroup: LeaseCgroup, account: WorkerUser | None, user: WorkerUser | None) -> None:
         """Start the kernel process of ``manager`` as ``account`` (taken for
         ``user``); on failure kill what started, remove ``cgroup``, give the
@@ -222,7 +223,7 @@ class LocalLauncher(WorkerLauncher):
         if not cgroup.confines:  # no gate to join: its process group and tree, from here on
             cgroup.add(manager.provisioner.process.pid)
 
-    async def _fork_kernel(self, template: WorkerTemplate, manager: WorkerKernelManager, name: str,
+    async def _fork_kernel(self, template: WorkerTemplate, manager: GatedKernelManager, name: str,
                            env: dict[str, str], log_path: Path, cgroup: LeaseCgroup, account: WorkerUser | None,
                            user: WorkerUser | None) -> WorkerProcess | None:
         """The kernel of ``manager`` forked from ``template``, in ``cgroup``
