@@ -48,8 +48,11 @@ def preload_code(modules: Sequence[str]) -> str:
 
 
 def shell_client(worker: Worker) -> Any:
-    """A client of ``worker``'s shell channel only (the agent needs no other to run code)."""
-    client = worker.manager.client()
+    """A client of ``worker``'s shell channel only (the agent needs no other to run code), on the
+    node's shared ZMQ context. A warm worker keeps this client until its bind; with a context of
+    its own (jupyter_client's default), one never closed (its worker abandoned) would be garbage
+    collected with its socket still open, and ZeroMQ's context termination waits for ever then."""
+    client = worker.manager.client(context=worker.manager.context)
     client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
     return client
 
