@@ -65,6 +65,9 @@ def test_an_idle_lease_is_parked_early_for_a_waiter_and_its_variables_come_back(
     notebook.execute("%gpu acquire 1")  # the default idle timeout, 30 minutes
     mine, = service.client().list_leases(active=True)
     notebook.execute("kept = [1, 2, 3]")
+    # The ETA below walks from what the service knows: a cell it still sees running has no expected end yet.
+    wait_for(lambda: (got := service.client().get_lease(mine.id)).idle_deadline and
+             (got.worker or {}).get("execution_state") == "idle", 30, "the service saw the cell end")
     waiter = wait_in_line(service)
     # Its ETA counts the pressure it makes from the start: the idle lease is parked within the grace of
     # the ask, not at its own deadline (30 m idle), which the first answer gave before.
