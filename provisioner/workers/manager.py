@@ -13,6 +13,8 @@ from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 
 from ..cgroups import Containment, containment
+from ..host_limits import enforce as enforce_host_limits
+from ..process_limits import limit_tasks
 from .accounts import WorkerAccounts
 from .binding import bind
 from .handle import Worker
@@ -160,12 +162,20 @@ class WorkerManager:
         how = "warm" if worker is not None else "cold"
         if worker is None:
             worker = await self._launcher.cold(spec)
+            await asyncio.to_thread(self._limit, worker, spec)
         self._workers[spec.lease_id] = worker
         worker.record().write(self.workers_dir)
         self.log.info("worker for lease %s of %s started %s in %.0f ms: pid %s, GPUs %s, fraction %g, "
                       "memory %s bytes", spec.lease_id, spec.owner, how, 1000 * (time.monotonic() - began),
                       worker.pid, ",".join(g.uuid for g in spec.gpus), spec.fraction, spec.memory)
         return worker
+
+    def _limit(self, worker: Worker, spec: WorkerSpec) -> None:
+        """The lease's host limits and its task limit on the worker's cgroup, before it is handed out."""
+        enforce_host_limits(worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory, self.log)
+        budget = self.settings.pids
+        if budget is not None and worker.cgroup.confines:  # a cluster's job or pod: the cluster's limits hold it
+            limit_tasks(worker.cgroup, spec.lease_id, budget.for_lease(len(spec.gpus), spec.fraction), self.log)
 
     def start_warm_pool(self) -> None:
         """Start filling the warm pool in the background (no-op for size 0).
@@ -174,13 +184,12 @@ class WorkerManager:
 
     async def _bind(self, worker: Worker, spec: WorkerSpec) -> bool:
         """Bind the warm ``worker`` to ``spec`` (:func:`~.binding.bind`) and
-        have the launcher write its limits meanwhile
-        (:meth:`~.launchers.WorkerLauncher.limit`: a thread's file writes),
+        write its limits (:meth:`_limit`) meanwhile: a thread's file writes,
         no reason to wait for them in turn. False when the binding failed:
         that worker is stopped, never offered again."""
         env = self.settings.enforcement.environment(spec.gpus, spec.fraction, spec.memory, spec.lease_id,
                                                    spec.owner, self.settings.node)
-        limiting = asyncio.ensure_future(self._launcher.limit(worker, spec))
+        limiting = asyncio.ensure_future(asyncio.to_thread(self._limit, worker, spec))
         try:
             await bind(worker, spec, env, self.settings.start_timeout)
         except WorkerBindError as exc:

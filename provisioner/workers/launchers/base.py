@@ -4,8 +4,7 @@ restart (adopt, sweep).
 
 :class:`~..manager.WorkerManager` makes one launcher per node, of the class
 ``c.NodeAgent.worker_launcher`` names (:mod:`.factory`), and calls only
-:meth:`WorkerLauncher.cold`, :meth:`WorkerLauncher.warm` (and
-:meth:`WorkerLauncher.limit` as a warm one is bound), once at start
+:meth:`WorkerLauncher.cold`, :meth:`WorkerLauncher.warm`, once at start
 (through :mod:`..recovery`) :meth:`WorkerLauncher.adopt` per record and
 :meth:`WorkerLauncher.sweep`, then :meth:`WorkerLauncher.prepare`, and once
 at the end :meth:`WorkerLauncher.close`. The stock one, ``local``
@@ -103,14 +102,6 @@ class WorkerLauncher(ABC):
         ``kept`` does not hold (warm workers, workers of no record, or that
         did not answer, what dead workers' cells left). Logs what it ended and
         what it could not; raises nothing."""
-
-    async def limit(self, worker: Worker, spec: WorkerSpec) -> None:
-        """Hold the warm ``worker`` being bound to ``spec`` to the lease's
-        host limits (CPUs, memory, tasks) before it is handed out; the
-        manager runs it while the worker runs its bind (:mod:`..binding`).
-        A cold worker gets its limits in :meth:`cold`. Default: nothing (a
-        launcher without warm workers; a cluster's job or pod is held to
-        them by the cluster, as submitted). Raises nothing."""
 
     async def prepare(self) -> None:
         """Called once as the agent starts, after :meth:`sweep`: start what

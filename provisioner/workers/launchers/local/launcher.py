@@ -7,9 +7,7 @@ from its interpreter's template (:mod:`.template`; the template's child joins
 the cgroup before it runs) or else starts ipykernel through jupyter_client
 (the start gate puts it in the cgroup before it runs: :mod:`.gate`),
 subscribes to its IOPub and waits until it answers ``kernel_info``. A start
-that fails leaves nothing running. The lease's host limits go on the cgroup
-(:meth:`LocalLauncher.limit`) before a worker is handed out: a cold one's as
-it starts, a warm one's while it runs its bind.
+that fails leaves nothing running.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ....cgroups import CgroupError, LeaseCgroup
-from ....host_limits import enforce as enforce_host_limits
-from ....process_limits import limit_tasks
 from ....worker_user import NoFreeWorkerUser, WorkerUser
 from ...binding import UNBOUND_ENVIRONMENT, prepare, preload_code
 from ...handle import Worker, open_log
@@ -113,28 +109,14 @@ class LocalLauncher(WorkerLauncher):
 
     async def cold(self, spec: WorkerSpec) -> Worker:
         """Start the worker of ``spec``, its slice's environment set from
-        the start, and hold it to the lease's host limits (:meth:`limit`).
-        WorkerStartError."""
+        the start. WorkerStartError."""
         settings = self.settings
         env = worker_environment(settings.environ, settings.enforcement.environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, settings.node))
         worker = await self._launch(spec.lease_id, env, f"lease-{spec.lease_id}", python=spec.python,
                                     user=spec.user)
         worker.spec = spec
-        await self.limit(worker, spec)
         return worker
-
-    async def limit(self, worker: Worker, spec: WorkerSpec) -> None:
-        """The lease's host limits and its task limit on the worker's
-        cgroup, before it is handed out (a warm one's while it runs its
-        bind); a limit that cannot hold is a loud warning, not an error."""
-        await asyncio.to_thread(self._limit, worker, spec)
-
-    def _limit(self, worker: Worker, spec: WorkerSpec) -> None:
-        enforce_host_limits(worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory, self.log)
-        budget = self.settings.pids
-        if budget is not None and worker.cgroup.confines:  # no cgroup (cgroup_mode 'none'): no task limit
-            limit_tasks(worker.cgroup, spec.lease_id, budget.for_lease(len(spec.gpus), spec.fraction), self.log)
 
     async def warm(self) -> Worker:
         """Start one warm worker: no GPU visible, ``warm.preload`` imported.
