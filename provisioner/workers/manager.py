@@ -19,8 +19,7 @@ from .accounts import WorkerAccounts
 from .binding import bind
 from .handle import Worker
 from .kernel import KernelManagers
-from .launchers import WorkerLauncher
-from .launchers.local import LocalLauncher
+from .launchers import WorkerLauncher, launcher_class
 from .parking import Parking, ParkSettings
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
@@ -34,8 +33,9 @@ class WorkerManager:
 
     ``cgroups``: where workers' cgroups are made (:mod:`..cgroups`; default
     ``containment("auto", "", state_dir)``: the best this host offers).
-    ``launcher``: the class that starts them (:mod:`.launchers`, chosen by
-    ``c.NodeAgent.worker_launcher``; default the ``local`` one).
+    ``launcher``: the class that starts them, or its name
+    (:func:`~.launchers.launcher_class`; the agent passes the class
+    ``c.NodeAgent.worker_launcher`` names; default ``"local"``).
     The warm pool (``settings.warm``) starts filling on
     :meth:`start_warm_pool`. ``parking``: how this node parks workers in
     place (:class:`~.parking.ParkSettings`; None: it does not, and
@@ -46,7 +46,7 @@ class WorkerManager:
     """
 
     def __init__(self, settings: WorkerLaunch, *, cgroups: Containment | None = None,
-                 launcher: type[WorkerLauncher] = LocalLauncher, log: logging.Logger | None = None,
+                 launcher: type[WorkerLauncher] | str = "local", log: logging.Logger | None = None,
                  parking: ParkSettings | None = None) -> None:
         self.settings = settings
         self.log = log or logging.getLogger("gpupool.agent")
@@ -60,6 +60,8 @@ class WorkerManager:
         self.log.info("worker cgroups: %s under %s", self.cgroups.mode, self.cgroups.where)
         self._kernels = KernelManagers(settings, self.log)
         self._reaper = Reaper(settings, accounts, self.log)
+        if isinstance(launcher, str):
+            launcher = launcher_class(launcher)
         self._launcher = launcher(settings, accounts, self.cgroups, self._kernels, self._reaper, self.log)
         self._recovery = Recovery(settings, accounts, self._kernels, self.log, self._launcher)
         self._workers: dict[str, Worker] = {}
