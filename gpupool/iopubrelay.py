@@ -9,7 +9,7 @@ from typing import Any, Callable
 import zmq
 from jupyter_client.session import Session
 
-from .remote import POLL_MS, deserialize
+from .kernelmsg import POLL_MS, deserialize
 
 
 #: The front end's comm messages, forwarded without a reply.

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from hmac import compare_digest
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
-from jupyter_client.session import Session
 
 from .errors import GPUPoolError, Reason
 from .kernelconn import connect_channel, kernel_session
+from .kernelmsg import POLL_MS, deserialize
 
 if TYPE_CHECKING:
     from .iopubrelay import IOPubRelay
 
-POLL_MS = 50
 #: Milliseconds to wait for more of a cell's output before answering its input request.
 DRAIN_MS = 20
 #: Seconds between pings of the worker's heartbeat channel while waiting on it.
@@ -33,34 +31,6 @@ HB_INTERVAL = 1.0
 #: Seconds without a heartbeat echo after which the worker counts as unreachable.
 #: ipykernel echoes from a thread of its own, so a busy cell still answers.
 HB_TIMEOUT = 10.0
-
-
-def deserialize(session: Session, parts: list, content: bool = True) -> dict[str, Any]:
-    """``session.deserialize(parts, content, copy=False)`` without turning the
-    header's and parent's ``date`` strings into datetimes: that is dateutil
-    parsing two dates per message, the largest cost of a forwarded cell in the
-    notebook kernel (py-spy), and nothing here reads a worker's dates (the
-    front end's come through ipykernel). The checks are Session's own: the
-    HMAC signature, replayed signatures (its digest history), at least five
-    parts. Raises ValueError or TypeError as Session.deserialize does."""
-    frames = [part.bytes if hasattr(part, "bytes") else bytes(part) for part in parts[:5]]
-    if len(frames) < 5:
-        raise TypeError("malformed message, must have at least 5 elements")
-    if session.auth is not None:
-        signature = frames[0]
-        if not signature:
-            raise ValueError("Unsigned Message")
-        if signature in session.digest_history:
-            raise ValueError(f"Duplicate Signature: {signature!r}")
-        if content:  # as Session: only a message that is read whole is remembered
-            session._add_digest(signature)
-        if not compare_digest(signature, session.sign(frames[1:5])):
-            raise ValueError(f"Invalid Signature: {signature!r}")
-    header = session.unpack(frames[1])
-    return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
-            "parent_header": session.unpack(frames[2]), "metadata": session.unpack(frames[3]),
-            "content": session.unpack(frames[4]) if content else frames[4],
-            "buffers": [part.buffer if hasattr(part, "buffer") else memoryview(part) for part in parts[5:]]}
 
 
 class RemoteKernel:

@@ -347,7 +347,7 @@ def test_worker_messages_are_checked_as_session_checks_them():
     import zmq
     from jupyter_client.session import Session
 
-    from gpupool.remote import deserialize
+    from gpupool.kernelmsg import deserialize
 
     sender, reader = Session(key=b"k"), Session(key=b"k")
     frames = sender.serialize(sender.msg("stream", {"text": "hi"}), ident=[])
