@@ -339,7 +339,7 @@ def test_an_admin_scancel_of_a_step_ends_the_slice_with_words(cluster, launcher,
         cluster.run("scancel", record.ident)
         said = await until(lambda: launcher.ended(record))
         assert said == (f"Slurm ended the worker's job {record.ident}: it was cancelled in Slurm "
-                        "(scancel, by an administrator or the job's owner)")
+                        "(scancel, by an administrator or the job's owner)"), _logs(record)
         await launcher.stop(record)  # the lease ends: its share job, now empty, goes
         assert await until(lambda: _gone(launcher, record.job_id))
 
@@ -434,3 +434,9 @@ def test_after_kill_9_of_the_agent_a_new_one_re_adopts_both_kinds_of_worker(clus
             assert await again.adopt(record) is None
 
     asyncio.run(scenario())
+
+
+def _logs(record) -> str:
+    """What the worker's step and its srun wrote (for a failed assertion's message)."""
+    log = Path(record.log_path)
+    return "\n".join(p.read_text(errors="replace") for p in (log, log.with_suffix(".srun.log")) if p.exists())

@@ -38,6 +38,9 @@ END_LINE_WAIT_S = 30.0
 #: What srun writes when the step's task exits by itself (``srun: error: NODE: task 0: Exited with exit
 #: code 3``), not when Slurm ends the step (then ``task 0: Killed`` or ``Terminated``).
 SRUN_TASK_EXITED = "Exited with exit code"
+#: What srun writes when slurmctld ends its step (scancel, a time limit, a node failure): slurmstepd's
+#: end line then comes, even when the task exits by itself first.
+SRUN_STEP_ABORTED = "srun: Job step aborted"
 
 
 class SlurmLauncher(LoggingConfigurable):
@@ -251,10 +254,12 @@ class SlurmLauncher(LoggingConfigurable):
         deadline = time.monotonic() + END_LINE_WAIT_S
         # A step slurmctld no longer lists may not have its slurmstepd line in a log yet (a busy host;
         # slurmstepd may write it after srun exits): wait for it up to the deadline, unless its srun
-        # exited with the worker's task (code 0, or saying it exited: then no line comes).
+        # exited with the worker's task (code 0, or saying it exited) and Slurm did not abort the step:
+        # then no line comes.
         srun = self._sruns.get(record.lease_id)
         while job is None and end_line(output) is None and time.monotonic() < deadline:
-            if srun is not None and srun.poll() is not None and (srun.returncode == 0 or SRUN_TASK_EXITED in output):
+            if srun is not None and srun.poll() is not None and not _aborted(output, srun.returncode):
+                output = self._output(record)  # what srun wrote before it exited
                 break
             await asyncio.sleep(POLL_S)
             output = self._output(record)
@@ -354,3 +359,12 @@ def _read(path: str) -> str:
 
 def _tail(path: Path, lines: int = 3) -> str:
     return " ".join(_read(str(path)).strip().splitlines()[-lines:])
+
+
+def _aborted(output: str, returncode: int) -> bool:
+    """Whether Slurm ended the step whose srun exited with ``returncode``
+    after writing ``output``: it aborted the step, or the task neither exited
+    with code 0 nor said it exited (then slurmstepd's end line is to come)."""
+    if SRUN_STEP_ABORTED in output:
+        return True
+    return returncode != 0 and SRUN_TASK_EXITED not in output
