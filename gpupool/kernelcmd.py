@@ -14,14 +14,6 @@ WORKER_EXTENSION = "gpupool.provisioner.worker_extension"
 
 #: The comm target of variable transfers and remoting ops on the worker (:mod:`gpupool.transfer`).
 TRANSFER_TARGET = "gpupool.transfer"
-#: The prompt of an ``input_request`` that asks the notebook kernel to run a
-#: ``%gpu`` line (followed by JSON ``{"line": ...}``); the gpupool kernel
-#: answers it itself with JSON ``{"ok": bool, "message": str}`` and never
-#: shows it to the user (docs/api.md, "Worker magics").
-MAGIC_PROMPT = "\x00gpupool-magic:"
-#: Metadata key of a forwarded ``execute_request``: the front end's own
-#: ``allow_stdin`` (the request itself always allows stdin, for MAGIC_PROMPT).
-STDIN_KEY = "gpupool_allow_stdin"
 
 
 def with_launcher(cmd: list[str], module: str) -> list[str] | None:

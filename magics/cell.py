@@ -1,7 +1,7 @@
 """The cell the gpupool kernel forwards to its worker, while it runs.
 
 The front end's ``execute_request`` goes to the worker with stdin always
-allowed (for the worker's ``%gpu``, :data:`gpupool.kernelcmd.MAGIC_PROMPT`);
+allowed (for the worker's ``%gpu``, :mod:`gpupool.wire.magic`);
 the worker's reply is passed on the moment it comes, and its IOPub is
 re-signed onto this kernel's (on the relay thread) within the cell's output
 budget. The worker's idle waits for the reply: a front end stops listening
@@ -11,7 +11,6 @@ kernel's words and idle instead (the held one is then dropped).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from jupyter_client.session import DELIM
 from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelapp import COUNT_KEY
-from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
+from gpupool.wire.magic import STDIN_KEY, answer_text, asked_line
 
 from .relay import OutputBudget
 
@@ -94,9 +93,10 @@ class ForwardedCell:
         """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
         the user's ``input()``, asked of the front end as a local one would be."""
         prompt = str(request.get("prompt", ""))
-        if prompt.startswith(MAGIC_PROMPT):
-            line = json.loads(prompt[len(MAGIC_PROMPT):]).get("line", "")
-            return json.dumps(self.kernel.gpu.run_for_worker(line))
+        line = asked_line(prompt)
+        if line is not None:
+            result = self.kernel.gpu.run_for_worker(line)
+            return answer_text(result["ok"], result["message"])
         if not ipk.allow_stdin(self.kernel):  # the worker checks this itself; a stray request gets EOF
             return "\x04"
         ask = self.kernel.getpass if request.get("password") else self.kernel.raw_input

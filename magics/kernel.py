@@ -11,7 +11,7 @@ the worker. What stays here:
 
 - cells made only of ``%gpu`` lines, and ``%%local`` cells;
 - ``%gpu`` lines inside a forwarded cell: the worker's ``%gpu`` asks this
-  kernel over its stdin channel (:data:`gpupool.kernelcmd.MAGIC_PROMPT`);
+  kernel over its stdin channel (:mod:`gpupool.wire.magic`);
 - comms of gpupool's own targets (``gpupool.*``); all other comms go to the worker;
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 

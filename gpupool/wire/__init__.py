@@ -13,6 +13,8 @@ both ends (docs/api.md).
   ``PUT /admin/quotas/{scope}``) and the ``GET /quota`` answer.
 - :mod:`.pool`: service -> client: the ``GET /pool`` answer (nodes, GPUs, totals).
 - :mod:`.hub`: JupyterHub -> service: a server stopped (``POST /hub/server-stopped``).
+- :mod:`.magic`: worker -> notebook kernel: ``%gpu`` in a cell on the worker,
+  asked over the worker's stdin channel.
 
 The field rules every body uses are in :mod:`gpupool.schema`. Each
 ``from_json`` raises a 400 GPUPoolError naming the field; each ``to_json``

@@ -4,10 +4,8 @@ own ``input()`` rule for a forwarded cell."""
 
 from __future__ import annotations
 
-import json
-
 from gpupool import ipykernel_private as ipk
-from gpupool.kernelcmd import MAGIC_PROMPT, STDIN_KEY
+from gpupool.wire.magic import STDIN_KEY, ask_prompt, read_answer
 
 
 def notebook_magic(ip, line: str) -> None:
@@ -21,15 +19,15 @@ def notebook_magic(ip, line: str) -> None:
     saved = ipk.allow_stdin(kernel)
     ipk.set_allow_stdin(kernel, True)
     try:
-        answer = kernel.raw_input(MAGIC_PROMPT + json.dumps({"line": line}))
+        answer = kernel.raw_input(ask_prompt(line))
     finally:
         ipk.set_allow_stdin(kernel, saved)
     try:
-        result = json.loads(answer)
+        ok, message = read_answer(answer)
     except ValueError:
         raise UsageError("%gpu on the worker needs the notebook's gpupool kernel to answer it") from None
-    if not result.get("ok"):
-        raise UsageError(result.get("message") or "%gpu failed")
+    if not ok:
+        raise UsageError(message or "%gpu failed")
 
 
 def front_end_stdin(ip) -> None:
