@@ -122,8 +122,8 @@ class NodeAgent(WorkerSettings):
         self.tokens = AgentTokens(self.token_file, self.metrics_token_file)
         self.metrics = AgentMetrics(self.node_name)
         self.worker_environments = self.check_environments()
-        self.accounts = WorkerAccountSettings(self.worker_user, self.worker_users, self.state_dir, self.node_name,
-                                              self.log)
+        self.account_settings = WorkerAccountSettings(self.worker_user, self.worker_users, self.state_dir,
+                                                      self.node_name, self.log)
         self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
                                                      retry=(self.nvml_retry_min, self.nvml_retry_max),
                                                      timeout=self.nvml_timeout, source=self.inventory_source)
@@ -249,7 +249,7 @@ class NodeAgent(WorkerSettings):
             if cgroups is not None:
                 cgroups.close()
             return
-        if self.accounts.separate:
+        if self.account_settings.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         cgroups = self.containment(state_dir)
         settings = WorkerLaunch(
@@ -257,12 +257,13 @@ class NodeAgent(WorkerSettings):
             start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
             warm=WarmSettings(self.warm_workers if self.launcher.keeps_warm else 0, tuple(self.preload_modules),
                               self.warm_worker_max_age),
-            encryption=self.transport_encryption, user=self.accounts.user, users=self.accounts.users,
+            encryption=self.transport_encryption,
+            user=self.account_settings.user, users=self.account_settings.users,
             enforcement=self.enforcement, config=self.config, templates=self.worker_templates,
             pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
         self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
                                      parking=self.park_settings(state_dir))
-        if self.accounts.template is not None:
+        if self.account_settings.template is not None:
             self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
         adopted = await self.workers.recover()  # before the first report names the workers
         if adopted:

@@ -106,7 +106,7 @@ class AgentHandler(JSONHandler):
                                f"{self.agent.inventory.error}", 503)
         spec = worker_spec(request, self.agent.gpus)
         python = python_for(self.agent.worker_environments, request.env)
-        accounts = self.agent.accounts
+        accounts = self.agent.account_settings
         # NSS may ask LDAP: off the loop. Without a template there is nothing to look up (no thread hop).
         user = await asyncio.to_thread(accounts.for_owner, spec.owner) if accounts.template is not None else None
         cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())

@@ -87,7 +87,7 @@ def make_shared(folder: Path) -> Path:
 
 
 @dataclass(frozen=True)
-class Allocation:
+class AllocationFile:
     """One allocation file: its ``gpu`` (UUID), the ``pid`` that made it and
     its number ``n`` in that process, ``path``, ``size`` in bytes and
     ``resident`` bytes (its allocated pages: what the GPU holds)."""
@@ -100,7 +100,7 @@ class Allocation:
     resident: int
 
 
-def allocations(base: Path | None = None, gpus: set[str] | None = None) -> list[Allocation]:
+def allocations(base: Path | None = None, gpus: set[str] | None = None) -> list[AllocationFile]:
     """Every allocation file under the GPU folders of ``base`` (default
     :func:`root`), of the GPUs ``gpus`` only when given; files that vanish
     meanwhile are left out."""
@@ -125,12 +125,12 @@ def allocations(base: Path | None = None, gpus: set[str] | None = None) -> list[
                 stat = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            found.append(Allocation(folder.name, int(match[1]), int(match[2]), Path(entry.path), stat.st_size,
+            found.append(AllocationFile(folder.name, int(match[1]), int(match[2]), Path(entry.path), stat.st_size,
                                     stat.st_blocks * 512))
     return found
 
 
-def process_files(pid: int, base: Path | None = None) -> list[Allocation]:
+def process_files(pid: int, base: Path | None = None) -> list[AllocationFile]:
     """The allocations of process ``pid`` on every GPU, by GPU and number."""
     return sorted((a for a in allocations(base) if a.pid == pid), key=lambda a: (a.gpu, a.n))
 

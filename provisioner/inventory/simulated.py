@@ -169,7 +169,7 @@ class SimulatedInventory(Inventory):
     def process_known(self) -> set[str]:
         return {gpu.uuid for gpu in self._gpus}
 
-    def _allocations(self) -> list[simgpu_store.Allocation]:
+    def _allocations(self) -> list[simgpu_store.AllocationFile]:
         """This node's GPUs' allocation files, after sweeping those of processes that are gone."""
         simgpu_store.sweep()
         return simgpu_store.allocations(gpus={gpu.uuid for gpu in self._gpus})

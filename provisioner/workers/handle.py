@@ -19,7 +19,7 @@ from ..cgroups import LeaseCgroup
 from ..cgroups.none import GroupOnly
 from ..worker_user import WorkerUser
 from .kernel import connection_info
-from .parkstate import Parked
+from .parkstate import ParkedInMemory
 from .process import WorkerProcess
 from .records import WorkerRecord
 from .spec import WorkerSpec
@@ -56,7 +56,7 @@ class Worker:
         self.death: str | None = None  # once dead by itself: why, in words for the user (out of memory...)
         self.stopping = False  # the agent is stopping it: its exit is no death to report
         self.watcher: asyncio.Future | None = None
-        self.parked: Parked | None = None  # parked in memory: frozen, its GPU state in host memory
+        self.parked: ParkedInMemory | None = None  # parked in memory: frozen, its GPU state in host memory
         # Of a worker another launcher started: its state (the record's ``launcher``), and the pids of
         # its processes outside its tree that a restarted agent must leave alone (a Slurm step's srun).
         self.launcher_state: dict | None = None

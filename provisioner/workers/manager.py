@@ -20,7 +20,7 @@ from .binding import bind
 from .handle import Worker
 from .kernel import KernelManagers
 from .launchers import WorkerLauncher, launcher_class
-from .parking import Parking, ParkSettings
+from .parking import ParkSettings, WorkerParking
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
 from .stopping import Reaper, quietly
@@ -67,7 +67,7 @@ class WorkerManager:
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
-        self.parking = Parking(parking, self, self.log) if parking is not None else None
+        self.parking = WorkerParking(parking, self, self.log) if parking is not None else None
         warm = settings.warm
         self.pool: WarmPool[Worker] = WarmPool(warm.size, warm.max_age, launch=self._launcher.warm,
                                                discard=self._reaper.terminate, alive=lambda w: not w.process.exited(),
@@ -270,14 +270,14 @@ class WorkerManager:
 
     # -- park and resume (docs/parking.md) -------------------------------------------
 
-    def _parking(self) -> Parking:
+    def _parking(self) -> WorkerParking:
         if self.parking is None:
             raise GPUPoolError(Reason.not_configured, "this agent does not park workers in place", 409)
         return self.parking
 
     async def park(self, lease_id: str, request: ParkRequest) -> WorkerParked:
         """Park the worker of ``lease_id`` as ``request`` says
-        (:meth:`.parking.Parking.park`); idempotent (a parked one answers
+        (:meth:`.parking.WorkerParking.park`); idempotent (a parked one answers
         where it is). KeyError for an unknown lease; GPUPoolError 409
         ``worker_busy``, 409 for a dead worker, 502 ``park_failed``."""
         parking = self._parking()
@@ -291,7 +291,7 @@ class WorkerManager:
     async def resume(self, lease_id: str, spec: WorkerSpec) -> WorkerResumed:
         """Resume the parked worker of ``lease_id`` on ``spec``'s GPUs and
         limits, or, spilled, load it into a new worker
-        (:meth:`.parking.Parking.resume`, :meth:`.spilling.Spilling.resume`).
+        (:meth:`.parking.WorkerParking.resume`, :meth:`.spilling.Spilling.resume`).
         KeyError for an unknown lease; GPUPoolError 400, 409, 502."""
         parking = self._parking()
         async with self._lock(lease_id):

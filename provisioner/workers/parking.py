@@ -3,8 +3,8 @@ frozen where it is, its GPU state in host memory, and resumed on the GPUs
 the service grants again; or, when the node's parked-memory budget or its
 host memory runs short, spilled to disk (:mod:`.spilling`).
 
-:class:`Parking` is what :class:`~.manager.WorkerManager` calls, under the
-lease's lock. It touches a worker only through its handle
+:class:`WorkerParking` is what :class:`~.manager.WorkerManager` calls, under
+the lease's lock. It touches a worker only through its handle
 (:class:`~.handle.Worker`: its cgroup, processes, connection, activity), so
 it works for whichever launcher started it. The order of freezing and moving
 is the checkpointer's (:attr:`~..checkpoint.Checkpointer.frozen`).
@@ -33,7 +33,7 @@ from ..checkpoint import Checkpointer, CheckpointError, ParkTarget
 from ..checkpoint.framework import ask
 from ..host_limits import enforce as enforce_host_limits
 from .handle import Worker
-from .parkstate import Parked
+from .parkstate import ParkedInMemory
 from .spec import WorkerSpec
 from .spilling import Spilling
 
@@ -106,7 +106,7 @@ def rss(pids: tuple[int, ...]) -> int:
     return total
 
 
-class Parking:
+class WorkerParking:
     """Parks and resumes the workers of ``manager`` as ``settings`` says."""
 
     def __init__(self, settings: ParkSettings, manager: WorkerManager, log: logging.Logger) -> None:
@@ -224,9 +224,9 @@ class Parking:
         return str(cleared) if cleared else None
 
     async def _in_memory(self, worker: Worker, target: ParkTarget, interrupted: bool,
-                         cleared: str | None = None) -> Parked:
+                         cleared: str | None = None) -> ParkedInMemory:
         """Freeze ``worker`` and move its GPU state to host memory, in the
-        checkpointer's order; its Parked, written to its record, saying
+        checkpointer's order; its ParkedInMemory, written to its record, saying
         ``cleared`` (:meth:`forget_traceback`) among what was not kept.
         Raises CheckpointError or CgroupError with the worker as it was."""
         cp = self.checkpointer
@@ -248,7 +248,8 @@ class Parking:
         if cleared:
             moved = dataclasses.replace(moved, lost=(cleared_words(cleared),) + moved.lost)
         frozen_as = WorkerState.busy if state == WorkerState.busy else WorkerState.idle
-        parked = Parked(cp.name, moved, time.time(), frozen_as, rss(target.pids) + moved.host_bytes, interrupted)
+        parked = ParkedInMemory(cp.name, moved, time.time(), frozen_as, rss(target.pids) + moved.host_bytes,
+                                interrupted)
         worker.parked = parked
         worker.record().write(self.manager.workers_dir)
         self.log.info("parked the worker of lease %s in memory with %s: %s moved off the GPU, %s kept there, %s of "
@@ -257,7 +258,7 @@ class Parking:
                       " (frozen mid-cell)" if parked.execution_state == WorkerState.busy else "")
         return parked
 
-    def parked_answer(self, parked: Parked, seconds: float) -> WorkerParked:
+    def parked_answer(self, parked: ParkedInMemory, seconds: float) -> WorkerParked:
         moved = parked.moved
         return WorkerParked("memory", parked.checkpointer, host_bytes=parked.host_bytes,
                             gpu_bytes_moved=moved.gpu_bytes_moved, gpu_bytes_kept=moved.gpu_bytes_kept,

@@ -1,7 +1,8 @@
-"""What the agent remembers of a parked lease: :class:`Parked` (its worker
-frozen on the node, kept on the :class:`~.handle.Worker` and in its record)
-and :class:`Spilled` (its worker ended, its namespace in the spill folder, with
-a manifest there), both read back by a restarted agent (:mod:`.recovery`)."""
+"""What the agent remembers of a parked lease: :class:`ParkedInMemory` (its
+worker frozen on the node, kept on the :class:`~.handle.Worker` and in its
+record) and :class:`Spilled` (its worker ended, its namespace in the spill
+folder, with a manifest there), both read back by a restarted agent
+(:mod:`.recovery`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ NAMESPACE = "namespace.bin"
 
 
 @dataclass(frozen=True)
-class Parked:
+class ParkedInMemory:
     """A worker parked in memory: the ``checkpointer`` that moved its GPU
     state and what it ``moved``, ``since`` (epoch seconds), its
     ``execution_state`` when it was frozen (``busy``: frozen mid-cell),
@@ -43,7 +44,7 @@ class Parked:
         return asdict(self) | {"moved": self.moved.to_json()}
 
     @classmethod
-    def from_json(cls, body: Any) -> "Parked":
+    def from_json(cls, body: Any) -> "ParkedInMemory":
         """ValueError for a body that is not one."""
         if not isinstance(body, dict):
             raise ValueError("a parked worker's record must be an object")
@@ -54,7 +55,7 @@ class Parked:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a parked worker's record: {exc}") from None
 
-    def but(self, **changes: Any) -> "Parked":
+    def but(self, **changes: Any) -> "ParkedInMemory":
         return replace(self, **changes)
 
 

@@ -24,7 +24,7 @@ from ..cgroups import CgroupError
 from .accounts import WorkerAccounts
 from .handle import Worker
 from .kernel import KernelManagers
-from .parkstate import Parked
+from .parkstate import ParkedInMemory
 from .records import WorkerRecord, read_records
 from .spec import WorkerLaunch, WorkerSpec
 from .stopping import remove_files, worker_files
@@ -89,7 +89,7 @@ class Recovery:
         nothing until its resume thaws it), its GPU state where its
         checkpointer left it. None (it is stopped) for a record that cannot be read."""
         try:
-            worker.parked = Parked.from_json(record.parked)
+            worker.parked = ParkedInMemory.from_json(record.parked)
         except ValueError as exc:
             self.log.warning("cannot re-adopt the parked worker of lease %s: %s", record.lease_id, exc)
             return None

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import logging
 
     from .manager import WorkerManager
-    from .parking import Parking
+    from .parking import WorkerParking
 
 
 
@@ -54,7 +54,7 @@ def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None 
 class Spilling:
     """The spilled leases of ``manager``'s node, under ``spill_dir``."""
 
-    def __init__(self, spill_dir: Path, manager: WorkerManager, parking: Parking, log: logging.Logger) -> None:
+    def __init__(self, spill_dir: Path, manager: WorkerManager, parking: WorkerParking, log: logging.Logger) -> None:
         self.spill_dir = spill_dir
         self.manager = manager
         self.parking = parking
