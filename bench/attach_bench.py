@@ -59,7 +59,7 @@ from gpupool.wire.leases import LeaseRequest
 
 PHASES = ("create", "service", "agent", "wake", "connect", "cell")
 MODES = ("cold", "boot", "warm")
-#: Issue 27's p50 bars (ms); the boot mode is reported beside them.
+#: The p50 targets (ms) of the warm and cold attach; the boot mode is reported beside them.
 TARGETS = {"warm": 40.0, "cold": 250.0}
 COLORS = {"cold": "tab:blue", "boot": "tab:gray", "warm": "tab:orange"}
 _STARTED = re.compile(r"worker for lease (\S+) of \S+ started (warm|cold) in (\d+) ms")

@@ -1,9 +1,9 @@
-"""The data plane against the comm path it replaced, same worker, same run (issue 15).
+"""The data plane against the comm path (buffers in comm messages), same worker, same run.
 
 A worker kernel with gpupool's extension (CurveZMQ or plain, as the agent
 starts one, with a ``transfer_port``), spoken to directly: each round pushes
 and pulls one NumPy array once with the buffers in the comm message (the
-path before issue 15: the connection info without ``transfer_port``) and
+path taken when the connection info has no ``transfer_port``) and
 once on the data plane, interleaved; prints MiB/s per round. No notebook
 kernel in between, so this isolates the transport. Run from the repository root:
 

@@ -1,4 +1,4 @@
-"""The data plane's receiving end alone: encrypted against plain, same process, alternating (issue 15).
+"""The data plane's receiving end alone: encrypted against plain, same process, alternating.
 
 One sender process streams the same bytes with ``gpupool.dataplane.send_buffers``
 over loopback TCP; this process receives them with ``recv_buffers`` (into fresh

@@ -1,4 +1,4 @@
-"""Another user's request latency while one user floods the service (issue 12).
+"""Another user's request latency while one user floods the service.
 
     .venv/bin/python bench/flood_bench.py [--calls 400] [--flooders 8] [--queued 1000] [--no-report]
 
@@ -20,7 +20,7 @@ request and makes ``--calls`` calls in turn, each timed alone from her side
   and go on while it runs.
 
 Prints p50/p99 per phase and writes the "Flood" section of bench/REPORT.md
-unless ``--no-report``. Target (issue 12): flood p99 within 2x idle p99.
+unless ``--no-report``. Target: flood p99 within 2x idle p99.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ GPU back and getting it again run in turns, on the same worker state:
   simulated GPU memory moved to the agent's host copy) then ``/resume``;
 - ``spilled``: the same with tier ``disk`` (the namespace saved to the spill
   folder, the process ended) and a resume into a new worker that loads it;
-- ``today``: the park this replaced (round 2's notebook-side park): pull
+- ``today``: the notebook-side park, for comparison: pull
   every variable over the data plane into this process (the notebook
   kernel's place), stop the worker; then start a new worker and push them
   back onto their devices.

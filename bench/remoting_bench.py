@@ -1,6 +1,6 @@
 """Remoting overhead: what attaching a notebook kernel to a gpupool worker costs.
 
-In one run on one machine, side by side (issue 6):
+In one run on one machine, side by side:
 
 - per-cell round trip of a trivial cell (``pass``) as a front end sees it
   (execute_request sent -> reply and idle status received), in (a) a plain

@@ -182,7 +182,7 @@ def notebook_target_words(gp, reservation, dedicated, sweep) -> str:
             f"{dedicated.cluster_utilization:.1%} busy; gpupool's pool {gp.cluster_utilization:.1%}.")
 
 
-#: The pool sizes the park-in-place sensitivity runs at: the old answer (costs not modelled) and the target's.
+#: The pool sizes the park-in-place sensitivity runs at.
 PARKING_SIZES = (336,)
 
 

@@ -1,4 +1,4 @@
-"""Bulk transfers: `%gpu push` / `%gpu pull` on the data plane against the wire (issue 15).
+"""Bulk transfers: `%gpu push` / `%gpu pull` on the data plane against the wire.
 
 In one run, interleaved per size (one of each per round, each timed
 right after an untimed run of its own, the best of --repeats kept): a raw

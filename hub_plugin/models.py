@@ -258,8 +258,8 @@ class UsageRecord(Base):
     it ends (a lease that never started gets one row of 0). ``gpus`` is
     fraction x GPU count; ``gpu_seconds`` is ``gpus`` x seconds from
     ``started_at`` to ``ended_at`` (the span's); ``groups`` the owner's groups
-    when the lease was asked for. Revision 0011: unique per lease and span
-    start (before: one row per lease), so parked time is in no row."""
+    when the lease was asked for. Unique per lease and span start (one row
+    per span, not per lease), so parked time is in no row."""
 
     __tablename__ = "usage_ledger"
     __table_args__ = (UniqueConstraint("lease_id", "started_at", name="uq_usage_ledger_span"),)

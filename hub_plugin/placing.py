@@ -26,7 +26,7 @@ from .state import PoolState
 
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
-#: ... once there are at least this many (before: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
+#: ... once there are at least this many (until then: rules.workload.DEFAULT_WORKLOAD); recomputed every this many.
 WORKLOAD_MIN = 50
 
 

@@ -170,7 +170,7 @@ REST = [
     rest("/leases", 400, "'memory' must be a whole number of bytes", body={"memory": 2**60}, id="memory-huge"),
     rest("/leases", 400, "'memory' must be a whole number of bytes", body={"memory": 2**20 + 0.5}, id="memory-part"),
     rest("/leases", 400, "'memory' must be a number, got 'lots'", body={"memory": "lots"}, id="memory-text"),
-    # a fraction for bytes or a count (issue 28's probe): refused, never rounded (2.0 and 1.5e9 are integers)
+    # a fraction for bytes or a count: refused, never rounded (2.0 and 1.5e9 are integers)
     rest("/leases", 400, "'host_memory' must be a whole number of bytes", raw=b'{"host_memory": 2147483648.5}',
          id="host-memory-part"),
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64, got 2.5", raw=b'{"gpu_count": 2.5}',
@@ -286,7 +286,7 @@ REST = [
          id="usage-days-text"),
     rest("/admin/usage?days=100000", 400, "'days' must be a whole number from 1 to 92", method="GET", user="boss",
          id="usage-days-huge"),
-    # odd inputs a probe found giving 500s (issue 12): big numbers, deep nesting, lone surrogates, NUL
+    # odd inputs that must not give 500s: big numbers, deep nesting, lone surrogates, NUL
     rest("/leases", 400, "a number of more than 100 digits", raw=b'{"fraction": 1' + b"0" * 400 + b"}",
          id="fraction-400-digits"),
     rest("/leases", 400, "a number of more than 100 digits", raw=b'{"wait": ' + b"9" * 400 + b"}", id="wait-400-digits"),

@@ -1,5 +1,5 @@
-"""Each lease's cell activity, recorded from the agents' heartbeats (issue 16:
-``gpupool simulate --from-store`` replays a pool's own cells)."""
+"""Each lease's cell activity, recorded from the agents' heartbeats
+(``gpupool simulate --from-store`` replays a pool's own cells)."""
 
 from __future__ import annotations
 

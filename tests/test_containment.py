@@ -1,4 +1,4 @@
-"""No process outlives its lease (issue 12): a cell that double-forks with
+"""No process outlives its lease: a cell that double-forks with
 ``setsid`` leaves a daemon outside its worker's process group and tree; the
 daemon still lives in the worker's cgroup, and dies at release, at agent
 stop, and is found again by an agent restarted after a kill -9.
@@ -28,7 +28,7 @@ from procs import start_agent, wait_for
 GiB = 1024**3
 GPUS = SimulatedInventory("2xA100-80GB", "node-1").discover()
 
-# The escape of issue 12: a daemon in a session of its own, reparented to
+# The escape to contain: a daemon in a session of its own, reparented to
 # init (double fork), no longer the worker's descendant; prints its pid.
 DAEMON_CELL = """\
 import subprocess, sys

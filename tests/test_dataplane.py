@@ -1,4 +1,4 @@
-"""The data plane (issue 15): bulk bytes of push/pull on a TCP connection of their own, AEAD per chunk.
+"""The data plane: bulk bytes of push/pull on a TCP connection of their own, AEAD per chunk.
 
 Against a real ipykernel worker with gpupool's extension and CurveZMQ (started
 as the agent starts one: a ``transfer_port`` in its connection file), and
@@ -240,8 +240,8 @@ def _raise_fd_limit(wanted: int) -> None:
 
 
 def test_idle_unauthenticated_connections_cost_the_worker_no_thread_and_a_push_still_works(worker):
-    """3,000 connections that never send a hello (issue 28's probe: one thread and one fd each before
-    any hello was checked, up to the process's fd limit): the worker's threads stay as they were, its
+    """3,000 connections that never send a hello (ungated, each would hold a thread and an fd until
+    its hello was checked, up to the process's fd limit): the worker's threads stay as they were, its
     fds within the gate's bound, and a real push gets through meanwhile. A connection whose hello
     never comes is closed after the hello deadline; one with a forged hello is refused at once."""
     from gpupool.provisioner.worker_extension import hello_gate
@@ -334,7 +334,7 @@ def _anon_huge_kib(address: int) -> int:
 
 
 def test_a_big_receive_buffer_is_in_huge_pages_where_the_kernel_offers_them():
-    """Issue 15: a fresh 4 KiB-paged destination held the receiver to about half the wire."""
+    """A fresh 4 KiB-paged destination holds the receiver to about half the wire."""
     if not dataplane_core._huge_pages():
         pytest.skip("this kernel offers no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled)")
     buffer = dataplane_core.allocate(64 * CHUNK)

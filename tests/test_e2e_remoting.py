@@ -1,4 +1,4 @@
-"""The remoting client through a real notebook kernel (issue 6): every output
+"""The remoting client through a real notebook kernel: every output
 kind, bounded output, the namespace following the user, devices remembered
 across release, ``%%gpu`` on a lease of its own, version checks.
 

@@ -1,4 +1,4 @@
-"""One user cannot hurt another (issue 12), with real service processes:
+"""One user cannot hurt another, with real service processes:
 
 - a thousand queued requests of one user (caps raised) leave another user's
   ``/health``, lease calls and place in the queue answered; with the default

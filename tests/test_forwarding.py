@@ -1,4 +1,4 @@
-"""The gpupool kernel forwards the front end's messages to the worker (issue 11).
+"""The gpupool kernel forwards the front end's messages to the worker.
 
 Message by message through jupyter_client, as a notebook front end speaks:
 execute (one execution, on the worker; counts that agree), complete, inspect,

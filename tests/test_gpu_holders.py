@@ -1,4 +1,4 @@
-"""Which names hold GPU memory (issue 23, "park in place"): the worker's
+"""Which names hold GPU memory (for park in place): the worker's
 ``gpu_memory`` op, asked on its real transfer comm, lists the names and the
 last traceback holding simulated GPU memory, each allocation counted once;
 a park drops the last traceback (its frames' memory freed instead of moved)

@@ -1,11 +1,11 @@
-"""The warning before idle reclaim reaches the notebook (issue 4, "Idle reclaim").
+"""The warning before idle reclaim reaches the notebook.
 
 The service sends ``idle_deadline`` and ``idle_warning`` with each lease; the
 notebook kernel's heartbeat thread raises one warning per idle period, then a
 notice when the lease is parked or reclaimed. The gpupool kernel sends each
 at once as an event on the ``gpupool.status`` comm and says it at the top of
-the next cell: never under an old cell (issue 11, "Notices land where the
-user looks"). Through a real service, agent and gpupool notebook kernel; the
+the next cell: never under an old cell (notices land where the
+user looks). Through a real service, agent and gpupool notebook kernel; the
 whole IOPub stream is read (every parent), as a notebook front end sees it.
 """
 
@@ -122,7 +122,7 @@ class Transcript:
                 if msg["msg_type"] == "stream":
                     self.streams.append((parent, msg["content"]["text"]))
                 elif msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == "status-1":
-                    if "event" in msg["content"]["data"]:  # not the state snapshots (issue 17)
+                    if "event" in msg["content"]["data"]:  # not the state snapshots
                         self.events.append(msg["content"]["data"])
                 elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                     self._idle.add(parent)
@@ -273,5 +273,5 @@ def test_a_parked_lease_is_told_once_when_the_next_cell_resumes_it(warning_pool,
     resumed, _ = notebook.execute("print(len(kept))", timeout=120)
     said = "".join(text for parent, text in notebook.streams if parent == resumed)
     assert said.count("gpupool: resumed ") == 1 and "was parked" not in said, said
-    assert "has been idle" not in said, "no warning atop the resume cell about the park that came true (issue 28)"
+    assert "has been idle" not in said, "no warning atop the resume cell about the park that came true"
     assert "3\n" in said

@@ -97,7 +97,7 @@ def test_kernelspec_help_and_bad_name(tmp_path, capsys):
 
     with pytest.raises(GPUPoolError, match="may only hold"):
         kernelspec_main(["install", "--prefix", str(tmp_path), "--name", "../evil"])
-    for url in ("notaurl", "127.0.0.1:8765", "ftp://pool:8765"):  # it used to be written, replacing a good one
+    for url in ("notaurl", "127.0.0.1:8765", "ftp://pool:8765"):  # refused, not written over a good one
         with pytest.raises(GPUPoolError, match="is not a service URL; it should look like http://HOST:PORT"):
             kernelspec_main(["install", "--prefix", str(tmp_path), "--url", url])
     assert not (tmp_path / "share" / "jupyter" / "kernels" / "gpupool").exists()

@@ -1,5 +1,5 @@
 """kill -9 of each process kind in the middle of a cell: the pool service, the
-node agent, the worker, the notebook kernel (issue 4, "Faults").
+node agent, the worker, the notebook kernel.
 
 Each scenario runs a real service (SQLite), a real agent (one warm worker)
 and a real notebook kernel on the gpupool kernelspec that holds a lease and

@@ -1,4 +1,4 @@
-"""A real JupyterLab 4 in Debian's Chromium (playwright), as a person uses it (issue 11).
+"""A real JupyterLab 4 in Debian's Chromium (playwright), as a person uses it.
 
 One ``jupyter lab`` server for the module, serving a folder outside the agent's
 home with ``project/analysis.ipynb`` beside ``project/data.csv``. The notebook on

@@ -1,4 +1,4 @@
-"""gpupool's JupyterLab extension (issue 17) in a real JupyterLab 4 in Debian's
+"""gpupool's JupyterLab extension in a real JupyterLab 4 in Debian's
 chromium, driven by playwright, on a real pool (a service with heartbeat TTL 3 s
 and one agent with two simulated A100s).
 
@@ -15,7 +15,7 @@ detaches, as ``%gpu status`` then says, and the ended worker's widget shows
 JupyterLab's disconnected mark (a parked one did not; a CPU kernel's never).
 A python3 notebook gets no comm and no GPU item. Screenshots on failure under the test's tmp_path.
 
-The JupyterLab helpers are the minimum of tests/lab.py (issue 11's browser test).
+The JupyterLab helpers are the minimum of tests/lab.py (the browser test's).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(nb.cell(5).locator(".widget-slider")).to_be_visible()
             expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
             expect(nb.toast(r"GPU: lease L-\S+ was parked, idle for")).to_be_visible()
-            # the warning closes once it came true: one notification about the lease, none stale (issue 28)
+            # the warning closes once it came true: one notification about the lease, none stale
             expect(page.get_by_text(re.compile(r"GPU: lease L-\S+ has been idle"))).to_have_count(0)
             expect(nb.toasts).to_have_count(1)  # the lease's one toast, updated in place
             expect(nb.status).to_contain_text("GPU: parked")

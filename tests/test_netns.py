@@ -1,4 +1,4 @@
-"""Multi-host (issue 4): the service, two agents and a notebook kernel each on
+"""Multi-host: the service, two agents and a notebook kernel each on
 a host of its own (a network namespace, tests/netns.py), talking over a
 bridge; links are cut and healed mid-cell and while idle.
 

@@ -1,4 +1,4 @@
-"""A node whose agent cannot read its GPUs because NVML fails (issue #4, GPU faults).
+"""A node whose agent cannot read its GPUs because NVML fails (GPU faults).
 
 The agent keeps running and keeps its workers, reports ``inventory_error``,
 and the service marks the node ``degraded``: its GPUs stay as last known,

@@ -1,4 +1,4 @@
-"""A GPU driver call that hangs is contained (issue #12): the agent goes on
+"""A GPU driver call that hangs is contained: the agent goes on
 answering, the node is ``degraded``, and a release answers the user in time.
 
 Real service and agent processes; the agent's NVML helper runs

@@ -1,4 +1,4 @@
-"""NVML in a watched helper process (issue #12, "a hanging driver call is contained").
+"""NVML in a watched helper process: a hanging driver call is contained.
 
 :class:`~gpupool.provisioner.inventory.nvml.watch.WatchedInventory` runs a real helper
 process (:mod:`gpupool.provisioner.inventory.nvml.helper`) whose ``pynvml`` is

@@ -156,7 +156,7 @@ def _state(service) -> dict[str, Any]:
 # the API four times per case (about 10 cases a second here). For the bulk,
 # hypothesis drives the service directly: one kept-alive connection, the state
 # read from the SQLite file, and strategies for the inputs a probe found to give
-# 500s (issue 12), which schemathesis never generated: number literals of
+# 500s, which schemathesis never generated: number literals of
 # hundreds of digits, nesting tens of thousands deep, lone surrogates in any
 # string, bytes that are not UTF-8, NUL and control characters, huge integers
 # in every numeric field of the agent's registration and heartbeat. Every

@@ -1,4 +1,4 @@
-"""Pressure end to end (issue 16): a full pool, a waiting interactive request,
+"""Pressure end to end: a full pool, a waiting interactive request,
 an idle over-quota lease parked early (its variables come back), the waiter
 placed; a batch lease whose cell runs is not interrupted and yields once idle;
 a preemptible one is told, interrupted, then parked. Through a real service,

@@ -1,4 +1,4 @@
-"""The pressure plan's settings change what the service does, end to end (issue 16):
+"""The pressure plan's settings change what the service does, end to end:
 ``c.GPUPool.batch_first`` with ``preemption_grace = 0`` preempts a running
 preemptible batch cell at once instead of parking a person's idle lease after
 ``pressure_grace``; ``c.GPUPool.pressure_clears_nodes`` parks the idle leases of one

@@ -1,4 +1,4 @@
-"""Table tests of the pure scheduling rules of issue 16: class order in the
+"""Table tests of the pure scheduling rules: class order in the
 queue, pressure parks, guaranteed vs over-quota share, preemption only with
 opt-in, and the ETA (hub_plugin/rules/priority.py, hub_plugin/rules/eta.py, hub_plugin/rules/queue.py)."""
 

@@ -1,9 +1,9 @@
 """Task limits (:mod:`gpupool.provisioner.process_limits`): a cell that forks
 without end stops at its own worker's ``pids.max``, and the node goes on.
 
-The probe of issue 28: a cell forking 1,460 sleeping children filled the
-node's process budget; another user's cell could not start a process, the
-agent died, new acquires failed and the bomb's release was not confirmed.
+Without these limits, a cell forking 1,460 sleeping children fills the
+node's process budget; another user's cell cannot start a process, the
+agent dies, new acquires fail and the bomb's release is not confirmed.
 Here, for real: an agent started inside a pids cgroup of 1,500 tasks (what
 systemd's TasksMax or a container's limit would be), a real service with two
 users, real workers on this host's cgroups (root and a pids controller

@@ -188,8 +188,8 @@ def test_ctrl_c_interrupts_the_script_and_releases(pool, env, stubborn):
 
 
 def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, env):
-    # `timeout` and process managers send SIGTERM to the process and to its group: the second one used to
-    # land while the lease was being released and end the run with a traceback, the lease left to reclaim.
+    # `timeout` and process managers send SIGTERM to the process and to its group: the second one lands
+    # while the lease is being released, and must neither end the run with a traceback nor leave the lease.
     with looping_run(pool, env, "term") as (proc, log):
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -205,7 +205,7 @@ def test_sigterm_twice_as_timeout_sends_it_releases_without_a_traceback(pool, en
 
 def test_a_worker_killed_mid_run_ends_it_with_the_leases_words(pool, env):
     # The heartbeat beats every busy_interval (2 s) while work runs, also when the work starts just after a
-    # beat: it used to sleep out the idle interval (up to 15 s), and the worker's silence (10 s) came first.
+    # beat: sleeping out the idle interval (up to 15 s) would let the worker's silence (10 s) come first.
     with looping_run(pool, env, "killed") as (proc, log):
         lease = lease_of(log.read_text(), pool)
         os.kill(lease.worker["pid"], signal.SIGKILL)

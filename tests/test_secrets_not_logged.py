@@ -1,4 +1,4 @@
-"""Tokens and worker keys never show up in logs or error messages (issue 4, "Security").
+"""Tokens and worker keys never show up in logs or error messages.
 
 A real service and agent, both logging at DEBUG, carry leases through their
 life (create, a cell on the worker, heartbeats, an admin's release, the

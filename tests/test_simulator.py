@@ -186,7 +186,7 @@ def test_cli_on_tiny_traces(tmp_path, capsys):
     assert "bestfit" in capsys.readouterr().out
 
 
-# -- issue 16: the simulator's own pure rules (ETA, dedicated), as tables ----------------------------------
+# -- the simulator's own pure rules (ETA, dedicated), as tables -------------------------------------------
 # Class order, pressure parks and preemption are the service's (hub_plugin/rules/priority.py, tests/test_priority.py);
 # the replays below check that the simulator decides with them.
 
@@ -427,7 +427,7 @@ def test_the_replay_records_the_eta_next_to_the_old_estimate_and_the_wait():
     assert result.eta_errors == ((None, None, 780.0), (360.0, 660.0, 600.0))
 
 
-# -- issue 14: the replay imports nothing that does I/O ---------------------------------------------------
+# -- the replay imports nothing that does I/O -------------------------------------------------------------
 
 #: The replay's modules; beside them, traces.py reads CSV files, store.py a store, cli.py is the command.
 REPLAY = ("notebooks", "sessions", "policies", "sweep", "waiting", "backlog", "eta_log", "results", "openb",

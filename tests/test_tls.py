@@ -1,4 +1,4 @@
-"""TLS for the service's and the agents' HTTP (issue 4, Security).
+"""TLS for the service's and the agents' HTTP.
 
 A test CA (made here with ``cryptography``) signs one certificate for
 127.0.0.1; the service and an agent serve HTTPS with it and trust the CA

@@ -1,4 +1,4 @@
-"""CurveZMQ between notebook kernels and workers (issue 4, Security).
+"""CurveZMQ between notebook kernels and workers.
 
 One service, two agents: ``curve-node`` (one simulated A100, workers with
 ``--transport-encryption=curve``) and ``plain-node`` (one simulated H100,

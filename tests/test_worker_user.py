@@ -1,6 +1,6 @@
 """Workers run as an unprivileged user the admin configures
 (``c.NodeAgent.worker_user``), not as the agent's user, and cannot read the
-agent's credentials (issue 4, "Security").
+agent's credentials.
 
 The end-to-end test needs root (the agent switches user when it starts a
 worker) and creates the system user ``gpupool-test-worker`` when it is
@@ -155,7 +155,7 @@ print(json.dumps([enter_workdir(OPEN, "ann"), enter_workdir(CLOSED, "ann")]))
 
 def _check_workdir_rule(root: Path, connection: dict, account) -> None:
     """The notebook's folder is used when the worker's account may enter it;
-    a folder it may not enter gives the owner's scratch folder (issue 11)."""
+    a folder it may not enter gives the owner's scratch folder."""
     open_dir, closed_dir = root / "notebooks-shared", root / "notebooks-private"
     open_dir.mkdir(mode=0o755)
     closed_dir.mkdir(mode=0o700)
