@@ -72,11 +72,11 @@ class WorkerActivity:
         if not msg_id:  # "starting" has no parent
             return
         state = msg.get("content", {}).get("execution_state")
-        if state == "busy":
+        if state == WorkerState.busy:
             self._in_flight[msg_id] = parent.get("msg_type", "")
             if self._ready and parent.get("msg_type") == "execute_request":
                 self.cell_started = self._clock()
-        elif state == "idle":
+        elif state == WorkerState.idle:
             msg_type = self._in_flight.pop(msg_id, parent.get("msg_type", ""))
             if msg_type == "execute_request" and self._ready:
                 self._idle_since = self._clock()

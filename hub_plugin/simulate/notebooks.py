@@ -63,6 +63,7 @@ from collections import deque
 import numpy as np
 
 from gpupool.leaseclasses import lease_class, names as class_names
+from gpupool.schema import WorkerState
 
 from ..rules import priority
 from ..rules.reclaim import decide
@@ -240,7 +241,7 @@ class _Replay:
         session.running = True
         session.run_start, session.cell = begin, cell
         session.token += 1
-        session.lease.worker_state = "busy"
+        session.lease.worker_state = WorkerState.busy
         session.lease.idle_since = None
         self.table.idle.pop(sid, None)
         self.hold(sid)
@@ -261,7 +262,7 @@ class _Replay:
             self.start(sid, now)
             return
         lease = session.lease
-        lease.worker_state = "idle"
+        lease.worker_state = WorkerState.idle
         lease.idle_since = at(now)
         self.table.idle[sid] = now
         self.hold(sid)

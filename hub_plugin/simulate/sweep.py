@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, WorkerState
 
 from ..rules import priority
 from ..rules.scheduler import Placement
@@ -45,7 +45,7 @@ class SimLease:
     placement: Placement
     granted: float
     state: str = LeaseState.active.value
-    worker_state: str = "busy"
+    worker_state: str = WorkerState.busy
     idle_since: datetime | None = None
     last_heartbeat_at: datetime | None = None
     heartbeat_ttl: float = HEARTBEAT_TTL_S
