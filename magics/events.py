@@ -7,7 +7,7 @@ written into an old cell's saved output. The kernel keeps them and says each
 once at the top of the next cell's output (one that comes while a forwarded
 cell runs is said in that cell at once); a front end (the JupyterLab
 extension, ``labextension/``) that opens a comm to target ``gpupool.status``
-gets, on that comm (docs/api.md, "The status comm"):
+gets, on that comm (:mod:`gpupool.wire.status`; docs/api.md, "The status comm"):
 
 - ``{"event": KIND, "message": WORDS}`` for each notice at once, and for
   what a cell says anyway (``attached``, ``released``, ``resumed``,
@@ -32,12 +32,9 @@ from typing import Any, Callable
 
 from gpupool.leasewait import WAITING_FOR_ROOM
 from gpupool.wire.leases import Lease
+from gpupool.wire.status import (PHASES, REQUESTS, STATE_KEYS, TARGET, event_message, refusal, reply_message,
+                                 state_message)
 
-TARGET = "gpupool.status"
-#: What ``state["phase"]`` can be.
-PHASES = ("detached", "queued", "starting", "attached", "parked")
-#: What a front end may ask on the comm.
-REQUESTS = ("acquire", "release", "status", "defaults", "resume")
 #: The share the Acquire dialog offers first.
 DIALOG_AMOUNT = "0.5"
 log = logging.getLogger("gpupool.magics")
@@ -60,10 +57,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-    state: dict[str, Any] = dict.fromkeys(
-        ("lease", "share", "fraction", "gpu_count", "gpu_model", "gpu_indices", "node", "node_state", "memory_used",
-         "memory_limit", "idle_timeout", "idle_deadline", "idle_warning", "on_idle", "queue_position", "eta",
-         "reason"))
+    state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
     state["phase"] = phase
     if lease is None:
         return state
@@ -119,7 +113,7 @@ class Events:
         state = self._current()
         with self._lock:
             self._state = state
-        self._send([comm], {"state": state})
+        self._send([comm], state_message(state))
 
     def _closed(self, comm_id: str) -> None:
         with self._lock:
@@ -128,14 +122,14 @@ class Events:
     def _request(self, comm: Any, msg: dict[str, Any]) -> None:
         data = msg.get("content", {}).get("data")
         if not isinstance(data, dict) or "request" not in data:
-            self._send([comm], {"reply": None, "ok": False, "message": "a gpupool.status message must be "
-                                f"{{\"request\": KIND}} with KIND one of {', '.join(REQUESTS)}, not {data!r}"})
+            self._send([comm], refusal(f"a {TARGET} message must be {{\"request\": KIND}} with KIND one of "
+                                       f"{', '.join(REQUESTS)}, not {data!r}"))
             return
         if self.answer is None:
             reply = {"ok": False, "message": "this kernel answers no requests"}
         else:
             reply = self.answer(data)
-        self._send([comm], {"reply": data.get("request"), "id": data.get("id"), **reply})
+        self._send([comm], reply_message(data, reply))
         self.changed()
 
     def _send(self, comms: list[Any], data: dict[str, Any]) -> None:
@@ -143,7 +137,7 @@ class Events:
             try:
                 comm.send(data)
             except Exception:  # a closed front end must not lose the message for the others
-                log.warning("could not send to gpupool.status comm %s", comm.comm_id, exc_info=True)
+                log.warning("could not send to %s comm %s", TARGET, comm.comm_id, exc_info=True)
 
     def _current(self) -> dict[str, Any]:
         try:
@@ -164,7 +158,7 @@ class Events:
         running cell says itself); ``extra`` keys go along (``code``)."""
         with self._lock:
             comms = list(self._comms.values())
-        self._send(comms, {"event": kind, "message": message, **extra})
+        self._send(comms, event_message(kind, message, **extra))
 
     def changed(self, state: dict[str, Any] | None = None) -> None:
         """Push ``state`` (default: ``snapshot()``) to the front ends if it
@@ -175,7 +169,7 @@ class Events:
                 return
             self._state = state
             comms = list(self._comms.values())
-        self._send(comms, {"state": state})
+        self._send(comms, state_message(state))
 
 
 class Requests:

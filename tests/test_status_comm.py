@@ -19,7 +19,8 @@ import pytest
 
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease
-from gpupool.magics.events import PHASES, lease_state
+from gpupool.magics.events import lease_state
+from gpupool.wire.status import PHASES
 from frontend import Cell
 
 GIB = 1024**3

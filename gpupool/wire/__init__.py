@@ -15,6 +15,8 @@ both ends (docs/api.md).
 - :mod:`.hub`: JupyterHub -> service: a server stopped (``POST /hub/server-stopped``).
 - :mod:`.magic`: worker -> notebook kernel: ``%gpu`` in a cell on the worker,
   asked over the worker's stdin channel.
+- :mod:`.status`: front end <-> notebook kernel: the ``gpupool.status`` comm
+  (its TypeScript side, ``labextension/src``, is checked against it).
 
 The field rules every body uses are in :mod:`gpupool.schema`. Each
 ``from_json`` raises a 400 GPUPoolError naming the field; each ``to_json``
