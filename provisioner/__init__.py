@@ -1,11 +1,6 @@
-"""The GPU-node side of gpupool: inventory, enforcement, node agent and
-workers, and the extension inside each worker kernel.
-
-This module only re-exports. It does so lazily (PEP 562 ``__getattr__``)
-because the parts have different dependencies: a worker environment imports
-:mod:`gpupool.provisioner.worker_extension` and has neither ``psutil`` nor
-``pynvml`` (``gpupool[agent]`` extras) installed, so importing this package
-must not pull in the agent.
+"""The GPU-node side of gpupool: inventory, enforcement, the node agent and
+its workers, and the extension inside each worker kernel. Re-exports only,
+lazily, so a worker environment imports no agent dependency (docs/node.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""How a node confines workers to their slices: one contract, several modes.
-
-- :mod:`.base`: :class:`EnforcementMode`, what each mode decides (name,
-  capacity rule, worker environment, refusals, node setup, memory watchdog),
-  and :func:`slice_environment`, the variables every mode gives a worker;
-- :mod:`.modes` (``timeslice``, ``exclusive``, ``mig``, ``none``) and
-  :mod:`.mps` (``mps``, with :class:`MPSControl`, the control daemon);
-- :mod:`.factory`: modes by name (built in, :func:`register` / :func:`unregister`, or the
-  ``gpupool.enforcement`` entry point group) and :func:`resolve`, the node's
-  mode from what it asked (``auto`` included);
-- :mod:`.watchdog`: :class:`MemoryWatchdog`, the agent's GPU memory check.
-
-docs/enforcement.md says what each mode guarantees and how to add one.
+"""How a node confines workers to their slices: one contract, several modes,
+picked by name, and the memory watchdog (docs/node.md, "Enforcement modes";
+docs/enforcement.md).
 """
 
 from .base import EnforcementMode, slice_environment

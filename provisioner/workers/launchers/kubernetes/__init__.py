@@ -1,13 +1,6 @@
-"""Workers as Kubernetes pods on the agent's node (docs/launchers.md, "Kubernetes").
-
-- :mod:`.pods`: a lease's worker pod and its connection Secret (pure: the
-  lease, the agent's pod template and the settings in, manifests out);
-- :mod:`.client`: :class:`PodClient`, the API calls (official ``kubernetes``
-  client, ``gpupool[kubernetes]``), kept apart so the builder stays pure;
-- :mod:`.launcher`: :class:`KubernetesLauncher`, the settings
-  (``c.KubernetesLauncher.image = ...``).
-
-Nothing here imports ``kubernetes`` until a :class:`PodClient` is made.
+"""Workers as Kubernetes pods on the agent's node (docs/launchers.md,
+"Kubernetes"; its modules: docs/node.md). Nothing here imports
+``kubernetes`` until a :class:`PodClient` is made.
 """
 
 from .client import PodClient, PodError

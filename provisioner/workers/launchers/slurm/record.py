@@ -1,6 +1,6 @@
 """What the agent keeps of a worker that runs in Slurm: enough to find its job
 again after an agent restart, as JSON (the launcher's own part of a worker's
-record, docs/launchers.md, "State to record").
+record, docs/launchers.md, "The contract for phase 2", ``state(worker)``).
 
 A lease job is found by its id and checked by its name: Slurm's job ids are
 unique within a cluster for as long as slurmctld keeps its state, but a

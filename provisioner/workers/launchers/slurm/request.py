@@ -1,7 +1,7 @@
 """What the agent asks Slurm for, for one lease's worker (pure: settings and
 a lease in, command lines out).
 
-Two shapes (docs/launchers.md, "Slurm: whole GPUs and slices" says why):
+Two shapes (docs/launchers.md, "Whole GPUs and slices" says why):
 
 - a **lease job** (:func:`lease_job`): a batch job of its own per lease,
   ``--gres=gpu:N`` for N whole GPUs, whose batch script *is* the worker
