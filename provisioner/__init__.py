@@ -1,6 +1,6 @@
 """The GPU-node side of gpupool: inventory, enforcement, the node agent and
 its workers, and the extension inside each worker kernel. Re-exports only,
-lazily, so a worker environment imports no agent dependency (docs/node.md).
+lazily, so a worker environment imports no agent dependency (docs/code.md).
 """
 
 from __future__ import annotations

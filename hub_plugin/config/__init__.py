@@ -1,14 +1,6 @@
-"""The pool service's settings: ``c.GPUPool.*`` in ``gpupool_config.py`` or
-``jupyterhub_config.py``.
-
-Each setting is a trait whose help gives the unit, the default and an
-example. Durations and sizes accept human units (``"30m"``, ``"512MiB"``)
-through :mod:`gpupool.traits`; the value stored is seconds or bytes.
-
-The settings are grouped by concern into the classes :class:`GPUPool`
-inherits, one from the other (:data:`SETTINGS_PARTS`), a module each, so every one stays
-``c.GPUPool.NAME``; ``ServiceApp`` shows them all under ``GPUPool`` in
-``--generate-config`` and ``--help-all``.
+"""The pool service's settings: ``c.GPUPool.*``, one module per concern, each
+a class that :class:`GPUPool` inherits (:data:`SETTINGS_PARTS`), so every
+one stays ``c.GPUPool.NAME`` (docs/code.md, "Settings").
 """
 
 from .leases import LeaseSettings

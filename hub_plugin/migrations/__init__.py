@@ -1,10 +1,6 @@
-"""Alembic migrations of the store, applied by the service at start.
-
-``upgrade(connection)`` runs every revision up to ``head`` on an open
-connection; no ``alembic.ini`` is needed. After changing
-:mod:`gpupool.hub_plugin.models`, write the next revision with
-``alembic.command.revision(config("sqlite:///scratch.sqlite"), "what changed",
-autogenerate=True)`` against a database at the previous head, then tidy it.
+"""Alembic migrations of the store, applied by the service at start
+(:func:`upgrade`; no ``alembic.ini``). How to write the next revision:
+docs/code.md, "Migrations".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How a node moves a parked worker's GPU state to host memory and back: one
-contract, several checkpointers, picked by name (docs/node.md,
+contract, several checkpointers, picked by name (docs/code.md,
 "Checkpointers"; docs/parking.md).
 """
 

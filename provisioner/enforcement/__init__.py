@@ -1,5 +1,5 @@
 """How a node confines workers to their slices: one contract, several modes,
-picked by name, and the memory watchdog (docs/node.md, "Enforcement modes";
+picked by name, and the memory watchdog (docs/code.md, "Enforcement modes";
 docs/enforcement.md).
 """
 

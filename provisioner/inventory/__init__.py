@@ -1,5 +1,5 @@
 """A node's GPU inventory: one contract, several implementations (simulated,
-NVML), picked by name (docs/node.md, "Inventory"). Importing this package
+NVML), picked by name (docs/code.md, "Inventory"). Importing this package
 loads neither ``pynvml`` nor the NVML modules.
 """
 

@@ -1,6 +1,6 @@
 """Workers: one ipykernel per lease, confined to the lease's slice, started,
 watched, parked, re-adopted and stopped by :class:`WorkerManager`
-(docs/node.md, "Workers").
+(docs/code.md, "Workers").
 """
 
 from .handle import Worker

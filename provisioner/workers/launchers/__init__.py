@@ -1,6 +1,6 @@
 """How a node starts its workers: the :class:`WorkerLauncher` contract, the
 launchers (``local``, ``slurm``, ``kubernetes``) and the factory that picks
-one by name (docs/node.md, "Launchers").
+one by name (docs/code.md, "Launchers").
 """
 
 from .base import WorkerLauncher

@@ -1,5 +1,5 @@
 """Workers as Kubernetes pods on the agent's node (docs/launchers.md,
-"Kubernetes"; its modules: docs/node.md). Nothing here imports
+"Kubernetes"; its modules: docs/code.md). Nothing here imports
 ``kubernetes`` until a :class:`PodClient` is made.
 """
 

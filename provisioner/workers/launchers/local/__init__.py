@@ -1,5 +1,5 @@
 """The ``local`` worker launcher (:class:`LocalLauncher`): every worker a
-kernel process of the agent's host, in a cgroup of its own (docs/node.md,
+kernel process of the agent's host, in a cgroup of its own (docs/code.md,
 "Launchers").
 """
 

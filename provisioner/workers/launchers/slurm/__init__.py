@@ -1,6 +1,6 @@
 """Workers as Slurm jobs: whole GPUs as a lease's own job, slices as steps of
 a share job that holds their GPU (docs/launchers.md, "Slurm"; its modules:
-docs/node.md).
+docs/code.md).
 """
 
 from .commands import SlurmCommands, SlurmError
