@@ -1,28 +1,13 @@
-"""Simulated GPU memory, for workers on a node with a simulated inventory.
-
-So that parking, the inventory's per-process readings and the memory limit
-can be exercised on hosts without a GPU, a worker can hold "device memory"
-here: NumPy arrays whose pages live in a file of the GPU's folder
-(:mod:`.simgpu_store`: ``/dev/shm/gpupool-simgpu/<GPU UUID>/<pid>-<n>``)::
+"""Simulated GPU memory, for workers on a node with a simulated inventory:
+NumPy arrays whose pages live in a file of the GPU's folder
+(:mod:`.simgpu_store`), limited to the slice's memory, so that parking and
+the per-process readings run on hosts without a GPU (docs/parking.md,
+"Simulated GPU memory")::
 
     from gpupool.provisioner import simgpu
     x = simgpu.zeros((1024, 1024, 512), "float32")   # 2 GiB on GPU 0 of the slice
     simgpu.memory_allocated()                          # 2147483648
     simgpu.device_of(x)                                # 0
-
-The GPUs are those of the worker's ``CUDA_VISIBLE_DEVICES`` (the UUIDs the
-agent sets), device ``i`` being the ``i``-th; the limit per GPU is the
-slice's ``GPUPOOL_MEMORY_LIMIT``. After a resume onto other GPUs or limits
-the agent's binding file says the new ones (a live process's environment
-cannot change). An allocation beyond the limit, or beyond what the host's
-tmpfs can hold, raises :class:`OutOfMemoryError` in CUDA's words.
-
-The pages are allocated up front (``posix_fallocate``), as ``cudaMalloc``
-takes its memory at once; an array's file goes when the last array on it is
-collected, and every file of a process when it exits (one it cannot remove,
-killed, is swept by the agent). Forked children see the same memory and never
-free it. Arrays stay valid across a park: the checkpointer moves their pages
-out of the file and back in, under the same mapping.
 """
 
 from __future__ import annotations

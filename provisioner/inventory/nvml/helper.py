@@ -1,30 +1,7 @@
-"""The NVML helper: a small process that asks NVML on the agent's behalf.
-
-A call into the NVIDIA driver can hang (a GPU falling off the bus, a driver
-stuck in the kernel), and a hung call cannot be cancelled, not even from
-another thread. So the agent never calls NVML itself: it runs this program
-(``python -m gpupool.provisioner.inventory.nvml.helper FD``) and talks to it over the
-socket ``FD`` it inherited, a :class:`multiprocessing.connection.Connection`
-(length-prefixed pickles). :mod:`.watch` is the agent's side: it waits
-for each answer with a timeout, off its event loop, and kills and replaces a
-helper that passes it.
-
-The helper holds a :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` over an
-:class:`~.inventory.NVMLInventory`, so NVML failing to start (or stopping) is
-retried here, with the same backoff as before. Requests, one at a time:
-
-- ``("open", {"host_proc", "first", "longest", "log_level"})``: open NVML;
-  answers a :func:`snapshot`, or ``("error", message, reason, retryable)``
-  when there is no NVML to retry (no driver library, no GPU).
-- ``("poll", None)``: one heartbeat's worth of NVML: ``refresh()`` and every
-  reading; answers a :func:`snapshot`.
-- ``("close", None)``: shut NVML down; answers ``("closed",)`` and exits.
-
-Before an answer the helper may send ``("log", levelno, logger, message)``
-records, which the agent logs as its own, and ``("slow", function,
-seconds)`` once an NVML function has not returned for ``slow_after``
-seconds (an option of ``open``), so that the agent can name the call that
-hung. It exits when the agent's end of the socket closes.
+"""The NVML helper: a small process that asks NVML on the agent's behalf, so
+that a driver call that hangs cannot stop the agent (:mod:`.watch` is the
+agent's side). Run as ``python -m gpupool.provisioner.inventory.nvml.helper FD``;
+its requests and answers over the socket ``FD``: docs/code.md, "The NVML helper".
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """The real GPU inventory, read through NVML (``nvidia-ml-py``, imported as
-``pynvml``).
-
-What it reads, with the NVML call (NVML API Reference Guide,
-https://docs.nvidia.com/deploy/nvml-api/):
-
-- GPUs: ``nvmlDeviceGetCount``/``GetHandleByIndex``, ``GetUUID``, ``GetName``,
-  ``GetMemoryInfo`` (v2 where the driver has it: total, reserved, used, in
-  bytes), ``GetCudaComputeCapability``.
-- MIG: ``nvmlDeviceGetMigMode``; on a GPU with MIG enabled every MIG
-  instance (``GetMaxMigDeviceCount``, ``GetMigDeviceHandleByIndex``; an
-  empty slot answers NotFound) is a GPU of its own in the pool, with its own
-  ``MIG-...`` UUID and memory; the parent is not offered (its memory belongs
-  to its instances).
-- Versions: ``nvmlSystemGetDriverVersion``, ``nvmlSystemGetCudaDriverVersion_v2``.
-- Per process: ``nvmlDeviceGetComputeRunningProcesses`` (bytes; PIDs of the
-  host namespace, mapped by :mod:`gpupool.provisioner.attribution`) and
-  ``nvmlDeviceGetProcessUtilization`` (SM %, samples newer than the last-seen
-  timestamp, in microseconds; NotFound means no new sample, not an error).
-- Device utilization: ``nvmlDeviceGetUtilizationRates`` (percent).
-- Health: a query failing with ``NVMLError_GpuIsLost`` marks the GPU lost;
-  critical Xid events (``nvmlEventTypeXidCriticalError``) are read without
-  blocking on each :meth:`~NVMLInventory.health` call.
-
-Its parts: the guarded calls and the lost GPUs (:mod:`.calls`: a
-query that fails reports ``None``, unknown, never 0), the enumeration with
-MIG instances (:mod:`.devices`), the processes (:mod:`.processes`)
-and the Xid events (:mod:`.events`).
+``pynvml``): GPUs and MIG instances, versions, per-process memory and SM use,
+utilization and health. Its parts: the guarded calls (:mod:`.calls`), the
+enumeration (:mod:`.devices`), the processes (:mod:`.processes`) and the Xid
+events (:mod:`.events`). Each NVML call it makes: docs/code.md, "NVML: what it reads".
 """
 
 from __future__ import annotations

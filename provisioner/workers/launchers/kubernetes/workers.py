@@ -1,30 +1,8 @@
 """``c.NodeAgent.worker_launcher = "kubernetes"``: every lease's worker is a
 pod on the agent's node (:mod:`.pods`), made through the API server
-(:mod:`.client`) with the settings ``c.KubernetesLauncher.*`` of the agent's
-config file (:mod:`.launcher`), and watched and stopped through it
-(:mod:`.handles`).
-
-A cold start: the agent picks the connection (a fresh HMAC key, the fixed
-ports of ``c.KubernetesLauncher.first_port``; with
-``c.NodeAgent.transport_encryption = "curve"`` a fresh key pair), creates the
-pod, then the Secret that holds the connection file, owned by the pod (so it
-goes with it); the kubelet mounts it and runs the kernel. Once the pod is
-Running with an IP, the agent writes its own copy of the connection file
-(the pod's IP in it) under its state dir, and waits until the kernel answers
-``kernel_info`` (:meth:`~..base.WorkerLauncher.ready`). A pod that does not
-run within ``c.NodeAgent.worker_start_timeout`` seconds fails the start with
-Kubernetes' words (``Unschedulable``, ``ImagePullBackOff``, a terminated
-container's reason), and is deleted.
-
-After an agent restart, a worker whose pod still runs under the same uid
-with the lease's label is re-adopted from its record (:meth:`adopt`); every
-other worker pod labelled with this node is deleted (:meth:`sweep`).
-
-Not here: warm workers (a pod's GPUs are fixed at its creation), worker
-accounts (a pod runs as ``c.KubernetesLauncher.run_as_user``), the lease's
-worker environment (the pod's image is the environment), GPU memory per
-worker (no host PIDs: :meth:`.handles.PodGroup.pids`), park in memory (no
-freezer: a park spills, docs/launchers.md "Kubernetes").
+(:mod:`.client`) with the settings ``c.KubernetesLauncher.*`` (:mod:`.launcher`),
+and watched and stopped through it (:mod:`.handles`). Its start, restart,
+stop and what it does not do: docs/launchers.md, "Kubernetes".
 """
 
 from __future__ import annotations
