@@ -1,27 +1,7 @@
-"""The ``cuda-checkpoint`` checkpointer: NVIDIA's utility
-(https://github.com/NVIDIA/cuda-checkpoint, driver r550+) moves a live
-process's whole CUDA state (device memory, context, streams) into host
-memory the driver manages in that process, releases the GPU, and restores it
-later: any framework, even while a kernel runs (``mid_cell``).
-
-Its command line, as its ``--help`` documents it (r555 and later; r550 has
-``--toggle`` only)::
-
-    cuda-checkpoint --get-state --pid PID          # running | locked | checkpointed | failed
-    cuda-checkpoint --action lock --pid PID [--timeout MS]
-    cuda-checkpoint --action checkpoint --pid PID
-    cuda-checkpoint --action restore --pid PID [--device-map OLD=NEW,...]   # the map: r580 and later
-    cuda-checkpoint --action unlock --pid PID
-    cuda-checkpoint --toggle --pid PID             # running <-> checkpointed
-
-A park runs lock (with :data:`LOCK_TIMEOUT_MS`: submitted work completes
-first) and checkpoint for each process of the worker that has CUDA state (its
-``--get-state`` answers), then the agent freezes the worker; a resume thaws it, then runs
-restore (with ``--device-map`` onto other GPUs, where ``--help`` offers it:
-``remap``) and unlock. Where ``--help`` lists no ``--action``, ``--toggle``
-does both halves. A failure undoes what it did and says the utility's own
-words. The tests drive a stand-in for the utility that keeps this command
-line; only a run on a GPU host (``make gpu-check``) checks the real one.
+"""The ``cuda-checkpoint`` checkpointer: NVIDIA's utility moves a live
+process's whole CUDA state into host memory and back, for any framework,
+even mid-cell. The command lines it runs, in which order, and on which
+driver: docs/code.md, "cuda-checkpoint".
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""The contract every enforcement mode keeps, and the slice environment all share.
-
-An enforcement mode is how a node confines a worker to its slice. What
-differs between modes is on :class:`EnforcementMode`: its name, its capacity
-rule (whole GPUs only, or fractions), the environment a worker gets, which
-requests it refuses, its node-level setup, and whether the memory watchdog
-guards its workers. The agent holds one instance; nothing outside this
-package compares mode names.
-
-:func:`slice_environment` is pure (literal inputs, literal outputs) so the
-exact variables a worker gets are tested without a GPU. Sources:
-
-- ``CUDA_VISIBLE_DEVICES`` with GPU UUIDs: CUDA C Programming Guide, "CUDA
-  Environment Variables", and the MPS guide, which recommends UUIDs over
-  indices because an MPS server remaps indices
-  (https://docs.nvidia.com/deploy/mps/latest/appendix-environment-variables.html).
-- ``XLA_PYTHON_CLIENT_PREALLOCATE`` / ``XLA_PYTHON_CLIENT_MEM_FRACTION``: JAX
-  "GPU memory allocation" (https://docs.jax.dev/en/latest/gpu_memory_allocation.html).
-- ``TF_FORCE_GPU_ALLOW_GROWTH``: TensorFlow "Use a GPU", limiting GPU memory
-  growth (https://www.tensorflow.org/guide/gpu).
-
-The framework variables bind in every mode. PyTorch has no such variable;
-the worker extension (:mod:`gpupool.provisioner.worker_extension`) caps its allocator
-from ``GPUPOOL_MEMORY_LIMIT``. docs/enforcement.md says what each mode
-guarantees and what not, and how to add one.
+"""The contract every enforcement mode keeps (:class:`EnforcementMode`: name,
+capacity rule, worker environment, refusals, node setup, memory watchdog),
+and :func:`slice_environment`, the variables every mode gives a worker (pure).
+The sources for those variables: docs/code.md, "Enforcement modes"; what
+each mode guarantees and how to add one: docs/enforcement.md.
 """
 
 from __future__ import annotations

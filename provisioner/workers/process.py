@@ -1,25 +1,8 @@
 """The worker process contract: how the agent watches and stops the process
-of one worker, whoever started it.
-
-:class:`WorkerProcess` is what the rest of the worker code uses; it never
-asks which kind it holds. Two kinds today:
-
-- :class:`LocalProcess`: a kernel this agent started (the ``local``
-  launcher, :mod:`.launchers.local`), its ``subprocess.Popen`` child. Its
-  exit code is known, and while it is not reaped its pid (a session
-  leader's, so its process group id) cannot be reused, so its group can be
-  signalled safely.
-- :class:`AdoptedProcess`: a worker an earlier run of the agent started,
-  found again after a restart (the local launcher's
-  :mod:`.launchers.local.adoption`; a Slurm job's kernel, on the agent's
-  node, is one too). Not this process's child:
-  it is watched through psutil, which compares the process's start time, so
-  a reused pid is never taken for it. Its exit code is known only to its
-  parent (init, by then), so it is reported dead without one.
-
-A container or pod launcher (:mod:`.launchers`, picked by
-``c.NodeAgent.worker_launcher``) brings a kind of its own, whose handle is
-the container.
+of one worker, whoever started it (:class:`WorkerProcess`), and its two
+host kinds, :class:`LocalProcess` (this agent's child) and
+:class:`AdoptedProcess` (found again after a restart). Why each is safe to
+signal: docs/code.md, "The worker process contract".
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """What the agent asks Slurm for, for one lease's worker (pure: settings and
-a lease in, command lines out).
-
-Two shapes (docs/launchers.md, "Whole GPUs and slices" says why):
-
-- a **lease job** (:func:`lease_job`): a batch job of its own per lease,
-  ``--gres=gpu:N`` for N whole GPUs, whose batch script *is* the worker
-  (``exec python -m gpupool.kernelapp -f CONNECTION_FILE ...``), as
-  batchspawner runs a single-user server;
-- a **slice step** (:func:`slice_step`) in a **share job**
-  (:func:`share_job`): the share job holds one whole GPU (``--gres=gpu:1``)
-  for gpupool, and each slice's worker runs in it as a job step of its own
-  (``srun --jobid=SHARE --overlap``) with its own CPUs and memory, the GPU
-  divided by gpupool's enforcement as on a local node. Slurm 22.05 (measured
-  here) hands a ``--gres=gpu:1`` job a GPU whose shards are in use, so a
-  slice as ``--gres=shard:K`` would not keep batch jobs off the worker's GPU;
-  ``slice_gres = "shard"`` makes each slice a lease job with shards instead,
-  for a Slurm that keeps the two apart.
-
-Every job carries the lease in its name (``NAME_PREFIX + lease id``) and
-comment (``gpupool:lease=ID``); a step in its name. All of them pin the
-agent's node (``--nodelist``), and no job is requeued: Slurm requeues a job
-whose node failed by default, and a worker started again is a new kernel
-without the user's variables, under a connection file its clients no longer
-hold; the lease ends with Slurm's words instead.
+a lease in, command lines out): a lease job of its own (:func:`lease_job`)
+for whole GPUs, or a slice step (:func:`slice_step`) in a share job
+(:func:`share_job`) that holds one GPU. Why these two shapes, the jobs' names
+and why none is requeued: docs/launchers.md, "Whole GPUs and slices".
 """
 
 from __future__ import annotations
