@@ -1,25 +1,8 @@
-"""The node's task budget: how many tasks (processes and threads: the pids
-controller and RLIMIT_NPROC count each thread) this node's workers may have
-together, and each lease's worker alone.
-
-A cell that forks without end must stop at its own worker's limit and never
-take the node: other users' workers, new leases and the agent itself (its
-threads, heartbeats, the kill at release) go on. So
-
-- the node's limit is the lowest of the kernel's ``pid_max`` and
-  ``threads-max``, this process's RLIMIT_NPROC (when finite: workers inherit
-  it, and those of one account share it) and the ``pids.max`` of the agent's
-  own cgroup and of every cgroup above it (systemd's ``TasksMax``, a
-  container's pids limit), in the v2 and the v1 ``pids`` hierarchies;
-- the workers together get that less ``c.NodeAgent.agent_pids_reserve``, as
-  ``pids.max`` of the agent's cgroup subtree
-  (:meth:`.cgroups.Containment.cap_pids`), so the agent and what shares its
-  cgroup always keep the reserve;
-- each lease's worker gets ``c.NodeAgent.worker_pids_max`` or, by default,
-  its slice's share of the workers' budget (GPUs held x fraction / the
-  node's GPUs), at least :data:`MIN_WORKER_PIDS`, as ``pids.max`` of its own
-  cgroup (:func:`limit_tasks`) before it is handed out; beyond it a fork or a
-  thread start fails with EAGAIN (``BlockingIOError``) in that worker only.
+"""The node's task budget: how many tasks (processes and threads) this node's
+workers may have together, and each lease's worker alone, so that a cell
+that forks without end stops at its own worker's limit and never takes the
+node. How each limit is found and where it is written: docs/enforcement.md,
+"Processes".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
-"""Where simulated GPU memory lives: the folder layout that the worker's arrays
-(:mod:`.simgpu`), the simulated inventory's readings
-(:mod:`.inventory.simulated`) and the ``simulated`` checkpointer
-(:mod:`.checkpoint.simulated`) share.
-
-Under one root folder (``$GPUPOOL_SIMGPU_ROOT``, default
-``/dev/shm/gpupool-simgpu``, a tmpfs so that its pages are memory):
-
-- ``<GPU UUID>/<pid>-<n>``: one file per allocation of process ``pid`` on
-  that GPU; its *allocated* blocks (``st_blocks``) are the GPU memory it holds,
-  as NVML's per-process ``usedGpuMemory`` would say.
-- ``.binding/<pid>.json``: what the agent tells a live process after a
-  resume onto other GPUs or limits (``{"gpus": [uuid, ...], "limit": bytes}``):
-  ``CUDA_VISIBLE_DEVICES`` cannot change in a running process, so the
-  process reads this instead once it exists.
-- ``.parked/<lease id>/...``: the ``simulated`` checkpointer's host copies,
-  parked leases' allocation files moved there (the agent's; never counted
-  as GPU memory).
-
-Files of processes that are gone are removed by :func:`sweep` (the agent's
-inventory calls it once per reading), besides each process removing its own at
-exit.
+"""Where simulated GPU memory lives: the folder layout under one tmpfs root
+(``$GPUPOOL_SIMGPU_ROOT``, default ``/dev/shm/gpupool-simgpu``) that the
+worker's arrays (:mod:`.simgpu`), the simulated inventory's readings and the
+``simulated`` checkpointer share: ``<GPU UUID>/<pid>-<n>`` per allocation,
+``.binding/<pid>.json`` after a resume, ``.parked/<lease id>/`` for parked
+copies (docs/parking.md, "Simulated GPU memory").
 """
 
 from __future__ import annotations

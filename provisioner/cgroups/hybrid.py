@@ -1,25 +1,8 @@
-"""Host CPU, memory and task limits on a v2 lease cgroup whose hierarchy
-lacks the ``cpu``, ``memory`` or ``pids`` controller, through the v1
-hierarchies of a hybrid host.
-
-Many hosts (systemd's "hybrid" layout, this project's CI machine among them)
-mount cgroup2 at ``/sys/fs/cgroup/unified`` with no controllers, beside the
-v1 ``cpu`` and ``memory`` hierarchies. The lease cgroup stays in v2 (its
-kill is race-free there); when a lease asks for limits, each controller is
-written where it is present: in the v2 cgroup (``cpu.max``,
-``memory.max``) when the v2 hierarchy has it, else in a cgroup of the same
-name under the agent's subtree of the v1 hierarchy (``cpu.cfs_quota_us``,
-``memory.limit_in_bytes``, ``pids.max``). The worker's first process joins
-those v1 cgroups with its first instruction, as it joins the v2 one (so
-the subtree's pids cap, :meth:`.contract.Containment.cap_pids`, counts warm
-workers too, and the memory limit counts what the worker allocated before
-it); their children inherit them. Why not when the limits are set: moving a
-process between cgroups takes the kernel's global cgroup threadgroup lock,
-whose write side waits for an RCU grace period (about 10-15 ms on the CI
-machine) unless another move just paid it; at the start that cost hides in
-the moves of the v2 and pids cgroups, at a warm worker's bind it was most of
-the bind (bench/REPORT.md, "Attach latency"). The mounts come from ``/proc/mounts`` and the
-agent's own place from ``/proc/self/cgroup``, as for the lease cgroups.
+"""Host CPU, memory and task limits on a v2 lease cgroup whose hierarchy lacks
+the ``cpu``, ``memory`` or ``pids`` controller, through the v1 hierarchies
+of a hybrid host (cgroup2 at ``/sys/fs/cgroup/unified`` with no controllers):
+a cgroup of the lease's name under the agent's v1 subtree, which the worker
+joins from its first instruction (docs/enforcement.md, "Host CPU and memory").
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The ``simulated`` checkpointer: the simulated GPUs' device memory
-(:mod:`..simgpu`) moved to host memory and back, for nodes without a GPU.
-
-A park renames each allocation file of the frozen worker's processes out of
-its GPU's folder into a host copy the agent holds
-(``.parked/<lease>/<GPU>/<pid>-<n>`` under the simulated memory's root, one
-tmpfs): the pages change owner without a byte copied, the inventory's
-readings show the GPU memory freed, as NVML would, and the copy survives an
-agent killed with -9, as the driver's copy of a real checkpoint lives on in
-the process. The worker's arrays keep their mapping (the same inode); the
-process is frozen, so nothing touches them meanwhile. A resume renames the
-files back, into the folder of the GPU the lease resumes on, and tells the
-process its new GPUs and limit when they changed (the binding file,
-:func:`..simgpu_store.write_binding`).
-
-A real GPU's park copies device memory into pinned host memory at the
-device's rate (``cuda-checkpoint``, ``framework``); here that copy is left
-out rather than stood in for by a slower one within RAM, so what a park
-costs here is gpupool's own path (freeze, move, grant, thaw).
+(:mod:`..simgpu`) moved to host memory and back, for nodes without a GPU:
+each allocation file renamed into the agent's ``.parked`` copy and back, no
+byte copied (docs/parking.md, "The agent's part").
 """
 
 from __future__ import annotations
