@@ -31,7 +31,7 @@ from gpupool.wire.parking import WorkerParked, WorkerResumed
 
 from . import usage
 from .models import GPU, Lease, LeaseGPU, Node
-from .rules.reclaim import FREEZE, REFUSE, ParkCode
+from .rules.reclaim import FREEZE, REFUSE, ParkCode, is_busy
 from .rules.resume import Resume
 from .rules.scheduler import Placement
 from .state import Transaction
@@ -105,7 +105,7 @@ def resumed(tx: Transaction, lease: Lease, answer: WorkerResumed, now: datetime)
     tier = lease.park_tier or answer.tier
     lease.connection, lease.worker_pid = answer.connection, answer.pid if answer.pid is not None else lease.worker_pid
     lease.last_heartbeat_at = lease.held_since = now
-    if lease.worker_state != WorkerState.busy or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
+    if not is_busy(lease) or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
         lease.worker_state, lease.idle_since = WorkerState.idle.value, now
     lost = f"; not kept: {'; '.join(answer.lost)}" if answer.lost else ""
     words = f"resumed on {lease.node_name} from {'disk' if tier == 'disk' else 'memory'} in " \

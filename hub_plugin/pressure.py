@@ -24,7 +24,7 @@ from typing import Any, Collection, Iterable, Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.schema import LeaseState, WorkerState, isoformat
+from gpupool.schema import LeaseState, isoformat
 
 from .config import GPUPool
 from .lease_queue import RESUMING
@@ -32,7 +32,7 @@ from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
-from .rules.reclaim import Decision, idle_deadline
+from .rules.reclaim import Decision, idle_deadline, is_busy
 from .rules.scheduler import GPUState
 
 #: Ended cells whose lengths give the ETA the typical length per class.
@@ -77,7 +77,7 @@ class Pressure:
     def _held(lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
         """``lease`` as the ETA sees it (:class:`.eta.Holding`); ``deadline``: its idle deadline,
         the plan's early one if it set one."""
-        busy = lease.worker_state != WorkerState.idle
+        busy = is_busy(lease)
         return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
                            lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
                            None if busy else lease.idle_since, deadline,
@@ -144,8 +144,7 @@ class Pressure:
         """What the plan shows in ``lease``'s JSON: ``idle_deadline``, ``pressure`` (words) and
         ``preempt_at`` (ISO times or None), as :class:`gpupool.wire.leases.Lease` names them."""
         early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
-        busy = lease.worker_state == WorkerState.busy
-        preempt = preempt if preempt and busy else None  # an idle one is parked by the early deadline
+        preempt = preempt if preempt and is_busy(lease) else None  # an idle one is parked by the early deadline
         return {"idle_deadline": isoformat(self.deadline(lease)),
                 "pressure": preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None,
                 "preempt_at": isoformat(preempt.at) if preempt else None}

@@ -19,7 +19,7 @@ from gpupool.schema import LeaseState, WorkerState
 from gpupool.units import format_duration
 
 from . import priority
-from .reclaim import FREEZE, Decision, ParkCode, Reclaim, idle_deadline, parks_idle
+from .reclaim import FREEZE, Decision, ParkCode, Reclaim, idle_deadline, is_busy, parks_idle
 
 
 def deadline(plan: priority.Plan, lease: Any) -> datetime | None:
@@ -57,14 +57,14 @@ def preempts(plan: priority.Plan, active: Iterable[Any], now: datetime, parkable
     preempting = priority.acting(plan, now)[1]
     return [Decision(lease.id, LeaseState.parked, plan.preemptions[lease.id].reason, ParkCode.preemption, FREEZE)
             for lease in active
-            if lease.id in preempting and lease.worker_state == WorkerState.busy and lease.preemptible
+            if lease.id in preempting and is_busy(lease) and lease.preemptible
             and lease.node_name in parkable]
 
 
 def still_preempted(plan: priority.Plan, lease: Any, now: datetime) -> bool:
     """Re-checked under the write lock: still active, its cell running, past its ``preempt_at``."""
     preemption = plan.preemptions.get(lease.id)
-    return (lease.state == LeaseState.active.value and lease.worker_state == WorkerState.busy and preemption is not None
+    return (lease.state == LeaseState.active.value and is_busy(lease) and preemption is not None
             and preemption.at <= now)
 
 
@@ -83,7 +83,7 @@ def still_due(plan: priority.Plan, lease: Any, now: datetime) -> bool:
 
 def held(lease: Any) -> priority.Held:
     """``lease`` as the plan sees it."""
-    idle, busy = lease.worker_state == WorkerState.idle, lease.worker_state == WorkerState.busy
+    idle = lease.worker_state == WorkerState.idle
     return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
-                         bool(lease.preemptible), busy, lease.started_at or lease.created_at,
+                         bool(lease.preemptible), is_busy(lease), lease.started_at or lease.created_at,
                          lease.idle_since if idle else None, idle_deadline(lease), lease.node_name)

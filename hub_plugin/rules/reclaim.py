@@ -83,6 +83,14 @@ class Decision:
         return self.state is LeaseState.parked
 
 
+def is_busy(lease: Any) -> bool:
+    """Whether a cell runs on ``lease``'s worker (an object with ``worker_state``): its agent
+    last reported it ``busy``. The one "busy" rule of the service's rules, the ETA's and the
+    simulator's: a worker ``starting``, ``dead`` or not reported yet (None) runs no cell, so it
+    is neither preempted nor spared as busy, and none of these is idle either (:func:`idle_deadline`)."""
+    return lease.worker_state == WorkerState.busy
+
+
 def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ()) -> list[Decision]:
     """Decisions for ``leases``: objects with the attributes of
     :class:`~gpupool.hub_plugin.models.Lease` (``id``, ``state``, ``worker_state``,
@@ -99,7 +107,7 @@ def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ())
             if silent:
                 decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
             continue
-        if lease.state != LeaseState.active.value or lease.worker_state == WorkerState.busy:
+        if lease.state != LeaseState.active.value or is_busy(lease):
             continue
         silent = heartbeat_expired(lease, now)
         if silent:
