@@ -1,19 +1,7 @@
 """The warm pool: workers started ahead of any lease, so that a lease attaches
-in milliseconds instead of waiting for a kernel to boot.
-
-A warm worker runs no one's code but the agent's (the kernel's startup and
-``c.NodeAgent.preload_modules``) and sees no GPU (``CUDA_VISIBLE_DEVICES=""``)
-until a lease takes it and the agent binds it to the lease's slice
-(:meth:`~.manager.WorkerManager.start`). Each one is handed out once:
-:meth:`WarmPool.take` removes it from the pool for good, and a worker that
-served a lease is always stopped, never put back (no process outlives its
-lease). Workers that waited longer than ``max_age`` are stopped
-and replaced, so a long-idle node does not keep stale processes (e.g. from
-before a package upgrade on the node).
-
-The pool knows nothing about kernels: it is given coroutines to start one
-unbound worker and to discard one, and a predicate telling whether one is
-still alive. :class:`~.manager.WorkerManager` supplies them.
+in milliseconds instead of waiting for a kernel to boot. Each is handed out
+once and stopped after its lease; those that waited past ``max_age`` are
+replaced (docs/code.md, "Workers").
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """How the agent watches and stops a worker that runs as a pod: the worker
 code's process and cgroup contracts (:class:`~...process.WorkerProcess`,
-:class:`~....cgroups.LeaseCgroup`) over the worker's pod.
-
-An unprivileged agent sees none of the pod's processes (no host PIDs, no
-cgroup it may write), so everything goes through the API server:
-
-- liveness: one GET of the pod per ``c.KubernetesLauncher.poll_interval``
-  seconds, on the event loop, whatever the heartbeat (:class:`PodProcess`);
-  once the pod ended, :attr:`PodProcess.exit_note` says why in the cluster's
-  words (OOMKilled, Evicted, deleted) and the lease ends with them;
-- stop and kill: delete the pod (its connection Secret, owned by it, goes
-  with it), then wait until the API server no longer has it;
-- GPU memory: no pids to account it to (:meth:`PodGroup.pids` is empty);
-- park: an unprivileged agent cannot freeze a pod's cgroup
-  (:meth:`PodGroup.freeze` raises), so the park path spills instead
-  (:mod:`...parking`: a park that cannot freeze goes to disk).
+:class:`~....cgroups.LeaseCgroup`) over the worker's pod, all through the API
+server, since an unprivileged agent sees none of the pod's processes
+(liveness, stop, GPU memory, park: docs/launchers.md, "Kubernetes").
 """
 
 from __future__ import annotations

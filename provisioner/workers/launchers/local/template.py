@@ -1,20 +1,7 @@
 """Cold workers forked from a template (:mod:`gpupool.zygote`) instead of
-booted: the agent's side of the template's socket.
-
-A cold start boots an interpreter and imports ipykernel, IPython, the worker
-extension and the admin's heavy modules before the kernel answers (most of
-a cold attach). A template of each worker interpreter has done that once;
-the local launcher asks it for a child, puts the child into the lease's
-cgroup, and only then lets it take the lease's account, environment and
-folder and run the kernel (:class:`Templates`). A template only serves a
-worker whose environment agrees with its own in what an interpreter or the
-dynamic linker fixes at its start (:data:`FIXED_AT_START`); any other boots.
-
-A forked worker is the template's child, not the agent's: the agent watches
-it as it watches a re-adopted worker (psutil, its start time checked), with
-the exit code the template reports (:class:`ForkedProcess`). The template
-exits when the agent closes its socket; the workers it forked run on and a
-restarted agent re-adopts them from their records, as any worker.
+booted: the agent's side of the template's socket (:class:`Templates`), and
+the forked worker as the agent watches it (:class:`ForkedProcess`). Which
+workers a template serves, and why: docs/code.md, "local/".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """What Slurm says about a worker's job or step, read from ``scontrol``'s
-one-line output, and the words a lease ends with when Slurm ended its job
-(pure: text in, values out).
-
-``scontrol --oneliner --details show job ID`` prints ``Key=value`` pairs
-separated by spaces (``JobState=RUNNING Reason=None ... GRES=gpu:1(IDX:0)``);
-a value may hold ``=`` (``TRES=cpu=1,mem=100M``) and, for paths and names,
-spaces, so a pair starts only where a space is followed by a key and ``=``.
-Slurm 22.05's ``squeue --json`` ignores ``--jobs`` and lists every job of the
-cluster, which is why one job is read with ``scontrol``.
-
-When Slurm ends a job or a step, ``slurmstepd`` writes a line into its output
-(the worker's log): ``*** JOB 12 ON node1 CANCELLED AT 2026-12-02T15:23:59 DUE
-TO TIME LIMIT ***`` (also ``DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR
-DETAILS``, ``DUE TO PREEMPTION``; plain for ``scancel``). That line is what is
-left once slurmctld has forgotten the job (``MinJobAge`` after its end, 300
-s by default; without accounting there is no ``sacct``).
+one-line output (``Key=value`` pairs, values that may hold ``=`` and spaces),
+and the words a lease ends with when Slurm ended its job, from slurmstepd's
+line in the worker's log (pure: text in, values out). Why ``scontrol`` and
+not ``squeue --json``, and when only that line is left: docs/launchers.md,
+"Liveness, state and words".
 """
 
 from __future__ import annotations
