@@ -1,19 +1,8 @@
 """The node's host CPUs and memory: what the agent reports, what a lease's
-worker may use, and the cgroup limits that hold it there.
-
-The agent reports its host's logical cores and RAM (psutil, unless
-``c.NodeAgent.host_cpus`` / ``host_memory`` say otherwise) when it
-registers; the service places by them (``hub_plugin/rules/hosts.py``) and sends
-each lease's ``cpus`` and ``host_memory`` with ``POST /workers``. The agent
-writes them to the worker's cgroup (:meth:`.cgroups.LeaseCgroup.set_limits`:
-``cpu.max``/``memory.max`` in v2 where those controllers are, the v1
-``cpu``/``memory`` hierarchies otherwise, :mod:`.cgroups.hybrid`) before the
-worker is handed out. Without a cgroup (``cgroup_mode = 'none'``) or the
-controllers, the agent says loudly that the limits are not enforced, and
-the worker starts anyway: the capacity is still reserved, so other leases
-are placed as if it were. A worker the kernel's OOM killer ended is
-reported in words that name the limit and the way out
-(:func:`out_of_memory`), not as a bare signal 9.
+worker may use, and the cgroup limits that hold it there, written before
+the worker is handed out; a worker the OOM killer ended is reported in words
+that name the limit (:func:`out_of_memory`). How the service places by them
+and what each cgroup kind enforces: docs/enforcement.md, "Host CPU and memory".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""The Linux account workers run as (``c.NodeAgent.worker_user``).
-
-User code runs in the workers; the agent holds the pool's agent token. With
-a worker user, each worker process is started with that user's uid, primary
-gid and groups (``subprocess.Popen``'s ``user``, ``group``,
-``extra_groups``), so it can read neither the agent's token file nor
-anything else that is the agent user's alone. The agent must run as root
-(or with CAP_SETUID/CAP_SETGID) for that.
-
-One shared account keeps the agent's secrets from user code, not one user's
-worker from another's: processes of one uid may read each other's
-``/proc/PID/environ``, files and, without Yama, memory (ptrace). A pool of
-accounts (``c.NodeAgent.worker_users``, :class:`WorkerUserPool`) gives
-every live worker, warm ones included, an account of its own; an account
-goes back to the pool only once no process runs as it any more, with the
-files it left in its work directory, ``/tmp`` and ``/dev/shm`` removed.
+"""The Linux accounts workers run as: one (``c.NodeAgent.worker_user``,
+:class:`WorkerUser`) keeps the agent's secrets from user code; a pool
+(``c.NodeAgent.worker_users``, :class:`WorkerUserPool`) also keeps one
+user's worker from another's. Who may reach what, and how an account is
+cleaned before it is used again: docs/security.md, "Workers as an
+unprivileged user".
 """
 
 from __future__ import annotations

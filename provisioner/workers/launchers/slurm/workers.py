@@ -1,20 +1,9 @@
 """``c.NodeAgent.worker_launcher = "slurm"``: every lease's worker is a Slurm
-job on the agent's node (whole GPUs: a job of its own; a slice: a step of
-the share job that holds its GPU), started by :class:`.launcher.SlurmLauncher`
-with the settings ``c.SlurmLauncher.*`` of the agent's config file.
-
-The agent writes the worker's connection file, Slurm runs the kernel that
-reads it, and the agent then watches and stops it through :mod:`.handles`.
-The CPUs and memory the node offers leases are the Slurm node's
-(:meth:`SlurmWorkers.host_totals`). After an agent restart its workers are
-re-adopted from their records (:meth:`SlurmWorkers.adopt`: the job still
-runs under the lease's name, its kernel on this node), and every other job
-an earlier agent left on the node is cancelled (:meth:`SlurmWorkers.sweep`).
-
-Not done (yet): warm workers (a pending job holds nothing); worker accounts
-(jobs run as the agent's account); following Slurm's own choice of GPU for
-a lease job (docs/launchers.md, "Which GPU").
-"""
+job on the agent's node (whole GPUs: a job of its own; a slice: a step of the
+share job that holds its GPU), started by :class:`.launcher.SlurmLauncher`,
+watched and stopped through :mod:`.handles`, re-adopted after an agent restart
+(:meth:`SlurmWorkers.adopt`) or cancelled when no record keeps it
+(:meth:`SlurmWorkers.sweep`). What it does not do (warm workers, accounts): docs/launchers.md."""
 
 from __future__ import annotations
 
