@@ -1,35 +1,9 @@
-"""The data plane: bulk bytes between the notebook kernel and a worker.
-
-The Jupyter comm (CurveZMQ when the agent encrypts) carries what a transfer
-is: the values' description (names, types, buffer sizes) and a
-:class:`Ticket`, a fresh 256-bit key and a transfer id. The buffers
-themselves go over a TCP connection of their own, to the worker's
-``transfer_port`` (connection info), because CurveZMQ encrypts and copies a
-whole frame at a time and that is its ceiling (docs/security.md, "What
-encryption costs").
-
-Wire, in order, on one connection (the receiving or sending side that is not
-the worker offering or expecting the transfer connects: the notebook kernel,
-or, for a move, the new worker taking the old one's namespace):
-
-- hello, client to worker: the transfer id (16 bytes) and
-  ``HMAC-SHA256(key, "gpupool-dataplane-hello" + id)`` (32 bytes): only
-  whoever got the ticket on the control channel can open the transfer;
-- status, worker to client: one byte, 1 accepted, else 0 followed by a
-  2-byte big-endian length and a UTF-8 reason;
-- the buffers, back to back, cut into chunks of :data:`CHUNK` bytes (the last
-  of each buffer shorter). With an AEAD each chunk is its ciphertext plus a
-  16-byte tag; the nonce is a counter (4 zero bytes, 8-byte chunk number)
-  that never repeats under one key, and the associated data binds each chunk
-  to its transfer and position. Without one (``"none"``) chunks are raw;
-- after a push, a second status from the worker: every chunk verified or why not.
-
-Flow control is TCP's own: the sender blocks in ``sendall`` while the
-receiver's window is full, so neither side holds more than a chunk beyond
-the payload. The receiver decrypts each chunk straight into a destination
-buffer allocated up front with the right size (:func:`allocate`), never
-joining or copying the payload; nothing is handed on before the last chunk
-has been verified.
+"""The data plane: bulk bytes between the notebook kernel and a worker, on a TCP
+connection of their own to the worker's ``transfer_port``, while the Jupyter
+comm carries what a transfer is (the values' description and a
+:class:`Ticket`: a fresh 256-bit key and a transfer id). Why not the comm
+(docs/security.md, "What encryption costs") and the wire, byte by byte:
+docs/api.md, "The data plane (bulk bytes)".
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
-"""One call in ``jupyterhub_config.py`` runs gpupool as a JupyterHub service.
+"""One call in ``jupyterhub_config.py`` runs gpupool as a JupyterHub service
+(:func:`configure`; deploy/jupyterhub/README.md, "In your own hub")::
 
     from gpupool.hub_plugin.hub import configure
     configure(c, admin_group="gpu-admins",
               quotas={"*": {"max_gpus": 1, "gpu_hours_per_day": 8}, "group:physics": {"max_gpus": 2}})
-
-It wires, on the hub's config ``c``:
-
-- the managed service ``gpupool``: the hub starts ``gpupool service`` with
-  ``--config`` pointing at this very file, so every ``c.GPUPool.*`` setting
-  here (quotas included) reaches the service; it is proxied at
-  ``/services/gpupool/`` and its own hub API token is kept in
-  ``STATE_DIR/hub_service_token`` (mode 0600);
-- the custom scopes ``custom:gpupool:use`` (hold leases) and
-  ``custom:gpupool:admin`` (see and end everyone's, set quotas);
-- roles: every user (or the members of ``user_groups``) gets
-  ``custom:gpupool:use!user`` and access to the service's page; the members of
-  ``admin_group`` and ``admin_users`` get ``custom:gpupool:admin``;
-- ``c.Spawner.server_token_scopes`` extended with ``custom:gpupool:use!user``,
-  so a single-user server's ``JUPYTERHUB_API_TOKEN``, which its kernels
-  inherit, may call the service (the hub grants only what the user holds);
-- ``GPUPOOL_URL`` in the single-user servers' environment: ``public_url``
-  (what kernels on other hosts or in pods use) when given, else the address
-  the service binds;
-- a ``c.Spawner.post_stop_hook`` (chained after one set before) that asks
-  the service to release the leases of a server that stopped (leases record
-  the ``JUPYTERHUB_SERVER_NAME`` of the kernel that asked, so with named
-  servers the user's other servers keep theirs).
 
 Call it after any ``c.JupyterHub.load_roles`` / ``services`` /
 ``c.Spawner.server_token_scopes`` of your own (it extends them); it runs in
@@ -69,6 +47,29 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
     ``admin_users``: pool admins. ``environment``: more variables for the
     service process (every ``GPUPOOL_*`` variable of the hub is passed on, and
     its working directory is the hub's). Raises ValueError for a bad name or a missing config file.
+
+    It wires, on the hub's config ``c``:
+
+    - the managed service ``gpupool``: the hub starts ``gpupool service`` with
+      ``--config`` pointing at this very file, so every ``c.GPUPool.*`` setting
+      here (quotas included) reaches the service; it is proxied at
+      ``/services/gpupool/`` and its own hub API token is kept in
+      ``STATE_DIR/hub_service_token`` (mode 0600);
+    - the custom scopes ``custom:gpupool:use`` (hold leases) and
+      ``custom:gpupool:admin`` (see and end everyone's, set quotas);
+    - roles: every user (or the members of ``user_groups``) gets
+      ``custom:gpupool:use!user`` and access to the service's page; the members of
+      ``admin_group`` and ``admin_users`` get ``custom:gpupool:admin``;
+    - ``c.Spawner.server_token_scopes`` extended with ``custom:gpupool:use!user``,
+      so a single-user server's ``JUPYTERHUB_API_TOKEN``, which its kernels
+      inherit, may call the service (the hub grants only what the user holds);
+    - ``GPUPOOL_URL`` in the single-user servers' environment: ``public_url``
+      (what kernels on other hosts or in pods use) when given, else the address
+      the service binds;
+    - a ``c.Spawner.post_stop_hook`` (chained after one set before) that asks
+      the service to release the leases of a server that stopped (leases record
+      the ``JUPYTERHUB_SERVER_NAME`` of the kernel that asked, so with named
+      servers the user's other servers keep theirs).
     """
     if not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"service name {name!r} may only hold letters, digits, '-' and '_'")
