@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable
+from typing import Any, Callable
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
@@ -99,10 +99,7 @@ class LeaseQueue:
             return Drained()
         over = self._over_quota(session, rows, now)
         share = self.settings.host_share
-        waiting = [wait_queue.Waiting(row.id, row.owner, Demand(row.fraction, row.gpu_count, row.requested_memory,
-                                                                row.model, row.env, row.requested_cpus,
-                                                                row.requested_host_memory, share), row.created_at,
-                                      row.lease_class)
+        waiting = [wait_queue.Waiting(row.id, row.owner, asked(row, share), row.created_at, row.lease_class)
                    for row in rows if row.id not in over] + resumes
         owners = {w.owner for w in waiting}
         last = usage.last_used(session, owners, now)
@@ -135,11 +132,10 @@ class LeaseQueue:
         leases = session.scalars(select(Lease).where(RESUMING).options(selectinload(Lease.gpus))).all()
         nodes = {node.name: node for node in session.scalars(
             select(Node).where(Node.name.in_(sorted({lease.node_name for lease in leases}))))} if leases else {}
-        return [wait_queue.Waiting(lease.id, lease.owner, Demand(lease.fraction, lease.gpu_count, lease.memory),
-                                   lease.resume_requested_at, lease.lease_class,
-                                   parked.resume_ask(lease, nodes.get(lease.node_name)))
-                for lease in leases if nodes.get(lease.node_name) is not None
-                and nodes[lease.node_name].state != "lost"]
+        asks = [(lease, parked.resume_ask(lease, nodes[lease.node_name])) for lease in leases
+                if nodes.get(lease.node_name) is not None and nodes[lease.node_name].state != "lost"]
+        return [wait_queue.Waiting(lease.id, lease.owner, ask.demand(), lease.resume_requested_at, lease.lease_class,
+                                   ask) for lease, ask in asks]
 
     def _any_queued(self) -> bool:
         with self.state.reading() as session:
@@ -189,14 +185,18 @@ class LeaseQueue:
         return {owner: max(0, cap - held.get(owner, 0)) for owner in owners}
 
     def _expired_now(self) -> dict[str, str]:
-        now = self.state.now()
+        now, share = self.state.now(), self.settings.host_share
         with self.state.reading() as session:
             due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
             return {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
-                               f"queue for {_demand(lease).describe(noun=True)} and nothing fitting became free "
+                               f"queue for {asked(lease, share).describe(noun=True)} and nothing fitting became free "
                                "(ask again, or with a longer --wait)") for lease in due}
 
 
-def _demand(lease: Lease) -> Demand:
+def asked(lease: Any, host_share: float) -> Demand:
+    """What a queued ``lease`` asks the scheduler for: a :class:`.models.Lease`, or a row of its
+    ``fraction``, ``gpu_count``, ``requested_memory`` (bytes per GPU; None: the fraction's share),
+    ``model``, ``env``, ``requested_cpus`` and ``requested_host_memory`` (bytes) columns.
+    ``host_share``: ``c.GPUPool.host_share`` (only placement reads it, not the words)."""
     return Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env,
-                  lease.requested_cpus, lease.requested_host_memory)
+                  lease.requested_cpus, lease.requested_host_memory, host_share)
