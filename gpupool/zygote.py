@@ -1,35 +1,9 @@
 """A worker template (a *zygote*, as Android's app processes come from one):
 an interpreter of a worker environment that has imported the worker kernel,
 its extensions and the modules the admin names, and forks a new worker from
-that state instead of booting one.
-
-The agent runs ``python -m gpupool.zygote FD MODULE...`` with ``FD`` one end
-of a Unix socket pair; the template imports each ``MODULE`` and then
-answers, one JSON object per line:
-
-- ``{"fork": {"argv": [...], "env": {...}, "cwd": DIR, "log": FILE, "uid":
-  U, "gid": G, "groups": [...]}}``: forks a child and says ``{"pid": PID}``
-  (or ``{"error": WORDS}``). The child starts a session of its own, writes
-  its output to ``FILE`` and waits;
-- ``{"go": PID}``: the child switches to ``uid``/``gid``/``groups`` (when
-  given), takes ``env`` and ``cwd``, shows the command line a booted worker
-  would have (``python -m gpupool.kernelapp ARGV...``, with setproctitle:
-  admins and a restarted agent find workers by the connection file it
-  names) and runs the worker kernel
-  (:class:`gpupool.kernelapp.WorkerKernelApp`) with ``argv``. The agent
-  sends it once it has put ``PID`` into the lease's cgroup, so nothing of
-  the worker, not even its start, runs outside it;
-- ``{"drop": PID}``: the child is killed before it ran anything.
-
-It says ``{"exit": PID, "code": CODE}`` (negative: killed by that signal,
-as ``subprocess`` says it) for each child that ends, and exits itself when
-the agent's end of the socket closes; its children run on.
-
-The template stays single-threaded (a fork copies only the calling thread)
-and never opens a ZMQ context, so what a child inherits is imported code,
-never a socket. A child re-reads what Python fixed at the template's own
-start from its environment: ``sys.path[0]`` (its working directory, as
-``python -m`` sets it) and the user site-packages of its account.
+that state instead of booting one. Run as ``python -m gpupool.zygote FD
+MODULE...``; its protocol over the socket ``FD`` and what a child inherits:
+docs/code.md, "The worker template".
 """
 
 from __future__ import annotations

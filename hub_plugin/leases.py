@@ -1,32 +1,8 @@
-"""The lease life cycle: the one place a lease changes state.
-
-    create -> starting --(agent started the worker)--> active <--> parking -> parked
-                 |                                        |          |          |
-                 +--------------> releasing <-------------+----------+          |
-                                     |                                          |
-                        released | reclaimed | failed  <------------------------+
-
-- A new request is checked, placed and written ``starting`` (or ``queued``)
-  by :mod:`.intake`; then :meth:`LeaseBook.start`, in the background, asks
-  the node's agent for a worker.
-- :meth:`LeaseBook.release` is the one release path, used by ``DELETE``,
-  reclaim and a worker's death alike: ``releasing``, stop the worker on the
-  agent, then the final state with its reason, ``ended_at`` and the usage,
-  recorded once. The slice stays reserved until the worker is stopped (or
-  the agent could not be reached: then the agent's next heartbeat is told to
-  stop the orphan).
-- Park in place and resume are a peer's (:mod:`.parking`, the store side in
-  :mod:`.parked`); a resume placed by the queue is ``starting`` again and
-  :meth:`LeaseBook.start` hands it to that peer, which asks the agent to
-  resume it instead of starting a worker. A ``parked`` lease holds no share, so its release ends it at once
-  (nothing to give back) and then stops its worker.
-- Every transition is stored as a :class:`~.models.LeaseEvent` and wakes
-  long polls (:mod:`.transitions`, :mod:`.state`).
-
-The public methods are coroutines for the event loop. Each runs its SQL
-through the store threads in functions named ``_..._now``, which run on a
-store thread and must not touch the loop: what they decide to start in the
-background (workers, releases) they return, and the coroutine spawns it.
+"""The lease life cycle: the one place a lease changes state (:class:`LeaseBook`:
+start, release, and the hand-off to parking). Its public methods are
+coroutines for the event loop; their SQL runs on a store thread in functions
+named ``_..._now``, which must not touch the loop. The states and who moves a
+lease between them: docs/code.md, "The lease life cycle".
 """
 
 from __future__ import annotations

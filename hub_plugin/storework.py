@@ -1,29 +1,9 @@
-"""Store work off the event loop, taking turns between callers.
-
-The service's event loop only parses requests, authenticates and answers;
-every SQL statement runs in a thread of :class:`StoreWork`, so a slow query,
-a PostgreSQL lock wait or a SQLite file locked by another process (up to
-``db.BUSY_TIMEOUT_S``) delays the calls that need that store and nothing else:
-``/health``, long polls and other users' reads go on.
-
-- Writes run on **one** thread, in the order :class:`FairQueue` gives them.
-  One writer keeps what the service holds in memory between write
-  transactions (the capacity index, the recent-request mix in
-  :mod:`.placing`) single-threaded, exactly as the store's own serialization
-  (``BEGIN IMMEDIATE``, the advisory lock) orders the transactions.
-- Reads run on a few threads (``readers``); SQLite's WAL and PostgreSQL's MVCC
-  let them run beside the writer. One caller runs on one reader at a time,
-  so the others stay free for everyone else.
-- **Turns.** Waiting calls are queued per caller (the user name; the base
-  handler sets :data:`CALLER` once it knows who calls; background work is
-  ``"service"``) and taken round-robin: a user with a thousand calls waiting
-  gets one turn, then every other waiting caller gets one. So one user's
-  flood delays another user's call by about one call of the flood, not by
-  the flood.
-
-Callers ``await work.read(fn, *args)`` / ``await work.write(fn, *args)``;
-``fn`` is a plain function that opens its own session (``Store.read`` /
-``PoolState.writing``) and must not touch the event loop.
+"""Store work off the event loop, taking turns between callers: every SQL
+statement runs in a thread of :class:`StoreWork` (writes on one, reads on a
+few), and waiting calls are taken round-robin per caller, so one user's flood
+delays another's call by about one call. Callers ``await work.read(fn, *args)``
+/ ``await work.write(fn, *args)`` with a plain ``fn`` that opens its own
+session (docs/code.md, "Store work off the event loop").
 """
 
 from __future__ import annotations
