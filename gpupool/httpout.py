@@ -1,26 +1,8 @@
-"""JSON calls out over HTTP, for every part of gpupool: the magics', the
-CLI's and the kernel provisioner's calls to the service
-(:class:`gpupool.api.ServiceClient`), the service's calls to its agents and
-to itself from the hub, and an agent's calls to the service (the
-counterpart of :mod:`.httpin`, which bounds what comes in).
-
-One definition of a call, two thin transports under it:
-
-- :func:`prepare` builds the request: the URL with its query, the JSON body,
-  ``Accept``/``Content-Type`` and ``Authorization: token ...``;
-- :class:`Answer` is the HTTP answer and decodes it: its JSON, and the
-  GPUPoolError a failed one stands for (the ``{"error", "message"}`` body's,
-  else words naming the URL that was tried);
-- :class:`NoAnswer` is "no HTTP answer" (refused, no route, timed out, a
-  certificate not trusted) with the words for it, so each caller can say
-  whom it could not reach;
-- :class:`BlockingJSONClient` sends with urllib, :class:`JSONClient` with
-  tornado's AsyncHTTPClient (the daemons).
-
-Why the blocking one is urllib and not tornado's ``HTTPClient``: the magics
-call the service from the kernel's main thread while ipykernel's asyncio
-loop runs there, and tornado's sync client runs an event loop of its own
-("RuntimeError: Cannot run the event loop while another loop is running").
+"""JSON calls out over HTTP, for every part of gpupool (the counterpart of
+:mod:`.httpin`, which bounds what comes in): :func:`prepare` builds a call,
+:class:`Answer` and :class:`NoAnswer` say how it went, and two thin transports
+send it, :class:`BlockingJSONClient` (urllib) and :class:`JSONClient`
+(tornado). Why urllib for the blocking one: docs/code.md, "JSON calls out".
 """
 
 from __future__ import annotations

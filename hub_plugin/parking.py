@@ -1,30 +1,9 @@
 """Park in place and resume: the life cycle's peer for leases that give their
-GPU share back without ending their worker (docs/parking.md).
-
-    active --park--> parking --(agent parked it)--> parked --resume asked,
-       ^                |                             room on its node--> starting --> active
-       +--(a cell runs)-+--(cannot park: reclaim)--> releasing
-
-- :meth:`Parking.park` (the reclaim sweep: idle, pressure, preemption; the
-  owner's ``POST /leases/{id}/park``): ``parking`` in the store (quota
-  ``max_parked_memory`` picks the tier), then the agent's ``POST
-  /workers/{id}/park``; once it answers, ``parked`` in one transaction that
-  gives the share back and places what waits on it. The agent refusing
-  because a cell runs puts the lease back ``active``; an agent that cannot
-  park (no checkpointer, unreachable, a failed checkpointer) gets the idle
-  and pressure parks released as a reclaim (the lease ends, its worker
-  stopped), and the owner's and preemption's back ``active``, with its words.
-- :meth:`Parking.resume_by` (``POST /leases/{id}/resume``, idempotent): the
-  lease waits in the queue for room on its own node (:mod:`.lease_queue`,
-  :mod:`.rules.resume`); once placed it is ``starting`` and the life cycle
-  (:meth:`.leases.LeaseBook.start`) asks the agent to resume it. A lease whose
-  node is lost ends ``failed``, saying what was lost.
-- A preempted lease (frozen mid-cell) has its resume asked for at once, by
-  the service: it comes back when room comes.
-
-The store side (transitions and figures) is :mod:`.parked`. As in
-:mod:`.leases`, the coroutines run their SQL through the store threads in
-functions named ``_..._now``.
+GPU share back without ending their worker (:class:`Parking`: ``park``,
+``resume_by``). The store side is :mod:`.parked`; as in :mod:`.leases`, the
+coroutines run their SQL on store threads in functions named ``_..._now``.
+What parks, which tier, and how a resume finds room: docs/parking.md, "Life
+cycle" and "The service's part".
 """
 
 from __future__ import annotations
