@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .schema import WorkerState, parse_time
 from .wire.leases import Lease
-from .units import format_bytes, format_cpus, format_duration
+from .units import format_bytes, format_cpus, format_duration, format_share
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, str]:
@@ -167,7 +167,7 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     parked lease's state is (:func:`parked_words`), and the reason once it
     ended. Unknown readings say ``unknown``, never 0."""
     gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
-    share = f"{lease.fraction:.2f}" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs"
+    share = format_share(lease.fraction, lease.gpu_count)
     kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
     live = lease.state.value == "active"
     worker = lease.worker or {}

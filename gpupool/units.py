@@ -102,6 +102,15 @@ def format_bytes(size: int | float | None) -> str:
     return f"{int(size)} B"
 
 
+def format_share(fraction: float, gpu_count: int = 1, *, noun: bool = False, whole: bool = False) -> str:
+    """A share of the pool in words: ``fraction`` of one GPU as ``'0.50'`` (``noun``:
+    ``'0.50 of a GPU'``), or, when ``gpu_count`` is above 1, ``'2 GPUs'`` (``whole``:
+    ``'2 whole GPUs'``, where a slice could be meant)."""
+    if gpu_count > 1:
+        return f"{gpu_count} {'whole ' if whole else ''}GPUs"
+    return f"{fraction:.2f}{' of a GPU' if noun else ''}"
+
+
 def format_cpus(cpus: float) -> str:
     """``4`` -> ``'4 CPUs'``; ``1`` -> ``'1 CPU'``; ``0.5`` -> ``'0.5 CPU'`` (cores; fractions are CPU time)."""
     return f"{cpus:g} CPU{'s' if cpus > 1 else ''}"

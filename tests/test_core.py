@@ -12,7 +12,7 @@ from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease, LeaseRequest
 from gpupool.tables import holders_table, idle_countdown, lease_table, table
 from gpupool.transfer import describe, dump_values, load_values
-from gpupool.units import format_bytes, format_duration, parse_bytes, parse_duration, parse_gpu_amount
+from gpupool.units import format_bytes, format_duration, format_share, parse_bytes, parse_duration, parse_gpu_amount
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -56,6 +56,8 @@ def test_formatting():
     assert format_bytes(80 * 1024**3) == "80.0 GiB" and format_bytes(None) == "unknown"
     assert format_duration(1830) == "30m 30s" and format_duration(7200) == "2h" and format_duration(5) == "5s"
     assert format_duration(0.25) == "0.25s"  # a sub-second bound is not "0s"
+    assert format_share(0.5) == "0.50" and format_share(0.25, 1, noun=True) == "0.25 of a GPU"
+    assert format_share(1.0, 2) == "2 GPUs" and format_share(1.0, 2, noun=True, whole=True) == "2 whole GPUs"
 
 
 def test_lease_request_round_trip():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from gpupool.units import format_bytes
+from gpupool.units import format_bytes, format_share
 
 from .hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, binds, host_ask, host_aware_delta, host_misfit,
                     proportional, roomiest)
@@ -120,8 +120,7 @@ class Demand:
     def describe(self, *, noun: bool = False) -> str:
         """``'0.50'`` (``noun``: ``'0.50 of a GPU'``), ``'0.50 with 20.0 GiB'``, ``'2 whole GPUs'``,
         ``... of model A100``."""
-        text = f"{self.gpu_count} whole GPUs" if self.gpu_count > 1 else \
-            f"{self.fraction:.2f}{' of a GPU' if noun else ''}"
+        text = format_share(self.fraction, self.gpu_count, noun=noun, whole=True)
         if self.memory is not None:
             text += f" with {format_bytes(self.memory)}"
         if self.model:
