@@ -1,22 +1,9 @@
-"""Connections to a worker kernel: the one place that turns a worker's
-Jupyter connection info into a signing ``Session`` and ZeroMQ sockets.
-
-Every client of a worker (the notebook kernel's :mod:`gpupool.remote`,
-the agent's IOPub watcher :mod:`gpupool.provisioner.activity`, the tests'
-``workercell``) opens its sockets here, so the socket types, the linger, the
-address and CurveZMQ are chosen once.
-
-CurveZMQ: a worker started with transport encryption
-(``c.NodeAgent.transport_encryption = "curve"``) binds its five sockets as
-CurveZMQ servers with a key pair of its own; the connection info its owner
-gets carries only the *public* key, ``curve_publickey`` (Z85 text). A client
-then sets that key as the server key and uses a fresh key pair of its own,
-so the worker's secret key never leaves its node. (jupyter_client's own
-clients instead reuse the server's key pair, which needs the secret key:
-fine for the agent, which holds it, not for a notebook on another host.)
-
-Only the connecting is done here: nothing runs per message, so the
-forwarding kernel's hot path is untouched.
+"""Connections to a worker kernel: the one place that turns a worker's Jupyter
+connection info into a signing ``Session`` and ZeroMQ sockets, so every
+client chooses socket types, linger, address and CurveZMQ the same way. A
+client uses the worker's public key and a fresh key pair of its own, so the
+worker's secret key never leaves its node (docs/security.md, "Transport").
+Only the connecting is done here: nothing runs per message.
 """
 
 from __future__ import annotations

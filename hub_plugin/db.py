@@ -1,21 +1,8 @@
-"""The SQL store: engine, sessions, serialized write transactions, migrations.
-
-SQLite (embedded default) and PostgreSQL (production, psycopg 3) both work.
-
-Why write transactions are special: the capacity check and the reservation
-of a new lease must be one serialized transaction, or two requests could
-both see a GPU free and both take it.
-
-- SQLite: every write transaction starts with ``BEGIN IMMEDIATE``, which takes
-  the database's write lock up front (a plain ``BEGIN`` would take it only at
-  the first write, after the capacity was read). WAL lets readers go on.
-- PostgreSQL: :meth:`Store.lock_capacity` takes a transaction-scoped
-  advisory lock before capacity is read; in READ COMMITTED each later
-  statement then sees every lease committed before the lock. The rows of
-  the GPUs a decision chose are locked ``FOR UPDATE`` when it is checked.
-
-A store that stays locked (another process holding the lock longer than
-``BUSY_TIMEOUT_S``) or unreachable gives a 503 the client may retry.
+"""The SQL store: engine, sessions, serialized write transactions, migrations,
+on SQLite (the default) or PostgreSQL. The capacity check and a new lease's
+reservation are one serialized transaction (``BEGIN IMMEDIATE``, or an
+advisory lock: :meth:`Store.lock_capacity`); why and how: docs/code.md,
+"The SQL store".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""The worker environment a lease asks for, decided before it is placed.
-
-Agents report their worker environments at registration (``Node.environments``:
-``[{"name", "python", "default", "usable", "problem"}]``). Placement treats a
-lease's environment as a node filter (:mod:`.rules.scheduler`, ``Demand.env``); this
-module answers the question that comes first, whether the pool offers it at
-all, so that a request naming an environment no node has is refused at once,
-in words that list what the pool offers, instead of waiting in the queue for a
-node that will never come:
-
-- ``env`` given (``%gpu acquire 0.5 --env torch``): it must be usable on some
-  registered node with GPUs (whatever that node's load or state: a full or
-  lost node's request queues as usual); otherwise 409 ``unknown_environment``
-  (a valid request that this pool cannot serve, as ``pool_full`` is).
-- ``prefer_env`` given instead (the notebook kernel's name, see
-  :func:`gpupool.schema.kernel_environment`): that environment when some node
-  offers it, else none, i.e. the node's default. Never a refusal.
+"""The worker environment a lease asks for, decided before it is placed:
+whether the pool offers it at all, so that a request naming an environment
+no node has is refused at once (409 ``unknown_environment``, listing what the
+pool offers) instead of waiting for a node that will never come, and what
+``prefer_env`` picks (docs/api.md, "Worker environments").
 """
 
 from __future__ import annotations

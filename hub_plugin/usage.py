@@ -1,22 +1,9 @@
 """The usage ledger: GPU-seconds (fraction x GPUs x seconds holding a GPU
-share) per lease, summed per user, group, day and week.
-
-- A lease holds a GPU share in spans: from its start (or a resume) until it
-  is parked or ends (``leases.held_since`` is the current span's start, None
-  while it is parked). :func:`close_span` writes a span's one
-  :class:`~.models.UsageRecord` when it ends, in the transaction that parks or
-  ends the lease; (``lease_id``, ``started_at``) is unique, so a span can never
-  be counted twice (not even if two releases raced past the state check).
-  Time parked is in no row: it holds no GPU (``leases.parked_seconds`` counts it apart).
-- Days and weeks are calendar periods in one time zone
-  (``c.GPUPool.usage_timezone``; weeks start Monday 00:00); every timestamp
-  is stored as UTC. A span across a period boundary counts in each period
-  for the seconds it held there.
-- "Used" includes the span the user's leases hold right now (from
-  ``held_since`` to ``now``), so a running lease counts before it ends.
-
-The period arithmetic (:func:`period`, :func:`overlap_gpu_seconds`,
-:func:`daily`) is pure, so tests move the clock by passing another ``now``.
+share) per lease, in spans (one :class:`~.models.UsageRecord` each, written
+by :func:`close_span` when the lease parks or ends), summed per user, group,
+day and week of ``c.GPUPool.usage_timezone`` (docs/api.md, "Quotas"). The
+period arithmetic (:func:`period`, :func:`overlap_gpu_seconds`, :func:`daily`)
+is pure, so tests move the clock by passing another ``now``.
 """
 
 from __future__ import annotations
