@@ -24,6 +24,7 @@ from jupyter_client import KernelManager
 from gpupool.magics import dataplane
 from gpupool.remote import RemoteKernel
 from gpupool.transfer import load_pulled
+from gpupool.wire.transfer import TARGET, Pull
 
 
 class _WorkerManager(KernelManager):
@@ -45,7 +46,7 @@ def one_worker(encrypted: bool, sizes: list[int], rounds: int) -> dict:
         remote.wait_ready(60)
 
         def comm(request, buffers):
-            answer, got = remote.comm_request("gpupool.transfer", request, buffers)
+            answer, got = remote.comm_request(TARGET, request.to_json(), buffers)
             assert answer.get("ok"), answer
             return answer, got
 
@@ -59,7 +60,7 @@ def one_worker(encrypted: bool, sizes: list[int], rounds: int) -> dict:
                     dataplane.push(comm, connection, {"a": array}, {}, progress=False)
                     pushed = time.perf_counter() - start
                     start = time.perf_counter()
-                    load_pulled(*dataplane.pull(comm, connection, {"op": "pull", "names": ["a"]}, progress=False))
+                    load_pulled(*dataplane.pull(comm, connection, Pull(names=["a"]), progress=False))
                     pulled = time.perf_counter() - start
                     out.setdefault(f"{mib} MiB {name}", []).append((round(mib / pushed), round(mib / pulled)))
         return out

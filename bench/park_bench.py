@@ -45,7 +45,7 @@ from frontend import run  # noqa: E402
 from parkagent import GiB, MiB, ParkAgent  # noqa: E402
 from report import write_section  # noqa: E402
 
-from gpupool.kernelcmd import TRANSFER_TARGET  # noqa: E402
+from gpupool.wire.transfer import TARGET, Have, PullAll  # noqa: E402
 from gpupool.magics import dataplane  # noqa: E402
 from gpupool.remote import RemoteKernel  # noqa: E402
 from gpupool.transfer import load_pulled  # noqa: E402
@@ -117,7 +117,7 @@ class Bench:
 
     def _comm(self, remote: RemoteKernel):
         def comm(request, buffers):
-            answer, got = remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=600)
+            answer, got = remote.comm_request(TARGET, request.to_json(), buffers, timeout=600)
             if not answer.get("ok"):
                 raise RuntimeError(answer.get("message"))
             return answer, got
@@ -128,7 +128,7 @@ class Bench:
         remote = RemoteKernel(self.connection)
         try:
             remote.wait_ready(30)
-            header, buffers = dataplane.pull(self._comm(remote), self.connection, {"op": "pull_all"}, progress=False)
+            header, buffers = dataplane.pull(self._comm(remote), self.connection, PullAll(), progress=False)
         finally:
             remote.close()
         values, items, errors = load_pulled(header, buffers)
@@ -144,7 +144,7 @@ class Bench:
             remote.wait_ready(30)
             dataplane.push(self._comm(remote), self.connection, {k: v for k, v in values.items() if k not in modules},
                            devices, progress=False)
-            remote.comm_request(TRANSFER_TARGET, {"op": "have", "names": []})
+            remote.comm_request(TARGET, Have(names=[]).to_json())
         finally:
             remote.close()
         self.cell("from gpupool.provisioner import simgpu\nimport numpy as np")  # today's resume imports them too

@@ -1,9 +1,13 @@
 """What the notebook kernel, the agent and a worker kernel agree on: which
-application ``python -m`` runs, the extension a worker loads, and the names
-the two kernels use beside the Jupyter protocol (pure; no ipykernel import,
-so that a Jupyter server or an agent can use it)."""
+application ``python -m`` runs and the extension a worker loads (pure; no
+ipykernel import, so that a Jupyter server or an agent can use it). What the
+two kernels say beside the Jupyter protocol is :mod:`gpupool.wire`'s
+(:mod:`~gpupool.wire.transfer`, :mod:`~gpupool.wire.magic`)."""
 
 from __future__ import annotations
+
+# The transfer comm's target, under the name the agent's framework checkpointer imports.
+from .wire.transfer import TARGET as TRANSFER_TARGET  # noqa: F401
 
 #: The gpupool kernel's application (:mod:`gpupool.magics.kernelapp`).
 NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
@@ -11,9 +15,6 @@ NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
 WORKER_KERNEL_APP = "gpupool.kernelapp"
 #: The IPython extension every worker loads (:mod:`gpupool.provisioner.worker_extension`).
 WORKER_EXTENSION = "gpupool.provisioner.worker_extension"
-
-#: The comm target of variable transfers and remoting ops on the worker (:mod:`gpupool.transfer`).
-TRANSFER_TARGET = "gpupool.transfer"
 
 
 def with_launcher(cmd: list[str], module: str) -> list[str] | None:

@@ -20,6 +20,7 @@ from gpupool.errors import GPUPoolError
 from gpupool.leasewait import START_WAIT_S, WAITING_FOR_ROOM, cancel, wait_started
 from gpupool.schema import ENV_KERNEL_NAME, kernel_environment
 from gpupool.wire.leases import LeaseRequest
+from gpupool.wire.transfer import Attach
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
 
@@ -70,8 +71,7 @@ def start_forwarding(magics, attachment: Attachment) -> None:
     attachment.heartbeat.notify = functools.partial(magics.kernel.notices.notify, beat=attachment.heartbeat)
     attachment.heartbeat.on_lease = lambda lease: magics.tell()
     user = attachment.lease.owner
-    answer, _ = attachment.request({"op": "attach", "execution_count": magics.shell.execution_count,
-                                    "cwd": os.getcwd(), "user": user})
+    answer, _ = attachment.request(Attach(execution_count=magics.shell.execution_count, cwd=os.getcwd(), user=user))
     cwd = answer.get("cwd")
     attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
                           f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "

@@ -17,10 +17,10 @@ from typing import Any, Callable
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval, ended_message
-from gpupool.kernelcmd import TRANSFER_TARGET
 from gpupool.leasewait import RESUME_STATES, wait_started
 from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
+from gpupool.wire.transfer import TARGET, Fetch, Have, Pull, PullAll, Request, Versions
 from gpupool.transfer import load_pulled
 
 from . import dataplane
@@ -233,7 +233,7 @@ class Attachment:
     def pull(self, names: list[str] | None, max_bytes: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
         """Fetch ``names`` (None: all user variables) from the worker; GPU
         tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
-        request = {"op": "pull", "names": names} if names is not None else {"op": "pull_all", "max_bytes": max_bytes}
+        request = Pull(names=names) if names is not None else PullAll(max_bytes=max_bytes)
         with self._guarded():
             header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request)
         try:
@@ -254,12 +254,11 @@ class Attachment:
             raise GPUPoolError(Reason.transfer_failed, "a move needs both workers' data planes (their agents give "
                                "them a transfer_port); release and acquire instead", 409)
         with self._guarded():  # counted as running throughout: no idle park meanwhile
-            offered, _ = self._comm_unlocked({"op": "pull_all", "stream": ticket.wire(), "stream_all": True})
+            offered, _ = self._comm_unlocked(PullAll(stream=ticket.wire(), stream_all=True))
             header = offered["header"]
             sizes = header.pop("stream")["sizes"]
             source = {"ip": self.remote.connection["ip"], "transfer_port": self.remote.connection["transfer_port"]}
-            answer, _ = other._comm({"op": "fetch", "source": source, "stream": {**ticket.wire(), "sizes": sizes},
-                                     "header": header})
+            answer, _ = other._comm(Fetch(source=source, stream={**ticket.wire(), "sizes": sizes}, header=header))
         loaded = set(answer.get("loaded", []))
         items = [item for item in header.get("items", []) if item["name"] in loaded]
         items += [{"name": name, "type": "module", "module": module, "nbytes": 0}
@@ -268,21 +267,20 @@ class Attachment:
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""
-        answer, _ = self._comm({"op": "have", "names": names})
+        answer, _ = self._comm(Have(names=names))
         return set(answer.get("have", []))
 
     def versions(self) -> dict[str, str]:
         """The worker's Python and key package versions (see gpupool.transfer.package_versions)."""
-        answer, _ = self._comm({"op": "versions"}, timeout=30)
+        answer, _ = self._comm(Versions(), timeout=30)
         return dict(answer.get("versions", {}))
 
-    def request(self, data: dict[str, Any], timeout: float = 30.0) -> tuple[dict[str, Any], list]:
-        """One op of the worker's transfer comm (``{"op": ...}``, see
-        gpupool.provisioner.worker_extension.comm.REMOTING_OPS); raises GPUPoolError
-        ``transfer_failed`` when the worker answers not ok."""
-        return self._comm(data, timeout=timeout)
+    def request(self, request: Request, timeout: float = 30.0) -> tuple[dict[str, Any], list]:
+        """One request of the worker's transfer comm (:mod:`gpupool.wire.transfer`);
+        raises GPUPoolError ``transfer_failed`` when the worker answers not ok."""
+        return self._comm(request, timeout=timeout)
 
-    def _comm(self, request: dict[str, Any], buffers: list | None = None,
+    def _comm(self, request: Request, buffers: list | None = None,
               timeout: float = 600.0) -> tuple[dict[str, Any], list]:
         """One transfer request, guarded like a cell: it ends as soon as the
         lease is seen ended or the worker stops answering its heartbeat."""
@@ -301,9 +299,9 @@ class Attachment:
             finally:
                 self.heartbeat.running(False)
 
-    def _comm_unlocked(self, request: dict[str, Any], buffers: list | None = None,
+    def _comm_unlocked(self, request: Request, buffers: list | None = None,
                        timeout: float = 600.0) -> tuple[dict[str, Any], list]:
-        answer, buffers = self.remote.comm_request(TRANSFER_TARGET, request, buffers, timeout=timeout,
+        answer, buffers = self.remote.comm_request(TARGET, request.to_json(), buffers, timeout=timeout,
                                                    check=self.check_alive)
         _raise_unless_ok(answer)
         return answer, buffers

@@ -28,6 +28,7 @@ from gpupool.leasewait import POLL_SECONDS
 from gpupool.schema import ON_IDLE, LeaseState, isoformat
 from gpupool.leaseargs import REQUEST_OPTIONS, VALUE_OPTIONS, join_negative_values, lease_request
 from gpupool.wire.leases import LeaseRequest
+from gpupool.wire.transfer import GpuMemory
 from gpupool.tables import (fraction_words, gpu_utilization, held_seconds, holders_table, host_words, lease_table,
                             pool_table, released_words, slice_words)
 from gpupool.units import format_bytes, format_duration
@@ -223,7 +224,7 @@ def holders_answer(magics) -> dict | str | None:
     if attachment.lock.locked():  # %gpu status in a cell on the worker: its comm answers after that cell
         return "the names holding GPU memory are listed by a %gpu status between cells (one runs on the worker now)"
     try:
-        answer, _ = attachment.request({"op": "gpu_memory", "top": HOLDERS_SHOWN}, timeout=HOLDERS_TIMEOUT_S)
+        answer, _ = attachment.request(GpuMemory(top=HOLDERS_SHOWN), timeout=HOLDERS_TIMEOUT_S)
     except GPUPoolError as exc:
         return f"which names hold GPU memory: the worker did not say ({exc.message})"
     return answer

@@ -3,8 +3,9 @@
 Push, pull, the locals sent along with a cell, release, park and resume all
 come through :func:`push` and :func:`pull`. Each takes ``comm(request,
 buffers) -> (answer, buffers)``, one round trip on the worker's transfer comm
-that raises unless the answer is ok, so the attachment (which holds its lock
-around the whole transfer) and parking (on a connection of its own) share it.
+(``request``: a :class:`gpupool.wire.transfer.Request`) that raises unless
+the answer is ok, so the attachment (which holds its lock around the whole
+transfer) and parking (on a connection of its own) share it.
 
 A push of at least :data:`STREAM_MIN` bytes to a worker with a
 ``transfer_port`` is one comm round trip with the stream inside it: the
@@ -19,6 +20,7 @@ keep everything in the comm message.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from typing import Any, Callable
@@ -28,13 +30,14 @@ from gpupool.errors import GPUPoolError, Reason
 from gpupool.remote import CommInterrupted
 from gpupool.transfer import dump_values
 from gpupool.units import format_bytes
+from gpupool.wire.transfer import Pull, Pulling, Push, Request
 
 #: Pushes whose buffers total fewer bytes go in the comm message (one round trip, no connection).
 STREAM_MIN = 1 << 20
 #: Seconds a data connection may stall before the transfer counts as failed.
 STALL_TIMEOUT = 60.0
 
-Comm = Callable[[dict[str, Any], list | None], tuple[dict[str, Any], list]]
+Comm = Callable[[Request, list | None], tuple[dict[str, Any], list]]
 
 
 def ticket_for(connection: dict[str, Any]) -> Ticket | None:
@@ -98,7 +101,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
         header, buffers = dump_values(values)
     except KeyboardInterrupt:
         raise TransferInterrupted("packing", names) from None
-    request = {"op": "push", "header": header, "devices": devices}
+    request = Push(header=header, devices=devices)
     sizes = [memoryview(b).nbytes for b in buffers]
     ticket = ticket_for(connection)
     if ticket is None or sum(sizes) < STREAM_MIN:
@@ -109,7 +112,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
             raise TransferInterrupted("waiting", names, sum(sizes), sum(sizes),
                                       got.get("loaded") if got.get("ok") else None) from None
         return header, answer
-    request["stream"] = {**ticket.wire(), "sizes": sizes}
+    request = dataclasses.replace(request, stream={**ticket.wire(), "sizes": sizes})
     asked = _Asked(comm, request)
     meter = _meter(progress, "pushing", sum(sizes))
     count = _Count(meter)
@@ -142,7 +145,7 @@ def _interrupted_push(asked: "_Asked", names: list[str], moved: int, total: int)
 class _Asked(threading.Thread):
     """``comm(request, None)`` on a thread of its own; :meth:`answer` joins it."""
 
-    def __init__(self, comm: Comm, request: dict[str, Any]) -> None:
+    def __init__(self, comm: Comm, request: Request) -> None:
         super().__init__(name="gpupool-push", daemon=True)
         self.comm, self.request = comm, request
         self.result: dict[str, Any] | None = None
@@ -172,20 +175,20 @@ class _Asked(threading.Thread):
         return self.result or {}
 
 
-def pull(comm: Comm, connection: dict[str, Any], request: dict[str, Any],
+def pull(comm: Comm, connection: dict[str, Any], request: Pulling,
          progress: bool | Callable[[int], None] = True
          ) -> tuple[dict[str, Any], list]:
-    """Ask the worker for ``request`` (``pull`` / ``pull_all``); returns the
+    """Ask the worker for ``request`` (a ``Pull`` or ``PullAll``); returns the
     answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
     Errors as for :func:`push` (:class:`TransferInterrupted` while the bytes
     come); the local namespace is not touched here."""
     ticket = ticket_for(connection)
     if ticket is not None:
-        request = {**request, "stream": ticket.wire()}
+        request = dataclasses.replace(request, stream=ticket.wire())
     try:
         answer, buffers = comm(request, None)
     except CommInterrupted:
-        raise TransferInterrupted("asking", list(request.get("names") or [])) from None
+        raise TransferInterrupted("asking", list(request.names) if isinstance(request, Pull) else []) from None
     header = answer["header"]
     if ticket is None or "stream" not in header:
         return header, buffers

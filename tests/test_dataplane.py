@@ -29,11 +29,10 @@ from gpupool.magics import dataplane
 from gpupool.remote import RemoteKernel
 from gpupool.provisioner.worker_extension.dataplane import DataPlaneServer
 from gpupool.transfer import load_pulled
+from gpupool.wire.transfer import TARGET, Pull
 from frontend import run
 from test_e2e_notebook import _active_leases, _remote
 from test_e2e_remoting import STAND_IN
-
-TARGET = "gpupool.transfer"
 
 
 def _free_port() -> int:
@@ -70,8 +69,8 @@ def worker():
 def _comm(remote, seen: list | None = None):
     def comm(request, buffers):
         if seen is not None:
-            seen.append(request["op"])
-        answer, got = remote.comm_request(TARGET, request, buffers, timeout=60)
+            seen.append(request.OP.value)
+        answer, got = remote.comm_request(TARGET, request.to_json(), buffers, timeout=60)
         if not answer.get("ok"):
             raise GPUPoolError(Reason.transfer_failed, answer.get("message", ""), 502)
         return answer, got
@@ -79,7 +78,7 @@ def _comm(remote, seen: list | None = None):
 
 
 def _pull(remote, connection, names, **kw):
-    header, buffers = dataplane.pull(_comm(remote), connection, {"op": "pull", "names": names}, progress=False, **kw)
+    header, buffers = dataplane.pull(_comm(remote), connection, Pull(names=names), progress=False, **kw)
     return load_pulled(header, buffers), header
 
 
@@ -219,7 +218,7 @@ def test_an_interrupted_transfer_leaves_both_kernels_usable(worker):
         dataplane.push(_comm(remote), connection, {"cut": payload}, {}, progress=_interrupt_after_first_chunk)
     remote.execute(f"import numpy as np\nwhole = np.full({8 * CHUNK}, 7, np.uint8)", lambda msg: None)
     with pytest.raises(KeyboardInterrupt):
-        dataplane.pull(_comm(remote), connection, {"op": "pull", "names": ["whole"]},
+        dataplane.pull(_comm(remote), connection, Pull(names=["whole"]),
                        progress=_interrupt_after_first_chunk)
     assert _on_worker(remote, "'cut' in globals()") == "False"
     (back, _, _), _ = _pull(remote, connection, ["whole"])  # both ends still work

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.wire import status
+from gpupool.wire import magic, status, transfer
+from gpupool.wire.transfer import (Attach, Fetch, ForgetTraceback, GpuMemory, Have, LoadSpill, Op, ParkGpu, Pull,
+                                   PullAll, Push, ResumeGpu, Spill, Versions, read_request)
 
 SOURCES = Path(__file__).resolve().parent.parent / "labextension" / "src"
 
@@ -53,3 +55,47 @@ def test_the_extension_opens_the_declared_target_and_knows_every_phase_and_reque
     holders = re.search(r"holders\?: \{([^}]*)\}", source).group(1)
     missing = [k for k in status.HOLDERS_KEYS if f"{k}?:" not in holders]
     assert not missing, f"IReply.holders in labextension/src lacks {missing}"
+
+
+TICKET = {"id": "00", "key": "11", "cipher": "none"}
+REQUESTS = [Push(header={"items": [], "errors": {}}, devices={"x": "cuda:0"}, stream={**TICKET, "sizes": [3]}),
+            Pull(names=["x"], stream=TICKET), PullAll(max_bytes=10, stream=TICKET, stream_all=True),
+            Fetch(source={"ip": "10.0.0.2", "transfer_port": 9000}, stream={**TICKET, "sizes": []}, header={}),
+            Have(names=["x", "y"]), Versions(), Attach(execution_count=3, cwd="/home/u", user="u"),
+            GpuMemory(top=3), ForgetTraceback(), ParkGpu(), ResumeGpu(), Spill(path="/spill/x"),
+            LoadSpill(path="/spill/x")]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.OP.value)
+def test_every_transfer_request_reads_back_as_written(request_):
+    assert read_request(request_.to_json()) == request_
+
+
+def test_the_transfer_requests_are_the_ops_the_worker_answers():
+    from gpupool.provisioner.worker_extension.comm import PARKING_OPS, REMOTING_OPS
+
+    assert {r.OP for r in REQUESTS} == set(Op)
+    assert {Op.push, Op.pull, Op.pull_all, *REMOTING_OPS, *PARKING_OPS} == set(Op)
+
+
+def test_a_transfer_request_leaves_out_what_it_does_not_say():
+    assert PullAll().to_json() == {"op": "pull_all"}
+    assert Pull(names=["a"]).to_json() == {"op": "pull", "names": ["a"]}
+    assert Push(header={}, devices={}).to_json() == {"op": "push", "header": {}, "devices": {}}
+    assert read_request({"op": "pull"}) == Pull(names=[]) and read_request({"op": "gpu_memory"}).top == 10
+
+
+def test_an_unknown_op_or_a_missing_field_is_named():
+    assert read_request({"op": "teleport"}) is None and read_request({}) is None and read_request({"op": []}) is None
+    with pytest.raises(KeyError, match="path"):
+        read_request({"op": "spill"})
+    assert transfer.TARGET == "gpupool.transfer"
+
+
+def test_the_workers_gpu_line_reads_back():
+    prompt = magic.ask_prompt("status --json")
+    assert prompt.startswith(magic.MAGIC_PROMPT) and magic.asked_line(prompt) == "status --json"
+    assert magic.asked_line("Your name? ") is None
+    assert magic.read_answer(magic.answer_text(False, "no")) == (False, "no")
+    with pytest.raises(ValueError):
+        magic.read_answer("\x04")

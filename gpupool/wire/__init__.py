@@ -17,9 +17,13 @@ both ends (docs/api.md).
   asked over the worker's stdin channel.
 - :mod:`.status`: front end <-> notebook kernel: the ``gpupool.status`` comm
   (its TypeScript side, ``labextension/src``, is checked against it).
+- :mod:`.transfer`: notebook kernel or agent -> worker: the ``gpupool.transfer``
+  comm's ops, one request class each.
 
-The field rules every body uses are in :mod:`gpupool.schema`. Each
-``from_json`` raises a 400 GPUPoolError naming the field; each ``to_json``
-gives the dict sent. The lease request refuses fields it does not know; the
-other readers ignore them, so older and newer parts interoperate.
+The field rules every HTTP body uses are in :mod:`gpupool.schema`. Each
+HTTP body's ``from_json`` raises a 400 GPUPoolError naming the field; each
+``to_json`` gives the dict sent. The lease request refuses fields it does not
+know; the other readers ignore them, so older and newer parts interoperate.
+The comms' modules (``magic``, ``status``, ``transfer``) import only the
+standard library and :mod:`gpupool.strenum`: a worker's extension imports them.
 """

@@ -3,7 +3,8 @@
 The agent starts each worker with ``--IPKernelApp.extra_extensions`` naming
 this package. It gives the worker what the notebook's client relies on:
 
-- the ``gpupool.transfer`` comm target (:mod:`.comm`), through which the
+- the ``gpupool.transfer`` comm target (:mod:`.comm`; its requests are
+  :mod:`gpupool.wire.transfer`'s), through which the
   client pushes variables into the worker and pulls them back (see
   :mod:`gpupool.transfer` for the wire shape); GPU tensors are moved to the
   CPU before they travel, with the device they were on, and a push can ask
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpupool.kernelcmd import TRANSFER_TARGET
+from gpupool.wire.transfer import TARGET
 from . import dataplane
 
 from .binding import bind
@@ -43,7 +44,7 @@ def load_ipython_extension(ip) -> None:
     the notebook kernel (:func:`.notebook_magic.notebook_magic`), the front
     end's stdin rule and the PyTorch cap hook."""
     plane = dataplane.start_for_kernel()
-    ip.kernel.comm_manager.register_target(TRANSFER_TARGET, lambda comm, msg: serve(ip, comm, msg, plane))
+    ip.kernel.comm_manager.register_target(TARGET, lambda comm, msg: serve(ip, comm, msg, plane))
     ip.register_magic_function(lambda line: notebook_magic(ip, line), "line", "gpu")
     ip.events.register("pre_run_cell", lambda info: front_end_stdin(ip))
     if os.environ.get("GPUPOOL_MEMORY_LIMIT") and "torch" not in sys.modules:

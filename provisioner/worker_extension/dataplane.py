@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gpupool.dataplane import Ticket, TransferError, recv_buffers, send_buffers, send_status
+from gpupool.wire.transfer import Pulling, Push
 
 from .hello_gate import HelloGate
 
@@ -175,28 +176,28 @@ def from_connection_file(path: str) -> DataPlaneServer | None:
 STREAM_MIN = 1 << 20
 
 
-def pushed_buffers(plane: DataPlaneServer | None, data: dict[str, Any]) -> list:
-    """The buffers of a streamed push: register ``data["stream"]`` (a ticket
+def pushed_buffers(plane: DataPlaneServer | None, request: Push) -> list:
+    """The buffers of a streamed push: register its ``stream`` (a ticket
     with the buffers' ``sizes``) and wait here, in the comm handler, until the
     client's stream has arrived and verified. Raises TransferError (also
     for a ticket this worker refuses) and then changes nothing."""
     if plane is None:
         raise TransferError("this worker has no data plane (its agent gave it no transfer_port)")
-    ticket = Ticket.from_wire(data["stream"])
-    plane.expect(ticket, list(data["stream"]["sizes"]))
+    ticket = Ticket.from_wire(request.stream)
+    plane.expect(ticket, list(request.stream["sizes"]))
     return plane.take(ticket.id)
 
 
-def offer_pull(plane: DataPlaneServer | None, data: dict[str, Any], header: dict[str, Any], buffers: list
+def offer_pull(plane: DataPlaneServer | None, request: Pulling, header: dict[str, Any], buffers: list
                ) -> tuple[dict[str, Any], list]:
-    """A pull's answer: with a ticket in ``data["stream"]`` and at least
-    STREAM_MIN bytes (or any, with ``data["stream_all"]``: a move, whose bytes
+    """A pull's answer: with a ticket in its ``stream`` and at least
+    STREAM_MIN bytes (or any, with ``stream_all``: a move, whose bytes
     go to another worker), the buffers wait on the data plane and
     ``header["stream"]`` lists their sizes; else they go in the comm message."""
-    small = sum(memoryview(b).nbytes for b in buffers) < STREAM_MIN and not data.get("stream_all")
-    if plane is None or not data.get("stream") or small:
+    small = sum(memoryview(b).nbytes for b in buffers) < STREAM_MIN and not request.stream_all
+    if plane is None or not request.stream or small:
         return header, buffers
-    header["stream"] = {"sizes": plane.offer(Ticket.from_wire(data["stream"]), buffers)}
+    header["stream"] = {"sizes": plane.offer(Ticket.from_wire(request.stream), buffers)}
     return header, []
 
 

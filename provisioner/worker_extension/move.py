@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpupool.dataplane import Ticket, TransferError, connect, recv_buffers
+from gpupool.wire.transfer import Fetch
 
 from .namespace import restore
 
@@ -15,16 +16,16 @@ from .namespace import restore
 STALL_TIMEOUT = 60.0
 
 
-def fetch(ip, data: dict[str, Any]) -> dict[str, Any]:
-    """Op ``fetch``: ``data["source"]`` (the old worker's ``ip`` and
-    ``transfer_port``) offers ``data["stream"]`` (a ticket and the buffers'
-    ``sizes``) for ``data["header"]`` (its pull_all header); take the buffers
+def fetch(ip, request: Fetch) -> dict[str, Any]:
+    """Op ``fetch``: its ``source`` (the old worker's ``ip`` and
+    ``transfer_port``) offers its ``stream`` (a ticket and the buffers'
+    ``sizes``) for its ``header`` (the old worker's pull_all header); take the buffers
     and restore them here (:func:`.namespace.restore`). Answers ``{"ok",
     "loaded", "errors"}``; TransferError, with nothing changed here, when
     the old worker cannot be reached or the bytes do not all verify."""
-    source = data["source"]
+    source = request.source
     address = (str(source["ip"]), int(source["transfer_port"]))
-    ticket = Ticket.from_wire(data["stream"])
+    ticket = Ticket.from_wire(request.stream)
     try:
         sock = connect(address, ticket, STALL_TIMEOUT)
     except OSError as exc:
@@ -32,5 +33,5 @@ def fetch(ip, data: dict[str, Any]) -> dict[str, Any]:
                             f"({exc}); the cluster's network policy must let workers reach each other; "
                             "nothing moved") from None
     with sock:
-        buffers = recv_buffers(sock, ticket, [int(size) for size in data["stream"]["sizes"]])
-    return restore(ip, data["header"], buffers)
+        buffers = recv_buffers(sock, ticket, [int(size) for size in request.stream["sizes"]])
+    return restore(ip, request.header, buffers)

@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 from gpupool.transfer import dump_values, load_values
+from gpupool.wire.transfer import Pull, Pulling, PullAll
 
 from .devices import place_on_devices, to_cpu_with_device
 
@@ -32,13 +33,13 @@ def user_modules(ip) -> dict[str, str]:
             if isinstance(value, types.ModuleType) and not name.startswith("_") and name not in hidden}
 
 
-def pull_header(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
+def pull_header(ip, request: Pulling) -> tuple[dict[str, Any], list]:
     """The transfer header and buffers (:func:`gpupool.transfer.dump_values`)
-    for a ``pull`` of ``data["names"]`` or a ``pull_all``, within
-    ``data["max_bytes"]`` when given; each item says the device it came off."""
+    for a :class:`~gpupool.wire.transfer.Pull` of its names or a ``PullAll``,
+    within its ``max_bytes`` when given; each item says the device it came off."""
     missing: dict[str, str] = {}
-    if data["op"] == "pull":
-        names = data.get("names", [])
+    if isinstance(request, Pull):
+        names = request.names
         values = {n: ip.user_ns[n] for n in names if n in ip.user_ns}
         missing = {n: "not defined on the worker" for n in names if n not in ip.user_ns}
     else:
@@ -46,7 +47,7 @@ def pull_header(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
         widgets = [name for name, value in values.items() if _is_widget(value)]
         missing.update({name: "widget: stays on the worker" for name in widgets})
         values = {name: value for name, value in values.items() if name not in widgets}
-    limit = data.get("max_bytes")
+    limit = request.max_bytes
     if limit:  # leave what surely exceeds the cap before copying it to host memory
         values, missing = _within(values, int(limit), missing)
     moved = {name: to_cpu_with_device(value) for name, value in values.items()}
@@ -56,7 +57,7 @@ def pull_header(ip, data: dict[str, Any]) -> tuple[dict[str, Any], list]:
     header["errors"].update(missing)
     if limit:
         header, buffers = _cap(header, buffers, int(limit))
-    if data["op"] == "pull_all":
+    if isinstance(request, PullAll):
         header["modules"] = user_modules(ip)
     return header, buffers
 

@@ -19,6 +19,7 @@ import struct
 from typing import Any
 
 from gpupool.dataplane import allocate
+from gpupool.wire.transfer import PullAll
 
 from .namespace import pull_header, restore
 
@@ -30,7 +31,7 @@ def save(ip, path: str) -> dict[str, Any]:
     ``{"ok", "items", "types", "errors", "modules", "nbytes"}``: the names
     saved and ``{name: type}`` of each, ``{name: why}`` for those that could
     not be, the module names, and the file's size."""
-    header, buffers = pull_header(ip, {"op": "pull_all"})
+    header, buffers = pull_header(ip, PullAll())
     header["sizes"] = [memoryview(b).nbytes for b in buffers]
     head = json.dumps(header).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
