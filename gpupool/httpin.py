@@ -1,22 +1,9 @@
 """What the service and the agent take from the network before their handlers
-decide anything: bounded bodies, read only after the token was checked, and
-JSON with bounded depth, numbers and only valid Unicode.
-
-- :func:`server_options`: the keyword arguments of ``tornado.httpserver.HTTPServer``
-  both servers use: bodies of at most :data:`MAX_BODY` bytes, headers within
-  :data:`HEADER_TIMEOUT` seconds (also the longest a kept-alive connection may
-  sit idle), a body within :data:`BODY_TIMEOUT`. A connection that stalls is closed.
-- :class:`BoundedBody`: a mixin for handlers decorated with
-  ``tornado.web.stream_request_body``: tornado then calls ``prepare`` (which
-  checks the token) as soon as the headers are in, before any of the body is
-  read; a refused request is answered and its connection closed without
-  reading the body; a body larger than :data:`MAX_BODY` is refused with 400
-  and never buffered.
-- :func:`loads`: ``json.loads`` that refuses, with a ``ValueError`` in words,
-  ``NaN``/``Infinity``, number literals longer than :data:`MAX_NUMBER_CHARS`
-  (a 400-digit integer would overflow ``float()`` later), nesting deeper than
-  :data:`MAX_DEPTH` (200,000 nested arrays would hit the recursion limit), and
-  strings holding lone surrogates (``"\\ud800"``: no store can write them).
+decide anything: :func:`server_options` (bodies of at most :data:`MAX_BODY`
+bytes, header and body timeouts), :class:`BoundedBody` (a body read only
+after the token was checked, never buffered past the cap) and :func:`loads`
+(JSON with bounded depth and numbers, only valid Unicode); docs/security.md,
+"Requests that cost the service".
 """
 
 from __future__ import annotations
@@ -96,7 +83,11 @@ class BoundedBody:
 
 
 def loads(raw: bytes | str) -> Any:
-    """``raw`` as JSON, within the limits of the module docstring; ValueError in words otherwise."""
+    """``raw`` as JSON; ValueError in words for ``NaN``/``Infinity``, number
+    literals longer than :data:`MAX_NUMBER_CHARS` (a 400-digit integer would
+    overflow ``float()`` later), nesting deeper than :data:`MAX_DEPTH`
+    (200,000 nested arrays would hit the recursion limit) and strings holding
+    lone surrogates (``"\\ud800"``: no store can write them)."""
     try:
         value = json.loads(raw, parse_constant=_not_json, parse_int=_int, parse_float=_float)
     except RecursionError:
