@@ -132,12 +132,14 @@ def _cycle(agent, inventory: Any, run, value, bandwidth: float | None) -> dict[s
 def _holders(agent, run) -> dict[str, Any]:
     """The ``gpu_memory`` op on real CUDA tensors, before and after a park."""
     from gpupool.provisioner.checkpoint.framework import ask
+    from gpupool.wire.transfer import GpuMemory
 
+    listing = GpuMemory(top=20).to_json()
     connection = agent.start_worker("L-gpu-holders", memory=4 * GiB)["connection"]
     kc = agent.client(connection)
     if not run(kc, HOLDERS, timeout=300).ok or "on purpose" not in run(kc, "fails()", timeout=60).text():
         raise RuntimeError("the cells did not run as they should")
-    rows = {h["name"]: (h["bytes"], h["shares"]) for h in ask(connection, {"op": "gpu_memory", "top": 20})["holders"]}
+    rows = {h["name"]: (h["bytes"], h["shares"]) for h in ask(connection, listing)["holders"]}
     label = next((name for name in rows if name.startswith("last traceback (RuntimeError")), None)
     want = {"base": (64 * MiB, []), "batch": (16 * MiB, ["base"]), "net": (1024 * 1024 * 4 + 1024 * 4, []),
             "view": (0, ["base"]), "weight": (0, ["net"]), label: (32 * MiB, [])}
@@ -148,7 +150,7 @@ def _holders(agent, run) -> dict[str, Any]:
         raise AssertionError(f"the park did not say it dropped the traceback: {status} {parked}")
     if agent.resume("L-gpu-holders")[0] != 200:
         raise RuntimeError("resume failed")
-    after = {h["name"] for h in ask(connection, {"op": "gpu_memory", "top": 20})["holders"]}
+    after = {h["name"] for h in ask(connection, listing)["holders"]}
     if after != {"base", "batch", "net", "view", "weight"}:
         raise AssertionError(f"after the park gpu_memory listed {sorted(after)}")
     return {"listed": {name: size for name, (size, _) in rows.items()}, "lost": parked["lost"]}
