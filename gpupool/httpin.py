@@ -29,8 +29,11 @@ BODY_TIMEOUT = 30.0
 
 
 def server_options(header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> dict[str, Any]:
-    """Keyword arguments for ``HTTPServer``: the limits of the module docstring
-    (timeouts in seconds; tornado applies each to the whole of the headers or the body)."""
+    """Keyword arguments for ``HTTPServer``: bodies of at most :data:`MAX_BODY`
+    bytes, headers within ``header_timeout`` seconds (also the longest a
+    kept-alive connection may sit idle), a body within ``body_timeout``; a
+    connection that stalls is closed (tornado applies each timeout to the whole
+    of the headers or the body)."""
     return {"max_body_size": MAX_BODY, "max_buffer_size": 2 * MAX_BODY,
             "idle_connection_timeout": header_timeout, "body_timeout": body_timeout}
 

@@ -87,7 +87,8 @@ class FairQueue:
 
 class StoreWork:
     """The service's store threads: :meth:`write` on one writer, :meth:`read` on
-    :data:`READERS` readers (see the module docstring)."""
+    :data:`READERS` readers, callers taking turns (docs/code.md, "Store work
+    off the event loop")."""
 
     def __init__(self, readers: int = READERS) -> None:
         self._writer = FairQueue(1, "gpupool-store-write")

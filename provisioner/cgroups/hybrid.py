@@ -29,7 +29,7 @@ class HybridCgroup(V2Cgroup):
 
     def add(self, pid: int) -> None:
         super().add(pid)
-        for path in self.v1.paths.values():  # from the first instruction (see the module's docstring)
+        for path in self.v1.paths.values():  # from the first instruction: why, docs/enforcement.md
             write(path / "cgroup.procs", str(pid))
 
     def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
