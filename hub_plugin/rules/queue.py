@@ -37,18 +37,23 @@ class Waiting:
     resume: Resume | None = None
 
 
-def _key(owner: str, created_at: datetime, lease_id: str, last_used: Mapping[str, datetime | None],
-         lease_class: str | None = None, resume: bool = False) -> tuple:
-    if resume:  # ahead of its class's new requests, in the order asked
-        return (class_rank(lease_class), False, False, created_at, created_at, lease_id)
-    used = last_used.get(owner)
-    return (class_rank(lease_class), True, used is not None, used or created_at, created_at, lease_id)
+def sort_key(lease_class: str | None, created_at: datetime | float, tiebreak: object,
+             used: datetime | float | None = None, *, resume: bool = False) -> tuple:
+    """Where one waiting request goes in the queue order (module docstring), as a sort key: its
+    class's rank first; a ``resume`` ahead of its class's new requests, in the order asked
+    (``created_at``); then owners who never used the pool (``used`` None) before the least
+    recently ``used``; then the oldest; ``tiebreak`` (the lease id) last. ``created_at`` and
+    ``used``: datetimes, or any one comparable clock (the simulator's seconds). The service's
+    queue and the simulator's replay of it (:mod:`gpupool.hub_plugin.simulate.waiting`) sort by it."""
+    if resume:
+        return (class_rank(lease_class), False, False, created_at, created_at, tiebreak)
+    return (class_rank(lease_class), True, used is not None, created_at if used is None else used, created_at, tiebreak)
 
 
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
-    return sorted(waiting, key=lambda item: _key(item.owner, item.created_at, item.lease_id, last_used,
-                                                 item.lease_class, item.resume is not None))
+    return sorted(waiting, key=lambda item: sort_key(item.lease_class, item.created_at, item.lease_id,
+                                                     last_used.get(item.owner), resume=item.resume is not None))
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:
@@ -64,8 +69,8 @@ def positions(queued: Iterable[tuple], last_used: Mapping[str, datetime | None])
     class[, resume])`` rows (``resume`` true: a parked lease's resume, its
     ``created_at`` when that was asked; further columns are ignored), in
     :func:`order`'s order: one sort, however many places are asked for."""
-    keyed = sorted((_key(row[1], row[2], row[0], last_used, row[3] if len(row) > 3 else None,
-                         bool(row[4]) if len(row) > 4 else False), row[0])
+    keyed = sorted((sort_key(row[3] if len(row) > 3 else None, row[2], row[0], last_used.get(row[1]),
+                             resume=bool(row[4]) if len(row) > 4 else False), row[0])
                    for row in queued)
     return {lease_id: place for place, (_, lease_id) in enumerate(keyed, start=1)}
 
@@ -86,9 +91,9 @@ def before_newest(other: str, other_class: str, owner: str, lease_class: str,
                   last_used: Mapping[str, datetime | None]) -> bool:
     """Whether a queued ``other_class`` request of ``other`` is ahead of (or is) a
     ``lease_class`` request ``owner`` has just queued (:func:`newest_position`)."""
-    mine, rank = last_used.get(owner), class_rank(lease_class)
-    used, other_rank = last_used.get(other), class_rank(other_class)
-    return other_rank < rank or (other_rank == rank and (used is None or (mine is not None and used <= mine)))
+    # :func:`sort_key` without the rows: every queued request was asked before the newest one.
+    return (sort_key(other_class, datetime.min, "", last_used.get(other))
+            < sort_key(lease_class, datetime.max, "", last_used.get(owner)))
 
 
 def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,

@@ -1,11 +1,12 @@
 """A notebook replay's wait queue: which waiting request is offered freed capacity first.
 
 Requests wait as ``(queued at, session id)`` in one first-come queue per
-shape (class, slice, GPU count). Freed capacity is offered interactive
-first when the policy has classes (the service's
-:func:`gpupool.hub_plugin.rules.priority.class_rank`), oldest first within
-a class, and a request that does not fit does not hold back a smaller one
-behind it; a ``fifo`` policy has one strict first-come queue instead.
+shape (class, slice, GPU count). Freed capacity is offered to the queues'
+heads in the service's queue order
+(:func:`gpupool.hub_plugin.rules.queue.sort_key`): interactive first when the
+policy has classes, then, with no owner's last use replayed, oldest first;
+a request that does not fit does not hold back a smaller one behind it. A
+``fifo`` policy has one strict first-come queue instead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Iterator
 
 from gpupool.leaseclasses import default as default_class
 
-from ..rules.priority import class_rank
+from ..rules.queue import sort_key
 from .pool import FULL
 
 
@@ -49,7 +50,7 @@ class WaitQueue:
             return
         heads = [(queue[0][0], key) for key, queue in self._queues.items()
                  if queue and (klass is None or key[0] == klass)]
-        heads.sort(key=lambda head: (class_rank(head[1][0]), head))
+        heads.sort(key=lambda head: sort_key(head[1][0], head[0], head[1]))
         failed_milli, failed_gpus = FULL + 1, 10**9  # smallest slice / whole-GPU count refused in this pass
         for _, key in heads:
             _, milli, gpus = key
