@@ -1,4 +1,5 @@
-"""The agent's side of the service's node API (docs/api.md, "Nodes"): register,
+"""The agent's side of the service's node API (docs/api.md, "Service:
+``/api/v1``", ``POST /nodes`` and ``POST /nodes/{name}/heartbeat``): register,
 heartbeat, and a last heartbeat when it stops."""
 
 from __future__ import annotations
