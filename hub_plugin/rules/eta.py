@@ -37,11 +37,12 @@ class Room:
 @dataclass(frozen=True)
 class Holding:
     """A lease holding capacity: the indexes of its GPUs in the :class:`Room`
-    and the ``fraction`` of each it holds; its class; whether a cell runs and
-    since when (None: unknown, e.g. an agent that does not say); since when it
-    is idle (None while busy) and when it is parked if it stays idle (None:
-    never, unpressed); its idle timeout in seconds (None: none; 0: it ends with
-    its cell); ``pressable``: outside its owner's guaranteed share."""
+    and the ``fraction`` of each it holds; its class; whether a cell runs
+    (:func:`.reclaim.is_busy`) and since when (None: unknown, e.g. an agent
+    that does not say); since when it is idle (None while busy) and when it is
+    parked if it stays idle (None: never, unpressed); its idle timeout in
+    seconds (None: none; 0: it ends with its cell); ``pressable``: outside its
+    owner's guaranteed share."""
 
     gpus: tuple[int, ...]
     fraction: float
