@@ -6,9 +6,6 @@ two kernels say beside the Jupyter protocol is :mod:`gpupool.wire`'s
 
 from __future__ import annotations
 
-# The transfer comm's target, under the name the agent's framework checkpointer imports.
-from .wire.transfer import TARGET as TRANSFER_TARGET  # noqa: F401
-
 #: The gpupool kernel's application (:mod:`gpupool.magics.kernelapp`).
 NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
 #: A worker's application (:mod:`gpupool.kernelapp`: a plain IPython kernel, no subshells).

@@ -17,7 +17,7 @@ import asyncio
 from typing import Any
 
 from gpupool.errors import GPUPoolError
-from gpupool.kernelcmd import TRANSFER_TARGET
+from gpupool.wire.transfer import TARGET as TRANSFER_TARGET, ParkGpu, Request, ResumeGpu
 from gpupool.remote import RemoteKernel
 
 from .base import Checkpointer, CheckpointError, Moved, ParkTarget
@@ -26,7 +26,7 @@ from .base import Checkpointer, CheckpointError, Moved, ParkTarget
 TIMEOUT_S = 300.0
 
 
-def ask(connection: dict[str, Any], request: dict[str, Any], timeout: float = TIMEOUT_S) -> dict[str, Any]:
+def ask(connection: dict[str, Any], request: Request, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     """One request on the worker's transfer comm (its ops are
     :data:`~..worker_extension.comm.PARKING_OPS`), over a connection of its
     own; the answer's data. Blocking: call it in a thread. CheckpointError
@@ -34,13 +34,13 @@ def ask(connection: dict[str, Any], request: dict[str, Any], timeout: float = TI
     remote = RemoteKernel(dict(connection))
     try:
         remote.wait_ready(min(timeout, 30.0))
-        answer, _ = remote.comm_request(TRANSFER_TARGET, request, timeout=timeout)
+        answer, _ = remote.comm_request(TRANSFER_TARGET, request.to_json(), timeout=timeout)
     except GPUPoolError as exc:
-        raise CheckpointError(f"the worker did not answer the {request['op']} request: {exc.message}") from None
+        raise CheckpointError(f"the worker did not answer the {request.OP} request: {exc.message}") from None
     finally:
         remote.close()
     if not answer.get("ok"):
-        raise CheckpointError(f"the worker could not {request['op']}: {answer.get('message')}")
+        raise CheckpointError(f"the worker could not {request.OP}: {answer.get('message')}")
     return answer
 
 
@@ -53,7 +53,7 @@ class FrameworkCheckpointer(Checkpointer):
     frozen = False
 
     async def park(self, target: ParkTarget) -> Moved:
-        answer = await asyncio.to_thread(ask, target.connection, {"op": "park_gpu"})
+        answer = await asyncio.to_thread(ask, target.connection, ParkGpu())
         return Moved(gpu_bytes_moved=int(answer.get("moved", 0)), gpu_bytes_kept=int(answer.get("kept", 0)),
                      lost=tuple(str(w) for w in answer.get("lost", ())))
 
@@ -61,7 +61,7 @@ class FrameworkCheckpointer(Checkpointer):
         if tuple(gpus) != target.gpus:
             raise CheckpointError("the framework checkpointer restores onto the worker's own GPUs only (its CUDA "
                                   f"context is bound to {', '.join(target.gpus)})")
-        await asyncio.to_thread(ask, target.connection, {"op": "resume_gpu"})
+        await asyncio.to_thread(ask, target.connection, ResumeGpu())
 
     async def to_host(self, target: ParkTarget, moved: Moved) -> None:
         """Nothing to do: the tensors are in the worker's host memory already, and know their device."""

@@ -27,6 +27,7 @@ from gpupool.remote import interrupt_from_thread
 from gpupool.schema import WorkerState
 from gpupool.units import format_bytes
 from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
+from gpupool.wire.transfer import ForgetTraceback
 
 from ..cgroups import CgroupError
 from ..checkpoint import Checkpointer, CheckpointError, ParkTarget
@@ -214,7 +215,7 @@ class WorkerParking:
         if worker.activity.execution_state == WorkerState.busy:
             return None  # frozen mid-cell: its comm would answer only after the cell
         try:
-            answer = await asyncio.to_thread(ask, worker.connection(), {"op": "forget_traceback"}, FORGET_TIMEOUT_S)
+            answer = await asyncio.to_thread(ask, worker.connection(), ForgetTraceback(), FORGET_TIMEOUT_S)
         except CheckpointError as exc:
             self.log.warning("lease %s: its last traceback is kept through the park: %s", worker.name, exc)
             return None

@@ -26,6 +26,7 @@ from gpupool.transfer import COPIED_AS_CONTENTS
 from gpupool.units import format_bytes
 from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import WorkerParked, WorkerResumed
+from gpupool.wire.transfer import LoadSpill, Spill
 
 from ..checkpoint import CheckpointError
 from ..checkpoint.framework import ask
@@ -111,7 +112,7 @@ class Spilling:
                 interrupted = True
                 lost.append("the running cell was interrupted" if parked is None else
                             "the running cell, frozen mid-way, was interrupted")
-            answer = await asyncio.to_thread(ask, worker.connection(), {"op": "spill", "path": str(folder / NAMESPACE)})
+            answer = await asyncio.to_thread(ask, worker.connection(), Spill(path=str(folder / NAMESPACE)))
         except (CheckpointError, GPUPoolError) as exc:
             shutil.rmtree(folder, ignore_errors=True)
             if parked is not None:
@@ -151,8 +152,7 @@ class Spilling:
             if worker.user is not None:  # the new worker's account reads the file
                 for path in (spill.folder, spill.namespace):
                     os.chown(path, worker.user.uid, worker.user.gid)
-            answer = await asyncio.to_thread(ask, worker.connection(), {"op": "load_spill",
-                                                                        "path": str(spill.namespace)})
+            answer = await asyncio.to_thread(ask, worker.connection(), LoadSpill(path=str(spill.namespace)))
         except (CheckpointError, OSError) as exc:
             await self.manager.stop_locked(spill.lease_id)
             raise GPUPoolError(Reason.park_failed, f"the new worker of lease {spill.lease_id} could not load what was "
