@@ -1,7 +1,7 @@
 """``%gpu`` in a cell on the worker, on the wire: the worker asks the
 notebook's gpupool kernel to run the line over its stdin channel, the one
-channel that works while its shell is busy with that very cell (docs/api.md,
-"Worker magics").
+channel that works while its shell is busy with that very cell (docs/api.md, "The
+forwarding kernel": "%gpu on the worker").
 
 - The worker sends an ``input_request`` whose prompt is :func:`ask_prompt`;
   the gpupool kernel reads the line back with :func:`asked_line`, runs it

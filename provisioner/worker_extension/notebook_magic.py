@@ -1,5 +1,5 @@
 """``%gpu`` in a cell on the worker, run by the notebook kernel over the
-worker's stdin channel (docs/api.md, "Worker magics"), and the front end's
+worker's stdin channel (docs/api.md, "The forwarding kernel"), and the front end's
 own ``input()`` rule for a forwarded cell."""
 
 from __future__ import annotations
