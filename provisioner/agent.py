@@ -11,7 +11,9 @@ every other process it had started (:mod:`.workers.recovery`).
 Beside it: its settings (:mod:`.agent_settings`), HTTP API and server (:mod:`.agent_http`),
 calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
 worker accounts (:mod:`.agent_accounts`), metrics (:mod:`.agent_metrics`) and
-enforcement (:mod:`.enforcement`).
+enforcement (:mod:`.enforcement`). The agent builds these parts and hands each
+only what it uses (:meth:`NodeAgent.api`, :meth:`NodeAgent.service_link`), so
+none of them imports it back.
 
     gpupool agent --service-url=http://pool:8765 --token-file=/etc/gpupool/agent_token
     gpupool agent --service-url=http://127.0.0.1:8765 --simulate=2xA100-80GB --port=0
@@ -35,9 +37,9 @@ from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEn
 from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccountSettings
-from .agent_http import advertised_ip, serve_api
+from .agent_http import AgentAPI, WorkerAdmission, advertised_ip, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
-from .agent_service import ServiceLink
+from .agent_service import NodeSide, ServiceLink, ServiceSettings
 from .agent_tokens import AgentTokens
 from .agent_settings import NodeSettings, WorkerSettings
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
@@ -192,11 +194,11 @@ class NodeAgent(WorkerSettings):
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
         await self._start_workers()
-        server, self.url = serve_api(self)
+        server, self.url = serve_api(self.api(), self.ip, self.port, self.tls)
         if self.refusal is not None:
             await self._refuse(server, stopping)
             return
-        service = ServiceLink(self)
+        service = self.service_link()
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s); service %s",
                       self.node_name, self.url, len(self.gpus), self.inventory.kind, self.enforcement.name,
                       self.gpu_checkpointer.name, self.service_url)
@@ -215,6 +217,29 @@ class NodeAgent(WorkerSettings):
         self.inventory.close()
         self.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
+
+    def api(self) -> AgentAPI:
+        """What the HTTP handlers use; once :meth:`_start_workers` has run (a
+        refusing agent has no workers then, and its handlers ask for none)."""
+        refusing = self.refusal is not None
+        return AgentAPI(self.node_name, self.log, self.tokens, self.metrics,
+                        refusal=self.refusal_words() if refusing else None,
+                        admission=None if refusing else self.admission(),
+                        workers=None if refusing else self.workers, reports=self.worker_reports)
+
+    def admission(self) -> WorkerAdmission:
+        """What a worker request is checked against. ``gpus`` and ``enforcement`` are
+        read per request, as :meth:`refresh_inventory` replaces them."""
+        return WorkerAdmission(self.inventory, lambda: self.gpus, lambda: self.enforcement, self.worker_environments,
+                               self.account_settings, self.host_totals)
+
+    def service_link(self) -> ServiceLink:
+        """The link to the pool service: its settings, and this node's side of it."""
+        settings = ServiceSettings(self.service_url, self.node_name, self.service_tls, self.service_timeout,
+                                   self.retry_max)
+        node = NodeSide(self.registration, self.heartbeat, self.refresh_inventory, self.stop_workers,
+                        self.write_agent_json, self.inventory)
+        return ServiceLink(settings, self.tokens, node, self.log)
 
     async def _refuse(self, server: Any, stopping: asyncio.Event) -> None:
         """Serve only ``/health`` (503, :attr:`refusal`) until SIGTERM: no registration, no worker."""

@@ -6,7 +6,8 @@ Every handler but the health ones needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
 error is ``GPUPoolError.to_json()``. An agent that refuses to serve
 (``c.NodeAgent.require_containment``) answers every call but ``/health/live``
-with 503 and its reason.
+with 503 and its reason. The handlers use only what the agent hands them
+(:class:`AgentAPI`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import ssl
 import sys
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from tornado import web
 from tornado.httpserver import HTTPServer
@@ -25,17 +28,18 @@ from tornado.netutil import bind_sockets
 from gpupool import httpin
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 from gpupool.jsonhandler import JSONHandler
-from gpupool.wire.nodes import GPUInfo, WorkerEnvironment
+from gpupool.wire.nodes import GPUInfo, WorkerEnvironment, WorkerReport
 from gpupool.wire.parking import ParkRequest
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 from . import environments as worker_envs
-from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .agent_accounts import WorkerAccountSettings
+from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
+from .agent_tokens import AgentTokens
+from .enforcement import EnforcementMode
 from .host_limits import check_host_limits
-from .workers import WorkerSpec, WorkerStartError, WorkerStopError
-
-if TYPE_CHECKING:
-    from .agent import NodeAgent
+from .inventory import Inventory
+from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
 
 
 def worker_spec(request: WorkerRequest, gpus: dict[str, GPUInfo]) -> WorkerSpec:
@@ -70,52 +74,95 @@ def python_for(environments: list[WorkerEnvironment], name: str | None) -> str |
     return None if env.python == sys.executable else env.python
 
 
+@dataclass(frozen=True)
+class WorkerAdmission:
+    """What a worker request is checked against on this node (:meth:`check`).
+    ``gpus`` and ``enforcement`` are read per request: both change when NVML
+    comes back (``NodeAgent.refresh_inventory``)."""
+
+    inventory: Inventory  # its ``error``: no worker while the GPUs cannot be read
+    gpus: Callable[[], dict[str, GPUInfo]]
+    enforcement: Callable[[], EnforcementMode]
+    environments: list[WorkerEnvironment]
+    accounts: WorkerAccountSettings
+    host_totals: Callable[[], tuple[float, int]]  # (cores, bytes) offered to leases
+
+    async def check(self, request: WorkerRequest) -> WorkerSpec:
+        """The worker ``request`` asks for on this node, checked against it
+        (its GPUs, environments, host, enforcement mode); 400 naming the
+        field, 503 ``inventory_unavailable`` while the GPUs cannot be read."""
+        if self.inventory.error:
+            raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
+                               f"{self.inventory.error}", 503)
+        spec = worker_spec(request, self.gpus())
+        python = python_for(self.environments, request.env)
+        # NSS may ask LDAP: off the loop. Without a template there is nothing to look up (no thread hop).
+        user = (await asyncio.to_thread(self.accounts.for_owner, spec.owner) if self.accounts.template is not None
+                else None)
+        cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.host_totals())
+        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
+        try:
+            self.enforcement().check(spec.fraction)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        return spec
+
+
+@dataclass(frozen=True)
+class AgentAPI:
+    """What the agent's handlers use, built once by the agent when it serves
+    (``NodeAgent.api``). ``refusal`` holds the words of an agent that refuses
+    to serve (``c.NodeAgent.require_containment``); such an agent has no
+    ``admission`` and no ``workers``, and its handlers never reach them."""
+
+    node: str
+    log: logging.Logger
+    tokens: AgentTokens
+    metrics: AgentMetrics
+    refusal: str | None
+    admission: WorkerAdmission | None
+    workers: WorkerManager | None
+    reports: Callable[[], list[WorkerReport]]  # the workers' states, for GET /workers
+
+
 @web.stream_request_body
 class AgentHandler(JSONHandler):
     """Base of the agent's handlers: agent-token auth, JSON in and out, every
     error as ``GPUPoolError.to_json()`` (:class:`gpupool.jsonhandler.JSONHandler`).
-    The token is checked before the body is read, and bodies are bounded."""
+    The token is checked before the body is read, and bodies are bounded.
+    What they use is the application's setting ``api`` (:class:`AgentAPI`)."""
 
     failure = "the agent hit an unexpected error; an admin can find the details in its log"
     json_media_type_only = False  # only the service calls it, and agents never asked
     auth_required = True
 
     @property
-    def agent(self) -> NodeAgent:
-        return self.settings["agent"]
+    def api(self) -> AgentAPI:
+        return self.settings["api"]
 
     @property
     def log(self) -> logging.Logger:  # the agent's own, as its settings name it
-        return self.agent.log
+        return self.api.log
+
+    @property
+    def workers(self) -> WorkerManager:
+        """The agent's workers; only handlers that a refusing agent never reaches (:meth:`prepare`) ask."""
+        assert self.api.workers is not None
+        return self.api.workers
 
     def prepare(self) -> None:
-        if self.agent.refusal is not None and not isinstance(self, (HealthHandler, LiveHandler)):
-            raise GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503)
-        if self.auth_required and not self.agent.tokens.agent_matches(self.request.headers.get("Authorization", "")):
+        if self.api.refusal is not None and not isinstance(self, (HealthHandler, LiveHandler)):
+            raise GPUPoolError(Reason.not_configured, self.api.refusal, 503)
+        if self.auth_required and not self.api.tokens.agent_matches(self.request.headers.get("Authorization", "")):
             raise GPUPoolError(Reason.unauthorized,
                                "missing or wrong agent token (send 'Authorization: token AGENT_TOKEN')",
                                401)
         self.start_body()
 
     async def worker_spec(self, request: WorkerRequest) -> WorkerSpec:
-        """The worker ``request`` asks for on this node, checked against it
-        (its GPUs, environments, host, enforcement mode); 400 naming the
-        field, 503 ``inventory_unavailable`` while the GPUs cannot be read."""
-        if self.agent.inventory.error:
-            raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
-                               f"{self.agent.inventory.error}", 503)
-        spec = worker_spec(request, self.agent.gpus)
-        python = python_for(self.agent.worker_environments, request.env)
-        accounts = self.agent.account_settings
-        # NSS may ask LDAP: off the loop. Without a template there is nothing to look up (no thread hop).
-        user = await asyncio.to_thread(accounts.for_owner, spec.owner) if accounts.template is not None else None
-        cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.agent.host_totals())
-        spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
-        try:
-            self.agent.enforcement.check(spec.fraction)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        return spec
+        """``request`` checked against this node (:meth:`WorkerAdmission.check`)."""
+        assert self.api.admission is not None  # as for workers
+        return await self.api.admission.check(request)
 
 
 @web.stream_request_body
@@ -123,12 +170,12 @@ class WorkersHandler(AgentHandler):
     """``GET /workers`` and ``POST /workers``."""
 
     async def get(self) -> None:
-        self.write_json({"workers": [r.to_json() for r in self.agent.worker_reports()]})
+        self.write_json({"workers": [r.to_json() for r in self.api.reports()]})
 
     async def post(self) -> None:
         spec = await self.worker_spec(WorkerRequest.from_json(self.json_body()))
         try:
-            worker = await self.agent.workers.start(spec)
+            worker = await self.workers.start(spec)
         except WorkerStartError as exc:
             raise GPUPoolError(Reason.worker_start_failed, str(exc), 502) from None
         self.write_json(WorkerStarted(worker.pid, worker.connection()).to_json(), 201)
@@ -139,7 +186,7 @@ class WorkerHandler(AgentHandler):
 
     async def delete(self, lease_id: str) -> None:
         try:
-            code = await self.agent.workers.stop(lease_id)
+            code = await self.workers.stop(lease_id)
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         except WorkerStopError as exc:
@@ -154,7 +201,7 @@ class ParkHandler(AgentHandler):
     async def post(self, lease_id: str) -> None:
         request = ParkRequest.from_json(self.json_body())
         try:
-            parked = await self.agent.workers.park(lease_id, request)
+            parked = await self.workers.park(lease_id, request)
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         self.write_json(parked.to_json())
@@ -170,7 +217,7 @@ class ResumeHandler(AgentHandler):
             raise bad_request(f"'lease_id' must be the lease of the path, {lease_id!r}, got {request.lease_id!r:.60}")
         spec = await self.worker_spec(request)
         try:
-            resumed = await self.agent.workers.resume(lease_id, spec)
+            resumed = await self.workers.resume(lease_id, spec)
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         self.write_json(resumed.to_json())
@@ -183,11 +230,11 @@ class HealthHandler(AgentHandler):
     auth_required = False
 
     def get(self) -> None:
-        if self.agent.refusal is not None:
-            self.write_json({"status": "refused", "node": self.agent.node_name,
-                             **GPUPoolError(Reason.not_configured, self.agent.refusal_words(), 503).to_json()}, 503)
+        if self.api.refusal is not None:
+            self.write_json({"status": "refused", "node": self.api.node,
+                             **GPUPoolError(Reason.not_configured, self.api.refusal, 503).to_json()}, 503)
             return
-        self.write_json({"status": "ok", "node": self.agent.node_name})
+        self.write_json({"status": "ok", "node": self.api.node})
 
 
 class LiveHandler(AgentHandler):
@@ -197,8 +244,7 @@ class LiveHandler(AgentHandler):
     auth_required = False
 
     def get(self) -> None:
-        self.write_json({"status": "refused" if self.agent.refusal is not None else "ok",
-                         "node": self.agent.node_name})
+        self.write_json({"status": "refused" if self.api.refusal is not None else "ok", "node": self.api.node})
 
 
 class MetricsHandler(AgentHandler):
@@ -207,14 +253,14 @@ class MetricsHandler(AgentHandler):
 
     def prepare(self) -> None:
         header = self.request.headers.get("Authorization", "")
-        if not (self.agent.tokens.agent_matches(header) or self.agent.tokens.metrics_matches(header)):
+        if not (self.api.tokens.agent_matches(header) or self.api.tokens.metrics_matches(header)):
             raise GPUPoolError(Reason.unauthorized,
                                "missing or wrong token: send 'Authorization: Bearer METRICS_TOKEN' "
                                "(the file of --metrics-token-file)", 401)
 
     def get(self) -> None:
         self.set_header("Content-Type", METRICS_CONTENT_TYPE)
-        self.finish(self.agent.metrics.render())
+        self.finish(self.api.metrics.render())
 
 
 class NotFoundHandler(AgentHandler):
@@ -230,14 +276,14 @@ def agent_routes() -> list[tuple[str, type]]:
             (r"/health", HealthHandler), (r"/health/live", LiveHandler), (r"/metrics", MetricsHandler)]
 
 
-def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
-    """Listen on the agent's ``ip``:``port`` and serve its API there; returns
+def serve_api(api: AgentAPI, ip: str, port: int, tls: ssl.SSLContext | None) -> tuple[HTTPServer, str]:
+    """Listen on ``ip``:``port`` (``tls``: HTTPS) and serve ``api`` there; returns
     the server and the URL the service reaches it at. GPUPoolError
     ``not_configured`` when it cannot listen."""
     try:
-        sockets = bind_sockets(agent.port, agent.ip)
+        sockets = bind_sockets(port, ip)
     except OSError as exc:
-        raise GPUPoolError(Reason.not_configured, f"cannot listen on {agent.ip}:{agent.port}: {exc.strerror} "
+        raise GPUPoolError(Reason.not_configured, f"cannot listen on {ip}:{port}: {exc.strerror} "
                            "(--ip, --port; --port=0 picks a free port)") from None
 
     def log_request(handler: web.RequestHandler) -> None:
@@ -245,15 +291,15 @@ def serve_api(agent: NodeAgent) -> tuple[HTTPServer, str]:
         level = logging.INFO if status < 400 else logging.WARNING
         if handler.request.path in ("/health", "/health/live") and status == 200:
             level = logging.DEBUG
-        agent.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
-                      1000 * handler.request.request_time())
+        api.log.log(level, "%d %s %s %.0fms", status, handler.request.method, handler.request.path,
+                    1000 * handler.request.request_time())
 
-    server = HTTPServer(web.Application(agent_routes(), agent=agent, default_handler_class=NotFoundHandler,
-                                        log_function=log_request), ssl_options=agent.tls,
+    server = HTTPServer(web.Application(agent_routes(), api=api, default_handler_class=NotFoundHandler,
+                                        log_function=log_request), ssl_options=tls,
                         **httpin.server_options())
     server.add_sockets(sockets)
-    scheme = "https" if agent.tls else "http"
-    return server, f"{scheme}://{_url_host(agent.ip)}:{sockets[0].getsockname()[1]}"
+    scheme = "https" if tls else "http"
+    return server, f"{scheme}://{_url_host(ip)}:{sockets[0].getsockname()[1]}"
 
 
 def advertised_ip(ip: str) -> str:
