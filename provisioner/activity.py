@@ -90,6 +90,14 @@ class WorkerActivity:
         return WorkerState.busy if self._in_flight else WorkerState.idle
 
     @property
+    def cell_running(self) -> bool:
+        """Whether a cell (an ``execute_request``) is in flight. Other requests are
+        not cells: the agent's own comm requests before a park (their idle status
+        may reach this watcher only after the freeze) must not make the park
+        "mid-cell"."""
+        return "execute_request" in self._in_flight.values()
+
+    @property
     def idle_since(self) -> float | None:
         """Epoch seconds, or None while busy or starting."""
         return self._idle_since if self.execution_state == WorkerState.idle else None

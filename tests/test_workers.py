@@ -289,8 +289,11 @@ def test_activity_counts_cells_not_other_requests():
     activity.mark_ready()
     assert (activity.execution_state, activity.idle_since) == ("idle", 100.0)
     now[0] = 110.0
+    activity.on_message(_status("busy", "comm", "comm_open"))  # the agent's own request before a park
+    assert (activity.execution_state, activity.cell_running) == ("busy", False)
     activity.on_message(_status("busy", "cell"))
-    assert (activity.execution_state, activity.idle_since) == ("busy", None)
+    assert (activity.execution_state, activity.idle_since, activity.cell_running) == ("busy", None, True)
+    activity.on_message(_status("idle", "comm", "comm_open"))
     # a control request (interrupt, debug) answered while the cell runs
     activity.on_message(_status("busy", "ctl", "debug_request"))
     activity.on_message(_status("idle", "ctl", "debug_request"))

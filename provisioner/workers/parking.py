@@ -212,7 +212,7 @@ class WorkerParking:
         moved; the worker's ``forget_traceback`` op); the traceback's label
         (``"last traceback (ValueError; frames of Cell In[3])"``), None when
         it kept none, runs a cell, or did not answer (logged; the park goes on)."""
-        if worker.activity.execution_state == WorkerState.busy:
+        if worker.activity.cell_running:
             return None  # frozen mid-cell: its comm would answer only after the cell
         try:
             answer = await asyncio.to_thread(ask, worker.connection(), ForgetTraceback(), FORGET_TIMEOUT_S)
@@ -231,7 +231,7 @@ class WorkerParking:
         ``cleared`` (:meth:`forget_traceback`) among what was not kept.
         Raises CheckpointError or CgroupError with the worker as it was."""
         cp = self.checkpointer
-        state = worker.activity.execution_state
+        mid_cell = worker.activity.cell_running
         if cp.frozen:
             await self.freeze(worker)
             try:
@@ -248,7 +248,7 @@ class WorkerParking:
                 raise
         if cleared:
             moved = dataclasses.replace(moved, lost=(cleared_words(cleared),) + moved.lost)
-        frozen_as = WorkerState.busy if state == WorkerState.busy else WorkerState.idle
+        frozen_as = WorkerState.busy if mid_cell else WorkerState.idle
         parked = ParkedInMemory(cp.name, moved, time.time(), frozen_as, rss(target.pids) + moved.host_bytes,
                                 interrupted)
         worker.parked = parked

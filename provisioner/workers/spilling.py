@@ -107,7 +107,7 @@ class Spilling:
             if parked is not None:
                 await self.parking.checkpointer.to_host(self.parking.target(worker), parked.moved)
                 await self.parking.thaw(worker)
-            if worker.activity.execution_state == WorkerState.busy:  # a cell frozen mid-way, or one a park let run
+            if worker.activity.cell_running:  # a cell frozen mid-way, or one a park let run
                 await self.parking.interrupt(worker)
                 interrupted = True
                 lost.append("the running cell was interrupted" if parked is None else
