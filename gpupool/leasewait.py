@@ -1,5 +1,5 @@
 """Waiting for a new lease's worker, with a progress line: shared by
-``%gpu acquire`` (gpupool.magics.attach) and ``gpupool run``.
+``%gpu acquire`` (gpupool.magics.wait) and ``gpupool run``.
 
     gpupool: L-7 queued: 2nd in line, about 5m... 12s
     gpupool: L-7 starting on node-1... 14s

@@ -11,6 +11,12 @@ The notebook host's other parts live here too: the kernel provisioner
 jupyter_client's entry point) and the kernelspec (:mod:`.kernelspec`). So
 that importing them does not need IPython, this package imports the magics
 only when IPython loads the extension.
+
+The magics (:mod:`.magics`) read each ``%gpu`` line (:mod:`.commands`) and
+hand it to one object per concern: :mod:`.lifecycle` (the attachment, set
+and cleared there only; workers got by :mod:`.attach`), :mod:`.transfers`
+(variables), :mod:`.wait` (the queue, a resume, a park) and :mod:`.status`;
+:mod:`.tell` tells the JupyterLab extension.
 """
 
 from __future__ import annotations
@@ -47,9 +53,4 @@ def unload_ipython_extension(ip) -> None:
 
 
 def _release_on_exit(magics: GPUMagics) -> None:
-    attachment, magics.attachment = magics.attachment, None
-    if attachment is not None:
-        try:
-            attachment.release(reason="the notebook kernel exited")
-        except Exception:  # best effort at exit; the service's heartbeat TTL is the backstop
-            pass
+    magics.lifecycle.close(reason="the notebook kernel exited")

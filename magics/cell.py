@@ -83,7 +83,7 @@ class ForwardedCell:
                 return replies[0], ""
             except GPUPoolError as exc:
                 if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
-                    kernel.gpu.drop()
+                    kernel.gpu.lifecycle.drop()
                 return (replies[0] if replies else None), exc.message
             finally:
                 self.running, self.ended_at = None, time.time()

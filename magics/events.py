@@ -174,8 +174,11 @@ class Events:
 
 class Requests:
     """Answers the front end's requests with the ``%gpu`` magics themselves
-    (one parser, one set of words): ``gpu`` is the kernel's
-    :class:`~gpupool.magics.magics.GPUMagics`.
+    (one parser, one set of words): ``gpu`` runs a ``%gpu`` line (the kernel's
+    :meth:`~gpupool.magics.magics.GPUMagics.gpu`); ``lifecycle``
+    (:class:`~gpupool.magics.lifecycle.Lifecycle`) holds the attachment,
+    read here; ``status`` (:class:`~gpupool.magics.status.Status`) words the
+    status, and ``service`` (:class:`~gpupool.magics.service.Service`) is asked for the dialog's defaults.
 
     What the magic prints or displays meanwhile is captured and sent in the
     reply (``output``), never into a cell's output. An acquire blocks the
@@ -183,8 +186,8 @@ class Requests:
     queued ``--wait`` too): cells run after it.
     """
 
-    def __init__(self, gpu: Any) -> None:
-        self.gpu = gpu
+    def __init__(self, gpu: Callable[[str], Any], lifecycle: Any, status: Any, service: Any) -> None:
+        self.gpu, self.lifecycle, self.status_words, self.service = gpu, lifecycle, status, service
 
     def __call__(self, data: dict[str, Any]) -> dict[str, Any]:
         kind = data.get("request")
@@ -195,7 +198,7 @@ class Requests:
             if not isinstance(text, str) or not text.strip():
                 return {"ok": False, "message": "say what to acquire: a fraction of one GPU (0.5) or a count of "
                                                 "whole GPUs (2), e.g. {\"request\": \"acquire\", \"text\": \"0.5\"}"}
-            attachment = self.gpu.attachment
+            attachment = self.lifecycle.attachment
             if attachment is not None and attachment.ended is None:  # a move is a cell's to do, with its output
                 return {"ok": False, "message": f"already attached to {attachment.lease.id}; run %gpu release "
                                                 f"first, or %gpu acquire {text.strip()} in a cell to move there"}
@@ -217,7 +220,7 @@ class Requests:
         ok, message = True, ""
         with capture_output() as captured:
             try:
-                self.gpu.gpu(line)
+                self.gpu(line)
             except UsageError as exc:
                 ok, message = False, str(exc)
             except Exception as exc:  # the dialog shows it; the kernel goes on
@@ -228,7 +231,7 @@ class Requests:
     def resume(self) -> dict[str, Any]:
         """The user is back at the notebook: ask for a parked lease's resume
         now, without waiting (the next cell waits for what is left)."""
-        attachment = self.gpu.attachment
+        attachment = self.lifecycle.attachment
         if attachment is None or not attachment.is_parked:
             return {"ok": True, "message": "not parked"}
         attachment.ask_resume()
@@ -245,14 +248,12 @@ class Requests:
         from gpupool.errors import GPUPoolError
         from gpupool.tables import HOLDERS_COLUMNS, LEASE_COLUMNS, holders_rows, holders_table, lease_cells, lease_table
 
-        from .commands import holders_answer, status_view
-
         try:
-            words, leases, utilization = status_view(self.gpu)
+            words, leases, utilization = self.status_words.view()
         except GPUPoolError as exc:
             return {"ok": False, "message": exc.message, "output": ""}
         text = words or lease_table(leases, utilization)[0]
-        answer = None if words else holders_answer(self.gpu)
+        answer = None if words else self.status_words.holders_answer()
         holders = None
         if isinstance(answer, str):
             text, holders = f"{text}\n\n{answer}", {"columns": list(HOLDERS_COLUMNS), "rows": [], "notes": [answer]}
@@ -272,9 +273,9 @@ class Requests:
         found: dict[str, Any] = {"amount": DIALOG_AMOUNT, "max_idle_timeout": None,
                                  "max_lease_gpus": None, "models": []}
         try:
-            limits = self.gpu.client.quota().get("limits", {})
+            limits = self.service.client.quota().get("limits", {})
             found.update(max_idle_timeout=limits.get("max_idle_timeout"), max_lease_gpus=limits.get("max_lease_gpus"))
-            pool = self.gpu.client.pool()
+            pool = self.service.client.pool()
             found["models"] = sorted({gpu.get("name") for node in pool.get("nodes", [])
                                       for gpu in node.get("gpus", []) if gpu.get("name")})
         except GPUPoolError as exc:
@@ -296,11 +297,11 @@ def _text(captured: Any) -> str:
     return "\n".join(parts)
 
 
-def kernel_state(gpu: Any) -> dict[str, Any]:
-    """The :func:`lease_state` of the magics ``gpu`` now: its attachment's
-    lease as the heartbeat last saw it (attached), the parked lease (parked),
-    or detached (also once the lease ended behind the user's back)."""
-    attachment = gpu.attachment
+def kernel_state(attachment: Any) -> dict[str, Any]:
+    """The :func:`lease_state` of the notebook's ``attachment`` (None:
+    detached) now: its lease as the heartbeat last saw it (attached), the
+    parked lease (parked), or detached (also once the lease ended behind the
+    user's back)."""
     if attachment is None or (attachment.parked is None and attachment.ended is not None):
         return lease_state("detached")
     if attachment.parked is not None:

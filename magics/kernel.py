@@ -62,8 +62,8 @@ class GPUPoolKernel(IPythonKernel):
         self.debug_names = LocalNames(self.shell)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.
-        self.events.snapshot = lambda: kernel_state(self.gpu)
-        self.events.answer = Requests(self.gpu)
+        self.events.snapshot = lambda: kernel_state(self.gpu.attachment)
+        self.events.answer = Requests(self.gpu.gpu, self.gpu.lifecycle, self.gpu.status, self.gpu.service)
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             ipk.handle_shell(self, msg_type, getattr(self, f"_{msg_type}"))
 

@@ -40,14 +40,19 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Float, Unicode
 
-from gpupool.api import ServiceClient
-from gpupool.errors import GPUPoolError, Reason
+from gpupool.errors import GPUPoolError
 from gpupool.traits import ByteSize
 
-from . import commands
-from .attach import resume, run_on_own_lease, send_along
-from .attachment import Attachment, ended_message
+from .attach import Attacher, Forwarding, own_lease_request
+from .attachment import Attachment
+from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards
+from .lifecycle import Lifecycle
+from .service import Service
+from .status import Status
+from .tell import Tell
+from .transfers import Transfers
 from .variables import Variables
+from .wait import QueueWait
 from .words import dedent
 
 log = logging.getLogger("gpupool.magics")
@@ -61,8 +66,12 @@ NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "
 class GPUMagics(Magics):
     """``%gpu acquire|release|status|pool|push|pull``, ``%%gpu`` and ``%%local``.
 
-    Holds the notebook's attachment and settings; the subcommands are
-    :mod:`gpupool.magics.commands`, getting a worker :mod:`gpupool.magics.attach`.
+    Holds the settings and reads each line (:mod:`gpupool.magics.commands`);
+    what a line asks is done by one object per concern: :attr:`lifecycle`
+    (the attachment, :class:`~.lifecycle.Lifecycle`), :attr:`transfers`
+    (variables, :class:`~.transfers.Transfers`) and :attr:`status`
+    (:class:`~.status.Status`). ``kernel`` is the gpupool kernel, whose
+    events, forwarded cell and notices they use; None in any other IPython.
     """
 
     release_state_cap = ByteSize(
@@ -85,60 +94,21 @@ class GPUMagics(Magics):
 
     def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
-        # The gpupool kernel forwarding this notebook's cells, None in any other IPython.
-        self.kernel = kernel
-        self.attachment: Attachment | None = None
-        self._client: ServiceClient | None = None
-        self.variables = Variables(shell)
-
-    # -- plumbing ---------------------------------------------------------------
+        tell = self._tell = Tell(getattr(kernel, "events", None))
+        forwarding = Forwarding(kernel.cell, kernel.notices, shell, tell) if kernel is not None else None
+        self.service = Service()
+        # The settings are read when used: %config may change them between cells.
+        wait = QueueWait(self.service, tell, timeout=lambda: self.start_timeout)
+        self.transfers = Transfers(Variables(shell), cap=lambda: self.release_state_cap)
+        self.lifecycle = Lifecycle(self.service, Attacher(self.service, wait, tell, forwarding), wait,
+                                   self.transfers, tell)
+        self.status = Status(self.service, self.lifecycle, getattr(kernel, "cell", None))
+        self._commands = {name: getattr(self, f"_{name}") for name in COMMANDS}  # %gpu NAME -> self._NAME
 
     @property
-    def client(self) -> ServiceClient:
-        if self._client is None:
-            self._client = ServiceClient.from_env()
-        return self._client
-
-    def attached(self) -> Attachment:
-        """The live attachment, resuming a parked lease first; UsageError when
-        not attached or when the lease ended (the attachment is dropped)."""
-        if self.attachment is None:
-            raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
-        if self.attachment.is_parked:
-            try:
-                return resume(self)
-            except GPUPoolError as exc:
-                if exc.code in (Reason.lease_lost, Reason.invalid_state):  # it ended meanwhile
-                    self.drop()
-                raise UsageError(f"could not resume the parked lease: {exc.message}") from None
-            except KeyboardInterrupt:
-                raise UsageError(f"interrupted while waiting for {self.attachment.lease.id} to resume; the "
-                                 "resume goes on and the next cell runs on it") from None
-        ended = self.attachment.ended
-        if ended is not None:
-            self.drop()
-            raise UsageError(f"{ended_message(ended)}. The worker and its variables are gone; "
-                             "this cell did not run. Run %gpu acquire to attach again.")
-        return self.attachment
-
-    def drop(self) -> None:
-        """Forget the attachment without releasing (the lease has ended)."""
-        if self.attachment is not None:
-            self.attachment.heartbeat.stop()
-            self.attachment.remote.close()
-            self.attachment = None
-            self.tell()
-
-    def tell(self, kind: str | None = None, message: str = "", **extra: Any) -> None:
-        """Send event ``kind`` (what this cell says anyway) and the new state to
-        the front ends listening on ``gpupool.status`` (gpupool.magics.events);
-        nothing outside the gpupool kernel."""
-        events = getattr(self.kernel, "events", None)
-        if events is None:
-            return
-        if kind:
-            events.emit(kind, message, **extra)
-        events.changed()
+    def attachment(self) -> Attachment | None:
+        """The notebook's attachment (:attr:`.lifecycle.Lifecycle.attachment`), None while detached."""
+        return self.lifecycle.attachment
 
     # -- %gpu ---------------------------------------------------------------------
 
@@ -167,23 +137,58 @@ class GPUMagics(Magics):
         if command in ("", "help", "-h", "--help"):
             print(dedent(self.gpu.__doc__))
             return None
-        if command not in commands.COMMANDS:
-            raise UsageError(f"unknown %gpu command {command!r}; use one of: {', '.join(commands.COMMANDS)} "
+        if command not in COMMANDS:
+            raise UsageError(f"unknown %gpu command {command!r}; use one of: {', '.join(COMMANDS)} "
                              "(%gpu help shows what each does)")
-        handler = commands.COMMANDS[command]
         if {"-h", "--help"} & set(rest.split()):
-            parser = getattr(handler, "parser", None)
+            parser = PARSERS.get(command)
             print(parser.format_help() if parser else dedent(self.gpu.__doc__))
             return None
         try:
-            return handler(self, rest)
+            return self._commands[command](rest)
         except GPUPoolError as exc:
             if command == "acquire":  # quota, pool full, bad size: the front end says so too
-                self.tell("refused", exc.message, code=exc.code)
+                self._tell("refused", exc.message, code=exc.code)
             raise UsageError(exc.message) from None
         except KeyboardInterrupt:  # where no command says more: one line, never gpupool's frames (logged)
             log.debug("%%gpu %s interrupted", command, exc_info=True)
             raise UsageError(f"%gpu {command} interrupted; it did nothing more") from None
+
+    def _acquire(self, rest: str) -> None:
+        self.lifecycle.acquire(acquire_request(rest))
+
+    def _release(self, rest: str) -> None:
+        self.lifecycle.release(discard=release_discards(rest))
+
+    def _restart(self, rest: str) -> None:
+        no_arguments("restart", rest)
+        self.lifecycle.restart()
+
+    def _park(self, rest: str) -> None:
+        no_arguments("park", rest)
+        self.lifecycle.park()
+
+    def _push(self, rest: str) -> None:
+        pushed = names("push", rest, "X y")
+        self.transfers.check_defined(pushed)
+        self.transfers.push(self.lifecycle.attached(), pushed)
+
+    def _pull(self, rest: str) -> None:
+        self.transfers.pull(self.lifecycle.attached(), names("pull", rest, "model history"))
+
+    def _status(self, rest: str) -> None:
+        no_arguments("status", rest)
+        self.status.show()
+
+    def _pool(self, rest: str) -> None:
+        no_arguments("pool", rest)
+        self.status.pool()
+
+    def _quota(self, rest: str) -> None:
+        if rest.strip():  # `%gpu quota set ...` would otherwise just show the caller's own quota
+            raise UsageError("%gpu quota takes no arguments; admins change quotas with `gpupool quota set SCOPE "
+                             "LIMIT=VALUE` in a terminal")
+        self.status.quota()
 
     # -- the gpupool kernel's forwarded cells ---------------------------------------
 
@@ -191,13 +196,8 @@ class GPUMagics(Magics):
         """Before the gpupool kernel forwards cell ``code``: resume a parked
         lease, send along the local values the cell reads that the worker
         lacks. Raises UsageError with words when the cell cannot run there."""
-        attachment = self.attached()
-        try:
-            send_along(self.variables, attachment, code)
-        except GPUPoolError as exc:
-            if exc.code == Reason.lease_lost:
-                self.drop()
-            raise UsageError(exc.message) from None
+        with self.lifecycle.on_worker() as attachment:
+            self.transfers.send_along(attachment, code)
         return attachment
 
     def run_for_worker(self, line: str) -> dict[str, Any]:
@@ -231,19 +231,15 @@ class GPUMagics(Magics):
         %%gpu 0.5
         import torch; x = torch.ones(3); torch.cuda.is_available()
         """
-        if self.attachment is None:
-            run_on_own_lease(self, line.strip() or self.cell_lease, cell)
+        if self.lifecycle.attachment is None:
+            request = own_lease_request(line.strip() or self.cell_lease)
+            self.lifecycle.run_on_own_lease(request, cell, self.max_output_bytes)
             return
         if line.strip():
             raise UsageError("%%gpu takes an amount only when not attached; this kernel is attached")
-        attachment = self.attached()
-        try:
-            send_along(self.variables, attachment, cell)
+        with self.lifecycle.on_worker() as attachment:
+            self.transfers.send_along(attachment, cell)
             attachment.run_cell(cell, self.max_output_bytes)
-        except GPUPoolError as exc:
-            if exc.code == Reason.lease_lost:
-                self.drop()
-            raise UsageError(exc.message) from None
 
     @cell_magic
     def local(self, line: str, cell: str) -> None:

@@ -3,7 +3,10 @@ another size, model or environment. The old worker's variables and modules
 go worker to worker (:meth:`.attachment.Attachment.move_to`: node to node,
 never through this kernel); what cannot travel is said before the old
 worker is released; a move that fails or is interrupted leaves the notebook
-on the old lease with everything, and gives the new one back."""
+on the old lease with everything, and gives the new one back.
+
+The words and checks of a move; :meth:`.lifecycle.Lifecycle.acquire` does it.
+"""
 
 from __future__ import annotations
 
@@ -16,33 +19,37 @@ from gpupool.errors import GPUPoolError
 from gpupool.tables import slice_words
 from gpupool.wire.leases import Lease, LeaseRequest
 
-from .attach import attach, start_forwarding
+from .attachment import Attachment
 from .summary import summarize
-from .words import say
 
 
-def move(magics, request: LeaseRequest) -> None:
-    """Move the attached notebook (a parked lease resumes first) to a new
-    lease for ``request``. UsageError, with the notebook still on its old
-    lease, when ``request`` asks what it holds already, or when the new
-    lease or the move fails or is interrupted."""
-    old = magics.attached()
-    if same_slice(old.lease, request):
-        raise UsageError(f"already attached to {old.lease.id} ({slice_words(old.lease)}); ask another size, "
+def target(lease: Lease, request: LeaseRequest) -> LeaseRequest:
+    """What a move from ``lease`` asks for: ``request``, with the lease's
+    idle timeout when the request names none. UsageError when ``request``
+    asks what ``lease`` holds already."""
+    if same_slice(lease, request):
+        raise UsageError(f"already attached to {lease.id} ({slice_words(lease)}); ask another size, "
                          "--model or --env to move there, or run %gpu restart for a fresh worker (a lease's "
                          "idle timeout, CPUs and host memory stay as asked: %gpu release, then %gpu acquire)")
-    if request.idle_timeout is None and old.lease.idle_timeout is not None:
-        request = replace(request, idle_timeout=old.lease.idle_timeout)  # the user's own timeout goes along
-    started = time.monotonic()
-    say(f"moving {old.lease.id} to a new lease; its variables go worker to worker once that one starts")
-    try:
-        new = attach(magics, request, forward=False)
-    except (GPUPoolError, UsageError) as exc:
-        # Only where room or quota refused it does holding two leases for a moment matter.
-        hint = (" (a move holds both leases for a moment: where the old one leaves no room, %gpu release then "
-                "%gpu acquire)") if getattr(exc, "code", None) in ("pool_full", "quota_exceeded") else ""
-        raise UsageError(f"could not move: {getattr(exc, 'message', exc)}; still attached to {old.lease.id}, "
-                         f"nothing changed{hint}") from None
+    if request.idle_timeout is None and lease.idle_timeout is not None:
+        request = replace(request, idle_timeout=lease.idle_timeout)  # the user's own timeout goes along
+    return request
+
+
+def not_started(exc: Exception, old_id: str) -> UsageError:
+    """The error for a move whose new lease could not be had (``exc``: a GPUPoolError or UsageError)."""
+    # Only where room or quota refused it does holding two leases for a moment matter.
+    hint = (" (a move holds both leases for a moment: where the old one leaves no room, %gpu release then "
+            "%gpu acquire)") if getattr(exc, "code", None) in ("pool_full", "quota_exceeded") else ""
+    return UsageError(f"could not move: {getattr(exc, 'message', exc)}; still attached to {old_id}, "
+                      f"nothing changed{hint}")
+
+
+def carry(old: Attachment, new: Attachment, started: float) -> str:
+    """Move ``old``'s variables into ``new``'s worker; returns the line that
+    says what moved (``started``: monotonic seconds the move began). On
+    failure or interrupt ``new`` is released and UsageError says the
+    notebook is still on ``old``."""
     try:
         items, errors = old.move_to(new)
     except BaseException as exc:
@@ -54,14 +61,8 @@ def move(magics, request: LeaseRequest) -> None:
             raise UsageError(f"could not move {old.lease.id}: {exc.message}; still attached to it with all its "
                              f"variables ({new.lease.id} was released)") from None
         raise
-    # Said before the old worker goes: what did not travel is named while it still exists.
-    say(f"moved {old.lease.id} to {new.lease.id}: {slice_words(new.lease)}{summarize('moved', items, errors)} "
-        f"[{time.monotonic() - started:.1f}s]")
-    magics.attachment = new
-    if magics.kernel is not None:
-        start_forwarding(magics, new)
-    old.release(reason=f"moved to {new.lease.id}")
-    magics.tell("attached", f"moved to {new.lease.id} on {new.lease.node}")
+    return (f"moved {old.lease.id} to {new.lease.id}: {slice_words(new.lease)}{summarize('moved', items, errors)} "
+            f"[{time.monotonic() - started:.1f}s]")
 
 
 def same_slice(lease: Lease, request: LeaseRequest) -> bool:

@@ -62,11 +62,11 @@ class Notices:
             sys.stderr.flush()
 
     def _told(self, kind: str, beat) -> None:
-        gpu = self.kernel.gpu
-        attachment = gpu.attachment
+        lifecycle = self.kernel.gpu.lifecycle
+        attachment = lifecycle.attachment
         if attachment is None or beat is not attachment.heartbeat:
             return
         if kind == "ended" and attachment.ended is not None:
-            gpu.drop()
+            lifecycle.drop()
         elif kind == "parked" and attachment.parked is not None:
             attachment.parked.told = True

@@ -22,6 +22,10 @@ class Variables:
         # name -> (id of the local value, device it was on)
         self.devices: dict[str, tuple[int, str]] = {}
 
+    def undefined(self, names: list[str]) -> list[str]:
+        """Those of ``names`` not defined in the user's namespace."""
+        return [n for n in names if n not in self.shell.user_ns]
+
     def take(self, values: dict[str, Any], items: list[dict[str, Any]]) -> None:
         """Put pulled ``values`` into the user's namespace, remembering the
         device of each that came off an accelerator."""

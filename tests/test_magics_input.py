@@ -68,7 +68,7 @@ def test_service_down_is_one_clear_line(shell):
 
 def test_missing_configuration_names_the_variable(shell, monkeypatch):
     monkeypatch.delenv("GPUPOOL_URL")
-    shell.magics_manager.registry["GPUMagics"]._client = None
+    shell.magics_manager.registry["GPUMagics"].service._client = None
     with pytest.raises(UsageError, match="set GPUPOOL_URL"):
         shell.run_line_magic("gpu", "pool")
 
@@ -77,14 +77,14 @@ def test_pull_of_a_name_the_worker_lacks_is_a_usage_error_and_takes_nothing():
     """As ``%gpu push`` of a name not defined here: one UsageError, nothing moved (not 'ok, not moved: ...')."""
     from types import SimpleNamespace
 
-    from gpupool.magics import commands
+    from gpupool.magics.transfers import Transfers
     taken = []
     answer = ({"y": 1}, [{"name": "y"}], {"x": "not defined on the worker"})
-    magics = SimpleNamespace(attached=lambda: SimpleNamespace(pull=lambda names: answer),
-                             variables=SimpleNamespace(take=lambda values, items: taken.append(values)))
+    attachment = SimpleNamespace(pull=lambda names: answer)
+    transfers = Transfers(SimpleNamespace(take=lambda values, items: taken.append(values)), cap=lambda: 0)
     with pytest.raises(UsageError, match=r"not defined on the worker: x; nothing was pulled"):
-        commands.pull(magics, "x y")
+        transfers.pull(attachment, ["x", "y"])
     assert taken == []
     answer = ({"y": 1}, [{"name": "y", "type": "int", "nbytes": 28}], {"z": "too large"})  # other reasons: a note
-    commands.pull(magics, "y z")
+    transfers.pull(attachment, ["y", "z"])
     assert taken == [{"y": 1}]

@@ -320,14 +320,14 @@ def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None
 def test_status_shows_the_worker_as_this_kernel_knows_it(running, service_says, shown):
     from types import SimpleNamespace
 
-    from gpupool.magics.commands import _as_seen_here
+    from gpupool.magics.status import as_seen_here
     from gpupool.schema import parse_time
     from gpupool.tables import idle_countdown
 
     ended = at(990).timestamp()
-    magics = SimpleNamespace(kernel=SimpleNamespace(cell=SimpleNamespace(running=running, ended_at=ended)))
+    cell = SimpleNamespace(running=running, ended_at=ended)
     lease = replace(client_lease(), worker={"pid": 1, "execution_state": service_says, "memory_used": 0})
-    seen = _as_seen_here(magics, lease)
+    seen = as_seen_here(cell, lease)
     assert seen.worker["execution_state"] == shown
     if shown == "idle" and service_says == "busy":
         assert parse_time(seen.idle_since) == at(990)

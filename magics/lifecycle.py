@@ -1,0 +1,248 @@
+"""The notebook's attachment, from acquire to release: the one place it is
+set and cleared.
+
+:class:`Lifecycle` holds at most one :class:`~.attachment.Attachment` and
+does what changes it: ``%gpu acquire`` (attach, or move while attached),
+``%gpu release``, ``%gpu restart``, ``%gpu park`` and the resume of a
+parked lease before a cell, the drop of a lease that ended behind the
+user's back, the release at exit; and a ``%%gpu`` cell's lease of its own,
+which the notebook never holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Iterator
+
+from IPython.core.error import UsageError
+
+from gpupool.errors import GPUPoolError, Reason
+from gpupool.schema import LeaseState
+from gpupool.tables import fraction_words, held_seconds, host_words, released_words, slice_words
+from gpupool.units import format_bytes, format_duration
+from gpupool.wire.leases import LeaseRequest
+
+from . import move
+from .attach import Attacher, same_size
+from .attachment import Attachment, ended_message
+from .classes import class_note
+from .dataplane import TransferInterrupted
+from .park import parked_words
+from .service import Service
+from .tell import Tell
+from .transfers import Transfers
+from .wait import QueueWait
+from .words import pull_interrupted, release_interrupted, say
+
+
+class Lifecycle:
+    """Owns the notebook's attachment (:attr:`attachment`). Gets workers
+    with ``attacher``, brings variables back with ``transfers``, waits for a
+    park with ``wait``, releases through ``service`` and tells the front ends
+    with ``tell``. Every method that fails raises UsageError (or
+    GPUPoolError, which ``%gpu`` turns into one) with words for the user."""
+
+    def __init__(self, service: Service, attacher: Attacher, wait: QueueWait, transfers: Transfers,
+                 tell: Tell) -> None:
+        self.service, self.attacher, self.wait, self.transfers, self.tell = service, attacher, wait, transfers, tell
+        self._attachment: Attachment | None = None
+
+    @property
+    def attachment(self) -> Attachment | None:
+        """The notebook's attachment as it is (parked or ended too), None while detached."""
+        return self._attachment
+
+    def attached(self) -> Attachment:
+        """The live attachment, resuming a parked lease first; UsageError when
+        not attached or when the lease ended (the attachment is dropped)."""
+        attachment = self._attachment
+        if attachment is None:
+            raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
+        if attachment.is_parked:
+            try:
+                return self.attacher.resume(attachment)
+            except GPUPoolError as exc:
+                if exc.code in (Reason.lease_lost, Reason.invalid_state):  # it ended meanwhile
+                    self.drop()
+                raise UsageError(f"could not resume the parked lease: {exc.message}") from None
+            except KeyboardInterrupt:
+                raise UsageError(f"interrupted while waiting for {attachment.lease.id} to resume; the "
+                                 "resume goes on and the next cell runs on it") from None
+        ended = attachment.ended
+        if ended is not None:
+            self.drop()
+            raise UsageError(f"{ended_message(ended)}. The worker and its variables are gone; "
+                             "this cell did not run. Run %gpu acquire to attach again.")
+        return attachment
+
+    @contextlib.contextmanager
+    def on_worker(self) -> Iterator[Attachment]:
+        """The live attachment (:meth:`attached`) for one use of its worker:
+        a GPUPoolError inside becomes UsageError, and a lost lease is dropped."""
+        attachment = self.attached()
+        try:
+            yield attachment
+        except GPUPoolError as exc:
+            if exc.code == Reason.lease_lost:
+                self.drop()
+            raise UsageError(exc.message) from None
+
+    def acquire(self, request: LeaseRequest) -> None:
+        """``%gpu acquire``: attach to a new lease for ``request``, or, while
+        attached, move there with the variables."""
+        if self._attachment is not None and self._attachment.ended is None:
+            self._move(request)
+            return
+        self.drop()
+        started = time.monotonic()
+        self._attachment = attachment = self.attacher.connect(request)
+        lease = attachment.lease
+        gpu = lease.gpus[0] if lease.gpus else {}
+        share = f"{fraction_words(lease.fraction)} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
+        where = ("Cells now run on the worker; %gpu release detaches." if self.attacher.forwards else
+                 "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
+                 "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
+        say(f"attached {lease.id}: {slice_words(lease)}, {format_bytes(lease.memory)}{host_words(lease)}; "
+            f"idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
+            f"[{time.monotonic() - started:.1f}s]. {where}")
+        if attachment.workdir:
+            say(attachment.workdir)
+        self.tell("attached", f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} on {lease.node}")
+
+    def _move(self, request: LeaseRequest) -> None:
+        """Move the attached notebook (a parked lease resumes first) to a new
+        lease for ``request`` (:mod:`.move`); on any failure it stays on its old one."""
+        old = self.attached()
+        request = move.target(old.lease, request)
+        started = time.monotonic()
+        say(f"moving {old.lease.id} to a new lease; its variables go worker to worker once that one starts")
+        try:
+            new = self.attacher.connect(request, forward=False)
+        except (GPUPoolError, UsageError) as exc:
+            raise move.not_started(exc, old.lease.id) from None
+        # Said before the old worker goes: what did not travel is named while it still exists.
+        say(move.carry(old, new, started))
+        self._attachment = new
+        self.attacher.forward(new)
+        old.release(reason=f"moved to {new.lease.id}")
+        self.tell("attached", f"moved to {new.lease.id} on {new.lease.node}")
+
+    def release(self, discard: bool) -> None:
+        """``%gpu release``: bring the worker's variables back unless
+        ``discard``, then release; detached from then on, whatever the service answers."""
+        if discard and self._attachment is not None and self._attachment.parked is not None:
+            self._release_parked()
+            return
+        attachment = self.attached()  # a parked lease resumes first: its variables come home from the worker
+        note = ""
+        if not discard:
+            try:
+                note = self.transfers.bring_back(attachment)
+            except GPUPoolError as exc:  # the worker died or is unreachable: the slice is still freed
+                note = f"; the worker's variables could not come back: {exc.message}"
+            except TransferInterrupted as exc:  # stopped before anything changed: still attached, as before
+                raise UsageError(release_interrupted(exc, attachment.lease.id)) from None
+        self._attachment = None
+        try:
+            lease = attachment.release(reason="%gpu release")
+        except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
+            lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
+        say(f"{released_words(lease)}{note}")
+        self.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
+
+    def _release_parked(self) -> None:
+        """``%gpu release --discard`` of a parked lease: nothing to bring back, no resume."""
+        attachment, self._attachment = self._attachment, None
+        try:
+            lease = attachment.release(reason="%gpu release --discard")
+        finally:
+            self.tell()  # detached here, whatever the service answered
+        say(f"{released_words(lease)}; its variables were discarded")
+        self.tell("released", f"released {lease.id} (it was parked)")
+
+    def restart(self) -> None:
+        """``%gpu restart``: release the lease without its variables (the
+        worker may be stuck) and attach to a fresh one of the same size."""
+        if self._attachment is None:
+            raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
+        old = self._attachment.lease
+        self.drop()
+        try:
+            self.service.client.release(old.id, reason="%gpu restart")
+        except GPUPoolError as exc:  # already ended (parked, reclaimed): a new slice is what was asked for
+            print(f"gpupool: {old.id}: {exc.message}", file=sys.stderr)
+        self._attachment = self.attacher.connect(same_size(old))
+        say(f"restarted: released {old.id} (its variables are lost), attached {self._attachment.lease.id}")
+        self.tell("attached", f"restarted: attached {self._attachment.lease.id}")
+
+    def park(self) -> None:
+        """``%gpu park``: give the GPU back now, keeping everything: the worker
+        waits frozen on its node with its variables; the next cell resumes it."""
+        if self._attachment is not None and self._attachment.is_parked:
+            say(f"{self._attachment.lease.id} is parked already; the next cell resumes it")
+            return
+        attachment = self.attached()
+        attachment.parking_here = True
+        try:
+            lease = self.wait.parked(self.service.client.park(attachment.lease.id))
+        except GPUPoolError as exc:
+            attachment.parking_here = False
+            raise UsageError(f"could not park {attachment.lease.id}: {exc.message}") from None
+        if lease.state is not LeaseState.parked:
+            attachment.parking_here = False
+            raise UsageError(f"{lease.id} is {lease.state.value}: {lease.reason or 'not parked'}")
+        attachment.parking_here = True  # whichever thread sees the park first, this says it
+        attachment.follow_parking(lease)
+        if attachment.parked is not None:
+            attachment.parked.told = True
+        say(parked_words(lease, running=False))
+        self.tell("parked", f"parked {lease.id}")
+
+    def run_on_own_lease(self, request: LeaseRequest, cell: str, max_output_bytes: int) -> None:
+        """``%%gpu AMOUNT`` while detached: run ``cell`` on a lease of its own
+        for ``request`` (its output cut after ``max_output_bytes``), then
+        bring its variables back and release it. Raises UsageError."""
+        try:
+            attachment = self.attacher.connect(request, forward=False)
+        except GPUPoolError as exc:
+            raise UsageError(exc.message) from None
+        try:
+            self.transfers.send_along(attachment, cell)
+            attachment.run_cell(cell, max_output_bytes)
+        except GPUPoolError as exc:
+            raise UsageError(exc.message) from None
+        finally:
+            self._bring_back_and_release(attachment, "%%gpu cell finished")
+
+    def _bring_back_and_release(self, attachment: Attachment, reason: str) -> None:
+        note, stopped = "", None
+        try:
+            if attachment.ended is None:
+                note = self.transfers.bring_back(attachment)
+        except TransferInterrupted as exc:  # the cell's own lease goes anyway: say that its variables stayed there
+            stopped = exc
+        finally:
+            lease = attachment.release(reason=reason)
+        if stopped is not None:
+            raise UsageError(f"released {lease.id}; its variables did not come back: {pull_interrupted(stopped)}")
+        say(f"released {lease.id}{note}")
+
+    def drop(self) -> None:
+        """Forget the attachment without releasing (the lease has ended)."""
+        if self._attachment is not None:
+            self._attachment.heartbeat.stop()
+            self._attachment.remote.close()
+            self._attachment = None
+            self.tell()
+
+    def close(self, reason: str) -> None:
+        """Release the lease without its variables, best effort (the kernel
+        exits or the extension is unloaded); the service's heartbeat TTL is the backstop."""
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            try:
+                attachment.release(reason=reason)
+            except Exception:  # best effort at exit
+                pass

@@ -1,0 +1,76 @@
+"""Variables between the notebook and the worker: ``%gpu push`` and
+``%gpu pull``, the locals sent along with a cell, and the worker's variables
+brought back when a lease is given up. Each is given the attachment it works
+on; which one that is, :class:`~.lifecycle.Lifecycle` decides."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from IPython.core.error import UsageError
+
+from .attachment import Attachment
+from .dataplane import TransferInterrupted
+from .summary import summarize
+from .variables import Variables
+from .words import pull_interrupted, push_interrupted, say, transfer_note
+
+#: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
+NOT_ON_WORKER = "not defined on the worker"
+
+
+class Transfers:
+    """Moves values between ``variables`` (the user's namespace) and a
+    worker. ``cap`` gives the most bytes a bring-back takes
+    (``c.GPUMagics.release_state_cap``, read at each one)."""
+
+    def __init__(self, variables: Variables, cap: Callable[[], int]) -> None:
+        self.variables, self.cap = variables, cap
+
+    def check_defined(self, names: list[str]) -> None:
+        """UsageError unless every one of ``names`` is defined here (before a push)."""
+        missing = self.variables.undefined(names)
+        if missing:
+            raise UsageError(f"not defined here: {', '.join(missing)}; nothing was sent")
+
+    def push(self, attachment: Attachment, names: list[str]) -> None:
+        """``%gpu push NAMES``: the line saying what went; UsageError when interrupted."""
+        try:
+            items, errors = self.variables.send(attachment, names)
+        except TransferInterrupted as exc:
+            raise UsageError(push_interrupted(exc)) from None
+        say(transfer_note("pushed", items, errors).lstrip("; "))
+
+    def pull(self, attachment: Attachment, names: list[str]) -> None:
+        """``%gpu pull NAMES``: the line saying what came. UsageError, with
+        nothing taken, when interrupted or when a name is not on the worker."""
+        try:
+            values, items, errors = attachment.pull(names)
+        except TransferInterrupted as exc:
+            raise UsageError(pull_interrupted(exc)) from None
+        missing = [name for name, why in errors.items() if why == NOT_ON_WORKER]
+        if missing:  # as push does for a name not defined here: nothing taken
+            raise UsageError(f"not defined on the worker: {', '.join(missing)}; nothing was pulled")
+        self.variables.take(values, items)
+        say(transfer_note("pulled", items, errors).lstrip("; "))
+
+    def send_along(self, attachment: Attachment, cell: str) -> None:
+        """Send the local names ``cell`` reads that the worker lacks
+        (:meth:`.variables.Variables.follow`) before it runs there; an interrupt
+        is one UsageError line saying the cell did not run and what was sent."""
+        try:
+            self.variables.follow(attachment, cell)
+        except TransferInterrupted as exc:
+            raise UsageError(f"the cell did not run: sending along {', '.join(exc.names)}: "
+                             f"{push_interrupted(exc)}") from None
+        except KeyboardInterrupt:
+            raise UsageError("interrupted before the cell ran on the worker; nothing was sent") from None
+
+    def bring_back(self, attachment: Attachment) -> str:
+        """Take all the worker's variables (up to the cap) into the user's
+        namespace; returns the note on what came (``"; brought back ..."``).
+        Raises GPUPoolError (the worker died or cannot be reached) and
+        TransferInterrupted (nothing taken) as :meth:`Attachment.pull` does."""
+        values, items, errors = attachment.pull(None, max_bytes=self.cap())
+        self.variables.take(values, items)
+        return summarize("brought back", items, errors)
