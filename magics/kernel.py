@@ -171,9 +171,6 @@ class GPUPoolKernel(IPythonKernel):
                                                    "traceback": []}, parent, ident=ident)
             return
         remote = self._remote()
-        attachment = self.gpu.attachment
-        if remote is None and attachment is not None and attachment.is_parked:
-            content["gpupool_worker_comms"] = "unknown"  # frozen: its comms live on, unlisted
         if remote is not None:
             try:
                 reply = remote.forward(parent, wait_idle=False, timeout=REQUEST_TIMEOUT)

@@ -342,6 +342,23 @@ def test_kernel_class_forwards_only_while_attached():
     assert kernel.forwarded_code("%%gpu 0.5\nx") is None, "the magic refuses an amount while attached"
 
 
+def test_a_completion_while_parked_is_answered_here():
+    """A frozen worker answers nothing: completion, inspection and is_complete are this kernel's own."""
+    import asyncio
+    from types import SimpleNamespace
+
+    kernel = GPUPoolKernel.__new__(GPUPoolKernel)
+    kernel.gpu = SimpleNamespace(attachment=SimpleNamespace(parked=object(), ended=None, is_parked=True))
+    answered = []
+
+    async def local(stream, ident, parent):
+        answered.append(parent)
+
+    parent = {"header": {"msg_type": "complete_request"}, "content": {"code": "x.", "cursor_pos": 2}}
+    asyncio.run(kernel._forward_or_local(None, None, parent, local, ("code", "cursor_pos")))
+    assert answered == [parent]
+
+
 def test_worker_messages_are_checked_as_session_checks_them():
     """RemoteKernel's deserialize (Session.deserialize without date parsing) keeps its checks."""
     import zmq
