@@ -251,14 +251,15 @@ class GPUPoolKernel(IPythonKernel):
         not forwarded after all)."""
         msg = parent or self.get_parent(channel) or {}
         if channel == "shell" and status == "busy":
-            self._decide_cell(msg)
+            self._record_route(msg)
         if channel == "shell" and self._worker_says_status(msg):
             return
         super()._publish_status(status, channel, parent)
 
-    def _decide_cell(self, msg: dict[str, Any]) -> None:
-        """At a cell's busy, said before execute_request runs: decide where the
-        cell runs (execute_request, next, takes it) and so who says its status."""
+    def _record_route(self, msg: dict[str, Any]) -> None:
+        """At a cell's busy, said before execute_request runs: set where the
+        cell of ``msg`` runs (``_decided``, which execute_request takes next) and
+        so who says its status (``_status_by_worker``)."""
         header = msg.get("header") or {}
         if self._remote() is None or header.get("msg_type") != "execute_request":
             return
