@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
@@ -29,6 +30,10 @@ from .service import Service
 from .tell import Tell
 from .wait import QueueWait
 
+if TYPE_CHECKING:  # the gpupool kernel's parts, which import IPython's kernel
+    from .cell import ForwardedCell
+    from .notices import Notices
+
 
 class Forwarding:
     """The gpupool kernel's side of an attachment: its forwarded ``cell``
@@ -36,7 +41,7 @@ class Forwarding:
     ``notices`` (:class:`~.notices.Notices`), its ``shell`` (the execution
     count the worker goes on from); none outside the gpupool kernel."""
 
-    def __init__(self, cell, notices, shell, tell: Tell) -> None:
+    def __init__(self, cell: ForwardedCell, notices: Notices, shell, tell: Tell) -> None:
         self.cell, self.notices, self.shell, self.tell = cell, notices, shell, tell
 
     def start(self, attachment: Attachment) -> None:

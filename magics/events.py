@@ -28,12 +28,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpupool.leasewait import WAITING_FOR_ROOM
 from gpupool.wire.leases import Lease
 from gpupool.wire.status import (PHASES, REQUESTS, STATE_KEYS, TARGET, event_message, refusal, reply_message,
                                  state_message)
+
+if TYPE_CHECKING:  # they import this module
+    from .attachment import Attachment
+    from .lifecycle import Lifecycle
+    from .service import Service
+    from .status import Status
 
 #: The share the Acquire dialog offers first.
 DIALOG_AMOUNT = "0.5"
@@ -186,7 +192,7 @@ class Requests:
     queued ``--wait`` too): cells run after it.
     """
 
-    def __init__(self, gpu: Callable[[str], Any], lifecycle: Any, status: Any, service: Any) -> None:
+    def __init__(self, gpu: Callable[[str], Any], lifecycle: Lifecycle, status: Status, service: Service) -> None:
         self.gpu, self.lifecycle, self.status_words, self.service = gpu, lifecycle, status, service
 
     def __call__(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +303,7 @@ def _text(captured: Any) -> str:
     return "\n".join(parts)
 
 
-def kernel_state(attachment: Any) -> dict[str, Any]:
+def kernel_state(attachment: Attachment | None) -> dict[str, Any]:
     """The :func:`lease_state` of the notebook's ``attachment`` (None:
     detached) now: its lease as the heartbeat last saw it (attached), the
     parked lease (parked), or detached (also once the lease ended behind the

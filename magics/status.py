@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 from datetime import datetime, timezone
 from html import escape as html_escape
+from typing import TYPE_CHECKING
 
 from IPython.display import display
 
@@ -21,6 +22,9 @@ from .quota import quota_report
 from .service import Service
 from .words import say
 
+if TYPE_CHECKING:  # the gpupool kernel's, which imports IPython's kernel
+    from .cell import ForwardedCell
+
 #: How many names ``%gpu status`` lists as holding GPU memory (then "and N more, X GiB").
 HOLDERS_SHOWN = 10
 #: Seconds ``%gpu status`` waits for the worker's list of them (the worker's own walk stops after about one).
@@ -32,7 +36,7 @@ class Status:
     only); ``cell`` is the gpupool kernel's forwarded cell (None in any
     other IPython), which knows when the worker went idle before the service does."""
 
-    def __init__(self, service: Service, lifecycle: Lifecycle, cell=None) -> None:
+    def __init__(self, service: Service, lifecycle: Lifecycle, cell: ForwardedCell | None = None) -> None:
         self.service, self.lifecycle, self.cell = service, lifecycle, cell
 
     def show(self) -> None:
@@ -113,7 +117,7 @@ class Status:
         print(quota_report(self.service.client))
 
 
-def as_seen_here(cell, lease: Lease) -> Lease:
+def as_seen_here(cell: ForwardedCell | None, lease: Lease) -> Lease:
     """``lease`` with its worker idle since the last forwarded ``cell`` ended, when the service still
     says busy and no forwarded cell runs: the service hears of a cell's end with the agent's next
     heartbeat (up to ``c.GPUPool.node_heartbeat_interval`` later); this kernel knows it now."""
