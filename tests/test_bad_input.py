@@ -233,6 +233,12 @@ REST = [
          id="release-ended-blank-reason"),
     rest("/leases/{bob}/heartbeat", 400, "must be a JSON object", body=[1], user="bob", id="heartbeat-array"),
     rest("/leases/{bob}/heartbeat", 400, "not valid JSON", raw=b"{", user="bob", id="heartbeat-malformed"),
+    rest("/leases/{bob}/heartbeat", 400, "this request takes no fields; got 'x'", body={"x": 1}, user="bob",
+         id="heartbeat-field"),
+    rest("/leases/{bob}/park", 400, "this request takes no fields; got 'tier'", body={"tier": "bogus"}, user="bob",
+         id="park-field"),
+    rest("/leases/{bob}/resume", 400, "this request takes no fields; got 'now'", body={"now": True}, user="bob",
+         id="resume-field"),
     # who may call what
     rest("/leases", 401, "missing or unknown token", method="GET", user=None, code="unauthorized", id="no-token"),
     rest("/leases", 401, "missing or unknown token", body={"fraction": 0.25}, user=None, code="unauthorized",

@@ -104,6 +104,13 @@ class APIHandler(JSONHandler):
             raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
         return body
 
+    def empty_body(self) -> None:
+        """A request that takes no fields: no body, or ``{}``; 400 naming any
+        field sent (it would be ignored, and a caller would think it did something)."""
+        body = self.json_object_body(optional=True)
+        if body:
+            raise bad_request(f"this request takes no fields; got {', '.join(sorted(map(repr, body)))}")
+
     def float_argument(self, name: str, default: float | None = None) -> float | None:
         """A query argument as a finite number of seconds >= 0 (``default``
         when absent); 400 otherwise, also for an empty one."""

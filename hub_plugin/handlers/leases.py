@@ -70,7 +70,7 @@ class LeaseHeartbeatHandler(APIHandler):
 
     async def post(self, lease_id: str) -> None:
         who = self.require_user()
-        self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
+        self.empty_body()
         self.write_json(await self.ctx.pool.leases.heartbeat(who, _lease_id(lease_id)))
 
 
@@ -80,7 +80,7 @@ class LeaseParkHandler(APIHandler):
     async def post(self, lease_id: str) -> None:
         who = self.require_user()
         lease_id = _lease_id(lease_id)
-        self.json_object_body(optional=True)  # no fields yet, but it must be a JSON object if sent
+        self.empty_body()
         self.write_json(await self.ctx.pool.parking.park_by(who, lease_id))
 
 
@@ -90,7 +90,7 @@ class LeaseResumeHandler(APIHandler):
     async def post(self, lease_id: str) -> None:
         who = self.require_user()
         lease_id = _lease_id(lease_id)
-        self.json_object_body(optional=True)
+        self.empty_body()
         self.write_json(await self.ctx.pool.parking.resume_by(who, lease_id))
 
 
