@@ -129,6 +129,9 @@ class BlockingJSONClient:
         the answer, whatever its status. Raises :class:`BadURL` and
         :class:`NoAnswer`."""
         request = prepare(method, url, body, token=token, params=params)
+        parts = urllib.parse.urlsplit(request.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:  # urllib would say "unknown url type"
+            raise BadURL(request.url)
         try:
             req = urllib.request.Request(request.url, data=request.body, headers=request.headers, method=method)
         except ValueError as exc:

@@ -404,6 +404,8 @@ CLI = [
     cli("status", 1, "missing or unknown token", user="not-a-token", id="unknown-token"),
     cli("status --token-file /nonexistent/token", 2, "cannot read the token file", id="missing-token-file"),
     cli("status --url not-a-url", 1, "is not a service URL", id="bad-url"),
+    cli("status --url 127.0.0.1:8765", 1, "'127.0.0.1:8765' is not a service URL", id="url-without-scheme"),
+    cli("status --url ftp://x", 1, "'ftp://x' is not a service URL", id="url-not-http"),
     cli("status --url http://127.0.0.1:{dead}", 1, "cannot reach the gpupool service", id="nothing-listens"),
     cli("quota frob", 2, "invalid choice: 'frob'", id="unknown-action"),
     cli("quota set", 2, "'set' needs a SCOPE", user="boss", id="set-no-scope"),
