@@ -11,7 +11,10 @@ lease ``failed`` through the one release path (a parked one's too, saying
 that its parked state is gone); a parked worker reported spilled to disk
 moves its lease's park to disk (:func:`.parked.report`); and every reported
 worker whose lease neither holds capacity nor is parked on this node comes
-back in ``stop``, so no worker outlives its lease.
+back in ``stop``, so no worker outlives its lease. The last heartbeat of an
+agent that stops cleanly says it is ``leaving``: its node is ``lost`` at once
+(:data:`LEAVING_REASON`), so nothing new is placed there, without waiting for
+``node_ttl``.
 """
 
 from __future__ import annotations
@@ -102,13 +105,13 @@ class NodeBook:
             raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
         readings = [astuple(reading) for reading in beat.gpus]
         stop, dead, came_back = await self.state.work.write(self._heartbeat_now, name, list(beat.workers), readings,
-                                                             beat.inventory_error)
+                                                             beat.inventory_error, beat.leaving)
         self._end_dead(dead)
         if came_back:
             await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return HeartbeatReply(tuple(stop)).to_json()
 
-    def _heartbeat_now(self, name, reports, readings, error):
+    def _heartbeat_now(self, name, reports, readings, error, leaving=False):
         now = self.state.now()
         with self.state.writing() as tx:
             session = tx.session
@@ -116,9 +119,13 @@ class NodeBook:
             if node is None:
                 raise not_found(f"node {name}")
             was = _set_state(node, error)
+            if leaving:
+                node.state, node.state_reason = "lost", LEAVING_REASON
             came_back = was != "up" and node.state == "up"
-            if node.state != was:
-                if error is not None:
+            if node.state != was or leaving:
+                if leaving:
+                    log.info("node %s is lost: %s; nothing new is placed there", name, LEAVING_REASON)
+                elif error is not None:
                     log.warning("node %s is degraded: %s; its leases go on, nothing new is placed there", name, error)
                 else:
                     log.info("node %s is back", name)
@@ -236,6 +243,9 @@ def death_reason(exit_code: int | None) -> str:
         return f"the worker process was killed by signal {-exit_code}{name}"
     return f"the worker process exited with code {exit_code}"
 
+
+#: A node's ``state_reason`` after its agent's last heartbeat said it is leaving.
+LEAVING_REASON = "its agent stopped"
 
 #: Said of a parked lease whose worker is gone.
 LOST_STATE = ": its variables and state there are gone"

@@ -131,12 +131,13 @@ class ServiceLink:
 
     async def goodbye(self, exit_codes: dict[str, int | None]) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``
-        with their exit codes), so their leases end now rather than when the
-        node's TTL runs out."""
+        with their exit codes) and that the agent is leaving (``leaving``), so
+        their leases end now and nothing new is placed on the node, rather
+        than when the node's TTL runs out."""
         why, inventory = f"the node agent on {self.node} was stopped", self.node_side.inventory
         last = Heartbeat(tuple(WorkerReport(lease, None, WorkerState.dead, exit_code=code, reason=why)
                                for lease, code in exit_codes.items()),
-                         tuple(GPUReading.of(g) for g in inventory.metrics()), inventory.error)
+                         tuple(GPUReading.of(g) for g in inventory.metrics()), inventory.error, leaving=True)
         try:
             await asyncio.wait_for(self.call("POST", self.heartbeat_path, last.to_json()), 2.0)
         except Exception:  # the service may be down too; its node TTL covers it

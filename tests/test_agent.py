@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
+from gpupool.errors import GPUPoolError
 from gpupool.provisioner.inventory.simulated import simulated_uuid
 from procs import free_port, processes_mentioning, stop_process, wait_for
 from workercell import run_worker_cell
@@ -255,3 +256,12 @@ def test_sigterm_with_a_leased_worker_leaves_nothing(tmp_path, service):
     # not when the node's TTL runs out
     ended = client.get_lease(lease.id, wait=10, state="active")
     assert ended.state.value == "failed" and ended.reason == "the node agent on node-9 was stopped"
+    # it also said it is leaving: nothing new goes there, at once (not after node_ttl)
+    node = next(n for n in client.pool()["nodes"] if n["name"] == "node-9")
+    assert (node["state"], node["state_reason"]) == ("lost", "its agent stopped")
+    try:
+        after = client.create_lease(LeaseRequest(fraction=0.25))
+    except GPUPoolError as exc:
+        assert exc.status == 409 and exc.message, exc
+    else:
+        assert after.state.value == "queued" and after.node is None, after

@@ -320,11 +320,15 @@ class NodeRegistration(Body):
 @dataclass(frozen=True)
 class Heartbeat(Body):
     """``POST /nodes/{name}/heartbeat``: the agent's lease ``workers``, its
-    ``gpus``' readings and its ``inventory_error`` (None: it reads its GPUs)."""
+    ``gpus``' readings and its ``inventory_error`` (None: it reads its GPUs);
+    ``leaving``: True in the last heartbeat of an agent that is stopping
+    cleanly, so the service places nothing more there at once."""
 
     workers: tuple[WorkerReport, ...] = wired(Spec("array", items=WorkerReport, **_LIST), ())
     gpus: tuple[GPUReading, ...] = wired(Spec("array", items=GPUReading, **_LIST), ())
     inventory_error: str | None = wired(_INVENTORY_ERROR, None)
+    leaving: bool = wired(Spec("boolean", "true: the agent is stopping; the node is lost at once (absent: false)",
+                               nullable=True, error="'leaving' must be true or false, got {value!r:.40}"), False)
 
     @classmethod
     def from_json(cls, body: Any) -> "Heartbeat":
@@ -333,11 +337,13 @@ class Heartbeat(Body):
             raise bad_request("the heartbeat body must be a JSON object")
         workers = tuple(WorkerReport.from_json(w) for w in cls.read(body, "workers")["workers"] or ())
         gpus = tuple(GPUReading.from_json(g) for g in cls.read(body, "gpus")["gpus"] or ())
-        return cls(workers, gpus, cls.read(body, "inventory_error")["inventory_error"])
+        values = cls.read(body, "inventory_error", "leaving")
+        return cls(workers, gpus, values["inventory_error"], values["leaving"] is True)
 
     def to_json(self) -> dict[str, Any]:
-        return {"workers": [w.to_json() for w in self.workers], "gpus": [g.to_json() for g in self.gpus],
+        body = {"workers": [w.to_json() for w in self.workers], "gpus": [g.to_json() for g in self.gpus],
                 "inventory_error": self.inventory_error}
+        return body | {"leaving": True} if self.leaving else body
 
 
 @dataclass(frozen=True)
