@@ -11,7 +11,9 @@ the worker. What stays here:
 
 - cells made only of ``%gpu`` lines, and ``%%local`` cells;
 - ``%gpu`` lines inside a forwarded cell: the worker's ``%gpu`` asks this
-  kernel over its stdin channel (:mod:`gpupool.wire.magic`);
+  kernel over its stdin channel (:mod:`gpupool.wire.magic`); a cell with a
+  line that may not run mid-cell (``%gpu release``, ``acquire``, ...) is
+  refused before any of it runs;
 - comms of gpupool's own targets (``gpupool.*``); all other comms go to the worker;
 - ``kernel_info``, history (forwarded cells are stored here too), shutdown.
 
@@ -109,6 +111,11 @@ class GPUPoolKernel(IPythonKernel):
         self.notices.say(forwarded=code is not None)
         if code is None:
             await super().execute_request(stream, ident, parent)
+            return
+        refused = self.gpu.refused_on_worker(code)
+        if refused:  # before anything runs: no resume, nothing sent along, no line of it on the worker
+            self._say_status_here(parent)
+            self._refuse_cell(stream, ident, parent, refused)
             return
         try:
             attachment = self.gpu.prepare_forward(help_target(code) or code)

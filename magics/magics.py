@@ -47,6 +47,7 @@ from .attach import Attacher, Forwarding, own_lease_request
 from .attachment import Attachment
 from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards
 from .lifecycle import Lifecycle
+from .routing import gpu_lines
 from .service import Service
 from .status import Status
 from .tell import Tell
@@ -60,6 +61,17 @@ log = logging.getLogger("gpupool.magics")
 #: %gpu commands that a cell running on the worker may not call mid-cell.
 NOT_MID_CELL = {"acquire": "a second %gpu acquire", "release": "%gpu release", "restart": "%gpu restart",
                 "push": "%gpu push", "pull": "%gpu pull", "park": "%gpu park"}
+
+
+def not_mid_cell(line: str) -> str:
+    """Why ``%gpu LINE`` may not run inside a cell that runs on the worker
+    (:data:`NOT_MID_CELL`), "" when it may. The worker's ``%gpu`` asks
+    :meth:`GPUMagics.run_for_worker`, and the gpupool kernel refuses such a
+    cell before it runs anything (:meth:`GPUMagics.refused_on_worker`)."""
+    command = line.strip().partition(" ")[0]
+    if command not in NOT_MID_CELL:
+        return ""
+    return f"{NOT_MID_CELL[command]} cannot run inside a cell that runs on the worker; put it in a cell of its own"
 
 
 @magics_class
@@ -200,14 +212,24 @@ class GPUMagics(Magics):
             self.transfers.send_along(attachment, code)
         return attachment
 
+    def refused_on_worker(self, code: str) -> str:
+        """Why the gpupool kernel may not forward cell ``code`` at all (a
+        ``%gpu`` line in it that may not run mid-cell, :func:`not_mid_cell`),
+        "" when it may: refused before anything of it runs, rather than
+        half-run up to that line."""
+        for line in gpu_lines(self.shell.transform_cell(code)):
+            refused = not_mid_cell(line)
+            if refused:
+                return refused
+        return ""
+
     def run_for_worker(self, line: str) -> dict[str, Any]:
         """A ``%gpu LINE`` from a cell running on the worker: run it here (its
         output goes to that cell) unless it would detach or talk to the busy
         worker; ``{"ok": bool, "message": words}`` goes back to the worker."""
-        command = line.strip().partition(" ")[0]
-        if command in NOT_MID_CELL:
-            return {"ok": False, "message": f"{NOT_MID_CELL[command]} cannot run inside a cell that runs on the "
-                                            "worker; put it in a cell of its own"}
+        refused = not_mid_cell(line)
+        if refused:
+            return {"ok": False, "message": refused}
         try:
             self.gpu(line)
         except UsageError as exc:

@@ -4,6 +4,7 @@ checked before a request is forwarded."""
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any, Collection
 
@@ -28,6 +29,25 @@ def forwarded_code(code: str) -> str | None:
     if all(line == "%gpu" or line.startswith("%gpu ") for line in lines):
         return None
     return code
+
+
+def gpu_lines(source: str) -> list[str]:
+    """The ``%gpu`` lines of ``source``, a cell as IPython transformed it
+    (``%gpu release`` is ``get_ipython().run_line_magic('gpu', 'release')``
+    there, wherever it stands: in a loop too, but not in a string), in order;
+    [] when ``source`` is no Python (the worker then says what is wrong)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "run_line_magic" and len(node.args) >= 2 \
+                and all(isinstance(arg, ast.Constant) and isinstance(arg.value, str) for arg in node.args[:2]) \
+                and node.args[0].value == "gpu":
+            found.append((node.lineno, node.col_offset, node.args[1].value))
+    return [line for _, _, line in sorted(found)]
 
 
 def help_target(code: str) -> str | None:

@@ -260,9 +260,16 @@ def test_gpu_lines_inside_a_forwarded_cell_run_in_the_notebook_kernel(attached):
     assert loop.ok, loop.text()
     assert loop.text().count("active") >= 2 and "done 1" in loop.stdout
     assert loop.text().count("the names holding GPU memory are listed by a %gpu status between cells") == 2
-    refused = run(kc, "y = 2\n%gpu release")
-    assert not refused.ok and "cannot run inside a cell that runs on the worker" in refused.text()
-    assert _remote(kc, "y") == 2, "the cell ran up to the refused line; the lease is kept"
+    refused = run(kc, "print('before')\ny = 2\n%gpu release")
+    assert not refused.ok and refused.reply["ename"] == "UsageError", refused.text()
+    assert "%gpu release cannot run inside a cell that runs on the worker; put it in a cell of its own" \
+        in refused.text()
+    assert "before" not in refused.text(), "refused before anything ran"
+    again = run(kc, "z = 3\nif z:\n    %gpu acquire 1")
+    assert not again.ok and "a second %gpu acquire cannot run inside" in again.text()
+    assert _remote(kc, "'y' in globals() or 'z' in globals()") is False, "no line of either cell ran"
+    quoted = run(kc, 's = """\n%gpu release\n"""')
+    assert quoted.ok, "a %gpu line in a string is text: " + quoted.text()
     assert run(kc, "%gpu status").ok
 
 
@@ -391,3 +398,16 @@ def test_a_help_cell_reads_the_name_it_asks_about(code, target):
     from gpupool.magics.routing import help_target
 
     assert help_target(code) == target
+
+
+@pytest.mark.parametrize("code, lines", [
+    ("print(1)\n%gpu release", ["release"]),
+    ("for i in range(2):\n    %gpu status\n%gpu acquire 1 --wait", ["status", "acquire 1 --wait"]),
+    ('s = """\n%gpu release\n"""', []), ("x = 1", []), ("def f(:\n%gpu release", []),
+])
+def test_the_gpu_lines_of_a_cell_are_found_where_ipython_runs_them(code, lines):
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    from gpupool.magics.routing import gpu_lines
+
+    assert gpu_lines(TransformerManager().transform_cell(code)) == lines
