@@ -11,7 +11,8 @@ import html
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from .schema import WorkerState, parse_time
+from .leasewait import progress_words
+from .schema import LeaseState, WorkerState, parse_time
 from .wire.leases import Lease
 from .units import format_bytes, format_cpus, format_duration, format_share
 
@@ -165,7 +166,7 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     (``utilization`` maps GPU UUID -> percent, from ``GET /pool``; the whole
     GPU's, shared by its leases), worker state, idle countdown, where a
     parked lease's state is (:func:`parked_words`), and the reason once it
-    ended. Unknown readings say ``unknown``, never 0."""
+    ended (a queued one's place in line). Unknown readings say ``unknown``, never 0."""
     gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
     share = format_share(lease.fraction, lease.gpu_count)
     kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
@@ -177,7 +178,15 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
             lease_host_cell(lease), util, worker.get("execution_state", "-") if live else "-",
-            idle_countdown(lease) if live else (parked_words(lease) or lease.reason or "-")]
+            idle_countdown(lease) if live else _not_live_words(lease)]
+
+
+def _not_live_words(lease: Lease) -> str:
+    """The last column of a lease that is not active: its place in line while queued
+    (``'queued: 2nd in line, about 5m'``), where a parked one's state is, or why it ended."""
+    if lease.state is LeaseState.queued:
+        return progress_words(lease)
+    return parked_words(lease) or lease.reason or "-"
 
 
 def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:

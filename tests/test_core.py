@@ -113,6 +113,10 @@ def test_tables_text_and_html():
     assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
     lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
     assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
+    queued = Lease.from_json({"id": "L-2", "owner": "u", "state": "queued", "fraction": 0.5, "gpu_count": 1,
+                              "memory": 0, "gpus": [], "idle_timeout": 60, "queue_position": 2,
+                              "queue_estimate_s": 300.0})
+    assert "queued: 2nd in line, about 5m" in lease_table([queued])[0]
 
 
 def test_the_holders_table_lists_sizes_shares_and_what_is_left_out():
