@@ -193,8 +193,12 @@ class NodeAgent(WorkerSettings):
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
-        await self._start_workers()
-        server, self.url = serve_api(self.api(), self.ip, self.port, self.tls)
+        try:
+            await self._start_workers()
+            server, self.url = serve_api(self.api(), self.ip, self.port, self.tls)
+        except BaseException:  # e.g. cannot listen (port taken): undo what the start made, then say why
+            self._undo_start()
+            raise
         if self.refusal is not None:
             await self._refuse(server, stopping)
             return
@@ -217,6 +221,17 @@ class NodeAgent(WorkerSettings):
         self.inventory.close()
         self.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
+
+    def _undo_start(self) -> None:
+        """After :meth:`_start_workers`, when the agent cannot go on to serve:
+        remove the cgroup subtree it made (quietly left while a re-adopted
+        worker still runs in it: that worker is left to the next start) and
+        close what it opened, as a clean stop does."""
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.close()
+        self.inventory.close()
+        self.enforcement.close(self.log)
 
     def api(self) -> AgentAPI:
         """What the HTTP handlers use; once :meth:`_start_workers` has run (a
@@ -277,23 +292,29 @@ class NodeAgent(WorkerSettings):
         if self.account_settings.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
         cgroups = self.containment(state_dir)
-        settings = WorkerLaunch(
-            state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
-            start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-            warm=WarmSettings(self.warm_workers if self.launcher.keeps_warm else 0, tuple(self.preload_modules),
-                              self.warm_worker_max_age),
-            encryption=self.transport_encryption,
-            user=self.account_settings.user, users=self.account_settings.users,
-            enforcement=self.enforcement, config=self.config, templates=self.worker_templates,
-            pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus), self.log))
-        self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
-                                     parking=self.park_settings(state_dir))
-        if self.account_settings.template is not None:
-            self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
-        adopted = await self.workers.recover()  # before the first report names the workers
-        if adopted:
-            self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
-                          ", ".join(w.spec.lease_id for w in adopted))
+        try:
+            settings = WorkerLaunch(
+                state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
+                start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
+                warm=WarmSettings(self.warm_workers if self.launcher.keeps_warm else 0, tuple(self.preload_modules),
+                                  self.warm_worker_max_age),
+                encryption=self.transport_encryption,
+                user=self.account_settings.user, users=self.account_settings.users,
+                enforcement=self.enforcement, config=self.config, templates=self.worker_templates,
+                pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus),
+                                         self.log))
+            self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
+                                         parking=self.park_settings(state_dir))
+            if self.account_settings.template is not None:
+                self.workers.workers_dir.chmod(0o711)  # each lease's account reads its own connection file
+            adopted = await self.workers.recover()  # before the first report names the workers
+            if adopted:
+                self.log.info("re-adopted %d worker(s) left running by the previous agent: leases %s", len(adopted),
+                              ", ".join(w.spec.lease_id for w in adopted))
+        except BaseException:  # a half-made start removes its cgroups, then says why
+            if getattr(self, "workers", None) is None:
+                cgroups.close()
+            raise
 
     def park_settings(self, state_dir: Path) -> ParkSettings:
         """How this node parks (``checkpointer``, ``parked_memory``, ``spill_dir``, ``park_headroom``)."""

@@ -197,3 +197,31 @@ def test_a_cgroup_mode_that_cannot_be_had_is_one_clear_line(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert "cgroup v2 containment is not available" in result.stderr, result.stderr
     assert "cgroup_mode = 'auto'" in result.stderr, "it names the way out"
+
+
+def test_an_agent_that_cannot_listen_removes_the_cgroups_it_made(mode, tmp_path):
+    """``cannot listen on ...: Address already in use`` (exit 1) leaves no
+    ``gpupool/agent-<id>`` cgroup behind, in v2 or under any v1 controller."""
+    import socket
+    import subprocess
+    import sys
+
+    state = tmp_path / "agent"
+    try:
+        made = containment(mode, "", state)  # the same subtree the agent makes (its default root)
+    except CgroupError as exc:
+        pytest.skip(f"no cgroup {mode} here: {exc}")
+    made.close()
+    folders = [path for path in (getattr(made, "root", None), *getattr(made, "v1_roots", {}).values(),
+                                 *getattr(made, "roots", {}).values()) if path is not None]
+    assert folders and not any(path.exists() for path in folders)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "gpupool.cli", "agent", "--service-url=http://127.0.0.1:1",
+                                 f"--state-dir={state}", "--simulate=1xL4", f"--cgroup-mode={mode}",
+                                 "--ip=127.0.0.1", f"--port={port}"], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "GPUPOOL_AGENT_TOKEN": "t"})
+    assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert [path for path in folders if path.exists()] == []
