@@ -198,6 +198,7 @@ class LeaseViews:
         ordered = [ask for _, _, ask in asks]
         ordered.remove(own)  # its own goes last of its class (the last there is: none after it is counted)
         ordered.append(own)
+        self.pressure.follow(session, self.state.capacity_epoch)
         return QueueView({lease.id: len(ordered)}, {lease.id: self.pressure.etas(ordered, self.state.now())[-1]})
 
     def queue_view(self, session: Session, leases) -> QueueView | None:
@@ -218,6 +219,7 @@ class LeaseViews:
         asked = {row[0]: (row[4], row[5], row[3]) for row in queued}
         asked.update((resume.id, self._resume_ask(resume, remap)) for resume, remap in resumes)
         in_line = sorted(places, key=places.get)
+        self.pressure.follow(session, self.state.capacity_epoch)
         etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
         return QueueView(places, dict(zip(in_line, etas)))
 

@@ -17,12 +17,12 @@ one whole, so readers on other threads see one or the other.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Collection, Iterable, Sequence
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState, isoformat
 
@@ -39,6 +39,21 @@ from .rules.scheduler import GPUState
 LENGTH_SAMPLE = 200
 
 
+@dataclass(frozen=True)
+class EtaInputs:
+    """What the ETA reads, read together and replaced whole (readers on other
+    threads see one snapshot or the next, never a mix): the ``room`` and
+    ``holding`` of :func:`.eta.eta_seconds`, ``typical`` cell lengths by class,
+    ``gpus`` (UUID -> index in the room, node, model), and the state's
+    capacity ``epoch`` they were read at."""
+
+    room: eta.Room = eta.Room((), ())
+    holding: tuple[eta.Holding, ...] = ()
+    typical: dict[str, float] | None = None
+    gpus: dict[str, tuple[int, str, str]] | None = None
+    epoch: int = -1
+
+
 class Pressure:
     """The current pressure plan of one service. ``settings``: ``c.GPUPool``;
     ``quota_table(session)``: the effective quota table (:class:`.QuotaBook`)."""
@@ -47,31 +62,45 @@ class Pressure:
         self.settings = settings
         self._quota_table = quota_table
         self.plan: priority.Plan = priority.NO_PRESSURE
-        # What the ETA reads, as the last sweep saw it: no query per long poll of a queued request.
-        self._room = eta.Room((), ())
-        self._holding: list[eta.Holding] = []
-        self._typical: dict[str, float] = {}
-        self._gpus: dict[str, tuple[int, str, str]] = {}  # UUID -> (index in the room, node, model)
+        # What the ETA reads, as the last sweep (or capacity change) saw it: no query per long poll.
+        self._eta = EtaInputs()
 
-    def refresh(self, session: Session, active: Sequence[Lease], now: datetime) -> priority.Plan:
+    def refresh(self, session: Session, active: Sequence[Lease], now: datetime, epoch: int = -1) -> priority.Plan:
         """Recompute the plan from the queue and ``active`` (the active leases
-        the sweep read, their ``gpus`` loaded), and what the ETA reads; returns the plan.
-        On a store thread."""
+        the sweep read, their ``gpus`` loaded), and what the ETA reads (at the
+        state's capacity ``epoch``); returns the plan. On a store thread."""
         held = [pressure_rules.held(lease) for lease in active]
         guarantees = self._guarantees(session, active)
         self.plan = self._plan(session, held, guarantees, now)
+        self._eta = self._eta_inputs(session, active, held, guarantees, epoch)
+        return self.plan
+
+    def follow(self, session: Session, epoch: int) -> None:
+        """Read what the ETA reads again when the pool's capacity changed since
+        (``epoch``: the state's capacity epoch now), so a request queued behind a
+        lease placed after the last sweep is not told "about 0s". On a store thread."""
+        if epoch == self._eta.epoch:
+            return
+        active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
+                                 .options(selectinload(Lease.gpus))).all()
+        held = [pressure_rules.held(lease) for lease in active]
+        self._eta = self._eta_inputs(session, active, held, self._guarantees(session, active), epoch)
+
+    def _eta_inputs(self, session: Session, active: Sequence[Lease], held: list[priority.Held],
+                    guarantees: dict[str, float], epoch: int) -> EtaInputs:
+        """:class:`EtaInputs` from the store and ``active`` (their plan entries ``held``)."""
         states = gpu_states(session, self.settings.context_overhead)
-        self._room = eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states))
         index = {gpu.uuid: i for i, gpu in enumerate(states)}
-        self._gpus = {gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}
         safe = priority.guaranteed(held, guarantees)
-        self._holding = [self._held(lease, index, lease.id not in safe, self.deadline(lease)) for lease in active]
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
                               .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
                               .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
-        self._typical = eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
-                                            for row in ran)
-        return self.plan
+        return EtaInputs(
+            room=eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states)),
+            holding=tuple(self._held(lease, index, lease.id not in safe, self.deadline(lease)) for lease in active),
+            typical=eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
+                                        for row in ran),
+            gpus={gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}, epoch=epoch)
 
     @staticmethod
     def _held(lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
@@ -171,18 +200,21 @@ class Pressure:
         """The indexes in the ETA's room of the GPUs a resume of ``lease`` (its GPUs loaded) may
         take, its own first: then, where its node's checkpointer can ``remap``, the others of the
         same model on its node (as the last sweep saw them)."""
-        own = [self._gpus[g.gpu_uuid][0] for g in lease.gpus if g.gpu_uuid in self._gpus]
+        gpus = self._eta.gpus or {}
+        own = [gpus[g.gpu_uuid][0] for g in lease.gpus if g.gpu_uuid in gpus]
         if not remap or not lease.gpus:
             return tuple(own)
         model = lease.gpus[0].name
-        return tuple(own + [i for i, node, name in self._gpus.values()
+        return tuple(own + [i for i, node, name in gpus.values()
                             if node == lease.node_name and name == model and i not in own])
 
     def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``
         (queue order), from the pool, the active leases and recent cell lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
-        return eta.eta_seconds(asks, self._room, self._holding, self._typical, now, self.settings.pressure_grace)
+        inputs = self._eta
+        return eta.eta_seconds(asks, inputs.room, inputs.holding, inputs.typical or {}, now,
+                               self.settings.pressure_grace)
 
 
 def _room(gpu: GPUState) -> float:

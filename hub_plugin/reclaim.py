@@ -102,10 +102,11 @@ class Reclaimer:
     def _pressure_now(self, now: datetime, parkable: set[str]) -> tuple[list[Decision], list[Decision]]:
         """Recompute the pressure plan (:mod:`.pressure`); the idle leases past its early deadlines
         and the preemptible ones past their ``preempt_at``."""
+        epoch = self.state.capacity_epoch  # read first: a change while reading makes the ETA read again
         with self.state.reading() as session:
             active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
                                      .options(selectinload(Lease.gpus))).all()
-            self.pressure.refresh(session, active, now)
+            self.pressure.refresh(session, active, now, epoch)
             return self.pressure.due(active, now, parkable), self.pressure.preempts(active, now, parkable)
 
     def _due_now(self, now: datetime) -> tuple[list[str], set[str], list[Decision], list[Decision]]:

@@ -9,7 +9,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from procs import start_service
+from procs import start_agent, start_service
 from test_scheduler import gpu
 from test_service_api import gpu_allocations, wait_state
 
@@ -231,6 +231,23 @@ def test_the_queue_survives_a_restart(tmp_path):
             assert placed.state is LeaseState.starting and placed.node == "node-s"
             assert gpu_allocations(svc) == [0.5]
     finally:
+        svc.stop()
+
+
+def test_a_request_queued_behind_a_new_lease_gets_an_eta_from_it_not_from_the_last_sweep(tmp_path):
+    """The ETA reads the pool again once capacity changed: with no sweep since the pool was empty, a
+    request queued behind the lease just placed is told the pressure grace, not "about 0s"."""
+    tokens = {"ann": "ann-" + uuid.uuid4().hex}
+    svc = start_service(tmp_path, tokens=tokens, config={"reclaim_interval": 3600, "pressure_grace": 600})
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB")
+    try:
+        holder = wait_state(svc, svc.client().create_lease(LeaseRequest(fraction=1.0)).id, "starting")
+        assert holder.state is LeaseState.active, holder.reason
+        waiter = svc.client("ann").create_lease(LeaseRequest(fraction=1.0, wait=600))
+        assert waiter.state is LeaseState.queued and waiter.queue_estimate_s is not None, waiter
+        assert 300 < waiter.queue_estimate_s <= 600, waiter
+    finally:
+        agent.stop()
         svc.stop()
 
 
