@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, bad_request
+from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_bytes, format_duration
 
@@ -32,6 +33,9 @@ from .rules.scheduler import NO_ENVIRONMENT, Demand, Refusal
 from .transitions import CAPPED, QUEUED
 
 log = logging.getLogger("gpupool.service.leases")
+
+#: The states of a lease a new one may replace (a move, ``LeaseRequest.replaces``).
+REPLACEABLE = (LeaseState.active.value, LeaseState.parked.value)
 
 
 class Admission:
@@ -93,13 +97,30 @@ class Admission:
             self._on_refusal({NO_ENVIRONMENT: 1})
             raise unknown_environment(request.env, offered, unusable_on(session, request.env)) from None
 
-    def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime) -> int:
+    def replaced(self, session: Session, owner: str, lease_id: str | None) -> Lease | None:
+        """The lease a move replaces (``LeaseRequest.replaces``): ``owner``'s own
+        active or parked lease; None when ``lease_id`` is None. 400 otherwise
+        (the same words whether the lease is someone else's or none at all)."""
+        if lease_id is None:
+            return None
+        lease = session.get(Lease, lease_id)
+        if lease is None or lease.owner != owner or lease.state not in REPLACEABLE:
+            state = f" (it is {lease.state})" if lease is not None and lease.owner == owner else ""
+            raise bad_request(f"'replaces' must name one of your active or parked leases; {lease_id[:40]!r} is "
+                              f"not one{state}", field="replaces")
+        return lease
+
+    def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime,
+              replaced: Lease | None = None) -> int:
         """429 over ``owner``'s quota or ``c.GPUPool.max_active_per_user``, 400
-        when ``demand`` names more host than any node has. Returns how many
+        when ``demand`` names more host than any node has; ``replaced`` (a move's
+        old lease, :meth:`replaced`) counts toward neither. Returns how many
         requests ``owner`` has queued (for :meth:`may_queue`)."""
         try:
-            self.quotas.enforce(session, owner, limits, demand.fraction * demand.gpu_count, now)
+            self.quotas.enforce(session, owner, limits, demand.fraction * demand.gpu_count, now, replaced)
             held, queued = _counts(session, owner)
+            if replaced is not None and replaced.state in CAPPED:
+                held -= 1
             self._check_cap("max_active_per_user", held)
             self._check_host(session, demand)
             self._check_gpus(session, demand)

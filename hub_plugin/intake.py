@@ -102,7 +102,8 @@ class LeaseIntake:
                             request.host_memory, self.settings.host_share)
             limits = self.admission.limits(session, who.name, groups)
             idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
-            queued = self.admission.admit(session, who.name, limits, demand, now)
+            replaced = self.admission.replaced(session, who.name, request.replaces)
+            queued = self.admission.admit(session, who.name, limits, demand, now, replaced)
             decision = self.placer.place(session, demand)
             if isinstance(decision, Placement) and lease_class(request.lease_class).yields:
                 decision = self.placer.batch_refusal(session, decision, now, yields=self.settings.batch_yields,

@@ -25,7 +25,7 @@ from . import usage
 from .rules import quotas
 from .auth import Identity
 from .config import GPUPool
-from .models import QuotaOverride
+from .models import Lease, QuotaOverride
 
 log = logging.getLogger("gpupool.service.quotas")
 
@@ -57,12 +57,15 @@ class QuotaBook:
     def limits(self, session: Session, user: str, groups: tuple[str, ...]) -> quotas.Limits:
         return quotas.resolve(user, groups, self.table(session), max_idle_timeout=self.settings.max_idle_timeout)
 
-    def enforce(self, session: Session, user: str, limits: quotas.Limits, requested: float, now: datetime) -> None:
+    def enforce(self, session: Session, user: str, limits: quotas.Limits, requested: float, now: datetime,
+                replaced: Lease | None = None) -> None:
         """Raise 429 ``quota_exceeded`` when ``user`` may not take ``requested``
-        more GPUs now. Call after ``Store.lock_capacity``, in the transaction
+        more GPUs now; ``replaced``: the user's lease this request moves from
+        (``LeaseRequest.replaces``), not counted. Call after ``Store.lock_capacity``, in the transaction
         that then writes the lease, so concurrent requests cannot both pass."""
         today, week = usage.used(session, user, now, self.tz) if _counts_hours(limits) else (0.0, 0.0)
-        refusal = quotas.check(limits, holding=usage.holding(session, user), requested=requested,
+        held = usage.holding(session, user) - (0.0 if replaced is None else replaced.fraction * replaced.gpu_count)
+        refusal = quotas.check(limits, holding=max(held, 0.0), requested=requested,
                                used_today_s=today, used_week_s=week,
                                day_resets=usage.resets_words(self.tz, usage.DAY),
                                week_resets=usage.resets_words(self.tz, usage.WEEK))
@@ -72,6 +75,8 @@ class QuotaBook:
             if parked:  # they count: each may resume at any time
                 message += (f" ({parked:.2f} of it in parked leases, which keep their GPUs' worth; release one you "
                             "no longer need)")
+            if replaced is not None and refusal.limit == "max_gpus":
+                message += f" (not counting {replaced.id}, which this lease replaces)"
             log.info("lease for %s refused by quota %s: %s", user, refusal.limit, message)
             raise GPUPoolError(Reason.quota_exceeded, message, 429, limit=refusal.limit)
 

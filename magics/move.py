@@ -25,15 +25,16 @@ from .summary import summarize
 
 def target(lease: Lease, request: LeaseRequest) -> LeaseRequest:
     """What a move from ``lease`` asks for: ``request``, with the lease's
-    idle timeout when the request names none. UsageError when ``request``
-    asks what ``lease`` holds already."""
+    idle timeout when the request names none, ``replaces`` the lease (so the
+    quota does not count the lease it moves from, held for a moment with the
+    new one). UsageError when ``request`` asks what ``lease`` holds already."""
     if same_slice(lease, request):
         raise UsageError(f"already attached to {lease.id} ({slice_words(lease)}); ask another size, "
                          "--model or --env to move there, or run %gpu restart for a fresh worker (a lease's "
                          "idle timeout, CPUs and host memory stay as asked: %gpu release, then %gpu acquire)")
     if request.idle_timeout is None and lease.idle_timeout is not None:
         request = replace(request, idle_timeout=lease.idle_timeout)  # the user's own timeout goes along
-    return request
+    return replace(request, replaces=lease.id)
 
 
 def not_started(exc: Exception, old_id: str) -> UsageError:

@@ -348,3 +348,35 @@ def test_200_concurrent_requests_of_many_users_respect_pool_and_quotas(tmp_path,
         assert {u: sum(days.values()) for u, days in usage["daily_gpu_hours"].items()} == pytest.approx(dict(by_user))
     finally:
         store.close()
+
+
+def test_a_move_within_quota_does_not_count_the_lease_it_replaces(tmp_path):
+    """tester (max_gpus 1) holds 0.5 and moves to 1 (``replaces``, as ``%gpu acquire 1``
+    while attached sends it): allowed, though both leases are held for a moment. A
+    ``replaces`` of someone else's lease, or of none, is refused with words and changes nothing."""
+    from procs import start_agent
+
+    tokens = {"bob": "bob-" + uuid.uuid4().hex}
+    svc = start_service(tmp_path, tokens=tokens, config={"quotas": {"*": {"max_gpus": 1}}})
+    agent = start_agent(tmp_path, svc, name="node-m")
+    try:
+        client, bob = svc.client(), svc.client("bob")
+        old = client.get_lease(client.create_lease(LeaseRequest(fraction=0.5)).id, wait=30, state="starting")
+        assert old.state == LeaseState.active, old.reason
+        error = refused(client, fraction=1)
+        assert error.message == "quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00", "not a move: counted"
+        for who, lease_id in ((bob, old.id), (client, "L-000000000000")):
+            error = refused(who, fraction=0.5, replaces=lease_id)
+            assert (error.status, error.code) == (400, "bad_request")
+            assert error.message == (f"'replaces' must name one of your active or parked leases; {lease_id!r} "
+                                     "is not one"), error.message
+        assert bob.list_leases() == [] and [lease.id for lease in client.list_leases()] == [old.id]
+        new = client.create_lease(LeaseRequest(fraction=1, replaces=old.id))
+        assert new.state in (LeaseState.starting, LeaseState.active), new.reason
+        assert client.get_lease(old.id).state == LeaseState.active, "the move releases it, not the service"
+        client.release(old.id)
+        error = refused(client, fraction=0.5, replaces=old.id)
+        assert error.message.endswith(f"{old.id!r} is not one (it is released)"), error.message
+    finally:
+        agent.stop()
+        svc.stop()

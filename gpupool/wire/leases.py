@@ -91,6 +91,10 @@ class LeaseRequest(Body):
     ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
     the node's host, held for the lease and enforced on its worker's cgroup;
     None: the GPU share's part of the node's (``c.GPUPool.host_share``).
+    ``replaces``: a move (``%gpu acquire`` while attached), the id of the
+    owner's own active or parked lease that the new one takes over from and
+    that is released once the move is done: the quota check does not count
+    it (400 when it is not such a lease).
     """
 
     SCHEMA: ClassVar[dict[str, Any]] = {
@@ -103,7 +107,7 @@ class LeaseRequest(Body):
     #: them): the order of before they were declared, so a body with several bad fields gets the same 400.
     CHECK_ORDER: ClassVar[tuple[str, ...]] = (
         "memory", "idle_timeout", "wait", "server_name", "lease_class", "preemptible", "cpus", "host_memory", "model",
-        "kernel_id", "env", "prefer_env", "on_idle")
+        "kernel_id", "env", "prefer_env", "on_idle", "replaces")
 
     fraction: float = wired(Spec("number", "of one GPU; 1 (or left out) when gpu_count > 1", nullable=True,
                                  minimum=MIN_FRACTION, maximum=1, default=1, error=_fraction_words), 1.0)
@@ -150,6 +154,12 @@ class LeaseRequest(Body):
     on_idle: str | None = wired(Spec("string", "what the idle timeout does: park the lease in place (its worker "
                                      "frozen on its node, resumed by the next cell) or release it", nullable=True,
                                      enum=ON_IDLE, default="park"), None)
+    replaces: str | None = wired(Spec("string", "a move: the id of the caller's own active or parked lease this "
+                                      "one takes over from (the notebook's %gpu acquire while attached); the quota "
+                                      "does not count it, as it is released once the move is done; 400 when it is "
+                                      "not one", nullable=True, text=True, min_length=1, max_length=40,
+                                      error="'replaces' must be a lease id (at most 40 characters), "
+                                            "got {value!r:.60}"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "LeaseRequest":
