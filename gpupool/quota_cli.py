@@ -19,7 +19,7 @@ from typing import Any
 from .api import add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
 from .tables import table
-from .units import format_bytes, format_duration
+from .units import format_bytes, format_duration, format_gpu_hours
 from .wire.quotas import SHOWN, Limits
 
 LIMITS = Limits.KEYS
@@ -38,7 +38,7 @@ def _in_unit(unit: str, value: Any) -> str:
     if unit == "seconds":
         return format_duration(value)
     if unit == "hours":
-        return f"{value:.1f} GPU-hours"
+        return f"{format_gpu_hours(value)} GPU-hours"
     if unit == "bytes":
         return format_bytes(value)
     return f"{value:.2f} GPU"
@@ -47,6 +47,8 @@ def _in_unit(unit: str, value: Any) -> str:
 def _used_words(unit: str, value: Any) -> str:
     if value is None:
         return ""
+    if unit == "hours":
+        return format_gpu_hours(value, 2)
     return format_bytes(value) if unit == "bytes" else f"{value:.2f}"
 
 
@@ -78,14 +80,14 @@ def quotas_text(body: dict[str, Any]) -> str:
 def usage_text(body: dict[str, Any]) -> str:
     """``GET /admin/usage`` as text: GPU-hours today and this week per user and group, then per day."""
     today, week = body.get("today_gpu_hours") or {}, body.get("week_gpu_hours") or {}
-    rows = [[kind[:-1], name, f"{today.get(kind, {}).get(name, 0.0):.2f}", f"{hours:.2f}"]
+    rows = [[kind[:-1], name, format_gpu_hours(today.get(kind, {}).get(name, 0.0), 2), format_gpu_hours(hours, 2)]
             for kind in ("users", "groups") for name, hours in sorted((week.get(kind) or {}).items())]
     daily = body.get("daily_gpu_hours") or {}
     days = sorted({day for per_day in daily.values() for day in per_day})
     lines = [f"GPU-hours, days and weeks in {body.get('timezone', 'UTC')}",
              table(["", "name", "today", "this week"], rows)[0] if rows else "no use this week"]
     if days:
-        lines += ["", table(["user", *days], [[user, *(f"{per_day.get(day, 0.0):.2f}" for day in days)]
+        lines += ["", table(["user", *days], [[user, *(format_gpu_hours(per_day.get(day, 0.0), 2) for day in days)]
                                               for user, per_day in sorted(daily.items())])[0]]
     return "\n".join(lines)
 

@@ -116,6 +116,18 @@ def format_cpus(cpus: float) -> str:
     return f"{cpus:g} CPU{'s' if cpus > 1 else ''}"
 
 
+def format_gpu_hours(hours: float, decimals: int = 1) -> str:
+    """A number of GPU-hours (no unit): ``8`` -> ``'8.0'``, ``12.345`` -> ``'12.3'``;
+    an amount that ``decimals`` places would round away (below 10) with three
+    significant digits: ``0.001`` -> ``'0.001'`` (not ``'0.0'``), ``0.25`` -> ``'0.25'``."""
+    fixed = f"{hours:.{decimals}f}"
+    if hours == 0 or abs(hours) >= 10 or abs(hours - round(hours, decimals)) < 1e-9:
+        return fixed
+    digits = max(decimals, 2 - math.floor(math.log10(abs(hours))))  # three significant digits
+    text = f"{hours:.{digits}f}".rstrip("0")
+    return fixed if text.endswith(".") else text  # 9.9996: '10.0'
+
+
 def format_duration(seconds: float | None) -> str:
     """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; ``0.25`` -> ``'0.25s'``; None -> ``'unknown'``."""
     if seconds is None:

@@ -87,6 +87,8 @@ REFUSALS = [
                  "daily GPU-hours used up (8.0 of 8.0); resets 00:00 UTC", id="day, overrun by a running lease"),
     pytest.param(Limits(gpu_hours_per_week=40.0), dict(used_week_s=40 * 3600), "gpu_hours_per_week",
                  "weekly GPU-hours used up (40.0 of 40.0); resets Monday 00:00 UTC", id="week"),
+    pytest.param(Limits(gpu_hours_per_day=0.001), dict(used_today_s=3.6), "gpu_hours_per_day",
+                 "daily GPU-hours used up (0.001 of 0.001); resets 00:00 UTC", id="small: significant digits"),
 ]
 
 
@@ -231,6 +233,8 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
     ann = ["--url", quota_service.url, "--token-file", token_file("ann", quota_service)]
     assert quota_main(["set", "user:bob", "max_gpus=0.25", "gpu_hours_per_week=90m", *ann]) == 0
     assert "user:bob: max_gpus 0.25 GPU, gpu_hours_per_week 1.5 GPU-hours" in capsys.readouterr().out
+    assert quota_main(["set", "user:carl", "gpu_hours_per_day=0.001", *ann]) == 0
+    assert "user:carl: gpu_hours_per_day 0.001 GPU-hours" in capsys.readouterr().out, "not 0.0"
     assert quota_main(["set", "group:quants", "max_idle_timeout=2h", *ann]) == 0
     assert quota_service.stop() == 0
     config = {"admin_users": {"ann"}, "groups": {"quants": ["bob"]}, "node_ttl": 3600,

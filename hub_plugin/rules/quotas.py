@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from gpupool.schema import has_control_characters
-from gpupool.units import format_bytes, parse_bytes, parse_duration
+from gpupool.units import format_bytes, format_gpu_hours, parse_bytes, parse_duration
 from gpupool.wire.quotas import Limits
 
 #: Limit names, in the order they are shown: the fields of :class:`~gpupool.wire.quotas.Limits`.
@@ -161,8 +161,8 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
                                       ("gpu_hours_per_week", "weekly", used_week_s, week_resets)):
         allowed = getattr(limits, limit)
         if allowed is not None and used / 3600.0 >= allowed - EPSILON:
-            return QuotaRefusal(limit, f"{word} GPU-hours used up ({min(used / 3600.0, allowed):.1f} of "
-                                f"{allowed:.1f}); resets {resets}")
+            return QuotaRefusal(limit, f"{word} GPU-hours used up ({format_gpu_hours(min(used / 3600.0, allowed))} "
+                                f"of {format_gpu_hours(allowed)}); resets {resets}")
     return None
 
 
