@@ -138,7 +138,12 @@ class LeaseHeartbeat(threading.Thread):
         # stop() comes before our own release, so a stopped thread saw that release.
         # Running work says it itself (it fails with these words).
         if not self._stopped.is_set() and not self.cell_running:
-            self.say(ended_message(lease), kind="ended")
+            self.say(self.ended_words(lease), kind="ended")
+
+    def ended_words(self, lease: Lease) -> str:
+        """The notice for ``lease``, which ended behind our back: :func:`ended_message`;
+        an override may say more (what became of the worker's variables)."""
+        return ended_message(lease)
 
     def say(self, text: str, kind: str = "notice") -> None:
         """Tell the user ``text`` (callable from any thread): ``gpupool: TEXT``

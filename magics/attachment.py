@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
-from gpupool.heartbeat import beat_interval, ended_message
+from gpupool.heartbeat import beat_interval
 from gpupool.leasewait import RESUME_STATES, wait_started
 from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
@@ -26,7 +26,7 @@ from gpupool.transfer import load_pulled
 from . import dataplane
 from .heartbeat import Heartbeat
 from .park import Parked, parked_now, parked_words, resumed_words
-from .words import say
+from .words import ended_words, say
 from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
 
@@ -158,7 +158,7 @@ class Attachment:
 
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
-            raise GPUPoolError(Reason.lease_lost, ended_message(self.heartbeat.ended), 410)
+            raise GPUPoolError(Reason.lease_lost, ended_words(self.heartbeat.ended), 410)
         self.ask_resume()
 
     def ask_resume(self) -> None:

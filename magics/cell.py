@@ -21,9 +21,11 @@ from jupyter_client.session import DELIM
 from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.kernelapp import COUNT_KEY
+from gpupool.schema import parse_time
 from gpupool.wire.magic import STDIN_KEY, answer_text, asked_line
 
 from .relay import OutputBudget
+from .words import CELL_DID_NOT_RUN, CELL_STOPPED, ended_words
 
 
 class ForwardedCell:
@@ -78,12 +80,16 @@ class ForwardedCell:
         with attachment.lock:
             attachment.heartbeat.running(True)
             self.running = parent["header"]
+            sent = time.time()
             try:
                 attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
                 return replies[0], ""
             except GPUPoolError as exc:
                 if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
+                    ended = attachment.ended
                     kernel.gpu.lifecycle.drop()
+                    if ended is not None:
+                        return None, ended_words(ended, _what_became_of_cell(ended, sent))
                 return (replies[0] if replies else None), exc.message
             finally:
                 self.running, self.ended_at = None, time.time()
@@ -147,3 +153,11 @@ class ForwardedCell:
     def note(self, parent: dict[str, Any], text: str) -> None:
         """Words on stderr in the cell of ``parent`` (a request's header)."""
         self.kernel.session.send(self.kernel.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)
+
+
+def _what_became_of_cell(ended, sent: float) -> str:
+    """Whether the cell sent at ``sent`` (epoch seconds) ran before lease
+    ``ended`` ended: it did not when the lease had ended before it was sent
+    (the worker was stopped with it), else it was stopped partway."""
+    at = parse_time(ended.ended_at)
+    return CELL_DID_NOT_RUN if at is None or at.timestamp() <= sent else CELL_STOPPED

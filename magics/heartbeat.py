@@ -24,11 +24,12 @@ from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.heartbeat import LeaseHeartbeat
-from gpupool.schema import parse_time
+from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
 from .park import parked_now
+from .words import ended_words
 
 log = logging.getLogger("gpupool.magics")
 #: Seconds a heartbeat may come late for the idle warning it is timed for.
@@ -109,6 +110,20 @@ class Heartbeat(LeaseHeartbeat):
             self.on_lease_seen(lease)
         except Exception:  # following the park must never stop the heartbeat
             log.warning("could not follow the park of %s", self.lease_id, exc_info=True)
+
+    def ended_words(self, lease: Lease) -> str:
+        return ended_words(lease)
+
+    def warning_stale(self) -> bool:
+        """Whether an idle warning this heartbeat said is stale by now: the
+        lease ended, is no longer active (parking, parked, releasing), or its
+        idle deadline passed (the service parks or releases it then, and the
+        next beat may not have seen it yet)."""
+        lease = self.last
+        if self.ended is not None or (lease is not None and lease.state is not LeaseState.active):
+            return True
+        deadline = parse_time(lease.idle_deadline) if lease is not None else None
+        return deadline is not None and deadline <= datetime.now(timezone.utc)
 
     def _wait_seconds(self) -> float:
         """The regular interval, shortened so that the beat that warns comes

@@ -26,7 +26,7 @@ from gpupool.wire.leases import LeaseRequest
 
 from . import move
 from .attach import Attacher, same_size
-from .attachment import Attachment, ended_message
+from .attachment import Attachment
 from .classes import class_note
 from .dataplane import TransferInterrupted
 from .park import parked_words
@@ -34,7 +34,7 @@ from .service import Service
 from .tell import Tell
 from .transfers import Transfers
 from .wait import QueueWait
-from .words import pull_interrupted, release_interrupted, say
+from .words import CELL_DID_NOT_RUN, ended_words, pull_interrupted, release_interrupted, say
 
 
 class Lifecycle:
@@ -73,8 +73,7 @@ class Lifecycle:
         ended = attachment.ended
         if ended is not None:
             self.drop()
-            raise UsageError(f"{ended_message(ended)}. The worker and its variables are gone; "
-                             "this cell did not run. Run %gpu acquire to attach again.")
+            raise UsageError(ended_words(ended, CELL_DID_NOT_RUN))
         return attachment
 
     @contextlib.contextmanager

@@ -44,7 +44,8 @@ class Notices:
         one, but none of a lease given up since (its heartbeat stopped: a
         release, a resume), and, atop a cell to be ``forwarded``, not that
         the lease ended or was parked: the cell says that itself (its error,
-        the resume's line); nor an idle warning that such a notice overtook. The ended lease a cell here was told of is let
+        the resume's line); nor an idle warning that such a notice overtook,
+        or whose lease ended, was parked or passed its deadline meanwhile. The ended lease a cell here was told of is let
         go at once, so that no later cell says its end again."""
         with self._lock:
             pending, self._pending = self._pending, []
@@ -53,7 +54,7 @@ class Notices:
         said = False
         for kind, text, beat in pending:
             if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL) \
-                    or (kind == "idle_warning" and id(beat) in overtaken):
+                    or (kind == "idle_warning" and (id(beat) in overtaken or _stale(beat))):
                 continue
             print(f"gpupool: {text}", file=sys.stderr)
             said = True
@@ -70,3 +71,10 @@ class Notices:
             lifecycle.drop()
         elif kind == "parked" and attachment.parked is not None:
             attachment.parked.told = True
+
+
+def _stale(beat) -> bool:
+    """Whether the idle warning of heartbeat ``beat`` is stale now: what it
+    warned of happened (or its deadline passed), though no notice said so yet."""
+    stale = getattr(beat, "warning_stale", None)
+    return bool(stale and stale())

@@ -7,12 +7,40 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from gpupool.heartbeat import ended_message
 from gpupool.transfer import describe
 
 
 def say(text: str) -> None:
     """One line of the magics' own words: ``gpupool: TEXT`` on stdout."""
     print(f"gpupool: {text}", flush=True)
+
+
+#: What a cell that a lease's end overtook says of itself (:func:`ended_words` ``cell``).
+CELL_DID_NOT_RUN = "this cell did not run"
+CELL_STOPPED = "this cell was stopped with it"
+
+
+def ended_words(lease: Any, cell: str = "") -> str:
+    """Words for ``lease`` (a :class:`~gpupool.wire.leases.Lease`) that ended
+    behind the notebook's back (reclaimed, released by an admin, its worker
+    killed or out of memory): what the service said, that the worker's
+    variables were lost with it (nothing comes back to the notebook from a
+    lease that ends there; what the notebook holds itself is kept), what
+    became of ``cell`` (:data:`CELL_DID_NOT_RUN`, :data:`CELL_STOPPED`; ""
+    for a notice between cells) and how to go on::
+
+        lease L-1 was reclaimed: idle for 7s. The worker's variables were lost with it (an idle release
+        brings nothing back; --on-idle park, the default, keeps them): none came back to this notebook,
+        which keeps only those it held itself; this cell did not run. Run %gpu acquire 0.5 to attach
+        again, then rerun the cells that made them.
+    """
+    why = " (an idle release brings nothing back; --on-idle park, the default, keeps them)" \
+        if getattr(lease, "on_idle", None) == "release" and lease.state.value == "reclaimed" else ""
+    again = f"%gpu acquire {lease.fraction:g}" if lease.gpu_count == 1 else f"%gpu acquire {lease.gpu_count}"
+    return (f"{ended_message(lease)}. The worker's variables were lost with it{why}: none came back to this "
+            f"notebook, which keeps only those it held itself{'; ' + cell if cell else ''}. Run {again} to attach "
+            "again, then rerun the cells that made them.")
 
 
 def dedent(text: str | None) -> str:

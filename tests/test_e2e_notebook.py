@@ -220,6 +220,8 @@ def test_a_worker_killed_mid_cell_ends_the_cell_with_words(e2e_pool, kernel):
     reply = kc.get_shell_msg(timeout=30)["content"]
     assert reply["status"] == "error"
     assert f"lease {lease.id} failed: the worker process was killed by signal 9" in reply["evalue"]
+    assert "The worker's variables were lost with it" in reply["evalue"] and "this cell was stopped with it. " \
+        "Run %gpu acquire 0.25 to attach again" in reply["evalue"], reply["evalue"]
     assert _active_leases(service) == []
     assert _remote(kc, "__import__('os').getpid()") != worker_pid, "detached: cells run locally again"
 

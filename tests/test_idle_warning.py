@@ -75,6 +75,40 @@ def test_the_warning_lead_is_never_more_than_a_third_of_the_idle_timeout(setting
     assert warning_lead(setting, timeout) == lead
 
 
+def test_a_warning_is_stale_once_its_lease_is_not_active_or_its_deadline_passed():
+    from gpupool.magics.heartbeat import Heartbeat
+
+    beat = Heartbeat(None, "L-1", 15.0)  # never started: only what it last saw counts
+    assert not beat.warning_stale()
+    now = datetime.now(timezone.utc)
+    beat.last = replace(lease_at(30), idle_deadline=isoformat(now + timedelta(seconds=60)))
+    assert not beat.warning_stale(), "the deadline is ahead: the warning is true"
+    beat.last = replace(lease_at(30), idle_deadline=isoformat(now))
+    assert beat.warning_stale(), "the deadline passed: the pool parks or releases it, seen or not"
+    for state in (LeaseState.releasing, LeaseState.parking, LeaseState.parked):
+        beat.last = replace(lease_at(30), state=state, idle_deadline=None)
+        assert beat.warning_stale(), state
+    beat.last, beat.ended = lease_at(30), replace(lease_at(30), state=LeaseState.reclaimed)
+    assert beat.warning_stale()
+
+
+def test_the_words_of_an_ended_lease_say_the_variables_are_lost_and_how_to_go_on():
+    from gpupool.magics.words import CELL_DID_NOT_RUN, ended_words
+
+    idle = replace(lease_at(7), state=LeaseState.reclaimed, on_idle="release", reason="idle for 7s")
+    assert ended_words(idle, CELL_DID_NOT_RUN) == (
+        "lease L-1 was reclaimed: idle for 7s. The worker's variables were lost with it (an idle release brings "
+        "nothing back; --on-idle park, the default, keeps them): none came back to this notebook, which keeps "
+        "only those it held itself; this cell did not run. Run %gpu acquire 0.5 to attach again, then rerun the "
+        "cells that made them.")
+    admin = replace(lease_at(7), state=LeaseState.released, gpu_count=2, fraction=1.0,
+                    reason="released by admin root: admin needs it")
+    assert ended_words(admin) == (
+        "lease L-1 was released: released by admin root: admin needs it. The worker's variables were lost with "
+        "it: none came back to this notebook, which keeps only those it held itself. Run %gpu acquire 2 to "
+        "attach again, then rerun the cells that made them.")
+
+
 def test_the_idle_deadline_exists_only_for_an_active_lease_with_an_idle_worker():
     row = SimpleNamespace(state="active", worker_state="idle", idle_since=T0, idle_timeout=90.0)
     assert idle_deadline(row) == T0 + timedelta(seconds=90)
@@ -129,14 +163,15 @@ class Transcript:
         except queue.Empty:
             pass
 
-    def execute(self, code: str, timeout: float = 60) -> tuple[str, dict]:
-        """Run a cell; returns ``(msg_id, reply content)`` once the kernel is idle after it."""
+    def execute(self, code: str, timeout: float = 60, ok: bool = True) -> tuple[str, dict]:
+        """Run a cell; returns ``(msg_id, reply content)`` once the kernel is idle after it
+        (its reply ``ok``, or an error when not ``ok``)."""
         msg_id = self.kc.execute(code)
         wait_for(lambda: self.pump() or msg_id in self._idle, timeout, f"the cell {code!r}")
         reply = self.kc.get_shell_msg(timeout=timeout)
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = self.kc.get_shell_msg(timeout=timeout)
-        assert reply["content"]["status"] == "ok", (code, reply["content"], self.text())
+        assert (reply["content"]["status"] == "ok") == ok, (code, reply["content"], self.text())
         return msg_id, reply["content"]
 
     def text(self) -> str:
@@ -242,6 +277,23 @@ def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_
     assert not [text for parent, text in notebook.streams if parent == status and "reclaimed" in text], \
         "told once: the kernel let the ended lease go"
     assert service.client().get_lease(lease_id).state is LeaseState.reclaimed
+
+
+def test_a_cell_after_an_idle_release_says_it_did_not_run_and_what_was_lost_without_the_stale_warning(
+        warning_pool, notebook):
+    service, _ = warning_pool
+    notebook.listen()
+    notebook.execute("%gpu acquire 0.25 --idle-timeout 5s --on-idle release")
+    lease_id, = [lease.id for lease in service.client().list_leases(active=True)]
+    notebook.execute("u = 1")
+    notebook.wait_for_event("ended", 30, "the reclaim notice")
+    cell, reply = notebook.execute("print(u)", ok=False)
+    said = "".join(text for parent, text in notebook.streams if parent == cell)
+    assert "has been idle" not in said, "no warning of a release that already happened: " + said
+    assert said.count(f"lease {lease_id} was reclaimed: idle") == 1, said
+    assert "The worker's variables were lost with it (an idle release brings nothing back" in said, said
+    assert "this cell did not run. Run %gpu acquire 0.25 to attach again" in said, said
+    assert reply["ename"] == "UsageError"
 
 
 def test_no_notice_of_a_lease_given_up_reaches_a_later_cell(warning_pool, notebook):
