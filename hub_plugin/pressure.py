@@ -102,15 +102,16 @@ class Pressure:
                                         for row in ran),
             gpus={gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}, epoch=epoch)
 
-    @staticmethod
-    def _held(lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
+    def _held(self, lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
         """``lease`` as the ETA sees it (:class:`.eta.Holding`); ``deadline``: its idle deadline,
-        the plan's early one if it set one."""
+        the plan's early one if it set one; the plan's preemption of its running cell, if any."""
         busy = is_busy(lease)
+        preemption = self.plan.preemptions.get(lease.id) if busy else None
         return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
                            lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
                            None if busy else lease.idle_since, deadline,
-                           lease.idle_timeout if lease.idle_timeout > 0 else None, pressable)
+                           lease.idle_timeout if lease.idle_timeout > 0 else None, pressable,
+                           preemption.at if preemption is not None else None)
 
     def _plan(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
               now: datetime) -> priority.Plan:

@@ -211,9 +211,10 @@ def test_preemptible_refused_where_the_pool_allows_none():
 # -- ETA -----------------------------------------------------------------------------------
 
 def holding(fraction=1.0, gpus=(0,), cls="interactive", *, busy=True, started=0.0, idle=None, deadline=None,
-            timeout=0.0, pressable=True):
+            timeout=0.0, pressable=True, preempt=None):
     return eta.Holding(tuple(gpus), fraction, cls, busy, at(started), None if idle is None else at(idle),
-                       None if deadline is None else at(deadline), timeout, pressable)
+                       None if deadline is None else at(deadline), timeout, pressable,
+                       None if preempt is None else at(preempt))
 
 
 NOW = at(1000)
@@ -259,6 +260,9 @@ IDLE_NOTEBOOK = holding(busy=False, idle=900, deadline=2700, timeout=1800.0)  # 
     # two whole GPUs on one node: GPU 3 frees beside the idle GPU 2 before GPU 1 beside GPU 0
     ([(1.0, 2, I)], (1.0, 0.0, 1.0, 0.0), [holding(gpus=(1,), busy=False, deadline=1150),
                                            holding(gpus=(3,), busy=False, deadline=1120)], {}, None, [120.0]),
+    # a running preemptible batch cell the plan preempts at 1122: parked mid-cell then, whatever its length
+    ([(1.0, 1, I)], TAKEN, [holding(cls=B, started=0, preempt=1122)], {B: 3000.0}, 120.0, [122.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(cls=B, started=0, preempt=1122)], {}, 120.0, [122.0]),
     # never, from what is known: no node gets two whole GPUs
     ([(1.0, 2, I)], TAKEN, [holding(gpus=(1,), busy=False, deadline=1150)], {}, None, [None]),
 ])

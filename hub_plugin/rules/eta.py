@@ -42,7 +42,8 @@ class Holding:
     that does not say); since when it is idle (None while busy) and when it is
     parked if it stays idle (None: never, unpressed); its idle timeout in
     seconds (None: none; 0: it ends with its cell); ``pressable``: outside its
-    owner's guaranteed share."""
+    owner's guaranteed share; ``preempt_at``: when pressure parks its running
+    cell (a preemptible lease the plan preempts; None: not preempted)."""
 
     gpus: tuple[int, ...]
     fraction: float
@@ -53,6 +54,7 @@ class Holding:
     idle_deadline: datetime | None = None
     idle_timeout: float | None = None
     pressable: bool = True
+    preempt_at: datetime | None = None
 
 
 def typical_lengths(ran: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -74,6 +76,8 @@ def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime,
             early = max(now, lease.idle_since or now) + timedelta(seconds=grace)
             deadline = min(deadline, early) if deadline is not None else early
         return None if deadline is None else max(deadline, now)
+    if grace is not None and lease.preempt_at is not None:  # parked mid-cell then, its share freed
+        return max(lease.preempt_at, now)
     length = typical.get(lease.lease_class)
     after = lease.idle_timeout if grace is None or lease.idle_timeout is None else min(lease.idle_timeout, grace)
     after = grace if after is None else after
