@@ -156,10 +156,15 @@ class ScriptRun:
             self.lease = self.client.create_lease(self.request, start_wait=START_WAIT_S)
             self.lease = wait_started(self.client, self.lease, started, START_TIMEOUT, stream=sys.stderr,
                                       rewrite=sys.stderr.isatty())
-            _say(f"running {os.path.basename(self.path)} on {self.lease.id}: {slice_words(self.lease)}, "
-                 f"{format_bytes(self.lease.memory)}{host_words(self.lease)}; {self.lease.lease_class} "
-                 f"[{time.monotonic() - started:.1f}s]")
-            return run_script(self.client, self.lease, self.source, self.path, self.argv, _ask_terminal)
+            lease = self.lease
+
+            def announce(elsewhere: str | None) -> None:  # once the worker is in its folder
+                where = f"; in {elsewhere}" if elsewhere else ""
+                _say(f"running {os.path.basename(self.path)} on {lease.id}: {slice_words(lease)}, "
+                     f"{format_bytes(lease.memory)}{host_words(lease)}; {lease.lease_class}{where} "
+                     f"[{time.monotonic() - started:.1f}s]")
+
+            return run_script(self.client, lease, self.source, self.path, self.argv, _ask_terminal, announce)
         except KeyboardInterrupt:  # while queued or starting: give the request up
             print(file=sys.stderr)
             _say("interrupted; the request was cancelled" if self.lease else "interrupted")

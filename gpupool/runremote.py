@@ -6,6 +6,7 @@ output here, forward Ctrl-C, heartbeat the lease, return the exit status.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import signal
 import sys
@@ -18,6 +19,7 @@ from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
 from .leasewait import RESUME_STATES
 from .remote import RemoteKernel
 from .wire.leases import Lease
+from .wire.transfer import TARGET, Attach
 
 #: The worker-namespace name that holds the script's exit status after the run.
 STATUS_NAME = "_gpupool_exit"
@@ -104,10 +106,33 @@ class Interrupts:
         self.remote.interrupt()
 
 
+def enter_cwd(remote: RemoteKernel, owner: str) -> str | None:
+    """Ask the worker to run in this process's folder, as the notebook's attach
+    does (the transfer comm's ``attach`` op): it does when its node sees that
+    folder and may enter it, else it runs in a scratch folder of ``owner``'s
+    there. Returns that other folder, in words; None when it runs in this one.
+    GPUPoolError when the worker does not answer."""
+    here = os.getcwd()
+    answer, _ = remote.comm_request(TARGET, Attach(cwd=here, user=owner).to_json(), timeout=READY_TIMEOUT)
+    cwd = answer.get("cwd")
+    if not answer.get("ok") or not cwd:
+        return "the worker's own folder (it could not be told this one)"
+    if answer.get("notebook_dir") and cwd == here:
+        return None
+    if answer.get("notebook_dir"):
+        return cwd
+    return (f"{cwd}, a scratch folder of yours on the GPU node, which cannot enter {here} (copy the files the "
+            "script needs there, or run it from a folder the node shares)")
+
+
 def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv: list[str],
-               ask: Callable[[dict[str, Any]], str]) -> int:
+               ask: Callable[[dict[str, Any]], str],
+               announce: Callable[[str | None], None] = lambda elsewhere: None) -> int:
     """Run ``source`` as script ``path`` with arguments ``argv`` on active
-    ``lease``'s worker, heartbeating the lease; ``ask(input_request
+    ``lease``'s worker, in this process's folder where the node can enter it
+    (:func:`enter_cwd`), heartbeating the lease; ``announce(folder)`` is
+    called once the worker is ready, before the script starts, with the
+    folder it runs in when that is not this one (else None); ``ask(input_request
     content)`` answers the script's ``input()``. A lease parked while the
     script runs (a ``--preemptible`` one told to yield, after the heartbeat's
     notice) is asked to resume at once; its frozen worker is not counted as
@@ -124,6 +149,7 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
         remote.wait_ready(READY_TIMEOUT)
         beat.start()
         beat.running(True)
+        announce(enter_cwd(remote, lease.owner or "user"))
 
         def check() -> None:
             nonlocal resume_asked

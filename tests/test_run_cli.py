@@ -126,6 +126,21 @@ def test_a_script_runs_as_main_with_its_argv_stdin_and_output_in_order(pool, env
     assert_nothing_held(pool)
 
 
+def test_the_script_runs_in_the_folder_it_was_run_from(pool, env, tmp_path):
+    """As a notebook's worker does: the node sees this folder (one host here), so the script runs
+    there, not in the worker's home, and the start line names no other folder."""
+    (tmp_path / "data.txt").write_text("found\n")
+    (tmp_path / "where.py").write_text("import os\nprint(os.getcwd())\nprint(open('data.txt').read().strip())\n")
+    done = subprocess.run([str(GPUPOOL), "run", "--gpus", "0.25", "where.py"], env=env, cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout
+    body = [line for line in done.stdout.splitlines() if not line.startswith("gpupool:")]
+    assert body == [str(tmp_path), "found"], done.stdout
+    start, = [line for line in done.stdout.splitlines() if line.startswith("gpupool: running where.py on ")]
+    assert "; in " not in start, start
+    assert_nothing_held(pool)
+
+
 @pytest.mark.parametrize("flag, status, tail", [
     ("--raise", 1, ["    fail()", "  File \"{path}\", line 8, in fail", "    return 1 / 0", "ZeroDivisionError: division by zero"]),
     ("--exit", 3, ["name? hello bob"]),
