@@ -22,8 +22,9 @@ REQUEST_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--wait",), {"help": "when no GPU is free, wait in the queue this long, e.g. 10m (default, or 0: refuse at "
                             "once)"}),
     (("--preemptible",), {"action": "store_true",
-                          "help": "while others wait, the running cell or script may be interrupted (after a notice) "
-                                  "and the lease given back"}),
+                          "help": "while others wait, the lease may be parked (after a notice): its running cell or "
+                                  "script frozen where it is and resumed later with everything kept (interrupted "
+                                  "instead where the node cannot freeze it mid-cell)"}),
 )
 
 

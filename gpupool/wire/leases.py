@@ -86,8 +86,9 @@ class LeaseRequest(Body):
     ``lease_class``: a class of the table (:mod:`gpupool.leaseclasses`; None: its
     first, ``"interactive"``, a person at a notebook), e.g. ``"batch"`` (queued
     behind every interactive request); any other name is refused (400);
-    ``preemptible``: the lease's running cell may be interrupted and the lease
-    parked while others wait (refused where ``c.GPUPool.allow_preemption`` is off).
+    ``preemptible``: the lease may be parked while others wait, its running
+    cell frozen where it is and resumed later (interrupted where the node
+    cannot freeze it mid-cell) (refused where ``c.GPUPool.allow_preemption`` is off).
     ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
     the node's host, held for the lease and enforced on its worker's cgroup;
     None: the GPU share's part of the node's (``c.GPUPool.host_share``).
@@ -141,7 +142,8 @@ class LeaseRequest(Body):
                                          "requests queue behind every earlier class's", nullable=True,
                                          enum=LEASE_CLASSES, default=default_class().name), None)
     preemptible: bool | None = wired(Spec(
-        "boolean", "the running cell may be interrupted and the lease parked while others wait; 400 where "
+        "boolean", "the lease may be parked while others wait, its running cell frozen where it is and resumed "
+        "later (interrupted where the node cannot freeze it mid-cell); 400 where "
         "c.GPUPool.allow_preemption is off", nullable=True, default=False), None)
     cpus: float | None = wired(Spec(
         "number", "host cores for the worker (its cgroup's CPU limit); absent: the GPU share's part of the node's "
@@ -248,8 +250,8 @@ class Lease(Body):
     pressure: str | None = wired(Spec(
         "string", "why idle_deadline came early or a preemption is due, e.g. 'parked early: 3 people are waiting "
         "for a GPU'", nullable=True), None)
-    preempt_at: str | None = wired(Spec(**_TIME, description="when the running cell of a preemptible lease is "
-                                        "interrupted, then the lease parked"), None)
+    preempt_at: str | None = wired(Spec(**_TIME, description="when a preemptible lease is parked with its running "
+                                        "cell frozen (interrupted where the node cannot freeze it)"), None)
     idle_warning: float = wired(Spec("number", "seconds before idle_deadline that the notebook warns "
                                      "(c.GPUPool.idle_warning); 0: no warning"), 0.0)
     node_state: str | None = wired(Spec(

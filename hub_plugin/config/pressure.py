@@ -28,16 +28,18 @@ class PressureSettings(LeaseSettings):
     allow_preemption = Bool(
         True,
         help="""Whether leases may opt in to preemption (``%gpu acquire --preemptible``):
-        under pressure such a lease's running cell is interrupted (after a notice of
-        ``preemption_notice``) and the lease parked. False refuses ``preemptible``
+        under pressure such a lease is parked (after a notice of ``preemption_notice``)
+        with its running cell frozen where it is, and resumed later with everything
+        kept (the cell is interrupted instead where the node's checkpointer cannot
+        freeze it mid-cell). False refuses ``preemptible``
         requests with 400 naming this setting. Default: True.
         ``c.GPUPool.allow_preemption = False``.""",
     ).tag(config=True)
 
     preemption_notice = Duration(
         30.0,
-        help="""Seconds a preemptible lease is told ahead before its running cell is
-        interrupted (on top of ``pressure_grace``, counted from when the oldest
+        help="""Seconds a preemptible lease is told ahead before it is parked with its
+        running cell frozen (on top of ``pressure_grace``, counted from when the oldest
         waiting request was asked; the notebook gives at least this much after it
         first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
     ).tag(config=True)
