@@ -148,7 +148,7 @@ class Lifecycle:
             lease = attachment.release(reason="%gpu release")
         except KeyboardInterrupt:  # finish what was asked (release is idempotent), then stop
             lease = attachment.client.release(attachment.lease.id, reason="%gpu release")
-        say(f"{released_words(lease)}{note}")
+        say(f"{released_words(lease)}{note}{service_caveat(lease, '%gpu release')}")
         self.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
 
     def _release_parked(self) -> None:
@@ -158,7 +158,7 @@ class Lifecycle:
             lease = attachment.release(reason="%gpu release --discard")
         finally:
             self.tell()  # detached here, whatever the service answered
-        say(f"{released_words(lease)}; its variables were discarded")
+        say(f"{released_words(lease)}; its variables were discarded{service_caveat(lease, '%gpu release --discard')}")
         self.tell("released", f"released {lease.id} (it was parked)")
 
     def restart(self) -> None:
@@ -245,3 +245,18 @@ class Lifecycle:
                 attachment.release(reason=reason)
             except Exception:  # best effort at exit
                 pass
+
+
+def service_caveat(lease, asked: str) -> str:
+    """``"; the pool says: WORDS"`` for what the service added to the reason
+    ``asked`` of a release (its reason reads ``"released by its owner: ASKED;
+    WORDS"``: e.g. its worker was not confirmed stopped, its node being
+    lost), or its whole reason when the lease had ended otherwise; "" when
+    it added nothing."""
+    reason = lease.reason or ""
+    marker = f"{asked}; "
+    if marker in reason:
+        return f"; the pool says: {reason.split(marker, 1)[1]}"
+    if not reason or reason.endswith(asked):
+        return ""
+    return f"; the pool says: {reason}"
