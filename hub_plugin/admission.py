@@ -36,6 +36,8 @@ log = logging.getLogger("gpupool.service.leases")
 
 #: The states of a lease a new one may replace (a move, ``LeaseRequest.replaces``).
 REPLACEABLE = (LeaseState.active.value, LeaseState.parked.value)
+#: The states of a move's new lease that keep its old one replaced: not ended.
+MOVING = tuple(state.value for state in LeaseState if not state.ended)
 
 
 class Admission:
@@ -108,6 +110,10 @@ class Admission:
             state = f" (it is {lease.state})" if lease is not None and lease.owner == owner else ""
             raise bad_request(f"'replaces' must name one of your active or parked leases; {lease_id[:40]!r} is "
                               f"not one{state}", field="replaces")
+        other = session.scalar(select(Lease.id).where(Lease.replaces == lease_id, Lease.state.in_(MOVING)))
+        if other is not None:  # one move at a time: else each would leave the quota one more uncounted lease
+            raise bad_request(f"{lease_id} is being replaced already, by {other} (a move): release one of them "
+                              "first", field="replaces")
         return lease
 
     def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime,

@@ -113,6 +113,7 @@ class LeaseIntake:
                     self.admission.refuse(who, decision)
                 self.admission.may_queue(queued)
             lease = _new_lease(who, request, groups, env, idle_timeout, self.settings.heartbeat_ttl, now)
+            lease.replaces = replaced.id if replaced is not None else None
             if isinstance(decision, Placement):
                 where = assign(tx, lease, decision, now)
             else:

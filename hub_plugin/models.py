@@ -204,6 +204,9 @@ class Lease(Base):
     gpu_bytes_kept: Mapped[int | None] = mapped_column(BigInteger)
     parked_lost: Mapped[list[str] | None] = mapped_column(JSON)
     resume_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: Revision 0012: a move's old lease (``LeaseRequest.replaces``), which the quota does not count
+    #: while this one starts; the sweep releases it once this one has run for MOVE_GRACE_S.
+    replaces: Mapped[str | None] = mapped_column(String(40))
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

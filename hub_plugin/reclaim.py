@@ -27,7 +27,8 @@ from .leases import LeaseBook
 from .models import Lease, Node
 from .parking import Parking
 from .pressure import Pressure
-from .rules.reclaim import PARKED_STATES, ALIVE, Decision, decide, lost_nodes, lost_parked, still_due, still_idle
+from .rules.reclaim import (PARKED_STATES, ALIVE, Decision, decide, lost_nodes, lost_parked, outlived, still_due,
+                            still_idle)
 from .state import PoolState
 
 log = logging.getLogger("gpupool.service.reclaim")
@@ -79,8 +80,8 @@ class Reclaimer:
         early, preempted = await work.read(self._pressure_now, now, parkable)
         for decision in decisions:
             self._apply(decision, still_idle if decision.parks else still_due)
-        for decision in gone:  # parked on a node lost too long
-            self._apply(decision, _still_parked)
+        for decision in gone:  # parked on a node lost too long, or a move's old lease outlived
+            self._apply(decision, _still_parked if decision.code is None else _still_held)
         for decision in early:  # idle past the early deadline pressure set
             self._apply(decision, self.pressure.still_due)
         for decision in preempted:  # preemptible, its cell running past its preempt_at: frozen mid-cell
@@ -111,7 +112,7 @@ class Reclaimer:
 
     def _due_now(self, now: datetime) -> tuple[list[str], set[str], list[Decision], list[Decision]]:
         """``(nodes now lost, nodes that can park, idle and heartbeat decisions, the parked
-        leases of nodes lost too long)``."""
+        leases of nodes lost too long and the old leases of moves outlived (:func:`outlived`))``."""
         with self.state.reading() as session:
             nodes = {node.name: node for node in session.scalars(select(Node))}
             lost = lost_nodes((n for n in nodes.values() if n.state in ALIVE), now, self.node_ttl)
@@ -119,7 +120,7 @@ class Reclaimer:
             leases = session.scalars(select(Lease).where(Lease.state.in_((LeaseState.active.value,
                                                                           *PARKED_STATES)))).all()
             gone = lost_parked(leases, nodes, now, self.node_ttl, self.parked_node_grace)
-            return lost, parkable, decide(leases, now, parkable), gone
+            return lost, parkable, decide(leases, now, parkable), gone + outlived(leases, now)
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:
         with self.state.writing() as tx:
@@ -135,3 +136,8 @@ class Reclaimer:
 
 def _still_parked(lease: Lease, now: datetime) -> bool:
     return lease.state == LeaseState.parked.value
+
+
+def _still_held(lease: Lease, now: datetime) -> bool:
+    """A move's old lease is still to be released: still active or parked."""
+    return lease.state in (LeaseState.active.value, LeaseState.parked.value)

@@ -15,7 +15,7 @@ import pytest
 from gpupool.hub_plugin.rules import eta, priority, queue, quotas, resume
 from gpupool.hub_plugin.rules import pressure as pressure_rules
 from gpupool.hub_plugin.rules.hosts import HostState
-from gpupool.hub_plugin.rules.reclaim import ParkCode, Reclaim, decide, lost_parked
+from gpupool.hub_plugin.rules.reclaim import MOVE_GRACE_S, ParkCode, Reclaim, decide, lost_parked, outlived
 from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal
 from gpupool.schema import LeaseState
 from gpupool.wire.quotas import Limits
@@ -89,6 +89,25 @@ def test_a_node_lost_while_parked_ends_its_parked_leases(row, nodes, expected):
         assert decision.state is LeaseState.failed and decision.code is None
         assert decision.reason == ("node n1 was lost while lease L-000000000001 was parked (no heartbeat for 10m 30s): "
                                    "its worker and its variables there are gone")
+
+
+def moved(old_state: str, new_state: str, ran: float) -> list[SimpleNamespace]:
+    """A move's old lease L-old and the new L-new replacing it, started ``ran`` seconds before T0."""
+    return [SimpleNamespace(id="L-old", state=old_state, replaces=None, started_at=at(-7200)),
+            SimpleNamespace(id="L-new", state=new_state, replaces="L-old", started_at=at(-ran))]
+
+
+@pytest.mark.parametrize("leases, released", [
+    pytest.param(moved("active", "active", MOVE_GRACE_S), True, id="outlived: the old one goes"),
+    pytest.param(moved("parked", "active", MOVE_GRACE_S + 1), True, id="a parked old one too"),
+    pytest.param(moved("active", "active", MOVE_GRACE_S - 1), False, id="the move may still be running"),
+    pytest.param(moved("released", "active", MOVE_GRACE_S), False, id="the move released it"),
+    pytest.param(moved("active", "released", MOVE_GRACE_S), False, id="the move failed: the old one stays"),
+])
+def test_a_moves_old_lease_is_released_once_its_replacement_outlived_it(leases, released):
+    decisions = outlived(leases, T0)
+    assert [(d.lease_id, d.state, d.code) for d in decisions] == \
+        ([("L-old", LeaseState.reclaimed, Reclaim.replaced)] if released else [])
 
 
 # -- pressure: the early deadline parks, preemption freezes -------------------------------------------------------

@@ -378,6 +378,9 @@ def test_a_move_within_quota_does_not_count_the_lease_it_replaces(tmp_path):
         new = client.create_lease(LeaseRequest(fraction=1, replaces=old.id))
         assert new.state in (LeaseState.starting, LeaseState.active), new.reason
         assert client.get_lease(old.id).state == LeaseState.active, "the move releases it, not the service"
+        error = refused(client, fraction=0.25, replaces=old.id)  # a second move of it would leave two uncounted
+        assert error.message == (f"{old.id} is being replaced already, by {new.id} (a move): release one of them "
+                                 "first"), error.message
         client.release(old.id)
         error = refused(client, fraction=0.5, replaces=old.id)
         assert error.message.endswith(f"{old.id!r} is not one (it is released)"), error.message

@@ -43,6 +43,7 @@ class Reclaim(StrEnum):
     idle = "idle"  # its worker stayed idle for its idle timeout
     heartbeat = "heartbeat"  # its notebook kernel stopped sending heartbeats
     pressure = "pressure"  # parked early by the sweep while others wait (:mod:`.pressure`)
+    replaced = "replaced"  # a move's new lease has run for MOVE_GRACE_S and this old one was not released
 
 
 class ParkCode(StrEnum):
@@ -205,3 +206,22 @@ def lost_words(node: str, lease_id: str, silent: float | None = None) -> str:
     heard = f" (no heartbeat for {format_duration(silent)})" if silent is not None else ""
     return (f"node {node} was lost while lease {lease_id} was parked{heard}: its worker and its variables there "
             "are gone")
+
+
+#: Seconds a move's new lease may run while the lease it replaces is kept (its variables travel
+#: worker to worker meanwhile); past them the sweep releases the old one.
+MOVE_GRACE_S = 600.0
+
+
+def outlived(leases: Iterable[Any], now: datetime, grace: float = MOVE_GRACE_S) -> list[Decision]:
+    """``reclaimed`` for each active or parked lease that a move's new lease
+    replaces (objects with ``id``, ``state``, ``replaces``, ``started_at``)
+    which has itself been started for ``grace`` seconds: a move releases its
+    old lease when its variables have travelled, so one still held is one the
+    quota would otherwise never count again."""
+    held = {lease.id: lease for lease in leases if lease.state in (LeaseState.active.value, *PARKED_STATES)}
+    return [Decision(old, LeaseState.reclaimed, f"replaced by {lease.id} (a move) {format_duration(grace)} ago, and "
+                     "not released since", Reclaim.replaced)
+            for lease in held.values()
+            if (old := lease.replaces) in held and lease.started_at is not None
+            and (now - lease.started_at).total_seconds() >= grace]
