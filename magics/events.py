@@ -255,10 +255,10 @@ class Requests:
         from gpupool.tables import HOLDERS_COLUMNS, LEASE_COLUMNS, holders_rows, holders_table, lease_cells, lease_table
 
         try:
-            words, leases, utilization = self.status_words.view()
+            words, leases, utilization, notes = self.status_words.view()
         except GPUPoolError as exc:
             return {"ok": False, "message": exc.message, "output": ""}
-        text = words or lease_table(leases, utilization)[0]
+        text = words or "\n\n".join([lease_table(leases, utilization)[0], *notes])
         answer = None if words else self.status_words.holders_answer()
         holders = None
         if isinstance(answer, str):

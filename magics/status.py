@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 from IPython.display import display
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import isoformat
+from gpupool.schema import isoformat, parse_time
 from gpupool.tables import gpu_utilization, holders_table, lease_table, pool_table
+from gpupool.units import format_duration
 from gpupool.wire.leases import Lease
 from gpupool.wire.transfer import GpuMemory
 
 from .lifecycle import Lifecycle
+from .park import parked_now
 from .quota import quota_report
 from .service import Service
 from .words import say
@@ -56,30 +58,36 @@ class Status:
             w                                                        in model           cuda:0  Parameter
             and 3 more, 12.0 MiB
         """
-        words, leases, utilization = self.view()
+        words, leases, utilization, notes = self.view()
         if words:
             say(words)
             return
         text, html = lease_table(leases, utilization)
+        if notes:
+            text, html = "\n\n".join([text, *notes]), html + "".join(f"<p>{html_escape(n)}</p>" for n in notes)
         held = self.holders_view()
         if held is not None:
             text, html = f"{text}\n\n{held[0]}", html + held[1]
         display({"text/plain": text, "text/html": html}, raw=True)
 
-    def view(self) -> tuple[str | None, list, dict[str, float | None]]:
-        """What ``%gpu status`` shows: ``(words, [], {})`` when there is no lease
-        to list (parked, not attached), else ``(None, leases, utilization by GPU
-        UUID)`` for :func:`~gpupool.tables.lease_table`. GPUPoolError when the
+    def view(self) -> tuple[str | None, list, dict[str, float | None], list[str]]:
+        """What ``%gpu status`` shows: ``(words, [], {}, [])`` when there is no
+        lease to list (parked, not attached), else ``(None, leases, utilization
+        by GPU UUID, notes)`` for :func:`~gpupool.tables.lease_table`, the notes
+        (:func:`lost_node_note`) to show under it. GPUPoolError when the
         service cannot be asked."""
         attachment = self.lifecycle.attachment
         client = self.service.client
         if attachment is None:
             leases = client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
             if not leases:
-                return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}
+                return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}, []
         else:
             leases = [as_seen_here(self.cell, attachment.refresh())]
-        return None, leases, gpu_utilization(client.pool())
+        pool = client.pool()
+        notes = [note for note in (lost_node_note(lease, pool) for lease in leases) if note]
+        leases = [as_seen_by_pool(lease, pool) for lease in leases]
+        return None, leases, gpu_utilization(pool), notes
 
     def holders_view(self) -> tuple[str, str] | None:
         """``(text, html)`` of the names holding GPU memory on the attached
@@ -127,3 +135,54 @@ def as_seen_here(cell: ForwardedCell | None, lease: Lease) -> Lease:
     ended = datetime.fromtimestamp(cell.ended_at, timezone.utc)
     return replace(lease, worker={**worker, "execution_state": "idle"}, idle_since=isoformat(ended),
                    idle_deadline=None)
+
+
+#: The worker column of a lease whose node is lost: what its agent last reported is stale.
+LOST_WORKER = "unknown (node lost)"
+
+
+def _lost_node(lease: Lease, pool: dict) -> dict | None:
+    """``lease``'s node of ``GET /pool`` when the service says it is lost
+    (there, or in the lease's ``node_state``), else None."""
+    node = next((n for n in pool.get("nodes", []) if n.get("name") == lease.node), None)
+    if lease.node is None or lease.state.ended or ((node or {}).get("state") or lease.node_state) != "lost":
+        return None
+    return node or {"name": lease.node}
+
+
+def as_seen_by_pool(lease: Lease, pool: dict) -> Lease:
+    """``lease`` with its worker's state unknown when the service says its node
+    is lost: the agent's last report (``idle``) is stale, nobody knows now."""
+    if _lost_node(lease, pool) is None or not lease.worker:
+        return lease
+    return replace(lease, worker={**lease.worker, "execution_state": LOST_WORKER})
+
+
+def lost_node_note(lease: Lease, pool: dict, now: datetime | None = None) -> str | None:
+    """Under ``%gpu status``: what the service says of ``lease``'s node when it
+    is lost (``GET /pool``: ``state``, ``state_reason``, ``last_heartbeat_at``),
+    since when, and what that means for the lease; None when it is not::
+
+        node node-1 is lost: no heartbeat from its agent for 30s (last heard from 36s ago, at 06:41:02 UTC).
+        Lease L-1's worker cannot be reached: the next cell will fail, and its variables are lost unless
+        the node comes back; the pool reclaims the lease at its idle deadline, in 29m 24s. %gpu release
+        --discard gives it up now.
+    """
+    node = _lost_node(lease, pool)
+    if node is None:
+        return None
+    now = now or datetime.now(timezone.utc)
+    heard = parse_time(node.get("last_heartbeat_at"))
+    since = (f" (last heard from {format_duration(max(0.0, (now - heard).total_seconds()))} ago, at "
+             f"{heard:%H:%M:%S} UTC)") if heard is not None else ""
+    reason = node.get("state_reason") or "no heartbeat from its agent"
+    if parked_now(lease):
+        then = (f"Lease {lease.id} is parked there: its frozen worker and variables are lost with the node unless "
+                "it comes back, and the pool then ends the lease.")
+    else:
+        at = parse_time(lease.idle_deadline)
+        deadline = "" if at is None else ("; the pool reclaims the lease at its idle deadline, in "
+                                          f"{format_duration(max(0.0, (at - now).total_seconds()))}")
+        then = (f"Lease {lease.id}'s worker cannot be reached: the next cell will fail, and its variables are lost "
+                f"unless the node comes back{deadline}.")
+    return f"node {node['name']} is lost: {reason}{since}. {then} %gpu release --discard gives it up now."

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -255,9 +256,21 @@ def test_kill9_mid_cell_leaks_nothing_and_the_ledger_adds_up(notebook_pool, kind
         pool.open_gate()
         reply, out = finish_cell(kc, msg_id)
         assert reply["status"] == "ok" and "done 42" in out
+        # Once the service says the node is lost, %gpu status says so too, and what it means.
+        wait_for(lambda: pool.service.client().get_lease(lease.id).node_state == "lost", 30, "the node lost")
+        status = run(kc, "%gpu status")
+        assert status.ok, status.text()
+        shown = status.outputs[-1][1]["data"]["text/plain"]
+        assert re.search(rf"node {lease.node} is lost: no heartbeat from its agent for \S+ \(last heard from \S+ "
+                         rf"ago, at \d\d:\d\d:\d\d UTC\)\. Lease {lease.id}'s worker cannot be reached: the next cell "
+                         "will fail", shown), shown
+        assert re.search(rf"{lease.id} .* unknown \(node lost\) ", shown), "not the agent's last report, stale now"
         released = run(kc, "%gpu release --discard")
         assert released.ok, released.text()
-        assert pool.service.client().get_lease(lease.id).state.value == "released"
+        ended = pool.service.client().get_lease(lease.id)
+        assert ended.state.value == "released"
+        assert "its worker was not confirmed stopped" in ended.reason
+        assert "; the pool says: its worker was not confirmed stopped" in released.stdout, released.text()
         assert alive(worker_pid), "no agent was there to stop it"
         pool.restart_agent()
         # Re-adopted, reported, and stopped because no lease holds it.
