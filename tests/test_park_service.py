@@ -346,6 +346,27 @@ def test_a_notebook_whose_lease_spilled_reconnects_to_the_new_worker_and_finds_i
         km.shutdown_kernel(now=True)
 
 
+def test_a_cell_after_an_admin_release_says_the_variables_were_lost_and_how_to_go_on(parks, tmp_path):
+    """An admin's release ends the lease behind the notebook's back: the next cell fails with the
+    admin's words, says the worker's variables were lost and names %gpu acquire; what happens is as before."""
+    kernels = install_kernelspec(tmp_path / "prefix", parks.svc.url, parks.svc.extra_tokens["dora"])
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        lease_id = run(kc, "import os\nx = 41\nprint(os.environ['GPUPOOL_LEASE_ID'])").stdout.strip()
+        parks.svc.client("ann").release(lease_id, reason="admin needs it")
+        after = run(kc, "print(x)")
+        assert not after.ok and after.reply["ename"] == "UsageError", after.text()
+        words = after.reply["evalue"]
+        assert words.startswith(f"lease {lease_id} was released: released by admin ann: admin needs it. "
+                                "The worker's variables were lost with it: none came back to this notebook"), words
+        assert words.endswith("Run %gpu acquire 0.5 to attach again, then rerun the cells that made them."), words
+        assert run(kc, "%%local\n'x' in globals()").outputs[-1][1]["data"]["text/plain"] == "False"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 def test_the_owners_park_and_resume_refuse_what_they_must(parks):
     lease = parks.acquire(idle_timeout=600)
     for token in ("bob", None):  # another user: as if it did not exist; no token: 401
