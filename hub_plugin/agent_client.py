@@ -16,6 +16,11 @@ from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 from gpupool.wire.workers import WorkerRequest, WorkerStarted, WorkerStopped
 
 
+class AgentGone(GPUPoolError):
+    """``agent_unreachable`` because nothing listens at the agent's URL (the
+    connection was refused): its agent is not running there."""
+
+
 class AgentClient:
     """Async HTTP client of the agents, sending ``agent_token``.
 
@@ -113,5 +118,9 @@ def _unreachable(url: str, exc: NoAnswer, timeout: float) -> GPUPoolError:
         return GPUPoolError(Reason.agent_unreachable, untrusted, 502)
     words = (f"did not answer within {format_duration(timeout)}" if "timeout" in str(exc).lower()
              else "could not be reached")  # refused, no route: said at once, not after the bound
-    return GPUPoolError(Reason.agent_unreachable, f"the node agent at {url} {words} ({exc.cause})", 502,
-                        log_message=f"the node agent at {url} {words} ({exc.cause!r})")
+    refused = any(isinstance(cause, ConnectionRefusedError) for cause in (exc.cause, exc.reason))
+    args = (Reason.agent_unreachable, f"the node agent at {url} {words} ({exc.cause})", 502)
+    log_message = f"the node agent at {url} {words} ({exc.cause!r})"
+    if refused:  # nothing listens there: the agent is not running (no route or a timeout may pass)
+        return AgentGone(*args, log_message=log_message)
+    return GPUPoolError(*args, log_message=log_message)

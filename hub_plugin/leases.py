@@ -18,6 +18,7 @@ from gpupool.schema import LeaseState, WorkerState
 from gpupool.wire.workers import WorkerStarted
 
 from . import parked
+from .agent_client import AgentGone
 from .auth import Identity
 from .background import Background
 from .config import GPUPool
@@ -76,6 +77,8 @@ class LeaseBook:
             started = await self.workers.start(job)
         except GPUPoolError as exc:
             log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
+            if isinstance(exc, AgentGone):  # nothing new goes there until its agent heartbeats again
+                await self.state.work.write(self._agent_gone_now, job.node, job.url)
             await self.release(lease_id, LeaseState.failed, f"the worker could not start on {job.node}: {exc.message}")
             return None
         shown = await self.state.work.write(self._started_now, lease_id, started, job.node, who)
@@ -87,6 +90,18 @@ class LeaseBook:
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, job.node)
         await self.workers.stop(job.url, lease_id)
         return None
+
+    def _agent_gone_now(self, node_name: str, url: str) -> None:
+        """The node's agent refused a connection at ``url``: the node is ``lost``
+        now, rather than after ``node_ttl`` (its next heartbeat makes it ``up``
+        again: an agent restarted at the same URL)."""
+        with self.state.writing() as tx:
+            node = tx.session.get(Node, node_name)
+            if node is None or node.url != url or node.state == "lost":
+                return
+            node.state, node.state_reason = "lost", f"its agent at {url} refused a connection (it is not running)"
+            tx.changes.node(node_name)
+        log.warning("node %s lost: its agent at %s refused a connection; nothing new is placed there", node_name, url)
 
     def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str,
                      who: Identity | None) -> dict[str, Any] | None:

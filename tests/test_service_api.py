@@ -891,3 +891,26 @@ def test_capacity_decisions_are_serialized(store):
     for thread in threads:
         thread.join(30)
     assert order == ["first committed", "second decided"]
+
+
+def test_an_agent_that_refuses_connections_makes_its_node_lost_at_once(service):
+    """A worker start whose agent refuses the connection (nothing listens: the agent is not running,
+    though its node has not yet passed node_ttl) fails that lease with the words, and the node is
+    ``lost`` at once, so the next request is not sent there; its next heartbeat brings it back."""
+    from procs import free_port
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    register(service, "node-gone", url=gone)
+    client = service.client()
+    first = wait_ended(service, client.create_lease(LeaseRequest(fraction=0.5)).id)
+    assert first.state == LeaseState.failed, first
+    assert first.reason.startswith(f"the worker could not start on node-gone: the node agent at {gone}/workers "
+                                   "could not be reached"), first.reason
+    node, = [n for n in client.pool()["nodes"] if n["name"] == "node-gone"]
+    assert (node["state"], node["state_reason"]) == (
+        "lost", f"its agent at {gone} refused a connection (it is not running)"), node
+    with pytest.raises(GPUPoolError) as refused:
+        client.create_lease(LeaseRequest(fraction=0.5))
+    assert refused.value.status == 409, refused.value.message
+    assert http(service, "POST", "/nodes/node-gone/heartbeat", {"workers": []}, token="agent")[0] == 200
+    assert [n["state"] for n in client.pool()["nodes"] if n["name"] == "node-gone"] == ["up"]
