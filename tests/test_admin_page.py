@@ -90,6 +90,7 @@ def test_admin_and_user_pages(jupyterhub):
         assert facts["leases"] == ["bob"]
         assert facts["usage"] == ["bob"]
         assert "group:physics" not in facts["quotas"] and "max_gpus" in facts["quotas"]
+        assert "8.0 GPU-hours" in facts["quotas"] and "86400" not in facts["quotas"], "in the CLI's words"
     finally:
         for token, lease_id in ((ann, held[0]), (bob, held[1])):
             hub.pool(token, "DELETE", f"/leases/{lease_id}")

@@ -19,7 +19,8 @@ from typing import Any
 from tornado import template, web
 
 from gpupool.errors import GPUPoolError
-from gpupool.units import format_bytes, format_duration
+from gpupool.quota_cli import limit_words
+from gpupool.units import format_bytes, format_duration, format_gpu_hours
 
 from ..auth import identity_from_hub_model
 from ..dashboard import dashboard
@@ -88,7 +89,8 @@ def make_handlers() -> list[tuple[str, type]]:
             self.set_header("Cache-Control", "no-store")
             self.finish(_loader.load("admin.html").generate(
                 who=who, d=data, now=now, colours=colours, base_url=ctx.settings.base_url,
-                format_bytes=format_bytes, format_duration=format_duration))
+                format_bytes=format_bytes, format_duration=format_duration, limit_words=limit_words,
+                format_gpu_hours=format_gpu_hours))
 
     class CallbackHandler(HubOAuthCallbackHandler):
         @property
