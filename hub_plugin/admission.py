@@ -101,15 +101,17 @@ class Admission:
 
     def replaced(self, session: Session, owner: str, lease_id: str | None) -> Lease | None:
         """The lease a move replaces (``LeaseRequest.replaces``): ``owner``'s own
-        active or parked lease; None when ``lease_id`` is None. 400 otherwise
-        (the same words whether the lease is someone else's or none at all)."""
+        active or parked lease; None when ``lease_id`` is None. 409
+        ``invalid_state`` otherwise (the same words whether the lease is someone
+        else's or none at all): a refusal by the store's state, not by the
+        body's form, which the API document cannot tell apart (not a 400)."""
         if lease_id is None:
             return None
         lease = session.get(Lease, lease_id)
         if lease is None or lease.owner != owner or lease.state not in REPLACEABLE:
             state = f" (it is {lease.state})" if lease is not None and lease.owner == owner else ""
-            raise bad_request(f"'replaces' must name one of your active or parked leases; {lease_id[:40]!r} is "
-                              f"not one{state}", field="replaces")
+            raise GPUPoolError(Reason.invalid_state, f"'replaces' must name one of your active or parked leases; "
+                               f"{lease_id[:40]!r} is not one{state}", 409, field="replaces")
         other = session.scalar(select(Lease.id).where(Lease.replaces == lease_id, Lease.state.in_(MOVING)))
         if other is not None:  # one move at a time: else each would leave the quota one more uncounted lease
             raise bad_request(f"{lease_id} is being replaced already, by {other} (a move): release one of them "

@@ -371,7 +371,7 @@ def test_a_move_within_quota_does_not_count_the_lease_it_replaces(tmp_path):
         assert error.message == "quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00", "not a move: counted"
         for who, lease_id in ((bob, old.id), (client, "L-000000000000")):
             error = refused(who, fraction=0.5, replaces=lease_id)
-            assert (error.status, error.code) == (400, "bad_request")
+            assert (error.status, error.code) == (409, "invalid_state")
             assert error.message == (f"'replaces' must name one of your active or parked leases; {lease_id!r} "
                                      "is not one"), error.message
         assert bob.list_leases() == [] and [lease.id for lease in client.list_leases()] == [old.id]

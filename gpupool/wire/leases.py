@@ -95,7 +95,7 @@ class LeaseRequest(Body):
     ``replaces``: a move (``%gpu acquire`` while attached), the id of the
     owner's own active or parked lease that the new one takes over from and
     that is released once the move is done: the quota check does not count
-    it (400 when it is not such a lease).
+    it (409 ``invalid_state`` when it is not such a lease).
     """
 
     SCHEMA: ClassVar[dict[str, Any]] = {
@@ -158,7 +158,7 @@ class LeaseRequest(Body):
                                      enum=ON_IDLE, default="park"), None)
     replaces: str | None = wired(Spec("string", "a move: the id of the caller's own active or parked lease this "
                                       "one takes over from (the notebook's %gpu acquire while attached); the quota "
-                                      "does not count it, as it is released once the move is done; 400 when it is "
+                                      "does not count it, as it is released once the move is done; 409 when it is "
                                       "not one", nullable=True, text=True, min_length=1, max_length=40,
                                       error="'replaces' must be a lease id (at most 40 characters), "
                                             "got {value!r:.60}"), None)
