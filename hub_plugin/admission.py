@@ -81,9 +81,10 @@ class Admission:
         if asked is None:
             return self.settings.idle_timeout if most is None else min(self.settings.idle_timeout, most)
         if most is not None and asked > most:
-            raise bad_request(f"idle_timeout {format_duration(asked)} is above this pool's maximum of "
-                              f"{format_duration(most)}; ask for less (an admin can raise "
-                              "c.GPUPool.max_idle_timeout, or max_idle_timeout in your quota)",
+            raise bad_request(f"idle_timeout {format_duration(asked)} is above your maximum of "
+                              f"{format_duration(most)} (max_idle_timeout: your quota's, else the pool's); ask for "
+                              "less (an admin can raise c.GPUPool.max_idle_timeout, or max_idle_timeout in your "
+                              "quota)",
                               max_idle_timeout=most)
         return asked
 
@@ -114,8 +115,8 @@ class Admission:
                                f"{lease_id[:40]!r} is not one{state}", 409, field="replaces")
         other = session.scalar(select(Lease.id).where(Lease.replaces == lease_id, Lease.state.in_(MOVING)))
         if other is not None:  # one move at a time: else each would leave the quota one more uncounted lease
-            raise bad_request(f"{lease_id} is being replaced already, by {other} (a move): release one of them "
-                              "first", field="replaces")
+            raise GPUPoolError(Reason.invalid_state, f"{lease_id} is being replaced already, by {other} (a move): "
+                               "release one of them first", 409, field="replaces")
         return lease
 
     def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime,

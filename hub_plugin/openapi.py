@@ -61,6 +61,8 @@ def _param(name: str, where: str, schema: dict[str, Any], description: str) -> d
     return {"name": name, "in": where, "required": where == "path", "schema": schema, "description": description}
 
 
+#: The body of a request that takes no fields: none, or ``{}`` (a field is refused, 400).
+_NO_FIELDS = {"type": "object", "additionalProperties": False, "maxProperties": 0, "description": "no fields: {}"}
 _LEASE_ID = _param("id", "path", {"type": "string", "pattern": "^L-[0-9a-f]{12}$"}, "lease id")
 #: ``hub_plugin.quotas.check_scope``: ``'*'``, ``'user:NAME'`` or ``'group:NAME'``.
 _SCOPE = _param("scope", "path", {"type": "string", "maxLength": 210,
@@ -105,14 +107,14 @@ _PATHS: dict[str, Any] = {
     },
     "/leases/{id}/heartbeat": {
         "post": _op("Renew the notebook kernel's liveness", _json(_ref("Lease"), "the lease, also once ended"),
-                    body={"type": "object", "description": "no fields yet"}, body_required=False,
+                    body=_NO_FIELDS, body_required=False,
                     errors=(400, 401, 403, 404), params=[_LEASE_ID]),
     },
     "/leases/{id}/park": {
         "post": _op("Park in place: the worker frozen on its node, its GPU state in host memory, its GPU share "
                     "back in the pool (docs/parking.md); answers once parked, or still parking after 20 s",
                     _json(_ref("Lease"), "the lease, parking or parked"),
-                    body={"type": "object", "description": "no fields yet"}, body_required=False,
+                    body=_NO_FIELDS, body_required=False,
                     errors=(400, 401, 403, 404, (409, "invalid_state (not active), cannot_park (its node cannot), "
                                                       "worker_busy (a cell runs)")), params=[_LEASE_ID]),
     },
@@ -120,7 +122,7 @@ _PATHS: dict[str, Any] = {
         "post": _op("Resume a parked lease on its own node once it has room (idempotent); it waits in the queue "
                     "with queue_position and queue_estimate_s; a lease whose node is lost ends failed",
                     _json(_ref("Lease"), "the lease: parked with parked.resume_requested, starting, or active"),
-                    body={"type": "object", "description": "no fields yet"}, body_required=False,
+                    body=_NO_FIELDS, body_required=False,
                     errors=(400, 401, 403, 404, (409, "invalid_state: queued, releasing or ended")),
                     params=[_LEASE_ID]),
     },

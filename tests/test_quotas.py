@@ -193,7 +193,7 @@ def test_queued_request_fails_when_gpu_hours_run_out_while_it_waits(quota_servic
 def test_idle_timeout_above_the_quota_is_refused(quota_service):
     error = refused(quota_service.client(), fraction=0.25, idle_timeout=7200)
     assert (error.status, error.code) == (400, "bad_request")
-    assert "above this pool's maximum of 1h" in error.message
+    assert "above your maximum of 1h (max_idle_timeout: your quota's" in error.message
     lease = quota_service.client().create_lease(LeaseRequest(fraction=0.25))
     assert lease.idle_timeout == 1800  # the pool's default fits under the maximum
 
