@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
 		|| echo "make: promtool not installed (needs root and apt-get): the alert rule test will skip"
 	# The Slurm launcher's tests run a private Slurm (Debian's slurmctld, slurmd, slurm-client 22.05 and munge,
-	# apt, as root; tests/slurm.py starts them on private ports); where they cannot be had those tests skip.
+	# apt, as root; tests/support/slurm.py starts them on private ports); where they cannot be had those tests skip.
 	command -v slurmd >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 		slurmctld slurmd slurm-client munge >/dev/null; } \

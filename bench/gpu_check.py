@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return finish(report, out)
 
     from gpupool.demo_pool import start_agent, start_service
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/workercell.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # tests/support/workercell.py
     from workercell import run_worker_cell
     from gpupool.wire.leases import LeaseRequest
 

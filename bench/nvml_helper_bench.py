@@ -1,7 +1,7 @@
 """What reading NVML through the watched helper process costs, and what a hung
 driver call costs the agent.
 
-No GPU is needed: NVML is the test suite's fake (``tests/fakenvml.py``),
+No GPU is needed: NVML is the test suite's fake (``tests/support/fakenvml.py``),
 so the numbers are the helper's own overhead (a process, a socket, pickles),
 not the driver's.
 
@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from fakenvml import ControlledNVML, FakeGPU, FakeProcess, FakeSample, hanging_pid, set_hang  # noqa: E402
 
@@ -76,7 +76,7 @@ def helper_command_busy(control: Path, count: int) -> list[str]:
     code = ("import sys; sys.path.insert(0, %r); import fakenvml; from pathlib import Path; "
             "sys.modules['pynvml'] = fakenvml.ControlledNVML(__import__('nvml_helper_bench').busy_gpus(%d), "
             "Path(%r)); from gpupool.provisioner.inventory.nvml import helper; sys.exit(helper.main(sys.argv[1:]))"
-            % (str(ROOT / "tests"), count, str(control)))
+            % (str(ROOT / "tests" / "support"), count, str(control)))
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); " + code]
 
 

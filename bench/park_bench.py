@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # tests/parkagent.py, tests/frontend.py
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))  # tests/support/parkagent.py, tests/support/frontend.py
 
 from frontend import run  # noqa: E402
 from parkagent import GiB, MiB, ParkAgent  # noqa: E402

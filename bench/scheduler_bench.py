@@ -9,7 +9,7 @@ requests for 2, 4 or 8 whole GPUs). Each request is one decision, timed
 alone with ``time.perf_counter_ns``:
 
 - ``index``: :class:`gpupool.hub_plugin.placement_index.PlacementIndex`,
-  which returns ``scheduler.place()``'s exact answer (tests/test_scheduler.py
+  which returns ``scheduler.place()``'s exact answer (tests/rules/test_scheduler.py
   checks it) without scanning every GPU;
 - ``index, GPU only``: the same without host CPUs and memory (nodes that
   report no host), to show what the host dimensions cost;
@@ -200,7 +200,7 @@ def report(rows: list[tuple[str, dict[str, float]]], command: str) -> str:
     lines += ["", f"Target at 10,000 GPUs (≥ 5,000 decisions/s and p99 ≤ 5 ms) with the index: "
               f"**{'met' if met else 'not met'}** ({big['per_s']:,.0f}/s, p99 {big['p99_ms']:.2f} ms).", "",
               "The index returns `place()`'s own answer (it calls `place()` on the few candidates it finds; "
-              "`tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn` compares the two "
+              "`tests/rules/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn` compares the two "
               "on random pools). A refusal scans every GPU, since its message tallies a reason for each one; that "
               "is where the slow tail (max) comes from: at 1,000 GPUs the 1 % of requests refused set the p99; "
               "a run at 10,000 GPUs with 1 % or more refusals would have a p99 near the full-scan p50, so the "

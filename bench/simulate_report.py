@@ -673,7 +673,7 @@ def openb_part(data: Path, log) -> tuple[str, dict]:
         "paper's larger gains come with CPU and memory constraints, which make nodes run out before their GPUs "
         "do; this model leaves those out.",
         f"- Speed: `place()` on all 6,212 GPUs takes {timing[True]:.1f} ms per decision; through the placement "
-        f"index (same decisions, checked in `tests/test_simulator.py`) {timing[False]:.2f} ms. A whole fill "
+        f"index (same decisions, checked in `tests/rules/test_simulator.py`) {timing[False]:.2f} ms. A whole fill "
         f"({len(runs['gpupool'][0].arrived) and runs['gpupool'][0].decisions:,} decisions) takes "
         f"{np.mean([r.seconds for r in runs['gpupool']]):.1f} s.",
     ]

@@ -1,4 +1,4 @@
-"""Slurm launcher timings on this machine: the private Slurm of tests/slurm.py
+"""Slurm launcher timings on this machine: the private Slurm of tests/support/slurm.py
 (munged, slurmctld, slurmd) started and stopped, and a lease's worker from
 ``SlurmLauncher.start`` to its first cell finished, as a lease job of its own
 (whole GPU) and as a step of a share job (slice), N times each.
@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-import slurm  # noqa: E402  (tests/slurm.py)
+import slurm  # noqa: E402  (tests/support/slurm.py)
 from test_slurm import Worker, spec  # noqa: E402
 
 from gpupool.provisioner.workers.launchers.slurm import SlurmLauncher  # noqa: E402

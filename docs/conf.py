@@ -1,6 +1,6 @@
 """The documentation site: Sphinx + MyST over README.md, docs/ and the deploy READMEs.
 
-    make docs      # docs/_build/html, warnings as errors (tests/test_docs_site.py builds it too)
+    make docs      # docs/_build/html, warnings as errors (tests/deploy/test_docs_site.py builds it too)
 
 Pages outside docs/ come in through docs/site/*.md (MyST ``include``), so each stays where
 people read it on the repository. A link to a file that is no page of the site (a manifest,

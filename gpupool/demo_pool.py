@@ -3,9 +3,9 @@ as child processes running the real commands.
 
 Each start waits until the process answers and names its log when it does
 not; each stop checks that nothing it started is left running. The tests
-(``tests/procs.py``) and benchmarks start their pools with it too; the
+(``tests/support/procs.py``) and benchmarks start their pools with it too; the
 client that runs a cell on a worker without a notebook kernel is theirs
-(``tests/workercell.py``).
+(``tests/support/workercell.py``).
 """
 
 from __future__ import annotations

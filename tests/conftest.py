@@ -1,4 +1,6 @@
-"""Fixtures named for what they give: a running pool service and agents."""
+"""Fixtures named for what they give: a running pool service and agents, the
+store's databases. The helpers they and the tests share live in tests/support/
+(on ``sys.path`` by pyproject.toml's ``pythonpath``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import pytest
 
 from frontend import install_kernelspec, start_gpupool_kernel
 from procs import start_agent, start_service
+from stores import postgres_url, store_url  # noqa: F401 (fixtures for every test)
+from worker_account import python_reachable, shared_root  # noqa: F401 (fixtures for every test)
 
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest

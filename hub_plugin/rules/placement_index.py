@@ -2,7 +2,7 @@
 without scanning every GPU. Pure, in memory; the service keeps one
 (:class:`gpupool.hub_plugin.capacity.CapacityIndex`), as do the simulator and
 bench/scheduler_bench.py. Why it is the same answer: docs/placement.md, "The
-placement index"; ``tests/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
+placement index"; ``tests/rules/test_scheduler.py::test_placement_index_gives_the_same_answer_under_churn``
 checks it against ``place()`` on random pools under churn.
 """
 

@@ -3,7 +3,7 @@
 Copies, not reads: the settings (:class:`gpupool.hub_plugin.config.GPUPool`)
 are traitlets ``Configurable`` classes, whose import pulls in logging's
 socket handlers, and the replay imports no I/O module
-(``tests/test_simulator.py``). ``tests/test_simulate_parking.py`` checks
+(``tests/rules/test_simulator.py``). ``tests/rules/test_simulate_parking.py`` checks
 every value here against the settings' own defaults, so a changed default
 fails there until it is changed here too.
 """

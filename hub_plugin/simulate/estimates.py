@@ -1,6 +1,6 @@
 """A pure rule of the simulator's own: the dedicated baseline's peak.
 
-No clock, no I/O: literal inputs, literal outputs (``tests/test_simulator.py``
+No clock, no I/O: literal inputs, literal outputs (``tests/rules/test_simulator.py``
 tables it). Class order, pressure parks, preemption and the ETA are the
 service's rules (:mod:`gpupool.hub_plugin.rules`), which the replay calls itself.
 """

@@ -6,7 +6,7 @@ Every placement decision is :func:`gpupool.hub_plugin.rules.scheduler.place`'s, 
 simulated leases hold. Nothing here re-decides placement: the pool keeps a
 :class:`gpupool.hub_plugin.rules.placement_index.PlacementIndex`, which returns ``place()``'s answer
 on all GPUs without scanning them (``full_scan=True`` calls ``place()`` on
-every GPU, as a check; ``tests/test_simulator.py`` compares the two).
+every GPU, as a check; ``tests/rules/test_simulator.py`` compares the two).
 
 Allocations are kept in integer thousandths of a GPU, so sums are exact;
 fractions reach ``place()`` as ``milli / 1000``. Usable memory is a multiple
