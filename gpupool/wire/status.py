@@ -6,7 +6,7 @@
 
 The extension's TypeScript declares the same names by hand (its
 ``ILeaseState``, ``IReply``, ``IDefaults`` and ``TARGET``);
-``tests/test_wire_comms.py`` checks them against these.
+``tests/core/test_wire_comms.py`` checks them against these.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from gpupool.wire import magic, status, transfer
 from gpupool.wire.transfer import (Attach, Fetch, ForgetTraceback, GpuMemory, Have, LoadSpill, Op, ParkGpu, Pull,
                                    PullAll, Push, ResumeGpu, Spill, Versions, read_request)
 
-SOURCES = Path(__file__).resolve().parent.parent / "labextension" / "src"
+SOURCES = Path(__file__).resolve().parents[2] / "labextension" / "src"
 
 
 def _typescript() -> str:
