@@ -1,7 +1,7 @@
 """Containment costs: the start gate, and killing a lease's processes.
 
 - ``gate``: starting ``python -c pass`` directly vs behind the workers'
-  start gate (:data:`gpupool.provisioner.workers.launchers.local.gate.START_GATE`: a shell that
+  start gate (:data:`gpupool.node.workers.launchers.local.gate.START_GATE`: a shell that
   waits until the agent put its pid in a cgroup, then execs), including the
   agent's write to ``cgroup.procs``; the difference is what every worker
   start pays.
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from gpupool.provisioner.cgroups import CgroupError, containment
-from gpupool.provisioner.workers.launchers.local.gate import START_GATE
+from gpupool.node.cgroups import CgroupError, containment
+from gpupool.node.workers.launchers.local.gate import START_GATE
 from report import write_section  # noqa: E402  (bench/ is on the path when a bench runs)
 
 ROOT = Path(__file__).resolve().parent.parent

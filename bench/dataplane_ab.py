@@ -29,7 +29,7 @@ from gpupool.wire.transfer import TARGET, Pull
 
 class _WorkerManager(KernelManager):
     def write_connection_file(self, **kwargs):
-        with socket.socket() as probe:  # as the agent does (provisioner/workers/kernel.py)
+        with socket.socket() as probe:  # as the agent does (node/workers/kernel.py)
             probe.bind((self.ip, 0))
             kwargs.setdefault("transfer_port", probe.getsockname()[1])
         super().write_connection_file(**kwargs)
@@ -38,7 +38,7 @@ class _WorkerManager(KernelManager):
 def one_worker(encrypted: bool, sizes: list[int], rounds: int) -> dict:
     km = _WorkerManager(kernel_name="python3", ip="127.0.0.1",
                         transport_encryption="required" if encrypted else "disabled")
-    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker_extension"])
+    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.node.worker_extension"])
     with open(km.connection_file) as handle:
         info = {k: v for k, v in json.load(handle).items() if k != "curve_secretkey"}
     remote = RemoteKernel(info)

@@ -143,7 +143,7 @@ class Skip(Exception):
 
 def nvml_inventory() -> tuple[Any, dict[str, Any]]:
     """The agent's inventory and what it sees; raises InventoryError without a GPU."""
-    from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
+    from gpupool.node.inventory.nvml.inventory import NVMLInventory
 
     inventory = NVMLInventory()
     seen = {"gpus": [g.to_json() for g in inventory.discover()], "versions": inventory.versions(),
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget
 
     try:
-        import gpupool.provisioner.inventory.nvml.inventory  # noqa: F401
+        import gpupool.node.inventory.nvml.inventory  # noqa: F401
     except ImportError as exc:
         report.data.update(gpu_found=False, no_gpu_reason=f"gpupool cannot be imported here: {exc}")
         report.write()
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     holder: dict[str, Any] = {}
 
     def inventory_step() -> dict[str, Any]:
-        from gpupool.provisioner.inventory import InventoryError
+        from gpupool.node.inventory import InventoryError
 
         try:
             holder["inventory"], seen = nvml_inventory()
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = inventory_step_result["gpus"]
     first = gpus[0]
 
-    from gpupool.provisioner.enforcement import mps_daemon_running, resolve
+    from gpupool.node.enforcement import mps_daemon_running, resolve
 
     report.step("MPS and enforcement", lambda: {
         "mps_daemon_running": mps_daemon_running(),

@@ -131,7 +131,7 @@ def _cycle(agent, inventory: Any, run, value, bandwidth: float | None) -> dict[s
 
 def _holders(agent, run) -> dict[str, Any]:
     """The ``gpu_memory`` op on real CUDA tensors, before and after a park."""
-    from gpupool.provisioner.checkpoint.framework import ask
+    from gpupool.node.checkpoint.framework import ask
     from gpupool.wire.transfer import GpuMemory
 
     listing = GpuMemory(top=20).to_json()

@@ -7,9 +7,9 @@ not the driver's.
 
 1. One heartbeat's readings (refresh, GPU metrics, process list and samples,
    health) of a node with ``--gpus`` GPUs and 4 processes each: in-process
-   (:class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` over
-   :class:`~gpupool.provisioner.inventory.nvml.inventory.NVMLInventory`, what the agent did
-   before) and through the helper (:class:`~gpupool.provisioner.inventory.nvml.watch.WatchedInventory`).
+   (:class:`~gpupool.node.inventory.retrying.RetryingInventory` over
+   :class:`~gpupool.node.inventory.nvml.inventory.NVMLInventory`, what the agent did
+   before) and through the helper (:class:`~gpupool.node.inventory.nvml.watch.WatchedInventory`).
 2. Replacing a helper: killing a hung one and starting one that opens NVML.
 3. A real service and agent (NVML helper on the fake): ``GET /health`` on
    the agent, idle and while every NVML call hangs (``nvml_timeout`` 1 s, so
@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from fakenvml import ControlledNVML, FakeGPU, FakeProcess, FakeSample, hanging_pid, set_hang  # noqa: E402
 
-from gpupool.provisioner.inventory.retrying import RetryingInventory  # noqa: E402
-from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory  # noqa: E402
-from gpupool.provisioner.inventory.nvml.watch import WatchedInventory  # noqa: E402
+from gpupool.node.inventory.retrying import RetryingInventory  # noqa: E402
+from gpupool.node.inventory.nvml.inventory import NVMLInventory  # noqa: E402
+from gpupool.node.inventory.nvml.watch import WatchedInventory  # noqa: E402
 
 
 def uuids(count: int) -> list[str]:
@@ -75,7 +75,7 @@ def helper_command_busy(control: Path, count: int) -> list[str]:
     """A helper on the fake with ``count`` busy GPUs (the launcher builds them)."""
     code = ("import sys; sys.path.insert(0, %r); import fakenvml; from pathlib import Path; "
             "sys.modules['pynvml'] = fakenvml.ControlledNVML(__import__('nvml_helper_bench').busy_gpus(%d), "
-            "Path(%r)); from gpupool.provisioner.inventory.nvml import helper; sys.exit(helper.main(sys.argv[1:]))"
+            "Path(%r)); from gpupool.node.inventory.nvml import helper; sys.exit(helper.main(sys.argv[1:]))"
             % (str(ROOT / "tests" / "support"), count, str(control)))
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); " + code]
 

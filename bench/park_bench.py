@@ -55,7 +55,7 @@ SECTION = "## Park in place"
 SIZES = [1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB, 4 * GiB]
 METHODS = ("warm", "spilled", "today")
 LEASE = "L-bench"
-STATE = ("from gpupool.provisioner import simgpu\nimport numpy as np\n"
+STATE = ("from gpupool.node import simgpu\nimport numpy as np\n"
          "gpu = simgpu.zeros({nbytes}, 'uint8'); gpu[::4096] = 7\nsmall = {{'a': list(range(100))}}; n = 42")
 CHECK = "print(int(gpu[::4096].sum()) == 7 * len(gpu[::4096]), simgpu.device_of(gpu), n)"
 
@@ -147,7 +147,7 @@ class Bench:
             remote.comm_request(TARGET, Have(names=[]).to_json())
         finally:
             remote.close()
-        self.cell("from gpupool.provisioner import simgpu\nimport numpy as np")  # today's resume imports them too
+        self.cell("from gpupool.node import simgpu\nimport numpy as np")  # today's resume imports them too
         return parked_at - began, time.perf_counter() - parked_at
 
     def stop(self) -> None:

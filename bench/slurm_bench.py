@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "suppo
 import slurm  # noqa: E402  (tests/support/slurm.py)
 from test_slurm import Worker, spec  # noqa: E402
 
-from gpupool.provisioner.workers.launchers.slurm import SlurmLauncher  # noqa: E402
+from gpupool.node.workers.launchers.slurm import SlurmLauncher  # noqa: E402
 
 
 async def _workers(launcher: SlurmLauncher, n: int, folder: Path, times: dict[str, list[float]]) -> None:

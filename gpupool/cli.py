@@ -36,7 +36,7 @@ from .extras import extras_providing
 #: Imported only when run, so a notebook host never imports the service or the agent.
 COMMANDS = {
     "service": ("gpupool.hub_plugin.app", "run the pool service (REST API, scheduler, SQL store)", "hub"),
-    "agent": ("gpupool.provisioner.agent", "run the node agent: GPU inventory, workers, heartbeats", "agent"),
+    "agent": ("gpupool.node.agent", "run the node agent: GPU inventory, workers, heartbeats", "agent"),
     "kernelspec": ("gpupool.magics.kernelspec",
                    "install the 'gpupool' Jupyter kernelspec (kernelspec install --help)", "kernel"),
     "demo": ("gpupool.demo", "start a pool on this machine and run examples/quickstart.ipynb end to end", "all"),
@@ -53,7 +53,7 @@ COMMANDS = {
 }
 
 #: Commands that are traitlets applications: ``--generate-config`` prints their config file.
-_APPS = {"service": ("gpupool.hub_plugin.app", "ServiceApp"), "agent": ("gpupool.provisioner.agent", "NodeAgent")}
+_APPS = {"service": ("gpupool.hub_plugin.app", "ServiceApp"), "agent": ("gpupool.node.agent", "NodeAgent")}
 
 
 def _usage() -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 NOTEBOOK_KERNEL_APP = "gpupool.magics.kernelapp"
 #: A worker's application (:mod:`gpupool.kernelapp`: a plain IPython kernel, no subshells).
 WORKER_KERNEL_APP = "gpupool.kernelapp"
-#: The IPython extension every worker loads (:mod:`gpupool.provisioner.worker_extension`).
-WORKER_EXTENSION = "gpupool.provisioner.worker_extension"
+#: The IPython extension every worker loads (:mod:`gpupool.node.worker_extension`).
+WORKER_EXTENSION = "gpupool.node.worker_extension"
 
 
 def with_launcher(cmd: list[str], module: str) -> list[str] | None:

@@ -4,7 +4,7 @@ Before a cell runs on the worker, the client sends along the values the cell
 reads (and does not bind itself first) that exist only in the local kernel (defined before ``%gpu acquire``,
 brought back by a release, or made in a ``%%local`` cell). This module
 finds the candidates from the cell's source; the worker says which of them
-it already has (the ``have`` op of :mod:`gpupool.provisioner.worker_extension`), and
+it already has (the ``have`` op of :mod:`gpupool.node.worker_extension`), and
 only the rest travel.
 """
 

@@ -190,7 +190,7 @@ class GPUReading(Body):
 
     @classmethod
     def of(cls, reading: dict[str, Any]) -> "GPUReading":
-        """The agent's own reading (:meth:`~gpupool.provisioner.inventory.base.Inventory.metrics`), taken as it is."""
+        """The agent's own reading (:meth:`~gpupool.node.inventory.base.Inventory.metrics`), taken as it is."""
         return cls(**{key: reading[key] for key in cls.__dataclass_fields__ if key in reading})
 
     def to_json(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ Where the figures come from:
   (fraction x the GPU's memory x GPUs) times a fill drawn per session,
   uniform in [:data:`FILL_LOW`, 1].
 - A node's budget (:func:`parked_budget`): ``c.NodeAgent.parked_memory``'s
-  default, a quarter of the host's RAM (``provisioner/agent.py:
+  default, a quarter of the host's RAM (``node/agent.py:
   parked_budget``), of :data:`NODE_HOST_BYTES` (2 TiB: the host RAM of a
   DGX A100 640 GB, the 8 x A100 80 GB nodes the replays simulate).
 """

@@ -13,7 +13,7 @@ import pytest
 from gpupool.errors import GPUPoolError, Reason, bad_request, not_found
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ("gpupool", "provisioner", "hub_plugin", "magics")
+SHIPPED = ("gpupool", "node", "hub_plugin", "magics")
 
 
 def _constructions() -> list[tuple[str, ast.expr]]:

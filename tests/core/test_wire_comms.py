@@ -72,7 +72,7 @@ def test_every_transfer_request_reads_back_as_written(request_):
 
 
 def test_the_transfer_requests_are_the_ops_the_worker_answers():
-    from gpupool.provisioner.worker_extension.comm import PARKING_OPS, REMOTING_OPS
+    from gpupool.node.worker_extension.comm import PARKING_OPS, REMOTING_OPS
 
     assert {r.OP for r in REQUESTS} == set(Op)
     assert {Op.push, Op.pull, Op.pull_all, *REMOTING_OPS, *PARKING_OPS} == set(Op)

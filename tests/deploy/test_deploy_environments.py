@@ -16,10 +16,10 @@ from procs import free_port, stop_process, wait_for
 
 from agent_api import TOKEN, call
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner import environments
+from gpupool.node import environments
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
-from gpupool.provisioner.inventory.simulated import simulated_uuid
+from gpupool.node.inventory.simulated import simulated_uuid
 
 GiB = 1024**3
 

@@ -151,7 +151,7 @@ def test_the_singleuser_and_agent_images_install_the_same_wheel(context, tmp_pat
     assert (lab / "install.json").is_file() and list((lab / "static").glob("remoteEntry.*.js"))
     [out] = run_image_steps("Dockerfile.agent", context, tmp_path, prefix)
     assert f"gpupool {gpupool.__version__}" in out
-    image_run(prefix, "import gpupool.provisioner.agent, pynvml, psutil, prometheus_client")
+    image_run(prefix, "import gpupool.node.agent, pynvml, psutil, prometheus_client")
 
 
 def test_an_install_carries_the_files_other_deploy_files_name(context, tmp_path):

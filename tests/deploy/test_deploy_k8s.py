@@ -41,7 +41,7 @@ OTHER_READERS = {
     "POD_NAMESPACE": "the pod launcher, the worker pods' namespace (c.KubernetesLauncher.namespace)",
 }
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
-LAUNCHER_SOURCE = ROOT / "provisioner" / "workers" / "launchers" / "kubernetes" / "launcher.py"
+LAUNCHER_SOURCE = ROOT / "node" / "workers" / "launchers" / "kubernetes" / "launcher.py"
 
 
 # -- rendering and schemas -------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_the_store_comes_from_a_secret_and_migrations_run_at_start(rendered):
 
 def test_every_container_command_parses_with_the_real_cli(rendered):
     from gpupool.hub_plugin.app import ServiceApp
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     seen = set()
     for objects in rendered.values():
@@ -123,7 +123,7 @@ def test_every_container_command_parses_with_the_real_cli(rendered):
             # The pod launcher's settings (the pods overlay): the agent lists its class with the launcher's
             # phase 2 (docs/launchers.md); until then they are checked against the class itself.
             for trait in settings.pop("KubernetesLauncher", []):
-                from gpupool.provisioner.workers.launchers.kubernetes import KubernetesLauncher
+                from gpupool.node.workers.launchers.kubernetes import KubernetesLauncher
 
                 assert trait in KubernetesLauncher.class_traits(config=True), f"{name}: KubernetesLauncher.{trait}"
             check_config_sections(app, settings, name)
@@ -191,7 +191,7 @@ def test_ports_and_urls_line_up(rendered):
         # The agent's readiness asks its own /health (503 with words when it refuses); liveness /health/live.
         assert f'"http://$POD_IP:{agent_port}/health"' in agent["readinessProbe"]["exec"]["command"][2]
         assert agent["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
-        from gpupool.provisioner.agent_http import agent_routes
+        from gpupool.node.agent_http import agent_routes
 
         assert {"/health", "/health/live"} <= {path for path, _ in agent_routes()}
         for monitor in find(objects, "ServiceMonitor"):
@@ -399,7 +399,7 @@ def exported_metric_names() -> set[str]:
     """Sample names the service's and the agent's registries export."""
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.metrics import Metrics
-    from gpupool.provisioner.agent_metrics import AgentMetrics
+    from gpupool.node.agent_metrics import AgentMetrics
     from gpupool.wire.nodes import GPUInfo
     from prometheus_client.parser import text_string_to_metric_families
     import tempfile

@@ -204,7 +204,7 @@ def agent_of(text: str):
     """A NodeAgent configured by the config file ``text``, as ``gpupool agent`` loads it (not started)."""
     from traitlets.config import Config
 
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     config = Config()
     exec(compile(text, "gpupool_config.py", "exec"), {"c": config, "get_config": lambda: config})  # noqa: S102

@@ -23,9 +23,9 @@ from deploy_k8s import AGENTS_NS, MONITORING_NS, USERS_NS, WORKER_PODS, namespac
 from deploy_parse import baseline_violations, check_command, config_assignments
 from traitlets.config import Config, PyFileConfigLoader
 
-from gpupool.provisioner.workers import WorkerSpec
-from gpupool.provisioner.workers.launchers import available
-from gpupool.provisioner.workers.launchers.kubernetes import (KubernetesLauncher, connection_info,
+from gpupool.node.workers import WorkerSpec
+from gpupool.node.workers.launchers import available
+from gpupool.node.workers.launchers.kubernetes import (KubernetesLauncher, connection_info,
                                                               connection_secret, worker_pod)
 from gpupool.wire.nodes import GPUInfo
 
@@ -121,7 +121,7 @@ def load_config(objects, tmp_path) -> Config:
 
 
 def test_the_agent_config_names_real_settings(objects, tmp_path):
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     text = one(objects, "ConfigMap", "gpupool-agent-config")["data"]["gpupool_config.py"]
     sections = config_assignments(text)

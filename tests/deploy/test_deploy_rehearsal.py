@@ -56,12 +56,12 @@ TESTS = Path(__file__).resolve().parents[1] / "support"
 GPUS = {"gpu1": ("gpu-1", "GPU-11111111-aaaa-bbbb-cccc-000000000001", "NVIDIA H100 80GB HBM3"),
         "gpu2": ("gpu-2", "GPU-22222222-aaaa-bbbb-cccc-000000000002", "NVIDIA A100-SXM4-80GB")}
 #: Runs ``gpupool ARGS`` with NVML replaced by the fake (argv[1]: the GPU's UUID, argv[2]: its name).
-#: NVML runs in the agent's watched helper process (gpupool.provisioner.inventory.nvml.watch), so the fake goes there.
+#: NVML runs in the agent's watched helper process (gpupool.node.inventory.nvml.watch), so the fake goes there.
 FAKE_GPU_HOST = (
-    "import sys; sys.path.insert(0, {tests!r}); from gpupool.provisioner.inventory.nvml import watch as nvml_watch; "
+    "import sys; sys.path.insert(0, {tests!r}); from gpupool.node.inventory.nvml import watch as nvml_watch; "
     "helper = ('import sys; sys.path.insert(0, %r); from fakenvml import FakeGPU, FakeNVML; "
     "sys.modules[\"pynvml\"] = FakeNVML([FakeGPU(%r, name=%r)]); "
-    "from gpupool.provisioner.inventory.nvml import helper as nvml_helper; "
+    "from gpupool.node.inventory.nvml import helper as nvml_helper; "
     "sys.exit(nvml_helper.main(sys.argv[1:]))') % ({tests!r}, sys.argv[1], sys.argv[2]); "
     "nvml_watch.helper_command = lambda: [sys.executable, '-c', helper]; "
     "from gpupool.cli import main; sys.exit(main(sys.argv[3:]))")

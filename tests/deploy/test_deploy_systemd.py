@@ -70,7 +70,7 @@ def test_units_score_low_on_systemd_analyze_security(tmp_path):
 
 def test_unit_commands_and_config_parse_with_the_real_cli():
     from gpupool.hub_plugin.app import ServiceApp
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     for name in UNITS:
         check_command(exec_start(name))

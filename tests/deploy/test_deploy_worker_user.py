@@ -16,8 +16,8 @@ from procs import free_port, stop_process, wait_for
 from agent_api import TOKEN, call
 from worker_account import worker_account
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner.agent_accounts import expand_worker_user
-from gpupool.provisioner.inventory.simulated import simulated_uuid
+from gpupool.node.agent_accounts import expand_worker_user
+from gpupool.node.inventory.simulated import simulated_uuid
 
 GiB = 1024**3
 

@@ -259,7 +259,7 @@ def test_acquire_of_another_size_moves_the_variables_worker_to_worker(e2e_pool, 
 
 
 HOLDERS = """\
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 x = simgpu.zeros(64 << 20, 'uint8')
 view = x[:10]
 def f():

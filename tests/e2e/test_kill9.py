@@ -40,8 +40,8 @@ import pytest
 
 from frontend import install_kernelspec, run, start_gpupool_kernel
 from gpupool.demo_pool import GPUPOOL
-from gpupool.provisioner.workers import WorkerManager, WorkerLaunch, WorkerSpec
-from gpupool.provisioner.workers.kernel import history_path
+from gpupool.node.workers import WorkerManager, WorkerLaunch, WorkerSpec
+from gpupool.node.workers.kernel import history_path
 from gpupool.wire.leases import LeaseRequest
 from gpupool.wire.nodes import GPUInfo
 from procs import start_agent, start_service, wait_for

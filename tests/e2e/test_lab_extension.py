@@ -375,7 +375,7 @@ def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_l
 
     _notebook(lab.root / "facts.ipynb", ["%gpu help", f"import numpy as np\nbulk = np.ones({BULK}, np.uint8)",
                                          "%gpu push bulk", "print('bulk' in globals())",
-                                         "from gpupool.provisioner import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')"])
+                                         "from gpupool.node import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')"])
     with sync_playwright() as playwright:
         expect.set_options(timeout=STEP_MS)
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,

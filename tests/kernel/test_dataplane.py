@@ -29,7 +29,7 @@ from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffe
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.magics import dataplane
 from gpupool.remote import RemoteKernel
-from gpupool.provisioner.worker_extension.dataplane import DataPlaneServer
+from gpupool.node.worker_extension.dataplane import DataPlaneServer
 from gpupool.transfer import load_pulled
 from gpupool.wire.transfer import TARGET, Pull
 from frontend import run
@@ -53,7 +53,7 @@ class _WorkerManager(KernelManager):
 def worker():
     """``(remote, connection)``: a CurveZMQ worker kernel with the extension and its client."""
     km = _WorkerManager(kernel_name="python3", ip="127.0.0.1", transport_encryption="required")
-    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.provisioner.worker_extension"])
+    km.start_kernel(extra_arguments=["--IPKernelApp.extra_extensions=gpupool.node.worker_extension"])
     with open(km.connection_file) as handle:
         written = json.load(handle)
     connection = {k: v for k, v in written.items() if k != "curve_secretkey"}
@@ -243,7 +243,7 @@ def test_idle_unauthenticated_connections_cost_the_worker_no_thread_and_a_push_s
     its hello was checked, up to the process's fd limit): the worker's threads stay as they were, its
     fds within the gate's bound, and a real push gets through meanwhile. A connection whose hello
     never comes is closed after the hello deadline; one with a forged hello is refused at once."""
-    from gpupool.provisioner.worker_extension import hello_gate
+    from gpupool.node.worker_extension import hello_gate
 
     remote, connection = worker
     _raise_fd_limit(IDLE_FLOOD + 1024)

@@ -167,7 +167,7 @@ def test_requests_run_the_magic_and_keep_its_output_out_of_cells(status):
     assert shown["ok"] and state["lease"] in shown["message"], shown
     assert shown["message"].endswith("\n\nno names hold GPU memory on the worker"), "as %gpu status says it"
     assert shown["holders"] == {"columns": ["holds GPU memory", "size", "on", "type"], "rows": [], "notes": []}
-    assert comm.run("from gpupool.provisioner import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')").ok
+    assert comm.run("from gpupool.node import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')").ok
     rows = comm.ask({"request": "status"})["holders"]["rows"]
     assert rows == [["held", "8.0 MiB", "simgpu:0", "ndarray"]], "the popup's table of the names holding GPU memory"
     details = shown["details"]  # the popup's rows beside the state's facts: %gpu status's cells by column

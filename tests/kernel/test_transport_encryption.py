@@ -207,7 +207,7 @@ def test_plain_worker_is_readable_by_the_same_eavesdropper(curve_pool, notebook)
 
 
 def test_curve_is_the_default_and_bad_values_are_refused():
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert NodeAgent().transport_encryption == "curve", "zmq.has('curve') here: curve is the default"
     with pytest.raises(Exception, match="transport_encryption"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import types
 
-from gpupool.provisioner.worker_extension.devices import to_cpu_with_device
-from gpupool.provisioner.worker_extension.namespace import _cap, user_variables
-from gpupool.provisioner.worker_extension.torch_cap import AfterImport
+from gpupool.node.worker_extension.devices import to_cpu_with_device
+from gpupool.node.worker_extension.namespace import _cap, user_variables
+from gpupool.node.worker_extension.torch_cap import AfterImport
 from gpupool.transfer import dump_values
 
 
@@ -88,7 +88,7 @@ def test_cupy_and_jax_arrays_come_to_the_cpu_and_go_back_to_their_device(monkeyp
 
     import numpy
 
-    from gpupool.provisioner.worker_extension.devices import place_on_devices, to_cpu_with_device
+    from gpupool.node.worker_extension.devices import place_on_devices, to_cpu_with_device
 
     placed = []
     cupy = types.SimpleNamespace(
@@ -113,7 +113,7 @@ def test_values_surely_over_the_cap_are_left_before_they_are_copied():
     import numpy
     import torch
 
-    from gpupool.provisioner.worker_extension.namespace import _within, known_nbytes
+    from gpupool.node.worker_extension.namespace import _within, known_nbytes
 
     big, small = numpy.zeros(1000, dtype=numpy.float64), torch.zeros(10)
     assert known_nbytes(big) == 8000 and known_nbytes(small) == 40 and known_nbytes("text") is None

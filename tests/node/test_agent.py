@@ -22,7 +22,7 @@ import pytest
 
 from agent_api import TOKEN, call
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner.inventory.simulated import simulated_uuid
+from gpupool.node.inventory.simulated import simulated_uuid
 from procs import free_port, processes_mentioning, stop_process, wait_for
 from workercell import run_worker_cell
 

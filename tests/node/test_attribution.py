@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.provisioner.attribution import (GPUProcess, PidMapper, add_unattributed, attribute, read_parents,
+from gpupool.node.attribution import (GPUProcess, PidMapper, add_unattributed, attribute, read_parents,
                                              read_proc)
 
 GiB = 1024**3

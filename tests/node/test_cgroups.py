@@ -1,4 +1,4 @@
-"""Lease cgroups (:mod:`gpupool.provisioner.cgroups`) on this host's real
+"""Lease cgroups (:mod:`gpupool.node.cgroups`) on this host's real
 cgroup file systems: v2 (``cgroup.kill``, and the freeze-and-kill fallback)
 and v1 (freezer, memory, pids, cpu), and the "none" mode's warning and its
 weaker process-group kill.
@@ -22,11 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpupool.provisioner import cgroups
-from gpupool.provisioner.cgroups import CgroupError, containment
-from gpupool.provisioner.cgroups.hybrid import HybridCgroup
-from gpupool.provisioner.cgroups.mounts import default_root, own_cgroups, read_mounts
-from gpupool.provisioner.cgroups.none import NoContainment
+from gpupool.node import cgroups
+from gpupool.node.cgroups import CgroupError, containment
+from gpupool.node.cgroups.hybrid import HybridCgroup
+from gpupool.node.cgroups.mounts import default_root, own_cgroups, read_mounts
+from gpupool.node.cgroups.none import NoContainment
 
 # A process that, once told on its stdin, leaves a daemon behind: a double
 # fork with setsid (a new session, reparented to init), which writes its pid.

@@ -1,4 +1,4 @@
-"""The checkpointer contract (:mod:`gpupool.provisioner.checkpoint`): picking
+"""The checkpointer contract (:mod:`gpupool.node.checkpoint`): picking
 one (``auto`` and by name), ``cuda-checkpoint``'s command line driven against
 a stand-in that keeps the real one's (tests/support/fake_cuda_checkpoint.py: only a
 GPU host runs the real utility), the ``framework`` checkpointer's in-place
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.provisioner import checkpoint
-from gpupool.provisioner.checkpoint import CheckpointError, Moved, NodeFacts, ParkTarget
-from gpupool.provisioner.checkpoint.cuda import CudaCheckpointer
-from gpupool.provisioner import simgpu_store
-from gpupool.provisioner.checkpoint.simulated import SimulatedCheckpointer
-from gpupool.provisioner.workers.parking import mem_available, no_room
+from gpupool.node import checkpoint
+from gpupool.node.checkpoint import CheckpointError, Moved, NodeFacts, ParkTarget
+from gpupool.node.checkpoint.cuda import CudaCheckpointer
+from gpupool.node import simgpu_store
+from gpupool.node.checkpoint.simulated import SimulatedCheckpointer
+from gpupool.node.workers.parking import mem_available, no_room
 
 GiB = 2**30
 FAKE = Path(__file__).parents[1] / "support" / "fake_cuda_checkpoint.py"
@@ -154,8 +154,8 @@ def test_only_the_processes_with_cuda_state_are_checkpointed(fake_cuda, sleeper,
 
 def test_the_framework_move_keeps_every_object_view_and_parameter_in_place():
     torch = pytest.importorskip("torch")
-    from gpupool.provisioner.worker_extension import offload
-    from gpupool.provisioner.worker_extension.devices import device_of
+    from gpupool.node.worker_extension import offload
+    from gpupool.node.worker_extension.devices import device_of
 
     base = torch.arange(16.0).reshape(4, 4)
     view = base[1:3]

@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from workercell import run_worker_cell
-from gpupool.provisioner.cgroups import CgroupError, containment
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
+from gpupool.node.cgroups import CgroupError, containment
+from gpupool.node.inventory.simulated import SimulatedInventory
+from gpupool.node.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
 from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, wait_for
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gpupool.provisioner.enforcement import (MIG, MPS, EnforcementMode, Exclusive, MemoryWatchdog, MPSControl,
+from gpupool.node.enforcement import (MIG, MPS, EnforcementMode, Exclusive, MemoryWatchdog, MPSControl,
                                              NoEnforcement, Timeslice, after_rediscovery, available, mode_class,
                                              register, resolve, slice_environment, unregister)
 from gpupool.wire.nodes import GPUInfo

@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 
 from frontend import run
-from gpupool.provisioner import simgpu_store
-from gpupool.provisioner.checkpoint.framework import ask
-from gpupool.provisioner.inventory.simulated import simulated_uuid
-from gpupool.provisioner.worker_extension import gpumemory, lasttraceback
+from gpupool.node import simgpu_store
+from gpupool.node.checkpoint.framework import ask
+from gpupool.node.inventory.simulated import simulated_uuid
+from gpupool.node.worker_extension import gpumemory, lasttraceback
 from gpupool.wire.transfer import GpuMemory
 from parkagent import MiB, ParkAgent
 
 pytestmark = pytest.mark.timeout(300)
 
 HOLDERS = """
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 x = simgpu.zeros(64 << 20, 'uint8')
 view = x[::2]
 d = {'small': simgpu.zeros(16 << 20, 'uint8'), 'again': [x]}
@@ -88,7 +88,7 @@ def test_names_holding_gpu_memory_are_listed_once_each_and_a_park_drops_the_last
 
 
 NESTED = """
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 class Trainer:
     def __init__(self):
         self.weights = {'w': simgpu.zeros(8 << 20, 'uint8')}
@@ -129,12 +129,12 @@ def test_attributes_chained_exceptions_and_the_depth_bound_in_one_shell(shell):
     label = "last traceback (ValueError; frames of Cell In[1])"
     assert rows == {"trainer": 8 * MiB, label: 2 * MiB}, "deep's array is 4 levels down: past DEPTH"
     assert lasttraceback.forget(shell) == label and lasttraceback.forget(shell) is None
-    assert not hasattr(sys, "last_traceback") and sys.modules["gpupool.provisioner.simgpu"].memory_allocated() \
+    assert not hasattr(sys, "last_traceback") and sys.modules["gpupool.node.simgpu"].memory_allocated() \
         == 12 * MiB, "inner's frame, reached through the chained KeyError, was cleared"
 
 
 def test_a_huge_namespace_is_looked_at_within_the_bounds(shell):
-    shell.run_cell("from gpupool.provisioner import simgpu\nx = simgpu.zeros(1 << 20, 'uint8')\n"
+    shell.run_cell("from gpupool.node import simgpu\nx = simgpu.zeros(1 << 20, 'uint8')\n"
                    "rows = [{'a': [i, str(i)]} for i in range(400_000)]")
     began = time.monotonic()
     listed = gpumemory.listing(shell)
@@ -145,7 +145,7 @@ def test_a_huge_namespace_is_looked_at_within_the_bounds(shell):
 def test_pytorch_values_in_host_memory_hold_none_and_are_not_walked_into(shell):
     """The PyTorch branch with real PyTorch (a CPU build here: its CUDA part runs in ``make gpu-check``)."""
     pytest.importorskip("torch")
-    shell.run_cell("import torch\nfrom gpupool.provisioner import simgpu\nmodel = torch.nn.Linear(64, 64)\n"
+    shell.run_cell("import torch\nfrom gpupool.node import simgpu\nmodel = torch.nn.Linear(64, 64)\n"
                    "pair = [torch.zeros(1000), model]\nx = simgpu.zeros(1 << 20, 'uint8')")
     listed = gpumemory.listing(shell)
     assert [h["name"] for h in listed["holders"]] == ["x"] and listed["complete"] is True

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from gpupool.provisioner.inventory import InventoryError, select_inventory
-from gpupool.provisioner.inventory.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
+from gpupool.node.inventory import InventoryError, select_inventory
+from gpupool.node.inventory.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
 from gpupool.wire.nodes import GPUInfo
 
 MiB = 1024**2

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from traitlets import TraitError
 
-from gpupool.provisioner.inventory import InventoryError, available, inventory_class, select_inventory
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
+from gpupool.node.inventory import InventoryError, available, inventory_class, select_inventory
+from gpupool.node.inventory.simulated import SimulatedInventory
 from gpupool.wire.leases import LeaseRequest
 from plugins import install_plugin, use_plugin
 from procs import start_agent, start_service
@@ -40,14 +40,14 @@ def test_the_built_ins_and_auto_are_as_before():
         select_inventory("1xA100-80GB", "node-1", source="nvml")
     with pytest.raises(InventoryError, match="unknown inventory 'dcgm'; choose one of auto, nvml, simulated"):
         select_inventory(None, "node-1", source="dcgm")
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     with pytest.raises(TraitError, match=r"'inventory_source' .* any of \['auto', 'nvml', 'simulated'\], not 'dcgm'"):
         NodeAgent(inventory_source="dcgm")
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert available() == ("nvml", "simulated", "demo")
     inventory = select_inventory(None, "node-7", source="demo")

@@ -17,11 +17,11 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from traitlets.config import Config
 
-from gpupool.provisioner.workers import WorkerSpec
-from gpupool.provisioner.workers.launchers.kubernetes import (KubernetesLauncher, OwnerPod, PodClient, PodError,
+from gpupool.node.workers import WorkerSpec
+from gpupool.node.workers.launchers.kubernetes import (KubernetesLauncher, OwnerPod, PodClient, PodError,
                                                               PodSettings, WorkerPorts, connection_info,
                                                               connection_secret, pod_name, worker_pod)
-from gpupool.provisioner.workers.launchers.kubernetes.pods import escape_username, label_value
+from gpupool.node.workers.launchers.kubernetes.pods import escape_username, label_value
 from gpupool.wire.nodes import GPUInfo
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

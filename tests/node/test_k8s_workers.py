@@ -25,11 +25,11 @@ import sys
 import pytest
 from traitlets.config import Config
 
-from gpupool.provisioner.workers import WorkerLaunch, WorkerManager, WorkerSpec, WorkerStartError
-from gpupool.provisioner.workers.launchers import launcher_class
-from gpupool.provisioner.workers.launchers.kubernetes.pods import pod_name
-from gpupool.provisioner.workers.launchers.kubernetes.status import end_words, exit_code, pending_words, running_ip
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
+from gpupool.node.workers import WorkerLaunch, WorkerManager, WorkerSpec, WorkerStartError
+from gpupool.node.workers.launchers import launcher_class
+from gpupool.node.workers.launchers.kubernetes.pods import pod_name
+from gpupool.node.workers.launchers.kubernetes.status import end_words, exit_code, pending_words, running_ip
+from gpupool.node.inventory.simulated import SimulatedInventory
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from kubelet_standin import KubeletStandin
@@ -207,7 +207,7 @@ def test_an_unschedulable_pod_fails_the_start_with_its_words_and_leaves_nothing(
 
 
 def test_a_pod_cannot_be_frozen_and_has_no_warm_workers(standin, tmp_path):
-    from gpupool.provisioner.cgroups import CgroupError
+    from gpupool.node.cgroups import CgroupError
 
     async def scenario():
         workers = manager(tmp_path, standin)

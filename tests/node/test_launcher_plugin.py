@@ -14,8 +14,8 @@ import asyncio
 import pytest
 from traitlets import TraitError
 
-from gpupool.provisioner.workers.launchers import available, launcher_class
-from gpupool.provisioner.workers.launchers.local import LocalLauncher
+from gpupool.node.workers.launchers import available, launcher_class
+from gpupool.node.workers.launchers.local import LocalLauncher
 from gpupool.wire.leases import LeaseRequest
 from plugins import install_plugin, use_plugin
 from procs import start_agent, start_service
@@ -32,7 +32,7 @@ def demo_plugin(tmp_path, monkeypatch):
 
 
 def test_the_local_launcher_is_the_default_and_slurm_and_kubernetes_the_other_built_ins():
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert available() == ("local", "slurm", "kubernetes")
     assert launcher_class("local") is LocalLauncher
@@ -46,7 +46,7 @@ def test_the_local_launcher_is_the_default_and_slurm_and_kubernetes_the_other_bu
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert available() == ("local", "slurm", "kubernetes", "demo")
     assert launcher_class("demo").__name__ == "DemoLauncher"

@@ -12,12 +12,12 @@ import pynvml
 import pytest
 
 from fakenvml import FakeEvent, FakeGPU, FakeNVML, FakeProcess, FakeSample, fake_functions, helper_command
-from gpupool.provisioner.attribution import PidMapper
-from gpupool.provisioner.inventory import InventoryError, select_inventory
-from gpupool.provisioner.inventory.nvml import calls as nvml_calls, devices as nvml_devices, events as nvml_events
-from gpupool.provisioner.inventory.nvml import inventory as nvml, processes as nvml_processes
-from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
-from gpupool.provisioner.inventory.nvml.watch import WatchedInventory
+from gpupool.node.attribution import PidMapper
+from gpupool.node.inventory import InventoryError, select_inventory
+from gpupool.node.inventory.nvml import calls as nvml_calls, devices as nvml_devices, events as nvml_events
+from gpupool.node.inventory.nvml import inventory as nvml, processes as nvml_processes
+from gpupool.node.inventory.nvml.inventory import NVMLInventory
+from gpupool.node.inventory.nvml.watch import WatchedInventory
 from gpupool.wire.nodes import GPUInfo
 
 MiB = 1024**2

@@ -29,9 +29,9 @@ from nvml_agents import NODE, REFUSED_FOR_NVML, active, node_in_state, refused_f
 from gpupool.hub_plugin.rules.reclaim import lost_nodes
 from gpupool.demo_pool import AgentProcess, wait_for
 from workercell import run_worker_cell
-from gpupool.provisioner.inventory import InventoryError, select_inventory
-from gpupool.provisioner.inventory.retrying import RetryingInventory, backoff_delay
-from gpupool.provisioner.inventory.nvml.inventory import NVMLInventory
+from gpupool.node.inventory import InventoryError, select_inventory
+from gpupool.node.inventory.retrying import RetryingInventory, backoff_delay
+from gpupool.node.inventory.nvml.inventory import NVMLInventory
 from gpupool.wire.leases import LeaseRequest
 
 MISMATCH_WORDS = "NVML could not start (RM has detected an NVML/RM version mismatch.)"

@@ -1,7 +1,7 @@
 """NVML in a watched helper process: a hanging driver call is contained.
 
-:class:`~gpupool.provisioner.inventory.nvml.watch.WatchedInventory` runs a real helper
-process (:mod:`gpupool.provisioner.inventory.nvml.helper`) whose ``pynvml`` is
+:class:`~gpupool.node.inventory.nvml.watch.WatchedInventory` runs a real helper
+process (:mod:`gpupool.node.inventory.nvml.helper`) whose ``pynvml`` is
 :class:`fakenvml.ControlledNVML`; the control file makes its calls fail or
 hang. A helper whose answer passes the timeout is killed and, on the backoff
 schedule, replaced by one that works once the fake stops hanging.
@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from fakenvml import AGENT_GPUS, hanging_pid, helper_command, set_error, set_hang
-from gpupool.provisioner.inventory.nvml.watch import WatchedInventory
+from gpupool.node.inventory.nvml.watch import WatchedInventory
 
 #: The helper names the call that hung when it could tell in time (half the timeout), as it does on an idle machine.
 STOPPED_ANSWERING = re.compile(r"the GPU driver stopped answering: (nvmlDeviceGetCount did not return|NVML did not "

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 STATE = """
 import threading, os
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 import numpy as np
 gpu = simgpu.zeros({nbytes}, 'uint8')
 gpu[::4096] = np.arange(len(gpu[::4096])) % 251
@@ -211,8 +211,8 @@ def test_the_budget_spills_the_longest_parked_and_one_too_big_spills_at_once(tmp
         for lease in ("L-first", "L-second", "L-big"):
             kcs[lease] = agent.client(agent.start_worker(lease)["connection"])
         for lease in ("L-first", "L-second"):
-            cell(kcs[lease], "from gpupool.provisioner import simgpu; x = simgpu.zeros(200 * 2**20, 'uint8'); x[7] = 7")
-        cell(kcs["L-big"], "from gpupool.provisioner import simgpu; x = simgpu.zeros(800 * 2**20, 'uint8')")
+            cell(kcs[lease], "from gpupool.node import simgpu; x = simgpu.zeros(200 * 2**20, 'uint8'); x[7] = 7")
+        cell(kcs["L-big"], "from gpupool.node import simgpu; x = simgpu.zeros(800 * 2**20, 'uint8')")
         first = agent.park("L-first")[1]
         assert first["tier"] == "memory"
         second = agent.park("L-second")[1]
@@ -233,7 +233,7 @@ def test_a_host_short_of_memory_spills_instead_of_parking_in_memory(tmp_path):
     agent = ParkAgent(tmp_path, args=("--NodeAgent.park_headroom=1TiB",))
     try:
         kc = agent.client(agent.start_worker("L-short")["connection"])
-        cell(kc, "from gpupool.provisioner import simgpu; x = simgpu.zeros(16 * 2**20, 'uint8'); x[1] = 1")
+        cell(kc, "from gpupool.node import simgpu; x = simgpu.zeros(16 * 2**20, 'uint8'); x[1] = 1")
         status, parked = agent.park("L-short")
         assert status == 200 and parked["tier"] == "disk", parked
         assert "would leave less than 1.0 TiB (c.NodeAgent.park_headroom)" in agent.log.read_text()
@@ -363,7 +363,7 @@ def test_the_registration_says_the_checkpointer_and_the_budget(tmp_path, monkeyp
 
     import psutil as ps
 
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
     from gpupool.wire.nodes import NodeRegistration
 
     monkeypatch.setenv("GPUPOOL_AGENT_TOKEN", "t")

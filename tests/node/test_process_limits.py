@@ -1,4 +1,4 @@
-"""Task limits (:mod:`gpupool.provisioner.process_limits`): a cell that forks
+"""Task limits (:mod:`gpupool.node.process_limits`): a cell that forks
 without end stops at its own worker's ``pids.max``, and the node goes on.
 
 Without these limits, a cell forking 1,460 sleeping children fills the
@@ -26,10 +26,10 @@ import psutil
 import pytest
 
 from workercell import run_worker_cell
-from gpupool.provisioner import process_limits
-from gpupool.provisioner.cgroups import CgroupError, containment
-from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
-from gpupool.provisioner.process_limits import MIN_WORKER_PIDS, ProcessBudget, node_limit
+from gpupool.node import process_limits
+from gpupool.node.cgroups import CgroupError, containment
+from gpupool.node.cgroups.mounts import own_cgroups, read_mounts
+from gpupool.node.process_limits import MIN_WORKER_PIDS, ProcessBudget, node_limit
 from gpupool.wire.leases import LeaseRequest
 from procs import start_agent, start_service, wait_for
 

@@ -26,7 +26,7 @@ import pytest
 
 from gpupool.demo_pool import GPUPOOL, free_port, stop_process, wait_for
 from gpupool.errors import GPUPoolError
-from gpupool.provisioner.cgroups.mounts import read_mounts
+from gpupool.node.cgroups.mounts import read_mounts
 from procs import start_agent, start_service
 
 
@@ -108,8 +108,8 @@ def test_an_agent_requiring_containment_refuses_a_read_only_cgroupfs(tmp_path):
 def test_a_named_enforcement_mode_that_cannot_set_up_is_refused(tmp_path):
     """In process: a mode plugin whose setup fails (as ``mps`` does without its daemon) ends the
     start-up with an error without the setting, and becomes the refusal with it."""
-    from gpupool.provisioner import enforcement
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node import enforcement
+    from gpupool.node.agent import NodeAgent
 
     class Broken(enforcement.EnforcementMode):
         name = "broken-test"
@@ -137,7 +137,7 @@ def test_a_named_enforcement_mode_that_cannot_set_up_is_refused(tmp_path):
 
 
 def test_a_bare_agent_does_not_require_containment():
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert NodeAgent().require_containment is False  # make demo, laptops: run with what the host has
     assert "c.NodeAgent.require_containment = True" in NodeAgent.class_traits()["require_containment"].help

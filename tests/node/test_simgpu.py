@@ -1,4 +1,4 @@
-"""Simulated GPU memory (:mod:`gpupool.provisioner.simgpu`) in real processes,
+"""Simulated GPU memory (:mod:`gpupool.node.simgpu`) in real processes,
 read by the simulated inventory as NVML would report it, and swept when its
 process is gone.
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.provisioner import simgpu_store
-from gpupool.provisioner.inventory.simulated import SimulatedInventory, simulated_uuid
-from gpupool.provisioner.worker_extension.devices import device_of, place_on_devices, to_cpu_with_device
+from gpupool.node import simgpu_store
+from gpupool.node.inventory.simulated import SimulatedInventory, simulated_uuid
+from gpupool.node.worker_extension.devices import device_of, place_on_devices, to_cpu_with_device
 
 MiB = 2**20
 NODE = f"simgpu-{secrets.token_hex(3)}"
@@ -30,7 +30,7 @@ GPU0, GPU1 = simulated_uuid(NODE, 0), simulated_uuid(NODE, 1)
 # Runs each line of its stdin, answers one JSON line: {"ok": value of `_`} or {"error": "Type: words"}.
 REPL = """
 import json, sys, traceback
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 import numpy as np
 ns = {"simgpu": simgpu, "np": np}
 for line in sys.stdin:
@@ -154,7 +154,7 @@ def test_a_binding_file_moves_new_allocations_to_other_gpus_and_limits(root):
 
 
 def test_device_arrays_travel_as_host_copies_and_come_back_on_their_device(root, monkeypatch):
-    from gpupool.provisioner import simgpu
+    from gpupool.node import simgpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{GPU0},{GPU1}")
     monkeypatch.delenv("GPUPOOL_MEMORY_LIMIT", raising=False)

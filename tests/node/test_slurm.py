@@ -27,7 +27,7 @@ import pytest
 
 # Fixtures: a real Slurm, a second user, an empty queue after each test.
 from slurm_fixtures import Worker, cluster, halted, no_jobs_left, other, queue, spec  # noqa: F401
-from gpupool.provisioner.workers.launchers.slurm import SlurmError, SlurmLauncher, SlurmWorkerRecord
+from gpupool.node.workers.launchers.slurm import SlurmError, SlurmLauncher, SlurmWorkerRecord
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(180)
@@ -293,7 +293,7 @@ import asyncio, json, sys
 sys.path.insert(0, {tests!r})
 from slurm_fixtures import Worker, spec
 from pathlib import Path
-from gpupool.provisioner.workers.launchers.slurm import SlurmLauncher
+from gpupool.node.workers.launchers.slurm import SlurmLauncher
 
 async def main():
     launcher = SlurmLauncher(node={node!r}, slurm_conf={conf!r}, start_timeout=30)

@@ -10,12 +10,12 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from gpupool.provisioner.workers import WorkerSpec
-from gpupool.provisioner.workers.launchers.slurm import (JobSettings, SlurmJob, SlurmLauncher, SlurmStep,
+from gpupool.node.workers import WorkerSpec
+from gpupool.node.workers.launchers.slurm import (JobSettings, SlurmJob, SlurmLauncher, SlurmStep,
                                                          SlurmWorkerRecord, end_reason)
-from gpupool.provisioner.workers.launchers.slurm.request import (gres, job_environment, lease_job, share_job,
+from gpupool.node.workers.launchers.slurm.request import (gres, job_environment, lease_job, share_job,
                                                                  slice_step)
-from gpupool.provisioner.workers.launchers.slurm.state import end_line, gpu_indices, parse_pairs
+from gpupool.node.workers.launchers.slurm.state import end_line, gpu_indices, parse_pairs
 from gpupool.wire.nodes import GPUInfo
 
 GiB = 2**30

@@ -17,12 +17,12 @@ from datetime import datetime
 import psutil
 import pytest
 
-from gpupool.provisioner import worker_extension
-from gpupool.provisioner.enforcement import MPS
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
-from gpupool.provisioner.workers.binding import bind_code, preload_code
-from gpupool.provisioner.workers.warmpool import WarmPool
+from gpupool.node import worker_extension
+from gpupool.node.enforcement import MPS
+from gpupool.node.inventory.simulated import SimulatedInventory
+from gpupool.node.workers import WarmSettings, WorkerManager, WorkerLaunch, WorkerSpec
+from gpupool.node.workers.binding import bind_code, preload_code
+from gpupool.node.workers.warmpool import WarmPool
 from workercell import run_worker_cell
 from procs import processes_mentioning, wait_for
 
@@ -160,7 +160,7 @@ def test_pool_settings_are_checked():
 
 def test_bind_and_preload_code_are_literal_calls():
     assert bind_code({"CUDA_VISIBLE_DEVICES": "GPU-a", "GPUPOOL_OWNER": "o'brien"}) == (
-        "__import__('gpupool.provisioner.worker_extension', fromlist=['bind'])"
+        "__import__('gpupool.node.worker_extension', fromlist=['bind'])"
         ".bind({'CUDA_VISIBLE_DEVICES': 'GPU-a', 'GPUPOOL_OWNER': \"o'brien\"})")
     assert preload_code(["torch", "numpy"]) == "__import__('torch')\n__import__('numpy')\n"
 
@@ -250,7 +250,7 @@ def test_warm_worker_is_bound_to_its_slice_and_tracked_like_a_cold_one(tmp_path)
 
             # the lease's owner cannot rebind it to another GPU through the agent's function
             refused = await run_worker_cell(worker.connection(),
-                                            "from gpupool.provisioner.worker_extension import bind\n"
+                                            "from gpupool.node.worker_extension import bind\n"
                                             "try:\n    bind({'CUDA_VISIBLE_DEVICES': 'GPU-other'})\n"
                                             "except RuntimeError as e:\n    print(e)")
             assert "already bound to lease L-000000000001" in refused

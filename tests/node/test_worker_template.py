@@ -1,5 +1,5 @@
 """Cold workers forked from their interpreter's template (gpupool.zygote,
-provisioner/workers/launchers/local/template.py): the same worker a boot gives
+node/workers/launchers/local/template.py): the same worker a boot gives
 (environment, folder, sys.path, command line, cgroup, exit code), faster,
 and a boot whenever the template cannot serve."""
 
@@ -15,10 +15,10 @@ import time
 import psutil
 import pytest
 
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import WorkerLaunch, WorkerManager, WorkerSpec
-from gpupool.provisioner.workers.launchers.local.template import ForkedProcess
-from gpupool.provisioner.workers.process import LocalProcess
+from gpupool.node.inventory.simulated import SimulatedInventory
+from gpupool.node.workers import WorkerLaunch, WorkerManager, WorkerSpec
+from gpupool.node.workers.launchers.local.template import ForkedProcess
+from gpupool.node.workers.process import LocalProcess
 from procs import processes_mentioning
 from workercell import run_worker_cell
 

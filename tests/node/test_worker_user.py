@@ -24,7 +24,7 @@ import pytest
 
 from workercell import run_worker_cell
 from worker_account import USER, worker_account
-from gpupool.provisioner.worker_user import WorkerUser
+from gpupool.node.worker_user import WorkerUser
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 from procs import processes_mentioning, start_agent, start_service, wait_for
@@ -100,7 +100,7 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
 
 WORKDIR_PROBE = """\
 import json
-from gpupool.provisioner.worker_extension.workdir import enter_workdir
+from gpupool.node.worker_extension.workdir import enter_workdir
 print(json.dumps([enter_workdir(OPEN, "ann"), enter_workdir(CLOSED, "ann")]))
 """
 
@@ -286,7 +286,7 @@ def test_two_users_workers_on_one_node_run_as_accounts_of_their_own_and_cannot_r
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making files and processes of other users needs root")
 def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_path):
-    from gpupool.provisioner.worker_user import NoFreeWorkerUser, WorkerUserPool
+    from gpupool.node.worker_user import NoFreeWorkerUser, WorkerUserPool
 
     users = [WorkerUser.lookup(account.pw_name) for account in pool_accounts()]
     scratch, workdir = tmp_path / "scratch", tmp_path / "home"

@@ -16,13 +16,13 @@ from datetime import datetime
 import psutil
 import pytest
 
-from gpupool.provisioner.activity import WorkerActivity
-from gpupool.provisioner.enforcement import MPS
-from gpupool.provisioner.inventory.simulated import SimulatedInventory
-from gpupool.provisioner.workers import (WORKER_EXTENSION, WorkerManager, WorkerLaunch, WorkerSpec,
+from gpupool.node.activity import WorkerActivity
+from gpupool.node.enforcement import MPS
+from gpupool.node.inventory.simulated import SimulatedInventory
+from gpupool.node.workers import (WORKER_EXTENSION, WorkerManager, WorkerLaunch, WorkerSpec,
                                          WorkerStartError, worker_environment)
-from gpupool.provisioner.workers.kernel import KernelManagers, kernel_arguments
-from gpupool.provisioner.workers.process import AdoptedProcess, LocalProcess
+from gpupool.node.workers.kernel import KernelManagers, kernel_arguments
+from gpupool.node.workers.process import AdoptedProcess, LocalProcess
 from procs import processes_mentioning
 from workercell import run_worker_cell
 

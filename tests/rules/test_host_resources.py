@@ -18,9 +18,9 @@ from gpupool.hub_plugin.rules.hosts import (NO_CPUS, NO_HOST_MEMORY, HostState, 
 from gpupool.hub_plugin.rules.placement_index import PlacementIndex
 from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal, place
 from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD, slice_delta
-from gpupool.provisioner.cgroups.mounts import own_cgroups, read_mounts
-from gpupool.provisioner.cgroups.none import GroupOnly
-from gpupool.provisioner.host_limits import out_of_memory
+from gpupool.node.cgroups.mounts import own_cgroups, read_mounts
+from gpupool.node.cgroups.none import GroupOnly
+from gpupool.node.host_limits import out_of_memory
 from workercell import run_worker_cell
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest

@@ -33,7 +33,7 @@ def test_the_replays_defaults_are_the_services():
 
 
 def test_the_node_budget_is_the_agents_default():
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     assert costs.parked_budget() == NodeAgent(host_memory=costs.NODE_HOST_BYTES).parked_budget()
 

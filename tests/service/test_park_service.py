@@ -46,7 +46,7 @@ GiB, MiB = 1024**3, 1024**2
 #: What a worker holds: simulated GPU memory, a held lock, an open file and a half-consumed generator.
 STATE = """
 import threading, os
-from gpupool.provisioner import simgpu
+from gpupool.node import simgpu
 import numpy as np
 gpu = simgpu.zeros({nbytes}, 'uint8')
 gpu[::4096] = 7

@@ -49,7 +49,7 @@ def _traitlets_app(command: str):
         from gpupool.hub_plugin.app import ServiceApp
 
         return ServiceApp()
-    from gpupool.provisioner.agent import NodeAgent
+    from gpupool.node.agent import NodeAgent
 
     return NodeAgent()
 
@@ -119,7 +119,7 @@ def environment_names_read() -> set[str]:
     import jupyterhub.services.auth
 
     names: set[str] = set()
-    sources = [*ROOT.glob("gpupool/*.py"), *ROOT.glob("provisioner/**/*.py"), *ROOT.glob("hub_plugin/**/*.py"),
+    sources = [*ROOT.glob("gpupool/*.py"), *ROOT.glob("node/**/*.py"), *ROOT.glob("hub_plugin/**/*.py"),
                *ROOT.glob("magics/*.py"), Path(jupyterhub.services.auth.__file__)]
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -7,7 +7,7 @@ and runs on simulated GPUs, so a test needs no GPU to see it end to end.
 
 from __future__ import annotations
 
-from gpupool.provisioner.enforcement import EnforcementMode
+from gpupool.node.enforcement import EnforcementMode
 
 
 class Demo(EnforcementMode):

@@ -324,16 +324,16 @@ def set_hang(control: Path, hang: bool | list[str]) -> None:
 
 
 def helper_command(control: Path, gpus: tuple[str, ...] = AGENT_GPUS) -> list[str]:
-    """An NVML helper program (:mod:`gpupool.provisioner.inventory.nvml.helper`) on a
+    """An NVML helper program (:mod:`gpupool.node.inventory.nvml.helper`) on a
     :class:`ControlledNVML` over ``gpus`` (UUIDs; none: NVML finds no GPU)
-    driven by ``control``, for :class:`~gpupool.provisioner.inventory.nvml.watch.WatchedInventory`."""
+    driven by ``control``, for :class:`~gpupool.node.inventory.nvml.watch.WatchedInventory`."""
     return [sys.executable, str(Path(__file__).resolve()), "helper", str(control), ",".join(gpus)]
 
 
 def run_helper(control: str, gpus: str, fd: str) -> int:
     """The NVML helper with ``pynvml`` replaced (see :func:`helper_command`)."""
     sys.modules["pynvml"] = ControlledNVML([FakeGPU(uuid) for uuid in gpus.split(",") if uuid], Path(control))
-    from gpupool.provisioner.inventory.nvml import helper as nvml_helper
+    from gpupool.node.inventory.nvml import helper as nvml_helper
 
     return nvml_helper.main([fd])
 
@@ -343,7 +343,7 @@ def run_agent(control: str, argv: list[str]) -> int:
     runs a :class:`ControlledNVML` over two A100s (:data:`AGENT_GPUS`) driven
     by the file ``control``. Run as ``python tests/support/fakenvml.py CONTROL ARGV...``."""
     from gpupool.cli import main
-    from gpupool.provisioner.inventory.nvml import watch as nvml_watch
+    from gpupool.node.inventory.nvml import watch as nvml_watch
 
     nvml_watch.helper_command = lambda: helper_command(Path(control))
     return main(["agent", *argv])

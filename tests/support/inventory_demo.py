@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from gpupool.provisioner.inventory import Inventory, InventoryOptions
+from gpupool.node.inventory import Inventory, InventoryOptions
 from gpupool.wire.nodes import GPUInfo
 
 GiB = 1024**3

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from gpupool.provisioner.workers.launchers.kubernetes.pods import CONNECTION_DIR
+from gpupool.node.workers.launchers.kubernetes.pods import CONNECTION_DIR
 
 #: Seconds the kubelet waits for a pod's Secret before it leaves the pod waiting for good.
 SECRET_WAIT_S = 30.0

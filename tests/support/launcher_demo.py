@@ -4,12 +4,12 @@
 ``demo`` is the stock local launcher that also notes every worker it starts,
 ``HOW PID NAME`` a line, in ``STATE_DIR/demo-launcher.log``: a test can then
 tell which workers it started. A container launcher would subclass
-:class:`~gpupool.provisioner.workers.launchers.WorkerLauncher` instead.
+:class:`~gpupool.node.workers.launchers.WorkerLauncher` instead.
 """
 
 from __future__ import annotations
 
-from gpupool.provisioner.workers.launchers.local import LocalLauncher
+from gpupool.node.workers.launchers.local import LocalLauncher
 
 NOTES = "demo-launcher.log"
 

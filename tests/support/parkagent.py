@@ -23,7 +23,7 @@ from typing import Any
 from jupyter_client import BlockingKernelClient
 
 from gpupool.demo_pool import free_port, processes_mentioning, stop_process, wait_for
-from gpupool.provisioner.inventory.simulated import SimulatedInventory, simulated_uuid
+from gpupool.node.inventory.simulated import SimulatedInventory, simulated_uuid
 
 GiB = 1024**3
 MiB = 1024**2

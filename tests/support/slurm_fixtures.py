@@ -17,11 +17,11 @@ import pytest
 from jupyter_client.connect import write_connection_file
 
 import slurm
-from gpupool.provisioner.enforcement.base import slice_environment
-from gpupool.provisioner.workers import WorkerSpec, worker_environment
-from gpupool.provisioner.workers.launchers.slurm import SlurmLauncher, SlurmWorkerRecord
-from gpupool.provisioner.workers.launchers.slurm.launcher import kernel_command
-from gpupool.provisioner.workers.launchers.slurm.request import job_environment
+from gpupool.node.enforcement.base import slice_environment
+from gpupool.node.workers import WorkerSpec, worker_environment
+from gpupool.node.workers.launchers.slurm import SlurmLauncher, SlurmWorkerRecord
+from gpupool.node.workers.launchers.slurm.launcher import kernel_command
+from gpupool.node.workers.launchers.slurm.request import job_environment
 from gpupool.wire.nodes import GPUInfo
 from workercell import run_worker_cell
 

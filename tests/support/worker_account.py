@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.provisioner.worker_user import WorkerUser
+from gpupool.node.worker_user import WorkerUser
 
 
 USER = "gpupool-test-worker"

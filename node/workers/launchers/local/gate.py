@@ -1,5 +1,5 @@
 """The start gate: a local worker's first process joins its cgroup
-(:mod:`gpupool.provisioner.cgroups`) before it runs a line of Python.
+(:mod:`gpupool.node.cgroups`) before it runs a line of Python.
 
 A kernel booted through jupyter_client (not forked from a template:
 :mod:`.template`) is started behind a shell *start gate*

@@ -21,7 +21,7 @@ from typing import Mapping
 from gpupool.wire.nodes import WorkerEnvironment
 
 #: What a worker imports first: if this fails, the worker cannot start there.
-PROBE = "import ipykernel, jupyter_client, gpupool.kernelapp, gpupool.provisioner.worker_extension; print(ipykernel.__version__)"
+PROBE = "import ipykernel, jupyter_client, gpupool.kernelapp, gpupool.node.worker_extension; print(ipykernel.__version__)"
 PROBE_TIMEOUT_S = 60.0
 DEFAULT_NAME = "default"
 

@@ -76,7 +76,7 @@ def select_inventory(simulate: str | None, node_name: str | None = None, host_pr
     :func:`~.nvml.watch.helper_command`).
 
     ``host_proc``: where the host's /proc is mounted when the agent runs in a
-    container (see :class:`~gpupool.provisioner.attribution.PidMapper`); NVML only.
+    container (see :class:`~gpupool.node.attribution.PidMapper`); NVML only.
 
     Raises :class:`InventoryError` when the spec is bad, when ``nvml`` is
     named beside a spec, when NVML cannot be there at all (no driver library,

@@ -51,7 +51,7 @@ class WorkerKernelManager(AsyncKernelManager):
         jupyter_client hands each client a clone of the manager's Session,
         whose message counter starts again at 0: two clients' first requests
         then share one msg_id (``SESSION_PID_0``). The agent tells requests
-        apart by msg_id (:class:`~gpupool.provisioner.activity.WorkerActivity`),
+        apart by msg_id (:class:`~gpupool.node.activity.WorkerActivity`),
         so a re-adopted worker's late IOPub ``idle`` of the control channel's
         ``kernel_info`` ended the tracking ``kernel_info`` of the running cell."""
         client = super().client(**kwargs)

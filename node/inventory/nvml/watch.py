@@ -9,7 +9,7 @@ methods from the last answer, so they never block. A helper that passes its
 timeout (or dies) is killed and left behind; the node is ``degraded`` with
 words saying the GPU driver stopped answering (its leases go on, nothing new
 is placed there), and a new helper is started after a delay that doubles
-from ``first`` to ``longest`` seconds (:func:`~gpupool.provisioner.inventory.retrying.backoff_delay`).
+from ``first`` to ``longest`` seconds (:func:`~gpupool.node.inventory.retrying.backoff_delay`).
 Once one answers, the GPUs are registered again.
 """
 
@@ -46,7 +46,7 @@ NOTHING = {"error": None, "gpus": [], "metrics": [], "usage": [], "known": set()
 
 def helper_command() -> list[str]:
     """The program of the NVML helper, without its socket's fd (appended)."""
-    return [sys.executable, "-m", "gpupool.provisioner.inventory.nvml.helper"]
+    return [sys.executable, "-m", "gpupool.node.inventory.nvml.helper"]
 
 
 class HelperLost(Exception):
@@ -124,7 +124,7 @@ class WatchedInventory(Inventory):
     """NVML through a helper process that is replaced when it hangs.
 
     ``host_proc``, ``first`` and ``longest`` go to the helper's
-    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` (NVML failing to start is
+    :class:`~gpupool.node.inventory.retrying.RetryingInventory` (NVML failing to start is
     retried there) and are also the schedule on which a hung helper is
     replaced. ``timeout``: seconds one round of readings may take;
     ``open_timeout`` (default :data:`OPEN_FACTOR` x ``timeout``): starting

@@ -1,6 +1,6 @@
 """The NVML helper: a small process that asks NVML on the agent's behalf, so
 that a driver call that hangs cannot stop the agent (:mod:`.watch` is the
-agent's side). Run as ``python -m gpupool.provisioner.inventory.nvml.helper FD``;
+agent's side). Run as ``python -m gpupool.node.inventory.nvml.helper FD``;
 its requests and answers over the socket ``FD``: docs/code.md, "The NVML helper".
 """
 
@@ -110,7 +110,7 @@ def snapshot(inventory: Inventory, came_back: bool = False) -> tuple[str, dict[s
 def open_nvml(options: dict[str, Any], watch: CallWatch) -> Inventory:
     """The inventory the helper serves: NVML (its calls watched by ``watch``),
     retried when it fails (raises :class:`InventoryError` as
-    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory` does)."""
+    :class:`~gpupool.node.inventory.retrying.RetryingInventory` does)."""
     from ..retrying import RetryingInventory
     from .inventory import NVMLInventory
 
@@ -159,10 +159,10 @@ def serve(conn: Connection, open_inventory: Callable[[dict[str, Any], CallWatch]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gpupool.provisioner.inventory.nvml.helper FD``: serve on socket ``FD``."""
+    """``python -m gpupool.node.inventory.nvml.helper FD``: serve on socket ``FD``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m gpupool.provisioner.inventory.nvml.helper FD (the agent starts it)", file=sys.stderr)
+        print("usage: python -m gpupool.node.inventory.nvml.helper FD (the agent starts it)", file=sys.stderr)
         return 2
     # Ctrl-C on the agent's terminal reaches this process group too; the agent
     # itself decides when its helper ends.

@@ -1,7 +1,7 @@
 """The compute processes on the pool's GPUs, as NVML reports them.
 
 ``nvmlDeviceGetComputeRunningProcesses`` gives bytes per process (PIDs of the
-host namespace, mapped by :mod:`gpupool.provisioner.attribution`);
+host namespace, mapped by :mod:`gpupool.node.attribution`);
 ``nvmlDeviceGetProcessUtilization`` gives SM % (samples newer than the
 last-seen timestamp, in microseconds; NotFound means no new sample, not an
 error).

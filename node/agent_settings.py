@@ -238,7 +238,7 @@ class WorkerSettings(NodeSettings):
         help=f"""How this node starts its workers; installed here: {", ".join(launchers.available())}.
         ``local`` (the default) starts an ipykernel process on this host, in a cgroup of its own;
         another name is a launcher of the ``gpupool.worker_launchers`` entry point group (a subclass of
-        ``gpupool.provisioner.workers.launchers.WorkerLauncher``, e.g. one that starts each
+        ``gpupool.node.workers.launchers.WorkerLauncher``, e.g. one that starts each
         worker in a container). A worker an earlier run of the agent left running is
         re-adopted from its record, whichever launcher started it.
         ``c.NodeAgent.worker_launcher = "local"``.""",

@@ -26,14 +26,14 @@ class NVMLInventory(Inventory):
 
     ``nvml``: the NVML binding to use (default: the ``pynvml`` module of
     nvidia-ml-py). ``pids``: how NVML's PIDs map to the agent's (default:
-    :class:`~gpupool.provisioner.attribution.PidMapper` with ``host_proc``).
+    :class:`~gpupool.node.attribution.PidMapper` with ``host_proc``).
 
     Initialises NVML on construction. Raises :class:`InventoryError` (telling
     to pass ``--simulate``, with NVML's own error text) when ``pynvml`` is not
     installed, the driver's library cannot be loaded, NVML does not start, or
     it finds no GPU; ``retryable`` when NVML failed to start or to list the
     GPUs for another reason than a missing library (see
-    :class:`~gpupool.provisioner.inventory.retrying.RetryingInventory`).
+    :class:`~gpupool.node.inventory.retrying.RetryingInventory`).
     """
 
     kind = "nvml"
@@ -154,7 +154,7 @@ class NVMLInventory(Inventory):
 
     def process_usage(self) -> list[GPUProcess]:
         """Every compute process on every GPU: NVML's PID, the agent's PID
-        (None when it maps to none, see :mod:`gpupool.provisioner.attribution`), bytes (None when
+        (None when it maps to none, see :mod:`gpupool.node.attribution`), bytes (None when
         NVML cannot attribute memory, e.g. without permission to see another
         user's process) and the newest SM utilization sample in percent."""
         return self._processes.usage(self._devices)

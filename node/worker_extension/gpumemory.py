@@ -7,7 +7,7 @@ output history, or the last traceback (``sys.last_traceback``, kept by
 IPython for ``%debug``), whose frames' locals pin what they referred to.
 What counts: PyTorch CUDA tensors and ``nn.Module``s (parameters and
 buffers), CuPy arrays, JAX arrays off the CPU, arrays in simulated GPU
-memory (:mod:`gpupool.provisioner.simgpu`), directly or inside lists,
+memory (:mod:`gpupool.node.simgpu`), directly or inside lists,
 tuples, sets, dicts and objects' attributes. A library is looked at only
 when the user's code imported it (``sys.modules``), never imported here.
 
@@ -98,7 +98,7 @@ def _torch_storage(tensor: Any) -> dict[Key, tuple[int, str]]:
 
 
 def _simgpu(array: Any) -> dict[Key, tuple[int, str]] | None:
-    simgpu = sys.modules.get("gpupool.provisioner.simgpu")
+    simgpu = sys.modules.get("gpupool.node.simgpu")
     block = simgpu.allocation_of(array) if simgpu is not None else None
     if block is None:
         return {} if hasattr(array, "dtype") else None

@@ -2,7 +2,7 @@
 binding that hands it to a lease.
 
 Binding puts the slice's variables into the worker's ``os.environ``
-(:func:`gpupool.provisioner.worker_extension.bind`, before CUDA initialises there)
+(:func:`gpupool.node.worker_extension.bind`, before CUDA initialises there)
 instead of booting a kernel; docs/enforcement.md, "Binding a worker to its
 GPUs", says why that holds the worker to its GPUs as a cold start does.
 
@@ -34,7 +34,7 @@ UNBOUND_ENVIRONMENT = {"CUDA_VISIBLE_DEVICES": ""}
 def bind_code(slice_env: Mapping[str, str]) -> str:
     """The code the agent runs in a warm worker (a silent ``execute_request``)
     to bind it to ``slice_env``: a call of
-    :func:`gpupool.provisioner.worker_extension.bind`. Only string names and values, so
+    :func:`gpupool.node.worker_extension.bind`. Only string names and values, so
     ``repr`` is an exact Python literal."""
     env = {str(name): str(value) for name, value in slice_env.items()}
     return f"__import__({WORKER_EXTENSION!r}, fromlist=['bind']).bind({env!r})"
@@ -87,7 +87,7 @@ async def prepare(worker: Worker, code: str, timeout: float) -> dict[str, Any]:
 
 async def bind(worker: Worker, spec: WorkerSpec, slice_env: Mapping[str, str], timeout: float) -> None:
     """Bind a warm worker to ``spec``: put ``slice_env`` in its
-    ``os.environ`` (:func:`~gpupool.provisioner.worker_extension.bind` refuses when
+    ``os.environ`` (:func:`~gpupool.node.worker_extension.bind` refuses when
     CUDA is initialised there already). From then on it is ``spec``'s
     worker, idle since now, as a cold worker is idle since it answered.
     WorkerBindError when it refused or did not answer within ``timeout``."""

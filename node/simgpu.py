@@ -4,7 +4,7 @@ NumPy arrays whose pages live in a file of the GPU's folder
 the per-process readings run on hosts without a GPU (docs/parking.md,
 "Simulated GPU memory")::
 
-    from gpupool.provisioner import simgpu
+    from gpupool.node import simgpu
     x = simgpu.zeros((1024, 1024, 512), "float32")   # 2 GiB on GPU 0 of the slice
     simgpu.memory_allocated()                          # 2147483648
     simgpu.device_of(x)                                # 0

@@ -17,7 +17,7 @@ def bind(env: dict[str, str]) -> None:
 
     Called once by the agent, through a silent ``execute_request``, before the
     lease's owner gets the connection. ``env``: the slice's variables
-    (:func:`gpupool.provisioner.enforcement.slice_environment`), put into
+    (:func:`gpupool.node.enforcement.slice_environment`), put into
     ``os.environ``; CUDA reads ``CUDA_VISIBLE_DEVICES`` and the MPS limits
     when it initialises, so they bind as if the process had started with
     them. The PyTorch memory cap is armed as for a cold worker: on import, or

@@ -19,11 +19,11 @@ def device_of(value: Any) -> str | None:
     attribute and a ``to(device)`` method (the duck type tests use without a
     GPU); ``"cupy:cuda:N"`` for a CuPy array; ``"jax:PLATFORM:N"`` for a JAX
     array on an accelerator; ``"simgpu:N"`` for an array in simulated GPU
-    memory (:mod:`gpupool.provisioner.simgpu`). A PyTorch tensor (or module)
+    memory (:mod:`gpupool.node.simgpu`). A PyTorch tensor (or module)
     that the ``framework`` checkpointer moved to host memory while its worker
     is parked says the device it came off (:mod:`.offload`). The prefix says
     which library puts it back."""
-    simgpu = sys.modules.get("gpupool.provisioner.simgpu")
+    simgpu = sys.modules.get("gpupool.node.simgpu")
     if simgpu is not None and _framework(value) == "numpy" and (index := simgpu.device_of(value)) is not None:
         return f"simgpu:{index}"
     if _framework(value) == "cupy" and hasattr(value, "get"):
@@ -58,7 +58,7 @@ def to_cpu_with_device(value: Any) -> tuple[Any, str | None]:
     if device.startswith("cupy:"):
         return value.get(), device  # a NumPy array in host memory
     if device.startswith("simgpu:"):
-        return sys.modules["gpupool.provisioner.simgpu"].to_host(value), device
+        return sys.modules["gpupool.node.simgpu"].to_host(value), device
     if device.startswith("jax:"):
         import numpy
 
@@ -86,7 +86,7 @@ def _to_device(value: Any, device: str) -> Any:
     that device (or its library) is not usable here."""
     library, _, where = device.partition(":")
     if library == "simgpu":
-        from gpupool.provisioner import simgpu
+        from gpupool.node import simgpu
 
         return simgpu.asarray(value, int(where))
     if library == "cupy":

@@ -101,7 +101,7 @@ class Inventory(abc.ABC):
         return {}
 
     def process_usage(self) -> list:
-        """Every process on every GPU as :class:`~gpupool.provisioner.attribution.GPUProcess`
+        """Every process on every GPU as :class:`~gpupool.node.attribution.GPUProcess`
         records (NVML pid, the agent's pid, bytes, SM %). The default knows of
         none."""
         return []

@@ -90,7 +90,7 @@ def _user_home(user: WorkerUser, state_dir: Path) -> Path:
 
 
 def _shared_scratch_root(log: logging.Logger) -> None:
-    """Make the workers' scratch root (:func:`gpupool.provisioner.worker_extension.workdir.enter_workdir`:
+    """Make the workers' scratch root (:func:`gpupool.node.worker_extension.workdir.enter_workdir`:
     ``TMP/gpupool-scratch``) root's and sticky, as /tmp is, so that each pool
     account can make its owner's folder there; made by the first worker, it
     would be that account's alone."""
