@@ -15,7 +15,7 @@ from .summary import summarize
 from .variables import Variables
 from .words import pull_interrupted, push_interrupted, say, transfer_note
 
-#: What the worker answers for a name its namespace lacks (provisioner/worker_extension/namespace.py).
+#: What the worker answers for a name its namespace lacks (node/worker_extension/namespace.py).
 NOT_ON_WORKER = "not defined on the worker"
 
 
