@@ -134,7 +134,7 @@ def _holders(agent, run) -> dict[str, Any]:
     from gpupool.node.checkpoint.framework import ask
     from gpupool.wire.transfer import GpuMemory
 
-    listing = GpuMemory(top=20).to_json()
+    listing = GpuMemory(top=20)
     connection = agent.start_worker("L-gpu-holders", memory=4 * GiB)["connection"]
     kc = agent.client(connection)
     if not run(kc, HOLDERS, timeout=300).ok or "on purpose" not in run(kc, "fails()", timeout=60).text():

@@ -46,7 +46,7 @@ def cell(kc, code: str) -> str:
 
 
 def holders(connection) -> dict:
-    return ask(connection, GpuMemory(top=3).to_json(), timeout=60)
+    return ask(connection, GpuMemory(top=3), timeout=60)
 
 
 @pytest.mark.parametrize("checkpointer", ["simulated", "framework"])
@@ -67,7 +67,7 @@ def test_names_holding_gpu_memory_are_listed_once_each_and_a_park_drops_the_last
                         ("d", 16 * MiB, ["simgpu:0"], ["x"])], rows
         assert listed["more"] == {"count": 1, "bytes": 0}, "view: x's allocation, counted once"
         assert listed["complete"] is False, "numbers: only its first ITEMS were looked at"
-        everything = ask(connection, GpuMemory().to_json())["holders"]
+        everything = ask(connection, GpuMemory())["holders"]
         assert ("view", 0, ["x"]) in [(h["name"], h["bytes"], h["shares"]) for h in everything]
 
         status, parked = agent.park("L-holders", reason="idle for 30m")
