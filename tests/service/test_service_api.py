@@ -149,7 +149,7 @@ def test_user_token_cannot_register_nodes(service):
     (b'{"gpu_count": 1.5}', "'gpu_count'"),
     (b'{"memory": 0}', "'memory'"),
     (b'{"idle_timeout": -1}', "'idle_timeout'"),
-    (b'{"idle_timeout": 172800}', "above this pool's maximum of 1d"),
+    (b'{"idle_timeout": 172800}', "above your maximum of 1d"),
     (b'{"model": ""}', "'model'"),
 ])
 def test_bad_lease_requests_get_400_and_change_nothing(shared_service, raw, message):
