@@ -236,8 +236,12 @@ def test_an_admin_scancel_of_a_step_ends_the_slice_with_words(cluster, launcher,
         assert await launcher.ended(record) is None
         cluster.run("scancel", record.ident)
         said = await until(lambda: launcher.ended(record))
-        assert said == (f"Slurm ended the worker's job {record.ident}: it was cancelled in Slurm "
-                        "(scancel, by an administrator or the job's owner)"), _logs(record)
+        # slurmstepd's end line names the cancel; on a loaded host it is sometimes never written, and
+        # srun's "Job step aborted" is all there is to go by.
+        assert said in (f"Slurm ended the worker's job {record.ident}: it was cancelled in Slurm (scancel, by an "
+                        "administrator or the job's owner)", f"Slurm ended the worker's job {record.ident}: it "
+                        "aborted the step (scancel, a time limit or a node failure; slurmstepd wrote no reason)"), \
+            _logs(record)
         await launcher.stop(record)  # the lease ends: its share job, now empty, goes
         assert await until(lambda: _gone(launcher, record.job_id))
 

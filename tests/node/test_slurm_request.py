@@ -203,6 +203,10 @@ def test_once_slurm_forgot_the_job_its_output_says_why():
     assert "its node gpdev failed" in end_reason(4, None, NODE_LINE)
     assert "cancelled in Slurm (scancel" in end_reason("26.0", None, STEP_LINE)
     assert "no longer knows it" in end_reason(9, None, "just the worker's own output")
+    aborted = "srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\nsrun: error: n1: task 0: Killed"
+    assert end_reason("26.0", None, aborted) == ("Slurm ended the worker's job 26.0: it aborted the step (scancel, a "
+                                                 "time limit or a node failure; slurmstepd wrote no reason)")
+    assert "cancelled in Slurm (scancel" in end_reason("26.0", None, f"{aborted}\n{STEP_LINE}"), "the end line first"
 
 
 # -- the record ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .record import SlurmWorkerRecord
 from .request import (COMMENT_PREFIX, JobSettings, LeaseResources, check_extra_args, check_time_limit, is_slice,
                       job_name, lease_job, slice_step)
 from .shares import POLL_S, ShareJobs, wait_running
-from .state import SlurmJob, SlurmStep, end_line, end_reason
+from .state import SRUN_STEP_ABORTED, SlurmJob, SlurmStep, end_line, end_reason
 
 #: Seconds to wait for slurmstepd's end line in the logs of a job or step Slurm no longer knows
 #: (5 s was not enough on a loaded 2-core host; the wait ends once the line is there, or once srun
@@ -38,9 +38,6 @@ END_LINE_WAIT_S = 30.0
 #: What srun writes when the step's task exits by itself (``srun: error: NODE: task 0: Exited with exit
 #: code 3``), not when Slurm ends the step (then ``task 0: Killed`` or ``Terminated``).
 SRUN_TASK_EXITED = "Exited with exit code"
-#: What srun writes when slurmctld ends its step (scancel, a time limit, a node failure): slurmstepd's
-#: end line then comes, even when the task exits by itself first.
-SRUN_STEP_ABORTED = "srun: Job step aborted"
 
 
 class SlurmLauncher(LoggingConfigurable):

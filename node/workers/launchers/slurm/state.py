@@ -166,12 +166,17 @@ _STATES = {
 }
 
 
+#: What srun writes when slurmctld ends its step (scancel, a time limit, a node failure). slurmstepd's
+#: end line, which says which, usually follows, but not always (seen on a loaded host).
+SRUN_STEP_ABORTED = "srun: Job step aborted"
+
+
 def end_reason(job_id: str | int, job: SlurmJob | None, output: str = "") -> str:
     """Why Slurm ended the worker's job (or step) ``job_id``, in words for
     the lease's owner: from ``job`` (its state) while slurmctld still knows
-    it, else from slurmstepd's :func:`end_line` in its ``output``, else that
-    Slurm no longer knows it. Call it only for a job the agent did not
-    cancel itself."""
+    it, else from slurmstepd's :func:`end_line` in its ``output``, else from
+    srun's word that Slurm aborted the step, else that Slurm no longer knows
+    it. Call it only for a job the agent did not cancel itself."""
     line = end_line(output)
     if job is not None and job.ended:
         template = _STATES.get(job.state, f"Slurm says {job.state}" + (f" ({job.reason})" if job.reason else ""))
@@ -183,4 +188,7 @@ def end_reason(job_id: str | int, job: SlurmJob | None, output: str = "") -> str
     if line is not None:
         template = _CAUSES.get(line.cause, _STATES["CANCELLED"] if not line.cause else f"Slurm says {line.cause}")
         return f"Slurm ended the worker's job {job_id}: " + template.format(node=line.node, code=None, limit="")
+    if SRUN_STEP_ABORTED in output:
+        return (f"Slurm ended the worker's job {job_id}: it aborted the step (scancel, a time limit or a node "
+                "failure; slurmstepd wrote no reason)")
     return f"the worker's Slurm job {job_id} ended and Slurm no longer knows it (its output says nothing of why)"
