@@ -17,7 +17,7 @@ one whole, so readers on other threads see one or the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Collection, Iterable, Sequence
 
@@ -49,8 +49,8 @@ class EtaInputs:
 
     room: eta.Room = eta.Room((), ())
     holding: tuple[eta.Holding, ...] = ()
-    typical: dict[str, float] | None = None
-    gpus: dict[str, tuple[int, str, str]] | None = None
+    typical: dict[str, float] = field(default_factory=dict)
+    gpus: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     epoch: int = -1
 
 
@@ -201,7 +201,7 @@ class Pressure:
         """The indexes in the ETA's room of the GPUs a resume of ``lease`` (its GPUs loaded) may
         take, its own first: then, where its node's checkpointer can ``remap``, the others of the
         same model on its node (as the last sweep saw them)."""
-        gpus = self._eta.gpus or {}
+        gpus = self._eta.gpus
         own = [gpus[g.gpu_uuid][0] for g in lease.gpus if g.gpu_uuid in gpus]
         if not remap or not lease.gpus:
             return tuple(own)
@@ -214,7 +214,7 @@ class Pressure:
         (queue order), from the pool, the active leases and recent cell lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
         inputs = self._eta
-        return eta.eta_seconds(asks, inputs.room, inputs.holding, inputs.typical or {}, now,
+        return eta.eta_seconds(asks, inputs.room, inputs.holding, inputs.typical, now,
                                self.settings.pressure_grace)
 
 

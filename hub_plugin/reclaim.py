@@ -74,14 +74,16 @@ class Reclaimer:
         taken back. Its store work runs on the store threads (``state.work``)."""
         now: datetime = self.state.now()
         work = self.state.work
-        lost, parkable, decisions, gone = await work.read(self._due_now, now)
+        lost, parkable, decisions, gone, replaced = await work.read(self._due_now, now)
         if lost:
             await work.write(self._mark_lost, lost, now)
         early, preempted = await work.read(self._pressure_now, now, parkable)
         for decision in decisions:
             self._apply(decision, still_idle if decision.parks else still_due)
-        for decision in gone:  # parked on a node lost too long, or a move's old lease outlived
-            self._apply(decision, _still_parked if decision.code is None else _still_held)
+        for decision in gone:  # parked on a node lost too long
+            self._apply(decision, _still_parked)
+        for decision in replaced:  # a move's old lease, outlived by its replacement
+            self._apply(decision, _still_held)
         for decision in early:  # idle past the early deadline pressure set
             self._apply(decision, self.pressure.still_due)
         for decision in preempted:  # preemptible, its cell running past its preempt_at: frozen mid-cell
@@ -90,7 +92,7 @@ class Reclaimer:
         # fits (capacity may have come from a node, not only from a release).
         await self.leases.expire_queue()
         await self.leases.drain_queue(sweep=True)
-        return decisions + gone + early + preempted
+        return decisions + gone + replaced + early + preempted
 
     def _apply(self, decision: Decision, only_if: Callable[[Lease, datetime], bool]) -> None:
         """Park or end ``decision``'s lease in the background, ``only_if`` it still qualifies then."""
@@ -110,9 +112,9 @@ class Reclaimer:
             self.pressure.refresh(session, active, now, epoch)
             return self.pressure.due(active, now, parkable), self.pressure.preempts(active, now, parkable)
 
-    def _due_now(self, now: datetime) -> tuple[list[str], set[str], list[Decision], list[Decision]]:
+    def _due_now(self, now: datetime) -> tuple[list[str], set[str], list[Decision], list[Decision], list[Decision]]:
         """``(nodes now lost, nodes that can park, idle and heartbeat decisions, the parked
-        leases of nodes lost too long and the old leases of moves outlived (:func:`outlived`))``."""
+        leases of nodes lost too long, the old leases of moves outlived (:func:`outlived`))``."""
         with self.state.reading() as session:
             nodes = {node.name: node for node in session.scalars(select(Node))}
             lost = lost_nodes((n for n in nodes.values() if n.state in ALIVE), now, self.node_ttl)
@@ -120,7 +122,7 @@ class Reclaimer:
             leases = session.scalars(select(Lease).where(Lease.state.in_((LeaseState.active.value,
                                                                           *PARKED_STATES)))).all()
             gone = lost_parked(leases, nodes, now, self.node_ttl, self.parked_node_grace)
-            return lost, parkable, decide(leases, now, parkable), gone + outlived(leases, now)
+            return lost, parkable, decide(leases, now, parkable), gone, outlived(leases, now)
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:
         with self.state.writing() as tx:
