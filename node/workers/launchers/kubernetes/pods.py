@@ -22,7 +22,9 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
+
+from ..resources import LeaseResources
 
 #: Where the connection Secret is mounted in the worker's container, and its file.
 CONNECTION_DIR = "/var/run/gpupool"
@@ -40,17 +42,6 @@ CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 GRANTED_BY_KUBELET = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
 
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
-
-
-class LeaseResources(Protocol):
-    """What a lease asks of its node (a :class:`~...spec.WorkerSpec` is one)."""
-
-    lease_id: str
-    owner: str
-    gpus: Sequence[object]
-    fraction: float
-    cpus: float | None
-    host_memory: int | None
 
 
 @dataclass(frozen=True)

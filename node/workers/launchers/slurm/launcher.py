@@ -23,10 +23,11 @@ from gpupool.kernelcmd import WORKER_EXTENSION, WORKER_KERNEL_APP
 from gpupool.traits import ByteSize, Duration
 
 from ...kernel import kernel_arguments
+from ..resources import LeaseResources
 
 from .commands import SlurmCommands, SlurmError
 from .record import SlurmWorkerRecord
-from .request import (COMMENT_PREFIX, JobSettings, LeaseResources, check_extra_args, check_time_limit, is_slice,
+from .request import (COMMENT_PREFIX, JobSettings, check_extra_args, check_time_limit, is_slice,
                       job_name, lease_job, slice_step)
 from .shares import POLL_S, ShareJobs, wait_running
 from .state import SRUN_STEP_ABORTED, SlurmJob, SlurmStep, end_line, end_reason

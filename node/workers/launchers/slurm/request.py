@@ -11,7 +11,9 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
+
+from ..resources import LeaseResources
 
 #: sbatch/srun options the launcher sets itself: not allowed in ``extra_args``.
 RESERVED_OPTIONS = ("--gres", "--gpus", "--job-name", "-J", "--comment", "--nodelist", "-w", "--nodes", "-N",
@@ -29,19 +31,6 @@ GRANTED_BY_SLURM = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "GPU_DEVIC
 # days-hours, days-hours:minutes, days-hours:minutes:seconds; or unlimited.
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
 _UNLIMITED = ("UNLIMITED", "INFINITE")
-
-
-class LeaseResources(Protocol):
-    """What a lease asks of its node (a :class:`~...spec.WorkerSpec` is one):
-    its id, its GPUs (how many), the compute ``fraction`` of one GPU (1.0
-    for whole GPUs), host ``cpus`` (cores; None: one) and ``host_memory``
-    (bytes; None: Slurm's default for the partition)."""
-
-    lease_id: str
-    gpus: Sequence[object]
-    fraction: float
-    cpus: float | None
-    host_memory: int | None
 
 
 @dataclass(frozen=True)
