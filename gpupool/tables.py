@@ -109,16 +109,16 @@ def host_words(lease: Lease) -> str:
 def slice_words(lease: Lease) -> str:
     """What ``lease`` holds, in words: ``'0.50 of NVIDIA A100-SXM4-80GB (GPU 0) on node-1'``,
     ``'2 x NVIDIA A100-SXM4-80GB (GPU 0, 1) on node-1 in environment torch'``."""
-    gpu = lease.gpus[0] if lease.gpus else {}
-    share = f"{fraction_words(lease.fraction)} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
     indices = ", ".join(str(g.get("index", "?")) for g in lease.gpus) or "?"
     env = f" in environment {lease.env}" if lease.env else ""
-    return f"{share} {gpu.get('name', 'GPU')} (GPU {indices}) on {lease.node}{env}"
+    return f"{share_words(lease)} (GPU {indices}) on {lease.node}{env}"
 
 
-def fraction_words(fraction: float) -> str:
-    """``'0.50'``; more digits where two would hide what was asked (``'0.50001'``)."""
-    return f"{fraction:.2f}" if abs(fraction - round(fraction, 2)) < 1e-9 else f"{fraction:.6g}"
+def share_words(lease: Lease) -> str:
+    """The share ``lease`` holds of its GPU model: ``'0.50 of NVIDIA A100-SXM4-80GB'``,
+    ``'2 x NVIDIA A100-SXM4-80GB'``."""
+    name = (lease.gpus[0] if lease.gpus else {}).get("name", "GPU")
+    return f"{format_share(lease.fraction)} of {name}" if lease.gpu_count == 1 else f"{lease.gpu_count} x {name}"
 
 
 def usage_words(gpu_seconds: float) -> str:

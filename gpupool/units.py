@@ -103,12 +103,14 @@ def format_bytes(size: int | float | None) -> str:
 
 
 def format_share(fraction: float, gpu_count: int = 1, *, noun: bool = False, whole: bool = False) -> str:
-    """A share of the pool in words: ``fraction`` of one GPU as ``'0.50'`` (``noun``:
-    ``'0.50 of a GPU'``), or, when ``gpu_count`` is above 1, ``'2 GPUs'`` (``whole``:
-    ``'2 whole GPUs'``, where a slice could be meant)."""
+    """A share of the pool in words: ``fraction`` of one GPU as ``'0.50'``, with more
+    digits where two would hide what was asked (``'0.50001'``; ``noun``: ``'0.50 of a
+    GPU'``), or, when ``gpu_count`` is above 1, ``'2 GPUs'`` (``whole``: ``'2 whole
+    GPUs'``, where a slice could be meant)."""
     if gpu_count > 1:
         return f"{gpu_count} {'whole ' if whole else ''}GPUs"
-    return f"{fraction:.2f}{' of a GPU' if noun else ''}"
+    digits = f"{fraction:.2f}" if abs(fraction - round(fraction, 2)) < 1e-9 else f"{fraction:.6g}"
+    return f"{digits}{' of a GPU' if noun else ''}"
 
 
 def format_cpus(cpus: float) -> str:

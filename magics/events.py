@@ -31,6 +31,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from gpupool.leasewait import WAITING_FOR_ROOM
+from gpupool.units import format_share
 from gpupool.wire.leases import Lease
 from gpupool.wire.status import (PHASES, REQUESTS, STATE_KEYS, TARGET, event_message, refusal, reply_message,
                                  state_message)
@@ -70,7 +71,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     gpus = lease.gpus or []
     state.update(
         lease=lease.id, fraction=lease.fraction, gpu_count=lease.gpu_count,
-        share=f"{lease.fraction:.2f} of a GPU" if lease.gpu_count == 1 else f"{lease.gpu_count} GPUs",
+        share=format_share(lease.fraction, lease.gpu_count, noun=True),
         gpu_model=gpus[0].get("name") if gpus else None,
         gpu_indices=[g.get("index") for g in gpus] if gpus else None,
         node=lease.node, node_state=lease.node_state, memory_limit=lease.memory, idle_timeout=lease.idle_timeout,

@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import LeaseState
-from gpupool.tables import fraction_words, held_seconds, host_words, released_words, slice_words
+from gpupool.tables import held_seconds, host_words, released_words, share_words, slice_words
 from gpupool.units import format_bytes, format_duration
 from gpupool.wire.leases import LeaseRequest
 
@@ -98,8 +98,6 @@ class Lifecycle:
         started = time.monotonic()
         self._attachment = attachment = self.attacher.connect(request)
         lease = attachment.lease
-        gpu = lease.gpus[0] if lease.gpus else {}
-        share = f"{fraction_words(lease.fraction)} of" if lease.gpu_count == 1 else f"{lease.gpu_count} x"
         where = ("Cells now run on the worker; %gpu release detaches." if self.attacher.forwards else
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
@@ -108,7 +106,7 @@ class Lifecycle:
             f"[{time.monotonic() - started:.1f}s]. {where}")
         if attachment.workdir:
             say(attachment.workdir)
-        self.tell("attached", f"attached {lease.id}: {share} {gpu.get('name', 'GPU')} on {lease.node}")
+        self.tell("attached", f"attached {lease.id}: {share_words(lease)} on {lease.node}")
 
     def _move(self, request: LeaseRequest) -> None:
         """Move the attached notebook (a parked lease resumes first) to a new

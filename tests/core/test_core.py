@@ -58,6 +58,7 @@ def test_formatting():
     assert format_duration(0.25) == "0.25s"  # a sub-second bound is not "0s"
     assert format_share(0.5) == "0.50" and format_share(0.25, 1, noun=True) == "0.25 of a GPU"
     assert format_share(1.0, 2) == "2 GPUs" and format_share(1.0, 2, noun=True, whole=True) == "2 whole GPUs"
+    assert format_share(0.50001) == "0.50001" and format_share(0.125, noun=True) == "0.125 of a GPU"
 
 
 def test_lease_request_round_trip():
