@@ -59,8 +59,9 @@ class GPUPoolKernel(IPythonKernel):
         super().__init__(**kwargs)
         self.events = Events(self.comm_manager)
         self.cell = ForwardedCell(self)
-        self.notices = Notices(self)
+        self.notices = Notices(self.cell, self.events)
         self.gpu = GPUMagics(self.shell, kernel=self)
+        self.notices.lifecycle = self.gpu.lifecycle
         self.debug_names = LocalNames(self.shell)
         self.shell.register_magics(self.gpu)
         # The gpupool.status comm (JupyterLab extension): state snapshots and requests.

@@ -18,10 +18,15 @@ SAID_BY_CELL = ("ended", "parked")
 
 
 class Notices:
-    """The notices of :class:`~gpupool.magics.kernel.GPUPoolKernel` ``kernel``."""
+    """The notices of the gpupool kernel: said into its forwarded ``cell``
+    (:class:`~.cell.ForwardedCell`) or atop the next one, and sent as
+    ``events`` (:class:`~.events.Events`); what the user was told is marked on
+    the attachment of ``lifecycle`` (:class:`~.lifecycle.Lifecycle`, set once
+    the magics exist, which take these notices)."""
 
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
+    def __init__(self, cell, events) -> None:
+        self.cell, self.events = cell, events
+        self.lifecycle = None
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str, Any]] = []  # (kind, words, heartbeat) for the next cell
 
@@ -31,13 +36,13 @@ class Notices:
         (``beat`` stopped): it would be stale."""
         if beat is not None and beat.stopped:
             return
-        running = self.kernel.cell.running
+        running = self.cell.running
         if running is not None:
-            self.kernel.cell.note(running, f"gpupool: {message}\n")
+            self.cell.note(running, f"gpupool: {message}\n")
         else:
             with self._lock:
                 self._pending.append((kind, message, beat))
-        self.kernel.events.notify(kind, message)
+        self.events.notify(kind, message)
 
     def say(self, forwarded: bool) -> None:
         """Say the notices that came since the last cell at the top of this
@@ -63,8 +68,8 @@ class Notices:
             sys.stderr.flush()
 
     def _told(self, kind: str, beat) -> None:
-        lifecycle = self.kernel.gpu.lifecycle
-        attachment = lifecycle.attachment
+        lifecycle = self.lifecycle
+        attachment = lifecycle.attachment if lifecycle is not None else None
         if attachment is None or beat is not attachment.heartbeat:
             return
         if kind == "ended" and attachment.ended is not None:
