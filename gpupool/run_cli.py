@@ -37,8 +37,7 @@ from . import leaseclasses
 from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
 from .leasewait import START_WAIT_S, cancel, wait_started
 from .runremote import Abandoned, run_script
-from .tables import host_words, released_words, slice_words
-from .units import format_bytes
+from .tables import host_words, memory_words, released_words, slice_words
 from .wire.leases import Lease, LeaseRequest
 
 #: Seconds a lease may stay ``starting`` once out of the queue (as c.GPUMagics.start_timeout).
@@ -161,7 +160,7 @@ class ScriptRun:
             def announce(elsewhere: str | None) -> None:  # once the worker is in its folder
                 where = f"; in {elsewhere}" if elsewhere else ""
                 _say(f"running {os.path.basename(self.path)} on {lease.id}: {slice_words(lease)}, "
-                     f"{format_bytes(lease.memory)}{host_words(lease)}; {lease.lease_class}{where} "
+                     f"{memory_words(lease)}{host_words(lease)}; {lease.lease_class}{where} "
                      f"[{time.monotonic() - started:.1f}s]")
 
             return run_script(self.client, lease, self.source, self.path, self.argv, _ask_terminal, announce)

@@ -94,6 +94,11 @@ def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | N
     return cpus, memory, limited
 
 
+def memory_words(lease: Lease) -> str:
+    """The GPU memory ``lease`` may use: ``'20.0 GiB'``; ``'80.0 GiB per GPU'`` on more than one GPU."""
+    return format_bytes(lease.memory) + (" per GPU" if lease.gpu_count > 1 else "")
+
+
 def host_words(lease: Lease) -> str:
     """``', 4 CPUs and 32.0 GiB of host memory'`` (``1 CPU``); where the worker's
     cgroup is limited to more than is reserved (a default share raised to the
@@ -172,8 +177,9 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
     live = lease.state.value == "active"
     worker = lease.worker or {}
-    memory = f"{format_bytes(worker.get('memory_used')) if live else '-'} / {format_bytes(lease.memory)}" \
-        if lease.memory else "-"  # a queued request holds none yet (0)
+    # Used is the worker's on all its GPUs: the limit beside it is too.
+    used = format_bytes(worker.get("memory_used")) if live else "-"
+    memory = f"{used} / {format_bytes(lease.memory * lease.gpu_count)}" if lease.memory else "-"  # queued: 0
     utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,

@@ -54,7 +54,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     ``phase``; ``lease`` (id); ``share`` (words: ``"0.50 of a GPU"``,
     ``"2 GPUs"``), ``fraction`` and ``gpu_count``; ``gpu_model``, ``gpu_indices``
     (list of int), ``node``, ``node_state`` (``up|degraded|lost``);
-    ``memory_used`` and ``memory_limit`` (bytes; used as the agent last saw the
+    ``memory_used`` and ``memory_limit`` (bytes, on all the lease's GPUs; used as the agent last saw the
     worker); ``idle_timeout`` (s), ``idle_deadline`` (ISO UTC: when the pool
     parks, or with ``on_idle`` ``"release"`` releases, the lease if it stays
     idle; None while a cell runs), ``idle_warning`` (s before that the
@@ -74,7 +74,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
         share=format_share(lease.fraction, lease.gpu_count, noun=True),
         gpu_model=gpus[0].get("name") if gpus else None,
         gpu_indices=[g.get("index") for g in gpus] if gpus else None,
-        node=lease.node, node_state=lease.node_state, memory_limit=lease.memory, idle_timeout=lease.idle_timeout,
+        node=lease.node, node_state=lease.node_state, memory_limit=lease.memory * lease.gpu_count, idle_timeout=lease.idle_timeout,
         on_idle=lease.on_idle)
     if phase == "attached":
         used = (lease.worker or {}).get("memory_used")

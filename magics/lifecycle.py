@@ -20,8 +20,8 @@ from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import LeaseState
-from gpupool.tables import held_seconds, host_words, released_words, share_words, slice_words
-from gpupool.units import format_bytes, format_duration
+from gpupool.tables import held_seconds, host_words, memory_words, released_words, share_words, slice_words
+from gpupool.units import format_duration
 from gpupool.wire.leases import LeaseRequest
 
 from . import move
@@ -101,7 +101,7 @@ class Lifecycle:
         where = ("Cells now run on the worker; %gpu release detaches." if self.attacher.forwards else
                  "This kernel is not the gpupool kernel, so cells stay here: start one with %%gpu to run it "
                  "on the worker (the Python 3 (gpupool) kernel runs every cell there).")
-        say(f"attached {lease.id}: {slice_words(lease)}, {format_bytes(lease.memory)}{host_words(lease)}; "
+        say(f"attached {lease.id}: {slice_words(lease)}, {memory_words(lease)}{host_words(lease)}; "
             f"idle timeout {format_duration(lease.idle_timeout)}{class_note(lease)} "
             f"[{time.monotonic() - started:.1f}s]. {where}")
         if attachment.workdir:

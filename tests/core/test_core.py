@@ -10,7 +10,7 @@ import pytest
 from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease, LeaseRequest
-from gpupool.tables import holders_table, idle_countdown, lease_table, table
+from gpupool.tables import holders_table, idle_countdown, lease_table, memory_words, share_words, table
 from gpupool.transfer import describe, dump_values, load_values
 from gpupool.units import format_bytes, format_duration, format_share, parse_bytes, parse_duration, parse_gpu_amount
 
@@ -118,6 +118,16 @@ def test_tables_text_and_html():
                               "memory": 0, "gpus": [], "idle_timeout": 60, "queue_position": 2,
                               "queue_estimate_s": 300.0})
     assert "queued: 2nd in line, about 5m" in lease_table([queued])[0]
+
+
+def test_two_gpus_memory_is_said_per_gpu_and_the_table_limit_is_their_total():
+    lease = Lease.from_json({"id": "L-3", "owner": "u", "state": "active", "fraction": 1.0, "gpu_count": 2,
+                             "memory": 80 * 1024**3, "gpus": [{"index": 0, "name": "A100"}, {"index": 1, "name": "A100"}],
+                             "idle_timeout": 60, "worker": {"execution_state": "idle", "memory_used": 1024**3}})
+    assert memory_words(lease) == "80.0 GiB per GPU" and share_words(lease) == "2 x A100"
+    assert "1.0 GiB / 160.0 GiB" in lease_table([lease])[0]  # used on both GPUs against both limits
+    lease.gpu_count, lease.fraction, lease.gpus = 1, 0.125, lease.gpus[:1]
+    assert memory_words(lease) == "80.0 GiB" and share_words(lease) == "0.125 of A100"
 
 
 def test_the_holders_table_lists_sizes_shares_and_what_is_left_out():

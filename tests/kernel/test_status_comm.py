@@ -133,6 +133,8 @@ def test_lease_state_has_every_key_in_every_phase():
     assert lease_state("attached", lease)["queue_position"] is None
     with pytest.raises(ValueError, match="phase must be one of"):
         lease_state("busy")
+    two = Lease(id="L-2", owner="ann", state=LeaseState.active, fraction=1.0, gpu_count=2, memory=40 * GIB)
+    assert (lease_state("attached", two)["memory_limit"], lease_state("attached", two)["share"]) == (80 * GIB, "2 GPUs")
 
 
 def test_state_on_open_then_on_attach_and_release_from_cells(status):
