@@ -125,6 +125,16 @@ def enter_cwd(remote: RemoteKernel, owner: str) -> str | None:
             "script needs there, or run it from a folder the node shares)")
 
 
+def parked_words(lease: Lease) -> str:
+    """What a script's terminal is told when its lease was parked under it:
+    ``'lease L-1 was parked (preempted: 1 person is waiting for a GPU): the
+    script is frozen where it is on node-1 and goes on when the pool resumes
+    the lease'``."""
+    why = (lease.parked or {}).get("reason")
+    return (f"lease {lease.id} was parked{f' ({why})' if why else ''}: the script is frozen where it is on "
+            f"{lease.node} and goes on when the pool resumes the lease")
+
+
 def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv: list[str],
                ask: Callable[[dict[str, Any]], str],
                announce: Callable[[str | None], None] = lambda elsewhere: None) -> int:
@@ -135,8 +145,9 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     folder it runs in when that is not this one (else None); ``ask(input_request
     content)`` answers the script's ``input()``. A lease parked while the
     script runs (a ``--preemptible`` one told to yield, after the heartbeat's
-    notice) is asked to resume at once; its frozen worker is not counted as
-    unreachable meanwhile. Returns its exit status.
+    notice) is asked to resume at once, and the terminal is told of the park
+    and of the resume; its frozen worker is not counted as unreachable
+    meanwhile. Returns its exit status.
 
     Raises GPUPoolError ``worker_unreachable`` when the worker does not
     answer, ``lease_lost`` when the lease ends while the script runs;
@@ -163,6 +174,10 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                 except GPUPoolError as exc:  # asked again at the next check
                     print(f"gpupool: could not ask to resume {lease.id}: {exc.message}", file=sys.stderr)
                     return
+                print(f"gpupool: {parked_words(beat.last)}", file=sys.stderr, flush=True)
+            elif resume_asked and not parked:
+                print(f"gpupool: resumed {lease.id} on {beat.last.node}; the script goes on", file=sys.stderr,
+                      flush=True)
             resume_asked = parked
 
         with Interrupts(remote):

@@ -50,6 +50,16 @@ except KeyboardInterrupt:
     raise
 """
 
+# Counts wall-clock ticks: a frozen script misses some, an interrupted one would never print "done".
+TICKS = """\
+import time
+start = time.time()
+print("started", flush=True)
+for i in range(150):
+    time.sleep(0.1)
+print("done", i, time.time() - start > 15, flush=True)
+"""
+
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
@@ -240,3 +250,36 @@ def test_the_preemptible_help_says_what_happens():
     assert "frozen where it is and resumed later with everything kept" in words and "given back" not in words, shown
     setting = " ".join(GPUPool.class_traits()["allow_preemption"].help.split())
     assert "running cell frozen where it is, and resumed later with everything kept" in setting, setting
+
+
+def test_a_preempted_script_is_told_of_its_park_and_resume_and_goes_on(tmp_path):
+    root = tmp_path
+    service = start_service(root, tokens={"ann": "ann-token-" + "6" * 16},
+                            config={"pressure_grace": 2.0, "preemption_notice": 1.0, "idle_warning": 0})
+    agent = start_agent(root, service, simulate="1xA100-80GB")
+    (root / "ticks.py").write_text(TICKS)
+    env = {**os.environ, "GPUPOOL_URL": service.url, "GPUPOOL_TOKEN": service.user_token}
+    log = root / "ticks.log"
+    ann = service.client("ann")
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.Popen([str(GPUPOOL), "run", "--preemptible", str(root / "ticks.py")], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        assert until(lambda: "started" in log.read_text(), 60), log.read_text()
+        waiter = ann.create_lease(LeaseRequest(fraction=1.0, wait=120))
+        assert waiter.state is LeaseState.queued, waiter
+        assert until(lambda: "was parked" in log.read_text(), 60), log.read_text()
+        assert until(lambda: ann.get_lease(waiter.id).state is LeaseState.active, 60), ann.get_lease(waiter.id)
+        ann.release(waiter.id)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+        said = log.read_text()
+        lease_id = lease_of(said, (service,)).id
+        assert re.search(rf"gpupool: lease {lease_id} was parked \(.+\): the script is frozen where it is on "
+                         r"node-1 and goes on when the pool resumes the lease", said), said
+        assert f"gpupool: resumed {lease_id} on node-1; the script goes on" in said, said
+        assert "done 149 True" in said, said  # every tick, past the freeze
+    finally:
+        if "proc" in locals():
+            proc.kill()
+        agent.stop()
+        service.stop()
