@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
+from .errors import GPUPoolError
 from .schema import MAX_GPU_COUNT, MIN_FRACTION
 from .units import parse_bytes, parse_duration, parse_gpu_amount
 from .wire.leases import LeaseRequest
@@ -69,7 +70,8 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
     the rest (``lease_class``, ``kernel_id``, ``prefer_env``, ...).
 
     Raises ValueError with words for the user: a bad amount, size or
-    duration, ``--cpus`` not above 0.
+    duration, ``--cpus`` not above 0, or any value the service would refuse
+    (its words, naming the option rather than the request's field).
     """
     fraction, count = parse_gpu_amount(args.amount)
     if count > MAX_GPU_COUNT:
@@ -80,9 +82,23 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
     if args.cpus is not None and not args.cpus > 0:
         raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
     idle_timeout = getattr(args, "idle_timeout", None)
-    return LeaseRequest(
+    return checked(LeaseRequest(
         fraction=fraction, gpu_count=count, memory=parse_bytes(args.memory) if args.memory else None,
         model=args.model, idle_timeout=parse_duration(idle_timeout) if idle_timeout else None,
         wait=(parse_duration(args.wait, allow_zero=True) or None) if args.wait else None, env=getattr(args, "env", None),
         preemptible=args.preemptible or None, cpus=args.cpus,
-        host_memory=parse_bytes(args.host_memory) if args.host_memory else None, **fields)
+        host_memory=parse_bytes(args.host_memory) if args.host_memory else None, **fields))
+
+
+def checked(request: LeaseRequest) -> LeaseRequest:
+    """``request`` once it passed the check the service makes of it
+    (:meth:`LeaseRequest.from_json`); ValueError with the service's words,
+    each field an option sets named as that option (``--host-memory``)."""
+    try:
+        LeaseRequest.from_json(request.to_json())
+    except GPUPoolError as exc:
+        words = exc.message
+        for field in ("memory", "model", "cpus", "host_memory", "wait", "idle_timeout", "env", "on_idle"):
+            words = words.replace(f"'{field}'", "--" + field.replace("_", "-"))
+        raise ValueError(words) from None
+    return request

@@ -435,6 +435,9 @@ CLI = [
     cli("run --gpus 0.001 {script}", 2, "a slice is at least 0.01 of a GPU", id="run-gpus-tiny"),
     cli("run --memory 400GiB {script}", 2, "of GPU memory is more than any GPU offers", id="run-none-fits"),
     cli("run --env nope {script}", 2, "gpupool pool lists them per node", id="run-unknown-env"),
+    cli("run --host-memory 1 {script}", 2, "--host-memory must be a whole number of bytes from 1048576",
+        id="run-host-memory-tiny"),
+    cli("run --wait 400d {script}", 2, "--wait must be seconds in [0, 31622400]", id="run-wait-huge"),
     cli("run --url http://127.0.0.1:{dead} {script}", 2, "cannot reach the gpupool service", id="run-nothing-listens"),
 ]
 
@@ -470,7 +473,9 @@ MAGICS = [
     pytest.param("acquire 2", "quota exceeded", id="amount-over-quota"),
     pytest.param("acquire 0.5 --memory lots", "cannot read 'lots' as a memory size", id="memory-text"),
     pytest.param("acquire 0.5 --memory 0", "memory size must be at least 1 byte", id="memory-zero"),
-    pytest.param("acquire 0.5 --memory 2000TiB", "'memory' must be a whole number of bytes", id="memory-huge"),
+    pytest.param("acquire 0.5 --memory 2000TiB", "--memory must be a whole number of bytes", id="memory-huge"),
+    pytest.param("acquire 0.5 --host-memory 1", "--host-memory must be a whole number of bytes from 1048576", id="host-memory-tiny"),
+    pytest.param("acquire 0.5 --cpus 99999", "--cpus must be host cores from 0.01 to 4096", id="cpus-huge"),
     pytest.param("acquire 0.5 --memory 400GiB", "of GPU memory is more than any GPU offers", id="memory-none-fits"),
     pytest.param("acquire 0.5 --idle-timeout forever", "cannot read 'forever' as a duration", id="idle-text"),
     pytest.param("acquire 0.5 --idle-timeout 0", "duration must be more than 0 seconds", id="idle-zero"),
