@@ -43,12 +43,15 @@ LENGTH_SAMPLE = 200
 class EtaInputs:
     """What the ETA reads, read together and replaced whole (readers on other
     threads see one snapshot or the next, never a mix): the ``room`` and
-    ``holding`` of :func:`.eta.eta_seconds`, ``typical`` cell lengths by class,
+    active leases (``held``), the pressure ``plan`` and the ``guaranteed`` lease ids of
+    :func:`.eta.eta_seconds`, ``typical`` cell lengths by class,
     ``gpus`` (UUID -> index in the room, node, model), and the state's
     capacity ``epoch`` they were read at."""
 
     room: eta.Room = eta.Room((), ())
-    holding: tuple[eta.Holding, ...] = ()
+    held: tuple[priority.Held, ...] = ()
+    plan: priority.Plan = priority.NO_PRESSURE
+    guaranteed: frozenset[str] = frozenset()
     typical: dict[str, float] = field(default_factory=dict)
     gpus: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     epoch: int = -1
@@ -72,7 +75,7 @@ class Pressure:
         held = [pressure_rules.held(lease) for lease in active]
         guarantees = self._guarantees(session, active)
         self.plan = self._plan(session, held, guarantees, now)
-        self._eta = self._eta_inputs(session, active, held, guarantees, epoch)
+        self._eta = self._eta_inputs(session, held, guarantees, epoch)
         return self.plan
 
     def follow(self, session: Session, epoch: int) -> None:
@@ -84,34 +87,22 @@ class Pressure:
         active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
                                  .options(selectinload(Lease.gpus))).all()
         held = [pressure_rules.held(lease) for lease in active]
-        self._eta = self._eta_inputs(session, active, held, self._guarantees(session, active), epoch)
+        self._eta = self._eta_inputs(session, held, self._guarantees(session, active), epoch)
 
-    def _eta_inputs(self, session: Session, active: Sequence[Lease], held: list[priority.Held],
-                    guarantees: dict[str, float], epoch: int) -> EtaInputs:
-        """:class:`EtaInputs` from the store and ``active`` (their plan entries ``held``)."""
+    def _eta_inputs(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
+                    epoch: int) -> EtaInputs:
+        """:class:`EtaInputs` from the store, the active leases ``held`` and the plan."""
         states = gpu_states(session, self.settings.context_overhead)
-        index = {gpu.uuid: i for i, gpu in enumerate(states)}
-        safe = priority.guaranteed(held, guarantees)
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
                               .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
                               .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
         return EtaInputs(
-            room=eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states)),
-            holding=tuple(self._held(lease, index, lease.id not in safe, self.deadline(lease)) for lease in active),
+            room=eta.Room(tuple(_room(gpu) for gpu in states), tuple(gpu.node for gpu in states),
+                          tuple(gpu.uuid for gpu in states)),
+            held=tuple(held), plan=self.plan, guaranteed=frozenset(priority.guaranteed(held, guarantees)),
             typical=eta.typical_lengths((row.lease_class, (row.ended_at - row.started_at).total_seconds())
                                         for row in ran),
             gpus={gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}, epoch=epoch)
-
-    def _held(self, lease: Lease, index: dict[str, int], pressable: bool, deadline: datetime | None) -> eta.Holding:
-        """``lease`` as the ETA sees it (:class:`.eta.Holding`); ``deadline``: its idle deadline,
-        the plan's early one if it set one; the plan's preemption of its running cell, if any."""
-        busy = is_busy(lease)
-        preemption = self.plan.preemptions.get(lease.id) if busy else None
-        return eta.Holding(tuple(index[g.gpu_uuid] for g in lease.gpus if g.gpu_uuid in index), lease.fraction,
-                           lease.lease_class, busy, (lease.cell_started_at or lease.started_at) if busy else None,
-                           None if busy else lease.idle_since, deadline,
-                           lease.idle_timeout if lease.idle_timeout > 0 else None, pressable,
-                           preemption.at if preemption is not None else None)
 
     def _plan(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
               now: datetime) -> priority.Plan:
@@ -214,8 +205,8 @@ class Pressure:
         (queue order), from the pool, the active leases and recent cell lengths as the
         last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
         inputs = self._eta
-        return eta.eta_seconds(asks, inputs.room, inputs.holding, inputs.typical, now,
-                               self.settings.pressure_grace)
+        return eta.eta_seconds(asks, inputs.room, inputs.held, inputs.typical, now, self.settings.pressure_grace,
+                               inputs.plan, inputs.guaranteed)
 
 
 def _room(gpu: GPUState) -> float:

@@ -17,44 +17,23 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Collection, Hashable, Iterable, Mapping, Sequence
 
 from gpupool.leaseclasses import lease_class
 
-from .priority import EPSILON, class_rank
+from .priority import EPSILON, NO_PRESSURE, Held, Plan, class_rank
 
 
 @dataclass(frozen=True)
 class Room:
     """The pool as the ETA places requests on it: each GPU's free fraction
     now (0 where nothing may be placed: a lost or degraded node, an unhealthy
-    GPU) and its node."""
+    GPU), its node, and its id (what a :class:`.priority.Held`'s ``gpu_ids``
+    name: the service's UUIDs)."""
 
     free: tuple[float, ...]
     node_of: tuple[Hashable, ...]
-
-
-@dataclass(frozen=True)
-class Holding:
-    """A lease holding capacity: the indexes of its GPUs in the :class:`Room`
-    and the ``fraction`` of each it holds; its class; whether a cell runs
-    (:func:`.reclaim.is_busy`) and since when (None: unknown, e.g. an agent
-    that does not say); since when it is idle (None while busy) and when it is
-    parked if it stays idle (None: never, unpressed); its idle timeout in
-    seconds (None: none; 0: it ends with its cell); ``pressable``: outside its
-    owner's guaranteed share; ``preempt_at``: when pressure parks its running
-    cell (a preemptible lease the plan preempts; None: not preempted)."""
-
-    gpus: tuple[int, ...]
-    fraction: float
-    lease_class: str
-    busy: bool
-    cell_started: datetime | None = None
-    idle_since: datetime | None = None
-    idle_deadline: datetime | None = None
-    idle_timeout: float | None = None
-    pressable: bool = True
-    preempt_at: datetime | None = None
+    ids: tuple[Hashable, ...] = ()
 
 
 def typical_lengths(ran: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -65,19 +44,20 @@ def typical_lengths(ran: Iterable[tuple[str, float]]) -> dict[str, float]:
     return {lease_class: statistics.median(lengths) for lease_class, lengths in by_class.items()}
 
 
-def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime,
-                 grace: float | None = None) -> datetime | None:
+def expected_end(lease: Held, typical: Mapping[str, float], now: datetime, grace: float | None = None,
+                 plan: Plan = NO_PRESSURE) -> datetime | None:
     """When ``lease`` is expected to free its capacity (module docstring), pressed with
-    ``grace`` seconds (None: not pressed); None when nothing is known (a busy lease of a
-    class without history) or it never lets go."""
+    ``grace`` seconds (None: not pressed) and parked or preempted as ``plan`` says; None
+    when nothing is known (a busy lease of a class without history) or it never lets go."""
     if not lease.busy:
-        deadline = lease.idle_deadline
+        deadline = plan.deadline(lease)
         if grace is not None:
             early = max(now, lease.idle_since or now) + timedelta(seconds=grace)
             deadline = min(deadline, early) if deadline is not None else early
         return None if deadline is None else max(deadline, now)
-    if grace is not None and lease.preempt_at is not None:  # parked mid-cell then, its share freed
-        return max(lease.preempt_at, now)
+    preempt_at = plan.preempt_at(lease)
+    if grace is not None and preempt_at is not None:  # parked mid-cell then, its share freed
+        return max(preempt_at, now)
     length = typical.get(lease.lease_class)
     after = lease.idle_timeout if grace is None or lease.idle_timeout is None else min(lease.idle_timeout, grace)
     after = grace if after is None else after
@@ -88,14 +68,19 @@ def expected_end(lease: Holding, typical: Mapping[str, float], now: datetime,
     return end + timedelta(seconds=after)
 
 
-def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
-                typical: Mapping[str, float], now: datetime, grace: float | None = None) -> list[float | None]:
+def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Held], typical: Mapping[str, float],
+                now: datetime, grace: float | None = None, plan: Plan = NO_PRESSURE,
+                guaranteed: Collection[str] = ()) -> list[float | None]:
     """For each queued request, in queue order (``(fraction, count, class)``: a slice
     of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node; a fourth item,
     the indexes in ``room`` of the only GPUs it may take, for a parked lease's resume),
-    seconds until it is placed after every request before it; None once what is known
-    to free does not make room. ``grace``: the pressure grace (None: pressure parks
-    nothing early). Rounded to a tenth of a second."""
+    seconds until it is placed after every request before it, as the active leases
+    ``holding`` free their GPUs (those of ``room``); None once what is known to free
+    does not make room. ``grace``: the pressure grace (None: pressure parks nothing
+    early); ``plan``: the pressure plan, whose early parks and preemptions come first;
+    ``guaranteed``: ids of the leases within their owner's guaranteed share, which no
+    waiter presses on. Rounded to a tenth of a second."""
+    index = {gpu: i for i, gpu in enumerate(room.ids)}
     free = list(room.free)
     released = [False] * len(holding)
     timelines: dict[int, deque] = {}  # by the asking class's rank: (expected end, lease index), soonest first
@@ -105,7 +90,8 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
         allowed = only[0] if only else None
         rank = class_rank(lease_class)
         if rank not in timelines:
-            ends = ((expected_end(lease, typical, now, grace if _presses(lease_class, lease) else None), i)
+            ends = ((expected_end(lease, typical, now, grace if _presses(lease_class, lease, guaranteed) else None,
+                                  plan), i)
                     for i, lease in enumerate(holding))
             timelines[rank] = deque(sorted((end, i) for end, i in ends if end is not None))
         line = timelines[rank]
@@ -117,16 +103,20 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Holding],
             end, i = line.popleft()
             released[i] = True
             moment = max(moment, end)
-            for g in holding[i].gpus:
-                free[g] += holding[i].fraction
+            lease = holding[i]
+            for gpu in lease.gpu_ids:
+                if gpu in index:
+                    free[index[gpu]] += lease.gpus / len(lease.gpu_ids)
         answers.append(round(max(0.0, (moment - now).total_seconds()), 1))
     return answers
 
 
-def _presses(asking: str | None, lease: Holding) -> bool:
+def _presses(asking: str | None, lease: Held, guaranteed: Collection[str]) -> bool:
     """Whether a waiting request of class ``asking`` presses on ``lease`` (module docstring): a class
-    that presses (:attr:`gpupool.leaseclasses.LeaseClass.presses`) on the leases of its rank and after."""
-    return lease.pressable and lease_class(asking).presses and class_rank(asking) <= class_rank(lease.lease_class)
+    that presses (:attr:`gpupool.leaseclasses.LeaseClass.presses`) on the leases of its rank and after,
+    outside their owner's guaranteed share."""
+    return (lease.lease_id not in guaranteed and lease_class(asking).presses
+            and class_rank(asking) <= class_rank(lease.lease_class))
 
 
 def _take(free: list[float], node_of: Sequence[Hashable], fraction: float, count: int,

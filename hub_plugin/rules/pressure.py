@@ -82,8 +82,11 @@ def still_due(plan: priority.Plan, lease: Any, now: datetime) -> bool:
 
 
 def held(lease: Any) -> priority.Held:
-    """``lease`` as the plan sees it."""
-    idle = lease.worker_state == WorkerState.idle
+    """``lease`` (its ``gpus`` loaded) as the rules see it: the plan and the ETA."""
+    idle, busy = lease.worker_state == WorkerState.idle, is_busy(lease)
     return priority.Held(lease.id, lease.owner, lease.fraction * lease.gpu_count, lease.lease_class,
-                         bool(lease.preemptible), is_busy(lease), lease.started_at or lease.created_at,
-                         lease.idle_since if idle else None, idle_deadline(lease), lease.node_name)
+                         bool(lease.preemptible), busy, lease.started_at or lease.created_at,
+                         lease.idle_since if idle else None, idle_deadline(lease), lease.node_name,
+                         gpu_ids=tuple(gpu.gpu_uuid for gpu in lease.gpus),
+                         cell_started=(lease.cell_started_at or lease.started_at) if busy else None,
+                         idle_timeout=lease.idle_timeout if lease.idle_timeout > 0 else None)

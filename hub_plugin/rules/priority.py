@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from gpupool import leaseclasses
 from gpupool.leaseclasses import lease_class
@@ -48,9 +48,14 @@ def yields(name: str | None) -> bool:
 
 @dataclass(frozen=True)
 class Held:
-    """An active lease as the pressure rules see it. ``gpus`` is fraction x
-    count; ``busy``: a cell runs on its worker; ``idle_since`` when its last
-    cell ended (None while busy); ``idle_deadline`` its normal idle reclaim."""
+    """An active lease, the one record of it the rules read (the pressure
+    plan here, the ETA in :mod:`.eta`). ``gpus`` is fraction x count;
+    ``busy``: a cell runs on its worker (:func:`.reclaim.is_busy`), since
+    ``cell_started`` (None: not known); ``idle_since`` when its last cell ended
+    (None while busy); ``idle_deadline`` its normal idle reclaim;
+    ``idle_timeout`` in seconds (None: none; 0: it ends with its cell);
+    ``gpu_ids`` its GPUs as the ETA's :class:`.eta.Room` names them (the
+    service: UUIDs)."""
 
     lease_id: str
     owner: str
@@ -62,6 +67,9 @@ class Held:
     idle_since: datetime | None = None
     idle_deadline: datetime | None = None
     node: str | None = None
+    gpu_ids: tuple[Hashable, ...] = ()
+    cell_started: datetime | None = None
+    idle_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,18 @@ class Plan:
 
     parks: dict[str, EarlyPark]
     preemptions: dict[str, Preemption]
+
+    def deadline(self, lease: Held) -> datetime | None:
+        """``lease``'s idle deadline: its own, or the earlier one this plan set (none without its own)."""
+        early = self.parks.get(lease.lease_id)
+        if lease.idle_deadline is None or early is None:
+            return lease.idle_deadline
+        return min(lease.idle_deadline, early.deadline)
+
+    def preempt_at(self, lease: Held) -> datetime | None:
+        """When this plan parks ``lease``'s running cell (None: not preempted, or not busy)."""
+        preemption = self.preemptions.get(lease.lease_id)
+        return preemption.at if preemption is not None and lease.busy else None
 
 
 NO_PRESSURE = Plan({}, {})

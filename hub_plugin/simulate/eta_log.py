@@ -15,7 +15,8 @@ from collections import deque
 
 from gpupool.leaseclasses import default as default_class, lease_class, names as class_names
 
-from ..rules.eta import Holding, Room, eta_seconds, typical_lengths
+from ..rules.eta import Room, eta_seconds, typical_lengths
+from ..rules.priority import Held
 from ..rules.queue import estimate
 from .policies import NotebookPolicy
 from .pool import FULL, Pool
@@ -47,24 +48,25 @@ class EtaLog:
         ``gpus`` whole GPUs behind ``ahead`` (``(milli, gpus)`` of the interactive requests queued
         before it) while ``leased`` hold capacity (``(class, cell started at, idle since or None,
         GPU uuids, milli)`` per active lease) in ``pool``."""
-        room = Room(tuple((FULL - m) / FULL for m in pool.milli), tuple(pool.node_of))
-        holding = [self.held(*lease, pool) for lease in leased]
+        room = Room(tuple((FULL - m) / FULL for m in pool.milli), tuple(pool.node_of), tuple(pool.uuid_index))
+        holding = [self.held(*lease) for lease in leased]
         typical = typical_lengths((klass, seconds) for klass, cells in self.cells.items() for seconds in cells)
         person = default_class().name  # the requests the ETA is shown for: a person at a notebook
         asks = [(m / FULL, g, person) for m, g in ahead] + [(milli / FULL, gpus, person)]
         predicted = eta_seconds(asks, room, holding, typical, at(now), self.policy.pressure_grace)[-1]
         self.record(cell, predicted, len(ahead) + 1, len(leased))
 
-    def held(self, klass: str, run_start: float, idle_since: float | None, uuids, milli: int,
-             pool: Pool) -> Holding:
+    def held(self, klass: str, run_start: float, idle_since: float | None, uuids, milli: int) -> Held:
         """A held lease as the service's ETA sees it: an idle notebook is parked at the first sweep
         tick after its idle timeout; a batch job ends with its cell (the trace has no quotas:
-        nothing is guaranteed)."""
+        nothing is guaranteed). Only what the ETA reads is filled in."""
         timeout = (self.policy.idle_timeout or None) if lease_class(klass).idles else 0.0
         deadline = (None if idle_since is None or timeout is None
                     else at(math.ceil((idle_since + timeout) / SWEEP_S) * SWEEP_S))
-        return Holding(tuple(pool.uuid_index[u] for u in uuids), milli / FULL, klass, idle_since is None,
-                       at(run_start), None if idle_since is None else at(idle_since), deadline, timeout)
+        busy = idle_since is None
+        return Held("", "", milli / FULL * len(uuids), klass, False, busy, at(run_start),
+                    None if busy else at(idle_since), deadline, gpu_ids=tuple(uuids),
+                    cell_started=at(run_start) if busy else None, idle_timeout=timeout)
 
     def started(self, cell: int, wait: float) -> None:
         """``cell`` started after waiting ``wait`` seconds."""

@@ -280,8 +280,9 @@ def test_drain_leaves_a_resume_waiting_when_its_node_has_no_room_whatever_is_fre
 
 def test_the_eta_of_a_resume_waits_for_its_own_gpu():
     """GPU 1 is free, but the resume may take only GPU 0, which its holder frees at 300 s."""
-    room = eta.Room((0.0, 1.0), ("n1", "n1"))
-    holding = [eta.Holding((0,), 1.0, "interactive", False, idle_since=at(-100), idle_deadline=at(300))]
+    room = eta.Room((0.0, 1.0), ("n1", "n1"), ("G0", "G1"))
+    holding = [priority.Held("L-1", "ann", 1.0, "interactive", False, False, at(-200), idle_since=at(-100),
+                             idle_deadline=at(300), gpu_ids=("G0",))]
     assert eta.eta_seconds([(0.5, 1, "interactive", (0,))], room, holding, {}, T0) == [300.0]
     assert eta.eta_seconds([(0.5, 1, "interactive", (0, 1))], room, holding, {}, T0) == [0.0]  # remap: at once
     assert eta.eta_seconds([(0.5, 1, "interactive")], room, holding, {}, T0) == [0.0]  # a new request: anywhere

@@ -4,6 +4,7 @@ opt-in, and the ETA (hub_plugin/rules/priority.py, hub_plugin/rules/eta.py, hub_
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
@@ -212,11 +213,16 @@ def test_preemptible_refused_where_the_pool_allows_none():
 
 def holding(fraction=1.0, gpus=(0,), cls="interactive", *, busy=True, started=0.0, idle=None, deadline=None,
             timeout=0.0, pressable=True, preempt=None):
-    return eta.Holding(tuple(gpus), fraction, cls, busy, at(started), None if idle is None else at(idle),
-                       None if deadline is None else at(deadline), timeout, pressable,
-                       None if preempt is None else at(preempt))
+    """``(active lease, pressable, preempted at)``: a lease on GPUs ``gpus`` (indexes of test_eta's room),
+    whether it is outside a guaranteed share, and when the plan preempts it (None: never)."""
+    lease = Held(f"L-{next(_IDS)}", "ann", fraction * len(gpus), cls, preempt is not None, busy, at(started),
+                 None if idle is None else at(idle), None if deadline is None else at(deadline),
+                 gpu_ids=tuple(f"G{g}" for g in gpus), cell_started=at(started) if busy else None,
+                 idle_timeout=timeout)
+    return lease, pressable, None if preempt is None else at(preempt)
 
 
+_IDS = itertools.count()
 NOW = at(1000)
 TAKEN = (0.0, 0.0, 0.0, 0.0)  # four GPUs on two nodes (n0: 0, 1; n1: 2, 3), all taken
 I, B = "interactive", "batch"
@@ -244,8 +250,10 @@ IDLE_NOTEBOOK = holding(busy=False, idle=900, deadline=2700, timeout=1800.0)  # 
     # (its own 30 min), nor on one within a guaranteed share; a batch waiter presses on an idle batch lease
     ([(1.0, 1, I)], TAKEN, [IDLE_NOTEBOOK], {}, 120.0, [120.0]),
     ([(1.0, 1, B)], TAKEN, [IDLE_NOTEBOOK], {}, 120.0, [1700.0]),
-    ([(1.0, 1, I)], TAKEN, [replace(IDLE_NOTEBOOK, pressable=False)], {}, 120.0, [1700.0]),
-    ([(1.0, 1, B)], TAKEN, [replace(IDLE_NOTEBOOK, lease_class=B)], {}, 120.0, [120.0]),
+    ([(1.0, 1, I)], TAKEN, [holding(busy=False, idle=900, deadline=2700, timeout=1800.0, pressable=False)], {},
+     120.0, [1700.0]),
+    ([(1.0, 1, B)], TAKEN, [holding(cls=B, busy=False, idle=900, deadline=2700, timeout=1800.0)], {}, 120.0,
+     [120.0]),
     # a person and a job wait: the person takes the notebook's GPU, the job the idle batch lease's
     ([(1.0, 1, I), (1.0, 1, B)], TAKEN, [IDLE_NOTEBOOK, holding(gpus=(1,), cls=B, busy=False, idle=950,
                                                                 deadline=2750, timeout=1800.0)], {}, 120.0,
@@ -267,8 +275,11 @@ IDLE_NOTEBOOK = holding(busy=False, idle=900, deadline=2700, timeout=1800.0)  # 
     ([(1.0, 2, I)], TAKEN, [holding(gpus=(1,), busy=False, deadline=1150)], {}, None, [None]),
 ])
 def test_eta(asks, free, leases, typical, grace, expected):
-    room = eta.Room(free, ("n0", "n0", "n1", "n1"))
-    assert eta.eta_seconds(asks, room, leases, typical, NOW, grace) == expected
+    room = eta.Room(free, ("n0", "n0", "n1", "n1"), ("G0", "G1", "G2", "G3"))
+    plan = priority.Plan({}, {lease.lease_id: priority.Preemption(when, "preempted")
+                              for lease, _, when in leases if when is not None})
+    safe = {lease.lease_id for lease, pressable, _ in leases if not pressable}
+    assert eta.eta_seconds(asks, room, [lease for lease, _, _ in leases], typical, NOW, grace, plan, safe) == expected
 
 
 def test_typical_lengths_by_class():
