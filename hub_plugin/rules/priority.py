@@ -12,9 +12,9 @@ than exactly what fits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Collection, Hashable, Iterable, Mapping, Sequence
 
 from gpupool import leaseclasses
 from gpupool.leaseclasses import lease_class
@@ -110,10 +110,18 @@ class Preemption:
 
 @dataclass(frozen=True)
 class Plan:
-    """What pressure decides: early parks and preemptions by lease id."""
+    """What pressure decides: early parks and preemptions by lease id, and
+    the nodes ``cleared`` for a waiting request for several whole GPUs (node
+    -> that request's lease id), on which no backfill is placed while it
+    waits (:func:`batch_may_start`)."""
 
     parks: dict[str, EarlyPark]
     preemptions: dict[str, Preemption]
+    cleared: dict[str, str] = field(default_factory=dict)
+
+    def held_nodes(self, waiting: Collection[str]) -> set[str]:
+        """The nodes cleared for a request still among ``waiting`` (lease ids)."""
+        return {node for node, lease_id in self.cleared.items() if lease_id in waiting}
 
     def deadline(self, lease: Held) -> datetime | None:
         """``lease``'s idle deadline: its own, or the earlier one this plan set (none without its own)."""
@@ -224,6 +232,7 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     open_leases = [lease for lease in held if lease.lease_id not in safe]
     parks: dict[str, EarlyPark] = {}
     preemptions: dict[str, Preemption] = {}
+    cleared_for: dict[str, str] = {}
     # A class's waiters press on the leases of its rank and after (interactive on every lease, batch
     # only on batch leases); a class that does not press is left out of the waiters.
     asking = [item for item in asking if lease_class(item.lease_class).presses]
@@ -265,15 +274,19 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                     parks[lease.lease_id] = park
 
         if free_gpus is not None and kind.preempts:
-            free = dict(free_gpus)
+            # What is on its way back counts as free: a node whose leases are being parked for a
+            # request stays the cheapest to clear for it, sweep after sweep.
+            free = {node: free_gpus.get(node, 0.0) + (freeing or {}).get(node, 0.0)
+                    for node in set(free_gpus) | set(freeing or {})}
             for item in sorted(asking, key=lambda ask: ask.created_at):
-                if class_rank(item.lease_class) != rank or item.gpu_count < 2:
+                if class_rank(item.lease_class) != rank or item.gpu_count < 2 or item.node is not None:
                     continue
+                need -= item.gpus  # GPUs freed here and there across the pool are of no use to it
                 cleared = clearing.clear(item.gpu_count, targets, free, preempting, yields, class_rank)
                 if cleared is None:
                     continue
                 node, leases = cleared
-                need -= item.gpus
+                cleared_for[node] = item.lease_id
                 for lease in leases:
                     take(lease, item.created_at)
                 targets = [lease for lease in targets if lease.node != node]
@@ -293,7 +306,7 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                     continue  # taken for another waiter: its room is that one's
                 take(lease)
                 here -= lease.gpus
-    return Plan(parks, preemptions)
+    return Plan(parks, preemptions, cleared_for)
 
 
 def acting(plan_: Plan, now: datetime) -> tuple[set[str], set[str], datetime | None]:
@@ -339,15 +352,22 @@ def _preemptible(leases: Iterable[Held]) -> list[Held]:
 
 
 def batch_may_start(placement_node_idle: bool, idle_nodes: int, headroom_nodes: int,
-                    interactive_waiting: bool) -> bool:
-    """May a batch request take the placement the scheduler found for it?
+                    interactive_waiting: bool, node_held: bool = False) -> bool:
+    """May a batch request (new, or a parked one's resume) take the placement
+    the scheduler found for it?
 
-    Not while an interactive request waits (what frees up, or what pressure
-    frees for that request, is the person's, not backfill's); and not on an
-    idle node (``placement_node_idle``: nothing allocated on it) while only
-    ``headroom_nodes`` or fewer nodes are idle (``idle_nodes``, counted
-    before the placement): whole nodes kept for interactive whole-node asks."""
-    if interactive_waiting:
+    Never on a node held for a person (``node_held``): one their parked lease
+    waits to resume on, or one pressure clears for their request for several
+    whole GPUs (:attr:`Plan.cleared`). What frees there is that person's: a
+    preempted job's own resume, or new backfill, placed back there would only
+    be preempted again at the next sweep, round after round. Not while an interactive request waits, where
+    the pool asks it (``interactive_waiting``: ``c.PoolPressure.batch_yields``):
+    what frees up, or what pressure frees for that request, is the person's,
+    not backfill's. And not on an idle node (``placement_node_idle``: nothing
+    allocated on it) while only ``headroom_nodes`` or fewer nodes are idle
+    (``idle_nodes``, counted before the placement): whole nodes kept for
+    interactive whole-node asks."""
+    if interactive_waiting or node_held:
         return False
     return not placement_node_idle or idle_nodes > headroom_nodes
 

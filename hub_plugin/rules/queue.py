@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from .placement_index import PlacementIndex
 from . import resume as resume_rule
@@ -100,7 +100,7 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           last_used: Mapping[str, datetime | None], now: datetime, *,
           accept: Callable[[Waiting, Placement], bool] | None = None,
           room: Mapping[str, int] | None = None, batch_yields: bool = False,
-          headroom_nodes: int = 0) -> list[tuple[Waiting, Placement]]:
+          headroom_nodes: int = 0, held_nodes: Collection[str] = ()) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
@@ -108,9 +108,11 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     stops the drain there (the service checks the decision against the store).
     ``room``, when given, is how many more requests each owner may have placed
     (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
-    A batch request is placed only where :func:`.priority.batch_may_start` allows
-    (``batch_yields``: not while an interactive request is left waiting;
-    ``headroom_nodes``: not on an idle node while that many or fewer are idle).
+    A batch request is placed only where :func:`.priority.batch_may_start` allows:
+    never on ``held_nodes`` (cleared by pressure for a person's request:
+    :meth:`.priority.Plan.held_nodes`) nor on the node of a person's resume that
+    does not fit there; ``batch_yields``: not while an interactive request is left
+    waiting; ``headroom_nodes``: not on an idle node while that many or fewer are idle.
 
     Capacity only shrinks during a drain, so a demand that did not fit once is
     not tried again: a thousand equal requests that do not fit cost one try."""
@@ -121,6 +123,7 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     unfit: set[Demand] = set()
     placed: list[tuple[Waiting, Placement]] = []
     stuck: set[str] = set()  # resumes that did not fit: capacity only shrinks, so not tried again
+    held = set(held_nodes)  # and the nodes where a person's resume did not fit: no batch placed there
     while left:
         for item in order(left, last):
             if item.resume is not None:
@@ -129,6 +132,8 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 decision = _place_resume(item.resume, index)
                 if not isinstance(decision, Placement):
                     stuck.add(item.lease_id)
+                    if not yields(item.lease_class):
+                        held.add(item.resume.node)
                     continue
             elif item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
                 continue
@@ -137,12 +142,16 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 if not isinstance(decision, Placement):
                     unfit.add(item.demand)
                     continue
-            if yields(item.lease_class) and (batch_yields or headroom_nodes):
+            if yields(item.lease_class) and (batch_yields or headroom_nodes or decision.node in held):
                 # In queue order every request still left of a class that does not yield did not fit:
                 # a person waits.
                 person = batch_yields and any(not yields(other.lease_class) for other in left)
-                if not batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
-                    unfit.add(item.demand)  # capacity only shrinks: it is not allowed later in this drain either
+                if not batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person,
+                                       decision.node in held):
+                    if item.resume is not None:
+                        stuck.add(item.lease_id)
+                    else:  # capacity only shrinks: it is not allowed later in this drain either
+                        unfit.add(item.demand)
                     continue
             if accept is not None and not accept(item, decision):
                 return placed

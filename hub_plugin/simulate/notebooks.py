@@ -381,7 +381,7 @@ class _Replay:
             placement, tier = self.pool.place(session.milli, session.gpus), "moved"
         if not isinstance(placement, Placement):
             return False
-        if lease_class(session.klass).yields and not self.batch_may_start(self.pool.node_idle(placement.node)):
+        if lease_class(session.klass).yields and not self.batch_may_start(placement.node):
             self.yielded.add(parked.placement.node)
             return False
         self.unpark(sid)
@@ -412,7 +412,7 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if not isinstance(placement, Placement):
             return False
-        if lease_class(session.klass).yields and not self.batch_may_start(self.pool.node_idle(placement.node)):
+        if lease_class(session.klass).yields and not self.batch_may_start(placement.node):
             return False
         self.take(sid, placement, now)
         self.start(sid, now)
@@ -426,10 +426,13 @@ class _Replay:
         if self.table.grant(sid, placement, now, self.policy.idle_timeout or 0.0):
             del self.sweep.waiters[sid]
 
-    def batch_may_start(self, node_idle: bool) -> bool:
-        """The service's rule for batch placements (:func:`.priority.batch_may_start`)."""
-        return priority.batch_may_start(node_idle, self.pool.idle_nodes, self.policy.headroom_nodes,
-                                        self.policy.batch_yields and self.table.interactive_waiting > 0)
+    def batch_may_start(self, node: str) -> bool:
+        """The service's rule for a batch placement on ``node`` (:func:`.priority.batch_may_start`):
+        the node is held while a person's resume waits there, or pressure clears it for a person."""
+        held = self.sweep.held(node) or any(not lease_class(self.sessions[entry[1]].klass).yields
+                                            for entry in self.resumes.get(node, ()))
+        return priority.batch_may_start(self.pool.node_idle(node), self.pool.idle_nodes, self.policy.headroom_nodes,
+                                        self.policy.batch_yields and self.table.interactive_waiting > 0, held)
 
     def release(self, sid: int, now: float, retry: bool = True, free_at: float | None = None) -> None:
         """End ``sid``'s lease at ``now``; its share is free at ``free_at`` (a

@@ -61,6 +61,7 @@ class Sweep:
         self.rule = rule
         self.waiters: dict[int, priority.Asking] = {}  # every waiting request
         self.holding: dict[int, priority.Held] = {}  # every active lease
+        self.plan = priority.NO_PRESSURE  # the last plan evaluated
         self._freeing: dict[str, float] = {}  # node -> GPUs of parks whose state is still moving off the GPU
         self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
         self._last_check = -math.inf
@@ -87,6 +88,11 @@ class Sweep:
         """That share is back in the pool."""
         self._freeing[placement.node] -= placement.fraction * len(placement.gpus)
 
+    def held(self, node: str) -> bool:
+        """Whether the last plan cleared ``node`` for a request that still waits (:attr:`.priority.Plan.cleared`)."""
+        lease_id = self.plan.cleared.get(node)
+        return lease_id is not None and int(lease_id) in self.waiters
+
     def wants_free_gpus(self) -> bool:
         """Whether the plan reads each node's free GPUs now (:meth:`.priority.Rule.wants_free_gpus`)."""
         return self.rule is not None and self.rule.wants_free_gpus(self.waiters.values())
@@ -102,7 +108,8 @@ class Sweep:
         rule = self.rule
         if rule is None or not self.waiters or not (any_idle or rule.allow_preemption):
             return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
-        plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus, self._freeing)
+        plan = self.plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus,
+                                     self._freeing)
         parks, preempts, later = priority.acting(plan, at(now))
         return ([int(lease) for lease in plan.parks if lease in parks],
                 [int(lease) for lease in plan.preemptions if lease in preempts],

@@ -193,14 +193,31 @@ def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
     # a node needing no person's notebook parked goes first, even at more running GPUs
     ([on("a1", "a", 1.0, "interactive", busy=False), on("b1", "b", 4.0), on("b2", "b", 4.0)], {"a": 7.0},
      {"b1", "b2"}, set()),
-    # no node can be cleared (a person's running cell, not preemptible): counted in GPUs, as without free_gpus
-    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
+    # no node can be cleared (a person's running cell, not preemptible): nothing is taken, since GPUs
+    # freed here and there would not make the one node it needs
+    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, set(), set()),
 ])
 def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
     decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
                             priority.Rule(120, 5, True, preemption_grace=0.0), {}, free)
     assert (set(decided.preemptions), set(decided.parks)) == (preempted, parked)
     assert all(p.at == at(105) for p in decided.preemptions.values())
+    assert set(decided.cleared.values()) <= {"q"} and bool(decided.cleared) is bool(preempted)
+    assert decided.held_nodes({"q"}) == set(decided.cleared) and not decided.held_nodes(set())
+
+
+def test_the_node_being_cleared_stays_the_one_cleared_while_its_leases_are_parked():
+    """b's lease is on its way back (being parked): b stays the node cleared for the ask, not a."""
+    leases = [on("a1", "a", 2.0)]
+    decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
+                            priority.Rule(120, 5, True, preemption_grace=0.0), {}, {"a": 6.0, "b": 4.0}, {"b": 4.0})
+    assert decided.cleared == {"b": "q"} and not decided.preemptions
+
+
+def test_a_whole_gpu_resume_is_not_given_another_node_cleared():
+    decided = priority.plan([on("a1", "a", 8.0)], [Asking("r", "zoe", 8.0, "interactive", at(100), 8, node="b")],
+                            priority.Rule(120, 5, True, preemption_grace=0.0), {}, {"a": 0.0})
+    assert not decided.cleared and not decided.preemptions  # it presses on its own node b only
 
 
 def test_preemptible_refused_where_the_pool_allows_none():
