@@ -8,7 +8,7 @@ and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
 every other process it had started (:mod:`.workers.recovery`).
 
-Beside it: its settings (:mod:`.agent_settings`), HTTP API and server (:mod:`.agent_http`),
+Beside it: its settings besides its own, a class per concern (:mod:`.settings`), HTTP API and server (:mod:`.agent_http`),
 calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
 worker accounts (:mod:`.agent_accounts`), metrics (:mod:`.agent_metrics`) and
 enforcement (:mod:`.enforcement`). The agent builds these parts and hands each
@@ -23,15 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from traitlets import Integer, Unicode, default, validate
+from traitlets.config import Application, Config, catch_config_error
 
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.moved_settings import carry_moved, new_homes
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
+from gpupool.traits import Duration
 from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
 
 from . import checkpoint, enforcement, process_limits
@@ -41,19 +48,25 @@ from .agent_http import AgentAPI, WorkerAdmission, advertised_ip, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
 from .agent_service import NodeSide, ServiceLink, ServiceSettings
 from .agent_tokens import AgentTokens
-from .agent_settings import NodeSettings, WorkerSettings
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .cgroups import CgroupError, Containment, containment
 from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
+from .settings import AgentEnforcement, AgentInventory, AgentParking, AgentWorkers
 from .workers import WarmSettings, WorkerLaunch, WorkerManager
 from .workers import launchers
+from .workers.launchers.kubernetes import KubernetesLauncher
+from .workers.launchers.slurm import SlurmLauncher
 from .workers.parking import ParkSettings
 
+#: The agent's settings besides its own (``c.NodeAgent``), one class per concern.
+SETTINGS_PARTS = (AgentInventory, AgentEnforcement, AgentWorkers, AgentParking)
 
-# Its settings (c.NodeAgent.*) are those of NodeSettings and WorkerSettings, which it inherits.
-class NodeAgent(WorkerSettings):
-    """``gpupool agent``: the per-node daemon."""
+
+class NodeAgent(Application):
+    """``gpupool agent``: the per-node daemon. Its own settings (``c.NodeAgent``)
+    say who it is, where the service is and how it listens; the rest are its
+    parts' (:data:`SETTINGS_PARTS`, built by :meth:`read_settings`)."""
 
     name = "gpupool-agent"
     #: What the launcher says the node has for leases (cores, bytes), asked once (:meth:`host_totals`).
@@ -62,47 +75,151 @@ class NodeAgent(WorkerSettings):
     starts and stops one Jupyter kernel (worker) per lease, and reports worker
     activity and GPU metrics."""
 
+    # The cluster launchers' settings are read by worker_launcher = "slurm" or "kubernetes".
+    classes = [*SETTINGS_PARTS, SlurmLauncher, KubernetesLauncher]
+
     aliases = {
         "service-url": "NodeAgent.service_url",
         "token-file": "NodeAgent.token_file",
-        "simulate": "NodeAgent.simulate",
-        "inventory": "NodeAgent.inventory_source",
+        "simulate": "AgentInventory.simulate",
+        "inventory": "AgentInventory.inventory_source",
         "name": "NodeAgent.node_name",
         "ip": "NodeAgent.ip",
         "port": "NodeAgent.port",
         "state-dir": "NodeAgent.state_dir",
         "config": "NodeAgent.config_file",
-        "enforcement": "NodeAgent.enforcement_mode",
-        "warm-workers": "NodeAgent.warm_workers",
-        "worker-launcher": "NodeAgent.worker_launcher",
-        "worker-user": "NodeAgent.worker_user",
-        "cgroup-mode": "NodeAgent.cgroup_mode",
-        "checkpointer": "NodeAgent.checkpointer",
-        "parked-memory": "NodeAgent.parked_memory",
-        "spill-dir": "NodeAgent.spill_dir",
-        "transport-encryption": "NodeAgent.transport_encryption",
+        "enforcement": "AgentEnforcement.enforcement_mode",
+        "warm-workers": "AgentWorkers.warm_workers",
+        "worker-launcher": "AgentWorkers.worker_launcher",
+        "worker-user": "AgentWorkers.worker_user",
+        "cgroup-mode": "AgentEnforcement.cgroup_mode",
+        "checkpointer": "AgentParking.checkpointer",
+        "parked-memory": "AgentParking.parked_memory",
+        "spill-dir": "AgentParking.spill_dir",
+        "transport-encryption": "AgentWorkers.transport_encryption",
         "ssl-cert": "NodeAgent.ssl_cert",
         "ssl-key": "NodeAgent.ssl_key",
         "ca-file": "NodeAgent.ca_file",
         "metrics-token-file": "NodeAgent.metrics_token_file",
         "log-level": "Application.log_level",
     }
-    flags = {**WorkerSettings.flags, "require-containment": (
-        {"NodeAgent": {"require_containment": True}},
-        "Refuse to serve when the configured cgroup or enforcement mode cannot be had (c.NodeAgent.require_containment).")}
+    flags = {**Application.flags, "require-containment": (
+        {"AgentEnforcement": {"require_containment": True}},
+        "Refuse to serve when the configured cgroup or enforcement mode cannot be had "
+        "(c.AgentEnforcement.require_containment).")}
 
-    def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
-        """The classes ``--generate-config`` and ``--help-all`` show: not the
-        settings classes, so every setting appears once, as ``c.NodeAgent.*``;
-        and the cluster launchers' (``c.SlurmLauncher.*``, ``c.KubernetesLauncher.*``, read by
-        ``worker_launcher = "slurm"`` or ``"kubernetes"``)."""
-        from .workers.launchers.kubernetes import KubernetesLauncher
-        from .workers.launchers.slurm import SlurmLauncher
+    service_url = Unicode(
+        "", help="""Base URL of the pool service, e.g. ``http://pool:8765`` (standalone) or
+        ``http://hub:8000/services/gpupool``. Required. ``c.NodeAgent.service_url = "http://pool:8765"``.""",
+    ).tag(config=True)
 
-        shown = [cls for cls in super()._classes_with_config_traits(classes)
-                 if cls not in (NodeSettings, WorkerSettings)]
-        yield from shown
-        yield from (cls for cls in (SlurmLauncher, KubernetesLauncher) if cls not in shown)
+    token_file = Unicode(
+        "", help="""File holding the agent token (the service writes one to
+        ``STATE_DIR/agent_token``). Without it the token is read from the
+        GPUPOOL_AGENT_TOKEN environment variable. ``c.NodeAgent.token_file = "/etc/gpupool/agent_token"``.""",
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="""This node's name in the pool. Default: the host name. ``c.NodeAgent.node_name = "gpu-07"``.""",
+    ).tag(config=True)
+
+    @default("node_name")
+    def _node_name_default(self) -> str:
+        return socket.gethostname()
+
+    ip = Unicode(
+        "127.0.0.1", help="""Address the agent's HTTP server and its workers listen on, and that the
+        service and notebook kernels connect to. Default: 127.0.0.1. ``c.NodeAgent.ip = "10.0.0.7"``.""",
+    ).tag(config=True)
+
+    port = Integer(
+        8766, min=0, max=65535, help="""Port of the agent's HTTP server (0 to 65535); 0 picks a free one.
+        Default: 8766. ``c.NodeAgent.port = 8766``.""",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        help="""Directory for worker connection files and logs and ``agent.json``.
+        Default: ``$XDG_STATE_HOME/gpupool/agent`` (``~/.local/state/gpupool/agent``).
+        ``c.NodeAgent.state_dir = "/var/lib/gpupool/agent"``.""",
+    ).tag(config=True)
+
+    @default("state_dir")
+    def _state_dir_default(self) -> str:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        return os.path.join(base, "gpupool", "agent")
+
+    @validate("state_dir")
+    def _state_dir_absolute(self, proposal: Any) -> str:
+        # Absolute, as workers start in folders of their own: a relative --state-dir would leave
+        # their history file (and connection file) pointing nowhere.
+        return os.path.abspath(os.path.expanduser(proposal["value"]))
+
+    config_file = Unicode(
+        "", help="""A config file (``gpupool_config.py``) setting ``c.NodeAgent.*`` and its parts'
+        (``c.AgentInventory.*``, ``c.AgentEnforcement.*``, ``c.AgentWorkers.*``, ``c.AgentParking.*``,
+        ``c.SlurmLauncher.*``, ``c.KubernetesLauncher.*``); the command line wins.""",
+    ).tag(config=True)
+
+    service_timeout = Duration(
+        10.0, help="""Seconds per call to the service (registration, heartbeat). Default: 10.
+        ``c.NodeAgent.service_timeout = 30``.""",
+    ).tag(config=True)
+
+    retry_max = Duration(
+        30.0, help="""Longest wait between two registration attempts while the service is
+        unreachable (the wait doubles from 0.5 s up to this). Default: 30 seconds.
+        ``c.NodeAgent.retry_max = "1m"``.""",
+    ).tag(config=True)
+
+    ssl_cert = Unicode(
+        "", help="""TLS certificate (PEM, with its chain) the agent's HTTP server serves; set with
+        ``ssl_key``. The agent then registers an ``https://`` URL, which the service verifies
+        (``c.GPUPool.ca_file`` for your own CA). Default: empty (plain HTTP).
+        ``c.NodeAgent.ssl_cert = "/etc/gpupool/node.crt"``.""",
+    ).tag(config=True)
+
+    ssl_key = Unicode(
+        "", help="""Private key (PEM, unencrypted) of ``ssl_cert``. Default: empty.
+        ``c.NodeAgent.ssl_key = "/etc/gpupool/node.key"``.""",
+    ).tag(config=True)
+
+    ca_file = Unicode(
+        "", help="""CA bundle (PEM) the agent trusts, besides the system's CAs, when the service
+        URL is ``https://``. Default: empty, or ``$GPUPOOL_CA_FILE``.
+        ``c.NodeAgent.ca_file = "/etc/gpupool/ca.crt"``.""",
+    ).tag(config=True)
+
+    metrics_token_file = Unicode(
+        "", help="""File holding the token Prometheus sends to ``GET /metrics``
+        (``Authorization: Bearer TOKEN``); the agent token is accepted there too.
+        Default: empty (the agent token only). Read at start.
+        ``c.NodeAgent.metrics_token_file = "/etc/gpupool/metrics_token"``.""",
+    ).tag(config=True)
+
+    @default("log_level")
+    def _log_level_default(self) -> int:
+        return logging.INFO
+
+    @default("log_format")
+    def _log_format_default(self) -> str:
+        return "[%(name)s %(levelname)s %(asctime)s] %(message)s"
+
+    def get_default_logging_config(self) -> dict[str, Any]:
+        """Traitlets' logging setup, with the module loggers under ``gpupool``
+        (``gpupool.agent``: NVML, attribution) writing through the agent's own
+        handler, format and ``log_level`` instead of Python's bare fallback."""
+        config = super().get_default_logging_config()
+        if "loggers" in config:
+            config["loggers"]["gpupool"] = {**config["loggers"][self.__class__.__name__], "propagate": False}
+        return config
+
+    def update_config(self, config: Config) -> None:
+        """Traitlets' merge of a command line or config file, after carrying each
+        setting written with its old class, ``c.NodeAgent.warm_workers``, to its
+        part's, ``c.AgentWorkers.warm_workers`` (:mod:`gpupool.moved_settings`;
+        the log names the new spelling)."""
+        carry_moved(config, "NodeAgent", new_homes(SETTINGS_PARTS), self.log.warning)
+        super().update_config(config)
 
     # -- setup ------------------------------------------------------------------------------------------------
 
@@ -115,6 +232,7 @@ class NodeAgent(WorkerSettings):
             if not path.is_file():
                 raise GPUPoolError(Reason.not_configured, f"config file {path} does not exist (--config)")
             self.load_config_file(path.name, path=str(path.parent.resolve()))
+        self.read_settings()
         if not self.service_url:
             raise GPUPoolError(Reason.not_configured,
                                "no service URL: pass --service-url=http://HOST:PORT of the pool service")
@@ -123,32 +241,34 @@ class NodeAgent(WorkerSettings):
         self.service_tls = client_context(self.ca_file)
         self.tokens = AgentTokens(self.token_file, self.metrics_token_file)
         self.metrics = AgentMetrics(self.node_name)
+        workers, gpus = self.agent_workers, self.agent_inventory
         self.worker_environments = self.check_environments()
-        self.account_settings = WorkerAccountSettings(self.worker_user, self.worker_users, self.state_dir,
+        self.account_settings = WorkerAccountSettings(workers.worker_user, workers.worker_users, self.state_dir,
                                                       self.node_name, self.log)
-        self.inventory: Inventory = select_inventory(self.simulate or None, self.node_name, self.host_proc or None,
-                                                     retry=(self.nvml_retry_min, self.nvml_retry_max),
-                                                     timeout=self.nvml_timeout, source=self.inventory_source)
+        self.inventory: Inventory = select_inventory(gpus.simulate or None, self.node_name, gpus.host_proc or None,
+                                                     retry=(gpus.nvml_retry_min, gpus.nvml_retry_max),
+                                                     timeout=gpus.nvml_timeout, source=gpus.inventory_source)
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
         self.metrics.update(self.gpus.values(), [], {}, None)  # the GPUs, before the first heartbeat's readings
-        #: Why this agent refuses to serve (c.NodeAgent.require_containment), in words; None: it serves.
+        #: Why this agent refuses to serve (c.AgentEnforcement.require_containment), in words; None: it serves.
         self.refusal: str | None = None
+        mode = self.agent_enforcement.enforcement_mode
         try:
-            self.enforcement = enforcement.resolve(self.enforcement_mode, self.inventory.kind, self.gpus)
+            self.enforcement = enforcement.resolve(mode, self.inventory.kind, self.gpus)
             self.enforcement.setup(self.state_dir, self.log)
         except RuntimeError as exc:  # the mode cannot be had here (no MPS daemon)
-            if not self.require_containment:
+            if not self.agent_enforcement.require_containment:
                 raise GPUPoolError(Reason.not_configured, str(exc)) from None
             self.enforcement = enforcement.NoEnforcement()
-            self.refusal = f"enforcement mode {self.enforcement_mode!r} cannot be had: {exc}"
+            self.refusal = f"enforcement mode {mode!r} cannot be had: {exc}"
         except (ValueError, TypeError) as exc:  # an unknown or broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
         try:
-            self.launcher = launchers.launcher_class(self.worker_launcher)
+            self.launcher = launchers.launcher_class(workers.worker_launcher)
         except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
-            raise GPUPoolError(Reason.not_configured, f"{exc} (c.NodeAgent.worker_launcher)") from None
+            raise GPUPoolError(Reason.not_configured, f"{exc} (c.AgentWorkers.worker_launcher)") from None
         try:
-            self.gpu_checkpointer = checkpoint.resolve(self.checkpointer, checkpoint.NodeFacts(
+            self.gpu_checkpointer = checkpoint.resolve(self.agent_parking.checkpointer, checkpoint.NodeFacts(
                 self.inventory.kind, self.inventory.versions().get("driver")), self.log)
         except (ValueError, TypeError) as exc:  # cannot work here; a broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
@@ -156,11 +276,23 @@ class NodeAgent(WorkerSettings):
         self._background: set[asyncio.Task] = set()
         self._stopping: set[str] = set()
 
+    @catch_config_error
+    def read_settings(self) -> None:
+        """Build the agent's parts (:data:`SETTINGS_PARTS`) from its config, once
+        the command line and the config file are read: ``agent_inventory``,
+        ``agent_enforcement``, ``agent_workers``, ``agent_parking``. A bad value
+        is said in one line and exits 1, as one of ``c.NodeAgent`` is."""
+        self.agent_inventory = AgentInventory(parent=self)
+        self.agent_enforcement = AgentEnforcement(parent=self)
+        self.agent_workers = AgentWorkers(parent=self)
+        self.agent_parking = AgentParking(parent=self)
+
     def containment(self, state_dir: Path) -> Containment:
-        """The workers' cgroups (``cgroup_mode``, ``cgroup_root``); GPUPoolError
-        ``not_configured`` when the mode asked for cannot be had."""
+        """The workers' cgroups (``cgroup_mode``, ``cgroup_root`` of ``c.AgentEnforcement``);
+        GPUPoolError ``not_configured`` when the mode asked for cannot be had."""
+        settings = self.agent_enforcement
         try:
-            return containment(self.cgroup_mode, self.cgroup_root, state_dir, log=self.log)
+            return containment(settings.cgroup_mode, settings.cgroup_root, state_dir, log=self.log)
         except CgroupError as exc:
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
 
@@ -168,7 +300,7 @@ class NodeAgent(WorkerSettings):
         """Check every worker environment once (:func:`.environments.check_all`);
         unusable ones are logged and reported, not fatal."""
         try:
-            found = worker_envs.check_all(self.environments, self.default_environment)
+            found = worker_envs.check_all(self.agent_workers.environments, self.agent_workers.default_environment)
         except ValueError as exc:
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
         for env in found:
@@ -176,7 +308,7 @@ class NodeAgent(WorkerSettings):
                 self.log.warning("worker environment %r is not usable: %s", env.name, env.problem)
         if not any(env.default and env.usable for env in found):
             raise GPUPoolError(Reason.not_configured, "the default worker environment cannot run workers: "
-                               f"{next(e.problem for e in found if e.default)} (c.NodeAgent.default_environment)")
+                               f"{next(e.problem for e in found if e.default)} (c.AgentWorkers.default_environment)")
         return found
 
     def worker_reports(self) -> list[WorkerReport]:
@@ -268,11 +400,11 @@ class NodeAgent(WorkerSettings):
 
     def refusal_words(self) -> str:
         """What a refusing agent says (log, ``/health``, ``gpupool health``): why, and the fixes."""
-        return (f"gpupool agent {self.node_name} refuses to serve (c.NodeAgent.require_containment = True): "
+        return (f"gpupool agent {self.node_name} refuses to serve (c.AgentEnforcement.require_containment = True): "
                 f"{self.refusal}. Give the agent what it needs (Kubernetes: a privileged container, or the host's "
-                "cgroup subtree mounted read-write with c.NodeAgent.cgroup_root; systemd: Delegate=yes; an MPS "
-                "control daemon or --enforcement=timeslice), or set c.NodeAgent.require_containment = False to run "
-                "with less (docs/security.md, \"Containment\")")
+                "cgroup subtree mounted read-write with c.AgentEnforcement.cgroup_root; systemd: Delegate=yes; an "
+                "MPS control daemon or --enforcement=timeslice), or set c.AgentEnforcement.require_containment = "
+                "False to run with less (docs/security.md, \"Containment\")")
 
     async def _start_workers(self) -> None:
         """Lock the state directory, make the worker manager, and re-adopt
@@ -281,10 +413,11 @@ class NodeAgent(WorkerSettings):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
+        confinement, workers = self.agent_enforcement, self.agent_workers
         cgroups = None if self.refusal else self.containment(state_dir)
-        if cgroups is not None and self.require_containment and cgroups.mode == "none":
-            self.refusal = (f"the workers' cgroups cannot be made (c.NodeAgent.cgroup_mode = {self.cgroup_mode!r}): "
-                            f"{cgroups.why}")
+        if cgroups is not None and confinement.require_containment and cgroups.mode == "none":
+            self.refusal = ("the workers' cgroups cannot be made "
+                            f"(c.AgentEnforcement.cgroup_mode = {confinement.cgroup_mode!r}): {cgroups.why}")
         if self.refusal is not None:
             if cgroups is not None:
                 cgroups.close()
@@ -295,14 +428,14 @@ class NodeAgent(WorkerSettings):
         try:
             settings = WorkerLaunch(
                 state_dir, node=self.node_name, ip=self.ip, advertise_ip=advertised_ip(self.ip),
-                start_timeout=self.worker_start_timeout, stop_timeout=self.worker_stop_timeout,
-                warm=WarmSettings(self.warm_workers if self.launcher.keeps_warm else 0, tuple(self.preload_modules),
-                                  self.warm_worker_max_age),
-                encryption=self.transport_encryption,
+                start_timeout=workers.worker_start_timeout, stop_timeout=workers.worker_stop_timeout,
+                warm=WarmSettings(workers.warm_workers if self.launcher.keeps_warm else 0,
+                                  tuple(workers.preload_modules), workers.warm_worker_max_age),
+                encryption=workers.transport_encryption,
                 user=self.account_settings.user, users=self.account_settings.users,
-                enforcement=self.enforcement, config=self.config, templates=self.worker_templates,
-                pids=process_limits.plan(cgroups, self.agent_pids_reserve, self.worker_pids_max, len(self.gpus),
-                                         self.log))
+                enforcement=self.enforcement, config=self.config, templates=workers.worker_templates,
+                pids=process_limits.plan(cgroups, confinement.agent_pids_reserve, confinement.worker_pids_max,
+                                         len(self.gpus), self.log))
             self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
                                          parking=self.park_settings(state_dir))
             if self.account_settings.template is not None:
@@ -317,15 +450,15 @@ class NodeAgent(WorkerSettings):
             raise
 
     def park_settings(self, state_dir: Path) -> ParkSettings:
-        """How this node parks (``checkpointer``, ``parked_memory``, ``spill_dir``, ``park_headroom``)."""
+        """How this node parks (``c.AgentParking``: its checkpointer, budget, spill folder and
+        headroom, the defaults of the last three resolved with the host's memory and ``state_dir``)."""
         total = self.host_totals()[1]
-        return ParkSettings(self.gpu_checkpointer, self.parked_budget(), Path(self.spill_dir or state_dir / "spill"),
-                            self.park_headroom if self.park_headroom is not None else max(1 << 30, total // 20),
-                            self.inventory.process_memory)
+        return ParkSettings(self.gpu_checkpointer, self.parked_budget(), self.agent_parking.spill_folder(state_dir),
+                            self.agent_parking.headroom(total), self.inventory.process_memory)
 
     def parked_budget(self) -> int:
-        """``parked_memory``, or a quarter of the host's memory."""
-        return self.parked_memory if self.parked_memory is not None else self.host_totals()[1] // 4
+        """Bytes parked workers may hold: ``c.AgentParking.parked_memory``, or a quarter of the host's memory."""
+        return self.agent_parking.budget(self.host_totals()[1])
 
     def registration(self) -> NodeRegistration:
         """What ``POST /nodes`` tells the service of this node."""
@@ -340,13 +473,14 @@ class NodeAgent(WorkerSettings):
         """``(cores, bytes)`` this node offers leases: ``host_cpus``/``host_memory``
         where set, else what the launcher says the node has (a Slurm node's
         CPUs and memory, asked once), else this host's (:func:`.host_limits.host_totals`)."""
-        if self.host_cpus and self.host_memory:
-            return host_totals(self.host_cpus, self.host_memory)
+        offered = self.agent_inventory
+        if offered.host_cpus and offered.host_memory:
+            return host_totals(offered.host_cpus, offered.host_memory)
         if self._launcher_host is None:
-            found = launchers.launcher_class(self.worker_launcher).host_totals(self.config, self.log)
+            found = launchers.launcher_class(self.agent_workers.worker_launcher).host_totals(self.config, self.log)
             self._launcher_host = found or (None, None)
         cpus, memory = self._launcher_host
-        return host_totals(self.host_cpus or cpus, self.host_memory or memory)
+        return host_totals(offered.host_cpus or cpus, offered.host_memory or memory)
 
     def heartbeat(self) -> Heartbeat:
         """What the next ``POST /nodes/{name}/heartbeat`` tells the service; updates the agent's metrics."""
@@ -366,7 +500,7 @@ class NodeAgent(WorkerSettings):
         if not await self.inventory.update():
             return False
         self.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
-        mode = enforcement.after_rediscovery(self.enforcement, self.enforcement_mode, self.gpus)
+        mode = enforcement.after_rediscovery(self.enforcement, self.agent_enforcement.enforcement_mode, self.gpus)
         if mode is not self.enforcement:
             self.enforcement.close(self.log)
             self.enforcement = self.workers.enforcement = mode
