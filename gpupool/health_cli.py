@@ -2,7 +2,7 @@
 ``/api/v1/health``) what it answers, for probes and scripts.
 
 Exit 0 on HTTP 200, printing the status; 1 otherwise, printing the reason the endpoint
-gives in words (a refusing agent's ``message``: ``c.NodeAgent.require_containment``) or
+gives in words (a refusing agent's ``message``: ``c.AgentEnforcement.require_containment``) or
 why it could not be reached. Kubernetes shows an exec probe's output in the pod's events,
 so an agent pod that is not ready says why in ``kubectl describe pod``.
 

@@ -143,7 +143,7 @@ def has_control_characters(text: str) -> bool:
     return any(ch < " " or ch == "\x7f" for ch in text)
 
 
-#: What a worker environment's name may hold (``c.NodeAgent.environments`` keys a lease can name).
+#: What a worker environment's name may hold (``c.AgentWorkers.environments`` keys a lease can name).
 ENV_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 #: The prefix :func:`kernel_environment` drops from a kernel's name.
 KERNEL_PREFIX = "gpupool-"

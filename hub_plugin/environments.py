@@ -36,7 +36,7 @@ def unknown_environment(env: str, offered: Collection[str], unusable: dict[str, 
     if unusable:
         words += "; " + "; ".join(f"on {node} it cannot run workers: {why}" for node, why in sorted(unusable.items()))
     words += (" (%gpu pool or gpupool pool lists them per node; leave --env out for the node's default, or ask an "
-              "admin to add it in c.NodeAgent.environments)")
+              "admin to add it in c.AgentWorkers.environments)")
     return GPUPoolError(Reason.unknown_environment, words, 409, env=env, environments=sorted(offered))
 
 

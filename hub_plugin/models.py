@@ -75,7 +75,7 @@ class Node(Base):
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     #: Revision 0011: the checkpointer its agent parks workers with, as it reported it
     #: (``CheckpointerInfo.to_json()``; None: it cannot park in place), and its budget of host
-    #: bytes for parked workers (``c.NodeAgent.parked_memory``; None: not reported). The
+    #: bytes for parked workers (``c.AgentParking.parked_memory``; None: not reported). The
     #: budget is the agent's to keep (it spills); the service only reads the tiers reported.
     checkpointer: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     parked_memory: Mapped[int | None] = mapped_column(BigInteger)

@@ -304,7 +304,7 @@ class Parking:
 def cannot_park_words(node: str | None) -> str:
     """Why a lease on ``node`` cannot be parked in place, in words naming the fix."""
     return (f"the agent on {node} cannot park in place (it reports no checkpointer: an agent from before parking, "
-            "or c.NodeAgent.checkpointer found none that works there)")
+            "or c.AgentParking.checkpointer found none that works there)")
 
 
 def _busy(lease_id: str) -> GPUPoolError:

@@ -1,4 +1,4 @@
-"""The accounts a node's workers run as: ``c.NodeAgent.worker_user`` (one
+"""The accounts a node's workers run as: ``c.AgentWorkers.worker_user`` (one
 account, or a template naming one per lease owner) or ``worker_users`` (a
 pool), checked once when the agent starts (docs/security.md, "Containment")."""
 
@@ -15,7 +15,7 @@ from .worker_user import WorkerUser, WorkerUserPool
 
 
 def is_user_template(worker_user: str) -> bool:
-    """Whether ``c.NodeAgent.worker_user`` names an account per lease (``"{username}"``)."""
+    """Whether ``c.AgentWorkers.worker_user`` names an account per lease (``"{username}"``)."""
     return "{" in worker_user
 
 
@@ -25,17 +25,17 @@ def expand_worker_user(template: str, owner: str) -> str:
     Raises a 400 GPUPoolError for an owner that is no POSIX account name, and
     GPUPoolError ``not_configured`` for a template with other fields."""
     if not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}", owner):
-        raise bad_request(f"lease owner {owner!r} is no account name of this node (c.NodeAgent.worker_user "
+        raise bad_request(f"lease owner {owner!r} is no account name of this node (c.AgentWorkers.worker_user "
                           f"{template!r}): lower-case letters, digits, '_', '.', '-', at most 32")
     try:
         return template.format(username=owner)
     except (KeyError, IndexError, ValueError):
-        raise GPUPoolError(Reason.not_configured, f"c.NodeAgent.worker_user {template!r}: the only field a "
+        raise GPUPoolError(Reason.not_configured, f"c.AgentWorkers.worker_user {template!r}: the only field a "
                            "template may hold is {username}") from None
 
 
 class WorkerAccountSettings:
-    """``c.NodeAgent.worker_user`` and ``worker_users`` of one node, resolved to
+    """``c.AgentWorkers.worker_user`` and ``worker_users`` of one node, resolved to
     accounts and checked at construction (the workers' allotment of them is
     :class:`~.workers.accounts.WorkerAccounts`).
 
@@ -66,9 +66,9 @@ class WorkerAccountSettings:
             return None
         if worker_user:
             raise GPUPoolError(Reason.not_configured,
-                               "set c.NodeAgent.worker_user or c.NodeAgent.worker_users, not both")
+                               "set c.AgentWorkers.worker_user or c.AgentWorkers.worker_users, not both")
         try:
-            return WorkerUserPool([self._checked(name, "c.NodeAgent.worker_users") for name in names], log=log)
+            return WorkerUserPool([self._checked(name, "c.AgentWorkers.worker_users") for name in names], log=log)
         except ValueError as exc:
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
 
@@ -106,8 +106,8 @@ class WorkerAccountSettings:
             user.check_can_switch()
         except ValueError as exc:
             raise GPUPoolError(Reason.worker_user_unknown, f"cannot start the worker of {owner!r} on node "
-                               f"{self.node}: {exc} (c.NodeAgent.worker_user = {self.template!r})",
+                               f"{self.node}: {exc} (c.AgentWorkers.worker_user = {self.template!r})",
                                400) from None
         if user.uid == 0:
-            raise bad_request(f"refusing to run {owner!r}'s worker as root (c.NodeAgent.worker_user)")
+            raise bad_request(f"refusing to run {owner!r}'s worker as root (c.AgentWorkers.worker_user)")
         return user

@@ -5,7 +5,7 @@
 Every handler but the health ones needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
 error is ``GPUPoolError.to_json()``. An agent that refuses to serve
-(``c.NodeAgent.require_containment``) answers every call but ``/health/live``
+(``c.AgentEnforcement.require_containment``) answers every call but ``/health/live``
 with 503 and its reason. The handlers use only what the agent hands them
 (:class:`AgentAPI`).
 """
@@ -112,7 +112,7 @@ class WorkerAdmission:
 class AgentAPI:
     """What the agent's handlers use, built once by the agent when it serves
     (``NodeAgent.api``). ``refusal`` holds the words of an agent that refuses
-    to serve (``c.NodeAgent.require_containment``); such an agent has no
+    to serve (``c.AgentEnforcement.require_containment``); such an agent has no
     ``admission`` and no ``workers``, and its handlers never reach them."""
 
     node: str
@@ -225,7 +225,7 @@ class ResumeHandler(AgentHandler):
 
 class HealthHandler(AgentHandler):
     """``GET /health`` (readiness): no token needed; 503 with the reason in words when the
-    agent refuses to serve (``c.NodeAgent.require_containment``)."""
+    agent refuses to serve (``c.AgentEnforcement.require_containment``)."""
 
     auth_required = False
 

@@ -112,7 +112,7 @@ class PidMapper:
     - Agent in a container without ``host_proc``: nothing maps; ``problem``
       says why and how to fix it (run the agent with the host PID namespace,
       e.g. ``hostPID: true``, or mount the host's /proc and set
-      ``c.NodeAgent.host_proc``).
+      ``c.AgentInventory.host_proc``).
     """
 
     def __init__(self, host_proc: str | os.PathLike | None = None, local_proc: str | os.PathLike = "/proc",
@@ -126,7 +126,7 @@ class PidMapper:
         if self.host_proc is None and not self._host_namespace:
             self.problem = ("the agent runs in its own PID namespace, so the PIDs NVML reports (the host's) are "
                             "not its own: run it in the host PID namespace (hostPID: true) or mount the host's "
-                            "/proc and set c.NodeAgent.host_proc")
+                            "/proc and set c.AgentInventory.host_proc")
 
     def _agent_depth(self) -> int | None:
         """How many namespace levels lie between the host and the agent."""

@@ -1,4 +1,4 @@
-"""Worker environments: the Pythons a node's workers may run in (``c.NodeAgent.environments``).
+"""Worker environments: the Pythons a node's workers may run in (``c.AgentWorkers.environments``).
 
 An environment is a name and a Python interpreter, given as the interpreter's path or as a
 conda/venv prefix (then ``PREFIX/bin/python``). It must hold ipykernel and gpupool's worker
@@ -41,7 +41,8 @@ def check(name: str, where: str, *, default: bool = False, timeout: float = PROB
         problem = f"no module {missing[0]}; pip install 'gpupool[worker]'" if missing else None
         return WorkerEnvironment(name, str(python), default, not missing, problem)
     if not python.is_file():
-        return WorkerEnvironment(name, str(python), default, False, f"{python} does not exist (c.NodeAgent.environments)")
+        return WorkerEnvironment(name, str(python), default, False,
+                                 f"{python} does not exist (c.AgentWorkers.environments)")
     try:
         result = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)
@@ -61,7 +62,7 @@ def check_all(configured: Mapping[str, str], default: str) -> list[WorkerEnviron
     entries = {DEFAULT_NAME: sys.executable, **dict(configured)}
     chosen = default or DEFAULT_NAME
     if chosen not in entries:
-        raise ValueError(f"c.NodeAgent.default_environment {chosen!r} is none of the environments "
+        raise ValueError(f"c.AgentWorkers.default_environment {chosen!r} is none of the environments "
                          f"({', '.join(sorted(entries))})")
     return [check(name, where, default=name == chosen) for name, where in sorted(entries.items())]
 

@@ -89,13 +89,13 @@ def plan(cgroups: Containment, reserve: int, per_lease: int, node_gpus: int,
          log: logging.Logger) -> ProcessBudget | None:
     """The node's :class:`ProcessBudget`, its workers' cap written to the
     agent's subtree; None (after a loud warning) when this host's cgroups
-    cannot hold a task limit. ``reserve``: ``c.NodeAgent.agent_pids_reserve``
+    cannot hold a task limit. ``reserve``: ``c.AgentEnforcement.agent_pids_reserve``
     (at most half the node's limit is kept); ``per_lease``:
-    ``c.NodeAgent.worker_pids_max``. Blocking, brief."""
+    ``c.AgentEnforcement.worker_pids_max``. Blocking, brief."""
     limit, source = node_limit()
     kept = min(reserve, limit // 2)
     if kept < reserve:
-        log.warning("c.NodeAgent.agent_pids_reserve = %d is more than half of this node's task limit (%d, %s): "
+        log.warning("c.AgentEnforcement.agent_pids_reserve = %d is more than half of this node's task limit (%d, %s): "
                     "the agent keeps %d", reserve, limit, source, kept)
     workers = limit - kept
     try:
@@ -107,7 +107,7 @@ def plan(cgroups: Containment, reserve: int, per_lease: int, node_gpus: int,
     budget = ProcessBudget(workers, per_lease, node_gpus)
     log.info("workers may have %d tasks (processes and threads) together: the node's %d (%s) less %d kept for "
              "the agent; each lease %s", workers, limit, source, kept,
-             f"{budget.per_lease} (c.NodeAgent.worker_pids_max)" if per_lease else
+             f"{budget.per_lease} (c.AgentEnforcement.worker_pids_max)" if per_lease else
              f"its GPU share of them, at least {min(MIN_WORKER_PIDS, workers)}")
     return budget
 

@@ -1,6 +1,6 @@
-"""The Linux accounts workers run as: one (``c.NodeAgent.worker_user``,
+"""The Linux accounts workers run as: one (``c.AgentWorkers.worker_user``,
 :class:`WorkerUser`) keeps the agent's secrets from user code; a pool
-(``c.NodeAgent.worker_users``, :class:`WorkerUserPool`) also keeps one
+(``c.AgentWorkers.worker_users``, :class:`WorkerUserPool`) also keeps one
 user's worker from another's. Who may reach what, and how an account is
 cleaned before it is used again: docs/security.md, "Workers as an
 unprivileged user".
@@ -47,7 +47,7 @@ class WorkerUser:
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
-            raise ValueError(f"there is no user {name!r} on this node (c.NodeAgent.worker_user; "
+            raise ValueError(f"there is no user {name!r} on this node (c.AgentWorkers.worker_user; "
                              f"create one with: useradd --system --no-create-home {name})") from None
         return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, tuple(os.getgrouplist(entry.pw_name, entry.pw_gid)),
                    entry.pw_dir)
@@ -56,7 +56,7 @@ class WorkerUser:
         """ValueError unless this process may start processes as this user."""
         if os.geteuid() not in (0, self.uid):
             raise ValueError(f"starting workers as user {self.name!r} needs an agent running as root "
-                             f"(this one runs as uid {os.geteuid()}); unset c.NodeAgent.worker_user otherwise")
+                             f"(this one runs as uid {os.geteuid()}); unset c.AgentWorkers.worker_user otherwise")
 
     def popen_kwargs(self) -> dict[str, Any]:
         """``subprocess.Popen`` arguments that start a process as this user."""
@@ -95,7 +95,7 @@ class NoFreeWorkerUser(Exception):
 
 
 class WorkerUserPool:
-    """Worker accounts, one per live worker (``c.NodeAgent.worker_users``).
+    """Worker accounts, one per live worker (``c.AgentWorkers.worker_users``).
 
     ``users``: the accounts (distinct uids, none of them root). ``scratch``:
     the shared directories swept of an account's files when it is given back
@@ -107,9 +107,9 @@ class WorkerUserPool:
                  log: logging.Logger | None = None) -> None:
         uids = [user.uid for user in users]
         if len(set(uids)) != len(uids):
-            raise ValueError("c.NodeAgent.worker_users names one uid twice: every account must be its own")
+            raise ValueError("c.AgentWorkers.worker_users names one uid twice: every account must be its own")
         if 0 in uids:
-            raise ValueError("root cannot be a worker user (c.NodeAgent.worker_users)")
+            raise ValueError("root cannot be a worker user (c.AgentWorkers.worker_users)")
         self.users = tuple(users)
         self.scratch = tuple(scratch)
         self.log = log or logging.getLogger("gpupool.agent")
@@ -131,8 +131,8 @@ class WorkerUserPool:
                 return user
         raise NoFreeWorkerUser(
             f"all {len(self.users)} worker users are in use ({len(self._taken)} by workers, "
-            f"{len(self.free)} running other processes): add accounts to c.NodeAgent.worker_users "
-            f"(one per lease this node may run at once, plus c.NodeAgent.warm_workers)")
+            f"{len(self.free)} running other processes): add accounts to c.AgentWorkers.worker_users "
+            f"(one per lease this node may run at once, plus c.AgentWorkers.warm_workers)")
 
     def claim(self, name: str) -> WorkerUser | None:
         """Mark the account ``name`` taken (a re-adopted worker's); None when

@@ -76,7 +76,7 @@ class LeaseRequest(Body):
     ``server_name``: the JupyterHub single-user server the kernel runs in
     (its ``JUPYTERHUB_SERVER_NAME``; ``""`` is the default server, at most
     255 characters), so that stopping one server releases only its leases.
-    ``env``: the worker environment on the node (``c.NodeAgent.environments``,
+    ``env``: the worker environment on the node (``c.AgentWorkers.environments``,
     a name of letters, digits, ``.``, ``_``, ``-``; None: the node's default);
     the lease is placed only on a node that offers it, and refused at once
     (409 ``unknown_environment``) when no node does. ``prefer_env``: used when
@@ -132,7 +132,7 @@ class LeaseRequest(Body):
         "stopping that server releases the lease", nullable=True, max_length=255, text=True,
         error="'server_name' must be a JupyterHub server name (at most 255 characters, no control characters, "
         "\"\" for the default server), got {value!r:.80}"), None)
-    env: str | None = wired(_env("env", "the worker environment on the node (c.NodeAgent.environments): the "
+    env: str | None = wired(_env("env", "the worker environment on the node (c.AgentWorkers.environments): the "
                                  "lease goes only to a node that reports it usable; 409 unknown_environment when "
                                  "none does. Absent: the node's default"), None)
     prefer_env: str | None = wired(_env("prefer_env", "when env is absent: this environment if some node offers "

@@ -204,7 +204,7 @@ class GPUReading(Body):
 
 @dataclass(frozen=True)
 class WorkerEnvironment(Body):
-    """One worker environment as the agent checked it (``c.NodeAgent.environments``):
+    """One worker environment as the agent checked it (``c.AgentWorkers.environments``):
     its ``name``, the ``python`` it runs, whether it is the node's ``default``,
     whether it is ``usable``, and the ``problem`` when it is not."""
 
@@ -243,7 +243,7 @@ class NodeRegistration(Body):
     the ``checkpointer`` it parks workers with (None: it cannot park in place,
     an agent from before parking) and ``parked_memory``, the bytes of host RAM
     its parked workers may hold before it spills the longest-parked to disk
-    (``c.NodeAgent.parked_memory``; None: not reported).
+    (``c.AgentParking.parked_memory``; None: not reported).
     """
 
     name: str = wired(Spec("string", "no '/', control characters or surrounding spaces", required=True,

@@ -52,7 +52,7 @@ def _words(value: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CheckpointerInfo(Body):
-    """The checkpointer an agent parks with (``c.NodeAgent.checkpointer``),
+    """The checkpointer an agent parks with (``c.AgentParking.checkpointer``),
     sent in its registration: its ``name`` (``cuda-checkpoint``,
     ``framework``, ``simulated`` or a plugin's), whether it can freeze a
     running cell (``mid_cell``: the whole device state moves, even mid-kernel)

@@ -33,9 +33,9 @@ Where the figures come from:
   is an assumption, stated in bench/REPORT.md: the slice's memory share
   (fraction x the GPU's memory x GPUs) times a fill drawn per session,
   uniform in [:data:`FILL_LOW`, 1].
-- A node's budget (:func:`parked_budget`): ``c.NodeAgent.parked_memory``'s
-  default, a quarter of the host's RAM (``node/agent.py:
-  parked_budget``), of :data:`NODE_HOST_BYTES` (2 TiB: the host RAM of a
+- A node's budget (:func:`parked_budget`): ``c.AgentParking.parked_memory``'s
+  default, a quarter of the host's RAM (``node/settings/parking.py:
+  AgentParking.budget``), of :data:`NODE_HOST_BYTES` (2 TiB: the host RAM of a
   DGX A100 640 GB, the 8 x A100 80 GB nodes the replays simulate).
 """
 
@@ -48,7 +48,7 @@ WARM_PARK_S = 0.010
 WARM_RESUME_S = 0.004
 #: Bytes per second between a node and another (25 Gbit/s NIC).
 NETWORK_BYTES_S = 25e9 / 8
-#: Host RAM of a simulated node, bytes, and the share of it ``c.NodeAgent.parked_memory`` defaults to.
+#: Host RAM of a simulated node, bytes, and the share of it ``c.AgentParking.parked_memory`` defaults to.
 NODE_HOST_BYTES = 2 * 2**40
 PARKED_SHARE = 0.25
 #: Lowest fill of its slice's memory a session's parked state has.
@@ -92,5 +92,5 @@ def state_bytes(milli: int, gpus: int, gpu_memory: int, fill: float) -> int:
 
 
 def parked_budget(host_bytes: int = NODE_HOST_BYTES) -> int:
-    """Bytes a node's parked workers may hold in its RAM (``c.NodeAgent.parked_memory``'s default)."""
+    """Bytes a node's parked workers may hold in its RAM (``c.AgentParking.parked_memory``'s default)."""
     return int(host_bytes * PARKED_SHARE)

@@ -1,5 +1,5 @@
 """A replay's parked leases, node by node: where each one's worker is, in
-which tier, and the node's parked-memory budget (``c.NodeAgent.parked_memory``,
+which tier, and the node's parked-memory budget (``c.AgentParking.parked_memory``,
 :func:`.costs.parked_budget`).
 
 As the agent keeps it: a parked worker's state counts on its node's RAM;

@@ -62,7 +62,7 @@ class LeaseCgroup(ABC):
         CgroupError when this kind of cgroup (or this host) cannot, naming what
         is missing."""
         raise CgroupError(f"host CPU and memory limits need a cgroup, and this agent runs without one "
-                          f"(c.NodeAgent.cgroup_mode = {self.kind!r})")
+                          f"(c.AgentEnforcement.cgroup_mode = {self.kind!r})")
 
     def freeze(self, timeout: float = 10.0) -> None:
         """Stop every process of the cgroup where it is (a park): none runs
@@ -120,7 +120,7 @@ class Containment(ABC):
         keeps for itself. CgroupError when this host's cgroups cannot (no pids
         controller there), naming what is missing."""
         raise CgroupError(f"a process limit needs a cgroup with the pids controller, and this agent runs without "
-                          f"one (c.NodeAgent.cgroup_mode = {self.mode!r})")
+                          f"one (c.AgentEnforcement.cgroup_mode = {self.mode!r})")
 
     def close(self) -> None:
         """Remove the agent's subtree if it is empty (and the ``gpupool``

@@ -1,4 +1,4 @@
-"""Choosing the agent's containment from ``c.NodeAgent.cgroup_mode``."""
+"""Choosing the agent's containment from ``c.AgentEnforcement.cgroup_mode``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def containment(mode: str, root: str, state_dir: str | os.PathLike, *, log: logg
     if mode not in MODES:
         raise ValueError(f"cgroup mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none":
-        return NoContainment("c.NodeAgent.cgroup_mode = 'none'", log)
+        return NoContainment("c.AgentEnforcement.cgroup_mode = 'none'", log)
     relative = root or default_root(state_dir)
     found, own = read_mounts(mounts), own_cgroups(self_cgroup)
     reasons = []
@@ -40,7 +40,7 @@ def containment(mode: str, root: str, state_dir: str | os.PathLike, *, log: logg
         except (CgroupError, OSError) as exc:
             if mode != "auto":
                 raise CgroupError(f"cgroup {kind} containment is not available: {exc} "
-                                  f"(c.NodeAgent.cgroup_mode = 'auto' falls back to the others)") from None
+                                  f"(c.AgentEnforcement.cgroup_mode = 'auto' falls back to the others)") from None
             reasons.append(f"{kind}: {exc}")
     return NoContainment("; ".join(reasons), log)
 

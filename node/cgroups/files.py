@@ -115,7 +115,7 @@ def make_dirs(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CgroupError(f"cannot make the cgroup {path}: {exc.strerror or exc} (the agent needs root or a "
-                          f"delegated subtree: systemd Delegate=yes; or set c.NodeAgent.cgroup_root)") from None
+                          f"delegated subtree: systemd Delegate=yes; or set c.AgentEnforcement.cgroup_root)") from None
 
 
 def fresh(group: LeaseCgroup, *paths: Path) -> None:

@@ -1,7 +1,7 @@
 """The checkpointer contract: what moves a worker's GPU state to host memory at
 a park and back at a resume (docs/parking.md, "The agent's part").
 
-The agent holds one :class:`Checkpointer` (``c.NodeAgent.checkpointer``,
+The agent holds one :class:`Checkpointer` (``c.AgentParking.checkpointer``,
 :mod:`.factory`); the park logic (:mod:`..workers.parking`) calls it with a
 :class:`ParkTarget`, what it needs to know of one worker whatever launcher
 started it, and keeps the :class:`Moved` it answers in the worker's record,
@@ -102,7 +102,7 @@ class Checkpointer(ABC):
     block it (files and subprocesses in threads).
     """
 
-    #: The name ``c.NodeAgent.checkpointer`` takes, sent at registration.
+    #: The name ``c.AgentParking.checkpointer`` takes, sent at registration.
     name: ClassVar[str] = ""
     #: It can park a worker while a cell runs (the whole device state moves, mid-kernel).
     mid_cell: ClassVar[bool] = False

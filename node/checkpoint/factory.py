@@ -3,7 +3,7 @@
 Checkpointers come from two places, looked up in this order: the built-in
 ones (:data:`BUILTIN`) and those a package declares in the
 ``gpupool.checkpointers`` entry point group (name = what
-``c.NodeAgent.checkpointer`` takes, value = its
+``c.AgentParking.checkpointer`` takes, value = its
 :class:`~.base.Checkpointer` subclass)::
 
     [project.entry-points."gpupool.checkpointers"]
@@ -39,7 +39,7 @@ def _entry_points() -> dict[str, EntryPoint]:
 
 
 def available() -> tuple[str, ...]:
-    """The names ``c.NodeAgent.checkpointer`` takes besides ``auto``: the
+    """The names ``c.AgentParking.checkpointer`` takes besides ``auto``: the
     built-in ones, then the others by name. Loads no plugin."""
     return (*BUILTIN, *sorted(set(_entry_points()) - set(BUILTIN)))
 
@@ -73,7 +73,7 @@ def resolve(requested: str, node: NodeFacts, log: logging.Logger | None = None) 
             except CheckpointError as exc:
                 why = str(exc)
         raise ValueError(f"the checkpointer {requested!r} cannot work on this node: {why} "
-                         f"(c.NodeAgent.checkpointer = 'auto' picks one that can)")
+                         f"(c.AgentParking.checkpointer = 'auto' picks one that can)")
     reasons = []
     for name in AUTO_ORDER:
         candidate = checkpointer_class(name)

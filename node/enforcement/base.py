@@ -69,7 +69,7 @@ class EnforcementMode:
     :meth:`setup` once before it serves, and :meth:`close` when it stops.
     """
 
-    #: The name agents take (``c.NodeAgent.enforcement_mode``) and register.
+    #: The name agents take (``c.AgentEnforcement.enforcement_mode``) and register.
     name: ClassVar[str] = ""
     #: The capacity rule the service places by: True when the mode hands out
     #: whole devices only (a lease's fraction must be 1); sent at registration.

@@ -50,7 +50,7 @@ def _entry_points() -> dict[str, EntryPoint]:
 
 
 def available() -> tuple[str, ...]:
-    """The names ``c.NodeAgent.enforcement_mode`` takes besides ``auto``:
+    """The names ``c.AgentEnforcement.enforcement_mode`` takes besides ``auto``:
     the built-in ones, then the others by name. Loads no plugin."""
     others = (set(_registered) | set(_entry_points())) - set(BUILTIN) - {"auto", NoEnforcement.name}
     return (*BUILTIN, *sorted(others))

@@ -3,7 +3,7 @@
 Inventories come from two places, looked up in this order: the built-in ones
 (:data:`BUILTIN`: ``nvml``, ``simulated``) and those a package declares in
 the ``gpupool.inventory`` entry point group (name = what
-``c.NodeAgent.inventory_source`` takes, value = its
+``c.AgentInventory.inventory_source`` takes, value = its
 :class:`~.base.Inventory` subclass)::
 
     [project.entry-points."gpupool.inventory"]
@@ -38,7 +38,7 @@ def _entry_points() -> dict[str, EntryPoint]:
 
 
 def available() -> tuple[str, ...]:
-    """The names ``c.NodeAgent.inventory_source`` takes besides ``auto``:
+    """The names ``c.AgentInventory.inventory_source`` takes besides ``auto``:
     the built-in ones, then the others by name. Loads no plugin."""
     return (*BUILTIN, *sorted(set(_entry_points()) - set(BUILTIN)))
 
@@ -88,7 +88,7 @@ def select_inventory(simulate: str | None, node_name: str | None = None, host_pr
         source = "simulated" if simulate else "nvml"
     elif source == "nvml" and simulate:
         raise InventoryError(f"--simulate={simulate} declares simulated GPUs, but the inventory asked for is "
-                             "nvml (c.NodeAgent.inventory_source); drop one of them")
+                             "nvml (c.AgentInventory.inventory_source); drop one of them")
     try:
         chosen = inventory_class(source)
     except (ValueError, TypeError) as exc:

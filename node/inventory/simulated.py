@@ -133,7 +133,7 @@ class SimulatedInventory(Inventory):
         without one, for a bad one, or when the folders cannot be made."""
         if not options.simulate:
             raise InventoryError("the simulated inventory declares the GPUs of --simulate, e.g. "
-                                 "--simulate=2xA100-80GB (c.NodeAgent.simulate); none is set")
+                                 "--simulate=2xA100-80GB (c.AgentInventory.simulate); none is set")
         try:
             made = cls(options.simulate, options.node_name)
         except ValueError as exc:

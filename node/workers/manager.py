@@ -35,7 +35,7 @@ class WorkerManager:
     ``containment("auto", "", state_dir)``: the best this host offers).
     ``launcher``: the class that starts them, or its name
     (:func:`~.launchers.launcher_class`; the agent passes the class
-    ``c.NodeAgent.worker_launcher`` names; default ``"local"``).
+    ``c.AgentWorkers.worker_launcher`` names; default ``"local"``).
     The warm pool (``settings.warm``) starts filling on
     :meth:`start_warm_pool`. ``parking``: how this node parks workers in
     place (:class:`~.parking.ParkSettings`; None: it does not, and

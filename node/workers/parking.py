@@ -53,7 +53,7 @@ FORGET_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class ParkSettings:
-    """How this node parks (``c.NodeAgent.*``): its ``checkpointer``, the
+    """How this node parks (``c.AgentParking.*``): its ``checkpointer``, the
     ``budget`` of host bytes its parked workers may hold (``parked_memory``),
     the ``spill_dir``, the ``headroom`` of host memory a park must leave
     available (``park_headroom``), and ``gpu_memory``, the inventory's
@@ -86,10 +86,10 @@ def no_room(gpu_bytes: int, rss: int, budget: int, available: int | None, headro
                 f"{format_bytes(quota_room)} its owner's max_parked_memory leaves")
     if gpu_bytes + rss > budget:
         return (f"it would hold {format_bytes(gpu_bytes + rss)} of host memory, more than this node's parked-memory "
-                f"budget of {format_bytes(budget)} (c.NodeAgent.parked_memory)")
+                f"budget of {format_bytes(budget)} (c.AgentParking.parked_memory)")
     if available is not None and gpu_bytes > available - headroom:
         return (f"the host has {format_bytes(available)} of memory available, and moving {format_bytes(gpu_bytes)} "
-                f"of GPU memory there would leave less than {format_bytes(headroom)} (c.NodeAgent.park_headroom)")
+                f"of GPU memory there would leave less than {format_bytes(headroom)} (c.AgentParking.park_headroom)")
     return None
 
 
@@ -285,7 +285,8 @@ class WorkerParking:
                 return
             lease = parked[0][1]
             why = (f"the node's parked workers held {format_bytes(held)}, more than its budget of "
-                   f"{format_bytes(self.settings.budget)} (c.NodeAgent.parked_memory), and it was the longest parked")
+                   f"{format_bytes(self.settings.budget)} (c.AgentParking.parked_memory), and it was the longest "
+                   "parked")
             try:
                 await self.manager.spill(lease, why)
             except Exception as exc:  # noqa: BLE001 - logged; the next park tries again

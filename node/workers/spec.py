@@ -1,7 +1,8 @@
 """What the workers of a node are asked for: the node's settings
-(:class:`WorkerLaunch`, built once by the agent from ``c.NodeAgent.*``),
-one lease's worker (:class:`WorkerSpec`), the environment a worker gets, and
-the errors a start, a binding or a stop ends with."""
+(:class:`WorkerLaunch`, built once by the agent from ``c.AgentWorkers.*``,
+``c.AgentEnforcement.*`` and its own ``c.NodeAgent.*``), one lease's worker
+(:class:`WorkerSpec`), the environment a worker gets, and the errors a start,
+a binding or a stop ends with."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class WorkerBindError(Exception):
 
 @dataclass(frozen=True)
 class WarmSettings:
-    """The warm pool of one node (``c.NodeAgent.warm_workers`` and friends):
+    """The warm pool of one node (``c.AgentWorkers.warm_workers`` and friends):
     ``size`` workers kept started (0: none), each with the modules ``preload``
     imported, replaced after waiting ``max_age`` seconds."""
 
@@ -149,7 +150,7 @@ class WorkerSpec(LeaseSlice):
     (:class:`LeaseSlice`) and how its worker runs. ``python``: the
     interpreter of the environment the lease names (:mod:`..environments`;
     None: the agent's own, and a warm worker may serve it). ``user``: the
-    account of this lease's worker when ``c.NodeAgent.worker_user`` is a
+    account of this lease's worker when ``c.AgentWorkers.worker_user`` is a
     template such as ``"{username}"`` (None: the settings' ``user``).
     ``cpus`` (cores) and ``host_memory`` (bytes): the host limits its cgroup
     gets (None: no limit; :mod:`..host_limits`)."""

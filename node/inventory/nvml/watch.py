@@ -4,7 +4,7 @@ A call into the NVIDIA driver can hang and cannot be cancelled, so the
 agent never makes one: :class:`WatchedInventory` asks an NVML helper
 (:mod:`.helper`, a process of its own) once per heartbeat for every
 reading, waits for the answer off the event loop for at most ``timeout``
-seconds (``c.NodeAgent.nvml_timeout``), and answers the :class:`Inventory`
+seconds (``c.AgentInventory.nvml_timeout``), and answers the :class:`Inventory`
 methods from the last answer, so they never block. A helper that passes its
 timeout (or dies) is killed and left behind; the node is ``degraded`` with
 words saying the GPU driver stopped answering (its leases go on, nothing new

@@ -3,7 +3,7 @@ or one kept ahead of any lease (warm), and finds its workers again after a
 restart (adopt, sweep).
 
 :class:`~..manager.WorkerManager` makes one launcher per node, of the class
-``c.NodeAgent.worker_launcher`` names (:mod:`.factory`), and calls only
+``c.AgentWorkers.worker_launcher`` names (:mod:`.factory`), and calls only
 :meth:`WorkerLauncher.cold`, :meth:`WorkerLauncher.warm`, once at start
 (through :mod:`..recovery`) :meth:`WorkerLauncher.adopt` per record and
 :meth:`WorkerLauncher.sweep`, then :meth:`WorkerLauncher.prepare`, and once
@@ -173,7 +173,7 @@ def _start_failure(exc: BaseException, worker: Worker, timeout: float) -> str:
     if code is not None:
         why = f"it exited with code {code}"
     elif isinstance(exc, asyncio.TimeoutError):
-        why = f"it did not answer kernel_info within {timeout:g} s (c.NodeAgent.worker_start_timeout)"
+        why = f"it did not answer kernel_info within {timeout:g} s (c.AgentWorkers.worker_start_timeout)"
     else:
         why = f"{exc or type(exc).__name__}"
     tail = worker.log_tail()

@@ -3,7 +3,7 @@
 Launchers come from two places, looked up in this order: the built-in one
 (:data:`BUILTIN`: ``local``, ``slurm``, ``kubernetes``) and those a package declares in the
 ``gpupool.worker_launchers`` entry point group (name = what
-``c.NodeAgent.worker_launcher`` takes, value = its
+``c.AgentWorkers.worker_launcher`` takes, value = its
 :class:`~.base.WorkerLauncher` subclass)::
 
     [project.entry-points."gpupool.worker_launchers"]
@@ -32,7 +32,7 @@ def _entry_points() -> dict[str, EntryPoint]:
 
 
 def available() -> tuple[str, ...]:
-    """The names ``c.NodeAgent.worker_launcher`` takes: the built-in ones,
+    """The names ``c.AgentWorkers.worker_launcher`` takes: the built-in ones,
     then the others by name. Loads no plugin."""
     return (*BUILTIN, *sorted(set(_entry_points()) - set(BUILTIN)))
 

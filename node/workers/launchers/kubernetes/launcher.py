@@ -3,7 +3,7 @@ agent's node (``c.KubernetesLauncher.image = "registry.example.org/singleuser:1"
 turned into :class:`~.pods.PodSettings`, and the agent's pod template.
 
 This class holds the settings and builds a worker's pod and Secret and the
-API client; :mod:`.workers` (``c.NodeAgent.worker_launcher = "kubernetes"``)
+API client; :mod:`.workers` (``c.AgentWorkers.worker_launcher = "kubernetes"``)
 runs the workers with them.
 """
 

@@ -1,4 +1,4 @@
-"""``c.NodeAgent.worker_launcher = "kubernetes"``: every lease's worker is a
+"""``c.AgentWorkers.worker_launcher = "kubernetes"``: every lease's worker is a
 pod on the agent's node (:mod:`.pods`), made through the API server
 (:mod:`.client`) with the settings ``c.KubernetesLauncher.*`` (:mod:`.launcher`),
 and watched and stopped through it (:mod:`.handles`). Its start, restart,
@@ -67,7 +67,7 @@ class KubernetesWorkers(WorkerLauncher):
         did not run); nothing is left in the cluster then."""
         if spec.user is not None or self.accounts.others:
             raise WorkerStartError("the Kubernetes launcher runs workers as c.KubernetesLauncher.run_as_user "
-                                   "(c.NodeAgent.worker_user is not supported with worker_launcher = 'kubernetes')")
+                                   "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'kubernetes')")
         info = self._connection()
         try:
             manifest = worker_pod(spec, self.pods, self.template, self._environment(spec),
@@ -132,7 +132,7 @@ class KubernetesWorkers(WorkerLauncher):
                 raise WorkerStartError(f"the worker of lease {lease_id} did not start: {end_words(watch.name, pod)}")
             if time.monotonic() >= deadline:
                 raise WorkerStartError(f"the worker pod {watch.name} of lease {lease_id} did not run within "
-                                       f"{timeout:g} s (c.NodeAgent.worker_start_timeout): {pending_words(pod)}")
+                                       f"{timeout:g} s (c.AgentWorkers.worker_start_timeout): {pending_words(pod)}")
             await asyncio.sleep(START_POLL_S)
 
     def _local_file(self, info: dict[str, Any], ip: str) -> Path:
@@ -159,7 +159,7 @@ class KubernetesWorkers(WorkerLauncher):
 
     async def warm(self) -> Worker:
         raise WorkerStartError("the Kubernetes launcher keeps no warm workers: a pod's GPUs are fixed when it is "
-                               "made (c.NodeAgent.warm_workers = 0)")
+                               "made (c.AgentWorkers.warm_workers = 0)")
 
     # -- after an agent restart -------------------------------------------------
 

@@ -77,8 +77,8 @@ class LocalLauncher(WorkerLauncher):
             return None
         cgroup = self.cgroups.find(record.cgroup) if record.cgroup else None
         if record.cgroup and cgroup is None:
-            self.log.warning("the cgroup %s of lease %s's worker is gone (c.NodeAgent.cgroup_root or cgroup_mode "
-                             "changed?)", record.cgroup, record.lease_id)
+            self.log.warning("the cgroup %s of lease %s's worker is gone (c.AgentEnforcement.cgroup_root or "
+                             "cgroup_mode changed?)", record.cgroup, record.lease_id)
             return None
         proc = recorded_process(record, cgroup.pids() if cgroup is not None else None)
         if proc is None:
@@ -134,7 +134,7 @@ class LocalLauncher(WorkerLauncher):
             await quietly(self.reaper.terminate(worker))
             what = f"preloading {', '.join(preload)}" if preload else "its first execute_request"
             raise WorkerStartError(f"{what} failed: {reply.get('ename')}: {reply.get('evalue')}"
-                                   + (" (c.NodeAgent.preload_modules)" if preload else ""))
+                                   + (" (c.AgentWorkers.preload_modules)" if preload else ""))
         self.log.info("warm worker %s ready: pid %s", name, worker.pid)
         return worker
 

@@ -4,7 +4,7 @@ of its end).
 
 ``c.SlurmLauncher.partition = "gpu"`` and the others below are read from the
 agent's config file (a traitlets ``Configurable``). The agent's worker code
-reaches it through :mod:`.workers` (``c.NodeAgent.worker_launcher = "slurm"``).
+reaches it through :mod:`.workers` (``c.AgentWorkers.worker_launcher = "slurm"``).
 """
 
 from __future__ import annotations

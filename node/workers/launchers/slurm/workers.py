@@ -1,4 +1,4 @@
-"""``c.NodeAgent.worker_launcher = "slurm"``: every lease's worker is a Slurm
+"""``c.AgentWorkers.worker_launcher = "slurm"``: every lease's worker is a Slurm
 job on the agent's node (whole GPUs: a job of its own; a slice: a step of the
 share job that holds its GPU), started by :class:`.launcher.SlurmLauncher`,
 watched and stopped through :mod:`.handles`, re-adopted after an agent restart
@@ -55,7 +55,7 @@ class SlurmWorkers(WorkerLauncher):
             return float(node["CPUTot"]), int(node["RealMemory"]) * 2**20
         except (SlurmError, KeyError, ValueError) as exc:
             log.warning("could not read Slurm node %s's CPUs and memory (%s); offering this host's "
-                        "(c.NodeAgent.host_cpus, host_memory)", slurm.node, exc)
+                        "(c.AgentInventory.host_cpus, host_memory)", slurm.node, exc)
             return None
 
     async def cold(self, spec: WorkerSpec) -> Worker:
@@ -64,7 +64,7 @@ class SlurmWorkers(WorkerLauncher):
         or kept the job pending); nothing is left in Slurm then."""
         if spec.user is not None or self.accounts.others:
             raise WorkerStartError("the Slurm launcher runs workers as the agent's account only "
-                                   "(c.NodeAgent.worker_user is not supported with worker_launcher = 'slurm')")
+                                   "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'slurm')")
         settings = self.settings
         manager = self.kernels(settings.workers_dir / f"kernel-{secrets.token_hex(16)}.json")
         manager.write_connection_file()
@@ -136,7 +136,7 @@ class SlurmWorkers(WorkerLauncher):
 
     async def warm(self) -> Worker:
         raise WorkerStartError("the Slurm launcher keeps no warm workers: a pending job holds nothing "
-                               "(c.NodeAgent.warm_workers = 0)")
+                               "(c.AgentWorkers.warm_workers = 0)")
 
     async def sweep(self, kept: list[Worker]) -> None:
         """Before the first start, once recovery re-adopted ``kept``: kill
