@@ -37,7 +37,7 @@ class NodeAndWorkerSettings(ServiceSettings):
         help="""Seconds the service waits for an agent to stop a worker on
         release; after that the lease still ends (its reason says the stop was
         not confirmed), and the agent is told to stop the worker with its next
-        heartbeat. Keep it above the agents' ``c.NodeAgent.worker_stop_timeout``
+        heartbeat. Keep it above the agents' ``c.AgentWorkers.worker_stop_timeout``
         (10 s) and below the clients' 30 s timeout, so that a release answers
         before ``%gpu release`` gives up. Default: 20 seconds.
         ``c.GPUPool.worker_stop_timeout = 25``.""",
