@@ -14,7 +14,7 @@ adds only argument parsing and printing around them.
 
 Modes: ``cold`` (``--warm-workers=0``: every lease's worker is forked from
 the agent's worker template, ``gpupool.zygote``), ``boot``
-(``--warm-workers=0 --NodeAgent.worker_templates=False``: every lease boots
+(``--warm-workers=0 --AgentWorkers.worker_templates=False``: every lease boots
 a new interpreter) and ``warm`` (``--warm-workers=W``). Before each warm acquire the bench waits
 until the agent has W warm workers ready again (the agent logs each one), as
 a user's think time would; what it waited is not part of the attach time.
@@ -114,9 +114,9 @@ def run_mode(state: Path, service, mode: str, n: int, warm: int, preload: list[s
     """Start an agent for ``mode``, run ``n`` acquires, stop the agent."""
     args = [f"--warm-workers={warm if mode == 'warm' else 0}"]
     if mode == "boot":
-        args.append("--NodeAgent.worker_templates=False")
+        args.append("--AgentWorkers.worker_templates=False")
     if preload and mode == "warm":
-        args.append("--NodeAgent.preload_modules=" + json.dumps(preload))
+        args.append("--AgentWorkers.preload_modules=" + json.dumps(preload))
     # One node name for both modes, so no lease is placed on the stopped agent.
     agent = demo_pool.start_agent(state / f"agent-{mode}", service, name="node-bench", extra_args=args,
                                   client=service.client(), timeout=60)
@@ -171,7 +171,7 @@ def markdown(summary: dict, command: str, warm: int, preload: list[str]) -> str:
              f"Warm: `--warm-workers={warm}`" + (f", preloading {', '.join(preload)}" if preload else ", no preload")
              + "; before each warm acquire the bench waits until the pool is full again (think time, not counted). "
              "Cold: `--warm-workers=0`, no heavy imports, each worker forked from the agent's worker template; "
-             "boot: the same with `--NodeAgent.worker_templates=False` (a new interpreter per worker).", "",
+             "boot: the same with `--AgentWorkers.worker_templates=False` (a new interpreter per worker).", "",
              f"Reproduce: `{command}`", "",
              "| mode | acquires | served warm / cold | p50 | p99 | target (p50) | met |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

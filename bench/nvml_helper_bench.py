@@ -114,7 +114,7 @@ def health_section(count: int, tmp: Path) -> list[str]:
 
     service = start_service(tmp)
     control = tmp / "agent-nvml.json"
-    agent = start_nvml_agent(tmp, service, control, extra=("--NodeAgent.nvml_timeout=1",))
+    agent = start_nvml_agent(tmp, service, control, extra=("--AgentInventory.nvml_timeout=1",))
     try:
         node_in_state(service.client(), agent, "up")
 

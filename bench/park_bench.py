@@ -156,7 +156,7 @@ class Bench:
 
 def measure(sizes: list[int], reps: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="gpupool-park-bench-"))
-    agent = ParkAgent(root, args=("--parked-memory=64GiB", "--NodeAgent.park_headroom=1GiB"))
+    agent = ParkAgent(root, args=("--parked-memory=64GiB", "--AgentParking.park_headroom=1GiB"))
     rows = []
     try:
         bench = Bench(agent)

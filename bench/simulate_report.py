@@ -155,7 +155,7 @@ COSTS_WORDS = (
     f"spilled resume starts a new worker ({costs.COLD_START_S:g} s) and loads the namespace from the node's disk at "
     f"{costs.DISK_BYTES_S / 1e9:g} GB/s; a cold move to another node (a variant only: the service waits for its "
     f"node) is a new worker plus the state at the slower of disk and a {costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s "
-    "network. Each node parks up to `c.NodeAgent.parked_memory`'s default, a quarter of its RAM "
+    "network. Each node parks up to `c.AgentParking.parked_memory`'s default, a quarter of its RAM "
     f"({costs.parked_budget() / 2**30:,.0f} GiB of {costs.NODE_HOST_BYTES / 2**40:g} TiB, an 8 × A100 80 GB "
     "server's); past it the longest-parked spill to disk. A session's parked state is an **assumption** (no trace "
     f"records GPU memory per notebook): its slice's memory × a fill drawn per session, uniform in "

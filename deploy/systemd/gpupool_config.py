@@ -1,5 +1,5 @@
 # /etc/gpupool/gpupool_config.py for the systemd units: the service and the agents read the same
-# file (each only its own class). deploy/systemd/README.md, "Three GPU hosts and a hub".
+# file (each only its own classes). deploy/systemd/README.md, "Three GPU hosts and a hub".
 from pathlib import Path
 
 c = get_config()  # noqa: F821 (traitlets provides it)
@@ -17,4 +17,4 @@ c.GPUPool.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8}}
 
 # -- the agents (GPU hosts) --------------------------------------------------------------------
 # Worker environments on the GPU hosts: name -> Python interpreter or prefix (README, "Worker environments").
-c.NodeAgent.environments = {"python3": "/opt/gpupool/bin/python"}
+c.AgentWorkers.environments = {"python3": "/opt/gpupool/bin/python"}
