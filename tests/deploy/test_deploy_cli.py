@@ -26,7 +26,7 @@ def test_version():
 
 @pytest.mark.parametrize("command, traits", [
     ("service", ["c.GPUPool.db_url"]),
-    ("agent", ["c.NodeAgent.environments", "c.SlurmLauncher.partition", "c.KubernetesLauncher.image"])])
+    ("agent", ["c.AgentWorkers.environments", "c.SlurmLauncher.partition", "c.KubernetesLauncher.image"])])
 def test_generate_config_is_a_config_file_of_every_setting(command, traits, tmp_path):
     result = gpupool(command, "--generate-config")
     assert result.returncode == 0, result.stderr

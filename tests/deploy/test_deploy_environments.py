@@ -1,4 +1,4 @@
-"""Worker environments (``c.NodeAgent.environments``) of a real agent: checked at start (an
+"""Worker environments (``c.AgentWorkers.environments``) of a real agent: checked at start (an
 unusable one logged with the reason); a ``POST /workers`` naming one
 starts the worker with that interpreter; an unknown or unusable one is a 400 in words.
 Through the service: a lease naming one is placed only on a node that offers it, one no
@@ -49,7 +49,8 @@ def agent_with_envs(tmp_path):
     state.mkdir()
     config = tmp_path / "agent_config.py"
     prefix = Path(sys.executable).parent.parent
-    config.write_text(f"c.NodeAgent.environments = {{'venv': {str(prefix)!r}, 'gone': {str(tmp_path / 'gone')!r}}}\n")
+    config.write_text(
+        f"c.AgentWorkers.environments = {{'venv': {str(prefix)!r}, 'gone': {str(tmp_path / 'gone')!r}}}\n")
     port = free_port()
     log = state / "agent.log"
     with log.open("wb") as out:
@@ -99,7 +100,7 @@ def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
 
     prefix = Path(sys.executable).parent.parent
     config = tmp_path / "agent_config.py"
-    config.write_text(f"c.NodeAgent.environments = {{'venv': {str(prefix)!r}}}\n")
+    config.write_text(f"c.AgentWorkers.environments = {{'venv': {str(prefix)!r}}}\n")
     node = start_agent(tmp_path, service, extra_args=[f"--config={config}"])
     try:
         pool = service.client().pool()
@@ -134,7 +135,7 @@ def two_nodes(tmp_path_factory):
     root = tmp_path_factory.mktemp("envs")
     prefix = Path(sys.executable).parent.parent
     config = root / "torch_config.py"
-    config.write_text(f"c.NodeAgent.environments = {{'torch': {str(prefix)!r}}}\n")
+    config.write_text(f"c.AgentWorkers.environments = {{'torch': {str(prefix)!r}}}\n")
     service = start_service(root, config={"max_wait": "10m"})
     nodes = [start_agent(root, service, name="plain", simulate="2xA100-80GB", extra_args=["--warm-workers=0"])]
     try:

@@ -88,9 +88,9 @@ def test_the_agent_pod_gets_what_containment_needs_and_requires_it(rendered):
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in container["env"]
         assert "nvidia.com/gpu" not in str(container["resources"])  # none from the device plugin
         text = config_text(objects, "gpupool-agent-config")
-        assert config_value(text, "NodeAgent.require_containment") is True
-        assert config_value(text, "NodeAgent.enforcement_mode") == "mps"  # explicit, so it is required
-        assert config_value(text, "NodeAgent.cgroup_mode") in ("auto", "v2", "v1")
+        assert config_value(text, "AgentEnforcement.require_containment") is True
+        assert config_value(text, "AgentEnforcement.enforcement_mode") == "mps"  # explicit, so it is required
+        assert config_value(text, "AgentEnforcement.cgroup_mode") in ("auto", "v2", "v1")
 
 
 def test_the_agent_ranks_high_tolerates_the_pool_taint_and_reserves_its_workers(rendered):
@@ -115,8 +115,10 @@ def test_the_headroom_check_catches_a_config_that_offers_the_whole_pod(rendered)
     resources = pod_spec(one(objects, "DaemonSet", "gpupool-agent"))["containers"][0]["resources"]
     text = config_text(objects, "gpupool-agent-config")
     limit = quantity(resources["limits"]["cpu"])
-    greedy = [re.sub(r"(?m)^(\s*)c\.NodeAgent\.host_cpus = .*$", rf"\g<1>c.NodeAgent.host_cpus = {limit:g}", text),
-              re.sub(r"(?m)^(\s*)c\.NodeAgent\.parked_memory = .*$", r'\g<1>c.NodeAgent.parked_memory = "1TiB"', text)]
+    greedy = [re.sub(r"(?m)^(\s*)c\.AgentInventory\.host_cpus = .*$",
+                     rf"\g<1>c.AgentInventory.host_cpus = {limit:g}", text),
+              re.sub(r"(?m)^(\s*)c\.AgentParking\.parked_memory = .*$",
+                     r'\g<1>c.AgentParking.parked_memory = "1TiB"', text)]
     assert all(edited != text for edited in greedy), "the config names host_cpus and parked_memory"
     for edited in greedy:
         assert not fits_the_agent(*headroom(resources, edited)), edited
@@ -128,7 +130,8 @@ def headroom(resources: dict, config: str) -> tuple[float, float]:
     memory, and the parked budget, which lives in this container too."""
     agent = agent_of(config)
     # Set in the config, or host_totals() would read this test machine's psutil, not the pod's.
-    assert agent.host_cpus and agent.host_memory, (agent.host_cpus, agent.host_memory)
+    offered = agent.agent_inventory
+    assert offered.host_cpus and offered.host_memory, (offered.host_cpus, offered.host_memory)
     offered_cpus, offered_memory = agent.host_totals()
     return (quantity(resources["limits"]["cpu"]) - offered_cpus,
             quantity(resources["limits"]["memory"]) - offered_memory - agent.parked_budget())
@@ -201,11 +204,14 @@ def test_the_home_migration_job_and_the_cdi_component_validate(tmp_path):
 
 
 def agent_of(text: str):
-    """A NodeAgent configured by the config file ``text``, as ``gpupool agent`` loads it (not started)."""
+    """A NodeAgent configured by the config file ``text``, as ``gpupool agent`` loads it, with its
+    settings' parts built (not started)."""
     from traitlets.config import Config
 
     from gpupool.node.agent import NodeAgent
 
     config = Config()
     exec(compile(text, "gpupool_config.py", "exec"), {"c": config, "get_config": lambda: config})  # noqa: S102
-    return NodeAgent(config=config)
+    agent = NodeAgent(config=config)
+    agent.read_settings()
+    return agent

@@ -30,7 +30,7 @@ from gpupool.node.workers.launchers.kubernetes import (KubernetesLauncher, conne
 from gpupool.wire.nodes import GPUInfo
 
 #: What the overlay's config sets that takes effect with the launcher's second phase (docs/launchers.md).
-PHASE_2 = {("NodeAgent", "worker_launcher")}
+PHASE_2 = {("AgentWorkers", "worker_launcher")}
 
 
 @pytest.fixture(scope="module")
@@ -121,22 +121,22 @@ def load_config(objects, tmp_path) -> Config:
 
 
 def test_the_agent_config_names_real_settings(objects, tmp_path):
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentWorkers
 
     text = one(objects, "ConfigMap", "gpupool-agent-config")["data"]["gpupool_config.py"]
     sections = config_assignments(text)
-    assert set(sections) == {"NodeAgent", "KubernetesLauncher"}
+    assert set(sections) == {"AgentWorkers", "KubernetesLauncher"}
     for name in sections["KubernetesLauncher"]:
         assert name in KubernetesLauncher.class_traits(config=True), name
     config = load_config(objects, tmp_path)
-    for name in sections["NodeAgent"]:
-        assert name in NodeAgent.class_traits(config=True), name
-        if ("NodeAgent", name) in PHASE_2 and "kubernetes" not in available():
+    for name in sections["AgentWorkers"]:
+        assert name in AgentWorkers.class_traits(config=True), name
+        if ("AgentWorkers", name) in PHASE_2 and "kubernetes" not in available():
             continue  # refused until the launcher is installed under that name: checked below
-        setattr(NodeAgent(), name, config.NodeAgent[name])
+        setattr(AgentWorkers(), name, config.AgentWorkers[name])
     if "kubernetes" not in available():
         with pytest.raises(Exception, match="worker_launcher"):
-            NodeAgent(config=config)
+            AgentWorkers(config=config)
 
 
 def test_the_worker_pod_it_builds_validates_and_fits_the_overlay(objects, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""``c.NodeAgent.worker_user`` as a template (``"{username}"``, here ``"gpupool-test-{username}"``):
+"""``c.AgentWorkers.worker_user`` as a template (``"{username}"``, here ``"gpupool-test-{username}"``):
 each lease's worker runs as the account its owner's name gives, and a lease whose owner has no
 account on the node is refused with words naming the setting. Needs root (the agent switches
 user), as tests/node/test_worker_user.py, whose account and fixtures it shares."""
@@ -54,7 +54,7 @@ def test_each_worker_runs_as_its_owners_account(shared_root, python_reachable): 
         body = {"lease_id": "L-t1", "gpus": [simulated_uuid("tmpl", 0)], "fraction": 0.5, "memory": 10 * GiB}
         status, reply = call(f"{url}/workers", "POST", {**body, "owner": "nosuchuser"})
         assert status == 400 and reply["error"] == "worker_user_unknown"
-        assert "gpupool-test-nosuchuser" in reply["message"] and "c.NodeAgent.worker_user" in reply["message"]
+        assert "gpupool-test-nosuchuser" in reply["message"] and "c.AgentWorkers.worker_user" in reply["message"]
         status, reply = call(f"{url}/workers", "POST", {**body, "owner": "worker"})
         assert status == 201, reply
         assert psutil.Process(reply["pid"]).uids().real == account.pw_uid

@@ -207,8 +207,8 @@ def test_plain_worker_is_readable_by_the_same_eavesdropper(curve_pool, notebook)
 
 
 def test_curve_is_the_default_and_bad_values_are_refused():
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentWorkers
 
-    assert NodeAgent().transport_encryption == "curve", "zmq.has('curve') here: curve is the default"
+    assert AgentWorkers().transport_encryption == "curve", "zmq.has('curve') here: curve is the default"
     with pytest.raises(Exception, match="transport_encryption"):
-        NodeAgent(transport_encryption="tls")
+        AgentWorkers(transport_encryption="tls")

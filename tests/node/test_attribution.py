@@ -73,7 +73,7 @@ def test_in_a_container_without_the_hosts_proc_nothing_maps_and_the_fix_is_named
     _host, local = namespaces
     mapper = PidMapper(local_proc=local, host_namespace=False)
     assert mapper.to_local([5001, 42]) == {}
-    assert "hostPID" in mapper.problem and "c.NodeAgent.host_proc" in mapper.problem
+    assert "hostPID" in mapper.problem and "c.AgentInventory.host_proc" in mapper.problem
 
 
 def test_wrong_host_proc_is_reported(namespaces, tmp_path):

@@ -218,7 +218,7 @@ def test_the_park_decisions():
     assert "more than this node's parked-memory budget of 1.0 GiB" in no_room(GiB, 1, GiB, 10 * GiB, GiB)
     words = no_room(4 * GiB, 0, 10 * GiB, 5 * GiB, 2 * GiB)
     assert words == ("the host has 5.0 GiB of memory available, and moving 4.0 GiB of GPU memory there would leave "
-                     "less than 2.0 GiB (c.NodeAgent.park_headroom)")
+                     "less than 2.0 GiB (c.AgentParking.park_headroom)")
     assert no_room(4 * GiB, 0, 10 * GiB, None, 2 * GiB) is None, "unknown: the budget alone decides"
 
 

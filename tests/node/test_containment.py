@@ -155,7 +155,7 @@ def test_a_daemon_dies_at_release_survives_an_agent_kill9_with_its_lease_and_die
     release; the agent is killed with -9 and started again on its state dir
     and port, re-adopts lease 2's worker by its cgroup (the daemon, outside
     its tree, is still the lease's), and its stop kills the daemon."""
-    args = ["--warm-workers=1", f"--cgroup-mode={mode}", f"--NodeAgent.cgroup_root={cgroup_root}"]
+    args = ["--warm-workers=1", f"--cgroup-mode={mode}", f"--AgentEnforcement.cgroup_root={cgroup_root}"]
     agent = start_agent(tmp_path, service, name="node-c", extra_args=args)
     client = service.client()
     daemons = []
@@ -192,8 +192,8 @@ def test_a_cgroup_mode_that_cannot_be_had_is_one_clear_line(tmp_path):
 
     result = subprocess.run([sys.executable, "-m", "gpupool.cli", "agent", "--service-url=http://127.0.0.1:1",
                              f"--state-dir={tmp_path / 'agent'}", "--simulate=1xA100-80GB", "--cgroup-mode=v2",
-                             "--NodeAgent.cgroup_root=/../../../../.."], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "GPUPOOL_AGENT_TOKEN": "t"})
+                             "--AgentEnforcement.cgroup_root=/../../../../.."], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "GPUPOOL_AGENT_TOKEN": "t"})
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert "cgroup v2 containment is not available" in result.stderr, result.stderr
     assert "cgroup_mode = 'auto'" in result.stderr, "it names the way out"

@@ -40,21 +40,21 @@ def test_the_built_ins_and_auto_are_as_before():
         select_inventory("1xA100-80GB", "node-1", source="nvml")
     with pytest.raises(InventoryError, match="unknown inventory 'dcgm'; choose one of auto, nvml, simulated"):
         select_inventory(None, "node-1", source="dcgm")
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentInventory
 
     with pytest.raises(TraitError, match=r"'inventory_source' .* any of \['auto', 'nvml', 'simulated'\], not 'dcgm'"):
-        NodeAgent(inventory_source="dcgm")
+        AgentInventory(inventory_source="dcgm")
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentInventory
 
     assert available() == ("nvml", "simulated", "demo")
     inventory = select_inventory(None, "node-7", source="demo")
     assert type(inventory).__name__ == "DemoInventory" and inventory.kind == "simulated"
     assert [g.name for g in inventory.discover()] == ["Demo GPU (node-7)"]
-    assert NodeAgent(inventory_source="demo").inventory_source == "demo"
-    help_text = " ".join(NodeAgent.class_traits()["inventory_source"].help.split())
+    assert AgentInventory(inventory_source="demo").inventory_source == "demo"
+    help_text = " ".join(AgentInventory.class_traits()["inventory_source"].help.split())
     assert "one of auto, nvml, simulated" in help_text and "gpupool.inventory" in help_text
 
 

@@ -1,4 +1,4 @@
-"""``c.NodeAgent.worker_launcher = "kubernetes"``: lease workers as pods,
+"""``c.AgentWorkers.worker_launcher = "kubernetes"``: lease workers as pods,
 through the real ``kubernetes`` client against a stand-in API server and
 kubelet (tests/support/kubelet_standin.py: every pod's container is a local process
 at a loopback IP of its own). No cluster runs here: what this shows and what
@@ -82,7 +82,7 @@ def settings(standin: KubeletStandin) -> dict[str, object]:
 
 
 def agent_args(standin: KubeletStandin) -> list[str]:
-    return ["--worker-launcher=kubernetes", "--warm-workers=0", "--NodeAgent.worker_start_timeout=40",
+    return ["--worker-launcher=kubernetes", "--warm-workers=0", "--AgentWorkers.worker_start_timeout=40",
             *(f"--KubernetesLauncher.{name}={value}" for name, value in settings(standin).items())]
 
 

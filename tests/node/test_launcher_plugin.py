@@ -32,26 +32,26 @@ def demo_plugin(tmp_path, monkeypatch):
 
 
 def test_the_local_launcher_is_the_default_and_slurm_and_kubernetes_the_other_built_ins():
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentWorkers
 
     assert available() == ("local", "slurm", "kubernetes")
     assert launcher_class("local") is LocalLauncher
     assert launcher_class("slurm").__name__ == "SlurmWorkers" and not launcher_class("slurm").keeps_warm
     assert launcher_class("kubernetes").__name__ == "KubernetesWorkers" and not launcher_class("kubernetes").keeps_warm
-    assert NodeAgent().worker_launcher == "local"
+    assert AgentWorkers().worker_launcher == "local"
     with pytest.raises(ValueError, match="unknown worker launcher 'pod'; choose one of local, slurm, kubernetes"):
         launcher_class("pod")
     with pytest.raises(TraitError, match=r"'worker_launcher' .* any of \['local', 'slurm', 'kubernetes'\], not 'pod'"):
-        NodeAgent(worker_launcher="pod")
+        AgentWorkers(worker_launcher="pod")
 
 
 def test_a_plugin_is_listed_and_selected_by_name(demo_plugin):
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentWorkers
 
     assert available() == ("local", "slurm", "kubernetes", "demo")
     assert launcher_class("demo").__name__ == "DemoLauncher"
-    assert NodeAgent(worker_launcher="demo").worker_launcher == "demo"
-    help_text = " ".join(NodeAgent.class_traits()["worker_launcher"].help.split())
+    assert AgentWorkers(worker_launcher="demo").worker_launcher == "demo"
+    help_text = " ".join(AgentWorkers.class_traits()["worker_launcher"].help.split())
     assert "installed here: local" in help_text and "gpupool.worker_launchers" in help_text
 
 

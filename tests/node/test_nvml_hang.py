@@ -51,7 +51,7 @@ def answers_while_a_call_hangs(agent, control, token: str, lease_id: str) -> Non
 def test_a_hung_driver_call_leaves_the_agent_answering_the_node_degraded_and_release_in_time(tmp_path, service):
     control = tmp_path / "nvml.json"
     client = service.client()  # the magics' client: it gives up after 30 s
-    agent = start_nvml_agent(tmp_path, service, control, extra=("--NodeAgent.nvml_timeout=1",))
+    agent = start_nvml_agent(tmp_path, service, control, extra=("--AgentInventory.nvml_timeout=1",))
     try:
         node_in_state(client, agent, "up")
         lease = active(client, client.create_lease(LeaseRequest(fraction=0.5)).id)

@@ -230,13 +230,13 @@ def test_the_budget_spills_the_longest_parked_and_one_too_big_spills_at_once(tmp
 
 
 def test_a_host_short_of_memory_spills_instead_of_parking_in_memory(tmp_path):
-    agent = ParkAgent(tmp_path, args=("--NodeAgent.park_headroom=1TiB",))
+    agent = ParkAgent(tmp_path, args=("--AgentParking.park_headroom=1TiB",))
     try:
         kc = agent.client(agent.start_worker("L-short")["connection"])
         cell(kc, "from gpupool.node import simgpu; x = simgpu.zeros(16 * 2**20, 'uint8'); x[1] = 1")
         status, parked = agent.park("L-short")
         assert status == 200 and parked["tier"] == "disk", parked
-        assert "would leave less than 1.0 TiB (c.NodeAgent.park_headroom)" in agent.log.read_text()
+        assert "would leave less than 1.0 TiB (c.AgentParking.park_headroom)" in agent.log.read_text()
         kc = agent.client(agent.resume("L-short")[1]["connection"])
         assert cell(kc, "print(x[1])").strip() == "1"
         # A cell frozen where it runs cannot be saved: it is interrupted first, and that is said.

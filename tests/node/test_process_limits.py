@@ -198,7 +198,7 @@ def test_a_fork_bomb_stops_at_its_lease_and_the_node_goes_on(agent_cgroup, tmp_p
     service = start_service(tmp_path, tokens={"bob": "bob-" + secrets.token_hex(8)})
     procs = agent_cgroup / "cgroup.procs"
     launcher = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs)]
-    args = ["--warm-workers=1", f"--NodeAgent.agent_pids_reserve={RESERVE}"]
+    args = ["--warm-workers=1", f"--AgentEnforcement.agent_pids_reserve={RESERVE}"]
     agent = start_agent(tmp_path, service, extra_args=args, launcher=launcher)
     tester, bob = service.client(), service.client("bob")
     children: list[int] = []

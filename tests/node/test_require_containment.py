@@ -1,4 +1,4 @@
-"""``c.NodeAgent.require_containment``: an agent that cannot have the containment it is
+"""``c.AgentEnforcement.require_containment``: an agent that cannot have the containment it is
 configured for refuses to serve, in words, instead of running with less.
 
 The pod's case is reproduced as root with ``unshare -m``: in a mount namespace of its own,
@@ -76,10 +76,10 @@ def test_an_agent_requiring_containment_refuses_a_read_only_cgroupfs(tmp_path):
         status, body = wait_for(answered, 30, "the refusing agent's /health", proc, log)
         assert status == 503 and body["status"] == "refused" and body["error"] == "not_configured", body
         words = body["message"]
-        assert "refuses to serve (c.NodeAgent.require_containment = True)" in words
-        assert "the workers' cgroups cannot be made (c.NodeAgent.cgroup_mode = 'auto')" in words
+        assert "refuses to serve (c.AgentEnforcement.require_containment = True)" in words
+        assert "the workers' cgroups cannot be made (c.AgentEnforcement.cgroup_mode = 'auto')" in words
         assert "Read-only file system" in words  # the reason, from the kernel
-        assert "privileged container" in words and "c.NodeAgent.require_containment = False" in words
+        assert "privileged container" in words and "c.AgentEnforcement.require_containment = False" in words
         # The readiness probe's command says the same, and fails.
         probe = subprocess.run([*GPUPOOL, "health", url + "/health"], capture_output=True, text=True, timeout=60)
         assert probe.returncode == 1 and probe.stdout.startswith(f"{url}/health answered 503: gpupool agent node-ro")
@@ -137,7 +137,8 @@ def test_a_named_enforcement_mode_that_cannot_set_up_is_refused(tmp_path):
 
 
 def test_a_bare_agent_does_not_require_containment():
-    from gpupool.node.agent import NodeAgent
+    from gpupool.node.settings import AgentEnforcement
 
-    assert NodeAgent().require_containment is False  # make demo, laptops: run with what the host has
-    assert "c.NodeAgent.require_containment = True" in NodeAgent.class_traits()["require_containment"].help
+    assert AgentEnforcement().require_containment is False  # make demo, laptops: run with what the host has
+    help_text = AgentEnforcement.class_traits()["require_containment"].help
+    assert "c.AgentEnforcement.require_containment = True" in help_text

@@ -1,4 +1,4 @@
-"""An agent with ``c.NodeAgent.worker_launcher = "slurm"`` against a real Slurm
+"""An agent with ``c.AgentWorkers.worker_launcher = "slurm"`` against a real Slurm
 (tests/support/slurm.py): a lease placed through the service runs its cells in a Slurm
 job that holds its GPUs (squeue shows the lease in the job's name and comment,
 and another user's ``sbatch --gres=gpu:1`` waits meanwhile); its release ends

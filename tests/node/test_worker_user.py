@@ -1,5 +1,5 @@
 """Workers run as an unprivileged user the admin configures
-(``c.NodeAgent.worker_user``), not as the agent's user, and cannot read the
+(``c.AgentWorkers.worker_user``), not as the agent's user, and cannot read the
 agent's credentials.
 
 The end-to-end test needs root (the agent switches user when it starts a
@@ -154,7 +154,7 @@ def test_a_setup_the_worker_user_cannot_use_is_refused_naming_the_closed_folder(
     assert not state_dir.exists(), "nothing was written"
 
 
-# -- a pool of worker users (c.NodeAgent.worker_users) ---------------------------------------------------------
+# -- a pool of worker users (c.AgentWorkers.worker_users) ---------------------------------------------------------
 
 POOL = [f"gpupool-test-w{i}" for i in range(3)]
 
@@ -231,7 +231,7 @@ def test_two_users_workers_on_one_node_run_as_accounts_of_their_own_and_cannot_r
     accounts = {account.pw_uid: account.pw_name for account in pool_accounts()}
     service = start_service(shared_root, tokens={"bob": "bob-token-" + os.urandom(8).hex()})
     agent = start_agent(shared_root, service, extra_args=[
-        "--warm-workers=1", *(f"--NodeAgent.worker_users={name}" for name in POOL)])
+        "--warm-workers=1", *(f"--AgentWorkers.worker_users={name}" for name in POOL)])
     daemon = None
     try:
         first = service.client().create_lease(LeaseRequest(fraction=0.25))
@@ -295,7 +295,7 @@ def test_the_pool_hands_each_account_to_one_worker_and_takes_it_back_clean(tmp_p
     pool = WorkerUserPool(users, scratch=[scratch])
     taken = [pool.take() for _ in users]
     assert sorted(u.uid for u in taken) == sorted(u.uid for u in users), "each account once"
-    with pytest.raises(NoFreeWorkerUser, match="all 3 worker users are in use .*c.NodeAgent.worker_users"):
+    with pytest.raises(NoFreeWorkerUser, match="all 3 worker users are in use .*c.AgentWorkers.worker_users"):
         pool.take()
     first = taken[0]
     left = scratch / "left-by-the-lease"

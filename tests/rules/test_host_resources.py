@@ -148,10 +148,10 @@ def two_nodes(tmp_path_factory):
     bigger one (4 cores, 16 GiB)."""
     root = tmp_path_factory.mktemp("hosts")
     service = start_service(root, config={"max_wait": "10m"})
-    agents = [start_agent(root, service, name="node-1", extra_args=["--NodeAgent.host_cpus=2",
-                                                                     "--NodeAgent.host_memory=2GiB"]),
-              start_agent(root, service, name="node-2", extra_args=["--NodeAgent.host_cpus=4",
-                                                                     "--NodeAgent.host_memory=16GiB"])]
+    agents = [start_agent(root, service, name="node-1", extra_args=["--AgentInventory.host_cpus=2",
+                                                                     "--AgentInventory.host_memory=2GiB"]),
+              start_agent(root, service, name="node-2", extra_args=["--AgentInventory.host_cpus=4",
+                                                                     "--AgentInventory.host_memory=16GiB"])]
     yield service
     for agent in agents:
         agent.stop()

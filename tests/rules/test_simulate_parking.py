@@ -33,9 +33,13 @@ def test_the_replays_defaults_are_the_services():
 
 
 def test_the_node_budget_is_the_agents_default():
+    from traitlets.config import Config
+
     from gpupool.node.agent import NodeAgent
 
-    assert costs.parked_budget() == NodeAgent(host_memory=costs.NODE_HOST_BYTES).parked_budget()
+    agent = NodeAgent(config=Config({"AgentInventory": {"host_memory": costs.NODE_HOST_BYTES}}))
+    agent.read_settings()
+    assert costs.parked_budget() == agent.parked_budget()
 
 
 def test_costs_scale_with_the_state():

@@ -37,7 +37,7 @@ def start_nvml_agent(root: Path, service: Any, control: Path, port: int | None =
     args = [sys.executable, str(FAKENVML), str(control), f"--service-url={service.url}",
             f"--token-file={service.process.agent_token_file}", f"--name={NODE}", "--ip=127.0.0.1",
             f"--port={port}", f"--state-dir={state_dir}", "--warm-workers=0", "--log-level=DEBUG",
-            "--NodeAgent.nvml_retry_min=0.2", "--NodeAgent.nvml_retry_max=0.4", *extra]
+            "--AgentInventory.nvml_retry_min=0.2", "--AgentInventory.nvml_retry_max=0.4", *extra]
     with log.open("ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return AgentProcess(proc, NODE, f"http://127.0.0.1:{port}", state_dir, log)
