@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,11 @@ needs_service = pytest.mark.skipif(importlib.util.find_spec("gpupool.hub_plugin.
 class LoneAgent:
     """``gpupool agent`` with its token in GPUPOOL_AGENT_TOKEN and no service."""
 
-    def __init__(self, root: Path, name: str = "lone", relative: bool = False) -> None:
-        """``relative``: run in ``root`` and pass ``--state-dir`` as a relative path (as the README does)."""
+    def __init__(self, root: Path, name: str = "lone", relative: bool = False, simulate: str | None = "2xA100-80GB",
+                 args: tuple[str, ...] = ()) -> None:
+        """``relative``: run in ``root`` and pass ``--state-dir`` as a relative path (as the README does).
+        ``simulate``: its ``--simulate`` (None: none on the command line); ``args``: more options."""
+        self.name = name
         self.state_dir = root / f"agent-{name}"
         self.state_dir.mkdir(parents=True)
         port = free_port()
@@ -45,15 +49,15 @@ class LoneAgent:
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpupool.cli", "agent", f"--service-url=http://127.0.0.1:{free_port()}",
-                 "--simulate=2xA100-80GB", f"--name={name}", "--ip=127.0.0.1", f"--port={port}",
-                 f"--state-dir={self.state_dir.name if relative else self.state_dir}"],
+                 *([f"--simulate={simulate}"] if simulate else []), f"--name={name}", "--ip=127.0.0.1",
+                 f"--port={port}", f"--state-dir={self.state_dir.name if relative else self.state_dir}", *args],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
                 env={**os.environ, "GPUPOOL_AGENT_TOKEN": TOKEN, "SOME_SERVICE_PASSWORD": "hunter2"})
         wait_for(self.healthy, 30, "lone agent", self.proc, self.log)
 
     def healthy(self) -> bool:
         try:
-            return call(f"{self.url}/health", token=None) == (200, {"status": "ok", "node": "lone"})
+            return call(f"{self.url}/health", token=None) == (200, {"status": "ok", "node": self.name})
         except OSError:
             return False
 
@@ -188,6 +192,74 @@ def test_agent_command_line_errors_are_one_clear_line(tmp_path):
     assert result.returncode == 1 and "--service-url" in result.stderr
     result = run_agent_cli("--help")
     assert result.returncode == 0 and "--simulate" in result.stdout and "--token-file" in result.stdout
+
+
+def test_help_all_lists_each_setting_under_its_own_class():
+    from gpupool.moved_settings import new_homes
+    from gpupool.node.agent import SETTINGS_PARTS
+
+    result = run_agent_cli("--help-all")
+    assert result.returncode == 0, result.stderr
+    assert "--AgentWorkers.warm_workers=<Int>" in result.stdout and "--NodeAgent.service_url=" in result.stdout
+    for name, home in new_homes(SETTINGS_PARTS).items():
+        assert f"--{home}.{name}=" in result.stdout
+        assert f"--NodeAgent.{name}=" not in result.stdout, f"{name} is shown under NodeAgent too"
+    for launcher in ("SlurmLauncher", "KubernetesLauncher"):
+        assert f"{launcher}(LoggingConfigurable) options" in result.stdout
+
+
+def test_a_config_file_with_the_old_spelling_still_configures_the_agent(tmp_path):
+    """``c.NodeAgent.simulate`` and ``c.NodeAgent.warm_workers``, as config files had them before
+    the agent's settings were split by concern, reach ``c.AgentInventory`` and ``c.AgentWorkers``:
+    the agent serves the simulated GPU the file names (no ``--simulate``: NVML otherwise, which
+    has no GPU here), starts a lease's worker cold, and its log names the new spellings."""
+    config = tmp_path / "gpupool_config.py"
+    config.write_text('c.NodeAgent.simulate = "1xA100-80GB"\nc.NodeAgent.warm_workers = 0\n')
+    agent = LoneAgent(tmp_path, name="old", simulate=None, args=(f"--config={config}",))
+    try:
+        request = urllib.request.Request(f"{agent.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            metrics = response.read().decode()
+        assert f'UUID="{simulated_uuid("old", 0)}"' in metrics and f'UUID="{simulated_uuid("old", 1)}"' not in metrics
+        assert agent.start_worker("L-old", gpus=[simulated_uuid("old", 0)])[0] == 201
+        log = agent.log.read_text()
+        assert "worker for lease L-old of ann started cold" in log, log
+        assert "warm worker" not in log
+        for name, home in (("simulate", "AgentInventory"), ("warm_workers", "AgentWorkers")):
+            assert f"c.NodeAgent.{name} is now c.{home}.{name}; the old spelling is read for now" in log
+    finally:
+        assert agent.stop() == 0
+
+
+def test_an_old_spelling_on_the_command_line_or_in_a_config_file_reaches_the_agents_parts(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """In process: each moved setting lands in its part, from a config file or the command line;
+    where both spellings are given, the new one wins."""
+    import logging
+
+    from gpupool.node.agent import NodeAgent
+
+    monkeypatch.setenv("GPUPOOL_AGENT_TOKEN", "t")
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(tmp_path / "simgpu"))
+    config = tmp_path / "gpupool_config.py"
+    config.write_text('c.NodeAgent.parked_memory = "3GiB"\nc.NodeAgent.cgroup_mode = "none"\n'
+                      'c.NodeAgent.warm_workers = 5\nc.NodeAgent.port = 0\n')
+    app = NodeAgent()
+    app.log = logging.getLogger("test-old-spellings")
+    app.initialize(["--service-url=http://127.0.0.1:1", "--simulate=1xA100-80GB", f"--state-dir={tmp_path / 'state'}",
+                    f"--config={config}", "--NodeAgent.worker_start_timeout=7", "--warm-workers=2"])
+    try:
+        assert (app.agent_workers.warm_workers, app.agent_workers.worker_start_timeout) == (2, 7)
+        assert app.agent_parking.parked_memory == 3 * GiB and app.parked_budget() == 3 * GiB
+        assert app.agent_enforcement.cgroup_mode == "none" and app.port == 0
+        assert "parked_memory" not in app.config.NodeAgent and "port" in app.config.NodeAgent
+    finally:
+        app.inventory.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "test-old-spellings"]
+    assert "c.NodeAgent.worker_start_timeout is now c.AgentWorkers.worker_start_timeout; the old spelling is read " \
+           "for now, please change it" in said
+    assert "c.NodeAgent.warm_workers is now c.AgentWorkers.warm_workers, which is also set: c.NodeAgent.warm_workers " \
+           "is ignored" in said
 
 
 # -- with the real service -------------------------------------------------------------------------------------
