@@ -8,7 +8,9 @@ and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
 every other process it had started (:mod:`.workers.recovery`).
 
-Beside it: its settings besides its own, a class per concern (:mod:`.settings`), HTTP API and server (:mod:`.agent_http`),
+Beside it: the settings other than its own ``c.NodeAgent``, a class per
+concern (:mod:`.settings`: ``c.AgentInventory``, ``c.AgentEnforcement``,
+``c.AgentWorkers``, ``c.AgentParking``), HTTP API and server (:mod:`.agent_http`),
 calls to the service (:mod:`.agent_service`), tokens (:mod:`.agent_tokens`),
 worker accounts (:mod:`.agent_accounts`), metrics (:mod:`.agent_metrics`) and
 enforcement (:mod:`.enforcement`). The agent builds these parts and hands each
