@@ -209,10 +209,10 @@ def test_help_all_lists_each_setting_under_its_own_class():
 
 
 def test_a_config_file_with_the_old_spelling_still_configures_the_agent(tmp_path):
-    """``c.NodeAgent.simulate`` and ``c.NodeAgent.warm_workers``, as config files had them before
-    the agent's settings were split by concern, reach ``c.AgentInventory`` and ``c.AgentWorkers``:
-    the agent serves the simulated GPU the file names (no ``--simulate``: NVML otherwise, which
-    has no GPU here), starts a lease's worker cold, and its log names the new spellings."""
+    """The old spellings ``c.NodeAgent.simulate`` and ``c.NodeAgent.warm_workers`` in a config file
+    reach ``c.AgentInventory`` and ``c.AgentWorkers``: the agent serves the simulated GPU the file
+    names (no ``--simulate``: NVML otherwise, which has no GPU here), starts a lease's worker cold,
+    and its log names the new spellings."""
     config = tmp_path / "gpupool_config.py"
     config.write_text('c.NodeAgent.simulate = "1xA100-80GB"\nc.NodeAgent.warm_workers = 0\n')
     agent = LoneAgent(tmp_path, name="old", simulate=None, args=(f"--config={config}",))
