@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Float, Unicode, validate
+from traitlets import Float, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -61,7 +61,7 @@ class AgentInventory(Configurable):
     @validate("nvml_timeout")
     def _nvml_timeout_valid(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
-            raise ValueError(f"nvml_timeout must be positive, got {proposal['value']}")
+            raise TraitError(f"c.AgentInventory.nvml_timeout must be positive, got {proposal['value']}")
         return proposal["value"]
 
     host_cpus = Float(

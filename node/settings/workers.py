@@ -54,7 +54,7 @@ class AgentWorkers(Configurable):
     @validate("warm_workers")
     def _warm_workers_valid(self, proposal: Any) -> int:
         if proposal["value"] < 0:
-            raise ValueError(f"warm_workers must be 0 or more, got {proposal['value']}")
+            raise TraitError(f"c.AgentWorkers.warm_workers must be 0 or more, got {proposal['value']}")
         return proposal["value"]
 
     preload_modules = List(
@@ -82,7 +82,7 @@ class AgentWorkers(Configurable):
     @validate("warm_worker_max_age")
     def _warm_worker_max_age_valid(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
-            raise ValueError(f"warm_worker_max_age must be positive, got {proposal['value']}")
+            raise TraitError(f"c.AgentWorkers.warm_worker_max_age must be positive, got {proposal['value']}")
         return proposal["value"]
 
     transport_encryption = Enum(

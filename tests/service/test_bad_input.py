@@ -421,6 +421,8 @@ CLI = [
     cli("quota unset user:nobody", 1, "quota override for user:nobody not found", user="boss", id="unset-unknown"),
     cli("quota usage --days 0", 1, "'days' must be a whole number from 1 to 92", user="boss", id="usage-zero"),
     cli("quota usage --days many", 2, "invalid int value: 'many'", user="boss", id="usage-text"),
+    cli("agent --service-url http://127.0.0.1:{dead} --warm-workers=-1", 1,
+        "c.AgentWorkers.warm_workers must be 0 or more, got -1", id="agent-warm-negative"),
     cli("run", 2, "the following arguments are required: script", id="run-no-script"),
     cli("run --gpus 0 {script}", 2, "GPU amount must be more than 0", id="run-gpus-zero"),
     cli("run --gpus 1.5 {script}", 2, "is above 1 but not whole", id="run-gpus-1.5"),
