@@ -13,6 +13,7 @@ from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 
 from ..cgroups import Containment, containment
+from ..enforcement import EnforcementMode
 from ..host_limits import enforce as enforce_host_limits
 from ..process_limits import limit_tasks
 from .accounts import WorkerAccounts
@@ -72,6 +73,14 @@ class WorkerManager:
         self.pool: WarmPool[Worker] = WarmPool(warm.size, warm.max_age, launch=self._launcher.warm,
                                                discard=self._reaper.terminate, alive=lambda w: not w.process.exited(),
                                                log=self.log)
+
+    def use_enforcement(self, mode: EnforcementMode) -> None:
+        """Start every worker from now on in ``mode``'s slices (the agent's mode
+        changed when the GPUs were read again, e.g. ``auto`` found MIG
+        instances). The settings object is shared by the launcher, the kernel
+        managers and the reaper: its ``enforcement`` is the one field set after
+        start, so they all see the new mode at once."""
+        object.__setattr__(self.settings, "enforcement", mode)
 
     # -- queries ----------------------------------------------------------------
 

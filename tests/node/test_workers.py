@@ -49,6 +49,23 @@ def gone(pid: int) -> bool:
         return True
 
 
+def test_a_worker_started_after_the_mode_changed_gets_the_new_modes_slice(tmp_path):
+    """The agent's mode can change when the GPUs are read again (``auto`` finding MIG); a worker started
+    after that is sliced by the new mode, not the one the manager began with."""
+    async def scenario():
+        workers = manager(tmp_path)  # timeslice: no MPS share in the environment
+        try:
+            workers.use_enforcement(MPS())
+            worker = await workers.start(half_slice())
+            code = "import json, os\nprint(json.dumps(dict(os.environ)))"
+            env = json.loads(await run_worker_cell(worker.connection(), code))
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        finally:
+            await workers.stop_all()
+
+    asyncio.run(scenario())
+
+
 def test_worker_runs_confined_to_its_slice_and_stops(tmp_path):
     async def scenario():
         workers = manager(tmp_path, enforcement=MPS())
