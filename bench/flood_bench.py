@@ -113,8 +113,8 @@ def run(args) -> dict:
     tokens = {"ann": "ann-" + os.urandom(8).hex(), "flood": "flood-" + os.urandom(8).hex()}
     config = state / "gpupool_config.py"
     config.write_text(f"c.GPUPool.api_tokens = {({t: u for u, t in tokens.items()})!r}\n"
-                      f"c.GPUPool.max_queued_per_user = {args.queued}\n"
-                      "c.GPUPool.node_ttl = 3600\nc.GPUPool.worker_start_timeout = '1h'\n")
+                      f"c.PoolQuotas.max_queued_per_user = {args.queued}\n"
+                      "c.PoolNodes.node_ttl = 3600\nc.PoolNodes.worker_start_timeout = '1h'\n")
     service = demo_pool.start_service(state, config_file=config)
     try:
         url = service.url

@@ -24,12 +24,12 @@ class LeaseClass:
     lower rank's). ``presses``: its waiters press (pressure parks idle leases
     early for them), on the leases of its own rank and after, never on a lower
     rank's. ``preempts``: its waiters may also interrupt running opted-in
-    (preemptible) cells, where ``c.GPUPool.allow_preemption``; and a waiting
+    (preemptible) cells, where ``c.PoolPressure.allow_preemption``; and a waiting
     request of it for several whole GPUs has a node cleared for it
-    (``c.GPUPool.pressure_clears_nodes``). ``yields``: backfill: a new request
+    (``c.PoolPressure.pressure_clears_nodes``). ``yields``: backfill: a new request
     of it does not start while a request of a class that does not yield waits
-    (``c.GPUPool.batch_yields``) nor takes the last idle nodes
-    (``c.GPUPool.batch_headroom_nodes``), and under ``c.GPUPool.batch_first`` its
+    (``c.PoolPressure.batch_yields``) nor takes the last idle nodes
+    (``c.PoolPressure.batch_headroom_nodes``), and under ``c.PoolPressure.batch_first`` its
     leases are taken before those of the classes that do not yield.
     ``idles``: its leases sit idle between cells (a person thinking), so the
     simulator gives them the idle timeout; a class that does not idle runs

@@ -1,6 +1,6 @@
 """traitlets trait types that read human units from config files.
 
-``c.GPUPool.idle_timeout = "30m"`` and ``c.GPUPool.context_overhead = "512MiB"``
+``c.PoolLeases.idle_timeout = "30m"`` and ``c.PoolNodes.context_overhead = "512MiB"``
 are read here, the way JupyterHub's ``ByteSpecification`` reads memory
 limits; the value stored is always seconds (float) or bytes (int).
 """

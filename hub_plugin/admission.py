@@ -21,7 +21,7 @@ from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_bytes, format_duration
 
 from .auth import Identity
-from .config import GPUPool
+from .config import PoolLeases, PoolQuotas
 from .environments import lease_environment, unknown_environment, unusable_on
 from .models import Lease
 from .placing import Placer
@@ -44,11 +44,13 @@ class Admission:
     """The checks of ``POST /leases``. ``on_refusal(codes)`` is told every
     refusal (code -> count: a :class:`.rules.misfits.Misfit`, or a limit's
     :func:`~.rules.misfits.limit_code`); the checks that read the store run in the
-    creating transaction, after the capacity lock."""
+    creating transaction, after the capacity lock. ``pool_leases``: the pool's
+    wait and idle timeouts; ``pool_quotas``: the per-user caps."""
 
-    def __init__(self, settings: GPUPool, quotas: QuotaBook, placer: Placer,
+    def __init__(self, pool_leases: PoolLeases, pool_quotas: PoolQuotas, quotas: QuotaBook, placer: Placer,
                  on_refusal: Callable[[Mapping[str, int]], None] | None = None) -> None:
-        self.settings = settings
+        self.pool_leases = pool_leases
+        self.pool_quotas = pool_quotas
         self.quotas = quotas
         self.placer = placer
         self._on_refusal = on_refusal or (lambda reasons: None)
@@ -56,13 +58,14 @@ class Admission:
     # -- before the transaction ------------------------------------------------------------------
 
     def wait(self, asked: float | None) -> float:
-        """Seconds a request may queue (0: not at all); 400 above ``c.GPUPool.max_wait``."""
+        """Seconds a request may queue (0: not at all); 400 above ``c.PoolLeases.max_wait``."""
         if not asked:
             return 0.0
-        if asked > self.settings.max_wait:
+        most = self.pool_leases.max_wait
+        if asked > most:
             raise bad_request(f"wait {format_duration(asked)} is above this pool's maximum of "
-                              f"{format_duration(self.settings.max_wait)}; ask for less "
-                              "(an admin can raise c.GPUPool.max_wait)", max_wait=self.settings.max_wait)
+                              f"{format_duration(most)}; ask for less "
+                              "(an admin can raise c.PoolLeases.max_wait)", max_wait=most)
         return asked
 
     def groups_of(self, who: Identity) -> tuple[str, ...]:
@@ -77,13 +80,14 @@ class Admission:
 
     def idle_timeout(self, asked: float | None, most: float | None) -> float:
         """The lease's idle timeout: ``asked``, or the pool's default capped at
-        ``most`` (the user's quota, by default ``c.GPUPool.max_idle_timeout``)."""
+        ``most`` (the user's quota, by default ``c.PoolLeases.max_idle_timeout``)."""
         if asked is None:
-            return self.settings.idle_timeout if most is None else min(self.settings.idle_timeout, most)
+            default = self.pool_leases.idle_timeout
+            return default if most is None else min(default, most)
         if most is not None and asked > most:
             raise bad_request(f"idle_timeout {format_duration(asked)} is above your maximum of "
                               f"{format_duration(most)} (max_idle_timeout: your quota's, else the pool's); ask for "
-                              "less (an admin can raise c.GPUPool.max_idle_timeout, or max_idle_timeout in your "
+                              "less (an admin can raise c.PoolLeases.max_idle_timeout, or max_idle_timeout in your "
                               "quota)",
                               max_idle_timeout=most)
         return asked
@@ -121,7 +125,7 @@ class Admission:
 
     def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime,
               replaced: Lease | None = None) -> int:
-        """429 over ``owner``'s quota or ``c.GPUPool.max_active_per_user``, 400
+        """429 over ``owner``'s quota or ``c.PoolQuotas.max_active_per_user``, 400
         when ``demand`` names more host than any node has; ``replaced`` (a move's
         old lease, :meth:`replaced`) counts toward neither. Returns how many
         requests ``owner`` has queued (for :meth:`may_queue`)."""
@@ -139,7 +143,7 @@ class Admission:
         return queued
 
     def may_queue(self, queued: int) -> None:
-        """429 when ``queued`` requests already reach ``c.GPUPool.max_queued_per_user``."""
+        """429 when ``queued`` requests already reach ``c.PoolQuotas.max_queued_per_user``."""
         try:
             self._check_cap("max_queued_per_user", queued)
         except GPUPoolError as exc:
@@ -157,19 +161,19 @@ class Admission:
         raise GPUPoolError(Reason.pool_full, refusal.message, 409, reasons=refusal.tally())
 
     def _check_cap(self, name: str, have: int) -> None:
-        """429 ``quota_exceeded`` when ``have`` leases already reach ``c.GPUPool.<name>``."""
-        cap = getattr(self.settings, name)
+        """429 ``quota_exceeded`` when ``have`` leases already reach ``c.PoolQuotas.<name>``."""
+        cap = getattr(self.pool_quotas, name)
         if cap is None or have < cap:
             return
         if name == "max_active_per_user":
             words = (f"you hold {have} leases (starting or active), the most one user may hold at once "
-                     f"(c.GPUPool.max_active_per_user = {cap}); release one first (%gpu release)")
+                     f"(c.PoolQuotas.max_active_per_user = {cap}); release one first (%gpu release)")
         else:
             words = (f"you have {have} requests waiting in the queue, the most one user may have "
-                     f"(c.GPUPool.max_queued_per_user = {cap}); cancel one (DELETE /api/v1/leases/ID) "
+                     f"(c.PoolQuotas.max_queued_per_user = {cap}); cancel one (DELETE /api/v1/leases/ID) "
                      "or wait until one is placed")
         raise GPUPoolError(Reason.quota_exceeded, f"too many requests: {words}; an admin can raise "
-                           f"c.GPUPool.{name}", 429, limit=name, cap=cap)
+                           f"c.PoolQuotas.{name}", 429, limit=name, cap=cap)
 
     def _check_host(self, session: Session, demand: Demand) -> None:
         """400 when ``demand`` names more host CPUs or memory than the biggest node has."""

@@ -1,7 +1,7 @@
 """``gpupool service``: the pool service as a traitlets application.
 
     gpupool service [--ip=127.0.0.1] [--port=8765] [--state-dir=.state/service]
-                    [--config=gpupool_config.py] [--GPUPool.idle_timeout=10m ...]
+                    [--config=gpupool_config.py] [--PoolLeases.idle_timeout=10m ...]
                     [--ssl-cert=tls.crt --ssl-key=tls.key] [--ca-file=ca.crt]
 
 Start-up: read the config file, prepare the state directory (tokens, SQLite
@@ -32,16 +32,17 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 from traitlets import Integer, TraitError, Unicode, default
-from traitlets.config import Application
+from traitlets.config import Application, Config
 
 from gpupool import __version__, httpin
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.moved_settings import carry_moved, new_homes
 from gpupool.statedir import lock_state_dir
 from gpupool.tls import server_context
 
 from .agent_client import AgentClient
 from .auth import TokenAuthenticator
-from .config import SETTINGS_PARTS, GPUPool
+from .config import GPUPool, PoolLeases, PoolNodes, PoolPressure, PoolQuotas, ServiceSettings
 from .db import Store
 from .handlers import health, leases as lease_handlers, metrics as metric_handlers, nodes as node_handlers
 from .handlers import openapi as openapi_handlers, pool as pool_handlers
@@ -65,7 +66,7 @@ class ServiceApp(Application):
     name = "gpupool-service"
     version = __version__
     description = "The gpupool pool service: hands out slices of pooled GPUs to notebook kernels."
-    classes = [GPUPool]
+    classes = [GPUPool, PoolNodes, PoolLeases, PoolPressure, PoolQuotas]
     # A broken config file stops the service instead of being skipped.
     raise_config_file_errors = True
     aliases = {
@@ -88,12 +89,15 @@ class ServiceApp(Application):
         created if missing. Default: ``.state/service``.""").tag(config=True)
     config_file = Unicode(
         "", help="""Python config file (``gpupool_config.py`` or ``jupyterhub_config.py``)
-        setting ``c.GPUPool.*``. Default: none.""").tag(config=True)
+        setting ``c.GPUPool.*``, ``c.PoolNodes.*``, ``c.PoolLeases.*``, ``c.PoolPressure.*``
+        and ``c.PoolQuotas.*``. Default: none.""").tag(config=True)
 
-    def _classes_with_config_traits(self, classes: Any = None) -> Iterator[type]:
-        """The classes ``--generate-config`` and ``--help-all`` show: not the
-        settings classes, so every setting appears once, as ``c.GPUPool.*``."""
-        return (cls for cls in super()._classes_with_config_traits(classes) if cls not in SETTINGS_PARTS)
+    def update_config(self, config: Config) -> None:
+        """Take ``config`` (the command line's, then the config file's): a
+        setting of another class written ``c.GPUPool.NAME`` is read as that
+        class's (:func:`gpupool.moved_settings.carry_moved`), with a warning."""
+        carry_moved(config, "GPUPool", new_homes([PoolNodes, PoolLeases, PoolPressure, PoolQuotas]), self.log.warning)
+        super().update_config(config)
 
     @default("log_level")
     def _log_level_default(self) -> int:
@@ -115,28 +119,28 @@ class ServiceApp(Application):
         return asyncio.run(self._serve())
 
     async def _serve(self) -> int:
+        service = self.settings.service  # c.GPUPool: store, URL, TLS, tokens
         # A bad certificate stops the start before anything is written.
-        tls = server_context(self.settings.ssl_cert, self.settings.ssl_key, "--ssl-cert / --ssl-key")
+        tls = server_context(service.ssl_cert, service.ssl_key, "--ssl-cert / --ssl-key")
         state = Path(self.state_dir).expanduser().resolve()
-        settings = self.settings
         with _state_dir_errors(state):
             state.mkdir(parents=True, exist_ok=True)
             self._lock_fd = lock_state_dir(state, "service")  # one service per state dir: it decides in memory
             info_file = state / "service.json"
             info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
-            agent_token = _secret_file(state / "agent_token", settings.agent_token)
-            user_tokens = dict(settings.api_tokens)
+            agent_token = _secret_file(state / "agent_token", service.agent_token)
+            user_tokens = dict(service.api_tokens)
             if not user_tokens and not hub_service.in_jupyterhub(os.environ):
                 user = getpass.getuser()
                 user_tokens = {_secret_file(state / "user_token", ""): user}
                 log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
-            store = Store(settings.db_url.replace("{state_dir}", str(state)))
-        metrics_token = _read_token_file(settings.metrics_token_file, "c.GPUPool.metrics_token_file")
+            store = Store(service.db_url.replace("{state_dir}", str(state)))
+        metrics_token = _read_token_file(service.metrics_token_file, "c.GPUPool.metrics_token_file")
         web_settings: dict = {}
         if hub_service.in_jupyterhub(os.environ):
-            authenticator, web_settings = hub_service.authentication(agent_token, settings.base_url)
+            authenticator, web_settings = hub_service.authentication(agent_token, service.base_url)
         else:
-            authenticator = TokenAuthenticator(user_tokens, settings.admin_users, agent_token)
+            authenticator = TokenAuthenticator(user_tokens, service.admin_users, agent_token)
 
         log.info("store: %s", store.describe())
         try:
@@ -145,12 +149,12 @@ class ServiceApp(Application):
             reason = getattr(exc, "orig", None) or exc
             raise GPUPoolError(Reason.store_unavailable, f"cannot open the store at {store.describe()} ({reason}); "
                                "check c.GPUPool.db_url") from None
-        metrics = Metrics(store, settings.context_overhead)
-        agents = AgentClient(agent_token, ca_file=settings.ca_file)
+        metrics = Metrics(store, self.settings.nodes.context_overhead)
+        agents = AgentClient(agent_token, ca_file=service.ca_file)
         work = StoreWork()  # every SQL statement from here on runs on its threads, none on the event loop
-        pool = Pool(settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued,
+        pool = Pool(self.settings, store, agents, on_refusal=metrics.refused, on_dequeued=metrics.dequeued,
                     on_parked=metrics.parked, on_resumed=metrics.resumed, work=work)
-        ctx = ServiceContext(settings=settings, pool=pool, metrics=metrics,
+        ctx = ServiceContext(settings=self.settings, pool=pool, metrics=metrics,
                              authenticator=authenticator, metrics_token=metrics_token)
         app = make_web_app(ctx, **web_settings)
 
@@ -160,11 +164,11 @@ class ServiceApp(Application):
             log.error("cannot listen on %s:%s (%s); choose another --port", self.ip, self.port, exc)
             return 1
         # Bodies of at most 1 MiB, read only once the token was checked; stalled connections closed (httpin).
-        server = HTTPServer(app, ssl_options=tls, **httpin.server_options(settings.request_header_timeout,
-                                                                           settings.request_body_timeout))
+        server = HTTPServer(app, ssl_options=tls, **httpin.server_options(service.request_header_timeout,
+                                                                           service.request_body_timeout))
         server.add_sockets(sockets)
         url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
-        public = settings.public_url or url.rstrip("/") + settings.base_url  # what kernels and agents use
+        public = service.public_url or url.rstrip("/") + service.base_url  # what kernels and agents use
         with _state_dir_errors(state):
             _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
         log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, url,
@@ -196,23 +200,21 @@ class ServiceApp(Application):
         return 0
 
 
-def _settings(app: ServiceApp) -> GPUPool:
-    """The ``c.GPUPool`` settings; a bad value is a GPUPoolError naming it
-    (``gpupool`` prints it and exits 1), not a traceback."""
+def _settings(app: ServiceApp) -> ServiceSettings:
+    """The service's settings, one of each class read from ``app``'s config; a
+    bad value (or two that disagree, such as an ``idle_timeout`` above
+    ``max_idle_timeout``) is a GPUPoolError naming it (``gpupool`` prints it and
+    exits 1), not a traceback."""
     where = app.config_file or "the command line"
     try:
-        settings = GPUPool(parent=app)
+        return ServiceSettings.configured(app)
     except TraitError as exc:
         raise GPUPoolError(Reason.not_configured, f"{exc} (set in {where})") from None
-    if settings.idle_timeout > settings.max_idle_timeout:
-        raise GPUPoolError(Reason.not_configured, f"c.GPUPool.idle_timeout ({settings.idle_timeout:g}s) is above "
-                           f"c.GPUPool.max_idle_timeout ({settings.max_idle_timeout:g}s) in {where}")
-    return settings
 
 
 def make_web_app(ctx: ServiceContext, **extra: Any) -> web.Application:
     """The tornado application with every route under ``base_url``."""
-    prefix = ctx.settings.base_url
+    prefix = ctx.settings.service.base_url
     # The admin page (and its OAuth callback) exist only under JupyterHub (``hub_auth`` in ``extra``).
     page = admin_page.routes_for(extra.get("hub_auth"))
     routes = [(prefix + path.lstrip("/"), handler) for path, handler in [*ROUTES, *page]]

@@ -42,7 +42,7 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
     address (``127.0.0.1`` for a wildcard). ``state_dir``: its SQLite store and token files (default
     ``gpupool-state`` beside the config file). ``config_file``: the file the
     service reads (default: the file calling this, i.e. ``jupyterhub_config.py``).
-    ``quotas``: sets ``c.GPUPool.quotas``. ``user_groups``: only these groups'
+    ``quotas``: sets ``c.PoolQuotas.quotas``. ``user_groups``: only these groups'
     members may use the pool (default None: every hub user). ``admin_group`` /
     ``admin_users``: pool admins. ``environment``: more variables for the
     service process (every ``GPUPOOL_*`` variable of the hub is passed on, and
@@ -51,10 +51,10 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
     It wires, on the hub's config ``c``:
 
     - the managed service ``gpupool``: the hub starts ``gpupool service`` with
-      ``--config`` pointing at this very file, so every ``c.GPUPool.*`` setting
-      here (quotas included) reaches the service; it is proxied at
-      ``/services/gpupool/`` and its own hub API token is kept in
-      ``STATE_DIR/hub_service_token`` (mode 0600);
+      ``--config`` pointing at this very file, so every service setting here
+      (``c.GPUPool.*``, ``c.PoolLeases.*``, ..., quotas included) reaches the
+      service; it is proxied at ``/services/gpupool/`` and its own hub API
+      token is kept in ``STATE_DIR/hub_service_token`` (mode 0600);
     - the custom scopes ``custom:gpupool:use`` (hold leases) and
       ``custom:gpupool:admin`` (see and end everyone's, set quotas);
     - roles: every user (or the members of ``user_groups``) gets
@@ -84,7 +84,7 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
     c.GPUPool.base_url = prefix
     c.GPUPool.public_url = url + prefix
     if quotas is not None:
-        c.GPUPool.quotas = quotas
+        c.PoolQuotas.quotas = quotas
     service = {
         "name": name,
         "url": url,

@@ -20,7 +20,7 @@ from gpupool.units import format_duration
 from .admission import Admission
 from .auth import Identity
 from .background import Background
-from .config import GPUPool
+from .config import PoolLeases, PoolNodes, PoolPressure
 from .lease_views import LeaseViews
 from .leases import LeaseBook
 from .models import Lease, new_lease_id
@@ -39,11 +39,16 @@ MAX_START_WAIT_S = 10.0
 
 class LeaseIntake:
     """Takes new requests through ``state``; ``leases.start`` (in ``tasks``)
-    starts the worker of one placed; ``views`` gives the JSON returned."""
+    starts the worker of one placed; ``views`` gives the JSON returned.
+    Reads ``host_share`` (``pool_nodes``), ``heartbeat_ttl`` (``pool_leases``),
+    ``allow_preemption`` and the batch settings (``pool_pressure``)."""
 
-    def __init__(self, settings: GPUPool, state: PoolState, admission: Admission, placer: Placer,
+    def __init__(self, pool_nodes: PoolNodes, pool_leases: PoolLeases, pool_pressure: PoolPressure,
+                 state: PoolState, admission: Admission, placer: Placer,
                  views: LeaseViews, leases: LeaseBook, tasks: Background) -> None:
-        self.settings = settings
+        self.pool_nodes = pool_nodes
+        self.pool_leases = pool_leases
+        self.pool_pressure = pool_pressure
         self.state = state
         self.admission = admission
         self.placer = placer
@@ -66,11 +71,11 @@ class LeaseIntake:
         input, 409 ``unknown_environment`` (with ``environments``, the names
         offered) when ``env`` names a worker environment no node offers, 429
         ``quota_exceeded`` (with ``limit``) over a quota or over
-        ``c.GPUPool.max_active_per_user`` / ``max_queued_per_user``, and 409
+        ``c.PoolQuotas.max_active_per_user`` / ``max_queued_per_user``, and 409
         ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
         request = LeaseRequest.from_json(body)
-        refusal = preemption_refusal(bool(request.preemptible), self.settings.allow_preemption)
+        refusal = preemption_refusal(bool(request.preemptible), self.pool_pressure.allow_preemption)
         if refusal:
             raise bad_request(refusal, setting="allow_preemption")
         wait = self.admission.wait(request.wait)
@@ -99,20 +104,20 @@ class LeaseIntake:
             self.state.store.lock_capacity(session)
             env = self.admission.environment(session, request)
             demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
-                            request.host_memory, self.settings.host_share)
+                            request.host_memory, self.pool_nodes.host_share)
             limits = self.admission.limits(session, who.name, groups)
             idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             replaced = self.admission.replaced(session, who.name, request.replaces)
             queued = self.admission.admit(session, who.name, limits, demand, now, replaced)
             decision = self.placer.place(session, demand)
             if isinstance(decision, Placement) and lease_class(request.lease_class).yields:
-                decision = self.placer.batch_refusal(session, decision, now, yields=self.settings.batch_yields,
-                                                     headroom_nodes=self.settings.batch_headroom_nodes) or decision
+                decision = self.placer.batch_refusal(session, decision, now, yields=self.pool_pressure.batch_yields,
+                                                     headroom_nodes=self.pool_pressure.batch_headroom_nodes) or decision
             if isinstance(decision, Refusal):
                 if not wait:
                     self.admission.refuse(who, decision)
                 self.admission.may_queue(queued)
-            lease = _new_lease(who, request, groups, env, idle_timeout, self.settings.heartbeat_ttl, now)
+            lease = _new_lease(who, request, groups, env, idle_timeout, self.pool_leases.heartbeat_ttl, now)
             lease.replaces = replaced.id if replaced is not None else None
             if isinstance(decision, Placement):
                 where = assign(tx, lease, decision, now)

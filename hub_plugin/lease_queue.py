@@ -24,7 +24,7 @@ from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
 from . import parked, usage
-from .config import GPUPool
+from .config import PoolNodes, PoolPressure, PoolQuotas
 from .models import Lease, Node
 from .placing import Placer
 from .quota_book import QuotaBook
@@ -52,11 +52,16 @@ class Drained:
 
 class LeaseQueue:
     """Drains and expires the queue. ``on_dequeued(seconds)`` is told how long
-    each request waited when it is placed (for metrics)."""
+    each request waited when it is placed (for metrics). Reads ``host_share``
+    (``pool_nodes``), the batch settings (``pool_pressure``) and
+    ``max_active_per_user`` (``pool_quotas``)."""
 
-    def __init__(self, settings: GPUPool, state: PoolState, quotas: QuotaBook, placer: Placer,
+    def __init__(self, pool_nodes: PoolNodes, pool_pressure: PoolPressure, pool_quotas: PoolQuotas,
+                 state: PoolState, quotas: QuotaBook, placer: Placer,
                  on_dequeued: Callable[[float], None] = lambda seconds: None) -> None:
-        self.settings = settings
+        self.pool_nodes = pool_nodes
+        self.pool_pressure = pool_pressure
+        self.pool_quotas = pool_quotas
         self.state = state
         self.quotas = quotas
         self.placer = placer
@@ -98,7 +103,7 @@ class LeaseQueue:
         if not rows and not resumes:
             return Drained()
         over = self._over_quota(session, rows, now)
-        share = self.settings.host_share
+        share = self.pool_nodes.host_share
         waiting = [wait_queue.Waiting(row.id, row.owner, asked(row, share), row.created_at, row.lease_class)
                    for row in rows if row.id not in over] + resumes
         owners = {w.owner for w in waiting}
@@ -121,8 +126,8 @@ class LeaseQueue:
 
         tx.changes.index_taken = True  # drain takes capacity in the index as it goes
         wait_queue.drain(waiting, self.placer.pool(session), last, now, accept=accept,
-                         room=self._room(session, owners), batch_yields=self.settings.batch_yields,
-                         headroom_nodes=self.settings.batch_headroom_nodes)
+                         room=self._room(session, owners), batch_yields=self.pool_pressure.batch_yields,
+                         headroom_nodes=self.pool_pressure.batch_headroom_nodes)
         return Drained(placed, over)
 
     @staticmethod
@@ -176,8 +181,8 @@ class LeaseQueue:
         return over
 
     def _room(self, session: Session, owners: set[str]) -> dict[str, int] | None:
-        """How many more leases each of ``owners`` may hold (``c.GPUPool.max_active_per_user``; None: no cap)."""
-        cap = self.settings.max_active_per_user
+        """How many more leases each of ``owners`` may hold (``c.PoolQuotas.max_active_per_user``; None: no cap)."""
+        cap = self.pool_quotas.max_active_per_user
         if cap is None:
             return None
         held = dict(session.execute(select(Lease.owner, func.count()).where(
@@ -185,7 +190,7 @@ class LeaseQueue:
         return {owner: max(0, cap - held.get(owner, 0)) for owner in owners}
 
     def _expired_now(self) -> dict[str, str]:
-        now, share = self.state.now(), self.settings.host_share
+        now, share = self.state.now(), self.pool_nodes.host_share
         with self.state.reading() as session:
             due = session.scalars(select(Lease).where(Lease.state == QUEUED, Lease.wait_until <= now)).all()
             return {lease.id: (f"waited {format_duration((now - lease.created_at).total_seconds())} in the "
@@ -197,6 +202,6 @@ def asked(lease: Any, host_share: float) -> Demand:
     """What a queued ``lease`` asks the scheduler for: a :class:`.models.Lease`, or a row of its
     ``fraction``, ``gpu_count``, ``requested_memory`` (bytes per GPU; None: the fraction's share),
     ``model``, ``env``, ``requested_cpus`` and ``requested_host_memory`` (bytes) columns.
-    ``host_share``: ``c.GPUPool.host_share`` (only placement reads it, not the words)."""
+    ``host_share``: ``c.PoolNodes.host_share`` (only placement reads it, not the words)."""
     return Demand(lease.fraction, lease.gpu_count, lease.requested_memory, lease.model, lease.env,
                   lease.requested_cpus, lease.requested_host_memory, host_share)

@@ -23,7 +23,7 @@ from gpupool.schema import LeaseState, isoformat
 from . import usage
 from .auth import Identity
 from .capacity import HOLDING
-from .config import GPUPool
+from .config import PoolLeases
 from .lease_queue import RESUMING
 from .models import Lease, Node
 from .pressure import Pressure
@@ -51,10 +51,11 @@ class QueueView:
 
 class LeaseViews:
     """Leases as their owner (or an admin) sees them. ``pressure`` is the
-    reclaim sweep's plan, which every lease JSON shows."""
+    reclaim sweep's plan, which every lease JSON shows; ``pool_leases`` gives
+    the ``idle_warning`` it carries."""
 
-    def __init__(self, settings: GPUPool, state: PoolState, pressure: Pressure) -> None:
-        self.settings = settings
+    def __init__(self, pool_leases: PoolLeases, state: PoolState, pressure: Pressure) -> None:
+        self.pool_leases = pool_leases
         self.state = state
         self.pressure = pressure
 
@@ -172,7 +173,7 @@ class LeaseViews:
             queue_position=place, queue_estimate_s=queue.etas.get(lease.id) if place is not None else None,
             wait_until=isoformat(lease.wait_until),
             **self.pressure.shown(lease),  # idle_deadline, early under pressure; pressure; preempt_at
-            idle_warning=warning_lead(self.settings.idle_warning, lease.idle_timeout),
+            idle_warning=warning_lead(self.pool_leases.idle_warning, lease.idle_timeout),
             node_state=node.state if node is not None else None,
             cpu_limit=limits.get("cpus"), host_memory_limit=limits.get("host_memory")).to_json()
 
@@ -205,7 +206,7 @@ class LeaseViews:
         """What the queued ones of ``leases`` need for ``queue_position`` and
         ``queue_estimate_s``: the queue's order, read once as three columns and
         sorted once (a fixed number of queries, however many leases are shown;
-        the queue itself is at most users x ``c.GPUPool.max_queued_per_user``);
+        the queue itself is at most users x ``c.PoolQuotas.max_queued_per_user``);
         None when none of ``leases`` is queued."""
         if not any(_in_line(lease) for lease in leases):
             return None
@@ -258,7 +259,7 @@ _GONE = SimpleNamespace(state=None, host_cpus=None, host_memory=None)
 
 
 def warning_lead(idle_warning: float, idle_timeout: float | None) -> float:
-    """Seconds before the idle deadline that the notebook warns: ``c.GPUPool.idle_warning``, but
+    """Seconds before the idle deadline that the notebook warns: ``c.PoolLeases.idle_warning``, but
     never more than a third of the lease's idle timeout (a 1-minute timeout is warned 20 s ahead,
     not at every cell's end). 0 stays 0 (no warning)."""
     return min(idle_warning, idle_timeout / 3) if idle_timeout else idle_warning

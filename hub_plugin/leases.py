@@ -21,7 +21,7 @@ from . import parked
 from .agent_client import AgentGone
 from .auth import Identity
 from .background import Background
-from .config import GPUPool
+from .config import PoolNodes
 from .lease_queue import Drained, LeaseQueue
 from .lease_views import LeaseViews
 from .models import Lease, Node
@@ -36,17 +36,17 @@ log = logging.getLogger("gpupool.service.leases")
 class LeaseBook:
     """Starts and ends leases, and places and expires what waits.
 
-    ``settings`` are the service's ``c.GPUPool``; ``state`` the store and its
+    ``pool_nodes``: the service's ``worker_stop_timeout``; ``state`` the store and its
     clock; ``workers`` asks the agents; ``tasks`` runs what goes on in the
     background; ``views`` gives the lease JSON; ``queue`` drains the queue;
     ``resume_worker(job)`` asks the agent to resume a lease placed from a park
     (:meth:`.parking.Parking.resume_worker`).
     """
 
-    def __init__(self, settings: GPUPool, state: PoolState, workers: WorkerCalls, tasks: Background,
+    def __init__(self, pool_nodes: PoolNodes, state: PoolState, workers: WorkerCalls, tasks: Background,
                  views: LeaseViews, queue: LeaseQueue,
                  resume_worker: Callable[[StartJob], Awaitable[None]] | None = None) -> None:
-        self.settings = settings
+        self.pool_nodes = pool_nodes
         self.state = state
         self.workers = workers
         self.tasks = tasks
@@ -163,7 +163,7 @@ class LeaseBook:
             return
         mine, url, ended = begun
         if not mine:  # someone else is releasing it: wait for them
-            await self.views.wait_out(lease_id, LeaseState.releasing.value, self.settings.worker_stop_timeout + 5)
+            await self.views.wait_out(lease_id, LeaseState.releasing.value, self.pool_nodes.worker_stop_timeout + 5)
             return
         log.info("lease %s releasing (%s): %s", lease_id, final.value, reason)
         note = await self.workers.stop(url, lease_id) if url else None

@@ -29,7 +29,7 @@ from .rules.reclaim import ParkCode, Reclaim
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Upper bounds (seconds) of the queue wait histogram: from a release that frees
-#: room at once to the longest waits an admin may allow (c.GPUPool.max_wait).
+#: room at once to the longest waits an admin may allow (c.PoolLeases.max_wait).
 QUEUE_WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
 #: Upper bounds (seconds) of the resume histogram: a thaw in memory (under a second) to a large spill loaded.
 RESUME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)

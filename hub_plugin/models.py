@@ -52,7 +52,7 @@ class Node(Base):
     """A GPU host with an agent. ``state`` is ``up``, ``degraded`` (its agent
     heartbeats but cannot read its GPUs, NVML failed: its leases go on,
     nothing new is placed there) or ``lost`` (no heartbeat for
-    ``GPUPool.node_ttl``: nothing new is placed there); ``state_reason`` says
+    ``PoolNodes.node_ttl``: nothing new is placed there); ``state_reason`` says
     why in words when it is not ``up``."""
 
     __tablename__ = "nodes"
@@ -280,7 +280,7 @@ class UsageRecord(Base):
 class QuotaOverride(Base):
     """A quota set at run time (admin API, ``gpupool quota set``) for one
     scope (``*``, ``group:NAME``, ``user:NAME``): ``limits`` are merged over
-    ``c.GPUPool.quotas[scope]``, limit by limit (:mod:`.rules.quotas`)."""
+    ``c.PoolQuotas.quotas[scope]``, limit by limit (:mod:`.rules.quotas`)."""
 
     __tablename__ = "quota_overrides"
 

@@ -216,7 +216,7 @@ def _refuse_second_agent(node: Node, url: str, now: datetime, node_ttl: float) -
     if alive and node.url != url and last is not None and (now - last).total_seconds() < node_ttl:
         raise GPUPoolError(Reason.node_name_taken, f"node name {node.name!r} belongs to the live agent at {node.url}; "
                            "give this agent another --name (or stop that agent and wait "
-                           f"{node_ttl:.0f}s, c.GPUPool.node_ttl)", 409)
+                           f"{node_ttl:.0f}s, c.PoolNodes.node_ttl)", 409)
 
 
 def _set_state(node: Node, error: str | None) -> str:

@@ -169,7 +169,7 @@ _PATHS: dict[str, Any] = {
 def document(base_url: str = "/", *, max_wait: float = _MOST_SECONDS,
              max_idle_timeout: float = _MOST_SECONDS) -> dict[str, Any]:
     """The OpenAPI document, with the server URL under ``base_url`` and the
-    pool's ``c.GPUPool.max_wait`` and ``max_idle_timeout`` (seconds) as the
+    pool's ``c.PoolLeases.max_wait`` and ``max_idle_timeout`` (seconds) as the
     maxima of a lease request's ``wait`` and ``idle_timeout``."""
     schemas = copy.deepcopy(_SCHEMAS) | {body.__name__: body.json_schema() for body in _BODIES}
     request = schemas["LeaseRequest"]["properties"]

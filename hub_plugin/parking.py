@@ -23,7 +23,6 @@ from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 from . import parked, usage
 from .auth import Identity, forbidden
 from .background import Background
-from .config import GPUPool
 from .lease_queue import Drained, LeaseQueue
 from .lease_views import LeaseViews
 from .leases import LeaseBook
@@ -61,11 +60,10 @@ class Parking:
     ``on_resumed(seconds)`` observes how long each resume took from its
     placement (metrics)."""
 
-    def __init__(self, settings: GPUPool, state: PoolState, workers: WorkerCalls, tasks: Background,
+    def __init__(self, state: PoolState, workers: WorkerCalls, tasks: Background,
                  views: LeaseViews, leases: LeaseBook, queue: LeaseQueue, quota_book: QuotaBook,
                  on_parked: Callable[[str, str], None] = lambda code, tier: None,
                  on_resumed: Callable[[float], None] = lambda seconds: None) -> None:
-        self.settings = settings
         self.state = state
         self.workers = workers
         self.tasks = tasks

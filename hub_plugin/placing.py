@@ -53,7 +53,7 @@ class Placer:
     def batch_refusal(self, session: Session, decision: Placement, now: datetime, *, yields: bool,
                       headroom_nodes: int) -> Refusal | None:
         """Why a new batch request may not take ``decision`` (:func:`.priority.batch_may_start`:
-        ``c.GPUPool.batch_yields``, ``batch_headroom_nodes``), or None when it may."""
+        ``c.PoolPressure.batch_yields``, ``batch_headroom_nodes``), or None when it may."""
         if not yields and not headroom_nodes:
             return None
         person = yields and session.scalar(
@@ -63,10 +63,10 @@ class Placer:
         if batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
             return None
         if person:
-            why = "a person's interactive request is waiting and batch yields to it (c.GPUPool.batch_yields)"
+            why = "a person's interactive request is waiting and batch yields to it (c.PoolPressure.batch_yields)"
         else:
             why = (f"the last {headroom_nodes} idle node(s) are kept for interactive requests "
-                   "(c.GPUPool.batch_headroom_nodes)")
+                   "(c.PoolPressure.batch_headroom_nodes)")
         return Refusal({Misfit.held_for_interactive: len(decision.gpus)}, f"batch request not placed: {why}")
 
     def verify(self, session: Session, decision: Placement) -> bool:

@@ -17,7 +17,7 @@ from gpupool.schema import utcnow
 from .admission import Admission
 from .agent_client import AgentClient
 from .background import Background
-from .config import GPUPool
+from .config import ServiceSettings
 from .db import Store
 from .intake import LeaseIntake
 from .lease_queue import LeaseQueue
@@ -35,7 +35,7 @@ from .worker_calls import WorkerCalls
 
 
 class Pool:
-    """The parts for ``settings`` (``c.GPUPool``) on ``store``, asking agents
+    """The parts for ``settings`` (each given the settings classes it reads) on ``store``, asking agents
     through ``agents``. ``now`` is the one clock (replaceable on ``state`` in
     tests); ``on_refusal(codes)`` is told every refusal (code -> count, see
     :class:`.admission.Admission`), ``on_dequeued(seconds)`` how long each
@@ -43,7 +43,7 @@ class Pool:
     how long each resume took (for metrics); ``work`` runs the store calls off the event
     loop (a new one by default)."""
 
-    def __init__(self, settings: GPUPool, store: Store, agents: AgentClient, *,
+    def __init__(self, settings: ServiceSettings, store: Store, agents: AgentClient, *,
                  now: Callable[[], datetime] = utcnow,
                  on_refusal: Callable[[Mapping[str, int]], None] | None = None,
                  on_dequeued: Callable[[float], None] = lambda seconds: None,
@@ -52,30 +52,33 @@ class Pool:
                  work: StoreWork | None = None) -> None:
         self.settings = settings
         self.agents = agents
-        self.state = PoolState(store, settings.context_overhead, now=now, work=work)
+        nodes, leases, pressure, quotas = settings.nodes, settings.leases, settings.pressure, settings.quotas
+        self.state = PoolState(store, nodes.context_overhead, now=now, work=work)
         self.tasks = Background()
         # A lambda, so a clock replaced on the state is the quotas' clock too.
-        self.quotas = QuotaBook(settings, lambda: self.state.now())
+        self.quotas = QuotaBook(quotas, leases, lambda: self.state.now())
         # The reclaim sweep's pressure plan (early parks, preemptions), read by every lease JSON.
-        self.pressure = Pressure(settings, self.quotas.table)
-        self.views = LeaseViews(settings, self.state, self.pressure)
+        self.pressure = Pressure(pressure, nodes, self.quotas.table)
+        self.views = LeaseViews(leases, self.state, self.pressure)
         placer = Placer(self.state)
-        workers = WorkerCalls(settings, self.state, agents)
-        queue = LeaseQueue(settings, self.state, self.quotas, placer, on_dequeued)
-        self.leases = LeaseBook(settings, self.state, workers, self.tasks, self.views, queue,
+        workers = WorkerCalls(nodes, self.state, agents)
+        queue = LeaseQueue(nodes, pressure, quotas, self.state, self.quotas, placer, on_dequeued)
+        self.leases = LeaseBook(nodes, self.state, workers, self.tasks, self.views, queue,
                                 lambda job: self.parking.resume_worker(job))
-        self.parking = Parking(settings, self.state, workers, self.tasks, self.views, self.leases, queue,
+        self.parking = Parking(self.state, workers, self.tasks, self.views, self.leases, queue,
                                self.quotas, on_parked, on_resumed)
-        self.intake = LeaseIntake(settings, self.state, Admission(settings, self.quotas, placer, on_refusal), placer,
+        admission = Admission(leases, quotas, self.quotas, placer, on_refusal)
+        self.intake = LeaseIntake(nodes, leases, pressure, self.state, admission, placer,
                                   self.views, self.leases, self.tasks)
-        self.nodes = NodeBook(self.state, self.leases, self.tasks, heartbeat_interval=settings.node_heartbeat_interval,
-                              node_ttl=settings.node_ttl)
+        self.nodes = NodeBook(self.state, self.leases, self.tasks, heartbeat_interval=nodes.node_heartbeat_interval,
+                              node_ttl=nodes.node_ttl)
 
     def reclaimer(self) -> Reclaimer:
-        """The periodic sweep, every ``c.GPUPool.reclaim_interval`` seconds (not started)."""
+        """The periodic sweep, every ``c.PoolLeases.reclaim_interval`` seconds (not started)."""
+        leases, nodes = self.settings.leases, self.settings.nodes
         return Reclaimer(self.state, self.leases, self.parking, self.tasks, self.pressure,
-                         interval=self.settings.reclaim_interval, node_ttl=self.settings.node_ttl,
-                         parked_node_grace=self.settings.parked_node_grace)
+                         interval=leases.reclaim_interval, node_ttl=nodes.node_ttl,
+                         parked_node_grace=nodes.parked_node_grace)
 
     async def resume(self) -> None:
         """After a start: continue what a previous run left half-done (starts, resumes,

@@ -5,7 +5,7 @@ what the ETA reads (the active leases and typical lease lengths), so a long
 poll of a queued request costs no query for its ETA.
 
 The reclaim sweep calls :meth:`Pressure.refresh` every
-``c.GPUPool.reclaim_interval`` seconds (on a store thread); the plan it
+``c.PoolLeases.reclaim_interval`` seconds (on a store thread); the plan it
 computes is held here and read by every lease JSON (the notebook's heartbeat
 answer): ``idle_deadline`` brought forward, ``pressure`` (why, in words) and
 ``preempt_at``. The sweep parks an idle lease at that deadline (:func:`due`;
@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from gpupool.schema import LeaseState, isoformat
 
-from .config import GPUPool
+from .config import PoolNodes, PoolPressure
 from .lease_queue import RESUMING
 from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
@@ -58,11 +58,13 @@ class EtaInputs:
 
 
 class Pressure:
-    """The current pressure plan of one service. ``settings``: ``c.GPUPool``;
+    """The current pressure plan of one service. ``pool_pressure``: the plan's
+    settings; ``pool_nodes``: the ``context_overhead`` of each GPU;
     ``quota_table(session)``: the effective quota table (:class:`.QuotaBook`)."""
 
-    def __init__(self, settings: GPUPool, quota_table) -> None:
-        self.settings = settings
+    def __init__(self, pool_pressure: PoolPressure, pool_nodes: PoolNodes, quota_table) -> None:
+        self.pool_pressure = pool_pressure
+        self.pool_nodes = pool_nodes
         self._quota_table = quota_table
         self.plan: priority.Plan = priority.NO_PRESSURE
         # What the ETA reads, as the last sweep (or capacity change) saw it: no query per long poll.
@@ -92,7 +94,7 @@ class Pressure:
     def _eta_inputs(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
                     epoch: int) -> EtaInputs:
         """:class:`EtaInputs` from the store, the active leases ``held`` and the plan."""
-        states = gpu_states(session, self.settings.context_overhead)
+        states = gpu_states(session, self.pool_nodes.context_overhead)
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
                               .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
                               .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
@@ -120,7 +122,7 @@ class Pressure:
                                               .where(RESUMING))]
         if not asking:
             return priority.NO_PRESSURE
-        rule = priority.Rule.of(self.settings)
+        rule = priority.Rule.of(self.pool_pressure)
         free = clearing.whole_free(self._soon_free(session)) if rule.wants_free_gpus(asking) else None
         return rule.plan(held, asking, guarantees, free, self._freeing(session))
 
@@ -146,7 +148,7 @@ class Pressure:
                 .where(Lease.state == LeaseState.releasing.value)):
             was = leaving.get(uuid, (0.0, 0))
             leaving[uuid] = (was[0] + fraction, was[1] + memory)
-        states = gpu_states(session, self.settings.context_overhead)
+        states = gpu_states(session, self.pool_nodes.context_overhead)
         return [replace(gpu, allocated_fraction=max(0.0, gpu.allocated_fraction - leaving[gpu.uuid][0]),
                         allocated_memory=max(0, gpu.allocated_memory - leaving[gpu.uuid][1]))
                 if gpu.uuid in leaving else gpu for gpu in states]
@@ -203,10 +205,10 @@ class Pressure:
     def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``
         (queue order), from the pool, the active leases and recent cell lengths as the
-        last sweep saw them (at most ``c.GPUPool.reclaim_interval`` old)."""
+        last sweep saw them (at most ``c.PoolLeases.reclaim_interval`` old)."""
         inputs = self._eta
-        return eta.eta_seconds(asks, inputs.room, inputs.held, inputs.typical, now, self.settings.pressure_grace,
-                               inputs.plan, inputs.guaranteed)
+        return eta.eta_seconds(asks, inputs.room, inputs.held, inputs.typical, now,
+                               self.pool_pressure.pressure_grace, inputs.plan, inputs.guaranteed)
 
 
 def _room(gpu: GPUState) -> float:

@@ -24,24 +24,26 @@ from gpupool.wire.quotas import Quota, QuotaUsage
 from . import usage
 from .rules import quotas
 from .auth import Identity
-from .config import GPUPool
+from .config import PoolLeases, PoolQuotas
 from .models import Lease, QuotaOverride
 
 log = logging.getLogger("gpupool.service.quotas")
 
 
 class QuotaBook:
-    """Limits and usage per user. ``settings`` are ``c.GPUPool``; ``now`` the
-    service's one clock."""
+    """Limits and usage per user. ``pool_quotas``: the quotas, groups and usage
+    time zone; ``pool_leases``: the pool's ``max_idle_timeout``, a quota's default;
+    ``now``: the service's one clock."""
 
-    def __init__(self, settings: GPUPool, now: Callable[[], datetime]) -> None:
-        self.settings = settings
+    def __init__(self, pool_quotas: PoolQuotas, pool_leases: PoolLeases, now: Callable[[], datetime]) -> None:
+        self.pool_quotas = pool_quotas
+        self.pool_leases = pool_leases
         self.now = now
-        self.tz = ZoneInfo(settings.usage_timezone)
+        self.tz = ZoneInfo(pool_quotas.usage_timezone)
 
     def groups_of(self, who: Identity) -> tuple[str, ...]:
-        """``who``'s groups: the authenticator's (JupyterHub's) and ``c.GPUPool.groups``."""
-        configured = {group for group, members in self.settings.groups.items() if who.name in members}
+        """``who``'s groups: the authenticator's (JupyterHub's) and ``c.PoolQuotas.groups``."""
+        configured = {group for group, members in self.pool_quotas.groups.items() if who.name in members}
         return tuple(sorted(set(getattr(who, "groups", ()) or ()) | configured))
 
     # -- limits ----------------------------------------------------------------------------------
@@ -52,10 +54,10 @@ class QuotaBook:
 
     def table(self, session: Session) -> dict[str, dict[str, float | None]]:
         """The effective table: configuration with the overrides merged over it."""
-        return quotas.merge(self.settings.quotas, self.overrides(session))
+        return quotas.merge(self.pool_quotas.quotas, self.overrides(session))
 
     def limits(self, session: Session, user: str, groups: tuple[str, ...]) -> quotas.Limits:
-        return quotas.resolve(user, groups, self.table(session), max_idle_timeout=self.settings.max_idle_timeout)
+        return quotas.resolve(user, groups, self.table(session), max_idle_timeout=self.pool_leases.max_idle_timeout)
 
     def enforce(self, session: Session, user: str, limits: quotas.Limits, requested: float, now: datetime,
                 replaced: Lease | None = None) -> None:
@@ -92,14 +94,14 @@ class QuotaBook:
             today_gpu_hours=today / 3600.0, week_gpu_hours=week / 3600.0,
             day_resets_at=isoformat(usage.period(now, self.tz, usage.DAY)[1]),
             week_resets_at=isoformat(usage.period(now, self.tz, usage.WEEK)[1]),
-            timezone=self.settings.usage_timezone, parked_memory=usage.parked_memory(session, who.name))).to_json()
+            timezone=self.pool_quotas.usage_timezone, parked_memory=usage.parked_memory(session, who.name))).to_json()
 
     # -- admin: overrides --------------------------------------------------------------------------
 
     def listing(self, session: Session) -> dict[str, Any]:
         """``GET /admin/quotas``: configured, overrides (with who and when) and effective tables."""
         rows = list(session.scalars(select(QuotaOverride).order_by(QuotaOverride.scope)))
-        return {"configured": self.settings.quotas,
+        return {"configured": self.pool_quotas.quotas,
                 "overrides": {r.scope: {"limits": dict(r.limits), "updated_at": isoformat(r.updated_at),
                                         "updated_by": r.updated_by} for r in rows},
                 "effective": self.table(session)}

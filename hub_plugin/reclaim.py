@@ -1,4 +1,4 @@
-"""Idle reclaim's loop: every ``GPUPool.reclaim_interval`` seconds the
+"""Idle reclaim's loop: every ``PoolLeases.reclaim_interval`` seconds the
 :class:`Reclaimer` reads the store, runs the pure rules of
 :mod:`.rules.reclaim` (:func:`~.rules.reclaim.decide`,
 :func:`~.rules.reclaim.lost_nodes`, :func:`~.rules.reclaim.lost_parked`;

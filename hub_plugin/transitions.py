@@ -23,7 +23,7 @@ log = logging.getLogger("gpupool.service.leases")
 
 QUEUED = LeaseState.queued.value
 PARKED = LeaseState.parked.value
-#: The states ``c.GPUPool.max_active_per_user`` counts: a lease releasing is on its way out.
+#: The states ``c.PoolQuotas.max_active_per_user`` counts: a lease releasing is on its way out.
 CAPPED = (LeaseState.starting.value, LeaseState.active.value)
 
 

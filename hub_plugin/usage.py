@@ -1,7 +1,7 @@
 """The usage ledger: GPU-seconds (fraction x GPUs x seconds holding a GPU
 share) per lease, in spans (one :class:`~.models.UsageRecord` each, written
 by :func:`close_span` when the lease parks or ends), summed per user, group,
-day and week of ``c.GPUPool.usage_timezone`` (docs/api.md, "Quotas"). The
+day and week of ``c.PoolQuotas.usage_timezone`` (docs/api.md, "Quotas"). The
 period arithmetic (:func:`period`, :func:`overlap_gpu_seconds`, :func:`daily`)
 is pure, so tests move the clock by passing another ``now``.
 """

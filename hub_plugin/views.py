@@ -62,7 +62,7 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
     """``GET /pool``: :class:`gpupool.wire.pool.Pool`, the nodes, their GPUs
     and what is allocated (``context_overhead``: bytes per GPU that leases
-    may not have, ``c.GPUPool.context_overhead``)."""
+    may not have, ``c.PoolNodes.context_overhead``)."""
     alloc = allocations(session)
     parks = {row[0]: (row[1], int(row[2] or 0)) for row in session.execute(
         select(Lease.node_name, func.count(), func.sum(Lease.parked_host_bytes))

@@ -16,7 +16,7 @@ from gpupool.wire.parking import ParkRequest, WorkerParked, WorkerResumed
 from gpupool.wire.workers import WorkerRequest, WorkerStarted
 
 from .agent_client import AgentClient
-from .config import GPUPool
+from .config import PoolNodes
 from .models import Lease, Node
 from .rules.hosts import host_limits
 from .state import PoolState
@@ -46,10 +46,11 @@ def start_job(session: Session, lease: Lease) -> StartJob:
 
 class WorkerCalls:
     """Starts and stops workers through ``agents``, waiting at most
-    ``c.GPUPool.worker_start_timeout`` / ``worker_stop_timeout``."""
+    ``c.PoolNodes.worker_start_timeout`` / ``worker_stop_timeout`` (and
+    ``worker_park_timeout`` to park or resume one) of ``pool_nodes``."""
 
-    def __init__(self, settings: GPUPool, state: PoolState, agents: AgentClient) -> None:
-        self.settings = settings
+    def __init__(self, pool_nodes: PoolNodes, state: PoolState, agents: AgentClient) -> None:
+        self.pool_nodes = pool_nodes
         self.state = state
         self.agents = agents
 
@@ -66,24 +67,24 @@ class WorkerCalls:
 
     async def start(self, job: StartJob) -> WorkerStarted:
         """The agent's answer (``connection``, ``pid``); raises :class:`GPUPoolError` when it did not start."""
-        return await self.agents.start_worker(job.url, job.request, self.settings.worker_start_timeout)
+        return await self.agents.start_worker(job.url, job.request, self.pool_nodes.worker_start_timeout)
 
     async def resume(self, job: StartJob) -> WorkerResumed:
         """The agent's answer to a resume (``connection``, ``pid``, what was lost), waiting at
         most ``worker_park_timeout``; raises :class:`GPUPoolError` when it did not resume."""
-        return await self.agents.resume_worker(job.url, job.request, self.settings.worker_park_timeout)
+        return await self.agents.resume_worker(job.url, job.request, self.pool_nodes.worker_park_timeout)
 
     async def park(self, url: str, lease_id: str, request: ParkRequest) -> WorkerParked:
         """The agent's answer to a park, waiting at most ``worker_park_timeout``; raises
         :class:`GPUPoolError` (``worker_busy``, ``cannot_park``, ``agent_unreachable``)."""
-        return await self.agents.park_worker(url, lease_id, request, self.settings.worker_park_timeout)
+        return await self.agents.park_worker(url, lease_id, request, self.pool_nodes.worker_park_timeout)
 
     async def stop(self, url: str, lease_id: str) -> str | None:
         """Ask the agent to stop the lease's worker, waiting at most
         ``worker_stop_timeout``; None once stopped, else words for the
         lease's reason (the release goes on regardless)."""
         try:
-            code = await self.agents.stop_worker(url, lease_id, self.settings.worker_stop_timeout)
+            code = await self.agents.stop_worker(url, lease_id, self.pool_nodes.worker_stop_timeout)
         except GPUPoolError as exc:
             log.warning("lease %s: could not stop its worker (%s); the agent will be told to stop it "
                         "with its next heartbeat", lease_id, exc.message)

@@ -5,7 +5,7 @@ busy rhythm while a cell runs on the worker), with the notebook's notices.
 Each beat's answer carries ``idle_deadline`` (when the service parks the
 lease, or releases it if it asked ``on_idle: release``, should it stay idle)
 and ``idle_warning`` (how long before that the user is warned,
-``c.GPUPool.idle_warning``): once per idle period the thread says a warning
+``c.PoolLeases.idle_warning``): once per idle period the thread says a warning
 (:func:`idle_warning_text`). The deadline is the service's alone: the park
 happens there (docs/parking.md), so the warning, the status bar and the park
 keep one clock. Under pressure (others wait for a GPU) the deadline comes

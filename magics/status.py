@@ -128,7 +128,7 @@ class Status:
 def as_seen_here(cell: ForwardedCell | None, lease: Lease) -> Lease:
     """``lease`` with its worker idle since the last forwarded ``cell`` ended, when the service still
     says busy and no forwarded cell runs: the service hears of a cell's end with the agent's next
-    heartbeat (up to ``c.GPUPool.node_heartbeat_interval`` later); this kernel knows it now."""
+    heartbeat (up to ``c.PoolNodes.node_heartbeat_interval`` later); this kernel knows it now."""
     worker = lease.worker or {}
     if cell is None or cell.running is not None or cell.ended_at is None or worker.get("execution_state") != "busy":
         return lease

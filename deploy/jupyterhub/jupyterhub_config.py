@@ -74,7 +74,7 @@ c.Spawner.environment = {"JUPYTER_PATH": str(_kernels / "share/jupyter")}
 
 # -- the pool: service, scopes, roles, server tokens, stop hook, quotas ------------------------------
 c.GPUPool.agent_token = shared_secret(state / "pool" / "agent_token.conf")
-c.GPUPool.heartbeat_ttl = "60s"
+c.PoolLeases.heartbeat_ttl = "60s"
 configure(
     c,
     port=service_port,

@@ -13,7 +13,7 @@ if Path("/etc/gpupool/agent_token").exists():
     c.GPUPool.agent_token = Path("/etc/gpupool/agent_token").read_text().strip()
 c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"
 c.GPUPool.admin_users = {"root"}
-c.GPUPool.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8}}
+c.PoolQuotas.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8}}
 
 # -- the agents (GPU hosts) --------------------------------------------------------------------
 # Worker environments on the GPU hosts: name -> Python interpreter or prefix (README, "Worker environments").

@@ -88,10 +88,10 @@ class LeaseRequest(Body):
     behind every interactive request); any other name is refused (400);
     ``preemptible``: the lease may be parked while others wait, its running
     cell frozen where it is and resumed later (interrupted where the node
-    cannot freeze it mid-cell) (refused where ``c.GPUPool.allow_preemption`` is off).
+    cannot freeze it mid-cell) (refused where ``c.PoolPressure.allow_preemption`` is off).
     ``cpus`` (cores, may be fractional: 0.5) and ``host_memory`` (bytes) of
     the node's host, held for the lease and enforced on its worker's cgroup;
-    None: the GPU share's part of the node's (``c.GPUPool.host_share``).
+    None: the GPU share's part of the node's (``c.PoolNodes.host_share``).
     ``replaces``: a move (``%gpu acquire`` while attached), the id of the
     owner's own active or parked lease that the new one takes over from and
     that is released once the move is done: the quota check does not count
@@ -119,12 +119,12 @@ class LeaseRequest(Body):
     memory: int | None = wired(_bytes("memory", "bytes per GPU (default: the fraction's share)"), None)
     model: str | None = wired(Spec("string", "substring of the GPU name, e.g. A100", **_NAME), None)
     idle_timeout: float | None = wired(Spec(
-        "number", "seconds, at least 1 (at most c.GPUPool.max_idle_timeout, or max_idle_timeout of your quota: "
+        "number", "seconds, at least 1 (at most c.PoolLeases.max_idle_timeout, or max_idle_timeout of your quota: "
         "400 above it)", nullable=True, minimum=MIN_IDLE_TIMEOUT, maximum=MOST_SECONDS,
         error=f"'idle_timeout' must be seconds from {MIN_IDLE_TIMEOUT:g} to {MOST_SECONDS}, got {{value!r}}"), None)
     kernel_id: str | None = wired(Spec("string", **_NAME), None)
     wait: float | None = wired(Spec(
-        "number", "seconds to queue when nothing fits (at most c.GPUPool.max_wait); 0 or absent: 409 at once",
+        "number", "seconds to queue when nothing fits (at most c.PoolLeases.max_wait); 0 or absent: 409 at once",
         nullable=True, minimum=0, maximum=MOST_SECONDS,
         error=f"'wait' must be seconds in [0, {MOST_SECONDS}], got {{value!r}}"), None)
     server_name: str | None = wired(Spec(
@@ -144,10 +144,10 @@ class LeaseRequest(Body):
     preemptible: bool | None = wired(Spec(
         "boolean", "the lease may be parked while others wait, its running cell frozen where it is and resumed "
         "later (interrupted where the node cannot freeze it mid-cell); 400 where "
-        "c.GPUPool.allow_preemption is off", nullable=True, default=False), None)
+        "c.PoolPressure.allow_preemption is off", nullable=True, default=False), None)
     cpus: float | None = wired(Spec(
         "number", "host cores for the worker (its cgroup's CPU limit); absent: the GPU share's part of the node's "
-        "cores (c.GPUPool.host_share); 400 above the biggest node's", nullable=True, minimum=MIN_CPUS,
+        "cores (c.PoolNodes.host_share); 400 above the biggest node's", nullable=True, minimum=MIN_CPUS,
         maximum=MAX_CPUS, error=f"'cpus' must be host cores from {MIN_CPUS} to {MAX_CPUS} (more than zero), "
         "got {value!r}"), None)
     host_memory: int | None = wired(_bytes(
@@ -253,7 +253,7 @@ class Lease(Body):
     preempt_at: str | None = wired(Spec(**_TIME, description="when a preemptible lease is parked with its running "
                                         "cell frozen (interrupted where the node cannot freeze it)"), None)
     idle_warning: float = wired(Spec("number", "seconds before idle_deadline that the notebook warns "
-                                     "(c.GPUPool.idle_warning); 0: no warning"), 0.0)
+                                     "(c.PoolLeases.idle_warning); 0: no warning"), 0.0)
     node_state: str | None = wired(Spec(
         "string", "lost: no heartbeat from the node's agent for node_ttl; the worker is unreachable until it "
         "returns (the lease keeps its capacity). degraded: the agent cannot read its GPUs (NVML); the lease goes "

@@ -37,7 +37,7 @@ class PoolGPU(Body):
 @dataclass(frozen=True)
 class PoolNode(Body):
     """One node: ``state`` (``up``; ``degraded``: its agent cannot read its
-    GPUs; ``lost``: no heartbeat for ``c.GPUPool.node_ttl``) and
+    GPUs; ``lost``: no heartbeat for ``c.PoolNodes.node_ttl``) and
     ``state_reason`` (words, null while up), what its agent reported
     (inventory, enforcement mode, worker environments, host cores and bytes;
     null: not reported), its GPUs, and its parked leases: the checkpointer,

@@ -67,7 +67,7 @@ _TIME = {"type": "string", "format": "date-time"}
 class QuotaUsage(Body):
     """What a user holds and has used: ``holding_gpus`` (GPUs held,
     queued or parked now), GPU-hours ``today_gpu_hours`` and ``week_gpu_hours`` in
-    ``c.GPUPool.usage_timezone`` (``timezone``), and when each period ends
+    ``c.PoolQuotas.usage_timezone`` (``timezone``), and when each period ends
     (ISO 8601 UTC); ``parked_memory`` the host bytes their leases parked in
     memory hold now (parked time holds no GPU: it counts no GPU-hour)."""
 

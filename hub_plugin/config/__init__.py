@@ -1,22 +1,41 @@
-"""The pool service's settings: ``c.GPUPool.*``, one module per concern, each
-a class that :class:`GPUPool` inherits (:data:`SETTINGS_PARTS`), so every
-one stays ``c.GPUPool.NAME`` (docs/code.md, "Settings").
+"""The pool service's settings, one class per concern (docs/code.md, "Settings"):
+``c.GPUPool.*`` (store, URL, TLS, tokens), ``c.PoolNodes.*``, ``c.PoolLeases.*``,
+``c.PoolPressure.*`` and ``c.PoolQuotas.*``; :class:`ServiceSettings` holds one
+of each for the service.
 """
 
-from .leases import LeaseSettings
-from .nodes import NodeAndWorkerSettings
-from .pressure import PressureSettings
-from .quotas import QuotaSettings
-from .service import ServiceSettings
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traitlets.config import Configurable
+
+from .leases import PoolLeases
+from .nodes import PoolNodes
+from .pressure import PoolPressure
+from .quotas import PoolQuotas
+from .service import GPUPool
 
 
-# Its settings (c.GPUPool.*) are those of the classes above, which it inherits.
-class GPUPool(QuotaSettings):
-    """Settings of the pool service (scheduler, reclaim, store, tokens)."""
+@dataclass(frozen=True)
+class ServiceSettings:
+    """One of each settings class, as the service reads them. :class:`..pool.Pool`
+    and the handlers' context take it whole; each of the pool's parts is handed
+    only the classes it reads. A part not given is that class with its defaults."""
+
+    service: GPUPool = field(default_factory=GPUPool)
+    nodes: PoolNodes = field(default_factory=PoolNodes)
+    leases: PoolLeases = field(default_factory=PoolLeases)
+    pressure: PoolPressure = field(default_factory=PoolPressure)
+    quotas: PoolQuotas = field(default_factory=PoolQuotas)
+
+    @classmethod
+    def configured(cls, parent: Configurable) -> ServiceSettings:
+        """Each part made with ``parent`` (the application), so it reads the
+        parent's config; raises TraitError for a bad value."""
+        return cls(GPUPool(parent=parent), PoolNodes(parent=parent), PoolLeases(parent=parent),
+                   PoolPressure(parent=parent), PoolQuotas(parent=parent))
 
 
-#: The classes whose settings :class:`GPUPool` inherits: shown as ``c.GPUPool.*``, not on their own.
-SETTINGS_PARTS = (ServiceSettings, NodeAndWorkerSettings, LeaseSettings, PressureSettings, QuotaSettings)
-
-__all__ = ["GPUPool", "SETTINGS_PARTS", "LeaseSettings", "NodeAndWorkerSettings", "PressureSettings",
-           "QuotaSettings", "ServiceSettings"]
+__all__ = ["GPUPool", "PoolLeases", "PoolNodes", "PoolPressure", "PoolQuotas",
+           "ServiceSettings"]

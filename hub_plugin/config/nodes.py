@@ -1,35 +1,34 @@
-"""Settings of nodes and workers as the service sees them (``c.GPUPool.*``)."""
+"""Settings of nodes and workers as the service sees them (``c.PoolNodes.*``)."""
 
 from __future__ import annotations
 
 from traitlets import Float, TraitError, validate
+from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
 
-from .service import ServiceSettings
 
-
-class NodeAndWorkerSettings(ServiceSettings):
+class PoolNodes(Configurable):
     """How the service deals with node agents: their heartbeats, its calls to
     start and stop workers, and what of each GPU and host it shares out."""
 
     node_heartbeat_interval = Duration(
         5.0,
         help="""Seconds between two heartbeats of each agent; returned to agents at
-        registration. Default: 5 seconds. ``c.GPUPool.node_heartbeat_interval = 10``.""",
+        registration. Default: 5 seconds. ``c.PoolNodes.node_heartbeat_interval = 10``.""",
     ).tag(config=True)
 
     node_ttl = Duration(
         30.0,
         help="""Seconds without a heartbeat after which a node is ``lost``: nothing
         new is placed there until it is heard from again. Default: 30 seconds;
-        keep it several times ``node_heartbeat_interval``. ``c.GPUPool.node_ttl = "1m"``.""",
+        keep it several times ``node_heartbeat_interval``. ``c.PoolNodes.node_ttl = "1m"``.""",
     ).tag(config=True)
 
     worker_start_timeout = Duration(
         60.0,
         help="""Seconds the service waits for an agent to start a worker before
-        the lease fails. Default: 60 seconds. ``c.GPUPool.worker_start_timeout = "2m"``.""",
+        the lease fails. Default: 60 seconds. ``c.PoolNodes.worker_start_timeout = "2m"``.""",
     ).tag(config=True)
 
     worker_stop_timeout = Duration(
@@ -40,7 +39,7 @@ class NodeAndWorkerSettings(ServiceSettings):
         heartbeat. Keep it above the agents' ``c.AgentWorkers.worker_stop_timeout``
         (10 s) and below the clients' 30 s timeout, so that a release answers
         before ``%gpu release`` gives up. Default: 20 seconds.
-        ``c.GPUPool.worker_stop_timeout = 25``.""",
+        ``c.PoolNodes.worker_stop_timeout = 25``.""",
     ).tag(config=True)
 
     worker_park_timeout = Duration(
@@ -49,7 +48,7 @@ class NodeAndWorkerSettings(ServiceSettings):
         it and move its GPU state to host memory, or spill it to disk) or to resume one;
         after that an idle park gives up and releases the lease (a resume ends it
         ``failed``). Moving tens of GiB takes seconds in memory, longer to disk.
-        Default: 5 minutes. ``c.GPUPool.worker_park_timeout = "10m"``.""",
+        Default: 5 minutes. ``c.PoolNodes.worker_park_timeout = "10m"``.""",
     ).tag(config=True)
 
     parked_node_grace = Duration(
@@ -58,14 +57,14 @@ class NodeAndWorkerSettings(ServiceSettings):
         parked on it before they end ``failed`` (their frozen workers are as good as
         gone, and the words say so); a node back sooner keeps them. A resume asked
         while the node is lost ends the lease at once. Default: 10 minutes.
-        ``c.GPUPool.parked_node_grace = "1h"``.""",
+        ``c.PoolNodes.parked_node_grace = "1h"``.""",
     ).tag(config=True)
 
     context_overhead = ByteSize(
         512 * 1024**2,
         help="""Bytes of GPU memory a CUDA context costs, subtracted from each
         GPU's memory before it is shared out. Default: 512 MiB.
-        ``c.GPUPool.context_overhead = "1GiB"``.""",
+        ``c.PoolNodes.context_overhead = "1GiB"``.""",
     ).tag(config=True)
 
     host_share = Float(
@@ -75,11 +74,11 @@ class NodeAndWorkerSettings(ServiceSettings):
         multiple of its GPU share of the node: half a GPU on a node of 8 GPUs,
         64 cores and 512 GiB is 1/16 of it, 4 cores and 32 GiB at 1.0. In
         (0, 1]; below 1 leaves host room for leases that ask for more.
-        Default: 1.0 (proportional). ``c.GPUPool.host_share = 0.5``.""",
+        Default: 1.0 (proportional). ``c.PoolNodes.host_share = 0.5``.""",
     ).tag(config=True)
 
     @validate("host_share")
     def _check_host_share(self, proposal):
         if not 0 < proposal.value <= 1:
-            raise TraitError(f"c.GPUPool.host_share must be in (0, 1], got {proposal.value!r}")
+            raise TraitError(f"c.PoolNodes.host_share must be in (0, 1], got {proposal.value!r}")
         return proposal.value

@@ -1,15 +1,14 @@
-"""Settings of the plan while requests wait: early parks, preemption, batch (``c.GPUPool.*``)."""
+"""Settings of the plan while requests wait: early parks, preemption, batch (``c.PoolPressure.*``)."""
 
 from __future__ import annotations
 
 from traitlets import Bool, Enum, Integer, Union
+from traitlets.config import Configurable
 
 from gpupool.traits import Duration
 
-from .leases import LeaseSettings
 
-
-class PressureSettings(LeaseSettings):
+class PoolPressure(Configurable):
     """What the service does while requests wait: parking idle leases early,
     preemption, batch placement, clearing a node for a whole-node ask
     (the plan of :mod:`..rules.priority`)."""
@@ -22,7 +21,7 @@ class PressureSettings(LeaseSettings):
         the queue; a lease within its owner's ``guaranteed_gpus`` is never parked
         early, a lease whose cell runs never (docs/api.md, "Pressure"). Counted
         from when it went idle or when the oldest waiting request was asked,
-        whichever is later. Default: 2 minutes. ``c.GPUPool.pressure_grace = "5m"``.""",
+        whichever is later. Default: 2 minutes. ``c.PoolPressure.pressure_grace = "5m"``.""",
     ).tag(config=True)
 
     allow_preemption = Bool(
@@ -33,7 +32,7 @@ class PressureSettings(LeaseSettings):
         kept (the cell is interrupted instead where the node's checkpointer cannot
         freeze it mid-cell). False refuses ``preemptible``
         requests with 400 naming this setting. Default: True.
-        ``c.GPUPool.allow_preemption = False``.""",
+        ``c.PoolPressure.allow_preemption = False``.""",
     ).tag(config=True)
 
     preemption_notice = Duration(
@@ -41,7 +40,7 @@ class PressureSettings(LeaseSettings):
         help="""Seconds a preemptible lease is told ahead before it is parked with its
         running cell frozen (on top of ``pressure_grace``, counted from when the oldest
         waiting request was asked; the notebook gives at least this much after it
-        first hears of it). Default: 30 seconds. ``c.GPUPool.preemption_notice = "2m"``.""",
+        first hears of it). Default: 30 seconds. ``c.PoolPressure.preemption_notice = "2m"``.""",
     ).tag(config=True)
 
     preemption_grace = Union(
@@ -51,7 +50,7 @@ class PressureSettings(LeaseSettings):
         interrupted ``preemption_notice`` later). ``None`` means ``pressure_grace``; 0
         tells it at once, so the notice alone is its warning and a waiting person gets
         the GPU within a sweep or two. Default: None (``pressure_grace``).
-        ``c.GPUPool.preemption_grace = 0``.""",
+        ``c.PoolPressure.preemption_grace = 0``.""",
     ).tag(config=True)
 
     batch_first = Bool(
@@ -60,7 +59,7 @@ class PressureSettings(LeaseSettings):
         state: a running preemptible batch lease is preempted before a person's idle
         notebook is parked early. False keeps the order idle leases first (batch, then
         the longest idle), then running preemptible ones. Default: False.
-        ``c.GPUPool.batch_first = True``.""",
+        ``c.PoolPressure.batch_first = True``.""",
     ).tag(config=True)
 
     batch_yields = Bool(
@@ -69,14 +68,14 @@ class PressureSettings(LeaseSettings):
         what frees up, or what pressure frees, goes to the person, not to backfill. A new
         batch request is then queued (with ``wait``) or refused (409 ``pool_full``). False:
         batch fills whatever interactive requests cannot use. Default: False.
-        ``c.GPUPool.batch_yields = True``.""",
+        ``c.PoolPressure.batch_yields = True``.""",
     ).tag(config=True)
 
     batch_headroom_nodes = Integer(
         0, min=0,
         help="""Nodes kept idle for interactive requests for whole nodes: a batch request is
         not placed on a node with nothing allocated while only this many (or fewer) nodes
-        have nothing allocated. Default: 0 (none kept). ``c.GPUPool.batch_headroom_nodes = 1``.""",
+        have nothing allocated. Default: 0 (none kept). ``c.PoolPressure.batch_headroom_nodes = 1``.""",
     ).tag(config=True)
 
     pressure_clears_nodes = Bool(
@@ -86,7 +85,7 @@ class PressureSettings(LeaseSettings):
         what pressure may take (idle leases, and running preemptible ones) cover the ask, the
         one where no person's idle notebook is parked, then the one stopping the fewest running
         GPUs. False counts what waits in GPUs pool-wide, which may free a GPU on each of several
-        nodes and none that fits. Default: False. ``c.GPUPool.pressure_clears_nodes = True``.""",
+        nodes and none that fits. Default: False. ``c.PoolPressure.pressure_clears_nodes = True``.""",
     ).tag(config=True)
 
     pressure_clear_grace = Union(
@@ -96,5 +95,5 @@ class PressureSettings(LeaseSettings):
         (when the lease goes idle later: as soon as it does), instead of ``pressure_grace``. A
         person asking for a whole node then waits seconds, not minutes, for a notebook idle on
         it; a lease whose cell runs is still never touched. ``None`` means ``pressure_grace``.
-        Default: None. ``c.GPUPool.pressure_clear_grace = 5``.""",
+        Default: None. ``c.PoolPressure.pressure_clear_grace = 5``.""",
     ).tag(config=True)

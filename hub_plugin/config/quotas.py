@@ -1,13 +1,12 @@
-"""Settings of what each user may hold: quotas, groups, caps (``c.GPUPool.*``)."""
+"""Settings of what each user may hold: quotas, groups, caps (``c.PoolQuotas.*``)."""
 
 from __future__ import annotations
 
 from traitlets import Dict, Integer, List, TraitError, Unicode, validate
+from traitlets.config import Configurable
 
-from .pressure import PressureSettings
 
-
-class QuotaSettings(PressureSettings):
+class PoolQuotas(Configurable):
     """What each user may hold: quotas per user and group, the groups, the
     time zone usage is counted in, and the caps on leases and queued requests."""
 
@@ -22,7 +21,7 @@ class QuotaSettings(PressureSettings):
         A user's own entry beats their groups', the most generous group beats the
         default. Admins may override entries at run time (``gpupool quota set``).
         Default: no limits.
-        ``c.GPUPool.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8},
+        ``c.PoolQuotas.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8},
         "group:quants": {"max_gpus": 4}, "user:ann": {"max_idle_timeout": "4h"}}``.""",
     ).tag(config=True)
 
@@ -33,20 +32,20 @@ class QuotaSettings(PressureSettings):
         try:
             return parse_table(proposal["value"])
         except ValueError as exc:
-            raise TraitError(f"c.GPUPool.quotas: {exc}") from None
+            raise TraitError(f"c.PoolQuotas.quotas: {exc}") from None
 
     groups = Dict(
         key_trait=Unicode(), value_trait=List(Unicode()),
         help="""Standalone group membership, group name -> user names, for quotas.
         Under JupyterHub the hub's groups are used, and these are added to them.
-        Default: none. ``c.GPUPool.groups = {"quants": ["ann", "bob"]}``.""",
+        Default: none. ``c.PoolQuotas.groups = {"quants": ["ann", "bob"]}``.""",
     ).tag(config=True)
 
     usage_timezone = Unicode(
         "UTC",
         help="""IANA time zone in which usage days and weeks (Monday first) are counted
         for ``gpu_hours_per_day`` / ``gpu_hours_per_week``; times are stored as UTC.
-        Default: ``UTC``. ``c.GPUPool.usage_timezone = "Europe/Berlin"``.""",
+        Default: ``UTC``. ``c.PoolQuotas.usage_timezone = "Europe/Berlin"``.""",
     ).tag(config=True)
 
     @validate("usage_timezone")
@@ -56,7 +55,7 @@ class QuotaSettings(PressureSettings):
         try:
             ZoneInfo(proposal["value"])
         except (ZoneInfoNotFoundError, ValueError):
-            raise TraitError(f"c.GPUPool.usage_timezone: unknown time zone {proposal['value']!r}; "
+            raise TraitError(f"c.PoolQuotas.usage_timezone: unknown time zone {proposal['value']!r}; "
                              "use an IANA name such as 'UTC' or 'Europe/Berlin'") from None
         return proposal["value"]
 
@@ -66,7 +65,7 @@ class QuotaSettings(PressureSettings):
         their size (the GPU amounts are the quotas' business, ``max_gpus``); one more is
         refused with 429 ``quota_exceeded`` (``limit``: ``max_active_per_user``), and a queued
         request of a user at the cap waits until one of theirs ends. ``None``: no cap.
-        Default: 10. ``c.GPUPool.max_active_per_user = 20``.""",
+        Default: 10. ``c.PoolQuotas.max_active_per_user = 20``.""",
     ).tag(config=True)
 
     max_queued_per_user = Integer(
@@ -74,5 +73,5 @@ class QuotaSettings(PressureSettings):
         help="""Most requests one user may have waiting in the queue (``wait``) at once;
         one more is refused with 429 ``quota_exceeded`` (``limit``: ``max_queued_per_user``).
         It keeps one user from filling the queue that everyone's placement reads. ``None``:
-        no cap. Default: 10. ``c.GPUPool.max_queued_per_user = 50``.""",
+        no cap. Default: 10. ``c.PoolQuotas.max_queued_per_user = 50``.""",
     ).tag(config=True)

@@ -1,4 +1,4 @@
-"""The service's own settings: store, listening, tokens, hub (``c.GPUPool.*``)."""
+"""The service's own settings: store, URL, TLS, tokens, request time limits (``c.GPUPool.*``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from traitlets.config import Configurable
 from gpupool.traits import Duration
 
 
-class ServiceSettings(Configurable):
+class GPUPool(Configurable):
     """Where the service keeps its state and how it is reached: the store, its
-    URL, TLS, the tokens it takes, and how long a request may take."""
+    URL, TLS, the tokens it takes, and how long a request may take. The
+    service's other settings have a class each (:mod:`.nodes`, :mod:`.leases`,
+    :mod:`.pressure`, :mod:`.quotas`)."""
 
     db_url = Unicode(
         "sqlite:///{state_dir}/gpupool.sqlite",

@@ -92,7 +92,7 @@ class UsageHandler(AdminHandler):
             mine = [r for r in rows if r.owner == owner]
             per_user[owner] = {d.isoformat(): s / 3600.0 for d, s in usage.daily(mine, tz, first, days).items()}
         hours = lambda sums: {k: {n: s / 3600.0 for n, s in v.items()} for k, v in sums.items()}  # noqa: E731
-        self.write_json({"timezone": self.ctx.settings.usage_timezone, "now": isoformat(now),
+        self.write_json({"timezone": self.ctx.settings.quotas.usage_timezone, "now": isoformat(now),
                          "today_gpu_hours": hours(today), "week_gpu_hours": hours(week),
                          "daily_gpu_hours": per_user})
 

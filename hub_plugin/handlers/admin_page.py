@@ -81,14 +81,14 @@ def make_handlers() -> list[tuple[str, type]]:
 
             def read() -> dict:  # on a store thread (storework)
                 with ctx.pool.state.reading() as session:
-                    return dashboard(session, who, context_overhead=ctx.settings.context_overhead, now=now,
+                    return dashboard(session, who, context_overhead=ctx.settings.nodes.context_overhead, now=now,
                                      quota_book=ctx.pool.quotas)
 
             data = await ctx.work.read(read)
             colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(data["usage"]["users"])}
             self.set_header("Cache-Control", "no-store")
             self.finish(_loader.load("admin.html").generate(
-                who=who, d=data, now=now, colours=colours, base_url=ctx.settings.base_url,
+                who=who, d=data, now=now, colours=colours, base_url=ctx.settings.service.base_url,
                 format_bytes=format_bytes, format_duration=format_duration, limit_words=limit_words,
                 format_gpu_hours=format_gpu_hours))
 

@@ -27,7 +27,7 @@ from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.jsonhandler import JSONHandler
 
 from ..auth import Authenticator, Identity, forbidden, token_from_header, unauthorized
-from ..config import GPUPool
+from ..config import ServiceSettings
 from ..metrics import Metrics
 from ..pool import Pool
 from ..storework import CALLER, StoreWork
@@ -42,7 +42,8 @@ MAX_BODY = httpin.MAX_BODY
 class ServiceContext:
     """What handlers reach, passed in the tornado settings as ``gpupool``."""
 
-    settings: GPUPool
+    #: The service's settings, one of each class: ``settings.service.base_url``, ``settings.leases.max_wait``, ...
+    settings: ServiceSettings
     authenticator: Authenticator
     #: The service's parts (:mod:`..pool`): ``pool.intake``, ``pool.leases``, ``pool.views``, ``pool.nodes``, ...
     pool: Pool

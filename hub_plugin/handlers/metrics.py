@@ -27,7 +27,7 @@ class MetricsHandler(APIHandler):
         if self.full:
             CALLER.set("metrics")  # its store work takes turns like a user's (storework)
             return self.start_body()
-        if self.ctx.settings.authenticate_prometheus or token:
+        if self.ctx.settings.service.authenticate_prometheus or token:
             await super().prepare()
         self.full = self.identity is not None and self.identity.admin
 

@@ -11,8 +11,8 @@ class OpenAPIHandler(APIHandler):
 
     def get(self) -> None:
         settings = self.ctx.settings
-        self.write_json(document(settings.base_url, max_wait=settings.max_wait,
-                                 max_idle_timeout=settings.max_idle_timeout))
+        self.write_json(document(settings.service.base_url, max_wait=settings.leases.max_wait,
+                                 max_idle_timeout=settings.leases.max_idle_timeout))
 
 
 routes = [

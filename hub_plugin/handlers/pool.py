@@ -14,7 +14,7 @@ class PoolHandler(APIHandler):
 
     def _pool_now(self) -> dict:
         with self.ctx.pool.state.reading() as session:
-            return pool_json(session, self.ctx.settings.context_overhead)
+            return pool_json(session, self.ctx.settings.nodes.context_overhead)
 
 
 routes = [

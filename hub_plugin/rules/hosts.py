@@ -7,7 +7,7 @@ A request names ``cpus`` (cores, may be fractional) and ``host_memory``
 (bytes), or leaves them to the default: its GPU share of the node's GPUs,
 times the node's cores and RAM, times ``host_share`` (its RAM less what
 parked leases hold there, where that is all that is left: :func:`host_ask`)
-(``c.GPUPool.host_share``, 1.0 by default). So half a GPU on a node of 8
+(``c.PoolNodes.host_share``, 1.0 by default). So half a GPU on a node of 8
 GPUs, 64 cores and 512 GiB gets 4 cores and 32 GiB; the default always fits
 beside other default leases, and is known once the node is chosen (the
 scheduler resolves it per candidate node, as it resolves a slice's GPU

@@ -164,7 +164,7 @@ def waiting_words(owners: int) -> str:
 
 @dataclass(frozen=True)
 class Rule:
-    """The settings :func:`plan` runs with: the service's (``c.GPUPool``, :meth:`of`) or a
+    """The settings :func:`plan` runs with: the service's (``c.PoolPressure``, :meth:`of`) or a
     replayed policy's. ``grace``: ``pressure_grace``; ``notice``: ``preemption_notice``;
     ``allow_preemption``; ``preemption_grace`` (None: ``grace``); ``batch_first``;
     ``clear_nodes`` (``pressure_clears_nodes``): the plan is given each node's whole free
@@ -182,7 +182,7 @@ class Rule:
 
     @classmethod
     def of(cls, settings) -> "Rule":
-        """The rule of ``settings`` (``c.GPUPool``)."""
+        """The rule of ``settings`` (the service's ``c.PoolPressure``, or anything with its names)."""
         return cls(settings.pressure_grace, settings.preemption_notice, settings.allow_preemption,
                    settings.preemption_grace, settings.batch_first, settings.pressure_clears_nodes,
                    settings.pressure_clear_grace)
@@ -373,8 +373,8 @@ def batch_may_start(placement_node_idle: bool, idle_nodes: int, headroom_nodes: 
 
 
 def preemption_refusal(preemptible: bool, allow_preemption: bool) -> str | None:
-    """Words refusing ``preemptible`` on a pool whose ``c.GPUPool.allow_preemption`` is off, else None."""
+    """Words refusing ``preemptible`` on a pool whose ``c.PoolPressure.allow_preemption`` is off, else None."""
     if preemptible and not allow_preemption:
-        return ("this pool allows no preemption (c.GPUPool.allow_preemption = False), so a lease cannot be "
-                "preemptible; ask without --preemptible (an admin can set c.GPUPool.allow_preemption = True)")
+        return ("this pool allows no preemption (c.PoolPressure.allow_preemption = False), so a lease cannot be "
+                "preemptible; ask without --preemptible (an admin can set c.PoolPressure.allow_preemption = True)")
     return None

@@ -107,7 +107,7 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     placement)``, when given, is asked before each placement is taken; False
     stops the drain there (the service checks the decision against the store).
     ``room``, when given, is how many more requests each owner may have placed
-    (``c.GPUPool.max_active_per_user``); an owner without room is passed over.
+    (``c.PoolQuotas.max_active_per_user``); an owner without room is passed over.
     A batch request is placed only where :func:`.priority.batch_may_start` allows:
     never on ``held_nodes`` (cleared by pressure for a person's request:
     :meth:`.priority.Plan.held_nodes`) nor on the node of a person's resume that

@@ -60,7 +60,7 @@ def parse_entry(entry: Any, scope: str = "?") -> dict[str, float | None]:
 
 
 def parse_table(table: Any) -> dict[str, dict[str, float | None]]:
-    """A whole ``c.GPUPool.quotas`` table, read (see :func:`parse_entry`)."""
+    """A whole ``c.PoolQuotas.quotas`` table, read (see :func:`parse_entry`)."""
     if not isinstance(table, Mapping):
         raise ValueError(f"quotas must be a dict of scope -> limits, got {table!r}")
     return {check_scope(scope): parse_entry(entry, scope) for scope, entry in table.items()}

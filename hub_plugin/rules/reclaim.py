@@ -17,10 +17,10 @@ Rules (docs/api.md, "Reclaim"; docs/parking.md):
 - a worker that is ``busy`` (a cell is running) is never reclaimed by either;
 - pressure (:mod:`gpupool.hub_plugin.pressure`, :mod:`.priority`): while
   requests wait, an idle over-quota lease's deadline comes after
-  ``c.GPUPool.pressure_grace`` (parked, or reclaimed where it cannot park), and
+  ``c.PoolPressure.pressure_grace`` (parked, or reclaimed where it cannot park), and
   a preemptible lease whose cell runs is frozen mid-cell at its ``preempt_at``;
 - a parked lease whose node is lost for ``node_ttl`` plus
-  ``c.GPUPool.parked_node_grace`` -> ``failed``, saying what was lost
+  ``c.PoolNodes.parked_node_grace`` -> ``failed``, saying what was lost
   (:func:`lost_parked`).
 """
 
@@ -144,7 +144,7 @@ def idle_deadline(lease: Any) -> datetime | None:
     """When ``lease`` is reclaimed for idleness if its worker stays idle
     (``idle_since + idle_timeout``); None unless it is active and its worker
     reported idle. Sent to the client (``idle_deadline``), which warns
-    ``c.GPUPool.idle_warning`` seconds ahead."""
+    ``c.PoolLeases.idle_warning`` seconds ahead."""
     if lease.state != LeaseState.active.value or lease.worker_state != WorkerState.idle or lease.idle_since is None:
         return None
     return lease.idle_since + timedelta(seconds=lease.idle_timeout)

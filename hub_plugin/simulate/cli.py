@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sensei: comma-separated pool sizes in GPUs (default 448, or the store's GPU count)")
     p.add_argument("--per-node", type=int, default=8, help="sensei: GPUs per node of the simulated pool (default 8)")
     p.add_argument("--idle-timeout", type=parse_duration, default=IDLE_TIMEOUT_S,
-                   help="sensei: gpupool's idle timeout (default: the service's, c.GPUPool.idle_timeout, "
+                   help="sensei: gpupool's idle timeout (default: the service's, c.PoolLeases.idle_timeout, "
                    f"{IDLE_TIMEOUT_S / 60:g}m); reservation always uses 30m")
     p.add_argument("--pressure-grace", type=parse_duration, default=PRESSURE_GRACE_S,
                    help="sensei: gpupool parks an idle lease after this long while others wait (default: the "

@@ -1,6 +1,6 @@
-"""The service's defaults a replay runs with (``c.GPUPool.*``), seconds.
+"""The service's defaults a replay runs with (``c.PoolLeases.*``, ``c.PoolPressure.*``), seconds.
 
-Copies, not reads: the settings (:class:`gpupool.hub_plugin.config.GPUPool`)
+Copies, not reads: the settings (:class:`gpupool.hub_plugin.config.PoolLeases`, ``PoolPressure``)
 are traitlets ``Configurable`` classes, whose import pulls in logging's
 socket handlers, and the replay imports no I/O module
 (``tests/rules/test_simulator.py``). ``tests/rules/test_simulate_parking.py`` checks
@@ -10,15 +10,15 @@ fails there until it is changed here too.
 
 from __future__ import annotations
 
-#: ``c.GPUPool.idle_timeout``: an idle lease is parked this long after its last cell.
+#: ``c.PoolLeases.idle_timeout``: an idle lease is parked this long after its last cell.
 IDLE_TIMEOUT_S = 1800.0
-#: ``c.GPUPool.pressure_grace``: an idle lease is parked this long after a request pressing on it was asked.
+#: ``c.PoolPressure.pressure_grace``: an idle lease is parked this long after a request pressing on it was asked.
 PRESSURE_GRACE_S = 120.0
-#: ``c.GPUPool.preemption_notice``: a preemptible cell is told this long before it is interrupted.
+#: ``c.PoolPressure.preemption_notice``: a preemptible cell is told this long before it is interrupted.
 PREEMPTION_NOTICE_S = 30.0
-#: ``c.GPUPool.reclaim_interval``: seconds between two sweeps.
+#: ``c.PoolLeases.reclaim_interval``: seconds between two sweeps.
 RECLAIM_INTERVAL_S = 5.0
-#: ``c.GPUPool.heartbeat_ttl``.
+#: ``c.PoolLeases.heartbeat_ttl``.
 HEARTBEAT_TTL_S = 60.0
 
 #: Each constant above and the setting it copies.

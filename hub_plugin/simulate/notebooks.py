@@ -8,7 +8,7 @@ What is real and what is modelled:
 
 - Every placement is the service's ``place()`` (through :class:`.pool.Pool`).
 - Idle reclaim is :func:`gpupool.hub_plugin.rules.reclaim.decide`, evaluated
-  at the reclaim sweep ticks (every ``GPUPool.reclaim_interval``, 5 s) on
+  at the reclaim sweep ticks (every ``PoolLeases.reclaim_interval``, 5 s) on
   lease objects with the attributes of the service's ``Lease`` rows
   (:class:`.sweep.SimLease`). Only the ticks at which a lease can
   become due are simulated: ``decide`` is a per-lease filter of state and

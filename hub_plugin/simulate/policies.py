@@ -41,17 +41,17 @@ class NotebookPolicy:
     others wait (None: only the idle timeout); ``classes``: interactive
     requests go before batch ones (False: one queue, oldest first);
     ``preemption_notice``: the pool allows preemption, with this notice
-    (``c.GPUPool.preemption_notice``; batch jobs are all preemptible here;
+    (``c.PoolPressure.preemption_notice``; batch jobs are all preemptible here;
     None: ``allow_preemption = False``); ``headroom_nodes`` (``batch_headroom_nodes``): batch is not
     placed on an idle node while only this many nodes are idle (room kept
     for interactive arrivals); ``preemption_grace``: seconds from the press
     to the preemption notice (None: ``pressure_grace``); ``batch_first``:
     running batch is preempted before idle interactive leases are parked;
-    ``batch_yields`` (``c.GPUPool.batch_yields``): no batch request is placed while an interactive one
+    ``batch_yields`` (``c.PoolPressure.batch_yields``): no batch request is placed while an interactive one
     waits (:func:`.priority.batch_may_start`); ``clear_nodes``: the plan is
     given each node's free GPUs and clears one node per waiting whole-GPU
     interactive request (:mod:`gpupool.hub_plugin.rules.clearing`);
-    ``clear_grace`` (``c.GPUPool.pressure_clear_grace``): an idle lease on a node
+    ``clear_grace`` (``c.PoolPressure.pressure_clear_grace``): an idle lease on a node
     cleared so is parked this long after the request was asked;
     ``resume_preempted``: a preempted batch job keeps its progress (it was
     parked with its variables and its loop resumes) instead of restarting;
@@ -87,7 +87,7 @@ class NotebookPolicy:
 
     def rule(self) -> priority.Rule | None:
         """The pressure plan's settings as the service would have them (None: no pressure parks):
-        ``c.GPUPool.pressure_grace``, ``preemption_notice`` (``allow_preemption`` where it is
+        ``c.PoolPressure.pressure_grace``, ``preemption_notice`` (``allow_preemption`` where it is
         set), ``preemption_grace``, ``batch_first``, ``pressure_clears_nodes``."""
         if self.pressure_grace is None:
             return None

@@ -3,7 +3,7 @@ plan (:func:`gpupool.hub_plugin.rules.priority.plan`) is evaluated and what
 it finds due.
 
 As in the service, the plan is evaluated at sweep ticks only (every
-``GPUPool.reclaim_interval``, 5 s), at most once per tick: at the tick after
+``PoolLeases.reclaim_interval``, 5 s), at most once per tick: at the tick after
 any change while requests wait, and at the tick of the plan's next deadline.
 It sees every active lease (:attr:`Sweep.holding`) and waiting request
 (:attr:`Sweep.waiters`) as the service's rule reads them. The traces have no
@@ -25,7 +25,7 @@ from .defaults import HEARTBEAT_TTL_S, RECLAIM_INTERVAL_S
 
 #: The virtual clock's origin (the sensei trace starts on June 1, 2021).
 T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
-#: The service's default ``GPUPool.reclaim_interval``, seconds.
+#: The service's default ``PoolLeases.reclaim_interval``, seconds.
 SWEEP_S = RECLAIM_INTERVAL_S
 
 
@@ -53,7 +53,7 @@ class SimLease:
 
 class Sweep:
     """The pressure plan's inputs and ticks. ``rule``: the plan's settings
-    (:class:`.priority.Rule`, as the service builds it from ``c.GPUPool``; None: no
+    (:class:`.priority.Rule`, as the service builds it from ``c.PoolPressure``; None: no
     pressure parks). Keys of :attr:`waiters` and :attr:`holding` are the replay's
     session ids."""
 

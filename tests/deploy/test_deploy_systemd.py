@@ -80,7 +80,7 @@ def test_unit_commands_and_config_parse_with_the_real_cli():
         mine = {cls: traits for cls, traits in settings.items() if cls in classes}
         assert mine
         check_config_sections(app, mine, "deploy/systemd/gpupool_config.py")
-    assert set(settings) == {"GPUPool", "AgentWorkers"}
+    assert set(settings) == {"GPUPool", "PoolQuotas", "AgentWorkers"}
 
 
 def test_units_are_hardened_and_keep_state():

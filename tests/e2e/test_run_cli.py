@@ -243,12 +243,12 @@ def test_a_worker_killed_mid_run_ends_it_with_the_leases_words(pool, env):
 
 def test_the_preemptible_help_says_what_happens():
     """Frozen where it is and resumed with everything kept (README), not 'given back'; the setting's help too."""
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import PoolPressure
 
     shown = subprocess.run([str(GPUPOOL), "run", "--help"], stdout=subprocess.PIPE, text=True, timeout=60).stdout
     words = " ".join(shown[shown.index("--preemptible"):].split())
     assert "frozen where it is and resumed later with everything kept" in words and "given back" not in words, shown
-    setting = " ".join(GPUPool.class_traits()["allow_preemption"].help.split())
+    setting = " ".join(PoolPressure.class_traits()["allow_preemption"].help.split())
     assert "running cell frozen where it is, and resumed later with everything kept" in setting, setting
 
 

@@ -21,7 +21,7 @@ from traitlets import TraitError
 
 from frontend import install_kernelspec, start_gpupool_kernel
 from transcript import Transcript
-from gpupool.hub_plugin.config import GPUPool
+from gpupool.hub_plugin.config import PoolLeases
 from gpupool.hub_plugin.rules.reclaim import idle_deadline
 from gpupool.magics.heartbeat import idle_warning_text
 from gpupool.schema import LeaseState, isoformat, parse_time
@@ -119,14 +119,14 @@ def test_the_idle_deadline_exists_only_for_an_active_lease_with_an_idle_worker()
 
 @pytest.mark.parametrize("value, expected", [("2m", 120.0), (30, 30.0), (0, 0)])
 def test_idle_warning_setting_reads_durations_and_zero_turns_it_off(value, expected):
-    assert GPUPool(idle_warning=value).idle_warning == expected
-    assert GPUPool().idle_warning == 60.0
+    assert PoolLeases(idle_warning=value).idle_warning == expected
+    assert PoolLeases().idle_warning == 60.0
 
 
 @pytest.mark.parametrize("value", ["soon", -5])
 def test_a_bad_idle_warning_setting_is_refused(value):
     with pytest.raises(TraitError, match="idle_warning"):
-        GPUPool(idle_warning=value)
+        PoolLeases(idle_warning=value)
 
 
 # -- through a real notebook kernel ----------------------------------------------------

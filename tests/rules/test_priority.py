@@ -223,7 +223,7 @@ def test_a_whole_gpu_resume_is_not_given_another_node_cleared():
 def test_preemptible_refused_where_the_pool_allows_none():
     assert priority.preemption_refusal(True, True) is None
     assert priority.preemption_refusal(False, False) is None
-    assert "c.GPUPool.allow_preemption = False" in priority.preemption_refusal(True, False)
+    assert "c.PoolPressure.allow_preemption = False" in priority.preemption_refusal(True, False)
 
 
 # -- ETA -----------------------------------------------------------------------------------
@@ -384,10 +384,10 @@ def test_status_shows_why_the_countdown_is_short():
 # -- the plan's settings, as the service and the simulator build them --------------------------
 
 def test_the_rule_of_the_service_settings_is_todays_plan_by_default():
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import PoolPressure
 
-    assert priority.Rule.of(GPUPool()) == priority.Rule(120.0, 30.0, True, None, False, False)
-    assert priority.Rule.of(GPUPool(preemption_grace=0, batch_first=True, pressure_clears_nodes=True)) == \
+    assert priority.Rule.of(PoolPressure()) == priority.Rule(120.0, 30.0, True, None, False, False)
+    assert priority.Rule.of(PoolPressure(preemption_grace=0, batch_first=True, pressure_clears_nodes=True)) == \
         priority.Rule(120.0, 30.0, True, 0, True, True)
 
 

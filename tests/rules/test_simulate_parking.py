@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gpupool.hub_plugin.config import GPUPool
+from gpupool.hub_plugin.config import PoolLeases, PoolPressure
 from gpupool.hub_plugin.rules.scheduler import Placement
 from gpupool.hub_plugin.simulate import costs, defaults
 from gpupool.hub_plugin.simulate.backlog import BatchSource
@@ -23,7 +23,7 @@ GB = 10**9
 
 
 def test_the_replays_defaults_are_the_services():
-    traits = GPUPool.class_traits()
+    traits = {**PoolLeases.class_traits(), **PoolPressure.class_traits()}
     assert {name: traits[name].default_value for name in defaults.SETTINGS} == defaults.SETTINGS
     gpupool = policies()["gpupool"]
     assert (gpupool.idle_timeout, gpupool.pressure_grace, gpupool.preemption_notice) == (

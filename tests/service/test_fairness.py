@@ -110,12 +110,12 @@ def test_a_thousand_queued_requests_of_one_user_leave_the_others_answered(silent
 
 def test_with_the_default_caps_extra_requests_get_429_naming_the_setting(silent_pool):
     svc = silent_pool()
-    for _ in range(11):  # one placed, ten queued: the default c.GPUPool.max_queued_per_user
+    for _ in range(11):  # one placed, ten queued: the default c.PoolQuotas.max_queued_per_user
         _queue_one(svc, "flood")
     reply = http(svc, "POST", "/leases", {"fraction": 1.0, "wait": 600}, token=svc.extra_tokens["flood"])
     body = assert_error(reply, 429, "quota_exceeded")
     assert body["limit"] == "max_queued_per_user" and body["cap"] == 10
-    assert "c.GPUPool.max_queued_per_user = 10" in body["message"]
+    assert "c.PoolQuotas.max_queued_per_user = 10" in body["message"]
     # Another user is not held back by the flooder's cap.
     assert _queue_one(svc, "ann")["state"] == "queued"
 
@@ -233,7 +233,7 @@ def test_a_missing_lease_and_someone_elses_take_the_same_queries(tmp_path):
 
     from gpupool.hub_plugin.agent_client import AgentClient
     from gpupool.hub_plugin.auth import Identity
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import ServiceSettings
     from gpupool.hub_plugin.db import Store
     from gpupool.hub_plugin.pool import Pool
     from gpupool.hub_plugin.models import Lease
@@ -248,7 +248,7 @@ def test_a_missing_lease_and_someone_elses_take_the_same_queries(tmp_path):
     event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
 
     async def probe(lease_id: str) -> tuple[int, list[str]]:
-        pool = Pool(GPUPool(), store, AgentClient("agent-token"))
+        pool = Pool(ServiceSettings(), store, AgentClient("agent-token"))
         statements.clear()
         try:
             await pool.views.get(Identity("ann"), lease_id)

@@ -27,7 +27,7 @@ def test_configure_wires_service_scopes_roles_tokens_env_and_hook(config_file, t
     service = configure(c, port=9999, config_file=config_file, admin_group="gpu-admins", admin_users=["root"],
                         quotas={"*": {"max_gpus": 1}})
     assert c.GPUPool.base_url == "/services/gpupool/"
-    assert c.GPUPool.quotas == {"*": {"max_gpus": 1}}
+    assert c.PoolQuotas.quotas == {"*": {"max_gpus": 1}}
     assert service["url"] == "http://127.0.0.1:9999"
     assert service["command"][-4:] == [f"--config={config_file}", "--ip=127.0.0.1", "--port=9999",
                                        f"--state-dir={tmp_path / 'gpupool-state'}"]

@@ -140,12 +140,13 @@ def get(store, lease_id: str):
 def in_pool(store, clock, body, settings=None):
     """Run ``body(pool)`` (a coroutine function) on a Pool over ``store`` at ``clock["now"]``."""
     from gpupool.hub_plugin.agent_client import AgentClient
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import PoolNodes, ServiceSettings
     from gpupool.hub_plugin.pool import Pool
 
     async def run():
         agents = AgentClient("agent-token")
-        pool = Pool(settings or GPUPool(worker_stop_timeout=2.0, node_ttl=3600), store, agents,
+        fast = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600))
+        pool = Pool(settings or fast, store, agents,
                     now=lambda: clock["now"])
         try:
             return await body(pool)
@@ -265,7 +266,7 @@ def test_a_service_restart_picks_up_a_resume_half_done(store):
 
 
 def test_parked_leases_count_against_max_gpus(store):
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import PoolQuotas, ServiceSettings
     from gpupool.wire.leases import LeaseRequest
 
     add(store, "L-00000000000f", state="parked", held_since=None, park_tier="memory", parked_at=T0,
@@ -277,7 +278,7 @@ def test_parked_leases_count_against_max_gpus(store):
             await pool.intake.create(ann(), LeaseRequest(fraction=1.0).to_json())
         return refused.value
 
-    refused = in_pool(store, clock, body, GPUPool(quotas={"*": {"max_gpus": 1}}))
+    refused = in_pool(store, clock, body, ServiceSettings(quotas=PoolQuotas(quotas={"*": {"max_gpus": 1}})))
     assert (refused.code, refused.extra["limit"]) == ("quota_exceeded", "max_gpus")
     assert refused.message == ("quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00 (0.50 of it in parked "
                                "leases, which keep their GPUs' worth; release one you no longer need)")

@@ -175,7 +175,7 @@ def test_preemptible_is_refused_where_the_pool_allows_none(tmp_path):
     try:
         with pytest.raises(GPUPoolError) as caught:
             service.client().create_lease(LeaseRequest(fraction=0.5, lease_class="batch", preemptible=True, wait=60))
-        assert caught.value.status == 400 and "c.GPUPool.allow_preemption = False" in caught.value.message
+        assert caught.value.status == 400 and "c.PoolPressure.allow_preemption = False" in caught.value.message
         with pytest.raises(GPUPoolError, match="'lease_class' must be one of interactive, batch"):
             service.client().request("POST", "/leases", {"fraction": 0.5, "lease_class": "urgent"})
         assert service.client().list_leases(active=False) == []  # nothing queued or held

@@ -1,9 +1,9 @@
 """The pressure plan's settings change what the service does, end to end:
-``c.GPUPool.batch_first`` with ``preemption_grace = 0`` preempts a running
+``c.PoolPressure.batch_first`` with ``preemption_grace = 0`` preempts a running
 preemptible batch cell at once instead of parking a person's idle lease after
-``pressure_grace``; ``c.GPUPool.pressure_clears_nodes`` parks the idle leases of one
+``pressure_grace``; ``c.PoolPressure.pressure_clears_nodes`` parks the idle leases of one
 node for a waiting two-GPU request instead of every idle lease the request's GPUs
-add up to; ``c.GPUPool.batch_yields`` keeps a new batch request off a GPU while a
+add up to; ``c.PoolPressure.batch_yields`` keeps a new batch request off a GPU while a
 person waits. Real service, agents and (for preemption) a gpupool notebook kernel;
 the defaults' behaviour is tests/service/test_pressure.py's.
 """
@@ -141,7 +141,7 @@ def test_batch_yields_to_a_waiting_person(tmp_path, yields):
         if yields:
             with pytest.raises(GPUPoolError) as refused:
                 service.client("bob").create_lease(LeaseRequest(fraction=1.0, lease_class="batch"))
-            assert refused.value.status == 409 and "c.GPUPool.batch_yields" in refused.value.message
+            assert refused.value.status == 409 and "c.PoolPressure.batch_yields" in refused.value.message
             time.sleep(1.0)  # sweeps drain the queue every 0.2 s: still not placed
             assert service.client("bob").get_lease(batch.id).state is LeaseState.queued
     finally:

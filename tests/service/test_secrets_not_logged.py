@@ -67,8 +67,8 @@ def start_debug_service(root: Path, tokens: dict[str, str]) -> ServiceProc:
     config = state / "gpupool_config.py"
     config.write_text("\n".join([
         "c.Application.log_level = 'DEBUG'",
-        "c.GPUPool.reclaim_interval = 0.2",
-        "c.GPUPool.node_heartbeat_interval = 0.2",
+        "c.PoolLeases.reclaim_interval = 0.2",
+        "c.PoolNodes.node_heartbeat_interval = 0.2",
         f"c.GPUPool.api_tokens = {({token: user for user, token in tokens.items()})!r}",
         "c.GPUPool.admin_users = {'root'}",
     ]) + "\n")

@@ -138,7 +138,7 @@ def test_release_racing_reclaim_closes_the_ledger_once(store):
     """An owner's release and a reclaim of the same lease at the same time:
     one of them ends it, with one ledger record; the other waits and leaves it."""
     from gpupool.hub_plugin.agent_client import AgentClient
-    from gpupool.hub_plugin.config import GPUPool
+    from gpupool.hub_plugin.config import ServiceSettings
     from gpupool.hub_plugin.pool import Pool
     from gpupool.hub_plugin.models import Lease, UsageRecord
     from gpupool.schema import LeaseState
@@ -149,7 +149,7 @@ def test_release_racing_reclaim_closes_the_ledger_once(store):
 
     async def race() -> None:
         agents = AgentClient("agent-token")
-        pool = Pool(GPUPool(), store, agents, now=lambda: clock["now"])
+        pool = Pool(ServiceSettings(), store, agents, now=lambda: clock["now"])
         book = pool.leases
         try:
             await asyncio.gather(

@@ -16,6 +16,12 @@ from typing import Any, Iterator, Sequence
 from gpupool import demo_pool
 from gpupool.api import ServiceClient
 from gpupool.demo_pool import AgentProcess, free_port, processes_mentioning, stop_process, wait_for
+from gpupool.hub_plugin.config import GPUPool, PoolLeases, PoolNodes, PoolPressure, PoolQuotas
+from gpupool.moved_settings import new_homes
+
+#: The class of each service setting, by name: ``{"idle_timeout": "PoolLeases", ...}``.
+SETTING_CLASS = new_homes([GPUPool, PoolNodes, PoolLeases, PoolPressure, PoolQuotas])
+
 __all__ = ["ServiceProc", "AgentProcess", "start_service", "start_agent", "free_port", "processes_mentioning",
            "stop_process", "wait_for"]
 
@@ -65,14 +71,15 @@ def start_service(root: Path, *, tokens: dict[str, str] | None = None, config: d
     """Start ``gpupool service`` under ``root/service``.
 
     ``tokens`` maps user name -> token (``tester`` is always there);
-    ``config`` holds more ``c.GPUPool`` settings, over fast test defaults;
+    ``config`` holds more service settings by name (``{"idle_timeout": 60}``, written
+    ``c.PoolLeases.idle_timeout = 60``), over fast test defaults;
     ``ip``, ``port``, ``launcher``: as for :func:`gpupool.demo_pool.start_service`.
     """
     state = root / "service"
     state.mkdir(parents=True, exist_ok=True)
     settings = {"reclaim_interval": 0.2, "node_heartbeat_interval": 0.2, **(config or {})}
     users = {"tester": "user-token-" + os.urandom(8).hex(), **(tokens or {})}
-    lines = [f"c.GPUPool.{key} = {value!r}" for key, value in settings.items()]
+    lines = [f"c.{SETTING_CLASS[key]}.{key} = {value!r}" for key, value in settings.items()]
     lines.append(f"c.GPUPool.api_tokens = {({token: user for user, token in users.items()})!r}")
     config_file = state / "gpupool_config.py"
     config_file.write_text("\n".join(lines) + "\n")
