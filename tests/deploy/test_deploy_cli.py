@@ -25,7 +25,7 @@ def test_version():
 
 
 @pytest.mark.parametrize("command, traits", [
-    ("service", ["c.GPUPool.db_url"]),
+    ("service", ["c.GPUPool.db_url", "c.PoolLeases.idle_timeout", "c.PoolQuotas.quotas"]),
     ("agent", ["c.AgentWorkers.environments", "c.SlurmLauncher.partition", "c.KubernetesLauncher.image"])])
 def test_generate_config_is_a_config_file_of_every_setting(command, traits, tmp_path):
     result = gpupool(command, "--generate-config")
