@@ -111,8 +111,9 @@ class LeaseIntake:
             queued = self.admission.admit(session, who.name, limits, demand, now, replaced)
             decision = self.placer.place(session, demand)
             if isinstance(decision, Placement) and lease_class(request.lease_class).yields:
-                decision = self.placer.batch_refusal(session, decision, now, yields=self.pool_pressure.batch_yields,
-                                                     headroom_nodes=self.pool_pressure.batch_headroom_nodes) or decision
+                pressure = self.pool_pressure
+                decision = self.placer.for_batch(session, decision, demand, now, yields=pressure.batch_yields,
+                                                 headroom_nodes=pressure.batch_headroom_nodes)
             if isinstance(decision, Refusal):
                 if not wait:
                     self.admission.refuse(who, decision)

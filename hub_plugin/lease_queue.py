@@ -20,7 +20,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from gpupool.errors import GPUPoolError
-from gpupool.schema import LeaseState
 from gpupool.units import format_duration
 
 from . import parked, usage
@@ -31,14 +30,12 @@ from .quota_book import QuotaBook
 from .rules import queue as wait_queue
 from .rules.scheduler import Demand, Placement
 from .state import PoolState, Transaction
-from .transitions import CAPPED, QUEUED, assign
+from .transitions import CAPPED, QUEUED, RESUMING, assign
 
 log = logging.getLogger("gpupool.service.leases")
 
 #: Seconds after which the reclaim sweep drains the queue even when no capacity changed here.
 FULL_DRAIN_S = 30.0
-#: Parked leases whose resume was asked for: they wait in the queue for room on their node.
-RESUMING = (Lease.state == LeaseState.parked.value) & Lease.resume_requested_at.is_not(None)
 
 
 @dataclass
@@ -127,7 +124,8 @@ class LeaseQueue:
         tx.changes.index_taken = True  # drain takes capacity in the index as it goes
         wait_queue.drain(waiting, self.placer.pool(session), last, now, accept=accept,
                          room=self._room(session, owners), batch_yields=self.pool_pressure.batch_yields,
-                         headroom_nodes=self.pool_pressure.batch_headroom_nodes)
+                         headroom_nodes=self.pool_pressure.batch_headroom_nodes,
+                         held_nodes=self.placer.held_nodes({item.lease_id for item in waiting}))
         return Drained(placed, over)
 
     @staticmethod

@@ -24,7 +24,7 @@ from . import usage
 from .auth import Identity
 from .capacity import HOLDING
 from .config import PoolLeases
-from .lease_queue import RESUMING
+from .transitions import RESUMING
 from .models import Lease, Node
 from .pressure import Pressure
 from .rules import queue as wait_queue

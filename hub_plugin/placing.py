@@ -7,6 +7,7 @@ the mix of requests the pool has seen lately. On the writer thread only
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, Collection
 
 from datetime import datetime
 
@@ -18,11 +19,12 @@ from gpupool.leaseclasses import not_yielding
 
 from .models import Lease
 from .rules.placement_index import PlacementIndex
-from .rules.priority import batch_may_start
+from .rules.priority import NO_PRESSURE, Plan, batch_may_start
 from .rules.misfits import Misfit
 from .rules.scheduler import Demand, Placement, Refusal
 from .rules.workload import DEFAULT_WORKLOAD, Workload, workload_of
 from .state import PoolState
+from .transitions import RESUMING
 
 #: The scheduler's expected workload is the mix of the last this many requests ...
 WORKLOAD_WINDOW = 1000
@@ -31,10 +33,12 @@ WORKLOAD_MIN = 50
 
 
 class Placer:
-    """Decisions through ``state``'s capacity index, and the recent requests they weigh."""
+    """Decisions through ``state``'s capacity index, and the recent requests they
+    weigh; ``plan()``: the pressure plan now, whose cleared nodes no batch takes."""
 
-    def __init__(self, state: PoolState) -> None:
+    def __init__(self, state: PoolState, plan: Callable[[], Plan] = lambda: NO_PRESSURE) -> None:
         self.state = state
+        self.plan = plan
         self._recent: deque[Demand] | None = None  # recent requests, read from the store at first use
         self._shapes: Workload | None = None
 
@@ -50,24 +54,48 @@ class Placer:
             decision = self.state.capacity.get(session, workload).place(demand)  # rebuilt from the store
         return decision
 
-    def batch_refusal(self, session: Session, decision: Placement, now: datetime, *, yields: bool,
-                      headroom_nodes: int) -> Refusal | None:
-        """Why a new batch request may not take ``decision`` (:func:`.priority.batch_may_start`:
-        ``c.PoolPressure.batch_yields``, ``batch_headroom_nodes``), or None when it may."""
+    def held_nodes(self, waiting: Collection[str]) -> set[str]:
+        """The nodes pressure clears for a request among ``waiting`` (queued lease ids):
+        no batch request or resume is placed there (:meth:`.priority.Plan.held_nodes`)."""
+        return self.plan().held_nodes(waiting)
+
+    def for_batch(self, session: Session, decision: Placement, demand: Demand, now: datetime, *, yields: bool,
+                  headroom_nodes: int) -> Placement | Refusal:
+        """Where a new batch request for ``demand`` may start instead of ``decision``
+        (:func:`.priority.batch_may_start`): off the nodes held for a person, where other
+        room fits; or why it may not start now (that, ``c.PoolPressure.batch_yields``,
+        ``batch_headroom_nodes``)."""
+        held = self._held_for_people(session)
+        if decision.node in held:
+            moved = self.pool(session).place_off(demand, held)
+            if not isinstance(moved, Placement):
+                return Refusal({Misfit.held_for_interactive: len(decision.gpus)},
+                               f"batch request not placed: node {decision.node} is held for a person's request "
+                               "that waits for room there, and no other node has room")
+            decision = moved
         if not yields and not headroom_nodes:
-            return None
+            return decision
         person = yields and session.scalar(
             select(Lease.id).where(Lease.state == LeaseState.queued.value, Lease.lease_class.in_(not_yielding()),
                                    or_(Lease.wait_until.is_(None), Lease.wait_until > now)).limit(1)) is not None
         index = self.pool(session)
         if batch_may_start(index.node_idle(decision.node), index.idle_nodes(), headroom_nodes, person):
-            return None
+            return decision
         if person:
             why = "a person's interactive request is waiting and batch yields to it (c.PoolPressure.batch_yields)"
         else:
             why = (f"the last {headroom_nodes} idle node(s) are kept for interactive requests "
                    "(c.PoolPressure.batch_headroom_nodes)")
         return Refusal({Misfit.held_for_interactive: len(decision.gpus)}, f"batch request not placed: {why}")
+
+    def _held_for_people(self, session: Session) -> set[str]:
+        """The nodes a person's request waits for room on: its parked lease's resume, or a
+        request pressure clears the node for (still queued)."""
+        cleared = self.plan().cleared
+        queued = set(session.scalars(select(Lease.id).where(
+            Lease.id.in_(list(cleared.values())), Lease.state == LeaseState.queued.value))) if cleared else set()
+        resuming = session.scalars(select(Lease.node_name).where(RESUMING, Lease.lease_class.in_(not_yielding())))
+        return {node for node, lease_id in cleared.items() if lease_id in queued} | {node for node in resuming if node}
 
     def verify(self, session: Session, decision: Placement) -> bool:
         """Whether the store agrees with the index on ``decision`` (:meth:`.capacity.CapacityIndex.verify`)."""

@@ -60,7 +60,7 @@ class Pool:
         # The reclaim sweep's pressure plan (early parks, preemptions), read by every lease JSON.
         self.pressure = Pressure(pressure, nodes, self.quotas.table)
         self.views = LeaseViews(leases, self.state, self.pressure)
-        placer = Placer(self.state)
+        placer = Placer(self.state, lambda: self.pressure.plan)
         workers = WorkerCalls(nodes, self.state, agents)
         queue = LeaseQueue(nodes, pressure, quotas, self.state, self.quotas, placer, on_dequeued)
         self.leases = LeaseBook(nodes, self.state, workers, self.tasks, self.views, queue,

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, selectinload
 from gpupool.schema import LeaseState, isoformat
 
 from .config import PoolNodes, PoolPressure
-from .lease_queue import RESUMING
+from .transitions import RESUMING
 from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas

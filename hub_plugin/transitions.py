@@ -25,6 +25,8 @@ QUEUED = LeaseState.queued.value
 PARKED = LeaseState.parked.value
 #: The states ``c.PoolQuotas.max_active_per_user`` counts: a lease releasing is on its way out.
 CAPPED = (LeaseState.starting.value, LeaseState.active.value)
+#: Parked leases whose resume was asked for: they wait in the queue for room on their node.
+RESUMING = (Lease.state == LeaseState.parked.value) & Lease.resume_requested_at.is_not(None)
 
 
 def transition(tx: Transaction, lease: Lease, state: LeaseState, reason: str | None, at: datetime) -> None:

@@ -79,13 +79,15 @@ class PoolPressure(Configurable):
     ).tag(config=True)
 
     pressure_clears_nodes = Bool(
-        False,
+        True,
         help="""For a waiting interactive request for several whole GPUs (``%gpu acquire 8``),
-        pressure clears one node that can hold it: of the nodes where wholly free GPUs plus
-        what pressure may take (idle leases, and running preemptible ones) cover the ask, the
-        one where no person's idle notebook is parked, then the one stopping the fewest running
-        GPUs. False counts what waits in GPUs pool-wide, which may free a GPU on each of several
-        nodes and none that fits. Default: False. ``c.PoolPressure.pressure_clears_nodes = True``.""",
+        pressure clears one node that can hold it: of the nodes where wholly free GPUs (and what
+        is on its way back) plus what pressure may take (idle leases, and running preemptible
+        ones) cover the ask, the one where no person's idle notebook is parked, then the one
+        stopping the fewest running GPUs; no batch request or resume is placed there while the
+        request waits. False counts what waits in GPUs pool-wide, which may free a GPU on each
+        of several nodes and none that fits, and which backfill then takes again, round after
+        round. Default: True. ``c.PoolPressure.pressure_clears_nodes = False``.""",
     ).tag(config=True)
 
     pressure_clear_grace = Union(

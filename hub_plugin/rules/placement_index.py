@@ -12,10 +12,10 @@ import bisect
 import dataclasses
 import math
 from collections import Counter
-from typing import Iterable
+from typing import Collection, Iterable
 
 from .hosts import HostState, host_misfit, proportional
-from .scheduler import (Demand, GPUState, Placement, Refusal, _whole_free, claimed, has_claims, place_now,
+from .scheduler import (Demand, GPUState, Placement, Refusal, _whole_free, claimed, has_claims, place, place_now,
                         slice_misfit)
 from .workload import DEFAULT_WORKLOAD, EPSILON, Workload
 
@@ -162,6 +162,11 @@ class PlacementIndex:
             if isinstance(found, Placement):
                 return found
         return self._place_now(demand, explain)
+
+    def place_off(self, demand: Demand, nodes: Collection[str]) -> Placement | Refusal:
+        """:meth:`place` on every node but ``nodes`` (held for someone else): a
+        scan of the other GPUs, for the rare request whose first choice is held."""
+        return place(demand, [gpu for gpu in self.all() if gpu.node not in nodes], self.workload, hosts=self.hosts)
 
     def _claimed_view(self) -> PlacementIndex:
         if self._soft is None:

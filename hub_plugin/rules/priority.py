@@ -281,10 +281,10 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
             for item in sorted(asking, key=lambda ask: ask.created_at):
                 if class_rank(item.lease_class) != rank or item.gpu_count < 2 or item.node is not None:
                     continue
-                need -= item.gpus  # GPUs freed here and there across the pool are of no use to it
                 cleared = clearing.clear(item.gpu_count, targets, free, preempting, yields, class_rank)
                 if cleared is None:
-                    continue
+                    continue  # no node can be cleared now: it presses in GPUs pool-wide, for what frees later
+                need -= item.gpus
                 node, leases = cleared
                 cleared_for[node] = item.lease_id
                 for lease in leases:

@@ -139,6 +139,8 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 continue
             else:
                 decision = index.place(item.demand, explain=False)
+                if isinstance(decision, Placement) and decision.node in held and yields(item.lease_class):
+                    decision = index.place_off(item.demand, held)  # backfill goes elsewhere
                 if not isinstance(decision, Placement):
                     unfit.add(item.demand)
                     continue

@@ -410,6 +410,8 @@ class _Replay:
             return self.resume(sid, now)
         session = self.sessions[sid]
         placement = self.pool.place(session.milli, session.gpus)
+        if isinstance(placement, Placement) and lease_class(session.klass).yields and self.held(placement.node):
+            placement = self.pool.place_off(session.milli, session.gpus, self.held_nodes())  # backfill goes elsewhere
         if not isinstance(placement, Placement):
             return False
         if lease_class(session.klass).yields and not self.batch_may_start(placement.node):
@@ -427,12 +429,19 @@ class _Replay:
             del self.sweep.waiters[sid]
 
     def batch_may_start(self, node: str) -> bool:
-        """The service's rule for a batch placement on ``node`` (:func:`.priority.batch_may_start`):
-        the node is held while a person's resume waits there, or pressure clears it for a person."""
-        held = self.sweep.held(node) or any(not lease_class(self.sessions[entry[1]].klass).yields
-                                            for entry in self.resumes.get(node, ()))
+        """The service's rule for a batch placement on ``node`` (:func:`.priority.batch_may_start`)."""
         return priority.batch_may_start(self.pool.node_idle(node), self.pool.idle_nodes, self.policy.headroom_nodes,
-                                        self.policy.batch_yields and self.table.interactive_waiting > 0, held)
+                                        self.policy.batch_yields and self.table.interactive_waiting > 0,
+                                        self.held(node))
+
+    def held(self, node: str) -> bool:
+        """Whether ``node`` is held for a person: their resume waits there, or pressure clears it for them."""
+        return self.sweep.held(node) or any(not lease_class(self.sessions[entry[1]].klass).yields
+                                            for entry in self.resumes.get(node, ()))
+
+    def held_nodes(self) -> set[str]:
+        """Every node :meth:`held` holds."""
+        return {node for node in {*self.resumes, *self.sweep.plan.cleared} if self.held(node)}
 
     def release(self, sid: int, now: float, retry: bool = True, free_at: float | None = None) -> None:
         """End ``sid``'s lease at ``now``; its share is free at ``free_at`` (a

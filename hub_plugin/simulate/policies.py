@@ -77,7 +77,7 @@ class NotebookPolicy:
     preemption_grace: float | None = None
     batch_first: bool = False
     batch_yields: bool = False
-    clear_nodes: bool = False
+    clear_nodes: bool = True
     resume_preempted: bool = False
     clear_grace: float | None = None
     park_in_place: bool = False

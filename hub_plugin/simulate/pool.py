@@ -89,6 +89,10 @@ class Pool:
             return place(demand, self.index.all(), self.index.workload)
         return self.index.place(demand, explain=False)
 
+    def place_off(self, milli: int, gpus: int, nodes: set[str]) -> Placement | Refusal:
+        """:meth:`place` on every node but ``nodes`` (held for a person)."""
+        return self.index.place_off(demand_of(milli, gpus), nodes)
+
     def place_resume(self, held: Placement, remap: bool = True) -> Placement | Refusal:
         """Where a lease parked off ``held`` resumes now: the service's rule
         (:func:`gpupool.hub_plugin.rules.resume.place`: its own node only, its

@@ -278,6 +278,28 @@ def test_drain_leaves_a_resume_waiting_when_its_node_has_no_room_whatever_is_fre
     assert [(item.lease_id, decision.gpus) for item, decision in placed] == [("L-new", ("X0",))]
 
 
+def test_drain_places_no_batch_on_the_node_a_persons_resume_waits_for():
+    """n1 has half a GPU free: bob's resume of a whole GPU there does not fit, and the preempted job's own
+    resume of half a GPU, which would fit, is not placed back there (it would be preempted again); a new
+    batch request goes to n2, and a batch resume on n2 resumes."""
+    gpus = [gpu("G0", taken=0.5, memory=40 * GiB), gpu("X0", node="n2", taken=0.5, memory=40 * GiB),
+            gpu("X1", node="n2", index=1)]
+    waiting = [queue.Waiting("L-person", "bob", Demand(1.0), at(0), "interactive", ask(fraction=1.0, memory=80 * GiB)),
+               queue.Waiting("L-job", "ann", Demand(0.5), at(1), "batch", ask()),
+               queue.Waiting("L-job2", "ann", Demand(0.5), at(2), "batch", ask(node="n2", gpus=("X0",))),
+               queue.Waiting("L-new", "cy", Demand(1.0), at(3), "batch")]
+    placed = queue.drain(waiting, gpus, {}, T0)
+    assert [(item.lease_id, decision.node) for item, decision in placed] == [("L-job2", "n2"), ("L-new", "n2")]
+
+
+def test_drain_places_no_batch_on_a_node_pressure_clears_for_a_person():
+    gpus = [gpu("G0"), gpu("X0", node="n2")]
+    waiting = [queue.Waiting("L-new", "cy", Demand(1.0), at(0), "batch")]
+    placed = queue.drain(waiting, gpus, {}, T0, held_nodes={"n1"})
+    assert [(item.lease_id, decision.node) for item, decision in placed] == [("L-new", "n2")]
+    assert queue.drain(waiting, gpus[:1], {}, T0, held_nodes={"n1"}) == []  # only the held node: it waits
+
+
 def test_the_eta_of_a_resume_waits_for_its_own_gpu():
     """GPU 1 is free, but the resume may take only GPU 0, which its holder frees at 300 s."""
     room = eta.Room((0.0, 1.0), ("n1", "n1"), ("G0", "G1"))

@@ -193,16 +193,16 @@ def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
     # a node needing no person's notebook parked goes first, even at more running GPUs
     ([on("a1", "a", 1.0, "interactive", busy=False), on("b1", "b", 4.0), on("b2", "b", 4.0)], {"a": 7.0},
      {"b1", "b2"}, set()),
-    # no node can be cleared (a person's running cell, not preemptible): nothing is taken, since GPUs
-    # freed here and there would not make the one node it needs
-    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, set(), set()),
+    # no node can be cleared now (a person's running cell, not preemptible): counted in GPUs, as without
+    # free_gpus, for what frees later
+    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
 ])
 def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
     decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
                             priority.Rule(120, 5, True, preemption_grace=0.0), {}, free)
     assert (set(decided.preemptions), set(decided.parks)) == (preempted, parked)
     assert all(p.at == at(105) for p in decided.preemptions.values())
-    assert set(decided.cleared.values()) <= {"q"} and bool(decided.cleared) is bool(preempted)
+    assert set(decided.cleared.values()) <= {"q"} and bool(decided.cleared) is bool(free)
     assert decided.held_nodes({"q"}) == set(decided.cleared) and not decided.held_nodes(set())
 
 
@@ -386,9 +386,9 @@ def test_status_shows_why_the_countdown_is_short():
 def test_the_rule_of_the_service_settings_is_todays_plan_by_default():
     from gpupool.hub_plugin.config import PoolPressure
 
-    assert priority.Rule.of(PoolPressure()) == priority.Rule(120.0, 30.0, True, None, False, False)
-    assert priority.Rule.of(PoolPressure(preemption_grace=0, batch_first=True, pressure_clears_nodes=True)) == \
-        priority.Rule(120.0, 30.0, True, 0, True, True)
+    assert priority.Rule.of(PoolPressure()) == priority.Rule(120.0, 30.0, True, None, False, True)
+    assert priority.Rule.of(PoolPressure(preemption_grace=0, batch_first=True, pressure_clears_nodes=False)) == \
+        priority.Rule(120.0, 30.0, True, 0, True, False)
 
 
 @pytest.mark.parametrize("clear_nodes, ask, wanted", [

@@ -313,3 +313,34 @@ def test_a_parked_lease_claims_its_gpu_so_a_new_lease_goes_elsewhere(store):
     first, after = in_pool(store, clock, body)
     assert isinstance(first, Placement) and first.gpus == ("G-old",), first
     assert isinstance(after, Placement) and after.gpus == ("G-n",), "by name once nothing is claimed"
+
+
+def test_a_new_batch_request_goes_off_the_node_a_persons_resume_waits_for(store):
+    """A person's parked lease waits to resume on node n: a new batch request whose first choice is n
+    goes to node old instead, and is refused with words when old has no room either."""
+    from gpupool.hub_plugin.placing import Placer
+    from gpupool.hub_plugin.rules.scheduler import Demand, Placement, Refusal
+
+    add(store, "L-00000000000f", state="parked", held_since=None, park_tier="memory", park_code="preempted",
+        park_reason="preempted", parked_at=T0, parked_host_bytes=GiB, lease_class="interactive",
+        resume_requested_at=T0, fraction=0.5)
+    clock = {"now": T0 + timedelta(seconds=10)}
+
+    async def body(pool):
+        placer = Placer(pool.state)
+
+        def decide():  # on the writer thread, as the intake decides
+            with pool.state.writing() as tx:
+                on_n = placer.pool(tx.session).place_off(Demand(0.5), {"old"})
+                return on_n, placer.for_batch(tx.session, on_n, Demand(0.5), clock["now"], yields=False,
+                                              headroom_nodes=0)
+        return await pool.state.work.write(decide)
+
+    on_n, moved = in_pool(store, clock, body)
+    assert isinstance(on_n, Placement) and on_n.node == "n"
+    assert isinstance(moved, Placement) and moved.node == "old", moved
+    add(store, "L-000000000010", node="old")  # old's GPU taken whole
+    _, refused = in_pool(store, clock, body)
+    assert isinstance(refused, Refusal), refused
+    assert refused.message == ("batch request not placed: node n is held for a person's request that waits for "
+                               "room there, and no other node has room")
