@@ -315,14 +315,14 @@ def eta_part(workload, log) -> str:
 
 def backlog_variants(quick: bool = False):
     """The policies the backlog part compares, in table order; ``quick`` (a part of the month) adds the
-    headroom variants. The service's defaults are left out: their replay does not end (:data:`DEFAULTS_CHURN`)."""
+    headroom variants. Pool-wide pressure without node clearing is left out: its replay does not end
+    (:data:`POOL_WIDE_CHURN`)."""
     base = policies()
     gp = replace(base["gpupool"], name="gpupool (the service's defaults)")
     at_once = replace(gp, name="gpupool, batch yields, batch first, preempted at once, 5 s notice",
                       batch_yields=True, batch_first=True, preemption_grace=0.0, preemption_notice=5.0)
-    clear = replace(at_once, name="… and a node cleared per whole-GPU ask", clear_nodes=True)
-    parked = replace(clear, name="… and its idle leases parked 5 s after the ask", clear_grace=5.0)
-    variants = [replace(gp, name="gpupool, no preemption", preemption_notice=None), at_once, clear, parked,
+    parked = replace(at_once, name="… and idle leases on a cleared node parked 5 s after the ask", clear_grace=5.0)
+    variants = [gp, replace(gp, name="gpupool, no preemption", preemption_notice=None), at_once, parked,
                 replace(parked, name="… parked 5 s after the ask, preempted jobs restart", resume_preempted=False),
                 replace(base["reservation"], name="reservation (no classes)")]
     if quick:
@@ -330,17 +330,17 @@ def backlog_variants(quick: bool = False):
     return variants
 
 
-#: Why the backlog tables have no row for the service's default rules (an instrumented run of
-#: ``backlog_run`` on the month's first 12 hours, 336 GPUs, stopped after 90 s).
-DEFAULTS_CHURN = (
-    "The service's default rules (`gpupool`, no opt-in settings) have no row: their replay does not end. An "
-    "interactive resume waiting for room on its own node (a whole-node notebook, say) presses on that node's "
-    "batch leases, which are preempted and parked; each parked job's share comes back when its state is off "
-    "the GPU, at its own time, and the queue then finds the interactive resume still not fitting and places the "
-    "preempted job's own resume, which fits, back on that GPU (backfill; nothing holds batch back by default), "
-    "and the next sweep preempts it again. Counted in an instrumented run of the month's first 12 hours (not "
-    "by this script): 692,664 preemptions in 90 s of replay, at 47 h of virtual time and still going. "
-    "`batch_yields` (the variants below) stops it: no batch resume is placed while an interactive request waits.")
+#: Why the backlog tables have no row for pressure counted in GPUs pool-wide (``pressure_clears_nodes =
+#: False``; an instrumented replay of the month's first 6 hours, 336 GPUs: 214,889 preemptions of 633 jobs).
+POOL_WIDE_CHURN = (
+    "Pressure counted in GPUs pool-wide (`pressure_clears_nodes = False`) has no row: its replay does not "
+    "end. A person's request for a whole node presses on batch jobs here and there; each preempted job's "
+    "share comes back when its state is off the GPU, makes no whole node, and the job's own resume, which "
+    "fits, is placed back on it (backfill), to be preempted again at the next sweep: in an instrumented "
+    "replay of the month's first 6 hours, 214,889 preemptions of 633 jobs, one job 2,622 times. The "
+    "service's defaults clear one node per such request, keep it chosen while its leases are being parked, "
+    "and place no batch job or resume on it, nor on a node a person's resume waits for "
+    "(`priority.batch_may_start`): 109 preemptions in the same 6 hours.")
 
 BACKLOG_WHY = (
     "Why: a parked lease resumes on its own node only (`rules/resume.py`); its share stays claimed there "
@@ -349,9 +349,9 @@ BACKLOG_WHY = (
     "shows the same at this size without a backlog). With `batch_yields` such a waiting "
     "interactive resume also holds back every batch placement pool-wide, so the pool drains while it waits "
     "(utilization above). Resumes that spill (past a node's parked budget, or a whole-node state alone) cost "
-    "minutes from disk. What would reach the target is a change of the service's rules, not of a setting: "
-    "let a resume move when its node has no room (a cold move), or keep new leases off the nodes where a "
-    "resume waits.")
+    "minutes from disk. Batch no longer takes room from such a resume (`batch_may_start`), but a person's "
+    "running cells there can hold its node for hours. What would reach the target is a resume that moves "
+    "when its node has no room (a cold move, not built: the state would go node to node over the data plane).")
 
 
 def first_hours(workload, hours: float | None):
@@ -415,23 +415,24 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         "asked and, for a waiting interactive request only, preempts running batch leases (by default "
         f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s after it: grace + `preemption_notice`), its "
         "victims node by node (the node with the most preemptible batch GPUs first); a resume waiting for its "
-        "node presses on that node's leases only. Variants: **gpupool** (the service's defaults: no row, below); **no "
+        "node presses on that node's leases only; for a waiting interactive request for several whole GPUs the "
+        "plan is given each node's free GPUs (`plan(..., free_gpus)`) and takes the leases of the one node that "
+        "covers it at least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running "
+        "GPUs), and no batch job or resume is placed on that node while the request waits, nor on a node a "
+        "person's resume waits for (`batch_may_start`). Variants: **gpupool** (the service's defaults); **no "
         "preemption** (`allow_preemption = False`); **batch yields, batch "
         "first, preempted at once**: no batch request is placed while an interactive one waits "
         "(`batch_may_start`), `Rule(batch_first=True)` preempts running batch before it parks a person's idle "
         "notebook, and `Rule(preemption_grace=0)` with a 5 s `preemption_notice` (the job's warning is the "
-        "notice alone, so a waiting person gets capacity within one or two sweeps); **a node cleared per "
-        "whole-GPU ask**: the plan is also given each node's free GPUs (`plan(..., free_gpus)`) and, for a "
-        "waiting interactive request for several whole GPUs, takes the leases of the one node that covers it at "
-        "least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running GPUs); "
-        "**its idle leases parked 5 s after the ask**: an idle lease on the node cleared for such a request is "
+        "notice alone, so a waiting person gets capacity within one or two sweeps); "
+        "**idle leases on a cleared node parked 5 s after the ask**: an idle lease on the node cleared for such a request is "
         "parked 5 s after the request was asked, not after the 2 min grace (`Rule(clear_grace=5)`, "
         "`c.PoolPressure.pressure_clear_grace`); "
         "**preempted jobs restart**: a preempted job is queued again as a new request and its work is lost "
         "(a job that cannot be parked, e.g. its node has no checkpointer); **headroom n nodes**: batch is not "
         "placed on an idle node while n or fewer are idle. **reservation (no classes)**: today's service, whole "
         "GPUs, 30 min cull, one queue, no preemption. "
-        f"Measured over {period}. {DEFAULTS_CHURN}",
+        f"Measured over {period}. {POOL_WIDE_CHURN}",
         "",
         md_table(HEADERS + ("int. cells waiting > 10 s", "batch GPU-h lost"),
                  [row + [f"{np.mean(r.waits > TARGET_WAIT_S):.1%}", f"{r.lost_gpu_hours:,.0f}"]
@@ -470,7 +471,7 @@ def _met_words(results) -> str:
     restarting = [r for r in results if "restart" in r.policy]
     words = (" Preempted jobs are parked in place and keep their progress (the service's default now); the "
              "opt-in settings of the variants below the defaults are `batch_yields`, `batch_first`, "
-             "`preemption_grace = 0`, `preemption_notice = 5`, `pressure_clears_nodes`, `pressure_clear_grace = 5`.")
+             "`preemption_grace = 0`, `preemption_notice = 5`, `pressure_clear_grace = 5`.")
     if restarting:
         other = restarting[0]
         words += (f" Where preempted jobs restart from nothing, the same rules reach {other.cluster_utilization:.1%} "
