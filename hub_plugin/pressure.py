@@ -17,7 +17,7 @@ one whole, so readers on other threads see one or the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Collection, Iterable, Sequence
 
@@ -28,7 +28,7 @@ from gpupool.schema import LeaseState, isoformat
 
 from .config import PoolNodes, PoolPressure
 from .transitions import RESUMING
-from .models import Lease, LeaseCell, LeaseGPU
+from .models import Lease, LeaseCell
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
@@ -123,7 +123,9 @@ class Pressure:
         if not asking:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.pool_pressure)
-        free = clearing.whole_free(self._soon_free(session)) if rule.wants_free_gpus(asking) else None
+        # What leases being parked or released hold is on its way back: the plan counts it free (``freeing``).
+        free = (clearing.whole_free(gpu_states(session, self.pool_nodes.context_overhead))
+                if rule.wants_free_gpus(asking) else None)
         return rule.plan(held, asking, guarantees, free, self._freeing(session))
 
     @staticmethod
@@ -137,21 +139,6 @@ class Pressure:
             if node is not None:
                 freeing[node] = freeing.get(node, 0.0) + fraction * count
         return freeing
-
-    def _soon_free(self, session: Session) -> list[GPUState]:
-        """Every GPU's state with what ``releasing`` leases hold counted free: capacity on its way
-        back is not what a node must be cleared of (else a second node is cleared while the
-        first one's parked lease is still releasing)."""
-        leaving: dict[str, tuple[float, int]] = {}
-        for uuid, fraction, memory in session.execute(
-                select(LeaseGPU.gpu_uuid, Lease.fraction, Lease.memory).join(Lease, Lease.id == LeaseGPU.lease_id)
-                .where(Lease.state == LeaseState.releasing.value)):
-            was = leaving.get(uuid, (0.0, 0))
-            leaving[uuid] = (was[0] + fraction, was[1] + memory)
-        states = gpu_states(session, self.pool_nodes.context_overhead)
-        return [replace(gpu, allocated_fraction=max(0.0, gpu.allocated_fraction - leaving[gpu.uuid][0]),
-                        allocated_memory=max(0, gpu.allocated_memory - leaving[gpu.uuid][1]))
-                if gpu.uuid in leaving else gpu for gpu in states]
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""
