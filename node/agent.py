@@ -52,7 +52,7 @@ from .agent_service import NodeSide, ServiceLink, ServiceSettings
 from .agent_tokens import AgentTokens
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .cgroups import CgroupError, Containment, containment
-from .devices import NodeDevices
+from .node_gpus import NodeGPUs
 from .host_limits import host_totals
 from .inventory import Inventory, select_inventory
 from .settings import AgentEnforcement, AgentInventory, AgentParking, AgentWorkers
@@ -257,12 +257,12 @@ class NodeAgent(Application):
         self.refusal: str | None = None
         mode = self.agent_enforcement.enforcement_mode
         try:
-            self.devices = NodeDevices(found, enforcement.resolve(mode, self.inventory.kind, found))
-            self.devices.enforcement.setup(self.state_dir, self.log)
+            self.node_gpus = NodeGPUs(found, enforcement.resolve(mode, self.inventory.kind, found))
+            self.node_gpus.enforcement.setup(self.state_dir, self.log)
         except RuntimeError as exc:  # the mode cannot be had here (no MPS daemon)
             if not self.agent_enforcement.require_containment:
                 raise GPUPoolError(Reason.not_configured, str(exc)) from None
-            self.devices = NodeDevices(found, enforcement.NoEnforcement())
+            self.node_gpus = NodeGPUs(found, enforcement.NoEnforcement())
             self.refusal = f"enforcement mode {mode!r} cannot be had: {exc}"
         except (ValueError, TypeError) as exc:  # an unknown or broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
@@ -339,7 +339,7 @@ class NodeAgent(Application):
             return
         service = self.service_link()
         self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s); service %s",
-                      self.node_name, self.url, len(self.devices.gpus), self.inventory.kind, self.devices.enforcement.name,
+                      self.node_name, self.url, len(self.node_gpus.gpus), self.inventory.kind, self.node_gpus.enforcement.name,
                       self.gpu_checkpointer.name, self.service_url)
         service_task = asyncio.create_task(service.run())
         self.workers.start_warm_pool()
@@ -354,7 +354,7 @@ class NodeAgent(Application):
         service.close()
         self.workers.close()
         self.inventory.close()
-        self.devices.enforcement.close(self.log)
+        self.node_gpus.enforcement.close(self.log)
         self.log.info("agent %s stopped", self.node_name)
 
     def _undo_start(self) -> None:
@@ -366,7 +366,7 @@ class NodeAgent(Application):
         if workers is not None:
             workers.close()
         self.inventory.close()
-        self.devices.enforcement.close(self.log)
+        self.node_gpus.enforcement.close(self.log)
 
     def api(self) -> AgentAPI:
         """What the HTTP handlers use; once :meth:`_start_workers` has run (a
@@ -378,9 +378,9 @@ class NodeAgent(Application):
                         workers=None if refusing else self.workers, reports=self.worker_reports)
 
     def admission(self) -> WorkerAdmission:
-        """What a worker request is checked against: :attr:`devices` as they are at
+        """What a worker request is checked against: :attr:`node_gpus` as they are at
         each request (:meth:`refresh_inventory` replaces them)."""
-        return WorkerAdmission(self.inventory, self.devices, self.worker_environments, self.account_settings,
+        return WorkerAdmission(self.inventory, self.node_gpus, self.worker_environments, self.account_settings,
                                self.host_totals)
 
     def service_link(self) -> ServiceLink:
@@ -398,7 +398,7 @@ class NodeAgent(Application):
         server.stop()
         await server.close_all_connections()
         self.inventory.close()
-        self.devices.enforcement.close(self.log)
+        self.node_gpus.enforcement.close(self.log)
         self.log.info("agent %s stopped (it had refused to serve)", self.node_name)
 
     def refusal_words(self) -> str:
@@ -436,9 +436,9 @@ class NodeAgent(Application):
                                   tuple(workers.preload_modules), workers.warm_worker_max_age),
                 encryption=workers.transport_encryption,
                 user=self.account_settings.user, users=self.account_settings.users,
-                enforcement=self.devices.enforcement, config=self.config, templates=workers.worker_templates,
+                enforcement=self.node_gpus.enforcement, config=self.config, templates=workers.worker_templates,
                 pids=process_limits.plan(cgroups, confinement.agent_pids_reserve, confinement.worker_pids_max,
-                                         len(self.devices.gpus), self.log))
+                                         len(self.node_gpus.gpus), self.log))
             self.workers = WorkerManager(settings, cgroups=cgroups, launcher=self.launcher, log=self.log,
                                          parking=self.park_settings(state_dir))
             if self.account_settings.template is not None:
@@ -466,8 +466,8 @@ class NodeAgent(Application):
     def registration(self) -> NodeRegistration:
         """What ``POST /nodes`` tells the service of this node."""
         cpus, memory = self.host_totals()
-        return NodeRegistration(self.node_name, self.url, self.inventory.kind, **self.devices.enforcement.registration(),
-                                gpus=tuple(self.devices.gpus.values()), workers=tuple(self.worker_reports()),
+        return NodeRegistration(self.node_name, self.url, self.inventory.kind, **self.node_gpus.enforcement.registration(),
+                                gpus=tuple(self.node_gpus.gpus.values()), workers=tuple(self.worker_reports()),
                                 inventory_error=self.inventory.error, environments=tuple(self.worker_environments),
                                 host_cpus=cpus, host_memory=memory, checkpointer=self.gpu_checkpointer.info(),
                                 parked_memory=self.parked_budget())
@@ -492,7 +492,7 @@ class NodeAgent(Application):
         gpus = self.gpu_metrics(usage)
         bound = workers_by_gpu(self.workers.get(lease).spec for lease in self.workers.lease_ids()
                                if self.workers.get(lease).parked is None)
-        self.metrics.update(self.devices.gpus.values(), gpus, bound, self.inventory.error, reports)
+        self.metrics.update(self.node_gpus.gpus.values(), gpus, bound, self.inventory.error, reports)
         return Heartbeat(tuple(reports), tuple(GPUReading.of(g) for g in gpus), self.inventory.error)
 
     async def refresh_inventory(self) -> bool:
@@ -502,13 +502,13 @@ class NodeAgent(Application):
         ``gpus`` read again."""
         if not await self.inventory.update():
             return False
-        devices = self.devices
-        devices.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
-        mode = enforcement.after_rediscovery(devices.enforcement, self.agent_enforcement.enforcement_mode,
-                                             devices.gpus)
-        if mode is not devices.enforcement:
-            devices.enforcement.close(self.log)
-            devices.enforcement = mode
+        node_gpus = self.node_gpus
+        node_gpus.gpus = {gpu.uuid: gpu for gpu in self.inventory.discover()}
+        mode = enforcement.after_rediscovery(node_gpus.enforcement, self.agent_enforcement.enforcement_mode,
+                                             node_gpus.gpus)
+        if mode is not node_gpus.enforcement:
+            node_gpus.enforcement.close(self.log)
+            node_gpus.enforcement = mode
             self.workers.use_enforcement(mode)
         return True
 
@@ -525,7 +525,7 @@ class NodeAgent(Application):
         live = {lease: worker for lease, worker in live.items() if not worker.dead}
         watched = {lease: worker for lease, worker in live.items() if worker.parked is None}
         result = attribute(usage, {lease: w.pid for lease, w in live.items()}, read_parents())
-        for lease, reason in self.devices.enforcement.over_limit({l: m for l, m in result.memory.items() if l in watched},
+        for lease, reason in self.node_gpus.enforcement.over_limit({l: m for l, m in result.memory.items() if l in watched},
                                                          {l: w.spec.memory for l, w in watched.items()}):
             self.log.warning("memory watchdog: stopping the worker of lease %s: %s", lease, reason)
             self.stop_workers([lease])

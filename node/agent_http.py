@@ -36,7 +36,7 @@ from . import environments as worker_envs
 from .agent_accounts import WorkerAccountSettings
 from .agent_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, AgentMetrics
 from .agent_tokens import AgentTokens
-from .devices import NodeDevices
+from .node_gpus import NodeGPUs
 from .host_limits import check_host_limits
 from .inventory import Inventory
 from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
@@ -77,11 +77,11 @@ def python_for(environments: list[WorkerEnvironment], name: str | None) -> str |
 @dataclass(frozen=True)
 class WorkerAdmission:
     """What a worker request is checked against on this node (:meth:`check`).
-    ``devices`` are read per request: the agent replaces their GPUs and
+    ``node_gpus`` are read per request: the agent replaces their GPUs and
     enforcement when NVML comes back (``NodeAgent.refresh_inventory``)."""
 
     inventory: Inventory  # its ``error``: no worker while the GPUs cannot be read
-    devices: NodeDevices
+    node_gpus: NodeGPUs
     environments: list[WorkerEnvironment]
     accounts: WorkerAccountSettings
     host_totals: Callable[[], tuple[float, int]]  # (cores, bytes) offered to leases
@@ -93,7 +93,7 @@ class WorkerAdmission:
         if self.inventory.error:
             raise GPUPoolError(Reason.inventory_unavailable, f"this node cannot read its GPUs now: "
                                f"{self.inventory.error}", 503)
-        spec = worker_spec(request, self.devices.gpus)
+        spec = worker_spec(request, self.node_gpus.gpus)
         python = python_for(self.environments, request.env)
         # NSS may ask LDAP: off the loop. Without a template there is nothing to look up (no thread hop).
         user = (await asyncio.to_thread(self.accounts.for_owner, spec.owner) if self.accounts.template is not None
@@ -101,7 +101,7 @@ class WorkerAdmission:
         cpus, host_memory = check_host_limits(request.cpus, request.host_memory, self.host_totals())
         spec = dataclasses.replace(spec, python=python, user=user, cpus=cpus, host_memory=host_memory)
         try:
-            self.devices.enforcement.check(spec.fraction)
+            self.node_gpus.enforcement.check(spec.fraction)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         return spec

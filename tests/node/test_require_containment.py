@@ -129,7 +129,7 @@ def test_a_named_enforcement_mode_that_cannot_set_up_is_refused(tmp_path):
         agent = NodeAgent()
         agent.initialize([*argv, "--require-containment"])
         assert agent.refusal == "enforcement mode 'broken-test' cannot be had: no control daemon answers on /tmp/nvidia-mps"
-        assert agent.devices.enforcement.name == "none"
+        assert agent.node_gpus.enforcement.name == "none"
         assert agent.refusal_words().startswith("gpupool agent node-e refuses to serve")
         agent.inventory.close()
     finally:

@@ -12,7 +12,7 @@ from .enforcement import EnforcementMode
 
 
 @dataclass
-class NodeDevices:
+class NodeGPUs:
     """``gpus`` (UUID -> :class:`GPUInfo`, as the inventory last read them) and
     the ``enforcement`` mode that slices them. Changed only by the agent, on
     its event loop: at start, and when NVML comes back
