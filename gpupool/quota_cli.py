@@ -20,7 +20,7 @@ from .api import add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
 from .tables import table
 from .units import format_bytes, format_duration, format_gpu_hours
-from .wire.quotas import SHOWN, Limits
+from .wire.quotas import MAX_USAGE_DAYS, SHOWN, Limits
 
 LIMITS = Limits.KEYS
 _UNITS = {key: unit for key, _, unit, _ in SHOWN}
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"'{args.action}' needs a SCOPE ('*', 'group:NAME' or 'user:NAME')")
     if args.action == "set" and not args.limits:
         parser.error("'set' needs at least one LIMIT=VALUE")
+    if args.action == "usage" and not 1 <= args.days <= MAX_USAGE_DAYS:
+        parser.error(f"--days must be a whole number from 1 to {MAX_USAGE_DAYS}, got {args.days}")
     client = client_from_arguments(parser, args)
     if args.action == "show":
         body = client.quota()

@@ -46,6 +46,9 @@ class Limits(Body):
         return asdict(self)
 
 
+#: Most days ``GET /admin/usage?days=`` reports (``gpupool quota usage --days``).
+MAX_USAGE_DAYS = 92
+
 #: How each limit is shown beside the usage it bounds: ``(limit, words, unit,
 #: the QuotaUsage field it bounds or None)``, in the order of :attr:`Limits.KEYS`.
 #: Units: ``gpus``, ``hours`` (GPU-hours), ``seconds``, ``bytes``.

@@ -8,14 +8,13 @@ from datetime import timedelta
 
 from gpupool.errors import bad_request
 from gpupool.schema import isoformat
+from gpupool.wire.quotas import MAX_USAGE_DAYS
 
 from .. import usage
 from ..rules import quotas
 from ..auth import Identity, forbidden
 from .base import APIHandler
 
-#: Most days ``GET /admin/usage?days=`` reports.
-MAX_DAYS = 92
 
 
 class AdminHandler(APIHandler):
@@ -75,8 +74,8 @@ class UsageHandler(AdminHandler):
     async def get(self) -> None:
         self.require_admin()
         text = self.get_query_argument("days", "7")
-        if not re.fullmatch(r"[0-9]{1,3}", text) or not 1 <= int(text) <= MAX_DAYS:
-            raise bad_request(f"'days' must be a whole number from 1 to {MAX_DAYS}, got {text!r:.40}")
+        if not re.fullmatch(r"[0-9]{1,3}", text) or not 1 <= int(text) <= MAX_USAGE_DAYS:
+            raise bad_request(f"'days' must be a whole number from 1 to {MAX_USAGE_DAYS}, got {text!r:.40}")
         days = int(text)
         book = self.ctx.pool.quotas
         now = book.now()

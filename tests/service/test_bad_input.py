@@ -419,7 +419,7 @@ CLI = [
     cli("quota set user:bob max_gpus", 1, "cannot read 'max_gpus'", user="boss", id="set-no-value"),
     cli("quota set nobody max_gpus=1", 1, "must be '*', 'group:NAME' or 'user:NAME'", user="boss", id="set-bad-scope"),
     cli("quota unset user:nobody", 1, "quota override for user:nobody not found", user="boss", id="unset-unknown"),
-    cli("quota usage --days 0", 1, "'days' must be a whole number from 1 to 92", user="boss", id="usage-zero"),
+    cli("quota usage --days 0", 2, "--days must be a whole number from 1 to 92, got 0", user="boss", id="usage-zero"),
     cli("quota usage --days many", 2, "invalid int value: 'many'", user="boss", id="usage-text"),
     cli("agent --service-url http://127.0.0.1:{dead} --warm-workers=-1", 1,
         "c.AgentWorkers.warm_workers must be 0 or more, got -1", id="agent-warm-negative"),
