@@ -48,7 +48,7 @@ from . import environments as worker_envs
 from .agent_accounts import WorkerAccountSettings
 from .agent_http import AgentAPI, WorkerAdmission, advertised_ip, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
-from .agent_service import NodeSide, ServiceLink, ServiceSettings
+from .agent_service import LinkSettings, NodeSide, ServiceLink
 from .agent_tokens import AgentTokens
 from .attribution import add_unattributed, attribute, memory_by_pid, read_parents
 from .cgroups import CgroupError, Containment, containment
@@ -385,7 +385,7 @@ class NodeAgent(Application):
 
     def service_link(self) -> ServiceLink:
         """The link to the pool service: its settings, and this node's side of it."""
-        settings = ServiceSettings(self.service_url, self.node_name, self.service_tls, self.service_timeout,
+        settings = LinkSettings(self.service_url, self.node_name, self.service_tls, self.service_timeout,
                                    self.retry_max)
         node = NodeSide(self.registration, self.heartbeat, self.refresh_inventory, self.stop_workers,
                         self.write_agent_json, self.inventory)

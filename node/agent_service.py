@@ -24,7 +24,7 @@ REGISTRATION_RETRY_FIRST_S = 0.5
 
 
 @dataclass(frozen=True)
-class ServiceSettings:
+class LinkSettings:
     """Where the service is and how to call it: ``url`` (``c.NodeAgent.service_url``, no
     trailing ``/``), the ``tls`` context that checks it, the ``timeout`` of a call and the
     longest pause between registrations (``retry_max``), in seconds; ``node``: this node's name."""
@@ -53,7 +53,7 @@ class ServiceLink:
     (the agent token, read again before each registration) and its ``node``
     side, which gives the bodies and takes the answers."""
 
-    def __init__(self, settings: ServiceSettings, tokens: AgentTokens, node: NodeSide, log: logging.Logger) -> None:
+    def __init__(self, settings: LinkSettings, tokens: AgentTokens, node: NodeSide, log: logging.Logger) -> None:
         self.settings, self.tokens, self.node_side, self.log = settings, tokens, node, log
         self.url, self.node = settings.url, settings.node
         self.heartbeat_path = f"/nodes/{quote(settings.node, safe='')}/heartbeat"
