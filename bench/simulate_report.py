@@ -34,7 +34,7 @@ from gpupool.hub_plugin.simulate.openb import OPENB_POLICIES, fill, openb_specs,
 from gpupool.hub_plugin.simulate import costs  # noqa: E402
 from gpupool.hub_plugin.simulate.policies import (IDLE_TIMEOUT_S, PREEMPTION_NOTICE_S, PRESSURE_GRACE_S,  # noqa: E402
                                                   dedicated_gpus, policies)
-from gpupool.hub_plugin.simulate.pool import Pool  # noqa: E402
+from gpupool.hub_plugin.simulate.pool import SimulatedPool  # noqa: E402
 from gpupool.hub_plugin.simulate.results import HEADERS, NotebookResult, resumes, rows  # noqa: E402
 from gpupool.hub_plugin.simulate.synthetic import openb_tables, sensei_rows, slice_millis  # noqa: E402
 from gpupool.hub_plugin.simulate.traces import read_openb, read_openb_tasks, sensei_workload  # noqa: E402
@@ -629,7 +629,7 @@ def openb_part(data: Path, log) -> tuple[str, dict]:
     tasks = sample_tasks(num, milli, len(specs), 1.0, 0)
     timing = {}
     for full in (True, False):
-        pool, t = Pool(specs, full_scan=full), time.perf_counter()
+        pool, t = SimulatedPool(specs, full_scan=full), time.perf_counter()
         for gpus, m in list(zip(tasks[0].tolist(), tasks[1].tolist()))[:300]:
             placed = pool.place(m, gpus)
             if hasattr(placed, "gpus"):

@@ -9,7 +9,7 @@ release) is seen within seconds. When a heartbeat answers that the lease has
 ended, ``ended`` holds the lease so the client can tell the user in words
 (:func:`ended_message`).
 
-The notebook's heartbeat (:class:`gpupool.magics.heartbeat.Heartbeat`)
+The notebook's heartbeat (:class:`gpupool.magics.heartbeat.KernelHeartbeat`)
 builds on this one: idle warnings, parking, preemption, node notices.
 """
 

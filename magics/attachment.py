@@ -24,7 +24,7 @@ from gpupool.wire.transfer import TARGET, Fetch, Have, Pull, PullAll, Request, V
 from gpupool.transfer import load_pulled
 
 from . import dataplane
-from .heartbeat import Heartbeat
+from .heartbeat import KernelHeartbeat
 from .park import Parked, parked_now, parked_words, resumed_words
 from .words import ended_words, say
 from .relay import OutputRelay, remote_error
@@ -41,7 +41,7 @@ class Attachment:
     """The attached lease: ``lease`` (as last seen), its ``remote`` kernel and
     its heartbeat. Create with :meth:`connect`."""
 
-    def __init__(self, client: ServiceClient, lease: Lease, remote: RemoteKernel, heartbeat: Heartbeat) -> None:
+    def __init__(self, client: ServiceClient, lease: Lease, remote: RemoteKernel, heartbeat: KernelHeartbeat) -> None:
         self.client, self.lease, self.remote, self.heartbeat = client, lease, remote, heartbeat
         # Held by the main thread while it talks to the worker (cells, transfers).
         self.lock = threading.Lock()
@@ -140,7 +140,7 @@ class Attachment:
         except BaseException:
             remote.close()
             raise
-        beat = Heartbeat(client, lease.id, beat_interval(lease))
+        beat = KernelHeartbeat(client, lease.id, beat_interval(lease))
         attachment = cls(client, lease, remote, beat)
         beat.on_lease_seen = attachment.follow_parking
         beat.start()

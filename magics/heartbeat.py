@@ -70,7 +70,7 @@ def _output_parent() -> dict[str, Any] | None:
     return getattr(sys.stderr, "parent_header", None) or None
 
 
-class Heartbeat(LeaseHeartbeat):
+class KernelHeartbeat(LeaseHeartbeat):
     """The notebook kernel's heartbeat (:class:`gpupool.heartbeat.LeaseHeartbeat`)
     with idle warnings, the park followed, preemption and node notices.
 

@@ -32,7 +32,7 @@ class Notices:
 
     def notify(self, kind: str, message: str, beat=None) -> None:
         """A notice from the heartbeat thread ``beat`` (a
-        :class:`~.heartbeat.Heartbeat`); none of a lease given up here
+        :class:`~.heartbeat.KernelHeartbeat`); none of a lease given up here
         (``beat`` stopped): it would be stale."""
         if beat is not None and beat.stopped:
             return

@@ -19,7 +19,7 @@ from ..rules.eta import Room, eta_seconds, typical_lengths
 from ..rules.priority import Held
 from ..rules.queue import estimate
 from .policies import NotebookPolicy
-from .pool import FULL, Pool
+from .pool import FULL, SimulatedPool
 from .sweep import SWEEP_S, at
 
 #: How many recent cell and lease lengths the estimates learn from.
@@ -43,7 +43,7 @@ class EtaLog:
         self.pending[cell] = (predicted, estimate(place, list(self.holds), holding))
 
     def waiting(self, cell: int, milli: int, gpus: int, ahead: list[tuple[int, int]], leased: list[tuple],
-                pool: Pool, now: float) -> None:
+                pool: SimulatedPool, now: float) -> None:
         """Record the ETA and the old estimate of ``cell``, which asks for a ``milli`` slice or
         ``gpus`` whole GPUs behind ``ahead`` (``(milli, gpus)`` of the interactive requests queued
         before it) while ``leased`` hold capacity (``(class, cell started at, idle since or None,

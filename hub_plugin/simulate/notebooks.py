@@ -6,7 +6,7 @@ reclaim sees it as ``sweep.T0 + seconds`` (UTC datetimes), as the service's cloc
 
 What is real and what is modelled:
 
-- Every placement is the service's ``place()`` (through :class:`.pool.Pool`).
+- Every placement is the service's ``place()`` (through :class:`.pool.SimulatedPool`).
 - Idle reclaim is :func:`gpupool.hub_plugin.rules.reclaim.decide`, evaluated
   at the reclaim sweep ticks (every ``PoolLeases.reclaim_interval``, 5 s) on
   lease objects with the attributes of the service's ``Lease`` rows
@@ -30,7 +30,7 @@ What is real and what is modelled:
   node's budget, the longest-parked spilled to its disk beyond it); the
   lease holds its share while the state moves off the GPU
   (:func:`.costs.warm_park_seconds`), then gives it back. The next cell
-  resumes it where the service's rule puts it (:meth:`.Pool.place_resume`:
+  resumes it where the service's rule puts it (:meth:`.SimulatedPool.place_resume`:
   its own node only), ahead of new requests; with no room there it waits
   for its node (or, ``resume_moves``, goes to another at a cold move's
   cost). The cell then waits the resume's cost (:func:`.costs.resume_seconds`:
@@ -73,7 +73,7 @@ from .backlog import BatchSource
 from .eta_log import EtaLog
 from .parked import ParkedLease, ParkedNodes
 from .policies import NotebookPolicy
-from .pool import FULL, Pool, uniform_pool
+from .pool import FULL, SimulatedPool, uniform_pool
 from .results import NotebookResult, Tally
 from .sessions import SessionTable
 from .sweep import SWEEP_S, Sweep, at
@@ -83,7 +83,7 @@ from .workload import NotebookWorkload
 
 
 def simulate_notebooks(workload: NotebookWorkload, policy: NotebookPolicy, pool_size: int, *,
-                       per_node: int = 8, pool: Pool | None = None, backlog: BatchSource | None = None,
+                       per_node: int = 8, pool: SimulatedPool | None = None, backlog: BatchSource | None = None,
                        with_eta: bool = False, users: int | None = None) -> NotebookResult:
     """Replay ``workload`` under ``policy`` on ``pool_size`` GPUs (nodes of
     ``per_node``), with ``backlog`` batch jobs if given; ``with_eta`` records
@@ -121,7 +121,7 @@ class _Replay:
 
     ARRIVE, END, TICK, CLOSE, PRESSURE, FREE = range(6)
 
-    def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: Pool,
+    def __init__(self, workload: NotebookWorkload, policy: NotebookPolicy, pool: SimulatedPool,
                  backlog: BatchSource | None, with_eta: bool) -> None:
         self.workload, self.policy, self.pool, self.backlog, self.with_eta = workload, policy, pool, backlog, with_eta
         self.table = SessionTable(workload, policy.slices)

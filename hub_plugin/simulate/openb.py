@@ -17,7 +17,7 @@ Policies (:data:`OPENB_POLICIES`):
 
 - ``gpupool``: :func:`gpupool.hub_plugin.rules.scheduler.place` (fragmentation-aware best fit, with
   the sampled tasks' mix as the expected workload, as Weng et al.'s FGD
-  uses the target workload), through :class:`.pool.Pool`;
+  uses the target workload), through :class:`.pool.SimulatedPool`;
 - ``firstfit``: the first GPU by (node, index) that fits; whole GPUs: the first node with enough free GPUs;
 - ``bestfit``: the node left with the least free GPU capacity, then the
   tightest GPU on it (Weng et al.'s BestFit, on the GPU dimension);
@@ -33,7 +33,7 @@ import numpy as np
 
 from ..rules.scheduler import Placement
 from ..rules.workload import workload_of
-from .pool import FULL, GPUSpec, Pool, demand_of
+from .pool import FULL, GPUSpec, SimulatedPool, demand_of
 from .workload import OpenbNode
 
 OPENB_POLICIES = ("gpupool", "firstfit", "bestfit", "random")
@@ -142,7 +142,7 @@ def fill(specs: list[GPUSpec], num: np.ndarray, milli: np.ndarray, policy: str, 
     capacity = len(specs) * FULL
     pool = None
     if policy == "gpupool":
-        pool = Pool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
+        pool = SimulatedPool(specs, workload=workload_of(map(demand_of, milli.tolist(), num.tolist())))
     arrays = _ArrayPool(specs, seed=0) if pool is None else None
     curve = Checkpoints(capacity, step)
     for gpus, m in zip(num.tolist(), milli.tolist()):

@@ -45,7 +45,7 @@ def demand_of(milli: int, gpus: int) -> Demand:
     return Demand(milli / FULL, 1)
 
 
-class Pool:
+class SimulatedPool:
     """GPUs, what is allocated on each, and placement through ``place()``.
 
     ``workload`` is the scheduler's expected mix of requests (the
@@ -168,7 +168,7 @@ class Pool:
 
 def uniform_pool(size: int, *, per_node: int = 8, name: str = "NVIDIA A100-SXM4-80GB",
                  memory: int = 80 * 10**9, full_scan: bool = False,
-                 workload: Workload = DEFAULT_WORKLOAD) -> Pool:
+                 workload: Workload = DEFAULT_WORKLOAD) -> SimulatedPool:
     """``size`` GPUs on nodes of ``per_node`` (the last node may have fewer), named ``node-000``..."""
     specs = [GPUSpec(f"node-{i // per_node:03d}", i % per_node, name, memory) for i in range(size)]
-    return Pool(specs, full_scan=full_scan, workload=workload)
+    return SimulatedPool(specs, full_scan=full_scan, workload=workload)

@@ -76,9 +76,9 @@ def test_the_warning_lead_is_never_more_than_a_third_of_the_idle_timeout(setting
 
 
 def test_a_warning_is_stale_once_its_lease_is_not_active_or_its_deadline_passed():
-    from gpupool.magics.heartbeat import Heartbeat
+    from gpupool.magics.heartbeat import KernelHeartbeat
 
-    beat = Heartbeat(None, "L-1", 15.0)  # never started: only what it last saw counts
+    beat = KernelHeartbeat(None, "L-1", 15.0)  # never started: only what it last saw counts
     assert not beat.warning_stale()
     now = datetime.now(timezone.utc)
     beat.last = replace(lease_at(30), idle_deadline=isoformat(now + timedelta(seconds=60)))

@@ -15,7 +15,7 @@ from gpupool.hub_plugin.simulate.backlog import BatchSource
 from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks
 from gpupool.hub_plugin.simulate.parked import ParkedLease, ParkedNodes
 from gpupool.hub_plugin.simulate.policies import policies
-from gpupool.hub_plugin.simulate.pool import GPUSpec, Pool
+from gpupool.hub_plugin.simulate.pool import GPUSpec, SimulatedPool
 from gpupool.hub_plugin.simulate.workload import Cell, NotebookWorkload, Session
 
 FAR = 10**6
@@ -117,7 +117,7 @@ def test_a_second_park_spills_the_longest_parked_on_its_node():
     specs = [GPUSpec("n", i, "X", 300 * GB) for i in range(2)]
     cells = (Cell(0, 0, 0.0, 100.0), Cell(1, 1, 0.0, 200.0), Cell(2, 0, 2000.0, 10.0), Cell(3, 1, 2000.0, 10.0))
     sessions = (Session(0, 0, 0, 1, 1000, 0.0, 2010.0, (0, 2)), Session(1, 1, 0, 1, 1000, 0.0, 2010.0, (1, 3)))
-    result = simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), parking(), 2, pool=Pool(specs))
+    result = simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), parking(), 2, pool=SimulatedPool(specs))
     assert result.spills == 1 and result.resumes == {"disk": 1, "memory": 1}
     assert result.waits.tolist() == [0.0, 0.0, pytest.approx(303.0), pytest.approx(30.004)]
 

@@ -16,7 +16,7 @@ from gpupool.hub_plugin.rules.scheduler import Placement
 from gpupool.hub_plugin.simulate.notebooks import simulate_notebooks
 from gpupool.hub_plugin.simulate.openb import fill
 from gpupool.hub_plugin.simulate.policies import policies
-from gpupool.hub_plugin.simulate.pool import GPUSpec, Pool, uniform_pool
+from gpupool.hub_plugin.simulate.pool import GPUSpec, SimulatedPool, uniform_pool
 from gpupool.hub_plugin.simulate.workload import Cell, NotebookWorkload, Session, build_sessions
 
 FAR = 10**6  # sessions close long after the test's cells
@@ -125,7 +125,7 @@ def irregular_specs() -> list[GPUSpec]:
 def test_indexed_pool_places_like_the_full_list():
     """The pool decides through the placement index; every decision equals place() on all GPUs."""
     rng = random.Random(7)
-    fast, full = Pool(irregular_specs()), Pool(irregular_specs(), full_scan=True)
+    fast, full = SimulatedPool(irregular_specs()), SimulatedPool(irregular_specs(), full_scan=True)
     held = []
     for step in range(3000):
         if held and rng.random() < 0.45:
