@@ -80,11 +80,13 @@ class Pressure:
         self._eta = self._eta_inputs(session, held, guarantees, epoch)
         return self.plan
 
-    def follow(self, session: Session, epoch: int) -> None:
+    def follow(self, session: Session, epoch: int, fresh: bool = False) -> None:
         """Read what the ETA reads again when the pool's capacity changed since
         (``epoch``: the state's capacity epoch now), so a request queued behind a
-        lease placed after the last sweep is not told "about 0s". On a store thread."""
-        if epoch == self._eta.epoch:
+        lease placed after the last sweep is not told "about 0s"; or at once
+        (``fresh``: a request just queued, whose first answer sees each lease's
+        cell as the store has it, not as the last sweep did). On a store thread."""
+        if epoch == self._eta.epoch and not fresh:
             return
         active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
                                  .options(selectinload(Lease.gpus))).all()

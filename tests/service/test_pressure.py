@@ -43,6 +43,8 @@ def notebook(full_pool, tmp_path):
     yield transcript
     kc.stop_channels()
     km.shutdown_kernel(now=False)
+    for left in full_pool[0].client("ann").list_leases(active=True):  # a failed test's waiter fails no other
+        full_pool[0].client("ann").release(left.id)
 
 
 def wait_in_line(service):
@@ -181,6 +183,36 @@ def test_preemptible_is_refused_where_the_pool_allows_none(tmp_path):
         assert service.client().list_leases(active=False) == []  # nothing queued or held
     finally:
         service.stop()
+
+
+def test_a_new_request_sees_the_cells_as_the_store_has_them_not_as_the_last_sweep(tmp_path):
+    """With no sweep (an hour apart), a request queued while the holder's cell runs has no ETA (a busy
+    lease of a class with no history: unknown); once the cell has ended, the next request is told the
+    pressure grace: its first answer reads the store, not the pool as an earlier request saw it."""
+    tokens = {"ann": "ann-token-" + "6" * 16}
+    with notebook_pool(tmp_path, tokens=tokens, config={"reclaim_interval": 3600, "pressure_grace": 600},
+                       simulate="1xA100-80GB") as (service, kernels):
+        km, kc = start_gpupool_kernel(kernels, tmp_path)
+        try:
+            notebook = Transcript(kc)
+            notebook.listen()
+            notebook.execute("%gpu acquire 1")
+            mine, = service.client().list_leases(active=True)
+            cell = kc.execute("import time\ntime.sleep(3)")
+            wait_for(lambda: (service.client().get_lease(mine.id).worker or {}).get("execution_state") == "busy",
+                     30, "the cell running")
+            early = service.client("ann").create_lease(LeaseRequest(fraction=1.0, wait=600))
+            service.client("ann").release(early.id)
+            assert early.queue_estimate_s is None, early
+            assert _reply(notebook, cell)["status"] == "ok"
+            wait_for(lambda: (service.client().get_lease(mine.id).worker or {}).get("execution_state") == "idle",
+                     30, "the cell's end seen")
+            later = service.client("ann").create_lease(LeaseRequest(fraction=1.0, wait=600))
+            service.client("ann").release(later.id)
+            assert later.queue_estimate_s is not None and 0 < later.queue_estimate_s <= 600, later
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
 
 
 def _reply(notebook: Transcript, msg_id: str) -> dict:
