@@ -1,9 +1,16 @@
-"""The data plane: bulk bytes between the notebook kernel and a worker, on a TCP
-connection of their own to the worker's ``transfer_port``, while the Jupyter
+"""The data plane: bulk bytes between the notebook kernel and a worker, on TCP
+connections of their own to the worker's ``transfer_port``, while the Jupyter
 comm carries what a transfer is (the values' description and a
 :class:`Ticket`: a fresh 256-bit key and a transfer id). Why not the comm
 (docs/security.md, "What encryption costs") and the wire, byte by byte:
 docs/api.md, "The data plane (bulk bytes)".
+
+A big transfer runs on several connections at once, its *lanes*
+(:meth:`Ticket.lanes`): chunk ``n`` goes on lane ``n % lanes``, each lane
+on a thread of its own, so sealing and opening chunks (one AES-GCM core is
+a few GB/s; ``cryptography`` lets go of the GIL while it works) and the
+kernel's copies spread over cores, as parallel TCP streams do in GridFTP's
+and ``bbcp``'s bulk copies.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -29,6 +37,10 @@ _HELLO = b"gpupool-dataplane-hello"
 _ID_BYTES = 16
 #: Buffers smaller than this are allocated on the heap; larger ones as anonymous mappings (:func:`allocate`).
 _MMAP_FROM = 1 << 16
+#: Bytes each lane of a transfer carries at least: a lane costs a connection, a hello and a thread.
+LANE_BYTES = 16 << 20
+#: Most lanes a ticket may ask for (one byte of the hello names the lane).
+MAX_STREAMS = 16
 
 
 class TransferError(Exception):
@@ -53,34 +65,48 @@ def default_cipher() -> str:
 
 @dataclass(frozen=True)
 class Ticket:
-    """One transfer's id (16 random bytes), key (32 random bytes) and cipher.
-    Made by the notebook kernel, sent to the worker on the control channel."""
+    """One transfer's id (16 random bytes), key (32 random bytes), cipher and
+    ``streams``: the most connections it may run on (:meth:`lanes`). Made by
+    the notebook kernel, sent to the worker on the control channel."""
 
     id: bytes
     key: bytes
     cipher: str
+    streams: int = 1
 
     @classmethod
-    def new(cls, encrypted: bool = True) -> "Ticket":
-        return cls(os.urandom(_ID_BYTES), os.urandom(32), default_cipher() if encrypted else "none")
+    def new(cls, encrypted: bool = True, streams: int = 1) -> "Ticket":
+        return cls(os.urandom(_ID_BYTES), os.urandom(32), default_cipher() if encrypted else "none",
+                   max(1, min(MAX_STREAMS, streams)))
 
-    def wire(self) -> dict[str, str]:
-        """The ticket as JSON for the comm: ``{"id", "key", "cipher"}`` in hex."""
-        return {"id": self.id.hex(), "key": self.key.hex(), "cipher": self.cipher}
+    def wire(self) -> dict[str, str | int]:
+        """The ticket as JSON for the comm: ``{"id", "key", "cipher", "streams"}`` (bytes in hex)."""
+        return {"id": self.id.hex(), "key": self.key.hex(), "cipher": self.cipher, "streams": self.streams}
 
     @classmethod
     def from_wire(cls, data: dict) -> "Ticket":
-        """Inverse of :meth:`wire`; ValueError naming what is wrong."""
+        """Inverse of :meth:`wire` (``streams`` 1 where a client of before lanes left it out);
+        ValueError naming what is wrong."""
         try:
             ident, key, cipher = bytes.fromhex(data["id"]), bytes.fromhex(data["key"]), data["cipher"]
-        except (KeyError, TypeError, ValueError):
+            streams = data.get("streams", 1)
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise ValueError("a transfer ticket needs hex id, key and a cipher") from None
         if len(ident) != _ID_BYTES or len(key) != 32 or cipher not in CIPHERS:
             raise ValueError(f"a transfer ticket needs a {_ID_BYTES}-byte id, a 32-byte key and one of {CIPHERS}")
-        return cls(ident, key, cipher)
+        if type(streams) is not int or not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"a transfer ticket's streams must be a whole number from 1 to {MAX_STREAMS}")
+        return cls(ident, key, cipher, streams)
 
-    def hello(self) -> bytes:
-        return self.id + hmac.new(self.key, _HELLO + self.id, hashlib.sha256).digest()
+    def lanes(self, sizes: Sequence[int]) -> int:
+        """The connections a transfer of buffers of ``sizes`` bytes runs on: one per
+        :data:`LANE_BYTES`, at most :attr:`streams`, at least one. Both ends work it out."""
+        return max(1, min(self.streams, sum(sizes) // LANE_BYTES))
+
+    def hello(self, lane: int = 0) -> bytes:
+        """What a connection for ``lane`` sends first: the id, the lane and a proof of the key."""
+        head = self.id + bytes([lane])
+        return head + hmac.new(self.key, _HELLO + head, hashlib.sha256).digest()
 
     def aead(self):
         """The cipher object, or None for ``"none"``."""
@@ -91,18 +117,19 @@ class Ticket:
         return (AESGCM if self.cipher == "aes-256-gcm" else ChaCha20Poly1305)(self.key)
 
 
-HELLO_BYTES = _ID_BYTES + 32
+HELLO_BYTES = _ID_BYTES + 1 + 32
 
 
-def check_hello(hello: bytes, lookup: Callable[[bytes], Ticket | None]) -> Ticket:
-    """The ticket a client's hello opens; TransferError when no transfer has
-    that id or the proof was made with another key."""
+def check_hello(hello: bytes, lookup: Callable[[bytes], Ticket | None]) -> tuple[Ticket, int]:
+    """The ticket a client's hello opens and the lane it asks for; TransferError
+    when no transfer has that id or the proof was made with another key."""
     ticket = lookup(hello[:_ID_BYTES]) if len(hello) == HELLO_BYTES else None
     if ticket is None:
         raise TransferError("no such transfer is waiting on this worker (it expired, or belongs to another lease)")
-    if not hmac.compare_digest(ticket.hello(), hello):
+    lane = hello[_ID_BYTES]
+    if not hmac.compare_digest(ticket.hello(lane), hello):
         raise TransferError("the transfer's key does not match: refused (a key of another lease or transfer?)")
-    return ticket
+    return ticket, lane
 
 
 def allocate(size: int) -> memoryview:
@@ -160,24 +187,31 @@ def _chunks(sizes: Sequence[int]):
             yield index, start, min(CHUNK, size - start)
 
 
-def send_buffers(sock: socket.socket, ticket: Ticket, buffers: Sequence, progress: Callable[[int], None] | None = None
-                 ) -> None:
-    """Send ``buffers`` (anything with the buffer protocol) as chunks.
-    ``progress(bytes)`` is called after each chunk. OSError when the
-    connection breaks; KeyboardInterrupt passes through (the caller closes)."""
+def send_buffers(socks: socket.socket | Sequence[socket.socket], ticket: Ticket, buffers: Sequence,
+                 progress: Callable[[int], None] | None = None) -> None:
+    """Send ``buffers`` (anything with the buffer protocol) as chunks, on the
+    lanes ``socks`` (one socket: one lane). ``progress(bytes)`` is called on
+    this thread as chunks go. OSError when a connection breaks;
+    KeyboardInterrupt passes through (every lane is shut down first; the
+    caller closes)."""
     views = [_bytes_view(b) for b in buffers]
+    chunks = list(_chunks([v.nbytes for v in views]))
     aead = ticket.aead()
-    scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
-    for counter, (index, start, length) in enumerate(_chunks([v.nbytes for v in views])):
-        piece = views[index][start:start + length]
-        if aead is None:
-            sock.sendall(piece)
-        else:
-            out = scratch[:length + TAG]
-            aead.encrypt_into(_nonce(counter), piece, _aad(ticket, counter), out)
-            sock.sendall(out)
-        if progress is not None:
-            progress(length)
+
+    def lane(sock: socket.socket, number: int, lanes: int, moved: Callable[[int], None]) -> None:
+        scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
+        for counter in range(number, len(chunks), lanes):
+            index, start, length = chunks[counter]
+            piece = views[index][start:start + length]
+            if aead is None:
+                sock.sendall(piece)
+            else:
+                out = scratch[:length + TAG]
+                aead.encrypt_into(_nonce(counter), piece, _aad(ticket, counter), out)
+                sock.sendall(out)
+            moved(length)
+
+    _on_lanes(socks, lane, progress)
 
 
 def _bytes_view(buffer) -> memoryview:
@@ -186,34 +220,114 @@ def _bytes_view(buffer) -> memoryview:
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
-def recv_buffers(sock: socket.socket, ticket: Ticket, sizes: Sequence[int],
+def recv_buffers(socks: socket.socket | Sequence[socket.socket], ticket: Ticket, sizes: Sequence[int],
                  progress: Callable[[int], None] | None = None) -> list[memoryview]:
-    """Receive buffers of ``sizes`` bytes into fresh ones (:func:`allocate`)
-    and return them once every chunk has arrived and verified.
+    """Receive buffers of ``sizes`` bytes into fresh ones (:func:`allocate`),
+    on the lanes ``socks`` (as :func:`send_buffers` sent them), and return
+    them once every chunk has arrived and verified.
 
     Raises TransferError naming the chunk when one fails its integrity check
     (tampered with or corrupted) or the sender stops early; the partly
     filled buffers are dropped, so nothing has changed for the caller.
     """
     out = [allocate(size) for size in sizes]
+    chunks = list(_chunks(sizes))
     aead = ticket.aead()
-    scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
-    total = sum(1 for _ in _chunks(sizes))
-    for counter, (index, start, length) in enumerate(_chunks(sizes)):
-        target = out[index][start:start + length]
-        if aead is None:
-            recv_exactly(sock, target)
-        else:
-            sealed = scratch[:length + TAG]
-            recv_exactly(sock, sealed)
-            try:
-                aead.decrypt_into(_nonce(counter), sealed, _aad(ticket, counter), target)
-            except Exception:  # cryptography's InvalidTag: the chunk was altered on the way
-                raise TransferError(f"chunk {counter + 1} of {total} failed its integrity check (tampered with or "
-                                    "corrupted on the way): the transfer was dropped and nothing changed") from None
-        if progress is not None:
-            progress(length)
+
+    def lane(sock: socket.socket, number: int, lanes: int, moved: Callable[[int], None]) -> None:
+        scratch = memoryview(bytearray(CHUNK + TAG)) if aead is not None else None
+        for counter in range(number, len(chunks), lanes):
+            index, start, length = chunks[counter]
+            target = out[index][start:start + length]
+            if aead is None:
+                recv_exactly(sock, target)
+            else:
+                sealed = scratch[:length + TAG]
+                recv_exactly(sock, sealed)
+                try:
+                    aead.decrypt_into(_nonce(counter), sealed, _aad(ticket, counter), target)
+                except Exception:  # cryptography's InvalidTag: the chunk was altered on the way
+                    raise TransferError(f"chunk {counter + 1} of {len(chunks)} failed its integrity check (tampered "
+                                        "with or corrupted on the way): the transfer was dropped and nothing "
+                                        "changed") from None
+            moved(length)
+
+    _on_lanes(socks, lane, progress)
     return out
+
+
+def _on_lanes(socks: socket.socket | Sequence[socket.socket], lane: Callable, progress: Callable[[int], None] | None
+              ) -> None:
+    """Run ``lane(sock, number, lanes, moved)`` for each of ``socks``: the first on
+    this thread, the others on threads of their own, whose bytes ``moved`` are
+    handed to ``progress`` on this thread. The first failure (an interrupt of
+    this thread included) shuts every lane down, so none is left blocked, and
+    is raised once all have stopped."""
+    socks = [socks] if isinstance(socks, socket.socket) else list(socks)
+    tally = _Tally(progress)
+    first: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(number: int, moved: Callable[[int], None]) -> None:
+        try:
+            lane(socks[number], number, len(socks), moved)
+        except BaseException as exc:
+            with lock:
+                first.append(exc)
+            _shut(socks)
+            raise
+
+    others = [threading.Thread(target=_quiet(run), args=(number, tally.add), daemon=True,
+                               name=f"gpupool-dataplane-lane-{number}") for number in range(1, len(socks))]
+    for other in others:
+        other.start()
+    try:
+        run(0, tally.here)
+    except BaseException as exc:
+        for other in others:
+            other.join()
+        raise exc if isinstance(exc, KeyboardInterrupt) else first[0]
+    for other in others:
+        other.join()
+    if first:
+        raise first[0]
+    tally.here(0)
+
+
+def _quiet(run: Callable) -> Callable:
+    """``run`` for a lane's thread: its failure is already recorded for the first lane to raise."""
+    def quiet(*args) -> None:
+        try:
+            run(*args)
+        except BaseException:
+            pass
+    return quiet
+
+
+class _Tally:
+    """Bytes moved by every lane, handed to ``progress`` on the first lane's thread (the cell's)."""
+
+    def __init__(self, progress: Callable[[int], None] | None) -> None:
+        self.progress, self._others, self._lock = progress, 0, threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._others += nbytes
+
+    def here(self, nbytes: int) -> None:
+        with self._lock:
+            nbytes, self._others = nbytes + self._others, 0
+        if self.progress is not None and nbytes:
+            self.progress(nbytes)
+
+
+def _shut(socks: Sequence[socket.socket]) -> None:
+    """Stop every lane: a lane blocked in a send or receive returns at once."""
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def recv_exactly(sock: socket.socket, into: memoryview) -> None:
@@ -250,15 +364,28 @@ def recv_status(sock: socket.socket) -> str | None:
     return reason.decode(errors="replace")
 
 
-def connect(address: tuple[str, int], ticket: Ticket, timeout: float) -> socket.socket:
-    """A data connection to the worker at ``address`` (ip, transfer_port), past
-    its hello for ``ticket``; ``timeout`` seconds a stall may last. OSError
-    when it cannot be reached; TransferError when the hello fails or the
-    worker refuses the ticket (with its reason)."""
+def connect(address: tuple[str, int], ticket: Ticket, timeout: float, lanes: int = 1) -> list[socket.socket]:
+    """The ``lanes`` data connections of a transfer to the worker at
+    ``address`` (ip, transfer_port), each past its hello for ``ticket``;
+    ``timeout`` seconds a stall may last. OSError when it cannot be reached;
+    TransferError when a hello fails or the worker refuses the ticket (with
+    its reason). None is left open on failure."""
+    socks: list[socket.socket] = []
+    try:
+        for lane in range(lanes):
+            socks.append(_connect_lane(address, ticket, timeout, lane))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def _connect_lane(address: tuple[str, int], ticket: Ticket, timeout: float, lane: int) -> socket.socket:
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(ticket.hello())
+        sock.sendall(ticket.hello(lane))
         refused = recv_status(sock)
     except OSError as exc:
         sock.close()

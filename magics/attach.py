@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from IPython.core.error import UsageError
 
@@ -66,8 +66,10 @@ class Attacher:
     ``forwarding`` is the gpupool kernel's (None in any other IPython, where
     cells stay local)."""
 
-    def __init__(self, service: Service, wait: QueueWait, tell: Tell, forwarding: Forwarding | None) -> None:
+    def __init__(self, service: Service, wait: QueueWait, tell: Tell, forwarding: Forwarding | None,
+                 streams: Callable[[], int] = lambda: 0) -> None:
         self.service, self.wait, self.tell, self.forwarding = service, wait, tell, forwarding
+        self.streams = streams  # c.GPUMagics.transfer_streams, read when a transfer starts
 
     @property
     def forwards(self) -> bool:
@@ -93,6 +95,7 @@ class Attacher:
         try:
             lease = self.wait.started(lease, started)
             attachment = Attachment.connect(client, lease)
+            attachment.transfer_streams = self.streams
             if forward:
                 self.forward(attachment)
         except BaseException as exc:  # interrupted or failed: never leave the slice held

@@ -53,6 +53,8 @@ class Attachment:
         self._resumed_from: str | None = None  # the ``parked.since`` of the park last resumed from
         # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
         self.workdir: str | None = None
+        # The most lanes of one transfer (c.GPUMagics.transfer_streams; 0: by cores), read per transfer.
+        self.transfer_streams: Callable[[], int] = lambda: 0
 
     def follow_parking(self, lease: Lease) -> None:
         """Keep :attr:`parked` as the service says (called on the heartbeat
@@ -226,7 +228,8 @@ class Attachment:
         recorded; a value whose device is missing there stays on the CPU and
         is listed in the errors). Returns ``(items sent, errors by name)``."""
         with self._guarded():
-            header, answer = dataplane.push(self._comm_unlocked, self.remote.connection, values, devices or {})
+            header, answer = dataplane.push(self._comm_unlocked, self.remote.connection, values, devices or {},
+                                            streams=self.transfer_streams())
         errors = {**header["errors"], **answer.get("errors", {})}
         return [i for i in header["items"] if i["name"] in answer.get("loaded", [])], errors
 
@@ -235,7 +238,8 @@ class Attachment:
         tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
         request = Pull(names=names) if names is not None else PullAll(max_bytes=max_bytes)
         with self._guarded():
-            header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request)
+            header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request,
+                                             streams=self.transfer_streams())
         try:
             return load_pulled(header, buffers)
         except KeyboardInterrupt:
@@ -249,7 +253,7 @@ class Attachment:
         travel (and why) and what did not restore there. GPUPoolError
         ``transfer_failed`` with nothing changed on either side but what the
         other's answer lists; this worker is left as it was."""
-        ticket = dataplane.ticket_for(self.remote.connection)
+        ticket = dataplane.ticket_for(self.remote.connection, self.transfer_streams())
         if ticket is None or not other.remote.connection.get("transfer_port"):
             raise GPUPoolError(Reason.transfer_failed, "a move needs both workers' data planes (their agents give "
                                "them a transfer_port); release and acquire instead", 409)

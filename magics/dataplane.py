@@ -15,13 +15,16 @@ request waits for that answer on a thread of its own while this thread
 streams (the worker's ZeroMQ sockets are used by that thread alone
 meanwhile). A pull sends a ticket along and the worker decides
 (``header["stream"]``). Smaller transfers, and workers of an older agent,
-keep everything in the comm message.
+keep everything in the comm message. A transfer of many MiB runs on several
+connections at once (lanes: :meth:`gpupool.dataplane.Ticket.lanes`), up to
+``streams`` (:func:`streams_for`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import socket
+import os
 import threading
 from typing import Any, Callable
 
@@ -36,16 +39,29 @@ from gpupool.wire.transfer import Pull, Pulling, Push, Request
 STREAM_MIN = 1 << 20
 #: Seconds a data connection may stall before the transfer counts as failed.
 STALL_TIMEOUT = 60.0
+#: Most lanes one transfer opens by default (``c.GPUMagics.transfer_streams = 0``): past a few, a
+#: link is full before the cores are (one AES-GCM lane moves several GB/s).
+AUTO_STREAMS = 4
 
 Comm = Callable[[Request, list | None], tuple[dict[str, Any], list]]
 
 
-def ticket_for(connection: dict[str, Any]) -> Ticket | None:
+def streams_for(setting: int = 0) -> int:
+    """The most lanes a transfer opens: ``setting`` (``c.GPUMagics.transfer_streams``), or
+    for 0 one per CPU core this process may run on, at most :data:`AUTO_STREAMS`."""
+    if setting > 0:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_STREAMS, cores))
+
+
+def ticket_for(connection: dict[str, Any], streams: int = 0) -> Ticket | None:
     """A fresh ticket for a worker with a data plane (None: it has none);
-    encrypted whenever its control channel is (CurveZMQ)."""
+    encrypted whenever its control channel is (CurveZMQ); up to
+    :func:`streams_for` ``(streams)`` lanes."""
     if not connection.get("transfer_port"):
         return None
-    return Ticket.new(encrypted=bool(connection.get("curve_publickey")))
+    return Ticket.new(encrypted=bool(connection.get("curve_publickey")), streams=streams_for(streams))
 
 
 class TransferInterrupted(KeyboardInterrupt):
@@ -87,7 +103,7 @@ class _Count:
 
 
 def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices: dict[str, str],
-         progress: bool | Callable[[int], None] = True) -> tuple[dict[str, Any], dict[str, Any]]:
+         progress: bool | Callable[[int], None] = True, streams: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
     """Send ``values`` to the worker; returns ``(header, answer)`` (the
     header's items and errors, the worker's ``loaded`` and ``errors``).
     Raises GPUPoolError ``transfer_failed`` when the stream fails (nothing
@@ -95,7 +111,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
     (nothing changed on the worker, unless its ``defined`` says otherwise).
     ``progress``: True for a progress line in the cell's output when the
     stream lasts over a second (cleared at the end), False for none, or a
-    callable given the bytes of each chunk."""
+    callable given the bytes of each chunk. ``streams``: as for :func:`streams_for`."""
     names = list(values)
     try:
         header, buffers = dump_values(values)
@@ -103,7 +119,7 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
         raise TransferInterrupted("packing", names) from None
     request = Push(header=header, devices=devices)
     sizes = [memoryview(b).nbytes for b in buffers]
-    ticket = ticket_for(connection)
+    ticket = ticket_for(connection, streams)
     if ticket is None or sum(sizes) < STREAM_MIN:
         try:
             answer, _ = comm(request, buffers)
@@ -117,9 +133,9 @@ def push(comm: Comm, connection: dict[str, Any], values: dict[str, Any], devices
     meter = _meter(progress, "pushing", sum(sizes))
     count = _Count(meter)
     try:
-        with _connect(connection, ticket) as sock:
-            send_buffers(sock, ticket, buffers, count)
-            recv_status(sock)  # the worker's own answer says why, if it refused
+        with _connect(connection, ticket, sizes) as socks:
+            send_buffers(socks, ticket, buffers, count)
+            recv_status(socks[0])  # the worker's own answer says why, if it refused
     except (OSError, TransferError, GPUPoolError) as exc:
         asked.answer()  # the worker's reason comes first: it knows more
         raise exc if isinstance(exc, GPUPoolError) else _failed(exc) from None
@@ -176,13 +192,13 @@ class _Asked(threading.Thread):
 
 
 def pull(comm: Comm, connection: dict[str, Any], request: Pulling,
-         progress: bool | Callable[[int], None] = True
+         progress: bool | Callable[[int], None] = True, streams: int = 0
          ) -> tuple[dict[str, Any], list]:
     """Ask the worker for ``request`` (a ``Pull`` or ``PullAll``); returns the
     answer's ``(header, buffers)`` for :func:`gpupool.transfer.load_pulled`.
     Errors as for :func:`push` (:class:`TransferInterrupted` while the bytes
     come); the local namespace is not touched here."""
-    ticket = ticket_for(connection)
+    ticket = ticket_for(connection, streams)
     if ticket is not None:
         request = dataclasses.replace(request, stream=ticket.wire())
     try:
@@ -196,9 +212,9 @@ def pull(comm: Comm, connection: dict[str, Any], request: Pulling,
     meter = _meter(progress, "pulling", sum(sizes))
     count = _Count(meter)
     names = [item["name"] for item in header.get("items", [])]
-    with _connect(connection, ticket) as sock:
+    with _connect(connection, ticket, sizes) as socks:
         try:
-            return header, recv_buffers(sock, ticket, sizes, count)
+            return header, recv_buffers(socks, ticket, sizes, count)
         except (OSError, TransferError) as exc:
             raise _failed(exc) from None
         except KeyboardInterrupt:
@@ -214,12 +230,22 @@ def _meter(progress, verb: str, total: int):
     return Progress(verb, total) if progress else None
 
 
-def _connect(connection: dict[str, Any], ticket: Ticket) -> socket.socket:
-    """A data connection to the worker, past its hello; GPUPoolError when
-    the worker cannot be reached or refuses the ticket."""
+@contextlib.contextmanager
+def _connect(connection: dict[str, Any], ticket: Ticket, sizes: list[int]):
+    """The data connections to the worker for a transfer of ``sizes`` bytes, past their
+    hellos, closed after; GPUPoolError when the worker cannot be reached or refuses the ticket."""
+    socks = _lanes(connection, ticket, sizes)
+    try:
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _lanes(connection: dict[str, Any], ticket: Ticket, sizes: list[int]) -> list:
     address = (connection["ip"], int(connection["transfer_port"]))
     try:
-        return connect(address, ticket, STALL_TIMEOUT)
+        return connect(address, ticket, STALL_TIMEOUT, ticket.lanes(sizes))
     except TransferError as exc:
         raise _failed(exc) from None
     except OSError as exc:

@@ -38,12 +38,14 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from traitlets import Float, Unicode
+from traitlets import Float, Int, TraitError, Unicode, validate
 
+from gpupool.dataplane import MAX_STREAMS
 from gpupool.errors import GPUPoolError
 from gpupool.traits import ByteSize
 
 from .attach import Attacher, Forwarding, own_lease_request
+from .dataplane import AUTO_STREAMS
 from .attachment import Attachment
 from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards
 from .lifecycle import Lifecycle
@@ -104,6 +106,20 @@ class GPUMagics(Magics):
         or a count of whole GPUs ("1"), default "0.25". Example: c.GPUMagics.cell_lease = "0.5".""",
     ).tag(config=True)
 
+    transfer_streams = Int(
+        0,
+        help=f"""Most TCP connections one transfer of many MiB (push, pull, release, a move) runs on
+        at once, each sealing its share of the chunks on a core of its own; one per 16 MiB
+        moved at most. 0 (default): one per CPU core of this kernel, at most {AUTO_STREAMS}.
+        Example: c.GPUMagics.transfer_streams = 8.""",
+    ).tag(config=True)
+
+    @validate("transfer_streams")
+    def _transfer_streams_valid(self, proposal: Any) -> int:
+        if not 0 <= proposal["value"] <= MAX_STREAMS:
+            raise TraitError(f"transfer_streams must be 0 (by cores) to {MAX_STREAMS}, not {proposal['value']}")
+        return proposal["value"]
+
     def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
         tell = self._tell = Tell(getattr(kernel, "events", None))
@@ -112,8 +128,8 @@ class GPUMagics(Magics):
         # The settings are read when used: %config may change them between cells.
         wait = QueueWait(self.service, tell, timeout=lambda: self.start_timeout)
         self.transfers = Transfers(Variables(shell), cap=lambda: self.release_state_cap)
-        self.lifecycle = Lifecycle(self.service, Attacher(self.service, wait, tell, forwarding), wait,
-                                   self.transfers, tell)
+        attacher = Attacher(self.service, wait, tell, forwarding, streams=lambda: self.transfer_streams)
+        self.lifecycle = Lifecycle(self.service, attacher, wait, self.transfers, tell)
         self.status = Status(self.service, self.lifecycle, getattr(kernel, "cell", None))
         self._commands = {name: getattr(self, f"_{name}") for name in COMMANDS}  # %gpu NAME -> self._NAME
 

@@ -3,8 +3,9 @@
 One listening socket on the worker's ``transfer_port`` (the agent puts it in
 the connection file). Its connections are accepted and authenticated on one
 thread (:mod:`.hello_gate`: a bounded number wait for their hello, each
-under a short deadline); a connection whose hello opens a registered
-transfer gets a thread of its own for the bytes. The kernel's main thread
+under a short deadline); a connection whose hello opens a lane of a
+registered transfer is held until every lane of it has come, and the last
+to come moves the bytes on all of them (one thread per lane). The kernel's main thread
 only registers transfers (from the comm, where it already runs) and, for a
 push, takes the verified buffers to unpickle them into the namespace. So a
 transfer never blocks a cell, and one the client abandons (interrupt, closed
@@ -42,9 +43,19 @@ class _Pending:
     outgoing: Sequence | None = None  # a pull's buffers, to send
     received: list | None = None  # a push's buffers, once all verified
     error: str | None = None
-    connected: bool = False
+    connected: bool = False  # every lane has come: the bytes are moving
     done: threading.Event = field(default_factory=threading.Event)
     since: float = field(default_factory=time.monotonic)
+    lanes: list[socket.socket | None] = field(default_factory=list)  # by lane number, as they come
+
+    def __post_init__(self) -> None:
+        self.lanes = [None] * self.ticket.lanes(self.sizes)
+
+    def hang_up(self) -> None:
+        """Close the lanes that came (a transfer dropped before all did)."""
+        for sock in self.lanes:
+            if sock is not None:
+                sock.close()
 
 
 class DataPlaneServer:
@@ -95,7 +106,9 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._pending.pop(ident, None)
-            pending.error = pending.error or "the worker stopped waiting for this transfer"
+                pending.error = pending.error or "the worker stopped waiting for this transfer"
+                if not pending.connected:
+                    pending.hang_up()
         if pending.received is None:
             raise TransferError(pending.error)
         return pending.received
@@ -108,7 +121,7 @@ class DataPlaneServer:
         now = time.monotonic()
         with self._lock:
             for ident in [i for i, p in self._pending.items() if now - p.since > PENDING_TTL]:
-                del self._pending[ident]  # abandoned: a client that never connected
+                self._pending.pop(ident).hang_up()  # abandoned: a client that never connected (all its lanes)
             self._pending[pending.ticket.id] = pending
         self._gate.registered()
         if refused:
@@ -121,40 +134,68 @@ class DataPlaneServer:
             pending = self._pending.get(ident)
         return pending.ticket if pending is not None else None
 
-    def _accepted(self, conn: socket.socket, ticket: Ticket) -> None:
+    def _accepted(self, conn: socket.socket, ticket: Ticket, lane: int) -> None:
         # Only connections that proved they hold a registered ticket get a thread (HelloGate).
-        threading.Thread(target=self._serve, args=(conn, ticket), name="gpupool-dataplane-conn",
+        threading.Thread(target=self._serve, args=(conn, ticket, lane), name="gpupool-dataplane-conn",
                          daemon=True).start()
 
-    def _serve(self, conn: socket.socket, ticket: Ticket) -> None:
+    def _serve(self, conn: socket.socket, ticket: Ticket, lane: int) -> None:
+        """Take lane ``lane`` of ``ticket``'s transfer; the last lane to come moves the bytes."""
         conn.settimeout(IDLE_TIMEOUT)
-        pending = None
-        with conn:
-            try:
-                with self._lock:
-                    pending = self._pending[ticket.id]
-                    if pending.error or pending.connected:
-                        raise TransferError(pending.error or "this transfer is already under way")
-                    pending.connected = True
-                    if pending.outgoing is not None:  # a pull is sent once
-                        del self._pending[ticket.id]
-                send_status(conn, None)
-                if pending.outgoing is not None:
-                    send_buffers(conn, ticket, pending.outgoing)
-                    return
-                pending.received = recv_buffers(conn, ticket, pending.sizes)
-                pending.done.set()
-                send_status(conn, None)
-            except (TransferError, OSError, KeyError) as exc:
-                why = str(exc) if isinstance(exc, TransferError) else f"the connection failed: {exc}"
-                log.info("data plane transfer dropped: %s", why)
-                if pending is not None and pending.outgoing is None:
-                    pending.error, pending.received = pending.error or why, None
-                    pending.done.set()
-                try:
-                    send_status(conn, why)
-                except OSError:
-                    pass
+        try:
+            pending = self._join(conn, ticket, lane)
+        except (TransferError, OSError) as exc:
+            self._refuse(conn, None, exc)
+            return
+        if pending is None:  # held until the others come
+            return
+        try:
+            if pending.outgoing is not None:
+                send_buffers(pending.lanes, ticket, pending.outgoing)
+                return
+            pending.received = recv_buffers(pending.lanes, ticket, pending.sizes)
+            pending.done.set()
+            for sock in pending.lanes:
+                send_status(sock, None)
+        except (TransferError, OSError) as exc:
+            self._refuse(pending.lanes[0], pending, exc)
+        finally:
+            pending.hang_up()
+
+    def _join(self, conn: socket.socket, ticket: Ticket, lane: int) -> _Pending | None:
+        """Hold ``conn`` as lane ``lane`` of its transfer and accept it (its status
+        sent before any byte of the transfer can be); the transfer once every lane
+        is in, else None. TransferError when it may not join."""
+        with self._lock:
+            pending = self._pending.get(ticket.id)
+            if pending is None:
+                raise TransferError("no such transfer is waiting on this worker (it expired)")
+            if lane >= len(pending.lanes):
+                raise TransferError(f"lane {lane} is not one this transfer waits for ({len(pending.lanes)} lane(s))")
+            if pending.error or pending.connected or pending.lanes[lane] is not None:
+                raise TransferError(pending.error or "this transfer is already under way")
+            send_status(conn, None)
+            pending.lanes[lane] = conn
+            if any(sock is None for sock in pending.lanes):
+                return None
+            pending.connected = True
+            if pending.outgoing is not None:  # a pull is sent once
+                del self._pending[ticket.id]
+            return pending
+
+    @staticmethod
+    def _refuse(conn: socket.socket, pending: _Pending | None, exc: Exception) -> None:
+        """Say why on ``conn`` and end the transfer (a push's :meth:`take` hears it); ``conn`` is closed."""
+        why = str(exc) if isinstance(exc, TransferError) else f"the connection failed: {exc}"
+        log.info("data plane transfer dropped: %s", why)
+        if pending is not None and pending.outgoing is None:
+            pending.error, pending.received = pending.error or why, None
+            pending.done.set()
+        try:
+            send_status(conn, why)
+        except OSError:
+            pass
+        conn.close()
 
     def close(self) -> None:
         self._gate.close()

@@ -51,13 +51,13 @@ class _Waiting:
 class HelloGate:
     """Serves ``listener`` on a thread of its own. ``lookup(id)``: the ticket
     of the registered transfer ``id`` (16 bytes) or None, without waiting;
-    ``accept(conn, ticket)``: called on the gate's thread for a connection
+    ``accept(conn, ticket, lane)``: called on the gate's thread for a connection
     whose hello checked out (blocking mode, no timeout set); it must return
     at once (start a thread). Call :meth:`registered` after each new
     registration and :meth:`close` to stop."""
 
     def __init__(self, listener: socket.socket, lookup: Callable[[bytes], Ticket | None],
-                 accept: Callable[[socket.socket, Ticket], None], *, max_waiting: int = MAX_WAITING,
+                 accept: Callable[[socket.socket, Ticket, int], None], *, max_waiting: int = MAX_WAITING,
                  hello_timeout: float = HELLO_TIMEOUT, register_wait: float = REGISTER_WAIT) -> None:
         self.listener, self.lookup, self.accept = listener, lookup, accept
         self.max_waiting, self.hello_timeout, self.register_wait = max_waiting, hello_timeout, register_wait
@@ -168,14 +168,14 @@ class HelloGate:
         if not final and self.lookup(hello[:16]) is None:
             return
         try:
-            ticket = check_hello(hello, self.lookup)
+            ticket, lane = check_hello(hello, self.lookup)
         except TransferError as exc:
             log.info("data plane transfer refused: %s", exc)
             self._drop(fd, refusal=str(exc))
             return
         self._forget(fd)
         waiting.conn.setblocking(True)
-        self.accept(waiting.conn, ticket)
+        self.accept(waiting.conn, ticket, lane)
 
     def _expire(self, now: float) -> None:
         for fd in [fd for fd, w in self._waiting.items() if w.deadline <= now]:

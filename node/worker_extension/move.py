@@ -26,12 +26,16 @@ def fetch(ip, request: Fetch) -> dict[str, Any]:
     source = request.source
     address = (str(source["ip"]), int(source["transfer_port"]))
     ticket = Ticket.from_wire(request.stream)
+    sizes = [int(size) for size in request.stream["sizes"]]
     try:
-        sock = connect(address, ticket, STALL_TIMEOUT)
+        socks = connect(address, ticket, STALL_TIMEOUT, ticket.lanes(sizes))
     except OSError as exc:
         raise TransferError(f"this node could not reach the old worker's data port {address[0]}:{address[1]} "
                             f"({exc}); the cluster's network policy must let workers reach each other; "
                             "nothing moved") from None
-    with sock:
-        buffers = recv_buffers(sock, ticket, [int(size) for size in request.stream["sizes"]])
+    try:
+        buffers = recv_buffers(socks, ticket, sizes)
+    finally:
+        for sock in socks:
+            sock.close()
     return restore(ip, request.header, buffers)

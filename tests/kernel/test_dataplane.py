@@ -25,7 +25,7 @@ from jupyter_client import KernelManager
 from frontend import STAND_IN, remote_value
 from service_api import active_leases
 from gpupool import dataplane as dataplane_core
-from gpupool.dataplane import CHUNK, Progress, Ticket, TransferError, recv_buffers, send_buffers
+from gpupool.dataplane import CHUNK, HELLO_BYTES, LANE_BYTES, Progress, Ticket, TransferError, recv_buffers, send_buffers
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.magics import dataplane
 from gpupool.remote import RemoteKernel
@@ -141,19 +141,27 @@ def test_a_device_value_lands_on_the_cpu_and_goes_back_to_its_device(worker):
 
 class _Tamper:
     """A TCP relay to the worker's data port that flips one byte at ``offset``
-    of the stream going ``way`` (``"up"``: to the worker)."""
+    of the stream going ``way`` (``"up"``: to the worker) on the ``lane``-th
+    connection it accepts (a transfer's lanes connect in order); ``accepted``
+    counts the connections. ``offset`` None: a plain relay."""
 
-    def __init__(self, port: int, way: str, offset: int) -> None:
-        self.port, self.way, self.offset = port, way, offset
+    def __init__(self, port: int, way: str, offset: int | None, lane: int = 0) -> None:
+        self.port, self.way, self.offset, self.lane = port, way, offset, lane
+        self.accepted = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
-        with self.listener:
-            client, _ = self.listener.accept()
-        upstream = socket.create_connection(("127.0.0.1", self.port))
-        for src, dst, way in ((client, upstream, "up"), (upstream, client, "down")):
-            threading.Thread(target=self._pipe, args=(src, dst, way == self.way), daemon=True).start()
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            tampered = self.offset is not None and self.accepted == self.lane
+            self.accepted += 1
+            for src, dst, way in ((client, upstream, "up"), (upstream, client, "down")):
+                threading.Thread(target=self._pipe, args=(src, dst, tampered and way == self.way), daemon=True).start()
 
     def _pipe(self, src, dst, tamper: bool) -> None:
         seen = 0
@@ -176,7 +184,7 @@ class _Tamper:
 
 def test_a_tampered_chunk_is_refused_and_changes_nothing(worker):
     remote, connection = worker
-    second_chunk = 48 + CHUNK + 16 + 1000  # past the hello and the first sealed chunk
+    second_chunk = HELLO_BYTES + CHUNK + 16 + 1000  # past the hello and the first sealed chunk
     relay = _Tamper(connection["transfer_port"], "up", second_chunk)
     via = {**connection, "transfer_port": relay.listener.getsockname()[1]}
     with pytest.raises(GPUPoolError, match=r"^chunk \d+ of \d+ failed its integrity check.*nothing changed"):
@@ -198,7 +206,8 @@ def test_a_transfer_with_another_key_or_without_encryption_is_refused(worker):
         server.expect(ticket, [CHUNK])
         forged = Ticket(ticket.id, Ticket.new().key, ticket.cipher)  # another lease's (or transfer's) key
         with pytest.raises(GPUPoolError, match="refused the transfer: the transfer's key does not match"):
-            dataplane._connect({"ip": "127.0.0.1", "transfer_port": server.port}, forged)
+            with dataplane._connect({"ip": "127.0.0.1", "transfer_port": server.port}, forged, [CHUNK]):
+                pass
     finally:
         server.close()
     unencrypted = {k: v for k, v in connection.items() if k != "curve_publickey"}  # asks for a plain ticket
@@ -225,6 +234,48 @@ def test_an_interrupted_transfer_leaves_both_kernels_usable(worker):
     assert int(back["whole"][-1]) == 7
     _, answer = dataplane.push(_comm(remote), connection, {"after": payload}, {}, progress=False)
     assert answer["loaded"] == ["after"]
+
+
+#: A value big enough for two lanes (gpupool.dataplane.LANE_BYTES each), with a short last chunk.
+TWO_LANES = 2 * LANE_BYTES + CHUNK // 3
+
+
+def test_a_big_value_travels_on_several_lanes_both_ways(worker):
+    remote, connection = worker
+    relay = _Tamper(connection["transfer_port"], "up", None)
+    via = {**connection, "transfer_port": relay.listener.getsockname()[1]}
+    payload = np.random.default_rng(7).integers(0, 255, TWO_LANES, dtype=np.uint8)
+    moved: list[int] = []
+    _, answer = dataplane.push(_comm(remote), via, {"laned": payload}, {}, progress=moved.append, streams=4)
+    assert answer["loaded"] == ["laned"] and relay.accepted == 2, "two lanes: one per 16 MiB, under the 4 asked"
+    assert TWO_LANES <= sum(moved) < TWO_LANES + 1024, "every lane's bytes counted once (and the pickle's few)"
+    (back, _, _), _ = _pull(remote, via, ["laned"], streams=4)
+    assert relay.accepted == 4 and np.array_equal(back["laned"], payload)
+    _, answer = dataplane.push(_comm(remote), via, {"one_lane": payload}, {}, progress=False, streams=1)
+    assert answer["loaded"] == ["one_lane"] and relay.accepted == 5, "streams=1: one connection"
+
+
+def test_a_tampered_chunk_on_another_lane_is_refused_and_changes_nothing(worker):
+    """Chunk 2 goes on lane 1; its tag binds it to its transfer and number, whichever lane it came on."""
+    remote, connection = worker
+    relay = _Tamper(connection["transfer_port"], "up", HELLO_BYTES + 1000, lane=1)
+    via = {**connection, "transfer_port": relay.listener.getsockname()[1]}
+    with pytest.raises(GPUPoolError, match=r"^chunk 2 of \d+ failed its integrity check.*nothing changed"):
+        dataplane.push(_comm(remote), via, {"tampered2": np.ones(TWO_LANES, np.uint8)}, {}, progress=False,
+                       streams=2)
+    assert _on_worker(remote, "'tampered2' in globals()") == "False"
+
+
+def test_an_interrupted_transfer_on_lanes_stops_them_all_and_both_kernels_go_on(worker):
+    remote, connection = worker
+    with pytest.raises(KeyboardInterrupt):
+        dataplane.push(_comm(remote), connection, {"cut2": np.ones(TWO_LANES, np.uint8)}, {},
+                       progress=_interrupt_after_first_chunk, streams=2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpupool-dataplane-lane")], "no lane left"
+    assert _on_worker(remote, "'cut2' in globals()") == "False"
+    _, answer = dataplane.push(_comm(remote), connection, {"after2": np.ones(TWO_LANES, np.uint8)}, {},
+                               progress=False, streams=2)
+    assert answer["loaded"] == ["after2"]
 
 
 IDLE_FLOOD = 3000
@@ -289,11 +340,40 @@ def test_plain_chunks_without_encryption_arrive_whole():
         payload = [np.arange(CHUNK + 5, dtype=np.uint8), b"tail"]
         server.expect(ticket, [memoryview(b).nbytes for b in payload])
         connection = {"ip": "127.0.0.1", "transfer_port": server.port}
-        with dataplane._connect(connection, ticket) as sock:
-            send_buffers(sock, ticket, payload)
-            assert dataplane.recv_status(sock) is None
+        with dataplane._connect(connection, ticket, [memoryview(b).nbytes for b in payload]) as socks:
+            send_buffers(socks, ticket, payload)
+            assert dataplane.recv_status(socks[0]) is None
         got = server.take(ticket.id)
         assert bytes(got[0]) == payload[0].tobytes() and bytes(got[1]) == b"tail"
+    finally:
+        server.close()
+
+
+def test_a_lane_the_transfer_does_not_have_is_refused_and_nothing_stays_open():
+    server = DataPlaneServer("127.0.0.1", 0, encrypted=True)
+    try:
+        ticket = Ticket.new(streams=2)
+        server.expect(ticket, [CHUNK])  # 1 MiB: one lane, whatever the ticket allows
+        with pytest.raises(TransferError, match="lane 1 is not one this transfer waits for"):
+            dataplane.connect(("127.0.0.1", server.port), ticket, 5, lanes=2)
+        # Lane 0 had come (the whole transfer, here) and was closed with the refusal: dropped, nothing taken.
+        with pytest.raises(TransferError, match="closed .* early"):
+            server.take(ticket.id, connect_timeout=5)
+    finally:
+        server.close()
+
+
+def test_a_push_whose_lanes_do_not_all_come_is_dropped_and_its_lane_closed():
+    server = DataPlaneServer("127.0.0.1", 0, encrypted=True)
+    try:
+        ticket = Ticket.new(streams=2)
+        server.expect(ticket, [2 * LANE_BYTES])
+        first, = dataplane.connect(("127.0.0.1", server.port), ticket, 5, lanes=1)  # lane 0 of 2
+        with first:
+            with pytest.raises(TransferError, match="no data connection came within 1s"):
+                server.take(ticket.id, connect_timeout=1.0)
+            first.settimeout(5)
+            assert first.recv(1) == b"", "the worker closed the lane it held"
     finally:
         server.close()
 

@@ -88,3 +88,16 @@ def test_pull_of_a_name_the_worker_lacks_is_a_usage_error_and_takes_nothing():
     answer = ({"y": 1}, [{"name": "y", "type": "int", "nbytes": 28}], {"z": "too large"})  # other reasons: a note
     transfers.pull(attachment, ["y", "z"])
     assert taken == [{"y": 1}]
+
+
+@pytest.mark.parametrize("value", [-1, 17])
+def test_transfer_streams_out_of_range_is_refused_and_keeps_the_setting(shell, value):
+    from traitlets import TraitError
+
+    magics = shell.magics_manager.registry["GPUMagics"]
+    with pytest.raises(TraitError, match=f"transfer_streams must be 0 \\(by cores\\) to 16, not {value}"):
+        magics.transfer_streams = value
+    assert magics.transfer_streams == 0
+    shell.run_line_magic("config", "GPUMagics.transfer_streams = 3")  # as a notebook's %%local cell sets it
+    assert magics.transfer_streams == 3
+    magics.transfer_streams = 0
