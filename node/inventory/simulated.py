@@ -59,7 +59,7 @@ MODELS: dict[str, GPUModel] = {
 # Short names accepted where they are not ambiguous ("H200" but not "A100").
 _ALIASES = {"H100": "H100-80GB", "H200": "H200-141GB", "L4": "L4-24GB", "T4": "T4-16GB", "V100": "V100-32GB"}
 
-_ITEM = re.compile(r"^\s*(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9-]+)\s*$")
+_ITEM = re.compile(r"^\s*(?:([-+]?\d+)\s*[xX]\s*)?([A-Za-z0-9-]+)\s*$")  # a sign, to say why -1 is no count
 MAX_GPUS = 64
 
 
@@ -78,9 +78,9 @@ def parse_spec(spec: str) -> list[tuple[str, GPUModel]]:
         if not match:
             raise ValueError(f"cannot read {item.strip()!r} in {spec!r}; write COUNTxMODEL like '2xA100-80GB'")
         count = int(match.group(1) or 1)
-        key = _model_key(match.group(2))
         if count < 1:
             raise ValueError(f"GPU count must be at least 1 in {item.strip()!r}")
+        key = _model_key(match.group(2))
         gpus.extend([(key, MODELS[key])] * count)
         if len(gpus) > MAX_GPUS:
             raise ValueError(f"{spec!r} declares more than {MAX_GPUS} GPUs")

@@ -67,6 +67,7 @@ def test_simulated_metrics_read_simulated_memory_and_leave_utilization_unknown(t
     ("2xB200", "unknown GPU model 'B200'; known models: A100-80GB"),
     ("A100", "unknown GPU model 'A100'"),  # ambiguous: 40 or 80 GB
     ("0xA100-80GB", "at least 1"),
+    ("-1xA100-80GB", "GPU count must be at least 1 in '-1xA100-80GB'"),  # as --simulate=-1x... gives it
     ("2x", "unknown GPU model '2x'"),
     ("2xT4 extra", "cannot read '2xT4 extra'"),
     ("2xA100-80GB,,T4", "cannot read ''"),
