@@ -40,6 +40,9 @@ class NoSubshellKernelApp(IPKernelApp):
     def initialize(self, argv=None) -> None:
         ipykernel_private.check(self.private_names)  # an ipykernel without one stops here, with words
         super().initialize(argv)
+        # traitlets leaves the logger at DEBUG and filters in its handler, so each of ipykernel's
+        # debug lines per message still built a record (a twentieth of a forwarded cell's time here).
+        self.log.setLevel(self.log_level)
 
     def init_sockets(self) -> None:
         try:

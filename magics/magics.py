@@ -233,6 +233,8 @@ class GPUMagics(Magics):
         ``%gpu`` line in it that may not run mid-cell, :func:`not_mid_cell`),
         "" when it may: refused before anything of it runs, rather than
         half-run up to that line."""
+        if "gpu" not in code:  # no %gpu line, and no call of the magic by name: no translation needed
+            return ""
         for line in gpu_lines(self.shell.transform_cell(code)):
             refused = not_mid_cell(line)
             if refused:

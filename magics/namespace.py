@@ -116,6 +116,10 @@ def _collect(table: symtable.SymbolTable, found: dict[str, None], top: bool) -> 
 def local_candidates(cell: str, user_ns: dict[str, Any], hidden: dict[str, Any]) -> list[str]:
     """Names ``cell`` reads that the local namespace holds as user state:
     not ``_private``, not put there by IPython (``user_ns_hidden``), not
-    the shell's own helpers."""
-    return [name for name in names_read(cell)
-            if name in user_ns and not name.startswith("_") and name not in hidden and name not in _SHELL_NAMES]
+    the shell's own helpers. A cell whose text holds none of those names reads
+    none of them, and is not parsed (most cells, once the state lives on the worker)."""
+    held = [name for name in user_ns
+            if not name.startswith("_") and name not in hidden and name not in _SHELL_NAMES and name in cell]
+    if not held:
+        return []
+    return [name for name in names_read(cell) if name in held]

@@ -54,6 +54,16 @@ def test_local_candidates_leave_out_private_hidden_and_shell_names():
     assert local_candidates("x + _y + In[0] + hid + nowhere\nget_ipython()", user_ns, {"hid": 3}) == ["x"]
 
 
+@pytest.mark.parametrize(("cell", "read"), [
+    ("total = 0", []),  # no local name in the text: nothing is parsed, nothing read
+    ("print('df')", []),  # in the text, but in a string: parsed, not read
+    ("%%time\nmodel(df)", ["model", "df"]),  # a cell magic's body is read
+    ("dfx = 1\nprint(dfx)", []),  # df is a part of another name only
+])
+def test_local_candidates_read_only_cells_that_name_a_local_value(cell, read):
+    assert local_candidates(cell, {"df": 1, "model": print}, {}) == read
+
+
 def test_version_mismatches_name_what_differs_and_ignore_patch_levels():
     here = {"python": "3.11.9", "numpy": "2.4.6", "cloudpickle": "3.1.1", "torch": "2.13.0", "pandas": "2.2.0"}
     there = {"python": "3.11.2", "numpy": "1.26.4", "cloudpickle": "3.1.0", "torch": "2.13.1+cu124"}
