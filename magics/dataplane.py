@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import threading
 from typing import Any, Callable
 
@@ -159,13 +160,16 @@ def _interrupted_push(asked: "_Asked", names: list[str], moved: int, total: int)
 
 
 class _Asked(threading.Thread):
-    """``comm(request, None)`` on a thread of its own; :meth:`answer` joins it."""
+    """``comm(request, None)`` on a thread of its own; :meth:`answer` waits for it."""
 
     def __init__(self, comm: Comm, request: Request) -> None:
         super().__init__(name="gpupool-push", daemon=True)
         self.comm, self.request = comm, request
         self.result: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        # Not join() or is_alive(): an interrupt inside Thread.join can leave is_alive() False while the
+        # thread still runs (CPython gh-90882), and the caller would then share the worker's sockets with it.
+        self.finished = threading.Event()
         self.start()
 
     def run(self) -> None:
@@ -173,22 +177,37 @@ class _Asked(threading.Thread):
             self.result, _ = self.comm(self.request, None)
         except BaseException as exc:  # handed to the caller's thread
             self.error = exc
+        finally:
+            self.finished.set()
 
     def answer(self, quiet: bool = False, interruptible: bool = True) -> dict[str, Any]:
         """The worker's answer; raises what the request raised (unless
         ``quiet``), and KeyboardInterrupt after the answer when interrupted
-        while waiting for it (unless not ``interruptible``)."""
-        interrupted = False
-        while self.is_alive():  # the worker answers soon once the stream ended, either way
-            try:
-                self.join(0.05)
-            except KeyboardInterrupt:  # leaving now would share the worker's sockets with the thread
-                interrupted = True
+        while waiting for it (unless not ``interruptible``). An interrupt never
+        ends the wait: leaving would share the worker's sockets with the thread."""
+        with _interrupts_held() as held:
+            self.finished.wait()  # the worker answers soon once the stream ended, either way
+        interrupted = bool(held)
         if interrupted and interruptible:
             raise KeyboardInterrupt
         if self.error is not None and not quiet:
             raise self.error
         return self.result or {}
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """On the main thread, SIGINT only counted (into the yielded list) instead of raising
+    KeyboardInterrupt, so a wait that must not be left cannot be, even between statements."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def pull(comm: Comm, connection: dict[str, Any], request: Pulling,

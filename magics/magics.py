@@ -116,7 +116,7 @@ class GPUMagics(Magics):
 
     @validate("transfer_streams")
     def _transfer_streams_valid(self, proposal: Any) -> int:
-        if not 0 <= proposal["value"] <= MAX_STREAMS:
+        if isinstance(proposal["value"], bool) or not 0 <= proposal["value"] <= MAX_STREAMS:
             raise TraitError(f"transfer_streams must be 0 (by cores) to {MAX_STREAMS}, not {proposal['value']}")
         return proposal["value"]
 

@@ -78,5 +78,7 @@ def pull_interrupted(exc: Any) -> str:
 
 def release_interrupted(exc: Any, lease_id: str) -> str:
     """One line for a release interrupted while the variables came back: it did not release."""
-    return (f"release interrupted {exc.where()} while the variables came back; nothing came back and {lease_id} "
+    where = exc.where()
+    during = where if where.startswith("while ") else f"{where} while the variables came back"
+    return (f"release interrupted {during}; nothing came back and {lease_id} "
             "is still attached: run %gpu release again, or %gpu release --discard to leave them there")

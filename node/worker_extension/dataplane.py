@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -101,6 +102,9 @@ class DataPlaneServer:
             while not pending.done.wait(0.05):  # short waits: an interrupt reaches this thread
                 if not pending.connected and time.monotonic() > deadline:
                     raise TransferError(f"no data connection came within {connect_timeout:.0f}s: nothing changed")
+                if not pending.connected and self._hung_up(pending):
+                    raise TransferError("the client closed its data connections before they were all open "
+                                        "(interrupted?): nothing changed")
         except KeyboardInterrupt:
             raise TransferError("interrupted on the worker: nothing changed") from None
         finally:
@@ -112,6 +116,20 @@ class DataPlaneServer:
         if pending.received is None:
             raise TransferError(pending.error)
         return pending.received
+
+    def _hung_up(self, pending: _Pending) -> bool:
+        """Whether a lane that came has been closed by the client while the others are awaited:
+        nothing is sent before every lane is in, so a lane with something to read has ended."""
+        with self._lock:
+            if pending.connected:
+                return False
+            held = [sock for sock in pending.lanes if sock is not None]
+        try:
+            readable, _, _ = select.select(held, [], [], 0)
+        except (OSError, ValueError):  # closed meanwhile
+            readable = held
+        with self._lock:  # the last lane may have come meanwhile, and its bytes with it
+            return bool(readable) and not pending.connected
 
     def _register(self, pending: _Pending) -> None:
         refused = None

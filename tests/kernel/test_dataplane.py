@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import io
 import json
+import os
 import re
 import resource
 import signal
@@ -25,6 +26,7 @@ from jupyter_client import KernelManager
 from frontend import STAND_IN, remote_value
 from service_api import active_leases
 from gpupool import dataplane as dataplane_core
+from gpupool import dataplane as gpupool_dataplane
 from gpupool.dataplane import CHUNK, HELLO_BYTES, LANE_BYTES, Progress, Ticket, TransferError, recv_buffers, send_buffers
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.magics import dataplane
@@ -278,6 +280,29 @@ def test_an_interrupted_transfer_on_lanes_stops_them_all_and_both_kernels_go_on(
     assert answer["loaded"] == ["after2"]
 
 
+def test_a_push_interrupted_while_its_lanes_connect_ends_at_once_and_changes_nothing(worker, monkeypatch):
+    remote, connection = worker
+    real = gpupool_dataplane._connect_lane
+
+    def interrupted_at_lane_2(address, ticket, timeout, lane):
+        if lane == 2:
+            raise KeyboardInterrupt
+        return real(address, ticket, timeout, lane)
+
+    monkeypatch.setattr(gpupool_dataplane, "_connect_lane", interrupted_at_lane_2)
+    started = time.monotonic()
+    with pytest.raises(dataplane.TransferInterrupted) as caught:
+        dataplane.push(_comm(remote), connection, {"early": np.ones(4 * LANE_BYTES, np.uint8)}, {}, progress=False,
+                       streams=4)
+    assert time.monotonic() - started < 10, "the worker saw the lanes close: no 30 s wait for the rest"
+    assert caught.value.moved == 0 and not caught.value.defined
+    monkeypatch.undo()
+    assert _on_worker(remote, "'early' in globals()") == "False"
+    _, answer = dataplane.push(_comm(remote), connection, {"later": np.ones(4 * LANE_BYTES, np.uint8)}, {},
+                               progress=False, streams=4)
+    assert answer["loaded"] == ["later"]
+
+
 IDLE_FLOOD = 3000
 
 
@@ -376,6 +401,42 @@ def test_a_push_whose_lanes_do_not_all_come_is_dropped_and_its_lane_closed():
             assert first.recv(1) == b"", "the worker closed the lane it held"
     finally:
         server.close()
+
+
+def test_a_push_whose_client_hangs_up_before_all_lanes_came_is_dropped_at_once():
+    """An interrupt while the lanes connect closes those that came: the worker stops waiting then,
+    not at its 30 s deadline for connections."""
+    server = DataPlaneServer("127.0.0.1", 0, encrypted=True)
+    try:
+        ticket = Ticket.new(streams=2)
+        server.expect(ticket, [2 * LANE_BYTES])
+        first, = dataplane.connect(("127.0.0.1", server.port), ticket, 5, lanes=1)  # lane 0 of 2
+        first.close()
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="closed its data connections before they were all open"):
+            server.take(ticket.id)
+        assert time.monotonic() - started < 10
+    finally:
+        server.close()
+
+
+def test_interrupts_while_a_push_awaits_its_answer_never_leave_the_answer_thread_running():
+    """The worker's sockets are the answer thread's until it ends: Ctrl-C, twice, waits for it."""
+    def slow_comm(request, buffers):
+        time.sleep(1.0)
+        return {"ok": True, "loaded": ["x"]}, []
+
+    for interruptible in (False, True):
+        asked = dataplane._Asked(slow_comm, None)
+        for delay in (0.2, 0.4):
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+        if interruptible:
+            with pytest.raises(KeyboardInterrupt):
+                asked.answer()
+        else:
+            assert asked.answer(interruptible=False) == {"ok": True, "loaded": ["x"]}
+        assert asked.finished.is_set() and asked.result == {"ok": True, "loaded": ["x"]}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_sender_that_stops_early_is_named():

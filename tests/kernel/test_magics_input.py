@@ -90,7 +90,7 @@ def test_pull_of_a_name_the_worker_lacks_is_a_usage_error_and_takes_nothing():
     assert taken == [{"y": 1}]
 
 
-@pytest.mark.parametrize("value", [-1, 17])
+@pytest.mark.parametrize("value", [-1, 17, True])
 def test_transfer_streams_out_of_range_is_refused_and_keeps_the_setting(shell, value):
     from traitlets import TraitError
 
@@ -101,3 +101,15 @@ def test_transfer_streams_out_of_range_is_refused_and_keeps_the_setting(shell, v
     shell.run_line_magic("config", "GPUMagics.transfer_streams = 3")  # as a notebook's %%local cell sets it
     assert magics.transfer_streams == 3
     magics.transfer_streams = 0
+
+
+@pytest.mark.parametrize("stage, words", [
+    ("asking", "release interrupted while the worker packed the values; nothing came back"),
+    ("moving", "release interrupted at 1.0 MiB of 4.0 MiB while the variables came back; nothing came back"),
+])
+def test_an_interrupted_release_says_where_in_one_clause(stage, words):
+    from gpupool.magics.dataplane import TransferInterrupted
+    from gpupool.magics.words import release_interrupted
+
+    said = release_interrupted(TransferInterrupted(stage, ["x"], 2**20, 4 * 2**20), "L-1")
+    assert said.startswith(words) and "L-1 is still attached" in said, said
