@@ -128,9 +128,11 @@ def test_pressure_clears_one_node_for_a_whole_gpu_ask(tmp_path, clears):
 def test_batch_yields_to_a_waiting_person(tmp_path, yields):
     """One node of two GPUs: ann idles on one, zoe waits for both. A new batch request of bob's
     backfills the free GPU; with ``batch_yields`` it waits, and a batch request without ``wait`` is
-    refused naming the setting."""
+    refused naming the setting. Pressure counted pool-wide: no node is held for zoe (the next test),
+    so only ``batch_yields`` decides, whether or not a sweep has planned yet."""
     service = start_service(tmp_path, tokens=TOKENS,
-                            config={"heartbeat_ttl": 120.0, "pressure_grace": LONG_GRACE, "batch_yields": yields})
+                            config={"heartbeat_ttl": 120.0, "pressure_grace": LONG_GRACE, "batch_yields": yields,
+                                    "pressure_clears_nodes": False})
     agent = None
     try:
         agent = start_agent(tmp_path, service, simulate="2xA100-80GB")
@@ -173,5 +175,26 @@ def test_an_idle_lease_on_the_cleared_node_is_parked_after_the_clear_grace(tmp_p
         assert service.client(kept).get_lease(other.id).state is LeaseState.active
     finally:
         for agent in agents:
+            agent.stop()
+        service.stop()
+
+
+def test_a_batch_is_not_placed_on_the_node_pressure_clears_for_a_person(tmp_path):
+    """The defaults (``pressure_clears_nodes``): once the plan clears the one node for zoe's
+    two GPUs, bob's batch request does not backfill its free GPU: it waits, or is refused in words."""
+    service = start_service(tmp_path, tokens=TOKENS, config={"heartbeat_ttl": 120.0, "pressure_grace": LONG_GRACE})
+    agent = None
+    try:
+        agent = start_agent(tmp_path, service, simulate="2xA100-80GB")
+        ann = _active(service, "ann", LeaseRequest(fraction=1.0))
+        _queued(service, "zoe", LeaseRequest(fraction=1.0, gpu_count=2, wait=120))
+        wait_for(lambda: service.client("ann").get_lease(ann.id).pressure, 30, "the plan clearing ann's node")
+        with pytest.raises(GPUPoolError) as refused:
+            service.client("bob").create_lease(LeaseRequest(fraction=1.0, lease_class="batch"))
+        assert refused.value.status == 409 and "is held for a person's request" in refused.value.message
+        batch = service.client("bob").create_lease(LeaseRequest(fraction=1.0, lease_class="batch", wait=120))
+        assert batch.state is LeaseState.queued, batch
+    finally:
+        if agent is not None:
             agent.stop()
         service.stop()
