@@ -265,43 +265,31 @@ def _on_lanes(socks: socket.socket | Sequence[socket.socket], lane: Callable, pr
     is raised once all have stopped."""
     socks = [socks] if isinstance(socks, socket.socket) else list(socks)
     tally = _Tally(progress)
-    first: list[BaseException] = []
-    lock = threading.Lock()
+    failed: list[BaseException] = []  # in the order they came (list.append is atomic)
 
     def run(number: int, moved: Callable[[int], None]) -> None:
         try:
             lane(socks[number], number, len(socks), moved)
         except BaseException as exc:
-            with lock:
-                first.append(exc)
+            failed.append(exc)
             _shut(socks)
-            raise
 
-    others = [threading.Thread(target=_quiet(run), args=(number, tally.add), daemon=True,
+    others = [threading.Thread(target=run, args=(number, tally.add), daemon=True,
                                name=f"gpupool-dataplane-lane-{number}") for number in range(1, len(socks))]
     for other in others:
         other.start()
-    try:
-        run(0, tally.here)
-    except BaseException as exc:
-        for other in others:
-            other.join()
-        raise exc if isinstance(exc, KeyboardInterrupt) else first[0]
+    run(0, tally.here)
     for other in others:
         other.join()
-    if first:
-        raise first[0]
+    if failed:  # the user's interrupt first, whatever it made the other lanes fail with
+        raise next((exc for exc in failed if isinstance(exc, KeyboardInterrupt)), failed[0])
     tally.here(0)
 
 
-def _quiet(run: Callable) -> Callable:
-    """``run`` for a lane's thread: its failure is already recorded for the first lane to raise."""
-    def quiet(*args) -> None:
-        try:
-            run(*args)
-        except BaseException:
-            pass
-    return quiet
+def close_all(socks: Sequence[socket.socket]) -> None:
+    """Close every one of a transfer's lanes."""
+    for sock in socks:
+        sock.close()
 
 
 class _Tally:
@@ -375,8 +363,7 @@ def connect(address: tuple[str, int], ticket: Ticket, timeout: float, lanes: int
         for lane in range(lanes):
             socks.append(_connect_lane(address, ticket, timeout, lane))
     except BaseException:
-        for sock in socks:
-            sock.close()
+        close_all(socks)
         raise
     return socks
 

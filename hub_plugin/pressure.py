@@ -76,8 +76,9 @@ class Pressure:
         state's capacity ``epoch``); returns the plan. On a store thread."""
         held = [pressure_rules.held(lease) for lease in active]
         guarantees = self._guarantees(session, active)
-        self.plan = self._plan(session, held, guarantees, now)
-        self._eta = self._eta_inputs(session, held, guarantees, epoch)
+        states = gpu_states(session, self.pool_nodes.context_overhead)  # read once, for the plan and the ETA
+        self.plan = self._plan(session, held, guarantees, states, now)
+        self._eta = self._eta_inputs(session, held, guarantees, states, epoch)
         return self.plan
 
     def follow(self, session: Session, epoch: int, fresh: bool = False) -> None:
@@ -91,12 +92,12 @@ class Pressure:
         active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
                                  .options(selectinload(Lease.gpus))).all()
         held = [pressure_rules.held(lease) for lease in active]
-        self._eta = self._eta_inputs(session, held, self._guarantees(session, active), epoch)
+        states = gpu_states(session, self.pool_nodes.context_overhead)
+        self._eta = self._eta_inputs(session, held, self._guarantees(session, active), states, epoch)
 
     def _eta_inputs(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
-                    epoch: int) -> EtaInputs:
-        """:class:`EtaInputs` from the store, the active leases ``held`` and the plan."""
-        states = gpu_states(session, self.pool_nodes.context_overhead)
+                    states: list[GPUState], epoch: int) -> EtaInputs:
+        """:class:`EtaInputs` from the store, the active leases ``held``, the GPUs' ``states`` and the plan."""
         ran = session.execute(select(Lease.lease_class, LeaseCell.started_at, LeaseCell.ended_at)
                               .join(Lease, Lease.id == LeaseCell.lease_id).where(LeaseCell.ended_at.is_not(None))
                               .order_by(LeaseCell.id.desc()).limit(LENGTH_SAMPLE)).all()  # the newest cells
@@ -109,7 +110,7 @@ class Pressure:
             gpus={gpu.uuid: (i, gpu.node, gpu.name) for i, gpu in enumerate(states)}, epoch=epoch)
 
     def _plan(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
-              now: datetime) -> priority.Plan:
+              states: list[GPUState], now: datetime) -> priority.Plan:
         asking = [priority.Asking(row.id, row.owner, row.fraction * row.gpu_count, row.lease_class, row.created_at,
                                   row.gpu_count)
                   for row in session.execute(select(Lease.id, Lease.owner, Lease.fraction, Lease.gpu_count,
@@ -126,8 +127,7 @@ class Pressure:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.pool_pressure)
         # What leases being parked or released hold is on its way back: the plan counts it free (``freeing``).
-        free = (clearing.whole_free(gpu_states(session, self.pool_nodes.context_overhead))
-                if rule.wants_free_gpus(asking) else None)
+        free = clearing.whole_free(states) if rule.wants_free_gpus(asking) else None
         return rule.plan(held, asking, guarantees, free, self._freeing(session))
 
     @staticmethod

@@ -29,7 +29,8 @@ import signal
 import threading
 from typing import Any, Callable
 
-from gpupool.dataplane import Progress, Ticket, TransferError, connect, recv_buffers, recv_status, send_buffers
+from gpupool.dataplane import (Progress, Ticket, TransferError, close_all, connect, recv_buffers, recv_status,
+                               send_buffers)
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.remote import CommInterrupted
 from gpupool.transfer import dump_values
@@ -253,24 +254,19 @@ def _meter(progress, verb: str, total: int):
 def _connect(connection: dict[str, Any], ticket: Ticket, sizes: list[int]):
     """The data connections to the worker for a transfer of ``sizes`` bytes, past their
     hellos, closed after; GPUPoolError when the worker cannot be reached or refuses the ticket."""
-    socks = _lanes(connection, ticket, sizes)
-    try:
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _lanes(connection: dict[str, Any], ticket: Ticket, sizes: list[int]) -> list:
     address = (connection["ip"], int(connection["transfer_port"]))
     try:
-        return connect(address, ticket, STALL_TIMEOUT, ticket.lanes(sizes))
+        socks = connect(address, ticket, STALL_TIMEOUT, ticket.lanes(sizes))
     except TransferError as exc:
         raise _failed(exc) from None
     except OSError as exc:
         raise GPUPoolError(Reason.transfer_failed, f"could not reach the worker's data port {address[0]}:{address[1]} "
                            f"({exc}); the cluster's network policy must allow it (deploy/kubernetes/README.md)",
                            502) from None
+    try:
+        yield socks
+    finally:
+        close_all(socks)
 
 
 def _failed(exc: BaseException) -> GPUPoolError:

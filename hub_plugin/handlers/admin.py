@@ -16,7 +16,6 @@ from ..auth import Identity, forbidden
 from .base import APIHandler
 
 
-
 class AdminHandler(APIHandler):
     """Base: :meth:`require_admin` gives the calling admin, else 403."""
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gpupool.dataplane import Ticket, TransferError, recv_buffers, send_buffers, send_status
+from gpupool.dataplane import Ticket, TransferError, close_all, recv_buffers, send_buffers, send_status
 from gpupool.wire.transfer import Pulling, Push
 
 from .hello_gate import HelloGate
@@ -54,9 +54,7 @@ class _Pending:
 
     def hang_up(self) -> None:
         """Close the lanes that came (a transfer dropped before all did)."""
-        for sock in self.lanes:
-            if sock is not None:
-                sock.close()
+        close_all([sock for sock in self.lanes if sock is not None])
 
 
 class DataPlaneServer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpupool.dataplane import Ticket, TransferError, connect, recv_buffers
+from gpupool.dataplane import Ticket, TransferError, close_all, connect, recv_buffers
 from gpupool.wire.transfer import Fetch
 
 from .namespace import restore
@@ -36,6 +36,5 @@ def fetch(ip, request: Fetch) -> dict[str, Any]:
     try:
         buffers = recv_buffers(socks, ticket, sizes)
     finally:
-        for sock in socks:
-            sock.close()
+        close_all(socks)
     return restore(ip, request.header, buffers)
