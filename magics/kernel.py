@@ -31,8 +31,9 @@ import sys
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
+from ipykernel.zmqshell import ZMQInteractiveShell
 from IPython.core.error import UsageError
-from traitlets import Float
+from traitlets import Float, Type
 
 from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError
@@ -40,7 +41,7 @@ from gpupool.errors import GPUPoolError
 from .cell import ForwardedCell
 from .debugvars import LocalNames
 from .events import Events, Requests, kernel_state
-from .magics import GPUMagics
+from .magics import GPUMagics, ShownError
 from .notices import Notices
 from .routing import comm_for_worker, forwarded_code, help_target, malformed
 
@@ -48,8 +49,20 @@ from .routing import comm_for_worker, forwarded_code, help_target, malformed
 REQUEST_TIMEOUT = 10.0
 
 
+class GPUPoolShell(ZMQInteractiveShell):
+    """ipykernel's shell, which sends no second ``error`` for a failure whose
+    traceback was already sent (a ``%%local`` cell's: :class:`.magics.ShownError`);
+    the reply keeps the first one's traceback."""
+
+    def _showtraceback(self, etype, evalue, stb) -> None:
+        if not isinstance(evalue, ShownError):
+            super()._showtraceback(etype, evalue, stb)
+
+
 class GPUPoolKernel(IPythonKernel):
     """IPythonKernel that forwards the front end's messages to the attached worker."""
+
+    shell_class = Type(GPUPoolShell)
 
     # Forwarded cells skip ipykernel's execute_request, and with it this sleep;
     # a local cell's output is flushed before its reply anyway (a private name: gpupool.ipykernel_private).

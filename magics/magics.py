@@ -293,9 +293,17 @@ class GPUMagics(Magics):
             raise _shown_error(result.error_in_exec or result.error_before_exec)
 
 
-def _shown_error(error: BaseException | None) -> Exception:
-    """An exception of the same name as ``error`` that IPython prints as
-    nothing: the cell fails (Run All stops) and the traceback is not shown twice."""
+class ShownError(Exception):
+    """A failure whose traceback was already shown: IPython renders it as
+    nothing, and the gpupool kernel's shell (:class:`~.kernel.GPUPoolShell`)
+    sends no ``error`` message for it, so the cell fails (Run All stops) with
+    the first traceback alone, which its reply carries too."""
+
+    def _render_traceback_(self) -> list[str]:
+        return []
+
+
+def _shown_error(error: BaseException | None) -> ShownError:
+    """A :class:`ShownError` of the same name as ``error`` (the reply's ``ename``)."""
     name = type(error).__name__ if error is not None else "Error"
-    kind = type(name, (Exception,), {"_render_traceback_": lambda self: []})
-    return kind(str(error) if error is not None else "")
+    return type(name, (ShownError,), {})(str(error) if error is not None else "")

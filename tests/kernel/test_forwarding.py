@@ -120,6 +120,19 @@ def test_one_execution_count_whichever_kernel_runs_the_cell(attached):
     assert remote_value(kc, f"%%local\nIn[{n}]") == "1 / 0"
 
 
+def test_a_local_cell_that_raises_shows_its_traceback_once_and_fails(attached):
+    """A %%local cell's error is one ``error`` output, its real traceback, and an error reply naming it."""
+    _, kc = attached
+    failed = run(kc, "%%local\nraise ValueError('local only')")
+    errors = [content for kind, content in failed.outputs if kind == "error"]
+    assert len(errors) == 1, errors
+    assert (errors[0]["ename"], errors[0]["evalue"]) == ("ValueError", "local only")
+    assert "local only" in "\n".join(errors[0]["traceback"])
+    reply = failed.reply
+    assert (reply["status"], reply["ename"], reply["evalue"]) == ("error", "ValueError", "local only")
+    assert reply["traceback"] == errors[0]["traceback"]
+
+
 def test_only_the_front_ends_messages_are_relayed(attached):
     """What the worker says to another client (a parking connection's transfer comm, the agent's
     shutdown) never reaches the front end; the worker's output of the front end's cells does."""
