@@ -33,15 +33,19 @@ import traceback
 
 from .api import ServiceClient, add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
+from .schema import LeaseState
 from . import leaseclasses
 from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
 from .leasewait import START_WAIT_S, cancel, wait_started
 from .runremote import Abandoned, run_script
 from .tables import host_words, memory_words, released_words, slice_words
+from .units import format_duration
 from .wire.leases import Lease, LeaseRequest
 
 #: Seconds a lease may stay ``starting`` once out of the queue (as c.GPUMagics.start_timeout).
 START_TIMEOUT = 300.0
+#: Seconds a Ctrl-C during the release may wait to learn whether the release went through.
+QUICK_LOOK_S = 3.0
 #: Exit status when gpupool itself could not run the script (as argparse's for bad arguments).
 EXIT_GPUPOOL = 2
 
@@ -180,7 +184,7 @@ class ScriptRun:
         """Give the lease back (idempotent at the service) and say so; never
         raises. A SIGTERM or SIGHUP meanwhile is ignored (``timeout`` and
         process managers send one to the process and one to its group); a
-        Ctrl-C gives the release up, leaving the lease to the service's reclaim."""
+        Ctrl-C gives the wait up and says what is true (:meth:`_interrupted_words`)."""
         if self.lease is None:
             return
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -193,10 +197,35 @@ class ScriptRun:
             return
         except KeyboardInterrupt:
             print(file=sys.stderr)
-            _say(f"interrupted while releasing {self.lease.id}: the service reclaims it once its heartbeats stop")
+            _say(self._interrupted_words())
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _interrupted_words(self) -> str:
+        """What a Ctrl-C during :meth:`_release` leaves, in words: the release may
+        have gone through before it (the service's answer was on its way), so the
+        service is asked once, briefly; ``released L-7 after ...`` when it did, else
+        that the lease may still be held, where to see it and when the service
+        reclaims it (its heartbeats stopped with the script)."""
+        lease_id, timeout = self.lease.id, self.client.timeout
+        ttl = self.lease.heartbeat_ttl
+        reclaim = (f"the service reclaims it within {format_duration(ttl)}" if ttl else
+                   "the service reclaims it") + " now that its heartbeats stopped"
+        self.client.timeout = QUICK_LOOK_S
+        try:
+            lease = self.client.get_lease(lease_id)
+        except (GPUPoolError, KeyboardInterrupt):  # the service is slow, or a second Ctrl-C: it is not known
+            return (f"interrupted while releasing {lease_id}: it may still be held (gpupool status lists your "
+                    f"leases); {reclaim}")
+        finally:
+            self.client.timeout = timeout
+        if lease.state.ended:
+            return released_words(lease)
+        if lease.state is LeaseState.releasing:  # the service has it in hand
+            return f"interrupted; the service is releasing {lease_id}"
+        return (f"interrupted before {lease_id} was released: it may still be held (gpupool status lists your "
+                f"leases); {reclaim}")
 
 
 def _abandon(signum: int, frame) -> None:

@@ -19,6 +19,8 @@ import pytest
 
 from procs import start_agent, start_service
 
+from gpupool.api import ServiceClient
+from gpupool.run_cli import ScriptRun
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 
@@ -283,3 +285,43 @@ def test_a_preempted_script_is_told_of_its_park_and_resume_and_goes_on(tmp_path)
             proc.kill()
         agent.stop()
         service.stop()
+
+
+class _CtrlCAt(ServiceClient):
+    """A real client that sends this process a real SIGINT (a Ctrl-C) just before or just after
+    the service answers the release: the two sides of the moment the release goes through."""
+
+    def __init__(self, service, when: str) -> None:
+        super().__init__(service.url, service.user_token, timeout=30)
+        self.when = when
+
+    def release(self, lease_id: str, reason: str | None = None):
+        if self.when == "before":
+            os.kill(os.getpid(), signal.SIGINT)
+        released = super().release(lease_id, reason=reason)
+        if self.when == "after":
+            os.kill(os.getpid(), signal.SIGINT)
+        return released
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ctrl_c_while_releasing_says_what_is_true(pool, env, capsys, when):
+    """A Ctrl-C after the release went through says it was released, nothing alarming; one before it
+    says that the lease may still be held, how to see it and when the service reclaims it."""
+    service = pool[0]
+    client = _CtrlCAt(service, when)
+    lease = service.client().create_lease(LeaseRequest(fraction=0.25))
+    run = ScriptRun(client, LeaseRequest(fraction=0.25), "job.py", "", [])
+    run.lease = lease
+    run._release()  # never raises: the Ctrl-C is said, not re-raised
+    said = capsys.readouterr().err
+    held = service.client().get_lease(lease.id)
+    if when == "after":
+        assert held.state is LeaseState.released, held
+        assert f"gpupool: released {lease.id}" in said and "may" not in said and "reclaim" not in said, said
+    else:
+        assert held.state is not LeaseState.released, held
+        assert f"interrupted before {lease.id} was released: it may still be held" in said, said
+        assert "gpupool status" in said and "heartbeats stopped" in said, said
+        service.client().release(lease.id)
+    assert_nothing_held(pool)
