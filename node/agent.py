@@ -37,6 +37,7 @@ from traitlets import Integer, Unicode, default, validate
 from traitlets.config import Application, Config, catch_config_error
 
 from gpupool.errors import GPUPoolError, Reason
+from gpupool.leaseargs import join_negative_values
 from gpupool.moved_settings import carry_moved, new_homes
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
@@ -225,6 +226,13 @@ class NodeAgent(Application):
         super().update_config(config)
 
     # -- setup ------------------------------------------------------------------------------------------------
+
+    def parse_command_line(self, argv: list[str] | None = None) -> None:
+        """traitlets' parse, with ``--simulate -1xA100-80GB`` read as ``--simulate=-1xA100-80GB``
+        for every alias: argparse takes a value that starts with '-' and a digit for an option and
+        says ``expected one argument``, where the value's own check says what is wrong with it."""
+        argv = sys.argv[1:] if argv is None else argv
+        super().parse_command_line(join_negative_values(argv, {f"--{alias}" for alias in self.aliases}))
 
     def initialize(self, argv: list[str] | None = None) -> None:
         """Read the command line and config file, the token and the GPUs.

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+from gpupool.demo_pool import free_port
 
 from gpupool.node.inventory import InventoryError, select_inventory
 from gpupool.node.inventory.simulated import MODELS, SimulatedInventory, parse_spec, simulated_uuid
@@ -76,6 +82,25 @@ def test_simulated_metrics_read_simulated_memory_and_leave_utilization_unknown(t
 def test_bad_specs_say_what_is_wrong(spec, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         parse_spec(spec)
+
+
+@pytest.mark.parametrize("args", [["--simulate=-1xA100-80GB"], ["--simulate", "-1xA100-80GB"]], ids=["equals", "spaced"])
+def test_a_negative_count_on_the_agents_command_line_says_what_is_wrong(args, tmp_path):
+    """With a space as with '=': argparse (under traitlets) took '-1xA100-80GB' for an option and
+    said 'expected one argument'."""
+    env = {**os.environ, "GPUPOOL_AGENT_TOKEN": "agent-token-" + "0" * 16}
+    argv = [str(Path(sys.executable).with_name("gpupool")), "agent", f"--service-url=http://127.0.0.1:{free_port()}",
+            f"--state-dir={tmp_path}", *args]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "gpupool agent: bad --simulate value: GPU count must be at least 1 in '-1xA100-80GB'"), done.stderr
+
+
+def test_the_agents_help_still_lists_simulate():
+    shown = subprocess.run([str(Path(sys.executable).with_name("gpupool")), "agent", "--help"],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "--simulate=<Unicode>" in shown and "AgentInventory.simulate" in shown, shown
 
 
 def test_select_inventory_simulated_and_bad_spec():
