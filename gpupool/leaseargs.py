@@ -29,6 +29,13 @@ REQUEST_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
 )
 
 
+#: The request's field each option of ``%gpu acquire`` and ``gpupool run`` sets -> the option as a
+#: person types it: the words of an error about the field name the option (``--host-memory``, not
+#: ``'host_memory'``). The one place those names are mapped.
+FIELD_OPTIONS = {"memory": "--memory", "model": "--model", "cpus": "--cpus", "host_memory": "--host-memory",
+                 "wait": "--wait", "preemptible": "--preemptible", "idle_timeout": "--idle-timeout", "env": "--env",
+                 "on_idle": "--on-idle", "lease_class": "--class"}
+
 #: The options above that take a value (the flags whose value may look like an option: ``-5GiB``).
 VALUE_OPTIONS = frozenset(flags[0] for flags, keywords in REQUEST_OPTIONS if keywords.get("action") != "store_true")
 
@@ -83,11 +90,22 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
         raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
     idle_timeout = getattr(args, "idle_timeout", None)
     return checked(LeaseRequest(
-        fraction=fraction, gpu_count=count, memory=parse_bytes(args.memory) if args.memory else None,
-        model=args.model, idle_timeout=parse_duration(idle_timeout) if idle_timeout else None,
-        wait=(parse_duration(args.wait, allow_zero=True) or None) if args.wait else None, env=getattr(args, "env", None),
-        preemptible=args.preemptible or None, cpus=args.cpus,
-        host_memory=parse_bytes(args.host_memory) if args.host_memory else None, **fields))
+        fraction=fraction, gpu_count=count, memory=_read("memory", parse_bytes, args.memory),
+        model=args.model, idle_timeout=_read("idle_timeout", parse_duration, idle_timeout),
+        wait=_read("wait", lambda text: parse_duration(text, allow_zero=True) or None, args.wait),
+        env=getattr(args, "env", None), preemptible=args.preemptible or None, cpus=args.cpus,
+        host_memory=_read("host_memory", parse_bytes, args.host_memory), **fields))
+
+
+def _read(field: str, parse: Callable[[str], Any], text: str | None) -> Any:
+    """``parse(text)`` (None for no text), its ValueError's words led by the option
+    the person typed: ``--host-memory: cannot read 'lots' as a memory size; ...``."""
+    if not text:
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{FIELD_OPTIONS[field]}: {exc}") from None
 
 
 def checked(request: LeaseRequest) -> LeaseRequest:
@@ -98,7 +116,7 @@ def checked(request: LeaseRequest) -> LeaseRequest:
         LeaseRequest.from_json(request.to_json())
     except GPUPoolError as exc:
         words = exc.message
-        for field in ("memory", "model", "cpus", "host_memory", "wait", "idle_timeout", "env", "on_idle"):
-            words = words.replace(f"'{field}'", "--" + field.replace("_", "-"))
+        for field, option in FIELD_OPTIONS.items():
+            words = words.replace(f"'{field}'", option)
         raise ValueError(words) from None
     return request

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from gpupool.leaseargs import FIELD_OPTIONS
 from gpupool.wire.leases import LeaseRequest
 from procs import free_port, start_agent, start_service
 
@@ -426,8 +427,8 @@ CLI = [
     cli("run", 2, "the following arguments are required: script", id="run-no-script"),
     cli("run --gpus 0 {script}", 2, "GPU amount must be more than 0", id="run-gpus-zero"),
     cli("run --gpus 1.5 {script}", 2, "is above 1 but not whole", id="run-gpus-1.5"),
-    cli("run --memory lots {script}", 2, "cannot read 'lots' as a memory size", id="run-memory-text"),
-    cli("run --wait forever {script}", 2, "cannot read 'forever' as a duration", id="run-wait-text"),
+    cli("run --memory lots {script}", 2, "--memory: cannot read 'lots' as a memory size", id="run-memory-text"),
+    cli("run --wait forever {script}", 2, "--wait: cannot read 'forever' as a duration", id="run-wait-text"),
     cli("run --cpus 0 {script}", 2, "--cpus must be more than 0 cores", id="run-cpus-zero"),
     cli("run --wait -1m {script}", 2, "duration must be more than 0 seconds, got '-1m'", id="run-wait-negative"),
     cli("run --gpus 1 --bogus {script}", 2, "unrecognized arguments: --bogus", id="run-unknown-option"),
@@ -453,6 +454,7 @@ def test_cli(pool, args, user, code, words, tmp_path):
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == code, done.stderr
     assert_clear(done.stderr, words)
+    assert not any(f"'{field}'" in done.stderr for field in FIELD_OPTIONS), done.stderr  # the option, not the field
     assert "Traceback" not in done.stdout
     if args.startswith("run"):  # README: "2 with one line when gpupool could not run it"
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -473,18 +475,21 @@ MAGICS = [
     pytest.param("acquire 65", "at most 64 whole GPUs in one lease, got 65", id="amount-huge"),
     pytest.param("acquire 0.0000001", "a slice is at least 0.01 of a GPU", id="amount-tiny"),
     pytest.param("acquire 2", "quota exceeded", id="amount-over-quota"),
-    pytest.param("acquire 0.5 --memory lots", "cannot read 'lots' as a memory size", id="memory-text"),
-    pytest.param("acquire 0.5 --memory 0", "memory size must be at least 1 byte", id="memory-zero"),
+    pytest.param("acquire 0.5 --memory lots", "--memory: cannot read 'lots' as a memory size", id="memory-text"),
+    pytest.param("acquire 0.5 --memory 0", "--memory: memory size must be at least 1 byte", id="memory-zero"),
     pytest.param("acquire 0.5 --memory 2000TiB", "--memory must be a whole number of bytes", id="memory-huge"),
+    # The option as typed leads what cannot be read, --memory and --host-memory told apart (not 'host_memory')
+    pytest.param("acquire 0.5 --host-memory lots", "--host-memory: cannot read 'lots' as a memory size",
+                 id="host-memory-text"),
     pytest.param("acquire 0.5 --host-memory 1", "--host-memory must be a whole number of bytes from 1048576", id="host-memory-tiny"),
     pytest.param("acquire 0.5 --cpus 99999", "--cpus must be host cores from 0.01 to 4096", id="cpus-huge"),
     pytest.param("acquire 0.5 --memory 400GiB", "of GPU memory is more than any GPU offers", id="memory-none-fits"),
-    pytest.param("acquire 0.5 --idle-timeout forever", "cannot read 'forever' as a duration", id="idle-text"),
-    pytest.param("acquire 0.5 --idle-timeout 0", "duration must be more than 0 seconds", id="idle-zero"),
+    pytest.param("acquire 0.5 --idle-timeout forever", "--idle-timeout: cannot read 'forever' as a duration", id="idle-text"),
+    pytest.param("acquire 0.5 --idle-timeout 0", "--idle-timeout: duration must be more than 0 seconds", id="idle-zero"),
     pytest.param("acquire 0.5 --idle-timeout 2d", "above your maximum of 1d", id="idle-over-max"),
     pytest.param("acquire 0.5 --wait 2h", "above this pool's maximum of 1h", id="wait-over-max"),
-    pytest.param("acquire 0.5 --wait -5m", "duration must be more than 0 seconds, got '-5m'", id="wait-negative"),
-    pytest.param("acquire 0.5 --memory -5GiB", "memory size must be at least 1 byte", id="memory-negative"),
+    pytest.param("acquire 0.5 --wait -5m", "--wait: duration must be more than 0 seconds, got '-5m'", id="wait-negative"),
+    pytest.param("acquire 0.5 --memory -5GiB", "--memory: memory size must be at least 1 byte", id="memory-negative"),
     pytest.param("acquire 0.5 --colour red", "unrecognized arguments: --colour red", id="unknown-option"),
     pytest.param("acquire 0.5 --on-idle sleep", "invalid choice: 'sleep'", id="on-idle-choice"),
     pytest.param("frobnicate", "unknown %gpu command 'frobnicate'", id="unknown-command"),
@@ -519,6 +524,7 @@ def test_magic(pool, shell, line, words):
     with pytest.raises(UsageError) as raised:
         shell.run_line_magic("gpu", line)
     assert_clear(str(raised.value), words)
+    assert not any(f"'{field}'" in str(raised.value) for field in FIELD_OPTIONS), raised.value  # the option, not the field
     assert shell.magics_manager.registry["GPUMagics"].attachment is None
     pool.check_unchanged(f"%gpu {line}")
 
