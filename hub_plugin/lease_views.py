@@ -199,7 +199,7 @@ class LeaseViews:
         ordered = [ask for _, _, ask in asks]
         ordered.remove(own)  # its own goes last of its class (the last there is: none after it is counted)
         ordered.append(own)
-        self.pressure.follow(session, self.state.capacity_epoch, fresh=True)  # one POST, not a long poll
+        self.pressure.renew(session, self.state.capacity_epoch, self.state.now())  # one POST, not a long poll
         return QueueView({lease.id: len(ordered)}, {lease.id: self.pressure.etas(ordered, self.state.now())[-1]})
 
     def queue_view(self, session: Session, leases) -> QueueView | None:

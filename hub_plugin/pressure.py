@@ -81,19 +81,28 @@ class Pressure:
         self._eta = self._eta_inputs(session, held, guarantees, states, epoch)
         return self.plan
 
-    def follow(self, session: Session, epoch: int, fresh: bool = False) -> None:
+    def follow(self, session: Session, epoch: int) -> None:
         """Read what the ETA reads again when the pool's capacity changed since
         (``epoch``: the state's capacity epoch now), so a request queued behind a
-        lease placed after the last sweep is not told "about 0s"; or at once
-        (``fresh``: a request just queued, whose first answer sees each lease's
-        cell as the store has it, not as the last sweep did). On a store thread."""
-        if epoch == self._eta.epoch and not fresh:
-            return
+        lease placed after the last sweep is not told "about 0s". On a store thread."""
+        if epoch != self._eta.epoch:
+            active, held = self._active(session)
+            states = gpu_states(session, self.pool_nodes.context_overhead)
+            self._eta = self._eta_inputs(session, held, self._guarantees(session, active), states, epoch)
+
+    def renew(self, session: Session, epoch: int, now: datetime) -> None:
+        """:meth:`refresh` from the store now, for a request just queued: its first
+        answer sees each lease's cell as the store has it, not as the last sweep
+        did, and the plan holds what pressure clears for it at once (no batch
+        request takes that node until the next sweep). On a store thread."""
+        self.refresh(session, self._active(session)[0], now, epoch)
+
+    @staticmethod
+    def _active(session: Session) -> tuple[Sequence[Lease], list[priority.Held]]:
+        """The active leases (their ``gpus`` loaded) and their records for the plan."""
         active = session.scalars(select(Lease).where(Lease.state == LeaseState.active.value)
                                  .options(selectinload(Lease.gpus))).all()
-        held = [pressure_rules.held(lease) for lease in active]
-        states = gpu_states(session, self.pool_nodes.context_overhead)
-        self._eta = self._eta_inputs(session, held, self._guarantees(session, active), states, epoch)
+        return active, [pressure_rules.held(lease) for lease in active]
 
     def _eta_inputs(self, session: Session, held: list[priority.Held], guarantees: dict[str, float],
                     states: list[GPUState], epoch: int) -> EtaInputs:
