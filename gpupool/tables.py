@@ -95,8 +95,10 @@ def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | N
 
 
 def memory_words(lease: Lease) -> str:
-    """The GPU memory ``lease`` may use: ``'20.0 GiB'``; ``'80.0 GiB per GPU'`` on more than one GPU."""
-    return format_bytes(lease.memory) + (" per GPU" if lease.gpu_count > 1 else "")
+    """The GPU memory ``lease`` may use: ``'20.0 GiB'``; ``'2 x 80.0 GiB'`` on two GPUs (the
+    limit is per GPU: said so, like :func:`share_words`' ``'2 x A100'``, wherever a person sees
+    it: the attach and ``gpupool run`` lines, the status tables)."""
+    return (f"{lease.gpu_count} x " if lease.gpu_count > 1 else "") + format_bytes(lease.memory)
 
 
 def host_words(lease: Lease) -> str:
@@ -177,9 +179,9 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     kind = lease.lease_class + (", preemptible" if lease.preemptible else "")
     live = lease.state.value == "active"
     worker = lease.worker or {}
-    # Used is the worker's on all its GPUs: the limit beside it is too.
+    # Used is the worker's on all its GPUs, against the limit on each: '1.0 GiB / 2 x 80.0 GiB'.
     used = format_bytes(worker.get("memory_used")) if live else "-"
-    memory = f"{used} / {format_bytes(lease.memory * lease.gpu_count)}" if lease.memory else "-"  # queued: 0
+    memory = f"{used} / {memory_words(lease)}" if lease.memory else "-"  # queued: 0
     utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,

@@ -120,12 +120,14 @@ def test_tables_text_and_html():
     assert "queued: 2nd in line, about 5m" in lease_table([queued])[0]
 
 
-def test_two_gpus_memory_is_said_per_gpu_and_the_table_limit_is_their_total():
+def test_two_gpus_memory_is_said_as_two_times_the_limit_everywhere():
     lease = Lease.from_json({"id": "L-3", "owner": "u", "state": "active", "fraction": 1.0, "gpu_count": 2,
                              "memory": 80 * 1024**3, "gpus": [{"index": 0, "name": "A100"}, {"index": 1, "name": "A100"}],
                              "idle_timeout": 60, "worker": {"execution_state": "idle", "memory_used": 1024**3}})
-    assert memory_words(lease) == "80.0 GiB per GPU" and share_words(lease) == "2 x A100"
-    assert "1.0 GiB / 160.0 GiB" in lease_table([lease])[0]  # used on both GPUs against both limits
+    # The same words in the attach line and the table: the limit on each of the two GPUs
+    assert memory_words(lease) == "2 x 80.0 GiB" and share_words(lease) == "2 x A100"
+    assert "1.0 GiB / 2 x 80.0 GiB" in lease_table([lease])[0]  # used on both GPUs against both limits
+    assert "2 x 80.0 GiB" in lease_table([lease])[1]  # the HTML %gpu status shows
     lease.gpu_count, lease.fraction, lease.gpus = 1, 0.125, lease.gpus[:1]
     assert memory_words(lease) == "80.0 GiB" and share_words(lease) == "0.125 of A100"
 
