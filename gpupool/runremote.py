@@ -18,6 +18,7 @@ from .errors import GPUPoolError, Reason
 from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
 from .leasewait import RESUME_STATES
 from .remote import RemoteKernel
+from .tables import parked_seconds, resumed_words
 from .wire.leases import Lease
 from .wire.transfer import TARGET, Attach
 
@@ -156,6 +157,7 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
     remote = RemoteKernel(lease.connection or {})
     beat = LeaseHeartbeat(client, lease.id, beat_interval(lease))
     resume_asked = False
+    parked_as: Lease | None = None  # the lease as first seen parked, for how long it stayed parked
     try:
         remote.wait_ready(READY_TIMEOUT)
         beat.start()
@@ -163,7 +165,7 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
         announce(enter_cwd(remote, lease.owner or "user"))
 
         def check() -> None:
-            nonlocal resume_asked
+            nonlocal resume_asked, parked_as
             if beat.ended is not None:
                 raise GPUPoolError(Reason.lease_lost, f"{ended_message(beat.ended)}; the script was stopped", 410)
             parked = beat.last is not None and beat.last.state in RESUME_STATES
@@ -174,10 +176,11 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                 except GPUPoolError as exc:  # asked again at the next check
                     print(f"gpupool: could not ask to resume {lease.id}: {exc.message}", file=sys.stderr)
                     return
+                parked_as = beat.last
                 print(f"gpupool: {parked_words(beat.last)}", file=sys.stderr, flush=True)
-            elif resume_asked and not parked:
-                print(f"gpupool: resumed {lease.id} on {beat.last.node}; the script goes on", file=sys.stderr,
-                      flush=True)
+            elif resume_asked and not parked:  # the notebook's words, and what the script does
+                print(f"gpupool: {resumed_words(beat.last, None, parked_seconds(parked_as))}; the script goes on",
+                      file=sys.stderr, flush=True)
             resume_asked = parked
 
         with Interrupts(remote):

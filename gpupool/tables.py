@@ -78,6 +78,22 @@ def parked_words(lease: Lease, now: datetime | None = None) -> str:
     return words
 
 
+def parked_seconds(lease: Lease | None, now: datetime | None = None) -> float | None:
+    """Seconds since ``lease`` (as seen while parked) was parked; None when unknown."""
+    since = parse_time(((lease.parked or {}) if lease else {}).get("since"))
+    return ((now or datetime.now(timezone.utc)) - since).total_seconds() if since else None
+
+
+def resumed_words(lease: Lease, seconds: float | None, parked_for: float | None) -> str:
+    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)``, what the notebook and
+    ``gpupool run`` say of a resumed lease (``seconds`` None: a resume the caller did not
+    wait for, ``... GPU 0 (parked 12m)``; what the park could not keep, its notice said)."""
+    gpus = ", ".join(f"GPU {gpu.get('index')}" for gpu in lease.gpus or [])
+    took = f" in {seconds:.1f}s" if seconds is not None else ""
+    since = f" (parked {format_duration(parked_for)})" if parked_for is not None else ""
+    return f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''}{took}{since}"
+
+
 def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | None:
     """``('4 CPUs', '32.0 GiB' + memory_noun, False)``: the host the lease
     holds on its node; where the worker's cgroup limit differs from what is

@@ -11,21 +11,21 @@ import getpass
 import logging
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval
 from gpupool.leasewait import RESUME_STATES, wait_started
-from gpupool.schema import LeaseState, parse_time
+from gpupool.schema import LeaseState
+from gpupool.tables import parked_seconds, resumed_words
 from gpupool.wire.leases import Lease
 from gpupool.wire.transfer import TARGET, Fetch, Have, Pull, PullAll, Request, Versions
 from gpupool.transfer import load_pulled
 
 from . import dataplane
 from .heartbeat import KernelHeartbeat
-from .park import Parked, parked_now, parked_words, resumed_words
+from .park import Parked, parked_now, parked_words
 from .words import ended_words, say
 from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
@@ -336,5 +336,4 @@ def _ask_stdin(request: dict[str, Any]) -> str:
 
 def _parked_for(parked: Parked | None) -> float | None:
     """Seconds since ``parked``'s lease was parked (None when unknown)."""
-    since = parse_time(((parked.lease.parked or {}) if parked else {}).get("since"))
-    return (datetime.now(timezone.utc) - since).total_seconds() if since else None
+    return parked_seconds(parked.lease if parked else None)

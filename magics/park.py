@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpupool.schema import LeaseState
-from gpupool.units import format_bytes, format_duration
+from gpupool.units import format_bytes
 from gpupool.wire.leases import Lease
 
 #: The states in which the worker is frozen (or being frozen) on its node.
@@ -65,13 +65,3 @@ def parked_words(lease: Lease, running: bool) -> str:
             "the next cell resumes it where it was")
     return (f"lease {lease.id} {was}: its worker is frozen on {node} with its variables in host memory{held} "
             f"and its GPU is back in the pool; {then}{lost}")
-
-
-def resumed_words(lease: Lease, seconds: float | None, parked_for: float | None) -> str:
-    """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)`` (``seconds``
-    None: a resume this kernel did not wait for, ``... GPU 0 (parked 12m)``;
-    what the park could not keep, its notice said)."""
-    gpus = ", ".join(f"GPU {gpu.get('index')}" for gpu in lease.gpus or [])
-    took = f" in {seconds:.1f}s" if seconds is not None else ""
-    since = f" (parked {format_duration(parked_for)})" if parked_for is not None else ""
-    return f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''}{took}{since}"
