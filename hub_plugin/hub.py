@@ -106,7 +106,7 @@ def configure(c: Any, *, name: str = "gpupool", ip: str = "127.0.0.1", port: int
                                          admin_users=admin_users))
     _extend_server_token_scopes(c)
     c.Spawner.environment.update({"GPUPOOL_URL": url + prefix.rstrip("/")})
-    c.Spawner.post_stop_hook = release_on_stop(url + prefix, token, previous=_previous_hook(c))
+    c.Spawner.post_stop_hook = release_on_stop(url + prefix, token, previous=_previous_hook(c), service=name)
     return service
 
 
@@ -156,13 +156,16 @@ def roles(name: str, *, user_groups: Iterable[str] | None, admin_group: str | No
     return result
 
 
-def release_on_stop(service_url: str, token: str, *, previous=None, timeout: float = 10.0):
+def release_on_stop(service_url: str, token: str, *, previous=None, timeout: float = 10.0,
+                    service: str | None = None):
     """A ``post_stop_hook``: ``POST {service_url}hub/server-stopped`` with
     ``{"user", "server", "other_servers_running"}`` for the server that
     stopped; the service releases that server's leases, and all the user's
     when no other server of theirs runs (``handlers/hub_events.py``).
     Failures are logged, never raised (the leases' heartbeat TTL still ends
-    them). ``previous`` (a hook set before) runs first."""
+    them). ``previous`` (a hook set before) runs first. ``service``: the name
+    of the managed service this hub runs it as, if it does: once the hub has
+    stopped it (as it shuts down) the failure is an info line, not a warning."""
 
     async def hook(spawner) -> None:
         if previous is not None:
@@ -184,12 +187,30 @@ def release_on_stop(service_url: str, token: str, *, previous=None, timeout: flo
             spawner.log.info("gpupool: released %d lease(s) of %s whose server %r stopped", len(released),
                              user.name, spawner.name)
         except (OSError, ValueError) as exc:  # no answer (NoAnswer), a refusal, a reply that is not JSON
-            spawner.log.warning("gpupool: could not tell the service at %s that %s's server stopped (%s); "
-                                "the leases end by their heartbeat TTL", service_url, user.name, exc)
+            if service is not None and _service_stopped(service):
+                spawner.log.info("gpupool: %s's server stopped as the hub shuts down, after the gpupool service "
+                                 "(%s); its leases end by their heartbeat TTL", user.name, exc)
+            else:
+                spawner.log.warning("gpupool: could not tell the service at %s that %s's server stopped (%s); "
+                                    "the leases end by their heartbeat TTL", service_url, user.name, exc)
         finally:
             http.close()
 
     return hook
+
+
+def _service_stopped(name: str) -> bool:
+    """Whether this hub runs service ``name`` as a managed service and has
+    stopped it: JupyterHub's shutdown (``JupyterHub.cleanup``) stops its
+    managed services before the user servers it cleans up. Read from the
+    hub's private ``_service_map`` (no public accessor); False where it is not found."""
+    from jupyterhub.app import JupyterHub
+
+    if not JupyterHub.initialized():
+        return False
+    found = getattr(JupyterHub.instance(), "_service_map", {}).get(name)
+    spawner = getattr(found, "spawner", None)
+    return bool(getattr(found, "managed", False)) and spawner is not None and not spawner.pid
 
 
 def _extend_server_token_scopes(c: Any) -> None:

@@ -169,3 +169,22 @@ def test_stopping_one_server_releases_only_its_leases(jupyterhub):
     for key in ("default", "unknown"):
         assert (after[made[key]]["state"], after[made[key]]["reason"]) == ("released", STOPPED), after[made[key]]
 
+
+
+def test_a_hub_shutting_down_says_its_servers_leases_end_by_their_ttl_without_a_warning(tmp_path):
+    """JupyterHub stops its managed services (gpupool's) before the user servers it cleans up: the
+    hook cannot reach the service then, and says so in an info line, not a warning."""
+    import hubprocs
+
+    why = hubprocs.missing()
+    if why:
+        pytest.skip(why)
+    hub = hubprocs.start_hub(tmp_path, servers=(USER,))
+    try:
+        hub.wait_server(USER)
+    finally:
+        hub.stop()
+    log = hub.log.read_text(errors="replace")
+    assert "Cleaning up single-user servers" in log, log[-3000:]
+    assert f"gpupool: {USER}'s server stopped as the hub shuts down, after the gpupool service" in log, log[-3000:]
+    assert "could not tell the service" not in log, log[-3000:]
