@@ -120,10 +120,11 @@ class LeaseIntake:
                 self.admission.may_queue(queued)
             lease = _new_lease(who, request, groups, env, idle_timeout, self.pool_leases.heartbeat_ttl, now)
             lease.replaces = replaced.id if replaced is not None else None
+            # Kept once placed too: a start whose agent cannot be reached queues it again until then.
+            lease.wait_until = now + timedelta(seconds=wait) if wait else None
             if isinstance(decision, Placement):
                 where = assign(tx, lease, decision, now)
             else:
-                lease.wait_until = now + timedelta(seconds=wait)
                 where = "the queue"
                 transition(tx, lease, LeaseState.queued, f"waiting up to {format_duration(wait)}: {decision.message}",
                            now)

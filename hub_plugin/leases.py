@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from sqlalchemy import select, update
 
-from gpupool.errors import GPUPoolError, bad_request
+from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.schema import LeaseState, WorkerState
 from gpupool.wire.workers import WorkerStarted
 
@@ -25,6 +25,7 @@ from .config import PoolNodes
 from .lease_queue import Drained, LeaseQueue
 from .lease_views import LeaseViews
 from .models import Lease, Node
+from .replacing import PlacedAgain, place_again
 from .rules.reclaim import PARKED_STATES
 from .state import PoolState
 from .transitions import end, is_queued, still_queued, transition
@@ -53,13 +54,19 @@ class LeaseBook:
         self.views = views
         self.queue = queue
         self.resume_worker = resume_worker
+        # Lease id -> the nodes whose agent could not be reached for its worker's start, in order
+        # (:meth:`_place_again`); until it starts or ends. A restart forgets them: one more try each.
+        self._tried: dict[str, list[str]] = {}
 
     # -- starting --------------------------------------------------------------
 
     async def start(self, lease_id: str, job: StartJob | None = None,
                     who: Identity | None = None) -> dict[str, Any] | None:
         """Ask the agent for the worker (or, for a lease resuming from a park, to
-        resume it); ``active`` on success, else the release path ends the lease
+        resume it); ``active`` on success. When the agent could not be reached
+        (``agent_unreachable``) the lease is placed on another node and started
+        there, or queued again (:mod:`.replacing`; each node tried once); when the
+        agent answered with an error the release path ends the lease
         ``failed`` with the agent's reason. ``job``: what to ask, when the
         caller read it in the transaction that placed the lease (a new lease:
         one store read less before the agent is asked); else it is read now, and
@@ -73,14 +80,23 @@ class LeaseBook:
         if job.resume:
             await self.resume_worker(job)
             return None
-        try:
-            started = await self.workers.start(job)
-        except GPUPoolError as exc:
-            log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
-            if isinstance(exc, AgentGone):  # nothing new goes there until its agent heartbeats again
-                await self.state.work.write(self._agent_gone_now, job.node, job.url)
-            await self.release(lease_id, LeaseState.failed, f"the worker could not start on {job.node}: {exc.message}")
-            return None
+        while True:
+            try:
+                started = await self.workers.start(job)
+                break
+            except GPUPoolError as exc:
+                log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
+                if isinstance(exc, AgentGone):  # nothing new goes there until its agent heartbeats again
+                    await self.state.work.write(self._agent_gone_now, job.node, job.url)
+                if exc.code == Reason.agent_unreachable:  # not the request's fault: another node may have room
+                    job = await self._place_again(lease_id, job, exc.message)
+                    if job is not None:
+                        continue
+                    return None
+                await self.release(lease_id, LeaseState.failed,
+                                   f"the worker could not start on {job.node}: {exc.message}")
+                return None
+        self._tried.pop(lease_id, None)
         shown = await self.state.work.write(self._started_now, lease_id, started, job.node, who)
         if shown is not None:
             log.info("lease %s active: worker pid %s on %s", lease_id, started.pid, job.node)
@@ -90,6 +106,36 @@ class LeaseBook:
         log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, job.node)
         await self.workers.stop(job.url, lease_id)
         return None
+
+    async def _place_again(self, lease_id: str, job: StartJob, words: str) -> StartJob | None:
+        """After the agent of ``job``'s node could not be reached (``words``): the
+        job on another node (:func:`.replacing.place_again`); None when the lease
+        is queued again, ended ``failed`` here (every node with room tried, or a
+        node tried before that failed again: at most one try per node), or
+        is no longer ``starting`` there (released meanwhile)."""
+        tried = self._tried.setdefault(lease_id, [])
+        again = job.node in tried  # the queue may place it on a node that came back: once more is the last
+        if not again:
+            tried.append(job.node)
+        outcome = await self.state.work.write(self._place_again_now, lease_id, job.node, tuple(tried), words, again)
+        if outcome is None:
+            return None
+        if outcome.failed is not None:
+            await self.release(lease_id, LeaseState.failed, outcome.failed)
+        return outcome.job
+
+    def _place_again_now(self, lease_id: str, node: str, tried: tuple[str, ...], words: str,
+                         again: bool) -> PlacedAgain | None:
+        now = self.state.now()
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or lease.node_name != node:
+                return None
+            if again:
+                return PlacedAgain(failed=f"the worker could not start on {node}: {words}; {node} was tried "
+                                          f"before (nodes tried: {', '.join(tried)})")
+            return place_again(tx, lease, self.queue.placer, self.pool_nodes.host_share, tried, words, now)
 
     def _agent_gone_now(self, node_name: str, url: str) -> None:
         """The node's agent refused a connection at ``url``: the node is ``lost``
@@ -158,6 +204,7 @@ class LeaseBook:
         is already releasing is waited for; an ended one is left alone. An
         unreachable agent does not stop the release.
         """
+        self._tried.pop(lease_id, None)  # it ends (or is kept by only_if: then it is not starting)
         begun = await self.state.work.write(self._begin_release, lease_id, final, reason, code, only_if)
         if begun is None:
             return

@@ -39,15 +39,17 @@ def transition(tx: Transaction, lease: Lease, state: LeaseState, reason: str | N
     tx.changes.lease(lease.id)
 
 
-def assign(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
-    """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words."""
+def assign(tx: Transaction, lease: Lease, decision: Placement, now: datetime, *, after: str | None = None) -> str:
+    """Give ``lease`` the GPUs of ``decision`` and make it ``starting``; returns where, in words.
+    ``after``: why it is placed again (:mod:`.replacing`), said first in the event's reason."""
     gpus = {g.uuid: g for g in tx.session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
     lease.fraction, lease.memory, lease.node_name = decision.fraction, decision.memory, decision.node
     lease.env = decision.env  # the node's default when the request named none: %gpu status shows it
     lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
     lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
     where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
-    transition(tx, lease, LeaseState.starting, f"placed on {decision.node}: {where}", now)
+    placed = f"placed on {decision.node}: {where}"
+    transition(tx, lease, LeaseState.starting, f"{after}; {placed}" if after else placed, now)
     return f"{decision.node} {where}"
 
 

@@ -244,7 +244,9 @@ class Lease(Body):
                                             "place in line", nullable=True), None)
     queue_estimate_s: float | None = wired(Spec("number", "while queued, or parked with a resume asked for: rough "
                                                 "wait, seconds (null: unknown)", nullable=True), None)
-    wait_until: str | None = wired(Spec(**_TIME, description="while queued: when the request gives up"), None)
+    wait_until: str | None = wired(Spec(**_TIME, description="when the request gives up waiting in the queue "
+                                        "(kept once placed: a start whose node's agent cannot be reached queues "
+                                        "it again until then); null: it does not wait"), None)
     idle_deadline: str | None = wired(Spec(**_TIME, description="when the lease is reclaimed if its worker stays "
                                            "idle; null while a cell runs or when not active"), None)
     pressure: str | None = wired(Spec(
