@@ -23,6 +23,7 @@ import {
   IReply,
   LeaseChannel,
   formatBytes,
+  formatLimit,
   formatSeconds,
   idleLeft,
   summary
@@ -171,7 +172,7 @@ function facts(state: ILeaseState): [string, string][] {
   add('GPU', state.gpu_model && `${state.gpu_model} (GPU ${(state.gpu_indices || []).join(', ')})`);
   add('node', state.node && `${state.node}${state.node_state && state.node_state !== 'up' ? ' (' + state.node_state + ')' : ''}`);
   if (state.memory_limit !== null) {
-    add('memory', `${state.memory_used !== null ? formatBytes(state.memory_used) + ' used of ' : ''}${formatBytes(state.memory_limit)}`);
+    add('memory', `${state.memory_used !== null ? formatBytes(state.memory_used) + ' used of ' : ''}${formatLimit(state)}`);
   }
   add('idle timeout', state.idle_timeout !== null ? formatSeconds(state.idle_timeout) : null);
   const left = idleLeft(state);

@@ -238,6 +238,15 @@ export class LeaseChannel {
 }
 
 /** `1.5 GiB` for bytes. */
+/** The lease's GPU memory limit: `80.0 GiB`, or `2 × 80.0 GiB` on several GPUs (as `%gpu status` says it). */
+export function formatLimit(state: ILeaseState): string {
+  const count = state.gpu_count || 1;
+  if (count > 1 && state.memory_limit !== null) {
+    return `${count} × ${formatBytes(state.memory_limit / count)}`;
+  }
+  return formatBytes(state.memory_limit);
+}
+
 export function formatBytes(bytes: number | null): string {
   if (bytes === null || bytes === undefined) {
     return '?';
@@ -296,9 +305,7 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
       const share =
         state.gpu_count === 1 ? `${(state.fraction || 0).toFixed(2)} of ${model}` : `${state.gpu_count} × ${model}`;
       let text = `GPU: ${share} on ${state.node}`;
-      text += ` · ${state.memory_used !== null ? formatBytes(state.memory_used) + ' / ' : ''}${formatBytes(
-        state.memory_limit
-      )}`;
+      text += ` · ${state.memory_used !== null ? formatBytes(state.memory_used) + ' / ' : ''}${formatLimit(state)}`;
       if (state.node_state && state.node_state !== 'up') {
         return `${text} · node ${state.node_state}`; // its cells may not answer: no countdown to show
       }
