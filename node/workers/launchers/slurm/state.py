@@ -167,7 +167,8 @@ _STATES = {
 
 
 #: What srun writes when slurmctld ends its step (scancel, a time limit, a node failure). slurmstepd's
-#: end line, which says which, usually follows, but not always (seen on a loaded host).
+#: end line, which says which, follows, except for a step ended before its task was launched (srun:
+#: "aborted before step completely launched").
 SRUN_STEP_ABORTED = "srun: Job step aborted"
 
 
