@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 # Fixtures: a real Slurm, a second user, an empty queue after each test.
-from slurm_fixtures import Worker, cluster, halted, no_jobs_left, other, queue, spec  # noqa: F401
+from slurm_fixtures import Worker, cluster, end_sruns, halted, no_jobs_left, other, queue, spec  # noqa: F401
 from gpupool.node.workers.launchers.slurm import SlurmError, SlurmLauncher, SlurmWorkerRecord
 
 GiB = 2**30
@@ -35,7 +35,9 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def launcher(cluster):
-    return SlurmLauncher(node=cluster.name, slurm_conf=str(cluster.conf), start_timeout=30, command_timeout=30)
+    slurm = SlurmLauncher(node=cluster.name, slurm_conf=str(cluster.conf), start_timeout=30, command_timeout=30)
+    yield slurm
+    end_sruns(cluster, slurm)  # a failed test's slices: their jobs cancelled, their sruns reaped
 
 
 async def until(probe, timeout: float = 30, step: float = 0.25):

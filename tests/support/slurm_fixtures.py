@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +70,20 @@ def no_jobs_left(cluster):
         time.sleep(0.2)
 
 
+def end_sruns(cluster, launcher: SlurmLauncher, timeout: float = 30) -> None:
+    """After a test that used ``launcher``: cancel the jobs it left (a failed test's workers), then reap
+    the sruns of its slices, which end with their steps; one still running after ``timeout`` seconds is
+    killed. So no srun outlives its test, to be collected, still running, during a later test (a
+    ResourceWarning there)."""
+    cluster.run("scancel", "--full", "--partition=gpu", check=False)
+    for srun in launcher._sruns.values():  # the launcher's own: it keeps them to reap when it stops a step
+        try:
+            srun.wait(timeout)
+        except subprocess.TimeoutExpired:
+            srun.kill()
+            srun.wait()
+
+
 class Worker:
     """A lease's worker files and the calls on it."""
 
@@ -90,16 +105,30 @@ class Worker:
                                     self.env, gpu_index)
 
     async def run(self, code: str, timeout: float = 60) -> str:
-        """Run ``code`` on the worker as a notebook client would; returns its stdout."""
-        return await run_worker_cell(json.loads(self.connection_file.read_text()), code, timeout)
+        """Run ``code`` on the worker as a notebook client would; returns its stdout. The first cell also
+        waits for the kernel to start. AssertionError after ``timeout`` seconds, with what the worker and
+        its srun wrote."""
+        try:
+            return await run_worker_cell(json.loads(self.connection_file.read_text()), code, timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"the worker of lease {self.spec.lease_id} did not run {code!r} within {timeout:g} s "
+                                 f"(its kernel's start included); what it wrote:\n{self.output()}") from None
 
     async def answers(self, timeout: float) -> bool:
         """True when the kernel runs an empty cell within ``timeout`` seconds."""
         try:
-            await self.run("pass", timeout)
+            await run_worker_cell(json.loads(self.connection_file.read_text()), "pass", timeout)
             return True
         except asyncio.TimeoutError:
             return False
+
+    def output(self, lines: int = 15) -> str:
+        """The last lines of the worker's log and of its srun's (a slice's), for a failure's message."""
+        said = []
+        for path in (self.log_path, self.log_path.with_suffix(".srun.log")):
+            if path.exists():
+                said.append(f"{path.name}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(said) or "(nothing)"
 
 
 def spec(lease_id: str, gpus: int = 1, fraction: float = 1.0) -> WorkerSpec:
