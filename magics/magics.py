@@ -288,9 +288,35 @@ class GPUMagics(Magics):
         %%local
         df.describe()
         """
-        result = self.shell.run_cell(cell, store_history=False)
+        result = _run_as_this_cell(self.shell, cell)
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
+
+
+def _run_as_this_cell(shell, cell: str):
+    """``shell.run_cell(cell)`` (history not stored: the ``%%local`` cell is) under the
+    running cell's number, so its ``Cell In[n]`` and ``Out[n]`` are this cell's. IPython 9
+    counts a cell as it starts: the nested run would take the next number for its name,
+    and shows ``Out`` one below the count (``DisplayHook.prompt_count``), so the count is
+    set back for the name and forward again once the nested run has taken it
+    (``pre_run_cell`` comes between). Returns IPython's ``ExecutionResult``."""
+    running = getattr(shell.displayhook, "exec_result", None)  # the %%local cell's own
+    count = getattr(running, "execution_count", None)
+    if count is None:
+        return shell.run_cell(cell, store_history=False)
+    saved = shell.execution_count
+    lead = saved - shell.displayhook.prompt_count  # 1 where IPython counts a cell as it starts, else 0
+
+    def numbered(info) -> None:
+        shell.execution_count = count + lead
+
+    shell.execution_count = count
+    shell.events.register("pre_run_cell", numbered)
+    try:
+        return shell.run_cell(cell, store_history=False)
+    finally:
+        shell.events.unregister("pre_run_cell", numbered)
+        shell.execution_count = saved
 
 
 class ShownError(Exception):

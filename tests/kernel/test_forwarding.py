@@ -131,6 +131,11 @@ def test_a_local_cell_that_raises_shows_its_traceback_once_and_fails(attached):
     reply = failed.reply
     assert (reply["status"], reply["ename"], reply["evalue"]) == ("error", "ValueError", "local only")
     assert reply["traceback"] == errors[0]["traceback"]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(errors[0]["traceback"]))
+    assert f"Cell In[{reply['execution_count']}]" in plain, plain
+    shown = run(kc, "%%local\n6 * 7")
+    results = [content for kind, content in shown.outputs if kind == "execute_result"]
+    assert [r["execution_count"] for r in results] == [shown.reply["execution_count"]], results
 
 
 def test_only_the_front_ends_messages_are_relayed(attached):
