@@ -18,14 +18,21 @@ from .units import format_bytes, format_cpus, format_duration, format_share
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[str, str]:
-    """``(aligned text, HTML <table>)`` of ``rows`` under ``headers``."""
+    """``(aligned text, HTML <table>)`` of ``rows`` under ``headers``. A cell
+    without a space (an id, a node's name) is not wrapped in the HTML: a
+    narrow notebook broke ``L-58b0d1600c8c`` after its hyphen."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()  # noqa: E731
     text = "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in cells)
+    body = "".join("<tr>" + "".join(_td(c) for c in r) + "</tr>" for r in cells)
     return text, f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _td(cell: str) -> str:
+    nowrap = "" if " " in cell else ' style="white-space: nowrap"'
+    return f"<td{nowrap}>{html.escape(cell)}</td>"
 
 
 def idle_countdown(lease: Lease, now: datetime | None = None) -> str:

@@ -102,6 +102,8 @@ def test_transfer_round_trip_is_zero_copy_for_arrays_and_isolates_bad_values():
 def test_tables_text_and_html():
     text, html = table(["a", "b"], [["1", "<x>"]])
     assert text.splitlines()[0].startswith("a") and "&lt;x&gt;" in html
+    _, html = table(["lease", "note"], [["L-58b0d1600c8c", "idle, parked in 5m"]])
+    assert '<td style="white-space: nowrap">L-58b0d1600c8c</td><td>idle, parked in 5m</td>' in html
     lease = Lease.from_json({"id": "L-1", "owner": "u", "state": "active", "fraction": 0.5, "gpu_count": 1,
                              "memory": 1024**3, "gpus": [{"index": 0, "name": "GPU"}], "idle_timeout": 60,
                              "idle_since": "2026-01-01T00:00:00Z", "worker": {"execution_state": "busy"}})
