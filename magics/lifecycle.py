@@ -114,11 +114,12 @@ class Lifecycle:
         old = self.attached()
         request = move.target(old.lease, request)
         started = time.monotonic()
-        say(f"moving {old.lease.id} to a new lease; its variables go worker to worker once that one starts")
         try:
             new = self.attacher.connect(request, forward=False)
         except (GPUPoolError, UsageError) as exc:
             raise move.not_started(exc, old.lease.id) from None
+        # Said once the pool gave the new lease, not before: a refused move moves nothing.
+        say(f"moving {old.lease.id} to {new.lease.id}; its variables go worker to worker")
         # Said before the old worker goes: what did not travel is named while it still exists.
         say(move.carry(old, new, started))
         self._attachment = new

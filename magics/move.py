@@ -39,9 +39,11 @@ def target(lease: Lease, request: LeaseRequest) -> LeaseRequest:
 
 def not_started(exc: Exception, old_id: str) -> UsageError:
     """The error for a move whose new lease could not be had (``exc``: a GPUPoolError or UsageError)."""
-    # Only where room or quota refused it does holding two leases for a moment matter.
+    # Only where the pool had no room does holding two leases for a moment matter: the old lease's
+    # room may be what the new one needs. Not for a quota: the move's ``replaces`` keeps the old lease
+    # out of max_gpus already, and a release gives back no GPU-hours.
     hint = (" (a move holds both leases for a moment: where the old one leaves no room, %gpu release then "
-            "%gpu acquire)") if getattr(exc, "code", None) in ("pool_full", "quota_exceeded") else ""
+            "%gpu acquire)") if getattr(exc, "code", None) == "pool_full" else ""
     return UsageError(f"could not move: {getattr(exc, 'message', exc)}; still attached to {old_id}, "
                       f"nothing changed{hint}")
 
