@@ -95,6 +95,10 @@ def usage_text(body: dict[str, Any]) -> str:
 def _value(text: str) -> Any:
     if text.lower() in ("none", "null", "unlimited"):
         return None
+    try:  # a whole number stays an int, so a refusal echoes the -1 typed, not -1.0
+        return int(text)
+    except ValueError:
+        pass
     try:
         return float(text)
     except ValueError:

@@ -9,11 +9,28 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from ..schema import MAX_BYTES
 from .fields import Body, Spec, ref, wired
+from .leases import MOST_SECONDS
+
+#: The most GPUs a GPU limit (``max_gpus``, ``max_lease_gpus``, ``guaranteed_gpus``) may name:
+#: a bound no pool reaches, so that ``max_gpus=1e99`` is refused as the typo it is.
+MAX_QUOTA_GPUS = 1_000_000
+
+#: The largest value of each limit, in its wire unit (GPUs, GPU-hours, seconds, bytes): a
+#: GPU-hour limit at most what :data:`MAX_QUOTA_GPUS` could use in its day or week, the idle
+#: timeout a lease's longest (``MOST_SECONDS``, 366 days), parked memory 1 PiB. Above it a limit
+#: is refused (``hub_plugin/rules/quotas.py``, the one place that reads limits); use none
+#: (``null``) for unlimited.
+QUOTA_CEILINGS: dict[str, float] = {
+    "max_gpus": MAX_QUOTA_GPUS, "max_lease_gpus": MAX_QUOTA_GPUS, "guaranteed_gpus": MAX_QUOTA_GPUS,
+    "gpu_hours_per_day": 24 * MAX_QUOTA_GPUS, "gpu_hours_per_week": 7 * 24 * MAX_QUOTA_GPUS,
+    "max_idle_timeout": MOST_SECONDS, "max_parked_memory": MAX_BYTES,
+}
 
 
-def _gpus(words: str | None = None) -> Any:
-    return wired(Spec("number", words, nullable=True, minimum=0), None)
+def _gpus(words: str | None = None, key: str = "max_gpus") -> Any:
+    return wired(Spec("number", words, nullable=True, minimum=0, maximum=QUOTA_CEILINGS[key]), None)
 
 
 @dataclass(frozen=True)
@@ -31,15 +48,17 @@ class Limits(Body):
                        "('8h', '30m')"}
 
     max_gpus: float | None = _gpus("GPUs held, queued or parked at once (sum of fractions)")
-    max_lease_gpus: float | None = _gpus("fraction x count of one lease")
-    gpu_hours_per_day: float | None = _gpus()
-    gpu_hours_per_week: float | None = _gpus()
-    max_idle_timeout: float | None = wired(Spec("number", "seconds", nullable=True, exclusive_minimum=0), None)
+    max_lease_gpus: float | None = _gpus("fraction x count of one lease", "max_lease_gpus")
+    gpu_hours_per_day: float | None = _gpus(None, "gpu_hours_per_day")
+    gpu_hours_per_week: float | None = _gpus(None, "gpu_hours_per_week")
+    max_idle_timeout: float | None = wired(Spec("number", "seconds", nullable=True, exclusive_minimum=0,
+                                                maximum=QUOTA_CEILINGS["max_idle_timeout"]), None)
     guaranteed_gpus: float | None = _gpus("GPUs never parked early nor preempted (the oldest leases first); "
-                                          "null: none")
+                                          "null: none", "guaranteed_gpus")
     max_parked_memory: int | None = wired(Spec("integer", "bytes of host RAM the user's leases parked in memory may "
                                                "hold on their nodes; a park beyond it goes to disk (docs/parking.md)",
-                                               nullable=True, minimum=0), None)
+                                               nullable=True, minimum=0, maximum=QUOTA_CEILINGS["max_parked_memory"]),
+                                          None)
 
     def to_json(self) -> dict[str, float | None]:
         """Every limit, null where unlimited."""

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from gpupool.schema import has_control_characters
 from gpupool.units import format_bytes, format_gpu_hours, parse_bytes, parse_duration
-from gpupool.wire.quotas import Limits
+from gpupool.wire.quotas import QUOTA_CEILINGS, SHOWN, Limits
 
 #: Limit names, in the order they are shown: the fields of :class:`~gpupool.wire.quotas.Limits`.
 LIMIT_KEYS = Limits.KEYS
@@ -74,18 +74,30 @@ def _parse_limit(key: str, value: Any, scope: str) -> float | None:
         raise ValueError(f"{where} must be a number, got {value!r}")
     try:
         if key == "max_idle_timeout":
-            return parse_duration(value)
-        if key == "max_parked_memory":
-            return 0 if value in (0, "0") else parse_bytes(value)  # 0: every park goes to disk
-        if key.startswith("gpu_hours"):
+            number: float = parse_duration(value)
+        elif key == "max_parked_memory":
+            number = 0 if value in (0, "0") else parse_bytes(value)  # 0: every park goes to disk
+        elif key.startswith("gpu_hours"):
             number = float(value) if isinstance(value, (int, float)) else _hours(value)
         else:
             number = _gpus(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{where} must be a number >= 0, got {value!r}")
+    ceiling = QUOTA_CEILINGS[key]  # above it, a typo (1e99): none says unlimited
+    if not math.isfinite(number) or not 0 <= number <= ceiling:
+        raise ValueError(f"{where} must be a number from 0 to {_ceiling_words(key, ceiling)} (none for unlimited), "
+                         f"got {value!r:.80}")
     return number
+
+
+def _ceiling_words(key: str, ceiling: float) -> str:
+    """``1,000,000 GPUs``, ``24,000,000 GPU-hours``, ``31,622,400 seconds (366 days)``, ``1 PiB``."""
+    unit = next(unit for name, _, unit, _ in SHOWN if name == key)
+    if unit == "seconds":
+        return f"{ceiling:,} seconds ({ceiling // 86400:g} days)"
+    if unit == "bytes":
+        return f"{ceiling:,} bytes (1 PiB)" if ceiling == 2**50 else f"{ceiling:,} bytes"
+    return f"{ceiling:,} {'GPU-hours' if unit == 'hours' else 'GPUs'}"
 
 
 def _gpus(value: Any) -> float:

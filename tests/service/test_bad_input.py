@@ -259,10 +259,16 @@ REST = [
          id="user-unsets-quota"),
     rest("/admin/usage", 403, "only pool admins", method="GET", code="forbidden", id="user-reads-usage"),
     # admin input
-    rest("/admin/quotas/user:bob", 400, "max_gpus must be a number >= 0", method="PUT", body={"max_gpus": -1},
-         user="boss", id="quota-negative"),
-    rest("/admin/quotas/user:bob", 400, "max_gpus must be a number >= 0", method="PUT", raw=b'{"max_gpus": 1e400}',
-         user="boss", id="quota-overflow"),
+    rest("/admin/quotas/user:bob", 400, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for unlimited), "
+         "got -1", method="PUT", body={"max_gpus": -1}, user="boss", id="quota-negative"),
+    rest("/admin/quotas/user:bob", 400, "max_gpus must be a number from 0 to 1,000,000 GPUs", method="PUT",
+         raw=b'{"max_gpus": 1e400}', user="boss", id="quota-overflow"),
+    rest("/admin/quotas/user:bob", 400, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for unlimited), "
+         "got 1e+99", method="PUT", body={"max_gpus": 1e99}, user="boss", id="quota-absurd"),
+    rest("/admin/quotas/user:bob", 400, "gpu_hours_per_day must be a number from 0 to 24,000,000 GPU-hours", method="PUT",
+         body={"max_gpus": 2, "gpu_hours_per_day": "1e12h"}, user="boss", id="quota-absurd-hours"),
+    rest("/admin/quotas/user:bob", 400, "max_idle_timeout must be a number from 0 to 31,622,400 seconds", method="PUT",
+         body={"max_idle_timeout": "1000d"}, user="boss", id="quota-absurd-idle"),
     rest("/admin/quotas/user:bob", 400, "max_gpus: must be a number of GPUs", method="PUT", body={"max_gpus": "lots"},
          user="boss", id="quota-text"),
     rest("/admin/quotas/user:bob", 400, "max_idle_timeout: cannot read 'forever' as a duration", method="PUT",
@@ -413,7 +419,12 @@ CLI = [
     cli("quota set user:bob", 2, "'set' needs at least one LIMIT=VALUE", user="boss", id="set-no-limits"),
     cli("quota set user:bob max_gpus=2", 1, "only pool admins", id="set-as-user"),
     cli("quota list", 1, "only pool admins", id="list-as-user"),
-    cli("quota set user:bob max_gpus=-1", 1, "max_gpus must be a number >= 0", user="boss", id="set-negative"),
+    cli("quota set user:bob max_gpus=-1", 1, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for "
+        "unlimited), got -1\n", user="boss", id="set-negative"),  # as typed, not -1.0
+    cli("quota set user:bob max_gpus=1e99", 1, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for "
+        "unlimited), got 1e+99\n", user="boss", id="set-absurd"),
+    cli("quota set user:bob max_gpus=2 gpu_hours_per_week=1e12", 1, "gpu_hours_per_week must be a number from 0 to "
+        "168,000,000 GPU-hours", user="boss", id="set-absurd-hours"),
     cli("quota set user:bob max_gpus=lots", 1, "or none (null in JSON) for unlimited", user="boss", id="set-text"),
     cli("quota set user:bob max_idle_timeout=0", 1, "more than 0 seconds", user="boss", id="set-idle-zero"),
     cli("quota set user:bob frob=1", 1, "cannot read 'frob=1'", user="boss", id="set-unknown-limit"),

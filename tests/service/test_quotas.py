@@ -56,6 +56,9 @@ def test_overrides_merge_limit_by_limit():
     ({"max_idle_timeout": "30m"}, {"max_idle_timeout": 1800.0}),
     ({"max_gpus": "0.5", "max_lease_gpus": None}, {"max_gpus": 0.5, "max_lease_gpus": None}),
     ({"guaranteed_gpus": "1.5"}, {"guaranteed_gpus": 1.5}),
+    # The ceilings themselves are limits like any other.
+    ({"max_gpus": 1_000_000, "gpu_hours_per_week": 168e6, "max_idle_timeout": "366d", "max_parked_memory": "1PiB"},
+     {"max_gpus": 1e6, "gpu_hours_per_week": 168e6, "max_idle_timeout": 366 * 86400.0, "max_parked_memory": 2**50}),
 ])
 def test_human_units(entry, expected):
     assert parse_entry(entry) == expected
@@ -64,8 +67,17 @@ def test_human_units(entry, expected):
 @pytest.mark.parametrize("table, words", [
     ({"ann": {}}, "must be '*', 'group:NAME' or 'user:NAME'"),
     ({"*": {"max_gpu": 1}}, "unknown limit(s) max_gpu"),
-    ({"*": {"max_gpus": -1}}, "must be a number >= 0"),
-    ({"*": {"guaranteed_gpus": -0.5}}, "guaranteed_gpus must be a number >= 0"),
+    ({"*": {"max_gpus": -1}}, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for unlimited), got -1"),
+    ({"*": {"guaranteed_gpus": -0.5}}, "guaranteed_gpus must be a number from 0 to 1,000,000 GPUs"),
+    # Absurd values are typos, refused rather than stored (none is unlimited): each limit has a ceiling.
+    ({"*": {"max_gpus": 1e99}}, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for unlimited), got 1e+99"),
+    ({"*": {"max_lease_gpus": 1_000_001}}, "max_lease_gpus must be a number from 0 to 1,000,000 GPUs"),
+    ({"*": {"guaranteed_gpus": "2e6"}}, "guaranteed_gpus must be a number from 0 to 1,000,000 GPUs"),
+    ({"*": {"gpu_hours_per_day": 1e99}}, "gpu_hours_per_day must be a number from 0 to 24,000,000 GPU-hours"),
+    ({"*": {"gpu_hours_per_week": "1e12h"}}, "gpu_hours_per_week must be a number from 0 to 168,000,000 GPU-hours"),
+    ({"*": {"max_idle_timeout": "400d"}}, "max_idle_timeout must be a number from 0 to 31,622,400 seconds (366 days)"),
+    ({"*": {"max_idle_timeout": 1e99}}, "max_idle_timeout must be a number from 0 to 31,622,400 seconds"),
+    ({"*": {"max_parked_memory": "2PiB"}}, "max_parked_memory must be a number from 0 to 1,125,899,906,842,624 bytes"),
     ({"*": {"max_gpus": True}}, "must be a number"),
     ({"*": {"max_idle_timeout": "soon"}}, "cannot read 'soon' as a duration"),
     ({"*": 3}, "must be a dict of limits"),
