@@ -89,9 +89,12 @@ def generate_config(command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpupool`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a usage error, as argparse's: the usage on stderr, exit 2 (an unknown command's too)
+        print(f"gpupool: a command is required\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0
     if argv[0] in ("--version", "-V"):
         print(f"gpupool {__version__}")
         return 0

@@ -407,6 +407,7 @@ def cli(args: str, code: int, words: str, *, user: str | None = "tester", id: st
 
 CLI = [
     cli("frobnicate", 2, "unknown command 'frobnicate'", id="unknown-command"),
+    cli("", 2, "gpupool: a command is required\n\nusage: gpupool COMMAND", id="no-command"),
     cli("status --colour", 2, "unrecognized arguments: --colour", id="unknown-option"),
     cli("status", 1, "missing or unknown token", user="not-a-token", id="unknown-token"),
     cli("status --token-file /nonexistent/token", 2, "cannot read the token file", id="missing-token-file"),
