@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"'{args.action}' needs a SCOPE ('*', 'group:NAME' or 'user:NAME')")
     if args.action == "set" and not args.limits:
         parser.error("'set' needs at least one LIMIT=VALUE")
-    if args.action == "usage" and not 1 <= args.days <= MAX_USAGE_DAYS:
+    if not 1 <= args.days <= MAX_USAGE_DAYS:  # whatever the action: a bad option is never passed over in silence
         parser.error(f"--days must be a whole number from 1 to {MAX_USAGE_DAYS}, got {args.days}")
     client = client_from_arguments(parser, args)
     if args.action == "show":

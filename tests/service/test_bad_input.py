@@ -434,6 +434,8 @@ CLI = [
     cli("quota unset user:nobody", 1, "quota override for user:nobody not found", user="boss", id="unset-unknown"),
     cli("quota usage --days 0", 2, "--days must be a whole number from 1 to 92, got 0", user="boss", id="usage-zero"),
     cli("quota usage --days many", 2, "invalid int value: 'many'", user="boss", id="usage-text"),
+    cli("quota show --days -3", 2, "--days must be a whole number from 1 to 92, got -3", id="show-days-negative"),
+    cli("quota --days 93", 2, "--days must be a whole number from 1 to 92, got 93", id="show-days-huge"),
     cli("agent --service-url http://127.0.0.1:{dead} --warm-workers=-1", 1,
         "c.AgentWorkers.warm_workers must be 0 or more, got -1", id="agent-warm-negative"),
     cli("run", 2, "the following arguments are required: script", id="run-no-script"),
