@@ -37,8 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(pool_table(pool)[0])
     print()
-    print(lease_table(leases, gpu_utilization(pool))[0] if leases else "no leases")
+    # Yours only (GET /leases lists the caller's), while the pool table counts everyone's: say whose.
+    print(lease_table(leases, gpu_utilization(pool))[0] if leases else no_leases_words(args.all))
     return 0
+
+
+def no_leases_words(ended_too: bool) -> str:
+    """What ``gpupool status`` prints when the caller has no lease to list: theirs, not the pool's
+    (whose table counts everyone's leases per GPU)."""
+    return ("you have no leases, active or ended" if ended_too else "you hold no leases") + \
+        " (this lists your own; the pool table above counts everyone's)"
 
 
 def pool_main(argv: list[str] | None = None) -> int:

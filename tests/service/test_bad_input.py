@@ -475,6 +475,24 @@ def test_cli(pool, args, user, code, words, tmp_path):
     pool.check_unchanged(f"gpupool {args}")
 
 
+def test_status_without_leases_says_they_are_yours(pool):
+    """``gpupool status`` lists the caller's leases while the pool table counts everyone's:
+    with none of theirs it says whose, so bob's lease on the GPU is not read as a contradiction."""
+    def status(user: str, *args: str) -> str:
+        env = {**os.environ, "GPUPOOL_URL": pool.service.url, "GPUPOOL_TOKEN": pool.token(user)}
+        done = subprocess.run([str(GPUPOOL), "status", *args], env=env, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    tester = status("tester")  # tester's one lease ended; bob's holds half a GPU
+    assert tester.rstrip().endswith("you hold no leases (this lists your own; the pool table above counts everyone's)")
+    assert pool.tester_lease in status("tester", "--all")
+    assert status("boss", "--all").rstrip().endswith("you have no leases, active or ended (this lists your own; "
+                                                    "the pool table above counts everyone's)")
+    pool.check_unchanged("gpupool status")
+
+
 # -- the %gpu magics ---------------------------------------------------------------------------------------
 
 MAGICS = [
