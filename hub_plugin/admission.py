@@ -125,18 +125,18 @@ class Admission:
 
     def admit(self, session: Session, owner: str, limits: Limits, demand: Demand, now: datetime,
               replaced: Lease | None = None) -> int:
-        """429 over ``owner``'s quota or ``c.PoolQuotas.max_active_per_user``, 400
-        when ``demand`` names more host than any node has; ``replaced`` (a move's
-        old lease, :meth:`replaced`) counts toward neither. Returns how many
-        requests ``owner`` has queued (for :meth:`may_queue`)."""
+        """400 when no node of the pool could ever take ``demand`` (:meth:`_check_pool`),
+        then 429 over ``owner``'s quota or ``c.PoolQuotas.max_active_per_user``;
+        ``replaced`` (a move's old lease, :meth:`replaced`) counts toward neither.
+        Returns how many requests ``owner`` has queued (for :meth:`may_queue`)."""
         try:
+            # First: a quota that is raised, or a lease that is released, would not make it fit.
+            self._check_pool(session, demand)
             self.quotas.enforce(session, owner, limits, demand.fraction * demand.gpu_count, now, replaced)
             held, queued = _counts(session, owner)
             if replaced is not None and replaced.state in CAPPED:
                 held -= 1
             self._check_cap("max_active_per_user", held)
-            self._check_host(session, demand)
-            self._check_gpus(session, demand)
         except GPUPoolError as exc:
             self._refused_by_limit(exc)
             raise
@@ -175,16 +175,23 @@ class Admission:
         raise GPUPoolError(Reason.quota_exceeded, f"too many requests: {words}; an admin can raise "
                            f"c.PoolQuotas.{name}", 429, limit=name, cap=cap)
 
-    def _check_host(self, session: Session, demand: Demand) -> None:
-        """400 when ``demand`` names more host CPUs or memory than the biggest node has."""
+    def _check_pool(self, session: Session, demand: Demand) -> None:
+        """400 when ``demand`` names a GPU model the pool has none of, more host
+        than any node has, more whole GPUs than the biggest node has, or more GPU
+        memory than any GPU lets leases have."""
+        gpus = self.placer.pool(session).all()
+        words = no_gpu_of_model(demand, gpus)
+        if words is not None:
+            raise bad_request(words, limit="model")
         words = beyond_every_node(demand, self.placer.pool(session).hosts)
         if words is not None:
             raise bad_request(words, limit="host")
+        self._check_gpus(gpus, demand)
 
-    def _check_gpus(self, session: Session, demand: Demand) -> None:
+    @staticmethod
+    def _check_gpus(gpus, demand: Demand) -> None:
         """400 when ``demand`` asks for more whole GPUs than the biggest node
         has, or more GPU memory than any GPU lets leases have."""
-        gpus = self.placer.pool(session).all()
         if demand.gpu_count > 1:
             words = more_gpus_than_any_node(demand, gpus)
             if words is not None:
@@ -197,12 +204,28 @@ class Admission:
         self._on_refusal({limit_code(exc.extra.get("limit")): 1})  # counted by limit, beside the scheduler's
 
 
+def no_gpu_of_model(demand: Demand, gpus) -> str | None:
+    """Words for a person when ``demand`` names a ``model`` that no registered
+    GPU in ``gpus`` (:class:`.rules.scheduler.GPUState`) matches (a part of
+    its name, as the scheduler matches), else None: no wait can bring one. As
+    :func:`more_gpus_than_any_node`, a lost node's GPUs count (it may come
+    back) and an empty pool refuses nothing here (a node may yet register)."""
+    if not demand.model or not gpus:
+        return None
+    model = demand.model.lower()
+    if any(model in g.name.lower() for g in gpus):
+        return None
+    names = ", ".join(sorted({g.name for g in gpus}))
+    return (f"the pool has no GPU of model {demand.model}; its models: {names}; ask for one of those "
+            "(--model matches any part of the name), or for no model")
+
+
 def more_gpus_than_any_node(demand: Demand, gpus) -> str | None:
     """Words for a person when ``demand``'s whole GPUs (which must be on one
     node) outnumber the GPUs (of its ``model``, if it names one) of every
     registered node in ``gpus`` (:class:`.rules.scheduler.GPUState`), else None.
     A lost node's GPUs count (it may come back); an empty pool, or one with no
-    GPU of that model, refuses nothing here (the scheduler's refusal says so)."""
+    GPU of that model, refuses nothing here (:func:`no_gpu_of_model` says so)."""
     model = (demand.model or "").lower()
     per_node = Counter(g.node for g in gpus if model in g.name.lower())
     if not per_node:

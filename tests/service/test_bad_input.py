@@ -177,6 +177,8 @@ REST = [
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64, got 2.5", raw=b'{"gpu_count": 2.5}',
          id="count-part"),
     rest("/leases", 400, "of GPU memory is more than any GPU offers", body={"memory": 2**49}, id="memory-none-fits"),
+    rest("/leases", 400, "the pool has no GPU of model H100; its models: NVIDIA A100-SXM4-80GB; ask for one",
+         body={"fraction": 0.5, "model": "H100", "wait": 60}, id="model-none-in-pool"),
     rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": -1}, id="idle-negative"),
     rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 0}, id="idle-zero"),
     rest("/leases", 400, "'idle_timeout' must be seconds from 1 to", body={"idle_timeout": 0.001}, id="idle-tiny"),
@@ -451,6 +453,8 @@ CLI = [
     cli("run --gpus 65 {script}", 2, "at most 64 whole GPUs in one lease, got 65", id="run-gpus-huge"),
     cli("run --gpus 0.001 {script}", 2, "a slice is at least 0.01 of a GPU", id="run-gpus-tiny"),
     cli("run --memory 400GiB {script}", 2, "of GPU memory is more than any GPU offers", id="run-none-fits"),
+    cli("run --gpus 0.5 --model H100 {script}", 2, "the pool has no GPU of model H100; its models: NVIDIA "
+        "A100-SXM4-80GB", id="run-model-none-in-pool"),
     cli("run --env nope {script}", 2, "gpupool pool lists them per node", id="run-unknown-env"),
     cli("run --host-memory 1 {script}", 2, "--host-memory must be a whole number of bytes from 1048576",
         id="run-host-memory-tiny"),
@@ -516,6 +520,8 @@ MAGICS = [
     pytest.param("acquire 0.5 --host-memory 1", "--host-memory must be a whole number of bytes from 1048576", id="host-memory-tiny"),
     pytest.param("acquire 0.5 --cpus 99999", "--cpus must be host cores from 0.01 to 4096", id="cpus-huge"),
     pytest.param("acquire 0.5 --memory 400GiB", "of GPU memory is more than any GPU offers", id="memory-none-fits"),
+    pytest.param("acquire 0.5 --model H100 --wait 5m", "the pool has no GPU of model H100; its models: NVIDIA "
+                 "A100-SXM4-80GB", id="model-none-in-pool"),
     pytest.param("acquire 0.5 --idle-timeout forever", "--idle-timeout: cannot read 'forever' as a duration", id="idle-text"),
     pytest.param("acquire 0.5 --idle-timeout 0", "--idle-timeout: duration must be more than 0 seconds", id="idle-zero"),
     pytest.param("acquire 0.5 --idle-timeout 2d", "above your maximum of 1d", id="idle-over-max"),

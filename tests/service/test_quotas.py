@@ -194,7 +194,10 @@ def test_queued_request_fails_when_gpu_hours_run_out_while_it_waits(quota_servic
     """The quota is checked again when a queued request would be placed: GPU-hours used
     up meanwhile end it ``failed`` with the quota's words (here at the next reclaim sweep)."""
     client = quota_service.client()
-    queued = client.create_lease(LeaseRequest(fraction=0.5, model="H100", wait=600))  # no H100: it waits
+    quota_service.client("ann").set_quota("user:bob", {"max_gpus": 4})
+    # bob's lease fills node-q: starting while its silent agent does not answer (worker_start_timeout, 60 s)
+    quota_service.client("bob").create_lease(LeaseRequest(gpu_count=4))
+    queued = client.create_lease(LeaseRequest(fraction=0.5, wait=600))  # no room: it waits
     assert queued.state == "queued"
     use_up_today(quota_service, "L-0000000000ab")
     ended = client.get_lease(queued.id, wait=30, state="queued")

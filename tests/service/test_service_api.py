@@ -294,15 +294,39 @@ def test_a_lease_written_behind_the_services_back_is_not_overbooked(service):
     assert [lease["id"] for lease in all_leases(service)] == [first.id]  # ours; "other" is not ours to see
 
 
+def register_t4(service, name: str, url: str | None = None) -> None:
+    """Register ``name`` with one T4 (its agent ``service.silent_url`` unless given)."""
+    body = {"name": name, "url": url or service.silent_url, "inventory": "simulated", "enforcement": "none",
+            "whole_gpus": False, "workers": [], "gpus": [{"uuid": f"GPU-{name}-0", "name": "Tesla T4", "index": 0,
+                                                          "memory_total": 16 * GiB, "memory_reserved": 0}]}
+    assert http(service, "POST", "/nodes", body, token="agent")[0] == 200
+
+
 def test_pool_full_says_why(service):
     register(service, "node-1", gpus=2)
+    register_t4(service, "node-t")
+    taken = service.client().create_lease(LeaseRequest(fraction=1.0, model="T4"))  # starting: its agent is silent
     with pytest.raises(GPUPoolError) as refused:
-        service.client().create_lease(LeaseRequest(fraction=0.5, model="H100"))
+        service.client().create_lease(LeaseRequest(fraction=0.5, model="T4"))
     assert (refused.value.status, refused.value.code) == (409, "pool_full")
-    assert refused.value.message == ("no GPU can take 0.50 of model H100 now: 2 GPUs in the pool, the most free "
-                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); 2 GPUs ruled out: model mismatch")
-    assert refused.value.extra["reasons"] == {"model mismatch": 2}
-    assert all_leases(service) == []
+    assert refused.value.message == ("no GPU can take 0.50 of model T4 now: 3 GPUs in the pool, the most free "
+                                     "is 1.00 (node-1 GPU 0, NVIDIA A100-SXM4-80GB); 2 GPUs ruled out: "
+                                     "model mismatch; 1 GPU ruled out: not enough free fraction")
+    assert refused.value.extra["reasons"] == {"model mismatch": 2, "not enough free fraction": 1}
+    assert [lease["id"] for lease in all_leases(service)] == [taken.id]
+
+
+@pytest.mark.parametrize("wait", [None, 60])
+def test_a_model_the_pool_has_none_of_is_refused_at_once(service, wait):
+    """No wait brings a GPU of a model no node has: 400 saying the pool's models, nothing queued."""
+    register(service, "node-1", gpus=2)
+    register_t4(service, "node-t")
+    body = assert_error(http(service, "POST", "/leases", {"fraction": 0.5, "model": "H100", "wait": wait}),
+                        400, "bad_request")
+    assert body["message"] == ("the pool has no GPU of model H100; its models: NVIDIA A100-SXM4-80GB, Tesla T4; "
+                               "ask for one of those (--model matches any part of the name), or for no model")
+    assert body["limit"] == "model"
+    assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 3  # nothing queued or held
 
 
 def test_whole_gpus_count_on_every_registered_node_lost_or_not():
@@ -319,6 +343,19 @@ def test_whole_gpus_count_on_every_registered_node_lost_or_not():
     assert more_gpus_than_any_node(Demand(gpu_count=9), []) is None  # empty: a node may yet register
 
 
+def test_a_model_counts_on_every_registered_node_lost_or_not():
+    from gpupool.hub_plugin.admission import no_gpu_of_model
+    from gpupool.hub_plugin.rules.scheduler import Demand, GPUState
+    gpus = [GPUState("a-0", "a", "NVIDIA A100-SXM4-80GB", 0, 80 * GiB, 79 * GiB),
+            GPUState("t-0", "t", "Tesla T4", 0, 16 * GiB, 15 * GiB, node_up=False)]
+    assert no_gpu_of_model(Demand(model="t4"), gpus) is None  # the lost node may come back: the queue may wait
+    assert no_gpu_of_model(Demand(model="a100"), gpus) is None and no_gpu_of_model(Demand(), gpus) is None
+    assert no_gpu_of_model(Demand(model="H100"), gpus) == (
+        "the pool has no GPU of model H100; its models: NVIDIA A100-SXM4-80GB, Tesla T4; ask for one of those "
+        "(--model matches any part of the name), or for no model")
+    assert no_gpu_of_model(Demand(model="H100"), []) is None  # empty: a node may yet register
+
+
 @pytest.mark.parametrize("wait", [None, 60])
 def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
     register(service, "node-1", gpus=2)
@@ -328,7 +365,6 @@ def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
     assert body["message"] == ("3 whole GPUs is more than any node has (a lease's GPUs are all on one node): the "
                                "biggest, node-1, has 2 GPUs; ask for at most 2")
     assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 3  # nothing queued or held
-    assert_error(http(service, "POST", "/leases", {"gpu_count": 2, "model": "H100"}), 409, "pool_full")  # no H100
 
 
 def test_gpu_memory_counts_every_registered_gpu_of_the_model():
@@ -377,6 +413,10 @@ def test_lost_node_takes_no_new_leases(tmp_path):
         wait_for(lambda: svc.client().pool()["nodes"][0]["state"] == "lost", 10, "node marked lost")
         with pytest.raises(GPUPoolError, match="1 GPU ruled out: node lost"):
             svc.client().create_lease(LeaseRequest(fraction=0.5))
+        with pytest.raises(GPUPoolError, match="1 GPU ruled out: node lost"):  # its model is the pool's still
+            svc.client().create_lease(LeaseRequest(fraction=0.5, model="A100"))
+        with pytest.raises(GPUPoolError, match="the pool has no GPU of model H100; its models: NVIDIA A100"):
+            svc.client().create_lease(LeaseRequest(fraction=0.5, model="H100"))
         assert http(svc, "POST", "/nodes/node-l/heartbeat", {}, token="agent")[0] == 200
         assert svc.client().pool()["nodes"][0]["state"] == "up"
     finally:
