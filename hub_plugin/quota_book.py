@@ -72,13 +72,14 @@ class QuotaBook:
                                day_resets=usage.resets_words(self.tz, usage.DAY),
                                week_resets=usage.resets_words(self.tz, usage.WEEK))
         if refusal is not None:
-            message = refusal.message
+            notes = []
             parked = usage.parked_gpus(session, user) if refusal.limit == "max_gpus" else 0.0
             if parked:  # they count: each may resume at any time
-                message += (f" ({parked:.2f} of it in parked leases, which keep their GPUs' worth; release one you "
-                            "no longer need)")
+                notes.append(f" ({parked:.2f} of it in parked leases, which keep their GPUs' worth; release one you "
+                             "no longer need)")
             if replaced is not None and refusal.limit == "max_gpus":
-                message += f" (not counting {replaced.id}, which this lease replaces)"
+                notes.append(f" (not counting {replaced.id}, which this lease replaces)")
+            message = refusal.words(*notes)
             log.info("lease for %s refused by quota %s: %s", user, refusal.limit, message)
             raise GPUPoolError(Reason.quota_exceeded, message, 429, limit=refusal.limit)
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from gpupool.schema import has_control_characters
+from gpupool.schema import MIN_FRACTION, has_control_characters
 from gpupool.units import format_bytes, format_gpu_hours, parse_bytes, parse_duration
 from gpupool.wire.quotas import QUOTA_CEILINGS, SHOWN, Limits
 
@@ -28,10 +28,17 @@ EPSILON = 1e-9
 @dataclass(frozen=True)
 class QuotaRefusal:
     """Why a request exceeds a quota: ``limit`` (a :data:`LIMIT_KEYS` name),
-    ``message`` (words for the user)."""
+    ``message`` (words for the user) and ``hint`` (what to ask for instead, or
+    what frees room: ``; ask for at most 0.50``), said last, after any
+    ``notes`` the caller adds (:meth:`words`)."""
 
     limit: str
     message: str
+    hint: str = ""
+
+    def words(self, *notes: str) -> str:
+        """The whole refusal: the message, then ``notes`` (`` (0.50 of it in parked leases...)``), then the hint."""
+        return self.message + "".join(notes) + self.hint
 
 
 def check_scope(scope: Any) -> str:
@@ -168,7 +175,7 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
                             f"requested {requested:.2f}")
     if limits.max_gpus is not None and holding + requested > limits.max_gpus + EPSILON:
         return QuotaRefusal("max_gpus", f"quota exceeded: you hold {holding:.2f} of {limits.max_gpus:.2f} GPU; "
-                            f"requested {requested:.2f}")
+                            f"requested {requested:.2f}", _what_fits(limits, limits.max_gpus - holding))
     for limit, word, used, resets in (("gpu_hours_per_day", "daily", used_today_s, day_resets),
                                       ("gpu_hours_per_week", "weekly", used_week_s, week_resets)):
         allowed = getattr(limits, limit)
@@ -176,6 +183,20 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
             return QuotaRefusal(limit, f"{word} GPU-hours used up ({format_gpu_hours(min(used / 3600.0, allowed))} "
                                 f"of {format_gpu_hours(allowed)}); resets {resets}")
     return None
+
+
+def _what_fits(limits: Limits, room: float) -> str:
+    """The hint of a ``max_gpus`` refusal when ``room`` GPUs are left: the most one
+    request may ask for (a slice below 1, else whole GPUs; within ``max_lease_gpus``),
+    as ``%gpu acquire`` takes it; or, when not even the smallest slice fits, what frees room."""
+    if limits.max_lease_gpus is not None:
+        room = min(room, limits.max_lease_gpus)
+    if room < 1 - EPSILON:
+        room = math.floor(room * 100 + EPSILON * 100) / 100  # down: a rounded-up amount would not fit
+        if room < MIN_FRACTION:
+            return "; nothing more fits: release a lease or cancel a queued request first (gpupool status lists them)"
+        return f"; ask for at most {room:.2f}"
+    return f"; ask for at most {math.floor(room + EPSILON)}"
 
 
 def park_tier(limits: Limits, parked_bytes: int, estimate: int) -> tuple[str, str | None]:

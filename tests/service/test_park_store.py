@@ -281,7 +281,7 @@ def test_parked_leases_count_against_max_gpus(store):
     refused = in_pool(store, clock, body, ServiceSettings(quotas=PoolQuotas(quotas={"*": {"max_gpus": 1}})))
     assert (refused.code, refused.extra["limit"]) == ("quota_exceeded", "max_gpus")
     assert refused.message == ("quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00 (0.50 of it in parked "
-                               "leases, which keep their GPUs' worth; release one you no longer need)")
+                               "leases, which keep their GPUs' worth; release one you no longer need); ask for at most 0.50")
 
 
 def test_a_parked_lease_claims_its_gpu_so_a_new_lease_goes_elsewhere(store):

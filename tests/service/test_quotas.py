@@ -90,7 +90,26 @@ def test_bad_tables_are_refused_with_words(table, words):
 
 REFUSALS = [
     pytest.param(Limits(max_gpus=1.0), dict(holding=0.75, requested=0.5), "max_gpus",
-                 "quota exceeded: you hold 0.75 of 1.00 GPU; requested 0.50", id="concurrent GPUs"),
+                 "quota exceeded: you hold 0.75 of 1.00 GPU; requested 0.50; ask for at most 0.25", id="concurrent GPUs"),
+    # What still fits, as %gpu acquire takes it: a slice, rounded down; whole GPUs; within max_lease_gpus
+    pytest.param(Limits(max_gpus=0.5), dict(requested=0.75), "max_gpus",
+                 "quota exceeded: you hold 0.00 of 0.50 GPU; requested 0.75; ask for at most 0.50", id="a slice fits"),
+    pytest.param(Limits(max_gpus=1.0), dict(holding=0.125, requested=1.0), "max_gpus",
+                 "quota exceeded: you hold 0.12 of 1.00 GPU; requested 1.00; ask for at most 0.87", id="rounded down"),
+    pytest.param(Limits(max_gpus=1.0), dict(holding=0.1 + 0.2, requested=1.0), "max_gpus",
+                 "quota exceeded: you hold 0.30 of 1.00 GPU; requested 1.00; ask for at most 0.70", id="float sums"),
+    pytest.param(Limits(max_gpus=4.0), dict(holding=1.5, requested=4.0), "max_gpus",
+                 "quota exceeded: you hold 1.50 of 4.00 GPU; requested 4.00; ask for at most 2", id="whole GPUs fit"),
+    pytest.param(Limits(max_gpus=4.0, max_lease_gpus=0.5), dict(holding=1.0, requested=0.5 + 3), "max_lease_gpus",
+                 "lease too large: at most 0.50 GPU per lease; requested 3.50", id="one lease first"),
+    pytest.param(Limits(max_gpus=4.0, max_lease_gpus=2.0), dict(holding=3.0, requested=2.0), "max_gpus",
+                 "quota exceeded: you hold 3.00 of 4.00 GPU; requested 2.00; ask for at most 1", id="the room, not the lease"),
+    pytest.param(Limits(max_gpus=1.0), dict(holding=1.0, requested=0.1), "max_gpus",
+                 "quota exceeded: you hold 1.00 of 1.00 GPU; requested 0.10; nothing more fits: release a lease or "
+                 "cancel a queued request first (gpupool status lists them)", id="nothing fits"),
+    pytest.param(Limits(max_gpus=1.0), dict(holding=0.995, requested=0.1), "max_gpus",
+                 "quota exceeded: you hold 0.99 of 1.00 GPU; requested 0.10; nothing more fits: release a lease or "
+                 "cancel a queued request first (gpupool status lists them)", id="less than the smallest slice"),
     pytest.param(Limits(max_lease_gpus=1.0), dict(requested=2.0), "max_lease_gpus",
                  "lease too large: at most 1.00 GPU per lease; requested 2.00", id="one lease"),
     pytest.param(Limits(gpu_hours_per_day=8.0), dict(used_today_s=8 * 3600), "gpu_hours_per_day",
@@ -108,7 +127,7 @@ REFUSALS = [
 def test_refusal_words(limits, usage, limit, message):
     values = {**dict(holding=0.0, requested=0.5, used_today_s=0.0, used_week_s=0.0), **usage}
     refusal = check(limits, **values, day_resets="00:00 UTC", week_resets="Monday 00:00 UTC")
-    assert (refusal.limit, refusal.message) == (limit, message)
+    assert (refusal.limit, refusal.words()) == (limit, message)
 
 
 @pytest.mark.parametrize("limits, usage", [
@@ -152,12 +171,14 @@ def test_concurrent_quota_refusal_names_the_numbers(quota_service):
     client.create_lease(LeaseRequest(fraction=0.25))
     error = refused(client, fraction=0.5)
     assert (error.status, error.code, error.extra["limit"]) == (429, "quota_exceeded", "max_gpus")
-    assert error.message == "quota exceeded: you hold 0.75 of 1.00 GPU; requested 0.50"
+    assert error.message == "quota exceeded: you hold 0.75 of 1.00 GPU; requested 0.50; ask for at most 0.25"
     client.create_lease(LeaseRequest(fraction=0.25))  # exactly up to the limit
     # bob's group is more generous, and his own holdings are his.
     bob = quota_service.client("bob")
     bob.create_lease(LeaseRequest(gpu_count=2))
-    assert refused(bob, fraction=0.1).message == "quota exceeded: you hold 2.00 of 2.00 GPU; requested 0.10"
+    assert refused(bob, fraction=0.1).message == ("quota exceeded: you hold 2.00 of 2.00 GPU; requested 0.10; nothing more "
+                                                  "fits: release a lease or cancel a queued request first (gpupool status "
+                                                  "lists them)")
     assert len(client.list_leases()) == 3 and len(bob.list_leases()) == 1
 
 
@@ -262,7 +283,7 @@ def test_overrides_survive_a_restart(tmp_path, quota_service, capsys):
                                          "gpu_hours_per_week": 1.5, "max_idle_timeout": 7200.0, "guaranteed_gpus": None,
                                          "max_parked_memory": None}
         error = refused(bob, fraction=0.5)
-        assert error.message == "quota exceeded: you hold 0.00 of 0.25 GPU; requested 0.50"
+        assert error.message == "quota exceeded: you hold 0.00 of 0.25 GPU; requested 0.50; ask for at most 0.25"
         listing = svc.client("ann").admin_quotas()
         assert listing["overrides"]["user:bob"]["updated_by"] == "ann"
         assert listing["effective"]["group:quants"] == {"max_gpus": 2.0, "max_idle_timeout": 7200.0}
@@ -383,7 +404,8 @@ def test_a_move_within_quota_does_not_count_the_lease_it_replaces(tmp_path):
         old = client.get_lease(client.create_lease(LeaseRequest(fraction=0.5)).id, wait=30, state="starting")
         assert old.state == LeaseState.active, old.reason
         error = refused(client, fraction=1)
-        assert error.message == "quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00", "not a move: counted"
+        assert error.message == ("quota exceeded: you hold 0.50 of 1.00 GPU; requested 1.00; ask for at most 0.50"), \
+            "not a move: counted"
         for who, lease_id in ((bob, old.id), (client, "L-000000000000")):
             error = refused(who, fraction=0.5, replaces=lease_id)
             assert (error.status, error.code) == (409, "invalid_state")
