@@ -63,9 +63,11 @@ class Attachment:
         again (resumed by a cell, the service or the JupyterLab extension)
         runs as before, unless it came back as a new worker (spilled), which
         the next :meth:`resume` connects to; a resume that was not this
-        kernel's :meth:`resume` is said too when the park was: the service's,
-        or a frozen cell's :meth:`ask_resume` (not one asked without a cell:
-        the status bar shows that). A beat that still shows the park this kernel
+        kernel's :meth:`resume` (which says its own line) is said too: one
+        this kernel asked with :meth:`ask_resume` (a frozen cell's, or the
+        JupyterLab extension's when the user came back: a "resumed"
+        notification, and the next cell's first line), and the service's own
+        when the park was said. A beat that still shows the park this kernel
         has just resumed from is stale and left alone."""
         with self._parking:
             if parked_now(lease):
@@ -85,11 +87,13 @@ class Attachment:
                     and lease.connection == self.remote.connection:
                 parked, running = self.parked, self.heartbeat.cell_running
                 self._unparked(lease)
-                # Its park was said, so is its end: in the frozen cell that goes on, or for a resume the pool
-                # did by itself; one asked here without a cell (a click in JupyterLab) shows in the status bar.
-                if parked.noticed and not parked.resuming and (running or not parked.resume_asked):
+                # Said in the frozen cell that goes on, or else atop the next cell and as a notification: a
+                # resume asked here (README and docs/api.md promise "resumed" for a click in JupyterLab too),
+                # or one the pool did by itself of a park that was said.
+                if not parked.resuming and (parked.resume_asked or parked.noticed):
+                    took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
                     then = "; the running cell goes on" if running else ""
-                    self.heartbeat.say(resumed_words(lease, None, _parked_for(parked)) + then, kind="resumed")
+                    self.heartbeat.say(resumed_words(lease, took, _parked_for(parked)) + then, kind="resumed")
 
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:
@@ -173,7 +177,7 @@ class Attachment:
         now = time.monotonic()
         if parked is None or parked.resume_asked or now - parked.failed_at < RESUME_RETRY_S:
             return
-        parked.resume_asked = True
+        parked.resume_asked, parked.asked_at = True, now
         try:
             lease = self.client.resume(self.lease.id)
         except GPUPoolError as exc:

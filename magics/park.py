@@ -30,8 +30,8 @@ class Parked:
     """A lease this kernel saw parked: the lease as last seen, whether its
     notice was given (``noticed``) and whether a cell here said it
     (``told``), whether this kernel's own resume waits for it (``resuming``:
-    that says its line), whether a resume was asked (and when asking last
-    failed)."""
+    that says its line), whether a resume was asked (``asked_at``: when;
+    and when asking last failed)."""
 
     lease: Lease
     noticed: bool = False
@@ -39,6 +39,7 @@ class Parked:
     resuming: bool = False
     resume_asked: bool = False
     failed_at: float = float("-inf")  # monotonic time an ask to resume last failed
+    asked_at: float = float("-inf")  # monotonic time the resume was asked (ask_resume)
 
 
 def parked_now(lease: Lease) -> bool:

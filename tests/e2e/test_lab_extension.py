@@ -299,9 +299,11 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             step = "the user back at the notebook (a click into a cell) resumes it before any cell runs"
             page.locator(".jp-Notebook .jp-Cell").nth(2).click()
             expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}", timeout=60_000)
-            expect(nb.toasts).to_have_count(0)  # "parked" is no longer true: its toast went
+            # README: "resumed" comes as a notification, in place of "parked", and the next cell says it first
+            expect(nb.toast(r"GPU: resumed L-\S+ on node-1 GPU \d+ in [\d.]+s")).to_be_visible()
+            expect(nb.toasts).to_have_count(1)
             out = nb.run(2)
-            assert "42" in out and "Traceback" not in out, out
+            assert re.match(r"gpupool: resumed L-\S+ on node-1", out) and "42" in out and "Traceback" not in out, out
 
             step = "Release GPU from the palette detaches"
             nb.command("Release GPU")

@@ -11,6 +11,7 @@ the reply, never as a cell's output.
 from __future__ import annotations
 
 import queue
+import re
 import time
 import uuid
 from typing import Any
@@ -239,8 +240,14 @@ def test_the_front_end_starts_a_parked_leases_resume_when_the_user_is_back(statu
     assert comm.state("parked")["lease"] == lease
     reply = comm.ask({"request": "resume"})
     assert reply["ok"] and reply["message"] == f"resuming {lease}", reply
+    # README: "resumed" comes as a notification and the next cell's first line says it, a click's resume too
+    resumed = comm.event("resumed", timeout=60)
+    assert re.fullmatch(rf"resumed {lease} on node-1 GPU \d+ in [\d.]+s \(parked [\d.]+s\)", resumed["message"]), resumed
     assert comm.state("attached", timeout=60)["lease"] == lease, "resumed in place before any cell ran"
     assert comm.ask({"request": "resume"})["message"] == "not parked"
+    cell = comm.run("y = 2")
+    assert cell.ok and cell.stderr.splitlines()[0] == f"gpupool: {resumed['message']}", cell.text()
+    assert comm.run("y").stderr == "", "said once"
     assert comm.run("%gpu release --discard").ok
 
 
