@@ -44,6 +44,10 @@ if TYPE_CHECKING:  # they import this module
 
 #: The share the Acquire dialog offers first.
 DIALOG_AMOUNT = "0.5"
+#: The Acquire dialog's fields (labextension/src/index.ts, ``AcquireForm``): the first holds the
+#: start of the line (the share, and any word it does not read), each other fills in one option.
+AMOUNT_FIELD = "Share or count"
+DIALOG_FIELDS = {"--memory": "Memory", "--model": "Model", "--idle-timeout": "Idle timeout"}
 log = logging.getLogger("gpupool.magics")
 
 
@@ -202,9 +206,12 @@ class Requests:
             return {"ok": True, "message": "", "defaults": self.defaults()}
         if kind == "acquire":
             text = data.get("text")
-            if not isinstance(text, str) or not text.strip():
-                return {"ok": False, "message": "say what to acquire: a fraction of one GPU (0.5) or a count of "
-                                                "whole GPUs (2), e.g. {\"request\": \"acquire\", \"text\": \"0.5\"}"}
+            if not isinstance(text, str) or not text.strip() or text.strip().startswith("--"):
+                return {"ok": False, "message": f"{AMOUNT_FIELD}: say what to acquire: a fraction of one GPU (0.5) "
+                                                "or a count of whole GPUs (2)"}
+            refused = _form_refusal(text)
+            if refused:
+                return {"ok": False, "message": refused}
             attachment = self.lifecycle.attachment
             if attachment is not None and attachment.ended is None:  # a move is a cell's to do, with its output
                 return {"ok": False, "message": f"already attached to {attachment.lease.id}; run %gpu release "
@@ -218,7 +225,10 @@ class Requests:
             return self.resume()
         else:
             return {"ok": False, "message": f"unknown request {kind!r}; use one of: {', '.join(REQUESTS)}"}
-        return self._run(line)
+        reply = self._run(line)
+        if kind == "acquire" and not reply["ok"]:  # the service's refusal of one option names its field
+            reply["message"] = field_words(reply["message"])
+        return reply
 
     def _run(self, line: str) -> dict[str, Any]:
         from IPython.core.error import UsageError
@@ -288,6 +298,35 @@ class Requests:
         except GPUPoolError as exc:
             found["error"] = exc.message
         return found
+
+
+def field_words(message: str, amount: bool = False) -> str:
+    """``message`` (an acquire's error) led by the Acquire dialog's field it is
+    about, as the dialog shows it: ``Idle timeout: --idle-timeout 99h is above
+    ...`` for an option's words (they start with the option), ``Share or count:
+    ...`` for the rest of a mistake in the line (``amount``: the amount, a word
+    no option takes), else unchanged (a quota, a full pool)."""
+    for option, label in DIALOG_FIELDS.items():
+        if message.startswith(option):
+            return f"{label}: {message}"
+    return f"{AMOUNT_FIELD}: {message}" if amount else message
+
+
+def _form_refusal(text: str) -> str:
+    """Why ``%gpu acquire TEXT`` cannot be asked for, read as the magic reads
+    it, in the dialog's words (:func:`field_words`); "" when it can. Read
+    here first because only here is it known which field a mistake is in:
+    ``unrecognized arguments: --bogus`` can only come from the share's field,
+    since the dialog quotes any other field's value that has a space."""
+    from IPython.core.error import UsageError
+
+    from .commands import acquire_request
+
+    try:
+        acquire_request(text)
+    except UsageError as exc:
+        return field_words(str(exc), amount=True)
+    return ""
 
 
 def _text(captured: Any) -> str:

@@ -191,7 +191,7 @@ def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
     cell = comm.run("%gpu acquire 1.5")
     assert not cell.ok
     bad = comm.ask({"request": "acquire", "text": "1.5"})
-    assert not bad["ok"] and bad["message"] == cell.reply["evalue"], (bad, cell.reply)
+    assert not bad["ok"] and bad["message"] == f"Share or count: {cell.reply['evalue']}", (bad, cell.reply)
     huge = comm.ask({"request": "acquire", "text": "0.5 --memory 500GiB"})
     assert not huge["ok"] and "500" in huge["message"], huge
     refused = [d for d in comm.seen if d.get("event") == "refused"][-1]  # sent before the reply
@@ -204,6 +204,21 @@ def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
         assert not answer["ok"] and words in answer["message"], answer
     assert all(d["state"]["phase"] == "detached" for d in comm.seen if "state" in d), comm.seen
     assert comm.run("%gpu status").stdout.startswith("gpupool: not attached")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "Share or count: say what to acquire: a fraction of one GPU (0.5) or a count of whole GPUs (2)"),
+    (" --memory 20GiB", "Share or count: say what to acquire: a fraction of one GPU (0.5) or a count of whole GPUs (2)"),
+    ("0.5 --bogus", "Share or count: unrecognized arguments: --bogus"),
+    ("0.5 --memory lots", "Memory: --memory: cannot read 'lots' as a memory size"),
+    ("0.5 --idle-timeout soon", "Idle timeout: --idle-timeout: cannot read 'soon' as a duration"),
+])
+def test_the_acquire_dialogs_mistakes_name_its_field_and_no_json(status, text, words):
+    """The Acquire dialog shows the reply's message under its fields: Share or count, Memory, Model, Idle timeout."""
+    _, comm = status
+    reply = comm.ask({"request": "acquire", "text": text})
+    assert not reply["ok"] and reply["message"].startswith(words) and "{" not in reply["message"], reply
+    assert comm.last_state()["phase"] == "detached"
 
 
 def test_defaults_name_the_pools_models(status):
