@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .api import add_client_arguments, client_from_arguments
-from .tables import gpu_utilization, lease_table, pool_table
+from .tables import cell_freezing, gpu_utilization, lease_table, pool_table
 
 
 def _print_json(body: Any) -> None:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     print(pool_table(pool)[0])
     print()
     # Yours only (GET /leases lists the caller's), while the pool table counts everyone's: say whose.
-    print(lease_table(leases, gpu_utilization(pool))[0] if leases else no_leases_words(args.all))
+    print(lease_table(leases, gpu_utilization(pool), cell_freezing(pool))[0] if leases
+          else no_leases_words(args.all))
     return 0
 
 

@@ -35,16 +35,17 @@ def _td(cell: str) -> str:
     return f"<td{nowrap}>{html.escape(cell)}</td>"
 
 
-def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
+def idle_countdown(lease: Lease, now: datetime | None = None, freezes: bool | None = None) -> str:
     """Time left before idle reclaim: ``'busy'`` while a cell runs (with the
-    preemption due, if any), else e.g. ``'29m 12s'``, or under pressure
-    ``'1m 40s (parked early: 2 people are waiting for a GPU)'``."""
+    preemption due, if any: :func:`preempt_words`), else e.g. ``'29m 12s'``, or under pressure
+    ``'1m 40s (parked early: 2 people are waiting for a GPU)'``. ``freezes``: whether the
+    lease's node freezes a running cell (:func:`cell_freezing`; None: not known)."""
     worker = lease.worker or {}
     now = now or datetime.now(timezone.utc)
     if worker.get("execution_state") == WorkerState.busy:
         at = parse_time(lease.preempt_at)
-        if at is not None:
-            return f"busy; {lease.pressure}: interrupted in {format_duration(max(0.0, (at - now).total_seconds()))}"
+        if at is not None and lease.state is LeaseState.active:  # parking, parked: no longer to come
+            return f"busy; {lease.pressure}: {preempt_words((at - now).total_seconds(), freezes)}"
         return "busy (never reclaimed while a cell runs)"
     since, deadline = parse_time(lease.idle_since), parse_time(lease.idle_deadline)
     if deadline is not None:  # the service's, early under pressure
@@ -53,6 +54,25 @@ def idle_countdown(lease: Lease, now: datetime | None = None) -> str:
     if since is None or lease.idle_timeout is None:
         return "unknown"
     return format_duration(max(0.0, lease.idle_timeout - (now - since).total_seconds()))
+
+
+def preempt_words(left: float, freezes: bool | None) -> str:
+    """What a preemption due in ``left`` seconds does to the running cell, as the service does it
+    (docs/api.md, "Classes and pressure"): ``'parked (frozen where it is) in 8s'`` where the node
+    freezes a running cell (the resume goes on from there), ``'interrupted in 8s'`` where it
+    cannot, both ways while ``freezes`` is None (not known); ``'now'`` once due (the sweep acts
+    within its interval)."""
+    when = "now" if left <= 0 else f"in {format_duration(left)}"
+    if freezes is None:
+        return f"parked {when} (frozen where it is, or interrupted where its node cannot freeze a running cell)"
+    return f"parked (frozen where it is) {when}" if freezes else f"interrupted {when}"
+
+
+def cell_freezing(pool: dict[str, Any]) -> dict[str, bool]:
+    """Node name -> whether it freezes a running cell (``freezes_running_cell`` of ``GET /pool``;
+    a node of an older service that does not say is left out: not known)."""
+    return {node["name"]: node["freezes_running_cell"] for node in pool.get("nodes", [])
+            if isinstance(node.get("freezes_running_cell"), bool)}
 
 
 def parked_words(lease: Lease, now: datetime | None = None) -> str:
@@ -183,18 +203,21 @@ LEASE_COLUMNS = ("lease", "state", "node", "environment", "GPU", "share", "class
                  "GPU util", "worker", "idle deadline in / reason")
 
 
-def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None) -> tuple[str, str]:
+def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None,
+                freezing: dict[str, bool] | None = None) -> tuple[str, str]:
     """One row per lease (:data:`LEASE_COLUMNS`, :func:`lease_cells`)."""
-    return table(list(LEASE_COLUMNS), [lease_cells(lease, utilization) for lease in leases])
+    return table(list(LEASE_COLUMNS), [lease_cells(lease, utilization, freezing) for lease in leases])
 
 
-def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None) -> list[str]:
+def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None,
+                freezing: dict[str, bool] | None = None) -> list[str]:
     """One lease's cells of :data:`LEASE_COLUMNS`: id, state, node, worker
     environment (``-`` while unknown: queued without one asked for, or a node
     that reports none), GPU, share, class, memory used / limit (``-`` while
     queued), host CPUs and memory (:func:`lease_host_cell`), GPU utilization
     (``utilization`` maps GPU UUID -> percent, from ``GET /pool``; the whole
-    GPU's, shared by its leases), worker state, idle countdown, where a
+    GPU's, shared by its leases), worker state, idle countdown (``freezing``: node ->
+    whether it freezes a running cell, :func:`cell_freezing`, for a preemption's words), where a
     parked lease's state is (:func:`parked_words`), and the reason once it
     ended (a queued one's place in line). Unknown readings say ``unknown``, never 0."""
     gpus = ", ".join(f"{g.get('index')}: {g.get('name')}" for g in lease.gpus) or "-"
@@ -209,7 +232,8 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
             lease_host_cell(lease), util, worker.get("execution_state", "-") if live else "-",
-            idle_countdown(lease) if live else _not_live_words(lease)]
+            idle_countdown(lease, freezes=(freezing or {}).get(lease.node or "")) if live
+            else _not_live_words(lease)]
 
 
 def _not_live_words(lease: Lease) -> str:

@@ -32,7 +32,7 @@ from .models import Lease, LeaseCell
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
-from .rules.reclaim import Decision, idle_deadline, is_busy
+from .rules.reclaim import Decision, idle_deadline
 from .rules.scheduler import GPUState
 
 #: Ended cells whose lengths give the ETA the typical length per class.
@@ -67,6 +67,9 @@ class Pressure:
         self.pool_nodes = pool_nodes
         self._quota_table = quota_table
         self.plan: priority.Plan = priority.NO_PRESSURE
+        # The plan and when it was made, replaced together: what shown() reads (a lease resumed
+        # since holds its GPU again from after the plan, which did not see it).
+        self._made: tuple[priority.Plan, datetime | None] = (priority.NO_PRESSURE, None)
         # What the ETA reads, as the last sweep (or capacity change) saw it: no query per long poll.
         self._eta = EtaInputs()
 
@@ -78,6 +81,7 @@ class Pressure:
         guarantees = self._guarantees(session, active)
         states = gpu_states(session, self.pool_nodes.context_overhead)  # read once, for the plan and the ETA
         self.plan = self._plan(session, held, guarantees, states, now)
+        self._made = (self.plan, now)
         self._eta = self._eta_inputs(session, held, guarantees, states, epoch)
         return self.plan
 
@@ -163,10 +167,11 @@ class Pressure:
 
     def shown(self, lease: Lease) -> dict[str, str | None]:
         """What the plan shows in ``lease``'s JSON: ``idle_deadline``, ``pressure`` (words) and
-        ``preempt_at`` (ISO times or None), as :class:`gpupool.wire.leases.Lease` names them."""
-        early, preempt = self.plan.parks.get(lease.id), self.plan.preemptions.get(lease.id)
-        preempt = preempt if preempt and is_busy(lease) else None  # an idle one is parked by the early deadline
-        return {"idle_deadline": isoformat(self.deadline(lease)),
+        ``preempt_at`` (ISO times or None), as :class:`gpupool.wire.leases.Lease` names them:
+        a preemption only while it is still to come (:func:`.rules.pressure.coming_preemption`)."""
+        plan, made = self._made
+        early, preempt = plan.parks.get(lease.id), pressure_rules.coming_preemption(plan, made, lease)
+        return {"idle_deadline": isoformat(pressure_rules.deadline(plan, lease)),
                 "pressure": preempt.reason if preempt else early.reason if early and idle_deadline(lease) else None,
                 "preempt_at": isoformat(preempt.at) if preempt else None}
 

@@ -85,6 +85,7 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             name=node.name, state=node.state, state_reason=node.state_reason, inventory=node.inventory,
             enforcement=node.enforcement, last_heartbeat_at=isoformat(node.last_heartbeat_at),
             environments=node.environments or [], host_cpus=node.host_cpus, host_memory=node.host_memory,
-            gpus=gpus, checkpointer=(node.checkpointer or {}).get("name"), parked_memory=node.parked_memory,
+            gpus=gpus, checkpointer=(node.checkpointer or {}).get("name"),
+            freezes_running_cell=(node.checkpointer or {}).get("mid_cell") is True, parked_memory=node.parked_memory,
             parked_host_bytes=parks.get(node.name, (0, 0))[1], parked_leases=parks.get(node.name, (0, 0))[0]))
     return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9))).to_json()

@@ -55,6 +55,9 @@ class PoolNode(Body):
     gpus: list[PoolGPU] = wired(Spec("array", items=PoolGPU))
     checkpointer: str | None = wired(Spec("string", "the checkpointer its agent parks workers with (null: it cannot "
                                           "park in place)", nullable=True), None)
+    freezes_running_cell: bool = wired(Spec("boolean", "whether its checkpointer freezes a running cell where it "
+                                            "is, so a preemption parks the cell to go on at the resume; false: a "
+                                            "preempted cell is interrupted"), False)
     parked_memory: int | None = wired(Spec("integer", "host bytes its parked workers may hold before its agent "
                                            "spills the longest-parked to disk (null: not reported)", nullable=True),
                                       None)

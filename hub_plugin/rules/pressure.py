@@ -61,6 +61,20 @@ def preempts(plan: priority.Plan, active: Iterable[Any], now: datetime, parkable
             and lease.node_name in parkable]
 
 
+def coming_preemption(plan: priority.Plan, made: datetime | None, lease: Any) -> priority.Preemption | None:
+    """``lease``'s preemption in ``plan`` (made at ``made``; None: not known) while it is still to
+    come: the lease active, its cell running (an idle one is parked by its early deadline),
+    holding its GPU since before the plan was made. Parking or parked, it has come; a lease
+    parked and resumed since (``held_since`` after ``made``) is not the one the plan preempted:
+    the next sweep's plan says whether it still is. What the lease JSON shows (``preempt_at``)."""
+    preemption = plan.preemptions.get(lease.id)
+    if preemption is None or lease.state != LeaseState.active.value or not is_busy(lease):
+        return None
+    if made is not None and lease.held_since is not None and lease.held_since > made:
+        return None
+    return preemption
+
+
 def still_preempted(plan: priority.Plan, lease: Any, now: datetime) -> bool:
     """Re-checked under the write lock: still active, its cell running, past its ``preempt_at``."""
     preemption = plan.preemptions.get(lease.id)

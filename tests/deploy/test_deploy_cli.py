@@ -61,6 +61,8 @@ def test_json_output_of_status_pool_and_quota(pool):
     assert [n["name"] for n in status["pool"]["nodes"]] == [agent.name]
     pool_json = json.loads(gpupool("pool", "--json", *common).stdout)
     assert pool_json["totals"]["gpus"] == 2
+    node, = pool_json["nodes"]  # a preemption's words in gpupool status read whether its node freezes a running cell
+    assert node["freezes_running_cell"] is (node["checkpointer"] in ("simulated", "cuda-checkpoint")), node
     table = gpupool("pool", *common)
     assert table.returncode == 0 and agent.name in table.stdout
     quota = gpupool("quota", "show", "--json", *common)

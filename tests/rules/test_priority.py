@@ -381,6 +381,47 @@ def test_status_shows_why_the_countdown_is_short():
     assert idle_countdown(lease, now=at(1000)) == "20s (parked early: 1 person is waiting for a GPU)"
 
 
+PREEMPTED = "preempted: 1 person is waiting for a GPU"
+
+
+@pytest.mark.parametrize("freezes, preempt_in, words", [
+    # A node that freezes a running cell parks it where it is: nothing is interrupted.
+    (True, 8, f"busy; {PREEMPTED}: parked (frozen where it is) in 8s"),
+    (True, -4, f"busy; {PREEMPTED}: parked (frozen where it is) now"),  # due; the sweep acts within its interval
+    (False, 8, f"busy; {PREEMPTED}: interrupted in 8s"),
+    (None, 8, f"busy; {PREEMPTED}: parked in 8s (frozen where it is, or interrupted where its node cannot freeze "
+              "a running cell)"),
+])
+def test_status_says_what_a_preemption_does_to_the_running_cell(freezes, preempt_in, words):
+    from gpupool.tables import idle_countdown, lease_cells
+    lease = replace(client_lease(preempt_in=preempt_in, pressure=PREEMPTED), node="node-1",
+                    worker={"pid": 1, "execution_state": "busy", "memory_used": 0})
+    assert idle_countdown(lease, now=at(1000), freezes=freezes) == words
+    if freezes is not None:  # gpupool status: GET /pool's freezes_running_cell, by the lease's node (due by now)
+        assert lease_cells(lease, {}, {"node-1": freezes})[-1] == idle_countdown(lease, freezes=freezes)
+        assert lease_cells(lease, {}, {"node-2": freezes})[-1] == idle_countdown(lease, freezes=None)
+
+
+def plan_preempting(lease_id: str) -> priority.Plan:
+    return priority.Plan({}, {lease_id: priority.Preemption(at(1008), PREEMPTED)})
+
+
+@pytest.mark.parametrize("state, worker_state, held_since, shown", [
+    ("active", "busy", at(500), True),      # running, held since before the plan: to come
+    ("active", "idle", at(500), False),     # idle: parked by its early deadline instead
+    ("parking", "busy", at(500), False),    # it has come
+    ("parked", "busy", None, False),
+    ("active", "busy", at(1002), False),    # parked and resumed after the plan was made: not the lease it preempted
+    ("active", "busy", at(1000), True),     # resumed as the plan was made: the plan saw it
+])
+def test_the_lease_json_shows_a_preemption_only_while_it_is_to_come(state, worker_state, held_since, shown):
+    from types import SimpleNamespace
+    lease = SimpleNamespace(id="L-1", state=state, worker_state=worker_state, held_since=held_since)
+    plan = plan_preempting("L-1")
+    assert (pressure.coming_preemption(plan, at(1000), lease) is not None) == shown
+    assert pressure.coming_preemption(plan_preempting("L-2"), at(1000), lease) is None
+
+
 # -- the plan's settings, as the service and the simulator build them --------------------------
 
 def test_the_rule_of_the_service_settings_is_todays_plan_by_default():
