@@ -7,6 +7,7 @@ share, declared once, and the :class:`LeaseRequest` they ask for.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 from .errors import GPUPoolError
@@ -78,23 +79,26 @@ def lease_request(args: Any, **fields: Any) -> LeaseRequest:
 
     Raises ValueError with words for the user: a bad amount, size or
     duration, ``--cpus`` not above 0, or any value the service would refuse
-    (its words, naming the option rather than the request's field).
+    (its words, naming the option rather than the request's field), but for a
+    count above ``MAX_GPU_COUNT``: the service answers that one with its pool's
+    biggest node.
     """
     fraction, count = parse_gpu_amount(args.amount)
-    if count > MAX_GPU_COUNT:
-        raise ValueError(f"at most {MAX_GPU_COUNT} whole GPUs in one lease, got {args.amount}")
     if fraction < MIN_FRACTION:
         raise ValueError(f"a slice is at least {MIN_FRACTION} of a GPU (the smallest CUDA MPS share), "
                          f"got {args.amount}")
     if args.cpus is not None and not args.cpus > 0:
         raise ValueError(f"--cpus must be more than 0 cores, got {args.cpus:g}")
     idle_timeout = getattr(args, "idle_timeout", None)
-    return checked(LeaseRequest(
-        fraction=fraction, gpu_count=count, memory=_read("memory", parse_bytes, args.memory),
+    # A count above the wire's bound goes to the service all the same: it says what its biggest
+    # node has, and so what to ask for (the bound's words only where its nodes are bigger).
+    request = checked(LeaseRequest(
+        fraction=fraction, gpu_count=min(count, MAX_GPU_COUNT), memory=_read("memory", parse_bytes, args.memory),
         model=args.model, idle_timeout=_read("idle_timeout", parse_duration, idle_timeout),
         wait=_read("wait", lambda text: parse_duration(text, allow_zero=True) or None, args.wait),
         env=getattr(args, "env", None), preemptible=args.preemptible or None, cpus=args.cpus,
         host_memory=_read("host_memory", parse_bytes, args.host_memory), **fields))
+    return replace(request, gpu_count=count)
 
 
 def _read(field: str, parse: Callable[[str], Any], text: str | None) -> Any:

@@ -175,6 +175,17 @@ class Admission:
         raise GPUPoolError(Reason.quota_exceeded, f"too many requests: {words}; an admin can raise "
                            f"c.PoolQuotas.{name}", 429, limit=name, cap=cap)
 
+    def beyond_the_pool(self, session: Session, demand: Demand) -> None:
+        """400 (counted) when no node of the pool could ever take ``demand``, as
+        :meth:`admit` checks first; for a request the wire's bounds refuse (a
+        ``gpu_count`` above ``MAX_GPU_COUNT``), so that the pool's own limit, where
+        lower, is what the person hears: the biggest node and what to ask for."""
+        try:
+            self._check_pool(session, demand)
+        except GPUPoolError as exc:
+            self._refused_by_limit(exc)
+            raise
+
     def _check_pool(self, session: Session, demand: Demand) -> None:
         """400 when ``demand`` names a GPU model the pool has none of, more host
         than any node has, more whole GPUs than the biggest node has, or more GPU

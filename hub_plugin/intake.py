@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from gpupool.errors import bad_request
+from gpupool.errors import GPUPoolError, bad_request
 from gpupool.leaseclasses import lease_class
-from gpupool.schema import LeaseState
+from gpupool.schema import MAX_GPU_COUNT, LeaseState
 from gpupool.wire.leases import LeaseRequest
 from gpupool.units import format_duration
 
@@ -74,7 +76,7 @@ class LeaseIntake:
         ``c.PoolQuotas.max_active_per_user`` / ``max_queued_per_user``, and 409
         ``pool_full`` (with ``reasons``) when nothing fits and there is no ``wait``.
         """
-        request = LeaseRequest.from_json(body)
+        request = await self._request(body)
         refusal = preemption_refusal(bool(request.preemptible), self.pool_pressure.allow_preemption)
         if refusal:
             raise bad_request(refusal, setting="allow_preemption")
@@ -92,6 +94,33 @@ class LeaseIntake:
                 result = shown or await self.views.get(who, result["id"])
         return result
 
+    async def _request(self, body: Any) -> LeaseRequest:
+        """``body`` read as a LeaseRequest (400 naming the field). A ``gpu_count``
+        above the wire's bound (``MAX_GPU_COUNT``) is refused as one above the
+        biggest node where the pool's nodes are smaller (:meth:`.Admission.beyond_the_pool`:
+        what to ask for, as for any count no node has), else in the wire's words."""
+        try:
+            return LeaseRequest.from_json(body)
+        except GPUPoolError as exc:
+            count = body.get("gpu_count") if isinstance(body, dict) else None
+            if not _beyond_the_wire(count):
+                raise
+            refused = exc
+        capped = LeaseRequest.from_json({**body, "gpu_count": MAX_GPU_COUNT})  # every other field checked as ever
+        await self.state.work.write(self._beyond_the_pool, replace(capped, gpu_count=int(count)))
+        raise refused
+
+    def _beyond_the_pool(self, request: LeaseRequest) -> None:
+        """:meth:`.Admission.beyond_the_pool` for ``request`` (its environment aside), under the capacity lock."""
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)
+            self.admission.beyond_the_pool(tx.session, self._demand(request, None))
+
+    def _demand(self, request: LeaseRequest, env: str | None) -> Demand:
+        """What ``request`` asks the scheduler for, in worker environment ``env``."""
+        return Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
+                      request.host_memory, self.pool_nodes.host_share)
+
     def _create_now(self, who: Identity, request: LeaseRequest,
                     wait: float) -> tuple[dict[str, Any], StartJob | None]:
         """The lease JSON, and what starting its worker takes (None: queued)."""
@@ -103,8 +132,7 @@ class LeaseIntake:
             # then see every lease committed before, and no other decision interleaves.
             self.state.store.lock_capacity(session)
             env = self.admission.environment(session, request)
-            demand = Demand(request.fraction, request.gpu_count, request.memory, request.model, env, request.cpus,
-                            request.host_memory, self.pool_nodes.host_share)
+            demand = self._demand(request, env)
             limits = self.admission.limits(session, who.name, groups)
             idle_timeout = self.admission.idle_timeout(request.idle_timeout, limits.max_idle_timeout)
             replaced = self.admission.replaced(session, who.name, request.replaces)
@@ -135,6 +163,14 @@ class LeaseIntake:
             job = start_job(session, lease) if isinstance(decision, Placement) else None
         log.info("lease %s created for %s: %s on %s", lease.id, who.name, demand.describe(), where)
         return result, job
+
+
+def _beyond_the_wire(count: Any) -> bool:
+    """Whether ``count`` (a body's ``gpu_count``) is a whole number above ``MAX_GPU_COUNT``
+    (JSON may write it ``99`` or ``99.0``)."""
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        return False
+    return math.isfinite(count) and count == int(count) and count > MAX_GPU_COUNT
 
 
 def _new_lease(who: Identity, request: LeaseRequest, groups: tuple[str, ...], env: str | None,

@@ -147,6 +147,9 @@ def rest(path: str, status: int, words: str, *, method: str = "POST", body: Any 
 
 
 LONG = "x" * 201
+#: The words for a count of whole GPUs above the pool's biggest node (two A100s), after the count.
+BEYOND_NODE = ("whole GPUs is more than any node has (a lease's GPUs are all on one node): the biggest, node-1, has "
+               "2 GPUs; ask for at most 2")
 REST = [
     # POST /leases: the amount
     rest("/leases", 400, "'fraction' must be a number, got 'half'", body={"fraction": "half"}, id="fraction-text"),
@@ -161,11 +164,15 @@ REST = [
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64", body={"gpu_count": 0}, id="count-zero"),
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64", body={"gpu_count": -1}, id="count-negative"),
     rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64", body={"gpu_count": 1.5}, id="count-1.5"),
-    rest("/leases", 400, "'gpu_count' must be a whole number from 1 to 64", body={"gpu_count": 10**30}, id="count-huge"),
+    # Above the wire's bound of 64 too, the pool's own, lower limit is what a person hears
+    rest("/leases", 400, f"{10**30} {BEYOND_NODE}", body={"gpu_count": 10**30}, id="count-huge"),
+    rest("/leases", 400, f"99 {BEYOND_NODE}", body={"gpu_count": 99.0, "wait": 60}, id="count-above-the-wire"),
+    rest("/leases", 400, "'memory' must be a whole number of bytes", body={"gpu_count": 99, "memory": -1},
+         id="count-above-the-wire-bad-memory"),
     rest("/leases", 400, "'gpu_count' must be a number, got '2'", body={"gpu_count": "2"}, id="count-text"),
     rest("/leases", 400, "takes whole GPUs", body={"fraction": 0.5, "gpu_count": 2}, id="count-with-fraction"),
-    rest("/leases", 429, "quota exceeded: you hold 0.00 of 1.50 GPU; requested 2.00; ask for at most 1", body={"gpu_count": 2},
-         code="quota_exceeded", id="count-over-quota"),
+    rest("/leases", 429, "quota exceeded: you hold 0.00 of 1.50 GPU; requested 2.00; ask for at most 1",
+         body={"gpu_count": 2}, code="quota_exceeded", id="count-over-quota"),
     # POST /leases: memory, time, names
     rest("/leases", 400, "'memory' must be a whole number of bytes", body={"memory": -1}, id="memory-negative"),
     rest("/leases", 400, "'memory' must be a whole number of bytes", body={"memory": 0}, id="memory-zero"),
@@ -452,7 +459,8 @@ CLI = [
     cli("run /nonexistent/job.py", 2, "cannot read the script /nonexistent/job.py", id="run-no-such-script"),
     cli("run --gpus 2 {script}", 2, "quota exceeded: you hold 0.00 of 1.50 GPU; requested 2.00; ask for at most 1",
         id="run-over-quota"),
-    cli("run --gpus 65 {script}", 2, "at most 64 whole GPUs in one lease, got 65", id="run-gpus-huge"),
+    cli("run --gpus 99 {script}", 2, f"99 {BEYOND_NODE}", id="run-gpus-huge"),
+    cli("run --gpus 3 {script}", 2, f"3 {BEYOND_NODE}", id="run-gpus-over-the-biggest-node-and-quota"),
     cli("run --gpus 0.001 {script}", 2, "a slice is at least 0.01 of a GPU", id="run-gpus-tiny"),
     cli("run --memory 400GiB {script}", 2, "of GPU memory is more than any GPU offers", id="run-none-fits"),
     cli("run --gpus 0.5 --model H100 {script}", 2, "the pool has no GPU of model H100; its models: NVIDIA "
@@ -510,7 +518,9 @@ MAGICS = [
     pytest.param("acquire 1.5", "is above 1 but not whole", id="amount-1.5"),
     pytest.param("acquire nan", "GPU amount must be a finite number, got 'nan'", id="amount-nan"),
     pytest.param("acquire inf", "GPU amount must be a finite number, got 'inf'", id="amount-inf"),
-    pytest.param("acquire 65", "at most 64 whole GPUs in one lease, got 65", id="amount-huge"),
+    pytest.param("acquire 65", f"65 {BEYOND_NODE}", id="amount-huge"),
+    pytest.param("acquire 1e9", f"1000000000 {BEYOND_NODE}", id="amount-1e9"),
+    pytest.param("acquire 3", f"3 {BEYOND_NODE}", id="amount-over-the-biggest-node-and-quota"),
     pytest.param("acquire 0.0000001", "a slice is at least 0.01 of a GPU", id="amount-tiny"),
     pytest.param("acquire 2", "quota exceeded: you hold 0.00 of 1.50 GPU; requested 2.00; ask for at most 1",
                  id="amount-over-quota"),

@@ -367,6 +367,23 @@ def test_more_whole_gpus_than_any_node_has_are_refused_at_once(service, wait):
     assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 3  # nothing queued or held
 
 
+def test_a_count_above_the_wire_bound_names_the_biggest_node_where_there_is_one(service):
+    """The wire takes at most 64 whole GPUs; above that a pool of smaller nodes says its own limit,
+    as for any count no node has (what to ask for), the other fields checked as ever; an empty
+    pool, which no node's size bounds yet, says the wire's."""
+    assert assert_error(http(service, "POST", "/leases", {"gpu_count": 99}), 400, "bad_request")["message"] == \
+        "'gpu_count' must be a whole number from 1 to 64, got 99"
+    register(service, "node-1", gpus=2)
+    for count in (99, 99.0, 65):
+        body = assert_error(http(service, "POST", "/leases", {"gpu_count": count, "wait": 60}), 400, "bad_request")
+        assert body["message"] == (f"{int(count)} whole GPUs is more than any node has (a lease's GPUs are all on one "
+                                   "node): the biggest, node-1, has 2 GPUs; ask for at most 2")
+        assert body["limit"] == "gpu_count"
+    body = assert_error(http(service, "POST", "/leases", {"gpu_count": 99, "idle_timeout": 0}), 400, "bad_request")
+    assert body["message"].startswith("'idle_timeout' must be seconds from 1 to"), body
+    assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 2  # nothing queued or held
+
+
 def test_gpu_memory_counts_every_registered_gpu_of_the_model():
     from gpupool.hub_plugin.admission import more_memory_than_any_gpu
     from gpupool.hub_plugin.rules.scheduler import Demand, GPUState
