@@ -112,6 +112,20 @@ def _read(field: str, parse: Callable[[str], Any], text: str | None) -> Any:
         raise ValueError(f"{FIELD_OPTIONS[field]}: {exc}") from None
 
 
+def option_words(exc: GPUPoolError) -> GPUPoolError:
+    """``exc``, the service's refusal of a request (``POST /leases``), in the words of
+    ``%gpu acquire`` and ``gpupool run``: where it starts with the request's field it is
+    about (its ``field``), that field is written as the option the person typed
+    (``idle_timeout 99h is above your maximum of 24h`` -> ``--idle-timeout 99h ...``);
+    the service words it for REST callers, who send the field. Else ``exc`` itself."""
+    field = exc.extra.get("field")
+    option = FIELD_OPTIONS.get(field) if isinstance(field, str) else None
+    if option is None or not exc.message.startswith(f"{field} "):
+        return exc
+    return GPUPoolError(exc.code, option + exc.message[len(field):], exc.status, log_message=exc.log_message,
+                        **exc.extra)
+
+
 def checked(request: LeaseRequest) -> LeaseRequest:
     """``request`` once it passed the check the service makes of it
     (:meth:`LeaseRequest.from_json`); ValueError with the service's words,

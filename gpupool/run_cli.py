@@ -35,7 +35,7 @@ from .api import ServiceClient, add_client_arguments, client_from_arguments
 from .errors import GPUPoolError, Reason
 from .schema import LeaseState
 from . import leaseclasses
-from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request
+from .leaseargs import VALUE_OPTIONS, add_request_options, join_negative_values, lease_request, option_words
 from .leasewait import START_WAIT_S, cancel, wait_started
 from .runremote import Abandoned, run_script
 from .tables import host_words, memory_words, released_words, slice_words
@@ -156,7 +156,10 @@ class ScriptRun:
         previous = {sig: signal.signal(sig, _abandon) for sig in (signal.SIGTERM, signal.SIGHUP)}
         started = time.monotonic()
         try:
-            self.lease = self.client.create_lease(self.request, start_wait=START_WAIT_S)
+            try:
+                self.lease = self.client.create_lease(self.request, start_wait=START_WAIT_S)
+            except GPUPoolError as exc:  # a refused option is named as typed: --idle-timeout, not idle_timeout
+                raise option_words(exc) from None
             self.lease = wait_started(self.client, self.lease, started, START_TIMEOUT, stream=sys.stderr,
                                       rewrite=sys.stderr.isatty())
             lease = self.lease

@@ -130,6 +130,18 @@ def format_gpu_hours(hours: float, decimals: int = 1) -> str:
     return fixed if text.endswith(".") else text  # 9.9996: '10.0'
 
 
+def format_durations_alike(*seconds: float) -> tuple[str, ...]:
+    """Durations in one unit, the largest that reads each as a whole number, so
+    that they compare at a glance: ``(356400, 86400)`` -> ``('99h', '24h')``
+    (:func:`format_duration` says ``4d 3h`` and ``1d``); ``(172800, 86400)`` ->
+    ``('2d', '1d')``; each as :func:`format_duration` says it where no unit fits
+    (fractions of a second)."""
+    for unit, factor in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if all(value >= factor and float(value) % factor == 0 for value in seconds):
+            return tuple(f"{int(value // factor)}{unit}" for value in seconds)
+    return tuple(format_duration(value) for value in seconds)
+
+
 def format_duration(seconds: float | None) -> str:
     """``1830`` -> ``'30m 30s'``; ``7200`` -> ``'2h'``; ``0.25`` -> ``'0.25s'``; None -> ``'unknown'``."""
     if seconds is None:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from gpupool.errors import GPUPoolError, Reason, bad_request
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
-from gpupool.units import format_bytes, format_duration
+from gpupool.units import format_bytes, format_durations_alike
 
 from .auth import Identity
 from .config import PoolLeases, PoolQuotas
@@ -63,9 +63,11 @@ class Admission:
             return 0.0
         most = self.pool_leases.max_wait
         if asked > most:
-            raise bad_request(f"wait {format_duration(asked)} is above this pool's maximum of "
-                              f"{format_duration(most)}; ask for less "
-                              "(an admin can raise c.PoolLeases.max_wait)", max_wait=most)
+            # In one unit ("2h ... 1h", not "1d 3h ... 1d"); led by the field, which the clients turn into the
+            # option their users typed (gpupool.leaseargs.option_words: --wait).
+            asked_words, most_words = format_durations_alike(asked, most)
+            raise bad_request(f"wait {asked_words} is above this pool's maximum of {most_words}; ask for less "
+                              "(an admin can raise c.PoolLeases.max_wait)", field="wait", max_wait=most)
         return asked
 
     def groups_of(self, who: Identity) -> tuple[str, ...]:
@@ -85,11 +87,12 @@ class Admission:
             default = self.pool_leases.idle_timeout
             return default if most is None else min(default, most)
         if most is not None and asked > most:
-            raise bad_request(f"idle_timeout {format_duration(asked)} is above your maximum of "
-                              f"{format_duration(most)} (max_idle_timeout: your quota's, else the pool's); ask for "
-                              "less (an admin can raise c.PoolLeases.max_idle_timeout, or max_idle_timeout in your "
-                              "quota)",
-                              max_idle_timeout=most)
+            # "99h ... 24h", not "4d 3h ... 1d": the asked in the maximum's unit; --idle-timeout in the clients.
+            asked_words, most_words = format_durations_alike(asked, most)
+            raise bad_request(f"idle_timeout {asked_words} is above your maximum of {most_words} (max_idle_timeout: "
+                              "your quota's, else the pool's); ask for less (an admin can raise "
+                              "c.PoolLeases.max_idle_timeout, or max_idle_timeout in your quota)",
+                              field="idle_timeout", max_idle_timeout=most)
         return asked
 
     def environment(self, session: Session, request: LeaseRequest) -> str | None:

@@ -19,6 +19,7 @@ from IPython.core.error import UsageError
 
 from gpupool.errors import GPUPoolError
 from gpupool.leasewait import START_WAIT_S, cancel
+from gpupool.leaseargs import option_words
 from gpupool.schema import ENV_KERNEL_NAME, kernel_environment
 from gpupool.transfer import package_versions, version_mismatches
 from gpupool.units import parse_gpu_amount
@@ -91,6 +92,8 @@ class Attacher:
         except KeyboardInterrupt:  # before the pool answered: no id to cancel
             raise UsageError("interrupted before the pool answered; this kernel holds no lease (one the pool made "
                              "meanwhile hears no heartbeat and is reclaimed within its heartbeat TTL)") from None
+        except GPUPoolError as exc:  # a refused option is named as typed: --idle-timeout, not idle_timeout
+            raise option_words(exc) from None
         attachment = None
         try:
             lease = self.wait.started(lease, started)

@@ -52,6 +52,33 @@ def test_parse_gpu_amount_refuses(text, words):
         parse_gpu_amount(text)
 
 
+@pytest.mark.parametrize("seconds, words", [
+    ((99 * 3600, 86400), ("99h", "24h")),  # not "4d 3h" against "1d"
+    ((2 * 86400, 86400), ("2d", "1d")),
+    ((5400, 3600), ("90m", "60m")),
+    ((7200, 600), ("120m", "10m")),
+    ((0.5, 60), ("0.5s", "1m")),  # no whole unit: each as format_duration says it
+])
+def test_durations_that_are_compared_are_said_in_one_unit(seconds, words):
+    from gpupool.units import format_durations_alike
+    assert format_durations_alike(*seconds) == words
+
+
+def test_a_refusal_of_a_field_names_the_option_clients_type():
+    from gpupool.errors import bad_request
+    from gpupool.leaseargs import option_words
+
+    refused = bad_request("idle_timeout 99h is above your maximum of 24h (max_idle_timeout: ...)",
+                          field="idle_timeout", max_idle_timeout=86400)
+    said = option_words(refused)
+    assert said.message == "--idle-timeout 99h is above your maximum of 24h (max_idle_timeout: ...)"
+    assert (said.code, said.status, said.extra) == (refused.code, 400, refused.extra)
+    assert option_words(bad_request("wait 2h is above this pool's maximum of 1h", field="wait")).message \
+        .startswith("--wait 2h is above")
+    other = bad_request("nothing about a field")
+    assert option_words(other) is other
+
+
 def test_formatting():
     assert format_bytes(80 * 1024**3) == "80.0 GiB" and format_bytes(None) == "unknown"
     assert format_duration(1830) == "30m 30s" and format_duration(7200) == "2h" and format_duration(5) == "5s"

@@ -212,6 +212,8 @@ def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
     ("0.5 --bogus", "Share or count: unrecognized arguments: --bogus"),
     ("0.5 --memory lots", "Memory: --memory: cannot read 'lots' as a memory size"),
     ("0.5 --idle-timeout soon", "Idle timeout: --idle-timeout: cannot read 'soon' as a duration"),
+    # the service's refusal, in the maximum's unit (it said "idle_timeout 4d 3h is above your maximum of 1d")
+    ("0.5 --idle-timeout 99h", "Idle timeout: --idle-timeout 99h is above your maximum of 24h (max_idle_timeout"),
 ])
 def test_the_acquire_dialogs_mistakes_name_its_field_and_no_json(status, text, words):
     """The Acquire dialog shows the reply's message under its fields: Share or count, Memory, Model, Idle timeout."""
