@@ -22,6 +22,7 @@ import {
   ILeaseState,
   IReply,
   LeaseChannel,
+  attachedWords,
   formatBytes,
   formatLimit,
   formatSeconds,
@@ -328,6 +329,8 @@ class AcquireDialog extends Dialog<string> {
       if (reply.ok) {
         this._done = true;
         super.resolve(index);
+        // No cell shows what the magic said: its words come as the lease's notification, folder included.
+        this._channel.tell('attached', attachedWords(reply.output || reply.message), 'success');
       } else {
         this._form.say(reply.message);
       }

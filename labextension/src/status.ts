@@ -191,11 +191,21 @@ export class LeaseChannel {
     }
   }
 
+  /** Show `message` as this lease's notification of `kind` (what the kernel's events do), for what a request
+   * did that no cell shows: an acquire from the dialog ('attached'). */
+  tell(kind: string, message: string, type: Notification.TypeOptions): void {
+    this._toastOf(kind, message, type);
+  }
+
   private _event(kind: string, message: string): void {
     const type = NOTIFY[kind];
     if (!type || (kind === 'refused' && this._quiet > 0)) {
       return;
     }
+    this._toastOf(kind, message, type);
+  }
+
+  private _toastOf(kind: string, message: string, type: Notification.TypeOptions): void {
     // One toast per kernel's lease, updated in place: each event replaces what the last one said.
     const autoClose = type === 'error' || kind === 'idle_warning' ? false : 8000;
     const full = `GPU: ${message}`;
@@ -237,7 +247,22 @@ export class LeaseChannel {
   private _resumeAsked = false; // resumeIfParked asked during this park
 }
 
-/** `1.5 GiB` for bytes. */
+/**
+ * What `%gpu acquire` said of the lease it attached (a request's `output`), as one notification: from its
+ * `gpupool: attached L-…` line on (not the progress before it), each line without `gpupool: `, as sentences.
+ */
+export function attachedWords(output: string): string {
+  const lines = output
+    .split('\n')
+    .map(line => line.replace(/^gpupool: /, '').trim())
+    .filter(line => line);
+  const first = lines.findIndex(line => line.startsWith('attached '));
+  return lines
+    .slice(Math.max(first, 0))
+    .map((line, i) => (i === 0 ? line : line.charAt(0).toUpperCase() + line.slice(1)))
+    .join(' ');
+}
+
 /** The lease's GPU memory limit: `80.0 GiB`, or `2 × 80.0 GiB` on several GPUs (as `%gpu status` says it). */
 export function formatLimit(state: ILeaseState): string {
   const count = state.gpu_count || 1;
@@ -247,6 +272,7 @@ export function formatLimit(state: ILeaseState): string {
   return formatBytes(state.memory_limit);
 }
 
+/** `1.5 GiB` for bytes. */
 export function formatBytes(bytes: number | null): string {
   if (bytes === null || bytes === undefined) {
     return '?';

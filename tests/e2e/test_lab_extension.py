@@ -257,6 +257,12 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(nb.dialog).to_have_count(0, timeout=60_000)
             expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
             expect(nb.status).to_contain_text("idle, parked in")
+            # no cell shows what %gpu acquire said: its words come as a notification, the worker's folder too
+            expect(nb.toast(r"GPU: attached L-\S+: 0\.50 of")).to_be_visible()
+            nb.toasts.locator("button", has_text="Details").click()
+            expect(nb.dialog).to_contain_text("The worker runs in this notebook's folder")
+            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+            expect(nb.dialog).to_have_count(0)
             out = nb.run(1)
             assert "Traceback" not in out, out
 
