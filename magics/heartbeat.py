@@ -134,10 +134,14 @@ class KernelHeartbeat(LeaseHeartbeat):
 
     def _until_due(self, lease: Lease) -> float | None:
         """Seconds until the warning is due, or else until the idle deadline
-        (the beat after it sees the park), None without a deadline."""
+        (the beat after it sees the park); ``busy_interval`` while the service
+        still sees the worker busy though no cell runs here (its agent reports
+        every few seconds: the next beat brings the deadline for the status
+        bar's countdown, not one a whole interval later); None without a deadline."""
         deadline = parse_time(lease.idle_deadline)
         if deadline is None:
-            return None
+            busy = (lease.worker or {}).get("execution_state") == "busy"
+            return self.busy_interval if busy and lease.state is LeaseState.active else None
         left = (deadline - datetime.now(timezone.utc)).total_seconds()
         warn = left - (lease.idle_warning or 0.0)
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)

@@ -92,6 +92,22 @@ def test_a_warning_is_stale_once_its_lease_is_not_active_or_its_deadline_passed(
     assert beat.warning_stale()
 
 
+def test_after_a_cell_the_next_beat_comes_soon_while_the_service_still_sees_the_worker_busy():
+    """The status bar's countdown comes with the first beat that sees the worker idle: while the
+    service (told by the agent every few seconds) still sees it busy, beats keep the busy rhythm."""
+    from gpupool.magics.heartbeat import KernelHeartbeat
+
+    beat = KernelHeartbeat(None, "L-1", 15.0, busy_interval=2.0)  # never started: the rule alone
+    busy = replace(lease_at(None), worker={"execution_state": "busy"})
+    assert beat._until_due(busy) == 2.0
+    assert beat._until_due(replace(busy, worker={"execution_state": "idle"})) is None
+    assert beat._until_due(replace(busy, state=LeaseState.parking)) is None
+    now = datetime.now(timezone.utc)
+    idle = replace(lease_at(0), worker={"execution_state": "idle"}, idle_since=isoformat(now),
+                   idle_deadline=isoformat(now + timedelta(seconds=600)))
+    assert 500 < beat._until_due(idle) < 600, "then the deadline's own timing"
+
+
 def test_the_words_of_an_ended_lease_say_the_variables_are_lost_and_how_to_go_on():
     from gpupool.magics.words import CELL_DID_NOT_RUN, ended_words
 
