@@ -14,7 +14,6 @@ import pytest
 from procs import free_port, start_agent, start_service, wait_for
 from service_api import gpu_allocations, http, register, wait_ended, wait_state
 
-from gpupool.errors import GPUPoolError
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import LeaseRequest
 
