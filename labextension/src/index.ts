@@ -124,6 +124,8 @@ class Channels {
 class LeaseItem extends Widget {
   constructor(onClick: () => void) {
     super();
+    // JupyterLab's own text-item look (font, 24px line): a bare div sat a few pixels above its neighbours.
+    this.addClass('jp-StatusBar-TextItem');
     this.addClass('jp-gpupool-status');
     this.node.title = 'GPU lease of this notebook (click for details)';
     this.node.addEventListener('click', onClick);

@@ -165,6 +165,16 @@ def _notebook(path: Path, cells: list[str]) -> None:
                    "source": source} for i, source in enumerate(cells)]}))
 
 
+#: The vertical middle of the text in the first element of each selector (a Range over its text: where
+#: the letters are drawn, which the element's own box does not show).
+TEXT_MIDDLES = """selectors => selectors.map(selector => {
+    const range = document.createRange();
+    range.selectNodeContents(document.querySelector(selector));
+    const box = range.getBoundingClientRect();
+    return box.top + box.height / 2;
+})"""
+
+
 class Page:
     """The open notebook and the extension's parts of the page."""
 
@@ -235,6 +245,10 @@ def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_pat
             expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (gpupool)", timeout=60_000)
             step = "status bar says detached"
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+            step = "the status item sits in line with its neighbours"
+            mine, other = page.evaluate(TEXT_MIDDLES, [".jp-gpupool-status",
+                                                       ".jp-StatusBar-TextItem:not(.jp-gpupool-status)"])
+            assert abs(mine - other) <= 1, (mine, other)
             assert "Traceback" not in nb.run(0)
 
             step = "the Kernel menu has the commands"
