@@ -87,11 +87,13 @@ class ServiceClient:
         return Lease.from_json(self.request("POST", "/leases", request.to_json(), params=params,
                                             timeout=self.timeout + (start_wait or 0)))
 
-    def get_lease(self, lease_id: str, *, wait: float | None = None, state: str | None = None) -> Lease:
+    def get_lease(self, lease_id: str, *, wait: float | None = None, state: str | None = None,
+                  timeout: float | None = None) -> Lease:
         """``GET /leases/{id}``; with ``wait`` seconds and ``state``, long-polls
-        until the lease leaves ``state`` or the wait ends."""
+        until the lease leaves ``state`` or the wait ends. ``timeout``: seconds
+        for the call instead of the client's (the wait comes on top)."""
         params = {"wait": wait, "state": state} if wait else None
-        timeout = self.timeout + (wait or 0)
+        timeout = (timeout or self.timeout) + (wait or 0)
         return Lease.from_json(self.request("GET", f"/leases/{_quote(lease_id)}", params=params, timeout=timeout))
 
     def list_leases(self, *, kernel_id: str | None = None, active: bool = True) -> list[Lease]:

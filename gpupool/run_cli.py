@@ -211,18 +211,14 @@ class ScriptRun:
         service is asked once, briefly; ``released L-7 after ...`` when it did, else
         that the lease may still be held, where to see it and when the service
         reclaims it (its heartbeats stopped with the script)."""
-        lease_id, timeout = self.lease.id, self.client.timeout
-        ttl = self.lease.heartbeat_ttl
+        lease_id, ttl = self.lease.id, self.lease.heartbeat_ttl
         reclaim = (f"the service reclaims it within {format_duration(ttl)}" if ttl else
                    "the service reclaims it") + " now that its heartbeats stopped"
-        self.client.timeout = QUICK_LOOK_S
         try:
-            lease = self.client.get_lease(lease_id)
+            lease = self.client.get_lease(lease_id, timeout=QUICK_LOOK_S)
         except (GPUPoolError, KeyboardInterrupt):  # the service is slow, or a second Ctrl-C: it is not known
             return (f"interrupted while releasing {lease_id}: it may still be held (gpupool status lists your "
                     f"leases); {reclaim}")
-        finally:
-            self.client.timeout = timeout
         if lease.state.ended:
             return released_words(lease)
         if lease.state is LeaseState.releasing:  # the service has it in hand

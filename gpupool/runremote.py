@@ -18,7 +18,7 @@ from .errors import GPUPoolError, Reason
 from .heartbeat import LeaseHeartbeat, beat_interval, ended_message
 from .leasewait import RESUME_STATES
 from .remote import RemoteKernel
-from .tables import parked_seconds, resumed_words
+from .tables import parked_for, resumed_words
 from .wire.leases import Lease
 from .wire.transfer import TARGET, Attach
 
@@ -179,7 +179,7 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                 parked_as = beat.last
                 print(f"gpupool: {parked_words(beat.last)}", file=sys.stderr, flush=True)
             elif resume_asked and not parked:  # the notebook's words, and what the script does
-                print(f"gpupool: {resumed_words(beat.last, None, parked_seconds(parked_as))}; the script goes on",
+                print(f"gpupool: {resumed_words(beat.last, None, parked_for(parked_as))}; the script goes on",
                       file=sys.stderr, flush=True)
             resume_asked = parked
 

@@ -105,7 +105,7 @@ def parked_words(lease: Lease, now: datetime | None = None) -> str:
     return words
 
 
-def parked_seconds(lease: Lease | None, now: datetime | None = None) -> float | None:
+def parked_for(lease: Lease | None, now: datetime | None = None) -> float | None:
     """Seconds since ``lease`` (as seen while parked) was parked; None when unknown."""
     since = parse_time(((lease.parked or {}) if lease else {}).get("since"))
     return ((now or datetime.now(timezone.utc)) - since).total_seconds() if since else None

@@ -193,11 +193,12 @@ class Admission:
         """400 when ``demand`` names a GPU model the pool has none of, more host
         than any node has, more whole GPUs than the biggest node has, or more GPU
         memory than any GPU lets leases have."""
-        gpus = self.placer.pool(session).all()
+        pool = self.placer.pool(session)
+        gpus = pool.all()
         words = no_gpu_of_model(demand, gpus)
         if words is not None:
             raise bad_request(words, limit="model")
-        words = beyond_every_node(demand, self.placer.pool(session).hosts)
+        words = beyond_every_node(demand, pool.hosts)
         if words is not None:
             raise bad_request(words, limit="host")
         self._check_gpus(gpus, demand)

@@ -54,6 +54,15 @@ class Placer:
             decision = self.state.capacity.get(session, workload).place(demand)  # rebuilt from the store
         return decision
 
+    def place_off(self, session: Session, demand: Demand, nodes: Collection[str]) -> Placement | Refusal:
+        """:meth:`place` on every node but ``nodes``, for a demand already counted in
+        the mix (one held for someone else, one whose start failed there), checked
+        against the store as :meth:`place` is."""
+        decision = self.pool(session).place_off(demand, nodes)
+        if isinstance(decision, Placement) and not self.verify(session, decision):
+            decision = self.pool(session).place_off(demand, nodes)  # rebuilt from the store
+        return decision
+
     def held_nodes(self, waiting: Collection[str]) -> set[str]:
         """The nodes pressure clears for a request among ``waiting`` (queued lease ids):
         no batch request or resume is placed there (:meth:`.priority.Plan.held_nodes`)."""
@@ -67,7 +76,7 @@ class Placer:
         ``batch_headroom_nodes``)."""
         held = self._held_for_people(session)
         if decision.node in held:
-            moved = self.pool(session).place_off(demand, held)
+            moved = self.place_off(session, demand, held)
             if not isinstance(moved, Placement):
                 return Refusal({Misfit.held_for_interactive: len(decision.gpus)},
                                f"batch request not placed: node {decision.node} is held for a person's request "

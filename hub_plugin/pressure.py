@@ -66,9 +66,8 @@ class Pressure:
         self.pool_pressure = pool_pressure
         self.pool_nodes = pool_nodes
         self._quota_table = quota_table
-        self.plan: priority.Plan = priority.NO_PRESSURE
-        # The plan and when it was made, replaced together: what shown() reads (a lease resumed
-        # since holds its GPU again from after the plan, which did not see it).
+        # The plan and when it was made, replaced together (other threads read them): shown() reads
+        # both (a lease resumed since holds its GPU again from after the plan, which did not see it).
         self._made: tuple[priority.Plan, datetime | None] = (priority.NO_PRESSURE, None)
         # What the ETA reads, as the last sweep (or capacity change) saw it: no query per long poll.
         self._eta = EtaInputs()
@@ -80,10 +79,14 @@ class Pressure:
         held = [pressure_rules.held(lease) for lease in active]
         guarantees = self._guarantees(session, active)
         states = gpu_states(session, self.pool_nodes.context_overhead)  # read once, for the plan and the ETA
-        self.plan = self._plan(session, held, guarantees, states, now)
-        self._made = (self.plan, now)
+        self._made = (self._plan(session, held, guarantees, states, now), now)
         self._eta = self._eta_inputs(session, held, guarantees, states, epoch)
         return self.plan
+
+    @property
+    def plan(self) -> priority.Plan:
+        """The current plan (:data:`.priority.NO_PRESSURE` until the first :meth:`refresh`)."""
+        return self._made[0]
 
     def follow(self, session: Session, epoch: int) -> None:
         """Read what the ETA reads again when the pool's capacity changed since

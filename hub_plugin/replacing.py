@@ -66,9 +66,7 @@ def place_again(tx: Transaction, lease: Lease, placer: Placer, host_share: float
     node = tried[-1]
     failed = f"the worker could not start on {node}: {words}"
     demand = asked(lease, host_share)
-    decision = placer.pool(tx.session).place_off(demand, set(tried))
-    if isinstance(decision, Placement) and not placer.verify(tx.session, decision):
-        decision = placer.pool(tx.session).place_off(demand, set(tried))  # rebuilt from the store
+    decision = placer.place_off(tx.session, demand, set(tried))
     nodes = ", ".join(tried)
     if not isinstance(decision, Placement):
         if lease.wait_until is None or lease.wait_until <= now:

@@ -18,7 +18,7 @@ from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval
 from gpupool.leasewait import RESUME_STATES, wait_started
 from gpupool.schema import LeaseState
-from gpupool.tables import parked_seconds, resumed_words
+from gpupool.tables import parked_for, resumed_words
 from gpupool.wire.leases import Lease
 from gpupool.wire.transfer import TARGET, Fetch, Have, Pull, PullAll, Request, Versions
 from gpupool.transfer import load_pulled
@@ -93,7 +93,7 @@ class Attachment:
                 if not parked.resuming and (parked.resume_asked or parked.noticed):
                     took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
                     then = "; the running cell goes on" if running else ""
-                    self.heartbeat.say(resumed_words(lease, took, _parked_for(parked)) + then, kind="resumed")
+                    self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease)) + then, kind="resumed")
 
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:
@@ -131,7 +131,8 @@ class Attachment:
             self._unparked(lease)
         if self.reconnected:
             self.remote.wait_ready(30.0)
-        say(resumed_words(lease, time.monotonic() - started, _parked_for(parked)))  # what the park lost, its notice said
+        # What the park lost, its notice said.
+        say(resumed_words(lease, time.monotonic() - started, parked_for(parked.lease if parked else None)))
         return lease
 
     @classmethod
@@ -336,8 +337,3 @@ def _ask_stdin(request: dict[str, Any]) -> str:
     """Answer the worker's ``input_request`` by asking the notebook user."""
     prompt = request.get("prompt", "")
     return getpass.getpass(prompt) if request.get("password") else input(prompt)
-
-
-def _parked_for(parked: Parked | None) -> float | None:
-    """Seconds since ``parked``'s lease was parked (None when unknown)."""
-    return parked_seconds(parked.lease if parked else None)

@@ -43,6 +43,13 @@ def node_states(svc) -> dict[str, str]:
     return {node["name"]: node["state"] for node in svc.client().pool()["nodes"]}
 
 
+def fill_the_live_node(svc):
+    """node-2's one GPU (its H100) taken by an active lease, so only node-1 has room; returns that lease."""
+    filler = svc.client().create_lease(LeaseRequest(fraction=1.0, model="H100"))
+    assert wait_state(svc, filler.id, "starting").state is LeaseState.active
+    return filler
+
+
 def test_a_lease_placed_on_a_dead_agent_starts_on_another_node(two_nodes):
     svc, dead, _ = two_nodes
     kill_agent(dead)
@@ -71,8 +78,7 @@ def test_a_lease_placed_on_a_dead_agent_starts_on_another_node(two_nodes):
 def test_with_no_other_room_it_waits_in_its_place_and_starts_when_room_frees(two_nodes):
     svc, dead, _ = two_nodes
     client = svc.client()
-    filler = client.create_lease(LeaseRequest(fraction=1.0, model="H100"))
-    assert wait_state(svc, filler.id, "starting").state is LeaseState.active
+    filler = fill_the_live_node(svc)
     kill_agent(dead)
     lease = client.create_lease(LeaseRequest(fraction=0.5, wait=600))
     assert lease.state is LeaseState.starting and lease.node == "node-1"  # the only room
@@ -95,8 +101,7 @@ def test_with_no_other_room_it_waits_in_its_place_and_starts_when_room_frees(two
 def test_without_a_wait_and_no_other_room_it_fails_naming_the_node(two_nodes):
     svc, dead, _ = two_nodes
     client = svc.client()
-    filler = client.create_lease(LeaseRequest(fraction=1.0, model="H100"))
-    assert wait_state(svc, filler.id, "starting").state is LeaseState.active
+    filler = fill_the_live_node(svc)
     kill_agent(dead)
     lease = client.create_lease(LeaseRequest(fraction=0.5))
     ended = wait_ended(svc, lease.id)
