@@ -1,8 +1,9 @@
-"""Settings of a lease's life: idle and heartbeat reclaim, the queue's wait (``c.PoolLeases.*``)."""
+"""Settings of a lease's life: idle and heartbeat reclaim, the queue's wait, where a parked lease
+resumes (``c.PoolLeases.*``)."""
 
 from __future__ import annotations
 
-from traitlets import Enum, TraitError, Union, validate
+from traitlets import Bool, Enum, TraitError, Union, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import Duration
@@ -10,7 +11,7 @@ from gpupool.traits import Duration
 
 class PoolLeases(Configurable):
     """How long a lease lives and waits: idle and heartbeat reclaim, the
-    queue's wait. Raises TraitError when ``idle_timeout`` is above
+    queue's wait, where a parked lease resumes. Raises TraitError when ``idle_timeout`` is above
     ``max_idle_timeout``."""
 
     idle_timeout = Duration(
@@ -63,4 +64,19 @@ class PoolLeases(Configurable):
         help="""Longest ``wait`` (seconds) a lease request may ask for: a request that
         does not fit waits in the queue that long, then ends ``failed``. A longer wait is
         refused with 400. Default: 1 hour. ``c.PoolLeases.max_wait = "4h"``.""",
+    ).tag(config=True)
+
+    resume_moves = Bool(
+        True,
+        help="""Whether a parked lease whose own node has no room for its resume may
+        resume on another node with room on GPUs of the same model (a cold move):
+        its worker is spilled to its node's disk (at once, if it was parked in
+        memory), the new node's agent fetches the spill and loads it into a new
+        worker there, and the old node's copy is removed. The cost: what cannot be
+        saved to disk (locks, generators, open sockets, a cell frozen mid-way, CUDA
+        state outside the arrays saved) is lost, and named in the lease's events as
+        in a spill, and the resume takes a new worker's start plus the copy. False:
+        a parked lease waits for room on its own node, however long, and keeps
+        everything a park in memory keeps. Default: True.
+        ``c.PoolLeases.resume_moves = False``.""",
     ).tag(config=True)
