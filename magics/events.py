@@ -266,10 +266,10 @@ class Requests:
         from gpupool.tables import HOLDERS_COLUMNS, LEASE_COLUMNS, holders_rows, holders_table, lease_cells, lease_table
 
         try:
-            words, leases, utilization, notes = self.status_words.view()
+            words, leases, utilization, freezing, notes = self.status_words.view()
         except GPUPoolError as exc:
             return {"ok": False, "message": exc.message, "output": ""}
-        text = words or "\n\n".join([lease_table(leases, utilization)[0], *notes])
+        text = words or "\n\n".join([lease_table(leases, utilization, freezing)[0], *notes])
         answer = None if words else self.status_words.holders_answer()
         holders = None
         if isinstance(answer, str):
@@ -278,7 +278,7 @@ class Requests:
             rows, notes = holders_rows(answer)
             text, holders = f"{text}\n\n{holders_table(answer)[0]}", {"columns": list(HOLDERS_COLUMNS),
                                                                        "rows": rows, "notes": notes}
-        details = dict(zip(LEASE_COLUMNS, lease_cells(leases[0], utilization))) if len(leases) == 1 else None
+        details = dict(zip(LEASE_COLUMNS, lease_cells(leases[0], utilization, freezing))) if len(leases) == 1 else None
         return {"ok": True, "message": text, "output": text, "details": details, "holders": holders}
 
     def defaults(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from IPython.display import display
 
 from gpupool.errors import GPUPoolError
 from gpupool.schema import isoformat, parse_time
-from gpupool.tables import gpu_utilization, holders_table, lease_table, pool_table
+from gpupool.tables import cell_freezing, gpu_utilization, holders_table, lease_table, pool_table
 from gpupool.units import format_duration
 from gpupool.wire.leases import Lease
 from gpupool.wire.transfer import GpuMemory
@@ -58,11 +58,11 @@ class Status:
             w                                                        in model           cuda:0  Parameter
             and 3 more, 12.0 MiB
         """
-        words, leases, utilization, notes = self.view()
+        words, leases, utilization, freezing, notes = self.view()
         if words:
             say(words)
             return
-        text, html = lease_table(leases, utilization)
+        text, html = lease_table(leases, utilization, freezing)
         if notes:
             text, html = "\n\n".join([text, *notes]), html + "".join(f"<p>{html_escape(n)}</p>" for n in notes)
         held = self.holders_view()
@@ -70,24 +70,25 @@ class Status:
             text, html = f"{text}\n\n{held[0]}", html + held[1]
         display({"text/plain": text, "text/html": html}, raw=True)
 
-    def view(self) -> tuple[str | None, list, dict[str, float | None], list[str]]:
-        """What ``%gpu status`` shows: ``(words, [], {}, [])`` when there is no
+    def view(self) -> tuple[str | None, list, dict[str, float | None], dict[str, bool], list[str]]:
+        """What ``%gpu status`` shows: ``(words, [], {}, {}, [])`` when there is no
         lease to list (parked, not attached), else ``(None, leases, utilization
-        by GPU UUID, notes)`` for :func:`~gpupool.tables.lease_table`, the notes
-        (:func:`lost_node_note`) to show under it. GPUPoolError when the
-        service cannot be asked."""
+        by GPU UUID, freezing by node, notes)`` for :func:`~gpupool.tables.lease_table`
+        (freezing: whether a node freezes a running cell, for a coming preemption's
+        words), the notes (:func:`lost_node_note`) to show under it. GPUPoolError
+        when the service cannot be asked."""
         attachment = self.lifecycle.attachment
         client = self.service.client
         if attachment is None:
             leases = client.list_leases(kernel_id=os.environ.get("GPUPOOL_KERNEL_ID"))
             if not leases:
-                return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}, []
+                return "not attached; %gpu acquire 0.5 attaches half a GPU", [], {}, {}, []
         else:
             leases = [as_seen_here(self.cell, attachment.refresh())]
         pool = client.pool()
         notes = [note for note in (lost_node_note(lease, pool) for lease in leases) if note]
         leases = [as_seen_by_pool(lease, pool) for lease in leases]
-        return None, leases, gpu_utilization(pool), notes
+        return None, leases, gpu_utilization(pool), cell_freezing(pool), notes
 
     def holders_view(self) -> tuple[str, str] | None:
         """``(text, html)`` of the names holding GPU memory on the attached
