@@ -17,6 +17,8 @@ from .fields import Body, Spec, wired
 
 _BOTH = "'lease_id' and 'owner' must be non-empty strings"
 _WHOLE_BYTES = {"nullable": True, "loose": False, "error": "'{key}' must be whole bytes, got {value!r:.40}"}
+#: An agent's base URL: http(s), a host, an optional path; no query, fragment, space or control character.
+_AGENT_URL = "^https?://[^\\s/?#\\x00-\\x1f\\x7f]+(/[^\\s?#\\x00-\\x1f\\x7f]*)?$"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class WorkerRequest(Body):
     GPU's usable memory, the agent's to work out); ``cpus`` cores and
     ``host_memory`` bytes for the worker's cgroup (None: not limited);
     ``env``: the worker environment (None: the node's default).
+    ``spill_from``: a resume only, the base URL of the agent that holds the
+    lease's spill (a cold move from another node, docs/parking.md); None
+    otherwise.
     """
 
     lease_id: str = wired(Spec("string", required=True, error=_BOTH))
@@ -44,6 +49,10 @@ class WorkerRequest(Body):
                                          **_WHOLE_BYTES), None)
     env: str | None = wired(Spec("string", "the worker environment (absent: the node's default)", nullable=True,
                                  error="'env' must be the name of a worker environment, got {value!r}"), None)
+    spill_from: str | None = wired(Spec(
+        "string", "resume only: the base URL of the agent holding the lease's spill (a cold move from another "
+        "node); absent otherwise", nullable=True, max_length=2048, pattern=_AGENT_URL, format="uri",
+        error="'spill_from' must be the http:// or https:// base URL of a node agent, got {value!r:.80}"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerRequest":
@@ -55,7 +64,7 @@ class WorkerRequest(Body):
         gpus = body.get("gpus")
         if not isinstance(gpus, list) or not gpus or not all(isinstance(u, str) for u in gpus):
             raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")  # each item's type: code
-        values |= cls.read(body, "fraction", "memory", "cpus", "host_memory", "env")
+        values |= cls.read(body, "fraction", "memory", "cpus", "host_memory", "env", "spill_from")
         fraction = values.pop("fraction")
         return cls(**values, gpus=tuple(gpus), fraction=1.0 if fraction is None else float(fraction))
 
@@ -63,7 +72,7 @@ class WorkerRequest(Body):
         """The body: ``memory`` always (null: the agent's default), the optional fields only when set."""
         body: dict[str, Any] = {"lease_id": self.lease_id, "owner": self.owner, "gpus": list(self.gpus),
                                 "fraction": self.fraction, "memory": self.memory}
-        for key in ("cpus", "host_memory", "env"):
+        for key in ("cpus", "host_memory", "env", "spill_from"):
             if getattr(self, key) is not None:
                 body[key] = getattr(self, key)
         return body

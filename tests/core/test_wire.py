@@ -114,10 +114,21 @@ def test_a_worker_request_keeps_its_shape():
     assert WorkerRequest.from_json({"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"]}).memory is None
 
 
+def test_a_resume_names_the_agent_holding_the_spill_only_when_it_moves_one():
+    moved = WorkerRequest("L-1", "ann", ("GPU-1",), spill_from="https://node-1.example:8080")
+    assert moved.to_json()["spill_from"] == "https://node-1.example:8080"
+    assert WorkerRequest.from_json(moved.to_json()) == moved
+    assert "spill_from" not in WorkerRequest("L-1", "ann", ("GPU-1",)).to_json()
+    assert WorkerRequest.from_json({"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"],
+                                    "spill_from": None}).spill_from is None
+
+
 @pytest.mark.parametrize("change, words", [
     ({"owner": ""}, "'lease_id' and 'owner'"), ({"gpus": []}, "'gpus'"), ({"fraction": True}, "'fraction'"),
     ({"memory": 1.5}, "'memory'"), ({"cpus": "2"}, "'cpus'"), ({"host_memory": True}, "'host_memory'"),
-    ({"env": 3}, "'env'"),
+    ({"env": 3}, "'env'"), ({"spill_from": "ftp://node-1"}, "'spill_from' must be the http:// or https://"),
+    ({"spill_from": "http://"}, "'spill_from'"), ({"spill_from": "http://node 1:8080"}, "'spill_from'"),
+    ({"spill_from": 8080}, "'spill_from'"),
 ])
 def test_a_bad_worker_request_names_the_field(change, words):
     body = {"lease_id": "L-1", "owner": "ann", "gpus": ["GPU-1"], **change}
