@@ -96,10 +96,13 @@ class ServiceClient:
         timeout = (timeout or self.timeout) + (wait or 0)
         return Lease.from_json(self.request("GET", f"/leases/{_quote(lease_id)}", params=params, timeout=timeout))
 
-    def list_leases(self, *, kernel_id: str | None = None, active: bool = True) -> list[Lease]:
+    def list_leases(self, *, kernel_id: str | None = None, active: bool = True,
+                    all_users: bool = False) -> list[Lease]:
         """``GET /leases``: the caller's own leases (only those holding capacity
-        or queued, unless ``active=False``)."""
-        body = self.request("GET", "/leases", params={"kernel_id": kernel_id, "active": int(active)})
+        or queued, unless ``active=False``); ``all_users``: every user's (admins
+        only: GPUPoolError 403 otherwise)."""
+        params = {"kernel_id": kernel_id, "active": int(active), "all_users": 1 if all_users else None}
+        body = self.request("GET", "/leases", params=params)
         return [Lease.from_json(item) for item in body["leases"]]
 
     def heartbeat(self, lease_id: str) -> Lease:

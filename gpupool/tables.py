@@ -204,9 +204,13 @@ LEASE_COLUMNS = ("lease", "state", "node", "environment", "GPU", "share", "class
 
 
 def lease_table(leases: Sequence[Lease], utilization: dict[str, float | None] | None = None,
-                freezing: dict[str, bool] | None = None) -> tuple[str, str]:
-    """One row per lease (:data:`LEASE_COLUMNS`, :func:`lease_cells`)."""
-    return table(list(LEASE_COLUMNS), [lease_cells(lease, utilization, freezing) for lease in leases])
+                freezing: dict[str, bool] | None = None, *, owners: bool = False) -> tuple[str, str]:
+    """One row per lease (:data:`LEASE_COLUMNS`, :func:`lease_cells`); ``owners``: an ``owner``
+    column first (an admin's listing of every user's leases)."""
+    rows = [lease_cells(lease, utilization, freezing) for lease in leases]
+    if owners:
+        return table(["owner", *LEASE_COLUMNS], [[lease.owner, *row] for lease, row in zip(leases, rows)])
+    return table(list(LEASE_COLUMNS), rows)
 
 
 def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None,

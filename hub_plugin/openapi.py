@@ -84,12 +84,14 @@ _PATHS: dict[str, Any] = {
                         _param("start_wait", "query", {"type": "number", "minimum": 0, "default": 0},
                                "seconds to wait for a placed lease's worker before answering (at most "
                                f"{_MAX_START_WAIT_S:g} are waited; 0: answer at once)")]),
-        "get": _op("Your own leases", _json({"type": "object", "properties": {
+        "get": _op("Your own leases (every user's for an admin, with all_users)", _json({"type": "object", "properties": {
             "leases": {"type": "array", "items": _ref("Lease")}}}, "your leases, oldest first"),
             errors=(400, 401, 403), params=[
                 _param("active", "query", {"type": "string", "enum": ["1", "0", "true", "false"], "default": "1"},
                        "1 (or true): only leases holding or waiting for capacity"),
-                _param("kernel_id", "query", {"type": "string"}, "only this kernel's leases")]),
+                _param("kernel_id", "query", {"type": "string"}, "only this kernel's leases"),
+                _param("all_users", "query", {"type": "string", "enum": ["1", "0", "true", "false"], "default": "0"},
+                       "1 (or true): every user's leases (admins only: 403 otherwise)")]),
     },
     "/leases/{id}": {
         "get": _op("One of your leases; long-polls with wait and state", _json(_ref("Lease"), "the lease"),

@@ -8,6 +8,7 @@ import re
 from gpupool.errors import bad_request, not_found
 from gpupool.schema import LeaseState, has_control_characters
 
+from ..auth import ADMIN_SCOPE, forbidden
 from .base import APIHandler
 
 #: What ``models.new_lease_id`` makes. Any other id is answered 404 before the
@@ -24,7 +25,7 @@ def _lease_id(text: str) -> str:
 
 class LeaseListHandler(APIHandler):
     """``POST /leases`` (create; ``?start_wait=S`` answers once the worker started, within S seconds)
-    and ``GET /leases`` (own leases)."""
+    and ``GET /leases`` (own leases; ``?all_users=1``: every user's, for admins)."""
 
     async def post(self) -> None:
         who = self.require_user()
@@ -37,7 +38,15 @@ class LeaseListHandler(APIHandler):
         if active not in ("0", "1", "true", "false"):
             raise bad_request(f"'active' must be 1, 0, true or false, got {active!r:.40}")
         kernel_id = self.get_query_argument("kernel_id", None) or None
-        leases = await self.ctx.pool.views.list(who, active=active in ("1", "true"), kernel_id=kernel_id)
+        all_users = self.get_query_argument("all_users", "0")
+        if all_users not in ("0", "1", "true", "false"):
+            raise bad_request(f"'all_users' must be 1, 0, true or false, got {all_users!r:.40}")
+        all_users = all_users in ("1", "true")
+        if all_users and not who.admin:
+            raise forbidden(f"only pool admins may list every user's leases (c.GPUPool.admin_users, or the "
+                            f"hub's {ADMIN_SCOPE} scope); without all_users you get your own")
+        leases = await self.ctx.pool.views.list(who, active=active in ("1", "true"), kernel_id=kernel_id,
+                                                all_users=all_users)
         self.write_json({"leases": leases})
 
 

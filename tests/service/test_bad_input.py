@@ -224,6 +224,10 @@ REST = [
     rest("/leases/{bob}", 404, "not found", method="GET", code="not_found", id="get-others"),
     rest("/leases/{bob}", 404, "not found", method="DELETE", code="not_found", id="delete-others"),
     rest("/leases/{bob}/heartbeat", 404, "not found", code="not_found", id="heartbeat-others"),
+    rest("/leases?all_users=1", 403, "only pool admins may list every user's leases", method="GET",
+         code="forbidden", id="list-all-users-not-admin"),
+    rest("/leases?all_users=yes", 400, "'all_users' must be 1, 0, true or false", method="GET", user="boss",
+         id="list-all-users-bad"),
     rest("/leases/{bob}?wait=5", 404, "not found", method="GET", code="not_found", id="poll-others"),
     # lease ids: the owner's own, with bad arguments
     rest("/leases/{bob}?wait=-1", 400, "'wait' must be a number of seconds >= 0", method="GET", user="bob",
@@ -505,6 +509,28 @@ def test_status_without_leases_says_they_are_yours(pool):
     assert status("boss", "--all").rstrip().endswith("you have no leases, active or ended (this lists your own; "
                                                     "the pool table above counts everyone's)")
     pool.check_unchanged("gpupool status")
+
+
+def test_an_admin_lists_every_users_leases_with_their_owners(pool):
+    """``gpupool status --all-users`` (``GET /leases?all_users=1``): an admin sees bob's lease and
+    whose it is; the others' listing stays their own, and a user who asks gets 403 and nothing."""
+    def status(user: str, *args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "GPUPOOL_URL": pool.service.url, "GPUPOOL_TOKEN": pool.token(user)}
+        return subprocess.run([str(GPUPOOL), "status", *args], env=env, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+
+    shown = status("boss", "--all-users")
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[1]: line.split()[0] for line in shown.stdout.splitlines() if " L-" in line}
+    assert rows == {pool.bob_lease: "bob"}, shown.stdout  # active only: tester's ended lease is left out
+    everything = status("boss", "--all-users", "--all").stdout
+    assert pool.bob_lease in everything and pool.tester_lease in everything
+    assert status("boss").stdout.rstrip().endswith("you hold no leases (this lists your own; the pool table above "
+                                                    "counts everyone's)")
+    refused = status("bob", "--all-users")
+    assert refused.returncode != 0 and "only pool admins may list every user's leases" in refused.stderr, refused
+    assert pool.bob_lease not in refused.stdout
+    pool.check_unchanged("gpupool status --all-users")
 
 
 # -- the %gpu magics ---------------------------------------------------------------------------------------
