@@ -5,8 +5,9 @@ Whenever capacity frees (a lease ends, a node registers, every reclaim
 sweep) :func:`drain` places queued requests: classes first (:mod:`.priority`),
 then who used the pool least recently; a request that does not fit is
 passed over for later ones that do (backfill). A parked lease's resume waits
-in the same line, ahead of its class's new requests, on its own node only
-(:func:`.resume.place`). The order in full: docs/api.md, "Queue".
+in the same line, ahead of its class's new requests, for room on its own node
+(:func:`.resume.place`), or, where moves are allowed, on another node with
+room (:func:`.resume.place_elsewhere`). The order in full: docs/api.md, "Queue".
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           last_used: Mapping[str, datetime | None], now: datetime, *,
           accept: Callable[[Waiting, Placement], bool] | None = None,
           room: Mapping[str, int] | None = None, batch_yields: bool = False,
-          headroom_nodes: int = 0, held_nodes: Collection[str] = ()) -> list[tuple[Waiting, Placement]]:
+          headroom_nodes: int = 0, held_nodes: Collection[str] = (),
+          resume_moves: bool = False) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
@@ -108,10 +110,13 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     stops the drain there (the service checks the decision against the store).
     ``room``, when given, is how many more requests each owner may have placed
     (``c.PoolQuotas.max_active_per_user``); an owner without room is passed over.
+    A resume goes to its own node (:func:`.resume.place`); refused there, with
+    ``resume_moves`` (``c.PoolLeases.resume_moves``), to another node with room
+    (:func:`.resume.place_elsewhere`: its placement's ``node`` is not the resume's).
     A batch request is placed only where :func:`.priority.batch_may_start` allows:
     never on ``held_nodes`` (cleared by pressure for a person's request:
     :meth:`.priority.Plan.held_nodes`) nor on the node of a person's resume that
-    does not fit there; ``batch_yields``: not while an interactive request is left
+    fits nowhere it may go (one that moves holds no node); ``batch_yields``: not while an interactive request is left
     waiting; ``headroom_nodes``: not on an idle node while that many or fewer are idle.
 
     Capacity only shrinks during a drain, so a demand that did not fit once is
@@ -130,6 +135,8 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
                 if item.lease_id in stuck:
                     continue
                 decision = _place_resume(item.resume, index)
+                if not isinstance(decision, Placement) and resume_moves:
+                    decision = resume_rule.place_elsewhere(item.resume, index)
                 if not isinstance(decision, Placement):
                     stuck.add(item.lease_id)
                     if not yields(item.lease_class):

@@ -14,17 +14,23 @@ so a parked lease resumes on its own node only:
 - else, where the node's checkpointer can restore onto another GPU
   (``remap``), another GPU of the same model on that node, chosen as the
   scheduler chooses (:func:`.scheduler.place`);
+- else, where moves are allowed (``c.PoolLeases.resume_moves``), on
+  another node with room on GPUs of the same model (:func:`place_elsewhere`:
+  a cold move; its state goes from its node's disk to a new worker there);
 - else it waits (a :class:`.scheduler.Refusal` saying why).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .hosts import HostState
 from .scheduler import Demand, GPUState, Placement, Refusal, place as place_demand
 from .workload import DEFAULT_WORKLOAD, Workload
+
+if TYPE_CHECKING:
+    from .placement_index import PlacementIndex
 
 #: Rough costs of a resume (:func:`resume_seconds`): a frozen worker thaws and its GPU state
 #: goes back at about pinned host-to-device speed; a spilled one starts a new worker and loads
@@ -41,8 +47,10 @@ class Resume:
     it had and their ``model`` (GPU name), its slice (``fraction``,
     ``gpu_count``, ``memory`` bytes per GPU), its host reservation (``cpus``,
     ``host_memory``; None: its node reports no host), what its park holds now
-    (``parked_host_bytes`` on the host, ``gpu_bytes_kept`` over its GPUs) and
-    whether the node's checkpointer can restore onto another GPU (``remap``)."""
+    (``parked_host_bytes`` on the host, ``gpu_bytes_kept`` over its GPUs),
+    whether the node's checkpointer can restore onto another GPU (``remap``)
+    and the worker environment it runs in (``env``; None: its node's default,
+    which a move asks of the other node too)."""
 
     node: str
     gpus: tuple[str, ...]
@@ -55,10 +63,12 @@ class Resume:
     parked_host_bytes: int = 0
     gpu_bytes_kept: int = 0
     remap: bool = False
+    env: str | None = None
 
-    def demand(self, *, model: str | None = None) -> Demand:
-        """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name)."""
-        return Demand(self.fraction, self.gpu_count, self.memory, model, None, self.cpus, self.host_memory)
+    def demand(self, *, model: str | None = None, env: str | None = None) -> Demand:
+        """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name;
+        ``env``: only on nodes offering that worker environment)."""
+        return Demand(self.fraction, self.gpu_count, self.memory, model, env, self.cpus, self.host_memory)
 
 
 def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str], host: HostState | None,
@@ -81,6 +91,25 @@ def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str],
         if isinstance(remapped, Placement) or not isinstance(decision, Refusal) or not decision.reasons:
             return remapped
     return decision
+
+
+def place_elsewhere(ask: Resume, index: PlacementIndex) -> Placement | Refusal:
+    """Where ``ask``, which found no room on its own node (:func:`place`), moves to now: a cold
+    move (``c.PoolLeases.resume_moves``; docs/parking.md). Another node's GPUs of its ``model``
+    (the same GPU name: a spill's arrays come back on their devices), with room for its slice and
+    its host ask, in its worker environment (``env``), chosen as the scheduler chooses a new
+    lease's: the ``index``'s :meth:`~.placement_index.PlacementIndex.place`, unless that picks its
+    own node (room its checkpointer cannot remap onto), then the same choice among the other
+    nodes' GPUs of that model (as ``place_off`` its node does). A refusal when none has room."""
+    if not ask.model:
+        return Refusal()
+    demand = ask.demand(model=ask.model, env=ask.env)
+    decision = index.place(demand, explain=False)
+    if isinstance(decision, Placement) and decision.node != ask.node \
+            and all(index.states[uuid].name == ask.model for uuid in decision.gpus):
+        return decision
+    others = [gpu for gpu in index.all() if gpu.node != ask.node and gpu.name == ask.model]
+    return place_demand(demand, others, index.workload, hosts=index.hosts) if others else Refusal()
 
 
 def _credited(gpu: GPUState, ask: Resume, kept: int) -> GPUState:
