@@ -2,8 +2,8 @@
 capacity frees up, in the order :func:`.queue.drain` gives (its docstring has
 the fairness rule), and fail when their ``wait`` passes or their owner's quota
 no longer allows them. Parked leases whose resume was asked for wait in the
-same line, ahead of their class's new requests, for room on their own node
-(:mod:`.rules.resume`). This module decides and writes; starting (or
+same line, ahead of their class's new requests, for room on their own node,
+or, with ``c.PoolLeases.resume_moves``, on another node (a cold move; :mod:`.rules.resume`). This module decides and writes; starting (or
 resuming) what was placed and ending what failed is the life cycle's
 (:mod:`.leases`).
 """
@@ -23,7 +23,7 @@ from gpupool.errors import GPUPoolError
 from gpupool.units import format_duration
 
 from . import parked, usage
-from .config import PoolNodes, PoolPressure, PoolQuotas
+from .config import PoolLeases, PoolNodes, PoolPressure, PoolQuotas
 from .models import Lease, Node
 from .placing import Placer
 from .quota_book import QuotaBook
@@ -50,13 +50,14 @@ class Drained:
 class LeaseQueue:
     """Drains and expires the queue. ``on_dequeued(seconds)`` is told how long
     each request waited when it is placed (for metrics). Reads ``host_share``
-    (``pool_nodes``), the batch settings (``pool_pressure``) and
-    ``max_active_per_user`` (``pool_quotas``)."""
+    (``pool_nodes``), the batch settings (``pool_pressure``),
+    ``max_active_per_user`` (``pool_quotas``) and ``resume_moves`` (``pool_leases``)."""
 
     def __init__(self, pool_nodes: PoolNodes, pool_pressure: PoolPressure, pool_quotas: PoolQuotas,
-                 state: PoolState, quotas: QuotaBook, placer: Placer,
+                 pool_leases: PoolLeases, state: PoolState, quotas: QuotaBook, placer: Placer,
                  on_dequeued: Callable[[float], None] = lambda seconds: None) -> None:
         self.pool_nodes = pool_nodes
+        self.pool_leases = pool_leases
         self.pool_pressure = pool_pressure
         self.pool_quotas = pool_quotas
         self.state = state
@@ -112,7 +113,7 @@ class LeaseQueue:
                 return False  # the index was stale: stop; the next drain decides on a fresh one
             lease = session.get(Lease, item.lease_id)
             if item.resume is not None:
-                where = parked.placed(tx, lease, decision, now)
+                where = parked.placed(tx, lease, decision, now)  # on another node: a cold move
                 log.info("lease %s of %s resumes on %s", item.lease_id, item.owner, where)
             else:
                 where = assign(tx, lease, decision, now)
@@ -125,7 +126,8 @@ class LeaseQueue:
         wait_queue.drain(waiting, self.placer.pool(session), last, now, accept=accept,
                          room=self._room(session, owners), batch_yields=self.pool_pressure.batch_yields,
                          headroom_nodes=self.pool_pressure.batch_headroom_nodes,
-                         held_nodes=self.placer.held_nodes({item.lease_id for item in waiting}))
+                         held_nodes=self.placer.held_nodes({item.lease_id for item in waiting}),
+                         resume_moves=self.pool_leases.resume_moves)
         return Drained(placed, over)
 
     @staticmethod

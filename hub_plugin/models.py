@@ -207,6 +207,11 @@ class Lease(Base):
     #: Revision 0012: a move's old lease (``LeaseRequest.replaces``), which the quota does not count
     #: while this one starts; the sweep releases it once this one has run for MOVE_GRACE_S.
     replaces: Mapped[str | None] = mapped_column(String(40))
+    #: Revision 0013: while a parked lease moves to another node to resume (``starting`` there,
+    #: ``c.PoolLeases.resume_moves``), where its state still is: ``{"node": its old node,
+    #: "gpus": [{"uuid", "name", "index"}, ...] its old GPUs, "cpus", "host_memory": its old host
+    #: reservation}`` (:func:`.parked.moving`); a failed move goes back there. None otherwise.
+    moved_from: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     gpus: Mapped[list[LeaseGPU]] = relationship(back_populates="lease", order_by="LeaseGPU.index",
                                                 cascade="all, delete-orphan")

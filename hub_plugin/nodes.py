@@ -11,7 +11,9 @@ lease ``failed`` through the one release path (a parked one's too, saying
 that its parked state is gone); a parked worker reported spilled to disk
 moves its lease's park to disk (:func:`.parked.report`); and every reported
 worker whose lease neither holds capacity nor is parked on this node comes
-back in ``stop``, so no worker outlives its lease. The last heartbeat of an
+back in ``stop``, so no worker outlives its lease (nor a spill a lease that
+moved to another node left here: a moving lease's report from the node its
+state is on is left alone until the move ends, :func:`.parked.moving_from`). The last heartbeat of an
 agent that stops cleanly says it is ``leaving``: its node is ``lost`` at once
 (:data:`LEAVING_REASON`), so nothing new is placed there, without waiting for
 ``node_ttl``.
@@ -175,6 +177,8 @@ class NodeBook:
         dead: list[tuple[str, str]] = []
         for report in reports:
             lease = session.get(Lease, report.lease_id)
+            if lease is not None and parked.moving_from(lease) == node.name:
+                continue  # its state waits here while the lease moves to another node (cleared once done)
             if lease is None or lease.node_name != node.name or not _lives(lease):
                 stop.append(report.lease_id)
             elif report.execution_state == WorkerState.dead and report.parked != "disk":  # a spilled one has no process
@@ -198,7 +202,7 @@ class NodeBook:
         return [(lease.id, f"the {'parked ' if lease.park_tier else ''}worker was lost: the agent on {node.name} "
                            f"restarted without it{LOST_STATE if lease.park_tier else ''}")
                 for lease in living if lease.id not in reported
-                and (lease.state != LeaseState.starting.value or parked.is_resume(lease))]
+                and (lease.state != LeaseState.starting.value or parked.is_resume(lease) and not parked.is_move(lease))]
 
     def _end_dead(self, dead: list[tuple[str, str]]) -> None:
         # In the background: the release path calls back into the very agent

@@ -4,15 +4,22 @@ decides them is :mod:`.parking`; each function here runs inside a write
 transaction, on a lease row, and names what it changed (:mod:`.transitions`).
 
     active --begin--> parking --done--> parked --placed--> starting --resumed--> active
-                         |
-                         +--kept--> active   (the agent refused: a cell runs)
+                         |                ^                    |
+                         +--kept--> active +---unresumed/unmoved+  (the agent could not)
 
 - :func:`begin`: the share stays held while the agent moves the GPU state.
 - :func:`done`: the share is given back in the same transaction (the state
   stops holding capacity); the span of usage ends (:func:`.usage.close_span`);
   the worker's connection stays while it lives in memory.
 - :func:`placed`: a resume found room on the lease's own node (the queue,
-  :mod:`.lease_queue`); the time parked is counted (``parked_seconds``).
+  :mod:`.lease_queue`); the time parked is counted (``parked_seconds``). Room
+  on another node (``c.PoolLeases.resume_moves``) is a cold move
+  (:func:`moving`): the lease takes the new node's GPUs, gives back the claim
+  on its old ones, and keeps where its state is (``moved_from``) until
+  :func:`resumed` (the new node's worker loaded it) or :func:`unmoved` (back
+  to ``parked`` on the old node, whose disk still has it).
+- :func:`spilled`: the old node's agent spilled it for the move (its tier and
+  what was lost, as a park's).
 - :func:`resumed`: active again, with the connection the agent answered (a
   new worker's after a spill) and a new span of usage; the park is cleared.
 """
@@ -87,7 +94,10 @@ def kept(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
 
 def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
     """``parked`` -> ``starting`` on ``decision`` (its own node; its GPUs, or others of the same
-    model where the checkpointer can remap): it holds a share again. Returns where, in words."""
+    model where the checkpointer can remap): it holds a share again. Returns where, in words.
+    ``decision`` on another node is a cold move (:func:`moving`)."""
+    if decision.node != lease.node_name:
+        return moving(tx, lease, decision, now)
     leave(lease, now)
     if tuple(g.gpu_uuid for g in lease.gpus) != decision.gpus:
         gpus = {g.uuid: g for g in tx.session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
@@ -99,16 +109,87 @@ def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
     return f"{decision.node} {where}"
 
 
+def moving(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
+    """``parked`` -> ``starting`` on ``decision``, another node's GPUs (a cold move,
+    ``c.PoolLeases.resume_moves``): the lease takes them (its node, GPUs and host reservation are
+    the new ones), the claim its park held on its old GPUs is given back (named in the change
+    set), and where its state still is goes to ``moved_from`` for the move
+    (:meth:`.parking.Parking.resume_worker`) and for :func:`unmoved`. Returns where, in words."""
+    leave(lease, now)
+    old = lease.node_name
+    tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # the claim and the kept bytes leave them
+    lease.moved_from = {"node": old, "gpus": [{"uuid": g.gpu_uuid, "name": g.name, "index": g.index}
+                                              for g in lease.gpus],
+                        "cpus": lease.cpus, "host_memory": lease.host_memory}
+    gpus = {g.uuid: g for g in tx.session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
+    lease.gpus = []  # the old rows go before the new ones are written
+    tx.session.flush()
+    lease.node_name, lease.cpus, lease.host_memory = decision.node, decision.cpus, decision.host_memory
+    lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
+    lease.resume_requested_at = None
+    where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
+    transition(tx, lease, LeaseState.starting, moving_words(old, decision.node, where), now)
+    return f"{decision.node} {where} (moved from {old})"
+
+
+def moving_words(old: str, new: str, where: str) -> str:
+    """The event of a cold move: ``'moving to node-2 (GPU 0 (A100)): node-1 has no room; ...'``."""
+    return (f"moving to {new} ({where}): {old} has no room; its state goes from {old}'s disk to a new worker on "
+            f"{new} (what cannot be saved to disk is named)")
+
+
+def is_move(lease: Lease) -> bool:
+    """Whether ``lease`` (``starting``) resumes on another node than the one its state is on."""
+    return bool(lease.moved_from)
+
+
+def moving_from(lease: Lease) -> str | None:
+    """The node a moving ``lease`` (``starting``) has its state on; None when it is not moving
+    (its agent's reports of it are kept until the move ends: :mod:`.nodes`)."""
+    if lease.state != LeaseState.starting.value or not lease.moved_from:
+        return None
+    return lease.moved_from.get("node")
+
+
+def spilled(tx: Transaction, lease: Lease, answer: WorkerParked) -> None:
+    """The old node's agent answered the move's spill (``tier: disk``): the park's tier and
+    figures are the answer's (no host memory held, the bytes on disk), what it lost is added."""
+    lost = [*(lease.parked_lost or []), *(w for w in answer.lost if w not in (lease.parked_lost or []))]
+    lease.park_tier, lease.parked_host_bytes, lease.parked_lost = answer.tier, 0, lost
+    lease.parked_disk_bytes = answer.disk_bytes or lease.parked_disk_bytes
+    lease.connection = None  # the frozen process ended; the move starts a new one
+    tx.changes.lease(lease.id)
+
+
+def unmoved(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
+    """A move that failed (``why``, words): ``starting`` on the new node -> ``parked`` on the old
+    one with its old GPUs and host reservation (its state is still there); the new node's share
+    is given back (named in the change set) and no resume waits until one is asked for again."""
+    back = lease.moved_from or {}
+    tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])
+    lease.gpus = []
+    tx.session.flush()
+    lease.node_name, lease.cpus, lease.host_memory = back.get("node"), back.get("cpus"), back.get("host_memory")
+    lease.gpus = [LeaseGPU(gpu_uuid=g["uuid"], name=g["name"], index=g["index"]) for g in back.get("gpus", ())]
+    lease.moved_from = None
+    unresumed(tx, lease, why, now)
+
+
 def resumed(tx: Transaction, lease: Lease, answer: WorkerResumed, now: datetime) -> str:
     """Resumed: ``starting`` -> ``active`` with the agent's connection and a new span of usage;
-    the park is cleared. Returns the event's words."""
+    the park (and a move's ``moved_from``) is cleared. Returns the event's words."""
     tier = lease.park_tier or answer.tier
     lease.connection, lease.worker_pid = answer.connection, answer.pid if answer.pid is not None else lease.worker_pid
     lease.last_heartbeat_at = lease.held_since = now
     if not is_busy(lease) or tier == "disk":  # a cell frozen mid-way goes on; else idle from now
         lease.worker_state, lease.idle_since = WorkerState.idle.value, now
-    lost = f"; not kept: {'; '.join(answer.lost)}" if answer.lost else ""
-    words = f"resumed on {lease.node_name} from {'disk' if tier == 'disk' else 'memory'} in " \
+    moved = (lease.moved_from or {}).get("node")
+    # A move's spill said what it could not save; the new worker says what did not load.
+    said = [*(lease.parked_lost or []), *answer.lost] if moved else list(answer.lost)
+    said = list(dict.fromkeys(said))
+    lost = f"; not kept: {'; '.join(said)}" if said else ""
+    where = f"{lease.node_name} (moved from {moved})" if moved else lease.node_name
+    words = f"resumed on {where} from {'disk' if tier == 'disk' else 'memory'} in " \
             f"{format_duration(answer.seconds) if answer.seconds >= 1 else f'{answer.seconds:.2f}s'}{lost}"
     clear(lease)
     transition(tx, lease, LeaseState.active, words, now)
@@ -132,7 +213,7 @@ def clear(lease: Lease) -> None:
     """Forget the park (its figures and a resume asked for)."""
     lease.park_tier = lease.park_code = lease.park_reason = lease.parked_at = lease.park_checkpointer = None
     lease.parked_host_bytes = lease.parked_disk_bytes = lease.gpu_bytes_moved = lease.gpu_bytes_kept = None
-    lease.parked_lost = lease.resume_requested_at = None
+    lease.parked_lost = lease.resume_requested_at = lease.moved_from = None
 
 
 def is_resume(lease: Lease) -> bool:
@@ -164,7 +245,7 @@ def resume_ask(lease: Lease, node: Node | None) -> Resume:
     remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
-                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap)
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env)
 
 
 def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:

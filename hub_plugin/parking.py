@@ -171,7 +171,11 @@ class Parking:
     async def resume_worker(self, job: StartJob) -> None:
         """The agent's resume of a lease the queue placed from a park (``starting``): ``active``
         with the connection it answers; if it cannot resume it (its worker stays parked there)
-        the lease is ``parked`` again, its share back; one whose worker is gone ends ``failed``."""
+        the lease is ``parked`` again, its share back; one whose worker is gone ends ``failed``.
+        A lease placed on another node moves there (:meth:`_move`)."""
+        if job.moved_from is not None:
+            await self._move(job)
+            return
         lease_id = job.request.lease_id
         try:
             answer = await self.workers.resume(job)
@@ -188,6 +192,86 @@ class Parking:
         if seconds is not None:
             log.info("lease %s resumed on %s in %.2fs (pid %s)", lease_id, job.node, seconds, answer.pid)
             self.on_resumed(seconds)
+
+    async def _move(self, job: StartJob) -> None:
+        """A cold move (``c.PoolLeases.resume_moves``; docs/parking.md): (a) the old node's agent
+        spills the worker to its disk (``POST .../park``, ``tier: disk``; a spilled one answers at
+        once), (b) the new node's agent starts a worker on the lease's new GPUs and loads the spill,
+        fetched from the old agent (``POST .../resume`` with ``spill_from``), (c) the old agent
+        removes its copy (``DELETE /workers/{id}``; best effort: a copy left there is stopped by
+        the node's reconcile, whose heartbeat reports it for a lease no longer there). A failure
+        at (a) or (b) (an agent unreachable or refusing) leaves the lease ``parked`` on its old
+        node, with its old GPUs and the failure's words, the new node's share given back; a node
+        lost then is the lost-node rule's, as for any parked lease."""
+        lease_id, old, new = job.request.lease_id, job.moved_from, job.node
+        reason = f"moving to {new}: {old} has no room"
+        if job.spill_from is None:
+            await self._unmoved(lease_id, f"it could not move to {new}: its old node {old} is no longer known")
+            return
+        running = await self.state.work.read(self._running_cell_now, lease_id)
+        if running is None:
+            return  # it left starting (released) before the move began
+        try:
+            spill = await self.workers.park(job.spill_from, lease_id, ParkRequest(reason, "disk", running))
+            if spill.tier != "disk":
+                raise GPUPoolError(Reason.cannot_park, f"the agent on {old} kept it {spill.tier}, not on disk", 502)
+        except GPUPoolError as exc:
+            log.warning("lease %s: move to %s failed: %s did not spill it: %s", lease_id, new, old, exc.message)
+            await self._unmoved(lease_id, f"it could not move to {new}: the agent on {old} did not spill it to disk "
+                                f"({exc.message}); it stays parked on {old}: resume again to retry")
+            return
+        if not await self.state.work.write(self._spilled_now, lease_id, spill):
+            return  # released meanwhile: the old node's reconcile stops the spill
+        log.info("lease %s spilled on %s (%d bytes) to move to %s", lease_id, old, spill.disk_bytes, new)
+        try:
+            answer = await self.workers.resume(job)
+        except GPUPoolError as exc:
+            log.warning("lease %s: move to %s failed: %s", lease_id, new, exc.message)
+            await self._unmoved(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on {old}, "
+                                f"on its disk: resume again to retry")
+            return
+        seconds = await self.state.work.write(self._resumed_now, lease_id, answer)
+        if seconds is not None:
+            log.info("lease %s resumed on %s (moved from %s) in %.2fs (pid %s)", lease_id, new, old, seconds,
+                     answer.pid)
+            self.on_resumed(seconds)
+        # The spill was copied (or the lease ended meanwhile): the old node's copy goes either way.
+        note = await self.workers.stop(job.spill_from, lease_id)
+        if note:
+            log.warning("lease %s: its spill on %s was not removed after its move (%s)", lease_id, old, note)
+
+    def _running_cell_now(self, lease_id: str) -> str | None:
+        """What the move's spill does with a cell frozen mid-way (as a park of its code would); None
+        when ``lease_id`` is not moving (any more)."""
+        with self.state.reading() as session:
+            lease = session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or not parked.is_move(lease):
+                return None
+            return parked.running_cell(lease.park_code)
+
+    def _spilled_now(self, lease_id: str, answer: WorkerParked) -> bool:
+        """Record the move's spill (:func:`.parked.spilled`); False when the lease left the move."""
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or not parked.is_move(lease):
+                return False
+            parked.spilled(tx, lease, answer)
+            return True
+
+    async def _unmoved(self, lease_id: str, why: str) -> None:
+        self.leases.after_drain(await self.state.work.write(self._unmoved_now, lease_id, why))
+
+    def _unmoved_now(self, lease_id: str, why: str) -> Drained:
+        """A failed move: ``parked`` on its old node again (:func:`.parked.unmoved`), the new node's
+        share given back and the queue drained on it."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or lease.state != LeaseState.starting.value or not parked.is_move(lease):
+                return Drained()
+            parked.unmoved(tx, lease, why, now)
+            return self.queue.drain_in(tx, now)
 
     def _resumed_now(self, lease_id: str, answer: WorkerResumed) -> float | None:
         """``starting`` -> ``active`` (:func:`.parked.resumed`); the seconds since it was placed,

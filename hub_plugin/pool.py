@@ -62,7 +62,7 @@ class Pool:
         self.views = LeaseViews(leases, self.state, self.pressure)
         placer = Placer(self.state, lambda: self.pressure.plan)
         workers = WorkerCalls(nodes, self.state, agents)
-        queue = LeaseQueue(nodes, pressure, quotas, self.state, self.quotas, placer, on_dequeued)
+        queue = LeaseQueue(nodes, pressure, quotas, leases, self.state, self.quotas, placer, on_dequeued)
         self.leases = LeaseBook(nodes, self.state, workers, self.tasks, self.views, queue,
                                 lambda job: self.parking.resume_worker(job))
         self.parking = Parking(self.state, workers, self.tasks, self.views, self.leases, queue,

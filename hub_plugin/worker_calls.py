@@ -1,12 +1,13 @@
 """The service's calls to an agent about one lease's worker: start it (with
 the ``POST /workers`` body read from the lease), park and resume it (the same
-body: the GPUs and limits it is granted now), and stop it. The lease's state
+body: the GPUs and limits it is granted now; for a cold move, with the old
+node's agent to fetch the spill from), and stop it. The lease's state
 changes that follow are the life cycle's (:mod:`.leases`, :mod:`.parking`)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy.orm import Session, selectinload
 
@@ -27,12 +28,17 @@ log = logging.getLogger("gpupool.service.leases")
 @dataclass(frozen=True)
 class StartJob:
     """A worker to start: the agent's ``url``, its ``node`` name, the ``POST /workers``
-    ``request``; ``resume``: the lease resumes from a park (``POST /workers/{id}/resume``)."""
+    ``request``; ``resume``: the lease resumes from a park (``POST /workers/{id}/resume``);
+    ``moved_from`` and ``spill_from``: for a cold move, the node its state is on and that
+    node's agent URL (None when that node is gone), which :meth:`WorkerCalls.resume`
+    passes on in the request's ``spill_from``."""
 
     url: str
     node: str
     request: WorkerRequest
     resume: bool = False
+    moved_from: str | None = None
+    spill_from: str | None = None
 
 
 def start_job(session: Session, lease: Lease) -> StartJob:
@@ -41,7 +47,12 @@ def start_job(session: Session, lease: Lease) -> StartJob:
     # env: placed where the agent reported it usable; one restarted since without it refuses, in words.
     request = WorkerRequest(lease.id, lease.owner, tuple(g.gpu_uuid for g in lease.gpus), lease.fraction,
                             lease.memory, env=lease.env, **host_limits(lease, node))
-    return StartJob(node.url, node.name, request, resume=lease.park_tier is not None)
+    moved_from = (lease.moved_from or {}).get("node") if lease.park_tier is not None else None
+    if moved_from is None:
+        return StartJob(node.url, node.name, request, resume=lease.park_tier is not None)
+    old = session.get(Node, moved_from)
+    return StartJob(node.url, node.name, request, resume=True, moved_from=moved_from,
+                    spill_from=old.url if old is not None else None)
 
 
 class WorkerCalls:
@@ -71,8 +82,11 @@ class WorkerCalls:
 
     async def resume(self, job: StartJob) -> WorkerResumed:
         """The agent's answer to a resume (``connection``, ``pid``, what was lost), waiting at
-        most ``worker_park_timeout``; raises :class:`GPUPoolError` when it did not resume."""
-        return await self.agents.resume_worker(job.url, job.request, self.pool_nodes.worker_park_timeout)
+        most ``worker_park_timeout``; raises :class:`GPUPoolError` when it did not resume. For a
+        cold move the request says where the spill is (``spill_from``: the new node's agent
+        fetches it from the old one's, node to node, and loads it into a new worker)."""
+        request = job.request if job.spill_from is None else replace(job.request, spill_from=job.spill_from)
+        return await self.agents.resume_worker(job.url, request, self.pool_nodes.worker_park_timeout)
 
     async def park(self, url: str, lease_id: str, request: ParkRequest) -> WorkerParked:
         """The agent's answer to a park, waiting at most ``worker_park_timeout``; raises

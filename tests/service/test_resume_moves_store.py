@@ -1,0 +1,153 @@
+"""A cold move in the store (revision 0013, ``c.PoolLeases.resume_moves``), with the service's
+own objects over a store whose agents cannot be reached (their addresses refuse connections): a
+resume that finds no room on its node is placed on another node, and a move whose old agent does
+not spill it goes back ``parked`` on its old node with its old GPUs, the new node's share free
+again; with moves off it waits; the old node's reports of a moving lease are not stopped until
+the move ends. The move with real agents: tests/service/test_resume_moves.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+GiB = 1024**3
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+PARKED = "L-0000000000a1"
+
+
+@pytest.fixture
+def store(tmp_path):
+    """Nodes n1 and n2, one A100 each, agents that refuse connections; on n1 a lease parked in memory
+    (a whole GPU) whose GPU another lease now holds."""
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.models import GPU, Lease, LeaseGPU, Node
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    store = Store(f"sqlite:///{tmp_path}/moves.sqlite")
+    store.migrate()
+    with store.write() as session:
+        for name in ("n1", "n2"):
+            session.add(Node(name=name, url=f"http://127.0.0.1:{port}/{name}", inventory="simulated", state="up",
+                             registered_at=T0, last_heartbeat_at=T0,
+                             checkpointer={"name": "simulated", "mid_cell": True, "remap": True},
+                             gpus=[GPU(uuid=f"G-{name}", name="A100", index=0, memory_total=80 * GiB,
+                                       memory_reserved=0, healthy=True)]))
+        session.flush()
+        common = {"owner": "ann", "fraction": 1.0, "gpu_count": 1, "memory": 70 * GiB, "node_name": "n1",
+                  "idle_timeout": 600, "heartbeat_ttl": 600, "created_at": T0, "started_at": T0,
+                  "last_heartbeat_at": T0, "usage_gpu_seconds": 0.0, "groups": [], "worker_state": "idle",
+                  "idle_since": T0, "connection": {"key": "k"}}
+        session.add(Lease(id=PARKED, state="parked", park_tier="memory", park_code="owner",
+                          park_reason="parked by its owner", parked_at=T0, parked_host_bytes=GiB,
+                          gpus=[LeaseGPU(gpu_uuid="G-n1", name="A100", index=0)], **common))
+        session.add(Lease(id="L-0000000000b1", state="active", held_since=T0,
+                          gpus=[LeaseGPU(gpu_uuid="G-n1", name="A100", index=0)], **{**common, "owner": "bob"}))
+    yield store
+    store.close()
+
+
+def get(store, lease_id: str):
+    from sqlalchemy.orm import selectinload
+
+    from gpupool.hub_plugin.models import Lease
+
+    with store.read() as session:
+        return session.get(Lease, lease_id, options=[selectinload(Lease.events), selectinload(Lease.gpus)])
+
+
+def in_pool(store, body, **leases):
+    from gpupool.hub_plugin.agent_client import AgentClient
+    from gpupool.hub_plugin.config import PoolLeases, PoolNodes, ServiceSettings
+    from gpupool.hub_plugin.pool import Pool
+
+    async def run():
+        agents = AgentClient("agent-token")
+        settings = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600),
+                                   leases=PoolLeases(**leases))
+        pool = Pool(settings, store, agents, now=lambda: T0 + timedelta(seconds=10))
+        try:
+            return await body(pool)
+        finally:
+            await pool.shutdown()
+            agents.close()
+            pool.state.work.close()
+
+    return asyncio.run(run())
+
+
+def ann():
+    from gpupool.hub_plugin.auth import Identity
+
+    return Identity("ann")
+
+
+def free_on(store) -> dict[str, float]:
+    from gpupool.hub_plugin.capacity import gpu_states
+
+    with store.read() as session:
+        return {g.uuid: round(g.allocated_fraction + g.parked_fraction, 3) for g in gpu_states(session, 0)}
+
+
+def test_a_move_whose_old_agent_does_not_spill_it_goes_back_parked_on_its_old_node(store):
+    async def body(pool):
+        await pool.parking.resume_by(ann(), PARKED)
+        for _ in range(100):  # placed on n2 at once, then n1's agent is not there
+            await asyncio.sleep(0.05)
+            if get(store, PARKED).events[-1].state == "parked":
+                break
+
+    in_pool(store, body)
+    lease = get(store, PARKED)
+    assert [e.state for e in lease.events] == ["starting", "parked"]
+    assert lease.events[0].reason == ("moving to n2 (GPU 0 (A100)): n1 has no room; its state goes from n1's disk to "
+                                      "a new worker on n2 (what cannot be saved to disk is named)")
+    assert lease.events[1].reason.startswith("it could not move to n2: the agent on n1 did not spill it to disk "
+                                             "(the node agent at http://127.0.0.1:"), lease.events[1].reason
+    assert lease.events[1].reason.endswith("it stays parked on n1: resume again to retry")
+    assert (lease.state, lease.node_name, [g.gpu_uuid for g in lease.gpus]) == ("parked", "n1", ["G-n1"])
+    assert lease.moved_from is None and lease.resume_requested_at is None and lease.park_tier == "memory"
+    assert free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}, "its claim back on n1, n2's share free again"
+
+
+def test_without_moves_a_resume_waits_for_its_own_node(store):
+    async def body(pool):
+        return await pool.parking.resume_by(ann(), PARKED)
+
+    shown = in_pool(store, body, resume_moves=False)
+    assert shown["state"] == "parked" and shown["parked"]["resume_requested"] is True
+    lease = get(store, PARKED)
+    assert lease.events == [] and lease.node_name == "n1"
+    assert free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
+
+
+def test_the_old_nodes_reports_of_a_moving_lease_are_left_alone_until_the_move_ends(store):
+    from gpupool.hub_plugin.models import Lease, LeaseGPU, Node
+    from gpupool.hub_plugin.nodes import NodeBook
+    from gpupool.wire.nodes import WorkerReport
+
+    with store.write() as session:
+        lease = session.get(Lease, PARKED)
+        lease.state, lease.node_name = "starting", "n2"
+        lease.moved_from = {"node": "n1", "gpus": [{"uuid": "G-n1", "name": "A100", "index": 0}]}
+        lease.gpus = [LeaseGPU(gpu_uuid="G-n2", name="A100", index=0)]
+    spilled = WorkerReport(PARKED, None, "dead", parked="disk", parked_host_bytes=0)
+
+    async def body(pool):
+        def beat():
+            with pool.state.writing() as tx:
+                return NodeBook._apply_reports(tx, tx.session.get(Node, "n1"), [spilled], T0)
+
+        moving = await pool.state.work.write(beat)
+        with store.write() as session:
+            session.get(Lease, PARKED).moved_from = None  # the move ended
+        return moving, await pool.state.work.write(beat)
+
+    moving, moved = in_pool(store, body)
+    assert moving == ([], []), "its spill waits there for the new node to fetch it"
+    assert moved == ([PARKED], []), "a spill left behind is stopped by the old node's agent"
