@@ -62,6 +62,7 @@ from .workers import launchers
 from .workers.launchers.kubernetes import KubernetesLauncher
 from .workers.launchers.slurm import SlurmLauncher
 from .workers.parking import ParkSettings
+from .workers.spillmove import SpillSource
 
 #: The agent's settings besides its own (``c.NodeAgent``), one class per concern.
 SETTINGS_PARTS = (AgentInventory, AgentEnforcement, AgentWorkers, AgentParking)
@@ -464,8 +465,11 @@ class NodeAgent(Application):
         """How this node parks (``c.AgentParking``: its checkpointer, budget, spill folder and
         headroom, the defaults of the last three resolved with the host's memory and ``state_dir``)."""
         total = self.host_totals()[1]
+        # Spills of leases moved here are fetched from the other agents of the pool, which share this
+        # agent's token and are trusted as the service is (c.NodeAgent.ca_file).
+        source = SpillSource(self.service_tls, lambda: self.tokens.token, self.agent_parking.spill_fetch_timeout)
         return ParkSettings(self.gpu_checkpointer, self.parked_budget(), self.agent_parking.spill_folder(state_dir),
-                            self.agent_parking.headroom(total), self.inventory.process_memory)
+                            self.agent_parking.headroom(total), self.inventory.process_memory, source)
 
     def parked_budget(self) -> int:
         """Bytes parked workers may hold: ``c.AgentParking.parked_memory``, or a quarter of the host's memory."""

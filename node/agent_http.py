@@ -1,5 +1,5 @@
 """The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, a worker's
-``park`` and ``resume`` (docs/parking.md), ``/health``, ``/health/live``,
+``park`` and ``resume`` and a spilled lease's ``spill`` (docs/parking.md), ``/health``, ``/health/live``,
 ``/metrics``, and the server that listens for it (:func:`serve_api`).
 
 Every handler but the health ones needs the agent token (``/metrics`` also takes
@@ -15,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import ssl
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from tornado import web
 from tornado.httpserver import HTTPServer
+from tornado.iostream import StreamClosedError
 from tornado.netutil import bind_sockets
 
 from gpupool import httpin
@@ -40,6 +43,7 @@ from .node_gpus import NodeGPUs
 from .host_limits import check_host_limits
 from .inventory import Inventory
 from .workers import WorkerManager, WorkerSpec, WorkerStartError, WorkerStopError
+from .workers.spillmove import CHUNK_BYTES, manifest
 
 
 def worker_spec(request: WorkerRequest, gpus: dict[str, GPUInfo]) -> WorkerSpec:
@@ -216,10 +220,64 @@ class ResumeHandler(AgentHandler):
             raise bad_request(f"'lease_id' must be the lease of the path, {lease_id!r}, got {request.lease_id!r:.60}")
         spec = await self.worker_spec(request)
         try:
-            resumed = await self.workers.resume(lease_id, spec)
+            resumed = await self.workers.resume(lease_id, spec, request.spill_from)
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         self.write_json(resumed.to_json())
+
+
+def not_spilled(lease_id: str) -> GPUPoolError:
+    """The 404 of a spill this node does not hold."""
+    return GPUPoolError(Reason.not_found, f"lease {lease_id} has no spill on this node (a worker parked in memory "
+                        f"is spilled first: POST /workers/{lease_id}/park with {{\"tier\": \"disk\"}})", 404)
+
+
+class SpillHandler(AgentHandler):
+    """``GET /workers/{lease_id}/spill``: the manifest of a lease spilled on
+    this node, for the agent of another node that the lease moves to
+    (:mod:`.workers.spillmove`)."""
+
+    async def get(self, lease_id: str) -> None:
+        try:
+            spill, namespace = await self.workers.open_spill(lease_id)
+        except KeyError:
+            raise not_spilled(lease_id) from None
+        with namespace:
+            self.write_json(manifest(spill, os.fstat(namespace.fileno()).st_size))
+
+
+class SpillNamespaceHandler(AgentHandler):
+    """``GET /workers/{lease_id}/spill/namespace``: the namespace file of a
+    lease spilled on this node, streamed (``application/octet-stream``, with
+    its ``Content-Length``), :data:`~.workers.spillmove.CHUNK_BYTES` at a
+    time: a state may be many GiB. The file was opened under the lease's
+    lock, so a DELETE meanwhile does not cut it short."""
+
+    async def get(self, lease_id: str) -> None:
+        try:
+            _spill, namespace = await self.workers.open_spill(lease_id)
+        except KeyError:
+            raise not_spilled(lease_id) from None
+        with namespace:
+            size = os.fstat(namespace.fileno()).st_size
+            self.set_header("Content-Type", "application/octet-stream")
+            self.set_header("Content-Length", str(size))
+            self.set_header("Cache-Control", "no-store")
+            sent, began = 0, time.monotonic()
+            try:
+                while sent < size:
+                    chunk = await asyncio.to_thread(namespace.read, min(CHUNK_BYTES, size - sent))
+                    if not chunk:  # cannot happen to an open file that only shrinks when unlinked
+                        raise OSError(f"the namespace of lease {lease_id} ends after {sent} of {size} bytes")
+                    self.write(chunk)
+                    await self.flush()
+                    sent += len(chunk)
+            except StreamClosedError:
+                self.log.warning("the spill of lease %s: the caller went away after %d of %d bytes", lease_id,
+                                 sent, size)
+                return
+        self.log.info("served the spill of lease %s: %d bytes in %.1fs", lease_id, size, time.monotonic() - began)
+        self.finish()
 
 
 class HealthHandler(AgentHandler):
@@ -272,6 +330,7 @@ class NotFoundHandler(AgentHandler):
 def agent_routes() -> list[tuple[str, type]]:
     return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler),
             (r"/workers/([^/]+)/park", ParkHandler), (r"/workers/([^/]+)/resume", ResumeHandler),
+            (r"/workers/([^/]+)/spill", SpillHandler), (r"/workers/([^/]+)/spill/namespace", SpillNamespaceHandler),
             (r"/health", HealthHandler), (r"/health/live", LiveHandler), (r"/metrics", MetricsHandler)]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from traitlets import Unicode, validate
 from traitlets.config import Configurable
 
-from gpupool.traits import ByteSize
+from gpupool.traits import ByteSize, Duration
 
 from .. import checkpoint
 from .choices import auto_or_one_of
@@ -67,6 +67,15 @@ class AgentParking(Configurable):
         spills the worker to disk instead, so a host short of memory never has the kernel's
         OOM killer end a parked worker. Default: None, 5 % of the host's RAM, at least 1 GiB.
         ``c.AgentParking.park_headroom = "8GiB"``.""",
+    ).tag(config=True)
+
+    spill_fetch_timeout = Duration(
+        900.0, help="""Seconds this node may take to fetch the spill of a lease moved here from
+        another node (a resume with ``spill_from``: its namespace streamed from that node's agent
+        into ``spill_dir``); past it the resume fails with ``park_failed``, nothing is left here and
+        the spill stays where it was. Give it the largest state at the network's rate (a 100 GiB
+        state at 1 GB/s takes about 110 s). Default: 900 (15 minutes).
+        ``c.AgentParking.spill_fetch_timeout = "30m"``.""",
     ).tag(config=True)
 
     def budget(self, host_memory: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Mapping
+from typing import BinaryIO, Mapping
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.wire.nodes import WorkerReport
@@ -22,8 +22,10 @@ from .handle import Worker
 from .kernel import KernelManagers
 from .launchers import WorkerLauncher, launcher_class
 from .parking import ParkSettings, WorkerParking
+from .parkstate import Spilled
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
+from .spillmove import fetch_spill
 from .stopping import Reaper, quietly
 from .warmpool import WarmPool
 
@@ -297,17 +299,61 @@ class WorkerManager:
             worker = self._live(lease_id)
             return await parking.park(worker, request)
 
-    async def resume(self, lease_id: str, spec: WorkerSpec) -> WorkerResumed:
+    async def resume(self, lease_id: str, spec: WorkerSpec, spill_from: str | None = None) -> WorkerResumed:
         """Resume the parked worker of ``lease_id`` on ``spec``'s GPUs and
         limits, or, spilled, load it into a new worker
         (:meth:`.parking.WorkerParking.resume`, :meth:`.spilling.Spilling.resume`).
-        KeyError for an unknown lease; GPUPoolError 400, 409, 502."""
+        ``spill_from``: the base URL of the agent that holds the lease's spill
+        when this node has neither its worker nor its spill (a cold move,
+        :meth:`_resume_moved`). KeyError for an unknown lease; GPUPoolError
+        400, 409, 502."""
         parking = self._parking()
         async with self._lock(lease_id):
             spill = parking.spilling.spilled.get(lease_id)
             if spill is not None:
                 return await parking.spilling.resume(spill, spec)
+            if spill_from is not None and lease_id not in self._workers:
+                return await self._resume_moved(parking, spec, spill_from)
             return await parking.resume(self._live(lease_id), spec)
+
+    async def _resume_moved(self, parking: WorkerParking, spec: WorkerSpec, url: str) -> WorkerResumed:
+        """Fetch the spill of ``spec.lease_id`` from the agent at ``url``
+        (:func:`.spillmove.fetch_spill`) and load it into a new worker here.
+        Under the lease's lock. Whatever fails leaves nothing of the lease on
+        this node (the spill stays where it was): 409 for another owner's
+        spill, 502 ``park_failed`` for one that cannot be fetched, or the
+        load's own 502."""
+        lease_id = spec.lease_id
+        source = parking.settings.spill_source
+        if source is None:
+            raise GPUPoolError(Reason.not_configured, f"this agent cannot fetch the spill of lease {lease_id} from "
+                               f"{url}: it fetches no spills from other nodes", 409)
+        spill = await fetch_spill(source, url, lease_id, spec.owner, parking.spilling.spill_dir, self.log)
+        parking.spilling.spilled[lease_id] = spill
+        try:
+            return await parking.spilling.resume(spill, spec)
+        except GPUPoolError as exc:
+            raise GPUPoolError(exc.code, f"{exc.message} (its copy fetched from {url} was removed here; the spill "
+                               "stays on the other node)", exc.status) from None
+        finally:
+            if lease_id not in self._workers:
+                parking.spilling.remove(lease_id)
+
+    async def open_spill(self, lease_id: str) -> tuple[Spilled, BinaryIO]:
+        """The spill of ``lease_id`` on this node and its namespace file,
+        open for reading (the caller closes it), for another node that
+        fetches it (:mod:`.spillmove`). Taken under the lease's lock: the
+        open file stays whole for its reader even if a DELETE or a resume
+        removes the spill meanwhile. KeyError when the lease has no spill
+        here (a worker parked in memory has none until it is spilled)."""
+        spilled = self.parking.spilling.spilled if self.parking is not None else {}
+        if lease_id not in spilled:  # no lock made for a lease this node never had
+            raise KeyError(lease_id)
+        async with self._lock(lease_id):
+            spill = spilled.get(lease_id)
+            if spill is None:
+                raise KeyError(lease_id)
+            return spill, await asyncio.to_thread(open, spill.namespace, "rb", buffering=0)
 
     async def spill(self, lease_id: str, why: str) -> WorkerParked | None:
         """Spill the worker of ``lease_id`` if it is still parked in memory (``why``: logged); None if not."""

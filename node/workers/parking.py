@@ -36,6 +36,7 @@ from ..host_limits import enforce as enforce_host_limits
 from .handle import Worker
 from .parkstate import ParkedInMemory
 from .spec import WorkerSpec
+from .spillmove import SpillSource
 from .spilling import Spilling
 
 if TYPE_CHECKING:
@@ -56,14 +57,17 @@ class ParkSettings:
     """How this node parks (``c.AgentParking.*``): its ``checkpointer``, the
     ``budget`` of host bytes its parked workers may hold (``parked_memory``),
     the ``spill_dir``, the ``headroom`` of host memory a park must leave
-    available (``park_headroom``), and ``gpu_memory``, the inventory's
-    latest per-process GPU bytes (pid -> bytes)."""
+    available (``park_headroom``), ``gpu_memory``, the inventory's
+    latest per-process GPU bytes (pid -> bytes), and ``spill_source``: how
+    it fetches the spill of a lease moved here from another node
+    (:mod:`.spillmove`; None: it does not, and such a resume is refused)."""
 
     checkpointer: Checkpointer
     budget: int
     spill_dir: Path
     headroom: int = 1 << 30
     gpu_memory: Callable[[], Mapping[int, int]] = dict
+    spill_source: SpillSource | None = None
 
 
 def mem_available(meminfo: str) -> int | None:
