@@ -218,13 +218,20 @@ async def _fetch(http: Any, request: Any, url: str, timeout: float | None = None
     answer came (refused, no route, a certificate not trusted, a timeout, a
     connection cut), in words. ``timeout``: the setting's, named when it ran out."""
     from tornado.httpclient import HTTPClientError
+    from tornado.simple_httpclient import HTTPStreamClosedError, HTTPTimeoutError
 
     try:
         return await http.fetch(request, raise_error=False)  # still raises where no answer came
+    except HTTPTimeoutError as exc:
+        if "during request" not in str(exc):  # tornado's words for a timeout once connected
+            raise FetchError(f"cannot reach it (no connection within {CONNECT_TIMEOUT_S:g} s)") from None
+        if timeout is None:
+            raise FetchError(f"it did not answer within {2 * CONNECT_TIMEOUT_S:g} s") from None
+        raise FetchError(f"it did not send the whole namespace within {timeout:g} s "
+                         "(c.AgentParking.spill_fetch_timeout)") from None
+    except HTTPStreamClosedError:
+        raise FetchError("its answer was cut short (the connection closed)") from None
     except (OSError, HTTPClientError) as exc:
-        if timeout is not None and getattr(exc, "code", None) == 599 and "timeout" in str(exc).lower():
-            raise FetchError(f"it did not send the whole namespace within {timeout:g} s "
-                             "(c.AgentParking.spill_fetch_timeout)") from None
         raise FetchError(_no_answer(exc, url)) from None
 
 

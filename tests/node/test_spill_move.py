@@ -14,7 +14,10 @@ spill endpoints serve only spills, and only for the agent token.
 
 from __future__ import annotations
 
+import json
+import threading
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -114,6 +117,52 @@ def test_a_spill_that_cannot_be_fetched_leaves_nothing_on_the_new_node(nodes):
     status, refused = b.resume("L-gone", spill_from="ftp://node-a")
     assert (status, refused["error"]) == (400, "bad_request") and "'spill_from'" in refused["message"]
     assert b.resume("L-gone")[0] == 404, "without spill_from, a lease this node never had is unknown"
+
+
+class ShortAgent(BaseHTTPRequestHandler):
+    """An agent whose spill of L-short is not what its manifest says: the
+    server's ``length`` (the Content-Length it sends) and ``sent`` (the bytes
+    it sends) of a namespace of 100 bytes."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.tokens.append(self.headers.get("Authorization"))
+        if self.path == "/workers/L-short/spill":
+            body = json.dumps({"lease_id": "L-short", "owner": "ann", "gpus": [], "fraction": 0.5, "memory": 2**30,
+                               "since": 0.0, "disk_bytes": 100, "namespace_bytes": 100}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.server.length))
+        self.end_headers()
+        self.wfile.write(b"x" * self.server.sent)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("length, sent, words", [
+    (50, 50, "it sent 50 bytes of a namespace of 100"),
+    (100, 50, "its answer was cut short (the connection closed)"),
+])
+def test_a_spill_cut_short_or_of_another_size_leaves_nothing_on_the_new_node(nodes, length, sent, words):
+    _, b = nodes
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ShortAgent)
+    server.length, server.sent, server.tokens = length, sent, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        status, refused = b.resume("L-short", spill_from=url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (status, refused["error"]) == (502, "park_failed"), refused
+    assert refused["message"] == (f"could not fetch the spill of lease L-short from {url}: {words}; "
+                                  "it stays on the other node")
+    assert server.tokens == [f"token {TOKEN}"] * 2, "the agent token goes along"
+    nothing_of(b, "L-short")
 
 
 def test_the_spill_endpoints_serve_only_spills_and_only_for_the_agent_token(nodes):
