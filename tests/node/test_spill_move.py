@@ -96,6 +96,8 @@ def test_a_spilled_lease_moves_to_another_node_with_its_variables(nodes):
     assert (report["pid"], report["parked"]) == (resumed["pid"], None)
     assert not (b.state_dir / "spill" / "L-move").exists(), "the fetched copy goes once loaded"
     assert f"fetched the spill of lease L-move from {a.url}" in b.log.read_text()
+    again = b.resume("L-move", spill_from=a.url)
+    assert again[0] == 200 and again[1]["pid"] == resumed["pid"], "asked again: the moved worker, as it is"
 
     # Node A keeps the spill until the service's DELETE there.
     assert a.reports()["L-move"]["parked"] == "disk" and (a.state_dir / "spill" / "L-move").is_dir()
