@@ -92,7 +92,7 @@ async def fetch_spill(source: SpillSource, url: str, lease_id: str, owner: str, 
 
     409 ``invalid_state`` when the spill there is another owner's; 502
     ``park_failed`` when it cannot be fetched (unreachable, refused, cut
-    short, a size that does not match): either way nothing is left here and
+    short, a size that does not match, no room here): either way nothing is left here and
     the spill stays on the other node."""
     url = url.rstrip("/")
     folder = spill_dir / lease_id
@@ -111,6 +111,10 @@ async def fetch_spill(source: SpillSource, url: str, lease_id: str, owner: str, 
                                f"asked for {owner}'s; nothing fetched")
         spill_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         shutil.rmtree(folder, ignore_errors=True)  # a leftover of a fetch cut short
+        free = shutil.disk_usage(spill_dir).free
+        if free < size:
+            raise FetchError(f"this node's spill folder {spill_dir} has {format_bytes(free)} free, the spill "
+                             f"holds {format_bytes(size)} (c.AgentParking.spill_dir)")
         folder.mkdir(mode=0o700)
         got = await _namespace(http, source, url, lease_id, folder / f"{NAMESPACE}.part")
         if got != size:
@@ -145,7 +149,7 @@ async def _manifest(http: Any, source: SpillSource, url: str, lease_id: str) -> 
     try:
         return json.loads(response.body)
     except ValueError:
-        raise FetchError("its answer to GET /workers/{lease_id}/spill is not JSON") from None
+        raise FetchError(f"its answer to GET /workers/{lease_id}/spill is not JSON") from None
 
 
 async def _namespace(http: Any, source: SpillSource, url: str, lease_id: str, path: Path) -> int:
