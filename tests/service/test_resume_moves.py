@@ -1,0 +1,202 @@
+"""A parked lease whose node has no room resumes on another node: a cold move
+(``c.PoolLeases.resume_moves``; docs/parking.md), end to end: a real ``gpupool
+service``, real agents on simulated A100s (the ``simulated`` checkpointer),
+real ipykernel workers whose cells run through a jupyter_client.
+
+What is checked: a lease parked in memory on node-1, node-1 then taken by
+another lease, resumes on node-2 with its variable, the events naming the
+move and what could not be saved (a held lock), and node-1's agent holds
+neither a worker nor a spill of it afterwards; with ``resume_moves = False``
+it waits for node-1 while node-2 is free; node-1's agent killed with -9
+before the resume leaves it parked on node-1, in words, node-2's share free
+again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from frontend import run
+from jupyter_client import BlockingKernelClient
+from procs import free_port, processes_mentioning, start_agent, start_service, wait_for
+from service_api import gpu_allocations, register, wait_state
+
+from gpupool.schema import LeaseState
+from gpupool.wire.leases import Lease, LeaseRequest
+
+pytestmark = pytest.mark.timeout(300)
+
+AGENT_ARGS = ["--transport-encryption=none", "--warm-workers=0"]
+#: What the worker holds before its park: a value, and a held lock, which a spill cannot save.
+STATE = "import threading\nx = 41\nlock = threading.Lock(); lock.acquire()\nprint('set')"
+
+
+@pytest.fixture
+def simgpu_root():
+    """The workers' simulated GPU memory, in a folder of this test's own (removed after)."""
+    root = Path("/dev/shm") / f"gpupool-test-moves-{uuid.uuid4().hex[:8]}"
+    was = os.environ.get("GPUPOOL_SIMGPU_ROOT")
+    os.environ["GPUPOOL_SIMGPU_ROOT"] = str(root)
+    yield root
+    if was is None:
+        os.environ.pop("GPUPOOL_SIMGPU_ROOT", None)
+    else:
+        os.environ["GPUPOOL_SIMGPU_ROOT"] = was
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def two_nodes(tmp_path, simgpu_root):
+    """A service (leases and nodes never lost by silence here) with node-1 and node-2, one A100
+    each, both up."""
+    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "worker_stop_timeout": 5.0})
+    agents = []
+    try:
+        agents.append(start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
+        agents.append(start_agent(tmp_path, svc, name="node-2", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
+        yield svc, agents[0], agents[1]
+    finally:
+        for agent in reversed(agents):
+            agent.stop()
+        svc.stop()
+
+
+def acquire(svc, **request) -> Lease:
+    lease = wait_state(svc, svc.client().create_lease(LeaseRequest(**{"fraction": 1.0, **request})).id, "starting")
+    assert lease.state is LeaseState.active, lease.reason
+    return lease
+
+
+def cell(connection: dict, code: str) -> str:
+    kc = BlockingKernelClient()
+    kc.load_connection_info(connection)
+    kc.start_channels(hb=False)
+    try:
+        kc.wait_for_ready(timeout=60)
+        done = run(kc, code, timeout=60)
+        assert done.ok, done.text()
+        return done.stdout
+    finally:
+        kc.stop_channels()
+
+
+def parked_on_a_full_node_1(svc, both_nodes: bool = True) -> tuple[Lease, Lease]:
+    """A lease parked in memory on node-1 with ``x = 41`` and a held lock, and a lease that took
+    node-1's GPU since (with ``both_nodes``, one on node-2 first, released at once: the parked
+    lease's claim on node-1 sends new leases elsewhere while other room fits)."""
+    lease = acquire(svc)
+    assert lease.node == "node-1"  # both empty: by name
+    assert cell(lease.connection, STATE).strip() == "set"
+    parked = svc.client().park(lease.id)
+    assert (parked.state, parked.parked["tier"]) == (LeaseState.parked, "memory"), parked.events
+    elsewhere = acquire(svc) if both_nodes else None
+    assert elsewhere is None or elsewhere.node == "node-2"
+    taker = acquire(svc)
+    assert taker.node == "node-1"
+    if elsewhere is not None:
+        svc.client().release(elsewhere.id)
+    return parked, taker
+
+
+def until(svc, lease_id: str, state: str, timeout: float = 90) -> Lease:
+    client = svc.client()
+    deadline = time.monotonic() + timeout
+    lease = client.get_lease(lease_id)
+    while lease.state.value != state and not lease.state.ended and time.monotonic() < deadline:
+        lease = client.get_lease(lease_id, wait=min(10, deadline - time.monotonic()), state=lease.state.value)
+    assert lease.state.value == state, (lease.state, lease.reason, lease.events)
+    return lease
+
+
+def agent_has(svc, agent, lease_id: str) -> list[str]:
+    """What ``agent`` holds of ``lease_id``: its worker (``GET /workers``), its spill folder."""
+    from parkagent import call
+
+    token = (svc.state_dir / "agent_token").read_text().strip()
+    status, reply = call(f"{agent.url}/workers", token=token)
+    assert status == 200, reply
+    held = ["worker"] if any(w["lease_id"] == lease_id for w in reply["workers"]) else []
+    return held + (["spill"] if (agent.state_dir / "spill" / lease_id).exists() else [])
+
+
+def test_a_parked_lease_whose_node_is_full_resumes_on_another_node_with_its_variables(two_nodes):
+    svc, node_1, _ = two_nodes
+    parked, taker = parked_on_a_full_node_1(svc)
+    assert gpu_allocations(svc) == [1.0, 0.0]
+    svc.client().resume(parked.id)
+    moved = until(svc, parked.id, "active")
+    assert (moved.node, [g["index"] for g in moved.gpus]) == ("node-2", [0])
+    words = [e["reason"] for e in moved.events]
+    assert ("moving to node-2 (GPU 0 (NVIDIA A100-SXM4-80GB)): node-1 has no room; its state goes from node-1's "
+            "disk to a new worker on node-2 (what cannot be saved to disk is named)") in words, words
+    resumed = words[-1]
+    assert resumed.startswith("resumed on node-2 (moved from node-1) from disk in "), resumed
+    assert "; not kept: " in resumed and "lock" in resumed, resumed
+    assert cell(moved.connection, "print(x + 1)").strip() == "42"
+    assert gpu_allocations(svc) == [1.0, 1.0]
+    wait_for(lambda: agent_has(svc, node_1, parked.id) == [], 15, "node-1's worker and spill of the moved lease gone")
+    for lease in (moved, taker):
+        svc.client().release(lease.id)
+
+
+def test_with_moves_off_it_waits_for_its_own_node(tmp_path, simgpu_root):
+    """node-2 (an agent address only) is free, but the lease waits for node-1."""
+    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "resume_moves": False,
+                                          "worker_stop_timeout": 5.0})
+    agent = None
+    try:
+        agent = start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS)
+        parked, taker = parked_on_a_full_node_1(svc, both_nodes=False)
+        register(svc, "node-2", gpus=1, url=f"http://127.0.0.1:{free_port()}")
+        waiting = svc.client().resume(parked.id)
+        time.sleep(1.5)  # several of the queue's drains (every reclaim sweep, 0.2 s here)
+        waiting = svc.client().get_lease(parked.id)
+        assert (waiting.state, waiting.node, waiting.parked["resume_requested"]) == (LeaseState.parked, "node-1",
+                                                                                      True), waiting.events
+        assert waiting.queue_position == 1 and not any("moving" in e["reason"] for e in waiting.events)
+        assert gpu_allocations(svc) == [1.0, 0.0]
+        svc.client().release(taker.id)  # its own node's room: it resumes there, from memory
+        back = until(svc, parked.id, "active")
+        assert back.node == "node-1" and back.events[-1]["reason"].startswith("resumed on node-1 from memory")
+        assert cell(back.connection, "print(x + 1, lock.locked())").split() == ["42", "True"]
+        svc.client().release(back.id)
+    finally:
+        if agent is not None:
+            agent.stop()
+        svc.stop()
+
+
+def test_a_move_whose_old_agent_is_gone_leaves_it_parked_on_its_node(two_nodes):
+    svc, node_1, _ = two_nodes
+    parked, taker = parked_on_a_full_node_1(svc)
+    node_1.proc.send_signal(signal.SIGKILL)  # no last heartbeat: node-1 stays up for the service
+    node_1.proc.wait()
+    try:
+        svc.client().resume(parked.id)
+        back = wait_for(lambda: (seen := svc.client().get_lease(parked.id)).state is LeaseState.parked
+                        and len(seen.events) >= 2 and seen, 30, "placed to move, then parked again")
+        states = [e["state"] for e in back.events]
+        assert states[-2:] == ["starting", "parked"], back.events
+        assert back.events[-2]["reason"].startswith("moving to node-2"), back.events
+        why = back.events[-1]["reason"]
+        assert why.startswith(f"it could not move to node-2: the agent on node-1 did not spill it to disk (the node "
+                              f"agent at {node_1.url}/workers/{parked.id}/park could not be reached"), why
+        assert why.endswith("it stays parked on node-1: resume again to retry"), why
+        assert back.node == "node-1" and back.parked["tier"] == "memory" and not back.parked["resume_requested"]
+        assert gpu_allocations(svc) == [1.0, 0.0], "node-2's share free again"
+        svc.client().release(taker.id)
+        svc.client().release(parked.id)
+    finally:
+        # The killed agent's workers (the frozen one too) are this test's to end.
+        for pid in processes_mentioning(str(node_1.state_dir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: not processes_mentioning(str(node_1.state_dir)), 15, "node-1's workers gone")
