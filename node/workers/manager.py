@@ -323,7 +323,7 @@ class WorkerManager:
         this node (the spill stays where it was): 409 for another owner's
         spill, 502 ``park_failed`` for one that cannot be fetched, or the
         load's own 502."""
-        lease_id = spec.lease_id
+        lease_id, url = spec.lease_id, url.rstrip("/")
         source = parking.settings.spill_source
         if source is None:
             raise GPUPoolError(Reason.not_configured, f"this agent cannot fetch the spill of lease {lease_id} from "
@@ -331,10 +331,8 @@ class WorkerManager:
         spill = await fetch_spill(source, url, lease_id, spec.owner, parking.spilling.spill_dir, self.log)
         parking.spilling.spilled[lease_id] = spill
         try:
-            return await parking.spilling.resume(spill, spec)
-        except GPUPoolError as exc:
-            raise GPUPoolError(exc.code, f"{exc.message} (its copy fetched from {url} was removed here; the spill "
-                               "stays on the other node)", exc.status) from None
+            return await parking.spilling.resume(spill, spec, kept=f"the spill stays on the other node ({url}), its "
+                                                 "copy here was removed")
         finally:
             if lease_id not in self._workers:
                 parking.spilling.remove(lease_id)

@@ -138,16 +138,19 @@ class Spilling:
 
     # -- resume from disk ---------------------------------------------------------
 
-    async def resume(self, spill: Spilled, spec: WorkerSpec) -> WorkerResumed:
+    async def resume(self, spill: Spilled, spec: WorkerSpec, kept: str | None = None) -> WorkerResumed:
         """Start a new worker on ``spec`` and load ``spill`` into it; its
         answer (its ``lost``: what the spill could not save, and what did not
         load). Call under the lease's lock. 502 ``worker_start_failed`` or
-        ``park_failed`` (the spill is kept: a resume can try again)."""
+        ``park_failed`` (the spill is kept: a resume can try again). ``kept``:
+        where the spill stays when this fails, in words, for a caller that
+        does not keep it here (a spill fetched from another node)."""
         began = time.monotonic()  # any GPUs: a value whose device the new worker lacks comes back on the CPU, said so
         try:
             worker = await self.manager.start_locked(spec)
         except WorkerStartError as exc:
-            raise GPUPoolError(Reason.worker_start_failed, str(exc), 502) from None
+            raise GPUPoolError(Reason.worker_start_failed, str(exc) if kept is None else f"{exc}; {kept}",
+                               502) from None
         try:
             if worker.user is not None:  # the new worker's account reads the file
                 for path in (spill.folder, spill.namespace):
@@ -156,7 +159,7 @@ class Spilling:
         except (CheckpointError, OSError) as exc:
             await self.manager.stop_locked(spill.lease_id)
             raise GPUPoolError(Reason.park_failed, f"the new worker of lease {spill.lease_id} could not load what was "
-                               f"spilled: {exc}; it stays on disk", 502) from None
+                               f"spilled: {exc}; {kept or 'it stays on disk'}", 502) from None
         lost = (*spill.lost, *lost_words(answer.get("errors") or {}, "loaded"))
         self.remove(spill.lease_id)
         seconds = time.monotonic() - began

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -146,6 +147,20 @@ class ShortAgent(BaseHTTPRequestHandler):
         pass
 
 
+@contextmanager
+def short_agent(claimed: int, length: int, sent: int):
+    """A :class:`ShortAgent` serving in a thread; yields its server (``tokens``: the Authorization headers it got)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ShortAgent)
+    server.claimed, server.length, server.sent, server.tokens = claimed, length, sent, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("claimed, length, sent, words", [
     (100, 50, 50, "it sent 50 bytes of a namespace of 100"),
     (100, 100, 50, "its answer was cut short (the connection closed)"),
@@ -153,19 +168,23 @@ class ShortAgent(BaseHTTPRequestHandler):
 ])
 def test_a_spill_cut_short_or_of_another_size_leaves_nothing_on_the_new_node(nodes, claimed, length, sent, words):
     _, b = nodes
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ShortAgent)
-    server.claimed, server.length, server.sent, server.tokens = claimed, length, sent, []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        status, refused = b.resume("L-short", spill_from=url)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with short_agent(claimed, length, sent) as server:
+        status, refused = b.resume("L-short", spill_from=server.url)
     assert (status, refused["error"]) == (502, "park_failed"), refused
-    assert refused["message"].startswith(f"could not fetch the spill of lease L-short from {url}: "), refused
+    assert refused["message"].startswith(f"could not fetch the spill of lease L-short from {server.url}: "), refused
     assert refused["message"].endswith(f"{words}; it stays on the other node"), refused
     assert server.tokens == [f"token {TOKEN}"] * (1 if claimed > 100 else 2), "the agent token goes along"
+    nothing_of(b, "L-short")
+
+
+def test_a_fetched_spill_the_new_worker_cannot_load_leaves_nothing_on_the_new_node(nodes):
+    _, b = nodes
+    with short_agent(100, 100, 100) as server:  # 100 bytes of "x": not a namespace
+        status, refused = b.resume("L-short", spill_from=server.url)
+    assert (status, refused["error"]) == (502, "park_failed"), refused
+    assert "the new worker of lease L-short could not load what was spilled" in refused["message"], refused
+    assert refused["message"].endswith(f"; the spill stays on the other node ({server.url}), its copy here was "
+                                       "removed"), refused
     nothing_of(b, "L-short")
 
 
