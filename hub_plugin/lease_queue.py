@@ -3,9 +3,10 @@ capacity frees up, in the order :func:`.queue.drain` gives (its docstring has
 the fairness rule), and fail when their ``wait`` passes or their owner's quota
 no longer allows them. Parked leases whose resume was asked for wait in the
 same line, ahead of their class's new requests, for room on their own node,
-or, with ``c.PoolLeases.resume_moves``, on another node (a cold move; :mod:`.rules.resume`). This module decides and writes; starting (or
-resuming) what was placed and ending what failed is the life cycle's
-(:mod:`.leases`).
+or, with ``c.PoolLeases.resume_moves``, on another node (a cold move;
+:mod:`.rules.resume`). This module decides and writes; starting (or
+resuming, or moving) what was placed and ending what failed is the life
+cycle's (:mod:`.leases`, :mod:`.parking`).
 """
 
 from __future__ import annotations
