@@ -241,11 +241,13 @@ def report(tx: Transaction, lease: Lease, got: WorkerReport) -> bool:
 
 
 def resume_ask(lease: Lease, node: Node | None) -> Resume:
-    """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`)."""
+    """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`);
+    a cell frozen mid-way in memory (its worker busy) may not move: the move's spill would interrupt it."""
     remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
+    frozen_cell = lease.park_tier == "memory" and is_busy(lease)
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
-                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env)
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, not frozen_cell)
 
 
 def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:

@@ -48,9 +48,11 @@ class Resume:
     ``gpu_count``, ``memory`` bytes per GPU), its host reservation (``cpus``,
     ``host_memory``; None: its node reports no host), what its park holds now
     (``parked_host_bytes`` on the host, ``gpu_bytes_kept`` over its GPUs),
-    whether the node's checkpointer can restore onto another GPU (``remap``)
-    and the worker environment it runs in (``env``; None: its node's default,
-    which a move asks of the other node too)."""
+    whether the node's checkpointer can restore onto another GPU (``remap``),
+    the worker environment it runs in (``env``; None: its node's default,
+    which a move asks of the other node too) and whether it may move at all
+    (``movable``: False for a cell frozen mid-way, which the spill of a move
+    would interrupt, so it waits for its own node and goes on where it was)."""
 
     node: str
     gpus: tuple[str, ...]
@@ -64,6 +66,7 @@ class Resume:
     gpu_bytes_kept: int = 0
     remap: bool = False
     env: str | None = None
+    movable: bool = True
 
     def demand(self, *, model: str | None = None, env: str | None = None) -> Demand:
         """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name;
@@ -100,8 +103,9 @@ def place_elsewhere(ask: Resume, index: PlacementIndex) -> Placement | Refusal:
     its host ask, in its worker environment (``env``), chosen as the scheduler chooses a new
     lease's: the ``index``'s :meth:`~.placement_index.PlacementIndex.place`, unless that picks its
     own node (room its checkpointer cannot remap onto), then the same choice among the other
-    nodes' GPUs of that model (as ``place_off`` its node does). A refusal when none has room."""
-    if not ask.model:
+    nodes' GPUs of that model (as ``place_off`` its node does). A refusal when none has room,
+    or when ``ask`` may not move (a cell frozen mid-way)."""
+    if not ask.model or not ask.movable:
         return Refusal()
     demand = ask.demand(model=ask.model, env=ask.env)
     decision = index.place(demand, explain=False)

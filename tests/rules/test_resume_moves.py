@@ -57,6 +57,8 @@ FULL_HOME = gpu("G0", taken=1.0)
                  [FULL_HOME, gpu("G1", index=1), gpu("X0", node="n2"), gpu("X1", node="n2", index=1, taken=0.1),
                   gpu("Y0", node="n3"), gpu("Y1", node="n3", index=1)], None, ("n3", ("Y0", "Y1")),
                  id="whole GPUs: as many free on one node"),
+    pytest.param(ask(movable=False), [FULL_HOME, gpu("X0", node="n2")], None, None,
+                 id="never a cell frozen mid-way: the move's spill would interrupt it"),
 ])
 def test_where_a_resume_refused_at_home_moves(ask_, gpus, hosts, where):
     index = PlacementIndex(gpus, hosts=hosts)

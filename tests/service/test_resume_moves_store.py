@@ -126,6 +126,22 @@ def test_without_moves_a_resume_waits_for_its_own_node(store):
     assert free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
 
 
+def test_a_cell_frozen_mid_way_waits_for_its_own_node_instead_of_moving(store):
+    """A preempted lease parked in memory with its cell frozen mid-way (its worker busy): a move's
+    spill would interrupt that cell, so it waits for n1 though n2 is free, and goes on where it was."""
+    from gpupool.hub_plugin.models import Lease
+
+    with store.write() as session:
+        session.get(Lease, PARKED).worker_state = "busy"
+
+    async def body(pool):
+        return await pool.parking.resume_by(ann(), PARKED)
+
+    shown = in_pool(store, body)
+    assert shown["state"] == "parked" and shown["parked"]["resume_requested"] is True
+    assert get(store, PARKED).events == [] and free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
+
+
 def test_the_old_nodes_reports_of_a_moving_lease_are_left_alone_until_the_move_ends(store):
     from gpupool.hub_plugin.models import Lease, LeaseGPU, Node
     from gpupool.hub_plugin.nodes import NodeBook
