@@ -179,8 +179,8 @@ def run_script(client: ServiceClient, lease: Lease, source: str, path: str, argv
                 parked_as = beat.last
                 print(f"gpupool: {parked_words(beat.last)}", file=sys.stderr, flush=True)
             elif resume_asked and not parked:  # the notebook's words, and what the script does
-                print(f"gpupool: {resumed_words(beat.last, None, parked_for(parked_as))}; the script goes on",
-                      file=sys.stderr, flush=True)
+                words = resumed_words(beat.last, None, parked_for(parked_as), parked_as.node if parked_as else None)
+                print(f"gpupool: {words}; the script goes on", file=sys.stderr, flush=True)
             resume_asked = parked
 
         with Interrupts(remote):

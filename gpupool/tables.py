@@ -111,14 +111,31 @@ def parked_for(lease: Lease | None, now: datetime | None = None) -> float | None
     return ((now or datetime.now(timezone.utc)) - since).total_seconds() if since else None
 
 
-def resumed_words(lease: Lease, seconds: float | None, parked_for: float | None) -> str:
+def resumed_words(lease: Lease, seconds: float | None, parked_for: float | None,
+                  parked_on: str | None = None) -> str:
     """``resumed L-1 on node-1 GPU 0 in 1.2s (parked 12m)``, what the notebook and
     ``gpupool run`` say of a resumed lease (``seconds`` None: a resume the caller did not
-    wait for, ``... GPU 0 (parked 12m)``; what the park could not keep, its notice said)."""
+    wait for, ``... GPU 0 (parked 12m)``; what the park could not keep, its notice said).
+    ``parked_on``: the node it was parked on; where that is another, the lease moved (a cold
+    move, docs/parking.md), which the words say with what the move could not keep:
+    ``...: moved from node-1, which had no room; not kept: lock: ...``."""
     gpus = ", ".join(f"GPU {gpu.get('index')}" for gpu in lease.gpus or [])
     took = f" in {seconds:.1f}s" if seconds is not None else ""
     since = f" (parked {format_duration(parked_for)})" if parked_for is not None else ""
-    return f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''}{took}{since}"
+    words = f"resumed {lease.id} on {lease.node or 'its node'}{' ' + gpus if gpus else ''}{took}{since}"
+    if parked_on and lease.node and parked_on != lease.node:
+        lost = _not_kept_by_resume(lease)
+        words += f": moved from {parked_on}, which had no room{f'; not kept: {lost}' if lost else ''}"
+    return words
+
+
+def _not_kept_by_resume(lease: Lease) -> str:
+    """What the lease's last resume could not keep, as its event says (``...; not kept: WORDS``)."""
+    for event in reversed(lease.events or []):
+        reason = str(event.get("reason") or "")
+        if reason.startswith("resumed on "):
+            return reason.partition("; not kept: ")[2]
+    return ""
 
 
 def host_parts(lease: Lease, memory_noun: str = "") -> tuple[str, str, bool] | None:

@@ -93,7 +93,8 @@ class Attachment:
                 if not parked.resuming and (parked.resume_asked or parked.noticed):
                     took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
                     then = "; the running cell goes on" if running else ""
-                    self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease)) + then, kind="resumed")
+                    self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then,
+                                       kind="resumed")
 
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:
@@ -132,7 +133,8 @@ class Attachment:
         if self.reconnected:
             self.remote.wait_ready(30.0)
         # What the park lost, its notice said.
-        say(resumed_words(lease, time.monotonic() - started, parked_for(parked.lease if parked else None)))
+        say(resumed_words(lease, time.monotonic() - started, parked_for(parked.lease if parked else None),
+                          parked.lease.node if parked else None))
         return lease
 
     @classmethod

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from frontend import run
+from frontend import install_kernelspec, run, start_gpupool_kernel
 from jupyter_client import BlockingKernelClient
 from procs import free_port, processes_mentioning, start_agent, start_service, wait_for
 from service_api import gpu_allocations, register, wait_state
@@ -200,3 +200,32 @@ def test_a_move_whose_old_agent_is_gone_leaves_it_parked_on_its_node(two_nodes):
             except ProcessLookupError:
                 pass
         wait_for(lambda: not processes_mentioning(str(node_1.state_dir)), 15, "node-1's workers gone")
+
+
+def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes, tmp_path):
+    """The gpupool kernel's next cell after a park, with node-1 taken meanwhile, resumes the lease on
+    node-2 (a cold move), reconnects to the new worker there and finds what pickles; it says where
+    the lease went and what was not kept, and %gpu status shows the new node."""
+    svc, _, _ = two_nodes
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 1").ok
+        lease_id = svc.client().list_leases()[0].id
+        assert run(kc, STATE).ok
+        assert run(kc, "%gpu park").ok
+        elsewhere, taker = acquire(svc), acquire(svc)  # the parked lease's claim sends the first elsewhere
+        assert (elsewhere.node, taker.node) == ("node-2", "node-1"), "node-1 taken while the lease is parked"
+        svc.client().release(elsewhere.id)
+        after = run(kc, "import os\nprint(x + 1, os.environ['GPUPOOL_LEASE_ID'])", timeout=120)
+        assert after.ok, after.text()
+        assert f"gpupool: resumed {lease_id} on node-2 GPU 0 in " in after.stdout, after.text()
+        assert ": moved from node-1, which had no room; not kept: " in after.stdout and "lock" in after.stdout, \
+            "where it went, and what the move could not keep, is said"
+        assert after.stdout.strip().splitlines()[-1].split() == ["42", lease_id], after.text()
+        assert "node-2" in run(kc, "%gpu status").text()
+        svc.client().release(taker.id)
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
