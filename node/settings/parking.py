@@ -70,12 +70,14 @@ class AgentParking(Configurable):
     ).tag(config=True)
 
     spill_fetch_timeout = Duration(
-        900.0, help="""Seconds this node may take to fetch the spill of a lease moved here from
+        240.0, help="""Seconds this node may take to fetch the spill of a lease moved here from
         another node (a resume with ``spill_from``: its namespace streamed from that node's agent
         into ``spill_dir``); past it the resume fails with ``park_failed``, nothing is left here and
         the spill stays where it was. Give it the largest state at the network's rate (a 100 GiB
-        state at 1 GB/s takes about 110 s). Default: 900 (15 minutes).
-        ``c.AgentParking.spill_fetch_timeout = "30m"``.""",
+        state at 1 GB/s takes about 110 s), and keep it, with a new worker's start and the load,
+        within the service's ``c.PoolNodes.worker_park_timeout`` (default 5 minutes), which is how
+        long the service waits for the whole resume. Default: 240 (4 minutes).
+        ``c.AgentParking.spill_fetch_timeout = "10m"``.""",
     ).tag(config=True)
 
     def budget(self, host_memory: int) -> int:
