@@ -17,6 +17,7 @@ import socket
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import stores
 from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
@@ -139,23 +140,7 @@ def get(store, lease_id: str):
 
 def in_pool(store, clock, body, settings=None):
     """Run ``body(pool)`` (a coroutine function) on a Pool over ``store`` at ``clock["now"]``."""
-    from gpupool.hub_plugin.agent_client import AgentClient
-    from gpupool.hub_plugin.config import PoolNodes, ServiceSettings
-    from gpupool.hub_plugin.pool import Pool
-
-    async def run():
-        agents = AgentClient("agent-token")
-        fast = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600))
-        pool = Pool(settings or fast, store, agents,
-                    now=lambda: clock["now"])
-        try:
-            return await body(pool)
-        finally:
-            await pool.shutdown()
-            agents.close()
-            pool.state.work.close()
-
-    return asyncio.run(run())
+    return stores.in_pool(store, body, lambda: clock["now"], settings)
 
 
 def ann():

@@ -12,6 +12,7 @@ import socket
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import stores
 
 GiB = 1024**3
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
@@ -62,23 +63,11 @@ def get(store, lease_id: str):
 
 
 def in_pool(store, body, **leases):
-    from gpupool.hub_plugin.agent_client import AgentClient
+    """Run ``body(pool)`` 10 s after T0 with ``leases`` settings (``c.PoolLeases``)."""
     from gpupool.hub_plugin.config import PoolLeases, PoolNodes, ServiceSettings
-    from gpupool.hub_plugin.pool import Pool
 
-    async def run():
-        agents = AgentClient("agent-token")
-        settings = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600),
-                                   leases=PoolLeases(**leases))
-        pool = Pool(settings, store, agents, now=lambda: T0 + timedelta(seconds=10))
-        try:
-            return await body(pool)
-        finally:
-            await pool.shutdown()
-            agents.close()
-            pool.state.work.close()
-
-    return asyncio.run(run())
+    settings = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600), leases=PoolLeases(**leases))
+    return stores.in_pool(store, body, lambda: T0 + timedelta(seconds=10), settings)
 
 
 def ann():

@@ -3,10 +3,34 @@ for every test by the root conftest's ``pytest_plugins``)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
+from typing import Any, Awaitable, Callable
 
 import pytest
+
+
+def in_pool(store, body: Callable[[Any], Awaitable[Any]], now: Callable[[], Any], settings=None) -> Any:
+    """Run ``body(pool)`` (a coroutine function) on the service's :class:`Pool` over ``store`` with
+    the clock ``now`` and ``settings`` (default: workers stopped within 2 s, nodes never lost by
+    silence), its agents reached with a test token; returns what ``body`` returns."""
+    from gpupool.hub_plugin.agent_client import AgentClient
+    from gpupool.hub_plugin.config import PoolNodes, ServiceSettings
+    from gpupool.hub_plugin.pool import Pool
+
+    async def run():
+        agents = AgentClient("agent-token")
+        pool = Pool(settings or ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600)), store,
+                    agents, now=now)
+        try:
+            return await body(pool)
+        finally:
+            await pool.shutdown()
+            agents.close()
+            pool.state.work.close()
+
+    return asyncio.run(run())
 
 
 @pytest.fixture
