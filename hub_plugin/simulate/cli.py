@@ -145,7 +145,8 @@ EPILOG = """policies of the notebook workload (sensei):
   reservation  whole GPUs from a notebook's first cell until it is 30 minutes idle, one queue (no classes)
   gpupool      the slice or whole GPUs until --idle-timeout idle, parked early after --pressure-grace while
                others wait, classes and preemption as the service's rules decide; a park parks in place
-               and the next cell resumes on its node, paying the park's costs (docs/simulate.md)
+               and the next cell resumes on its node (on another, a cold move, when its own has no
+               room), paying the park's costs (docs/simulate.md)
   batch        each cell a job holding whole GPUs only while it runs, strict first in first out
 policies of openb --dimensions all: fgd, fgd+memory, fgd-k8s, bestfit, firstfit, random
 

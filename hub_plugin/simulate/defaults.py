@@ -1,4 +1,4 @@
-"""The service's defaults a replay runs with (``c.PoolLeases.*``, ``c.PoolPressure.*``), seconds.
+"""The service's defaults a replay runs with (``c.PoolLeases.*``, ``c.PoolPressure.*``), seconds (and one switch).
 
 Copies, not reads: the settings (:class:`gpupool.hub_plugin.config.PoolLeases`, ``PoolPressure``)
 are traitlets ``Configurable`` classes, whose import pulls in logging's
@@ -20,8 +20,11 @@ PREEMPTION_NOTICE_S = 30.0
 RECLAIM_INTERVAL_S = 5.0
 #: ``c.PoolLeases.heartbeat_ttl``.
 HEARTBEAT_TTL_S = 60.0
+#: ``c.PoolLeases.resume_moves``: a parked lease whose own node has no room resumes on another node (a cold
+#: move: its state from its node's disk to a new worker there) instead of waiting for its node.
+RESUME_MOVES = True
 
 #: Each constant above and the setting it copies.
 SETTINGS = {"idle_timeout": IDLE_TIMEOUT_S, "pressure_grace": PRESSURE_GRACE_S,
             "preemption_notice": PREEMPTION_NOTICE_S, "reclaim_interval": RECLAIM_INTERVAL_S,
-            "heartbeat_ttl": HEARTBEAT_TTL_S}
+            "heartbeat_ttl": HEARTBEAT_TTL_S, "resume_moves": RESUME_MOVES}

@@ -31,9 +31,13 @@ What is real and what is modelled:
   lease holds its share while the state moves off the GPU
   (:func:`.costs.warm_park_seconds`), then gives it back. The next cell
   resumes it where the service's rule puts it (:meth:`.SimulatedPool.place_resume`:
-  its own node only), ahead of new requests; with no room there it waits
-  for its node (or, ``resume_moves``, goes to another at a cold move's
-  cost). The cell then waits the resume's cost (:func:`.costs.resume_seconds`:
+  its own node first), ahead of new requests; with no room there it goes to
+  another node with room at a cold move's cost (``resume_moves``, the
+  service's default ``c.PoolLeases.resume_moves``; never a cell frozen
+  mid-way in RAM). With room nowhere it waits, pressing on its own node's
+  leases only (and, a person's, holding that node against batch), as the
+  service's resume does; without ``resume_moves`` it waits for that node
+  alone. The cell then waits the resume's cost (:func:`.costs.resume_seconds`:
   warm, spilled or moved) on top of any queueing; that cost is also
   reported apart (``resume_waits``). Not modelled: the JupyterLab
   extension's early resume when the user comes back (a resume starts at the
@@ -45,9 +49,10 @@ What is real and what is modelled:
   when it ends; preemptible) are queued whenever held
   plus queued demand falls under its load x the pool, until the trace's
   period is over. A preempted job is parked in place with its cell frozen and
-  resumes on its node, keeping its progress (``resume_preempted``; without
-  it, or without parking in place, it is queued again as a new request and
-  loses its progress).
+  resumes on its node, keeping its progress (``resume_preempted``; it moves
+  only once spilled to disk; without ``resume_preempted``, or without
+  parking in place, it is queued again as a new request and loses its
+  progress).
 - The wait of a cell is its start (after its resume) minus its trace
   submit time, in seconds.
 
@@ -137,6 +142,8 @@ class _Replay:
         self.resumes: dict[str, deque] = {}  # node -> resumes waiting for room there, as (queued at, sid)
         self.yielded: set[str] = set()  # nodes with a batch resume the batch rule held back
         self.resuming_gpus = 0.0  # GPUs the resumes waiting for their node ask for
+        self.frozen: set[int] = set()  # parked sessions whose cell was frozen mid-way (preempted)
+        self.unfit: set[tuple[int, int]] = set()  # (milli, GPUs) that fitted nowhere since capacity was freed
         self.fills: list[float] = []  # per session, its parked state's share of its slice's memory
         self.rng = np.random.default_rng(7)
 
@@ -322,6 +329,7 @@ class _Replay:
         session.pending.appendleft(cell)
         if self.policy.resume_preempted and self.policy.park_in_place:
             self.park(sid, now, retry=False)
+            self.frozen.add(sid)
             self.wait_resume(sid, now)
             return
         self.release(sid, now, retry=False)
@@ -350,6 +358,7 @@ class _Replay:
     def unpark(self, sid: int) -> None:
         """``sid`` is parked no more (resumed, or its kernel shut down): its claim goes."""
         parked = self.parked.pop(sid)
+        self.frozen.discard(sid)
         if parked is not None and self.policy.parked_claims:
             self.pool.claim(parked.placement, -1)
 
@@ -364,21 +373,31 @@ class _Replay:
         return costs.state_bytes(round(placement.fraction * FULL), len(placement.gpus), memory, fill)
 
     def wait_resume(self, sid: int, now: float) -> None:
-        """Parked ``sid`` waits for room on its node (with ``resume_moves``: anywhere, in the queue)."""
-        if self.policy.resume_moves:
-            self.enqueue(sid, now, self.queue_of(sid))
-        else:
-            node = self.parked.get(sid).placement.node  # it presses on its node's leases only, as in the service
-            self.enqueue(sid, now, self.resumes.setdefault(node, deque()), node=node)
-            self.resuming_gpus += self.table.need[sid]
+        """Parked ``sid`` waits for room on its node (with ``resume_moves``: or on another node with room,
+        :meth:`offer_resumes`). As in the service (``pressure.py``, ``queue.drain``), it presses on its
+        node's leases only and, a person's, holds that node against batch, moves or not."""
+        node = self.parked.get(sid).placement.node
+        self.enqueue(sid, now, self.resumes.setdefault(node, deque()), node=node)
+        self.resuming_gpus += self.table.need[sid]
+
+    def may_move(self, sid: int) -> bool:
+        """Whether parked ``sid`` may resume on another node: ``resume_moves``, and not a cell frozen
+        mid-way in its node's RAM (the move's spill would interrupt it; ``parked.resume_ask``)."""
+        return self.policy.resume_moves and not (sid in self.frozen and self.parked.get(sid).tier == "memory")
 
     def resume(self, sid: int, now: float) -> bool:
         """Resume parked ``sid`` where the service's rule allows it now; its cell
         starts after the resume's cost. False: no room (it stays parked)."""
         session, parked = self.sessions[sid], self.parked.get(sid)
         placement, tier = self.pool.place_resume(parked.placement), parked.tier
-        if not isinstance(placement, Placement) and self.policy.resume_moves:
+        demand = (session.milli, session.gpus)  # refused on its node and off it: it fits nowhere
+        if not isinstance(placement, Placement) and demand not in self.unfit and self.may_move(sid):
+            node = parked.placement.node  # as ``resume.place_elsewhere``: the scheduler's choice, if not its node
             placement, tier = self.pool.place(session.milli, session.gpus), "moved"
+            if isinstance(placement, Placement) and placement.node == node:
+                placement = self.pool.place_off(session.milli, session.gpus, {node})
+            if not isinstance(placement, Placement):
+                self.unfit.add(demand)  # until capacity is freed (:meth:`retry`): it shrinks meanwhile
         if not isinstance(placement, Placement):
             return False
         if lease_class(session.klass).yields and not self.batch_may_start(placement.node):
@@ -393,13 +412,16 @@ class _Replay:
 
     def offer_resumes(self, nodes: list[str], klass: str | None, now: float) -> None:
         """Offer ``nodes`` to the resumes of ``klass`` (None: any) waiting there,
-        oldest first, each on its own."""
-        for node in nodes:
-            waiting = self.resumes.get(node)
-            for entry in list(waiting or ()):
-                if (klass is None or self.sessions[entry[1]].klass == klass) and self.acquire(entry[1], now):
-                    waiting.remove(entry)
-                    self.resuming_gpus -= self.table.need[entry[1]]
+        oldest first, each on its own; with ``resume_moves`` (and room freed) every waiting resume
+        of ``klass``, oldest first, since one may move to the room freed."""
+        if self.policy.resume_moves and nodes:
+            entries = sorted((entry, node) for node, waiting in self.resumes.items() for entry in waiting)
+        else:
+            entries = [(entry, node) for node in nodes for entry in list(self.resumes.get(node) or ())]
+        for entry, node in entries:
+            if (klass is None or self.sessions[entry[1]].klass == klass) and self.acquire(entry[1], now):
+                self.resumes[node].remove(entry)
+                self.resuming_gpus -= self.table.need[entry[1]]
 
     # -- leases -------------------------------------------------------------------
 
@@ -474,6 +496,7 @@ class _Replay:
         self.top_up(now)
         nodes = sorted(self.pool.freed | self.yielded)
         self.pool.freed, self.yielded = set(), set()
+        self.unfit.clear()
         acquire = lambda sid: self.acquire(sid, now)  # noqa: E731
         for klass in class_names() if self.policy.classes else (None,):
             self.offer_resumes(nodes, klass, now)
@@ -483,7 +506,7 @@ class _Replay:
 
     def top_up(self, now: float) -> None:
         """Queue the backlog's batch jobs (:meth:`.BatchSource.jobs`), each a session of one cell.
-        Resumes waiting for their node do not count as demand: no other node can take them."""
+        Resumes waiting for room do not count as demand: they wait because no node they may go to has any."""
         if self.backlog is None:
             return
         demand = lambda: (self.pool.allocated_milli / FULL + self.table.waiting_gpus  # noqa: E731

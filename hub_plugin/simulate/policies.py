@@ -8,11 +8,13 @@ Policies (:data:`POLICIES`):
   ``idle_timeout = 1800``) or its kernel shuts down; the next cell re-acquires.
 - ``gpupool``: a 1-GPU session holds only its slice; 4/8-GPU sessions whole
   GPUs; parked in place after ``idle_timeout`` idle, or after the pressure
-  grace while others wait, and resumed on its node on the next cell
-  (:mod:`.parked`, costs :mod:`.costs`); interactive first; batch preempted
-  after the grace plus the notice and parked in place too, keeping its
-  progress. Its idle timeout, grace and notice are the service's defaults
-  (:mod:`.defaults`: 30 min, 2 min, 30 s) unless given.
+  grace while others wait, and resumed on its node on the next cell, or on
+  another node at a cold move's cost when its own has no room
+  (``resume_moves``; :mod:`.parked`, costs :mod:`.costs`); interactive
+  first; batch preempted after the grace plus the notice and parked in place
+  too, keeping its progress. Its idle timeout, grace, notice and moves are
+  the service's defaults (:mod:`.defaults`: 30 min, 2 min, 30 s, moves on)
+  unless given.
 - ``batch``: first-come batch: each cell is a job holding ``num_gpu`` whole
   GPUs only while it runs; strict FIFO queue.
 - ``dedicated`` (:func:`dedicated_gpus`): every user owns the most GPUs they
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..rules import priority
-from .defaults import IDLE_TIMEOUT_S, PREEMPTION_NOTICE_S, PRESSURE_GRACE_S
+from .defaults import IDLE_TIMEOUT_S, PREEMPTION_NOTICE_S, PRESSURE_GRACE_S, RESUME_MOVES
 from .estimates import peak_concurrent
 from .workload import NotebookWorkload
 
@@ -58,9 +60,10 @@ class NotebookPolicy:
     ``park_in_place``: a park freezes the worker on its node (:mod:`.parked`)
     and the next cell waits for its resume there, with the costs of
     :mod:`.costs` (False: a park releases the lease, the next cell takes a
-    new one anywhere, at no cost); ``resume_moves``: a resume that finds no
-    room on its node goes to another at a cold move's cost (the service
-    waits for its node); ``state_fill``: every session's parked state is
+    new one anywhere, at no cost); ``resume_moves``
+    (``c.PoolLeases.resume_moves``): a resume that finds no room on its node
+    goes to another at a cold move's cost (False: it waits for its node);
+    ``state_fill``: every session's parked state is
     this share of its slice's memory (None: drawn per session, seeded);
     ``parked_claims``: a parked lease's share stays claimed on its GPUs, so
     new leases go elsewhere while they can (the service's rule,
@@ -103,7 +106,7 @@ def policies(gpupool_idle_timeout: float = IDLE_TIMEOUT_S,
             "gpupool": NotebookPolicy("gpupool", slices=True, idle_timeout=gpupool_idle_timeout,
                                       pressure_grace=pressure_grace, classes=True,
                                       preemption_notice=PREEMPTION_NOTICE_S, resume_preempted=True,
-                                      park_in_place=True),
+                                      park_in_place=True, resume_moves=RESUME_MOVES),
             "batch": NotebookPolicy("batch", slices=False, idle_timeout=None, fifo=True)}
 
 

@@ -30,6 +30,7 @@ def test_the_replays_defaults_are_the_services():
         traits["idle_timeout"].default_value, traits["pressure_grace"].default_value,
         traits["preemption_notice"].default_value)
     assert gpupool.park_in_place and gpupool.resume_preempted  # preempted jobs are parked and keep their progress
+    assert gpupool.resume_moves == traits["resume_moves"].default_value
 
 
 def test_the_node_budget_is_the_agents_default():
@@ -126,17 +127,18 @@ def test_a_parked_lease_keeps_its_room_while_other_room_fits():
     """Two nodes of one 80 GB GPU. A (whole GPU, full) runs 0-100 on node-000, is parked at the 400 tick
     (free at 400 + 8.01). B asks at 500: node-000 is claimed by A's park, node-001 idle, so B goes to
     node-001 (the service's rule) and A's cell at 600 resumes at once from memory (8.004 s). Without the
-    claim, B takes node-000 (best fit, by name) and A's resume waits for its node: B is parked at the 2300
-    tick, free at 2308.01; A resumes there from memory: waited 1716.014. Allowed to move, A goes to
-    node-001 at once, at a cold move's cost: 3 s + 80 GB at 1 GB/s."""
+    claim, B takes node-000 (best fit, by name) and A goes to node-001 at once, at a cold move's cost
+    (``resume_moves``, the default): 3 s + 80 GB at 1 GB/s. With ``resume_moves`` off, A's resume waits
+    for its node: B is parked at the 2300 tick, free at 2308.01; A resumes there from memory: waited
+    1716.014."""
     cells = (Cell(0, 0, 0.0, 100.0), Cell(1, 1, 500.0, 1500.0), Cell(2, 0, 600.0, 10.0))
     sessions = (Session(0, 0, 0, 1, 1000, 0.0, FAR, (0, 2)), Session(1, 1, 0, 1, 1000, 500.0, FAR, (1,)))
     workload = NotebookWorkload(cells, sessions, "hand-made")
     kept = simulate_notebooks(workload, parking(), 2, per_node=1)
     assert kept.waits.tolist() == [0.0, 0.0, pytest.approx(8.004)] and kept.resumes == {"memory": 1}
-    waited = simulate_notebooks(workload, parking(parked_claims=False), 2, per_node=1)
+    waited = simulate_notebooks(workload, parking(parked_claims=False, resume_moves=False), 2, per_node=1)
     assert waited.waits.tolist() == [0.0, 0.0, pytest.approx(1716.014)] and waited.resumes == {"memory": 1}
-    moved = simulate_notebooks(workload, parking(parked_claims=False, resume_moves=True), 2, per_node=1)
+    moved = simulate_notebooks(workload, parking(parked_claims=False), 2, per_node=1)
     assert moved.waits.tolist() == [0.0, 0.0, pytest.approx(83.0)] and moved.resumes == {"moved": 1}
 
 
@@ -155,3 +157,19 @@ def test_a_preempted_job_is_parked_in_place_and_keeps_its_progress():
     assert result.waits.tolist() == [pytest.approx(158.01)]
     assert result.resumes == {"memory": 1} and len(result.resume_waits) == 0  # a batch resume, not a person's
 
+
+
+def test_a_cell_frozen_mid_way_waits_for_its_own_node():
+    """Two nodes of one 80 GB GPU; 1-GPU batch jobs of 1000 s fill them from 0. A notebook asks for a
+    whole GPU at 60: a job is preempted at 210 and parked in memory with its cell frozen, and the
+    notebook's 1000 s cell runs on its GPU. The other job ends at 1000 and frees the other node, but
+    a cell frozen mid-way may not move (the move's spill would interrupt it: the service's
+    ``parked.resume_ask``), so the new backlog job takes that room and the preempted job resumes
+    from memory on its own node when the notebook's lease ends."""
+    cells = (Cell(0, 0, 60.0, 1000.0),)
+    sessions = (Session(0, 0, 0, 1, 1000, 60.0, 200.0, (0,)),)
+    backlog = BatchSource(np.array([1000]), np.array([1]), np.array([1000.0]), load=1.0, users=1)
+    result = simulate_notebooks(NotebookWorkload(cells, sessions, "hand-made"), parking(pressure_grace=120.0), 2,
+                                per_node=1, backlog=backlog)
+    assert result.preemptions == 1 and result.lost_gpu_hours == 0.0
+    assert result.resumes == {"memory": 1}, "never moved"
