@@ -29,6 +29,7 @@ from .models import Lease, Node
 from .pressure import Pressure
 from .rules import queue as wait_queue
 from .rules.priority import class_rank
+from .rules.reclaim import ParkCode
 from .rules.hosts import host_limits
 from .state import PoolState
 from .transitions import QUEUED
@@ -215,10 +216,10 @@ class LeaseViews:
         queued = session.execute(select(Lease.id, Lease.owner, Lease.created_at, Lease.lease_class,
                                         Lease.fraction, Lease.gpu_count).where(Lease.state == QUEUED)).all()
         resumes = self._resumes(session)
-        last = usage.last_used(session, {row[1] for row in queued}, self.state.now())
+        last = usage.last_used(session, {row[1] for row in queued} | {r.owner for r, _ in resumes}, self.state.now())
         places = wait_queue.positions([*((row[0], row[1], row[2], row[3], False) for row in queued),
-                                       *((r.id, r.owner, r.resume_requested_at, r.lease_class, True)
-                                         for r, _ in resumes)], last)
+                                       *((r.id, r.owner, r.resume_requested_at, r.lease_class,
+                                          r.park_code != ParkCode.preemption) for r, _ in resumes)], last)
         asked = {row[0]: (row[4], row[5], row[3]) for row in queued}
         asked.update((resume.id, self._resume_ask(resume, remap)) for resume, remap in resumes)
         in_line = sorted(places, key=places.get)

@@ -247,7 +247,8 @@ def resume_ask(lease: Lease, node: Node | None) -> Resume:
     frozen_cell = lease.park_tier == "memory" and is_busy(lease)
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
-                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, not frozen_cell)
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, not frozen_cell,
+                  lease.park_code == ParkCode.preemption)
 
 
 def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:

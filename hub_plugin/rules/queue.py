@@ -5,7 +5,8 @@ Whenever capacity frees (a lease ends, a node registers, every reclaim
 sweep) :func:`drain` places queued requests: classes first (:mod:`.priority`),
 then who used the pool least recently; a request that does not fit is
 passed over for later ones that do (backfill). A parked lease's resume waits
-in the same line, ahead of its class's new requests, for room on its own node
+in the same line, ahead of its class's new requests (a preempted lease's
+behind them: :func:`goes_ahead`), for room on its own node
 (:func:`.resume.place`), or, where moves are allowed, on another node with
 room (:func:`.resume.place_elsewhere`). The order in full: docs/api.md, "Queue".
 """
@@ -54,7 +55,14 @@ def sort_key(lease_class: str | None, created_at: datetime | float, tiebreak: ob
 def order(waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> list[Waiting]:
     """``waiting`` in the order they get capacity (module docstring)."""
     return sorted(waiting, key=lambda item: sort_key(item.lease_class, item.created_at, item.lease_id,
-                                                     last_used.get(item.owner), resume=item.resume is not None))
+                                                     last_used.get(item.owner), resume=goes_ahead(item.resume)))
+
+
+def goes_ahead(resume: Resume | None) -> bool:
+    """Whether a waiting item is a resume that goes ahead of its class's new requests: every
+    resume but a preempted lease's, which waits behind the requests already waiting (the room
+    its preemption freed is theirs), ordered as a new request asked when it was parked."""
+    return resume is not None and not resume.preempted
 
 
 def position(lease_id: str, waiting: Iterable[Waiting], last_used: Mapping[str, datetime | None]) -> int | None:

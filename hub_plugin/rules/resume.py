@@ -52,7 +52,11 @@ class Resume:
     the worker environment it runs in (``env``; None: its node's default,
     which a move asks of the other node too) and whether it may move at all
     (``movable``: False for a cell frozen mid-way, which the spill of a move
-    would interrupt, so it waits for its own node and goes on where it was)."""
+    would interrupt, so it waits for its own node and goes on where it was)
+    and whether its park was a preemption (``preempted``: its resume waits
+    behind the requests already waiting, as a new request would, instead of
+    going ahead of its class's new requests: else it would take back at once
+    the room its preemption freed for them)."""
 
     node: str
     gpus: tuple[str, ...]
@@ -67,6 +71,7 @@ class Resume:
     remap: bool = False
     env: str | None = None
     movable: bool = True
+    preempted: bool = False
 
     def demand(self, *, model: str | None = None, env: str | None = None) -> Demand:
         """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name;

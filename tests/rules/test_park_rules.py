@@ -261,6 +261,21 @@ def test_a_resume_waits_ahead_of_new_requests_of_its_class_only():
     assert places == {"L-resume": 1, "L-new": 2, "L-batch-resume": 3, "L-batch": 4}
 
 
+def test_a_preempted_leases_resume_waits_behind_the_requests_already_waiting():
+    """Preempted for ann's waiting request, bob's interactive lease would take its room straight
+    back if its resume went ahead of its class's new requests: it waits behind them, as a new
+    request asked at its park (the service asks its resume then), ordered by last use as they are."""
+    rows = [queue.Waiting("L-new", "ann", Demand(1.0), at(0)),
+            queue.Waiting("L-preempted", "bob", Demand(1.0), at(10), "interactive", ask(preempted=True))]
+    assert [w.lease_id for w in queue.order(rows, {"ann": None, "bob": at(9)})] == ["L-new", "L-preempted"]
+    places = queue.positions([(w.lease_id, w.owner, w.created_at, w.lease_class, queue.goes_ahead(w.resume))
+                              for w in rows], {"bob": at(9)})
+    assert places == {"L-new": 1, "L-preempted": 2}
+    gpus = [gpu("G0")]  # the room its preemption freed: the waiting request's
+    placed = queue.drain(rows, gpus, {"bob": at(9)}, T0)
+    assert [item.lease_id for item, _ in placed] == ["L-new"]
+
+
 def test_drain_resumes_on_its_own_gpu_before_a_new_request_takes_it():
     gpus = [gpu("G0"), gpu("G1", index=1, taken=1.0, memory=80 * GiB), gpu("X0", node="n2", taken=1.0,
                                                                             memory=80 * GiB)]

@@ -269,8 +269,12 @@ def test_a_resume_while_its_gpu_is_taken_waits_first_in_line(parks):
     assert cell(kc, "print(x + 1)").strip() == "42"
 
 
-def test_a_preempted_busy_lease_is_frozen_and_resumed_by_the_service(parks):
-    batch = parks.acquire(lease_class="batch", preemptible=True, idle_timeout=600)
+@pytest.mark.parametrize("lease_class", ["batch", "interactive"])
+def test_a_preempted_busy_lease_is_frozen_and_resumed_by_the_service(parks, lease_class):
+    """The preempted lease's frozen cell waits for the person who preempted it (its resume waits
+    behind the request already waiting, though of its own class when interactive: it never takes
+    the room straight back), then goes on with every iteration counted."""
+    batch = parks.acquire(lease_class=lease_class, preemptible=True, idle_timeout=600)
     kc = parks.kernel(batch)
     msg_id = kc.execute(LOOP)
     wait_for(lambda: (parks.svc.client().get_lease(batch.id).worker or {}).get("execution_state") == "busy", 10,
@@ -281,6 +285,9 @@ def test_a_preempted_busy_lease_is_frozen_and_resumed_by_the_service(parks):
     assert frozen.parked["resume_requested"] and frozen.parked["reason"].startswith("preempted: 1 person is waiting")
     assert frozen.worker["execution_state"] == "busy"
     parks.until(person.id, "active", "bob")
+    waited = parks.svc.client().get_lease(batch.id)
+    assert waited.state is LeaseState.parked and len(waited.events) == len(frozen.events), \
+        ("no resume before the person got the GPU", waited.events[len(frozen.events) - 1:])
     parks.svc.client("bob").release(person.id)
     parks.until(batch.id, "active", timeout=30)
     outputs, reply = [], None
