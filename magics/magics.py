@@ -122,6 +122,7 @@ class GPUMagics(Magics):
 
     def __init__(self, shell, kernel=None, **kwargs) -> None:
         super().__init__(shell, **kwargs)
+        log_to_process_stderr()
         tell = self._tell = Tell(getattr(kernel, "events", None))
         forwarding = Forwarding(kernel.cell, kernel.notices, shell, tell) if kernel is not None else None
         self.service = Service()
@@ -333,3 +334,18 @@ def _shown_error(error: BaseException | None) -> ShownError:
     """A :class:`ShownError` of the same name as ``error`` (the reply's ``ename``)."""
     name = type(error).__name__ if error is not None else "Error"
     return type(name, (ShownError,), {})(str(error) if error is not None else "")
+
+
+def log_to_process_stderr() -> None:
+    """Send gpupool's log lines (a heartbeat that failed, a comm that could not be asked) to the
+    kernel process's own stderr, where Jupyter's server log shows them, never into a cell:
+    without a handler, Python's last-resort one writes them to ``sys.stderr``, which ipykernel
+    sends to the cell that ran last, however long ago (notices go atop the next cell instead:
+    docs/api.md). Once per process."""
+    logger = logging.getLogger("gpupool")
+    if any(getattr(handler, "gpupool_process_stderr", False) for handler in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.__stderr__)
+    handler.gpupool_process_stderr = True
+    handler.setFormatter(logging.Formatter("[gpupool %(levelname)s %(asctime)s %(name)s] %(message)s"))
+    logger.addHandler(handler)

@@ -429,3 +429,17 @@ def test_the_gpu_lines_of_a_cell_are_found_where_ipython_runs_them(code, lines):
     from gpupool.magics.routing import gpu_lines
 
     assert gpu_lines(TransformerManager().transform_cell(code)) == lines
+
+
+def test_gpupool_log_lines_go_to_the_kernels_own_stderr_never_into_a_cell(kernel, e2e_pool):
+    """A heartbeat that failed logs a warning from a thread of its own: Python's last-resort handler
+    would print it into whichever cell ran last (docs/api.md, "Notices": never into an old cell);
+    it goes to the kernel process's stderr, the Jupyter server's log, instead."""
+    _, kc = kernel
+    done = run(kc, "import logging\nlogging.getLogger('gpupool.heartbeat').warning('heartbeat for L-0 failed: test')")
+    assert done.ok and "heartbeat for L-0" not in done.text(), done.text()
+    log = e2e_pool[2].parent / "gpupool-kernels.log"
+    wait_for_text = time.monotonic() + 10
+    while "heartbeat for L-0 failed: test" not in log.read_text() and time.monotonic() < wait_for_text:
+        time.sleep(0.1)
+    assert "[gpupool WARNING" in log.read_text() and "heartbeat for L-0 failed: test" in log.read_text()
