@@ -83,16 +83,21 @@ class Attachment:
                     self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
                     self.parked.noticed = True
                 self.parking_here = False
-            elif self.parked is not None and lease.state is LeaseState.active \
-                    and lease.connection == self.remote.connection:
+            elif self.parked is not None and lease.state is LeaseState.active:
                 parked, running = self.parked, self.heartbeat.cell_running
-                self._unparked(lease)
+                if lease.connection == self.remote.connection:
+                    self._unparked(lease)
+                    then = "; the running cell goes on" if running else ""
+                elif parked.new_worker is None:  # the next cell connects to it (resume)
+                    parked.new_worker, then = lease, "; the next cell connects to its new worker"
+                else:
+                    parked.new_worker = lease
+                    return
                 # Said in the frozen cell that goes on, or else atop the next cell and as a notification: a
                 # resume asked here (README and docs/api.md promise "resumed" for a click in JupyterLab too),
                 # or one the pool did by itself of a park that was said.
                 if not parked.resuming and (parked.resume_asked or parked.noticed):
                     took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
-                    then = "; the running cell goes on" if running else ""
                     self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then,
                                        kind="resumed")
 
@@ -162,8 +167,16 @@ class Attachment:
 
     @property
     def is_parked(self) -> bool:
-        """Whether the lease is parked (or parking) and has not ended: its worker waits frozen."""
+        """Whether the lease is parked (or parking) and has not ended: its worker waits frozen, or
+        it resumed as a new worker this kernel connects to at the next cell (:attr:`new_worker`)."""
         return self.parked is not None and self.ended is None
+
+    @property
+    def new_worker(self) -> Lease | None:
+        """The lease, active again on a new worker (spilled, or moved to another node) that this
+        kernel has not connected to yet; None otherwise."""
+        parked = self.parked
+        return parked.new_worker if parked is not None else None
 
     def check_alive(self) -> None:
         if self.heartbeat.ended is not None:
@@ -178,7 +191,8 @@ class Attachment:
         worker's socket until then. The heartbeat sees an end."""
         parked = self.parked
         now = time.monotonic()
-        if parked is None or parked.resume_asked or now - parked.failed_at < RESUME_RETRY_S:
+        if parked is None or parked.new_worker is not None or parked.resume_asked \
+                or now - parked.failed_at < RESUME_RETRY_S:
             return
         parked.resume_asked, parked.asked_at = True, now
         try:

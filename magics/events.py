@@ -249,7 +249,7 @@ class Requests:
         """The user is back at the notebook: ask for a parked lease's resume
         now, without waiting (the next cell waits for what is left)."""
         attachment = self.lifecycle.attachment
-        if attachment is None or not attachment.is_parked:
+        if attachment is None or not attachment.is_parked or attachment.new_worker is not None:
             return {"ok": True, "message": "not parked"}
         attachment.ask_resume()
         return {"ok": True, "message": f"resuming {attachment.lease.id}"}
@@ -350,6 +350,8 @@ def kernel_state(attachment: Attachment | None) -> dict[str, Any]:
     user's back)."""
     if attachment is None or (attachment.parked is None and attachment.ended is not None):
         return lease_state("detached")
+    if attachment.new_worker is not None:  # resumed on a new worker: the next cell connects to it
+        return lease_state("attached", attachment.new_worker)
     if attachment.parked is not None:
         return lease_state("parked", attachment.parked.lease)
     return lease_state("attached", attachment.heartbeat.last or attachment.lease)

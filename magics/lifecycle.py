@@ -178,7 +178,7 @@ class Lifecycle:
     def park(self) -> None:
         """``%gpu park``: give the GPU back now, keeping everything: the worker
         waits frozen on its node with its variables; the next cell resumes it."""
-        if self._attachment is not None and self._attachment.is_parked:
+        if self._attachment is not None and self._attachment.is_parked and self._attachment.new_worker is None:
             say(f"{self._attachment.lease.id} is parked already; the next cell resumes it")
             return
         attachment = self.attached()

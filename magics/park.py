@@ -31,9 +31,12 @@ class Parked:
     notice was given (``noticed``) and whether a cell here said it
     (``told``), whether this kernel's own resume waits for it (``resuming``:
     that says its line), whether a resume was asked (``asked_at``: when;
-    and when asking last failed)."""
+    and when asking last failed), and ``new_worker``: the lease as seen active
+    again on a new worker (spilled, or moved to another node) that this kernel
+    has not connected to yet (the next cell does, :meth:`~.attachment.Attachment.resume`)."""
 
     lease: Lease
+    new_worker: Lease | None = None
     noticed: bool = False
     told: bool = False
     resuming: bool = False

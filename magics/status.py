@@ -106,6 +106,9 @@ class Status:
         attachment = self.lifecycle.attachment
         if attachment is None or attachment.ended is not None:
             return None
+        if attachment.new_worker is not None:
+            return (f"the lease resumed on a new worker on {attachment.new_worker.node}: the names holding GPU "
+                    "memory are listed once the next cell has connected to it")
         if attachment.is_parked:  # asking would wake the frozen worker
             return "the worker is parked: the names holding GPU memory are listed once it runs again"
         if attachment.lock.locked():  # %gpu status in a cell on the worker: its comm answers after that cell

@@ -26,6 +26,7 @@ from frontend import install_kernelspec, run, start_gpupool_kernel
 from jupyter_client import BlockingKernelClient
 from procs import free_port, processes_mentioning, start_agent, start_service, wait_for
 from service_api import gpu_allocations, register, wait_state
+from statuscomm import StatusComm
 
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease, LeaseRequest
@@ -224,6 +225,42 @@ def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes
             "where it went, and what the move could not keep, is said"
         assert after.stdout.strip().splitlines()[-1].split() == ["42", lease_id], after.text()
         assert "node-2" in run(kc, "%gpu status").text()
+        svc.client().release(taker.id)
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_again(two_nodes, tmp_path):
+    """The JupyterLab extension asks for the resume when the user is back (``{"request": "resume"}``
+    on the status comm); the lease moves to node-2 as a new worker, which the kernel connects to at
+    the next cell: meanwhile the status bar shows it attached on node-2 (not parked), a "resumed"
+    event says so, and %gpu park parks it there."""
+    svc, _, _ = two_nodes
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        comm = StatusComm(kc)
+        assert comm.run("%gpu acquire 1").ok
+        lease_id = svc.client().list_leases()[0].id
+        assert comm.run(STATE).ok
+        assert comm.run("%gpu park").ok
+        elsewhere, taker = acquire(svc), acquire(svc)
+        assert (elsewhere.node, taker.node) == ("node-2", "node-1")
+        svc.client().release(elsewhere.id)
+        comm.ask({"request": "resume"})
+        resumed = comm.event("resumed", timeout=60)["message"]
+        assert resumed.startswith(f"resumed {lease_id} on node-2") and "moved from node-1" in resumed, resumed
+        assert "the next cell connects to its new worker" in resumed, resumed
+        state = comm.state("attached", timeout=30)  # sent after the event
+        assert (state["lease"], state["node"]) == (lease_id, "node-2"), state
+        parked = comm.run("%gpu park")
+        assert parked.ok and "parked already" not in parked.text(), parked.text()
+        again = svc.client().get_lease(lease_id)
+        assert (again.state, again.node) == (LeaseState.parked, "node-2"), again.events
+        after = comm.run("print(x + 1)", timeout=120)
+        assert after.ok and after.text().strip().splitlines()[-1] == "42", after.text()
         svc.client().release(taker.id)
     finally:
         run(kc, "%gpu release --discard")
