@@ -39,7 +39,8 @@ def progress_words(lease: Lease) -> str:
         return f"parking on {lease.node or 'its node'} (the resume follows)"
     if lease.state in (LeaseState.queued, LeaseState.parked):
         if lease.state is LeaseState.parked:
-            text = f"parked on {lease.node or 'its node'}, waiting for room there"
+            elsewhere = " or on another node" if (lease.parked or {}).get("may_move") else ""
+            text = f"parked on {lease.node or 'its node'}, waiting for room there{elsewhere}"
         else:
             text = "queued" if lease.lease_class == leaseclasses.default().name else f"queued ({lease.lease_class})"
         if lease.queue_position:

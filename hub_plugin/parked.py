@@ -244,16 +244,23 @@ def resume_ask(lease: Lease, node: Node | None) -> Resume:
     """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`);
     a cell frozen mid-way in memory (its worker busy) may not move: the move's spill would interrupt it."""
     remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
-    frozen_cell = lease.park_tier == "memory" and is_busy(lease)
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
-                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, not frozen_cell,
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, may_move(lease, True),
                   lease.park_code == ParkCode.preemption)
 
 
-def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:
+def may_move(lease: Lease, moves: bool) -> bool:
+    """Whether ``lease``'s resume may go to another node when its own has no room: ``moves``
+    (``c.PoolLeases.resume_moves``) allows it, and no cell is frozen mid-way in memory
+    (:func:`resume_ask`)."""
+    return moves and not (lease.park_tier == "memory" and is_busy(lease))
+
+
+def shown(lease: Lease, estimate: float | None, moves: bool = False) -> dict[str, Any] | None:
     """The lease JSON's ``parked`` object (``gpupool.wire.leases.PARKED_PROPERTIES``) while it
-    is parking, parked or resuming; None otherwise. ``estimate``: seconds a resume takes."""
+    is parking, parked or resuming; None otherwise. ``estimate``: seconds a resume takes;
+    ``moves``: ``c.PoolLeases.resume_moves`` (for ``may_move``)."""
     if lease.park_tier is None or lease.state not in (LeaseState.parking.value, LeaseState.parked.value,
                                                       LeaseState.starting.value):
         return None
@@ -264,4 +271,4 @@ def shown(lease: Lease, estimate: float | None) -> dict[str, Any] | None:
             "gpu_bytes_moved": lease.gpu_bytes_moved or 0, "gpu_bytes_kept": lease.gpu_bytes_kept or 0,
             "lost": list(lease.parked_lost or []),
             "resume_requested": lease.resume_requested_at is not None or lease.state == LeaseState.starting.value,
-            "resume_estimate_s": estimate}
+            "resume_estimate_s": estimate, "may_move": may_move(lease, moves)}

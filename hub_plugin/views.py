@@ -30,9 +30,10 @@ from .rules.resume import resume_seconds
 WORKER_LIVES = (LeaseState.active.value, *PARKED_STATES, LeaseState.starting.value)
 
 
-def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
+def lease_body(lease: Lease, *, for_owner: bool, moves: bool = False, **known: Any) -> wire.Lease:
     """``lease`` (a row, with its GPUs and events loaded) on the wire;
-    ``for_owner``: whether the caller owns it. ``known``: the fields the row
+    ``for_owner``: whether the caller owns it; ``moves``: ``c.PoolLeases.resume_moves``
+    (whether a parked lease may move, :func:`.parked.may_move`). ``known``: the fields the row
     does not hold, which :meth:`.lease_views.LeaseViews.json` works out
     (``queue_position``, ``idle_deadline``, ``node_state``, ...), by their
     names in :class:`~gpupool.wire.leases.Lease`."""
@@ -41,7 +42,7 @@ def lease_body(lease: Lease, *, for_owner: bool, **known: Any) -> wire.Lease:
         worker = {"pid": lease.worker_pid, "execution_state": lease.worker_state,
                   "memory_used": lease.worker_memory_used}
     show_connection = for_owner and lease.state in WORKER_LIVES and lease.connection
-    park = parked.shown(lease, resume_seconds(lease.park_tier, lease.gpu_bytes_moved, lease.parked_disk_bytes))
+    park = parked.shown(lease, resume_seconds(lease.park_tier, lease.gpu_bytes_moved, lease.parked_disk_bytes), moves)
     return wire.Lease(
         id=lease.id, owner=lease.owner, state=LeaseState(lease.state), reason=lease.reason,
         fraction=lease.fraction, gpu_count=lease.gpu_count, memory=lease.memory,

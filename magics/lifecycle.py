@@ -69,7 +69,8 @@ class Lifecycle:
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
             except KeyboardInterrupt:
                 raise UsageError(f"interrupted while waiting for {attachment.lease.id} to resume; the "
-                                 "resume goes on and the next cell runs on it") from None
+                                 "resume goes on and the next cell runs on it (%gpu release --discard gives the "
+                                 "lease up now, without its variables)") from None
         ended = attachment.ended
         if ended is not None:
             self.drop()

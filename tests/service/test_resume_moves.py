@@ -161,6 +161,10 @@ def test_with_moves_off_it_waits_for_its_own_node(tmp_path, simgpu_root):
         assert (waiting.state, waiting.node, waiting.parked["resume_requested"]) == (LeaseState.parked, "node-1",
                                                                                       True), waiting.events
         assert waiting.queue_position == 1 and not any("moving" in e["reason"] for e in waiting.events)
+        assert waiting.parked["may_move"] is False
+        from gpupool.leasewait import progress_words
+        assert progress_words(waiting).startswith("parked on node-1, waiting for room there: 1st in line"), \
+            "with moves off the words name its own node only"
         assert gpu_allocations(svc) == [1.0, 0.0]
         svc.client().release(taker.id)  # its own node's room: it resumes there, from memory
         back = until(svc, parked.id, "active")

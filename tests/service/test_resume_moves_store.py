@@ -128,6 +128,7 @@ def test_a_cell_frozen_mid_way_waits_for_its_own_node_instead_of_moving(store):
 
     shown = in_pool(store, body)
     assert shown["state"] == "parked" and shown["parked"]["resume_requested"] is True
+    assert shown["parked"]["may_move"] is False, "the lease JSON says it waits for its own node"
     assert get(store, PARKED).events == [] and free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
 
 
