@@ -12,7 +12,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from sqlalchemy import select
 
@@ -34,6 +34,10 @@ from .state import PoolState
 from .worker_calls import StartJob, WorkerCalls
 
 log = logging.getLogger("gpupool.service.parking")
+
+T = TypeVar("T")
+#: Seconds between two looks, during a move's agent calls, at whether a node of the move was lost.
+LOST_LOOK_S = 1.0
 
 #: Most seconds ``POST /leases/{id}/park`` waits for the park before answering (the lease is then
 #: still ``parking``; a long poll follows it): under the clients' 30 s timeout.
@@ -212,7 +216,8 @@ class Parking:
         if running is None:
             return  # it left starting (released) before the move began
         try:
-            spill = await self.workers.park(job.spill_from, lease_id, ParkRequest(reason, "disk", running))
+            spill = await self._unless_lost((old,), self.workers.park(job.spill_from, lease_id,
+                                                                      ParkRequest(reason, "disk", running)))
             if spill.tier != "disk":
                 raise GPUPoolError(Reason.cannot_park, f"the agent on {old} kept it {spill.tier}, not on disk", 502)
         except GPUPoolError as exc:
@@ -224,7 +229,7 @@ class Parking:
             return  # released meanwhile: the old node's reconcile stops the spill
         log.info("lease %s spilled on %s (%d bytes) to move to %s", lease_id, old, spill.disk_bytes, new)
         try:
-            answer = await self.workers.resume(job)
+            answer = await self._unless_lost((old, new), self.workers.resume(job))
         except GPUPoolError as exc:
             log.warning("lease %s: move to %s failed: %s", lease_id, new, exc.message)
             await self._unmoved(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on {old}, "
@@ -239,6 +244,29 @@ class Parking:
         note = await self.workers.stop(job.spill_from, lease_id)
         if note:
             log.warning("lease %s: its spill on %s was not removed after its move (%s)", lease_id, old, note)
+
+    async def _unless_lost(self, nodes: tuple[str, ...], call: Awaitable[T]) -> T:
+        """What the agent ``call`` answers, or, as soon as one of ``nodes`` is marked ``lost`` (no
+        heartbeat for ``c.PoolNodes.node_ttl``), GPUPoolError ``agent_unreachable`` with the call
+        cancelled: a move does not hold its new node's share for ``worker_park_timeout`` waiting
+        on an agent that is gone (a stopped one accepts connections and never answers)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=LOST_LOOK_S)
+                if done:
+                    return task.result()
+                lost = await self.state.work.read(self._lost_now, nodes)
+                if lost:
+                    raise GPUPoolError(Reason.agent_unreachable, f"node {lost} was lost (no heartbeat for "
+                                       "c.PoolNodes.node_ttl)", 502)
+        finally:
+            task.cancel()
+
+    def _lost_now(self, nodes: tuple[str, ...]) -> str | None:
+        """The first of ``nodes`` that is ``lost`` now; None when none is."""
+        with self.state.reading() as session:
+            return session.scalar(select(Node.name).where(Node.name.in_(nodes), Node.state == "lost").limit(1))
 
     def _running_cell_now(self, lease_id: str) -> str | None:
         """What the move's spill does with a cell frozen mid-way (as a park of its code would); None

@@ -270,3 +270,34 @@ def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_ag
         run(kc, "%gpu release --discard")
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_move_whose_old_agent_stops_answering_gives_up_once_its_node_is_lost(tmp_path, simgpu_root):
+    """node-1's agent stopped (SIGSTOP: it accepts connections and never answers) as the move starts:
+    once the service marks node-1 lost (node_ttl 3 s) the move fails, long before the park timeout
+    (120 s here), and node-2's share is free again."""
+    svc = start_service(tmp_path, config={"node_ttl": 3.0, "heartbeat_ttl": 600, "worker_park_timeout": 120.0,
+                                          "parked_node_grace": 600.0, "worker_stop_timeout": 5.0})
+    agents = []
+    try:
+        agents += [start_agent(tmp_path, svc, name=name, simulate="1xA100-80GB", extra_args=AGENT_ARGS)
+                   for name in ("node-1", "node-2")]
+        parked, taker = parked_on_a_full_node_1(svc)
+        agents[0].proc.send_signal(signal.SIGSTOP)
+        try:
+            asked = time.monotonic()
+            svc.client().resume(parked.id)
+            back = wait_for(lambda: (seen := svc.client().get_lease(parked.id)).state is LeaseState.parked
+                            and len(seen.events) >= 2 and seen, 60, "placed to move, then parked again")
+            assert time.monotonic() - asked < 30, "given up once node-1 was lost, not at the park timeout"
+            why = back.events[-1]["reason"]
+            assert "node node-1 was lost (no heartbeat for c.PoolNodes.node_ttl)" in why, why
+            assert back.node == "node-1" and gpu_allocations(svc) == [1.0, 0.0], "node-2's share free again"
+        finally:
+            agents[0].proc.send_signal(signal.SIGCONT)
+        svc.client().release(taker.id)
+        svc.client().release(parked.id)
+    finally:
+        for agent in reversed(agents):
+            agent.stop()
+        svc.stop()
