@@ -128,9 +128,16 @@ class APIHandler(JSONHandler):
 
 
 class NotFoundHandler(APIHandler):
-    """JSON 404 for every path no route matches."""
+    """JSON 404 for every path no route matches; the service's root and ``admin`` (where a person
+    opens it in a browser) say where the API and the admin page are."""
 
     auth_required = False
 
     def prepare(self) -> None:
-        raise GPUPoolError(Reason.not_found, f"no such endpoint: {self.request.path}", 404)
+        path, base = self.request.path, self.ctx.settings.service.base_url
+        hint = ""
+        if path.rstrip("/") in (base.rstrip("/"), base + "admin"):
+            hint = (f"; the REST API is under {base}api/v1/ (docs/api.md); the admin page is served only under "
+                    "JupyterHub (its /services/gpupool/); here gpupool status --all-users and gpupool quota list "
+                    "show the pool to an admin")
+        raise GPUPoolError(Reason.not_found, f"no such endpoint: {path}{hint}", 404)

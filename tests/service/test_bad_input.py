@@ -385,6 +385,21 @@ def call(pool: Pool, method: str, path: str, *, body: Any = None, raw: bytes | N
     return status, headers, json.loads(text)
 
 
+@pytest.mark.parametrize("path", ["/", "/admin"])
+def test_the_root_and_admin_say_where_the_api_and_the_admin_page_are(pool, path):
+    """A person opening the standalone service in a browser gets a 404 that points on."""
+    try:
+        urllib.request.urlopen(f"{pool.service.url}{path}", timeout=30)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            reply = json.loads(exc.read())
+        assert exc.code == 404 and reply["error"] == "not_found", reply
+        assert "the REST API is under /api/v1/" in reply["message"], reply
+        assert "the admin page is served only under JupyterHub" in reply["message"], reply
+    else:
+        pytest.fail(f"{path} answered 200")
+
+
 @pytest.mark.parametrize("method, path, body, raw, user, content_type, status, code, words", REST)
 def test_rest(pool, method, path, body, raw, user, content_type, status, code, words):
     got, headers, reply = call(pool, method, path, body=body, raw=raw, user=user, content_type=content_type)
