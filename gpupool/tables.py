@@ -99,7 +99,8 @@ def parked_words(lease: Lease, now: datetime | None = None) -> str:
                  f"a resume takes {cost}")
     if park.get("resume_requested"):
         place = f" (place {lease.queue_position} in line)" if lease.queue_position else ""
-        elsewhere = " or another node" if park.get("may_move") else ""
+        elsewhere = (" or another node (there: a new worker loads its state from disk, longer than a resume in "
+                     "place, and what cannot be saved to disk is lost, named)") if park.get("may_move") else ""
         words += f"; its resume waits for room on {lease.node}{elsewhere}{place}"
     if park.get("lost"):
         words += f"; not kept: {'; '.join(park['lost'])}"

@@ -263,7 +263,8 @@ def test_a_resume_while_its_gpu_is_taken_waits_first_in_line(parks):
     seen = parks.svc.client().get_lease(first.id)
     assert seen.parked["may_move"] is True, "c.PoolLeases.resume_moves: another node with room would do"
     text = lease_table([seen])[0]
-    assert "its resume waits for room on node-1 or another node (place 1 in line)" in text, text
+    assert "its resume waits for room on node-1 or another node (there: a new worker loads its state from disk" \
+        in text and "(place 1 in line)" in text, text
 
     parks.svc.client("bob").release(taker.id)
     parks.until(first.id, "active")
