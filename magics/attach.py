@@ -124,10 +124,12 @@ class Attacher:
         """The lease is parked: resume it in place (with progress) before the
         cell runs; the same worker, its variables as they were. Raises
         GPUPoolError (``lease_lost`` when it ended meanwhile)."""
+        parked_on = attachment.parked.lease.node if attachment.parked is not None else None
         lease = self.wait.resumed(attachment)
-        if attachment.reconnected:  # a new worker (spilled): forward to it now
+        if attachment.reconnected:  # a new worker (spilled, or moved): forward to it now
             self.forward(attachment)
-        self.tell("resumed", f"resumed {lease.id} on {lease.node}")
+        moved = f" (moved from {parked_on}, which had no room)" if parked_on and parked_on != lease.node else ""
+        self.tell("resumed", f"resumed {lease.id} on {lease.node}{moved}")
         return attachment
 
 

@@ -215,20 +215,23 @@ def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes
     kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
     km, kc = start_gpupool_kernel(kernels, tmp_path)
     try:
-        assert run(kc, "%gpu acquire 1").ok
+        comm = StatusComm(kc)  # the JupyterLab extension's: its notification says the move too
+        assert comm.run("%gpu acquire 1").ok
         lease_id = svc.client().list_leases()[0].id
-        assert run(kc, STATE).ok
-        assert run(kc, "%gpu park").ok
+        assert comm.run(STATE).ok
+        assert comm.run("%gpu park").ok
         elsewhere, taker = acquire(svc), acquire(svc)  # the parked lease's claim sends the first elsewhere
         assert (elsewhere.node, taker.node) == ("node-2", "node-1"), "node-1 taken while the lease is parked"
         svc.client().release(elsewhere.id)
-        after = run(kc, "import os\nprint(x + 1, os.environ['GPUPOOL_LEASE_ID'])", timeout=120)
+        after = comm.run("import os\nprint(x + 1, os.environ['GPUPOOL_LEASE_ID'])", timeout=120)
         assert after.ok, after.text()
+        notified = comm.event("resumed")["message"]
+        assert notified == f"resumed {lease_id} on node-2 (moved from node-1, which had no room)", notified
         assert f"gpupool: resumed {lease_id} on node-2 GPU 0 in " in after.stdout, after.text()
         assert ": moved from node-1, which had no room; not kept: " in after.stdout and "lock" in after.stdout, \
             "where it went, and what the move could not keep, is said"
         assert after.stdout.strip().splitlines()[-1].split() == ["42", lease_id], after.text()
-        assert "node-2" in run(kc, "%gpu status").text()
+        assert "node-2" in comm.run("%gpu status").text()
         svc.client().release(taker.id)
     finally:
         run(kc, "%gpu release --discard")
