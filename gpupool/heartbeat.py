@@ -44,6 +44,13 @@ def beat_interval(lease: Lease) -> float:
     return max(0.5, min((lease.heartbeat_ttl or 60) / 3, 15.0))
 
 
+
+def preempted_for(lease: Lease) -> str:
+    """Why a coming preemption comes, for its notice: the service's ``pressure`` words without
+    their ``preempted:`` (the preemption is still to come): ``'1 person is waiting for a GPU'``."""
+    pressure = lease.pressure or ""
+    return pressure.removeprefix("preempted: ") or "others are waiting for a GPU"
+
 class LeaseHeartbeat(threading.Thread):
     """Daemon thread renewing ``lease_id`` every ``interval`` seconds (every
     ``busy_interval`` while :attr:`cell_running`) until :meth:`stop` or until
@@ -125,7 +132,7 @@ class LeaseHeartbeat(threading.Thread):
 
     def preempt_words(self, lease: Lease, left: float) -> str:
         """The notice that ``lease``'s running work is interrupted in ``left`` seconds."""
-        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: in about "
+        return (f"lease {lease.id} is preemptible and {preempted_for(lease)}: in about "
                 f"{format_duration(left)} it is parked, the running script frozen where it is (or interrupted "
                 "where the node cannot freeze it); it goes on when the pool resumes the lease")
 

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from gpupool.api import ServiceClient
-from gpupool.heartbeat import LeaseHeartbeat
+from gpupool.heartbeat import LeaseHeartbeat, preempted_for
 from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
@@ -147,7 +147,7 @@ class KernelHeartbeat(LeaseHeartbeat):
         return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
 
     def preempt_words(self, lease: Lease, left: float) -> str:
-        return (f"lease {lease.id} is preemptible and {lease.pressure or 'others are waiting'}: in about "
+        return (f"lease {lease.id} is preemptible and {preempted_for(lease)}: in about "
                 f"{format_duration(left)} it is parked, the running cell frozen where it is (or interrupted "
                 "where the node cannot freeze a running cell); it goes on when the pool resumes the lease")
 

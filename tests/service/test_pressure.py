@@ -156,7 +156,7 @@ def test_a_preemptible_lease_is_frozen_mid_cell_and_the_cell_goes_on_after_its_r
     waiter = wait_in_line(service)
 
     told = notebook.wait_for_event("preempt_notice", 60, "the preemption notice")
-    assert told["message"].startswith(f"lease {mine.id} is preemptible and preempted: 1 person is waiting")
+    assert told["message"].startswith(f"lease {mine.id} is preemptible and 1 person is waiting for a GPU: in about")
     parked = notebook.wait_for_event("parked", 60, "the park of the running cell")
     assert parked["message"].startswith(f"lease {mine.id} was preempted: 1 person is waiting for a GPU: its worker "
                                         "is frozen on node-1"), parked

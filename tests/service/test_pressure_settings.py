@@ -67,7 +67,7 @@ def test_batch_first_preempts_a_running_batch_cell_before_a_person_idle_lease_is
 
         # The default order would park ann's idle lease 60 s from now and leave the job running.
         told = notebook.wait_for_event("preempt_notice", 30, "the preemption notice")
-        assert told["message"].startswith(f"lease {job.id} is preemptible and preempted: 1 person is waiting")
+        assert told["message"].startswith(f"lease {job.id} is preemptible and 1 person is waiting for a GPU: in ")
         seen = service.client().get_lease(job.id)
         assert seen.preempt_at is not None
         assert service.client("ann").get_lease(person.id).pressure is None  # not pressed on
