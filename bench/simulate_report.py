@@ -1,11 +1,12 @@
 """Run the trace-driven comparisons and write the "Trace-driven simulation" section of bench/REPORT.md.
 
-    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0] [--only backlog|openb-multidim|eta]
+    .venv/bin/python bench/simulate_report.py [--data ../shared/data] [--seed 0]
+        [--only notebooks|backlog|openb-multidim|eta] [--hours H] [--pool-size N]
 
 Writes bench/REPORT.md (only its "## Trace-driven simulation" section is
 replaced; other sections are kept) and bench/sim_*.png. Without the public
 traces in ``--data`` it runs on generated ones (:mod:`gpupool.hub_plugin.simulate.synthetic`).
-Takes several minutes on two cores. Needs matplotlib (the ``examples``
+Takes over an hour on two cores, most of it the backlog's month (``--only`` redoes one part). Needs matplotlib (the ``examples``
 extra). Every number comes from :mod:`gpupool.hub_plugin.simulator` and its
 modules, i.e. from the real ``place()`` and ``reclaim.decide()`` and the
 service's class and pressure rules (:mod:`gpupool.hub_plugin.priority`), and the
@@ -104,7 +105,7 @@ def sensei_part(workload, data_words: str, log) -> tuple[str, dict, dict]:
     table_rows = [r for r in (dedicated, best["reservation"], best["gpupool"], best["batch"]) if r is not None]
     gp = best["gpupool"]
     plot = plot_sweeps(sweeps, dedicated)
-    parking_text = parking_part(workload, dedicated, log)
+    parking_text = parking_part(workload, dedicated, gp, log)
     text = [
         "### Notebooks alone: the sensei month",
         "",
@@ -120,8 +121,9 @@ def sensei_part(workload, data_words: str, log) -> tuple[str, dict, dict]:
         "(4/8) until its idle timeout, parked early while anyone waits by the service's rule (`priority.plan`: "
         "the grace after the request pressing on it was asked, or after it went idle, whichever is later; no "
         "guaranteed shares); a park **parks in place** and the next cell resumes it on its own node "
-        "(`rules/resume.py: place`), with its costs (below), its share claimed there meanwhile (new leases go "
-        "elsewhere while room fits: `scheduler.claimed`); **batch**: each cell a job holding "
+        "(`rules/resume.py: place`) or, when that node has no room, on another with room (a cold move: "
+        "`c.PoolLeases.resume_moves`, on by default), with its costs (below), its share claimed on its node "
+        "meanwhile (new leases go elsewhere while room fits: `scheduler.claimed`); **batch**: each cell a job holding "
         "whole GPUs only while it runs, strict FIFO. Every placement is `scheduler.place()`, every idle reclaim "
         "`reclaim.decide()` at the 5 s sweep ticks. Nodes of 8 GPUs. Wait = cell start (after its resume) − "
         "trace submit (trace resolution 1 min; a new lease's worker start not modelled). GPU-h held = Σ fraction × "
@@ -153,9 +155,9 @@ COSTS_WORDS = (
     "thaw, bench/park_results.json at 1 MiB) plus the GPU state over each GPU's pinned host link at "
     f"{costs.HOST_TO_GPU_BYTES_S / 1e9:g} GB/s (the service's `rules/resume.py` estimate; PCIe 4 runs 20+); a "
     f"spilled resume starts a new worker ({costs.COLD_START_S:g} s) and loads the namespace from the node's disk at "
-    f"{costs.DISK_BYTES_S / 1e9:g} GB/s; a cold move to another node (a variant only: the service waits for its "
-    f"node) is a new worker plus the state at the slower of disk and a {costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s "
-    "network. Each node parks up to `c.AgentParking.parked_memory`'s default, a quarter of its RAM "
+    f"{costs.DISK_BYTES_S / 1e9:g} GB/s; a cold move to another node (when its own has no room: "
+    "`c.PoolLeases.resume_moves`; the state goes from the node's disk to the new one's) is a new worker plus the "
+    f"state at the slower of disk and a {costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s network. Each node parks up to `c.AgentParking.parked_memory`'s default, a quarter of its RAM "
     f"({costs.parked_budget() / 2**30:,.0f} GiB of {costs.NODE_HOST_BYTES / 2**40:g} TiB, an 8 × A100 80 GB "
     "server's); past it the longest-parked spill to disk. A session's parked state is an **assumption** (no trace "
     f"records GPU memory per notebook): its slice's memory × a fill drawn per session, uniform in "
@@ -190,17 +192,19 @@ def parking_variants():
     """gpupool's rules with one change each, for the park-in-place sensitivity table."""
     base = policies()["gpupool"]
     five = replace(policies(300.0)["gpupool"], name="… 5 min idle timeout")
-    return [base, replace(base, name="… parked leases claim no room (placement ignores them)", parked_claims=False),
+    waits = "a resume waits for its own node (`resume_moves` off)"
+    return [base, replace(base, name=f"… {waits}", resume_moves=False),
+            replace(base, name="… parked leases claim no room (placement ignores them)", parked_claims=False),
             replace(base, name="… costs not modelled (a park releases, the next cell goes anywhere)",
                     park_in_place=False),
             five, replace(policies(60.0)["gpupool"], name="… 1 min idle timeout"),
             replace(five, name="… 5 min, costs not modelled", park_in_place=False),
-            replace(five, name="… 5 min, a resume with no room on its node moves (cold)", resume_moves=True),
+            replace(five, name=f"… 5 min, {waits}", resume_moves=False),
             replace(five, name="… 5 min, states 10 % of the slice", state_fill=0.1),
-            replace(five, name="… 5 min, states 10 %, moves", state_fill=0.1, resume_moves=True)]
+            replace(base, name="… states 10 % of the slice", state_fill=0.1)]
 
 
-def parking_part(workload, dedicated, log) -> str:
+def parking_part(workload, dedicated, gp, log) -> str:
     """What parking in place costs the notebook month, and which of its rules the p95 rests on."""
     lines, by_name = [], {}
     for size in PARKING_SIZES:
@@ -221,37 +225,65 @@ def parking_part(workload, dedicated, log) -> str:
                   "resume p50/p95/p99 s", "resumes memory/disk/moved", "spills", "GPU-h held", "parks /user-day"],
                  lines),
         "",
-        parking_why(list(by_name.values())),
+        parking_why(list(by_name.values()), gp, 0.15 * dedicated.pool_size),
         ""])
 
 
-def parking_why(results) -> str:
-    """What the park-in-place table shows, in words, from its rows (:func:`parking_variants`' order)."""
-    base, unclaimed, free, five, one, five_free, moves, small, small_moves = results
+def slow_resumes(result) -> str:
+    """How many interactive cells a resume alone cost over 10 s, in words (under 5 % may wait that long)."""
+    slow = int(np.sum(result.resume_waits > TARGET_WAIT_S))
+    return (f"a resume alone cost {slow:,} interactive cells over 10 s, {slow / len(result.waits):.1%} of them, "
+            "where under 5 % may wait that long")
+
+
+def parking_why(results, gp, limit: float) -> str:
+    """What the park-in-place table shows, in words, from its rows (:func:`parking_variants`' order), with
+    ``gp`` gpupool's result at its smallest pool above (None: not reached) and ``limit`` 0.15 × dedicated."""
+    base, waits, unclaimed, free, five, one, five_free, five_waits, five_small, small = results
     p95 = lambda r: f"{r.wait_percentile(95):,.0f} s"  # noqa: E731
+    moved = lambda r: f"{r.resumes.get('moved', 0):,}"  # noqa: E731
+    size = base.pool_size
+    needs = (f"gpupool needs {gp.pool_size} GPUs at p95 ≤ 10 s, above" if gp else
+             "gpupool reaches p95 ≤ 10 s at no pool size tried, above")
+    if gp is not None and gp.pool_size <= limit:
+        closing = f"- So the 0.15 × target is reached: gpupool needs {gp.pool_size} GPUs at p95 ≤ 10 s (above)."
+    else:
+        closing = (
+            f"- So the 0.15 × target is not reached ({needs}): a resume no longer waits for a taken node while "
+            "another has room, but a big state still takes minutes to come back from disk, on a move as on a "
+            "spill, and a 30 min idle timeout "
+            f"holds GPUs that a tighter pool needs: even with parks that cost nothing, {size} GPUs give {p95(free)} "
+            f"at 30 min and {p95(five_free)} at 5 min. Reaching it needs both a shorter idle timeout and resumes "
+            "of big states in seconds, not minutes: a state parked in RAM sent to the new node's RAM over the "
+            f"network ({costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s, or faster) rather than by disk, the JupyterLab "
+            "extension's early resume when the user comes back (not modelled: it would start the resume before "
+            "the cell), and figures for real notebooks' GPU memory, which no trace gives.")
     return "\n".join([
-        f"- A parked lease resumes on its own node only (its worker lives there). Placement keeps its share "
-        "claimed there (`scheduler.claimed`): a new lease goes to other room while any fits, and takes the claimed "
-        f"room only when nothing else fits. The defaults give {p95(base)} p95 here; with the claims ignored "
-        f"{p95(unclaimed)}: best fit then packs new leases onto the partly used nodes, which are the ones parked "
-        "leases came from, and the next cell waits for that one node however idle the rest of the pool is, so p95 "
-        "stops falling as GPUs are added (12,753 s at 704 and at 1,408 GPUs alike in the run that added the "
-        "claims); with them it falls with the pool's size (the sweep above).",
-        f"- At this size the pool is too tight for the claims: new leases must take claimed room, and a resume then "
-        f"waits for its node (running cells of hours, idle leases until their grace). With costs not modelled "
-        f"(a park releases, the next cell goes anywhere): {p95(free)}, with a 5 min idle timeout "
-        f"{p95(five_free)}. A shorter idle timeout parks more, so more resumes find their node taken: 5 min "
-        f"{p95(five)}, 1 min {p95(one)}, against 30 min {p95(base)}; a warm resume itself costs little (p50 "
-        f"{five.resume_percentile(50):.1f} s at 5 min).",
-        f"- Letting a resume move to another node when its own has no room (not the service's rule) gives "
-        f"{p95(moves)}: a cold move costs a new worker plus the state at disk speed (p95 "
-        f"{moves.resume_percentile(95):,.0f} s per resume); with states a tenth of their slice "
-        f"{p95(small)} without moves, {p95(small_moves)} with them. At 5 min, {five.spills:,} spills for "
-        f"{five.parks:,} parks: notebooks stay parked for the rest of their 8 h session, and their states fill "
-        "the node's quarter of RAM.",
-        "- So the 0.15 × target is not reached: it needs resumes that need not wait for their node when it is "
-        "taken (a cold move of a small state at network speed), and figures for real notebooks' GPU memory, "
-        "which no trace gives."])
+        f"- A parked lease resumes on its own node when that node has room (its worker lives there, frozen in "
+        "RAM or spilled to its disk), else on another node with room (`c.PoolLeases.resume_moves`, on by "
+        "default): a cold move, a new worker there loading the state, which goes by disk. The defaults give "
+        f"{p95(base)} p95 here, {moved(base)} of the {sum(base.resumes.values()):,} resumes moved. A resume that "
+        f"waits for its own node instead (`resume_moves` off, the service's rule before): {p95(waits)}; at this "
+        "size new leases must take a parked lease's claimed room, and the resume then waits for that one node "
+        "(running cells of hours, idle leases until their grace) however idle the rest of the pool is. With a "
+        f"5 min idle timeout, {p95(five)} with moves and {p95(five_waits)} without (more parks, so more resumes "
+        "find their node taken).",
+        "- Placement keeps a parked lease's share claimed on its node (`scheduler.claimed`): a new lease goes to "
+        f"other room while any fits. A resume whose room was taken now moves instead of waiting, so the claims "
+        f"spare moves ({moved(base)} with them, {moved(unclaimed)} without) rather than waits (p95 {p95(base)} "
+        f"with them, {p95(unclaimed)} without).",
+        f"- Most of what is left is the resumes' own cost: resume p50/p95 {base.resume_percentile(50):.1f} / "
+        f"{base.resume_percentile(95):,.0f} s; {slow_resumes(base)}. A moved state goes by disk at {costs.DISK_BYTES_S / 1e9:g} GB/s, as a "
+        f"spilled one does ({base.resumes.get('memory', 0):,} resumes from RAM, {base.resumes.get('disk', 0):,} "
+        f"from the node's disk, {moved(base)} moved): a full 80 GB GPU's state takes "
+        f"{costs.cold_move_seconds(80 * 10**9):.0f} s, an 8-GPU notebook's (up to 640 GB) up to "
+        f"{costs.cold_move_seconds(640 * 10**9) / 60:.0f} min. With costs not modelled (a park releases, the next "
+        f"cell goes anywhere): {p95(free)}, with a 5 min idle timeout {p95(five_free)}; with states a tenth of "
+        f"their slice {p95(small)}, at 5 min {p95(five_small)} (resume p95 {small.resume_percentile(95):.0f} s). "
+        f"A shorter idle timeout frees GPUs sooner: 5 min {p95(five)}, 1 min {p95(one)}, against 30 min "
+        f"{p95(base)}. At 5 min, {five.spills:,} spills for {five.parks:,} parks: notebooks stay parked for the "
+        "rest of their 8 h session, and their states fill the node's quarter of RAM.",
+        closing])
 
 
 def users_part(data, seed, best100, log) -> str:
@@ -315,7 +347,7 @@ def eta_part(workload, log) -> str:
 
 def backlog_variants(quick: bool = False):
     """The policies the backlog part compares, in table order; ``quick`` (a part of the month) adds the
-    headroom variants. Pool-wide pressure without node clearing is left out: its replay does not end
+    service's defaults with ``resume_moves`` off and the headroom variants. Pool-wide pressure without node clearing is left out: its replay does not end
     (:data:`POOL_WIDE_CHURN`)."""
     base = policies()
     gp = replace(base["gpupool"], name="gpupool (the service's defaults)")
@@ -326,6 +358,8 @@ def backlog_variants(quick: bool = False):
                 replace(parked, name="… parked 5 s after the ask, preempted jobs restart", resume_preempted=False),
                 replace(base["reservation"], name="reservation (no classes)")]
     if quick:
+        variants += [replace(gp, name="gpupool, a resume waits for its own node (`resume_moves` off)",
+                             resume_moves=False)]
         variants += [replace(at_once, name=f"… 5 s notice, headroom {h} nodes", headroom_nodes=h) for h in (1, 2)]
     return variants
 
@@ -340,18 +374,24 @@ POOL_WIDE_CHURN = (
     "replay of the month's first 6 hours, 214,889 preemptions of 633 jobs, one job 2,622 times. The "
     "service's defaults clear one node per such request, keep it chosen while its leases are being parked, "
     "and place no batch job or resume on it, nor on a node a person's resume waits for "
-    "(`priority.batch_may_start`): 109 preemptions in the same 6 hours.")
+    "(`priority.batch_may_start`): 109 preemptions in the same 6 hours. (Both counted before resumes moved "
+    "to other nodes, `resume_moves`; not counted again since.)")
 
-BACKLOG_WHY = (
-    "Why: a parked lease resumes on its own node only (`rules/resume.py`); its share stays claimed there "
-    "(`scheduler.claimed`), but a backlog keeps the pool full, so new leases take claimed room when nothing "
-    "else fits, and a resume then finds its node full and waits for that node alone (the notebook month above "
-    "shows the same at this size without a backlog). With `batch_yields` such a waiting "
-    "interactive resume also holds back every batch placement pool-wide, so the pool drains while it waits "
-    "(utilization above). Resumes that spill (past a node's parked budget, or a whole-node state alone) cost "
-    "minutes from disk. Batch no longer takes room from such a resume (`batch_may_start`), but a person's "
-    "running cells there can hold its node for hours. What would reach the target is a resume that moves "
-    "when its node has no room (a cold move, not built: the state would go node to node over the data plane).")
+def backlog_why(fast) -> str:
+    """Why the backlog's target is not met, in words, from ``fast`` (the variant with the lowest p95)."""
+    moved, total = fast.resumes.get("moved", 0), sum(fast.resumes.values())
+    return (
+        "Why: a backlog keeps the pool full, so pressure parks people's idle notebooks (after the grace) and "
+        "batch backfills their room; the next cell finds its node full and, with `resume_moves` (the default), "
+        "moves to a node with room at a cold move's cost, its state through disk (or, with room nowhere, waits "
+        "on its own node, pressing there). The resumes' own cost, big states through disk, keeps p95 over 10 s "
+        f"by itself: in {fast.policy}, resume p50/p95 {fast.resume_percentile(50):.0f} / "
+        f"{fast.resume_percentile(95):.0f} s, {slow_resumes(fast)}; {moved:,} of its {total:,} resumes moved "
+        "(batch jobs' counted; a batch cell frozen mid-way in RAM never moves). What would reach the target is "
+        "resumes that cost seconds when the pool is full: a person's notebook state kept in RAM where its "
+        "next cell runs (fewer pressure parks of idle notebooks while batch fills the pool, or room held for "
+        "its resume on its node), and a move from RAM over the network rather than by disk (neither built); "
+        "no setting tried here does it.")
 
 
 def first_hours(workload, hours: float | None):
@@ -371,12 +411,13 @@ def backlog_run(workload, data, seed, size, policy, log) -> NotebookResult:
     return result
 
 
-def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list]:
-    """The backlog subsection: the whole month, or its first ``hours`` (with today's churning rule)."""
+def backlog_part(workload, data, seed, size, log, hours=None, window=False) -> tuple[str, list]:
+    """The backlog subsection over the whole month, or over its first ``hours``; ``window``: the short
+    table of the first ``hours`` with the quick variants too, that follows the month's."""
     _, tasks = read_openb_tasks(data) if data else openb_tables(seed)
     gpu = tasks.gpu_pods()
     workload = first_hours(workload, hours)
-    results = [backlog_run(workload, data, seed, size, policy, log) for policy in backlog_variants(hours is not None)]
+    results = [backlog_run(workload, data, seed, size, policy, log) for policy in backlog_variants(window)]
     best = max((r for r in results if r.wait_percentile(95) <= TARGET_WAIT_S),
                key=lambda r: r.cluster_utilization, default=None)
     met = best is not None and best.cluster_utilization >= 0.85
@@ -386,8 +427,8 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
     slow = fast.waits > TARGET_WAIT_S
     slow_eight = is_eight[slow].mean() if slow.any() else 0.0
     period = f"the first {hours:g} hours of the month" if hours else "the whole month"
-    plot = plot_backlog(results) if hours is None else None
-    if hours is not None:
+    plot = None if window else plot_backlog(results)
+    if window:
         window_met = [r for r in results if r.wait_percentile(95) <= TARGET_WAIT_S and r.cluster_utilization >= 0.85]
         return "\n".join([
             f"**The first {hours:g} hours only**, with the headroom variants too:",
@@ -397,7 +438,8 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
                       for row, r in zip(rows(results), results)]),
             "",
             (f"In these hours the target is met by {', '.join(r.policy for r in window_met)} (the whole month: "
-             "above)." if window_met else "In these hours no variant meets the target either."),
+             "above)." if window_met else "In these hours no variant meets the target either.")
+            + moves_words(results),
             ""]), [r.row() for r in results]
     text = [
         "### Notebooks plus a batch backlog",
@@ -409,17 +451,21 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
         "under 120 % of the pool, so the backlog never runs dry; a job needs its `gpu_milli` slice or `num_gpu` "
         "whole GPUs for its openb lifetime (deletion − scheduled); a preempted job is parked in place with its "
         "cell frozen (its state moved off the GPU, as a notebook's) and resumes on its node when room comes there, "
-        "keeping its progress (the service's default). Every queue, pressure and batch-placement decision is the service's rule "
+        "keeping its progress (the service's default; a cell frozen mid-way never moves, since the move's spill "
+        "would interrupt it, unless the node has spilled it to disk already). A parked notebook's resume goes "
+        "to its node, else to another node with room (a cold move, `c.PoolLeases.resume_moves`). Every queue, pressure and batch-placement decision is the service's rule "
         "(`hub_plugin/rules/priority.py`): interactive requests go first (`class_rank`); `plan` at the 5 s "
         f"sweep ticks parks idle leases {PRESSURE_GRACE_S:g} s after the oldest request pressing on them was "
         "asked and, for a waiting interactive request only, preempts running batch leases (by default "
         f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s after it: grace + `preemption_notice`), its "
-        "victims node by node (the node with the most preemptible batch GPUs first); a resume waiting for its "
-        "node presses on that node's leases only; for a waiting interactive request for several whole GPUs the "
+        "victims node by node (the node with the most preemptible batch GPUs first); a resume with room nowhere "
+        "it may go presses on its own node's leases only; for a waiting interactive request for several whole GPUs the "
         "plan is given each node's free GPUs (`plan(..., free_gpus)`) and takes the leases of the one node that "
         "covers it at least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running "
-        "GPUs), and no batch job or resume is placed on that node while the request waits, nor on a node a "
-        "person's resume waits for (`batch_may_start`). Variants: **gpupool** (the service's defaults); **no "
+        "GPUs), and no batch job or resume is placed on that node while the request waits, nor on the node of "
+        "a person's resume that fits nowhere (`batch_may_start`). Variants: **gpupool** "
+        "(the service's defaults); **a resume waits for its own node** (`resume_moves` off; in the first 48 "
+        "hours' table only); **no "
         "preemption** (`allow_preemption = False`); **batch yields, batch "
         "first, preempted at once**: no batch request is placed while an interactive one waits "
         "(`batch_may_start`), `Rule(batch_first=True)` preempts running batch before it parks a person's idle "
@@ -453,10 +499,27 @@ def backlog_part(workload, data, seed, size, log, hours=None) -> tuple[str, list
            + f"the lowest interactive p95 is {fast.wait_percentile(95):.0f} s ({fast.policy}), "
            f"{np.mean(slow):.1%} of the cells waiting over 10 s where under 5 % may, {slow_eight:.0%} of them "
            f"8-GPU cells ({is_eight.mean():.0%} of all cells), "
-           "which need a whole node. " + BACKLOG_WHY),
+           "which need a whole node. " + backlog_why(fast)),
         "",
     ]
     return "\n".join(text), [r.row() for r in results]
+
+
+def moves_words(results) -> str:
+    """The service's defaults against the same with ``resume_moves`` off, in words (empty without that row)."""
+    off = [r for r in results if "resume_moves" in r.policy]
+    if not off:
+        return ""
+    on, off = results[0], off[0]
+    over = lambda r: np.mean(r.waits > TARGET_WAIT_S)  # noqa: E731
+    q = lambda r: f"{r.wait_percentile(95):,.0f} / {r.wait_percentile(99):,.0f} s"  # noqa: E731
+    return (f" Resumes that move (the defaults) against resumes that wait for their own node: p95 / p99 {q(on)} "
+            f"against {q(off)}, {over(on):.1%} of the cells waiting over 10 s against {over(off):.1%}, "
+            f"utilization {on.cluster_utilization:.1%} against {off.cluster_utilization:.1%}: a move "
+            f"{'spares' if on.wait_percentile(99) < off.wait_percentile(99) else 'does not spare'} the long "
+            f"waits for a node, but costs a new worker and the state through disk (resume p50 "
+            f"{on.resume_percentile(50):.0f} s against {off.resume_percentile(50):.0f} s), so "
+            f"{'more' if over(on) > over(off) else 'fewer'} cells wait over 10 s.")
 
 
 def _verdict(best, met: bool) -> str:
@@ -688,12 +751,15 @@ def main(argv=None) -> int:
     p.add_argument("--data", type=Path, default=Path("../shared/data"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=["backlog", "openb-multidim", "eta", "notebooks"],
-                   help="backlog: print only that part (to stdout; REPORT.md unchanged); notebooks: redo only the "
-                   "notebook subsections of REPORT.md (alone and with a backlog) and their plots; openb-multidim: redo only "
+                   help="notebooks: redo only the notebooks-alone subsection of REPORT.md (the month, its parking "
+                   "table, the users and the ETA) and its plot (6-10 min); backlog: redo only the backlog "
+                   "subsection of REPORT.md and its plot (the month, over an hour on 2 cores: the service's defaults "
+                   "alone took over 40 min; then its first 48 hours, about a minute); openb-multidim: redo only "
                    "the openb-with-CPU-and-memory subsection of REPORT.md and its plot (about 4 min); eta: redo only the ETA "
                    "paragraphs of REPORT.md")
-    p.add_argument("--hours", type=float, help="with --only backlog: only the month's first HOURS (default: the "
-                   "month, then its first 48 hours)")
+    p.add_argument("--hours", type=float, help="with --only backlog: the subsection measures only the month's "
+                   "first HOURS, and says so, then (HOURS over 48) its first 48 hours (default: the month, then "
+                   "its first 48 hours)")
     p.add_argument("--pool-size", type=int, default=336, help="with --only backlog: GPUs")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -714,22 +780,21 @@ def main(argv=None) -> int:
         sensei_text, _, best = sensei_part(workload, words, log)
         replace_part("### Notebooks alone", "\n".join([sensei_text, users_part(data, args.seed, best, log),
                                                         eta_part(workload, log)]))
-        size = BACKLOG_POOL
-        backlog_text, _ = backlog_part(workload, data, args.seed, size, log)
-        replace_part("### Notebooks plus a batch backlog",
-                     backlog_text + "\n" + backlog_part(workload, data, args.seed, size, log, 48.0)[0])
-        log("wrote the notebook subsections of bench/REPORT.md")
+        log("wrote the notebooks-alone subsection of bench/REPORT.md")
         return 0
     if args.only == "backlog":
-        print(backlog_part(workload, data, args.seed, args.pool_size, log)[0] if args.hours is None else "")
-        print(backlog_part(workload, data, args.seed, args.pool_size, log, args.hours or 48.0)[0])
+        backlog_text, _ = backlog_part(workload, data, args.seed, args.pool_size, log, args.hours)
+        if args.hours is None or args.hours > 48:
+            backlog_text += "\n" + backlog_part(workload, data, args.seed, args.pool_size, log, 48.0, window=True)[0]
+        replace_part("### Notebooks plus a batch backlog", backlog_text)
+        log("wrote the backlog subsection of bench/REPORT.md")
         return 0
     sensei_text, _, best = sensei_part(workload, words, log)
     users_text = users_part(data, args.seed, best, log)
     eta_text = eta_part(workload, log)
     size = BACKLOG_POOL
     backlog_text, _ = backlog_part(workload, data, args.seed, size, log)
-    backlog_text += "\n" + backlog_part(workload, data, args.seed, size, log, 48.0)[0]
+    backlog_text += "\n" + backlog_part(workload, data, args.seed, size, log, 48.0, window=True)[0]
     multidim_text = multidim_part(data, OPENB_SEEDS, log)
     openb_text, _ = openb_part(data, log) if data else ("", None)
     body = "\n".join([
@@ -752,7 +817,8 @@ def main(argv=None) -> int:
         ".venv/bin/python bench/simulate_report.py            # this whole section and bench/sim_*.png",
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size},{size + 32}",
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size} --policy gpupool --backlog",
-        ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog tables alone (about 8 min)",
+        ".venv/bin/python bench/simulate_report.py --only notebooks   # the notebooks-alone subsection (6-10 min)",
+        ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog subsection alone (over an hour; --hours 360: 3 min)",
         ".venv/bin/gpupool simulate --data ../shared/data --users 300 --pool-size 352",
         ".venv/bin/gpupool simulate --workload openb --data ../shared/data --dimensions all",
         ".venv/bin/python bench/simulate_report.py --only openb-multidim   # that subsection alone (about 4 min)",
