@@ -131,14 +131,14 @@ class LeaseQueue:
                          resume_moves=self.pool_leases.resume_moves)
         return Drained(placed, over)
 
-    @staticmethod
-    def _resumes(session: Session) -> list[wait_queue.Waiting]:
+    def _resumes(self, session: Session) -> list[wait_queue.Waiting]:
         """The parked leases whose resume was asked for, as the queue waits for them (their GPUs and
         their node's checkpointer loaded: one query each)."""
         leases = session.scalars(select(Lease).where(RESUMING).options(selectinload(Lease.gpus))).all()
         nodes = {node.name: node for node in session.scalars(
             select(Node).where(Node.name.in_(sorted({lease.node_name for lease in leases}))))} if leases else {}
-        asks = [(lease, parked.resume_ask(lease, nodes[lease.node_name])) for lease in leases
+        share = self.pool_nodes.host_share
+        asks = [(lease, parked.resume_ask(lease, nodes[lease.node_name], share)) for lease in leases
                 if nodes.get(lease.node_name) is not None and nodes[lease.node_name].state != "lost"]
         return [wait_queue.Waiting(lease.id, lease.owner, ask.demand(), lease.resume_requested_at, lease.lease_class,
                                    ask) for lease, ask in asks]

@@ -103,6 +103,8 @@ def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
         gpus = {g.uuid: g for g in tx.session.scalars(select(GPU).where(GPU.uuid.in_(decision.gpus)))}
         tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # the kept bytes leave them
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
+    if decision.cpus is not None and decision.host_memory is not None:  # a default host share, placed anew
+        lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
     lease.resume_requested_at = None
     where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
     transition(tx, lease, LeaseState.starting, f"resuming on {decision.node}: {where}", now)
@@ -240,21 +242,25 @@ def report(tx: Transaction, lease: Lease, got: WorkerReport) -> bool:
     return True
 
 
-def resume_ask(lease: Lease, node: Node | None) -> Resume:
+def resume_ask(lease: Lease, node: Node | None, host_share: float | None = None) -> Resume:
     """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`);
-    a cell frozen mid-way in memory (its worker busy) may not move: the move's spill would interrupt it."""
+    a cell frozen mid-way in memory may not move (:func:`may_move`); ``host_share``
+    (``c.PoolNodes.host_share``): where the lease asked no host, it asks the default share again."""
     remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
                   lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, may_move(lease, True),
-                  lease.park_code == ParkCode.preemption)
+                  lease.park_code == ParkCode.preemption,
+                  host_share if lease.requested_cpus is None and lease.requested_host_memory is None else None)
 
 
 def may_move(lease: Lease, moves: bool) -> bool:
     """Whether ``lease``'s resume may go to another node when its own has no room: ``moves``
-    (``c.PoolLeases.resume_moves``) allows it, and no cell is frozen mid-way in memory
-    (:func:`resume_ask`)."""
-    return moves and not (lease.park_tier == "memory" and is_busy(lease))
+    (``c.PoolLeases.resume_moves``) allows it, and no cell is frozen mid-way in memory (only a
+    preemption freezes a running cell; any other park is refused while one runs, so a ``busy``
+    reported before such a park is stale)."""
+    frozen_cell = lease.park_tier == "memory" and lease.park_code == ParkCode.preemption and is_busy(lease)
+    return moves and not frozen_cell
 
 
 def shown(lease: Lease, estimate: float | None, moves: bool = False) -> dict[str, Any] | None:

@@ -189,8 +189,8 @@ class Parking:
                 await self.leases.release(lease_id, LeaseState.failed, f"its parked worker is gone from {job.node} "
                                           f"({exc.message}): its variables and state there are gone")
             else:
-                self.leases.after_drain(await self.state.work.write(self._unresumed_now, lease_id, exc.message,
-                                                                    job.node))
+                await self._back_parked(lease_id, f"its resume on {job.node} failed ({exc.message}); it stays "
+                                        "parked: resume again to retry", move=False)
             return
         seconds = await self.state.work.write(self._resumed_now, lease_id, answer)
         if seconds is not None:
@@ -210,7 +210,7 @@ class Parking:
         lease_id, old, new = job.request.lease_id, job.moved_from, job.node
         reason = f"moving to {new}: {old} has no room"
         if job.spill_from is None:
-            await self._unmoved(lease_id, f"it could not move to {new}: its old node {old} is no longer known")
+            await self._back_parked(lease_id, f"it could not move to {new}: its old node {old} is no longer known")
             return
         running = await self.state.work.read(self._running_cell_now, lease_id)
         if running is None:
@@ -222,7 +222,7 @@ class Parking:
                 raise GPUPoolError(Reason.cannot_park, f"the agent on {old} kept it {spill.tier}, not on disk", 502)
         except GPUPoolError as exc:
             log.warning("lease %s: move to %s failed: %s did not spill it: %s", lease_id, new, old, exc.message)
-            await self._unmoved(lease_id, f"it could not move to {new}: the agent on {old} did not spill it to disk "
+            await self._back_parked(lease_id, f"it could not move to {new}: the agent on {old} did not spill it to disk "
                                 f"({exc.message}); it stays parked on {old}: resume again to retry")
             return
         if not await self.state.work.write(self._spilled_now, lease_id, spill):
@@ -232,7 +232,7 @@ class Parking:
             answer = await self._unless_lost((old, new), self.workers.resume(job))
         except GPUPoolError as exc:
             log.warning("lease %s: move to %s failed: %s", lease_id, new, exc.message)
-            await self._unmoved(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on {old}, "
+            await self._back_parked(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on {old}, "
                                 f"on its disk: resume again to retry")
             return
         seconds = await self.state.work.write(self._resumed_now, lease_id, answer)
@@ -286,19 +286,21 @@ class Parking:
             parked.spilled(tx, lease, answer)
             return True
 
-    async def _unmoved(self, lease_id: str, why: str) -> None:
-        self.leases.after_drain(await self.state.work.write(self._unmoved_now, lease_id, why))
+    async def _back_parked(self, lease_id: str, why: str, move: bool = True) -> None:
+        self.leases.after_drain(await self.state.work.write(self._back_parked_now, lease_id, why, move))
 
-    def _unmoved_now(self, lease_id: str, why: str) -> Drained:
-        """A failed move: ``parked`` on its old node again (:func:`.parked.unmoved`), the new node's
-        share given back and the queue drained on it."""
+    def _back_parked_now(self, lease_id: str, why: str, move: bool) -> Drained:
+        """A resume the agents could not do (``why``, words): ``starting`` -> ``parked`` again
+        (:func:`.parked.unresumed`; a ``move``: on its old node, :func:`.parked.unmoved`), the share
+        it took given back and the queue drained on it."""
         now = self.state.now()
         with self.state.writing() as tx:
             self.state.store.lock_capacity(tx.session)
             lease = tx.session.get(Lease, lease_id)
-            if lease is None or lease.state != LeaseState.starting.value or not parked.is_move(lease):
+            if lease is None or lease.state != LeaseState.starting.value \
+                    or not (parked.is_move(lease) if move else parked.is_resume(lease)):
                 return Drained()
-            parked.unmoved(tx, lease, why, now)
+            (parked.unmoved if move else parked.unresumed)(tx, lease, why, now)
             return self.queue.drain_in(tx, now)
 
     def _resumed_now(self, lease_id: str, answer: WorkerResumed) -> float | None:
@@ -312,18 +314,6 @@ class Parking:
             placed_at = lease.events[-1].at if lease.events else now
             parked.resumed(tx, lease, answer, now)
             return max(0.0, (now - placed_at).total_seconds())
-
-    def _unresumed_now(self, lease_id: str, why: str, node: str) -> Drained:
-        """``starting`` -> ``parked`` again, its share given back and the queue drained on it."""
-        now = self.state.now()
-        with self.state.writing() as tx:
-            self.state.store.lock_capacity(tx.session)
-            lease = tx.session.get(Lease, lease_id)
-            if lease is None or lease.state != LeaseState.starting.value or not parked.is_resume(lease):
-                return Drained()
-            parked.unresumed(tx, lease, f"its resume on {node} failed ({why}); it stays parked: resume again to "
-                             "retry", now)
-            return self.queue.drain_in(tx, now)
 
     # -- the owner's calls ------------------------------------------------------------------------
 

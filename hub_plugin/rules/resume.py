@@ -56,7 +56,11 @@ class Resume:
     and whether its park was a preemption (``preempted``: its resume waits
     behind the requests already waiting, as a new request would, instead of
     going ahead of its class's new requests: else it would take back at once
-    the room its preemption freed for them)."""
+    the room its preemption freed for them). ``host_share``: set where the lease
+    asked no host (``c.PoolNodes.host_share``): its host is then the default
+    share again, which gives way to parked leases as a new lease's does,
+    instead of ``cpus`` and ``host_memory`` as granted before (a whole node's
+    share would never fit again beside another lease parked there)."""
 
     node: str
     gpus: tuple[str, ...]
@@ -72,10 +76,13 @@ class Resume:
     env: str | None = None
     movable: bool = True
     preempted: bool = False
+    host_share: float | None = None
 
     def demand(self, *, model: str | None = None, env: str | None = None) -> Demand:
         """The slice as a scheduler :class:`.scheduler.Demand` (of ``model``: only that GPU name;
         ``env``: only on nodes offering that worker environment)."""
+        if self.host_share is not None:
+            return Demand(self.fraction, self.gpu_count, self.memory, model, env, None, None, self.host_share)
         return Demand(self.fraction, self.gpu_count, self.memory, model, env, self.cpus, self.host_memory)
 
 

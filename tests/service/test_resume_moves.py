@@ -19,7 +19,9 @@ import shutil
 import signal
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from frontend import install_kernelspec, run, start_gpupool_kernel
@@ -207,22 +209,39 @@ def test_a_move_whose_old_agent_is_gone_leaves_it_parked_on_its_node(two_nodes):
         wait_for(lambda: not processes_mentioning(str(node_1.state_dir)), 15, "node-1's workers gone")
 
 
+@contextmanager
+def notebook(svc, tmp_path: Path) -> Iterator[StatusComm]:
+    """A gpupool kernel on ``svc``'s pool with a front end's status comm open; its lease given up after."""
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        yield StatusComm(kc)
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def notebook_parked_on_a_full_node_1(svc, comm: StatusComm) -> tuple[str, Lease]:
+    """The notebook's lease (id) parked on node-1 holding :data:`STATE`, and the lease that took node-1
+    since (the parked lease's claim sends a first new lease to node-2, released at once)."""
+    assert comm.run("%gpu acquire 1").ok
+    lease_id = svc.client().list_leases()[0].id
+    assert comm.run(STATE).ok
+    assert comm.run("%gpu park").ok
+    elsewhere, taker = acquire(svc), acquire(svc)
+    assert (elsewhere.node, taker.node) == ("node-2", "node-1"), "node-1 taken while the lease is parked"
+    svc.client().release(elsewhere.id)
+    return lease_id, taker
+
+
 def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes, tmp_path):
     """The gpupool kernel's next cell after a park, with node-1 taken meanwhile, resumes the lease on
     node-2 (a cold move), reconnects to the new worker there and finds what pickles; it says where
     the lease went and what was not kept, and %gpu status shows the new node."""
     svc, _, _ = two_nodes
-    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
-    km, kc = start_gpupool_kernel(kernels, tmp_path)
-    try:
-        comm = StatusComm(kc)  # the JupyterLab extension's: its notification says the move too
-        assert comm.run("%gpu acquire 1").ok
-        lease_id = svc.client().list_leases()[0].id
-        assert comm.run(STATE).ok
-        assert comm.run("%gpu park").ok
-        elsewhere, taker = acquire(svc), acquire(svc)  # the parked lease's claim sends the first elsewhere
-        assert (elsewhere.node, taker.node) == ("node-2", "node-1"), "node-1 taken while the lease is parked"
-        svc.client().release(elsewhere.id)
+    with notebook(svc, tmp_path) as comm:  # the JupyterLab extension's comm: its notification says the move too
+        lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
         after = comm.run("import os\nprint(x + 1, os.environ['GPUPOOL_LEASE_ID'])", timeout=120)
         assert after.ok, after.text()
         notified = comm.event("resumed")["message"]
@@ -233,10 +252,6 @@ def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes
         assert after.stdout.strip().splitlines()[-1].split() == ["42", lease_id], after.text()
         assert "node-2" in comm.run("%gpu status").text()
         svc.client().release(taker.id)
-    finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_again(two_nodes, tmp_path):
@@ -245,17 +260,8 @@ def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_ag
     the next cell: meanwhile the status bar shows it attached on node-2 (not parked), a "resumed"
     event says so, and %gpu park parks it there."""
     svc, _, _ = two_nodes
-    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
-    km, kc = start_gpupool_kernel(kernels, tmp_path)
-    try:
-        comm = StatusComm(kc)
-        assert comm.run("%gpu acquire 1").ok
-        lease_id = svc.client().list_leases()[0].id
-        assert comm.run(STATE).ok
-        assert comm.run("%gpu park").ok
-        elsewhere, taker = acquire(svc), acquire(svc)
-        assert (elsewhere.node, taker.node) == ("node-2", "node-1")
-        svc.client().release(elsewhere.id)
+    with notebook(svc, tmp_path) as comm:
+        lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
         comm.ask({"request": "resume"})
         resumed = comm.event("resumed", timeout=60)["message"]
         assert resumed.startswith(f"resumed {lease_id} on node-2") and "moved from node-1" in resumed, resumed
@@ -269,10 +275,6 @@ def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_ag
         after = comm.run("print(x + 1)", timeout=120)
         assert after.ok and after.text().strip().splitlines()[-1] == "42", after.text()
         svc.client().release(taker.id)
-    finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_a_move_whose_old_agent_stops_answering_gives_up_once_its_node_is_lost(tmp_path, simgpu_root):
@@ -302,5 +304,28 @@ def test_a_move_whose_old_agent_stops_answering_gives_up_once_its_node_is_lost(t
         svc.client().release(parked.id)
     finally:
         for agent in reversed(agents):
+            agent.stop()
+        svc.stop()
+
+
+def test_with_moves_off_a_resume_takes_the_room_pressure_frees_on_its_node(tmp_path, simgpu_root):
+    """node-1's GPU taken while the lease is parked; its resume presses on the taker, which is
+    parked early after the pressure grace (1 s here), and the resume takes the room it frees there:
+    its default host share (the whole host of this one-GPU node) gives way to the taker's parked
+    state as a new lease's does, where its old share would never fit beside it again."""
+    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "resume_moves": False,
+                                          "pressure_grace": 1.0, "worker_stop_timeout": 5.0})
+    agent = None
+    try:
+        agent = start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS)
+        parked, taker = parked_on_a_full_node_1(svc, both_nodes=False)
+        svc.client().resume(parked.id)
+        back = until(svc, parked.id, "active", timeout=60)
+        assert back.node == "node-1" and cell(back.connection, "print(x + 1)").strip() == "42"
+        assert svc.client().get_lease(taker.id).state is LeaseState.parked, "the taker was parked early"
+        svc.client().release(taker.id)
+        svc.client().release(back.id)
+    finally:
+        if agent is not None:
             agent.stop()
         svc.stop()

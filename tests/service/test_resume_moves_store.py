@@ -121,7 +121,8 @@ def test_a_cell_frozen_mid_way_waits_for_its_own_node_instead_of_moving(store):
     from gpupool.hub_plugin.models import Lease
 
     with store.write() as session:
-        session.get(Lease, PARKED).worker_state = "busy"
+        frozen = session.get(Lease, PARKED)
+        frozen.worker_state, frozen.park_code = "busy", "preemption"
 
     async def body(pool):
         return await pool.parking.resume_by(ann(), PARKED)
