@@ -161,7 +161,7 @@ async def _namespace(http: Any, source: SpillSource, url: str, lease_id: str, pa
     status: list[int] = []
     refusal = bytearray()
     pending: list[bytes] = []
-    written = 0
+    written = pending_bytes = 0
     failed: list[OSError] = []  # this node's disk, not the other agent, when a write fails
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
@@ -176,15 +176,17 @@ async def _namespace(http: Any, source: SpillSource, url: str, lease_id: str, pa
             data = data[os.write(fd, data):]
 
     async def on_chunk(chunk: bytes) -> None:  # awaited by tornado before it reads on: the disk sets the pace
-        nonlocal written
+        nonlocal written, pending_bytes
         if status[:1] != [200]:
             refusal.extend(chunk[:_ERROR_BODY_BYTES - len(refusal)])
             return
         pending.append(chunk)
         written += len(chunk)
-        if sum(map(len, pending)) >= CHUNK_BYTES:
+        pending_bytes += len(chunk)
+        if pending_bytes >= CHUNK_BYTES:
             chunks = pending[:]
             pending.clear()
+            pending_bytes = 0
             try:
                 await asyncio.to_thread(write, chunks)
             except OSError as exc:
