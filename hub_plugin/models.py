@@ -188,7 +188,8 @@ class Lease(Base):
     #: ``active``): ``park_tier`` the tier asked for while parking, then the one the agent
     #: reported (``memory``, ``disk``); ``park_code`` why (:class:`.rules.reclaim.ParkCode`:
     #: idle, pressure, preemption, owner) beside ``park_reason``, its words; ``parked_at`` when the
-    #: park began, then when it was done; ``park_checkpointer`` the one that moved the GPU state;
+    #: park began, then when it was done (kept through a resume or move that failed);
+    #: ``park_checkpointer`` the one that moved the GPU state;
     #: bytes ``parked_host_bytes`` (host RAM held on the node), ``parked_disk_bytes`` (what a
     #: spill wrote), ``gpu_bytes_moved``, ``gpu_bytes_kept`` (still taken on its GPUs, counted
     #: there by placement); ``parked_lost`` what could not be kept, in words; and

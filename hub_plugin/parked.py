@@ -200,8 +200,15 @@ def resumed(tx: Transaction, lease: Lease, answer: WorkerResumed, now: datetime)
 
 def unresumed(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
     """A resume the agent could not do (``why``, words): ``starting`` -> ``parked`` again, its
-    share given back; no resume waits until one is asked for again."""
-    lease.parked_at, lease.resume_requested_at = now, None
+    share given back; no resume waits until one is asked for again. The park goes on: its
+    ``parked_at`` is kept ("parked for" counts from the park, not from this failure), and the time
+    :func:`leave` counted at the resume's placement is taken back, so that the park's end counts
+    it all once, the failed try included (no usage span was open during it)."""
+    placed_at = next((e.at for e in reversed(lease.events) if e.state == LeaseState.starting.value), None)
+    if lease.parked_at is not None and placed_at is not None:
+        counted = max(0.0, (placed_at - lease.parked_at).total_seconds())
+        lease.parked_seconds = max(0.0, (lease.parked_seconds or 0.0) - counted)
+    lease.resume_requested_at = None
     transition(tx, lease, LeaseState.parked, why, now)
 
 

@@ -196,6 +196,7 @@ def test_a_move_whose_old_agent_is_gone_leaves_it_parked_on_its_node(two_nodes):
                               f"agent at {node_1.url}/workers/{parked.id}/park could not be reached"), why
         assert why.endswith("it stays parked on node-1: resume again to retry"), why
         assert back.node == "node-1" and back.parked["tier"] == "memory" and not back.parked["resume_requested"]
+        assert back.parked["since"] == parked.parked["since"], "parked since its park, not since the failed move"
         assert gpu_allocations(svc) == [1.0, 0.0], "node-2's share free again"
         svc.client().release(taker.id)
         svc.client().release(parked.id)

@@ -158,3 +158,34 @@ def test_the_old_nodes_reports_of_a_moving_lease_are_left_alone_until_the_move_e
     moving, moved = in_pool(store, body)
     assert moving == ([], []), "its spill waits there for the new node to fetch it"
     assert moved == ([PARKED], []), "a spill left behind is stopped by the old node's agent"
+
+
+def test_a_failed_move_keeps_the_time_the_lease_was_parked(store):
+    """"parked for" (the lease JSON's ``parked.since``, which ``%gpu status`` and ``gpupool status``
+    count from) stays the park's, not the failed move's; ``parked_seconds`` counts the park once
+    at its end, the failed try included."""
+    from gpupool.hub_plugin.config import PoolLeases, PoolNodes, ServiceSettings
+    from gpupool.tables import parked_words
+    from gpupool.wire.leases import Lease
+
+    clock = {"now": T0 + timedelta(seconds=600)}
+
+    async def body(pool):
+        await pool.parking.resume_by(ann(), PARKED)
+        for _ in range(100):  # placed on n2 at once, then n1's agent is not there
+            await asyncio.sleep(0.05)
+            if get(store, PARKED).events[-1].state == "parked":
+                break
+        clock["now"] = T0 + timedelta(seconds=900)
+        shown = await pool.views.get(ann(), PARKED)
+        await pool.leases.release_by(ann(), PARKED, None)
+        return shown
+
+    settings = ServiceSettings(nodes=PoolNodes(worker_stop_timeout=2.0, node_ttl=3600), leases=PoolLeases())
+    shown = stores.in_pool(store, body, lambda: clock["now"], settings)
+    assert [e["state"] for e in shown["events"]] == ["starting", "parked"], shown["events"]
+    assert shown["parked"]["since"].startswith("2026-12-02T12:00:00"), shown["parked"]
+    words = parked_words(Lease.from_json(shown), now=T0 + timedelta(seconds=900))
+    assert words.startswith("parked in memory on n1 for 15m "), words
+    lease = get(store, PARKED)
+    assert lease.state == "released" and lease.parked_seconds == 900.0, lease.parked_seconds
