@@ -275,8 +275,8 @@ def gpu_utilization(pool: dict[str, Any]) -> dict[str, float | None]:
 def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per GPU of ``GET /pool`` (a node that lists none gets one row
     with GPU ``-``): node, state, enforcement, host (its CPU cores and
-    memory, as its agent reports them), GPU, memory, allocated share,
-    leases; then, for each node that is not ``up``, a line saying why
+    memory, as its agent reports them), GPU, memory, allocated share and
+    leases (each with what parked leases claim there apart, :func:`allocated_cell`); then, for each node that is not ``up``, a line saying why
     (its ``state_reason``) and what that means for leases, and for each node
     holding parked leases what they hold there (:func:`parked_note`); then, when some
     node offers a choice of worker environments, :func:`environment_table`."""
@@ -289,8 +289,8 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
             notes.append(parked_note(node))
         for gpu in node.get("gpus") or [None]:
             cells = ["-", "-", "0.00", 0] if gpu is None else [
-                f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")),
-                f"{gpu.get('allocated_fraction', 0):.2f}", gpu.get("leases", 0)]
+                f"{gpu['index']}: {gpu['name']}", format_bytes(gpu.get("memory_total")), allocated_cell(gpu),
+                leases_cell(gpu)]
             rows.append([node["name"], state, node.get("enforcement") or "-", host_cell(node), *cells])
     text, markup = table(["node", "state", "enforcement", "host", "GPU", "memory", "allocated", "leases"], rows)
     if notes:
@@ -300,6 +300,23 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
         env_text, env_markup = environment_table(pool)
         text, markup = f"{text}\n\n{env_text}", markup + env_markup
     return text, markup
+
+
+def allocated_cell(gpu: dict[str, Any]) -> str:
+    """A GPU's allocated share of ``GET /pool``, with the share its parked leases claim apart:
+    ``'0.50'``, ``'0.00 + 0.25 parked'`` (a parked lease holds no share; its claim keeps the room
+    for its resume while other room fits)."""
+    words = f"{gpu.get('allocated_fraction', 0):.2f}"
+    if gpu.get("parked_fraction"):
+        words += f" + {gpu['parked_fraction']:.2f} parked"
+    return words
+
+
+def leases_cell(gpu: dict[str, Any]) -> str | int:
+    """A GPU's leases of ``GET /pool``: those holding a share, then its parked ones (``'0 + 1 parked'``)."""
+    if gpu.get("parked_leases"):
+        return f"{gpu.get('leases', 0)} + {gpu['parked_leases']} parked"
+    return gpu.get("leases", 0)
 
 
 def host_cell(node: dict[str, Any]) -> str:

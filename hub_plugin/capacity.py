@@ -47,13 +47,15 @@ class Allocation:
     leases: int = 0
     parked_fraction: float = 0.0
     parked_memory: int = 0
+    parked_leases: int = 0
 
 
 def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[str, Allocation]:
     """GPU UUID -> what the leases holding capacity take of it (of ``uuids`` only,
     when given), the GPU memory parked leases could not free there
     (``gpu_bytes_kept``, shared evenly by their GPUs: memory, no fraction, not counted in ``leases``)
-    and the rest of the parked leases' share, claimed for their resume (``parked_fraction``, ``parked_memory``)."""
+    and the rest of the parked leases' share, claimed for their resume (``parked_fraction``, ``parked_memory``,
+    by ``parked_leases``)."""
     query = (select(LeaseGPU.gpu_uuid, Lease.state, Lease.fraction, Lease.memory, Lease.gpu_count,
                     Lease.gpu_bytes_kept)
              .join(Lease, Lease.id == LeaseGPU.lease_id)
@@ -69,6 +71,7 @@ def allocations(session: Session, uuids: Collection[str] | None = None) -> dict[
             alloc.memory += kept_here
             alloc.parked_fraction += fraction
             alloc.parked_memory += max(0, memory - kept_here)
+            alloc.parked_leases += 1
             continue
         alloc.fraction += fraction
         alloc.memory += memory

@@ -19,7 +19,10 @@ class PoolGPU(Body):
     leases may share, its total less the driver's reserve and the CUDA
     context overhead), ``allocated_fraction`` summed over the leases on it,
     ``leases`` a count (whose leases they are is not shown), ``memory_used``
-    and ``utilization`` (percent) the latest NVML readings."""
+    and ``utilization`` (percent) the latest NVML readings; ``parked_fraction``
+    the share its parked leases (``parked_leases`` of them) hold no more but
+    claim for their resume: not allocated, only kept free while other room fits
+    (docs/placement.md, "Parked leases")."""
 
     uuid: str = wired(Spec("string"))
     name: str = wired(Spec("string"))
@@ -32,6 +35,9 @@ class PoolGPU(Body):
     healthy: bool = wired(Spec("boolean"))
     memory_used: int | None = wired(Spec("integer", nullable=True))
     utilization: float | None = wired(Spec("number", nullable=True))
+    parked_fraction: float = wired(Spec("number", "the share leases parked on it claim for their resume (not "
+                                        "allocated: new leases take it only when no other room fits)"), 0.0)
+    parked_leases: int = wired(Spec("integer", "leases parked on it (not counted in leases)"), 0)
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,14 @@ class PoolNode(Body):
 class PoolTotals(Body):
     """``gpus`` counts every GPU, ``allocated`` sums the allocated fractions,
     ``free`` the free fractions of the GPUs that can take work (healthy, on
-    an ``up`` node)."""
+    an ``up`` node), ``parked`` the parked leases' claimed fractions (a part
+    of ``free`` where their GPUs can take work)."""
 
     gpus: int = wired(Spec("integer"))
     allocated: float = wired(Spec("number"))
     free: float = wired(Spec("number"))
+    parked: float = wired(Spec("number", "the share parked leases claim for their resume, summed (not allocated)"),
+                          0.0)
 
 
 @dataclass(frozen=True)

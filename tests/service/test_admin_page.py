@@ -27,6 +27,9 @@ FACTS = """(() => {
     usage: [...document.querySelectorAll('.usage-user')].map(e => e.dataset.user),
     bars: document.querySelectorAll('rect.usage-bar').length,
     gpus: [...document.querySelectorAll('#gpus tr[data-gpu] td.alloc')].map(td => td.innerText),
+    claimed: [...document.querySelectorAll('#gpus tr[data-gpu] td.claimed')].map(td => td.innerText),
+    claimBars: document.querySelectorAll('#gpus span.bar span.claim').length,
+    totals: document.querySelector('#totals').innerText,
     quotas: (document.querySelector('#quotas') || {innerText: ''}).innerText,
     parked: [...document.querySelectorAll('#leases tr.lease')].filter(r => r.querySelector('span.parked'))
       .map(r => r.dataset.owner + ': ' + r.querySelector('td.state').innerText),
@@ -78,6 +81,9 @@ def test_admin_and_user_pages(jupyterhub):
         assert sorted(facts["leases"]) == ["ann", "bob"]
         assert sorted(facts["usage"]) == ["ann", "bob"] and facts["bars"] >= 2
         assert sorted(facts["gpus"]) == ["0.00", "0.50"], "the parked lease's share is back in the pool"
+        assert sorted(facts["claimed"]) == ["", "0.25 (1 parked lease)"], "and claimed there for its resume"
+        assert facts["claimBars"] == 1
+        assert "0.25 of the pool claimed by parked leases" in facts["totals"], facts["totals"]
         [row] = facts["parked"]
         assert row.startswith("bob: parked (in memory, ") and "of host RAM" in row, row
         assert "1 lease, " in facts["parkedNodes"] and "simulated" in facts["parkedNodes"], facts["parkedNodes"]

@@ -208,6 +208,8 @@ def test_an_idle_lease_is_parked_at_its_idle_deadline_and_resumes_as_it_was(park
     assert parked.idle_deadline is None and parked.worker["pid"] == pid
     # The share is free in the pool; the node's parked memory says what the park holds.
     assert (parks.gpu()["allocated_fraction"], parks.gpu()["leases"]) == (0.0, 0)
+    assert (parks.gpu()["parked_fraction"], parks.gpu()["parked_leases"]) == (1.0, 1), "its claim, shown apart"
+    assert parks.svc.client().pool()["totals"]["parked"] == 1.0
     node = parks.node()
     assert (node["parked_leases"], node["parked_host_bytes"], node["checkpointer"]) == (1, park["host_bytes"],
                                                                                       "simulated")
@@ -225,7 +227,9 @@ def test_an_idle_lease_is_parked_at_its_idle_deadline_and_resumes_as_it_was(park
     assert samples[("gpupool_parks_total", (("reason", "idle"), ("tier", "memory")))] >= 1
     text = lease_table([still])[0]
     assert "parked in memory on node-1 for" in text and "a resume takes about" in text, text
-    assert "node-1 holds 1 parked lease: " in pool_table(parks.svc.client().pool())[0]
+    shown = pool_table(parks.svc.client().pool())[0]
+    assert "node-1 holds 1 parked lease: " in shown
+    assert "  0.00 + 1.00 parked  0 + 1 parked" in shown, "the GPU is held by a parked lease, not free"
 
     resumed = parks.svc.client().resume(lease.id)
     assert resumed.state in (LeaseState.starting, LeaseState.active)
@@ -236,7 +240,7 @@ def test_an_idle_lease_is_parked_at_its_idle_deadline_and_resumes_as_it_was(park
     assert resumed.parked_seconds >= 1.5
     assert cell(kc, CHECK).split() == [str(pid), "True", "15", "9", "True"], "the worker's state is intact"
     wait_for(lambda: (parks.gpu()["memory_used"] or 0) >= GiB, 10, "the GPU memory back")
-    assert parks.gpu()["allocated_fraction"] == 1.0
+    assert (parks.gpu()["allocated_fraction"], parks.gpu()["parked_fraction"]) == (1.0, 0.0)
     time.sleep(0.5)
     assert parks.svc.client().get_lease(lease.id).usage_gpu_seconds == used, "a span is counted when it ends"
     assert parks.svc.client().quota()["usage"]["today_gpu_hours"] > hours, "the running span counts again"
