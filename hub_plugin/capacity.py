@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 HOLDING = tuple(state.value for state in LeaseState if state.holds_capacity)
 PARKED = LeaseState.parked.value
+STARTING = LeaseState.starting.value
 
 
 @dataclass
@@ -121,10 +122,27 @@ def environment_offer(reported: list[dict[str, Any]] | None) -> tuple[frozenset[
             next((e["name"] for e in envs if e.get("default")), None))
 
 
+def moving_host_bytes(session: Session, nodes: Collection[str] | None = None) -> dict[str, int]:
+    """Node -> host bytes that leases moving away from it still hold there (of ``nodes`` only, when
+    given): a cold move (:func:`.parked.moving`) makes the lease ``starting`` on its new node at once,
+    but its frozen worker keeps its ``parked_host_bytes`` on the old node (``moved_from``) until the
+    move's spill is done (:func:`.parked.spilled` makes them 0). Counted there as parked bytes, so
+    that nothing is placed on that RAM meanwhile. Only moves with bytes in memory are read: few rows."""
+    rows = session.execute(select(Lease.moved_from, Lease.parked_host_bytes).where(
+        Lease.state == STARTING, Lease.park_tier.is_not(None), Lease.parked_host_bytes > 0))
+    held: dict[str, int] = defaultdict(int)
+    for moved_from, host_bytes in rows:
+        node = (moved_from or {}).get("node") if isinstance(moved_from, dict) else None
+        if node is not None and (nodes is None or node in nodes):
+            held[node] += int(host_bytes)
+    return dict(held)
+
+
 def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[str, HostState]:
     """Node -> its host (cores, RAM, GPU count, what holding leases take, and the
-    host RAM its parked leases hold, ``parked_host_bytes``), for the nodes (of
-    ``nodes`` only, when given) whose agent reported a host. One query."""
+    host RAM its parked leases hold, ``parked_host_bytes``, with what leases moving
+    away from it still hold there, :func:`moving_host_bytes`), for the nodes (of
+    ``nodes`` only, when given) whose agent reported a host. Two queries."""
     holding = (Lease.node_name == Node.name) & Lease.state.in_(HOLDING)
     parked = (Lease.node_name == Node.name) & (Lease.state == PARKED)
     query = select(Node.name, Node.host_cpus, Node.host_memory,
@@ -135,9 +153,13 @@ def host_states(session: Session, nodes: Collection[str] | None = None) -> dict[
                    ).where(Node.host_cpus.is_not(None), Node.host_memory.is_not(None))
     if nodes is not None:
         query = query.where(Node.name.in_(nodes))
-    return {name: HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory) + int(parked_bytes),
-                            int(parked_bytes))
-            for name, cpus, memory, gpus, used_cpus, used_memory, parked_bytes in session.execute(query)}
+    moving = moving_host_bytes(session, nodes)
+    hosts = {}
+    for name, cpus, memory, gpus, used_cpus, used_memory, parked_bytes in session.execute(query):
+        parked_bytes = int(parked_bytes) + moving.get(name, 0)
+        hosts[name] = HostState(name, cpus, memory, gpus, float(used_cpus), int(used_memory) + parked_bytes,
+                                parked_bytes)
+    return hosts
 
 
 class CapacityIndex:

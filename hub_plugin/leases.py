@@ -239,6 +239,7 @@ class LeaseBook:
             lease.reclaim_code = None if code is None else str(code)  # the plain value, for every driver
             was_parked = lease.state == LeaseState.parked.value
             parked.leave(lease, now)
+            tx.changes.gpu_capacity(parked.moving_gpus(lease))  # a move's old node counts it no more
             parked.clear(lease)  # whatever its park held goes with it
             transition(tx, lease, LeaseState.releasing, reason, now)
             if lease.node_name is None or was_parked:

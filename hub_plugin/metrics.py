@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 from gpupool.wire.parking import PARK_TIERS
 
-from .capacity import HOLDING, Allocation, allocations, nodes_with_gpus, usable_memory
+from .capacity import HOLDING, Allocation, allocations, moving_host_bytes, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
 from .rules.reclaim import ParkCode, Reclaim
@@ -96,9 +96,10 @@ class _PoolCollector(Collector):
             alloc = allocations(session)
             held = dict(session.execute(select(Lease.node_name, func.sum(Lease.parked_host_bytes)).where(
                 Lease.state == LeaseState.parked.value).group_by(Lease.node_name)).all())
+            moving = moving_host_bytes(session)  # what leases moving away still hold until their spill
             for node in nodes_with_gpus(session):
                 nodes.add_metric([node.name, node.state], 1)
-                parked.add_metric([node.name], int(held.get(node.name) or 0))
+                parked.add_metric([node.name], int(held.get(node.name) or 0) + moving.get(node.name, 0))
                 if node.parked_memory is not None:
                     budget.add_metric([node.name], node.parked_memory)
                 for gpu in node.gpus:

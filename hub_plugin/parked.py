@@ -160,7 +160,15 @@ def spilled(tx: Transaction, lease: Lease, answer: WorkerParked) -> None:
     lease.park_tier, lease.parked_host_bytes, lease.parked_lost = answer.tier, 0, lost
     lease.parked_disk_bytes = answer.disk_bytes or lease.parked_disk_bytes
     lease.connection = None  # the frozen process ended; the move starts a new one
+    tx.changes.gpu_capacity(moving_gpus(lease))  # its old node's host RAM is free (.capacity.moving_host_bytes)
     tx.changes.lease(lease.id)
+
+
+def moving_gpus(lease: Lease) -> list[str]:
+    """The UUIDs of the GPUs a moving ``lease`` left (``moved_from``), whose node's host counts its
+    frozen worker's RAM until the spill (:func:`.capacity.moving_host_bytes`): a writer that changes
+    that names them. Empty when it is not moving."""
+    return [g["uuid"] for g in (lease.moved_from or {}).get("gpus", ())]
 
 
 def unmoved(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:

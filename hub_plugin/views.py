@@ -20,7 +20,7 @@ from gpupool.schema import LeaseState, isoformat
 from gpupool.wire import leases as wire, pool
 
 from . import parked
-from .capacity import Allocation, allocations, nodes_with_gpus, usable_memory
+from .capacity import Allocation, allocations, moving_host_bytes, nodes_with_gpus, usable_memory
 from .models import Lease
 from .rules.reclaim import PARKED_STATES
 from .rules.resume import resume_seconds
@@ -69,6 +69,7 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
     parks = {row[0]: (row[1], int(row[2] or 0)) for row in session.execute(
         select(Lease.node_name, func.count(), func.sum(Lease.parked_host_bytes))
         .where(Lease.state.in_(PARKED_STATES)).group_by(Lease.node_name))}
+    moving = moving_host_bytes(session)  # leases moving away hold their frozen worker's RAM until the spill
     nodes, total, allocated, free, claimed = [], 0, 0.0, 0.0, 0.0
     for node in nodes_with_gpus(session):
         gpus = []
@@ -91,5 +92,6 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             environments=node.environments or [], host_cpus=node.host_cpus, host_memory=node.host_memory,
             gpus=gpus, checkpointer=(node.checkpointer or {}).get("name"),
             freezes_running_cell=(node.checkpointer or {}).get("mid_cell") is True, parked_memory=node.parked_memory,
-            parked_host_bytes=parks.get(node.name, (0, 0))[1], parked_leases=parks.get(node.name, (0, 0))[0]))
+            parked_host_bytes=parks.get(node.name, (0, 0))[1] + moving.get(node.name, 0),
+            parked_leases=parks.get(node.name, (0, 0))[0]))
     return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9), round(claimed, 9))).to_json()

@@ -107,6 +107,11 @@ def parked_on_a_full_node_1(svc, both_nodes: bool = True) -> tuple[Lease, Lease]
     return parked, taker
 
 
+def parked_bytes(svc) -> dict[str, int]:
+    """Node -> the host bytes ``GET /pool`` says its parked (or moving away) leases hold there."""
+    return {node["name"]: node["parked_host_bytes"] for node in svc.client().pool()["nodes"]}
+
+
 def until(svc, lease_id: str, state: str, timeout: float = 90) -> Lease:
     client = svc.client()
     deadline = time.monotonic() + timeout
@@ -291,8 +296,12 @@ def test_a_move_whose_old_agent_stops_answering_gives_up_once_its_node_is_lost(t
         parked, taker = parked_on_a_full_node_1(svc)
         agents[0].proc.send_signal(signal.SIGSTOP)
         try:
+            held = parked_bytes(svc)
+            assert held["node-1"] > 0 and held["node-2"] == 0, held
             asked = time.monotonic()
-            svc.client().resume(parked.id)
+            moving = svc.client().resume(parked.id)
+            assert (moving.state, moving.node) == (LeaseState.starting, "node-2"), moving.events
+            assert parked_bytes(svc) == held, "until its spill, its frozen worker's RAM is counted on node-1"
             back = wait_for(lambda: (seen := svc.client().get_lease(parked.id)).state is LeaseState.parked
                             and len(seen.events) >= 2 and seen, 60, "placed to move, then parked again")
             assert time.monotonic() - asked < 30, "given up once node-1 was lost, not at the park timeout"

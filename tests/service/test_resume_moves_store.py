@@ -189,3 +189,91 @@ def test_a_failed_move_keeps_the_time_the_lease_was_parked(store):
     assert words.startswith("parked in memory on n1 for 15m "), words
     lease = get(store, PARKED)
     assert lease.state == "released" and lease.parked_seconds == 900.0, lease.parked_seconds
+
+
+def test_a_moving_lease_holds_its_host_memory_on_its_old_node_until_its_spill(store):
+    """Between a move's placement (``starting`` on n2 at once) and its spill, the frozen worker still holds
+    its host RAM on n1: n1's host counts it as parked bytes (placement, ``GET /pool``), n2 its new host
+    reservation. n1's agent here accepts the connection and never answers, so the spill never comes."""
+    from gpupool.hub_plugin.capacity import host_states
+    from gpupool.hub_plugin.models import Lease, Node
+    from gpupool.hub_plugin.views import pool_json
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: the spill's call waits
+    with store.write() as session:
+        for name in ("n1", "n2"):
+            node = session.get(Node, name)
+            node.host_cpus, node.host_memory = 16.0, 256 * GiB
+        session.get(Node, "n1").url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        session.get(Lease, PARKED).parked_host_bytes = 3 * GiB
+
+    async def body(pool):
+        await pool.parking.resume_by(ann(), PARKED)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if get(store, PARKED).state == "starting":
+                break
+        await asyncio.sleep(0.3)  # the move's spill is asked for (and never answered)
+        moving = get(store, PARKED)
+        with store.read() as session:
+            seen = moving, host_states(session), pool_json(session, 0)
+        silent.close()  # the waiting call is reset: the move fails, back parked on n1
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if get(store, PARKED).state == "parked":
+                break
+        return seen
+
+    try:
+        moving, hosts, shown = in_pool(store, body)
+    finally:
+        silent.close()
+    assert (moving.state, moving.node_name, moving.moved_from["node"]) == ("starting", "n2", "n1")
+    assert (hosts["n1"].memory_parked, hosts["n1"].memory_allocated) == (3 * GiB, 3 * GiB), \
+        "its frozen worker's RAM still on n1"
+    assert hosts["n2"].memory_parked == 0 and hosts["n2"].memory_allocated == moving.host_memory, \
+        "n2 counts the new host reservation only"
+    assert {n["name"]: n["parked_host_bytes"] for n in shown["nodes"]} == {"n1": 3 * GiB, "n2": 0}
+    with store.read() as session:
+        assert get(store, PARKED).state == "parked" and host_states(session)["n1"].memory_parked == 3 * GiB, \
+            "back parked on n1, where it is counted as any parked lease"
+
+
+def test_a_moves_spill_gives_its_old_nodes_host_memory_back(store):
+    """Once the move's spill is recorded (:func:`parked.spilled`), n1 counts the moving lease's RAM no more, and
+    the capacity index (its change set names n1's GPUs) sees it too."""
+    from gpupool.hub_plugin import parked
+    from gpupool.hub_plugin.capacity import host_states
+    from gpupool.hub_plugin.models import Lease, LeaseGPU, Node
+    from gpupool.hub_plugin.rules.workload import DEFAULT_WORKLOAD
+    from gpupool.wire.parking import WorkerParked
+
+    with store.write() as session:
+        for name in ("n1", "n2"):
+            node = session.get(Node, name)
+            node.host_cpus, node.host_memory = 16.0, 256 * GiB
+        lease = session.get(Lease, PARKED)
+        lease.state, lease.node_name, lease.parked_host_bytes = "starting", "n2", 3 * GiB
+        lease.moved_from = {"node": "n1", "gpus": [{"uuid": "G-n1", "name": "A100", "index": 0}]}
+        lease.gpus = [LeaseGPU(gpu_uuid="G-n2", name="A100", index=0)]
+
+    async def body(pool):
+        def index_host():
+            with pool.state.writing() as tx:
+                return pool.state.capacity.get(tx.session, DEFAULT_WORKLOAD).hosts["n1"].memory_parked
+
+        before = await pool.state.work.write(index_host)
+
+        def spill():
+            with pool.state.writing() as tx:
+                parked.spilled(tx, tx.session.get(Lease, PARKED), WorkerParked("disk", disk_bytes=GiB))
+
+        await pool.state.work.write(spill)
+        return before, await pool.state.work.write(index_host)
+
+    before, after = in_pool(store, body)
+    assert (before, after) == (3 * GiB, 0)
+    with store.read() as session:
+        assert host_states(session)["n1"].memory_parked == 0
