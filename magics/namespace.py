@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 import symtable
 from typing import Any
 
@@ -19,6 +20,9 @@ from IPython.core.inputtransformer2 import TransformerManager
 
 # IPython's own names in every user namespace; never user state.
 _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "display"}
+
+#: A word that may be a Python identifier (every name a cell reads is one of its words).
+_WORD = re.compile(r"[^\W\d]\w*")
 
 
 #: IPython syntax to Python, without the shell's own transformers (whose routing would wrap the cell).
@@ -116,10 +120,12 @@ def _collect(table: symtable.SymbolTable, found: dict[str, None], top: bool) -> 
 def local_candidates(cell: str, user_ns: dict[str, Any], hidden: dict[str, Any]) -> list[str]:
     """Names ``cell`` reads that the local namespace holds as user state:
     not ``_private``, not put there by IPython (``user_ns_hidden``), not
-    the shell's own helpers. A cell whose text holds none of those names reads
-    none of them, and is not parsed (most cells, once the state lives on the worker)."""
-    held = [name for name in user_ns
-            if not name.startswith("_") and name not in hidden and name not in _SHELL_NAMES and name in cell]
+    the shell's own helpers. A cell none of whose words is such a name reads
+    none of them, and is not parsed (most cells, once the state lives on the
+    worker). The cell's words are looked up, not the namespace walked: it
+    grows at every cell (IPython's ``_i<N>``), and this runs before each one."""
+    held = [name for name in dict.fromkeys(_WORD.findall(cell))
+            if name in user_ns and not name.startswith("_") and name not in hidden and name not in _SHELL_NAMES]
     if not held:
         return []
     return [name for name in names_read(cell) if name in held]

@@ -59,9 +59,10 @@ def test_local_candidates_leave_out_private_hidden_and_shell_names():
     ("print('df')", []),  # in the text, but in a string: parsed, not read
     ("%%time\nmodel(df)", ["model", "df"]),  # a cell magic's body is read
     ("dfx = 1\nprint(dfx)", []),  # df is a part of another name only
+    ("größe * 2", ["größe"]),  # a name that is no ASCII word
 ])
 def test_local_candidates_read_only_cells_that_name_a_local_value(cell, read):
-    assert local_candidates(cell, {"df": 1, "model": print}, {}) == read
+    assert local_candidates(cell, {"df": 1, "model": print, "größe": 2}, {}) == read
 
 
 def test_version_mismatches_name_what_differs_and_ignore_patch_levels():
