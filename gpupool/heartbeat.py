@@ -75,6 +75,7 @@ class LeaseHeartbeat(threading.Thread):
         self._wake = threading.Event()
         self._last_beat = time.monotonic()
         self._retime = False  # work began: wait busy_interval from the last beat, not the idle interval
+        self._wait_until = 0.0  # when the thread's wait for the next beat ends (monotonic seconds)
         # The lease as the last beat saw it, and a callable told of each such lease
         # (the gpupool kernel pushes the state to the front end: gpupool.magics.events).
         self.last: Lease | None = None
@@ -84,7 +85,9 @@ class LeaseHeartbeat(threading.Thread):
     def run(self) -> None:
         wait: float | None = None
         while not self._stopped.is_set():
-            self._wake.wait(self._wait_seconds() if wait is None else wait)
+            wait = self._wait_seconds() if wait is None else wait
+            self._wait_until = time.monotonic() + wait
+            self._wake.wait(wait)
             self._wake.clear()
             wait = None
             if self._stopped.is_set():
@@ -168,8 +171,13 @@ class LeaseHeartbeat(threading.Thread):
         # starts just after a beat has the next one busy_interval after it: the thread is
         # woken to wait that instead of the rest of the idle interval (up to 15 s), which
         # let a worker killed mid-cell read as unreachable rather than as its lease's end.
-        if flag:
-            self._retime = time.monotonic() - self._last_beat <= self.busy_interval
+        if not flag:
+            return
+        now = time.monotonic()
+        self._retime = now - self._last_beat <= self.busy_interval
+        # A back-to-back cell finds the thread already waiting no longer than the retimed wait:
+        # waking it would only cost a thread switch per cell.
+        if not (self._retime and self._wait_until <= self._last_beat + self.busy_interval):
             self._wake.set()
 
     @property

@@ -12,6 +12,7 @@ whole IOPub stream is read (every parent), as a notebook front end sees it.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -106,6 +107,47 @@ def test_after_a_cell_the_next_beat_comes_soon_while_the_service_still_sees_the_
     idle = replace(lease_at(0), worker={"execution_state": "idle"}, idle_since=isoformat(now),
                    idle_deadline=isoformat(now + timedelta(seconds=600)))
     assert 500 < beat._until_due(idle) < 600, "then the deadline's own timing"
+
+
+def test_work_after_a_quiet_spell_beats_at_once_and_back_to_back_cells_keep_the_busy_rhythm():
+    """The heartbeat thread is woken when work starts after a quiet spell (a beat at once) or just
+    after a beat (the next one busy_interval after it, not the idle interval later); cells back
+    to back beat every busy_interval, not once per cell."""
+    from gpupool.heartbeat import LeaseHeartbeat
+
+    beats: list[float] = []
+
+    class Service:
+        def heartbeat(self, lease_id: str) -> Lease:
+            beats.append(time.monotonic())
+            return lease_at(None)
+
+    def beats_within(count: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while len(beats) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(beats) >= count
+
+    beat = LeaseHeartbeat(Service(), "L-1", 60.0, busy_interval=0.3)
+    beat.start()
+    try:
+        time.sleep(0.5)
+        assert beats == [], "the idle interval is a minute"
+        beat.running(True)
+        assert beats_within(1, 2.0), "work after a quiet spell beats at once"
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # cells back to back
+            beat.running(False)
+            beat.running(True)
+            time.sleep(0.002)
+        assert 4 <= len(beats) <= 9, f"{len(beats)} beats: one per busy_interval, not one per cell"
+        beat.running(False)
+        count = len(beats)
+        assert beats_within(count + 1, 2.0)  # the beat after the last cell: the thread now waits a minute
+        beat.running(True)  # work again, just after that beat
+        assert beats_within(count + 2, 2.0), "the next beat comes busy_interval after the last, not a minute"
+    finally:
+        beat.stop()
 
 
 def test_the_words_of_an_ended_lease_say_the_variables_are_lost_and_how_to_go_on():
