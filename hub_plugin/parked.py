@@ -292,4 +292,4 @@ def shown(lease: Lease, estimate: float | None, moves: bool = False) -> dict[str
             "gpu_bytes_moved": lease.gpu_bytes_moved or 0, "gpu_bytes_kept": lease.gpu_bytes_kept or 0,
             "lost": list(lease.parked_lost or []),
             "resume_requested": lease.resume_requested_at is not None or lease.state == LeaseState.starting.value,
-            "resume_estimate_s": estimate, "may_move": may_move(lease, moves)}
+            "resume_estimate_s": estimate, "may_move": may_move(lease, moves), "moving_from": moving_from(lease)}

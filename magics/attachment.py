@@ -7,6 +7,7 @@ magics hold at most one; everything that talks to the worker goes through it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import logging
 import threading
@@ -100,6 +101,31 @@ class Attachment:
                     took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
                     self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then,
                                        kind="resumed")
+
+    def catch_up(self) -> Lease | None:
+        """Ask the service for the lease now and follow it as a beat would: a park, a resume or a
+        move that no beat has shown yet (a beat comes every interval, up to 15 s). A lease resuming
+        (``starting`` with its park: in place, or moving to another node) counts as parked here, so
+        that what needs its worker waits for the resume instead of talking to a worker that is
+        frozen or gone (:meth:`.lifecycle.Lifecycle.release`). Returns the lease, None when the
+        service cannot be asked (nothing changes)."""
+        try:
+            lease = self.client.get_lease(self.lease.id)
+        except GPUPoolError:
+            return None
+        resuming = lease.state is LeaseState.starting and lease.parked is not None
+        with self._parking:
+            if parked_now(lease):
+                self.follow_parking(lease)
+            elif resuming:
+                old = lease.parked.get("moving_from")
+                seen = dataclasses.replace(lease, node=old) if old else lease  # where it was parked
+                if self.parked is None:
+                    self.parked = Parked(seen, noticed=True)
+                    self.remote.pause_liveness(True)
+                else:
+                    self.parked.lease = seen
+        return lease
 
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:

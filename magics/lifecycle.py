@@ -130,10 +130,21 @@ class Lifecycle:
 
     def release(self, discard: bool) -> None:
         """``%gpu release``: bring the worker's variables back unless
-        ``discard``, then release; detached from then on, whatever the service answers."""
+        ``discard``, then release; detached from then on, whatever the service answers.
+        A park, resume or move the heartbeat has not shown yet is asked for first
+        (:meth:`.attachment.Attachment.catch_up`): a lease that moves to another node is
+        followed there (its variables come home from the new worker), or, with ``discard``,
+        released at once, saying its state is gone."""
+        if self._attachment is not None and self._attachment.ended is None:
+            self._attachment.catch_up()
         if discard and self._attachment is not None and self._attachment.parked is not None:
             self._release_parked()
             return
+        moving = _moving_from(self._attachment)
+        if moving:
+            say(f"{self._attachment.lease.id} is moving from {moving} to another node (its state goes from {moving}'s disk to a new "
+                f"worker there): %gpu release waits for it, then brings its variables home; %gpu release "
+                f"--discard gives it up now, without them")
         attachment = self.attached()  # a parked lease resumes first: its variables come home from the worker
         note = ""
         if not discard:
@@ -152,13 +163,18 @@ class Lifecycle:
         self.tell("released", f"released {lease.id} after {format_duration(held_seconds(lease))}")
 
     def _release_parked(self) -> None:
-        """``%gpu release --discard`` of a parked lease: nothing to bring back, no resume."""
+        """``%gpu release --discard`` of a parked (or resuming, or moving) lease: nothing to bring
+        back, no resume waited for."""
         attachment, self._attachment = self._attachment, None
+        moving = _moving_from(attachment)
         try:
             lease = attachment.release(reason="%gpu release --discard")
         finally:
             self.tell()  # detached here, whatever the service answered
-        say(f"{released_words(lease)}; its variables were discarded{service_caveat(lease, '%gpu release --discard')}")
+        gone = (f"; it was moving from {moving} to {lease.node}: its variables were discarded (its state on "
+                f"{moving}'s disk is deleted, nothing of it stays on {lease.node})") if moving else \
+            "; its variables were discarded"
+        say(f"{released_words(lease)}{gone}{service_caveat(lease, '%gpu release --discard')}")
         self.tell("released", f"released {lease.id} (it was parked)")
 
     def restart(self) -> None:
@@ -245,6 +261,15 @@ class Lifecycle:
                 attachment.release(reason=reason)
             except Exception:  # best effort at exit
                 pass
+
+
+def _moving_from(attachment: Attachment | None) -> str | None:
+    """The node a moving lease's state is on (the service's ``parked.moving_from``, as last
+    seen by :meth:`.attachment.Attachment.catch_up`); None when it is not moving."""
+    seen = attachment.parked.lease if attachment is not None and attachment.parked is not None else None
+    if seen is None or seen.state is not LeaseState.starting:
+        return None
+    return (seen.parked or {}).get("moving_from")
 
 
 def service_caveat(lease, asked: str) -> str:

@@ -58,6 +58,9 @@ PARKED_PROPERTIES: dict[str, Any] = {
     "lost": {"type": "array", "items": {"type": "string"}, "description": "what could not be kept, in words"},
     "resume_requested": {"type": "boolean", "description": "a resume is asked for and waits for room"},
     "resume_estimate_s": {"type": ["number", "null"], "description": "seconds a resume takes, roughly"},
+    "moving_from": {"type": ["string", "null"], "description": "while it moves to another node to resume "
+                                                             "(starting there): the node its state is on, "
+                                                             "else null"},
     "may_move": {"type": "boolean", "description": "a resume its node has no room for may go to another node "
                                                    "with room (c.PoolLeases.resume_moves; never a cell frozen "
                                                    "mid-way)"},

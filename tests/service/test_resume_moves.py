@@ -339,3 +339,47 @@ def test_with_moves_off_a_resume_takes_the_room_pressure_frees_on_its_node(tmp_p
         if agent is not None:
             agent.stop()
         svc.stop()
+
+
+#: A state whose move takes seconds (its spill, fetch and load), so that a release finds it moving.
+BIG_STATE = ("import numpy as np, threading\nbig = np.random.default_rng(0).integers(0, 255, 400 * 2**20, "
+             "dtype=np.uint8)\nx = 41\nlock = threading.Lock()\nprint('set')")
+
+
+@pytest.mark.parametrize("discard", [False, True])
+def test_a_release_during_a_move_says_what_becomes_of_the_variables(two_nodes, tmp_path, discard):
+    """The lease is parked and moved behind the notebook's back (its heartbeat has not shown the park
+    yet): %gpu release asks the service first, so it neither pulls from the worker that is frozen or
+    gone nor waits on it. Without --discard it says the move, follows it with progress and brings the
+    variables home from node-2; with --discard it answers at once, saying the variables were discarded
+    with the state on node-1's disk, which goes."""
+    svc, node_1, _ = two_nodes
+    with notebook(svc, tmp_path) as comm:
+        assert comm.run("%gpu acquire 1").ok
+        lease_id = svc.client().list_leases()[0].id
+        assert comm.run(BIG_STATE, timeout=120).ok
+        assert svc.client().park(lease_id).state is LeaseState.parked
+        elsewhere, taker = acquire(svc), acquire(svc)
+        assert (elsewhere.node, taker.node) == ("node-2", "node-1")
+        svc.client().release(elsewhere.id)
+        moving = svc.client().resume(lease_id)
+        assert (moving.state, moving.node, moving.parked["moving_from"]) == (LeaseState.starting, "node-2", "node-1")
+        asked = time.monotonic()
+        done = comm.run("%gpu release --discard" if discard else "%gpu release", timeout=120)
+        took, text = time.monotonic() - asked, done.text()
+        assert done.ok, text
+        gone = svc.client().get_lease(lease_id)
+        assert gone.state is LeaseState.released, gone.events
+        if discard:
+            assert took < 3.0, f"answered at once, not after the move: {took:.1f}s"
+            assert (f"released {lease_id} after " in text and "; it was moving from node-1 to node-2: its variables "
+                    "were discarded (its state on node-1's disk is deleted, nothing of it stays on node-2)") in text, \
+                text
+            assert "active" not in [e["state"] for e in gone.events[-3:]], "not resumed to be released"
+            wait_for(lambda: agent_has(svc, node_1, lease_id) == [], 15, "node-1's spill of the released lease gone")
+        else:
+            assert f"{lease_id} is moving from node-1 to another node" in text, text
+            assert "moving to node-2 from node-1's disk (a new worker loads its state there)" in text, text
+            assert "brought back 2 variables (big, x; 400.0 MiB)" in text, text
+            assert "threading" in text and "lock" in text, "what the move could not keep is said"
+        svc.client().release(taker.id)
