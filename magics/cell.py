@@ -27,6 +27,9 @@ from gpupool.wire.magic import STDIN_KEY, answer_text, asked_line
 from .relay import OutputBudget
 from .words import CELL_DID_NOT_RUN, CELL_STOPPED, ended_words
 
+#: Seconds a forwarded cell's end waits for the IOPub thread to send its idle.
+IDLE_SEND_S = 1.0
+
 
 class ForwardedCell:
     """The forwarded cell of :class:`~gpupool.magics.kernel.GPUPoolKernel` ``kernel``."""
@@ -83,6 +86,7 @@ class ForwardedCell:
             sent = time.time()
             try:
                 attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
+                self._idle_sent()
                 return replies[0], ""
             except GPUPoolError as exc:
                 if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
@@ -94,6 +98,20 @@ class ForwardedCell:
             finally:
                 self.running, self.ended_at = None, time.time()
                 attachment.heartbeat.running(False)
+
+    def _idle_sent(self) -> None:
+        """Wait (at most IDLE_SEND_S) until the IOPub thread has sent the
+        cell's idle, which is queued for it by now: that thread needs the GIL,
+        which this one would otherwise hold through the cell's bookkeeping
+        (history, counts) while the front end waits for the idle. ipykernel's
+        own flush after each request waits the same way; the gpupool kernel's
+        skips it when nothing was written (:mod:`.outstream`)."""
+        io_thread = getattr(self.kernel.iopub_socket, "io_thread", None)
+        if io_thread is None:
+            return
+        sent = threading.Event()
+        io_thread.schedule(sent.set)
+        sent.wait(IDLE_SEND_S)
 
     def _answer_stdin(self, request: dict[str, Any]) -> str:
         """An ``input_request`` from the worker: a ``%gpu`` line to run here, or
