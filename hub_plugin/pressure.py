@@ -28,7 +28,7 @@ from gpupool.schema import LeaseState, isoformat
 
 from .config import PoolNodes, PoolPressure
 from .transitions import RESUMING
-from .models import Lease, LeaseCell
+from .models import Lease, LeaseCell, LeaseGPU
 from .capacity import gpu_states
 from .rules import clearing, eta, priority, quotas
 from .rules import pressure as pressure_rules
@@ -142,9 +142,11 @@ class Pressure:
         if not asking:
             return priority.NO_PRESSURE
         rule = priority.Rule.of(self.pool_pressure)
-        # What leases being parked or released hold is on its way back: the plan counts it free (``freeing``).
-        free = clearing.whole_free(states) if rule.wants_free_gpus(asking) else None
-        return rule.plan(held, asking, guarantees, free, self._freeing(session))
+        # What leases being parked or released hold is on its way back: the plan counts it free (``freeing``,
+        # and GPU by GPU in the whole free GPUs a node is cleared by). The nodes the last plan cleared stay
+        # cleared for the same requests while they can be (``kept``).
+        free = clearing.whole_free(states, self._leaving(session)) if rule.wants_free_gpus(asking) else None
+        return rule.plan(held, asking, guarantees, free, self._freeing(session), self.plan.cleared)
 
     @staticmethod
     def _freeing(session: Session) -> dict[str, float]:
@@ -157,6 +159,17 @@ class Pressure:
             if node is not None:
                 freeing[node] = freeing.get(node, 0.0) + fraction * count
         return freeing
+
+    @staticmethod
+    def _leaving(session: Session) -> dict[str, float]:
+        """``{GPU uuid: fraction}`` that leases being parked or released still hold there: a GPU
+        they alone hold is on its way back, whole (:func:`.rules.clearing.whole_free`)."""
+        leaving: dict[str, float] = {}
+        for uuid, fraction in session.execute(
+                select(LeaseGPU.gpu_uuid, Lease.fraction).join(Lease, Lease.id == LeaseGPU.lease_id)
+                .where(Lease.state.in_((LeaseState.parking.value, LeaseState.releasing.value)))):
+            leaving[uuid] = leaving.get(uuid, 0.0) + fraction
+        return leaving
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""

@@ -6,11 +6,20 @@ free GPUs, :func:`clear` picks one node where what is free plus what may be
 taken (idle leases, and running opted-in ones when preempting) covers the
 ask, preferring the node that costs least: no person's idle notebook parked,
 then the fewest GPUs of running work stopped. Pure: leases in, leases out.
+
+What taking leases frees is counted in whole GPUs, GPU by GPU (:func:`units`):
+a GPU comes free when every lease on it goes, so three batch slices of 0.3 on
+three GPUs free three GPUs, not 0.9, and a slice next to a lease that stays
+frees none. Counted as fractions instead, a node packed with batch slices
+never added up to the ask, no node could be cleared, and the request pressed in
+GPUs pool-wide: each sweep preempted jobs whose own resumes took their room
+back (78,205 preemptions in 300 replayed hours, one job 2,824 times;
+bench/backlog_churn.py).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from .scheduler import idle_counts
 
@@ -18,34 +27,43 @@ EPSILON = 1e-9
 
 
 def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempting: bool,
-          yields, rank_of) -> tuple[str, list] | None:
+          yields, rank_of, staying: Iterable = (), kept: str | None = None) -> tuple[str, list] | None:
     """``(node, the leases to take there)`` (``priority.Held``) so that ``count``
     whole GPUs are free on that node, or None where no node can be cleared so. ``leases``:
     the ones pressure may take (not guaranteed, not already taken), each with
-    its ``node``; ``free_gpus``: node -> whole GPUs free now (nodes absent:
-    none); ``preempting``: running opted-in leases may be stopped;
+    its ``node`` and ``gpu_ids``; ``staying``: the other active leases, which
+    stay (guaranteed, or of a class this request does not press on): a GPU one
+    of them holds comes free for nobody; ``free_gpus``: node -> whole GPUs free
+    now (nodes absent: none); ``preempting``: running opted-in leases may be stopped;
     ``rank_of(lease_class)``: class rank, ``yields(lease_class)``: whether it is backfill
-    (:attr:`gpupool.leaseclasses.LeaseClass.yields`). On the chosen node the later
-    ranks (batch) go before interactive, idle before running; the node that parks
-    the fewest idle leases of the classes that do not yield (people's notebooks) is chosen."""
-    by_node: dict[str, list] = {}
+    (:attr:`gpupool.leaseclasses.LeaseClass.yields`). On the chosen node the GPUs
+    whose leases are all batch go before those with interactive ones, idle before
+    running (:func:`_unit_cost`); the node that parks the fewest idle leases of
+    the classes that do not yield (people's notebooks) is chosen, then the one
+    stopping the fewest running GPUs, then by name. ``kept``: the node the last plan
+    cleared for this request: chosen again while it can still be cleared, whatever
+    the others cost now, so that its leases, already parked or told, are not let go
+    for another node's (each flip preempts new jobs while the first node's resume
+    there, no longer held, and is preempted again when it flips back)."""
+    takeable, blocking = {}, list(staying)
     for lease in leases:
-        takeable = (not lease.busy and lease.idle_since is not None) or (preempting and lease.busy
-                                                                          and lease.preemptible)
-        if lease.node is not None and takeable:
-            by_node.setdefault(lease.node, []).append(lease)
+        can = (not lease.busy and lease.idle_since is not None) or (preempting and lease.busy and lease.preemptible)
+        if lease.node is not None and can:
+            takeable.setdefault(lease.node, []).append(lease)
+        else:
+            blocking.append(lease)
+    blocked: dict[str, set] = {}
+    for lease in blocking:
+        if lease.node is not None:
+            blocked.setdefault(lease.node, set()).update(lease.gpu_ids)
     best, best_cost = None, None
-    for node in set(by_node) | set(free_gpus):
-        room = free_gpus.get(node, 0.0)
-        chosen = []
-        for lease in sorted(by_node.get(node, ()), key=lambda item: (-rank_of(item.lease_class), item.busy,
-                                                                    item.lease_id)):
-            if room >= count - EPSILON:
-                break
-            chosen.append(lease)
-            room += lease.gpus
-        if room < count - EPSILON:
+    for node in set(takeable) | set(free_gpus):
+        chosen = _take_on(count, free_gpus.get(node, 0.0), takeable.get(node, ()), blocked.get(node, set()),
+                          yields, rank_of)
+        if chosen is None:
             continue
+        if node == kept:
+            return node, chosen
         cost = (sum(1 for item in chosen if not yields(item.lease_class) and not item.busy),
                 sum(item.gpus for item in chosen if item.busy), node)
         if best_cost is None or cost < best_cost:
@@ -53,12 +71,64 @@ def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempti
     return best
 
 
-def whole_free(gpus: Iterable) -> dict[str, float]:
+def _take_on(count: int, room: float, leases: Sequence, blocked: set, yields, rank_of) -> list | None:
+    """The leases of one node to take so that ``count`` whole GPUs are free there (``room``
+    free now; ``blocked``: GPU ids of leases that stay), GPU groups cheapest first
+    (:func:`_unit_cost`); None where even all of them would not do."""
+    chosen: list = []
+    free_units = [unit for unit in units(leases) if not unit[0] & blocked]
+    for gpus, unit in sorted(free_units, key=lambda item: _unit_cost(item, yields, rank_of)):
+        if room >= count - EPSILON:
+            break
+        chosen += unit
+        room += len(gpus) if gpus else sum(lease.gpus for lease in unit)
+    return chosen if room >= count - EPSILON else None
+
+
+def units(leases: Iterable) -> list[tuple[frozenset[Hashable], list]]:
+    """``leases`` (of one node) grouped by the GPUs they share: ``(GPU ids, leases)``, each
+    group freeing its GPUs whole once all its leases go (slices of one GPU together, a
+    lease of several GPUs with whatever shares them). A lease without ``gpu_ids`` (not
+    known) is a group of its own, worth its ``gpus``: an empty set of GPU ids."""
+    groups: list[tuple[frozenset, list]] = []
+    for lease in leases:
+        gpus, members = frozenset(lease.gpu_ids), [lease]
+        if gpus:
+            for other in [group for group in groups if group[0] & gpus]:
+                groups.remove(other)
+                gpus, members = gpus | other[0], other[1] + members
+        groups.append((gpus, members))
+    return groups
+
+
+def _unit_cost(unit: tuple[frozenset, list], yields, rank_of) -> tuple:
+    """The order a node's GPU groups are taken in: fewest people's idle notebooks, then the
+    fewest running GPUs stopped per GPU freed, then the latest class (batch), then by lease id."""
+    gpus, leases = unit
+    worth = len(gpus) or sum(lease.gpus for lease in leases) or 1.0
+    return (sum(1 for lease in leases if not yields(lease.lease_class) and not lease.busy),
+            sum(lease.gpus for lease in leases if lease.busy) / worth,
+            -min(rank_of(lease.lease_class) for lease in leases), min(lease.lease_id for lease in leases))
+
+
+def whole_free(gpus: Iterable, leaving: Mapping[str, float] | None = None) -> dict[str, float]:
     """Node -> how many of its GPUs are wholly free (``scheduler.GPUState``: nothing held,
     healthy), for the nodes new leases may go to (up, not degraded) with any; what
-    :func:`clear` and ``priority.plan(..., free_gpus)`` reads."""
+    :func:`clear` and ``priority.plan(..., free_gpus)`` reads. ``leaving``: GPU uuid -> the
+    fraction that leases being parked or released hold there: a GPU they alone hold counts
+    as free, being on its way back. Counted whole, GPU by GPU: three slices being parked
+    on three GPUs are three GPUs, so the node being cleared stays the one cleared while
+    its leases are parked (summed as 2.8 GPUs, a node with five free GPUs fell short of an
+    8-GPU ask for that sweep, the plan cleared another node and the first one's jobs
+    resumed where they were, to be preempted again at the next sweep)."""
+    usable = [gpu for gpu in gpus if gpu.node_up and not gpu.node_degraded]
+    leaving = leaving or {}
+    back = [gpu for gpu in usable if gpu.healthy and not gpu.is_idle and gpu.uuid in leaving
+            and gpu.allocated_fraction - leaving[gpu.uuid] <= EPSILON]
     free: dict[str, float] = {}
-    for node, count in idle_counts(gpu for gpu in gpus if gpu.node_up and not gpu.node_degraded).items():
+    for gpu in back:
+        free[gpu.node] = free.get(gpu.node, 0.0) + 1.0
+    for node, count in idle_counts(usable).items():
         if count:
-            free[node] = float(count)
+            free[node] = free.get(node, 0.0) + count
     return free

@@ -55,7 +55,8 @@ class Held:
     (None while busy); ``idle_deadline`` its normal idle reclaim;
     ``idle_timeout`` in seconds (None: none; 0: it ends with its cell);
     ``gpu_ids`` its GPUs as the ETA's :class:`.eta.Room` names them (the
-    service: UUIDs)."""
+    service: UUIDs; the simulator: its placement's), by which node clearing counts
+    the whole GPUs taking it frees (:func:`.clearing.units`; none: its ``gpus``)."""
 
     lease_id: str
     owner: str
@@ -194,14 +195,16 @@ class Rule:
                                         and item.gpu_count > 1 for item in asking)
 
     def plan(self, held: Sequence[Held], asking: Sequence[Asking], guaranteed_gpus: Mapping[str, float],
-             free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None) -> Plan:
-        """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) is used
-        only with ``clear_nodes``."""
-        return plan(held, asking, self, guaranteed_gpus, free_gpus if self.clear_nodes else None, freeing)
+             free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None,
+             kept: Mapping[str, str] | None = None) -> Plan:
+        """:func:`plan` with these settings; ``free_gpus`` (node -> whole GPUs free) and ``kept``
+        (the last plan's :attr:`Plan.cleared`) are used only with ``clear_nodes``."""
+        return plan(held, asking, self, guaranteed_gpus, free_gpus if self.clear_nodes else None, freeing, kept)
 
 
 def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_gpus: Mapping[str, float],
-         free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None) -> Plan:
+         free_gpus: Mapping[str, float] | None = None, freeing: Mapping[str, float] | None = None,
+         kept: Mapping[str, str] | None = None) -> Plan:
     """Early parks and preemptions while ``asking`` waits (module docstring), by ``rule``.
 
     ``rule.grace``: seconds a lease may stay idle under pressure (counted from
@@ -212,8 +215,10 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
     warned by the notice itself, so a pool may start it at once);
     ``batch_first``: running preemptible batch leases are taken before idle
     interactive ones (:func:`_victims`); ``free_gpus`` (node -> whole GPUs
-    free; None: not known): a waiting interactive request for several whole
-    GPUs has one node cleared for it (:func:`.clearing.clear`), the rest is
+    free, or on their way back: :func:`.clearing.whole_free`; None: not known): a
+    waiting interactive request for several whole GPUs has one node cleared for it
+    (:func:`.clearing.clear`), the one ``kept`` cleared for it (node -> lease id: the
+    last plan's :attr:`Plan.cleared`) while that can still be cleared; the rest is
     counted in GPUs; ``clear_grace`` (None: ``grace``): an idle lease on a node so
     cleared is parked at the later of when it went idle and that request's
     ``created_at`` + ``clear_grace``, if that is sooner. Only early parks before
@@ -274,17 +279,27 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                     parks[lease.lease_id] = park
 
         if free_gpus is not None and kind.preempts:
-            # What is on its way back counts as free: a node whose leases are being parked for a
-            # request stays the cheapest to clear for it, sweep after sweep.
-            free = {node: free_gpus.get(node, 0.0) + (freeing or {}).get(node, 0.0)
-                    for node in set(free_gpus) | set(freeing or {})}
+            # ``free_gpus`` counts what is on its way back, GPU by GPU (:func:`.clearing.whole_free`), so
+            # a node whose leases are being parked for a request stays the cheapest to clear for it.
+            free = dict(free_gpus)
+            # A node the last plan cleared for a request still waiting stays that request's while it can.
+            mine = {lease_id: node for node, lease_id in (kept or {}).items()
+                    if any(item.lease_id == lease_id for item in asking)}
             for item in sorted(asking, key=lambda ask: ask.created_at):
                 if class_rank(item.lease_class) != rank or item.gpu_count < 2 or item.node is not None:
                     continue
-                cleared = clearing.clear(item.gpu_count, targets, free, preempting, yields, class_rank)
-                if cleared is None:
-                    continue  # no node can be cleared now: it presses in GPUs pool-wide, for what frees later
+                theirs = set(mine.values()) - {mine.get(item.lease_id)}  # kept for the other requests
+                cleared = clearing.clear(item.gpu_count, [lease for lease in targets if lease.node not in theirs],
+                                         {node: gpus for node, gpus in free.items() if node not in theirs},
+                                         preempting, yields, class_rank, _staying(held, targets, parks, preemptions),
+                                         mine.get(item.lease_id))
                 need -= item.gpus
+                if cleared is None:
+                    # No node can be cleared now (a person's cell runs on each): it presses on nothing until
+                    # one can. Counted in GPUs pool-wide it freed a GPU here and there that it cannot use,
+                    # which the preempted jobs' own resumes took back before the next sweep, round after
+                    # round (1,028 preemptions of 53 jobs in 300 replayed hours, bench/backlog_churn.py).
+                    continue
                 node, leases = cleared
                 cleared_for[node] = item.lease_id
                 for lease in leases:
@@ -307,6 +322,16 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                 take(lease)
                 here -= lease.gpus
     return Plan(parks, preemptions, cleared_for)
+
+
+def _staying(held: Sequence[Held], targets: Sequence[Held], parks: Mapping[str, EarlyPark],
+             preemptions: Mapping[str, Preemption]) -> list[Held]:
+    """The leases of ``held`` that stay whatever this waiter's plan takes: not among its
+    ``targets`` and not already taken (``parks``, ``preemptions``) for another. The GPUs they
+    hold come free for no one (:func:`.clearing.clear`)."""
+    ids = {lease.lease_id for lease in targets}
+    return [lease for lease in held
+            if lease.lease_id not in ids and lease.lease_id not in parks and lease.lease_id not in preemptions]
 
 
 def acting(plan_: Plan, now: datetime) -> tuple[set[str], set[str], datetime | None]:

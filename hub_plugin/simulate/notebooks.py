@@ -298,7 +298,7 @@ class _Replay:
         """A sweep tick (:meth:`.Sweep.due`): park the idle leases and interrupt
         the preemptible cells that are due, offer what they free to the queue,
         and come back at the plan's next moment."""
-        free = self.pool.whole_free() if self.sweep.wants_free_gpus() else None
+        free = self.pool.whole_free(self.sweep.leaving) if self.sweep.wants_free_gpus() else None
         parks, preempts, later = self.sweep.due(now, bool(self.table.idle), free)
         for sid in parks:
             self.tally.early_parks += 1

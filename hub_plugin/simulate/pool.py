@@ -112,11 +112,15 @@ class SimulatedPool:
             return room.count(FULL) >= gpus
         return max(room) >= milli
 
-    def whole_free(self) -> dict[str, float]:
-        """Node -> GPUs with nothing allocated on it (nodes with none left out)."""
+    def whole_free(self, leaving: dict[str, int] | None = None) -> dict[str, float]:
+        """Node -> GPUs with nothing allocated on it, or nothing but what ``leaving`` (GPU uuid ->
+        thousandths of parks whose state is still moving off it) holds there: on its way back, as
+        the service's :func:`gpupool.hub_plugin.rules.clearing.whole_free` counts it (nodes with
+        none left out)."""
+        leaving = leaving or {}
         free: dict[str, float] = {}
         for g, milli in enumerate(self.milli):
-            if not milli:
+            if not milli or milli == leaving.get(f"GPU-{self.specs[g].node}-{self.specs[g].index}", 0):
                 node = self.specs[g].node
                 free[node] = free.get(node, 0.0) + 1.0
         return free

@@ -122,16 +122,16 @@ class SessionTable:
                                node)
 
     def held(self, sid: int, idle_timeout: float | None) -> priority.Held:
-        """``sid``'s lease as the pressure rule sees it; when it is idle and
-        interactive, its idle deadline is ``idle_timeout`` seconds after its
-        cell ended (None: no deadline)."""
+        """``sid``'s lease as the pressure rule sees it, with its GPUs (node clearing counts
+        whole GPUs by them); when it is idle and interactive, its idle deadline is
+        ``idle_timeout`` seconds after its cell ended (None: no deadline)."""
         session, lease = self.sessions[sid], self.sessions[sid].lease
         timeout = idle_timeout if lease_class(session.klass).idles else None
         idle_since = lease.idle_since if sid in self.idle else None
         deadline = idle_since + timedelta(seconds=timeout) if idle_since and timeout is not None else None
         return priority.Held(str(sid), str(session.user), self.held_gpus(sid), session.klass,
                              session.preemptible, session.running, lease.started_at, idle_since, deadline,
-                             lease.placement.node)
+                             lease.placement.node, gpu_ids=lease.placement.gpus)
 
     def ahead_of(self, sid: int, entries) -> list[tuple[int, int]]:
         """``(milli, gpus)`` of the interactive requests among the queue's

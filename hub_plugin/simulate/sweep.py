@@ -22,6 +22,7 @@ from gpupool.schema import LeaseState, WorkerState
 from ..rules import priority
 from ..rules.scheduler import Placement
 from .defaults import HEARTBEAT_TTL_S, RECLAIM_INTERVAL_S
+from .pool import FULL
 
 #: The virtual clock's origin (the sensei trace starts on June 1, 2021).
 T0 = datetime(2021, 6, 1, tzinfo=timezone.utc)
@@ -63,6 +64,7 @@ class Sweep:
         self.holding: dict[int, priority.Held] = {}  # every active lease
         self.plan = priority.NO_PRESSURE  # the last plan evaluated
         self._freeing: dict[str, float] = {}  # node -> GPUs of parks whose state is still moving off the GPU
+        self.leaving: dict[str, int] = {}  # GPU uuid -> thousandths those parks hold there
         self._checks: set[float] = set()  # ticks at which the plan is to be evaluated
         self._last_check = -math.inf
 
@@ -83,10 +85,16 @@ class Sweep:
         """A park's share (``placement``) is on its way back: the plan counts it (as the service
         counts its ``parking`` leases), so it takes no second lease for the same waiter."""
         self._freeing[placement.node] = self._freeing.get(placement.node, 0.0) + placement.fraction * len(placement.gpus)
+        for uuid in placement.gpus:
+            self.leaving[uuid] = self.leaving.get(uuid, 0) + round(placement.fraction * FULL)
 
     def freed(self, placement) -> None:
         """That share is back in the pool."""
         self._freeing[placement.node] -= placement.fraction * len(placement.gpus)
+        for uuid in placement.gpus:
+            self.leaving[uuid] -= round(placement.fraction * FULL)
+            if not self.leaving[uuid]:
+                del self.leaving[uuid]
 
     def held(self, node: str) -> bool:
         """Whether the last plan cleared ``node`` for a request that still waits (:attr:`.priority.Plan.cleared`)."""
@@ -102,14 +110,16 @@ class Sweep:
         """Evaluate the plan at tick ``now`` (``any_idle``: some lease is idle):
         the sessions whose idle lease is parked now, those whose cell is
         preempted now, and when the plan acts next (seconds; None: never).
-        ``free_gpus``: the plan's (whole free GPUs per node; None: not given)."""
+        ``free_gpus``: the plan's (whole free GPUs per node, with those on their way back:
+        :meth:`.SimulatedPool.whole_free` of :attr:`leaving`; None: not given). The nodes the
+        last plan cleared stay cleared for the same requests while they can be (``kept``)."""
         self._checks.discard(now)
         self._last_check = now
         rule = self.rule
         if rule is None or not self.waiters or not (any_idle or rule.allow_preemption):
             return [], [], None  # the plan parks only idle leases and preempts only where the pool allows it
         plan = self.plan = rule.plan(list(self.holding.values()), list(self.waiters.values()), {}, free_gpus,
-                                     self._freeing)
+                                     self._freeing, self.plan.cleared)
         parks, preempts, later = priority.acting(plan, at(now))
         return ([int(lease) for lease in plan.parks if lease in parks],
                 [int(lease) for lease in plan.preemptions if lease in preempts],

@@ -193,9 +193,9 @@ def on(lease_id, node, gpus, cls="batch", *, busy=True, owner="ann"):
     # a node needing no person's notebook parked goes first, even at more running GPUs
     ([on("a1", "a", 1.0, "interactive", busy=False), on("b1", "b", 4.0), on("b2", "b", 4.0)], {"a": 7.0},
      {"b1", "b2"}, set()),
-    # no node can be cleared now (a person's running cell, not preemptible): counted in GPUs, as without
-    # free_gpus, for what frees later
-    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, {"r"}, set()),
+    # no node can be cleared now (a person's running cell, not preemptible): it presses on nothing, since
+    # what it would free there cannot hold it (tests/rules/test_clearing.py)
+    ([Held("p", "bob", 1.0, "interactive", False, True, at(0), node="a"), on("r", "a", 7.0)], {}, set(), set()),
 ])
 def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
     decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
@@ -207,10 +207,11 @@ def test_a_whole_gpu_ask_has_one_node_cleared(leases, free, preempted, parked):
 
 
 def test_the_node_being_cleared_stays_the_one_cleared_while_its_leases_are_parked():
-    """b's lease is on its way back (being parked): b stays the node cleared for the ask, not a."""
+    """b's lease is on its way back (being parked; ``free_gpus`` counts its GPUs, ``clearing.whole_free``):
+    b stays the node cleared for the ask, not a."""
     leases = [on("a1", "a", 2.0)]
     decided = priority.plan(leases, [Asking("q", "zoe", 8.0, "interactive", at(100), 8)],
-                            priority.Rule(120, 5, True, preemption_grace=0.0), {}, {"a": 6.0, "b": 4.0}, {"b": 4.0})
+                            priority.Rule(120, 5, True, preemption_grace=0.0), {}, {"a": 6.0, "b": 8.0}, {"b": 4.0})
     assert decided.cleared == {"b": "q"} and not decided.preemptions
 
 
