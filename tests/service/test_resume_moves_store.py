@@ -83,13 +83,18 @@ def free_on(store) -> dict[str, float]:
         return {g.uuid: round(g.allocated_fraction + g.parked_fraction, 3) for g in gpu_states(session, 0)}
 
 
+async def move_fails(pool, store) -> None:
+    """Resume PARKED: it is placed on n2 at once, then n1's agent is not there to spill it."""
+    await pool.parking.resume_by(ann(), PARKED)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if get(store, PARKED).events[-1].state == "parked":
+            return
+
+
 def test_a_move_whose_old_agent_does_not_spill_it_goes_back_parked_on_its_old_node(store):
     async def body(pool):
-        await pool.parking.resume_by(ann(), PARKED)
-        for _ in range(100):  # placed on n2 at once, then n1's agent is not there
-            await asyncio.sleep(0.05)
-            if get(store, PARKED).events[-1].state == "parked":
-                break
+        await move_fails(pool, store)
 
     in_pool(store, body)
     lease = get(store, PARKED)
@@ -171,11 +176,7 @@ def test_a_failed_move_keeps_the_time_the_lease_was_parked(store):
     clock = {"now": T0 + timedelta(seconds=600)}
 
     async def body(pool):
-        await pool.parking.resume_by(ann(), PARKED)
-        for _ in range(100):  # placed on n2 at once, then n1's agent is not there
-            await asyncio.sleep(0.05)
-            if get(store, PARKED).events[-1].state == "parked":
-                break
+        await move_fails(pool, store)
         clock["now"] = T0 + timedelta(seconds=900)
         shown = await pool.views.get(ann(), PARKED)
         await pool.leases.release_by(ann(), PARKED, None)
