@@ -82,10 +82,11 @@ class PoolPressure(Configurable):
         True,
         help="""For a waiting interactive request for several whole GPUs (``%gpu acquire 8``),
         pressure clears one node that can hold it: of the nodes where wholly free GPUs (and what
-        is on its way back) plus what pressure may take (idle leases, and running preemptible
-        ones) cover the ask, the one where no person's idle notebook is parked, then the one
-        stopping the fewest running GPUs; no batch request or resume is placed there while the
-        request waits. False counts what waits in GPUs pool-wide, which may free a GPU on each
+        is on its way back) plus the GPUs that what pressure may take (idle leases, and running
+        preemptible ones) frees whole cover the ask, the one where no person's idle notebook is
+        parked, then the one stopping the fewest running GPUs; it stays the one cleared for that
+        request while it can still be. No batch request or resume is placed there while the
+        request waits; a request no node can be cleared for presses on nothing. False counts what waits in GPUs pool-wide, which may free a GPU on each
         of several nodes and none that fits, and which backfill then takes again, round after
         round. Default: True. ``c.PoolPressure.pressure_clears_nodes = False``.""",
     ).tag(config=True)
