@@ -30,8 +30,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from gpupool.leasewait import WAITING_FOR_ROOM
-from gpupool.units import format_share
+from gpupool.leasewait import RESUME_STATES, WAITING_FOR_ROOM
+from gpupool.units import format_duration, format_share
 from gpupool.wire.leases import Lease
 from gpupool.wire.status import (PHASES, REQUESTS, STATE_KEYS, TARGET, event_message, refusal, reply_message,
                                  state_message)
@@ -63,8 +63,8 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     parks, or with ``on_idle`` ``"release"`` releases, the lease if it stays
     idle; None while a cell runs), ``idle_warning`` (s before that the
     notebook is warned), ``on_idle`` (``park|release``); ``queue_position``
-    (1-based) and ``eta`` (s, rough) while queued; ``reason`` (words) for a
-    parked lease.
+    (1-based) and ``eta`` (s, rough) while queued, or parked with its resume
+    waiting for room; ``reason`` (words) for a parked lease.
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
@@ -87,13 +87,20 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     elif phase == "queued":
         state.update(queue_position=lease.queue_position, eta=lease.queue_estimate_s)
     elif phase == "parked":
-        state.update(reason=(lease.parked or {}).get("reason") or lease.reason)
+        # queue_position: the service's place for a resume asked for and waiting for room.
+        state.update(reason=(lease.parked or {}).get("reason") or lease.reason,
+                     queue_position=lease.queue_position,
+                     eta=lease.queue_estimate_s if lease.queue_position else None)
     return state
 
 
 def progress_phase(lease: Lease) -> str:
-    """``"queued"`` or ``"starting"`` for a lease that is being waited for
-    (``"queued"`` too for a parked lease's resume waiting for room)."""
+    """``"queued"`` or ``"starting"`` for a new lease that is being waited for;
+    ``"parked"`` for a parked lease whose resume is waited for (in line for room, parking
+    still, or its worker thawing or moving), as :func:`kernel_state` says it between the
+    steps: the lease is still the notebook's parked one, which a release gives up."""
+    if lease.parked is not None and lease.state in RESUME_STATES:
+        return "parked"
     return "queued" if lease.state in WAITING_FOR_ROOM else "starting"
 
 
@@ -218,6 +225,10 @@ class Requests:
                                                 f"first, or %gpu acquire {text.strip()} in a cell to move there"}
             line = f"acquire {text.strip()}"
         elif kind == "release":
+            if not data.get("discard"):
+                waiting = self.resume_waiting()
+                if waiting:
+                    return {"ok": False, "message": waiting}
             line = "release --discard" if data.get("discard") else "release"
         elif kind == "status":
             return self.status()
@@ -244,6 +255,24 @@ class Requests:
                 ok, message = False, f"{type(exc).__name__}: {exc}"
         output = _text(captured)
         return {"ok": ok, "message": message if not ok else output, "output": output}
+
+    def resume_waiting(self) -> str:
+        """Why a release that brings the variables home cannot be answered now, in words: the
+        parked lease's resume waits in line for room, and its variables come home only from its
+        resumed worker (``%gpu release`` in a cell waits for that); "" when it can. A request must
+        not hold the kernel until room comes, so it is told to discard them instead."""
+        attachment = self.lifecycle.attachment
+        if attachment is None or not attachment.is_parked or attachment.new_worker is not None:
+            return ""
+        parked = attachment.parked
+        lease = attachment.catch_up() or (parked.lease if parked else None)  # not a beat old: the line moves
+        if lease is None or lease.state not in WAITING_FOR_ROOM or not lease.queue_position:
+            return ""
+        eta = f", about {format_duration(lease.queue_estimate_s)}" if lease.queue_estimate_s is not None else ""
+        return (f"{lease.id} is parked and its resume waits for room (place {lease.queue_position} in line{eta}): "
+                f"its variables are frozen with its worker on {lease.node or 'its node'} and come home only after "
+                "the resume. Release with discard to give the lease up now without them (%gpu release --discard), "
+                "or run %gpu release in a cell to wait for the resume and bring them back")
 
     def resume(self) -> dict[str, Any]:
         """The user is back at the notebook: ask for a parked lease's resume

@@ -167,13 +167,16 @@ class Lifecycle:
         back, no resume waited for."""
         attachment, self._attachment = self._attachment, None
         moving = _moving_from(attachment)
+        # Its resume in line for room (the service's place): said, since that is why it was given up without them.
+        waiting = attachment.parked is not None and bool(attachment.parked.lease.queue_position)
         try:
             lease = attachment.release(reason="%gpu release --discard")
         finally:
             self.tell()  # detached here, whatever the service answered
         gone = (f"; it was moving from {moving} to {lease.node}: its variables were discarded (its state on "
                 f"{moving}'s disk is deleted, nothing of it stays on {lease.node})") if moving else \
-            "; its variables were discarded"
+            "; its variables were discarded" + (" (frozen with its worker, they could come home only after its "
+                                                "resume, which was still waiting for room)" if waiting else "")
         say(f"{released_words(lease)}{gone}{service_caveat(lease, '%gpu release --discard')}")
         self.tell("released", f"released {lease.id} (it was parked)")
 

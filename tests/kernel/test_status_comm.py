@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from gpupool.heartbeat import LeaseHeartbeat
 from gpupool.schema import LeaseState
 from gpupool.wire.leases import Lease
 from gpupool.magics.events import lease_state
@@ -197,3 +198,51 @@ def test_a_queued_request_shows_its_place_then_admitted_then_attached(e2e_pool, 
     assert reply["ok"], reply
     assert comm.last_state()["phase"] == "attached" and comm.last_state()["lease"] == queued["lease"]
     assert comm.ask({"request": "release"})["ok"]
+
+
+def test_a_parked_lease_whose_resume_waits_for_room_stays_parked_and_can_be_given_up(e2e_pool, kernel, status):
+    """A parked lease's resume waiting for room (a cell waits for it; the pool is full) reads ``parked``
+    with its place in line at every step, as the snapshot says it between them (the cell's wait said
+    ``queued``, so the extension greyed out Release); a plain release is answered at once, naming the
+    choice (its variables come home only after the resume), and a release with discard gives it up."""
+    from gpupool.wire.leases import LeaseRequest
+
+    service = e2e_pool[0]
+    km, _ = kernel
+    kc, comm = status
+    assert comm.run("%gpu acquire 0.25").ok
+    lease = comm.state("attached")["lease"]
+    assert comm.run("%gpu park").ok
+    assert comm.state("parked")["lease"] == lease
+    client = service.client()
+    hog = client.create_lease(LeaseRequest(fraction=1.0, gpu_count=2))  # the whole pool: no room to resume
+    beat = LeaseHeartbeat(client, hog.id, 1.0)  # kept past the heartbeat TTL (3 s)
+    beat.start()
+    try:
+        waiting_cell = kc.execute("x = 1")  # resumes first: waits in line
+        waiting = comm.next(lambda d: "state" in d and d["state"]["queue_position"] is not None)["state"]
+        assert waiting["phase"] == "parked" and waiting["lease"] == lease and waiting["queue_position"] == 1, waiting
+        comm.listen(4)  # beats and the wait's polls meanwhile
+        steps = [d["state"] for d in comm.seen if "state" in d]
+        assert [s["phase"] for s in steps[steps.index(waiting):]] == ["parked"] * (len(steps) - steps.index(waiting)), \
+            [(s["phase"], s["queue_position"]) for s in steps]
+        km.interrupt_kernel()  # the cell gives up waiting; the resume stays asked
+        reply = kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != waiting_cell:
+            reply = kc.get_shell_msg(timeout=30)
+        assert reply["content"]["status"] == "error", reply["content"]
+        refused = comm.ask({"request": "release"}, timeout=15)  # at once, not once room comes
+        assert not refused["ok"] and refused["message"].startswith(
+            f"{lease} is parked and its resume waits for room (place 1 in line"), refused
+        assert "come home only after the resume" in refused["message"] and "discard" in refused["message"]
+        assert comm.last_state()["phase"] == "parked"
+        released = comm.ask({"request": "release", "discard": True}, timeout=30)
+        assert released["ok"], released
+        assert released["message"].startswith(f"gpupool: released {lease}"), released
+        assert "its variables were discarded (frozen with its worker, they could come home only after its resume, " \
+               "which was still waiting for room)" in released["message"], released
+        assert comm.last_state()["phase"] == "detached"
+        assert client.get_lease(lease).state.ended
+    finally:
+        beat.stop()
+        client.release(hog.id, reason="test: make room")

@@ -70,6 +70,12 @@ class StatusComm:
                 raise AssertionError(f"no such message within {timeout}s; got {self.seen}")
             self._pump(deadline - time.monotonic())
 
+    def listen(self, seconds: float) -> None:
+        """Read what the kernel sends for ``seconds`` (into ``seen``; :meth:`next` goes on from where it was)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._pump(deadline - time.monotonic())
+
     def state(self, phase: str, timeout: float = 30) -> dict[str, Any]:
         return self.next(lambda d: d.get("state", {}).get("phase") == phase, timeout)["state"]
 
