@@ -30,7 +30,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from gpupool.heartbeat import preempted_for
 from gpupool.leasewait import RESUME_STATES, WAITING_FOR_ROOM
+from gpupool.schema import LeaseState
 from gpupool.units import format_duration, format_share
 from gpupool.wire.leases import Lease
 from gpupool.wire.status import (PHASES, REQUESTS, STATE_KEYS, TARGET, event_message, refusal, reply_message,
@@ -62,9 +64,12 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     worker); ``idle_timeout`` (s), ``idle_deadline`` (ISO UTC: when the pool
     parks, or with ``on_idle`` ``"release"`` releases, the lease if it stays
     idle; None while a cell runs), ``idle_warning`` (s before that the
-    notebook is warned), ``on_idle`` (``park|release``); ``queue_position``
-    (1-based) and ``eta`` (s, rough) while queued, or parked with its resume
-    waiting for room; ``reason`` (words) for a parked lease.
+    notebook is warned), ``on_idle`` (``park|release``), ``preempt_at`` (ISO UTC:
+    when the pool parks a preemptible lease, its running cell frozen, because
+    someone waits for its GPU; attached and active only: a park done or
+    withdrawn clears it); ``queue_position`` (1-based) and ``eta`` (s, rough)
+    while queued, or parked with its resume waiting for room; ``reason``
+    (words) for a parked lease, or why the preemption comes (with ``preempt_at``).
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
@@ -83,7 +88,10 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     if phase == "attached":
         used = (lease.worker or {}).get("memory_used")
         state.update(memory_used=used if isinstance(used, int) else None, idle_deadline=lease.idle_deadline,
-                     idle_warning=lease.idle_warning)
+                     idle_warning=lease.idle_warning,
+                     preempt_at=lease.preempt_at if lease.state is LeaseState.active else None)
+        if state["preempt_at"]:  # the notice's words for why: "1 person is waiting for a GPU"
+            state.update(reason=preempted_for(lease))
     elif phase == "queued":
         state.update(queue_position=lease.queue_position, eta=lease.queue_estimate_s)
     elif phase == "parked":

@@ -27,6 +27,10 @@ import {
   formatLimit,
   formatSeconds,
   idleLeft,
+  preemptLeft,
+  preemptWords,
+  releasable,
+  resumeWaits,
   summary
 } from './status';
 import { liveWidgetComms, markDeadWidgets } from './widgets';
@@ -127,7 +131,7 @@ class LeaseItem extends Widget {
     // JupyterLab's own text-item look (font, 24px line): a bare div sat a few pixels above its neighbours.
     this.addClass('jp-StatusBar-TextItem');
     this.addClass('jp-gpupool-status');
-    this.node.title = 'GPU lease of this notebook (click for details)';
+    this.node.title = LeaseItem.TITLE;
     this.node.addEventListener('click', onClick);
     this._timer = window.setInterval(() => this.render(), 1000);
   }
@@ -146,8 +150,14 @@ class LeaseItem extends Widget {
     const state = this._channel?.state;
     this.node.textContent = state ? summary(state) : '';
     this.node.dataset.phase = state ? state.phase : 'none';
+    // A coming preemption: the notice's words as the tooltip, until the park or its withdrawal clears preempt_at.
+    const preempt = state ? preemptWords(state) : null;
+    this.node.title = preempt ? `GPU: ${preempt} (click for details)` : LeaseItem.TITLE;
+    this.node.classList.toggle('jp-gpupool-preempted', preempt !== null);
     this.setHidden(!state);
   }
+
+  static readonly TITLE = 'GPU lease of this notebook (click for details)';
 
   dispose(): void {
     window.clearInterval(this._timer);
@@ -180,7 +190,9 @@ function facts(state: ILeaseState): [string, string][] {
   add('idle timeout', state.idle_timeout !== null ? formatSeconds(state.idle_timeout) : null);
   const left = idleLeft(state);
   add(state.on_idle === 'release' ? 'released if idle in' : 'parked if idle in', left !== null ? formatSeconds(left) : null);
-  add('place in queue', state.queue_position);
+  const preempt = preemptLeft(state);
+  add('preempted in', preempt !== null ? formatSeconds(preempt) : null);
+  add(state.phase === 'parked' ? 'resume in line' : 'place in queue', state.queue_position);
   add('wait', state.eta !== null ? `about ${formatSeconds(state.eta)}` : null);
   add('why', state.reason);
   return rows;
@@ -388,13 +400,38 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.commands.addCommand(CMD.release, {
       label: 'Release GPU',
       caption: "Give this notebook's GPU back; its variables come here (%gpu release)",
-      isEnabled: () => !!ready() && ['attached', 'parked'].includes(ready()!.state!.phase),
+      isEnabled: () => releasable(ready()?.state ?? null),
       execute: async () => {
         const channel = ready();
         if (!channel) {
           return noKernel();
         }
-        const reply = await channel.request('release');
+        const state = channel.state!;
+        let discard = false;
+        if (resumeWaits(state)) {
+          // Its variables are frozen with its worker and come home only after the resume, which waits for room:
+          // giving it up now is a release without them (the kernel answers a plain release so, at once).
+          const busy = channel.kernel.status === 'busy';
+          const choice = await showDialog({
+            title: 'Release GPU',
+            body:
+              `${state.lease} is parked and its resume waits for room (place ${state.queue_position} in line` +
+              `${state.eta !== null ? ', about ' + formatSeconds(state.eta) : ''}). Its variables are frozen with ` +
+              `its worker on ${state.node || 'its node'} and come home only after the resume: releasing it now ` +
+              `discards them${busy ? ', and interrupts the cell waiting for it' : ''}. To keep them, run ` +
+              '%gpu release in a cell: it waits for the resume.',
+            defaultButton: 0,
+            buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Release without variables' })]
+          });
+          if (!choice.button.accept) {
+            return;
+          }
+          if (busy) {
+            await channel.kernel.interrupt(); // a cell waiting for the resume holds the kernel until room comes
+          }
+          discard = true;
+        }
+        const reply = await channel.request('release', discard ? { discard: true } : {});
         if (!reply.ok) {
           await showDialog({ title: 'Release GPU', body: reply.message, buttons: [Dialog.okButton()] });
         }
@@ -410,7 +447,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         const reply = await channel.request('status');
         const state = channel.state!;
-        const attached = ['attached', 'parked'].includes(state.phase);
+        const attached = releasable(state);
         const result = await showDialog({
           title: 'GPU status',
           body: detailsBody(state, reply),

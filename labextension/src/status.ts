@@ -30,6 +30,7 @@ export interface ILeaseState {
   queue_position: number | null;
   eta: number | null;
   reason: string | null;
+  preempt_at: string | null;
 }
 
 /** The kernel's answer to one request. */
@@ -307,6 +308,40 @@ export function idleLeft(state: ILeaseState, now: number = Date.now()): number |
   return (Date.parse(state.idle_deadline) - now) / 1000;
 }
 
+/** Seconds until the pool parks a preemptible lease whose GPU a waiting person needs (`preempt_at`), or null. */
+export function preemptLeft(state: ILeaseState, now: number = Date.now()): number | null {
+  if (state.phase !== 'attached' || !state.preempt_at) {
+    return null;
+  }
+  return (Date.parse(state.preempt_at) - now) / 1000;
+}
+
+/** The coming preemption in the kernel's `preempt_notice` words (gpupool.magics.heartbeat.preempt_words), with
+ * the time left now; null when none comes. */
+export function preemptWords(state: ILeaseState, now: number = Date.now()): string | null {
+  const left = preemptLeft(state, now);
+  if (left === null) {
+    return null;
+  }
+  return (
+    `lease ${state.lease} is preemptible and ${state.reason || 'others are waiting for a GPU'}: in about ` +
+    `${formatSeconds(left)} it is parked, the running cell frozen where it is (or interrupted where the node ` +
+    'cannot freeze a running cell); it goes on when the pool resumes the lease'
+  );
+}
+
+/** Whether the notebook's lease can be released from here: one the kernel holds, attached or parked (a parked
+ * lease's resume waiting for room reads `parked` too, with its place in line); a new request that is queued or
+ * starting is not the kernel's to release yet (interrupting its cell gives it up). */
+export function releasable(state: ILeaseState | null): boolean {
+  return !!state && (state.phase === 'attached' || state.phase === 'parked');
+}
+
+/** Whether a parked lease's resume waits in line for room: its variables come home only after it. */
+export function resumeWaits(state: ILeaseState | null): boolean {
+  return !!state && state.phase === 'parked' && state.queue_position !== null && state.queue_position !== undefined;
+}
+
 /** The status bar's words for `state`. */
 export function summary(state: ILeaseState, now: number = Date.now()): string {
   switch (state.phase) {
@@ -324,8 +359,13 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
     }
     case 'starting':
       return `GPU: starting${state.node ? ' on ' + state.node : ''}`;
-    case 'parked':
+    case 'parked': {
+      if (resumeWaits(state)) {
+        const eta = state.eta !== null && state.eta !== undefined ? `, about ${formatSeconds(state.eta)}` : '';
+        return `GPU: parked (${state.share}); resume waiting for room #${state.queue_position}${eta}`;
+      }
       return `GPU: parked (${state.share}); a click, a key or a cell here resumes it`;
+    }
     case 'attached': {
       const model = state.gpu_model || 'GPU';
       const share =
@@ -334,6 +374,10 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
       text += ` · ${state.memory_used !== null ? formatBytes(state.memory_used) + ' / ' : ''}${formatLimit(state)}`;
       if (state.node_state && state.node_state !== 'up') {
         return `${text} · node ${state.node_state}`; // its cells may not answer: no countdown to show
+      }
+      const preempt = preemptLeft(state, now);
+      if (preempt !== null) {
+        return `${text} · preempted ${preempt > 0 ? 'in ' + formatSeconds(preempt) : 'now'}`; // a cell runs: no idle countdown
       }
       const left = idleLeft(state, now);
       if (left !== null) {

@@ -148,6 +148,33 @@ def lab(tmp_path_factory):
         agent = start_agent(home, service)
         install_kernelspec(home / "prefix", service.url, service.user_token)
         server.wait_ready()
+        server.service = service  # the tests' own requests: a pool filled, a lease parked
+        yield server
+    finally:
+        server.stop()
+        for proc in (agent, service):
+            if proc is not None:
+                proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pressure_lab(tmp_path_factory):
+    """JupyterLab as ``lab``, on a pool of one simulated GPU under pressure: 3 s grace, a 10 s preemption
+    notice (time to read the status bar), and ann, who asks for the GPU through the API."""
+    home, root = tmp_path_factory.mktemp("labext-pressure-home"), tmp_path_factory.mktemp("labext-pressure-root")
+    share = home / "prefix" / "share" / "jupyter"
+    (share / "labextensions").mkdir(parents=True)
+    (share / "labextensions" / NAME).symlink_to(PREBUILT)
+    server = Lab(home, root, share)
+    service = agent = None
+    try:
+        service = start_service(home, tokens={"ann": "ann-token-" + "7" * 16},
+                                config={"heartbeat_ttl": 3.0, "idle_warning": 0, "pressure_grace": 3.0,
+                                        "preemption_notice": 10.0})
+        agent = start_agent(home, service, simulate="1xA100-80GB")
+        install_kernelspec(home / "prefix", service.url, service.user_token)
+        server.wait_ready()
+        server.service = service
         yield server
     finally:
         server.stop()
@@ -457,3 +484,132 @@ def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_l
             raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
         finally:
             browser.close()
+
+
+def _chromium(playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                      args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
+@pytest.mark.timeout(180)
+def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_path):
+    """A cell resuming a parked lease in a full pool: the status bar says the resume waits (it said
+    ``queued``, and Release GPU was greyed out); Release GPU asks first (the variables are discarded, the
+    waiting cell interrupted), then detaches."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from gpupool.heartbeat import LeaseHeartbeat
+    from gpupool.wire.leases import LeaseRequest
+
+    _notebook(lab.root / "waits.ipynb", ["%gpu acquire 0.25", "x = 41", "x + 1"])
+    client = lab.service.client()
+    hog = beat = None
+    with sync_playwright() as playwright:
+        expect.set_options(timeout=STEP_MS)
+        browser = _chromium(playwright)
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        page.set_default_timeout(STEP_MS)
+        nb = Page(page)
+        step = "attach"
+        try:
+            page.goto(f"{lab.url}/lab/tree/waits.ipynb?token={lab.token}&reset")
+            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+            assert "Traceback" not in nb.run(0)
+            expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}")
+            assert "Traceback" not in nb.run(1)
+
+            step = "parked by the pool (no key or click here since: nothing asks its resume), then the pool filled"
+            lease, = [one for one in client.list_leases(active=True)]
+            client.park(lease.id)
+            expect(nb.status).to_contain_text("GPU: parked (0.25 of a GPU); a click", timeout=30_000)
+            hog = client.create_lease(LeaseRequest(fraction=1.0, gpu_count=2))
+            beat = LeaseHeartbeat(client, hog.id, 1.0)
+            beat.start()
+
+            step = "a cell resumes it: the resume waits in line, and the status bar says so"
+            nb.cell(2).locator(".cm-content").click()
+            page.keyboard.press("Shift+Enter")
+            expect(nb.status).to_have_text(re.compile(r"GPU: parked \(0\.25 of a GPU\); resume waiting for room #1"))
+
+            step = "Release GPU is enabled in the Kernel menu"
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
+            item = page.locator(".lm-Menu-item", has=page.locator(".lm-Menu-itemLabel", has_text="Release GPU"))
+            expect(item).to_be_visible()
+            expect(item).not_to_have_class(re.compile(r"lm-mod-disabled"))
+            item.click()
+
+            step = "it asks first: the variables are discarded, the waiting cell interrupted"
+            expect(nb.dialog).to_contain_text(f"{lease.id} is parked and its resume waits for room (place 1 in line")
+            expect(nb.dialog).to_contain_text("releasing it now discards them, and interrupts the cell waiting for it")
+            nb.dialog.locator(".jp-Dialog-footer button", has_text="Release without variables").click()
+            expect(nb.status).to_have_text("GPU: detached", timeout=30_000)
+            expect(nb.cell(2).locator(".jp-OutputArea")).to_contain_text(
+                f"interrupted while waiting for {lease.id} to resume")
+            assert client.get_lease(lease.id).state.ended
+        except Exception as exc:
+            shot = tmp_path / "failure.png"
+            page.screenshot(path=str(shot), full_page=True)
+            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
+        finally:
+            browser.close()
+            if beat is not None:
+                beat.stop()
+            if hog is not None:
+                client.release(hog.id)
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
+@pytest.mark.timeout(180)
+def test_the_status_bar_says_a_coming_preemption_until_the_park(pressure_lab, tmp_path):
+    """A preemptible lease whose running cell a waiting person's request will park: the status item says
+    'preempted in …' in the warning colour, with the notice's words as its tooltip, until the park."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from gpupool.wire.leases import LeaseRequest
+
+    lab = pressure_lab
+    _notebook(lab.root / "preempted.ipynb", ["%gpu acquire 1 --batch --preemptible",
+                                             "import time\nfor _ in range(200): time.sleep(0.1)"])
+    client, ann = lab.service.client(), lab.service.client("ann")
+    waiter = None
+    with sync_playwright() as playwright:
+        expect.set_options(timeout=STEP_MS)
+        browser = _chromium(playwright)
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        page.set_default_timeout(STEP_MS)
+        nb = Page(page)
+        step = "attach"
+        try:
+            page.goto(f"{lab.url}/lab/tree/preempted.ipynb?token={lab.token}&reset")
+            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+            assert "Traceback" not in nb.run(0)
+            expect(nb.status).to_contain_text(f"of {MODEL} on node-1")
+            expect(nb.status).not_to_contain_text("preempted")
+
+            step = "a cell runs; ann asks for the GPU: the notice comes, and the status item says it"
+            nb.cell(1).locator(".cm-content").click()
+            page.keyboard.press("Shift+Enter")
+            mine, = client.list_leases(active=True)
+            wait_for(lambda: client.get_lease(mine.id).worker["execution_state"] == "busy", 30, "the cell running")
+            waiter = ann.create_lease(LeaseRequest(fraction=1.0, wait=120))
+            expect(nb.status).to_contain_text(re.compile(r" · preempted (in \d+s|now)$"), timeout=30_000)
+            expect(nb.status).to_have_class(re.compile(r"jp-gpupool-preempted"))
+            expect(nb.status).to_have_attribute("title", re.compile(
+                rf"^GPU: lease {mine.id} is preemptible and 1 person is waiting for a GPU: in about \d+s it is "
+                r"parked, the running cell frozen where it is \(or interrupted where the node cannot freeze a "
+                r"running cell\); it goes on when the pool resumes the lease \(click for details\)$"))
+
+            step = "the park clears it"
+            expect(nb.status).to_contain_text("GPU: parked", timeout=30_000)
+            expect(nb.status).not_to_contain_text("preempted")
+            expect(nb.status).not_to_have_class(re.compile(r"jp-gpupool-preempted"))
+            expect(nb.status).to_have_attribute("title", "GPU lease of this notebook (click for details)")
+        except Exception as exc:
+            shot = tmp_path / "failure.png"
+            page.screenshot(path=str(shot), full_page=True)
+            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
+        finally:
+            browser.close()
+            if waiter is not None:
+                ann.release(waiter.id)

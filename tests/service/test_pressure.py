@@ -157,7 +157,14 @@ def test_a_preemptible_lease_is_frozen_mid_cell_and_the_cell_goes_on_after_its_r
 
     told = notebook.wait_for_event("preempt_notice", 60, "the preemption notice")
     assert told["message"].startswith(f"lease {mine.id} is preemptible and 1 person is waiting for a GPU: in about")
+    # The status bar's state carries it too (the JupyterLab item says "preempted in 1s", the notice as its title).
+    coming = notebook.wait_for_state(lambda s: s["preempt_at"], 30, "the state with preempt_at")
+    assert coming["phase"] == "attached" and coming["lease"] == mine.id, coming
+    assert coming["reason"] == "1 person is waiting for a GPU", coming
+    assert parse_time(coming["preempt_at"]) > parse_time(waiter.created_at), coming
     parked = notebook.wait_for_event("parked", 60, "the park of the running cell")
+    after = notebook.wait_for_state(lambda s: s["phase"] == "parked", 30, "the parked state")
+    assert after["preempt_at"] is None and after["lease"] == mine.id, after  # the park clears it
     assert parked["message"].startswith(f"lease {mine.id} was preempted: 1 person is waiting for a GPU: its worker "
                                         "is frozen on node-1"), parked
     assert "the running cell waits and goes on when the pool resumes it" in parked["message"]

@@ -17,6 +17,7 @@ class Transcript:
         self.kc = kc
         self.streams: list[tuple[str | None, str]] = []  # (parent msg_id, text)
         self.events: list[dict] = []  # what the gpupool.status comm sent
+        self.states: list[dict] = []  # and the state snapshots it sent, in order
         self._idle: set[str] = set()
 
     def listen(self) -> None:
@@ -33,8 +34,10 @@ class Transcript:
                 if msg["msg_type"] == "stream":
                     self.streams.append((parent, msg["content"]["text"]))
                 elif msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == "status-1":
-                    if "event" in msg["content"]["data"]:  # not the state snapshots
+                    if "event" in msg["content"]["data"]:
                         self.events.append(msg["content"]["data"])
+                    elif "state" in msg["content"]["data"]:
+                        self.states.append(msg["content"]["data"]["state"])
                 elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                     self._idle.add(parent)
         except queue.Empty:
@@ -61,6 +64,10 @@ class Transcript:
 
     def wait_for_line(self, pattern: str, timeout: float, what: str) -> None:
         wait_for(lambda: self.pump() or self.lines(pattern), timeout, what)
+
+    def wait_for_state(self, predicate, timeout: float, what: str) -> dict:
+        """The first state snapshot ``predicate`` accepts."""
+        return wait_for(lambda: self.pump() or next((s for s in self.states if predicate(s)), None), timeout, what)
 
     def wait_for_event(self, kind: str, timeout: float, what: str) -> dict:
         return wait_for(lambda: self.pump() or next((e for e in self.events if e["event"] == kind), None),
