@@ -19,7 +19,8 @@ bench/backlog_churn.py).
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Collection, Hashable, Iterable, Mapping, Sequence
 
 from .scheduler import idle_counts
 
@@ -29,39 +30,78 @@ EPSILON = 1e-9
 def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempting: bool,
           yields, rank_of, staying: Iterable = (), kept: str | None = None) -> tuple[str, list] | None:
     """``(node, the leases to take there)`` (``priority.Held``) so that ``count``
-    whole GPUs are free on that node, or None where no node can be cleared so. ``leases``:
-    the ones pressure may take (not guaranteed, not already taken), each with
-    its ``node`` and ``gpu_ids``; ``staying``: the other active leases, which
-    stay (guaranteed, or of a class this request does not press on): a GPU one
-    of them holds comes free for nobody; ``free_gpus``: node -> whole GPUs free
-    now (nodes absent: none); ``preempting``: running opted-in leases may be stopped;
-    ``rank_of(lease_class)``: class rank, ``yields(lease_class)``: whether it is backfill
-    (:attr:`gpupool.leaseclasses.LeaseClass.yields`). On the chosen node the GPUs
-    whose leases are all batch go before those with interactive ones, idle before
-    running (:func:`_unit_cost`); the node that parks the fewest idle leases of
-    the classes that do not yield (people's notebooks) is chosen, then the one
-    stopping the fewest running GPUs, then by name. ``kept``: the node the last plan
-    cleared for this request: chosen again while it can still be cleared, whatever
-    the others cost now, so that its leases, already parked or told, are not let go
-    for another node's (each flip preempts new jobs while the first node's resume
-    there, no longer held, and is preempted again when it flips back)."""
-    takeable, blocking = {}, list(staying)
+    whole GPUs are free on that node, or None where no node can be cleared so:
+    :func:`choose` among :func:`clearable` (the arguments are theirs)."""
+    return choose(count, clearable(leases, free_gpus, preempting, yields, rank_of, staying), yields, kept)
+
+
+@dataclass(frozen=True)
+class Clearable:
+    """One node as :func:`choose` reads it: ``free`` whole GPUs (with those on their way back),
+    and the groups of leases pressure may take there, cheapest first, each with the whole
+    GPUs it frees (``(GPUs, leases)``); ``most``: what all of them and ``free`` come to."""
+
+    free: float
+    groups: tuple[tuple[float, tuple], ...]
+    most: float
+
+
+def clearable(leases: Sequence, free_gpus: Mapping[str, float], preempting: bool, yields, rank_of,
+              staying: Iterable = ()) -> dict[str, Clearable]:
+    """Node -> :class:`Clearable`, for every node with free GPUs or leases pressure may take.
+    ``leases``: the ones pressure may take (not guaranteed, not already taken), each with its
+    ``node`` and ``gpu_ids``; those it cannot take (a running cell, not preemptible or not
+    ``preempting``) stay, as ``staying`` do (guaranteed, or of a class the request does not
+    press on): a GPU one of them holds comes free for nobody, so its group is left out;
+    ``free_gpus``: node -> whole GPUs free now (nodes absent: none); ``rank_of(lease_class)``:
+    class rank, ``yields(lease_class)``: whether it is backfill
+    (:attr:`gpupool.leaseclasses.LeaseClass.yields`). The groups go cheapest first
+    (:func:`_unit_cost`): those with no person's idle notebook, then idle before running, batch
+    before interactive. One pass per plan: the requests of a sweep choose from the same."""
+    takeable: dict[str, list] = {}
+    blocked: dict[str, set] = {}
     for lease in leases:
-        can = (not lease.busy and lease.idle_since is not None) or (preempting and lease.busy and lease.preemptible)
-        if lease.node is not None and can:
+        if lease.node is None:
+            continue
+        if (not lease.busy and lease.idle_since is not None) or (preempting and lease.busy and lease.preemptible):
             takeable.setdefault(lease.node, []).append(lease)
         else:
-            blocking.append(lease)
-    blocked: dict[str, set] = {}
-    for lease in blocking:
+            blocked.setdefault(lease.node, set()).update(lease.gpu_ids)
+    for lease in staying:
         if lease.node is not None:
             blocked.setdefault(lease.node, set()).update(lease.gpu_ids)
-    best, best_cost = None, None
+    nodes = {}
     for node in set(takeable) | set(free_gpus):
-        chosen = _take_on(count, free_gpus.get(node, 0.0), takeable.get(node, ()), blocked.get(node, set()),
-                          yields, rank_of)
-        if chosen is None:
+        free, stays = free_gpus.get(node, 0.0), blocked.get(node, set())
+        groups = sorted(((len(gpus) if gpus else sum(lease.gpus for lease in unit), unit)
+                         for gpus, unit in units(takeable.get(node, ())) if not gpus & stays),
+                        key=lambda group: _unit_cost(group, yields, rank_of))
+        nodes[node] = Clearable(free, tuple((worth, tuple(unit)) for worth, unit in groups),
+                                free + sum(worth for worth, _ in groups))
+    return nodes
+
+
+def choose(count: int, nodes: Mapping[str, Clearable], yields, kept: str | None = None,
+           others: Collection[str] = ()) -> tuple[str, list] | None:
+    """``(node, the leases to take there)`` so that ``count`` whole GPUs are free on one of
+    ``nodes`` (:func:`clearable`; not one of ``others``: kept for other requests), or None
+    where none can be cleared so. On a node its cheapest groups go first; of the nodes, the
+    one that parks the fewest idle leases of the classes that do not yield (people's
+    notebooks), then the one stopping the fewest running GPUs, then by name. ``kept``: the
+    node the last plan cleared for this request: chosen again while it can still be cleared,
+    whatever the others cost now, so that its leases, already parked or told, are not let
+    go for another node's (each flip preempted new jobs while the first node's, no longer
+    held, resumed there, to be preempted again when it flipped back)."""
+    best, best_cost = None, None
+    for node, there in nodes.items():
+        if there.most < count - EPSILON or node in others:
             continue
+        room, chosen = there.free, []
+        for worth, unit in there.groups:
+            if room >= count - EPSILON:
+                break
+            chosen += unit
+            room += worth
         if node == kept:
             return node, chosen
         cost = (sum(1 for item in chosen if not yields(item.lease_class) and not item.busy),
@@ -69,20 +109,6 @@ def clear(count: int, leases: Sequence, free_gpus: Mapping[str, float], preempti
         if best_cost is None or cost < best_cost:
             best, best_cost = (node, chosen), cost
     return best
-
-
-def _take_on(count: int, room: float, leases: Sequence, blocked: set, yields, rank_of) -> list | None:
-    """The leases of one node to take so that ``count`` whole GPUs are free there (``room``
-    free now; ``blocked``: GPU ids of leases that stay), GPU groups cheapest first
-    (:func:`_unit_cost`); None where even all of them would not do."""
-    chosen: list = []
-    free_units = [unit for unit in units(leases) if not unit[0] & blocked]
-    for gpus, unit in sorted(free_units, key=lambda item: _unit_cost(item, yields, rank_of)):
-        if room >= count - EPSILON:
-            break
-        chosen += unit
-        room += len(gpus) if gpus else sum(lease.gpus for lease in unit)
-    return chosen if room >= count - EPSILON else None
 
 
 def units(leases: Iterable) -> list[tuple[frozenset[Hashable], list]]:
@@ -101,11 +127,12 @@ def units(leases: Iterable) -> list[tuple[frozenset[Hashable], list]]:
     return groups
 
 
-def _unit_cost(unit: tuple[frozenset, list], yields, rank_of) -> tuple:
-    """The order a node's GPU groups are taken in: fewest people's idle notebooks, then the
-    fewest running GPUs stopped per GPU freed, then the latest class (batch), then by lease id."""
-    gpus, leases = unit
-    worth = len(gpus) or sum(lease.gpus for lease in leases) or 1.0
+def _unit_cost(group: tuple[float, list], yields, rank_of) -> tuple:
+    """The order a node's GPU groups (``(whole GPUs freed, leases)``) are taken in: fewest
+    people's idle notebooks, then the fewest running GPUs stopped per GPU freed, then the latest
+    class (batch), then by lease id."""
+    worth, leases = group
+    worth = worth or 1.0
     return (sum(1 for lease in leases if not yields(lease.lease_class) and not lease.busy),
             sum(lease.gpus for lease in leases if lease.busy) / worth,
             -min(rank_of(lease.lease_class) for lease in leases), min(lease.lease_id for lease in leases))

@@ -281,18 +281,18 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
         if free_gpus is not None and kind.preempts:
             # ``free_gpus`` counts what is on its way back, GPU by GPU (:func:`.clearing.whole_free`), so
             # a node whose leases are being parked for a request stays the cheapest to clear for it.
-            free = dict(free_gpus)
             # A node the last plan cleared for a request still waiting stays that request's while it can.
-            mine = {lease_id: node for node, lease_id in (kept or {}).items()
-                    if any(item.lease_id == lease_id for item in asking)}
+            waiting = {item.lease_id for item in asking}
+            mine = {lease_id: node for node, lease_id in (kept or {}).items() if lease_id in waiting}
+            nodes = None  # what each node can free, read once for this class's requests
             for item in sorted(asking, key=lambda ask: ask.created_at):
                 if class_rank(item.lease_class) != rank or item.gpu_count < 2 or item.node is not None:
                     continue
+                if nodes is None:
+                    nodes = clearing.clearable(targets, free_gpus, preempting, yields, class_rank,
+                                               _staying(held, targets, parks, preemptions))
                 theirs = set(mine.values()) - {mine.get(item.lease_id)}  # kept for the other requests
-                cleared = clearing.clear(item.gpu_count, [lease for lease in targets if lease.node not in theirs],
-                                         {node: gpus for node, gpus in free.items() if node not in theirs},
-                                         preempting, yields, class_rank, _staying(held, targets, parks, preemptions),
-                                         mine.get(item.lease_id))
+                cleared = clearing.choose(item.gpu_count, nodes, yields, mine.get(item.lease_id), theirs)
                 need -= item.gpus
                 if cleared is None:
                     # No node can be cleared now (a person's cell runs on each): it presses on nothing until
@@ -305,7 +305,7 @@ def plan(held: Sequence[Held], asking: Sequence[Asking], rule: Rule, guaranteed_
                 for lease in leases:
                     take(lease, item.created_at)
                 targets = [lease for lease in targets if lease.node != node]
-                free.pop(node, None)
+                nodes.pop(node)
         for lease in _victims(targets, preempting, rule.batch_first):
             if need <= EPSILON:
                 break
