@@ -26,6 +26,7 @@ from .capacity import HOLDING
 from .config import PoolLeases
 from .transitions import RESUMING
 from .models import Lease, Node
+from .parked import may_move
 from .pressure import Pressure
 from .rules import queue as wait_queue
 from .rules.priority import class_rank
@@ -239,8 +240,10 @@ class LeaseViews:
         return [(lease, remap.get(lease.node_name, False)) for lease in leases]
 
     def _resume_ask(self, lease: Lease, remap: bool) -> tuple:
-        """A resume as the ETA sees it: its slice, class, and the GPUs it may take (its node's)."""
-        return (lease.fraction, lease.gpu_count, lease.lease_class, self.pressure.resume_room(lease, remap))
+        """A resume as the ETA sees it: its slice, class, and the GPUs it may take (its node's,
+        then other nodes' where it may move)."""
+        moves = may_move(lease, self.pool_leases.resume_moves)
+        return (lease.fraction, lease.gpu_count, lease.lease_class, self.pressure.resume_room(lease, remap, moves))
 
 
 def _in_line(lease: Lease) -> bool:

@@ -209,17 +209,21 @@ class Pressure:
         """Re-checked under the write lock: still active and busy, past its ``preempt_at``."""
         return pressure_rules.still_preempted(self.plan, lease, now)
 
-    def resume_room(self, lease: Lease, remap: bool) -> tuple[int, ...]:
+    def resume_room(self, lease: Lease, remap: bool, moves: bool = False) -> tuple[int, ...]:
         """The indexes in the ETA's room of the GPUs a resume of ``lease`` (its GPUs loaded) may
-        take, its own first: then, where its node's checkpointer can ``remap``, the others of the
-        same model on its node (as the last sweep saw them)."""
+        take, as the sweep would try them (as the last sweep saw them): its own first; then, where
+        its node's checkpointer can ``remap``, the others of the same model on its node; then,
+        where it ``moves`` (:func:`.parked.may_move`), those of that model on other nodes
+        (:func:`.rules.resume.place_elsewhere`; their worker environments are not read here)."""
         gpus = self._eta.gpus
         own = [gpus[g.gpu_uuid][0] for g in lease.gpus if g.gpu_uuid in gpus]
-        if not remap or not lease.gpus:
+        if not lease.gpus or not (remap or moves):
             return tuple(own)
         model = lease.gpus[0].name
-        return tuple(own + [i for i, node, name in gpus.values()
-                            if node == lease.node_name and name == model and i not in own])
+        same = [(i, node) for i, node, name in gpus.values() if name == model and i not in own]
+        here = [i for i, node in same if node == lease.node_name] if remap else []
+        elsewhere = [i for i, node in same if node != lease.node_name] if moves else []
+        return tuple(own + here + elsewhere)
 
     def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``

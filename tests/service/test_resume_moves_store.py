@@ -278,3 +278,24 @@ def test_a_moves_spill_gives_its_old_nodes_host_memory_back(store):
     assert (before, after) == (3 * GiB, 0)
     with store.read() as session:
         assert host_states(session)["n1"].memory_parked == 0
+
+
+@pytest.mark.parametrize(("remap", "moves", "room"), [
+    (False, False, (0,)),  # its own GPU only
+    (True, False, (0, 1)),  # then its node's other A100
+    (False, True, (0, 3)),  # then the other nodes' A100s (an H100 is no room for its arrays)
+    (True, True, (0, 1, 3)),
+])
+def test_a_resume_in_line_is_estimated_over_the_gpus_it_may_take(remap, moves, room):
+    """``queue_estimate_s`` of a parked lease's resume counts the GPUs the sweep may give it: with
+    ``resume_moves``, other nodes' GPUs of its model after its own node's."""
+    from types import SimpleNamespace
+
+    from gpupool.hub_plugin.config import PoolNodes, PoolPressure
+    from gpupool.hub_plugin.pressure import EtaInputs, Pressure
+
+    pressure = Pressure(PoolPressure(), PoolNodes(), None)
+    pressure._eta = EtaInputs(gpus={"g0": (0, "n1", "A100"), "g1": (1, "n1", "A100"), "g2": (2, "n2", "H100"),
+                                    "g3": (3, "n2", "A100")})
+    lease = SimpleNamespace(gpus=[SimpleNamespace(gpu_uuid="g0", name="A100")], node_name="n1")
+    assert pressure.resume_room(lease, remap, moves) == room
