@@ -305,10 +305,16 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
 def allocated_cell(gpu: dict[str, Any]) -> str:
     """A GPU's allocated share of ``GET /pool``, with the share its parked leases claim apart:
     ``'0.50'``, ``'0.00 + 0.25 parked'`` (a parked lease holds no share; its claim keeps the room
-    for its resume while other room fits)."""
+    for its resume while other room fits). A claim other leases took (``parked_unbacked``: they were
+    placed when no other room fit) is no room on the GPU, so it is not added to what is allocated:
+    ``'1.00 (0.50 parked, not free now)'``, ``'0.75 + 0.25 parked (0.25 more parked, not free now)'``."""
+    claim, unbacked = gpu.get("parked_fraction") or 0.0, gpu.get("parked_unbacked") or 0.0
     words = f"{gpu.get('allocated_fraction', 0):.2f}"
-    if gpu.get("parked_fraction"):
-        words += f" + {gpu['parked_fraction']:.2f} parked"
+    if claim - unbacked > 0.005:  # what shows as 0.00 is no free claim
+        words += f" + {claim - unbacked:.2f} parked"
+    if unbacked > 0.005:
+        more = " more" if claim - unbacked > 0.005 else ""
+        words += f" ({unbacked:.2f}{more} parked, not free now)"
     return words
 
 

@@ -63,29 +63,36 @@ def lease_body(lease: Lease, *, for_owner: bool, moves: bool = False, **known: A
 def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
     """``GET /pool``: :class:`gpupool.wire.pool.Pool`, the nodes, their GPUs
     and what is allocated, and apart from it what parked leases claim there
-    (``context_overhead``: bytes per GPU that leases may not have,
-    ``c.PoolNodes.context_overhead``)."""
+    (``parked_fraction``; ``parked_unbacked``: the part of it other leases took, so that
+    ``totals.parked`` counts only claims that are still free; ``context_overhead``: bytes
+    per GPU that leases may not have, ``c.PoolNodes.context_overhead``)."""
     alloc = allocations(session)
     parks = {row[0]: (row[1], int(row[2] or 0)) for row in session.execute(
         select(Lease.node_name, func.count(), func.sum(Lease.parked_host_bytes))
         .where(Lease.state.in_(PARKED_STATES)).group_by(Lease.node_name))}
     moving = moving_host_bytes(session)  # leases moving away hold their frozen worker's RAM until the spill
-    nodes, total, allocated, free, claimed = [], 0, 0.0, 0.0, 0.0
+    nodes, total, allocated, free, claimed, unbacked = [], 0, 0.0, 0.0, 0.0, 0.0
     for node in nodes_with_gpus(session):
         gpus = []
         for gpu in node.gpus:
             taken = alloc.get(gpu.uuid, Allocation())
+            room = max(0.0, 1.0 - taken.fraction)
+            # A claim is room kept while other room fits: a lease placed when none did may take it (the
+            # claim stays, the resume waits), so the part beyond the room is shown apart, not as free.
+            beyond = max(0.0, taken.parked_fraction - room)
             total += 1
             allocated += taken.fraction
-            claimed += taken.parked_fraction
+            unbacked += beyond
             if gpu.healthy and node.state == "up":
-                free += max(0.0, 1.0 - taken.fraction)
+                free += room
+                claimed += taken.parked_fraction - beyond
             gpus.append(pool.PoolGPU(
                 uuid=gpu.uuid, name=gpu.name, index=gpu.index,
                 memory_total=gpu.memory_total, memory_usable=usable_memory(gpu, context_overhead),
                 allocated_fraction=round(taken.fraction, 9), allocated_memory=taken.memory,
                 leases=taken.leases, healthy=gpu.healthy, memory_used=gpu.memory_used, utilization=gpu.utilization,
-                parked_fraction=round(taken.parked_fraction, 9), parked_leases=taken.parked_leases))
+                parked_fraction=round(taken.parked_fraction, 9), parked_leases=taken.parked_leases,
+                parked_unbacked=round(beyond, 9)))
         nodes.append(pool.PoolNode(
             name=node.name, state=node.state, state_reason=node.state_reason, inventory=node.inventory,
             enforcement=node.enforcement, last_heartbeat_at=isoformat(node.last_heartbeat_at),
@@ -94,4 +101,5 @@ def pool_json(session: Session, context_overhead: int) -> dict[str, Any]:
             freezes_running_cell=(node.checkpointer or {}).get("mid_cell") is True, parked_memory=node.parked_memory,
             parked_host_bytes=parks.get(node.name, (0, 0))[1] + moving.get(node.name, 0),
             parked_leases=parks.get(node.name, (0, 0))[0]))
-    return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9), round(claimed, 9))).to_json()
+    return pool.Pool(nodes, pool.PoolTotals(total, round(allocated, 9), round(free, 9), round(claimed, 9),
+                                            round(unbacked, 9))).to_json()

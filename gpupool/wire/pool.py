@@ -22,7 +22,10 @@ class PoolGPU(Body):
     and ``utilization`` (percent) the latest NVML readings; ``parked_fraction``
     the share its parked leases (``parked_leases`` of them) hold no more but
     claim for their resume: not allocated, only kept free while other room fits
-    (docs/placement.md, "Parked leases")."""
+    (docs/placement.md, "Parked leases"); ``parked_unbacked`` the part of that
+    claim which is not free now, because leases placed when no other room fit
+    took it (``allocated_fraction + parked_fraction - 1``, at least 0): those
+    resumes wait for room."""
 
     uuid: str = wired(Spec("string"))
     name: str = wired(Spec("string"))
@@ -38,6 +41,9 @@ class PoolGPU(Body):
     parked_fraction: float = wired(Spec("number", "the share leases parked on it claim for their resume (not "
                                         "allocated: new leases take it only when no other room fits)"), 0.0)
     parked_leases: int = wired(Spec("integer", "leases parked on it (not counted in leases)"), 0)
+    parked_unbacked: float = wired(Spec("number", "the part of parked_fraction that is not free now: allocated "
+                                        "to other leases, placed when no other room fit (0 while the whole claim "
+                                        "is free)"), 0.0)
 
 
 @dataclass(frozen=True)
@@ -75,14 +81,21 @@ class PoolNode(Body):
 class PoolTotals(Body):
     """``gpus`` counts every GPU, ``allocated`` sums the allocated fractions,
     ``free`` the free fractions of the GPUs that can take work (healthy, on
-    an ``up`` node), ``parked`` the parked leases' claimed fractions (a part
-    of ``free`` where their GPUs can take work)."""
+    an ``up`` node), ``parked`` the part of ``free`` that parked leases claim
+    for their resume (each GPU's claim as far as it is free there, so never
+    more than ``free``), ``parked_unbacked`` the parked leases' claims that are
+    not free now (:attr:`PoolGPU.parked_unbacked`, summed): allocated to other
+    leases. On a GPU that can take work, allocated + free = 1 and the claim is
+    the part of free counted in ``parked`` plus the part of allocated counted
+    in ``parked_unbacked``."""
 
     gpus: int = wired(Spec("integer"))
     allocated: float = wired(Spec("number"))
     free: float = wired(Spec("number"))
-    parked: float = wired(Spec("number", "the share parked leases claim for their resume, summed (not allocated)"),
-                          0.0)
+    parked: float = wired(Spec("number", "the part of free that parked leases claim for their resume (not "
+                               "allocated; a claim other leases took counts in parked_unbacked instead)"), 0.0)
+    parked_unbacked: float = wired(Spec("number", "the parked leases' claims that are not free now: allocated to "
+                                        "other leases, summed"), 0.0)
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,32 @@ def test_a_parked_lease_claims_its_gpu_so_a_new_lease_goes_elsewhere(store):
     assert isinstance(after, Placement) and after.gpus == ("G-n",), "by name once nothing is claimed"
 
 
+def test_the_pool_view_counts_a_claim_other_leases_took_apart_from_free(store):
+    """A lease placed when no other room fit takes the room a parked lease claims: ``GET /pool`` shows
+    that part of the claim as not free now (``parked_unbacked``), so no GPU looks more than full and
+    ``totals.parked`` stays a part of ``totals.free``; the pool table says so in words."""
+    from gpupool.hub_plugin.views import pool_json
+    from gpupool.tables import allocated_cell, pool_table
+
+    park = {"state": "parked", "held_since": None, "park_tier": "memory", "park_code": "idle",
+            "park_reason": "idle for 1m", "parked_at": T0, "parked_host_bytes": GiB, "fraction": 0.5}
+    add(store, "L-00000000000f", **park)  # n: its half claimed, then a whole-GPU lease took the GPU
+    add(store, "L-000000000010", owner="bob")
+    add(store, "L-000000000011", node="old", **park)  # old: a quarter of its half still free
+    add(store, "L-000000000012", node="old", owner="bob", fraction=0.75)
+    with store.read() as session:
+        shown = pool_json(session, 0)
+    gpus = {g["uuid"]: g for node in shown["nodes"] for g in node["gpus"]}
+    assert [(gpus[u]["allocated_fraction"], gpus[u]["parked_fraction"], gpus[u]["parked_unbacked"])
+            for u in ("G-n", "G-old")] == [(1.0, 0.5, 0.5), (0.75, 0.5, 0.25)]
+    assert shown["totals"] == {"gpus": 2, "allocated": 1.75, "free": 0.25, "parked": 0.25, "parked_unbacked": 0.75}
+    assert shown["totals"]["parked"] <= shown["totals"]["free"], "docs/api.md: parked is a part of free"
+    assert [allocated_cell(gpus[u]) for u in ("G-n", "G-old")] == [
+        "1.00 (0.50 parked, not free now)", "0.75 + 0.25 parked (0.25 more parked, not free now)"]
+    text = pool_table(shown)[0]
+    assert "1.00 (0.50 parked, not free now)" in text and "1.00 + 0.50 parked" not in text, text
+
+
 def test_a_new_batch_request_goes_off_the_node_a_persons_resume_waits_for(store):
     """A person's parked lease waits to resume on node n: a new batch request whose first choice is n
     goes to node old instead, and is refused with words when old has no room either."""
