@@ -120,12 +120,13 @@ class Attacher:
         if self.forwarding is not None:
             self.forwarding.start(attachment)
 
-    def resume(self, attachment: Attachment) -> Attachment:
+    def resume(self, attachment: Attachment, on_wait=None) -> Attachment:
         """The lease is parked: resume it in place (with progress) before the
-        cell runs; the same worker, its variables as they were. Raises
+        cell runs; the same worker, its variables as they were. ``on_wait(lease)``:
+        called once if the resume waits in line for room. Raises
         GPUPoolError (``lease_lost`` when it ended meanwhile)."""
         parked_on = attachment.parked.lease.node if attachment.parked is not None else None
-        lease = self.wait.resumed(attachment)
+        lease = self.wait.resumed(attachment, on_wait)
         if attachment.reconnected:  # a new worker (spilled, or moved): forward to it now
             self.forward(attachment)
         moved = f" (moved from {parked_on}, which had no room)" if parked_on and parked_on != lease.node else ""

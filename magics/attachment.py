@@ -17,7 +17,7 @@ from typing import Any, Callable
 from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval
-from gpupool.leasewait import RESUME_STATES, wait_started
+from gpupool.leasewait import RESUME_STATES, WAITING_FOR_ROOM, wait_started
 from gpupool.schema import LeaseState
 from gpupool.tables import parked_for, resumed_words
 from gpupool.wire.leases import Lease
@@ -26,7 +26,7 @@ from gpupool.transfer import load_pulled
 
 from . import dataplane
 from .heartbeat import KernelHeartbeat
-from .park import Parked, parked_now, parked_words
+from .park import Parked, parked_now, parked_words, resume_seconds
 from .words import ended_words, say
 from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
@@ -98,7 +98,11 @@ class Attachment:
                 # resume asked here (README and docs/api.md promise "resumed" for a click in JupyterLab too),
                 # or one the pool did by itself of a park that was said.
                 if not parked.resuming and (parked.resume_asked or parked.noticed):
-                    took = time.monotonic() - parked.asked_at if parked.resume_asked and not running else None
+                    # The service's clock: this kernel's counts the wait in line too (a cell that gave up waiting).
+                    took = resume_seconds(lease) if not running else None
+                    if took is None and parked.resume_asked and not running:
+                        took = time.monotonic() - parked.asked_at
+                    parked.said_resumed = True
                     self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then,
                                        kind="resumed")
 
@@ -134,26 +138,50 @@ class Attachment:
         self.lease = lease
         self.remote.pause_liveness(False)
 
-    def resume(self, start_timeout: float, on_state: Callable[[Lease, bool], None] | None = None) -> Lease:
+    def resume(self, start_timeout: float, on_state: Callable[[Lease, bool], None] | None = None,
+               on_wait: Callable[[Lease], None] | None = None) -> Lease:
         """Resume the parked lease (``POST /leases/{id}/resume``) and wait
         for it with a progress line (:func:`gpupool.leasewait.wait_started`);
-        returns the active lease. Raises GPUPoolError ``lease_lost`` when it
-        ended meanwhile, ``start_timeout``, ``worker_unreachable`` when the
-        resumed worker does not answer (a spilled lease comes back as a new
-        worker: this kernel connects to it, and :attr:`reconnected` says so)."""
+        returns the active lease. ``on_wait(lease)`` is called once, before the
+        progress line, when the resume waits in line for room. Raises GPUPoolError
+        ``lease_lost`` when it ended meanwhile, ``start_timeout``, ``worker_unreachable``
+        when the resumed worker does not answer (a spilled lease comes back as a new
+        worker: this kernel connects to it, and :attr:`reconnected` says so). Interrupted
+        (KeyboardInterrupt) or failed once asked, the resume goes on at the service without
+        this call: it counts as asked (:meth:`ask_resume`), so that the heartbeat says it
+        when it happens (its line, atop the next cell)."""
         with self._parking:
             parked = self.parked
             if parked is not None:
                 parked.resuming = True
+                # A resume asked before (an interrupted cell, the lab extension) or done already (a new
+                # worker): this call does not see it from its start, so the service's clock times it.
+                earlier = parked.resume_asked or parked.new_worker is not None
         started = time.monotonic()
-        lease = self.client.resume(self.lease.id)
+        told = False
+
+        def seen(lease: Lease, was_queued: bool) -> None:
+            nonlocal told
+            if on_wait is not None and not told and lease.state in WAITING_FOR_ROOM and lease.queue_position:
+                told = True
+                on_wait(lease)
+            if on_state is not None:
+                on_state(lease, was_queued)
+
+        asked = False
         try:
+            lease = self.client.resume(self.lease.id)
+            asked = True
             lease = wait_started(self.client, lease, started, start_timeout, setting="c.GPUMagics.start_timeout",
-                                 on_state=on_state, waiting=RESUME_STATES, cancels=False)
+                                 on_state=seen, waiting=RESUME_STATES, cancels=False)
         except GPUPoolError as exc:
+            self._gave_up_waiting(parked, asked, started)
             if exc.code == Reason.lease_failed:
                 raise GPUPoolError(Reason.lease_lost, exc.message.replace("the lease could not start: ", ""),
                                    410) from None
+            raise
+        except BaseException:
+            self._gave_up_waiting(parked, asked, started)
             raise
         with self._parking:
             self.reconnected = lease.connection != self.remote.connection
@@ -163,10 +191,23 @@ class Attachment:
             self._unparked(lease)
         if self.reconnected:
             self.remote.wait_ready(30.0)
+        if parked is not None and parked.said_resumed:  # the heartbeat said it (atop this cell)
+            return lease
+        took = resume_seconds(lease) if parked is not None and earlier else None
         # What the park lost, its notice said.
-        say(resumed_words(lease, time.monotonic() - started, parked_for(parked.lease if parked else None),
-                          parked.lease.node if parked else None))
+        say(resumed_words(lease, took if took is not None else time.monotonic() - started,
+                          parked_for(parked.lease if parked else None), parked.lease.node if parked else None))
         return lease
+
+    def _gave_up_waiting(self, parked: Parked | None, asked: bool, started: float) -> None:
+        """:meth:`resume` stopped waiting (interrupted, failed): the resume it ``asked`` (at
+        monotonic ``started``) goes on at the service, and the heartbeat is to say it when it comes."""
+        with self._parking:
+            if parked is None or parked is not self.parked:
+                return
+            parked.resuming = False
+            if asked and not parked.resume_asked:
+                parked.resume_asked, parked.asked_at = True, started
 
     @classmethod
     def connect(cls, client: ServiceClient, lease: Lease, timeout: float = 30.0) -> "Attachment":

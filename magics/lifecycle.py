@@ -54,20 +54,25 @@ class Lifecycle:
         """The notebook's attachment as it is (parked or ended too), None while detached."""
         return self._attachment
 
-    def attached(self) -> Attachment:
+    def attached(self, releasing: bool = False) -> Attachment:
         """The live attachment, resuming a parked lease first; UsageError when
-        not attached or when the lease ended (the attachment is dropped)."""
+        not attached or when the lease ended (the attachment is dropped).
+        ``releasing``: for ``%gpu release``, which says before a wait in line for
+        room why it waits and what else there is, and, interrupted, that nothing
+        was released."""
         attachment = self._attachment
         if attachment is None:
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
         if attachment.is_parked:
             try:
-                return self.attacher.resume(attachment)
+                return self.attacher.resume(attachment, on_wait=_release_waits if releasing else None)
             except GPUPoolError as exc:
                 if exc.code in (Reason.lease_lost, Reason.invalid_state):  # it ended meanwhile
                     self.drop()
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
             except KeyboardInterrupt:
+                if releasing:
+                    raise UsageError(release_not_waited(attachment)) from None
                 raise UsageError(f"interrupted while waiting for {attachment.lease.id} to resume; the "
                                  "resume goes on and the next cell runs on it (%gpu release --discard gives the "
                                  "lease up now, without its variables)") from None
@@ -145,7 +150,8 @@ class Lifecycle:
             say(f"{self._attachment.lease.id} is moving from {moving} to another node (its state goes from {moving}'s disk to a new "
                 f"worker there): %gpu release waits for it, then brings its variables home; %gpu release "
                 f"--discard gives it up now, without them")
-        attachment = self.attached()  # a parked lease resumes first: its variables come home from the worker
+        # A parked lease resumes first: its variables come home from the worker.
+        attachment = self.attached(releasing=not discard)
         note = ""
         if not discard:
             try:
@@ -264,6 +270,26 @@ class Lifecycle:
                 attachment.release(reason=reason)
             except Exception:  # best effort at exit
                 pass
+
+
+def _release_waits(lease) -> None:
+    """Said once by ``%gpu release`` whose parked lease's resume waits in line for room: why it
+    waits, and what else the user may do."""
+    say(f"%gpu release brings the variables home from {lease.id}'s worker, frozen on {lease.node or 'its node'}, "
+        "which must resume first: waiting for room (Ctrl-C stops waiting, releasing nothing; %gpu release "
+        "--discard gives it up now, its variables lost)")
+
+
+def release_not_waited(attachment: Attachment) -> str:
+    """What an interrupted ``%gpu release`` of a parked lease says: nothing was released, the lease is
+    parked with its variables. Its resume stays asked: the service offers no way to withdraw it, so
+    the words say what comes of it (it resumes when room comes and holds its GPU until parked again)."""
+    parked = attachment.parked.lease if attachment.parked is not None else attachment.lease
+    node = (parked.parked or {}).get("moving_from") or parked.node or "its node"
+    return (f"interrupted: {attachment.lease.id} was not released; it stays parked on {node} with its variables. "
+            "Its resume stays in line, though (the pool cannot withdraw it): when room comes it resumes and holds "
+            "its GPU until it is idle long enough to be parked again (%gpu park parks it at once then; %gpu "
+            "release --discard gives it up now, its variables lost)")
 
 
 def _moving_from(attachment: Attachment | None) -> str | None:

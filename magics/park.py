@@ -16,6 +16,7 @@ worker, its variables, open files and CUDA state as they were.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from gpupool.schema import LeaseState
 from gpupool.units import format_bytes
@@ -33,7 +34,8 @@ class Parked:
     that says its line), whether a resume was asked (``asked_at``: when;
     and when asking last failed), and ``new_worker``: the lease as seen active
     again on a new worker (spilled, or moved to another node) that this kernel
-    has not connected to yet (the next cell does, :meth:`~.attachment.Attachment.resume`)."""
+    has not connected to yet (the next cell does, :meth:`~.attachment.Attachment.resume`),
+    and whether the heartbeat said the resume already (``said_resumed``: the next cell does not again)."""
 
     lease: Lease
     new_worker: Lease | None = None
@@ -43,11 +45,35 @@ class Parked:
     resume_asked: bool = False
     failed_at: float = float("-inf")  # monotonic time an ask to resume last failed
     asked_at: float = float("-inf")  # monotonic time the resume was asked (ask_resume)
+    said_resumed: bool = False  # the heartbeat said its resume (a resume this kernel did not wait for in full)
 
 
 def parked_now(lease: Lease) -> bool:
     """Whether ``lease`` is ``parking`` or ``parked``."""
     return lease.state in PARKED_STATES
+
+
+def resume_seconds(lease: Lease) -> float | None:
+    """Seconds the last resume of the now ``active`` ``lease`` took at the service: from its
+    placement (the ``starting`` event: in place, or a move's) to the ``active`` one after it, as
+    its events say; None when they do not. What the notebook says of a resume it did not wait for
+    from its start (a cell interrupted while the resume waited for room, or moved): its own clock
+    would count the wait in line, or only the moment the next cell asked."""
+    active = placed = None
+    for event in reversed(lease.events or []):
+        if active is None:
+            if event.get("state") == LeaseState.active.value:
+                active = event.get("at")
+        elif event.get("state") == LeaseState.starting.value:
+            placed = event.get("at")
+            break
+    if active is None or placed is None:
+        return None
+    try:
+        seconds = (datetime.fromisoformat(active) - datetime.fromisoformat(placed)).total_seconds()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, seconds)
 
 
 def parked_words(lease: Lease, running: bool) -> str:

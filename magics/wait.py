@@ -31,10 +31,12 @@ class QueueWait:
         return wait_started(self.service.client, lease, started, self.timeout(), setting="c.GPUMagics.start_timeout",
                             on_state=functools.partial(self.tell.progress, started=started))
 
-    def resumed(self, attachment: Attachment) -> Lease:
-        """:meth:`Attachment.resume` of the parked ``attachment``: the active lease; its errors."""
+    def resumed(self, attachment: Attachment, on_wait: Callable[[Lease], None] | None = None) -> Lease:
+        """:meth:`Attachment.resume` of the parked ``attachment`` (``on_wait``: as there): the
+        active lease; its errors."""
         started = time.monotonic()
-        return attachment.resume(self.timeout(), on_state=functools.partial(self.tell.progress, started=started))
+        return attachment.resume(self.timeout(), on_state=functools.partial(self.tell.progress, started=started),
+                                 on_wait=on_wait)
 
     def parked(self, lease: Lease) -> Lease:
         """``lease``, asked to park, followed while ``parking``: as last seen
