@@ -90,7 +90,10 @@ def _lease_row(lease: Lease, now: datetime) -> dict[str, Any]:
         "id": lease.id, "owner": lease.owner, "state": lease.state, "fraction": lease.fraction,
         "gpu_count": lease.gpu_count, "memory": lease.memory, "node": lease.node_name,
         "gpus": ", ".join(f"GPU {g.index}" for g in lease.gpus),
-        "worker": lease.worker_state or "", "held_s": max(0.0, (now - since).total_seconds()),
+        # As `gpupool status` shows it: only an active lease's worker runs; a parked one's is frozen
+        # (its state is the one it had when parked), a spilled or starting one has none.
+        "worker": (lease.worker_state or "-") if lease.state == LeaseState.active.value else "-",
+        "held_s": max(0.0, (now - since).total_seconds()),
         "parked": _park_row(lease, now),
     }
 

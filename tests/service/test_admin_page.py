@@ -34,6 +34,8 @@ FACTS = """(() => {
     parked: [...document.querySelectorAll('#leases tr.lease')].filter(r => r.querySelector('span.parked'))
       .map(r => r.dataset.owner + ': ' + r.querySelector('td.state').innerText),
     parkedNodes: (document.querySelector('#parked-nodes') || {innerText: ''}).innerText,
+    workers: Object.fromEntries([...document.querySelectorAll('#leases tr.lease')]
+      .map(r => [r.dataset.lease, r.querySelector('td.worker').innerText])),
   };
 })()"""
 
@@ -86,6 +88,7 @@ def test_admin_and_user_pages(jupyterhub):
         assert "0.25 of the pool claimed by parked leases" in facts["totals"], facts["totals"]
         [row] = facts["parked"]
         assert row.startswith("bob: parked (in memory, ") and "of host RAM" in row, row
+        assert facts["workers"][held[1]] == "-", "its worker is frozen, as gpupool status shows it, not idle"
         assert "1 lease, " in facts["parkedNodes"] and "simulated" in facts["parkedNodes"], facts["parkedNodes"]
         assert "group:physics" in facts["quotas"] and "everyone (default)" in facts["quotas"]
 
