@@ -36,12 +36,16 @@ class ServiceClient:
     polls add their wait to it). An ``https://`` service's certificate is
     verified against the system's CAs plus ``ca_file`` (default:
     ``$GPUPOOL_CA_FILE``); GPUPoolError ``not_configured`` when that file
-    cannot be read.
+    cannot be read. ``token_advice``: how this caller's user passes a token
+    (the command line's options); with it a 401 is worded for that user
+    (:meth:`token_refused`), else it keeps the service's words for API callers.
     """
 
-    def __init__(self, url: str, token: str | None, timeout: float = 30.0, ca_file: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0, ca_file: str | None = None,
+                 token_advice: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
+        self.token_advice = token_advice
         self.timeout = timeout
         self._http = BlockingJSONClient(client_context(ca_file) if self.url.lower().startswith("https:") else None)
 
@@ -72,8 +76,19 @@ class ServiceClient:
             raise exc.error(f"the gpupool service at {self.url}",
                             f"is it running? Check the URL ({ENV_URL} or --url).") from None
         if not 200 <= answer.status < 300:  # what urllib did not follow (redirects) is a failure
-            raise answer.error("the gpupool service", ENV_TOKEN)
+            error = answer.error("the gpupool service", ENV_TOKEN)
+            raise self.token_refused(error) if error.status == 401 and self.token_advice else error
         return answer.json()
+
+    def token_refused(self, error: GPUPoolError) -> GPUPoolError:
+        """The service's 401 ``error`` in :attr:`token_advice`'s words: whether a token
+        was sent, how to pass one, and where the service says tokens come from
+        (its ``token_hint``, where it sends one)."""
+        sent = "the token sent is not one it knows" if self.token else "no token was sent"
+        hint = error.extra.get("token_hint")
+        where = f" ({hint})" if isinstance(hint, str) and hint else ""
+        return GPUPoolError(error.code, f"the gpupool service at {self.url} refused the call: {sent}; "
+                            f"{self.token_advice}{where}", error.status, **error.extra)
 
     # -- leases ---------------------------------------------------------------
 
@@ -182,4 +197,5 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
                 token = handle.read().strip()
         except OSError as exc:
             parser.error(f"cannot read the token file {args.token_file}: {exc.strerror}")
-    return ServiceClient(args.url, token, ca_file=args.ca_file)
+    return ServiceClient(args.url, token, ca_file=args.ca_file,
+                         token_advice=f"pass --token-file FILE or set {ENV_TOKEN} to your token")

@@ -130,7 +130,9 @@ class ServiceApp(Application):
             info_file.unlink(missing_ok=True)  # a stale one would point at a dead service
             agent_token = _secret_file(state / "agent_token", service.agent_token)
             user_tokens = dict(service.api_tokens)
+            hint = {}  # the 401's words: where users get a token (a token of c.GPUPool.api_tokens, by default)
             if not user_tokens and not hub_service.in_jupyterhub(os.environ):
+                hint = {"token_hint": "the token in the service's STATE_DIR/user_token"}
                 user = getpass.getuser()
                 user_tokens = {_secret_file(state / "user_token", ""): user}
                 log.info("no c.GPUPool.api_tokens: the token of user %s is in %s", user, state / "user_token")
@@ -140,7 +142,7 @@ class ServiceApp(Application):
         if hub_service.in_jupyterhub(os.environ):
             authenticator, web_settings = hub_service.authentication(agent_token, service.base_url)
         else:
-            authenticator = TokenAuthenticator(user_tokens, service.admin_users, agent_token)
+            authenticator = TokenAuthenticator(user_tokens, service.admin_users, agent_token, **hint)
 
         log.info("store: %s", store.describe())
         try:

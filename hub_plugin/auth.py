@@ -42,6 +42,10 @@ class Authenticator:
     the hub cannot be reached).
     """
 
+    #: Where a caller gets a token this authenticator knows, in words for the 401
+    #: (:func:`unauthorized`); a subclass or an instance sets its own.
+    token_hint = "a user's API token of this service"
+
     async def authenticate(self, token: str) -> Identity | None:
         raise NotImplementedError
 
@@ -49,11 +53,15 @@ class Authenticator:
 class TokenAuthenticator(Authenticator):
     """Standalone tokens. ``user_tokens`` maps token -> user name;
     ``admin_users`` are user names with admin scope; ``agent_token`` is the
-    one token of node agents. Comparisons take constant time."""
+    one token of node agents; ``token_hint`` where users get theirs (the 401's words:
+    a token of ``c.GPUPool.api_tokens``, or the one the service wrote to
+    ``STATE_DIR/user_token`` when none is configured). Comparisons take constant time."""
 
-    def __init__(self, user_tokens: dict[str, str], admin_users: set[str], agent_token: str) -> None:
+    def __init__(self, user_tokens: dict[str, str], admin_users: set[str], agent_token: str,
+                 token_hint: str = "a token of the service's c.GPUPool.api_tokens: ask the pool's admin") -> None:
         if not agent_token:
             raise ValueError("an agent token is required")
+        self.token_hint = token_hint
         self._users = dict(user_tokens)
         self._admins = frozenset(admin_users)
         self._agent_token = agent_token
@@ -81,9 +89,13 @@ def token_from_header(value: str | None) -> str | None:
     return token.strip()
 
 
-def unauthorized() -> GPUPoolError:
-    return GPUPoolError(Reason.unauthorized, "missing or unknown token: send 'Authorization: token TOKEN' "
-                        "(standalone: the token in the service's STATE_DIR/user_token)", 401)
+def unauthorized(token_hint: str) -> GPUPoolError:
+    """The 401 for a request without a token the service knows; ``token_hint``
+    (:attr:`Authenticator.token_hint`) says where a user gets one, in the message
+    and as the body's ``token_hint``, which the command line words its own
+    message with (it tells the user its options, not the header)."""
+    return GPUPoolError(Reason.unauthorized, f"missing or unknown token: send 'Authorization: token TOKEN' "
+                        f"({token_hint})", 401, token_hint=token_hint)
 
 
 def forbidden(message: str) -> GPUPoolError:
@@ -133,6 +145,8 @@ class HubAuthenticator(Authenticator):
     :meth:`authenticate` gives None for it and :meth:`is_hub` tells it apart.
     Raises GPUPoolError 503 when the hub cannot be asked.
     """
+
+    token_hint = "a JupyterHub API token with the custom:gpupool:use scope, such as a notebook's $JUPYTERHUB_API_TOKEN"
 
     def __init__(self, hub_auth, agent_token: str) -> None:
         if not agent_token:

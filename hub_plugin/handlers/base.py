@@ -80,7 +80,7 @@ class APIHandler(JSONHandler):
             token = token_from_header(self.request.headers.get("Authorization"))
             identity = await self.ctx.authenticator.authenticate(token) if token else None
             if identity is None:
-                raise unauthorized()
+                raise unauthorized(self.ctx.authenticator.token_hint)
             self.identity = identity
             # Store work of this request takes turns with other callers' (storework).
             CALLER.set(f"agent {self.request.remote_ip}" if identity.agent else f"user {identity.name}")

@@ -34,7 +34,7 @@ class ServerStoppedHandler(APIHandler):
     async def prepare(self) -> None:
         token = token_from_header(self.request.headers.get("Authorization"))
         if not token:
-            raise unauthorized()
+            raise unauthorized("only JupyterHub posts here, with this service's own hub API token")
         is_hub = getattr(self.ctx.authenticator, "is_hub", None)
         if is_hub is None or not is_hub(token):
             raise forbidden("only JupyterHub (with this service's own API token) may report stopped servers")

@@ -260,6 +260,9 @@ REST = [
          id="no-token-create"),
     rest("/leases", 401, "missing or unknown token", body={"fraction": 0.25}, user="not-a-token",
          code="unauthorized", id="unknown-token"),
+    # with c.GPUPool.api_tokens there is no STATE_DIR/user_token to point at
+    rest("/leases", 401, "send 'Authorization: token TOKEN' (a token of the service's c.GPUPool.api_tokens: ask "
+         "the pool's admin)", method="GET", user=None, code="unauthorized", id="no-token-says-where-tokens-are"),
     rest("/leases/{bob}", 401, "missing or unknown token", method="DELETE", user=None, code="unauthorized",
          id="no-token-release"),
     rest("/leases", 403, "an agent token cannot call this endpoint", body={"fraction": 0.25}, user="agent",
@@ -438,7 +441,8 @@ CLI = [
     cli("frobnicate", 2, "unknown command 'frobnicate'", id="unknown-command"),
     cli("", 2, "gpupool: a command is required\n\nusage: gpupool COMMAND", id="no-command"),
     cli("status --colour", 2, "unrecognized arguments: --colour", id="unknown-option"),
-    cli("status", 1, "missing or unknown token", user="not-a-token", id="unknown-token"),
+    cli("status", 1, "refused the call: the token sent is not one it knows; pass --token-file FILE or set "
+        "GPUPOOL_TOKEN to your token", user="not-a-token", id="unknown-token"),
     cli("status --token-file /nonexistent/token", 2, "cannot read the token file", id="missing-token-file"),
     cli("status --url not-a-url", 1, "is not a service URL", id="bad-url"),
     cli("status --url 127.0.0.1:8765", 1, "'127.0.0.1:8765' is not a service URL", id="url-without-scheme"),
@@ -506,6 +510,22 @@ def test_cli(pool, args, user, code, words, tmp_path):
     if args.startswith("run"):  # README: "2 with one line when gpupool could not run it"
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     pool.check_unchanged(f"gpupool {args}")
+
+
+@pytest.mark.parametrize("token, sent", [(None, "no token was sent"),
+                                         ("not-a-token", "the token sent is not one it knows")])
+def test_the_cli_refused_for_its_token_names_its_own_options(pool, token, sent):
+    """A command-line user is told the options that pass a token, not the header an API caller
+    sends; and a service with ``c.GPUPool.api_tokens`` has no ``user_token`` file to point at."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_URL", "GPUPOOL_TOKEN")}
+    env.update({"GPUPOOL_TOKEN": token} if token else {})
+    done = subprocess.run([str(GPUPOOL), "status", "--url", pool.service.url], env=env, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (f"gpupool status: the gpupool service at {pool.service.url} refused the call: {sent}; "
+                           "pass --token-file FILE or set GPUPOOL_TOKEN to your token (a token of the service's "
+                           "c.GPUPool.api_tokens: ask the pool's admin)\n")
+    pool.check_unchanged(f"gpupool status with token {token}")
 
 
 def test_status_without_leases_says_they_are_yours(pool):
