@@ -199,6 +199,8 @@ class GPUMagics(Magics):
 
     def _push(self, rest: str) -> None:
         pushed = names("push", rest, "X y")
+        if self.lifecycle.attachment is None:  # detached: say that first, as the other commands needing a lease do
+            raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
         self.transfers.check_defined(pushed)
         self.transfers.push(self.lifecycle.attached(), pushed)
 

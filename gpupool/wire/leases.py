@@ -30,10 +30,17 @@ def _fraction_words(value: Any) -> str:
 
 
 def _bytes(key: str, words: str, *, more_than_zero: str = "") -> Spec:
-    """A byte count a request may name: whole, 1 MiB to 2**50."""
-    return Spec("integer", words, nullable=True, minimum=MIN_MEMORY, maximum=MAX_BYTES,
-                error=f"'{key}' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50{more_than_zero}, "
-                "got {value!r}")
+    """A byte count a request may name: whole, 1 MiB to 2**50. A whole number of bytes from 1 to
+    just under 1 MiB is told it is below that minimum (the range's words read as if 1 were in it)."""
+    ranged = f"'{key}' must be a whole number of bytes from {MIN_MEMORY} (1 MiB) to 2**50{more_than_zero}, got "
+
+    def refusal(value: Any) -> str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 1 <= value < MIN_MEMORY \
+                and float(value).is_integer():
+            return (f"'{key}' of {int(value)} byte{'s' if value != 1 else ''} is below the minimum of 1 MiB "
+                    f"({MIN_MEMORY} bytes)")
+        return ranged + repr(value)
+    return Spec("integer", words, nullable=True, minimum=MIN_MEMORY, maximum=MAX_BYTES, error=refusal)
 
 
 def _env(key: str, words: str) -> Spec:

@@ -186,6 +186,11 @@ def test_every_boolean_field_refuses_anything_but_true_or_false(spec, key):
     ({"fraction": 0.5, "memory": 1.5e9 + 0.5}, "'memory' must be a whole number of bytes"),
     ({"host_memory": 2.0**31 + 0.25}, "'host_memory' must be a whole number of bytes"),
     ({"gpu_count": 2.5}, "'gpu_count' must be a whole number"),
+    # below the 1 MiB minimum: said so, not the range (which reads as if 1 byte were in it)
+    ({"host_memory": 1}, "'host_memory' of 1 byte is below the minimum of 1 MiB (1048576 bytes)"),
+    ({"fraction": 0.5, "memory": 1024.0}, "'memory' of 1024 bytes is below the minimum of 1 MiB (1048576 bytes)"),
+    ({"host_memory": 0}, "'host_memory' must be a whole number of bytes from 1048576 (1 MiB) to 2**50 (more than "
+                         "zero), got 0"),
 ])
 def test_a_lease_request_with_a_fraction_for_an_integer_is_refused_in_words(body, words):
     with pytest.raises(GPUPoolError) as caught:

@@ -44,7 +44,7 @@ def unreachable_service(monkeypatch):
     ("acquire 0.5 --colour red", "unrecognized arguments"),
     ("release", "not attached"),
     ("push", "needs variable names"),
-    ("push nothing_by_this_name", "not defined here: nothing_by_this_name"),
+    ("push nothing_by_this_name", "not attached to a GPU; run %gpu acquire 0.5 first"),  # that first, detached
     ("pull x", "not attached"),
     ("status extra", "takes no arguments"),
 ])
@@ -53,6 +53,13 @@ def test_bad_input_is_one_usage_error(shell, line, words):
         shell.run_line_magic("gpu", line)
     assert shell.magics_manager.registry["GPUMagics"].attachment is None
 
+
+def test_push_of_a_name_not_defined_here_while_attached_sends_nothing(shell, monkeypatch):
+    """Attached, ``%gpu push`` names what is not defined here before anything is sent (or resumed)."""
+    magics = shell.magics_manager.registry["GPUMagics"]
+    monkeypatch.setattr(magics.lifecycle, "_attachment", object())  # any attachment: the check comes first
+    with pytest.raises(UsageError, match="not defined here: nothing_by_this_name; nothing was sent"):
+        shell.run_line_magic("gpu", "push nothing_by_this_name")
 
 @pytest.mark.parametrize("line, words", [("", "%gpu acquire 0.5"), ("help", "%gpu release [--discard]"),
                                          ("acquire --help", "--idle-timeout"), ("push --help", "%gpu push NAME")])

@@ -489,7 +489,7 @@ CLI = [
     cli("run --gpus 0.5 --model H100 {script}", 2, "the pool has no GPU of model H100; its models: NVIDIA "
         "A100-SXM4-80GB", id="run-model-none-in-pool"),
     cli("run --env nope {script}", 2, "gpupool pool lists them per node", id="run-unknown-env"),
-    cli("run --host-memory 1 {script}", 2, "--host-memory must be a whole number of bytes from 1048576",
+    cli("run --host-memory 1 {script}", 2, "--host-memory of 1 byte is below the minimum of 1 MiB (1048576 bytes)",
         id="run-host-memory-tiny"),
     cli("run --wait 400d {script}", 2, "--wait must be seconds in [0, 31622400]", id="run-wait-huge"),
     cli("run --url http://127.0.0.1:{dead} {script}", 2, "cannot reach the gpupool service", id="run-nothing-listens"),
@@ -591,7 +591,8 @@ MAGICS = [
     # The option as typed leads what cannot be read, --memory and --host-memory told apart (not 'host_memory')
     pytest.param("acquire 0.5 --host-memory lots", "--host-memory: cannot read 'lots' as a memory size",
                  id="host-memory-text"),
-    pytest.param("acquire 0.5 --host-memory 1", "--host-memory must be a whole number of bytes from 1048576", id="host-memory-tiny"),
+    pytest.param("acquire 0.5 --host-memory 1", "--host-memory of 1 byte is below the minimum of 1 MiB "
+                 "(1048576 bytes)", id="host-memory-tiny"),
     pytest.param("acquire 0.5 --cpus 99999", "--cpus must be host cores from 0.01 to 4096", id="cpus-huge"),
     pytest.param("acquire 0.5 --memory 400GiB", "of GPU memory is more than any GPU offers", id="memory-none-fits"),
     pytest.param("acquire 0.5 --model H100 --wait 5m", "the pool has no GPU of model H100; its models: NVIDIA "
@@ -608,6 +609,7 @@ MAGICS = [
     pytest.param("release", "not attached to a GPU", id="release-detached"),
     pytest.param("pull model", "not attached to a GPU", id="pull-detached"),
     pytest.param("push", "needs variable names", id="push-nothing"),
+    pytest.param("push nosuchvar", "not attached to a GPU; run %gpu acquire 0.5 first", id="push-detached"),
     pytest.param("status now", "takes no arguments", id="status-argument"),
     pytest.param("quota set user:bob max_gpus=2", "gpupool quota set", id="quota-set"),
     pytest.param("pool nodes", "takes no arguments", id="pool-argument"),
