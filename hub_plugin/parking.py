@@ -226,7 +226,8 @@ class Parking:
                                 f"({exc.message}); it stays parked on {old}: resume again to retry")
             return
         if not await self.state.work.write(self._spilled_now, lease_id, spill):
-            return  # released meanwhile: the old node's reconcile stops the spill
+            await self._remove_spill(job, "it was released while its move's spill was written")
+            return
         log.info("lease %s spilled on %s (%d bytes) to move to %s", lease_id, old, spill.disk_bytes, new)
         try:
             answer = await self._unless_lost((old, new), self.workers.resume(job))
@@ -241,9 +242,16 @@ class Parking:
                      answer.pid)
             self.on_resumed(seconds)
         # The spill was copied (or the lease ended meanwhile): the old node's copy goes either way.
-        note = await self.workers.stop(job.spill_from, lease_id)
+        await self._remove_spill(job, "its move is over")
+
+    async def _remove_spill(self, job: StartJob, why: str) -> None:
+        """Remove the move's spill on the old node (``DELETE /workers/{id}`` there); one left
+        behind (the agent unreachable) is stopped by that node's reconcile, whose heartbeat
+        reports it for a lease that no longer lives there."""
+        note = await self.workers.stop(job.spill_from, job.request.lease_id)
         if note:
-            log.warning("lease %s: its spill on %s was not removed after its move (%s)", lease_id, old, note)
+            log.warning("lease %s: its spill on %s was not removed (%s): %s", job.request.lease_id, job.moved_from,
+                        why, note)
 
     async def _unless_lost(self, nodes: tuple[str, ...], call: Awaitable[T]) -> T:
         """What the agent ``call`` answers, or, as soon as one of ``nodes`` is marked ``lost`` (no

@@ -544,9 +544,11 @@ class NodeAgent(Application):
         return add_unattributed(metrics, result, self.inventory.process_known())
 
     def stop_workers(self, lease_ids: Any) -> None:
-        """Stop, in the background, the workers the service says no lease holds."""
+        """Stop, in the background, the workers the service says no lease holds, spilled ones too
+        (their files go: a lease released while its move's spill was written leaves one)."""
+        held = {*self.workers.lease_ids(), *self.workers.spilled_ids()}
         for lease_id in lease_ids or ():
-            if isinstance(lease_id, str) and lease_id in self.workers.lease_ids() and lease_id not in self._stopping:
+            if isinstance(lease_id, str) and lease_id in held and lease_id not in self._stopping:
                 self.log.info("no lease holds the worker of %s any more: stopping it", lease_id)
                 self._stopping.add(lease_id)
                 task = asyncio.create_task(self._stop_quietly(lease_id))

@@ -54,11 +54,12 @@ def simgpu_root():
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def two_nodes(tmp_path, simgpu_root):
-    """A service (leases and nodes never lost by silence here) with node-1 and node-2, one A100
-    each, both up."""
-    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "worker_stop_timeout": 5.0})
+@contextmanager
+def two_node_pool(tmp_path: Path, **config) -> Iterator[tuple]:
+    """A service (leases and nodes never lost by silence here; more ``config``) with node-1 and
+    node-2, one A100 each, both up."""
+    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "worker_stop_timeout": 5.0,
+                                          **config})
     agents = []
     try:
         agents.append(start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
@@ -68,6 +69,20 @@ def two_nodes(tmp_path, simgpu_root):
         for agent in reversed(agents):
             agent.stop()
         svc.stop()
+
+
+@pytest.fixture
+def two_nodes(tmp_path, simgpu_root):
+    with two_node_pool(tmp_path) as pool:
+        yield pool
+
+
+@pytest.fixture
+def two_nodes_beating(request, tmp_path, simgpu_root):
+    """:func:`two_node_pool` with agents heartbeating every ``request.param`` seconds (indirect), not
+    the tests' 0.2 s: what changes on a node between two beats is not reported in between."""
+    with two_node_pool(tmp_path, node_heartbeat_interval=request.param) as pool:
+        yield pool
 
 
 def acquire(svc, **request) -> Lease:
@@ -151,6 +166,52 @@ def test_a_parked_lease_whose_node_is_full_resumes_on_another_node_with_its_vari
     wait_for(lambda: agent_has(svc, node_1, parked.id) == [], 15, "node-1's worker and spill of the moved lease gone")
     for lease in (moved, taker):
         svc.client().release(lease.id)
+
+
+@pytest.mark.parametrize("two_nodes_beating", [60.0], indirect=True)
+def test_a_lease_released_while_its_move_spills_leaves_no_spill_behind(two_nodes_beating):
+    """Released while the move's spill is written on node-1 (the release finds the lease on node-2,
+    where nothing is yet): the move removes the spill once written (``DELETE`` on node-1), not a
+    heartbeat (a minute apart here) after."""
+    svc, node_1, _ = two_nodes_beating
+    lease = acquire(svc)
+    assert cell(lease.connection, BIG_STATE).strip() == "set"
+    assert svc.client().park(lease.id).state is LeaseState.parked
+    elsewhere, taker = acquire(svc), acquire(svc)
+    assert (elsewhere.node, taker.node) == ("node-2", "node-1")
+    svc.client().release(elsewhere.id)
+    moving = svc.client().resume(lease.id)
+    assert (moving.state, moving.parked["moving_from"]) == (LeaseState.starting, "node-1")
+    assert svc.client().release(lease.id).state is LeaseState.released
+    wait_for(lambda: f"spilled the worker of lease {lease.id}" in node_1.log.read_text(), 60, "the move's spill")
+    wait_for(lambda: agent_has(svc, node_1, lease.id) == [], 3, "node-1's spill of the released lease removed")
+    svc.client().release(taker.id)
+
+
+@pytest.mark.parametrize("two_nodes_beating", [5.0], indirect=True)
+def test_a_spill_no_lease_holds_is_removed_at_its_nodes_next_heartbeat(two_nodes_beating):
+    """A spill left behind (its lease ended, and the move's ``DELETE`` lost) goes with the node's next
+    heartbeat: the service answers the report of it with a stop, as for a running worker no lease
+    holds. Made here through node-1's agent API, for a lease the service never had (a beat that
+    came while its worker ran stops that worker: then again with another)."""
+    from parkagent import call
+
+    svc, node_1, _ = two_nodes_beating
+    token = (svc.state_dir / "agent_token").read_text().strip()
+    gpu = next(node for node in svc.client().pool()["nodes"] if node["name"] == "node-1")["gpus"][0]["uuid"]
+    for _ in range(5):
+        lease_id = f"L-{uuid.uuid4().hex[:12]}"
+        status, started = call(f"{node_1.url}/workers", "POST", {"lease_id": lease_id, "owner": "ann", "gpus": [gpu],
+                                                                "fraction": 0.5, "memory": 2**30}, token=token)
+        assert status == 201, started
+        status, spilled = call(f"{node_1.url}/workers/{lease_id}/park", "POST", {"tier": "disk"}, token=token)
+        time.sleep(0.5)  # a stop of the running worker that came during the spill is done by now
+        if status == 200 and agent_has(svc, node_1, lease_id) == ["worker", "spill"]:
+            break
+    assert (status, spilled["tier"]) == (200, "disk") and spilled["disk_bytes"] > 0, spilled
+    assert agent_has(svc, node_1, lease_id) == ["worker", "spill"], "spilled, with no stop during the spill"
+    wait_for(lambda: agent_has(svc, node_1, lease_id) == [], 15, "the spill no lease holds removed")
+    assert f"removed the spill of lease {lease_id}" in node_1.log.read_text()
 
 
 def test_with_moves_off_it_waits_for_its_own_node(tmp_path, simgpu_root):
