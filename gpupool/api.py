@@ -134,10 +134,13 @@ class ServiceClient:
         its GPU share back in the pool); returns it, ``parked`` (or still ``parking``)."""
         return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/park", {}))
 
-    def resume(self, lease_id: str) -> Lease:
-        """``POST /leases/{id}/resume``: resume a parked lease once its node has room
-        (idempotent); returns it, waiting (``parked`` with a place in line), ``starting`` or ``active``."""
-        return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/resume", {}))
+    def resume(self, lease_id: str, in_place: bool = False) -> Lease:
+        """``POST /leases/{id}/resume``: resume a parked lease once there is room (idempotent);
+        ``in_place``: asked ahead of a cell, so it waits for its own node and never moves (a
+        move loses what cannot be saved to disk). Returns it, waiting (``parked`` with a place in
+        line), ``starting`` or ``active``."""
+        body = {"in_place": True} if in_place else {}
+        return Lease.from_json(self.request("POST", f"/leases/{_quote(lease_id)}/resume", body))
 
     def pool(self) -> dict[str, Any]:
         """``GET /pool``: nodes, GPUs and their allocation."""

@@ -193,7 +193,8 @@ class Lease(Base):
     #: bytes ``parked_host_bytes`` (host RAM held on the node), ``parked_disk_bytes`` (what a
     #: spill wrote), ``gpu_bytes_moved``, ``gpu_bytes_kept`` (still taken on its GPUs, counted
     #: there by placement); ``parked_lost`` what could not be kept, in words; and
-    #: ``resume_requested_at``: when a resume was asked for (None: none waits).
+    #: ``resume_requested_at``: when a resume was asked for (None: none waits); ``resume_in_place``
+    #: (revision 0014): only ahead of a cell so far, so it waits for its own node (never moves).
     park_tier: Mapped[str | None] = mapped_column(String(10))
     park_code: Mapped[str | None] = mapped_column(String(20))
     park_reason: Mapped[str | None] = mapped_column(Text)
@@ -205,6 +206,7 @@ class Lease(Base):
     gpu_bytes_kept: Mapped[int | None] = mapped_column(BigInteger)
     parked_lost: Mapped[list[str] | None] = mapped_column(JSON)
     resume_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    resume_in_place: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     #: Revision 0012: a move's old lease (``LeaseRequest.replaces``), which the quota does not count
     #: while this one starts; the sweep releases it once this one has run for MOVE_GRACE_S.
     replaces: Mapped[str | None] = mapped_column(String(40))

@@ -63,6 +63,9 @@ def _param(name: str, where: str, schema: dict[str, Any], description: str) -> d
 
 #: The body of a request that takes no fields: none, or ``{}`` (a field is refused, 400).
 _NO_FIELDS = {"type": "object", "additionalProperties": False, "maxProperties": 0, "description": "no fields: {}"}
+_RESUME = {"type": "object", "additionalProperties": False, "properties": {"in_place": {
+    "type": "boolean", "description": "asked ahead of a cell (the user is back at the notebook): the lease waits for "
+                                      "its own node and never moves, until a resume without it is asked"}}}
 _LEASE_ID = _param("id", "path", {"type": "string", "pattern": "^L-[0-9a-f]{12}$"}, "lease id")
 #: ``hub_plugin.quotas.check_scope``: ``'*'``, ``'user:NAME'`` or ``'group:NAME'``.
 _SCOPE = _param("scope", "path", {"type": "string", "maxLength": 210,
@@ -121,10 +124,11 @@ _PATHS: dict[str, Any] = {
                                                       "worker_busy (a cell runs)")), params=[_LEASE_ID]),
     },
     "/leases/{id}/resume": {
-        "post": _op("Resume a parked lease on its own node once it has room (idempotent); it waits in the queue "
-                    "with queue_position and queue_estimate_s; a lease whose node is lost ends failed",
+        "post": _op("Resume a parked lease once its node has room, or (c.PoolLeases.resume_moves, parked.may_move) "
+                    "another node of its GPU model; idempotent; it waits in the queue with queue_position and "
+                    "queue_estimate_s; a lease whose node is lost ends failed",
                     _json(_ref("Lease"), "the lease: parked with parked.resume_requested, starting, or active"),
-                    body=_NO_FIELDS, body_required=False,
+                    body=_RESUME, body_required=False,
                     errors=(400, 401, 403, 404, (409, "invalid_state: queued, releasing or ended")),
                     params=[_LEASE_ID]),
     },

@@ -105,7 +105,7 @@ def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
         lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
     if decision.cpus is not None and decision.host_memory is not None:  # a default host share, placed anew
         lease.cpus, lease.host_memory = decision.cpus, decision.host_memory
-    lease.resume_requested_at = None
+    lease.resume_requested_at, lease.resume_in_place = None, False
     where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
     transition(tx, lease, LeaseState.starting, f"resuming on {decision.node}: {where}", now)
     return f"{decision.node} {where}"
@@ -128,7 +128,7 @@ def moving(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
     tx.session.flush()
     lease.node_name, lease.cpus, lease.host_memory = decision.node, decision.cpus, decision.host_memory
     lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
-    lease.resume_requested_at = None
+    lease.resume_requested_at, lease.resume_in_place = None, False
     where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
     transition(tx, lease, LeaseState.starting, moving_words(old, decision.node, where), now)
     return f"{decision.node} {where} (moved from {old})"
@@ -216,7 +216,7 @@ def unresumed(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
     if lease.parked_at is not None and placed_at is not None:
         counted = max(0.0, (placed_at - lease.parked_at).total_seconds())
         lease.parked_seconds = max(0.0, (lease.parked_seconds or 0.0) - counted)
-    lease.resume_requested_at = None
+    lease.resume_requested_at, lease.resume_in_place = None, False
     transition(tx, lease, LeaseState.parked, why, now)
 
 
@@ -271,11 +271,13 @@ def resume_ask(lease: Lease, node: Node | None, host_share: float | None = None)
 
 def may_move(lease: Lease, moves: bool) -> bool:
     """Whether ``lease``'s resume may go to another node when its own has no room: ``moves``
-    (``c.PoolLeases.resume_moves``) allows it, and no cell is frozen mid-way in memory (only a
-    preemption freezes a running cell; any other park is refused while one runs, so a ``busy``
-    reported before such a park is stale)."""
+    (``c.PoolLeases.resume_moves``) allows it, the resume was not asked only ahead of a cell
+    (``resume_in_place``: a move loses what cannot be saved to disk, which only a cell that needs
+    the worker may cost), and no cell is frozen mid-way in memory (only a preemption freezes a
+    running cell; any other park is refused while one runs, so a ``busy`` reported before such a
+    park is stale)."""
     frozen_cell = lease.park_tier == "memory" and lease.park_code == ParkCode.preemption and is_busy(lease)
-    return moves and not frozen_cell
+    return moves and not lease.resume_in_place and not frozen_cell
 
 
 def shown(lease: Lease, estimate: float | None, moves: bool = False) -> dict[str, Any] | None:

@@ -255,7 +255,9 @@ class Attachment:
         RESUME_RETRY_S after a failure) to resume the lease, without waiting:
         a cell in flight that a park froze (a park racing it, a preemption)
         goes on once it is thawed; a widget's message waits in the frozen
-        worker's socket until then. The heartbeat sees an end."""
+        worker's socket until then. The heartbeat sees an end. Asked in place:
+        such a resume never moves the lease (a move loses what cannot be saved
+        to disk); :meth:`resume`, for a cell that needs the worker, may."""
         parked = self.parked
         now = time.monotonic()
         if parked is None or parked.new_worker is not None or parked.resume_asked \
@@ -263,7 +265,7 @@ class Attachment:
             return
         parked.resume_asked, parked.asked_at = True, now
         try:
-            lease = self.client.resume(self.lease.id)
+            lease = self.client.resume(self.lease.id, in_place=True)  # no cell needs it yet: never moved
         except GPUPoolError as exc:
             parked.resume_asked, parked.failed_at = False, now
             log.warning("could not ask to resume %s: %s", self.lease.id, exc.message)

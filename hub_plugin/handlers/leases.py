@@ -94,13 +94,20 @@ class LeaseParkHandler(APIHandler):
 
 
 class LeaseResumeHandler(APIHandler):
-    """``POST /leases/{id}/resume``: resume a parked lease once its node has room (its owner only; idempotent)."""
+    """``POST /leases/{id}/resume``: resume a parked lease once there is room (its owner only;
+    idempotent); body ``{}`` or ``{"in_place": true}`` (asked ahead of a cell: never moved)."""
 
     async def post(self, lease_id: str) -> None:
         who = self.require_user()
         lease_id = _lease_id(lease_id)
-        self.empty_body()
-        self.write_json(await self.ctx.pool.parking.resume_by(who, lease_id))
+        body = self.json_object_body(optional=True) or {}
+        unknown = sorted(set(body) - {"in_place"})
+        if unknown:
+            raise bad_request(f"a resume takes only 'in_place'; got {', '.join(map(repr, unknown))}")
+        in_place = body.get("in_place", False)
+        if not isinstance(in_place, bool):
+            raise bad_request(f"'in_place' must be true or false, got {in_place!r:.40}")
+        self.write_json(await self.ctx.pool.parking.resume_by(who, lease_id, in_place))
 
 
 routes = [

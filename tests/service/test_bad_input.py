@@ -252,8 +252,10 @@ REST = [
          id="heartbeat-field"),
     rest("/leases/{bob}/park", 400, "this request takes no fields; got 'tier'", body={"tier": "bogus"}, user="bob",
          id="park-field"),
-    rest("/leases/{bob}/resume", 400, "this request takes no fields; got 'now'", body={"now": True}, user="bob",
+    rest("/leases/{bob}/resume", 400, "a resume takes only 'in_place'; got 'now'", body={"now": True}, user="bob",
          id="resume-field"),
+    rest("/leases/{bob}/resume", 400, "'in_place' must be true or false, got 'yes'", body={"in_place": "yes"},
+         user="bob", id="resume-in-place-not-bool"),
     # who may call what
     rest("/leases", 401, "missing or unknown token", method="GET", user=None, code="unauthorized", id="no-token"),
     rest("/leases", 401, "missing or unknown token", body={"fraction": 0.25}, user=None, code="unauthorized",

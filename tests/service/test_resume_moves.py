@@ -31,6 +31,7 @@ from service_api import gpu_allocations, register, wait_state
 from statuscomm import StatusComm
 
 from gpupool.schema import LeaseState
+from gpupool.tables import lease_table
 from gpupool.wire.leases import Lease, LeaseRequest
 
 pytestmark = pytest.mark.timeout(300)
@@ -321,26 +322,29 @@ def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes
         svc.client().release(taker.id)
 
 
-def test_a_move_the_user_started_in_jupyterlab_shows_the_lease_back_and_parks_again(two_nodes, tmp_path):
+def test_a_resume_asked_in_jupyterlab_waits_for_its_node_and_the_next_cell_moves_it(two_nodes, tmp_path):
     """The JupyterLab extension asks for the resume when the user is back (``{"request": "resume"}``
-    on the status comm); the lease moves to node-2 as a new worker, which the kernel connects to at
-    the next cell: meanwhile the status bar shows it attached on node-2 (not parked), a "resumed"
-    event says so, and %gpu park parks it there."""
+    on the status comm), in place: a move would lose what cannot be saved to disk (the held lock)
+    before any cell needs the worker, so it waits for node-1 though node-2 is free, and says so; the
+    next cell moves it, saying what was not kept, and %gpu park parks it there."""
     svc, _, _ = two_nodes
     with notebook(svc, tmp_path) as comm:
         lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
         comm.ask({"request": "resume"})
-        resumed = comm.event("resumed", timeout=60)["message"]
-        assert resumed.startswith(f"resumed {lease_id} on node-2") and "moved from node-1" in resumed, resumed
-        assert "the next cell connects to its new worker" in resumed, resumed
-        state = comm.state("attached", timeout=30)  # sent after the event
-        assert (state["lease"], state["node"]) == (lease_id, "node-2"), state
+        wait_for(lambda: svc.client().get_lease(lease_id).parked["resume_requested"], 10, "the resume asked")
+        time.sleep(1.0)  # five sweeps (c.PoolLeases.reclaim_interval 0.2 s here), any of which would move it
+        waiting = svc.client().get_lease(lease_id)
+        assert (waiting.state, waiting.node, waiting.parked["may_move"]) == (LeaseState.parked, "node-1", False)
+        assert "its resume waits for room on node-1 (" in lease_table([waiting])[0], lease_table([waiting])[0]
+        after = comm.run("print(x + 1)", timeout=120)
+        text = after.text()
+        assert after.ok and text.strip().splitlines()[-1] == "42", text
+        assert "moved from node-1, which had no room; not kept: lock" in text, text
+        assert svc.client().get_lease(lease_id).node == "node-2"
         parked = comm.run("%gpu park")
         assert parked.ok and "parked already" not in parked.text(), parked.text()
-        again = svc.client().get_lease(lease_id)
-        assert (again.state, again.node) == (LeaseState.parked, "node-2"), again.events
-        after = comm.run("print(x + 1)", timeout=120)
-        assert after.ok and after.text().strip().splitlines()[-1] == "42", after.text()
+        assert (svc.client().get_lease(lease_id).state, svc.client().get_lease(lease_id).node) == \
+            (LeaseState.parked, "node-2")
         svc.client().release(taker.id)
 
 
