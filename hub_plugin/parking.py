@@ -327,13 +327,17 @@ class Parking:
 
     async def park_by(self, who: Identity, lease_id: str) -> dict[str, Any]:
         """``POST /leases/{id}/park`` by its owner: park it now; returns the lease (``parked``,
-        or still ``parking`` after :data:`ANSWER_S`). Idempotent for a lease parking or parked.
-        Raises 404 (not visible), 403 (an admin's: only its owner parks it), 409 ``invalid_state``
-        (not active), ``cannot_park`` (its node cannot), ``worker_busy`` (a cell runs)."""
+        or still ``parking`` after :data:`ANSWER_S`). Idempotent for a lease parking or parked; a
+        parked one's resume asked and not yet placed is withdrawn (it stays parked: an
+        interrupted ``%gpu release``, or a park asked again). Raises 404 (not visible), 403 (an
+        admin's: only its owner parks it), 409 ``invalid_state`` (not active: also a resume
+        under way), ``cannot_park`` (its node cannot), ``worker_busy`` (a cell runs)."""
         state, node = await self.state.work.read(self._owned_now, who, lease_id)
         if state == LeaseState.parking.value:
             await self.views.wait_out(lease_id, state, ANSWER_S)
-        elif state != LeaseState.parked.value:
+        elif state == LeaseState.parked.value:
+            await self.state.work.write(self._stay_parked_now, lease_id)
+        else:
             if state != LeaseState.active.value:
                 raise GPUPoolError(Reason.invalid_state, f"lease {lease_id} is {state}: only an active lease can be "
                                    "parked", 409, state=state)
@@ -347,17 +351,28 @@ class Parking:
                                    f"active on {node} (release it to give its GPU back)", 409)
         return await self.views.get(who, lease_id)
 
-    async def resume_by(self, who: Identity, lease_id: str) -> dict[str, Any]:
+    async def resume_by(self, who: Identity, lease_id: str, in_place: bool = False) -> dict[str, Any]:
         """``POST /leases/{id}/resume`` by its owner: a parked (or parking) lease waits for
-        room on its node, then resumes; idempotent (an active or starting lease is answered as
-        it is). A lease whose node is lost ends ``failed``, saying what was lost. Returns the
-        lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued, releasing, ended)."""
-        lost = await self.state.work.write(self._resume_now, who, lease_id)
+        room on its node (or, with ``c.PoolLeases.resume_moves``, another), then resumes;
+        idempotent (an active or starting lease is answered as it is). ``in_place``: asked ahead
+        of a cell (the user is back at the notebook), so it waits for its own node, until a
+        resume without it is asked. A lease whose node is lost ends ``failed``, saying what was
+        lost. Returns the lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued,
+        releasing, ended)."""
+        lost = await self.state.work.write(self._resume_now, who, lease_id, in_place)
         if lost:
             await self.leases.release(lease_id, LeaseState.failed, lost, only_if=_parked_or_parking)
         else:
             await self.leases.drain_queue()  # its room may be there already
         return await self.views.get(who, lease_id)
+
+    def _stay_parked_now(self, lease_id: str) -> None:
+        """Withdraw a parked lease's resume asked and not yet placed: it leaves the queue."""
+        with self.state.writing() as tx:
+            lease = tx.session.get(Lease, lease_id)
+            if lease is not None and lease.state == LeaseState.parked.value and lease.resume_requested_at is not None:
+                lease.resume_requested_at, lease.resume_in_place = None, False
+                tx.changes.lease(lease.id)
 
     def _owned_now(self, who: Identity, lease_id: str) -> tuple[str, str | None]:
         """``(state, node)`` of ``who``'s own lease; 404 / 403 otherwise. (Whether a cell runs is
@@ -366,8 +381,9 @@ class Parking:
             lease = self._owned(session, who, lease_id)
             return lease.state, lease.node_name
 
-    def _resume_now(self, who: Identity, lease_id: str) -> str | None:
-        """Ask for the resume; the words to end it with when its node is lost, else None."""
+    def _resume_now(self, who: Identity, lease_id: str, in_place: bool) -> str | None:
+        """Ask for the resume (``in_place``: only ahead of a cell; a resume asked without it since
+        may move); the words to end it with when its node is lost, else None."""
         with self.state.writing() as tx:
             lease = self._owned(tx.session, who, lease_id)
             if lease.state in (LeaseState.active.value, LeaseState.starting.value):
@@ -379,7 +395,10 @@ class Parking:
             if node is None or node.state == "lost":
                 return lost_words(lease.node_name, lease.id) + (f" ({node.state_reason})" if node else "")
             if lease.resume_requested_at is None:
-                lease.resume_requested_at = self.state.now()
+                lease.resume_requested_at, lease.resume_in_place = self.state.now(), in_place
+                tx.changes.lease(lease.id)
+            elif lease.resume_in_place and not in_place:
+                lease.resume_in_place = False
                 tx.changes.lease(lease.id)
             return None
 

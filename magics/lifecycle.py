@@ -12,6 +12,7 @@ which the notebook never holds.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from typing import Iterator
@@ -35,6 +36,8 @@ from .tell import Tell
 from .transfers import Transfers
 from .wait import QueueWait
 from .words import CELL_DID_NOT_RUN, ended_words, pull_interrupted, release_interrupted, say
+
+log = logging.getLogger("gpupool.magics")
 
 
 class Lifecycle:
@@ -72,7 +75,7 @@ class Lifecycle:
                 raise UsageError(f"could not resume the parked lease: {exc.message}") from None
             except KeyboardInterrupt:
                 if releasing:
-                    raise UsageError(release_not_waited(attachment)) from None
+                    raise UsageError(release_not_waited(attachment, _withdraw_resume(attachment))) from None
                 raise UsageError(f"interrupted while waiting for {attachment.lease.id} to resume; the "
                                  "resume goes on and the next cell runs on it (%gpu release --discard gives the "
                                  "lease up now, without its variables)") from None
@@ -280,16 +283,30 @@ def _release_waits(lease) -> None:
         "--discard gives it up now, its variables lost)")
 
 
-def release_not_waited(attachment: Attachment) -> str:
+def _withdraw_resume(attachment: Attachment) -> bool:
+    """Withdraw the parked lease's resume that an interrupted ``%gpu release`` asked
+    (``POST /leases/{id}/park`` on a parked lease); False when it could not be (placed already,
+    under way, or the service did not answer)."""
+    try:
+        lease = attachment.client.park(attachment.lease.id)
+    except GPUPoolError as exc:
+        log.warning("could not withdraw the resume of %s: %s", attachment.lease.id, exc.message)
+        return False
+    return lease.state is LeaseState.parked and not (lease.parked or {}).get("resume_requested")
+
+
+def release_not_waited(attachment: Attachment, withdrawn: bool) -> str:
     """What an interrupted ``%gpu release`` of a parked lease says: nothing was released, the lease is
-    parked with its variables. Its resume stays asked: the service offers no way to withdraw it, so
-    the words say what comes of it (it resumes when room comes and holds its GPU until parked again)."""
+    parked with its variables; its resume was ``withdrawn``, or else (under way already) what comes
+    of it: it resumes when room comes and holds its GPU until parked again."""
     parked = attachment.parked.lease if attachment.parked is not None else attachment.lease
     node = (parked.parked or {}).get("moving_from") or parked.node or "its node"
-    return (f"interrupted: {attachment.lease.id} was not released; it stays parked on {node} with its variables. "
-            "Its resume stays in line, though (the pool cannot withdraw it): when room comes it resumes and holds "
-            "its GPU until it is idle long enough to be parked again (%gpu park parks it at once then; %gpu "
-            "release --discard gives it up now, its variables lost)")
+    said = f"interrupted: {attachment.lease.id} was not released; it stays parked on {node} with its variables"
+    if withdrawn:
+        return f"{said}, its resume withdrawn (the next cell asks it again)"
+    return (f"{said}. Its resume is under way, though: it resumes and holds its GPU until it is idle long enough to "
+            "be parked again (%gpu park parks it at once then; %gpu release --discard gives it up now, its variables "
+            "lost)")
 
 
 def _moving_from(attachment: Attachment | None) -> str | None:

@@ -73,10 +73,13 @@ def test_an_interrupted_release_says_why_it_waited_and_releases_nothing(e2e_pool
     assert said in before and before.index(said) < before.index("in line"), "said before the wait's progress"
     text = cell.text()
     assert not cell.ok and (f"interrupted: {lease} was not released; it stays parked on node-1 with its "
-                            "variables. Its resume stays in line, though (the pool cannot withdraw it)") in text, text
+                            "variables, its resume withdrawn (the next cell asks it again)") in text, text
     assert "the next cell runs on it" not in text, text
     seen = client.get_lease(lease)
-    assert seen.state is LeaseState.parked and seen.parked["resume_requested"], seen.events
+    assert seen.state is LeaseState.parked and not seen.parked["resume_requested"], seen.events
+    make_room()
+    time.sleep(1.0)  # sweeps that would have resumed it
+    assert client.get_lease(lease).state is LeaseState.parked, "room came, and the withdrawn resume did not take it"
     assert comm.last_state()["phase"] == "parked"
 
 

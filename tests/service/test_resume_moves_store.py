@@ -120,6 +120,44 @@ def test_without_moves_a_resume_waits_for_its_own_node(store):
     assert free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
 
 
+def test_a_resume_asked_ahead_of_a_cell_waits_for_its_own_node_until_a_cell_asks(store):
+    """The JupyterLab extension asks a resume in place when the user is back at the notebook: a move
+    would lose what cannot be saved to disk before any cell needs the worker, so it waits for n1
+    though n2 is free (the words and ``may_move`` say so); a cell's resume (no ``in_place``) since
+    moves it, and an in-place ask after that does not take the move back."""
+    async def ahead(pool):
+        return await pool.parking.resume_by(ann(), PARKED, in_place=True)
+
+    shown = in_pool(store, ahead)
+    assert shown["state"] == "parked" and shown["parked"]["resume_requested"] is True
+    assert shown["parked"]["may_move"] is False, "the lease JSON says it waits for its own node"
+    assert get(store, PARKED).events == [] and free_on(store) == {"G-n1": 2.0, "G-n2": 0.0}
+
+    async def a_cell(pool):
+        await pool.parking.resume_by(ann(), PARKED, in_place=True)
+        await pool.parking.resume_by(ann(), PARKED)
+        return await pool.parking.resume_by(ann(), PARKED, in_place=True)
+
+    shown = in_pool(store, a_cell)
+    lease = get(store, PARKED)
+    assert lease.events and lease.events[0].reason.startswith("moving to n2 "), [e.reason for e in lease.events]
+    assert lease.resume_in_place is False
+
+
+def test_a_park_asked_of_a_parked_lease_withdraws_its_resume_in_line(store):
+    """``POST /leases/{id}/park`` on a parked lease whose resume waits for room (an interrupted
+    ``%gpu release`` sends it): the resume leaves the queue, and the lease stays parked on n1."""
+    async def body(pool):
+        await pool.parking.resume_by(ann(), PARKED, in_place=True)
+        return await pool.parking.park_by(ann(), PARKED)
+
+    shown = in_pool(store, body)
+    assert shown["state"] == "parked" and shown["parked"]["resume_requested"] is False
+    assert shown.get("queue_position") is None
+    lease = get(store, PARKED)
+    assert (lease.resume_requested_at, lease.resume_in_place, lease.node_name) == (None, False, "n1")
+
+
 def test_a_cell_frozen_mid_way_waits_for_its_own_node_instead_of_moving(store):
     """A preempted lease parked in memory with its cell frozen mid-way (its worker busy): a move's
     spill would interrupt that cell, so it waits for n1 though n2 is free, and goes on where it was."""
