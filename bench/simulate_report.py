@@ -6,7 +6,7 @@
 Writes bench/REPORT.md (only its "## Trace-driven simulation" section is
 replaced; other sections are kept) and bench/sim_*.png. Without the public
 traces in ``--data`` it runs on generated ones (:mod:`gpupool.hub_plugin.simulate.synthetic`).
-Takes over an hour on two cores, most of it the backlog's month (``--only`` redoes one part). Needs matplotlib (the ``examples``
+Takes tens of minutes on two cores, the backlog's month about 14 of them (``--only`` redoes one part). Needs matplotlib (the ``examples``
 extra). Every number comes from :mod:`gpupool.hub_plugin.simulator` and its
 modules, i.e. from the real ``place()`` and ``reclaim.decide()`` and the
 service's class and pressure rules (:mod:`gpupool.hub_plugin.priority`), and the
@@ -460,9 +460,11 @@ def backlog_part(workload, data, seed, size, log, hours=None, window=False) -> t
         f"{PRESSURE_GRACE_S:g} + {PREEMPTION_NOTICE_S:g} s after it: grace + `preemption_notice`), its "
         "victims node by node (the node with the most preemptible batch GPUs first); a resume with room nowhere "
         "it may go presses on its own node's leases only; for a waiting interactive request for several whole GPUs the "
-        "plan is given each node's free GPUs (`plan(..., free_gpus)`) and takes the leases of the one node that "
-        "covers it at least cost (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running "
-        "GPUs), and no batch job or resume is placed on that node while the request waits, nor on the node of "
+        "plan is given each node's free GPUs (`plan(..., free_gpus)`, GPUs being parked counted free) and takes the "
+        "leases of the one node that covers it at least cost, what taking them frees counted in whole GPUs, GPU by "
+        "GPU (`rules/clearing.py`: no idle notebook parked if it can, then the fewest running GPUs; the node it "
+        "cleared at the last sweep kept while it can still be cleared; a request no node can be cleared for "
+        "presses on nothing), and no batch job or resume is placed on that node while the request waits, nor on the node of "
         "a person's resume that fits nowhere (`batch_may_start`). Variants: **gpupool** "
         "(the service's defaults); **a resume waits for its own node** (`resume_moves` off; in the first 48 "
         "hours' table only); **no "
@@ -753,8 +755,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["backlog", "openb-multidim", "eta", "notebooks"],
                    help="notebooks: redo only the notebooks-alone subsection of REPORT.md (the month, its parking "
                    "table, the users and the ETA) and its plot (6-10 min); backlog: redo only the backlog "
-                   "subsection of REPORT.md and its plot (the month, over an hour on 2 cores: the service's defaults "
-                   "alone took over 40 min; then its first 48 hours, about a minute); openb-multidim: redo only "
+                   "subsection of REPORT.md and its plot (the month, about 13 min on 2 shared cores, the service's "
+                   "defaults 2.5 min of it; then its first 48 hours, about a minute); openb-multidim: redo only "
                    "the openb-with-CPU-and-memory subsection of REPORT.md and its plot (about 4 min); eta: redo only the ETA "
                    "paragraphs of REPORT.md")
     p.add_argument("--hours", type=float, help="with --only backlog: the subsection measures only the month's "
@@ -818,7 +820,7 @@ def main(argv=None) -> int:
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size},{size + 32}",
         f".venv/bin/gpupool simulate --data ../shared/data --pool-size {size} --policy gpupool --backlog",
         ".venv/bin/python bench/simulate_report.py --only notebooks   # the notebooks-alone subsection (6-10 min)",
-        ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog subsection alone (over an hour; --hours 360: 3 min)",
+        ".venv/bin/python bench/simulate_report.py --only backlog   # the backlog subsection alone (about 14 min)",
         ".venv/bin/gpupool simulate --data ../shared/data --users 300 --pool-size 352",
         ".venv/bin/gpupool simulate --workload openb --data ../shared/data --dimensions all",
         ".venv/bin/python bench/simulate_report.py --only openb-multidim   # that subsection alone (about 4 min)",
