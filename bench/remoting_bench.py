@@ -381,7 +381,7 @@ def report(results: dict, command: str) -> str:
         "transfers most, see docs/security.md, \"What encryption costs\").", "",
         "Reproduce (from the repository root; about five minutes):", "",
         "```", f".venv/bin/python {command}".rstrip(), "```", "",
-        f"![remoting overhead](remoting_overhead.png)", "",
+        "![remoting overhead](remoting_overhead.png)", "",
         f"**Trivial cell (`pass`) round trip, front end to reply and idle, {lat['local']['n']} cells each:**", "",
         "| kernel | p50 ms | p99 ms | added p50 ms |", "|---|---|---|---|",
     ]
