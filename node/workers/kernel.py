@@ -102,19 +102,18 @@ class KernelManagers:
         self.context.destroy(linger=0)
 
 
-def kernel_arguments(extensions: Sequence[str]) -> list[str]:
+def kernel_arguments(extensions: Sequence[str], history: Path | None = None) -> list[str]:
     """ipykernel command-line options that load ``extensions``, make the
     kernel exit when one fails to load, leave out ipykernel's sleep before
-    each reply, and keep IPython's history in memory.
+    each reply, and (``history``) keep IPython's history in a file of the
+    worker's own.
 
-    The notebook's history is its notebook kernel's, which stores every
-    cell, forwarded ones too. A worker's own database would only cost a
-    committed write per cell on the GPU node and, for a worker running as
-    the agent's account on the notebook's host (a local pool, the demo),
-    share ``~/.ipython``'s database with the notebook kernel: the two then
-    fight over session numbers, and IPython prints "Session/line number was
-    not unique in database" into the user's cells. ``%history`` on the
-    worker still lists its session's cells.
+    A worker running as the agent's own account would otherwise share
+    ``~/.ipython``'s history database with the notebook kernel when both run
+    as one user on one host (a local pool, the demo): the two then fight
+    over session numbers, and IPython prints "Session/line number was not
+    unique in database" into the user's cells. A worker account has a home
+    of its own and needs none.
 
     ``extra_extensions`` is IPython's option for extensions named on the
     command line; unlike ``extensions`` it adds to, rather than replaces, a
@@ -125,8 +124,14 @@ def kernel_arguments(extensions: Sequence[str]) -> list[str]:
     args = [f"--IPKernelApp.extra_extensions={name}" for name in extensions]
     # ipykernel sleeps 0.5 ms before each execute_reply so that a front end sees a cell's output
     # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
-    return [*args, "--HistoryManager.hist_file=:memory:", "--IPKernelApp.reraise_ipython_extension_failures=True",
-            NO_EXECUTE_SLEEP]
+    if history is not None:
+        args.append(f"--HistoryManager.hist_file={history}")
+    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", NO_EXECUTE_SLEEP]
+
+
+def history_path(log_path: Path) -> Path:
+    """Where a worker whose log is ``log_path`` keeps IPython's history (:func:`kernel_arguments`)."""
+    return log_path.with_name(f"{log_path.stem}.history.sqlite")
 
 
 def connection_info(manager: AsyncKernelManager, advertise_ip: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from ..cgroups import CgroupError, LeaseCgroup
 from ..host_limits import out_of_memory
 from .accounts import WorkerAccounts
 from .handle import Worker
+from .kernel import history_path
 from .records import record_path
 from .spec import WorkerLaunch, WorkerStopError
 
@@ -93,9 +94,11 @@ def kill_and_remove(cgroup: LeaseCgroup, timeout: float) -> None:
 
 
 def worker_files(worker: Worker, workers_dir: Path) -> tuple[Path, ...]:
-    """The files of ``worker`` in ``workers_dir``: its connection file, log
-    and lease record."""
-    return (Path(worker.manager.connection_file), worker.log_path,
+    """The files of ``worker`` in ``workers_dir``: its connection file, log,
+    IPython history (and its journal) and lease record."""
+    history = history_path(worker.log_path)
+    return (Path(worker.manager.connection_file), worker.log_path, history,
+            history.with_name(history.name + "-journal"),
             record_path(workers_dir, worker.spec.lease_id if worker.spec else worker.name))
 
 

@@ -41,6 +41,7 @@ import pytest
 from frontend import install_kernelspec, run, start_gpupool_kernel
 from gpupool.demo_pool import GPUPOOL
 from gpupool.node.workers import WorkerManager, WorkerLaunch, WorkerSpec
+from gpupool.node.workers.kernel import history_path
 from gpupool.wire.leases import LeaseRequest
 from gpupool.wire.nodes import GPUInfo
 from procs import start_agent, start_service, wait_for
@@ -366,7 +367,8 @@ def test_a_restarted_agent_kills_what_a_dead_workers_cells_left_and_skips_bad_re
         assert [worker.spec.lease_id for worker in adopted] == ["L-kept"] and adopted[0].pid == kept.pid
         assert not alive(left), "the dead worker's cell left a process: killed"
         assert sorted(p.name for p in workers.iterdir()) == sorted(
-            Path(p).name for p in (kept.manager.connection_file, kept.log_path, workers / "L-kept.lease.json"))
+            Path(p).name for p in (kept.manager.connection_file, kept.log_path, history_path(kept.log_path),
+                                   workers / "L-kept.lease.json"))
         for _ in range(200):  # busy until its shell answers, at once when no cell runs
             if [(r.lease_id, r.execution_state) for r in second.reports()] == [("L-kept", "idle")]:
                 break

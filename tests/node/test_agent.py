@@ -140,15 +140,15 @@ def test_start_use_and_stop_a_worker_over_http(lone_agent):
 
 
 def test_a_relative_state_dir_works_for_workers_started_elsewhere(tmp_path):
-    # Workers start in folders of their own; with --state-dir=.state/agent-1 (the README's) a
-    # relative path of theirs (once their history database's) made every worker exit at start.
+    # Workers start in folders of their own; with --state-dir=.state/agent-1 (the README's) their
+    # history database path was relative and every worker exited at start.
     agent = LoneAgent(tmp_path, relative=True)
     try:
         status, started = agent.start_worker("L-0000000000rel")
         assert status == 201, started
         out = asyncio.run(run_worker_cell(started["connection"], "print(6 * 7)"))
         assert out.strip() == "42"
-        assert (agent.state_dir / "workers" / "L-0000000000rel.log").exists()
+        assert (agent.state_dir / "workers" / "L-0000000000rel.history.sqlite").exists()
     finally:
         agent.stop()
 

@@ -95,7 +95,7 @@ class Worker:
             write_connection_file(str(self.connection_file), ip="127.0.0.1",
                                   key=secrets.token_hex(16).encode())
         self.log_path = folder / f"{spec.lease_id}.log"
-        self.command = kernel_command(sys.executable, self.connection_file)
+        self.command = kernel_command(sys.executable, self.connection_file, history=folder / f"{spec.lease_id}.sqlite")
         self.env = job_environment(worker_environment(os.environ, slice_environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, "node1")))
         self.workdir = str(folder)

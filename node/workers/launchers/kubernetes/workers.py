@@ -34,6 +34,9 @@ from .status import end_words, ended, pending_words, running_ip
 
 #: Seconds between two reads of a starting pod.
 START_POLL_S = 0.25
+#: IPython's history of a worker pod: in memory (a file in the owner's home would be shared with
+#: their notebook's kernel, kernel_arguments).
+HISTORY = Path(":memory:")
 
 
 class KubernetesWorkers(WorkerLauncher):
@@ -68,7 +71,7 @@ class KubernetesWorkers(WorkerLauncher):
         info = self._connection()
         try:
             manifest = worker_pod(spec, self.pods, self.template, self._environment(spec),
-                                  kernel_arguments(self.settings.extensions))
+                                  kernel_arguments(self.settings.extensions, HISTORY))
         except ValueError as exc:
             raise WorkerStartError(f"cannot make the worker pod of lease {spec.lease_id}: {exc}") from None
         name = manifest["metadata"]["name"]

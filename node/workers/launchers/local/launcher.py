@@ -23,7 +23,7 @@ from ....cgroups import CgroupError, LeaseCgroup
 from ....worker_user import NoFreeWorkerUser, WorkerUser
 from ...binding import UNBOUND_ENVIRONMENT, prepare, preload_code
 from ...handle import Worker, open_log
-from ...kernel import kernel_arguments
+from ...kernel import history_path, kernel_arguments
 from ...process import AdoptedProcess, LocalProcess, WorkerProcess, kill_strays, left_behind
 from ...records import WorkerRecord, read_records, stray_workers
 from ...spec import WorkerSpec, WorkerStartError, worker_environment
@@ -208,7 +208,8 @@ class LocalLauncher(WorkerLauncher):
             # Independent: no ipykernel parent poller, so a worker outlives a
             # crashed agent and the restarted one re-adopts it (recover()).
             with open_log(log_path) as out:
-                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions),
+                await manager.start_kernel(env=env, extra_arguments=kernel_arguments(self.settings.extensions,
+                                                                           None if account else history_path(log_path)),
                                            stdout=out, stderr=subprocess.STDOUT, cwd=cwd, independent=True,
                                            **as_user)
         except Exception as exc:
@@ -235,7 +236,7 @@ class LocalLauncher(WorkerLauncher):
             env = {**env, **account.environment(cwd)}
         manager.write_connection_file()
         argv = ["-f", manager.connection_file,
-                *kernel_arguments(self.settings.extensions)]
+                *kernel_arguments(self.settings.extensions, None if account else history_path(log_path))]
         try:
             process = await template.fork(argv, env, cwd, log_path, account)
         except TemplateError as exc:

@@ -321,13 +321,13 @@ class SlurmLauncher(LoggingConfigurable):
             await shares.release_if_empty(record.job_id)
 
 
-def kernel_command(python: str, connection_file: Path,
-                   extensions: Sequence[str] = (WORKER_EXTENSION,)) -> list[str]:
+def kernel_command(python: str, connection_file: Path, extensions: Sequence[str] = (WORKER_EXTENSION,),
+                   history: Path | None = None) -> list[str]:
     """The command line of a worker kernel that reads ``connection_file``
     (written by the agent before the job starts, as batchspawner writes a
     server's settings): gpupool's worker application with the options a
     local worker gets (:func:`~...kernel.kernel_arguments`)."""
-    return [python, "-m", WORKER_KERNEL_APP, "-f", str(connection_file), *kernel_arguments(extensions)]
+    return [python, "-m", WORKER_KERNEL_APP, "-f", str(connection_file), *kernel_arguments(extensions, history)]
 
 
 def _gpu_count(gres: str) -> int:

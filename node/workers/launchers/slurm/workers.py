@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from ...handle import Worker, tail_lines
+from ...kernel import history_path
 from ...process import kill_strays
 from ...records import WorkerRecord, stray_workers
 from ...spec import WorkerSpec, WorkerStartError, worker_environment
@@ -70,7 +71,8 @@ class SlurmWorkers(WorkerLauncher):
         log_path = settings.workers_dir / f"lease-{spec.lease_id}.log"
         env = worker_environment(settings.environ, settings.enforcement.environment(
             spec.gpus, spec.fraction, spec.memory, spec.lease_id, spec.owner, settings.node))
-        command = kernel_command(spec.python or sys.executable, Path(manager.connection_file), settings.extensions)
+        command = kernel_command(spec.python or sys.executable, Path(manager.connection_file), settings.extensions,
+                                 history_path(log_path))
         gpu_index = spec.gpus[0].index if is_slice(spec) and spec.gpus else None
         try:
             record = await self.slurm.start(spec, command, Path(manager.connection_file), log_path,
