@@ -102,11 +102,21 @@ class KernelManagers:
         self.context.destroy(linger=0)
 
 
+#: Cells a worker's IPython history keeps before it writes them (:func:`kernel_arguments`).
+HISTORY_CACHE = 1000
+
+
 def kernel_arguments(extensions: Sequence[str], history: Path | None = None) -> list[str]:
     """ipykernel command-line options that load ``extensions``, make the
     kernel exit when one fails to load, leave out ipykernel's sleep before
-    each reply, and (``history``) keep IPython's history in a file of the
-    worker's own.
+    each reply, write IPython's history every :data:`HISTORY_CACHE` cells,
+    and (``history``) keep it in a file of the worker's own.
+
+    IPython commits each cell's history by default, and its saving thread
+    holds the cache's lock through the commit's fsync: the next cell's
+    store waits for it, inside the cell, before its reply. The notebook's
+    history is its notebook kernel's, which stores every cell, forwarded
+    ones too; the worker's may lag (a worker's own file goes with it).
 
     A worker running as the agent's own account would otherwise share
     ``~/.ipython``'s history database with the notebook kernel when both run
@@ -126,7 +136,8 @@ def kernel_arguments(extensions: Sequence[str], history: Path | None = None) -> 
     # before its reply; a worker's front end is the gpupool kernel, which waits for its idle.
     if history is not None:
         args.append(f"--HistoryManager.hist_file={history}")
-    return [*args, "--IPKernelApp.reraise_ipython_extension_failures=True", NO_EXECUTE_SLEEP]
+    return [*args, f"--HistoryManager.db_cache_size={HISTORY_CACHE}",
+            "--IPKernelApp.reraise_ipython_extension_failures=True", NO_EXECUTE_SLEEP]
 
 
 def history_path(log_path: Path) -> Path:

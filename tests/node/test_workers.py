@@ -253,8 +253,9 @@ def test_worker_environment_drops_secrets():
                    "CUDA_VISIBLE_DEVICES": "GPU-a", "GPUPOOL_LEASE_ID": "L-1"}
 
 
-def test_kernel_arguments_load_extensions_strictly():
+def test_kernel_arguments_load_extensions_strictly_and_write_history_seldom():
     assert kernel_arguments(["a.b", "c"]) == ["--IPKernelApp.extra_extensions=a.b", "--IPKernelApp.extra_extensions=c",
+                                              "--HistoryManager.db_cache_size=1000",
                                               "--IPKernelApp.reraise_ipython_extension_failures=True",
                                               "--IPythonKernel._execute_sleep=0"]
 
