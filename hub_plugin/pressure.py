@@ -17,6 +17,7 @@ one whole, so readers on other threads see one or the other.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Collection, Iterable, Sequence
@@ -145,31 +146,25 @@ class Pressure:
         # What leases being parked or released hold is on its way back: the plan counts it free (``freeing``,
         # and GPU by GPU in the whole free GPUs a node is cleared by). The nodes the last plan cleared stay
         # cleared for the same requests while they can be (``kept``).
-        free = clearing.whole_free(states, self._leaving(session)) if rule.wants_free_gpus(asking) else None
-        return rule.plan(held, asking, guarantees, free, self._freeing(session), self.plan.cleared)
+        freeing, leaving = self._on_the_way_back(session)
+        free = clearing.whole_free(states, leaving) if rule.wants_free_gpus(asking) else None
+        return rule.plan(held, asking, guarantees, free, freeing, self.plan.cleared)
 
     @staticmethod
-    def _freeing(session: Session) -> dict[str, float]:
-        """``{node: GPUs}`` that leases being parked or released still hold: on their way back, so the
-        plan does not take another lease for what they will free (a park's move takes seconds)."""
-        freeing: dict[str, float] = {}
-        for node, fraction, count in session.execute(
-                select(Lease.node_name, Lease.fraction, Lease.gpu_count)
+    def _on_the_way_back(session: Session) -> tuple[dict[str, float], dict[str, float]]:
+        """What leases being parked or released still hold, on its way back (a park's move takes
+        seconds): ``({node: GPUs}, {GPU uuid: fraction})``. The plan takes no other lease for the
+        first; a GPU such leases alone hold counts whole and free in the second
+        (:func:`.rules.clearing.whole_free`). One query."""
+        freeing: dict[str, float] = defaultdict(float)
+        leaving: dict[str, float] = defaultdict(float)
+        for node, uuid, fraction in session.execute(
+                select(Lease.node_name, LeaseGPU.gpu_uuid, Lease.fraction).join(LeaseGPU, LeaseGPU.lease_id == Lease.id)
                 .where(Lease.state.in_((LeaseState.parking.value, LeaseState.releasing.value)))):
+            leaving[uuid] += fraction
             if node is not None:
-                freeing[node] = freeing.get(node, 0.0) + fraction * count
-        return freeing
-
-    @staticmethod
-    def _leaving(session: Session) -> dict[str, float]:
-        """``{GPU uuid: fraction}`` that leases being parked or released still hold there: a GPU
-        they alone hold is on its way back, whole (:func:`.rules.clearing.whole_free`)."""
-        leaving: dict[str, float] = {}
-        for uuid, fraction in session.execute(
-                select(LeaseGPU.gpu_uuid, Lease.fraction).join(Lease, Lease.id == LeaseGPU.lease_id)
-                .where(Lease.state.in_((LeaseState.parking.value, LeaseState.releasing.value)))):
-            leaving[uuid] = leaving.get(uuid, 0.0) + fraction
-        return leaving
+                freeing[node] += fraction
+        return dict(freeing), dict(leaving)
 
     def _guarantees(self, session: Session, active: Iterable[Lease]) -> dict[str, float]:
         """``{owner: guaranteed GPUs}`` of the owners of ``active`` (one quota table read)."""
