@@ -15,7 +15,7 @@ detaches, as ``%gpu status`` then says, and the ended worker's widget shows
 JupyterLab's disconnected mark (a parked one did not; a CPU kernel's never).
 A python3 notebook gets no comm and no GPU item. Screenshots on failure under the test's tmp_path.
 
-The JupyterLab helpers are the minimum of tests/support/lab.py (the browser test's).
+The browser is launched as tests/support/lab.py launches it (the browser test's).
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ import subprocess
 import sys
 import urllib.request
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from frontend import install_kernelspec
+from lab import STEP_MS, launch_chromium
 from gpupool import __version__
 from gpupool.demo_pool import free_port, stop_process, wait_for
 from procs import start_agent, start_service
@@ -40,7 +43,6 @@ from procs import start_agent, start_service
 ROOT = Path(__file__).resolve().parents[2]
 PREBUILT = ROOT / "labextension" / "prebuilt"
 CHROMIUM = "/usr/bin/chromium"
-STEP_MS = 20_000
 MODEL = "NVIDIA A100-SXM4-80GB"
 NAME = "gpupool-lab"
 
@@ -202,11 +204,37 @@ TEXT_MIDDLES = """selectors => selectors.map(selector => {
 })"""
 
 
+@contextmanager
+def opened(lab, tmp_path: Path, notebook: str) -> Iterator["Page"]:
+    """``notebook`` (a path under ``lab``'s root) open in a fresh chromium: its :class:`Page`. A failure
+    is raised naming the step the test was at (``Page.step``), with a screenshot of the page and the lab's
+    log; the browser is closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        page.set_default_timeout(STEP_MS)
+        nb = Page(page)
+        try:
+            page.goto(f"{lab.url}/lab/tree/{notebook}?token={lab.token}&reset")
+            yield nb
+        except Exception as exc:
+            shot = tmp_path / "failure.png"
+            page.screenshot(path=str(shot), full_page=True)
+            raise AssertionError(f"step {nb.step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})"
+                                 ) from exc
+        finally:
+            browser.close()
+
+
 class Page:
     """The open notebook and the extension's parts of the page."""
 
     def __init__(self, page) -> None:
         self.page = page
+        #: The step the test is at, named in its failure.
+        self.step = "open the notebook"
         self.status = page.locator(".jp-gpupool-status")
         self.dialog = page.locator(".jp-Dialog")
         self.toasts = page.locator(".Toastify__toast", has_text="GPU:")
@@ -253,148 +281,123 @@ class Page:
 @pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
 @pytest.mark.timeout(240)
 def test_status_bar_dialog_popup_and_notifications_follow_the_lease(lab, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     _notebook(lab.root / "gpu.ipynb", ["import os", "x = 41", "x + 1", "%gpu status",
                                        'import ipywidgets\nipywidgets.Label("on the CPU kernel")',
                                        'import ipywidgets\nipywidgets.IntSlider(description="on the worker")'])
     dead = ".jupyter-widgets-disconnected"
-    with sync_playwright() as playwright:
-        expect.set_options(timeout=STEP_MS)
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        page.set_default_timeout(STEP_MS)
-        nb = Page(page)
-        step = "open the notebook"
-        try:
-            page.goto(f"{lab.url}/lab/tree/gpu.ipynb?token={lab.token}&reset")
-            expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (gpupool)", timeout=60_000)
-            step = "status bar says detached"
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
-            step = "the status item sits in line with its neighbours"
-            mine, other = page.evaluate(TEXT_MIDDLES, [".jp-gpupool-status",
-                                                       ".jp-StatusBar-TextItem:not(.jp-gpupool-status)"])
-            assert abs(mine - other) <= 1, (mine, other)
-            assert "Traceback" not in nb.run(0)
+    with opened(lab, tmp_path, "gpu.ipynb") as nb:
+        page = nb.page
+        nb.step = "open the notebook"
+        expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (gpupool)", timeout=60_000)
+        nb.step = "status bar says detached"
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+        nb.step = "the status item sits in line with its neighbours"
+        mine, other = page.evaluate(TEXT_MIDDLES, [".jp-gpupool-status",
+                                                   ".jp-StatusBar-TextItem:not(.jp-gpupool-status)"])
+        assert abs(mine - other) <= 1, (mine, other)
+        assert "Traceback" not in nb.run(0)
 
-            step = "the Kernel menu has the commands"
-            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
-            menu = page.locator(".lm-Menu")
-            for label in ("Acquire GPU…", "Release GPU", "GPU status"):
-                expect(menu.locator(".lm-Menu-itemLabel", has_text=label)).to_be_visible()
-            page.keyboard.press("Escape")
+        nb.step = "the Kernel menu has the commands"
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
+        menu = page.locator(".lm-Menu")
+        for label in ("Acquire GPU…", "Release GPU", "GPU status"):
+            expect(menu.locator(".lm-Menu-itemLabel", has_text=label)).to_be_visible()
+        page.keyboard.press("Escape")
 
-            step = "a bad size shows the magic's words in the dialog and changes nothing"
-            nb.acquire("1.5")
-            error = nb.dialog.locator(".jp-gpupool-error")
-            expect(error).to_have_text(re.compile(r"GPU amount '1\.5' is above 1 but not whole"))
-            expect(nb.dialog).to_be_visible()
-            expect(nb.status).to_have_text("GPU: detached")
+        nb.step = "a bad size shows the magic's words in the dialog and changes nothing"
+        nb.acquire("1.5")
+        error = nb.dialog.locator(".jp-gpupool-error")
+        expect(error).to_have_text(re.compile(r"GPU amount '1\.5' is above 1 but not whole"))
+        expect(nb.dialog).to_be_visible()
+        expect(nb.status).to_have_text("GPU: detached")
 
-            step = "Acquire from the dialog attaches: the status bar shows the share and GPU"
-            nb.dialog.locator("input[name=amount]").fill("0.5")
-            nb.dialog.locator(".jp-Dialog-footer button", has_text="Acquire").click()
-            expect(nb.dialog).to_have_count(0, timeout=60_000)
-            expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
-            expect(nb.status).to_contain_text("idle, parked in")
-            # no cell shows what %gpu acquire said: its words come as a notification, the worker's folder too
-            expect(nb.toast(r"GPU: attached L-\S+: 0\.50 of")).to_be_visible()
-            nb.toasts.locator("button", has_text="Details").click()
-            expect(nb.dialog).to_contain_text("The worker runs in this notebook's folder")
-            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
-            expect(nb.dialog).to_have_count(0)
-            out = nb.run(1)
-            assert "Traceback" not in out, out
+        nb.step = "Acquire from the dialog attaches: the status bar shows the share and GPU"
+        nb.dialog.locator("input[name=amount]").fill("0.5")
+        nb.dialog.locator(".jp-Dialog-footer button", has_text="Acquire").click()
+        expect(nb.dialog).to_have_count(0, timeout=60_000)
+        expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
+        expect(nb.status).to_contain_text("idle, parked in")
+        # no cell shows what %gpu acquire said: its words come as a notification, the worker's folder too
+        expect(nb.toast(r"GPU: attached L-\S+: 0\.50 of")).to_be_visible()
+        nb.toasts.locator("button", has_text="Details").click()
+        expect(nb.dialog).to_contain_text("The worker runs in this notebook's folder")
+        nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+        expect(nb.dialog).to_have_count(0)
+        out = nb.run(1)
+        assert "Traceback" not in out, out
 
-            step = "a restarted kernel is a new one: detached"
-            nb.command("Restart Kernel…")
-            nb.dialog.locator(".jp-Dialog-footer button", has_text="Restart").click()
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
-            assert "Traceback" not in nb.run(0)
-            expect(page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".jp-InputPrompt")).to_have_text("[1]:")
-            assert "Traceback" not in nb.run(1)  # x = 41 again, in the new kernel
+        nb.step = "a restarted kernel is a new one: detached"
+        nb.command("Restart Kernel…")
+        nb.dialog.locator(".jp-Dialog-footer button", has_text="Restart").click()
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+        assert "Traceback" not in nb.run(0)
+        expect(page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".jp-InputPrompt")).to_have_text("[1]:")
+        assert "Traceback" not in nb.run(1)  # x = 41 again, in the new kernel
 
-            step = "Release in the status popup detaches"
-            nb.run(4)
-            expect(nb.cell(4).locator(".widget-label")).to_have_text("on the CPU kernel")
-            nb.acquire("0.5")
-            expect(nb.dialog).to_have_count(0, timeout=60_000)
-            expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
-            details = nb.release_from_popup()
-            assert MODEL in details and "L-" in details, details
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+        nb.step = "Release in the status popup detaches"
+        nb.run(4)
+        expect(nb.cell(4).locator(".widget-label")).to_have_text("on the CPU kernel")
+        nb.acquire("0.5")
+        expect(nb.dialog).to_have_count(0, timeout=60_000)
+        expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
+        details = nb.release_from_popup()
+        assert MODEL in details and "L-" in details, details
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
 
-            step = "idle warning and parked come as notifications; the status says parked"
-            nb.acquire("0.25", idle="12s")  # warned 4 s (a third) before the park: time to see the toast
-            expect(nb.dialog).to_have_count(0, timeout=60_000)
-            nb.run(5)
-            expect(nb.cell(5).locator(".widget-slider")).to_be_visible()
-            expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
-            expect(nb.toast(r"GPU: lease L-\S+ was parked, idle for")).to_be_visible()
-            # the warning closes once it came true: one notification about the lease, none stale
-            expect(page.get_by_text(re.compile(r"GPU: lease L-\S+ has been idle"))).to_have_count(0)
-            expect(nb.toasts).to_have_count(1)  # the lease's one toast, updated in place
-            expect(nb.status).to_contain_text("GPU: parked")
-            expect(nb.cell(5).locator(dead)).to_have_count(0)  # the frozen worker keeps its widgets
-            # JupyterLab cuts a toast at 140 characters: the park's whole words are one click away
-            nb.toasts.locator("button", has_text="Details").click()
-            expect(nb.dialog).to_contain_text("the next cell resumes it where it was")
-            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
-            expect(nb.dialog).to_have_count(0)
+        nb.step = "idle warning and parked come as notifications; the status says parked"
+        nb.acquire("0.25", idle="12s")  # warned 4 s (a third) before the park: time to see the toast
+        expect(nb.dialog).to_have_count(0, timeout=60_000)
+        nb.run(5)
+        expect(nb.cell(5).locator(".widget-slider")).to_be_visible()
+        expect(nb.toast(r"GPU: lease L-\S+ has been idle")).to_be_visible()
+        expect(nb.toast(r"GPU: lease L-\S+ was parked, idle for")).to_be_visible()
+        # the warning closes once it came true: one notification about the lease, none stale
+        expect(page.get_by_text(re.compile(r"GPU: lease L-\S+ has been idle"))).to_have_count(0)
+        expect(nb.toasts).to_have_count(1)  # the lease's one toast, updated in place
+        expect(nb.status).to_contain_text("GPU: parked")
+        expect(nb.cell(5).locator(dead)).to_have_count(0)  # the frozen worker keeps its widgets
+        # JupyterLab cuts a toast at 140 characters: the park's whole words are one click away
+        nb.toasts.locator("button", has_text="Details").click()
+        expect(nb.dialog).to_contain_text("the next cell resumes it where it was")
+        nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+        expect(nb.dialog).to_have_count(0)
 
-            step = "the user back at the notebook (a click into a cell) resumes it before any cell runs"
-            page.locator(".jp-Notebook .jp-Cell").nth(2).click()
-            expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}", timeout=60_000)
-            # README: "resumed" comes as a notification, in place of "parked", and the next cell says it first
-            expect(nb.toast(r"GPU: resumed L-\S+ on node-1 GPU \d+ in [\d.]+s")).to_be_visible()
-            expect(nb.toasts).to_have_count(1)
-            out = nb.run(2)
-            assert re.match(r"gpupool: resumed L-\S+ on node-1", out) and "42" in out and "Traceback" not in out, out
+        nb.step = "the user back at the notebook (a click into a cell) resumes it before any cell runs"
+        page.locator(".jp-Notebook .jp-Cell").nth(2).click()
+        expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}", timeout=60_000)
+        # README: "resumed" comes as a notification, in place of "parked", and the next cell says it first
+        expect(nb.toast(r"GPU: resumed L-\S+ on node-1 GPU \d+ in [\d.]+s")).to_be_visible()
+        expect(nb.toasts).to_have_count(1)
+        out = nb.run(2)
+        assert re.match(r"gpupool: resumed L-\S+ on node-1", out) and "42" in out and "Traceback" not in out, out
 
-            step = "Release GPU from the palette detaches"
-            nb.command("Release GPU")
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
-            out = nb.run(3)
-            assert "not attached" in out, out
+        nb.step = "Release GPU from the palette detaches"
+        nb.command("Release GPU")
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+        out = nb.run(3)
+        assert "not attached" in out, out
 
-            step = "the ended worker's widget is marked disconnected, as JupyterLab marks a dead kernel's"
-            expect(nb.cell(5).locator(dead)).to_have_count(1)
-            expect(nb.cell(4).locator(dead)).to_have_count(0)  # the CPU kernel's own lives on
-        except Exception as exc:
-            shot = tmp_path / "failure.png"
-            page.screenshot(path=str(shot), full_page=True)
-            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
-        finally:
-            browser.close()
+        nb.step = "the ended worker's widget is marked disconnected, as JupyterLab marks a dead kernel's"
+        expect(nb.cell(5).locator(dead)).to_have_count(1)
+        expect(nb.cell(4).locator(dead)).to_have_count(0)  # the CPU kernel's own lives on
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
 def test_other_kernels_get_no_comm_and_no_status_item(lab, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     path = lab.root / "plain.ipynb"
     _notebook(path, ["print('plain', 6 * 7)"])
     spec = json.loads(path.read_text())
     spec["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     path.write_text(json.dumps(spec))
-    with sync_playwright() as playwright:
-        expect.set_options(timeout=STEP_MS)
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        nb = Page(page)
-        try:
-            page.goto(f"{lab.url}/lab/tree/plain.ipynb?token={lab.token}&reset")
-            expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (ipykernel)", timeout=60_000)
-            assert "plain 42" in nb.run(0)
-            expect(nb.status).to_be_hidden()
-        except Exception as exc:
-            shot = tmp_path / "failure.png"
-            page.screenshot(path=str(shot), full_page=True)
-            raise AssertionError(f"{exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
-        finally:
-            browser.close()
+    with opened(lab, tmp_path, "plain.ipynb") as nb:
+        page = nb.page
+        expect(page.locator(".jp-KernelName").first).to_have_text("Python 3 (ipykernel)", timeout=60_000)
+        assert "plain 42" in nb.run(0)
+        expect(nb.status).to_be_hidden()
     assert "gpupool.status" not in lab.log.read_text(errors="replace"), "a comm was opened to a python3 kernel"
 
 
@@ -420,75 +423,57 @@ BULK = 3 * 2**30
 @pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
 @pytest.mark.timeout(300)
 def test_the_popup_says_each_fact_once_and_fits_and_an_interrupted_push_is_one_line(lab, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     _notebook(lab.root / "facts.ipynb", ["%gpu help", f"import numpy as np\nbulk = np.ones({BULK}, np.uint8)",
                                          "%gpu push bulk", "print('bulk' in globals())",
                                          "from gpupool.node import simgpu\nheld = simgpu.zeros(8 << 20, 'uint8')"])
-    with sync_playwright() as playwright:
-        expect.set_options(timeout=STEP_MS)
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        page.set_default_timeout(STEP_MS)
-        nb = Page(page)
-        step = "open the notebook"
-        try:
-            page.goto(f"{lab.url}/lab/tree/facts.ipynb?token={lab.token}&reset")
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
+    with opened(lab, tmp_path, "facts.ipynb") as nb:
+        page = nb.page
+        nb.step = "open the notebook"
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
 
-            step = "%gpu help names each command once"
-            helped = nb.run(0)
-            for line in ("%gpu restart", "%gpu acquire 2 ", "%gpu push NAME", "%gpu status "):
-                assert helped.count(line) == 1, f"{line!r} {helped.count(line)} times in:\n{helped}"
-            assert "Traceback" not in nb.run(1)
+        nb.step = "%gpu help names each command once"
+        helped = nb.run(0)
+        for line in ("%gpu restart", "%gpu acquire 2 ", "%gpu push NAME", "%gpu status "):
+            assert helped.count(line) == 1, f"{line!r} {helped.count(line)} times in:\n{helped}"
+        assert "Traceback" not in nb.run(1)
 
-            step = "the popup: one table, each fact once, within the dialog"
-            nb.acquire("0.5")
-            expect(nb.dialog).to_have_count(0, timeout=60_000)
-            expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
-            assert "Traceback" not in nb.run(4)
-            nb.status.click()
-            expect(nb.dialog.locator(".jp-gpupool-details")).to_be_visible()
-            expect(nb.dialog.locator(".jp-gpupool-details")).to_contain_text("environment")
-            expect(nb.dialog.locator(".jp-gpupool-holders")).to_contain_text("held")
-            layout = _popup_layout(page)
-            names = [row[0] for row in layout["rows"]]
-            assert len(names) == len(set(names)) and layout["pre"] == 0, layout
-            assert {"lease", "GPU", "node", "memory", "environment", "host", "worker"} <= set(names), names
-            assert layout["holders"] == [["holds GPU memory", "size", "on", "type"],
-                                         ["held", "8.0 MiB", "simgpu:0", "ndarray"]], layout["holders"]
-            lease = dict(layout["rows"])["lease"]
-            assert nb.dialog.locator(".jp-Dialog-body").inner_text().count(lease) == 1, "the lease is said once"
-            assert layout["scroll"] <= layout["client"] and layout["tableRight"] <= layout["contentRight"] + 1, layout
-            nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
-            expect(nb.dialog).to_have_count(0)
+        nb.step = "the popup: one table, each fact once, within the dialog"
+        nb.acquire("0.5")
+        expect(nb.dialog).to_have_count(0, timeout=60_000)
+        expect(nb.status).to_contain_text(f"GPU: 0.50 of {MODEL} on node-1")
+        assert "Traceback" not in nb.run(4)
+        nb.status.click()
+        expect(nb.dialog.locator(".jp-gpupool-details")).to_be_visible()
+        expect(nb.dialog.locator(".jp-gpupool-details")).to_contain_text("environment")
+        expect(nb.dialog.locator(".jp-gpupool-holders")).to_contain_text("held")
+        layout = _popup_layout(page)
+        names = [row[0] for row in layout["rows"]]
+        assert len(names) == len(set(names)) and layout["pre"] == 0, layout
+        assert {"lease", "GPU", "node", "memory", "environment", "host", "worker"} <= set(names), names
+        assert layout["holders"] == [["holds GPU memory", "size", "on", "type"],
+                                     ["held", "8.0 MiB", "simgpu:0", "ndarray"]], layout["holders"]
+        lease = dict(layout["rows"])["lease"]
+        assert nb.dialog.locator(".jp-Dialog-body").inner_text().count(lease) == 1, "the lease is said once"
+        assert layout["scroll"] <= layout["client"] and layout["tableRight"] <= layout["contentRight"] + 1, layout
+        nb.dialog.locator(".jp-Dialog-footer button", has_text="Close").click()
+        expect(nb.dialog).to_have_count(0)
 
-            step = "an interrupted push prints one line of what changed"
-            cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
-            cell.locator(".cm-content").click()
-            page.keyboard.press("Shift+Enter")
-            expect(cell.locator(".jp-OutputArea-output")).to_contain_text("gpupool: pushing", timeout=60_000)
-            nb.command("Interrupt Kernel")
-            expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=60_000)
-            lines = [line for text in cell.locator(".jp-OutputArea-output").all_inner_texts()
-                     for line in text.splitlines() if line.strip()]
-            assert len(lines) == 1 and re.fullmatch(r"UsageError: push interrupted at [\d.]+ [KMG]iB of 3\.0 GiB; "
-                                                    r"nothing was defined on the worker", lines[0]), lines
-            assert "False" in nb.run(3), "the worker holds nothing of it"
-            nb.command("Release GPU")
-            expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
-        except Exception as exc:
-            shot = tmp_path / "failure.png"
-            page.screenshot(path=str(shot), full_page=True)
-            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
-        finally:
-            browser.close()
-
-
-def _chromium(playwright):
-    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                      args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        nb.step = "an interrupted push prints one line of what changed"
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+        cell.locator(".cm-content").click()
+        page.keyboard.press("Shift+Enter")
+        expect(cell.locator(".jp-OutputArea-output")).to_contain_text("gpupool: pushing", timeout=60_000)
+        nb.command("Interrupt Kernel")
+        expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=60_000)
+        lines = [line for text in cell.locator(".jp-OutputArea-output").all_inner_texts()
+                 for line in text.splitlines() if line.strip()]
+        assert len(lines) == 1 and re.fullmatch(r"UsageError: push interrupted at [\d.]+ [KMG]iB of 3\.0 GiB; "
+                                                r"nothing was defined on the worker", lines[0]), lines
+        assert "False" in nb.run(3), "the worker holds nothing of it"
+        nb.command("Release GPU")
+        expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
@@ -497,7 +482,7 @@ def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_pa
     """A cell resuming a parked lease in a full pool: the status bar says the resume waits (it said
     ``queued``, and Release GPU was greyed out); Release GPU asks first (the variables are discarded, the
     waiting cell interrupted), then detaches."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from gpupool.heartbeat import LeaseHeartbeat
     from gpupool.wire.leases import LeaseRequest
@@ -505,21 +490,16 @@ def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_pa
     _notebook(lab.root / "waits.ipynb", ["%gpu acquire 0.25", "x = 41", "x + 1"])
     client = lab.service.client()
     hog = beat = None
-    with sync_playwright() as playwright:
-        expect.set_options(timeout=STEP_MS)
-        browser = _chromium(playwright)
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        page.set_default_timeout(STEP_MS)
-        nb = Page(page)
-        step = "attach"
-        try:
-            page.goto(f"{lab.url}/lab/tree/waits.ipynb?token={lab.token}&reset")
+    try:
+        with opened(lab, tmp_path, "waits.ipynb") as nb:
+            page = nb.page
+            nb.step = "attach"
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
             assert "Traceback" not in nb.run(0)
             expect(nb.status).to_contain_text(f"GPU: 0.25 of {MODEL}")
             assert "Traceback" not in nb.run(1)
 
-            step = "parked by the pool (no key or click here since: nothing asks its resume), then the pool filled"
+            nb.step = "parked by the pool (no key or click here since: nothing asks its resume), then the pool filled"
             lease, = [one for one in client.list_leases(active=True)]
             client.park(lease.id)
             expect(nb.status).to_contain_text("GPU: parked (0.25 of a GPU); a click", timeout=30_000)
@@ -527,19 +507,19 @@ def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_pa
             beat = LeaseHeartbeat(client, hog.id, 1.0)
             beat.start()
 
-            step = "a cell resumes it: the resume waits in line, and the status bar says so"
+            nb.step = "a cell resumes it: the resume waits in line, and the status bar says so"
             nb.cell(2).locator(".cm-content").click()
             page.keyboard.press("Shift+Enter")
             expect(nb.status).to_have_text(re.compile(r"GPU: parked \(0\.25 of a GPU\); resume waiting for room #1"))
 
-            step = "Release GPU is enabled in the Kernel menu"
+            nb.step = "Release GPU is enabled in the Kernel menu"
             page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").click()
             item = page.locator(".lm-Menu-item", has=page.locator(".lm-Menu-itemLabel", has_text="Release GPU"))
             expect(item).to_be_visible()
             expect(item).not_to_have_class(re.compile(r"lm-mod-disabled"))
             item.click()
 
-            step = "it asks first: the variables are discarded, the waiting cell interrupted"
+            nb.step = "it asks first: the variables are discarded, the waiting cell interrupted"
             expect(nb.dialog).to_contain_text(f"{lease.id} is parked and its resume waits for room (place 1 in line")
             expect(nb.dialog).to_contain_text("releasing it now discards them, and interrupts the cell waiting for it")
             nb.dialog.locator(".jp-Dialog-footer button", has_text="Release without variables").click()
@@ -548,16 +528,11 @@ def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_pa
                 f"interrupted while waiting for {lease.id} to resume")
             # the status bar may say detached a beat before the service's answer: the kernel let the lease go first
             wait_for(lambda: client.get_lease(lease.id).state.ended, 30, "the lease released")
-        except Exception as exc:
-            shot = tmp_path / "failure.png"
-            page.screenshot(path=str(shot), full_page=True)
-            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
-        finally:
-            browser.close()
-            if beat is not None:
-                beat.stop()
-            if hog is not None:
-                client.release(hog.id)
+    finally:
+        if beat is not None:
+            beat.stop()
+        if hog is not None:
+            client.release(hog.id)
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"no browser test: {WHY}")
@@ -565,7 +540,7 @@ def test_release_gives_up_a_parked_lease_whose_resume_waits_for_room(lab, tmp_pa
 def test_the_status_bar_says_a_coming_preemption_until_the_park(pressure_lab, tmp_path):
     """A preemptible lease whose running cell a waiting person's request will park: the status item says
     'preempted in …' in the warning colour, with the notice's words as its tooltip, until the park."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from gpupool.wire.leases import LeaseRequest
 
@@ -574,21 +549,16 @@ def test_the_status_bar_says_a_coming_preemption_until_the_park(pressure_lab, tm
                                              "import time\nfor _ in range(200): time.sleep(0.1)"])
     client, ann = lab.service.client(), lab.service.client("ann")
     waiter = None
-    with sync_playwright() as playwright:
-        expect.set_options(timeout=STEP_MS)
-        browser = _chromium(playwright)
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        page.set_default_timeout(STEP_MS)
-        nb = Page(page)
-        step = "attach"
-        try:
-            page.goto(f"{lab.url}/lab/tree/preempted.ipynb?token={lab.token}&reset")
+    try:
+        with opened(lab, tmp_path, "preempted.ipynb") as nb:
+            page = nb.page
+            nb.step = "attach"
             expect(nb.status).to_have_text("GPU: detached", timeout=60_000)
             assert "Traceback" not in nb.run(0)
             expect(nb.status).to_contain_text(f"of {MODEL} on node-1")
             expect(nb.status).not_to_contain_text("preempted")
 
-            step = "a cell runs; ann asks for the GPU: the notice comes, and the status item says it"
+            nb.step = "a cell runs; ann asks for the GPU: the notice comes, and the status item says it"
             nb.cell(1).locator(".cm-content").click()
             page.keyboard.press("Shift+Enter")
             mine, = client.list_leases(active=True)
@@ -601,16 +571,11 @@ def test_the_status_bar_says_a_coming_preemption_until_the_park(pressure_lab, tm
                 r"parked, the running cell frozen where it is \(or interrupted where the node cannot freeze a "
                 r"running cell\); it goes on when the pool resumes the lease \(click for details\)$"))
 
-            step = "the park clears it"
+            nb.step = "the park clears it"
             expect(nb.status).to_contain_text("GPU: parked", timeout=30_000)
             expect(nb.status).not_to_contain_text("preempted")
             expect(nb.status).not_to_have_class(re.compile(r"jp-gpupool-preempted"))
             expect(nb.status).to_have_attribute("title", "GPU lease of this notebook (click for details)")
-        except Exception as exc:
-            shot = tmp_path / "failure.png"
-            page.screenshot(path=str(shot), full_page=True)
-            raise AssertionError(f"step {step!r} failed: {exc}\n(screenshot {shot}, jupyter lab log {lab.log})") from exc
-        finally:
-            browser.close()
-            if waiter is not None:
-                ann.release(waiter.id)
+    finally:
+        if waiter is not None:
+            ann.release(waiter.id)

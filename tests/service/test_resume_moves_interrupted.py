@@ -1,19 +1,16 @@
 """A move a cell stopped waiting for (Ctrl-C during the move): the next cell says the resume, timed
 as the service timed it (the move's placement to the new worker), not the moment it reconnected.
 A real service, two agents on simulated A100s and a gpupool kernel (the fixtures of
-test_resume_moves)."""
+tests/support/two_nodes.py)."""
 
 from __future__ import annotations
 
 import re
 import time
-from contextlib import contextmanager
 
 import pytest
 from interrupting import interrupted_cell
-from frontend import install_kernelspec, run, start_gpupool_kernel
-from statuscomm import StatusComm
-from test_resume_moves import BIG_STATE, acquire, simgpu_root, two_nodes, until  # noqa: F401 (fixtures)
+from two_nodes import BIG_STATE, acquire, notebook, simgpu_root, two_nodes, until  # noqa: F401 (fixtures)
 
 from gpupool.schema import LeaseState
 from gpupool.magics.park import resume_seconds  # noqa
@@ -46,15 +43,3 @@ def test_a_move_interrupted_in_its_cell_is_said_with_its_own_time_atop_the_next_
         said = re.findall(rf"gpupool: resumed {lease_id} on node-2 GPU 0 in (\d+\.\d)s", text)
         assert said == [f"{took:.1f}"], (text, took)
         client.release(taker.id)
-
-
-@contextmanager
-def notebook(svc, tmp_path):
-    """A gpupool kernel on ``svc``'s pool: ``(km, its status comm)``; its lease given up after."""
-    km, kc = start_gpupool_kernel(install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token), tmp_path)
-    try:
-        yield km, StatusComm(kc)
-    finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
