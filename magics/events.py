@@ -69,7 +69,9 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     someone waits for its GPU; attached and active only: a park done or
     withdrawn clears it); ``queue_position`` (1-based) and ``eta`` (s, rough)
     while queued, or parked with its resume waiting for room; ``reason``
-    (words) for a parked lease, or why the preemption comes (with ``preempt_at``).
+    (words) for a parked lease, or why the preemption comes (with ``preempt_at``);
+    ``moving_from``: the node a parked lease's state is on while its resume moves it to
+    ``node`` (a cold move).
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
@@ -98,7 +100,8 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
         # queue_position: the service's place for a resume asked for and waiting for room.
         state.update(reason=(lease.parked or {}).get("reason") or lease.reason,
                      queue_position=lease.queue_position,
-                     eta=lease.queue_estimate_s if lease.queue_position else None)
+                     eta=lease.queue_estimate_s if lease.queue_position else None,
+                     moving_from=(lease.parked or {}).get("moving_from"))
     return state
 
 

@@ -21,7 +21,7 @@ REQUESTS = ("acquire", "release", "status", "defaults", "resume")
 #: The keys of a state, every one always there (None where not known or not applicable).
 STATE_KEYS = ("lease", "share", "fraction", "gpu_count", "gpu_model", "gpu_indices", "node", "node_state",
               "memory_used", "memory_limit", "idle_timeout", "idle_deadline", "idle_warning", "on_idle",
-              "queue_position", "eta", "reason", "preempt_at", "phase")
+              "queue_position", "eta", "reason", "preempt_at", "moving_from", "phase")
 #: The keys a reply may have: the request's kind and id, then the answer's.
 REPLY_KEYS = ("reply", "id", "ok", "message", "output", "defaults", "details", "holders")
 #: The keys of a ``defaults`` reply's ``defaults`` (``error``: only when the service did not answer).

@@ -31,6 +31,7 @@ export interface ILeaseState {
   eta: number | null;
   reason: string | null;
   preempt_at: string | null;
+  moving_from: string | null;
 }
 
 /** The kernel's answer to one request. */
@@ -360,6 +361,9 @@ export function summary(state: ILeaseState, now: number = Date.now()): string {
     case 'starting':
       return `GPU: starting${state.node ? ' on ' + state.node : ''}`;
     case 'parked': {
+      if (state.moving_from) {
+        return `GPU: moving (${state.share}) from ${state.moving_from} to ${state.node}`;
+      }
       if (resumeWaits(state)) {
         const eta = state.eta !== null && state.eta !== undefined ? `, about ${formatSeconds(state.eta)}` : '';
         return `GPU: parked (${state.share}); resume waiting for room #${state.queue_position}${eta}`;

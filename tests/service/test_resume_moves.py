@@ -15,81 +15,27 @@ again.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
 
 import pytest
-from frontend import install_kernelspec, run, start_gpupool_kernel
+from frontend import run
 from jupyter_client import BlockingKernelClient
 from procs import free_port, processes_mentioning, start_agent, start_service, wait_for
-from service_api import gpu_allocations, register, wait_state
+from service_api import gpu_allocations, register
 from statuscomm import StatusComm
+from two_nodes import (AGENT_ARGS, BIG_STATE, acquire, notebook, simgpu_root, two_nodes,  # noqa: F401 (fixtures)
+                       two_nodes_beating, until)
 
 from gpupool.schema import LeaseState
 from gpupool.tables import lease_table
-from gpupool.wire.leases import Lease, LeaseRequest
+from gpupool.wire.leases import Lease
 
 pytestmark = pytest.mark.timeout(300)
 
-AGENT_ARGS = ["--transport-encryption=none", "--warm-workers=0"]
 #: What the worker holds before its park: a value, and a held lock, which a spill cannot save.
 STATE = "import threading\nx = 41\nlock = threading.Lock(); lock.acquire()\nprint('set')"
-
-
-@pytest.fixture
-def simgpu_root():
-    """The workers' simulated GPU memory, in a folder of this test's own (removed after)."""
-    root = Path("/dev/shm") / f"gpupool-test-moves-{uuid.uuid4().hex[:8]}"
-    was = os.environ.get("GPUPOOL_SIMGPU_ROOT")
-    os.environ["GPUPOOL_SIMGPU_ROOT"] = str(root)
-    yield root
-    if was is None:
-        os.environ.pop("GPUPOOL_SIMGPU_ROOT", None)
-    else:
-        os.environ["GPUPOOL_SIMGPU_ROOT"] = was
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@contextmanager
-def two_node_pool(tmp_path: Path, **config) -> Iterator[tuple]:
-    """A service (leases and nodes never lost by silence here; more ``config``) with node-1 and
-    node-2, one A100 each, both up."""
-    svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "worker_stop_timeout": 5.0,
-                                          **config})
-    agents = []
-    try:
-        agents.append(start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
-        agents.append(start_agent(tmp_path, svc, name="node-2", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
-        yield svc, agents[0], agents[1]
-    finally:
-        for agent in reversed(agents):
-            agent.stop()
-        svc.stop()
-
-
-@pytest.fixture
-def two_nodes(tmp_path, simgpu_root):
-    with two_node_pool(tmp_path) as pool:
-        yield pool
-
-
-@pytest.fixture
-def two_nodes_beating(request, tmp_path, simgpu_root):
-    """:func:`two_node_pool` with agents heartbeating every ``request.param`` seconds (indirect), not
-    the tests' 0.2 s: what changes on a node between two beats is not reported in between."""
-    with two_node_pool(tmp_path, node_heartbeat_interval=request.param) as pool:
-        yield pool
-
-
-def acquire(svc, **request) -> Lease:
-    lease = wait_state(svc, svc.client().create_lease(LeaseRequest(**{"fraction": 1.0, **request})).id, "starting")
-    assert lease.state is LeaseState.active, lease.reason
-    return lease
 
 
 def cell(connection: dict, code: str) -> str:
@@ -126,16 +72,6 @@ def parked_on_a_full_node_1(svc, both_nodes: bool = True) -> tuple[Lease, Lease]
 def parked_bytes(svc) -> dict[str, int]:
     """Node -> the host bytes ``GET /pool`` says its parked (or moving away) leases hold there."""
     return {node["name"]: node["parked_host_bytes"] for node in svc.client().pool()["nodes"]}
-
-
-def until(svc, lease_id: str, state: str, timeout: float = 90) -> Lease:
-    client = svc.client()
-    deadline = time.monotonic() + timeout
-    lease = client.get_lease(lease_id)
-    while lease.state.value != state and not lease.state.ended and time.monotonic() < deadline:
-        lease = client.get_lease(lease_id, wait=min(10, deadline - time.monotonic()), state=lease.state.value)
-    assert lease.state.value == state, (lease.state, lease.reason, lease.events)
-    return lease
 
 
 def agent_has(svc, agent, lease_id: str) -> list[str]:
@@ -277,19 +213,6 @@ def test_a_move_whose_old_agent_is_gone_leaves_it_parked_on_its_node(two_nodes):
         wait_for(lambda: not processes_mentioning(str(node_1.state_dir)), 15, "node-1's workers gone")
 
 
-@contextmanager
-def notebook(svc, tmp_path: Path) -> Iterator[StatusComm]:
-    """A gpupool kernel on ``svc``'s pool with a front end's status comm open; its lease given up after."""
-    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
-    km, kc = start_gpupool_kernel(kernels, tmp_path)
-    try:
-        yield StatusComm(kc)
-    finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
 def notebook_parked_on_a_full_node_1(svc, comm: StatusComm) -> tuple[str, Lease]:
     """The notebook's lease (id) parked on node-1 holding :data:`STATE`, and the lease that took node-1
     since (the parked lease's claim sends a first new lease to node-2, released at once)."""
@@ -306,14 +229,18 @@ def notebook_parked_on_a_full_node_1(svc, comm: StatusComm) -> tuple[str, Lease]
 def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes, tmp_path):
     """The gpupool kernel's next cell after a park, with node-1 taken meanwhile, resumes the lease on
     node-2 (a cold move), reconnects to the new worker there and finds what pickles; it says where
-    the lease went and what was not kept, and %gpu status shows the new node."""
+    the lease went and what was not kept (the status comm said the move while it went), and %gpu status
+    shows the new node."""
     svc, _, _ = two_nodes
-    with notebook(svc, tmp_path) as comm:  # the JupyterLab extension's comm: its notification says the move too
+    with notebook(svc, tmp_path) as (_, comm):  # the JupyterLab extension's comm: its notification says the move too
         lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
         after = comm.run("import os\nprint(x + 1, os.environ['GPUPOOL_LEASE_ID'])", timeout=120)
         assert after.ok, after.text()
         notified = comm.event("resumed")["message"]
         assert notified == f"resumed {lease_id} on node-2 (moved from node-1, which had no room)", notified
+        moving = [d["state"] for d in comm.seen if d.get("state", {}).get("moving_from")]
+        assert moving and {(m["phase"], m["moving_from"], m["node"]) for m in moving} == {("parked", "node-1", "node-2")}, \
+            "while it moved, the status bar was told from where to where"
         assert f"gpupool: resumed {lease_id} on node-2 GPU 0 in " in after.stdout, after.text()
         assert ": moved from node-1, which had no room; not kept: " in after.stdout and "lock" in after.stdout, \
             "where it went, and what the move could not keep, is said"
@@ -328,7 +255,7 @@ def test_a_resume_asked_in_jupyterlab_waits_for_its_node_and_the_next_cell_moves
     before any cell needs the worker, so it waits for node-1 though node-2 is free, and says so; the
     next cell moves it, saying what was not kept, and %gpu park parks it there."""
     svc, _, _ = two_nodes
-    with notebook(svc, tmp_path) as comm:
+    with notebook(svc, tmp_path) as (_, comm):
         lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
         comm.ask({"request": "resume"})
         wait_for(lambda: svc.client().get_lease(lease_id).parked["resume_requested"], 10, "the resume asked")
@@ -407,8 +334,6 @@ def test_with_moves_off_a_resume_takes_the_room_pressure_frees_on_its_node(tmp_p
 
 
 #: A state whose move takes seconds (its spill, fetch and load), so that a release finds it moving.
-BIG_STATE = ("import numpy as np, threading\nbig = np.random.default_rng(0).integers(0, 255, 400 * 2**20, "
-             "dtype=np.uint8)\nx = 41\nlock = threading.Lock()\nprint('set')")
 
 
 @pytest.mark.parametrize("discard", [False, True])
@@ -419,7 +344,7 @@ def test_a_release_during_a_move_says_what_becomes_of_the_variables(two_nodes, t
     variables home from node-2; with --discard it answers at once, saying the variables were discarded
     with the state on node-1's disk, which goes."""
     svc, node_1, _ = two_nodes
-    with notebook(svc, tmp_path) as comm:
+    with notebook(svc, tmp_path) as (_, comm):
         assert comm.run("%gpu acquire 1").ok
         lease_id = svc.client().list_leases()[0].id
         assert comm.run(BIG_STATE, timeout=120).ok
