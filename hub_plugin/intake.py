@@ -142,6 +142,8 @@ class LeaseIntake:
                 pressure = self.pool_pressure
                 decision = self.placer.for_batch(session, decision, demand, now, yields=pressure.batch_yields,
                                                  headroom_nodes=pressure.batch_headroom_nodes)
+            elif isinstance(decision, Placement):
+                decision = self.placer.for_person(session, decision, demand)
             if isinstance(decision, Refusal):
                 if not wait:
                     self.admission.refuse(who, decision)

@@ -124,11 +124,12 @@ class LeaseQueue:
             return True
 
         tx.changes.index_taken = True  # drain takes capacity in the index as it goes
+        ids = {item.lease_id for item in waiting}
         wait_queue.drain(waiting, self.placer.pool(session), last, now, accept=accept,
                          room=self._room(session, owners), batch_yields=self.pool_pressure.batch_yields,
                          headroom_nodes=self.pool_pressure.batch_headroom_nodes,
-                         held_nodes=self.placer.held_nodes({item.lease_id for item in waiting}),
-                         resume_moves=self.pool_leases.resume_moves)
+                         held_nodes=self.placer.held_nodes(ids), resume_moves=self.pool_leases.resume_moves,
+                         cleared=self.placer.cleared_for(ids))
         return Drained(placed, over)
 
     def _resumes(self, session: Session) -> list[wait_queue.Waiting]:

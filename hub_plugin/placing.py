@@ -68,6 +68,25 @@ class Placer:
         no batch request or resume is placed there (:meth:`.priority.Plan.held_nodes`)."""
         return self.plan().held_nodes(waiting)
 
+    def cleared_for(self, waiting: Collection[str]) -> dict[str, str]:
+        """Node -> the request among ``waiting`` (queued lease ids) pressure clears it for: no
+        other request is placed there while it waits (:meth:`.priority.Plan.cleared_for_others`)."""
+        return {node: lease_id for node, lease_id in self.plan().cleared.items() if lease_id in waiting}
+
+    def for_person(self, session: Session, decision: Placement, demand: Demand) -> Placement | Refusal:
+        """Where a new request of a class that does not yield may start instead of ``decision``:
+        off the nodes pressure clears for a request still queued (that room is freed for it,
+        :meth:`.priority.Plan.cleared_for_others`), where other room fits; else why not now."""
+        cleared = self._cleared_for_queued(session)
+        if decision.node not in cleared:
+            return decision
+        moved = self.place_off(session, demand, cleared)
+        if isinstance(moved, Placement):
+            return moved
+        return Refusal({Misfit.held_for_interactive: len(decision.gpus)},
+                       f"not placed: node {decision.node} is being cleared for a request that waits for it, "
+                       "and no other node has room")
+
     def for_batch(self, session: Session, decision: Placement, demand: Demand, now: datetime, *, yields: bool,
                   headroom_nodes: int) -> Placement | Refusal:
         """Where a new batch request for ``demand`` may start instead of ``decision``
@@ -100,11 +119,15 @@ class Placer:
     def _held_for_people(self, session: Session) -> set[str]:
         """The nodes a person's request waits for room on: its parked lease's resume, or a
         request pressure clears the node for (still queued)."""
+        resuming = session.scalars(select(Lease.node_name).where(RESUMING, Lease.lease_class.in_(not_yielding())))
+        return self._cleared_for_queued(session) | {node for node in resuming if node}
+
+    def _cleared_for_queued(self, session: Session) -> set[str]:
+        """The nodes pressure clears for a request still queued."""
         cleared = self.plan().cleared
         queued = set(session.scalars(select(Lease.id).where(
             Lease.id.in_(list(cleared.values())), Lease.state == LeaseState.queued.value))) if cleared else set()
-        resuming = session.scalars(select(Lease.node_name).where(RESUMING, Lease.lease_class.in_(not_yielding())))
-        return {node for node, lease_id in cleared.items() if lease_id in queued} | {node for node in resuming if node}
+        return {node for node, lease_id in cleared.items() if lease_id in queued}
 
     def verify(self, session: Session, decision: Placement) -> bool:
         """Whether the store agrees with the index on ``decision`` (:meth:`.capacity.CapacityIndex.verify`)."""

@@ -124,6 +124,15 @@ class Plan:
         """The nodes cleared for a request still among ``waiting`` (lease ids)."""
         return {node for node, lease_id in self.cleared.items() if lease_id in waiting}
 
+    def cleared_for_others(self, lease_id: str | None, waiting: Collection[str]) -> set[str]:
+        """The nodes cleared for a request among ``waiting`` other than ``lease_id`` (None: any):
+        no other request, a person's too, is placed there while that one waits
+        (:func:`.queue.drain`). The room its preemptions free is that request's: taken by another
+        request, or by a resume moving there, the request had a second node cleared, more jobs
+        preempted (bench/backlog_churn.py, 48 replayed hours: 304 of 1,413 preemptions were on a node
+        cleared for a request that was placed elsewhere, 33 requests cleared a second or third node)."""
+        return {node for node, other in self.cleared.items() if other in waiting and other != lease_id}
+
     def deadline(self, lease: Held) -> datetime | None:
         """``lease``'s idle deadline: its own, or the earlier one this plan set (none without its own)."""
         early = self.parks.get(lease.lease_id)

@@ -110,7 +110,7 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
           accept: Callable[[Waiting, Placement], bool] | None = None,
           room: Mapping[str, int] | None = None, batch_yields: bool = False,
           headroom_nodes: int = 0, held_nodes: Collection[str] = (),
-          resume_moves: bool = False) -> list[tuple[Waiting, Placement]]:
+          resume_moves: bool = False, cleared: Mapping[str, str] | None = None) -> list[tuple[Waiting, Placement]]:
     """Queued requests to place on ``gpus`` (GPU states, or an index that is
     then updated with what is placed) now, in the order placed; each
     placement sees the capacity the earlier ones took. ``accept(item,
@@ -126,6 +126,10 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     :meth:`.priority.Plan.held_nodes`) nor on the node of a person's resume that
     fits nowhere it may go (one that moves holds no node); ``batch_yields``: not while an interactive request is left
     waiting; ``headroom_nodes``: not on an idle node while that many or fewer are idle.
+    ``cleared`` (node -> lease id: :attr:`.priority.Plan.cleared` of the requests still waiting):
+    a node pressure clears for a request is that request's while it waits: no other request, a
+    person's too, is placed there, nor a resume moved there (its own node's room it takes back)
+    (:meth:`.priority.Plan.cleared_for_others`).
 
     Capacity only shrinks during a drain, so a demand that did not fit once is
     not tried again: a thousand equal requests that do not fit cost one try."""
@@ -137,25 +141,30 @@ def drain(waiting: Sequence[Waiting], gpus: Sequence[GPUState] | PlacementIndex,
     placed: list[tuple[Waiting, Placement]] = []
     stuck: set[str] = set()  # resumes that did not fit: capacity only shrinks, so not tried again
     held = set(held_nodes)  # and the nodes where a person's resume did not fit: no batch placed there
+    cleared = dict(cleared or {})
     while left:
         for item in order(left, last):
+            others = {node for node, lease_id in cleared.items() if lease_id != item.lease_id}
             if item.resume is not None:
                 if item.lease_id in stuck:
                     continue
                 decision = _place_resume(item.resume, index)
                 if not isinstance(decision, Placement) and resume_moves:
-                    decision = resume_rule.place_elsewhere(item.resume, index)
+                    decision = resume_rule.place_elsewhere(item.resume, index, others)
                 if not isinstance(decision, Placement):
                     stuck.add(item.lease_id)
                     if not yields(item.lease_class):
                         held.add(item.resume.node)
                     continue
-            elif item.demand in unfit or (rooms is not None and rooms.get(item.owner, 0) <= 0):
-                continue
+            elif (item.demand in unfit and item.lease_id not in cleared.values()) \
+                    or (rooms is not None and rooms.get(item.owner, 0) <= 0):
+                continue  # (a request with a node cleared for it may fit there where others may not go)
             else:
                 decision = index.place(item.demand, explain=False)
                 if isinstance(decision, Placement) and decision.node in held and yields(item.lease_class):
-                    decision = index.place_off(item.demand, held)  # backfill goes elsewhere
+                    decision = index.place_off(item.demand, held | others)  # backfill goes elsewhere
+                elif isinstance(decision, Placement) and decision.node in others:
+                    decision = index.place_off(item.demand, others)  # that room was freed for another
                 if not isinstance(decision, Placement):
                     unfit.add(item.demand)
                     continue

@@ -23,7 +23,7 @@ so a parked lease resumes on its own node only:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 from .hosts import HostState
 from .scheduler import Demand, GPUState, Placement, Refusal, place as place_demand
@@ -108,23 +108,25 @@ def place(ask: Resume, states: Mapping[str, GPUState], node_gpus: Sequence[str],
     return decision
 
 
-def place_elsewhere(ask: Resume, index: PlacementIndex) -> Placement | Refusal:
+def place_elsewhere(ask: Resume, index: PlacementIndex, avoid: Collection[str] = ()) -> Placement | Refusal:
     """Where ``ask``, which found no room on its own node (:func:`place`), moves to now: a cold
     move (``c.PoolLeases.resume_moves``; docs/parking.md). Another node's GPUs of its ``model``
     (the same GPU name: a spill's arrays come back on their devices), with room for its slice and
     its host ask, in its worker environment (``env``), chosen as the scheduler chooses a new
     lease's: the ``index``'s :meth:`~.placement_index.PlacementIndex.place`, unless that picks its
-    own node (room its checkpointer cannot remap onto), then the same choice among the other
-    nodes' GPUs of that model (as ``place_off`` its node does). A refusal when none has room,
-    or when ``ask`` may not move (a cell frozen mid-way)."""
+    own node (room its checkpointer cannot remap onto) or one of ``avoid`` (nodes cleared for
+    another request: :meth:`.priority.Plan.cleared_for_others`), then the same choice among the
+    other nodes' GPUs of that model (as ``place_off`` those nodes does). A refusal when none has
+    room, or when ``ask`` may not move (a cell frozen mid-way)."""
     if not ask.model or not ask.movable:
         return Refusal()
     demand = ask.demand(model=ask.model, env=ask.env)
     decision = index.place(demand, explain=False)
-    if isinstance(decision, Placement) and decision.node != ask.node \
+    if isinstance(decision, Placement) and decision.node != ask.node and decision.node not in avoid \
             and all(index.states[uuid].name == ask.model for uuid in decision.gpus):
         return decision
-    others = [gpu for gpu in index.all() if gpu.node != ask.node and gpu.name == ask.model]
+    others = [gpu for gpu in index.all()
+              if gpu.node != ask.node and gpu.node not in avoid and gpu.name == ask.model]
     return place_demand(demand, others, index.workload, hosts=index.hosts) if others else Refusal()
 
 

@@ -392,10 +392,11 @@ class _Replay:
         placement, tier = self.pool.place_resume(parked.placement), parked.tier
         demand = (session.milli, session.gpus)  # refused on its node and off it: it fits nowhere
         if not isinstance(placement, Placement) and demand not in self.unfit and self.may_move(sid):
-            node = parked.placement.node  # as ``resume.place_elsewhere``: the scheduler's choice, if not its node
+            # as ``resume.place_elsewhere``: the scheduler's choice, if not its node nor one cleared for another
+            node, others = parked.placement.node, self.sweep.cleared_for_others(sid)
             placement, tier = self.pool.place(session.milli, session.gpus), "moved"
-            if isinstance(placement, Placement) and placement.node == node:
-                placement = self.pool.place_off(session.milli, session.gpus, {node})
+            if isinstance(placement, Placement) and (placement.node == node or placement.node in others):
+                placement = self.pool.place_off(session.milli, session.gpus, {node} | others)
             if not isinstance(placement, Placement):
                 self.unfit.add(demand)  # until capacity is freed (:meth:`retry`): it shrinks meanwhile
         if not isinstance(placement, Placement):
@@ -434,6 +435,9 @@ class _Replay:
         placement = self.pool.place(session.milli, session.gpus)
         if isinstance(placement, Placement) and lease_class(session.klass).yields and self.held(placement.node):
             placement = self.pool.place_off(session.milli, session.gpus, self.held_nodes())  # backfill goes elsewhere
+        elif isinstance(placement, Placement) and placement.node in self.sweep.cleared_for_others(sid):
+            # cleared for another person's request: that room is theirs (``Placer.for_person``, ``queue.drain``)
+            placement = self.pool.place_off(session.milli, session.gpus, self.sweep.cleared_for_others(sid))
         if not isinstance(placement, Placement):
             return False
         if lease_class(session.klass).yields and not self.batch_may_start(placement.node):
@@ -500,7 +504,20 @@ class _Replay:
         acquire = lambda sid: self.acquire(sid, now)  # noqa: E731
         for klass in class_names() if self.policy.classes else (None,):
             self.offer_resumes(nodes, klass, now)
+            self.place_cleared(klass, now)
             self.queue.drain(acquire, klass)
+
+    def place_cleared(self, klass: str | None, now: float) -> None:
+        """Offer room to the requests of ``klass`` (None: any) that a node is cleared for first: no
+        other request may go there (:meth:`.Sweep.cleared_for_others`), so one that does not fit
+        ahead of it in its queue does not keep it waiting (``queue.drain`` tries every request)."""
+        for sid in sorted(int(lease_id) for lease_id in self.sweep.plan.cleared.values()):
+            if sid not in self.sweep.waiters or (klass is not None and self.sessions[sid].klass != klass):
+                continue
+            queue = self.queue_of(sid)
+            entry = next((item for item in queue if item[1] == sid), None)
+            if entry is not None and self.acquire(sid, now):
+                queue.remove(entry)
 
     # -- the batch backlog --------------------------------------------------------
 

@@ -101,6 +101,12 @@ class Sweep:
         lease_id = self.plan.cleared.get(node)
         return lease_id is not None and int(lease_id) in self.waiters
 
+    def cleared_for_others(self, sid: int) -> set[str]:
+        """The nodes the last plan cleared for a request still waiting other than ``sid``'s
+        (:meth:`.priority.Plan.cleared_for_others`): no other request is placed there."""
+        return {node for node, lease_id in self.plan.cleared.items()
+                if int(lease_id) != sid and int(lease_id) in self.waiters}
+
     def wants_free_gpus(self) -> bool:
         """Whether the plan reads each node's free GPUs now (:meth:`.priority.Rule.wants_free_gpus`)."""
         return self.rule is not None and self.rule.wants_free_gpus(self.waiters.values())
