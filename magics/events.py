@@ -360,10 +360,10 @@ def _form_refusal(text: str) -> str:
     since the dialog quotes any other field's value that has a space."""
     from IPython.core.error import UsageError
 
-    from .commands import acquire_request
+    from .commands import acquire_request, split_line
 
     try:
-        acquire_request(text)
+        acquire_request(split_line(text))
     except UsageError as exc:
         return field_words(str(exc), amount=True)
     return ""

@@ -47,7 +47,7 @@ from gpupool.traits import ByteSize
 from .attach import Attacher, Forwarding, own_lease_request
 from .dataplane import AUTO_STREAMS
 from .attachment import Attachment
-from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards
+from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards, split_line
 from .lifecycle import Lifecycle
 from .routing import gpu_lines
 from .service import Service
@@ -162,19 +162,19 @@ class GPUMagics(Magics):
         %%gpu [0.25]                 (a cell) run it on a lease of its own when not attached
         %%local                      (a cell) run it in this kernel while attached
         """
-        command, _, rest = line.strip().partition(" ")
+        command, *words = split_line(line) or [""]  # split once, shell-style: quotes group a value
         if command in ("", "help", "-h", "--help"):
             print(dedent(self.gpu.__doc__))
             return None
         if command not in COMMANDS:
             raise UsageError(f"unknown %gpu command {command!r}; use one of: {', '.join(COMMANDS)} "
                              "(%gpu help shows what each does)")
-        if {"-h", "--help"} & set(rest.split()):
+        if {"-h", "--help"} & set(words):
             parser = PARSERS.get(command)
             print(parser.format_help() if parser else dedent(self.gpu.__doc__))
             return None
         try:
-            return self._commands[command](rest)
+            return self._commands[command](words)
         except GPUPoolError as exc:
             if command == "acquire":  # quota, pool full, bad size: the front end says so too
                 self._tell("refused", exc.message, code=exc.code)
@@ -183,40 +183,42 @@ class GPUMagics(Magics):
             log.debug("%%gpu %s interrupted", command, exc_info=True)
             raise UsageError(f"%gpu {command} interrupted; it did nothing more") from None
 
-    def _acquire(self, rest: str) -> None:
-        self.lifecycle.acquire(acquire_request(rest))
+    # Each command takes the words after its name (split_line's).
 
-    def _release(self, rest: str) -> None:
-        self.lifecycle.release(discard=release_discards(rest))
+    def _acquire(self, words: list[str]) -> None:
+        self.lifecycle.acquire(acquire_request(words))
 
-    def _restart(self, rest: str) -> None:
-        no_arguments("restart", rest)
+    def _release(self, words: list[str]) -> None:
+        self.lifecycle.release(discard=release_discards(words))
+
+    def _restart(self, words: list[str]) -> None:
+        no_arguments("restart", words)
         self.lifecycle.restart()
 
-    def _park(self, rest: str) -> None:
-        no_arguments("park", rest)
+    def _park(self, words: list[str]) -> None:
+        no_arguments("park", words)
         self.lifecycle.park()
 
-    def _push(self, rest: str) -> None:
-        pushed = names("push", rest, "X y")
+    def _push(self, words: list[str]) -> None:
+        pushed = names("push", words, "X y")
         if self.lifecycle.attachment is None:  # detached: say that first, as the other commands needing a lease do
             raise UsageError("not attached to a GPU; run %gpu acquire 0.5 first")
         self.transfers.check_defined(pushed)
         self.transfers.push(self.lifecycle.attached(), pushed)
 
-    def _pull(self, rest: str) -> None:
-        self.transfers.pull(self.lifecycle.attached(), names("pull", rest, "model history"))
+    def _pull(self, words: list[str]) -> None:
+        self.transfers.pull(self.lifecycle.attached(), names("pull", words, "model history"))
 
-    def _status(self, rest: str) -> None:
-        no_arguments("status", rest)
+    def _status(self, words: list[str]) -> None:
+        no_arguments("status", words)
         self.status.show()
 
-    def _pool(self, rest: str) -> None:
-        no_arguments("pool", rest)
+    def _pool(self, words: list[str]) -> None:
+        no_arguments("pool", words)
         self.status.pool()
 
-    def _quota(self, rest: str) -> None:
-        if rest.strip():  # `%gpu quota set ...` would otherwise just show the caller's own quota
+    def _quota(self, words: list[str]) -> None:
+        if words:  # `%gpu quota set ...` would otherwise just show the caller's own quota
             raise UsageError("%gpu quota takes no arguments; admins change quotas with `gpupool quota set SCOPE "
                              "LIMIT=VALUE` in a terminal")
         self.status.quota()
@@ -275,7 +277,7 @@ class GPUMagics(Magics):
         import torch; x = torch.ones(3); torch.cuda.is_available()
         """
         if self.lifecycle.attachment is None:
-            request = own_lease_request(line.strip() or self.cell_lease)
+            request = own_lease_request(" ".join(split_line(line)) or self.cell_lease)  # %%gpu '0.5' too
             self.lifecycle.run_on_own_lease(request, cell, self.max_output_bytes)
             return
         if line.strip():

@@ -42,6 +42,13 @@ def unreachable_service(monkeypatch):
     ("acquire 0.5 --cpus many", "invalid float value: 'many'"),
     ("acquire 0.5 --host-memory lots", "cannot read 'lots' as a memory size"),
     ("acquire 0.5 --colour red", "unrecognized arguments"),
+    # Split as a shell splits: the quotes go, a value with a space stays one value; one left open is a UsageError
+    ("acquire 0.5 --memory '20 lots'", "--memory: cannot read '20 lots' as a memory size"),
+    ('acquire 0.5 --idle-timeout "forever"', "--idle-timeout: cannot read 'forever' as a duration"),
+    ("acquire 0.5 --memory '20GiB", "--memory: cannot read .*: a quote in it is not closed; quote a value whole"),
+    ('acquire "0.5', "a quote in it is not closed"),
+    ("push 'x", "a quote in it is not closed"),
+    ("status ''", "takes no arguments"),
     ("release", "not attached"),
     ("push", "needs variable names"),
     ("push nothing_by_this_name", "not attached to a GPU; run %gpu acquire 0.5 first"),  # that first, detached
@@ -52,6 +59,35 @@ def test_bad_input_is_one_usage_error(shell, line, words):
     with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
         shell.run_line_magic("gpu", line)
     assert shell.magics_manager.registry["GPUMagics"].attachment is None
+
+
+@pytest.mark.parametrize("rest", ["0.5 --memory '20GiB' --idle-timeout '1h'", '0.5 --memory "20 GiB" --idle-timeout "1 h"',
+                                  "'0.5' --memory=20GiB --idle-timeout=1h"])
+def test_quoted_values_read_as_the_shell_reads_them(rest):
+    """``%gpu acquire 0.5 --memory '20GiB'`` (a new-user trial), as ``gpupool run`` gets it from the shell."""
+    from gpupool.magics.commands import acquire_request, split_line
+
+    request = acquire_request(split_line(rest))
+    assert (request.fraction, request.memory, request.idle_timeout) == (0.5, 20 * 1024**3, 3600.0)
+
+
+def test_the_acquire_dialogs_quoted_values_reach_the_magic_as_typed():
+    """The Acquire dialog quotes a value with a space (``--memory "20 GB"``): the magic reads it, and a mistake in
+    it is told under that field, without the quotes."""
+    from types import SimpleNamespace
+
+    from gpupool.magics.events import Requests
+
+    ran = []
+    requests = Requests(ran.append, SimpleNamespace(attachment=None), None, None)
+    assert requests({"request": "acquire", "text": '0.5 --memory "20 GB" --model A100'})["ok"]
+    assert ran == ['acquire 0.5 --memory "20 GB" --model A100']
+    refused = requests({"request": "acquire", "text": '0.5 --memory "20 lots"'})
+    assert not refused["ok"] and refused["message"].startswith("Memory: --memory: cannot read '20 lots' as a memory size"), \
+        refused
+    refused = requests({"request": "acquire", "text": '0.5 --idle-timeout "1h'})
+    assert refused["message"].startswith("Idle timeout: --idle-timeout: cannot read"), refused
+    assert len(ran) == 1
 
 
 def test_push_of_a_name_not_defined_here_while_attached_sends_nothing(shell, monkeypatch):

@@ -607,6 +607,9 @@ MAGICS = [
     pytest.param("acquire 0.5 --memory -5GiB", "--memory: memory size must be at least 1 byte", id="memory-negative"),
     pytest.param("acquire 0.5 --colour red", "unrecognized arguments: --colour red", id="unknown-option"),
     pytest.param("acquire 0.5 --on-idle sleep", "invalid choice: 'sleep'", id="on-idle-choice"),
+    pytest.param("acquire 0.5 --memory '20GiB", "--memory: cannot read \"acquire 0.5 --memory '20GiB\": a quote in it "
+                 "is not closed", id="quote-unclosed"),
+    pytest.param("acquire 0.5 --memory '400 GiB'", "of GPU memory is more than any GPU offers", id="memory-quoted"),
     pytest.param("frobnicate", "unknown %gpu command 'frobnicate'", id="unknown-command"),
     pytest.param("release", "not attached to a GPU", id="release-detached"),
     pytest.param("pull model", "not attached to a GPU", id="pull-detached"),
