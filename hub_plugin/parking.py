@@ -108,12 +108,17 @@ class Parking:
 
     async def _not_parked(self, lease_id: str, code: ParkCode, request: ParkRequest, exc: GPUPoolError) -> Outcome:
         """The agent did not park it: back ``active`` while the worker runs on (a cell runs; the
-        owner's and preemption's parks), else released as a reclaim (the lease ends, its worker stopped)."""
+        owner's and preemption's parks; an agent that did not answer while its node is not lost, a
+        restart say, after which it re-adopts the worker: the next sweep asks again), else released
+        as a reclaim (the lease ends, its worker stopped)."""
         if exc.code == Reason.worker_busy:
             await self.state.work.write(self._kept_now, lease_id, "a cell is running on its worker")
             return Outcome(BUSY, exc.message)
         words = f"it could not be parked in place ({exc.message})"
         log.warning("lease %s: %s", lease_id, words)
+        if exc.code == Reason.agent_unreachable and await self.state.work.write(
+                self._kept_now, lease_id, f"{words}; it is parked once its agent answers", True):
+            return Outcome(FAILED, words)
         if code in (ParkCode.owner, ParkCode.preemption):
             await self.state.work.write(self._kept_now, lease_id, words)
         else:
@@ -164,11 +169,22 @@ class Parking:
                 lease.resume_requested_at = now
             return drained
 
-    def _kept_now(self, lease_id: str, why: str) -> None:
+    def _kept_now(self, lease_id: str, why: str, unless_lost: bool = False) -> bool:
+        """``parking`` -> ``active`` again (``why``: words); with ``unless_lost``, not when its node
+        is lost (the lease stays ``parking``). Whether it was kept."""
         with self.state.writing() as tx:
             lease = tx.session.get(Lease, lease_id)
-            if lease is not None and lease.state == LeaseState.parking.value:
-                parked.kept(tx, lease, why, self.state.now())
+            if lease is None or lease.state != LeaseState.parking.value:
+                return False
+            if unless_lost and self._node_lost(tx.session, lease.node_name):
+                return False
+            parked.kept(tx, lease, why, self.state.now())
+            return True
+
+    @staticmethod
+    def _node_lost(session, node_name: str | None) -> bool:
+        node = session.get(Node, node_name) if node_name else None
+        return node is not None and node.state == "lost"
 
     # -- resuming -------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ waiting interactive request and resumed by the service once that one is
 released, its loop counting every iteration; max_parked_memory sends a park
 to disk, and a notebook kernel whose lease spilled reconnects to the new worker; a node lost while parked ends its parked leases in words; the
 heartbeat TTL releases a parked lease; the owner's park and resume refuse
-what they must; a service restarted while a lease is parking finishes the park.
+what they must; a service restarted while a lease is parking finishes the park; an agent
+restarted as a lease's idle deadline comes parks it once back, never losing it.
 """
 
 from __future__ import annotations
@@ -517,6 +518,46 @@ def test_a_service_restarted_while_a_lease_is_parking_finishes_the_park(tmp_path
         assert parked.state is LeaseState.parked and parked.parked["tier"] == "memory", parked.events
         assert "was parking when the service stopped" in svc.log.read_text()
         assert svc.client().pool()["nodes"][0]["gpus"][0]["allocated_fraction"] == 0.0
+        svc.client().release(lease.id)
+    finally:
+        agent.stop()
+        svc.stop()
+
+
+def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_path, monkeypatch):
+    """The agent killed (kill -9) as a lease's idle deadline comes, and started again before its node
+    is lost: the park it could not be asked keeps the lease active (it was reclaimed, its variables
+    lost, though the agent re-adopts the worker); once the agent is back the sweep parks it, and it
+    resumes with its variables."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-outage-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 120.0, "heartbeat_ttl": 600.0})
+    args = ["--transport-encryption=none", "--warm-workers=0"]
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
+    try:
+        lease = wait_state(svc, svc.client().create_lease(LeaseRequest(fraction=1.0, idle_timeout=3)).id, "starting")
+        kc = BlockingKernelClient()
+        kc.load_connection_info(lease.connection)
+        kc.start_channels(hb=False)
+        try:
+            kc.wait_for_ready(timeout=60)
+            cell(kc, "x = 41")
+            agent.proc.kill()
+            agent.proc.wait(10)
+            words = "it is parked once its agent answers"
+            wait_for(lambda: any(words in e["reason"] for e in svc.client().get_lease(lease.id).events), 30,
+                     "a park its agent could not be asked")
+            assert svc.client().get_lease(lease.id).state in (LeaseState.active, LeaseState.parking)
+            port = int(agent.url.rsplit(":", 1)[1])  # as systemd restarts it: its folder (it re-adopts), its port
+            agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
+            parked = wait_state(svc, lease.id, "active", timeout=60)
+            parked = wait_state(svc, lease.id, "parking", timeout=60)
+            assert parked.state is LeaseState.parked and parked.parked["tier"] == "memory", parked.events
+            svc.client().resume(lease.id)
+            assert wait_state(svc, lease.id, "parked", timeout=60).state in (LeaseState.starting, LeaseState.active)
+            assert wait_state(svc, lease.id, "starting", timeout=60).state is LeaseState.active
+            assert cell(kc, "print(x)").strip() == "41"
+        finally:
+            kc.stop_channels()
         svc.client().release(lease.id)
     finally:
         agent.stop()
