@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from datetime import datetime
 from typing import Callable, Mapping
 
@@ -192,15 +193,21 @@ class Admission:
     def _check_pool(self, session: Session, demand: Demand) -> None:
         """400 when ``demand`` names a GPU model the pool has none of, more host
         than any node has, more whole GPUs than the biggest node has, or more GPU
-        memory than any GPU lets leases have."""
+        memory than any GPU lets leases have; its ``limit`` names the field
+        (``model``, ``cpus``, ``host_memory``, ``gpu_count``, ``memory``), which
+        the refusal is counted by (:data:`.rules.misfits.POOL_LIMITS`)."""
         pool = self.placer.pool(session)
         gpus = pool.all()
         words = no_gpu_of_model(demand, gpus)
         if words is not None:
             raise bad_request(words, limit="model")
+        # The cores alone first, as beyond_every_node checks them: the 400 names the field no node has enough of.
+        words = beyond_every_node(replace(demand, host_memory=None), pool.hosts)
+        if words is not None:
+            raise bad_request(words, limit="cpus")
         words = beyond_every_node(demand, pool.hosts)
         if words is not None:
-            raise bad_request(words, limit="host")
+            raise bad_request(words, limit="host_memory")
         self._check_gpus(gpus, demand)
 
     @staticmethod
@@ -216,7 +223,8 @@ class Admission:
             raise bad_request(words, limit="memory")
 
     def _refused_by_limit(self, exc: GPUPoolError) -> None:
-        self._on_refusal({limit_code(exc.extra.get("limit")): 1})  # counted by limit, beside the scheduler's
+        # Counted by limit, beside the scheduler's: a quota's (429) as quota_LIMIT, the pool's own (400) as its misfit.
+        self._on_refusal({limit_code(exc.extra.get("limit"), quota=exc.code == Reason.quota_exceeded): 1})
 
 
 def no_gpu_of_model(demand: Demand, gpus) -> str | None:

@@ -6,7 +6,8 @@ GPUs per misfit (:class:`.scheduler.Refusal`); the metrics count refusals
 under the misfit's code (``gpupool_lease_refusals_total{reason}``); a person
 reads its :attr:`~Misfit.words`, in the refusal's message and as the keys of
 the 409's ``reasons`` (docs/api.md). A refusal by a limit is counted as
-:func:`limit_code`.
+:func:`limit_code`: a quota's as ``quota_LIMIT``, the pool's own (no node or
+GPU has that much at all) as the misfit that rules out even its biggest node.
 """
 
 from __future__ import annotations
@@ -42,10 +43,23 @@ class Misfit(StrEnum):
     held_for_interactive = "held_for_interactive", "held for interactive requests"
 
 
-def limit_code(limit: str | None) -> str:
-    """The label of a refusal by the limit ``limit`` (a quota's, a per-user
-    cap's, the biggest node's: the ``limit`` of the GPUPoolError):
-    ``quota_max_gpus``; ``quota`` when it is not a plain name."""
+#: The pool's own limits, by the ``limit`` its 400 names (:meth:`.admission.Admission.beyond_the_pool`: no
+#: node or GPU of the pool could ever take the request), as the misfit that rules out even the biggest node.
+POOL_LIMITS = {"gpu_count": Misfit.few_on_node, "memory": Misfit.no_memory, "model": Misfit.model_mismatch,
+               "cpus": Misfit.no_host_cpus, "host_memory": Misfit.no_host_memory}
+
+
+def limit_code(limit: str | None, quota: bool = True) -> str:
+    """The label of a refusal by the limit ``limit`` (the ``limit`` of the
+    GPUPoolError). A quota's or a per-user cap's (``quota``: the 429
+    ``quota_exceeded``) is ``quota_max_gpus``, ``quota`` when it is not a
+    plain name. The pool's own (``quota`` False: the 400 naming the biggest
+    node's or GPU's) is its :data:`POOL_LIMITS` misfit, ``few_on_node`` for
+    more whole GPUs than any node has, as the scheduler counts a node too
+    small (docs/api.md, "Metrics"); ``bad_request`` for a limit not there
+    (counting never fails the refusal it counts)."""
+    if not quota:
+        return str(POOL_LIMITS[limit]) if limit in POOL_LIMITS else "bad_request"
     if limit and limit.replace("_", "").isalnum():
         return f"quota_{limit}"
     return "quota"

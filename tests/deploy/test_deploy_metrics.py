@@ -20,6 +20,10 @@ def test_every_refusal_reason_has_a_code():
     assert len(set(codes)) == len(codes) and all(c.replace("_", "").isalpha() and c.islower() for c in codes)
     assert len(set(words)) == len(words) and not set(words) & set(codes)
     assert limit_code("max_gpus") == "quota_max_gpus" and limit_code("none; DROP") == "quota"
+    # The pool's own limits (its 400s) count as the misfit of its biggest node, never as a quota's (docs/api.md)
+    assert [limit_code(limit, quota=False) for limit in ("gpu_count", "memory", "model", "cpus", "host_memory")] == [
+        "few_on_node", "no_memory", "model_mismatch", "no_host_cpus", "no_host_memory"]
+    assert limit_code("gpu_count") == "quota_gpu_count" and limit_code("nonesuch", quota=False) == "bad_request"
 
 
 @pytest.fixture

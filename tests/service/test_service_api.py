@@ -408,6 +408,27 @@ def test_more_gpu_memory_than_any_gpu_has_is_refused_at_once(service, wait):
     assert all_leases(service) == [] and gpu_allocations(service) == [0.0] * 2  # nothing queued or held
 
 
+def test_refusals_by_the_pools_hardware_count_under_their_own_codes_not_as_quotas(service):
+    """No quota is set: a request no node or GPU could ever take (the 400 naming the biggest) counts as the misfit
+    that rules out even the biggest node, as docs/api.md lists them, never as ``quota_*`` (a new-user trial)."""
+    body = {"name": "node-h", "url": service.silent_url, "inventory": "simulated", "enforcement": "none",
+            "whole_gpus": False, "workers": [], "host_cpus": 8.0, "host_memory": 64 * GiB,
+            "gpus": [{"uuid": f"GPU-h-{i}", "name": "NVIDIA A100-SXM4-80GB", "index": i, "memory_total": 80 * GiB,
+                      "memory_reserved": 0} for i in range(2)]}
+    assert http(service, "POST", "/nodes", body, token="agent")[0] == 200
+    asks = {"few_on_node": ({"gpu_count": 3}, "gpu_count"), "no_memory": ({"fraction": 0.5, "memory": 100 * GiB}, "memory"),
+            "model_mismatch": ({"fraction": 0.5, "model": "H100"}, "model"),
+            "no_host_cpus": ({"fraction": 0.5, "cpus": 64}, "cpus"),
+            "no_host_memory": ({"fraction": 0.5, "host_memory": 128 * GiB}, "host_memory")}
+    for ask, limit in asks.values():
+        assert assert_error(http(service, "POST", "/leases", ask), 400, "bad_request")["limit"] == limit
+    status, text = http(service, "GET", "/metrics", prefix="")
+    assert status == 200
+    counted = dict(re.findall(r'^gpupool_lease_refusals_total\{reason="(\w+)"\} (\S+)$', text, re.M))
+    assert counted == {code: "1.0" for code in asks}, counted
+    assert all_leases(service) == []
+
+
 def test_metrics(service):
     assert_error(http(service, "GET", "/metrics", token=None, prefix=""), 401, "unauthorized")
     register(service, "node-m", gpus=1)
