@@ -62,7 +62,8 @@ class LeaseHeartbeat(threading.Thread):
     frozen where it is, and resumes it when room comes. Subclasses act on
     each renewed lease in :meth:`after_beat` and may shorten the wait in
     :meth:`_wait_seconds`. A failed beat (service down for a moment) is
-    logged and tried again at the next one.
+    tried again at the next one; the user is told once when the service
+    stops answering and once when it answers again.
     """
 
     def __init__(self, client: ServiceClient, lease_id: str, interval: float, busy_interval: float = 2.0) -> None:
@@ -81,6 +82,7 @@ class LeaseHeartbeat(threading.Thread):
         self.last: Lease | None = None
         self.on_lease: Callable[[Lease], None] | None = None
         self._preempt_told: str | None = None  # the preempt_at the user was told of
+        self._down_since: float | None = None  # monotonic time of the first beat the service did not answer
 
     def run(self) -> None:
         wait: float | None = None
@@ -102,13 +104,37 @@ class LeaseHeartbeat(threading.Thread):
             try:
                 lease = self.client.heartbeat(self.lease_id)
             except GPUPoolError as exc:  # service down for a moment: try again next beat
-                log.warning("heartbeat for %s failed: %s", self.lease_id, exc.message)
+                self._unanswered(exc)
                 continue
+            self._answered(lease)
             if lease.state.ended:
                 self._end(lease)
                 return
             if self.after_beat(lease):
                 return
+
+    def _unanswered(self, exc: GPUPoolError) -> None:
+        """A beat the service did not answer: logged and said once per outage, not at every beat
+        (:meth:`_answered` says when it answers again)."""
+        if self._down_since is not None:
+            log.debug("heartbeat for %s failed again: %s", self.lease_id, exc.message)
+            return
+        self._down_since = time.monotonic()
+        log.warning("heartbeat for %s failed: %s (tried again at every beat; said once it answers)",
+                    self.lease_id, exc.message)
+        ttl = self.last.heartbeat_ttl if self.last is not None else None
+        within = f" within its heartbeat TTL ({format_duration(ttl)})" if ttl else ""
+        self.say(f"the gpupool service cannot be reached ({exc.message}); the worker runs on, and the pool keeps "
+                 f"lease {self.lease_id} if the service answers{within}: said here when it does", kind="service_down")
+
+    def _answered(self, lease: Lease) -> None:
+        if self._down_since is None:
+            return
+        silent = format_duration(time.monotonic() - self._down_since)
+        self._down_since = None
+        log.warning("heartbeat for %s answered again after %s", self.lease_id, silent)
+        kept = "" if lease.state.ended else f": lease {self.lease_id} is kept"  # else the ended notice follows
+        self.say(f"the gpupool service answers again (after {silent}){kept}", kind="service_back")
 
     def after_beat(self, lease: Lease) -> bool:
         """Act on ``lease`` as a beat renewed it (still holding capacity);

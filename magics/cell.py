@@ -168,9 +168,9 @@ class ForwardedCell:
         running = self.running
         return running is not None and header.get("msg_id") == running.get("msg_id")
 
-    def note(self, parent: dict[str, Any], text: str) -> None:
-        """Words on stderr in the cell of ``parent`` (a request's header)."""
-        self.kernel.session.send(self.kernel.iopub_socket, "stream", {"name": "stderr", "text": text}, parent=parent)
+    def note(self, parent: dict[str, Any], text: str, stream: str = "stderr") -> None:
+        """Words on ``stream`` (``stdout`` or ``stderr``) in the cell of ``parent`` (a request's header)."""
+        self.kernel.session.send(self.kernel.iopub_socket, "stream", {"name": stream, "text": text}, parent=parent)
 
 
 def _what_became_of_cell(ended, sent: float) -> str:

@@ -28,6 +28,7 @@ from gpupool.schema import LeaseState, parse_time
 from gpupool.wire.leases import Lease
 from gpupool.units import format_duration
 
+from .notices import stream_of
 from .park import parked_now
 from .words import ended_words
 
@@ -178,15 +179,15 @@ class KernelHeartbeat(LeaseHeartbeat):
         """Tell the user ``text`` (callable from any thread): through
         ``notify(kind, text)`` when set (the gpupool kernel says it at the top
         of the next cell and sends it as an event), else printed as
-        ``gpupool: TEXT`` to the kernel's stderr, under the last cell that ran
-        on the worker. Nothing once stopped: the lease was given up here,
+        ``gpupool: TEXT`` to the kernel's stderr (stdout for news:
+        :func:`.notices.stream_of`), under the last cell that ran on the worker. Nothing once stopped: the lease was given up here,
         and a notice of it would be stale."""
         if self.stopped:
             return
         if self.notify is not None:
             self.notify(kind, text)
             return
-        stream = sys.stderr
+        stream = getattr(sys, stream_of(kind))
         pin = getattr(stream, "set_thread_parent", None) if self._parent else None
         # ipykernel 7 routes other threads' output by a context variable; pin ours
         # to that cell (OutStream.set_thread_parent).

@@ -340,6 +340,18 @@ def _shown_error(error: BaseException | None) -> ShownError:
     return type(name, (ShownError,), {})(str(error) if error is not None else "")
 
 
+def _process_stderr():
+    """A text stream on the kernel process's own stderr. Under Jupyter, ipykernel points file
+    descriptor 2 into the cells too (``OutStream`` with ``watchfd``: what a C library or a
+    subprocess writes), and ``sys.__stderr__`` writes there; the stream's ``fileno()`` is its copy
+    of the process's original stderr."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return sys.__stderr__
+    return open(fd, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
 def log_to_process_stderr() -> None:
     """Send gpupool's log lines (a heartbeat that failed, a comm that could not be asked) to the
     kernel process's own stderr, where Jupyter's server log shows them, never into a cell:
@@ -349,7 +361,7 @@ def log_to_process_stderr() -> None:
     logger = logging.getLogger("gpupool")
     if any(getattr(handler, "gpupool_process_stderr", False) for handler in logger.handlers):
         return
-    handler = logging.StreamHandler(sys.__stderr__)
+    handler = logging.StreamHandler(_process_stderr())
     handler.gpupool_process_stderr = True
     handler.setFormatter(logging.Formatter("[gpupool %(levelname)s %(asctime)s %(name)s] %(message)s"))
     logger.addHandler(handler)

@@ -15,6 +15,14 @@ from typing import Any
 
 #: Notice kinds a forwarded cell says itself (its UsageError; the resume's line), so not atop it too.
 SAID_BY_CELL = ("ended", "parked")
+#: Notice kinds that are news, not warnings: on stdout, as the magics' own lines are (JupyterLab shows
+#: stderr on a warning background); the others on stderr.
+NEWS = ("resumed", "node_back", "service_back")
+
+
+def stream_of(kind: str) -> str:
+    """``"stdout"`` or ``"stderr"``: where a notice of ``kind`` is said (:data:`NEWS`)."""
+    return "stdout" if kind in NEWS else "stderr"
 
 
 class Notices:
@@ -38,7 +46,7 @@ class Notices:
             return
         running = self.cell.running
         if running is not None:
-            self.cell.note(running, f"gpupool: {message}\n")
+            self.cell.note(running, f"gpupool: {message}\n", stream_of(kind))
         else:
             with self._lock:
                 self._pending.append((kind, message, beat))
@@ -56,16 +64,17 @@ class Notices:
             pending, self._pending = self._pending, []
         # A warning that the lease will be parked is stale once it was (or ended): only the later notice is said.
         overtaken = {id(beat) for kind, _, beat in pending if kind in SAID_BY_CELL}
-        said = False
+        said = set()
         for kind, text, beat in pending:
             if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL) \
                     or (kind == "idle_warning" and (id(beat) in overtaken or _stale(beat))):
                 continue
-            print(f"gpupool: {text}", file=sys.stderr)
-            said = True
+            stream = getattr(sys, stream_of(kind))
+            print(f"gpupool: {text}", file=stream)
+            said.add(stream)
             self._told(kind, beat)
-        if said:  # before the worker's output; a flush costs a round trip to the IOPub thread
-            sys.stderr.flush()
+        for stream in said:  # before the worker's output; a flush costs a round trip to the IOPub thread
+            stream.flush()
 
     def _told(self, kind: str, beat) -> None:
         lifecycle = self.lifecycle

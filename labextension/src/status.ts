@@ -81,6 +81,8 @@ const NOTIFY: { [kind: string]: Notification.TypeOptions } = {
   resumed: 'success',
   node_lost: 'error',
   node_back: 'success',
+  service_down: 'error',
+  service_back: 'success',
   ended: 'warning',
   admitted: 'info',
   refused: 'error'

@@ -108,12 +108,18 @@ def install_kernelspec(prefix: Path, service_url: str, token: str, name: str = "
     return prefix / "share" / "jupyter" / "kernels"
 
 
-def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool"):
+def start_gpupool_kernel(kernels_dir: Path, cwd: Path, name: str = "gpupool", as_in_jupyter: bool = False):
     """Start a kernel from the installed gpupool spec ``name`` (its stderr
-    in ``kernels_dir``'s parent); returns ``(km, kc)``."""
+    in ``kernels_dir``'s parent); returns ``(km, kc)``. ``as_in_jupyter``:
+    without pytest's marker in its environment, so that ipykernel sends what
+    the process writes to its own stdout and stderr into the cells, as under
+    Jupyter (under pytest it does not)."""
     ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
+    env = {**os.environ}
+    if as_in_jupyter:
+        env.pop("PYTEST_CURRENT_TEST", None)
     return ready_kernel(lambda: KernelManager(kernel_name=name, kernel_spec_manager=ksm),
-                        kernels_dir.parent / f"{name}-kernels.log", cwd=str(cwd), env={**os.environ})
+                        kernels_dir.parent / f"{name}-kernels.log", cwd=str(cwd), env=env)
 
 
 def ready_kernel(make: Callable[[], KernelManager], log: Path, **start: Any):
