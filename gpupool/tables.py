@@ -237,7 +237,7 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     """One lease's cells of :data:`LEASE_COLUMNS`: id, state, node, worker
     environment (``-`` while unknown: queued without one asked for, or a node
     that reports none), GPU, share, class, memory used / limit (``-`` while
-    queued), host CPUs and memory (:func:`lease_host_cell`), GPU utilization
+    queued), host CPUs and memory (:func:`lease_host_cell`; ``-`` once it ended), GPU utilization
     (``utilization`` maps GPU UUID -> percent, from ``GET /pool``; the whole
     GPU's, shared by its leases), worker state, idle countdown (``freezing``: node ->
     whether it freezes a running cell, :func:`cell_freezing`, for a preemption's words), where a
@@ -254,7 +254,7 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
     return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
-            lease_host_cell(lease), util, worker.get("execution_state", "-") if live else "-",
+            lease_host_cell(lease) if not lease.state.ended else "-", util, worker.get("execution_state", "-") if live else "-",
             idle_countdown(lease, freezes=(freezing or {}).get(lease.node or "")) if live
             else _not_live_words(lease)]
 

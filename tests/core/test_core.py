@@ -143,6 +143,8 @@ def test_tables_text_and_html():
     assert "  0.5 CPU, 512.0 MiB  " in lease_table([lease])[0]  # no limits said (an older service): as reserved
     lease.cpu_limit, lease.host_memory_limit = 1.0, 1024**3 // 2
     assert "0.5 CPU reserved, limited to 1 CPU; 512.0 MiB  " in lease_table([lease])[0]
+    lease.state = LeaseState.reclaimed  # ended: it holds no host share any more, nor says one
+    assert "reserved" not in lease_table([lease])[0] and "512.0 MiB" not in lease_table([lease])[0]
     queued = Lease.from_json({"id": "L-2", "owner": "u", "state": "queued", "fraction": 0.5, "gpu_count": 1,
                               "memory": 0, "gpus": [], "idle_timeout": 60, "queue_position": 2,
                               "queue_estimate_s": 300.0})
