@@ -47,19 +47,25 @@ class Forwarding:
 
     def start(self, attachment: Attachment) -> None:
         """Hand the worker's IOPub to the kernel's relay, tell the worker this
-        notebook's execution count and folder (``attachment.workdir`` says
-        where it runs), and send notices as events. GPUPoolError when the
-        worker does not answer."""
+        notebook's execution count and folder (:func:`join_notebook`), and send
+        notices as events. GPUPoolError when the worker does not answer."""
         attachment.remote.relay_iopub(self.cell.publish)
         attachment.heartbeat.notify = functools.partial(self.notices.notify, beat=attachment.heartbeat)
         attachment.heartbeat.on_lease = lambda lease: self.tell()
-        user = attachment.lease.owner
-        answer, _ = attachment.request(Attach(execution_count=self.shell.execution_count, cwd=os.getcwd(), user=user))
-        cwd = answer.get("cwd")
-        attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
-                              f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "
-                              f"in a scratch folder of yours there, {cwd}: copy the files it needs with %gpu push "
-                              "or a shared folder")
+        join_notebook(attachment, self.shell.execution_count)
+
+
+def join_notebook(attachment: Attachment, execution_count: int) -> None:
+    """Tell the worker this notebook's ``execution_count`` (so prompts, ``Out[n]`` and tracebacks'
+    ``Cell In[n]`` agree) and folder, which it enters where it can (op ``attach``);
+    ``attachment.workdir`` then says where it runs. GPUPoolError when the worker does not answer."""
+    user = attachment.lease.owner
+    answer, _ = attachment.request(Attach(execution_count=execution_count, cwd=os.getcwd(), user=user))
+    cwd = answer.get("cwd")
+    attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
+                          f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "
+                          f"in a scratch folder of yours there, {cwd}: copy the files it needs with %gpu push "
+                          "or a shared folder")
 
 
 class Attacher:

@@ -26,7 +26,7 @@ from gpupool.units import format_duration
 from gpupool.wire.leases import LeaseRequest
 
 from . import move
-from .attach import Attacher, same_size
+from .attach import Attacher, join_notebook, same_size
 from .attachment import Attachment
 from .classes import class_note
 from .dataplane import TransferInterrupted
@@ -227,15 +227,17 @@ class Lifecycle:
         say(parked_words(lease, running=False))
         self.tell("parked", f"parked {lease.id}")
 
-    def run_on_own_lease(self, request: LeaseRequest, cell: str, max_output_bytes: int) -> None:
-        """``%%gpu AMOUNT`` while detached: run ``cell`` on a lease of its own
-        for ``request`` (its output cut after ``max_output_bytes``), then
-        bring its variables back and release it. Raises UsageError."""
+    def run_on_own_lease(self, request: LeaseRequest, cell: str, max_output_bytes: int, execution_count: int) -> None:
+        """``%%gpu AMOUNT`` while detached: run ``cell`` (this notebook's cell ``execution_count``) on a
+        lease of its own for ``request``, in the notebook's folder where the worker can enter it (its
+        output cut after ``max_output_bytes``), then bring its variables back and release it. Raises
+        UsageError."""
         try:
             attachment = self.attacher.connect(request, forward=False)
         except GPUPoolError as exc:
             raise UsageError(exc.message) from None
         try:
+            join_notebook(attachment, execution_count)
             self.transfers.send_along(attachment, cell)
             attachment.run_cell(cell, max_output_bytes)
         except GPUPoolError as exc:

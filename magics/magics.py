@@ -278,7 +278,7 @@ class GPUMagics(Magics):
         """
         if self.lifecycle.attachment is None:
             request = own_lease_request(" ".join(split_line(line)) or self.cell_lease)  # %%gpu '0.5' too
-            self.lifecycle.run_on_own_lease(request, cell, self.max_output_bytes)
+            self.lifecycle.run_on_own_lease(request, cell, self.max_output_bytes, _cell_number(self.shell))
             return
         if line.strip():
             raise UsageError("%%gpu takes an amount only when not attached; this kernel is attached")
@@ -296,6 +296,13 @@ class GPUMagics(Magics):
         result = _run_as_this_cell(self.shell, cell)
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
+
+
+def _cell_number(shell) -> int:
+    """The running cell's number (its ``In[n]``): IPython 9 counts a cell as it starts, so by then
+    ``shell.execution_count`` is the next one's."""
+    count = getattr(getattr(shell.displayhook, "exec_result", None), "execution_count", None)
+    return count if isinstance(count, int) else shell.execution_count
 
 
 def _run_as_this_cell(shell, cell: str):

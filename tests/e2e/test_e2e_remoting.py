@@ -179,6 +179,11 @@ def test_gpu_cell_runs_on_a_lease_of_its_own_and_brings_variables_back(e2e_pool,
     worker_pid, result, pid = remote_value(kc, "worker_pid, result, os.getpid()")
     assert result == 42 and worker_pid != local_pid and pid == local_pid
     assert active_leases(service) == []
+    # As if local: the notebook's folder, and the notebook's cell number in a traceback
+    failed = run(kc, "%%gpu 0.25\nimport os\nhere = os.getcwd()\nraise ValueError('boom')")
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", failed.text())  # IPython colours its tracebacks
+    assert not failed.ok and f"Cell In[{failed.reply['execution_count']}], line 3" in plain, plain
+    assert remote_value(kc, "here == os.getcwd()") is True
 
 
 def test_attach_compares_versions_and_is_quiet_when_they_match(kernel):
