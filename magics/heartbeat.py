@@ -56,7 +56,7 @@ def idle_warning_text(lease: Lease, interval: float, now: datetime | None = None
     if left > lease.idle_warning + interval:
         return None
     if lease.on_idle == "release":
-        then = "released within {left} and the worker's variables lost"
+        then = "reclaimed within {left}: released, its worker stopped and its variables lost"  # as its end says
     else:
         then = ("parked within {left}: its GPU goes back to the pool, its worker waits frozen with its variables "
                 "and the next cell resumes it")

@@ -31,7 +31,8 @@ from procs import start_agent, start_service
 
 WARNING = re.compile(r"gpupool: lease (L-[0-9a-f]{12}) has been idle \d+s; it will be (parked within \d+s: its GPU goes "
                      r"back to the pool, its worker waits frozen with its variables and the next cell resumes it|"
-                     r"released within \d+s and the worker's variables lost) \(run a cell to keep it\)")
+                     r"reclaimed within \d+s: released, its worker stopped and its variables lost) \(run a cell to "
+                     r"keep it\)")
 #: Seconds: the service's warning lead, long so that a slow machine still runs a
 #: cell between the warning and the park. The client beats every second (TTL 3 s).
 LEAD = 20.0
@@ -60,8 +61,9 @@ PARKS = ("its GPU goes back to the pool, its worker waits frozen with its variab
     (lease_at(525), f"lease L-1 has been idle 8m 45s; it will be parked within 1m 15s: {PARKS}"),
     (lease_at(600), f"lease L-1 has been idle 10m; it will be parked within 0s: {PARKS}"),
     # on_idle release: released at the deadline, the variables lost
-    (replace(lease_at(525), on_idle="release"), "lease L-1 has been idle 8m 45s; it will be released within 1m 15s "
-                                                "and the worker's variables lost (run a cell to keep it)"),
+    (replace(lease_at(525), on_idle="release"), "lease L-1 has been idle 8m 45s; it will be reclaimed within 1m 15s: "
+                                                "released, its worker stopped and its variables lost (run a cell to "
+                                                "keep it)"),
     (lease_at(None), None),  # a cell runs: no deadline
     (lease_at(599, warning=0), None),  # warnings turned off
 ])
@@ -269,7 +271,7 @@ def test_without_parking_the_warning_says_variables_are_lost_and_the_reclaim_is_
     assert reclaimed["message"].startswith(f"lease {lease_id} was reclaimed: idle")
     warning, = [e for e in notebook.events if e["event"] == "idle_warning"]
     assert notebook.events.index(warning) < notebook.events.index(reclaimed)
-    assert "the worker's variables lost" in warning["message"]
+    assert "its variables lost" in warning["message"] and "reclaimed within" in warning["message"]
     next_cell, _ = notebook.execute("%%local\n1 + 1")
     said = [parent for parent, text in notebook.streams if "gpupool: lease" in text]
     assert said and set(said) == {next_cell}, "both notices top the next cell"
