@@ -33,6 +33,8 @@ from .park import parked_now
 from .words import ended_words
 
 log = logging.getLogger("gpupool.magics")
+#: Seconds after the idle deadline that the beat which sees the park comes (the service's sweep acts then).
+DEADLINE_SLACK_S = 1.0
 #: Seconds a heartbeat may come late for the idle warning it is timed for.
 WARN_SLACK_S = 1.0
 
@@ -145,7 +147,11 @@ class KernelHeartbeat(LeaseHeartbeat):
             return self.busy_interval if busy and lease.state is LeaseState.active else None
         left = (deadline - datetime.now(timezone.utc)).total_seconds()
         warn = left - (lease.idle_warning or 0.0)
-        return warn if warn > 0 and lease.idle_since != self._warned_for else max(left, 0.0)
+        if warn > 0 and lease.idle_since != self._warned_for:
+            return warn
+        # The service parks at its next sweep after the deadline: beat a moment after it, then, while the
+        # lease stays active past it (its agent not answering the park, say), at the busy rhythm, not at once.
+        return left + DEADLINE_SLACK_S if left > 0 else self.busy_interval
 
     def preempt_words(self, lease: Lease, left: float) -> str:
         return (f"lease {lease.id} is preemptible and {preempted_for(lease)}: in about "

@@ -97,7 +97,9 @@ def test_a_warning_is_stale_once_its_lease_is_not_active_or_its_deadline_passed(
 
 def test_after_a_cell_the_next_beat_comes_soon_while_the_service_still_sees_the_worker_busy():
     """The status bar's countdown comes with the first beat that sees the worker idle: while the
-    service (told by the agent every few seconds) still sees it busy, beats keep the busy rhythm."""
+    service (told by the agent every few seconds) still sees it busy, beats keep the busy rhythm. After
+    the warning the beat comes a moment after the deadline, and past it (the lease not parked yet)
+    at the busy rhythm: it beat every 50 ms until the park."""
     from gpupool.magics.heartbeat import KernelHeartbeat
 
     beat = KernelHeartbeat(None, "L-1", 15.0, busy_interval=2.0)  # never started: the rule alone
@@ -109,6 +111,10 @@ def test_after_a_cell_the_next_beat_comes_soon_while_the_service_still_sees_the_
     idle = replace(lease_at(0), worker={"execution_state": "idle"}, idle_since=isoformat(now),
                    idle_deadline=isoformat(now + timedelta(seconds=600)))
     assert 500 < beat._until_due(idle) < 600, "then the deadline's own timing"
+    beat._warned_for = idle.idle_since  # warned: the next beat comes a moment after the deadline
+    assert 600 < beat._until_due(idle) <= 601
+    past = replace(idle, idle_deadline=isoformat(now - timedelta(seconds=30)))
+    assert beat._until_due(past) == 2.0, "past it (the park not done: its agent restarting), the busy rhythm"
 
 
 def test_work_after_a_quiet_spell_beats_at_once_and_back_to_back_cells_keep_the_busy_rhythm():
