@@ -108,20 +108,20 @@ class Parking:
 
     async def _not_parked(self, lease_id: str, code: ParkCode, request: ParkRequest, exc: GPUPoolError) -> Outcome:
         """The agent did not park it: back ``active`` while the worker runs on (a cell runs; the
-        owner's and preemption's parks; an agent that did not answer while its node is not lost, a
-        restart say, after which it re-adopts the worker: the next sweep asks again), else released
-        as a reclaim (the lease ends, its worker stopped)."""
+        owner's and preemption's parks; an idle or pressure park whose agent did not answer while its
+        node is not lost, a restart say, after which it re-adopts the worker: the next sweep asks
+        again), else released as a reclaim (the lease ends, its worker stopped)."""
         if exc.code == Reason.worker_busy:
             await self.state.work.write(self._kept_now, lease_id, "a cell is running on its worker")
             return Outcome(BUSY, exc.message)
         words = f"it could not be parked in place ({exc.message})"
         log.warning("lease %s: %s", lease_id, words)
-        if exc.code == Reason.agent_unreachable and await self.state.work.write(
-                self._kept_now, lease_id, f"{words}; it is parked once its agent answers", True):
-            return Outcome(FAILED, words)
         if code in (ParkCode.owner, ParkCode.preemption):
             await self.state.work.write(self._kept_now, lease_id, words)
-        else:
+            return Outcome(FAILED, words)
+        kept = exc.code == Reason.agent_unreachable and await self.state.work.write(
+            self._kept_now, lease_id, f"{words}; it is parked once its agent answers", True)
+        if not kept:
             await self.leases.release(lease_id, LeaseState.reclaimed, f"{request.reason}; {words}",
                                       code=Reclaim(str(code)), only_if=_parking)
         return Outcome(FAILED, words)

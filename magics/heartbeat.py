@@ -186,8 +186,9 @@ class KernelHeartbeat(LeaseHeartbeat):
         ``notify(kind, text)`` when set (the gpupool kernel says it at the top
         of the next cell and sends it as an event), else printed as
         ``gpupool: TEXT`` to the kernel's stderr (stdout for news:
-        :func:`.notices.stream_of`), under the last cell that ran on the worker. Nothing once stopped: the lease was given up here,
-        and a notice of it would be stale."""
+        :func:`.notices.stream_of`), under the last cell that ran on the worker.
+        Nothing once stopped: the lease was given up here, and a notice of it
+        would be stale."""
         if self.stopped:
             return
         if self.notify is not None:
