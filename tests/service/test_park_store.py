@@ -149,7 +149,7 @@ def ann():
     return Identity("ann")
 
 
-def test_a_lease_on_a_node_that_cannot_park_is_refused_or_released_as_before(store):
+def test_a_lease_on_a_node_that_cannot_park_is_refused_or_released_and_an_unanswered_park_keeps_it(store):
     from gpupool.hub_plugin.rules.reclaim import ParkCode
 
     add(store, "L-00000000000a", node="old")
@@ -167,17 +167,19 @@ def test_a_lease_on_a_node_that_cannot_park_is_refused_or_released_as_before(sto
         assert {(d.lease_id, d.state) for d in decisions} == {("L-00000000000a", LeaseState.reclaimed),
                                                                ("L-00000000000b", LeaseState.parked)}
         await asyncio.sleep(0.5)
-        # ... and a park the agent cannot do (unreachable here) is released as a reclaim, in words.
+        # ... and an idle park whose agent does not answer (nothing listens here; its node is not lost)
+        # keeps the lease active, in words: an agent restarting re-adopts the worker, and a sweep asks again.
         return await pool.parking.park("L-00000000000b", ParkCode.idle, "idle for 1m")
 
     outcome = in_pool(store, clock, body)
-    assert outcome.kind == "gone"  # the sweep's park got there first
+    assert outcome.kind == "failed"
     old, new = get(store, "L-00000000000a"), get(store, "L-00000000000b")
     assert (old.state, old.reclaim_code) == ("reclaimed", "idle")
-    assert (new.state, new.reclaim_code) == ("reclaimed", "idle")
-    assert new.reason.startswith("idle for 1m 1s (idle timeout 1m); it could not be parked in place (the node agent "
-                                 "at http://127.0.0.1:"), new.reason
-    assert [e.state for e in new.events] == ["parking", "releasing", "reclaimed"]
+    assert (new.state, new.reclaim_code) == ("active", None)
+    assert [e.state for e in new.events][-4:] == ["parking", "active", "parking", "active"]  # the sweep's, then ours
+    assert new.events[-1].reason.startswith("not parked: it could not be parked in place (the node agent at "
+                                            "http://127.0.0.1:"), new.events[-1].reason
+    assert new.events[-1].reason.endswith("; it is parked once its agent answers"), new.events[-1].reason
     assert new.park_tier is None, "no park is left behind"
 
 
