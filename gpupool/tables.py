@@ -253,9 +253,10 @@ def lease_cells(lease: Lease, utilization: dict[str, float | None] | None = None
     memory = f"{used} / {memory_words(lease)}" if lease.memory else "-"  # queued: 0
     utils = [(utilization or {}).get(g.get("uuid")) for g in lease.gpus]
     util = ", ".join("unknown" if u is None else f"{u:.0f}%" for u in utils) if live and utils else "-"
-    return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory,
-            lease_host_cell(lease) if not lease.state.ended else "-", util, worker.get("execution_state", "-") if live else "-",
-            idle_countdown(lease, freezes=(freezing or {}).get(lease.node or "")) if live
+    host = lease_host_cell(lease) if not lease.state.ended else "-"
+    state = worker.get("execution_state", "-") if live else "-"
+    return [lease.id, lease.state.value, lease.node or "-", lease.env or "-", gpus, share, kind, memory, host, util,
+            state, idle_countdown(lease, freezes=(freezing or {}).get(lease.node or "")) if live
             else _not_live_words(lease)]
 
 
@@ -276,10 +277,12 @@ def pool_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per GPU of ``GET /pool`` (a node that lists none gets one row
     with GPU ``-``): node, state, enforcement, host (its CPU cores and
     memory, as its agent reports them), GPU, memory, allocated share and
-    leases (each with what parked leases claim there apart, :func:`allocated_cell`); then, for each node that is not ``up``, a line saying why
-    (its ``state_reason``) and what that means for leases, and for each node
-    holding parked leases what they hold there (:func:`parked_note`); then, when some
-    node offers a choice of worker environments, :func:`environment_table`."""
+    leases (each with what parked leases claim there apart,
+    :func:`allocated_cell`); then, for each node that is not ``up``, a line
+    saying why (its ``state_reason``) and what that means for leases, and for
+    each node holding parked leases what they hold there (:func:`parked_note`);
+    then, when some node offers a choice of worker environments,
+    :func:`environment_table`."""
     rows, notes = [], []
     for node in pool.get("nodes", []):
         state = node.get("state", "?")
@@ -345,8 +348,9 @@ def parked_note(node: dict[str, Any]) -> str:
     budget = node.get("parked_memory")
     extra = [f"budget {format_bytes(budget)}"] if budget is not None else []
     extra += [f"checkpointer {node['checkpointer']}"] if node.get("checkpointer") else []
-    return (f"{node['name']} holds {count} parked lease{'s' if count != 1 else ''}: "
-            f"{format_bytes(node.get('parked_host_bytes', 0))} of host RAM" + (f" ({'; '.join(extra)})" if extra else ""))
+    held = format_bytes(node.get("parked_host_bytes", 0))
+    return (f"{node['name']} holds {count} parked lease{'s' if count != 1 else ''}: {held} of host RAM"
+            + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 def node_note(name: str, state: str, reason: str | None) -> str:

@@ -301,8 +301,14 @@ class GPUMagics(Magics):
 def _cell_number(shell) -> int:
     """The running cell's number (its ``In[n]``): IPython 9 counts a cell as it starts, so by then
     ``shell.execution_count`` is the next one's."""
+    count = _running_count(shell)
+    return shell.execution_count if count is None else count
+
+
+def _running_count(shell) -> int | None:
+    """The running cell's own ``In[n]`` as IPython's display hook holds it; None outside a cell."""
     count = getattr(getattr(shell.displayhook, "exec_result", None), "execution_count", None)
-    return count if isinstance(count, int) else shell.execution_count
+    return count if isinstance(count, int) else None
 
 
 def _run_as_this_cell(shell, cell: str):
@@ -312,8 +318,7 @@ def _run_as_this_cell(shell, cell: str):
     and shows ``Out`` one below the count (``DisplayHook.prompt_count``), so the count is
     set back for the name and forward again once the nested run has taken it
     (``pre_run_cell`` comes between). Returns IPython's ``ExecutionResult``."""
-    running = getattr(shell.displayhook, "exec_result", None)  # the %%local cell's own
-    count = getattr(running, "execution_count", None)
+    count = _running_count(shell)  # the %%local cell's own
     if count is None:
         return shell.run_cell(cell, store_history=False)
     saved = shell.execution_count

@@ -35,6 +35,7 @@ from jupyter_client import BlockingKernelClient
 from procs import start_agent, start_service, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from service_api import assert_error, http, wait_state
+from workercell import worker_client
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import LeaseState
@@ -112,10 +113,7 @@ class Parks:
         return lease
 
     def kernel(self, lease: Lease) -> BlockingKernelClient:
-        kc = BlockingKernelClient()
-        kc.load_connection_info(lease.connection)
-        kc.start_channels(hb=False)
-        kc.wait_for_ready(timeout=60)
+        kc = worker_client(lease.connection)
         self.kernels.append(kc)
         return kc
 
@@ -535,11 +533,8 @@ def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_p
     agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
     try:
         lease = wait_state(svc, svc.client().create_lease(LeaseRequest(fraction=1.0, idle_timeout=3)).id, "starting")
-        kc = BlockingKernelClient()
-        kc.load_connection_info(lease.connection)
-        kc.start_channels(hb=False)
+        kc = worker_client(lease.connection)
         try:
-            kc.wait_for_ready(timeout=60)
             cell(kc, "x = 41")
             agent.proc.kill()
             agent.proc.wait(10)

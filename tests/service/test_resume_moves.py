@@ -21,10 +21,10 @@ import uuid
 
 import pytest
 from frontend import run
-from jupyter_client import BlockingKernelClient
 from procs import free_port, processes_mentioning, start_agent, start_service, wait_for
 from service_api import gpu_allocations, register
 from statuscomm import StatusComm
+from workercell import worker_client
 from two_nodes import (AGENT_ARGS, BIG_STATE, acquire, notebook, simgpu_root, two_nodes,  # noqa: F401 (fixtures)
                        two_nodes_beating, until)
 
@@ -39,11 +39,8 @@ STATE = "import threading\nx = 41\nlock = threading.Lock(); lock.acquire()\nprin
 
 
 def cell(connection: dict, code: str) -> str:
-    kc = BlockingKernelClient()
-    kc.load_connection_info(connection)
-    kc.start_channels(hb=False)
+    kc = worker_client(connection)
     try:
-        kc.wait_for_ready(timeout=60)
         done = run(kc, code, timeout=60)
         assert done.ok, done.text()
         return done.stdout

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_client import BlockingKernelClient
+from workercell import worker_client
 
 from gpupool.demo_pool import free_port, processes_mentioning, stop_process, wait_for
 from gpupool.node.inventory.simulated import SimulatedInventory, simulated_uuid
@@ -108,10 +109,7 @@ class ParkAgent:
 
     def client(self, connection: dict[str, Any]) -> BlockingKernelClient:
         """A jupyter_client to a worker, ready."""
-        kc = BlockingKernelClient()
-        kc.load_connection_info(connection)
-        kc.start_channels(hb=False)
-        kc.wait_for_ready(timeout=60)
+        kc = worker_client(connection)
         self.clients.append(kc)
         return kc
 

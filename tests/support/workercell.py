@@ -10,8 +10,25 @@ import asyncio
 
 import zmq
 import zmq.asyncio
+from jupyter_client import BlockingKernelClient
 
 from gpupool.kernelconn import connect_channel, kernel_session
+
+
+def worker_client(connection: dict, timeout: float = 60) -> BlockingKernelClient:
+    """A jupyter_client to the worker of a lease's ``connection`` info, its
+    channels started (not the heartbeat's: the pool watches workers) and the
+    kernel ready; RuntimeError after ``timeout`` seconds. The caller stops
+    its channels."""
+    kc = BlockingKernelClient()
+    kc.load_connection_info(connection)
+    kc.start_channels(hb=False)
+    try:
+        kc.wait_for_ready(timeout=timeout)
+    except BaseException:
+        kc.stop_channels()
+        raise
+    return kc
 
 
 async def run_worker_cell(connection: dict, code: str, timeout: float = 30) -> str:
