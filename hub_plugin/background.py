@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 log = logging.getLogger("gpupool.service.leases")
 
@@ -22,6 +22,15 @@ class Background:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
+
+    def spawn_after(self, seconds: float, make: Callable[[], Coroutine[Any, Any, Any]]) -> asyncio.Task:
+        """Run the coroutine ``make()`` gives ``seconds`` from now, in the background (a task that
+        sleeps first: cancelled with the others at shutdown). On the loop only."""
+        async def later() -> None:
+            await asyncio.sleep(seconds)
+            await make()
+
+        return self.spawn(later())
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)

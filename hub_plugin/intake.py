@@ -37,6 +37,8 @@ log = logging.getLogger("gpupool.service.leases")
 
 #: Most seconds ``POST /leases?start_wait=`` waits for the new lease's worker.
 MAX_START_WAIT_S = 10.0
+#: Seconds after a queued request's wait that its own expiry runs: past its ``wait_until`` on the store's clock.
+EXPIRY_SLACK_S = 0.05
 
 
 class LeaseIntake:
@@ -83,6 +85,8 @@ class LeaseIntake:
         wait = self.admission.wait(request.wait)
         result, job = await self.state.work.write(self._create_now, who, request, wait)
         if job is None:
+            if wait:  # queued: it gives up at its wait, not at the sweep after it (reclaim_interval later)
+                self.tasks.spawn_after(wait + EXPIRY_SLACK_S, self.leases.expire_queue)
             return result
         started = self.tasks.spawn(self.leases.start(result["id"], job, who if start_wait > 0 else None))
         if start_wait > 0:

@@ -5,6 +5,7 @@ cancelled by DELETE, or gives up when its wait has passed."""
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -158,9 +159,26 @@ def test_a_queued_lease_gives_up_after_its_wait(busy_pool):
     assert "above this pool's maximum of 10m" in too_long.value.message
 
 
-def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
-    import time
+def test_a_queued_lease_gives_up_at_its_wait_not_at_the_next_sweep(tmp_path):
+    """With sweeps a minute apart, a request that may wait 2 s ends failed a few seconds after it
+    was made (it used to end at the sweep after its wait)."""
+    svc = start_service(tmp_path, config={"reclaim_interval": 60.0, "max_wait": "10m"})
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB")
+    try:
+        holder = svc.client().create_lease(LeaseRequest(fraction=1.0))
+        assert wait_state(svc, holder.id, "starting").state is LeaseState.active
+        asked = time.monotonic()
+        queued = svc.client().create_lease(LeaseRequest(fraction=0.5, wait=2))
+        assert queued.state is LeaseState.queued
+        ended = wait_ended_as(svc, "tester", queued.id, timeout=50)
+        assert ended.state is LeaseState.failed and ended.reason.startswith("waited "), ended.reason
+        assert time.monotonic() - asked < 30  # the next sweep is 60 s after the service started
+    finally:
+        agent.stop()
+        svc.stop()
 
+
+def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
     deadline = time.monotonic() + timeout
     lease = svc.client(user).get_lease(lease_id)
     while not lease.state.ended and time.monotonic() < deadline:
