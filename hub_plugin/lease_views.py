@@ -184,7 +184,8 @@ class LeaseViews:
     def newest_view(self, session: Session, lease: Lease) -> QueueView | None:
         """:meth:`queue_view` of a request just queued, from counts per owner, class and shape (no row
         per queued request): every request ahead of the newest is placed before it, in whatever order;
-        so is every resume waiting of its class or a higher one."""
+        so is every resume waiting of its class or a higher one. The newest is last, so every node cleared
+        for a request ahead is open again once that request is placed: no node is held against it."""
         if lease.state != QUEUED:
             return None
         groups = session.execute(select(Lease.owner, Lease.lease_class, Lease.fraction, Lease.gpu_count, func.count())
@@ -225,7 +226,8 @@ class LeaseViews:
         asked.update((resume.id, self._resume_ask(resume, remap)) for resume, remap in resumes)
         in_line = sorted(places, key=places.get)
         self.pressure.follow(session, self.state.capacity_epoch)
-        etas = self.pressure.etas([asked[i] for i in in_line], self.state.now())
+        # A node cleared for one of them is that one's (a request ahead of it is kept off it).
+        etas = self.pressure.etas([asked[i] for i in in_line], self.state.now(), in_line, set(in_line))
         return QueueView(places, dict(zip(in_line, etas)))
 
     @staticmethod

@@ -18,7 +18,7 @@ one whole, so readers on other threads see one or the other.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Collection, Iterable, Sequence
 
@@ -220,13 +220,18 @@ class Pressure:
         elsewhere = [i for i, node in same if node != lease.node_name] if moves else []
         return tuple(own + here + elsewhere)
 
-    def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime) -> list[float | None]:
+    def etas(self, asks: Sequence[tuple[float, int, str]], now: datetime, ids: Sequence[str | None] = (),
+             waiting: Collection[str] = ()) -> list[float | None]:
         """:func:`.eta.eta_seconds` for queued requests asking ``(fraction, gpu count, class)``
-        (queue order), from the pool, the active leases and recent cell lengths as the
-        last sweep saw them (at most ``c.PoolLeases.reclaim_interval`` old)."""
+        (queue order; ``ids``, their lease ids where known), from the pool, the active leases
+        and recent cell lengths as the last sweep saw them (at most
+        ``c.PoolLeases.reclaim_interval`` old); a node cleared for a request among ``waiting``
+        (lease ids: those still queued or resuming) is held for that one."""
         inputs = self._eta
+        plan = replace(inputs.plan, cleared={node: lease_id for node, lease_id in inputs.plan.cleared.items()
+                                             if lease_id in waiting})
         return eta.eta_seconds(asks, inputs.room, inputs.held, inputs.typical, now,
-                               self.pool_pressure.pressure_grace, inputs.plan, inputs.guaranteed)
+                               self.pool_pressure.pressure_grace, plan, inputs.guaranteed, ids)
 
 
 def _room(gpu: GPUState) -> float:

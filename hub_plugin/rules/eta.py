@@ -70,7 +70,7 @@ def expected_end(lease: Held, typical: Mapping[str, float], now: datetime, grace
 
 def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Held], typical: Mapping[str, float],
                 now: datetime, grace: float | None = None, plan: Plan = NO_PRESSURE,
-                guaranteed: Collection[str] = ()) -> list[float | None]:
+                guaranteed: Collection[str] = (), ids: Sequence[str | None] = ()) -> list[float | None]:
     """For each queued request, in queue order (``(fraction, count, class)``: a slice
     of one GPU when ``count`` is 1, else ``count`` whole GPUs on one node; a fourth item,
     the indexes in ``room`` of the only GPUs it may take, for a parked lease's resume),
@@ -79,15 +79,20 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Held], typi
     does not make room. ``grace``: the pressure grace (None: pressure parks nothing
     early); ``plan``: the pressure plan, whose early parks and preemptions come first;
     ``guaranteed``: ids of the leases within their owner's guaranteed share, which no
-    waiter presses on. Rounded to a tenth of a second."""
+    waiter presses on. ``ids``: each ask's lease id (None or absent: not known); a node
+    the plan cleared for a request (:attr:`.priority.Plan.cleared`) is that request's
+    until it is placed here: no other ask takes room there (:meth:`.priority.Plan.cleared_for_others`),
+    but a resume its own GPUs. Rounded to a tenth of a second."""
     index = {gpu: i for i, gpu in enumerate(room.ids)}
     free = list(room.free)
     released = [False] * len(holding)
     timelines: dict[int, deque] = {}  # by the asking class's rank: (expected end, lease index), soonest first
     answers: list[float | None] = []
     moment = now
-    for fraction, count, lease_class, *only in asks:
-        allowed = only[0] if only else None
+    cleared = dict(plan.cleared)  # node -> the request it is held for, until that one is placed here
+    for k, (fraction, count, lease_class, *only) in enumerate(asks):
+        me = ids[k] if k < len(ids) else None
+        allowed = _off_held(only[0] if only else None, room.node_of, cleared, me)
         rank = class_rank(lease_class)
         if rank not in timelines:
             ends = ((expected_end(lease, typical, now, grace if _presses(lease_class, lease, guaranteed) else None,
@@ -108,7 +113,22 @@ def eta_seconds(asks: Sequence[tuple], room: Room, holding: Sequence[Held], typi
                 if gpu in index:
                     free[index[gpu]] += lease.gpus / len(lease.gpu_ids)
         answers.append(round(max(0.0, (moment - now).total_seconds()), 1))
+        if me is not None:
+            cleared = {node: owner for node, owner in cleared.items() if owner != me}
     return answers
+
+
+def _off_held(allowed: Sequence[int] | None, node_of: Sequence[Hashable], cleared: Mapping[Hashable, str],
+              me: str | None) -> Sequence[int] | None:
+    """The GPU indexes an ask may take (``allowed``; None: any) less those of nodes ``cleared`` for
+    another request than ``me``; a resume's own GPUs (the first of its ``allowed``) stay: it takes
+    back its own room (:func:`.queue.drain`)."""
+    held = {node for node, owner in cleared.items() if owner != me}
+    if not held:
+        return allowed
+    own = node_of[allowed[0]] if allowed else None
+    order = range(len(node_of)) if allowed is None else allowed
+    return [g for g in order if node_of[g] not in held or node_of[g] == own]
 
 
 def _presses(asking: str | None, lease: Held, guaranteed: Collection[str]) -> bool:

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpupool.hub_plugin.rules import priority, queue, resume
+from gpupool.hub_plugin.rules import eta, priority, queue, resume
 from gpupool.hub_plugin.rules.placement_index import PlacementIndex
 from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement
 
@@ -141,3 +141,26 @@ def test_the_replay_moves_no_resume_onto_a_node_cleared_for_another():
     replay.pool.take(replay.pool.place_off(1000, 2, {"node-000", "node-001"}))  # node-002 full now
     replay.sessions[0].pending.append(0)
     assert not replay.acquire(0, 1.0)  # the cleared node is the only room: it waits
+
+
+# -- the ETA knows of it --------------------------------------------------------------------------------------------
+
+#: Four GPUs on two nodes: n0's two free, n1's two held, G2 by an idle lease parked at 300 s.
+ETA_ROOM = eta.Room((1.0, 1.0, 0.0, 0.0), ("n0", "n0", "n1", "n1"), ("G0", "G1", "G2", "G3"))
+ETA_HELD = [priority.Held("L-h", "bob", 1.0, "interactive", False, False, T0, T0, at(300), gpu_ids=("G2",))]
+ONE, TWO = (1.0, 1, "interactive"), (1.0, 2, "interactive")
+
+
+@pytest.mark.parametrize("asks, ids, cleared, expected", [
+    pytest.param([ONE], ["L-b"], {}, [0.0], id="nothing cleared: the free node now"),
+    pytest.param([ONE], ["L-b"], {"n0": "L-a"}, [300.0], id="n0 is L-a's: L-b waits for n1"),
+    pytest.param([ONE], [], {"n0": "L-a"}, [300.0], id="an ask not named is another's too"),
+    pytest.param([TWO, ONE], ["L-a", "L-b"], {"n0": "L-a"}, [0.0, 300.0], id="L-a takes its node"),
+    pytest.param([ONE, TWO], ["L-a", "L-b"], {"n0": "L-b"}, [300.0, 300.0], id="held for the one behind"),
+    pytest.param([ONE, ONE], ["L-a", "L-b"], {"n0": "L-a"}, [0.0, 0.0], id="once placed, its node is open"),
+    pytest.param([(*ONE, (0,))], ["L-r"], {"n0": "L-a"}, [0.0], id="a resume takes back its own room"),
+    pytest.param([(*ONE, (2, 0))], ["L-r"], {"n0": "L-a"}, [300.0], id="a resume does not move there"),
+])
+def test_the_eta_places_no_other_request_on_a_node_cleared_for_one(asks, ids, cleared, expected):
+    plan = priority.Plan({}, {}, cleared)
+    assert eta.eta_seconds(asks, ETA_ROOM, ETA_HELD, {}, T0, plan=plan, ids=ids) == expected
