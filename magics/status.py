@@ -130,10 +130,14 @@ class Status:
 
 
 def as_seen_here(cell: ForwardedCell | None, lease: Lease) -> Lease:
-    """``lease`` with its worker idle since the last forwarded ``cell`` ended, when the service still
-    says busy and no forwarded cell runs: the service hears of a cell's end with the agent's next
-    heartbeat (up to ``c.PoolNodes.node_heartbeat_interval`` later); this kernel knows it now."""
+    """``lease`` with its worker as this kernel knows it: the service hears of a cell's start and
+    end with the agent's next heartbeat (up to ``c.PoolNodes.node_heartbeat_interval`` later).
+    Busy, with no idle countdown, while a forwarded ``cell`` runs (``%gpu status`` in a cell on the
+    worker) and the service still says idle; idle since the last forwarded cell ended when the
+    service still says busy and none runs."""
     worker = lease.worker or {}
+    if cell is not None and cell.running is not None and worker.get("execution_state") == "idle":
+        return replace(lease, worker={**worker, "execution_state": "busy"}, idle_since=None, idle_deadline=None)
     if cell is None or cell.running is not None or cell.ended_at is None or worker.get("execution_state") != "busy":
         return lease
     ended = datetime.fromtimestamp(cell.ended_at, timezone.utc)

@@ -348,6 +348,7 @@ def client_lease(idle_for=None, deadline_in=None, preempt_in=None, pressure=None
 @pytest.mark.parametrize("running, service_says, shown", [
     (None, "busy", "idle"),    # the cell ended here; the service hears of it at the agent's next heartbeat
     ({"msg_id": "c"}, "busy", "busy"),  # %gpu status inside a forwarded cell: the worker runs it
+    ({"msg_id": "c"}, "idle", "busy"),  # ... which the service hears of at the agent's next heartbeat
     (None, "idle", "idle"),
 ])
 def test_status_shows_the_worker_as_this_kernel_knows_it(running, service_says, shown):
@@ -359,12 +360,15 @@ def test_status_shows_the_worker_as_this_kernel_knows_it(running, service_says, 
 
     ended = at(990).timestamp()
     cell = SimpleNamespace(running=running, ended_at=ended)
-    lease = replace(client_lease(), worker={"pid": 1, "execution_state": service_says, "memory_used": 0})
+    lease = replace(client_lease(idle_for=10, deadline_in=1790), worker={"pid": 1, "execution_state": service_says,
+                                                                         "memory_used": 0})
     seen = as_seen_here(cell, lease)
     assert seen.worker["execution_state"] == shown
     if shown == "idle" and service_says == "busy":
         assert parse_time(seen.idle_since) == at(990)
         assert idle_countdown(seen, at(1000)) == "29m 50s"  # counted from the cell's end
+    if shown == "busy" and service_says == "idle":
+        assert seen.idle_since is None and seen.idle_deadline is None  # no countdown while it runs
 
 
 def test_the_warning_under_pressure_counts_to_the_early_deadline_and_says_why():
