@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 ENV_URL = "GPUPOOL_URL"
 ENV_TOKEN = "GPUPOOL_TOKEN"
+#: Where a user sets the service's URL, as failures name it.
+URL_HINT = f"{ENV_URL} or --url"
 
 
 class ServiceClient:
@@ -74,11 +76,23 @@ class ServiceClient:
                                f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
         except NoAnswer as exc:
             raise exc.error(f"the gpupool service at {self.url}",
-                            f"is it running? Check the URL ({ENV_URL} or --url).") from None
+                            f"is it running? Check the URL ({URL_HINT}).") from None
+        if answer.status == 404 and not answer.is_ours():  # gpupool's own 404s say what was not found
+            raise self.not_a_service(f"HTTP 404 {answer.reason}".rstrip(), 404)
         if not 200 <= answer.status < 300:  # what urllib did not follow (redirects) is a failure
             error = answer.error("the gpupool service", ENV_TOKEN)
             raise self.token_refused(error) if error.status == 401 and self.token_advice else error
-        return answer.json()
+        try:
+            return answer.json()
+        except ValueError:  # a web page (a hub's login page, say): the URL is another server's
+            raise self.not_a_service(f"HTTP {answer.status}, not JSON", 502) from None
+
+    def not_a_service(self, answered: str, status: int) -> GPUPoolError:
+        """An ``http_error`` with ``status`` for an answer that is not gpupool's
+        (``answered``: "HTTP 404 Not Found"): a plausible wrong URL, such as
+        JupyterHub's own instead of its ``/services/gpupool``."""
+        return GPUPoolError(Reason.http_error, f"{self.url} is not a gpupool service ({answered}): check the URL "
+                            f"({URL_HINT})", status)
 
     def token_refused(self, error: GPUPoolError) -> GPUPoolError:
         """The service's 401 ``error`` in :attr:`token_advice`'s words: whether a token

@@ -102,12 +102,27 @@ class GPUPoolError(Exception):
     @classmethod
     def from_json(cls, status: int, body: dict[str, Any]) -> "GPUPoolError":
         """Rebuild the error the service sent with HTTP ``status``. An unknown
-        code stays as it came (a plain ``str``: compare with ``==``)."""
-        extra = {k: v for k, v in body.items() if k not in ("error", "message")}
-        return cls(str(body.get("error", "error")), str(body.get("message", "unknown error")), status, **extra)
+        code stays as it came (a plain ``str``: compare with ``==``). Never
+        raises for a body that is not ours (JupyterHub's ``{"status": 404,
+        "message": null}``, say): a field that is not text is left out, and a
+        key that is one of this class's own parameters (``status``) or not a
+        name is not taken as an extra. Whether a body is one of ours:
+        :func:`is_error_body`."""
+        code, message = body.get("error"), body.get("message")
+        extra = {k: v for k, v in body.items()
+                 if isinstance(k, str) and k.isidentifier() and k not in ("error", "message", "status", "log_message")}
+        return cls(code if isinstance(code, str) and code else "error",
+                   message if isinstance(message, str) and message else "unknown error", status, **extra)
 
     def __str__(self) -> str:
         return self.message
+
+
+def is_error_body(body: Any) -> bool:
+    """Whether ``body`` (decoded JSON) is an error as gpupool sends it: an
+    object whose ``error`` and ``message`` are text. Another server's error
+    (a proxy's, JupyterHub's ``{"status": 404, "message": null}``) is not."""
+    return isinstance(body, dict) and isinstance(body.get("error"), str) and isinstance(body.get("message"), str)
 
 
 def bad_request(message: str, **extra: Any) -> GPUPoolError:

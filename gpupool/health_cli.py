@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from .tls import client_context
@@ -37,9 +38,23 @@ def _words(body: bytes) -> str:
     return str(data.get("message") or data.get("status") or data) if isinstance(data, dict) else str(data)
 
 
+def _is_http_url(url: str) -> bool:
+    """Whether urllib can call ``url``: ``http(s)://`` and a host (urllib
+    raises ValueError, "unknown url type", for the rest)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``gpupool health URL``; returns 0 when it answered 200."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not _is_http_url(args.url):  # a usage error (exit 2), not a probe's "not ready" (exit 1)
+        parser.error(f"{args.url!r} is not a URL; it should look like http://HOST:PORT/health")
     context = client_context(args.ca_file) if args.url.startswith("https:") else None
     try:
         with urllib.request.urlopen(args.url, timeout=args.timeout, context=context) as response:

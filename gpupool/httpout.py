@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, NamedTuple
 
-from .errors import GPUPoolError, Reason
+from .errors import GPUPoolError, Reason, is_error_body
 from .tls import untrusted, untrusted_message
 
 
@@ -65,17 +65,23 @@ class Answer(NamedTuple):
 
     def error(self, whom: str, token_hint: str) -> GPUPoolError:
         """The GPUPoolError this failed answer of ``whom`` (words: "the gpupool
-        service") stands for: the one in an ``{"error", "message"}`` body;
-        else ``unauthorized`` for 401/403, naming ``token_hint`` (what to
-        check); else ``http_error`` naming the URL tried."""
+        service") stands for: the one in a gpupool error body
+        (:func:`~gpupool.errors.is_error_body`; another server's, such as
+        JupyterHub's ``{"status": 404, "message": null}``, is not one); else
+        ``unauthorized`` for 401/403, naming ``token_hint`` (what to check);
+        else ``http_error`` naming the URL tried."""
         body = self.object()
-        if "message" in body:
+        if is_error_body(body):
             return GPUPoolError.from_json(self.status, body)
         if self.status in (401, 403):
             return GPUPoolError(Reason.unauthorized, f"{whom} refused the token (HTTP {self.status}); "
                                 f"check {token_hint}", self.status)
         return GPUPoolError(Reason.http_error, f"{whom} answered HTTP {self.status} {self.reason} for "
                             f"{self.request.url}", self.status)
+
+    def is_ours(self) -> bool:
+        """Whether the body is a gpupool error (:func:`~gpupool.errors.is_error_body`)."""
+        return is_error_body(self.object())
 
 
 class NoAnswer(OSError):

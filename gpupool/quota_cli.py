@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from .api import add_client_arguments, client_from_arguments
@@ -100,9 +101,12 @@ def _value(text: str) -> Any:
     except ValueError:
         pass
     try:
-        return float(text)
+        number = float(text)
     except ValueError:
         return text  # human units ("8h", "30m") are read by the service
+    # nan and inf are no JSON numbers: sent as typed, the service refuses them in the words of any value
+    # out of range, not as a body that is not JSON
+    return number if math.isfinite(number) else text
 
 
 def _limits(pairs: list[str]) -> dict[str, Any]:
@@ -132,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"'{args.action}' needs a SCOPE ('*', 'group:NAME' or 'user:NAME')")
     if args.action == "set" and not args.limits:
         parser.error("'set' needs at least one LIMIT=VALUE")
+    takes = {"set": 2, "unset": 1}.get(args.action, 0)  # show, list and usage: no SCOPE (show is your own quota)
+    unexpected = ([args.scope] if args.scope else [])[takes:] + (args.limits if takes < 2 else [])
+    if unexpected:  # never passed over in silence, as argparse does with an unknown option
+        parser.error(f"'{args.action}' takes {('no arguments', 'a SCOPE only', '')[takes]}: unrecognized arguments: "
+                     f"{' '.join(unexpected)}")
     if not 1 <= args.days <= MAX_USAGE_DAYS:  # whatever the action: a bad option is never passed over in silence
         parser.error(f"--days must be a whole number from 1 to {MAX_USAGE_DAYS}, got {args.days}")
     client = client_from_arguments(parser, args)

@@ -76,6 +76,20 @@ def test_from_json_keeps_a_known_code_as_its_member_and_an_unknown_one_as_it_cam
     assert GPUPoolError.from_json(502, {}).to_json() == {"error": "error", "message": "unknown error"}
 
 
+def test_from_json_of_a_body_that_is_not_ours_never_raises():
+    """JupyterHub's 404 (``{"status": 404, "message": null}``) once raised TypeError
+    (``status`` given twice); what is not text or not a name is left out."""
+    from gpupool.errors import is_error_body
+
+    hub = GPUPoolError.from_json(404, {"status": 404, "message": None})
+    assert (hub.code, hub.message, hub.status, hub.extra) == ("error", "unknown error", 404, {})
+    odd = GPUPoolError.from_json(502, {"error": 7, "message": ["x"], "log_message": "y", "a b": 1, "hint": "h"})
+    assert (odd.code, odd.message, odd.extra, odd.log_message) == ("error", "unknown error", {"hint": "h"},
+                                                                   "unknown error")
+    assert not is_error_body({"status": 404, "message": None}) and not is_error_body(["error", "message"])
+    assert is_error_body(GPUPoolError(Reason.not_found, "lease L-1 not found", 404).to_json())
+
+
 def test_the_log_message_defaults_to_the_user_message_and_never_goes_on_the_wire():
     plain = GPUPoolError(Reason.not_configured, "set --service-url")
     assert plain.log_message == "set --service-url"

@@ -467,6 +467,20 @@ CLI = [
     cli("quota set user:bob max_gpus", 1, "cannot read 'max_gpus'", user="boss", id="set-no-value"),
     cli("quota set nobody max_gpus=1", 1, "must be '*', 'group:NAME' or 'user:NAME'", user="boss", id="set-bad-scope"),
     cli("quota unset user:nobody", 1, "quota override for user:nobody not found", user="boss", id="unset-unknown"),
+    cli("quota show user:bob", 2, "'show' takes no arguments: unrecognized arguments: user:bob", user="boss",
+        id="show-scope"),
+    cli("quota list extra", 2, "'list' takes no arguments: unrecognized arguments: extra", user="boss",
+        id="list-extra"),
+    cli("quota usage user:bob", 2, "'usage' takes no arguments: unrecognized arguments: user:bob", user="boss",
+        id="usage-scope"),
+    cli("quota unset user:bob max_gpus=2", 2, "'unset' takes a SCOPE only: unrecognized arguments: max_gpus=2",
+        user="boss", id="unset-limits"),
+    cli("quota set * max_gpus=nan", 1, "max_gpus must be a number from 0 to 1,000,000 GPUs (none for unlimited), "
+        "got 'nan'", user="boss", id="set-nan"),
+    cli("quota set user:bob gpu_hours_per_day=inf", 1, "gpu_hours_per_day must be a number from 0 to 24,000,000 "
+        "GPU-hours (none for unlimited), got 'inf'", user="boss", id="set-inf"),
+    cli("health notaurl", 2, "'notaurl' is not a URL; it should look like http://HOST:PORT/health",
+        id="health-not-a-url"),
     cli("quota usage --days 0", 2, "--days must be a whole number from 1 to 92, got 0", user="boss", id="usage-zero"),
     cli("quota usage --days many", 2, "invalid int value: 'many'", user="boss", id="usage-text"),
     cli("quota show --days -3", 2, "--days must be a whole number from 1 to 92, got -3", id="show-days-negative"),
@@ -512,6 +526,32 @@ def test_cli(pool, args, user, code, words, tmp_path):
     if args.startswith("run"):  # README: "2 with one line when gpupool could not run it"
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     pool.check_unchanged(f"gpupool {args}")
+
+
+@pytest.mark.parametrize("path, answered", [("", "HTTP 404 Not Found"), ("/page", "HTTP 200, not JSON")])
+def test_a_url_that_is_not_a_gpupool_service_says_so(pool, shell, path, answered):
+    """A plausible wrong URL (JupyterHub's own, whose 404 is ``{"status": 404, "message": null}``,
+    or a web page) is named in one line, by the command and by %gpu, not a traceback."""
+    from IPython.core.error import UsageError
+
+    from otherserver import not_gpupool
+
+    with not_gpupool() as other:
+        url = other + path
+        words = f"{url} is not a gpupool service ({answered}): check the URL (GPUPOOL_URL or --url)"
+        env = {**os.environ, "GPUPOOL_TOKEN": pool.service.user_token}
+        for command in (["status", "--url", url], ["quota", "--url", url]):
+            done = subprocess.run([str(GPUPOOL), *command], env=env, capture_output=True, text=True, timeout=60)
+            assert (done.returncode, done.stderr) == (1, f"gpupool {command[0]}: {words}\n"), done.stderr
+        service = shell.magics_manager.registry["GPUMagics"].service
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("GPUPOOL_URL", url)
+            patch.setattr(service, "_client", None)  # made again from GPUPOOL_URL
+            with pytest.raises(UsageError) as raised:
+                shell.run_line_magic("gpu", "status")
+        assert words in str(raised.value)
+    assert shell.magics_manager.registry["GPUMagics"].service.client.url == pool.service.url
+    pool.check_unchanged(f"a URL that is not gpupool's ({answered})")
 
 
 @pytest.mark.parametrize("token, sent", [(None, "no token was sent"),
