@@ -28,8 +28,10 @@ is for (optional ones: a kernel works without them, only slower):
     The shell channel's handlers by message type; the forwarding kernel
     routes comm messages.
 ``IPKernelApp.shell_channel_thread``
-    Dropped after ``init_sockets`` so that the shell socket is read on the
-    main thread (a kernel without subshells; optional).
+    Replaced after ``init_sockets`` (:class:`MainThreadShell`) so that the
+    shell socket is read on the main thread (optional).
+``Kernel._supports_kernel_subshells``
+    False in gpupool's kernels, which have no subshells (optional).
 ``OutStream._flush_pending``, ``_subprocess_flush_pending``, ``_buffer_lock``, ``_buffers``
     Whether a write waits to be flushed (optional: without them every flush
     makes its round trip, as ipykernel's own stream does).
@@ -42,6 +44,7 @@ import it for :data:`NO_EXECUTE_SLEEP`.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 #: The ipykernel versions these names were checked against.
@@ -73,7 +76,7 @@ def _kernel(*attrs: str, required: bool = True) -> tuple[Name, ...]:
 #: still works.
 WORKER_NAMES: tuple[Name, ...] = (
     *_kernel("_allow_stdin"),
-    *_kernel("_execute_sleep", required=False),
+    *_kernel("_execute_sleep", "_supports_kernel_subshells", required=False),
     Name("ipykernel.kernelapp", "IPKernelApp", "shell_channel_thread", required=False),
 )
 
@@ -148,10 +151,25 @@ def handle_shell(kernel, msg_type: str, handler) -> None:
 
 # -- the application and the output stream ------------------------------------------------
 
+class MainThreadShell:
+    """What stands for the shell-channel thread where the shell socket is read
+    on the main thread: falsy, so ipykernel starts no thread and reads the
+    socket on the main loop, with the ``parent_thread`` its ``do_execute``
+    reads to cancel a cell of top-level ``await`` on an interrupt (with None
+    there, such a cell raised AttributeError and got no reply). The kernel
+    says it has no subshells (:class:`gpupool.kernelapp.NoSubshellKernel`)."""
+
+    parent_thread = threading.main_thread()
+
+    def __bool__(self) -> bool:
+        return False
+
+
 def read_shell_on_main_thread(app) -> None:
     """After ``init_sockets``: no shell-channel thread (made there, started by
-    ``init_kernel``), so ipykernel reads the shell socket on the main thread."""
-    app.shell_channel_thread = None
+    ``init_kernel``; :class:`MainThreadShell` instead), so ipykernel reads the
+    shell socket on the main thread."""
+    app.shell_channel_thread = MainThreadShell()
 
 
 def nothing_pending(stream) -> bool:

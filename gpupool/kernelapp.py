@@ -31,8 +31,15 @@ from . import ipykernel_private
 COUNT_KEY = "gpupool_execution_count"
 
 
+class NoSubshellKernel(IPythonKernel):
+    """An IPythonKernel without subshells, its shell socket read on the main
+    thread (:class:`NoSubshellKernelApp`): ipykernel asks this to pick that path."""
+
+    _supports_kernel_subshells = False  # ipykernel's property: a shell-channel thread is there
+
+
 class NoSubshellKernelApp(IPKernelApp):
-    """IPKernelApp whose shell socket is read on the main thread."""
+    """IPKernelApp whose shell socket is read on the main thread; its kernel a :class:`NoSubshellKernel`."""
 
     #: The private ipykernel names its kernel uses, checked at start.
     private_names = ipykernel_private.WORKER_NAMES
@@ -61,7 +68,7 @@ class NoSubshellKernelApp(IPKernelApp):
 MAX_PAD = 100_000
 
 
-class WorkerKernel(IPythonKernel):
+class WorkerKernel(NoSubshellKernel):
     """A worker's kernel: an IPythonKernel whose cell takes the execution
     count named in its request's metadata (:data:`COUNT_KEY`), so In[n],
     Out[n] and ``Cell In[n]`` in tracebacks follow the notebook's numbering
@@ -82,7 +89,7 @@ class WorkerKernel(IPythonKernel):
 class WorkerKernelApp(NoSubshellKernelApp):
     """A worker's application: :class:`WorkerKernel`, no shell-channel thread."""
 
-    kernel_class = Type(WorkerKernel, klass="ipykernel.kernelbase.Kernel",
+    kernel_class = Type(WorkerKernel, klass=NoSubshellKernel,
                         help="The kernel class (default: gpupool's worker kernel).").tag(config=True)
 
 

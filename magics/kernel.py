@@ -30,13 +30,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ipykernel.ipkernel import IPythonKernel
 from ipykernel.zmqshell import ZMQInteractiveShell
 from IPython.core.error import UsageError
 from traitlets import Float, Type
 
 from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError
+from gpupool.kernelapp import NoSubshellKernel
 
 from .cell import ForwardedCell
 from .debugvars import LocalNames
@@ -59,7 +59,7 @@ class GPUPoolShell(ZMQInteractiveShell):
             super()._showtraceback(etype, evalue, stb)
 
 
-class GPUPoolKernel(IPythonKernel):
+class GPUPoolKernel(NoSubshellKernel):
     """IPythonKernel that forwards the front end's messages to the attached worker."""
 
     shell_class = Type(GPUPoolShell)

@@ -20,7 +20,7 @@ class GPUPoolKernelApp(NoSubshellKernelApp):
 
     name = "gpupool-kernel"
     private_names = ipykernel_private.NAMES
-    kernel_class = Type("gpupool.magics.kernel.GPUPoolKernel", klass="ipykernel.kernelbase.Kernel",
+    kernel_class = Type("gpupool.magics.kernel.GPUPoolKernel", klass="gpupool.kernelapp.NoSubshellKernel",
                         help="The kernel class (default: gpupool's forwarding kernel).").tag(config=True)
     outstream_class = DottedObjectName("gpupool.magics.outstream.QuietOutStream",
                                        help="The class of sys.stdout and sys.stderr in the kernel (default: "

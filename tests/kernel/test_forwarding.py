@@ -337,6 +337,29 @@ def test_the_debugger_answers_from_the_worker(attached):
                                              "arguments": {"restart": False, "terminateDebuggee": False}})
 
 
+AWAIT_CELL = "import asyncio\nawait asyncio.sleep(0.05)\nprint('awaited')"
+
+
+def test_top_level_await_runs_here_and_on_the_worker_and_an_interrupt_ends_it(kernel):
+    """A cell of top-level ``await`` (IPython's autoawait) gets its reply, detached and attached, as
+    in a plain kernel; interrupted mid-await it fails and the next cell runs (it got no reply, and
+    every later cell waited behind it: the kernels read their shell socket on the main thread)."""
+    km, kc = kernel
+    for where in ("here", "on the worker"):
+        cell = run(kc, AWAIT_CELL, timeout=30)
+        assert cell.ok and cell.stdout == "awaited\n", (where, cell.text())
+        if where == "here":
+            assert run(kc, "%gpu acquire 0.25").ok
+    msg_id = kc.execute("print('waiting', flush=True)\nawait asyncio.sleep(120)")
+    iopub_until(kc, lambda m: m["parent_header"].get("msg_id") == msg_id and "waiting" in m["content"].get("text", ""))
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert run(kc, "print('next')", timeout=30).stdout == "next\n"
+
+
 def test_the_worker_starts_in_the_notebooks_folder(kernel, tmp_path):
     _, kc = kernel
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
