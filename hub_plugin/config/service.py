@@ -7,6 +7,9 @@ from traitlets.config import Configurable
 
 from gpupool.traits import Duration
 
+#: The longest user name a token may name: what a worker's owner may be (``gpupool.wire.workers``).
+MAX_USER_NAME = 200
+
 
 class GPUPool(Configurable):
     """Where the service keeps its state and how it is reached: the store, its
@@ -79,8 +82,22 @@ class GPUPool(Configurable):
         help="""Standalone user tokens, token -> user name. Default: empty, in
         which case the service creates one token for the OS user running it
         and writes it to ``STATE_DIR/user_token`` (mode 0600).
-        ``c.GPUPool.api_tokens = {"3f9a...": "ann"}``.""",
+        ``c.GPUPool.api_tokens = {"3f9a...": "ann"}``. Refused at start: an
+        empty token, and a user name that is empty, blank or over 200
+        characters (what a worker's owner may be).""",
     ).tag(config=True)
+
+    @validate("api_tokens")
+    def _tokens_name_users(self, proposal):
+        # Checked here, not at the first worker start, where an empty owner is refused (WorkerRequest.owner).
+        for token, user in proposal.value.items():
+            if not token.strip():
+                raise TraitError(f"c.GPUPool.api_tokens: a token is empty (for user {user!r}); use a long random "
+                                 "string, such as `openssl rand -hex 32` prints")
+            if not user.strip() or len(user) > MAX_USER_NAME:
+                raise TraitError(f"c.GPUPool.api_tokens: a token's user name must be 1 to {MAX_USER_NAME} "
+                                 f"characters, not blank, got {user[:MAX_USER_NAME]!r}")  # never the token: a secret
+        return proposal.value
 
     admin_users = Set(
         Unicode(),

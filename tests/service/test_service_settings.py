@@ -78,6 +78,23 @@ def test_an_idle_timeout_above_the_maximum_stops_the_start_naming_both(service, 
                                      f"(7200s) (set in {config})")
 
 
+@pytest.mark.parametrize("tokens, words", [
+    ({"abc-token-of-nobody": ""}, "c.GPUPool.api_tokens: a token's user name must be 1 to 200 characters, not "
+                                  "blank, got ''"),
+    ({"abc-token-of-blank": "  "}, "a token's user name must be 1 to 200 characters, not blank, got '  '"),
+    ({"abc-token-of-long": "a" * 201}, "a token's user name must be 1 to 200 characters"),
+    ({"": "ann"}, "c.GPUPool.api_tokens: a token is empty (for user 'ann')"),
+])
+def test_a_token_of_no_user_stops_the_start(service, tmp_path, tokens, words):
+    """An empty user name was accepted, and refused only at the first worker start (its owner)."""
+    config = tmp_path / "gpupool_config.py"
+    config.write_text(f"c.GPUPool.api_tokens = {tokens!r}\n")
+    with pytest.raises(GPUPoolError) as refused:
+        service(f"--config={config}", f"--state-dir={tmp_path}")
+    assert words in refused.value.message and refused.value.message.endswith(f"(set in {config})")
+    assert not any(token and token in refused.value.message for token in tokens)  # a token is a secret
+
+
 def test_a_service_started_with_an_old_spelling_runs_with_it_and_says_the_new_one(tmp_path):
     config = tmp_path / "gpupool_config.py"
     config.write_text('c.GPUPool.idle_timeout = "1h"\n')
