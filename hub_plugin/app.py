@@ -140,7 +140,8 @@ class ServiceApp(Application):
         metrics_token = _read_token_file(service.metrics_token_file, "c.GPUPool.metrics_token_file")
         web_settings: dict = {}
         if hub_service.in_jupyterhub(os.environ):
-            authenticator, web_settings = hub_service.authentication(agent_token, service.base_url)
+            authenticator, web_settings = hub_service.authentication(agent_token, service.base_url,
+                                                                     service.hub_auth_cache_max_age)
         else:
             authenticator = TokenAuthenticator(user_tokens, service.admin_users, agent_token, **hint)
 

@@ -45,6 +45,9 @@ class Authenticator:
     #: Where a caller gets a token this authenticator knows, in words for the 401
     #: (:func:`unauthorized`); a subclass or an instance sets its own.
     token_hint = "a user's API token of this service"
+    #: Who makes a user a pool admin, in words for a 403 to one who is not
+    #: (``only pool admins may call /admin (...)``); a subclass sets its own.
+    admin_hint = "the service's admin setting"
 
     async def authenticate(self, token: str) -> Identity | None:
         raise NotImplementedError
@@ -56,6 +59,8 @@ class TokenAuthenticator(Authenticator):
     one token of node agents; ``token_hint`` where users get theirs (the 401's words:
     a token of ``c.GPUPool.api_tokens``, or the one the service wrote to
     ``STATE_DIR/user_token`` when none is configured). Comparisons take constant time."""
+
+    admin_hint = "c.GPUPool.admin_users"
 
     def __init__(self, user_tokens: dict[str, str], admin_users: set[str], agent_token: str,
                  token_hint: str = "a token of the service's c.GPUPool.api_tokens: ask the pool's admin") -> None:
@@ -147,6 +152,10 @@ class HubAuthenticator(Authenticator):
     """
 
     token_hint = "a JupyterHub API token with the custom:gpupool:use scope, such as a notebook's $JUPYTERHUB_API_TOKEN"
+    # Under the hub c.GPUPool.admin_users is not read: the admin scope is granted by configure(c, admin_group=...,
+    # admin_users=...), and, like every hub scope, comes with the user's next token.
+    admin_hint = (f"the hub's {ADMIN_SCOPE} scope: the admin_group or admin_users of "
+                  "gpupool.hub_plugin.hub.configure(c, ...) in jupyterhub_config.py")
 
     def __init__(self, hub_auth, agent_token: str) -> None:
         if not agent_token:

@@ -114,6 +114,17 @@ class GPUPool(Configurable):
         ``c.GPUPool.agent_token = open("/etc/gpupool/agent_token").read().strip()``.""",
     ).tag(config=True)
 
+    hub_auth_cache_max_age = Duration(
+        30.0,
+        help="""Under JupyterHub: seconds the service keeps the hub's answer about a
+        user's token (who it is, its scopes, the user's groups) before asking the
+        hub again; JupyterHub's ``HubAuth.cache_max_age``, whose own default is 5
+        minutes. A revoked token, a new admin scope or a change of groups reaches
+        the pool within this time; shorter asks the hub more often (once per token
+        per this time). Default: 30 seconds.
+        ``c.GPUPool.hub_auth_cache_max_age = "1m"``.""",
+    ).tag(config=True)
+
     metrics_token_file = Unicode(
         "",
         help="""File holding the token (one line) with which Prometheus reads all of

@@ -22,7 +22,7 @@ class AdminHandler(APIHandler):
     def require_admin(self) -> Identity:
         who = self.require_user()
         if not who.admin:
-            raise forbidden("only pool admins may call /admin (c.GPUPool.admin_users)")
+            raise forbidden(f"only pool admins may call /admin ({self.ctx.authenticator.admin_hint})")
         return who
 
 

@@ -8,7 +8,7 @@ import re
 from gpupool.errors import bad_request, not_found
 from gpupool.schema import LeaseState, has_control_characters
 
-from ..auth import ADMIN_SCOPE, forbidden
+from ..auth import forbidden
 from .base import APIHandler
 
 #: What ``models.new_lease_id`` makes. Any other id is answered 404 before the
@@ -43,8 +43,8 @@ class LeaseListHandler(APIHandler):
             raise bad_request(f"'all_users' must be 1, 0, true or false, got {all_users!r:.40}")
         all_users = all_users in ("1", "true")
         if all_users and not who.admin:
-            raise forbidden(f"only pool admins may list every user's leases (c.GPUPool.admin_users, or the "
-                            f"hub's {ADMIN_SCOPE} scope); without all_users you get your own")
+            raise forbidden(f"only pool admins may list every user's leases ({self.ctx.authenticator.admin_hint}); "
+                            "without all_users you get your own")
         leases = await self.ctx.pool.views.list(who, active=active in ("1", "true"), kernel_id=kernel_id,
                                                 all_users=all_users)
         self.write_json({"leases": leases})
