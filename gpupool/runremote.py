@@ -108,13 +108,14 @@ class Interrupts:
 
 
 def enter_cwd(remote: RemoteKernel, owner: str) -> str | None:
-    """Ask the worker to run in this process's folder, as the notebook's attach
-    does (the transfer comm's ``attach`` op): it does when its node sees that
-    folder and may enter it, else it runs in a scratch folder of ``owner``'s
+    """Ask the worker to run in this process's folder, with its home as ``~``, as the
+    notebook's attach does (the transfer comm's ``attach`` op): it does when its node
+    sees that folder and may enter it, else it runs in a scratch folder of ``owner``'s
     there. Returns that other folder, in words; None when it runs in this one.
     GPUPoolError when the worker does not answer."""
     here = os.getcwd()
-    answer, _ = remote.comm_request(TARGET, Attach(cwd=here, user=owner).to_json(), timeout=READY_TIMEOUT)
+    attach = Attach(cwd=here, home=os.path.expanduser("~"), user=owner)
+    answer, _ = remote.comm_request(TARGET, attach.to_json(), timeout=READY_TIMEOUT)
     cwd = answer.get("cwd")
     if not answer.get("ok") or not cwd:
         return "the worker's own folder (it could not be told this one)"

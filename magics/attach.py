@@ -57,10 +57,11 @@ class Forwarding:
 
 def join_notebook(attachment: Attachment, execution_count: int) -> None:
     """Tell the worker this notebook's ``execution_count`` (so prompts, ``Out[n]`` and tracebacks'
-    ``Cell In[n]`` agree) and folder, which it enters where it can (op ``attach``);
+    ``Cell In[n]`` agree), folder and home (``~``), which it takes where it can (op ``attach``);
     ``attachment.workdir`` then says where it runs. GPUPoolError when the worker does not answer."""
     user = attachment.lease.owner
-    answer, _ = attachment.request(Attach(execution_count=execution_count, cwd=os.getcwd(), user=user))
+    answer, _ = attachment.request(Attach(execution_count=execution_count, cwd=os.getcwd(),
+                                          home=os.path.expanduser("~"), user=user))
     cwd = answer.get("cwd")
     attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
                           f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "

@@ -141,12 +141,14 @@ class Versions(Request):
 @dataclass(frozen=True, kw_only=True)
 class Attach(Request):
     """Sent once when the gpupool kernel attaches: its ``execution_count``,
-    ``cwd`` and lease owner ``user``. Answer: ``cwd`` (where the worker
-    runs), ``notebook_dir`` (whether that is ``cwd``)."""
+    ``cwd``, ``home`` (its ``~``) and lease owner ``user``. Answer: ``cwd``
+    (where the worker runs), ``notebook_dir`` (whether that is ``cwd``),
+    ``home`` (the worker's ``~`` now)."""
 
     OP = Op.attach
     execution_count: int | None = None
     cwd: str | None = None
+    home: str | None = None
     user: str | None = None
 
 

@@ -20,7 +20,7 @@ from gpupool.wire.transfer import Attach, GpuMemory, Have, Op, Pulling, Push, Re
 
 from .devices import place_on_devices
 from .namespace import pull_header
-from .workdir import enter_workdir
+from .workdir import enter_workdir, take_home
 
 log = logging.getLogger("gpupool.worker")
 
@@ -77,12 +77,13 @@ def _versions(ip, request: Request) -> dict[str, Any]:
 def _attach(ip, request: Attach) -> dict[str, Any]:
     """Op ``attach``, sent once by the gpupool kernel when it attaches: take
     the notebook's execution count (so prompts, ``Out[n]`` and tracebacks'
-    ``Cell In[n]`` agree) and its working directory (:func:`.workdir.enter_workdir`).
-    Answers ``{"ok", "cwd", "notebook_dir": bool}``."""
+    ``Cell In[n]`` agree), its working directory (:func:`.workdir.enter_workdir`)
+    and its home (:func:`.workdir.take_home`). Answers ``{"ok", "cwd",
+    "notebook_dir": bool, "home"}``."""
     if isinstance(request.execution_count, int):
         ip.execution_count = request.execution_count
     cwd, followed = enter_workdir(request.cwd, request.user or "user")
-    return {"ok": True, "cwd": cwd, "notebook_dir": followed}
+    return {"ok": True, "cwd": cwd, "notebook_dir": followed, "home": take_home(request.home)}
 
 
 def _gpu_memory(ip, request: GpuMemory) -> dict[str, Any]:

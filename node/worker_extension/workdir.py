@@ -1,5 +1,6 @@
 """The worker's working directory: the notebook's folder where this node
-sees it, else a scratch folder of the user's own."""
+sees it, else a scratch folder of the user's own; and its home (``~``): the
+notebook's where this node sees it."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def enter_workdir(path: str | None, user: str) -> tuple[str, bool]:
     os.makedirs(scratch, mode=0o700, exist_ok=True)
     os.chdir(scratch)
     return scratch, False
+
+
+def take_home(path: str | None) -> str:
+    """Make the notebook's home ``path`` this worker's ``~`` (``HOME``, which
+    ``os.path.expanduser`` and the shell read) when this node sees it and the
+    worker's account may enter it, as :func:`enter_workdir` does the folder;
+    else the worker keeps its account's. Returns the worker's home now."""
+    if path and os.path.isabs(path) and os.path.isdir(path) and os.access(path, os.R_OK | os.X_OK):
+        os.environ["HOME"] = path
+    return os.path.expanduser("~")

@@ -61,7 +61,7 @@ TICKET = {"id": "00", "key": "11", "cipher": "none"}
 REQUESTS = [Push(header={"items": [], "errors": {}}, devices={"x": "cuda:0"}, stream={**TICKET, "sizes": [3]}),
             Pull(names=["x"], stream=TICKET), PullAll(max_bytes=10, stream=TICKET, stream_all=True),
             Fetch(source={"ip": "10.0.0.2", "transfer_port": 9000}, stream={**TICKET, "sizes": []}, header={}),
-            Have(names=["x", "y"]), Versions(), Attach(execution_count=3, cwd="/home/u", user="u"),
+            Have(names=["x", "y"]), Versions(), Attach(execution_count=3, cwd="/home/u/nb", home="/home/u", user="u"),
             GpuMemory(top=3), ForgetTraceback(), ParkGpu(), ResumeGpu(), Spill(path="/spill/x"),
             LoadSpill(path="/spill/x")]
 

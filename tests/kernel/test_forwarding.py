@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from frontend import run
-from frontend import remote_value
+from frontend import remote_value, run, start_gpupool_kernel
 from gpupool.magics.kernel import GPUPoolKernel
 
 WORKER_ONLY = "worker_only_name_4821"
@@ -367,6 +366,22 @@ def test_the_worker_starts_in_the_notebooks_folder(kernel, tmp_path):
     assert acquired.ok and f"the worker runs in this notebook's folder, {tmp_path}" in acquired.stdout
     assert remote_value(kc, "open('data.csv').read()") == "a,b\n1,2\n"
     assert remote_value(kc, "import os; os.getcwd()") == str(tmp_path)
+
+
+def test_the_worker_takes_the_notebooks_home(e2e_pool, tmp_path, monkeypatch):
+    """``~`` on the worker is the notebook's home where the node sees it (it was the agent's)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "mymod_zz.py").write_text("WHERE = 'home'\n")
+    monkeypatch.setenv("HOME", str(home))
+    km, kc = start_gpupool_kernel(e2e_pool[2], tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.25").ok
+        assert remote_value(kc, "import os; os.path.expanduser('~')") == str(home)
+        assert remote_value(kc, "open(os.path.expanduser('~/mymod_zz.py')).read()") == "WHERE = 'home'\n"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
 
 
 def test_release_brings_imports_back_as_imports(kernel):
