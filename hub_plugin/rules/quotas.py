@@ -180,7 +180,9 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
                                       ("gpu_hours_per_week", "weekly", used_week_s, week_resets)):
         allowed = getattr(limits, limit)
         if allowed is not None and used / 3600.0 >= allowed - EPSILON:
-            return QuotaRefusal(limit, f"{word} GPU-hours used up ({format_gpu_hours(min(used / 3600.0, allowed))} "
+            # The use as it is, also beyond the limit (a running lease goes on using): as `gpupool quota` shows it
+            shown = allowed if abs(used / 3600.0 - allowed) <= EPSILON else used / 3600.0
+            return QuotaRefusal(limit, f"{word} GPU-hours used up ({format_gpu_hours(shown)} "
                                 f"of {format_gpu_hours(allowed)}); resets {resets}")
     return None
 
