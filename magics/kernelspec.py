@@ -95,6 +95,7 @@ def install(name: str = DEFAULT_NAME, display_name: str = DEFAULT_DISPLAY_NAME, 
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(display_name, service_url, token_file), indent=1))
         _copy_logos(Path(tmp))
+        _readable_by_all(Path(tmp))
         try:
             return KernelSpecManager().install_kernel_spec(tmp, name, user=user, prefix=prefix, replace=None)
         except OSError as exc:
@@ -109,6 +110,16 @@ def _has_ipykernel() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _readable_by_all(folder: Path) -> None:
+    """``folder`` 0755 and its files 0644, as ``jupyter kernelspec install`` leaves a kernelspec:
+    install_kernel_spec copies the folder with its mode, and a temporary folder is 0700, which made
+    a ``--sys-prefix`` install by root a kernel no other user could see. Nothing in it is secret
+    (the token stays in its own file)."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def _copy_logos(dest: Path) -> None:

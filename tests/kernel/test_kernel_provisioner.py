@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -79,6 +80,21 @@ def test_kernelspec_install_writes_provisioner_config_not_the_token(tmp_path, ca
     assert spec["metadata"]["kernel_provisioner"] == {
         "provisioner_name": "gpupool",
         "config": {"service_url": "http://pool:8765", "token_file": str((tmp_path / "token").resolve())}}
+
+
+def test_kernelspec_install_is_readable_by_every_user(tmp_path, capsys):
+    """As `jupyter kernelspec install` makes them: the folder 0755, its files 0644 (it was 0700, the
+    temporary folder's mode, so root's --sys-prefix install was no kernel for anyone else)."""
+    old_umask = os.umask(0o077)  # whatever the installing user's umask: the modes are set, not left to it
+    try:
+        install(tmp_path, "http://pool:8765", "secret-user-token")
+    finally:
+        os.umask(old_umask)
+    capsys.readouterr()
+    spec_dir = tmp_path / "prefix" / "share" / "jupyter" / "kernels" / "gpupool"
+    assert stat.S_IMODE(spec_dir.stat().st_mode) == 0o755
+    files = {path.name: stat.S_IMODE(path.stat().st_mode) for path in spec_dir.iterdir()}
+    assert "kernel.json" in files and set(files.values()) == {0o644}, files
 
 
 def test_kernelspec_install_warns_of_a_token_file_it_cannot_read(tmp_path, capsys):
