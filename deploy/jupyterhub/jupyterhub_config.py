@@ -62,7 +62,7 @@ c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}
 c.Spawner.cmd = [str(Path(sys.executable).with_name("jupyterhub-singleuser"))]
 if os.geteuid() == 0:
     c.Spawner.args = ["--allow-root"]  # jupyter_server refuses to run as root otherwise
-c.Spawner.default_url = "/tree"
+c.Spawner.default_url = "/lab"  # JupyterLab (classic Notebook's /tree is a 404 on a server without it)
 c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
 # The "Python 3 (gpupool)" kernelspec, without URL or token: kernels take GPUPOOL_URL
