@@ -17,6 +17,12 @@ header then says their sizes and the receiver allocates them up front.
 PyTorch CPU tensors pickle their storage in-band (a copy of the whole
 tensor inside the pickle stream); :class:`_Pickler` sends them as NumPy
 arrays instead, whose memory goes out of band like any array's.
+
+cloudpickle names the code of a function it sends ``<dynamic-code>``, so its
+tracebacks had no source and ``??`` showed none. Code from a notebook cell
+keeps its cell's file name, and the cell's lines go along into the
+receiver's ``linecache`` (as IPython keeps them, :func:`_code_with_source`),
+with the cell's number, so a traceback there reads ``Cell In[3]`` as here.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 import functools
 import importlib
 import io
+import linecache
 import pickle
 import sys
+import types
 from typing import Any, Iterable
 
 import cloudpickle
@@ -66,7 +74,43 @@ class _Pickler(cloudpickle.Pickler):
             reduced = _reduce_tensor(torch, obj)
             if reduced is not None:
                 return reduced
+        if type(obj) is types.CodeType:
+            reduced = _reduce_cell_code(obj)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
+
+
+#: What cloudpickle names the code it sends.
+_DYNAMIC = "<dynamic-code>"
+
+
+def _reduce_cell_code(code: types.CodeType) -> tuple | None:
+    """``code`` of a notebook cell as :func:`_code_with_source` rebuilds it (its
+    own, renamed, as cloudpickle sends it, so this is not asked again); None for
+    code of a file on disk or of no known source."""
+    entry = linecache.cache.get(code.co_filename)
+    if code.co_filename == _DYNAMIC or entry is None or len(entry) != 4 or entry[1] is not None:
+        return None  # a file on disk (its mtime) travels by reference, or nothing is known
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", {})  # IPython's "Cell In[n]"
+    return _code_with_source, (code.replace(co_filename=_DYNAMIC), code.co_filename, entry[2],
+                               numbers.get(code.co_filename))
+
+
+def _code_with_source(code: types.CodeType, filename: str, lines: list[str], number: int | None
+                      ) -> types.CodeType:
+    """``code`` named ``filename`` again, with that cell's ``lines`` in this
+    process's ``linecache`` (kept, as IPython's cells are: no file to check)
+    and its cell ``number`` in this IPython's, so tracebacks and ``??`` show
+    the source. Called by pickle on the receiving side."""
+    if filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(number, int) and isinstance(numbers, dict):
+        numbers.setdefault(filename, number)
+    return code.replace(co_filename=filename)
 
 
 def _dumps(value: Any, buffer_callback) -> bytes:

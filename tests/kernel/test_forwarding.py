@@ -384,6 +384,25 @@ def test_the_worker_takes_the_notebooks_home(e2e_pool, tmp_path, monkeypatch):
         km.shutdown_kernel(now=False)
 
 
+def test_functions_keep_their_source_both_ways(kernel):
+    """A function defined in a cell here and called on the worker shows its cell's lines in its
+    traceback (``Cell In[n]``, as locally) and to ``inspect``; one defined on the worker does so
+    here after ``%gpu release`` (cloudpickle named their code ``<dynamic-code>``, with no source)."""
+    _, kc = kernel
+    defined = run(kc, "def g(a):\n    b = a - a\n    return a / b")
+    assert defined.ok
+    assert run(kc, "%gpu acquire 0.25").ok
+    failed = run(kc, "g(3)")
+    assert not failed.ok and "ZeroDivisionError" in failed.text()
+    trace = re.sub(r"\x1b\[[0-9;]*m", "", failed.text())
+    assert f"Cell In[{defined.reply['execution_count']}], line 3" in trace and "return a / b" in trace, trace
+    assert "<dynamic-code>" not in trace
+    assert remote_value(kc, "import inspect; inspect.getsource(g)").startswith("def g(a):")
+    assert run(kc, "def h():\n    return 'from the worker'").ok
+    assert run(kc, "%gpu release").ok
+    assert remote_value(kc, "import inspect; inspect.getsource(h)") == "def h():\n    return 'from the worker'\n"
+
+
 def test_release_brings_imports_back_as_imports(kernel):
     _, kc = kernel
     assert run(kc, "%gpu acquire 0.25").ok
