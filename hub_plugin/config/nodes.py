@@ -26,9 +26,13 @@ class PoolNodes(Configurable):
     ).tag(config=True)
 
     worker_start_timeout = Duration(
-        60.0,
+        90.0,
         help="""Seconds the service waits for an agent to start a worker before
-        the lease fails. Default: 60 seconds. ``c.PoolNodes.worker_start_timeout = "2m"``.""",
+        the lease fails. Keep it above the agents' own limits (their
+        ``c.AgentWorkers.worker_start_timeout`` and, on Slurm, ``c.SlurmLauncher.start_timeout``:
+        60 seconds each by default), so that an agent's words on why a start failed (a Slurm job
+        left pending, and Slurm's reason) reach the user. Default: 90 seconds.
+        ``c.PoolNodes.worker_start_timeout = "6m"``.""",
     ).tag(config=True)
 
     worker_stop_timeout = Duration(

@@ -15,8 +15,8 @@ from collections import Counter
 from typing import Collection, Iterable
 
 from .hosts import HostState, host_misfit, proportional
-from .scheduler import (Demand, GPUState, Placement, Refusal, _whole_free, claimed, has_claims, place, place_now,
-                        slice_misfit)
+from .scheduler import (Demand, GPUState, Placement, Refusal, _whole_free, claimed, has_claims, none_but_on, place,
+                        place_now, slice_misfit)
 from .workload import DEFAULT_WORKLOAD, EPSILON, Workload
 
 #: How far below the asked fraction the search for partly taken GPUs starts (>> float noise).
@@ -166,7 +166,10 @@ class PlacementIndex:
     def place_off(self, demand: Demand, nodes: Collection[str]) -> Placement | Refusal:
         """:meth:`place` on every node but ``nodes`` (held for someone else): a
         scan of the other GPUs, for the rare request whose first choice is held."""
-        return place(demand, [gpu for gpu in self.all() if gpu.node not in nodes], self.workload, hosts=self.hosts)
+        others = [gpu for gpu in self.all() if gpu.node not in nodes]
+        if not others and self.states:
+            return none_but_on(demand, {gpu.node for gpu in self.all()})
+        return place(demand, others, self.workload, hosts=self.hosts)
 
     def _claimed_view(self) -> PlacementIndex:
         if self._soft is None:

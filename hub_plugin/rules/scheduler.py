@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Collection
 
 from gpupool.units import format_bytes, format_share
 
@@ -367,11 +368,21 @@ def _whole_growth(demand: Demand, node: str, free: list[GPUState], idle: dict[st
     return host_aware_delta(demand, host, vector, taken, workload)
 
 
+def _asked(demand: Demand) -> str:
+    return f"no node has {demand.describe()} free now" if demand.gpu_count > 1 \
+        else f"no GPU can take {demand.describe()} now"
+
+
+def none_but_on(demand: Demand, nodes: Collection[str]) -> Refusal:
+    """The refusal for ``demand`` when every GPU of the pool is on ``nodes``, which were left
+    out (held for another request, or tried already): not "the pool has no GPUs"."""
+    return Refusal({Misfit.no_gpus: 1}, f"{_asked(demand)}: no node but {', '.join(sorted(nodes))} has GPUs")
+
+
 def _refusal(demand: Demand, gpus, reasons: Counter[Misfit], hosts: dict[str, HostState] | None = None) -> Refusal:
     """Tell a person what is free and why each GPU was ruled out."""
     counts = {reason: reasons[reason] for reason in REASONS if reasons[reason]}
-    asked = f"no node has {demand.describe()} free now" if demand.gpu_count > 1 \
-        else f"no GPU can take {demand.describe()} now"
+    asked = _asked(demand)
     if not gpus:
         return Refusal({Misfit.no_gpus: 1}, f"{asked}: the pool has no GPUs (no agent has registered a node)")
     usable = [g for g in gpus if g.node_up and g.healthy and not g.node_degraded

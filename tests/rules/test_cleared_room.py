@@ -164,3 +164,12 @@ ONE, TWO = (1.0, 1, "interactive"), (1.0, 2, "interactive")
 def test_the_eta_places_no_other_request_on_a_node_cleared_for_one(asks, ids, cleared, expected):
     plan = priority.Plan({}, {}, cleared)
     assert eta.eta_seconds(asks, ETA_ROOM, ETA_HELD, {}, T0, plan=plan, ids=ids) == expected
+
+
+def test_a_placement_off_every_node_says_where_the_gpus_are_not_that_the_pool_has_none():
+    """A worker start failed on the only node (it was left out): not "the pool has no GPUs
+    (no agent has registered a node)", which a person read after a slow Slurm start."""
+    refusal = PlacementIndex(node("n1")).place_off(Demand(1.0, 1), {"n1"})
+    assert refusal.message == "no GPU can take 1.00 now: no node but n1 has GPUs", refusal.message
+    assert PlacementIndex([]).place_off(Demand(1.0, 1), {"n1"}).message.endswith("the pool has no GPUs (no agent "
+                                                                                  "has registered a node)")
