@@ -43,7 +43,7 @@ from .debugvars import LocalNames
 from .events import Events, Requests, kernel_state
 from .magics import GPUMagics, ShownError
 from .notices import Notices
-from .routing import comm_for_worker, forwarded_code, help_target, malformed
+from .routing import comm_for_worker, completed_object, forwarded_code, help_target, malformed
 
 #: Seconds a forwarded complete/inspect/is_complete/comm_info request waits for the worker.
 REQUEST_TIMEOUT = 10.0
@@ -169,7 +169,25 @@ class GPUPoolKernel(NoSubshellKernel):
     # -- requests with a reply ----------------------------------------------------------
 
     async def complete_request(self, stream, ident, parent) -> None:
+        if self._completes_only_here(parent.get("content", {})):
+            await super().complete_request(stream, ident, parent)
+            return
         await self._forward_or_local(stream, ident, parent, super().complete_request, ("code", "cursor_pos"))
+
+    def _completes_only_here(self, content: dict[str, Any]) -> bool:
+        """Whether a completion asks for an attribute or item of an object only this kernel holds
+        (defined before the attach, not sent along yet: ``localdata['`` then Tab): the worker would
+        answer with its own names. One ``have`` round trip, for a name this kernel holds."""
+        code, cursor = content.get("code"), content.get("cursor_pos")
+        if not isinstance(code, str) or not isinstance(cursor, int) or self._remote() is None:
+            return False
+        name = completed_object(code, cursor)
+        if name is None or name not in self.shell.user_ns or name in self.shell.user_ns_hidden:
+            return False
+        try:
+            return name not in self.gpu.attachment.have([name])
+        except GPUPoolError:
+            return False  # the worker's answer, or this kernel's when it gives none
 
     async def inspect_request(self, stream, ident, parent) -> None:
         await self._forward_or_local(stream, ident, parent, super().inspect_request, ("code", "cursor_pos"))

@@ -62,6 +62,17 @@ def help_target(code: str) -> str | None:
     return match.group(1)
 
 
+#: An object's name, then the attribute or item being completed after it (``data.sh``, ``data['k``).
+_COMPLETED = re.compile(r"(?<![\w.\]])([^\W\d]\w*)(?:\s*\.\s*\w*|\s*\[[^\[\]]*\]?)+$")
+
+
+def completed_object(code: str, cursor_pos: int) -> str | None:
+    """The name of the object whose attribute or item a completion at ``cursor_pos``
+    in ``code`` asks for (``localdata['`` -> ``localdata``); None for a plain name."""
+    match = _COMPLETED.search(code[:cursor_pos])
+    return match.group(1) if match else None
+
+
 def comm_for_worker(msg: dict[str, Any], own_comms: Collection[str]) -> bool:
     """Whether the front end's comm message ``msg`` is the worker's (while
     attached): a ``comm_open`` of a target not gpupool's own, a

@@ -190,6 +190,26 @@ def test_completion_and_inspection_see_names_the_worker_has_not_received_yet(att
     assert nothing["content"]["status"] == "ok" and nothing["content"]["matches"] == []
 
 
+def test_completing_an_item_of_an_object_only_this_kernel_holds_completes_here(kernel):
+    """``localdata_zz[`` then Tab, for a dict defined before the attach and not sent along yet, offers
+    its keys as a local kernel does (the worker answered with its own names, and that stopped here)."""
+    _, kc = kernel
+    assert run(kc, "localdata_zz = {'kk_one': 1}").ok
+    assert run(kc, "%gpu acquire 0.25").ok
+    for code in ("localdata_zz[", "localdata_zz['kk"):
+        reply = request(kc, "shell", "complete_request", {"code": code, "cursor_pos": len(code)})
+        assert any("kk_one" in match for match in reply["content"]["matches"]), (code, reply["content"])
+
+
+@pytest.mark.parametrize("code, name", [
+    ("localdata[", "localdata"), ("x = localdata['k", "localdata"), ("data.sh", "data"), ("a[0].b", "a"),
+    ("f(localdata[", "localdata"), ("localdata", None), ("x.", "x"), ("1.", None),
+])
+def test_the_object_a_completion_asks_about(code, name):
+    from gpupool.magics.routing import completed_object
+    assert completed_object(code, len(code)) == name
+
+
 def test_comms_go_both_ways_and_comm_info_lists_both_sides(attached):
     _, kc = attached
     setup = run(kc, "seen = []\n"
