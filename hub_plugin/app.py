@@ -35,6 +35,7 @@ from traitlets import Integer, TraitError, Unicode, default
 from traitlets.config import Application, Config
 
 from gpupool import __version__, httpin
+from gpupool.config_files import load_config_file
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.moved_settings import carry_moved, new_homes
 from gpupool.statedir import lock_state_dir
@@ -106,11 +107,8 @@ class ServiceApp(Application):
     def initialize(self, argv: list[str] | None = None) -> None:
         super().initialize(argv)
         if self.config_file:
-            path = Path(self.config_file).expanduser().resolve()
-            if not path.is_file():
-                raise GPUPoolError(Reason.not_configured, f"config file {path} not found (--config)")
-            # load_config_file keeps the command line above the file.
-            self.load_config_file(path.name, path=str(path.parent))
+            # load_config_file keeps the command line above the file; one line for a file that fails.
+            load_config_file(self, Path(self.config_file).expanduser().resolve())
         _setup_logging(self.log_level)
         self.settings = _settings(self)
 

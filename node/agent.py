@@ -32,17 +32,20 @@ import socket
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from traitlets import Integer, Unicode, default, validate
 from traitlets.config import Application, Config, catch_config_error
 
+from gpupool.config_files import load_config_file
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.leaseargs import join_negative_values
 from gpupool.moved_settings import carry_moved, new_homes
 from gpupool.tls import client_context, server_context
 from gpupool.statedir import lock_state_dir
 from gpupool.traits import Duration
-from gpupool.wire.nodes import GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport
+from gpupool.wire.nodes import (GPUReading, Heartbeat, NodeRegistration, WorkerEnvironment, WorkerReport,
+                                is_node_name)
 
 from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
@@ -82,6 +85,9 @@ class NodeAgent(Application):
 
     # The cluster launchers' settings are read by worker_launcher = "slurm" or "kubernetes".
     classes = [*SETTINGS_PARTS, SlurmLauncher, KubernetesLauncher]
+    # A config file that fails to run stops the agent (one line: gpupool.config_files) instead of
+    # traitlets' logged traceback and a start with the defaults.
+    raise_config_file_errors = True
 
     aliases = {
         "service-url": "NodeAgent.service_url",
@@ -240,20 +246,24 @@ class NodeAgent(Application):
         Raises GPUPoolError (printed by ``gpupool``) for a bad setup."""
         self.parse_command_line(argv)
         if self.config_file:
-            path = Path(self.config_file)
-            if not path.is_file():
-                raise GPUPoolError(Reason.not_configured, f"config file {path} does not exist (--config)")
-            self.load_config_file(path.name, path=str(path.parent.resolve()))
+            load_config_file(self, Path(self.config_file).expanduser().resolve())
         self.read_settings()
         if not self.service_url:
             raise GPUPoolError(Reason.not_configured,
                                "no service URL: pass --service-url=http://HOST:PORT of the pool service")
         self.service_url = self.service_url.rstrip("/")
+        self.check_start_settings()
         self.tls = server_context(self.ssl_cert, self.ssl_key, "--ssl-cert / --ssl-key")
         self.service_tls = client_context(self.ca_file)
         self.tokens = AgentTokens(self.token_file, self.metrics_token_file)
         self.metrics = AgentMetrics(self.node_name)
         workers, gpus = self.agent_workers, self.agent_inventory
+        try:
+            self.launcher = launchers.launcher_class(workers.worker_launcher)
+        except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
+            raise GPUPoolError(Reason.not_configured, f"{exc} (c.AgentWorkers.worker_launcher)") from None
+        # Before the worker accounts' own checks: with a launcher that cannot use them, those are moot.
+        self.launcher.check_settings(self.config, bool(workers.worker_user or workers.worker_users), self.log)
         self.worker_environments = self.check_environments()
         self.account_settings = WorkerAccountSettings(workers.worker_user, workers.worker_users, self.state_dir,
                                                       self.node_name, self.log)
@@ -276,10 +286,6 @@ class NodeAgent(Application):
         except (ValueError, TypeError) as exc:  # an unknown or broken plugin
             raise GPUPoolError(Reason.not_configured, str(exc)) from None
         try:
-            self.launcher = launchers.launcher_class(workers.worker_launcher)
-        except (ValueError, TypeError) as exc:  # a plugin gone since the setting was checked, or a broken one
-            raise GPUPoolError(Reason.not_configured, f"{exc} (c.AgentWorkers.worker_launcher)") from None
-        try:
             self.gpu_checkpointer = checkpoint.resolve(self.agent_parking.checkpointer, checkpoint.NodeFacts(
                 self.inventory.kind, self.inventory.versions().get("driver")), self.log)
         except (ValueError, TypeError) as exc:  # cannot work here; a broken plugin
@@ -298,6 +304,32 @@ class NodeAgent(Application):
         self.agent_enforcement = AgentEnforcement(parent=self)
         self.agent_workers = AgentWorkers(parent=self)
         self.agent_parking = AgentParking(parent=self)
+
+    def check_start_settings(self) -> None:
+        """Settings that can never work, refused in one line before the agent makes anything
+        (state folder, cgroups) or registers: a node name the service refuses, a service URL
+        that is not ``http(s)://HOST``, an ``--ip`` that names no address, a ``spill_dir`` that
+        cannot be made. GPUPoolError ``not_configured``."""
+        if not is_node_name(self.node_name):
+            raise GPUPoolError(Reason.not_configured,
+                               f"--name={self.node_name!r} cannot name a node: 1 to 200 characters without '/', "
+                               "control characters or surrounding spaces (c.NodeAgent.node_name)")
+        parts = urlsplit(self.service_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GPUPoolError(Reason.not_configured, f"--service-url={self.service_url!r} is not an http:// or "
+                               "https:// URL of the pool service (c.NodeAgent.service_url)")
+        try:
+            socket.getaddrinfo(self.ip or None, None, flags=socket.AI_PASSIVE)
+        except (OSError, UnicodeError) as exc:
+            raise GPUPoolError(Reason.not_configured, f"--ip={self.ip} names no address of this host "
+                               f"({getattr(exc, 'strerror', None) or exc}; c.NodeAgent.ip)") from None
+        spill_dir = self.agent_parking.spill_dir
+        if spill_dir:  # the admin's own folder, made now: a bad one stops the start before the state folder is
+            try:
+                Path(spill_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise GPUPoolError(Reason.not_configured, f"--spill-dir={spill_dir} cannot be made: "
+                                   f"{exc.strerror or exc} (c.AgentParking.spill_dir)") from None
 
     def containment(self, state_dir: Path) -> Containment:
         """The workers' cgroups (``cgroup_mode``, ``cgroup_root`` of ``c.AgentEnforcement``);
@@ -347,9 +379,12 @@ class NodeAgent(Application):
             await self._refuse(server, stopping)
             return
         service = self.service_link()
-        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s); service %s",
-                      self.node_name, self.url, len(self.node_gpus.gpus), self.inventory.kind, self.node_gpus.enforcement.name,
-                      self.gpu_checkpointer.name, self.service_url)
+        where = self.workers.launcher.where()
+        launcher = self.agent_workers.worker_launcher + (f" on {where}" if where else "")
+        self.log.info("agent %s serving on %s with %d %s GPU(s) (enforcement: %s, checkpointer: %s, "
+                      "worker launcher: %s); service %s", self.node_name, self.url, len(self.node_gpus.gpus),
+                      self.inventory.kind, self.node_gpus.enforcement.name, self.gpu_checkpointer.name, launcher,
+                      self.service_url)
         service_task = asyncio.create_task(service.run())
         self.workers.start_warm_pool()
         await stopping.wait()
@@ -428,8 +463,10 @@ class NodeAgent(Application):
         confinement, workers = self.agent_enforcement, self.agent_workers
         cgroups = None if self.refusal else self.containment(state_dir)
         if cgroups is not None and confinement.require_containment and cgroups.mode == "none":
-            self.refusal = ("the workers' cgroups cannot be made "
-                            f"(c.AgentEnforcement.cgroup_mode = {confinement.cgroup_mode!r}): {cgroups.why}")
+            setting = f"c.AgentEnforcement.cgroup_mode = {confinement.cgroup_mode!r}"
+            # cgroup_mode = 'none' is its own reason: said once, not "(setting): setting".
+            why = "" if cgroups.why == setting else f": {cgroups.why}"
+            self.refusal = f"the workers' cgroups cannot be made ({setting}){why}"
         if self.refusal is not None:
             if cgroups is not None:
                 cgroups.close()

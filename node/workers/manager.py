@@ -76,6 +76,11 @@ class WorkerManager:
                                                discard=self._reaper.terminate, alive=lambda w: not w.process.exited(),
                                                log=self.log)
 
+    @property
+    def launcher(self) -> WorkerLauncher:
+        """The launcher that starts this node's workers (read-only: for the agent's start log)."""
+        return self._launcher
+
     def use_enforcement(self, mode: EnforcementMode) -> None:
         """Start every worker from now on in ``mode``'s slices (the agent's mode
         changed when the GPUs were read again, e.g. ``auto`` found MIG

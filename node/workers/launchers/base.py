@@ -61,6 +61,11 @@ class WorkerLauncher(ABC):
         self.reaper = reaper
         self.log = log
 
+    def where(self) -> str:
+        """Where this launcher runs workers, in a few words for the agent's start log beside its
+        name (``Slurm node gpu-07``); empty (the default): on the agent's host."""
+        return ""
+
     @abstractmethod
     async def cold(self, spec: WorkerSpec) -> Worker:
         """Start the worker of ``spec`` (its ``spec`` set), its slice's
@@ -71,6 +76,15 @@ class WorkerLauncher(ABC):
         """Start one warm worker (``spec`` None): no GPU visible,
         ``settings.warm.preload`` imported; :mod:`..binding` binds it to a
         lease later."""
+
+    @classmethod
+    def check_settings(cls, config: Any, separate_accounts: bool, log: logging.Logger) -> None:
+        """Called once as the agent starts, before it makes anything (state folder, cgroups), with
+        the agent's traitlets ``config``; ``separate_accounts``: workers are to run as other accounts
+        (``c.AgentWorkers.worker_user`` or ``worker_users`` set). Raises GPUPoolError, in one line that
+        names the setting, for settings this launcher can never work with, or when what it starts
+        workers in cannot be asked at all (the agent then refuses to start, exit 1, instead of
+        registering and failing every lease). Default: nothing to check."""
 
     @classmethod
     def host_totals(cls, config: Any, log: logging.Logger) -> tuple[float, int] | None:

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from traitlets import TraitError
+
+from gpupool.errors import GPUPoolError, Reason
 
 from ...handle import Worker, tail_lines
 from ...kernel import history_path
@@ -31,6 +34,10 @@ from .record import SlurmWorkerRecord
 from .request import is_slice, job_environment
 from .state import parse_pairs
 
+#: Why workers cannot run as other accounts here (a lease's start, or the agent's start, refuses).
+ACCOUNTS_REFUSAL = ("the Slurm launcher runs workers as the agent's account only "
+                    "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'slurm')")
+
 #: Seconds to wait for the kernel's process to show in its job once Slurm runs it.
 KERNEL_PID_WAIT_S = 10.0
 
@@ -44,6 +51,28 @@ class SlurmWorkers(WorkerLauncher):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.slurm = _launcher(self.settings.config, self.log)
+
+    def where(self) -> str:
+        return f"Slurm node {self.slurm.node}"
+
+    @classmethod
+    def check_settings(cls, config: Any, separate_accounts: bool, log: logging.Logger) -> None:
+        """At start: no worker accounts (Slurm runs the jobs as the agent's), ``c.SlurmLauncher.*``
+        values that check, and Slurm that answers ``squeue`` for this node (slurmctld up, the
+        clients where ``bin_dir`` says): each refused in one line, as systemd then restarts the agent
+        until Slurm answers. Before recovery too, whose re-adoption would otherwise find no job."""
+        if separate_accounts:
+            raise GPUPoolError(Reason.not_configured, ACCOUNTS_REFUSAL + "; drop --worker-user")
+        try:
+            slurm = _launcher(config, log)
+        except TraitError as exc:
+            raise GPUPoolError(Reason.not_configured, str(exc)) from None
+        try:
+            slurm.commands.run_blocking("squeue", "--noheader", f"--nodelist={slurm.node}", "--format=%i")
+        except SlurmError as exc:
+            raise GPUPoolError(Reason.service_unavailable,
+                               f"worker_launcher = 'slurm', but Slurm cannot be asked for node {slurm.node}'s jobs: "
+                               f"{exc}") from None
 
     @classmethod
     def host_totals(cls, config: Any, log: logging.Logger) -> tuple[float, int] | None:
@@ -62,9 +91,8 @@ class SlurmWorkers(WorkerLauncher):
         """Start ``spec``'s worker in Slurm and wait until it answers
         ``kernel_info``. WorkerStartError in words (Slurm's, when it refused
         or kept the job pending); nothing is left in Slurm then."""
-        if spec.user is not None or self.accounts.others:
-            raise WorkerStartError("the Slurm launcher runs workers as the agent's account only "
-                                   "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'slurm')")
+        if spec.user is not None or self.accounts.others:  # refused at start already (check_settings)
+            raise WorkerStartError(ACCOUNTS_REFUSAL)
         settings = self.settings
         manager = self.kernels(settings.workers_dir / f"kernel-{secrets.token_hex(16)}.json")
         manager.write_connection_file()
