@@ -12,7 +12,10 @@ c.GPUPool.db_url = "postgresql+psycopg://gpupool@/gpupool?host=/run/postgresql"
 if Path("/etc/gpupool/agent_token").exists():
     c.GPUPool.agent_token = Path("/etc/gpupool/agent_token").read_text().strip()
 c.GPUPool.metrics_token_file = "/etc/gpupool/metrics_token"
-c.GPUPool.admin_users = {"root"}
+# Admins (`gpupool quota set ...`, anyone's lease): the service's account, User=gpupool in its unit. Without
+# c.GPUPool.api_tokens its token is the service's /var/lib/gpupool/service/user_token (README steps 6 and 7);
+# people get tokens of their own with c.GPUPool.api_tokens = {TOKEN: "ann"} and are named here.
+c.GPUPool.admin_users = {"gpupool"}
 c.PoolQuotas.quotas = {"*": {"max_gpus": 1, "gpu_hours_per_day": 8}}
 
 # -- the agents (GPU hosts) --------------------------------------------------------------------

@@ -12,7 +12,9 @@ CA (step 2) and the same agent token (step 3). What differs from real hosts, and
 - paths: ``/opt/gpupool/bin`` is this test's Python, ``/etc/gpupool`` and ``/var/lib/gpupool``
   are per-host folders (every such path in the units and the config is rewritten, nothing else);
 - the store: SQLite in the service's state directory instead of the README's PostgreSQL role;
-- accounts: the service runs as root (``User=gpupool`` needs systemd), and the worker account
+- accounts: the service runs as root (``User=gpupool`` needs systemd), so the config's ``admin_users``
+  names root where it names the unit's ``User=`` (README step 7's quota command then runs as the
+  service's account, as on a real host), and the worker account
   is the suite's ``gpupool-test-worker`` (tests/node/test_worker_user.py) instead of ``gpupool-worker``;
 - the GPUs: no GPU here, so each agent's ``gpupool`` runs with the fake NVML of
   tests/support/fakenvml.py (one H100 on gpu1, one A100 on gpu2); its arguments are the unit's, but
@@ -26,6 +28,7 @@ Needs root and ``ip netns``; skipped with the reason elsewhere.
 from __future__ import annotations
 
 import datetime
+import getpass
 import ipaddress
 import json
 import os
@@ -158,6 +161,10 @@ def test_three_gpu_hosts_and_a_hub(shared_root, python_reachable, hosts_files): 
             state = root / "var/lib/gpupool/service"
             config = config.replace('c.GPUPool.db_url = "postgresql+psycopg://gpupool@/gpupool?host=/run/postgresql"',
                                     f'c.GPUPool.db_url = "sqlite:///{state}/gpupool.sqlite"')
+            service_user = unit("gpupool-service.service")["Service"]["User"][0]
+            admins = f'c.GPUPool.admin_users = {{"{service_user}"}}'
+            assert admins in config, "the config's admins are not the service's account"
+            config = config.replace(admins, f'c.GPUPool.admin_users = {{"{getpass.getuser()}"}}')
             (etc / "gpupool_config.py").write_text(config)
         svc_etc = roots[svc.name] / "etc/gpupool"
         certificate(ca, ca_key, ["hub.example.org"], [svc.ip], svc_etc / "service.key", svc_etc / "service.crt")
@@ -201,6 +208,12 @@ def test_three_gpu_hosts_and_a_hub(shared_root, python_reachable, hosts_files): 
                          "both agents to register", service, service_log)
         assert {n["name"] for n in nodes} == {"gpu-1", "gpu-2"}
         assert all(n["state"] == "up" for n in nodes)
+
+        # Step 7: the service's account, an admin, sets a quota with its token file.
+        quota = subprocess.run([sys.executable, "-m", "gpupool.cli", "quota", "set", "user:ann", "max_gpus=2",
+                                "--url", f"https://{svc.ip}:8765", "--token-file", str(state / "user_token"),
+                                "--ca-file", str(svc_etc / "ca.crt")], capture_output=True, text=True, timeout=60)
+        assert quota.returncode == 0, quota.stderr
 
         # A notebook kernel on nb, told the public URL, runs a cell on each GPU host.
         kernels = shared_root / "kernels" / "gpupool-nb"

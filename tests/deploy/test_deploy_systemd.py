@@ -130,3 +130,20 @@ def test_readme_walks_through_three_gpu_hosts_and_a_hub():
     assert "## Three GPU hosts and a hub" in text
     for name in (*UNITS, "gpupool_config.py"):
         assert name in text
+
+
+def test_the_service_account_is_an_admin_and_the_readme_uses_its_token():
+    """The shipped config's ``admin_users`` names the account the service's unit runs as (``User=``):
+    without ``c.GPUPool.api_tokens`` that account's is the only token (STATE_DIR/user_token), which
+    the README's quota step uses, so ``gpupool quota set`` works as shipped."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    config = PyFileConfigLoader("gpupool_config.py", path=str(SYSTEMD)).load_config()
+    service_user = unit(UNITS[0])["Service"]["User"][0]
+    assert service_user in config.GPUPool.admin_users, (service_user, config.GPUPool.admin_users)
+    assert "api_tokens" not in config.GPUPool  # else the service writes no user_token
+    state_dir = option(exec_start(UNITS[0]), "state-dir")
+    readme = (SYSTEMD / "README.md").read_text()
+    [quota] = [line for line in readme.splitlines() if line.strip().startswith("gpupool quota set ")]
+    assert quota.strip().endswith("\\")
+    assert f"--token-file {state_dir}/user_token" in readme.split(quota, 1)[1].splitlines()[1]
