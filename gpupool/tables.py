@@ -368,19 +368,19 @@ def node_note(name: str, state: str, reason: str | None) -> str:
 def environment_table(pool: dict[str, Any]) -> tuple[str, str]:
     """One row per worker environment of each node of ``GET /pool`` (a node's
     ``environments``: ``[{"name", "python", "default", "usable", "problem"}]``, as
-    its agent reported them at registration): node, name, default or not, the
-    Python, and whether leases may name it (else why not). ``("", "")`` when no
+    its agent reported them at registration): node, name, whether it is the
+    node's default (``yes``), the Python, and whether leases may name it (else why not). ``("", "")`` when no
     node reports any (agents before environments, or a service that does not pass
     them on)."""
     rows = []
     for node in pool.get("nodes", []):
         for env in node.get("environments") or []:
             usable = "yes" if env.get("usable") else f"no: {env.get('problem') or 'unknown'}"
-            rows.append([node["name"], env.get("name", "?"), "default" if env.get("default") else "",
+            rows.append([node["name"], env.get("name", "?"), "yes" if env.get("default") else "",
                          env.get("python", "?"), usable])
     if not rows:
         return "", ""
-    return table(["node", "environment", "", "python", "usable"], rows)
+    return table(["node", "environment", "default", "python", "usable"], rows)
 
 
 #: The columns of :func:`holders_rows`.

@@ -106,7 +106,8 @@ def test_a_lease_names_an_environment_end_to_end(tmp_path, service):
         pool = service.client().pool()
         envs = {e["name"]: e for e in pool["nodes"][0]["environments"]}
         assert set(envs) == {"default", "venv"} and envs["default"]["default"] and envs["venv"]["usable"]
-        assert "venv" in environment_table(pool)[0]
+        text = environment_table(pool)[0]
+        assert "venv" in text and text.splitlines()[0].split()[:3] == ["node", "environment", "default"]
         assert "venv" in pool_table(pool)[0] and "venv" in pool_table(pool)[1]  # what %gpu pool shows
         lease = service.client().create_lease(LeaseRequest(fraction=0.5, env="venv"))
         lease = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is not LeaseState.starting
