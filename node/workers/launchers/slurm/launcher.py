@@ -73,7 +73,8 @@ class SlurmLauncher(LoggingConfigurable):
     time_limit = Unicode(
         "", help="""Time limit of each worker's job, in Slurm's format (minutes, ``HH:MM:SS``,
         ``D-HH:MM:SS`` or ``UNLIMITED``; empty, the default: the partition's). When Slurm ends a job at its
-        limit, the lease ends with those words. ``c.SlurmLauncher.time_limit = "7-00:00:00"``.""",
+        limit, the lease ends with those words. A slice is a step of a share job, so it gets what is left
+        of that job's limit (docs/launchers.md). ``c.SlurmLauncher.time_limit = "7-00:00:00"``.""",
     ).tag(config=True)
 
     @validate("time_limit")
@@ -136,7 +137,9 @@ class SlurmLauncher(LoggingConfigurable):
 
     start_timeout = Duration(
         60.0, help="""Seconds (or ``"5m"``) Slurm may keep a worker's job pending before its start fails and
-        the job is cancelled (default 60). ``c.SlurmLauncher.start_timeout = "5m"``.""",
+        the job is cancelled, with Slurm's reason (default 60). Keep the service's
+        ``c.PoolNodes.worker_start_timeout`` (90 s) above it, or the service gives up first and the reason
+        is lost. ``c.SlurmLauncher.start_timeout = "5m"``.""",
     ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
