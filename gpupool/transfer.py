@@ -92,10 +92,8 @@ def _reduce_cell_code(code: types.CodeType) -> tuple | None:
     entry = linecache.cache.get(code.co_filename)
     if code.co_filename == _DYNAMIC or entry is None or len(entry) != 4 or entry[1] is not None:
         return None  # a file on disk (its mtime) travels by reference, or nothing is known
-    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-    numbers = getattr(getattr(shell, "compile", None), "_filename_map", {})  # IPython's "Cell In[n]"
     return _code_with_source, (code.replace(co_filename=_DYNAMIC), code.co_filename, entry[2],
-                               numbers.get(code.co_filename))
+                               _cell_numbers().get(code.co_filename))
 
 
 def _code_with_source(code: types.CodeType, filename: str, lines: list[str], number: int | None
@@ -106,11 +104,17 @@ def _code_with_source(code: types.CodeType, filename: str, lines: list[str], num
     the source. Called by pickle on the receiving side."""
     if filename not in linecache.cache:
         linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+    if isinstance(number, int):
+        _cell_numbers().setdefault(filename, number)
+    return code.replace(co_filename=filename)
+
+
+def _cell_numbers() -> dict:
+    """This process's IPython's cell file name -> cell number (what its tracebacks read as
+    ``Cell In[n]``; a private name of IPython's compiler); a throwaway dict outside IPython."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
     numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
-    if isinstance(number, int) and isinstance(numbers, dict):
-        numbers.setdefault(filename, number)
-    return code.replace(co_filename=filename)
+    return numbers if isinstance(numbers, dict) else {}
 
 
 def _dumps(value: Any, buffer_callback) -> bytes:
