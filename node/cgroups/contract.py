@@ -6,6 +6,7 @@ both raise. The implementations: :mod:`.v2`, :mod:`.hybrid`, :mod:`.v1`,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 
 class CgroupError(Exception):
@@ -121,6 +122,13 @@ class Containment(ABC):
         controller there), naming what is missing."""
         raise CgroupError(f"a process limit needs a cgroup with the pids controller, and this agent runs without "
                           f"one (c.AgentEnforcement.cgroup_mode = {self.mode!r})")
+
+    def task_root(self) -> Path | None:
+        """The subtree's folder in a v1 pids hierarchy, where a process that
+        lives in another's cgroups (a Slurm job's) can be given a task limit
+        without leaving them (v1 hierarchies are independent); None where
+        this host has none."""
+        return None
 
     def close(self) -> None:
         """Remove the agent's subtree if it is empty (and the ``gpupool``

@@ -87,6 +87,9 @@ class HybridContainment(V2Containment):
             make_dirs(self.v1_roots["pids"])
             write(self.v1_roots["pids"] / "pids.max", str(int(total)))
 
+    def task_root(self) -> Path | None:
+        return self.v1_roots.get("pids")
+
     def find(self, name: str) -> HybridCgroup | None:
         return HybridCgroup(name, self.root / name, self.v1_roots) if (self.root / name).is_dir() else None
 

@@ -122,6 +122,9 @@ class V1Containment(Containment):
             raise CgroupError("the v1 pids controller is not mounted on this node (/proc/mounts)")
         write(self.roots["pids"] / "pids.max", str(int(total)))
 
+    def task_root(self) -> Path | None:
+        return self.roots.get("pids")
+
     def create(self, name: str) -> V1Cgroup:
         group = V1Cgroup(name, {controller: root / name for controller, root in self.roots.items()})
         fresh(group, *group.paths.values())

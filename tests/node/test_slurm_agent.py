@@ -38,7 +38,8 @@ def pool(cluster, tmp_path):  # noqa: F811
 
 def slurm_args(cluster) -> list[str]:  # noqa: F811
     return ["--worker-launcher=slurm", "--transport-encryption=none", f"--SlurmLauncher.node={cluster.name}",
-            f"--SlurmLauncher.slurm_conf={cluster.conf}", "--SlurmLauncher.start_timeout=30"]
+            f"--SlurmLauncher.slurm_conf={cluster.conf}", "--SlurmLauncher.start_timeout=30",
+            "--AgentEnforcement.worker_pids_max=96"]
 
 
 def active(service, request: LeaseRequest):
@@ -121,6 +122,23 @@ def test_park_stops_a_slices_step_where_it_is_and_resume_goes_on(cluster, pool):
     service.client().resume(lease.id)
     wait_for(lambda: service.client().get_lease(lease.id).state is LeaseState.active, 60, "the lease resumed")
     assert cell(lease, "print(x + 1)").strip() == "42"
+    service.client().release(lease.id)
+    wait_for(lambda: not queue(cluster, "--format=%i"), 60, "no job left in Slurm")
+
+
+def test_a_slice_that_starts_tasks_without_end_stops_at_its_own_limit(cluster, pool):  # noqa: F811
+    """Slurm sets no task limit; the agent's (``worker_pids_max``, 96 here) holds the slice's step:
+    a thread start beyond it fails in that worker only, and the worker goes on."""
+    service, agent = pool
+    lease = active(service, LeaseRequest(fraction=0.5))
+    started = cell(lease, "import threading\nhold, n, why = threading.Event(), 0, ''\ntry:\n"
+                          "    for _ in range(1000):\n"
+                          "        threading.Thread(target=hold.wait, daemon=True).start(); n += 1\n"
+                          "except RuntimeError as e:\n    why = str(e)\nhold.set()\nprint(n, why)")
+    count, why = started.split(" ", 1)
+    assert 48 < int(count) < 96 and "can't start new thread" in why, started
+    assert cell(lease, "print(6 * 7)").strip() == "42"
+    assert f"lease {lease.id} limited to 96 tasks" in agent.log.read_text()
     service.client().release(lease.id)
     wait_for(lambda: not queue(cluster, "--format=%i"), 60, "no job left in Slurm")
 

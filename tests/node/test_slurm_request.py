@@ -6,6 +6,8 @@ Slurm in tests/node/test_slurm.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from traitlets import TraitError
 from traitlets.config import Config
@@ -16,6 +18,7 @@ from gpupool.node.workers.launchers.slurm import (JobSettings, SlurmJob, SlurmLa
 from gpupool.node.workers.launchers.slurm.request import (gres, job_environment, lease_job, share_job,
                                                                  slice_step)
 from gpupool.node.workers.launchers.slurm.state import end_line, gpu_indices, parse_pairs
+from gpupool.node.workers.launchers.slurm.tasks import _job_folder
 from gpupool.wire.nodes import GPUInfo
 
 GiB = 2**30
@@ -220,3 +223,12 @@ def test_the_record_round_trips_as_json_and_refuses_anything_else():
                 '{"version": 1, "lease_id": "L", "job_id": 0, "name": "n", "log_path": "l", "connection_file": "c"}'):
         with pytest.raises(ValueError, match="not a Slurm worker record"):
             SlurmWorkerRecord.loads(bad)
+
+
+def test_a_task_limit_goes_on_slurms_job_or_on_a_slices_step():
+    """Where Slurm's hierarchy has the pids controller (cgroup/v2), the limit goes on the job's
+    cgroup for a whole-GPU lease and on the step's for a slice (tasks._job_folder)."""
+    task = Path("/sys/fs/cgroup/system.slice/slurmstepd.scope/job_12/step_3/user/task_0")
+    assert _job_folder(task, 12, None) == Path("/sys/fs/cgroup/system.slice/slurmstepd.scope/job_12")
+    assert _job_folder(task, 12, 3) == Path("/sys/fs/cgroup/system.slice/slurmstepd.scope/job_12/step_3")
+    assert _job_folder(task, 13, None) is None and _job_folder(task, 12, 4) is None

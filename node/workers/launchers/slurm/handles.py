@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any, Iterable
 
 import psutil
 
 from ....cgroups import CgroupError, LeaseCgroup
 from ...process import AdoptedProcess, kill_all, running
+from . import tasks
 from .commands import SlurmError
 from .launcher import END_LINE_WAIT_S, SlurmLauncher
 from .record import SlurmWorkerRecord
@@ -94,7 +96,10 @@ class SlurmJobProcess(AdoptedProcess):
 class SlurmJobGroup(LeaseCgroup):
     """Where a Slurm worker's processes live: its job's (or step's) cgroup,
     Slurm's own. ``kernel``: the kernel's process, whose tree is what the
-    agent sees of it on this node (GPU memory is accounted to those pids)."""
+    agent sees of it on this node (GPU memory is accounted to those pids).
+    ``task_root``: the agent's folder in the v1 pids hierarchy
+    (:meth:`~....cgroups.Containment.task_root`), where the worker's task
+    limit goes when Slurm's cgroup has no pids controller (:mod:`.tasks`)."""
 
     kind = "slurm"
     confines = True
@@ -102,11 +107,12 @@ class SlurmJobGroup(LeaseCgroup):
                      "its slice's step (scancel --signal=STOP; proctrack/cgroup freezes the step)")
 
     def __init__(self, name: str, launcher: SlurmLauncher, record: SlurmWorkerRecord,
-                 kernel: psutil.Process) -> None:
+                 kernel: psutil.Process, task_root: Path | None = None) -> None:
         super().__init__(name)
         self.launcher = launcher
         self.record = record
         self.kernel = kernel
+        self._own_tasks = None if task_root is None else task_root / name
         self._frozen = False
 
     def add(self, pid: int) -> None:
@@ -139,11 +145,15 @@ class SlurmJobGroup(LeaseCgroup):
         return [proc.pid for proc in alive]
 
     def remove(self) -> None:
-        """Nothing: Slurm removes its job's cgroup."""
+        """Slurm removes its job's cgroup; the agent's task cgroup goes here."""
+        tasks.release(self._own_tasks)
 
     def set_limits(self, cpu: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
-        """Nothing: the job was submitted with the lease's ``--cpus-per-task``
-        and ``--mem``, which Slurm's cgroup holds (task/cgroup); no task limit."""
+        """CPU and memory: nothing, the job was submitted with the lease's
+        ``--cpus-per-task`` and ``--mem``, which Slurm's cgroup holds
+        (task/cgroup). ``pids``: :func:`.tasks.limit` (CgroupError where it cannot)."""
+        if pids is not None:
+            tasks.limit(self.kernel, self.record.job_id, self.record.step_id, pids, self._own_tasks)
 
     def freeze(self, timeout: float = 10.0) -> None:
         try:

@@ -130,7 +130,7 @@ class SlurmWorkers(WorkerLauncher):
         its processes outside the kernel's tree (a step's srun), which a restarted agent leaves running."""
         worker = Worker(spec, manager, SlurmJobProcess(self.slurm, record, kernel, self.log), Path(record.log_path),
                         self.settings.advertise_ip, spec.lease_id,
-                        SlurmJobGroup(f"slurm-{record.ident}", self.slurm, record, kernel))
+                        SlurmJobGroup(f"slurm-{record.ident}", self.slurm, record, kernel, self.cgroups.task_root()))
         worker.launcher_state, worker.helpers = record.to_json(), helpers
         return worker
 
