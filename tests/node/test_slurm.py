@@ -277,6 +277,28 @@ def test_a_node_failure_ends_the_lease_with_words(cluster, launcher, tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_slice_out_of_its_host_memory_ends_with_words_at_once(cluster, launcher, tmp_path):
+    """A slice's step beyond its --mem (1 GiB) is OOM-killed by Slurm's cgroup; slurmctld forgets the
+    step, but its srun and slurmstepd said why: the words say it, without waiting out END_LINE_WAIT_S."""
+    if not cluster.confined:
+        pytest.skip("Slurm runs without task/cgroup here: no memory limit to reach")
+    worker = Worker(tmp_path, spec("L-step-oom", fraction=0.5))
+
+    async def scenario():
+        record = await worker.start(launcher)
+        assert (await worker.run("print('up')")).strip() == "up"
+        with pytest.raises(AssertionError):  # the kernel is killed mid-cell: no reply
+            await worker.run("b = bytearray(3 * 2**30)", timeout=20)
+        began = time.monotonic()
+        said = await until(lambda: launcher.ended(record))
+        assert said == (f"Slurm ended the worker's job {record.ident}: it ran out of its memory (the lease's host "
+                        "memory, --mem)"), _logs(record)
+        assert time.monotonic() - began < 10
+        await launcher.stop(record)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.timeout(240)
 def test_a_time_limit_ends_the_lease_with_words(cluster, launcher, tmp_path):
     launcher.time_limit = "1"  # a minute; slurmctld checks limits every 30 s

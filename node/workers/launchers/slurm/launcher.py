@@ -30,7 +30,7 @@ from .record import SlurmWorkerRecord
 from .request import (COMMENT_PREFIX, JobSettings, check_extra_args, check_time_limit, is_slice,
                       job_name, lease_job, slice_step)
 from .shares import POLL_S, ShareJobs, wait_running
-from .state import SRUN_STEP_ABORTED, SlurmJob, SlurmStep, end_line, end_reason
+from .state import SRUN_STEP_ABORTED, SlurmJob, SlurmStep, end_line, end_reason, out_of_memory
 
 #: Seconds to wait for slurmstepd's end line in the logs of a job or step Slurm no longer knows
 #: (5 s was not enough on a loaded 2-core host; the wait ends once the line is there, or once srun
@@ -255,10 +255,11 @@ class SlurmLauncher(LoggingConfigurable):
         deadline = time.monotonic() + END_LINE_WAIT_S
         # A step slurmctld no longer lists may not have its slurmstepd line in a log yet (a busy host;
         # slurmstepd may write it after srun exits): wait for it up to the deadline, unless its srun
-        # exited with the worker's task (code 0, or saying it exited) and Slurm did not abort the step:
-        # then no line comes.
+        # exited with the worker's task (code 0, or saying it exited) and Slurm did not abort the step,
+        # or slurmstepd said it killed a task for memory: then no line comes.
         srun = self._sruns.get(record.lease_id)
-        while job is None and end_line(output) is None and time.monotonic() < deadline:
+        while job is None and end_line(output) is None and not out_of_memory(output) \
+                and time.monotonic() < deadline:
             if srun is not None and srun.poll() is not None and not _aborted(output, srun.returncode):
                 output = self._output(record)  # what srun wrote before it exited
                 break

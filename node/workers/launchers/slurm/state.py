@@ -172,10 +172,20 @@ _STATES = {
 SRUN_STEP_ABORTED = "srun: Job step aborted"
 
 
+#: What slurmstepd writes when the step's cgroup out-of-memory handler killed a task (``Detected 1
+#: oom-kill event(s) in StepId=12.0``); srun then says ``task 0: Out Of Memory``. No end line follows.
+OOM_KILL_EVENT = "oom-kill event(s) in StepId="
+
+
+def out_of_memory(output: str) -> bool:
+    """Whether ``output`` (a step's, its srun's) says Slurm's cgroup killed a task for memory."""
+    return OOM_KILL_EVENT in output
+
+
 def end_reason(job_id: str | int, job: SlurmJob | None, output: str = "") -> str:
     """Why Slurm ended the worker's job (or step) ``job_id``, in words for
     the lease's owner: from ``job`` (its state) while slurmctld still knows
-    it, else from slurmstepd's :func:`end_line` in its ``output``, else from
+    it, else from slurmstepd's :func:`end_line` or its oom-kill line in its ``output``, else from
     srun's word that Slurm aborted the step, else that Slurm no longer knows
     it. Call it only for a job the agent did not cancel itself."""
     line = end_line(output)
@@ -189,6 +199,8 @@ def end_reason(job_id: str | int, job: SlurmJob | None, output: str = "") -> str
     if line is not None:
         template = _CAUSES.get(line.cause, _STATES["CANCELLED"] if not line.cause else f"Slurm says {line.cause}")
         return f"Slurm ended the worker's job {job_id}: " + template.format(node=line.node, code=None, limit="")
+    if out_of_memory(output):
+        return f"Slurm ended the worker's job {job_id}: " + _STATES["OUT_OF_MEMORY"]
     if SRUN_STEP_ABORTED in output:
         return (f"Slurm ended the worker's job {job_id}: it aborted the step (scancel, a time limit or a node "
                 "failure; slurmstepd wrote no reason)")
