@@ -50,7 +50,7 @@ from gpupool.wire.nodes import (GPUReading, Heartbeat, NodeRegistration, WorkerE
 from . import checkpoint, enforcement, process_limits
 from . import environments as worker_envs
 from .agent_accounts import WorkerAccountSettings
-from .agent_http import AgentAPI, WorkerAdmission, advertised_ip, serve_api
+from .agent_http import AgentAPI, WorkerAdmission, advertised_ip, listen, serve_api
 from .agent_metrics import AgentMetrics, workers_by_gpu
 from .agent_service import LinkSettings, NodeSide, ServiceLink
 from .agent_tokens import AgentTokens
@@ -369,10 +369,13 @@ class NodeAgent(Application):
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
+        sockets = listen(self.ip, self.port)  # a port taken stops the start before the state folder is made
         try:
             await self._start_workers()
-            server, self.url = serve_api(self.api(), self.ip, self.port, self.tls)
-        except BaseException:  # e.g. cannot listen (port taken): undo what the start made, then say why
+            server, self.url = serve_api(self.api(), sockets, self.ip, self.tls)
+        except BaseException:  # undo what the start made, then say why
+            for sock in sockets:
+                sock.close()
             self._undo_start()
             raise
         if self.refusal is not None:

@@ -1,6 +1,6 @@
 """The agent's HTTP API (docs/api.md, "Agent"): ``/workers``, a worker's
 ``park`` and ``resume`` and a spilled lease's ``spill`` (docs/parking.md), ``/health``, ``/health/live``,
-``/metrics``, and the server that listens for it (:func:`serve_api`).
+``/metrics``, and the server that listens for it (:func:`listen`, :func:`serve_api`).
 
 Every handler but the health ones needs the agent token (``/metrics`` also takes
 the metrics token); bodies are bounded (:mod:`gpupool.httpin`) and every
@@ -334,15 +334,21 @@ def agent_routes() -> list[tuple[str, type]]:
             (r"/health", HealthHandler), (r"/health/live", LiveHandler), (r"/metrics", MetricsHandler)]
 
 
-def serve_api(api: AgentAPI, ip: str, port: int, tls: ssl.SSLContext | None) -> tuple[HTTPServer, str]:
-    """Listen on ``ip``:``port`` (``tls``: HTTPS) and serve ``api`` there; returns
-    the server and the URL the service reaches it at. GPUPoolError
-    ``not_configured`` when it cannot listen."""
+def listen(ip: str, port: int) -> list[socket.socket]:
+    """The listening sockets on ``ip``:``port``, bound before the agent makes
+    anything (a port taken stops the start first). GPUPoolError ``not_configured``
+    when it cannot listen."""
     try:
-        sockets = bind_sockets(port, ip)
+        return bind_sockets(port, ip)
     except OSError as exc:
         raise GPUPoolError(Reason.not_configured, f"cannot listen on {ip}:{port}: {exc.strerror} "
                            "(--ip, --port; --port=0 picks a free port)") from None
+
+
+def serve_api(api: AgentAPI, sockets: list[socket.socket], ip: str,
+              tls: ssl.SSLContext | None) -> tuple[HTTPServer, str]:
+    """Serve ``api`` on ``sockets`` (:func:`listen` on ``ip``; ``tls``: HTTPS);
+    returns the server and the URL the service reaches it at."""
 
     def log_request(handler: web.RequestHandler) -> None:
         status = handler.get_status()

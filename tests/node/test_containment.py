@@ -201,7 +201,7 @@ def test_a_cgroup_mode_that_cannot_be_had_is_one_clear_line(tmp_path):
 
 def test_an_agent_that_cannot_listen_removes_the_cgroups_it_made(mode, tmp_path):
     """``cannot listen on ...: Address already in use`` (exit 1) leaves no
-    ``gpupool/agent-<id>`` cgroup behind, in v2 or under any v1 controller."""
+    ``gpupool/agent-<id>`` cgroup behind, in v2 or under any v1 controller, and no state folder."""
     import socket
     import subprocess
     import sys
@@ -225,3 +225,4 @@ def test_an_agent_that_cannot_listen_removes_the_cgroups_it_made(mode, tmp_path)
                                 env={**os.environ, "GPUPOOL_AGENT_TOKEN": "t"})
     assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
     assert [path for path in folders if path.exists()] == []
+    assert not state.exists(), "the port is tried before the state folder is made"
