@@ -172,7 +172,9 @@ class ServiceApp(Application):
         public = service.public_url or url.rstrip("/") + service.base_url  # what kernels and agents use
         with _state_dir_errors(state):
             _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
-        log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, url,
+        bound = url if self.ip not in ("", "0.0.0.0", "::") else \
+            f"{url.split(':', 1)[0]}://{'[::]' if self.ip == '::' else '0.0.0.0'}:{sockets[0].getsockname()[1]}"
+        log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, bound,
                  state, public)
         if public.startswith("http://") and urlsplit(public).hostname not in ("127.0.0.1", "localhost", "::1"):
             log.warning("kernels and agents reach this service over plain HTTP at %s: tokens cross the network "

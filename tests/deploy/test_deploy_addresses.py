@@ -39,12 +39,13 @@ def test_service_writes_its_public_url_and_warns_of_plain_http(tmp_path):
     with pytest.raises(TraitError, match="public_url"):
         GPUPool(public_url="ftp://x")
     assert GPUPool(public_url="https://pool.example.org:8765").public_url == "https://pool.example.org:8765/"
-    svc = start_service(tmp_path, config={"public_url": "http://pool.example.org:8765/"})
+    svc = start_service(tmp_path, config={"public_url": "http://pool.example.org:8765/"}, ip="0.0.0.0")
     try:
         info = json.loads((svc.state_dir / "service.json").read_text())
         assert info["public_url"] == "http://pool.example.org:8765/"
-        assert info["url"].startswith("http://127.0.0.1:")  # the bound address stays what it is
+        assert info["url"].startswith("http://127.0.0.1:")  # this host's own way in, for its local clients
         log = svc.log.read_text()
+        assert f"listening on http://0.0.0.0:{info['url'].rsplit(':', 1)[1]} " in log  # what it binds
         assert "kernels and agents use http://pool.example.org:8765/" in log
         assert "plain HTTP" in log and "--ssl-cert" in log
     finally:
