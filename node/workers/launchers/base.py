@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from queue import Empty
 from typing import Any
 
+from gpupool.errors import GPUPoolError, Reason
+
 from ...activity import watch_iopub
 from ...cgroups import Containment
 from ..accounts import WorkerAccounts
@@ -51,6 +53,8 @@ class WorkerLauncher(ABC):
 
     #: Whether :meth:`warm` can start workers ahead of any lease (False: the agent keeps no warm pool).
     keeps_warm = True
+    #: Why this launcher cannot run workers as other accounts (``c.AgentWorkers.worker_user``); None: it can.
+    accounts_refusal: str | None = None
 
     def __init__(self, settings: WorkerLaunch, accounts: WorkerAccounts, cgroups: Containment,
                  kernels: KernelManagers, reaper: Reaper, log: logging.Logger) -> None:
@@ -84,7 +88,16 @@ class WorkerLauncher(ABC):
         (``c.AgentWorkers.worker_user`` or ``worker_users`` set). Raises GPUPoolError, in one line that
         names the setting, for settings this launcher can never work with, or when what it starts
         workers in cannot be asked at all (the agent then refuses to start, exit 1, instead of
-        registering and failing every lease). Default: nothing to check."""
+        registering and failing every lease). Default: worker accounts where :attr:`accounts_refusal`
+        says this launcher has none; subclasses add their own checks."""
+        if separate_accounts and cls.accounts_refusal is not None:
+            raise GPUPoolError(Reason.not_configured, cls.accounts_refusal + "; drop --worker-user")
+
+    def refuse_accounts(self, spec: WorkerSpec) -> None:
+        """WorkerStartError when ``spec`` (or the agent's settings) asks for a worker account
+        this launcher cannot run workers as (refused at start already: :meth:`check_settings`)."""
+        if self.accounts_refusal is not None and (spec.user is not None or self.accounts.others):
+            raise WorkerStartError(self.accounts_refusal)
 
     @classmethod
     def host_totals(cls, config: Any, log: logging.Logger) -> tuple[float, int] | None:

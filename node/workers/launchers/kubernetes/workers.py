@@ -37,9 +37,6 @@ START_POLL_S = 0.25
 #: IPython's history of a worker pod: in memory (a file in the owner's home would be shared with
 #: their notebook's kernel, kernel_arguments).
 HISTORY = Path(":memory:")
-#: Why workers cannot run as other accounts here (a lease's start, or the agent's start, refuses).
-ACCOUNTS_REFUSAL = ("the Kubernetes launcher runs workers as c.KubernetesLauncher.run_as_user "
-                    "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'kubernetes')")
 
 
 class KubernetesWorkers(WorkerLauncher):
@@ -49,12 +46,8 @@ class KubernetesWorkers(WorkerLauncher):
     that cannot make a pod or reach the API server."""
 
     keeps_warm = False
-
-    @classmethod
-    def check_settings(cls, config: Any, separate_accounts: bool, log: Any) -> None:
-        """At start: no worker accounts (pods run as ``run_as_user``)."""
-        if separate_accounts:
-            raise GPUPoolError(Reason.not_configured, ACCOUNTS_REFUSAL + "; drop --worker-user")
+    accounts_refusal = ("the Kubernetes launcher runs workers as c.KubernetesLauncher.run_as_user "
+                        "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'kubernetes')")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -74,8 +67,7 @@ class KubernetesWorkers(WorkerLauncher):
         """Start ``spec``'s worker as a pod and wait until it answers
         ``kernel_info``. WorkerStartError in words (Kubernetes', when the pod
         did not run); nothing is left in the cluster then."""
-        if spec.user is not None or self.accounts.others:  # refused at start already (check_settings)
-            raise WorkerStartError(ACCOUNTS_REFUSAL)
+        self.refuse_accounts(spec)
         info = self._connection()
         try:
             manifest = worker_pod(spec, self.pods, self.template, self._environment(spec),

@@ -34,10 +34,6 @@ from .record import SlurmWorkerRecord
 from .request import is_slice, job_environment
 from .state import parse_pairs
 
-#: Why workers cannot run as other accounts here (a lease's start, or the agent's start, refuses).
-ACCOUNTS_REFUSAL = ("the Slurm launcher runs workers as the agent's account only "
-                    "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'slurm')")
-
 #: Seconds to wait for the kernel's process to show in its job once Slurm runs it.
 KERNEL_PID_WAIT_S = 10.0
 
@@ -47,6 +43,8 @@ class SlurmWorkers(WorkerLauncher):
     ``settings.config``: the agent's traitlets config, read for ``c.SlurmLauncher.*``."""
 
     keeps_warm = False
+    accounts_refusal = ("the Slurm launcher runs workers as the agent's account only "
+                        "(c.AgentWorkers.worker_user is not supported with worker_launcher = 'slurm')")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -61,8 +59,7 @@ class SlurmWorkers(WorkerLauncher):
         values that check, and Slurm that answers ``squeue`` for this node (slurmctld up, the
         clients where ``bin_dir`` says): each refused in one line, as systemd then restarts the agent
         until Slurm answers. Before recovery too, whose re-adoption would otherwise find no job."""
-        if separate_accounts:
-            raise GPUPoolError(Reason.not_configured, ACCOUNTS_REFUSAL + "; drop --worker-user")
+        super().check_settings(config, separate_accounts, log)
         try:
             slurm = _launcher(config, log)
         except TraitError as exc:
@@ -91,8 +88,7 @@ class SlurmWorkers(WorkerLauncher):
         """Start ``spec``'s worker in Slurm and wait until it answers
         ``kernel_info``. WorkerStartError in words (Slurm's, when it refused
         or kept the job pending); nothing is left in Slurm then."""
-        if spec.user is not None or self.accounts.others:  # refused at start already (check_settings)
-            raise WorkerStartError(ACCOUNTS_REFUSAL)
+        self.refuse_accounts(spec)
         settings = self.settings
         manager = self.kernels(settings.workers_dir / f"kernel-{secrets.token_hex(16)}.json")
         manager.write_connection_file()
