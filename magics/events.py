@@ -50,6 +50,9 @@ DIALOG_AMOUNT = "0.5"
 #: start of the line (the share, and any word it does not read), each other fills in one option.
 AMOUNT_FIELD = "Share or count"
 DIALOG_FIELDS = {"--memory": "Memory", "--model": "Model", "--idle-timeout": "Idle timeout"}
+#: The service's ``limit`` of a refusal (a quota's, or what no node has) -> the dialog's field it is about.
+LIMIT_FIELDS = {"model": "Model", "memory": "Memory", "gpu_count": AMOUNT_FIELD, "max_gpus": AMOUNT_FIELD,
+                "max_lease_gpus": AMOUNT_FIELD}
 log = logging.getLogger("gpupool.magics")
 
 
@@ -249,23 +252,24 @@ class Requests:
             return {"ok": False, "message": f"unknown request {kind!r}; use one of: {', '.join(REQUESTS)}"}
         reply = self._run(line)
         if kind == "acquire" and not reply["ok"]:  # the service's refusal of one option names its field
-            reply["message"] = field_words(reply["message"])
+            reply["message"] = field_words(reply["message"], limit=reply.pop("limit", None))
         return reply
 
     def _run(self, line: str) -> dict[str, Any]:
         from IPython.core.error import UsageError
         from IPython.utils.capture import capture_output
 
-        ok, message = True, ""
+        ok, message, limit = True, "", None
         with capture_output() as captured:
             try:
                 self.gpu(line)
             except UsageError as exc:
-                ok, message = False, str(exc)
+                ok, message, limit = False, str(exc), getattr(exc, "limit", None)
             except Exception as exc:  # the dialog shows it; the kernel goes on
                 ok, message = False, f"{type(exc).__name__}: {exc}"
         output = _text(captured)
-        return {"ok": ok, "message": message if not ok else output, "output": output}
+        reply = {"ok": ok, "message": message if not ok else output, "output": output}
+        return {**reply, "limit": limit} if not ok and limit else reply
 
     def resume_waiting(self) -> str:
         """Why a release that brings the variables home cannot be answered now, in words: the
@@ -340,16 +344,19 @@ class Requests:
         return found
 
 
-def field_words(message: str, amount: bool = False) -> str:
+def field_words(message: str, amount: bool = False, limit: str | None = None) -> str:
     """``message`` (an acquire's error) led by the Acquire dialog's field it is
     about, as the dialog shows it: ``Idle timeout: --idle-timeout 99h is above
-    ...`` for an option's words (they start with the option), ``Share or count:
-    ...`` for the rest of a mistake in the line (``amount``: the amount, a word
-    no option takes), else unchanged (a quota, a full pool)."""
+    ...`` for an option's words (they start with the option), ``Model: ...``
+    for the pool's refusal of what a field asked (``limit``, the service's
+    name of it: :data:`LIMIT_FIELDS`), ``Share or count: ...`` for the rest of
+    a mistake in the line (``amount``: the amount, a word no option takes),
+    else unchanged (GPU-hours used up, a full pool)."""
     for option, label in DIALOG_FIELDS.items():
         if message.startswith(option):
             return f"{label}: {message}"
-    return f"{AMOUNT_FIELD}: {message}" if amount else message
+    label = LIMIT_FIELDS.get(limit or "") or (AMOUNT_FIELD if amount else None)
+    return f"{label}: {message}" if label else message
 
 
 def _form_refusal(text: str) -> str:

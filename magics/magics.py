@@ -76,6 +76,18 @@ def not_mid_cell(line: str) -> str:
     return f"{NOT_MID_CELL[command]} cannot run inside a cell that runs on the worker; put it in a cell of its own"
 
 
+
+
+def refused(exc: GPUPoolError) -> UsageError:
+    """The pool's refusal ``exc`` as a UsageError (IPython shows exactly that
+    class in one line, no subclass), with its ``limit`` kept as an attribute
+    (the service's name of what it is about: ``model``, ``max_gpus``...; None:
+    not said), which the Acquire dialog turns into its field."""
+    error = UsageError(exc.message)
+    limit = exc.extra.get("limit")
+    error.limit = limit if isinstance(limit, str) else None  # type: ignore[attr-defined]
+    return error
+
 @magics_class
 class GPUMagics(Magics):
     """``%gpu acquire|release|status|pool|push|pull``, ``%%gpu`` and ``%%local``.
@@ -178,7 +190,7 @@ class GPUMagics(Magics):
         except GPUPoolError as exc:
             if command == "acquire":  # quota, pool full, bad size: the front end says so too
                 self._tell("refused", exc.message, code=exc.code)
-            raise UsageError(exc.message) from None
+            raise refused(exc) from None
         except KeyboardInterrupt:  # where no command says more: one line, never gpupool's frames (logged)
             log.debug("%%gpu %s interrupted", command, exc_info=True)
             raise UsageError(f"%gpu {command} interrupted; it did nothing more") from None

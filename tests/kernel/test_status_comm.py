@@ -103,7 +103,7 @@ def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
     huge = comm.ask({"request": "acquire", "text": "0.5 --memory 500GiB"})
     assert not huge["ok"] and "500" in huge["message"], huge
     refused = [d for d in comm.seen if d.get("event") == "refused"][-1]  # sent before the reply
-    assert refused["message"] == huge["message"] and refused["code"]
+    assert huge["message"] == "Memory: " + refused["message"] and refused["code"]
     for data, words in (({"request": "acquire"}, "say what to acquire"),
                         ({"request": "fly"}, "unknown request 'fly'"),
                         ({"nothing": 1}, "must be {\"request\": KIND}")):
@@ -122,6 +122,10 @@ def test_a_refused_acquire_says_the_magics_words_and_changes_nothing(status):
     ("0.5 --idle-timeout soon", "Idle timeout: --idle-timeout: cannot read 'soon' as a duration"),
     # the service's refusal, in the maximum's unit (it said "idle_timeout 4d 3h is above your maximum of 1d")
     ("0.5 --idle-timeout 99h", "Idle timeout: --idle-timeout 99h is above your maximum of 24h (max_idle_timeout"),
+    # the pool's refusal of what a field asks, by the service's limit
+    ("0.5 --model H100", "Model: the pool has no GPU of model H100; its models: "),
+    ("0.5 --memory 500GiB", "Memory: "),
+    ("3", "Share or count: "),
 ])
 def test_the_acquire_dialogs_mistakes_name_its_field_and_no_json(status, text, words):
     """The Acquire dialog shows the reply's message under its fields: Share or count, Memory, Model, Idle timeout."""
