@@ -68,8 +68,9 @@ _COMPLETED = re.compile(r"(?<![\w.\]])([^\W\d]\w*)(?:\s*\.\s*\w*|\s*\[[^\[\]]*\]
 
 def completed_object(code: str, cursor_pos: int) -> str | None:
     """The name of the object whose attribute or item a completion at ``cursor_pos``
-    in ``code`` asks for (``localdata['`` -> ``localdata``); None for a plain name."""
-    match = _COMPLETED.search(code[:cursor_pos])
+    in ``code`` asks for (``localdata['`` -> ``localdata``); None for a plain name.
+    Only the cursor's line is read: the search then costs a line's length, not the cell's."""
+    match = _COMPLETED.search(code[:cursor_pos].rpartition("\n")[2])
     return match.group(1) if match else None
 
 

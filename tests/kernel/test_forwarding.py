@@ -204,6 +204,7 @@ def test_completing_an_item_of_an_object_only_this_kernel_holds_completes_here(k
 @pytest.mark.parametrize("code, name", [
     ("localdata[", "localdata"), ("x = localdata['k", "localdata"), ("data.sh", "data"), ("a[0].b", "a"),
     ("f(localdata[", "localdata"), ("localdata", None), ("x.", "x"), ("1.", None),
+    ("y = 1\nlocaldata.ke", "localdata"), ("localdata.keys()\nz", None),
 ])
 def test_the_object_a_completion_asks_about(code, name):
     from gpupool.magics.routing import completed_object
