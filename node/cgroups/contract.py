@@ -85,6 +85,9 @@ class LeaseCgroup(ABC):
 
     #: How :meth:`freeze` stops the processes, in words for the log.
     freeze_method = "nothing"
+    #: Who limits this cgroup's tasks instead of the agent, in words for the log (a pod's: the
+    #: kubelet); None: the agent, through :meth:`set_limits`.
+    task_limit_owner: str | None = None
 
     def oom_kills(self) -> int | None:
         """How many of the cgroup's processes the kernel's OOM killer has

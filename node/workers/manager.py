@@ -191,8 +191,10 @@ class WorkerManager:
     def _limit(self, worker: Worker, spec: WorkerSpec) -> None:
         """The lease's host limits and its task limit on the worker's cgroup, before it is handed out."""
         enforce_host_limits(worker.cgroup, spec.lease_id, spec.cpus, spec.host_memory, self.log)
-        budget = self.settings.pids
-        if budget is not None and worker.cgroup.confines:  # a cluster's job or pod: the cluster's limits hold it
+        budget, owner = self.settings.pids, worker.cgroup.task_limit_owner
+        if owner is not None:
+            self.log.info("lease %s: its tasks are limited by %s", spec.lease_id, owner)
+        elif budget is not None and worker.cgroup.confines:
             limit_tasks(worker.cgroup, spec.lease_id, budget.for_lease(len(spec.gpus), spec.fraction), self.log)
 
     def start_warm_pool(self) -> None:

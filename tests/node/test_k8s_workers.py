@@ -109,8 +109,11 @@ def pool(standin, tmp_path):
 # -- through a real agent and service ---------------------------------------------------------------------------
 
 def test_a_leases_worker_is_a_pod_its_cells_run_there_and_release_deletes_it(standin, pool):
-    service, _ = pool
+    service, agent = pool
     lease = active(service, LeaseRequest(fraction=1.0, gpu_count=2))
+    said = f"lease {lease.id}: its tasks are limited by the kubelet"
+    log = wait_for(lambda: (text := agent.log.read_text()) and said in text and text, 10, "the agent's log line")
+    assert " tasks\n" not in log, "the agent claims no task limit of its own (it logged: lease L limited to N tasks)"
     [pod] = standin.pods()
     meta, container = pod["metadata"], pod["spec"]["containers"][0]
     assert meta["name"] == pod_name(lease.id) and meta["namespace"] == NAMESPACE

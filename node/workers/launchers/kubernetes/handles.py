@@ -193,6 +193,7 @@ class PodGroup(LeaseCgroup):
     kind = "kubernetes"
     confines = True
     freeze_method = "none: an unprivileged agent cannot freeze a pod's cgroup"
+    task_limit_owner = "the kubelet (its podPidsLimit)"
 
     def __init__(self, watch: PodWatch) -> None:
         super().__init__(watch.name)
