@@ -22,9 +22,14 @@ from .wire.leases import Lease, LeaseRequest
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Mapping
 
 ENV_URL = "GPUPOOL_URL"
 ENV_TOKEN = "GPUPOOL_TOKEN"
+#: The token a JupyterHub single-user server (its kernels and terminals) holds; used when GPUPOOL_TOKEN is unset.
+ENV_HUB_TOKEN = "JUPYTERHUB_API_TOKEN"
+#: How a command-line user passes a token, as the help and a refused call name it.
+TOKEN_ADVICE = f"pass --token-file FILE or set {ENV_TOKEN} (in a JupyterHub server, {ENV_HUB_TOKEN}) to your token"
 #: Where a user sets the service's URL, as failures name it.
 URL_HINT = f"{ENV_URL} or --url"
 
@@ -63,7 +68,7 @@ class ServiceClient:
         if not url:
             raise GPUPoolError(Reason.not_configured, f"no gpupool service configured: set {ENV_URL} "
                                "(the gpupool kernelspec sets it for you; see `gpupool kernelspec install --help`)", 503)
-        return cls(url, env.get(ENV_TOKEN) or env.get("JUPYTERHUB_API_TOKEN"))
+        return cls(url, token_from_env(env))
 
     def request(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
                 timeout: float | None = None) -> Any:
@@ -183,6 +188,16 @@ class ServiceClient:
         return self.request("GET", "/admin/usage", params={"days": days})
 
 
+def token_from_env(environ: "Mapping[str, str] | None" = None) -> str | None:
+    """The user's token from the environment: ``GPUPOOL_TOKEN``, else
+    ``JUPYTERHUB_API_TOKEN`` (a JupyterHub single-user server's, which its
+    kernels and terminals inherit and the service accepts under the hub);
+    None when neither is set. Read by :meth:`ServiceClient.from_env` and by
+    every command's :func:`client_from_arguments`, so both agree."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_TOKEN) or env.get(ENV_HUB_TOKEN) or None
+
+
 def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
@@ -190,15 +205,16 @@ def _quote(part: str) -> str:
 def add_client_arguments(parser: "argparse.ArgumentParser") -> None:
     """``--url``, ``--token-file`` and ``--ca-file`` for a command that calls the service.
 
-    The token comes from a file or from ``$GPUPOOL_TOKEN``, never from the command
-    line, where every user of the host can read it (``ps``). ``--token`` is still
-    accepted for old scripts, but hidden from the help."""
+    The token comes from a file or from the environment (:func:`token_from_env`),
+    never from the command line, where every user of the host can read it
+    (``ps``). ``--token`` is still accepted for old scripts, but hidden from the help."""
     import argparse
 
     parser.add_argument("--url", default=os.environ.get(ENV_URL), help=f"service URL (default: ${ENV_URL})")
     parser.add_argument("--ca-file", default=os.environ.get(ENV_CA_FILE),
                         help=f"CA bundle (PEM) that signed an https service's certificate (default: ${ENV_CA_FILE})")
-    parser.add_argument("--token-file", help=f"read the API token from this file (default: the token in ${ENV_TOKEN})")
+    parser.add_argument("--token-file", help=f"read the API token from this file (default: the token in ${ENV_TOKEN}, "
+                        f"else ${ENV_HUB_TOKEN}, which a JupyterHub server's terminals hold)")
     parser.add_argument("--token", help=argparse.SUPPRESS)
 
 
@@ -207,7 +223,7 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
     file ends the command with one line (``parser.error``)."""
     if not args.url:
         parser.error(f"no service URL: pass --url or set {ENV_URL}")
-    token = args.token or os.environ.get(ENV_TOKEN)
+    token = args.token or token_from_env()
     if args.token_file:
         try:
             with open(args.token_file) as handle:
@@ -215,4 +231,4 @@ def client_from_arguments(parser: "argparse.ArgumentParser", args: "argparse.Nam
         except OSError as exc:
             parser.error(f"cannot read the token file {args.token_file}: {exc.strerror}")
     return ServiceClient(args.url, token, ca_file=args.ca_file,
-                         token_advice=f"pass --token-file FILE or set {ENV_TOKEN} to your token")
+                         token_advice=TOKEN_ADVICE)

@@ -138,6 +138,17 @@ def test_a_script_runs_as_main_with_its_argv_stdin_and_output_in_order(pool, env
     assert_nothing_held(pool)
 
 
+def test_a_jupyterhub_terminal_runs_with_its_own_hub_token(pool, env):
+    """A single-user server's terminal has GPUPOOL_URL and JUPYTERHUB_API_TOKEN but no GPUPOOL_TOKEN:
+    the command sends the hub token, as a kernel does (the standalone service takes any token it knows)."""
+    hub_terminal = {k: v for k, v in env.items() if k != "GPUPOOL_TOKEN"}
+    hub_terminal["JUPYTERHUB_API_TOKEN"] = env["GPUPOOL_TOKEN"]
+    done = run(hub_terminal, "--gpus", "0.25", str(pool[1] / "job.py"), stdin="hub\n")
+    assert done.returncode == 0, done.stdout
+    assert "name? hello hub" in done.stdout.splitlines(), done.stdout
+    assert_nothing_held(pool)
+
+
 def test_the_script_runs_in_the_folder_it_was_run_from(pool, env, tmp_path):
     """As a notebook's worker does: the node sees this folder (one host here), so the script runs
     there, not in the worker's home, and the start line names no other folder."""

@@ -444,7 +444,8 @@ CLI = [
     cli("", 2, "gpupool: a command is required\n\nusage: gpupool COMMAND", id="no-command"),
     cli("status --colour", 2, "unrecognized arguments: --colour", id="unknown-option"),
     cli("status", 1, "refused the call: the token sent is not one it knows; pass --token-file FILE or set "
-        "GPUPOOL_TOKEN to your token", user="not-a-token", id="unknown-token"),
+        "GPUPOOL_TOKEN (in a JupyterHub server, JUPYTERHUB_API_TOKEN) to your token", user="not-a-token",
+        id="unknown-token"),
     cli("status --token-file /nonexistent/token", 2, "cannot read the token file", id="missing-token-file"),
     cli("status --url not-a-url", 1, "is not a service URL", id="bad-url"),
     cli("status --url 127.0.0.1:8765", 1, "'127.0.0.1:8765' is not a service URL", id="url-without-scheme"),
@@ -559,15 +560,35 @@ def test_a_url_that_is_not_a_gpupool_service_says_so(pool, shell, path, answered
 def test_the_cli_refused_for_its_token_names_its_own_options(pool, token, sent):
     """A command-line user is told the options that pass a token, not the header an API caller
     sends; and a service with ``c.GPUPool.api_tokens`` has no ``user_token`` file to point at."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_URL", "GPUPOOL_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_URL", "GPUPOOL_TOKEN", "JUPYTERHUB_API_TOKEN")}
     env.update({"GPUPOOL_TOKEN": token} if token else {})
     done = subprocess.run([str(GPUPOOL), "status", "--url", pool.service.url], env=env, capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 1, done.stderr
     assert done.stderr == (f"gpupool status: the gpupool service at {pool.service.url} refused the call: {sent}; "
-                           "pass --token-file FILE or set GPUPOOL_TOKEN to your token (a token of the service's "
-                           "c.GPUPool.api_tokens: ask the pool's admin)\n")
+                           "pass --token-file FILE or set GPUPOOL_TOKEN (in a JupyterHub server, JUPYTERHUB_API_TOKEN) "
+                           "to your token (a token of the service's c.GPUPool.api_tokens: ask the pool's admin)\n")
     pool.check_unchanged(f"gpupool status with token {token}")
+
+
+@pytest.mark.parametrize("command", ["status", "pool", "quota"])
+def test_the_cli_in_a_jupyterhub_terminal_sends_the_hub_token(pool, command):
+    """A single-user server's terminal has GPUPOOL_URL and JUPYTERHUB_API_TOKEN, no GPUPOOL_TOKEN:
+    each command sends that token, as a kernel does (here a token the standalone service knows),
+    and its help says so. GPUPOOL_TOKEN, where set, still wins."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_TOKEN"}
+    env.update(GPUPOOL_URL=pool.service.url, JUPYTERHUB_API_TOKEN=pool.token("bob"))
+    done = subprocess.run([str(GPUPOOL), command, "--json"], env=env, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    if command == "status":
+        assert pool.bob_lease in done.stdout
+    wrong = subprocess.run([str(GPUPOOL), command], env={**env, "GPUPOOL_TOKEN": "not-a-token"}, capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert "the token sent is not one it knows" in wrong.stderr, wrong.stderr
+    helped = subprocess.run([str(GPUPOOL), command, "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert "JUPYTERHUB_API_TOKEN" in helped.stdout, helped.stdout
+    pool.check_unchanged(f"gpupool {command} with JUPYTERHUB_API_TOKEN")
 
 
 def test_status_without_leases_says_they_are_yours(pool):
