@@ -53,6 +53,7 @@ from .handlers import admin as admin_handlers, quota as quota_handlers
 from .handlers.base import NotFoundHandler, ServiceContext
 from .metrics import Metrics
 from .pool import Pool
+from .store_claim import claim
 from .storework import StoreWork
 
 log = logging.getLogger("gpupool.service")
@@ -144,6 +145,7 @@ class ServiceApp(Application):
             authenticator = TokenAuthenticator(user_tokens, service.admin_users, agent_token, **hint)
 
         log.info("store: %s", store.describe())
+        held = claim(store)  # one service per store, before the schema is touched
         try:
             store.migrate()
         except (SQLAlchemyError, GPUPoolError) as exc:
@@ -198,6 +200,7 @@ class ServiceApp(Application):
         await server.close_all_connections()
         agents.close()
         work.close()
+        held.release()
         store.close()
         info_file.unlink(missing_ok=True)
         return 0

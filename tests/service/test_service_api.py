@@ -770,19 +770,32 @@ def shared_store(request, tmp_path):
     return request.getfixturevalue("postgres_url")
 
 
-def test_two_services_sharing_a_store_never_overallocate(tmp_path, shared_store):
-    """The capacity check is serialized by the store, not by one process."""
-    config = {"db_url": shared_store, "agent_token": "agent-" + uuid.uuid4().hex}
+def test_a_second_service_on_the_same_store_is_refused_until_the_first_stops(tmp_path, shared_store):
+    """Each service decides in memory too (its queue, the nodes it clears): a second one on a store
+    another serves, from a state directory of its own, is refused in one line, and starts once the
+    first has stopped (PostgreSQL: an advisory lock of the first's session; SQLite: a lock file)."""
+    import subprocess
+    import sys
+
+    config = {"db_url": shared_store}
     first = start_service(tmp_path / "a", config=config)
-    second = start_service(tmp_path / "b", config=config)
-    agent = start_agent(tmp_path, first)
     try:
-        assert_exactly_full(first, race([first, second]))
-        assert gpu_allocations(second) == [1.0, 1.0]
+        (tmp_path / "b").mkdir()
+        (tmp_path / "b" / "gpupool_config.py").write_text(f"c.GPUPool.db_url = {shared_store!r}\n")
+        second = subprocess.run([sys.executable, "-m", "gpupool.cli", "service", "--port=0",
+                                 f"--state-dir={tmp_path / 'b' / 'service'}",
+                                 f"--config={tmp_path / 'b' / 'gpupool_config.py'}"],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr
+        assert "another gpupool service serves the store at " in second.stderr, second.stderr
+        assert http(first, "GET", "/health", token=None)[0] == 200  # the first one is untouched
     finally:
-        agent.stop()
-        second.stop()
         first.stop()
+    again = start_service(tmp_path / "b", config=config)
+    try:
+        assert again.client().list_leases() == []
+    finally:
+        again.stop()
 
 
 # -- the store itself ------------------------------------------------------------------------------------------------
