@@ -230,6 +230,34 @@ def peers(spec: dict, own_ns: str) -> list[tuple[str | None, dict | None]]:
     return out
 
 
+def admits(spec: dict, direction: str, own_ns: str, peer_ns: str, peer_labels: dict, port: int) -> bool:
+    """Whether one policy's ``direction`` ("ingress" or "egress") rules admit TCP ``port`` with a pod
+    labelled ``peer_labels`` in ``peer_ns`` (a namespace's only label here: its name), as the
+    NetworkPolicy API reads them: a rule without ``from``/``to`` admits every peer, one without
+    ``ports`` every port."""
+    for rule in spec.get(direction, []):
+        sources = rule.get("from" if direction == "ingress" else "to")
+        if sources is not None and not any(
+                matches(s.get("namespaceSelector", {}).get("matchLabels", {}), {"kubernetes.io/metadata.name": peer_ns})
+                and (peer_ns == own_ns or "namespaceSelector" in s)
+                and matches(s.get("podSelector", {}).get("matchLabels", {}), peer_labels) for s in sources):
+            continue
+        if "ports" not in rule or any(p.get("protocol", "TCP") == "TCP" and p["port"] <= port <= p.get("endPort", p["port"])
+                                      for p in rule["ports"]):
+            return True
+    return False
+
+
+def worker_ports(objects) -> dict[str, int]:
+    """The fixed ports of a worker pod, from the pods overlay's agent config (or the launcher's default)."""
+    from gpupool.node.workers.launchers.kubernetes import KubernetesLauncher, WorkerPorts
+
+    text = config_text(objects, "gpupool-agent-config")
+    first = config_value(text, "KubernetesLauncher.first_port") if "KubernetesLauncher.first_port" in text \
+        else KubernetesLauncher.class_traits()["first_port"].default_value
+    return WorkerPorts(first).by_name()
+
+
 def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered):
     notebook = {"component": "singleuser-server"}
     service_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "service"}
@@ -256,7 +284,10 @@ def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered)
         # notebooks (from the users' namespace) the workers' ports; the service hears its notebooks, hub,
         # proxy, the agents from theirs, and Prometheus.
         assert ports(spec["gpupool-agent-http"]) == [(agent_port, agent_port)]
-        assert peers(spec["gpupool-agent-http"], AGENTS_NS) == [(USERS_NS, service_pods), monitoring]
+        # ... and the other agents: a parked lease resuming on another node has its agent fetch the spill
+        # from the agent that holds it (GET /workers/{id}/spill).
+        assert peers(spec["gpupool-agent-http"], AGENTS_NS) == [(USERS_NS, service_pods), monitoring,
+                                                                (AGENTS_NS, agent_pods)]
         assert peers(spec["gpupool-service"], USERS_NS) == [
             (USERS_NS, notebook), (USERS_NS, {"component": "hub"}), (USERS_NS, {"component": "proxy"}),
             (AGENTS_NS, agent_pods), monitoring]
@@ -269,10 +300,22 @@ def test_network_policies_open_only_what_is_used_across_the_namespaces(rendered)
             worker_pods = {"app.kubernetes.io/name": "gpupool", "app.kubernetes.io/component": "worker"}
             assert spec["gpupool-worker-pods"]["podSelector"]["matchLabels"] == worker_pods
             assert own["gpupool-worker-pods"] == AGENTS_NS
-            assert peers(spec["gpupool-worker-pods"], AGENTS_NS) == [(USERS_NS, notebook), (AGENTS_NS, agent_pods)]
-            assert ports(spec["gpupool-worker-pods"]) == [(50000, 50005)]
+            # Notebooks and agents on every kernel port; the other workers on the transfer port alone (a
+            # move between nodes: the new worker fetches the old one's variables), both ways.
+            transfer = worker_ports(objects)["transfer_port"]
+            assert peers(spec["gpupool-worker-pods"], AGENTS_NS) == [
+                (USERS_NS, notebook), (AGENTS_NS, agent_pods), (AGENTS_NS, worker_pods)]
+            assert ports(spec["gpupool-worker-pods"]) == [(50000, 50005), (transfer, transfer)]
+            assert admits(spec["gpupool-worker-pods"], "ingress", AGENTS_NS, AGENTS_NS, worker_pods, transfer)
+            assert admits(spec["gpupool-worker-pods"], "egress", AGENTS_NS, AGENTS_NS, worker_pods, transfer)
+            assert not admits(spec["gpupool-worker-pods"], "ingress", AGENTS_NS, AGENTS_NS, worker_pods, transfer - 5)
+            assert not admits(spec["gpupool-worker-pods"], "egress", AGENTS_NS, AGENTS_NS, agent_pods, agent_port)
+            assert admits(spec["gpupool-worker-pods"], "egress", AGENTS_NS, "kube-system", {"k8s-app": "kube-dns"}, 53)
         else:
-            assert peers(spec["gpupool-agent-workers"], AGENTS_NS) == [(USERS_NS, notebook)]
+            # Workers run inside the agents' pods: a move between nodes is agent pod to agent pod, to the
+            # old worker's transfer_port, a free port like its ZeroMQ ones.
+            assert peers(spec["gpupool-agent-workers"], AGENTS_NS) == [(USERS_NS, notebook), (AGENTS_NS, agent_pods)]
+            assert admits(spec["gpupool-agent-workers"], "ingress", AGENTS_NS, AGENTS_NS, agent_pods, 40123)
             assert own["gpupool-agent-workers"] == AGENTS_NS and "gpupool-worker-pods" not in spec
             worker_ranges = ports(spec["gpupool-agent-workers"])
             assert not any(lo <= agent_port <= hi for lo, hi in worker_ranges)
