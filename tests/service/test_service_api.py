@@ -798,6 +798,39 @@ def test_a_second_service_on_the_same_store_is_refused_until_the_first_stops(tmp
         again.stop()
 
 
+def test_a_store_a_newer_gpupool_upgraded_is_refused_in_one_line(tmp_path):
+    """Rolled back after a schema upgrade, the service finds a revision it does not know: one line
+    naming it, the newest this gpupool knows and the way out (exit 1), and the store is left as it was."""
+    import subprocess
+    import sys
+
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import text
+
+    from gpupool.hub_plugin.db import Store
+    from gpupool.hub_plugin.migrations import config
+
+    url = f"sqlite:///{tmp_path}/store.sqlite"
+    store = Store(url)
+    store.migrate()
+    with store.engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    (tmp_path / "gpupool_config.py").write_text(f"c.GPUPool.db_url = {url!r}\n")
+    done = subprocess.run([sys.executable, "-m", "gpupool.cli", "service", "--port=0",
+                           f"--state-dir={tmp_path / 'service'}", f"--config={tmp_path / 'gpupool_config.py'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    newest = ScriptDirectory.from_config(config()).get_current_head()
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("gpupool service:")]
+    assert len(refusal) == 1 and done.stderr.endswith(refusal[0] + "\n"), done.stderr
+    assert (f"the store's schema is at revision 9999, which this gpupool does not know; the newest it knows is "
+            f"{newest}. A newer gpupool upgraded it: run that release, or restore the database backup taken before "
+            "the upgrade") in refusal[0], done.stderr
+    with store.engine.connect() as connection:
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "9999"
+    store.close()
+
+
 # -- the store itself ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=["sqlite", "postgresql"])
