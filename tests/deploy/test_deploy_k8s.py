@@ -97,6 +97,38 @@ def test_the_store_comes_from_a_secret_and_migrations_run_at_start(rendered):
     assert source.index("store.migrate()") < source.index("bind_sockets(self.port")
 
 
+def test_the_worker_pods_image_follows_the_overlays_images(rendered, tmp_path):
+    """overlays/pods: the workers' image (c.KubernetesLauncher.image, in a config file kustomize's images:
+    cannot read) is the overlay's images: entry gpupool-singleuser, copied there by a replacement, so the
+    agent's and the workers' images cannot drift apart silently."""
+    from deploy_k8s import render
+
+    def worker_image(objects) -> str:
+        configmap = one(objects, "ConfigMap", "gpupool-agent-config", AGENTS_NS)
+        image = config_value(configmap["data"]["gpupool_config.py"], "KubernetesLauncher.image")
+        assert image == configmap["data"]["worker-image"]
+        compile(configmap["data"]["gpupool_config.py"], "gpupool_config.py", "exec")
+        return image
+
+    kustomization_path = K8S / "overlays" / WORKER_PODS / "kustomization.yaml"
+    images = {i["name"]: i for i in yaml.safe_load(kustomization_path.read_text())["images"]}
+    singleuser = images["gpupool-singleuser"]
+    objects = rendered[WORKER_PODS]
+    image = worker_image(objects)
+    assert image == f"{singleuser['newName']}:{singleuser['newTag']}"
+    agent_image = pod_spec(one(objects, "DaemonSet", "gpupool-agent"))["containers"][0]["image"]
+    assert agent_image.rpartition("/")[0] == image.rpartition("/")[0], (agent_image, image)  # the same registry
+    assert agent_image.rpartition(":")[2] == image.rpartition(":")[2], (agent_image, image)  # and version
+    # Another registry and tag in images: reach the config file.
+    kustomization = yaml.safe_load(kustomization_path.read_text())
+    for entry in kustomization["images"]:
+        if entry["name"] == "gpupool-singleuser":
+            entry.update(newName="other.example.net/team/notebook", newTag="9.9.9")
+    other = render(tmp_path, f"overlays/{WORKER_PODS}",
+                   {f"overlays/{WORKER_PODS}/kustomization.yaml": yaml.safe_dump(kustomization)})
+    assert worker_image(other) == "other.example.net/team/notebook:9.9.9"
+
+
 # -- command lines, config files, environment ------------------------------------------------------------------
 
 def test_every_container_command_parses_with_the_real_cli(rendered):
