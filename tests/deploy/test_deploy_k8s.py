@@ -129,6 +129,21 @@ def test_the_worker_pods_image_follows_the_overlays_images(rendered, tmp_path):
     assert worker_image(other) == "other.example.net/team/notebook:9.9.9"
 
 
+def test_generated_secrets_are_found_by_label(rendered):
+    """kustomize hashes the generated Secrets' names (gpupool-db-ggfd457b8m): the runbooks and the README
+    find them by ``gpupool.io/secret``, their name without gpupool- and the hash."""
+    docs = (ROOT / "docs" / "runbooks.md").read_text() + (K8S / "README.md").read_text()
+    assert "-l gpupool.io/secret=db" in docs
+    for overlay, objects in rendered.items():
+        secrets = [s for s in find(objects, "Secret") if s["metadata"]["name"].startswith("gpupool-")]
+        assert {s["metadata"]["labels"]["gpupool.io/secret"] for s in secrets} >= {"db", "tokens"}, overlay
+        for secret in secrets:
+            label = secret["metadata"]["labels"]["gpupool.io/secret"]
+            assert re.fullmatch(rf"gpupool-{label}-[a-z0-9]{{10}}", secret["metadata"]["name"]), secret["metadata"]
+    # No command or sentence names a generated Secret by its bare name.
+    assert not re.search(r"(Secret|secrets?) `?gpupool-(db|tokens)\b(?!-)|get secrets? gpupool-", docs)
+
+
 # -- command lines, config files, environment ------------------------------------------------------------------
 
 def test_every_container_command_parses_with_the_real_cli(rendered):
