@@ -453,6 +453,14 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
         return {k: fill(v) for k, v in alerts[alert]["annotations"].items()}
 
     lost = {"node": "gpu-1", "state": "lost"}
+    # The agents' pods are the DaemonSet's (its name and Kubernetes' 5 characters); the pods overlay's workers
+    # share their namespace.
+    from gpupool.node.workers.launchers.kubernetes import pod_name
+
+    agent_pod, worker_pod = DOWNWARD["metadata.name"], pod_name("0f0e0d0c-0000-4000-8000-000000000001")
+    for objects in rendered.values():
+        daemonset = one(objects, "DaemonSet", "gpupool-agent")
+        assert namespace(daemonset) == AGENTS_NS and agent_pod.startswith(daemonset["metadata"]["name"] + "-")
     tests = tmp_path / "tests.yaml"
     tests.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
@@ -475,6 +483,18 @@ def test_alert_rules_pass_promtool(rendered, tmp_path):
              "exp_alerts": [{"exp_labels": {"severity": "critical", "service": "gpupool-service"},
                              "exp_annotations": annotations("GPUPoolServiceAbsent", {})}]},
         ]}, {
+        # An agent pod not ready fires; a worker pod of overlays/pods (same namespace) still starting does not.
+        "interval": "1m",
+        "input_series": [
+            {"series": f'kube_pod_status_ready{{namespace="{AGENTS_NS}",pod="{agent_pod}",condition="false"}}',
+             "values": "1x20"},
+            {"series": f'kube_pod_status_ready{{namespace="{AGENTS_NS}",pod="{worker_pod}",condition="false"}}',
+             "values": "1x20"}],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": "GPUPoolAgentNotReady",
+             "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": AGENTS_NS, "pod": agent_pod},
+                             "exp_annotations": annotations("GPUPoolAgentNotReady", {"pod": agent_pod})}]}],
+        }, {
         "interval": "1m",
         "input_series": [{"series": 'up{service="gpupool-service",job="gpupool-service"}', "values": "1x20"},
                          {"series": 'up{service="gpupool-agent",job="gpupool-agent"}', "values": "1x20"}],
