@@ -88,6 +88,17 @@ def test_the_store_comes_from_a_secret_and_migrations_run_at_start(rendered):
             service, port = service_url(objects, url.replace("postgresql+psycopg", "http", 1), USERS_NS)
             assert matches(service["spec"]["selector"],
                            one(objects, "StatefulSet", "gpupool-postgres")["spec"]["template"]["metadata"]["labels"])
+            [postgres] = pod_spec(one(objects, "StatefulSet", "gpupool-postgres"))["containers"]
+            assert postgres["livenessProbe"]["exec"]["command"][0] == "pg_isready"
+            assert postgres["livenessProbe"]["initialDelaySeconds"] >= 30  # initdb on the first start
+            assert set(postgres["resources"]["requests"]) == set(postgres["resources"]["limits"]) == {"cpu", "memory"}
+            # The service starts once the store answers, at the address of its URL (no restarts while initdb runs).
+            [wait] = pod_spec(one(objects, "Deployment", "gpupool-service"))["initContainers"]
+            parts = urlsplit(url.replace("postgresql+psycopg", "http", 1))
+            assert f"pg_isready -h {parts.hostname} -p {parts.port} " in wait["command"][-1]
+            assert wait["image"] == postgres["image"] and wait["securityContext"]["allowPrivilegeEscalation"] is False
+        else:
+            assert "initContainers" not in pod_spec(one(objects, "Deployment", "gpupool-service"))
         deployment = one(objects, "Deployment", "gpupool-service")
         assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     # The service migrates the store before it listens, so readiness means migrated.
