@@ -140,6 +140,19 @@ def test_the_worker_pods_image_follows_the_overlays_images(rendered, tmp_path):
     assert worker_image(other) == "other.example.net/team/notebook:9.9.9"
 
 
+def test_agents_roll_only_where_their_workers_outlive_them(rendered):
+    """Replacing an agent pod whose workers run inside it ends every lease on its node: those overlays
+    roll agents by hand (OnDelete; the README and the runbook say how); the pods overlay's agents
+    re-adopt their worker pods, so they roll by themselves."""
+    from deploy_k8s import IN_AGENT_POD
+
+    for overlay, objects in rendered.items():
+        strategy = one(objects, "DaemonSet", "gpupool-agent", AGENTS_NS)["spec"]["updateStrategy"]
+        assert strategy["type"] == ("OnDelete" if overlay in IN_AGENT_POD else "RollingUpdate"), overlay
+    for text in ((ROOT / "docs" / "runbooks.md").read_text(), (K8S / "README.md").read_text()):
+        assert "ends every lease on that node" in text and "gpupool status --all-users" in text
+
+
 def test_generated_secrets_are_found_by_label(rendered):
     """kustomize hashes the generated Secrets' names (gpupool-db-ggfd457b8m): the runbooks and the README
     find them by ``gpupool.io/secret``, their name without gpupool- and the hash."""
