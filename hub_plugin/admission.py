@@ -34,6 +34,8 @@ from .rules.scheduler import NO_ENVIRONMENT, Demand, Refusal
 from .transitions import CAPPED, QUEUED
 
 log = logging.getLogger("gpupool.service.leases")
+#: The per-user caps (``c.PoolQuotas.NAME``) :meth:`Admission._check_cap` refuses by, counted as ``quota_NAME``.
+PER_USER_CAPS = ("max_active_per_user", "max_queued_per_user")
 
 #: The states of a lease a new one may replace (a move, ``LeaseRequest.replaces``).
 REPLACEABLE = (LeaseState.active.value, LeaseState.parked.value)

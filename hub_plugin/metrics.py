@@ -22,9 +22,12 @@ from sqlalchemy.orm import Session
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 from gpupool.wire.parking import PARK_TIERS
 
+from .admission import PER_USER_CAPS
 from .capacity import HOLDING, Allocation, allocations, moving_host_bytes, nodes_with_gpus, usable_memory
 from .db import Store
 from .models import Lease, UsageRecord
+from .rules.misfits import Misfit, limit_code
+from .rules.quotas import REFUSING_LIMITS
 from .rules.reclaim import ParkCode, Reclaim
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,6 +39,9 @@ RESUME_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 ENDED = (LeaseState.released, LeaseState.reclaimed, LeaseState.failed)
 #: The states ``gpupool_leases_by_class`` counts.
 CLASS_STATES = (LeaseState.queued.value, LeaseState.active.value)
+#: Every ``reason`` of ``gpupool_lease_refusals_total`` a refusal is counted under: the misfits, and
+#: ``quota_LIMIT`` for each quota limit and per-user cap that refuses (docs/api.md lists them).
+REFUSAL_REASONS = (*map(str, Misfit), *(limit_code(name) for name in (*REFUSING_LIMITS, *PER_USER_CAPS)))
 
 
 class Metrics:
@@ -45,21 +51,25 @@ class Metrics:
     them); ``dequeued(seconds)`` observes one queued request's wait as it is placed."""
 
     def __init__(self, store: Store, context_overhead: int) -> None:
-        self.registry = CollectorRegistry()
+        counted = CollectorRegistry()
+        #: What ``/metrics`` renders: ``counted`` without the ``*_created`` series (:class:`_WithoutCreated`).
+        self.registry = _WithoutCreated(counted)
         self.refusals = Counter("gpupool_lease_refusals", "Lease requests refused, by reason code",
-                                ["reason"], registry=self.registry)
+                                ["reason"], registry=counted)
+        for reason in REFUSAL_REASONS:  # every series from the start: increase() needs the zero before the first
+            self.refusals.labels(reason=reason)
         self.queue_wait = Histogram("gpupool_queue_wait_seconds",
                                     "Seconds a queued lease request waited until it was placed",
-                                    buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
+                                    buckets=QUEUE_WAIT_BUCKETS, registry=counted)
         self.parks = Counter("gpupool_parks", "Leases parked in place, by reason code and tier",
-                             ["reason", "tier"], registry=self.registry)
+                             ["reason", "tier"], registry=counted)
         for code in ParkCode:  # every series from the start: rate() needs the zero before the first park
             for tier in PARK_TIERS:
                 self.parks.labels(reason=str(code), tier=tier)
         self.resume_seconds = Histogram("gpupool_resume_seconds",
                                         "Seconds from a parked lease's placement on its node to its worker answering",
-                                        buckets=RESUME_BUCKETS, registry=self.registry)
-        self.registry.register(_PoolCollector(store, context_overhead))
+                                        buckets=RESUME_BUCKETS, registry=counted)
+        counted.register(_PoolCollector(store, context_overhead))
 
     def parked(self, code: str, tier: str) -> None:
         self.parks.labels(reason=str(code), tier=tier).inc()
@@ -76,6 +86,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WithoutCreated:
+    """``registry``'s series without the ``NAME_created`` ones prometheus_client adds to each counter and
+    histogram (the Unix time it was made), which docs/api.md does not list. Per registry on purpose:
+    ``prometheus_client.disable_created_metrics()`` (0.26) would change every registry of the process.
+    ``generate_latest`` needs only ``collect``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
+            yield metric
 
 
 class _PoolCollector(Collector):

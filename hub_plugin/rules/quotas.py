@@ -21,6 +21,8 @@ from gpupool.wire.quotas import QUOTA_CEILINGS, SHOWN, Limits
 #: Limit names, in the order they are shown: the fields of :class:`~gpupool.wire.quotas.Limits`.
 LIMIT_KEYS = Limits.KEYS
 DEFAULT_SCOPE = "*"
+#: The limits :func:`check` refuses a request by (its :class:`QuotaRefusal`'s ``limit``), counted as ``quota_LIMIT``.
+REFUSING_LIMITS = ("max_lease_gpus", "max_gpus", "gpu_hours_per_day", "gpu_hours_per_week")
 #: Tolerance for sums of fractions (as the scheduler's).
 EPSILON = 1e-9
 
