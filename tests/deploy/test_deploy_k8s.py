@@ -153,6 +153,19 @@ def test_agents_roll_only_where_their_workers_outlive_them(rendered):
         assert "ends every lease on that node" in text and "gpupool status --all-users" in text
 
 
+def test_one_worker_account_says_it_keeps_users_apart_from_nobody(rendered):
+    """Where every lease runs as the one uid of every home and the agent mounts the whole share, the
+    config beside the setting, the README and docs/security.md say so, and name overlays/pods."""
+    from deploy_k8s import IN_AGENT_POD
+
+    for overlay in IN_AGENT_POD:
+        text = config_text(rendered[overlay], "gpupool-agent-config")
+        assert config_value(text, "AgentWorkers.worker_user") == "jovyan"
+        assert "WHOLE home share" in text and "overlays/pods" in text
+    for doc in ((ROOT / "docs" / "security.md").read_text(), (K8S / "README.md").read_text()):
+        assert "every other user's home" in " ".join(doc.split()) and "overlays/pods" in doc
+
+
 def test_generated_secrets_are_found_by_label(rendered):
     """kustomize hashes the generated Secrets' names (gpupool-db-ggfd457b8m): the runbooks and the README
     find them by ``gpupool.io/secret``, their name without gpupool- and the hash."""
