@@ -86,7 +86,7 @@ def usage_text(body: dict[str, Any]) -> str:
     daily = body.get("daily_gpu_hours") or {}
     days = sorted({day for per_day in daily.values() for day in per_day})
     lines = [f"GPU-hours, days and weeks in {body.get('timezone', 'UTC')}",
-             table(["", "name", "today", "this week"], rows)[0] if rows else "no use this week"]
+             table(["user or group", "name", "today", "this week"], rows)[0] if rows else "no use this week"]
     if days:
         lines += ["", table(["user", *days], [[user, *(format_gpu_hours(per_day.get(day, 0.0), 2) for day in days)]
                                               for user, per_day in sorted(daily.items())])[0]]

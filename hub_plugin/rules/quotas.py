@@ -176,6 +176,10 @@ def check(limits: Limits, *, holding: float, requested: float, used_today_s: flo
         return QuotaRefusal("max_lease_gpus", f"lease too large: at most {limits.max_lease_gpus:.2f} GPU per lease; "
                             f"requested {requested:.2f}")
     if limits.max_gpus is not None and holding + requested > limits.max_gpus + EPSILON:
+        if holding <= EPSILON and limits.max_gpus < MIN_FRACTION - EPSILON:  # nothing to release would help
+            return QuotaRefusal("max_gpus", f"quota exceeded: your quota allows no GPUs (max_gpus "
+                                f"{limits.max_gpus:g}); requested {requested:.2f}",
+                                "; ask the pool's admin to raise your max_gpus (gpupool quota shows your limits)")
         return QuotaRefusal("max_gpus", f"quota exceeded: you hold {holding:.2f} of {limits.max_gpus:.2f} GPU; "
                             f"requested {requested:.2f}", _what_fits(limits, limits.max_gpus - holding))
     for limit, word, used, resets in (("gpu_hours_per_day", "daily", used_today_s, day_resets),

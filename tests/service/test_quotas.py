@@ -110,6 +110,12 @@ REFUSALS = [
     pytest.param(Limits(max_gpus=1.0), dict(holding=0.995, requested=0.1), "max_gpus",
                  "quota exceeded: you hold 0.99 of 1.00 GPU; requested 0.10; nothing more fits: release a lease or "
                  "cancel a queued request first (gpupool status lists them)", id="less than the smallest slice"),
+    pytest.param(Limits(max_gpus=0.0), dict(requested=0.1), "max_gpus",
+                 "quota exceeded: your quota allows no GPUs (max_gpus 0); requested 0.10; ask the pool's admin to "
+                 "raise your max_gpus (gpupool quota shows your limits)", id="a quota of none, nothing held"),
+    pytest.param(Limits(max_gpus=0.005), dict(requested=0.5), "max_gpus",
+                 "quota exceeded: your quota allows no GPUs (max_gpus 0.005); requested 0.50; ask the pool's admin "
+                 "to raise your max_gpus (gpupool quota shows your limits)", id="a quota below the smallest slice"),
     pytest.param(Limits(max_lease_gpus=1.0), dict(requested=2.0), "max_lease_gpus",
                  "lease too large: at most 1.00 GPU per lease; requested 2.00", id="one lease"),
     pytest.param(Limits(gpu_hours_per_day=8.0), dict(used_today_s=8 * 3600), "gpu_hours_per_day",
@@ -143,6 +149,21 @@ def test_refusal_words(limits, usage, limit, message):
 def test_within_limits(limits, usage):
     values = {**dict(holding=0.0, requested=0.5, used_today_s=0.0, used_week_s=0.0), **usage}
     assert check(limits, **values, day_resets="", week_resets="") is None
+
+
+def test_usage_table_names_each_column():
+    """``gpupool quota usage``: the first column says whether the row is a user's or a group's."""
+    from gpupool.quota_cli import usage_text
+
+    body = {"timezone": "UTC", "today_gpu_hours": {"users": {"ann": 1.5}, "groups": {"quants": 1.5}},
+            "week_gpu_hours": {"users": {"ann": 4.0}, "groups": {"quants": 4.0}}, "daily_gpu_hours": {}}
+    assert usage_text(body).splitlines() == [
+        "GPU-hours, days and weeks in UTC",
+        "user or group  name    today  this week",
+        "-------------  ------  -----  ---------",
+        "user           ann     1.50   4.00",
+        "group          quants  1.50   4.00",
+    ]
 
 
 # -- through the service ------------------------------------------------------------------------------------------
