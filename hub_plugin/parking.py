@@ -62,13 +62,15 @@ class Parking:
     queue places resumes; ``quotas`` for ``max_parked_memory``; ``views`` for
     the JSON answered; ``on_parked(code, tier)`` counts each park and
     ``on_resumed(seconds)`` observes how long each resume took from its
-    placement (metrics)."""
+    placement (metrics); ``away_for``: seconds a lost node's agent may be
+    silent and still come back for its leases (``node_ttl + parked_node_grace``)."""
 
     def __init__(self, state: PoolState, workers: WorkerCalls, tasks: Background,
                  views: LeaseViews, leases: LeaseBook, queue: LeaseQueue, quota_book: QuotaBook,
                  on_parked: Callable[[str, str], None] = lambda code, tier: None,
-                 on_resumed: Callable[[float], None] = lambda seconds: None) -> None:
+                 on_resumed: Callable[[float], None] = lambda seconds: None, away_for: float = 600.0) -> None:
         self.state = state
+        self.away_for = away_for
         self.workers = workers
         self.tasks = tasks
         self.views = views
@@ -171,20 +173,17 @@ class Parking:
 
     def _kept_now(self, lease_id: str, why: str, unless_lost: bool = False) -> bool:
         """``parking`` -> ``active`` again (``why``: words); with ``unless_lost``, not when its node
-        is lost (the lease stays ``parking``). Whether it was kept."""
+        is lost for good, silent past ``away_for`` (the lease stays ``parking``). Whether it was kept."""
         with self.state.writing() as tx:
             lease = tx.session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.parking.value:
                 return False
-            if unless_lost and self._node_lost(tx.session, lease.node_name):
+            node = tx.session.get(Node, lease.node_name) if lease.node_name else None
+            if unless_lost and node is not None and node.state == "lost" and \
+                    (self.state.now() - node.last_heartbeat_at).total_seconds() >= self.away_for:
                 return False
             parked.kept(tx, lease, why, self.state.now())
             return True
-
-    @staticmethod
-    def _node_lost(session, node_name: str | None) -> bool:
-        node = session.get(Node, node_name) if node_name else None
-        return node is not None and node.state == "lost"
 
     # -- resuming -------------------------------------------------------------------------------
 

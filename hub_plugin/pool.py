@@ -66,7 +66,7 @@ class Pool:
         self.leases = LeaseBook(nodes, self.state, workers, self.tasks, self.views, queue,
                                 lambda job: self.parking.resume_worker(job))
         self.parking = Parking(self.state, workers, self.tasks, self.views, self.leases, queue,
-                               self.quotas, on_parked, on_resumed)
+                               self.quotas, on_parked, on_resumed, away_for=nodes.node_ttl + nodes.parked_node_grace)
         admission = Admission(leases, quotas, self.quotas, placer, on_refusal)
         self.intake = LeaseIntake(nodes, leases, pressure, self.state, admission, placer,
                                   self.views, self.leases, self.tasks)

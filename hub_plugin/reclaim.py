@@ -27,8 +27,8 @@ from .leases import LeaseBook
 from .models import Lease, Node
 from .parking import Parking
 from .pressure import Pressure
-from .rules.reclaim import (PARKED_STATES, ALIVE, Decision, decide, lost_nodes, lost_parked, outlived, still_due,
-                            still_idle)
+from .rules.reclaim import (PARKED_STATES, ALIVE, Decision, agents_away, decide, lost_nodes, lost_parked, outlived,
+                            still_due, still_idle)
 from .state import PoolState
 
 log = logging.getLogger("gpupool.service.reclaim")
@@ -122,7 +122,8 @@ class Reclaimer:
             leases = session.scalars(select(Lease).where(Lease.state.in_((LeaseState.active.value,
                                                                           *PARKED_STATES)))).all()
             gone = lost_parked(leases, nodes, now, self.node_ttl, self.parked_node_grace)
-            return lost, parkable, decide(leases, now, parkable), gone, outlived(leases, now)
+            away = agents_away(nodes.values(), now, self.node_ttl, self.parked_node_grace)
+            return lost, parkable, decide(leases, now, parkable, away), gone, outlived(leases, now)
 
     def _mark_lost(self, names: list[str], now: datetime) -> None:
         with self.state.writing() as tx:

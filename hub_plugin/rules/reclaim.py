@@ -92,7 +92,8 @@ def is_busy(lease: Any) -> bool:
     return lease.worker_state == WorkerState.busy
 
 
-def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ()) -> list[Decision]:
+def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = (),
+           away: Collection[str] = ()) -> list[Decision]:
     """Decisions for ``leases``: objects with the attributes of
     :class:`~gpupool.hub_plugin.models.Lease` (``id``, ``state``, ``worker_state``,
     ``idle_since``, ``idle_timeout``, ``last_heartbeat_at``, ``started_at``,
@@ -100,7 +101,9 @@ def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ())
     ``active`` leases are considered, and parked (or parking) ones for their
     heartbeats. ``parkable``: the nodes that can park in place (their agent reports a
     checkpointer); an idle lease there that asked ``on_idle: park`` is parked, any
-    other is reclaimed."""
+    other is reclaimed. ``away``: nodes that can park but whose agent is away for now
+    (lost, and within its grace: :func:`agents_away`); an idle lease there that would be
+    parked waits for its agent (it re-adopts the worker) rather than losing its variables."""
     decisions = []
     for lease in leases:
         if lease.state in PARKED_STATES:
@@ -115,6 +118,8 @@ def decide(leases: Iterable[Any], now: datetime, parkable: Collection[str] = ())
             decisions.append(Decision(lease.id, LeaseState.reclaimed, silent, Reclaim.heartbeat))
             continue
         idle = idle_expired(lease, now)
+        if idle and parks_idle(lease, away):
+            continue
         if idle and parks_idle(lease, parkable):
             decisions.append(Decision(lease.id, LeaseState.parked, idle, ParkCode.idle))
         elif idle:
@@ -182,6 +187,15 @@ def lost_nodes(nodes: Iterable[Any], now: datetime, node_ttl: float) -> list[str
     ``last_heartbeat_at``) not heard from for ``node_ttl`` seconds."""
     return [node.name for node in nodes
             if node.state in ALIVE and (now - node.last_heartbeat_at).total_seconds() >= node_ttl]
+
+
+def agents_away(nodes: Iterable[Any], now: datetime, node_ttl: float, grace: float) -> set[str]:
+    """Names of the ``nodes`` (objects with ``name``, ``state``, ``checkpointer`` and
+    ``last_heartbeat_at``) that can park but are ``lost`` for now, silent for less than
+    ``node_ttl + grace`` seconds: an agent restarting (its refused connection marks its
+    node lost at once), whose workers still run and are re-adopted, as a parked lease's are."""
+    return {node.name for node in nodes if node.checkpointer and node.state == "lost"
+            and (now - node.last_heartbeat_at).total_seconds() < node_ttl + grace}
 
 
 def lost_parked(leases: Iterable[Any], nodes: Mapping[str, Any], now: datetime, node_ttl: float,

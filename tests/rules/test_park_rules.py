@@ -15,7 +15,8 @@ import pytest
 from gpupool.hub_plugin.rules import eta, priority, queue, quotas, resume
 from gpupool.hub_plugin.rules import pressure as pressure_rules
 from gpupool.hub_plugin.rules.hosts import HostState
-from gpupool.hub_plugin.rules.reclaim import MOVE_GRACE_S, ParkCode, Reclaim, decide, lost_parked, outlived
+from gpupool.hub_plugin.rules.reclaim import (MOVE_GRACE_S, ParkCode, Reclaim, agents_away, decide, lost_parked,
+                                             outlived)
 from gpupool.hub_plugin.rules.scheduler import Demand, GPUState, Placement, Refusal
 from gpupool.schema import LeaseState
 from gpupool.wire.quotas import Limits
@@ -70,8 +71,26 @@ def test_the_simulator_call_without_parkable_nodes_reclaims_as_before():
     assert [d.state for d in decide([row], T0)] == [LeaseState.reclaimed]
 
 
-def node(state: str = "lost", silent: float = 0.0) -> SimpleNamespace:
-    return SimpleNamespace(state=state, last_heartbeat_at=at(-silent))
+def node(state: str = "lost", silent: float = 0.0, name: str = "n1", checkpointer: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(name=name, state=state, last_heartbeat_at=at(-silent),
+                           checkpointer={"name": "simulated"} if checkpointer else None)
+
+
+@pytest.mark.parametrize("row, expected", [
+    pytest.param(lease(idle_for=1800), [], id="its agent away: the idle park waits for it"),
+    pytest.param(lease(idle_for=1800, on_idle="release"), [(LeaseState.reclaimed, IDLE, Reclaim.idle)],
+                 id="on_idle release ends it as before"),
+    pytest.param(lease(silent_for=60, idle_for=1800), [(LeaseState.reclaimed, SILENT, Reclaim.heartbeat)],
+                 id="its kernel died: released"),
+])
+def test_an_idle_lease_whose_agent_is_away_waits_for_it(row, expected):
+    """An agent restarting (its refused connection marks the node lost at once) re-adopts its workers:
+    an idle lease there is parked once it is back, not released with its variables."""
+    away = agents_away([node("lost", 30 + 599), node("lost", 30 + 600, "n2"), node("up", 0, "n3"),
+                        node("lost", 0, "n4", checkpointer=False)], T0, 30.0, 600.0)
+    assert away == {"n1"}
+    assert [(d.state, d.reason, d.code) for d in decide([row], T0, set(), away)] == expected
+    assert [d.state for d in decide([row], T0, set(), set())][:1] == [LeaseState.reclaimed], "lost for good: ended"
 
 
 @pytest.mark.parametrize("row, nodes, expected", [

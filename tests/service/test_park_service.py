@@ -523,12 +523,13 @@ def test_a_service_restarted_while_a_lease_is_parking_finishes_the_park(tmp_path
 
 
 def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_path, monkeypatch):
-    """The agent killed (kill -9) as a lease's idle deadline comes, and started again before its node
-    is lost: the park it could not be asked keeps the lease active (it was reclaimed, its variables
+    """The agent killed (kill -9) as a lease's idle deadline comes, and started again while its node
+    is lost but within its grace (node_ttl + parked_node_grace): the park it could not be asked keeps
+    the lease active (it was reclaimed, its variables
     lost, though the agent re-adopts the worker); once the agent is back the sweep parks it, and it
     resumes with its variables."""
     monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-outage-{uuid.uuid4().hex[:8]}"))
-    svc = start_service(tmp_path, config={"node_ttl": 120.0, "heartbeat_ttl": 600.0})
+    svc = start_service(tmp_path, config={"node_ttl": 3.0, "heartbeat_ttl": 600.0})
     args = ["--transport-encryption=none", "--warm-workers=0"]
     agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
     try:
@@ -541,6 +542,9 @@ def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_p
             words = "it is parked once its agent answers"
             wait_for(lambda: any(words in e["reason"] for e in svc.client().get_lease(lease.id).events), 30,
                      "a park its agent could not be asked")
+            # Silent past node_ttl (3 s), the node is lost; sweeps go on (every 0.2 s) while its agent is away.
+            wait_for(lambda: svc.client().pool()["nodes"][0]["state"] == "lost", 30, "the node lost")
+            time.sleep(3)
             assert svc.client().get_lease(lease.id).state in (LeaseState.active, LeaseState.parking)
             port = int(agent.url.rsplit(":", 1)[1])  # as systemd restarts it: its folder (it re-adopts), its port
             agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
