@@ -31,6 +31,10 @@ from .words import ended_words, say
 from .relay import OutputRelay, remote_error
 from gpupool.remote import RemoteKernel
 
+#: What a wait on a worker that a park to disk ended says (the lease resumed on a new worker).
+CELL_CUT_BY_SPILL = ("lease {lease} was parked to disk as this reached its worker, and resumed on a new worker "
+                     "on {node} from the state saved then: this cell did not finish on the old worker and what "
+                     "it did there is not kept (its output above is all there is); run it again")
 log = logging.getLogger("gpupool.magics")
 #: Seconds between asks to resume a frozen lease when the service did not answer.
 RESUME_RETRY_S = 5.0
@@ -246,8 +250,16 @@ class Attachment:
         return parked.new_worker if parked is not None else None
 
     def check_alive(self) -> None:
+        """Between polls of a wait on the worker: GPUPoolError ``lease_lost`` when the lease
+        ended, ``worker_unreachable`` when it resumed on a new worker meanwhile (spilled to disk
+        as a cell reached the old one: that worker is gone, its answer never comes); else, while
+        parked, :meth:`ask_resume`."""
         if self.heartbeat.ended is not None:
             raise GPUPoolError(Reason.lease_lost, ended_words(self.heartbeat.ended), 410)
+        moved_on = self.new_worker
+        if moved_on is not None:
+            raise GPUPoolError(Reason.worker_unreachable, CELL_CUT_BY_SPILL.format(lease=moved_on.id,
+                                                                                   node=moved_on.node), 504)
         self.ask_resume()
 
     def ask_resume(self) -> None:

@@ -521,3 +521,24 @@ def test_gpupool_log_lines_go_to_the_kernels_own_stderr_never_into_a_cell(kernel
     while "heartbeat for L-0 failed: test" not in log.read_text() and time.monotonic() < wait_for_text:
         time.sleep(0.1)
     assert "[gpupool WARNING" in log.read_text() and "heartbeat for L-0 failed: test" in log.read_text()
+
+
+def test_a_wait_on_a_worker_the_lease_left_ends_with_words():
+    """A cell that reached the worker as its lease was parked to disk waits on a worker that is gone:
+    once the lease resumed on a new worker, the wait ends (it hung) and says the cell did not finish."""
+    from types import SimpleNamespace
+
+    from gpupool.errors import GPUPoolError, Reason
+    from gpupool.magics.attachment import Attachment
+    from gpupool.magics.park import Parked
+
+    attachment = object.__new__(Attachment)
+    attachment.heartbeat = SimpleNamespace(ended=None)
+    attachment.parked = Parked(SimpleNamespace(id="L-1", node="node-1"),
+                               new_worker=SimpleNamespace(id="L-1", node="node-2"))
+    with pytest.raises(GPUPoolError) as raised:
+        attachment.check_alive()
+    assert raised.value.code == Reason.worker_unreachable
+    assert raised.value.message.startswith("lease L-1 was parked to disk as this reached its worker, and resumed on "
+                                           "a new worker on node-2"), raised.value.message
+    assert raised.value.message.endswith("run it again")
