@@ -87,6 +87,8 @@ class Attachment:
                 if first and not self.parking_here:
                     self.heartbeat.say(parked_words(lease, self.heartbeat.cell_running), kind="parked")
                     self.parked.noticed = True
+                if first:  # said by that notice, or by %gpu park's own words
+                    self.parked.lost_said = tuple((lease.parked or {}).get("lost") or ())
                 self.parking_here = False
             elif self.parked is not None and lease.state is LeaseState.active:
                 parked, running = self.parked, self.heartbeat.cell_running
@@ -107,8 +109,8 @@ class Attachment:
                     if took is None and parked.resume_asked and not running:
                         took = time.monotonic() - parked.asked_at
                     parked.said_resumed = True
-                    self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then,
-                                       kind="resumed")
+                    self.heartbeat.say(resumed_words(lease, took, parked_for(parked.lease), parked.lease.node) + then
+                                       + parked.not_kept(lease), kind="resumed")
 
     def catch_up(self) -> Lease | None:
         """Ask the service for the lease now and follow it as a beat would: a park, a resume or a
@@ -172,9 +174,9 @@ class Attachment:
             if on_state is not None:
                 on_state(lease, was_queued)
 
-        asked = False
+        asked, answered = False, None
         try:
-            lease = self.client.resume(self.lease.id)
+            lease = answered = self.client.resume(self.lease.id)
             asked = True
             lease = wait_started(self.client, lease, started, start_timeout, setting="c.GPUMagics.start_timeout",
                                  on_state=seen, waiting=RESUME_STATES, cancels=False)
@@ -198,9 +200,11 @@ class Attachment:
         if parked is not None and parked.said_resumed:  # the heartbeat said it (atop this cell)
             return lease
         took = resume_seconds(lease) if parked is not None and earlier else None
-        # What the park lost, its notice said.
+        # What the park lost that its notice did not say (none, or one given while it was parking) comes now.
+        not_kept = parked.not_kept(*(seen for seen in (answered, lease) if seen is not None)) if parked else ""
         say(resumed_words(lease, took if took is not None else time.monotonic() - started,
-                          parked_for(parked.lease if parked else None), parked.lease.node if parked else None))
+                          parked_for(parked.lease if parked else None), parked.lease.node if parked else None)
+            + not_kept)
         return lease
 
     def _gave_up_waiting(self, parked: Parked | None, asked: bool, started: float) -> None:

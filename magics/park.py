@@ -46,6 +46,18 @@ class Parked:
     failed_at: float = float("-inf")  # monotonic time an ask to resume last failed
     asked_at: float = float("-inf")  # monotonic time the resume was asked (ask_resume)
     said_resumed: bool = False  # the heartbeat said its resume (a resume this kernel did not wait for in full)
+    lost_said: tuple[str, ...] = ()  # what the park could not keep that its notice said
+
+    def not_kept(self, *seen: Lease) -> str:
+        """What the park could not keep, as the service says it on this lease and on ``seen``
+        (later looks at it), less what its notice said already (a notice given while it was
+        ``parking``, or none: a cell interrupted by a preemption that spilled it to disk):
+        ``"; not kept by the park: the running cell was interrupted"``, or ""."""
+        items: list[str] = []
+        for lease in (self.lease, *seen):
+            items += [item for item in (lease.parked or {}).get("lost") or [] if item not in items]
+        unsaid = [item for item in items if item not in self.lost_said]
+        return f"; not kept by the park: {'; '.join(unsaid)}" if unsaid else ""
 
 
 def parked_now(lease: Lease) -> bool:

@@ -542,3 +542,20 @@ def test_a_wait_on_a_worker_the_lease_left_ends_with_words():
     assert raised.value.message.startswith("lease L-1 was parked to disk as this reached its worker, and resumed on "
                                            "a new worker on node-2"), raised.value.message
     assert raised.value.message.endswith("run it again")
+
+
+def test_what_a_park_could_not_keep_is_said_at_the_resume_unless_its_notice_said_it():
+    """A preempted cell interrupted as its park spilled to disk ended with a bare KeyboardInterrupt: the
+    notice (if any) came while the lease was parking, before the service knew. The resume's line says it."""
+    from types import SimpleNamespace
+
+    from gpupool.magics.park import Parked
+
+    parking = SimpleNamespace(parked={"tier": "disk"})
+    spilled = SimpleNamespace(parked={"tier": "disk", "lost": ["the running cell was interrupted", "lock: a lock"]})
+    parked = Parked(parking)
+    assert parked.not_kept() == ""
+    assert parked.not_kept(spilled) == "; not kept by the park: the running cell was interrupted; lock: a lock"
+    parked.lost_said = ("lock: a lock",)  # its notice said that much
+    assert parked.not_kept(spilled, spilled) == "; not kept by the park: the running cell was interrupted"
+    assert Parked(spilled, lost_said=tuple(spilled.parked["lost"])).not_kept(spilled) == ""
