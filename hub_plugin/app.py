@@ -148,7 +148,9 @@ class ServiceApp(Application):
         held = claim(store)  # one service per store, before the schema is touched
         try:
             store.migrate()
-        except (SQLAlchemyError, GPUPoolError) as exc:
+        except GPUPoolError as exc:  # a schema this release does not know: its own words, not the URL's
+            raise GPUPoolError(exc.code, f"the store at {store.describe()}: {exc.message}") from None
+        except SQLAlchemyError as exc:
             reason = getattr(exc, "orig", None) or exc
             raise GPUPoolError(Reason.store_unavailable, f"cannot open the store at {store.describe()} ({reason}); "
                                "check c.GPUPool.db_url") from None
