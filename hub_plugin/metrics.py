@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from gpupool.metricsregistry import WithoutCreated
 from gpupool.schema import LEASE_CLASSES, LeaseState, utcnow
 from gpupool.wire.parking import PARK_TIERS
 
@@ -52,8 +53,8 @@ class Metrics:
 
     def __init__(self, store: Store, context_overhead: int) -> None:
         counted = CollectorRegistry()
-        #: What ``/metrics`` renders: ``counted`` without the ``*_created`` series (:class:`_WithoutCreated`).
-        self.registry = _WithoutCreated(counted)
+        #: What ``/metrics`` renders: ``counted`` without the ``*_created`` series (:class:`WithoutCreated`).
+        self.registry = WithoutCreated(counted)
         self.refusals = Counter("gpupool_lease_refusals", "Lease requests refused, by reason code",
                                 ["reason"], registry=counted)
         for reason in REFUSAL_REASONS:  # every series from the start: increase() needs the zero before the first
@@ -86,21 +87,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _WithoutCreated:
-    """``registry``'s series without the ``NAME_created`` ones prometheus_client adds to each counter and
-    histogram (the Unix time it was made), which docs/api.md does not list. Per registry on purpose:
-    ``prometheus_client.disable_created_metrics()`` (0.26) would change every registry of the process.
-    ``generate_latest`` needs only ``collect``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self.registry.collect():
-            metric.samples = [s for s in metric.samples if s.name != metric.name + "_created"]
-            yield metric
 
 
 class _PoolCollector(Collector):

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpupool.metricsregistry import WithoutCreated
 from gpupool.schema import WorkerState
 from gpupool.wire.nodes import GPUInfo, WorkerReport
 
@@ -108,4 +109,4 @@ class AgentMetrics(Collector):
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(WithoutCreated(self.registry))

@@ -56,6 +56,7 @@ def test_agent_metrics_need_the_metrics_token_and_count_workers(metered_agent):
         assert value == 80 * 1024**3
     assert samples[("gpupool_agent_nvml_up", ())] == 1
     assert samples[("gpupool_agent_nvml_errors_total", ())] == 0
+    assert not [name for name, _ in samples if name.endswith("_created")], "no series docs/api.md does not list"
 
     lease = service.client().create_lease(LeaseRequest(fraction=0.5))
     uuid = lease.gpus[0]["uuid"]
