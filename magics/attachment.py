@@ -164,15 +164,24 @@ class Attachment:
                 # worker): this call does not see it from its start, so the service's clock times it.
                 earlier = parked.resume_asked or parked.new_worker is not None
         started = time.monotonic()
-        told = False
+        told, asked_at = False, started
 
         def seen(lease: Lease, was_queued: bool) -> None:
-            nonlocal told
+            nonlocal told, asked_at
             if on_wait is not None and not told and lease.state in WAITING_FOR_ROOM and lease.queue_position:
                 told = True
                 on_wait(lease)
             if on_state is not None:
                 on_state(lease, was_queued)
+            # Parked with no resume asked any more: the service's try failed (its agent away, say) and
+            # left it parked. Ask again, as a new cell would, so it resumes once the agent is back.
+            if lease.state is LeaseState.parked and not (lease.parked or {}).get("resume_requested") \
+                    and time.monotonic() - asked_at >= RESUME_RETRY_S:
+                asked_at = time.monotonic()
+                try:
+                    self.client.resume(self.lease.id)
+                except GPUPoolError as exc:
+                    log.warning("could not ask again to resume %s: %s", self.lease.id, exc.message)
 
         asked, answered = False, None
         try:

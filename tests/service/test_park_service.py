@@ -563,6 +563,46 @@ def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_p
         svc.stop()
 
 
+def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_back(tmp_path, monkeypatch):
+    """A parked lease's cell asks a resume while the agent is killed: the service's try fails and leaves
+    it parked; the cell asks again (it waited for good: no resume was pending any more) and runs once
+    the agent, restarted on its folder and port, has re-adopted the frozen worker."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-away-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 120.0})
+    args = ["--transport-encryption=none", "--warm-workers=0"]
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        lease_id = run(kc, "import os\nx = 41\nprint(os.environ['GPUPOOL_LEASE_ID'])").stdout.strip()
+        assert run(kc, "%gpu park").ok
+        agent.proc.kill()
+        agent.proc.wait(10)
+        msg_id = kc.execute("print(x + 1)")
+        wait_for(lambda: any("stays parked" in e["reason"] for e in svc.client().get_lease(lease_id).events), 30,
+                 "the service's resume failing while the agent is away")
+        port = int(agent.url.rsplit(":", 1)[1])
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
+        deadline, said = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            msg = kc.get_iopub_msg(timeout=deadline - time.monotonic())
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                said.append(msg["content"]["text"])
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        assert "42" in "".join(said).split(), said
+        assert f"resumed {lease_id}" in "".join(said), said
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        agent.stop()
+        svc.stop()
+
+
 def _park_unless_busy(parks, lease_id: str):
     """The owner's park of ``lease_id``; None while the agent still finds its cell running (409 worker_busy)."""
     try:
