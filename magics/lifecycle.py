@@ -119,14 +119,23 @@ class Lifecycle:
 
     def _move(self, request: LeaseRequest) -> None:
         """Move the attached notebook (a parked lease resumes first) to a new
-        lease for ``request`` (:mod:`.move`); on any failure it stays on its old one."""
+        lease for ``request`` (:mod:`.move`); on any failure it stays on its old one,
+        parked again where it was parked (its GPU back in the pool, as before)."""
+        was_parked = self._attachment is not None and self._attachment.is_parked
+        if self._attachment is not None:  # a move refused for what it asks resumes nothing
+            request = move.target(self._attachment.lease, request)
         old = self.attached()
-        request = move.target(old.lease, request)
         started = time.monotonic()
         try:
             new = self.attacher.connect(request, forward=False)
         except (GPUPoolError, UsageError) as exc:
-            raise move.not_started(exc, old.lease.id) from None
+            if was_parked:
+                try:
+                    self.park()
+                except UsageError as again:
+                    raise UsageError(f"could not move: {getattr(exc, 'message', exc)}; {old.lease.id} was resumed "
+                                     f"for the move and stays active: {again}") from None
+            raise move.not_started(exc, old.lease.id, parked_again=was_parked) from None
         # Said once the pool gave the new lease, not before: a refused move moves nothing.
         say(f"moving {old.lease.id} to {new.lease.id}; its variables go worker to worker")
         # Said before the old worker goes: what did not travel is named while it still exists.

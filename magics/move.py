@@ -37,15 +37,16 @@ def target(lease: Lease, request: LeaseRequest) -> LeaseRequest:
     return replace(request, replaces=lease.id)
 
 
-def not_started(exc: Exception, old_id: str) -> UsageError:
-    """The error for a move whose new lease could not be had (``exc``: a GPUPoolError or UsageError)."""
+def not_started(exc: Exception, old_id: str, parked_again: bool = False) -> UsageError:
+    """The error for a move whose new lease could not be had (``exc``: a GPUPoolError or UsageError);
+    ``parked_again``: the old lease, parked, was resumed for the move and is parked again."""
     # Only where the pool had no room does holding two leases for a moment matter: the old lease's
     # room may be what the new one needs. Not for a quota: the move's ``replaces`` keeps the old lease
     # out of max_gpus already, and a release gives back no GPU-hours.
     hint = (" (a move holds both leases for a moment: where the old one leaves no room, %gpu release then "
             "%gpu acquire)") if getattr(exc, "code", None) == "pool_full" else ""
-    return UsageError(f"could not move: {getattr(exc, 'message', exc)}; still attached to {old_id}, "
-                      f"nothing changed{hint}")
+    state = ", parked again as it was" if parked_again else ", nothing changed"
+    return UsageError(f"could not move: {getattr(exc, 'message', exc)}; still attached to {old_id}{state}{hint}")
 
 
 def carry(old: Attachment, new: Attachment, started: float) -> str:

@@ -106,3 +106,25 @@ def test_a_move_refused_for_room_says_to_release_first_and_a_move_given_room_say
         new = attached(ip)
         assert re.search(rf"moving {old} to {new}; its variables go worker to worker\n.*moved {old} to {new}: ",
                          out.stdout, re.S), out.stdout
+
+
+def test_a_refused_move_of_a_parked_lease_parks_it_again(pool, monkeypatch):
+    """A move resumes a parked lease first (its variables travel from its live worker); refused then,
+    the lease is parked again as it was, its GPU back in the pool, not left holding it while idle."""
+    with shell_as(pool, "tester", monkeypatch) as ip:
+        ip.run_line_magic("gpu", "acquire 1")
+        old = attached(ip)
+        with capture_output():
+            ip.run_line_magic("gpu", "park")
+        bob = pool.client("bob")
+        other = bob.create_lease(LeaseRequest(fraction=1.0))
+        try:
+            words, _ = refused_move(ip, "acquire 1")  # the same size: refused before any resume
+            assert words.startswith(f"already attached to {old}"), words
+            assert pool.client().get_lease(old).state.value == "parked"
+            words, _ = refused_move(ip, "acquire 0.75")  # the old lease's GPU, resumed, leaves no room
+            assert words.startswith("could not move: "), words
+            assert f"still attached to {old}, parked again as it was" in words, words
+            assert pool.client().get_lease(old).state.value == "parked"
+        finally:
+            bob.release(other.id)
