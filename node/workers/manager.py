@@ -249,6 +249,7 @@ class WorkerManager:
                     self.log.warning("lease %s was spilled to disk: stopping its worker", spill.lease_id)
                     await self.stop_locked(spill.lease_id)
                     self.parking.spilling.spilled[spill.lease_id] = spill
+            self.parking.check_budget()  # restarted with a smaller parked_memory: the longest-parked go to disk
         return [worker for worker in adopted if worker.spec.lease_id in self._workers]
 
     # -- stop -------------------------------------------------------------------

@@ -175,6 +175,20 @@ def test_an_agent_killed_while_a_worker_is_parked_readopts_it_frozen_and_resumes
     assert held(agent, pid) == 64 * MiB
 
 
+def test_an_agent_restarted_with_a_smaller_budget_spills_the_parked_workers_over_it(agent, tmp_path):
+    started = agent.start_worker("L-budget")
+    kc = agent.client(started["connection"])
+    cell(kc, "from gpupool.node import simgpu; x = simgpu.zeros(200 * 2**20, 'uint8'); x[7] = 7")
+    assert agent.park("L-budget")[1]["tier"] == "memory"
+    agent.kill9()
+    agent.args = (*agent.args, "--parked-memory=100MiB")
+    agent.start()
+    wait_for(lambda: agent.reports()["L-budget"]["parked"] == "disk", 60, "the re-adopted worker spilled")
+    assert "more than its budget of 100.0 MiB" in agent.log.read_text()
+    resumed = agent.resume("L-budget")[1]
+    assert cell(agent.client(resumed["connection"]), "print(x[7])").strip() == "7"
+
+
 def test_a_spill_saves_what_pickles_says_what_not_and_resumes_into_a_new_worker(agent, tmp_path):
     started = agent.start_worker("L-spill")
     kc = agent.client(started["connection"])
