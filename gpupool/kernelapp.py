@@ -64,6 +64,8 @@ class NoSubshellKernelApp(IPKernelApp):
         ipykernel_private.read_shell_on_main_thread(self)
 
 
+#: The ``ename`` of a cell a worker refused (:meth:`WorkerKernel.refuse_cells`).
+REFUSED_ENAME = "WorkerSavedForPark"
 #: The most empty In[] entries one cell pads (a count far ahead of this worker's history is not followed there).
 MAX_PAD = 100_000
 
@@ -72,9 +74,23 @@ class WorkerKernel(NoSubshellKernel):
     """A worker's kernel: an IPythonKernel whose cell takes the execution
     count named in its request's metadata (:data:`COUNT_KEY`), so In[n],
     Out[n] and ``Cell In[n]`` in tracebacks follow the notebook's numbering
-    (cells of ``%gpu`` lines and ``%%local`` cells take numbers there)."""
+    (cells of ``%gpu`` lines and ``%%local`` cells take numbers there).
+    Once its namespace is saved for a park to disk (:meth:`refuse_cells`), a
+    cell that still reaches it is refused in words, not run: what it did would
+    be lost with this process."""
+
+    #: Why cells are refused (:meth:`refuse_cells`); None: they run.
+    refusing: str | None = None
+
+    def refuse_cells(self, words: str) -> None:
+        """From now on answer every ``execute_request`` with an error of ``words`` (ename
+        :data:`REFUSED_ENAME`) instead of running it. Called on the main thread, between requests."""
+        self.refusing = words
 
     async def execute_request(self, stream, ident, parent: dict[str, Any]) -> None:
+        if self.refusing is not None:
+            self._refuse(stream, ident, parent)
+            return
         count = (parent.get("metadata") or {}).get(COUNT_KEY)
         if isinstance(count, int) and not isinstance(count, bool) and count > 0 \
                 and not (parent.get("content") or {}).get("silent"):
@@ -84,6 +100,15 @@ class WorkerKernel(NoSubshellKernel):
                 # In[n] is cell n here too (the others ran there); a count far ahead pads nothing
                 cells.extend([""] * (count - len(cells) if count - len(cells) <= MAX_PAD else 0))
         await super().execute_request(stream, ident, parent)
+
+
+    def _refuse(self, stream, ident, parent: dict[str, Any]) -> None:
+        """An error reply and its IOPub ``error`` for ``parent``, as a failed cell's (the
+        busy and idle around it are ipykernel's dispatch's)."""
+        error = {"ename": REFUSED_ENAME, "evalue": self.refusing, "traceback": [f"{REFUSED_ENAME}: {self.refusing}"]}
+        self.session.send(self.iopub_socket, "error", error, parent, ident=self._topic("error"))
+        self.session.send(stream, "execute_reply", {"status": "error", "execution_count": self.shell.execution_count,
+                                                    **error}, parent, ident=ident)
 
 
 class WorkerKernelApp(NoSubshellKernelApp):

@@ -24,13 +24,18 @@ from gpupool.wire.transfer import PullAll
 from .namespace import pull_header, restore
 
 _LENGTH = struct.Struct(">Q")
+#: What a cell that reaches a worker after its namespace was saved says (it is not run).
+CELL_AFTER_SAVE = ("this cell reached the worker after its variables were saved to disk for a park, so it did not "
+                   "run (what it did would have been lost with this worker); run it again: the lease resumes from "
+                   "what was saved")
 
 
 def save(ip, path: str) -> dict[str, Any]:
     """Write the namespace of ``ip`` to ``path`` (a new file); answers
     ``{"ok", "items", "types", "errors", "modules", "nbytes"}``: the names
     saved and ``{name: type}`` of each, ``{name: why}`` for those that could
-    not be, the module names, and the file's size."""
+    not be, the module names, and the file's size. From then on the worker
+    refuses cells (:meth:`gpupool.kernelapp.WorkerKernel.refuse_cells`)."""
     header, buffers = pull_header(ip, PullAll())
     header["sizes"] = [memoryview(b).nbytes for b in buffers]
     head = json.dumps(header).encode()
@@ -41,6 +46,9 @@ def save(ip, path: str) -> dict[str, Any]:
             _write(fd, memoryview(buffer).cast("B"))
     finally:
         os.close(fd)
+    refuse = getattr(getattr(ip, "kernel", None), "refuse_cells", None)
+    if refuse is not None:  # the agent ends this process next: a cell still on its way would be lost with it
+        refuse(CELL_AFTER_SAVE)
     return {"ok": True, "items": [item["name"] for item in header["items"]],
             "types": {item["name"]: item["type"] for item in header["items"]}, "errors": header["errors"],
             "modules": sorted(header.get("modules", {})), "nbytes": os.path.getsize(path)}

@@ -175,6 +175,25 @@ def test_an_agent_killed_while_a_worker_is_parked_readopts_it_frozen_and_resumes
     assert held(agent, pid) == 64 * MiB
 
 
+def test_a_cell_that_reaches_a_worker_after_its_spill_was_saved_is_refused_not_lost(agent, tmp_path):
+    """Between the save of a spill and the end of the worker, a cell on its way would run and be lost
+    with the process, silently. Once saved, the worker refuses cells in words. (The worker is asked to
+    save directly here, so that it lives on for the cell; the agent ends it right after a save.)"""
+    from gpupool.kernelapp import REFUSED_ENAME
+    from gpupool.node.checkpoint.framework import ask
+    from gpupool.node.worker_extension.spill import CELL_AFTER_SAVE
+    from gpupool.wire.transfer import Spill
+
+    started = agent.start_worker("L-saved")
+    kc = agent.client(started["connection"])
+    cell(kc, "x = 41")
+    answer = ask(started["connection"], Spill(path=str(tmp_path / "namespace.bin")))
+    assert "x" in answer["items"]
+    refused = run(kc, "x += 1\nprint(x)")
+    assert not refused.ok and refused.reply["ename"] == REFUSED_ENAME, refused.text()
+    assert refused.reply["evalue"] == CELL_AFTER_SAVE and refused.stdout == "", refused.text()
+
+
 def test_an_agent_restarted_with_a_smaller_budget_spills_the_parked_workers_over_it(agent, tmp_path):
     started = agent.start_worker("L-budget")
     kc = agent.client(started["connection"])
