@@ -76,8 +76,6 @@ def not_mid_cell(line: str) -> str:
     return f"{NOT_MID_CELL[command]} cannot run inside a cell that runs on the worker; put it in a cell of its own"
 
 
-
-
 def refused(exc: GPUPoolError) -> UsageError:
     """The pool's refusal ``exc`` as a UsageError (IPython shows exactly that
     class in one line, no subclass), with its ``limit`` kept as an attribute
@@ -87,6 +85,7 @@ def refused(exc: GPUPoolError) -> UsageError:
     limit = exc.extra.get("limit")
     error.limit = limit if isinstance(limit, str) else None  # type: ignore[attr-defined]
     return error
+
 
 @magics_class
 class GPUMagics(Magics):
