@@ -62,7 +62,7 @@ def quota_text(body: dict[str, Any]) -> str:
             for key, words, unit, usage in SHOWN if key in limits]
     groups = ", ".join(body["groups"]) or "none"
     head = f"user {body['user']} (groups: {groups}); days and weeks in {used['timezone']}"
-    return head + "\n" + table(["", "used", "limit"], rows)[0]
+    return head + "\n" + table(["limit on", "used", "limit"], rows)[0]
 
 
 def quotas_text(body: dict[str, Any]) -> str:

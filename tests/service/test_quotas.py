@@ -166,6 +166,15 @@ def test_usage_table_names_each_column():
     ]
 
 
+def test_quota_table_names_each_column():
+    """``gpupool quota`` and ``%gpu quota``: the limits' column has a name too (it was blank)."""
+    from gpupool.quota_cli import quota_text
+
+    body = {"user": "ann", "groups": [], "usage": {"timezone": "UTC", "today_gpu_hours": 0.1},
+            "limits": {"max_gpus": 2, "gpu_hours_per_day": 8}}
+    assert quota_text(body).splitlines()[1].split() == ["limit", "on", "used", "limit"]
+
+
 # -- through the service ------------------------------------------------------------------------------------------
 
 @pytest.fixture
