@@ -9,9 +9,7 @@ there until a registration or heartbeat without the error. Worker reports
 update the lease's worker state and idle time; a worker reported ``dead`` ends its
 lease ``failed`` through the one release path (a parked one's too, saying
 that its parked state is gone); a parked worker reported spilled to disk
-moves its lease's park to disk (:func:`.parked.report`), and an active lease
-reported spilled (a park whose answer was lost) is parked on disk
-(:func:`.parked.found_spilled`); and every reported
+moves its lease's park to disk (:func:`.parked.report`); and every reported
 worker whose lease neither holds capacity nor is parked on this node comes
 back in ``stop``, so no worker outlives its lease (nor a spill a lease that
 moved to another node left here: a moving lease's report from the node its
@@ -186,9 +184,6 @@ class NodeBook:
             elif report.execution_state == WorkerState.dead and report.parked != "disk":  # a spilled one has no process
                 if lease.state != LeaseState.releasing.value:
                     dead.append((lease.id, _died(lease, report)))
-            elif lease.state == LeaseState.active.value and report.parked == "disk":
-                parked.found_spilled(tx, lease, report, now)
-                log.warning("lease %s: %s on %s", lease.id, parked.FOUND_SPILLED, node.name)
             elif lease.state == LeaseState.active.value:
                 _update_worker(lease, report, now)
                 cell_log.record(session, lease, report, now)

@@ -257,21 +257,6 @@ def report(tx: Transaction, lease: Lease, got: WorkerReport) -> bool:
     return True
 
 
-#: Why an active lease is found spilled on its node: the park's answer never came.
-FOUND_SPILLED = ("its agent saved it to disk and ended its worker, then restarted before the pool heard of the "
-                 "park")
-
-
-def found_spilled(tx: Transaction, lease: Lease, got: WorkerReport, now: datetime) -> None:
-    """``active`` -> ``parked`` on disk: its agent reports the lease spilled (``got``), a park
-    whose answer was lost (the agent killed after the spill was saved, the service then keeping
-    the lease active; which park it was is not known: counted as idle). The share is given back,
-    as :func:`done` does; the next cell loads the spill into a new worker instead of talking to
-    one that is gone."""
-    begin(tx, lease, ParkCode.idle, FOUND_SPILLED, "disk", now)
-    done(tx, lease, WorkerParked("disk", lost=tuple(got.parked_lost)), now)
-
-
 def resume_ask(lease: Lease, node: Node | None, host_share: float | None = None) -> Resume:
     """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`);
     a cell frozen mid-way in memory may not move (:func:`may_move`); ``host_share``

@@ -563,31 +563,6 @@ def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_p
         svc.stop()
 
 
-def test_an_active_lease_its_agent_reports_spilled_is_parked_on_disk_and_resumes(parks):
-    """The agent saved a spill and ended the worker, but the park's answer never reached the service
-    (the agent killed after the save): the service kept the lease active with a worker that is gone.
-    The agent's next report says the spill: the lease is parked on disk, its share back in the pool,
-    and its resume loads the spill into a new worker. (Here the agent is asked directly, bypassing
-    the service, as the lost answer would leave it.)"""
-    from parkagent import call
-
-    lease = parks.acquire()
-    kc = parks.kernel(lease)
-    cell(kc, "x = 41")
-    status, answer = call(f"{parks.agent.url}/workers/{lease.id}/park", "POST", {"reason": "a test", "tier": "disk"},
-                          token=parks.svc.agent_token)
-    assert status == 200 and answer["tier"] == "disk", answer
-    parked = parks.until(lease.id, "parked", timeout=30)
-    assert parked.parked["tier"] == "disk", parked.parked
-    assert any("restarted before the pool heard of the park" in (e["reason"] or "") for e in parked.events), \
-        parked.events
-    assert parks.gpu()["allocated_fraction"] == 0.0, "its share is back in the pool"
-    parks.svc.client().resume(lease.id)
-    resumed = parks.until(lease.id, "active")
-    assert resumed.connection != lease.connection
-    assert cell(parks.kernel(resumed), "print(x + 1)").strip() == "42"
-
-
 def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_back(tmp_path, monkeypatch):
     """A parked lease's cell asks a resume while the agent is killed: the service's try fails and leaves
     it parked; the cell asks again (it waited for good: no resume was pending any more) and runs once
