@@ -172,12 +172,13 @@ class ServiceApp(Application):
         server = HTTPServer(app, ssl_options=tls, **httpin.server_options(service.request_header_timeout,
                                                                            service.request_body_timeout))
         server.add_sockets(sockets)
-        url = _url(self.ip, sockets[0].getsockname()[1], "https" if tls else "http")
+        scheme, port = "https" if tls else "http", sockets[0].getsockname()[1]
+        url = _url(self.ip, port, scheme)
         public = service.public_url or url.rstrip("/") + service.base_url  # what kernels and agents use
         with _state_dir_errors(state):
             _write_atomically(info_file, json.dumps({"url": url, "public_url": public, "pid": os.getpid()}))
         bound = url if self.ip not in ("", "0.0.0.0", "::") else \
-            f"{url.split(':', 1)[0]}://{'[::]' if self.ip == '::' else '0.0.0.0'}:{sockets[0].getsockname()[1]}"
+            f"{scheme}://{'[::]' if self.ip == '::' else '0.0.0.0'}:{port}"
         log.info("gpupool service %s listening on %s (state in %s); kernels and agents use %s", __version__, bound,
                  state, public)
         if public.startswith("http://") and urlsplit(public).hostname not in ("127.0.0.1", "localhost", "::1"):

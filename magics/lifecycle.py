@@ -121,9 +121,8 @@ class Lifecycle:
         """Move the attached notebook (a parked lease resumes first) to a new
         lease for ``request`` (:mod:`.move`); on any failure it stays on its old one,
         parked again where it was parked (its GPU back in the pool, as before)."""
-        was_parked = self._attachment is not None and self._attachment.is_parked
-        if self._attachment is not None:  # a move refused for what it asks resumes nothing
-            request = move.target(self._attachment.lease, request)
+        was_parked = self._attachment.is_parked  # acquire() calls this only while attached
+        request = move.target(self._attachment.lease, request)  # refused for what it asks: nothing resumed
         old = self.attached()
         started = time.monotonic()
         try:
