@@ -34,10 +34,14 @@ WAITING_FOR_ROOM = (LeaseState.queued, LeaseState.parking, LeaseState.parked)
 
 def progress_words(lease: Lease) -> str:
     """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``,
-    ``'parked on node-1, waiting for room there: 1st in line'``, ``'moving to node-2 from node-1's disk (...)'``."""
+    ``'parked on node-1, waiting for room there: 1st in line'``, ``'parked on node-1, whose agent is away
+    (...)'``, ``'moving to node-2 from node-1's disk (...)'``."""
     if lease.state is LeaseState.parking:
         return f"parking on {lease.node or 'its node'} (the resume follows)"
     if lease.state in (LeaseState.queued, LeaseState.parked):
+        if lease.state is LeaseState.parked and lease.node_state == "lost":
+            return (f"parked on {lease.node or 'its node'}, whose agent is away (stopped, or no heartbeat): waiting "
+                    "for it to come back")
         if lease.state is LeaseState.parked:
             elsewhere = " or on another node" if (lease.parked or {}).get("may_move") else ""
             text = f"parked on {lease.node or 'its node'}, waiting for room there{elsewhere}"

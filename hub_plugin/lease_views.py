@@ -173,7 +173,8 @@ class LeaseViews:
         limits = host_limits(lease, node if node is not None else _GONE)  # what the agent is told to enforce
         place = queue.positions.get(lease.id) if _in_line(lease) and queue is not None else None
         return lease_body(
-            lease, for_owner=lease.owner == who.name, moves=self.pool_leases.resume_moves,
+            lease, for_owner=lease.owner == who.name,  # no move from a lost node: its state waits there
+            moves=self.pool_leases.resume_moves and (node is None or node.state != "lost"),
             queue_position=place, queue_estimate_s=queue.etas.get(lease.id) if place is not None else None,
             wait_until=isoformat(lease.wait_until),
             **self.pressure.shown(lease),  # idle_deadline, early under pressure; pressure; preempt_at

@@ -16,7 +16,8 @@ moved to another node left here: a moving lease's report from the node its
 state is on is left alone until the move ends, :func:`.parked.moving_from`). The last heartbeat of an
 agent that stops cleanly says it is ``leaving``: its node is ``lost`` at once
 (:data:`LEAVING_REASON`), so nothing new is placed there, without waiting for
-``node_ttl``.
+``node_ttl``; its active leases it reports spilled to disk (``c.AgentParking.park_on_stop``)
+are parked there (:func:`.parked.saved_at_stop`), for the next agent on the node.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import signal
 from dataclasses import astuple
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -39,7 +40,7 @@ from . import cell_log, parked
 from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
-from .rules.reclaim import PARKED_STATES
+from .rules.reclaim import PARKED_STATES, ParkCode
 from .state import PoolState, Transaction
 
 log = logging.getLogger("gpupool.service.nodes")
@@ -52,8 +53,9 @@ class NodeBook:
     ``node_ttl``: seconds after which a silent node's name may be taken."""
 
     def __init__(self, state: PoolState, leases: LeaseBook, tasks: Background, *, heartbeat_interval: float,
-                 node_ttl: float) -> None:
+                 node_ttl: float, on_parked: Callable[[str, str], None] = lambda code, tier: None) -> None:
         self.state = state
+        self.on_parked = on_parked  # (code, tier) of each lease its stopping agent parked
         self.leases = leases
         self.tasks = tasks
         self.heartbeat_interval = heartbeat_interval
@@ -106,9 +108,11 @@ class NodeBook:
         if not is_node_name(name):
             raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
         readings = [astuple(reading) for reading in beat.gpus]
-        stop, dead, came_back = await self.state.work.write(self._heartbeat_now, name, list(beat.workers), readings,
-                                                             beat.inventory_error, beat.leaving)
+        stop, dead, came_back, saved = await self.state.work.write(self._heartbeat_now, name, list(beat.workers),
+                                                                    readings, beat.inventory_error, beat.leaving)
         self._end_dead(dead)
+        for _ in range(saved):
+            self.on_parked(ParkCode.agent_stopped, "disk")
         if came_back:
             await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return HeartbeatReply(tuple(stop)).to_json()
@@ -144,8 +148,9 @@ class NodeBook:
                     gpu.memory_unattributed = unattributed
                     if healthy is not None:
                         gpu.healthy = healthy
-            stop, dead = self._apply_reports(tx, node, reports, now)
-        return stop, dead, came_back
+            saved: list[str] = []
+            stop, dead = self._apply_reports(tx, node, reports, now, saved if leaving else None)
+        return stop, dead, came_back, len(saved)
 
     @staticmethod
     def _upsert_gpus(session: Session, node: Node, infos: list[GPUInfo], healthy: dict[str, bool]) -> None:
@@ -168,10 +173,14 @@ class NodeBook:
                 session.delete(gpu)
 
     @staticmethod
-    def _apply_reports(tx: Transaction, node: Node, reports: list[WorkerReport],
-                       now: datetime) -> tuple[list[str], list[tuple[str, str]]]:
+    def _apply_reports(tx: Transaction, node: Node, reports: list[WorkerReport], now: datetime,
+                       saved: list[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
         """Update leases from worker reports. Returns (lease ids whose workers
-        must stop, (lease id, reason) of workers that died)."""
+        must stop, (lease id, reason) of workers that died). ``saved``: given
+        for the last heartbeat of a stopping agent, whose reports of active
+        leases spilled to disk park them there (:func:`.parked.saved_at_stop`),
+        their ids appended: only that heartbeat, taken after every spill, says
+        so for sure (an earlier one's may be older than a resume)."""
         session = tx.session
         stop: list[str] = []
         dead: list[tuple[str, str]] = []
@@ -184,6 +193,10 @@ class NodeBook:
             elif report.execution_state == WorkerState.dead and report.parked != "disk":  # a spilled one has no process
                 if lease.state != LeaseState.releasing.value:
                     dead.append((lease.id, _died(lease, report)))
+            elif saved is not None and report.parked == "disk" and lease.state == LeaseState.active.value:
+                parked.saved_at_stop(tx, lease, report, now)
+                saved.append(lease.id)
+                log.info("lease %s: %s", lease.id, parked.parked_words(lease))
             elif lease.state == LeaseState.active.value:
                 _update_worker(lease, report, now)
                 cell_log.record(session, lease, report, now)

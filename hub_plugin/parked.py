@@ -252,19 +252,36 @@ def report(tx: Transaction, lease: Lease, got: WorkerReport) -> bool:
     if got.parked == "disk" and lease.park_tier != "disk":
         lease.connection = None  # the agent ended the frozen process
     lease.park_tier, lease.parked_host_bytes, lease.parked_lost = got.parked, host, lost
+    if got.parked == "disk" and got.parked_disk_bytes is not None:
+        lease.parked_disk_bytes = got.parked_disk_bytes
     tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # its node's host room changed
     tx.changes.lease(lease.id)
     return True
 
 
+def saved_at_stop(tx: Transaction, lease: Lease, got: WorkerReport, now: datetime) -> None:
+    """``active`` -> ``parked`` on disk: its node's agent, stopping (``c.AgentParking.park_on_stop``),
+    saved the worker to its spill folder and ended it (``got``: the report of its last heartbeat).
+    The share is given back, as :func:`done` does; the next cell resumes the lease once an agent
+    runs on that node again (the reclaim sweep ends it after ``c.PoolNodes.parked_node_grace``
+    if none does)."""
+    words = (f"the node agent on {lease.node_name} was stopped (a restart or an upgrade, say) and saved the "
+             "worker to that node's disk: the next cell resumes it once the agent is back")
+    begin(tx, lease, ParkCode.agent_stopped, words, "disk", now)
+    done(tx, lease, WorkerParked("disk", disk_bytes=got.parked_disk_bytes or 0, lost=tuple(got.parked_lost)), now)
+
+
 def resume_ask(lease: Lease, node: Node | None, host_share: float | None = None) -> Resume:
     """What ``lease`` (parked, its GPUs loaded) needs to resume on its ``node`` (:mod:`.rules.resume`);
-    a cell frozen mid-way in memory may not move (:func:`may_move`); ``host_share``
+    a cell frozen mid-way in memory may not move (:func:`may_move`), nor a lease whose node is
+    lost (no agent there hands its state over: it waits for it); ``host_share``
     (``c.PoolNodes.host_share``): where the lease asked no host, it asks the default share again."""
     remap = bool((node.checkpointer or {}).get("remap")) if node is not None else False
+    reachable = node is not None and node.state != "lost"
     return Resume(lease.node_name, tuple(g.gpu_uuid for g in lease.gpus), lease.gpus[0].name if lease.gpus else "",
                   lease.fraction, lease.gpu_count, lease.memory, lease.cpus, lease.host_memory,
-                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env, may_move(lease, True),
+                  lease.parked_host_bytes or 0, lease.gpu_bytes_kept or 0, remap, lease.env,
+                  reachable and may_move(lease, True),
                   lease.park_code == ParkCode.preemption,
                   host_share if lease.requested_cpus is None and lease.requested_host_memory is None else None)
 

@@ -179,8 +179,7 @@ class Parking:
             if lease is None or lease.state != LeaseState.parking.value:
                 return False
             node = tx.session.get(Node, lease.node_name) if lease.node_name else None
-            if unless_lost and node is not None and node.state == "lost" and \
-                    (self.state.now() - node.last_heartbeat_at).total_seconds() >= self.away_for:
+            if unless_lost and node is not None and self._gone(node):
                 return False
             parked.kept(tx, lease, why, self.state.now())
             return True
@@ -371,8 +370,8 @@ class Parking:
         room on its node (or, with ``c.PoolLeases.resume_moves``, another), then resumes;
         idempotent (an active or starting lease is answered as it is). ``in_place``: asked ahead
         of a cell (the user is back at the notebook), so it waits for its own node, until a
-        resume without it is asked. A lease whose node is lost ends ``failed``, saying what was
-        lost. Returns the lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued,
+        resume without it is asked. A lease whose node is lost waits for its agent to come back
+        (:meth:`_gone`); lost for good, it ends ``failed``, saying what was lost. Returns the lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued,
         releasing, ended)."""
         lost = await self.state.work.write(self._resume_now, who, lease_id, in_place)
         if lost:
@@ -407,7 +406,7 @@ class Parking:
                 raise GPUPoolError(Reason.invalid_state, f"lease {lease_id} is {lease.state}: only a parked lease can "
                                    "be resumed; ask for a new one", 409, state=lease.state)
             node = tx.session.get(Node, lease.node_name)
-            if node is None or node.state == "lost":
+            if node is None or self._gone(node):
                 return lost_words(lease.node_name, lease.id) + (f" ({node.state_reason})" if node else "")
             if lease.resume_requested_at is None:
                 lease.resume_requested_at, lease.resume_in_place = self.state.now(), in_place
@@ -416,6 +415,12 @@ class Parking:
                 lease.resume_in_place = False
                 tx.changes.lease(lease.id)
             return None
+
+    def _gone(self, node: Node) -> bool:
+        """Whether ``node`` is lost for good: silent for ``away_for`` (``node_ttl`` and
+        ``c.PoolNodes.parked_node_grace``). Lost for less, its agent may come back with the
+        parked workers (re-adopted, or saved to its disk when it stopped): a resume waits for it."""
+        return node.state == "lost" and (self.state.now() - node.last_heartbeat_at).total_seconds() >= self.away_for
 
     def _owned(self, session, who: Identity, lease_id: str) -> Lease:
         lease = self.views.visible(session, who, lease_id)  # 404 unless visible

@@ -18,7 +18,7 @@ from gpupool.api import ServiceClient
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.heartbeat import beat_interval
 from gpupool.leasewait import RESUME_STATES, WAITING_FOR_ROOM, wait_started
-from gpupool.schema import LeaseState
+from gpupool.schema import LeaseState, parse_time
 from gpupool.tables import parked_for, resumed_words
 from gpupool.wire.leases import Lease
 from gpupool.wire.transfer import TARGET, Fetch, Have, Pull, PullAll, Request, Versions
@@ -35,11 +35,24 @@ from gpupool.remote import RemoteKernel
 CELL_CUT_BY_SPILL = ("lease {lease} was parked to disk as this reached its worker, and resumed on a new worker "
                      "on {node} from the state saved then: this cell did not finish on the old worker and what "
                      "it did there is not kept (its output above is all there is); run it again")
+#: Seconds a park's time (the service's clock) must precede a cell's sending (this host's) for the
+#: cell to count as sent after the park (:class:`CellNotSent`): room for clocks a little apart.
+CLOCK_SLACK_S = 1.0
 log = logging.getLogger("gpupool.magics")
 #: Seconds between asks to resume a frozen lease when the service did not answer.
 RESUME_RETRY_S = 5.0
 #: Seconds a resume asked without a cell (ask_resume) is followed at once before the heartbeat takes over.
 FOLLOW_RESUME_S = 120.0
+
+
+class CellNotSent(GPUPoolError):
+    """A forwarded cell was sent to a worker that had already ended: the lease was parked to disk
+    before it (its agent stopped, say), so the cell never ran. The gpupool kernel forwards it
+    again once the lease resumes (:meth:`Attachment.check_alive`)."""
+
+    def __init__(self, lease_id: str) -> None:
+        super().__init__(Reason.worker_unreachable, f"lease {lease_id} was parked to disk before this cell was sent: "
+                         "it runs once the lease resumes", 504)
 
 
 class Attachment:
@@ -262,13 +275,17 @@ class Attachment:
         parked = self.parked
         return parked.new_worker if parked is not None else None
 
-    def check_alive(self) -> None:
+    def check_alive(self, sent: float | None = None) -> None:
         """Between polls of a wait on the worker: GPUPoolError ``lease_lost`` when the lease
-        ended, ``worker_unreachable`` when it resumed on a new worker meanwhile (spilled to disk
-        as a cell reached the old one: that worker is gone, its answer never comes); else, while
-        parked, :meth:`ask_resume`."""
+        ended; :class:`CellNotSent` when it was parked to disk before ``sent`` (epoch seconds the
+        wait's cell was sent: its worker had ended by then); ``worker_unreachable`` when it
+        resumed on a new worker meanwhile (spilled to disk as a cell reached the old one: that
+        worker is gone, its answer never comes); else, while parked, :meth:`ask_resume`."""
         if self.heartbeat.ended is not None:
             raise GPUPoolError(Reason.lease_lost, ended_words(self.heartbeat.ended), 410)
+        parked = self.parked
+        if sent is not None and parked is not None and _spilled_before(parked.lease, sent - CLOCK_SLACK_S):
+            raise CellNotSent(self.lease.id)
         moved_on = self.new_worker
         if moved_on is not None:
             raise GPUPoolError(Reason.worker_unreachable, CELL_CUT_BY_SPILL.format(lease=moved_on.id,
@@ -447,3 +464,9 @@ def _ask_stdin(request: dict[str, Any]) -> str:
     """Answer the worker's ``input_request`` by asking the notebook user."""
     prompt = request.get("prompt", "")
     return getpass.getpass(prompt) if request.get("password") else input(prompt)
+
+
+def _spilled_before(lease: Lease, when: float) -> bool:
+    """Whether ``lease`` (as a parked one was last seen) was parked to disk before ``when`` (epoch s)."""
+    park = lease.parked or {}
+    return park.get("tier") == "disk" and bool(park.get("since")) and parse_time(park["since"]).timestamp() < when

@@ -24,6 +24,7 @@ from gpupool.kernelapp import COUNT_KEY
 from gpupool.schema import parse_time
 from gpupool.wire.magic import STDIN_KEY, answer_text, asked_line
 
+from .attachment import CellNotSent
 from .relay import OutputBudget
 from .words import CELL_DID_NOT_RUN, CELL_STOPPED, ended_words
 
@@ -50,7 +51,9 @@ class ForwardedCell:
         rides in the metadata, with the execution count the cell takes), pass the worker's reply on to the front end
         the moment it comes (its idle comes through the relay), and wait for
         the cell's end. Returns the reply message (None when none came) and
-        the words for a lease or worker lost meanwhile ("" when not)."""
+        the words for a lease or worker lost meanwhile ("" when not). Raises
+        :class:`.attachment.CellNotSent` when the worker had ended before the
+        cell was sent (nothing ran: the caller forwards it again)."""
         kernel = self.kernel
         # stop_on_error is this kernel's to apply (it holds the front end's queue); the worker
         # only ever has this one request, and aborting there would abort the next cell forwarded
@@ -85,9 +88,12 @@ class ForwardedCell:
             self.running = parent["header"]
             sent = time.time()
             try:
-                attachment.remote.forward(msg, self._answer_stdin, attachment.check_alive, on_reply=pass_on)
+                attachment.remote.forward(msg, self._answer_stdin, lambda: attachment.check_alive(sent),
+                                          on_reply=pass_on)
                 self._idle_sent()
                 return replies[0], ""
+            except CellNotSent:
+                raise
             except GPUPoolError as exc:
                 if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
                     ended = attachment.ended

@@ -90,7 +90,8 @@ class KernelHeartbeat(LeaseHeartbeat):
         self._warned_for: str | None = None  # idle_since of the idle period already warned about
         self.notify: Callable[[str, str], None] | None = None
         self._next_wait: float | None = None  # seconds to the next beat when the idle deadline is nearer
-        self._node_lost = False  # told the user that the lease's node is lost
+        self._node_lost = False  # the lease's node is lost, as last seen
+        self._node_lost_said = False  # told the user so (not for a lease parked there)
 
     def after_beat(self, lease: Lease) -> bool:
         """Node notices, the park followed (``on_lease_seen``), then while a
@@ -159,16 +160,21 @@ class KernelHeartbeat(LeaseHeartbeat):
                 "where the node cannot freeze a running cell); it goes on when the pool resumes the lease")
 
     def _tell_node_state(self, lease: Lease) -> None:
-        """Say once when the lease's node is lost, and once when it is back."""
+        """Say once when the lease's node is lost, and once when it is back; not for a lease
+        parked there (its park's notice says what waits, the next cell's wait that its agent is away)."""
         lost = lease.node_state == "lost"
         if lost == self._node_lost:
             return
         self._node_lost = lost
+        if lease.state in (LeaseState.parking, LeaseState.parked):
+            self._node_lost_said = False
+            return
+        said, self._node_lost_said = self._node_lost_said, lost
         if lost:
             self.say(f"the pool lost contact with node {lease.node} (no heartbeat from its agent): lease "
                      f"{lease.id} is kept and its worker's variables wait there, but cells on it may not "
                      "answer until the node is back; %gpu release --discard gives it up", kind="node_lost")
-        else:
+        elif said:
             self.say(f"node {lease.node} is back: lease {lease.id} works again", kind="node_back")
 
     def _warn_if_idle(self, lease: Lease) -> None:

@@ -38,6 +38,7 @@ from gpupool import ipykernel_private as ipk
 from gpupool.errors import GPUPoolError
 from gpupool.kernelapp import NoSubshellKernel
 
+from .attachment import CellNotSent
 from .cell import ForwardedCell
 from .debugvars import LocalNames
 from .events import Events, Requests, kernel_state
@@ -131,13 +132,18 @@ class GPUPoolKernel(NoSubshellKernel):
             self._say_status_here(parent)
             self._refuse_cell(stream, ident, parent, refused)
             return
-        try:
-            attachment = self.gpu.prepare_forward(help_target(code) or code)
-        except UsageError as exc:
-            self._say_status_here(parent)
-            self._refuse_cell(stream, ident, parent, str(exc))
-            return
-        reply, lost = self.cell.forward(attachment, stream, ident, parent, code)
+        for _ in range(2):  # again once when the lease was parked to disk before the cell was sent
+            try:
+                attachment = self.gpu.prepare_forward(help_target(code) or code)
+            except UsageError as exc:
+                self._say_status_here(parent)
+                self._refuse_cell(stream, ident, parent, str(exc))
+                return
+            try:
+                reply, lost = self.cell.forward(attachment, stream, ident, parent, code)
+                break
+            except CellNotSent as exc:
+                reply, lost = None, exc.message
         if reply is None:
             self._say_status_here(parent)
             return self._refuse_cell(stream, ident, parent, lost)

@@ -3,8 +3,9 @@
 One per GPU node. It discovers the node's GPUs (NVML, or ``--simulate``),
 registers them with the pool service, serves the service's calls to start and
 stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
-metrics. On SIGTERM or SIGINT it stops every worker, verifies they are gone,
-and exits 0. Killed or crashed instead, it leaves the workers running; when
+metrics. On SIGTERM or SIGINT it saves each lease's worker to its spill folder
+(``c.AgentParking.park_on_stop``: the leases stay parked on disk for the next
+agent here), stops every worker, verifies they are gone, and exits 0. Killed or crashed instead, it leaves the workers running; when
 it starts again it re-adopts the lease workers that still run and stops
 every other process it had started (:mod:`.workers.recovery`).
 
@@ -364,7 +365,7 @@ class NodeAgent(Application):
         asyncio.run(self.run())
 
     async def run(self) -> None:
-        """Serve until SIGTERM/SIGINT, then stop every worker."""
+        """Serve until SIGTERM/SIGINT, then save the workers to disk and stop them."""
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -395,8 +396,13 @@ class NodeAgent(Application):
         service_task.cancel()
         await asyncio.gather(service_task, return_exceptions=True)
         server.stop()
-        codes = await self.workers.stop_all()
-        await service.goodbye(codes)
+        parks = self.agent_parking.park_on_stop
+        if parks and self.workers.lease_ids():
+            why = f"the node agent on {self.node_name} is stopping"
+            saved = await self.workers.spill_all(why, self.agent_parking.park_on_stop_timeout)
+            self.log.info("saved %d worker(s) to disk: their leases stay parked for the next agent here", len(saved))
+        codes = await self.workers.stop_all(keep_spills=parks)
+        await service.goodbye(codes, self.workers.reports() if parks else [])
         await server.close_all_connections()
         service.close()
         self.workers.close()
@@ -476,6 +482,7 @@ class NodeAgent(Application):
             return
         if self.account_settings.separate:
             state_dir.chmod(0o711)  # enter, not list: the worker user reaches only its own files
+            self.account_settings.open_spill_folder(self.agent_parking.spill_folder(state_dir))
         cgroups = self.containment(state_dir)
         try:
             settings = WorkerLaunch(

@@ -95,6 +95,22 @@ class WorkerAccountSettings:
                                f"allow it (chmod o+x {blocked}) or choose another state directory")
         return user
 
+    def open_spill_folder(self, folder: Path) -> None:
+        """Make the spill folder enterable, not listable (0711): a worker spilled to disk writes
+        its lease's folder there itself (0700, its account's). Raises GPUPoolError
+        ``not_configured`` when a worker account cannot enter a folder on the way (a
+        ``c.AgentParking.spill_dir`` of the admin's); accounts of a template are checked as
+        their leases come (an account that cannot: its spills fail, said in words)."""
+        folder.mkdir(parents=True, exist_ok=True, mode=0o711)
+        folder.chmod(0o711)
+        for user in [*([self.user] if self.user else []), *(self.users.users if self.users else ())]:
+            blocked = user.blocked_at(folder)
+            if blocked is not None:
+                raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot enter {blocked} on the "
+                                   f"way to the spill folder {folder} (c.AgentParking.spill_dir), where parked "
+                                   f"workers save what they hold: allow it (chmod o+x {blocked}) or choose "
+                                   "another folder")
+
     def for_owner(self, owner: str) -> WorkerUser | None:
         """The account of ``owner``'s worker when ``worker_user`` is a template
         (None otherwise: the one fixed account). Raises a 400 GPUPoolError when

@@ -129,14 +129,15 @@ class ServiceLink:
             raise
         return answer.status, answer.object()
 
-    async def goodbye(self, exit_codes: dict[str, int | None]) -> None:
+    async def goodbye(self, exit_codes: dict[str, int | None], spilled: list[WorkerReport] = ()) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``
-        with their exit codes) and that the agent is leaving (``leaving``), so
-        their leases end now and nothing new is placed on the node, rather
-        than when the node's TTL runs out."""
+        with their exit codes) or saved to disk (``spilled``: their reports,
+        their leases parked there for the next agent) and that the agent is
+        leaving (``leaving``), so the others' leases end now and nothing new is
+        placed on the node, rather than when the node's TTL runs out."""
         why, inventory = f"the node agent on {self.node} was stopped", self.node_side.inventory
         last = Heartbeat(tuple(WorkerReport(lease, None, WorkerState.dead, exit_code=code, reason=why)
-                               for lease, code in exit_codes.items()),
+                               for lease, code in exit_codes.items()) + tuple(spilled),
                          tuple(GPUReading.of(g) for g in inventory.metrics()), inventory.error, leaving=True)
         try:
             await asyncio.wait_for(self.call("POST", self.heartbeat_path, last.to_json()), 2.0)

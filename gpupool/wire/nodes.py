@@ -120,7 +120,8 @@ class WorkerReport(Body):
     cells that ended (oldest first; unreadable pairs are dropped), which the
     service records as the lease's cell activity. ``parked``: the tier of a
     parked worker (:data:`~.parking.PARK_TIERS`; None while it holds its GPU
-    share), ``parked_host_bytes`` the host RAM it holds then, and ``parked_lost``
+    share), ``parked_host_bytes`` the host RAM it holds then, ``parked_disk_bytes`` the
+    disk a spilled one takes, and ``parked_lost``
     what a spill the agent made on its own could not keep, in words.
     """
 
@@ -145,6 +146,9 @@ class WorkerReport(Body):
                                     enum=PARK_TIERS, lenient=True), None)
     parked_host_bytes: int | None = wired(Spec("integer", "host RAM a parked worker holds", nullable=True, minimum=0,
                                                maximum=MAX_BYTES, loose=False, lenient=True), None)
+    parked_disk_bytes: int | None = wired(Spec("integer", "bytes a spilled worker's namespace takes on disk",
+                                               nullable=True, minimum=0, maximum=MAX_BYTES, loose=False,
+                                               lenient=True), None)
     parked_lost: tuple[str, ...] = wired(Spec("array", "what a spill could not keep, in words", nullable=True,
                                               lenient=True, items={"type": "string"}), ())
 

@@ -55,6 +55,7 @@ class ParkCode(StrEnum):
     pressure = "pressure"  # parked early while others wait (:mod:`.pressure`)
     preemption = "preemption"  # a preemptible lease frozen mid-cell for a waiting person
     owner = "owner"  # its owner asked (POST /leases/{id}/park, %gpu park)
+    agent_stopped = "agent_stopped"  # its node's agent, stopping, saved it to disk (c.AgentParking.park_on_stop)
 
 
 #: What a park does with a running cell (:data:`gpupool.wire.parking.RUNNING_CELL`): an idle park

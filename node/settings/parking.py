@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from traitlets import Unicode, validate
+from traitlets import Bool, Unicode, validate
 from traitlets.config import Configurable
 
 from gpupool.traits import ByteSize, Duration
@@ -78,6 +78,26 @@ class AgentParking(Configurable):
         within the service's ``c.PoolNodes.worker_park_timeout`` (default 5 minutes), which is how
         long the service waits for the whole resume. Default: 240 (4 minutes).
         ``c.AgentParking.spill_fetch_timeout = "10m"``.""",
+    ).tag(config=True)
+
+    park_on_stop = Bool(
+        True, help="""Whether a stopping agent (SIGTERM or SIGINT: ``systemctl restart``, a pod's
+        deletion, an upgrade) first saves each lease's worker to ``spill_dir``, as a spill does
+        (its namespace; a running cell is interrupted; what cannot be saved is named), so the
+        leases stay parked on this node's disk and the next cell resumes them once an agent runs
+        here again on the same state directory (docs/parking.md, "Agent restarts"). The service
+        ends them after ``c.PoolNodes.parked_node_grace`` if none does. False: a stop ends every
+        lease of the node, its workers and variables lost. Default: True.
+        ``c.AgentParking.park_on_stop = False``.""",
+    ).tag(config=True)
+
+    park_on_stop_timeout = Duration(
+        240.0, help="""Seconds a stopping agent may take to save its workers to ``spill_dir``
+        (``park_on_stop``; all at once, each in its own process); a worker not saved by then is
+        stopped and its lease ends. Keep it below the stop timeout of what runs the agent, less
+        a minute for the stop itself: systemd's ``TimeoutStopSec``, Kubernetes'
+        ``terminationGracePeriodSeconds`` (300 in deploy/). Default: 240 (4 minutes).
+        ``c.AgentParking.park_on_stop_timeout = "10m"``.""",
     ).tag(config=True)
 
     def budget(self, host_memory: int) -> int:

@@ -389,12 +389,46 @@ class WorkerManager:
                                f"({worker.death or worker.process.exit_note or f'exit code {worker.exit_code}'})", 409)
         return worker
 
-    async def stop_all(self) -> dict[str, int | None]:
+    async def spill_all(self, why: str, timeout: float) -> list[str]:
+        """At the agent's stop: save every lease's live worker (active, or parked in memory) to
+        the spill folder and end it, all at once, within ``timeout`` seconds, so that its lease
+        stays parked on this node's disk for the next agent (docs/parking.md, "Agent restarts");
+        ``why``: in words, logged. A running cell is interrupted (the spill says so). Refuses new
+        starts. Returns the leases spilled now. A worker that is dead or still starting, or whose
+        spill fails or runs past ``timeout``, is left for :meth:`stop_all`, which ends it."""
+        self._closing = True
+        if self.parking is None:
+            return []
+        self.poll()
+        leases = sorted(lease for lease, worker in self._workers.items() if not worker.dead)
+        results = await asyncio.gather(*(asyncio.wait_for(self._spill_at_stop(lease, why), timeout)
+                                         for lease in leases), return_exceptions=True)
+        for lease, result in zip(leases, results):
+            if isinstance(result, BaseException):
+                words = f"not done within {timeout:g} s" if isinstance(result, asyncio.TimeoutError) else \
+                    getattr(result, "message", None) or repr(result)
+                self.log.error("the worker of lease %s was not saved to disk before the stop (%s): it is stopped "
+                               "instead, and its lease ends", lease, words)
+        return [lease for lease, result in zip(leases, results) if result is True]
+
+    async def _spill_at_stop(self, lease_id: str, why: str) -> bool:
+        assert self.parking is not None
+        async with self._lock(lease_id):
+            worker = self._workers.get(lease_id)
+            if worker is None or worker.dead:
+                return False
+            await self.parking.spilling.spill(worker, time.monotonic(), why)
+            return True
+
+    async def stop_all(self, keep_spills: bool = False) -> dict[str, int | None]:
         """Stop every worker concurrently, including those still starting,
         and refuse new starts; returns lease id -> exit code. A worker that
-        could not be stopped is logged and maps to None."""
+        could not be stopped is logged and maps to None. The spills on disk
+        are removed too (their leases end, exit code None) unless
+        ``keep_spills`` (:meth:`spill_all`: the next agent resumes them)."""
         self._closing = True
-        leases = sorted(set(self._workers) | set(self._locks) | set(self.spilled_ids()))
+        spills = set(self.spilled_ids())
+        leases = sorted((set(self._workers) | set(self._locks) | spills) - (spills if keep_spills else set()))
         *results, pooled = await asyncio.gather(*(self.stop(lease) for lease in leases), self.pool.close(),
                                                 return_exceptions=True)
         if isinstance(pooled, BaseException):

@@ -140,15 +140,23 @@ def test_the_worker_pods_image_follows_the_overlays_images(rendered, tmp_path):
     assert worker_image(other) == "other.example.net/team/notebook:9.9.9"
 
 
-def test_agents_roll_only_where_their_workers_outlive_them(rendered):
-    """Replacing an agent pod whose workers run inside it ends every lease on its node: those overlays
-    roll agents by hand (OnDelete; the README and the runbook say how); the pods overlay's agents
-    re-adopt their worker pods, so they roll by themselves."""
+def test_agents_roll_by_hand_and_keep_their_saved_workers_on_the_node(rendered):
+    """Replacing an agent pod interrupts running cells (in-pod workers are saved to the node's disk and
+    resumed by the next pod) or ends its leases (worker pods are owned by the agent's pod): every
+    overlay rolls agents by hand (OnDelete; the README and the runbook say how). Where the workers are
+    saved, the agent's state folder is on the node and the pod has the time the saves may take."""
     from deploy_k8s import IN_AGENT_POD
 
     for overlay, objects in rendered.items():
-        strategy = one(objects, "DaemonSet", "gpupool-agent", AGENTS_NS)["spec"]["updateStrategy"]
-        assert strategy["type"] == ("OnDelete" if overlay in IN_AGENT_POD else "RollingUpdate"), overlay
+        daemonset = one(objects, "DaemonSet", "gpupool-agent", AGENTS_NS)
+        assert daemonset["spec"]["updateStrategy"]["type"] == "OnDelete", overlay
+        pod = daemonset["spec"]["template"]["spec"]
+        [state] = [v for v in pod["volumes"] if v["name"] == "state"]
+        if overlay in IN_AGENT_POD:
+            assert state["hostPath"]["path"] == "/var/lib/gpupool/agent", state
+            assert pod["terminationGracePeriodSeconds"] > 240 + 30, "park_on_stop_timeout and the stop itself"
+        else:
+            assert state == {"name": "state", "emptyDir": {}}, "Pod Security baseline: no hostPath"
     for text in ((ROOT / "docs" / "runbooks.md").read_text(), (K8S / "README.md").read_text()):
         assert "ends every lease on that node" in text and "gpupool status --all-users" in text
 

@@ -296,10 +296,12 @@ def test_service_token_drives_the_agent(pool):
 
 @needs_service
 def test_sigterm_with_a_leased_worker_leaves_nothing(tmp_path, service):
+    """Without ``c.AgentParking.park_on_stop`` (tests/service/test_park_service.py has it on, the
+    default), a stop ends the node's leases at once."""
     from gpupool.wire.leases import LeaseRequest
     from procs import start_agent
 
-    agent = start_agent(tmp_path, service, name="node-9")
+    agent = start_agent(tmp_path, service, name="node-9", extra_args=["--AgentParking.park_on_stop=False"])
     client = service.client()
     lease = client.create_lease(LeaseRequest(fraction=0.25))
     lease = client.get_lease(lease.id, wait=30, state="starting")

@@ -98,6 +98,41 @@ def test_workers_run_as_the_worker_user_and_cannot_read_the_agents_token(shared_
         service.stop()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting workers as another user needs an agent running as root")
+def test_a_worker_users_lease_is_saved_to_disk_at_an_agent_restart_and_resumes(shared_root, python_reachable):
+    """The worker writes its spill into the agent's spill folder as the worker user (the folder is
+    0711, the lease's own 0700): an agent restarted with SIGTERM keeps the lease, and its resume
+    loads the spill into a new worker of that user."""
+    account = worker_account()
+    service = start_service(shared_root)
+    args = [f"--worker-user={USER}", "--warm-workers=0"]
+    agent = start_agent(shared_root, service, extra_args=args)
+    client = service.client()
+    try:
+        lease_id = client.create_lease(LeaseRequest(fraction=0.5)).id
+        lease = wait_for(lambda: (got := client.get_lease(lease_id)).state is not LeaseState.starting and got, 60,
+                         "the lease's worker")
+        assert lease.state is LeaseState.active, lease.reason
+        asyncio.run(run_worker_cell(lease.connection, "x = 41"))
+        spills = agent.state_dir / "spill"
+        assert spills.stat().st_mode & 0o777 == 0o711, "enter, not list"
+        port = int(agent.url.rsplit(":", 1)[1])
+        assert agent.stop() == 0
+        saved = client.get_lease(lease.id)
+        assert saved.state is LeaseState.parked and saved.parked["tier"] == "disk", saved.events
+        assert (spills / lease.id).stat().st_uid == account.pw_uid
+        agent = start_agent(shared_root, service, extra_args=args, port=port)
+        client.resume(lease.id)
+        resumed = wait_for(lambda: (got := client.get_lease(lease.id)).state is LeaseState.active and got, 60,
+                           "the resume")
+        assert psutil.Process(resumed.worker["pid"]).uids().real == account.pw_uid
+        assert asyncio.run(run_worker_cell(resumed.connection, "print(x + 1)")).strip() == "42"
+        client.release(lease.id)
+    finally:
+        agent.stop()
+        service.stop()
+
+
 WORKDIR_PROBE = """\
 import json
 from gpupool.node.worker_extension.workdir import enter_workdir

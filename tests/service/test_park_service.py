@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import pytest
@@ -447,10 +448,13 @@ def test_a_node_lost_while_parked_ends_its_parked_leases_in_words(pool_for_parks
             assert parks.svc.client().park(lease.id).state is LeaseState.parked
         other.proc.send_signal(signal.SIGSTOP)  # no heartbeats from here on
         wait_for(lambda: parks.node("node-2")["state"] == "lost", 15, "node-2 lost")
-        failed = parks.svc.client().resume(asked.id)
-        assert failed.state is LeaseState.failed, failed.events
-        assert failed.reason.startswith(f"node node-2 was lost while lease {asked.id} was parked: its worker and its "
-                                        "variables there are gone"), failed.reason
+        # Lost for less than node_ttl plus parked_node_grace, its agent may come back (a restart): the
+        # resume waits for it, without moving (the state is on node-2), then ends with the grace.
+        waiting = parks.svc.client().resume(asked.id)
+        assert waiting.state is LeaseState.parked and waiting.node_state == "lost", waiting.events
+        assert waiting.parked["resume_requested"] and not waiting.parked["may_move"], waiting.parked
+        failed = parks.until(asked.id, "failed", timeout=30)
+        assert failed.reason.startswith(f"node node-2 was lost while lease {asked.id} was parked"), failed.reason
         gone = parks.until(left.id, "failed", timeout=30)  # node_ttl plus parked_node_grace
         assert re.match(rf"node node-2 was lost while lease {left.id} was parked \(no heartbeat for [0-9]+s\): its "
                         "worker and its variables there are gone", gone.reason), gone.reason
@@ -563,6 +567,60 @@ def test_an_agent_restarted_at_the_idle_deadline_parks_the_lease_once_back(tmp_p
         svc.stop()
 
 
+def test_an_agent_stopped_for_a_restart_saves_its_leases_to_disk_and_they_resume_after(tmp_path, monkeypatch):
+    """``systemctl restart`` of an agent (SIGTERM; ``c.AgentParking.park_on_stop``, the default): an active
+    lease and one parked in memory are saved to the node's disk and stay parked there (the share back in
+    the pool, the node lost); a resume asked while the agent is away waits for it; once an agent runs
+    again on the node's folder, each resumes into a new worker with its variables."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-restart-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 3.0, "heartbeat_ttl": 600.0})
+    args = ["--transport-encryption=none", "--warm-workers=0"]
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
+    client = svc.client()
+    try:
+        active, other = (wait_state(svc, client.create_lease(LeaseRequest(fraction=0.5, idle_timeout=600)).id,
+                                    "starting") for _ in range(2))
+        for lease, value in ((active, 41), (other, 7)):
+            kc = worker_client(lease.connection)
+            cell(kc, f"x = {value}")
+            kc.stop_channels()
+        assert client.park(other.id).parked["tier"] == "memory"
+        port = int(agent.url.rsplit(":", 1)[1])
+        assert agent.stop() == 0  # raises if a worker's process survived
+        for lease in (active, other):
+            saved = client.get_lease(lease.id)
+            assert saved.state is LeaseState.parked and saved.parked["tier"] == "disk", saved.events
+            assert saved.parked["lost"] == [], saved.parked
+        assert "the node agent on node-1 was stopped" in client.get_lease(active.id).parked["reason"]
+        [node] = client.pool()["nodes"]
+        assert node["state"] == "lost" and node["gpus"][0]["allocated_fraction"] == 0.0, node
+        waiting = client.resume(active.id)
+        assert waiting.state is LeaseState.parked and waiting.parked["resume_requested"], waiting.events
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
+        resumed = wait_state(svc, active.id, "parked")
+        resumed = wait_state(svc, active.id, "starting")
+        assert resumed.state is LeaseState.active, resumed.events
+        assert resumed.connection != active.connection, "a new worker loaded what was saved"
+        client.resume(other.id)
+        again = wait_state(svc, wait_state(svc, other.id, "parked").id, "starting")
+        assert again.state is LeaseState.active, again.events
+        for lease, answer in ((resumed, "42"), (again, "8")):
+            kc = worker_client(lease.connection)
+            try:
+                assert cell(kc, "print(x + 1)").strip() == answer
+            finally:
+                kc.stop_channels()
+        status, text = http(svc, "GET", "/metrics", prefix="")
+        parks = {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+                 for s in family.samples if s.name == "gpupool_parks_total"}
+        assert parks[(("reason", "agent_stopped"), ("tier", "disk"))] == 1.0, parks  # the active one
+        for lease in (active, other):
+            client.release(lease.id)
+    finally:
+        agent.stop()
+        svc.stop()
+
+
 def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_back(tmp_path, monkeypatch):
     """A parked lease's cell asks a resume while the agent is killed: the service's try fails and leaves
     it parked; the cell asks again (it waited for good: no resume was pending any more) and runs once
@@ -595,6 +653,47 @@ def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_
                 break
         assert "42" in "".join(said).split(), said
         assert f"resumed {lease_id}" in "".join(said), said
+    finally:
+        run(kc, "%gpu release --discard")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        agent.stop()
+        svc.stop()
+
+
+def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_variables(tmp_path, monkeypatch):
+    """The notebook's view of an agent restart (SIGTERM, then the agent started again on its folder):
+    the next cell says it waits for the node's agent, then resumes from disk and finds ``x``."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-back-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 120.0})
+    args = ["--transport-encryption=none", "--warm-workers=0"]
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        assert run(kc, "x = 41").ok
+        port = int(agent.url.rsplit(":", 1)[1])
+        assert agent.stop() == 0
+        time.sleep(1.5)  # as a person's next cell comes: after the park, by the clocks' slack (CLOCK_SLACK_S)
+        msg_id = kc.execute("print(x + 1)")
+        said: list[str] = []
+
+        def heard(until: str) -> None:
+            deadline = time.monotonic() + 60
+            while until not in "".join(said):
+                assert time.monotonic() < deadline, f"{until!r} not said: {said}"
+                try:
+                    msg = kc.get_iopub_msg(timeout=1)
+                except Empty:
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                    said.append(msg["content"]["text"])
+
+        heard("whose agent is away")
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
+        heard("42")
+        assert "resumed" in "".join(said), said
     finally:
         run(kc, "%gpu release --discard")
         kc.stop_channels()
