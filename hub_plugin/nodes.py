@@ -65,7 +65,9 @@ class NodeBook:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
         Raises 400 for a bad body (and changes nothing)."""
         reg = NodeRegistration.from_json(body)
-        stop, dead = await self.state.work.write(self._register_now, reg)
+        stop, dead, saved = await self.state.work.write(self._register_now, reg)
+        for _ in range(saved):
+            self.on_parked(ParkCode.agent_stopped, "disk")
         if reg.inventory_error is None:
             log.info("node %s registered: %s, %d GPU(s), %s inventory", reg.name, reg.url, len(reg.gpus), reg.inventory)
         else:
@@ -75,7 +77,7 @@ class NodeBook:
         await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
         return RegistrationReply(reg.name, self.heartbeat_interval, tuple(stop)).to_json()
 
-    def _register_now(self, reg: NodeRegistration) -> tuple[list[str], list[tuple[str, str]]]:
+    def _register_now(self, reg: NodeRegistration) -> tuple[list[str], list[tuple[str, str]], int]:
         now = self.state.now()
         with self.state.writing() as tx:
             session = tx.session
@@ -97,9 +99,12 @@ class NodeBook:
                 self._upsert_gpus(session, node, list(reg.gpus), reg.healthy)
             tx.changes.every_gpu()  # GPUs may have come, gone or changed: the scheduler reads them all again
             reports = list(reg.workers)
-            stop, dead = self._apply_reports(tx, node, reports, now)
+            # A new agent's spills of leases still active here: its predecessor saved them at its stop,
+            # and that goodbye was lost (the service was down).
+            saved: list[str] = []
+            stop, dead = self._apply_reports(tx, node, reports, now, saved)
             dead += self._lost_workers(session, node, reports)
-        return stop, dead
+        return stop, dead, len(saved)
 
     async def heartbeat(self, name: str, body: Any) -> dict[str, Any]:
         """``POST /nodes/{name}/heartbeat``: returns ``{"stop": [lease ids]}``.
@@ -177,10 +182,10 @@ class NodeBook:
                        saved: list[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
         """Update leases from worker reports. Returns (lease ids whose workers
         must stop, (lease id, reason) of workers that died). ``saved``: given
-        for the last heartbeat of a stopping agent, whose reports of active
-        leases spilled to disk park them there (:func:`.parked.saved_at_stop`),
-        their ids appended: only that heartbeat, taken after every spill, says
-        so for sure (an earlier one's may be older than a resume)."""
+        for the last heartbeat of a stopping agent and for a registration,
+        whose reports of active leases spilled to disk park them there
+        (:func:`.parked.saved_at_stop`), their ids appended: only those say so
+        for sure (a heartbeat's may be older than a resume)."""
         session = tx.session
         stop: list[str] = []
         dead: list[tuple[str, str]] = []

@@ -661,6 +661,44 @@ def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_
         svc.stop()
 
 
+def test_an_agent_stopped_while_the_service_is_down_has_its_saved_leases_parked_at_its_next_start(tmp_path,
+                                                                                                      monkeypatch):
+    """The stopping agent's last heartbeat is lost (the service is down): the service, back, still
+    has the lease active; the next agent's registration reports it spilled, and the lease is parked on
+    disk and resumes with its variables, instead of staying active on a worker that is gone."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-lostbye-{uuid.uuid4().hex[:8]}"))
+    config = {"node_ttl": 60.0, "heartbeat_ttl": 600.0}
+    svc = start_service(tmp_path, config=config)
+    args = ["--transport-encryption=none", "--warm-workers=0"]
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
+    service_port, agent_port = int(svc.url.rsplit(":", 1)[1]), int(agent.url.rsplit(":", 1)[1])
+    try:
+        lease = wait_state(svc, svc.client().create_lease(LeaseRequest(fraction=0.5, idle_timeout=600)).id,
+                           "starting")
+        kc = worker_client(lease.connection)
+        cell(kc, "x = 41")
+        kc.stop_channels()
+        svc.stop()
+        assert agent.stop() == 0
+        svc = start_service(tmp_path, config=config, port=service_port)
+        assert svc.client().get_lease(lease.id).state is LeaseState.active, "it never heard of the save"
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=agent_port)
+        saved = svc.client().get_lease(lease.id)
+        assert saved.state is LeaseState.parked and saved.parked["tier"] == "disk", saved.events
+        svc.client().resume(lease.id)
+        resumed = wait_state(svc, wait_state(svc, lease.id, "parked").id, "starting")
+        assert resumed.state is LeaseState.active, resumed.events
+        kc = worker_client(resumed.connection)
+        try:
+            assert cell(kc, "print(x + 1)").strip() == "42"
+        finally:
+            kc.stop_channels()
+        svc.client().release(lease.id)
+    finally:
+        agent.stop()
+        svc.stop()
+
+
 def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_variables(tmp_path, monkeypatch):
     """The notebook's view of an agent restart (SIGTERM, then the agent started again on its folder):
     the next cell says it waits for the node's agent, then resumes from disk and finds ``x``."""
