@@ -20,6 +20,9 @@ class LeaseCgroup(ABC):
     ``name`` is its directory name under the agent's subtree."""
 
     kind = "none"
+    #: Why freezing this worker does not give its GPU back to the pool (words), or None when it
+    #: does: a park in memory then spills it instead (:meth:`~..workers.parking.WorkerParking.park`).
+    frozen_keeps_gpu: str | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -197,8 +197,9 @@ class WorkerParking:
         target = self.target(worker)
         why = None if request.tier == "memory" else f"asked to ({request.reason or 'no reason given'})"
         if why is None:
-            why = no_room(sum(target.gpu_memory.values()), rss(target.pids), self.settings.budget,
-                          _host_available(), self.settings.headroom, request.max_host_bytes)
+            why = worker.cgroup.frozen_keeps_gpu or no_room(
+                sum(target.gpu_memory.values()), rss(target.pids), self.settings.budget, _host_available(),
+                self.settings.headroom, request.max_host_bytes)
         if why is None:
             try:
                 parked = await self._in_memory(worker, target, interrupted, cleared)

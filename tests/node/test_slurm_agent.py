@@ -126,6 +126,29 @@ def test_park_stops_a_slices_step_where_it_is_and_resume_goes_on(cluster, pool):
     wait_for(lambda: not queue(cluster, "--format=%i"), 60, "no job left in Slurm")
 
 
+def test_a_whole_gpu_lease_parks_to_disk_which_gives_slurm_its_gpus_back(cluster, other, pool):  # noqa: F811
+    """Slurm keeps a suspended job's GRES, so a lease job parked in memory would hold its GPUs while the
+    pool places others there: its park goes to disk instead (the job ends, said in the reason), another
+    user's job takes the GPUs, and the resume loads the variables into a new job."""
+    service, _ = pool
+    lease = active(service, LeaseRequest(fraction=1.0, gpu_count=2))
+    cell(lease, "x = 41")
+    parked = service.client().park(lease.id)
+    assert parked.state is LeaseState.parked and parked.parked["tier"] == "disk", parked.parked
+    assert "Slurm keeps the GPU of a suspended job" in parked.parked["reason"], parked.parked
+    wait_for(lambda: not [row for row in queue(cluster, "--format=%i|%j") if row[1].startswith("gpupool-")], 60,
+             "the lease's job ended")
+    theirs = cluster.sbatch("--gres=gpu:2", "--mem=64M", user=other)
+    assert cluster.wait_job(theirs, ["RUNNING"]) == "RUNNING"
+    cluster.run("scancel", str(theirs))
+    service.client().resume(lease.id)
+    resumed = wait_for(lambda: (got := service.client().get_lease(lease.id)).state is LeaseState.active and got, 90,
+                       "the lease resumed")
+    assert cell(resumed, "print(x + 1)").strip() == "42"
+    service.client().release(lease.id)
+    wait_for(lambda: not queue(cluster, "--format=%i"), 60, "no job left in Slurm")
+
+
 def test_a_slice_that_starts_tasks_without_end_stops_at_its_own_limit(cluster, pool):  # noqa: F811
     """Slurm sets no task limit; the agent's (``worker_pids_max``, 96 here) holds the slice's step:
     a thread start beyond it fails in that worker only, and the worker goes on."""

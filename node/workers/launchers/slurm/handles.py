@@ -155,6 +155,15 @@ class SlurmJobGroup(LeaseCgroup):
         if pids is not None:
             tasks.limit(self.kernel, self.record.job_id, self.record.step_id, pids, self._own_tasks)
 
+    @property
+    def frozen_keeps_gpu(self) -> str | None:
+        """A lease job's GRES stay allocated while Slurm suspends it (measured: a pending
+        ``--gres=gpu:1`` job kept waiting), so its park goes to disk, which ends the job; a
+        slice's step frees its share of gpupool's share job."""
+        if self.record.step_id is not None:
+            return None
+        return f"Slurm keeps the GPU of a suspended job, so job {self.record.job_id} ends instead, its GPU back in Slurm"
+
     def freeze(self, timeout: float = 10.0) -> None:
         try:
             self._hold(True)
