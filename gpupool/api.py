@@ -45,12 +45,14 @@ class ServiceClient:
     ``$GPUPOOL_CA_FILE``); GPUPoolError ``not_configured`` when that file
     cannot be read. ``token_advice``: how this caller's user passes a token
     (the command line's options); with it a 401 is worded for that user
-    (:meth:`token_refused`), else it keeps the service's words for API callers.
+    (:meth:`token_refused`), else it keeps the service's words for API callers;
+    ``url_hint``: where this caller's user sets the URL, as failures name it.
     """
 
     def __init__(self, url: str, token: str | None, timeout: float = 30.0, ca_file: str | None = None,
-                 token_advice: str | None = None) -> None:
+                 token_advice: str | None = None, url_hint: str = URL_HINT) -> None:
         self.url = url.rstrip("/")
+        self.url_hint = url_hint
         self.token = token
         self.token_advice = token_advice
         self.timeout = timeout
@@ -68,7 +70,7 @@ class ServiceClient:
         if not url:
             raise GPUPoolError(Reason.not_configured, f"no gpupool service configured: set {ENV_URL} "
                                "(the gpupool kernelspec sets it for you; see `gpupool kernelspec install --help`)", 503)
-        return cls(url, token_from_env(env))
+        return cls(url, token_from_env(env), url_hint=f"{ENV_URL}, which the gpupool kernelspec sets")
 
     def request(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None,
                 timeout: float | None = None) -> Any:
@@ -78,10 +80,10 @@ class ServiceClient:
                                      timeout=timeout or self.timeout, params=params)
         except BadURL:
             raise GPUPoolError(Reason.not_configured, f"{self.url!r} is not a service URL; it should look like "
-                               f"http://HOST:PORT (check {ENV_URL} or --url)", 400) from None
+                               f"http://HOST:PORT (check {self.url_hint})", 400) from None
         except NoAnswer as exc:
             raise exc.error(f"the gpupool service at {self.url}",
-                            f"is it running? Check the URL ({URL_HINT}).") from None
+                            f"is it running? Check the URL ({self.url_hint})") from None
         if answer.status == 404 and not answer.is_ours():  # gpupool's own 404s say what was not found
             raise self.not_a_service(f"HTTP 404 {answer.reason}".rstrip(), 404)
         if not 200 <= answer.status < 300:  # what urllib did not follow (redirects) is a failure
@@ -97,7 +99,7 @@ class ServiceClient:
         (``answered``: "HTTP 404 Not Found"): a plausible wrong URL, such as
         JupyterHub's own instead of its ``/services/gpupool``."""
         return GPUPoolError(Reason.http_error, f"{self.url} is not a gpupool service ({answered}): check the URL "
-                            f"({URL_HINT})", status)
+                            f"({self.url_hint})", status)
 
     def token_refused(self, error: GPUPoolError) -> GPUPoolError:
         """The service's 401 ``error`` in :attr:`token_advice`'s words: whether a token

@@ -153,7 +153,10 @@ def _warn_versions(attachment: Attachment) -> None:
 
 
 def own_lease_request(amount: str) -> LeaseRequest:
-    """What ``%%gpu AMOUNT`` asks for while detached; UsageError for a bad amount."""
+    """What ``%%gpu AMOUNT`` asks for while detached; UsageError for a bad amount, or for options."""
+    if len(amount.split()) > 1:
+        raise UsageError(f"%%gpu takes an amount only (it was given {amount!r}); for options, %gpu acquire AMOUNT "
+                         "--memory ... attaches, %%local runs a cell here, and %gpu release detaches")
     try:
         fraction, count = parse_gpu_amount(amount)
     except ValueError as exc:

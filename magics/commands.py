@@ -73,8 +73,7 @@ def _request_arguments(func):
     return func
 
 
-# The parsers keep the names their usage line has always shown ("_acquire", "_release").
-@magic_arguments("_acquire")
+@magic_arguments("_acquire")  # its usage line names the command as typed: PARSERS below
 @argument("amount", help="a fraction of one GPU (0.5) or a count of whole GPUs (2)")
 @_request_arguments
 @argument("--idle-timeout", help="release after this long without a running cell, e.g. 10m")
@@ -114,6 +113,8 @@ def release_discards(words: list[str]) -> bool:
 
 #: ``%gpu COMMAND`` -> the parser ``%gpu COMMAND --help`` prints (the others print ``%gpu help``).
 PARSERS = {"acquire": acquire_request.parser, "release": release_discards.parser}
+for _command, _parser in PARSERS.items():
+    _parser.prog = f"gpu {_command}"  # IPython puts the % before it
 
 
 def no_arguments(command: str, words: list[str]) -> None:

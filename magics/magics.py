@@ -304,7 +304,14 @@ class GPUMagics(Magics):
         %%local
         df.describe()
         """
+        if line.strip():
+            raise UsageError(f"%%local takes no arguments (it was given {line.strip()!r}); the cell below it runs "
+                             "in this kernel")
+        attached = self.lifecycle.attachment is not None
+        before = self.transfers.variables.ids() if attached else {}
         result = _run_as_this_cell(self.shell, cell)
+        if attached:
+            self.transfers.variables.local_ran(before)
         if not result.success:  # already shown by run_cell: fail the cell without a second traceback
             raise _shown_error(result.error_in_exec or result.error_before_exec)
 

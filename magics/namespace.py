@@ -58,6 +58,17 @@ def names_read(cell: str) -> list[str]:
             if not hasattr(builtins, name) and name not in made and name != "get_ipython"]
 
 
+def names_bound(cell: str) -> set[str]:
+    """Global names ``cell`` binds at top level (assigned, imported, defined, deleted), after
+    IPython's translation; none for a cell that does not parse."""
+    try:
+        source, _ = _python(cell)
+        table = symtable.symtable(source, "<cell>", "exec")
+    except (SyntaxError, ValueError):
+        return set()
+    return {symbol.get_name() for symbol in table.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+
+
 def _python(cell: str) -> tuple[str, ast.Module]:
     """``cell`` as Python, and its syntax tree: IPython's translation only
     when it is not plain Python (valid Python is never translated, and the

@@ -72,5 +72,7 @@ class Transfers:
         Raises GPUPoolError (the worker died or cannot be reached) and
         TransferInterrupted (nothing taken) as :meth:`Attachment.pull` does."""
         values, items, errors = attachment.pull(None, max_bytes=self.cap())
-        self.variables.take(values, items)
-        return summarize("brought back", items, errors)
+        kept = self.variables.take(values, items, keep_edited=True)
+        items = [item for item in items if item["name"] not in kept]
+        note = f"; kept the notebook's own {', '.join(kept)} (a %%local cell changed it after the worker's copy)"
+        return summarize("brought back", items, errors) + (note if kept else "")

@@ -10,7 +10,7 @@ from typing import Any
 from gpupool.transfer import describe
 
 from .attachment import Attachment
-from .namespace import local_candidates
+from .namespace import local_candidates, names_bound
 from .words import say
 
 
@@ -21,14 +21,33 @@ class Variables:
         self.shell = shell
         # name -> (id of the local value, device it was on)
         self.devices: dict[str, tuple[int, str]] = {}
+        # Names a %%local cell bound while attached since the worker last got them: the notebook's
+        # value is the newer one, sent again when a cell there reads it and kept at a release.
+        self.edited: set[str] = set()
+
+    def ids(self) -> dict[str, int]:
+        """Name -> id of each user value, before a ``%%local`` cell (:meth:`local_ran`)."""
+        return {name: id(value) for name, value in self.shell.user_ns.items() if not name.startswith("_")}
+
+    def local_ran(self, before: dict[str, int]) -> None:
+        """After a ``%%local`` cell while attached: the names it bound anew (``before``: :meth:`ids`)
+        are the notebook's own now. A value changed in place keeps its id, and is not seen."""
+        hidden = self.shell.user_ns_hidden
+        self.edited |= {name for name, value in self.shell.user_ns.items()
+                        if not name.startswith("_") and name not in hidden and before.get(name) != id(value)}
 
     def undefined(self, names: list[str]) -> list[str]:
         """Those of ``names`` not defined in the user's namespace."""
         return [n for n in names if n not in self.shell.user_ns]
 
-    def take(self, values: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    def take(self, values: dict[str, Any], items: list[dict[str, Any]], keep_edited: bool = False) -> list[str]:
         """Put pulled ``values`` into the user's namespace, remembering the
-        device of each that came off an accelerator."""
+        device of each that came off an accelerator; with ``keep_edited`` (a
+        release's bringing back), not those a ``%%local`` cell bound since the
+        worker got them (:attr:`edited`), whose names are returned."""
+        kept = sorted(name for name in values if name in self.edited) if keep_edited else []
+        values = {name: value for name, value in values.items() if name not in kept}
+        self.edited -= set(values)
         self.shell.user_ns.update(values)
         for item in items:
             name = item["name"]
@@ -36,6 +55,7 @@ class Variables:
                 self.devices[name] = (id(values[name]), item["device"])
             else:
                 self.devices.pop(name, None)
+        return kept
 
     def send(self, attachment: Attachment, names: list[str]):
         """Push local ``names`` with the devices remembered for them (only while
@@ -43,16 +63,22 @@ class Variables:
         :meth:`Attachment.push`'s ``(items, errors)``."""
         values = {n: self.shell.user_ns[n] for n in names}
         devices = {n: self.devices[n][1] for n in names if n in self.devices and self.devices[n][0] == id(values[n])}
-        return attachment.push(values, devices)
+        items, errors = attachment.push(values, devices)
+        self.edited -= {item["name"] for item in items}
+        return items, errors
 
     def follow(self, attachment: Attachment, cell: str) -> None:
-        """Send along the local names ``cell`` reads that the worker lacks, with
-        a one-line note; one line per value that cannot be sent."""
+        """Send along the local names ``cell`` reads that the worker lacks, or
+        holds older than a ``%%local`` cell left them (:attr:`edited`), with a
+        one-line note; one line per value that cannot be sent."""
+        # A name the cell binds is the worker's own value after it (once it has what the cell reads).
+        bound = names_bound(cell) if self.edited else set()
         candidates = local_candidates(cell, self.shell.user_ns, self.shell.user_ns_hidden)
-        if not candidates:
-            return
-        have = attachment.have(candidates)
-        missing = [n for n in candidates if n not in have]
+        missing = []
+        if candidates:
+            have = attachment.have(candidates)
+            missing = [n for n in candidates if n not in have or n in self.edited]
+        self.edited -= bound
         if not missing:
             return
         items, errors = self.send(attachment, missing)

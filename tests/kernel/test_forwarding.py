@@ -433,6 +433,30 @@ def test_release_brings_imports_back_as_imports(kernel):
     assert remote_value(kc, "js.dumps(twice(2)), type(Box()).__name__") == ("4", "Box")
 
 
+def test_a_local_cell_that_rebinds_a_sent_name_wins_over_the_workers_older_copy(kernel):
+    """``%%local`` rebinding a name the worker got earlier: the next cell on the worker that reads it
+    gets the notebook's new value, and a release keeps the notebook's value of a name the worker did
+    not bind since (it is newer), saying so; a name the worker bound after the local cell comes back."""
+    _, kc = kernel
+    assert run(kc, "results = ['epoch1']\nlast = 0").ok
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert remote_value(kc, "len(results), last") == (1, 0)
+    assert run(kc, "%%local\nresults = ['epoch1', 'epoch2']\nlast = 1\nnotes = 'here'").ok
+    assert remote_value(kc, "results") == ["epoch1", "epoch2"], "sent again: the notebook's is newer"
+    assert run(kc, "last = 7").ok, "bound on the worker after the local cell: the worker's is newer"
+    assert run(kc, "%%local\nresults = ['epoch1', 'epoch2', 'epoch3']").ok
+    released = run(kc, "%gpu release")
+    assert released.ok and "kept the notebook's own results" in released.stdout, released.outputs
+    assert remote_value(kc, "results, last, notes") == (["epoch1", "epoch2", "epoch3"], 7, "here")
+
+
+def test_local_takes_no_arguments(kernel):
+    _, kc = kernel
+    refused = run(kc, "%%local --please-run-remotely\nx = 1")
+    assert not refused.ok and "%%local takes no arguments" in refused.text()
+    assert not run(kc, "x").ok, "nothing ran"
+
+
 def test_kernel_class_forwards_only_while_attached():
     kernel = GPUPoolKernel.__new__(GPUPoolKernel)
     kernel.gpu = type("G", (), {"attachment": None})()
@@ -559,3 +583,4 @@ def test_what_a_park_could_not_keep_is_said_at_the_resume_unless_its_notice_said
     parked.lost_said = ("lock: a lock",)  # its notice said that much
     assert parked.not_kept(spilled, spilled) == "; not kept by the park: the running cell was interrupted"
     assert Parked(spilled, lost_said=tuple(spilled.parked["lost"])).not_kept(spilled) == ""
+
