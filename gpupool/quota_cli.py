@@ -116,6 +116,9 @@ def _limits(pairs: list[str]) -> dict[str, Any]:
         if not sep or key not in LIMITS:
             raise GPUPoolError(Reason.bad_request, f"cannot read {pair!r}: write LIMIT=VALUE with LIMIT one of "
                                f"{', '.join(LIMITS)}")
+        if key in limits:
+            raise GPUPoolError(Reason.bad_request, f"{key} is given twice ({limits[key]!r} and {value!r}): give each "
+                               "limit once")
         limits[key] = _value(value)
     return limits
 

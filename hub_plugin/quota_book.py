@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 from zoneinfo import ZoneInfo
 
 from sqlalchemy import select
@@ -115,7 +115,12 @@ class QuotaBook:
             limits = quotas.parse_entry(body, scope)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+        if not limits:
+            raise bad_request(f"nothing to set for {scope}: give at least one limit ({', '.join(quotas.LIMIT_KEYS)}); "
+                              f"DELETE /admin/quotas/{scope} removes its override")
         row = session.get(QuotaOverride, scope)
+        table = self.table(session)
+        _check_guarantee(scope, {**table.get(quotas.DEFAULT_SCOPE, {}), **table.get(scope, {}), **limits})
         if row is None:
             row = QuotaOverride(scope=scope, limits={})
             session.add(row)
@@ -131,6 +136,14 @@ class QuotaBook:
             raise not_found(f"quota override for {scope}")
         session.delete(row)
         log.info("quota override for %s removed by %s", scope, by)
+
+
+def _check_guarantee(scope: str, limits: Mapping[str, float | None]) -> None:
+    """400 when ``limits`` (a scope's, over the default's) guarantee more GPUs than they let one hold."""
+    guaranteed, most = limits.get("guaranteed_gpus"), limits.get("max_gpus")
+    if guaranteed is not None and most is not None and guaranteed > most:
+        raise bad_request(f"quota {scope}: guaranteed_gpus {guaranteed:g} is more than its max_gpus {most:g}: nobody "
+                          "is guaranteed more than they may hold; raise max_gpus too, or guarantee less")
 
 
 def _counts_hours(limits: quotas.Limits) -> bool:
