@@ -556,7 +556,9 @@ def test_a_url_that_is_not_a_gpupool_service_says_so(pool, shell, path, answered
             patch.setattr(service, "_client", None)  # made again from GPUPOOL_URL
             with pytest.raises(UsageError) as raised:
                 shell.run_line_magic("gpu", "status")
-        assert words in str(raised.value)
+        # A magic takes no --url: the notebook's words name the variable the kernelspec sets.
+        assert words.replace("GPUPOOL_URL or --url", "GPUPOOL_URL, which the gpupool kernelspec sets") \
+            in str(raised.value)
     assert shell.magics_manager.registry["GPUMagics"].service.client.url == pool.service.url
     pool.check_unchanged(f"a URL that is not gpupool's ({answered})")
 
