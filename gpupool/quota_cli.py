@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     takes = {"set": 2, "unset": 1}.get(args.action, 0)  # show, list and usage: no SCOPE (show is your own quota)
     unexpected = ([args.scope] if args.scope else [])[takes:] + (args.limits if takes < 2 else [])
     if unexpected:  # never passed over in silence, as argparse does with an unknown option
+        mine = ("; 'show' is your own quota: an admin sees each scope's limits with 'gpupool quota list' and each "
+                "user's use with 'gpupool quota usage'") if args.action == "show" else ""
         parser.error(f"'{args.action}' takes {('no arguments', 'a SCOPE only', '')[takes]}: unrecognized arguments: "
-                     f"{' '.join(unexpected)}")
+                     f"{' '.join(unexpected)}{mine}")
     if not 1 <= args.days <= MAX_USAGE_DAYS:  # whatever the action: a bad option is never passed over in silence
         parser.error(f"--days must be a whole number from 1 to {MAX_USAGE_DAYS}, got {args.days}")
     client = client_from_arguments(parser, args)

@@ -63,6 +63,7 @@ def join_notebook(attachment: Attachment, execution_count: int) -> None:
     answer, _ = attachment.request(Attach(execution_count=execution_count, cwd=os.getcwd(),
                                           home=os.path.expanduser("~"), user=user))
     cwd = answer.get("cwd")
+    attachment.shares_folder = bool(answer.get("notebook_dir"))
     attachment.workdir = (f"the worker runs in this notebook's folder, {cwd}" if answer.get("notebook_dir") else
                           f"the GPU node cannot enter this notebook's folder {os.getcwd()}, so the worker runs "
                           f"in a scratch folder of yours there, {cwd}: copy the files it needs with %gpu push "

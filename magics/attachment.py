@@ -71,6 +71,8 @@ class Attachment:
         self._resumed_from: str | None = None  # the ``parked.since`` of the park last resumed from
         # Where the worker runs, in words (set when the gpupool kernel attaches; docs/api.md "Working directory").
         self.workdir: str | None = None
+        self.shares_folder = False  # the worker started in the notebook's own folder (the same path here)
+        self.worker_cwd: str | None = None  # the worker's folder as its last pull of everything found it
         # The most lanes of one transfer (c.GPUMagics.transfer_streams; 0: by cores), read per transfer.
         self.transfer_streams: Callable[[], int] = lambda: 0
 
@@ -372,6 +374,8 @@ class Attachment:
         with self._guarded():
             header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request,
                                              streams=self.transfer_streams())
+        if names is None:
+            self.worker_cwd = header.get("cwd")
         try:
             return load_pulled(header, buffers)
         except KeyboardInterrupt:

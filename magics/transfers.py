@@ -5,6 +5,7 @@ on; which one that is, :class:`~.lifecycle.Lifecycle` decides."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from IPython.core.error import UsageError
@@ -75,4 +76,17 @@ class Transfers:
         kept = self.variables.take(values, items, keep_edited=True)
         items = [item for item in items if item["name"] not in kept]
         note = f"; kept the notebook's own {', '.join(kept)} (a %%local cell changed it after the worker's copy)"
-        return summarize("brought back", items, errors) + (note if kept else "")
+        return summarize("brought back", items, errors) + (note if kept else "") + _follow_folder(attachment)
+
+
+def _follow_folder(attachment: Attachment) -> str:
+    """Where the worker started in the notebook's folder and its cells moved (``%cd``), this kernel
+    goes there too, as a local ``%cd`` would have left it; the note saying so, or ``""``."""
+    cwd = attachment.worker_cwd
+    if not attachment.shares_folder or not cwd or cwd == os.getcwd() or not os.path.isdir(cwd):
+        return ""
+    try:
+        os.chdir(cwd)
+    except OSError:
+        return ""
+    return f"; now in {cwd}, where the worker's cells left the folder"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import sys
 import types
 from typing import Any
@@ -59,6 +60,7 @@ def pull_header(ip, request: Pulling) -> tuple[dict[str, Any], list]:
         header, buffers = _cap(header, buffers, int(limit))
     if isinstance(request, PullAll):
         header["modules"] = user_modules(ip)
+        header["cwd"] = os.getcwd()  # where the cells left it (%cd): a release follows it where it can
     return header, buffers
 
 

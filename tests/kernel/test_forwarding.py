@@ -450,6 +450,16 @@ def test_a_local_cell_that_rebinds_a_sent_name_wins_over_the_workers_older_copy(
     assert remote_value(kc, "results, last, notes") == (["epoch1", "epoch2", "epoch3"], 7, "here")
 
 
+def test_a_release_follows_the_workers_cd_where_it_shares_the_notebooks_folder(kernel, tmp_path):
+    _, kc = kernel
+    (tmp_path / "sub").mkdir()
+    assert run(kc, "%gpu acquire 0.25").ok
+    assert run(kc, "%cd sub").ok
+    released = run(kc, "%gpu release")
+    assert f"now in {tmp_path / 'sub'}" in released.stdout, released.stdout
+    assert remote_value(kc, "import os; os.getcwd()") == str(tmp_path / "sub")
+
+
 def test_local_takes_no_arguments(kernel):
     _, kc = kernel
     refused = run(kc, "%%local --please-run-remotely\nx = 1")
