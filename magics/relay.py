@@ -53,6 +53,10 @@ def remote_error(content: dict[str, Any]) -> RemoteError:
     return kind(ename, str(content.get("evalue", "")), list(content.get("traceback", [])))
 
 
+#: The MIME type of an ipywidgets view (jupyter-widgets' output): its model lives behind a comm.
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 class OutputRelay:
     """Callable for :meth:`RemoteKernel.execute`: one IOPub message in, the
     same output out in the current cell. ``error`` holds the remote error's
@@ -63,6 +67,7 @@ class OutputRelay:
     count again, since the front end drops what it cleared). What goes over
     it is dropped, with one note when the cut starts and :meth:`finish`
     saying how much was cut. ``execute_result`` and ``error`` always pass.
+    A widget's view is shown as its text (its comm is not relayed).
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -81,6 +86,12 @@ class OutputRelay:
             return
         if kind in _IGNORED:
             return
+        if kind in ("display_data", "update_display_data", "execute_result") and WIDGET_VIEW in content.get("data", {}):
+            # A widget's comm stays on the worker (this relay forwards no comms): its text stands in for it,
+            # not a view the front end cannot find a model for.
+            content = {**content, "data": {k: v for k, v in content["data"].items() if k != WIDGET_VIEW}}
+            if not content["data"]:
+                return
         if kind in ("display_data", "update_display_data") and not self._admit_whole(content.get("data", {})):
             return
         _flush()

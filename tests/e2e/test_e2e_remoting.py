@@ -184,6 +184,12 @@ def test_gpu_cell_runs_on_a_lease_of_its_own_and_brings_variables_back(e2e_pool,
     plain = re.sub(r"\x1b\[[0-9;]*m", "", failed.text())  # IPython colours its tracebacks
     assert not failed.ok and f"Cell In[{failed.reply['execution_count']}], line 3" in plain, plain
     assert remote_value(kc, "here == os.getcwd()") is True
+    # A widget of such a cell shows as its text: its comm stays on the worker, which ends with the cell.
+    widget = run(kc, "%%gpu 0.25\nimport ipywidgets\nipywidgets.IntSlider(value=7)")
+    assert widget.ok, widget.text()
+    shown = [content["data"] for kind, content in widget.outputs if kind in ("display_data", "execute_result")]
+    assert shown and all("application/vnd.jupyter.widget-view+json" not in data for data in shown), shown
+    assert any("IntSlider(value=7)" in data.get("text/plain", "") for data in shown), shown
 
 
 def test_attach_compares_versions_and_is_quiet_when_they_match(kernel):
