@@ -16,6 +16,7 @@ subshell, since the gpupool kernel in front of it says it has none).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import zmq
@@ -81,13 +82,20 @@ class WorkerKernel(NoSubshellKernel):
 
     #: Why cells are refused (:meth:`refuse_cells`); None: they run.
     refusing: str | None = None
+    #: The file whose existence keeps them refused (:meth:`refuse_cells`).
+    refusing_while: str | None = None
 
-    def refuse_cells(self, words: str) -> None:
+    def refuse_cells(self, words: str, while_exists: str | None = None) -> None:
         """From now on answer every ``execute_request`` with an error of ``words`` (ename
-        :data:`REFUSED_ENAME`) instead of running it. Called on the main thread, between requests."""
-        self.refusing = words
+        :data:`REFUSED_ENAME`) instead of running it; with ``while_exists`` (a path), only
+        while that file exists: a spill the agent gave up (it removes the file: failed, or
+        left unfinished by an agent killed meanwhile, whose successor re-adopts this worker)
+        lets cells run here again. Called on the main thread, between requests."""
+        self.refusing, self.refusing_while = words, while_exists
 
     async def execute_request(self, stream, ident, parent: dict[str, Any]) -> None:
+        if self.refusing is not None and self.refusing_while is not None and not os.path.exists(self.refusing_while):
+            self.refusing = self.refusing_while = None
         if self.refusing is not None:
             self._refuse(stream, ident, parent)
             return

@@ -154,8 +154,9 @@ _PATHS: dict[str, Any] = {
     },
     "/admin/quotas/{scope}": {
         "put": _op("Set limits of a scope at run time (merged into its override; kept in SQL)",
-                   _json({"type": "object"}, "the scope's override"), body=_ref("Limits"),
-                   errors=(400, 401, 403, 503), params=[_SCOPE]),
+                   _json({"type": "object"}, "the scope's override"),
+                   body={"allOf": [_ref("Limits")], "minProperties": 1},  # {} sets nothing: a 400
+                   errors=(400, 401, 403, 409, 503), params=[_SCOPE]),
         "delete": _op("Remove a scope's override", _json({"type": "object"}, "removed"),
                       errors=(400, 401, 403, 404), params=[_SCOPE]),
     },

@@ -139,11 +139,13 @@ class QuotaBook:
 
 
 def _check_guarantee(scope: str, limits: Mapping[str, float | None]) -> None:
-    """400 when ``limits`` (a scope's, over the default's) guarantee more GPUs than they let one hold."""
+    """409 ``invalid_state`` when ``limits`` (a scope's, over the default's and what the scope has
+    already) guarantee more GPUs than they let one hold."""
     guaranteed, most = limits.get("guaranteed_gpus"), limits.get("max_gpus")
     if guaranteed is not None and most is not None and guaranteed > most:
-        raise bad_request(f"quota {scope}: guaranteed_gpus {guaranteed:g} is more than its max_gpus {most:g}: nobody "
-                          "is guaranteed more than they may hold; raise max_gpus too, or guarantee less")
+        raise GPUPoolError(Reason.invalid_state, f"quota {scope}: guaranteed_gpus {guaranteed:g} is more than its "
+                           f"max_gpus {most:g}: nobody is guaranteed more than they may hold; raise max_gpus too, "
+                           "or guarantee less", 409)
 
 
 def _counts_hours(limits: quotas.Limits) -> bool:

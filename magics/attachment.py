@@ -164,7 +164,7 @@ class Attachment:
         """Resume the parked lease (``POST /leases/{id}/resume``) and wait
         for it with a progress line (:func:`gpupool.leasewait.wait_started`);
         returns the active lease. ``on_wait(lease)`` is called once, before the
-        progress line, when the resume waits in line for room. Raises GPUPoolError
+        progress line, when the resume waits in line for room or for its node's agent. Raises GPUPoolError
         ``lease_lost`` when it ended meanwhile, ``start_timeout``, ``worker_unreachable``
         when the resumed worker does not answer (a spilled lease comes back as a new
         worker: this kernel connects to it, and :attr:`reconnected` says so). Interrupted
@@ -183,7 +183,8 @@ class Attachment:
 
         def seen(lease: Lease, was_queued: bool) -> None:
             nonlocal told, asked_at
-            if on_wait is not None and not told and lease.state in WAITING_FOR_ROOM and lease.queue_position:
+            if on_wait is not None and not told and lease.state in WAITING_FOR_ROOM \
+                    and (lease.queue_position or lease.node_state == "lost"):
                 told = True
                 on_wait(lease)
             if on_state is not None:

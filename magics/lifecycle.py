@@ -286,11 +286,17 @@ class Lifecycle:
 
 
 def _release_waits(lease) -> None:
-    """Said once by ``%gpu release`` whose parked lease's resume waits in line for room: why it
-    waits, and what else the user may do."""
-    say(f"%gpu release brings the variables home from {lease.id}'s worker, frozen on {lease.node or 'its node'}, "
-        "which must resume first: waiting for room (Ctrl-C stops waiting, releasing nothing; %gpu release "
-        "--discard gives it up now, its variables lost)")
+    """Said once by ``%gpu release`` whose parked lease's resume waits in line for room, or for its
+    node's agent: why it waits, and what else the user may do."""
+    if lease.node_state == "lost":
+        where, waits = f"saved on {lease.node or 'its node'}", "waiting for that node's agent to come back"
+    elif (lease.parked or {}).get("tier") == "disk":
+        where, waits = f"saved on {lease.node or 'its node'}'s disk", "waiting for room"
+    else:
+        where, waits = f"frozen on {lease.node or 'its node'}", "waiting for room"
+    say(f"%gpu release brings the variables home from {lease.id}'s worker, {where}, which must resume first: "
+        f"{waits} (Ctrl-C stops waiting, releasing nothing; %gpu release --discard gives it up now, its "
+        "variables lost)")
 
 
 def _withdraw_resume(attachment: Attachment) -> bool:

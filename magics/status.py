@@ -185,8 +185,10 @@ def lost_node_note(lease: Lease, pool: dict, now: datetime | None = None) -> str
              f"{heard:%H:%M:%S} UTC)") if heard is not None else ""
     reason = node.get("state_reason") or "no heartbeat from its agent"
     if parked_now(lease):
-        then = (f"Lease {lease.id} is parked there: its frozen worker and variables are lost with the node unless "
-                "it comes back, and the pool then ends the lease.")
+        held = ("its variables are saved on that node's disk" if (lease.parked or {}).get("tier") == "disk" else
+                "its frozen worker holds its variables there")
+        then = (f"Lease {lease.id} is parked there ({held}): the next cell resumes it once the node's agent is back; "
+                "if the node stays lost, the pool ends the lease and they are lost.")
     else:
         at = parse_time(lease.idle_deadline)
         deadline = "" if at is None else ("; the pool reclaims the lease at its idle deadline, in "

@@ -396,13 +396,13 @@ class NodeAgent(Application):
         service_task.cancel()
         await asyncio.gather(service_task, return_exceptions=True)
         server.stop()
-        parks = self.agent_parking.park_on_stop
+        parks, failed = self.agent_parking.park_on_stop, {}
         if parks and self.workers.lease_ids():
             why = f"the node agent on {self.node_name} is stopping"
-            saved = await self.workers.spill_all(why, self.agent_parking.park_on_stop_timeout)
+            saved, failed = await self.workers.spill_all(why, self.agent_parking.park_on_stop_timeout)
             self.log.info("saved %d worker(s) to disk: their leases stay parked for the next agent here", len(saved))
         codes = await self.workers.stop_all(keep_spills=parks)
-        await service.goodbye(codes, self.workers.reports() if parks else [])
+        await service.goodbye(codes, self.workers.reports() if parks else [], failed)
         await server.close_all_connections()
         service.close()
         self.workers.close()
@@ -469,6 +469,7 @@ class NodeAgent(Application):
         state_dir = Path(self.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = lock_state_dir(state_dir, "agent")
+        claim_state_dir(state_dir, self.node_name, self.agent_parking.spill_folder(state_dir))
         confinement, workers = self.agent_enforcement, self.agent_workers
         cgroups = None if self.refusal else self.containment(state_dir)
         if cgroups is not None and confinement.require_containment and cgroups.mode == "none":
@@ -618,6 +619,25 @@ class NodeAgent(Application):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.node_name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
+
+
+def claim_state_dir(state_dir: Path, name: str, spill_folder: Path) -> None:
+    """Record in ``STATE_DIR/node.json`` that the state directory is node ``name``'s. GPUPoolError
+    ``not_configured`` when it is another node's and still holds its workers' records or saved
+    leases: an agent of another name would end them as leases it does not know."""
+    path = state_dir / "node.json"
+    try:
+        owner = json.loads(path.read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    if owner not in (None, name):
+        held = any((state_dir / "workers").glob("*.lease.json")) or \
+            (spill_folder.is_dir() and any(spill_folder.iterdir()))
+        if held:
+            raise GPUPoolError(Reason.not_configured, f"the state directory {state_dir} holds the workers or saved "
+                               f"leases of node {owner!r}: start this agent as --name={owner}, or give it a state "
+                               "directory of its own (--state-dir); under another name it would end them")
+    path.write_text(json.dumps({"name": name}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,14 +129,20 @@ class ServiceLink:
             raise
         return answer.status, answer.object()
 
-    async def goodbye(self, exit_codes: dict[str, int | None], spilled: list[WorkerReport] = ()) -> None:
+    async def goodbye(self, exit_codes: dict[str, int | None], spilled: list[WorkerReport] = (),
+                      unsaved: dict[str, str] | None = None) -> None:
         """Tell the service, best effort, that the workers are gone (``dead``
-        with their exit codes) or saved to disk (``spilled``: their reports,
-        their leases parked there for the next agent) and that the agent is
-        leaving (``leaving``), so the others' leases end now and nothing new is
-        placed on the node, rather than when the node's TTL runs out."""
-        why, inventory = f"the node agent on {self.node} was stopped", self.node_side.inventory
-        last = Heartbeat(tuple(WorkerReport(lease, None, WorkerState.dead, exit_code=code, reason=why)
+        with their exit codes; ``unsaved``: why those a save to disk was tried
+        for were not saved) or saved to disk (``spilled``: their reports, their
+        leases parked there for the next agent) and that the agent is leaving
+        (``leaving``), so the others' leases end now and nothing new is placed
+        on the node, rather than when the node's TTL runs out."""
+        why, inventory, unsaved = f"the node agent on {self.node} was stopped", self.node_side.inventory, unsaved or {}
+
+        def reason(lease: str) -> str:
+            return f"{why} and could not save the worker to disk ({unsaved[lease]})" if lease in unsaved else why
+
+        last = Heartbeat(tuple(WorkerReport(lease, None, WorkerState.dead, exit_code=code, reason=reason(lease))
                                for lease, code in exit_codes.items()) + tuple(spilled),
                          tuple(GPUReading.of(g) for g in inventory.metrics()), inventory.error, leaving=True)
         try:

@@ -58,9 +58,10 @@ class PoolNodes(Configurable):
     parked_node_grace = Duration(
         600.0,
         help="""Seconds a node may stay ``lost`` beyond ``node_ttl`` while leases are
-        parked on it before they end ``failed`` (their frozen workers are as good as
-        gone, and the words say so); a node back sooner keeps them. A resume asked
-        while the node is lost ends the lease at once. Default: 10 minutes.
+        parked on it before they end ``failed`` (their frozen workers, or what its
+        stopped agent saved to its disk, are as good as gone, and the words say so); a
+        node back sooner keeps them, and a resume asked meanwhile waits for it. Give
+        it the time an agent restart or upgrade takes. Default: 10 minutes.
         ``c.PoolNodes.parked_node_grace = "1h"``.""",
     ).tag(config=True)
 

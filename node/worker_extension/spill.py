@@ -34,8 +34,9 @@ def save(ip, path: str) -> dict[str, Any]:
     """Write the namespace of ``ip`` to ``path`` (a new file); answers
     ``{"ok", "items", "types", "errors", "modules", "nbytes"}``: the names
     saved and ``{name: type}`` of each, ``{name: why}`` for those that could
-    not be, the module names, and the file's size. From then on the worker
-    refuses cells (:meth:`gpupool.kernelapp.WorkerKernel.refuse_cells`)."""
+    not be, the module names, and the file's size. From then on, while that
+    file exists, the worker refuses cells
+    (:meth:`gpupool.kernelapp.WorkerKernel.refuse_cells`)."""
     header, buffers = pull_header(ip, PullAll())
     header["sizes"] = [memoryview(b).nbytes for b in buffers]
     head = json.dumps(header).encode()
@@ -48,7 +49,7 @@ def save(ip, path: str) -> dict[str, Any]:
         os.close(fd)
     refuse = getattr(getattr(ip, "kernel", None), "refuse_cells", None)
     if refuse is not None:  # the agent ends this process next: a cell still on its way would be lost with it
-        refuse(CELL_AFTER_SAVE)
+        refuse(CELL_AFTER_SAVE, path)
     return {"ok": True, "items": [item["name"] for item in header["items"]],
             "types": {item["name"]: item["type"] for item in header["items"]}, "errors": header["errors"],
             "modules": sorted(header.get("modules", {})), "nbytes": os.path.getsize(path)}

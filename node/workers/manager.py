@@ -389,27 +389,27 @@ class WorkerManager:
                                f"({worker.death or worker.process.exit_note or f'exit code {worker.exit_code}'})", 409)
         return worker
 
-    async def spill_all(self, why: str, timeout: float) -> list[str]:
+    async def spill_all(self, why: str, timeout: float) -> tuple[list[str], dict[str, str]]:
         """At the agent's stop: save every lease's live worker (active, or parked in memory) to
         the spill folder and end it, all at once, within ``timeout`` seconds, so that its lease
         stays parked on this node's disk for the next agent (docs/parking.md, "Agent restarts");
         ``why``: in words, logged. A running cell is interrupted (the spill says so). Refuses new
-        starts. Returns the leases spilled now. A worker that is dead or still starting, or whose
-        spill fails or runs past ``timeout``, is left for :meth:`stop_all`, which ends it."""
+        starts. Returns the leases spilled now, and why each other's spill failed or ran past
+        ``timeout`` (words); those, and workers dead or still starting, are left for
+        :meth:`stop_all`, which ends them."""
         self._closing = True
         if self.parking is None:
-            return []
+            return [], {}
         self.poll()
         leases = sorted(lease for lease, worker in self._workers.items() if not worker.dead)
         results = await asyncio.gather(*(asyncio.wait_for(self._spill_at_stop(lease, why), timeout)
                                          for lease in leases), return_exceptions=True)
-        for lease, result in zip(leases, results):
-            if isinstance(result, BaseException):
-                words = f"not done within {timeout:g} s" if isinstance(result, asyncio.TimeoutError) else \
-                    getattr(result, "message", None) or repr(result)
-                self.log.error("the worker of lease %s was not saved to disk before the stop (%s): it is stopped "
-                               "instead, and its lease ends", lease, words)
-        return [lease for lease, result in zip(leases, results) if result is True]
+        failed = {lease: _spill_failure(result, timeout) for lease, result in zip(leases, results)
+                  if isinstance(result, BaseException)}
+        for lease, words in failed.items():
+            self.log.error("the worker of lease %s was not saved to disk before the stop (%s): it is stopped "
+                           "instead, and its lease ends", lease, words)
+        return [lease for lease, result in zip(leases, results) if result is True], failed
 
     async def _spill_at_stop(self, lease_id: str, why: str) -> bool:
         assert self.parking is not None
@@ -457,3 +457,11 @@ class WorkerManager:
         call after :meth:`stop_all`."""
         self._kernels.close()
         self.cgroups.close()
+
+
+def _spill_failure(error: BaseException, timeout: float) -> str:
+    """Why a spill at the agent's stop did not happen, in words (its "it stays ..." left out: it is stopped)."""
+    if isinstance(error, asyncio.TimeoutError):
+        return f"not done within c.AgentParking.park_on_stop_timeout, {timeout:g} s"
+    words = getattr(error, "message", None) or repr(error)
+    return words.split("; it stays ")[0].replace("could not spill the worker of lease ", "lease ")

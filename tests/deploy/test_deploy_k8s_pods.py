@@ -71,7 +71,7 @@ def test_no_pod_in_the_users_namespace_breaks_pod_security_baseline(rendered):
     assert baseline_violations(migrate["spec"]["template"]["spec"]) == []
     # The check bites: the agent's pod breaks baseline, which is why it lives elsewhere.
     agent = pod_spec(one(rendered["evaluation"], "DaemonSet", "gpupool-agent"))
-    assert set(baseline_violations(agent)) == {"hostPID: true", "container agent: privileged"}
+    assert set(baseline_violations(agent)) == {"hostPID: true", "container agent: privileged", "volume state: hostPath"}
     assert baseline_violations({"containers": [{"name": "x", "securityContext": {
         "capabilities": {"add": ["SYS_ADMIN", "CHOWN"]}, "seccompProfile": {"type": "Unconfined"}}}],
         "volumes": [{"name": "h", "hostPath": {"path": "/"}}]}) == [

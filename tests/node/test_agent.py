@@ -295,6 +295,22 @@ def test_service_token_drives_the_agent(pool):
 
 
 @needs_service
+def test_a_lease_whose_worker_could_not_be_saved_at_the_stop_ends_saying_so(tmp_path, service):
+    from gpupool.wire.leases import LeaseRequest
+    from procs import start_agent
+
+    agent = start_agent(tmp_path, service, name="node-8", extra_args=["--AgentParking.park_on_stop_timeout=0.001"])
+    client = service.client()
+    lease = client.get_lease(client.create_lease(LeaseRequest(fraction=0.25)).id, wait=30, state="starting")
+    assert lease.state.value == "active" and lease.node == "node-8", lease.reason
+    assert agent.stop() == 0
+    ended = client.get_lease(lease.id, wait=10, state="active")
+    assert ended.state.value == "failed", ended.events
+    assert ended.reason.startswith("the node agent on node-8 was stopped and could not save the worker to disk (not "
+                                   "done within c.AgentParking.park_on_stop_timeout"), ended.reason
+
+
+@needs_service
 def test_sigterm_with_a_leased_worker_leaves_nothing(tmp_path, service):
     """Without ``c.AgentParking.park_on_stop`` (tests/service/test_park_service.py has it on, the
     default), a stop ends the node's leases at once."""

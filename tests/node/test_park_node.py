@@ -14,6 +14,8 @@ and says what it could not; bad input to both endpoints changes nothing.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
@@ -192,6 +194,31 @@ def test_a_cell_that_reaches_a_worker_after_its_spill_was_saved_is_refused_not_l
     refused = run(kc, "x += 1\nprint(x)")
     assert not refused.ok and refused.reply["ename"] == REFUSED_ENAME, refused.text()
     assert refused.reply["evalue"] == CELL_AFTER_SAVE and refused.stdout == "", refused.text()
+    # A spill given up (failed, or left unfinished by an agent killed meanwhile, whose successor re-adopts
+    # this worker) has its file removed: the worker runs cells again.
+    (tmp_path / "namespace.bin").unlink()
+    assert cell(kc, "x += 1\nprint(x)").strip() == "42"
+
+
+def test_a_stopped_agent_saves_its_workers_and_no_agent_of_another_name_takes_its_state_directory(agent):
+    """SIGTERM saves the lease's worker to the spill folder (``park_on_stop``); an agent started on that
+    state directory under another name refuses in one line, removing nothing (it would have ended the
+    lease it does not know); under the node's own name it serves the saved lease again."""
+    started = agent.start_worker("L-owned")
+    cell(agent.client(started["connection"]), "x = 41")
+    agent.stop()
+    assert [p.name for p in (agent.state_dir / "spill").iterdir()] == ["L-owned"]
+    refused = subprocess.run([sys.executable, "-m", "gpupool.cli", "agent", "--service-url=http://127.0.0.1:1",
+                              "--simulate=2xA100-80GB", "--name=another", f"--state-dir={agent.state_dir}",
+                              "--port=0"], env=agent.env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1, refused.stderr
+    assert f"holds the workers or saved leases of node {agent.name!r}: start this agent as --name={agent.name}" \
+        in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert [p.name for p in (agent.state_dir / "spill").iterdir()] == ["L-owned"], "nothing removed"
+    agent.start()
+    assert agent.reports()["L-owned"]["parked"] == "disk"
+    resumed = agent.resume("L-owned")[1]
+    assert cell(agent.client(resumed["connection"]), "print(x + 1)").strip() == "42"
 
 
 def test_an_agent_restarted_with_a_smaller_budget_spills_the_parked_workers_over_it(agent, tmp_path):
