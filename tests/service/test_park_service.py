@@ -183,6 +183,34 @@ def parks(pool_for_parks):
     made.clean()
 
 
+#: The agents' options here: cells reach workers through jupyter_client, no warm worker to wait for.
+AGENT_ARGS = ["--transport-encryption=none", "--warm-workers=0"]
+
+
+def one_node_notebook(tmp_path, monkeypatch, tag: str):
+    """A service, an agent on one simulated A100 (simulated GPU memory under a ``tag`` folder of its
+    own) and a gpupool notebook kernel on them: ``(svc, agent, km, kc)``, for the test to stop."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-{tag}-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 120.0})
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=AGENT_ARGS)
+    km, kc = start_gpupool_kernel(install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token), tmp_path)
+    return svc, agent, km, kc
+
+
+def resumed_cell(svc, lease_id: str, code: str, asked: bool = False) -> str:
+    """Resume parked ``lease_id`` (``asked``: a resume is asked already), wait until it is active
+    again, and run ``code`` on its worker; the cell's output."""
+    if not asked:
+        svc.client().resume(lease_id)
+    lease = wait_state(svc, wait_state(svc, lease_id, "parked").id, "starting")
+    assert lease.state is LeaseState.active, lease.events
+    kc = worker_client(lease.connection)
+    try:
+        return cell(kc, code)
+    finally:
+        kc.stop_channels()
+
+
 def cell(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     done = run(kc, code, timeout=timeout)
     assert done.ok, done.text()
@@ -597,19 +625,9 @@ def test_an_agent_stopped_for_a_restart_saves_its_leases_to_disk_and_they_resume
         waiting = client.resume(active.id)
         assert waiting.state is LeaseState.parked and waiting.parked["resume_requested"], waiting.events
         agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=port)
-        resumed = wait_state(svc, active.id, "parked")
-        resumed = wait_state(svc, active.id, "starting")
-        assert resumed.state is LeaseState.active, resumed.events
-        assert resumed.connection != active.connection, "a new worker loaded what was saved"
-        client.resume(other.id)
-        again = wait_state(svc, wait_state(svc, other.id, "parked").id, "starting")
-        assert again.state is LeaseState.active, again.events
-        for lease, answer in ((resumed, "42"), (again, "8")):
-            kc = worker_client(lease.connection)
-            try:
-                assert cell(kc, "print(x + 1)").strip() == answer
-            finally:
-                kc.stop_channels()
+        assert resumed_cell(svc, active.id, "print(x + 1)", asked=True).strip() == "42"
+        assert svc.client().get_lease(active.id).connection != active.connection, "a new worker loaded what was saved"
+        assert resumed_cell(svc, other.id, "print(x + 1)").strip() == "8"
         status, text = http(svc, "GET", "/metrics", prefix="")
         parks = {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
                  for s in family.samples if s.name == "gpupool_parks_total"}
@@ -625,12 +643,8 @@ def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_
     """A parked lease's cell asks a resume while the agent is killed: the service's try fails and leaves
     it parked; the cell asks again (it waited for good: no resume was pending any more) and runs once
     the agent, restarted on its folder and port, has re-adopted the frozen worker."""
-    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-away-{uuid.uuid4().hex[:8]}"))
-    svc = start_service(tmp_path, config={"node_ttl": 120.0})
-    args = ["--transport-encryption=none", "--warm-workers=0"]
-    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
-    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
-    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    svc, agent, km, kc = one_node_notebook(tmp_path, monkeypatch, "away")
+    args = AGENT_ARGS
     try:
         assert run(kc, "%gpu acquire 0.5").ok
         lease_id = run(kc, "import os\nx = 41\nprint(os.environ['GPUPOOL_LEASE_ID'])").stdout.strip()
@@ -685,14 +699,7 @@ def test_an_agent_stopped_while_the_service_is_down_has_its_saved_leases_parked_
         agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args, port=agent_port)
         saved = svc.client().get_lease(lease.id)
         assert saved.state is LeaseState.parked and saved.parked["tier"] == "disk", saved.events
-        svc.client().resume(lease.id)
-        resumed = wait_state(svc, wait_state(svc, lease.id, "parked").id, "starting")
-        assert resumed.state is LeaseState.active, resumed.events
-        kc = worker_client(resumed.connection)
-        try:
-            assert cell(kc, "print(x + 1)").strip() == "42"
-        finally:
-            kc.stop_channels()
+        assert resumed_cell(svc, lease.id, "print(x + 1)").strip() == "42"
         svc.client().release(lease.id)
     finally:
         agent.stop()
@@ -702,12 +709,8 @@ def test_an_agent_stopped_while_the_service_is_down_has_its_saved_leases_parked_
 def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_variables(tmp_path, monkeypatch):
     """The notebook's view of an agent restart (SIGTERM, then the agent started again on its folder):
     the next cell says it waits for the node's agent, then resumes from disk and finds ``x``."""
-    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-back-{uuid.uuid4().hex[:8]}"))
-    svc = start_service(tmp_path, config={"node_ttl": 120.0})
-    args = ["--transport-encryption=none", "--warm-workers=0"]
-    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=args)
-    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
-    km, kc = start_gpupool_kernel(kernels, tmp_path)
+    svc, agent, km, kc = one_node_notebook(tmp_path, monkeypatch, "back")
+    args = AGENT_ARGS
     try:
         assert run(kc, "%gpu acquire 0.5").ok
         assert run(kc, "x = 41").ok
