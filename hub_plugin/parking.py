@@ -371,8 +371,8 @@ class Parking:
         idempotent (an active or starting lease is answered as it is). ``in_place``: asked ahead
         of a cell (the user is back at the notebook), so it waits for its own node, until a
         resume without it is asked. A lease whose node is lost waits for its agent to come back
-        (:meth:`_gone`); lost for good, it ends ``failed``, saying what was lost. Returns the lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued,
-        releasing, ended)."""
+        (:meth:`_gone`); lost for good, it ends ``failed``, saying what was lost. Returns the
+        lease. Raises 404, 403 (an admin's), 409 ``invalid_state`` (queued, releasing, ended)."""
         lost = await self.state.work.write(self._resume_now, who, lease_id, in_place)
         if lost:
             await self.leases.release(lease_id, LeaseState.failed, lost, only_if=_parked_or_parking)

@@ -5,9 +5,10 @@ registers them with the pool service, serves the service's calls to start and
 stop workers (docs/api.md, "Agent"), and heartbeats worker states and GPU
 metrics. On SIGTERM or SIGINT it saves each lease's worker to its spill folder
 (``c.AgentParking.park_on_stop``: the leases stay parked on disk for the next
-agent here), stops every worker, verifies they are gone, and exits 0. Killed or crashed instead, it leaves the workers running; when
-it starts again it re-adopts the lease workers that still run and stops
-every other process it had started (:mod:`.workers.recovery`).
+agent here), stops every worker, verifies they are gone, and exits 0. Killed
+or crashed instead, it leaves the workers running; when it starts again it
+re-adopts the lease workers that still run and stops every other process it
+had started (:mod:`.workers.recovery`).
 
 Beside it: the settings other than its own ``c.NodeAgent``, a class per
 concern (:mod:`.settings`: ``c.AgentInventory``, ``c.AgentEnforcement``,

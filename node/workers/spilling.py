@@ -75,7 +75,8 @@ class Spilling:
 
     def reports(self) -> list[WorkerReport]:
         return [WorkerReport(s.lease_id, None, WorkerState.idle, idle_since=s.idle_since, parked="disk",
-                             parked_host_bytes=0, parked_disk_bytes=s.disk_bytes, parked_lost=s.lost) for s in self.spilled.values()]
+                             parked_host_bytes=0, parked_disk_bytes=s.disk_bytes, parked_lost=s.lost)
+                for s in self.spilled.values()]
 
     def remove(self, lease_id: str) -> bool:
         """Forget the spill of ``lease_id`` and remove its files; False when it has none."""

@@ -162,7 +162,8 @@ class SlurmJobGroup(LeaseCgroup):
         slice's step frees its share of gpupool's share job."""
         if self.record.step_id is not None:
             return None
-        return f"Slurm keeps the GPU of a suspended job, so job {self.record.job_id} ends instead, its GPU back in Slurm"
+        return (f"Slurm keeps the GPU of a suspended job, so job {self.record.job_id} ends instead, its GPU back in "
+                "Slurm")
 
     def freeze(self, timeout: float = 10.0) -> None:
         try:
