@@ -147,7 +147,7 @@ def test_names_only_the_local_kernel_has_are_sent_along(kernel):
     again = run(kc, uses)
     assert "sent along" not in again.stdout, "the worker has them now"
     assert run(kc, "%%local\nscale = 100").ok
-    assert remote_value(kc, "scale") == 3, "a name the worker has is not overwritten"
+    assert remote_value(kc, "scale") == 100, "a %%local cell's newer value is sent again: one namespace, as if local"
 
 
 def test_release_keeps_state_and_the_next_attach_puts_it_back_on_its_device(kernel):
