@@ -88,11 +88,9 @@ class WorkerAccountSettings:
                                f"it may not enter or execute {blocked}; install gpupool where that user can "
                                "(e.g. a virtual environment under /opt) or pick another --worker-user")
         # The state dir itself is opened to it (0711) when the agent starts.
-        blocked = user.blocked_at(next(folder for folder in state_dir.parents if folder.exists()))
-        if blocked is not None:
-            raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot enter {blocked} on the way to "
-                               f"the state directory {state_dir} (--state-dir), where its connection files are: "
-                               f"allow it (chmod o+x {blocked}) or choose another state directory")
+        _must_reach(user, next(folder for folder in state_dir.parents if folder.exists()),
+                    f"the state directory {state_dir} (--state-dir), where its connection files are",
+                    "another state directory")
         return user
 
     def open_spill_folder(self, folder: Path) -> None:
@@ -104,12 +102,8 @@ class WorkerAccountSettings:
         folder.mkdir(parents=True, exist_ok=True, mode=0o711)
         folder.chmod(0o711)
         for user in [*([self.user] if self.user else []), *(self.users.users if self.users else ())]:
-            blocked = user.blocked_at(folder)
-            if blocked is not None:
-                raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot enter {blocked} on the "
-                                   f"way to the spill folder {folder} (c.AgentParking.spill_dir), where parked "
-                                   f"workers save what they hold: allow it (chmod o+x {blocked}) or choose "
-                                   "another folder")
+            _must_reach(user, folder, f"the spill folder {folder} (c.AgentParking.spill_dir), where parked workers "
+                        "save what they hold", "another folder")
 
     def for_owner(self, owner: str) -> WorkerUser | None:
         """The account of ``owner``'s worker when ``worker_user`` is a template
@@ -127,3 +121,12 @@ class WorkerAccountSettings:
         if user.uid == 0:
             raise bad_request(f"refusing to run {owner!r}'s worker as root (c.AgentWorkers.worker_user)")
         return user
+
+
+def _must_reach(user: WorkerUser, folder: Path, what: str, instead: str) -> None:
+    """GPUPoolError ``not_configured`` when ``user`` cannot enter ``folder`` (``what`` it is, in
+    words; ``instead``: what else the admin may choose)."""
+    blocked = user.blocked_at(folder)
+    if blocked is not None:
+        raise GPUPoolError(Reason.not_configured, f"worker user {user.name!r} cannot enter {blocked} on the way to "
+                           f"{what}: allow it (chmod o+x {blocked}) or choose {instead}")

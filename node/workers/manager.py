@@ -25,6 +25,7 @@ from .parking import ParkSettings, WorkerParking
 from .parkstate import Spilled
 from .recovery import Recovery
 from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
+from .spilling import SpillFailed
 from .spillmove import fetch_spill
 from .stopping import Reaper, quietly
 from .warmpool import WarmPool
@@ -460,8 +461,9 @@ class WorkerManager:
 
 
 def _spill_failure(error: BaseException, timeout: float) -> str:
-    """Why a spill at the agent's stop did not happen, in words (its "it stays ..." left out: it is stopped)."""
+    """Why a spill at the agent's stop did not happen, in words (the worker is stopped then)."""
     if isinstance(error, asyncio.TimeoutError):
         return f"not done within c.AgentParking.park_on_stop_timeout, {timeout:g} s"
-    words = getattr(error, "message", None) or repr(error)
-    return words.split("; it stays ")[0].replace("could not spill the worker of lease ", "lease ")
+    if isinstance(error, SpillFailed):
+        return error.cause
+    return getattr(error, "message", None) or repr(error)

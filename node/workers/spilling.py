@@ -52,6 +52,16 @@ def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None 
                     for name, kind in sorted((types or {}).items()) if kind in COPIED_AS_CONTENTS]
 
 
+class SpillFailed(GPUPoolError):
+    """502 ``park_failed``: the namespace of ``lease``'s worker could not be saved (``cause``, in
+    words); the worker stays as it was, ``parked`` in memory or where it is."""
+
+    def __init__(self, lease: str, cause: str, parked: bool) -> None:
+        super().__init__(Reason.park_failed, f"could not spill the worker of lease {lease} to disk: {cause}; it stays "
+                         f"{'parked in memory' if parked else 'where it is'}", 502)
+        self.cause = cause
+
+
 class Spilling:
     """The spilled leases of ``manager``'s node, under ``spill_dir``."""
 
@@ -118,9 +128,7 @@ class Spilling:
             shutil.rmtree(folder, ignore_errors=True)
             if parked is not None:
                 await self.parking.freeze(worker)
-            raise GPUPoolError(Reason.park_failed, f"could not spill the worker of lease {lease} to disk: "
-                               f"{getattr(exc, 'message', exc)}; it stays "
-                               f"{'parked in memory' if parked else 'where it is'}", 502) from None
+            raise SpillFailed(lease, getattr(exc, "message", str(exc)), parked is not None) from None
         lost += lost_words(answer.get("errors") or {}, "saved to disk", answer.get("types"))
         spec = worker.spec
         spill = Spilled(lease, spec.owner, folder, spec.gpus, spec.fraction, spec.memory, time.time(),

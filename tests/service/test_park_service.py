@@ -197,6 +197,15 @@ def one_node_notebook(tmp_path, monkeypatch, tag: str):
     return svc, agent, km, kc
 
 
+def close_notebook(svc, agent, km, kc) -> None:
+    """Stop what :func:`one_node_notebook` started (``agent``: the one running now), its lease given up."""
+    run(kc, "%gpu release --discard")
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+    agent.stop()
+    svc.stop()
+
+
 def resumed_cell(svc, lease_id: str, code: str, asked: bool = False) -> str:
     """Resume parked ``lease_id`` (``asked``: a resume is asked already), wait until it is active
     again, and run ``code`` on its worker; the cell's output."""
@@ -668,11 +677,7 @@ def test_a_cell_whose_resume_failed_while_its_agent_was_away_resumes_once_it_is_
         assert "42" in "".join(said).split(), said
         assert f"resumed {lease_id}" in "".join(said), said
     finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-        agent.stop()
-        svc.stop()
+        close_notebook(svc, agent, km, kc)
 
 
 def test_an_agent_stopped_while_the_service_is_down_has_its_saved_leases_parked_at_its_next_start(tmp_path,
@@ -736,11 +741,7 @@ def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_varia
         heard("42")
         assert "resumed" in "".join(said), said
     finally:
-        run(kc, "%gpu release --discard")
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-        agent.stop()
-        svc.stop()
+        close_notebook(svc, agent, km, kc)
 
 
 def _park_unless_busy(parks, lease_id: str):
