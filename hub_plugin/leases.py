@@ -94,16 +94,18 @@ class LeaseBook:
                         continue
                     return None
                 await self.release(lease_id, LeaseState.failed,
-                                   f"the worker could not start on {job.node}: {exc.message}")
+                                   f"the worker could not start on {job.node}: {exc.message}",
+                                   only_if=lambda lease, now: _starting_on(lease, job.node))
                 return None
         self._tried.pop(lease_id, None)
         shown = await self.state.work.write(self._started_now, lease_id, started, job.node, who)
         if shown is not None:
             log.info("lease %s active: worker pid %s on %s", lease_id, started.pid, job.node)
             return shown or None
-        # Released while the worker was starting: the release path may have
-        # asked the agent before the worker existed, so stop it now.
-        log.info("lease %s ended while its worker started; stopping the worker on %s", lease_id, job.node)
+        # Released while the worker was starting (the release path may have asked the agent
+        # before the worker existed), or queued again (its agent stopped): stop it now.
+        log.info("lease %s left starting on %s while its worker started; stopping the worker there", lease_id,
+                 job.node)
         await self.workers.stop(job.url, lease_id)
         return None
 
@@ -152,11 +154,12 @@ class LeaseBook:
     def _started_now(self, lease_id: str, started: WorkerStarted, node_name: str,
                      who: Identity | None) -> dict[str, Any] | None:
         """``starting`` -> ``active`` with the worker's connection; returns the lease JSON as ``who``
-        sees it (``{}`` without ``who``), None when the lease left ``starting``."""
+        sees it (``{}`` without ``who``), None when the lease left ``starting`` on ``node_name``
+        (released, or queued again and perhaps placed elsewhere: :meth:`.nodes.NodeBook._cut_short`)."""
         now = self.state.now()
         with self.state.writing() as tx:
             lease = tx.session.get(Lease, lease_id)
-            if lease is None or lease.state != LeaseState.starting.value:
+            if lease is None or not _starting_on(lease, node_name):
                 return None
             lease.connection = started.connection
             lease.worker_pid = started.pid
@@ -333,3 +336,7 @@ class LeaseBook:
         url = await self.workers.node_url(lease_id)
         await self._finish(lease_id, await self.workers.stop(url, lease_id) if url else None)
 
+
+def _starting_on(lease: Lease, node: str) -> bool:
+    """Whether ``lease`` is still ``starting`` on ``node`` (not ended, nor queued again and placed anew)."""
+    return lease.state == LeaseState.starting.value and lease.node_name == node

@@ -17,7 +17,11 @@ state is on is left alone until the move ends, :func:`.parked.moving_from`). The
 agent that stops cleanly says it is ``leaving``: its node is ``lost`` at once
 (:data:`LEAVING_REASON`), so nothing new is placed there, without waiting for
 ``node_ttl``; its active leases it reports spilled to disk (``c.AgentParking.park_on_stop``)
-are parked there (:func:`.parked.saved_at_stop`), for the next agent on the node.
+are parked there (:func:`.parked.saved_at_stop`), for the next agent on the node. A lease
+whose start there the stop cut short had nothing of its user's on the node yet, so it does not
+fail (:meth:`NodeBook._cut_short`): a new one goes back to the queue, in its place, and a resume
+back to ``parked``; the queue places them again (on another node, or on this one once its agent is
+back).
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import astuple
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, not_found
-from gpupool.schema import LeaseState, WorkerState, parse_time
+from gpupool.schema import LeaseState, WorkerState, isoformat, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
@@ -40,6 +44,7 @@ from . import cell_log, parked
 from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
+from .replacing import queue_again
 from .rules.reclaim import PARKED_STATES, ParkCode
 from .state import PoolState, Transaction
 
@@ -50,16 +55,20 @@ class NodeBook:
     """Node registration and heartbeats, written through ``state``; dead
     workers' leases end through ``leases`` (in ``tasks``, the background).
     ``heartbeat_interval``: seconds an agent is told to heartbeat;
-    ``node_ttl``: seconds after which a silent node's name may be taken."""
+    ``node_ttl``: seconds after which a silent node's name may be taken; ``away_for``: seconds a
+    stopped agent may take to come back (``node_ttl + parked_node_grace``), the least a new lease
+    whose start its stop cut short waits in the queue again."""
 
     def __init__(self, state: PoolState, leases: LeaseBook, tasks: Background, *, heartbeat_interval: float,
-                 node_ttl: float, on_parked: Callable[[str, str], None] = lambda code, tier: None) -> None:
+                 node_ttl: float, away_for: float = 600.0,
+                 on_parked: Callable[[str, str], None] = lambda code, tier: None) -> None:
         self.state = state
         self.on_parked = on_parked  # (code, tier) of each lease its stopping agent parked
         self.leases = leases
         self.tasks = tasks
         self.heartbeat_interval = heartbeat_interval
         self.node_ttl = node_ttl
+        self.away_for = away_for
 
     async def register(self, body: Any) -> dict[str, Any]:
         """``POST /nodes``: returns ``{"name", "heartbeat_interval", "stop"}``.
@@ -113,13 +122,13 @@ class NodeBook:
         if not is_node_name(name):
             raise not_found(f"node {name[:40]!r}")  # no store can hold that name, so none is registered
         readings = [astuple(reading) for reading in beat.gpus]
-        stop, dead, came_back, saved = await self.state.work.write(self._heartbeat_now, name, list(beat.workers),
-                                                                    readings, beat.inventory_error, beat.leaving)
+        stop, dead, came_back, saved, cut = await self.state.work.write(
+            self._heartbeat_now, name, list(beat.workers), readings, beat.inventory_error, beat.leaving)
         self._end_dead(dead)
         for _ in range(saved):
             self.on_parked(ParkCode.agent_stopped, "disk")
-        if came_back:
-            await self.leases.drain_queue()  # its GPUs may fit requests that are waiting
+        if came_back or cut:
+            await self.leases.drain_queue()  # its GPUs may fit requests that are waiting; or another node
         return HeartbeatReply(tuple(stop)).to_json()
 
     def _heartbeat_now(self, name, reports, readings, error, leaving=False):
@@ -129,7 +138,7 @@ class NodeBook:
             node = session.get(Node, name)
             if node is None:
                 raise not_found(f"node {name}")
-            was = _set_state(node, error)
+            was, previous = _set_state(node, error), node.last_heartbeat_at
             if leaving:
                 node.state, node.state_reason = "lost", LEAVING_REASON
             came_back = was != "up" and node.state == "up"
@@ -154,8 +163,46 @@ class NodeBook:
                     if healthy is not None:
                         gpu.healthy = healthy
             saved: list[str] = []
+            cut = self._cut_short(tx, node, reports, previous, now) if leaving else 0
             stop, dead = self._apply_reports(tx, node, reports, now, saved if leaving else None)
-        return stop, dead, came_back, len(saved)
+        return stop, dead, came_back, len(saved), cut
+
+    def _cut_short(self, tx: Transaction, node: Node, reports: list[WorkerReport], previous: datetime | None,
+                   now: datetime) -> int:
+        """At the last heartbeat of ``node``'s stopping agent (``reports``; ``previous``: when it
+        heartbeat before): the leases whose start there its stop cut short, which had nothing of
+        their user's on the node yet. Each ``starting`` one (its worker, or its resume, asked of
+        that agent) and each ``active`` one whose worker started after ``previous`` and that the
+        agent does not report (it started during the stop, after the saves, and the agent stopped
+        it unused: :meth:`.node.agent.NodeAgent.run`): a new lease is ``queued`` again, in its place
+        (:func:`.replacing.queue_again`), waiting at least :attr:`away_for`; a resume is ``parked``
+        again (:func:`.parked.unresumed`; a move to this node: :func:`.parked.unmoved`, on its old
+        node). The start or resume still under way then finds the lease no longer ``starting``
+        there and changes nothing. Returns how many; the caller drains the queue."""
+        session, name = tx.session, node.name
+        reported = {r.lease_id for r in reports}
+        leases = session.scalars(select(Lease).where(Lease.node_name == name, Lease.state.in_(
+            (LeaseState.starting.value, LeaseState.active.value)))).all()
+        cut = 0
+        for lease in leases:
+            if lease.state == LeaseState.active.value and not (
+                    lease.id not in reported and previous is not None and lease.started_at is not None
+                    and lease.held_since == lease.started_at >= previous):  # a resume's span starts later
+                continue
+            if lease.state == LeaseState.starting.value and parked.is_resume(lease):
+                words = f"its node {name}'s agent stopped while it resumed there"
+                if parked.is_move(lease):
+                    parked.unmoved(tx, lease, f"{words}; it stays parked on {lease.moved_from.get('node')}: "
+                                   "resume again to retry", now)
+                else:
+                    parked.unresumed(tx, lease, f"{words}; it stays parked: resume again to retry", now)
+            else:
+                lease.wait_until = max(lease.wait_until or now, now + timedelta(seconds=self.away_for))
+                queue_again(tx, lease, f"its node {name}'s agent stopped while its worker started; queued again, "
+                            f"in its place, until {isoformat(lease.wait_until)}", now)
+            log.info("lease %s: %s", lease.id, lease.events[-1].reason)
+            cut += 1
+        return cut
 
     @staticmethod
     def _upsert_gpus(session: Session, node: Node, infos: list[GPUInfo], healthy: dict[str, bool]) -> None:

@@ -71,7 +71,8 @@ class Pool:
         self.intake = LeaseIntake(nodes, leases, pressure, self.state, admission, placer,
                                   self.views, self.leases, self.tasks)
         self.nodes = NodeBook(self.state, self.leases, self.tasks, heartbeat_interval=nodes.node_heartbeat_interval,
-                              node_ttl=nodes.node_ttl, on_parked=on_parked)
+                              node_ttl=nodes.node_ttl, away_for=nodes.node_ttl + nodes.parked_node_grace,
+                              on_parked=on_parked)
 
     def reclaimer(self) -> Reclaimer:
         """The periodic sweep, every ``c.PoolLeases.reclaim_interval`` seconds (not started)."""

@@ -36,6 +36,7 @@ from typing import Sequence
 
 from gpupool.schema import LeaseState, isoformat
 
+from . import usage
 from .lease_queue import asked
 from .models import Lease
 from .placing import Placer
@@ -83,13 +84,24 @@ def place_again(tx: Transaction, lease: Lease, placer: Placer, host_share: float
         log.info("lease %s placed again on %s after its worker could not start on %s (nodes tried: %s)",
                  lease.id, where, node, nodes)
         return PlacedAgain(job=start_job(tx.session, lease))
+    queue_again(tx, lease, f"{failed}; back in the queue, in its place, until {isoformat(lease.wait_until)}: "
+                f"no other node has room now (nodes tried: {nodes}): {decision.message}", now)
+    log.info("lease %s queued again after its worker could not start on %s (nodes tried: %s)", lease.id, node,
+             nodes)
+    return PlacedAgain()
+
+
+def queue_again(tx: Transaction, lease: Lease, words: str, now: datetime) -> None:
+    """``lease`` (placed, never used: ``starting``, or ``active`` with a worker that never ran a
+    cell) back to ``queued`` for ``words``: its GPUs given back (named in the change set), what
+    the placement set cleared as when it was asked, and a span of usage it opened closed. Its
+    ``created_at`` is kept, so it waits in its place, ahead of newer requests; the caller drains
+    the queue. Inside a write transaction, on the writer thread."""
+    tx.changes.gpu_capacity([g.gpu_uuid for g in lease.gpus])  # the transition names only what it holds then
+    usage.close_span(tx.session, lease, now)
     lease.gpus = []
     lease.node_name = None
     lease.memory = lease.requested_memory or 0  # as when it was asked: the placement sets it
     lease.cpus = lease.host_memory = None
-    transition(tx, lease, LeaseState.queued, f"{failed}; back in the queue, in its place, until "
-               f"{isoformat(lease.wait_until)}: no other node has room now (nodes tried: {nodes}): "
-               f"{decision.message}", now)
-    log.info("lease %s queued again after its worker could not start on %s (nodes tried: %s)", lease.id, node,
-             nodes)
-    return PlacedAgain()
+    lease.connection = lease.worker_pid = lease.worker_state = lease.idle_since = None
+    transition(tx, lease, LeaseState.queued, words, now)

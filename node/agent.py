@@ -398,11 +398,17 @@ class NodeAgent(Application):
         await asyncio.gather(service_task, return_exceptions=True)
         server.stop()
         parks, failed = self.agent_parking.park_on_stop, {}
-        if parks and self.workers.lease_ids():
+        listed = set(self.workers.lease_ids())  # from now on no start begins; one under way ends after this
+        if parks and listed:
             why = f"the node agent on {self.node_name} is stopping"
             saved, failed = await self.workers.spill_all(why, self.agent_parking.park_on_stop_timeout)
             self.log.info("saved %d worker(s) to disk: their leases stay parked for the next agent here", len(saved))
         codes = await self.workers.stop_all(keep_spills=parks)
+        for lease_id in sorted(set(codes) - listed):
+            # Its start was under way: the worker never ran a cell. Left out of the goodbye, so that the
+            # service places the lease again rather than ending it (docs/parking.md, "Agent restarts").
+            self.log.info("lease %s: its worker started during the stop and was stopped unused", lease_id)
+            codes.pop(lease_id)
         await service.goodbye(codes, self.workers.reports() if parks else [], failed)
         await server.close_all_connections()
         service.close()
