@@ -1,7 +1,7 @@
 """An agent stopped (SIGTERM: ``systemctl restart gpupool-agent``, an upgrade) while a new lease's
 worker is still starting there (docs/parking.md, "Agent restarts"): nothing of the user's was on
 the node yet, so the lease does not fail; it goes back to the queue, ahead of newer requests, and is
-placed again once its node's agent is back. A real ``gpupool service`` and real agents on simulated
+placed again: once its node's agent is back, or at once on another node with room. A real ``gpupool service`` and real agents on simulated
 GPUs; the worker's start is made slow by a worker environment whose Python waits before it runs.
 """
 
@@ -34,10 +34,13 @@ def slow_python(folder: Path) -> Path:
     return python
 
 
-def slow_config(folder: Path) -> Path:
-    """An agent config whose default worker environment is :func:`slow_python`."""
+def slow_config(folder: Path, python: Path | None = None) -> Path:
+    """An agent config whose default worker environment, ``slow``, is :func:`slow_python`
+    (or ``python``: the same name where workers start at the usual speed)."""
+    folder.mkdir(parents=True, exist_ok=True)
     config = folder / "agent_config.py"
-    config.write_text(f"c = get_config()\nc.AgentWorkers.environments = {{'slow': {str(slow_python(folder))!r}}}\n"
+    where = str(python or slow_python(folder))
+    config.write_text(f"c = get_config()\nc.AgentWorkers.environments = {{'slow': {where!r}}}\n"
                       "c.AgentWorkers.default_environment = 'slow'\n")
     return config
 
@@ -68,4 +71,37 @@ def test_a_lease_starting_on_an_agent_stopped_meanwhile_is_queued_again_and_star
         client.release(lease.id)
     finally:
         agent.stop()
+        svc.stop()
+
+
+def test_a_lease_starting_on_an_agent_stopped_meanwhile_starts_on_another_node(tmp_path):
+    """The same stop with a second node that has room: the lease is placed there at once and
+    becomes ``active`` on it; the worker the stopping agent started meanwhile is not its worker."""
+    svc = start_service(tmp_path, config={"node_ttl": 3.0, "heartbeat_ttl": 600.0})
+    base = ["--transport-encryption=none", "--warm-workers=0"]
+    agents = [start_agent(tmp_path, svc, simulate="1xA100-80GB",
+                          extra_args=[*base, f"--config={slow_config(tmp_path / 'slow')}"])]
+    client = svc.client()
+    try:
+        lease = client.create_lease(LeaseRequest(fraction=0.5, idle_timeout=600))
+        assert lease.state is LeaseState.starting and lease.node == "node-1", lease.events
+        fast = slow_config(tmp_path / "fast", Path(sys.executable))
+        agents.append(start_agent(tmp_path, svc, name="node-2", simulate="1xA100-80GB",
+                                  extra_args=[*base, f"--config={fast}"]))
+        agents[0].proc.send_signal(signal.SIGTERM)
+        assert agents[0].stop() == 0
+        moved = client.get_lease(lease.id)
+        for state in ("queued", "starting"):
+            moved = wait_state(svc, lease.id, state, timeout=60)
+        assert moved.state is LeaseState.active and moved.node == "node-2", moved.events
+        # Active on node-1 for a moment first when its agent's answer came before its goodbye.
+        states = [e["state"] for e in moved.events]
+        assert states in (["starting", "queued", "starting", "active"],
+                          ["starting", "active", "queued", "starting", "active"]), moved.events
+        queued = moved.events[states.index("queued")]["reason"]
+        assert "its node node-1's agent stopped while its worker started; queued again" in queued, queued
+        client.release(lease.id)
+    finally:
+        for agent in agents:
+            agent.stop()
         svc.stop()
