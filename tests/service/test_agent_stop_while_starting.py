@@ -1,8 +1,9 @@
 """An agent stopped (SIGTERM: ``systemctl restart gpupool-agent``, an upgrade) while a new lease's
 worker is still starting there (docs/parking.md, "Agent restarts"): nothing of the user's was on
 the node yet, so the lease does not fail; it goes back to the queue, ahead of newer requests, and is
-placed again: once its node's agent is back, or at once on another node with room. A real ``gpupool service`` and real agents on simulated
-GPUs; the worker's start is made slow by a worker environment whose Python waits before it runs.
+placed again: once its node's agent is back, or at once on another node with room. A real ``gpupool
+service`` and real agents on simulated GPUs; the worker's start is made slow by a worker environment
+whose Python waits before it runs.
 """
 
 from __future__ import annotations
