@@ -152,6 +152,36 @@ class Attachment:
                     self.parked.lease = seen
         return lease
 
+    def park_that_interrupted(self, timeout: float) -> Lease | None:
+        """A cell on the worker ended in a KeyboardInterrupt this kernel did not send: wait (at
+        most ``timeout`` seconds; Ctrl-C stops it) for the service to show the park that
+        interrupted it, and follow it, leaving its notice to the caller (the cell says it). Its
+        node's agent stopping (``c.AgentParking.park_on_stop``) interrupts the cell, saves the
+        worker to disk, and only then tells the service. Returns the ``parked`` lease, or None:
+        none came (still active, ended, a park noticed already) or the service did not answer."""
+        with self._parking:
+            if self.parked is not None:
+                return None
+            self.parking_here = True  # whichever thread sees the park first, the cell says it
+        deadline, state, lease = time.monotonic() + timeout, LeaseState.active.value, None
+        try:
+            while time.monotonic() < deadline:
+                lease = self.client.get_lease(self.lease.id, wait=max(0.1, deadline - time.monotonic()), state=state)
+                if lease.state is not LeaseState.parking:
+                    break
+                state = lease.state.value
+        except (GPUPoolError, KeyboardInterrupt):
+            lease = None
+        with self._parking:
+            if lease is None or lease.state is not LeaseState.parked:
+                self.parking_here = False
+                return None
+            self.follow_parking(lease)
+            if self.parked is None:
+                return None
+            self.parked.noticed = self.parked.told = True
+        return lease
+
     def _unparked(self, lease: Lease) -> None:
         if self.parked is not None:
             self._resumed_from = (self.parked.lease.parked or {}).get("since")

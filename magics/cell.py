@@ -11,6 +11,8 @@ kernel's words and idle instead (the held one is then dropped).
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from typing import Any
@@ -25,11 +27,16 @@ from gpupool.schema import parse_time
 from gpupool.wire.magic import STDIN_KEY, answer_text, asked_line
 
 from .attachment import CellNotSent
+from .park import interrupted_words
 from .relay import OutputBudget
 from .words import CELL_DID_NOT_RUN, CELL_STOPPED, ended_words
 
 #: Seconds a forwarded cell's end waits for the IOPub thread to send its idle.
 IDLE_SEND_S = 1.0
+#: Seconds a cell the worker ended in a KeyboardInterrupt not sent from here waits for the service to
+#: show the park that interrupted it: a stopping agent interrupts the cell, saves every worker of its
+#: node to disk, and only then says so (c.AgentParking.park_on_stop). Past it the cell ends as it was.
+INTERRUPT_EXPLAINED_S = 15.0
 
 
 class ForwardedCell:
@@ -67,8 +74,17 @@ class ForwardedCell:
                                                           STDIN_KEY: ipk.allow_stdin(kernel),
                                                           COUNT_KEY: kernel.shell.execution_count}}
         replies: list[dict[str, Any]] = []
+        interrupts: list[float] = []  # the user's own, here (SIGINT), which the worker was sent
+        watching = False  # whether they are noted (:func:`_noting_sigint`)
+        held: list[dict[str, Any]] = []  # a reply kept until its cell says what interrupted it
 
         def pass_on(reply: dict[str, Any]) -> None:
+            if watching and not interrupts and _interrupted(reply):
+                held.append(reply)  # not by the user: a park, say; its idle waits for it (_hold_idle)
+            else:
+                send(reply)
+
+        def send(reply: dict[str, Any]) -> None:
             # The requests queued behind a failed cell are aborted, as ipykernel does, but not
             # one the front end sends after hearing of the error.
             if reply["content"].get("status") == "error" and parent["content"].get("stop_on_error", True):
@@ -88,13 +104,19 @@ class ForwardedCell:
             self.running = parent["header"]
             sent = time.time()
             try:
-                attachment.remote.forward(msg, self._answer_stdin, lambda: attachment.check_alive(sent),
-                                          on_reply=pass_on)
+                with _noting_sigint(interrupts) as watching:
+                    attachment.remote.forward(msg, self._answer_stdin, lambda: attachment.check_alive(sent),
+                                              on_reply=pass_on)
+                if held:
+                    self._say_what_interrupted(attachment, parent)
+                    send(held.pop())
                 self._idle_sent()
                 return replies[0], ""
             except CellNotSent:
                 raise
             except GPUPoolError as exc:
+                if held:  # the wait on the worker failed after its reply: it goes out as it came
+                    send(held.pop())
                 if exc.code == Reason.lease_lost and not replies:  # after a reply the next cell says it, and drops
                     ended = attachment.ended
                     kernel.gpu.lifecycle.drop()
@@ -102,8 +124,24 @@ class ForwardedCell:
                         return None, ended_words(ended, _what_became_of_cell(ended, sent))
                 return (replies[0] if replies else None), exc.message
             finally:
+                if held:
+                    send(held.pop())
                 self.running, self.ended_at = None, time.time()
                 attachment.heartbeat.running(False)
+
+    def _say_what_interrupted(self, attachment, parent: dict[str, Any]) -> None:
+        """The worker ended the cell of ``parent`` in a KeyboardInterrupt that this kernel did
+        not send: when the service shows a park that did it (its node's agent stopping, say)
+        within INTERRUPT_EXPLAINED_S, say so in the cell, once (docs/parking.md, "Agent restarts")."""
+        try:
+            lease = attachment.park_that_interrupted(INTERRUPT_EXPLAINED_S)
+            if lease is None:
+                return
+            words = interrupted_words(lease)
+            self.note(parent, f"gpupool: {words}\n")
+            self.kernel.events.notify("parked", words)
+        except KeyboardInterrupt:  # the user's, meanwhile: the cell ends now, as it came
+            pass
 
     def _idle_sent(self) -> None:
         """Wait (at most IDLE_SEND_S) until the IOPub thread has sent the
@@ -177,6 +215,34 @@ class ForwardedCell:
     def note(self, parent: dict[str, Any], text: str, stream: str = "stderr") -> None:
         """Words on ``stream`` (``stdout`` or ``stderr``) in the cell of ``parent`` (a request's header)."""
         self.kernel.session.send(self.kernel.iopub_socket, "stream", {"name": stream, "text": text}, parent=parent)
+
+
+def _interrupted(reply: dict[str, Any]) -> bool:
+    """Whether the worker's execute_reply ``reply`` says its cell ended in a KeyboardInterrupt."""
+    content = reply.get("content") or {}
+    return content.get("status") == "error" and content.get("ename") == "KeyboardInterrupt"
+
+
+@contextlib.contextmanager
+def _noting_sigint(interrupts: list[float]):
+    """Note in ``interrupts`` the time of each SIGINT (the user's interrupt: the front end's stop
+    button, Ctrl-C), then handle it as before (the wait on the worker sends it an interrupt).
+    Yields whether it notes them: only on the main thread (the one forwarding cells), and only
+    over a handler Python can call again."""
+    prior = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(prior):
+        yield False
+        return
+
+    def noted(signum, frame) -> None:
+        interrupts.append(time.monotonic())
+        prior(signum, frame)
+
+    signal.signal(signal.SIGINT, noted)
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGINT, prior)
 
 
 def _what_became_of_cell(ended, sent: float) -> str:

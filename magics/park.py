@@ -15,7 +15,7 @@ worker, its variables, open files and CUDA state as they were.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from gpupool.schema import LeaseState
@@ -107,3 +107,26 @@ def parked_words(lease: Lease, running: bool) -> str:
             "the next cell resumes it where it was")
     return (f"lease {lease.id} {was}: its worker is frozen on {node} with its variables in host memory{held} "
             f"and its GPU is back in the pool; {then}{lost}")
+
+
+def interrupted_words(lease: Lease) -> str:
+    """What a forwarded cell says when a park of ``lease`` (``parked`` now) interrupted it: the
+    node's agent stopping (a disk park whose node is lost: ``c.AgentParking.park_on_stop`` saved the
+    worker first; the service's reason says so) or a park that could not freeze the running cell;
+    what the park kept, and that the next cell goes on with the variables. What else the park could
+    not keep follows, not the interrupt itself, which these words say::
+
+        this cell was interrupted: the node agent on node-1 was stopped (a restart or an upgrade, say)
+        and saved lease L-1 to that node's disk first (1.2 KiB); the next cell resumes it once the agent
+        is back, with its variables
+    """
+    park = lease.parked or {}
+    others = [item for item in park.get("lost") or [] if "running cell" not in item]
+    if park.get("tier") == "disk" and lease.node_state == "lost":
+        node = lease.node or "its node"
+        size = f" ({format_bytes(park['disk_bytes'])})" if park.get("disk_bytes") else ""
+        lost = f"; not kept: {'; '.join(others)}" if others else ""
+        return (f"this cell was interrupted: the node agent on {node} was stopped (a restart or an upgrade, say) "
+                f"and saved lease {lease.id} to that node's disk first{size}; the next cell resumes it once the "
+                f"agent is back, with its variables{lost}")
+    return "this cell was interrupted: " + parked_words(replace(lease, parked={**park, "lost": others}), False)

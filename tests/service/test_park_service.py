@@ -744,6 +744,49 @@ def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_varia
         close_notebook(svc, agent, km, kc)
 
 
+def test_a_cell_interrupted_by_its_agents_restart_says_why_and_the_next_goes_on_with_its_variables(tmp_path,
+                                                                                                    monkeypatch):
+    """SIGTERM to the agent while a cell runs: the agent interrupts the cell and saves the worker to disk.
+    The cell's own output says why it was interrupted (not a bare KeyboardInterrupt), before its idle;
+    the next cell, once the agent is back, resumes the lease and finds ``x``."""
+    svc, agent, km, kc = one_node_notebook(tmp_path, monkeypatch, "stopcell")
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        lease_id = run(kc, "import os, time\nx = 41\nprint(os.environ['GPUPOOL_LEASE_ID'])").stdout.strip()
+        msg_id = kc.execute("print('sleeping', flush=True)\ntime.sleep(30)")
+        said: list[tuple[str, str]] = []  # (stream, text) of the cell, until its idle
+        deadline = time.monotonic() + 60
+        stopper = None
+        while True:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                break
+            if kind == "stream":
+                said.append((content["name"], content["text"]))
+            elif kind == "error":
+                said.append(("error", content["ename"]))
+            if stopper is None and "sleeping" in "".join(text for _, text in said):
+                stopper = threading.Thread(target=agent.stop)  # SIGTERM, as systemctl restart sends
+                stopper.start()
+        stopper.join(60)
+        words = [text for stream, text in said if stream == "stderr" and text.startswith("gpupool:")]
+        assert ("error", "KeyboardInterrupt") in said, said
+        assert len(words) == 1, said
+        assert re.search(rf"this cell was interrupted: the node agent on node-1 was stopped .*saved lease {lease_id}"
+                         r".* to that node's disk .*the next cell resumes it.* with its variables", words[0]), words
+        assert svc.client().get_lease(lease_id).state is LeaseState.parked
+        port = int(agent.url.rsplit(":", 1)[1])
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=AGENT_ARGS, port=port)
+        back = run(kc, "print(x + 1)")
+        assert back.ok and "42" in back.stdout.split(), back.text()
+        assert f"resumed {lease_id}" in back.text(), back.text()
+    finally:
+        close_notebook(svc, agent, km, kc)
+
+
 def _park_unless_busy(parks, lease_id: str):
     """The owner's park of ``lease_id``; None while the agent still finds its cell running (409 worker_busy)."""
     try:
