@@ -75,6 +75,8 @@ class Attachment:
         self.worker_cwd: str | None = None  # the worker's folder as its last pull of everything found it
         # The most lanes of one transfer (c.GPUMagics.transfer_streams; 0: by cores), read per transfer.
         self.transfer_streams: Callable[[], int] = lambda: 0
+        # Execution counts of the cells forwarded here: the worker's Out[n] and _n of those that showed a result.
+        self.counts: list[int] = []
 
     def follow_parking(self, lease: Lease) -> None:
         """Keep :attr:`parked` as the service says (called on the heartbeat
@@ -399,9 +401,9 @@ class Attachment:
         return [i for i in header["items"] if i["name"] in answer.get("loaded", [])], errors
 
     def pull(self, names: list[str] | None, max_bytes: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
-        """Fetch ``names`` (None: all user variables) from the worker; GPU
-        tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
-        request = Pull(names=names) if names is not None else PullAll(max_bytes=max_bytes)
+        """Fetch ``names`` (None: all user variables) from the worker, within ``max_bytes``
+        (None: all); GPU tensors arrive on the CPU. Returns ``(values, items, errors by name)``."""
+        request = Pull(names=names, max_bytes=max_bytes) if names is not None else PullAll(max_bytes=max_bytes)
         with self._guarded():
             header, buffers = dataplane.pull(self._comm_unlocked, self.remote.connection, request,
                                              streams=self.transfer_streams())

@@ -153,12 +153,15 @@ class GPUPoolKernel(NoSubshellKernel):
 
     def _after_forwarded(self, reply: dict[str, Any], request: dict[str, Any], code: str) -> None:
         """Keep this kernel's execution count and history with the worker's,
-        so numbering goes on after a release."""
+        so numbering goes on after a release, and note the cell's count on the
+        attachment, whose release brings its ``Out[n]`` home (:meth:`.transfers.Transfers.bring_back`)."""
         count = reply.get("execution_count")
         if isinstance(count, int) and not request.get("silent"):
             self.shell.execution_count = count + 1
             if request.get("store_history", True):
                 self.shell.history_manager.store_inputs(count, code)
+                if self.gpu.attachment is not None:  # its Out[count] comes home at a release
+                    self.gpu.attachment.counts.append(count)
 
     def _refuse_cell(self, stream, ident, parent, words: str) -> None:
         """End a cell that could not be forwarded as IPython ends a cell whose

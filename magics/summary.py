@@ -44,15 +44,17 @@ def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) ->
 
 
 def _moved_groups(items: list[dict[str, Any]]) -> list[str]:
-    groups: dict[str, list[dict[str, Any]]] = {"variable": [], "module": [], "function": [], "class": []}
+    groups: dict[str, list[dict[str, Any]]] = {"variable": [], "module": [], "function": [], "class": [],
+                                               "output": []}
     for item in items:
-        kind = {"module": "module", "function": "function", "type": "class"}.get(item.get("type", ""), "variable")
+        kind = "output" if item.get("output") else \
+            {"module": "module", "function": "function", "type": "class"}.get(item.get("type", ""), "variable")
         groups[kind].append(item)
     out = []
     for kind, members in groups.items():
         if not members:
             continue
-        size = sum(i.get("nbytes", 0) for i in members) if kind == "variable" else 0
+        size = sum(i.get("nbytes", 0) for i in members) if kind in ("variable", "output") else 0
         extra = (f"; {format_bytes(size)}" if size else "") + _devices(members)
         out.append(_group(kind, [i["name"] for i in members], extra))
     return out
@@ -78,6 +80,6 @@ def _left_groups(errors: dict[str, str]) -> list[str]:
 
 def _group(kind: str, names: list[str], extra: str = "") -> str:
     shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
-    plural = len(names) != 1 and kind in ("variable", "module", "function", "class", "widget")
+    plural = len(names) != 1 and kind in ("variable", "module", "function", "class", "widget", "output")
     noun = {"class": "classes"}.get(kind, kind + "s") if plural else kind
     return f"{len(names)} {noun} ({shown}{extra})"

@@ -10,6 +10,8 @@ from typing import Callable
 
 from IPython.core.error import UsageError
 
+from gpupool.errors import GPUPoolError
+
 from .attachment import Attachment
 from .dataplane import TransferInterrupted
 from .summary import summarize
@@ -72,11 +74,33 @@ class Transfers:
         namespace; returns the note on what came (``"; brought back ..."``).
         Raises GPUPoolError (the worker died or cannot be reached) and
         TransferInterrupted (nothing taken) as :meth:`Attachment.pull` does."""
-        values, items, errors = attachment.pull(None, max_bytes=self.cap())
+        cap = self.cap()
+        values, items, errors = attachment.pull(None, max_bytes=cap)
         kept = self.variables.take(values, items, keep_edited=True)
-        items = [item for item in items if item["name"] not in kept]
+        room = cap - sum(item.get("nbytes", 0) for item in items) if cap else None
+        outputs, left = self._outputs(attachment, room)
+        items = [item for item in items if item["name"] not in kept] + outputs
         note = f"; kept the notebook's own {', '.join(kept)} (a %%local cell changed it after the worker's copy)"
-        return summarize("brought back", items, errors) + (note if kept else "") + _follow_folder(attachment)
+        return (summarize("brought back", items, {**errors, **left}) + (note if kept else "")
+                + _follow_folder(attachment))
+
+    def _outputs(self, attachment: Attachment, room: int | None) -> tuple[list[dict], dict[str, str]]:
+        """Bring home the results the worker's cells showed (its ``Out[n]`` and ``_n``: objects, as a
+        pull moves them), the latest first, within ``room`` bytes (None: no cap) of the release's cap.
+        Returns their items, named ``Out[n]``, and why each other stayed there."""
+        names = [f"_{count}" for count in reversed(attachment.counts)]
+        if not names:
+            return [], {}
+        try:
+            if room is not None and room <= 0:  # none fits: which there are, not their bytes
+                values, items, errors = {}, [], {name: "over the transfer size cap" for name in attachment.have(names)}
+            else:
+                values, items, errors = attachment.pull(names, max_bytes=room)
+        except (GPUPoolError, TransferInterrupted) as exc:  # the variables came: the release goes on without these
+            return [], {"Out": f"not brought back: {getattr(exc, 'message', None) or 'interrupted'}"}
+        self.variables.take_outputs(values)
+        items = [{**item, "name": f"Out[{item['name'][1:]}]", "output": True} for item in reversed(items)]
+        return items, {f"Out[{name[1:]}]": why for name, why in errors.items() if why != NOT_ON_WORKER}
 
 
 def _follow_folder(attachment: Attachment) -> str:

@@ -57,6 +57,14 @@ class Variables:
                 self.devices.pop(name, None)
         return kept
 
+    def take_outputs(self, values: dict[str, Any]) -> None:
+        """Put the worker's pulled results (``{"_4": value}``) into this kernel's output
+        history, ``Out[4]`` and ``_4``, as its own displayhook would have."""
+        out = self.shell.history_manager.output_hist  # the user's Out
+        for name, value in values.items():
+            out[int(name[1:])] = value
+        self.shell.user_ns.update(values)
+
     def send(self, attachment: Attachment, names: list[str]):
         """Push local ``names`` with the devices remembered for them (only while
         the local value is still the one that was pulled); returns

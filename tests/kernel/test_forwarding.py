@@ -433,6 +433,30 @@ def test_release_brings_imports_back_as_imports(kernel):
     assert remote_value(kc, "js.dumps(twice(2)), type(Box()).__name__") == ("4", "Box")
 
 
+def test_a_release_brings_the_workers_results_home_as_out_and_underscore_n(kernel):
+    """``Out[n]`` and ``_n`` of cells that ran on the worker are the objects themselves here after
+    ``%gpu release`` (not their text), within c.GPUMagics.release_state_cap, the latest first: one
+    that does not fit is named as left on the worker."""
+    _, kc = kernel
+    assert run(kc, '%%local\n%config GPUMagics.release_state_cap = "4MiB"').ok
+    assert run(kc, "%gpu acquire 0.25").ok
+    listed = run(kc, "[1, 2, 3]").reply["execution_count"]
+    assert run(kc, "import numpy as np\nclass Box:\n    def __repr__(self):\n        return 'a box'").ok
+    big = run(kc, "np.ones(3 * 2**20 // 8)").reply["execution_count"]  # 3 MiB
+    boxed = run(kc, "Box()").reply["execution_count"]
+    nothing = run(kc, "y = 1").reply["execution_count"]
+    small = run(kc, "np.arange(4)").reply["execution_count"]  # 3 + 3 MiB would pass the cap: its own 3 MiB wait
+    after = run(kc, "big = np.ones(3 * 2**20 // 8)")
+    assert after.ok
+    released = run(kc, "%gpu release")
+    assert released.ok, released.text()
+    assert remote_value(kc, f"Out[{listed}], _{listed}") == ([1, 2, 3], [1, 2, 3])
+    assert remote_value(kc, f"type(Out[{boxed}]).__name__, Out[{boxed}] is _{boxed}") == ("Box", True)
+    assert remote_value(kc, f"Out[{small}].tolist(), {nothing} in Out, {big} in Out") == ([0, 1, 2, 3], False, False)
+    assert f"3 outputs (Out[{listed}], Out[{boxed}], Out[{small}]" in released.stdout, released.stdout
+    assert f"(Out[{big}])" in released.stdout and "over the size cap" in released.stdout, released.stdout
+
+
 def test_a_local_cell_that_rebinds_a_sent_name_wins_over_the_workers_older_copy(kernel):
     """``%%local`` rebinding a name the worker got earlier: the next cell on the worker that reads it
     gets the notebook's new value, and a release keeps the notebook's value of a name the worker did
