@@ -43,7 +43,7 @@ from report import write_section
 
 from gpupool import demo_pool
 from gpupool.dataplane import allocate, default_cipher
-from gpupool.magics.dataplane import streams_for
+from gpupool.dataplane import streams_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024**2

@@ -41,6 +41,9 @@ _MMAP_FROM = 1 << 16
 LANE_BYTES = 16 << 20
 #: Most lanes a ticket may ask for (one byte of the hello names the lane).
 MAX_STREAMS = 16
+#: Most lanes one transfer opens by default (``c.GPUMagics.transfer_streams = 0``): past a few, a
+#: link is full before the cores are (one AES-GCM lane moves several GB/s).
+AUTO_STREAMS = 4
 
 
 class TransferError(Exception):
@@ -61,6 +64,15 @@ def default_cipher() -> str:
     except OSError:
         pass
     return "aes-256-gcm"
+
+
+def streams_for(setting: int = 0) -> int:
+    """The most lanes a transfer opens: ``setting`` (``c.GPUMagics.transfer_streams``), or
+    for 0 one per CPU core this process may run on, at most :data:`AUTO_STREAMS`."""
+    if setting > 0:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_STREAMS, cores))
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ transaction, on a lease row, and names what it changed (:mod:`.transitions`).
   the worker's connection stays while it lives in memory.
 - :func:`placed`: a resume found room on the lease's own node (the queue,
   :mod:`.lease_queue`); the time parked is counted (``parked_seconds``). Room
-  on another node (``c.PoolLeases.resume_moves``) is a cold move
+  on another node (``c.PoolLeases.resume_moves``) is a move
   (:func:`moving`): the lease takes the new node's GPUs, gives back the claim
   on its old ones, and keeps where its state is (``moved_from``) until
-  :func:`resumed` (the new node's worker loaded it) or :func:`unmoved` (back
-  to ``parked`` on the old node, whose disk still has it).
+  :func:`resumed` (the new node's worker took it) or :func:`unmoved` (back
+  to ``parked`` on the old node, whose memory or disk still has it).
 - :func:`spilled`: the old node's agent spilled it for the move (its tier and
   what was lost, as a park's).
 - :func:`resumed`: active again, with the connection the agent answered (a
@@ -95,7 +95,7 @@ def kept(tx: Transaction, lease: Lease, why: str, now: datetime) -> None:
 def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
     """``parked`` -> ``starting`` on ``decision`` (its own node; its GPUs, or others of the same
     model where the checkpointer can remap): it holds a share again. Returns where, in words.
-    ``decision`` on another node is a cold move (:func:`moving`)."""
+    ``decision`` on another node is a move (:func:`moving`)."""
     if decision.node != lease.node_name:
         return moving(tx, lease, decision, now)
     leave(lease, now)
@@ -112,7 +112,7 @@ def placed(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
 
 
 def moving(tx: Transaction, lease: Lease, decision: Placement, now: datetime) -> str:
-    """``parked`` -> ``starting`` on ``decision``, another node's GPUs (a cold move,
+    """``parked`` -> ``starting`` on ``decision``, another node's GPUs (a move,
     ``c.PoolLeases.resume_moves``): the lease takes them (its node, GPUs and host reservation are
     the new ones), the claim its park held on its old GPUs is given back (named in the change
     set), and where its state still is goes to ``moved_from`` for the move
@@ -130,14 +130,18 @@ def moving(tx: Transaction, lease: Lease, decision: Placement, now: datetime) ->
     lease.gpus = [LeaseGPU(gpu_uuid=u, name=gpus[u].name, index=gpus[u].index) for u in decision.gpus]
     lease.resume_requested_at, lease.resume_in_place = None, False
     where = ", ".join(f"GPU {g.index} ({g.name})" for g in lease.gpus)
-    transition(tx, lease, LeaseState.starting, moving_words(old, decision.node, where), now)
+    transition(tx, lease, LeaseState.starting, moving_words(old, decision.node, where, lease.park_tier), now)
     return f"{decision.node} {where} (moved from {old})"
 
 
-def moving_words(old: str, new: str, where: str) -> str:
-    """The event of a cold move: ``'moving to node-2 (GPU 0 (A100)): node-1 has no room; ...'``."""
-    return (f"moving to {new} ({where}): {old} has no room; its state goes from {old}'s disk to a new worker on "
-            f"{new} (what cannot be saved to disk is named)")
+def moving_words(old: str, new: str, where: str, tier: str | None) -> str:
+    """The event of a move of a lease parked in ``tier``: ``'moving to node-2 (GPU 0 (A100)):
+    node-1 has no room; ...'``."""
+    if tier == "memory":
+        how = f"from its worker on {old} to a new worker on {new}, worker to worker (what cannot be moved is named)"
+    else:
+        how = f"from {old}'s disk to a new worker on {new} (what cannot be saved to disk is named)"
+    return f"moving to {new} ({where}): {old} has no room; its state goes {how}"
 
 
 def is_move(lease: Lease) -> bool:

@@ -212,23 +212,27 @@ class Parking:
             self.on_resumed(seconds)
 
     async def _move(self, job: StartJob) -> None:
-        """A cold move (``c.PoolLeases.resume_moves``; docs/parking.md): (a) the old node's agent
-        spills the worker to its disk (``POST .../park``, ``tier: disk``; a spilled one answers at
-        once), (b) the new node's agent starts a worker on the lease's new GPUs and loads the spill,
-        fetched from the old agent (``POST .../resume`` with ``spill_from``), (c) the old agent
-        removes its copy (``DELETE /workers/{id}``; best effort: a copy left there is stopped by
-        the node's reconcile, whose heartbeat reports it for a lease no longer there). A failure
-        at (a) or (b) (an agent unreachable or refusing) leaves the lease ``parked`` on its old
-        node, with its old GPUs and the failure's words, the new node's share given back; a node
-        lost then is the lost-node rule's, as for any parked lease."""
+        """A move (``c.PoolLeases.resume_moves``; docs/parking.md). A lease parked in memory
+        moves worker to worker (:meth:`_moved_from_memory`); a spilled one, or one whose move
+        from memory failed, through the old node's disk: (a) the old node's agent spills the
+        worker to its disk (``POST .../park``, ``tier: disk``; a spilled one answers at once),
+        (b) the new node's agent starts a worker on the lease's new GPUs and loads the spill,
+        fetched from the old agent (``POST .../resume`` with ``spill_from``). Either way (c) the
+        old agent then removes its copy (:meth:`_remove_old`). A failure at (a) or (b) (an agent
+        unreachable or refusing) leaves the lease ``parked`` on its old node, with its old GPUs
+        and the failure's words, the new node's share given back; a node lost then is the
+        lost-node rule's, as for any parked lease."""
         lease_id, old, new = job.request.lease_id, job.moved_from, job.node
         reason = f"moving to {new}: {old} has no room"
         if job.spill_from is None:
             await self._back_parked(lease_id, f"it could not move to {new}: its old node {old} is no longer known")
             return
-        running = await self.state.work.read(self._running_cell_now, lease_id)
-        if running is None:
+        moving = await self.state.work.read(self._moving_now, lease_id)
+        if moving is None:
             return  # it left starting (released) before the move began
+        running, tier = moving
+        if tier == "memory" and await self._moved_from_memory(job):
+            return
         try:
             spill = await self._unless_lost((old,), self.workers.park(job.spill_from, lease_id,
                                                                       ParkRequest(reason, "disk", running)))
@@ -240,7 +244,7 @@ class Parking:
                                 f"({exc.message}); it stays parked on {old}: resume again to retry")
             return
         if not await self.state.work.write(self._spilled_now, lease_id, spill):
-            await self._remove_spill(job, "it was released while its move's spill was written")
+            await self._remove_old(job, "it was released while its move's spill was written")
             return
         log.info("lease %s spilled on %s (%d bytes) to move to %s", lease_id, old, spill.disk_bytes, new)
         try:
@@ -250,21 +254,45 @@ class Parking:
             await self._back_parked(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on {old}, "
                                 f"on its disk: resume again to retry")
             return
+        await self._moved(job, answer)
+
+    async def _moved_from_memory(self, job: StartJob) -> bool:
+        """Move a lease parked in memory worker to worker: the new node's agent starts a worker
+        that takes the namespace the old worker offers on its data plane (``POST .../resume``
+        with ``move_from``; :mod:`gpupool.node.workers.warmmove`), then the old worker is ended.
+        False when that failed (logged): the old worker is left offered, and the move goes
+        through the old node's disk instead (its spill takes the offered worker as it is)."""
+        lease_id, old, new = job.request.lease_id, job.moved_from, job.node
+        try:
+            answer = await self._unless_lost((old, new), self.workers.resume(job, from_memory=True))
+        except GPUPoolError as exc:
+            log.warning("lease %s: its move from %s's memory to %s failed (%s); it moves through %s's disk", lease_id,
+                        old, new, exc.message, old)
+            return False
+        await self._moved(job, answer)
+        return True
+
+    async def _moved(self, job: StartJob, answer: WorkerResumed) -> None:
+        """The move of ``job`` is done (the new node's ``answer``): ``active`` there, the old copy
+        removed; a lease that left the move meanwhile (released) has its new worker stopped too."""
+        lease_id = job.request.lease_id
         seconds = await self.state.work.write(self._resumed_now, lease_id, answer)
         if seconds is not None:
-            log.info("lease %s resumed on %s (moved from %s) in %.2fs (pid %s)", lease_id, new, old, seconds,
-                     answer.pid)
+            log.info("lease %s resumed on %s (moved from %s) in %.2fs (pid %s)", lease_id, job.node, job.moved_from,
+                     seconds, answer.pid)
             self.on_resumed(seconds)
-        # The spill was copied (or the lease ended meanwhile): the old node's copy goes either way.
-        await self._remove_spill(job, "its move is over")
+        elif note := await self.workers.stop(job.url, lease_id):
+            log.warning("lease %s: its new worker on %s was not stopped after its move: %s", lease_id, job.node, note)
+        # The state was copied (or the lease ended meanwhile): the old node's copy goes either way.
+        await self._remove_old(job, "its move is over")
 
-    async def _remove_spill(self, job: StartJob, why: str) -> None:
-        """Remove the move's spill on the old node (``DELETE /workers/{id}`` there); one left
-        behind (the agent unreachable) is stopped by that node's reconcile, whose heartbeat
-        reports it for a lease that no longer lives there."""
+    async def _remove_old(self, job: StartJob, why: str) -> None:
+        """Remove the lease's copy on the old node, its offered worker or its spill (``DELETE
+        /workers/{id}`` there); one left behind (the agent unreachable) is stopped by that
+        node's reconcile, whose heartbeat reports it for a lease that no longer lives there."""
         note = await self.workers.stop(job.spill_from, job.request.lease_id)
         if note:
-            log.warning("lease %s: its spill on %s was not removed (%s): %s", job.request.lease_id, job.moved_from,
+            log.warning("lease %s: its copy on %s was not removed (%s): %s", job.request.lease_id, job.moved_from,
                         why, note)
 
     async def _unless_lost(self, nodes: tuple[str, ...], call: Awaitable[T]) -> T:
@@ -290,14 +318,14 @@ class Parking:
         with self.state.reading() as session:
             return session.scalar(select(Node.name).where(Node.name.in_(nodes), Node.state == "lost").limit(1))
 
-    def _running_cell_now(self, lease_id: str) -> str | None:
-        """What the move's spill does with a cell frozen mid-way (as a park of its code would); None
-        when ``lease_id`` is not moving (any more)."""
+    def _moving_now(self, lease_id: str) -> tuple[str, str | None] | None:
+        """What the move's spill does with a cell frozen mid-way (as a park of its code would) and
+        the tier its state is in; None when ``lease_id`` is not moving (any more)."""
         with self.state.reading() as session:
             lease = session.get(Lease, lease_id)
             if lease is None or lease.state != LeaseState.starting.value or not parked.is_move(lease):
                 return None
-            return parked.running_cell(lease.park_code)
+            return parked.running_cell(lease.park_code), lease.park_tier
 
     def _spilled_now(self, lease_id: str, answer: WorkerParked) -> bool:
         """Record the move's spill (:func:`.parked.spilled`); False when the lease left the move."""

@@ -80,12 +80,17 @@ class WorkerCalls:
         """The agent's answer (``connection``, ``pid``); raises :class:`GPUPoolError` when it did not start."""
         return await self.agents.start_worker(job.url, job.request, self.pool_nodes.worker_start_timeout)
 
-    async def resume(self, job: StartJob) -> WorkerResumed:
+    async def resume(self, job: StartJob, from_memory: bool = False) -> WorkerResumed:
         """The agent's answer to a resume (``connection``, ``pid``, what was lost), waiting at
         most ``worker_park_timeout``; raises :class:`GPUPoolError` when it did not resume. For a
-        cold move the request says where the spill is (``spill_from``: the new node's agent
-        fetches it from the old one's, node to node, and loads it into a new worker)."""
-        request = job.request if job.spill_from is None else replace(job.request, spill_from=job.spill_from)
+        move the request says where the state is: ``from_memory``, in the old node's worker,
+        parked in memory (``move_from``: the new worker takes it from the old one, worker to
+        worker), else in its spill (``spill_from``: the new node's agent fetches it from the old
+        one's, node to node, and loads it into a new worker)."""
+        request = job.request
+        if job.spill_from is not None:
+            where = {"move_from" if from_memory else "spill_from": job.spill_from}
+            request = replace(request, **where)
         return await self.agents.resume_worker(job.url, request, self.pool_nodes.worker_park_timeout)
 
     async def park(self, url: str, lease_id: str, request: ParkRequest) -> WorkerParked:

@@ -17,20 +17,19 @@ meanwhile). A pull sends a ticket along and the worker decides
 (``header["stream"]``). Smaller transfers, and workers of an older agent,
 keep everything in the comm message. A transfer of many MiB runs on several
 connections at once (lanes: :meth:`gpupool.dataplane.Ticket.lanes`), up to
-``streams`` (:func:`streams_for`).
+``streams`` (:func:`gpupool.dataplane.streams_for`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import threading
 from typing import Any, Callable
 
 from gpupool.dataplane import (Progress, Ticket, TransferError, close_all, connect, recv_buffers, recv_status,
-                               send_buffers)
+                               send_buffers, streams_for)
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.remote import CommInterrupted
 from gpupool.transfer import dump_values
@@ -41,20 +40,8 @@ from gpupool.wire.transfer import Pull, Pulling, Push, Request
 STREAM_MIN = 1 << 20
 #: Seconds a data connection may stall before the transfer counts as failed.
 STALL_TIMEOUT = 60.0
-#: Most lanes one transfer opens by default (``c.GPUMagics.transfer_streams = 0``): past a few, a
-#: link is full before the cores are (one AES-GCM lane moves several GB/s).
-AUTO_STREAMS = 4
 
 Comm = Callable[[Request, list | None], tuple[dict[str, Any], list]]
-
-
-def streams_for(setting: int = 0) -> int:
-    """The most lanes a transfer opens: ``setting`` (``c.GPUMagics.transfer_streams``), or
-    for 0 one per CPU core this process may run on, at most :data:`AUTO_STREAMS`."""
-    if setting > 0:
-        return setting
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(AUTO_STREAMS, cores))
 
 
 def ticket_for(connection: dict[str, Any], streams: int = 0) -> Ticket | None:

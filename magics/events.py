@@ -74,7 +74,7 @@ def lease_state(phase: str, lease: Lease | None = None) -> dict[str, Any]:
     while queued, or parked with its resume waiting for room; ``reason``
     (words) for a parked lease, or why the preemption comes (with ``preempt_at``);
     ``moving_from``: the node a parked lease's state is on while its resume moves it to
-    ``node`` (a cold move).
+    ``node`` (a move).
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")

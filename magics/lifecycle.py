@@ -158,9 +158,9 @@ class Lifecycle:
             return
         moving = _moving_from(self._attachment)
         if moving:
-            say(f"{self._attachment.lease.id} is moving from {moving} to another node (its state goes from {moving}'s disk to a new "
-                f"worker there): %gpu release waits for it, then brings its variables home; %gpu release "
-                f"--discard gives it up now, without them")
+            say(f"{self._attachment.lease.id} is moving from {moving} to another node (its state goes to a new worker "
+                f"there): %gpu release waits for it, then brings its variables home; %gpu release --discard gives it "
+                f"up now, without them")
         # A parked lease resumes first: its variables come home from the worker.
         attachment = self.attached(releasing=not discard)
         note = ""

@@ -45,7 +45,7 @@ from gpupool.errors import GPUPoolError
 from gpupool.traits import ByteSize
 
 from .attach import Attacher, Forwarding, own_lease_request
-from .dataplane import AUTO_STREAMS
+from gpupool.dataplane import AUTO_STREAMS
 from .attachment import Attachment
 from .commands import COMMANDS, PARSERS, acquire_request, names, no_arguments, release_discards, split_line
 from .lifecycle import Lifecycle

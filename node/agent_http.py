@@ -220,10 +220,28 @@ class ResumeHandler(AgentHandler):
             raise bad_request(f"'lease_id' must be the lease of the path, {lease_id!r}, got {request.lease_id!r:.60}")
         spec = await self.worker_spec(request)
         try:
-            resumed = await self.workers.resume(lease_id, spec, request.spill_from)
+            resumed = await self.workers.resume(lease_id, spec, request.spill_from, request.move_from)
         except KeyError:
             raise not_found(f"worker of lease {lease_id}") from None
         self.write_json(resumed.to_json())
+
+
+@web.stream_request_body
+class OfferHandler(AgentHandler):
+    """``POST /workers/{lease_id}/offer``, ``{"owner": ...}``: the namespace of a
+    worker parked in memory offered on its data plane to the node it moves to
+    (:mod:`.workers.warmmove`)."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.json_body()
+        owner = body.get("owner") if isinstance(body, dict) else None
+        if not isinstance(owner, str) or not owner:
+            raise bad_request("the body must be {\"owner\": the lease's owner}")
+        try:
+            offered = await self.workers.offer(lease_id, owner)
+        except KeyError:
+            raise not_found(f"worker of lease {lease_id} parked in memory") from None
+        self.write_json(offered)
 
 
 def not_spilled(lease_id: str) -> GPUPoolError:
@@ -330,6 +348,7 @@ class NotFoundHandler(AgentHandler):
 def agent_routes() -> list[tuple[str, type]]:
     return [(r"/workers", WorkersHandler), (r"/workers/([^/]+)", WorkerHandler),
             (r"/workers/([^/]+)/park", ParkHandler), (r"/workers/([^/]+)/resume", ResumeHandler),
+            (r"/workers/([^/]+)/offer", OfferHandler),
             (r"/workers/([^/]+)/spill", SpillHandler), (r"/workers/([^/]+)/spill/namespace", SpillNamespaceHandler),
             (r"/health", HealthHandler), (r"/health/live", LiveHandler), (r"/metrics", MetricsHandler)]
 

@@ -31,8 +31,9 @@ class WorkerRequest(Body):
     ``host_memory`` bytes for the worker's cgroup (None: not limited);
     ``env``: the worker environment (None: the node's default).
     ``spill_from``: a resume only, the base URL of the agent that holds the
-    lease's spill (a cold move from another node, docs/parking.md); None
-    otherwise.
+    lease's spill (a move from another node through its disk, docs/parking.md);
+    ``move_from``: a resume only, the base URL of the agent whose worker of the
+    lease is parked in memory (a move worker to worker); None otherwise.
     """
 
     lease_id: str = wired(Spec("string", required=True, error=_BOTH))
@@ -50,9 +51,13 @@ class WorkerRequest(Body):
     env: str | None = wired(Spec("string", "the worker environment (absent: the node's default)", nullable=True,
                                  error="'env' must be the name of a worker environment, got {value!r}"), None)
     spill_from: str | None = wired(Spec(
-        "string", "resume only: the base URL of the agent holding the lease's spill (a cold move from another "
+        "string", "resume only: the base URL of the agent holding the lease's spill (a move from another "
         "node); absent otherwise", nullable=True, max_length=2048, pattern=_AGENT_URL, format="uri",
         error="'spill_from' must be the http:// or https:// base URL of a node agent, got {value!r:.80}"), None)
+    move_from: str | None = wired(Spec(
+        "string", "resume only: the base URL of the agent whose worker of the lease is parked in memory (a move "
+        "worker to worker); absent otherwise", nullable=True, max_length=2048, pattern=_AGENT_URL, format="uri",
+        error="'move_from' must be the http:// or https:// base URL of a node agent, got {value!r:.80}"), None)
 
     @classmethod
     def from_json(cls, body: Any) -> "WorkerRequest":
@@ -64,7 +69,7 @@ class WorkerRequest(Body):
         gpus = body.get("gpus")
         if not isinstance(gpus, list) or not gpus or not all(isinstance(u, str) for u in gpus):
             raise bad_request("'gpus' must be a non-empty list of GPU UUIDs")  # each item's type: code
-        values |= cls.read(body, "fraction", "memory", "cpus", "host_memory", "env", "spill_from")
+        values |= cls.read(body, "fraction", "memory", "cpus", "host_memory", "env", "spill_from", "move_from")
         fraction = values.pop("fraction")
         return cls(**values, gpus=tuple(gpus), fraction=1.0 if fraction is None else float(fraction))
 
@@ -72,7 +77,7 @@ class WorkerRequest(Body):
         """The body: ``memory`` always (null: the agent's default), the optional fields only when set."""
         body: dict[str, Any] = {"lease_id": self.lease_id, "owner": self.owner, "gpus": list(self.gpus),
                                 "fraction": self.fraction, "memory": self.memory}
-        for key in ("cpus", "host_memory", "env", "spill_from"):
+        for key in ("cpus", "host_memory", "env", "spill_from", "move_from"):
             if getattr(self, key) is not None:
                 body[key] = getattr(self, key)
         return body

@@ -69,13 +69,15 @@ class PoolLeases(Configurable):
     resume_moves = Bool(
         True,
         help="""Whether a parked lease whose own node has no room for its resume may
-        resume on another node with room on GPUs of the same model (a cold move):
-        its worker is spilled to its node's disk (at once, if it was parked in
-        memory), the new node's agent fetches the spill and loads it into a new
-        worker there, and the old node's copy is removed. The cost: what cannot be
-        saved to disk (locks, generators, open sockets, a cell frozen mid-way, CUDA
-        state outside the arrays saved) is lost, and named in the lease's events as
-        in a spill, and the resume takes a new worker's start plus the copy. False:
+        resume on another node with room on GPUs of the same model (a move): a
+        worker parked in memory sends its namespace to a new worker there, worker
+        to worker over the network; a spilled one (or one whose move from memory
+        failed) goes through its node's disk, the new node's agent fetching the
+        spill and loading it into a new worker; the old node's copy is removed.
+        The cost: what cannot be pickled (locks, generators, open sockets, CUDA
+        state outside the arrays saved) is lost, and named in the lease's events
+        as in a spill, and the resume takes a new worker's start plus the copy; a
+        cell frozen mid-way never moves. False:
         a parked lease waits for room on its own node, however long, and keeps
         everything a park in memory keeps. Default: True.
         ``c.PoolLeases.resume_moves = False``.""",

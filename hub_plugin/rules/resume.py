@@ -16,7 +16,8 @@ so a parked lease resumes on its own node only:
   scheduler chooses (:func:`.scheduler.place`);
 - else, where moves are allowed (``c.PoolLeases.resume_moves``), on
   another node with room on GPUs of the same model (:func:`place_elsewhere`:
-  a cold move; its state goes from its node's disk to a new worker there);
+  a move; its state goes to a new worker there, from the old worker's memory
+  over the network, or from its node's disk when it was spilled);
 - else it waits (a :class:`.scheduler.Refusal` saying why).
 """
 

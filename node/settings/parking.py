@@ -72,8 +72,10 @@ class AgentParking(Configurable):
     spill_fetch_timeout = Duration(
         240.0, help="""Seconds this node may take to fetch the spill of a lease moved here from
         another node (a resume with ``spill_from``: its namespace streamed from that node's agent
-        into ``spill_dir``); past it the resume fails with ``park_failed``, nothing is left here and
-        the spill stays where it was. Give it the largest state at the network's rate (a 100 GiB
+        into ``spill_dir``), or to take the namespace of a lease moved here from another node's
+        memory (``move_from``: worker to worker); past it the resume fails with ``park_failed``,
+        nothing is left here and the state stays where it was. It is also how long a worker this
+        node offered for such a move waits to be taken before this node spills it to disk. Give it the largest state at the network's rate (a 100 GiB
         state at 1 GB/s takes about 110 s), and keep it, with a new worker's start and the load,
         within the service's ``c.PoolNodes.worker_park_timeout`` (default 5 minutes), which is how
         long the service waits for the whole resume. Default: 240 (4 minutes).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import BinaryIO, Mapping
+from typing import Any, BinaryIO, Mapping
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.wire.nodes import WorkerReport
@@ -28,7 +28,12 @@ from .spec import WorkerBindError, WorkerLaunch, WorkerSpec, WorkerStartError
 from .spilling import SpillFailed
 from .spillmove import fetch_spill
 from .stopping import Reaper, quietly
+from . import warmmove
 from .warmpool import WarmPool
+
+
+#: Seconds an offer for a move waits for its node where no ``c.AgentParking.spill_fetch_timeout`` is known.
+DEFAULT_MOVE_TIMEOUT_S = 240.0
 
 
 class WorkerManager:
@@ -70,6 +75,7 @@ class WorkerManager:
         self._recovery = Recovery(settings, accounts, self._kernels, self.log, self._launcher)
         self._workers: dict[str, Worker] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._offers: set[asyncio.Future] = set()  # the expiries of offers for moves (kept from the collector)
         self._closing = False
         self.parking = WorkerParking(parking, self, self.log) if parking is not None else None
         warm = settings.warm
@@ -308,22 +314,33 @@ class WorkerManager:
             worker = self._live(lease_id)
             return await parking.park(worker, request)
 
-    async def resume(self, lease_id: str, spec: WorkerSpec, spill_from: str | None = None) -> WorkerResumed:
+    async def resume(self, lease_id: str, spec: WorkerSpec, spill_from: str | None = None,
+                     move_from: str | None = None) -> WorkerResumed:
         """Resume the parked worker of ``lease_id`` on ``spec``'s GPUs and
         limits, or, spilled, load it into a new worker
         (:meth:`.parking.WorkerParking.resume`, :meth:`.spilling.Spilling.resume`).
-        ``spill_from``: the base URL of the agent that holds the lease's spill
-        when this node has neither its worker nor its spill (a cold move,
-        :meth:`_resume_moved`). KeyError for an unknown lease; GPUPoolError
-        400, 409, 502."""
+        When this node has neither its worker nor its spill, it moves here:
+        ``move_from``, the base URL of the agent whose worker of the lease is
+        parked in memory, worker to worker (:func:`.warmmove.take`), or
+        ``spill_from``, the one that holds its spill (:meth:`_resume_moved`).
+        KeyError for an unknown lease; GPUPoolError 400, 409, 502."""
         parking = self._parking()
         async with self._lock(lease_id):
             spill = parking.spilling.spilled.get(lease_id)
             if spill is not None:
                 return await parking.spilling.resume(spill, spec)
-            if spill_from is not None and lease_id not in self._workers:
+            if lease_id not in self._workers and (move_from or spill_from) is not None:
+                if parking.settings.spill_source is None:
+                    raise GPUPoolError(Reason.not_configured, f"this agent cannot move lease {lease_id} here from "
+                                       f"{move_from or spill_from}: it takes no leases from other nodes", 409)
+                if move_from is not None:
+                    return await warmmove.take(self, spec, move_from, parking.settings.spill_source, self.log)
                 return await self._resume_moved(parking, spec, spill_from)
-            return await parking.resume(self._live(lease_id), spec)
+            worker = self._live(lease_id)
+            if worker.parked is not None and worker.parked.offered:  # a move that did not take it
+                spill = await self._spill_offered(parking, worker, "it resumes here, not on the node it was offered to")
+                return await parking.spilling.resume(spill, spec)
+            return await parking.resume(worker, spec)
 
     async def _resume_moved(self, parking: WorkerParking, spec: WorkerSpec, url: str) -> WorkerResumed:
         """Fetch the spill of ``spec.lease_id`` from the agent at ``url``
@@ -334,9 +351,7 @@ class WorkerManager:
         load's own 502."""
         lease_id, url = spec.lease_id, url.rstrip("/")
         source = parking.settings.spill_source
-        if source is None:
-            raise GPUPoolError(Reason.not_configured, f"this agent cannot fetch the spill of lease {lease_id} from "
-                               f"{url}: it fetches no spills from other nodes", 409)
+        assert source is not None  # checked by resume
         spill = await fetch_spill(source, url, lease_id, spec.owner, parking.spilling.spill_dir, self.log)
         parking.spilling.spilled[lease_id] = spill
         try:
@@ -345,6 +360,45 @@ class WorkerManager:
         finally:
             if lease_id not in self._workers:
                 parking.spilling.remove(lease_id)
+
+    async def offer(self, lease_id: str, owner: str) -> dict[str, Any]:
+        """Offer the namespace of ``lease_id``'s worker, parked in memory, to
+        the node it moves to (:func:`.warmmove.offer`); an offer that node
+        has not taken within the move's timeout is spilled to disk
+        (:meth:`_expire_offer`). KeyError when no worker of the lease is
+        here (a spilled one's state moves through :meth:`open_spill`);
+        GPUPoolError 409, 502."""
+        parking = self._parking()
+        timeout = self._move_timeout(parking)
+        async with self._lock(lease_id):
+            offered = await warmmove.offer(parking, self._live(lease_id), owner, timeout)
+        self._offers.add(asyncio.ensure_future(self._expire_offer(lease_id, timeout)))
+        return offered
+
+    async def _expire_offer(self, lease_id: str, after: float) -> None:
+        """``after`` seconds on, spill the worker of ``lease_id`` if it is still offered: no node took it."""
+        try:
+            await asyncio.sleep(after)
+            async with self._lock(lease_id):
+                worker = self._workers.get(lease_id)
+                if worker is not None and worker.parked is not None and worker.parked.offered:
+                    await self._spill_offered(self._parking(), worker, f"no node took it within {after:g} s of its "
+                                              "offer for a move (c.AgentParking.spill_fetch_timeout)")
+        except Exception as exc:  # noqa: BLE001 - logged; it stays offered, spilled at its next resume
+            self.log.error("could not spill the offered worker of lease %s: %s", lease_id, exc)
+        finally:
+            self._offers.discard(asyncio.current_task())
+
+    async def _spill_offered(self, parking: WorkerParking, worker: Worker, why: str) -> Spilled:
+        """Spill an offered ``worker`` (under its lease's lock): thawed, its state readable, it is not
+        frozen again; a spill saves it as it is and ends it."""
+        await parking.spilling.spill(worker, time.monotonic(), why)
+        return parking.spilling.spilled[worker.name]
+
+    @staticmethod
+    def _move_timeout(parking: WorkerParking) -> float:
+        source = parking.settings.spill_source
+        return source.timeout if source is not None else DEFAULT_MOVE_TIMEOUT_S
 
     async def open_spill(self, lease_id: str) -> tuple[Spilled, BinaryIO]:
         """The spill of ``lease_id`` on this node and its namespace file,
@@ -428,6 +482,8 @@ class WorkerManager:
         are removed too (their leases end, exit code None) unless
         ``keep_spills`` (:meth:`spill_all`: the next agent resumes them)."""
         self._closing = True
+        for expiry in self._offers:
+            expiry.cancel()
         spills = set(self.spilled_ids())
         leases = sorted((set(self._workers) | set(self._locks) | spills) - (spills if keep_spills else set()))
         *results, pooled = await asyncio.gather(*(self.stop(lease) for lease in leases), self.pool.close(),

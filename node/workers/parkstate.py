@@ -29,8 +29,10 @@ class ParkedInMemory:
     ``execution_state`` when it was frozen (``busy``: frozen mid-cell),
     ``host_bytes`` it holds (its processes' RSS plus what the checkpointer
     holds outside them), whether a cell was ``interrupted`` to park it, and
-    ``frozen``: whether its processes are frozen now (False only in the
-    moments of a park or resume)."""
+    whether it is ``offered``: thawed, its GPU state in its host memory and
+    its namespace offered on its data plane to the node it moves to
+    (:mod:`.warmmove`), until that node has it (the worker is then ended)
+    or the move is given up (it is then spilled to disk)."""
 
     checkpointer: str
     moved: Moved
@@ -38,7 +40,7 @@ class ParkedInMemory:
     execution_state: WorkerState = WorkerState.idle
     host_bytes: int = 0
     interrupted: bool = False
-    frozen: bool = True
+    offered: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"moved": self.moved.to_json()}
@@ -51,7 +53,7 @@ class ParkedInMemory:
         try:
             return cls(str(body["checkpointer"]), Moved.from_json(body["moved"]), float(body["since"]),
                        WorkerState(body.get("execution_state", WorkerState.idle)), int(body.get("host_bytes", 0)),
-                       bool(body.get("interrupted", False)), bool(body.get("frozen", True)))
+                       bool(body.get("interrupted", False)), bool(body.get("offered", False)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a parked worker's record: {exc}") from None
 

@@ -93,7 +93,9 @@ class Recovery:
         except ValueError as exc:
             self.log.warning("cannot re-adopt the parked worker of lease %s: %s", record.lease_id, exc)
             return None
-        if not worker.cgroup.frozen():  # the agent died between a thaw and its record: parked it is
+        # Thawed but not offered: the agent died between a thaw and its record, so parked it is. An
+        # offered one was thawed for a move, its state readable: the move, or a spill, takes it.
+        if not worker.parked.offered and not worker.cgroup.frozen():
             try:
                 await asyncio.to_thread(worker.cgroup.freeze, 10.0)
             except CgroupError as exc:

@@ -115,7 +115,7 @@ class Spilling:
         parked = worker.parked
         gpu_bytes = parked.moved.gpu_bytes_moved if parked else sum(self.parking.target(worker).gpu_memory.values())
         try:
-            if parked is not None:
+            if parked is not None and not parked.offered:  # an offered one is thawed, its state readable
                 await self.parking.checkpointer.to_host(self.parking.target(worker), parked.moved)
                 await self.parking.thaw(worker)
             if worker.activity.cell_running:  # a cell frozen mid-way, or one a park let run
@@ -126,7 +126,7 @@ class Spilling:
             answer = await asyncio.to_thread(ask, worker.connection(), Spill(path=str(folder / NAMESPACE)))
         except (CheckpointError, GPUPoolError) as exc:
             shutil.rmtree(folder, ignore_errors=True)
-            if parked is not None:
+            if parked is not None and not parked.offered:
                 await self.parking.freeze(worker)
             raise SpillFailed(lease, getattr(exc, "message", str(exc)), parked is not None) from None
         lost += lost_words(answer.get("errors") or {}, "saved to disk", answer.get("types"))

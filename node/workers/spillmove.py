@@ -1,4 +1,4 @@
-"""A cold move of a spilled lease to another node (docs/parking.md, "The
+"""A move of a spilled lease to another node (docs/parking.md, "The
 agent's part"): the agent that holds the spill serves its manifest
 (:func:`manifest`) and its namespace file, and the agent of the node the
 lease moves to fetches both into its own spill folder (:func:`fetch_spill`),
@@ -140,12 +140,12 @@ async def _manifest(http: Any, source: SpillSource, url: str, lease_id: str) -> 
     """The manifest the agent at ``url`` serves; FetchError when it does not."""
     from tornado.httpclient import HTTPRequest
 
-    request = HTTPRequest(f"{url}/workers/{lease_id}/spill", headers=_headers(source), follow_redirects=False,
+    request = HTTPRequest(f"{url}/workers/{lease_id}/spill", headers=auth_headers(source), follow_redirects=False,
                           connect_timeout=CONNECT_TIMEOUT_S, request_timeout=2 * CONNECT_TIMEOUT_S,
                           ssl_options=source.tls)
-    response = await _fetch(http, request, url)
+    response = await answer_of(http, request, url)
     if response.code != 200:
-        raise FetchError(_refusal(response.code, response.body or b""))
+        raise FetchError(refusal_words(response.code, response.body or b""))
     try:
         return json.loads(response.body)
     except ValueError:
@@ -193,19 +193,19 @@ async def _namespace(http: Any, source: SpillSource, url: str, lease_id: str, pa
                 failed.append(exc)
                 raise
 
-    request = HTTPRequest(f"{url}/workers/{lease_id}/spill/namespace", headers=_headers(source),
+    request = HTTPRequest(f"{url}/workers/{lease_id}/spill/namespace", headers=auth_headers(source),
                           follow_redirects=False, decompress_response=False, connect_timeout=CONNECT_TIMEOUT_S,
                           request_timeout=source.timeout, ssl_options=source.tls, header_callback=on_header,
                           streaming_callback=on_chunk)
     try:
         try:
-            response = await _fetch(http, request, url, source.timeout)
+            response = await answer_of(http, request, url, source.timeout)
         except FetchError:
             if failed:
                 raise FetchError(f"could not write it to {path.parent}: {failed[0]}") from None
             raise
         if response.code != 200:
-            raise FetchError(_refusal(response.code, bytes(refusal)))
+            raise FetchError(refusal_words(response.code, bytes(refusal)))
         try:
             await asyncio.to_thread(write, pending)
         except OSError as exc:
@@ -215,14 +215,16 @@ async def _namespace(http: Any, source: SpillSource, url: str, lease_id: str, pa
     return written
 
 
-def _headers(source: SpillSource) -> dict[str, str]:
+def auth_headers(source: SpillSource) -> dict[str, str]:
     return {"Authorization": f"token {source.token()}"}
 
 
-async def _fetch(http: Any, request: Any, url: str, timeout: float | None = None) -> Any:
+async def answer_of(http: Any, request: Any, url: str, timeout: float | None = None,
+                    doing: str = "send the whole namespace") -> Any:
     """``http.fetch(request)``, any status; FetchError when no whole HTTP
     answer came (refused, no route, a certificate not trusted, a timeout, a
-    connection cut), in words. ``timeout``: the setting's, named when it ran out."""
+    connection cut), in words. ``timeout``: the setting's, named with what
+    the agent was ``doing`` when it ran out."""
     from tornado.httpclient import HTTPClientError
     from tornado.simple_httpclient import HTTPStreamClosedError, HTTPTimeoutError
 
@@ -233,7 +235,7 @@ async def _fetch(http: Any, request: Any, url: str, timeout: float | None = None
             raise FetchError(f"cannot reach it (no connection within {CONNECT_TIMEOUT_S:g} s)") from None
         if timeout is None:
             raise FetchError(f"it did not answer within {2 * CONNECT_TIMEOUT_S:g} s") from None
-        raise FetchError(f"it did not send the whole namespace within {timeout:g} s "
+        raise FetchError(f"it did not {doing} within {timeout:g} s "
                          "(c.AgentParking.spill_fetch_timeout)") from None
     except HTTPStreamClosedError:
         raise FetchError("its answer was cut short (the connection closed)") from None
@@ -248,7 +250,7 @@ def _no_answer(exc: BaseException | None, url: str) -> str:
     return f"cannot reach it ({exc})"
 
 
-def _refusal(status: int, body: bytes) -> str:
+def refusal_words(status: int, body: bytes) -> str:
     """Words for an agent's refusal: its own message, else its status."""
     try:
         message = json.loads(body).get("message")

@@ -95,6 +95,8 @@ def test_a_parked_worker_frees_its_gpu_memory_runs_nothing_and_resumes_as_it_was
     assert cell(kc, CHECK).split() == [str(pid), "True", "23", "9", "True", "0", "499500"]
     assert held(agent, pid) == 3 * GiB and agent.reports()["L-park-3g"]["parked"] is None
     assert not (agent.simgpu / ".parked" / "L-park-3g").exists(), "the host copy is gone"
+    # Stopped here, not by the agent's stop, which would save its 3 GiB to disk first (park_on_stop).
+    assert agent.call("DELETE", "/workers/L-park-3g")[0] == 200
 
 
 LOOP = """

@@ -25,8 +25,8 @@ from procs import free_port, processes_mentioning, start_agent, start_service, w
 from service_api import gpu_allocations, register
 from statuscomm import StatusComm
 from workercell import worker_client
-from two_nodes import (AGENT_ARGS, BIG_STATE, acquire, notebook, simgpu_root, two_nodes,  # noqa: F401 (fixtures)
-                       two_nodes_beating, until)
+from two_nodes import (AGENT_ARGS, BIG_STATE, acquire, notebook, simgpu_root, two_node_pool,  # noqa: F401
+                       two_nodes, two_nodes_beating, until)
 
 from gpupool.schema import LeaseState
 from gpupool.tables import lease_table
@@ -48,13 +48,13 @@ def cell(connection: dict, code: str) -> str:
         kc.stop_channels()
 
 
-def parked_on_a_full_node_1(svc, both_nodes: bool = True) -> tuple[Lease, Lease]:
-    """A lease parked in memory on node-1 with ``x = 41`` and a held lock, and a lease that took
-    node-1's GPU since (with ``both_nodes``, one on node-2 first, released at once: the parked
-    lease's claim on node-1 sends new leases elsewhere while other room fits)."""
+def parked_on_a_full_node_1(svc, both_nodes: bool = True, state: str = STATE) -> tuple[Lease, Lease]:
+    """A lease parked in memory on node-1 with ``state`` (``x = 41`` and a held lock), and a lease
+    that took node-1's GPU since (with ``both_nodes``, one on node-2 first, released at once: the
+    parked lease's claim on node-1 sends new leases elsewhere while other room fits)."""
     lease = acquire(svc)
     assert lease.node == "node-1"  # both empty: by name
-    assert cell(lease.connection, STATE).strip() == "set"
+    assert cell(lease.connection, state).strip() == "set"
     parked = svc.client().park(lease.id)
     assert (parked.state, parked.parked["tier"]) == (LeaseState.parked, "memory"), parked.events
     elsewhere = acquire(svc) if both_nodes else None
@@ -90,24 +90,48 @@ def test_a_parked_lease_whose_node_is_full_resumes_on_another_node_with_its_vari
     moved = until(svc, parked.id, "active")
     assert (moved.node, [g["index"] for g in moved.gpus]) == ("node-2", [0])
     words = [e["reason"] for e in moved.events]
-    assert ("moving to node-2 (GPU 0 (NVIDIA A100-SXM4-80GB)): node-1 has no room; its state goes from node-1's "
-            "disk to a new worker on node-2 (what cannot be saved to disk is named)") in words, words
+    assert ("moving to node-2 (GPU 0 (NVIDIA A100-SXM4-80GB)): node-1 has no room; its state goes from its worker "
+            "on node-1 to a new worker on node-2, worker to worker (what cannot be moved is named)") in words, words
     resumed = words[-1]
-    assert resumed.startswith("resumed on node-2 (moved from node-1) from disk in "), resumed
-    assert "; not kept: " in resumed and "lock" in resumed, resumed
+    assert resumed.startswith("resumed on node-2 (moved from node-1) from memory in "), resumed
+    assert resumed.endswith("; not kept: lock: _thread.lock cannot be moved: cannot pickle '_thread.lock' object"), \
+        resumed
     assert cell(moved.connection, "print(x + 1)").strip() == "42"
     assert gpu_allocations(svc) == [1.0, 1.0]
-    wait_for(lambda: agent_has(svc, node_1, parked.id) == [], 15, "node-1's worker and spill of the moved lease gone")
+    wait_for(lambda: agent_has(svc, node_1, parked.id) == [], 15, "node-1's worker of the moved lease gone")
+    assert "spilled the worker" not in node_1.log.read_text(), "worker to worker: no disk"
     for lease in (moved, taker):
         svc.client().release(lease.id)
 
 
+#: ``STATE`` and a value whose pickling takes 4 s: node-1's offer of it outlasts node-2's wait (2 s).
+SLOW_STATE = STATE.replace("\nprint('set')", "\nimport time\nclass Slow:\n    def __reduce__(self):\n"
+                           "        time.sleep(4)\n        return (int, (7,))\nslow = Slow()\nprint('set')")
+
+
+def test_a_move_from_memory_that_fails_goes_through_the_old_nodes_disk(tmp_path, simgpu_root):
+    with two_node_pool(tmp_path, node_2_args=("--AgentParking.spill_fetch_timeout=2",)) as (svc, node_1, _):
+        parked, taker = parked_on_a_full_node_1(svc, state=SLOW_STATE)
+        svc.client().resume(parked.id)
+        moved = until(svc, parked.id, "active", timeout=120)
+        resumed = moved.events[-1]["reason"]
+        assert resumed.startswith("resumed on node-2 (moved from node-1) from disk in "), moved.events
+        assert "lock: _thread.lock cannot be saved to disk" in resumed, resumed
+        assert cell(moved.connection, "print(x + 1, slow)").split() == ["42", "7"]
+        assert (f"lease {parked.id}: its move from node-1's memory to node-2 failed (could not move lease "
+                f"{parked.id} from {node_1.url} worker to worker: it did not offer it within 2 s") in svc.log.read_text()
+        wait_for(lambda: agent_has(svc, node_1, parked.id) == [], 15, "node-1's spill of the moved lease gone")
+        for lease in (moved, taker):
+            svc.client().release(lease.id)
+
+
 @pytest.mark.parametrize("two_nodes_beating", [60.0], indirect=True)
-def test_a_lease_released_while_its_move_spills_leaves_no_spill_behind(two_nodes_beating):
-    """Released while the move's spill is written on node-1 (the release finds the lease on node-2,
-    where nothing is yet): the move removes the spill once written (``DELETE`` on node-1), not a
-    heartbeat (a minute apart here) after."""
-    svc, node_1, _ = two_nodes_beating
+def test_a_lease_released_while_it_moves_leaves_nothing_on_either_node(two_nodes_beating):
+    """Released while its 400 MiB move from memory runs (node-1 has offered it; the release finds the
+    lease on node-2, whose new worker is taking it): the move's end removes the old worker on
+    node-1 (``DELETE``) and the new one on node-2 goes too, not a heartbeat (a minute apart here)
+    after."""
+    svc, node_1, node_2 = two_nodes_beating
     lease = acquire(svc)
     assert cell(lease.connection, BIG_STATE).strip() == "set"
     assert svc.client().park(lease.id).state is LeaseState.parked
@@ -116,9 +140,10 @@ def test_a_lease_released_while_its_move_spills_leaves_no_spill_behind(two_nodes
     svc.client().release(elsewhere.id)
     moving = svc.client().resume(lease.id)
     assert (moving.state, moving.parked["moving_from"]) == (LeaseState.starting, "node-1")
+    wait_for(lambda: f"offered the namespace of lease {lease.id}" in node_1.log.read_text(), 60, "the move's offer")
     assert svc.client().release(lease.id).state is LeaseState.released
-    wait_for(lambda: f"spilled the worker of lease {lease.id}" in node_1.log.read_text(), 60, "the move's spill")
-    wait_for(lambda: agent_has(svc, node_1, lease.id) == [], 3, "node-1's spill of the released lease removed")
+    wait_for(lambda: (agent_has(svc, node_1, lease.id), agent_has(svc, node_2, lease.id)) == ([], []), 30,
+             "the released lease's workers on both nodes gone")
     svc.client().release(taker.id)
 
 

@@ -99,8 +99,8 @@ def test_a_move_whose_old_agent_does_not_spill_it_goes_back_parked_on_its_old_no
     in_pool(store, body)
     lease = get(store, PARKED)
     assert [e.state for e in lease.events] == ["starting", "parked"]
-    assert lease.events[0].reason == ("moving to n2 (GPU 0 (A100)): n1 has no room; its state goes from n1's disk to "
-                                      "a new worker on n2 (what cannot be saved to disk is named)")
+    assert lease.events[0].reason == ("moving to n2 (GPU 0 (A100)): n1 has no room; its state goes from its worker on "
+                                      "n1 to a new worker on n2, worker to worker (what cannot be moved is named)")
     assert lease.events[1].reason.startswith("it could not move to n2: the agent on n1 did not spill it to disk "
                                              "(the node agent at http://127.0.0.1:"), lease.events[1].reason
     assert lease.events[1].reason.endswith("it stays parked on n1: resume again to retry")

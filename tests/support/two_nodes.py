@@ -43,15 +43,16 @@ def simgpu_root():
 
 
 @contextmanager
-def two_node_pool(tmp_path: Path, **config) -> Iterator[tuple]:
+def two_node_pool(tmp_path: Path, node_2_args: tuple[str, ...] = (), **config) -> Iterator[tuple]:
     """A service (leases and nodes never lost by silence here; more ``config``) with node-1 and
-    node-2, one A100 each, both up."""
+    node-2, one A100 each, both up (node-2's agent with ``node_2_args`` more)."""
     svc = start_service(tmp_path, config={"node_ttl": 3600, "heartbeat_ttl": 600, "worker_stop_timeout": 5.0,
                                           **config})
     agents = []
     try:
         agents.append(start_agent(tmp_path, svc, name="node-1", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
-        agents.append(start_agent(tmp_path, svc, name="node-2", simulate="1xA100-80GB", extra_args=AGENT_ARGS))
+        agents.append(start_agent(tmp_path, svc, name="node-2", simulate="1xA100-80GB",
+                                  extra_args=[*AGENT_ARGS, *node_2_args]))
         yield svc, agents[0], agents[1]
     finally:
         for agent in reversed(agents):
