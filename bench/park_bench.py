@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/park_bench.py [--max-size 4GiB] [--reps 15] [--no-report | --replot]
 
-One real agent on simulated GPUs (the ``simulated`` checkpointer, this host's
-cgroup freezer), one lease whose worker holds a simulated GPU array of each
+Two real agents on simulated GPUs (the ``simulated`` checkpointer, this host's
+cgroup freezer; the second is where moves go), one lease whose worker holds a simulated GPU array of each
 size (1 MiB ... 4 GiB, capped so that three copies fit the host's available
 memory) plus a few small variables. For each size the three ways of giving the
 GPU back and getting it again run in turns, on the same worker state:
@@ -12,6 +12,13 @@ GPU back and getting it again run in turns, on the same worker state:
   simulated GPU memory moved to the agent's host copy) then ``/resume``;
 - ``spilled``: the same with tier ``disk`` (the namespace saved to the spill
   folder, the process ended) and a resume into a new worker that loads it;
+- ``moved``: parked in memory, then moved to a second agent (another node on
+  this host): ``/resume`` there with ``move_from``, the new worker taking the
+  namespace from the old one's data plane, worker to worker (the old
+  worker's ``DELETE`` after, not timed);
+- ``moved (disk)``: the same through the disk: parked to disk, then
+  ``/resume`` on the other agent with ``spill_from`` (it fetches the spill
+  and loads it into a new worker);
 - ``today``: the notebook-side park, for comparison: pull
   every variable over the data plane into this process (the notebook
   kernel's place), stop the worker; then start a new worker and push them
@@ -53,7 +60,8 @@ from gpupool.units import format_bytes, parse_bytes  # noqa: E402
 
 SECTION = "## Park in place"
 SIZES = [1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB, 4 * GiB]
-METHODS = ("warm", "spilled", "today")
+METHODS = ("warm", "spilled", "moved", "moved_disk", "today")
+LABELS = {"moved_disk": "moved (disk)"}
 LEASE = "L-bench"
 STATE = ("from gpupool.node import simgpu\nimport numpy as np\n"
          "gpu = simgpu.zeros({nbytes}, 'uint8'); gpu[::4096] = 7\nsmall = {{'a': list(range(100))}}; n = 42")
@@ -75,8 +83,10 @@ def available() -> int:
 
 
 class Bench:
-    def __init__(self, agent: ParkAgent) -> None:
-        self.agent = agent
+    """The lease's worker on ``agent``; a move takes it to ``other`` (the two swap)."""
+
+    def __init__(self, agent: ParkAgent, other: ParkAgent) -> None:
+        self.agent, self.other = agent, other
         self.connection: dict[str, Any] = {}
 
     def start(self, nbytes: int) -> None:
@@ -103,6 +113,8 @@ class Bench:
         """One park and resume by ``method``; ``(park seconds, resume seconds)``."""
         if method == "today":
             return self._today()
+        if method.startswith("moved"):
+            return self._moved(method == "moved_disk")
         began = time.perf_counter()
         status, parked = self.agent.park(LEASE, tier="memory" if method == "warm" else "disk")
         parked_at = time.perf_counter()
@@ -112,6 +124,24 @@ class Bench:
         done = time.perf_counter()
         if status != 200:
             raise RuntimeError(f"resume: {status} {resumed}")
+        self.connection = resumed["connection"]
+        return parked_at - began, done - parked_at
+
+    def _moved(self, spilled: bool) -> tuple[float, float]:
+        """Park here (in memory, or to disk) and resume on the other agent from there."""
+        tier = "disk" if spilled else "memory"
+        began = time.perf_counter()
+        status, parked = self.agent.park(LEASE, tier=tier)
+        parked_at = time.perf_counter()
+        if status != 200 or parked["tier"] != tier:
+            raise RuntimeError(f"park: {status} {parked}")
+        status, resumed = self.other.resume(LEASE, **{"spill_from" if spilled else "move_from": self.agent.url})
+        done = time.perf_counter()
+        if status != 200:
+            raise RuntimeError(f"move: {status} {resumed}")
+        if self.agent.call("DELETE", f"/workers/{LEASE}")[0] != 200:
+            raise RuntimeError("could not remove the old node's copy")
+        self.agent, self.other = self.other, self.agent
         self.connection = resumed["connection"]
         return parked_at - began, done - parked_at
 
@@ -156,16 +186,23 @@ class Bench:
 
 def measure(sizes: list[int], reps: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="gpupool-park-bench-"))
-    agent = ParkAgent(root, args=("--parked-memory=64GiB", "--AgentParking.park_headroom=1GiB"))
+    args = ("--parked-memory=64GiB", "--AgentParking.park_headroom=1GiB")
+    agent = ParkAgent(root, args=args)
+    try:
+        other = ParkAgent(root, args=args)
+    except BaseException:
+        agent.stop()
+        raise
     rows = []
     try:
-        bench = Bench(agent)
+        bench = Bench(agent, other)
         for size in sizes:
             times: dict[str, dict[str, list[float]]] = {m: {"park": [], "resume": []} for m in METHODS}
             bench.start(size)
             count = reps if size <= 16 * MiB else max(3, reps // 5)
             for rep in range(count):
-                for method in METHODS[rep % 3:] + METHODS[:rep % 3]:  # interleaved, each first in turn
+                turn = rep % len(METHODS)
+                for method in METHODS[turn:] + METHODS[:turn]:  # interleaved, each first in turn
                     park, resume = bench.cycle(method)
                     times[method]["park"].append(park)
                     times[method]["resume"].append(resume)
@@ -183,6 +220,7 @@ def measure(sizes: list[int], reps: int) -> dict[str, Any]:
                 f"{m} park {row[f'{m}_park_p50_s'] * 1000:.0f} ms / resume {row[f'{m}_resume_p50_s'] * 1000:.0f} ms"
                 for m in METHODS), flush=True)
     finally:
+        other.stop()
         agent.stop()
         shutil.rmtree(root, ignore_errors=True)
     import os
@@ -200,12 +238,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     rows = results["rows"]
     mib = [r["bytes"] / MiB for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for method, colour in zip(METHODS, ("tab:green", "tab:orange", "tab:red")):
-        ax.plot(mib, [r[f"{method}_park_p50_s"] for r in rows], "s--", color=colour, label=f"{method}: park")
-        ax.plot(mib, [r[f"{method}_resume_p50_s"] for r in rows], "o-", color=colour, label=f"{method}: resume")
+    for method, colour in zip(METHODS, ("tab:green", "tab:orange", "tab:blue", "tab:purple", "tab:red")):
+        name = LABELS.get(method, method)
+        if method in ("warm", "spilled", "today"):  # a move's park is a warm or spilled park
+            ax.plot(mib, [r[f"{method}_park_p50_s"] for r in rows], "s--", color=colour, label=f"{name}: park")
+        ax.plot(mib, [r[f"{method}_resume_p50_s"] for r in rows], "o-", color=colour, label=f"{name}: resume")
     ax.axhline(0.150, color="grey", linestyle=":", label="150 ms (warm resume target, small state)")
     ax.set(xscale="log", yscale="log", xlabel="GPU state (MiB, log scale)", ylabel="seconds, p50 (log scale)",
-           title="Park and resume: in place (warm), spilled, and today's pull-everything park")
+           title="Park and resume: in place (warm), spilled, moved, and today's pull-everything park")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -214,16 +254,22 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def report(results: dict[str, Any]) -> str:
     rows = results["rows"]
     lines = [SECTION, "",
-             f"`bench/park_bench.py`, {results['measured']}: one agent on simulated GPUs (`simulated` checkpointer, "
-             "cgroup v2 freezer), one lease whose worker holds a simulated GPU array of the size shown plus small "
+             f"`bench/park_bench.py`, {results['measured']}: two agents on simulated GPUs (`simulated` checkpointer, "
+             "cgroup v2 freezer; moves go from one to the other), one lease whose worker holds a simulated GPU array of the size shown plus small "
              "variables; each way runs in turns on the same state, timed from the caller (HTTP included). `warm`: "
-             "park in memory and resume; `spilled`: park to disk and resume into a new worker; `today`: "
-             "the notebook-side park this replaced (pull everything over the data plane, stop the worker; start a new "
-             "one, push back). p50 seconds (GiB/s).", "",
-             "| state | reps | warm park | warm resume | spilled park | spilled resume | today park | today resume "
-             "| today / warm (park + resume) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "park in memory and resume; `spilled`: park to disk and resume into a new worker; `moved`: park in "
+             "memory, then resume on a second agent (another node on this host), the new worker taking the state "
+             "from the old one's data plane, worker to worker; `moved (disk)`: park to disk, then resume on the "
+             "second agent, which fetches the spill and loads it (a move's park is the warm or spilled park, not "
+             "shown again); `today`: the notebook-side park this replaced (pull everything over the data plane, "
+             "stop the worker; start a new one, push back). p50 seconds (GiB/s).", "",
+             "| state | reps | warm park | warm resume | spilled park | spilled resume | moved | moved (disk) "
+             "| today park | today resume | today / warm (park + resume) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    steps = [(m, s) for m in METHODS for s in ("park", "resume") if not (m.startswith("moved") and s == "park")]
     for r in rows:
-        cells = [f"{r[f'{m}_{s}_p50_s']:.3f} ({r[f'{m}_{s}_gib_s']:.3g})" for m in METHODS for s in ("park", "resume")]
+        cells = [f"{r[f'{m}_{s}_p50_s']:.3f} ({r[f'{m}_{s}_gib_s']:.3g})" if f"{m}_{s}_p50_s" in r else "-"
+                 for m, s in steps]
         ratio = (r["today_park_p50_s"] + r["today_resume_p50_s"]) / (r["warm_park_p50_s"] + r["warm_resume_p50_s"])
         lines.append(f"| {format_bytes(r['bytes'])} | {r['reps']} | " + " | ".join(cells) + f" | {ratio:.1f}x |")
     small = rows[0]
@@ -235,6 +281,12 @@ def report(results: dict[str, Any]) -> str:
                  / (gib["warm_park_p50_s"] + gib["warm_resume_p50_s"]))
         lines.append(f"- At 1 GiB, park + resume in place is {ratio:.1f}x faster than today's park and resume "
                      f"(target >= 10x: {'met' if ratio >= 10 else 'NOT met'}).")
+        if "moved_resume_p50_s" in gib:
+            lines.append(f"- A move to another node at 1 GiB: {gib['moved_resume_p50_s']:.2f} s worker to worker from "
+                         f"memory, {gib['moved_disk_resume_p50_s']:.2f} s through the disk (spill fetched, then "
+                         "loaded; the spill itself is in the park's time). Both include the new worker's start; on "
+                         "this host the two nodes share one loopback and two cores, so the network costs nothing "
+                         "and the cores are the limit.")
     lines.append("- What a warm park costs here is gpupool's own path: the agent's freeze, the `simulated` "
                  "checkpointer's move (the allocation files renamed out of their GPU's folder: the pages change owner, "
                  "no byte is copied, so the GiB/s of `warm` are not a bandwidth) and the thaw, through the agent's HTTP "

@@ -121,7 +121,7 @@ def sensei_part(workload, data_words: str, log) -> tuple[str, dict, dict]:
         "(4/8) until its idle timeout, parked early while anyone waits by the service's rule (`priority.plan`: "
         "the grace after the request pressing on it was asked, or after it went idle, whichever is later; no "
         "guaranteed shares); a park **parks in place** and the next cell resumes it on its own node "
-        "(`rules/resume.py: place`) or, when that node has no room, on another with room (a cold move: "
+        "(`rules/resume.py: place`) or, when that node has no room, on another with room (a move: "
         "`c.PoolLeases.resume_moves`, on by default), with its costs (below), its share claimed on its node "
         "meanwhile (new leases go elsewhere while room fits: `scheduler.claimed`); **batch**: each cell a job holding "
         "whole GPUs only while it runs, strict FIFO. Every placement is `scheduler.place()`, every idle reclaim "
@@ -155,9 +155,9 @@ COSTS_WORDS = (
     "thaw, bench/park_results.json at 1 MiB) plus the GPU state over each GPU's pinned host link at "
     f"{costs.HOST_TO_GPU_BYTES_S / 1e9:g} GB/s (the service's `rules/resume.py` estimate; PCIe 4 runs 20+); a "
     f"spilled resume starts a new worker ({costs.COLD_START_S:g} s) and loads the namespace from the node's disk at "
-    f"{costs.DISK_BYTES_S / 1e9:g} GB/s; a cold move to another node (when its own has no room: "
-    "`c.PoolLeases.resume_moves`; the state goes from the node's disk to the new one's) is a new worker plus the "
-    f"state at the slower of disk and a {costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s network. Each node parks up to `c.AgentParking.parked_memory`'s default, a quarter of its RAM "
+    f"{costs.DISK_BYTES_S / 1e9:g} GB/s; a move to another node (when its own has no room: "
+    "`c.PoolLeases.resume_moves`) is a new worker plus the state: from RAM worker to worker over a "
+    f"{costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s network, from a spill at the slower of disk and network. Each node parks up to `c.AgentParking.parked_memory`'s default, a quarter of its RAM "
     f"({costs.parked_budget() / 2**30:,.0f} GiB of {costs.NODE_HOST_BYTES / 2**40:g} TiB, an 8 × A100 80 GB "
     "server's); past it the longest-parked spill to disk. A session's parked state is an **assumption** (no trace "
     f"records GPU memory per notebook): its slice's memory × a fill drawn per session, uniform in "
@@ -250,18 +250,19 @@ def parking_why(results, gp, limit: float) -> str:
     else:
         closing = (
             f"- So the 0.15 × target is not reached ({needs}): a resume no longer waits for a taken node while "
-            "another has room, but a big state still takes minutes to come back from disk, on a move as on a "
-            "spill, and a 30 min idle timeout "
+            "another has room, but a big state still takes minutes to come back (from disk after a spill, at "
+            "the network's rate on a move), and a 30 min idle timeout "
             f"holds GPUs that a tighter pool needs: even with parks that cost nothing, {size} GPUs give {p95(free)} "
             f"at 30 min and {p95(five_free)} at 5 min. Reaching it needs both a shorter idle timeout and resumes "
-            "of big states in seconds, not minutes: a state parked in RAM sent to the new node's RAM over the "
-            f"network ({costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s, or faster) rather than by disk, the JupyterLab "
+            "of big states in seconds, not minutes: a faster network than "
+            f"{costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s for moves (built: worker to worker from RAM), the JupyterLab "
             "extension's early resume when the user comes back (not modelled: it would start the resume before "
             "the cell), and figures for real notebooks' GPU memory, which no trace gives.")
     return "\n".join([
         f"- A parked lease resumes on its own node when that node has room (its worker lives there, frozen in "
         "RAM or spilled to its disk), else on another node with room (`c.PoolLeases.resume_moves`, on by "
-        "default): a cold move, a new worker there loading the state, which goes by disk. The defaults give "
+        "default): a move, a new worker there taking the state, worker to worker from RAM (by disk when it "
+        "was spilled). The defaults give "
         f"{p95(base)} p95 here, {moved(base)} of the {sum(base.resumes.values()):,} resumes moved. A resume that "
         f"waits for its own node instead (`resume_moves` off, the service's rule before): {p95(waits)}; at this "
         "size new leases must take a parked lease's claimed room, and the resume then waits for that one node "
@@ -273,11 +274,13 @@ def parking_why(results, gp, limit: float) -> str:
         f"spare moves ({moved(base)} with them, {moved(unclaimed)} without) rather than waits (p95 {p95(base)} "
         f"with them, {p95(unclaimed)} without).",
         f"- Most of what is left is the resumes' own cost: resume p50/p95 {base.resume_percentile(50):.1f} / "
-        f"{base.resume_percentile(95):,.0f} s; {slow_resumes(base)}. A moved state goes by disk at {costs.DISK_BYTES_S / 1e9:g} GB/s, as a "
-        f"spilled one does ({base.resumes.get('memory', 0):,} resumes from RAM, {base.resumes.get('disk', 0):,} "
+        f"{base.resume_percentile(95):,.0f} s; {slow_resumes(base)}. A state moved from RAM goes worker to worker at the network's "
+        f"{costs.NETWORK_BYTES_S / 1e9:.1f} GB/s, a spilled one by disk at {costs.DISK_BYTES_S / 1e9:g} GB/s "
+        f"({base.resumes.get('memory', 0):,} resumes from RAM, {base.resumes.get('disk', 0):,} "
         f"from the node's disk, {moved(base)} moved): a full 80 GB GPU's state takes "
-        f"{costs.cold_move_seconds(80 * 10**9):.0f} s, an 8-GPU notebook's (up to 640 GB) up to "
-        f"{costs.cold_move_seconds(640 * 10**9) / 60:.0f} min. With costs not modelled (a park releases, the next "
+        f"{costs.move_seconds(80 * 10**9, False):.0f} s from RAM ({costs.move_seconds(80 * 10**9, True):.0f} s "
+        f"spilled), an 8-GPU notebook's (up to 640 GB) up to {costs.move_seconds(640 * 10**9, False) / 60:.1f} "
+        f"min ({costs.move_seconds(640 * 10**9, True) / 60:.0f} min). With costs not modelled (a park releases, the next "
         f"cell goes anywhere): {p95(free)}, with a 5 min idle timeout {p95(five_free)}; with states a tenth of "
         f"their slice {p95(small)}, at 5 min {p95(five_small)} (resume p95 {small.resume_percentile(95):.0f} s). "
         f"A shorter idle timeout frees GPUs sooner: 5 min {p95(five)}, 1 min {p95(one)}, against 30 min "
@@ -383,15 +386,16 @@ def backlog_why(fast) -> str:
     return (
         "Why: a backlog keeps the pool full, so pressure parks people's idle notebooks (after the grace) and "
         "batch backfills their room; the next cell finds its node full and, with `resume_moves` (the default), "
-        "moves to a node with room at a cold move's cost, its state through disk (or, with room nowhere, waits "
-        "on its own node, pressing there). The resumes' own cost, big states through disk, keeps p95 over 10 s "
+        "moves to a node with room at a move's cost, its state worker to worker (through disk when spilled; "
+        "or, with room nowhere, it waits on its own node, pressing there). The resumes' own cost, big states "
+        "over the network or through disk, keeps p95 over 10 s "
         f"by itself: in {fast.policy}, resume p50/p95 {fast.resume_percentile(50):.0f} / "
         f"{fast.resume_percentile(95):.0f} s, {slow_resumes(fast)}; {moved:,} of its {total:,} resumes moved "
         "(batch jobs' counted; a batch cell frozen mid-way in RAM never moves). What would reach the target is "
         "resumes that cost seconds when the pool is full: a person's notebook state kept in RAM where its "
         "next cell runs (fewer pressure parks of idle notebooks while batch fills the pool, or room held for "
-        "its resume on its node), and a move from RAM over the network rather than by disk (neither built); "
-        "no setting tried here does it.")
+        "its resume on its node, not built) and a network faster than the "
+        f"{costs.NETWORK_BYTES_S * 8 / 1e9:g} Gbit/s modelled for moves; no setting tried here does it.")
 
 
 def first_hours(workload, hours: float | None):
@@ -453,7 +457,7 @@ def backlog_part(workload, data, seed, size, log, hours=None, window=False) -> t
         "cell frozen (its state moved off the GPU, as a notebook's) and resumes on its node when room comes there, "
         "keeping its progress (the service's default; a cell frozen mid-way never moves, since the move's spill "
         "would interrupt it, unless the node has spilled it to disk already). A parked notebook's resume goes "
-        "to its node, else to another node with room (a cold move, `c.PoolLeases.resume_moves`). Every queue, pressure and batch-placement decision is the service's rule "
+        "to its node, else to another node with room (a move, `c.PoolLeases.resume_moves`). Every queue, pressure and batch-placement decision is the service's rule "
         "(`hub_plugin/rules/priority.py`): interactive requests go first (`class_rank`); `plan` at the 5 s "
         f"sweep ticks parks idle leases {PRESSURE_GRACE_S:g} s after the oldest request pressing on them was "
         "asked and, for a waiting interactive request only, preempts running batch leases (by default "
@@ -519,7 +523,7 @@ def moves_words(results) -> str:
             f"against {q(off)}, {over(on):.1%} of the cells waiting over 10 s against {over(off):.1%}, "
             f"utilization {on.cluster_utilization:.1%} against {off.cluster_utilization:.1%}: a move "
             f"{'spares' if on.wait_percentile(99) < off.wait_percentile(99) else 'does not spare'} the long "
-            f"waits for a node, but costs a new worker and the state through disk (resume p50 "
+            f"waits for a node, but costs a new worker and the state's copy (resume p50 "
             f"{on.resume_percentile(50):.0f} s against {off.resume_percentile(50):.0f} s), so "
             f"{'more' if over(on) > over(off) else 'fewer'} cells wait over 10 s.")
 

@@ -23,11 +23,12 @@ Where the figures come from:
   NVMe reads 2-7 GB/s sequentially; a pickle load is slower than the
   device). A spill itself runs in the background on the node and costs
   the user nothing until a resume.
-- Cold move (the state goes to another node): a new worker there, the
-  namespace written on its node, sent over the network and loaded: cold
-  start plus the bytes at the slowest of disk and :data:`NETWORK_BYTES_S`
-  (a 25 Gbit/s node NIC, about 3 GB/s at line rate; the data plane's own
-  transfers, bench/transfer.json, reach less on this host's loopback).
+- Move (the state goes to another node, :func:`move_seconds`): a new
+  worker there, cold start, plus the bytes: from a worker parked in memory,
+  worker to worker at :data:`NETWORK_BYTES_S` (a 25 Gbit/s node NIC, about
+  3 GB/s at line rate; the data plane's own transfers, bench/transfer.json,
+  reach less on this host's loopback); from a spill, through the disk as
+  well, at the slower of the two.
 - A session's parked state (:func:`state_bytes`): no trace records GPU
   memory per notebook (sensei has GPU counts, openb GPU fractions), so it
   is an assumption, stated in bench/REPORT.md: the slice's memory share
@@ -71,18 +72,20 @@ def spilled_resume_seconds(size: int) -> float:
     return COLD_START_S + size / DISK_BYTES_S
 
 
-def cold_move_seconds(size: int) -> float:
-    """Seconds to bring a ``size``-byte state to a new worker on another node (network, then disk)."""
-    return COLD_START_S + size / min(NETWORK_BYTES_S, DISK_BYTES_S)
+def move_seconds(size: int, spilled: bool) -> float:
+    """Seconds to bring a ``size``-byte state to a new worker on another node: worker to worker
+    over the network, or, ``spilled``, from the old node's disk (network and disk)."""
+    return COLD_START_S + size / (min(NETWORK_BYTES_S, DISK_BYTES_S) if spilled else NETWORK_BYTES_S)
 
 
-def resume_seconds(tier: str, size: int, gpus: int = 1) -> float:
-    """A resume's seconds from ``tier`` (``memory``, ``disk`` or ``moved``) onto ``gpus`` GPUs."""
+def resume_seconds(tier: str, size: int, gpus: int = 1, spilled: bool = False) -> float:
+    """A resume's seconds from ``tier`` (``memory``, ``disk`` or ``moved``; a move of a
+    ``spilled`` state, or of one in memory) onto ``gpus`` GPUs."""
     if tier == "memory":
         return warm_resume_seconds(size, gpus)
     if tier == "disk":
         return spilled_resume_seconds(size)
-    return cold_move_seconds(size)
+    return move_seconds(size, spilled)
 
 
 def state_bytes(milli: int, gpus: int, gpu_memory: int, fill: float) -> int:

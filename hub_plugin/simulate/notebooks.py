@@ -32,7 +32,7 @@ What is real and what is modelled:
   (:func:`.costs.warm_park_seconds`), then gives it back. The next cell
   resumes it where the service's rule puts it (:meth:`.SimulatedPool.place_resume`:
   its own node first), ahead of new requests; with no room there it goes to
-  another node with room at a cold move's cost (``resume_moves``, the
+  another node with room at a move's cost (``resume_moves``, the
   service's default ``c.PoolLeases.resume_moves``; never a cell frozen
   mid-way in RAM). With room nowhere it waits, pressing on its own node's
   leases only (and, a person's, holding that node against batch), as the
@@ -405,7 +405,7 @@ class _Replay:
             self.yielded.add(parked.placement.node)
             return False
         self.unpark(sid)
-        seconds = costs.resume_seconds(tier, parked.size, len(placement.gpus))
+        seconds = costs.resume_seconds(tier, parked.size, len(placement.gpus), spilled=parked.tier == "disk")
         self.tally.resumed(tier, seconds, session.klass)
         self.take(sid, placement, now)
         self.start(sid, now, seconds)

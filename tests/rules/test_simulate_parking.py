@@ -49,11 +49,15 @@ def test_costs_scale_with_the_state():
     assert costs.warm_resume_seconds(2 * GB) - fixed == pytest.approx(2 * (costs.warm_resume_seconds(GB) - fixed))
     assert costs.warm_resume_seconds(8 * GB, gpus=8) == pytest.approx(costs.warm_resume_seconds(GB))  # a link each
     assert costs.warm_park_seconds(10 * GB) == pytest.approx(costs.WARM_PARK_S + 1.0)  # 10 GB/s
-    # From memory < from disk < moved to another node, for any size; disk and network grow with it too.
+    # From memory < from disk < moved from disk to another node, for any size; disk and network grow with it too.
     for size in (0, GB, 40 * GB):
         assert costs.resume_seconds("memory", size) < costs.resume_seconds("disk", size) <= costs.resume_seconds(
-            "moved", size)
+            "moved", size, spilled=True)
     assert costs.spilled_resume_seconds(40 * GB) - costs.spilled_resume_seconds(0) == pytest.approx(40.0)
+    # A move from memory goes worker to worker at the network's rate, skipping the disk's.
+    assert costs.move_seconds(0, spilled=False) == costs.move_seconds(0, spilled=True)
+    assert costs.move_seconds(25 * GB, spilled=False) - costs.move_seconds(0, spilled=False) == pytest.approx(8.0)
+    assert costs.resume_seconds("moved", 40 * GB) < costs.resume_seconds("moved", 40 * GB, spilled=True)
     assert costs.state_bytes(500, 1, 80 * GB, 0.5) == 20 * GB
     assert costs.state_bytes(1000, 8, 80 * GB, 1.0) == 640 * GB
 
@@ -127,8 +131,8 @@ def test_a_parked_lease_keeps_its_room_while_other_room_fits():
     """Two nodes of one 80 GB GPU. A (whole GPU, full) runs 0-100 on node-000, is parked at the 400 tick
     (free at 400 + 8.01). B asks at 500: node-000 is claimed by A's park, node-001 idle, so B goes to
     node-001 (the service's rule) and A's cell at 600 resumes at once from memory (8.004 s). Without the
-    claim, B takes node-000 (best fit, by name) and A goes to node-001 at once, at a cold move's cost
-    (``resume_moves``, the default): 3 s + 80 GB at 1 GB/s. With ``resume_moves`` off, A's resume waits
+    claim, B takes node-000 (best fit, by name) and A goes to node-001 at once, at a move's cost
+    (``resume_moves``, the default): 3 s + 80 GB worker to worker at 25 Gbit/s. With ``resume_moves`` off, A's resume waits
     for its node: B is parked at the 2300 tick, free at 2308.01; A resumes there from memory: waited
     1716.014."""
     cells = (Cell(0, 0, 0.0, 100.0), Cell(1, 1, 500.0, 1500.0), Cell(2, 0, 600.0, 10.0))
@@ -139,7 +143,7 @@ def test_a_parked_lease_keeps_its_room_while_other_room_fits():
     waited = simulate_notebooks(workload, parking(parked_claims=False, resume_moves=False), 2, per_node=1)
     assert waited.waits.tolist() == [0.0, 0.0, pytest.approx(1716.014)] and waited.resumes == {"memory": 1}
     moved = simulate_notebooks(workload, parking(parked_claims=False), 2, per_node=1)
-    assert moved.waits.tolist() == [0.0, 0.0, pytest.approx(83.0)] and moved.resumes == {"moved": 1}
+    assert moved.waits.tolist() == [0.0, 0.0, pytest.approx(28.6)] and moved.resumes == {"moved": 1}
 
 
 def test_a_preempted_job_is_parked_in_place_and_keeps_its_progress():
