@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))  # tests/support/parkagent.py, tests/support/frontend.py
 
 from frontend import run  # noqa: E402
-from parkagent import GiB, MiB, ParkAgent  # noqa: E402
+from parkagent import GiB, MiB, ParkAgent, agent_pair  # noqa: E402
 from report import write_section  # noqa: E402
 
 from gpupool.wire.transfer import TARGET, Have, PullAll  # noqa: E402
@@ -186,47 +186,42 @@ class Bench:
 
 def measure(sizes: list[int], reps: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="gpupool-park-bench-"))
-    args = ("--parked-memory=64GiB", "--AgentParking.park_headroom=1GiB")
-    agent = ParkAgent(root, args=args)
     try:
-        other = ParkAgent(root, args=args)
-    except BaseException:
-        agent.stop()
-        raise
-    rows = []
-    try:
-        bench = Bench(agent, other)
-        for size in sizes:
-            times: dict[str, dict[str, list[float]]] = {m: {"park": [], "resume": []} for m in METHODS}
-            bench.start(size)
-            count = reps if size <= 16 * MiB else max(3, reps // 5)
-            for rep in range(count):
-                turn = rep % len(METHODS)
-                for method in METHODS[turn:] + METHODS[:turn]:  # interleaved, each first in turn
-                    park, resume = bench.cycle(method)
-                    times[method]["park"].append(park)
-                    times[method]["resume"].append(resume)
-                bench.check()
-            bench.stop()
-            row: dict[str, Any] = {"bytes": size, "reps": count}
-            for method in METHODS:
-                for step in ("park", "resume"):
-                    values = times[method][step]
-                    row[f"{method}_{step}_p50_s"] = statistics.median(values)
-                    row[f"{method}_{step}_max_s"] = max(values)
-                    row[f"{method}_{step}_gib_s"] = size / GiB / statistics.median(values)
-            rows.append(row)
-            print(f"[park-bench] {format_bytes(size)}: " + ", ".join(
-                f"{m} park {row[f'{m}_park_p50_s'] * 1000:.0f} ms / resume {row[f'{m}_resume_p50_s'] * 1000:.0f} ms"
-                for m in METHODS), flush=True)
+        with agent_pair(root, ("--parked-memory=64GiB", "--AgentParking.park_headroom=1GiB")) as (agent, other):
+            bench = Bench(agent, other)
+            rows = [measure_size(bench, size, reps) for size in sizes]
     finally:
-        other.stop()
-        agent.stop()
         shutil.rmtree(root, ignore_errors=True)
     import os
 
     return {"rows": rows, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load": " / ".join(f"{x:.1f}" for x in os.getloadavg())}
+
+
+def measure_size(bench: Bench, size: int, reps: int) -> dict[str, Any]:
+    """Every way, interleaved, on a state of ``size`` bytes; the report's row."""
+    times: dict[str, dict[str, list[float]]] = {m: {"park": [], "resume": []} for m in METHODS}
+    bench.start(size)
+    count = reps if size <= 16 * MiB else max(3, reps // 5)
+    for rep in range(count):
+        turn = rep % len(METHODS)
+        for method in METHODS[turn:] + METHODS[:turn]:  # interleaved, each first in turn
+            park, resume = bench.cycle(method)
+            times[method]["park"].append(park)
+            times[method]["resume"].append(resume)
+        bench.check()
+    bench.stop()
+    row: dict[str, Any] = {"bytes": size, "reps": count}
+    for method in METHODS:
+        for step in ("park", "resume"):
+            values = times[method][step]
+            row[f"{method}_{step}_p50_s"] = statistics.median(values)
+            row[f"{method}_{step}_max_s"] = max(values)
+            row[f"{method}_{step}_gib_s"] = size / GiB / statistics.median(values)
+    print(f"[park-bench] {format_bytes(size)}: " + ", ".join(
+        f"{m} park {row[f'{m}_park_p50_s'] * 1000:.0f} ms / resume {row[f'{m}_resume_p50_s'] * 1000:.0f} ms"
+        for m in METHODS), flush=True)
+    return row
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 from frontend import run
 from gpupool.demo_pool import free_port
-from parkagent import MiB, TOKEN, ParkAgent
+from parkagent import MiB, TOKEN, ParkAgent, agent_pair
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,18 +40,8 @@ gpu = simgpu.zeros(8 * 2**20, 'uint8'); gpu[::4096] = 7
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """Two agents, node A and node B, each with two simulated GPUs of its own."""
-    root = tmp_path_factory.mktemp("spill-move")
-    a = ParkAgent(root)
-    try:
-        b = ParkAgent(root)
-    except BaseException:
-        a.stop()
-        raise
-    yield a, b
-    try:
-        b.stop()
-    finally:
-        a.stop()
+    with agent_pair(tmp_path_factory.mktemp("spill-move")) as pair:
+        yield pair
 
 
 def cell(kc, code: str) -> str:

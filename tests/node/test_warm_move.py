@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from frontend import run
-from parkagent import MiB, ParkAgent
+from parkagent import MiB, ParkAgent, agent_pair
+from test_spill_move import cell
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,25 +44,9 @@ OFFER_WAIT_S = 8
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """Two agents, node A and node B, each with two simulated GPUs of its own."""
-    root = tmp_path_factory.mktemp("warm-move")
-    args = (f"--AgentParking.spill_fetch_timeout={OFFER_WAIT_S}",)
-    a = ParkAgent(root, args=args)
-    try:
-        b = ParkAgent(root, args=args)
-    except BaseException:
-        a.stop()
-        raise
-    yield a, b
-    try:
-        b.stop()
-    finally:
-        a.stop()
-
-
-def cell(kc, code: str) -> str:
-    done = run(kc, code, timeout=120)
-    assert done.ok, done.text()
-    return done.stdout
+    with agent_pair(tmp_path_factory.mktemp("warm-move"), (f"--AgentParking.spill_fetch_timeout={OFFER_WAIT_S}",)) \
+            as pair:
+        yield pair
 
 
 def spills(agent: ParkAgent) -> list[str]:

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from jupyter_client import BlockingKernelClient
 from workercell import worker_client
@@ -129,6 +130,25 @@ class ParkAgent:
         shutil.rmtree(self.simgpu, ignore_errors=True)
         assert not left, f"the agent left processes behind: {left}"
         return code
+
+
+@contextmanager
+def agent_pair(root: Path, args: tuple[str, ...] = ()) -> Iterator[tuple[ParkAgent, ParkAgent]]:
+    """Two agents under ``root``, each with ``args`` (two nodes on this host: their own state,
+    spill folders and simulated GPUs, one agent token), for moves from one to the other; stopped after."""
+    first = ParkAgent(root, args=args)
+    try:
+        second = ParkAgent(root, args=args)
+    except BaseException:
+        first.stop()
+        raise
+    try:
+        yield first, second
+    finally:
+        try:
+            second.stop()
+        finally:
+            first.stop()
 
 
 class Readings:
