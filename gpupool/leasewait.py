@@ -35,7 +35,8 @@ WAITING_FOR_ROOM = (LeaseState.queued, LeaseState.parking, LeaseState.parked)
 def progress_words(lease: Lease) -> str:
     """``'queued: 2nd in line, about 5m'``, ``'queued (batch): 1st in line'``, ``'starting on node-1'``,
     ``'parked on node-1, waiting for room there: 1st in line'``, ``'parked on node-1, whose agent is away
-    (...)'``, ``'moving to node-2 from node-1's disk (...)'``."""
+    (...)'``, ``'moving to node-2 from node-1 (...)'`` (from its memory), ``'moving to node-2 from node-1's
+    disk (...)'``."""
     if lease.state is LeaseState.parking:
         return f"parking on {lease.node or 'its node'} (the resume follows)"
     if lease.state in (LeaseState.queued, LeaseState.parked):
@@ -53,6 +54,8 @@ def progress_words(lease: Lease) -> str:
                 text += f", about {format_duration(lease.queue_estimate_s)}"
         return text
     old = (lease.parked or {}).get("moving_from") if lease.state is LeaseState.starting else None
+    if old and (lease.parked or {}).get("tier") == "memory":
+        return f"moving to {lease.node} from {old} (a new worker there takes its state, worker to worker)"
     if old:
         return f"moving to {lease.node} from {old}'s disk (a new worker loads its state there)"
     return f"{lease.state.value} on {lease.node or 'the pool'}"

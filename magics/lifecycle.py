@@ -190,8 +190,10 @@ class Lifecycle:
             lease = attachment.release(reason="%gpu release --discard")
         finally:
             self.tell()  # detached here, whatever the service answered
-        gone = (f"; it was moving from {moving} to {lease.node}: its variables were discarded (its state on "
-                f"{moving}'s disk is deleted, nothing of it stays on {lease.node})") if moving else \
+        left = (f"its state on {moving}'s disk is deleted" if _moving_tier(attachment) == "disk" else
+                f"its worker on {moving}, which held its state, is ended")
+        gone = (f"; it was moving from {moving} to {lease.node}: its variables were discarded ({left}, nothing of "
+                f"it stays on {lease.node})") if moving else \
             "; its variables were discarded" + (" (frozen with its worker, they could come home only after its "
                                                 "resume, which was still waiting for room)" if waiting else "")
         say(f"{released_words(lease)}{gone}{service_caveat(lease, '%gpu release --discard')}")
@@ -332,6 +334,12 @@ def _moving_from(attachment: Attachment | None) -> str | None:
     if seen is None or seen.state is not LeaseState.starting:
         return None
     return (seen.parked or {}).get("moving_from")
+
+
+def _moving_tier(attachment: Attachment | None) -> str | None:
+    """Where a moving lease's state is (``memory``: its old worker; ``disk``: a spill), as last seen."""
+    seen = attachment.parked.lease if attachment is not None and attachment.parked is not None else None
+    return (seen.parked or {}).get("tier") if seen is not None else None
 
 
 def service_caveat(lease, asked: str) -> str:

@@ -196,6 +196,10 @@ def wait_ended_as(svc, user: str, lease_id: str, timeout: float = 30):
     (dict(state="queued", queue_position=1, lease_class="batch"), "queued (batch): 1st in line"),
     (dict(state="queued"), "queued"),
     (dict(state="starting", node="node-1"), "starting on node-1"),
+    (dict(state="starting", node="node-2", parked={"tier": "memory", "moving_from": "node-1"}),
+     "moving to node-2 from node-1 (a new worker there takes its state, worker to worker)"),
+    (dict(state="starting", node="node-2", parked={"tier": "disk", "moving_from": "node-1"}),
+     "moving to node-2 from node-1's disk (a new worker loads its state there)"),
 ])
 def test_progress_words(fields, words):
     from gpupool.leasewait import progress_words

@@ -385,13 +385,14 @@ def test_a_release_during_a_move_says_what_becomes_of_the_variables(two_nodes, t
         if discard:
             assert took < 3.0, f"answered at once, not after the move: {took:.1f}s"
             assert (f"released {lease_id} after " in text and "; it was moving from node-1 to node-2: its variables "
-                    "were discarded (its state on node-1's disk is deleted, nothing of it stays on node-2)") in text, \
-                text
+                    "were discarded (its worker on node-1, which held its state, is ended, nothing of it stays on "
+                    "node-2)") \
+                in text, text
             assert "active" not in [e["state"] for e in gone.events[-3:]], "not resumed to be released"
             wait_for(lambda: agent_has(svc, node_1, lease_id) == [], 15, "node-1's spill of the released lease gone")
         else:
             assert f"{lease_id} is moving from node-1 to another node" in text, text
-            assert "moving to node-2 from node-1's disk (a new worker loads its state there)" in text, text
+            assert "moving to node-2 from node-1 (a new worker there takes its state, worker to worker)" in text, text
             assert "brought back 2 variables (big, x; 400.0 MiB)" in text, text
             assert "threading" in text and "lock" in text, "what the move could not keep is said"
         svc.client().release(taker.id)
