@@ -279,6 +279,10 @@ class NodeAgent(Application):
         mode = self.agent_enforcement.enforcement_mode
         try:
             self.node_gpus = NodeGPUs(found, enforcement.resolve(mode, self.inventory.kind, found))
+            if mode not in ("auto", self.node_gpus.enforcement.name):
+                self.log.warning("enforcement mode %r does not run on %s GPUs: slices are enforced with %r here "
+                                 "(c.AgentEnforcement.enforcement_mode)", mode, self.inventory.kind,
+                                 self.node_gpus.enforcement.name)
             self.node_gpus.enforcement.setup(self.state_dir, self.log)
         except RuntimeError as exc:  # the mode cannot be had here (no MPS daemon)
             if not self.agent_enforcement.require_containment:

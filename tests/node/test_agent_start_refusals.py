@@ -150,3 +150,14 @@ def test_the_containment_refusal_names_cgroup_mode_none_once(tmp_path):
         assert stop_process(proc) == 0, log.read_text()
     assert "the workers' cgroups cannot be made (c.AgentEnforcement.cgroup_mode = 'none')." in line, line
     assert line.count("cgroup_mode = 'none'") == 1, line
+
+
+def test_a_mode_simulated_gpus_cannot_enforce_is_said_at_start(tmp_path):
+    """``mps`` on simulated GPUs: the agent enforces ``none`` there, and says so instead of serving silently."""
+    proc, log = serve(tmp_path, "--AgentEnforcement.enforcement_mode=mps", "--warm-workers=0")
+    try:
+        wait_for(lambda: "serving on" in log.read_text(), 30, "the agent's start log", proc, log)
+    finally:
+        assert stop_process(proc) == 0, log.read_text()
+    assert ("enforcement mode 'mps' does not run on simulated GPUs: slices are enforced with 'none' here "
+            "(c.AgentEnforcement.enforcement_mode)") in log.read_text()
