@@ -83,6 +83,9 @@ class LeaseHeartbeat(threading.Thread):
         self.on_lease: Callable[[Lease], None] | None = None
         self._preempt_told: str | None = None  # the preempt_at the user was told of
         self._down_since: float | None = None  # monotonic time of the first beat the service did not answer
+        self._beats = 0  # beats tried so far, under _beaten (recheck_service waits for the next)
+        self._beaten = threading.Condition()
+        self._now = False  # beat at once, whatever the retimed wait (recheck_service)
 
     def run(self) -> None:
         wait: float | None = None
@@ -94,24 +97,43 @@ class LeaseHeartbeat(threading.Thread):
             wait = None
             if self._stopped.is_set():
                 return
-            if self._retime:  # work began soon after a beat: the next comes busy_interval after that one
+            if self._retime and not self._now:  # work began soon after a beat: the next comes busy_interval after it
                 self._retime = False
                 left = self._last_beat + self.busy_interval - time.monotonic()
                 if left > 0:
                     wait = left
                     continue
-            self._last_beat = time.monotonic()
+            self._last_beat, self._now = time.monotonic(), False
             try:
                 lease = self.client.heartbeat(self.lease_id)
             except GPUPoolError as exc:  # service down for a moment: try again next beat
                 self._unanswered(exc)
+                self._beat_done()
                 continue
             self._answered(lease)
+            self._beat_done()
             if lease.state.ended:
                 self._end(lease)
                 return
             if self.after_beat(lease):
                 return
+
+    def _beat_done(self) -> None:
+        with self._beaten:
+            self._beats += 1
+            self._beaten.notify_all()
+
+    def recheck_service(self, timeout: float) -> None:
+        """While the service is said not to answer: beat now, and wait at most ``timeout`` seconds
+        for that beat, so that a notice said next is not already stale (the service back since
+        the last beat: its "answers again" then comes instead). Called from another thread."""
+        if self._down_since is None or self.stopped:
+            return
+        with self._beaten:
+            beats = self._beats
+            self._now = True
+            self._wake.set()
+            self._beaten.wait_for(lambda: self._beats != beats or self.stopped, timeout)
 
     def _unanswered(self, exc: GPUPoolError) -> None:
         """A beat the service did not answer: logged and said once per outage, not at every beat

@@ -18,6 +18,9 @@ SAID_BY_CELL = ("ended", "parked")
 #: Notice kinds that are news, not warnings: on stdout, as the magics' own lines are (JupyterLab shows
 #: stderr on a warning background); the others on stderr.
 NEWS = ("resumed", "node_back", "service_back")
+#: Seconds a cell waits, at most, for a heartbeat to see whether the service answers again before
+#: it says that it does not (only when it would say so).
+RECHECK_S = 1.0
 
 
 def stream_of(kind: str) -> str:
@@ -62,6 +65,7 @@ class Notices:
         go at once, so that no later cell says its end again."""
         with self._lock:
             pending, self._pending = self._pending, []
+        pending = self._recheck_service(pending)
         # A warning that the lease will be parked is stale once it was (or ended): only the later notice is said.
         overtaken = {id(beat) for kind, _, beat in pending if kind in SAID_BY_CELL}
         said = set()
@@ -75,6 +79,20 @@ class Notices:
             self._told(kind, beat)
         for stream in said:  # before the worker's output; a flush costs a round trip to the IOPub thread
             stream.flush()
+
+    def _recheck_service(self, pending: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+        """``pending``, where a notice that the service does not answer is said only if it still
+        does not: its heartbeat beats again first (at most :data:`RECHECK_S`), and an outage that
+        ended meanwhile is said by its "answers again" alone."""
+        down = {id(beat): beat for kind, _, beat in pending if kind == "service_down" and beat is not None}
+        if not down:
+            return pending
+        for beat in down.values():
+            beat.recheck_service(RECHECK_S)
+        with self._lock:
+            pending, self._pending = pending + self._pending, []
+        back = {id(beat) for kind, _, beat in pending if kind == "service_back"}
+        return [(kind, text, beat) for kind, text, beat in pending if not (kind == "service_down" and id(beat) in back)]
 
     def _told(self, kind: str, beat) -> None:
         lifecycle = self.lifecycle

@@ -47,3 +47,31 @@ def test_a_service_outage_is_said_once_and_its_end_once_and_no_log_line_reaches_
         km.shutdown_kernel(now=True)
         agent.stop()
         svc.stop()
+
+
+def test_an_outage_that_ended_before_the_next_cell_is_said_as_over_only(tmp_path):
+    """The service down while the notebook is idle (an idle beat fails: the notice waits for the
+    next cell), then back before that cell: the cell says it answers again, not that it cannot be
+    reached (its heartbeat beats again before the notice is said)."""
+    config = {"heartbeat_ttl": 30.0}  # beats every 10 s
+    svc = start_service(tmp_path, config=config)
+    agent = start_agent(tmp_path, svc)
+    kernels = install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token)
+    km, kc = start_gpupool_kernel(kernels, tmp_path, as_in_jupyter=True)
+    try:
+        assert run(kc, "%gpu acquire 0.25").ok
+        port = int(svc.url.rsplit(":", 1)[1])
+        svc.stop()
+        time.sleep(11)  # an idle beat fails
+        svc = start_service(tmp_path, config=config, port=port, tokens={"tester": svc.user_token})
+        back = run(kc, "print('again')", timeout=60)
+        text = back.text()
+        assert back.ok and "again" in back.stdout, text
+        assert "cannot be reached" not in text, text
+        assert text.count("the gpupool service answers again") == 1 and "is kept" in text, text
+        assert run(kc, "%gpu release --discard").ok
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        agent.stop()
+        svc.stop()
