@@ -42,6 +42,7 @@ class Reason(StrEnum):
     untrusted_certificate = "untrusted_certificate"
     not_configured = "not_configured"
     agent_unreachable = "agent_unreachable"
+    agent_stopping = "agent_stopping"
     worker_start_failed = "worker_start_failed"
     worker_stop_failed = "worker_stop_failed"
     worker_user_unknown = "worker_user_unknown"

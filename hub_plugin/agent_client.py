@@ -39,7 +39,8 @@ class AgentClient:
         """``POST {url}/workers`` with ``request``; returns the started worker.
 
         ``timeout`` seconds for the whole start. Raises GPUPoolError
-        ``worker_start_failed`` (with the agent's reason) or ``agent_unreachable``.
+        ``worker_start_failed`` (with the agent's reason), ``agent_stopping``
+        (the agent is stopping: it started nothing) or ``agent_unreachable``.
         """
         status, reply = await self._call("POST", f"{url}/workers", request.to_json(), timeout)
         if status == 201:
@@ -47,7 +48,9 @@ class AgentClient:
                 return WorkerStarted.from_json(reply)
             except ValueError:
                 pass  # no connection: as good as no worker
-        raise _failed(Reason.worker_start_failed, "POST", f"{url}/workers", status, reply)
+        code = Reason.agent_stopping if status == 503 and reply.get("error") == Reason.agent_stopping \
+            else Reason.worker_start_failed
+        raise _failed(code, "POST", f"{url}/workers", status, reply)
 
     async def stop_worker(self, url: str, lease_id: str, timeout: float) -> int | None:
         """``DELETE {url}/workers/{lease_id}``; returns the worker's exit code,

@@ -25,7 +25,7 @@ from .config import PoolNodes
 from .lease_queue import Drained, LeaseQueue
 from .lease_views import LeaseViews
 from .models import Lease, Node
-from .replacing import PlacedAgain, place_again
+from .replacing import LEAVING_REASON, PlacedAgain, place_again, queue_after_stop
 from .rules.reclaim import PARKED_STATES
 from .state import PoolState
 from .transitions import end, is_queued, still_queued, transition
@@ -86,6 +86,10 @@ class LeaseBook:
                 break
             except GPUPoolError as exc:
                 log.warning("lease %s: worker start on %s failed: %s", lease_id, job.node, exc.message)
+                if exc.code == Reason.agent_stopping:  # nothing of the user's there yet: in line again
+                    if await self.state.work.write(self._queued_after_stop_now, lease_id, job.node, job.url):
+                        await self.drain_queue()
+                    return None
                 if isinstance(exc, AgentGone):  # nothing new goes there until its agent heartbeats again
                     await self.state.work.write(self._agent_gone_now, job.node, job.url)
                 if exc.code == Reason.agent_unreachable:  # not the request's fault: another node may have room
@@ -138,6 +142,25 @@ class LeaseBook:
                 return PlacedAgain(failed=f"the worker could not start on {node}: {words}; {node} was tried "
                                           f"before (nodes tried: {', '.join(tried)})")
             return place_again(tx, lease, self.queue.placer, self.pool_nodes.host_share, tried, words, now)
+
+    def _queued_after_stop_now(self, lease_id: str, node_name: str, url: str) -> bool:
+        """The agent of ``node_name`` (at ``url``) answered the lease's start that it is stopping:
+        the node is ``lost`` now (as its last heartbeat would make it: nothing new goes there
+        until an agent registers again) and the lease, if still ``starting`` there, ``queued``
+        again in its place (:func:`.replacing.queue_after_stop`). False when it was not."""
+        now = self.state.now()
+        with self.state.writing() as tx:
+            self.state.store.lock_capacity(tx.session)
+            node = tx.session.get(Node, node_name)
+            if node is not None and node.url == url and node.state != "lost":
+                node.state, node.state_reason = "lost", LEAVING_REASON
+                tx.changes.node(node_name)
+            lease = tx.session.get(Lease, lease_id)
+            if lease is None or not _starting_on(lease, node_name):
+                return False
+            nodes = self.pool_nodes
+            queue_after_stop(tx, lease, node_name, nodes.node_ttl + nodes.parked_node_grace, now)
+            return True
 
     def _agent_gone_now(self, node_name: str, url: str) -> None:
         """The node's agent refused a connection at ``url``: the node is ``lost``

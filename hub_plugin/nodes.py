@@ -15,7 +15,7 @@ back in ``stop``, so no worker outlives its lease (nor a spill a lease that
 moved to another node left here: a moving lease's report from the node its
 state is on is left alone until the move ends, :func:`.parked.moving_from`). The last heartbeat of an
 agent that stops cleanly says it is ``leaving``: its node is ``lost`` at once
-(:data:`LEAVING_REASON`), so nothing new is placed there, without waiting for
+(:data:`.replacing.LEAVING_REASON`), so nothing new is placed there, without waiting for
 ``node_ttl``; its active leases it reports spilled to disk (``c.AgentParking.park_on_stop``)
 are parked there (:func:`.parked.saved_at_stop`), for the next agent on the node. A lease
 whose start there the stop cut short had nothing of its user's on the node yet, so it does not
@@ -29,14 +29,14 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import astuple
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.errors import GPUPoolError, Reason, not_found
-from gpupool.schema import LeaseState, WorkerState, isoformat, parse_time
+from gpupool.schema import LeaseState, WorkerState, parse_time
 from gpupool.wire.nodes import (GPUInfo, Heartbeat, HeartbeatReply, NodeRegistration, RegistrationReply,
                                 WorkerReport, is_node_name)
 
@@ -44,7 +44,7 @@ from . import cell_log, parked
 from .background import Background
 from .leases import LeaseBook
 from .models import GPU, Lease, Node
-from .replacing import queue_again
+from .replacing import LEAVING_REASON, queue_after_stop
 from .rules.reclaim import PARKED_STATES, ParkCode
 from .state import PoolState, Transaction
 
@@ -197,9 +197,7 @@ class NodeBook:
                 else:
                     parked.unresumed(tx, lease, f"{words}; it stays parked: resume again to retry", now)
             else:
-                lease.wait_until = max(lease.wait_until or now, now + timedelta(seconds=self.away_for))
-                queue_again(tx, lease, f"its node {name}'s agent stopped while its worker started; queued again, "
-                            f"in its place, until {isoformat(lease.wait_until)}", now)
+                queue_after_stop(tx, lease, name, self.away_for, now)
             log.info("lease %s: %s", lease.id, lease.events[-1].reason)
             cut += 1
         return cut
@@ -312,9 +310,6 @@ def death_reason(exit_code: int | None) -> str:
         return f"the worker process was killed by signal {-exit_code}{name}"
     return f"the worker process exited with code {exit_code}"
 
-
-#: A node's ``state_reason`` after its agent's last heartbeat said it is leaving.
-LEAVING_REASON = "its agent stopped"
 
 #: Said of a parked lease whose worker is gone.
 LOST_STATE = ": its variables and state there are gone"

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Sequence
 
 from gpupool.schema import LeaseState, isoformat
@@ -89,6 +89,19 @@ def place_again(tx: Transaction, lease: Lease, placer: Placer, host_share: float
     log.info("lease %s queued again after its worker could not start on %s (nodes tried: %s)", lease.id, node,
              nodes)
     return PlacedAgain()
+
+
+#: A node's ``state_reason`` once its agent said it stops (its last heartbeat, or its answer to a start).
+LEAVING_REASON = "its agent stopped"
+
+
+def queue_after_stop(tx: Transaction, lease: Lease, node: str, away_for: float, now: datetime) -> None:
+    """A new ``lease`` whose start on ``node`` its agent's stop cut short (nothing of its user's
+    was there yet) back to ``queued``, in its place (:func:`queue_again`), waiting at least
+    ``away_for`` seconds (``node_ttl + parked_node_grace``: the agent may be restarting)."""
+    lease.wait_until = max(lease.wait_until or now, now + timedelta(seconds=away_for))
+    queue_again(tx, lease, f"its node {node}'s agent stopped while its worker started; queued again, in its "
+                f"place, until {isoformat(lease.wait_until)}", now)
 
 
 def queue_again(tx: Transaction, lease: Lease, words: str, now: datetime) -> None:

@@ -180,8 +180,18 @@ class WorkersHandler(AgentHandler):
         try:
             worker = await self.workers.start(spec)
         except WorkerStartError as exc:
+            if self.workers.closing:
+                raise stopping(spec.lease_id) from None
             raise GPUPoolError(Reason.worker_start_failed, str(exc), 502) from None
+        if self.workers.closing:  # it came up during the stop, which stops it unused
+            raise stopping(spec.lease_id)
         self.write_json(WorkerStarted(worker.pid, worker.connection()).to_json(), 201)
+
+
+def stopping(lease_id: str) -> GPUPoolError:
+    """The 503 of a start while the agent stops: it keeps no worker of ``lease_id``."""
+    return GPUPoolError(Reason.agent_stopping, f"the node agent is stopping (a restart or an upgrade, say): it "
+                        f"keeps no worker of lease {lease_id}", 503)
 
 
 class WorkerHandler(AgentHandler):

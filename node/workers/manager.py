@@ -84,6 +84,11 @@ class WorkerManager:
                                                log=self.log)
 
     @property
+    def closing(self) -> bool:
+        """Whether the agent is stopping (:meth:`spill_all`, :meth:`stop_all`): no new worker is started."""
+        return self._closing
+
+    @property
     def launcher(self) -> WorkerLauncher:
         """The launcher that starts this node's workers (read-only: for the agent's start log)."""
         return self._launcher
