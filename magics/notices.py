@@ -70,6 +70,8 @@ class Notices:
         overtaken = {id(beat) for kind, _, beat in pending if kind in SAID_BY_CELL}
         said = set()
         for kind, text, beat in pending:
+            if forwarded and kind == "parked":
+                self._unsaid_park(beat)
             if (beat is not None and beat.stopped) or (forwarded and kind in SAID_BY_CELL) \
                     or (kind == "idle_warning" and (id(beat) in overtaken or _stale(beat))):
                 continue
@@ -93,6 +95,14 @@ class Notices:
             pending, self._pending = pending + self._pending, []
         back = {id(beat) for kind, _, beat in pending if kind == "service_back"}
         return [(kind, text, beat) for kind, text, beat in pending if not (kind == "service_down" and id(beat) in back)]
+
+    def _unsaid_park(self, beat) -> None:
+        """A park notice left unsaid atop a forwarded cell: that cell's resume line says it, and
+        what the park could not keep with it (not marked said: :meth:`.park.Parked.not_kept`)."""
+        lifecycle = self.lifecycle
+        attachment = lifecycle.attachment if lifecycle is not None else None
+        if attachment is not None and beat is attachment.heartbeat and attachment.parked is not None:
+            attachment.parked.lost_said = ()
 
     def _told(self, kind: str, beat) -> None:
         lifecycle = self.lifecycle

@@ -744,6 +744,30 @@ def test_a_notebook_whose_agent_restarts_waits_for_it_and_goes_on_with_its_varia
         close_notebook(svc, agent, km, kc)
 
 
+def test_after_an_agent_restart_the_resuming_cell_names_what_the_save_could_not_keep(tmp_path, monkeypatch):
+    """The agent stopped while the notebook is idle (its heartbeat sees the park: the park's notice waits
+    for the next cell, which drops it, since that cell says the resume itself), then back: that cell's
+    resume line names what the save to disk could not keep (a lock), not only that it resumed."""
+    monkeypatch.setenv("GPUPOOL_SIMGPU_ROOT", str(Path("/dev/shm") / f"gpupool-test-lostsaid-{uuid.uuid4().hex[:8]}"))
+    svc = start_service(tmp_path, config={"node_ttl": 120.0, "heartbeat_ttl": 6.0})  # beats every 2 s
+    agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=AGENT_ARGS)
+    km, kc = start_gpupool_kernel(install_kernelspec(tmp_path / "prefix", svc.url, svc.user_token), tmp_path)
+    try:
+        assert run(kc, "%gpu acquire 0.5").ok
+        assert run(kc, "import threading\nlk = threading.Lock()\nw = 5").ok
+        port = int(agent.url.rsplit(":", 1)[1])
+        assert agent.stop() == 0
+        time.sleep(4)  # a beat or two: the kernel has seen the park
+        agent = start_agent(tmp_path, svc, simulate="1xA100-80GB", extra_args=AGENT_ARGS, port=port)
+        done = run(kc, "print(w)", timeout=90)
+        text = done.text()
+        assert done.ok and done.stdout.strip().endswith("5"), text
+        assert "gpupool: resumed " in text and "not kept by the park: lk: _thread.lock cannot be saved to disk" in text, \
+            text
+    finally:
+        close_notebook(svc, agent, km, kc)
+
+
 def test_a_cell_interrupted_by_its_agents_restart_says_why_and_the_next_goes_on_with_its_variables(tmp_path,
                                                                                                     monkeypatch):
     """SIGTERM to the agent while a cell runs: the agent interrupts the cell and saves the worker to disk.
