@@ -29,6 +29,7 @@ from .heartbeat import KernelHeartbeat
 from .park import Parked, parked_now, parked_words, resume_seconds
 from .words import ended_words, say
 from .relay import OutputRelay, remote_error
+from .summary import as_outputs
 from gpupool.remote import RemoteKernel
 
 #: What a wait on a worker that a park to disk ended says (the lease resumed on a new worker).
@@ -418,8 +419,9 @@ class Attachment:
         """Move this worker's variables and modules into ``other``'s worker,
         worker to worker (docs/parking.md, "Moving"): this one offers its
         ``pull_all`` on its data plane, the other takes it from there and
-        restores it. Returns ``(items moved, errors by name)``: what could not
-        travel (and why) and what did not restore there. GPUPoolError
+        restores it, the cells' results (``Out[n]``) too. Returns ``(items moved,
+        errors by name)``: what could not travel (and why) and what did not
+        restore there. GPUPoolError
         ``transfer_failed`` with nothing changed on either side but what the
         other's answer lists; this worker is left as it was."""
         ticket = dataplane.ticket_for(self.remote.connection, self.transfer_streams())
@@ -427,7 +429,7 @@ class Attachment:
             raise GPUPoolError(Reason.transfer_failed, "a move needs both workers' data planes (their agents give "
                                "them a transfer_port); release and acquire instead", 409)
         with self._guarded():  # counted as running throughout: no idle park meanwhile
-            offered, _ = self._comm_unlocked(PullAll(stream=ticket.wire(), stream_all=True))
+            offered, _ = self._comm_unlocked(PullAll(stream=ticket.wire(), stream_all=True, outputs=True))
             header = offered["header"]
             sizes = header.pop("stream")["sizes"]
             source = {"ip": self.remote.connection["ip"], "transfer_port": self.remote.connection["transfer_port"]}
@@ -436,7 +438,8 @@ class Attachment:
         items = [item for item in header.get("items", []) if item["name"] in loaded]
         items += [{"name": name, "type": "module", "module": module, "nbytes": 0}
                   for name, module in header.get("modules", {}).items() if name in loaded]
-        return items, {**header.get("errors", {}), **answer.get("errors", {})}
+        other.counts = list(self.counts)  # the cells' results went along: a release brings them home from there
+        return as_outputs(items, {**header.get("errors", {}), **answer.get("errors", {})})
 
     def have(self, names: list[str]) -> set[str]:
         """Which of ``names`` the worker's namespace holds (one comm round trip)."""

@@ -27,6 +27,19 @@ _LEFT_BEHIND = (
 )
 
 
+def output_name(name: str) -> str | None:
+    """``"Out[3]"`` for ``"_3"`` (a cell's result, as IPython names it), None for another name."""
+    return f"Out[{name[1:]}]" if name[:1] == "_" and name[1:].isdigit() else None
+
+
+def as_outputs(items: list[dict[str, Any]], errors: dict[str, str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """``items`` and ``errors`` of a pull with the cells' results (``_3``) named ``Out[3]`` and
+    marked as outputs, so that a summary groups them apart from variables."""
+    named = [{**item, "name": output_name(item["name"]), "output": True} if output_name(item["name"]) else item
+             for item in items]
+    return named, {output_name(name) or name: why for name, why in errors.items()}
+
+
 def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) -> str:
     """``"; VERB 3 variables (...), 2 modules (...); lost with the worker: ..."``,
     or ``""`` when nothing moved and nothing was left."""

@@ -14,7 +14,7 @@ from gpupool.errors import GPUPoolError
 
 from .attachment import Attachment
 from .dataplane import TransferInterrupted
-from .summary import summarize
+from .summary import as_outputs, summarize
 from .variables import Variables
 from .words import pull_interrupted, push_interrupted, say, transfer_note
 
@@ -99,8 +99,7 @@ class Transfers:
         except (GPUPoolError, TransferInterrupted) as exc:  # the variables came: the release goes on without these
             return [], {"Out": f"not brought back: {getattr(exc, 'message', None) or 'interrupted'}"}
         self.variables.take_outputs(values)
-        items = [{**item, "name": f"Out[{item['name'][1:]}]", "output": True} for item in reversed(items)]
-        return items, {f"Out[{name[1:]}]": why for name, why in errors.items() if why != NOT_ON_WORKER}
+        return as_outputs(list(reversed(items)), {name: why for name, why in errors.items() if why != NOT_ON_WORKER})
 
 
 def _follow_folder(attachment: Attachment) -> str:

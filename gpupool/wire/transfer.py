@@ -106,9 +106,12 @@ class Pull(Pulling):
 @dataclass(frozen=True, kw_only=True)
 class PullAll(Pulling):
     """:class:`Pulling` every user variable; the answer's ``header["modules"]``
-    is ``{name: module}`` of the imports."""
+    is ``{name: module}`` of the imports. With ``outputs``, the results the
+    worker's cells showed too (``Out[n]``, as ``_n``): a spill's or a move's,
+    whose new worker keeps them."""
 
     OP = Op.pull_all
+    outputs: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,7 @@
 """The worker's variables as a pull sends them: the user's own names, on the
-CPU, within the request's size cap, modules as imports; and such a pull
-restored into another worker (a spill's, a move's)."""
+CPU, within the request's size cap, modules as imports (and, for a spill or a
+move, the cells' results, ``Out[n]``); and such a pull restored into another
+worker (a spill's, a move's)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def user_variables(ip) -> dict[str, Any]:
     hidden = ip.user_ns_hidden
     return {name: value for name, value in ip.user_ns.items()
             if not name.startswith("_") and name not in hidden and not isinstance(value, types.ModuleType)}
+
+
+def user_outputs(ip) -> dict[str, Any]:
+    """The results the worker's cells showed, as their ``_n`` names: ``{"_3": Out[3]}``."""
+    return {f"_{count}": value for count, value in ip.history_manager.output_hist.items()
+            if not _is_widget(value)}
 
 
 def user_modules(ip) -> dict[str, str]:
@@ -48,6 +55,8 @@ def pull_header(ip, request: Pulling) -> tuple[dict[str, Any], list]:
         widgets = [name for name, value in values.items() if _is_widget(value)]
         missing.update({name: "widget: stays on the worker" for name in widgets})
         values = {name: value for name, value in values.items() if name not in widgets}
+        if isinstance(request, PullAll) and request.outputs:
+            values.update(user_outputs(ip))
     limit = request.max_bytes
     if limit:  # leave what surely exceeds the cap before copying it to host memory
         values, missing = _within(values, int(limit), missing)
@@ -79,6 +88,9 @@ def restore(ip, header: dict[str, Any], buffers: list) -> dict[str, Any]:
         except Exception as exc:  # not installed where it lands
             errors[name] = f"module {module} cannot be imported: {exc}"
     ip.user_ns.update(values)
+    for name, value in values.items():  # a result of the old worker's cells: its Out[n] here too
+        if name[:1] == "_" and name[1:].isdigit():
+            ip.history_manager.output_hist[int(name[1:])] = value
     return {"ok": True, "loaded": sorted(values), "errors": errors}
 
 

@@ -37,7 +37,7 @@ def save(ip, path: str) -> dict[str, Any]:
     not be, the module names, and the file's size. From then on, while that
     file exists, the worker refuses cells
     (:meth:`gpupool.kernelapp.WorkerKernel.refuse_cells`)."""
-    header, buffers = pull_header(ip, PullAll())
+    header, buffers = pull_header(ip, PullAll(outputs=True))
     header["sizes"] = [memoryview(b).nbytes for b in buffers]
     head = json.dumps(header).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

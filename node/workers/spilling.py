@@ -47,9 +47,15 @@ def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None 
     """``{name: why}`` of a pull's header (``"TypeName cannot be sent: reason"``)
     as one line per name, for ``doing`` (``"saved to disk"``), and the saved
     names of ``types`` (name -> type) that come back as another kind of object."""
-    words = [f"{name}: {why.replace('cannot be sent', f'cannot be {doing}')}" for name, why in sorted(errors.items())]
+    words = [f"{_named(name)}: {why.replace('cannot be sent', f'cannot be {doing}')}"
+             for name, why in sorted(errors.items())]
     return words + [f"{name}: an open file ({kind}) comes back as an in-memory copy of what it held, not open"
                     for name, kind in sorted((types or {}).items()) if kind in COPIED_AS_CONTENTS]
+
+
+def _named(name: str) -> str:
+    """A saved name as the user knows it: a cell's result ``_3`` is ``Out[3]``."""
+    return f"Out[{name[1:]}]" if name[:1] == "_" and name[1:].isdigit() else name
 
 
 class SpillFailed(GPUPoolError):

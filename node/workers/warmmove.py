@@ -78,7 +78,7 @@ async def offer(parking: WorkerParking, worker: Worker, owner: str, timeout: flo
             worker.parked = parked.but(offered=True)
             worker.record().write(parking.manager.workers_dir)
         ticket = Ticket.new(encrypted=bool(connection.get("curve_publickey")), streams=streams_for(0))
-        answer = await asyncio.to_thread(ask, connection, PullAll(stream=ticket.wire(), stream_all=True), timeout)
+        answer = await asyncio.to_thread(ask, connection, PullAll(stream=ticket.wire(), stream_all=True, outputs=True), timeout)
     except CheckpointError as exc:
         raise GPUPoolError(Reason.park_failed, f"could not offer the worker of lease {lease} for a move: {exc}",
                            502) from None

@@ -270,9 +270,11 @@ def test_acquire_of_another_size_moves_the_variables_worker_to_worker(e2e_pool, 
         in moved.stdout, moved.stdout
     assert "3 modules (os, threading, np)" in moved.stdout, "imported there, not pickled"
     assert "lost with the worker: 1 that cannot be pickled (lock)" in moved.stdout, moved.stdout
+    shown = re.search(r"1 output \((Out\[(\d+)\]); ", moved.stdout)
+    assert shown, "the cell's result went along: " + moved.stdout
     there = run(kc, "print(big.sum() == np.arange(400_000).sum(), small, 'lock' in globals(), os.getpid() != pid, "
-                    "os.environ['GPUPOOL_LEASE_ID'])")
-    assert there.stdout.split() == ["True", "7", "False", "True", new.group(1)], there.text()
+                f"os.environ['GPUPOOL_LEASE_ID'], {shown.group(1)}, _{shown.group(2)})")
+    assert there.stdout.split() == ["True", "7", "False", "True", new.group(1), old, old], there.text()
     assert [lease.id for lease in active_leases(service)] == [new.group(1)]
     assert service.client().get_lease(new.group(1)).idle_timeout == 600, "the idle timeout asked goes along"
     assert service.client().get_lease(old).state.value == "released"

@@ -6,8 +6,8 @@ offer (``POST /workers/{id}/offer``) and its new worker takes the namespace
 from the old worker's data plane, worker to worker: no disk on either side.
 
 What is checked: the variables arrive (a plain value, a NumPy array of several
-chunks, a simulated GPU array back on the new node's GPU) and what cannot be
-pickled is named; nothing is written to either spill folder; the old worker
+chunks, a simulated GPU array back on the new node's GPU, a cell's result as
+``Out[n]`` and ``_n``) and what cannot be pickled is named; nothing is written to either spill folder; the old worker
 stays until its ``DELETE``, which frees its host copy; another owner's
 resume and a move from an agent with no such worker leave both nodes as
 they were; an offer nobody takes is spilled to disk, and that lease resumes
@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from frontend import run
 from parkagent import MiB, ParkAgent, agent_pair
 from test_spill_move import cell
 
@@ -58,6 +59,7 @@ def parked_in_memory(agent: ParkAgent, lease: str) -> dict:
     """A worker on ``agent`` for ``lease`` holding STATE, parked in memory; its report."""
     kc = agent.client(agent.start_worker(lease)["connection"])
     cell(kc, STATE)
+    run(kc, "x * 2", timeout=60)  # a result the cell showed: Out[2]
     status, parked = agent.park(lease, reason="its node has no room")
     assert status == 200 and parked["tier"] == "memory", parked
     assert agent.inventory().metrics()[0]["memory_used"] == 0, "its GPU memory is in host memory"
@@ -78,8 +80,10 @@ def test_a_lease_parked_in_memory_moves_to_another_node_worker_to_worker(nodes):
     assert status == 200 and resumed["tier"] == "memory", resumed
     assert [w.split(":")[0] for w in resumed["lost"]] == ["lock"], resumed["lost"]
     assert "cannot be moved" in resumed["lost"][0], resumed["lost"]
-    out = cell(b.client(resumed["connection"]), CHECK)
+    kc = b.client(resumed["connection"])
+    out = cell(kc, CHECK)
     assert out.split() == ["42", str(3 * sum(range(1_500_000))), "int64", "0", str(7 * 2048), b.name]
+    assert cell(kc, "print(Out[2], _2)").split() == ["82", "82"], "the cells' results went along"
     assert b.inventory().process_memory().get(resumed["pid"]) == 8 * MiB, "the GPU array is on node B's GPU"
     assert (spills(a), spills(b)) == ([], []), "no disk on either side"
     log = b.log.read_text()
@@ -120,5 +124,6 @@ def test_an_offer_no_node_takes_is_spilled_and_resumes_where_it_is(nodes):
     assert "no node took it within" in a.log.read_text()
     status, resumed = a.resume("L-left")
     assert status == 200 and resumed["tier"] == "disk", resumed
-    assert cell(a.client(resumed["connection"]), "print(x + 1, int(gpu.sum()))").split() == ["42", str(7 * 2048)]
+    assert cell(a.client(resumed["connection"]), "print(x + 1, int(gpu.sum()), Out[2])").split() == [
+        "42", str(7 * 2048), "82"]
     assert a.call("DELETE", "/workers/L-left")[0] == 200
