@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import getpass
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -42,6 +43,9 @@ CLOCK_SLACK_S = 1.0
 log = logging.getLogger("gpupool.magics")
 #: Seconds between asks to resume a frozen lease when the service did not answer.
 RESUME_RETRY_S = 5.0
+#: Times a cell asks again for a resume the service tried and gave up (the lease back ``parked``: a move
+#: that failed, say) before it stops waiting and says why; the lease stays parked.
+RESUME_TRIES = 3
 #: Seconds a resume asked without a cell (ask_resume) is followed at once before the heartbeat takes over.
 FOLLOW_RESUME_S = 120.0
 
@@ -212,10 +216,10 @@ class Attachment:
                 # worker): this call does not see it from its start, so the service's clock times it.
                 earlier = parked.resume_asked or parked.new_worker is not None
         started = time.monotonic()
-        told, asked_at = False, started
+        told, asked_at, tries = False, started, 1
 
         def seen(lease: Lease, was_queued: bool) -> None:
-            nonlocal told, asked_at
+            nonlocal told, asked_at, tries
             if on_wait is not None and not told and lease.state in WAITING_FOR_ROOM \
                     and (lease.queue_position or lease.node_state == "lost"):
                 told = True
@@ -226,7 +230,13 @@ class Attachment:
             # left it parked. Ask again, as a new cell would, so it resumes once the agent is back.
             if lease.state is LeaseState.parked and not (lease.parked or {}).get("resume_requested") \
                     and time.monotonic() - asked_at >= RESUME_RETRY_S:
-                asked_at = time.monotonic()
+                why = (lease.events or [{}])[-1].get("reason") or "no reason given"
+                if tries >= RESUME_TRIES:
+                    raise GPUPoolError(Reason.park_failed, f"the pool tried to resume {lease.id} {tries} times and "
+                                       f"it stayed parked; the last try: {why}. Run a cell to try again, or "
+                                       "%gpu release --discard gives it up", 502)
+                print(f"gpupool: {why}; asking again", file=sys.stderr, flush=True)
+                asked_at, tries = time.monotonic(), tries + 1
                 try:
                     self.client.resume(self.lease.id)
                 except GPUPoolError as exc:

@@ -271,6 +271,35 @@ def test_a_notebook_whose_parked_lease_moved_goes_on_on_the_other_node(two_nodes
         svc.client().release(taker.id)
 
 
+def test_a_cell_whose_lease_cannot_move_says_why_and_stops_waiting_after_a_few_tries(two_nodes, tmp_path):
+    """node-1's agent killed (-9: no last heartbeat, so node-1 stays up for the service) after the park:
+    each move to node-2 fails (neither the offer nor the spill can be asked there) and leaves the lease
+    parked. The cell says each failure and asks again, and after RESUME_TRIES tries it stops waiting
+    with the last failure's words; the lease stays parked."""
+    svc, node_1, _ = two_nodes
+    try:
+        with notebook(svc, tmp_path) as (_, comm):
+            lease_id, taker = notebook_parked_on_a_full_node_1(svc, comm)
+            node_1.proc.send_signal(signal.SIGKILL)
+            node_1.proc.wait()
+            began = time.monotonic()
+            done = comm.run("print(x + 1)", timeout=120)
+            text = done.text()
+            assert not done.ok and time.monotonic() - began < 60, text
+            assert text.count("did not spill it to disk") >= 3 and text.count("; asking again") == 2, text
+            assert f"the pool tried to resume {lease_id} 3 times and it stayed parked; the last try: it could not " \
+                   "move to node-2" in text and "%gpu release --discard gives it up" in text, text
+            assert svc.client().get_lease(lease_id).state is LeaseState.parked
+            svc.client().release(taker.id)
+    finally:
+        for pid in processes_mentioning(str(node_1.state_dir)):  # the killed agent's workers are this test's to end
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: not processes_mentioning(str(node_1.state_dir)), 15, "node-1's workers gone")
+
+
 def test_a_resume_asked_in_jupyterlab_waits_for_its_node_and_the_next_cell_moves_it(two_nodes, tmp_path):
     """The JupyterLab extension asks for the resume when the user is back (``{"request": "resume"}``
     on the status comm), in place: a move would lose what cannot be saved to disk (the held lock)
