@@ -105,8 +105,9 @@ class Recovery:
         context = self.kernels.context
         watcher = asyncio.ensure_future(watch_iopub(worker, worker.manager.get_connection_info(), context, self.log))
         worker.watcher = asyncio.gather(watcher, _track_running_cell(worker, self.log))
-        self.log.info("re-adopted the parked worker (pid %s) of lease %s of %s, frozen (parked in memory with %s)",
-                      record.pid, record.lease_id, record.owner, worker.parked.checkpointer)
+        self.log.info("re-adopted the parked worker (pid %s) of lease %s of %s, %s (parked in memory with %s)",
+                      record.pid, record.lease_id, record.owner,
+                      "thawed, offered for a move" if worker.parked.offered else "frozen", worker.parked.checkpointer)
         return worker
 
     async def _reconnect(self, worker: Worker, record: WorkerRecord) -> Worker | None:
