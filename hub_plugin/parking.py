@@ -260,12 +260,19 @@ class Parking:
         """Move a lease parked in memory worker to worker: the new node's agent starts a worker
         that takes the namespace the old worker offers on its data plane (``POST .../resume``
         with ``move_from``; :mod:`gpupool.node.workers.warmmove`), then the old worker is ended.
-        False when that failed (logged): the old worker is left offered, and the move goes
-        through the old node's disk instead (its spill takes the offered worker as it is)."""
+        False when the new node's agent could not do it (logged): the old worker is left offered,
+        and the move goes through the old node's disk instead (its spill takes the offered worker
+        as it is). When an agent cannot be reached at all, no disk helps: the lease is ``parked``
+        again on its old node (True)."""
         lease_id, old, new = job.request.lease_id, job.moved_from, job.node
         try:
             answer = await self._unless_lost((old, new), self.workers.resume(job, from_memory=True))
         except GPUPoolError as exc:
+            if exc.code == Reason.agent_unreachable:
+                log.warning("lease %s: move to %s failed: %s", lease_id, new, exc.message)
+                await self._back_parked(lease_id, f"its move to {new} failed ({exc.message}); it stays parked on "
+                                        f"{old}: resume again to retry")
+                return True
             log.warning("lease %s: its move from %s's memory to %s failed (%s); it moves through %s's disk", lease_id,
                         old, new, exc.message, old)
             return False

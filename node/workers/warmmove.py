@@ -1,4 +1,4 @@
-"""A move from memory (docs/parking.md, "Moves"): a lease parked in memory
+"""A move from memory (docs/parking.md, "The agent's part"): a lease parked in memory
 on one node resumes on another without its state touching a disk. The old
 node's worker, thawed with its GPU state in its host memory, offers its
 whole namespace on its data plane (:func:`offer`, the agent's
@@ -29,6 +29,7 @@ from gpupool.schema import WorkerState
 from gpupool.wire.parking import WorkerResumed
 from gpupool.wire.transfer import Fetch, PullAll
 
+from ..cgroups import CgroupError
 from ..checkpoint import CheckpointError
 from ..checkpoint.framework import ask
 from .handle import Worker
@@ -78,8 +79,9 @@ async def offer(parking: WorkerParking, worker: Worker, owner: str, timeout: flo
             worker.parked = parked.but(offered=True)
             worker.record().write(parking.manager.workers_dir)
         ticket = Ticket.new(encrypted=bool(connection.get("curve_publickey")), streams=streams_for(0))
-        answer = await asyncio.to_thread(ask, connection, PullAll(stream=ticket.wire(), stream_all=True, outputs=True), timeout)
-    except CheckpointError as exc:
+        request = PullAll(stream=ticket.wire(), stream_all=True, outputs=True)
+        answer = await asyncio.to_thread(ask, connection, request, timeout)
+    except (CheckpointError, CgroupError) as exc:
         raise GPUPoolError(Reason.park_failed, f"could not offer the worker of lease {lease} for a move: {exc}",
                            502) from None
     header = dict(answer["header"])

@@ -1,8 +1,9 @@
-"""A cold move in the store (revision 0013, ``c.PoolLeases.resume_moves``), with the service's
+"""A move in the store (revision 0013, ``c.PoolLeases.resume_moves``), with the service's
 own objects over a store whose agents cannot be reached (their addresses refuse connections): a
-resume that finds no room on its node is placed on another node, and a move whose old agent does
-not spill it goes back ``parked`` on its old node with its old GPUs, the new node's share free
-again; with moves off it waits; the old node's reports of a moving lease are not stopped until
+resume that finds no room on its node is placed on another node, and a move whose new agent
+cannot be reached goes back ``parked`` on its old node with its old GPUs, the new node's share
+free again (the move through the old node's disk, whose failure the same words say:
+tests/service/test_resume_moves.py); with moves off it waits; the old node's reports of a moving lease are not stopped until
 the move ends. The move with real agents: tests/service/test_resume_moves.py."""
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def free_on(store) -> dict[str, float]:
 
 
 async def move_fails(pool, store) -> None:
-    """Resume PARKED: it is placed on n2 at once, then n1's agent is not there to spill it."""
+    """Resume PARKED: it is placed on n2 at once, then n2's agent is not there to take it."""
     await pool.parking.resume_by(ann(), PARKED)
     for _ in range(100):
         await asyncio.sleep(0.05)
@@ -92,7 +93,9 @@ async def move_fails(pool, store) -> None:
             return
 
 
-def test_a_move_whose_old_agent_does_not_spill_it_goes_back_parked_on_its_old_node(store):
+def test_a_move_whose_new_agent_cannot_be_reached_goes_back_parked_on_its_old_node(store):
+    """No disk helps a move whose new node's agent cannot be reached: the lease is parked again on n1, in
+    memory, at once (the move through n1's disk is not tried)."""
     async def body(pool):
         await move_fails(pool, store)
 
@@ -101,8 +104,9 @@ def test_a_move_whose_old_agent_does_not_spill_it_goes_back_parked_on_its_old_no
     assert [e.state for e in lease.events] == ["starting", "parked"]
     assert lease.events[0].reason == ("moving to n2 (GPU 0 (A100)): n1 has no room; its state goes from its worker on "
                                       "n1 to a new worker on n2, worker to worker (what cannot be moved is named)")
-    assert lease.events[1].reason.startswith("it could not move to n2: the agent on n1 did not spill it to disk "
-                                             "(the node agent at http://127.0.0.1:"), lease.events[1].reason
+    assert lease.events[1].reason.startswith("its move to n2 failed (the node agent at http://127.0.0.1:"), \
+        lease.events[1].reason
+    assert "/n2/workers/L-0000000000a1/resume could not be reached" in lease.events[1].reason, lease.events[1].reason
     assert lease.events[1].reason.endswith("it stays parked on n1: resume again to retry")
     assert (lease.state, lease.node_name, [g.gpu_uuid for g in lease.gpus]) == ("parked", "n1", ["G-n1"])
     assert lease.moved_from is None and lease.resume_requested_at is None and lease.park_tier == "memory"
@@ -231,9 +235,9 @@ def test_a_failed_move_keeps_the_time_the_lease_was_parked(store):
 
 
 def test_a_moving_lease_holds_its_host_memory_on_its_old_node_until_its_spill(store):
-    """Between a move's placement (``starting`` on n2 at once) and its spill, the frozen worker still holds
+    """Between a move's placement (``starting`` on n2 at once) and its end, the parked worker still holds
     its host RAM on n1: n1's host counts it as parked bytes (placement, ``GET /pool``), n2 its new host
-    reservation. n1's agent here accepts the connection and never answers, so the spill never comes."""
+    reservation. n2's agent here accepts the connection and never answers, so the move never ends."""
     from gpupool.hub_plugin.capacity import host_states
     from gpupool.hub_plugin.models import Lease, Node
     from gpupool.hub_plugin.views import pool_json
@@ -245,7 +249,7 @@ def test_a_moving_lease_holds_its_host_memory_on_its_old_node_until_its_spill(st
         for name in ("n1", "n2"):
             node = session.get(Node, name)
             node.host_cpus, node.host_memory = 16.0, 256 * GiB
-        session.get(Node, "n1").url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        session.get(Node, "n2").url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         session.get(Lease, PARKED).parked_host_bytes = 3 * GiB
 
     async def body(pool):
@@ -254,7 +258,7 @@ def test_a_moving_lease_holds_its_host_memory_on_its_old_node_until_its_spill(st
             await asyncio.sleep(0.05)
             if get(store, PARKED).state == "starting":
                 break
-        await asyncio.sleep(0.3)  # the move's spill is asked for (and never answered)
+        await asyncio.sleep(0.3)  # the move is asked of n2 (and never answered)
         moving = get(store, PARKED)
         with store.read() as session:
             seen = moving, host_states(session), pool_json(session, 0)
