@@ -240,7 +240,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot(mib, [r[f"{method}_resume_p50_s"] for r in rows], "o-", color=colour, label=f"{name}: resume")
     ax.axhline(0.150, color="grey", linestyle=":", label="150 ms (warm resume target, small state)")
     ax.set(xscale="log", yscale="log", xlabel="GPU state (MiB, log scale)", ylabel="seconds, p50 (log scale)",
-           title="Park and resume: in place (warm), spilled, moved, and today's pull-everything park")
+           title="Park and resume: in place (warm), spilled, moved, today's park")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -278,10 +278,10 @@ def report(results: dict[str, Any]) -> str:
                      f"(target >= 10x: {'met' if ratio >= 10 else 'NOT met'}).")
         if "moved_resume_p50_s" in gib:
             lines.append(f"- A move to another node at 1 GiB: {gib['moved_resume_p50_s']:.2f} s worker to worker from "
-                         f"memory, {gib['moved_disk_resume_p50_s']:.2f} s through the disk (spill fetched, then "
-                         "loaded; the spill itself is in the park's time). Both include the new worker's start; on "
-                         "this host the two nodes share one loopback and two cores, so the network costs nothing "
-                         "and the cores are the limit.")
+                         f"memory, {gib['moved_disk_resume_p50_s']:.2f} s through the disk (the spill fetched, then "
+                         f"loaded), after a spill of {gib['moved_disk_park_p50_s']:.2f} s that the move from memory "
+                         "does not need. Both include the new worker's start; on this host the two nodes share one "
+                         "loopback and two cores, so the network costs nothing and the cores are the limit.")
     lines.append("- What a warm park costs here is gpupool's own path: the agent's freeze, the `simulated` "
                  "checkpointer's move (the allocation files renamed out of their GPU's folder: the pages change owner, "
                  "no byte is copied, so the GiB/s of `warm` are not a bandwidth) and the thaw, through the agent's HTTP "
