@@ -196,6 +196,17 @@ def load_pulled(header: dict[str, Any], buffers: Iterable[memoryview | bytes]
 
 #: Types that pickle but arrive as something else: cloudpickle sends an open file as an in-memory
 #: copy of its contents (an io.StringIO or BytesIO), no longer open.
+def output_count(name: str) -> int | None:
+    """The cell count of a result as IPython binds it (``_3`` -> 3: ``Out[3]``); None for another name."""
+    return int(name[1:]) if name[:1] == "_" and name[1:].isdigit() else None
+
+
+def shown_name(name: str) -> str:
+    """A pulled name as the user knows it: a cell's result ``_3`` is ``Out[3]``, another as it is."""
+    count = output_count(name)
+    return name if count is None else f"Out[{count}]"
+
+
 COPIED_AS_CONTENTS = frozenset({"_io.TextIOWrapper", "_io.BufferedReader", "_io.BufferedWriter",
                                 "_io.BufferedRandom", "_io.FileIO"})
 

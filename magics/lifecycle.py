@@ -15,7 +15,7 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 
@@ -156,7 +156,7 @@ class Lifecycle:
         if discard and self._attachment is not None and self._attachment.parked is not None:
             self._release_parked()
             return
-        moving = _moving_from(self._attachment)
+        moving = _moving(self._attachment).get("moving_from")
         if moving:
             say(f"{self._attachment.lease.id} is moving from {moving} to another node (its state goes to a new worker "
                 f"there): %gpu release waits for it, then brings its variables home; %gpu release --discard gives it "
@@ -183,14 +183,15 @@ class Lifecycle:
         """``%gpu release --discard`` of a parked (or resuming, or moving) lease: nothing to bring
         back, no resume waited for."""
         attachment, self._attachment = self._attachment, None
-        moving = _moving_from(attachment)
+        move = _moving(attachment)
+        moving = move.get("moving_from")
         # Its resume in line for room (the service's place): said, since that is why it was given up without them.
         waiting = attachment.parked is not None and bool(attachment.parked.lease.queue_position)
         try:
             lease = attachment.release(reason="%gpu release --discard")
         finally:
             self.tell()  # detached here, whatever the service answered
-        left = (f"its state on {moving}'s disk is deleted" if _moving_tier(attachment) == "disk" else
+        left = (f"its state on {moving}'s disk is deleted" if move.get("tier") == "disk" else
                 f"its worker on {moving}, which held its state, is ended")
         gone = (f"; it was moving from {moving} to {lease.node}: its variables were discarded ({left}, nothing of "
                 f"it stays on {lease.node})") if moving else \
@@ -327,19 +328,14 @@ def release_not_waited(attachment: Attachment, withdrawn: bool) -> str:
             "lost)")
 
 
-def _moving_from(attachment: Attachment | None) -> str | None:
-    """The node a moving lease's state is on (the service's ``parked.moving_from``, as last
-    seen by :meth:`.attachment.Attachment.catch_up`); None when it is not moving."""
+def _moving(attachment: Attachment | None) -> dict[str, Any]:
+    """The service's ``parked`` object of a lease that is resuming (``moving_from``: the node its
+    state is on when it moves; ``tier``: ``memory``, its old worker, or ``disk``, a spill), as last
+    seen by :meth:`.attachment.Attachment.catch_up`; empty when it is not resuming."""
     seen = attachment.parked.lease if attachment is not None and attachment.parked is not None else None
     if seen is None or seen.state is not LeaseState.starting:
-        return None
-    return (seen.parked or {}).get("moving_from")
-
-
-def _moving_tier(attachment: Attachment | None) -> str | None:
-    """Where a moving lease's state is (``memory``: its old worker; ``disk``: a spill), as last seen."""
-    seen = attachment.parked.lease if attachment is not None and attachment.parked is not None else None
-    return (seen.parked or {}).get("tier") if seen is not None else None
+        return {}
+    return seen.parked or {}
 
 
 def service_caveat(lease, asked: str) -> str:

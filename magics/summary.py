@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpupool.transfer import COPIED_AS_CONTENTS
+from gpupool.transfer import COPIED_AS_CONTENTS, output_count, shown_name
 from gpupool.units import format_bytes
 
 #: How many names one group lists before "and N more".
@@ -27,17 +27,12 @@ _LEFT_BEHIND = (
 )
 
 
-def output_name(name: str) -> str | None:
-    """``"Out[3]"`` for ``"_3"`` (a cell's result, as IPython names it), None for another name."""
-    return f"Out[{name[1:]}]" if name[:1] == "_" and name[1:].isdigit() else None
-
-
 def as_outputs(items: list[dict[str, Any]], errors: dict[str, str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """``items`` and ``errors`` of a pull with the cells' results (``_3``) named ``Out[3]`` and
     marked as outputs, so that a summary groups them apart from variables."""
-    named = [{**item, "name": output_name(item["name"]), "output": True} if output_name(item["name"]) else item
-             for item in items]
-    return named, {output_name(name) or name: why for name, why in errors.items()}
+    named = [{**item, "name": shown_name(item["name"]), "output": True}
+             if output_count(item["name"]) is not None else item for item in items]
+    return named, {shown_name(name): why for name, why in errors.items()}
 
 
 def summarize(verb: str, items: list[dict[str, Any]], errors: dict[str, str]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gpupool.transfer import describe
+from gpupool.transfer import describe, output_count
 
 from .attachment import Attachment
 from .namespace import local_candidates, names_bound
@@ -62,7 +62,7 @@ class Variables:
         history, ``Out[4]`` and ``_4``, as its own displayhook would have."""
         out = self.shell.history_manager.output_hist  # the user's Out
         for name, value in values.items():
-            out[int(name[1:])] = value
+            out[output_count(name)] = value
         self.shell.user_ns.update(values)
 
     def send(self, attachment: Attachment, names: list[str]):

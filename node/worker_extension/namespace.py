@@ -12,7 +12,7 @@ import sys
 import types
 from typing import Any
 
-from gpupool.transfer import dump_values, load_values
+from gpupool.transfer import dump_values, load_values, output_count
 from gpupool.wire.transfer import Pull, Pulling, PullAll
 
 from .devices import place_on_devices, to_cpu_with_device
@@ -89,8 +89,9 @@ def restore(ip, header: dict[str, Any], buffers: list) -> dict[str, Any]:
             errors[name] = f"module {module} cannot be imported: {exc}"
     ip.user_ns.update(values)
     for name, value in values.items():  # a result of the old worker's cells: its Out[n] here too
-        if name[:1] == "_" and name[1:].isdigit():
-            ip.history_manager.output_hist[int(name[1:])] = value
+        count = output_count(name)
+        if count is not None:
+            ip.history_manager.output_hist[count] = value
     return {"ok": True, "loaded": sorted(values), "errors": errors}
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from gpupool.errors import GPUPoolError, Reason
 from gpupool.schema import WorkerState
-from gpupool.transfer import COPIED_AS_CONTENTS
+from gpupool.transfer import COPIED_AS_CONTENTS, shown_name
 from gpupool.units import format_bytes
 from gpupool.wire.nodes import WorkerReport
 from gpupool.wire.parking import WorkerParked, WorkerResumed
@@ -47,15 +47,10 @@ def lost_words(errors: dict[str, str], doing: str, types: dict[str, str] | None 
     """``{name: why}`` of a pull's header (``"TypeName cannot be sent: reason"``)
     as one line per name, for ``doing`` (``"saved to disk"``), and the saved
     names of ``types`` (name -> type) that come back as another kind of object."""
-    words = [f"{_named(name)}: {why.replace('cannot be sent', f'cannot be {doing}')}"
+    words = [f"{shown_name(name)}: {why.replace('cannot be sent', f'cannot be {doing}')}"
              for name, why in sorted(errors.items())]
     return words + [f"{name}: an open file ({kind}) comes back as an in-memory copy of what it held, not open"
                     for name, kind in sorted((types or {}).items()) if kind in COPIED_AS_CONTENTS]
-
-
-def _named(name: str) -> str:
-    """A saved name as the user knows it: a cell's result ``_3`` is ``Out[3]``."""
-    return f"Out[{name[1:]}]" if name[:1] == "_" and name[1:].isdigit() else name
 
 
 class SpillFailed(GPUPoolError):
